@@ -1,0 +1,17 @@
+PYTHON ?= python3
+
+.PHONY: setup demo test test-fast bench
+
+setup:
+	bash scripts/setup.sh
+
+# The main job: resilient training with injected failures.
+demo: setup
+	$(PYTHON) -m lightning_recover.cli demo
+
+# The whole test suite (what CI runs).
+test: setup
+	$(PYTHON) -m pytest -q tests
+
+bench: setup
+	$(PYTHON) -m lightning_recover.cli bench checkpoint --size-gb 2 --json docs/bench_checkpoint.json
