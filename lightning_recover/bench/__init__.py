@@ -1,0 +1,1 @@
+"""Benchmarks behind ``lightning-recover bench`` (``checkpoint``: durable save / cold load)."""

@@ -1,0 +1,733 @@
+"""``lightning-recover bench checkpoint``: durable save and cold load of a GPT-like state.
+
+Methods (all measured on the same Lightning-like checkpoint dict):
+
+* ``uring``       -- this project's :class:`lightning_recover.checkpoint.UringCheckpointIO`
+* ``lightning``   -- Lightning's ``TorchCheckpointIO``
+* ``torch.save``  -- ``torch.save`` / ``torch.load(weights_only=False)``
+* ``dcp``         -- ``torch.distributed.checkpoint`` FileSystemWriter/Reader, one process
+* ``safetensors`` -- tensors flattened to names, ``save_file`` / ``load_file``; the non-tensor
+  skeleton travels as JSON in the safetensors metadata
+* ``fio``         -- the device limit: fio O_DIRECT sequential write (end fsync) then read of the
+  same number of bytes, 16 MiB blocks, io_uring, iodepth 1
+
+Durable save: time of the method's save call **plus** an ``fsync`` of every file and directory
+it wrote (its checkpoint directory included). Every method gets the same post-sync, also the
+ones that sync themselves (for them it costs one flush), so all are measured to the same
+durability point; the post-sync's share is reported as ``sync_s``.
+
+Cold load: the page cache is dropped before each load (``sync; echo 3 >
+/proc/sys/vm/drop_caches`` when possible, else ``posix_fadvise(DONTNEED)`` on the files), then
+the checkpoint is loaded fully into memory; the load time includes a pass touching one byte
+of every 4 KiB page of every loaded tensor, so lazily mmap-backed results (safetensors'
+default) are charged for actually reading their data. DCP loads into a preallocated state
+dict (allocated outside the timing, as a resuming job would have its model already).
+
+Repetitions are interleaved (method order rotated per repetition); medians are reported.
+GB = 1e9 bytes; throughput = checkpoint tensor payload bytes / seconds (fio: its own bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from lightning_recover.bench import fio as fio_mod
+from lightning_recover.bench.gpt_state import build_checkpoint, iter_tensors, tensor_stats
+
+ALL_METHODS = ["uring", "lightning", "torch.save", "dcp", "safetensors", "fio"]
+BASELINE = "uring"
+
+# Targets of the issue, for the plugin (uring) against each reference.
+# (kind, reference method, minimum ratio uring_gbps / reference_gbps, strict)
+TARGETS = [
+    ("save", "fio", 0.90, False),
+    ("save", "dcp", 2.0, False),
+    ("save", "lightning", 6.0, False),
+    ("load", "fio", 0.85, False),
+    ("load", "torch.save", 1.0, True),
+    ("load", "safetensors", 1.0, True),
+]
+
+
+# --------------------------------------------------------------------------------------------
+# file-system helpers
+
+
+def _fsync_path(path: str, directory: bool = False) -> None:
+    flags = os.O_RDONLY | (os.O_DIRECTORY if directory else 0)
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str) -> None:
+    """fsync every file and directory under ``root`` (``root`` included), bottom-up."""
+    for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            p = os.path.join(dirpath, name)
+            if os.path.isfile(p) and not os.path.islink(p):
+                _fsync_path(p)
+        _fsync_path(dirpath, directory=True)
+
+
+def tree_files(root: str) -> list[str]:
+    out = []
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            p = os.path.join(dirpath, name)
+            if os.path.isfile(p) and not os.path.islink(p):
+                out.append(p)
+    return out
+
+
+def drop_caches_supported() -> bool:
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+        return True
+    except OSError:
+        return False
+
+
+def make_cold(root: str, mode: str) -> None:
+    """Evict ``root``'s files from the page cache (``mode`` 'drop_caches' or 'fadvise')."""
+    os.sync()
+    if mode == "drop_caches":
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+        return
+    for p in tree_files(root):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def touch_pages(obj: Any) -> None:
+    """Read one byte of every 4 KiB page of every tensor (forces lazily mapped data in)."""
+    for _, t in iter_tensors(obj):
+        if t.numel() == 0:
+            continue
+        flat = t.detach().reshape(-1).view(torch.uint8) if t.is_contiguous() else t.detach().contiguous().reshape(-1).view(torch.uint8)
+        flat[::4096].sum()
+        flat[-1].item()
+
+
+# --------------------------------------------------------------------------------------------
+# safetensors: flatten the checkpoint to named tensors + a JSON skeleton
+
+
+def _encode(obj: Any, prefix: str, tensors: dict[str, torch.Tensor], seen: dict[tuple, str]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if t.untyped_storage().data_ptr() in {k[0] for k in seen} or not t.is_contiguous():
+            # safetensors refuses shared or non-contiguous storage: store a private copy
+            t = t.contiguous().clone()
+        seen[key] = prefix
+        tensors[prefix] = t
+        return {"t": prefix}
+    if isinstance(obj, dict):
+        return {"d": [[_encode_key(k), _encode(v, f"{prefix}/{k}" if prefix else str(k), tensors, seen)]
+                      for k, v in obj.items()]}
+    if isinstance(obj, list):
+        return {"l": [_encode(v, f"{prefix}/{i}" if prefix else str(i), tensors, seen) for i, v in enumerate(obj)]}
+    if isinstance(obj, tuple):
+        return {"u": [_encode(v, f"{prefix}/{i}" if prefix else str(i), tensors, seen) for i, v in enumerate(obj)]}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return {"v": obj}
+    raise TypeError(f"safetensors method cannot encode {type(obj).__name__} at {prefix!r}")
+
+
+def _encode_key(k: Any) -> Any:
+    if isinstance(k, (str, int)) and not isinstance(k, bool):
+        return k
+    raise TypeError(f"unsupported dict key {k!r}")
+
+
+def _decode(node: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    (tag, val), = node.items()
+    if tag == "t":
+        return tensors[val]
+    if tag == "d":
+        return {k: _decode(v, tensors) for k, v in val}
+    if tag == "l":
+        return [_decode(v, tensors) for v in val]
+    if tag == "u":
+        return tuple(_decode(v, tensors) for v in val)
+    return val
+
+
+def safetensors_flatten(checkpoint: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = _encode(checkpoint, "", tensors, {})
+    return tensors, {"skeleton": json.dumps(skeleton, separators=(",", ":"))}
+
+
+def safetensors_unflatten(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Any:
+    return _decode(json.loads(metadata["skeleton"]), tensors)
+
+
+# --------------------------------------------------------------------------------------------
+# methods
+
+
+class Method:
+    """One way of saving/loading. ``save`` writes under ``workdir`` and returns the target."""
+
+    name = ""
+
+    def setup(self) -> None:  # outside the timings, once
+        pass
+
+    def save(self, checkpoint: dict[str, Any], workdir: str) -> str:
+        raise NotImplementedError
+
+    def prepare_load(self, target: str, reference: dict[str, Any]) -> Any:  # outside timing
+        return None
+
+    def load(self, target: str, prepared: Any) -> Any:
+        raise NotImplementedError
+
+    def remove(self, target: str) -> None:
+        if os.path.isdir(target):
+            shutil.rmtree(target)
+        elif os.path.exists(target):
+            os.remove(target)
+
+    def info(self) -> dict[str, Any]:
+        return {}
+
+
+class UringMethod(Method):
+    name = "uring"
+
+    def setup(self) -> None:
+        from lightning_recover.checkpoint import UringCheckpointIO
+
+        self.io = UringCheckpointIO()
+
+    def save(self, checkpoint, workdir):
+        target = os.path.join(workdir, "last.ckpt")
+        self.io.save_checkpoint(checkpoint, target)
+        return target
+
+    def load(self, target, prepared):
+        return self.io.load_checkpoint(target)
+
+    def remove(self, target):
+        self.io.remove_checkpoint(target)
+        super().remove(target)
+
+    def info(self):
+        return native_io_info()
+
+
+class LightningMethod(Method):
+    name = "lightning"
+
+    def setup(self) -> None:
+        from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+        self.io = TorchCheckpointIO()
+
+    def save(self, checkpoint, workdir):
+        target = os.path.join(workdir, "last.ckpt")
+        self.io.save_checkpoint(checkpoint, target)
+        return target
+
+    def load(self, target, prepared):
+        return self.io.load_checkpoint(target)
+
+    def remove(self, target):
+        self.io.remove_checkpoint(target)
+        super().remove(target)
+
+    def info(self):
+        import lightning
+
+        return {"lightning": lightning.__version__}
+
+
+class TorchSaveMethod(Method):
+    name = "torch.save"
+
+    def save(self, checkpoint, workdir):
+        target = os.path.join(workdir, "last.pt")
+        torch.save(checkpoint, target)
+        return target
+
+    def load(self, target, prepared):
+        return torch.load(target, map_location="cpu", weights_only=False)
+
+
+def _alloc_like(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return torch.empty_like(obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _alloc_like(v)) for k, v in obj.items())
+    if isinstance(obj, list):
+        return [_alloc_like(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_alloc_like(v) for v in obj)
+    return obj
+
+
+class DCPMethod(Method):
+    name = "dcp"
+
+    def save(self, checkpoint, workdir):
+        import torch.distributed.checkpoint as dcp
+
+        target = os.path.join(workdir, "ckpt.dcp")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(checkpoint, storage_writer=dcp.FileSystemWriter(target), no_dist=True)
+        return target
+
+    def prepare_load(self, target, reference):
+        # A resuming job has its model and optimizer allocated already.
+        return _alloc_like(reference)
+
+    def load(self, target, prepared):
+        import torch.distributed.checkpoint as dcp
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(prepared, storage_reader=dcp.FileSystemReader(target), no_dist=True)
+        return prepared
+
+
+class SafetensorsMethod(Method):
+    name = "safetensors"
+
+    def setup(self) -> None:
+        import safetensors  # noqa: F401  (fail early if missing)
+
+    def save(self, checkpoint, workdir):
+        from safetensors.torch import save_file
+
+        target = os.path.join(workdir, "model.safetensors")
+        tensors, metadata = safetensors_flatten(checkpoint)
+        save_file(tensors, target, metadata=metadata)
+        return target
+
+    def load(self, target, prepared):
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        tensors = load_file(target)
+        with safe_open(target, framework="pt") as f:
+            metadata = f.metadata()
+        return safetensors_unflatten(tensors, metadata)
+
+    def info(self):
+        import safetensors
+
+        return {"safetensors": safetensors.__version__}
+
+
+METHOD_CLASSES: dict[str, Callable[[], Method]] = {
+    "uring": UringMethod,
+    "lightning": LightningMethod,
+    "torch.save": TorchSaveMethod,
+    "dcp": DCPMethod,
+    "safetensors": SafetensorsMethod,
+}
+
+
+def native_io_info() -> dict[str, Any]:
+    try:
+        import native_io
+
+        return {"native_io": native_io.info()}
+    except Exception as e:  # noqa: BLE001 - metadata only
+        return {"native_io": f"unavailable: {e}"}
+
+
+# --------------------------------------------------------------------------------------------
+# verification
+
+
+def verify(reference: dict[str, Any], loaded: Any) -> None:
+    """Raise if ``loaded`` does not hold exactly the reference's tensors and scalars."""
+    if not isinstance(loaded, dict):
+        raise AssertionError(f"loaded a {type(loaded).__name__}, expected dict")
+    ref = dict(iter_tensors(reference))
+    got = dict(iter_tensors(loaded))
+    if ref.keys() != got.keys():
+        missing = sorted(ref.keys() - got.keys())[:5]
+        extra = sorted(got.keys() - ref.keys())[:5]
+        raise AssertionError(f"tensor paths differ: missing {missing}, extra {extra}")
+    for k, a in ref.items():
+        b = got[k]
+        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
+            raise AssertionError(f"tensor {k} differs")
+    for key in ("epoch", "global_step"):
+        if loaded.get(key) != reference[key]:
+            raise AssertionError(f"{key}: {loaded.get(key)!r} != {reference[key]!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# the run
+
+
+def _mountinfo(path: str) -> dict[str, str]:
+    path = os.path.realpath(path)
+    best = ("", "", "")
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                dev, mnt, fstype = line.split()[:3]
+                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[1]):
+                    best = (dev, mnt, fstype)
+    except OSError:
+        pass
+    return {"device": best[0], "mount": best[1], "fstype": best[2]}
+
+
+def machine_info(directory: str) -> dict[str, Any]:
+    mem = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    mem = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "hostname": platform.node(),
+        "kernel": platform.release(),
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "mem_bytes": mem,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "dir": os.path.realpath(directory),
+        **_mountinfo(directory),
+    }
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    if x is None or x != x:
+        return "n/a"
+    return format(x, spec)
+
+
+def run_benchmark(
+    size_gb: float,
+    repeat: int,
+    directory: str | None,
+    methods: list[str],
+    cache_mode: str = "auto",
+    log: Callable[[str], None] = print,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Run the benchmark; returns (records, meta)."""
+    own_dir = directory is None
+    root = tempfile.mkdtemp(prefix="lr-bench-ckpt-", dir=directory or "/tmp")
+    try:
+        return _run(size_gb, repeat, root, methods, cache_mode, log)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        if own_dir:
+            pass
+
+
+def _run(size_gb, repeat, root, methods, cache_mode, log):
+    if cache_mode == "auto":
+        cache_mode = "drop_caches" if drop_caches_supported() else "fadvise"
+    elif cache_mode == "drop_caches" and not drop_caches_supported():
+        raise SystemExit("cannot write /proc/sys/vm/drop_caches (need root and a writable /proc/sys)")
+
+    t0 = time.perf_counter()
+    checkpoint, cfg = build_checkpoint(size_gb)
+    stats = tensor_stats(checkpoint)
+    nbytes = stats["bytes"]
+    log(f"state: GPT-like d_model={cfg.d_model} n_layer={cfg.n_layer} vocab={cfg.vocab_size} "
+        f"n_ctx={cfg.n_ctx} + AdamW: {stats['tensors']} tensors, {nbytes / 1e9:.3f} GB; "
+        f"{stats['tensors_lt_1mib']} tensors < 1 MiB ({stats['bytes_in_tensors_lt_1mib'] / 1e6:.2f} MB); "
+        f"histogram {stats['size_histogram']} (built in {time.perf_counter() - t0:.1f}s)")
+    log(f"dir: {root}  cache: {cache_mode}  repeat: {repeat}")
+
+    impls: dict[str, Method] = {}
+    skipped: dict[str, str] = {}
+    runnable = []
+    for m in methods:
+        if m == "fio":
+            if fio_mod.available():
+                runnable.append(m)
+            else:
+                skipped[m] = "fio not installed"
+            continue
+        impl = METHOD_CLASSES[m]()
+        try:
+            impl.setup()
+        except Exception as e:  # noqa: BLE001 - reported, the rest still runs
+            skipped[m] = f"{type(e).__name__}: {e}"
+            continue
+        impls[m] = impl
+        runnable.append(m)
+    for m, why in skipped.items():
+        log(f"skipping {m}: {why}")
+
+    samples: dict[str, dict[str, list]] = {
+        m: {"save_s": [], "load_s": [], "sync_s": [], "touch_s": [], "file_bytes": [], "files": []} for m in runnable
+    }
+    extra: dict[str, dict[str, Any]] = {m: {} for m in runnable}
+    errors: dict[str, str] = {}
+
+    for rep in range(repeat):
+        k = rep % len(runnable) if runnable else 0
+        order = runnable[k:] + runnable[:k]
+        for m in order:
+            if m in errors:
+                continue
+            workdir = os.path.join(root, f"{m}-{rep}")
+            os.mkdir(workdir)
+            _fsync_path(root, directory=True)
+            try:
+                if m == "fio":
+                    _run_fio(workdir, nbytes, cache_mode, samples[m], extra[m])
+                else:
+                    _run_method(impls[m], checkpoint, workdir, cache_mode, samples[m], verify_load=True)
+            except Exception as e:  # noqa: BLE001 - reported in the record
+                errors[m] = f"{type(e).__name__}: {e}"
+                log(f"  {m}: FAILED: {errors[m]}")
+            finally:
+                shutil.rmtree(workdir, ignore_errors=True)
+                gc.collect()
+            s = samples[m]
+            if m not in errors and s["save_s"]:
+                log(f"  rep {rep + 1}/{repeat} {m:<12} save {s['save_s'][-1]:7.3f}s "
+                    f"(post-sync {s['sync_s'][-1]:.3f}s)  load {s['load_s'][-1]:7.3f}s")
+
+    meta = {
+        "bytes": nbytes,
+        "gb": nbytes / 1e9,
+        "size_gb_requested": size_gb,
+        "config": {"d_model": cfg.d_model, "n_layer": cfg.n_layer, "vocab_size": cfg.vocab_size, "n_ctx": cfg.n_ctx},
+        "state": stats,
+        "repeat": repeat,
+        "cache": cache_mode,
+        "machine": machine_info(root),
+        "engine": native_io_info(),
+        "skipped": skipped,
+    }
+    del checkpoint
+    gc.collect()
+
+    records = []
+    for m in runnable:
+        s = samples[m]
+        rec: dict[str, Any] = {"method": m}
+        b = extra[m].get("io_bytes", nbytes) if m == "fio" else nbytes
+        save_s = _median(s["save_s"])
+        load_s = _median(s["load_s"])
+        rec.update({
+            "save_s": save_s if s["save_s"] else None,
+            "save_gbps": b / save_s / 1e9 if s["save_s"] else None,
+            "load_s": load_s if s["load_s"] else None,
+            "load_gbps": b / load_s / 1e9 if s["load_s"] else None,
+            "bytes": b,
+            "tensors": stats["tensors"],
+            "repeat": repeat,
+            "runs": len(s["save_s"]),
+            "cache": cache_mode,
+            "save_s_all": s["save_s"],
+            "load_s_all": s["load_s"],
+            "sync_s_median": _median(s["sync_s"]) if s["sync_s"] else None,
+            "touch_s_median": _median(s["touch_s"]) if s["touch_s"] else None,
+            "file_bytes": s["file_bytes"][0] if s["file_bytes"] else None,
+            "files": s["files"][0] if s["files"] else None,
+            "verified": m != "fio" and m not in errors and bool(s["load_s"]),
+            "error": errors.get(m),
+        })
+        rec.update(extra[m])
+        if m != "fio" and m in impls:
+            rec.update(impls[m].info())
+        rec["meta"] = meta
+        records.append(rec)
+
+    base = next((r for r in records if r["method"] == BASELINE and r["save_gbps"]), None)
+    for r in records:
+        for kind in ("save", "load"):
+            v = r[f"{kind}_gbps"]
+            r[f"{kind}_vs_{BASELINE}"] = v / base[f"{kind}_gbps"] if base and v and base[f"{kind}_gbps"] else None
+    meta["targets"] = check_targets(records)
+    return records, meta
+
+
+def _run_method(impl: Method, checkpoint, workdir, cache_mode, s, verify_load: bool) -> None:
+    os.sync()
+    t0 = time.perf_counter()
+    target = impl.save(checkpoint, workdir)
+    t1 = time.perf_counter()
+    fsync_tree(workdir)
+    t2 = time.perf_counter()
+    files = tree_files(workdir)
+    file_bytes = sum(os.path.getsize(p) for p in files)
+
+    prepared = impl.prepare_load(target, checkpoint)
+    make_cold(workdir, cache_mode)
+    t3 = time.perf_counter()
+    loaded = impl.load(target, prepared)
+    t4 = time.perf_counter()
+    touch_pages(loaded)
+    t5 = time.perf_counter()
+    if verify_load:
+        verify(checkpoint, loaded)
+    del loaded, prepared
+    impl.remove(target)
+
+    s["save_s"].append(t2 - t0)
+    s["sync_s"].append(t2 - t1)
+    s["load_s"].append(t5 - t3)
+    s["touch_s"].append(t5 - t4)
+    s["file_bytes"].append(file_bytes)
+    s["files"].append(len(files))
+
+
+def _run_fio(workdir, nbytes, cache_mode, s, extra) -> None:
+    os.sync()
+    path = os.path.join(workdir, "fio.bin")
+    if cache_mode == "drop_caches":
+        make_cold(workdir, cache_mode)
+    w, r = fio_mod.run(path, nbytes)
+    s["save_s"].append(w["seconds"])
+    s["sync_s"].append(0.0)
+    s["load_s"].append(r["seconds"])
+    s["file_bytes"].append(os.path.getsize(path))
+    s["files"].append(1)
+    extra.update({"io_bytes": w["io_bytes"], "fio_engine": w["engine"], "fio_version": w["fio_version"],
+                  "fio_write_cmd": w["cmd"], "fio_read_cmd": r["cmd"]})
+    extra.setdefault("fio_wall_s", []).append({"write": w["wall_s"], "read": r["wall_s"]})
+
+
+def check_targets(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    by = {r["method"]: r for r in records}
+    base = by.get(BASELINE)
+    out = []
+    for kind, ref, minimum, strict in TARGETS:
+        r = by.get(ref)
+        if not base or not r or not base.get(f"{kind}_gbps") or not r.get(f"{kind}_gbps"):
+            out.append({"what": f"{kind} vs {ref}", "target": minimum, "ratio": None, "met": None})
+            continue
+        ratio = base[f"{kind}_gbps"] / r[f"{kind}_gbps"]
+        met = ratio > minimum if strict else ratio >= minimum
+        out.append({"what": f"{kind} vs {ref}", "target": minimum, "strict": strict, "ratio": ratio, "met": met})
+    return out
+
+
+def format_table(records: list[dict[str, Any]]) -> str:
+    head = ("method", "save s", "save GB/s", "vs uring", "load s", "load GB/s", "vs uring")
+    rows = [head]
+    for r in records:
+        rows.append((
+            r["method"] + (" (FAILED)" if r.get("error") else ""),
+            _fmt(r["save_s"], ".3f"),
+            _fmt(r["save_gbps"], ".3f"),
+            _fmt(r.get("save_vs_uring"), ".2f") + ("x" if r.get("save_vs_uring") else ""),
+            _fmt(r["load_s"], ".3f"),
+            _fmt(r["load_gbps"], ".3f"),
+            _fmt(r.get("load_vs_uring"), ".2f") + ("x" if r.get("load_vs_uring") else ""),
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = []
+    for j, row in enumerate(rows):
+        lines.append("| " + " | ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(row)) + " |")
+        if j == 0:
+            lines.append("|" + "|".join("-" * (w + 1) + (":" if i else "-") for i, w in enumerate(widths)) + "|")
+    return "\n".join(lines)
+
+
+def format_targets(targets: list[dict[str, Any]]) -> str:
+    lines = []
+    for t in targets:
+        if t["ratio"] is None:
+            lines.append(f"  uring {t['what']}: n/a")
+            continue
+        op = ">" if t.get("strict") else ">="
+        lines.append(f"  uring {t['what']}: {t['ratio']:.2f}x (target {op} {t['target']:.2f}x) "
+                     f"{'met' if t['met'] else 'MISSED'}")
+    return "\n".join(lines)
+
+
+def parse_methods(spec: str | None) -> list[str]:
+    if not spec:
+        return list(ALL_METHODS)
+    methods = [m.strip() for m in spec.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in ALL_METHODS]
+    if unknown:
+        raise SystemExit(f"unknown method(s) {unknown}; choose from {ALL_METHODS}")
+    return list(dict.fromkeys(methods))
+
+
+def main(args: argparse.Namespace) -> int:
+    methods = parse_methods(getattr(args, "methods", None))
+    explicit = getattr(args, "methods", None) is not None
+    size_gb = float(getattr(args, "size_gb", 2.0))
+    repeat = max(1, int(getattr(args, "repeat", 3)))
+    # Not a CLI flag: tests set it to "fadvise" to leave the machine's page cache alone.
+    cache_mode = getattr(args, "cache", None) or os.environ.get("LIGHTNING_RECOVER_BENCH_CACHE", "auto")
+    directory = getattr(args, "dir", None)
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+
+    records, meta = run_benchmark(size_gb, repeat, directory, methods, cache_mode)
+    print()
+    print(f"checkpoint: {meta['gb']:.3f} GB in {meta['state']['tensors']} tensors "
+          f"({meta['state']['tensors_lt_1mib']} < 1 MiB); medians of {repeat}; cache: {meta['cache']}; "
+          f"durable save = save + fsync(files, dirs)")
+    print(format_table(records))
+    print("targets:")
+    print(format_targets(meta["targets"]))
+    eng = meta["engine"].get("native_io")
+    print(f"engine: {json.dumps(eng) if not isinstance(eng, str) else eng}")
+    if meta["skipped"]:
+        print(f"skipped: {meta['skipped']}")
+
+    json_path = getattr(args, "json", None)
+    if json_path:
+        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+        with open(json_path, "w") as f:
+            json.dump(records, f, indent=2, default=str)
+            f.write("\n")
+        print(f"wrote {json_path}")
+
+    failed = [r["method"] for r in records if r.get("error")]
+    if failed:
+        print(f"FAILED: {failed}", file=sys.stderr)
+        return 1
+    if explicit and meta["skipped"]:
+        return 1
+    return 0

@@ -1,0 +1,73 @@
+"""The device limit: fio O_DIRECT sequential write then read of a given number of bytes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from typing import Any
+
+BLOCK = 16 << 20
+
+
+def available() -> bool:
+    return shutil.which("fio") is not None
+
+
+def _run(path: str, rw: str, size: int, engine: str) -> dict[str, Any]:
+    cmd = [
+        "fio",
+        f"--name=bench-{rw}",
+        f"--filename={path}",
+        f"--rw={rw}",
+        f"--bs={BLOCK}",
+        f"--size={size}",
+        f"--ioengine={engine}",
+        "--iodepth=1",
+        "--direct=1",
+        "--output-format=json",
+    ]
+    if rw == "write":
+        cmd.append("--end_fsync=1")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"fio failed ({proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
+    # fio may print warnings before the JSON document.
+    out = proc.stdout
+    doc = json.loads(out[out.index("{"):])
+    job = doc["jobs"][0]
+    if job.get("error"):
+        raise RuntimeError(f"fio job error {job['error']}")
+    side = job[rw if rw in ("read", "write") else "write"]
+    io_bytes = int(side["io_bytes"])
+    runtime_s = float(side["runtime"]) / 1000.0  # ms; includes the end_fsync for writes
+    return {
+        "io_bytes": io_bytes,
+        "seconds": runtime_s,
+        "gbps": io_bytes / runtime_s / 1e9 if runtime_s > 0 else float("nan"),
+        "wall_s": wall,
+        "engine": engine,
+        "fio_version": doc.get("fio version"),
+        "cmd": " ".join(cmd),
+    }
+
+
+def run(path: str, nbytes: int, engine: str = "io_uring") -> tuple[dict[str, Any], dict[str, Any]]:
+    """Sequential O_DIRECT write (with end fsync) then read of ``nbytes`` rounded up to 16 MiB.
+
+    Returns ``(write, read)`` result dicts. Falls back to libaio if io_uring is unavailable
+    to fio (the engine used is reported).
+    """
+    size = -(-int(nbytes) // BLOCK) * BLOCK
+    try:
+        w = _run(path, "write", size, engine)
+    except RuntimeError:
+        if engine != "io_uring":
+            raise
+        engine = "libaio"
+        w = _run(path, "write", size, engine)
+    r = _run(path, "read", size, engine)
+    return w, r
