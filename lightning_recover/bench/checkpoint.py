@@ -134,14 +134,14 @@ def touch_pages(obj: Any) -> None:
 # safetensors: flatten the checkpoint to named tensors + a JSON skeleton
 
 
-def _encode(obj: Any, prefix: str, tensors: dict[str, torch.Tensor], seen: dict[tuple, str]) -> Any:
+def _encode(obj: Any, prefix: str, tensors: dict[str, torch.Tensor], seen: set[int]) -> Any:
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
-        if t.untyped_storage().data_ptr() in {k[0] for k in seen} or not t.is_contiguous():
-            # safetensors refuses shared or non-contiguous storage: store a private copy
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen or not t.is_contiguous() or t.numel() * t.element_size() != t.untyped_storage().nbytes():
+            # safetensors refuses tensors sharing storage (tied weights, views): store a private copy
             t = t.contiguous().clone()
-        seen[key] = prefix
+        seen.add(ptr)
         tensors[prefix] = t
         return {"t": prefix}
     if isinstance(obj, dict):
@@ -177,7 +177,7 @@ def _decode(node: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 def safetensors_flatten(checkpoint: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     tensors: dict[str, torch.Tensor] = {}
-    skeleton = _encode(checkpoint, "", tensors, {})
+    skeleton = _encode(checkpoint, "", tensors, set())
     return tensors, {"skeleton": json.dumps(skeleton, separators=(",", ":"))}
 
 
