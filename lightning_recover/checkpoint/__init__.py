@@ -1,0 +1,34 @@
+"""The lightning-recover checkpoint format and its Lightning ``CheckpointIO`` plugin.
+
+``save(checkpoint, path)`` / ``load(path, map_location=None, weights_only=True, verify=True, into=None)``
+write and read the format described in ``docs/format.md``; :class:`UringCheckpointIO` plugs it into
+``Trainer``/``Fabric``.
+"""
+
+from lightning_recover.checkpoint.checkpoint_io import (
+    CheckpointInfo,
+    UringCheckpointIO,
+    cleanup_stale_temps,
+    load,
+    read_info,
+    save,
+    verify_file,
+)
+from lightning_recover.checkpoint.format import (
+    FORMAT_VERSION,
+    CheckpointCorruptError,
+    UnsafeCheckpointError,
+)
+
+__all__ = [
+    "FORMAT_VERSION",
+    "CheckpointCorruptError",
+    "CheckpointInfo",
+    "UnsafeCheckpointError",
+    "UringCheckpointIO",
+    "cleanup_stale_temps",
+    "load",
+    "read_info",
+    "save",
+    "verify_file",
+]
