@@ -1,0 +1,139 @@
+"""``lightning-recover inspect`` and ``lightning-recover convert``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from lightning_recover.checkpoint import format as fmt
+from lightning_recover.checkpoint.checkpoint_io import load, read_info, verify_file
+from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
+
+# exit codes
+EXIT_OK = 0
+EXIT_DAMAGED = 1      # header/index fine, some data extents fail their checksum
+EXIT_UNREADABLE = 2   # not a checkpoint, truncated, damaged header/footer/index, missing file
+EXIT_REFUSED = 3      # convert: the skeleton needs --unsafe-pickle
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)  # pragma: no cover
+
+def _tensor_rows(info: Any) -> list[dict]:
+    rows = []
+    storages = info.index.storages
+    for t in info.index.tensors:
+        rows.append({
+            "name": t.name, "dtype": t.dtype, "shape": list(t.shape), "stride": list(t.stride),
+            "bytes": t.nbytes, "offset": t.file_offset(storages), "storage": t.storage,
+            "parameter": t.parameter, "requires_grad": t.requires_grad, "device": storages[t.storage].device,
+        })
+    return rows
+
+def inspect_main(args: argparse.Namespace) -> int:
+    path = args.checkpoint
+    verify = not getattr(args, "no_verify", False)
+    as_json = getattr(args, "json", False)
+    try:
+        if verify:
+            info, damaged = verify_file(path)
+        else:
+            info, damaged = read_info(path), []
+    except (CheckpointCorruptError, FileNotFoundError, IsADirectoryError, OSError) as e:
+        if as_json:
+            print(json.dumps({"path": path, "ok": False, "error": str(e)}))
+        else:
+            print(f"error: {e}", file=sys.stderr)
+        return EXIT_UNREADABLE
+
+    rows = _tensor_rows(info)
+    storages = info.index.storages
+    summary = {
+        "path": path,
+        "format_version": info.header.version,
+        "flags": info.header.flags,
+        "file_size": info.size,
+        "data_start": info.header.data_start,
+        "data_end": info.footer.data_end,
+        "index_offset": info.footer.index_offset,
+        "index_length": info.footer.index_length,
+        "skeleton_offset": info.footer.skeleton_offset,
+        "skeleton_length": info.footer.skeleton_length,
+        "meta": info.index.meta,
+        "num_tensors": len(rows),
+        "num_storages": len(storages),
+        "tensor_bytes": sum(r["bytes"] for r in rows),
+        "storage_bytes": sum(s.nbytes for s in storages),
+        "verified": verify,
+        "ok": not damaged,
+        "damaged": damaged,
+        "tensors": rows,
+    }
+    if as_json:
+        print(json.dumps(summary))
+        return EXIT_DAMAGED if damaged else EXIT_OK
+
+    print(f"checkpoint {path}")
+    print(f"  format version {info.header.version}, flags {info.header.flags:#x}, file size {info.size} "
+          f"({_human(info.size)})")
+    print(f"  data [{info.header.data_start}, {info.footer.data_end}), index {info.footer.index_length} bytes at "
+          f"{info.footer.index_offset}, skeleton {info.footer.skeleton_length} bytes at {info.footer.skeleton_offset}")
+    if info.index.meta:
+        print("  " + ", ".join(f"{k}={v}" for k, v in info.index.meta.items()))
+    w = max([len(r["name"]) for r in rows] + [4])
+    w = min(w, 80)
+    print(f"\n  {'name':<{w}}  {'dtype':<14} {'shape':<20} {'bytes':>12} {'offset':>12}")
+    for r in rows:
+        shape = "(" + ", ".join(map(str, r["shape"])) + ("," if len(r["shape"]) == 1 else "") + ")"
+        print(f"  {r['name']:<{w}}  {r['dtype']:<14} {shape:<20} {r['bytes']:>12} {r['offset']:>12}")
+    print(f"\n  {len(rows)} tensors in {len(storages)} storages, {summary['tensor_bytes']} tensor bytes "
+          f"({_human(summary['tensor_bytes'])}), {summary['storage_bytes']} storage bytes")
+    if not verify:
+        print("  data not verified (--no-verify)")
+        return EXIT_OK
+    if not damaged:
+        print(f"  verified {sum(1 for s in storages if s.nbytes)} extents: OK")
+        return EXIT_OK
+    for d in damaged:
+        print(f"  DAMAGED extent {d['storage']} at offset {d['offset']} (+{d['nbytes']} bytes): crc32c "
+              f"{d['actual_crc32c']:#010x} != {d['expected_crc32c']:#010x}; tensors: {', '.join(d['tensors'])}")
+    print(f"  {len(damaged)} damaged extent(s)")
+    return EXIT_DAMAGED
+
+def convert_main(args: argparse.Namespace) -> int:
+    import torch
+
+    path, out = args.checkpoint, args.output
+    unsafe = getattr(args, "unsafe_pickle", False)
+    try:
+        ckpt = load(path, map_location="cpu", weights_only=not unsafe)
+    except UnsafeCheckpointError as e:
+        print(f"error: {e}\n(use --unsafe-pickle only if you trust this file)", file=sys.stderr)
+        return EXIT_REFUSED
+    except CheckpointCorruptError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_DAMAGED if e.damaged else EXIT_UNREADABLE
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_UNREADABLE
+    out = os.path.abspath(out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.convert-{os.getpid()}")
+    try:
+        torch.save(ckpt, tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    print(f"wrote {out} (torch.save format)")
+    return EXIT_OK
+
