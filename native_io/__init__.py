@@ -1,0 +1,63 @@
+"""native_io: coalescing io_uring checkpoint writer/reader (C extension).
+
+See docs/native_io.md for the design and the measurements behind the defaults.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Dict, Optional
+
+from . import _native_io
+from ._native_io import (  # noqa: F401
+    ALIGN,
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_QUEUE_DEPTH,
+    IOEngine,
+    NativeIOError,
+    Reader,
+    Writer,
+    _inject_faults,
+    crc32c,
+)
+
+__all__ = [
+    "ALIGN",
+    "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_QUEUE_DEPTH",
+    "IOEngine",
+    "NativeIOError",
+    "Reader",
+    "Writer",
+    "crc32c",
+    "info",
+]
+
+
+def _linked_liburing_version() -> Optional[str]:
+    """Version of the liburing shared object mapped into this process.
+
+    liburing < 2.4 has no version macros, so read it from the soname the
+    extension was linked against (e.g. /usr/lib/x86_64-linux-gnu/liburing.so.2.3).
+    """
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                m = re.search(r"(/\S*liburing\.so\S*)", line)
+                if m:
+                    real = os.path.realpath(m.group(1))
+                    v = re.search(r"liburing\.so\.(\d+(?:\.\d+)*)", real)
+                    if v:
+                        return v.group(1)
+    except OSError:
+        pass
+    return None
+
+
+def info() -> Dict[str, Any]:
+    """Describe this build: engines, defaults, io_uring usability, crc32c impl."""
+    d = _native_io.info()
+    if d.get("liburing") is None and d.get("liburing_compiled"):
+        d["liburing"] = _linked_liburing_version()
+    return d

@@ -1,0 +1,87 @@
+"""Typed stub for the native_io C extension."""
+
+import os
+from types import TracebackType
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Type, Union
+
+from typing_extensions import Buffer
+
+ALIGN: int
+DEFAULT_BLOCK_SIZE: int
+DEFAULT_QUEUE_DEPTH: int
+
+_Path = Union[str, os.PathLike[str]]
+
+class NativeIOError(OSError):
+    operation: str
+    offset: Optional[int]
+
+class Writer:
+    bytes_written: int
+    io_bytes: int
+    seconds: float
+    direct: bool
+    engine: Literal["uring", "portable"]
+    closed: bool
+    path: str
+    fallback_reason: Optional[str]
+    end: int
+    def write(self, segments: Sequence[Tuple[int, Buffer]]) -> List[int]: ...
+    def close(self, size: Optional[int] = None) -> None: ...
+    def __enter__(self) -> "Writer": ...
+    def __exit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> bool: ...
+
+class Reader:
+    size: int
+    bytes_read: int
+    io_bytes: int
+    seconds: float
+    direct: bool
+    engine: Literal["uring", "portable"]
+    closed: bool
+    path: str
+    fallback_reason: Optional[str]
+    def read(self, segments: Sequence[Tuple[int, Buffer]]) -> List[int]: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> "Reader": ...
+    def __exit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> bool: ...
+
+class IOEngine:
+    engine: Literal["uring", "portable"]
+    block_size: int
+    queue_depth: int
+    direct: bool
+    fallback_reason: Optional[str]
+    arena_bytes: int
+    def __init__(
+        self,
+        engine: Literal["auto", "uring", "portable"] = "auto",
+        block_size: int = ...,
+        queue_depth: int = ...,
+        direct: bool = True,
+    ) -> None: ...
+    def open_writer(self, path: _Path) -> Writer: ...
+    def open_reader(self, path: _Path) -> Reader: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> "IOEngine": ...
+    def __exit__(self, *exc: Any) -> bool: ...
+
+def crc32c(buf: Buffer, value: int = 0) -> int: ...
+def info() -> Dict[str, Any]: ...
+def _inject_faults(
+    short_every: int = 0,
+    eintr_every: int = 0,
+    eio_at: int = 0,
+    refuse_direct: bool = False,
+    refuse_uring: bool = False,
+) -> None: ...

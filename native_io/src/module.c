@@ -1,0 +1,1299 @@
+// SPDX-License-Identifier: Apache-2.0
+/*
+ * CPython glue for native_io._native_io: IOEngine, Writer, Reader, crc32c,
+ * info and the test-only _inject_faults. Buffers are pinned (Py_buffer) while
+ * in use and released on every path; all copying, checksumming and I/O runs
+ * with the GIL released.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+#include "nio.h"
+
+static PyObject *NativeIOError;
+static PyTypeObject EngineType, WriterType, ReaderType;
+
+static const char *kind_name(int kind)
+{
+	return kind == NIO_URING ? "uring" : "portable";
+}
+
+static double now(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* Raise NativeIOError(errno, "strerror (op at offset N)", path). */
+static PyObject *raise_io(int err, PyObject *path, const char *op,
+			  int has_off, uint64_t off, const char *detail)
+{
+	PyObject *exc, *v;
+	char msg[512];
+
+	if (has_off)
+		snprintf(msg, sizeof(msg), "%s (%s at offset %llu%s%s)",
+			 strerror(err), op, (unsigned long long)off,
+			 detail ? ": " : "", detail ? detail : "");
+	else
+		snprintf(msg, sizeof(msg), "%s (%s%s%s)", strerror(err), op,
+			 detail ? ": " : "", detail ? detail : "");
+	exc = PyObject_CallFunction(NativeIOError, "isO", err, msg,
+				    path ? path : Py_None);
+	if (!exc)
+		return NULL;
+	v = PyUnicode_FromString(op);
+	if (!v || PyObject_SetAttrString(exc, "operation", v) < 0)
+		goto out;
+	Py_DECREF(v);
+	v = has_off ? PyLong_FromUnsignedLongLong(off) : Py_NewRef(Py_None);
+	if (!v || PyObject_SetAttrString(exc, "offset", v) < 0)
+		goto out;
+	Py_DECREF(v);
+	PyErr_SetObject(NativeIOError, exc);
+	Py_DECREF(exc);
+	return NULL;
+out:
+	Py_XDECREF(v);
+	Py_DECREF(exc);
+	return NULL;
+}
+
+static PyObject *raise_nio(struct nio_error *e, PyObject *path)
+{
+	return raise_io(e->err, path, e->op, e->has_off, e->off, NULL);
+}
+
+/* ------------------------------------------------------------------ */
+/* uring availability (probed once)                                    */
+
+static int probe_done, probe_err;
+static char probe_why[256];
+
+static int uring_usable(const char **why)
+{
+	static char sim[160];
+
+	if (!nio_uring_compiled()) {
+		*why = "native_io was built without liburing";
+		return 0;
+	}
+	if (nio_faults.refuse_uring) {
+		snprintf(sim, sizeof(sim),
+			 "io_uring_queue_init failed: %s (simulated by _inject_faults)",
+			 strerror(EPERM));
+		*why = sim;
+		return 0;
+	}
+	if (!probe_done) {
+		Py_BEGIN_ALLOW_THREADS
+		probe_err = nio_uring_probe(probe_why, sizeof(probe_why));
+		Py_END_ALLOW_THREADS
+		probe_done = 1;
+	}
+	*why = probe_err ? probe_why : NULL;
+	return !probe_err;
+}
+
+/* ------------------------------------------------------------------ */
+/* IOEngine                                                            */
+
+typedef struct {
+	PyObject_HEAD
+	int kind;		/* engine in use */
+	int requested;		/* 0 = auto */
+	size_t block_size;
+	unsigned qd;
+	int direct;
+	struct nio_ctx *cache[3];	/* idle contexts, by kind */
+	PyObject *fallback_reason;	/* str or None */
+} EngineObject;
+
+static struct nio_ctx *engine_take_ctx(EngineObject *eng, int kind)
+{
+	struct nio_ctx *ctx = eng->cache[kind];
+	char why[256] = "";
+	int err;
+
+	if (ctx) {
+		eng->cache[kind] = NULL;
+		return ctx;
+	}
+	Py_BEGIN_ALLOW_THREADS
+	err = nio_ctx_create(kind, eng->block_size, eng->qd, &ctx, why,
+			     sizeof(why));
+	Py_END_ALLOW_THREADS
+	if (err) {
+		if (err == ENOMEM)
+			PyErr_NoMemory();
+		else
+			PyErr_Format(PyExc_RuntimeError,
+				     "native_io: cannot start the %s engine: %s",
+				     kind_name(kind), why);
+		return NULL;
+	}
+	return ctx;
+}
+
+static void destroy_ctx_nogil(struct nio_ctx *ctx)
+{
+	Py_BEGIN_ALLOW_THREADS
+	nio_ctx_destroy(ctx);
+	Py_END_ALLOW_THREADS
+}
+
+static void engine_return_ctx(EngineObject *eng, struct nio_ctx *ctx)
+{
+	if (!ctx)
+		return;
+	if (!ctx->broken && !ctx->inflight && !eng->cache[ctx->kind]) {
+		eng->cache[ctx->kind] = ctx;
+		return;
+	}
+	destroy_ctx_nogil(ctx);
+}
+
+static void engine_release_all(EngineObject *eng)
+{
+	for (int k = 0; k < 3; k++) {
+		struct nio_ctx *ctx = eng->cache[k];
+
+		eng->cache[k] = NULL;
+		if (ctx)
+			destroy_ctx_nogil(ctx);
+	}
+}
+
+static int Engine_init(EngineObject *self, PyObject *args, PyObject *kwds)
+{
+	static char *kwlist[] = {"engine", "block_size", "queue_depth",
+				 "direct", NULL};
+	const char *engine = "auto";
+	Py_ssize_t bs = NIO_DEFAULT_BLOCK, qd = NIO_DEFAULT_QD;
+	int direct = 1, want;
+	const char *why = NULL;
+	struct nio_ctx *ctx;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwds, "|snnp", kwlist, &engine,
+					 &bs, &qd, &direct))
+		return -1;
+	if (!strcmp(engine, "auto"))
+		want = 0;
+	else if (!strcmp(engine, "uring"))
+		want = NIO_URING;
+	else if (!strcmp(engine, "portable"))
+		want = NIO_PORTABLE;
+	else {
+		PyErr_Format(PyExc_ValueError,
+			     "engine must be 'auto', 'uring' or 'portable', not %R",
+			     PyTuple_Size(args) ? PyTuple_GET_ITEM(args, 0) : Py_None);
+		return -1;
+	}
+	if (bs < (Py_ssize_t)NIO_ALIGN || bs % NIO_ALIGN ||
+	    bs > (Py_ssize_t)NIO_MAX_BLOCK) {
+		PyErr_Format(PyExc_ValueError,
+			     "block_size must be a multiple of %u between %u and %u, got %zd",
+			     NIO_ALIGN, NIO_ALIGN, NIO_MAX_BLOCK, bs);
+		return -1;
+	}
+	if (qd < 1 || qd > (Py_ssize_t)NIO_MAX_QD) {
+		PyErr_Format(PyExc_ValueError,
+			     "queue_depth must be between 1 and %u, got %zd",
+			     NIO_MAX_QD, qd);
+		return -1;
+	}
+	engine_release_all(self);
+	Py_CLEAR(self->fallback_reason);
+	self->requested = want;
+	self->block_size = (size_t)bs;
+	self->qd = (unsigned)qd;
+	self->direct = direct;
+
+	if (want != NIO_PORTABLE) {
+		if (uring_usable(&why)) {
+			self->kind = NIO_URING;
+			ctx = engine_take_ctx(self, NIO_URING);
+			if (ctx) {
+				self->cache[NIO_URING] = ctx;
+				return 0;
+			}
+			if (want == NIO_URING)
+				return -1;
+			/* auto: keep the reason, fall back below */
+			{
+				PyObject *t, *v, *tb, *s;
+
+				PyErr_Fetch(&t, &v, &tb);
+				s = v ? PyObject_Str(v) : NULL;
+				Py_XDECREF(t);
+				Py_XDECREF(v);
+				Py_XDECREF(tb);
+				if (!s)
+					return -1;
+				self->fallback_reason = s;
+			}
+		} else {
+			if (want == NIO_URING) {
+				PyErr_Format(PyExc_RuntimeError,
+					     "native_io: the io_uring engine is not usable: %s",
+					     why);
+				return -1;
+			}
+			self->fallback_reason = PyUnicode_FromString(why);
+			if (!self->fallback_reason)
+				return -1;
+		}
+	}
+	self->kind = NIO_PORTABLE;
+	ctx = engine_take_ctx(self, NIO_PORTABLE);
+	if (!ctx)
+		return -1;
+	self->cache[NIO_PORTABLE] = ctx;
+	return 0;
+}
+
+static void Engine_dealloc(EngineObject *self)
+{
+	engine_release_all(self);
+	Py_CLEAR(self->fallback_reason);
+	Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Engine_get_engine(EngineObject *self, void *c)
+{
+	return PyUnicode_FromString(kind_name(self->kind));
+}
+
+static PyObject *Engine_get_block_size(EngineObject *self, void *c)
+{
+	return PyLong_FromSize_t(self->block_size);
+}
+
+static PyObject *Engine_get_qd(EngineObject *self, void *c)
+{
+	return PyLong_FromUnsignedLong(self->qd);
+}
+
+static PyObject *Engine_get_direct(EngineObject *self, void *c)
+{
+	return PyBool_FromLong(self->direct);
+}
+
+static PyObject *Engine_get_fallback(EngineObject *self, void *c)
+{
+	return Py_NewRef(self->fallback_reason ? self->fallback_reason : Py_None);
+}
+
+static PyObject *Engine_get_arena_bytes(EngineObject *self, void *c)
+{
+	size_t n = 0;
+
+	for (int k = 0; k < 3; k++)
+		if (self->cache[k])
+			n += self->cache[k]->arena_size;
+	return PyLong_FromSize_t(n);
+}
+
+static PyObject *Engine_close(EngineObject *self, PyObject *unused)
+{
+	engine_release_all(self);
+	Py_RETURN_NONE;
+}
+
+static PyObject *Engine_enter(PyObject *self, PyObject *unused)
+{
+	return Py_NewRef(self);
+}
+
+static PyObject *Engine_exit(EngineObject *self, PyObject *args)
+{
+	engine_release_all(self);
+	Py_RETURN_FALSE;
+}
+
+/* ------------------------------------------------------------------ */
+/* shared open logic                                                   */
+
+struct opened {
+	int fd;
+	int direct;
+	int kind;
+	PyObject *reason;	/* why not uring / not O_DIRECT, or NULL */
+	PyObject *path;		/* fspath(path) */
+};
+
+static int open_file(EngineObject *eng, PyObject *path_arg, int writing,
+		     struct opened *o)
+{
+	PyObject *bytes = NULL;
+	const char *cpath;
+	int flags = writing ? O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC
+			    : O_RDONLY | O_CLOEXEC;
+	int try_direct = eng->direct, fd, err = 0, refused = 0;
+	char why[200] = "";
+
+	memset(o, 0, sizeof(*o));
+	o->fd = -1;
+	o->path = PyOS_FSPath(path_arg);
+	if (!o->path)
+		return -1;
+	if (!PyUnicode_FSConverter(o->path, &bytes))
+		goto fail;
+	cpath = PyBytes_AS_STRING(bytes);
+	if (try_direct && nio_faults.refuse_direct) {
+		try_direct = 0;
+		refused = 1;
+		snprintf(why, sizeof(why),
+			 "O_DIRECT refused by the filesystem (simulated by _inject_faults)");
+	}
+	Py_BEGIN_ALLOW_THREADS
+	fd = -1;
+	if (try_direct) {
+		do {
+			fd = open(cpath, flags | O_DIRECT, 0644);
+		} while (fd < 0 && errno == EINTR);
+		if (fd < 0 && errno == EINVAL) {
+			refused = 1;
+			snprintf(why, sizeof(why),
+				 "O_DIRECT refused by the filesystem (open: EINVAL)");
+		}
+		if (fd < 0)
+			err = errno;
+	}
+	if (fd < 0 && (!try_direct || err == EINVAL)) {
+		do {
+			fd = open(cpath, flags, 0644);
+		} while (fd < 0 && errno == EINTR);
+		err = fd < 0 ? errno : 0;
+	}
+	Py_END_ALLOW_THREADS
+	Py_DECREF(bytes);
+	if (fd < 0) {
+		errno = err;
+		PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, o->path);
+		goto fail;
+	}
+	o->fd = fd;
+	o->direct = try_direct && !refused;
+	o->kind = eng->kind;
+	if (eng->kind == NIO_URING && !o->direct && eng->requested == 0) {
+		/* auto: buffered files go through the portable engine */
+		o->kind = NIO_PORTABLE;
+		if (!refused)
+			snprintf(why, sizeof(why),
+				 "direct=False: buffered I/O uses the portable engine");
+	}
+	if (eng->kind == NIO_PORTABLE && eng->fallback_reason && !refused) {
+		o->reason = Py_NewRef(eng->fallback_reason);
+	} else if (why[0]) {
+		o->reason = PyUnicode_FromString(why);
+		if (!o->reason)
+			goto fail;
+	}
+	return 0;
+fail:
+	if (o->fd >= 0)
+		close(o->fd);
+	o->fd = -1;
+	Py_CLEAR(o->path);
+	Py_CLEAR(o->reason);
+	return -1;
+}
+
+/* ------------------------------------------------------------------ */
+/* segment parsing                                                     */
+
+struct segs {
+	Py_ssize_t n;
+	Py_buffer *views;
+	uint64_t *offs;
+	uint32_t *crcs;
+	Py_ssize_t nheld;
+};
+
+static void segs_release(struct segs *S)
+{
+	for (Py_ssize_t i = 0; i < S->nheld; i++)
+		PyBuffer_Release(&S->views[i]);
+	S->nheld = 0;
+	PyMem_Free(S->views);
+	PyMem_Free(S->offs);
+	PyMem_Free(S->crcs);
+	S->views = NULL;
+	S->offs = NULL;
+	S->crcs = NULL;
+}
+
+/* Parse [(offset, buffer), ...]; writers check order against *end. */
+static int segs_parse(PyObject *segments, int writable, uint64_t *end,
+		      struct segs *S)
+{
+	PyObject *seq;
+	uint64_t prev = end ? *end : 0;
+
+	memset(S, 0, sizeof(*S));
+	seq = PySequence_Fast(segments,
+			      "segments must be a sequence of (offset, buffer) pairs");
+	if (!seq)
+		return -1;
+	S->n = PySequence_Fast_GET_SIZE(seq);
+	S->views = PyMem_Calloc(S->n ? S->n : 1, sizeof(Py_buffer));
+	S->offs = PyMem_Calloc(S->n ? S->n : 1, sizeof(uint64_t));
+	S->crcs = PyMem_Calloc(S->n ? S->n : 1, sizeof(uint32_t));
+	if (!S->views || !S->offs || !S->crcs) {
+		PyErr_NoMemory();
+		goto fail;
+	}
+	for (Py_ssize_t i = 0; i < S->n; i++) {
+		PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+		PyObject *pair, *o;
+		unsigned long long off;
+		int rc;
+
+		pair = PySequence_Fast(item, "each segment must be an (offset, buffer) pair");
+		if (!pair)
+			goto fail;
+		if (PySequence_Fast_GET_SIZE(pair) != 2) {
+			Py_DECREF(pair);
+			PyErr_Format(PyExc_TypeError,
+				     "segment %zd: expected an (offset, buffer) pair", i);
+			goto fail;
+		}
+		o = PySequence_Fast_GET_ITEM(pair, 0);
+		if (!PyLong_Check(o) && !PyIndex_Check(o)) {
+			Py_DECREF(pair);
+			PyErr_Format(PyExc_TypeError,
+				     "segment %zd: offset must be an int", i);
+			goto fail;
+		}
+		{
+			PyObject *idx = PyNumber_Index(o);
+
+			if (!idx) {
+				Py_DECREF(pair);
+				goto fail;
+			}
+			off = PyLong_AsUnsignedLongLong(idx);
+			Py_DECREF(idx);
+			if (off == (unsigned long long)-1 && PyErr_Occurred()) {
+				Py_DECREF(pair);
+				PyErr_Format(PyExc_ValueError,
+					     "segment %zd: offset must be a non-negative int below 2**63", i);
+				goto fail;
+			}
+			if (off > (unsigned long long)INT64_MAX) {
+				Py_DECREF(pair);
+				PyErr_Format(PyExc_ValueError,
+					     "segment %zd: offset too large", i);
+				goto fail;
+			}
+		}
+		rc = PyObject_GetBuffer(PySequence_Fast_GET_ITEM(pair, 1),
+					&S->views[i],
+					writable ? PyBUF_WRITABLE : PyBUF_SIMPLE);
+		Py_DECREF(pair);
+		if (rc < 0)
+			goto fail;
+		S->nheld = i + 1;
+		S->offs[i] = off;
+		if ((uint64_t)S->views[i].len > (uint64_t)INT64_MAX - off) {
+			PyErr_Format(PyExc_ValueError,
+				     "segment %zd: offset + length overflows", i);
+			goto fail;
+		}
+		if (end) {
+			if (off < prev) {
+				PyErr_Format(PyExc_ValueError,
+					     "segment %zd: offset %llu is before the end of the previous data (%llu); offsets must be increasing and non-overlapping",
+					     i, off, (unsigned long long)prev);
+				goto fail;
+			}
+			prev = off + (uint64_t)S->views[i].len;
+		}
+	}
+	Py_DECREF(seq);
+	return 0;
+fail:
+	Py_DECREF(seq);
+	segs_release(S);
+	return -1;
+}
+
+static PyObject *crc_list(struct segs *S)
+{
+	PyObject *list = PyList_New(S->n);
+
+	if (!list)
+		return NULL;
+	for (Py_ssize_t i = 0; i < S->n; i++) {
+		PyObject *v = PyLong_FromUnsignedLong(S->crcs[i]);
+
+		if (!v) {
+			Py_DECREF(list);
+			return NULL;
+		}
+		PyList_SET_ITEM(list, i, v);
+	}
+	return list;
+}
+
+/* ------------------------------------------------------------------ */
+/* Writer                                                              */
+
+typedef struct {
+	PyObject_HEAD
+	EngineObject *eng;
+	struct nio_ctx *ctx;
+	struct nio_writer w;
+	int fd;
+	int direct;
+	int kind;
+	int closed;
+	int busy;
+	int failed;		/* errno of the failure that poisoned it */
+	double seconds;
+	PyObject *path;
+	PyObject *reason;
+} WriterObject;
+
+static int busy_check(int busy, int closed, const char *what)
+{
+	if (busy) {
+		PyErr_Format(PyExc_RuntimeError,
+			     "native_io: %s is in use by another thread", what);
+		return -1;
+	}
+	if (closed) {
+		PyErr_Format(PyExc_ValueError, "I/O operation on a closed %s", what);
+		return -1;
+	}
+	return 0;
+}
+
+static PyObject *Engine_open_writer(EngineObject *self, PyObject *args,
+				    PyObject *kwds)
+{
+	static char *kwlist[] = {"path", NULL};
+	PyObject *path;
+	struct opened o;
+	WriterObject *w;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwds, "O", kwlist, &path))
+		return NULL;
+	if (open_file(self, path, 1, &o))
+		return NULL;
+	w = PyObject_New(WriterObject, &WriterType);
+	if (!w)
+		goto fail;
+	w->eng = (EngineObject *)Py_NewRef(self);
+	w->fd = o.fd;
+	w->direct = o.direct;
+	w->kind = o.kind;
+	w->closed = 0;
+	w->busy = 0;
+	w->failed = 0;
+	w->seconds = 0;
+	w->path = o.path;
+	w->reason = o.reason;
+	w->ctx = engine_take_ctx(self, o.kind);
+	if (!w->ctx) {
+		w->closed = 1;
+		close(w->fd);
+		w->fd = -1;
+		Py_DECREF(w);
+		return NULL;
+	}
+	nio_writer_init(&w->w, w->ctx, w->fd, w->direct);
+	return (PyObject *)w;
+fail:
+	close(o.fd);
+	Py_XDECREF(o.path);
+	Py_XDECREF(o.reason);
+	return NULL;
+}
+
+/* Close without syncing: drain, close the fd, give the context back. */
+static void writer_discard(WriterObject *self)
+{
+	if (self->closed)
+		return;
+	if (self->ctx) {
+		Py_BEGIN_ALLOW_THREADS
+		nio_writer_abort(&self->w);
+		Py_END_ALLOW_THREADS
+		engine_return_ctx(self->eng, self->ctx);
+		self->ctx = NULL;
+	}
+	if (self->fd >= 0)
+		close(self->fd);
+	self->fd = -1;
+	self->closed = 1;
+}
+
+static PyObject *Writer_write(WriterObject *self, PyObject *segments)
+{
+	struct nio_error e = {0};
+	struct segs S;
+	PyObject *res;
+	int rc = 0;
+
+	if (busy_check(self->busy, self->closed, "writer"))
+		return NULL;
+	if (self->failed)
+		return raise_io(self->failed, self->path, "write", 0, 0,
+				"an earlier write failed; close the writer");
+	if (segs_parse(segments, 0, &self->w.end, &S))
+		return NULL;
+	self->busy = 1;
+	Py_BEGIN_ALLOW_THREADS
+	double t0 = now();
+
+	for (Py_ssize_t i = 0; i < S.n; i++) {
+		rc = nio_writer_put(&self->w, S.offs[i], S.views[i].buf,
+				    (size_t)S.views[i].len, &S.crcs[i], &e);
+		if (rc)
+			break;
+	}
+	if (rc)
+		nio_writer_abort(&self->w);
+	self->seconds += now() - t0;
+	Py_END_ALLOW_THREADS
+	self->busy = 0;
+	if (rc) {
+		segs_release(&S);
+		self->failed = e.err ? e.err : EIO;
+		return raise_nio(&e, self->path);
+	}
+	res = crc_list(&S);
+	segs_release(&S);
+	return res;
+}
+
+static PyObject *Writer_close(WriterObject *self, PyObject *args,
+			      PyObject *kwds)
+{
+	static char *kwlist[] = {"size", NULL};
+	PyObject *size_obj = Py_None;
+	unsigned long long size = 0;
+	struct nio_error e = {0};
+	int have_size = 0, rc = 0;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O", kwlist, &size_obj))
+		return NULL;
+	if (self->closed)
+		Py_RETURN_NONE;
+	if (busy_check(self->busy, 0, "writer"))
+		return NULL;
+	if (size_obj != Py_None) {
+		size = PyLong_AsUnsignedLongLong(size_obj);
+		if (size == (unsigned long long)-1 && PyErr_Occurred())
+			return NULL;
+		if (size > (unsigned long long)INT64_MAX) {
+			PyErr_SetString(PyExc_ValueError, "size too large");
+			return NULL;
+		}
+		have_size = 1;
+	}
+	if (self->failed) {
+		/* the file is garbage anyway: release without syncing */
+		writer_discard(self);
+		Py_RETURN_NONE;
+	}
+	self->busy = 1;
+	Py_BEGIN_ALLOW_THREADS
+	double t0 = now();
+
+	rc = nio_writer_finish(&self->w, have_size, size, &e);
+	if (rc)
+		nio_writer_abort(&self->w);
+	if (close(self->fd) && !rc) {
+		rc = -1;
+		e.err = errno;
+		e.op = "close";
+		e.has_off = 0;
+	}
+	self->seconds += now() - t0;
+	Py_END_ALLOW_THREADS
+	self->busy = 0;
+	self->fd = -1;
+	self->closed = 1;
+	engine_return_ctx(self->eng, self->ctx);
+	self->ctx = NULL;
+	if (rc) {
+		self->failed = e.err ? e.err : EIO;
+		return raise_nio(&e, self->path);
+	}
+	Py_RETURN_NONE;
+}
+
+static PyObject *Writer_enter(PyObject *self, PyObject *unused)
+{
+	return Py_NewRef(self);
+}
+
+static PyObject *Writer_exit(WriterObject *self, PyObject *args)
+{
+	PyObject *et = Py_None, *ev = Py_None, *tb = Py_None, *r;
+
+	if (!PyArg_UnpackTuple(args, "__exit__", 0, 3, &et, &ev, &tb))
+		return NULL;
+	if (et != Py_None) {
+		if (!self->busy)
+			writer_discard(self);
+		Py_RETURN_FALSE;
+	}
+	{
+		PyObject *noargs = PyTuple_New(0);
+
+		if (!noargs)
+			return NULL;
+		r = Writer_close(self, noargs, NULL);
+		Py_DECREF(noargs);
+	}
+	if (!r)
+		return NULL;
+	Py_DECREF(r);
+	Py_RETURN_FALSE;
+}
+
+static void Writer_dealloc(WriterObject *self)
+{
+	writer_discard(self);
+	Py_CLEAR(self->eng);
+	Py_CLEAR(self->path);
+	Py_CLEAR(self->reason);
+	PyObject_Free(self);
+}
+
+static PyObject *Writer_get_bytes(WriterObject *self, void *c)
+{
+	return PyLong_FromUnsignedLongLong(self->w.payload);
+}
+
+static PyObject *Writer_get_io_bytes(WriterObject *self, void *c)
+{
+	return PyLong_FromUnsignedLongLong(self->w.io_bytes);
+}
+
+static PyObject *Writer_get_seconds(WriterObject *self, void *c)
+{
+	return PyFloat_FromDouble(self->seconds);
+}
+
+static PyObject *Writer_get_direct(WriterObject *self, void *c)
+{
+	return PyBool_FromLong(self->direct);
+}
+
+static PyObject *Writer_get_engine(WriterObject *self, void *c)
+{
+	return PyUnicode_FromString(kind_name(self->kind));
+}
+
+static PyObject *Writer_get_closed(WriterObject *self, void *c)
+{
+	return PyBool_FromLong(self->closed);
+}
+
+static PyObject *Writer_get_path(WriterObject *self, void *c)
+{
+	return Py_NewRef(self->path);
+}
+
+static PyObject *Writer_get_reason(WriterObject *self, void *c)
+{
+	return Py_NewRef(self->reason ? self->reason : Py_None);
+}
+
+static PyObject *Writer_get_end(WriterObject *self, void *c)
+{
+	return PyLong_FromUnsignedLongLong(self->w.end);
+}
+
+/* ------------------------------------------------------------------ */
+/* Reader                                                              */
+
+typedef struct {
+	PyObject_HEAD
+	EngineObject *eng;
+	struct nio_ctx *ctx;
+	int fd;
+	int direct;
+	int kind;
+	int closed;
+	int busy;
+	uint64_t size;
+	uint64_t io_bytes;
+	uint64_t payload;
+	double seconds;
+	PyObject *path;
+	PyObject *reason;
+} ReaderObject;
+
+static PyObject *Engine_open_reader(EngineObject *self, PyObject *args,
+				    PyObject *kwds)
+{
+	static char *kwlist[] = {"path", NULL};
+	PyObject *path;
+	struct opened o;
+	ReaderObject *r;
+	struct stat st;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwds, "O", kwlist, &path))
+		return NULL;
+	if (open_file(self, path, 0, &o))
+		return NULL;
+	if (fstat(o.fd, &st)) {
+		PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, o.path);
+		close(o.fd);
+		Py_XDECREF(o.path);
+		Py_XDECREF(o.reason);
+		return NULL;
+	}
+	r = PyObject_New(ReaderObject, &ReaderType);
+	if (!r) {
+		close(o.fd);
+		Py_XDECREF(o.path);
+		Py_XDECREF(o.reason);
+		return NULL;
+	}
+	r->eng = (EngineObject *)Py_NewRef(self);
+	r->fd = o.fd;
+	r->direct = o.direct;
+	r->kind = o.kind;
+	r->closed = 0;
+	r->busy = 0;
+	r->size = (uint64_t)st.st_size;
+	r->io_bytes = 0;
+	r->payload = 0;
+	r->seconds = 0;
+	r->path = o.path;
+	r->reason = o.reason;
+	r->ctx = engine_take_ctx(self, o.kind);
+	if (!r->ctx) {
+		r->closed = 1;
+		close(r->fd);
+		r->fd = -1;
+		Py_DECREF(r);
+		return NULL;
+	}
+	return (PyObject *)r;
+}
+
+static PyObject *Reader_read(ReaderObject *self, PyObject *segments)
+{
+	struct nio_error e = {0};
+	struct nio_rseg *rs;
+	struct segs S;
+	struct stat st;
+	PyObject *res;
+	uint64_t io = 0;
+	int rc;
+
+	if (busy_check(self->busy, self->closed, "reader"))
+		return NULL;
+	if (segs_parse(segments, 1, NULL, &S))
+		return NULL;
+	if (fstat(self->fd, &st)) {
+		segs_release(&S);
+		return raise_io(errno, self->path, "fstat", 0, 0, NULL);
+	}
+	self->size = (uint64_t)st.st_size;
+	for (Py_ssize_t i = 0; i < S.n; i++) {
+		uint64_t end = S.offs[i] + (uint64_t)S.views[i].len;
+		char detail[160];
+
+		if (end > self->size) {
+			snprintf(detail, sizeof(detail),
+				 "segment of %zd bytes ends at %llu but the file has %llu bytes; truncated file?",
+				 S.views[i].len, (unsigned long long)end,
+				 (unsigned long long)self->size);
+			uint64_t at = S.offs[i] > self->size ? S.offs[i] : self->size;
+
+			segs_release(&S);
+			return raise_io(ENODATA, self->path, "read past end of file",
+					1, at, detail);
+		}
+	}
+	rs = PyMem_Calloc(S.n ? S.n : 1, sizeof(*rs));
+	if (!rs) {
+		segs_release(&S);
+		return PyErr_NoMemory();
+	}
+	for (Py_ssize_t i = 0; i < S.n; i++) {
+		rs[i].off = S.offs[i];
+		rs[i].buf = S.views[i].buf;
+		rs[i].len = (size_t)S.views[i].len;
+	}
+	self->busy = 1;
+	Py_BEGIN_ALLOW_THREADS
+	double t0 = now();
+
+	rc = nio_read_segments(self->ctx, self->fd, self->direct, self->size,
+			       rs, (size_t)S.n, &io, &e);
+	self->seconds += now() - t0;
+	Py_END_ALLOW_THREADS
+	self->busy = 0;
+	self->io_bytes += io;
+	for (Py_ssize_t i = 0; i < S.n; i++) {
+		S.crcs[i] = rs[i].crc;
+		self->payload += rs[i].len;
+	}
+	PyMem_Free(rs);
+	if (rc) {
+		segs_release(&S);
+		if (self->ctx->broken) {
+			engine_return_ctx(self->eng, self->ctx);
+			self->ctx = NULL;
+			close(self->fd);
+			self->fd = -1;
+			self->closed = 1;
+		}
+		if (e.err == ENODATA)
+			return raise_io(ENODATA, self->path, "read past end of file",
+					1, e.off, "file shrank while reading");
+		return raise_nio(&e, self->path);
+	}
+	res = crc_list(&S);
+	segs_release(&S);
+	return res;
+}
+
+static PyObject *Reader_close(ReaderObject *self, PyObject *unused)
+{
+	if (self->closed)
+		Py_RETURN_NONE;
+	if (busy_check(self->busy, 0, "reader"))
+		return NULL;
+	engine_return_ctx(self->eng, self->ctx);
+	self->ctx = NULL;
+	self->closed = 1;
+	if (self->fd >= 0 && close(self->fd)) {
+		self->fd = -1;
+		return raise_io(errno, self->path, "close", 0, 0, NULL);
+	}
+	self->fd = -1;
+	Py_RETURN_NONE;
+}
+
+static PyObject *Reader_exit(ReaderObject *self, PyObject *args)
+{
+	PyObject *r;
+
+	if (self->busy)
+		Py_RETURN_FALSE;
+	r = Reader_close(self, NULL);
+	if (!r)
+		return NULL;
+	Py_DECREF(r);
+	Py_RETURN_FALSE;
+}
+
+static void Reader_dealloc(ReaderObject *self)
+{
+	if (!self->closed) {
+		engine_return_ctx(self->eng, self->ctx);
+		if (self->fd >= 0)
+			close(self->fd);
+	}
+	Py_CLEAR(self->eng);
+	Py_CLEAR(self->path);
+	Py_CLEAR(self->reason);
+	PyObject_Free(self);
+}
+
+static PyObject *Reader_get_size(ReaderObject *self, void *c)
+{
+	return PyLong_FromUnsignedLongLong(self->size);
+}
+
+static PyObject *Reader_get_bytes(ReaderObject *self, void *c)
+{
+	return PyLong_FromUnsignedLongLong(self->payload);
+}
+
+static PyObject *Reader_get_io_bytes(ReaderObject *self, void *c)
+{
+	return PyLong_FromUnsignedLongLong(self->io_bytes);
+}
+
+static PyObject *Reader_get_seconds(ReaderObject *self, void *c)
+{
+	return PyFloat_FromDouble(self->seconds);
+}
+
+static PyObject *Reader_get_direct(ReaderObject *self, void *c)
+{
+	return PyBool_FromLong(self->direct);
+}
+
+static PyObject *Reader_get_engine(ReaderObject *self, void *c)
+{
+	return PyUnicode_FromString(kind_name(self->kind));
+}
+
+static PyObject *Reader_get_closed(ReaderObject *self, void *c)
+{
+	return PyBool_FromLong(self->closed);
+}
+
+static PyObject *Reader_get_path(ReaderObject *self, void *c)
+{
+	return Py_NewRef(self->path);
+}
+
+static PyObject *Reader_get_reason(ReaderObject *self, void *c)
+{
+	return Py_NewRef(self->reason ? self->reason : Py_None);
+}
+
+/* ------------------------------------------------------------------ */
+/* module functions                                                    */
+
+static PyObject *mod_crc32c(PyObject *m, PyObject *args, PyObject *kwds)
+{
+	static char *kwlist[] = {"buf", "value", NULL};
+	unsigned long long value = 0;
+	PyObject *obj, *vobj = NULL;
+	Py_buffer view;
+	uint32_t crc;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|O", kwlist, &obj, &vobj))
+		return NULL;
+	if (vobj) {
+		value = PyLong_AsUnsignedLongLong(vobj);
+		if (value == (unsigned long long)-1 && PyErr_Occurred())
+			return NULL;
+		if (value > 0xffffffffull) {
+			PyErr_SetString(PyExc_ValueError, "value must fit in 32 bits");
+			return NULL;
+		}
+	}
+	if (PyObject_GetBuffer(obj, &view, PyBUF_SIMPLE) < 0)
+		return NULL;
+	if (view.len >= 65536) {
+		Py_BEGIN_ALLOW_THREADS
+		crc = nio_crc32c((uint32_t)value, view.buf, (size_t)view.len);
+		Py_END_ALLOW_THREADS
+	} else {
+		crc = nio_crc32c((uint32_t)value, view.buf, (size_t)view.len);
+	}
+	PyBuffer_Release(&view);
+	return PyLong_FromUnsignedLong(crc);
+}
+
+static int dict_set(PyObject *d, const char *k, PyObject *v)
+{
+	int rc;
+
+	if (!v)
+		return -1;
+	rc = PyDict_SetItemString(d, k, v);
+	Py_DECREF(v);
+	return rc;
+}
+
+static PyObject *mod_info(PyObject *m, PyObject *unused)
+{
+	const char *why = NULL;
+	int usable = uring_usable(&why);
+	const char *ver = nio_uring_version();
+	PyObject *d = PyDict_New(), *engines;
+
+	if (!d)
+		return NULL;
+	engines = nio_uring_compiled() ? Py_BuildValue("[ss]", "uring", "portable")
+				       : Py_BuildValue("[s]", "portable");
+	if (dict_set(d, "engines", engines) ||
+	    dict_set(d, "default_engine",
+		     PyUnicode_FromString(usable ? "uring" : "portable")) ||
+	    dict_set(d, "liburing", ver ? PyUnicode_FromString(ver)
+					: Py_NewRef(Py_None)) ||
+	    dict_set(d, "liburing_compiled", PyBool_FromLong(nio_uring_compiled())) ||
+	    dict_set(d, "uring_usable", PyBool_FromLong(usable)) ||
+	    dict_set(d, "uring_refused_reason",
+		     why ? PyUnicode_FromString(why) : Py_NewRef(Py_None)) ||
+	    dict_set(d, "default_block_size", PyLong_FromUnsignedLong(NIO_DEFAULT_BLOCK)) ||
+	    dict_set(d, "default_queue_depth", PyLong_FromUnsignedLong(NIO_DEFAULT_QD)) ||
+	    dict_set(d, "crc32c", PyUnicode_FromString(nio_crc32c_impl())) ||
+	    dict_set(d, "align", PyLong_FromUnsignedLong(NIO_ALIGN))) {
+		Py_DECREF(d);
+		return NULL;
+	}
+	return d;
+}
+
+static PyObject *mod_inject(PyObject *m, PyObject *args, PyObject *kwds)
+{
+	static char *kwlist[] = {"short_every", "eintr_every", "eio_at",
+				 "refuse_direct", "refuse_uring", NULL};
+	long s = 0, i = 0, e = 0;
+	int rd = 0, ru = 0;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwds, "|lllpp", kwlist, &s, &i,
+					 &e, &rd, &ru))
+		return NULL;
+	if (s < 0 || i < 0 || e < 0) {
+		PyErr_SetString(PyExc_ValueError, "fault counts must be >= 0");
+		return NULL;
+	}
+	nio_faults_set(s, i, e, rd, ru);
+	Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------ */
+/* type tables                                                         */
+
+static PyGetSetDef Engine_getset[] = {
+	{"engine", (getter)Engine_get_engine, NULL, "engine in use: 'uring' or 'portable'", NULL},
+	{"block_size", (getter)Engine_get_block_size, NULL, "bytes per transfer", NULL},
+	{"queue_depth", (getter)Engine_get_qd, NULL, "transfers in flight", NULL},
+	{"direct", (getter)Engine_get_direct, NULL, "O_DIRECT requested", NULL},
+	{"fallback_reason", (getter)Engine_get_fallback, NULL, "why uring is not used (auto), or None", NULL},
+	{"arena_bytes", (getter)Engine_get_arena_bytes, NULL, "bytes of idle staging arena held", NULL},
+	{NULL}
+};
+
+static PyMethodDef Engine_methods[] = {
+	{"open_writer", (PyCFunction)(void (*)(void))Engine_open_writer, METH_VARARGS | METH_KEYWORDS,
+	 "open_writer(path) -> Writer: create/truncate path for writing"},
+	{"open_reader", (PyCFunction)(void (*)(void))Engine_open_reader, METH_VARARGS | METH_KEYWORDS,
+	 "open_reader(path) -> Reader"},
+	{"close", (PyCFunction)Engine_close, METH_NOARGS, "free the idle staging arenas"},
+	{"__enter__", Engine_enter, METH_NOARGS, NULL},
+	{"__exit__", (PyCFunction)Engine_exit, METH_VARARGS, NULL},
+	{NULL}
+};
+
+static PyGetSetDef Writer_getset[] = {
+	{"bytes_written", (getter)Writer_get_bytes, NULL, "payload bytes handed to write()", NULL},
+	{"io_bytes", (getter)Writer_get_io_bytes, NULL, "bytes transferred to the file (incl. padding)", NULL},
+	{"seconds", (getter)Writer_get_seconds, NULL, "wall time spent in write() and close()", NULL},
+	{"direct", (getter)Writer_get_direct, NULL, "file is open with O_DIRECT", NULL},
+	{"engine", (getter)Writer_get_engine, NULL, "engine used for this file", NULL},
+	{"closed", (getter)Writer_get_closed, NULL, NULL, NULL},
+	{"path", (getter)Writer_get_path, NULL, NULL, NULL},
+	{"fallback_reason", (getter)Writer_get_reason, NULL, "why not uring/O_DIRECT, or None", NULL},
+	{"end", (getter)Writer_get_end, NULL, "end offset of the last segment", NULL},
+	{NULL}
+};
+
+static PyMethodDef Writer_methods[] = {
+	{"write", (PyCFunction)Writer_write, METH_O,
+	 "write(segments) -> list[int]: stage [(offset, buffer), ...], return crc32c per segment"},
+	{"close", (PyCFunction)(void (*)(void))Writer_close, METH_VARARGS | METH_KEYWORDS,
+	 "close(size=None): flush, truncate, fdatasync, close (idempotent)"},
+	{"__enter__", Writer_enter, METH_NOARGS, NULL},
+	{"__exit__", (PyCFunction)Writer_exit, METH_VARARGS, NULL},
+	{NULL}
+};
+
+static PyGetSetDef Reader_getset[] = {
+	{"size", (getter)Reader_get_size, NULL, "file size (refreshed by read())", NULL},
+	{"bytes_read", (getter)Reader_get_bytes, NULL, "payload bytes delivered", NULL},
+	{"io_bytes", (getter)Reader_get_io_bytes, NULL, "bytes transferred from the file", NULL},
+	{"seconds", (getter)Reader_get_seconds, NULL, "wall time spent in read()", NULL},
+	{"direct", (getter)Reader_get_direct, NULL, "file is open with O_DIRECT", NULL},
+	{"engine", (getter)Reader_get_engine, NULL, "engine used for this file", NULL},
+	{"closed", (getter)Reader_get_closed, NULL, NULL, NULL},
+	{"path", (getter)Reader_get_path, NULL, NULL, NULL},
+	{"fallback_reason", (getter)Reader_get_reason, NULL, "why not uring/O_DIRECT, or None", NULL},
+	{NULL}
+};
+
+static PyMethodDef Reader_methods[] = {
+	{"read", (PyCFunction)Reader_read, METH_O,
+	 "read(segments) -> list[int]: fill [(offset, writable buffer), ...], return crc32c per segment"},
+	{"close", (PyCFunction)Reader_close, METH_NOARGS, "close (idempotent)"},
+	{"__enter__", Writer_enter, METH_NOARGS, NULL},
+	{"__exit__", (PyCFunction)Reader_exit, METH_VARARGS, NULL},
+	{NULL}
+};
+
+static PyTypeObject EngineType = {
+	PyVarObject_HEAD_INIT(NULL, 0)
+	.tp_name = "native_io.IOEngine",
+	.tp_basicsize = sizeof(EngineObject),
+	.tp_flags = Py_TPFLAGS_DEFAULT,
+	.tp_doc = "IOEngine(engine='auto', block_size=..., queue_depth=..., direct=True)",
+	.tp_new = PyType_GenericNew,
+	.tp_init = (initproc)Engine_init,
+	.tp_dealloc = (destructor)Engine_dealloc,
+	.tp_methods = Engine_methods,
+	.tp_getset = Engine_getset,
+};
+
+static PyTypeObject WriterType = {
+	PyVarObject_HEAD_INIT(NULL, 0)
+	.tp_name = "native_io.Writer",
+	.tp_basicsize = sizeof(WriterObject),
+	.tp_flags = Py_TPFLAGS_DEFAULT,
+	.tp_doc = "Coalescing writer; create with IOEngine.open_writer(path)",
+	.tp_dealloc = (destructor)Writer_dealloc,
+	.tp_methods = Writer_methods,
+	.tp_getset = Writer_getset,
+};
+
+static PyTypeObject ReaderType = {
+	PyVarObject_HEAD_INIT(NULL, 0)
+	.tp_name = "native_io.Reader",
+	.tp_basicsize = sizeof(ReaderObject),
+	.tp_flags = Py_TPFLAGS_DEFAULT,
+	.tp_doc = "Extent reader; create with IOEngine.open_reader(path)",
+	.tp_dealloc = (destructor)Reader_dealloc,
+	.tp_methods = Reader_methods,
+	.tp_getset = Reader_getset,
+};
+
+static PyMethodDef module_methods[] = {
+	{"crc32c", (PyCFunction)(void (*)(void))mod_crc32c, METH_VARARGS | METH_KEYWORDS,
+	 "crc32c(buf, value=0) -> int: CRC-32C (Castagnoli), chainable"},
+	{"info", (PyCFunction)mod_info, METH_NOARGS, "info() -> dict describing the build and defaults"},
+	{"_inject_faults", (PyCFunction)(void (*)(void))mod_inject, METH_VARARGS | METH_KEYWORDS,
+	 "_inject_faults(short_every=0, eintr_every=0, eio_at=0, refuse_direct=False, refuse_uring=False)"},
+	{NULL}
+};
+
+static struct PyModuleDef moduledef = {
+	PyModuleDef_HEAD_INIT,
+	.m_name = "native_io._native_io",
+	.m_doc = "Coalescing io_uring checkpoint I/O engine",
+	.m_size = -1,
+	.m_methods = module_methods,
+};
+
+PyMODINIT_FUNC PyInit__native_io(void)
+{
+	PyObject *m;
+
+	nio_crc32c_init();
+	if (PyType_Ready(&EngineType) < 0 || PyType_Ready(&WriterType) < 0 ||
+	    PyType_Ready(&ReaderType) < 0)
+		return NULL;
+	m = PyModule_Create(&moduledef);
+	if (!m)
+		return NULL;
+	NativeIOError = PyErr_NewExceptionWithDoc(
+		"native_io.NativeIOError",
+		"OSError from native_io; .operation and .offset name the failing step",
+		PyExc_OSError, NULL);
+	if (!NativeIOError ||
+	    PyModule_AddObjectRef(m, "NativeIOError", NativeIOError) < 0 ||
+	    PyModule_AddObjectRef(m, "IOEngine", (PyObject *)&EngineType) < 0 ||
+	    PyModule_AddObjectRef(m, "Writer", (PyObject *)&WriterType) < 0 ||
+	    PyModule_AddObjectRef(m, "Reader", (PyObject *)&ReaderType) < 0 ||
+	    PyModule_AddIntConstant(m, "ALIGN", NIO_ALIGN) < 0 ||
+	    PyModule_AddIntConstant(m, "DEFAULT_BLOCK_SIZE", NIO_DEFAULT_BLOCK) < 0 ||
+	    PyModule_AddIntConstant(m, "DEFAULT_QUEUE_DEPTH", NIO_DEFAULT_QD) < 0) {
+		Py_DECREF(m);
+		return NULL;
+	}
+	return m;
+}

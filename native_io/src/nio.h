@@ -1,0 +1,176 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * native_io: coalescing checkpoint I/O engine - shared declarations.
+ *
+ * Layering:
+ *   crc32c.c          CRC-32C (SSE4.2 or table), fused copy+checksum
+ *   arena.c           aligned staging arena + per-file I/O context lifecycle
+ *   iocore.c          request state machine: requeue of short/EINTR/EAGAIN
+ *                     results, fault injection, draining
+ *   uring_engine.c    backend: io_uring via liburing
+ *   portable_engine.c backend: pread/pwrite from a small thread pool
+ *   writer.c/reader.c pure C writer/reader (no Python, run without the GIL)
+ *   module.c          CPython glue
+ */
+#ifndef NATIVE_IO_NIO_H
+#define NATIVE_IO_NIO_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#define NIO_ALIGN		4096u
+#define NIO_BUFFERED_MAX	(256u * 1024u)	/* largest buffered pwrite */
+#define NIO_MAX_BLOCK		(1u << 30)	/* kernel caps one rw at ~2 GiB */
+#define NIO_MAX_QD		64u
+#define NIO_MAX_RETRIES		1000		/* EINTR/EAGAIN/no-progress cap */
+#define NIO_READ_DIRECT_MIN	(256u * 1024u)	/* pieces read straight into dest */
+
+/* Defaults chosen by measurement, see docs/native_io.md */
+#define NIO_DEFAULT_BLOCK	(16u * 1024u * 1024u)
+#define NIO_DEFAULT_QD		2u
+
+#define NIO_ALIGN_DOWN(x)	((x) & ~((uint64_t)NIO_ALIGN - 1))
+#define NIO_ALIGN_UP(x)		(((x) + NIO_ALIGN - 1) & ~((uint64_t)NIO_ALIGN - 1))
+
+enum nio_kind { NIO_URING = 1, NIO_PORTABLE = 2 };
+enum nio_op { NIO_OP_READ = 0, NIO_OP_WRITE = 1 };
+enum nio_req_state { NIO_REQ_IDLE = 0, NIO_REQ_BUSY, NIO_REQ_DONE };
+
+/* One logical I/O: transfer [buf, buf+len) at file offset off. */
+struct nio_req {
+	int fd;
+	int op;
+	int direct;		/* fd is O_DIRECT: resubmit from aligned point */
+	int state;
+	char *buf;
+	uint64_t off;
+	size_t len;		/* bytes requested */
+	size_t need;		/* bytes that must arrive (reads may stop at EOF) */
+	size_t done;
+	int err;		/* positive errno once DONE with failure */
+	uint64_t err_off;	/* file offset of the failing transfer */
+	int retries;
+	/* portable backend bookkeeping */
+	struct nio_req *next;
+	long res;
+	size_t sub_len;
+	uint64_t sub_off;
+	char *sub_buf;
+};
+
+struct nio_ctx;
+
+struct nio_backend {
+	const char *name;
+	/* Queue one transfer for req; returns 0 or a positive errno. */
+	int (*submit)(struct nio_ctx *ctx, struct nio_req *req, char *buf,
+		      size_t len, uint64_t off);
+	/* Block for one completion; returns 0 or a positive errno (fatal). */
+	int (*wait)(struct nio_ctx *ctx, struct nio_req **req, long *res);
+	void (*destroy)(struct nio_ctx *ctx);
+};
+
+/*
+ * An I/O context: staging arena (nslots blocks), the requests that use it
+ * and a backend instance. Owned by one writer/reader at a time; cached on the
+ * engine between files so the arena is allocated once.
+ */
+struct nio_ctx {
+	int kind;
+	size_t block_size;
+	unsigned qd;		/* max transfers in flight */
+	unsigned nslots;	/* qd + 1: one slot is filled while qd fly */
+	char *arena;
+	size_t arena_size;
+	struct nio_req *reqs;	/* nslots */
+	unsigned inflight;	/* transfers handed to the backend */
+	int broken;		/* backend failed: never reuse */
+	const struct nio_backend *be;
+	void *priv;
+};
+
+/* Error report of the pure C layer; module.c turns it into an exception. */
+struct nio_error {
+	int err;		/* positive errno, 0 = none */
+	const char *op;		/* "write", "read", "fdatasync", ... */
+	uint64_t off;
+	int has_off;
+};
+
+/* crc32c.c */
+void nio_crc32c_init(void);
+const char *nio_crc32c_impl(void);
+uint32_t nio_crc32c(uint32_t crc, const void *buf, size_t len);
+uint32_t nio_crc32c_copy(void *dst, const void *src, size_t len, uint32_t crc);
+
+/* arena.c */
+void *nio_aligned_alloc(size_t size);
+void nio_aligned_free(void *p, size_t size);
+int nio_ctx_create(int kind, size_t block_size, unsigned qd,
+		   struct nio_ctx **out, char *why, size_t whylen);
+void nio_ctx_destroy(struct nio_ctx *ctx);
+static inline char *nio_slot(struct nio_ctx *ctx, unsigned i)
+{
+	return ctx->arena + (size_t)i * ctx->block_size;
+}
+
+/* iocore.c */
+struct nio_faults {
+	long short_every;
+	long eintr_every;
+	long eio_at;
+	int refuse_direct;
+	int refuse_uring;
+};
+extern struct nio_faults nio_faults;
+void nio_faults_set(long short_every, long eintr_every, long eio_at,
+		    int refuse_direct, int refuse_uring);
+void nio_req_setup(struct nio_req *req, int fd, int op, int direct,
+		   char *buf, uint64_t off, size_t len, size_t need);
+void nio_req_start(struct nio_ctx *ctx, struct nio_req *req);
+int nio_reap_one(struct nio_ctx *ctx);
+int nio_wait_req(struct nio_ctx *ctx, struct nio_req *req);
+int nio_drain(struct nio_ctx *ctx);
+
+/* uring_engine.c */
+int nio_uring_compiled(void);
+const char *nio_uring_version(void);
+int nio_uring_init(struct nio_ctx *ctx, char *why, size_t whylen);
+int nio_uring_probe(char *why, size_t whylen);
+
+/* portable_engine.c */
+int nio_portable_init(struct nio_ctx *ctx, char *why, size_t whylen);
+
+/* writer.c */
+struct nio_writer {
+	struct nio_ctx *ctx;
+	int fd;
+	int direct;
+	unsigned cur;		/* slot being filled */
+	uint64_t slot_off;	/* file offset of the current slot (aligned) */
+	size_t fill;		/* bytes staged in the current slot */
+	uint64_t end;		/* end of the last segment */
+	uint64_t payload;	/* bytes handed in by segments */
+	uint64_t io_bytes;	/* bytes transferred to the file */
+};
+void nio_writer_init(struct nio_writer *w, struct nio_ctx *ctx, int fd,
+		     int direct);
+int nio_writer_put(struct nio_writer *w, uint64_t off, const void *src,
+		   size_t len, uint32_t *crc, struct nio_error *e);
+int nio_writer_finish(struct nio_writer *w, int have_size, uint64_t size,
+		      struct nio_error *e);
+void nio_writer_abort(struct nio_writer *w);
+
+/* reader.c */
+struct nio_rseg {
+	uint64_t off;
+	char *buf;
+	size_t len;
+	uint32_t crc;
+};
+int nio_read_segments(struct nio_ctx *ctx, int fd, int direct,
+		      uint64_t file_size, struct nio_rseg *segs, size_t nsegs,
+		      uint64_t *io_bytes, struct nio_error *e);
+
+#endif /* NATIVE_IO_NIO_H */

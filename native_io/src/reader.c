@@ -1,0 +1,222 @@
+// SPDX-License-Identifier: Apache-2.0
+/*
+ * Extent reader. Segments are turned into a stream of transfers:
+ *  - "to dest": a large piece read straight into the caller's buffer, used
+ *    when the fd is O_DIRECT and buffer address and file offset are 4096
+ *    aligned, or when the fd is buffered (no alignment rules apply);
+ *  - "via arena": one aligned read of up to block_size into an arena slot
+ *    that serves every consecutive small/unaligned piece inside it; the
+ *    pieces are copied out (crc32c folded into the copy) when it retires.
+ * Up to qd transfers fly; they retire in submission order so that per
+ * segment checksums are chained in file order. Runs without the GIL.
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include "nio.h"
+
+struct rop {
+	int to_dest;
+	size_t seg_b, pos_b, seg_e, pos_e;	/* cursor range [b, e) */
+	uint64_t foff;				/* file offset of transfer */
+	char *dest;				/* to_dest only */
+	size_t len, need;
+};
+
+struct planner {
+	struct nio_rseg *segs;
+	size_t nsegs, s, p;
+	int direct;
+	size_t bs;
+	uint64_t file_size;
+};
+
+static int to_dest_ok(const struct planner *P, uint64_t fo, const char *dest,
+		      size_t rem)
+{
+	if (rem < NIO_READ_DIRECT_MIN)
+		return 0;
+	if (!P->direct)
+		return 1;
+	return !(fo & (NIO_ALIGN - 1)) && !((uintptr_t)dest & (NIO_ALIGN - 1));
+}
+
+static int plan_next(struct planner *P, struct rop *op)
+{
+	struct nio_rseg *seg;
+	uint64_t fo, bstart, limit, hi;
+	size_t rem, take;
+
+	while (P->s < P->nsegs && P->p >= P->segs[P->s].len) {
+		P->s++;
+		P->p = 0;
+	}
+	if (P->s == P->nsegs)
+		return 0;
+	seg = &P->segs[P->s];
+	fo = seg->off + P->p;
+	rem = seg->len - P->p;
+	op->seg_b = P->s;
+	op->pos_b = P->p;
+	if (to_dest_ok(P, fo, seg->buf + P->p, rem)) {
+		take = P->direct ? (size_t)NIO_ALIGN_DOWN((uint64_t)rem) : rem;
+		if (take > P->bs)
+			take = P->bs;
+		op->to_dest = 1;
+		op->dest = seg->buf + P->p;
+		op->foff = fo;
+		op->len = take;
+		op->need = take;
+		P->p += take;
+		op->seg_e = P->s;
+		op->pos_e = P->p;
+		return 1;
+	}
+	op->to_dest = 0;
+	bstart = NIO_ALIGN_DOWN(fo);
+	limit = bstart + P->bs;
+	hi = fo;
+	for (;;) {
+		take = limit - fo < rem ? (size_t)(limit - fo) : rem;
+		P->p += take;
+		if (fo + take > hi)
+			hi = fo + take;
+		if (P->p < seg->len)
+			break;		/* segment continues past this block */
+		P->s++;
+		P->p = 0;
+		while (P->s < P->nsegs && P->segs[P->s].len == 0)
+			P->s++;
+		if (P->s == P->nsegs)
+			break;
+		seg = &P->segs[P->s];
+		fo = seg->off;
+		rem = seg->len;
+		if (fo < bstart || fo >= limit || to_dest_ok(P, fo, seg->buf, rem))
+			break;
+	}
+	op->seg_e = P->s;
+	op->pos_e = P->p;
+	op->foff = bstart;
+	op->len = (size_t)(NIO_ALIGN_UP(hi) - bstart);
+	op->need = op->len;
+	if (bstart + op->need > P->file_size)
+		op->need = (size_t)(P->file_size - bstart);
+	return 1;
+}
+
+static void retire(struct nio_rseg *segs, size_t nsegs, const struct rop *op,
+		   const char *slot)
+{
+	size_t last = op->seg_e < nsegs ? op->seg_e : nsegs - 1;
+
+	if (op->to_dest) {
+		struct nio_rseg *seg = &segs[op->seg_b];
+
+		seg->crc = nio_crc32c(seg->crc, op->dest, op->len);
+		return;
+	}
+	for (size_t s = op->seg_b; s <= last; s++) {
+		size_t p0 = s == op->seg_b ? op->pos_b : 0;
+		size_t p1 = s == op->seg_e ? op->pos_e : segs[s].len;
+
+		if (p1 <= p0)
+			continue;
+		segs[s].crc = nio_crc32c_copy(segs[s].buf + p0,
+					      slot + (segs[s].off + p0 - op->foff),
+					      p1 - p0, segs[s].crc);
+	}
+}
+
+int nio_read_segments(struct nio_ctx *ctx, int fd, int direct,
+		      uint64_t file_size, struct nio_rseg *segs, size_t nsegs,
+		      uint64_t *io_bytes, struct nio_error *e)
+{
+	struct planner P = {
+		.segs = segs, .nsegs = nsegs, .direct = direct,
+		.bs = ctx->block_size, .file_size = file_size,
+	};
+	unsigned n = ctx->nslots, head = 0, tail = 0, count = 0;
+	struct rop *ops;
+	int planned_all = 0, rc = 0;
+
+	for (size_t i = 0; i < nsegs; i++)
+		segs[i].crc = 0;
+	ops = calloc(n, sizeof(*ops));
+	if (!ops) {
+		e->err = ENOMEM;
+		e->op = "read (allocating)";
+		e->has_off = 0;
+		return -1;
+	}
+	for (unsigned i = 0; i < n; i++)
+		ctx->reqs[i].state = NIO_REQ_IDLE;
+	for (;;) {
+		struct nio_req *req;
+
+		/* keep the queue full (the retiring slot is not in flight) */
+		while (!planned_all && count < n && ctx->inflight < ctx->qd) {
+			struct rop *op = &ops[head];
+
+			if (!plan_next(&P, op)) {
+				planned_all = 1;
+				break;
+			}
+			req = &ctx->reqs[head];
+			nio_req_setup(req, fd, NIO_OP_READ, direct,
+				      op->to_dest ? op->dest : nio_slot(ctx, head),
+				      op->foff, op->len, op->need);
+			nio_req_start(ctx, req);
+			head = (head + 1) % n;
+			count++;
+		}
+		if (!count)
+			break;
+		req = &ctx->reqs[tail];
+		rc = nio_wait_req(ctx, req);
+		if (rc) {
+			e->err = rc;
+			e->op = "read (waiting for completion)";
+			e->has_off = 0;
+			goto fail;
+		}
+		if (req->err) {
+			e->err = req->err;
+			e->op = "read";
+			e->has_off = 1;
+			e->off = req->err_off;
+			goto fail;
+		}
+		/* refill before the copy-out so the device stays busy */
+		while (!planned_all && count < n && ctx->inflight < ctx->qd) {
+			struct rop *op = &ops[head];
+			struct nio_req *nreq;
+
+			if (!plan_next(&P, op)) {
+				planned_all = 1;
+				break;
+			}
+			nreq = &ctx->reqs[head];
+			nio_req_setup(nreq, fd, NIO_OP_READ, direct,
+				      op->to_dest ? op->dest : nio_slot(ctx, head),
+				      op->foff, op->len, op->need);
+			nio_req_start(ctx, nreq);
+			head = (head + 1) % n;
+			count++;
+		}
+		retire(segs, nsegs, &ops[tail], nio_slot(ctx, tail));
+		*io_bytes += req->done;
+		req->state = NIO_REQ_IDLE;
+		tail = (tail + 1) % n;
+		count--;
+	}
+	free(ops);
+	return 0;
+fail:
+	if (nio_drain(ctx))
+		ctx->broken = 1;
+	for (unsigned i = 0; i < n; i++)
+		ctx->reqs[i].state = NIO_REQ_IDLE;
+	free(ops);
+	return -1;
+}

@@ -1,0 +1,181 @@
+// SPDX-License-Identifier: Apache-2.0
+/*
+ * Coalescing writer. Segments are copied (with their crc32c folded into the
+ * copy) into the current arena slot; a full slot is submitted as one
+ * block_size transfer at a 4096-aligned file offset and the next slot is
+ * filled while up to qd blocks are in flight. Gaps are zero-filled inside a
+ * block and skipped (left as a hole, which reads as zeros) across blocks.
+ * Runs without the GIL: no Python API here.
+ */
+#include <errno.h>
+#include <string.h>
+#include <unistd.h>
+#include "nio.h"
+
+void nio_writer_init(struct nio_writer *w, struct nio_ctx *ctx, int fd,
+		     int direct)
+{
+	memset(w, 0, sizeof(*w));
+	w->ctx = ctx;
+	w->fd = fd;
+	w->direct = direct;
+	for (unsigned i = 0; i < ctx->nslots; i++)
+		ctx->reqs[i].state = NIO_REQ_IDLE;
+}
+
+static void set_err(struct nio_error *e, int err, const char *op,
+		    int has_off, uint64_t off)
+{
+	e->err = err;
+	e->op = op;
+	e->has_off = has_off;
+	e->off = off;
+}
+
+/* Wait until slot i is idle; report its failure if it had one. */
+static int wait_slot(struct nio_writer *w, unsigned i, struct nio_error *e)
+{
+	struct nio_req *req = &w->ctx->reqs[i];
+	int rc;
+
+	rc = nio_wait_req(w->ctx, req);
+	if (rc) {
+		set_err(e, rc, "write (waiting for completion)", 0, 0);
+		return -1;
+	}
+	if (req->state == NIO_REQ_DONE) {
+		req->state = NIO_REQ_IDLE;
+		if (req->err) {
+			set_err(e, req->err, "write", 1, req->err_off);
+			return -1;
+		}
+		w->io_bytes += req->len;
+	}
+	return 0;
+}
+
+/* Submit the current slot (nbytes, padding already zeroed) and advance. */
+static int submit_slot(struct nio_writer *w, size_t nbytes,
+		       struct nio_error *e)
+{
+	struct nio_ctx *ctx = w->ctx;
+	unsigned next = (w->cur + 1) % ctx->nslots;
+	struct nio_req *req = &ctx->reqs[w->cur];
+
+	/* at most qd in flight: the oldest (next) slot must be idle first */
+	if (wait_slot(w, next, e))
+		return -1;
+	nio_req_setup(req, w->fd, NIO_OP_WRITE, w->direct,
+		      nio_slot(ctx, w->cur), w->slot_off, nbytes, nbytes);
+	nio_req_start(ctx, req);
+	if (req->state == NIO_REQ_DONE && req->err) {
+		set_err(e, req->err, "write (submit)", 1, req->err_off);
+		req->state = NIO_REQ_IDLE;
+		return -1;
+	}
+	w->cur = next;
+	w->fill = 0;
+	return 0;
+}
+
+/* Flush a partial slot (padded to NIO_ALIGN for O_DIRECT). */
+static int flush_partial(struct nio_writer *w, struct nio_error *e)
+{
+	size_t n = w->direct ? (size_t)NIO_ALIGN_UP((uint64_t)w->fill) : w->fill;
+
+	if (!w->fill)
+		return 0;
+	memset(nio_slot(w->ctx, w->cur) + w->fill, 0, n - w->fill);
+	return submit_slot(w, n, e);
+}
+
+int nio_writer_put(struct nio_writer *w, uint64_t off, const void *src,
+		   size_t len, uint32_t *crc, struct nio_error *e)
+{
+	struct nio_ctx *ctx = w->ctx;
+	size_t bs = ctx->block_size;
+	uint64_t pos = w->slot_off + w->fill;
+	const char *s = src;
+	size_t left = len;
+	uint32_t c = 0;
+
+	if (off < pos) {
+		set_err(e, EINVAL, "write (overlapping segment)", 1, off);
+		return -1;
+	}
+	if (off > pos) {
+		if (off >= w->slot_off + bs) {
+			/* gap leaves this block: flush, restart at off */
+			if (flush_partial(w, e))
+				return -1;
+			w->slot_off = NIO_ALIGN_DOWN(off);
+			w->fill = (size_t)(off - w->slot_off);
+			memset(nio_slot(ctx, w->cur), 0, w->fill);
+		} else {
+			memset(nio_slot(ctx, w->cur) + w->fill, 0,
+			       (size_t)(off - pos));
+			w->fill += (size_t)(off - pos);
+		}
+	}
+	while (left) {
+		size_t n = bs - w->fill;
+
+		if (n > left)
+			n = left;
+		c = nio_crc32c_copy(nio_slot(ctx, w->cur) + w->fill, s, n, c);
+		w->fill += n;
+		s += n;
+		left -= n;
+		if (w->fill == bs) {
+			if (submit_slot(w, bs, e))
+				return -1;
+			w->slot_off += bs;
+		}
+	}
+	*crc = c;
+	w->end = off + len;
+	w->payload += len;
+	return 0;
+}
+
+int nio_writer_finish(struct nio_writer *w, int have_size, uint64_t size,
+		      struct nio_error *e)
+{
+	struct nio_ctx *ctx = w->ctx;
+	uint64_t target = have_size ? size : w->end;
+	int rc;
+
+	if (flush_partial(w, e))
+		return -1;
+	for (unsigned i = 0; i < ctx->nslots; i++)
+		if (wait_slot(w, i, e))
+			return -1;
+	/* drop the O_DIRECT padding (or extend with a hole to size) */
+	do {
+		rc = ftruncate(w->fd, (off_t)target);
+	} while (rc && errno == EINTR);
+	if (rc) {
+		set_err(e, errno, "ftruncate", 1, target);
+		return -1;
+	}
+	do {
+		rc = fdatasync(w->fd);
+	} while (rc && errno == EINTR);
+	if (rc) {
+		set_err(e, errno, "fdatasync", 0, 0);
+		return -1;
+	}
+	return 0;
+}
+
+/* Forget staged data and wait out in-flight transfers (error paths). */
+void nio_writer_abort(struct nio_writer *w)
+{
+	struct nio_ctx *ctx = w->ctx;
+
+	if (nio_drain(ctx))
+		ctx->broken = 1;
+	for (unsigned i = 0; i < ctx->nslots; i++)
+		ctx->reqs[i].state = NIO_REQ_IDLE;
+	w->fill = 0;
+}

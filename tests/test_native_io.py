@@ -1,0 +1,493 @@
+"""Tests of the native_io C extension (both engines, fault injection, errors)."""
+
+import errno
+import os
+import random
+import subprocess
+import sys
+import zlib  # noqa: F401  (kept for parity with reference helpers)
+
+import pytest
+
+native_io = pytest.importorskip("native_io")
+
+ENGINES = native_io.info()["engines"]
+KB = 1024
+MB = 1024 * 1024
+
+
+def _engine_or_skip(name, **kw):
+    if name == "uring" and not native_io.info()["uring_usable"]:
+        pytest.skip("io_uring not usable here: %s" % native_io.info()["uring_refused_reason"])
+    return native_io.IOEngine(engine=name, **kw)
+
+
+@pytest.fixture(autouse=True)
+def _reset_faults():
+    native_io._inject_faults()
+    yield
+    native_io._inject_faults()
+
+
+def _crc_ref(data, crc=0):
+    """Bitwise reference CRC-32C (Castagnoli)."""
+    crc ^= 0xFFFFFFFF
+    for b in data:
+        crc ^= b
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 & -(crc & 1))
+    return crc ^ 0xFFFFFFFF
+
+
+def _make_segments(sizes, rnd, gaps=False):
+    segs, expect, off = [], bytearray(), 0
+    for n in sizes:
+        if gaps:
+            gap = rnd.choice([0, 1, 7, 4096, 5000, 70000])
+            off += gap
+            expect += b"\0" * gap
+        data = rnd.randbytes(n)
+        segs.append((off, data))
+        expect += data
+        off += n
+    return segs, bytes(expect)
+
+
+def _roundtrip(eng, path, segs, expect, split=3):
+    with eng.open_writer(path) as w:
+        crcs = []
+        step = max(1, len(segs) // split)
+        for i in range(0, len(segs), step):
+            crcs += w.write(segs[i : i + step])
+    assert w.closed
+    assert crcs == [native_io.crc32c(b) for _, b in segs]
+    with open(path, "rb") as f:
+        got = f.read()
+    assert len(got) == len(expect)
+    assert got == expect
+    bufs = [(o, bytearray(len(b))) for o, b in segs]
+    with eng.open_reader(path) as r:
+        assert r.size == len(expect)
+        rcrcs = r.read(bufs)
+    assert rcrcs == crcs
+    for (_, got_b), (_, want) in zip(bufs, segs):
+        assert got_b == want
+    return w, r
+
+
+# --------------------------------------------------------------------- crc32c
+
+
+def test_crc32c_vectors():
+    assert native_io.crc32c(b"123456789") == 0xE3069283
+    assert native_io.crc32c(b"") == 0
+    assert native_io.crc32c(b"\0" * 32) == 0x8A9136AA
+    assert native_io.crc32c(b"\xff" * 32) == 0x62A8AB43
+    assert native_io.crc32c(bytes(range(32))) == 0x46DD794E
+    assert native_io.crc32c(b"6789", native_io.crc32c(b"12345")) == 0xE3069283
+
+
+def test_crc32c_random_against_reference():
+    rnd = random.Random(7)
+    for n in [1, 3, 7, 8, 9, 31, 32, 33, 100, 1000, 4097]:
+        data = rnd.randbytes(n)
+        assert native_io.crc32c(data) == _crc_ref(data), n
+        # unaligned views exercise the head/tail paths
+        mv = memoryview(data)[1:]
+        assert native_io.crc32c(mv) == _crc_ref(bytes(mv)), n
+
+
+def test_crc32c_software_matches_hw():
+    code = (
+        "import native_io,random;r=random.Random(3);"
+        "d=[r.randbytes(n) for n in (0,1,9,63,4096,100003)];"
+        "print(native_io.info()['crc32c'], [native_io.crc32c(x) for x in d])"
+    )
+    env = dict(os.environ, NATIVE_IO_CRC32C="software")
+    sw = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    hw = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert sw.stdout.split(" ", 1)[0] == "software"
+    assert sw.stdout.split(" ", 1)[1] == hw.stdout.split(" ", 1)[1]
+
+
+# ----------------------------------------------------------------- round trips
+
+BS = 64 * KB
+EDGE_SIZES = [0, 1, 4095, 4096, 4097, BS - 1, BS, BS + 1]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("size", EDGE_SIZES)
+def test_roundtrip_single_size(tmp_path, engine, direct, size):
+    eng = _engine_or_skip(engine, block_size=BS, queue_depth=2, direct=direct)
+    rnd = random.Random(size)
+    segs, expect = _make_segments([size], rnd)
+    w, r = _roundtrip(eng, tmp_path / "f.bin", segs, expect)
+    assert w.engine in ("uring", "portable")
+    assert w.bytes_written == size
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("qd", [1, 2, 4])
+def test_roundtrip_mixed_with_gaps(tmp_path, engine, direct, qd):
+    eng = _engine_or_skip(engine, block_size=BS, queue_depth=qd, direct=direct)
+    rnd = random.Random(qd)
+    sizes = EDGE_SIZES + [rnd.randrange(0, 3000) for _ in range(200)] + [700 * KB, 3 * MB + 5]
+    segs, expect = _make_segments(sizes, rnd, gaps=True)
+    _roundtrip(eng, tmp_path / "f.bin", segs, expect, split=5)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_many_small_and_few_big(tmp_path, engine):
+    eng = _engine_or_skip(engine, block_size=1 * MB, queue_depth=2)
+    rnd = random.Random(11)
+    sizes = [rnd.randrange(1, 2048) for _ in range(2000)] + [9 * MB + 123, 4 * MB]
+    segs, expect = _make_segments(sizes, rnd)
+    _roundtrip(eng, tmp_path / "f.bin", segs, expect, split=1)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_engine_reused_for_many_files(tmp_path, engine):
+    eng = _engine_or_skip(engine, block_size=BS, queue_depth=2)
+    rnd = random.Random(5)
+    for i in range(5):
+        segs, expect = _make_segments([rnd.randrange(0, 200000) for _ in range(5)], rnd, gaps=True)
+        _roundtrip(eng, tmp_path / ("f%d.bin" % i), segs, expect)
+    assert eng.arena_bytes == BS * 3
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_aligned_destination_read(tmp_path, engine):
+    """Aligned destinations (numpy/torch buffers) take the direct-into-dest path."""
+    np = pytest.importorskip("numpy")
+    eng = _engine_or_skip(engine, block_size=256 * KB, queue_depth=2)
+    rnd = random.Random(2)
+    data = rnd.randbytes(3 * MB)
+    p = tmp_path / "f.bin"
+    with eng.open_writer(p) as w:
+        w.write([(0, data)])
+    raw = np.empty(3 * MB + 8192, dtype=np.uint8)
+    base = (-raw.ctypes.data) % 4096
+    dest = raw[base : base + 3 * MB - 8192 + 17]
+    dest2 = raw[base : base + 1 * MB]
+    with eng.open_reader(p) as r:
+        (c,) = r.read([(4096, dest)])
+        assert c == native_io.crc32c(data[4096 : 4096 + len(dest)])
+        assert dest.tobytes() == data[4096 : 4096 + len(dest)]
+        (c,) = r.read([(1 * MB, dest2)])
+        assert dest2.tobytes() == data[1 * MB : 2 * MB]
+
+
+def test_torch_tensor_roundtrip(tmp_path):
+    torch = pytest.importorskip("torch")
+    eng = native_io.IOEngine(block_size=BS, queue_depth=2)
+    ts = [torch.randn(n) for n in (0, 1, 1000, 70000)]
+    segs, off = [], 0
+    for t in ts:
+        mv = memoryview(t.numpy()).cast("B")
+        segs.append((off, mv))
+        off += len(mv)
+    p = tmp_path / "t.bin"
+    with eng.open_writer(p) as w:
+        crcs = w.write(segs)
+    outs = [torch.empty_like(t) for t in ts]
+    with eng.open_reader(p) as r:
+        rc = r.read([(o, memoryview(t.numpy()).cast("B")) for (o, _), t in zip(segs, outs)])
+    assert rc == crcs
+    for a, b in zip(ts, outs):
+        assert torch.equal(a, b)
+
+
+def test_close_with_size_and_idempotent(tmp_path):
+    eng = native_io.IOEngine(block_size=BS)
+    p = tmp_path / "f.bin"
+    w = eng.open_writer(str(p))
+    w.write([(10, b"abc")])
+    w.close(size=100)
+    w.close()
+    assert os.path.getsize(p) == 100
+    assert p.read_bytes() == b"\0" * 10 + b"abc" + b"\0" * 87
+    with pytest.raises(ValueError):
+        w.write([(200, b"x")])
+
+
+def test_overlapping_segments_rejected(tmp_path):
+    eng = native_io.IOEngine(block_size=BS)
+    with eng.open_writer(tmp_path / "f.bin") as w:
+        w.write([(0, b"abcd")])
+        with pytest.raises(ValueError):
+            w.write([(2, b"zz")])
+        with pytest.raises(ValueError):
+            w.write([(10, b"zz"), (11, b"y")])
+        w.write([(4, b"ef")])
+    assert (tmp_path / "f.bin").read_bytes() == b"abcdef"
+
+
+def test_exception_in_with_block_closes_without_sync(tmp_path):
+    eng = native_io.IOEngine(block_size=BS)
+    with pytest.raises(KeyError):
+        with eng.open_writer(tmp_path / "f.bin") as w:
+            w.write([(0, b"x" * 100000)])
+            raise KeyError("boom")
+    assert w.closed
+    # the engine is still usable afterwards
+    segs, expect = _make_segments([5000, 6000], random.Random(1))
+    _roundtrip(eng, tmp_path / "g.bin", segs, expect)
+
+
+# ------------------------------------------------------------ fault injection
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("faults", [dict(short_every=2), dict(eintr_every=3), dict(short_every=3, eintr_every=2)])
+def test_injected_short_and_eintr_still_identical(tmp_path, engine, direct, faults):
+    eng = _engine_or_skip(engine, block_size=BS, queue_depth=2, direct=direct)
+    rnd = random.Random(3)
+    segs, expect = _make_segments([rnd.randrange(0, 50000) for _ in range(40)] + [300000], rnd, gaps=True)
+    native_io._inject_faults(**faults)
+    _roundtrip(eng, tmp_path / "f.bin", segs, expect)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("eio_at", [1, 3])
+def test_injected_eio_on_write(tmp_path, engine, eio_at):
+    eng = _engine_or_skip(engine, block_size=BS, queue_depth=2)
+    p = tmp_path / "f.bin"
+    native_io._inject_faults(eio_at=eio_at)
+    w = eng.open_writer(p)
+    with pytest.raises(OSError) as ei:
+        w.write([(0, b"z" * (BS * 6))])
+        w.close()
+    assert ei.value.errno == errno.EIO
+    assert ei.value.filename == str(p)
+    assert isinstance(ei.value, native_io.NativeIOError)
+    assert ei.value.offset is not None and ei.value.offset % BS == 0
+    w.close()  # safe after an error
+    w.close()
+    native_io._inject_faults()
+    segs, expect = _make_segments([100000, 3], random.Random(0))
+    _roundtrip(eng, tmp_path / "g.bin", segs, expect)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_injected_eio_on_read(tmp_path, engine):
+    eng = _engine_or_skip(engine, block_size=BS, queue_depth=2)
+    p = tmp_path / "f.bin"
+    data = random.Random(0).randbytes(BS * 4)
+    with eng.open_writer(p) as w:
+        w.write([(0, data)])
+    with eng.open_reader(p) as r:
+        native_io._inject_faults(eio_at=2)
+        buf = bytearray(len(data))
+        with pytest.raises(OSError) as ei:
+            r.read([(0, buf)])
+        assert ei.value.errno == errno.EIO
+        assert ei.value.filename == str(p)
+        native_io._inject_faults()
+        r.read([(0, buf)])
+        assert buf == data
+
+
+# ------------------------------------------------------------ real failures
+
+
+def test_enospc_on_small_tmpfs(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting tmpfs needs root")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip("cannot mount tmpfs: %s" % r.stderr.decode(errors="replace").strip())
+    try:
+        for name in ENGINES:
+            if name == "uring" and not native_io.info()["uring_usable"]:
+                continue
+            eng = native_io.IOEngine(engine=name, block_size=BS, queue_depth=2)
+            p = mnt / ("full-%s.bin" % name)
+            w = eng.open_writer(p)
+            with pytest.raises(OSError) as ei:
+                w.write([(0, b"q" * (3 * MB))])
+                w.close()
+            assert ei.value.errno == errno.ENOSPC
+            assert ei.value.filename == str(p)
+            w.close()
+            os.unlink(p)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_direct_refused_falls_back_to_buffered(tmp_path):
+    native_io._inject_faults(refuse_direct=True)
+    eng = native_io.IOEngine(block_size=BS, queue_depth=2)
+    segs, expect = _make_segments([1, 5000, 70000, 4096], random.Random(9), gaps=True)
+    w, r = _roundtrip(eng, tmp_path / "f.bin", segs, expect)
+    assert w.direct is False and r.direct is False
+    assert w.engine == "portable"
+    assert "O_DIRECT" in w.fallback_reason
+
+
+def test_dev_shm_tmpfs_roundtrip():
+    """tmpfs: O_DIRECT may be refused (older kernels) or accepted; data must be right."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    eng = native_io.IOEngine(block_size=BS, queue_depth=2)
+    p = "/dev/shm/native_io_test_%d.bin" % os.getpid()
+    try:
+        segs, expect = _make_segments([1, 5000, 70000, 4096, 0, 9], random.Random(4), gaps=True)
+        w, r = _roundtrip(eng, p, segs, expect)
+        if not w.direct:
+            assert w.engine == "portable" and "O_DIRECT" in w.fallback_reason
+    finally:
+        if os.path.exists(p):
+            os.unlink(p)
+
+
+def test_uring_refused_auto_falls_back(tmp_path):
+    native_io._inject_faults(refuse_uring=True)
+    info = native_io.info()
+    assert info["uring_usable"] is False and info["default_engine"] == "portable"
+    assert info["uring_refused_reason"]
+    eng = native_io.IOEngine(engine="auto", block_size=BS)
+    assert eng.engine == "portable"
+    assert eng.fallback_reason
+    if "uring" in ENGINES:
+        with pytest.raises(RuntimeError, match="io_uring"):
+            native_io.IOEngine(engine="uring", block_size=BS)
+    segs, expect = _make_segments([10, 100000], random.Random(1))
+    _roundtrip(eng, tmp_path / "f.bin", segs, expect)
+
+
+def test_uring_not_compiled_error():
+    if "uring" in ENGINES:
+        pytest.skip("uring is compiled in")
+    with pytest.raises(RuntimeError, match="liburing"):
+        native_io.IOEngine(engine="uring")
+
+
+def test_eacces(tmp_path):
+    if os.geteuid() == 0:
+        # root bypasses permission bits; a read-only bind is not available, use chattr-free check
+        pytest.skip("root ignores file permission bits")
+    d = tmp_path / "ro"
+    d.mkdir()
+    d.chmod(0o500)
+    try:
+        with pytest.raises(PermissionError) as ei:
+            native_io.IOEngine(block_size=BS).open_writer(d / "x.bin")
+        assert ei.value.errno == errno.EACCES
+        assert ei.value.filename == str(d / "x.bin")
+    finally:
+        d.chmod(0o700)
+
+
+def test_eacces_as_unprivileged_user(tmp_path):
+    """As root, drop to nobody in a forked child (no exec needed) and hit EACCES."""
+    if os.geteuid() != 0:
+        pytest.skip("covered by test_eacces")
+    d = tmp_path / "ro"
+    d.mkdir()
+    os.chmod(tmp_path, 0o755)
+    d.chmod(0o555)
+    target = str(d / "x.bin")
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        msg = b"?"
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            native_io.IOEngine(engine="portable", block_size=65536, queue_depth=1).open_writer(target)
+            msg = b"no error"
+        except OSError as e:
+            msg = ("%s %s %s" % (type(e).__name__, e.errno, e.filename)).encode()
+        except BaseException as e:  # noqa: BLE001
+            msg = repr(e).encode()
+        finally:
+            os.write(wfd, msg)
+            os._exit(0)
+    os.close(wfd)
+    out = os.read(rfd, 4096).decode()
+    os.close(rfd)
+    os.waitpid(pid, 0)
+    assert out == "PermissionError %d %s" % (errno.EACCES, target)
+
+
+def test_erofs_on_readonly_tmpfs(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting tmpfs needs root")
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip("cannot mount tmpfs: %s" % r.stderr.decode(errors="replace").strip())
+    try:
+        with pytest.raises(OSError) as ei:
+            native_io.IOEngine(block_size=BS).open_writer(mnt / "x.bin")
+        assert ei.value.errno == errno.EROFS
+        assert ei.value.filename == str(mnt / "x.bin")
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_nonexistent_directory(tmp_path):
+    p = tmp_path / "no" / "such" / "dir" / "f.bin"
+    eng = native_io.IOEngine(block_size=BS)
+    with pytest.raises(FileNotFoundError) as ei:
+        eng.open_writer(p)
+    assert ei.value.errno == errno.ENOENT
+    assert ei.value.filename == str(p)
+    with pytest.raises(FileNotFoundError):
+        eng.open_reader(p)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_truncated_file_read_raises(tmp_path, engine):
+    eng = _engine_or_skip(engine, block_size=BS, queue_depth=2)
+    p = tmp_path / "f.bin"
+    with eng.open_writer(p) as w:
+        w.write([(0, b"a" * 100000)])
+    os.truncate(p, 50000)
+    with eng.open_reader(p) as r:
+        with pytest.raises(OSError) as ei:
+            r.read([(0, bytearray(10)), (40000, bytearray(20000))])
+        assert ei.value.filename == str(p)
+        assert "offset" in str(ei.value)
+        assert ei.value.offset == 50000
+        buf = bytearray(10)
+        r.read([(49990, buf)])
+        assert buf == b"a" * 10
+
+
+def test_info_shape():
+    info = native_io.info()
+    for k in (
+        "engines",
+        "default_engine",
+        "liburing",
+        "uring_usable",
+        "uring_refused_reason",
+        "default_block_size",
+        "default_queue_depth",
+        "crc32c",
+    ):
+        assert k in info
+    assert native_io.ALIGN == 4096
+    assert info["crc32c"] in ("sse4.2", "software")
+    assert info["default_block_size"] == native_io.DEFAULT_BLOCK_SIZE
+    eng = native_io.IOEngine()
+    assert eng.block_size == info["default_block_size"]
+    assert eng.queue_depth == info["default_queue_depth"]
+    assert eng.engine == info["default_engine"]
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        native_io.IOEngine(engine="nope")
+    with pytest.raises(ValueError):
+        native_io.IOEngine(block_size=1000)
+    with pytest.raises(ValueError):
+        native_io.IOEngine(queue_depth=0)
