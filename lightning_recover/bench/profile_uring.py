@@ -1,0 +1,278 @@
+"""Where does UringCheckpointIO's time go? A breakdown of one durable save and one cold load.
+
+``python -m lightning_recover.bench.profile_uring [--size-gb 2] [--dir DIR] [--repeat 3]``
+
+The functional ``save``/``load`` of :mod:`lightning_recover.checkpoint.checkpoint_io` are run
+unchanged; their calls into the format module and the native engine are wrapped with timers
+(an engine proxy passed as ``engine=``, format functions patched for the duration of a call).
+Reference numbers measured alone on the same bytes: crc32c, memcpy (warm and fresh
+destination), page-cache drop. Medians over ``--repeat`` runs. Compare with the fio rows of
+``lightning-recover bench checkpoint``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from typing import Any, Iterator
+
+import torch
+
+from lightning_recover.bench.checkpoint import fsync_tree, make_cold, drop_caches_supported, touch_pages
+from lightning_recover.bench.gpt_state import build_checkpoint, iter_tensors, tensor_stats
+
+
+class _Timers:
+    def __init__(self) -> None:
+        self.t: dict[str, float] = defaultdict(float)
+        self.n: dict[str, int] = defaultdict(int)
+
+    @contextlib.contextmanager
+    def time(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.t[name] += time.perf_counter() - t0
+            self.n[name] += 1
+
+
+class _WriterProxy:
+    def __init__(self, w: Any, timers: _Timers) -> None:
+        self._w, self._timers = w, timers
+
+    def write(self, segments):
+        with self._timers.time("native Writer.write (copy+crc32c+submit/wait)"):
+            return self._w.write(segments)
+
+    def close(self, size=None):
+        with self._timers.time("native Writer.close (drain, truncate, fdatasync)"):
+            return self._w.close(size=size)
+
+    def __enter__(self):
+        self._w.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._w.__exit__(*exc)
+
+    def __getattr__(self, name):
+        return getattr(self._w, name)
+
+
+class _ReaderProxy:
+    def __init__(self, r: Any, timers: _Timers) -> None:
+        self._r, self._timers = r, timers
+
+    def read(self, segments):
+        big = sum(len(memoryview(b).cast("B")) for _, b in segments) > (1 << 20)
+        name = "native Reader.read (data, crc32c)" if big else "native Reader.read (header/footer/index)"
+        with self._timers.time(name):
+            return self._r.read(segments)
+
+    def close(self):
+        with self._timers.time("native Reader.close"):
+            return self._r.close()
+
+    def __getattr__(self, name):
+        return getattr(self._r, name)
+
+
+class _EngineProxy:
+    def __init__(self, eng: Any, timers: _Timers) -> None:
+        self._eng, self._timers = eng, timers
+        self.last_writer: Any = None
+        self.last_reader: Any = None
+
+    def open_writer(self, path):
+        with self._timers.time("native open_writer"):
+            w = self._eng.open_writer(path)
+        self.last_writer = w
+        return _WriterProxy(w, self._timers)
+
+    def open_reader(self, path):
+        with self._timers.time("native open_reader"):
+            r = self._eng.open_reader(path)
+        self.last_reader = r
+        return _ReaderProxy(r, self._timers)
+
+    def __getattr__(self, name):
+        return getattr(self._eng, name)
+
+
+@contextlib.contextmanager
+def _patched(module: Any, names: list[str], timers: _Timers, label: str) -> Iterator[None]:
+    saved = {}
+    for name in names:
+        fn = getattr(module, name, None)
+        if fn is None:
+            continue
+        saved[name] = fn
+
+        def wrapper(*a, __fn=fn, __name=name, **k):
+            with timers.time(f"{label}.{__name}"):
+                return __fn(*a, **k)
+
+        setattr(module, name, wrapper)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)
+
+
+def _ref_numbers(checkpoint: Any) -> dict[str, float]:
+    import native_io
+
+    storages = [t for _, t in iter_tensors(checkpoint)]
+    nbytes = sum(t.numel() * t.element_size() for t in storages)
+    out: dict[str, float] = {}
+    bufs = [t.reshape(-1).view(torch.uint8).numpy() for t in storages if t.numel()]
+    t0 = time.perf_counter()
+    for b in bufs:
+        native_io.crc32c(b)
+    out["crc32c alone GB/s"] = nbytes / (time.perf_counter() - t0) / 1e9
+    big = [t for t in storages if t.numel() * t.element_size() >= (1 << 20)]
+    bigbytes = sum(t.numel() * t.element_size() for t in big)
+    dst = [torch.empty_like(t) for t in big]
+    t0 = time.perf_counter()
+    for d, s in zip(dst, big):
+        d.copy_(s)
+    out["memcpy fresh dst GB/s"] = bigbytes / (time.perf_counter() - t0) / 1e9
+    t0 = time.perf_counter()
+    for d, s in zip(dst, big):
+        d.copy_(s)
+    out["memcpy warm dst GB/s"] = bigbytes / (time.perf_counter() - t0) / 1e9
+    del dst
+    return out
+
+
+def profile(size_gb: float, directory: str | None, repeat: int) -> dict[str, Any]:
+    from lightning_recover.checkpoint import checkpoint_io as cio
+    from lightning_recover.checkpoint import format as fmt
+    import native_io
+
+    checkpoint, cfg = build_checkpoint(size_gb)
+    stats = tensor_stats(checkpoint)
+    nbytes = stats["bytes"]
+    cache = "drop_caches" if drop_caches_supported() else "fadvise"
+    root = tempfile.mkdtemp(prefix="lr-profile-uring-", dir=directory or "/tmp")
+    eng = native_io.IOEngine()
+    fmt_names = ["encode_checkpoint", "plan_layout", "encode_header", "encode_index", "encode_footer",
+                 "file_meta", "decode_header", "decode_footer", "decode_index", "damaged_extents",
+                 "rebuild_tensors", "decode_skeleton", "place_storage", "map_location_fn"]
+    cio_names = ["cleanup_stale_temps", "_fsync_dir", "_read_info"]
+    runs: list[dict[str, Any]] = []
+    try:
+        for rep in range(repeat):
+            path = os.path.join(root, f"last-{rep}.ckpt")
+            os.sync()
+            ts = _Timers()
+            proxy = _EngineProxy(eng, ts)
+            with _patched(fmt, fmt_names, ts, "fmt"), _patched(cio, cio_names, ts, "cio"):
+                t0 = time.perf_counter()
+                cio.save(checkpoint, path, engine=proxy)
+                t1 = time.perf_counter()
+            fsync_tree(root)
+            t2 = time.perf_counter()
+            w = proxy.last_writer
+            save = {"total_s": t1 - t0, "bench_post_sync_s": t2 - t1, "parts": dict(ts.t),
+                    "writer": {"seconds": getattr(w, "seconds", None), "io_bytes": getattr(w, "io_bytes", None),
+                               "bytes_written": getattr(w, "bytes_written", None),
+                               "direct": getattr(w, "direct", None), "engine": getattr(w, "engine", None)}}
+            save["unaccounted_s"] = save["total_s"] - sum(
+                v for k, v in ts.t.items() if not k.startswith("fmt.encode_header") and k != "cio._read_info")
+
+            make_cold(root, cache)
+            tl = _Timers()
+            proxy = _EngineProxy(eng, tl)
+            with _patched(fmt, fmt_names, tl, "fmt"), _patched(cio, cio_names, tl, "cio"):
+                t0 = time.perf_counter()
+                loaded = cio.load(path, map_location="cpu", engine=proxy)
+                t1 = time.perf_counter()
+            touch_pages(loaded)
+            t2 = time.perf_counter()
+            r = proxy.last_reader
+            load = {"total_s": t1 - t0, "touch_s": t2 - t1, "parts": dict(tl.t),
+                    "reader": {"seconds": getattr(r, "seconds", None), "io_bytes": getattr(r, "io_bytes", None),
+                               "bytes_read": getattr(r, "bytes_read", None), "direct": getattr(r, "direct", None),
+                               "engine": getattr(r, "engine", None)}}
+            nested = {"fmt.decode_header", "fmt.decode_footer", "fmt.decode_index", "native Reader.read (header/footer/index)"}
+            load["unaccounted_s"] = load["total_s"] - sum(v for k, v in tl.t.items() if k not in nested)
+            del loaded
+            gc.collect()
+            os.remove(path)
+            runs.append({"save": save, "load": load})
+    finally:
+        for name in os.listdir(root):
+            os.remove(os.path.join(root, name))
+        os.rmdir(root)
+        eng.close()
+
+    refs = _ref_numbers(checkpoint)
+
+    def med(getter):
+        vals = [getter(r) for r in runs]
+        vals = [v for v in vals if v is not None]
+        return statistics.median(vals) if vals else None
+
+    summary: dict[str, Any] = {"bytes": nbytes, "tensors": stats["tensors"], "cache": cache, "repeat": repeat,
+                               "engine": native_io.info(), "reference": refs, "save": {}, "load": {}}
+    for kind in ("save", "load"):
+        keys = sorted({k for r in runs for k in r[kind]["parts"]})
+        summary[kind]["total_s"] = med(lambda r: r[kind]["total_s"])
+        summary[kind]["total_gbps"] = nbytes / summary[kind]["total_s"] / 1e9
+        for k in keys:
+            summary[kind][k] = med(lambda r, k=k: r[kind]["parts"].get(k, 0.0))
+        summary[kind]["unaccounted (python loop, allocation, rename)"] = med(lambda r: r[kind]["unaccounted_s"])
+    summary["save"]["writer.seconds (engine's own clock)"] = med(lambda r: r["save"]["writer"]["seconds"])
+    summary["save"]["bench post-sync (extra fsync of file+dir)"] = med(lambda r: r["save"]["bench_post_sync_s"])
+    summary["save"]["writer"] = runs[-1]["save"]["writer"]
+    summary["load"]["reader.seconds (engine's own clock)"] = med(lambda r: r["load"]["reader"]["seconds"])
+    summary["load"]["touch pass (bench, not in total)"] = med(lambda r: r["load"]["touch_s"])
+    summary["load"]["reader"] = runs[-1]["load"]["reader"]
+    summary["runs"] = runs
+    return summary
+
+
+def _print(summary: dict[str, Any]) -> None:
+    nb = summary["bytes"]
+    print(f"{nb / 1e9:.3f} GB, {summary['tensors']} tensors, cache {summary['cache']}, medians of {summary['repeat']}")
+    for kind in ("save", "load"):
+        s = summary[kind]
+        print(f"{kind}: total {s['total_s']:.3f}s = {s['total_gbps']:.3f} GB/s")
+        for k, v in s.items():
+            if k in ("total_s", "total_gbps") or isinstance(v, dict) or v is None:
+                continue
+            gbps = f"  ({nb / v / 1e9:6.2f} GB/s over the payload)" if v > 0.05 else ""
+            print(f"   {k:<58} {v:8.3f}s{gbps}")
+        print(f"   {json.dumps(s.get('writer') or s.get('reader'))}")
+    print("reference, same bytes, measured alone:")
+    for k, v in summary["reference"].items():
+        print(f"   {k:<58} {v:8.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size-gb", type=float, default=2.0)
+    p.add_argument("--dir", default=None)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    summary = profile(a.size_gb, a.dir, a.repeat)
+    _print(summary)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(summary, f, indent=2, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
