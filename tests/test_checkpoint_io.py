@@ -1,0 +1,499 @@
+"""Checkpoint I/O: corruption detection, crash-safe commit, the Lightning plugin, inspect/convert."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from lightning_recover.checkpoint import (
+    CheckpointCorruptError,
+    UringCheckpointIO,
+    cleanup_stale_temps,
+    load,
+    read_info,
+    save,
+)
+from lightning_recover.checkpoint import checkpoint_io as cio
+from lightning_recover.checkpoint import format as fmt
+
+
+def _state(k: int = 0, n: int = 1000) -> dict:
+    g = torch.Generator().manual_seed(k)
+    return {
+        "k": k,
+        "state_dict": {"w": torch.randn(n, generator=g), "b": torch.randn(7, generator=g),
+                       "big": torch.full((300_000,), float(k))},
+        "meta": {"name": "x", "epoch": k},
+    }
+
+
+def _assert_state(out: dict, k: int) -> None:
+    assert out["k"] == k and out["meta"]["epoch"] == k
+    torch.testing.assert_close(out["state_dict"]["w"], _state(k)["state_dict"]["w"])
+    assert bool((out["state_dict"]["big"] == float(k)).all())
+
+
+def _temps(d) -> list:
+    return [p for p in os.listdir(d) if cio.is_temp_name(p)]
+
+
+# ------------------------------------------------------------------------------------ corruption
+
+
+@pytest.fixture
+def saved(tmp_path):
+    path = tmp_path / "c.ckpt"
+    save(_state(1), path)
+    return path
+
+
+def _rewrite(path, fn) -> None:
+    data = bytearray(path.read_bytes())
+    path.write_bytes(bytes(fn(data)))
+
+
+@pytest.mark.parametrize("keep", [0, 5, 4095, 4096, 5000, "half", "minus1", "minus_footer"])
+def test_truncated_rejected(saved, keep):
+    size = saved.stat().st_size
+    n = {"half": size // 2, "minus1": size - 1, "minus_footer": size - fmt.FOOTER_SIZE}.get(keep, keep)
+    _rewrite(saved, lambda d: d[:n])
+    with pytest.raises(CheckpointCorruptError) as ei:
+        load(saved)
+    assert str(saved) in str(ei.value)
+
+
+def test_bitflip_in_data_names_extent(saved):
+    info = read_info(saved)
+    names = [t.name for t in info.index.tensors]
+    ti = names.index("state_dict/b")
+    st = info.index.storages[info.index.tensors[ti].storage]
+
+    def flip(d):
+        d[st.offset + 3] ^= 0x04
+        return d
+
+    _rewrite(saved, flip)
+    with pytest.raises(CheckpointCorruptError) as ei:
+        load(saved)
+    msg = str(ei.value)
+    assert str(saved) in msg and "state_dict/b" in msg and f"offset {st.offset}" in msg
+    assert ei.value.damaged[0]["tensors"] == ["state_dict/b"]
+    # without verification the damaged bytes load (explicit opt-out)
+    out = load(saved, verify=False)
+    assert not torch.equal(out["state_dict"]["b"], _state(1)["state_dict"]["b"])
+
+
+@pytest.mark.parametrize("where", ["index", "skeleton", "footer", "header"])
+def test_bitflip_in_metadata_rejected(saved, where):
+    info = read_info(saved)
+    size = saved.stat().st_size
+    at = {"index": info.footer.index_offset + 10, "skeleton": info.footer.skeleton_offset + 5,
+          "footer": size - fmt.FOOTER_SIZE + 20, "header": 12}[where]
+    _rewrite(saved, lambda d: d.__setitem__(at, d[at] ^ 0x80) or d)
+    with pytest.raises(CheckpointCorruptError, match=where if where != "skeleton" else "index/skeleton") as ei:
+        load(saved)
+    assert str(saved) in str(ei.value)
+
+
+def test_zero_filled_and_foreign_rejected(tmp_path, saved):
+    size = saved.stat().st_size
+    saved.write_bytes(bytes(size))
+    with pytest.raises(CheckpointCorruptError, match="zero-filled"):
+        load(saved)
+    zero_data = tmp_path / "zd.ckpt"
+    save(_state(2), zero_data)
+    info = read_info(zero_data)
+    _rewrite(zero_data, lambda d: d[:4096] + bytes(info.footer.data_end - 4096) + d[info.footer.data_end:])
+    with pytest.raises(CheckpointCorruptError, match="checksum mismatch in extent"):
+        load(zero_data)
+    pt = tmp_path / "torch.pt"
+    torch.save(_state(1), pt)
+    with pytest.raises(CheckpointCorruptError, match="zip archive") as ei:
+        load(pt)
+    assert str(pt) in str(ei.value)
+    rnd = tmp_path / "random.bin"
+    rnd.write_bytes(os.urandom(100_000))
+    with pytest.raises(CheckpointCorruptError, match="not a lightning-recover checkpoint"):
+        load(rnd)
+    empty = tmp_path / "empty.ckpt"
+    empty.write_bytes(b"")
+    with pytest.raises(CheckpointCorruptError, match="too small"):
+        load(empty)
+    # a good file with trailing garbage: footer no longer at the end
+    extended = tmp_path / "ext.ckpt"
+    save(_state(1), extended)
+    _rewrite(extended, lambda d: d + b"junk")
+    with pytest.raises(CheckpointCorruptError):
+        load(extended)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.ckpt"):
+        load(tmp_path / "nope.ckpt")
+    with pytest.raises(FileNotFoundError, match="nope.ckpt"):
+        UringCheckpointIO().load_checkpoint(tmp_path / "nope.ckpt")
+
+
+# ----------------------------------------------------------------------------- crash-safe commit
+
+
+def test_rename_failure_keeps_previous(tmp_path, monkeypatch):
+    path = tmp_path / "c.ckpt"
+    save(_state(1), path)
+    before = path.read_bytes()
+
+    def boom(src, dst):
+        raise OSError(28, "No space left on device (simulated)", src)
+
+    monkeypatch.setattr(cio.os, "rename", boom)
+    with pytest.raises(OSError, match="simulated"):
+        save(_state(2), path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert _temps(tmp_path) == []
+    _assert_state(load(path), 1)
+
+
+def test_failure_mid_write_keeps_previous_and_no_final_file(tmp_path, monkeypatch):
+    real = cio._Engine.get
+
+    class FailingWriter:
+        def __init__(self, w):
+            self.w, self.calls = w, 0
+
+        def write(self, segs):
+            self.calls += 1
+            if self.calls == 2:  # after the data, before index/footer
+                raise OSError(5, "Input/output error (simulated)")
+            return self.w.write(segs)
+
+        def close(self, size=None):
+            return self.w.close(size)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.w.__exit__(*exc)
+
+    class FailingEngine:
+        def __init__(self, eng):
+            self.eng = eng
+
+        def open_writer(self, p):
+            return FailingWriter(self.eng.open_writer(p))
+
+        def open_reader(self, p):
+            return self.eng.open_reader(p)
+
+    fresh = tmp_path / "fresh.ckpt"
+    path = tmp_path / "c.ckpt"
+    save(_state(1), path)
+    monkeypatch.setattr(cio._Engine, "get", lambda self: FailingEngine(real(self)))
+    with pytest.raises(OSError, match="simulated"):
+        save(_state(2), path)
+    with pytest.raises(OSError, match="simulated"):
+        save(_state(2), fresh)
+    monkeypatch.undo()
+    assert not fresh.exists()
+    assert _temps(tmp_path) == []
+    _assert_state(load(path), 1)
+
+
+def test_failure_while_encoding_touches_nothing(tmp_path):
+    path = tmp_path / "c.ckpt"
+    save(_state(1), path)
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("cannot pickle me")
+
+    with pytest.raises(RuntimeError, match="cannot pickle me"):
+        save({"x": torch.ones(3), "bad": Unpicklable()}, path)
+    _assert_state(load(path), 1)
+    assert sorted(os.listdir(tmp_path)) == ["c.ckpt"]
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_stale_temp_cleanup(tmp_path):
+    dead = tmp_path / f".c.ckpt.tmp-{_dead_pid()}-deadbeef"
+    mine = tmp_path / f".c.ckpt.tmp-{os.getpid()}-0123abcd"
+    live = tmp_path / f".c.ckpt.tmp-{os.getppid()}-01234567"
+    unrelated = tmp_path / ".c.ckpt.tmp-notours"
+    for p in (dead, mine, live, unrelated):
+        p.write_bytes(b"partial")
+    os.utime(live, (time.time() + 5, time.time() + 5))  # a live writer's file, newer than this process
+    save(_state(1), tmp_path / "c.ckpt")
+    assert not dead.exists()
+    assert mine.exists() and live.exists() and unrelated.exists()
+    # a live pid's file older than this process is also stale (pid reuse after a crash)
+    os.utime(live, (1_000_000, 1_000_000))
+    assert cleanup_stale_temps(str(tmp_path)) == [str(live)]
+    _assert_state(load(tmp_path / "c.ckpt"), 1)
+
+
+_WRITER = textwrap.dedent("""
+    import sys, torch
+    from lightning_recover.checkpoint import save
+    path = sys.argv[1]
+    print("ready", flush=True)
+    k = 100
+    while True:
+        save({"k": k, "w": torch.full((2_000_000,), float(k)), "v": torch.full((1000,), float(k))}, path)
+        k += 1
+""")
+
+
+def test_sigkill_mid_save_leaves_previous_loadable(tmp_path):
+    path = tmp_path / "k.ckpt"
+    save({"k": 0, "w": torch.full((2_000_000,), 0.0), "v": torch.full((1000,), 0.0)}, path)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    rng = random.Random(1234)
+    dead_pids = []
+    for _ in range(3):
+        proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(path)], stdout=subprocess.PIPE, env=env)
+        try:
+            ready, _, _ = select.select([proc.stdout], [], [], 60)
+            assert ready, "writer did not start"
+            assert proc.stdout.readline().strip() == b"ready"
+            time.sleep(rng.uniform(0.05, 0.6))
+        finally:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+            proc.stdout.close()
+        dead_pids.append(proc.pid)
+        out = load(path)
+        k = out["k"]
+        assert bool((out["w"] == float(k)).all()) and bool((out["v"] == float(k)).all())
+    # temporaries of the killed writers are ignored by the loader and removed by the next save
+    save({"k": -1}, path)
+    assert not [n for n in _temps(tmp_path) if any(f"-{pid}-" in n for pid in dead_pids)]
+    assert load(path) == {"k": -1}
+
+
+# ---------------------------------------------------------------------------------------- plugin
+
+
+def test_plugin_contract(tmp_path):
+    io = UringCheckpointIO()
+    path = tmp_path / "deep" / "dir" / "p.ckpt"
+    io.save_checkpoint(_state(3), path)
+    _assert_state(io.load_checkpoint(path), 3)
+    with pytest.raises(TypeError, match="storage_options"):
+        io.save_checkpoint(_state(3), path, storage_options={"x": 1})
+    io.remove_checkpoint(path)
+    assert not path.exists()
+    io.remove_checkpoint(path)  # removing twice is fine
+    io.teardown()
+    io.save_checkpoint(_state(4), path)  # the engine is recreated lazily after teardown
+    _assert_state(io.load_checkpoint(path, map_location="cpu"), 4)
+
+
+def test_plugin_weights_only(tmp_path):
+    path = tmp_path / "w.ckpt"
+    UringCheckpointIO().save_checkpoint({"obj": _Custom(5)}, path)
+    with pytest.raises(Exception, match="_Custom"):
+        UringCheckpointIO().load_checkpoint(path)
+    assert UringCheckpointIO().load_checkpoint(path, weights_only=False)["obj"].v == 5
+    assert UringCheckpointIO(weights_only=False).load_checkpoint(path)["obj"].v == 5
+    with pytest.raises(Exception, match="_Custom"):
+        UringCheckpointIO(weights_only=False).load_checkpoint(path, weights_only=True)
+
+
+class _Custom:
+    def __init__(self, v):
+        self.v = v
+
+
+def test_plugin_accepted_by_trainer_and_fabric():
+    from lightning.fabric import Fabric
+    from lightning.pytorch import Trainer
+
+    io = UringCheckpointIO()
+    trainer = Trainer(plugins=[io], accelerator="cpu", logger=False, enable_progress_bar=False,
+                      enable_model_summary=False)
+    assert trainer.strategy.checkpoint_io is io
+    fabric = Fabric(plugins=[UringCheckpointIO()], accelerator="cpu")
+    assert isinstance(fabric.strategy.checkpoint_io, UringCheckpointIO)
+
+
+def test_fabric_save_load(tmp_path):
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(plugins=[UringCheckpointIO()], accelerator="cpu", devices=1)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    fabric.save(tmp_path / "f.ckpt", {"model": model, "optimizer": opt, "step": 11})
+    model2 = torch.nn.Linear(4, 3)
+    opt2 = torch.optim.AdamW(model2.parameters())
+    rest = fabric.load(tmp_path / "f.ckpt", {"model": model2, "optimizer": opt2})
+    assert rest == {"step": 11}
+    torch.testing.assert_close(model2.state_dict(), model.state_dict())
+    torch.testing.assert_close(opt2.state_dict()["state"], opt.state_dict()["state"])
+    full = fabric.load(tmp_path / "f.ckpt")
+    assert full["step"] == 11 and set(full) == {"model", "optimizer", "step"}
+
+
+def _tiny_module_cls():
+    import lightning.pytorch as pl
+
+    class Tiny(pl.LightningModule):
+        def __init__(self, lr: float = 0.05, hidden: int = 8):
+            super().__init__()
+            self.save_hyperparameters()
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.net(x), y)
+            self.log("step_metric", float(self.global_step))
+            return loss
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)}
+
+        def train_dataloader(self):
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(32, 4, generator=g)
+            ds = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+            return torch.utils.data.DataLoader(ds, batch_size=8, shuffle=False)
+
+    return Tiny
+
+
+def _trainer(tmp_path, max_epochs, callbacks=(), io=None):
+    from lightning.pytorch import Trainer
+
+    return Trainer(default_root_dir=tmp_path, max_epochs=max_epochs, accelerator="cpu", devices=1, logger=False,
+                   enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks),
+                   plugins=[io or UringCheckpointIO()], deterministic=True)
+
+
+def test_trainer_modelcheckpoint_and_resume(tmp_path):
+    from lightning.pytorch import seed_everything
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    Tiny = _tiny_module_cls()
+    seed_everything(7)
+    ref = Tiny()
+    _trainer(tmp_path / "ref", 4, io=UringCheckpointIO()).fit(ref)
+
+    seed_everything(7)
+    first = Tiny()
+    ckdir = tmp_path / "ck"
+    mc = ModelCheckpoint(dirpath=ckdir, save_top_k=2, monitor="step_metric", mode="max", every_n_train_steps=2,
+                         save_last=True)
+    _trainer(tmp_path / "a", 2, [mc]).fit(first)
+    files = sorted(p for p in os.listdir(ckdir) if not p.startswith("."))
+    assert "last.ckpt" in files
+    assert len([f for f in files if f != "last.ckpt"]) == 2, files  # save_top_k removed the older ones
+    assert _temps(ckdir) == []
+    ck = load(ckdir / "last.ckpt", map_location="cpu")
+    assert ck["global_step"] == 8 and ck["hyper_parameters"]["lr"] == 0.05
+
+    seed_everything(7)
+    resumed = Tiny()
+    mc2 = ModelCheckpoint(dirpath=ckdir, save_top_k=2, monitor="step_metric", mode="max", every_n_train_steps=2,
+                          save_last=True)
+    trainer = _trainer(tmp_path / "b", 4, [mc2])
+    trainer.fit(resumed, ckpt_path=str(ckdir / "last.ckpt"))
+    assert trainer.global_step == 16
+    torch.testing.assert_close(resumed.state_dict(), ref.state_dict())
+    files = sorted(p for p in os.listdir(ckdir) if not p.startswith("."))
+    assert len([f for f in files if f != "last.ckpt"]) == 2, files
+
+
+# ------------------------------------------------------------------------------------- inspect/convert
+
+
+def _ns(**kw):
+    return argparse.Namespace(**kw)
+
+
+def test_inspect_ok_and_damaged(tmp_path, capsys):
+    from lightning_recover.checkpoint.tools import inspect_main
+
+    path = tmp_path / "i.ckpt"
+    save(_state(1), path)
+    assert inspect_main(_ns(checkpoint=str(path), no_verify=False, json=False)) == 0
+    out = capsys.readouterr().out
+    assert "state_dict/w" in out and "float32" in out and "OK" in out and "format version 1" in out
+    assert inspect_main(_ns(checkpoint=str(path), no_verify=False, json=True)) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] and doc["num_tensors"] == 3 and {t["name"] for t in doc["tensors"]} >= {"state_dict/big"}
+
+    info = read_info(path)
+    st = info.index.storages[[t.name for t in info.index.tensors].index("state_dict/big")]
+    _rewrite(path, lambda d: d.__setitem__(st.offset + 100, d[st.offset + 100] ^ 1) or d)
+    assert inspect_main(_ns(checkpoint=str(path), no_verify=True, json=False)) == 0
+    capsys.readouterr()
+    assert inspect_main(_ns(checkpoint=str(path), no_verify=False, json=False)) == 1
+    out = capsys.readouterr().out
+    assert "DAMAGED" in out and "state_dict/big" in out and str(st.offset) in out
+
+    bad = tmp_path / "bad.ckpt"
+    bad.write_bytes(os.urandom(10_000))
+    assert inspect_main(_ns(checkpoint=str(bad), no_verify=False, json=False)) == 2
+
+
+def test_convert_to_torch_save(tmp_path, capsys):
+    from lightning_recover.checkpoint.tools import convert_main
+
+    path = tmp_path / "c.ckpt"
+    ck = {"state_dict": {"w": torch.randn(3, 3)}, "epoch": 1}
+    ck["state_dict"]["v"] = ck["state_dict"]["w"][1]
+    save(ck, path)
+    out = tmp_path / "sub" / "c.pt"
+    assert convert_main(_ns(checkpoint=str(path), output=str(out), unsafe_pickle=False)) == 0
+    loaded = torch.load(out, weights_only=False)
+    torch.testing.assert_close(loaded["state_dict"], ck["state_dict"])
+    assert loaded["state_dict"]["v"].untyped_storage().data_ptr() == loaded["state_dict"]["w"].untyped_storage().data_ptr()
+
+    save({"obj": _Custom(1)}, path)
+    assert convert_main(_ns(checkpoint=str(path), output=str(out), unsafe_pickle=False)) == 3
+    assert "--unsafe-pickle" in capsys.readouterr().err
+
+
+def test_cli_subprocess(tmp_path):
+    from lightning.pytorch import Trainer
+
+    path = tmp_path / "c.ckpt"
+    Tiny = _tiny_module_cls()
+    model = Tiny()
+    trainer = Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False, plugins=[UringCheckpointIO()],
+                      default_root_dir=tmp_path)
+    trainer.fit(model)
+    trainer.save_checkpoint(path)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    r = subprocess.run([sys.executable, "-m", "lightning_recover.cli", "inspect", str(path)], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "net.0.weight" in r.stdout and "OK" in r.stdout
+    out = tmp_path / "c.pt"
+    r = subprocess.run([sys.executable, "-m", "lightning_recover.cli", "convert", str(path), str(out)],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    # the converted file is a regular Lightning checkpoint
+    restored = Tiny.load_from_checkpoint(out, weights_only=False)
+    torch.testing.assert_close(restored.state_dict(), model.state_dict())
