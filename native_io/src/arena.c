@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 #include "nio.h"
 
 void *nio_aligned_alloc(size_t size)
@@ -42,6 +43,7 @@ int nio_ctx_create(int kind, size_t block_size, unsigned qd,
 		return ENOMEM;
 	}
 	ctx->kind = kind;
+	ctx->pid = getpid();
 	ctx->block_size = block_size;
 	ctx->qd = qd;
 	ctx->nslots = qd + 1;

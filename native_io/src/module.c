@@ -124,7 +124,13 @@ static struct nio_ctx *engine_take_ctx(EngineObject *eng, int kind)
 
 	if (ctx) {
 		eng->cache[kind] = NULL;
-		return ctx;
+		if (ctx->pid == getpid())
+			return ctx;
+		/*
+		 * Inherited across fork(): the worker threads / ring belong to
+		 * the parent. Abandon it (a one-time leak in the child).
+		 */
+		ctx = NULL;
 	}
 	Py_BEGIN_ALLOW_THREADS
 	err = nio_ctx_create(kind, eng->block_size, eng->qd, &ctx, why,
@@ -151,8 +157,8 @@ static void destroy_ctx_nogil(struct nio_ctx *ctx)
 
 static void engine_return_ctx(EngineObject *eng, struct nio_ctx *ctx)
 {
-	if (!ctx)
-		return;
+	if (!ctx || ctx->pid != getpid())
+		return;	/* see engine_take_ctx: never touch a parent's ctx */
 	if (!ctx->broken && !ctx->inflight && !eng->cache[ctx->kind]) {
 		eng->cache[ctx->kind] = ctx;
 		return;
@@ -166,7 +172,7 @@ static void engine_release_all(EngineObject *eng)
 		struct nio_ctx *ctx = eng->cache[k];
 
 		eng->cache[k] = NULL;
-		if (ctx)
+		if (ctx && ctx->pid == getpid())
 			destroy_ctx_nogil(ctx);
 	}
 }
@@ -563,6 +569,17 @@ typedef struct {
 	PyObject *reason;
 } WriterObject;
 
+static int fork_check(struct nio_ctx *ctx, const char *what)
+{
+	if (ctx && ctx->pid != getpid()) {
+		PyErr_Format(PyExc_RuntimeError,
+			     "native_io: this %s was opened in another process (fork); open it again here",
+			     what);
+		return -1;
+	}
+	return 0;
+}
+
 static int busy_check(int busy, int closed, const char *what)
 {
 	if (busy) {
@@ -624,7 +641,7 @@ static void writer_discard(WriterObject *self)
 {
 	if (self->closed)
 		return;
-	if (self->ctx) {
+	if (self->ctx && self->ctx->pid == getpid()) {
 		Py_BEGIN_ALLOW_THREADS
 		nio_writer_abort(&self->w);
 		Py_END_ALLOW_THREADS
@@ -644,7 +661,8 @@ static PyObject *Writer_write(WriterObject *self, PyObject *segments)
 	PyObject *res;
 	int rc = 0;
 
-	if (busy_check(self->busy, self->closed, "writer"))
+	if (busy_check(self->busy, self->closed, "writer") ||
+	    fork_check(self->ctx, "writer"))
 		return NULL;
 	if (self->failed)
 		return raise_io(self->failed, self->path, "write", 0, 0,
@@ -689,7 +707,8 @@ static PyObject *Writer_close(WriterObject *self, PyObject *args,
 		return NULL;
 	if (self->closed)
 		Py_RETURN_NONE;
-	if (busy_check(self->busy, 0, "writer"))
+	if (busy_check(self->busy, 0, "writer") ||
+	    fork_check(self->ctx, "writer"))
 		return NULL;
 	if (size_obj != Py_None) {
 		size = PyLong_AsUnsignedLongLong(size_obj);
@@ -765,6 +784,17 @@ static PyObject *Writer_exit(WriterObject *self, PyObject *args)
 
 static void Writer_dealloc(WriterObject *self)
 {
+	if (!self->closed) {
+		PyObject *et, *ev, *tb;
+
+		/* unflushed data is dropped: say so, like an unclosed file */
+		PyErr_Fetch(&et, &ev, &tb);
+		if (PyErr_ResourceWarning((PyObject *)self, 1,
+					  "native_io writer for %R was never closed; staged data discarded",
+					  self->path ? self->path : Py_None) < 0)
+			PyErr_WriteUnraisable((PyObject *)self);
+		PyErr_Restore(et, ev, tb);
+	}
 	writer_discard(self);
 	Py_CLEAR(self->eng);
 	Py_CLEAR(self->path);
@@ -897,7 +927,8 @@ static PyObject *Reader_read(ReaderObject *self, PyObject *segments)
 	uint64_t io = 0;
 	int rc;
 
-	if (busy_check(self->busy, self->closed, "reader"))
+	if (busy_check(self->busy, self->closed, "reader") ||
+	    fork_check(self->ctx, "reader"))
 		return NULL;
 	if (segs_parse(segments, 1, NULL, &S))
 		return NULL;

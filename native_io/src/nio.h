@@ -86,6 +86,7 @@ struct nio_ctx {
 	struct nio_req *reqs;	/* nslots */
 	unsigned inflight;	/* transfers handed to the backend */
 	int broken;		/* backend failed: never reuse */
+	pid_t pid;		/* creator; threads and rings do not survive fork */
 	const struct nio_backend *be;
 	void *priv;
 };

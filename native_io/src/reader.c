@@ -128,6 +128,32 @@ static void retire(struct nio_rseg *segs, size_t nsegs, const struct rop *op,
 	}
 }
 
+/*
+ * Plan and submit transfers while a ring entry is free and fewer than qd
+ * transfers are in flight. Ring entry i owns arena slot i.
+ */
+static void fill_queue(struct nio_ctx *ctx, struct planner *P,
+		       struct rop *ops, int fd, int direct, unsigned *head,
+		       unsigned *count, int *planned_all)
+{
+	while (!*planned_all && *count < ctx->nslots &&
+	       ctx->inflight < ctx->qd) {
+		struct rop *op = &ops[*head];
+		struct nio_req *req = &ctx->reqs[*head];
+
+		if (!plan_next(P, op)) {
+			*planned_all = 1;
+			return;
+		}
+		nio_req_setup(req, fd, NIO_OP_READ, direct,
+			      op->to_dest ? op->dest : nio_slot(ctx, *head),
+			      op->foff, op->len, op->need);
+		nio_req_start(ctx, req);
+		*head = (*head + 1) % ctx->nslots;
+		(*count)++;
+	}
+}
+
 int nio_read_segments(struct nio_ctx *ctx, int fd, int direct,
 		      uint64_t file_size, struct nio_rseg *segs, size_t nsegs,
 		      uint64_t *io_bytes, struct nio_error *e)
@@ -154,22 +180,8 @@ int nio_read_segments(struct nio_ctx *ctx, int fd, int direct,
 	for (;;) {
 		struct nio_req *req;
 
-		/* keep the queue full (the retiring slot is not in flight) */
-		while (!planned_all && count < n && ctx->inflight < ctx->qd) {
-			struct rop *op = &ops[head];
-
-			if (!plan_next(&P, op)) {
-				planned_all = 1;
-				break;
-			}
-			req = &ctx->reqs[head];
-			nio_req_setup(req, fd, NIO_OP_READ, direct,
-				      op->to_dest ? op->dest : nio_slot(ctx, head),
-				      op->foff, op->len, op->need);
-			nio_req_start(ctx, req);
-			head = (head + 1) % n;
-			count++;
-		}
+		/* keep the queue full */
+		fill_queue(ctx, &P, ops, fd, direct, &head, &count, &planned_all);
 		if (!count)
 			break;
 		req = &ctx->reqs[tail];
@@ -187,23 +199,11 @@ int nio_read_segments(struct nio_ctx *ctx, int fd, int direct,
 			e->off = req->err_off;
 			goto fail;
 		}
-		/* refill before the copy-out so the device stays busy */
-		while (!planned_all && count < n && ctx->inflight < ctx->qd) {
-			struct rop *op = &ops[head];
-			struct nio_req *nreq;
-
-			if (!plan_next(&P, op)) {
-				planned_all = 1;
-				break;
-			}
-			nreq = &ctx->reqs[head];
-			nio_req_setup(nreq, fd, NIO_OP_READ, direct,
-				      op->to_dest ? op->dest : nio_slot(ctx, head),
-				      op->foff, op->len, op->need);
-			nio_req_start(ctx, nreq);
-			head = (head + 1) % n;
-			count++;
-		}
+		/*
+		 * The oldest transfer has landed and is no longer in flight:
+		 * refill before its copy-out so the device stays busy.
+		 */
+		fill_queue(ctx, &P, ops, fd, direct, &head, &count, &planned_all);
 		retire(segs, nsegs, &ops[tail], nio_slot(ctx, tail));
 		*io_bytes += req->done;
 		req->state = NIO_REQ_IDLE;
