@@ -1,0 +1,168 @@
+"""The replica-side engine shared by the Fabric and the Trainer strategies.
+
+``RecoverCore`` owns this replica's :class:`ReplicaGroup` (membership, heartbeats, decisions)
+and :class:`StepProtocol` (quota, reduce, in-step recovery), fires injected faults at the named
+phases, and offers the small collectives Lightning needs (metrics, barrier, broadcast) over the
+replicas that are alive now. The strategies are thin adapters around it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from lightning_recover.faults import FaultInjector
+from lightning_recover.launcher import ENV_ADDR, ENV_REPLICA, ENV_REPLICAS
+from lightning_recover.membership import ReplicaGroup
+from lightning_recover.step import StepProtocol, StepStats
+
+
+@dataclass
+class RecoverOptions:
+    """Options of ``strategy="recover"``; see ``RecoverStrategy`` for their meaning."""
+
+    microbatches: Optional[int] = None
+    quota: str = "equal"
+    heartbeat_interval: float = 0.1
+    heartbeat_timeout: float = 1.0
+    join_timeout: float = 60.0
+    collective_timeout: float = 60.0
+    startup_timeout: float = 300.0
+    restarts: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.quota not in ("equal", "throughput"):
+            raise ValueError(f"quota must be 'equal' or 'throughput', got {self.quota!r}")
+        for name in ("heartbeat_interval", "heartbeat_timeout", "join_timeout", "collective_timeout",
+                     "startup_timeout"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.heartbeat_timeout <= 2 * self.heartbeat_interval:
+            raise ValueError(
+                f"heartbeat_timeout ({self.heartbeat_timeout}s) must exceed twice heartbeat_interval "
+                f"({self.heartbeat_interval}s), or healthy replicas would be declared dead. "
+                "HINT: heartbeat_timeout >= 5 x heartbeat_interval is a safe choice."
+            )
+        if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
+            raise ValueError(f"microbatches must be a positive integer, got {self.microbatches!r}")
+        if not isinstance(self.restarts, int) or self.restarts < 0:
+            raise ValueError(f"restarts must be a non-negative integer, got {self.restarts!r}")
+
+    def resolve_microbatches(self, replicas: int) -> int:
+        M = self.microbatches if self.microbatches is not None else replicas
+        if M < replicas:
+            raise ValueError(
+                f"microbatches={M} is smaller than the number of replicas ({replicas}): some replica would "
+                f"have nothing to compute. HINT: use microbatches >= {replicas} (a multiple of it balances best)."
+            )
+        return M
+
+    def validate(self, replicas: int) -> None:
+        self.resolve_microbatches(replicas)
+
+
+class RecoverCore:
+    """This replica's side of the protocol."""
+
+    def __init__(self, options: RecoverOptions, addr: str, replica: int, num_replicas: int,
+                 params: Callable[[], Sequence[torch.nn.Parameter]]) -> None:
+        self.options = options
+        self.M = options.resolve_microbatches(num_replicas)
+        self.group = ReplicaGroup(addr, replica, num_replicas, heartbeat_interval=options.heartbeat_interval,
+                                  join_timeout=options.join_timeout, collective_timeout=options.collective_timeout,
+                                  startup_timeout=options.startup_timeout)
+        self.protocol = StepProtocol(self.group, self.M, params, quota=options.quota)
+        self.step: int = -1
+        self._backward_seen = False
+        self._forward_seen = False
+        self.history: list[StepStats] = []
+
+    @classmethod
+    def from_env(cls, options: RecoverOptions, params: Callable[[], Sequence[torch.nn.Parameter]]) -> RecoverCore:
+        missing = [v for v in (ENV_ADDR, ENV_REPLICA, ENV_REPLICAS) if v not in os.environ]
+        if missing:
+            raise RuntimeError(f"replica environment incomplete (missing {', '.join(missing)}). HINT: start replicas "
+                               "with `fabric.launch()`, `lightning-recover run` or `lightning-recover torchrun`.")
+        return cls(options, os.environ[ENV_ADDR], int(os.environ[ENV_REPLICA]), int(os.environ[ENV_REPLICAS]),
+                   params)
+
+    def start(self) -> None:
+        atexit.register(self.close)  # Fabric has no end-of-run hook: leave the group at exit
+        self.group.connect()
+        self.protocol.injector = FaultInjector.from_env(self.group.replica, self.group.incarnation)
+        self.group.form_initial()
+
+    def close(self) -> None:
+        self.group.close()
+
+    # ------------------------------------------------------------------ steps
+    def run_step(self, step: int) -> Iterator[int]:
+        self.step = step
+        self._forward_seen = self._backward_seen = False
+        yield from self.protocol.run(step)
+        stats = self.protocol.last
+        self.history.append(stats)
+        if stats.recoveries:
+            self.say(f"step {step}: recovered in {stats.recovery_seconds:.3f}s; generation {stats.generation}, "
+                     f"{stats.live_replicas} live replicas; this replica recomputed {stats.recomputed} microbatches")
+
+    def fire(self, phase: str) -> None:
+        if self.step < 0:
+            return
+        if phase == "forward":
+            if self._forward_seen:
+                return
+            self._forward_seen = True
+        self.protocol.fire(self.step, phase)
+
+    def before_backward(self, loss: torch.Tensor) -> None:
+        if self.step >= 0:
+            self.protocol.record_loss(loss)
+            if not self._backward_seen:
+                self._backward_seen = True
+                self.protocol.fire(self.step, "backward")
+
+    def say(self, message: str) -> None:
+        """One line per event, printed by the lowest live replica only."""
+        if self.group.gen is not None and self.group.rank == 0:
+            print(f"[lightning-recover] {message}", file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------ collectives over live replicas
+    def all_reduce(self, tensor: torch.Tensor, reduce_op: Any = "mean") -> torch.Tensor:
+        op = str(getattr(reduce_op, "name", reduce_op)).lower()
+        values = self.group.exchange(tensor.detach().cpu())
+        stacked = torch.stack([values[r] for r in sorted(values)])
+        if op in ("sum",):
+            out = stacked.sum(0)
+        elif op in ("mean", "avg"):
+            out = stacked.float().mean(0) if not stacked.is_floating_point() else stacked.mean(0)
+        elif op == "max":
+            out = stacked.max(0).values
+        elif op == "min":
+            out = stacked.min(0).values
+        else:
+            raise ValueError(f"reduce_op {reduce_op!r} is not supported by strategy='recover' (sum, mean, max, min)")
+        return out.to(tensor.device)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        values = self.group.exchange(tensor.detach().cpu())
+        return torch.stack([values[r] for r in sorted(values)]).to(tensor.device)
+
+    def barrier(self) -> None:
+        self.group.exchange(None)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self.group.broadcast_object(obj, src)
+
+    def elect_writer(self) -> bool:
+        """All live replicas agree on one writer: the lowest replica id among them."""
+        return min(self.group.exchange(None)) == self.group.replica

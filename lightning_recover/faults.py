@@ -1,0 +1,101 @@
+"""Fault injection for tests and demos.
+
+A fault is written ``KIND:replica=R:step=S:phase=P`` (several separated by ``,`` or ``;``), e.g.
+``kill:replica=2:step=5:phase=backward``. It is given to the launcher with ``--inject`` or to a
+replica through the ``LIGHTNING_RECOVER_INJECT`` environment variable.
+
+Kinds: ``kill`` (SIGKILL of the replica process), ``hang`` (SIGSTOP: the process is frozen, its
+heartbeats stop, only the staleness threshold can reveal it) and ``raise`` (an exception inside
+the replica, which then exits with a traceback).
+
+Phases, in the order they happen in a step: ``forward`` (first forward of the step),
+``backward`` (first backward), ``reduce`` (just before the gradient all-reduce is issued),
+``commit`` (after this replica reported its reduce as done, before the commit is decided),
+``optimizer`` (inside the optimizer step, after the commit).
+
+A fault fires only in the first incarnation of a replica (a restarted replica does not kill
+itself again) unless ``incarnation=K`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+from lightning_recover.errors import InjectedFault
+
+ENV_VAR = "LIGHTNING_RECOVER_INJECT"
+KINDS = ("kill", "hang", "raise")
+PHASES = ("forward", "backward", "reduce", "commit", "optimizer")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    replica: int
+    step: int
+    phase: str
+    incarnation: int = 1
+
+    def __str__(self) -> str:
+        return f"{self.kind}:replica={self.replica}:step={self.step}:phase={self.phase}"
+
+
+def parse_faults(spec: str | None) -> list[Fault]:
+    """Parse a fault list; raises ``ValueError`` naming the bad item and the expected form."""
+    faults: list[Fault] = []
+    if not spec:
+        return faults
+    for item in spec.replace(";", ",").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        kind, *fields = item.split(":")
+        if kind not in KINDS:
+            raise ValueError(f"fault {item!r}: kind must be one of {', '.join(KINDS)} (e.g. kill:replica=1:step=3:phase=backward)")
+        values: dict[str, str] = {}
+        for field in fields:
+            key, sep, value = field.partition("=")
+            if not sep or key not in ("replica", "step", "phase", "incarnation"):
+                raise ValueError(f"fault {item!r}: bad field {field!r}; expected replica=R, step=S, phase=P[, incarnation=K]")
+            values[key] = value
+        missing = {"replica", "step", "phase"} - values.keys()
+        if missing:
+            raise ValueError(f"fault {item!r}: missing {', '.join(sorted(missing))} (e.g. {kind}:replica=1:step=3:phase=backward)")
+        if values["phase"] not in PHASES:
+            raise ValueError(f"fault {item!r}: phase must be one of {', '.join(PHASES)}")
+        try:
+            fault = Fault(kind, int(values["replica"]), int(values["step"]), values["phase"], int(values.get("incarnation", 1)))
+        except ValueError:
+            raise ValueError(f"fault {item!r}: replica, step and incarnation must be integers") from None
+        if fault.replica < 0 or fault.step < 0:
+            raise ValueError(f"fault {item!r}: replica and step must be >= 0")
+        faults.append(fault)
+    return faults
+
+
+class FaultInjector:
+    """Fires the faults planned for one replica incarnation at the matching (step, phase)."""
+
+    def __init__(self, faults: list[Fault], replica: int, incarnation: int) -> None:
+        self._pending = {(f.step, f.phase): f for f in faults if f.replica == replica and f.incarnation == incarnation}
+
+    @classmethod
+    def from_env(cls, replica: int, incarnation: int) -> FaultInjector:
+        return cls(parse_faults(os.environ.get(ENV_VAR)), replica, incarnation)
+
+    def __bool__(self) -> bool:
+        return bool(self._pending)
+
+    def maybe_fire(self, step: int, phase: str) -> None:
+        fault = self._pending.pop((step, phase), None)
+        if fault is None:
+            return
+        print(f"[lightning-recover] injecting fault {fault}", flush=True)
+        if fault.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.kind == "hang":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            raise InjectedFault(f"injected fault {fault}")

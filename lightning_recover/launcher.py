@@ -1,0 +1,187 @@
+"""The tolerant local launcher: one process per replica, survivors are never killed.
+
+Lightning's stock launcher kills every rank when one dies, and torchrun's agent restarts its
+whole group. This supervisor instead starts the coordinator and one process per replica, tells
+the coordinator at once when a replica process exits (so survivors need not wait for heartbeats),
+optionally restarts it, and when the survivors are done ends what is left (a hung replica stays
+SIGSTOPped until then). Its exit code is 0 when at least one replica finished successfully.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_recover import coordinator
+from lightning_recover.faults import ENV_VAR as ENV_INJECT
+from lightning_recover.faults import parse_faults
+
+ENV_REPLICA = "LIGHTNING_RECOVER_REPLICA"
+ENV_REPLICAS = "LIGHTNING_RECOVER_REPLICAS"
+ENV_ADDR = coordinator.ENV_ADDR
+
+
+def in_replica() -> bool:
+    """True inside a replica process started by a lightning-recover launcher."""
+    return ENV_REPLICA in os.environ
+
+
+def _prefix() -> str:
+    return "[lightning-recover]"
+
+
+@dataclass
+class _Child:
+    replica: int
+    proc: subprocess.Popen
+    restarts: int = 0
+    exit_code: int | None = None
+    history: list[str] = field(default_factory=list)
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except OSError:
+        return False
+
+
+def supervise(
+    command: Sequence[str],
+    replicas: int,
+    *,
+    heartbeat_timeout: float = 1.0,
+    inject: str | None = None,
+    restarts: int = 0,
+    host: str = "127.0.0.1",
+    extra_env: dict[str, str] | None = None,
+    on_event: Callable[[str], Any] | None = None,
+) -> int:
+    """Run ``command`` once per replica under a fresh coordinator; return the job's exit code."""
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    if heartbeat_timeout <= 0:
+        raise ValueError(f"heartbeat_timeout must be > 0 seconds, got {heartbeat_timeout}")
+    parse_faults(inject)  # validate before starting anything
+    say = on_event or (lambda line: print(f"{_prefix()} {line}", file=sys.stderr, flush=True))
+    coord = coordinator.start(replicas, heartbeat_timeout, host=host)
+    store = coordinator.connect(coord.addr)
+    env = dict(os.environ, **(extra_env or {}))
+    env[ENV_ADDR] = coord.addr
+    env[ENV_REPLICAS] = str(replicas)
+    env.setdefault("OMP_NUM_THREADS", "1")  # spinning OpenMP threads make gloo 20x slower on small machines
+    if inject:
+        env[ENV_INJECT] = inject
+
+    def spawn(r: int) -> subprocess.Popen:
+        return subprocess.Popen(list(command), env=dict(env, **{ENV_REPLICA: str(r)}))
+
+    children = [_Child(r, spawn(r)) for r in range(replicas)]
+    say(f"coordinator at {coord.addr}; started {replicas} replicas: {' '.join(command)}")
+    interrupted = False
+
+    def _forward(signum: int, _frame: Any) -> None:
+        nonlocal interrupted
+        interrupted = True
+        for c in children:
+            if c.proc.poll() is None:
+                c.proc.send_signal(signum)
+
+    old = {s: signal.signal(s, _forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            running = 0
+            for c in children:
+                if c.exit_code is not None:
+                    continue
+                code = c.proc.poll()
+                if code is None:
+                    running += not _stopped(c.proc.pid)
+                    continue
+                c.history.append(_describe(code))
+                if code != 0:
+                    try:
+                        coordinator.mark_dead(store, c.replica)
+                    except Exception:
+                        pass  # the coordinator itself is gone; replicas notice on their own
+                    say(f"replica {c.replica} failed ({_describe(code)})")
+                    if c.restarts < restarts and not interrupted:
+                        c.restarts += 1
+                        say(f"restarting replica {c.replica} ({c.restarts}/{restarts})")
+                        c.proc = spawn(c.replica)
+                        running += 1
+                        continue
+                c.exit_code = code
+            if running == 0:
+                break
+            if coord.proc.poll() is not None and not interrupted:
+                say(f"the coordinator exited ({_describe(coord.proc.returncode)}); replicas will stop")
+            time.sleep(0.01)
+        for c in children:
+            if c.exit_code is None:  # hung (SIGSTOPped) replicas: nobody will resume them
+                c.proc.kill()
+                c.proc.wait()
+                c.exit_code = c.proc.returncode
+                c.history.append("hung, killed at the end")
+                say(f"replica {c.replica} was hung; killed it")
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        for c in children:
+            if c.proc.poll() is None:
+                c.proc.kill()
+                c.proc.wait()
+        coord.stop()
+    ok = [c.replica for c in children if c.exit_code == 0]
+    say("done: " + ", ".join(f"replica {c.replica}: {'; '.join(c.history)}" for c in children))
+    return 0 if ok and not interrupted else 1
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise SystemExit("lightning-recover run: give the command after --, e.g. -- python train.py")
+    return supervise(command, args.replicas, heartbeat_timeout=args.heartbeat_timeout, inject=args.inject,
+                     restarts=args.restarts, host=args.host)
+
+
+def _cmd_coordinator(args: argparse.Namespace) -> int:
+    coordinator.serve(args.host, args.port, args.replicas, args.heartbeat_timeout)
+    return 0
+
+
+def add_subcommands(sub: Any) -> None:
+    p = sub.add_parser("run", help="run a script once per replica under a tolerant launcher")
+    p.add_argument("--replicas", type=int, required=True)
+    p.add_argument("--inject", default=None, help="faults, e.g. kill:replica=2:step=5:phase=backward")
+    p.add_argument("--heartbeat-timeout", type=float, default=1.0)
+    p.add_argument("--restarts", type=int, default=0, help="restart a failed replica up to K times")
+    p.add_argument("--host", default="127.0.0.1", help="coordinator bind address")
+    p.add_argument("command", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser("coordinator", help="run only the coordinator (multi-node jobs)")
+    coordinator.add_arguments(p)
+    p.set_defaults(func=_cmd_coordinator)

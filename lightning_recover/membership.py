@@ -1,0 +1,396 @@
+"""Generations of live replicas, and the decisions every member reads identically.
+
+A *generation* G is a numbered set of live replicas with its own gloo process group (built
+over ``PrefixStore(f"pg/g{G}", store)``, so two generations never share a key). A generation
+ends when one of its members dies, hangs or leaves; its survivors then form G+1:
+
+1. A survivor that sees the failure first settles the open step's decision for G as ``retry``
+   (``compare_set``: if the step had already been decided ``commit``, that answer stands and
+   everybody applies it) and proposes G+1 (``compare_set("gen/latest", G, G+1)``).
+2. Every member of G that is still alive joins round G+1, publishing what it holds of the open
+   step (which microbatch ids its local gradient sum covers).
+3. Once every member of G is either joined or declared dead, the first joiner to notice writes the
+   member list of G+1 with ``compare_set``; every joiner reads that same list.
+4. A replica missing from the list it reads was excluded (it was suspected dead): it must never
+   apply another step, and raises :class:`ReplicaExcludedError`.
+
+Failures are seen in three ways: a collective raises (a killed peer closes its sockets), the
+coordinator declares a member dead (heartbeat stale: a hung peer; or the launcher saw the process
+exit), or another member already proposed the next generation. All waits are sliced so that each
+of these is noticed within a few milliseconds, never after a long collective timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import pickle
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_recover import coordinator
+from lightning_recover.errors import CoordinatorLostError, MembershipChanged, ReplicaExcludedError
+
+_POLL_MIN = 0.0005
+_POLL_MAX = 0.005
+
+
+class Heartbeat:
+    """Bumps ``hb/{replica}`` every ``interval`` seconds on its own store connection."""
+
+    def __init__(self, store: dist.TCPStore, replica: int, interval: float) -> None:
+        self._store = store.clone()
+        self._key = f"hb/{replica}"
+        self._interval = interval
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"lr-heartbeat-{replica}", daemon=True)
+
+    def start(self) -> None:
+        self._store.add(self._key, 1)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self._store.add(self._key, 1)
+            except Exception as exc:
+                self.error = exc
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+@dataclass
+class Generation:
+    number: int
+    members: list[int]  # sorted replica ids
+    incarnations: dict[int, int]  # replica -> incarnation that joined
+    payloads: dict[int, dict]  # replica -> what it published when joining
+    pg: Any = None  # ProcessGroupGloo among members (None until built)
+    rank: int = 0
+    graveyard: list = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+
+class ReplicaGroup:
+    """One replica's view of the group: membership, heartbeats, process groups, decisions."""
+
+    def __init__(
+        self,
+        coordinator_addr: str,
+        replica: int,
+        num_replicas: int,
+        *,
+        heartbeat_interval: float = 0.1,
+        join_timeout: float = 60.0,
+        collective_timeout: float = 60.0,
+        startup_timeout: float = 300.0,
+    ) -> None:
+        self.addr = coordinator_addr
+        self.replica = replica
+        self.num_replicas = num_replicas
+        self.heartbeat_interval = heartbeat_interval
+        self.join_timeout = join_timeout
+        self.collective_timeout = collective_timeout
+        self.startup_timeout = startup_timeout
+        self.store: dist.TCPStore | None = None
+        self.incarnation = 0
+        self.gen: Generation | None = None
+        self._heartbeat: Heartbeat | None = None
+        self._events_seen = -1
+        self._seq = 0  # sequence number of store collectives (same on every member: SPMD order)
+        self._graveyard: list = []  # abandoned process groups/works; dropped off the hot path
+        self.events: list[dict] = []  # membership changes, for logging by the strategy
+
+    # ------------------------------------------------------------------ lifecycle
+    def connect(self) -> None:
+        self.store = coordinator.connect(self.addr)
+        self.incarnation = self._call(self.store.add, f"inc/{self.replica}", 1)
+        self._heartbeat = Heartbeat(self.store, self.replica, self.heartbeat_interval)
+        self._heartbeat.start()
+
+    def form_initial(self) -> Generation:
+        """Join generation 0 with every other replica (the job's start)."""
+        latest = int(self._call(self.store.get, "gen/latest"))
+        if latest != 0 or self._call(self.store.check, ["g0/members"]):
+            raise ReplicaExcludedError(
+                f"replica {self.replica} started after the group formed (generation {latest}); "
+                "joining a running job needs the rejoin protocol (RecoverStrategy(rejoin=True))."
+            )
+        self.gen = self._join_round(0, {"step": -1, "have": []}, expected=set(range(self.num_replicas)),
+                                    timeout=self.startup_timeout)
+        return self.gen
+
+    def close(self) -> None:
+        """Leave the group cleanly: mark this incarnation as gone so nobody waits for it."""
+        if self.store is not None and self.incarnation:
+            try:
+                coordinator.mark_dead(self.store, self.replica, self.incarnation)
+            except Exception:
+                pass  # the coordinator is already gone: nothing to tell
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
+
+    # ------------------------------------------------------------------ views
+    @property
+    def members(self) -> list[int]:
+        return self.gen.members
+
+    @property
+    def rank(self) -> int:
+        return self.gen.rank
+
+    @property
+    def size(self) -> int:
+        return self.gen.size
+
+    # ------------------------------------------------------------------ store access
+    def _call(self, fn: Callable, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except (ReplicaExcludedError, MembershipChanged):
+            raise
+        except Exception as exc:
+            raise CoordinatorLostError(
+                f"replica {self.replica} lost the coordinator at {self.addr} ({type(exc).__name__}: {exc}). "
+                "No further step can be agreed safely; this replica stops. "
+                "HINT: restart the job from its last checkpoint."
+            ) from exc
+
+    def check_health(self) -> None:
+        """Raise if the coordinator is gone or this replica was declared dead."""
+        if self._heartbeat is not None and self._heartbeat.error is not None:
+            raise CoordinatorLostError(
+                f"replica {self.replica} lost the coordinator at {self.addr} "
+                f"(heartbeat failed: {self._heartbeat.error}). HINT: restart the job from its last checkpoint."
+            )
+
+    def _dead(self, replicas: Sequence[int], incarnations: dict[int, int]) -> set[int]:
+        if not replicas:
+            return set()
+        values = self._call(self.store.multi_get, [f"dead/{r}" for r in replicas])
+        # Incarnation 0 = not started yet (only during the first formation): not dead.
+        return {r for r, v in zip(replicas, values) if 0 < incarnations.get(r, 1 << 30) <= int(v)}
+
+    def _current_incarnations(self, replicas: Sequence[int]) -> dict[int, int]:
+        values = self._call(self.store.multi_get, [f"inc/{r}" for r in replicas])
+        return {r: int(v) for r, v in zip(replicas, values)}
+
+    def failure_seen(self) -> bool:
+        """Cheap test (one store round trip when nothing changed): did the generation fail?"""
+        self.check_health()
+        events = int(self._call(self.store.add, "events", 0))
+        if events == self._events_seen:
+            return False
+        if int(self._call(self.store.get, "gen/latest")) > self.gen.number:
+            return True
+        dead = self._dead(self.gen.members, self.gen.incarnations)
+        if self.replica in dead:
+            raise ReplicaExcludedError(
+                f"replica {self.replica} was declared dead by the group (missed heartbeats or stalled) and "
+                "must not apply further steps; it stops here. HINT: raise heartbeat_timeout if this replica "
+                "was only slow."
+            )
+        if dead:
+            return True
+        self._events_seen = events
+        return False
+
+    def _sleep(self, delay: float) -> float:
+        time.sleep(delay)
+        return min(delay * 2, _POLL_MAX)
+
+    # ------------------------------------------------------------------ generations
+    def next_generation(self, payload: dict) -> Generation:
+        """Leave the failed generation and form the next one among the survivors."""
+        g = self.gen.number
+        self._abandon(self.gen)
+        latest = int(self._call(self.store.compare_set, "gen/latest", str(g), str(g + 1)))
+        if latest == g + 1:
+            self._call(self.store.add, "events", 1)
+        elif latest > g + 1:
+            raise ReplicaExcludedError(
+                f"replica {self.replica} fell behind: the group is at generation {latest} and this replica "
+                f"left generation {g}; it stops here so that it never applies a divergent step."
+            )
+        alive = set(self.gen.members) - self._dead(self.gen.members, self.gen.incarnations)
+        self.gen = self._join_round(g + 1, payload, expected=alive, timeout=self.join_timeout,
+                                    previous=self.gen)
+        return self.gen
+
+    def _join_round(self, number: int, payload: dict, expected: set[int], timeout: float,
+                    previous: Generation | None = None) -> Generation:
+        prefix = f"g{number}"
+        payload = dict(payload, inc=self.incarnation)
+        self._call(self.store.set, f"{prefix}/join/{self.replica}", json.dumps(payload))
+        self._call(self.store.append, f"{prefix}/joined", f"{self.replica},")
+        incs_of = previous.incarnations if previous is not None else None
+        deadline = time.monotonic() + timeout
+        delay = _POLL_MIN
+        while not self._call(self.store.check, [f"{prefix}/members"]):
+            self.check_health()
+            joined = {int(x) for x in self._call(self.store.get, f"{prefix}/joined").decode().split(",") if x}
+            incs = incs_of if incs_of is not None else self._current_incarnations(sorted(expected | joined))
+            dead = self._dead(sorted(expected | joined), incs)
+            if expected - joined - dead and time.monotonic() < deadline:
+                delay = self._sleep(delay)
+                continue
+            members = sorted(joined - dead)
+            self._call(self.store.compare_set, f"{prefix}/members", "", json.dumps(members))
+        members = json.loads(self._call(self.store.get, f"{prefix}/members"))
+        if self.replica not in members:
+            raise ReplicaExcludedError(
+                f"replica {self.replica} was left out of generation {number} (the others suspected it dead); "
+                "it stops here so that it never applies a divergent step."
+            )
+        raw = self._call(self.store.multi_get, [f"{prefix}/join/{r}" for r in members])
+        payloads = {r: json.loads(v) for r, v in zip(members, raw)}
+        gen = Generation(number, members, {r: p["inc"] for r, p in payloads.items()}, payloads,
+                         rank=members.index(self.replica))
+        self._build_pg(gen)
+        self._events_seen = -1
+        self.events.append({"generation": number, "members": members})
+        return gen
+
+    def _build_pg(self, gen: Generation) -> None:
+        """Build the gloo group of ``gen`` on a thread, so a member dying meanwhile is noticed."""
+        result: dict[str, Any] = {}
+
+        def build() -> None:
+            try:
+                store = dist.PrefixStore(f"pg/g{gen.number}", self.store.clone())
+                result["pg"] = dist.ProcessGroupGloo(store, gen.rank, gen.size,
+                                                     datetime.timedelta(seconds=self.collective_timeout))
+            except BaseException as exc:  # reported to the waiting thread
+                result["error"] = exc
+
+        thread = threading.Thread(target=build, name=f"lr-build-g{gen.number}", daemon=True)
+        thread.start()
+        self.gen = gen
+        delay = _POLL_MIN
+        while thread.is_alive():
+            if self.failure_seen():
+                self._graveyard.append(thread)
+                raise MembershipChanged(f"a member of generation {gen.number} failed while it was being built")
+            thread.join(delay)
+            delay = min(delay * 2, _POLL_MAX)
+        if "error" in result:
+            raise MembershipChanged(f"building generation {gen.number} failed: {result['error']}")
+        gen.pg = result["pg"]
+
+    def _abandon(self, gen: Generation) -> None:
+        # gloo cannot abort an op in flight and destroying its group blocks until the op's timeout:
+        # keep the objects referenced and let them die with the process instead of on this path.
+        if gen.pg is not None:
+            self._graveyard.append(gen.pg)
+            gen.pg = None
+
+    # ------------------------------------------------------------------ collectives
+    def allreduce(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Sum ``tensors`` in place across the generation; raise MembershipChanged on any failure."""
+        if self.gen.pg is None:
+            raise MembershipChanged("no process group for this generation")
+        try:
+            works = [self.gen.pg.allreduce([t]) for t in tensors]
+        except Exception as exc:
+            raise MembershipChanged(f"all-reduce could not start: {exc}") from exc
+        self.wait(works)
+
+    def wait(self, works: Sequence[Any]) -> None:
+        deadline = time.monotonic() + self.collective_timeout
+        delay = _POLL_MIN
+        pending = list(works)
+        while pending:
+            if pending[0].is_completed():
+                try:
+                    pending.pop(0).wait()
+                except Exception as exc:
+                    raise MembershipChanged(f"collective failed: {exc}") from exc
+                continue
+            if self.failure_seen():
+                raise MembershipChanged("a member of the generation failed during a collective")
+            if time.monotonic() > deadline:
+                raise MembershipChanged(f"collective did not complete within {self.collective_timeout}s")
+            delay = self._sleep(delay)
+
+    def decide_retry(self, step: int) -> bool:
+        """This member's reduce failed: settle the step as ``retry`` unless already decided.
+
+        Returns True only if the step had been committed before (impossible for a member whose
+        reduce failed, since a commit needs every member's done report; checked by the caller).
+        """
+        key = f"s{step}/g{self.gen.number}/dec"
+        return self._call(self.store.compare_set, key, "", "retry") == b"commit"
+
+    def report_done(self, step: int) -> None:
+        """This member's reduce completed. The member completing the count writes ``commit``.
+
+        Whichever ``compare_set`` lands first, this ``commit`` or some member's ``retry``, is the
+        decision of the step, and every member reads that one (``await_decision``).
+        """
+        key = f"s{step}/g{self.gen.number}"
+        if int(self._call(self.store.add, f"{key}/done", 1)) == self.gen.size:
+            self._call(self.store.compare_set, f"{key}/dec", "", "commit")
+
+    def await_decision(self, step: int) -> bool:
+        key = f"s{step}/g{self.gen.number}/dec"
+        delay = _POLL_MIN
+        while True:
+            if self._call(self.store.check, [key]):
+                return self._call(self.store.get, key) == b"commit"
+            if self.failure_seen():
+                return self._call(self.store.compare_set, key, "", "retry") == b"commit"
+            delay = self._sleep(delay)
+
+    def forget_step(self, step: int) -> None:
+        """Delete the decision keys of an old step (called by the leader)."""
+        for g in range(max(0, self.gen.number - 4), self.gen.number + 1):
+            for suffix in ("done", "dec"):
+                try:
+                    self.store.delete_key(f"s{step}/g{g}/{suffix}")
+                except Exception:
+                    pass
+
+    # -------------------------------------------------------- store collectives (small objects)
+    def _live_contributors(self, prefix: str) -> list[int]:
+        """Wait until every live member wrote ``{prefix}/{r}``; agree on who counts."""
+        delay = _POLL_MIN
+        members = self.gen.members
+        while not self._call(self.store.check, [f"{prefix}/set"]):
+            self.check_health()
+            present = [r for r in members if self._call(self.store.check, [f"{prefix}/{r}"])]
+            missing = set(members) - set(present)
+            if not missing or not (missing - self._dead(sorted(missing), self.gen.incarnations)):
+                self._call(self.store.compare_set, f"{prefix}/set", "", json.dumps(present))
+                break
+            delay = self._sleep(delay)
+        return json.loads(self._call(self.store.get, f"{prefix}/set"))
+
+    def exchange(self, obj: Any) -> dict[int, Any]:
+        """Every live member contributes ``obj``; all receive the same ``{replica: obj}``."""
+        self._seq += 1
+        prefix = f"x/{self.gen.number}/{self._seq}"
+        self._call(self.store.set, f"{prefix}/{self.replica}", pickle.dumps(obj))
+        who = self._live_contributors(prefix)
+        raw = self._call(self.store.multi_get, [f"{prefix}/{r}" for r in who])
+        return {r: pickle.loads(v) for r, v in zip(who, raw)}
+
+    def broadcast_object(self, obj: Any, src_rank: int = 0) -> Any:
+        """Broadcast from the member of rank ``src_rank`` among those alive now."""
+        values = self.exchange(obj if self.gen.rank == src_rank else None)
+        who = sorted(values)
+        src = self.gen.members[src_rank] if self.gen.members[src_rank] in values else who[0]
+        return values[src]

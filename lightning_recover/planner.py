@@ -1,0 +1,76 @@
+"""Microbatch quota planning.
+
+Every optimizer step covers exactly ``M`` global microbatches with ids ``0..M-1``. The planner
+decides which replica computes which ids. It is a pure, deterministic function: every replica
+computes the same plan from the same inputs, so no plan is ever sent over the wire.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+
+def plan_quotas(
+    step: int,
+    microbatch_ids: Sequence[int],
+    members: Sequence[int],
+    weights: Mapping[int, float] | None = None,
+) -> dict[int, list[int]]:
+    """Split ``microbatch_ids`` among ``members``.
+
+    Args:
+        step: the optimizer step; rotates which members take the remainder so that, over
+            many steps, no replica always does the extra microbatch.
+        microbatch_ids: the ids to distribute (all ``M`` at the start of a step, or the ids
+            lost with a dead replica during recovery). Each id lands on exactly one member.
+        members: live replica ids; order does not matter (the plan sorts them).
+        weights: optional relative throughput per member (higher = faster = more
+            microbatches). ``None`` means equal quotas (sizes differ by at most one).
+
+    Returns:
+        ``{replica: [ids]}`` with every member present (possibly with an empty list); ids of
+        each quota are contiguous runs of the sorted input, in ascending order.
+
+    Raises:
+        ValueError: no members, duplicate ids/members, or a non-positive/non-finite weight.
+    """
+    members = sorted(members)
+    ids = sorted(microbatch_ids)
+    if not members:
+        raise ValueError("plan_quotas needs at least one live member")
+    if len(set(members)) != len(members):
+        raise ValueError(f"duplicate members in {members}")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"duplicate microbatch ids in {ids}")
+
+    counts = _apportion(len(ids), members, step, weights)
+    plan: dict[int, list[int]] = {}
+    start = 0
+    for member in members:
+        plan[member] = ids[start : start + counts[member]]
+        start += counts[member]
+    return plan
+
+
+def _apportion(total: int, members: list[int], step: int, weights: Mapping[int, float] | None) -> dict[int, int]:
+    """Largest-remainder apportionment of ``total`` items by weight, ties broken by rotation."""
+    n = len(members)
+    if weights is None:
+        shares = [total / n] * n
+    else:
+        w = []
+        for m in members:
+            value = float(weights.get(m, 0.0))
+            if not value > 0.0 or value == float("inf"):
+                raise ValueError(f"throughput weight of replica {m} must be positive and finite, got {value}")
+            w.append(value)
+        scale = total / sum(w)
+        shares = [x * scale for x in w]
+    counts = [int(s) for s in shares]
+    left = total - sum(counts)
+    # Rotate the tie-break start by the step so equal remainders do not always favour replica 0.
+    rot = step % n
+    order = sorted(range(n), key=lambda i: (-(shares[i] - counts[i]), (i - rot) % n))
+    for i in order[:left]:
+        counts[i] += 1
+    return dict(zip(members, counts))

@@ -1,0 +1,209 @@
+"""One optimizer step under failures: quota, reduce, commit decision, in-step recovery.
+
+This is the protocol shared by the Fabric and the Trainer strategies. A step is an iterator of
+microbatch ids; the caller runs forward/backward for each id it receives, gradients accumulate
+locally in ``param.grad`` (a local *sum* over this replica's microbatches), and when the iterator
+is exhausted the step has committed: ``param.grad`` holds ``sum_{j<M} grad(s, j) / M`` on every
+live replica.
+
+The invariant kept through any failure: each of the ``M`` microbatch ids is counted exactly once
+in the committed gradient. Survivors keep what they computed; the ids the dead held are re-planned
+over the survivors and computed inside the same step; the reduce is retried in a new generation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from lightning_recover.errors import MembershipChanged
+from lightning_recover.faults import FaultInjector
+from lightning_recover.membership import ReplicaGroup
+from lightning_recover.planner import plan_quotas
+
+_BUCKET_BYTES = 32 << 20
+
+
+@dataclass
+class StepStats:
+    """What happened in one step, for logging."""
+
+    step: int
+    generation: int = 0
+    live_replicas: int = 0
+    computed: int = 0  # microbatches this replica computed
+    recomputed: int = 0  # of which were taken over from failed replicas
+    recoveries: int = 0
+    recovery_seconds: float = 0.0
+    loss: float | None = None  # mean loss over the M microbatches (when losses were recorded)
+    leader: bool = False
+    events: list[str] = field(default_factory=list)
+
+
+class StepProtocol:
+    """Runs steps of ``M`` microbatches over a :class:`ReplicaGroup`."""
+
+    def __init__(
+        self,
+        group: ReplicaGroup,
+        microbatches: int,
+        params: Callable[[], Sequence[torch.nn.Parameter]],
+        *,
+        quota: str = "equal",
+        injector: FaultInjector | None = None,
+    ) -> None:
+        self.group = group
+        self.M = microbatches
+        self._params = params
+        self.quota = quota
+        self.injector = injector or FaultInjector([], -1, 0)
+        self._loss_sum: torch.Tensor | None = None
+        self._loss_count = 0
+        self._mb_seconds: list[float] = []
+        self._weights: dict[int, float] | None = None
+        self._step_loss: float | None = None
+        self.last: StepStats | None = None
+
+    # -------------------------------------------------------------- hooks from the strategy
+    def record_loss(self, loss: torch.Tensor) -> None:
+        value = loss.detach().float().reshape(-1)[:1].sum().cpu()
+        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+        self._loss_count += 1
+
+    def fire(self, step: int, phase: str) -> None:
+        self.injector.maybe_fire(step, phase)
+
+    # -------------------------------------------------------------- the step
+    def run(self, step: int) -> Iterator[int]:
+        """Yield the microbatch ids this replica must compute for ``step``; commits at the end."""
+        group = self.group
+        group.check_health()
+        for p in self._params():
+            p.grad = None
+        self._loss_sum, self._loss_count = None, 0
+        self._step_loss = None
+        stats = StepStats(step=step)
+        have: list[int] = []
+        ids = plan_quotas(step, range(self.M), group.members, self._weights)[group.replica]
+        recovering_since: float | None = None
+        while True:
+            for j in ids:
+                start = time.perf_counter()
+                yield j
+                self._mb_seconds.append(time.perf_counter() - start)
+                have.append(j)
+            stats.computed = len(have)
+            try:
+                committed = self._reduce_and_decide(step)
+            except MembershipChanged as exc:
+                committed = group.decide_retry(step)
+                assert not committed, "a step cannot commit without this replica's reduce"
+                stats.events.append(str(exc))
+            if committed:
+                break
+            recovering_since = recovering_since or time.perf_counter()
+            ids = self._recover(step, have, stats)
+        stats.loss = self._step_loss
+        if recovering_since is not None:
+            stats.recovery_seconds = time.perf_counter() - recovering_since
+        stats.generation = group.gen.number
+        stats.live_replicas = group.size
+        stats.leader = group.rank == 0
+        self.last = stats
+        if stats.leader and step >= 2:
+            group.forget_step(step - 2)
+
+    def _recover(self, step: int, have: list[int], stats: StepStats) -> list[int]:
+        """Form the next generation; return the ids of lost microbatches this replica computes."""
+        group = self.group
+        while True:
+            try:
+                gen = group.next_generation({"step": step, "have": have})
+                break
+            except MembershipChanged as exc:  # a member died while the generation was built
+                stats.events.append(str(exc))
+        steps = {p["step"] for p in gen.payloads.values()}
+        if steps != {step}:
+            raise RuntimeError(f"members of generation {gen.number} disagree on the open step: {sorted(steps)}")
+        covered: set[int] = set()
+        for payload in gen.payloads.values():
+            covered.update(payload["have"])
+        missing = sorted(set(range(self.M)) - covered)
+        stats.recoveries += 1
+        ids = plan_quotas(step, missing, gen.members)[group.replica]
+        stats.recomputed += len(ids)
+        stats.events.append(
+            f"generation {gen.number}: live replicas {gen.members}, {len(missing)} lost microbatches re-planned"
+        )
+        return ids
+
+    def _reduce_and_decide(self, step: int) -> bool:
+        group = self.group
+        params = [p for p in self._params() if p.requires_grad]
+        # Reduce a *copy*: an interrupted gloo all-reduce leaves partial sums in its buffer, and
+        # the local sum in param.grad must survive a failed attempt intact.
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        loss = self._loss_sum if self._loss_sum is not None else torch.zeros(1)
+        extra = torch.stack([loss.reshape(()).float(), torch.tensor(float(self._loss_count))])
+        flat = _flatten_by_dtype(grads, extra)
+        self.fire(step, "reduce")
+        group.allreduce(_buckets(flat))
+        if self.quota == "throughput":
+            self._publish_speed(step)
+        group.report_done(step)
+        self.fire(step, "commit")
+        if not group.await_decision(step):
+            return False
+        _unflatten_into(flat, grads, params, scale=1.0 / self.M)
+        loss_sum, count = flat["extra"].tolist()
+        # The mean loss of the step is known only if every microbatch recorded one.
+        self._step_loss = loss_sum / self.M if round(count) == self.M else None
+        if self.quota == "throughput":
+            self._weights = self._read_speeds(step)
+        return True
+
+    # -------------------------------------------------------------- throughput quotas
+    def _publish_speed(self, step: int) -> None:
+        mean = sum(self._mb_seconds) / max(1, len(self._mb_seconds))
+        self._mb_seconds.clear()
+        self.group._call(self.group.store.set, f"speed/s{step}/{self.group.replica}", repr(max(mean, 1e-6)))
+
+    def _read_speeds(self, step: int) -> dict[int, float]:
+        keys = [f"speed/s{step}/{r}" for r in self.group.members]
+        values = self.group._call(self.group.store.multi_get, keys)
+        return {r: 1.0 / float(v) for r, v in zip(self.group.members, values)}
+
+
+def _flatten_by_dtype(grads: Sequence[torch.Tensor], extra: torch.Tensor) -> dict:
+    """Concatenate gradients into one fresh buffer per dtype (plus the loss statistics)."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, g in enumerate(grads):
+        groups.setdefault(g.dtype, []).append(i)
+    flat = {"extra": extra.clone(), "groups": []}
+    for dtype, idx in groups.items():
+        buf = torch.cat([grads[i].reshape(-1) for i in idx]) if idx else torch.empty(0, dtype=dtype)
+        flat["groups"].append((idx, buf))
+    return flat
+
+
+def _buckets(flat: dict) -> list[torch.Tensor]:
+    out = [flat["extra"]]
+    for _, buf in flat["groups"]:
+        per = max(1, _BUCKET_BYTES // max(1, buf.element_size()))
+        out.extend(buf.split(per))
+    return out
+
+
+def _unflatten_into(flat: dict, grads: Sequence[torch.Tensor], params: Sequence[torch.nn.Parameter],
+                    scale: float) -> None:
+    for idx, buf in flat["groups"]:
+        buf.mul_(scale)
+        offset = 0
+        for i in idx:
+            n = grads[i].numel()
+            params[i].grad = buf[offset : offset + n].view_as(params[i]).clone() if params[i].grad is None \
+                else params[i].grad.copy_(buf[offset : offset + n].view_as(params[i]))
+            offset += n

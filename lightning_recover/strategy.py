@@ -1,0 +1,297 @@
+"""``Fabric(strategy="recover")``: data-parallel training that survives dead and hung replicas.
+
+Usage (one DataLoader batch is one microbatch; one optimizer step is ``M`` microbatches)::
+
+    fabric = L.Fabric(strategy=RecoverStrategy(microbatches=8), devices=4, accelerator="cpu")
+    fabric.launch()
+    model, optimizer = fabric.setup(model, optimizer)
+    for step in fabric.strategy.steps(loader, max_steps=100):
+        for batch in step:                 # this replica's quota, then any lost microbatches
+            fabric.backward(loss_fn(model(batch)))
+        optimizer.step()
+        optimizer.zero_grad()
+
+When ``for batch in step`` ends, the step has committed: every live replica holds the same
+averaged gradient of all ``M`` microbatches, whatever died meanwhile.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Optional, Union
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies import ParallelStrategy
+from lightning.fabric.strategies.launchers.launcher import _Launcher
+from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.types import ReduceOp
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_recover import launcher
+from lightning_recover.core import RecoverCore, RecoverOptions
+from lightning_recover.data import MicrobatchSource
+
+
+class Step:
+    """One optimizer step: iterate it to get this replica's microbatches (already on device)."""
+
+    def __init__(self, strategy: RecoverStrategy, source: MicrobatchSource, index: int) -> None:
+        self._strategy = strategy
+        self._source = source
+        self.index = index
+        self.committed = False
+
+    def __iter__(self) -> Iterator[Any]:
+        core = self._strategy.core
+        for j in core.run_step(self.index):
+            yield self._strategy.batch_to_device(self._source.batch(self.index, j))
+        self.committed = True
+
+    @property
+    def stats(self):
+        """What happened in this step (generation, live replicas, recoveries, mean loss)."""
+        return self._strategy.core.protocol.last
+
+    @property
+    def loss(self) -> Optional[float]:
+        """Mean loss over the step's M microbatches (those passed to ``fabric.backward``)."""
+        return self.stats.loss if self.committed else None
+
+
+class _RecoverLauncher(_Launcher):
+    """Inside a replica: run the function. Otherwise: become the supervisor of N replicas."""
+
+    def __init__(self, strategy: RecoverStrategy) -> None:
+        self._strategy = strategy
+
+    @property
+    @override
+    def is_interactive_compatible(self) -> bool:
+        return False
+
+    @override
+    def launch(self, function: Any, *args: Any, **kwargs: Any) -> Any:
+        if launcher.in_replica():
+            return function(*args, **kwargs)
+        opts = self._strategy.options
+        code = launcher.supervise(_basic_subprocess_cmd(), self._strategy.num_replicas,
+                                  heartbeat_timeout=opts.heartbeat_timeout, restarts=opts.restarts)
+        # The supervisor never runs the training code itself: its job ends with the replicas'.
+        raise SystemExit(code)
+
+
+class RecoverStrategy(ParallelStrategy):
+    """Fault-tolerant data parallelism with in-step recovery.
+
+    Args:
+        microbatches: ``M``, global microbatches per optimizer step (default: the replica count).
+            Must be at least the number of replicas.
+        quota: ``"equal"`` (default) or ``"throughput"`` (quotas proportional to each replica's
+            measured microbatch speed, for heterogeneous or straggling replicas).
+        heartbeat_interval: seconds between heartbeats of a replica.
+        heartbeat_timeout: seconds without heartbeat after which a replica is declared dead (how
+            fast a *hung* replica is dropped; killed ones are noticed at once).
+        join_timeout: longest wait for a live-looking member to join a new generation.
+        collective_timeout: longest a single collective may take before it counts as failed.
+        startup_timeout: how long replicas wait for each other at start.
+        restarts: how many times the local launcher restarts a failed replica.
+        seed: seed of the per-epoch sample permutation (the same on every replica).
+    """
+
+    strategy_name = "recover"
+
+    def __init__(
+        self,
+        microbatches: Optional[int] = None,
+        quota: str = "equal",
+        heartbeat_interval: float = 0.1,
+        heartbeat_timeout: float = 1.0,
+        join_timeout: float = 60.0,
+        collective_timeout: float = 60.0,
+        startup_timeout: float = 300.0,
+        restarts: int = 0,
+        seed: int = 0,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision: Optional[Precision] = None,
+    ) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         checkpoint_io=checkpoint_io, precision=precision)
+        self.options = RecoverOptions(
+            microbatches=microbatches, quota=quota, heartbeat_interval=heartbeat_interval,
+            heartbeat_timeout=heartbeat_timeout, join_timeout=join_timeout,
+            collective_timeout=collective_timeout, startup_timeout=startup_timeout, restarts=restarts, seed=seed,
+        )
+        self.core: Optional[RecoverCore] = None
+        self._modules: list[Module] = []
+
+    # ------------------------------------------------------------------ sizes and ranks
+    @property
+    def num_replicas(self) -> int:
+        if launcher.ENV_REPLICAS in os.environ:
+            return int(os.environ[launcher.ENV_REPLICAS])
+        return len(self.parallel_devices) if self.parallel_devices else 1
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        devices = self.parallel_devices or [torch.device("cpu")]
+        device = devices[0]
+        if device.type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return device
+
+    @property
+    @override
+    def global_rank(self) -> int:
+        return self.core.group.rank if self.core is not None else 0
+
+    @property
+    @override
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    @override
+    def world_size(self) -> int:
+        return self.core.group.size if self.core is not None else self.num_replicas
+
+    @property
+    @override
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> Optional[dict[str, Any]]:
+        return None  # microbatch ids, not a DistributedSampler, decide what each replica reads
+
+    @property
+    def replica(self) -> int:
+        """This process's replica id (stable across generations, unlike ``global_rank``)."""
+        return self.core.group.replica if self.core is not None else 0
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def _configure_launcher(self) -> None:
+        self._launcher = _RecoverLauncher(self)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if not launcher.in_replica():
+            raise RuntimeError(
+                "strategy='recover' runs each replica in its own process. HINT: call `fabric.launch()` "
+                "(or start the script with `lightning-recover run --replicas N -- python script.py`)."
+            )
+        self.options.validate(self.num_replicas)
+        self.core = RecoverCore.from_env(self.options, self._trainable_parameters)
+        self.core.start()
+
+    def _trainable_parameters(self) -> list[torch.nn.Parameter]:
+        seen: set[int] = set()
+        params = []
+        for module in self._modules:
+            for p in module.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        return params
+
+    @override
+    def setup_module(self, module: Module) -> Module:
+        self._modules.append(module)
+        module.register_forward_pre_hook(lambda *_: self.core.fire("forward"))
+        return module
+
+    @override
+    def module_to_device(self, module: Module) -> None:
+        module.to(self.root_device)
+
+    @override
+    def process_dataloader(self, dataloader: DataLoader) -> DataLoader:
+        return dataloader
+
+    # ------------------------------------------------------------------ the step loop
+    def steps(self, dataloader: DataLoader, max_steps: int, start_step: int = 0) -> Iterator[Step]:
+        """Yield steps ``start_step .. max_steps-1``; each covers exactly ``M`` microbatches."""
+        loader = getattr(dataloader, "_dataloader", dataloader)  # unwrap Fabric's wrapper
+        source = MicrobatchSource.from_dataloader(loader, self.core.M, seed=self.options.seed)
+        for index in range(start_step, max_steps):
+            step = Step(self, source, index)
+            yield step
+            if not step.committed:
+                raise RuntimeError(
+                    f"step {index} was not iterated to its end. HINT: run `for batch in step: ...` fully "
+                    "before calling optimizer.step()."
+                )
+
+    @override
+    def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
+        self.core.before_backward(tensor)
+        super().backward(tensor, module, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        self.core.fire("optimizer")
+        return super().optimizer_step(optimizer, **kwargs)
+
+    # ------------------------------------------------------------------ collectives over live replicas
+    @override
+    def all_reduce(self, tensor: Tensor, group: Optional[Any] = None,
+                   reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Tensor:
+        return self.core.all_reduce(tensor, reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        return self.core.all_gather(tensor)
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if self.core is not None:
+            self.core.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self.core.broadcast(obj, src) if self.core is not None else obj
+
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        return nullcontext()  # gradients are only ever reduced at the end of a step
+
+    @override
+    def module_sharded_context(self) -> AbstractContextManager:
+        return nullcontext()
+
+    @override
+    def save_checkpoint(self, path: Any, state: dict, storage_options: Optional[Any] = None,
+                        filter: Optional[dict] = None) -> None:
+        # The writer is the lowest replica among those alive *now*, agreed through the store,
+        # so a checkpoint is neither lost (leader died unnoticed) nor written twice.
+        if self.core.elect_writer():
+            super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+
+    @override
+    def teardown(self) -> None:
+        if self.core is not None:
+            self.core.close()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            "recover", cls, description="fault-tolerant data parallel with in-step recovery (lightning-recover)"
+        )
+

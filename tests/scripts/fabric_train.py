@@ -1,0 +1,62 @@
+"""Training script used by the resilience tests: a small regression MLP under Fabric.
+
+    python tests/scripts/fabric_train.py OUT_DIR --replicas 4 --steps 6 --microbatches 8
+
+Every replica that finishes writes OUT_DIR/replica{r}.pt (final parameters and per-step stats).
+"""
+
+import argparse
+import os
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_recover
+from lightning_recover import RecoverStrategy
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--microbatches", type=int, default=6)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--heartbeat-timeout", type=float, default=1.0)
+    parser.add_argument("--quota", default="equal")
+    parser.add_argument("--work", type=float, default=0.0, help="extra seconds of work per microbatch")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    x = torch.randn(512, 16)
+    y = (x @ torch.randn(16, 1)).tanh() + 0.01 * torch.randn(512, 1)
+    loader = DataLoader(TensorDataset(x, y), batch_size=args.batch_size, shuffle=True)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    strategy = RecoverStrategy(microbatches=args.microbatches, heartbeat_timeout=args.heartbeat_timeout,
+                               heartbeat_interval=min(0.1, args.heartbeat_timeout / 5), quota=args.quota)
+    fabric = L.Fabric(strategy=strategy, devices=args.replicas, accelerator="cpu")
+    fabric.launch()
+    model, optimizer = fabric.setup(model, optimizer)
+    stats = []
+    for step in fabric.strategy.steps(loader, max_steps=args.steps):
+        for xb, yb in step:
+            if args.work:
+                import time
+
+                time.sleep(args.work)
+            loss = torch.nn.functional.mse_loss(model(xb), yb)
+            fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        stats.append(vars(step.stats))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    os.makedirs(args.out, exist_ok=True)
+    torch.save({"state": state, "stats": stats, "replica": fabric.strategy.replica},
+               os.path.join(args.out, f"replica{fabric.strategy.replica}.pt"))
+
+
+if __name__ == "__main__":
+    main()
