@@ -63,8 +63,11 @@ class _Engine:
         return self._engine
 
     def release(self) -> None:
+        """Free the engine (and its staging arena); the next use creates a new one."""
         with self.lock:
-            self._engine = None
+            eng, self._engine = self._engine, None
+            if eng is not None and hasattr(eng, "close"):
+                eng.close()
 
 
 _default = _Engine()
