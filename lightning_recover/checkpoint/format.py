@@ -21,7 +21,6 @@ import json
 import os
 import pickle
 import struct
-from collections import OrderedDict
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
