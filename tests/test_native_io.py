@@ -491,3 +491,38 @@ def test_bad_arguments():
         native_io.IOEngine(block_size=1000)
     with pytest.raises(ValueError):
         native_io.IOEngine(queue_depth=0)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_engine_usable_after_fork(tmp_path, engine):
+    """A forked child must not reuse the parent's ring / worker threads."""
+    eng = _engine_or_skip(engine, block_size=BS, queue_depth=2)
+    p = tmp_path / "child.bin"
+    data = random.Random(8).randbytes(200000)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            with eng.open_writer(p) as w:
+                w.write([(0, data)])
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert p.read_bytes() == data
+    buf = bytearray(len(data))
+    with eng.open_reader(p) as r:
+        assert r.read([(0, buf)]) == [native_io.crc32c(data)]
+    assert buf == data
+
+
+def test_writer_not_closed_warns(tmp_path):
+    eng = native_io.IOEngine(block_size=BS)
+    w = eng.open_writer(tmp_path / "f.bin")
+    w.write([(0, b"abc")])
+    with pytest.warns(ResourceWarning):
+        del w
+        import gc
+
+        gc.collect()

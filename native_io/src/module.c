@@ -789,7 +789,8 @@ static void Writer_dealloc(WriterObject *self)
 
 		/* unflushed data is dropped: say so, like an unclosed file */
 		PyErr_Fetch(&et, &ev, &tb);
-		if (PyErr_ResourceWarning((PyObject *)self, 1,
+		/* no source object: self is being freed, it must not be kept */
+		if (PyErr_WarnFormat(PyExc_ResourceWarning, 1,
 					  "native_io writer for %R was never closed; staged data discarded",
 					  self->path ? self->path : Py_None) < 0)
 			PyErr_WriteUnraisable((PyObject *)self);
