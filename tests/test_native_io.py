@@ -5,7 +5,6 @@ import os
 import random
 import subprocess
 import sys
-import zlib  # noqa: F401  (kept for parity with reference helpers)
 
 import pytest
 
