@@ -34,13 +34,17 @@ class _Timers:
         self.t: dict[str, float] = defaultdict(float)
         self.n: dict[str, int] = defaultdict(int)
 
+        self.cpu: dict[str, float] = defaultdict(float)
+
     @contextlib.contextmanager
     def time(self, name: str) -> Iterator[None]:
         t0 = time.perf_counter()
+        c0 = time.thread_time()  # CPU of the calling thread (the native copy+crc runs on it)
         try:
             yield
         finally:
             self.t[name] += time.perf_counter() - t0
+            self.cpu[name] += time.thread_time() - c0
             self.n[name] += 1
 
 
@@ -183,7 +187,7 @@ def profile(size_gb: float, directory: str | None, repeat: int) -> dict[str, Any
             fsync_tree(root)
             t2 = time.perf_counter()
             w = proxy.last_writer
-            save = {"total_s": t1 - t0, "bench_post_sync_s": t2 - t1, "parts": dict(ts.t),
+            save = {"total_s": t1 - t0, "bench_post_sync_s": t2 - t1, "parts": dict(ts.t), "cpu": dict(ts.cpu),
                     "writer": {"seconds": getattr(w, "seconds", None), "io_bytes": getattr(w, "io_bytes", None),
                                "bytes_written": getattr(w, "bytes_written", None),
                                "direct": getattr(w, "direct", None), "engine": getattr(w, "engine", None)}}
@@ -200,7 +204,7 @@ def profile(size_gb: float, directory: str | None, repeat: int) -> dict[str, Any
             touch_pages(loaded)
             t2 = time.perf_counter()
             r = proxy.last_reader
-            load = {"total_s": t1 - t0, "touch_s": t2 - t1, "parts": dict(tl.t),
+            load = {"total_s": t1 - t0, "touch_s": t2 - t1, "parts": dict(tl.t), "cpu": dict(tl.cpu),
                     "reader": {"seconds": getattr(r, "seconds", None), "io_bytes": getattr(r, "io_bytes", None),
                                "bytes_read": getattr(r, "bytes_read", None), "direct": getattr(r, "direct", None),
                                "engine": getattr(r, "engine", None)}}
@@ -232,6 +236,10 @@ def profile(size_gb: float, directory: str | None, repeat: int) -> dict[str, Any
         for k in keys:
             summary[kind][k] = med(lambda r, k=k: r[kind]["parts"].get(k, 0.0))
         summary[kind]["unaccounted (python loop, allocation, rename)"] = med(lambda r: r[kind]["unaccounted_s"])
+    summary["save"]["  CPU of the calling thread in Writer.write"] = med(
+        lambda r: r["save"]["cpu"].get("native Writer.write (copy+crc32c+submit/wait)"))
+    summary["load"]["  CPU of the calling thread in Reader.read (data)"] = med(
+        lambda r: r["load"]["cpu"].get("native Reader.read (data, crc32c)"))
     summary["save"]["writer.seconds (engine's own clock)"] = med(lambda r: r["save"]["writer"]["seconds"])
     summary["save"]["bench post-sync (extra fsync of file+dir)"] = med(lambda r: r["save"]["bench_post_sync_s"])
     summary["save"]["writer"] = runs[-1]["save"]["writer"]
@@ -254,6 +262,10 @@ def _print(summary: dict[str, Any]) -> None:
             gbps = f"  ({nb / v / 1e9:6.2f} GB/s over the payload)" if v > 0.05 else ""
             print(f"   {k:<58} {v:8.3f}s{gbps}")
         print(f"   {json.dumps(s.get('writer') or s.get('reader'))}")
+    try:
+        print(f"loadavg {os.getloadavg()} (other processes compete for the {os.cpu_count()} CPUs)")
+    except OSError:
+        pass
     print("reference, same bytes, measured alone:")
     for k, v in summary["reference"].items():
         print(f"   {k:<58} {v:8.2f}")
