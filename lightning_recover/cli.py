@@ -25,6 +25,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "checkpoint":
         from lightning_recover.bench.checkpoint import main as bench_main
+    elif args.what in ("recovery", "overhead"):
+        from lightning_recover.bench.recovery import main as bench_main
     elif args.what == "resilience":
         from lightning_recover.bench.resilience import main as bench_main
     else:  # pragma: no cover - argparse restricts choices
@@ -50,12 +52,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser("bench", help="benchmarks")
-    p.add_argument("what", choices=["checkpoint", "resilience"])
+    p.add_argument("what", choices=["checkpoint", "recovery", "overhead", "resilience"])
     p.add_argument("--size-gb", type=float, default=2.0, help="checkpoint benchmark: state size in GB")
     p.add_argument("--repeat", type=int, default=3, help="interleaved repetitions; medians are reported")
     p.add_argument("--dir", default=None, help="directory to write into (default: a temp dir on /tmp's disk)")
     p.add_argument("--methods", default=None, help="comma-separated subset of methods")
-    p.add_argument("--json", default=None, help="write one JSON record per method here")
+    p.add_argument("--json", default=None, help="write the results here as JSON")
+    p.add_argument("--replicas", type=int, default=4, help="recovery/overhead: replicas")
+    p.add_argument("--kills", type=int, default=10, help="recovery: number of faults (one run each)")
+    p.add_argument("--kind", choices=["kill", "hang"], default="kill", help="recovery: fault kind")
+    p.add_argument("--steps", type=int, default=20, help="overhead: steps per run")
+    p.add_argument("--heartbeat-timeout", type=float, default=1.0, help="recovery: staleness threshold")
     p.set_defaults(func=_cmd_bench)
 
     from lightning_recover import launcher

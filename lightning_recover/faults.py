@@ -11,7 +11,8 @@ the replica, which then exits with a traceback).
 Phases, in the order they happen in a step: ``forward`` (first forward of the step),
 ``backward`` (first backward), ``reduce`` (just before the gradient all-reduce is issued),
 ``commit`` (after this replica reported its reduce as done, before the commit is decided),
-``optimizer`` (inside the optimizer step, after the commit).
+``optimizer`` (inside the optimizer step, after the commit), and ``recompute`` (when this replica
+starts computing microbatches taken over from a failed one: a failure *during* recovery).
 
 A fault fires only in the first incarnation of a replica (a restarted replica does not kill
 itself again) unless ``incarnation=K`` says otherwise.
@@ -21,13 +22,14 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 
 from lightning_recover.errors import InjectedFault
 
 ENV_VAR = "LIGHTNING_RECOVER_INJECT"
 KINDS = ("kill", "hang", "raise")
-PHASES = ("forward", "backward", "reduce", "commit", "optimizer")
+PHASES = ("forward", "backward", "reduce", "commit", "optimizer", "recompute")
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,8 @@ class FaultInjector:
         fault = self._pending.pop((step, phase), None)
         if fault is None:
             return
-        print(f"[lightning-recover] injecting fault {fault}", flush=True)
+        # The wall-clock time lets benchmarks measure from the fault to the survivors' next commit.
+        print(f"[lightning-recover] injecting fault {fault} at t={time.time():.6f}", flush=True)
         if fault.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.kind == "hang":

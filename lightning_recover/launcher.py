@@ -94,8 +94,9 @@ def supervise(
         return subprocess.Popen(list(command), env=dict(env, **{ENV_REPLICA: str(r)}))
 
     children = [_Child(r, spawn(r)) for r in range(replicas)]
-    say(f"coordinator at {coord.addr}; started {replicas} replicas: {' '.join(command)}")
+    say(f"coordinator at {coord.addr} (pid {coord.proc.pid}); started {replicas} replicas: {' '.join(command)}")
     interrupted = False
+    coordinator_gone = False
 
     def _forward(signum: int, _frame: Any) -> None:
         nonlocal interrupted
@@ -131,7 +132,8 @@ def supervise(
                 c.exit_code = code
             if running == 0:
                 break
-            if coord.proc.poll() is not None and not interrupted:
+            if coord.proc.poll() is not None and not interrupted and not coordinator_gone:
+                coordinator_gone = True
                 say(f"the coordinator exited ({_describe(coord.proc.returncode)}); replicas will stop")
             time.sleep(0.01)
         for c in children:

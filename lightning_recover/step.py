@@ -106,6 +106,8 @@ class StepProtocol:
                 break
             recovering_since = recovering_since or time.perf_counter()
             ids = self._recover(step, have, stats)
+            if ids:
+                self.fire(step, "recompute")
         stats.loss = self._step_loss
         if recovering_since is not None:
             stats.recovery_seconds = time.perf_counter() - recovering_since

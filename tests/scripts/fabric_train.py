@@ -40,6 +40,7 @@ def main() -> None:
     fabric = L.Fabric(strategy=strategy, devices=args.replicas, accelerator="cpu")
     fabric.launch()
     model, optimizer = fabric.setup(model, optimizer)
+    os.makedirs(args.out, exist_ok=True)
     stats = []
     for step in fabric.strategy.steps(loader, max_steps=args.steps):
         for xb, yb in step:
@@ -52,6 +53,8 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
         stats.append(vars(step.stats))
+        if step.index == 0:
+            open(os.path.join(args.out, "started"), "w").close()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     os.makedirs(args.out, exist_ok=True)
     torch.save({"state": state, "stats": stats, "replica": fabric.strategy.replica},

@@ -1,0 +1,127 @@
+"""Fabric training of TinyGPT on the standard library's source, as the benchmarks run it.
+
+    python -m lightning_recover.bench.fabric_gpt --strategy recover --replicas 4 --steps 20 --out DIR
+    python -m lightning_recover.bench.fabric_gpt --strategy ddp --replicas 4 --steps 20 --out DIR
+
+Both strategies see the same model, data and global batch (``M`` microbatches of ``b`` samples
+per optimizer step). With ``ddp`` each rank takes ``M / N`` microbatches per step through
+Lightning's DistributedSampler, accumulating without sync except on the last one (the standard
+way). Every rank that finishes writes ``DIR/rank{r}.json``: per-step wall times and commit times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_recover.bench.tiny_gpt import ByteCorpus, GPTConfig, TinyGPT, stdlib_text
+
+
+def build(args: argparse.Namespace):
+    torch.manual_seed(args.seed)
+    data = ByteCorpus(stdlib_text(args.corpus_bytes), args.block_size)
+    model = TinyGPT(GPTConfig(block_size=args.block_size, n_layer=args.layers, n_embd=args.width, n_head=4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    return data, model, optimizer
+
+
+def _busy(seconds: float) -> None:
+    """Fixed per-microbatch compute budget (see docs/benchmarks.md: emulated replica capacity)."""
+    if seconds > 0:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+
+def run_recover(args: argparse.Namespace) -> None:
+    from lightning_recover import RecoverStrategy
+
+    data, model, optimizer = build(args)
+    strategy = RecoverStrategy(microbatches=args.microbatches, heartbeat_timeout=args.heartbeat_timeout,
+                               heartbeat_interval=min(0.1, args.heartbeat_timeout / 5), seed=args.seed)
+    fabric = L.Fabric(strategy=strategy, devices=args.replicas, accelerator="cpu")
+    fabric.launch()
+    model, optimizer = fabric.setup(model, optimizer)
+    loader = DataLoader(data, batch_size=args.batch_size, shuffle=True)
+    records = []
+    for step in fabric.strategy.steps(loader, max_steps=args.steps):
+        start = time.perf_counter()
+        for x, y in step:
+            fabric.backward(model.loss(x, y))
+            _busy(args.busy)
+        optimizer.step()
+        optimizer.zero_grad()
+        s = step.stats
+        records.append({"step": step.index, "seconds": time.perf_counter() - start, "committed_at": time.time(),
+                        "loss": s.loss, "live": s.live_replicas, "generation": s.generation,
+                        "recomputed": s.recomputed, "recovery_seconds": s.recovery_seconds})
+    _write(args.out, f"rank{fabric.strategy.replica}", records, model)
+
+
+def run_ddp(args: argparse.Namespace) -> None:
+    data, model, optimizer = build(args)
+    if args.microbatches % args.replicas:
+        raise SystemExit("ddp baseline needs microbatches divisible by replicas")
+    per_rank = args.microbatches // args.replicas
+    fabric = L.Fabric(strategy="ddp", devices=args.replicas, accelerator="cpu")
+    fabric.launch()
+    model, optimizer = fabric.setup(model, optimizer)
+    loader = fabric.setup_dataloaders(DataLoader(data, batch_size=args.batch_size, shuffle=True, drop_last=True))
+    it = iter(loader)
+    records = []
+    for index in range(args.steps):
+        start = time.perf_counter()
+        total = 0.0
+        for k in range(per_rank):
+            x, y = next(it)
+            with fabric.no_backward_sync(model, enabled=k < per_rank - 1):
+                loss = model.loss(x, y) / per_rank
+                fabric.backward(loss)
+            _busy(args.busy)
+            total += loss.item()
+        optimizer.step()
+        optimizer.zero_grad()
+        records.append({"step": index, "seconds": time.perf_counter() - start, "committed_at": time.time(),
+                        "loss": total})
+    _write(args.out, f"rank{fabric.global_rank}", records, model)
+
+
+def _write(out: str, name: str, records: list, model: torch.nn.Module) -> None:
+    os.makedirs(out, exist_ok=True)
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, f"{name}.pt"))
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(records, f)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--strategy", choices=["recover", "ddp"], default="recover")
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--corpus-bytes", type=int, default=2_000_000)
+    p.add_argument("--heartbeat-timeout", type=float, default=1.0)
+    p.add_argument("--busy", type=float, default=0.0, help="extra busy-wait seconds per microbatch")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
+    (run_recover if args.strategy == "recover" else run_ddp)(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Benchmarks of the resilience core (issue: recovery latency and failure-free overhead).
+
+``lightning-recover bench recovery``: 4 replicas of TinyGPT; in each of ``--kills`` runs one
+replica is SIGKILLed (or SIGSTOPped with ``--kind hang``) at a given step and phase. Latency is
+measured from the moment of the fault (the injector prints its wall-clock time just before the
+signal) to the moment the *last* survivor has committed the interrupted step.
+
+``lightning-recover bench overhead``: the same model, replicas and global batch under
+Lightning's ``strategy="ddp"`` (gloo) and ``strategy="recover"``, runs interleaved; median
+step time of each after warm-up, and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+_KILL_TIME = re.compile(r"injecting fault (\S+) at t=([0-9.]+)")
+
+
+def _job(args: list[str], out: str, inject: str | None = None, timeout: float = 600) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("LIGHTNING_RECOVER_INJECT", None)
+    if inject:
+        env["LIGHTNING_RECOVER_INJECT"] = inject
+    cmd = [sys.executable, "-m", "lightning_recover.bench.fabric_gpt", "--out", out] + args
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout, start_new_session=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark job failed ({proc.returncode}):\n{proc.stdout[-3000:]}")
+    return proc.stdout
+
+
+def _records(out: str) -> dict[str, list[dict]]:
+    return {name[:-5]: json.load(open(os.path.join(out, name))) for name in os.listdir(out) if name.endswith(".json")}
+
+
+def measure_recovery(kills: int, kind: str, replicas: int, heartbeat_timeout: float, workdir: str) -> list[dict]:
+    phases = ["reduce", "backward", "forward", "commit", "optimizer"] if kind == "kill" else ["reduce"]
+    results = []
+    for i in range(kills):
+        victim, step, phase = 1 + i % (replicas - 1), 2 + i % 3, phases[i % len(phases)]
+        out = os.path.join(workdir, f"{kind}{i}")
+        log = _job(["--strategy", "recover", "--replicas", str(replicas), "--steps", str(step + 3),
+                    "--microbatches", str(2 * replicas), "--heartbeat-timeout", str(heartbeat_timeout)], out,
+                   inject=f"{kind}:replica={victim}:step={step}:phase={phase}")
+        fault_at = float(_KILL_TIME.search(log).group(2))
+        commits = []
+        for name, recs in _records(out).items():
+            later = [r["committed_at"] for r in recs if r["committed_at"] > fault_at]
+            commits.append(min(later))
+        latency = max(commits) - fault_at
+        results.append({"kind": kind, "phase": phase, "victim": victim, "step": step, "latency_s": latency})
+        print(f"  {kind} replica {victim} at step {step} ({phase}): next commit after {latency:.3f}s", flush=True)
+    return results
+
+
+def measure_overhead(replicas: int, steps: int, repeat: int, workdir: str, warmup: int = 3) -> dict:
+    times: dict[str, list[float]] = {"ddp": [], "recover": []}
+    for rep in range(repeat):
+        order = ["ddp", "recover"] if rep % 2 == 0 else ["recover", "ddp"]
+        for strategy in order:
+            out = os.path.join(workdir, f"{strategy}{rep}")
+            _job(["--strategy", strategy, "--replicas", str(replicas), "--steps", str(steps),
+                  "--microbatches", str(2 * replicas)], out)
+            per_step = [statistics.median(r["seconds"] for r in recs if r["step"] == s)
+                        for recs in [list(_records(out).values())[0]] for s in range(warmup, steps)]
+            run = statistics.median(per_step)
+            times[strategy].append(run)
+            print(f"  {strategy:8s} run {rep}: median step {run * 1000:.1f} ms", flush=True)
+    ddp, rec = statistics.median(times["ddp"]), statistics.median(times["recover"])
+    return {"ddp_step_s": ddp, "recover_step_s": rec, "ratio": rec / ddp, "runs": times}
+
+
+def main(args: argparse.Namespace) -> int:
+    workdir = args.dir or tempfile.mkdtemp(prefix="lr-bench-")
+    os.makedirs(workdir, exist_ok=True)
+    report: dict = {"replicas": args.replicas, "machine": f"{os.cpu_count()} cores", "time": time.ctime()}
+    if args.what == "recovery":
+        print(f"recovery latency: {args.kills} faults, {args.replicas} replicas", flush=True)
+        rows = measure_recovery(args.kills, args.kind, args.replicas, args.heartbeat_timeout, workdir)
+        lat = [r["latency_s"] for r in rows]
+        report.update(kind=args.kind, faults=rows, median_s=statistics.median(lat), max_s=max(lat),
+                      heartbeat_timeout=args.heartbeat_timeout)
+        print(f"fault -> next committed step: median {report['median_s']:.3f}s, max {report['max_s']:.3f}s "
+              f"over {len(lat)} {args.kind}s")
+    else:
+        print(f"failure-free overhead: {args.replicas} replicas, {args.steps} steps x {args.repeat} runs each",
+              flush=True)
+        report.update(measure_overhead(args.replicas, args.steps, args.repeat, workdir))
+        print(f"median step: ddp {report['ddp_step_s'] * 1000:.1f} ms, recover {report['recover_step_s'] * 1000:.1f} ms,"
+              f" ratio recover/ddp = {report['ratio']:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0

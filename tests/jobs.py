@@ -1,0 +1,93 @@
+"""Helpers to run real multi-process jobs from tests: bounded in time, every process ended."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FABRIC_SCRIPT = os.path.join(ROOT, "tests", "scripts", "fabric_train.py")
+
+
+@dataclass
+class JobResult:
+    returncode: int
+    output: str
+    out_dir: str
+
+    def states(self) -> dict[int, dict]:
+        """Final results of every replica that finished, by replica id."""
+        results = {}
+        for path in sorted(glob.glob(os.path.join(self.out_dir, "replica*.pt"))):
+            data = torch.load(path, weights_only=False)
+            results[data["replica"]] = data
+        return results
+
+
+def _env(extra: dict[str, str] | None) -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    env.pop("LIGHTNING_RECOVER_INJECT", None)
+    env.update(extra or {})
+    return env
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """End the job's whole process group (supervisor, coordinator, replicas), by the leader's pid."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def start_job(cmd: list[str], out_dir: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    log = os.path.join(out_dir, "job.log")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(env), cwd=ROOT,
+                                start_new_session=True)
+    return proc, log
+
+
+def run_job(cmd: list[str], out_dir: str, *, timeout: float = 120, env: dict[str, str] | None = None) -> JobResult:
+    proc, log = start_job(cmd, out_dir, env)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        raise AssertionError(f"job did not finish within {timeout}s:\n{open(log).read()[-4000:]}")
+    finally:
+        kill_group(proc)  # stray children of a finished job, if any
+    return JobResult(proc.returncode, open(log).read(), out_dir)
+
+
+def fabric_job(out_dir: str, *, replicas: int = 3, steps: int = 4, microbatches: int = 6, inject: str | None = None,
+               heartbeat_timeout: float = 0.5, extra: list[str] | None = None, timeout: float = 120) -> JobResult:
+    cmd = [sys.executable, FABRIC_SCRIPT, out_dir, "--replicas", str(replicas), "--steps", str(steps),
+           "--microbatches", str(microbatches), "--heartbeat-timeout", str(heartbeat_timeout)] + (extra or [])
+    env = {"LIGHTNING_RECOVER_INJECT": inject} if inject else None
+    return run_job(cmd, out_dir, timeout=timeout, env=env)
+
+
+def max_relative_difference(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    worst = 0.0
+    for key, ref in reference.items():
+        diff = (state[key].double() - ref.double()).abs().max().item()
+        worst = max(worst, diff / max(ref.double().abs().max().item(), 1e-12))
+    return worst
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False

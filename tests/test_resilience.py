@@ -1,0 +1,166 @@
+"""The resilience protocol end to end: real replica processes on gloo, real faults.
+
+Every faulty run is compared with a failure-free reference run of the same script: the final
+parameters of every surviving replica must match it (max relative difference <= 1e-5).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import pytest
+
+import sys
+
+from tests.jobs import FABRIC_SCRIPT, JobResult, fabric_job, kill_group, max_relative_difference, start_job, wait_for
+
+TOL = 1e-5
+REPLICAS, STEPS, M = 3, 4, 6
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Failure-free runs, keyed by replica count."""
+    cache = {}
+
+    def get(replicas: int = REPLICAS, steps: int = STEPS, microbatches: int = M):
+        key = (replicas, steps, microbatches)
+        if key not in cache:
+            out = str(tmp_path_factory.mktemp(f"ref{replicas}_{steps}_{microbatches}"))
+            result = fabric_job(out, replicas=replicas, steps=steps, microbatches=microbatches)
+            assert result.returncode == 0, result.output[-3000:]
+            states = result.states()
+            assert sorted(states) == list(range(replicas))
+            first = states[0]["state"]
+            for r, data in states.items():
+                assert max_relative_difference(data["state"], first) == 0.0, "replicas of one run are identical"
+            cache[key] = first
+        return cache[key]
+
+    return get
+
+
+def assert_matches_reference(result, reference_state, survivors):
+    assert result.returncode == 0, result.output[-4000:]
+    states = result.states()
+    assert sorted(states) == sorted(survivors), f"finished replicas {sorted(states)}\n{result.output[-3000:]}"
+    for r, data in states.items():
+        diff = max_relative_difference(data["state"], reference_state)
+        assert diff <= TOL, f"replica {r} diverged from the failure-free run: max relative difference {diff}"
+        # every committed step covered all M microbatches on exactly the live replicas
+        for stats in data["stats"]:
+            assert stats["live_replicas"] >= len(survivors)
+    return states
+
+
+PHASES = ["forward", "backward", "reduce", "commit", "optimizer"]
+KINDS = ["kill", "hang", "raise"]
+
+
+@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_single_failure_every_phase_and_kind(tmp_path, reference, kind, phase):
+    result = fabric_job(str(tmp_path), inject=f"{kind}:replica=1:step=1:phase={phase}")
+    states = assert_matches_reference(result, reference(), survivors=[0, 2])
+    stats = states[0]["stats"]
+    assert stats[-1]["live_replicas"] == 2 and stats[0]["live_replicas"] == 3
+    assert sum(s["recoveries"] for s in stats) == 1, "exactly one in-step recovery"
+    lost = 2  # replica 1's quota of M=6 over 3 replicas
+    assert sum(s["recomputed"] for d in states.values() for s in d["stats"]) == lost
+    if kind == "hang":
+        assert "was hung; killed it" in result.output
+
+
+def test_two_failures_in_the_same_step(tmp_path, reference):
+    ref = reference(replicas=4, microbatches=8)
+    result = fabric_job(str(tmp_path), replicas=4, microbatches=8,
+                        inject="kill:replica=1:step=2:phase=backward,kill:replica=3:step=2:phase=reduce")
+    assert_matches_reference(result, ref, survivors=[0, 2])
+
+
+def test_two_failures_at_different_steps_one_hung(tmp_path, reference):
+    ref = reference(replicas=4, microbatches=8)
+    result = fabric_job(str(tmp_path), replicas=4, microbatches=8,
+                        inject="kill:replica=2:step=1:phase=forward,hang:replica=0:step=3:phase=backward")
+    states = assert_matches_reference(result, ref, survivors=[1, 3])
+    assert [s["live_replicas"] for s in states[1]["stats"]] == [4, 3, 3, 2]
+
+
+def test_cascading_failure_during_recovery(tmp_path, reference):
+    # replica 1 dies; while the survivors recompute its microbatches, replica 2 dies too.
+    ref = reference(replicas=4, microbatches=8)
+    result = fabric_job(str(tmp_path), replicas=4, microbatches=8,
+                        inject="kill:replica=1:step=1:phase=backward,kill:replica=2:step=1:phase=recompute")
+    states = assert_matches_reference(result, ref, survivors=[0, 3])
+    assert max(s["recoveries"] for s in states[0]["stats"]) == 2, "two recoveries inside one step"
+
+
+def test_down_to_a_single_survivor(tmp_path, reference):
+    ref = reference(replicas=4, microbatches=8)
+    result = fabric_job(str(tmp_path), replicas=4, microbatches=8,
+                        inject="kill:replica=0:step=1:phase=reduce,raise:replica=3:step=2:phase=forward,"
+                               "hang:replica=1:step=3:phase=commit")
+    states = assert_matches_reference(result, ref, survivors=[2])
+    assert states[2]["stats"][-1]["live_replicas"] == 1
+
+
+def test_throughput_quotas_keep_the_trajectory(tmp_path, reference):
+    result = fabric_job(str(tmp_path), inject="kill:replica=2:step=2:phase=backward", extra=["--quota", "throughput"])
+    assert_matches_reference(result, reference(), survivors=[0, 1])
+
+
+def test_falsely_suspected_replica_never_applies_a_divergent_step(tmp_path, reference):
+    """A replica frozen long enough to be declared dead, then resumed, must stop, not rejoin silently."""
+    out = str(tmp_path)
+    cmd = [sys.executable, FABRIC_SCRIPT, out, "--replicas", "3", "--steps", "12", "--microbatches", "6",
+           "--heartbeat-timeout", "0.5", "--work", "0.05"]
+    proc, log = start_job(cmd, out, env={"LIGHTNING_RECOVER_INJECT": "hang:replica=1:step=1:phase=backward"})
+    try:
+        assert wait_for(lambda: "declared dead" in open(log).read(), timeout=60), open(log).read()[-3000:]
+        # find the frozen replica and let it run again: it must notice it was excluded and stop
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+        frozen = []
+        for pid in pids:
+            try:
+                stat = open(f"/proc/{pid}/stat").read()
+                environ = open(f"/proc/{pid}/environ", "rb").read()
+            except OSError:
+                continue
+            if stat.rsplit(")", 1)[1].split()[0] == "T" and b"LIGHTNING_RECOVER_REPLICA=1\x00" in environ \
+                    and out.encode() in open(f"/proc/{pid}/cmdline", "rb").read():
+                frozen.append(pid)
+        assert len(frozen) == 1, "the hung replica is found stopped"
+        os.kill(frozen[0], signal.SIGCONT)
+        proc.wait(timeout=120)
+    finally:
+        kill_group(proc)
+    output = open(log).read()
+    assert proc.returncode == 0, output[-3000:]
+    assert re.search(r"ReplicaExcludedError: replica 1 (was declared dead|was left out|fell behind)", output), output[-3000:]
+    states = JobResult(proc.returncode, output, out).states()
+    assert sorted(states) == [0, 2], "the excluded replica wrote no result"
+    ref = reference(replicas=3, steps=12)
+    for data in states.values():
+        assert max_relative_difference(data["state"], ref) <= TOL
+
+
+def test_coordinator_death_stops_every_replica_in_bounded_time(tmp_path):
+    out = str(tmp_path)
+    cmd = [sys.executable, FABRIC_SCRIPT, out, "--replicas", "3", "--steps", "200", "--microbatches", "3",
+           "--heartbeat-timeout", "0.5", "--work", "0.02"]
+    proc, log = start_job(cmd, out)
+    try:
+        assert wait_for(lambda: re.search(r"\(pid (\d+)\)", open(log).read()), timeout=60)
+        coordinator_pid = int(re.search(r"\(pid (\d+)\)", open(log).read()).group(1))
+        assert wait_for(lambda: os.path.exists(os.path.join(out, "started")), timeout=60)
+        os.kill(coordinator_pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        kill_group(proc)
+    output = open(log).read()
+    assert proc.returncode != 0
+    assert output.count("lost the coordinator") >= 3, output[-3000:]
+    assert not os.path.exists(os.path.join(out, "replica0.pt"))
+
