@@ -10,7 +10,7 @@ from lightning_recover.core import RecoverOptions
 from lightning_recover.planner import plan_quotas
 from lightning_recover.strategy import RecoverStrategy, Step
 
-__all__ = ["RecoverOptions", "RecoverStrategy", "Step", "plan_quotas", "UringCheckpointIO"]
+__all__ = ["RecoverOptions", "RecoverStrategy", "RecoverTrainerStrategy", "Step", "plan_quotas", "UringCheckpointIO"]
 __version__ = "0.1.0"
 
 
@@ -19,12 +19,24 @@ def _register() -> None:
 
     if "recover" not in STRATEGY_REGISTRY:
         RecoverStrategy.register_strategies(STRATEGY_REGISTRY)
+    try:
+        from lightning.pytorch.strategies import StrategyRegistry
+    except ImportError:  # lightning.pytorch is optional for Fabric users
+        return
+    if "recover" not in StrategyRegistry:
+        from lightning_recover.trainer_strategy import RecoverTrainerStrategy
+
+        RecoverTrainerStrategy.register_strategies(StrategyRegistry)
 
 
 _register()
 
 
 def __getattr__(name: str):
+    if name == "RecoverTrainerStrategy":
+        from lightning_recover.trainer_strategy import RecoverTrainerStrategy
+
+        return RecoverTrainerStrategy
     if name == "UringCheckpointIO":
         from lightning_recover.checkpoint import UringCheckpointIO
 
