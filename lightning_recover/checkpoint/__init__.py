@@ -5,6 +5,7 @@ write and read the format described in ``docs/format.md``; :class:`UringCheckpoi
 ``Trainer``/``Fabric``.
 """
 
+from lightning_recover.checkpoint.async_io import AsyncCheckpointError
 from lightning_recover.checkpoint.checkpoint_io import (
     CheckpointInfo,
     UringCheckpointIO,
@@ -21,6 +22,7 @@ from lightning_recover.checkpoint.format import (
 )
 
 __all__ = [
+    "AsyncCheckpointError",
     "FORMAT_VERSION",
     "CheckpointCorruptError",
     "CheckpointInfo",

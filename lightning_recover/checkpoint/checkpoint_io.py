@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -175,6 +176,42 @@ def _host_bytes(storage: Any) -> Any:
     return fmt.storage_as_bytes(storage).numpy()
 
 
+def _plan(checkpoint: Any) -> tuple[fmt.EncodedCheckpoint, int]:
+    """Encode ``checkpoint`` (skeleton pickled now) and assign file offsets; returns (encoded, data_end)."""
+    enc = fmt.encode_checkpoint(checkpoint, meta=fmt.file_meta())
+    offsets, data_end = fmt.plan_layout([s.nbytes for s in enc.index.storages])
+    for entry, off in zip(enc.index.storages, offsets):
+        entry.offset = off
+    return enc, data_end
+
+
+def _write_tail(w: Any, enc: fmt.EncodedCheckpoint, data_end: int, file_id: bytes) -> None:
+    """Write index, skeleton and footer (extent crcs must be set in ``enc.index``), then close + fdatasync."""
+    index_bytes = fmt.encode_index(enc.index)
+    index_offset = fmt.align_up(data_end, fmt.SMALL_ALIGN)
+    skeleton_offset = index_offset + len(index_bytes)
+    meta_crc = fmt._crc32c(enc.skeleton, fmt._crc32c(index_bytes))
+    footer = fmt.encode_footer(fmt.Footer(
+        fmt.FORMAT_VERSION, 0, index_offset, len(index_bytes), skeleton_offset, len(enc.skeleton),
+        data_end, meta_crc, file_id,
+    ))
+    w.write([(index_offset, index_bytes + enc.skeleton + footer)])
+    w.close(size=skeleton_offset + len(enc.skeleton) + len(footer))
+
+
+def _commit(tmp: str, path: str) -> None:
+    """Rename a durable temporary onto ``path`` and fsync the directory."""
+    os.rename(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
 def save(checkpoint: Any, path: Any, *, engine: Any = None) -> None:
     """Write ``checkpoint`` (any nesting of containers, primitives and tensors) to ``path`` atomically.
 
@@ -185,11 +222,7 @@ def save(checkpoint: Any, path: Any, *, engine: Any = None) -> None:
     path = os.path.abspath(os.fspath(path))
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
-    enc = fmt.encode_checkpoint(checkpoint, meta=fmt.file_meta())
-    sizes = [s.nbytes for s in enc.index.storages]
-    offsets, data_end = fmt.plan_layout(sizes)
-    for entry, off in zip(enc.index.storages, offsets):
-        entry.offset = off
+    enc, data_end = _plan(checkpoint)
     cleanup_stale_temps(directory)
 
     file_id = secrets.token_bytes(16)
@@ -222,23 +255,10 @@ def save(checkpoint: Any, path: Any, *, engine: Any = None) -> None:
                     pending.append((entry.offset, _host_bytes(st)))
                     pending_ids.append(i)
                 flush()
-
-                index_bytes = fmt.encode_index(enc.index)
-                index_offset = fmt.align_up(data_end, fmt.SMALL_ALIGN)
-                skeleton_offset = index_offset + len(index_bytes)
-                meta_crc = fmt._crc32c(enc.skeleton, fmt._crc32c(index_bytes))
-                footer = fmt.encode_footer(fmt.Footer(
-                    fmt.FORMAT_VERSION, 0, index_offset, len(index_bytes), skeleton_offset, len(enc.skeleton),
-                    data_end, meta_crc, file_id,
-                ))
-                w.write([(index_offset, index_bytes + enc.skeleton + footer)])
-                w.close(size=skeleton_offset + len(enc.skeleton) + len(footer))
+                _write_tail(w, enc, data_end, file_id)
         os.rename(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        _unlink_quiet(tmp)
         raise
     _fsync_dir(directory)
 
@@ -449,14 +469,31 @@ class UringCheckpointIO(CheckpointIO):
         weights_only: default for :meth:`load_checkpoint` when Lightning passes ``weights_only=None``:
             True loads the non-tensor state with an allowlist unpickler; False allows arbitrary pickles.
         verify: check every extent's crc32c on load.
+        async_save: lazy asynchronous saves (see ``docs/checkpointing.md``): ``save_checkpoint`` returns after
+            pickling the non-tensor state and copying small tensors; large tensors are copied into a staging
+            buffer by a background thread while training continues, and written + fdatasync'ed + renamed by a
+            second one. Every ``optimizer.step()`` waits until pending snapshots are complete.
+        max_pending_bytes: size of the staging buffer (allocated once, reused) for ``async_save``. None: as big
+            as the lazily copied part of the checkpoint, so snapshots never wait for the disk. Smaller values
+            bound memory; the snapshot then waits for the disk (back-pressure) and ``optimizer.step`` may block.
+        eager_bytes: with ``async_save``, storages smaller than this are copied inside ``save_checkpoint``.
     """
 
     def __init__(self, engine: str = "auto", block_size: Optional[int] = None, queue_depth: Optional[int] = None,
-                 weights_only: bool = True, verify: bool = True) -> None:
+                 weights_only: bool = True, verify: bool = True, *, async_save: bool = False,
+                 max_pending_bytes: Optional[int] = None, eager_bytes: int = 1 << 20) -> None:
         super().__init__()
         self.weights_only = weights_only
         self.verify = verify
+        self.async_save = async_save
         self._engine = _Engine(engine, block_size, queue_depth)
+        self._saver: Any = None
+        if async_save:
+            from lightning_recover.checkpoint.async_io import AsyncSaver
+
+            self._saver = AsyncSaver(_Engine(engine, block_size, queue_depth), staging_bytes=max_pending_bytes,
+                                     eager_bytes=eager_bytes)
+        self._into: Any = None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
@@ -464,18 +501,62 @@ class UringCheckpointIO(CheckpointIO):
                 "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg"
                 f" is not supported for `{self.__class__.__name__}`: it takes no storage options."
             )
-        save(checkpoint, path, engine=self._engine)
+        if self._saver is not None:
+            self._saver.submit(checkpoint, path)
+        else:
+            save(checkpoint, path, engine=self._engine)
+
+    # -------------------------------------------------------------- async control
+    def wait_for_snapshot(self) -> float:
+        """Block until pending asynchronous saves have copied their tensors (seconds waited).
+
+        ``optimizer.step()`` does this automatically; call it before modifying checkpointed tensors in place
+        any other way. Raises :class:`~lightning_recover.checkpoint.AsyncCheckpointError` for a failed save.
+        """
+        return self._saver.wait_for_snapshot() if self._saver is not None else 0.0
+
+    def wait_until_durable(self) -> float:
+        """Block until every save so far is on stable storage under its final name (seconds waited)."""
+        return self._saver.wait_until_durable() if self._saver is not None else 0.0
+
+    @property
+    def pending_saves(self) -> int:
+        return self._saver.pending() if self._saver is not None else 0
+
+    @contextlib.contextmanager
+    def restore_into(self, state: Any):  # type: ignore[no-untyped-def]
+        """Within the block, loads fill the tensors of ``state`` in place where path, shape and dtype match.
+
+        ``state`` is what ``Fabric.load`` takes (``{"model": module, "optimizer": opt, ...}``) or any nesting of
+        tensors/state dicts; modules and optimizers are replaced by their ``state_dict()``. Then Fabric's own
+        ``load_state_dict`` copies find source and destination identical and copy nothing::
+
+            with io.restore_into(state):
+                fabric.load(path, state)
+        """
+        prev, self._into = self._into, _state_targets(state)
+        try:
+            yield self
+        finally:
+            self._into = prev
 
     def load_checkpoint(self, path: Any, map_location: Optional[Any] = None,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Load ``path``; ``map_location=None`` keeps tensors on the CPU (like ``TorchCheckpointIO``)."""
         if weights_only is None:
             weights_only = self.weights_only
+        if self._saver is not None and self._saver.pending():
+            self._saver.wait_until_durable()
         return load(path, map_location="cpu" if map_location is None else map_location,
-                    weights_only=weights_only, verify=self.verify, engine=self._engine)
+                    weights_only=weights_only, verify=self.verify, engine=self._engine, into=self._into,
+                    strict=False)
 
     def remove_checkpoint(self, path: Any) -> None:
+        """Remove ``path``; with ``async_save`` only once every earlier save is durable (never if one failed)."""
         path = os.fspath(path)
+        if self._saver is not None:
+            self._saver.remove(path)
+            return
         try:
             os.remove(path)
         except FileNotFoundError:
@@ -483,4 +564,19 @@ class UringCheckpointIO(CheckpointIO):
         log.debug("Removed checkpoint: %s", path)
 
     def teardown(self) -> None:
-        self._engine.release()
+        """Wait until pending saves are durable (raising a background error), then free engines and staging."""
+        try:
+            if self._saver is not None:
+                self._saver.close()
+        finally:
+            self._engine.release()
+
+
+def _state_targets(state: Any) -> Any:
+    if isinstance(state, torch.nn.Module):
+        return state.state_dict()
+    if isinstance(state, torch.optim.Optimizer):
+        return state.state_dict()
+    if isinstance(state, dict):
+        return {k: _state_targets(v) for k, v in state.items()}
+    return state

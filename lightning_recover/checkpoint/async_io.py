@@ -1,0 +1,543 @@
+"""Lazy asynchronous saves: snapshot into a bounded, reused staging buffer while training continues.
+
+How a save proceeds (see ``docs/checkpointing.md`` for the user-facing guarantees):
+
+1. ``submit()`` (the training thread) pickles the non-tensor skeleton, plans the file layout and copies
+   *small* storages (< ``eager_bytes``) right away. Large storages are only *referenced*. It returns.
+2. The **copier** thread copies the referenced storages, in file order, in chunks, into a ring-shaped
+   staging buffer (host memory allocated once and reused; ``staging_bytes`` bounds it). When the ring is full
+   it waits for the flusher (back-pressure). When the last chunk is copied the job's *snapshot* is complete.
+3. The **flusher** thread writes header, eager storages and staged chunks through ``native_io`` into a
+   temporary file, releases ring space as it goes, writes index/skeleton/footer, ``fdatasync``s, renames the
+   file onto its final name and fsyncs the directory: the final name appears only once the file is durable.
+
+Consistency: a global ``torch.optim`` step pre-hook makes every ``optimizer.step()`` wait until all pending
+snapshots are complete (for a step called with a closure -- Lightning's automatic optimization -- the wait
+happens after the closure, i.e. after forward/backward, just before the parameters change). Anything else
+that modifies large checkpointed tensors in place before that must call ``wait_for_snapshot()`` first.
+
+Errors of the background threads are kept and raised in the training thread at the next ``submit``,
+``optimizer.step()``, ``wait_for_snapshot``/``wait_until_durable`` or ``close``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import logging
+import os
+import queue
+import secrets
+import threading
+import time
+import weakref
+from typing import Any, Optional
+
+import torch
+
+from lightning_recover.checkpoint import format as fmt
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AsyncCheckpointError", "AsyncSaver", "crc32c_combine"]
+
+MiB = 1 << 20
+
+
+class AsyncCheckpointError(RuntimeError):
+    """A background checkpoint save failed; ``path`` is the checkpoint, ``__cause__`` the original error."""
+
+    def __init__(self, message: str, path: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+# ------------------------------------------------------------------------------------ crc32c combine
+
+_POLY = 0x82F63B78  # CRC-32C, reflected
+_byte_ops: list = []  # _byte_ops[k]: the GF(2) operator appending 2**k zero bytes
+
+
+def _gf2_times(mat: list, vec: int) -> int:
+    s = 0
+    i = 0
+    while vec:
+        if vec & 1:
+            s ^= mat[i]
+        vec >>= 1
+        i += 1
+    return s
+
+
+def _gf2_square(mat: list) -> list:
+    return [_gf2_times(mat, mat[n]) for n in range(32)]
+
+
+def _op(k: int) -> list:
+    if not _byte_ops:
+        one_bit = [_POLY] + [1 << n for n in range(31)]
+        m = one_bit
+        for _ in range(3):  # 1 -> 2 -> 4 -> 8 bits
+            m = _gf2_square(m)
+        _byte_ops.append(m)
+    while len(_byte_ops) <= k:
+        _byte_ops.append(_gf2_square(_byte_ops[-1]))
+    return _byte_ops[k]
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32C of ``A + B`` from ``crc32c(A)``, ``crc32c(B)`` and ``len(B)``."""
+    k = 0
+    while len2:
+        if len2 & 1:
+            crc1 = _gf2_times(_op(k), crc1)
+        len2 >>= 1
+        k += 1
+    return crc1 ^ crc2
+
+
+# ------------------------------------------------------------------------------------------ staging ring
+
+
+class _Ring:
+    """FIFO allocator over one host buffer: regions are released in the order they were reserved."""
+
+    def __init__(self) -> None:
+        self.buf: Optional[torch.Tensor] = None
+        self.capacity = 0
+        self._allocs: collections.deque = collections.deque()  # (start, end)
+        self._head = 0
+        self._cv = threading.Condition()
+
+    def ensure(self, capacity: int) -> None:
+        """(Re)allocate to ``capacity`` bytes; only when the ring is idle (called by the copier)."""
+        if self.buf is not None and self.capacity >= capacity:
+            return
+        with self._cv:
+            while self._allocs:
+                self._cv.wait()
+            self.buf = None
+            buf = torch.empty(capacity, dtype=torch.uint8)
+            if torch.cuda.is_available():  # pragma: no cover - no GPU here
+                try:
+                    buf = buf.pin_memory()
+                except RuntimeError:
+                    pass
+            self.buf, self.capacity, self._head = buf, capacity, 0
+
+    def _fit(self, n: int) -> Optional[int]:
+        if not self._allocs:
+            return 0 if n <= self.capacity else None
+        first, last = self._allocs[0][0], self._allocs[-1]
+        if last[0] >= first:  # not wrapped: used region is [first, head)
+            if self.capacity - self._head >= n:
+                return self._head
+            return 0 if first >= n else None
+        return self._head if first - self._head >= n else None  # wrapped: free region is [head, first)
+
+    def reserve(self, n: int, cancelled: Any) -> Optional[int]:
+        """Start of ``n`` free bytes (waits for releases); None if ``cancelled()`` became true."""
+        with self._cv:
+            while True:
+                if cancelled():
+                    return None
+                at = self._fit(n)
+                if at is not None:
+                    self._allocs.append((at, at + n))
+                    self._head = at + n
+                    return at
+                self._cv.wait(0.5)
+
+    def release(self) -> None:
+        with self._cv:
+            self._allocs.popleft()
+            if not self._allocs:
+                self._head = 0
+            self._cv.notify_all()
+
+    def free(self) -> None:
+        with self._cv:
+            if not self._allocs:
+                self.buf, self.capacity, self._head = None, 0, 0
+
+    def wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+
+# ------------------------------------------------------------------------------------------------- jobs
+
+
+class _Job:
+    def __init__(self, path: str, enc: fmt.EncodedCheckpoint, data_end: int, eager: list, lazy: list) -> None:
+        self.path = path
+        self.directory = os.path.dirname(path)
+        self.enc = enc
+        self.data_end = data_end
+        self.eager = eager          # [(storage index, uint8 tensor copy)]
+        self.lazy = lazy            # [(storage index, uint8 tensor view of the live storage)]
+        self.lazy_bytes = sum(int(t.numel()) for _, t in lazy)
+        self.crcs: dict[int, list] = {}  # storage index -> [(crc, length)] of its chunks, in order
+        self.file_id = secrets.token_bytes(16)
+        self.tmp: Optional[str] = None
+        self.writer: Any = None
+        self.error: Optional[BaseException] = None
+        self.snapshot_done = threading.Event()
+        self.done = threading.Event()
+        self.t_submit = time.perf_counter()
+        self.t_snapshot: Optional[float] = None
+        self.t_durable: Optional[float] = None
+
+    def fail(self, e: BaseException) -> None:
+        if self.error is None:
+            self.error = e
+
+
+class _Removal:
+    def __init__(self, path: str, after: list) -> None:
+        self.path = path
+        self.after = after  # jobs that must be durable before the file may go
+
+
+_STOP = object()
+
+# every live saver, for the global optimizer hook and the exit handler
+_savers: "weakref.WeakSet[AsyncSaver]" = weakref.WeakSet()
+_hook_handle: Any = None
+_hook_lock = threading.Lock()
+
+
+def _pending_savers() -> list:
+    return [s for s in list(_savers) if s._needs_wait()]
+
+
+def _optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> Any:
+    if not _savers:
+        return None
+    savers = _pending_savers()
+    if not savers:
+        return None
+
+    def wait_all() -> None:
+        for s in savers:
+            s.wait_for_snapshot()
+
+    closure = kwargs.get("closure") if "closure" in kwargs else (args[1] if len(args) > 1 else None)
+    if closure is None:
+        wait_all()
+        return None
+
+    def guarded_closure(*a: Any, **kw: Any) -> Any:
+        out = closure(*a, **kw)
+        wait_all()  # forward/backward ran concurrently with the snapshot; parameters change after this
+        return out
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": guarded_closure}
+    return (args[0], guarded_closure, *args[2:]), kwargs
+
+
+def _install_hook() -> None:
+    global _hook_handle
+    with _hook_lock:
+        if _hook_handle is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            _hook_handle = register_optimizer_step_pre_hook(_optimizer_pre_hook)
+
+
+@atexit.register
+def _drain_at_exit() -> None:  # pragma: no cover - exercised by subprocess tests
+    for s in list(_savers):
+        try:
+            s.close(raise_errors=False)
+        except Exception:
+            pass
+
+
+# ------------------------------------------------------------------------------------------------ saver
+
+
+class AsyncSaver:
+    """Background saver used by ``UringCheckpointIO(async_save=True)`` (one per plugin).
+
+    Args:
+        engine: an ``_Engine`` of ``checkpoint_io`` used only by the flusher.
+        staging_bytes: size of the staging ring. None: the lazily copied bytes of the first checkpoint
+            (grown when a later one is bigger), so a snapshot never waits for the disk.
+        chunk_bytes: copy/write granularity of large storages.
+        eager_bytes: storages smaller than this are copied during ``submit`` (cheap; covers buffers updated in
+            ``forward`` such as BatchNorm statistics, and AdamW's step counters).
+    """
+
+    def __init__(self, engine: Any, staging_bytes: Optional[int] = None, chunk_bytes: int = 64 * MiB,
+                 eager_bytes: int = MiB) -> None:
+        if staging_bytes is not None and staging_bytes < 4096:
+            raise ValueError("staging_bytes must be at least 4096")
+        self._engine = engine
+        self.staging_bytes = staging_bytes
+        self.chunk_bytes = max(4096, int(chunk_bytes))
+        self.eager_bytes = int(eager_bytes)
+        self._ring = _Ring()
+        self._copy_q: queue.Queue = queue.Queue()
+        self._flush_q: queue.Queue = queue.Queue()
+        self._threads: list = []
+        self._lock = threading.Lock()
+        self._jobs: list = []  # submitted and not yet done, in order
+        self._last: Optional[_Job] = None
+        self._errors: list = []
+        self.history: list = []  # finished jobs' timings: dict(path, snapshot_s, durable_s, bytes, error)
+
+    # ---------------------------------------------------------------- training-thread API
+
+    def submit(self, checkpoint: Any, path: str) -> None:
+        self.raise_errors()
+        from lightning_recover.checkpoint.checkpoint_io import _plan
+
+        path = os.path.abspath(os.fspath(path))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        enc, data_end = _plan(checkpoint)
+        eager, lazy = [], []
+        for i, st in enumerate(enc.storages):
+            n = enc.index.storages[i].nbytes
+            if n == 0:
+                continue
+            u8 = fmt.storage_as_bytes(st)
+            if n < self.eager_bytes:
+                eager.append((i, u8.to("cpu", copy=True)))
+            else:
+                lazy.append((i, u8))
+        job = _Job(path, enc, data_end, eager, lazy)
+        _savers.add(self)
+        _install_hook()
+        self._start()
+        with self._lock:
+            self._jobs.append(job)
+            self._last = job
+        self._copy_q.put(job)
+
+    def remove(self, path: str) -> None:
+        """Remove ``path`` once every save submitted so far is durable (kept if one of them failed)."""
+        path = os.path.abspath(os.fspath(path))
+        with self._lock:
+            pending = [j for j in self._jobs if not j.done.is_set()]
+        if not pending:
+            _remove_file(path)
+            return
+        self._copy_q.put(_Removal(path, pending))
+
+    def _needs_wait(self) -> bool:
+        last = self._last
+        return bool(self._errors) or (last is not None and not last.snapshot_done.is_set())
+
+    def wait_for_snapshot(self) -> float:
+        """Block until every submitted save has copied its tensors; returns the seconds waited."""
+        t0 = time.perf_counter()
+        last = self._last
+        if last is not None:
+            last.snapshot_done.wait()
+        self.raise_errors()
+        return time.perf_counter() - t0
+
+    def wait_until_durable(self) -> float:
+        """Block until every submitted save is durable (or failed); raises a background error."""
+        t0 = time.perf_counter()
+        self._copy_q.join()
+        self._flush_q.join()
+        self.raise_errors()
+        return time.perf_counter() - t0
+
+    def pending(self) -> int:
+        with self._lock:
+            return sum(1 for j in self._jobs if not j.done.is_set())
+
+    def raise_errors(self) -> None:
+        with self._lock:
+            errs, self._errors = self._errors, []
+        if errs:
+            job, e = errs[0]
+            more = f" (and {len(errs) - 1} more failed saves)" if len(errs) > 1 else ""
+            raise AsyncCheckpointError(
+                f"asynchronous checkpoint save to {job.path} failed: {type(e).__name__}: {e}{more}; "
+                "the previous checkpoint under that name (if any) is unchanged", job.path) from e
+
+    def close(self, raise_errors: bool = True) -> None:
+        """Wait for durability of everything submitted, stop the threads and free the staging memory."""
+        if self._threads:
+            self._copy_q.join()
+            self._flush_q.join()
+            self._copy_q.put(_STOP)
+            for t in self._threads:
+                t.join()
+            self._threads = []
+            self._copy_q = queue.Queue()
+            self._flush_q = queue.Queue()
+        self._ring.free()
+        self._engine.release()
+        _savers.discard(self)
+        if raise_errors:
+            self.raise_errors()
+
+    # ---------------------------------------------------------------- threads
+
+    def _start(self) -> None:
+        if self._threads:
+            return
+        cq, fq = self._copy_q, self._flush_q
+        self._threads = [
+            threading.Thread(target=self._copier, args=(cq, fq), name="lr-ckpt-copier", daemon=True),
+            threading.Thread(target=self._flusher, args=(fq,), name="lr-ckpt-flusher", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _copier(self, cq: queue.Queue, fq: queue.Queue) -> None:
+        while True:
+            job = cq.get()
+            try:
+                if job is _STOP:
+                    fq.put(_STOP)
+                    return
+                if isinstance(job, _Removal):
+                    fq.put(job)
+                    continue
+                self._snapshot(job, fq)
+            finally:
+                cq.task_done()
+
+    def _snapshot(self, job: _Job, fq: queue.Queue) -> None:
+        fq.put(("begin", job))
+        try:
+            if job.lazy:
+                need = job.lazy_bytes if self.staging_bytes is None else self.staging_bytes
+                self._ring.ensure(max(need, 4096))
+                chunk = min(self.chunk_bytes, max(4096, self._ring.capacity // 4))
+                cancelled = lambda: job.error is not None  # noqa: E731
+                for i, src in job.lazy:
+                    n = int(src.numel())
+                    for off in range(0, n, chunk):
+                        m = min(chunk, n - off)
+                        at = self._ring.reserve(m, cancelled)
+                        if at is None:
+                            return
+                        assert self._ring.buf is not None
+                        self._ring.buf[at:at + m].copy_(src[off:off + m])
+                        fq.put(("chunk", job, i, off, at, m))
+        except BaseException as e:  # e.g. MemoryError allocating the ring
+            job.fail(e)
+        finally:
+            job.t_snapshot = time.perf_counter()
+            job.lazy = []  # drop the references to the live tensors
+            job.snapshot_done.set()
+            fq.put(("end", job))
+
+    def _flusher(self, fq: queue.Queue) -> None:
+        while True:
+            item = fq.get()
+            try:
+                if item is _STOP:
+                    return
+                if isinstance(item, _Removal):
+                    self._do_removal(item)
+                    continue
+                kind, job = item[0], item[1]
+                if kind == "chunk":
+                    try:
+                        if job.error is None:
+                            _, _, i, off, at, m = item
+                            self._write_eager(job, below=i)
+                            entry = job.enc.index.storages[i]
+                            (crc,) = job.writer.write([(entry.offset + off, self._ring.buf[at:at + m].numpy())])
+                            job.crcs.setdefault(i, []).append((int(crc), m))
+                    except BaseException as e:
+                        job.fail(e)
+                        self._ring.wake()
+                    finally:
+                        self._ring.release()
+                elif kind == "begin":
+                    self._begin(job)
+                else:
+                    self._end(job)
+            finally:
+                fq.task_done()
+
+    def _begin(self, job: _Job) -> None:
+        from lightning_recover.checkpoint.checkpoint_io import cleanup_stale_temps, temp_path_for
+
+        try:
+            cleanup_stale_temps(job.directory)
+            job.tmp = temp_path_for(job.path)
+            job.writer = self._engine.get().open_writer(job.tmp)
+            job.writer.write([(0, fmt.encode_header(job.file_id))])
+        except BaseException as e:
+            job.fail(e)
+
+    @staticmethod
+    def _write_eager(job: _Job, below: Optional[int]) -> None:
+        """Write the eager (already copied) storages that precede storage ``below`` (all if None).
+
+        The writer takes increasing offsets only, and extents are laid out in index order.
+        """
+        k = 0
+        while k < len(job.eager) and (below is None or job.eager[k][0] < below):
+            k += 1
+        if not k:
+            return
+        batch, job.eager = job.eager[:k], job.eager[k:]
+        crcs = job.writer.write([(job.enc.index.storages[i].offset, t.numpy()) for i, t in batch])
+        for (i, _), crc in zip(batch, crcs):
+            job.enc.index.storages[i].crc32c = int(crc)
+
+    def _end(self, job: _Job) -> None:
+        from lightning_recover.checkpoint.checkpoint_io import _commit, _unlink_quiet, _write_tail
+
+        try:
+            if job.error is None:
+                self._write_eager(job, below=None)
+                for i, parts in job.crcs.items():
+                    crc = 0
+                    for c, m in parts:
+                        crc = crc32c_combine(crc, c, m)
+                    job.enc.index.storages[i].crc32c = crc
+                _write_tail(job.writer, job.enc, job.data_end, job.file_id)
+                _commit(job.tmp, job.path)
+        except BaseException as e:
+            job.fail(e)
+        if job.error is not None:
+            if job.writer is not None:
+                try:
+                    job.writer.close()
+                except BaseException:
+                    pass
+            if job.tmp is not None:
+                _unlink_quiet(job.tmp)
+            log.error("asynchronous checkpoint save to %s failed: %r", job.path, job.error)
+            with self._lock:
+                self._errors.append((job, job.error))
+        job.writer = None
+        job.t_durable = time.perf_counter()
+        del self.history[:-99]
+        self.history.append({
+            "path": job.path, "snapshot_s": (job.t_snapshot or job.t_durable) - job.t_submit,
+            "durable_s": job.t_durable - job.t_submit, "error": None if job.error is None else repr(job.error),
+        })
+        job.enc = None  # type: ignore[assignment]
+        with self._lock:
+            if job in self._jobs:
+                self._jobs.remove(job)
+        job.done.set()
+
+    def _do_removal(self, r: _Removal) -> None:
+        failed = [j for j in r.after if j.error is not None]
+        if failed:
+            log.warning("not removing checkpoint %s: the newer save to %s failed", r.path, failed[0].path)
+            return
+        _remove_file(r.path)
+
+
+def _remove_file(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        return
+    log.debug("Removed checkpoint: %s", path)

@@ -1,0 +1,366 @@
+"""Lazy asynchronous checkpoints: snapshot consistency, guard, back-pressure, durability, errors, restore."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+import native_io
+from lightning_recover.checkpoint import AsyncCheckpointError, UringCheckpointIO, load, read_info
+from lightning_recover.checkpoint import checkpoint_io as cio
+from lightning_recover.checkpoint.async_io import _Ring, crc32c_combine
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _temps(d) -> list:
+    return [p for p in os.listdir(d) if cio.is_temp_name(p)]
+
+
+def _clone(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_clone(v) for v in obj)
+    return obj
+
+
+def _assert_same(a, b, path=""):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a.cpu(), b.cpu()), f"tensor {path} differs"
+    elif isinstance(a, dict):
+        assert set(a) == set(b), path
+        for k in a:
+            _assert_same(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{path}/{i}")
+    else:
+        assert a == b, path
+
+
+@pytest.fixture(autouse=True)
+def _no_faults():
+    native_io._inject_faults()
+    yield
+    native_io._inject_faults()
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    # 2 large weights (lazy, several chunks with small staging), small biases and BN buffers (eager)
+    return torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.BatchNorm1d(1024), torch.nn.Linear(1024, 512))
+
+
+def _train_step(model, opt, x, closure=False):
+    def fwd_bwd():
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    if closure:
+        opt.step(fwd_bwd)
+    else:
+        fwd_bwd()
+        opt.step()
+
+
+# ------------------------------------------------------------------------------------------- pieces
+
+
+def test_crc32c_combine_matches_native():
+    import random
+
+    rng = random.Random(0)
+    for n1, n2 in [(0, 5), (5, 0), (1, 1), (4096, 64 << 20 >> 8), (12345, 777777)]:
+        a, b = rng.randbytes(n1), rng.randbytes(n2)
+        assert crc32c_combine(native_io.crc32c(a), native_io.crc32c(b), len(b)) == native_io.crc32c(a + b)
+
+
+def test_ring_fifo_wraps_and_backpressure():
+    r = _Ring()
+    r.ensure(100)
+    assert r.reserve(40, lambda: False) == 0
+    assert r.reserve(40, lambda: False) == 40
+    got = []
+    t = threading.Thread(target=lambda: got.append(r.reserve(30, lambda: False)))
+    t.start()
+    t.join(0.2)
+    assert t.is_alive()  # 20 bytes free at the end, none at the start: waits
+    r.release()  # frees [0, 40)
+    t.join(5)
+    assert got == [0]  # wrapped to the start
+    assert r.reserve(50, lambda: True) is None  # cancelled
+
+
+# --------------------------------------------------------------------------------------- consistency
+
+
+@pytest.mark.parametrize("closure", [False, True])
+@pytest.mark.parametrize("staging", [None, 1 << 20])
+def test_snapshot_equals_state_at_save_time_while_training_continues(tmp_path, closure, staging):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    x = torch.randn(64, 512)
+    io = UringCheckpointIO(async_save=True, max_pending_bytes=staging)
+    expected = {}
+    for step in range(6):
+        _train_step(model, opt, x, closure)
+        ck = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step}
+        expected[step] = _clone(ck)
+        io.save_checkpoint(ck, tmp_path / f"s{step}.ckpt")
+        # training goes on immediately: forward mutates BN buffers, step mutates params and AdamW state
+    _train_step(model, opt, x, closure)
+    io.teardown()
+    assert _temps(tmp_path) == []
+    for step, ref in expected.items():
+        got = load(tmp_path / f"s{step}.ckpt")
+        _assert_same(ref, got)
+    # the last save really was lazy: the live params moved on after it
+    assert not torch.equal(model[0].weight, expected[5]["model"]["0.weight"])
+
+
+def test_step_waits_for_snapshot_with_small_staging(tmp_path):
+    big = torch.nn.Parameter(torch.randn(4_000_000))  # 16 MB through a 1 MiB ring: many chunks, back-pressure
+    opt = torch.optim.SGD([big], lr=1.0)
+    io = UringCheckpointIO(async_save=True, max_pending_bytes=1 << 20)
+    ref = big.detach().clone()
+    io.save_checkpoint({"w": big}, tmp_path / "a.ckpt")
+    big.grad = torch.ones_like(big)
+    opt.step()  # the global pre-hook blocks until the snapshot is complete
+    assert torch.equal(big.detach(), ref - 1)
+    io.wait_until_durable()
+    assert torch.equal(load(tmp_path / "a.ckpt")["w"], ref)
+    assert io._saver.history[-1]["error"] is None
+    info = read_info(tmp_path / "a.ckpt")
+    assert info.index.storages[0].nbytes == 16_000_000
+    io.teardown()
+
+
+def test_explicit_wait_for_snapshot_and_pending(tmp_path):
+    w = torch.randn(3_000_000)
+    io = UringCheckpointIO(async_save=True)
+    io.save_checkpoint({"w": w}, tmp_path / "a.ckpt")
+    ref = w.clone()
+    io.wait_for_snapshot()
+    w.zero_()  # mutation outside an optimizer: allowed after wait_for_snapshot
+    io.wait_until_durable()
+    assert io.pending_saves == 0
+    assert torch.equal(load(tmp_path / "a.ckpt")["w"], ref)
+    io.teardown()
+
+
+def test_final_name_appears_only_when_durable(tmp_path, monkeypatch):
+    gate = threading.Event()
+    real = cio._write_tail
+
+    def slow_tail(*a, **kw):
+        gate.wait(30)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(cio, "_write_tail", slow_tail)
+    io = UringCheckpointIO(async_save=True)
+    io.save_checkpoint({"w": torch.randn(1_000_000)}, tmp_path / "a.ckpt")
+    io.wait_for_snapshot()
+    assert not (tmp_path / "a.ckpt").exists() and len(_temps(tmp_path)) == 1
+    gate.set()
+    io.wait_until_durable()
+    assert (tmp_path / "a.ckpt").exists() and _temps(tmp_path) == []
+    io.teardown()
+
+
+def test_load_waits_for_pending_save(tmp_path):
+    io = UringCheckpointIO(async_save=True, max_pending_bytes=1 << 20)
+    w = torch.randn(2_000_000)
+    io.save_checkpoint({"w": w}, tmp_path / "a.ckpt")
+    out = io.load_checkpoint(tmp_path / "a.ckpt")
+    assert torch.equal(out["w"], w)
+    io.teardown()
+
+
+# ------------------------------------------------------------------------------------------- removal
+
+
+def test_removal_is_deferred_until_newer_save_is_durable(tmp_path, monkeypatch):
+    io = UringCheckpointIO(async_save=True)
+    io.save_checkpoint({"k": 1, "w": torch.randn(1_000_000)}, tmp_path / "old.ckpt")
+    io.wait_until_durable()
+    gate = threading.Event()
+    real = cio._write_tail
+
+    def slow_tail(*a, **kw):
+        gate.wait(30)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(cio, "_write_tail", slow_tail)
+    io.save_checkpoint({"k": 2, "w": torch.randn(1_000_000)}, tmp_path / "new.ckpt")
+    io.remove_checkpoint(tmp_path / "old.ckpt")  # what ModelCheckpoint(save_top_k=1) does right after saving
+    assert (tmp_path / "old.ckpt").exists()  # the only durable checkpoint is kept
+    gate.set()
+    io.wait_until_durable()
+    assert not (tmp_path / "old.ckpt").exists() and load(tmp_path / "new.ckpt")["k"] == 2
+    io.teardown()
+
+
+def test_removal_skipped_when_newer_save_fails(tmp_path):
+    io = UringCheckpointIO(async_save=True)
+    io.save_checkpoint({"k": 1, "w": torch.randn(1_000_000)}, tmp_path / "old.ckpt")
+    io.wait_until_durable()
+    native_io._inject_faults(eio_at=1)
+    io.save_checkpoint({"k": 2, "w": torch.randn(1_000_000)}, tmp_path / "new.ckpt")
+    io.remove_checkpoint(tmp_path / "old.ckpt")
+    with pytest.raises(AsyncCheckpointError, match="new.ckpt") as ei:
+        io.wait_until_durable()
+    assert isinstance(ei.value.__cause__, OSError)
+    native_io._inject_faults()
+    assert load(tmp_path / "old.ckpt")["k"] == 1
+    assert not (tmp_path / "new.ckpt").exists() and _temps(tmp_path) == []
+    io.teardown()
+
+
+# --------------------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("surface", ["save", "step", "teardown"])
+def test_background_error_surfaces_at_next_call(tmp_path, surface):
+    io = UringCheckpointIO(async_save=True, max_pending_bytes=1 << 20)
+    p = torch.nn.Parameter(torch.randn(2_000_000))
+    opt = torch.optim.SGD([p], lr=0.1)
+    io.save_checkpoint({"w": p, "k": 1}, tmp_path / "c.ckpt")
+    io.wait_until_durable()
+    native_io._inject_faults(eio_at=1)
+    io.save_checkpoint({"w": p, "k": 2}, tmp_path / "c.ckpt")
+    # wait (without raising) until the background failure happened
+    io._saver._last.done.wait(30)
+    native_io._inject_faults()
+    with pytest.raises(AsyncCheckpointError, match="c.ckpt") as ei:
+        if surface == "save":
+            io.save_checkpoint({"w": p, "k": 3}, tmp_path / "d.ckpt")
+        elif surface == "step":
+            p.grad = torch.ones_like(p)
+            opt.step()
+        else:
+            io.teardown()
+    assert "Input/output error" in str(ei.value) or "EIO" in str(ei.value) or "I/O" in str(ei.value)
+    assert load(tmp_path / "c.ckpt")["k"] == 1  # previous checkpoint intact
+    assert _temps(tmp_path) == []
+    io.save_checkpoint({"w": p, "k": 4}, tmp_path / "c.ckpt")  # reported once; saving works again
+    io.teardown()
+    assert load(tmp_path / "c.ckpt")["k"] == 4
+
+
+# ------------------------------------------------------------------------------------------ Lightning
+
+
+def _bn_module_cls():
+    import lightning.pytorch as pl
+
+    class BN(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _model(1)
+            self.saved = {}
+
+        def training_step(self, batch, batch_idx):
+            (x,) = batch
+            return self.net(x).square().mean()
+
+        def on_save_checkpoint(self, checkpoint):
+            # the state at save time (Lightning calls this while building the checkpoint dict)
+            self.saved[self.global_step] = {"state_dict": _clone(self.state_dict()),
+                                            "opt": _clone(self.trainer.optimizers[0].state_dict()["state"])}
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=0.05)
+
+        def train_dataloader(self):
+            x = torch.randn(64, 512, generator=torch.Generator().manual_seed(0))
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=16)
+
+    return BN
+
+
+def test_trainer_async_modelcheckpoint(tmp_path):
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    BN = _bn_module_cls()
+    model = BN()
+    io = UringCheckpointIO(async_save=True)
+    mc = ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=1, every_n_train_steps=1, save_last=True,
+                         filename="{step}")
+    trainer = Trainer(default_root_dir=tmp_path, max_steps=6, accelerator="cpu", devices=1, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[mc], plugins=[io])
+    trainer.fit(model)  # teardown waits for durability
+    files = sorted(os.listdir(tmp_path / "ck"))
+    assert files == ["last.ckpt", "step=6.ckpt"], files  # top-1 removal ran after the newer save was durable
+    for name in files:
+        ck = load(tmp_path / "ck" / name)
+        ref = model.saved[ck["global_step"]]
+        _assert_same(ref["state_dict"], ck["state_dict"])
+        _assert_same(ref["opt"], ck["optimizer_states"][0]["state"])
+    # resume from the async checkpoint
+    model2 = BN()
+    t2 = Trainer(default_root_dir=tmp_path, max_steps=7, accelerator="cpu", devices=1, logger=False,
+                 enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                 plugins=[UringCheckpointIO(async_save=True)])
+    t2.fit(model2, ckpt_path=str(tmp_path / "ck" / "last.ckpt"))
+    assert t2.global_step == 7
+
+
+def test_trainer_consistency_mid_training(tmp_path):
+    """Checkpoints taken every step while training mutates the state equal the state at save time."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    BN = _bn_module_cls()
+    model = BN()
+    io = UringCheckpointIO(async_save=True, max_pending_bytes=1 << 20)  # forces back-pressure
+    mc = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=1, filename="{step}")
+    trainer = Trainer(default_root_dir=tmp_path, max_steps=5, accelerator="cpu", devices=1, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[mc], plugins=[io])
+    trainer.fit(model)
+    for step in range(1, 6):
+        ck = load(tmp_path / f"step={step}.ckpt")
+        _assert_same(model.saved[step]["state_dict"], ck["state_dict"])
+        _assert_same(model.saved[step]["opt"], ck["optimizer_states"][0]["state"])
+
+
+def test_fabric_async_save_and_in_place_restore(tmp_path):
+    from lightning.fabric import Fabric
+
+    io = UringCheckpointIO(async_save=True)
+    fabric = Fabric(plugins=[io], accelerator="cpu", devices=1)
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model, opt = fabric.setup(model, opt)
+    x = torch.randn(32, 512)
+    _train_step(model, opt, x)
+    fabric.save(tmp_path / "f.ckpt", {"model": model, "optimizer": opt, "step": 1})
+    ref_model = _clone(model.state_dict())
+    ref_opt = _clone(opt.state_dict()["state"])
+    for _ in range(2):
+        _train_step(model, opt, x)  # optimizer.step waits for the snapshot, then mutates
+    io.wait_until_durable()
+
+    model2 = _model(5)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.1)
+    _train_step(model2, opt2, x)  # optimizer state exists: it is filled in place too
+    ptrs = [p.data_ptr() for p in model2.parameters()] + [
+        t.data_ptr() for s in opt2.state.values() for t in s.values()]
+    with io.restore_into({"model": model2, "optimizer": opt2}):
+        rest = fabric.load(tmp_path / "f.ckpt", {"model": model2, "optimizer": opt2})
+    assert rest == {"step": 1}
+    _assert_same(ref_model, model2.state_dict())
+    _assert_same(ref_opt, opt2.state_dict()["state"])
+    assert ptrs == [p.data_ptr() for p in model2.parameters()] + [
+        t.data_ptr() for s in opt2.state.values() for t in s.values()]
+    io.teardown()
