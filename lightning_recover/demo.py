@@ -1,0 +1,444 @@
+"""``lightning-recover demo``: resilient training of a small GPT with injected failures.
+
+    python -m lightning_recover.cli demo                  # what ``make demo`` runs
+    python -m lightning_recover.cli demo --steps 60 --inject "kill:replica=3:step=5:phase=forward"
+
+Trains TinyGPT (byte level) on the Python standard library's own source, a real corpus present on
+every machine, with 4 replicas on CPU under ``Fabric(strategy="recover")``. By default two
+replicas are lost at different steps: replica 2 is SIGKILLed during its backward pass at step 12,
+and replica 0 (the one drawing the progress bar) is frozen with SIGSTOP just before the gradient
+all-reduce of step 27, so only the heartbeat threshold can reveal it. The survivors recompute
+the lost microbatches inside the same step and keep going; the lowest live replica takes over the
+progress bar.
+
+Afterwards the same steps are replayed failure-free in this process (the same model, seed and
+microbatches, summed in one process) as the reference, and a summary compares the two: steps,
+failures survived, time to recover, recomputed microbatches, final loss and the largest relative
+parameter difference, effective throughput.
+
+The demo trains in float64 (``precision="64-true"``) by default. Recovery changes only the order in
+which microbatch gradients are summed; in float64 that rounding stays around 1e-15, so the final
+parameters match the reference to far better than 1e-5. In float32 (``--precision 32-true``) the same
+rounding (~1e-7) is amplified by Adam in parameters whose gradient is mathematically zero (the
+attention key bias: softmax ignores a per-query constant), so a few tensors differ by ~1e-2
+relative while the losses agree to 4 decimals; that is rounding noise, not a different trajectory. ``OUT/demo.png`` plots loss per step (run and
+reference) and live replicas over time; ``OUT/summary.json`` holds the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from typing import Any
+
+DEFAULT_INJECT = "kill:replica=2:step=12:phase=backward,hang:replica=0:step=27:phase=reduce"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--replicas", type=int, default=4, help="data-parallel replicas (processes)")
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps")
+    p.add_argument("--microbatches", type=int, default=8, help="M, global microbatches per step")
+    p.add_argument("--batch-size", type=int, default=8, help="samples per microbatch")
+    p.add_argument("--block-size", type=int, default=64, help="context length in bytes")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--corpus-bytes", type=int, default=2_000_000, help="bytes of stdlib source to train on")
+    p.add_argument("--inject", default=DEFAULT_INJECT,
+                   help="faults, KIND:replica=R:step=S:phase=P[,...] ('' for none); default: %(default)s")
+    p.add_argument("--heartbeat-timeout", type=float, default=1.5,
+                   help="seconds without heartbeat before a (hung) replica is declared dead")
+    p.add_argument("--out", default="demo_out", help="directory for demo.png, summary.json and logs")
+    p.add_argument("--no-reference", action="store_true", help="skip the failure-free reference replay")
+    p.add_argument("--no-plot", action="store_true", help="do not write demo.png")
+    p.add_argument("--precision", choices=["64-true", "32-true"], default="64-true",
+                   help="Lightning precision; 64-true (default) makes the comparison with the reference exact "
+                        "up to summation order (see the module docstring)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+# ---------------------------------------------------------------------------- the model (shared)
+
+
+def _build(args: argparse.Namespace):
+    from lightning_recover.bench.fabric_gpt import build
+
+    return build(args)
+
+
+# ---------------------------------------------------------------------------- inside a replica
+
+
+def _worker(args: argparse.Namespace) -> None:
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+
+    from lightning_recover import RecoverStrategy
+    from lightning_recover.faults import parse_faults
+
+    data, model, optimizer = _build(args)
+    strategy = RecoverStrategy(microbatches=args.microbatches, heartbeat_timeout=args.heartbeat_timeout,
+                               heartbeat_interval=min(0.1, args.heartbeat_timeout / 5), seed=args.seed)
+    fabric = L.Fabric(strategy=strategy, devices=args.replicas, accelerator="cpu", precision=args.precision)
+    fabric.launch()
+    model, optimizer = fabric.setup(model, optimizer)
+    loader = DataLoader(data, batch_size=args.batch_size, shuffle=True)
+    core = fabric.strategy.core
+    replica = fabric.strategy.replica
+    os.makedirs(args.out, exist_ok=True)
+
+    # Note the wall-clock time of this replica's own injected faults (for "fault -> commit" times).
+    mine = {(f.step, f.phase): f for f in parse_faults(os.environ.get("LIGHTNING_RECOVER_INJECT"))
+            if f.replica == replica and f.incarnation == core.group.incarnation}
+    injector = core.protocol.injector
+    fire = injector.maybe_fire
+
+    def maybe_fire(step: int, phase: str) -> None:
+        fault = mine.pop((step, phase), None)
+        if fault is not None:
+            with open(os.path.join(args.out, f"fault-{fault.kind}-r{replica}-s{step}.json"), "w") as f:
+                json.dump({"kind": fault.kind, "replica": replica, "step": step, "phase": phase, "t": time.time()}, f)
+        fire(step, phase)
+
+    injector.maybe_fire = maybe_fire  # type: ignore[method-assign]
+
+    log = open(os.path.join(args.out, f"replica{replica}.jsonl"), "w")
+    bar = None
+    first_start = None
+    for step in fabric.strategy.steps(loader, max_steps=args.steps):
+        start = time.perf_counter()
+        first_start = first_start or time.time()
+        for x, y in step:
+            fabric.backward(model.loss(x, y))
+        optimizer.step()
+        optimizer.zero_grad()
+        s = step.stats
+        rec = {"step": step.index, "seconds": time.perf_counter() - start, "committed_at": time.time(),
+               "loss": s.loss, "live": s.live_replicas, "generation": s.generation, "computed": s.computed,
+               "recomputed": s.recomputed, "recoveries": s.recoveries, "recovery_seconds": s.recovery_seconds,
+               "leader": s.leader, "events": s.events}
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+        if s.leader:  # the lowest live replica draws the progress bar
+            bar = _progress(bar, step.index, args, replica, first_start)
+            for gen, members, lost in _replans(s.events):
+                bar.write(f"[demo] step {step.index}: generation {gen} = replicas {members}; {lost} lost "
+                          f"microbatches recomputed inside the step (recovery {s.recovery_seconds:.2f}s)")
+            bar.set_postfix_str(f"loss={s.loss:.3f}, live={s.live_replicas}/{args.replicas}, gen={s.generation}",
+                                refresh=False)
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    log.close()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    torch.save(state, os.path.join(args.out, f"replica{replica}.pt"))
+
+
+_REPLAN = re.compile(r"generation (\d+): live replicas (\[[^\]]*\]), (\d+) lost microbatches re-planned")
+
+
+def _replans(events: list[str]) -> list[tuple[int, str, int]]:
+    """(generation, members, lost microbatches) of each recovery in a step's events."""
+    return [(int(m.group(1)), m.group(2), int(m.group(3))) for m in map(_REPLAN.search, events) if m]
+
+
+def _progress(bar: Any, index: int, args: argparse.Namespace, replica: int, first_start: float) -> Any:
+    """A Lightning-style tqdm bar, drawn by the lowest live replica (created when it becomes that)."""
+    from tqdm import tqdm
+
+    if bar is None:  # first step led by this replica (start, or after the leader was lost)
+        if index > 0:
+            print(f"\n[demo] replica {replica} is now the lowest live replica and draws the progress bar",
+                  file=sys.stderr, flush=True)
+        bar = tqdm(total=args.steps, desc=f"Training (replica {replica})", unit="step", dynamic_ncols=True,
+                   file=sys.stderr, mininterval=0, smoothing=0,
+                   bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]")
+        bar.start_t = first_start  # elapsed and rate count from the first step, as for the old leader
+        bar.n = bar.last_print_n = index
+    return bar
+
+
+# ---------------------------------------------------------------------------- the failure-free reference
+
+
+def reference_run(args: argparse.Namespace, progress: bool = True) -> tuple[list[float], dict]:
+    """Replay the same steps without failures in this process: per-step losses and final state.
+
+    Each step sums the gradients of the same ``M`` microbatches (same seeded permutation as the
+    replicas read) and divides by ``M``, exactly what a committed step of ``strategy="recover"`` applies.
+    """
+    import torch
+
+    from lightning_recover.data import MicrobatchSource
+
+    torch.set_num_threads(min(4, os.cpu_count() or 1))  # the replicas are done: use the machine
+    data, model, optimizer = _build(args)
+    if args.precision == "64-true":
+        model.double()  # in place: the optimizer keeps the same parameters
+    source = MicrobatchSource(data, args.batch_size, args.microbatches, shuffle=True, seed=args.seed)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.steps, desc="Reference (failure-free, 1 process)", unit="step", file=sys.stderr,
+                   dynamic_ncols=True)
+    losses = []
+    for s in range(args.steps):
+        optimizer.zero_grad()
+        total = 0.0
+        for j in range(args.microbatches):
+            x, y = source.batch(s, j)
+            loss = model.loss(x, y)
+            loss.backward()
+            total += loss.item()
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad /= args.microbatches
+        optimizer.step()
+        losses.append(total / args.microbatches)
+        if bar is not None:
+            bar.set_postfix_str(f"loss={losses[-1]:.3f}", refresh=False)
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def max_relative_difference(state: dict, reference: dict) -> float:
+    worst = 0.0
+    for key, ref in reference.items():
+        diff = (state[key].double() - ref.double()).abs().max().item()
+        worst = max(worst, diff / max(ref.double().abs().max().item(), 1e-12))
+    return worst
+
+
+# ---------------------------------------------------------------------------- the parent
+
+
+def _load_records(out: str) -> dict[int, list[dict]]:
+    records = {}
+    for name in sorted(os.listdir(out)):
+        if name.startswith("replica") and name.endswith(".jsonl"):
+            with open(os.path.join(out, name)) as f:
+                records[int(name[7:-6])] = [json.loads(line) for line in f if line.strip()]
+    return records
+
+
+def _load_faults(out: str) -> list[dict]:
+    faults = []
+    for name in os.listdir(out):
+        if name.startswith("fault-") and name.endswith(".json"):
+            with open(os.path.join(out, name)) as f:
+                faults.append(json.load(f))
+    return sorted(faults, key=lambda f: f["t"])
+
+
+def summarize(args: argparse.Namespace, records: dict[int, list[dict]], faults: list[dict],
+              events: list[tuple[float, str]], ref_losses: list[float] | None, ref_diff: float | None) -> dict:
+    """Merge every replica's per-step records into one view of the run, plus the reference."""
+    steps: dict[int, dict] = {}
+    for recs in records.values():
+        for r in recs:
+            st = steps.setdefault(r["step"], {"step": r["step"], "loss": r["loss"], "live": r["live"],
+                                              "generation": r["generation"], "recomputed": 0,
+                                              "recovery_seconds": 0.0, "committed_at": 0.0, "started_at": 1e300})
+            st["recomputed"] += r["recomputed"]
+            st["recovery_seconds"] = max(st["recovery_seconds"], r["recovery_seconds"])
+            st["committed_at"] = max(st["committed_at"], r["committed_at"])
+            st["started_at"] = min(st["started_at"], r["committed_at"] - r["seconds"])
+    rows = [steps[s] for s in sorted(steps)]
+    if not rows:
+        raise RuntimeError(f"no replica recorded a committed step (see the output above and {args.out})")
+    t_start, t_end = rows[0]["started_at"], rows[-1]["committed_at"]
+    wall = t_end - t_start
+    committed = len(rows) * args.microbatches
+    first_fault_step = min((f["step"] for f in faults), default=len(rows))
+    clean = [r["committed_at"] - r["started_at"] for r in rows[1:first_fault_step]] or [wall / len(rows)]
+    clean_step = statistics.median(clean)
+    failures = []
+    for f in faults:
+        row = steps.get(f["step"])
+        after = [r["committed_at"] for r in rows if r["committed_at"] > f["t"]]
+        failures.append({
+            **f,
+            "fault_to_commit_s": (min(after) - f["t"]) if after else None,
+            "step_seconds": (row["committed_at"] - row["started_at"]) if row else None,
+            "recovery_seconds": row["recovery_seconds"] if row else None,
+            "recomputed": row["recomputed"] if row else None,
+            "live_after": row["live"] if row else None,
+        })
+    summary = {
+        "replicas": args.replicas, "steps_committed": len(rows), "steps": args.steps,
+        "microbatches_per_step": args.microbatches, "batch_size": args.batch_size, "block_size": args.block_size,
+        "inject": args.inject, "heartbeat_timeout": args.heartbeat_timeout,
+        "failures": failures, "failures_survived": len(failures) if len(rows) == args.steps else None,
+        "recomputed_microbatches": sum(r["recomputed"] for r in rows),
+        "final_live_replicas": rows[-1]["live"],
+        "train_seconds": wall,
+        "effective_microbatches_per_s": committed / wall,
+        "effective_tokens_per_s": committed * args.batch_size * args.block_size / wall,
+        "failure_free_step_seconds": clean_step,
+        "failure_free_microbatches_per_s": args.microbatches / clean_step,
+        "final_loss": rows[-1]["loss"],
+        "reference_final_loss": ref_losses[-1] if ref_losses else None,
+        "max_relative_param_difference": ref_diff,
+        "losses": [r["loss"] for r in rows], "reference_losses": ref_losses,
+        "live_timeline": [(r["committed_at"] - t_start, r["live"]) for r in rows],
+        "fault_times": [f["t"] - t_start for f in faults],
+        "launcher_events": [(t - t_start, line) for t, line in events],
+    }
+    return summary
+
+
+def _print_summary(s: dict, out: str, plot: str | None) -> None:
+    line = "=" * 78
+    print(line)
+    print(f"Summary: {s['steps_committed']}/{s['steps']} steps committed, {s['microbatches_per_step']} "
+          f"microbatches x {s['batch_size']} samples x {s['block_size']} bytes per step")
+    print(f"  failures survived     : {len(s['failures'])} "
+          f"(replicas live at the end: {s['final_live_replicas']}/{s['replicas']})")
+    for f in s["failures"]:
+        how = "SIGKILL" if f["kind"] == "kill" else ("SIGSTOP (hung)" if f["kind"] == "hang" else f["kind"])
+        ftc = f"{f['fault_to_commit_s']:.2f}s" if f["fault_to_commit_s"] is not None else "n/a"
+        print(f"    step {f['step']:3d}: replica {f['replica']} {how} in {f['phase']:8s} -> step committed "
+              f"{ftc} after the fault (detection + recovery + recompute; a clean step takes "
+              f"{s['failure_free_step_seconds']:.2f}s), {f['recomputed']} microbatches recomputed, "
+              f"{f['live_after']} live")
+    print(f"  recomputed microbatches: {s['recomputed_microbatches']} (nothing a survivor had computed was redone)")
+    ref = s["reference_final_loss"]
+    print(f"  final loss            : {s['final_loss']:.4f}   failure-free reference: "
+          + (f"{ref:.4f}" if ref is not None else "skipped"))
+    if s["max_relative_param_difference"] is not None:
+        ok = "same trajectory" if s["max_relative_param_difference"] <= 1e-5 else "DIVERGED"
+        print(f"  parameters vs reference: max relative difference {s['max_relative_param_difference']:.2e} ({ok})")
+    print(f"  effective throughput  : {s['effective_microbatches_per_s']:.1f} microbatches/s "
+          f"({s['effective_tokens_per_s']:.0f} tokens/s) over {s['train_seconds']:.1f}s of training; "
+          f"failure-free with {s['replicas']} replicas: {s['failure_free_microbatches_per_s']:.1f} microbatches/s")
+    print(f"  outputs               : {os.path.join(out, 'summary.json')}" + (f", {plot}" if plot else ""))
+    print(line)
+
+
+def plot(summary: dict, path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 7), constrained_layout=True)
+    losses = summary["losses"]
+    if summary["reference_losses"]:
+        ax1.plot(range(len(summary["reference_losses"])), summary["reference_losses"], "-", color="0.6", lw=3,
+                 label="failure-free reference")
+    ax1.plot(range(len(losses)), losses, "o", ms=3.5, color="C0", label="with failures (strategy='recover')")
+    for f in summary["failures"]:
+        ax1.axvline(f["step"], color="C3", ls="--", lw=1)
+        ax1.annotate(f"{f['kind']} replica {f['replica']}", (f["step"], max(losses)), rotation=90, va="top",
+                     ha="right", fontsize=8, color="C3")
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("training loss (bytes, cross-entropy)")
+    ax1.set_title("TinyGPT on the Python stdlib source: loss per step")
+    ax1.legend()
+    end = summary["live_timeline"][-1][0] if summary["live_timeline"] else 0.0
+    times, live = [0.0], [summary["replicas"]]
+    for t, f in zip(summary["fault_times"], summary["failures"]):  # a replica is gone from its fault on
+        times.append(t)
+        live.append(f["live_after"] if f["live_after"] is not None else live[-1] - 1)
+    times.append(end)
+    live.append(live[-1])
+    ax2.step(times, live, where="post", color="C3", label="live replicas")
+    ax2.set_ylim(0, summary["replicas"] + 0.5)
+    ax2.set_yticks(range(summary["replicas"] + 1))
+    ax2.set_xlabel("seconds since the first step started (dashed: injected faults)")
+    ax2.set_ylabel("live replicas", color="C3")
+    for t in summary["fault_times"]:
+        ax2.axvline(t, color="C3", ls="--", lw=1)
+    ax3 = ax2.twinx()
+    ax3.plot([0.0] + [t for t, _ in summary["live_timeline"]], range(len(summary["live_timeline"]) + 1), ".-",
+             color="C0", ms=3, label="committed steps")
+    ax3.set_ylabel("committed steps", color="C0")
+    ax2.set_title("live replicas and progress over time")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(args: argparse.Namespace) -> int:
+    from lightning_recover import launcher
+    from lightning_recover.faults import parse_faults
+
+    faults = parse_faults(args.inject)  # a bad schedule fails here, before anything starts
+    for f in faults:
+        if f.replica >= args.replicas or f.step >= args.steps:
+            raise SystemExit(f"demo: fault {f} is outside {args.replicas} replicas x {args.steps} steps")
+    if len({f.replica for f in faults}) >= args.replicas:
+        raise SystemExit("demo: the schedule kills every replica; leave at least one alive")
+    os.makedirs(args.out, exist_ok=True)
+    for name in os.listdir(args.out):
+        if name.startswith(("replica", "fault-")):
+            os.remove(os.path.join(args.out, name))
+
+    from lightning_recover.bench.tiny_gpt import GPTConfig, TinyGPT, param_count
+
+    n_params = param_count(TinyGPT(GPTConfig(block_size=args.block_size, n_layer=args.layers, n_embd=args.width)))
+    print(f"[demo] TinyGPT ({n_params / 1e6:.2f}M parameters) on {args.corpus_bytes / 1e6:.1f} MB of the Python "
+          f"standard library's source; {args.replicas} replicas on CPU, {args.steps} steps of "
+          f"{args.microbatches} microbatches", flush=True)
+    print(f"[demo] injected faults: {', '.join(map(str, faults)) or 'none'} (heartbeat timeout "
+          f"{args.heartbeat_timeout}s)", flush=True)
+    print("[demo] starting the replicas (each imports torch and Lightning: this takes a while on a small machine)",
+          flush=True)
+    events: list[tuple[float, str]] = []
+
+    def on_event(line: str) -> None:
+        events.append((time.time(), line))
+        print(f"[lightning-recover] {line}", file=sys.stderr, flush=True)
+
+    t0 = time.time()
+    worker_args = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
+    code = launcher.supervise([sys.executable, "-m", "lightning_recover.demo"], args.replicas,
+                              heartbeat_timeout=args.heartbeat_timeout, inject=args.inject or None,
+                              extra_env={"LIGHTNING_RECOVER_DEMO_ARGS": json.dumps(worker_args),
+                                         "LIGHTNING_RECOVER_DEMO_T0": str(t0)},
+                              on_event=on_event)
+    records = _load_records(args.out)
+    if code != 0 or not records:
+        print(f"[demo] the resilient run failed (exit code {code}); logs above, partial records in {args.out}",
+              file=sys.stderr)
+        return 1
+    ref_losses = ref_diff = None
+    if not args.no_reference:
+        import torch
+
+        print("[demo] replaying the same steps failure-free in one process, for the reference", flush=True)
+        ref_losses, ref_state = reference_run(args)
+        finals = sorted(f for f in os.listdir(args.out) if f.startswith("replica") and f.endswith(".pt"))
+        if finals:
+            ref_diff = max(max_relative_difference(torch.load(os.path.join(args.out, f)), ref_state)
+                           for f in finals)
+    summary = summarize(args, records, _load_faults(args.out), events, ref_losses, ref_diff)
+    png = None if args.no_plot else plot(summary, os.path.join(args.out, "demo.png"))
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    _print_summary(summary, args.out, png)
+    if ref_diff is not None and ref_diff > 1e-5:
+        return 1
+    return 0
+
+
+def cli(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lightning-recover demo", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return main(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    if "LIGHTNING_RECOVER_DEMO_ARGS" in os.environ and os.environ.get("LIGHTNING_RECOVER_REPLICA") is not None:
+        _worker(argparse.Namespace(**json.loads(os.environ["LIGHTNING_RECOVER_DEMO_ARGS"])))
+    else:
+        sys.exit(cli())

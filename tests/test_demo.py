@@ -1,0 +1,29 @@
+"""Smoke test of ``lightning-recover demo`` with tiny settings (a kill and a hang, then the summary)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from tests.jobs import run_job
+
+
+def test_demo_tiny(tmp_path):
+    out = str(tmp_path / "demo")
+    cmd = [sys.executable, "-m", "lightning_recover.demo", "--replicas", "3", "--steps", "6", "--microbatches", "6",
+           "--batch-size", "4", "--block-size", "32", "--width", "32", "--layers", "1", "--corpus-bytes", "200000",
+           "--heartbeat-timeout", "1.0", "--out", out,
+           "--inject", "kill:replica=2:step=2:phase=backward,hang:replica=0:step=4:phase=reduce"]
+    result = run_job(cmd, out, timeout=400)
+    assert result.returncode == 0, result.output[-4000:]
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    assert summary["steps_committed"] == 6
+    assert [f["kind"] for f in summary["failures"]] == ["kill", "hang"]
+    assert summary["final_live_replicas"] == 1
+    assert summary["recomputed_microbatches"] >= 2
+    assert summary["max_relative_param_difference"] <= 1e-5
+    assert abs(summary["final_loss"] - summary["reference_final_loss"]) < 1e-6
+    assert os.path.getsize(os.path.join(out, "demo.png")) > 10_000
+    assert "Summary: 6/6 steps committed" in result.output
+    assert "replica 1 is now the lowest live replica" in result.output
