@@ -453,14 +453,11 @@ def run_benchmark(
     log: Callable[[str], None] = print,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Run the benchmark; returns (records, meta)."""
-    own_dir = directory is None
     root = tempfile.mkdtemp(prefix="lr-bench-ckpt-", dir=directory or "/tmp")
     try:
         return _run(size_gb, repeat, root, methods, cache_mode, log)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-        if own_dir:
-            pass
 
 
 def _run(size_gb, repeat, root, methods, cache_mode, log):

@@ -29,22 +29,34 @@ from lightning_recover.bench.checkpoint import fsync_tree, make_cold, drop_cache
 from lightning_recover.bench.gpt_state import build_checkpoint, iter_tensors, tensor_stats
 
 
+def _runqueue_wait() -> float:
+    """Seconds this thread has spent runnable but waiting for a CPU (schedstat), 0 if unknown."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 class _Timers:
     def __init__(self) -> None:
         self.t: dict[str, float] = defaultdict(float)
         self.n: dict[str, int] = defaultdict(int)
 
         self.cpu: dict[str, float] = defaultdict(float)
+        self.runq: dict[str, float] = defaultdict(float)
 
     @contextlib.contextmanager
     def time(self, name: str) -> Iterator[None]:
         t0 = time.perf_counter()
         c0 = time.thread_time()  # CPU of the calling thread (the native copy+crc runs on it)
+        q0 = _runqueue_wait()
         try:
             yield
         finally:
             self.t[name] += time.perf_counter() - t0
             self.cpu[name] += time.thread_time() - c0
+            self.runq[name] += _runqueue_wait() - q0
             self.n[name] += 1
 
 
@@ -187,7 +199,7 @@ def profile(size_gb: float, directory: str | None, repeat: int) -> dict[str, Any
             fsync_tree(root)
             t2 = time.perf_counter()
             w = proxy.last_writer
-            save = {"total_s": t1 - t0, "bench_post_sync_s": t2 - t1, "parts": dict(ts.t), "cpu": dict(ts.cpu),
+            save = {"total_s": t1 - t0, "bench_post_sync_s": t2 - t1, "parts": dict(ts.t), "cpu": dict(ts.cpu), "runq": dict(ts.runq),
                     "writer": {"seconds": getattr(w, "seconds", None), "io_bytes": getattr(w, "io_bytes", None),
                                "bytes_written": getattr(w, "bytes_written", None),
                                "direct": getattr(w, "direct", None), "engine": getattr(w, "engine", None)}}
@@ -204,7 +216,7 @@ def profile(size_gb: float, directory: str | None, repeat: int) -> dict[str, Any
             touch_pages(loaded)
             t2 = time.perf_counter()
             r = proxy.last_reader
-            load = {"total_s": t1 - t0, "touch_s": t2 - t1, "parts": dict(tl.t), "cpu": dict(tl.cpu),
+            load = {"total_s": t1 - t0, "touch_s": t2 - t1, "parts": dict(tl.t), "cpu": dict(tl.cpu), "runq": dict(tl.runq),
                     "reader": {"seconds": getattr(r, "seconds", None), "io_bytes": getattr(r, "io_bytes", None),
                                "bytes_read": getattr(r, "bytes_read", None), "direct": getattr(r, "direct", None),
                                "engine": getattr(r, "engine", None)}}
@@ -240,6 +252,10 @@ def profile(size_gb: float, directory: str | None, repeat: int) -> dict[str, Any
         lambda r: r["save"]["cpu"].get("native Writer.write (copy+crc32c+submit/wait)"))
     summary["load"]["  CPU of the calling thread in Reader.read (data)"] = med(
         lambda r: r["load"]["cpu"].get("native Reader.read (data, crc32c)"))
+    summary["save"]["  waiting for a CPU (runnable, schedstat) in Writer.write"] = med(
+        lambda r: r["save"]["runq"].get("native Writer.write (copy+crc32c+submit/wait)"))
+    summary["load"]["  waiting for a CPU (runnable, schedstat) in Reader.read (data)"] = med(
+        lambda r: r["load"]["runq"].get("native Reader.read (data, crc32c)"))
     summary["save"]["writer.seconds (engine's own clock)"] = med(lambda r: r["save"]["writer"]["seconds"])
     summary["save"]["bench post-sync (extra fsync of file+dir)"] = med(lambda r: r["save"]["bench_post_sync_s"])
     summary["save"]["writer"] = runs[-1]["save"]["writer"]
@@ -248,6 +264,77 @@ def profile(size_gb: float, directory: str | None, repeat: int) -> dict[str, Any
     summary["load"]["reader"] = runs[-1]["load"]["reader"]
     summary["runs"] = runs
     return summary
+
+
+def align_experiment(size_gb: float, directory: str | None, repeat: int) -> dict[str, Any]:
+    """Native read of a saved checkpoint's data into torch storages vs 4096-aligned buffers.
+
+    ``torch.UntypedStorage`` memory sits at 64 mod 4096, so the reader's O_DIRECT "straight into
+    the destination" path cannot be used and every byte goes through the arena (read, then copy
+    out with crc32c). This reads the same extents into (a) fresh torch storages, (b) 4096-aligned
+    numpy buffers, (c) 4096-aligned slices of torch storages over-allocated by 4096 bytes, each
+    both freshly allocated and pre-faulted (faulting done untimed), and reports wall and
+    calling-thread CPU seconds.
+    """
+    import numpy as np
+    import native_io
+    from lightning_recover.checkpoint import checkpoint_io as cio
+
+    checkpoint, _ = build_checkpoint(size_gb)
+    root = tempfile.mkdtemp(prefix="lr-align-", dir=directory or "/tmp")
+    path = os.path.join(root, "a.ckpt")
+    cache = "drop_caches" if drop_caches_supported() else "fadvise"
+    cio.save(checkpoint, path)
+    del checkpoint
+    gc.collect()
+    extents = [(s.offset, s.nbytes) for s in cio.read_info(path).index.storages if s.nbytes]
+    eng = native_io.IOEngine()
+
+    def torch_bufs():
+        return [(o, torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage(n)).numpy()) for o, n in extents]
+
+    def aligned_bufs():
+        out = []
+        for o, n in extents:
+            raw = np.empty(n + 4096, np.uint8)
+            a = (-raw.ctypes.data) % 4096
+            out.append((o, raw[a:a + n]))
+        return out
+
+    def aligned_torch_bufs():
+        out = []
+        for o, n in extents:
+            raw = torch.empty(n + 4096, dtype=torch.uint8)
+            a = (-raw.data_ptr()) % 4096
+            out.append((o, raw[a:a + n].numpy()))
+        return out
+
+    results: dict[str, list] = defaultdict(list)
+    try:
+        for _ in range(repeat):
+            for name, make in (("torch storage (64 mod 4096)", torch_bufs), ("4096-aligned numpy", aligned_bufs),
+                               ("4096-aligned slice of a torch storage", aligned_torch_bufs)):
+                for prefault in (False, True):
+                    bufs = make() if prefault else None
+                    if prefault:
+                        for _, b in bufs:
+                            b.fill(1)
+                    make_cold(root, cache)
+                    t0, c0 = time.perf_counter(), time.thread_time()
+                    if not prefault:
+                        bufs = make()
+                    with eng.open_reader(path) as r:
+                        r.read(bufs)
+                    results[f"{name}, {'pre-faulted' if prefault else 'fresh'}"].append(
+                        (time.perf_counter() - t0, time.thread_time() - c0))
+                    del bufs
+                    gc.collect()
+    finally:
+        os.remove(path)
+        os.rmdir(root)
+        eng.close()
+    return {k: {"wall_s": statistics.median(a for a, _ in v), "cpu_s": statistics.median(b for _, b in v),
+                "runs": v} for k, v in results.items()}
 
 
 def _print(summary: dict[str, Any]) -> None:
@@ -277,7 +364,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=None)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--json", default=None)
+    p.add_argument("--align-experiment", action="store_true",
+                   help="only compare native reads into torch storages vs 4096-aligned buffers")
     a = p.parse_args(argv)
+    if a.align_experiment:
+        res = align_experiment(a.size_gb, a.dir, a.repeat)
+        for k, v in res.items():
+            print(f"{k:<55} wall {v['wall_s']:.3f}s  cpu {v['cpu_s']:.3f}s  "
+                  f"runs {[(round(w, 2), round(c, 2)) for w, c in v['runs']]}")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=2)
+        return 0
     summary = profile(a.size_gb, a.dir, a.repeat)
     _print(summary)
     if a.json:
