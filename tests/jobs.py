@@ -91,3 +91,15 @@ def wait_for(predicate, timeout: float, interval: float = 0.02) -> bool:
             return True
         time.sleep(interval)
     return False
+
+
+TRAINER_SCRIPT = os.path.join(ROOT, "tests", "scripts", "trainer_train.py")
+
+
+def trainer_job(out_dir: str, *, replicas: int = 3, steps: int = 6, microbatches: int = 6, inject: str | None = None,
+                heartbeat_timeout: float = 0.5, extra: list[str] | None = None, timeout: float = 180) -> JobResult:
+    """Run tests/scripts/trainer_train.py (the Trainer with strategy='recover') as one bounded job."""
+    cmd = [sys.executable, TRAINER_SCRIPT, out_dir, "--replicas", str(replicas), "--steps", str(steps),
+           "--microbatches", str(microbatches), "--heartbeat-timeout", str(heartbeat_timeout)] + (extra or [])
+    env = {"LIGHTNING_RECOVER_INJECT": inject} if inject else None
+    return run_job(cmd, out_dir, timeout=timeout, env=env)

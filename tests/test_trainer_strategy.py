@@ -1,0 +1,260 @@
+"""``L.Trainer(strategy="recover")`` end to end: real replica processes, real faults, checkpoints.
+
+Every run is compared with a single-process computation of the same training (plain PyTorch over
+the same microbatches): final parameters (max relative difference <= 1e-5), the loss logged per
+step (the mean over the step's M microbatches) and the validation loss.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import math
+import os
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+import lightning_recover
+from lightning_recover import RecoverTrainerStrategy
+from lightning_recover.data import MicrobatchSource
+from lightning_recover.trainer_strategy import StepLoader
+from tests.jobs import TRAINER_SCRIPT, max_relative_difference, trainer_job
+
+TOL = 1e-5
+REPLICAS, STEPS, M, B = 3, 6, 6, 4
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("trainer_train", TRAINER_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _single_process(steps: int = STEPS, microbatches: int = M, batch_size: int = B) -> dict:
+    """The same training without Lightning or replicas: the ground truth."""
+    script = _script()
+    train, val = script.make_data()
+    net = script.make_net()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    source = MicrobatchSource(train, batch_size, microbatches, shuffle=True, seed=0)
+    losses, val_losses = [], []
+    for step in range(steps):
+        optimizer.zero_grad()
+        total = 0.0
+        for j in range(microbatches):
+            x, y = source.batch(step, j)
+            loss = torch.nn.functional.mse_loss(net(x), y)
+            (loss / microbatches).backward()
+            total += loss.item()
+        losses.append(total / microbatches)
+        optimizer.step()
+        with torch.no_grad():
+            val_losses.append(torch.nn.functional.mse_loss(net(val.tensors[0]), val.tensors[1]).item())
+    return {"state": {f"net.{k}": v.detach().clone() for k, v in net.state_dict().items()}, "losses": losses,
+            "val_losses": val_losses}
+
+
+@pytest.fixture(scope="module")
+def truth():
+    return _single_process()
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    """A failure-free 3-replica run with validation, checkpoints every 3 steps and the progress bar on."""
+    out = str(tmp_path_factory.mktemp("trainer_ref"))
+    result = trainer_job(out, extra=["--ckpt-every", "3", "--val-every", "3", "--progress-bar"])
+    assert result.returncode == 0, result.output[-4000:]
+    return result
+
+
+def metrics(out: str) -> list[dict]:
+    with open(os.path.join(out, "logs", "version_0", "metrics.csv")) as f:
+        return list(csv.DictReader(f))
+
+
+def step_rows(out: str) -> dict[int, dict]:
+    return {int(r["step"]): r for r in metrics(out) if r.get("recover/loss")}
+
+
+def assert_parameters(result, reference_state, survivors):
+    states = result.states()
+    assert sorted(states) == sorted(survivors), f"finished replicas {sorted(states)}\n{result.output[-3000:]}"
+    for r, data in states.items():
+        diff = max_relative_difference(data["state"], reference_state)
+        assert diff <= TOL, f"replica {r} differs from the single-process run: max relative difference {diff}"
+        assert data["global_step"] == STEPS
+    return states
+
+
+def close(a: float, b: float, tol: float = TOL) -> bool:
+    return abs(a - b) <= tol * max(abs(b), 1e-12)
+
+
+# --------------------------------------------------------------------------- multi-process runs
+
+
+def test_failure_free_run_matches_single_process_training(reference_run, truth):
+    out = reference_run.out_dir
+    assert_parameters(reference_run, truth["state"], survivors=range(REPLICAS))
+    rows = step_rows(out)
+    assert sorted(rows) == list(range(STEPS))
+    for step, row in rows.items():
+        # the loss logged per step is the mean over its M microbatches (all replicas together)
+        assert close(float(row["recover/loss"]), truth["losses"][step]), (step, row)
+        assert close(float(row["train_loss"]), truth["losses"][step]), (step, row)  # self.log in training_step
+        assert float(row["train_loss_max"]) >= float(row["train_loss"])
+        assert float(row["recover/live_replicas"]) == REPLICAS
+        assert float(row["recover/recoveries"]) == 0 and float(row["recover/recomputed"]) == 0
+        assert float(row["recover/generation"]) == 0
+    val = {int(r["step"]): float(r["val_loss"]) for r in metrics(out) if r.get("val_loss")}
+    assert sorted(val) == [2, 5], val  # validated after steps 3 and 6 (logged at global steps 2 and 5)
+    for step, value in val.items():
+        assert close(value, truth["val_losses"][step], 1e-4), (step, value, truth["val_losses"][step])
+    assert sorted(os.listdir(os.path.join(out, "ckpt"))) == ["step=3.ckpt", "step=6.ckpt"]
+    assert "Epoch 0: 100%" in reference_run.output  # the progress bar ran (on the lowest replica)
+
+
+def test_killed_replica_mid_step_keeps_the_trajectory(tmp_path, truth):
+    out = str(tmp_path)
+    result = trainer_job(out, inject="kill:replica=1:step=2:phase=backward")
+    assert result.returncode == 0, result.output[-4000:]
+    assert_parameters(result, truth["state"], survivors=[0, 2])
+    rows = step_rows(out)
+    assert sorted(rows) == list(range(STEPS))
+    assert [float(rows[s]["recover/live_replicas"]) for s in range(STEPS)] == [3, 3, 2, 2, 2, 2]
+    assert float(rows[2]["recover/recoveries"]) == 1
+    assert float(rows[2]["recover/recomputed"]) == M // REPLICAS  # the dead replica's quota, recomputed
+    assert float(rows[2]["recover/recovery_seconds"]) > 0
+    assert float(rows[2]["recover/generation"]) == 1
+    for step, row in rows.items():
+        assert close(float(row["recover/loss"]), truth["losses"][step]), (step, row)
+    assert "step 2: recovered in" in result.output  # one clear line per event
+    assert result.output.count("step 2: recovered in") == 1
+
+
+def test_resume_mid_epoch_while_the_writer_dies(tmp_path, reference_run, truth):
+    """Resume from step 3 with 3 replicas; replica 0 (the writer, rank 0) is killed at step 4."""
+    ckpt = os.path.join(reference_run.out_dir, "ckpt", "step=3.ckpt")
+    out = str(tmp_path)
+    result = trainer_job(out, inject="kill:replica=0:step=4:phase=backward",
+                         extra=["--resume", ckpt, "--ckpt-every", "5"])
+    assert result.returncode == 0, result.output[-4000:]
+    assert "Restored all states from the checkpoint" in result.output
+    assert_parameters(result, truth["state"], survivors=[1, 2])
+    # the lowest survivor took over writing: the step-5 checkpoint exists and is complete
+    assert os.listdir(os.path.join(out, "ckpt")) == ["step=5.ckpt"]
+    rows = step_rows(out)
+    assert float(rows[5]["recover/live_replicas"]) == 2
+    assert close(float(rows[5]["recover/loss"]), truth["losses"][5])
+
+
+def test_elastic_resume_with_fewer_replicas(tmp_path, reference_run, truth):
+    ckpt = os.path.join(reference_run.out_dir, "ckpt", "step=3.ckpt")
+    out = str(tmp_path)
+    result = trainer_job(out, replicas=2, extra=["--resume", ckpt])
+    assert result.returncode == 0, result.output[-4000:]
+    assert_parameters(result, truth["state"], survivors=[0, 1])
+    rows = step_rows(out)
+    assert sorted(rows) == [3, 4, 5]
+    for step, row in rows.items():
+        assert float(row["recover/live_replicas"]) == 2
+        assert close(float(row["recover/loss"]), truth["losses"][step]), (step, row)
+
+
+def test_bf16_mixed(tmp_path, truth):
+    out = str(tmp_path)
+    result = trainer_job(out, replicas=2, steps=3, microbatches=4, extra=["--precision", "bf16-mixed", "--clip", "1.0"])
+    assert result.returncode == 0, result.output[-4000:]
+    states = result.states()
+    assert sorted(states) == [0, 1]
+    assert max_relative_difference(states[1]["state"], states[0]["state"]) == 0.0, "replicas stay identical"
+    rows = step_rows(out)
+    assert sorted(rows) == [0, 1, 2]
+    bf16_truth = _single_process(steps=3, microbatches=4)
+    for step, row in rows.items():
+        loss = float(row["recover/loss"])
+        assert math.isfinite(loss) and close(loss, bf16_truth["losses"][step], 5e-2), (step, loss)
+
+
+# --------------------------------------------------------------------------- configuration, in process
+
+
+def test_registered_with_the_trainer():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert "recover" in StrategyRegistry
+    trainer = L.Trainer(strategy="recover", devices=3, accelerator="cpu", logger=False, enable_progress_bar=False)
+    assert isinstance(trainer.strategy, RecoverTrainerStrategy)
+    assert type(trainer.strategy.checkpoint_io).__name__ == "UringCheckpointIO"
+    assert trainer.strategy.distributed_sampler_kwargs is None
+    assert lightning_recover.RecoverTrainerStrategy is RecoverTrainerStrategy
+
+
+class _Tiny(L.LightningModule):
+    def __init__(self, manual: bool = False) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+        self.automatic_optimization = not manual
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _loader(n: int = 32) -> DataLoader:
+    return DataLoader(TensorDataset(torch.randn(n, 2)), batch_size=2)
+
+
+def _trainer(**kwargs) -> L.Trainer:
+    kwargs.setdefault("strategy", RecoverTrainerStrategy(microbatches=4))
+    return L.Trainer(devices=2, accelerator="cpu", logger=False, enable_progress_bar=False, max_steps=1, **kwargs)
+
+
+def test_accumulate_grad_batches_is_refused_with_a_hint():
+    with pytest.raises(ValueError, match=r"accumulate_grad_batches=2.*RecoverTrainerStrategy\(microbatches=M\)"):
+        _trainer(accumulate_grad_batches=2).fit(_Tiny(), _loader())
+
+
+def test_manual_optimization_is_refused_with_a_hint():
+    with pytest.raises(ValueError, match="manual optimization.*HINT"):
+        _trainer().fit(_Tiny(manual=True), _loader())
+
+
+def test_fewer_microbatches_than_replicas_is_refused():
+    with pytest.raises(ValueError, match="microbatches=1 is smaller than the number of replicas"):
+        _trainer(strategy=RecoverTrainerStrategy(microbatches=1)).fit(_Tiny(), _loader())
+
+
+def test_bad_options_fail_at_construction():
+    with pytest.raises(ValueError, match="heartbeat_timeout"):
+        RecoverTrainerStrategy(heartbeat_interval=1.0, heartbeat_timeout=1.0)
+    with pytest.raises(ValueError, match="quota"):
+        RecoverTrainerStrategy(quota="fastest")
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        return iter(torch.randn(8, 2))
+
+
+def test_iterable_dataset_and_unbatched_loaders_are_refused():
+    with pytest.raises(TypeError, match="IterableDataset.*HINT: use a map-style dataset"):
+        StepLoader(DataLoader(_Stream(), batch_size=2), 4, 0)
+    with pytest.raises(ValueError, match="batch_size"):
+        StepLoader(DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=None), 4, 0)
+
+
+def test_step_loader_is_one_token_per_step_and_refuses_another_layout():
+    loader = StepLoader(_loader(32), 4, 0)  # 16 microbatches of 2 -> 4 steps of M=4
+    assert len(loader) == 4 and [t.position for t in loader] == [0, 1, 2, 3]
+    state = loader.state_dict()
+    StepLoader(_loader(32), 4, 0).load_state_dict(state)  # same layout: fine
+    with pytest.raises(ValueError, match="microbatches: checkpoint 4 vs now 2.*same RecoverTrainerStrategy"):
+        StepLoader(_loader(32), 2, 0).load_state_dict(state)
