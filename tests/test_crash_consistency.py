@@ -1,0 +1,378 @@
+"""Crash consistency (SIGKILL at random points, ENOSPC), damaged async-written files, safe loading."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import native_io
+from lightning_recover.checkpoint import (
+    AsyncCheckpointError,
+    CheckpointCorruptError,
+    UnsafeCheckpointError,
+    UringCheckpointIO,
+    load,
+    read_info,
+    save,
+)
+from lightning_recover.checkpoint import checkpoint_io as cio
+from lightning_recover.checkpoint import format as fmt
+
+NAMES = 4  # rotating checkpoint names r0..r3
+
+# One helper imports torch once and forks a writer per round. A writer saves a ~24 MB state with value k to
+# r{k % 4}.ckpt again and again (k increasing), sync or async, and prints "done <k>" once save k is durable.
+_HELPER = textwrap.dedent("""
+    import os, sys, torch
+    from lightning_recover.checkpoint import UringCheckpointIO
+    d = sys.argv[1]
+
+    def state(k):
+        return {"k": k, "w": torch.full((4_000_000,), float(k)), "v": torch.full((1_000_000,), float(k)),
+                "small": torch.full((100,), float(k)), "meta": {"k": k}}
+
+    def writer(mode, k):
+        io = UringCheckpointIO(async_save=(mode == "async"), max_pending_bytes=8 << 20)
+        st = state(k)
+        while True:
+            io.save_checkpoint(st, os.path.join(d, f"r{k % 4}.ckpt"))
+            if mode == "async":
+                io.wait_for_snapshot()
+                nxt = state(k + 1)           # training moves on while the flush runs
+                io.wait_until_durable()
+            else:
+                nxt = state(k + 1)
+            print(f"done {k}", flush=True)
+            k, st = k + 1, nxt
+
+    print("ready", flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if cmd[0] == "go":
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    writer(cmd[1], int(cmd[2]))
+                finally:
+                    os._exit(1)
+            print(f"pid {pid}", flush=True)
+        elif cmd[0] == "reap":
+            os.waitpid(int(cmd[1]), 0)
+            print("reaped", flush=True)
+        else:
+            break
+""")
+
+
+class _Lines:
+    def __init__(self, proc):
+        self.proc = proc
+        self.buf = b""
+
+    def _fill(self, timeout):
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            return False
+        chunk = os.read(self.proc.stdout.fileno(), 65536)
+        assert chunk, "helper process exited"
+        self.buf += chunk
+        return True
+
+    def drain(self) -> list:
+        while self._fill(0):
+            pass
+        *lines, self.buf = self.buf.split(b"\n")
+        return [ln.decode() for ln in lines]
+
+    def wait_for(self, prefix: str, sink: list, timeout: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            for ln in self.drain():
+                if ln.startswith(prefix):
+                    return ln
+                sink.append(ln)
+            assert time.monotonic() < deadline, f"no {prefix!r} from the helper"
+            self._fill(0.1)
+
+
+def _check_dir(d, newest_done, seen=None):
+    """Every final name is a complete, verified checkpoint; the newest durable save loads; temps never do.
+
+    ``seen`` caches files already verified (by inode and mtime) so each round reads only what changed.
+    """
+    seen = {} if seen is None else seen
+    for name in os.listdir(d):
+        full = os.path.join(d, name)
+        st = os.stat(full)
+        key = (name, st.st_ino, st.st_mtime_ns, st.st_size)
+        if key in seen:
+            continue
+        seen[key] = True
+        if cio.is_temp_name(name):
+            try:  # a torn file is never taken as complete: it is rejected, or it is complete and verifies
+                out = load(full)
+            except CheckpointCorruptError:
+                continue
+            k = out["k"]
+        else:
+            assert name in {f"r{i}.ckpt" for i in range(NAMES)}, name
+            out = load(full)  # verifies every extent
+            k = out["k"]
+            assert int(name[1]) == k % NAMES
+        assert bool((out["w"] == k).all()) and bool((out["v"] == k).all()) and bool((out["small"] == k).all())
+        assert out["meta"] == {"k": k}
+    if newest_done is not None:
+        out = load(os.path.join(d, f"r{newest_done % NAMES}.ckpt"))
+        assert out["k"] >= newest_done and out["k"] % NAMES == newest_done % NAMES
+
+
+@pytest.mark.timeout(150)
+def test_sigkill_at_random_points_sync_and_async(tmp_path):
+    rng = random.Random(20240501)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    proc = subprocess.Popen([sys.executable, "-c", _HELPER, str(tmp_path)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, env=env)
+    lines = _Lines(proc)
+    kills = {"sync": 0, "async": 0}
+    newest = None
+    k = 0
+    dead = []
+    completed_rounds = 0
+    seen: dict = {}
+    try:
+        lines.wait_for("ready", [], 120)
+        rounds = 0
+        while rounds < 60:
+            mode = "sync" if rounds % 2 == 0 else "async"
+            proc.stdin.write(f"go {mode} {k}\n".encode())
+            proc.stdin.flush()
+            sink: list = []
+            pid = int(lines.wait_for("pid", sink).split()[1])
+            # kill anywhere: before the first save finishes, mid-copy, mid-flush, around fdatasync/rename
+            time.sleep(rng.choice([rng.uniform(0.0, 0.05), rng.uniform(0.05, 0.4)]))
+            os.kill(pid, signal.SIGKILL)
+            proc.stdin.write(f"reap {pid}\n".encode())
+            proc.stdin.flush()
+            lines.wait_for("reaped", sink)
+            done = [int(ln.split()[1]) for ln in sink if ln.startswith("done")]
+            if done:
+                newest = max(done)
+                completed_rounds += 1
+            k = (newest + 1) if newest is not None else k
+            # the next writer starts at a higher k than anything the killed one may have written
+            k += 50
+            kills[mode] += 1
+            dead.append(pid)
+            _check_dir(str(tmp_path), newest, seen)
+            rounds += 1
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        proc.stdin.close()
+        proc.stdout.close()
+    assert kills["sync"] >= 25 and kills["async"] >= 25 and sum(kills.values()) >= 50
+    assert newest is not None and completed_rounds >= 10  # saves did complete between kills
+    # temporaries of killed writers are ignored by loads and removed by the next save in the directory
+    save({"k": -1}, tmp_path / "other.ckpt")
+    assert not [n for n in os.listdir(tmp_path) if cio.is_temp_name(n)]
+    print(f"kills {kills}, rounds with completed saves {completed_rounds}, newest durable k={newest}")
+
+
+# ------------------------------------------------------------------------------------------- ENOSPC
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def _big(k):
+    return {"k": k, "w": torch.full((3_000_000,), float(k))}  # 12 MB: does not fit in 8 MB
+
+
+def _small(k):
+    return {"k": k, "w": torch.full((500_000,), float(k))}  # 2 MB
+
+
+@pytest.mark.timeout(60)
+def test_enospc_sync(small_fs):
+    path = small_fs / "c.ckpt"
+    io = UringCheckpointIO()
+    io.save_checkpoint(_small(1), path)
+    with pytest.raises(OSError) as ei:
+        io.save_checkpoint(_big(2), path)
+    assert ei.value.errno == errno.ENOSPC and str(small_fs) in str(ei.value)
+    assert load(path)["k"] == 1
+    assert [n for n in os.listdir(small_fs) if cio.is_temp_name(n)] == []
+    io.save_checkpoint(_small(3), path)  # space was given back
+    assert load(path)["k"] == 3
+    io.teardown()
+
+
+@pytest.mark.timeout(60)
+def test_enospc_async_surfaces_at_next_call(small_fs):
+    path = small_fs / "c.ckpt"
+    io = UringCheckpointIO(async_save=True, max_pending_bytes=1 << 20)
+    io.save_checkpoint(_small(1), path)
+    io.wait_until_durable()
+    io.save_checkpoint(_big(2), path)  # returns: the failure happens in the background
+    io._saver._last.done.wait(30)
+    with pytest.raises(AsyncCheckpointError, match="c.ckpt") as ei:
+        io.save_checkpoint(_small(3), path)
+    assert isinstance(ei.value.__cause__, OSError) and ei.value.__cause__.errno == errno.ENOSPC
+    assert load(path)["k"] == 1
+    assert [n for n in os.listdir(small_fs) if cio.is_temp_name(n)] == []
+    io.save_checkpoint(_small(4), path)
+    io.teardown()
+    assert load(path)["k"] == 4
+
+
+# --------------------------------------------------------------------- damaged async-written files
+
+
+@pytest.fixture
+def async_saved(tmp_path):
+    path = tmp_path / "a.ckpt"
+    io = UringCheckpointIO(async_save=True, max_pending_bytes=1 << 20)  # 4 MB storage in 256 KiB chunks
+    io.save_checkpoint({"big": torch.arange(1_000_000, dtype=torch.float32), "b": torch.ones(7), "k": 1}, path)
+    io.teardown()
+    return path
+
+
+def _rewrite(path, fn):
+    data = bytearray(path.read_bytes())
+    path.write_bytes(bytes(fn(data)))
+
+
+def _inspect(path, capsys):
+    from lightning_recover.checkpoint.tools import inspect_main
+
+    rc = inspect_main(argparse.Namespace(checkpoint=str(path), no_verify=False, json=False))
+    cap = capsys.readouterr()
+    return rc, cap.out + cap.err
+
+
+@pytest.mark.parametrize("damage", ["truncate", "bitflip", "zero_data", "zero_all", "foreign"])
+def test_damaged_async_written_file_rejected_and_inspected(async_saved, tmp_path, damage, capsys):
+    path = async_saved
+    assert load(path)["k"] == 1
+    info = read_info(path)
+    st = info.index.storages[[t.name for t in info.index.tensors].index("big")]
+    at = st.offset + st.nbytes // 2 + 12345  # inside a later chunk of the chunked (crc-combined) extent
+    if damage == "truncate":
+        _rewrite(path, lambda d: d[: len(d) - 1000])
+    elif damage == "bitflip":
+        _rewrite(path, lambda d: d.__setitem__(at, d[at] ^ 0x10) or d)
+    elif damage == "zero_data":
+        _rewrite(path, lambda d: d[:st.offset] + bytes(st.nbytes) + d[st.offset + st.nbytes:])
+    elif damage == "zero_all":
+        _rewrite(path, lambda d: bytes(len(d)))
+    else:
+        torch.save({"x": torch.ones(3)}, path)
+    with pytest.raises(CheckpointCorruptError) as ei:
+        load(path)
+    msg = str(ei.value)
+    assert str(path) in msg
+    rc, out = _inspect(path, capsys)
+    if damage in ("bitflip", "zero_data"):
+        assert f"offset {st.offset}" in msg and "big" in msg
+        assert rc == 1 and "big" in out and str(st.offset) in out
+    else:
+        assert rc == 2 and str(path) in out
+        if damage == "foreign":
+            assert "zip" in msg
+        if damage == "zero_all":
+            assert "zero-filled" in msg
+
+
+# ------------------------------------------------------------------------------------------ safe loading
+
+
+class _Planted:
+    """Unpickling this creates a file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_planted_pickle_payload_refused_everywhere(tmp_path, async_save, capsys):
+    from lightning_recover.checkpoint.tools import convert_main
+
+    marker = tmp_path / "pwned"
+    path = tmp_path / "e.ckpt"
+    writer = UringCheckpointIO(async_save=async_save)
+    writer.save_checkpoint({"state_dict": {"w": torch.ones(300_000)}, "evil": _Planted(str(marker))}, path)
+    writer.teardown()
+
+    with pytest.raises(UnsafeCheckpointError, match="io.open"):
+        load(path)
+    for io in (UringCheckpointIO(), UringCheckpointIO(async_save=True)):
+        with pytest.raises(UnsafeCheckpointError, match="io.open"):
+            io.load_checkpoint(path)  # Lightning passes weights_only=None: the safe default applies
+        with pytest.raises(UnsafeCheckpointError):
+            io.load_checkpoint(path, weights_only=True)
+    out_pt = tmp_path / "out.pt"
+    assert convert_main(argparse.Namespace(checkpoint=str(path), output=str(out_pt), unsafe_pickle=False)) == 3
+    assert "--unsafe-pickle" in capsys.readouterr().err
+    assert not marker.exists() and not out_pt.exists()
+
+    # explicit opt-outs load trusted old checkpoints (and run the pickle)
+    out = UringCheckpointIO(weights_only=False).load_checkpoint(path)
+    out["evil"].close()
+    assert marker.exists()
+    marker.unlink()
+    out = UringCheckpointIO().load_checkpoint(path, weights_only=False)
+    out["evil"].close()
+    marker.unlink()
+    # convert --unsafe-pickle: a trusted checkpoint with a custom class converts
+    trusted = tmp_path / "t.ckpt"
+    save({"w": torch.ones(3), "obj": _Trusted(7)}, trusted)
+    assert convert_main(argparse.Namespace(checkpoint=str(trusted), output=str(out_pt), unsafe_pickle=False)) == 3
+    assert convert_main(argparse.Namespace(checkpoint=str(trusted), output=str(out_pt), unsafe_pickle=True)) == 0
+    assert torch.load(out_pt, weights_only=False)["obj"].v == 7
+
+
+class _Trusted:
+    def __init__(self, v):
+        self.v = v
+
+
+def test_fabric_load_refuses_payload(tmp_path):
+    from lightning.fabric import Fabric
+
+    marker = tmp_path / "pwned"
+    save({"model": {"weight": torch.ones(2, 2)}, "evil": _Planted(str(marker))}, tmp_path / "f.ckpt")
+    fabric = Fabric(plugins=[UringCheckpointIO(async_save=True)], accelerator="cpu", devices=1)
+    with pytest.raises(UnsafeCheckpointError):
+        fabric.load(tmp_path / "f.ckpt")
+    assert not marker.exists()
+
+
+def test_header_format_constants_unchanged():
+    # async files are format v1 like synchronous ones (same header/footer)
+    assert fmt.FORMAT_VERSION == 1 and fmt.HEADER_SIZE == 4096
