@@ -67,7 +67,7 @@ def truth():
 def reference_run(tmp_path_factory):
     """A failure-free 3-replica run with validation, checkpoints every 3 steps and the progress bar on."""
     out = str(tmp_path_factory.mktemp("trainer_ref"))
-    result = trainer_job(out, extra=["--ckpt-every", "3", "--val-every", "3", "--progress-bar"])
+    result = trainer_job(out, extra=["--ckpt-every", "3", "--val-every", "3", "--progress-bar", "--test"])
     assert result.returncode == 0, result.output[-4000:]
     return result
 
@@ -116,6 +116,10 @@ def test_failure_free_run_matches_single_process_training(reference_run, truth):
     for step, value in val.items():
         assert close(value, truth["val_losses"][step], 1e-4), (step, value, truth["val_losses"][step])
     assert sorted(os.listdir(os.path.join(out, "ckpt"))) == ["step=3.ckpt", "step=6.ckpt"]
+    for data in reference_run.states().values():  # trainer.test() after fit, in the same replica processes
+        tested = data["test_metrics"]
+        assert close(tested["test_loss"], truth["val_losses"][-1], 1e-4), tested
+        assert tested["test_samples"] == 40, "every replica evaluates the full loader; sync_dist does not multiply"
     assert "Epoch 0: 100%" in reference_run.output  # the progress bar ran (on the lowest replica)
 
 

@@ -57,6 +57,11 @@ class Regressor(L.LightningModule):
         x, y = batch
         self.log("val_loss", torch.nn.functional.mse_loss(self(x), y), sync_dist=True)
 
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", torch.nn.functional.mse_loss(self(x), y), sync_dist=True)
+        self.log("test_samples", float(len(x)), reduce_fx="sum", sync_dist=True)
+
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
 
@@ -75,6 +80,7 @@ def main() -> None:
     parser.add_argument("--resume", default=None, help="ckpt_path to resume from")
     parser.add_argument("--progress-bar", action="store_true")
     parser.add_argument("--clip", type=float, default=None)
+    parser.add_argument("--test", action="store_true", help="trainer.test() on the validation set after fit")
     args = parser.parse_args()
 
     os.makedirs(args.out, exist_ok=True)
@@ -98,11 +104,13 @@ def main() -> None:
     model = Regressor()
     trainer.fit(model, train_loader, val_loader, ckpt_path=args.resume)
     # Only replicas reach this line (the launcher process exits inside fit with the job's status).
+    test_metrics = trainer.test(model, DataLoader(val, batch_size=8), verbose=False)[0] if args.test else {}
     core = trainer.strategy.core
     state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
     torch.save({"state": state, "stats": [vars(s) for s in core.history], "replica": trainer.strategy.replica,
                 "global_step": trainer.global_step, "callback_metrics": {k: float(v) for k, v in
-                                                                         trainer.callback_metrics.items()}},
+                                                                         trainer.callback_metrics.items()},
+                "test_metrics": {k: float(v) for k, v in test_metrics.items()}},
                os.path.join(args.out, f"replica{trainer.strategy.replica}.pt"))
 
 
