@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -170,6 +171,9 @@ def test_final_name_appears_only_when_durable(tmp_path, monkeypatch):
     io = UringCheckpointIO(async_save=True)
     io.save_checkpoint({"w": torch.randn(1_000_000)}, tmp_path / "a.ckpt")
     io.wait_for_snapshot()
+    deadline = time.monotonic() + 20
+    while not _temps(tmp_path) and time.monotonic() < deadline:  # the flusher opens the temp file
+        time.sleep(0.01)
     assert not (tmp_path / "a.ckpt").exists() and len(_temps(tmp_path)) == 1
     gate.set()
     io.wait_until_durable()
