@@ -81,13 +81,13 @@ def step_rows(out: str) -> dict[int, dict]:
     return {int(r["step"]): r for r in metrics(out) if r.get("recover/loss")}
 
 
-def assert_parameters(result, reference_state, survivors):
+def assert_parameters(result, reference_state, survivors, steps: int = STEPS):
     states = result.states()
     assert sorted(states) == sorted(survivors), f"finished replicas {sorted(states)}\n{result.output[-3000:]}"
     for r, data in states.items():
         diff = max_relative_difference(data["state"], reference_state)
         assert diff <= TOL, f"replica {r} differs from the single-process run: max relative difference {diff}"
-        assert data["global_step"] == STEPS
+        assert data["global_step"] == steps
     return states
 
 
@@ -123,14 +123,19 @@ def test_failure_free_run_matches_single_process_training(reference_run, truth):
     assert "Epoch 0: 100%" in reference_run.output  # the progress bar ran (on the lowest replica)
 
 
-def test_killed_replica_mid_step_keeps_the_trajectory(tmp_path, truth):
+def test_killed_replica_mid_step_keeps_the_trajectory(tmp_path):
+    # batch 16 x M 6 = 96 samples a step: 5 steps an epoch, so 7 steps also cross an epoch boundary
+    steps, batch_size = 7, 16
+    truth = _single_process(steps=steps, batch_size=batch_size)
     out = str(tmp_path)
-    result = trainer_job(out, inject="kill:replica=1:step=2:phase=backward")
+    result = trainer_job(out, steps=steps, inject="kill:replica=1:step=2:phase=backward",
+                         extra=["--batch-size", str(batch_size)])
     assert result.returncode == 0, result.output[-4000:]
-    assert_parameters(result, truth["state"], survivors=[0, 2])
+    assert_parameters(result, truth["state"], survivors=[0, 2], steps=steps)
     rows = step_rows(out)
-    assert sorted(rows) == list(range(STEPS))
-    assert [float(rows[s]["recover/live_replicas"]) for s in range(STEPS)] == [3, 3, 2, 2, 2, 2]
+    assert sorted(rows) == list(range(steps))
+    assert [int(rows[s]["epoch"]) for s in range(steps)] == [0] * 5 + [1] * 2
+    assert [float(rows[s]["recover/live_replicas"]) for s in range(steps)] == [3, 3, 2, 2, 2, 2, 2]
     assert float(rows[2]["recover/recoveries"]) == 1
     assert float(rows[2]["recover/recomputed"]) == M // REPLICAS  # the dead replica's quota, recomputed
     assert float(rows[2]["recover/recovery_seconds"]) > 0
