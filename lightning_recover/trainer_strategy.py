@@ -178,6 +178,13 @@ class _RecoverTrainerLauncher(_RecoverLauncher, _Launcher):
             model = args[0] if args and hasattr(args[0], "automatic_optimization") else None
             check_trainer(trainer, model)  # fail in the supervisor, before starting N processes
         self._strategy.options.validate(self._strategy.num_replicas)
+        if self._strategy.options.restarts:
+            raise ValueError(
+                f"RecoverTrainerStrategy(restarts={self._strategy.options.restarts}): a restarted replica cannot rejoin "
+                "a Trainer run yet (it would need the Trainer's loop state from a peer). HINT: use restarts=0 with the "
+                "Trainer (the survivors finish the run; resume later with more replicas from a checkpoint), or "
+                "Fabric's RecoverStrategy for rejoining replicas."
+            )
         return super().launch(function, *args, **kwargs)
 
     @override
@@ -365,6 +372,12 @@ class RecoverTrainerStrategy(ParallelStrategy):
             self.options.validate(self.num_replicas)
             self.core = RecoverCore.from_env(self.options, self._trainable_parameters)
             self.core.start()
+            if getattr(self.core, "joining", False):
+                raise RuntimeError(
+                    f"replica {self.core.group.replica} started after the Trainer run began; rejoining a running "
+                    "Trainer job is not supported. HINT: restart the job from its last checkpoint with "
+                    "trainer.fit(..., ckpt_path=...) and any number of replicas."
+                )
         self._sync_rank_zero()
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None:

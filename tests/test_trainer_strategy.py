@@ -241,6 +241,11 @@ def test_fewer_microbatches_than_replicas_is_refused():
         _trainer(strategy=RecoverTrainerStrategy(microbatches=1)).fit(_Tiny(), _loader())
 
 
+def test_restarts_are_refused_until_the_trainer_can_rejoin():
+    with pytest.raises(ValueError, match=r"restarts=1.*HINT: use restarts=0"):
+        _trainer(strategy=RecoverTrainerStrategy(microbatches=4, restarts=1)).fit(_Tiny(), _loader())
+
+
 def test_bad_options_fail_at_construction():
     with pytest.raises(ValueError, match="heartbeat_timeout"):
         RecoverTrainerStrategy(heartbeat_interval=1.0, heartbeat_timeout=1.0)
