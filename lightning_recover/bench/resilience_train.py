@@ -1,0 +1,217 @@
+"""The training job of the resilience benchmark, in both of its forms.
+
+    # this project: Fabric strategy="recover" (faults from LIGHTNING_RECOVER_INJECT)
+    python -m lightning_recover.bench.resilience_train --mode recover --replicas 4 --steps 40 --out DIR
+    # checkpoint-and-restart: Fabric strategy="ddp" (gloo), one process per rank, under torchrun
+    torchrun --standalone --nproc-per-node 4 --max-restarts 3 -m lightning_recover.bench.resilience_train \\
+        --mode ddp --replicas 4 --steps 40 --ckpt-dir CK --ckpt-every 10 --ckpt-io torch --kill 1:5,2:16 --out DIR
+
+Both train TinyGPT on the standard library's source with the same seed, the same ``M`` microbatches
+per optimizer step and the *same* microbatch contents (:class:`~lightning_recover.data.MicrobatchSource`):
+under ``ddp`` rank ``r`` computes microbatches ``r*M/N .. (r+1)*M/N - 1`` of each step, so a
+failure-free DDP run, a resumed DDP run and a ``recover`` run all follow one trajectory (up to
+summation order; the benchmark runs in float64 so that this shows as ~1e-12).
+
+Fixed per-replica capacity: with ``--mb-seconds T`` every microbatch takes ``max(compute, T)`` of
+wall time (the replica sleeps for the rest), so a replica processes at most one microbatch per
+``T`` seconds however many others are alive. On a small shared machine a killed process would
+otherwise free CPU for the survivors and flatter them; with the padding the step time is
+``ceil(M / live) * T`` plus communication, as on a cluster of fixed-speed accelerators.
+
+The ``ddp`` fault hook (``--kill R:S,...``, sorted by step) is this baseline's own: the k-th entry
+SIGKILLs rank ``R`` at the start of step ``S``'s backward pass only in attempt ``k``
+(``TORCHELASTIC_RESTART_COUNT``), so after a restart the run does not fail at the same place again.
+Checkpoints are written every ``--ckpt-every`` steps (after steps K-1, 2K-1, ...) with
+``fabric.save`` (ModelCheckpoint's ``every_n_train_steps`` without the Trainer), through Lightning's
+default ``TorchCheckpointIO`` (``--ckpt-io torch``) or :class:`UringCheckpointIO` (``--ckpt-io uring``);
+a (re)started attempt resumes from the newest one.
+
+Every rank appends JSON lines to ``DIR/rank{r}.jsonl``: ``start`` (process start), ``resume``,
+``step`` (start/commit wall times, loss, live replicas, recomputed microbatches), ``ckpt``; rank 0
+(or the lowest live replica) writes the final parameters to ``DIR/final.pt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+
+_T_PROCESS = time.time()
+
+
+def _pad(start: float, seconds: float) -> None:
+    """Sleep until ``seconds`` after ``start``: the fixed per-microbatch capacity."""
+    left = start + seconds - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
+
+
+def _build(args: argparse.Namespace):
+    import torch
+
+    from lightning_recover.bench.tiny_gpt import ByteCorpus, GPTConfig, TinyGPT, stdlib_text
+    from lightning_recover.data import MicrobatchSource
+
+    torch.manual_seed(args.seed)
+    data = ByteCorpus(stdlib_text(args.corpus_bytes), args.block_size)
+    model = TinyGPT(GPTConfig(block_size=args.block_size, n_layer=args.layers, n_embd=args.width, n_head=4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    source = MicrobatchSource(data, args.batch_size, args.microbatches, shuffle=True, seed=args.seed)
+    return data, model, optimizer, source
+
+
+class _Log:
+    def __init__(self, out: str, name: str) -> None:
+        os.makedirs(out, exist_ok=True)
+        self.f = open(os.path.join(out, f"{name}.jsonl"), "a")
+
+    def __call__(self, **rec) -> None:
+        self.f.write(json.dumps(rec) + "\n")
+        self.f.flush()
+
+
+def run_recover(args: argparse.Namespace) -> None:
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+
+    from lightning_recover import RecoverStrategy
+
+    data, model, optimizer, _ = _build(args)
+    strategy = RecoverStrategy(microbatches=args.microbatches, heartbeat_timeout=args.heartbeat_timeout,
+                               heartbeat_interval=min(0.1, args.heartbeat_timeout / 5), seed=args.seed)
+    fabric = L.Fabric(strategy=strategy, devices=args.replicas, accelerator="cpu", precision=args.precision)
+    fabric.launch()
+    model, optimizer = fabric.setup(model, optimizer)
+    # the same samples as MicrobatchSource(seed) in _build: the strategy builds it from this loader
+    loader = DataLoader(data, batch_size=args.batch_size, shuffle=True)
+    replica = fabric.strategy.replica
+    log = _Log(args.out, f"rank{replica}")
+    log(event="start", t=_T_PROCESS, attempt=0)
+    for step in fabric.strategy.steps(loader, max_steps=args.steps):
+        start = time.time()
+        for x, y in step:
+            t = time.perf_counter()
+            fabric.backward(model.loss(x, y))
+            _pad(t, args.mb_seconds)
+        optimizer.step()
+        optimizer.zero_grad()
+        s = step.stats
+        log(event="step", step=step.index, start=start, commit=time.time(), loss=s.loss, live=s.live_replicas,
+            computed=s.computed, recomputed=s.recomputed, recovery_seconds=s.recovery_seconds, attempt=0)
+    if step.stats.leader:
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(args.out, "final.pt"))
+
+
+def _latest_checkpoint(directory: str) -> tuple[int, str] | None:
+    best = None
+    if os.path.isdir(directory):
+        for name in os.listdir(directory):
+            if name.startswith("step-") and name.endswith(".ckpt"):
+                step = int(name[5:-5])
+                if best is None or step > best[0]:
+                    best = (step, os.path.join(directory, name))
+    return best
+
+
+def run_ddp(args: argparse.Namespace) -> None:
+    import lightning as L
+    import torch
+
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # Under torchrun (torch 2.13, c10d rendezvous) the restarted workers reuse the agent's store,
+        # which still holds the previous attempt's gloo addresses: connectFullMesh then dials dead
+        # ports ("Connection refused"). A fresh store per attempt, hosted by rank 0, avoids that.
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+        os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 1 + attempt)
+    kills = sorted(((int(s), int(r)) for r, s in (item.split(":") for item in args.kill.split(",") if item)))
+    plugins = []
+    if args.ckpt_io == "uring":
+        from lightning_recover.checkpoint import UringCheckpointIO
+
+        plugins.append(UringCheckpointIO())
+    data, model, optimizer, source = _build(args)
+    if args.microbatches % args.replicas:
+        raise SystemExit("the ddp baseline needs microbatches divisible by replicas")
+    per_rank = args.microbatches // args.replicas
+    fabric = L.Fabric(strategy="ddp", devices=args.replicas, accelerator="cpu", precision=args.precision,
+                      plugins=plugins)
+    fabric.launch()
+    rank = fabric.global_rank
+    log = _Log(args.out, f"rank{rank}")
+    log(event="start", t=_T_PROCESS, attempt=attempt)
+    model, optimizer = fabric.setup(model, optimizer)
+    model.mark_forward_method("loss")  # the loss is computed through DDP's forward (gradient sync hooks)
+    first = 0
+    latest = _latest_checkpoint(args.ckpt_dir)
+    if latest is not None:
+        t = time.time()
+        state = {"model": model, "optimizer": optimizer, "step": 0}
+        fabric.load(latest[1], state)
+        first = state["step"]
+        log(event="resume", step=first, seconds=time.time() - t, t=time.time(), attempt=attempt)
+    fault = kills[attempt] if attempt < len(kills) else None
+    for index in range(first, args.steps):
+        start = time.time()
+        total = 0.0
+        for k in range(per_rank):
+            t = time.perf_counter()
+            x, y = source.batch(index, rank * per_rank + k)
+            with fabric.no_backward_sync(model, enabled=k < per_rank - 1):
+                loss = model.loss(x, y)
+                if fault == (index, rank) and k == 0:
+                    print(f"[ddp-restart] injecting fault kill:rank={rank}:step={index}:phase=backward "
+                          f"at t={time.time():.6f}", flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                fabric.backward(loss / per_rank)
+            total += loss.item()
+            _pad(t, args.mb_seconds)
+        optimizer.step()
+        optimizer.zero_grad()
+        log(event="step", step=index, start=start, commit=time.time(), loss=total / per_rank,
+            live=args.replicas, attempt=attempt)
+        if args.ckpt_every and (index + 1) % args.ckpt_every == 0 and index + 1 < args.steps:
+            t = time.time()
+            fabric.save(os.path.join(args.ckpt_dir, f"step-{index + 1}.ckpt"),
+                        {"model": model, "optimizer": optimizer, "step": index + 1})
+            fabric.barrier()
+            log(event="ckpt", step=index + 1, seconds=time.time() - t, attempt=attempt)
+    if rank == 0:
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(args.out, "final.pt"))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mode", choices=["recover", "ddp"], required=True)
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--microbatches", type=int, default=12)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--corpus-bytes", type=int, default=2_000_000)
+    p.add_argument("--precision", default="64-true")
+    p.add_argument("--mb-seconds", type=float, default=0.0, help="fixed wall time per microbatch (capacity)")
+    p.add_argument("--heartbeat-timeout", type=float, default=1.0)
+    p.add_argument("--ckpt-dir", default=None)
+    p.add_argument("--ckpt-every", type=int, default=10)
+    p.add_argument("--ckpt-io", choices=["torch", "uring"], default="torch")
+    p.add_argument("--kill", default="", help="ddp: R:S,... rank R is SIGKILLed at step S (k-th entry in attempt k)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
+    (run_recover if args.mode == "recover" else run_ddp)(args)
+
+
+if __name__ == "__main__":
+    main()
