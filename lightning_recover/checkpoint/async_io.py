@@ -519,7 +519,8 @@ class AsyncSaver:
         del self.history[:-99]
         self.history.append({
             "path": job.path, "snapshot_s": (job.t_snapshot or job.t_durable) - job.t_submit,
-            "durable_s": job.t_durable - job.t_submit, "error": None if job.error is None else repr(job.error),
+            "durable_s": job.t_durable - job.t_submit, "t_submit": job.t_submit, "t_snapshot": job.t_snapshot,
+            "t_durable": job.t_durable, "error": None if job.error is None else repr(job.error),
         })
         job.enc = None  # type: ignore[assignment]
         with self._lock:

@@ -1,0 +1,356 @@
+"""Asynchronous checkpoint benchmark: how long training is blocked, and how long until the save is durable.
+
+``python -m lightning_recover.bench.async_checkpoint --size-gb 2 --json FILE``
+
+Methods, all on the same GPT-like Lightning-shaped state (``gpt_state.build_checkpoint``):
+
+* ``uring-async``     -- ``UringCheckpointIO(async_save=True)`` (lazy snapshot into a reused staging buffer)
+* ``lightning-async`` -- Lightning's ``AsyncCheckpointIO`` wrapping ``TorchCheckpointIO`` (clones in the caller),
+  the inner save followed by an fsync of the file and its directory (so it is measured to durability)
+* ``dcp-async``       -- ``torch.distributed.checkpoint.async_save(..., no_dist=True)`` with a
+  ``FileSystemWriter`` (which fsyncs its files), followed by an fsync of the directory tree
+* ``uring-sync``      -- synchronous ``UringCheckpointIO`` (the reference for "time until durable")
+
+Protocol per save: the save call, then ``--steps`` simulated training steps. A step is a "forward/backward" of
+fixed compute (matmuls on separate tensors, calibrated to ``--fwd-s`` seconds) followed by an optimizer step
+(``torch.optim.SGD`` over the state's parameters, in place, with preset gradients). For ``uring-async`` the step
+first waits for the snapshot (that is what the automatic optimizer-step guard does; timed explicitly here).
+
+* ``blocked_s``: save call + time the steps waited for the snapshot (the training thread's loss),
+* ``durable_s``: save call start until the checkpoint is durable (fdatasync'ed and renamed / fsync'ed),
+* ``step_s``: mean step time of the steps following the save (a flush running in the background), against
+  ``baseline_step_s`` measured with no checkpoint activity.
+
+With ``--restore``, cold restores (page cache dropped) are also measured: this project's plugin (fresh tensors),
+``load(into=...)`` into a preallocated state (the in-place resume path), ``torch.load``, safetensors and DCP
+(into a preallocated state), reusing the methods of ``lightning_recover.bench.checkpoint``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+
+from lightning_recover.bench.checkpoint import fsync_tree, make_cold, drop_caches_supported, touch_pages
+from lightning_recover.bench.gpt_state import build_checkpoint, iter_tensors, tensor_stats
+
+ALL_METHODS = ["uring-async", "lightning-async", "dcp-async", "uring-sync"]
+
+
+# ------------------------------------------------------------------------------------ simulated training
+
+
+class Trainer:
+    """Simulated training steps on the checkpoint's own parameters (so the saves race real mutation)."""
+
+    def __init__(self, checkpoint: dict, fwd_s: float, lr: float = 1e-3) -> None:
+        self.params = [torch.nn.Parameter(t, requires_grad=True) for t in checkpoint["state_dict"].values()]
+        for p in self.params:
+            p.grad = torch.full_like(p, 1e-6)
+        self.opt = torch.optim.SGD(self.params, lr=lr)
+        g = torch.Generator().manual_seed(0)
+        self.a = torch.randn(768, 768, generator=g)
+        self.b = torch.randn(768, 768, generator=g)
+        self.n = 1
+        self._time_fwd(4)  # warm up
+        t = self._time_fwd(20)
+        self.n = max(1, round(fwd_s / max(t / 20, 1e-6)))
+
+    def _time_fwd(self, n: int) -> float:
+        old, self.n = self.n, n
+        t0 = time.perf_counter()
+        self.fwd_bwd()
+        self.n = old
+        return time.perf_counter() - t0
+
+    def fwd_bwd(self) -> None:
+        x = self.a
+        for _ in range(self.n):
+            x = torch.tanh(x @ self.b)
+        float(x[0, 0])
+
+    def step(self, guard: Optional[Callable[[], float]] = None) -> tuple[float, float]:
+        """One training step; returns (step seconds, seconds waited in ``guard``)."""
+        t0 = time.perf_counter()
+        self.fwd_bwd()
+        waited = guard() if guard is not None else 0.0
+        self.opt.step()
+        return time.perf_counter() - t0, waited
+
+
+# ---------------------------------------------------------------------------------------------- methods
+
+
+class _FsyncTorchIO:
+    """TorchCheckpointIO + fsync of file and directory; records when the save became durable."""
+
+    def __new__(cls):  # build lazily so importing this module does not import lightning.pytorch
+        from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+        class FsyncTorchIO(TorchCheckpointIO):
+            t_done: Optional[float] = None
+
+            def save_checkpoint(self, checkpoint, path, storage_options=None):
+                super().save_checkpoint(checkpoint, path, storage_options)
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                fd = os.open(os.path.dirname(path), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                self.t_done = time.perf_counter()
+
+        return FsyncTorchIO()
+
+
+def run_one(method: str, checkpoint: dict, trainer: Trainer, workdir: str, steps: int, state: dict) -> dict:
+    """One save with ``method`` followed by ``steps`` training steps; returns the measurements."""
+    os.makedirs(workdir, exist_ok=True)
+    guard = None
+    finish: Callable[[], float]
+    if method == "uring-async":
+        from lightning_recover.checkpoint import UringCheckpointIO
+
+        io = state.setdefault("uring-async", UringCheckpointIO(async_save=True))
+        target = os.path.join(workdir, "last.ckpt")
+        t0 = time.perf_counter()
+        io.save_checkpoint(checkpoint, target)
+        t_call = time.perf_counter() - t0
+        guard = io.wait_for_snapshot
+
+        def finish() -> float:
+            io.wait_until_durable()
+            return io._saver.history[-1]["t_durable"] - t0
+    elif method == "uring-sync":
+        from lightning_recover.checkpoint import UringCheckpointIO
+
+        io = state.setdefault("uring-sync", UringCheckpointIO())
+        target = os.path.join(workdir, "last.ckpt")
+        t0 = time.perf_counter()
+        io.save_checkpoint(checkpoint, target)
+        t_call = time.perf_counter() - t0
+
+        def finish() -> float:
+            return t_call
+    elif method == "lightning-async":
+        from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+        inner = _FsyncTorchIO()
+        io = AsyncCheckpointIO(inner)
+        target = os.path.join(workdir, "last.ckpt")
+        t0 = time.perf_counter()
+        io.save_checkpoint(checkpoint, target)
+        t_call = time.perf_counter() - t0
+
+        def finish() -> float:
+            io.teardown()
+            return inner.t_done - t0
+    elif method == "dcp-async":
+        import torch.distributed.checkpoint as dcp
+
+        target = os.path.join(workdir, "ckpt.dcp")
+        done: dict = {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t0 = time.perf_counter()
+            fut = dcp.async_save(checkpoint, storage_writer=dcp.FileSystemWriter(target), no_dist=True)
+            t_call = time.perf_counter() - t0
+        fut.add_done_callback(lambda f: done.setdefault("t", time.perf_counter()))
+
+        def finish() -> float:
+            fut.result()
+            t_fut = done.get("t") or time.perf_counter()
+            ts = time.perf_counter()
+            fsync_tree(target)
+            return (t_fut - t0) + (time.perf_counter() - ts)
+    else:
+        raise ValueError(f"unknown method {method!r}")
+
+    step_times, waits = [], []
+    for _ in range(steps):
+        s, w = trainer.step(guard)
+        step_times.append(s)
+        waits.append(w)
+    durable = finish()
+    return {"method": method, "call_s": t_call, "wait_s": sum(waits), "blocked_s": t_call + sum(waits),
+            "durable_s": durable, "step_s": statistics.mean(step_times) if step_times else 0.0,
+            "step_times": step_times}
+
+
+# ----------------------------------------------------------------------------------------------- restore
+
+
+def run_restore(checkpoint: dict, root: str, repeat: int) -> list:
+    from lightning_recover.bench.checkpoint import DCPMethod, SafetensorsMethod, TorchSaveMethod, UringMethod
+    from lightning_recover.checkpoint import load
+
+    class UringInto(UringMethod):
+        name = "uring-into"
+
+        def prepare_load(self, target, reference):
+            from lightning_recover.bench.checkpoint import _alloc_like
+
+            return _alloc_like(reference)
+
+        def load(self, target, prepared):
+            return load(target, map_location="cpu", into=prepared)
+
+    payload = tensor_stats(checkpoint)["bytes"]
+    mode = "drop_caches" if drop_caches_supported() else "fadvise"
+    out = []
+    for cls in (UringMethod, UringInto, TorchSaveMethod, SafetensorsMethod, DCPMethod):
+        impl = cls()
+        try:
+            impl.setup()
+        except Exception as e:  # e.g. safetensors missing
+            out.append({"method": cls.name, "error": repr(e)})
+            continue
+        wd = os.path.join(root, "restore-" + cls.name.replace(".", "_"))
+        os.makedirs(wd, exist_ok=True)
+        target = impl.save(checkpoint, wd)
+        times = []
+        for _ in range(repeat):
+            prepared = impl.prepare_load(target, checkpoint)
+            make_cold(wd, mode)
+            t0 = time.perf_counter()
+            loaded = impl.load(target, prepared)
+            touch_pages(loaded)
+            times.append(time.perf_counter() - t0)
+            del loaded, prepared
+            gc.collect()
+        impl.remove(target)
+        shutil.rmtree(wd, ignore_errors=True)
+        med = statistics.median(times)
+        out.append({"method": cls.name, "load_s": med, "gbps": payload / med / 1e9, "runs": times,
+                    "cache_mode": mode})
+    return out
+
+
+# -------------------------------------------------------------------------------------------------- main
+
+
+def run(size_gb: float, root: str, methods: list, repeat: int, steps: int, fwd_s: float, restore: bool,
+        log: Callable[[str], None] = print) -> dict:
+    checkpoint, cfg = build_checkpoint(size_gb)
+    stats = tensor_stats(checkpoint)
+    log(f"state: {stats['bytes'] / 1e9:.2f} GB in {stats['tensors']} tensors ({cfg})")
+    trainer = Trainer(checkpoint, fwd_s)
+    for _ in range(2):
+        trainer.step()  # warm up (first touches of gradients, allocator)
+    base = [trainer.step()[0] for _ in range(max(3, steps))]
+    baseline = statistics.median(base)
+    log(f"baseline step (no checkpoint activity): {baseline:.3f} s (fwd/bwd x{trainer.n} matmuls)")
+    state: dict = {}
+    records = []
+    for m in methods:  # one untimed save per method: first-use costs (staging allocation, thread pools, ...)
+        run_one(m, checkpoint, trainer, os.path.join(root, m), 0, state)
+        shutil.rmtree(os.path.join(root, m), ignore_errors=True)
+    for r in range(repeat):
+        order = methods[r % len(methods):] + methods[:r % len(methods)]
+        for m in order:
+            wd = os.path.join(root, m)
+            os.sync()
+            gc.collect()
+            rec = run_one(m, checkpoint, trainer, wd, steps, state)
+            rec["rep"] = r
+            records.append(rec)
+            log(f"  rep {r} {m:16s} blocked {rec['blocked_s']:.3f} s (call {rec['call_s']:.3f} + wait "
+                f"{rec['wait_s']:.3f})  durable {rec['durable_s']:.2f} s  step {rec['step_s']:.3f} s")
+            shutil.rmtree(wd, ignore_errors=True)
+    for io in state.values():
+        io.teardown()
+    summary = {}
+    for m in methods:
+        rs = [x for x in records if x["method"] == m]
+        summary[m] = {k: statistics.median([x[k] for x in rs]) for k in ("blocked_s", "call_s", "wait_s",
+                                                                          "durable_s", "step_s")}
+    sync = summary.get("uring-sync", {}).get("durable_s")
+    ours = summary.get("uring-async", {})
+    targets = {}
+    if ours:
+        targets["blocked_le_0.1s"] = ours["blocked_s"] <= 0.1
+        if sync:
+            targets["durable_ratio_vs_sync"] = ours["durable_s"] / sync
+            targets["durable_within_1.2x_sync"] = ours["durable_s"] <= 1.2 * sync
+    result = {
+        "size_gb": size_gb, "payload_bytes": stats["bytes"], "tensors": stats["tensors"], "config": str(cfg),
+        "fwd_s": fwd_s, "steps": steps, "repeat": repeat, "baseline_step_s": baseline,
+        "summary": summary, "targets": targets, "records": records,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+                    "dir": root, "load_avg": os.getloadavg()},
+    }
+    if restore:
+        result["restore"] = run_restore(checkpoint, root, repeat)
+    return result
+
+
+def format_table(res: dict) -> str:
+    lines = ["| method | blocked per save (s) | of which waiting at step (s) | durable after (s) | "
+             "step during flush (s) |", "|---|---|---|---|---|"]
+    for m, s in res["summary"].items():
+        lines.append(f"| {m} | {s['blocked_s']:.3f} | {s['wait_s']:.3f} | {s['durable_s']:.2f} | {s['step_s']:.3f} |")
+    lines.append(f"| (no checkpoint) | - | - | - | {res['baseline_step_s']:.3f} |")
+    if res.get("restore"):
+        lines += ["", "| cold restore | seconds | GB/s |", "|---|---|---|"]
+        for r in res["restore"]:
+            if "error" in r:
+                lines.append(f"| {r['method']} | {r['error']} | |")
+            else:
+                lines.append(f"| {r['method']} | {r['load_s']:.2f} | {r['gbps']:.2f} |")
+    return "\n".join(lines)
+
+
+def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
+    p = p or argparse.ArgumentParser(prog="python -m lightning_recover.bench.async_checkpoint",
+                                     description=__doc__.split("\n")[0])
+    p.add_argument("--size-gb", type=float, default=2.0, help="state size (params + AdamW moments), GB")
+    p.add_argument("--dir", default=None, help="directory for the checkpoints (default: a temp dir in /var/tmp)")
+    p.add_argument("--methods", default=",".join(ALL_METHODS), help=f"comma list of {ALL_METHODS}")
+    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3, help="simulated training steps after each save")
+    p.add_argument("--fwd-s", type=float, default=0.5, help="compute per simulated forward/backward, seconds")
+    p.add_argument("--restore", action="store_true", help="also measure cold restores")
+    p.add_argument("--json", default=None, help="write the results as JSON to this file")
+    return p
+
+
+def main(args: Optional[argparse.Namespace] = None) -> int:
+    if args is None:
+        args = build_parser().parse_args()
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in ALL_METHODS]
+    if bad:
+        print(f"unknown methods {bad}; choose from {ALL_METHODS}", file=sys.stderr)
+        return 2
+    root = tempfile.mkdtemp(prefix="lr-async-bench-", dir=args.dir or "/var/tmp")
+    try:
+        res = run(args.size_gb, root, methods, args.repeat, args.steps, args.fwd_s, args.restore,
+                  log=lambda s: print(s, flush=True))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(format_table(res))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
