@@ -286,6 +286,8 @@ class RecoverTrainerStrategy(ParallelStrategy):
         )
         self.core: Optional[RecoverCore] = None
         self._committed: Optional[list[tuple[torch.nn.Parameter, Optional[Tensor]]]] = None
+        if launcher.in_replica():  # until the group forms, the replica id is the rank: one banner, not N
+            self._sync_rank_zero(int(os.environ[launcher.ENV_REPLICA]))
 
     # ------------------------------------------------------------------ sizes and ranks
     @property
@@ -393,8 +395,9 @@ class RecoverTrainerStrategy(ParallelStrategy):
                 version = logger.version if self.is_global_zero else None
                 logger._version = self.broadcast(version)
 
-    def _sync_rank_zero(self) -> None:
-        rank_zero_only.rank = utils_rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
+    def _sync_rank_zero(self, rank: Optional[int] = None) -> None:
+        rank = self.global_rank if rank is None else rank
+        rank_zero_only.rank = utils_rank_zero_only.rank = fabric_rank_zero_only.rank = rank
 
     def _trainable_parameters(self) -> list[torch.nn.Parameter]:
         module = self.lightning_module
