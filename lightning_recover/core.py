@@ -9,6 +9,7 @@ replicas that are alive now. The strategies are thin adapters around it.
 from __future__ import annotations
 
 import atexit
+import io
 import math
 import os
 import sys
@@ -18,6 +19,7 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_recover.errors import MembershipChanged, RecoverError
 from lightning_recover.faults import FaultInjector
 from lightning_recover.launcher import ENV_ADDR, ENV_REPLICA, ENV_REPLICAS
 from lightning_recover.membership import ReplicaGroup
@@ -82,6 +84,9 @@ class RecoverCore:
                                   startup_timeout=options.startup_timeout)
         self.protocol = StepProtocol(self.group, self.M, params, quota=options.quota)
         self.step: int = -1
+        self.joining = False  # a restarted replica that must rejoin with state from a peer
+        self._get_state: Callable[[], dict] | None = None
+        self._set_state: Callable[[dict], None] | None = None
         self._backward_seen = False
         self._forward_seen = False
         self.history: list[StepStats] = []
@@ -99,7 +104,11 @@ class RecoverCore:
         atexit.register(self.close)  # Fabric has no end-of-run hook: leave the group at exit
         self.group.connect()
         self.protocol.injector = FaultInjector.from_env(self.group.replica, self.group.incarnation)
-        self.group.form_initial()
+        self.joining = self.group.form_initial() is None
+
+    def set_state_hooks(self, get_state: Callable[[], dict], set_state: Callable[[dict], None]) -> None:
+        """How to read and overwrite the training state handed to a rejoining replica."""
+        self._get_state, self._set_state = get_state, set_state
 
     def close(self) -> None:
         self.group.close()
@@ -108,12 +117,79 @@ class RecoverCore:
     def run_step(self, step: int) -> Iterator[int]:
         self.step = step
         self._forward_seen = self._backward_seen = False
+        if self.group.admit_next:
+            self._admit(step)
         yield from self.protocol.run(step)
         stats = self.protocol.last
         self.history.append(stats)
         if stats.recoveries:
             self.say(f"step {step}: recovered in {stats.recovery_seconds:.3f}s; generation {stats.generation}, "
                      f"{stats.live_replicas} live replicas; this replica recomputed {stats.recomputed} microbatches")
+
+    # ------------------------------------------------------------------ rejoin
+    def rejoin(self) -> int:
+        """A restarted replica: wait to be admitted, receive the state; return the step to run next."""
+        try:
+            self.group.wait_for_invitation()
+        except MembershipChanged:
+            self._next_generation(None, joiner=True)
+        step = self._receive_or_send_state(None, joiner=True)
+        self.joining = False
+        self.say(f"replica {self.group.replica} rejoined at step {step}: generation {self.group.gen.number}, "
+                 f"live replicas {self.group.members}")
+        return step
+
+    def _admit(self, step: int) -> None:
+        """Members: form the generation that includes the admitted joiners and hand them the state."""
+        invite, self.group.admit_next = self.group.admit_next, {}
+        try:
+            self.group.next_generation({"step": step, "have": []}, invite=invite)
+        except MembershipChanged:
+            self._next_generation(step, joiner=False)
+        self._receive_or_send_state(step, joiner=False)
+
+    def _next_generation(self, step: Optional[int], joiner: bool) -> None:
+        while True:
+            try:
+                self.group.next_generation({"step": step, "have": [], "joiner": joiner})
+                return
+            except MembershipChanged:
+                continue
+
+    def _receive_or_send_state(self, step: Optional[int], joiner: bool) -> int:
+        """Broadcast the state from the lowest member holding it to the joiners (retried on failure)."""
+        while True:
+            gen = self.group.gen
+            joiners = {r for r, p in gen.payloads.items() if p.get("joiner")}
+            holders = [r for r in gen.members if r not in joiners]
+            if not holders:
+                raise RecoverError("no live replica holds the training state to hand to the rejoining replicas")
+            steps = {gen.payloads[r]["step"] for r in holders}
+            if len(steps) != 1:
+                raise RecoverError(f"members disagree on the step to resume at: {sorted(steps)}")
+            if not joiners:
+                return steps.pop()
+            try:
+                self._broadcast_state(gen.members.index(holders[0]), receive=joiner)
+                return steps.pop()
+            except MembershipChanged:
+                self._next_generation(step, joiner=joiner)
+
+    def _broadcast_state(self, src_rank: int, receive: bool) -> None:
+        if self._get_state is None or self._set_state is None:
+            raise RecoverError("rejoin needs the strategy to register its state hooks (core.set_state_hooks)")
+        payload = torch.empty(0, dtype=torch.uint8)
+        if self.group.rank == src_rank:
+            buffer = io.BytesIO()
+            torch.save(self._get_state(), buffer)
+            payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        self.group.broadcast([size], src_rank)
+        if self.group.rank != src_rank:
+            payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        self.group.broadcast([payload], src_rank)
+        if receive:
+            self._set_state(torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True))
 
     def fire(self, phase: str) -> None:
         if self.step < 0:

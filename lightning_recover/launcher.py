@@ -63,8 +63,42 @@ def _stopped(pid: int) -> bool:
         return False
 
 
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process and its descendants (a torchrun agent and its workers), by pid."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    stack, order = [pid], []
+    while stack:
+        p = stack.pop()
+        order.append(p)
+        stack.extend(children.get(p, []))
+    for p in order:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def torchrun_command(script: Sequence[str], nproc_per_replica: int = 1, max_restarts: int = 0) -> list[str]:
+    """One torchrun agent per replica: its restarts touch only that replica's workers."""
+    if nproc_per_replica != 1:
+        raise ValueError(
+            f"--nproc-per-replica {nproc_per_replica}: replicas of more than one process (FSDP/TP inside a "
+            "replica) are not supported yet; use --nproc-per-replica 1 (one process per replica)."
+        )
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_replica}",
+            f"--max-restarts={max_restarts}", "--monitor-interval=0.1", *script]
+
+
 def supervise(
-    command: Sequence[str],
+    command: Sequence[str] | Callable[[int], Sequence[str]],
     replicas: int,
     *,
     heartbeat_timeout: float = 1.0,
@@ -73,8 +107,15 @@ def supervise(
     host: str = "127.0.0.1",
     extra_env: dict[str, str] | None = None,
     on_event: Callable[[str], Any] | None = None,
+    finish_grace: float = 30.0,
 ) -> int:
-    """Run ``command`` once per replica under a fresh coordinator; return the job's exit code."""
+    """Run ``command`` once per replica under a fresh coordinator; return the job's exit code.
+
+    ``command`` is the argv of every replica, or a function of the replica id returning it (the
+    torchrun mode wraps each replica in its own torchrun agent). Once one replica has finished
+    successfully the job is done: replicas still running ``finish_grace`` seconds later (hung, or
+    under an agent that waits for a hung worker) are killed.
+    """
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     if heartbeat_timeout <= 0:
@@ -90,11 +131,14 @@ def supervise(
     if inject:
         env[ENV_INJECT] = inject
 
+    argv = command if callable(command) else (lambda r: command)
+
     def spawn(r: int) -> subprocess.Popen:
-        return subprocess.Popen(list(command), env=dict(env, **{ENV_REPLICA: str(r)}))
+        return subprocess.Popen(list(argv(r)), env=dict(env, **{ENV_REPLICA: str(r)}))
 
     children = [_Child(r, spawn(r)) for r in range(replicas)]
-    say(f"coordinator at {coord.addr} (pid {coord.proc.pid}); started {replicas} replicas: {' '.join(command)}")
+    say(f"coordinator at {coord.addr} (pid {coord.proc.pid}); started {replicas} replicas: {' '.join(argv(0))}")
+    finished_at: float | None = None
     interrupted = False
     coordinator_gone = False
 
@@ -130,15 +174,17 @@ def supervise(
                         running += 1
                         continue
                 c.exit_code = code
-            if running == 0:
+                if code == 0 and finished_at is None:
+                    finished_at = time.monotonic()
+            if running == 0 or (finished_at is not None and time.monotonic() - finished_at > finish_grace):
                 break
             if coord.proc.poll() is not None and not interrupted and not coordinator_gone:
                 coordinator_gone = True
                 say(f"the coordinator exited ({_describe(coord.proc.returncode)}); replicas will stop")
             time.sleep(0.01)
         for c in children:
-            if c.exit_code is None:  # hung (SIGSTOPped) replicas: nobody will resume them
-                c.proc.kill()
+            if c.exit_code is None:  # hung replicas (or agents waiting on one): nobody will resume them
+                _kill_tree(c.proc.pid)
                 c.proc.wait()
                 c.exit_code = c.proc.returncode
                 c.history.append("hung, killed at the end")
@@ -148,7 +194,7 @@ def supervise(
             signal.signal(s, h)
         for c in children:
             if c.proc.poll() is None:
-                c.proc.kill()
+                _kill_tree(c.proc.pid)
                 c.proc.wait()
         coord.stop()
     ok = [c.replica for c in children if c.exit_code == 0]
@@ -169,6 +215,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
                      restarts=args.restarts, host=args.host)
 
 
+def _cmd_torchrun(args: argparse.Namespace) -> int:
+    script = list(args.command)
+    if script and script[0] == "--":
+        script = script[1:]
+    if not script:
+        raise SystemExit("lightning-recover torchrun: give the script after --, e.g. -- train.py --lr 1e-3")
+    command = torchrun_command(script, args.nproc_per_replica, args.max_restarts)
+    return supervise(command, args.replicas, heartbeat_timeout=args.heartbeat_timeout, inject=args.inject,
+                     host=args.host)
+
+
 def _cmd_coordinator(args: argparse.Namespace) -> int:
     coordinator.serve(args.host, args.port, args.replicas, args.heartbeat_timeout)
     return 0
@@ -183,6 +240,16 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument("--host", default="127.0.0.1", help="coordinator bind address")
     p.add_argument("command", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser("torchrun", help="one torchrun job per replica (restarts stay inside a replica)")
+    p.add_argument("--replicas", type=int, required=True)
+    p.add_argument("--nproc-per-replica", type=int, default=1)
+    p.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts of a failed replica")
+    p.add_argument("--inject", default=None, help="faults, e.g. kill:replica=2:step=5:phase=backward")
+    p.add_argument("--heartbeat-timeout", type=float, default=1.0)
+    p.add_argument("--host", default="127.0.0.1", help="coordinator bind address")
+    p.add_argument("command", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_torchrun)
 
     p = sub.add_parser("coordinator", help="run only the coordinator (multi-node jobs)")
     coordinator.add_arguments(p)

@@ -113,6 +113,7 @@ class ReplicaGroup:
         self._seq = 0  # sequence number of store collectives (same on every member: SPMD order)
         self._graveyard: list = []  # abandoned process groups/works; dropped off the hot path
         self.events: list[dict] = []  # membership changes, for logging by the strategy
+        self.admit_next: dict[int, int] = {}  # joiners the last commit admitted (replica -> incarnation)
 
     # ------------------------------------------------------------------ lifecycle
     def connect(self) -> None:
@@ -121,17 +122,62 @@ class ReplicaGroup:
         self._heartbeat = Heartbeat(self.store, self.replica, self.heartbeat_interval)
         self._heartbeat.start()
 
-    def form_initial(self) -> Generation:
-        """Join generation 0 with every other replica (the job's start)."""
+    def form_initial(self) -> Generation | None:
+        """Join generation 0 with every other replica (the job's start).
+
+        Returns None when the group has already formed: this process is a restarted replica and
+        must come in through :meth:`rejoin` (at a step boundary, with state from a peer).
+        """
         latest = int(self._call(self.store.get, "gen/latest"))
         if latest != 0 or self._call(self.store.check, ["g0/members"]):
-            raise ReplicaExcludedError(
-                f"replica {self.replica} started after the group formed (generation {latest}); "
-                "joining a running job needs the rejoin protocol (RecoverStrategy(rejoin=True))."
-            )
-        self.gen = self._join_round(0, {"step": -1, "have": []}, expected=set(range(self.num_replicas)),
-                                    timeout=self.startup_timeout)
+            self.request_join()
+            return None
+        starting = self._current_incarnations(range(self.num_replicas))
+        self.gen = self._join_round(0, {"step": -1, "have": []}, expected=starting, timeout=self.startup_timeout)
         return self.gen
+
+    # ------------------------------------------------------------------ rejoin
+    def request_join(self) -> None:
+        """Ask the group to admit this (restarted) replica at its next commit."""
+        if self.incarnation > 1:
+            # Our previous incarnation is certainly dead: say so now rather than after heartbeats.
+            coordinator.mark_dead(self.store, self.replica, self.incarnation - 1)
+        self._call(self.store.append, "join/requests", f"{self.replica}:{self.incarnation},")
+
+    def pending_joins(self) -> dict[int, int]:
+        """Join requests not yet admitted and still alive: ``{replica: incarnation}``."""
+        if not self._call(self.store.check, ["join/requests"]):
+            return {}
+        latest: dict[int, int] = {}
+        for item in self._call(self.store.get, "join/requests").decode().split(","):
+            if item:
+                r, inc = (int(x) for x in item.split(":"))
+                latest[r] = max(inc, latest.get(r, 0))
+        wanted = {r: inc for r, inc in latest.items() if self.gen.incarnations.get(r) != inc}
+        dead = self._dead(sorted(wanted), wanted)
+        return {r: inc for r, inc in wanted.items() if r not in dead}
+
+    def wait_for_invitation(self) -> Generation:
+        """A joiner waits until members invite it into a generation, then joins that round."""
+        delay = _POLL_MIN
+        key = None
+        while True:
+            self.check_health()
+            latest = int(self._call(self.store.get, "gen/latest"))
+            key = f"g{latest}/invite/{self.replica}"
+            if self._call(self.store.check, [key]) and int(self._call(self.store.get, key)) == self.incarnation:
+                break
+            if self._job_over():
+                print(f"[lightning-recover] replica {self.replica}: the job ended before it could rejoin", flush=True)
+                raise SystemExit(0)
+            delay = self._sleep(delay)
+        self.gen = self._join_round(latest, {"step": None, "have": [], "joiner": True}, expected={},
+                                    timeout=self.join_timeout, may_close=False)
+        return self.gen
+
+    def _job_over(self) -> bool:
+        others = [r for r in range(self.num_replicas) if r != self.replica]
+        return not others or len(self._dead(others, self._current_incarnations(others))) == len(others)
 
     def close(self) -> None:
         """Leave the group cleanly: mark this incarnation as gone so nobody waits for it."""
@@ -214,8 +260,12 @@ class ReplicaGroup:
         return min(delay * 2, _POLL_MAX)
 
     # ------------------------------------------------------------------ generations
-    def next_generation(self, payload: dict) -> Generation:
-        """Leave the failed generation and form the next one among the survivors."""
+    def next_generation(self, payload: dict, invite: dict[int, int] | None = None) -> Generation:
+        """Leave the current generation and form the next one.
+
+        Its members are the survivors of the current one plus the ``invite``d joiners
+        (``{replica: incarnation}``, as admitted by a commit decision) that are alive.
+        """
         g = self.gen.number
         self._abandon(self.gen)
         latest = int(self._call(self.store.compare_set, "gen/latest", str(g), str(g + 1)))
@@ -226,26 +276,31 @@ class ReplicaGroup:
                 f"replica {self.replica} fell behind: the group is at generation {latest} and this replica "
                 f"left generation {g}; it stops here so that it never applies a divergent step."
             )
-        alive = set(self.gen.members) - self._dead(self.gen.members, self.gen.incarnations)
-        self.gen = self._join_round(g + 1, payload, expected=alive, timeout=self.join_timeout,
-                                    previous=self.gen)
+        for r, inc in (invite or {}).items():
+            self._call(self.store.set, f"g{g + 1}/invite/{r}", str(inc))
+        dead = self._dead(self.gen.members, self.gen.incarnations)
+        expected = {r: inc for r, inc in self.gen.incarnations.items() if r not in dead}
+        expected.update(invite or {})
+        self.gen = self._join_round(g + 1, payload, expected=expected, timeout=self.join_timeout)
         return self.gen
 
-    def _join_round(self, number: int, payload: dict, expected: set[int], timeout: float,
-                    previous: Generation | None = None) -> Generation:
+    def _join_round(self, number: int, payload: dict, expected: dict[int, int], timeout: float,
+                    may_close: bool = True) -> Generation:
+        """Join round ``number``; ``expected`` maps the replicas to wait for to their incarnation."""
         prefix = f"g{number}"
         payload = dict(payload, inc=self.incarnation)
         self._call(self.store.set, f"{prefix}/join/{self.replica}", json.dumps(payload))
         self._call(self.store.append, f"{prefix}/joined", f"{self.replica},")
-        incs_of = previous.incarnations if previous is not None else None
         deadline = time.monotonic() + timeout
         delay = _POLL_MIN
         while not self._call(self.store.check, [f"{prefix}/members"]):
             self.check_health()
+            if not may_close:
+                delay = self._sleep(delay)
+                continue
             joined = {int(x) for x in self._call(self.store.get, f"{prefix}/joined").decode().split(",") if x}
-            incs = incs_of if incs_of is not None else self._current_incarnations(sorted(expected | joined))
-            dead = self._dead(sorted(expected | joined), incs)
-            if expected - joined - dead and time.monotonic() < deadline:
+            dead = self._dead(sorted(set(expected) | joined), expected)
+            if set(expected) - joined - dead and time.monotonic() < deadline:
                 delay = self._sleep(delay)
                 continue
             members = sorted(joined - dead)
@@ -309,6 +364,18 @@ class ReplicaGroup:
             raise MembershipChanged(f"all-reduce could not start: {exc}") from exc
         self.wait(works)
 
+    def broadcast(self, tensors: Sequence[torch.Tensor], src_rank: int) -> None:
+        """Broadcast ``tensors`` in place from the member of rank ``src_rank``."""
+        if self.gen.pg is None:
+            raise MembershipChanged("no process group for this generation")
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src_rank
+        try:
+            works = [self.gen.pg.broadcast([t], opts) for t in tensors]
+        except Exception as exc:
+            raise MembershipChanged(f"broadcast could not start: {exc}") from exc
+        self.wait(works)
+
     def wait(self, works: Sequence[Any]) -> None:
         deadline = time.monotonic() + self.collective_timeout
         delay = _POLL_MIN
@@ -333,27 +400,38 @@ class ReplicaGroup:
         reduce failed, since a commit needs every member's done report; checked by the caller).
         """
         key = f"s{step}/g{self.gen.number}/dec"
-        return self._call(self.store.compare_set, key, "", "retry") == b"commit"
+        return self._read_decision(self._call(self.store.compare_set, key, "", "retry"))
 
     def report_done(self, step: int) -> None:
         """This member's reduce completed. The member completing the count writes ``commit``.
 
         Whichever ``compare_set`` lands first, this ``commit`` or some member's ``retry``, is the
-        decision of the step, and every member reads that one (``await_decision``).
+        decision of the step, and every member reads that one (``await_decision``). A commit also
+        names the joiners to admit after this step, so that all members admit the same ones.
         """
         key = f"s{step}/g{self.gen.number}"
         if int(self._call(self.store.add, f"{key}/done", 1)) == self.gen.size:
-            self._call(self.store.compare_set, f"{key}/dec", "", "commit")
+            joins = self.pending_joins()
+            value = "commit" + ("" if not joins else ";admit=" + ",".join(f"{r}:{i}" for r, i in sorted(joins.items())))
+            self._call(self.store.compare_set, f"{key}/dec", "", value)
 
     def await_decision(self, step: int) -> bool:
         key = f"s{step}/g{self.gen.number}/dec"
         delay = _POLL_MIN
         while True:
             if self._call(self.store.check, [key]):
-                return self._call(self.store.get, key) == b"commit"
+                return self._read_decision(self._call(self.store.get, key))
             if self.failure_seen():
-                return self._call(self.store.compare_set, key, "", "retry") == b"commit"
+                return self._read_decision(self._call(self.store.compare_set, key, "", "retry"))
             delay = self._sleep(delay)
+
+    def _read_decision(self, value: bytes) -> bool:
+        text = value.decode()
+        if not text.startswith("commit"):
+            return False
+        _, _, admit = text.partition(";admit=")
+        self.admit_next = {int(r): int(i) for r, i in (x.split(":") for x in admit.split(",") if x)}
+        return True
 
     def forget_step(self, step: int) -> None:
         """Delete the decision keys of an old step (called by the leader)."""

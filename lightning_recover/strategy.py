@@ -53,7 +53,10 @@ class Step:
 
     def __iter__(self) -> Iterator[Any]:
         core = self._strategy.core
+        seed = self._strategy.options.seed
         for j in core.run_step(self.index):
+            # Random ops (dropout) must not depend on which replica computes the microbatch.
+            torch.manual_seed(seed * 1_000_003 + self.index * core.M + j)
             yield self._strategy.batch_to_device(self._source.batch(self.index, j))
         self.committed = True
 
@@ -135,6 +138,7 @@ class RecoverStrategy(ParallelStrategy):
         )
         self.core: Optional[RecoverCore] = None
         self._modules: list[Module] = []
+        self._optimizers: list[Optimizer] = []
 
     # ------------------------------------------------------------------ sizes and ranks
     @property
@@ -197,7 +201,18 @@ class RecoverStrategy(ParallelStrategy):
             )
         self.options.validate(self.num_replicas)
         self.core = RecoverCore.from_env(self.options, self._trainable_parameters)
+        self.core.set_state_hooks(self._training_state, self._load_training_state)
         self.core.start()
+
+    def _training_state(self) -> dict:
+        return {"modules": [m.state_dict() for m in self._modules],
+                "optimizers": [o.state_dict() for o in self._optimizers]}
+
+    def _load_training_state(self, state: dict) -> None:
+        for module, sd in zip(self._modules, state["modules"]):
+            module.load_state_dict(sd)
+        for optimizer, sd in zip(self._optimizers, state["optimizers"]):
+            optimizer.load_state_dict(sd)
 
     def _trainable_parameters(self) -> list[torch.nn.Parameter]:
         seen: set[int] = set()
@@ -216,6 +231,11 @@ class RecoverStrategy(ParallelStrategy):
         return module
 
     @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        self._optimizers.append(optimizer)
+        return optimizer
+
+    @override
     def module_to_device(self, module: Module) -> None:
         module.to(self.root_device)
 
@@ -225,9 +245,15 @@ class RecoverStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ the step loop
     def steps(self, dataloader: DataLoader, max_steps: int, start_step: int = 0) -> Iterator[Step]:
-        """Yield steps ``start_step .. max_steps-1``; each covers exactly ``M`` microbatches."""
+        """Yield steps ``start_step .. max_steps-1``; each covers exactly ``M`` microbatches.
+
+        A restarted replica first rejoins: it receives model, optimizer state and the step to
+        resume at from a live peer, and its steps start there.
+        """
         loader = getattr(dataloader, "_dataloader", dataloader)  # unwrap Fabric's wrapper
         source = MicrobatchSource.from_dataloader(loader, self.core.M, seed=self.options.seed)
+        if self.core.joining:
+            start_step = self.core.rejoin()
         for index in range(start_step, max_steps):
             step = Step(self, source, index)
             yield step

@@ -14,7 +14,16 @@ import pytest
 
 import sys
 
-from tests.jobs import FABRIC_SCRIPT, JobResult, fabric_job, kill_group, max_relative_difference, start_job, wait_for
+from tests.jobs import (
+    FABRIC_SCRIPT,
+    JobResult,
+    fabric_job,
+    kill_group,
+    max_relative_difference,
+    run_job,
+    start_job,
+    wait_for,
+)
 
 TOL = 1e-5
 REPLICAS, STEPS, M = 3, 4, 6
@@ -98,8 +107,8 @@ def test_cascading_failure_during_recovery(tmp_path, reference):
 
 
 def test_down_to_a_single_survivor(tmp_path, reference):
-    ref = reference(replicas=4, microbatches=8)
-    result = fabric_job(str(tmp_path), replicas=4, microbatches=8,
+    ref = reference(replicas=4, steps=5, microbatches=8)
+    result = fabric_job(str(tmp_path), replicas=4, steps=5, microbatches=8,
                         inject="kill:replica=0:step=1:phase=reduce,raise:replica=3:step=2:phase=forward,"
                                "hang:replica=1:step=3:phase=commit")
     states = assert_matches_reference(result, ref, survivors=[2])
@@ -164,3 +173,31 @@ def test_coordinator_death_stops_every_replica_in_bounded_time(tmp_path):
     assert output.count("lost the coordinator") >= 3, output[-3000:]
     assert not os.path.exists(os.path.join(out, "replica0.pt"))
 
+
+
+@pytest.mark.parametrize("launch", ["local", "torchrun"])
+def test_restarted_replica_rejoins_with_live_state(tmp_path, reference, launch):
+    """A killed replica is restarted (launcher restart / torchrun --max-restarts), receives model,
+    optimizer state and step from a peer over the group, and the quotas rebalance to include it."""
+    steps = 12
+    out = str(tmp_path)
+    script = [FABRIC_SCRIPT, out, "--replicas", "3", "--steps", str(steps), "--microbatches", "6",
+              "--heartbeat-timeout", "0.5", "--slow-while-degraded", "2.5"]
+    if launch == "local":
+        cmd = [sys.executable, "-m", "lightning_recover.cli", "run", "--replicas", "3", "--restarts", "1",
+               "--heartbeat-timeout", "0.5", "--", sys.executable] + script
+    else:
+        cmd = [sys.executable, "-m", "lightning_recover.cli", "torchrun", "--replicas", "3", "--max-restarts", "1",
+               "--heartbeat-timeout", "0.5", "--"] + script
+    result = run_job(cmd, out, timeout=300, env={"LIGHTNING_RECOVER_INJECT": "kill:replica=1:step=1:phase=backward"})
+    assert result.returncode == 0, result.output[-4000:]
+    states = result.states()
+    assert sorted(states) == [0, 1, 2], f"the restarted replica finished too\n{result.output[-3000:]}"
+    ref = reference(replicas=3, steps=steps)
+    for r, data in states.items():
+        assert max_relative_difference(data["state"], ref) <= TOL, f"replica {r} diverged"
+    survivor, rejoined = states[0]["stats"], states[1]["stats"]
+    assert [s["live_replicas"] for s in survivor][:2] == [3, 2]
+    assert survivor[-1]["live_replicas"] == 3, "quotas rebalanced to include the rejoined replica"
+    assert len(rejoined) < steps and rejoined[0]["step"] == steps - len(rejoined), "it resumed mid-run"
+    assert rejoined[-1]["computed"] == 2, "the rejoined replica takes its share of the M microbatches"

@@ -7,6 +7,7 @@ Every replica that finishes writes OUT_DIR/replica{r}.pt (final parameters and p
 
 import argparse
 import os
+import time
 
 import lightning as L
 import torch
@@ -26,6 +27,9 @@ def main() -> None:
     parser.add_argument("--heartbeat-timeout", type=float, default=1.0)
     parser.add_argument("--quota", default="equal")
     parser.add_argument("--work", type=float, default=0.0, help="extra seconds of work per microbatch")
+    parser.add_argument("--slow-while-degraded", type=float, default=0.0,
+                        help="sleep this long after each step run with fewer than --replicas live replicas "
+                             "(gives a restarted replica time to rejoin before the run ends)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -45,14 +49,14 @@ def main() -> None:
     for step in fabric.strategy.steps(loader, max_steps=args.steps):
         for xb, yb in step:
             if args.work:
-                import time
-
                 time.sleep(args.work)
             loss = torch.nn.functional.mse_loss(model(xb), yb)
             fabric.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
         stats.append(vars(step.stats))
+        if args.slow_while_degraded and step.stats.live_replicas < args.replicas:
+            time.sleep(args.slow_while_degraded)
         if step.index == 0:
             open(os.path.join(args.out, "started"), "w").close()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
