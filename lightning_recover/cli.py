@@ -23,15 +23,70 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    if args.what == "checkpoint":
-        from lightning_recover.bench.checkpoint import main as bench_main
-    elif args.what in ("recovery", "overhead"):
-        from lightning_recover.bench.recovery import main as bench_main
-    elif args.what == "resilience":
-        from lightning_recover.bench.resilience import main as bench_main
-    else:  # pragma: no cover - argparse restricts choices
-        raise SystemExit(f"unknown benchmark {args.what!r}")
-    return bench_main(args)
+    import importlib
+
+    module = importlib.import_module(f"lightning_recover.bench.{_BENCH_MODULES[args.what]}")
+    return int(module.main(args) or 0)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from lightning_recover.demo import main as demo_main
+
+    return demo_main(args)
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from lightning_recover.simulate import main as simulate_main
+
+    return simulate_main(args)
+
+
+_BENCH_MODULES = {"checkpoint": "checkpoint", "async": "async_checkpoint", "recovery": "recovery",
+                  "overhead": "recovery", "resilience": "resilience"}
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks (each compares against its peers in the same run)")
+    kinds = bench.add_subparsers(dest="what", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--dir", default=None, help="working directory (default: a temp dir)")
+        p.add_argument("--json", default=None, help="write the results here as JSON")
+        p.set_defaults(func=_cmd_bench)
+
+    p = kinds.add_parser("checkpoint", help="durable save and cold load vs Lightning, torch.save, DCP, safetensors, fio")
+    p.add_argument("--size-gb", type=float, default=2.0, help="state size in GB")
+    p.add_argument("--repeat", type=int, default=3, help="interleaved repetitions; medians are reported")
+    p.add_argument("--methods", default=None, help="comma-separated subset of methods")
+    common(p)
+
+    p = kinds.add_parser("async", help="time blocked per checkpoint and time to durability vs async peers")
+    from lightning_recover.bench.async_checkpoint import build_parser as async_parser
+
+    async_parser(p)
+    p.set_defaults(func=_cmd_bench)
+
+    p = kinds.add_parser("recovery", help="fault -> survivors' next committed step, over many faults")
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--kills", type=int, default=10, help="number of faults (one run each)")
+    p.add_argument("--kind", choices=["kill", "hang"], default="kill")
+    p.add_argument("--heartbeat-timeout", type=float, default=1.0)
+    common(p)
+
+    p = kinds.add_parser("overhead", help="failure-free step time vs Lightning's strategy='ddp'")
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--repeat", type=int, default=2)
+    common(p)
+
+    p = kinds.add_parser("resilience", help="this project vs checkpoint-and-restart vs failure-free")
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--steps", type=int, default=20, help="steps (20 = the module's own default schedule)")
+    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--modes", default=None, help="comma-separated subset of modes")
+    p.add_argument("--heartbeat-timeout", type=float, default=1.0,
+                   help="1.0 = the module's default (5 s, safe on a loaded 2-core machine)")
+    common(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,19 +106,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow arbitrary pickled objects (only for checkpoints you trust)")
     p.set_defaults(func=_cmd_convert)
 
-    p = sub.add_parser("bench", help="benchmarks")
-    p.add_argument("what", choices=["checkpoint", "recovery", "overhead", "resilience"])
-    p.add_argument("--size-gb", type=float, default=2.0, help="checkpoint benchmark: state size in GB")
-    p.add_argument("--repeat", type=int, default=3, help="interleaved repetitions; medians are reported")
-    p.add_argument("--dir", default=None, help="directory to write into (default: a temp dir on /tmp's disk)")
-    p.add_argument("--methods", default=None, help="comma-separated subset of methods")
-    p.add_argument("--json", default=None, help="write the results here as JSON")
-    p.add_argument("--replicas", type=int, default=4, help="recovery/overhead: replicas")
-    p.add_argument("--kills", type=int, default=10, help="recovery: number of faults (one run each)")
-    p.add_argument("--kind", choices=["kill", "hang"], default="kill", help="recovery: fault kind")
-    p.add_argument("--steps", type=int, default=20, help="overhead: steps per run")
-    p.add_argument("--heartbeat-timeout", type=float, default=1.0, help="recovery: staleness threshold")
-    p.set_defaults(func=_cmd_bench)
+    _add_bench(sub)
+
+    from lightning_recover import demo, simulate
+
+    p = sub.add_parser("demo", help="resilient training of a small GPT with injected failures (the main job)")
+    demo.add_arguments(p)
+    p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("simulate", help="project effective throughput to large clusters (discrete-event model)")
+    simulate.add_arguments(p)
+    p.set_defaults(func=_cmd_simulate)
 
     from lightning_recover import launcher
 
