@@ -72,6 +72,21 @@ class RecoverOptions:
         self.resolve_microbatches(replicas)
 
 
+_uncaught = [False]
+
+
+def _record_uncaught_exceptions() -> None:
+    """Remember whether the replica is exiting because of an uncaught exception (exit status)."""
+    previous = sys.excepthook
+
+    def hook(*exc_info: Any) -> None:
+        _uncaught[0] = True
+        previous(*exc_info)
+
+    if getattr(sys.excepthook, "__name__", "") != "hook":
+        sys.excepthook = hook
+
+
 class RecoverCore:
     """This replica's side of the protocol."""
 
@@ -101,7 +116,8 @@ class RecoverCore:
                    params)
 
     def start(self) -> None:
-        atexit.register(self.close)  # Fabric has no end-of-run hook: leave the group at exit
+        atexit.register(self._at_exit)  # Fabric has no end-of-run hook: leave the group at exit
+        _record_uncaught_exceptions()
         self.group.connect()
         self.protocol.injector = FaultInjector.from_env(self.group.replica, self.group.incarnation)
         self.joining = self.group.form_initial() is None
@@ -112,6 +128,15 @@ class RecoverCore:
 
     def close(self) -> None:
         self.group.close()
+
+    def _at_exit(self) -> None:
+        self.close()
+        if self.group.abandoned_work:
+            # gloo cannot abort an op in flight: destroying a group that has one blocks until the op
+            # times out, or aborts the process. The results are written; end without destroying it.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1 if _uncaught[0] else 0)
 
     # ------------------------------------------------------------------ steps
     def run_step(self, step: int) -> Iterator[int]:

@@ -39,6 +39,7 @@ from lightning_recover.errors import CoordinatorLostError, MembershipChanged, Re
 
 _POLL_MIN = 0.0005
 _POLL_MAX = 0.005
+_SLICE = 0.01  # longest a blocked wait goes without looking for failures
 
 
 class Heartbeat:
@@ -110,7 +111,7 @@ class ReplicaGroup:
         self.gen: Generation | None = None
         self._heartbeat: Heartbeat | None = None
         self._events_seen = -1
-        self._seq = 0  # sequence number of store collectives (same on every member: SPMD order)
+        self._seq = 0  # sequence number of store collectives in this generation (same on every member: SPMD order)
         self._graveyard: list = []  # abandoned process groups/works; dropped off the hot path
         self.events: list[dict] = []  # membership changes, for logging by the strategy
         self.admit_next: dict[int, int] = {}  # joiners the last commit admitted (replica -> incarnation)
@@ -317,6 +318,7 @@ class ReplicaGroup:
                          rank=members.index(self.replica))
         self._build_pg(gen)
         self._events_seen = -1
+        self._seq = 0  # store collectives are numbered per generation: a rejoined replica starts in step
         self.events.append({"generation": number, "members": members})
         return gen
 
@@ -345,6 +347,11 @@ class ReplicaGroup:
         if "error" in result:
             raise MembershipChanged(f"building generation {gen.number} failed: {result['error']}")
         gen.pg = result["pg"]
+
+    @property
+    def abandoned_work(self) -> bool:
+        """True once a group with an operation possibly still in flight was abandoned."""
+        return bool(self._graveyard)
 
     def _abandon(self, gen: Generation) -> None:
         # gloo cannot abort an op in flight and destroying its group blocks until the op's timeout:
@@ -377,21 +384,34 @@ class ReplicaGroup:
         self.wait(works)
 
     def wait(self, works: Sequence[Any]) -> None:
+        """Wait for ``works`` in slices; between slices, look for failures of the generation.
+
+        Completion wakes the waiter at once (a future callback sets an event), so the failure-free
+        path pays no polling latency; the slice only bounds how late a failure is noticed.
+        """
+        done = threading.Event()
+        remaining = [len(works)]
+        lock = threading.Lock()
+
+        def one_done(_fut: Any) -> None:
+            with lock:
+                remaining[0] -= 1
+                if remaining[0] == 0:
+                    done.set()
+
+        for work in works:
+            work.get_future().add_done_callback(one_done)
         deadline = time.monotonic() + self.collective_timeout
-        delay = _POLL_MIN
-        pending = list(works)
-        while pending:
-            if pending[0].is_completed():
-                try:
-                    pending.pop(0).wait()
-                except Exception as exc:
-                    raise MembershipChanged(f"collective failed: {exc}") from exc
-                continue
+        while not done.wait(_SLICE):
             if self.failure_seen():
                 raise MembershipChanged("a member of the generation failed during a collective")
             if time.monotonic() > deadline:
                 raise MembershipChanged(f"collective did not complete within {self.collective_timeout}s")
-            delay = self._sleep(delay)
+        for work in works:
+            try:
+                work.wait()
+            except Exception as exc:
+                raise MembershipChanged(f"collective failed: {exc}") from exc
 
     def decide_retry(self, step: int) -> bool:
         """This member's reduce failed: settle the step as ``retry`` unless already decided.
@@ -417,13 +437,17 @@ class ReplicaGroup:
 
     def await_decision(self, step: int) -> bool:
         key = f"s{step}/g{self.gen.number}/dec"
-        delay = _POLL_MIN
+        slice_ = datetime.timedelta(seconds=_SLICE)
         while True:
-            if self._call(self.store.check, [key]):
+            try:
+                self.store.wait([key], slice_)  # returns as soon as the decision is written
                 return self._read_decision(self._call(self.store.get, key))
+            except (CoordinatorLostError, MembershipChanged, ReplicaExcludedError):
+                raise
+            except Exception:
+                pass  # the slice elapsed (or the store failed: failure_seen() tells which)
             if self.failure_seen():
                 return self._read_decision(self._call(self.store.compare_set, key, "", "retry"))
-            delay = self._sleep(delay)
 
     def _read_decision(self, value: bytes) -> bool:
         text = value.decode()

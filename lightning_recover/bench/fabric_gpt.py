@@ -48,6 +48,7 @@ def run_recover(args: argparse.Namespace) -> None:
     fabric = L.Fabric(strategy=strategy, devices=args.replicas, accelerator="cpu")
     fabric.launch()
     model, optimizer = fabric.setup(model, optimizer)
+    model.mark_forward_method("loss")
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=True)
     records = []
     for step in fabric.strategy.steps(loader, max_steps=args.steps):
@@ -72,6 +73,7 @@ def run_ddp(args: argparse.Namespace) -> None:
     fabric = L.Fabric(strategy="ddp", devices=args.replicas, accelerator="cpu")
     fabric.launch()
     model, optimizer = fabric.setup(model, optimizer)
+    model.mark_forward_method("loss")  # DDP must see `loss` as a forward to sync gradients
     loader = fabric.setup_dataloaders(DataLoader(data, batch_size=args.batch_size, shuffle=True, drop_last=True))
     it = iter(loader)
     records = []
