@@ -34,7 +34,7 @@ import builtins
 import inspect
 import numbers
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Optional, Union
 
@@ -44,7 +44,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_z
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
-from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
@@ -54,6 +54,7 @@ from typing_extensions import override
 from lightning_recover import launcher
 from lightning_recover.core import RecoverCore, RecoverOptions
 from lightning_recover.data import MicrobatchSource
+from lightning_recover.errors import RecoverError
 from lightning_recover.strategy import _RecoverLauncher
 
 _HINT_ACCUMULATE = (
@@ -87,16 +88,25 @@ class StepLoader:
     mean the same samples).
     """
 
-    def __init__(self, dataloader: DataLoader, microbatches: int, seed: int) -> None:
+    def __init__(self, dataloader: DataLoader, microbatches: int, seed: int,
+                 resume_position: Optional[Callable[[], int]] = None) -> None:
         check_train_dataloader(dataloader)
         self.dataloader = dataloader
         self.source = MicrobatchSource.from_dataloader(dataloader, microbatches, seed=seed)
+        self._resume_position = resume_position  # where in the epoch a resumed run continues
+        self._resuming = False
 
     def __len__(self) -> int:
         return self.source.steps_per_epoch
 
     def __iter__(self) -> Iterator[StepBatch]:
-        for position in range(len(self)):
+        # After a resume (checkpoint or rejoin) the first iteration continues mid-epoch, so that the
+        # tokens left in it (and Lightning's ``is_last_batch``) match the steps left in the epoch.
+        start = 0
+        if self._resuming:
+            self._resuming = False
+            start = self._resume_position() if self._resume_position is not None else 0
+        for position in range(start, len(self)):
             yield StepBatch(self, position)
 
     @property
@@ -112,6 +122,7 @@ class StepLoader:
         return {"lightning_recover": self._layout()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._resuming = True  # Lightning restores loader states only when it resumes a fit
         saved = state.get("lightning_recover") if isinstance(state, dict) else None
         if saved is None:
             return
@@ -178,13 +189,6 @@ class _RecoverTrainerLauncher(_RecoverLauncher, _Launcher):
             model = args[0] if args and hasattr(args[0], "automatic_optimization") else None
             check_trainer(trainer, model)  # fail in the supervisor, before starting N processes
         self._strategy.options.validate(self._strategy.num_replicas)
-        if self._strategy.options.restarts:
-            raise ValueError(
-                f"RecoverTrainerStrategy(restarts={self._strategy.options.restarts}): a restarted replica cannot rejoin "
-                "a Trainer run yet (it would need the Trainer's loop state from a peer). HINT: use restarts=0 with the "
-                "Trainer (the survivors finish the run; resume later with more replicas from a checkpoint), or "
-                "Fabric's RecoverStrategy for rejoining replicas."
-            )
         return super().launch(function, *args, **kwargs)
 
     @override
@@ -286,6 +290,13 @@ class RecoverTrainerStrategy(ParallelStrategy):
         )
         self.core: Optional[RecoverCore] = None
         self._committed: Optional[list[tuple[torch.nn.Parameter, Optional[Tensor]]]] = None
+        # A restarted replica (rejoin): the Lightning checkpoint received from a live peer, the step
+        # it resumes at, and whether it still runs alone (Lightning's start-of-fit collectives are
+        # local until its first step: the members passed those points long ago).
+        self._rejoin_checkpoint: Optional[dict[str, Any]] = None
+        self._rejoin_loggers: list[Any] = []
+        self._rejoin_step: Optional[int] = None
+        self._solo = False
         if launcher.in_replica():  # until the group forms, the replica id is the rank: one banner, not N
             self._sync_rank_zero(int(os.environ[launcher.ENV_REPLICA]))
 
@@ -370,23 +381,83 @@ class RecoverTrainerStrategy(ParallelStrategy):
                 "strategy='recover' runs each replica in its own process. HINT: run the script directly (the "
                 "Trainer starts the replicas) or with `lightning-recover run --replicas N -- python script.py`."
             )
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if self.core is None:  # one core per process, kept across fit/validate/test calls
             self.options.validate(self.num_replicas)
             self.core = RecoverCore.from_env(self.options, self._trainable_parameters)
+            self.core.set_state_hooks(self._state_for_joiner, self._receive_state)
             self.core.start()
-            if getattr(self.core, "joining", False):
-                raise RuntimeError(
-                    f"replica {self.core.group.replica} started after the Trainer run began; rejoining a running "
-                    "Trainer job is not supported. HINT: restart the job from its last checkpoint with "
-                    "trainer.fit(..., ckpt_path=...) and any number of replicas."
-                )
+            if self.core.joining:
+                self._rejoin(trainer)
         self._sync_rank_zero()
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None:
             check_trainer(trainer, self.lightning_module)
             # A DistributedSampler must never be injected: the step plan decides what each replica reads.
             trainer._accelerator_connector.use_distributed_sampler = False
-            self._share_logger_versions(trainer)
+            if not self._solo:
+                self._share_logger_versions(trainer)
+
+    # ------------------------------------------------------------------ rejoin
+    def _state_for_joiner(self) -> dict[str, Any]:
+        """Members (at the start of step s, inside ``run_step``, before any microbatch of s ran): the
+        Trainer's full checkpoint at that step boundary, handed to a rejoining replica."""
+        module = self.lightning_module
+        if module is None or module._trainer is None or module.trainer.state.fn != TrainerFn.FITTING:
+            raise RecoverError("a replica can only be admitted while the Trainer is fitting")
+        trainer = module.trainer
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        # Taken inside the step: the epoch loop has started the step's batch but not run it, which
+        # Lightning restores like a checkpoint saved mid-batch. Only the logging step differs: the
+        # loop already counted step s as stepped, and restoring from mid-batch counts it once more.
+        epoch_loop = checkpoint["loops"]["fit_loop"]["epoch_loop.state_dict"]
+        epoch_loop["_batches_that_stepped"] = epoch_loop.get("_batches_that_stepped", 0) - 1
+        return {"checkpoint": checkpoint, "logger_versions": [logger.version for logger in trainer.loggers]}
+
+    def _receive_state(self, state: dict[str, Any]) -> None:
+        self._rejoin_checkpoint = state["checkpoint"]
+        self._rejoin_loggers = list(state.get("logger_versions", []))
+
+    def _rejoin(self, trainer: Any) -> None:
+        """A restarted replica: receive the live state from a peer before the fit loop starts.
+
+        The received checkpoint is restored by Lightning exactly like ``fit(ckpt_path=...)``: it is
+        pre-loaded into the checkpoint connector (and :meth:`load_checkpoint` returns it instead of
+        reading a file, should the script pass a ``ckpt_path``), so modules, callbacks, optimizers,
+        LR schedulers and the loops' progress all come from the peer's state at step ``s``.
+        """
+        replica = self.core.group.replica
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            fn = getattr(getattr(trainer, "state", None), "fn", None)
+            raise RuntimeError(
+                f"replica {replica} was restarted while the job runs and must rejoin inside `trainer.fit`, but its "
+                f"first Trainer call is {getattr(fn, 'value', fn)!r}. HINT: call trainer.fit(...) first in the "
+                "training script (evaluate after fit), or use restarts=0."
+            )
+        self._solo = True
+        step = self.core.rejoin()
+        checkpoint = self._rejoin_checkpoint
+        if checkpoint is None or checkpoint.get("global_step") != step:
+            raise RecoverError(
+                f"replica {replica} received a state for step {None if checkpoint is None else checkpoint.get('global_step')} "
+                f"but the group resumes at step {step}"
+            )
+        self._rejoin_step = step
+        for logger, version in zip(trainer.loggers, self._rejoin_loggers):
+            if "_version" in vars(logger):
+                logger._version = version  # the run's log directory, whoever writes it later
+        trainer._checkpoint_connector._loaded_checkpoint = checkpoint
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if self._rejoin_checkpoint is not None:
+            # A rejoining replica resumes from the live state of its peers, not from the script's ckpt_path.
+            return self._rejoin_checkpoint
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    @override
+    def on_train_start(self) -> None:
+        self._rejoin_checkpoint = None  # restored by now; free the memory
+        super().on_train_start()
 
     def _share_logger_versions(self, trainer: Any) -> None:
         # Whichever replica is the lowest live one writes the logs: all must agree on the directory.
@@ -413,8 +484,18 @@ class RecoverTrainerStrategy(ParallelStrategy):
         module = self.lightning_module
         trainer = module.trainer if module is not None else None
         if trainer is not None and trainer.state.stage == RunningStage.TRAINING:
-            return StepLoader(dataloader, self.core.M, self.options.seed)  # type: ignore[arg-type]
+            loader = StepLoader(dataloader, self.core.M, self.options.seed)  # type: ignore[arg-type]
+            loader._resume_position = lambda: self._epoch_position(trainer, len(loader))
+            return loader
         return dataloader  # evaluation: the full loader on every replica
+
+    @staticmethod
+    def _epoch_position(trainer: Any, steps_per_epoch: int) -> int:
+        """The step within the epoch a resumed fit continues at (microbatch data is a function of the step)."""
+        limit = trainer.limit_train_batches
+        if (isinstance(limit, float) and limit == 1.0) or (isinstance(limit, int) and limit >= steps_per_epoch):
+            return trainer.global_step % steps_per_epoch
+        return 0  # limit_train_batches: the Trainer's epochs are not data epochs; iterate from the start
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
@@ -434,6 +515,12 @@ class RecoverTrainerStrategy(ParallelStrategy):
         core = self.core
         source = token.loader.source
         step = trainer.global_step
+        if self._solo:  # a rejoined replica's first step: from here on it runs in step with the members
+            if step != self._rejoin_step:
+                raise RecoverError(f"replica {self.replica} rejoined at step {self._rejoin_step} but its fit loop "
+                                   f"resumed at step {step}")
+            self._solo = False
+            self._rejoin_checkpoint = None
         first = (step % source.steps_per_epoch) * source.M
         with _LogCapture(module) as capture:
             for j in core.run_step(step):
@@ -535,7 +622,7 @@ class RecoverTrainerStrategy(ParallelStrategy):
     @override
     def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
                reduce_op: Optional[Union[Any, str]] = "mean") -> Union[Tensor, Any]:
-        if not isinstance(tensor, Tensor) or self.core is None:
+        if not isinstance(tensor, Tensor) or self.core is None or self._solo:
             return tensor
         if self._evaluating():
             return tensor  # every replica evaluated the full loaders: it already holds the global value
@@ -543,23 +630,23 @@ class RecoverTrainerStrategy(ParallelStrategy):
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        if self.core is None:
+        if self.core is None or self._solo:
             return decision
         values = self.core.group.exchange(bool(decision)).values()
         return builtins.all(values) if all else any(values)
 
     @override
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        return self.core.all_gather(tensor) if self.core is not None else tensor.unsqueeze(0)
+        return self.core.all_gather(tensor) if self.core is not None and not self._solo else tensor.unsqueeze(0)
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        if self.core is not None:
+        if self.core is not None and not self._solo:
             self.core.barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return self.core.broadcast(obj, src) if self.core is not None else obj
+        return self.core.broadcast(obj, src) if self.core is not None and not self._solo else obj
 
     @override
     def block_backward_sync(self) -> Any:
@@ -573,6 +660,8 @@ class RecoverTrainerStrategy(ParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         # The writer is the lowest replica alive *now*, agreed through the store: never lost, never twice.
+        if self._solo:
+            return  # a replica still rejoining holds no step of its own to save; the members write
         if self.core is None or self.core.elect_writer():
             if storage_options is None:
                 self.checkpoint_io.save_checkpoint(checkpoint, filepath)

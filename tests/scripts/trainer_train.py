@@ -8,6 +8,7 @@ logs go to OUT_DIR/logs/version_0/metrics.csv, checkpoints to OUT_DIR/ckpt/step=
 
 import argparse
 import os
+import time
 
 import lightning as L
 import torch
@@ -35,6 +36,25 @@ def make_data():
 def make_net() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1))
+
+
+class StepRecorder(L.Callback):
+    """Records (global step, epoch, StepBatch position) of every step this replica runs; optionally
+    slows the run down while replicas are missing, so that a restarted replica has time to rejoin."""
+
+    def __init__(self, replicas: int, slow_while_degraded: float) -> None:
+        self.replicas = replicas
+        self.slow_while_degraded = slow_while_degraded
+        self.steps: list[dict] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.steps.append({"step": trainer.global_step, "epoch": trainer.current_epoch,
+                           "position": batch.position, "batch_idx": batch_idx})
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        stats = trainer.strategy.core.protocol.last
+        if self.slow_while_degraded and stats.live_replicas < self.replicas:
+            time.sleep(self.slow_while_degraded)
 
 
 class Regressor(L.LightningModule):
@@ -81,6 +101,10 @@ def main() -> None:
     parser.add_argument("--progress-bar", action="store_true")
     parser.add_argument("--clip", type=float, default=None)
     parser.add_argument("--test", action="store_true", help="trainer.test() on the validation set after fit")
+    parser.add_argument("--restarts", type=int, default=0, help="RecoverTrainerStrategy(restarts=K)")
+    parser.add_argument("--slow-while-degraded", type=float, default=0.0,
+                        help="sleep this long after each step run with fewer than --replicas live replicas "
+                             "(gives a restarted replica time to rejoin before the run ends)")
     args = parser.parse_args()
 
     os.makedirs(args.out, exist_ok=True)
@@ -88,8 +112,10 @@ def main() -> None:
     train_loader = DataLoader(train, batch_size=args.batch_size, shuffle=True)
     val_loader = DataLoader(val, batch_size=8) if args.val_every else None
     strategy = RecoverTrainerStrategy(microbatches=args.microbatches, heartbeat_timeout=args.heartbeat_timeout,
-                                      heartbeat_interval=min(0.1, args.heartbeat_timeout / 5))
-    callbacks = []
+                                      heartbeat_interval=min(0.1, args.heartbeat_timeout / 5),
+                                      restarts=args.restarts)
+    recorder = StepRecorder(args.replicas, args.slow_while_degraded)
+    callbacks = [recorder]
     if args.ckpt_every:
         callbacks.append(ModelCheckpoint(dirpath=os.path.join(args.out, "ckpt"), filename="{step}",
                                          every_n_train_steps=args.ckpt_every, save_top_k=-1))
@@ -108,7 +134,9 @@ def main() -> None:
     core = trainer.strategy.core
     state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
     torch.save({"state": state, "stats": [vars(s) for s in core.history], "replica": trainer.strategy.replica,
-                "global_step": trainer.global_step, "callback_metrics": {k: float(v) for k, v in
+                "global_step": trainer.global_step, "steps": recorder.steps,
+                "batches_that_stepped": trainer.fit_loop.epoch_loop._batches_that_stepped,
+                "current_epoch": trainer.current_epoch, "callback_metrics": {k: float(v) for k, v in
                                                                          trainer.callback_metrics.items()},
                 "test_metrics": {k: float(v) for k, v in test_metrics.items()}},
                os.path.join(args.out, f"replica{trainer.strategy.replica}.pt"))
