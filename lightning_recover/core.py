@@ -91,12 +91,12 @@ class RecoverCore:
     """This replica's side of the protocol."""
 
     def __init__(self, options: RecoverOptions, addr: str, replica: int, num_replicas: int,
-                 params: Callable[[], Sequence[torch.nn.Parameter]]) -> None:
+                 params: Callable[[], Sequence[torch.nn.Parameter]], backend: str = "gloo") -> None:
         self.options = options
         self.M = options.resolve_microbatches(num_replicas)
         self.group = ReplicaGroup(addr, replica, num_replicas, heartbeat_interval=options.heartbeat_interval,
                                   join_timeout=options.join_timeout, collective_timeout=options.collective_timeout,
-                                  startup_timeout=options.startup_timeout)
+                                  startup_timeout=options.startup_timeout, backend=backend)
         self.protocol = StepProtocol(self.group, self.M, params, quota=options.quota)
         self.step: int = -1
         self.joining = False  # a restarted replica that must rejoin with state from a peer
@@ -107,13 +107,14 @@ class RecoverCore:
         self.history: list[StepStats] = []
 
     @classmethod
-    def from_env(cls, options: RecoverOptions, params: Callable[[], Sequence[torch.nn.Parameter]]) -> RecoverCore:
+    def from_env(cls, options: RecoverOptions, params: Callable[[], Sequence[torch.nn.Parameter]],
+                 backend: str = "gloo") -> RecoverCore:
         missing = [v for v in (ENV_ADDR, ENV_REPLICA, ENV_REPLICAS) if v not in os.environ]
         if missing:
             raise RuntimeError(f"replica environment incomplete (missing {', '.join(missing)}). HINT: start replicas "
                                "with `fabric.launch()`, `lightning-recover run` or `lightning-recover torchrun`.")
         return cls(options, os.environ[ENV_ADDR], int(os.environ[ENV_REPLICA]), int(os.environ[ENV_REPLICAS]),
-                   params)
+                   params, backend=backend)
 
     def start(self) -> None:
         atexit.register(self._at_exit)  # Fabric has no end-of-run hook: leave the group at exit

@@ -42,6 +42,13 @@ _POLL_MAX = 0.005
 _SLICE = 0.01  # longest a blocked wait goes without looking for failures
 
 
+def _quiet(fn: Callable[[], Any]) -> None:
+    try:
+        fn()
+    except Exception:
+        pass
+
+
 class Heartbeat:
     """Bumps ``hb/{replica}`` every ``interval`` seconds on its own store connection."""
 
@@ -76,7 +83,7 @@ class Generation:
     members: list[int]  # sorted replica ids
     incarnations: dict[int, int]  # replica -> incarnation that joined
     payloads: dict[int, dict]  # replica -> what it published when joining
-    pg: Any = None  # ProcessGroupGloo among members (None until built)
+    pg: Any = None  # gloo (or NCCL) process group among members (None until built)
     rank: int = 0
     graveyard: list = field(default_factory=list)
 
@@ -98,7 +105,13 @@ class ReplicaGroup:
         join_timeout: float = 60.0,
         collective_timeout: float = 60.0,
         startup_timeout: float = 300.0,
+        backend: str = "gloo",
     ) -> None:
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if backend == "nccl" and not dist.is_nccl_available():
+            raise RuntimeError("backend='nccl' needs a CUDA build of torch with NCCL. HINT: use accelerator='cpu' (gloo).")
+        self.backend = backend
         self.addr = coordinator_addr
         self.replica = replica
         self.num_replicas = num_replicas
@@ -329,8 +342,7 @@ class ReplicaGroup:
         def build() -> None:
             try:
                 store = dist.PrefixStore(f"pg/g{gen.number}", self.store.clone())
-                result["pg"] = dist.ProcessGroupGloo(store, gen.rank, gen.size,
-                                                     datetime.timedelta(seconds=self.collective_timeout))
+                result["pg"] = self._new_process_group(store, gen.rank, gen.size)
             except BaseException as exc:  # reported to the waiting thread
                 result["error"] = exc
 
@@ -353,12 +365,28 @@ class ReplicaGroup:
         """True once a group with an operation possibly still in flight was abandoned."""
         return bool(self._graveyard)
 
+    def _new_process_group(self, store: dist.Store, rank: int, size: int) -> Any:
+        timeout = datetime.timedelta(seconds=self.collective_timeout)
+        if self.backend == "nccl":
+            # Non-blocking communicators, so that abort() can end an operation stuck on a dead peer.
+            opts = dist.ProcessGroupNCCL.Options()
+            opts.config.blocking = 0
+            opts._timeout = timeout
+            return dist.ProcessGroupNCCL(store, rank, size, opts)
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+
     def _abandon(self, gen: Generation) -> None:
-        # gloo cannot abort an op in flight and destroying its group blocks until the op's timeout:
-        # keep the objects referenced and let them die with the process instead of on this path.
-        if gen.pg is not None:
+        if gen.pg is None:
+            return
+        if self.backend == "nccl":
+            # NCCL can abort its communicators: do it off the hot path, then drop the group.
+            pg = gen.pg
+            threading.Thread(target=lambda: _quiet(pg.abort), name="lr-nccl-abort", daemon=True).start()
+        else:
+            # gloo cannot abort an op in flight and destroying its group blocks until the op's
+            # timeout: keep the objects referenced and let them die with the process.
             self._graveyard.append(gen.pg)
-            gen.pg = None
+        gen.pg = None
 
     # ------------------------------------------------------------------ collectives
     def allreduce(self, tensors: Sequence[torch.Tensor]) -> None:

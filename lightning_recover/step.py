@@ -149,7 +149,8 @@ class StepProtocol:
         # the local sum in param.grad must survive a failed attempt intact.
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         loss = self._loss_sum if self._loss_sum is not None else torch.zeros(1)
-        extra = torch.stack([loss.reshape(()).float(), torch.tensor(float(self._loss_count))])
+        device = grads[0].device if grads else torch.device("cpu")
+        extra = torch.stack([loss.reshape(()).float().cpu(), torch.tensor(float(self._loss_count))]).to(device)
         flat = _flatten_by_dtype(grads, extra)
         self.fire(step, "reduce")
         group.allreduce(_buckets(flat))

@@ -153,7 +153,9 @@ class RecoverStrategy(ParallelStrategy):
         devices = self.parallel_devices or [torch.device("cpu")]
         device = devices[0]
         if device.type == "cuda":
-            return torch.device("cuda", torch.cuda.current_device())
+            # One GPU per replica: replica r of this host uses its r-th visible device.
+            replica = int(os.environ.get(launcher.ENV_REPLICA, "0"))
+            return torch.device("cuda", replica % max(1, torch.cuda.device_count()))
         return device
 
     @property
@@ -200,7 +202,10 @@ class RecoverStrategy(ParallelStrategy):
                 "(or start the script with `lightning-recover run --replicas N -- python script.py`)."
             )
         self.options.validate(self.num_replicas)
-        self.core = RecoverCore.from_env(self.options, self._trainable_parameters)
+        backend = "nccl" if self.root_device.type == "cuda" else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(self.root_device)
+        self.core = RecoverCore.from_env(self.options, self._trainable_parameters, backend=backend)
         self.core.set_state_hooks(self._training_state, self._load_training_state)
         self.core.start()
 

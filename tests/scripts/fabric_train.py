@@ -26,6 +26,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--heartbeat-timeout", type=float, default=1.0)
     parser.add_argument("--quota", default="equal")
+    parser.add_argument("--accelerator", default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per replica)")
     parser.add_argument("--work", type=float, default=0.0, help="extra seconds of work per microbatch")
     parser.add_argument("--slow-while-degraded", type=float, default=0.0,
                         help="sleep this long after each step run with fewer than --replicas live replicas "
@@ -41,7 +42,7 @@ def main() -> None:
 
     strategy = RecoverStrategy(microbatches=args.microbatches, heartbeat_timeout=args.heartbeat_timeout,
                                heartbeat_interval=min(0.1, args.heartbeat_timeout / 5), quota=args.quota)
-    fabric = L.Fabric(strategy=strategy, devices=args.replicas, accelerator="cpu")
+    fabric = L.Fabric(strategy=strategy, devices=args.replicas, accelerator=args.accelerator)
     fabric.launch()
     model, optimizer = fabric.setup(model, optimizer)
     os.makedirs(args.out, exist_ok=True)
@@ -59,7 +60,7 @@ def main() -> None:
             time.sleep(args.slow_while_degraded)
         if step.index == 0:
             open(os.path.join(args.out, "started"), "w").close()
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     os.makedirs(args.out, exist_ok=True)
     torch.save({"state": state, "stats": stats, "replica": fabric.strategy.replica},
                os.path.join(args.out, f"replica{fabric.strategy.replica}.pt"))
