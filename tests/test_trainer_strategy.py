@@ -11,9 +11,12 @@ import csv
 import importlib.util
 import math
 import os
+import sys
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
+from lightning.pytorch.trainer.states import TrainerFn
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
@@ -21,7 +24,7 @@ import lightning_recover
 from lightning_recover import RecoverTrainerStrategy
 from lightning_recover.data import MicrobatchSource
 from lightning_recover.trainer_strategy import StepLoader
-from tests.jobs import TRAINER_SCRIPT, max_relative_difference, trainer_job
+from tests.jobs import TRAINER_SCRIPT, max_relative_difference, run_job, trainer_job
 
 TOL = 1e-5
 REPLICAS, STEPS, M, B = 3, 6, 6, 4
@@ -146,6 +149,61 @@ def test_killed_replica_mid_step_keeps_the_trajectory(tmp_path):
     assert result.output.count("step 2: recovered in") == 1
 
 
+def assert_rejoined(result, truth, steps: int, rejoiner: int, steps_per_epoch: int):
+    """All replicas finished with the reference parameters; the restarted one resumed mid-run, in step."""
+    states = assert_parameters(result, truth["state"], survivors=range(REPLICAS), steps=steps)
+    rejoined = states[rejoiner]
+    first = rejoined["steps"][0]["step"]
+    assert 1 < first < steps, f"the restarted replica resumed mid-run (at step {first})"
+    assert [s["step"] for s in rejoined["steps"]] == list(range(first, steps))
+    assert [s["step"] for s in rejoined["stats"]] == list(range(first, steps)), "its first run_step is the group's"
+    for r, data in states.items():
+        # the fit loop, the StepLoader and Lightning's counters resume exactly at the step boundary
+        for s in data["steps"]:
+            assert s["position"] == s["step"] % steps_per_epoch, (r, s)
+            assert s["epoch"] == s["step"] // steps_per_epoch, (r, s)
+            assert s["batch_idx"] == s["position"], (r, s)
+        assert data["batches_that_stepped"] == steps, (r, data["batches_that_stepped"])
+        assert data["current_epoch"] == states[0]["current_epoch"]
+    assert rejoined["stats"][-1]["computed"] == M // REPLICAS, "the rejoined replica takes its share"
+    survivor = next(d for r, d in sorted(states.items()) if r != rejoiner)["stats"]
+    assert [s["live_replicas"] for s in survivor][:2] == [3, 2]
+    assert all(s["live_replicas"] == 3 for s in survivor if s["step"] >= first), "quotas include it after rejoin"
+    rows = step_rows(result.out_dir)  # written by replica 0 (the lowest live one)
+    assert sorted(rows) == list(range(steps))
+    assert float(rows[1]["recover/live_replicas"]) == 2 and float(rows[steps - 1]["recover/live_replicas"]) == 3
+    for step, row in rows.items():
+        assert close(float(row["recover/loss"]), truth["losses"][step]), (step, row)
+    return states
+
+
+REJOIN_STEPS, REJOIN_BATCH = 9, 16  # 5 steps an epoch: the rejoined replica also crosses an epoch boundary
+
+
+def test_restarted_replica_rejoins_the_trainer_run(tmp_path):
+    truth = _single_process(steps=REJOIN_STEPS, batch_size=REJOIN_BATCH)
+    result = trainer_job(str(tmp_path), steps=REJOIN_STEPS, inject="kill:replica=1:step=1:phase=backward",
+                         extra=["--batch-size", str(REJOIN_BATCH), "--restarts", "1", "--slow-while-degraded", "2.5"],
+                         timeout=300)
+    assert result.returncode == 0, result.output[-4000:]
+    assert "restarting replica 1 (1/1)" in result.output
+    assert_rejoined(result, truth, REJOIN_STEPS, rejoiner=1, steps_per_epoch=5)
+
+
+def test_torchrun_restarted_trainer_replica_rejoins(tmp_path):
+    """`lightning-recover torchrun --max-restarts 1`: torchrun restarts the killed replica's worker (with
+    torchrun's WORLD_SIZE=1 environment), and it rejoins the Trainer run with the live state."""
+    truth = _single_process(steps=REJOIN_STEPS, batch_size=REJOIN_BATCH)
+    out = str(tmp_path)
+    cmd = [sys.executable, "-m", "lightning_recover.cli", "torchrun", "--replicas", "3", "--max-restarts", "1",
+           "--heartbeat-timeout", "0.5", "--", TRAINER_SCRIPT, out, "--replicas", "3", "--steps", str(REJOIN_STEPS),
+           "--microbatches", str(M), "--batch-size", str(REJOIN_BATCH), "--heartbeat-timeout", "0.5",
+           "--slow-while-degraded", "2.5"]
+    result = run_job(cmd, out, timeout=300, env={"LIGHTNING_RECOVER_INJECT": "kill:replica=2:step=1:phase=backward"})
+    assert result.returncode == 0, result.output[-4000:]
+    assert_rejoined(result, truth, REJOIN_STEPS, rejoiner=2, steps_per_epoch=5)
+
+
 def test_resume_mid_epoch_while_the_writer_dies(tmp_path, reference_run, truth):
     """Resume from step 3 with 3 replicas; replica 0 (the writer, rank 0) is killed at step 4."""
     ckpt = os.path.join(reference_run.out_dir, "ckpt", "step=3.ckpt")
@@ -241,9 +299,18 @@ def test_fewer_microbatches_than_replicas_is_refused():
         _trainer(strategy=RecoverTrainerStrategy(microbatches=1)).fit(_Tiny(), _loader())
 
 
-def test_restarts_are_refused_until_the_trainer_can_rejoin():
-    with pytest.raises(ValueError, match=r"restarts=1.*HINT: use restarts=0"):
-        _trainer(strategy=RecoverTrainerStrategy(microbatches=4, restarts=1)).fit(_Tiny(), _loader())
+def test_restarts_option_is_accepted_and_validated():
+    assert RecoverTrainerStrategy(restarts=2).options.restarts == 2
+    with pytest.raises(ValueError, match="restarts must be a non-negative integer"):
+        RecoverTrainerStrategy(restarts=-1)
+
+
+def test_a_replica_restarted_outside_fit_is_told_to_fit_first():
+    strategy = RecoverTrainerStrategy()
+    strategy.core = SimpleNamespace(group=SimpleNamespace(replica=1))
+    trainer = SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.TESTING))
+    with pytest.raises(RuntimeError, match=r"replica 1 was restarted.*'test'.*HINT: call trainer.fit"):
+        strategy._rejoin(trainer)
 
 
 def test_bad_options_fail_at_construction():
@@ -272,3 +339,11 @@ def test_step_loader_is_one_token_per_step_and_refuses_another_layout():
     StepLoader(_loader(32), 4, 0).load_state_dict(state)  # same layout: fine
     with pytest.raises(ValueError, match="microbatches: checkpoint 4 vs now 2.*same RecoverTrainerStrategy"):
         StepLoader(_loader(32), 2, 0).load_state_dict(state)
+
+
+def test_step_loader_resumes_mid_epoch_once():
+    loader = StepLoader(_loader(32), 4, 0, resume_position=lambda: 2)  # 4 steps an epoch
+    assert [t.position for t in loader] == [0, 1, 2, 3]  # a fresh fit starts the epoch at 0
+    loader.load_state_dict(loader.state_dict())  # Lightning restores loader states only on a resume
+    assert [t.position for t in loader] == [2, 3]  # the rest of the resumed epoch
+    assert [t.position for t in loader] == [0, 1, 2, 3]  # the next epoch is whole
