@@ -87,7 +87,10 @@ class StepProtocol:
         self._step_loss = None
         stats = StepStats(step=step)
         have: list[int] = []
-        ids = plan_quotas(step, range(self.M), group.members, self._weights)[group.replica]
+        # Throughput weights apply only if measured for exactly these members (after a join or a
+        # death the next step falls back to equal quotas until every member has been measured).
+        weights = self._weights if self._weights and set(self._weights) == set(group.members) else None
+        ids = plan_quotas(step, range(self.M), group.members, weights)[group.replica]
         recovering_since: float | None = None
         while True:
             for j in ids:
