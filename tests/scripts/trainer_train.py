@@ -101,6 +101,7 @@ def main() -> None:
     parser.add_argument("--progress-bar", action="store_true")
     parser.add_argument("--clip", type=float, default=None)
     parser.add_argument("--test", action="store_true", help="trainer.test() on the validation set after fit")
+    parser.add_argument("--quota", default="equal")
     parser.add_argument("--restarts", type=int, default=0, help="RecoverTrainerStrategy(restarts=K)")
     parser.add_argument("--slow-while-degraded", type=float, default=0.0,
                         help="sleep this long after each step run with fewer than --replicas live replicas "
@@ -113,7 +114,7 @@ def main() -> None:
     val_loader = DataLoader(val, batch_size=8) if args.val_every else None
     strategy = RecoverTrainerStrategy(microbatches=args.microbatches, heartbeat_timeout=args.heartbeat_timeout,
                                       heartbeat_interval=min(0.1, args.heartbeat_timeout / 5),
-                                      restarts=args.restarts)
+                                      restarts=args.restarts, quota=args.quota)
     recorder = StepRecorder(args.replicas, args.slow_while_degraded)
     callbacks = [recorder]
     if args.ckpt_every:
