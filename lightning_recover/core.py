@@ -168,9 +168,6 @@ class RecoverCore:
     def _admit(self, step: int) -> None:
         """Members: form the generation that includes the admitted joiners and hand them the state."""
         invite, self.group.admit_next = self.group.admit_next, {}
-        # Throughput weights know only the old members; the joiner has none. Equal quotas for this
-        # step on both sides (every member measures it), measured weights again from the next one.
-        self.protocol._weights = None
         try:
             self.group.next_generation({"step": step, "have": []}, invite=invite)
         except MembershipChanged:
