@@ -3,9 +3,17 @@
 Three modes train the same model on the same data with the same failure schedule
 (``lightning_recover/bench/resilience_train.py`` holds the training job):
 
-- ``recover``: this project, ``Fabric(strategy="recover")``; the faults are injected with
-  ``LIGHTNING_RECOVER_INJECT`` (SIGKILL in the backward pass); survivors recompute the lost
-  microbatches in the same step and continue with fewer replicas (no replacement joins).
+- ``recover``: this project, ``Fabric(strategy="recover")`` under
+  ``lightning-recover torchrun --max-restarts K`` (one torchrun agent per replica, the same restart
+  policy as the baseline's ``torchrun --max-restarts K``); the faults are injected with
+  ``--inject`` (SIGKILL in the backward pass, first incarnation only); survivors recompute the lost
+  microbatches in the same step and continue with fewer replicas until the agent has restarted the
+  killed replica, which rejoins at a commit with the live model, optimizer state and step from a peer.
+- ``recover-local``: the same, but the replicas are restarted by the local launcher
+  (``fabric.launch()`` with ``RecoverStrategy(restarts=K)``), which also tells the coordinator of the
+  death at once (under torchrun only the agent sees the exit: survivors learn it from the heartbeat
+  threshold or from the restarted replica, whichever comes first).
+- ``recover-norestart`` (not run by default): no replacement, the run ends on the last survivor.
 - ``ddp-torch`` / ``ddp-uring``: what users do today: Lightning DDP (gloo) under
   ``torchrun --max-restarts``, a checkpoint every ``K`` steps (``fabric.save``, through Lightning's
   default ``TorchCheckpointIO`` or through :class:`UringCheckpointIO`), and on any failure torchrun
@@ -39,7 +47,8 @@ import time
 
 import torch
 
-MODES = ("recover", "ddp-torch", "ddp-uring", "failure-free")
+MODES = ("recover", "recover-local", "ddp-torch", "ddp-uring", "failure-free")
+EXTRA_MODES = ("recover-norestart",)
 _FAULT_T = re.compile(r"injecting fault (\S+) at t=([0-9.]+)")
 
 # The documented default schedule: 4 replicas, 40 steps of M=12 microbatches, 3 successive kills.
@@ -77,10 +86,22 @@ def run_mode(mode: str, out: str, *, replicas: int, steps: int, microbatches: in
               "--mb-seconds", str(mb_seconds), "--out", out] + MODEL
     env = _env()
     job = [sys.executable, "-m", "lightning_recover.bench.resilience_train"]
-    if mode in ("recover", "failure-free"):
+    # The restart budget is the same for every mode that restarts: torchrun --max-restarts K in the
+    # baseline (K whole-group restarts), K restarts per replica for recover (each is killed once).
+    inject = ",".join(f"kill:replica={r}:step={s}:phase=backward" for r, s in kills)
+    if mode == "recover":
+        # one torchrun agent per replica (lightning-recover torchrun); the replica script runs directly
+        cmd = [sys.executable, "-m", "lightning_recover.cli", "torchrun", "--replicas", str(replicas),
+               "--max-restarts", str(len(kills)), "--heartbeat-timeout", str(heartbeat_timeout)]
+        cmd += (["--inject", inject] if kills else []) + ["--", "-m", "lightning_recover.bench.resilience_train",
+                                                           "--mode", "recover", "--heartbeat-timeout",
+                                                           str(heartbeat_timeout)] + common
+    elif mode.startswith("recover") or mode == "failure-free":
         cmd = job + ["--mode", "recover", "--heartbeat-timeout", str(heartbeat_timeout)] + common
-        if mode == "recover" and kills:
-            env["LIGHTNING_RECOVER_INJECT"] = ",".join(f"kill:replica={r}:step={s}:phase=backward" for r, s in kills)
+        if mode == "recover-local":
+            cmd += ["--restarts", str(len(kills))]
+        if mode != "failure-free" and kills:
+            env["LIGHTNING_RECOVER_INJECT"] = inject
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(replicas),
                "--max-restarts", str(len(kills)), "-m", "lightning_recover.bench.resilience_train",
@@ -124,6 +145,7 @@ def analyze(mode: str, out: str, output: str, *, steps: int, microbatches: int, 
     executions = {(r["attempt"], r["step"]) for r in step_recs}
     lost_steps = len(executions) - steps  # steps committed by an attempt, then rolled back by a restart
     recomputed = sum(r.get("recomputed", 0) for r in step_recs)
+    replicas = max(r["live"] for r in step_recs)
     recoveries = []
     for spec, t in faults:
         # time to recover: from the fault until the step it interrupted is committed (for a restart:
@@ -134,6 +156,23 @@ def analyze(mode: str, out: str, output: str, *, steps: int, microbatches: int, 
                 "fault_to_commit_s": (max(done) - t) if done else None}
         if mode.startswith("ddp") and any(r["start"] > t for r in step_recs):
             item["restart_s"] = min(r["start"] for r in step_recs if r["start"] > t) - t  # fault -> training again
+        if mode.startswith("recover"):
+            victim = int(re.search(r"replica=(\d+)", spec).group(1))
+            # the killed replica's next incarnation: process started, rejoined (state received), first commit
+            later = [r for r in recs if r["rank"] == victim and r.get("incarnation", 1) > 1]
+            starts = [r["t"] for r in later if r["event"] == "start" and r["t"] > t]
+            rejoins = [r for r in later if r["event"] == "rejoin" and r["t"] > t]
+            if starts:
+                item["process_restart_s"] = min(starts) - t  # fault -> the new process is running
+            if rejoins:
+                rj = min(rejoins, key=lambda r: r["t"])
+                item["restart_s"] = rj["t"] - t  # fault -> the replacement trains again (admitted, state received)
+                item["rejoin_step"] = rj["step"]
+                if starts:
+                    item["rejoin_s"] = rj["t"] - min(starts)  # process start -> admitted with state (import, connect, wait, state)
+            # degraded period: from the fault until a step commits with every replica live again
+            full = [r["commit"] for r in final.values() if r["commit"] > t and r["live"] >= replicas]
+            item["degraded_s"] = (min(full) - t) if full else None
         recoveries.append(item)
     ckpts = [r["seconds"] for r in recs if r["event"] == "ckpt" and r["rank"] == 0]
     loads = [r["seconds"] for r in recs if r["event"] == "resume" and r["rank"] == 0]
@@ -146,13 +185,26 @@ def analyze(mode: str, out: str, output: str, *, steps: int, microbatches: int, 
         "recoveries": recoveries,
         "median_fault_to_commit_s": statistics.median([x["fault_to_commit_s"] for x in recoveries
                                                        if x["fault_to_commit_s"] is not None] or [0.0]),
-        "median_restart_s": statistics.median([x["restart_s"] for x in recoveries if "restart_s" in x])
-        if any("restart_s" in x for x in recoveries) else None,
+        "median_restart_s": _median(recoveries, "restart_s"),
+        "median_process_restart_s": _median(recoveries, "process_restart_s"),
+        "median_rejoin_s": _median(recoveries, "rejoin_s"),
+        "median_degraded_s": _median(recoveries, "degraded_s"),
+        "degraded_steps": sum(1 for r in final.values() if r["live"] < replicas),
+        "rejoins": sum(1 for r in recs if r["event"] == "rejoin"),
         "checkpoint_save_s": statistics.median(ckpts) if ckpts else None, "checkpoints": len(ckpts),
         "checkpoint_load_s": statistics.median(loads) if loads else None,
         "final_loss": final[steps - 1]["loss"],
         "min_live": min(r.get("live", 0) for r in final.values()),
     }
+
+
+def f_(v: float | None) -> str:
+    return f"{v:.2f}" if v is not None else "-"
+
+
+def _median(items: list[dict], key: str) -> float | None:
+    values = [x[key] for x in items if x.get(key) is not None]
+    return statistics.median(values) if values else None
 
 
 def _param_diff(a_path: str, b_path: str) -> float:
@@ -164,18 +216,23 @@ def _param_diff(a_path: str, b_path: str) -> float:
     return worst
 
 
-def _table(rows: dict[str, dict], base: str = "ddp-torch") -> str:
-    lines = ["| mode | wall s | effective mb/s | vs ddp-torch | lost steps | recomputed mb | fault -> step committed (median s)"
-             " | restart s (median) | ckpt save / load s | max rel. param diff vs failure-free |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+def _table(rows: dict[str, dict], bases: tuple[str, ...] = ("ddp-torch", "ddp-uring")) -> str:
+    lines = ["| mode | wall s | effective mb/s | vs ddp-torch | vs ddp-uring | lost steps | recomputed mb"
+             " | fault -> step committed (median s) | fault -> replica training again (median s)"
+             " | degraded steps | ckpt save / load s | max rel. param diff vs failure-free |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def f(v, fmt):
+        return format(v, fmt) if v is not None else "-"
+
     for mode, r in rows.items():
-        ratio = r["effective_mb_per_s"] / rows[base]["effective_mb_per_s"] if base in rows else float("nan")
-        ck = " / ".join(f"{r[k]:.3f}" if r.get(k) is not None else "-" for k in ("checkpoint_save_s", "checkpoint_load_s"))
-        rs = f"{r['median_restart_s']:.1f}" if r.get("median_restart_s") is not None else "-"
+        ratios = " | ".join(f"{r['effective_mb_per_s'] / rows[b]['effective_mb_per_s']:.2f}x" if b in rows else "-"
+                            for b in bases)
+        ck = " / ".join(f(r.get(k), ".3f") for k in ("checkpoint_save_s", "checkpoint_load_s"))
         ftc = f"{r['median_fault_to_commit_s']:.2f}" if r["faults"] else "-"
-        pd = f"{r['param_diff']:.1e}" if r.get("param_diff") is not None else "-"
-        lines.append(f"| {mode} | {r['wall_s']:.1f} | {r['effective_mb_per_s']:.2f} | {ratio:.2f}x | "
-                     f"{r['lost_steps']} | {r['recomputed_microbatches']} | {ftc} | {rs} | {ck} | {pd} |")
+        lines.append(f"| {mode} | {r['wall_s']:.1f} | {r['effective_mb_per_s']:.2f} | {ratios} | "
+                     f"{r['lost_steps']} | {r['recomputed_microbatches']} | {ftc} | {f(r.get('median_restart_s'), '.1f')} | "
+                     f"{r.get('degraded_steps', 0)} | {ck} | {f(r.get('param_diff'), '.1e')} |")
     return "\n".join(lines)
 
 
@@ -186,6 +243,10 @@ def main(args: argparse.Namespace) -> int:
     steps = args.steps if getattr(args, "steps", None) not in (None, 20) else DEFAULTS["steps"]
     kills = [(r, s) for r, s in DEFAULTS["kills"] if s < steps and r < args.replicas]
     modes = [m for m in (getattr(args, "modes", None) or ",".join(MODES)).split(",") if m]
+    unknown = [m for m in modes if m not in MODES + EXTRA_MODES]
+    if unknown:
+        raise SystemExit(f"bench resilience: unknown mode(s) {', '.join(unknown)}; choose from "
+                         f"{', '.join(MODES + EXTRA_MODES)}")
     repeat = max(1, getattr(args, "repeat", 1) or 1)
     # under heavy load a 1 s heartbeat threshold can declare a slow replica dead (false suspicion);
     # only kills are injected here, so a generous threshold costs nothing (the CLI's shared default is 1.0)
@@ -215,10 +276,17 @@ def main(args: argparse.Namespace) -> int:
             r["param_diff"] = _param_diff(r["final_params"], rows["failure-free"]["final_params"])
     table = _table(rows)
     print(table)
-    if "recover" in rows:
-        for base in ("ddp-torch", "ddp-uring"):
-            if base in rows:
-                print(f"recover / {base}: {rows['recover']['effective_mb_per_s'] / rows[base]['effective_mb_per_s']:.2f}x")
+    for mode in rows:
+        if mode.startswith("recover"):
+            for base in ("ddp-torch", "ddp-uring"):
+                if base in rows:
+                    print(f"{mode} / {base}: {rows[mode]['effective_mb_per_s'] / rows[base]['effective_mb_per_s']:.2f}x")
+            per_fault = "; ".join(
+                f"{x['fault'].split(':')[1]} step {x['step']}: commit {f_(x.get('fault_to_commit_s'))} s, "
+                f"process up {f_(x.get('process_restart_s'))} s, training again {f_(x.get('restart_s'))} s, "
+                f"full again {f_(x.get('degraded_s'))} s" for x in rows[mode]["recoveries"])
+            if per_fault:
+                print(f"  {mode} per fault (from the kill): {per_fault}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": cfg, "machine": f"{os.cpu_count()} cores", "time": time.ctime(),

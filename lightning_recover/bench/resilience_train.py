@@ -1,7 +1,11 @@
 """The training job of the resilience benchmark, in both of its forms.
 
-    # this project: Fabric strategy="recover" (faults from LIGHTNING_RECOVER_INJECT)
-    python -m lightning_recover.bench.resilience_train --mode recover --replicas 4 --steps 40 --out DIR
+    # this project: Fabric strategy="recover" (faults from LIGHTNING_RECOVER_INJECT); a killed
+    # replica is restarted by torchrun (one agent per replica) and rejoins with live state ...
+    lightning-recover torchrun --replicas 4 --max-restarts 3 --heartbeat-timeout 5 --inject kill:... -- \
+        -m lightning_recover.bench.resilience_train --mode recover --replicas 4 --steps 40 --out DIR
+    # ... or by the local launcher (fabric.launch() supervises; RecoverStrategy(restarts=K))
+    python -m lightning_recover.bench.resilience_train --mode recover --restarts 3 --replicas 4 --steps 40 --out DIR
     # checkpoint-and-restart: Fabric strategy="ddp" (gloo), one process per rank, under torchrun
     torchrun --standalone --nproc-per-node 4 --max-restarts 3 -m lightning_recover.bench.resilience_train \\
         --mode ddp --replicas 4 --steps 40 --ckpt-dir CK --ckpt-every 10 --ckpt-io torch --kill 1:5,2:16 --out DIR
@@ -27,7 +31,9 @@ default ``TorchCheckpointIO`` (``--ckpt-io torch``) or :class:`UringCheckpointIO
 a (re)started attempt resumes from the newest one.
 
 Every rank appends JSON lines to ``DIR/rank{r}.jsonl``: ``start`` (process start), ``resume``,
-``step`` (start/commit wall times, loss, live replicas, recomputed microbatches), ``ckpt``; rank 0
+``step`` (start/commit wall times, loss, live replicas, recomputed microbatches), ``ckpt``; under
+``recover`` every record also carries the replica's ``incarnation`` (1 = first start), and a
+restarted replica logs ``rejoin`` (when it holds the live state and the step to resume at); rank 0
 (or the lowest live replica) writes the final parameters to ``DIR/final.pt``.
 """
 
@@ -81,18 +87,27 @@ def run_recover(args: argparse.Namespace) -> None:
     from lightning_recover import RecoverStrategy
 
     data, model, optimizer, _ = _build(args)
+    # restarts: used when this script launches its own replicas (fabric.launch() supervises them);
+    # under `lightning-recover torchrun --max-restarts K` the torchrun agents restart them instead.
     strategy = RecoverStrategy(microbatches=args.microbatches, heartbeat_timeout=args.heartbeat_timeout,
-                               heartbeat_interval=min(0.1, args.heartbeat_timeout / 5), seed=args.seed)
+                               heartbeat_interval=min(0.1, args.heartbeat_timeout / 5), seed=args.seed,
+                               restarts=args.restarts)
     fabric = L.Fabric(strategy=strategy, devices=args.replicas, accelerator="cpu", precision=args.precision)
     fabric.launch()
     model, optimizer = fabric.setup(model, optimizer)
     # the same samples as MicrobatchSource(seed) in _build: the strategy builds it from this loader
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=True)
     replica = fabric.strategy.replica
+    incarnation = fabric.strategy.core.group.incarnation
+    joining = fabric.strategy.core.joining  # a restarted replica: steps() first rejoins (state from a peer)
     log = _Log(args.out, f"rank{replica}")
-    log(event="start", t=_T_PROCESS, attempt=0)
+    # attempt stays 0: the run is one attempt (no step is rolled back); incarnation tells restarts apart
+    log(event="start", t=_T_PROCESS, attempt=0, incarnation=incarnation, ready=time.time())
     for step in fabric.strategy.steps(loader, max_steps=args.steps):
         start = time.time()
+        if joining:
+            joining = False
+            log(event="rejoin", step=step.index, t=start, incarnation=incarnation, attempt=0)
         for x, y in step:
             t = time.perf_counter()
             fabric.backward(model.loss(x, y))
@@ -101,7 +116,8 @@ def run_recover(args: argparse.Namespace) -> None:
         optimizer.zero_grad()
         s = step.stats
         log(event="step", step=step.index, start=start, commit=time.time(), loss=s.loss, live=s.live_replicas,
-            computed=s.computed, recomputed=s.recomputed, recovery_seconds=s.recovery_seconds, attempt=0)
+            computed=s.computed, recomputed=s.recomputed, recovery_seconds=s.recovery_seconds, attempt=0,
+            incarnation=incarnation)
     if step.stats.leader:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(args.out, "final.pt"))
 
@@ -199,6 +215,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="64-true")
     p.add_argument("--mb-seconds", type=float, default=0.0, help="fixed wall time per microbatch (capacity)")
     p.add_argument("--heartbeat-timeout", type=float, default=1.0)
+    p.add_argument("--restarts", type=int, default=0,
+                   help="recover, self-launched: the local launcher restarts a failed replica up to K times")
     p.add_argument("--ckpt-dir", default=None)
     p.add_argument("--ckpt-every", type=int, default=10)
     p.add_argument("--ckpt-io", choices=["torch", "uring"], default="torch")
