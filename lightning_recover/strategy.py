@@ -17,7 +17,6 @@ averaged gradient of all ``M`` microbatches, whatever died meanwhile.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Optional, Union
@@ -40,6 +39,7 @@ from typing_extensions import override
 from lightning_recover import launcher
 from lightning_recover.core import RecoverCore, RecoverOptions
 from lightning_recover.data import MicrobatchSource
+from lightning_recover.ranks import ReplicaRanks
 
 
 class Step:
@@ -93,7 +93,7 @@ class _RecoverLauncher(_Launcher):
         raise SystemExit(code)
 
 
-class RecoverStrategy(ParallelStrategy):
+class RecoverStrategy(ReplicaRanks, ParallelStrategy):
     """Fault-tolerant data parallelism with in-step recovery.
 
     Args:
@@ -139,54 +139,6 @@ class RecoverStrategy(ParallelStrategy):
         self.core: Optional[RecoverCore] = None
         self._modules: list[Module] = []
         self._optimizers: list[Optimizer] = []
-
-    # ------------------------------------------------------------------ sizes and ranks
-    @property
-    def num_replicas(self) -> int:
-        if launcher.ENV_REPLICAS in os.environ:
-            return int(os.environ[launcher.ENV_REPLICAS])
-        return len(self.parallel_devices) if self.parallel_devices else 1
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        devices = self.parallel_devices or [torch.device("cpu")]
-        device = devices[0]
-        if device.type == "cuda":
-            # One GPU per replica: replica r of this host uses its r-th visible device.
-            replica = int(os.environ.get(launcher.ENV_REPLICA, "0"))
-            return torch.device("cuda", replica % max(1, torch.cuda.device_count()))
-        return device
-
-    @property
-    @override
-    def global_rank(self) -> int:
-        return self.core.group.rank if self.core is not None else 0
-
-    @property
-    @override
-    def local_rank(self) -> int:
-        return 0
-
-    @property
-    @override
-    def world_size(self) -> int:
-        return self.core.group.size if self.core is not None else self.num_replicas
-
-    @property
-    @override
-    def is_global_zero(self) -> bool:
-        return self.global_rank == 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> Optional[dict[str, Any]]:
-        return None  # microbatch ids, not a DistributedSampler, decide what each replica reads
-
-    @property
-    def replica(self) -> int:
-        """This process's replica id (stable across generations, unlike ``global_rank``)."""
-        return self.core.group.replica if self.core is not None else 0
 
     # ------------------------------------------------------------------ setup
     @override

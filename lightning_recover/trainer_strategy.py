@@ -55,6 +55,7 @@ from lightning_recover import launcher
 from lightning_recover.core import RecoverCore, RecoverOptions
 from lightning_recover.data import MicrobatchSource
 from lightning_recover.errors import RecoverError
+from lightning_recover.ranks import ReplicaRanks
 from lightning_recover.strategy import _RecoverLauncher
 
 _HINT_ACCUMULATE = (
@@ -246,7 +247,7 @@ class _LogCapture:
         return None
 
 
-class RecoverTrainerStrategy(ParallelStrategy):
+class RecoverTrainerStrategy(ReplicaRanks, ParallelStrategy):
     """``Trainer(strategy="recover")``: fault-tolerant data parallelism with in-step recovery.
 
     One DataLoader batch is one microbatch; one optimizer step is ``microbatches`` (``M``) of them,
@@ -300,60 +301,9 @@ class RecoverTrainerStrategy(ParallelStrategy):
         if launcher.in_replica():  # until the group forms, the replica id is the rank: one banner, not N
             self._sync_rank_zero(int(os.environ[launcher.ENV_REPLICA]))
 
-    # ------------------------------------------------------------------ sizes and ranks
-    @property
-    def num_replicas(self) -> int:
-        if launcher.ENV_REPLICAS in os.environ:
-            return int(os.environ[launcher.ENV_REPLICAS])
-        return len(self.parallel_devices) if self.parallel_devices else 1
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        devices = self.parallel_devices or [torch.device("cpu")]
-        device = devices[0]
-        if device.type == "cuda":
-            return torch.device("cuda", torch.cuda.current_device())
-        return device
-
-    @property
-    @override
-    def global_rank(self) -> int:
-        return self.core.group.rank if self.core is not None else 0
-
-    @property
-    @override
-    def local_rank(self) -> int:
-        return 0
-
-    @property
-    @override
-    def node_rank(self) -> int:
-        return 0
-
-    @property
-    @override
-    def world_size(self) -> int:
-        return self.core.group.size if self.core is not None else self.num_replicas
-
-    @property
-    @override
-    def is_global_zero(self) -> bool:
-        return self.global_rank == 0
-
     @property
     def is_distributed(self) -> bool:
         return True  # so that `self.log(..., sync_dist=True)` outside training_step reaches `reduce`
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> Optional[dict[str, Any]]:
-        return None  # microbatch ids, not a DistributedSampler, decide what each replica reads
-
-    @property
-    def replica(self) -> int:
-        """This process's replica id (stable across generations, unlike ``global_rank``)."""
-        return self.core.group.replica if self.core is not None else 0
 
     @property
     @override

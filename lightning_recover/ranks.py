@@ -1,0 +1,67 @@
+"""Ranks and sizes as Lightning sees them under ``strategy="recover"``, shared by both strategies.
+
+Lightning's rank properties are answered from the current generation: ``global_rank`` is this
+replica's rank among the live replicas (0 = the lowest live replica, which logs and writes
+checkpoints), ``world_size`` the number of live replicas. ``replica`` is the stable replica id.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+
+from lightning_recover import launcher
+
+
+class ReplicaRanks:
+    """Mixin for a Lightning ``ParallelStrategy`` that owns a ``core`` (``RecoverCore`` or None)."""
+
+    core: Any
+    parallel_devices: Optional[list[torch.device]]
+
+    @property
+    def num_replicas(self) -> int:
+        if launcher.ENV_REPLICAS in os.environ:
+            return int(os.environ[launcher.ENV_REPLICAS])
+        return len(self.parallel_devices) if self.parallel_devices else 1
+
+    @property
+    def root_device(self) -> torch.device:
+        devices = self.parallel_devices or [torch.device("cpu")]
+        device = devices[0]
+        if device.type == "cuda":
+            # One GPU per replica: replica r of this host uses its r-th visible device.
+            replica = int(os.environ.get(launcher.ENV_REPLICA, "0"))
+            return torch.device("cuda", replica % max(1, torch.cuda.device_count()))
+        return device
+
+    @property
+    def global_rank(self) -> int:
+        return self.core.group.rank if self.core is not None else 0
+
+    @property
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    def node_rank(self) -> int:
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        return self.core.group.size if self.core is not None else self.num_replicas
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> Optional[dict[str, Any]]:
+        return None  # microbatch ids, not a DistributedSampler, decide what each replica reads
+
+    @property
+    def replica(self) -> int:
+        """This process's replica id (stable across generations, unlike ``global_rank``)."""
+        return self.core.group.replica if self.core is not None else 0
