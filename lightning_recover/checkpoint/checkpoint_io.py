@@ -352,6 +352,34 @@ def verify_file(path: Any, *, engine: Any = None, batch_bytes: int = 256 << 20) 
             r.close()
 
 
+# Opt-in: fresh storages of at least _ALIGNED_MIN_BYTES allocated 4096-aligned (see _new_storage).
+_ALIGNED_MIN_BYTES = 1 << 20
+_PAGE = 4096
+_ALIGNED_ALLOC = os.environ.get("LIGHTNING_RECOVER_ALIGNED_ALLOC", "off") == "on"
+
+
+def _new_storage(nbytes: int) -> torch.UntypedStorage:
+    """A fresh CPU storage of exactly ``nbytes`` to read an extent into.
+
+    ``torch.UntypedStorage(n)`` memory sits at 64 mod 4096 (the CPU allocator's alignment is 64), so
+    ``native_io``'s reader cannot read it with ``O_DIRECT`` straight into it and stages every byte
+    through its arena plus a copy. With ``LIGHTNING_RECOVER_ALIGNED_ALLOC=on`` storages of >= 1 MiB
+    are instead carved 4096-aligned out of a torch allocation over-sized by 4096 bytes, so the
+    reader's zero-copy path is taken: the storage starts at the aligned address, has ``nbytes()`` ==
+    ``nbytes`` and keeps the allocation alive (released with the storage); it cannot grow (``resize_``
+    to a larger size raises, as for ``torch.load(mmap=True)`` or safetensors storages).
+
+    Off by default: on the benchmark VM (virtio disk, max_segments 254) the zero-copy reads into
+    scattered 4 KiB user pages reach the device as smaller requests than the arena's and measured
+    slower in wall time (docs/benchmarks.md, "Checkpoint I/O"), although they save the copy's CPU.
+    """
+    if nbytes < _ALIGNED_MIN_BYTES or not _ALIGNED_ALLOC:
+        return torch.UntypedStorage(nbytes)
+    raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
+    a = (-raw.data_ptr()) % _PAGE
+    return torch.from_numpy(raw[a:a + nbytes].numpy()).untyped_storage()
+
+
 def _is_contiguous(shape: list, stride: list) -> bool:
     expected = 1
     for size, st in zip(reversed(shape), reversed(stride)):
@@ -426,7 +454,7 @@ def load(path: Any, map_location: Any = None, *, weights_only: bool = True, veri
                     buf = d.detach().reshape(-1).view(torch.uint8)
                     storages.append(d.untyped_storage())
                 else:
-                    st = torch.UntypedStorage(s.nbytes)
+                    st = _new_storage(s.nbytes)
                     buf = fmt.storage_as_bytes(st)
                     storages.append(st)
                 if s.nbytes:
