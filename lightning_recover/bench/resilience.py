@@ -170,8 +170,8 @@ def analyze(mode: str, out: str, output: str, *, steps: int, microbatches: int, 
                 item["rejoin_step"] = rj["step"]
                 if starts:
                     item["rejoin_s"] = rj["t"] - min(starts)  # process start -> admitted with state (import, connect, wait, state)
-            # degraded period: from the fault until a step commits with every replica live again
-            full = [r["commit"] for r in final.values() if r["commit"] > t and r["live"] >= replicas]
+            # degraded period: from the fault until a later step commits with every replica live again
+            full = [r["commit"] for s, r in final.items() if s > step and r["live"] >= replicas]
             item["degraded_s"] = (min(full) - t) if full else None
         recoveries.append(item)
     ckpts = [r["seconds"] for r in recs if r["event"] == "ckpt" and r["rank"] == 0]
