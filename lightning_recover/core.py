@@ -215,7 +215,9 @@ class RecoverCore:
             payload = torch.empty(int(size.item()), dtype=torch.uint8)
         self.group.broadcast([payload], src_rank)
         if receive:
-            self._set_state(torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True))
+            # The state comes from a peer replica of this job over the job's own group, trusted like
+            # the job's own memory; a Trainer checkpoint carries hyper-parameters of any type.
+            self._set_state(torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False))
 
     def fire(self, phase: str) -> None:
         if self.step < 0:
