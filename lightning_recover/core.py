@@ -219,6 +219,10 @@ class RecoverCore:
             # the job's own memory; a Trainer checkpoint carries hyper-parameters of any type.
             self._set_state(torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False))
 
+    def seed_microbatch(self, step: int, j: int) -> None:
+        """Reseed the RNG so random ops (dropout) do not depend on which replica computes (s, j)."""
+        torch.manual_seed(self.options.seed * 1_000_003 + step * self.M + j)
+
     def fire(self, phase: str) -> None:
         if self.step < 0:
             return

@@ -53,10 +53,8 @@ class Step:
 
     def __iter__(self) -> Iterator[Any]:
         core = self._strategy.core
-        seed = self._strategy.options.seed
         for j in core.run_step(self.index):
-            # Random ops (dropout) must not depend on which replica computes the microbatch.
-            torch.manual_seed(seed * 1_000_003 + self.index * core.M + j)
+            core.seed_microbatch(self.index, j)
             yield self._strategy.batch_to_device(self._source.batch(self.index, j))
         self.committed = True
 

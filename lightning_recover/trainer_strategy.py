@@ -474,6 +474,7 @@ class RecoverTrainerStrategy(ReplicaRanks, ParallelStrategy):
         first = (step % source.steps_per_epoch) * source.M
         with _LogCapture(module) as capture:
             for j in core.run_step(step):
+                core.seed_microbatch(step, j)
                 batch = trainer.precision_plugin.convert_input(source.batch(step, j))
                 batch = module._on_before_batch_transfer(batch, dataloader_idx=0)
                 batch = super().batch_to_device(batch, dataloader_idx=0)
