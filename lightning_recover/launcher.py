@@ -63,8 +63,8 @@ def _stopped(pid: int) -> bool:
         return False
 
 
-def _kill_tree(pid: int) -> None:
-    """SIGKILL a process and its descendants (a torchrun agent and its workers), by pid."""
+def _children_map() -> dict[int, list[int]]:
+    """Parent pid -> child pids, read from /proc."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -74,6 +74,12 @@ def _kill_tree(pid: int) -> None:
             except (OSError, ValueError, IndexError):
                 continue
             children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process and its descendants (a torchrun agent and its workers), by pid."""
+    children = _children_map()
     stack, order = [pid], []
     while stack:
         p = stack.pop()
@@ -108,13 +114,16 @@ def supervise(
     extra_env: dict[str, str] | None = None,
     on_event: Callable[[str], Any] | None = None,
     finish_grace: float = 30.0,
+    watch_workers: bool = False,
 ) -> int:
     """Run ``command`` once per replica under a fresh coordinator; return the job's exit code.
 
     ``command`` is the argv of every replica, or a function of the replica id returning it (the
     torchrun mode wraps each replica in its own torchrun agent). Once one replica has finished
     successfully the job is done: replicas still running ``finish_grace`` seconds later (hung, or
-    under an agent that waits for a hung worker) are killed.
+    under an agent that waits for a hung worker) are killed. With ``watch_workers`` (torchrun mode:
+    each child is an agent that restarts its worker itself), the death of a child's worker process
+    is declared to the coordinator at once, as the exit of a direct child is.
     """
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
@@ -139,6 +148,8 @@ def supervise(
     children = [_Child(r, spawn(r)) for r in range(replicas)]
     say(f"coordinator at {coord.addr} (pid {coord.proc.pid}); started {replicas} replicas: {' '.join(argv(0))}")
     finished_at: float | None = None
+    first_seen: dict[int, dict[int, float]] = {}  # replica -> {worker pid under its agent: first seen}
+    next_scan = 0.0
     interrupted = False
     coordinator_gone = False
 
@@ -176,6 +187,25 @@ def supervise(
                 c.exit_code = code
                 if code == 0 and finished_at is None:
                     finished_at = time.monotonic()
+            if watch_workers and time.monotonic() >= next_scan:
+                next_scan = time.monotonic() + 0.05
+                tree, now_t = _children_map(), time.monotonic()
+                for c in children:
+                    seen = first_seen.setdefault(c.replica, {})
+                    now = set(tree.get(c.proc.pid, [])) if c.exit_code is None else set()
+                    # Only a worker that lived >= 1 s counts: no transient helper process of the agent.
+                    lost = [pid for pid, t in seen.items() if pid not in now and now_t - t >= 1.0]
+                    for pid in set(seen) - now:
+                        del seen[pid]
+                    for pid in now:
+                        seen.setdefault(pid, now_t)
+                    if lost and c.proc.poll() is None:
+                        # The agent will restart it; tell the survivors now rather than after heartbeats.
+                        try:
+                            if coordinator.mark_dead(store, c.replica):
+                                say(f"replica {c.replica}: its worker exited; declared dead")
+                        except Exception:
+                            pass
             if running == 0 or (finished_at is not None and time.monotonic() - finished_at > finish_grace):
                 break
             if coord.proc.poll() is not None and not interrupted and not coordinator_gone:
@@ -223,7 +253,7 @@ def _cmd_torchrun(args: argparse.Namespace) -> int:
         raise SystemExit("lightning-recover torchrun: give the script after --, e.g. -- train.py --lr 1e-3")
     command = torchrun_command(script, args.nproc_per_replica, args.max_restarts)
     return supervise(command, args.replicas, heartbeat_timeout=args.heartbeat_timeout, inject=args.inject,
-                     host=args.host)
+                     host=args.host, watch_workers=True)
 
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:

@@ -201,3 +201,5 @@ def test_restarted_replica_rejoins_with_live_state(tmp_path, reference, launch):
     assert survivor[-1]["live_replicas"] == 3, "quotas rebalanced to include the rejoined replica"
     assert len(rejoined) < steps and rejoined[0]["step"] == steps - len(rejoined), "it resumed mid-run"
     assert rejoined[-1]["computed"] == 2, "the rejoined replica takes its share of the M microbatches"
+    if launch == "torchrun":
+        assert "replica 1: its worker exited; declared dead" in result.output, "the launcher saw the worker die"
