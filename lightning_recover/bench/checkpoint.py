@@ -218,13 +218,14 @@ class Method:
         return {}
 
 
-class UringMethod(Method):
-    name = "uring"
+class _CheckpointIOMethod(Method):
+    """A method measured through a Lightning CheckpointIO plugin (``make_io`` says which)."""
+
+    def make_io(self) -> Any:
+        raise NotImplementedError
 
     def setup(self) -> None:
-        from lightning_recover.checkpoint import UringCheckpointIO
-
-        self.io = UringCheckpointIO()
+        self.io = self.make_io()
 
     def save(self, checkpoint, workdir):
         target = os.path.join(workdir, "last.ckpt")
@@ -237,30 +238,27 @@ class UringMethod(Method):
     def remove(self, target):
         self.io.remove_checkpoint(target)
         super().remove(target)
+
+
+class UringMethod(_CheckpointIOMethod):
+    name = "uring"
+
+    def make_io(self) -> Any:
+        from lightning_recover.checkpoint import UringCheckpointIO
+
+        return UringCheckpointIO()
 
     def info(self):
         return native_io_info()
 
 
-class LightningMethod(Method):
+class LightningMethod(_CheckpointIOMethod):
     name = "lightning"
 
-    def setup(self) -> None:
+    def make_io(self) -> Any:
         from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-        self.io = TorchCheckpointIO()
-
-    def save(self, checkpoint, workdir):
-        target = os.path.join(workdir, "last.ckpt")
-        self.io.save_checkpoint(checkpoint, target)
-        return target
-
-    def load(self, target, prepared):
-        return self.io.load_checkpoint(target)
-
-    def remove(self, target):
-        self.io.remove_checkpoint(target)
-        super().remove(target)
+        return TorchCheckpointIO()
 
     def info(self):
         import lightning
