@@ -1,0 +1,48 @@
+"""Every environment variable lightning-recover reads or sets, with its meaning, in one place.
+
+The launchers (``lightning-recover run``/``torchrun``, ``fabric.launch()``, the Trainer) set the
+replica variables for each process they start; a user sets them only when starting replicas by
+hand (multi-host jobs). Modules import the names from here rather than spelling them out.
+"""
+
+from __future__ import annotations
+
+import os
+
+#: ``HOST:PORT`` of the coordinator (set by the launcher in every replica).
+COORDINATOR = "LIGHTNING_RECOVER_COORDINATOR"
+#: This process's replica id, ``0 <= id < REPLICAS`` (set by the launcher per replica).
+REPLICA = "LIGHTNING_RECOVER_REPLICA"
+#: Number of replicas of the job (set by the launcher; checked against the coordinator's count).
+REPLICAS = "LIGHTNING_RECOVER_REPLICAS"
+#: Fault plan, e.g. ``kill:replica=2:step=5:phase=backward`` (set by ``--inject``; tests and demos).
+INJECT = "LIGHTNING_RECOVER_INJECT"
+#: JSON of the demo's arguments, handed by the demo's launcher to its replica processes.
+DEMO_ARGS = "LIGHTNING_RECOVER_DEMO_ARGS"
+#: ``on`` allocates fresh storages of >= 1 MiB 4096-aligned on checkpoint load so native_io reads
+#: them zero-copy (default ``off``: it measured slower in wall time here, see docs/benchmarks.md).
+ALIGNED_ALLOC = "LIGHTNING_RECOVER_ALIGNED_ALLOC"
+#: Page-cache handling of ``bench checkpoint`` loads: ``auto`` (drop caches when root), ``drop``
+#: or ``keep``; the ``--cache`` flag wins.
+BENCH_CACHE = "LIGHTNING_RECOVER_BENCH_CACHE"
+#: ``software`` forces native_io's portable crc32c instead of SSE4.2 (read by the C extension;
+#: used by the tests to check that both implementations agree).
+NATIVE_IO_CRC32C = "NATIVE_IO_CRC32C"
+#: Build switch of setup.py: any value builds native_io without the io_uring engine.
+NATIVE_IO_NO_URING = "NATIVE_IO_NO_URING"
+#: Set to 1 for replica processes by the launchers: spinning OpenMP threads made a 256 KB gloo
+#: all-reduce 20x slower on a 2-core machine.
+OMP_NUM_THREADS = "OMP_NUM_THREADS"
+
+#: What a replica process needs to find its group.
+REPLICA_VARIABLES = (COORDINATOR, REPLICA, REPLICAS)
+
+
+def in_replica() -> bool:
+    """True inside a replica process started by a lightning-recover launcher."""
+    return REPLICA in os.environ
+
+
+def flag(name: str, default: str = "off") -> str:
+    """The value of an on/off style variable, lower-cased."""
+    return os.environ.get(name, default).strip().lower()
