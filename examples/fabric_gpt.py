@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_recover import RecoverStrategy
-from lightning_recover.bench.tiny_gpt import ByteCorpus, GPTConfig, TinyGPT, stdlib_text
+from lightning_recover.tiny_gpt import ByteCorpus, GPTConfig, TinyGPT, stdlib_text
 
 
 def main() -> None:

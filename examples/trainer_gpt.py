@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_recover import RecoverTrainerStrategy
-from lightning_recover.bench.tiny_gpt import ByteCorpus, GPTConfig, TinyGPT, stdlib_text
+from lightning_recover.tiny_gpt import ByteCorpus, GPTConfig, TinyGPT, stdlib_text
 
 
 class GPTModule(L.LightningModule):

@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_arguments(p)
     p.set_defaults(func=_cmd_simulate)
 
-    from lightning_recover import launcher
+    from lightning_recover.launch import launcher
 
     launcher.add_subcommands(sub)
     return parser

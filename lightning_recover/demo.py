@@ -30,11 +30,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import sys
 import time
 from typing import Any
+
+from lightning_recover import env
 
 DEFAULT_INJECT = "kill:replica=2:step=12:phase=backward,hang:replica=0:step=27:phase=reduce"
 
@@ -66,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _build(args: argparse.Namespace):
-    from lightning_recover.bench.fabric_gpt import build
+    from lightning_recover.tiny_gpt import build
 
     return build(args)
 
@@ -80,7 +81,6 @@ def _worker(args: argparse.Namespace) -> None:
     from torch.utils.data import DataLoader
 
     from lightning_recover import RecoverStrategy
-    from lightning_recover.faults import parse_faults
 
     data, model, optimizer = _build(args)
     strategy = RecoverStrategy(microbatches=args.microbatches, heartbeat_timeout=args.heartbeat_timeout,
@@ -94,19 +94,11 @@ def _worker(args: argparse.Namespace) -> None:
     os.makedirs(args.out, exist_ok=True)
 
     # Note the wall-clock time of this replica's own injected faults (for "fault -> commit" times).
-    mine = {(f.step, f.phase): f for f in parse_faults(os.environ.get("LIGHTNING_RECOVER_INJECT"))
-            if f.replica == replica and f.incarnation == core.group.incarnation}
-    injector = core.protocol.injector
-    fire = injector.maybe_fire
+    def record_fault(fault: Any, when: float) -> None:
+        with open(os.path.join(args.out, f"fault-{fault.kind}-r{replica}-s{fault.step}.json"), "w") as f:
+            json.dump({"kind": fault.kind, "replica": replica, "step": fault.step, "phase": fault.phase, "t": when}, f)
 
-    def maybe_fire(step: int, phase: str) -> None:
-        fault = mine.pop((step, phase), None)
-        if fault is not None:
-            with open(os.path.join(args.out, f"fault-{fault.kind}-r{replica}-s{step}.json"), "w") as f:
-                json.dump({"kind": fault.kind, "replica": replica, "step": step, "phase": phase, "t": time.time()}, f)
-        fire(step, phase)
-
-    injector.maybe_fire = maybe_fire  # type: ignore[method-assign]
+    core.on_fault(record_fault)
 
     log = open(os.path.join(args.out, f"replica{replica}.jsonl"), "w")
     bar = None
@@ -127,9 +119,11 @@ def _worker(args: argparse.Namespace) -> None:
         log.flush()
         if s.leader:  # the lowest live replica draws the progress bar
             bar = _progress(bar, step.index, args, replica, first_start)
-            for gen, members, lost in _replans(s.events):
-                bar.write(f"[demo] step {step.index}: generation {gen} = replicas {members}; {lost} lost "
-                          f"microbatches recomputed inside the step (recovery {s.recovery_seconds:.2f}s)")
+            for event in s.events:
+                if event["kind"] == "regroup":
+                    bar.write(f"[demo] step {step.index}: generation {event['generation']} = replicas "
+                              f"{event['members']}; {event['lost']} lost microbatches recomputed inside the step "
+                              f"(recovery {s.recovery_seconds:.2f}s)")
             bar.set_postfix_str(f"loss={s.loss:.3f}, live={s.live_replicas}/{args.replicas}, gen={s.generation}",
                                 refresh=False)
             bar.update(1)
@@ -138,14 +132,6 @@ def _worker(args: argparse.Namespace) -> None:
     log.close()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     torch.save(state, os.path.join(args.out, f"replica{replica}.pt"))
-
-
-_REPLAN = re.compile(r"generation (\d+): live replicas (\[[^\]]*\]), (\d+) lost microbatches re-planned")
-
-
-def _replans(events: list[str]) -> list[tuple[int, str, int]]:
-    """(generation, members, lost microbatches) of each recovery in a step's events."""
-    return [(int(m.group(1)), m.group(2), int(m.group(3))) for m in map(_REPLAN.search, events) if m]
 
 
 def _progress(bar: Any, index: int, args: argparse.Namespace, replica: int, first_start: float) -> Any:
@@ -369,8 +355,8 @@ def plot(summary: dict, path: str) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from lightning_recover import launcher
-    from lightning_recover.faults import parse_faults
+    from lightning_recover.launch import launcher
+    from lightning_recover.protocol.faults import parse_faults
 
     faults = parse_faults(args.inject)  # a bad schedule fails here, before anything starts
     for f in faults:
@@ -383,7 +369,7 @@ def main(args: argparse.Namespace) -> int:
         if name.startswith(("replica", "fault-")):
             os.remove(os.path.join(args.out, name))
 
-    from lightning_recover.bench.tiny_gpt import GPTConfig, TinyGPT, param_count
+    from lightning_recover.tiny_gpt import GPTConfig, TinyGPT, param_count
 
     n_params = param_count(TinyGPT(GPTConfig(block_size=args.block_size, n_layer=args.layers, n_embd=args.width)))
     print(f"[demo] TinyGPT ({n_params / 1e6:.2f}M parameters) on {args.corpus_bytes / 1e6:.1f} MB of the Python "
@@ -403,8 +389,7 @@ def main(args: argparse.Namespace) -> int:
     worker_args = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
     code = launcher.supervise([sys.executable, "-m", "lightning_recover.demo"], args.replicas,
                               heartbeat_timeout=args.heartbeat_timeout, inject=args.inject or None,
-                              extra_env={"LIGHTNING_RECOVER_DEMO_ARGS": json.dumps(worker_args),
-                                         "LIGHTNING_RECOVER_DEMO_T0": str(t0)},
+                              extra_env={env.DEMO_ARGS: json.dumps(worker_args)},
                               on_event=on_event)
     records = _load_records(args.out)
     if code != 0 or not records:
@@ -438,7 +423,7 @@ def cli(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if "LIGHTNING_RECOVER_DEMO_ARGS" in os.environ and os.environ.get("LIGHTNING_RECOVER_REPLICA") is not None:
-        _worker(argparse.Namespace(**json.loads(os.environ["LIGHTNING_RECOVER_DEMO_ARGS"])))
+    if env.DEMO_ARGS in os.environ and os.environ.get(env.REPLICA) is not None:
+        _worker(argparse.Namespace(**json.loads(os.environ[env.DEMO_ARGS])))
     else:
         sys.exit(cli())

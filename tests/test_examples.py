@@ -40,10 +40,6 @@ def test_checkpoint_plugin_save_and_resume(tmp_path):
 
 
 def test_torchrun_replica_script(tmp_path):
-    from lightning_recover import launcher
-
-    if not hasattr(launcher, "torchrun_command"):
-        pytest.skip("the `lightning-recover torchrun` subcommand is not in this checkout")
     res = run_job(["bash", os.path.join(EXAMPLES, "torchrun_replica.sh")], str(tmp_path), timeout=400,
                   env={"REPLICAS": "2", "STEPS": "3"})
     assert res.returncode == 0, res.output[-4000:]

@@ -2,9 +2,9 @@
 
 import pytest
 
-from lightning_recover.core import RecoverOptions
+from lightning_recover.protocol.options import RecoverOptions
 from lightning_recover.data import MicrobatchSource
-from lightning_recover.faults import Fault, parse_faults
+from lightning_recover.protocol.faults import Fault, parse_faults
 
 
 def test_parse_several_faults():

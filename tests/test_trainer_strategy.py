@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 import lightning_recover
 from lightning_recover import RecoverTrainerStrategy
 from lightning_recover.data import MicrobatchSource
-from lightning_recover.trainer_strategy import StepLoader
+from lightning_recover.lightning.trainer import StepLoader
 from tests.jobs import TRAINER_SCRIPT, max_relative_difference, run_job, trainer_job
 
 TOL = 1e-5

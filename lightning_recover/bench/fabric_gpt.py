@@ -20,15 +20,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_recover.bench.tiny_gpt import ByteCorpus, GPTConfig, TinyGPT, stdlib_text
-
-
-def build(args: argparse.Namespace):
-    torch.manual_seed(args.seed)
-    data = ByteCorpus(stdlib_text(args.corpus_bytes), args.block_size)
-    model = TinyGPT(GPTConfig(block_size=args.block_size, n_layer=args.layers, n_embd=args.width, n_head=4))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    return data, model, optimizer
+from lightning_recover.tiny_gpt import build
 
 
 def _busy(seconds: float) -> None:

@@ -58,7 +58,7 @@ def _pad(start: float, seconds: float) -> None:
 def _build(args: argparse.Namespace):
     import torch
 
-    from lightning_recover.bench.tiny_gpt import ByteCorpus, GPTConfig, TinyGPT, stdlib_text
+    from lightning_recover.tiny_gpt import ByteCorpus, GPTConfig, TinyGPT, stdlib_text
     from lightning_recover.data import MicrobatchSource
 
     torch.manual_seed(args.seed)
@@ -98,7 +98,7 @@ def run_recover(args: argparse.Namespace) -> None:
     # the same samples as MicrobatchSource(seed) in _build: the strategy builds it from this loader
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=True)
     replica = fabric.strategy.replica
-    incarnation = fabric.strategy.core.group.incarnation
+    incarnation = fabric.strategy.core.incarnation
     joining = fabric.strategy.core.joining  # a restarted replica: steps() first rejoins (state from a peer)
     log = _Log(args.out, f"rank{replica}")
     # attempt stays 0: the run is one attempt (no step is rolled back); incarnation tells restarts apart

@@ -52,7 +52,7 @@ class StepRecorder(L.Callback):
                            "position": batch.position, "batch_idx": batch_idx})
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        stats = trainer.strategy.core.protocol.last
+        stats = trainer.strategy.core.last_step
         if self.slow_while_degraded and stats.live_replicas < self.replicas:
             time.sleep(self.slow_while_degraded)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sysconfig
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -114,4 +115,13 @@ class TinyGPT(nn.Module):
 def param_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
+
+def build(args: Any) -> tuple[ByteCorpus, TinyGPT, torch.optim.Optimizer]:
+    """Corpus, model and AdamW from ``args`` (seed, corpus_bytes, block_size, layers, width, lr):
+    the workload of the demo and the Fabric benchmarks."""
+    torch.manual_seed(args.seed)
+    data = ByteCorpus(stdlib_text(args.corpus_bytes), args.block_size)
+    model = TinyGPT(GPTConfig(block_size=args.block_size, n_layer=args.layers, n_embd=args.width, n_head=4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    return data, model, optimizer
 

@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightning_recover.errors import MembershipChanged
-from lightning_recover.faults import FaultInjector
-from lightning_recover.membership import ReplicaGroup
-from lightning_recover.planner import plan_quotas
+from lightning_recover.errors import MembershipChanged, RecoverError
+from lightning_recover.protocol.collectives import SurvivorCollectives
+from lightning_recover.protocol.decisions import Decisions
+from lightning_recover.protocol.faults import FaultInjector
+from lightning_recover.protocol.membership import Membership
+from lightning_recover.protocol.planner import plan_quotas
 
 _BUCKET_BYTES = 32 << 20
 
@@ -40,22 +42,31 @@ class StepStats:
     recovery_seconds: float = 0.0
     loss: float | None = None  # mean loss over the M microbatches (when losses were recorded)
     leader: bool = False
-    events: list[str] = field(default_factory=list)
+    events: list[dict] = field(default_factory=list)  # see StepProtocol: {"kind": "regroup"|"failure", ...}
 
 
 class StepProtocol:
-    """Runs steps of ``M`` microbatches over a :class:`ReplicaGroup`."""
+    """Runs steps of ``M`` microbatches over a replica's membership, collectives and decisions.
+
+    ``StepStats.events`` are structured records: ``{"kind": "failure", "error": str}`` when a
+    reduce attempt failed, and ``{"kind": "regroup", "generation": G, "members": [...],
+    "lost": n}`` when the survivors formed a new generation and re-planned ``n`` microbatches.
+    """
 
     def __init__(
         self,
-        group: ReplicaGroup,
+        membership: Membership,
+        collectives: SurvivorCollectives,
+        decisions: Decisions,
         microbatches: int,
         params: Callable[[], Sequence[torch.nn.Parameter]],
         *,
         quota: str = "equal",
         injector: FaultInjector | None = None,
     ) -> None:
-        self.group = group
+        self.membership = membership
+        self.collectives = collectives
+        self.decisions = decisions
         self.M = microbatches
         self._params = params
         self.quota = quota
@@ -79,7 +90,7 @@ class StepProtocol:
     # -------------------------------------------------------------- the step
     def run(self, step: int) -> Iterator[int]:
         """Yield the microbatch ids this replica must compute for ``step``; commits at the end."""
-        group = self.group
+        group = self.membership
         group.check_health()
         for p in self._params():
             p.grad = None
@@ -102,9 +113,14 @@ class StepProtocol:
             try:
                 committed = self._reduce_and_decide(step)
             except MembershipChanged as exc:
-                committed = group.decide_retry(step)
-                assert not committed, "a step cannot commit without this replica's reduce"
-                stats.events.append(str(exc))
+                if self.decisions.decide_retry(step):
+                    # A commit needs every member's done report, and this member's reduce failed:
+                    # only a forged or corrupted decision reads "commit" here. Never apply it.
+                    raise RecoverError(
+                        f"step {step} was decided 'commit' although replica {group.replica}'s reduce failed; "
+                        "the control plane is inconsistent and no further step can be trusted"
+                    ) from exc
+                stats.events.append({"kind": "failure", "error": str(exc)})
             if committed:
                 break
             recovering_since = recovering_since or time.perf_counter()
@@ -119,20 +135,20 @@ class StepProtocol:
         stats.leader = group.rank == 0
         self.last = stats
         if stats.leader and step >= 2:
-            group.forget_step(step - 2)
+            self.decisions.forget_step(step - 2)
 
     def _recover(self, step: int, have: list[int], stats: StepStats) -> list[int]:
         """Form the next generation; return the ids of lost microbatches this replica computes."""
-        group = self.group
+        group = self.membership
         while True:
             try:
                 gen = group.next_generation({"step": step, "have": have})
                 break
             except MembershipChanged as exc:  # a member died while the generation was built
-                stats.events.append(str(exc))
+                stats.events.append({"kind": "failure", "error": str(exc)})
         steps = {p["step"] for p in gen.payloads.values()}
         if steps != {step}:
-            raise RuntimeError(f"members of generation {gen.number} disagree on the open step: {sorted(steps)}")
+            raise RecoverError(f"members of generation {gen.number} disagree on the open step: {sorted(steps)}")
         covered: set[int] = set()
         for payload in gen.payloads.values():
             covered.update(payload["have"])
@@ -140,13 +156,12 @@ class StepProtocol:
         stats.recoveries += 1
         ids = plan_quotas(step, missing, gen.members)[group.replica]
         stats.recomputed += len(ids)
-        stats.events.append(
-            f"generation {gen.number}: live replicas {gen.members}, {len(missing)} lost microbatches re-planned"
-        )
+        stats.events.append({"kind": "regroup", "generation": gen.number, "members": list(gen.members),
+                             "lost": len(missing)})
         return ids
 
     def _reduce_and_decide(self, step: int) -> bool:
-        group = self.group
+        group = self.membership
         params = [p for p in self._params() if p.requires_grad]
         # Reduce a *copy*: an interrupted gloo all-reduce leaves partial sums in its buffer, and
         # the local sum in param.grad must survive a failed attempt intact.
@@ -156,12 +171,12 @@ class StepProtocol:
         extra = torch.stack([loss.reshape(()).float().cpu(), torch.tensor(float(self._loss_count))]).to(device)
         flat = _flatten_by_dtype(grads, extra)
         self.fire(step, "reduce")
-        group.allreduce(_buckets(flat))
+        self.collectives.allreduce(_buckets(flat))
         if self.quota == "throughput":
             self._publish_speed(step)
-        group.report_done(step)
+        self.decisions.report_done(step)
         self.fire(step, "commit")
-        if not group.await_decision(step):
+        if not self.decisions.await_decision(step):
             return False
         _unflatten_into(flat, grads, params, scale=1.0 / self.M)
         loss_sum, count = flat["extra"].tolist()
@@ -175,12 +190,13 @@ class StepProtocol:
     def _publish_speed(self, step: int) -> None:
         mean = sum(self._mb_seconds) / max(1, len(self._mb_seconds))
         self._mb_seconds.clear()
-        self.group._call(self.group.store.set, f"speed/s{step}/{self.group.replica}", repr(max(mean, 1e-6)))
+        m = self.membership
+        m.store.set(f"speed/s{step}/{m.replica}", repr(max(mean, 1e-6)))
 
     def _read_speeds(self, step: int) -> dict[int, float]:
-        keys = [f"speed/s{step}/{r}" for r in self.group.members]
-        values = self.group._call(self.group.store.multi_get, keys)
-        return {r: 1.0 / float(v) for r, v in zip(self.group.members, values)}
+        m = self.membership
+        values = m.store.multi_get([f"speed/s{step}/{r}" for r in m.members])
+        return {r: 1.0 / float(v) for r, v in zip(m.members, values)}
 
 
 def _flatten_by_dtype(grads: Sequence[torch.Tensor], extra: torch.Tensor) -> dict:

@@ -1,7 +1,7 @@
 """``Trainer(strategy="recover")``: the Trainer side of lightning-recover.
 
-A thin adapter around :class:`~lightning_recover.core.RecoverCore` (the same engine as the Fabric
-strategy); it contains no protocol code. How one optimizer step maps onto Lightning's loop:
+A thin adapter around :class:`~lightning_recover.protocol.replica.Replica` (the same engine as the
+Fabric strategy); it contains no protocol code. How one optimizer step maps onto Lightning's loop:
 
 * ``process_dataloader`` turns the training DataLoader into a :class:`StepLoader`: one element
   (a :class:`StepBatch` token) per optimizer step, ``len`` = steps per epoch. Microbatch ``(s, j)``
@@ -31,10 +31,7 @@ strategy); it contains no protocol code. How one optimizer step maps onto Lightn
 from __future__ import annotations
 
 import builtins
-import inspect
-import numbers
 import os
-from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Optional, Union
 
@@ -43,121 +40,23 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
-from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
-from lightning_recover import launcher
-from lightning_recover.core import RecoverCore, RecoverOptions
-from lightning_recover.data import MicrobatchSource
+from lightning_recover import env
 from lightning_recover.errors import RecoverError
-from lightning_recover.ranks import ReplicaRanks
-from lightning_recover.strategy import _RecoverLauncher
+from lightning_recover.lightning.base import RecoverStrategyBase, ReplicaLauncher, build_options
+from lightning_recover.lightning.loader import StepBatch, StepLoader
+from lightning_recover.lightning.step_logs import StepLogCapture, log_step
+from lightning_recover.protocol.replica import Replica
 
 _HINT_ACCUMULATE = (
     "HINT: remove `accumulate_grad_batches` and use `RecoverTrainerStrategy(microbatches=M)` instead: one optimizer "
     "step is M DataLoader batches (microbatches), spread over the replicas."
 )
-
-
-class StepBatch:
-    """What the Trainer sees as one training "batch": a token for one optimizer step.
-
-    The step's index is ``trainer.global_step`` when it runs; its microbatches are built inside
-    the strategy's ``training_step``. Callbacks' ``on_train_batch_start/end`` receive this token.
-    """
-
-    __slots__ = ("loader", "position")
-
-    def __init__(self, loader: StepLoader, position: int) -> None:
-        self.loader = loader
-        self.position = position  # position within the Trainer's epoch (informational)
-
-    def __repr__(self) -> str:
-        return f"StepBatch(position={self.position}, microbatches={self.loader.source.M})"
-
-
-class StepLoader:
-    """The training DataLoader seen as one :class:`StepBatch` per optimizer step.
-
-    Stateful for Lightning (``state_dict``/``load_state_dict``): the checkpoint records the
-    microbatch layout, and resuming with a different one is refused (the data position would not
-    mean the same samples).
-    """
-
-    def __init__(self, dataloader: DataLoader, microbatches: int, seed: int,
-                 resume_position: Optional[Callable[[], int]] = None) -> None:
-        check_train_dataloader(dataloader)
-        self.dataloader = dataloader
-        self.source = MicrobatchSource.from_dataloader(dataloader, microbatches, seed=seed)
-        self._resume_position = resume_position  # where in the epoch a resumed run continues
-        self._resuming = False
-
-    def __len__(self) -> int:
-        return self.source.steps_per_epoch
-
-    def __iter__(self) -> Iterator[StepBatch]:
-        # After a resume (checkpoint or rejoin) the first iteration continues mid-epoch, so that the
-        # tokens left in it (and Lightning's ``is_last_batch``) match the steps left in the epoch.
-        start = 0
-        if self._resuming:
-            self._resuming = False
-            start = self._resume_position() if self._resume_position is not None else 0
-        for position in range(start, len(self)):
-            yield StepBatch(self, position)
-
-    @property
-    def samples_per_step(self) -> int:
-        return self.source.b * self.source.M
-
-    def _layout(self) -> dict[str, int]:
-        return {"microbatches": self.source.M, "microbatch_size": self.source.b,
-                "samples": len(self.source.dataset), "seed": self.source.seed,  # type: ignore[arg-type]
-                "shuffle": int(self.source.shuffle)}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"lightning_recover": self._layout()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._resuming = True  # Lightning restores loader states only when it resumes a fit
-        saved = state.get("lightning_recover") if isinstance(state, dict) else None
-        if saved is None:
-            return
-        now = self._layout()
-        diff = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
-        if diff:
-            detail = ", ".join(f"{k}: checkpoint {a} vs now {b}" for k, (a, b) in diff.items())
-            raise ValueError(
-                f"the checkpoint was written with a different microbatch layout ({detail}). The step number only "
-                "names the same samples under the same layout. HINT: resume with the same "
-                "RecoverTrainerStrategy(microbatches=..., seed=...), DataLoader batch_size, shuffle and dataset; "
-                "the replica count may differ."
-            )
-
-
-def check_train_dataloader(dataloader: Any) -> None:
-    """Refuse training loaders that cannot be cut into numbered microbatches, saying what to do."""
-    if not isinstance(dataloader, DataLoader):
-        raise TypeError(
-            f"strategy='recover' needs a torch DataLoader for training, got {type(dataloader).__name__}. "
-            "HINT: return `DataLoader(map_style_dataset, batch_size=microbatch_size, shuffle=...)` from "
-            "train_dataloader(); one batch is one microbatch."
-        )
-    if isinstance(dataloader.dataset, IterableDataset) or not hasattr(dataloader.dataset, "__len__"):
-        raise TypeError(
-            "strategy='recover' cannot train on an IterableDataset: microbatch (step, j) must be addressable so a "
-            "survivor can recompute a dead replica's share. HINT: use a map-style dataset "
-            "(__len__/__getitem__), e.g. by materialising or indexing the stream."
-        )
-    if dataloader.batch_size is None:
-        raise ValueError(
-            "strategy='recover' needs the training DataLoader's batch_size (one batch = one microbatch); custom "
-            "batch samplers are not supported. HINT: DataLoader(dataset, batch_size=b, shuffle=True)."
-        )
 
 
 def check_trainer(trainer: Any, model: Any = None) -> None:
@@ -181,73 +80,24 @@ def check_trainer(trainer: Any, model: Any = None) -> None:
         )
 
 
-class _RecoverTrainerLauncher(_RecoverLauncher, _Launcher):
-    """The Fabric launcher's behaviour with the Trainer's ``launch(function, *args, trainer=...)`` API."""
+def _script_command() -> list[str]:
+    from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd
+
+    return _basic_subprocess_cmd()
+
+
+class _TrainerLauncher(ReplicaLauncher):
+    """The replica launcher with the Trainer's ``launch(function, *args, trainer=...)`` API."""
 
     @override
     def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         if trainer is not None:
             model = args[0] if args and hasattr(args[0], "automatic_optimization") else None
             check_trainer(trainer, model)  # fail in the supervisor, before starting N processes
-        self._strategy.options.validate(self._strategy.num_replicas)
         return super().launch(function, *args, **kwargs)
 
-    @override
-    def kill(self, signum: Any) -> None:
-        pass  # the supervisor forwards signals to its replicas and never kills survivors
 
-
-class _LogCapture:
-    """Collects ``self.log`` calls of the module during one step; logs the aggregate once at the end."""
-
-    _REDUCE = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "amax": "max", "min": "min", "amin": "min"}
-
-    def __init__(self, module: Any) -> None:
-        self.module = module
-        self.original = module.log
-        self._signature = inspect.signature(self.original)
-        self.values: dict[str, list[float]] = {}  # name -> [sum, count, max, min]
-        self.kwargs: dict[str, dict[str, Any]] = {}
-
-    def __enter__(self) -> _LogCapture:
-        self.module.log = self._log
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.module.__dict__.get("log") == self._log:
-            del self.module.log
-
-    def _log(self, *args: Any, **kwargs: Any) -> None:
-        bound = self._signature.bind(*args, **kwargs)
-        arguments = dict(bound.arguments)
-        name, value = arguments.pop("name"), arguments.pop("value")
-        if isinstance(value, Tensor):
-            if value.numel() != 1:
-                return self.original(*args, **kwargs)  # let Lightning raise its own error
-            number = float(value.detach().float().cpu())
-        elif isinstance(value, numbers.Number):
-            number = float(value)  # type: ignore[arg-type]
-        else:  # a torchmetrics Metric (or anything else): Lightning handles it per call
-            return self.original(*args, **kwargs)
-        fx = arguments.get("reduce_fx", "mean")
-        fx_name = fx if isinstance(fx, str) else getattr(fx, "__name__", "")
-        if fx_name not in self._REDUCE:
-            raise ValueError(f"self.log({name!r}, reduce_fx={fx!r}) inside training_step is not supported by "
-                             "strategy='recover'. HINT: use reduce_fx='mean', 'sum', 'max' or 'min'.")
-        arguments["reduce_fx"] = self._REDUCE[fx_name]
-        entry = self.values.get(name)
-        if entry is None:
-            self.values[name] = [number, 1.0, number, number]
-        else:
-            entry[0] += number
-            entry[1] += 1
-            entry[2] = max(entry[2], number)
-            entry[3] = min(entry[3], number)
-        self.kwargs[name] = arguments
-        return None
-
-
-class RecoverTrainerStrategy(ReplicaRanks, ParallelStrategy):
+class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
     """``Trainer(strategy="recover")``: fault-tolerant data parallelism with in-step recovery.
 
     One DataLoader batch is one microbatch; one optimizer step is ``microbatches`` (``M``) of them,
@@ -269,27 +119,17 @@ class RecoverTrainerStrategy(ReplicaRanks, ParallelStrategy):
     def __init__(
         self,
         microbatches: Optional[int] = None,
-        quota: str = "equal",
-        heartbeat_interval: float = 0.1,
-        heartbeat_timeout: float = 1.0,
-        join_timeout: float = 60.0,
-        collective_timeout: float = 60.0,
-        startup_timeout: float = 300.0,
-        restarts: int = 0,
-        seed: int = 0,
+        *,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
+        **options: Any,
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=None,
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
-        self.options = RecoverOptions(
-            microbatches=microbatches, quota=quota, heartbeat_interval=heartbeat_interval,
-            heartbeat_timeout=heartbeat_timeout, join_timeout=join_timeout,
-            collective_timeout=collective_timeout, startup_timeout=startup_timeout, restarts=restarts, seed=seed,
-        )
-        self.core: Optional[RecoverCore] = None
+        self.options = build_options(microbatches, options)
+        self.core: Optional[Replica] = None
         self._committed: Optional[list[tuple[torch.nn.Parameter, Optional[Tensor]]]] = None
         # A restarted replica (rejoin): the Lightning checkpoint received from a live peer, the step
         # it resumes at, and whether it still runs alone (Lightning's start-of-fit collectives are
@@ -298,8 +138,8 @@ class RecoverTrainerStrategy(ReplicaRanks, ParallelStrategy):
         self._rejoin_loggers: list[Any] = []
         self._rejoin_step: Optional[int] = None
         self._solo = False
-        if launcher.in_replica():  # until the group forms, the replica id is the rank: one banner, not N
-            self._sync_rank_zero(int(os.environ[launcher.ENV_REPLICA]))
+        if env.in_replica():  # until the group forms, the replica id is the rank: one banner, not N
+            self._sync_rank_zero(int(os.environ[env.REPLICA]))
 
     @property
     def is_distributed(self) -> bool:
@@ -321,22 +161,16 @@ class RecoverTrainerStrategy(ReplicaRanks, ParallelStrategy):
     # ------------------------------------------------------------------ setup
     @override
     def _configure_launcher(self) -> None:
-        self._launcher = _RecoverTrainerLauncher(self)
+        self._launcher = _TrainerLauncher(self, _script_command)
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        if not launcher.in_replica():
-            raise RuntimeError(
-                "strategy='recover' runs each replica in its own process. HINT: run the script directly (the "
-                "Trainer starts the replicas) or with `lightning-recover run --replicas N -- python script.py`."
-            )
+        self._require_replica_process("run the script directly (the Trainer starts the replicas) or with "
+                                      "`lightning-recover run --replicas N -- python script.py`.")
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if self.core is None:  # one core per process, kept across fit/validate/test calls
-            self.options.validate(self.num_replicas)
-            self.core = RecoverCore.from_env(self.options, self._trainable_parameters)
-            self.core.set_state_hooks(self._state_for_joiner, self._receive_state)
-            self.core.start()
+        if self.core is None:  # one replica per process, kept across fit/validate/test calls
+            self._start_replica(self._trainable_parameters, self._state_for_joiner, self._receive_state)
             if self.core.joining:
                 self._rejoin(trainer)
         self._sync_rank_zero()
@@ -375,7 +209,7 @@ class RecoverTrainerStrategy(ReplicaRanks, ParallelStrategy):
         reading a file, should the script pass a ``ckpt_path``), so modules, callbacks, optimizers,
         LR schedulers and the loops' progress all come from the peer's state at step ``s``.
         """
-        replica = self.core.group.replica
+        replica = self.core.replica_id
         if trainer is None or trainer.state.fn != TrainerFn.FITTING:
             fn = getattr(getattr(trainer, "state", None), "fn", None)
             raise RuntimeError(
@@ -434,8 +268,8 @@ class RecoverTrainerStrategy(ReplicaRanks, ParallelStrategy):
         module = self.lightning_module
         trainer = module.trainer if module is not None else None
         if trainer is not None and trainer.state.stage == RunningStage.TRAINING:
-            loader = StepLoader(dataloader, self.core.M, self.options.seed)  # type: ignore[arg-type]
-            loader._resume_position = lambda: self._epoch_position(trainer, len(loader))
+            loader = StepLoader(dataloader, self.core.M, self.options.seed,  # type: ignore[arg-type]
+                                resume_position=lambda: self._epoch_position(trainer, len(loader)))
             return loader
         return dataloader  # evaluation: the full loader on every replica
 
@@ -472,7 +306,7 @@ class RecoverTrainerStrategy(ReplicaRanks, ParallelStrategy):
             self._solo = False
             self._rejoin_checkpoint = None
         first = (step % source.steps_per_epoch) * source.M
-        with _LogCapture(module) as capture:
+        with StepLogCapture(module) as capture:
             for j in core.run_step(step):
                 core.seed_microbatch(step, j)
                 batch = trainer.precision_plugin.convert_input(source.batch(step, j))
@@ -494,47 +328,9 @@ class RecoverTrainerStrategy(ReplicaRanks, ParallelStrategy):
         for p in params:
             p.grad = None  # out of reach of the closure's zero_grad; `backward` puts them back
         self._sync_rank_zero()
-        self._log_step(capture, token.loader.samples_per_step)
-        stats = core.protocol.last
+        stats = core.last_step
+        log_step(capture, stats, core.exchange, token.loader.samples_per_step)
         return torch.tensor(stats.loss if stats.loss is not None else float("nan"), device=self.root_device)
-
-    def _log_step(self, capture: _LogCapture, batch_size: int) -> None:
-        stats = self.core.protocol.last
-        local = {"logs": capture.values, "kwargs": capture.kwargs, "recomputed": stats.recomputed,
-                 "recoveries": stats.recoveries, "recovery_seconds": stats.recovery_seconds}
-        gathered = list(self.core.group.exchange(local).values())
-        log = capture.original
-        names: dict[str, dict[str, Any]] = {}
-        for item in gathered:
-            for name, kw in item["kwargs"].items():
-                names.setdefault(name, kw)
-        for name in sorted(names):
-            entries = [item["logs"][name] for item in gathered if name in item["logs"]]
-            kw = dict(names[name])
-            fx = kw["reduce_fx"]
-            if fx == "sum":
-                value = sum(e[0] for e in entries)
-            elif fx == "max":
-                value = max(e[2] for e in entries)
-            elif fx == "min":
-                value = min(e[3] for e in entries)
-            else:
-                value = sum(e[0] for e in entries) / sum(e[1] for e in entries)
-            kw["sync_dist"] = False  # already the value over all replicas
-            if kw.get("batch_size") is None:
-                kw["batch_size"] = batch_size
-            log(name, torch.tensor(value, dtype=torch.float32), **kw)
-        metrics = {
-            "recover/loss": stats.loss if stats.loss is not None else float("nan"),
-            "recover/live_replicas": stats.live_replicas,
-            "recover/generation": stats.generation,
-            "recover/recoveries": max(item["recoveries"] for item in gathered),
-            "recover/recomputed": sum(item["recomputed"] for item in gathered),
-            "recover/recovery_seconds": max(item["recovery_seconds"] for item in gathered),
-        }
-        for name, value in metrics.items():
-            log(name, float(value), on_step=True, on_epoch=False, logger=True, batch_size=batch_size,
-                prog_bar=name in ("recover/loss", "recover/live_replicas"))
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
@@ -583,7 +379,7 @@ class RecoverTrainerStrategy(ReplicaRanks, ParallelStrategy):
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         if self.core is None or self._solo:
             return decision
-        values = self.core.group.exchange(bool(decision)).values()
+        values = self.core.exchange(bool(decision)).values()
         return builtins.all(values) if all else any(values)
 
     @override
@@ -610,10 +406,9 @@ class RecoverTrainerStrategy(ReplicaRanks, ParallelStrategy):
     # ------------------------------------------------------------------ checkpoints
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        # The writer is the lowest replica alive *now*, agreed through the store: never lost, never twice.
         if self._solo:
             return  # a replica still rejoining holds no step of its own to save; the members write
-        if self.core is None or self.core.elect_writer():
+        if self._elect_writer():
             if storage_options is None:
                 self.checkpoint_io.save_checkpoint(checkpoint, filepath)
             else:
@@ -624,11 +419,3 @@ class RecoverTrainerStrategy(ReplicaRanks, ParallelStrategy):
         # The core stays: the same script may call trainer.test() next; it leaves the group at exit.
         self._committed = None
         super().teardown()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            "recover", cls, description="fault-tolerant data parallel with in-step recovery (lightning-recover)"
-        )
-

@@ -1,75 +1,31 @@
-"""The replica-side engine shared by the Fabric and the Trainer strategies.
+"""The one façade the strategies use: this replica's side of the protocol.
 
-``RecoverCore`` owns this replica's :class:`ReplicaGroup` (membership, heartbeats, decisions)
-and :class:`StepProtocol` (quota, reduce, in-step recovery), fires injected faults at the named
-phases, and offers the small collectives Lightning needs (metrics, barrier, broadcast) over the
-replicas that are alive now. The strategies are thin adapters around it.
+:class:`Replica` owns the replica's :class:`Membership` (generations, joins, heartbeats), its
+:class:`SurvivorCollectives`, its commit :class:`Decisions` and the :class:`StepProtocol` (quota,
+reduce, in-step recovery); it hands state to rejoining replicas, fires injected faults at the
+named phases, and offers the small collectives Lightning needs (metrics, barrier, broadcast) over
+the replicas that are alive now. Nothing here imports Lightning.
 """
 
 from __future__ import annotations
 
 import atexit
 import io
-import math
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
+from lightning_recover import env
 from lightning_recover.errors import MembershipChanged, RecoverError
-from lightning_recover.faults import FaultInjector
-from lightning_recover.launcher import ENV_ADDR, ENV_REPLICA, ENV_REPLICAS
-from lightning_recover.membership import ReplicaGroup
-from lightning_recover.step import StepProtocol, StepStats
-
-
-@dataclass
-class RecoverOptions:
-    """Options of ``strategy="recover"``; see ``RecoverStrategy`` for their meaning."""
-
-    microbatches: Optional[int] = None
-    quota: str = "equal"
-    heartbeat_interval: float = 0.1
-    heartbeat_timeout: float = 1.0
-    join_timeout: float = 60.0
-    collective_timeout: float = 60.0
-    startup_timeout: float = 300.0
-    restarts: int = 0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.quota not in ("equal", "throughput"):
-            raise ValueError(f"quota must be 'equal' or 'throughput', got {self.quota!r}")
-        for name in ("heartbeat_interval", "heartbeat_timeout", "join_timeout", "collective_timeout",
-                     "startup_timeout"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        if self.heartbeat_timeout <= 2 * self.heartbeat_interval:
-            raise ValueError(
-                f"heartbeat_timeout ({self.heartbeat_timeout}s) must exceed twice heartbeat_interval "
-                f"({self.heartbeat_interval}s), or healthy replicas would be declared dead. "
-                "HINT: heartbeat_timeout >= 5 x heartbeat_interval is a safe choice."
-            )
-        if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
-            raise ValueError(f"microbatches must be a positive integer, got {self.microbatches!r}")
-        if not isinstance(self.restarts, int) or self.restarts < 0:
-            raise ValueError(f"restarts must be a non-negative integer, got {self.restarts!r}")
-
-    def resolve_microbatches(self, replicas: int) -> int:
-        M = self.microbatches if self.microbatches is not None else replicas
-        if M < replicas:
-            raise ValueError(
-                f"microbatches={M} is smaller than the number of replicas ({replicas}): some replica would "
-                f"have nothing to compute. HINT: use microbatches >= {replicas} (a multiple of it balances best)."
-            )
-        return M
-
-    def validate(self, replicas: int) -> None:
-        self.resolve_microbatches(replicas)
+from lightning_recover.protocol.collectives import SurvivorCollectives
+from lightning_recover.protocol.decisions import Decisions
+from lightning_recover.protocol.faults import Fault, FaultInjector
+from lightning_recover.protocol.membership import Membership
+from lightning_recover.protocol.options import RecoverOptions
+from lightning_recover.protocol.step import StepProtocol, StepStats
 
 
 _uncaught = [False]
@@ -87,17 +43,23 @@ def _record_uncaught_exceptions() -> None:
         sys.excepthook = hook
 
 
-class RecoverCore:
+class Replica:
     """This replica's side of the protocol."""
 
     def __init__(self, options: RecoverOptions, addr: str, replica: int, num_replicas: int,
-                 params: Callable[[], Sequence[torch.nn.Parameter]], backend: str = "gloo") -> None:
+                 params: Callable[[], Sequence[torch.nn.Parameter]], backend: str = "gloo",
+                 injector: Optional[FaultInjector] = None) -> None:
         self.options = options
         self.M = options.resolve_microbatches(num_replicas)
-        self.group = ReplicaGroup(addr, replica, num_replicas, heartbeat_interval=options.heartbeat_interval,
-                                  join_timeout=options.join_timeout, collective_timeout=options.collective_timeout,
-                                  startup_timeout=options.startup_timeout, backend=backend)
-        self.protocol = StepProtocol(self.group, self.M, params, quota=options.quota)
+        self.group = Membership(addr, replica, num_replicas, heartbeat_interval=options.heartbeat_interval,
+                                join_timeout=options.join_timeout, collective_timeout=options.collective_timeout,
+                                startup_timeout=options.startup_timeout, backend=backend)
+        self.collectives = SurvivorCollectives(self.group)
+        self.decisions = Decisions(self.group)
+        self.protocol = StepProtocol(self.group, self.collectives, self.decisions, self.M, params,
+                                     quota=options.quota)
+        self._injector = injector  # None: the plan in the environment, for this incarnation
+        self._fault_listeners: list[Callable[[Fault, float], None]] = []
         self.step: int = -1
         self.joining = False  # a restarted replica that must rejoin with state from a peer
         self._get_state: Callable[[], dict] | None = None
@@ -108,19 +70,61 @@ class RecoverCore:
 
     @classmethod
     def from_env(cls, options: RecoverOptions, params: Callable[[], Sequence[torch.nn.Parameter]],
-                 backend: str = "gloo") -> RecoverCore:
-        missing = [v for v in (ENV_ADDR, ENV_REPLICA, ENV_REPLICAS) if v not in os.environ]
+                 backend: str = "gloo") -> Replica:
+        missing = [v for v in env.REPLICA_VARIABLES if v not in os.environ]
         if missing:
             raise RuntimeError(f"replica environment incomplete (missing {', '.join(missing)}). HINT: start replicas "
                                "with `fabric.launch()`, `lightning-recover run` or `lightning-recover torchrun`.")
-        return cls(options, os.environ[ENV_ADDR], int(os.environ[ENV_REPLICA]), int(os.environ[ENV_REPLICAS]),
-                   params, backend=backend)
+        return cls(options, os.environ[env.COORDINATOR], int(os.environ[env.REPLICA]),
+                   int(os.environ[env.REPLICAS]), params, backend=backend)
 
+    # ------------------------------------------------------------------ identity
+    @property
+    def replica_id(self) -> int:
+        return self.group.replica
+
+    @property
+    def rank(self) -> int:
+        """This replica's rank among the live replicas (0 = the lowest live one)."""
+        return self.group.rank
+
+    @property
+    def size(self) -> int:
+        """The number of live replicas."""
+        return self.group.size
+
+    @property
+    def incarnation(self) -> int:
+        return self.group.incarnation
+
+    @property
+    def generation(self) -> int:
+        return self.group.gen.number
+
+    @property
+    def members(self) -> list[int]:
+        return self.group.members
+
+    @property
+    def last_step(self) -> Optional[StepStats]:
+        """What happened in the last step this replica ran (None before the first)."""
+        return self.protocol.last
+
+    def on_fault(self, listener: Callable[[Fault, float], None]) -> None:
+        """Call ``listener(fault, wall_time)`` just before one of this replica's injected faults acts."""
+        self._fault_listeners.append(listener)
+        if self.protocol.injector is not None:
+            self.protocol.injector.add_listener(listener)
+
+    # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         atexit.register(self._at_exit)  # Fabric has no end-of-run hook: leave the group at exit
         _record_uncaught_exceptions()
         self.group.connect()
-        self.protocol.injector = FaultInjector.from_env(self.group.replica, self.group.incarnation)
+        injector = self._injector or FaultInjector.from_env(self.group.replica, self.group.incarnation)
+        for listener in self._fault_listeners:
+            injector.add_listener(listener)
+        self.protocol.injector = injector
         self.joining = self.group.form_initial() is None
 
     def set_state_hooks(self, get_state: Callable[[], dict], set_state: Callable[[dict], None]) -> None:
@@ -143,7 +147,7 @@ class RecoverCore:
     def run_step(self, step: int) -> Iterator[int]:
         self.step = step
         self._forward_seen = self._backward_seen = False
-        if self.group.admit_next:
+        if self.decisions.admit_next:
             self._admit(step)
         yield from self.protocol.run(step)
         stats = self.protocol.last
@@ -167,7 +171,7 @@ class RecoverCore:
 
     def _admit(self, step: int) -> None:
         """Members: form the generation that includes the admitted joiners and hand them the state."""
-        invite, self.group.admit_next = self.group.admit_next, {}
+        invite, self.decisions.admit_next = self.decisions.admit_next, {}
         try:
             self.group.next_generation({"step": step, "have": []}, invite=invite)
         except MembershipChanged:
@@ -210,10 +214,10 @@ class RecoverCore:
             torch.save(self._get_state(), buffer)
             payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
-        self.group.broadcast([size], src_rank)
+        self.collectives.broadcast([size], src_rank)
         if self.group.rank != src_rank:
             payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        self.group.broadcast([payload], src_rank)
+        self.collectives.broadcast([payload], src_rank)
         if receive:
             # The state comes from a peer replica of this job over the job's own group, trusted like
             # the job's own memory; a Trainer checkpoint carries hyper-parameters of any type.
@@ -247,7 +251,7 @@ class RecoverCore:
     # ------------------------------------------------------------------ collectives over live replicas
     def all_reduce(self, tensor: torch.Tensor, reduce_op: Any = "mean") -> torch.Tensor:
         op = str(getattr(reduce_op, "name", reduce_op)).lower()
-        values = self.group.exchange(tensor.detach().cpu())
+        values = self.collectives.exchange(tensor.detach().cpu())
         stacked = torch.stack([values[r] for r in sorted(values)])
         if op in ("sum",):
             out = stacked.sum(0)
@@ -262,15 +266,19 @@ class RecoverCore:
         return out.to(tensor.device)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        values = self.group.exchange(tensor.detach().cpu())
+        values = self.collectives.exchange(tensor.detach().cpu())
         return torch.stack([values[r] for r in sorted(values)]).to(tensor.device)
 
     def barrier(self) -> None:
-        self.group.exchange(None)
+        self.collectives.exchange(None)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return self.group.broadcast_object(obj, src)
+        return self.collectives.broadcast_object(obj, src)
+
+    def exchange(self, obj: Any) -> dict[int, Any]:
+        """Every live replica contributes ``obj``; all receive the same ``{replica: obj}``."""
+        return self.collectives.exchange(obj)
 
     def elect_writer(self) -> bool:
         """All live replicas agree on one writer: the lowest replica id among them."""
-        return min(self.group.exchange(None)) == self.group.replica
+        return min(self.collectives.exchange(None)) == self.group.replica

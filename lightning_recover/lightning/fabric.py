@@ -26,9 +26,7 @@ from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import ParallelStrategy
-from lightning.fabric.strategies.launchers.launcher import _Launcher
 from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.types import ReduceOp
 from torch import Tensor
 from torch.nn import Module
@@ -36,10 +34,10 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_recover import launcher
-from lightning_recover.core import RecoverCore, RecoverOptions
 from lightning_recover.data import MicrobatchSource
-from lightning_recover.ranks import ReplicaRanks
+from lightning_recover.lightning.base import RecoverStrategyBase, ReplicaLauncher, build_options
+from lightning_recover.protocol.replica import Replica
+from lightning_recover.protocol.step import StepStats
 
 
 class Step:
@@ -59,9 +57,9 @@ class Step:
         self.committed = True
 
     @property
-    def stats(self):
+    def stats(self) -> Optional[StepStats]:
         """What happened in this step (generation, live replicas, recoveries, mean loss)."""
-        return self._strategy.core.protocol.last
+        return self._strategy.core.last_step
 
     @property
     def loss(self) -> Optional[float]:
@@ -69,32 +67,10 @@ class Step:
         return self.stats.loss if self.committed else None
 
 
-class _RecoverLauncher(_Launcher):
-    """Inside a replica: run the function. Otherwise: become the supervisor of N replicas."""
-
-    def __init__(self, strategy: RecoverStrategy) -> None:
-        self._strategy = strategy
-
-    @property
-    @override
-    def is_interactive_compatible(self) -> bool:
-        return False
-
-    @override
-    def launch(self, function: Any, *args: Any, **kwargs: Any) -> Any:
-        if launcher.in_replica():
-            return function(*args, **kwargs)
-        opts = self._strategy.options
-        code = launcher.supervise(_basic_subprocess_cmd(), self._strategy.num_replicas,
-                                  heartbeat_timeout=opts.heartbeat_timeout, restarts=opts.restarts)
-        # The supervisor never runs the training code itself: its job ends with the replicas'.
-        raise SystemExit(code)
-
-
-class RecoverStrategy(ReplicaRanks, ParallelStrategy):
+class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
     """Fault-tolerant data parallelism with in-step recovery.
 
-    Args:
+    Args (every keyword but the Lightning plugins is a :class:`RecoverOptions` field):
         microbatches: ``M``, global microbatches per optimizer step (default: the replica count).
             Must be at least the number of replicas.
         quota: ``"equal"`` (default) or ``"throughput"`` (quotas proportional to each replica's
@@ -114,50 +90,34 @@ class RecoverStrategy(ReplicaRanks, ParallelStrategy):
     def __init__(
         self,
         microbatches: Optional[int] = None,
-        quota: str = "equal",
-        heartbeat_interval: float = 0.1,
-        heartbeat_timeout: float = 1.0,
-        join_timeout: float = 60.0,
-        collective_timeout: float = 60.0,
-        startup_timeout: float = 300.0,
-        restarts: int = 0,
-        seed: int = 0,
+        *,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision: Optional[Precision] = None,
+        **options: Any,
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          checkpoint_io=checkpoint_io, precision=precision)
-        self.options = RecoverOptions(
-            microbatches=microbatches, quota=quota, heartbeat_interval=heartbeat_interval,
-            heartbeat_timeout=heartbeat_timeout, join_timeout=join_timeout,
-            collective_timeout=collective_timeout, startup_timeout=startup_timeout, restarts=restarts, seed=seed,
-        )
-        self.core: Optional[RecoverCore] = None
+        self.options = build_options(microbatches, options)
+        self.core: Optional[Replica] = None
         self._modules: list[Module] = []
         self._optimizers: list[Optimizer] = []
 
     # ------------------------------------------------------------------ setup
     @override
     def _configure_launcher(self) -> None:
-        self._launcher = _RecoverLauncher(self)
+        self._launcher = ReplicaLauncher(self, _basic_subprocess_cmd)
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        if not launcher.in_replica():
-            raise RuntimeError(
-                "strategy='recover' runs each replica in its own process. HINT: call `fabric.launch()` "
-                "(or start the script with `lightning-recover run --replicas N -- python script.py`)."
-            )
-        self.options.validate(self.num_replicas)
+        self._require_replica_process("call `fabric.launch()` (or start the script with "
+                                      "`lightning-recover run --replicas N -- python script.py`).")
         backend = "nccl" if self.root_device.type == "cuda" else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(self.root_device)
-        self.core = RecoverCore.from_env(self.options, self._trainable_parameters, backend=backend)
-        self.core.set_state_hooks(self._training_state, self._load_training_state)
-        self.core.start()
+        self._start_replica(self._trainable_parameters, self._training_state, self._load_training_state, backend)
 
     def _training_state(self) -> dict:
         return {"modules": [m.state_dict() for m in self._modules],
@@ -258,9 +218,7 @@ class RecoverStrategy(ReplicaRanks, ParallelStrategy):
     @override
     def save_checkpoint(self, path: Any, state: dict, storage_options: Optional[Any] = None,
                         filter: Optional[dict] = None) -> None:
-        # The writer is the lowest replica among those alive *now*, agreed through the store,
-        # so a checkpoint is neither lost (leader died unnoticed) nor written twice.
-        if self.core.elect_writer():
+        if self._elect_writer():
             super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
     @override
@@ -268,11 +226,3 @@ class RecoverStrategy(ReplicaRanks, ParallelStrategy):
         if self.core is not None:
             self.core.close()
         super().teardown()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register(
-            "recover", cls, description="fault-tolerant data parallel with in-step recovery (lightning-recover)"
-        )
-

@@ -19,22 +19,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_recover import coordinator
-from lightning_recover.faults import ENV_VAR as ENV_INJECT
-from lightning_recover.faults import parse_faults
-
-ENV_REPLICA = "LIGHTNING_RECOVER_REPLICA"
-ENV_REPLICAS = "LIGHTNING_RECOVER_REPLICAS"
-ENV_ADDR = coordinator.ENV_ADDR
-
-
-def in_replica() -> bool:
-    """True inside a replica process started by a lightning-recover launcher."""
-    return ENV_REPLICA in os.environ
-
-
-def _prefix() -> str:
-    return "[lightning-recover]"
+from lightning_recover import env
+from lightning_recover.launch import coordinator_process
+from lightning_recover.protocol import coordinator
+from lightning_recover.protocol.faults import parse_faults
+from lightning_recover.protocol.messages import connect, mark_dead
 
 
 @dataclass
@@ -92,17 +81,6 @@ def _kill_tree(pid: int) -> None:
             pass
 
 
-def torchrun_command(script: Sequence[str], nproc_per_replica: int = 1, max_restarts: int = 0) -> list[str]:
-    """One torchrun agent per replica: its restarts touch only that replica's workers."""
-    if nproc_per_replica != 1:
-        raise ValueError(
-            f"--nproc-per-replica {nproc_per_replica}: replicas of more than one process (FSDP/TP inside a "
-            "replica) are not supported yet; use --nproc-per-replica 1 (one process per replica)."
-        )
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_replica}",
-            f"--max-restarts={max_restarts}", "--monitor-interval=0.1", *script]
-
-
 def supervise(
     command: Sequence[str] | Callable[[int], Sequence[str]],
     replicas: int,
@@ -130,20 +108,20 @@ def supervise(
     if heartbeat_timeout <= 0:
         raise ValueError(f"heartbeat_timeout must be > 0 seconds, got {heartbeat_timeout}")
     parse_faults(inject)  # validate before starting anything
-    say = on_event or (lambda line: print(f"{_prefix()} {line}", file=sys.stderr, flush=True))
-    coord = coordinator.start(replicas, heartbeat_timeout, host=host)
-    store = coordinator.connect(coord.addr)
-    env = dict(os.environ, **(extra_env or {}))
-    env[ENV_ADDR] = coord.addr
-    env[ENV_REPLICAS] = str(replicas)
-    env.setdefault("OMP_NUM_THREADS", "1")  # spinning OpenMP threads make gloo 20x slower on small machines
+    say = on_event or (lambda line: print(f"[lightning-recover] {line}", file=sys.stderr, flush=True))
+    coord = coordinator_process.start(replicas, heartbeat_timeout, host=host)
+    store = connect(coord.addr)
+    child_env = dict(os.environ, **(extra_env or {}))
+    child_env[env.COORDINATOR] = coord.addr
+    child_env[env.REPLICAS] = str(replicas)
+    child_env.setdefault(env.OMP_NUM_THREADS, "1")  # spinning OpenMP threads make gloo 20x slower on small machines
     if inject:
-        env[ENV_INJECT] = inject
+        child_env[env.INJECT] = inject
 
     argv = command if callable(command) else (lambda r: command)
 
     def spawn(r: int) -> subprocess.Popen:
-        return subprocess.Popen(list(argv(r)), env=dict(env, **{ENV_REPLICA: str(r)}))
+        return subprocess.Popen(list(argv(r)), env=dict(child_env, **{env.REPLICA: str(r)}))
 
     children = [_Child(r, spawn(r)) for r in range(replicas)]
     say(f"coordinator at {coord.addr} (pid {coord.proc.pid}); started {replicas} replicas: {' '.join(argv(0))}")
@@ -174,7 +152,7 @@ def supervise(
                 c.history.append(_describe(code))
                 if code != 0:
                     try:
-                        coordinator.mark_dead(store, c.replica)
+                        mark_dead(store, c.replica)
                     except Exception:
                         pass  # the coordinator itself is gone; replicas notice on their own
                     say(f"replica {c.replica} failed ({_describe(code)})")
@@ -202,7 +180,7 @@ def supervise(
                     if lost and c.proc.poll() is None:
                         # The agent will restart it; tell the survivors now rather than after heartbeats.
                         try:
-                            if coordinator.mark_dead(store, c.replica):
+                            if mark_dead(store, c.replica):
                                 say(f"replica {c.replica}: its worker exited; declared dead")
                         except Exception:
                             pass
@@ -245,23 +223,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
                      restarts=args.restarts, host=args.host)
 
 
-def _cmd_torchrun(args: argparse.Namespace) -> int:
-    script = list(args.command)
-    if script and script[0] == "--":
-        script = script[1:]
-    if not script:
-        raise SystemExit("lightning-recover torchrun: give the script after --, e.g. -- train.py --lr 1e-3")
-    command = torchrun_command(script, args.nproc_per_replica, args.max_restarts)
-    return supervise(command, args.replicas, heartbeat_timeout=args.heartbeat_timeout, inject=args.inject,
-                     host=args.host, watch_workers=True)
-
-
 def _cmd_coordinator(args: argparse.Namespace) -> int:
     coordinator.serve(args.host, args.port, args.replicas, args.heartbeat_timeout)
     return 0
 
 
 def add_subcommands(sub: Any) -> None:
+    from lightning_recover.launch import torchrun
+
     p = sub.add_parser("run", help="run a script once per replica under a tolerant launcher")
     p.add_argument("--replicas", type=int, required=True)
     p.add_argument("--inject", default=None, help="faults, e.g. kill:replica=2:step=5:phase=backward")
@@ -279,8 +248,8 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument("--heartbeat-timeout", type=float, default=1.0)
     p.add_argument("--host", default="127.0.0.1", help="coordinator bind address")
     p.add_argument("command", nargs=argparse.REMAINDER)
-    p.set_defaults(func=_cmd_torchrun)
+    p.set_defaults(func=torchrun.cmd_torchrun)
 
     p = sub.add_parser("coordinator", help="run only the coordinator (multi-node jobs)")
-    coordinator.add_arguments(p)
+    coordinator_process.add_arguments(p)
     p.set_defaults(func=_cmd_coordinator)

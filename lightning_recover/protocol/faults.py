@@ -16,6 +16,12 @@ starts computing microbatches taken over from a failed one: a failure *during* r
 
 A fault fires only in the first incarnation of a replica (a restarted replica does not kill
 itself again) unless ``incarnation=K`` says otherwise.
+
+Hooks, for tools built on the injector (the demo records when its faults fire; the in-process
+tests act out a "kill" by ending a thread instead of the process):
+``FaultInjector.add_listener(fn)`` calls ``fn(fault, wall_time)`` just before a fault acts, and
+``FaultInjector(..., act=fn)`` replaces what a fault does (the default, :func:`act_on_process`,
+signals or raises in this process).
 """
 
 from __future__ import annotations
@@ -23,11 +29,12 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from lightning_recover import env
 from lightning_recover.errors import InjectedFault
 
-ENV_VAR = "LIGHTNING_RECOVER_INJECT"
 KINDS = ("kill", "hang", "raise")
 PHASES = ("forward", "backward", "reduce", "commit", "optimizer", "recompute")
 
@@ -77,28 +84,47 @@ def parse_faults(spec: str | None) -> list[Fault]:
     return faults
 
 
+def act_on_process(fault: Fault) -> None:
+    """What a fault does by default: SIGKILL or SIGSTOP this process, or raise in it."""
+    if fault.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif fault.kind == "hang":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    else:
+        raise InjectedFault(f"injected fault {fault}")
+
+
 class FaultInjector:
     """Fires the faults planned for one replica incarnation at the matching (step, phase)."""
 
-    def __init__(self, faults: list[Fault], replica: int, incarnation: int) -> None:
+    def __init__(self, faults: list[Fault], replica: int, incarnation: int, *,
+                 act: Callable[[Fault], None] = act_on_process) -> None:
         self._pending = {(f.step, f.phase): f for f in faults if f.replica == replica and f.incarnation == incarnation}
+        self._act = act
+        self._listeners: list[Callable[[Fault, float], None]] = []
 
     @classmethod
     def from_env(cls, replica: int, incarnation: int) -> FaultInjector:
-        return cls(parse_faults(os.environ.get(ENV_VAR)), replica, incarnation)
+        return cls(parse_faults(os.environ.get(env.INJECT)), replica, incarnation)
 
     def __bool__(self) -> bool:
         return bool(self._pending)
+
+    @property
+    def pending(self) -> list[Fault]:
+        return list(self._pending.values())
+
+    def add_listener(self, listener: Callable[[Fault, float], None]) -> None:
+        """Call ``listener(fault, wall_time)`` just before each fault of this injector acts."""
+        self._listeners.append(listener)
 
     def maybe_fire(self, step: int, phase: str) -> None:
         fault = self._pending.pop((step, phase), None)
         if fault is None:
             return
+        now = time.time()
+        for listener in self._listeners:
+            listener(fault, now)
         # The wall-clock time lets benchmarks measure from the fault to the survivors' next commit.
-        print(f"[lightning-recover] injecting fault {fault} at t={time.time():.6f}", flush=True)
-        if fault.kind == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif fault.kind == "hang":
-            os.kill(os.getpid(), signal.SIGSTOP)
-        else:
-            raise InjectedFault(f"injected fault {fault}")
+        print(f"[lightning-recover] injecting fault {fault} at t={now:.6f}", flush=True)
+        self._act(fault)

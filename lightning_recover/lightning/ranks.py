@@ -12,19 +12,19 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_recover import launcher
+from lightning_recover import env
 
 
 class ReplicaRanks:
-    """Mixin for a Lightning ``ParallelStrategy`` that owns a ``core`` (``RecoverCore`` or None)."""
+    """Mixin for a Lightning ``ParallelStrategy`` that owns a ``core`` (a ``Replica``, or None before setup)."""
 
     core: Any
     parallel_devices: Optional[list[torch.device]]
 
     @property
     def num_replicas(self) -> int:
-        if launcher.ENV_REPLICAS in os.environ:
-            return int(os.environ[launcher.ENV_REPLICAS])
+        if env.REPLICAS in os.environ:
+            return int(os.environ[env.REPLICAS])
         return len(self.parallel_devices) if self.parallel_devices else 1
 
     @property
@@ -33,13 +33,13 @@ class ReplicaRanks:
         device = devices[0]
         if device.type == "cuda":
             # One GPU per replica: replica r of this host uses its r-th visible device.
-            replica = int(os.environ.get(launcher.ENV_REPLICA, "0"))
+            replica = int(os.environ.get(env.REPLICA, "0"))
             return torch.device("cuda", replica % max(1, torch.cuda.device_count()))
         return device
 
     @property
     def global_rank(self) -> int:
-        return self.core.group.rank if self.core is not None else 0
+        return self.core.rank if self.core is not None else 0
 
     @property
     def local_rank(self) -> int:
@@ -51,7 +51,7 @@ class ReplicaRanks:
 
     @property
     def world_size(self) -> int:
-        return self.core.group.size if self.core is not None else self.num_replicas
+        return self.core.size if self.core is not None else self.num_replicas
 
     @property
     def is_global_zero(self) -> bool:
@@ -64,4 +64,4 @@ class ReplicaRanks:
     @property
     def replica(self) -> int:
         """This process's replica id (stable across generations, unlike ``global_rank``)."""
-        return self.core.group.replica if self.core is not None else 0
+        return self.core.replica_id if self.core is not None else 0

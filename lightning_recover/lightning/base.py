@@ -1,0 +1,93 @@
+"""What the Fabric and the Trainer strategies share: options, launch, the replica, collectives.
+
+Both strategies are thin adapters over :class:`~lightning_recover.protocol.replica.Replica`;
+this mixin holds everything that does not depend on which Lightning base class they extend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+from typing_extensions import override
+
+from lightning_recover import env
+from lightning_recover.lightning.ranks import ReplicaRanks
+from lightning_recover.protocol.options import RecoverOptions
+from lightning_recover.protocol.replica import Replica
+
+try:  # the two Lightning packages spell the launcher base alike; Fabric's is always present
+    from lightning.fabric.strategies.launchers.launcher import _Launcher
+except ImportError:  # pragma: no cover - lightning is a dependency
+    _Launcher = object  # type: ignore[misc,assignment]
+
+
+def build_options(microbatches: Optional[int], options: dict[str, Any]) -> RecoverOptions:
+    """``RecoverOptions`` from a strategy's keyword arguments, with a hint for a misspelt name."""
+    try:
+        return RecoverOptions(microbatches=microbatches, **options)
+    except TypeError as exc:
+        names = ", ".join(f for f in RecoverOptions.__dataclass_fields__ if f != "microbatches")
+        raise TypeError(f"{exc}. HINT: strategy='recover' takes microbatches and {names}.") from None
+
+
+class ReplicaLauncher(_Launcher):
+    """Inside a replica: run the function. Otherwise: become the supervisor of N replicas."""
+
+    def __init__(self, strategy: Any, command: Callable[[], list[str]]) -> None:
+        self._strategy = strategy
+        self._command = command
+
+    @property
+    @override
+    def is_interactive_compatible(self) -> bool:
+        return False
+
+    @override
+    def launch(self, function: Any, *args: Any, **kwargs: Any) -> Any:
+        if env.in_replica():
+            return function(*args, **kwargs)
+        from lightning_recover.launch.launcher import supervise
+
+        opts = self._strategy.options
+        opts.resolve_microbatches(self._strategy.num_replicas)  # fail here, before starting N processes
+        code = supervise(self._command(), self._strategy.num_replicas,
+                         heartbeat_timeout=opts.heartbeat_timeout, restarts=opts.restarts)
+        # The supervisor never runs the training code itself: its job ends with the replicas'.
+        raise SystemExit(code)
+
+    def kill(self, signum: Any) -> None:
+        pass  # the supervisor forwards signals to its replicas and never kills survivors
+
+
+class RecoverStrategyBase(ReplicaRanks):
+    """Mixin for a Lightning ``ParallelStrategy`` driven by one :class:`Replica` (``self.core``)."""
+
+    options: RecoverOptions
+    core: Optional[Replica]
+
+    # ------------------------------------------------------------------ setup
+    def _require_replica_process(self, how: str) -> None:
+        if not env.in_replica():
+            raise RuntimeError(f"strategy='recover' runs each replica in its own process. HINT: {how}")
+
+    def _start_replica(self, params: Callable[[], list[torch.nn.Parameter]],
+                       get_state: Callable[[], dict], set_state: Callable[[dict], None],
+                       backend: str = "gloo") -> Replica:
+        self.options.resolve_microbatches(self.num_replicas)
+        self.core = Replica.from_env(self.options, params, backend=backend)
+        self.core.set_state_hooks(get_state, set_state)
+        self.core.start()
+        return self.core
+
+    def _elect_writer(self) -> bool:
+        """The checkpoint writer is the lowest replica alive *now*, agreed through the store, so a
+        checkpoint is neither lost (the leader died unnoticed) nor written twice."""
+        return self.core is None or self.core.elect_writer()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            "recover", cls, description="fault-tolerant data parallel with in-step recovery (lightning-recover)"
+        )

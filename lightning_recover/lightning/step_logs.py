@@ -1,0 +1,106 @@
+"""``self.log`` inside ``training_step`` under the Trainer strategy: captured per microbatch,
+logged once per step with the value aggregated over all ``M`` microbatches of all replicas, plus
+the fault metrics of the step (``recover/loss``, ``recover/live_replicas``, ...).
+"""
+
+from __future__ import annotations
+
+import inspect
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_recover.protocol.step import StepStats
+
+
+class StepLogCapture:
+    """Collects ``self.log`` calls of the module during one step; logs the aggregate once at the end."""
+
+    _REDUCE = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "amax": "max", "min": "min", "amin": "min"}
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self.original = module.log
+        self._signature = inspect.signature(self.original)
+        self.values: dict[str, list[float]] = {}  # name -> [sum, count, max, min]
+        self.kwargs: dict[str, dict[str, Any]] = {}
+
+    def __enter__(self) -> StepLogCapture:
+        self.module.log = self._log
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.module.__dict__.get("log") == self._log:
+            del self.module.log
+
+    def _log(self, *args: Any, **kwargs: Any) -> None:
+        bound = self._signature.bind(*args, **kwargs)
+        arguments = dict(bound.arguments)
+        name, value = arguments.pop("name"), arguments.pop("value")
+        if isinstance(value, Tensor):
+            if value.numel() != 1:
+                return self.original(*args, **kwargs)  # let Lightning raise its own error
+            number = float(value.detach().float().cpu())
+        elif isinstance(value, numbers.Number):
+            number = float(value)  # type: ignore[arg-type]
+        else:  # a torchmetrics Metric (or anything else): Lightning handles it per call
+            return self.original(*args, **kwargs)
+        fx = arguments.get("reduce_fx", "mean")
+        fx_name = fx if isinstance(fx, str) else getattr(fx, "__name__", "")
+        if fx_name not in self._REDUCE:
+            raise ValueError(f"self.log({name!r}, reduce_fx={fx!r}) inside training_step is not supported by "
+                             "strategy='recover'. HINT: use reduce_fx='mean', 'sum', 'max' or 'min'.")
+        arguments["reduce_fx"] = self._REDUCE[fx_name]
+        entry = self.values.get(name)
+        if entry is None:
+            self.values[name] = [number, 1.0, number, number]
+        else:
+            entry[0] += number
+            entry[1] += 1
+            entry[2] = max(entry[2], number)
+            entry[3] = min(entry[3], number)
+        self.kwargs[name] = arguments
+        return None
+
+
+def log_step(capture: StepLogCapture, stats: StepStats, exchange: Callable[[Any], dict[int, Any]],
+             batch_size: int) -> None:
+    """Log the step's captured values, aggregated over all replicas, and the fault metrics."""
+    local = {"logs": capture.values, "kwargs": capture.kwargs, "recomputed": stats.recomputed,
+             "recoveries": stats.recoveries, "recovery_seconds": stats.recovery_seconds}
+    gathered = list(exchange(local).values())
+    log = capture.original
+    names: dict[str, dict[str, Any]] = {}
+    for item in gathered:
+        for name, kw in item["kwargs"].items():
+            names.setdefault(name, kw)
+    for name in sorted(names):
+        entries = [item["logs"][name] for item in gathered if name in item["logs"]]
+        kw = dict(names[name])
+        fx = kw["reduce_fx"]
+        if fx == "sum":
+            value = sum(e[0] for e in entries)
+        elif fx == "max":
+            value = max(e[2] for e in entries)
+        elif fx == "min":
+            value = min(e[3] for e in entries)
+        else:
+            value = sum(e[0] for e in entries) / sum(e[1] for e in entries)
+        kw["sync_dist"] = False  # already the value over all replicas
+        if kw.get("batch_size") is None:
+            kw["batch_size"] = batch_size
+        log(name, torch.tensor(value, dtype=torch.float32), **kw)
+    metrics = {
+        "recover/loss": stats.loss if stats.loss is not None else float("nan"),
+        "recover/live_replicas": stats.live_replicas,
+        "recover/generation": stats.generation,
+        "recover/recoveries": max(item["recoveries"] for item in gathered),
+        "recover/recomputed": sum(item["recomputed"] for item in gathered),
+        "recover/recovery_seconds": max(item["recovery_seconds"] for item in gathered),
+    }
+    for name, value in metrics.items():
+        log(name, float(value), on_step=True, on_epoch=False, logger=True, batch_size=batch_size,
+            prog_bar=name in ("recover/loss", "recover/live_replicas"))

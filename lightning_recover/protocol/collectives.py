@@ -1,0 +1,129 @@
+"""Collectives among the replicas alive now: the gradient reduce over a generation's process
+group, and small-object exchanges (metrics, barrier, broadcast, writer election) over the store.
+
+Every wait is sliced: between slices the waiter looks for a failure of the generation (a member
+declared dead, a newer generation proposed), so a dead or hung peer is noticed within
+``membership.SLICE`` rather than after a collective timeout. Any failure raises
+:class:`MembershipChanged`; the caller forms the next generation.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_recover.errors import MembershipChanged
+from lightning_recover.protocol.membership import POLL_MIN, SLICE, Membership, backoff
+
+
+class SurvivorCollectives:
+    """Collectives over the current generation of a :class:`Membership`."""
+
+    def __init__(self, membership: Membership) -> None:
+        self.membership = membership
+        self._seq: dict[int, int] = {}  # generation -> store collectives issued in it (SPMD order)
+
+    # ------------------------------------------------------------------ tensors, over the process group
+    def allreduce(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Sum ``tensors`` in place across the generation; raise MembershipChanged on any failure."""
+        pg = self._pg()
+        try:
+            works = [pg.allreduce([t]) for t in tensors]
+        except Exception as exc:
+            raise MembershipChanged(f"all-reduce could not start: {exc}") from exc
+        self.wait(works)
+
+    def broadcast(self, tensors: Sequence[torch.Tensor], src_rank: int) -> None:
+        """Broadcast ``tensors`` in place from the member of rank ``src_rank``."""
+        pg = self._pg()
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src_rank
+        try:
+            works = [pg.broadcast([t], opts) for t in tensors]
+        except Exception as exc:
+            raise MembershipChanged(f"broadcast could not start: {exc}") from exc
+        self.wait(works)
+
+    def _pg(self) -> Any:
+        pg = self.membership.gen.pg
+        if pg is None:
+            raise MembershipChanged("no process group for this generation")
+        return pg
+
+    def wait(self, works: Sequence[Any]) -> None:
+        """Wait for ``works`` in slices; between slices, look for failures of the generation.
+
+        Completion wakes the waiter at once (a future callback sets an event), so the failure-free
+        path pays no polling latency; the slice only bounds how late a failure is noticed.
+        """
+        done = threading.Event()
+        remaining = [len(works)]
+        lock = threading.Lock()
+
+        def one_done(_fut: Any) -> None:
+            with lock:
+                remaining[0] -= 1
+                if remaining[0] == 0:
+                    done.set()
+
+        for work in works:
+            work.get_future().add_done_callback(one_done)
+        timeout = self.membership.collective_timeout
+        deadline = time.monotonic() + timeout
+        while not done.wait(SLICE):
+            if self.membership.failure_seen():
+                raise MembershipChanged("a member of the generation failed during a collective")
+            if time.monotonic() > deadline:
+                raise MembershipChanged(f"collective did not complete within {timeout}s")
+        for work in works:
+            try:
+                work.wait()
+            except Exception as exc:
+                raise MembershipChanged(f"collective failed: {exc}") from exc
+
+    # ------------------------------------------------------------------ small objects, over the store
+    def _live_contributors(self, prefix: str) -> list[int]:
+        """Wait until every live member wrote ``{prefix}/{r}``; agree on who counts."""
+        m = self.membership
+        store = m.store
+        delay = POLL_MIN
+        members = m.gen.members
+        while not store.has(f"{prefix}/set"):
+            m.check_health()
+            present = [r for r in members if store.has(f"{prefix}/{r}")]
+            missing = set(members) - set(present)
+            if not missing or not (missing - m.dead(sorted(missing), m.gen.incarnations)):
+                store.compare_set(f"{prefix}/set", "", json.dumps(present))
+                break
+            delay = backoff(delay)
+        return json.loads(store.get(f"{prefix}/set"))
+
+    def exchange(self, obj: Any) -> dict[int, Any]:
+        """Every live member contributes ``obj``; all receive the same ``{replica: obj}``.
+
+        Store collectives are numbered per generation, so a replica that joined a generation
+        issues its first one in step with the members.
+        """
+        m = self.membership
+        number = m.gen.number
+        self._seq[number] = seq = self._seq.get(number, 0) + 1
+        for old in [g for g in self._seq if g < number]:
+            del self._seq[old]
+        prefix = f"x/{number}/{seq}"
+        m.store.put_object(f"{prefix}/{m.replica}", obj)
+        who = self._live_contributors(prefix)
+        return dict(zip(who, m.store.get_objects([f"{prefix}/{r}" for r in who])))
+
+    def broadcast_object(self, obj: Any, src_rank: int = 0) -> Any:
+        """Broadcast from the member of rank ``src_rank`` among those alive now."""
+        values = self.exchange(obj if self.membership.gen.rank == src_rank else None)
+        who = sorted(values)
+        members = self.membership.gen.members
+        src = members[src_rank] if members[src_rank] in values else who[0]
+        return values[src]
