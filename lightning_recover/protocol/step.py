@@ -120,6 +120,7 @@ class StepProtocol:
                         f"step {step} was decided 'commit' although replica {group.replica}'s reduce failed; "
                         "the control plane is inconsistent and no further step can be trusted"
                     ) from exc
+                committed = False
                 stats.events.append({"kind": "failure", "error": str(exc)})
             if committed:
                 break
