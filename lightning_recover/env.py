@@ -15,6 +15,11 @@ COORDINATOR = "LIGHTNING_RECOVER_COORDINATOR"
 REPLICA = "LIGHTNING_RECOVER_REPLICA"
 #: Number of replicas of the job (set by the launcher; checked against the coordinator's count).
 REPLICAS = "LIGHTNING_RECOVER_REPLICAS"
+#: Path of a 0600 file holding the job's secret (hex) that authenticates every control message;
+#: the launchers make one per job. Multi-host jobs give the same file to every process.
+SECRET_FILE = "LIGHTNING_RECOVER_SECRET_FILE"
+#: The job's secret as hex, where a file is impractical (it is visible to this user's processes).
+SECRET = "LIGHTNING_RECOVER_SECRET"
 #: Fault plan, e.g. ``kill:replica=2:step=5:phase=backward`` (set by ``--inject``; tests and demos).
 INJECT = "LIGHTNING_RECOVER_INJECT"
 #: JSON of the demo's arguments, handed by the demo's launcher to its replica processes.

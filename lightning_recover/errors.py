@@ -21,3 +21,7 @@ class MembershipChanged(RecoverError):
 
 class InjectedFault(RecoverError):
     """Raised inside a replica by ``--inject raise:...`` to emulate a crash."""
+
+
+class ForgedMessageError(RecoverError):
+    """A control-plane value failed authentication: written by someone without the job's secret."""

@@ -32,14 +32,17 @@ class CoordinatorProcess:
 
 
 def start(replicas: int, heartbeat_timeout: float, host: str = "127.0.0.1", port: int = 0,
-          timeout: float = 60.0) -> CoordinatorProcess:
+          timeout: float = 60.0, hang_timeout: float = 30.0, secret_file: str | None = None) -> CoordinatorProcess:
     """Start the coordinator in a child process and wait until it listens."""
     read_fd, write_fd = os.pipe()
     # `-c` rather than `-m`: the package imports this module, and runpy warns about re-executing it.
     cmd = [sys.executable, "-c", "import sys; from lightning_recover.launch.coordinator_process import main; sys.exit(main())",
            "--host", host, "--port", str(port),
-           "--replicas", str(replicas), "--heartbeat-timeout", str(heartbeat_timeout), "--ready-fd", str(write_fd)]
+           "--replicas", str(replicas), "--heartbeat-timeout", str(heartbeat_timeout), "--hang-timeout", str(hang_timeout),
+           "--ready-fd", str(write_fd)]
     child_env = dict(os.environ, **{env.OMP_NUM_THREADS: "1"})
+    if secret_file is not None:
+        child_env[env.SECRET_FILE] = secret_file
     proc = subprocess.Popen(cmd, pass_fds=(write_fd,), env=child_env)
     os.close(write_fd)
     deadline = time.monotonic() + timeout
@@ -68,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     parser.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    coordinator.serve(args.host, args.port, args.replicas, args.heartbeat_timeout, args.ready_fd)
+    coordinator.serve(args.host, args.port, args.replicas, args.heartbeat_timeout, args.ready_fd,
+                      hang_timeout=args.hang_timeout)
     return 0
 
 
@@ -78,3 +82,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, required=True, help="number of replicas of the job")
     parser.add_argument("--heartbeat-timeout", type=float, default=1.0,
                         help="seconds without heartbeat before a replica is declared dead")
+    parser.add_argument("--hang-timeout", type=float, default=30.0,
+                        help="seconds without progress of a replica's main thread, while its peers wait on it, "
+                             "before it is declared hung")

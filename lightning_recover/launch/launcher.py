@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,7 +25,7 @@ from lightning_recover import env
 from lightning_recover.launch import coordinator_process
 from lightning_recover.protocol import coordinator
 from lightning_recover.protocol.faults import parse_faults
-from lightning_recover.protocol.messages import connect, mark_dead
+from lightning_recover.protocol.messages import JobSecret, Sealer, connect, mark_dead
 
 
 @dataclass
@@ -86,6 +88,7 @@ def supervise(
     replicas: int,
     *,
     heartbeat_timeout: float = 1.0,
+    hang_timeout: float = 30.0,
     inject: str | None = None,
     restarts: int = 0,
     host: str = "127.0.0.1",
@@ -109,10 +112,22 @@ def supervise(
         raise ValueError(f"heartbeat_timeout must be > 0 seconds, got {heartbeat_timeout}")
     parse_faults(inject)  # validate before starting anything
     say = on_event or (lambda line: print(f"[lightning-recover] {line}", file=sys.stderr, flush=True))
-    coord = coordinator_process.start(replicas, heartbeat_timeout, host=host)
-    store = connect(coord.addr)
+    # One secret per job, in a private 0600 file: it authenticates every control message.
+    secret_dir = tempfile.mkdtemp(prefix="lightning-recover-")
+    secret = JobSecret.generate()
+    secret_file = secret.write_file(secret_dir)
+    sealer = Sealer(secret)
+    try:
+        coord = coordinator_process.start(replicas, heartbeat_timeout, host=host, hang_timeout=hang_timeout,
+                                          secret_file=secret_file)
+        store = connect(coord.addr)
+    except BaseException:
+        shutil.rmtree(secret_dir, ignore_errors=True)
+        raise
     child_env = dict(os.environ, **(extra_env or {}))
     child_env[env.COORDINATOR] = coord.addr
+    child_env[env.SECRET_FILE] = secret_file
+    child_env.pop(env.SECRET, None)
     child_env[env.REPLICAS] = str(replicas)
     child_env.setdefault(env.OMP_NUM_THREADS, "1")  # spinning OpenMP threads make gloo 20x slower on small machines
     if inject:
@@ -152,7 +167,7 @@ def supervise(
                 c.history.append(_describe(code))
                 if code != 0:
                     try:
-                        mark_dead(store, c.replica)
+                        mark_dead(store, sealer, c.replica)
                     except Exception:
                         pass  # the coordinator itself is gone; replicas notice on their own
                     say(f"replica {c.replica} failed ({_describe(code)})")
@@ -180,7 +195,7 @@ def supervise(
                     if lost and c.proc.poll() is None:
                         # The agent will restart it; tell the survivors now rather than after heartbeats.
                         try:
-                            if mark_dead(store, c.replica):
+                            if mark_dead(store, sealer, c.replica):
                                 say(f"replica {c.replica}: its worker exited; declared dead")
                         except Exception:
                             pass
@@ -205,6 +220,7 @@ def supervise(
                 _kill_tree(c.proc.pid)
                 c.proc.wait()
         coord.stop()
+        shutil.rmtree(secret_dir, ignore_errors=True)
     ok = [c.replica for c in children if c.exit_code == 0]
     say("done: " + ", ".join(f"replica {c.replica}: {'; '.join(c.history)}" for c in children))
     return 0 if ok and not interrupted else 1
@@ -224,7 +240,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:
-    coordinator.serve(args.host, args.port, args.replicas, args.heartbeat_timeout)
+    coordinator.serve(args.host, args.port, args.replicas, args.heartbeat_timeout, hang_timeout=args.hang_timeout)
     return 0
 
 

@@ -76,11 +76,18 @@ class SurvivorCollectives:
             work.get_future().add_done_callback(one_done)
         timeout = self.membership.collective_timeout
         deadline = time.monotonic() + timeout
-        while not done.wait(SLICE):
-            if self.membership.failure_seen():
-                raise MembershipChanged("a member of the generation failed during a collective")
-            if time.monotonic() > deadline:
-                raise MembershipChanged(f"collective did not complete within {timeout}s")
+        try:
+            while not done.wait(SLICE):
+                if self.membership.failure_seen():
+                    raise MembershipChanged("a member of the generation failed during a collective")
+                if time.monotonic() > deadline:
+                    raise MembershipChanged(f"collective did not complete within {timeout}s")
+        except BaseException:
+            # The operation is still in flight: its group can never be destroyed cleanly (gloo blocks
+            # until the op times out, then aborts the process), so it is abandoned now and the
+            # process ends without destroying it.
+            self.membership.abandon_current()
+            raise
         for work in works:
             try:
                 work.wait()
@@ -99,7 +106,7 @@ class SurvivorCollectives:
             present = [r for r in members if store.has(f"{prefix}/{r}")]
             missing = set(members) - set(present)
             if not missing or not (missing - m.dead(sorted(missing), m.gen.incarnations)):
-                store.compare_set(f"{prefix}/set", "", json.dumps(present))
+                store.compare_set(f"{prefix}/set", None, json.dumps(present))
                 break
             delay = backoff(delay)
         return json.loads(store.get(f"{prefix}/set"))
@@ -111,6 +118,7 @@ class SurvivorCollectives:
         issues its first one in step with the members.
         """
         m = self.membership
+        m.progress.note("exchange")
         number = m.gen.number
         self._seq[number] = seq = self._seq.get(number, 0) + 1
         for old in [g for g in self._seq if g < number]:
@@ -118,7 +126,9 @@ class SurvivorCollectives:
         prefix = f"x/{number}/{seq}"
         m.store.put_object(f"{prefix}/{m.replica}", obj)
         who = self._live_contributors(prefix)
-        return dict(zip(who, m.store.get_objects([f"{prefix}/{r}" for r in who])))
+        values = dict(zip(who, m.store.get_objects([f"{prefix}/{r}" for r in who])))
+        m.progress.note("idle")
+        return values
 
     def broadcast_object(self, obj: Any, src_rank: int = 0) -> Any:
         """Broadcast from the member of rank ``src_rank`` among those alive now."""

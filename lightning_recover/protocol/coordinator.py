@@ -4,25 +4,31 @@ Replicas never hold a default process group across each other. Everything they m
 (generations, commit decisions, who is dead) goes through this store, whose operations are
 linearizable: the first ``compare_set`` of a key wins and everyone reads the same value.
 
-Keys (all small strings):
+Keys (values sealed with the job's MAC, see ``messages.py``, except the two counters):
 
-``inc/{r}``        incarnation counter of replica r (bumped by each (re)start of r)
-``hb/{r}``         heartbeat counter of replica r (bumped every ``heartbeat_interval``)
+``inc/{r}``        incarnation counter of replica r (bumped by each (re)start of r; a hint)
+``hb/{r}``         heartbeat of replica r: incarnation, beat number and the main thread's progress
+                   (step, phase, count), rewritten every ``heartbeat_interval``
 ``dead/{r}``       the incarnation of r declared dead ("0" = none)
 ``events``         bumped on every death and every proposed generation (one cheap read
-                   tells a waiting replica whether anything changed)
+                   tells a waiting replica whether anything changed; a hint)
 ``gen/latest``     newest generation that has been proposed
+``meta/replicas``  the job's replica count, checked by every replica when it connects
+``join/{r}``       the incarnation of a restarted replica r asking to be admitted
 ``g{G}/...``       the membership round of generation G (see ``membership.py``)
-``s{S}/g{G}/...``  step S's reduce under generation G: done counter and the commit decision
+``s{S}/g{G}/...``  step S's reduce under generation G: done reports and the commit decision
 
-The monitor declares a replica dead when its heartbeat counter has not moved for
-``heartbeat_timeout`` seconds of the coordinator's own clock (no cross-host clock comparison).
-The launcher also declares a replica dead as soon as it sees the process exit.
+The monitor declares a replica dead when its beat has not moved for ``heartbeat_timeout`` seconds
+of the coordinator's own clock (no cross-host clock comparison; a killed or frozen process), or
+when its main thread made no progress for ``hang_timeout`` seconds while a peer waited on it (a
+deadlock the heartbeat thread alone would hide). The launcher also declares a replica dead as soon
+as it sees the process exit.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import signal
 import threading
@@ -30,40 +36,62 @@ import time
 
 import torch.distributed as dist
 
-from lightning_recover.protocol.messages import mark_dead
+from lightning_recover.errors import ForgedMessageError
+from lightning_recover.protocol.messages import JobSecret, Sealer, mark_dead, read_death
 
 _STORE_TIMEOUT = datetime.timedelta(seconds=60)
 
 
-def _init_keys(store: dist.TCPStore, replicas: int) -> None:
+def _init_keys(store: dist.TCPStore, sealer: Sealer, replicas: int) -> None:
     for r in range(replicas):
-        store.set(f"dead/{r}", "0")
+        store.set(f"dead/{r}", sealer.seal(f"dead/{r}", b"0"))
         store.add(f"inc/{r}", 0)
-        store.add(f"hb/{r}", 0)
+        store.set(f"hb/{r}", sealer.seal(f"hb/{r}", json.dumps({"inc": 0}).encode()))
     store.add("events", 0)
-    store.set("gen/latest", "0")
-    store.set("meta/replicas", str(replicas))
+    store.set("gen/latest", sealer.seal("gen/latest", b"0"))
+    store.set("meta/replicas", sealer.seal("meta/replicas", str(replicas).encode()))
 
 
-def _monitor(store: dist.TCPStore, replicas: int, timeout: float, stop: threading.Event) -> None:
-    """Declare dead every replica whose heartbeat counter stopped moving."""
-    keys = [f"hb/{r}" for r in range(replicas)] + [f"inc/{r}" for r in range(replicas)]
-    last: dict[int, tuple[int, int, float]] = {}
+_WAITING = ("reduce", "decide", "regroup", "exchange")  # phases in which a replica waits on its peers
+
+
+def _monitor(store: dist.TCPStore, sealer: Sealer, replicas: int, timeout: float, hang_timeout: float,
+             stop: threading.Event) -> None:
+    """Declare dead every replica whose heartbeat stopped (killed, frozen, coordinator unreachable)
+    or whose main thread made no progress for ``hang_timeout`` while a peer waited on it (deadlock)."""
+    keys = [f"hb/{r}" for r in range(replicas)]
+    beats: dict[int, tuple[int, int, float]] = {}  # r -> (incarnation, beat, when it last moved)
+    progress: dict[int, tuple[int, int, float]] = {}  # r -> (incarnation, progress count, when it last moved)
     poll = min(0.02, timeout / 10)
     while not stop.wait(poll):
-        values = [int(v) for v in store.multi_get(keys)]
         now = time.monotonic()
-        for r in range(replicas):
-            hb, inc = values[r], values[replicas + r]
+        hbs: dict[int, dict] = {}
+        for r, raw in zip(range(replicas), store.multi_get(keys)):
+            try:
+                hbs[r] = json.loads(sealer.open(f"hb/{r}", raw))
+            except (ForgedMessageError, ValueError):
+                continue  # a forged heartbeat is no heartbeat
+        waiting = {r for r, hb in hbs.items() if hb.get("phase") in _WAITING}
+        for r, hb in hbs.items():
+            inc = int(hb.get("inc", 0))
             if inc == 0:
                 continue  # not started yet
-            prev = last.get(r)
-            if prev is None or prev[0] != hb or prev[1] != inc:
-                last[r] = (hb, inc, now)
-            elif now - prev[2] > timeout and hb > 0:
-                if int(store.get(f"dead/{r}")) < inc and mark_dead(store, r, inc):
-                    print(f"[coordinator] replica {r} (incarnation {inc}) missed heartbeats for "
-                          f"{now - prev[2]:.2f}s: declared dead", flush=True)
+            key = (inc, int(hb.get("beat", 0)))
+            prev = beats.get(r)
+            if prev is None or prev[:2] != key:
+                beats[r] = (*key, now)
+            count = (inc, int(hb.get("count", 0)))
+            moved = progress.get(r)
+            if moved is None or moved[:2] != count or hb.get("phase") in _WAITING or not (waiting - {r}):
+                progress[r] = (*count, now)  # progressing, waiting itself, or nobody waits on it
+            why = None
+            if now - beats[r][2] > timeout:
+                why = f"missed heartbeats for {now - beats[r][2]:.2f}s"
+            elif now - progress[r][2] > hang_timeout:
+                why = (f"made no progress for {now - progress[r][2]:.2f}s in phase {hb.get('phase')!r} of step "
+                       f"{hb.get('step')} while replicas {sorted(waiting - {r})} waited on it (hung)")
+            if why and read_death(sealer, r, store.get(f"dead/{r}")) < inc and mark_dead(store, sealer, r, inc):
+                print(f"[coordinator] replica {r} (incarnation {inc}) {why}: declared dead", flush=True)
 
 
 class Coordinator:
@@ -73,13 +101,16 @@ class Coordinator:
     ``threading.Thread(target=c.monitor, args=(stop_event,))``; ``c.addr`` is what replicas connect to.
     """
 
-    def __init__(self, host: str, port: int, replicas: int, heartbeat_timeout: float) -> None:
+    def __init__(self, host: str, port: int, replicas: int, heartbeat_timeout: float, secret: JobSecret,
+                 hang_timeout: float = 30.0) -> None:
         self.host = host
         self.replicas = replicas
         self.heartbeat_timeout = heartbeat_timeout
+        self.hang_timeout = hang_timeout
+        self.sealer = Sealer(secret)
         self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=_STORE_TIMEOUT,
                                    use_libuv=True)
-        _init_keys(self.store, replicas)
+        _init_keys(self.store, self.sealer, replicas)
 
     @property
     def addr(self) -> str:
@@ -87,11 +118,12 @@ class Coordinator:
 
     def monitor(self, stop: threading.Event) -> None:
         """Declare dead every replica whose heartbeat stopped, until ``stop`` is set."""
-        _monitor(self.store.clone(), self.replicas, self.heartbeat_timeout, stop)
+        _monitor(self.store.clone(), self.sealer, self.replicas, self.heartbeat_timeout, self.hang_timeout, stop)
 
 
-def serve(host: str, port: int, replicas: int, heartbeat_timeout: float, ready_fd: int | None = None) -> None:
-    coordinator = Coordinator(host, port, replicas, heartbeat_timeout)
+def serve(host: str, port: int, replicas: int, heartbeat_timeout: float, ready_fd: int | None = None,
+          hang_timeout: float = 30.0) -> None:
+    coordinator = Coordinator(host, port, replicas, heartbeat_timeout, JobSecret.from_env(), hang_timeout)
     line = f"LISTENING {coordinator.addr}\n"
     if ready_fd is not None:
         os.write(ready_fd, line.encode())

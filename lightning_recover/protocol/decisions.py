@@ -4,11 +4,16 @@ A collective's own success is not enough to apply a step (measured: in 5 of 40 k
 survivors disagreed whether the all-reduce had completed). Each (step, generation) has a register
 in the coordinator; the first ``compare_set`` of ``commit`` (written by the member completing the
 count of done reports) or ``retry`` (written by any member whose reduce failed) wins, and every
-member applies the step only if it reads ``commit``.
+member applies the step only if it reads ``commit`` and is not itself declared dead (fencing: a
+replica the others excluded never applies a step of a generation it is no longer in).
+
+Done reports are one sealed key per member rather than a counter, so nobody without the job's
+secret can complete the count; a decision value is bound by its MAC to its (step, generation).
 """
 
 from __future__ import annotations
 
+from lightning_recover.errors import ForgedMessageError, ReplicaExcludedError
 from lightning_recover.protocol.membership import SLICE, Membership
 
 
@@ -28,7 +33,7 @@ class Decisions:
         Returns True only if the step had been committed before (impossible for a member whose
         reduce failed, since a commit needs every member's done report; checked by the caller).
         """
-        return self._read(self.membership.store.compare_set(f"{self._key(step)}/dec", "", "retry"))
+        return self._read(self.membership.store.compare_set(f"{self._key(step)}/dec", None, "retry"))
 
     def report_done(self, step: int) -> None:
         """This member's reduce completed. The member completing the count writes ``commit``.
@@ -39,10 +44,17 @@ class Decisions:
         """
         m = self.membership
         key = self._key(step)
-        if m.store.add(f"{key}/done", 1) == m.gen.size:
+        m.store.set(f"{key}/done/{m.replica}", str(m.incarnation))
+        # Linearizable store: of the members writing their report, at least the last sees them all.
+        reports = [f"{key}/done/{r}" for r in m.gen.members]
+        if m.store.has_all(reports):
+            try:
+                m.store.multi_get(reports)
+            except ForgedMessageError:
+                return  # a planted report: the member's own (sealed) one overwrites it and completes the count
             joins = m.pending_joins()
             value = "commit" + ("" if not joins else ";admit=" + ",".join(f"{r}:{i}" for r, i in sorted(joins.items())))
-            m.store.compare_set(f"{key}/dec", "", value)
+            m.store.compare_set(f"{key}/dec", None, value)
 
     def await_decision(self, step: int) -> bool:
         """Wait for the step's decision; settle it as ``retry`` if the generation fails meanwhile."""
@@ -52,11 +64,17 @@ class Decisions:
             if m.store.wait(key, SLICE):  # returns as soon as the decision is written
                 return self._read(m.store.get(key))
             if m.failure_seen():
-                return self._read(m.store.compare_set(key, "", "retry"))
+                return self._read(m.store.compare_set(key, None, "retry"))
 
     def _read(self, text: str) -> bool:
         if not text.startswith("commit"):
             return False
+        m = self.membership
+        if m.store.deaths([m.replica])[m.replica] >= m.incarnation:
+            raise ReplicaExcludedError(
+                f"replica {m.replica} was declared dead by the group while its step was being decided; it "
+                "applies nothing more and stops here. HINT: raise heartbeat_timeout/hang_timeout if it was only slow."
+            )
         _, _, admit = text.partition(";admit=")
         self.admit_next = {int(r): int(i) for r, i in (x.split(":") for x in admit.split(",") if x)}
         return True
@@ -65,5 +83,6 @@ class Decisions:
         """Delete the decision keys of an old step (called by the leader)."""
         number = self.membership.gen.number
         for g in range(max(0, number - 4), number + 1):
-            for suffix in ("done", "dec"):
-                self.membership.store.delete(f"s{step}/g{g}/{suffix}")
+            self.membership.store.delete(f"s{step}/g{g}/dec")
+            for r in self.membership.gen.members:
+                self.membership.store.delete(f"s{step}/g{g}/done/{r}")

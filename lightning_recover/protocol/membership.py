@@ -28,12 +28,19 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch.distributed as dist
 
-from lightning_recover.errors import CoordinatorLostError, MembershipChanged, ReplicaExcludedError
-from lightning_recover.protocol.messages import ControlStore
+from lightning_recover import env
+from lightning_recover.errors import (
+    CoordinatorLostError,
+    ForgedMessageError,
+    MembershipChanged,
+    RecoverError,
+    ReplicaExcludedError,
+)
+from lightning_recover.protocol.messages import ControlStore, JobSecret
 
 POLL_MIN = 0.0005
 POLL_MAX = 0.005
@@ -53,25 +60,56 @@ def _quiet(fn: Callable[[], Any]) -> None:
         pass
 
 
-class Heartbeat:
-    """Bumps ``hb/{replica}`` every ``interval`` seconds on its own store connection."""
+class Progress:
+    """What the main thread is doing, reported by the heartbeat: a replica whose heartbeat thread
+    lives but whose main thread is stuck (a deadlock) is told apart from a slow one by this."""
 
-    def __init__(self, store: ControlStore, replica: int, interval: float) -> None:
+    def __init__(self) -> None:
+        self.step = -1
+        self.phase = "start"
+        self.count = 0
+
+    def note(self, phase: str, step: Optional[int] = None) -> None:
+        self.phase = phase
+        if step is not None:
+            self.step = step
+        self.count += 1
+
+
+class Heartbeat:
+    """Rewrites the sealed ``hb/{replica}`` every ``interval`` seconds on its own store connection,
+    carrying the main thread's :class:`Progress`, and watches for this incarnation being declared
+    dead (so the main thread learns it at its next check, even between collectives)."""
+
+    def __init__(self, store: ControlStore, replica: int, incarnation: int, interval: float,
+                 progress: Progress) -> None:
         self._store = store.clone()
-        self._key = f"hb/{replica}"
+        self._replica = replica
+        self._incarnation = incarnation
         self._interval = interval
+        self._progress = progress
+        self._beat = 0
         self._stop = threading.Event()
         self.error: BaseException | None = None
+        self.excluded = False
         self._thread = threading.Thread(target=self._run, name=f"lr-heartbeat-{replica}", daemon=True)
 
     def start(self) -> None:
-        self._store.add(self._key, 1)
+        self._send()
         self._thread.start()
+
+    def _send(self) -> None:
+        self._beat += 1
+        p = self._progress
+        self._store.set(f"hb/{self._replica}", json.dumps(
+            {"inc": self._incarnation, "beat": self._beat, "step": p.step, "phase": p.phase, "count": p.count}))
+        if self._store.deaths([self._replica])[self._replica] >= self._incarnation:
+            self.excluded = True
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
             try:
-                self._store.add(self._key, 1)
+                self._send()
             except Exception as exc:
                 self.error = exc
                 return
@@ -108,8 +146,15 @@ class Membership:
         join_timeout: float = 60.0,
         collective_timeout: float = 60.0,
         startup_timeout: float = 300.0,
+        store_timeout: float = 5.0,
         backend: str = "gloo",
+        secret: JobSecret,
     ) -> None:
+        if not 0 <= replica < num_replicas:
+            raise ValueError(
+                f"replica id {replica} is outside 0..{num_replicas - 1}. HINT: give each of the {num_replicas} "
+                f"replicas a distinct {env.REPLICA} in that range."
+            )
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         if backend == "nccl" and not dist.is_nccl_available():
@@ -122,6 +167,9 @@ class Membership:
         self.join_timeout = join_timeout
         self.collective_timeout = collective_timeout
         self.startup_timeout = startup_timeout
+        self.store_timeout = store_timeout  # bounds every store operation: a frozen coordinator is noticed
+        self.secret = secret
+        self.progress = Progress()
         self.store: ControlStore | None = None
         self.incarnation = 0
         self.gen: Generation | None = None
@@ -132,9 +180,16 @@ class Membership:
 
     # ------------------------------------------------------------------ lifecycle
     def connect(self) -> None:
-        self.store = ControlStore(self.addr, self.replica)
+        self.store = ControlStore(self.addr, self.replica, self.secret, timeout=self.store_timeout)
+        stored = self.store.get("meta/replicas")
+        if stored != str(self.num_replicas):
+            raise RecoverError(
+                f"replica {self.replica} was started for {self.num_replicas} replicas but the coordinator at "
+                f"{self.addr} runs a job of {stored}. HINT: give every replica the coordinator's count "
+                f"({env.REPLICAS}={stored}) or start the coordinator with --replicas {self.num_replicas}."
+            )
         self.incarnation = self.store.add(f"inc/{self.replica}", 1)
-        self._heartbeat = Heartbeat(self.store, self.replica, self.heartbeat_interval)
+        self._heartbeat = Heartbeat(self.store, self.replica, self.incarnation, self.heartbeat_interval, self.progress)
         self._heartbeat.start()
 
     def form_initial(self) -> Generation | None:
@@ -157,17 +212,14 @@ class Membership:
         if self.incarnation > 1:
             # Our previous incarnation is certainly dead: say so now rather than after heartbeats.
             self.store.mark_dead(self.replica, self.incarnation - 1)
-        self.store.append("join/requests", f"{self.replica}:{self.incarnation},")
+        self.store.set(f"join/{self.replica}", str(self.incarnation))
 
     def pending_joins(self) -> dict[int, int]:
         """Join requests not yet admitted and still alive: ``{replica: incarnation}``."""
-        if not self.store.has("join/requests"):
-            return {}
         latest: dict[int, int] = {}
-        for item in self.store.get("join/requests").split(","):
-            if item:
-                r, inc = (int(x) for x in item.split(":"))
-                latest[r] = max(inc, latest.get(r, 0))
+        for r in range(self.num_replicas):
+            if r not in self.gen.members and self.store.has(f"join/{r}"):
+                latest[r] = int(self.store.get(f"join/{r}"))
         wanted = {r: inc for r, inc in latest.items() if self.gen.incarnations.get(r) != inc}
         dead = self.dead(sorted(wanted), wanted)
         return {r: inc for r, inc in wanted.items() if r not in dead}
@@ -218,24 +270,47 @@ class Membership:
     def size(self) -> int:
         return self.gen.size
 
+    def _joined(self, prefix: str) -> set[int]:
+        """Replicas that joined round ``prefix``: the unsealed list is only a hint of whom to look
+        at; a replica counts once its sealed join payload is there."""
+        hinted = set()
+        for item in self.store.get_hint(f"{prefix}/joined").split(","):
+            if item.isdigit() and int(item) < self.num_replicas:
+                hinted.add(int(item))
+        joined = set()
+        for r in sorted(hinted):
+            try:
+                json.loads(self.store.get(f"{prefix}/join/{r}"))
+                joined.add(r)
+            except (ForgedMessageError, ValueError):
+                continue  # planted by someone without the secret: not a member
+        return joined
+
     # ------------------------------------------------------------------ failure detection
     def check_health(self) -> None:
-        """Raise if the coordinator is gone or this replica was declared dead."""
+        """Raise if the coordinator is gone or this replica was declared dead (fencing: an
+        excluded replica learns it at its next control-plane operation and applies nothing more)."""
         if self._heartbeat is not None and self._heartbeat.error is not None:
             raise CoordinatorLostError(
                 f"replica {self.replica} lost the coordinator at {self.addr} "
                 f"(heartbeat failed: {self._heartbeat.error}). HINT: restart the job from its last checkpoint."
             )
+        if self._heartbeat is not None and self._heartbeat.excluded:
+            raise ReplicaExcludedError(
+                f"replica {self.replica} was declared dead by the group (missed heartbeats or stalled) and "
+                "must not apply further steps; it stops here. HINT: raise heartbeat_timeout/hang_timeout if "
+                "this replica was only slow."
+            )
 
     def dead(self, replicas: Sequence[int], incarnations: dict[int, int]) -> set[int]:
         if not replicas:
             return set()
-        values = self.store.multi_get([f"dead/{r}" for r in replicas])
+        deaths = self.store.deaths(replicas)
         # Incarnation 0 = not started yet (only during the first formation): not dead.
-        return {r for r, v in zip(replicas, values) if 0 < incarnations.get(r, 1 << 30) <= int(v)}
+        return {r for r in replicas if 0 < incarnations.get(r, 1 << 30) <= deaths[r]}
 
     def current_incarnations(self, replicas: Sequence[int]) -> dict[int, int]:
-        values = self.store.multi_get([f"inc/{r}" for r in replicas])
+        values = self.store.call(self.store.raw.multi_get, [f"inc/{r}" for r in replicas])
         return {r: int(v) for r, v in zip(replicas, values)}
 
     def failure_seen(self) -> bool:
@@ -289,7 +364,7 @@ class Membership:
         prefix = f"g{number}"
         payload = dict(payload, inc=self.incarnation)
         self.store.set(f"{prefix}/join/{self.replica}", json.dumps(payload))
-        self.store.append(f"{prefix}/joined", f"{self.replica},")
+        self.store.append_hint(f"{prefix}/joined", f"{self.replica},")
         deadline = time.monotonic() + timeout
         delay = POLL_MIN
         while not self.store.has(f"{prefix}/members"):
@@ -297,13 +372,13 @@ class Membership:
             if not may_close:
                 delay = backoff(delay)
                 continue
-            joined = {int(x) for x in self.store.get(f"{prefix}/joined").split(",") if x}
+            joined = self._joined(prefix)
             dead = self.dead(sorted(set(expected) | joined), expected)
             if set(expected) - joined - dead and time.monotonic() < deadline:
                 delay = backoff(delay)
                 continue
             members = sorted(joined - dead)
-            self.store.compare_set(f"{prefix}/members", "", json.dumps(members))
+            self.store.compare_set(f"{prefix}/members", None, json.dumps(members))
         members = json.loads(self.store.get(f"{prefix}/members"))
         if self.replica not in members:
             raise ReplicaExcludedError(
@@ -358,6 +433,11 @@ class Membership:
             opts._timeout = timeout
             return dist.ProcessGroupNCCL(store, rank, size, opts)
         return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+    def abandon_current(self) -> None:
+        """Give up the current generation's group (an operation on it may still be in flight)."""
+        if self.gen is not None:
+            self._abandon(self.gen)
 
     def _abandon(self, gen: Generation) -> None:
         if gen.pg is None:

@@ -1,85 +1,282 @@
-"""The message layer between the protocol and the coordinator's store.
+"""The message layer between the protocol and the coordinator's store: typed and authenticated.
 
-Every read and write of the control plane goes through :class:`ControlStore`: it turns store
-failures into :class:`CoordinatorLostError` (no step can be agreed without the coordinator) and it
-is the one place where values are encoded and decoded, so what a replica accepts from the network
-is decided here and nowhere else.
+Every read and write of the control plane goes through :class:`ControlStore`. The store server
+(a TCPStore) accepts any client that reaches its port, so nothing read from it is trusted:
+
+* **Authenticated**: every value carries an HMAC-SHA256 over (key, payload) under the job's
+  secret (:class:`JobSecret`, made by the launcher). A value that fails verification is never
+  acted on: registers (decisions, memberships) are taken back by the first legitimate writer,
+  death notices and heartbeats that fail are dropped and logged, and any other forged value stops
+  the replica with :class:`ForgedMessageError`. Binding the MAC to the key stops replays of a
+  genuine value under another key (an old step's ``commit`` cannot decide a new step).
+* **Typed**: objects exchanged between replicas (metrics, barrier, broadcast) are encoded as JSON
+  with tagged tensors (dtype, shape, raw bytes); nothing received is ever unpickled.
+* **Failures named**: a store failure or timeout raises :class:`CoordinatorLostError`; the client
+  timeout is bounded (``store_timeout``) so a frozen coordinator is noticed, never waited on forever.
+
+Counters (``add``) cannot carry a MAC; they are used only as hints whose forgery costs at most a
+spurious wake-up (``events``) or a refused start (``inc/{r}``), never a wrong step.
 """
 
 from __future__ import annotations
 
+import base64
 import datetime
-import pickle
+import hashlib
+import hmac
+import json
+import logging
+import math
+import os
+import secrets
+import stat
+import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 
 from lightning_recover import env
-from lightning_recover.errors import CoordinatorLostError, MembershipChanged, ReplicaExcludedError
+from lightning_recover.errors import (
+    CoordinatorLostError,
+    ForgedMessageError,
+    MembershipChanged,
+    RecoverError,
+    ReplicaExcludedError,
+)
+
+log = logging.getLogger(__name__)
+
+_MAC_BYTES = 32
+_TAG = b"\x00lr1"  # separates payload and MAC; versions the sealing
+_REGISTER_TAKEBACKS = 16  # forged register values a legitimate writer replaces before giving up
+
+
+# ---------------------------------------------------------------------------- the job's secret
+
+
+class JobSecret:
+    """The per-job key of the control plane's MACs (32 random bytes by default)."""
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) < 16:
+            raise ValueError("the job secret must be at least 16 bytes")
+        self.key = key
+
+    @classmethod
+    def generate(cls) -> JobSecret:
+        return cls(secrets.token_bytes(32))
+
+    def hex(self) -> str:
+        return self.key.hex()
+
+    def write_file(self, directory: str) -> str:
+        """Write the secret to a new 0600 file in ``directory``; return its path."""
+        path = os.path.join(directory, "job.secret")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.hex())
+        return path
+
+    @classmethod
+    def from_file(cls, path: str) -> JobSecret:
+        st = os.stat(path)
+        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise RecoverError(
+                f"the secret file {path} is readable by other users (mode {stat.S_IMODE(st.st_mode):o}). "
+                f"HINT: chmod 600 {path}"
+            )
+        with open(path) as f:
+            return cls._parse(f.read().strip(), f"the secret file {path}")
+
+    @classmethod
+    def from_env(cls) -> JobSecret:
+        """The secret a launcher handed to this process (file path or hex value)."""
+        if os.environ.get(env.SECRET_FILE):
+            return cls.from_file(os.environ[env.SECRET_FILE])
+        if os.environ.get(env.SECRET):
+            return cls._parse(os.environ[env.SECRET], env.SECRET)
+        raise RecoverError(
+            f"no job secret: control messages are authenticated and this process has no key. HINT: start "
+            f"replicas with `lightning-recover run`/`torchrun` or `fabric.launch()` (they make one), or for "
+            f"hand-started multi-host jobs give every process and the coordinator the same "
+            f"{env.SECRET_FILE}=PATH (a 0600 file of hex) or {env.SECRET}=HEX (e.g. `openssl rand -hex 32`)."
+        )
+
+    @classmethod
+    def _parse(cls, text: str, where: str) -> JobSecret:
+        try:
+            return cls(bytes.fromhex(text))
+        except ValueError:
+            raise RecoverError(f"{where} must hold at least 32 hex digits (e.g. `openssl rand -hex 32`)") from None
+
+
+class Sealer:
+    """HMAC sealing of store values under one :class:`JobSecret`."""
+
+    def __init__(self, secret: JobSecret) -> None:
+        self._key = secret.key
+
+    def _mac(self, key: str, payload: bytes) -> bytes:
+        return hmac.new(self._key, key.encode() + b"\x00" + payload, hashlib.sha256).digest()
+
+    def seal(self, key: str, payload: bytes) -> bytes:
+        return payload + _TAG + self._mac(key, payload)
+
+    def open(self, key: str, raw: bytes) -> bytes:
+        """The payload of a sealed value; raises :class:`ForgedMessageError` if it is not genuine."""
+        cut = len(raw) - _MAC_BYTES - len(_TAG)
+        if cut < 0 or raw[cut : cut + len(_TAG)] != _TAG:
+            raise ForgedMessageError(f"control-plane value under {key!r} is not sealed ({len(raw)} bytes)")
+        payload, mac = raw[:cut], raw[cut + len(_TAG) :]
+        if not hmac.compare_digest(mac, self._mac(key, payload)):
+            raise ForgedMessageError(f"control-plane value under {key!r} failed authentication")
+        return payload
+
+
+# ---------------------------------------------------------------------------- typed objects
+
+
+def encode_object(obj: Any) -> bytes:
+    """JSON with tagged tensors, tuples and non-string keys: what replicas may exchange."""
+    return json.dumps(_to_json(obj), separators=(",", ":"), allow_nan=True).encode()
+
+
+def decode_object(raw: bytes) -> Any:
+    """Decode what :func:`encode_object` wrote (raises ValueError on anything else)."""
+    return _from_json(json.loads(raw.decode()))
+
+
+def _to_json(obj: Any) -> Any:
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, int):
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else {"__float__": repr(obj)}
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        return {"__tensor__": [str(t.dtype).removeprefix("torch."), list(t.shape), base64.b64encode(data).decode()]}
+    if isinstance(obj, (list, tuple)):
+        items = [_to_json(x) for x in obj]
+        return items if isinstance(obj, list) else {"__tuple__": items}
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+            return {k: _to_json(v) for k, v in obj.items()}
+        return {"__dict__": [[_to_json(k), _to_json(v)] for k, v in obj.items()]}
+    raise TypeError(
+        f"strategy='recover' exchanges values between replicas as typed data (None, bool, int, float, str, "
+        f"tensors, lists, tuples and dicts of those), not {type(obj).__name__}. HINT: convert it, e.g. to a "
+        "str or a dict, before broadcasting or reducing it."
+    )
+
+
+def _from_json(obj: Any) -> Any:
+    if isinstance(obj, list):
+        return [_from_json(x) for x in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if len(obj) == 1:
+        (tag, value), = obj.items()
+        if tag == "__tensor__":
+            dtype_name, shape, data = value
+            dtype = getattr(torch, str(dtype_name), None)
+            if not isinstance(dtype, torch.dtype) or not all(isinstance(n, int) and n >= 0 for n in shape):
+                raise ValueError(f"bad tensor header {dtype_name!r} {shape!r}")
+            buf = bytearray(base64.b64decode(data))
+            if len(buf) != math.prod(shape) * dtype.itemsize:
+                raise ValueError("tensor data does not match its shape")
+            flat = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+            return flat.view(dtype).reshape(shape)
+        if tag == "__tuple__":
+            return tuple(_from_json(x) for x in value)
+        if tag == "__dict__":
+            return {_hashable(_from_json(k)): _from_json(v) for k, v in value}
+        if tag == "__float__":
+            return float(value)
+    return {k: _from_json(v) for k, v in obj.items()}
+
+
+def _hashable(key: Any) -> Any:
+    return tuple(_hashable(k) for k in key) if isinstance(key, list) else key
+
+
+# ---------------------------------------------------------------------------- connections
 
 
 def connect(addr: str, timeout: float = 60.0) -> dist.TCPStore:
-    """Connect a raw client to the coordinator at ``host:port``."""
+    """Connect a raw client to the coordinator at ``host:port`` within ``timeout`` seconds."""
     host, _, port = addr.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"coordinator address {addr!r} must be HOST:PORT (set {env.COORDINATOR} or pass --coordinator)")
     try:
-        return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+        return dist.TCPStore(host.strip("[]"), int(port), is_master=False, wait_for_workers=False,
                              timeout=datetime.timedelta(seconds=timeout))
     except Exception as exc:  # torch raises several types (DistNetworkError, RuntimeError)
         raise CoordinatorLostError(
-            f"cannot reach the lightning-recover coordinator at {addr}: {exc}. "
-            "HINT: start it with the launcher (`lightning-recover run`) or `lightning-recover coordinator`."
+            f"cannot reach the lightning-recover coordinator at {addr} within {timeout:.0f}s: {exc}. HINT: check "
+            f"{env.COORDINATOR}; start it with the launcher (`lightning-recover run`) or `lightning-recover coordinator`."
         ) from exc
 
 
-def mark_dead(store: dist.Store, replica: int, incarnation: int | None = None) -> bool:
+def mark_dead(store: dist.Store, sealer: Sealer, replica: int, incarnation: Optional[int] = None) -> bool:
     """Declare ``replica`` (its current or the given incarnation) dead.
 
     ``dead/{r}`` only ever grows, so a stale notice for an older incarnation can never mark a
     restarted replica dead. Returns False when that incarnation was already declared dead.
     """
+    key = f"dead/{replica}"
     inc = incarnation if incarnation is not None else int(store.add(f"inc/{replica}", 0))
-    while True:
-        current = store.get(f"dead/{replica}").decode()
-        if int(current) >= inc or inc <= 0:
+    if inc <= 0:
+        return False
+    for _ in range(_REGISTER_TAKEBACKS):
+        raw = store.get(key)
+        current = read_death(sealer, replica, raw)
+        if current >= inc:
             return False
-        if store.compare_set(f"dead/{replica}", current, str(inc)).decode() == str(inc):
+        desired = sealer.seal(key, str(inc).encode())
+        if store.compare_set(key, raw, desired) == desired:
             store.add("events", 1)
             return True
+    raise ForgedMessageError(f"{key} keeps being overwritten by an unauthenticated client")
 
 
-def encode_object(obj: Any) -> bytes:
-    """Encode a small object contributed to a store collective."""
-    return pickle.dumps(obj)
-
-
-def decode_object(raw: bytes) -> Any:
-    """Decode what :func:`encode_object` wrote."""
-    return pickle.loads(raw)
+def read_death(sealer: Sealer, replica: int, raw: bytes) -> int:
+    """The incarnation declared dead in a ``dead/{r}`` value; a forged one counts as none."""
+    try:
+        return int(sealer.open(f"dead/{replica}", raw))
+    except (ForgedMessageError, ValueError):
+        log.warning("ignored a forged death notice for replica %d", replica)
+        return 0
 
 
 class ControlStore:
-    """A replica's client of the coordinator: typed access, failures named."""
+    """A replica's (or launcher's) authenticated client of the coordinator."""
 
-    def __init__(self, addr: str, replica: int, store: dist.Store | None = None) -> None:
+    def __init__(self, addr: str, replica: int, secret: JobSecret, store: Optional[dist.Store] = None,
+                 timeout: float = 60.0) -> None:
         self.addr = addr
         self.replica = replica
-        self.raw = store if store is not None else connect(addr)
+        self.secret = secret
+        self.sealer = Sealer(secret)
+        self.timeout = timeout
+        self.raw = store if store is not None else connect(addr, timeout)
 
     def clone(self) -> ControlStore:
         """A second connection (threads must not share one)."""
-        return ControlStore(self.addr, self.replica, self.call(self.raw.clone))
+        return ControlStore(self.addr, self.replica, self.secret, self.call(self.raw.clone), self.timeout)
 
     def prefixed(self, prefix: str) -> dist.Store:
-        """A fresh connection under ``prefix``, for building process groups over it."""
-        return dist.PrefixStore(prefix, self.call(self.raw.clone))
+        """A fresh, sealed connection under ``prefix``, for building process groups over it: the
+        group's rendezvous (peer addresses) is authenticated like every other value."""
+        return SealedStore(dist.PrefixStore(prefix, self.call(self.raw.clone)), self.sealer, prefix)
 
     def call(self, fn: Any, *args: Any) -> Any:
         try:
             return fn(*args)
-        except (ReplicaExcludedError, MembershipChanged):
+        except (ReplicaExcludedError, MembershipChanged, ForgedMessageError):
             raise
         except Exception as exc:
             raise CoordinatorLostError(
@@ -88,16 +285,44 @@ class ControlStore:
                 "HINT: restart the job from its last checkpoint."
             ) from exc
 
-    # ---------------------------------------------------------------- strings and counters
+    # ---------------------------------------------------------------- sealed strings
     def get(self, key: str) -> str:
-        return self.call(self.raw.get, key).decode()
+        return self.sealer.open(key, self.call(self.raw.get, key)).decode()
 
     def set(self, key: str, value: str) -> None:
-        self.call(self.raw.set, key, value)
+        self.call(self.raw.set, key, self.sealer.seal(key, value.encode()))
 
-    def compare_set(self, key: str, expected: str, desired: str) -> str:
-        """Linearizable register: returns the value now stored (``desired`` if this call won)."""
-        return self.call(self.raw.compare_set, key, expected, desired).decode()
+    def compare_set(self, key: str, expected: Optional[str], desired: str) -> str:
+        """Linearizable register: returns the value now stored (``desired`` if this call won).
+
+        ``expected=None`` means "only if nobody decided yet": a forged value found there is not a
+        decision, so it is replaced as if the key were empty.
+        """
+        expected_raw = b"" if expected is None else self.sealer.seal(key, expected.encode())
+        desired_raw = self.sealer.seal(key, desired.encode())
+        for _ in range(_REGISTER_TAKEBACKS):
+            got = self.call(self.raw.compare_set, key, expected_raw, desired_raw)
+            try:
+                return self.sealer.open(key, got).decode()
+            except ForgedMessageError:
+                if expected is not None:
+                    raise
+                print(f"[lightning-recover] replica {self.replica}: replaced a forged value under {key!r}",
+                      file=sys.stderr, flush=True)
+                expected_raw = got
+        raise ForgedMessageError(f"{key!r} keeps being overwritten by an unauthenticated client")
+
+    def multi_get(self, keys: Sequence[str]) -> list[str]:
+        raw = self.call(self.raw.multi_get, list(keys))
+        return [self.sealer.open(k, v).decode() for k, v in zip(keys, raw)]
+
+    # ---------------------------------------------------------------- unsealed hints and plumbing
+    def append_hint(self, key: str, value: str) -> None:
+        """Append to an unsealed list that only says where to look (entries are verified there)."""
+        self.call(self.raw.append, key, value)
+
+    def get_hint(self, key: str) -> str:
+        return self.call(self.raw.get, key).decode(errors="replace")
 
     def add(self, key: str, amount: int) -> int:
         return int(self.call(self.raw.add, key, amount))
@@ -105,11 +330,8 @@ class ControlStore:
     def has(self, key: str) -> bool:
         return bool(self.call(self.raw.check, [key]))
 
-    def multi_get(self, keys: Sequence[str]) -> list[str]:
-        return [v.decode() for v in self.call(self.raw.multi_get, list(keys))]
-
-    def append(self, key: str, value: str) -> None:
-        self.call(self.raw.append, key, value)
+    def has_all(self, keys: Sequence[str]) -> bool:
+        return bool(self.call(self.raw.check, list(keys)))
 
     def wait(self, key: str, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for ``key``; True once it exists."""
@@ -125,12 +347,56 @@ class ControlStore:
         except Exception:
             pass  # cleanup only: a missing key or a lost coordinator is noticed elsewhere
 
-    def mark_dead(self, replica: int, incarnation: int | None = None) -> bool:
-        return self.call(mark_dead, self.raw, replica, incarnation)
+    # ---------------------------------------------------------------- deaths
+    def mark_dead(self, replica: int, incarnation: Optional[int] = None) -> bool:
+        return self.call(mark_dead, self.raw, self.sealer, replica, incarnation)
+
+    def deaths(self, replicas: Sequence[int]) -> dict[int, int]:
+        """``{r: incarnation declared dead}`` (0 = none; forged notices are ignored)."""
+        raw = self.call(self.raw.multi_get, [f"dead/{r}" for r in replicas])
+        return {r: read_death(self.sealer, r, v) for r, v in zip(replicas, raw)}
 
     # ---------------------------------------------------------------- objects
     def put_object(self, key: str, obj: Any) -> None:
-        self.call(self.raw.set, key, encode_object(obj))
+        self.call(self.raw.set, key, self.sealer.seal(key, encode_object(obj)))
 
     def get_objects(self, keys: Sequence[str]) -> list[Any]:
-        return [decode_object(v) for v in self.call(self.raw.multi_get, list(keys))]
+        raw = self.call(self.raw.multi_get, list(keys))
+        return [decode_object(self.sealer.open(k, v)) for k, v in zip(keys, raw)]
+
+
+class SealedStore(dist.Store):
+    """A ``dist.Store`` that seals what it writes and verifies what it reads (for gloo's rendezvous)."""
+
+    def __init__(self, inner: dist.Store, sealer: Sealer, prefix: str) -> None:
+        super().__init__()
+        self._inner = inner
+        self._sealer = sealer
+        self._prefix = prefix
+
+    def set(self, key: str, value: Any) -> None:
+        self._inner.set(key, self._sealer.seal(f"{self._prefix}/{key}", bytes(value)))
+
+    def get(self, key: str) -> bytes:
+        return self._sealer.open(f"{self._prefix}/{key}", self._inner.get(key))
+
+    def add(self, key: str, amount: int) -> int:
+        return self._inner.add(key, amount)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._inner.check(keys)
+
+    def wait(self, keys: list[str], timeout: Any = None) -> None:
+        if timeout is None:
+            self._inner.wait(keys)
+        else:
+            self._inner.wait(keys, timeout)
+
+    def delete_key(self, key: str) -> bool:
+        return self._inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._inner.num_keys()
+
+    def set_timeout(self, timeout: Any) -> None:
+        self._inner.set_timeout(timeout)

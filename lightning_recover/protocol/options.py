@@ -15,6 +15,7 @@ class RecoverOptions:
     quota: str = "equal"
     heartbeat_interval: float = 0.1
     heartbeat_timeout: float = 1.0
+    hang_timeout: float = 30.0
     join_timeout: float = 60.0
     collective_timeout: float = 60.0
     startup_timeout: float = 300.0
@@ -24,8 +25,8 @@ class RecoverOptions:
     def __post_init__(self) -> None:
         if self.quota not in ("equal", "throughput"):
             raise ValueError(f"quota must be 'equal' or 'throughput', got {self.quota!r}")
-        for name in ("heartbeat_interval", "heartbeat_timeout", "join_timeout", "collective_timeout",
-                     "startup_timeout"):
+        for name in ("heartbeat_interval", "heartbeat_timeout", "hang_timeout", "join_timeout",
+                     "collective_timeout", "startup_timeout"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
@@ -35,10 +36,22 @@ class RecoverOptions:
                 f"({self.heartbeat_interval}s), or healthy replicas would be declared dead. "
                 "HINT: heartbeat_timeout >= 5 x heartbeat_interval is a safe choice."
             )
+        if self.hang_timeout <= self.heartbeat_timeout:
+            raise ValueError(
+                f"hang_timeout ({self.hang_timeout}s) must exceed heartbeat_timeout ({self.heartbeat_timeout}s): it is "
+                "how long a replica may make no progress while its peers wait on it (a long microbatch, a checkpoint "
+                "write) before it counts as hung. HINT: keep the default 30s or raise it for slow steps."
+            )
         if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
             raise ValueError(f"microbatches must be a positive integer, got {self.microbatches!r}")
         if not isinstance(self.restarts, int) or self.restarts < 0:
             raise ValueError(f"restarts must be a non-negative integer, got {self.restarts!r}")
+
+    @property
+    def store_timeout(self) -> float:
+        """Longest a single coordinator operation may take: a frozen coordinator is reported within
+        about ``heartbeat_timeout + 1`` seconds, never waited on forever."""
+        return max(2.0, self.heartbeat_timeout + 1.0)
 
     def resolve_microbatches(self, replicas: int) -> int:
         M = self.microbatches if self.microbatches is not None else replicas

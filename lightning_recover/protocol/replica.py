@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import io
 import os
+import pickle
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
@@ -24,8 +25,22 @@ from lightning_recover.protocol.collectives import SurvivorCollectives
 from lightning_recover.protocol.decisions import Decisions
 from lightning_recover.protocol.faults import Fault, FaultInjector
 from lightning_recover.protocol.membership import Membership
+from lightning_recover.protocol.messages import JobSecret
 from lightning_recover.protocol.options import RecoverOptions
 from lightning_recover.protocol.step import StepProtocol, StepStats
+
+
+def load_state(raw: bytes) -> Any:
+    """A peer's training state, read with torch's weights-only unpickler: tensors, containers and
+    primitives (plus what ``torch.serialization.add_safe_globals`` allows), never arbitrary code."""
+    try:
+        return torch.load(io.BytesIO(raw), weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise RecoverError(
+            f"the training state handed to this rejoining replica holds a type the weights-only loader refuses "
+            f"({exc}). HINT: keep checkpointed state to tensors, containers and primitives, or allow the type "
+            "with torch.serialization.add_safe_globals([...]) in the training script."
+        ) from exc
 
 
 _uncaught = [False]
@@ -48,12 +63,13 @@ class Replica:
 
     def __init__(self, options: RecoverOptions, addr: str, replica: int, num_replicas: int,
                  params: Callable[[], Sequence[torch.nn.Parameter]], backend: str = "gloo",
-                 injector: Optional[FaultInjector] = None) -> None:
+                 injector: Optional[FaultInjector] = None, secret: Optional[JobSecret] = None) -> None:
         self.options = options
         self.M = options.resolve_microbatches(num_replicas)
         self.group = Membership(addr, replica, num_replicas, heartbeat_interval=options.heartbeat_interval,
                                 join_timeout=options.join_timeout, collective_timeout=options.collective_timeout,
-                                startup_timeout=options.startup_timeout, backend=backend)
+                                startup_timeout=options.startup_timeout, store_timeout=options.store_timeout,
+                                backend=backend, secret=secret or JobSecret.from_env())
         self.collectives = SurvivorCollectives(self.group)
         self.decisions = Decisions(self.group)
         self.protocol = StepProtocol(self.group, self.collectives, self.decisions, self.M, params,
@@ -211,7 +227,7 @@ class Replica:
         payload = torch.empty(0, dtype=torch.uint8)
         if self.group.rank == src_rank:
             buffer = io.BytesIO()
-            torch.save(self._get_state(), buffer)
+            torch.save(self._get_state(), buffer)  # typed: tensors plus a weights-only skeleton
             payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
         self.collectives.broadcast([size], src_rank)
@@ -219,9 +235,7 @@ class Replica:
             payload = torch.empty(int(size.item()), dtype=torch.uint8)
         self.collectives.broadcast([payload], src_rank)
         if receive:
-            # The state comes from a peer replica of this job over the job's own group, trusted like
-            # the job's own memory; a Trainer checkpoint carries hyper-parameters of any type.
-            self._set_state(torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False))
+            self._set_state(load_state(payload.numpy().tobytes()))
 
     def seed_microbatch(self, step: int, j: int) -> None:
         """Reseed the RNG so random ops (dropout) do not depend on which replica computes (s, j)."""

@@ -92,6 +92,8 @@ class StepProtocol:
         """Yield the microbatch ids this replica must compute for ``step``; commits at the end."""
         group = self.membership
         group.check_health()
+        progress = group.progress
+        progress.note("compute", step)
         for p in self._params():
             p.grad = None
         self._loss_sum, self._loss_count = None, 0
@@ -106,6 +108,7 @@ class StepProtocol:
         while True:
             for j in ids:
                 start = time.perf_counter()
+                progress.note("compute")
                 yield j
                 self._mb_seconds.append(time.perf_counter() - start)
                 have.append(j)
@@ -128,6 +131,7 @@ class StepProtocol:
             ids = self._recover(step, have, stats)
             if ids:
                 self.fire(step, "recompute")
+        group.progress.note("idle")
         stats.loss = self._step_loss
         if recovering_since is not None:
             stats.recovery_seconds = time.perf_counter() - recovering_since
@@ -141,6 +145,7 @@ class StepProtocol:
     def _recover(self, step: int, have: list[int], stats: StepStats) -> list[int]:
         """Form the next generation; return the ids of lost microbatches this replica computes."""
         group = self.membership
+        group.progress.note("regroup")
         while True:
             try:
                 gen = group.next_generation({"step": step, "have": have})
@@ -172,9 +177,11 @@ class StepProtocol:
         extra = torch.stack([loss.reshape(()).float().cpu(), torch.tensor(float(self._loss_count))]).to(device)
         flat = _flatten_by_dtype(grads, extra)
         self.fire(step, "reduce")
+        group.progress.note("reduce")
         self.collectives.allreduce(_buckets(flat))
         if self.quota == "throughput":
             self._publish_speed(step)
+        group.progress.note("decide")
         self.decisions.report_done(step)
         self.fire(step, "commit")
         if not self.decisions.await_decision(step):
