@@ -101,15 +101,16 @@ class SurvivorCollectives:
         store = m.store
         delay = POLL_MIN
         members = m.gen.members
-        while not store.has(f"{prefix}/set"):
+        while True:
+            agreed = store.get_genuine(f"{prefix}/set")
+            if agreed is not None:
+                return json.loads(agreed)
             m.check_health()
-            present = [r for r in members if store.has(f"{prefix}/{r}")]
+            present = [r for r in members if store.get_genuine(f"{prefix}/{r}") is not None]
             missing = set(members) - set(present)
             if not missing or not (missing - m.dead(sorted(missing), m.gen.incarnations)):
-                store.compare_set(f"{prefix}/set", None, json.dumps(present))
-                break
+                return json.loads(store.compare_set(f"{prefix}/set", None, json.dumps(present)))
             delay = backoff(delay)
-        return json.loads(store.get(f"{prefix}/set"))
 
     def exchange(self, obj: Any) -> dict[int, Any]:
         """Every live member contributes ``obj``; all receive the same ``{replica: obj}``.

@@ -14,7 +14,7 @@ secret can complete the count; a decision value is bound by its MAC to its (step
 from __future__ import annotations
 
 from lightning_recover.errors import ForgedMessageError, ReplicaExcludedError
-from lightning_recover.protocol.membership import SLICE, Membership
+from lightning_recover.protocol.membership import POLL_MIN, SLICE, Membership, backoff
 
 
 class Decisions:
@@ -60,9 +60,13 @@ class Decisions:
         """Wait for the step's decision; settle it as ``retry`` if the generation fails meanwhile."""
         m = self.membership
         key = f"{self._key(step)}/dec"
+        delay = POLL_MIN
         while True:
             if m.store.wait(key, SLICE):  # returns as soon as the decision is written
-                return self._read(m.store.get(key))
+                decided = m.store.get_genuine(key)
+                if decided is not None:
+                    return self._read(decided)
+                delay = backoff(delay)  # a forged value: its legitimate writer will take it back
             if m.failure_seen():
                 return self._read(m.store.compare_set(key, None, "retry"))
 

@@ -199,7 +199,7 @@ class Membership:
         must come in through :meth:`rejoin` (at a step boundary, with state from a peer).
         """
         latest = int(self.store.get("gen/latest"))
-        if latest != 0 or self.store.has("g0/members"):
+        if latest != 0 or self.store.get_genuine("g0/members") is not None:
             self.request_join()
             return None
         starting = self.current_incarnations(range(self.num_replicas))
@@ -218,8 +218,9 @@ class Membership:
         """Join requests not yet admitted and still alive: ``{replica: incarnation}``."""
         latest: dict[int, int] = {}
         for r in range(self.num_replicas):
-            if r not in self.gen.members and self.store.has(f"join/{r}"):
-                latest[r] = int(self.store.get(f"join/{r}"))
+            asked = self.store.get_genuine(f"join/{r}") if r not in self.gen.members else None
+            if asked is not None:
+                latest[r] = int(asked)
         wanted = {r: inc for r, inc in latest.items() if self.gen.incarnations.get(r) != inc}
         dead = self.dead(sorted(wanted), wanted)
         return {r: inc for r, inc in wanted.items() if r not in dead}
@@ -232,7 +233,7 @@ class Membership:
             self.check_health()
             latest = int(self.store.get("gen/latest"))
             key = f"g{latest}/invite/{self.replica}"
-            if self.store.has(key) and int(self.store.get(key)) == self.incarnation:
+            if self.store.get_genuine(key) == str(self.incarnation):
                 break
             if self._job_over():
                 print(f"[lightning-recover] replica {self.replica}: the job ended before it could rejoin", flush=True)
@@ -367,7 +368,7 @@ class Membership:
         self.store.append_hint(f"{prefix}/joined", f"{self.replica},")
         deadline = time.monotonic() + timeout
         delay = POLL_MIN
-        while not self.store.has(f"{prefix}/members"):
+        while self.store.get_genuine(f"{prefix}/members") is None:
             self.check_health()
             if not may_close:
                 delay = backoff(delay)

@@ -157,7 +157,7 @@ def _to_json(obj: Any) -> Any:
         return obj if math.isfinite(obj) else {"__float__": repr(obj)}
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu().contiguous()
-        data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
         return {"__tensor__": [str(t.dtype).removeprefix("torch."), list(t.shape), base64.b64encode(data).decode()]}
     if isinstance(obj, (list, tuple)):
         items = [_to_json(x) for x in obj]
@@ -311,6 +311,16 @@ class ControlStore:
                       file=sys.stderr, flush=True)
                 expected_raw = got
         raise ForgedMessageError(f"{key!r} keeps being overwritten by an unauthenticated client")
+
+    def get_genuine(self, key: str) -> Optional[str]:
+        """The value under ``key`` if present and genuine; None if absent or forged (a forged value
+        in a register is not a decision: its legitimate writer takes it back)."""
+        if not self.has(key):
+            return None
+        try:
+            return self.get(key)
+        except ForgedMessageError:
+            return None
 
     def multi_get(self, keys: Sequence[str]) -> list[str]:
         raw = self.call(self.raw.multi_get, list(keys))

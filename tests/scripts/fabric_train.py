@@ -31,6 +31,8 @@ def main() -> None:
     parser.add_argument("--slow-while-degraded", type=float, default=0.0,
                         help="sleep this long after each step run with fewer than --replicas live replicas "
                              "(gives a restarted replica time to rejoin before the run ends)")
+    parser.add_argument("--metrics", action="store_true",
+                        help="also all-reduce the loss and pass a barrier every step (store collectives)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -55,6 +57,9 @@ def main() -> None:
             fabric.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
+        if args.metrics:
+            fabric.all_reduce(torch.tensor(step.loss), reduce_op="mean")
+            fabric.barrier()
         stats.append(vars(step.stats))
         if args.slow_while_degraded and step.stats.live_replicas < args.replicas:
             time.sleep(args.slow_while_degraded)
