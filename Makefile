@@ -1,6 +1,6 @@
 PYTHON ?= python3
 
-.PHONY: setup demo test test-fast bench
+.PHONY: setup demo test test-fast lint format bench
 
 setup:
 	bash scripts/setup.sh
@@ -12,6 +12,17 @@ demo: setup
 # The whole test suite (what CI runs).
 test: setup
 	$(PYTHON) -m pytest -q tests
+
+# Style: ruff (lint + format check) over the whole tree, clang-format over native_io's C.
+lint:
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+	clang-format --dry-run --Werror native_io/src/*.c native_io/src/*.h
+
+format:
+	$(PYTHON) -m ruff check --fix .
+	$(PYTHON) -m ruff format .
+	clang-format -i native_io/src/*.c native_io/src/*.h
 
 bench: setup
 	$(PYTHON) -m lightning_recover.cli bench checkpoint --size-gb 2 --json docs/bench_checkpoint.json

@@ -65,7 +65,7 @@ def assert_matches_reference(result, reference_state, survivors):
 
 
 PHASES = ["forward", "backward", "reduce", "commit", "optimizer"]
-KINDS = ["kill", "hang", "raise"]
+KINDS = ["kill", "hang", "raise"]  # "stall" (deadlock) has its own test below
 
 
 @pytest.mark.parametrize("phase", PHASES)
@@ -150,9 +150,21 @@ def test_falsely_suspected_replica_never_applies_a_divergent_step(tmp_path, refe
     assert re.search(r"ReplicaExcludedError: replica 1 (was declared dead|was left out|fell behind)", output), output[-3000:]
     states = JobResult(proc.returncode, output, out).states()
     assert sorted(states) == [0, 2], "the excluded replica wrote no result"
+    applied = open(os.path.join(out, "steps1.log")).read().split()
+    assert applied == ["0"], f"the excluded replica applied steps after it froze in step 1: {applied}"
     ref = reference(replicas=3, steps=12)
     for data in states.values():
         assert max_relative_difference(data["state"], ref) <= TOL
+
+
+def test_deadlocked_main_thread_with_live_heartbeat_is_declared_hung(tmp_path, reference):
+    """The main thread of replica 1 blocks for good in step 1 while its heartbeat thread keeps beating:
+    the progress it reports stops while its peers wait on it, so it is declared hung within
+    hang_timeout and the survivors finish equal to the failure-free run."""
+    result = fabric_job(str(tmp_path), inject="stall:replica=1:step=1:phase=backward",
+                        extra=["--hang-timeout", "3"], timeout=180)
+    assert re.search(r"replica 1 \(incarnation 1\) made no progress for 3\.\d+s", result.output), result.output[-3000:]
+    assert_matches_reference(result, reference(), survivors=[0, 2])
 
 
 def test_coordinator_death_stops_every_replica_in_bounded_time(tmp_path):

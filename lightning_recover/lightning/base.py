@@ -82,6 +82,21 @@ class RecoverStrategyBase(ReplicaRanks):
         self.core.start()
         return self.core
 
+    # ------------------------------------------------------------------ collectives over live replicas
+    def _group_ready(self) -> bool:
+        """Whether collectives go to the live replicas (before setup, or while alone: local)."""
+        return self.core is not None
+
+    def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> torch.Tensor:
+        return self.core.all_gather(tensor) if self._group_ready() else tensor.unsqueeze(0)
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        if self._group_ready():
+            self.core.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self.core.broadcast(obj, src) if self._group_ready() else obj
+
     def _elect_writer(self) -> bool:
         """The checkpoint writer is the lowest replica alive *now*, agreed through the store, so a
         checkpoint is neither lost (the leader died unnoticed) nor written twice."""

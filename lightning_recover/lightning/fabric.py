@@ -194,18 +194,6 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
                    reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Tensor:
         return self.core.all_reduce(tensor, reduce_op)
 
-    @override
-    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        return self.core.all_gather(tensor)
-
-    @override
-    def barrier(self, name: Optional[str] = None) -> None:
-        if self.core is not None:
-            self.core.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return self.core.broadcast(obj, src) if self.core is not None else obj
 
     @override
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:

@@ -109,3 +109,11 @@ def check_train_dataloader(dataloader: Any) -> None:
             "strategy='recover' needs the training DataLoader's batch_size (one batch = one microbatch); custom "
             "batch samplers are not supported. HINT: DataLoader(dataset, batch_size=b, shuffle=True)."
         )
+
+
+def epoch_position(trainer: Any, steps_per_epoch: int) -> int:
+    """The step within the epoch a resumed fit continues at (microbatch data is a function of the step)."""
+    limit = trainer.limit_train_batches
+    if (isinstance(limit, float) and limit == 1.0) or (isinstance(limit, int) and limit >= steps_per_epoch):
+        return trainer.global_step % steps_per_epoch
+    return 0  # limit_train_batches: the Trainer's epochs are not data epochs; iterate from the start

@@ -104,3 +104,11 @@ def log_step(capture: StepLogCapture, stats: StepStats, exchange: Callable[[Any]
     for name, value in metrics.items():
         log(name, float(value), on_step=True, on_epoch=False, logger=True, batch_size=batch_size,
             prog_bar=name in ("recover/loss", "recover/live_replicas"))
+
+
+def share_logger_versions(trainer: Any, is_global_zero: bool, broadcast: Callable[[Any], Any]) -> None:
+    """Whichever replica is the lowest live one writes the logs: all must agree on the directory."""
+    for logger in trainer.loggers:
+        if "_version" in vars(logger) and logger._version is None:
+            version = logger.version if is_global_zero else None
+            logger._version = broadcast(version)

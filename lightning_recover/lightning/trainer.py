@@ -49,8 +49,8 @@ from typing_extensions import override
 from lightning_recover import env
 from lightning_recover.errors import RecoverError
 from lightning_recover.lightning.base import RecoverStrategyBase, ReplicaLauncher, build_options
-from lightning_recover.lightning.loader import StepBatch, StepLoader
-from lightning_recover.lightning.step_logs import StepLogCapture, log_step
+from lightning_recover.lightning.loader import StepBatch, StepLoader, epoch_position
+from lightning_recover.lightning.step_logs import StepLogCapture, log_step, share_logger_versions
 from lightning_recover.protocol.replica import Replica
 
 _HINT_ACCUMULATE = (
@@ -179,7 +179,7 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
             # A DistributedSampler must never be injected: the step plan decides what each replica reads.
             trainer._accelerator_connector.use_distributed_sampler = False
             if not self._solo:
-                self._share_logger_versions(trainer)
+                share_logger_versions(trainer, self.is_global_zero, self.broadcast)
 
     # ------------------------------------------------------------------ rejoin
     def _state_for_joiner(self) -> dict[str, Any]:
@@ -243,13 +243,6 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
         self._rejoin_checkpoint = None  # restored by now; free the memory
         super().on_train_start()
 
-    def _share_logger_versions(self, trainer: Any) -> None:
-        # Whichever replica is the lowest live one writes the logs: all must agree on the directory.
-        for logger in trainer.loggers:
-            if "_version" in vars(logger) and logger._version is None:
-                version = logger.version if self.is_global_zero else None
-                logger._version = self.broadcast(version)
-
     def _sync_rank_zero(self, rank: Optional[int] = None) -> None:
         rank = self.global_rank if rank is None else rank
         rank_zero_only.rank = utils_rank_zero_only.rank = fabric_rank_zero_only.rank = rank
@@ -269,17 +262,9 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
         trainer = module.trainer if module is not None else None
         if trainer is not None and trainer.state.stage == RunningStage.TRAINING:
             loader = StepLoader(dataloader, self.core.M, self.options.seed,  # type: ignore[arg-type]
-                                resume_position=lambda: self._epoch_position(trainer, len(loader)))
+                                resume_position=lambda: epoch_position(trainer, len(loader)))
             return loader
         return dataloader  # evaluation: the full loader on every replica
-
-    @staticmethod
-    def _epoch_position(trainer: Any, steps_per_epoch: int) -> int:
-        """The step within the epoch a resumed fit continues at (microbatch data is a function of the step)."""
-        limit = trainer.limit_train_batches
-        if (isinstance(limit, float) and limit == 1.0) or (isinstance(limit, int) and limit >= steps_per_epoch):
-            return trainer.global_step % steps_per_epoch
-        return 0  # limit_train_batches: the Trainer's epochs are not data epochs; iterate from the start
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
@@ -369,7 +354,7 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
     @override
     def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
                reduce_op: Optional[Union[Any, str]] = "mean") -> Union[Tensor, Any]:
-        if not isinstance(tensor, Tensor) or self.core is None or self._solo:
+        if not isinstance(tensor, Tensor) or not self._group_ready():
             return tensor
         if self._evaluating():
             return tensor  # every replica evaluated the full loaders: it already holds the global value
@@ -377,23 +362,14 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        if self.core is None or self._solo:
+        if not self._group_ready():
             return decision
         values = self.core.exchange(bool(decision)).values()
         return builtins.all(values) if all else any(values)
 
-    @override
-    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        return self.core.all_gather(tensor) if self.core is not None and not self._solo else tensor.unsqueeze(0)
-
-    @override
-    def barrier(self, name: Optional[str] = None) -> None:
-        if self.core is not None and not self._solo:
-            self.core.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return self.core.broadcast(obj, src) if self.core is not None and not self._solo else obj
+    def _group_ready(self) -> bool:
+        # A rejoining replica runs Lightning's start-of-fit collectives alone: the members passed them long ago.
+        return self.core is not None and not self._solo
 
     @override
     def block_backward_sync(self) -> Any:

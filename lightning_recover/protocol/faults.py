@@ -5,8 +5,10 @@ A fault is written ``KIND:replica=R:step=S:phase=P`` (several separated by ``,``
 replica through the ``LIGHTNING_RECOVER_INJECT`` environment variable.
 
 Kinds: ``kill`` (SIGKILL of the replica process), ``hang`` (SIGSTOP: the process is frozen, its
-heartbeats stop, only the staleness threshold can reveal it) and ``raise`` (an exception inside
-the replica, which then exits with a traceback).
+heartbeats stop, only the staleness threshold can reveal it), ``stall`` (the main thread blocks
+for good while the process and its heartbeat thread live on: a deadlock, revealed only by the
+progress it reports) and ``raise`` (an exception inside the replica, which then exits with a
+traceback).
 
 Phases, in the order they happen in a step: ``forward`` (first forward of the step),
 ``backward`` (first backward), ``reduce`` (just before the gradient all-reduce is issued),
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,7 +38,7 @@ from dataclasses import dataclass
 from lightning_recover import env
 from lightning_recover.errors import InjectedFault
 
-KINDS = ("kill", "hang", "raise")
+KINDS = ("kill", "hang", "stall", "raise")
 PHASES = ("forward", "backward", "reduce", "commit", "optimizer", "recompute")
 
 
@@ -90,6 +93,8 @@ def act_on_process(fault: Fault) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif fault.kind == "hang":
         os.kill(os.getpid(), signal.SIGSTOP)
+    elif fault.kind == "stall":
+        threading.Event().wait()  # never set: the main thread is stuck, the heartbeat thread is not
     else:
         raise InjectedFault(f"injected fault {fault}")
 

@@ -41,6 +41,7 @@ from lightning_recover.errors import (
     ReplicaExcludedError,
 )
 from lightning_recover.protocol.messages import ControlStore, JobSecret
+from lightning_recover.protocol.process_groups import ProcessGroups
 
 POLL_MIN = 0.0005
 POLL_MAX = 0.005
@@ -51,13 +52,6 @@ def backoff(delay: float) -> float:
     """Sleep ``delay`` and return the next, doubled up to ``POLL_MAX``."""
     time.sleep(delay)
     return min(delay * 2, POLL_MAX)
-
-
-def _quiet(fn: Callable[[], Any]) -> None:
-    try:
-        fn()
-    except Exception:
-        pass
 
 
 class Progress:
@@ -155,10 +149,6 @@ class Membership:
                 f"replica id {replica} is outside 0..{num_replicas - 1}. HINT: give each of the {num_replicas} "
                 f"replicas a distinct {env.REPLICA} in that range."
             )
-        if backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-        if backend == "nccl" and not dist.is_nccl_available():
-            raise RuntimeError("backend='nccl' needs a CUDA build of torch with NCCL. HINT: use accelerator='cpu' (gloo).")
         self.backend = backend
         self.addr = coordinator_addr
         self.replica = replica
@@ -175,8 +165,7 @@ class Membership:
         self.gen: Generation | None = None
         self._heartbeat: Heartbeat | None = None
         self._events_seen = -1
-        self._graveyard: list = []  # abandoned process groups/works; dropped off the hot path
-        self.events: list[dict] = []  # membership changes, for logging by the strategy
+        self.groups = ProcessGroups(backend, collective_timeout)
 
     # ------------------------------------------------------------------ lifecycle
     def connect(self) -> None:
@@ -392,48 +381,18 @@ class Membership:
                          rank=members.index(self.replica))
         self._build_pg(gen)
         self._events_seen = -1
-        self.events.append({"generation": number, "members": members})
         return gen
 
     def _build_pg(self, gen: Generation) -> None:
-        """Build the gloo group of ``gen`` on a thread, so a member dying meanwhile is noticed."""
-        result: dict[str, Any] = {}
-
-        def build() -> None:
-            try:
-                store = self.store.prefixed(f"pg/g{gen.number}")
-                result["pg"] = self._new_process_group(store, gen.rank, gen.size)
-            except BaseException as exc:  # reported to the waiting thread
-                result["error"] = exc
-
-        thread = threading.Thread(target=build, name=f"lr-build-g{gen.number}", daemon=True)
-        thread.start()
+        """Build the group of ``gen`` on a thread, so a member dying meanwhile is noticed."""
         self.gen = gen
-        delay = POLL_MIN
-        while thread.is_alive():
-            if self.failure_seen():
-                self._graveyard.append(thread)
-                raise MembershipChanged(f"a member of generation {gen.number} failed while it was being built")
-            thread.join(delay)
-            delay = min(delay * 2, POLL_MAX)
-        if "error" in result:
-            raise MembershipChanged(f"building generation {gen.number} failed: {result['error']}")
-        gen.pg = result["pg"]
+        gen.pg = self.groups.build(self.store.prefixed(f"pg/g{gen.number}"), gen.number, gen.rank, gen.size,
+                                   self.failure_seen)
 
     @property
     def abandoned_work(self) -> bool:
         """True once a group with an operation possibly still in flight was abandoned."""
-        return bool(self._graveyard)
-
-    def _new_process_group(self, store: dist.Store, rank: int, size: int) -> Any:
-        timeout = datetime.timedelta(seconds=self.collective_timeout)
-        if self.backend == "nccl":
-            # Non-blocking communicators, so that abort() can end an operation stuck on a dead peer.
-            opts = dist.ProcessGroupNCCL.Options()
-            opts.config.blocking = 0
-            opts._timeout = timeout
-            return dist.ProcessGroupNCCL(store, rank, size, opts)
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
+        return self.groups.abandoned_work
 
     def abandon_current(self) -> None:
         """Give up the current generation's group (an operation on it may still be in flight)."""
@@ -441,15 +400,6 @@ class Membership:
             self._abandon(self.gen)
 
     def _abandon(self, gen: Generation) -> None:
-        if gen.pg is None:
-            return
-        if self.backend == "nccl":
-            # NCCL can abort its communicators: do it off the hot path, then drop the group.
-            pg = gen.pg
-            threading.Thread(target=lambda: _quiet(pg.abort), name="lr-nccl-abort", daemon=True).start()
-        else:
-            # gloo cannot abort an op in flight and destroying its group blocks until the op's
-            # timeout: keep the objects referenced and let them die with the process.
-            self._graveyard.append(gen.pg)
-        gen.pg = None
-
+        if gen.pg is not None:
+            self.groups.abandon(gen.pg)
+            gen.pg = None

@@ -26,6 +26,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--heartbeat-timeout", type=float, default=1.0)
     parser.add_argument("--quota", default="equal")
+    parser.add_argument("--hang-timeout", type=float, default=30.0)
     parser.add_argument("--accelerator", default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per replica)")
     parser.add_argument("--work", type=float, default=0.0, help="extra seconds of work per microbatch")
     parser.add_argument("--slow-while-degraded", type=float, default=0.0,
@@ -43,7 +44,8 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     strategy = RecoverStrategy(microbatches=args.microbatches, heartbeat_timeout=args.heartbeat_timeout,
-                               heartbeat_interval=min(0.1, args.heartbeat_timeout / 5), quota=args.quota)
+                               heartbeat_interval=min(0.1, args.heartbeat_timeout / 5), quota=args.quota,
+                               hang_timeout=args.hang_timeout)
     fabric = L.Fabric(strategy=strategy, devices=args.replicas, accelerator=args.accelerator)
     fabric.launch()
     model, optimizer = fabric.setup(model, optimizer)
@@ -61,6 +63,8 @@ def main() -> None:
             fabric.all_reduce(torch.tensor(step.loss), reduce_op="mean")
             fabric.barrier()
         stats.append(vars(step.stats))
+        with open(os.path.join(args.out, f"steps{fabric.strategy.replica}.log"), "a") as f:
+            f.write(f"{step.index}\n")  # every step this replica applied, written as it happens
         if args.slow_while_degraded and step.stats.live_replicas < args.replicas:
             time.sleep(args.slow_while_degraded)
         if step.index == 0:
