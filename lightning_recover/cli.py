@@ -77,6 +77,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--baseline", default=None,
+                   help="another checkout of lightning-recover (e.g. a git worktree of an older commit) to run "
+                        "as a third mode: the before/after of a change in one run")
     common(p)
 
     p = kinds.add_parser("resilience", help="this project vs checkpoint-and-restart vs failure-free")

@@ -25,8 +25,11 @@ import time
 _KILL_TIME = re.compile(r"injecting fault (\S+) at t=([0-9.]+)")
 
 
-def _job(args: list[str], out: str, inject: str | None = None, timeout: float = 600) -> str:
+def _job(args: list[str], out: str, inject: str | None = None, timeout: float = 600,
+         checkout: str | None = None) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    if checkout:  # run another checkout of the package (a before/after comparison in one run)
+        env["PYTHONPATH"] = os.path.abspath(checkout) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("LIGHTNING_RECOVER_INJECT", None)
     if inject:
         env["LIGHTNING_RECOVER_INJECT"] = inject
@@ -67,25 +70,37 @@ def measure_recovery(kills: int, kind: str, replicas: int, heartbeat_timeout: fl
     return results
 
 
-def measure_overhead(replicas: int, steps: int, repeat: int, workdir: str, warmup: int = 3) -> dict:
+def measure_overhead(replicas: int, steps: int, repeat: int, workdir: str, warmup: int = 3,
+                     baseline: str | None = None) -> dict:
+    """Failure-free step time of recover vs Lightning DDP (and vs ``baseline``, another checkout of
+    this package run as ``recover`` too: the before/after of a change, measured in the same run)."""
     times: dict[str, list[float]] = {"ddp": [], "recover": []}
+    if baseline:
+        times["baseline"] = []
+    modes = list(times)
     for rep in range(repeat):
-        order = ["ddp", "recover"] if rep % 2 == 0 else ["recover", "ddp"]
-        for strategy in order:
-            out = os.path.join(workdir, f"{strategy}{rep}")
+        order = modes[rep % len(modes):] + modes[:rep % len(modes)]  # rotate: no mode always runs first
+        for mode in order:
+            strategy = "ddp" if mode == "ddp" else "recover"
+            out = os.path.join(workdir, f"{mode}{rep}")
             _job(["--strategy", strategy, "--replicas", str(replicas), "--steps", str(steps),
-                  "--microbatches", str(2 * replicas)], out)
+                  "--microbatches", str(2 * replicas)], out, checkout=baseline if mode == "baseline" else None)
             per_step = [statistics.median(r["seconds"] for r in recs if r["step"] == s)
                         for recs in [list(_records(out).values())[0]] for s in range(warmup, steps)]
             run = statistics.median(per_step)
-            times[strategy].append(run)
-            print(f"  {strategy:8s} run {rep}: median step {run * 1000:.1f} ms", flush=True)
+            times[mode].append(run)
+            print(f"  {mode:8s} run {rep}: median step {run * 1000:.1f} ms", flush=True)
     ddp, rec = statistics.median(times["ddp"]), statistics.median(times["recover"])
     # Runs of one repetition are adjacent in time, so their ratio sees the same machine load: the
     # median of these paired ratios is the figure least disturbed by a shared, noisy machine.
     paired = [r / d for d, r in zip(times["ddp"], times["recover"])]
-    return {"ddp_step_s": ddp, "recover_step_s": rec, "ratio": rec / ddp,
-            "paired_ratio_median": statistics.median(paired), "paired_ratios": paired, "runs": times}
+    result = {"ddp_step_s": ddp, "recover_step_s": rec, "ratio": rec / ddp,
+              "paired_ratio_median": statistics.median(paired), "paired_ratios": paired, "runs": times}
+    if baseline:
+        vs = [r / b for b, r in zip(times["baseline"], times["recover"])]
+        result.update(baseline=os.path.abspath(baseline), baseline_step_s=statistics.median(times["baseline"]),
+                      vs_baseline_paired_ratios=vs, vs_baseline_paired_ratio_median=statistics.median(vs))
+    return result
 
 
 def main(args: argparse.Namespace) -> int:
@@ -106,10 +121,13 @@ def main(args: argparse.Namespace) -> int:
     else:
         print(f"failure-free overhead: {args.replicas} replicas, {args.steps} steps x {args.repeat} runs each",
               flush=True)
-        report.update(measure_overhead(args.replicas, args.steps, args.repeat, workdir))
+        report.update(measure_overhead(args.replicas, args.steps, args.repeat, workdir, baseline=args.baseline))
         print(f"median step: ddp {report['ddp_step_s'] * 1000:.1f} ms, recover {report['recover_step_s'] * 1000:.1f} ms,"
               f" ratio recover/ddp = {report['ratio']:.3f}; median of paired ratios = "
               f"{report['paired_ratio_median']:.3f}")
+        if args.baseline:
+            print(f"vs baseline {args.baseline}: median step {report['baseline_step_s'] * 1000:.1f} ms; median of "
+                  f"paired ratios recover/baseline = {report['vs_baseline_paired_ratio_median']:.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
