@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 
 import pytest
 
@@ -185,6 +186,47 @@ def test_coordinator_death_stops_every_replica_in_bounded_time(tmp_path):
     assert output.count("lost the coordinator") >= 3, output[-3000:]
     assert not os.path.exists(os.path.join(out, "replica0.pt"))
 
+
+
+def _job_processes(out: str) -> list[int]:
+    """Live (not zombie) replica processes of the job writing to ``out``."""
+    found = []
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+            environ = open(f"/proc/{pid}/environ", "rb").read()
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if state != "Z" and b"LIGHTNING_RECOVER_REPLICA=" in environ and out.encode() in cmdline:
+            found.append(pid)
+    return found
+
+
+def test_frozen_coordinator_ends_every_replica_with_a_named_error_in_bounded_time(tmp_path):
+    """SIGSTOP the coordinator for good: a TCPStore client would wait in its read forever; every
+    replica must print CoordinatorLostError and exit by itself within 2 x heartbeat timeout plus a
+    small constant (store_timeout = max(2 s, heartbeat_timeout + 1 s))."""
+    out = str(tmp_path)
+    cmd = [sys.executable, FABRIC_SCRIPT, out, "--replicas", "3", "--steps", "500", "--microbatches", "3",
+           "--heartbeat-timeout", "0.5", "--work", "0.02"]
+    proc, log = start_job(cmd, out)
+    coordinator_pid = None
+    try:
+        assert wait_for(lambda: re.search(r"\(pid (\d+)\)", open(log).read()), timeout=60)
+        coordinator_pid = int(re.search(r"\(pid (\d+)\)", open(log).read()).group(1))
+        assert wait_for(lambda: os.path.exists(os.path.join(out, "started")), timeout=60)
+        os.kill(coordinator_pid, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        assert wait_for(lambda: not _job_processes(out), timeout=30), open(log).read()[-3000:]
+        took = time.monotonic() - frozen_at
+    finally:
+        if coordinator_pid is not None:
+            os.kill(coordinator_pid, signal.SIGCONT)
+        kill_group(proc)
+    output = open(log).read()
+    assert output.count("CoordinatorLostError") >= 3, output[-3000:]
+    assert took <= 2 * 0.5 + 2 + 5, f"replicas ended {took:.1f}s after the coordinator froze"
 
 
 @pytest.mark.parametrize("launch", ["local", "torchrun"])

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -83,6 +85,7 @@ class Heartbeat:
         self._interval = interval
         self._progress = progress
         self._beat = 0
+        self.last_ok = time.monotonic()  # when the coordinator last answered (read by the watchdog)
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self.excluded = False
@@ -99,6 +102,7 @@ class Heartbeat:
             {"inc": self._incarnation, "beat": self._beat, "step": p.step, "phase": p.phase, "count": p.count}))
         if self._store.deaths([self._replica])[self._replica] >= self._incarnation:
             self.excluded = True
+        self.last_ok = time.monotonic()
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
@@ -111,6 +115,43 @@ class Heartbeat:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+class CoordinatorWatchdog:
+    """Ends the process when the coordinator stops answering the heartbeat for ``limit`` seconds.
+
+    A TCPStore client blocks for good in a read from a frozen (SIGSTOPped, wedged) server: its
+    timeout covers waiting for keys, not a server that stopped reading. Whatever the main thread
+    is blocked in, this thread prints the named error and exits the process (status 3), so a
+    frozen coordinator never leaves replicas hanging.
+    """
+
+    EXIT_STATUS = 3
+
+    def __init__(self, heartbeat: Heartbeat, replica: int, addr: str, limit: float) -> None:
+        self._heartbeat = heartbeat
+        self._replica = replica
+        self._addr = addr
+        self._limit = limit
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"lr-watchdog-{replica}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(min(0.1, self._limit / 10)):
+            silent = time.monotonic() - self._heartbeat.last_ok
+            if silent > self._limit and not self._stop.is_set():
+                print(f"[lightning-recover] replica {self._replica}: CoordinatorLostError: the coordinator at "
+                      f"{self._addr} has not answered for {silent:.1f}s (frozen or unreachable); no further step "
+                      "can be agreed, this replica stops. HINT: restart the job from its last checkpoint.",
+                      file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                os._exit(self.EXIT_STATUS)
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 @dataclass
@@ -164,6 +205,7 @@ class Membership:
         self.incarnation = 0
         self.gen: Generation | None = None
         self._heartbeat: Heartbeat | None = None
+        self._watchdog: CoordinatorWatchdog | None = None
         self._events_seen = -1
         self.groups = ProcessGroups(backend, collective_timeout)
 
@@ -180,6 +222,8 @@ class Membership:
         self.incarnation = self.store.add(f"inc/{self.replica}", 1)
         self._heartbeat = Heartbeat(self.store, self.replica, self.incarnation, self.heartbeat_interval, self.progress)
         self._heartbeat.start()
+        self._watchdog = CoordinatorWatchdog(self._heartbeat, self.replica, self.addr, self.store_timeout)
+        self._watchdog.start()
 
     def form_initial(self) -> Generation | None:
         """Join generation 0 with every other replica (the job's start).
@@ -243,6 +287,9 @@ class Membership:
                 self.store.mark_dead(self.replica, self.incarnation)
             except Exception:
                 pass  # the coordinator is already gone: nothing to tell
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None

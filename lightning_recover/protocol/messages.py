@@ -50,7 +50,8 @@ log = logging.getLogger(__name__)
 
 _MAC_BYTES = 32
 _TAG = b"\x00lr1"  # separates payload and MAC; versions the sealing
-_REGISTER_TAKEBACKS = 16  # forged register values a legitimate writer replaces before giving up
+_REGISTER_TAKEBACKS = 16
+_CONNECT_TIMEOUT = 10.0  # seconds a replica waits for an unreachable coordinator before saying so  # forged register values a legitimate writer replaces before giving up
 
 
 # ---------------------------------------------------------------------------- the job's secret
@@ -262,7 +263,11 @@ class ControlStore:
         self.secret = secret
         self.sealer = Sealer(secret)
         self.timeout = timeout
-        self.raw = store if store is not None else connect(addr, timeout)
+        if store is None:
+            # Connecting waits a little longer (a coordinator still starting up); operations do not.
+            store = connect(addr, max(timeout, _CONNECT_TIMEOUT))
+            store.set_timeout(datetime.timedelta(seconds=timeout))
+        self.raw = store
 
     def clone(self) -> ControlStore:
         """A second connection (threads must not share one)."""
