@@ -193,6 +193,10 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
         # Taken inside the step: the epoch loop has started the step's batch but not run it, which
         # Lightning restores like a checkpoint saved mid-batch. Only the logging step differs: the
         # loop already counted step s as stepped, and restoring from mid-batch counts it once more.
+        # The joiner built its module and datamodule from the same script: their hyper-parameters (of
+        # any type, which the weights-only loader on the joiner would refuse) are not handed over.
+        for key in ("hyper_parameters", "datamodule_hyper_parameters"):
+            checkpoint.pop(key, None)
         epoch_loop = checkpoint["loops"]["fit_loop"]["epoch_loop.state_dict"]
         epoch_loop["_batches_that_stepped"] = epoch_loop.get("_batches_that_stepped", 0) - 1
         return {"checkpoint": checkpoint, "logger_versions": [logger.version for logger in trainer.loggers]}
