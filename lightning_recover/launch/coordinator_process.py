@@ -32,7 +32,7 @@ class CoordinatorProcess:
 
 
 def start(replicas: int, heartbeat_timeout: float, host: str = "127.0.0.1", port: int = 0,
-          timeout: float = 60.0, hang_timeout: float = 30.0, secret_file: str | None = None) -> CoordinatorProcess:
+          timeout: float = 60.0, hang_timeout: float = 60.0, secret_file: str | None = None) -> CoordinatorProcess:
     """Start the coordinator in a child process and wait until it listens."""
     read_fd, write_fd = os.pipe()
     # `-c` rather than `-m`: the package imports this module, and runpy warns about re-executing it.
@@ -82,6 +82,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, required=True, help="number of replicas of the job")
     parser.add_argument("--heartbeat-timeout", type=float, default=1.0,
                         help="seconds without heartbeat before a replica is declared dead")
-    parser.add_argument("--hang-timeout", type=float, default=30.0,
+    parser.add_argument("--hang-timeout", type=float, default=60.0,
                         help="seconds without progress of a replica's main thread, while its peers wait on it, "
                              "before it is declared hung")

@@ -88,7 +88,7 @@ def supervise(
     replicas: int,
     *,
     heartbeat_timeout: float = 1.0,
-    hang_timeout: float = 30.0,
+    hang_timeout: float = 60.0,
     inject: str | None = None,
     restarts: int = 0,
     host: str = "127.0.0.1",

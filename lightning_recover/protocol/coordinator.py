@@ -102,7 +102,7 @@ class Coordinator:
     """
 
     def __init__(self, host: str, port: int, replicas: int, heartbeat_timeout: float, secret: JobSecret,
-                 hang_timeout: float = 30.0) -> None:
+                 hang_timeout: float = 60.0) -> None:
         self.host = host
         self.replicas = replicas
         self.heartbeat_timeout = heartbeat_timeout
@@ -122,7 +122,7 @@ class Coordinator:
 
 
 def serve(host: str, port: int, replicas: int, heartbeat_timeout: float, ready_fd: int | None = None,
-          hang_timeout: float = 30.0) -> None:
+          hang_timeout: float = 60.0) -> None:
     coordinator = Coordinator(host, port, replicas, heartbeat_timeout, JobSecret.from_env(), hang_timeout)
     line = f"LISTENING {coordinator.addr}\n"
     if ready_fd is not None:

@@ -15,7 +15,7 @@ class RecoverOptions:
     quota: str = "equal"
     heartbeat_interval: float = 0.1
     heartbeat_timeout: float = 1.0
-    hang_timeout: float = 30.0
+    hang_timeout: float = 60.0
     join_timeout: float = 60.0
     collective_timeout: float = 60.0
     startup_timeout: float = 300.0
@@ -40,7 +40,7 @@ class RecoverOptions:
             raise ValueError(
                 f"hang_timeout ({self.hang_timeout}s) must exceed heartbeat_timeout ({self.heartbeat_timeout}s): it is "
                 "how long a replica may make no progress while its peers wait on it (a long microbatch, a checkpoint "
-                "write) before it counts as hung. HINT: keep the default 30s or raise it for slow steps."
+                "write) before it counts as hung. HINT: keep the default 60s or raise it for slow steps or checkpoint writes."
             )
         if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
             raise ValueError(f"microbatches must be a positive integer, got {self.microbatches!r}")
