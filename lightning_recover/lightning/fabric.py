@@ -77,7 +77,9 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
             measured microbatch speed, for heterogeneous or straggling replicas).
         heartbeat_interval: seconds between heartbeats of a replica.
         heartbeat_timeout: seconds without heartbeat after which a replica is declared dead (how
-            fast a *hung* replica is dropped; killed ones are noticed at once).
+            fast a *frozen* replica is dropped; killed ones are noticed at once).
+        hang_timeout: seconds a replica's main thread may make no progress while its peers wait on
+            it (a deadlock with a live heartbeat thread) before it is declared hung (default 60).
         join_timeout: longest wait for a live-looking member to join a new generation.
         collective_timeout: longest a single collective may take before it counts as failed.
         startup_timeout: how long replicas wait for each other at start.

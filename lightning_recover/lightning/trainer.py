@@ -107,7 +107,7 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
     Args:
         microbatches: ``M``, global microbatches per optimizer step (default: the replica count).
         quota: ``"equal"`` or ``"throughput"``.
-        heartbeat_interval, heartbeat_timeout, join_timeout, collective_timeout, startup_timeout:
+        heartbeat_interval, heartbeat_timeout, hang_timeout, join_timeout, collective_timeout, startup_timeout:
             failure-detection and waiting limits, in seconds.
         restarts: how many times the launcher restarts a failed replica.
         seed: seed of the per-epoch sample permutation (the same on every replica).
