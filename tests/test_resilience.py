@@ -206,7 +206,7 @@ def _job_processes(out: str) -> list[int]:
 def test_frozen_coordinator_ends_every_replica_with_a_named_error_in_bounded_time(tmp_path):
     """SIGSTOP the coordinator for good: a TCPStore client would wait in its read forever; every
     replica must print CoordinatorLostError and exit by itself within 2 x heartbeat timeout plus a
-    small constant (store_timeout = max(2 s, heartbeat_timeout + 1 s))."""
+    small constant (store_timeout = max(5 s, 2 x heartbeat_timeout + 1 s))."""
     out = str(tmp_path)
     cmd = [sys.executable, FABRIC_SCRIPT, out, "--replicas", "3", "--steps", "500", "--microbatches", "3",
            "--heartbeat-timeout", "0.5", "--work", "0.02"]
@@ -226,7 +226,7 @@ def test_frozen_coordinator_ends_every_replica_with_a_named_error_in_bounded_tim
         kill_group(proc)
     output = open(log).read()
     assert output.count("CoordinatorLostError") >= 3, output[-3000:]
-    assert took <= 2 * 0.5 + 2 + 5, f"replicas ended {took:.1f}s after the coordinator froze"
+    assert took <= 5 + 5, f"replicas ended {took:.1f}s after the coordinator froze (bound 5 s + slack)"
 
 
 @pytest.mark.parametrize("launch", ["local", "torchrun"])
