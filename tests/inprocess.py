@@ -16,38 +16,45 @@ Faults (``FaultInjector(..., act=...)``) are acted out without signals:
 - ``suspect`` (harness-only kind): the replica pauses with its heartbeat running, the harness declares
   it dead (a false suspicion), waits until the others applied the step, then lets it continue.
 
-Two protocol internals are replaced while a :class:`Cluster` is open, because the protocol has no
+Three protocol internals are replaced while a :class:`Cluster` is open, because the protocol has no
 public hook for them (see the module's users for the hooks asked for):
 ``membership.Heartbeat`` by a subclass that remembers the heartbeat of the thread that made it (a
 killed thread must stop its own heartbeat without closing the replica: needs ``Replica.halt_heartbeat()``),
 and the ``atexit`` used by ``replica.py`` (``Replica.start`` registers an exit hook that may
-``os._exit`` the whole pytest process: needs ``Replica.start(exit_hook=False)``).
+``os._exit`` the whole pytest process: needs ``Replica.start(exit_hook=False)``), and
+``messages.connect`` by :func:`connect_quickly` (see there).
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
+import time
 import traceback
 import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Optional
 from unittest import mock
 
 import torch
+import torch.distributed as dist
 
 from lightning_recover.errors import InjectedFault, ReplicaExcludedError
 from lightning_recover.protocol import Fault, FaultInjector, RecoverOptions, Replica
 from lightning_recover.protocol import membership as membership_module
 from lightning_recover.protocol import replica as replica_module
 from lightning_recover.protocol.coordinator import Coordinator
-from lightning_recover.protocol.messages import connect, mark_dead
+from lightning_recover.protocol import messages as messages_module
+from lightning_recover.protocol.messages import mark_dead
 
 HEARTBEAT_INTERVAL = 0.05
 HEARTBEAT_TIMEOUT = 0.5
-# Short, so that an abandoned gloo operation (a survivor's reduce waiting for a killed thread) times
-# out on its own within seconds and never holds up the interpreter's exit.
-COLLECTIVE_TIMEOUT = 5.0
+# Long enough to ride out a 5 s stall of a TCPStore client connect (seen in this sandbox for a few
+# percent of connects; every generation's process group clones a connection) without a spurious
+# gloo rendezvous timeout; abandoned operations never need to time out (see _keep_forever).
+COLLECTIVE_TIMEOUT = 15.0
 JOIN_TIMEOUT = 20.0
 RUN_TIMEOUT = 40.0  # the longest a whole cluster run may take before the harness gives up
 TOL = 1e-9
@@ -55,9 +62,26 @@ TOL = 1e-9
 IN_DIM, HIDDEN, BATCH = 4, 8, 4
 LR, MOMENTUM = 0.1, 0.9
 
-# Replicas (and their abandoned process groups) stay referenced until the interpreter exits:
-# destroying a gloo group with an operation in flight blocks until that operation times out.
-_KEEP_ALIVE: list[Any] = []
+
+_clusters_run = [0]
+
+
+def clusters_run() -> int:
+    """How many clusters this process ran (tests/conftest.py then exits without destructors)."""
+    return _clusters_run[0]
+
+
+def _keep_forever(obj: Any) -> None:
+    """Never free ``obj``, not even when the interpreter exits.
+
+    A dead thread's process group stays open (no process died to close its sockets), so the
+    survivors' abandoned operations on it stay in flight until the collective timeout. Destroying
+    a gloo group then blocks until that timeout and, at interpreter exit, gloo aborts the process
+    (``terminate called after throwing gloo::IoException``). A replica process avoids both by
+    ``os._exit`` (``Replica._at_exit``); so does pytest, once it reported (tests/conftest.py), and
+    until then the groups are leaked.
+    """
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
 # ---------------------------------------------------------------------- model, data, reference
@@ -149,16 +173,42 @@ def _halt_heartbeat() -> None:
         heartbeat.stop()
 
 
-def _close_sockets(core: Replica) -> None:
-    """Drop a dead thread's process group, closing its sockets as the death of a process does.
+# ---------------------------------------------------------------------- store connections
+# In this sandbox a few percent of TCPStore client connects stall 5 s inside torch's connect (a
+# raw socket to the same server never does); every replica start and every generation's process
+# group opens one, so most tests would pay 5 s. The harness connects with a short attempt timeout,
+# retries, then restores the usual timeout.
+CONNECT_ATTEMPT = timedelta(seconds=0.25)
+STORE_TIMEOUT = timedelta(seconds=60)
 
-    The peers' operations waiting for it then fail at once instead of staying in flight until the
-    collective timeout, when gloo would abort the interpreter if it is exiting by then. The dead
-    thread issued no operation that is still in flight (faults fire before a reduce or after it).
-    """
-    gen = core.group.gen
-    if gen is not None:
-        gen.pg = None
+
+def connect_quickly(addr: str) -> dist.TCPStore:
+    host, _, port = addr.rpartition(":")
+    for _ in range(200):
+        try:
+            store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=CONNECT_ATTEMPT)
+        except dist.DistNetworkError:
+            continue  # the stalled attempt: a fresh one connects at once
+        store.set_timeout(STORE_TIMEOUT)
+        return store
+    raise AssertionError(f"could not connect to the coordinator at {addr}")
+
+
+class _QuickCloning:
+    """A store client whose ``clone()`` is :func:`connect_quickly` (otherwise the client itself)."""
+
+    def __init__(self, addr: str, store: dist.Store) -> None:
+        self._addr, self._store = addr, store
+
+    def clone(self) -> dist.TCPStore:
+        return connect_quickly(self._addr)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def _connect_replica(addr: str, timeout: float = 60.0) -> _QuickCloning:
+    return _QuickCloning(addr, connect_quickly(addr))
 
 
 # ---------------------------------------------------------------------- the cluster
@@ -176,6 +226,8 @@ class Slot:
     error: Optional[BaseException] = None
     trace: str = ""
     applied: list[int] = field(default_factory=list)  # steps whose optimizer update this replica applied
+    applied_at: list[float] = field(default_factory=list)  # time.monotonic() of each applied step
+    fired_at: dict[str, float] = field(default_factory=dict)  # str(fault) -> time.monotonic() it fired
     rejoined_at: Optional[int] = None
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     finished: threading.Event = field(default_factory=threading.Event)
@@ -208,17 +260,21 @@ class Cluster:
         self._store_lock = threading.Lock()
         self._stop_monitor = threading.Event()
         self._patches = [mock.patch.object(membership_module, "Heartbeat", _TrackedHeartbeat),
+                         mock.patch.object(messages_module, "connect", _connect_replica),
                          mock.patch.object(replica_module, "atexit", types.SimpleNamespace(register=lambda *a, **k: None))]
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Cluster:
+        _clusters_run[0] += 1
         for patch in self._patches:
             patch.start()
         self.coordinator = Coordinator("127.0.0.1", 0, self.R, HEARTBEAT_TIMEOUT)
+        self._server = self.coordinator.store  # the monitor's clone of it connects quickly too
+        self.coordinator.store = _QuickCloning(self.coordinator.addr, self._server)
         self._monitor = threading.Thread(target=self.coordinator.monitor, args=(self._stop_monitor,),
                                          name="test-coordinator-monitor", daemon=True)
         self._monitor.start()
-        self.store = connect(self.coordinator.addr)  # the harness's own client (the "launcher")
+        self.store = connect_quickly(self.coordinator.addr)  # the harness's own client (the "launcher")
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -230,10 +286,11 @@ class Cluster:
         self._monitor.join(timeout=5)
         for patch in reversed(self._patches):
             patch.stop()
-        _KEEP_ALIVE.extend(slot.core for slot in self.slots)
+        for slot in self.slots:
+            _keep_forever(slot.core)
         stuck = [s.describe() for s in self.slots if s.thread is not None and s.thread.is_alive()]
         # Dropping the last reference to the server store stops the coordinator.
-        self.store = None
+        self.store = self._server = None
         self.coordinator = None
         if stuck and exc[0] is None:
             raise AssertionError("replica threads did not end at teardown:\n" + "\n".join(stuck))
@@ -313,6 +370,7 @@ class Cluster:
                                  heartbeat_timeout=HEARTBEAT_TIMEOUT, join_timeout=JOIN_TIMEOUT,
                                  collective_timeout=COLLECTIVE_TIMEOUT, startup_timeout=JOIN_TIMEOUT)
         injector = FaultInjector(self.faults, slot.replica, slot.incarnation, act=self._act(slot))
+        injector.add_listener(lambda fault, _wall: slot.fired_at.__setitem__(str(fault), time.monotonic()))
         core = slot.core = Replica(options, self.coordinator.addr, slot.replica, self.R,
                                    lambda: list(model.parameters()), injector=injector)
         core.set_state_hooks(lambda: {"model": model.state_dict(), "optimizer": optimizer.state_dict()},
@@ -338,16 +396,15 @@ class Cluster:
                 optimizer.step()
                 optimizer.zero_grad()
                 slot.applied.append(s)
+                slot.applied_at.append(time.monotonic())
                 self._notify()
             slot.outcome = "done"
             core.close()  # what the process's exit hook does
         except _Killed:
             slot.outcome = "killed"
-            _close_sockets(core)
             self.declare_dead(slot.replica, slot.incarnation)  # the launcher saw the process exit
         except _Hung:
             slot.outcome = "hung"
-            _close_sockets(core)  # the launcher kills a hung replica once it is declared dead
         except BaseException as exc:  # noqa: BLE001 -- a replica process would exit with it
             slot.outcome = ("excluded" if isinstance(exc, ReplicaExcludedError)
                             else "raised" if isinstance(exc, InjectedFault) else "error")

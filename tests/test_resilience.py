@@ -25,6 +25,8 @@ from tests.jobs import (
     wait_for,
 )
 
+pytestmark = pytest.mark.slow
+
 TOL = 1e-5
 REPLICAS, STEPS, M = 3, 4, 6
 
