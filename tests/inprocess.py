@@ -16,43 +16,44 @@ Faults (``FaultInjector(..., act=...)``) are acted out without signals:
 - ``suspect`` (harness-only kind): the replica pauses with its heartbeat running, the harness declares
   it dead (a false suspicion), waits until the others applied the step, then lets it continue.
 
-Three protocol internals are replaced while a :class:`Cluster` is open, because the protocol has no
+Two protocol internals are replaced while a :class:`Cluster` is open, because the protocol has no
 public hook for them (see the module's users for the hooks asked for):
 ``membership.Heartbeat`` by a subclass that remembers the heartbeat of the thread that made it (a
 killed thread must stop its own heartbeat without closing the replica: needs ``Replica.halt_heartbeat()``),
 and the ``atexit`` used by ``replica.py`` (``Replica.start`` registers an exit hook that may
-``os._exit`` the whole pytest process: needs ``Replica.start(exit_hook=False)``), and
-``messages.connect`` by :func:`connect_quickly` (see there).
+``os._exit`` the whole pytest process: needs ``Replica.start(exit_hook=False)``).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import time
 import traceback
 import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, Optional
 from unittest import mock
 
 import torch
-import torch.distributed as dist
 
 from lightning_recover.errors import InjectedFault, ReplicaExcludedError
 from lightning_recover.protocol import Fault, FaultInjector, RecoverOptions, Replica
 from lightning_recover.protocol import membership as membership_module
 from lightning_recover.protocol import replica as replica_module
 from lightning_recover.protocol.coordinator import Coordinator
-from lightning_recover.protocol import messages as messages_module
-from lightning_recover.protocol.messages import mark_dead
+from lightning_recover.protocol.messages import connect, mark_dead
+
+# c10d names each peer with a reverse lookup of ::ffff:127.0.0.1, which /etc/hosts does not answer;
+# where DNS drops a query (this sandbox: ~1 lookup in 100) the resolver waits 5 s and a store
+# connect or gloo rendezvous stalls that long. One second is glibc's shortest resolver timeout.
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
 HEARTBEAT_INTERVAL = 0.05
 HEARTBEAT_TIMEOUT = 0.5
-# Long enough to ride out a 5 s stall of a TCPStore client connect (seen in this sandbox for a few
-# percent of connects; every generation's process group clones a connection) without a spurious
+# Long enough to ride out a stalled TCPStore connect (see RES_OPTIONS above) without a spurious
 # gloo rendezvous timeout; abandoned operations never need to time out (see _keep_forever).
 COLLECTIVE_TIMEOUT = 15.0
 JOIN_TIMEOUT = 20.0
@@ -173,44 +174,6 @@ def _halt_heartbeat() -> None:
         heartbeat.stop()
 
 
-# ---------------------------------------------------------------------- store connections
-# In this sandbox a few percent of TCPStore client connects stall 5 s inside torch's connect (a
-# raw socket to the same server never does); every replica start and every generation's process
-# group opens one, so most tests would pay 5 s. The harness connects with a short attempt timeout,
-# retries, then restores the usual timeout.
-CONNECT_ATTEMPT = timedelta(seconds=0.25)
-STORE_TIMEOUT = timedelta(seconds=60)
-
-
-def connect_quickly(addr: str) -> dist.TCPStore:
-    host, _, port = addr.rpartition(":")
-    for _ in range(200):
-        try:
-            store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=CONNECT_ATTEMPT)
-        except dist.DistNetworkError:
-            continue  # the stalled attempt: a fresh one connects at once
-        store.set_timeout(STORE_TIMEOUT)
-        return store
-    raise AssertionError(f"could not connect to the coordinator at {addr}")
-
-
-class _QuickCloning:
-    """A store client whose ``clone()`` is :func:`connect_quickly` (otherwise the client itself)."""
-
-    def __init__(self, addr: str, store: dist.Store) -> None:
-        self._addr, self._store = addr, store
-
-    def clone(self) -> dist.TCPStore:
-        return connect_quickly(self._addr)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
-
-
-def _connect_replica(addr: str, timeout: float = 60.0) -> _QuickCloning:
-    return _QuickCloning(addr, connect_quickly(addr))
-
-
 # ---------------------------------------------------------------------- the cluster
 @dataclass
 class Slot:
@@ -260,7 +223,6 @@ class Cluster:
         self._store_lock = threading.Lock()
         self._stop_monitor = threading.Event()
         self._patches = [mock.patch.object(membership_module, "Heartbeat", _TrackedHeartbeat),
-                         mock.patch.object(messages_module, "connect", _connect_replica),
                          mock.patch.object(replica_module, "atexit", types.SimpleNamespace(register=lambda *a, **k: None))]
 
     # ------------------------------------------------------------------ lifecycle
@@ -269,12 +231,10 @@ class Cluster:
         for patch in self._patches:
             patch.start()
         self.coordinator = Coordinator("127.0.0.1", 0, self.R, HEARTBEAT_TIMEOUT)
-        self._server = self.coordinator.store  # the monitor's clone of it connects quickly too
-        self.coordinator.store = _QuickCloning(self.coordinator.addr, self._server)
         self._monitor = threading.Thread(target=self.coordinator.monitor, args=(self._stop_monitor,),
                                          name="test-coordinator-monitor", daemon=True)
         self._monitor.start()
-        self.store = connect_quickly(self.coordinator.addr)  # the harness's own client (the "launcher")
+        self.store = connect(self.coordinator.addr)  # the harness's own client (the "launcher")
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -290,7 +250,7 @@ class Cluster:
             _keep_forever(slot.core)
         stuck = [s.describe() for s in self.slots if s.thread is not None and s.thread.is_alive()]
         # Dropping the last reference to the server store stops the coordinator.
-        self.store = self._server = None
+        self.store = None
         self.coordinator = None
         if stuck and exc[0] is None:
             raise AssertionError("replica threads did not end at teardown:\n" + "\n".join(stuck))
