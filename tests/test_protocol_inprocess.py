@@ -14,6 +14,10 @@ import pytest
 
 from lightning_recover.errors import ReplicaExcludedError
 from lightning_recover.protocol import Fault
+from lightning_recover.protocol.coordinator import Coordinator
+from lightning_recover.protocol.decisions import Decisions
+from lightning_recover.protocol.membership import Generation, Membership
+from lightning_recover.protocol.messages import ControlStore
 from tests.inprocess import HEARTBEAT_TIMEOUT, RUN_TIMEOUT, TOL, Cluster, max_relative_difference, reference
 
 pytestmark = pytest.mark.timeout(60)
@@ -192,3 +196,67 @@ def test_restarted_replica_rejoins_with_live_state():
     assert_matches_reference(cluster, [0, 1, 2])
     assert live_per_step(cluster, 0) == [3] + [2] * (k - 1) + [3] * (6 - k)
     assert all(s.computed == 2 for s in joiner.history), "the rejoined replica takes its share"
+
+
+# ---------------------------------------------------------------------- the commit/retry rule
+@pytest.fixture
+def decisions():
+    """One Decisions per member of generation 0 of 3 replicas, each on its own store connection."""
+    coordinator = Coordinator("127.0.0.1", 0, 3, HEARTBEAT_TIMEOUT)
+    out = []
+    for r in range(3):
+        m = Membership(coordinator.addr, r, 3)
+        m.store = ControlStore(coordinator.addr, r)
+        m.gen = Generation(0, [0, 1, 2], {0: 1, 1: 1, 2: 1}, {})
+        out.append(Decisions(m))
+    yield out
+    del out, coordinator  # the last reference to the server store: stops it
+
+
+def test_commit_written_first_stands(decisions):
+    for d in decisions:
+        d.report_done(5)  # the third completes the count and writes commit
+    # A member that sees a failure only now cannot overturn it: its retry reads the commit.
+    assert decisions[1].decide_retry(5) is True
+    assert [d.await_decision(5) for d in decisions] == [True, True, True]
+
+
+def test_retry_written_first_wins_even_if_every_member_then_reports_done(decisions):
+    assert decisions[2].decide_retry(7) is False
+    for d in decisions:
+        d.report_done(7)
+    assert [d.await_decision(7) for d in decisions] == [False, False, False]
+
+
+def test_racing_commit_and_retry_every_member_reads_the_same(decisions):
+    # In odd trials member 2 reports done and at once writes retry (a member whose reduce completed
+    # but that then sees a failure), racing the commit of whichever member completes the count:
+    # either may land first, and all three read the one that did.
+    for step in range(40):
+        barrier = threading.Barrier(3)
+        read: dict[int, bool] = {}
+
+        def member(i: int) -> None:
+            barrier.wait(timeout=10)
+            decisions[i].report_done(step)
+            if i == 2 and step % 2:
+                decisions[i].decide_retry(step)
+            read[i] = decisions[i].await_decision(step)
+
+        threads = [threading.Thread(target=member, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=10)
+        assert len(read) == 3 and len(set(read.values())) == 1, (step, read)
+        if step % 2 == 0:
+            assert read[0] is True, "no retry was written: the step commits"
+
+
+def test_a_commit_names_the_same_joiners_for_every_member(decisions):
+    # Replica 1's second incarnation asked to join: the commit carries it, every member reads it.
+    decisions[0].membership.store.append("join/requests", "1:2,")
+    for d in decisions:
+        d.report_done(3)
+    assert all(d.await_decision(3) for d in decisions)
+    assert [d.admit_next for d in decisions] == [{1: 2}] * 3
