@@ -17,7 +17,7 @@ Faults (``FaultInjector(..., act=...)``) are acted out without signals:
   it dead (a false suspicion), waits until the others applied the step, then lets it continue.
 
 Two protocol internals are replaced while a :class:`Cluster` is open, because the protocol has no
-public hook for them (see the module's users for the hooks asked for):
+public hook for them:
 ``membership.Heartbeat`` by a subclass that remembers the heartbeat of the thread that made it (a
 killed thread must stop its own heartbeat without closing the replica: needs ``Replica.halt_heartbeat()``),
 and the ``atexit`` used by ``replica.py`` (``Replica.start`` registers an exit hook that may
