@@ -64,9 +64,10 @@ def test_killed_replica_in_each_phase(replicas, phase):
     stats = cluster.slot(0).history
     assert sum(s.recoveries for s in stats) == 1, "exactly one in-step recovery"
     # The dead replica's quota (2 microbatches) is recomputed exactly once: in step 1, or in step 2
-    # when it died after its done report (commit/optimizer: step 1 committed without a retry).
-    recovered_in = 2 if phase in ("commit", "optimizer") else 1
-    assert [s.step for s in stats if s.recoveries] == [recovered_in]
+    # when step 1 committed anyway. After a "commit"-phase death (its done report was in) both are
+    # right: a survivor still in its reduce may see the death and write retry before the commit lands.
+    recovered_in = {"commit": [[1], [2]], "optimizer": [[2]]}.get(phase, [[1]])
+    assert [s.step for s in stats if s.recoveries] in recovered_in
     assert sum(s.recomputed for r in survivors for s in cluster.slot(r).history) == 2
     assert live_per_step(cluster, 0)[-1] == replicas - 1
 
