@@ -24,5 +24,9 @@ format:
 	$(PYTHON) -m ruff format .
 	clang-format -i native_io/src/*.c native_io/src/*.h
 
+# The fast tests (no multi-process job, nothing > 5 s): what to run while editing.
+test-fast:
+	$(PYTHON) -m pytest -q -m "not slow" tests
+
 bench: setup
 	$(PYTHON) -m lightning_recover.cli bench checkpoint --size-gb 2 --json docs/bench_checkpoint.json

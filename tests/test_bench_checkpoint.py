@@ -58,6 +58,7 @@ def test_safetensors_flatten_roundtrip_clones_shared():
     assert float(back["n"][1][0]) == 2.0
 
 
+@pytest.mark.slow
 def test_bench_checkpoint_smoke(tmp_path, capsys):
     out = tmp_path / "bench.json"
     args = argparse.Namespace(size_gb=0.02, repeat=1, dir=str(tmp_path / "work"), methods=None, json=str(out),

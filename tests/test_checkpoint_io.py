@@ -279,6 +279,7 @@ def _readline(proc, timeout=60.0) -> bytes:
     return proc.stdout.readline().strip()
 
 
+@pytest.mark.slow
 def test_sigkill_mid_save_leaves_previous_loadable(tmp_path):
     path = tmp_path / "k.ckpt"
     save({"k": 0, "w": torch.full((1_000_000,), 0.0), "v": torch.full((1000,), 0.0)}, path)
@@ -500,6 +501,7 @@ def test_convert_to_torch_save(tmp_path, capsys):
     assert "--unsafe-pickle" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_subprocess(tmp_path):
     from lightning.pytorch import Trainer
 

@@ -137,6 +137,7 @@ def _check_dir(d, newest_done, seen=None):
         assert out["k"] >= newest_done and out["k"] % NAMES == newest_done % NAMES
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_sigkill_at_random_points_sync_and_async(tmp_path):
     rng = random.Random(20240501)

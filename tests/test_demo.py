@@ -6,7 +6,11 @@ import json
 import os
 import sys
 
+import pytest
+
 from tests.jobs import run_job
+
+pytestmark = pytest.mark.slow
 
 
 def test_demo_tiny(tmp_path):

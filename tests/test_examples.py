@@ -9,6 +9,8 @@ import pytest
 
 from tests.jobs import ROOT, run_job
 
+pytestmark = pytest.mark.slow
+
 EXAMPLES = os.path.join(ROOT, "examples")
 
 

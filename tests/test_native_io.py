@@ -96,6 +96,7 @@ def test_crc32c_random_against_reference():
         assert native_io.crc32c(mv) == _crc_ref(bytes(mv)), n
 
 
+@pytest.mark.slow
 def test_crc32c_software_matches_hw():
     code = (
         "import native_io,random;r=random.Random(3);"

@@ -26,6 +26,8 @@ from tests.jobs import (
     wait_for,
 )
 
+pytestmark = pytest.mark.slow
+
 TOL = 1e-5
 REPLICAS, STEPS, M = 3, 4, 6
 

@@ -101,6 +101,7 @@ def close(a: float, b: float, tol: float = TOL) -> bool:
 # --------------------------------------------------------------------------- multi-process runs
 
 
+@pytest.mark.slow
 def test_failure_free_run_matches_single_process_training(reference_run, truth):
     out = reference_run.out_dir
     assert_parameters(reference_run, truth["state"], survivors=range(REPLICAS))
@@ -126,6 +127,7 @@ def test_failure_free_run_matches_single_process_training(reference_run, truth):
     assert "Epoch 0: 100%" in reference_run.output  # the progress bar ran (on the lowest replica)
 
 
+@pytest.mark.slow
 def test_killed_replica_mid_step_keeps_the_trajectory(tmp_path):
     # batch 16 x M 6 = 96 samples a step: 5 steps an epoch, so 7 steps also cross an epoch boundary
     steps, batch_size = 7, 16
@@ -180,6 +182,7 @@ def assert_rejoined(result, truth, steps: int, rejoiner: int, steps_per_epoch: i
 REJOIN_STEPS, REJOIN_BATCH = 9, 16  # 5 steps an epoch: the rejoined replica also crosses an epoch boundary
 
 
+@pytest.mark.slow
 def test_restarted_replica_rejoins_the_trainer_run(tmp_path):
     truth = _single_process(steps=REJOIN_STEPS, batch_size=REJOIN_BATCH)
     result = trainer_job(str(tmp_path), steps=REJOIN_STEPS, inject="kill:replica=1:step=1:phase=backward",
@@ -190,6 +193,7 @@ def test_restarted_replica_rejoins_the_trainer_run(tmp_path):
     assert_rejoined(result, truth, REJOIN_STEPS, rejoiner=1, steps_per_epoch=5)
 
 
+@pytest.mark.slow
 def test_torchrun_restarted_trainer_replica_rejoins(tmp_path):
     """`lightning-recover torchrun --max-restarts 1`: torchrun restarts the killed replica's worker (with
     torchrun's WORLD_SIZE=1 environment), and it rejoins the Trainer run with the live state."""
@@ -204,6 +208,7 @@ def test_torchrun_restarted_trainer_replica_rejoins(tmp_path):
     assert_rejoined(result, truth, REJOIN_STEPS, rejoiner=2, steps_per_epoch=5)
 
 
+@pytest.mark.slow
 def test_resume_mid_epoch_while_the_writer_dies(tmp_path, reference_run, truth):
     """Resume from step 3 with 3 replicas; replica 0 (the writer, rank 0) is killed at step 4."""
     ckpt = os.path.join(reference_run.out_dir, "ckpt", "step=3.ckpt")
@@ -220,6 +225,7 @@ def test_resume_mid_epoch_while_the_writer_dies(tmp_path, reference_run, truth):
     assert close(float(rows[5]["recover/loss"]), truth["losses"][5])
 
 
+@pytest.mark.slow
 def test_elastic_resume_with_fewer_replicas(tmp_path, reference_run, truth):
     ckpt = os.path.join(reference_run.out_dir, "ckpt", "step=3.ckpt")
     out = str(tmp_path)
@@ -233,6 +239,7 @@ def test_elastic_resume_with_fewer_replicas(tmp_path, reference_run, truth):
         assert close(float(row["recover/loss"]), truth["losses"][step]), (step, row)
 
 
+@pytest.mark.slow
 def test_bf16_mixed(tmp_path, truth):
     out = str(tmp_path)
     result = trainer_job(out, replicas=2, steps=3, microbatches=4, extra=["--precision", "bf16-mixed", "--clip", "1.0"])

@@ -112,6 +112,10 @@ class Heartbeat:
                 self.error = exc
                 return
 
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
@@ -141,6 +145,8 @@ class CoordinatorWatchdog:
 
     def _run(self) -> None:
         while not self._stop.wait(min(0.1, self._limit / 10)):
+            if self._heartbeat.stopped:
+                return  # the heartbeat was stopped on purpose: nothing left to watch
             silent = time.monotonic() - self._heartbeat.last_ok
             if silent > self._limit and not self._stop.is_set():
                 print(f"[lightning-recover] replica {self._replica}: CoordinatorLostError: the coordinator at "
@@ -251,7 +257,7 @@ class Membership:
         """Join requests not yet admitted and still alive: ``{replica: incarnation}``."""
         latest: dict[int, int] = {}
         for r in range(self.num_replicas):
-            asked = self.store.get_genuine(f"join/{r}") if r not in self.gen.members else None
+            asked = self.store.get_genuine(f"join/{r}")
             if asked is not None:
                 latest[r] = int(asked)
         wanted = {r: inc for r, inc in latest.items() if self.gen.incarnations.get(r) != inc}

@@ -133,8 +133,16 @@ class Replica:
             self.protocol.injector.add_listener(listener)
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> None:
-        atexit.register(self._at_exit)  # Fabric has no end-of-run hook: leave the group at exit
+    def start(self, exit_hook: bool = True) -> None:
+        """Connect, start heartbeating, form generation 0 (or prepare to rejoin).
+
+        ``exit_hook`` registers the end-of-process handler that leaves the group and ends a process
+        with an abandoned collective without destroying it (Fabric has no end-of-run hook). An
+        embedding that runs replicas inside a longer-lived process (the in-process tests) passes
+        False and calls :meth:`close` itself.
+        """
+        if exit_hook:
+            atexit.register(self._at_exit)
         _record_uncaught_exceptions()
         self.group.connect()
         injector = self._injector or FaultInjector.from_env(self.group.replica, self.group.incarnation)

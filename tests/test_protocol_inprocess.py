@@ -1,0 +1,261 @@
+"""The protocol's logic with replicas as threads of this process, against a real coordinator.
+
+Fast counterparts of tests/test_resilience.py (which runs real processes and signals): every
+surviving replica must end equal to a single-process failure-free run that sums the same M
+microbatches per step (float64, max relative difference <= 1e-9). See tests/inprocess.py for how
+kill, hang and raise are acted out in threads.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from lightning_recover.errors import ReplicaExcludedError
+from lightning_recover.protocol import Fault
+from lightning_recover.protocol.coordinator import Coordinator
+from lightning_recover.protocol.decisions import Decisions
+from lightning_recover.protocol.membership import Generation, Membership
+from lightning_recover.protocol.messages import ControlStore, JobSecret
+from tests.inprocess import HEARTBEAT_TIMEOUT, RUN_TIMEOUT, TOL, Cluster, max_relative_difference, reference
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def run(replicas: int, steps: int, microbatches: int, faults=(), **kwargs) -> Cluster:
+    with Cluster(replicas, steps=steps, microbatches=microbatches, faults=faults, **kwargs) as cluster:
+        cluster.start().join()
+    return cluster
+
+
+def assert_matches_reference(cluster: Cluster, survivors: list[int]) -> None:
+    assert cluster.survivors() == survivors, cluster.report()
+    final = reference(cluster.M, cluster.steps)[-1]
+    for r in survivors:
+        slot = cluster.slot(r)
+        assert slot.applied[-1] == cluster.steps - 1, slot.describe()
+        diff = max_relative_difference(slot.state, final)
+        assert diff <= TOL, f"replica {r} diverged from the failure-free run: max relative difference {diff}"
+
+
+def live_per_step(cluster: Cluster, replica: int) -> list[int]:
+    return [stats.live_replicas for stats in cluster.slot(replica).history]
+
+
+def test_failure_free_run_equals_the_single_process_reference():
+    cluster = run(3, steps=3, microbatches=6)
+    assert_matches_reference(cluster, [0, 1, 2])
+    assert live_per_step(cluster, 0) == [3, 3, 3]
+    assert all(s.recoveries == 0 and s.computed == 2 for r in range(3) for s in cluster.slot(r).history)
+
+
+SINGLE_PHASES = ["forward", "backward", "reduce", "commit", "optimizer"]
+
+
+@pytest.mark.parametrize("replicas", [3, 4])
+@pytest.mark.parametrize("phase", SINGLE_PHASES)
+def test_killed_replica_in_each_phase(replicas, phase):
+    M = 2 * replicas
+    cluster = run(replicas, steps=3, microbatches=M, faults=[Fault("kill", 1, 1, phase)])
+    survivors = [r for r in range(replicas) if r != 1]
+    assert_matches_reference(cluster, survivors)
+    assert cluster.slot(1).outcome == "killed" and cluster.slot(1).applied == [0]
+    stats = cluster.slot(0).history
+    assert sum(s.recoveries for s in stats) == 1, "exactly one in-step recovery"
+    # The dead replica's quota (2 microbatches) is recomputed exactly once: in step 1, or in step 2
+    # when step 1 committed anyway. After a "commit"-phase death (its done report was in) both are
+    # right: a survivor still in its reduce may see the death and write retry before the commit lands.
+    recovered_in = {"commit": [[1], [2]], "optimizer": [[2]]}.get(phase, [[1]])
+    assert [s.step for s in stats if s.recoveries] in recovered_in
+    assert sum(s.recomputed for r in survivors for s in cluster.slot(r).history) == 2
+    assert live_per_step(cluster, 0)[-1] == replicas - 1
+
+
+@pytest.mark.parametrize("kind", ["hang", "raise"])
+def test_hung_or_raising_replica_in_the_reduce(kind):
+    cluster = run(3, steps=3, microbatches=6, faults=[Fault(kind, 2, 1, "reduce")])
+    assert_matches_reference(cluster, [0, 1])
+    assert cluster.slot(2).outcome == {"hang": "hung", "raise": "raised"}[kind]
+    assert live_per_step(cluster, 0) == [3, 2, 2]
+    assert sum(s.recomputed for r in (0, 1) for s in cluster.slot(r).history) == 2
+
+
+def test_hang_in_backward_is_revealed_by_the_heartbeat_monitor_only():
+    # Nothing but the stale heartbeat tells the others: the harness never declares a hung replica dead.
+    cluster = run(3, steps=3, microbatches=6, faults=[Fault("hang", 0, 1, "backward")])
+    assert_matches_reference(cluster, [1, 2])
+    assert live_per_step(cluster, 1) == [3, 2, 2]
+    fired = cluster.slot(0).fired_at["hang:replica=0:step=1:phase=backward"]
+    waited = cluster.slot(1).applied_at[1] - fired
+    assert waited >= 0.8 * HEARTBEAT_TIMEOUT, f"step 1 committed {waited:.3f}s after the hang: before the timeout"
+
+
+def test_two_deaths_in_one_step():
+    cluster = run(4, steps=4, microbatches=8,
+                  faults=[Fault("kill", 1, 2, "backward"), Fault("kill", 3, 2, "reduce")])
+    assert_matches_reference(cluster, [0, 2])
+    assert live_per_step(cluster, 0) == [4, 4, 2, 2]
+    assert sum(s.recomputed for r in (0, 2) for s in cluster.slot(r).history) == 4
+
+
+def test_cascade_death_during_recovery():
+    # Replica 1 dies; while the survivors recompute its microbatches, replica 2 dies too.
+    cluster = run(4, steps=3, microbatches=8,
+                  faults=[Fault("kill", 1, 1, "backward"), Fault("kill", 2, 1, "recompute")])
+    assert_matches_reference(cluster, [0, 3])
+    assert cluster.slot(2).outcome == "killed", "the recompute fault fired"
+    assert max(s.recoveries for s in cluster.slot(0).history) == 2, "two recoveries inside one step"
+    assert live_per_step(cluster, 0) == [4, 2, 2]
+
+
+def test_down_to_a_single_survivor():
+    cluster = run(4, steps=5, microbatches=8,
+                  faults=[Fault("kill", 0, 1, "reduce"), Fault("raise", 3, 2, "forward"), Fault("hang", 1, 3, "commit")])
+    assert_matches_reference(cluster, [2])
+    assert live_per_step(cluster, 2) == [4, 3, 2, 2, 1]
+    assert cluster.slot(2).history[-1].computed == 8, "the last replica computes all M microbatches"
+
+
+def test_throughput_quotas_keep_the_trajectory():
+    cluster = run(3, steps=4, microbatches=6, faults=[Fault("kill", 2, 2, "backward")], quota="throughput")
+    assert_matches_reference(cluster, [0, 1])
+    assert sum(s.computed for r in (0, 1) for s in cluster.slot(r).history[-1:]) == 6
+
+
+def test_falsely_suspected_replica_stops_and_never_applies_another_step():
+    """Declared dead while alive (heartbeat running), then resumed: it must stop with
+    ReplicaExcludedError, not rejoin silently; the others go on and equal the reference."""
+    cluster = run(3, steps=4, microbatches=6, faults=[Fault("suspect", 1, 1, "backward")])
+    victim = cluster.slot(1)
+    assert victim.outcome == "excluded" and isinstance(victim.error, ReplicaExcludedError), cluster.report()
+    assert victim.applied == [0], "no step applied after the suspicion"
+    assert max_relative_difference(victim.state, reference(6, 4)[1]) <= TOL, "its state is the committed step 0"
+    assert_matches_reference(cluster, [0, 2])
+    assert live_per_step(cluster, 0) == [3, 2, 2, 2]
+
+
+def declared_dead_before_step_2(steps: int) -> Cluster:
+    """Mark live replica 1 dead just before its step 2: nothing fails, only the register says so."""
+
+    def before_step(replica: int, step: int) -> None:
+        if replica == 1 and step == 2:
+            cluster.declare_dead(1, 1)
+
+    with Cluster(3, steps=steps, microbatches=6, before_step=before_step) as cluster:
+        cluster.start().join()
+    return cluster
+
+
+def test_replica_declared_dead_between_steps_never_diverges():
+    # Whatever the group does with the suspicion, no replica applies a step off the reference.
+    cluster = declared_dead_before_step_2(steps=5)
+    refs = reference(6, 5)
+    for slot in cluster.slots:
+        assert slot.outcome in ("done", "excluded"), cluster.report()
+        assert slot.applied == list(range(len(slot.applied))), slot.describe()
+        assert max_relative_difference(slot.state, refs[len(slot.applied)]) <= TOL, slot.describe()
+    assert cluster.slot(0).outcome == cluster.slot(2).outcome == "done"
+
+
+def test_replica_declared_dead_between_steps_stops_at_its_next_step():
+    cluster = declared_dead_before_step_2(steps=5)
+    victim = cluster.slot(1)
+    assert victim.outcome == "excluded", cluster.report()
+    assert victim.applied in ([0, 1], [0, 1, 2]), victim.describe()
+
+
+def test_restarted_replica_rejoins_with_live_state():
+    """Replica 1 is killed in step 1; a new incarnation (another thread, other initial weights)
+    asks to join, is admitted by the next commit, receives model + optimizer state and the step
+    from a peer, and ends equal to the reference."""
+    join_requested = threading.Event()
+
+    def before_step(replica: int, step: int) -> None:
+        # The survivors hold before step 2 until the joiner asked (its start() appends the request),
+        # so step 2's commit admits it and it joins at step 3.
+        if step == 2:
+            assert join_requested.wait(RUN_TIMEOUT), "the restarted replica never asked to join"
+
+    with Cluster(3, steps=6, microbatches=6, faults=[Fault("kill", 1, 1, "backward")],
+                 before_step=before_step) as cluster:
+        cluster.start()
+        first = cluster.slot(1)
+        cluster.wait(first.finished.is_set)
+        assert first.outcome == "killed"
+        joiner = cluster.spawn(1, incarnation=2, seed=1, on_started=lambda slot: join_requested.set())
+        cluster.join()
+    # Admitted by the first commit after its request: step 1's (if it asked during the recovery)
+    # or step 2's (the survivors wait for the request before step 2).
+    k = joiner.rejoined_at
+    assert joiner.core.joining is False and k in (2, 3), joiner.describe()
+    assert joiner.applied == list(range(k, 6))
+    assert_matches_reference(cluster, [0, 1, 2])
+    assert live_per_step(cluster, 0) == [3] + [2] * (k - 1) + [3] * (6 - k)
+    assert all(s.computed == 2 for s in joiner.history), "the rejoined replica takes its share"
+
+
+# ---------------------------------------------------------------------- the commit/retry rule
+@pytest.fixture
+def decisions():
+    """One Decisions per member of generation 0 of 3 replicas, each on its own store connection."""
+    secret = JobSecret.generate()
+    coordinator = Coordinator("127.0.0.1", 0, 3, HEARTBEAT_TIMEOUT, secret)
+    out = []
+    for r in range(3):
+        m = Membership(coordinator.addr, r, 3, secret=secret)
+        m.store = ControlStore(coordinator.addr, r, secret)
+        m.incarnation = 1
+        m.gen = Generation(0, [0, 1, 2], {0: 1, 1: 1, 2: 1}, {})
+        out.append(Decisions(m))
+    yield out
+    del out, coordinator  # the last reference to the server store: stops it
+
+
+def test_commit_written_first_stands(decisions):
+    for d in decisions:
+        d.report_done(5)  # the third completes the count and writes commit
+    # A member that sees a failure only now cannot overturn it: its retry reads the commit.
+    assert decisions[1].decide_retry(5) is True
+    assert [d.await_decision(5) for d in decisions] == [True, True, True]
+
+
+def test_retry_written_first_wins_even_if_every_member_then_reports_done(decisions):
+    assert decisions[2].decide_retry(7) is False
+    for d in decisions:
+        d.report_done(7)
+    assert [d.await_decision(7) for d in decisions] == [False, False, False]
+
+
+def test_racing_commit_and_retry_every_member_reads_the_same(decisions):
+    # In odd trials member 2 reports done and at once writes retry (a member whose reduce completed
+    # but that then sees a failure), racing the commit of whichever member completes the count:
+    # either may land first, and all three read the one that did.
+    for step in range(40):
+        barrier = threading.Barrier(3)
+        read: dict[int, bool] = {}
+
+        def member(i: int) -> None:
+            barrier.wait(timeout=10)
+            decisions[i].report_done(step)
+            if i == 2 and step % 2:
+                decisions[i].decide_retry(step)
+            read[i] = decisions[i].await_decision(step)
+
+        threads = [threading.Thread(target=member, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=10)
+        assert len(read) == 3 and len(set(read.values())) == 1, (step, read)
+        if step % 2 == 0:
+            assert read[0] is True, "no retry was written: the step commits"
+
+
+def test_a_commit_names_the_same_joiners_for_every_member(decisions):
+    # Replica 1's second incarnation asked to join: the commit carries it, every member reads it.
+    decisions[0].membership.store.set("join/1", "2")
+    for d in decisions:
+        d.report_done(3)
+    assert all(d.await_decision(3) for d in decisions)
+    assert [d.admit_next for d in decisions] == [{1: 2}] * 3
