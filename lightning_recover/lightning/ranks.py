@@ -65,3 +65,13 @@ class ReplicaRanks:
     def replica(self) -> int:
         """This process's replica id (stable across generations, unlike ``global_rank``)."""
         return self.core.replica_id if self.core is not None else 0
+
+
+def set_rank_zero(rank: int) -> None:
+    """Point Lightning's ``rank_zero_only`` (all three copies of it) at this replica's current rank,
+    so that the lowest live replica prints and logs, whichever that is now."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+    from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+
+    rank_zero_only.rank = utils_rank_zero_only.rank = fabric_rank_zero_only.rank = rank

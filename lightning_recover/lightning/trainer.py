@@ -37,12 +37,9 @@ from typing import Any, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
@@ -50,6 +47,7 @@ from lightning_recover import env
 from lightning_recover.errors import RecoverError
 from lightning_recover.lightning.base import RecoverStrategyBase, ReplicaLauncher, build_options
 from lightning_recover.lightning.loader import StepBatch, StepLoader, epoch_position
+from lightning_recover.lightning.ranks import set_rank_zero
 from lightning_recover.lightning.step_logs import StepLogCapture, log_step, share_logger_versions
 from lightning_recover.protocol.replica import Replica
 
@@ -139,7 +137,7 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
         self._rejoin_step: Optional[int] = None
         self._solo = False
         if env.in_replica():  # until the group forms, the replica id is the rank: one banner, not N
-            self._sync_rank_zero(int(os.environ[env.REPLICA]))
+            set_rank_zero(int(os.environ[env.REPLICA]))
 
     @property
     def is_distributed(self) -> bool:
@@ -173,7 +171,7 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
             self._start_replica(self._trainable_parameters, self._state_for_joiner, self._receive_state)
             if self.core.joining:
                 self._rejoin(trainer)
-        self._sync_rank_zero()
+        set_rank_zero(self.global_rank)
         if trainer is not None:
             check_trainer(trainer, self.lightning_module)
             # A DistributedSampler must never be injected: the step plan decides what each replica reads.
@@ -247,10 +245,6 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
         self._rejoin_checkpoint = None  # restored by now; free the memory
         super().on_train_start()
 
-    def _sync_rank_zero(self, rank: Optional[int] = None) -> None:
-        rank = self.global_rank if rank is None else rank
-        rank_zero_only.rank = utils_rank_zero_only.rank = fabric_rank_zero_only.rank = rank
-
     def _trainable_parameters(self) -> list[torch.nn.Parameter]:
         module = self.lightning_module
         return [p for p in module.parameters() if p.requires_grad] if module is not None else []
@@ -316,7 +310,7 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
         self._committed = [(p, p.grad) for p in params]
         for p in params:
             p.grad = None  # out of reach of the closure's zero_grad; `backward` puts them back
-        self._sync_rank_zero()
+        set_rank_zero(self.global_rank)
         stats = core.last_step
         log_step(capture, stats, core.exchange, token.loader.samples_per_step)
         return torch.tensor(stats.loss if stats.loss is not None else float("nan"), device=self.root_device)
