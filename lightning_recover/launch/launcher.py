@@ -110,7 +110,15 @@ class _Link:
         self._requests: queue.Queue = queue.Queue()
         self.last_ok = time.monotonic()
         self.error: BaseException | None = None
-        threading.Thread(target=self._run, name="lr-coordinator-probe", daemon=True).start()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="lr-coordinator-probe", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop probing (before the coordinator is stopped: a probe then would log a torch error)."""
+        self._closed = True
+        self._requests.put(None)
+        self._thread.join(timeout=1.0)  # a probe stuck on a frozen coordinator is left behind (daemon)
 
     def _run(self) -> None:
         while self.error is None:
@@ -118,6 +126,8 @@ class _Link:
                 item = self._requests.get(timeout=self._period)
             except queue.Empty:
                 item = None
+            if self._closed:
+                return
             try:
                 if item is None:
                     self._store.check(["meta/replicas"])
@@ -205,6 +215,7 @@ def supervise(
     lost_after = 2 * heartbeat_timeout  # the coordinator's silence that ends the job
     interrupted = coordinator_lost = False
     old: dict = {}
+    link: _Link | None = None
     try:
         link = _Link(coord.addr, period=min(1.0, heartbeat_timeout / 2))
         child_env = dict(os.environ, **(extra_env or {}))
@@ -316,6 +327,8 @@ def supervise(
             if c.proc.poll() is None:
                 _kill_tree(c.proc.pid)
                 c.proc.wait()
+        if link is not None:
+            link.close()
         if coordinator_lost or _stopped(coord.proc.pid):
             coord.proc.kill()  # a frozen coordinator would never handle SIGTERM
         coord.stop()
