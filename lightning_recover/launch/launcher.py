@@ -146,8 +146,13 @@ class _Link:
         box: list = []
         done = threading.Event()
         self._requests.put((fn, box, done))
-        if not done.wait(timeout) or not box:
-            raise _CoordinatorLost(f"no answer within {timeout:g}s" if self.error is None else str(self.error))
+        deadline = time.monotonic() + timeout
+        # Sliced: once the thread has failed it serves no more requests, so do not wait out the bound.
+        while not done.wait(0.05) and self.error is None and time.monotonic() < deadline:
+            pass
+        if not box:
+            raise _CoordinatorLost(f"no answer within {timeout:g}s" if self.error is None
+                                   else f"the connection failed ({self.error})")
         return box[0]
 
     def silent_for(self) -> float:
