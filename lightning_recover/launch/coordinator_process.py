@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from lightning_recover import env
 from lightning_recover.protocol import coordinator
-from lightning_recover.protocol.options import check_heartbeat_timeout
+from lightning_recover.protocol.options import DEFAULT_HEARTBEAT_INTERVAL, check_heartbeat_timeout
 
 _PR_SET_PDEATHSIG = 1
 WATCHDOG_PERIOD = 0.2  # seconds between the fallback checks that the launcher still lives
@@ -82,11 +82,11 @@ class CoordinatorProcess:
 
 
 def start(replicas: int, heartbeat_timeout: float, host: str = "127.0.0.1", port: int = 0,
-          timeout: float = 60.0) -> CoordinatorProcess:
+          timeout: float = 60.0, heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL) -> CoordinatorProcess:
     """Start the coordinator in a child process and wait until it listens; it dies with this process."""
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
-    check_heartbeat_timeout(heartbeat_timeout)
+    check_heartbeat_timeout(heartbeat_timeout, heartbeat_interval)
     _libc()
     read_fd, write_fd = os.pipe()
     # `-c` rather than `-m`: the package imports this module, and runpy warns about re-executing it.

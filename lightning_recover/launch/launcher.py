@@ -215,7 +215,7 @@ def supervise(
         say(f"cannot start the replicas: command {first[0]!r} not found on PATH. HINT: check the command "
             "after --, e.g. -- python train.py")
         return EXIT_SPAWN_FAILED
-    coord = coordinator_process.start(replicas, heartbeat_timeout, host=host)
+    coord = coordinator_process.start(replicas, heartbeat_timeout, host=host, heartbeat_interval=heartbeat_interval)
     children: list[_Child] = []
     lost_after = 2 * heartbeat_timeout  # the coordinator's silence that ends the job
     interrupted = coordinator_lost = False
