@@ -328,11 +328,20 @@ def test_replica_count_is_checked_against_the_coordinator():
 @pytest.mark.parametrize("value, message", [("nan", "finite"), ("inf", "finite"), ("0.05", "exceed twice"),
                                             ("0", "positive"), ("-1", "positive"), ("abc", "not a number")])
 def test_cli_refuses_bad_heartbeat_timeouts(capsys, sub, value, message):
+    rest = [] if sub[0] == "coordinator" else ["--", "true"]
     with pytest.raises(SystemExit) as info:
-        cli.build_parser().parse_args(sub + ["--heartbeat-timeout", value, "--", "true"][: 2 if sub[0] ==
-                                                                                         "coordinator" else 4])
+        cli.main(sub + ["--heartbeat-timeout", value] + rest)  # refused before anything starts
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_coordinator_cli_checks_the_timeout_against_the_given_interval(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["coordinator", "--replicas", "2", "--heartbeat-timeout", "0.15", "--heartbeat-interval", "0.1"])
+    assert "exceed twice" in capsys.readouterr().err
+    args = cli.build_parser().parse_args(["coordinator", "--replicas", "2", "--heartbeat-timeout", "0.15",
+                                          "--heartbeat-interval", "0.03"])
+    args.check(args)  # a faster heartbeat makes the shorter timeout safe
 
 
 @pytest.mark.parametrize("args, message", [(["--replicas", "0"], "at least 1"), (["--replicas", "x"], "integer"),

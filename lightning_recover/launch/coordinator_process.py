@@ -92,7 +92,8 @@ def start(replicas: int, heartbeat_timeout: float, host: str = "127.0.0.1", port
     # `-c` rather than `-m`: the package imports this module, and runpy warns about re-executing it.
     cmd = [sys.executable, "-c", "import sys; from lightning_recover.launch.coordinator_process import main; sys.exit(main())",
            "--host", host, "--port", str(port),
-           "--replicas", str(replicas), "--heartbeat-timeout", str(heartbeat_timeout), "--ready-fd", str(write_fd),
+           "--replicas", str(replicas), "--heartbeat-timeout", repr(float(heartbeat_timeout)),
+           "--heartbeat-interval", repr(float(heartbeat_interval)), "--ready-fd", str(write_fd),
            "--parent-pid", str(os.getpid())]
     child_env = dict(os.environ, **{env.OMP_NUM_THREADS: "1"})
     proc = subprocess.Popen(cmd, pass_fds=(write_fd,), env=child_env)
@@ -124,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    check_arguments(parser, args)
     if args.parent_pid is not None:  # started by a launcher: never outlive it
         die_with_parent(args.parent_pid)
     coordinator.serve(args.host, args.port, args.replicas, args.heartbeat_timeout, args.ready_fd)
@@ -152,6 +154,27 @@ def port_number(text: str) -> int:
     return value
 
 
+def seconds(text: str) -> float:
+    """argparse type of a duration: a finite number > 0 (nan would silently turn a timeout off)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (e.g. 1.0)") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number of seconds (e.g. 1.0)")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a positive number of seconds (e.g. 1.0)")
+    return value
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The checks of :func:`add_arguments` that involve two options."""
+    try:
+        check_heartbeat_timeout(args.heartbeat_timeout, args.heartbeat_interval)
+    except ValueError as exc:
+        parser.error(f"--heartbeat-timeout: {exc}")
+
+
 def heartbeat_timeout_seconds(text: str) -> float:
     """argparse type of --heartbeat-timeout: finite, > 0 and > 2 x the replicas' heartbeat interval."""
     try:
@@ -172,6 +195,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "address on the private network the replicas use)")
     parser.add_argument("--port", type=port_number, default=0, help="port to bind (0 = any free port, printed)")
     parser.add_argument("--replicas", type=replica_count, required=True, help="number of replicas of the job")
-    parser.add_argument("--heartbeat-timeout", type=heartbeat_timeout_seconds, default=1.0,
+    parser.add_argument("--heartbeat-timeout", type=seconds, default=1.0,
                         help="seconds without heartbeat before a replica is declared dead "
-                             "(> 2 x the 0.1 s heartbeat interval)")
+                             "(> 2 x --heartbeat-interval)")
+    parser.add_argument("--heartbeat-interval", type=seconds, default=DEFAULT_HEARTBEAT_INTERVAL,
+                        help="the replicas' heartbeat period (RecoverOptions.heartbeat_interval)")

@@ -404,4 +404,4 @@ def add_subcommands(sub: Any) -> None:
 
     p = sub.add_parser("coordinator", help="run only the coordinator (multi-node jobs)")
     coordinator_process.add_arguments(p)
-    p.set_defaults(func=_cmd_coordinator)
+    p.set_defaults(func=_cmd_coordinator, check=lambda args, p=p: coordinator_process.check_arguments(p, args))
