@@ -130,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "check", None) is not None:  # checks that involve several options
+        args.check(args)
     return int(args.func(args) or 0)
 
 

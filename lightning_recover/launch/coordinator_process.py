@@ -3,15 +3,65 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
+import math
 import os
 import select
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
 from lightning_recover import env
 from lightning_recover.protocol import coordinator
+from lightning_recover.protocol.options import DEFAULT_HEARTBEAT_INTERVAL, check_heartbeat_timeout
+
+_PR_SET_PDEATHSIG = 1
+WATCHDOG_PERIOD = 0.2  # seconds between the fallback checks that the launcher still lives
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """Ask Linux to send ``sig`` to this process when its parent dies; False where unsupported.
+
+    Safe in a ``preexec_fn`` (no allocation beyond a cached ctypes call). Linux ties it to the
+    parent *thread*: launchers spawn from their main thread.
+    """
+    try:
+        return _libc().prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+_LIBC: list = []
+
+
+def _libc() -> ctypes.CDLL:
+    if not _LIBC:  # loaded once, in the parent, so preexec_fn does not load a library after fork
+        _LIBC.append(ctypes.CDLL(None, use_errno=True))
+    return _LIBC[0]
+
+
+def die_with_parent(parent: int) -> None:
+    """End this process when ``parent`` (the launcher) is gone, however it died.
+
+    PDEATHSIG covers SIGKILL of the launcher; the watchdog thread covers systems without prctl
+    and the window before prctl took effect (the launcher died first: we were re-parented).
+    """
+    set_parent_death_signal(signal.SIGKILL)
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent:
+                print(f"[coordinator] the launcher (pid {parent}) is gone; exiting", file=sys.stderr, flush=True)
+                os._exit(3)
+            time.sleep(WATCHDOG_PERIOD)
+
+    if os.getppid() != parent:
+        print(f"[coordinator] the launcher (pid {parent}) is gone; exiting", file=sys.stderr, flush=True)
+        os._exit(3)
+    threading.Thread(target=watch, name="lr-parent-watchdog", daemon=True).start()
 
 
 @dataclass
@@ -32,14 +82,20 @@ class CoordinatorProcess:
 
 
 def start(replicas: int, heartbeat_timeout: float, host: str = "127.0.0.1", port: int = 0,
-          timeout: float = 60.0, hang_timeout: float = 60.0, secret_file: str | None = None) -> CoordinatorProcess:
-    """Start the coordinator in a child process and wait until it listens."""
+          timeout: float = 60.0, heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL, hang_timeout: float = 60.0,
+          secret_file: str | None = None) -> CoordinatorProcess:
+    """Start the coordinator in a child process and wait until it listens; it dies with this process."""
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
+    check_heartbeat_timeout(heartbeat_timeout, heartbeat_interval)
+    _libc()
     read_fd, write_fd = os.pipe()
     # `-c` rather than `-m`: the package imports this module, and runpy warns about re-executing it.
     cmd = [sys.executable, "-c", "import sys; from lightning_recover.launch.coordinator_process import main; sys.exit(main())",
            "--host", host, "--port", str(port),
-           "--replicas", str(replicas), "--heartbeat-timeout", str(heartbeat_timeout), "--hang-timeout", str(hang_timeout),
-           "--ready-fd", str(write_fd)]
+           "--replicas", str(replicas), "--heartbeat-timeout", repr(float(heartbeat_timeout)),
+           "--heartbeat-interval", repr(float(heartbeat_interval)), "--ready-fd", str(write_fd),
+           "--parent-pid", str(os.getpid()), "--hang-timeout", repr(float(hang_timeout))]
     child_env = dict(os.environ, **{env.OMP_NUM_THREADS: "1"})
     if secret_file is not None:
         child_env[env.SECRET_FILE] = secret_file
@@ -70,18 +126,84 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lightning-recover coordinator", description="run the coordinator")
     add_arguments(parser)
     parser.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    check_arguments(parser, args)
+    if args.parent_pid is not None:  # started by a launcher: never outlive it
+        die_with_parent(args.parent_pid)
     coordinator.serve(args.host, args.port, args.replicas, args.heartbeat_timeout, args.ready_fd,
                       hang_timeout=args.hang_timeout)
     return 0
 
 
+def replica_count(text: str) -> int:
+    """argparse type of --replicas: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer (e.g. --replicas 3)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: a job has at least 1 replica")
+    return value
+
+
+def port_number(text: str) -> int:
+    """argparse type of --port: 0 (any free port) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not in 0..65535 (0 = any free port)")
+    return value
+
+
+def seconds(text: str) -> float:
+    """argparse type of a duration: a finite number > 0 (nan would silently turn a timeout off)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (e.g. 1.0)") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number of seconds (e.g. 1.0)")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a positive number of seconds (e.g. 1.0)")
+    return value
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The checks of :func:`add_arguments` that involve two options."""
+    try:
+        check_heartbeat_timeout(args.heartbeat_timeout, args.heartbeat_interval)
+    except ValueError as exc:
+        parser.error(f"--heartbeat-timeout: {exc}")
+
+
+def heartbeat_timeout_seconds(text: str) -> float:
+    """argparse type of --heartbeat-timeout: finite, > 0 and > 2 x the replicas' heartbeat interval."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (e.g. 1.0)") from None
+    if not math.isfinite(value):  # nan would turn hang detection off, inf never declares anyone dead
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number of seconds (e.g. 1.0)")
+    try:
+        return check_heartbeat_timeout(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for multi-node)")
-    parser.add_argument("--port", type=int, default=0, help="port to bind (0 = any free port, printed)")
-    parser.add_argument("--replicas", type=int, required=True, help="number of replicas of the job")
-    parser.add_argument("--heartbeat-timeout", type=float, default=1.0,
-                        help="seconds without heartbeat before a replica is declared dead")
-    parser.add_argument("--hang-timeout", type=float, default=60.0,
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="the one address to bind (default loopback; a multi-node job names this machine's "
+                             "address on the private network the replicas use)")
+    parser.add_argument("--port", type=port_number, default=0, help="port to bind (0 = any free port, printed)")
+    parser.add_argument("--replicas", type=replica_count, required=True, help="number of replicas of the job")
+    parser.add_argument("--heartbeat-timeout", type=seconds, default=1.0,
+                        help="seconds without heartbeat before a replica is declared dead "
+                             "(> 2 x --heartbeat-interval)")
+    parser.add_argument("--heartbeat-interval", type=seconds, default=DEFAULT_HEARTBEAT_INTERVAL,
+                        help="the replicas' heartbeat period (RecoverOptions.heartbeat_interval)")
+    parser.add_argument("--hang-timeout", type=seconds, default=60.0,
                         help="seconds without progress of a replica's main thread, while its peers wait on it, "
                              "before it is declared hung")

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ from lightning_recover.launch import coordinator_process
 from lightning_recover.protocol import coordinator
 from lightning_recover.protocol.faults import parse_faults
 from lightning_recover.protocol.messages import JobSecret, Sealer, connect, mark_dead
+from lightning_recover.protocol.options import DEFAULT_HEARTBEAT_INTERVAL, check_heartbeat_timeout, check_seconds
 
 
 @dataclass
@@ -83,6 +86,89 @@ def _kill_tree(pid: int) -> None:
             pass
 
 
+#: Exit code of a job whose coordinator died or stopped answering (its replicas were ended).
+EXIT_COORDINATOR_LOST = 3
+#: Exit code of a job whose command could not be started (as a shell's "command not found").
+EXIT_SPAWN_FAILED = 127
+
+
+class _CoordinatorLost(Exception):
+    pass
+
+
+class _Link:
+    """The launcher's connection to the coordinator, on a thread of its own.
+
+    A store client has no receive timeout: a frozen (SIGSTOPped) coordinator blocks any call
+    forever (measured: > 60 s with ``timeout=2s``). So the main loop never calls the store itself:
+    this thread does, probes it every ``period`` seconds, and the main loop only compares the time
+    of its last answer with a bound.
+    """
+
+    def __init__(self, addr: str, period: float) -> None:
+        self._store = connect(addr, timeout=10.0)
+        self._period = period
+        self._requests: queue.Queue = queue.Queue()
+        self.last_ok = time.monotonic()
+        self.error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="lr-coordinator-probe", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop probing (before the coordinator is stopped: a probe then would log a torch error)."""
+        self._closed = True
+        self._requests.put(None)
+        self._thread.join(timeout=1.0)  # a probe stuck on a frozen coordinator is left behind (daemon)
+
+    def _run(self) -> None:
+        while self.error is None:
+            try:
+                item = self._requests.get(timeout=self._period)
+            except queue.Empty:
+                item = None
+            if self._closed:
+                return
+            try:
+                if item is None:
+                    self._store.check(["meta/replicas"])
+                else:
+                    fn, box, done = item
+                    box.append(fn(self._store))
+                    done.set()
+                self.last_ok = time.monotonic()
+            except Exception as exc:  # a reset connection: the coordinator died
+                self.error = exc
+                if item is not None:
+                    item[2].set()
+
+    def call(self, fn: Callable[[Any], Any], timeout: float) -> Any:
+        """``fn(store)`` on the link's thread; ``_CoordinatorLost`` if it fails or takes > ``timeout``."""
+        box: list = []
+        done = threading.Event()
+        self._requests.put((fn, box, done))
+        deadline = time.monotonic() + timeout
+        # Sliced: once the thread has failed it serves no more requests, so do not wait out the bound.
+        while not done.wait(0.05) and self.error is None and time.monotonic() < deadline:
+            pass
+        if not box:
+            raise _CoordinatorLost(f"no answer within {timeout:g}s" if self.error is None
+                                   else f"the connection failed ({self.error})")
+        return box[0]
+
+    def silent_for(self) -> float:
+        return float("inf") if self.error is not None else time.monotonic() - self.last_ok
+
+
+def _replica_preexec(launcher_pid: int) -> Callable[[], None]:
+    def preexec() -> None:
+        # A replica must not outlive a SIGKILLed launcher (its coordinator dies with it too).
+        coordinator_process.set_parent_death_signal(signal.SIGKILL)
+        if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+    return preexec
+
+
 def supervise(
     command: Sequence[str] | Callable[[int], Sequence[str]],
     replicas: int,
@@ -96,6 +182,7 @@ def supervise(
     on_event: Callable[[str], Any] | None = None,
     finish_grace: float = 30.0,
     watch_workers: bool = False,
+    heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
 ) -> int:
     """Run ``command`` once per replica under a fresh coordinator; return the job's exit code.
 
@@ -105,113 +192,154 @@ def supervise(
     under an agent that waits for a hung worker) are killed. With ``watch_workers`` (torchrun mode:
     each child is an agent that restarts its worker itself), the death of a child's worker process
     is declared to the coordinator at once, as the exit of a direct child is.
+
+    Nothing of the job outlives it: the coordinator and the replicas get a parent-death signal; if
+    the coordinator dies or stops answering for 2 x ``heartbeat_timeout``, the replicas are ended
+    and the exit code is ``EXIT_COORDINATOR_LOST``; a command that cannot be started ends what was
+    started and returns ``EXIT_SPAWN_FAILED``.
     """
-    if replicas < 1:
-        raise ValueError(f"replicas must be >= 1, got {replicas}")
-    if heartbeat_timeout <= 0:
-        raise ValueError(f"heartbeat_timeout must be > 0 seconds, got {heartbeat_timeout}")
-    parse_faults(inject)  # validate before starting anything
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
+    check_heartbeat_timeout(heartbeat_timeout, heartbeat_interval)
+    check_seconds("finish_grace", finish_grace)
+    if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
+        raise ValueError(f"restarts must be an integer >= 0, got {restarts!r}")
+    parse_faults(inject, replicas)  # validate before starting anything
     say = on_event or (lambda line: print(f"[lightning-recover] {line}", file=sys.stderr, flush=True))
+    argv = command if callable(command) else (lambda r: command)
+    first = list(argv(0))
+    if not first:
+        raise ValueError("the replica command is empty. HINT: give it after --, e.g. -- python train.py")
+    # Refuse a command that cannot run before anything is started (the usual typo); spawn errors
+    # after this point still end everything started.
+    path = (extra_env or {}).get("PATH", os.environ.get("PATH"))
+    if not os.path.dirname(first[0]) and shutil.which(first[0], path=path) is None:
+        say(f"cannot start the replicas: command {first[0]!r} not found on PATH. HINT: check the command "
+            "after --, e.g. -- python train.py")
+        return EXIT_SPAWN_FAILED
     # One secret per job, in a private 0600 file: it authenticates every control message.
     secret_dir = tempfile.mkdtemp(prefix="lightning-recover-")
     secret = JobSecret.generate()
     secret_file = secret.write_file(secret_dir)
     sealer = Sealer(secret)
     try:
-        coord = coordinator_process.start(replicas, heartbeat_timeout, host=host, hang_timeout=hang_timeout,
-                                          secret_file=secret_file)
-        store = connect(coord.addr)
+        coord = coordinator_process.start(replicas, heartbeat_timeout, host=host, heartbeat_interval=heartbeat_interval,
+                                          hang_timeout=hang_timeout, secret_file=secret_file)
     except BaseException:
         shutil.rmtree(secret_dir, ignore_errors=True)
         raise
-    child_env = dict(os.environ, **(extra_env or {}))
-    child_env[env.COORDINATOR] = coord.addr
-    child_env[env.SECRET_FILE] = secret_file
-    child_env.pop(env.SECRET, None)
-    child_env[env.REPLICAS] = str(replicas)
-    child_env.setdefault(env.OMP_NUM_THREADS, "1")  # spinning OpenMP threads make gloo 20x slower on small machines
-    if inject:
-        child_env[env.INJECT] = inject
-
-    argv = command if callable(command) else (lambda r: command)
-
-    def spawn(r: int) -> subprocess.Popen:
-        return subprocess.Popen(list(argv(r)), env=dict(child_env, **{env.REPLICA: str(r)}))
-
-    children = [_Child(r, spawn(r)) for r in range(replicas)]
-    say(f"coordinator at {coord.addr} (pid {coord.proc.pid}); started {replicas} replicas: {' '.join(argv(0))}")
-    finished_at: float | None = None
-    first_seen: dict[int, dict[int, float]] = {}  # replica -> {worker pid under its agent: first seen}
-    next_scan = 0.0
-    interrupted = False
-    coordinator_gone = False
-
-    def _forward(signum: int, _frame: Any) -> None:
-        nonlocal interrupted
-        interrupted = True
-        for c in children:
-            if c.proc.poll() is None:
-                c.proc.send_signal(signum)
-
-    old = {s: signal.signal(s, _forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    children: list[_Child] = []
+    # The coordinator's silence that ends the job: the replicas' own bound (RecoverOptions.store_timeout).
+    lost_after = max(5.0, 2 * heartbeat_timeout + 1.0)
+    interrupted = coordinator_lost = False
+    old: dict = {}
+    link: _Link | None = None
     try:
-        while True:
-            running = 0
+        link = _Link(coord.addr, period=min(1.0, heartbeat_timeout / 2))
+        child_env = dict(os.environ, **(extra_env or {}))
+        child_env[env.COORDINATOR] = coord.addr
+        child_env[env.SECRET_FILE] = secret_file
+        child_env.pop(env.SECRET, None)
+        child_env[env.REPLICAS] = str(replicas)
+        child_env.setdefault(env.OMP_NUM_THREADS, "1")  # spinning OpenMP threads make gloo 20x slower on small machines
+        if inject:
+            child_env[env.INJECT] = inject
+        preexec = _replica_preexec(os.getpid())
+
+        def spawn(r: int) -> subprocess.Popen:
+            return subprocess.Popen(list(argv(r)), env=dict(child_env, **{env.REPLICA: str(r)}), preexec_fn=preexec)
+
+        try:
+            for r in range(replicas):
+                children.append(_Child(r, spawn(r)))
+        except OSError as exc:
+            say(f"cannot start replica {len(children)}: {exc}. Ended the {len(children)} replica(s) and the "
+                "coordinator already started. HINT: check the command after --, e.g. -- python train.py")
+            return EXIT_SPAWN_FAILED
+        say(f"coordinator at {coord.addr} (pid {coord.proc.pid}); started {replicas} replicas: {' '.join(first)}")
+        finished_at: float | None = None
+        first_seen: dict[int, dict[int, float]] = {}  # replica -> {worker pid under its agent: first seen}
+        next_scan = 0.0
+
+        def declare_dead(r: int) -> bool:
+            # Synchronous: a restart must not bump the incarnation before the old one is declared dead.
+            return link.call(lambda store: mark_dead(store, sealer, r), timeout=lost_after)
+
+        def _forward(signum: int, _frame: Any) -> None:
+            nonlocal interrupted
+            interrupted = True
             for c in children:
-                if c.exit_code is not None:
-                    continue
-                code = c.proc.poll()
-                if code is None:
-                    running += not _stopped(c.proc.pid)
-                    continue
-                c.history.append(_describe(code))
-                if code != 0:
-                    try:
-                        mark_dead(store, sealer, c.replica)
-                    except Exception:
-                        pass  # the coordinator itself is gone; replicas notice on their own
-                    say(f"replica {c.replica} failed ({_describe(code)})")
-                    if c.restarts < restarts and not interrupted:
-                        c.restarts += 1
-                        say(f"restarting replica {c.replica} ({c.restarts}/{restarts})")
-                        c.proc = spawn(c.replica)
-                        running += 1
-                        continue
-                c.exit_code = code
-                if code == 0 and finished_at is None:
-                    finished_at = time.monotonic()
-            if watch_workers and time.monotonic() >= next_scan:
-                next_scan = time.monotonic() + 0.05
-                tree, now_t = _children_map(), time.monotonic()
+                if c.proc.poll() is None:
+                    c.proc.send_signal(signum)
+
+        old = {s: signal.signal(s, _forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            while True:
+                running = 0
                 for c in children:
-                    seen = first_seen.setdefault(c.replica, {})
-                    now = set(tree.get(c.proc.pid, [])) if c.exit_code is None else set()
-                    # Only a worker that lived >= 1 s counts: no transient helper process of the agent.
-                    lost = [pid for pid, t in seen.items() if pid not in now and now_t - t >= 1.0]
-                    for pid in set(seen) - now:
-                        del seen[pid]
-                    for pid in now:
-                        seen.setdefault(pid, now_t)
-                    if lost and c.proc.poll() is None:
-                        # The agent will restart it; tell the survivors now rather than after heartbeats.
-                        try:
-                            if mark_dead(store, sealer, c.replica):
-                                say(f"replica {c.replica}: its worker exited; declared dead")
-                        except Exception:
-                            pass
-            if running == 0 or (finished_at is not None and time.monotonic() - finished_at > finish_grace):
-                break
-            if coord.proc.poll() is not None and not interrupted and not coordinator_gone:
-                coordinator_gone = True
-                say(f"the coordinator exited ({_describe(coord.proc.returncode)}); replicas will stop")
-            time.sleep(0.01)
-        for c in children:
-            if c.exit_code is None:  # hung replicas (or agents waiting on one): nobody will resume them
-                _kill_tree(c.proc.pid)
-                c.proc.wait()
-                c.exit_code = c.proc.returncode
-                c.history.append("hung, killed at the end")
-                say(f"replica {c.replica} was hung; killed it")
+                    if c.exit_code is not None:
+                        continue
+                    code = c.proc.poll()
+                    if code is None:
+                        running += not _stopped(c.proc.pid)
+                        continue
+                    c.history.append(_describe(code))
+                    if code != 0:
+                        if coord.proc.poll() is None:
+                            declare_dead(c.replica)
+                        say(f"replica {c.replica} failed ({_describe(code)})")
+                        if c.restarts < restarts and not interrupted:
+                            c.restarts += 1
+                            say(f"restarting replica {c.replica} ({c.restarts}/{restarts})")
+                            try:
+                                c.proc = spawn(c.replica)
+                            except OSError as exc:
+                                say(f"cannot restart replica {c.replica}: {exc}")
+                            else:
+                                running += 1
+                                continue
+                    c.exit_code = code
+                    if code == 0 and finished_at is None:
+                        finished_at = time.monotonic()
+                if watch_workers and time.monotonic() >= next_scan:
+                    next_scan = time.monotonic() + 0.05
+                    tree, now_t = _children_map(), time.monotonic()
+                    for c in children:
+                        seen = first_seen.setdefault(c.replica, {})
+                        now = set(tree.get(c.proc.pid, [])) if c.exit_code is None else set()
+                        # Only a worker that lived >= 1 s counts: no transient helper process of the agent.
+                        lost = [pid for pid, t in seen.items() if pid not in now and now_t - t >= 1.0]
+                        for pid in set(seen) - now:
+                            del seen[pid]
+                        for pid in now:
+                            seen.setdefault(pid, now_t)
+                        if lost and c.proc.poll() is None and declare_dead(c.replica):
+                            # The agent will restart it; tell the survivors now rather than after heartbeats.
+                            say(f"replica {c.replica}: its worker exited; declared dead")
+                if running == 0 or (finished_at is not None and time.monotonic() - finished_at > finish_grace):
+                    break
+                if coord.proc.poll() is not None:
+                    raise _CoordinatorLost(f"it exited ({_describe(coord.proc.returncode)})")
+                if link.silent_for() > lost_after:
+                    raise _CoordinatorLost(f"it stopped answering for more than {lost_after:g}s (frozen or unreachable)"
+                                           if link.error is None else f"the connection failed ({link.error})")
+                time.sleep(0.01)
+            for c in children:
+                if c.exit_code is None:  # hung replicas (or agents waiting on one): nobody will resume them
+                    _kill_tree(c.proc.pid)
+                    c.proc.wait()
+                    c.exit_code = c.proc.returncode
+                    c.history.append("hung, killed at the end")
+                    say(f"replica {c.replica} was hung; killed it")
+        except _CoordinatorLost as exc:
+            if interrupted and coord.proc.poll() is not None:
+                pass  # Ctrl-C reached the coordinator too: an interruption, not a loss
+            else:
+                coordinator_lost = True
+                say(f"CoordinatorLostError: the coordinator (pid {coord.proc.pid}, {coord.addr}) is lost: {exc}. "
+                    "No step can be agreed without it; ending the job's replicas. "
+                    "HINT: restart the job from its last checkpoint.")
+                return EXIT_COORDINATOR_LOST
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -219,6 +347,10 @@ def supervise(
             if c.proc.poll() is None:
                 _kill_tree(c.proc.pid)
                 c.proc.wait()
+        if link is not None:
+            link.close()
+        if coordinator_lost or _stopped(coord.proc.pid):
+            coord.proc.kill()  # a frozen coordinator would never handle SIGTERM
         coord.stop()
         shutil.rmtree(secret_dir, ignore_errors=True)
     ok = [c.replica for c in children if c.exit_code == 0]
@@ -235,37 +367,57 @@ def _cmd_run(args: argparse.Namespace) -> int:
         command = command[1:]
     if not command:
         raise SystemExit("lightning-recover run: give the command after --, e.g. -- python train.py")
-    return supervise(command, args.replicas, heartbeat_timeout=args.heartbeat_timeout, inject=args.inject,
-                     restarts=args.restarts, host=args.host)
+    try:
+        return supervise(command, args.replicas, heartbeat_timeout=args.heartbeat_timeout, inject=args.inject,
+                         restarts=args.restarts, host=args.host)
+    except ValueError as exc:  # a bad option: say how to fix it, no traceback
+        raise SystemExit(f"lightning-recover run: {exc}") from None
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type of restart counts: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value}: must be >= 0")
+    return value
 
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:
-    coordinator.serve(args.host, args.port, args.replicas, args.heartbeat_timeout, hang_timeout=args.hang_timeout)
+    try:
+        coordinator.serve(args.host, args.port, args.replicas, args.heartbeat_timeout, hang_timeout=args.hang_timeout)
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"lightning-recover coordinator: {exc}") from None
     return 0
 
 
 def add_subcommands(sub: Any) -> None:
     from lightning_recover.launch import torchrun
 
+    replicas, seconds = coordinator_process.replica_count, coordinator_process.heartbeat_timeout_seconds
     p = sub.add_parser("run", help="run a script once per replica under a tolerant launcher")
-    p.add_argument("--replicas", type=int, required=True)
+    p.add_argument("--replicas", type=replicas, required=True)
     p.add_argument("--inject", default=None, help="faults, e.g. kill:replica=2:step=5:phase=backward")
-    p.add_argument("--heartbeat-timeout", type=float, default=1.0)
-    p.add_argument("--restarts", type=int, default=0, help="restart a failed replica up to K times")
-    p.add_argument("--host", default="127.0.0.1", help="coordinator bind address")
+    p.add_argument("--heartbeat-timeout", type=seconds, default=1.0,
+                   help="seconds without heartbeat before a replica is declared dead (> 0.2)")
+    p.add_argument("--restarts", type=non_negative_int, default=0, help="restart a failed replica up to K times")
+    p.add_argument("--host", default="127.0.0.1", help="coordinator bind address (only this one is bound)")
     p.add_argument("command", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_run)
 
     p = sub.add_parser("torchrun", help="one torchrun job per replica (restarts stay inside a replica)")
-    p.add_argument("--replicas", type=int, required=True)
+    p.add_argument("--replicas", type=replicas, required=True)
     p.add_argument("--nproc-per-replica", type=int, default=1)
-    p.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts of a failed replica")
+    p.add_argument("--max-restarts", type=non_negative_int, default=0, help="torchrun restarts of a failed replica")
     p.add_argument("--inject", default=None, help="faults, e.g. kill:replica=2:step=5:phase=backward")
-    p.add_argument("--heartbeat-timeout", type=float, default=1.0)
-    p.add_argument("--host", default="127.0.0.1", help="coordinator bind address")
+    p.add_argument("--heartbeat-timeout", type=seconds, default=1.0,
+                   help="seconds without heartbeat before a replica is declared dead (> 0.2)")
+    p.add_argument("--host", default="127.0.0.1", help="coordinator bind address (only this one is bound)")
     p.add_argument("command", nargs=argparse.REMAINDER)
     p.set_defaults(func=torchrun.cmd_torchrun)
 
     p = sub.add_parser("coordinator", help="run only the coordinator (multi-node jobs)")
     coordinator_process.add_arguments(p)
-    p.set_defaults(func=_cmd_coordinator)
+    p.set_defaults(func=_cmd_coordinator, check=lambda args, p=p: coordinator_process.check_arguments(p, args))

@@ -30,6 +30,9 @@ def cmd_torchrun(args: argparse.Namespace) -> int:
         script = script[1:]
     if not script:
         raise SystemExit("lightning-recover torchrun: give the script after --, e.g. -- train.py --lr 1e-3")
-    command = torchrun_command(script, args.nproc_per_replica, args.max_restarts)
-    return supervise(command, args.replicas, heartbeat_timeout=args.heartbeat_timeout, inject=args.inject,
-                     host=args.host, watch_workers=True)
+    try:
+        command = torchrun_command(script, args.nproc_per_replica, args.max_restarts)
+        return supervise(command, args.replicas, heartbeat_timeout=args.heartbeat_timeout, inject=args.inject,
+                         host=args.host, watch_workers=True)
+    except ValueError as exc:  # a bad option: say how to fix it, no traceback
+        raise SystemExit(f"lightning-recover torchrun: {exc}") from None

@@ -53,7 +53,8 @@ class ReplicaLauncher(_Launcher):
         opts = self._strategy.options
         opts.resolve_microbatches(self._strategy.num_replicas)  # fail here, before starting N processes
         code = supervise(self._command(), self._strategy.num_replicas,
-                         heartbeat_timeout=opts.heartbeat_timeout, hang_timeout=opts.hang_timeout,
+                         heartbeat_timeout=opts.heartbeat_timeout, heartbeat_interval=opts.heartbeat_interval,
+                         hang_timeout=opts.hang_timeout,
                          restarts=opts.restarts)
         # The supervisor never runs the training code itself: its job ends with the replicas'.
         raise SystemExit(code)

@@ -31,6 +31,7 @@ import datetime
 import json
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -94,10 +95,37 @@ def _monitor(store: dist.TCPStore, sealer: Sealer, replicas: int, timeout: float
                 print(f"[coordinator] replica {r} (incarnation {inc}) {why}: declared dead", flush=True)
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening socket bound to ``host`` only.
+
+    TCPStore given a host still listens on every interface (``*:PORT``, IPv4 and IPv6); handing it
+    a socket bound here (``master_listen_fd``, works with libuv in torch 2.13) keeps the control
+    plane on loopback by default, and on the one address a multi-host job names.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ValueError(f"cannot bind the coordinator to {host!r}: {exc}. HINT: --host takes an address "
+                         "of this machine (127.0.0.1 for one-machine jobs).") from None
+    family, kind, proto, _, sockaddr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # "::" must not add IPv4 too
+        sock.bind(sockaddr)
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot bind the coordinator to {host}:{port}: {exc.strerror}. "
+                      "HINT: pick another --port (0 = any free port) or an address of this machine.") from None
+    return sock
+
+
 class Coordinator:
     """The store server and its heartbeat monitor; :func:`serve` runs one until SIGTERM.
 
-    In-process use (tests): ``c = Coordinator("127.0.0.1", 0, replicas, 1.0)``, then
+    In-process use (tests): ``c = Coordinator("127.0.0.1", 0, replicas, 1.0, JobSecret.generate())``, then
     ``threading.Thread(target=c.monitor, args=(stop_event,))``; ``c.addr`` is what replicas connect to.
     """
 
@@ -108,8 +136,10 @@ class Coordinator:
         self.heartbeat_timeout = heartbeat_timeout
         self.hang_timeout = hang_timeout
         self.sealer = Sealer(secret)
-        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=_STORE_TIMEOUT,
-                                   use_libuv=True)
+        # The store serves on this socket; keep it referenced as long as the store lives.
+        self.socket = listen_socket(host, port)
+        self.store = dist.TCPStore(host, self.socket.getsockname()[1], is_master=True, wait_for_workers=False,
+                                   timeout=_STORE_TIMEOUT, use_libuv=True, master_listen_fd=self.socket.fileno())
         _init_keys(self.store, self.sealer, replicas)
 
     @property

@@ -54,8 +54,12 @@ class Fault:
         return f"{self.kind}:replica={self.replica}:step={self.step}:phase={self.phase}"
 
 
-def parse_faults(spec: str | None) -> list[Fault]:
-    """Parse a fault list; raises ``ValueError`` naming the bad item and the expected form."""
+def parse_faults(spec: str | None, replicas: int | None = None) -> list[Fault]:
+    """Parse a fault list; raises ``ValueError`` naming the bad item and the expected form.
+
+    With ``replicas``, a fault naming a replica outside ``0..replicas-1`` is refused too: it could
+    never fire, and a test or demo relying on it would silently run failure-free.
+    """
     faults: list[Fault] = []
     if not spec:
         return faults
@@ -83,6 +87,11 @@ def parse_faults(spec: str | None) -> list[Fault]:
             raise ValueError(f"fault {item!r}: replica, step and incarnation must be integers") from None
         if fault.replica < 0 or fault.step < 0:
             raise ValueError(f"fault {item!r}: replica and step must be >= 0")
+        if fault.incarnation < 1:
+            raise ValueError(f"fault {item!r}: incarnation must be >= 1 (1 = the first start of the replica)")
+        if replicas is not None and fault.replica >= replicas:
+            raise ValueError(f"fault {item!r}: the job has replicas 0..{replicas - 1}, so replica={fault.replica} "
+                             f"would never fire. HINT: name a replica below {replicas}.")
         faults.append(fault)
     return faults
 
@@ -118,6 +127,21 @@ class FaultInjector:
     @property
     def pending(self) -> list[Fault]:
         return list(self._pending.values())
+
+    def unfired(self) -> list[Fault]:
+        """Faults of this incarnation that have not fired. At the end of training a non-empty answer
+        means the plan named a step past the run's length (or a phase it never reached): only the
+        replica can know, so it checks (see :meth:`check_all_fired`)."""
+        return sorted(self._pending.values(), key=lambda f: (f.step, PHASES.index(f.phase)))
+
+    def check_all_fired(self, last_step: int) -> None:
+        """Raise ``ValueError`` if a planned fault of this incarnation never fired by ``last_step``."""
+        missed = self.unfired()
+        if missed:
+            raise ValueError(
+                f"injected fault(s) {', '.join(map(str, missed))} never fired: the run ended at step {last_step} "
+                f"(or never reached the phase). HINT: name a step <= {last_step} and a phase the run goes through."
+            )
 
     def add_listener(self, listener: Callable[[Fault, float], None]) -> None:
         """Call ``listener(fault, wall_time)`` just before each fault of this injector acts."""

@@ -44,6 +44,7 @@ from lightning_recover.errors import (
 )
 from lightning_recover.protocol.messages import ControlStore, JobSecret
 from lightning_recover.protocol.process_groups import ProcessGroups
+from lightning_recover.protocol.replica_env import check_against_coordinator
 
 POLL_MIN = 0.0005
 POLL_MAX = 0.005
@@ -218,13 +219,7 @@ class Membership:
     # ------------------------------------------------------------------ lifecycle
     def connect(self) -> None:
         self.store = ControlStore(self.addr, self.replica, self.secret, timeout=self.store_timeout)
-        stored = self.store.get("meta/replicas")
-        if stored != str(self.num_replicas):
-            raise RecoverError(
-                f"replica {self.replica} was started for {self.num_replicas} replicas but the coordinator at "
-                f"{self.addr} runs a job of {stored}. HINT: give every replica the coordinator's count "
-                f"({env.REPLICAS}={stored}) or start the coordinator with --replicas {self.num_replicas}."
-            )
+        check_against_coordinator(self.store.get_genuine("meta/replicas"), self.num_replicas)
         self.incarnation = self.store.add(f"inc/{self.replica}", 1)
         self._heartbeat = Heartbeat(self.store, self.replica, self.incarnation, self.heartbeat_interval, self.progress)
         self._heartbeat.start()

@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 _MAC_BYTES = 32
 _TAG = b"\x00lr1"  # separates payload and MAC; versions the sealing
 _REGISTER_TAKEBACKS = 16
-_CONNECT_TIMEOUT = 10.0  # seconds a replica waits for an unreachable coordinator before saying so  # forged register values a legitimate writer replaces before giving up
+_CONNECT_TIMEOUT = 5.0  # seconds a replica waits for an unreachable coordinator before saying so  # forged register values a legitimate writer replaces before giving up
 
 
 # ---------------------------------------------------------------------------- the job's secret

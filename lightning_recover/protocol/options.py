@@ -6,6 +6,30 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+#: The replicas' default heartbeat period; launchers check ``--heartbeat-timeout`` against it.
+DEFAULT_HEARTBEAT_INTERVAL = 0.1
+
+
+def check_seconds(name: str, value: object) -> float:
+    """``value`` as a finite, positive number of seconds, or ``ValueError`` saying how to fix it."""
+    # bool is an int, and nan/inf pass `> 0` checks: both would silently disable a timeout.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}. "
+                         f"HINT: e.g. {name}=1.0")
+    return float(value)
+
+
+def check_heartbeat_timeout(timeout: object, interval: float = DEFAULT_HEARTBEAT_INTERVAL) -> float:
+    """A heartbeat timeout that can tell a healthy replica from a dead one, or ``ValueError``."""
+    timeout = check_seconds("heartbeat_timeout", timeout)
+    if timeout <= 2 * interval:
+        raise ValueError(
+            f"heartbeat_timeout ({timeout}s) must exceed twice heartbeat_interval ({interval}s), or healthy "
+            f"replicas would be declared dead. HINT: heartbeat_timeout >= 5 x heartbeat_interval "
+            f"(here {5 * interval:g}s) is a safe choice."
+        )
+    return timeout
+
 
 @dataclass
 class RecoverOptions:
@@ -27,15 +51,8 @@ class RecoverOptions:
             raise ValueError(f"quota must be 'equal' or 'throughput', got {self.quota!r}")
         for name in ("heartbeat_interval", "heartbeat_timeout", "hang_timeout", "join_timeout",
                      "collective_timeout", "startup_timeout"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        if self.heartbeat_timeout <= 2 * self.heartbeat_interval:
-            raise ValueError(
-                f"heartbeat_timeout ({self.heartbeat_timeout}s) must exceed twice heartbeat_interval "
-                f"({self.heartbeat_interval}s), or healthy replicas would be declared dead. "
-                "HINT: heartbeat_timeout >= 5 x heartbeat_interval is a safe choice."
-            )
+            check_seconds(name, getattr(self, name))
+        check_heartbeat_timeout(self.heartbeat_timeout, self.heartbeat_interval)
         if self.hang_timeout <= self.heartbeat_timeout:
             raise ValueError(
                 f"hang_timeout ({self.hang_timeout}s) must exceed heartbeat_timeout ({self.heartbeat_timeout}s): it is "

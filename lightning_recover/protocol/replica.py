@@ -27,6 +27,7 @@ from lightning_recover.protocol.faults import Fault, FaultInjector
 from lightning_recover.protocol.membership import Membership
 from lightning_recover.protocol.messages import JobSecret
 from lightning_recover.protocol.options import RecoverOptions
+from lightning_recover.protocol.replica_env import read_replica_env
 from lightning_recover.protocol.step import StepProtocol, StepStats
 
 
@@ -87,12 +88,8 @@ class Replica:
     @classmethod
     def from_env(cls, options: RecoverOptions, params: Callable[[], Sequence[torch.nn.Parameter]],
                  backend: str = "gloo") -> Replica:
-        missing = [v for v in env.REPLICA_VARIABLES if v not in os.environ]
-        if missing:
-            raise RuntimeError(f"replica environment incomplete (missing {', '.join(missing)}). HINT: start replicas "
-                               "with `fabric.launch()`, `lightning-recover run` or `lightning-recover torchrun`.")
-        return cls(options, os.environ[env.COORDINATOR], int(os.environ[env.REPLICA]),
-                   int(os.environ[env.REPLICAS]), params, backend=backend)
+        found = read_replica_env()  # every variable parsed and range-checked, with a HINT if bad
+        return cls(options, found.addr, found.replica, found.replicas, params, backend=backend)
 
     # ------------------------------------------------------------------ identity
     @property
@@ -157,6 +154,12 @@ class Replica:
 
     def close(self) -> None:
         self.group.close()
+        # A planned fault that never fired makes a fault test pass for the wrong reason: say so.
+        missed = [f for f in self.protocol.injector.unfired() if f.phase != "recompute"]
+        if missed and self.step >= 0:
+            print(f"[lightning-recover] replica {self.replica_id}: WARNING: injected fault(s) "
+                  f"{', '.join(map(str, missed))} never fired (the run ended at step {self.step}). HINT: name a "
+                  "step and phase the run reaches.", file=sys.stderr, flush=True)
 
     def _at_exit(self) -> None:
         self.close()

@@ -1,0 +1,83 @@
+"""A replica's environment, parsed and range-checked where it enters.
+
+Hand-launched replicas (multi-host jobs) set these variables themselves; a bad value used to be
+silently misread (id 7 of 3 taken for a restart, id -1 for a lost coordinator, a count differing
+from the coordinator's stalled for 60 s). Each bad case is refused here with a HINT instead.
+
+Use: ``e = read_replica_env()`` before connecting, then, once connected,
+``check_against_coordinator(store.get("meta/replicas"), e.replicas)``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from lightning_recover import env
+
+
+@dataclass(frozen=True)
+class ReplicaEnv:
+    addr: str  # HOST:PORT of the coordinator
+    replica: int  # 0 <= replica < replicas
+    replicas: int  # >= 1
+
+
+def _int(environ: Mapping[str, str], name: str, example: str) -> int:
+    raw = environ[name]
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer. HINT: e.g. {name}={example}") from None
+
+
+def read_replica_env(environ: Mapping[str, str] | None = None) -> ReplicaEnv:
+    """The replica variables of ``environ`` (default ``os.environ``), validated; ``ValueError`` if bad."""
+    environ = os.environ if environ is None else environ
+    missing = [v for v in env.REPLICA_VARIABLES if not environ.get(v, "").strip()]
+    if missing:
+        raise ValueError(
+            f"replica environment incomplete (missing {', '.join(missing)}). HINT: start replicas with "
+            "`lightning-recover run --replicas N -- ...`, or set all of "
+            f"{', '.join(env.REPLICA_VARIABLES)} when starting them by hand."
+        )
+    addr = environ[env.COORDINATOR].strip()
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{env.COORDINATOR}={addr!r} must be HOST:PORT with a port in 1..65535. "
+                         f"HINT: use the address the coordinator printed (LISTENING HOST:PORT).")
+    replicas = _int(environ, env.REPLICAS, "3")
+    if replicas < 1:
+        raise ValueError(f"{env.REPLICAS}={replicas}: a job has at least one replica. "
+                         f"HINT: set it to the --replicas the coordinator was started with.")
+    replica = _int(environ, env.REPLICA, "0")
+    if not 0 <= replica < replicas:
+        raise ValueError(
+            f"{env.REPLICA}={replica} is out of range for {env.REPLICAS}={replicas}: ids are 0..{replicas - 1}. "
+            "HINT: give each process of the job a distinct id in that range (a restart reuses its old id)."
+        )
+    return ReplicaEnv(addr, replica, replicas)
+
+
+def check_against_coordinator(stored: str | bytes | None, replicas: int) -> None:
+    """Refuse a replica count that differs from the coordinator's ``meta/replicas``.
+
+    ``stored`` is the value read from the coordinator after connecting (``None`` or empty if the
+    coordinator never wrote it: then it is not a lightning-recover coordinator).
+    """
+    if isinstance(stored, bytes):
+        stored = stored.decode(errors="replace")
+    if stored is None or not str(stored).strip().isdigit():
+        raise ValueError(
+            f"the coordinator did not declare its replica count (meta/replicas={stored!r}): it is not a "
+            f"lightning-recover coordinator. HINT: check {env.COORDINATOR}; start one with "
+            "`lightning-recover coordinator --replicas N`."
+        )
+    expected = int(stored)
+    if expected != replicas:
+        raise ValueError(
+            f"{env.REPLICAS}={replicas} but the coordinator was started for {expected} replicas. "
+            f"HINT: set {env.REPLICAS}={expected} (and ids 0..{expected - 1}), or restart the coordinator "
+            f"with --replicas {replicas}."
+        )

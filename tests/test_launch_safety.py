@@ -1,0 +1,396 @@
+"""Launcher and coordinator safety (issue 11, items 1, 8, 11, 12, 13, 14 and 6/7 launcher side).
+
+Real processes, bounded in time; every job runs in its own session and is ended by pid (its
+session's processes, read from /proc) in a ``finally``. Measured bounds are printed (``-s``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lightning_recover import cli, env
+from lightning_recover.launch import coordinator_process, launcher
+from lightning_recover.protocol.messages import JobSecret
+from lightning_recover.protocol.replica_env import ReplicaEnv, check_against_coordinator, read_replica_env
+from lightning_recover.protocol.faults import Fault, FaultInjector, parse_faults
+from tests.jobs import ROOT, _env, start_job
+
+REPLICA_SCRIPT = os.path.join(ROOT, "tests", "scripts", "replica_steps.py")
+CLI = [sys.executable, "-m", "lightning_recover.cli"]
+# Shared 2-core machines: a process of the job may take a few seconds to be scheduled and reaped.
+SLACK = 8.0
+
+
+# ---------------------------------------------------------------------------- /proc helpers
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _alive(pid: int) -> bool:
+    fields = _stat(pid)
+    return fields is not None and fields[0] not in ("Z", "X")  # a zombie runs nothing
+
+
+def _session_pids(sid: int) -> list[int]:
+    """Live processes of session ``sid`` (every job here is started as a session leader)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _stat(int(entry))
+            if fields is not None and int(fields[3]) == sid and fields[0] not in ("Z", "X"):
+                pids.append(int(entry))
+    return pids
+
+
+def _end_session(sid: int) -> None:
+    for pid in _session_pids(sid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _wait_until(predicate, timeout: float, period: float = 0.05) -> float | None:
+    """Seconds until ``predicate()`` held, or None if it did not within ``timeout``."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if predicate():
+            return time.monotonic() - t0
+        time.sleep(period)
+    return None
+
+
+def _listening(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every listening TCP socket of ``pid``, from /proc/net/tcp{,6}."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            m = re.match(r"socket:\[(\d+)\]", os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            continue
+        if m:
+            inodes.add(m.group(1))
+    found = []
+    for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        with open(f"/proc/net/{name}") as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] != "0A" or cols[9] not in inodes:  # 0A = LISTEN
+                    continue
+                hexaddr, hexport = cols[1].split(":")
+                raw = bytes.fromhex(hexaddr)
+                # /proc prints the address as 32-bit words in host (little-endian) order.
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                found.append((socket.inet_ntop(family, raw), int(hexport, 16)))
+    return found
+
+
+def _wait_for(log: str, pattern: str, proc: subprocess.Popen, timeout: float) -> re.Match:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = re.search(pattern, open(log).read())
+        if m:
+            return m
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    raise AssertionError(f"{pattern!r} not seen within {timeout}s (exit {proc.poll()}):\n{open(log).read()[-3000:]}")
+
+
+# ---------------------------------------------------------------------------- item 1: bind
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_coordinator_listens_only_on_the_given_address(host, tmp_path):
+    if host == "::1" and not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    secret_file = JobSecret.generate().write_file(str(tmp_path))
+    coord = coordinator_process.start(2, 1.0, host=host, timeout=90, secret_file=secret_file)
+    try:
+        pid, port = coord.proc.pid, int(coord.addr.rpartition(":")[2])
+        sockets = _listening(pid)
+        print(f"\ncoordinator pid {pid} at {coord.addr} listens on {sockets}")
+        assert sockets, "the coordinator listens on nothing?"
+        assert all(addr == host for addr, _ in sockets), sockets
+        assert not any(addr in ("0.0.0.0", "::") for addr, _ in sockets), sockets
+        assert (host, port) in sockets
+        if shutil.which("ss"):  # the same, as an operator would look
+            out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, timeout=30).stdout
+            mine = [line for line in out.splitlines() if f"pid={pid}," in line]
+            assert mine and not any(re.search(r"(\*|0\.0\.0\.0|\[::\]):\d+\s", line) for line in mine), mine
+    finally:
+        coord.proc.kill()
+        coord.proc.wait()
+
+
+# ---------------------------------------------------------------------------- item 8: nothing orphaned
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_launcher_sigkilled_takes_coordinator_and_replicas_with_it(tmp_path):
+    proc, log = start_job(CLI + ["run", "--replicas", "2", "--", "sleep", "600"], str(tmp_path))
+    try:
+        m = _wait_for(log, r"coordinator at \S+ \(pid (\d+)\); started 2", proc, 90)
+        coord_pid = int(m.group(1))
+        job = _session_pids(proc.pid)
+        assert coord_pid in job and len(job) >= 4, job  # launcher, coordinator, 2 replicas
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        took = _wait_until(lambda: not _session_pids(proc.pid), SLACK)
+        print(f"\nafter SIGKILL of the launcher, its job {job} was gone in {took}s")
+        assert took is not None, f"orphans of the killed launcher: {_session_pids(proc.pid)}"
+    finally:
+        _end_session(proc.pid)
+        proc.wait()
+
+
+@pytest.mark.timeout(60)
+def test_coordinator_watchdog_exits_when_its_launcher_is_gone():
+    # The fallback of PDEATHSIG: a coordinator whose parent is not the launcher it was told of exits.
+    cmd = [sys.executable, "-c", "import sys; from lightning_recover.launch.coordinator_process import main; "
+           "sys.exit(main())", "--replicas", "2", "--parent-pid", str(2 ** 22 + 1)]
+    t0 = time.monotonic()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=50, env=_env(None))
+    assert out.returncode == 3, out
+    assert "the launcher" in out.stderr and "is gone" in out.stderr
+    print(f"\nwatchdog exit after {time.monotonic() - t0:.2f}s (mostly interpreter start)")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_failed_spawn_ends_everything_and_fails(tmp_path):
+    t0 = time.monotonic()
+    proc, log = start_job(CLI + ["run", "--replicas", "2", "--", "/nonexistent"], str(tmp_path))
+    try:
+        proc.wait(timeout=90)
+        out = open(log).read()
+        print(f"\nfailed spawn: exit {proc.returncode} after {time.monotonic() - t0:.1f}s")
+        assert proc.returncode == launcher.EXIT_SPAWN_FAILED, out
+        assert "cannot start replica 0" in out and "HINT" in out, out
+        assert _wait_until(lambda: not _session_pids(proc.pid), SLACK) is not None, _session_pids(proc.pid)
+    finally:
+        _end_session(proc.pid)
+        proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_failed_spawn_of_a_later_replica_ends_the_started_ones(tmp_path):
+    # Replica 0 starts (a long sleep), replica 1 cannot: both the sleep and the coordinator must end.
+    code = ("import sys; from lightning_recover.launch.launcher import supervise; "
+            "sys.exit(supervise(lambda r: ['sleep', '600'] if r == 0 else ['/nonexistent'], 2))")
+    proc, log = start_job([sys.executable, "-c", code], str(tmp_path))
+    try:
+        proc.wait(timeout=90)
+        out = open(log).read()
+        assert proc.returncode == launcher.EXIT_SPAWN_FAILED, out
+        assert "cannot start replica 1" in out, out
+        assert _wait_until(lambda: not _session_pids(proc.pid), SLACK) is not None, _session_pids(proc.pid)
+    finally:
+        _end_session(proc.pid)
+        proc.wait()
+
+
+def test_command_not_on_path_is_refused_before_starting_anything():
+    lines = []
+    code = launcher.supervise(["no-such-command-lr"], 2, on_event=lines.append)
+    assert code == launcher.EXIT_SPAWN_FAILED
+    assert "not found on PATH" in lines[0] and "HINT" in lines[0]
+
+
+# ---------------------------------------------------------------------------- items 6/7: coordinator lost
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("how", ["SIGSTOP", "SIGKILL"])
+def test_launcher_ends_the_job_when_the_coordinator_is_lost(tmp_path, how):
+    hb = 1.0
+    proc, log = start_job(CLI + ["run", "--replicas", "2", "--heartbeat-timeout", str(hb), "--",
+                                 sys.executable, REPLICA_SCRIPT, "0"], str(tmp_path))
+    try:
+        m = _wait_for(log, r"coordinator at \S+ \(pid (\d+)\)", proc, 90)
+        coord_pid = int(m.group(1))
+        # Both replicas are in the middle of training (each prints STEP s after a committed step).
+        _wait_for(log, r"STEP 2\n(.|\n)*STEP 2\n", proc, 150)
+        job = _session_pids(proc.pid)
+        os.kill(coord_pid, getattr(signal, how))
+        t0 = time.monotonic()
+        proc.wait(timeout=2 * hb + 60)
+        took = time.monotonic() - t0
+        gone = _wait_until(lambda: not _session_pids(proc.pid), SLACK)
+        out = open(log).read()
+        print(f"\ncoordinator {how}: launcher exit {proc.returncode} after {took:.2f}s "
+              f"(bound 2 x {hb}s + {SLACK}s); the rest of the job {job} gone {gone}s later")
+        assert proc.returncode == launcher.EXIT_COORDINATOR_LOST, out[-3000:]
+        assert "CoordinatorLostError" in out and "HINT" in out, out[-3000:]
+        assert took <= 2 * hb + SLACK, took
+        assert gone is not None, f"left running: {_session_pids(proc.pid)}"
+        assert not any(_alive(p) for p in job)
+    finally:
+        _end_session(proc.pid)
+        proc.wait()
+
+
+# ---------------------------------------------------------------------------- item 11: wrong address
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_unreachable_coordinator_is_named_within_a_bound():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = ("import torch; from lightning_recover.protocol.options import RecoverOptions; "
+            "from lightning_recover.protocol.replica import Replica; p = torch.nn.Linear(2, 1); "
+            "Replica.from_env(RecoverOptions(), lambda: list(p.parameters())).start()")
+    environ = _env({env.COORDINATOR: f"127.0.0.1:{port}", env.REPLICA: "0", env.REPLICAS: "1",
+                    env.SECRET: JobSecret.generate().hex()})
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=environ, start_new_session=True, text=True)
+    try:
+        out, _ = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        out = "(no answer within 30 s)"
+    finally:
+        _end_session(proc.pid)
+        proc.wait()
+    took = time.monotonic() - t0
+    print(f"\nunreachable coordinator: exit {proc.returncode} after {took:.1f}s")
+    assert "CoordinatorLostError" in out and f"127.0.0.1:{port}" in out, out[-2000:]
+    # 5 s connect deadline (torch's connect retries overshoot it by a few seconds) plus interpreter
+    # and torch start-up, which alone takes 3-6 s on this loaded 2-core machine.
+    assert took <= 25, took
+
+
+# ---------------------------------------------------------------------------- item 12: replica env
+
+
+def _renv(**kw: str) -> dict[str, str]:
+    base = {env.COORDINATOR: "127.0.0.1:29500", env.REPLICA: "1", env.REPLICAS: "3"}
+    base.update(kw)
+    return {k: v for k, v in base.items() if v is not None}
+
+
+def test_read_replica_env_accepts_a_good_environment():
+    assert read_replica_env(_renv()) == ReplicaEnv("127.0.0.1:29500", 1, 3)
+    assert read_replica_env(_renv(**{env.COORDINATOR: "::1:29500"})).addr == "::1:29500"
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({env.REPLICA: "7"}, "out of range"),  # used to be taken for a restart
+    ({env.REPLICA: "-1"}, "out of range"),  # used to hang as a false "lost the coordinator"
+    ({env.REPLICA: "3"}, "ids are 0..2"),
+    ({env.REPLICA: "one"}, "not an integer"),
+    ({env.REPLICAS: "0"}, "at least one replica"),
+    ({env.REPLICAS: "3.0"}, "not an integer"),
+    ({env.REPLICAS: None}, "missing LIGHTNING_RECOVER_REPLICAS"),
+    ({env.COORDINATOR: "127.0.0.1"}, "HOST:PORT"),
+    ({env.COORDINATOR: "127.0.0.1:0"}, "HOST:PORT"),
+    ({env.COORDINATOR: "127.0.0.1:99999"}, "HOST:PORT"),
+])
+def test_read_replica_env_refuses_bad_values_with_a_hint(kw, message):
+    with pytest.raises(ValueError, match=message) as info:
+        read_replica_env(_renv(**kw))
+    assert "HINT" in str(info.value)
+
+
+def test_replica_count_is_checked_against_the_coordinator():
+    check_against_coordinator(b"3", 3)
+    check_against_coordinator("3", 3)
+    with pytest.raises(ValueError, match="started for 3 replicas.*HINT: set LIGHTNING_RECOVER_REPLICAS=3"):
+        check_against_coordinator(b"3", 4)
+    with pytest.raises(ValueError, match="not a lightning-recover coordinator"):
+        check_against_coordinator(None, 3)
+
+
+# ---------------------------------------------------------------------------- item 13: timeouts
+
+
+@pytest.mark.parametrize("sub", [["run", "--replicas", "2"], ["torchrun", "--replicas", "2"],
+                                 ["coordinator", "--replicas", "2"]])
+@pytest.mark.parametrize("value, message", [("nan", "finite"), ("inf", "finite"), ("0.05", "exceed twice"),
+                                            ("0", "positive"), ("-1", "positive"), ("abc", "not a number")])
+def test_cli_refuses_bad_heartbeat_timeouts(capsys, sub, value, message):
+    rest = [] if sub[0] == "coordinator" else ["--", "true"]
+    with pytest.raises(SystemExit) as info:
+        cli.main(sub + ["--heartbeat-timeout", value] + rest)  # refused before anything starts
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_coordinator_cli_checks_the_timeout_against_the_given_interval(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["coordinator", "--replicas", "2", "--heartbeat-timeout", "0.15", "--heartbeat-interval", "0.1"])
+    assert "exceed twice" in capsys.readouterr().err
+    args = cli.build_parser().parse_args(["coordinator", "--replicas", "2", "--heartbeat-timeout", "0.15",
+                                          "--heartbeat-interval", "0.03"])
+    args.check(args)  # a faster heartbeat makes the shorter timeout safe
+
+
+@pytest.mark.parametrize("args, message", [(["--replicas", "0"], "at least 1"), (["--replicas", "x"], "integer"),
+                                           (["--replicas", "2", "--restarts", "-1"], ">= 0")])
+def test_cli_refuses_bad_counts(capsys, args, message):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["run", *args, "--", "true"])
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, 0.05, 0.2, 0, -1])
+def test_supervise_and_coordinator_start_refuse_bad_heartbeat_timeouts(value):
+    # Refused before anything is started: no process, so this is fast.
+    with pytest.raises(ValueError, match="heartbeat_timeout"):
+        launcher.supervise(["sleep", "1"], 2, heartbeat_timeout=value)
+    with pytest.raises(ValueError, match="heartbeat_timeout"):
+        coordinator_process.start(2, value)
+
+
+# ---------------------------------------------------------------------------- item 14: injections
+
+
+def test_supervise_refuses_faults_naming_replicas_outside_the_job():
+    with pytest.raises(ValueError, match=r"replicas 0\.\.2, so replica=9.*HINT"):
+        launcher.supervise(["sleep", "1"], 3, inject="kill:replica=9:step=1:phase=forward")
+    with pytest.raises(ValueError, match="replica=3"):
+        parse_faults("hang:replica=3:step=0:phase=reduce", replicas=3)
+    assert parse_faults("hang:replica=2:step=0:phase=reduce", replicas=3)[0].replica == 2
+    with pytest.raises(ValueError, match="incarnation"):
+        parse_faults("kill:replica=0:step=0:phase=forward:incarnation=0")
+
+
+def test_cli_run_refuses_out_of_range_faults():
+    out = subprocess.run(CLI + ["run", "--replicas", "3", "--inject", "kill:replica=9:step=1:phase=forward",
+                                "--", "true"], capture_output=True, text=True, timeout=60, env=_env(None))
+    assert out.returncode != 0 and "replica=9" in out.stderr and "HINT" in out.stderr, out
+
+
+def test_fault_injector_reports_faults_that_never_fired():
+    fired = []
+    inj = FaultInjector(parse_faults("raise:replica=0:step=1:phase=forward,raise:replica=0:step=999:phase=backward"),
+                        0, 1, act=fired.append)
+    for step in range(4):
+        for phase in ("forward", "backward"):
+            inj.maybe_fire(step, phase)
+    assert [str(f) for f in fired] == ["raise:replica=0:step=1:phase=forward"]
+    assert inj.unfired() == [Fault("raise", 0, 999, "backward")]
+    with pytest.raises(ValueError, match="step=999.*never fired.*HINT: name a step <= 3"):
+        inj.check_all_fired(last_step=3)
