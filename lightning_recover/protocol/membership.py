@@ -1,4 +1,4 @@
-"""Generations of live replicas, and the decisions every member reads identically.
+"""Generations of live replicas: joins, heartbeats (with progress), failure detection.
 
 A *generation* G is a numbered set of live replicas with its own gloo process group (built
 over ``PrefixStore(f"pg/g{G}", store)``, so two generations never share a key). A generation
