@@ -11,14 +11,14 @@ import torch
 
 import native_io
 from lightning_recover.checkpoint import AsyncCheckpointError, UringCheckpointIO, load, read_info
-from lightning_recover.checkpoint import checkpoint_io as cio
+from lightning_recover.checkpoint import async_io, files
 from lightning_recover.checkpoint.async_io import _Ring, crc32c_combine
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def _temps(d) -> list:
-    return [p for p in os.listdir(d) if cio.is_temp_name(p)]
+    return [p for p in os.listdir(d) if files.is_temp_name(p)]
 
 
 def _clone(obj):
@@ -161,13 +161,13 @@ def test_explicit_wait_for_snapshot_and_pending(tmp_path):
 
 def test_final_name_appears_only_when_durable(tmp_path, monkeypatch):
     gate = threading.Event()
-    real = cio._write_tail
+    real = async_io.write_tail
 
     def slow_tail(*a, **kw):
         gate.wait(30)
         return real(*a, **kw)
 
-    monkeypatch.setattr(cio, "_write_tail", slow_tail)
+    monkeypatch.setattr(async_io, "write_tail", slow_tail)
     io = UringCheckpointIO(async_save=True)
     io.save_checkpoint({"w": torch.randn(1_000_000)}, tmp_path / "a.ckpt")
     io.wait_for_snapshot()
@@ -198,13 +198,13 @@ def test_removal_is_deferred_until_newer_save_is_durable(tmp_path, monkeypatch):
     io.save_checkpoint({"k": 1, "w": torch.randn(1_000_000)}, tmp_path / "old.ckpt")
     io.wait_until_durable()
     gate = threading.Event()
-    real = cio._write_tail
+    real = async_io.write_tail
 
     def slow_tail(*a, **kw):
         gate.wait(30)
         return real(*a, **kw)
 
-    monkeypatch.setattr(cio, "_write_tail", slow_tail)
+    monkeypatch.setattr(async_io, "write_tail", slow_tail)
     io.save_checkpoint({"k": 2, "w": torch.randn(1_000_000)}, tmp_path / "new.ckpt")
     io.remove_checkpoint(tmp_path / "old.ckpt")  # what ModelCheckpoint(save_top_k=1) does right after saving
     assert (tmp_path / "old.ckpt").exists()  # the only durable checkpoint is kept

@@ -95,7 +95,7 @@ def test_header_roundtrip_and_rejections():
     # a newer version is refused with a clear message (re-crc'ed so only the version differs)
     newer = bytearray(h)
     newer[8:12] = (fmt.FORMAT_VERSION + 1).to_bytes(4, "little")
-    newer[fmt._HEADER.size: fmt._HEADER.size + 4] = fmt._crc32c(bytes(newer[: fmt._HEADER.size])).to_bytes(4, "little")
+    newer[fmt._HEADER.size: fmt._HEADER.size + 4] = fmt.crc32c(bytes(newer[: fmt._HEADER.size])).to_bytes(4, "little")
     with pytest.raises(CheckpointCorruptError, match="unsupported checkpoint format version"):
         fmt.decode_header(bytes(newer), "f")
 

@@ -24,7 +24,7 @@ from lightning_recover.checkpoint import (
     read_info,
     save,
 )
-from lightning_recover.checkpoint import checkpoint_io as cio
+from lightning_recover.checkpoint import engine, files
 from lightning_recover.checkpoint import format as fmt
 
 
@@ -45,7 +45,7 @@ def _assert_state(out: dict, k: int) -> None:
 
 
 def _temps(d) -> list:
-    return [p for p in os.listdir(d) if cio.is_temp_name(p)]
+    return [p for p in os.listdir(d) if files.is_temp_name(p)]
 
 
 # ------------------------------------------------------------------------------------ corruption
@@ -156,7 +156,7 @@ def test_rename_failure_keeps_previous(tmp_path, monkeypatch):
     def boom(src, dst):
         raise OSError(28, "No space left on device (simulated)", src)
 
-    monkeypatch.setattr(cio.os, "rename", boom)
+    monkeypatch.setattr(files.os, "rename", boom)
     with pytest.raises(OSError, match="simulated"):
         save(_state(2), path)
     monkeypatch.undo()
@@ -166,7 +166,7 @@ def test_rename_failure_keeps_previous(tmp_path, monkeypatch):
 
 
 def test_failure_mid_write_keeps_previous_and_no_final_file(tmp_path, monkeypatch):
-    real = cio._Engine.get
+    real = engine.EngineHandle.get
 
     class FailingWriter:
         def __init__(self, w):
@@ -200,7 +200,7 @@ def test_failure_mid_write_keeps_previous_and_no_final_file(tmp_path, monkeypatc
     fresh = tmp_path / "fresh.ckpt"
     path = tmp_path / "c.ckpt"
     save(_state(1), path)
-    monkeypatch.setattr(cio._Engine, "get", lambda self: FailingEngine(real(self)))
+    monkeypatch.setattr(engine.EngineHandle, "get", lambda self: FailingEngine(real(self)))
     with pytest.raises(OSError, match="simulated"):
         save(_state(2), path)
     with pytest.raises(OSError, match="simulated"):

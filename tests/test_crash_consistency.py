@@ -26,7 +26,7 @@ from lightning_recover.checkpoint import (
     read_info,
     save,
 )
-from lightning_recover.checkpoint import checkpoint_io as cio
+from lightning_recover.checkpoint import files
 from lightning_recover.checkpoint import format as fmt
 
 NAMES = 4  # rotating checkpoint names r0..r3
@@ -119,7 +119,7 @@ def _check_dir(d, newest_done, seen=None):
         if key in seen:
             continue
         seen[key] = True
-        if cio.is_temp_name(name):
+        if files.is_temp_name(name):
             try:  # a torn file is never taken as complete: it is rejected, or it is complete and verifies
                 out = load(full)
             except CheckpointCorruptError:
@@ -186,7 +186,7 @@ def test_sigkill_at_random_points_sync_and_async(tmp_path):
     assert newest is not None and completed_rounds >= 10  # saves did complete between kills
     # temporaries of killed writers are ignored by loads and removed by the next save in the directory
     save({"k": -1}, tmp_path / "other.ckpt")
-    assert not [n for n in os.listdir(tmp_path) if cio.is_temp_name(n)]
+    assert not [n for n in os.listdir(tmp_path) if files.is_temp_name(n)]
     print(f"kills {kills}, rounds with completed saves {completed_rounds}, newest durable k={newest}")
 
 
@@ -225,7 +225,7 @@ def test_enospc_sync(small_fs):
         io.save_checkpoint(_big(2), path)
     assert ei.value.errno == errno.ENOSPC and str(small_fs) in str(ei.value)
     assert load(path)["k"] == 1
-    assert [n for n in os.listdir(small_fs) if cio.is_temp_name(n)] == []
+    assert [n for n in os.listdir(small_fs) if files.is_temp_name(n)] == []
     io.save_checkpoint(_small(3), path)  # space was given back
     assert load(path)["k"] == 3
     io.teardown()
@@ -243,7 +243,7 @@ def test_enospc_async_surfaces_at_next_call(small_fs):
         io.save_checkpoint(_small(3), path)
     assert isinstance(ei.value.__cause__, OSError) and ei.value.__cause__.errno == errno.ENOSPC
     assert load(path)["k"] == 1
-    assert [n for n in os.listdir(small_fs) if cio.is_temp_name(n)] == []
+    assert [n for n in os.listdir(small_fs) if files.is_temp_name(n)] == []
     io.save_checkpoint(_small(4), path)
     io.teardown()
     assert load(path)["k"] == 4

@@ -205,9 +205,9 @@ def run_restore(checkpoint: dict, root: str, repeat: int) -> list:
         name = "uring-into"
 
         def prepare_load(self, target, reference):
-            from lightning_recover.bench.checkpoint import _alloc_like
+            from lightning_recover.bench.checkpoint import alloc_like
 
-            return _alloc_like(reference)
+            return alloc_like(reference)
 
         def load(self, target, prepared):
             return load(target, map_location="cpu", into=prepared)

@@ -46,6 +46,7 @@ from typing import Any, Callable
 
 import torch
 
+from lightning_recover import env
 from lightning_recover.bench import fio as fio_mod
 from lightning_recover.bench.gpt_state import build_checkpoint, iter_tensors, tensor_stats
 
@@ -278,15 +279,15 @@ class TorchSaveMethod(Method):
         return torch.load(target, map_location="cpu", weights_only=False)
 
 
-def _alloc_like(obj: Any) -> Any:
+def alloc_like(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return torch.empty_like(obj)
     if isinstance(obj, dict):
-        return type(obj)((k, _alloc_like(v)) for k, v in obj.items())
+        return type(obj)((k, alloc_like(v)) for k, v in obj.items())
     if isinstance(obj, list):
-        return [_alloc_like(v) for v in obj]
+        return [alloc_like(v) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(_alloc_like(v) for v in obj)
+        return tuple(alloc_like(v) for v in obj)
     return obj
 
 
@@ -304,7 +305,7 @@ class DCPMethod(Method):
 
     def prepare_load(self, target, reference):
         # A resuming job has its model and optimizer allocated already.
-        return _alloc_like(reference)
+        return alloc_like(reference)
 
     def load(self, target, prepared):
         import torch.distributed.checkpoint as dcp
@@ -760,7 +761,7 @@ def main(args: argparse.Namespace) -> int:
     size_gb = float(getattr(args, "size_gb", 2.0))
     repeat = max(1, int(getattr(args, "repeat", 3)))
     # Not a CLI flag: tests set it to "fadvise" to leave the machine's page cache alone.
-    cache_mode = getattr(args, "cache", None) or os.environ.get("LIGHTNING_RECOVER_BENCH_CACHE", "auto")
+    cache_mode = getattr(args, "cache", None) or os.environ.get(env.BENCH_CACHE, "auto")
     directory = getattr(args, "dir", None)
     if directory:
         os.makedirs(directory, exist_ok=True)

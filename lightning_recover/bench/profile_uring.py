@@ -171,8 +171,8 @@ def _ref_numbers(checkpoint: Any) -> dict[str, float]:
 
 
 def profile(size_gb: float, directory: str | None, repeat: int) -> dict[str, Any]:
-    from lightning_recover.checkpoint import checkpoint_io as cio
     from lightning_recover.checkpoint import format as fmt
+    from lightning_recover.checkpoint import single_file as cio
     import native_io
 
     checkpoint, cfg = build_checkpoint(size_gb)
@@ -184,7 +184,7 @@ def profile(size_gb: float, directory: str | None, repeat: int) -> dict[str, Any
     fmt_names = ["encode_checkpoint", "plan_layout", "encode_header", "encode_index", "encode_footer",
                  "file_meta", "decode_header", "decode_footer", "decode_index", "damaged_extents",
                  "rebuild_tensors", "decode_skeleton", "place_storage", "map_location_fn"]
-    cio_names = ["cleanup_stale_temps", "_fsync_dir", "_read_info"]
+    cio_names = ["cleanup_stale_temps", "fsync_dir", "_read_info"]
     runs: list[dict[str, Any]] = []
     try:
         for rep in range(repeat):
@@ -278,7 +278,7 @@ def align_experiment(size_gb: float, directory: str | None, repeat: int) -> dict
     """
     import numpy as np
     import native_io
-    from lightning_recover.checkpoint import checkpoint_io as cio
+    from lightning_recover.checkpoint import single_file as cio
 
     checkpoint, _ = build_checkpoint(size_gb)
     root = tempfile.mkdtemp(prefix="lr-align-", dir=directory or "/tmp")

@@ -6,15 +6,9 @@ write and read the format described in ``docs/format.md``; :class:`UringCheckpoi
 """
 
 from lightning_recover.checkpoint.async_io import AsyncCheckpointError
-from lightning_recover.checkpoint.checkpoint_io import (
-    CheckpointInfo,
-    UringCheckpointIO,
-    cleanup_stale_temps,
-    load,
-    read_info,
-    save,
-    verify_file,
-)
+from lightning_recover.checkpoint.files import cleanup_stale_temps
+from lightning_recover.checkpoint.plugin import UringCheckpointIO
+from lightning_recover.checkpoint.single_file import CheckpointInfo, load, read_info, save, verify_file
 from lightning_recover.checkpoint.format import (
     FORMAT_VERSION,
     CheckpointCorruptError,

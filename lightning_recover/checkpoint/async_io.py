@@ -36,6 +36,8 @@ from typing import Any, Optional
 import torch
 
 from lightning_recover.checkpoint import format as fmt
+from lightning_recover.checkpoint.files import cleanup_stale_temps, commit, temp_path_for, unlink_quiet
+from lightning_recover.checkpoint.single_file import plan, write_tail
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +264,7 @@ class AsyncSaver:
     """Background saver used by ``UringCheckpointIO(async_save=True)`` (one per plugin).
 
     Args:
-        engine: an ``_Engine`` of ``checkpoint_io`` used only by the flusher.
+        engine: an ``EngineHandle`` (``engine.py``) used only by the flusher.
         staging_bytes: size of the staging ring. None: the lazily copied bytes of the first checkpoint
             (grown when a later one is bigger), so a snapshot never waits for the disk.
         chunk_bytes: copy/write granularity of large storages.
@@ -292,11 +294,10 @@ class AsyncSaver:
 
     def submit(self, checkpoint: Any, path: str) -> None:
         self.raise_errors()
-        from lightning_recover.checkpoint.checkpoint_io import _plan
 
         path = os.path.abspath(os.fspath(path))
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        enc, data_end = _plan(checkpoint)
+        enc, data_end = plan(checkpoint)
         eager, lazy = [], []
         for i, st in enumerate(enc.storages):
             n = enc.index.storages[i].nbytes
@@ -462,7 +463,6 @@ class AsyncSaver:
                 fq.task_done()
 
     def _begin(self, job: _Job) -> None:
-        from lightning_recover.checkpoint.checkpoint_io import cleanup_stale_temps, temp_path_for
 
         try:
             cleanup_stale_temps(job.directory)
@@ -489,7 +489,6 @@ class AsyncSaver:
             job.enc.index.storages[i].crc32c = int(crc)
 
     def _end(self, job: _Job) -> None:
-        from lightning_recover.checkpoint.checkpoint_io import _commit, _unlink_quiet, _write_tail
 
         try:
             if job.error is None:
@@ -499,8 +498,8 @@ class AsyncSaver:
                     for c, m in parts:
                         crc = crc32c_combine(crc, c, m)
                     job.enc.index.storages[i].crc32c = crc
-                _write_tail(job.writer, job.enc, job.data_end, job.file_id)
-                _commit(job.tmp, job.path)
+                write_tail(job.writer, job.enc, job.data_end, job.file_id)
+                commit(job.tmp, job.path)
         except BaseException as e:
             job.fail(e)
         if job.error is not None:
@@ -510,7 +509,7 @@ class AsyncSaver:
                 except BaseException:
                     pass
             if job.tmp is not None:
-                _unlink_quiet(job.tmp)
+                unlink_quiet(job.tmp)
             log.error("asynchronous checkpoint save to %s failed: %r", job.path, job.error)
             with self._lock:
                 self._errors.append((job, job.error))

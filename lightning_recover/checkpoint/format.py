@@ -10,7 +10,7 @@ See ``docs/format.md`` for the byte-level description. In short::
 
 This module knows how to plan the layout, encode/decode header, footer, index and skeleton, rebuild
 tensors from raw storages, and check extents against their checksums. The I/O lives in
-``checkpoint_io.py``.
+``single_file.py``.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class UnsafeCheckpointError(pickle.UnpicklingError):
         self.global_name = global_name
 
 
-def _crc32c(buf: Any, value: int = 0) -> int:
+def crc32c(buf: Any, value: int = 0) -> int:
     import native_io
 
     return native_io.crc32c(buf, value)
@@ -166,7 +166,7 @@ def encode_header(file_id: bytes, flags: int = 0) -> bytes:
     fixed = _HEADER.pack(HEADER_MAGIC, FORMAT_VERSION, flags, HEADER_SIZE, HEADER_SIZE, file_id)
     buf = bytearray(HEADER_SIZE)
     buf[: len(fixed)] = fixed
-    struct.pack_into("<I", buf, len(fixed), _crc32c(fixed))
+    struct.pack_into("<I", buf, len(fixed), crc32c(fixed))
     return bytes(buf)
 
 
@@ -187,7 +187,7 @@ def decode_header(buf: bytes, path: str = "<buffer>") -> Header:
         raise CheckpointCorruptError(f"{path}: {_describe_foreign(bytes(buf[:HEADER_SIZE]))}", path)
     fixed = bytes(buf[: _HEADER.size])
     (crc,) = struct.unpack_from("<I", buf, _HEADER.size)
-    if _crc32c(fixed) != crc:
+    if crc32c(fixed) != crc:
         raise CheckpointCorruptError(f"{path}: header checksum mismatch (damaged header at offset 0)", path)
     _, version, flags, header_size, data_start, file_id = _HEADER.unpack(fixed)
     if version > FORMAT_VERSION or version < 1:
@@ -217,7 +217,7 @@ def encode_footer(footer: Footer) -> bytes:
     )
     buf = bytearray(FOOTER_SIZE)
     buf[: len(fixed)] = fixed
-    struct.pack_into("<I", buf, _FOOTER_CRC_AT, _crc32c(bytes(buf[:_FOOTER_CRC_AT])))
+    struct.pack_into("<I", buf, _FOOTER_CRC_AT, crc32c(bytes(buf[:_FOOTER_CRC_AT])))
     buf[FOOTER_SIZE - 8 :] = FOOTER_MAGIC
     return bytes(buf)
 
@@ -231,7 +231,7 @@ def decode_footer(buf: bytes, file_size: int, header: Header, path: str = "<buff
             path,
         )
     (crc,) = struct.unpack_from("<I", buf, _FOOTER_CRC_AT)
-    if _crc32c(bytes(buf[:_FOOTER_CRC_AT])) != crc:
+    if crc32c(bytes(buf[:_FOOTER_CRC_AT])) != crc:
         raise CheckpointCorruptError(
             f"{path}: footer checksum mismatch at offset {file_size - FOOTER_SIZE} (damaged footer)", path
         )

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from lightning_recover.checkpoint.checkpoint_io import load, read_info, verify_file
+from lightning_recover.checkpoint.single_file import load, read_info, verify_file
 from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
 
 # exit codes

@@ -1,34 +1,36 @@
-"""Saving and loading lightning-recover checkpoints through ``native_io``, and the Lightning plugin.
+"""One checkpoint, one file: ``save``, ``load``, ``read_info`` and ``verify_file`` through ``native_io``.
 
-``save``/``load`` are the functional API; :class:`UringCheckpointIO` is the
-``lightning.fabric.plugins.CheckpointIO`` plugin (accepted by both ``Trainer`` and ``Fabric``).
+``save`` encodes the checkpoint (``format.py``), writes the storages as aligned extents with a
+crc32c each, then the index, skeleton and footer, into a temporary file made durable and renamed
+onto its final name (``files.py``). ``load`` verifies every extent's checksum before building a
+tensor from it. :class:`~lightning_recover.checkpoint.plugin.UringCheckpointIO` plugs this into
+Lightning.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import re
 import secrets
-import threading
-import time
 from typing import Any, Optional
 
 import torch
-from lightning.fabric.plugins import CheckpointIO
 
+from lightning_recover import env
 from lightning_recover.checkpoint import format as fmt
+from lightning_recover.checkpoint.engine import resolve_engine
+from lightning_recover.checkpoint.files import cleanup_stale_temps, commit, fsync_dir, temp_path_for, unlink_quiet
 from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "UringCheckpointIO",
     "save",
     "load",
     "read_info",
     "verify_file",
+    "plan",
+    "write_tail",
     "CheckpointInfo",
     "CheckpointCorruptError",
     "UnsafeCheckpointError",
@@ -36,136 +38,10 @@ __all__ = [
 
 # storages living on an accelerator are staged to host memory in batches of at most this many bytes
 _DEVICE_STAGING_BYTES = 256 << 20
-# temporary files: ".<final name>.tmp-<pid>-<8 hex>" in the destination directory
-_TMP_RE = re.compile(r"^\..+\.tmp-(?P<pid>\d+)-[0-9a-f]{8}$")
 
 
-# ------------------------------------------------------------------------------------ engines
 
 
-class _Engine:
-    """A lazily created ``native_io.IOEngine`` (its staging arena is reused) and a lock serialising its use."""
-
-    def __init__(self, engine: str = "auto", block_size: Optional[int] = None,
-                 queue_depth: Optional[int] = None, direct: bool = True) -> None:
-        self.kwargs: dict[str, Any] = {"engine": engine, "direct": direct}
-        if block_size is not None:
-            self.kwargs["block_size"] = block_size
-        if queue_depth is not None:
-            self.kwargs["queue_depth"] = queue_depth
-        self._engine: Any = None
-        self.lock = threading.RLock()
-
-    def get(self) -> Any:
-        if self._engine is None:
-            import native_io
-
-            self._engine = native_io.IOEngine(**self.kwargs)
-        return self._engine
-
-    def release(self) -> None:
-        """Free the engine (and its staging arena); the next use creates a new one."""
-        with self.lock:
-            eng, self._engine = self._engine, None
-            if eng is not None and hasattr(eng, "close"):
-                eng.close()
-
-
-_default = _Engine()
-
-
-def _resolve_engine(engine: Any) -> tuple[Any, Any]:
-    """(IOEngine, lock) for ``engine``: None (shared default), an ``_Engine`` or an ``IOEngine`` instance."""
-    if engine is None:
-        engine = _default
-    if isinstance(engine, _Engine):
-        return engine.get(), engine.lock
-    if isinstance(engine, str):
-        raise TypeError("pass an IOEngine instance (or None), not an engine name; use UringCheckpointIO(engine=...)")
-    return engine, threading.RLock()
-
-
-# ------------------------------------------------------------------------------- temp files
-
-
-def _process_start_time() -> float:
-    try:
-        with open("/proc/self/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        start_ticks = int(fields[19])
-        with open("/proc/stat") as f:
-            btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        return btime + start_ticks / os.sysconf("SC_CLK_TCK")
-    except Exception:  # pragma: no cover - non-Linux
-        return _IMPORT_TIME
-
-
-_IMPORT_TIME = time.time()
-_PROCESS_START = _process_start_time()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def temp_path_for(path: str) -> str:
-    d, base = os.path.split(path)
-    return os.path.join(d, f".{base}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-
-
-def is_temp_name(name: str) -> bool:
-    return _TMP_RE.match(name) is not None
-
-
-def cleanup_stale_temps(directory: str) -> list[str]:
-    """Remove our own temporary files left in ``directory`` by crashed saves.
-
-    Only names matching ``.NAME.tmp-<pid>-<8 hex>`` are touched, never those of this process, and only
-    when their pid is dead or the file is older than this process.
-    """
-    removed = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    me = os.getpid()
-    for name in names:
-        m = _TMP_RE.match(name)
-        if m is None:
-            continue
-        pid = int(m.group("pid"))
-        if pid == me:
-            continue
-        full = os.path.join(directory, name)
-        try:
-            st = os.lstat(full)
-        except FileNotFoundError:
-            continue
-        if not (os.path.isfile(full) and not os.path.islink(full)):
-            continue
-        if _pid_alive(pid) and st.st_mtime >= _PROCESS_START:
-            continue
-        try:
-            os.unlink(full)
-            removed.append(full)
-            log.info("removed stale temporary checkpoint file %s", full)
-        except OSError:
-            pass
-    return removed
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ------------------------------------------------------------------------------------- save
@@ -176,7 +52,7 @@ def _host_bytes(storage: Any) -> Any:
     return fmt.storage_as_bytes(storage).numpy()
 
 
-def _plan(checkpoint: Any) -> tuple[fmt.EncodedCheckpoint, int]:
+def plan(checkpoint: Any) -> tuple[fmt.EncodedCheckpoint, int]:
     """Encode ``checkpoint`` (skeleton pickled now) and assign file offsets; returns (encoded, data_end)."""
     enc = fmt.encode_checkpoint(checkpoint, meta=fmt.file_meta())
     offsets, data_end = fmt.plan_layout([s.nbytes for s in enc.index.storages])
@@ -185,31 +61,18 @@ def _plan(checkpoint: Any) -> tuple[fmt.EncodedCheckpoint, int]:
     return enc, data_end
 
 
-def _write_tail(w: Any, enc: fmt.EncodedCheckpoint, data_end: int, file_id: bytes) -> None:
+def write_tail(w: Any, enc: fmt.EncodedCheckpoint, data_end: int, file_id: bytes) -> None:
     """Write index, skeleton and footer (extent crcs must be set in ``enc.index``), then close + fdatasync."""
     index_bytes = fmt.encode_index(enc.index)
     index_offset = fmt.align_up(data_end, fmt.SMALL_ALIGN)
     skeleton_offset = index_offset + len(index_bytes)
-    meta_crc = fmt._crc32c(enc.skeleton, fmt._crc32c(index_bytes))
+    meta_crc = fmt.crc32c(enc.skeleton, fmt.crc32c(index_bytes))
     footer = fmt.encode_footer(fmt.Footer(
         fmt.FORMAT_VERSION, 0, index_offset, len(index_bytes), skeleton_offset, len(enc.skeleton),
         data_end, meta_crc, file_id,
     ))
     w.write([(index_offset, index_bytes + enc.skeleton + footer)])
     w.close(size=skeleton_offset + len(enc.skeleton) + len(footer))
-
-
-def _commit(tmp: str, path: str) -> None:
-    """Rename a durable temporary onto ``path`` and fsync the directory."""
-    os.rename(tmp, path)
-    _fsync_dir(os.path.dirname(path))
-
-
-def _unlink_quiet(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 def save(checkpoint: Any, path: Any, *, engine: Any = None) -> None:
@@ -222,11 +85,11 @@ def save(checkpoint: Any, path: Any, *, engine: Any = None) -> None:
     path = os.path.abspath(os.fspath(path))
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
-    enc, data_end = _plan(checkpoint)
+    enc, data_end = plan(checkpoint)
     cleanup_stale_temps(directory)
 
     file_id = secrets.token_bytes(16)
-    eng, lock = _resolve_engine(engine)
+    eng, lock = resolve_engine(engine)
     tmp = temp_path_for(path)
     try:
         with lock:
@@ -255,12 +118,12 @@ def save(checkpoint: Any, path: Any, *, engine: Any = None) -> None:
                     pending.append((entry.offset, _host_bytes(st)))
                     pending_ids.append(i)
                 flush()
-                _write_tail(w, enc, data_end, file_id)
+                write_tail(w, enc, data_end, file_id)
         os.rename(tmp, path)
     except BaseException:
-        _unlink_quiet(tmp)
+        unlink_quiet(tmp)
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
 # ------------------------------------------------------------------------------------- load
@@ -310,7 +173,7 @@ def _read_info(r: Any, path: str) -> CheckpointInfo:
 def read_info(path: Any, *, engine: Any = None) -> CheckpointInfo:
     """Validate header/footer/index of ``path`` and return them (tensor data is not read)."""
     path = os.fspath(path)
-    eng, lock = _resolve_engine(engine)
+    eng, lock = resolve_engine(engine)
     with lock:
         r = _open_reader(eng, path)
         try:
@@ -322,7 +185,7 @@ def read_info(path: Any, *, engine: Any = None) -> CheckpointInfo:
 def verify_file(path: Any, *, engine: Any = None, batch_bytes: int = 256 << 20) -> tuple[CheckpointInfo, list]:
     """Read every extent of ``path`` and return ``(info, damaged extents)`` (bounded memory)."""
     path = os.fspath(path)
-    eng, lock = _resolve_engine(engine)
+    eng, lock = resolve_engine(engine)
     with lock:
         r = _open_reader(eng, path)
         try:
@@ -355,7 +218,7 @@ def verify_file(path: Any, *, engine: Any = None, batch_bytes: int = 256 << 20) 
 # Opt-in: fresh storages of at least _ALIGNED_MIN_BYTES allocated 4096-aligned (see _new_storage).
 _ALIGNED_MIN_BYTES = 1 << 20
 _PAGE = 4096
-_ALIGNED_ALLOC = os.environ.get("LIGHTNING_RECOVER_ALIGNED_ALLOC", "off") == "on"
+_ALIGNED_ALLOC = env.flag(env.ALIGNED_ALLOC) == "on"
 
 
 def _new_storage(nbytes: int) -> torch.UntypedStorage:
@@ -411,7 +274,7 @@ def load(path: Any, map_location: Any = None, *, weights_only: bool = True, veri
             a checksum error is raised after the data has landed in those tensors.
     """
     path = os.fspath(path)
-    eng, lock = _resolve_engine(engine)
+    eng, lock = resolve_engine(engine)
     targets = _into_targets(into) if into is not None else {}
     with lock:
         r = _open_reader(eng, path)
@@ -486,125 +349,3 @@ def load(path: Any, map_location: Any = None, *, weights_only: bool = True, veri
 # ----------------------------------------------------------------------------------- plugin
 
 
-class UringCheckpointIO(CheckpointIO):
-    """Lightning ``CheckpointIO`` writing the lightning-recover format through ``native_io``.
-
-    Works with ``Trainer(plugins=[UringCheckpointIO()])`` and ``Fabric(plugins=[UringCheckpointIO()])``.
-
-    Args:
-        engine: ``native_io`` engine name ("auto", "uring", "portable").
-        block_size, queue_depth: engine tuning, None for ``native_io``'s defaults.
-        weights_only: default for :meth:`load_checkpoint` when Lightning passes ``weights_only=None``:
-            True loads the non-tensor state with an allowlist unpickler; False allows arbitrary pickles.
-        verify: check every extent's crc32c on load.
-        async_save: lazy asynchronous saves (see ``docs/checkpointing.md``): ``save_checkpoint`` returns after
-            pickling the non-tensor state and copying small tensors; large tensors are copied into a staging
-            buffer by a background thread while training continues, and written + fdatasync'ed + renamed by a
-            second one. Every ``optimizer.step()`` waits until pending snapshots are complete.
-        max_pending_bytes: size of the staging buffer (allocated once, reused) for ``async_save``. None: as big
-            as the lazily copied part of the checkpoint, so snapshots never wait for the disk. Smaller values
-            bound memory; the snapshot then waits for the disk (back-pressure) and ``optimizer.step`` may block.
-        eager_bytes: with ``async_save``, storages smaller than this are copied inside ``save_checkpoint``.
-    """
-
-    def __init__(self, engine: str = "auto", block_size: Optional[int] = None, queue_depth: Optional[int] = None,
-                 weights_only: bool = True, verify: bool = True, *, async_save: bool = False,
-                 max_pending_bytes: Optional[int] = None, eager_bytes: int = 1 << 20) -> None:
-        super().__init__()
-        self.weights_only = weights_only
-        self.verify = verify
-        self.async_save = async_save
-        self._engine = _Engine(engine, block_size, queue_depth)
-        self._saver: Any = None
-        if async_save:
-            from lightning_recover.checkpoint.async_io import AsyncSaver
-
-            self._saver = AsyncSaver(_Engine(engine, block_size, queue_depth), staging_bytes=max_pending_bytes,
-                                     eager_bytes=eager_bytes)
-        self._into: Any = None
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
-        if storage_options is not None:
-            raise TypeError(
-                "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg"
-                f" is not supported for `{self.__class__.__name__}`: it takes no storage options."
-            )
-        if self._saver is not None:
-            self._saver.submit(checkpoint, path)
-        else:
-            save(checkpoint, path, engine=self._engine)
-
-    # -------------------------------------------------------------- async control
-    def wait_for_snapshot(self) -> float:
-        """Block until pending asynchronous saves have copied their tensors (seconds waited).
-
-        ``optimizer.step()`` does this automatically; call it before modifying checkpointed tensors in place
-        any other way. Raises :class:`~lightning_recover.checkpoint.AsyncCheckpointError` for a failed save.
-        """
-        return self._saver.wait_for_snapshot() if self._saver is not None else 0.0
-
-    def wait_until_durable(self) -> float:
-        """Block until every save so far is on stable storage under its final name (seconds waited)."""
-        return self._saver.wait_until_durable() if self._saver is not None else 0.0
-
-    @property
-    def pending_saves(self) -> int:
-        return self._saver.pending() if self._saver is not None else 0
-
-    @contextlib.contextmanager
-    def restore_into(self, state: Any):  # type: ignore[no-untyped-def]
-        """Within the block, loads fill the tensors of ``state`` in place where path, shape and dtype match.
-
-        ``state`` is what ``Fabric.load`` takes (``{"model": module, "optimizer": opt, ...}``) or any nesting of
-        tensors/state dicts; modules and optimizers are replaced by their ``state_dict()``. Then Fabric's own
-        ``load_state_dict`` copies find source and destination identical and copy nothing::
-
-            with io.restore_into(state):
-                fabric.load(path, state)
-        """
-        prev, self._into = self._into, _state_targets(state)
-        try:
-            yield self
-        finally:
-            self._into = prev
-
-    def load_checkpoint(self, path: Any, map_location: Optional[Any] = None,
-                        weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Load ``path``; ``map_location=None`` keeps tensors on the CPU (like ``TorchCheckpointIO``)."""
-        if weights_only is None:
-            weights_only = self.weights_only
-        if self._saver is not None and self._saver.pending():
-            self._saver.wait_until_durable()
-        return load(path, map_location="cpu" if map_location is None else map_location,
-                    weights_only=weights_only, verify=self.verify, engine=self._engine, into=self._into,
-                    strict=False)
-
-    def remove_checkpoint(self, path: Any) -> None:
-        """Remove ``path``; with ``async_save`` only once every earlier save is durable (never if one failed)."""
-        path = os.fspath(path)
-        if self._saver is not None:
-            self._saver.remove(path)
-            return
-        try:
-            os.remove(path)
-        except FileNotFoundError:
-            return
-        log.debug("Removed checkpoint: %s", path)
-
-    def teardown(self) -> None:
-        """Wait until pending saves are durable (raising a background error), then free engines and staging."""
-        try:
-            if self._saver is not None:
-                self._saver.close()
-        finally:
-            self._engine.release()
-
-
-def _state_targets(state: Any) -> Any:
-    if isinstance(state, torch.nn.Module):
-        return state.state_dict()
-    if isinstance(state, torch.optim.Optimizer):
-        return state.state_dict()
-    if isinstance(state, dict):
-        return {k: _state_targets(v) for k, v in state.items()}
-    return state

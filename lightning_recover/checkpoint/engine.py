@@ -1,0 +1,52 @@
+"""The ``native_io`` engine behind the checkpoint API: created lazily, shared, serialised.
+
+An ``IOEngine`` owns a staging arena allocated once and reused, so one engine is kept per plugin
+(or one shared default) and its use is serialised by a lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional
+
+
+class EngineHandle:
+    """A lazily created ``native_io.IOEngine`` (its staging arena is reused) and a lock serialising its use."""
+
+    def __init__(self, engine: str = "auto", block_size: Optional[int] = None,
+                 queue_depth: Optional[int] = None, direct: bool = True) -> None:
+        self.kwargs: dict[str, Any] = {"engine": engine, "direct": direct}
+        if block_size is not None:
+            self.kwargs["block_size"] = block_size
+        if queue_depth is not None:
+            self.kwargs["queue_depth"] = queue_depth
+        self._engine: Any = None
+        self.lock = threading.RLock()
+
+    def get(self) -> Any:
+        if self._engine is None:
+            import native_io
+
+            self._engine = native_io.IOEngine(**self.kwargs)
+        return self._engine
+
+    def release(self) -> None:
+        """Free the engine (and its staging arena); the next use creates a new one."""
+        with self.lock:
+            eng, self._engine = self._engine, None
+            if eng is not None and hasattr(eng, "close"):
+                eng.close()
+
+
+DEFAULT = EngineHandle()
+
+
+def resolve_engine(engine: Any) -> tuple[Any, Any]:
+    """(IOEngine, lock) for ``engine``: None (shared default), an ``EngineHandle`` or an ``IOEngine`` instance."""
+    if engine is None:
+        engine = DEFAULT
+    if isinstance(engine, EngineHandle):
+        return engine.get(), engine.lock
+    if isinstance(engine, str):
+        raise TypeError("pass an IOEngine instance (or None), not an engine name; use UringCheckpointIO(engine=...)")
+    return engine, threading.RLock()
