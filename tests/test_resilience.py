@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import time
 
 import pytest
@@ -259,3 +260,59 @@ def test_restarted_replica_rejoins_with_live_state(tmp_path, reference, launch):
     assert rejoined[-1]["computed"] == 2, "the rejoined replica takes its share of the M microbatches"
     if launch == "torchrun":
         assert "replica 1: its worker exited; declared dead" in result.output, "the launcher saw the worker die"
+
+
+def test_duplicate_replica_id_is_refused_and_the_job_goes_on(tmp_path):
+    """A hand-started process claiming the id of a live replica (same job, same secret) is refused
+    with a named error at once, and the job is not disturbed: it keeps applying steps."""
+    out = str(tmp_path / "job")
+    cmd = [sys.executable, FABRIC_SCRIPT, out, "--replicas", "2", "--steps", "100000", "--microbatches", "2",
+           "--heartbeat-timeout", "0.5", "--work", "0.02"]
+    proc, log = start_job(cmd, out)
+
+    def applied() -> int:
+        path = os.path.join(out, "steps0.log")
+        return len(open(path).read().split()) if os.path.exists(path) else 0
+
+    try:
+        assert wait_for(lambda: applied() > 0, timeout=90), open(log).read()[-3000:]
+        replica_pid = next(pid for pid in _job_processes(out)
+                           if b"LIGHTNING_RECOVER_REPLICA=1\x00" in open(f"/proc/{pid}/environ", "rb").read())
+        environ = dict(item.split("=", 1) for item in
+                       open(f"/proc/{replica_pid}/environ", "rb").read().decode().split("\0") if "=" in item)
+        duplicate = subprocess.run(
+            [sys.executable, FABRIC_SCRIPT, str(tmp_path / "dup"), "--replicas", "2", "--steps", "10",
+             "--microbatches", "2", "--heartbeat-timeout", "0.5"],
+            env=environ, capture_output=True, text=True, timeout=90)
+        assert duplicate.returncode != 0
+        assert "replica id 1 is already in use" in duplicate.stderr, duplicate.stderr[-3000:]
+        before = applied()
+        assert wait_for(lambda: applied() >= before + 5, timeout=60), "the job stalled after the refusal"
+        assert proc.poll() is None and "declared dead" not in open(log).read()
+    finally:
+        kill_group(proc)
+
+
+def test_coordinator_killed_while_survivors_wait_on_a_hung_peer(tmp_path):
+    """Replica 1 hangs (SIGSTOP) with a long heartbeat timeout, so replicas 0 and 2 wait in their
+    all-reduce on it; then the coordinator is killed. Every process of the job must end within a
+    few seconds with the named error, not by SIGABRT after the collective timeout."""
+    out = str(tmp_path)
+    cmd = [sys.executable, FABRIC_SCRIPT, out, "--replicas", "3", "--steps", "50", "--microbatches", "3",
+           "--heartbeat-timeout", "30", "--hang-timeout", "60"]
+    proc, log = start_job(cmd, out, env={"LIGHTNING_RECOVER_INJECT": "hang:replica=1:step=2:phase=backward"})
+    try:
+        assert wait_for(lambda: "injecting fault hang" in open(log).read(), timeout=90), open(log).read()[-3000:]
+        time.sleep(1.0)  # the survivors are now inside the all-reduce, waiting on replica 1
+        coordinator_pid = int(re.search(r"\(pid (\d+)\)", open(log).read()).group(1))
+        os.kill(coordinator_pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        assert wait_for(lambda: not _job_processes(out), timeout=30), open(log).read()[-3000:]
+        took = time.monotonic() - killed_at
+        proc.wait(timeout=30)
+    finally:
+        kill_group(proc)
+    output = open(log).read()
+    assert proc.returncode != 0
+    assert "CoordinatorLostError" in output and "terminate called" not in output, output[-3000:]
+    assert took < 10, f"the job's processes ended {took:.1f}s after the coordinator died"

@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.parent_pid is not None:  # started by a launcher: never outlive it
         die_with_parent(args.parent_pid)
     coordinator.serve(args.host, args.port, args.replicas, args.heartbeat_timeout, args.ready_fd,
-                      hang_timeout=args.hang_timeout)
+                      hang_timeout=args.hang_timeout, secret_file=args.secret_file)
     return 0
 
 
@@ -204,6 +204,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(> 2 x --heartbeat-interval)")
     parser.add_argument("--heartbeat-interval", type=seconds, default=DEFAULT_HEARTBEAT_INTERVAL,
                         help="the replicas' heartbeat period (RecoverOptions.heartbeat_interval)")
+    parser.add_argument("--secret-file", default=None,
+                        help="the job's secret (a 0600 file of hex, e.g. `openssl rand -hex 32`); default: "
+                             "$LIGHTNING_RECOVER_SECRET_FILE or $LIGHTNING_RECOVER_SECRET. Every replica needs the same")
     parser.add_argument("--hang-timeout", type=seconds, default=60.0,
                         help="seconds without progress of a replica's main thread, while its peers wait on it, "
                              "before it is declared hung")

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_recover import env
+from lightning_recover.errors import RecoverError
 from lightning_recover.launch import coordinator_process
 from lightning_recover.protocol import coordinator
 from lightning_recover.protocol.faults import parse_faults
@@ -387,8 +388,9 @@ def non_negative_int(text: str) -> int:
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:
     try:
-        coordinator.serve(args.host, args.port, args.replicas, args.heartbeat_timeout, hang_timeout=args.hang_timeout)
-    except (ValueError, OSError) as exc:
+        coordinator.serve(args.host, args.port, args.replicas, args.heartbeat_timeout, hang_timeout=args.hang_timeout,
+                          secret_file=args.secret_file)
+    except (ValueError, OSError, RecoverError) as exc:
         raise SystemExit(f"lightning-recover coordinator: {exc}") from None
     return 0
 

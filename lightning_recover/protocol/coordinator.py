@@ -152,8 +152,9 @@ class Coordinator:
 
 
 def serve(host: str, port: int, replicas: int, heartbeat_timeout: float, ready_fd: int | None = None,
-          hang_timeout: float = 60.0) -> None:
-    coordinator = Coordinator(host, port, replicas, heartbeat_timeout, JobSecret.from_env(), hang_timeout)
+          hang_timeout: float = 60.0, secret_file: str | None = None) -> None:
+    secret = JobSecret.from_file(secret_file) if secret_file else JobSecret.from_env()
+    coordinator = Coordinator(host, port, replicas, heartbeat_timeout, secret, hang_timeout)
     line = f"LISTENING {coordinator.addr}\n"
     if ready_fd is not None:
         os.write(ready_fd, line.encode())
