@@ -17,8 +17,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from lightning_recover.tiny_gpt import ByteCorpus, GPTConfig, TinyGPT, stdlib_text
 from lightning_recover.checkpoint import UringCheckpointIO
+from lightning_recover.tiny_gpt import ByteCorpus, GPTConfig, TinyGPT, stdlib_text
 
 
 class GPTModule(L.LightningModule):
@@ -45,13 +45,20 @@ def main() -> None:
 
     data = ByteCorpus(stdlib_text(500_000), block_size=64)
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=args.steps, logger=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        max_steps=args.steps,
+        logger=False,
+        enable_model_summary=False,
         plugins=[UringCheckpointIO()],
         callbacks=[ModelCheckpoint(dirpath=args.out, every_n_train_steps=10, save_last=True, save_top_k=-1)],
     )
     last = os.path.join(args.out, "last.ckpt")
-    trainer.fit(GPTModule(), DataLoader(data, batch_size=8, shuffle=True),
-                ckpt_path=last if args.resume and os.path.exists(last) else None)
+    trainer.fit(
+        GPTModule(),
+        DataLoader(data, batch_size=8, shuffle=True),
+        ckpt_path=last if args.resume and os.path.exists(last) else None,
+    )
     print(f"trained to step {trainer.global_step}; checkpoints: {sorted(os.listdir(args.out))}")
 
 

@@ -47,9 +47,11 @@ def main() -> None:
         optimizer.zero_grad()
         s = step.stats
         if s.leader:
-            print(f"step {step.index:3d}  loss {s.loss:.4f}  live replicas {s.live_replicas}"
-                  + (f"  (recovered: {s.recoveries}x in {s.recovery_seconds:.2f}s)" if s.recoveries else ""),
-                  flush=True)
+            print(
+                f"step {step.index:3d}  loss {s.loss:.4f}  live replicas {s.live_replicas}"
+                + (f"  (recovered: {s.recoveries}x in {s.recovery_seconds:.2f}s)" if s.recoveries else ""),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -45,8 +45,12 @@ def main() -> None:
     data = ByteCorpus(stdlib_text(1_000_000), block_size=64)
     trainer = L.Trainer(
         strategy=RecoverTrainerStrategy(microbatches=args.microbatches, heartbeat_timeout=args.heartbeat_timeout),
-        devices=args.replicas, accelerator="cpu", max_steps=args.steps, logger=False,
-        enable_checkpointing=False, enable_model_summary=False,
+        devices=args.replicas,
+        accelerator="cpu",
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
     )
     trainer.fit(GPTModule(), DataLoader(data, batch_size=8, shuffle=True))
 

@@ -41,8 +41,13 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return simulate_main(args)
 
 
-_BENCH_MODULES = {"checkpoint": "checkpoint", "async": "async_checkpoint", "recovery": "recovery",
-                  "overhead": "recovery", "resilience": "resilience"}
+_BENCH_MODULES = {
+    "checkpoint": "checkpoint",
+    "async": "async_checkpoint",
+    "recovery": "recovery",
+    "overhead": "recovery",
+    "resilience": "resilience",
+}
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
@@ -54,7 +59,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--json", default=None, help="write the results here as JSON")
         p.set_defaults(func=_cmd_bench)
 
-    p = kinds.add_parser("checkpoint", help="durable save and cold load vs Lightning, torch.save, DCP, safetensors, fio")
+    p = kinds.add_parser(
+        "checkpoint", help="durable save and cold load vs Lightning, torch.save, DCP, safetensors, fio"
+    )
     p.add_argument("--size-gb", type=float, default=2.0, help="state size in GB")
     p.add_argument("--repeat", type=int, default=3, help="interleaved repetitions; medians are reported")
     p.add_argument("--methods", default=None, help="comma-separated subset of methods")
@@ -77,9 +84,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeat", type=int, default=2)
-    p.add_argument("--baseline", default=None,
-                   help="another checkout of lightning-recover (e.g. a git worktree of an older commit) to run "
-                        "as a third mode: the before/after of a change in one run")
+    p.add_argument(
+        "--baseline",
+        default=None,
+        help="another checkout of lightning-recover (e.g. a git worktree of an older commit) to run "
+        "as a third mode: the before/after of a change in one run",
+    )
     common(p)
 
     p = kinds.add_parser("resilience", help="this project vs checkpoint-and-restart vs failure-free")
@@ -87,8 +97,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=20, help="steps (20 = the module's own default schedule)")
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--modes", default=None, help="comma-separated subset of modes")
-    p.add_argument("--heartbeat-timeout", type=float, default=1.0,
-                   help="1.0 = the module's default (5 s, safe on a loaded 2-core machine)")
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=1.0,
+        help="1.0 = the module's default (5 s, safe on a loaded 2-core machine)",
+    )
     common(p)
 
 
@@ -105,8 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="convert a checkpoint to a plain torch.save file")
     p.add_argument("checkpoint")
     p.add_argument("output")
-    p.add_argument("--unsafe-pickle", action="store_true",
-                   help="allow arbitrary pickled objects (only for checkpoints you trust)")
+    p.add_argument(
+        "--unsafe-pickle", action="store_true", help="allow arbitrary pickled objects (only for checkpoints you trust)"
+    )
     p.set_defaults(func=_cmd_convert)
 
     _add_bench(sub)

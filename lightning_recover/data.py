@@ -27,8 +27,16 @@ class MicrobatchSource:
         collate_fn: turns a list of samples into a batch.
     """
 
-    def __init__(self, dataset: Dataset, microbatch_size: int, microbatches: int, *, shuffle: bool = True,
-                 seed: int = 0, collate_fn: Callable[[list], Any] | None = None) -> None:
+    def __init__(
+        self,
+        dataset: Dataset,
+        microbatch_size: int,
+        microbatches: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        collate_fn: Callable[[list], Any] | None = None,
+    ) -> None:
         if microbatch_size < 1:
             raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}")
         self.dataset = dataset
@@ -52,8 +60,14 @@ class MicrobatchSource:
             raise ValueError("the DataLoader needs a batch_size (one batch = one microbatch)")
         if not hasattr(loader.dataset, "__len__"):
             raise ValueError("strategy='recover' needs a map-style dataset (with __len__/__getitem__)")
-        return cls(loader.dataset, loader.batch_size, microbatches, shuffle=isinstance(loader.sampler, RandomSampler),
-                   seed=seed, collate_fn=loader.collate_fn)
+        return cls(
+            loader.dataset,
+            loader.batch_size,
+            microbatches,
+            shuffle=isinstance(loader.sampler, RandomSampler),
+            seed=seed,
+            collate_fn=loader.collate_fn,
+        )
 
     def indices(self, step: int, j: int) -> Sequence[int]:
         if not 0 <= j < self.M:

@@ -50,16 +50,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--corpus-bytes", type=int, default=2_000_000, help="bytes of stdlib source to train on")
-    p.add_argument("--inject", default=DEFAULT_INJECT,
-                   help="faults, KIND:replica=R:step=S:phase=P[,...] ('' for none); default: %(default)s")
-    p.add_argument("--heartbeat-timeout", type=float, default=1.5,
-                   help="seconds without heartbeat before a (hung) replica is declared dead")
+    p.add_argument(
+        "--inject",
+        default=DEFAULT_INJECT,
+        help="faults, KIND:replica=R:step=S:phase=P[,...] ('' for none); default: %(default)s",
+    )
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=1.5,
+        help="seconds without heartbeat before a (hung) replica is declared dead",
+    )
     p.add_argument("--out", default="demo_out", help="directory for demo.png, summary.json and logs")
     p.add_argument("--no-reference", action="store_true", help="skip the failure-free reference replay")
     p.add_argument("--no-plot", action="store_true", help="do not write demo.png")
-    p.add_argument("--precision", choices=["64-true", "32-true"], default="64-true",
-                   help="Lightning precision; 64-true (default) makes the comparison with the reference exact "
-                        "up to summation order (see the module docstring)")
+    p.add_argument(
+        "--precision",
+        choices=["64-true", "32-true"],
+        default="64-true",
+        help="Lightning precision; 64-true (default) makes the comparison with the reference exact "
+        "up to summation order (see the module docstring)",
+    )
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -83,8 +94,12 @@ def _worker(args: argparse.Namespace) -> None:
     from lightning_recover import RecoverStrategy
 
     data, model, optimizer = _build(args)
-    strategy = RecoverStrategy(microbatches=args.microbatches, heartbeat_timeout=args.heartbeat_timeout,
-                               heartbeat_interval=min(0.1, args.heartbeat_timeout / 5), seed=args.seed)
+    strategy = RecoverStrategy(
+        microbatches=args.microbatches,
+        heartbeat_timeout=args.heartbeat_timeout,
+        heartbeat_interval=min(0.1, args.heartbeat_timeout / 5),
+        seed=args.seed,
+    )
     fabric = L.Fabric(strategy=strategy, devices=args.replicas, accelerator="cpu", precision=args.precision)
     fabric.launch()
     model, optimizer = fabric.setup(model, optimizer)
@@ -111,21 +126,34 @@ def _worker(args: argparse.Namespace) -> None:
         optimizer.step()
         optimizer.zero_grad()
         s = step.stats
-        rec = {"step": step.index, "seconds": time.perf_counter() - start, "committed_at": time.time(),
-               "loss": s.loss, "live": s.live_replicas, "generation": s.generation, "computed": s.computed,
-               "recomputed": s.recomputed, "recoveries": s.recoveries, "recovery_seconds": s.recovery_seconds,
-               "leader": s.leader, "events": s.events}
+        rec = {
+            "step": step.index,
+            "seconds": time.perf_counter() - start,
+            "committed_at": time.time(),
+            "loss": s.loss,
+            "live": s.live_replicas,
+            "generation": s.generation,
+            "computed": s.computed,
+            "recomputed": s.recomputed,
+            "recoveries": s.recoveries,
+            "recovery_seconds": s.recovery_seconds,
+            "leader": s.leader,
+            "events": s.events,
+        }
         log.write(json.dumps(rec) + "\n")
         log.flush()
         if s.leader:  # the lowest live replica draws the progress bar
             bar = _progress(bar, step.index, args, replica, first_start)
             for event in s.events:
                 if event["kind"] == "regroup":
-                    bar.write(f"[demo] step {step.index}: generation {event['generation']} = replicas "
-                              f"{event['members']}; {event['lost']} lost microbatches recomputed inside the step "
-                              f"(recovery {s.recovery_seconds:.2f}s)")
-            bar.set_postfix_str(f"loss={s.loss:.3f}, live={s.live_replicas}/{args.replicas}, gen={s.generation}",
-                                refresh=False)
+                    bar.write(
+                        f"[demo] step {step.index}: generation {event['generation']} = replicas "
+                        f"{event['members']}; {event['lost']} lost microbatches recomputed inside the step "
+                        f"(recovery {s.recovery_seconds:.2f}s)"
+                    )
+            bar.set_postfix_str(
+                f"loss={s.loss:.3f}, live={s.live_replicas}/{args.replicas}, gen={s.generation}", refresh=False
+            )
             bar.update(1)
     if bar is not None:
         bar.close()
@@ -140,11 +168,21 @@ def _progress(bar: Any, index: int, args: argparse.Namespace, replica: int, firs
 
     if bar is None:  # first step led by this replica (start, or after the leader was lost)
         if index > 0:
-            print(f"\n[demo] replica {replica} is now the lowest live replica and draws the progress bar",
-                  file=sys.stderr, flush=True)
-        bar = tqdm(total=args.steps, desc=f"Training (replica {replica})", unit="step", dynamic_ncols=True,
-                   file=sys.stderr, mininterval=0, smoothing=0,
-                   bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]")
+            print(
+                f"\n[demo] replica {replica} is now the lowest live replica and draws the progress bar",
+                file=sys.stderr,
+                flush=True,
+            )
+        bar = tqdm(
+            total=args.steps,
+            desc=f"Training (replica {replica})",
+            unit="step",
+            dynamic_ncols=True,
+            file=sys.stderr,
+            mininterval=0,
+            smoothing=0,
+            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]",
+        )
         bar.start_t = first_start  # elapsed and rate count from the first step, as for the old leader
         bar.n = bar.last_print_n = index
     return bar
@@ -172,8 +210,13 @@ def reference_run(args: argparse.Namespace, progress: bool = True) -> tuple[list
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=args.steps, desc="Reference (failure-free, 1 process)", unit="step", file=sys.stderr,
-                   dynamic_ncols=True)
+        bar = tqdm(
+            total=args.steps,
+            desc="Reference (failure-free, 1 process)",
+            unit="step",
+            file=sys.stderr,
+            dynamic_ncols=True,
+        )
     losses = []
     for s in range(args.steps):
         optimizer.zero_grad()
@@ -225,15 +268,31 @@ def _load_faults(out: str) -> list[dict]:
     return sorted(faults, key=lambda f: f["t"])
 
 
-def summarize(args: argparse.Namespace, records: dict[int, list[dict]], faults: list[dict],
-              events: list[tuple[float, str]], ref_losses: list[float] | None, ref_diff: float | None) -> dict:
+def summarize(
+    args: argparse.Namespace,
+    records: dict[int, list[dict]],
+    faults: list[dict],
+    events: list[tuple[float, str]],
+    ref_losses: list[float] | None,
+    ref_diff: float | None,
+) -> dict:
     """Merge every replica's per-step records into one view of the run, plus the reference."""
     steps: dict[int, dict] = {}
     for recs in records.values():
         for r in recs:
-            st = steps.setdefault(r["step"], {"step": r["step"], "loss": r["loss"], "live": r["live"],
-                                              "generation": r["generation"], "recomputed": 0,
-                                              "recovery_seconds": 0.0, "committed_at": 0.0, "started_at": 1e300})
+            st = steps.setdefault(
+                r["step"],
+                {
+                    "step": r["step"],
+                    "loss": r["loss"],
+                    "live": r["live"],
+                    "generation": r["generation"],
+                    "recomputed": 0,
+                    "recovery_seconds": 0.0,
+                    "committed_at": 0.0,
+                    "started_at": 1e300,
+                },
+            )
             st["recomputed"] += r["recomputed"]
             st["recovery_seconds"] = max(st["recovery_seconds"], r["recovery_seconds"])
             st["committed_at"] = max(st["committed_at"], r["committed_at"])
@@ -251,19 +310,27 @@ def summarize(args: argparse.Namespace, records: dict[int, list[dict]], faults: 
     for f in faults:
         row = steps.get(f["step"])
         after = [r["committed_at"] for r in rows if r["committed_at"] > f["t"]]
-        failures.append({
-            **f,
-            "fault_to_commit_s": (min(after) - f["t"]) if after else None,
-            "step_seconds": (row["committed_at"] - row["started_at"]) if row else None,
-            "recovery_seconds": row["recovery_seconds"] if row else None,
-            "recomputed": row["recomputed"] if row else None,
-            "live_after": row["live"] if row else None,
-        })
+        failures.append(
+            {
+                **f,
+                "fault_to_commit_s": (min(after) - f["t"]) if after else None,
+                "step_seconds": (row["committed_at"] - row["started_at"]) if row else None,
+                "recovery_seconds": row["recovery_seconds"] if row else None,
+                "recomputed": row["recomputed"] if row else None,
+                "live_after": row["live"] if row else None,
+            }
+        )
     summary = {
-        "replicas": args.replicas, "steps_committed": len(rows), "steps": args.steps,
-        "microbatches_per_step": args.microbatches, "batch_size": args.batch_size, "block_size": args.block_size,
-        "inject": args.inject, "heartbeat_timeout": args.heartbeat_timeout,
-        "failures": failures, "failures_survived": len(failures) if len(rows) == args.steps else None,
+        "replicas": args.replicas,
+        "steps_committed": len(rows),
+        "steps": args.steps,
+        "microbatches_per_step": args.microbatches,
+        "batch_size": args.batch_size,
+        "block_size": args.block_size,
+        "inject": args.inject,
+        "heartbeat_timeout": args.heartbeat_timeout,
+        "failures": failures,
+        "failures_survived": len(failures) if len(rows) == args.steps else None,
         "recomputed_microbatches": sum(r["recomputed"] for r in rows),
         "final_live_replicas": rows[-1]["live"],
         "train_seconds": wall,
@@ -274,7 +341,8 @@ def summarize(args: argparse.Namespace, records: dict[int, list[dict]], faults: 
         "final_loss": rows[-1]["loss"],
         "reference_final_loss": ref_losses[-1] if ref_losses else None,
         "max_relative_param_difference": ref_diff,
-        "losses": [r["loss"] for r in rows], "reference_losses": ref_losses,
+        "losses": [r["loss"] for r in rows],
+        "reference_losses": ref_losses,
         "live_timeline": [(r["committed_at"] - t_start, r["live"]) for r in rows],
         "fault_times": [f["t"] - t_start for f in faults],
         "launcher_events": [(t - t_start, line) for t, line in events],
@@ -285,27 +353,37 @@ def summarize(args: argparse.Namespace, records: dict[int, list[dict]], faults: 
 def _print_summary(s: dict, out: str, plot: str | None) -> None:
     line = "=" * 78
     print(line)
-    print(f"Summary: {s['steps_committed']}/{s['steps']} steps committed, {s['microbatches_per_step']} "
-          f"microbatches x {s['batch_size']} samples x {s['block_size']} bytes per step")
-    print(f"  failures survived     : {len(s['failures'])} "
-          f"(replicas live at the end: {s['final_live_replicas']}/{s['replicas']})")
+    print(
+        f"Summary: {s['steps_committed']}/{s['steps']} steps committed, {s['microbatches_per_step']} "
+        f"microbatches x {s['batch_size']} samples x {s['block_size']} bytes per step"
+    )
+    print(
+        f"  failures survived     : {len(s['failures'])} "
+        f"(replicas live at the end: {s['final_live_replicas']}/{s['replicas']})"
+    )
     for f in s["failures"]:
         how = "SIGKILL" if f["kind"] == "kill" else ("SIGSTOP (hung)" if f["kind"] == "hang" else f["kind"])
         ftc = f"{f['fault_to_commit_s']:.2f}s" if f["fault_to_commit_s"] is not None else "n/a"
-        print(f"    step {f['step']:3d}: replica {f['replica']} {how} in {f['phase']:8s} -> step committed "
-              f"{ftc} after the fault (detection + recovery + recompute; a clean step takes "
-              f"{s['failure_free_step_seconds']:.2f}s), {f['recomputed']} microbatches recomputed, "
-              f"{f['live_after']} live")
+        print(
+            f"    step {f['step']:3d}: replica {f['replica']} {how} in {f['phase']:8s} -> step committed "
+            f"{ftc} after the fault (detection + recovery + recompute; a clean step takes "
+            f"{s['failure_free_step_seconds']:.2f}s), {f['recomputed']} microbatches recomputed, "
+            f"{f['live_after']} live"
+        )
     print(f"  recomputed microbatches: {s['recomputed_microbatches']} (nothing a survivor had computed was redone)")
     ref = s["reference_final_loss"]
-    print(f"  final loss            : {s['final_loss']:.4f}   failure-free reference: "
-          + (f"{ref:.4f}" if ref is not None else "skipped"))
+    print(
+        f"  final loss            : {s['final_loss']:.4f}   failure-free reference: "
+        + (f"{ref:.4f}" if ref is not None else "skipped")
+    )
     if s["max_relative_param_difference"] is not None:
         ok = "same trajectory" if s["max_relative_param_difference"] <= 1e-5 else "DIVERGED"
         print(f"  parameters vs reference: max relative difference {s['max_relative_param_difference']:.2e} ({ok})")
-    print(f"  effective throughput  : {s['effective_microbatches_per_s']:.1f} microbatches/s "
-          f"({s['effective_tokens_per_s']:.0f} tokens/s) over {s['train_seconds']:.1f}s of training; "
-          f"failure-free with {s['replicas']} replicas: {s['failure_free_microbatches_per_s']:.1f} microbatches/s")
+    print(
+        f"  effective throughput  : {s['effective_microbatches_per_s']:.1f} microbatches/s "
+        f"({s['effective_tokens_per_s']:.0f} tokens/s) over {s['train_seconds']:.1f}s of training; "
+        f"failure-free with {s['replicas']} replicas: {s['failure_free_microbatches_per_s']:.1f} microbatches/s"
+    )
     print(f"  outputs               : {os.path.join(out, 'summary.json')}" + (f", {plot}" if plot else ""))
     print(line)
 
@@ -319,13 +397,26 @@ def plot(summary: dict, path: str) -> str:
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 7), constrained_layout=True)
     losses = summary["losses"]
     if summary["reference_losses"]:
-        ax1.plot(range(len(summary["reference_losses"])), summary["reference_losses"], "-", color="0.6", lw=3,
-                 label="failure-free reference")
+        ax1.plot(
+            range(len(summary["reference_losses"])),
+            summary["reference_losses"],
+            "-",
+            color="0.6",
+            lw=3,
+            label="failure-free reference",
+        )
     ax1.plot(range(len(losses)), losses, "o", ms=3.5, color="C0", label="with failures (strategy='recover')")
     for f in summary["failures"]:
         ax1.axvline(f["step"], color="C3", ls="--", lw=1)
-        ax1.annotate(f"{f['kind']} replica {f['replica']}", (f["step"], max(losses)), rotation=90, va="top",
-                     ha="right", fontsize=8, color="C3")
+        ax1.annotate(
+            f"{f['kind']} replica {f['replica']}",
+            (f["step"], max(losses)),
+            rotation=90,
+            va="top",
+            ha="right",
+            fontsize=8,
+            color="C3",
+        )
     ax1.set_xlabel("step")
     ax1.set_ylabel("training loss (bytes, cross-entropy)")
     ax1.set_title("TinyGPT on the Python stdlib source: loss per step")
@@ -345,8 +436,14 @@ def plot(summary: dict, path: str) -> str:
     for t in summary["fault_times"]:
         ax2.axvline(t, color="C3", ls="--", lw=1)
     ax3 = ax2.twinx()
-    ax3.plot([0.0] + [t for t, _ in summary["live_timeline"]], range(len(summary["live_timeline"]) + 1), ".-",
-             color="C0", ms=3, label="committed steps")
+    ax3.plot(
+        [0.0] + [t for t, _ in summary["live_timeline"]],
+        range(len(summary["live_timeline"]) + 1),
+        ".-",
+        color="C0",
+        ms=3,
+        label="committed steps",
+    )
     ax3.set_ylabel("committed steps", color="C0")
     ax2.set_title("live replicas and progress over time")
     fig.savefig(path, dpi=100)
@@ -372,29 +469,42 @@ def main(args: argparse.Namespace) -> int:
     from lightning_recover.tiny_gpt import GPTConfig, TinyGPT, param_count
 
     n_params = param_count(TinyGPT(GPTConfig(block_size=args.block_size, n_layer=args.layers, n_embd=args.width)))
-    print(f"[demo] TinyGPT ({n_params / 1e6:.2f}M parameters) on {args.corpus_bytes / 1e6:.1f} MB of the Python "
-          f"standard library's source; {args.replicas} replicas on CPU, {args.steps} steps of "
-          f"{args.microbatches} microbatches", flush=True)
-    print(f"[demo] injected faults: {', '.join(map(str, faults)) or 'none'} (heartbeat timeout "
-          f"{args.heartbeat_timeout}s)", flush=True)
-    print("[demo] starting the replicas (each imports torch and Lightning: this takes a while on a small machine)",
-          flush=True)
+    print(
+        f"[demo] TinyGPT ({n_params / 1e6:.2f}M parameters) on {args.corpus_bytes / 1e6:.1f} MB of the Python "
+        f"standard library's source; {args.replicas} replicas on CPU, {args.steps} steps of "
+        f"{args.microbatches} microbatches",
+        flush=True,
+    )
+    print(
+        f"[demo] injected faults: {', '.join(map(str, faults)) or 'none'} (heartbeat timeout "
+        f"{args.heartbeat_timeout}s)",
+        flush=True,
+    )
+    print(
+        "[demo] starting the replicas (each imports torch and Lightning: this takes a while on a small machine)",
+        flush=True,
+    )
     events: list[tuple[float, str]] = []
 
     def on_event(line: str) -> None:
         events.append((time.time(), line))
         print(f"[lightning-recover] {line}", file=sys.stderr, flush=True)
 
-    t0 = time.time()
     worker_args = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
-    code = launcher.supervise([sys.executable, "-m", "lightning_recover.demo"], args.replicas,
-                              heartbeat_timeout=args.heartbeat_timeout, inject=args.inject or None,
-                              extra_env={env.DEMO_ARGS: json.dumps(worker_args)},
-                              on_event=on_event)
+    code = launcher.supervise(
+        [sys.executable, "-m", "lightning_recover.demo"],
+        args.replicas,
+        heartbeat_timeout=args.heartbeat_timeout,
+        inject=args.inject or None,
+        extra_env={env.DEMO_ARGS: json.dumps(worker_args)},
+        on_event=on_event,
+    )
     records = _load_records(args.out)
     if code != 0 or not records:
-        print(f"[demo] the resilient run failed (exit code {code}); logs above, partial records in {args.out}",
-              file=sys.stderr)
+        print(
+            f"[demo] the resilient run failed (exit code {code}); logs above, partial records in {args.out}",
+            file=sys.stderr,
+        )
         return 1
     ref_losses = ref_diff = None
     if not args.no_reference:
@@ -404,8 +514,7 @@ def main(args: argparse.Namespace) -> int:
         ref_losses, ref_state = reference_run(args)
         finals = sorted(f for f in os.listdir(args.out) if f.startswith("replica") and f.endswith(".pt"))
         if finals:
-            ref_diff = max(max_relative_difference(torch.load(os.path.join(args.out, f)), ref_state)
-                           for f in finals)
+            ref_diff = max(max_relative_difference(torch.load(os.path.join(args.out, f)), ref_state) for f in finals)
     summary = summarize(args, records, _load_faults(args.out), events, ref_losses, ref_diff)
     png = None if args.no_plot else plot(summary, os.path.join(args.out, "demo.png"))
     with open(os.path.join(args.out, "summary.json"), "w") as f:

@@ -110,8 +110,12 @@ def _degraded(p: Params, failures: list[Failure], drop: bool) -> Result:
     events.sort(key=lambda e: e[0])
     while t < horizon:
         # the next moment the rate changes: a failure, a rejoin, the end of a pause, the horizon
-        nxt = min([horizon] + [e[0] for e in events[i:i + 1]] + [b for b in down.values() if b > t]
-                  + ([pause_until] if pause_until > t else []))
+        nxt = min(
+            [horizon]
+            + [e[0] for e in events[i : i + 1]]
+            + [b for b in down.values() if b > t]
+            + ([pause_until] if pause_until > t else [])
+        )
         live = n - len(down)
         if t >= pause_until and live > 0:
             work += (nxt - t) * live / n
@@ -207,8 +211,13 @@ def sweep(p: Params, gpus: list[int], trials: int, seed: int = 0) -> list[dict]:
             nfail.append(len(fails))
             for a in APPROACHES:
                 eff[a].append(simulate(a, q, fails).efficiency)
-        row = {"gpus": g, "replicas": q.replicas, "system_mtbf_h": q.system_mtbf_s / 3600, "tau_min": q.tau_s / 60,
-               "failures": sum(nfail) / trials}
+        row = {
+            "gpus": g,
+            "replicas": q.replicas,
+            "system_mtbf_h": q.system_mtbf_s / 3600,
+            "tau_min": q.tau_s / 60,
+            "failures": sum(nfail) / trials,
+        }
         row.update({a: sum(v) / trials for a, v in eff.items()})
         row["recover_over_checkpoint"] = row["recover"] / row["checkpoint"] if row["checkpoint"] else math.inf
         rows.append(row)
@@ -254,7 +263,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = Params()
     parser.add_argument("--gpus", default="512,1024,2048,4096,8192,16384", help="comma-separated cluster sizes")
     parser.add_argument("--gpus-per-replica", type=int, default=d.gpus_per_replica)
-    parser.add_argument("--mtbf-gpu-hours", type=float, default=d.mtbf_gpu_hours, help="mean time between failures of one GPU")
+    parser.add_argument(
+        "--mtbf-gpu-hours", type=float, default=d.mtbf_gpu_hours, help="mean time between failures of one GPU"
+    )
     parser.add_argument("--hours", type=float, default=d.hours, help="simulated run length (wall-clock hours)")
     parser.add_argument("--step-s", type=float, default=d.step_s)
     parser.add_argument("--recovery-s", type=float, default=d.recovery_s)
@@ -262,8 +273,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--restart-s", type=float, default=d.restart_s)
     parser.add_argument("--checkpoint-s", type=float, default=d.checkpoint_s)
     parser.add_argument("--checkpoint-interval-s", type=float, default=None, help="default: Young/Daly")
-    parser.add_argument("--from-bench", nargs="*", default=[],
-                        help="benchmark JSON files (bench resilience/recovery) whose measured costs replace the defaults")
+    parser.add_argument(
+        "--from-bench",
+        nargs="*",
+        default=[],
+        help="benchmark JSON files (bench resilience/recovery) whose measured costs replace the defaults",
+    )
     parser.add_argument("--trials", type=int, default=20, help="Monte Carlo trials per size")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="simulate_out", help="directory for simulate.png and simulate.json")
@@ -277,8 +292,11 @@ def plot(rows: list[dict], p: Params, curves: dict[str, Result], path: str) -> s
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8), constrained_layout=True)
-    labels = {"recover": "in-step recovery (this project)", "checkpoint": "checkpoint-and-restart (Young/Daly)",
-              "drop": "drop the step (torchft-like)"}
+    labels = {
+        "recover": "in-step recovery (this project)",
+        "checkpoint": "checkpoint-and-restart (Young/Daly)",
+        "drop": "drop the step (torchft-like)",
+    }
     g = [r["gpus"] for r in rows]
     for a, style in zip(APPROACHES, ("o-", "s-", "^--")):
         ax1.plot(g, [100 * r[a] for r in rows], style, label=labels[a])
@@ -292,8 +310,11 @@ def plot(rows: list[dict], p: Params, curves: dict[str, Result], path: str) -> s
     gpus = max(g)
     for a in APPROACHES:
         res = curves[a]
-        ax2.plot([gpus * t / 3600 for t, _ in res.timeline],
-                 [w / p.step_s * p.tokens_per_gpu_step * gpus / 1e9 for _, w in res.timeline], label=labels[a])
+        ax2.plot(
+            [gpus * t / 3600 for t, _ in res.timeline],
+            [w / p.step_s * p.tokens_per_gpu_step * gpus / 1e9 for _, w in res.timeline],
+            label=labels[a],
+        )
     ideal = p.hours * 3600 / p.step_s * p.tokens_per_gpu_step * gpus / 1e9
     ax2.plot([0, gpus * p.hours], [0, ideal], ":", color="0.5", label="failure-free")
     ax2.set_xlabel("GPU-hours")
@@ -307,23 +328,37 @@ def plot(rows: list[dict], p: Params, curves: dict[str, Result], path: str) -> s
 
 
 def main(args: argparse.Namespace) -> int:
-    p = Params(gpus_per_replica=args.gpus_per_replica, mtbf_gpu_hours=args.mtbf_gpu_hours, hours=args.hours,
-               step_s=args.step_s, recovery_s=args.recovery_s, rejoin_s=args.rejoin_s, restart_s=args.restart_s,
-               checkpoint_s=args.checkpoint_s, checkpoint_interval_s=args.checkpoint_interval_s)
+    p = Params(
+        gpus_per_replica=args.gpus_per_replica,
+        mtbf_gpu_hours=args.mtbf_gpu_hours,
+        hours=args.hours,
+        step_s=args.step_s,
+        recovery_s=args.recovery_s,
+        rejoin_s=args.rejoin_s,
+        restart_s=args.restart_s,
+        checkpoint_s=args.checkpoint_s,
+        checkpoint_interval_s=args.checkpoint_interval_s,
+    )
     info: dict = {}
     if args.from_bench:
         p, info = params_from_benchmarks(p, args.from_bench)
     gpus = [int(x) for x in str(args.gpus).split(",") if x]
     rows = sweep(p, gpus, args.trials, args.seed)
-    print(f"costs: step {p.step_s:g}s, recovery {p.recovery_s:g}s, rejoin {p.rejoin_s:g}s, restart {p.restart_s:g}s, "
-          f"checkpoint {p.checkpoint_s:g}s; GPU MTBF {p.mtbf_gpu_hours:g}h; {p.hours:g}h runs; {args.trials} trials"
-          + (f"; measured: {info['overrides']} from {', '.join(info['sources'])}" if info else ""))
-    print(f"{'GPUs':>6} {'replicas':>8} {'sys MTBF h':>10} {'failures':>8} {'tau min':>7} "
-          f"{'recover':>8} {'ckpt':>8} {'drop':>8} {'rec/ckpt':>8}")
+    print(
+        f"costs: step {p.step_s:g}s, recovery {p.recovery_s:g}s, rejoin {p.rejoin_s:g}s, restart {p.restart_s:g}s, "
+        f"checkpoint {p.checkpoint_s:g}s; GPU MTBF {p.mtbf_gpu_hours:g}h; {p.hours:g}h runs; {args.trials} trials"
+        + (f"; measured: {info['overrides']} from {', '.join(info['sources'])}" if info else "")
+    )
+    print(
+        f"{'GPUs':>6} {'replicas':>8} {'sys MTBF h':>10} {'failures':>8} {'tau min':>7} "
+        f"{'recover':>8} {'ckpt':>8} {'drop':>8} {'rec/ckpt':>8}"
+    )
     for r in rows:
-        print(f"{r['gpus']:>6} {r['replicas']:>8} {r['system_mtbf_h']:>10.2f} {r['failures']:>8.1f} {r['tau_min']:>7.1f} "
-              f"{100 * r['recover']:>7.2f}% {100 * r['checkpoint']:>7.2f}% {100 * r['drop']:>7.2f}% "
-              f"{r['recover_over_checkpoint']:>7.3f}x")
+        print(
+            f"{r['gpus']:>6} {r['replicas']:>8} {r['system_mtbf_h']:>10.2f} {r['failures']:>8.1f} {r['tau_min']:>7.1f} "
+            f"{100 * r['recover']:>7.2f}% {100 * r['checkpoint']:>7.2f}% {100 * r['drop']:>7.2f}% "
+            f"{r['recover_over_checkpoint']:>7.3f}x"
+        )
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "simulate.json"), "w") as f:
         json.dump({"params": asdict(p), "measured": info, "rows": rows}, f, indent=2)

@@ -73,7 +73,9 @@ class _Block(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd))
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        )
         self.n_head = cfg.n_head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,4 +126,3 @@ def build(args: Any) -> tuple[ByteCorpus, TinyGPT, torch.optim.Optimizer]:
     model = TinyGPT(GPTConfig(block_size=args.block_size, n_layer=args.layers, n_embd=args.width, n_head=4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     return data, model, optimizer
-

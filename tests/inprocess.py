@@ -197,16 +197,24 @@ class Slot:
         return self.core.history if self.core is not None else []
 
     def describe(self) -> str:
-        return f"replica {self.replica} (inc {self.incarnation}): {self.outcome}, applied {self.applied}" + \
-            (f"\n{self.trace}" if self.trace else "")
+        return f"replica {self.replica} (inc {self.incarnation}): {self.outcome}, applied {self.applied}" + (
+            f"\n{self.trace}" if self.trace else ""
+        )
 
 
 class Cluster:
     """A coordinator and replica threads; use as a context manager (teardown is bounded)."""
 
-    def __init__(self, replicas: int, *, steps: int, microbatches: Optional[int] = None,
-                 faults: Iterable[Fault] = (), quota: str = "equal",
-                 before_step: Optional[Callable[[int, int], None]] = None) -> None:
+    def __init__(
+        self,
+        replicas: int,
+        *,
+        steps: int,
+        microbatches: Optional[int] = None,
+        faults: Iterable[Fault] = (),
+        quota: str = "equal",
+        before_step: Optional[Callable[[int, int], None]] = None,
+    ) -> None:
         self.R = replicas
         self.steps = steps
         self.M = microbatches if microbatches is not None else replicas
@@ -227,8 +235,9 @@ class Cluster:
         for patch in self._patches:
             patch.start()
         self.coordinator = Coordinator("127.0.0.1", 0, self.R, HEARTBEAT_TIMEOUT, self.secret)
-        self._monitor = threading.Thread(target=self.coordinator.monitor, args=(self._stop_monitor,),
-                                         name="test-coordinator-monitor", daemon=True)
+        self._monitor = threading.Thread(
+            target=self.coordinator.monitor, args=(self._stop_monitor,), name="test-coordinator-monitor", daemon=True
+        )
         self._monitor.start()
         self.store = connect(self.coordinator.addr)  # the harness's own client (the "launcher")
         return self
@@ -262,14 +271,16 @@ class Cluster:
             self.spawn(r)
         return self
 
-    def spawn(self, replica: int, incarnation: int = 1, seed: int = 0,
-              on_started: Optional[Callable[[Slot], None]] = None) -> Slot:
+    def spawn(
+        self, replica: int, incarnation: int = 1, seed: int = 0, on_started: Optional[Callable[[Slot], None]] = None
+    ) -> Slot:
         """Start a thread for ``replica``; ``incarnation`` must be the one it will get (1, then 2...)."""
         model = make_model(seed)
         slot = Slot(replica, incarnation, model, make_optimizer(model))
         self.slots.append(slot)
-        slot.thread = threading.Thread(target=self._run, args=(slot, on_started),
-                                       name=f"test-replica-{replica}-{incarnation}", daemon=True)
+        slot.thread = threading.Thread(
+            target=self._run, args=(slot, on_started), name=f"test-replica-{replica}-{incarnation}", daemon=True
+        )
         slot.thread.start()
         return slot
 
@@ -318,20 +329,35 @@ class Cluster:
                 self.wait(lambda: all(fault.step in s.applied or s.finished.is_set() for s in others))
                 return
             raise InjectedFault(f"injected fault {fault}")
+
         return act
 
     def _run(self, slot: Slot, on_started: Optional[Callable[[Slot], None]]) -> None:
         model, optimizer = slot.model, slot.optimizer
-        options = RecoverOptions(microbatches=self.M, quota=self.quota, heartbeat_interval=HEARTBEAT_INTERVAL,
-                                 heartbeat_timeout=HEARTBEAT_TIMEOUT, join_timeout=JOIN_TIMEOUT,
-                                 collective_timeout=COLLECTIVE_TIMEOUT, startup_timeout=JOIN_TIMEOUT)
+        options = RecoverOptions(
+            microbatches=self.M,
+            quota=self.quota,
+            heartbeat_interval=HEARTBEAT_INTERVAL,
+            heartbeat_timeout=HEARTBEAT_TIMEOUT,
+            join_timeout=JOIN_TIMEOUT,
+            collective_timeout=COLLECTIVE_TIMEOUT,
+            startup_timeout=JOIN_TIMEOUT,
+        )
         injector = FaultInjector(self.faults, slot.replica, slot.incarnation, act=self._act(slot))
         injector.add_listener(lambda fault, _wall: slot.fired_at.__setitem__(str(fault), time.monotonic()))
-        core = slot.core = Replica(options, self.coordinator.addr, slot.replica, self.R,
-                                   lambda: list(model.parameters()), injector=injector, secret=self.secret)
-        core.set_state_hooks(lambda: {"model": model.state_dict(), "optimizer": optimizer.state_dict()},
-                             lambda state: (model.load_state_dict(state["model"]),
-                                            optimizer.load_state_dict(state["optimizer"])))
+        core = slot.core = Replica(
+            options,
+            self.coordinator.addr,
+            slot.replica,
+            self.R,
+            lambda: list(model.parameters()),
+            injector=injector,
+            secret=self.secret,
+        )
+        core.set_state_hooks(
+            lambda: {"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+            lambda state: (model.load_state_dict(state["model"]), optimizer.load_state_dict(state["optimizer"])),
+        )
         try:
             core.start(exit_hook=False)
             assert core.incarnation == slot.incarnation, "spawn() was given the wrong incarnation"
@@ -362,8 +388,13 @@ class Cluster:
         except _Hung:
             slot.outcome = "hung"
         except BaseException as exc:  # noqa: BLE001 -- a replica process would exit with it
-            slot.outcome = ("excluded" if isinstance(exc, ReplicaExcludedError)
-                            else "raised" if isinstance(exc, InjectedFault) else "error")
+            slot.outcome = (
+                "excluded"
+                if isinstance(exc, ReplicaExcludedError)
+                else "raised"
+                if isinstance(exc, InjectedFault)
+                else "error"
+            )
             slot.error = exc
             slot.trace = traceback.format_exc()
             core.close()

@@ -51,8 +51,9 @@ def start_job(cmd: list[str], out_dir: str, env: dict[str, str] | None = None) -
     log = os.path.join(out_dir, "job.log")
     os.makedirs(out_dir, exist_ok=True)
     with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(env), cwd=ROOT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(env), cwd=ROOT, start_new_session=True
+        )
     return proc, log
 
 
@@ -62,16 +63,36 @@ def run_job(cmd: list[str], out_dir: str, *, timeout: float = 120, env: dict[str
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_group(proc)
-        raise AssertionError(f"job did not finish within {timeout}s:\n{open(log).read()[-4000:]}")
+        raise AssertionError(f"job did not finish within {timeout}s:\n{open(log).read()[-4000:]}") from None
     finally:
         kill_group(proc)  # stray children of a finished job, if any
     return JobResult(proc.returncode, open(log).read(), out_dir)
 
 
-def fabric_job(out_dir: str, *, replicas: int = 3, steps: int = 4, microbatches: int = 6, inject: str | None = None,
-               heartbeat_timeout: float = 0.5, extra: list[str] | None = None, timeout: float = 120) -> JobResult:
-    cmd = [sys.executable, FABRIC_SCRIPT, out_dir, "--replicas", str(replicas), "--steps", str(steps),
-           "--microbatches", str(microbatches), "--heartbeat-timeout", str(heartbeat_timeout)] + (extra or [])
+def fabric_job(
+    out_dir: str,
+    *,
+    replicas: int = 3,
+    steps: int = 4,
+    microbatches: int = 6,
+    inject: str | None = None,
+    heartbeat_timeout: float = 0.5,
+    extra: list[str] | None = None,
+    timeout: float = 120,
+) -> JobResult:
+    cmd = [
+        sys.executable,
+        FABRIC_SCRIPT,
+        out_dir,
+        "--replicas",
+        str(replicas),
+        "--steps",
+        str(steps),
+        "--microbatches",
+        str(microbatches),
+        "--heartbeat-timeout",
+        str(heartbeat_timeout),
+    ] + (extra or [])
     env = {"LIGHTNING_RECOVER_INJECT": inject} if inject else None
     return run_job(cmd, out_dir, timeout=timeout, env=env)
 
@@ -96,10 +117,30 @@ def wait_for(predicate, timeout: float, interval: float = 0.02) -> bool:
 TRAINER_SCRIPT = os.path.join(ROOT, "tests", "scripts", "trainer_train.py")
 
 
-def trainer_job(out_dir: str, *, replicas: int = 3, steps: int = 6, microbatches: int = 6, inject: str | None = None,
-                heartbeat_timeout: float = 0.5, extra: list[str] | None = None, timeout: float = 180) -> JobResult:
+def trainer_job(
+    out_dir: str,
+    *,
+    replicas: int = 3,
+    steps: int = 6,
+    microbatches: int = 6,
+    inject: str | None = None,
+    heartbeat_timeout: float = 0.5,
+    extra: list[str] | None = None,
+    timeout: float = 180,
+) -> JobResult:
     """Run tests/scripts/trainer_train.py (the Trainer with strategy='recover') as one bounded job."""
-    cmd = [sys.executable, TRAINER_SCRIPT, out_dir, "--replicas", str(replicas), "--steps", str(steps),
-           "--microbatches", str(microbatches), "--heartbeat-timeout", str(heartbeat_timeout)] + (extra or [])
+    cmd = [
+        sys.executable,
+        TRAINER_SCRIPT,
+        out_dir,
+        "--replicas",
+        str(replicas),
+        "--steps",
+        str(steps),
+        "--microbatches",
+        str(microbatches),
+        "--heartbeat-timeout",
+        str(heartbeat_timeout),
+    ] + (extra or [])
     env = {"LIGHTNING_RECOVER_INJECT": inject} if inject else None
     return run_job(cmd, out_dir, timeout=timeout, env=env)

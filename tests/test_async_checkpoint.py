@@ -10,8 +10,7 @@ import pytest
 import torch
 
 import native_io
-from lightning_recover.checkpoint import AsyncCheckpointError, UringCheckpointIO, load, read_info
-from lightning_recover.checkpoint import async_io, files
+from lightning_recover.checkpoint import AsyncCheckpointError, UringCheckpointIO, async_io, files, load, read_info
 from lightning_recover.checkpoint.async_io import _Ring, crc32c_combine
 
 pytestmark = pytest.mark.timeout(120)
@@ -279,8 +278,10 @@ def _bn_module_cls():
 
         def on_save_checkpoint(self, checkpoint):
             # the state at save time (Lightning calls this while building the checkpoint dict)
-            self.saved[self.global_step] = {"state_dict": _clone(self.state_dict()),
-                                            "opt": _clone(self.trainer.optimizers[0].state_dict()["state"])}
+            self.saved[self.global_step] = {
+                "state_dict": _clone(self.state_dict()),
+                "opt": _clone(self.trainer.optimizers[0].state_dict()["state"]),
+            }
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=0.05)
@@ -299,10 +300,20 @@ def test_trainer_async_modelcheckpoint(tmp_path):
     BN = _bn_module_cls()
     model = BN()
     io = UringCheckpointIO(async_save=True)
-    mc = ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=1, every_n_train_steps=1, save_last=True,
-                         filename="{step}")
-    trainer = Trainer(default_root_dir=tmp_path, max_steps=6, accelerator="cpu", devices=1, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, callbacks=[mc], plugins=[io])
+    mc = ModelCheckpoint(
+        dirpath=tmp_path / "ck", save_top_k=1, every_n_train_steps=1, save_last=True, filename="{step}"
+    )
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        max_steps=6,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[mc],
+        plugins=[io],
+    )
     trainer.fit(model)  # teardown waits for durability
     files = sorted(os.listdir(tmp_path / "ck"))
     assert files == ["last.ckpt", "step=6.ckpt"], files  # top-1 removal ran after the newer save was durable
@@ -313,9 +324,17 @@ def test_trainer_async_modelcheckpoint(tmp_path):
         _assert_same(ref["opt"], ck["optimizer_states"][0]["state"])
     # resume from the async checkpoint
     model2 = BN()
-    t2 = Trainer(default_root_dir=tmp_path, max_steps=7, accelerator="cpu", devices=1, logger=False,
-                 enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                 plugins=[UringCheckpointIO(async_save=True)])
+    t2 = Trainer(
+        default_root_dir=tmp_path,
+        max_steps=7,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        plugins=[UringCheckpointIO(async_save=True)],
+    )
     t2.fit(model2, ckpt_path=str(tmp_path / "ck" / "last.ckpt"))
     assert t2.global_step == 7
 
@@ -329,8 +348,17 @@ def test_trainer_consistency_mid_training(tmp_path):
     model = BN()
     io = UringCheckpointIO(async_save=True, max_pending_bytes=1 << 20)  # forces back-pressure
     mc = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=1, filename="{step}")
-    trainer = Trainer(default_root_dir=tmp_path, max_steps=5, accelerator="cpu", devices=1, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, callbacks=[mc], plugins=[io])
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        max_steps=5,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[mc],
+        plugins=[io],
+    )
     trainer.fit(model)
     for step in range(1, 6):
         ck = load(tmp_path / f"step={step}.ckpt")
@@ -358,13 +386,13 @@ def test_fabric_async_save_and_in_place_restore(tmp_path):
     model2 = _model(5)
     opt2 = torch.optim.AdamW(model2.parameters(), lr=0.1)
     _train_step(model2, opt2, x)  # optimizer state exists: it is filled in place too
-    ptrs = [p.data_ptr() for p in model2.parameters()] + [
-        t.data_ptr() for s in opt2.state.values() for t in s.values()]
+    ptrs = [p.data_ptr() for p in model2.parameters()] + [t.data_ptr() for s in opt2.state.values() for t in s.values()]
     with io.restore_into({"model": model2, "optimizer": opt2}):
         rest = fabric.load(tmp_path / "f.ckpt", {"model": model2, "optimizer": opt2})
     assert rest == {"step": 1}
     _assert_same(ref_model, model2.state_dict())
     _assert_same(ref_opt, opt2.state_dict()["state"])
     assert ptrs == [p.data_ptr() for p in model2.parameters()] + [
-        t.data_ptr() for s in opt2.state.values() for t in s.values()]
+        t.data_ptr() for s in opt2.state.values() for t in s.values()
+    ]
     io.teardown()

@@ -44,8 +44,20 @@ def reference(tmp_path_factory):
 
 def _attacked_job(out: str, attack, inject: str | None = None, timeout: float = 150) -> JobResult:
     """Start the job, connect as an outsider as soon as the coordinator listens, run ``attack``."""
-    cmd = [sys.executable, FABRIC_SCRIPT, out, "--replicas", str(REPLICAS), "--steps", str(STEPS),
-           "--microbatches", str(M), "--heartbeat-timeout", "0.5", *ARGS]
+    cmd = [
+        sys.executable,
+        FABRIC_SCRIPT,
+        out,
+        "--replicas",
+        str(REPLICAS),
+        "--steps",
+        str(STEPS),
+        "--microbatches",
+        str(M),
+        "--heartbeat-timeout",
+        "0.5",
+        *ARGS,
+    ]
     proc, log = start_job(cmd, out, {"LIGHTNING_RECOVER_INJECT": inject} if inject else None)
     try:
         addr = []
@@ -58,8 +70,9 @@ def _attacked_job(out: str, attack, inject: str | None = None, timeout: float = 
 
         assert wait_for(listening, 60), open(log).read()[-3000:]
         host, port = addr[0]
-        outsider = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                 timeout=datetime.timedelta(seconds=10))
+        outsider = dist.TCPStore(
+            host, port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=10)
+        )
         attack(outsider)
         proc.wait(timeout=timeout)
     finally:

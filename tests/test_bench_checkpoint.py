@@ -61,8 +61,9 @@ def test_safetensors_flatten_roundtrip_clones_shared():
 @pytest.mark.slow
 def test_bench_checkpoint_smoke(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    args = argparse.Namespace(size_gb=0.02, repeat=1, dir=str(tmp_path / "work"), methods=None, json=str(out),
-                              cache="fadvise")  # fadvise: leave the machine's page cache alone
+    args = argparse.Namespace(
+        size_gb=0.02, repeat=1, dir=str(tmp_path / "work"), methods=None, json=str(out), cache="fadvise"
+    )  # fadvise: leave the machine's page cache alone
     rc = bench.main(args)
     printed = capsys.readouterr().out
     assert rc == 0, printed

@@ -20,11 +20,12 @@ from lightning_recover.checkpoint import (
     CheckpointCorruptError,
     UringCheckpointIO,
     cleanup_stale_temps,
+    engine,
+    files,
     load,
     read_info,
     save,
 )
-from lightning_recover.checkpoint import engine, files
 from lightning_recover.checkpoint import format as fmt
 
 
@@ -32,8 +33,11 @@ def _state(k: int = 0, n: int = 1000) -> dict:
     g = torch.Generator().manual_seed(k)
     return {
         "k": k,
-        "state_dict": {"w": torch.randn(n, generator=g), "b": torch.randn(7, generator=g),
-                       "big": torch.full((300_000,), float(k))},
+        "state_dict": {
+            "w": torch.randn(n, generator=g),
+            "b": torch.randn(7, generator=g),
+            "big": torch.full((300_000,), float(k)),
+        },
         "meta": {"name": "x", "epoch": k},
     }
 
@@ -98,8 +102,12 @@ def test_bitflip_in_data_names_extent(saved):
 def test_bitflip_in_metadata_rejected(saved, where):
     info = read_info(saved)
     size = saved.stat().st_size
-    at = {"index": info.footer.index_offset + 10, "skeleton": info.footer.skeleton_offset + 5,
-          "footer": size - fmt.FOOTER_SIZE + 20, "header": 12}[where]
+    at = {
+        "index": info.footer.index_offset + 10,
+        "skeleton": info.footer.skeleton_offset + 5,
+        "footer": size - fmt.FOOTER_SIZE + 20,
+        "header": 12,
+    }[where]
     _rewrite(saved, lambda d: d.__setitem__(at, d[at] ^ 0x80) or d)
     with pytest.raises(CheckpointCorruptError, match=where if where != "skeleton" else "index/skeleton") as ei:
         load(saved)
@@ -114,7 +122,7 @@ def test_zero_filled_and_foreign_rejected(tmp_path, saved):
     zero_data = tmp_path / "zd.ckpt"
     save(_state(2), zero_data)
     info = read_info(zero_data)
-    _rewrite(zero_data, lambda d: d[:4096] + bytes(info.footer.data_end - 4096) + d[info.footer.data_end:])
+    _rewrite(zero_data, lambda d: d[:4096] + bytes(info.footer.data_end - 4096) + d[info.footer.data_end :])
     with pytest.raises(CheckpointCorruptError, match="checksum mismatch in extent"):
         load(zero_data)
     pt = tmp_path / "torch.pt"
@@ -286,8 +294,9 @@ def test_sigkill_mid_save_leaves_previous_loadable(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     rng = random.Random(1234)
     dead_pids = []
-    proc = subprocess.Popen([sys.executable, "-c", _FORKER, str(path)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _FORKER, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+    )
     try:
         assert _readline(proc, 120) == b"ready"
         for _ in range(4):
@@ -353,8 +362,9 @@ def test_plugin_accepted_by_trainer_and_fabric():
     from lightning.pytorch import Trainer
 
     io = UringCheckpointIO()
-    trainer = Trainer(plugins=[io], accelerator="cpu", logger=False, enable_progress_bar=False,
-                      enable_model_summary=False)
+    trainer = Trainer(
+        plugins=[io], accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
     assert trainer.strategy.checkpoint_io is io
     fabric = Fabric(plugins=[UringCheckpointIO()], accelerator="cpu")
     assert isinstance(fabric.strategy.checkpoint_io, UringCheckpointIO)
@@ -411,9 +421,18 @@ def _tiny_module_cls():
 def _trainer(tmp_path, max_epochs, callbacks=(), io=None):
     from lightning.pytorch import Trainer
 
-    return Trainer(default_root_dir=tmp_path, max_epochs=max_epochs, accelerator="cpu", devices=1, logger=False,
-                   enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks),
-                   plugins=[io or UringCheckpointIO()], deterministic=True)
+    return Trainer(
+        default_root_dir=tmp_path,
+        max_epochs=max_epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=list(callbacks),
+        plugins=[io or UringCheckpointIO()],
+        deterministic=True,
+    )
 
 
 def test_trainer_modelcheckpoint_and_resume(tmp_path):
@@ -428,8 +447,9 @@ def test_trainer_modelcheckpoint_and_resume(tmp_path):
     seed_everything(7)
     first = Tiny()
     ckdir = tmp_path / "ck"
-    mc = ModelCheckpoint(dirpath=ckdir, save_top_k=2, monitor="step_metric", mode="max", every_n_train_steps=2,
-                         save_last=True)
+    mc = ModelCheckpoint(
+        dirpath=ckdir, save_top_k=2, monitor="step_metric", mode="max", every_n_train_steps=2, save_last=True
+    )
     _trainer(tmp_path / "a", 2, [mc]).fit(first)
     files = sorted(p for p in os.listdir(ckdir) if not p.startswith("."))
     assert "last.ckpt" in files
@@ -440,8 +460,9 @@ def test_trainer_modelcheckpoint_and_resume(tmp_path):
 
     seed_everything(7)
     resumed = Tiny()
-    mc2 = ModelCheckpoint(dirpath=ckdir, save_top_k=2, monitor="step_metric", mode="max", every_n_train_steps=2,
-                          save_last=True)
+    mc2 = ModelCheckpoint(
+        dirpath=ckdir, save_top_k=2, monitor="step_metric", mode="max", every_n_train_steps=2, save_last=True
+    )
     trainer = _trainer(tmp_path / "b", 4, [mc2])
     trainer.fit(resumed, ckpt_path=str(ckdir / "last.ckpt"))
     assert trainer.global_step == 16
@@ -494,7 +515,9 @@ def test_convert_to_torch_save(tmp_path, capsys):
     assert convert_main(_ns(checkpoint=str(path), output=str(out), unsafe_pickle=False)) == 0
     loaded = torch.load(out, weights_only=False)
     torch.testing.assert_close(loaded["state_dict"], ck["state_dict"])
-    assert loaded["state_dict"]["v"].untyped_storage().data_ptr() == loaded["state_dict"]["w"].untyped_storage().data_ptr()
+    assert (
+        loaded["state_dict"]["v"].untyped_storage().data_ptr() == loaded["state_dict"]["w"].untyped_storage().data_ptr()
+    )
 
     save({"obj": _Custom(1)}, path)
     assert convert_main(_ns(checkpoint=str(path), output=str(out), unsafe_pickle=False)) == 3
@@ -508,14 +531,26 @@ def test_cli_subprocess(tmp_path):
     path = tmp_path / "c.ckpt"
     Tiny = _tiny_module_cls()
     model = Tiny()
-    trainer = Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, enable_checkpointing=False, plugins=[UringCheckpointIO()],
-                      default_root_dir=tmp_path)
+    trainer = Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        plugins=[UringCheckpointIO()],
+        default_root_dir=tmp_path,
+    )
     trainer.fit(model)
     trainer.save_checkpoint(path)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    r = subprocess.run([sys.executable, "-m", "lightning_recover.cli", "inspect", str(path)], capture_output=True,
-                       text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "lightning_recover.cli", "inspect", str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert "net.0.weight" in r.stdout and "OK" in r.stdout
     out = tmp_path / "c.pt"

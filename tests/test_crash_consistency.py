@@ -16,17 +16,16 @@ import time
 import pytest
 import torch
 
-import native_io
 from lightning_recover.checkpoint import (
     AsyncCheckpointError,
     CheckpointCorruptError,
     UnsafeCheckpointError,
     UringCheckpointIO,
+    files,
     load,
     read_info,
     save,
 )
-from lightning_recover.checkpoint import files
 from lightning_recover.checkpoint import format as fmt
 
 NAMES = 4  # rotating checkpoint names r0..r3
@@ -142,8 +141,9 @@ def _check_dir(d, newest_done, seen=None):
 def test_sigkill_at_random_points_sync_and_async(tmp_path):
     rng = random.Random(20240501)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    proc = subprocess.Popen([sys.executable, "-c", _HELPER, str(tmp_path)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HELPER, str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+    )
     lines = _Lines(proc)
     kills = {"sync": 0, "async": 0}
     newest = None
@@ -286,7 +286,7 @@ def test_damaged_async_written_file_rejected_and_inspected(async_saved, tmp_path
     elif damage == "bitflip":
         _rewrite(path, lambda d: d.__setitem__(at, d[at] ^ 0x10) or d)
     elif damage == "zero_data":
-        _rewrite(path, lambda d: d[:st.offset] + bytes(st.nbytes) + d[st.offset + st.nbytes:])
+        _rewrite(path, lambda d: d[: st.offset] + bytes(st.nbytes) + d[st.offset + st.nbytes :])
     elif damage == "zero_all":
         _rewrite(path, lambda d: bytes(len(d)))
     else:

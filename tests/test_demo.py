@@ -15,10 +15,33 @@ pytestmark = pytest.mark.slow
 
 def test_demo_tiny(tmp_path):
     out = str(tmp_path / "demo")
-    cmd = [sys.executable, "-m", "lightning_recover.demo", "--replicas", "3", "--steps", "6", "--microbatches", "6",
-           "--batch-size", "4", "--block-size", "32", "--width", "32", "--layers", "1", "--corpus-bytes", "200000",
-           "--heartbeat-timeout", "1.0", "--out", out,
-           "--inject", "kill:replica=2:step=2:phase=backward,hang:replica=0:step=4:phase=reduce"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lightning_recover.demo",
+        "--replicas",
+        "3",
+        "--steps",
+        "6",
+        "--microbatches",
+        "6",
+        "--batch-size",
+        "4",
+        "--block-size",
+        "32",
+        "--width",
+        "32",
+        "--layers",
+        "1",
+        "--corpus-bytes",
+        "200000",
+        "--heartbeat-timeout",
+        "1.0",
+        "--out",
+        out,
+        "--inject",
+        "kill:replica=2:step=2:phase=backward,hang:replica=0:step=4:phase=reduce",
+    ]
     result = run_job(cmd, out, timeout=400)
     assert result.returncode == 0, result.output[-4000:]
     summary = json.load(open(os.path.join(out, "summary.json")))

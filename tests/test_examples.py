@@ -15,17 +15,35 @@ EXAMPLES = os.path.join(ROOT, "examples")
 
 
 def test_fabric_gpt_with_a_kill(tmp_path):
-    cmd = [sys.executable, os.path.join(EXAMPLES, "fabric_gpt.py"), "--replicas", "2", "--steps", "3",
-           "--microbatches", "4"]
-    res = run_job(cmd, str(tmp_path), timeout=400, env={"LIGHTNING_RECOVER_INJECT": "kill:replica=1:step=1:phase=backward"})
+    cmd = [
+        sys.executable,
+        os.path.join(EXAMPLES, "fabric_gpt.py"),
+        "--replicas",
+        "2",
+        "--steps",
+        "3",
+        "--microbatches",
+        "4",
+    ]
+    res = run_job(
+        cmd, str(tmp_path), timeout=400, env={"LIGHTNING_RECOVER_INJECT": "kill:replica=1:step=1:phase=backward"}
+    )
     assert res.returncode == 0, res.output[-4000:]
     assert "step   2  loss" in res.output
     assert "replica 1 failed (killed by SIGKILL)" in res.output
 
 
 def test_trainer_gpt(tmp_path):
-    cmd = [sys.executable, os.path.join(EXAMPLES, "trainer_gpt.py"), "--replicas", "2", "--steps", "3",
-           "--microbatches", "4"]
+    cmd = [
+        sys.executable,
+        os.path.join(EXAMPLES, "trainer_gpt.py"),
+        "--replicas",
+        "2",
+        "--steps",
+        "3",
+        "--microbatches",
+        "4",
+    ]
     res = run_job(cmd, str(tmp_path), timeout=400)
     assert res.returncode == 0, res.output[-4000:]
 
@@ -42,7 +60,11 @@ def test_checkpoint_plugin_save_and_resume(tmp_path):
 
 
 def test_torchrun_replica_script(tmp_path):
-    res = run_job(["bash", os.path.join(EXAMPLES, "torchrun_replica.sh")], str(tmp_path), timeout=400,
-                  env={"REPLICAS": "2", "STEPS": "3"})
+    res = run_job(
+        ["bash", os.path.join(EXAMPLES, "torchrun_replica.sh")],
+        str(tmp_path),
+        timeout=400,
+        env={"REPLICAS": "2", "STEPS": "3"},
+    )
     assert res.returncode == 0, res.output[-4000:]
     assert "step   2  loss" in res.output

@@ -2,37 +2,45 @@
 
 import pytest
 
-from lightning_recover.protocol.options import RecoverOptions
 from lightning_recover.data import MicrobatchSource
 from lightning_recover.protocol.faults import Fault, parse_faults
+from lightning_recover.protocol.options import RecoverOptions
 
 
 def test_parse_several_faults():
-    faults = parse_faults("kill:replica=2:step=5:phase=backward; hang:replica=1:step=7:phase=reduce,raise:replica=0:step=1:phase=commit:incarnation=2")
+    faults = parse_faults(
+        "kill:replica=2:step=5:phase=backward; hang:replica=1:step=7:phase=reduce,raise:replica=0:step=1:phase=commit:incarnation=2"
+    )
     assert faults == [Fault("kill", 2, 5, "backward"), Fault("hang", 1, 7, "reduce"), Fault("raise", 0, 1, "commit", 2)]
     assert str(faults[0]) == "kill:replica=2:step=5:phase=backward"
 
 
-@pytest.mark.parametrize("spec,message", [
-    ("explode:replica=1:step=1:phase=forward", "kind must be one of"),
-    ("kill:replica=1:step=1", "missing phase"),
-    ("kill:replica=1:step=1:phase=lunch", "phase must be one of"),
-    ("kill:replica=x:step=1:phase=forward", "integers"),
-    ("kill:replica=1:when=1:phase=forward", "bad field"),
-])
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("explode:replica=1:step=1:phase=forward", "kind must be one of"),
+        ("kill:replica=1:step=1", "missing phase"),
+        ("kill:replica=1:step=1:phase=lunch", "phase must be one of"),
+        ("kill:replica=x:step=1:phase=forward", "integers"),
+        ("kill:replica=1:when=1:phase=forward", "bad field"),
+    ],
+)
 def test_bad_fault_specs_say_what_is_expected(spec, message):
     with pytest.raises(ValueError, match=message):
         parse_faults(spec)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(quota="fastest"), "quota must be"),
-    (dict(heartbeat_timeout=0), "heartbeat_timeout must be a positive"),
-    (dict(collective_timeout=-1), "collective_timeout must be a positive"),
-    (dict(heartbeat_interval=0.5, heartbeat_timeout=0.6), "must exceed twice"),
-    (dict(microbatches=0), "microbatches must be a positive"),
-    (dict(restarts=-1), "restarts"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(quota="fastest"), "quota must be"),
+        (dict(heartbeat_timeout=0), "heartbeat_timeout must be a positive"),
+        (dict(collective_timeout=-1), "collective_timeout must be a positive"),
+        (dict(heartbeat_interval=0.5, heartbeat_timeout=0.6), "must exceed twice"),
+        (dict(microbatches=0), "microbatches must be a positive"),
+        (dict(restarts=-1), "restarts"),
+    ],
+)
 def test_bad_options_raise_with_hint(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RecoverOptions(**kwargs)
@@ -52,7 +60,9 @@ def test_microbatch_contents_do_not_depend_on_who_computes_them():
     for step in (0, 1, 8, 9):
         for j in reversed(range(4)):
             assert b.batch(step, j) == a.batch(step, j)
-    seen = [i for j in range(4) for i in a.indices(0, j)] + [i for s in range(1, 8) for j in range(4) for i in a.indices(s, j)]
+    seen = [i for j in range(4) for i in a.indices(0, j)] + [
+        i for s in range(1, 8) for j in range(4) for i in a.indices(s, j)
+    ]
     assert len(seen) == len(set(seen)) == 96, "an epoch visits distinct samples"
     assert a.indices(8, 0) != a.indices(0, 0), "a new epoch has a new permutation"
 

@@ -17,8 +17,13 @@ def test_nccl_kill_matches_failure_free_run(tmp_path):
     extra = ["--accelerator", "cuda"]
     ref = fabric_job(str(tmp_path / "ref"), replicas=replicas, microbatches=6, extra=extra)
     assert ref.returncode == 0, ref.output[-3000:]
-    faulty = fabric_job(str(tmp_path / "kill"), replicas=replicas, microbatches=6, extra=extra,
-                        inject="kill:replica=1:step=1:phase=backward")
+    faulty = fabric_job(
+        str(tmp_path / "kill"),
+        replicas=replicas,
+        microbatches=6,
+        extra=extra,
+        inject="kill:replica=1:step=1:phase=backward",
+    )
     assert faulty.returncode == 0, faulty.output[-3000:]
     reference = ref.states()[0]["state"]
     for data in faulty.states().values():

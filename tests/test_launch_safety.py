@@ -20,9 +20,9 @@ import pytest
 
 from lightning_recover import cli, env
 from lightning_recover.launch import coordinator_process, launcher
+from lightning_recover.protocol.faults import Fault, FaultInjector, parse_faults
 from lightning_recover.protocol.messages import JobSecret
 from lightning_recover.protocol.replica_env import ReplicaEnv, check_against_coordinator, read_replica_env
-from lightning_recover.protocol.faults import Fault, FaultInjector, parse_faults
 from tests.jobs import ROOT, _env, start_job
 
 REPLICA_SCRIPT = os.path.join(ROOT, "tests", "scripts", "replica_steps.py")
@@ -96,7 +96,7 @@ def _listening(pid: int) -> list[tuple[str, int]]:
                 hexaddr, hexport = cols[1].split(":")
                 raw = bytes.fromhex(hexaddr)
                 # /proc prints the address as 32-bit words in host (little-endian) order.
-                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
                 found.append((socket.inet_ntop(family, raw), int(hexport, 16)))
     return found
 
@@ -165,8 +165,15 @@ def test_launcher_sigkilled_takes_coordinator_and_replicas_with_it(tmp_path):
 @pytest.mark.timeout(60)
 def test_coordinator_watchdog_exits_when_its_launcher_is_gone():
     # The fallback of PDEATHSIG: a coordinator whose parent is not the launcher it was told of exits.
-    cmd = [sys.executable, "-c", "import sys; from lightning_recover.launch.coordinator_process import main; "
-           "sys.exit(main())", "--replicas", "2", "--parent-pid", str(2 ** 22 + 1)]
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from lightning_recover.launch.coordinator_process import main; " "sys.exit(main())",
+        "--replicas",
+        "2",
+        "--parent-pid",
+        str(2**22 + 1),
+    ]
     t0 = time.monotonic()
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=50, env=_env(None))
     assert out.returncode == 3, out
@@ -195,8 +202,10 @@ def test_failed_spawn_ends_everything_and_fails(tmp_path):
 @pytest.mark.timeout(120)
 def test_failed_spawn_of_a_later_replica_ends_the_started_ones(tmp_path):
     # Replica 0 starts (a long sleep), replica 1 cannot: both the sleep and the coordinator must end.
-    code = ("import sys; from lightning_recover.launch.launcher import supervise; "
-            "sys.exit(supervise(lambda r: ['sleep', '600'] if r == 0 else ['/nonexistent'], 2))")
+    code = (
+        "import sys; from lightning_recover.launch.launcher import supervise; "
+        "sys.exit(supervise(lambda r: ['sleep', '600'] if r == 0 else ['/nonexistent'], 2))"
+    )
     proc, log = start_job([sys.executable, "-c", code], str(tmp_path))
     try:
         proc.wait(timeout=90)
@@ -224,8 +233,10 @@ def test_command_not_on_path_is_refused_before_starting_anything():
 @pytest.mark.parametrize("how", ["SIGSTOP", "SIGKILL"])
 def test_launcher_ends_the_job_when_the_coordinator_is_lost(tmp_path, how):
     hb = 1.0
-    proc, log = start_job(CLI + ["run", "--replicas", "2", "--heartbeat-timeout", str(hb), "--",
-                                 sys.executable, REPLICA_SCRIPT, "0"], str(tmp_path))
+    proc, log = start_job(
+        CLI + ["run", "--replicas", "2", "--heartbeat-timeout", str(hb), "--", sys.executable, REPLICA_SCRIPT, "0"],
+        str(tmp_path),
+    )
     try:
         m = _wait_for(log, r"coordinator at \S+ \(pid (\d+)\)", proc, 90)
         coord_pid = int(m.group(1))
@@ -238,8 +249,10 @@ def test_launcher_ends_the_job_when_the_coordinator_is_lost(tmp_path, how):
         took = time.monotonic() - t0
         gone = _wait_until(lambda: not _session_pids(proc.pid), SLACK)
         out = open(log).read()
-        print(f"\ncoordinator {how}: launcher exit {proc.returncode} after {took:.2f}s "
-              f"(bound 2 x {hb}s + {SLACK}s); the rest of the job {job} gone {gone}s later")
+        print(
+            f"\ncoordinator {how}: launcher exit {proc.returncode} after {took:.2f}s "
+            f"(bound 2 x {hb}s + {SLACK}s); the rest of the job {job} gone {gone}s later"
+        )
         assert proc.returncode == launcher.EXIT_COORDINATOR_LOST, out[-3000:]
         assert "CoordinatorLostError" in out and "HINT" in out, out[-3000:]
         assert took <= 2 * hb + SLACK, took
@@ -259,14 +272,28 @@ def test_unreachable_coordinator_is_named_within_a_bound():
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = ("import torch; from lightning_recover.protocol.options import RecoverOptions; "
-            "from lightning_recover.protocol.replica import Replica; p = torch.nn.Linear(2, 1); "
-            "Replica.from_env(RecoverOptions(), lambda: list(p.parameters())).start()")
-    environ = _env({env.COORDINATOR: f"127.0.0.1:{port}", env.REPLICA: "0", env.REPLICAS: "1",
-                    env.SECRET: JobSecret.generate().hex()})
+    code = (
+        "import torch; from lightning_recover.protocol.options import RecoverOptions; "
+        "from lightning_recover.protocol.replica import Replica; p = torch.nn.Linear(2, 1); "
+        "Replica.from_env(RecoverOptions(), lambda: list(p.parameters())).start()"
+    )
+    environ = _env(
+        {
+            env.COORDINATOR: f"127.0.0.1:{port}",
+            env.REPLICA: "0",
+            env.REPLICAS: "1",
+            env.SECRET: JobSecret.generate().hex(),
+        }
+    )
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env=environ, start_new_session=True, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=environ,
+        start_new_session=True,
+        text=True,
+    )
     try:
         out, _ = proc.communicate(timeout=30)
     except subprocess.TimeoutExpired:
@@ -296,18 +323,21 @@ def test_read_replica_env_accepts_a_good_environment():
     assert read_replica_env(_renv(**{env.COORDINATOR: "::1:29500"})).addr == "::1:29500"
 
 
-@pytest.mark.parametrize("kw, message", [
-    ({env.REPLICA: "7"}, "out of range"),  # used to be taken for a restart
-    ({env.REPLICA: "-1"}, "out of range"),  # used to hang as a false "lost the coordinator"
-    ({env.REPLICA: "3"}, "ids are 0..2"),
-    ({env.REPLICA: "one"}, "not an integer"),
-    ({env.REPLICAS: "0"}, "at least one replica"),
-    ({env.REPLICAS: "3.0"}, "not an integer"),
-    ({env.REPLICAS: None}, "missing LIGHTNING_RECOVER_REPLICAS"),
-    ({env.COORDINATOR: "127.0.0.1"}, "HOST:PORT"),
-    ({env.COORDINATOR: "127.0.0.1:0"}, "HOST:PORT"),
-    ({env.COORDINATOR: "127.0.0.1:99999"}, "HOST:PORT"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({env.REPLICA: "7"}, "out of range"),  # used to be taken for a restart
+        ({env.REPLICA: "-1"}, "out of range"),  # used to hang as a false "lost the coordinator"
+        ({env.REPLICA: "3"}, "ids are 0..2"),
+        ({env.REPLICA: "one"}, "not an integer"),
+        ({env.REPLICAS: "0"}, "at least one replica"),
+        ({env.REPLICAS: "3.0"}, "not an integer"),
+        ({env.REPLICAS: None}, "missing LIGHTNING_RECOVER_REPLICAS"),
+        ({env.COORDINATOR: "127.0.0.1"}, "HOST:PORT"),
+        ({env.COORDINATOR: "127.0.0.1:0"}, "HOST:PORT"),
+        ({env.COORDINATOR: "127.0.0.1:99999"}, "HOST:PORT"),
+    ],
+)
 def test_read_replica_env_refuses_bad_values_with_a_hint(kw, message):
     with pytest.raises(ValueError, match=message) as info:
         read_replica_env(_renv(**kw))
@@ -326,10 +356,20 @@ def test_replica_count_is_checked_against_the_coordinator():
 # ---------------------------------------------------------------------------- item 13: timeouts
 
 
-@pytest.mark.parametrize("sub", [["run", "--replicas", "2"], ["torchrun", "--replicas", "2"],
-                                 ["coordinator", "--replicas", "2"]])
-@pytest.mark.parametrize("value, message", [("nan", "finite"), ("inf", "finite"), ("0.05", "exceed twice"),
-                                            ("0", "positive"), ("-1", "positive"), ("abc", "not a number")])
+@pytest.mark.parametrize(
+    "sub", [["run", "--replicas", "2"], ["torchrun", "--replicas", "2"], ["coordinator", "--replicas", "2"]]
+)
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("nan", "finite"),
+        ("inf", "finite"),
+        ("0.05", "exceed twice"),
+        ("0", "positive"),
+        ("-1", "positive"),
+        ("abc", "not a number"),
+    ],
+)
 def test_cli_refuses_bad_heartbeat_timeouts(capsys, sub, value, message):
     rest = [] if sub[0] == "coordinator" else ["--", "true"]
     with pytest.raises(SystemExit) as info:
@@ -342,13 +382,20 @@ def test_coordinator_cli_checks_the_timeout_against_the_given_interval(capsys):
     with pytest.raises(SystemExit):
         cli.main(["coordinator", "--replicas", "2", "--heartbeat-timeout", "0.15", "--heartbeat-interval", "0.1"])
     assert "exceed twice" in capsys.readouterr().err
-    args = cli.build_parser().parse_args(["coordinator", "--replicas", "2", "--heartbeat-timeout", "0.15",
-                                          "--heartbeat-interval", "0.03"])
+    args = cli.build_parser().parse_args(
+        ["coordinator", "--replicas", "2", "--heartbeat-timeout", "0.15", "--heartbeat-interval", "0.03"]
+    )
     args.check(args)  # a faster heartbeat makes the shorter timeout safe
 
 
-@pytest.mark.parametrize("args, message", [(["--replicas", "0"], "at least 1"), (["--replicas", "x"], "integer"),
-                                           (["--replicas", "2", "--restarts", "-1"], ">= 0")])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--replicas", "0"], "at least 1"),
+        (["--replicas", "x"], "integer"),
+        (["--replicas", "2", "--restarts", "-1"], ">= 0"),
+    ],
+)
 def test_cli_refuses_bad_counts(capsys, args, message):
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["run", *args, "--", "true"])
@@ -378,15 +425,24 @@ def test_supervise_refuses_faults_naming_replicas_outside_the_job():
 
 
 def test_cli_run_refuses_out_of_range_faults():
-    out = subprocess.run(CLI + ["run", "--replicas", "3", "--inject", "kill:replica=9:step=1:phase=forward",
-                                "--", "true"], capture_output=True, text=True, timeout=60, env=_env(None))
+    out = subprocess.run(
+        CLI + ["run", "--replicas", "3", "--inject", "kill:replica=9:step=1:phase=forward", "--", "true"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_env(None),
+    )
     assert out.returncode != 0 and "replica=9" in out.stderr and "HINT" in out.stderr, out
 
 
 def test_fault_injector_reports_faults_that_never_fired():
     fired = []
-    inj = FaultInjector(parse_faults("raise:replica=0:step=1:phase=forward,raise:replica=0:step=999:phase=backward"),
-                        0, 1, act=fired.append)
+    inj = FaultInjector(
+        parse_faults("raise:replica=0:step=1:phase=forward,raise:replica=0:step=999:phase=backward"),
+        0,
+        1,
+        act=fired.append,
+    )
     for step in range(4):
         for phase in ("forward", "backward"):
             inj.maybe_fire(step, phase)

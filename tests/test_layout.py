@@ -86,7 +86,7 @@ def test_no_import_cycle_among_top_level_imports():
         path.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(path[path.index(nxt):] + [nxt]))
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(nxt) :] + [nxt]))
             if nxt not in state:
                 visit(nxt)
         path.pop()
@@ -98,9 +98,11 @@ def test_no_import_cycle_among_top_level_imports():
 
 
 def test_protocol_works_without_lightning():
-    code = ("import sys; sys.modules['lightning'] = None; sys.modules['lightning.fabric'] = None; "
-            "import lightning_recover.protocol, lightning_recover.launch.launcher; "
-            "from lightning_recover.protocol import Replica, plan_quotas; "
-            "assert not [m for m, v in sys.modules.items() if m.split('.')[0] == 'lightning' and v is not None]")
+    code = (
+        "import sys; sys.modules['lightning'] = None; sys.modules['lightning.fabric'] = None; "
+        "import lightning_recover.protocol, lightning_recover.launch.launcher; "
+        "from lightning_recover.protocol import Replica, plan_quotas; "
+        "assert not [m for m, v in sys.modules.items() if m.split('.')[0] == 'lightning' and v is not None]"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr

@@ -40,9 +40,17 @@ def test_values_without_the_secret_are_refused():
 
 
 def test_typed_encoding_round_trips_what_lightning_exchanges():
-    value = {"logs": {"loss": [1.5, 2.0, 3.0, 0.5]}, "kwargs": {"loss": {"reduce_fx": "mean", "batch_size": None}},
-             "t": torch.arange(6, dtype=torch.float64).reshape(2, 3), "scalar": torch.tensor(2.5), "b": torch.tensor([True, False]),
-             "tuple": (1, "a"), 3: "int key", "nan": float("nan"), "empty": torch.empty(0, 4)}
+    value = {
+        "logs": {"loss": [1.5, 2.0, 3.0, 0.5]},
+        "kwargs": {"loss": {"reduce_fx": "mean", "batch_size": None}},
+        "t": torch.arange(6, dtype=torch.float64).reshape(2, 3),
+        "scalar": torch.tensor(2.5),
+        "b": torch.tensor([True, False]),
+        "tuple": (1, "a"),
+        3: "int key",
+        "nan": float("nan"),
+        "empty": torch.empty(0, 4),
+    }
     back = decode_object(encode_object(value))
     assert torch.equal(back["t"], value["t"]) and back["t"].dtype == torch.float64
     assert torch.equal(back["b"], value["b"]) and back["empty"].shape == (0, 4)

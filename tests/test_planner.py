@@ -52,12 +52,15 @@ def test_throughput_weights_are_proportional():
             assert abs(len(plan[m]) - M * weights[m] / total) < 1.0 + 1e-9
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(step=0, microbatch_ids=range(4), members=[]), "at least one"),
-    (dict(step=0, microbatch_ids=[1, 1], members=[0]), "duplicate microbatch"),
-    (dict(step=0, microbatch_ids=range(4), members=[0, 0]), "duplicate members"),
-    (dict(step=0, microbatch_ids=range(4), members=[0, 1], weights={0: 1.0, 1: 0.0}), "positive"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(step=0, microbatch_ids=range(4), members=[]), "at least one"),
+        (dict(step=0, microbatch_ids=[1, 1], members=[0]), "duplicate microbatch"),
+        (dict(step=0, microbatch_ids=range(4), members=[0, 0]), "duplicate members"),
+        (dict(step=0, microbatch_ids=range(4), members=[0, 1], weights={0: 1.0, 1: 0.0}), "positive"),
+    ],
+)
 def test_rejects_bad_input(kwargs, message):
     with pytest.raises(ValueError, match=message):
         plan_quotas(**kwargs)

@@ -92,8 +92,7 @@ def test_hang_in_backward_is_revealed_by_the_heartbeat_monitor_only():
 
 
 def test_two_deaths_in_one_step():
-    cluster = run(4, steps=4, microbatches=8,
-                  faults=[Fault("kill", 1, 2, "backward"), Fault("kill", 3, 2, "reduce")])
+    cluster = run(4, steps=4, microbatches=8, faults=[Fault("kill", 1, 2, "backward"), Fault("kill", 3, 2, "reduce")])
     assert_matches_reference(cluster, [0, 2])
     assert live_per_step(cluster, 0) == [4, 4, 2, 2]
     assert sum(s.recomputed for r in (0, 2) for s in cluster.slot(r).history) == 4
@@ -101,8 +100,9 @@ def test_two_deaths_in_one_step():
 
 def test_cascade_death_during_recovery():
     # Replica 1 dies; while the survivors recompute its microbatches, replica 2 dies too.
-    cluster = run(4, steps=3, microbatches=8,
-                  faults=[Fault("kill", 1, 1, "backward"), Fault("kill", 2, 1, "recompute")])
+    cluster = run(
+        4, steps=3, microbatches=8, faults=[Fault("kill", 1, 1, "backward"), Fault("kill", 2, 1, "recompute")]
+    )
     assert_matches_reference(cluster, [0, 3])
     assert cluster.slot(2).outcome == "killed", "the recompute fault fired"
     assert max(s.recoveries for s in cluster.slot(0).history) == 2, "two recoveries inside one step"
@@ -110,8 +110,12 @@ def test_cascade_death_during_recovery():
 
 
 def test_down_to_a_single_survivor():
-    cluster = run(4, steps=5, microbatches=8,
-                  faults=[Fault("kill", 0, 1, "reduce"), Fault("raise", 3, 2, "forward"), Fault("hang", 1, 3, "commit")])
+    cluster = run(
+        4,
+        steps=5,
+        microbatches=8,
+        faults=[Fault("kill", 0, 1, "reduce"), Fault("raise", 3, 2, "forward"), Fault("hang", 1, 3, "commit")],
+    )
     assert_matches_reference(cluster, [2])
     assert live_per_step(cluster, 2) == [4, 3, 2, 2, 1]
     assert cluster.slot(2).history[-1].computed == 8, "the last replica computes all M microbatches"
@@ -177,8 +181,9 @@ def test_restarted_replica_rejoins_with_live_state():
         if step == 2:
             assert join_requested.wait(RUN_TIMEOUT), "the restarted replica never asked to join"
 
-    with Cluster(3, steps=6, microbatches=6, faults=[Fault("kill", 1, 1, "backward")],
-                 before_step=before_step) as cluster:
+    with Cluster(
+        3, steps=6, microbatches=6, faults=[Fault("kill", 1, 1, "backward")], before_step=before_step
+    ) as cluster:
         cluster.start()
         first = cluster.slot(1)
         cluster.wait(first.finished.is_set)

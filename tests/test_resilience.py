@@ -10,11 +10,10 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
-
-import sys
 
 from tests.jobs import (
     FABRIC_SCRIPT,
@@ -88,15 +87,23 @@ def test_single_failure_every_phase_and_kind(tmp_path, reference, kind, phase):
 
 def test_two_failures_in_the_same_step(tmp_path, reference):
     ref = reference(replicas=4, microbatches=8)
-    result = fabric_job(str(tmp_path), replicas=4, microbatches=8,
-                        inject="kill:replica=1:step=2:phase=backward,kill:replica=3:step=2:phase=reduce")
+    result = fabric_job(
+        str(tmp_path),
+        replicas=4,
+        microbatches=8,
+        inject="kill:replica=1:step=2:phase=backward,kill:replica=3:step=2:phase=reduce",
+    )
     assert_matches_reference(result, ref, survivors=[0, 2])
 
 
 def test_two_failures_at_different_steps_one_hung(tmp_path, reference):
     ref = reference(replicas=4, microbatches=8)
-    result = fabric_job(str(tmp_path), replicas=4, microbatches=8,
-                        inject="kill:replica=2:step=1:phase=forward,hang:replica=0:step=3:phase=backward")
+    result = fabric_job(
+        str(tmp_path),
+        replicas=4,
+        microbatches=8,
+        inject="kill:replica=2:step=1:phase=forward,hang:replica=0:step=3:phase=backward",
+    )
     states = assert_matches_reference(result, ref, survivors=[1, 3])
     assert [s["live_replicas"] for s in states[1]["stats"]] == [4, 3, 3, 2]
 
@@ -104,17 +111,26 @@ def test_two_failures_at_different_steps_one_hung(tmp_path, reference):
 def test_cascading_failure_during_recovery(tmp_path, reference):
     # replica 1 dies; while the survivors recompute its microbatches, replica 2 dies too.
     ref = reference(replicas=4, microbatches=8)
-    result = fabric_job(str(tmp_path), replicas=4, microbatches=8,
-                        inject="kill:replica=1:step=1:phase=backward,kill:replica=2:step=1:phase=recompute")
+    result = fabric_job(
+        str(tmp_path),
+        replicas=4,
+        microbatches=8,
+        inject="kill:replica=1:step=1:phase=backward,kill:replica=2:step=1:phase=recompute",
+    )
     states = assert_matches_reference(result, ref, survivors=[0, 3])
     assert max(s["recoveries"] for s in states[0]["stats"]) == 2, "two recoveries inside one step"
 
 
 def test_down_to_a_single_survivor(tmp_path, reference):
     ref = reference(replicas=4, steps=5, microbatches=8)
-    result = fabric_job(str(tmp_path), replicas=4, steps=5, microbatches=8,
-                        inject="kill:replica=0:step=1:phase=reduce,raise:replica=3:step=2:phase=forward,"
-                               "hang:replica=1:step=3:phase=commit")
+    result = fabric_job(
+        str(tmp_path),
+        replicas=4,
+        steps=5,
+        microbatches=8,
+        inject="kill:replica=0:step=1:phase=reduce,raise:replica=3:step=2:phase=forward,"
+        "hang:replica=1:step=3:phase=commit",
+    )
     states = assert_matches_reference(result, ref, survivors=[2])
     assert states[2]["stats"][-1]["live_replicas"] == 1
 
@@ -127,8 +143,21 @@ def test_throughput_quotas_keep_the_trajectory(tmp_path, reference):
 def test_falsely_suspected_replica_never_applies_a_divergent_step(tmp_path, reference):
     """A replica frozen long enough to be declared dead, then resumed, must stop, not rejoin silently."""
     out = str(tmp_path)
-    cmd = [sys.executable, FABRIC_SCRIPT, out, "--replicas", "3", "--steps", "12", "--microbatches", "6",
-           "--heartbeat-timeout", "0.5", "--work", "0.05"]
+    cmd = [
+        sys.executable,
+        FABRIC_SCRIPT,
+        out,
+        "--replicas",
+        "3",
+        "--steps",
+        "12",
+        "--microbatches",
+        "6",
+        "--heartbeat-timeout",
+        "0.5",
+        "--work",
+        "0.05",
+    ]
     proc, log = start_job(cmd, out, env={"LIGHTNING_RECOVER_INJECT": "hang:replica=1:step=1:phase=backward"})
     try:
         assert wait_for(lambda: "declared dead" in open(log).read(), timeout=60), open(log).read()[-3000:]
@@ -141,8 +170,11 @@ def test_falsely_suspected_replica_never_applies_a_divergent_step(tmp_path, refe
                 environ = open(f"/proc/{pid}/environ", "rb").read()
             except OSError:
                 continue
-            if stat.rsplit(")", 1)[1].split()[0] == "T" and b"LIGHTNING_RECOVER_REPLICA=1\x00" in environ \
-                    and out.encode() in open(f"/proc/{pid}/cmdline", "rb").read():
+            if (
+                stat.rsplit(")", 1)[1].split()[0] == "T"
+                and b"LIGHTNING_RECOVER_REPLICA=1\x00" in environ
+                and out.encode() in open(f"/proc/{pid}/cmdline", "rb").read()
+            ):
                 frozen.append(pid)
         assert len(frozen) == 1, "the hung replica is found stopped"
         os.kill(frozen[0], signal.SIGCONT)
@@ -151,7 +183,9 @@ def test_falsely_suspected_replica_never_applies_a_divergent_step(tmp_path, refe
         kill_group(proc)
     output = open(log).read()
     assert proc.returncode == 0, output[-3000:]
-    assert re.search(r"ReplicaExcludedError: replica 1 (was declared dead|was left out|fell behind)", output), output[-3000:]
+    assert re.search(r"ReplicaExcludedError: replica 1 (was declared dead|was left out|fell behind)", output), output[
+        -3000:
+    ]
     states = JobResult(proc.returncode, output, out).states()
     assert sorted(states) == [0, 2], "the excluded replica wrote no result"
     applied = open(os.path.join(out, "steps1.log")).read().split()
@@ -165,16 +199,30 @@ def test_deadlocked_main_thread_with_live_heartbeat_is_declared_hung(tmp_path, r
     """The main thread of replica 1 blocks for good in step 1 while its heartbeat thread keeps beating:
     the progress it reports stops while its peers wait on it, so it is declared hung within
     hang_timeout and the survivors finish equal to the failure-free run."""
-    result = fabric_job(str(tmp_path), inject="stall:replica=1:step=1:phase=backward",
-                        extra=["--hang-timeout", "3"], timeout=180)
+    result = fabric_job(
+        str(tmp_path), inject="stall:replica=1:step=1:phase=backward", extra=["--hang-timeout", "3"], timeout=180
+    )
     assert re.search(r"replica 1 \(incarnation 1\) made no progress for 3\.\d+s", result.output), result.output[-3000:]
     assert_matches_reference(result, reference(), survivors=[0, 2])
 
 
 def test_coordinator_death_stops_every_replica_in_bounded_time(tmp_path):
     out = str(tmp_path)
-    cmd = [sys.executable, FABRIC_SCRIPT, out, "--replicas", "3", "--steps", "200", "--microbatches", "3",
-           "--heartbeat-timeout", "0.5", "--work", "0.02"]
+    cmd = [
+        sys.executable,
+        FABRIC_SCRIPT,
+        out,
+        "--replicas",
+        "3",
+        "--steps",
+        "200",
+        "--microbatches",
+        "3",
+        "--heartbeat-timeout",
+        "0.5",
+        "--work",
+        "0.02",
+    ]
     proc, log = start_job(cmd, out)
     try:
         assert wait_for(lambda: re.search(r"\(pid (\d+)\)", open(log).read()), timeout=60)
@@ -188,7 +236,6 @@ def test_coordinator_death_stops_every_replica_in_bounded_time(tmp_path):
     assert proc.returncode != 0
     assert output.count("lost the coordinator") >= 3, output[-3000:]
     assert not os.path.exists(os.path.join(out, "replica0.pt"))
-
 
 
 def _job_processes(out: str) -> list[int]:
@@ -211,8 +258,21 @@ def test_frozen_coordinator_ends_every_replica_with_a_named_error_in_bounded_tim
     replica must print CoordinatorLostError and exit by itself within 2 x heartbeat timeout plus a
     small constant (store_timeout = max(5 s, 2 x heartbeat_timeout + 1 s))."""
     out = str(tmp_path)
-    cmd = [sys.executable, FABRIC_SCRIPT, out, "--replicas", "3", "--steps", "500", "--microbatches", "3",
-           "--heartbeat-timeout", "0.5", "--work", "0.02"]
+    cmd = [
+        sys.executable,
+        FABRIC_SCRIPT,
+        out,
+        "--replicas",
+        "3",
+        "--steps",
+        "500",
+        "--microbatches",
+        "3",
+        "--heartbeat-timeout",
+        "0.5",
+        "--work",
+        "0.02",
+    ]
     proc, log = start_job(cmd, out)
     coordinator_pid = None
     try:
@@ -238,14 +298,49 @@ def test_restarted_replica_rejoins_with_live_state(tmp_path, reference, launch):
     optimizer state and step from a peer over the group, and the quotas rebalance to include it."""
     steps = 12
     out = str(tmp_path)
-    script = [FABRIC_SCRIPT, out, "--replicas", "3", "--steps", str(steps), "--microbatches", "6",
-              "--heartbeat-timeout", "0.5", "--slow-while-degraded", "2.5"]
+    script = [
+        FABRIC_SCRIPT,
+        out,
+        "--replicas",
+        "3",
+        "--steps",
+        str(steps),
+        "--microbatches",
+        "6",
+        "--heartbeat-timeout",
+        "0.5",
+        "--slow-while-degraded",
+        "2.5",
+    ]
     if launch == "local":
-        cmd = [sys.executable, "-m", "lightning_recover.cli", "run", "--replicas", "3", "--restarts", "1",
-               "--heartbeat-timeout", "0.5", "--", sys.executable] + script
+        cmd = [
+            sys.executable,
+            "-m",
+            "lightning_recover.cli",
+            "run",
+            "--replicas",
+            "3",
+            "--restarts",
+            "1",
+            "--heartbeat-timeout",
+            "0.5",
+            "--",
+            sys.executable,
+        ] + script
     else:
-        cmd = [sys.executable, "-m", "lightning_recover.cli", "torchrun", "--replicas", "3", "--max-restarts", "1",
-               "--heartbeat-timeout", "0.5", "--"] + script
+        cmd = [
+            sys.executable,
+            "-m",
+            "lightning_recover.cli",
+            "torchrun",
+            "--replicas",
+            "3",
+            "--max-restarts",
+            "1",
+            "--heartbeat-timeout",
+            "0.5",
+            "--",
+        ] + script
     result = run_job(cmd, out, timeout=300, env={"LIGHTNING_RECOVER_INJECT": "kill:replica=1:step=1:phase=backward"})
     assert result.returncode == 0, result.output[-4000:]
     states = result.states()
@@ -266,8 +361,21 @@ def test_duplicate_replica_id_is_refused_and_the_job_goes_on(tmp_path):
     """A hand-started process claiming the id of a live replica (same job, same secret) is refused
     with a named error at once, and the job is not disturbed: it keeps applying steps."""
     out = str(tmp_path / "job")
-    cmd = [sys.executable, FABRIC_SCRIPT, out, "--replicas", "2", "--steps", "100000", "--microbatches", "2",
-           "--heartbeat-timeout", "0.5", "--work", "0.02"]
+    cmd = [
+        sys.executable,
+        FABRIC_SCRIPT,
+        out,
+        "--replicas",
+        "2",
+        "--steps",
+        "100000",
+        "--microbatches",
+        "2",
+        "--heartbeat-timeout",
+        "0.5",
+        "--work",
+        "0.02",
+    ]
     proc, log = start_job(cmd, out)
 
     def applied() -> int:
@@ -276,14 +384,35 @@ def test_duplicate_replica_id_is_refused_and_the_job_goes_on(tmp_path):
 
     try:
         assert wait_for(lambda: applied() > 0, timeout=90), open(log).read()[-3000:]
-        replica_pid = next(pid for pid in _job_processes(out)
-                           if b"LIGHTNING_RECOVER_REPLICA=1\x00" in open(f"/proc/{pid}/environ", "rb").read())
-        environ = dict(item.split("=", 1) for item in
-                       open(f"/proc/{replica_pid}/environ", "rb").read().decode().split("\0") if "=" in item)
+        replica_pid = next(
+            pid
+            for pid in _job_processes(out)
+            if b"LIGHTNING_RECOVER_REPLICA=1\x00" in open(f"/proc/{pid}/environ", "rb").read()
+        )
+        environ = dict(
+            item.split("=", 1)
+            for item in open(f"/proc/{replica_pid}/environ", "rb").read().decode().split("\0")
+            if "=" in item
+        )
         duplicate = subprocess.run(
-            [sys.executable, FABRIC_SCRIPT, str(tmp_path / "dup"), "--replicas", "2", "--steps", "10",
-             "--microbatches", "2", "--heartbeat-timeout", "0.5"],
-            env=environ, capture_output=True, text=True, timeout=90)
+            [
+                sys.executable,
+                FABRIC_SCRIPT,
+                str(tmp_path / "dup"),
+                "--replicas",
+                "2",
+                "--steps",
+                "10",
+                "--microbatches",
+                "2",
+                "--heartbeat-timeout",
+                "0.5",
+            ],
+            env=environ,
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
         assert duplicate.returncode != 0
         assert "replica id 1 is already in use" in duplicate.stderr, duplicate.stderr[-3000:]
         before = applied()
@@ -298,8 +427,21 @@ def test_coordinator_killed_while_survivors_wait_on_a_hung_peer(tmp_path):
     all-reduce on it; then the coordinator is killed. Every process of the job must end within a
     few seconds with the named error, not by SIGABRT after the collective timeout."""
     out = str(tmp_path)
-    cmd = [sys.executable, FABRIC_SCRIPT, out, "--replicas", "3", "--steps", "50", "--microbatches", "3",
-           "--heartbeat-timeout", "30", "--hang-timeout", "60"]
+    cmd = [
+        sys.executable,
+        FABRIC_SCRIPT,
+        out,
+        "--replicas",
+        "3",
+        "--steps",
+        "50",
+        "--microbatches",
+        "3",
+        "--heartbeat-timeout",
+        "30",
+        "--hang-timeout",
+        "60",
+    ]
     proc, log = start_job(cmd, out, env={"LIGHTNING_RECOVER_INJECT": "hang:replica=1:step=2:phase=backward"})
     try:
         assert wait_for(lambda: "injecting fault hang" in open(log).read(), timeout=90), open(log).read()[-3000:]

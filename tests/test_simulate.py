@@ -62,8 +62,17 @@ def test_more_failures_checkpoint_loses_more():
 
 
 def test_single_failure_costs():
-    p = _p(gpus=64, gpus_per_replica=8, step_s=10.0, recovery_s=5.0, rejoin_s=100.0, restart_s=300.0,
-           checkpoint_s=0.0, checkpoint_interval_s=1000.0, hours=1.0)
+    p = _p(
+        gpus=64,
+        gpus_per_replica=8,
+        step_s=10.0,
+        recovery_s=5.0,
+        rejoin_s=100.0,
+        restart_s=300.0,
+        checkpoint_s=0.0,
+        checkpoint_interval_s=1000.0,
+        hours=1.0,
+    )
     f = [sim.Failure(t=1500.0, replica=3, u=0.5)]
     n = p.replicas  # 8
     rec = sim.simulate("recover", p, f)

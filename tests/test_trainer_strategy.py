@@ -16,8 +16,8 @@ from types import SimpleNamespace
 
 import lightning as L
 import pytest
-from lightning.pytorch.trainer.states import TrainerFn
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import lightning_recover
@@ -57,8 +57,11 @@ def _single_process(steps: int = STEPS, microbatches: int = M, batch_size: int =
         optimizer.step()
         with torch.no_grad():
             val_losses.append(torch.nn.functional.mse_loss(net(val.tensors[0]), val.tensors[1]).item())
-    return {"state": {f"net.{k}": v.detach().clone() for k, v in net.state_dict().items()}, "losses": losses,
-            "val_losses": val_losses}
+    return {
+        "state": {f"net.{k}": v.detach().clone() for k, v in net.state_dict().items()},
+        "losses": losses,
+        "val_losses": val_losses,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -133,8 +136,9 @@ def test_killed_replica_mid_step_keeps_the_trajectory(tmp_path):
     steps, batch_size = 7, 16
     truth = _single_process(steps=steps, batch_size=batch_size)
     out = str(tmp_path)
-    result = trainer_job(out, steps=steps, inject="kill:replica=1:step=2:phase=backward",
-                         extra=["--batch-size", str(batch_size)])
+    result = trainer_job(
+        out, steps=steps, inject="kill:replica=1:step=2:phase=backward", extra=["--batch-size", str(batch_size)]
+    )
     assert result.returncode == 0, result.output[-4000:]
     assert_parameters(result, truth["state"], survivors=[0, 2], steps=steps)
     rows = step_rows(out)
@@ -185,9 +189,13 @@ REJOIN_STEPS, REJOIN_BATCH = 9, 16  # 5 steps an epoch: the rejoined replica als
 @pytest.mark.slow
 def test_restarted_replica_rejoins_the_trainer_run(tmp_path):
     truth = _single_process(steps=REJOIN_STEPS, batch_size=REJOIN_BATCH)
-    result = trainer_job(str(tmp_path), steps=REJOIN_STEPS, inject="kill:replica=1:step=1:phase=backward",
-                         extra=["--batch-size", str(REJOIN_BATCH), "--restarts", "1", "--slow-while-degraded", "2.5"],
-                         timeout=300)
+    result = trainer_job(
+        str(tmp_path),
+        steps=REJOIN_STEPS,
+        inject="kill:replica=1:step=1:phase=backward",
+        extra=["--batch-size", str(REJOIN_BATCH), "--restarts", "1", "--slow-while-degraded", "2.5"],
+        timeout=300,
+    )
     assert result.returncode == 0, result.output[-4000:]
     assert "restarting replica 1 (1/1)" in result.output
     assert_rejoined(result, truth, REJOIN_STEPS, rejoiner=1, steps_per_epoch=5)
@@ -199,10 +207,33 @@ def test_torchrun_restarted_trainer_replica_rejoins(tmp_path):
     torchrun's WORLD_SIZE=1 environment), and it rejoins the Trainer run with the live state."""
     truth = _single_process(steps=REJOIN_STEPS, batch_size=REJOIN_BATCH)
     out = str(tmp_path)
-    cmd = [sys.executable, "-m", "lightning_recover.cli", "torchrun", "--replicas", "3", "--max-restarts", "1",
-           "--heartbeat-timeout", "0.5", "--", TRAINER_SCRIPT, out, "--replicas", "3", "--steps", str(REJOIN_STEPS),
-           "--microbatches", str(M), "--batch-size", str(REJOIN_BATCH), "--heartbeat-timeout", "0.5",
-           "--slow-while-degraded", "2.5"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lightning_recover.cli",
+        "torchrun",
+        "--replicas",
+        "3",
+        "--max-restarts",
+        "1",
+        "--heartbeat-timeout",
+        "0.5",
+        "--",
+        TRAINER_SCRIPT,
+        out,
+        "--replicas",
+        "3",
+        "--steps",
+        str(REJOIN_STEPS),
+        "--microbatches",
+        str(M),
+        "--batch-size",
+        str(REJOIN_BATCH),
+        "--heartbeat-timeout",
+        "0.5",
+        "--slow-while-degraded",
+        "2.5",
+    ]
     result = run_job(cmd, out, timeout=300, env={"LIGHTNING_RECOVER_INJECT": "kill:replica=2:step=1:phase=backward"})
     assert result.returncode == 0, result.output[-4000:]
     assert_rejoined(result, truth, REJOIN_STEPS, rejoiner=2, steps_per_epoch=5)
@@ -213,8 +244,9 @@ def test_resume_mid_epoch_while_the_writer_dies(tmp_path, reference_run, truth):
     """Resume from step 3 with 3 replicas; replica 0 (the writer, rank 0) is killed at step 4."""
     ckpt = os.path.join(reference_run.out_dir, "ckpt", "step=3.ckpt")
     out = str(tmp_path)
-    result = trainer_job(out, inject="kill:replica=0:step=4:phase=backward",
-                         extra=["--resume", ckpt, "--ckpt-every", "5"])
+    result = trainer_job(
+        out, inject="kill:replica=0:step=4:phase=backward", extra=["--resume", ckpt, "--ckpt-every", "5"]
+    )
     assert result.returncode == 0, result.output[-4000:]
     assert "Restored all states from the checkpoint" in result.output
     assert_parameters(result, truth["state"], survivors=[1, 2])

@@ -37,15 +37,15 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import warnings
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 
-from lightning_recover.bench.checkpoint import fsync_tree, make_cold, drop_caches_supported, touch_pages
-from lightning_recover.bench.gpt_state import build_checkpoint, iter_tensors, tensor_stats
+from lightning_recover.bench.checkpoint import drop_caches_supported, fsync_tree, make_cold, touch_pages
+from lightning_recover.bench.gpt_state import build_checkpoint, tensor_stats
 
 ALL_METHODS = ["uring-async", "lightning-async", "dcp-async", "uring-sync"]
 
@@ -189,9 +189,15 @@ def run_one(method: str, checkpoint: dict, trainer: Trainer, workdir: str, steps
         step_times.append(s)
         waits.append(w)
     durable = finish()
-    return {"method": method, "call_s": t_call, "wait_s": sum(waits), "blocked_s": t_call + sum(waits),
-            "durable_s": durable, "step_s": statistics.mean(step_times) if step_times else 0.0,
-            "step_times": step_times}
+    return {
+        "method": method,
+        "call_s": t_call,
+        "wait_s": sum(waits),
+        "blocked_s": t_call + sum(waits),
+        "durable_s": durable,
+        "step_s": statistics.mean(step_times) if step_times else 0.0,
+        "step_times": step_times,
+    }
 
 
 # ----------------------------------------------------------------------------------------------- restore
@@ -238,16 +244,23 @@ def run_restore(checkpoint: dict, root: str, repeat: int) -> list:
         impl.remove(target)
         shutil.rmtree(wd, ignore_errors=True)
         med = statistics.median(times)
-        out.append({"method": cls.name, "load_s": med, "gbps": payload / med / 1e9, "runs": times,
-                    "cache_mode": mode})
+        out.append({"method": cls.name, "load_s": med, "gbps": payload / med / 1e9, "runs": times, "cache_mode": mode})
     return out
 
 
 # -------------------------------------------------------------------------------------------------- main
 
 
-def run(size_gb: float, root: str, methods: list, repeat: int, steps: int, fwd_s: float, restore: bool,
-        log: Callable[[str], None] = print) -> dict:
+def run(
+    size_gb: float,
+    root: str,
+    methods: list,
+    repeat: int,
+    steps: int,
+    fwd_s: float,
+    restore: bool,
+    log: Callable[[str], None] = print,
+) -> dict:
     checkpoint, cfg = build_checkpoint(size_gb)
     stats = tensor_stats(checkpoint)
     log(f"state: {stats['bytes'] / 1e9:.2f} GB in {stats['tensors']} tensors ({cfg})")
@@ -263,7 +276,7 @@ def run(size_gb: float, root: str, methods: list, repeat: int, steps: int, fwd_s
         run_one(m, checkpoint, trainer, os.path.join(root, m), 0, state)
         shutil.rmtree(os.path.join(root, m), ignore_errors=True)
     for r in range(repeat):
-        order = methods[r % len(methods):] + methods[:r % len(methods)]
+        order = methods[r % len(methods) :] + methods[: r % len(methods)]
         for m in order:
             wd = os.path.join(root, m)
             os.sync()
@@ -271,16 +284,19 @@ def run(size_gb: float, root: str, methods: list, repeat: int, steps: int, fwd_s
             rec = run_one(m, checkpoint, trainer, wd, steps, state)
             rec["rep"] = r
             records.append(rec)
-            log(f"  rep {r} {m:16s} blocked {rec['blocked_s']:.3f} s (call {rec['call_s']:.3f} + wait "
-                f"{rec['wait_s']:.3f})  durable {rec['durable_s']:.2f} s  step {rec['step_s']:.3f} s")
+            log(
+                f"  rep {r} {m:16s} blocked {rec['blocked_s']:.3f} s (call {rec['call_s']:.3f} + wait "
+                f"{rec['wait_s']:.3f})  durable {rec['durable_s']:.2f} s  step {rec['step_s']:.3f} s"
+            )
             shutil.rmtree(wd, ignore_errors=True)
     for io in state.values():
         io.teardown()
     summary = {}
     for m in methods:
         rs = [x for x in records if x["method"] == m]
-        summary[m] = {k: statistics.median([x[k] for x in rs]) for k in ("blocked_s", "call_s", "wait_s",
-                                                                          "durable_s", "step_s")}
+        summary[m] = {
+            k: statistics.median([x[k] for x in rs]) for k in ("blocked_s", "call_s", "wait_s", "durable_s", "step_s")
+        }
     sync = summary.get("uring-sync", {}).get("durable_s")
     ours = summary.get("uring-async", {})
     targets = {}
@@ -290,11 +306,24 @@ def run(size_gb: float, root: str, methods: list, repeat: int, steps: int, fwd_s
             targets["durable_ratio_vs_sync"] = ours["durable_s"] / sync
             targets["durable_within_1.2x_sync"] = ours["durable_s"] <= 1.2 * sync
     result = {
-        "size_gb": size_gb, "payload_bytes": stats["bytes"], "tensors": stats["tensors"], "config": str(cfg),
-        "fwd_s": fwd_s, "steps": steps, "repeat": repeat, "baseline_step_s": baseline,
-        "summary": summary, "targets": targets, "records": records,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-                    "dir": root, "load_avg": os.getloadavg()},
+        "size_gb": size_gb,
+        "payload_bytes": stats["bytes"],
+        "tensors": stats["tensors"],
+        "config": str(cfg),
+        "fwd_s": fwd_s,
+        "steps": steps,
+        "repeat": repeat,
+        "baseline_step_s": baseline,
+        "summary": summary,
+        "targets": targets,
+        "records": records,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "dir": root,
+            "load_avg": os.getloadavg(),
+        },
     }
     if restore:
         result["restore"] = run_restore(checkpoint, root, repeat)
@@ -302,8 +331,11 @@ def run(size_gb: float, root: str, methods: list, repeat: int, steps: int, fwd_s
 
 
 def format_table(res: dict) -> str:
-    lines = ["| method | blocked per save (s) | of which waiting at step (s) | durable after (s) | "
-             "step during flush (s) |", "|---|---|---|---|---|"]
+    lines = [
+        "| method | blocked per save (s) | of which waiting at step (s) | durable after (s) | "
+        "step during flush (s) |",
+        "|---|---|---|---|---|",
+    ]
     for m, s in res["summary"].items():
         lines.append(f"| {m} | {s['blocked_s']:.3f} | {s['wait_s']:.3f} | {s['durable_s']:.2f} | {s['step_s']:.3f} |")
     lines.append(f"| (no checkpoint) | - | - | - | {res['baseline_step_s']:.3f} |")
@@ -318,8 +350,9 @@ def format_table(res: dict) -> str:
 
 
 def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
-    p = p or argparse.ArgumentParser(prog="python -m lightning_recover.bench.async_checkpoint",
-                                     description=__doc__.split("\n")[0])
+    p = p or argparse.ArgumentParser(
+        prog="python -m lightning_recover.bench.async_checkpoint", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--size-gb", type=float, default=2.0, help="state size (params + AdamW moments), GB")
     p.add_argument("--dir", default=None, help="directory for the checkpoints (default: a temp dir in /var/tmp)")
     p.add_argument("--methods", default=",".join(ALL_METHODS), help=f"comma list of {ALL_METHODS}")
@@ -341,8 +374,16 @@ def main(args: Optional[argparse.Namespace] = None) -> int:
         return 2
     root = tempfile.mkdtemp(prefix="lr-async-bench-", dir=args.dir or "/var/tmp")
     try:
-        res = run(args.size_gb, root, methods, args.repeat, args.steps, args.fwd_s, args.restore,
-                  log=lambda s: print(s, flush=True))
+        res = run(
+            args.size_gb,
+            root,
+            methods,
+            args.repeat,
+            args.steps,
+            args.fwd_s,
+            args.restore,
+            log=lambda s: print(s, flush=True),
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(format_table(res))

@@ -42,7 +42,8 @@ import sys
 import tempfile
 import time
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -128,7 +129,11 @@ def touch_pages(obj: Any) -> None:
     for _, t in iter_tensors(obj):
         if t.numel() == 0:
             continue
-        flat = t.detach().reshape(-1).view(torch.uint8) if t.is_contiguous() else t.detach().contiguous().reshape(-1).view(torch.uint8)
+        flat = (
+            t.detach().reshape(-1).view(torch.uint8)
+            if t.is_contiguous()
+            else t.detach().contiguous().reshape(-1).view(torch.uint8)
+        )
         flat[::4096].sum()
         flat[-1].item()
 
@@ -148,8 +153,12 @@ def _encode(obj: Any, prefix: str, tensors: dict[str, torch.Tensor], seen: set[i
         tensors[prefix] = t
         return {"t": prefix}
     if isinstance(obj, dict):
-        return {"d": [[_encode_key(k), _encode(v, f"{prefix}/{k}" if prefix else str(k), tensors, seen)]
-                      for k, v in obj.items()]}
+        return {
+            "d": [
+                [_encode_key(k), _encode(v, f"{prefix}/{k}" if prefix else str(k), tensors, seen)]
+                for k, v in obj.items()
+            ]
+        }
     if isinstance(obj, list):
         return {"l": [_encode(v, f"{prefix}/{i}" if prefix else str(i), tensors, seen) for i, v in enumerate(obj)]}
     if isinstance(obj, tuple):
@@ -166,7 +175,7 @@ def _encode_key(k: Any) -> Any:
 
 
 def _decode(node: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    (tag, val), = node.items()
+    ((tag, val),) = node.items()
     if tag == "t":
         return tensors[val]
     if tag == "d":
@@ -471,10 +480,12 @@ def _run(size_gb, repeat, root, methods, cache_mode, log):
     checkpoint, cfg = build_checkpoint(size_gb)
     stats = tensor_stats(checkpoint)
     nbytes = stats["bytes"]
-    log(f"state: GPT-like d_model={cfg.d_model} n_layer={cfg.n_layer} vocab={cfg.vocab_size} "
+    log(
+        f"state: GPT-like d_model={cfg.d_model} n_layer={cfg.n_layer} vocab={cfg.vocab_size} "
         f"n_ctx={cfg.n_ctx} + AdamW: {stats['tensors']} tensors, {nbytes / 1e9:.3f} GB; "
         f"{stats['tensors_lt_1mib']} tensors < 1 MiB ({stats['bytes_in_tensors_lt_1mib'] / 1e6:.2f} MB); "
-        f"histogram {stats['size_histogram']} (built in {time.perf_counter() - t0:.1f}s)")
+        f"histogram {stats['size_histogram']} (built in {time.perf_counter() - t0:.1f}s)"
+    )
     log(f"dir: {root}  cache: {cache_mode}  repeat: {repeat}")
 
     impls: dict[str, Method] = {}
@@ -527,12 +538,16 @@ def _run(size_gb, repeat, root, methods, cache_mode, log):
             s = samples[m]
             if m == "fio" and m not in errors:
                 for d, ds in extra[m]["fio_depths"].items():
-                    log(f"  rep {rep + 1}/{repeat} {'fio qd' + str(d):<12} write {ds['save_s_all'][-1]:7.3f}s "
+                    log(
+                        f"  rep {rep + 1}/{repeat} {'fio qd' + str(d):<12} write {ds['save_s_all'][-1]:7.3f}s "
                         f"({ds['save_gbps_all'][-1]:.2f} GB/s)          read {ds['load_s_all'][-1]:7.3f}s "
-                        f"({ds['load_gbps_all'][-1]:.2f} GB/s)")
+                        f"({ds['load_gbps_all'][-1]:.2f} GB/s)"
+                    )
             elif m not in errors and s["save_s"]:
-                log(f"  rep {rep + 1}/{repeat} {m:<12} save {s['save_s'][-1]:7.3f}s "
-                    f"(post-sync {s['sync_s'][-1]:.3f}s)  load {s['load_s'][-1]:7.3f}s")
+                log(
+                    f"  rep {rep + 1}/{repeat} {m:<12} save {s['save_s'][-1]:7.3f}s "
+                    f"(post-sync {s['sync_s'][-1]:.3f}s)  load {s['load_s'][-1]:7.3f}s"
+                )
 
     meta = {
         "bytes": nbytes,
@@ -559,25 +574,27 @@ def _run(size_gb, repeat, root, methods, cache_mode, log):
         b = extra[m].get("io_bytes", nbytes) if m == "fio" else nbytes
         save_s = _median(s["save_s"])
         load_s = _median(s["load_s"])
-        rec.update({
-            "save_s": save_s if s["save_s"] else None,
-            "save_gbps": b / save_s / 1e9 if s["save_s"] else None,
-            "load_s": load_s if s["load_s"] else None,
-            "load_gbps": b / load_s / 1e9 if s["load_s"] else None,
-            "bytes": b,
-            "tensors": stats["tensors"],
-            "repeat": repeat,
-            "runs": len(s["save_s"]),
-            "cache": cache_mode,
-            "save_s_all": s["save_s"],
-            "load_s_all": s["load_s"],
-            "sync_s_median": _median(s["sync_s"]) if s["sync_s"] else None,
-            "touch_s_median": _median(s["touch_s"]) if s["touch_s"] else None,
-            "file_bytes": s["file_bytes"][0] if s["file_bytes"] else None,
-            "files": s["files"][0] if s["files"] else None,
-            "verified": m != "fio" and m not in errors and bool(s["load_s"]),
-            "error": errors.get(m),
-        })
+        rec.update(
+            {
+                "save_s": save_s if s["save_s"] else None,
+                "save_gbps": b / save_s / 1e9 if s["save_s"] else None,
+                "load_s": load_s if s["load_s"] else None,
+                "load_gbps": b / load_s / 1e9 if s["load_s"] else None,
+                "bytes": b,
+                "tensors": stats["tensors"],
+                "repeat": repeat,
+                "runs": len(s["save_s"]),
+                "cache": cache_mode,
+                "save_s_all": s["save_s"],
+                "load_s_all": s["load_s"],
+                "sync_s_median": _median(s["sync_s"]) if s["sync_s"] else None,
+                "touch_s_median": _median(s["touch_s"]) if s["touch_s"] else None,
+                "file_bytes": s["file_bytes"][0] if s["file_bytes"] else None,
+                "files": s["files"][0] if s["files"] else None,
+                "verified": m != "fio" and m not in errors and bool(s["load_s"]),
+                "error": errors.get(m),
+            }
+        )
         rec.update(extra[m])
         if m != "fio" and m in impls:
             rec.update(impls[m].info())
@@ -632,8 +649,10 @@ def _run_fio(workdir, nbytes, cache_mode, s, extra, rep: int = 0) -> None:
     path = os.path.join(workdir, "fio.bin")
     depths = list(fio_mod.DEPTHS)
     k = rep % len(depths)
-    by = extra.setdefault("fio_depths", {d: {"save_s_all": [], "load_s_all": [], "save_gbps_all": [],
-                                               "load_gbps_all": []} for d in depths})
+    by = extra.setdefault(
+        "fio_depths",
+        {d: {"save_s_all": [], "load_s_all": [], "save_gbps_all": [], "load_gbps_all": []} for d in depths},
+    )
     for d in depths[k:] + depths[:k]:
         if os.path.exists(path):
             os.remove(path)
@@ -694,7 +713,9 @@ def check_targets(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             item["what"] = f"{kind} vs fio (best of iodepth {'/'.join(r['fio_depths'])}: iodepth {best})"
             item["fio_iodepth"] = best
             # the same ratio against every depth, for reference
-            item["ratio_by_iodepth"] = {d: base[f"{kind}_gbps"] / ds[f"{kind}_gbps"] for d, ds in r["fio_depths"].items()}
+            item["ratio_by_iodepth"] = {
+                d: base[f"{kind}_gbps"] / ds[f"{kind}_gbps"] for d, ds in r["fio_depths"].items()
+            }
         out.append(item)
     return out
 
@@ -707,27 +728,37 @@ def format_table(records: list[dict[str, Any]]) -> str:
         label = r["method"]
         if r["method"] == "fio" and r.get("fio_best_write_iodepth") is not None:
             label = f"fio (best: qd{r['fio_best_write_iodepth']} w, qd{r['fio_best_read_iodepth']} r)"
-        rows.append((
-            label + (" (FAILED)" if r.get("error") else ""),
-            _fmt(r["save_s"], ".3f"),
-            _fmt(r["save_gbps"], ".3f"),
-            _fmt(r.get("save_vs_uring"), ".2f") + ("x" if r.get("save_vs_uring") else ""),
-            _fmt(r["load_s"], ".3f"),
-            _fmt(r["load_gbps"], ".3f"),
-            _fmt(r.get("load_vs_uring"), ".2f") + ("x" if r.get("load_vs_uring") else ""),
-        ))
+        rows.append(
+            (
+                label + (" (FAILED)" if r.get("error") else ""),
+                _fmt(r["save_s"], ".3f"),
+                _fmt(r["save_gbps"], ".3f"),
+                _fmt(r.get("save_vs_uring"), ".2f") + ("x" if r.get("save_vs_uring") else ""),
+                _fmt(r["load_s"], ".3f"),
+                _fmt(r["load_gbps"], ".3f"),
+                _fmt(r.get("load_vs_uring"), ".2f") + ("x" if r.get("load_vs_uring") else ""),
+            )
+        )
         for d, ds in (r.get("fio_depths") or {}).items() if r["method"] == "fio" else ():
             sv = ds["save_gbps"] / base["save_gbps"] if base and base.get("save_gbps") else None
             lv = ds["load_gbps"] / base["load_gbps"] if base and base.get("load_gbps") else None
-            rows.append((
-                f"  fio qd{d}", _fmt(ds["save_s"], ".3f"), _fmt(ds["save_gbps"], ".3f"),
-                _fmt(sv, ".2f") + ("x" if sv else ""), _fmt(ds["load_s"], ".3f"), _fmt(ds["load_gbps"], ".3f"),
-                _fmt(lv, ".2f") + ("x" if lv else ""),
-            ))
+            rows.append(
+                (
+                    f"  fio qd{d}",
+                    _fmt(ds["save_s"], ".3f"),
+                    _fmt(ds["save_gbps"], ".3f"),
+                    _fmt(sv, ".2f") + ("x" if sv else ""),
+                    _fmt(ds["load_s"], ".3f"),
+                    _fmt(ds["load_gbps"], ".3f"),
+                    _fmt(lv, ".2f") + ("x" if lv else ""),
+                )
+            )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = []
     for j, row in enumerate(rows):
-        lines.append("| " + " | ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(row)) + " |")
+        lines.append(
+            "| " + " | ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(row)) + " |"
+        )
         if j == 0:
             lines.append("|" + "|".join("-" * (w + 1) + (":" if i else "-") for i, w in enumerate(widths)) + "|")
     return "\n".join(lines)
@@ -740,8 +771,10 @@ def format_targets(targets: list[dict[str, Any]]) -> str:
             lines.append(f"  uring {t['what']}: n/a")
             continue
         op = ">" if t.get("strict") else ">="
-        lines.append(f"  uring {t['what']}: {t['ratio']:.2f}x (target {op} {t['target']:.2f}x) "
-                     f"{'met' if t['met'] else 'MISSED'}")
+        lines.append(
+            f"  uring {t['what']}: {t['ratio']:.2f}x (target {op} {t['target']:.2f}x) "
+            f"{'met' if t['met'] else 'MISSED'}"
+        )
     return "\n".join(lines)
 
 
@@ -768,9 +801,11 @@ def main(args: argparse.Namespace) -> int:
 
     records, meta = run_benchmark(size_gb, repeat, directory, methods, cache_mode)
     print()
-    print(f"checkpoint: {meta['gb']:.3f} GB in {meta['state']['tensors']} tensors "
-          f"({meta['state']['tensors_lt_1mib']} < 1 MiB); medians of {repeat}; cache: {meta['cache']}; "
-          f"durable save = save + fsync(files, dirs)")
+    print(
+        f"checkpoint: {meta['gb']:.3f} GB in {meta['state']['tensors']} tensors "
+        f"({meta['state']['tensors_lt_1mib']} < 1 MiB); medians of {repeat}; cache: {meta['cache']}; "
+        f"durable save = save + fsync(files, dirs)"
+    )
     print(format_table(records))
     print("targets:")
     print(format_targets(meta["targets"]))

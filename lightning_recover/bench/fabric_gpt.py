@@ -35,8 +35,12 @@ def run_recover(args: argparse.Namespace) -> None:
     from lightning_recover import RecoverStrategy
 
     data, model, optimizer = build(args)
-    strategy = RecoverStrategy(microbatches=args.microbatches, heartbeat_timeout=args.heartbeat_timeout,
-                               heartbeat_interval=min(0.1, args.heartbeat_timeout / 5), seed=args.seed)
+    strategy = RecoverStrategy(
+        microbatches=args.microbatches,
+        heartbeat_timeout=args.heartbeat_timeout,
+        heartbeat_interval=min(0.1, args.heartbeat_timeout / 5),
+        seed=args.seed,
+    )
     fabric = L.Fabric(strategy=strategy, devices=args.replicas, accelerator="cpu")
     fabric.launch()
     model, optimizer = fabric.setup(model, optimizer)
@@ -51,9 +55,18 @@ def run_recover(args: argparse.Namespace) -> None:
         optimizer.step()
         optimizer.zero_grad()
         s = step.stats
-        records.append({"step": step.index, "seconds": time.perf_counter() - start, "committed_at": time.time(),
-                        "loss": s.loss, "live": s.live_replicas, "generation": s.generation,
-                        "recomputed": s.recomputed, "recovery_seconds": s.recovery_seconds})
+        records.append(
+            {
+                "step": step.index,
+                "seconds": time.perf_counter() - start,
+                "committed_at": time.time(),
+                "loss": s.loss,
+                "live": s.live_replicas,
+                "generation": s.generation,
+                "recomputed": s.recomputed,
+                "recovery_seconds": s.recovery_seconds,
+            }
+        )
     _write(args.out, f"rank{fabric.strategy.replica}", records, model)
 
 
@@ -81,8 +94,9 @@ def run_ddp(args: argparse.Namespace) -> None:
             total += loss.item()
         optimizer.step()
         optimizer.zero_grad()
-        records.append({"step": index, "seconds": time.perf_counter() - start, "committed_at": time.time(),
-                        "loss": total})
+        records.append(
+            {"step": index, "seconds": time.perf_counter() - start, "committed_at": time.time(), "loss": total}
+        )
     _write(args.out, f"rank{fabric.global_rank}", records, model)
 
 

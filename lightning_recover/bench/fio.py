@@ -43,7 +43,7 @@ def _run(path: str, rw: str, size: int, engine: str, iodepth: int = 1) -> dict[s
         raise RuntimeError(f"fio failed ({proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
     # fio may print warnings before the JSON document.
     out = proc.stdout
-    doc = json.loads(out[out.index("{"):])
+    doc = json.loads(out[out.index("{") :])
     job = doc["jobs"][0]
     if job.get("error"):
         raise RuntimeError(f"fio job error {job['error']}")

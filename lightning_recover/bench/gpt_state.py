@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -28,7 +29,7 @@ class GPTConfig:
     d_model: int
     n_layer: int
 
-    def param_shapes(self) -> "OrderedDict[str, tuple[int, ...]]":
+    def param_shapes(self) -> OrderedDict[str, tuple[int, ...]]:
         d = self.d_model
         shapes: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         shapes["transformer.wte.weight"] = (self.vocab_size, d)
@@ -161,9 +162,7 @@ def build_checkpoint(size_gb: float, seed: int = 0) -> tuple[dict[str, Any], GPT
         },
         "callbacks": {},
         "optimizer_states": [{"state": opt_state, "param_groups": param_groups}],
-        "lr_schedulers": [
-            {"base_lrs": [6e-4], "last_epoch": step, "_step_count": step + 1, "_last_lr": [6e-4]}
-        ],
+        "lr_schedulers": [{"base_lrs": [6e-4], "last_epoch": step, "_step_count": step + 1, "_last_lr": [6e-4]}],
         "hyper_parameters": {**asdict(cfg), "lr": 6e-4, "batch_size": 16, "model": "gpt2-like"},
     }
     return checkpoint, cfg

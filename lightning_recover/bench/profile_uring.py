@@ -21,11 +21,12 @@ import statistics
 import tempfile
 import time
 from collections import defaultdict
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
-from lightning_recover.bench.checkpoint import fsync_tree, make_cold, drop_caches_supported, touch_pages
+from lightning_recover.bench.checkpoint import drop_caches_supported, fsync_tree, make_cold, touch_pages
 from lightning_recover.bench.gpt_state import build_checkpoint, iter_tensors, tensor_stats
 
 
@@ -171,9 +172,9 @@ def _ref_numbers(checkpoint: Any) -> dict[str, float]:
 
 
 def profile(size_gb: float, directory: str | None, repeat: int) -> dict[str, Any]:
+    import native_io
     from lightning_recover.checkpoint import format as fmt
     from lightning_recover.checkpoint import single_file as cio
-    import native_io
 
     checkpoint, cfg = build_checkpoint(size_gb)
     stats = tensor_stats(checkpoint)
@@ -181,9 +182,22 @@ def profile(size_gb: float, directory: str | None, repeat: int) -> dict[str, Any
     cache = "drop_caches" if drop_caches_supported() else "fadvise"
     root = tempfile.mkdtemp(prefix="lr-profile-uring-", dir=directory or "/tmp")
     eng = native_io.IOEngine()
-    fmt_names = ["encode_checkpoint", "plan_layout", "encode_header", "encode_index", "encode_footer",
-                 "file_meta", "decode_header", "decode_footer", "decode_index", "damaged_extents",
-                 "rebuild_tensors", "decode_skeleton", "place_storage", "map_location_fn"]
+    fmt_names = [
+        "encode_checkpoint",
+        "plan_layout",
+        "encode_header",
+        "encode_index",
+        "encode_footer",
+        "file_meta",
+        "decode_header",
+        "decode_footer",
+        "decode_index",
+        "damaged_extents",
+        "rebuild_tensors",
+        "decode_skeleton",
+        "place_storage",
+        "map_location_fn",
+    ]
     cio_names = ["cleanup_stale_temps", "fsync_dir", "_read_info"]
     runs: list[dict[str, Any]] = []
     try:
@@ -199,12 +213,23 @@ def profile(size_gb: float, directory: str | None, repeat: int) -> dict[str, Any
             fsync_tree(root)
             t2 = time.perf_counter()
             w = proxy.last_writer
-            save = {"total_s": t1 - t0, "bench_post_sync_s": t2 - t1, "parts": dict(ts.t), "cpu": dict(ts.cpu), "runq": dict(ts.runq),
-                    "writer": {"seconds": getattr(w, "seconds", None), "io_bytes": getattr(w, "io_bytes", None),
-                               "bytes_written": getattr(w, "bytes_written", None),
-                               "direct": getattr(w, "direct", None), "engine": getattr(w, "engine", None)}}
+            save = {
+                "total_s": t1 - t0,
+                "bench_post_sync_s": t2 - t1,
+                "parts": dict(ts.t),
+                "cpu": dict(ts.cpu),
+                "runq": dict(ts.runq),
+                "writer": {
+                    "seconds": getattr(w, "seconds", None),
+                    "io_bytes": getattr(w, "io_bytes", None),
+                    "bytes_written": getattr(w, "bytes_written", None),
+                    "direct": getattr(w, "direct", None),
+                    "engine": getattr(w, "engine", None),
+                },
+            }
             save["unaccounted_s"] = save["total_s"] - sum(
-                v for k, v in ts.t.items() if not k.startswith("fmt.encode_header") and k != "cio._read_info")
+                v for k, v in ts.t.items() if not k.startswith("fmt.encode_header") and k != "cio._read_info"
+            )
 
             make_cold(root, cache)
             tl = _Timers()
@@ -216,11 +241,26 @@ def profile(size_gb: float, directory: str | None, repeat: int) -> dict[str, Any
             touch_pages(loaded)
             t2 = time.perf_counter()
             r = proxy.last_reader
-            load = {"total_s": t1 - t0, "touch_s": t2 - t1, "parts": dict(tl.t), "cpu": dict(tl.cpu), "runq": dict(tl.runq),
-                    "reader": {"seconds": getattr(r, "seconds", None), "io_bytes": getattr(r, "io_bytes", None),
-                               "bytes_read": getattr(r, "bytes_read", None), "direct": getattr(r, "direct", None),
-                               "engine": getattr(r, "engine", None)}}
-            nested = {"fmt.decode_header", "fmt.decode_footer", "fmt.decode_index", "native Reader.read (header/footer/index)"}
+            load = {
+                "total_s": t1 - t0,
+                "touch_s": t2 - t1,
+                "parts": dict(tl.t),
+                "cpu": dict(tl.cpu),
+                "runq": dict(tl.runq),
+                "reader": {
+                    "seconds": getattr(r, "seconds", None),
+                    "io_bytes": getattr(r, "io_bytes", None),
+                    "bytes_read": getattr(r, "bytes_read", None),
+                    "direct": getattr(r, "direct", None),
+                    "engine": getattr(r, "engine", None),
+                },
+            }
+            nested = {
+                "fmt.decode_header",
+                "fmt.decode_footer",
+                "fmt.decode_index",
+                "native Reader.read (header/footer/index)",
+            }
             load["unaccounted_s"] = load["total_s"] - sum(v for k, v in tl.t.items() if k not in nested)
             del loaded
             gc.collect()
@@ -239,23 +279,37 @@ def profile(size_gb: float, directory: str | None, repeat: int) -> dict[str, Any
         vals = [v for v in vals if v is not None]
         return statistics.median(vals) if vals else None
 
-    summary: dict[str, Any] = {"bytes": nbytes, "tensors": stats["tensors"], "cache": cache, "repeat": repeat,
-                               "engine": native_io.info(), "reference": refs, "save": {}, "load": {}}
+    summary: dict[str, Any] = {
+        "bytes": nbytes,
+        "tensors": stats["tensors"],
+        "cache": cache,
+        "repeat": repeat,
+        "engine": native_io.info(),
+        "reference": refs,
+        "save": {},
+        "load": {},
+    }
     for kind in ("save", "load"):
         keys = sorted({k for r in runs for k in r[kind]["parts"]})
-        summary[kind]["total_s"] = med(lambda r: r[kind]["total_s"])
+        summary[kind]["total_s"] = med(lambda r, kind=kind: r[kind]["total_s"])
         summary[kind]["total_gbps"] = nbytes / summary[kind]["total_s"] / 1e9
         for k in keys:
-            summary[kind][k] = med(lambda r, k=k: r[kind]["parts"].get(k, 0.0))
-        summary[kind]["unaccounted (python loop, allocation, rename)"] = med(lambda r: r[kind]["unaccounted_s"])
+            summary[kind][k] = med(lambda r, k=k, kind=kind: r[kind]["parts"].get(k, 0.0))
+        summary[kind]["unaccounted (python loop, allocation, rename)"] = med(
+            lambda r, kind=kind: r[kind]["unaccounted_s"]
+        )
     summary["save"]["  CPU of the calling thread in Writer.write"] = med(
-        lambda r: r["save"]["cpu"].get("native Writer.write (copy+crc32c+submit/wait)"))
+        lambda r: r["save"]["cpu"].get("native Writer.write (copy+crc32c+submit/wait)")
+    )
     summary["load"]["  CPU of the calling thread in Reader.read (data)"] = med(
-        lambda r: r["load"]["cpu"].get("native Reader.read (data, crc32c)"))
+        lambda r: r["load"]["cpu"].get("native Reader.read (data, crc32c)")
+    )
     summary["save"]["  waiting for a CPU (runnable, schedstat) in Writer.write"] = med(
-        lambda r: r["save"]["runq"].get("native Writer.write (copy+crc32c+submit/wait)"))
+        lambda r: r["save"]["runq"].get("native Writer.write (copy+crc32c+submit/wait)")
+    )
     summary["load"]["  waiting for a CPU (runnable, schedstat) in Reader.read (data)"] = med(
-        lambda r: r["load"]["runq"].get("native Reader.read (data, crc32c)"))
+        lambda r: r["load"]["runq"].get("native Reader.read (data, crc32c)")
+    )
     summary["save"]["writer.seconds (engine's own clock)"] = med(lambda r: r["save"]["writer"]["seconds"])
     summary["save"]["bench post-sync (extra fsync of file+dir)"] = med(lambda r: r["save"]["bench_post_sync_s"])
     summary["save"]["writer"] = runs[-1]["save"]["writer"]
@@ -277,6 +331,7 @@ def align_experiment(size_gb: float, directory: str | None, repeat: int) -> dict
     calling-thread CPU seconds.
     """
     import numpy as np
+
     import native_io
     from lightning_recover.checkpoint import single_file as cio
 
@@ -298,7 +353,7 @@ def align_experiment(size_gb: float, directory: str | None, repeat: int) -> dict
         for o, n in extents:
             raw = np.empty(n + 4096, np.uint8)
             a = (-raw.ctypes.data) % 4096
-            out.append((o, raw[a:a + n]))
+            out.append((o, raw[a : a + n]))
         return out
 
     def aligned_torch_bufs():
@@ -306,14 +361,17 @@ def align_experiment(size_gb: float, directory: str | None, repeat: int) -> dict
         for o, n in extents:
             raw = torch.empty(n + 4096, dtype=torch.uint8)
             a = (-raw.data_ptr()) % 4096
-            out.append((o, raw[a:a + n].numpy()))
+            out.append((o, raw[a : a + n].numpy()))
         return out
 
     results: dict[str, list] = defaultdict(list)
     try:
         for _ in range(repeat):
-            for name, make in (("torch storage (64 mod 4096)", torch_bufs), ("4096-aligned numpy", aligned_bufs),
-                               ("4096-aligned slice of a torch storage", aligned_torch_bufs)):
+            for name, make in (
+                ("torch storage (64 mod 4096)", torch_bufs),
+                ("4096-aligned numpy", aligned_bufs),
+                ("4096-aligned slice of a torch storage", aligned_torch_bufs),
+            ):
                 for prefault in (False, True):
                     bufs = make() if prefault else None
                     if prefault:
@@ -326,15 +384,18 @@ def align_experiment(size_gb: float, directory: str | None, repeat: int) -> dict
                     with eng.open_reader(path) as r:
                         r.read(bufs)
                     results[f"{name}, {'pre-faulted' if prefault else 'fresh'}"].append(
-                        (time.perf_counter() - t0, time.thread_time() - c0))
+                        (time.perf_counter() - t0, time.thread_time() - c0)
+                    )
                     del bufs
                     gc.collect()
     finally:
         os.remove(path)
         os.rmdir(root)
         eng.close()
-    return {k: {"wall_s": statistics.median(a for a, _ in v), "cpu_s": statistics.median(b for _, b in v),
-                "runs": v} for k, v in results.items()}
+    return {
+        k: {"wall_s": statistics.median(a for a, _ in v), "cpu_s": statistics.median(b for _, b in v), "runs": v}
+        for k, v in results.items()
+    }
 
 
 def _print(summary: dict[str, Any]) -> None:
@@ -364,14 +425,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=None)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--json", default=None)
-    p.add_argument("--align-experiment", action="store_true",
-                   help="only compare native reads into torch storages vs 4096-aligned buffers")
+    p.add_argument(
+        "--align-experiment",
+        action="store_true",
+        help="only compare native reads into torch storages vs 4096-aligned buffers",
+    )
     a = p.parse_args(argv)
     if a.align_experiment:
         res = align_experiment(a.size_gb, a.dir, a.repeat)
         for k, v in res.items():
-            print(f"{k:<55} wall {v['wall_s']:.3f}s  cpu {v['cpu_s']:.3f}s  "
-                  f"runs {[(round(w, 2), round(c, 2)) for w, c in v['runs']]}")
+            print(
+                f"{k:<55} wall {v['wall_s']:.3f}s  cpu {v['cpu_s']:.3f}s  "
+                f"runs {[(round(w, 2), round(c, 2)) for w, c in v['runs']]}"
+            )
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(res, f, indent=2)

@@ -52,8 +52,7 @@ EXTRA_MODES = ("recover-norestart",)
 _FAULT_T = re.compile(r"injecting fault (\S+) at t=([0-9.]+)")
 
 # The documented default schedule: 4 replicas, 40 steps of M=12 microbatches, 3 successive kills.
-DEFAULTS = {"steps": 40, "microbatches": 12, "mb_seconds": 0.1, "ckpt_every": 10,
-            "kills": [(1, 5), (2, 16), (3, 27)]}
+DEFAULTS = {"steps": 40, "microbatches": 12, "mb_seconds": 0.1, "ckpt_every": 10, "kills": [(1, 5), (2, 16), (3, 27)]}
 MODEL = ["--batch-size", "4", "--block-size", "64", "--layers", "2", "--width", "64", "--corpus-bytes", "1000000"]
 
 
@@ -78,12 +77,33 @@ def _run(cmd: list[str], env: dict[str, str], log: str, timeout: float) -> int:
             proc.wait()
 
 
-def run_mode(mode: str, out: str, *, replicas: int, steps: int, microbatches: int, mb_seconds: float,
-             kills: list[tuple[int, int]], ckpt_every: int, heartbeat_timeout: float, timeout: float = 1800) -> dict:
+def run_mode(
+    mode: str,
+    out: str,
+    *,
+    replicas: int,
+    steps: int,
+    microbatches: int,
+    mb_seconds: float,
+    kills: list[tuple[int, int]],
+    ckpt_every: int,
+    heartbeat_timeout: float,
+    timeout: float = 1800,
+) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
-    common = ["--replicas", str(replicas), "--steps", str(steps), "--microbatches", str(microbatches),
-              "--mb-seconds", str(mb_seconds), "--out", out] + MODEL
+    common = [
+        "--replicas",
+        str(replicas),
+        "--steps",
+        str(steps),
+        "--microbatches",
+        str(microbatches),
+        "--mb-seconds",
+        str(mb_seconds),
+        "--out",
+        out,
+    ] + MODEL
     env = _env()
     job = [sys.executable, "-m", "lightning_recover.bench.resilience_train"]
     # The restart budget is the same for every mode that restarts: torchrun --max-restarts K in the
@@ -91,11 +111,31 @@ def run_mode(mode: str, out: str, *, replicas: int, steps: int, microbatches: in
     inject = ",".join(f"kill:replica={r}:step={s}:phase=backward" for r, s in kills)
     if mode == "recover":
         # one torchrun agent per replica (lightning-recover torchrun); the replica script runs directly
-        cmd = [sys.executable, "-m", "lightning_recover.cli", "torchrun", "--replicas", str(replicas),
-               "--max-restarts", str(len(kills)), "--heartbeat-timeout", str(heartbeat_timeout)]
-        cmd += (["--inject", inject] if kills else []) + ["--", "-m", "lightning_recover.bench.resilience_train",
-                                                           "--mode", "recover", "--heartbeat-timeout",
-                                                           str(heartbeat_timeout)] + common
+        cmd = [
+            sys.executable,
+            "-m",
+            "lightning_recover.cli",
+            "torchrun",
+            "--replicas",
+            str(replicas),
+            "--max-restarts",
+            str(len(kills)),
+            "--heartbeat-timeout",
+            str(heartbeat_timeout),
+        ]
+        cmd += (
+            (["--inject", inject] if kills else [])
+            + [
+                "--",
+                "-m",
+                "lightning_recover.bench.resilience_train",
+                "--mode",
+                "recover",
+                "--heartbeat-timeout",
+                str(heartbeat_timeout),
+            ]
+            + common
+        )
     elif mode.startswith("recover") or mode == "failure-free":
         cmd = job + ["--mode", "recover", "--heartbeat-timeout", str(heartbeat_timeout)] + common
         if mode == "recover-local":
@@ -103,10 +143,28 @@ def run_mode(mode: str, out: str, *, replicas: int, steps: int, microbatches: in
         if mode != "failure-free" and kills:
             env["LIGHTNING_RECOVER_INJECT"] = inject
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(replicas),
-               "--max-restarts", str(len(kills)), "-m", "lightning_recover.bench.resilience_train",
-               "--mode", "ddp", "--ckpt-dir", os.path.join(out, "ckpt"), "--ckpt-every", str(ckpt_every),
-               "--ckpt-io", mode.split("-")[1], "--kill", ",".join(f"{r}:{s}" for r, s in kills)] + common
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(replicas),
+            "--max-restarts",
+            str(len(kills)),
+            "-m",
+            "lightning_recover.bench.resilience_train",
+            "--mode",
+            "ddp",
+            "--ckpt-dir",
+            os.path.join(out, "ckpt"),
+            "--ckpt-every",
+            str(ckpt_every),
+            "--ckpt-io",
+            mode.split("-")[1],
+            "--kill",
+            ",".join(f"{r}:{s}" for r, s in kills),
+        ] + common
     log = os.path.join(out, "job.log")
     t = time.time()
     code = _run(cmd, env, log, timeout)
@@ -152,8 +210,12 @@ def analyze(mode: str, out: str, output: str, *, steps: int, microbatches: int, 
         # committed again, after the restart and the redone steps since the checkpoint)
         step = int(re.search(r"step=(\d+)", spec).group(1))
         done = [r["commit"] for r in step_recs if r["step"] == step and r["commit"] > t]
-        item = {"fault": spec, "fault_t": t - first, "step": step,
-                "fault_to_commit_s": (max(done) - t) if done else None}
+        item = {
+            "fault": spec,
+            "fault_t": t - first,
+            "step": step,
+            "fault_to_commit_s": (max(done) - t) if done else None,
+        }
         if mode.startswith("ddp") and any(r["start"] > t for r in step_recs):
             item["restart_s"] = min(r["start"] for r in step_recs if r["start"] > t) - t  # fault -> training again
         if mode.startswith("recover"):
@@ -169,7 +231,9 @@ def analyze(mode: str, out: str, output: str, *, steps: int, microbatches: int, 
                 item["restart_s"] = rj["t"] - t  # fault -> the replacement trains again (admitted, state received)
                 item["rejoin_step"] = rj["step"]
                 if starts:
-                    item["rejoin_s"] = rj["t"] - min(starts)  # process start -> admitted with state (import, connect, wait, state)
+                    item["rejoin_s"] = rj["t"] - min(
+                        starts
+                    )  # process start -> admitted with state (import, connect, wait, state)
             # degraded period: from the fault until a later step commits with every replica live again
             full = [r["commit"] for s, r in final.items() if s > step and r["live"] >= replicas]
             item["degraded_s"] = (min(full) - t) if full else None
@@ -178,20 +242,28 @@ def analyze(mode: str, out: str, output: str, *, steps: int, microbatches: int, 
     loads = [r["seconds"] for r in recs if r["event"] == "resume" and r["rank"] == 0]
     lost_recompute_mb = lost_steps * microbatches
     return {
-        "mode": mode, "steps": steps, "wall_s": wall, "job_s": job_seconds,
+        "mode": mode,
+        "steps": steps,
+        "wall_s": wall,
+        "job_s": job_seconds,
         "effective_mb_per_s": steps * microbatches / wall,
-        "attempts": len(attempts), "faults": len(faults),
-        "lost_steps": lost_steps, "lost_microbatches": lost_recompute_mb, "recomputed_microbatches": recomputed,
+        "attempts": len(attempts),
+        "faults": len(faults),
+        "lost_steps": lost_steps,
+        "lost_microbatches": lost_recompute_mb,
+        "recomputed_microbatches": recomputed,
         "recoveries": recoveries,
-        "median_fault_to_commit_s": statistics.median([x["fault_to_commit_s"] for x in recoveries
-                                                       if x["fault_to_commit_s"] is not None] or [0.0]),
+        "median_fault_to_commit_s": statistics.median(
+            [x["fault_to_commit_s"] for x in recoveries if x["fault_to_commit_s"] is not None] or [0.0]
+        ),
         "median_restart_s": _median(recoveries, "restart_s"),
         "median_process_restart_s": _median(recoveries, "process_restart_s"),
         "median_rejoin_s": _median(recoveries, "rejoin_s"),
         "median_degraded_s": _median(recoveries, "degraded_s"),
         "degraded_steps": sum(1 for r in final.values() if r["live"] < replicas),
         "rejoins": sum(1 for r in recs if r["event"] == "rejoin"),
-        "checkpoint_save_s": statistics.median(ckpts) if ckpts else None, "checkpoints": len(ckpts),
+        "checkpoint_save_s": statistics.median(ckpts) if ckpts else None,
+        "checkpoints": len(ckpts),
         "checkpoint_load_s": statistics.median(loads) if loads else None,
         "final_loss": final[steps - 1]["loss"],
         "min_live": min(r.get("live", 0) for r in final.values()),
@@ -217,22 +289,27 @@ def _param_diff(a_path: str, b_path: str) -> float:
 
 
 def _table(rows: dict[str, dict], bases: tuple[str, ...] = ("ddp-torch", "ddp-uring")) -> str:
-    lines = ["| mode | wall s | effective mb/s | vs ddp-torch | vs ddp-uring | lost steps | recomputed mb"
-             " | fault -> step committed (median s) | fault -> replica training again (median s)"
-             " | degraded steps | ckpt save / load s | max rel. param diff vs failure-free |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| mode | wall s | effective mb/s | vs ddp-torch | vs ddp-uring | lost steps | recomputed mb"
+        " | fault -> step committed (median s) | fault -> replica training again (median s)"
+        " | degraded steps | ckpt save / load s | max rel. param diff vs failure-free |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
 
     def f(v, fmt):
         return format(v, fmt) if v is not None else "-"
 
     for mode, r in rows.items():
-        ratios = " | ".join(f"{r['effective_mb_per_s'] / rows[b]['effective_mb_per_s']:.2f}x" if b in rows else "-"
-                            for b in bases)
+        ratios = " | ".join(
+            f"{r['effective_mb_per_s'] / rows[b]['effective_mb_per_s']:.2f}x" if b in rows else "-" for b in bases
+        )
         ck = " / ".join(f(r.get(k), ".3f") for k in ("checkpoint_save_s", "checkpoint_load_s"))
         ftc = f"{r['median_fault_to_commit_s']:.2f}" if r["faults"] else "-"
-        lines.append(f"| {mode} | {r['wall_s']:.1f} | {r['effective_mb_per_s']:.2f} | {ratios} | "
-                     f"{r['lost_steps']} | {r['recomputed_microbatches']} | {ftc} | {f(r.get('median_restart_s'), '.1f')} | "
-                     f"{r.get('degraded_steps', 0)} | {ck} | {f(r.get('param_diff'), '.1e')} |")
+        lines.append(
+            f"| {mode} | {r['wall_s']:.1f} | {r['effective_mb_per_s']:.2f} | {ratios} | "
+            f"{r['lost_steps']} | {r['recomputed_microbatches']} | {ftc} | {f(r.get('median_restart_s'), '.1f')} | "
+            f"{r.get('degraded_steps', 0)} | {ck} | {f(r.get('param_diff'), '.1e')} |"
+        )
     return "\n".join(lines)
 
 
@@ -245,28 +322,41 @@ def main(args: argparse.Namespace) -> int:
     modes = [m for m in (getattr(args, "modes", None) or ",".join(MODES)).split(",") if m]
     unknown = [m for m in modes if m not in MODES + EXTRA_MODES]
     if unknown:
-        raise SystemExit(f"bench resilience: unknown mode(s) {', '.join(unknown)}; choose from "
-                         f"{', '.join(MODES + EXTRA_MODES)}")
+        raise SystemExit(
+            f"bench resilience: unknown mode(s) {', '.join(unknown)}; choose from " f"{', '.join(MODES + EXTRA_MODES)}"
+        )
     repeat = max(1, getattr(args, "repeat", 1) or 1)
     # under heavy load a 1 s heartbeat threshold can declare a slow replica dead (false suspicion);
     # only kills are injected here, so a generous threshold costs nothing (the CLI's shared default is 1.0)
     hb = args.heartbeat_timeout if args.heartbeat_timeout != 1.0 else 5.0
-    cfg = {"replicas": args.replicas, "steps": steps, "microbatches": DEFAULTS["microbatches"],
-           "mb_seconds": DEFAULTS["mb_seconds"], "kills": kills, "ckpt_every": DEFAULTS["ckpt_every"],
-           "heartbeat_timeout": hb}
+    cfg = {
+        "replicas": args.replicas,
+        "steps": steps,
+        "microbatches": DEFAULTS["microbatches"],
+        "mb_seconds": DEFAULTS["mb_seconds"],
+        "kills": kills,
+        "ckpt_every": DEFAULTS["ckpt_every"],
+        "heartbeat_timeout": hb,
+    }
     print(f"resilience: {cfg}, modes {modes}, {repeat} repetition(s), in {workdir}", flush=True)
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for rep in range(repeat):
-        for mode in (modes if rep % 2 == 0 else modes[::-1]):
+        for mode in modes if rep % 2 == 0 else modes[::-1]:
             out = os.path.join(workdir, f"{mode}-{rep}")
             r = run_mode(mode, out, **cfg)
             r["final_params"] = os.path.join(out, "final.pt")
             runs[mode].append(r)
             if mode == "failure-free" and r["min_live"] < args.replicas:
-                print(f"  WARNING: a replica was declared dead in the failure-free run (false suspicion under load); "
-                      f"raise --heartbeat-timeout", flush=True)
-            print(f"  {mode:12s} run {rep}: wall {r['wall_s']:.1f}s, {r['effective_mb_per_s']:.2f} mb/s, "
-                  f"lost steps {r['lost_steps']}, recomputed mb {r['recomputed_microbatches']}", flush=True)
+                print(
+                    "  WARNING: a replica was declared dead in the failure-free run (false suspicion under load); "
+                    "raise --heartbeat-timeout",
+                    flush=True,
+                )
+            print(
+                f"  {mode:12s} run {rep}: wall {r['wall_s']:.1f}s, {r['effective_mb_per_s']:.2f} mb/s, "
+                f"lost steps {r['lost_steps']}, recomputed mb {r['recomputed_microbatches']}",
+                flush=True,
+            )
     rows = {}
     for mode, rs in runs.items():
         rs.sort(key=lambda r: r["wall_s"])
@@ -280,15 +370,30 @@ def main(args: argparse.Namespace) -> int:
         if mode.startswith("recover"):
             for base in ("ddp-torch", "ddp-uring"):
                 if base in rows:
-                    print(f"{mode} / {base}: {rows[mode]['effective_mb_per_s'] / rows[base]['effective_mb_per_s']:.2f}x")
+                    print(
+                        f"{mode} / {base}: {rows[mode]['effective_mb_per_s'] / rows[base]['effective_mb_per_s']:.2f}x"
+                    )
             per_fault = "; ".join(
                 f"{x['fault'].split(':')[1]} step {x['step']}: commit {f_(x.get('fault_to_commit_s'))} s, "
                 f"process up {f_(x.get('process_restart_s'))} s, training again {f_(x.get('restart_s'))} s, "
-                f"full again {f_(x.get('degraded_s'))} s" for x in rows[mode]["recoveries"])
+                f"full again {f_(x.get('degraded_s'))} s"
+                for x in rows[mode]["recoveries"]
+            )
             if per_fault:
                 print(f"  {mode} per fault (from the kill): {per_fault}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": cfg, "machine": f"{os.cpu_count()} cores", "time": time.ctime(),
-                       "load_average": os.getloadavg(), "rows": rows, "runs": runs, "table": table}, f, indent=2)
+            json.dump(
+                {
+                    "config": cfg,
+                    "machine": f"{os.cpu_count()} cores",
+                    "time": time.ctime(),
+                    "load_average": os.getloadavg(),
+                    "rows": rows,
+                    "runs": runs,
+                    "table": table,
+                },
+                f,
+                indent=2,
+            )
     return 0

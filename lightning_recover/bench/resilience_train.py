@@ -58,8 +58,8 @@ def _pad(start: float, seconds: float) -> None:
 def _build(args: argparse.Namespace):
     import torch
 
-    from lightning_recover.tiny_gpt import ByteCorpus, GPTConfig, TinyGPT, stdlib_text
     from lightning_recover.data import MicrobatchSource
+    from lightning_recover.tiny_gpt import ByteCorpus, GPTConfig, TinyGPT, stdlib_text
 
     torch.manual_seed(args.seed)
     data = ByteCorpus(stdlib_text(args.corpus_bytes), args.block_size)
@@ -89,9 +89,13 @@ def run_recover(args: argparse.Namespace) -> None:
     data, model, optimizer, _ = _build(args)
     # restarts: used when this script launches its own replicas (fabric.launch() supervises them);
     # under `lightning-recover torchrun --max-restarts K` the torchrun agents restart them instead.
-    strategy = RecoverStrategy(microbatches=args.microbatches, heartbeat_timeout=args.heartbeat_timeout,
-                               heartbeat_interval=min(0.1, args.heartbeat_timeout / 5), seed=args.seed,
-                               restarts=args.restarts)
+    strategy = RecoverStrategy(
+        microbatches=args.microbatches,
+        heartbeat_timeout=args.heartbeat_timeout,
+        heartbeat_interval=min(0.1, args.heartbeat_timeout / 5),
+        seed=args.seed,
+        restarts=args.restarts,
+    )
     fabric = L.Fabric(strategy=strategy, devices=args.replicas, accelerator="cpu", precision=args.precision)
     fabric.launch()
     model, optimizer = fabric.setup(model, optimizer)
@@ -115,9 +119,19 @@ def run_recover(args: argparse.Namespace) -> None:
         optimizer.step()
         optimizer.zero_grad()
         s = step.stats
-        log(event="step", step=step.index, start=start, commit=time.time(), loss=s.loss, live=s.live_replicas,
-            computed=s.computed, recomputed=s.recomputed, recovery_seconds=s.recovery_seconds, attempt=0,
-            incarnation=incarnation)
+        log(
+            event="step",
+            step=step.index,
+            start=start,
+            commit=time.time(),
+            loss=s.loss,
+            live=s.live_replicas,
+            computed=s.computed,
+            recomputed=s.recomputed,
+            recovery_seconds=s.recovery_seconds,
+            attempt=0,
+            incarnation=incarnation,
+        )
     if step.stats.leader:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(args.out, "final.pt"))
 
@@ -154,8 +168,9 @@ def run_ddp(args: argparse.Namespace) -> None:
     if args.microbatches % args.replicas:
         raise SystemExit("the ddp baseline needs microbatches divisible by replicas")
     per_rank = args.microbatches // args.replicas
-    fabric = L.Fabric(strategy="ddp", devices=args.replicas, accelerator="cpu", precision=args.precision,
-                      plugins=plugins)
+    fabric = L.Fabric(
+        strategy="ddp", devices=args.replicas, accelerator="cpu", precision=args.precision, plugins=plugins
+    )
     fabric.launch()
     rank = fabric.global_rank
     log = _Log(args.out, f"rank{rank}")
@@ -180,20 +195,32 @@ def run_ddp(args: argparse.Namespace) -> None:
             with fabric.no_backward_sync(model, enabled=k < per_rank - 1):
                 loss = model.loss(x, y)
                 if fault == (index, rank) and k == 0:
-                    print(f"[ddp-restart] injecting fault kill:rank={rank}:step={index}:phase=backward "
-                          f"at t={time.time():.6f}", flush=True)
+                    print(
+                        f"[ddp-restart] injecting fault kill:rank={rank}:step={index}:phase=backward "
+                        f"at t={time.time():.6f}",
+                        flush=True,
+                    )
                     os.kill(os.getpid(), signal.SIGKILL)
                 fabric.backward(loss / per_rank)
             total += loss.item()
             _pad(t, args.mb_seconds)
         optimizer.step()
         optimizer.zero_grad()
-        log(event="step", step=index, start=start, commit=time.time(), loss=total / per_rank,
-            live=args.replicas, attempt=attempt)
+        log(
+            event="step",
+            step=index,
+            start=start,
+            commit=time.time(),
+            loss=total / per_rank,
+            live=args.replicas,
+            attempt=attempt,
+        )
         if args.ckpt_every and (index + 1) % args.ckpt_every == 0 and index + 1 < args.steps:
             t = time.time()
-            fabric.save(os.path.join(args.ckpt_dir, f"step-{index + 1}.ckpt"),
-                        {"model": model, "optimizer": optimizer, "step": index + 1})
+            fabric.save(
+                os.path.join(args.ckpt_dir, f"step-{index + 1}.ckpt"),
+                {"model": model, "optimizer": optimizer, "step": index + 1},
+            )
             fabric.barrier()
             log(event="ckpt", step=index + 1, seconds=time.time() - t, attempt=attempt)
     if rank == 0:
@@ -215,8 +242,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="64-true")
     p.add_argument("--mb-seconds", type=float, default=0.0, help="fixed wall time per microbatch (capacity)")
     p.add_argument("--heartbeat-timeout", type=float, default=1.0)
-    p.add_argument("--restarts", type=int, default=0,
-                   help="recover, self-launched: the local launcher restarts a failed replica up to K times")
+    p.add_argument(
+        "--restarts",
+        type=int,
+        default=0,
+        help="recover, self-launched: the local launcher restarts a failed replica up to K times",
+    )
     p.add_argument("--ckpt-dir", default=None)
     p.add_argument("--ckpt-every", type=int, default=10)
     p.add_argument("--ckpt-io", choices=["torch", "uring"], default="torch")

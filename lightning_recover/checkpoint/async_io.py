@@ -176,8 +176,8 @@ class _Job:
         self.directory = os.path.dirname(path)
         self.enc = enc
         self.data_end = data_end
-        self.eager = eager          # [(storage index, uint8 tensor copy)]
-        self.lazy = lazy            # [(storage index, uint8 tensor view of the live storage)]
+        self.eager = eager  # [(storage index, uint8 tensor copy)]
+        self.lazy = lazy  # [(storage index, uint8 tensor view of the live storage)]
         self.lazy_bytes = sum(int(t.numel()) for _, t in lazy)
         self.crcs: dict[int, list] = {}  # storage index -> [(crc, length)] of its chunks, in order
         self.file_id = secrets.token_bytes(16)
@@ -204,7 +204,7 @@ class _Removal:
 _STOP = object()
 
 # every live saver, for the global optimizer hook and the exit handler
-_savers: "weakref.WeakSet[AsyncSaver]" = weakref.WeakSet()
+_savers: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
 _hook_handle: Any = None
 _hook_lock = threading.Lock()
 
@@ -272,8 +272,9 @@ class AsyncSaver:
             ``forward`` such as BatchNorm statistics, and AdamW's step counters).
     """
 
-    def __init__(self, engine: Any, staging_bytes: Optional[int] = None, chunk_bytes: int = 64 * MiB,
-                 eager_bytes: int = MiB) -> None:
+    def __init__(
+        self, engine: Any, staging_bytes: Optional[int] = None, chunk_bytes: int = 64 * MiB, eager_bytes: int = MiB
+    ) -> None:
         if staging_bytes is not None and staging_bytes < 4096:
             raise ValueError("staging_bytes must be at least 4096")
         self._engine = engine
@@ -360,7 +361,9 @@ class AsyncSaver:
             more = f" (and {len(errs) - 1} more failed saves)" if len(errs) > 1 else ""
             raise AsyncCheckpointError(
                 f"asynchronous checkpoint save to {job.path} failed: {type(e).__name__}: {e}{more}; "
-                "the previous checkpoint under that name (if any) is unchanged", job.path) from e
+                "the previous checkpoint under that name (if any) is unchanged",
+                job.path,
+            ) from e
 
     def close(self, raise_errors: bool = True) -> None:
         """Wait for durability of everything submitted, stop the threads and free the staging memory."""
@@ -422,7 +425,7 @@ class AsyncSaver:
                         if at is None:
                             return
                         assert self._ring.buf is not None
-                        self._ring.buf[at:at + m].copy_(src[off:off + m])
+                        self._ring.buf[at : at + m].copy_(src[off : off + m])
                         fq.put(("chunk", job, i, off, at, m))
         except BaseException as e:  # e.g. MemoryError allocating the ring
             job.fail(e)
@@ -448,7 +451,7 @@ class AsyncSaver:
                             _, _, i, off, at, m = item
                             self._write_eager(job, below=i)
                             entry = job.enc.index.storages[i]
-                            (crc,) = job.writer.write([(entry.offset + off, self._ring.buf[at:at + m].numpy())])
+                            (crc,) = job.writer.write([(entry.offset + off, self._ring.buf[at : at + m].numpy())])
                             job.crcs.setdefault(i, []).append((int(crc), m))
                     except BaseException as e:
                         job.fail(e)
@@ -463,7 +466,6 @@ class AsyncSaver:
                 fq.task_done()
 
     def _begin(self, job: _Job) -> None:
-
         try:
             cleanup_stale_temps(job.directory)
             job.tmp = temp_path_for(job.path)
@@ -489,7 +491,6 @@ class AsyncSaver:
             job.enc.index.storages[i].crc32c = int(crc)
 
     def _end(self, job: _Job) -> None:
-
         try:
             if job.error is None:
                 self._write_eager(job, below=None)
@@ -516,11 +517,17 @@ class AsyncSaver:
         job.writer = None
         job.t_durable = time.perf_counter()
         del self.history[:-99]
-        self.history.append({
-            "path": job.path, "snapshot_s": (job.t_snapshot or job.t_durable) - job.t_submit,
-            "durable_s": job.t_durable - job.t_submit, "t_submit": job.t_submit, "t_snapshot": job.t_snapshot,
-            "t_durable": job.t_durable, "error": None if job.error is None else repr(job.error),
-        })
+        self.history.append(
+            {
+                "path": job.path,
+                "snapshot_s": (job.t_snapshot or job.t_durable) - job.t_submit,
+                "durable_s": job.t_durable - job.t_submit,
+                "t_submit": job.t_submit,
+                "t_snapshot": job.t_snapshot,
+                "t_durable": job.t_durable,
+                "error": None if job.error is None else repr(job.error),
+            }
+        )
         job.enc = None  # type: ignore[assignment]
         with self._lock:
             if job in self._jobs:

@@ -13,8 +13,13 @@ from typing import Any, Optional
 class EngineHandle:
     """A lazily created ``native_io.IOEngine`` (its staging arena is reused) and a lock serialising its use."""
 
-    def __init__(self, engine: str = "auto", block_size: Optional[int] = None,
-                 queue_depth: Optional[int] = None, direct: bool = True) -> None:
+    def __init__(
+        self,
+        engine: str = "auto",
+        block_size: Optional[int] = None,
+        queue_depth: Optional[int] = None,
+        direct: bool = True,
+    ) -> None:
         self.kwargs: dict[str, Any] = {"engine": engine, "direct": direct}
         if block_size is not None:
             self.kwargs["block_size"] = block_size

@@ -41,9 +41,18 @@ class UringCheckpointIO(CheckpointIO):
         eager_bytes: with ``async_save``, storages smaller than this are copied inside ``save_checkpoint``.
     """
 
-    def __init__(self, engine: str = "auto", block_size: Optional[int] = None, queue_depth: Optional[int] = None,
-                 weights_only: bool = True, verify: bool = True, *, async_save: bool = False,
-                 max_pending_bytes: Optional[int] = None, eager_bytes: int = 1 << 20) -> None:
+    def __init__(
+        self,
+        engine: str = "auto",
+        block_size: Optional[int] = None,
+        queue_depth: Optional[int] = None,
+        weights_only: bool = True,
+        verify: bool = True,
+        *,
+        async_save: bool = False,
+        max_pending_bytes: Optional[int] = None,
+        eager_bytes: int = 1 << 20,
+    ) -> None:
         super().__init__()
         self.weights_only = weights_only
         self.verify = verify
@@ -53,8 +62,9 @@ class UringCheckpointIO(CheckpointIO):
         if async_save:
             from lightning_recover.checkpoint.async_io import AsyncSaver
 
-            self._saver = AsyncSaver(EngineHandle(engine, block_size, queue_depth), staging_bytes=max_pending_bytes,
-                                     eager_bytes=eager_bytes)
+            self._saver = AsyncSaver(
+                EngineHandle(engine, block_size, queue_depth), staging_bytes=max_pending_bytes, eager_bytes=eager_bytes
+            )
         self._into: Any = None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
@@ -102,16 +112,23 @@ class UringCheckpointIO(CheckpointIO):
         finally:
             self._into = prev
 
-    def load_checkpoint(self, path: Any, map_location: Optional[Any] = None,
-                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None
+    ) -> dict[str, Any]:
         """Load ``path``; ``map_location=None`` keeps tensors on the CPU (like ``TorchCheckpointIO``)."""
         if weights_only is None:
             weights_only = self.weights_only
         if self._saver is not None and self._saver.pending():
             self._saver.wait_until_durable()
-        return load(path, map_location="cpu" if map_location is None else map_location,
-                    weights_only=weights_only, verify=self.verify, engine=self._engine, into=self._into,
-                    strict=False)
+        return load(
+            path,
+            map_location="cpu" if map_location is None else map_location,
+            weights_only=weights_only,
+            verify=self.verify,
+            engine=self._engine,
+            into=self._into,
+            strict=False,
+        )
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove ``path``; with ``async_save`` only once every earlier save is durable (never if one failed)."""

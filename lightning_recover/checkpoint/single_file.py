@@ -12,14 +12,14 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from lightning_recover import env
 from lightning_recover.checkpoint import format as fmt
 from lightning_recover.checkpoint.engine import resolve_engine
-from lightning_recover.checkpoint.files import cleanup_stale_temps, commit, fsync_dir, temp_path_for, unlink_quiet
+from lightning_recover.checkpoint.files import cleanup_stale_temps, fsync_dir, temp_path_for, unlink_quiet
 from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
 
 log = logging.getLogger(__name__)
@@ -38,10 +38,6 @@ __all__ = [
 
 # storages living on an accelerator are staged to host memory in batches of at most this many bytes
 _DEVICE_STAGING_BYTES = 256 << 20
-
-
-
-
 
 
 # ------------------------------------------------------------------------------------- save
@@ -67,10 +63,19 @@ def write_tail(w: Any, enc: fmt.EncodedCheckpoint, data_end: int, file_id: bytes
     index_offset = fmt.align_up(data_end, fmt.SMALL_ALIGN)
     skeleton_offset = index_offset + len(index_bytes)
     meta_crc = fmt.crc32c(enc.skeleton, fmt.crc32c(index_bytes))
-    footer = fmt.encode_footer(fmt.Footer(
-        fmt.FORMAT_VERSION, 0, index_offset, len(index_bytes), skeleton_offset, len(enc.skeleton),
-        data_end, meta_crc, file_id,
-    ))
+    footer = fmt.encode_footer(
+        fmt.Footer(
+            fmt.FORMAT_VERSION,
+            0,
+            index_offset,
+            len(index_bytes),
+            skeleton_offset,
+            len(enc.skeleton),
+            data_end,
+            meta_crc,
+            file_id,
+        )
+    )
     w.write([(index_offset, index_bytes + enc.skeleton + footer)])
     w.close(size=skeleton_offset + len(enc.skeleton) + len(footer))
 
@@ -132,10 +137,17 @@ def save(checkpoint: Any, path: Any, *, engine: Any = None) -> None:
 class CheckpointInfo:
     """Header, footer, index and skeleton bytes of a checkpoint (no tensor data read)."""
 
-    def __init__(self, path: str, size: int, header: fmt.Header, footer: fmt.Footer, index: fmt.Index,
-                 skeleton: bytes) -> None:
+    def __init__(
+        self, path: str, size: int, header: fmt.Header, footer: fmt.Footer, index: fmt.Index, skeleton: bytes
+    ) -> None:
         self.path, self.size, self.header, self.footer, self.index, self.skeleton = (
-            path, size, header, footer, index, skeleton)
+            path,
+            size,
+            header,
+            footer,
+            index,
+            skeleton,
+        )
 
 
 def _open_reader(eng: Any, path: str) -> Any:
@@ -165,9 +177,11 @@ def _read_info(r: Any, path: str) -> CheckpointInfo:
     if crc != footer.meta_crc32c:
         raise CheckpointCorruptError(
             f"{path}: index/skeleton checksum mismatch at offset {footer.index_offset} "
-            f"(+{len(meta)} bytes): damaged index or skeleton", path)
+            f"(+{len(meta)} bytes): damaged index or skeleton",
+            path,
+        )
     index = fmt.decode_index(bytes(meta[: footer.index_length]), header.data_start, footer.data_end, path)
-    return CheckpointInfo(path, size, header, footer, index, bytes(meta[footer.index_length:]))
+    return CheckpointInfo(path, size, header, footer, index, bytes(meta[footer.index_length :]))
 
 
 def read_info(path: Any, *, engine: Any = None) -> CheckpointInfo:
@@ -240,7 +254,7 @@ def _new_storage(nbytes: int) -> torch.UntypedStorage:
         return torch.UntypedStorage(nbytes)
     raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
     a = (-raw.data_ptr()) % _PAGE
-    return torch.from_numpy(raw[a:a + nbytes].numpy()).untyped_storage()
+    return torch.from_numpy(raw[a : a + nbytes].numpy()).untyped_storage()
 
 
 def _is_contiguous(shape: list, stride: list) -> bool:
@@ -256,8 +270,16 @@ def _into_targets(into: Any) -> dict[str, torch.Tensor]:
     return {p: t for p, t in fmt.tensor_paths(into).values()}
 
 
-def load(path: Any, map_location: Any = None, *, weights_only: bool = True, verify: bool = True,
-         into: Any = None, strict: bool = True, engine: Any = None) -> Any:
+def load(
+    path: Any,
+    map_location: Any = None,
+    *,
+    weights_only: bool = True,
+    verify: bool = True,
+    into: Any = None,
+    strict: bool = True,
+    engine: Any = None,
+) -> Any:
     """Load a checkpoint written by :func:`save`.
 
     Args:
@@ -286,7 +308,7 @@ def load(path: Any, map_location: Any = None, *, weights_only: bool = True, veri
                 users[t.storage] += 1
 
             # where each tensor's data goes: direct read into a target, or a fresh storage then copy_
-            direct: dict[int, torch.Tensor] = {}   # storage index -> target tensor filled by the read
+            direct: dict[int, torch.Tensor] = {}  # storage index -> target tensor filled by the read
             copy_into: dict[int, torch.Tensor] = {}  # tensor index -> target tensor to copy_ into
             for ti, t in enumerate(index.tensors):
                 dest = targets.get(t.name)
@@ -297,13 +319,16 @@ def load(path: Any, map_location: Any = None, *, weights_only: bool = True, veri
                     if strict:
                         raise ValueError(
                             f"{path}: cannot load {t.name!r} into the given tensor: checkpoint has "
-                            f"{dt} {tuple(t.shape)}, target is {dest.dtype} {tuple(dest.shape)}")
+                            f"{dt} {tuple(t.shape)}, target is {dest.dtype} {tuple(dest.shape)}"
+                        )
                     continue
                 contiguous_whole = (
-                    t.storage_offset == 0 and t.nbytes > 0 and t.nbytes == index.storages[t.storage].nbytes
-                    and _is_contiguous(t.shape, t.stride))
-                if (contiguous_whole and users[t.storage] == 1 and dest.device.type == "cpu"
-                        and dest.is_contiguous()):
+                    t.storage_offset == 0
+                    and t.nbytes > 0
+                    and t.nbytes == index.storages[t.storage].nbytes
+                    and _is_contiguous(t.shape, t.stride)
+                )
+                if contiguous_whole and users[t.storage] == 1 and dest.device.type == "cpu" and dest.is_contiguous():
                     direct[t.storage] = dest
                 else:
                     copy_into[ti] = dest
@@ -347,5 +372,3 @@ def load(path: Any, map_location: Any = None, *, weights_only: bool = True, veri
 
 
 # ----------------------------------------------------------------------------------- plugin
-
-

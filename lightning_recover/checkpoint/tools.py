@@ -8,14 +8,15 @@ import os
 import sys
 from typing import Any
 
-from lightning_recover.checkpoint.single_file import load, read_info, verify_file
 from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
+from lightning_recover.checkpoint.single_file import load, read_info, verify_file
 
 # exit codes
 EXIT_OK = 0
-EXIT_DAMAGED = 1      # header/index fine, some data extents fail their checksum
-EXIT_UNREADABLE = 2   # not a checkpoint, truncated, damaged header/footer/index, missing file
-EXIT_REFUSED = 3      # convert: the skeleton needs --unsafe-pickle
+EXIT_DAMAGED = 1  # header/index fine, some data extents fail their checksum
+EXIT_UNREADABLE = 2  # not a checkpoint, truncated, damaged header/footer/index, missing file
+EXIT_REFUSED = 3  # convert: the skeleton needs --unsafe-pickle
+
 
 def _human(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -24,16 +25,27 @@ def _human(n: int) -> str:
         n /= 1024
     return str(n)  # pragma: no cover
 
+
 def _tensor_rows(info: Any) -> list[dict]:
     rows = []
     storages = info.index.storages
     for t in info.index.tensors:
-        rows.append({
-            "name": t.name, "dtype": t.dtype, "shape": list(t.shape), "stride": list(t.stride),
-            "bytes": t.nbytes, "offset": t.file_offset(storages), "storage": t.storage,
-            "parameter": t.parameter, "requires_grad": t.requires_grad, "device": storages[t.storage].device,
-        })
+        rows.append(
+            {
+                "name": t.name,
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "stride": list(t.stride),
+                "bytes": t.nbytes,
+                "offset": t.file_offset(storages),
+                "storage": t.storage,
+                "parameter": t.parameter,
+                "requires_grad": t.requires_grad,
+                "device": storages[t.storage].device,
+            }
+        )
     return rows
+
 
 def inspect_main(args: argparse.Namespace) -> int:
     path = args.checkpoint
@@ -79,10 +91,14 @@ def inspect_main(args: argparse.Namespace) -> int:
         return EXIT_DAMAGED if damaged else EXIT_OK
 
     print(f"checkpoint {path}")
-    print(f"  format version {info.header.version}, flags {info.header.flags:#x}, file size {info.size} "
-          f"({_human(info.size)})")
-    print(f"  data [{info.header.data_start}, {info.footer.data_end}), index {info.footer.index_length} bytes at "
-          f"{info.footer.index_offset}, skeleton {info.footer.skeleton_length} bytes at {info.footer.skeleton_offset}")
+    print(
+        f"  format version {info.header.version}, flags {info.header.flags:#x}, file size {info.size} "
+        f"({_human(info.size)})"
+    )
+    print(
+        f"  data [{info.header.data_start}, {info.footer.data_end}), index {info.footer.index_length} bytes at "
+        f"{info.footer.index_offset}, skeleton {info.footer.skeleton_length} bytes at {info.footer.skeleton_offset}"
+    )
     if info.index.meta:
         print("  " + ", ".join(f"{k}={v}" for k, v in info.index.meta.items()))
     w = max([len(r["name"]) for r in rows] + [4])
@@ -91,8 +107,10 @@ def inspect_main(args: argparse.Namespace) -> int:
     for r in rows:
         shape = "(" + ", ".join(map(str, r["shape"])) + ("," if len(r["shape"]) == 1 else "") + ")"
         print(f"  {r['name']:<{w}}  {r['dtype']:<14} {shape:<20} {r['bytes']:>12} {r['offset']:>12}")
-    print(f"\n  {len(rows)} tensors in {len(storages)} storages, {summary['tensor_bytes']} tensor bytes "
-          f"({_human(summary['tensor_bytes'])}), {summary['storage_bytes']} storage bytes")
+    print(
+        f"\n  {len(rows)} tensors in {len(storages)} storages, {summary['tensor_bytes']} tensor bytes "
+        f"({_human(summary['tensor_bytes'])}), {summary['storage_bytes']} storage bytes"
+    )
     if not verify:
         print("  data not verified (--no-verify)")
         return EXIT_OK
@@ -100,10 +118,13 @@ def inspect_main(args: argparse.Namespace) -> int:
         print(f"  verified {sum(1 for s in storages if s.nbytes)} extents: OK")
         return EXIT_OK
     for d in damaged:
-        print(f"  DAMAGED extent {d['storage']} at offset {d['offset']} (+{d['nbytes']} bytes): crc32c "
-              f"{d['actual_crc32c']:#010x} != {d['expected_crc32c']:#010x}; tensors: {', '.join(d['tensors'])}")
+        print(
+            f"  DAMAGED extent {d['storage']} at offset {d['offset']} (+{d['nbytes']} bytes): crc32c "
+            f"{d['actual_crc32c']:#010x} != {d['expected_crc32c']:#010x}; tensors: {', '.join(d['tensors'])}"
+        )
     print(f"  {len(damaged)} damaged extent(s)")
     return EXIT_DAMAGED
+
 
 def convert_main(args: argparse.Namespace) -> int:
     import torch
@@ -135,4 +156,3 @@ def convert_main(args: argparse.Namespace) -> int:
         raise
     print(f"wrote {out} (torch.save format)")
     return EXIT_OK
-

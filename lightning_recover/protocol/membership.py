@@ -161,6 +161,32 @@ class CoordinatorWatchdog:
         self._stop.set()
 
 
+def refuse_if_id_in_use(store: ControlStore, replica: int, num_replicas: int, heartbeat_interval: float) -> None:
+    """Refuse to start while another live process holds this replica id (a hand-started
+    duplicate): its incarnation is not declared dead and its heartbeat still moves. A restart
+    is never refused: the launcher or the agent declares the old incarnation dead when it exits."""
+    key = f"hb/{replica}"
+
+    def beat() -> tuple[int, int]:
+        value = store.get_genuine(key)
+        hb = json.loads(value) if value else {}
+        return int(hb.get("inc", 0)), int(hb.get("beat", 0))
+
+    inc, first = beat()
+    if inc == 0 or store.deaths([replica])[replica] >= inc:
+        return
+    deadline = time.monotonic() + 3 * heartbeat_interval + 0.5
+    while time.monotonic() < deadline:
+        time.sleep(heartbeat_interval)
+        now_inc, now = beat()
+        if now_inc == inc and now != first and store.deaths([replica])[replica] < inc:
+            raise RecoverError(
+                f"replica id {replica} is already in use by a live process of this job (incarnation {inc} "
+                f"is heartbeating). HINT: give each process a distinct {env.REPLICA} in 0..{num_replicas - 1};"
+                " a replica restarts only after its previous process ended."
+            )
+
+
 @dataclass
 class Generation:
     number: int
@@ -220,37 +246,12 @@ class Membership:
     def connect(self) -> None:
         self.store = ControlStore(self.addr, self.replica, self.secret, timeout=self.store_timeout)
         check_against_coordinator(self.store.get_genuine("meta/replicas"), self.num_replicas)
-        self._refuse_if_id_in_use()
+        refuse_if_id_in_use(self.store, self.replica, self.num_replicas, self.heartbeat_interval)
         self.incarnation = self.store.add(f"inc/{self.replica}", 1)
         self._heartbeat = Heartbeat(self.store, self.replica, self.incarnation, self.heartbeat_interval, self.progress)
         self._heartbeat.start()
         self._watchdog = CoordinatorWatchdog(self._heartbeat, self.replica, self.addr, self.store_timeout)
         self._watchdog.start()
-
-    def _refuse_if_id_in_use(self) -> None:
-        """Refuse to start while another live process holds this replica id (a hand-started
-        duplicate): its incarnation is not declared dead and its heartbeat still moves. A restart
-        is never refused: the launcher or the agent declares the old incarnation dead when it exits."""
-        key = f"hb/{self.replica}"
-
-        def beat() -> tuple[int, int]:
-            value = self.store.get_genuine(key)
-            hb = json.loads(value) if value else {}
-            return int(hb.get("inc", 0)), int(hb.get("beat", 0))
-
-        inc, first = beat()
-        if inc == 0 or self.store.deaths([self.replica])[self.replica] >= inc:
-            return
-        deadline = time.monotonic() + 3 * self.heartbeat_interval + 0.5
-        while time.monotonic() < deadline:
-            time.sleep(self.heartbeat_interval)
-            now_inc, now = beat()
-            if now_inc == inc and now != first and self.store.deaths([self.replica])[self.replica] < inc:
-                raise RecoverError(
-                    f"replica id {self.replica} is already in use by a live process of this job (incarnation {inc} "
-                    f"is heartbeating). HINT: give each process a distinct {env.REPLICA} in 0..{self.num_replicas - 1};"
-                    " a replica restarts only after its previous process ended."
-                )
 
     def form_initial(self) -> Generation | None:
         """Join generation 0 with every other replica (the job's start).

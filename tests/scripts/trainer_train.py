@@ -48,8 +48,14 @@ class StepRecorder(L.Callback):
         self.steps: list[dict] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.steps.append({"step": trainer.global_step, "epoch": trainer.current_epoch,
-                           "position": batch.position, "batch_idx": batch_idx})
+        self.steps.append(
+            {
+                "step": trainer.global_step,
+                "epoch": trainer.current_epoch,
+                "position": batch.position,
+                "batch_idx": batch_idx,
+            }
+        )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         stats = trainer.strategy.core.last_step
@@ -103,29 +109,52 @@ def main() -> None:
     parser.add_argument("--test", action="store_true", help="trainer.test() on the validation set after fit")
     parser.add_argument("--quota", default="equal")
     parser.add_argument("--restarts", type=int, default=0, help="RecoverTrainerStrategy(restarts=K)")
-    parser.add_argument("--slow-while-degraded", type=float, default=0.0,
-                        help="sleep this long after each step run with fewer than --replicas live replicas "
-                             "(gives a restarted replica time to rejoin before the run ends)")
+    parser.add_argument(
+        "--slow-while-degraded",
+        type=float,
+        default=0.0,
+        help="sleep this long after each step run with fewer than --replicas live replicas "
+        "(gives a restarted replica time to rejoin before the run ends)",
+    )
     args = parser.parse_args()
 
     os.makedirs(args.out, exist_ok=True)
     train, val = make_data()
     train_loader = DataLoader(train, batch_size=args.batch_size, shuffle=True)
     val_loader = DataLoader(val, batch_size=8) if args.val_every else None
-    strategy = RecoverTrainerStrategy(microbatches=args.microbatches, heartbeat_timeout=args.heartbeat_timeout,
-                                      heartbeat_interval=min(0.1, args.heartbeat_timeout / 5),
-                                      restarts=args.restarts, quota=args.quota)
+    strategy = RecoverTrainerStrategy(
+        microbatches=args.microbatches,
+        heartbeat_timeout=args.heartbeat_timeout,
+        heartbeat_interval=min(0.1, args.heartbeat_timeout / 5),
+        restarts=args.restarts,
+        quota=args.quota,
+    )
     recorder = StepRecorder(args.replicas, args.slow_while_degraded)
     callbacks = [recorder]
     if args.ckpt_every:
-        callbacks.append(ModelCheckpoint(dirpath=os.path.join(args.out, "ckpt"), filename="{step}",
-                                         every_n_train_steps=args.ckpt_every, save_top_k=-1))
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=os.path.join(args.out, "ckpt"),
+                filename="{step}",
+                every_n_train_steps=args.ckpt_every,
+                save_top_k=-1,
+            )
+        )
     trainer = L.Trainer(
-        strategy=strategy, devices=args.replicas, accelerator="cpu", precision=args.precision,
-        max_steps=args.steps, logger=CSVLogger(args.out, name="logs"), log_every_n_steps=1,
-        enable_progress_bar=args.progress_bar, enable_model_summary=False, callbacks=callbacks,
-        enable_checkpointing=bool(args.ckpt_every), val_check_interval=args.val_every or None,
-        limit_val_batches=None if args.val_every else 0, num_sanity_val_steps=0,
+        strategy=strategy,
+        devices=args.replicas,
+        accelerator="cpu",
+        precision=args.precision,
+        max_steps=args.steps,
+        logger=CSVLogger(args.out, name="logs"),
+        log_every_n_steps=1,
+        enable_progress_bar=args.progress_bar,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        enable_checkpointing=bool(args.ckpt_every),
+        val_check_interval=args.val_every or None,
+        limit_val_batches=None if args.val_every else 0,
+        num_sanity_val_steps=0,
         gradient_clip_val=args.clip,
     )
     model = Regressor()
@@ -134,13 +163,20 @@ def main() -> None:
     test_metrics = trainer.test(model, DataLoader(val, batch_size=8), verbose=False)[0] if args.test else {}
     core = trainer.strategy.core
     state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
-    torch.save({"state": state, "stats": [vars(s) for s in core.history], "replica": trainer.strategy.replica,
-                "global_step": trainer.global_step, "steps": recorder.steps,
-                "batches_that_stepped": trainer.fit_loop.epoch_loop._batches_that_stepped,
-                "current_epoch": trainer.current_epoch, "callback_metrics": {k: float(v) for k, v in
-                                                                         trainer.callback_metrics.items()},
-                "test_metrics": {k: float(v) for k, v in test_metrics.items()}},
-               os.path.join(args.out, f"replica{trainer.strategy.replica}.pt"))
+    torch.save(
+        {
+            "state": state,
+            "stats": [vars(s) for s in core.history],
+            "replica": trainer.strategy.replica,
+            "global_step": trainer.global_step,
+            "steps": recorder.steps,
+            "batches_that_stepped": trainer.fit_loop.epoch_loop._batches_that_stepped,
+            "current_epoch": trainer.current_epoch,
+            "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+            "test_metrics": {k: float(v) for k, v in test_metrics.items()},
+        },
+        os.path.join(args.out, f"replica{trainer.strategy.replica}.pt"),
+    )
 
 
 if __name__ == "__main__":
