@@ -1,12 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
 /*
- * CPython glue for native_io._native_io: IOEngine, Writer, Reader, crc32c,
- * info and the test-only _inject_faults. Buffers are pinned (Py_buffer) while
- * in use and released on every path; all copying, checksumming and I/O runs
- * with the GIL released.
+ * CPython glue for native_io._native_io: IOEngine, Writer, Reader, crc32c and
+ * info. Buffers are pinned (Py_buffer) while in use and released on every
+ * path; all copying, checksumming and I/O runs with the GIL released.
+ *
+ * Built twice by setup.py: the release module, and with -DNATIVE_IO_TESTING
+ * native_io._native_io_testing, which adds the test-only _inject_faults.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <string.h>
@@ -14,6 +17,17 @@
 #include <time.h>
 #include <unistd.h>
 #include "nio.h"
+
+/* The init symbol must match the last component of the module name. */
+#ifdef NATIVE_IO_TESTING
+#define NIO_MODULE_NAME "native_io._native_io_testing"
+#define NIO_PYINIT PyInit__native_io_testing
+#define NIO_TESTING_BUILD 1
+#else
+#define NIO_MODULE_NAME "native_io._native_io"
+#define NIO_PYINIT PyInit__native_io
+#define NIO_TESTING_BUILD 0
+#endif
 
 static PyObject *NativeIOError;
 static PyTypeObject EngineType, WriterType, ReaderType;
@@ -85,7 +99,7 @@ static int uring_usable(const char **why)
 		*why = "native_io was built without liburing";
 		return 0;
 	}
-	if (nio_faults.refuse_uring) {
+	if (NIO_FAULT(refuse_uring)) {
 		snprintf(sim, sizeof(sim),
 			 "io_uring_queue_init failed: %s (simulated by _inject_faults)",
 			 strerror(EPERM));
@@ -109,9 +123,9 @@ typedef struct {
 	PyObject_HEAD
 	int kind;		/* engine in use */
 	int requested;		/* 0 = auto */
-	size_t block_size;
-	unsigned qd;
-	int direct;
+	unsigned long long block_size;
+	unsigned int qd;
+	char direct;		/* char: exposed as a T_BOOL member */
 	struct nio_ctx *cache[3];	/* idle contexts, by kind */
 	PyObject *fallback_reason;	/* str or None */
 } EngineObject;
@@ -277,26 +291,6 @@ static PyObject *Engine_get_engine(EngineObject *self, void *c)
 	return PyUnicode_FromString(kind_name(self->kind));
 }
 
-static PyObject *Engine_get_block_size(EngineObject *self, void *c)
-{
-	return PyLong_FromSize_t(self->block_size);
-}
-
-static PyObject *Engine_get_qd(EngineObject *self, void *c)
-{
-	return PyLong_FromUnsignedLong(self->qd);
-}
-
-static PyObject *Engine_get_direct(EngineObject *self, void *c)
-{
-	return PyBool_FromLong(self->direct);
-}
-
-static PyObject *Engine_get_fallback(EngineObject *self, void *c)
-{
-	return Py_NewRef(self->fallback_reason ? self->fallback_reason : Py_None);
-}
-
 static PyObject *Engine_get_arena_bytes(EngineObject *self, void *c)
 {
 	size_t n = 0;
@@ -331,19 +325,74 @@ struct opened {
 	int fd;
 	int direct;
 	int kind;
+	uint64_t size;		/* st_size at open (readers) */
 	PyObject *reason;	/* why not uring / not O_DIRECT, or NULL */
 	PyObject *path;		/* fspath(path) */
 };
 
+/*
+ * Close fd once and mark it closed. Returns 0 or the errno of close(); the
+ * fd is gone either way (Linux releases it even on EINTR), so never retry.
+ */
+static int close_fd(int *fd)
+{
+	int err = 0;
+
+	if (*fd >= 0 && close(*fd))
+		err = errno;
+	*fd = -1;
+	return err;
+}
+
+/*
+ * open(2) retried on EINTR. With *direct set, try O_DIRECT first and fall
+ * back to buffered when the filesystem refuses it (EINVAL), clearing *direct
+ * and saying why. Returns the fd or -errno. Runs without the GIL.
+ */
+static int open_fd(const char *cpath, int flags, int *direct, char *why,
+		   size_t whylen)
+{
+	int fd;
+
+	if (*direct) {
+		do {
+			fd = open(cpath, flags | O_DIRECT, 0644);
+		} while (fd < 0 && errno == EINTR);
+		if (fd >= 0)
+			return fd;
+		if (errno != EINVAL)
+			return -errno;
+		*direct = 0;
+		snprintf(why, whylen,
+			 "O_DIRECT refused by the filesystem (open: EINVAL)");
+	}
+	do {
+		fd = open(cpath, flags, 0644);
+	} while (fd < 0 && errno == EINTR);
+	return fd >= 0 ? fd : -errno;
+}
+
+static void opened_release(struct opened *o)
+{
+	close_fd(&o->fd);
+	Py_CLEAR(o->path);
+	Py_CLEAR(o->reason);
+}
+
+/*
+ * Open path for an engine: O_DIRECT when asked (buffered fallback), pick the
+ * engine kind for the file and, for readers, its size. On failure raise
+ * OSError(errno, strerror, path) and leave nothing open.
+ */
 static int open_file(EngineObject *eng, PyObject *path_arg, int writing,
 		     struct opened *o)
 {
-	PyObject *bytes = NULL;
-	const char *cpath;
 	int flags = writing ? O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC
 			    : O_RDONLY | O_CLOEXEC;
-	int try_direct = eng->direct, fd, err = 0, refused = 0;
+	int direct = eng->direct, refused = 0, fd, err = 0;
+	PyObject *bytes = NULL;
 	char why[200] = "";
+	struct stat st;
 
 	memset(o, 0, sizeof(*o));
 	o->fd = -1;
@@ -352,42 +401,30 @@ static int open_file(EngineObject *eng, PyObject *path_arg, int writing,
 		return -1;
 	if (!PyUnicode_FSConverter(o->path, &bytes))
 		goto fail;
-	cpath = PyBytes_AS_STRING(bytes);
-	if (try_direct && nio_faults.refuse_direct) {
-		try_direct = 0;
-		refused = 1;
+	if (direct && NIO_FAULT(refuse_direct)) {
+		direct = 0;
 		snprintf(why, sizeof(why),
 			 "O_DIRECT refused by the filesystem (simulated by _inject_faults)");
 	}
 	Py_BEGIN_ALLOW_THREADS
-	fd = -1;
-	if (try_direct) {
-		do {
-			fd = open(cpath, flags | O_DIRECT, 0644);
-		} while (fd < 0 && errno == EINTR);
-		if (fd < 0 && errno == EINVAL) {
-			refused = 1;
-			snprintf(why, sizeof(why),
-				 "O_DIRECT refused by the filesystem (open: EINVAL)");
-		}
-		if (fd < 0)
-			err = errno;
-	}
-	if (fd < 0 && (!try_direct || err == EINVAL)) {
-		do {
-			fd = open(cpath, flags, 0644);
-		} while (fd < 0 && errno == EINTR);
-		err = fd < 0 ? errno : 0;
-	}
+	fd = open_fd(PyBytes_AS_STRING(bytes), flags, &direct, why,
+		     sizeof(why));
+	if (fd >= 0 && !writing && fstat(fd, &st))
+		err = errno;
 	Py_END_ALLOW_THREADS
 	Py_DECREF(bytes);
 	if (fd < 0) {
-		errno = err;
-		PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, o->path);
-		goto fail;
+		errno = -fd;
+		goto fail_errno;
 	}
 	o->fd = fd;
-	o->direct = try_direct && !refused;
+	if (err) {
+		errno = err;
+		goto fail_errno;
+	}
+	o->size = writing ? 0 : (uint64_t)st.st_size;
+	o->direct = direct;
+	refused = eng->direct && !direct;
 	o->kind = eng->kind;
 	if (eng->kind == NIO_URING && !o->direct && eng->requested == 0) {
 		/* auto: buffered files go through the portable engine */
@@ -404,12 +441,10 @@ static int open_file(EngineObject *eng, PyObject *path_arg, int writing,
 			goto fail;
 	}
 	return 0;
+fail_errno:
+	PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, o->path);
 fail:
-	if (o->fd >= 0)
-		close(o->fd);
-	o->fd = -1;
-	Py_CLEAR(o->path);
-	Py_CLEAR(o->reason);
+	opened_release(o);
 	return -1;
 }
 
@@ -559,9 +594,9 @@ typedef struct {
 	struct nio_ctx *ctx;
 	struct nio_writer w;
 	int fd;
-	int direct;
+	char direct;		/* char: T_BOOL members */
+	char closed;
 	int kind;
-	int closed;
 	int busy;
 	int failed;		/* errno of the failure that poisoned it */
 	double seconds;
@@ -607,11 +642,14 @@ static PyObject *Engine_open_writer(EngineObject *self, PyObject *args,
 	if (open_file(self, path, 1, &o))
 		return NULL;
 	w = PyObject_New(WriterObject, &WriterType);
-	if (!w)
-		goto fail;
+	if (!w) {
+		opened_release(&o);
+		return NULL;
+	}
+	/* the writer owns the fd and references from here on */
 	w->eng = (EngineObject *)Py_NewRef(self);
 	w->fd = o.fd;
-	w->direct = o.direct;
+	w->direct = (char)o.direct;
 	w->kind = o.kind;
 	w->closed = 0;
 	w->busy = 0;
@@ -621,19 +659,13 @@ static PyObject *Engine_open_writer(EngineObject *self, PyObject *args,
 	w->reason = o.reason;
 	w->ctx = engine_take_ctx(self, o.kind);
 	if (!w->ctx) {
+		close_fd(&w->fd);
 		w->closed = 1;
-		close(w->fd);
-		w->fd = -1;
 		Py_DECREF(w);
 		return NULL;
 	}
 	nio_writer_init(&w->w, w->ctx, w->fd, w->direct);
 	return (PyObject *)w;
-fail:
-	close(o.fd);
-	Py_XDECREF(o.path);
-	Py_XDECREF(o.reason);
-	return NULL;
 }
 
 /* Close without syncing: drain, close the fd, give the context back. */
@@ -648,9 +680,7 @@ static void writer_discard(WriterObject *self)
 		engine_return_ctx(self->eng, self->ctx);
 		self->ctx = NULL;
 	}
-	if (self->fd >= 0)
-		close(self->fd);
-	self->fd = -1;
+	close_fd(&self->fd);
 	self->closed = 1;
 }
 
@@ -701,7 +731,7 @@ static PyObject *Writer_close(WriterObject *self, PyObject *args,
 	PyObject *size_obj = Py_None;
 	unsigned long long size = 0;
 	struct nio_error e = {0};
-	int have_size = 0, rc = 0;
+	int have_size = 0, rc = 0, err;
 
 	if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O", kwlist, &size_obj))
 		return NULL;
@@ -732,16 +762,16 @@ static PyObject *Writer_close(WriterObject *self, PyObject *args,
 	rc = nio_writer_finish(&self->w, have_size, size, &e);
 	if (rc)
 		nio_writer_abort(&self->w);
-	if (close(self->fd) && !rc) {
+	err = close_fd(&self->fd);
+	if (err && !rc) {
 		rc = -1;
-		e.err = errno;
+		e.err = err;
 		e.op = "close";
 		e.has_off = 0;
 	}
 	self->seconds += now() - t0;
 	Py_END_ALLOW_THREADS
 	self->busy = 0;
-	self->fd = -1;
 	self->closed = 1;
 	engine_return_ctx(self->eng, self->ctx);
 	self->ctx = NULL;
@@ -803,49 +833,9 @@ static void Writer_dealloc(WriterObject *self)
 	PyObject_Free(self);
 }
 
-static PyObject *Writer_get_bytes(WriterObject *self, void *c)
-{
-	return PyLong_FromUnsignedLongLong(self->w.payload);
-}
-
-static PyObject *Writer_get_io_bytes(WriterObject *self, void *c)
-{
-	return PyLong_FromUnsignedLongLong(self->w.io_bytes);
-}
-
-static PyObject *Writer_get_seconds(WriterObject *self, void *c)
-{
-	return PyFloat_FromDouble(self->seconds);
-}
-
-static PyObject *Writer_get_direct(WriterObject *self, void *c)
-{
-	return PyBool_FromLong(self->direct);
-}
-
 static PyObject *Writer_get_engine(WriterObject *self, void *c)
 {
 	return PyUnicode_FromString(kind_name(self->kind));
-}
-
-static PyObject *Writer_get_closed(WriterObject *self, void *c)
-{
-	return PyBool_FromLong(self->closed);
-}
-
-static PyObject *Writer_get_path(WriterObject *self, void *c)
-{
-	return Py_NewRef(self->path);
-}
-
-static PyObject *Writer_get_reason(WriterObject *self, void *c)
-{
-	return Py_NewRef(self->reason ? self->reason : Py_None);
-}
-
-static PyObject *Writer_get_end(WriterObject *self, void *c)
-{
-	return PyLong_FromUnsignedLongLong(self->w.end);
 }
 
 /* ------------------------------------------------------------------ */
@@ -856,9 +846,9 @@ typedef struct {
 	EngineObject *eng;
 	struct nio_ctx *ctx;
 	int fd;
-	int direct;
+	char direct;		/* char: T_BOOL members */
+	char closed;
 	int kind;
-	int closed;
 	int busy;
 	uint64_t size;
 	uint64_t io_bytes;
@@ -875,33 +865,24 @@ static PyObject *Engine_open_reader(EngineObject *self, PyObject *args,
 	PyObject *path;
 	struct opened o;
 	ReaderObject *r;
-	struct stat st;
 
 	if (!PyArg_ParseTupleAndKeywords(args, kwds, "O", kwlist, &path))
 		return NULL;
 	if (open_file(self, path, 0, &o))
 		return NULL;
-	if (fstat(o.fd, &st)) {
-		PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, o.path);
-		close(o.fd);
-		Py_XDECREF(o.path);
-		Py_XDECREF(o.reason);
-		return NULL;
-	}
 	r = PyObject_New(ReaderObject, &ReaderType);
 	if (!r) {
-		close(o.fd);
-		Py_XDECREF(o.path);
-		Py_XDECREF(o.reason);
+		opened_release(&o);
 		return NULL;
 	}
+	/* the reader owns the fd and references from here on */
 	r->eng = (EngineObject *)Py_NewRef(self);
 	r->fd = o.fd;
-	r->direct = o.direct;
+	r->direct = (char)o.direct;
 	r->kind = o.kind;
 	r->closed = 0;
 	r->busy = 0;
-	r->size = (uint64_t)st.st_size;
+	r->size = o.size;
 	r->io_bytes = 0;
 	r->payload = 0;
 	r->seconds = 0;
@@ -909,9 +890,8 @@ static PyObject *Engine_open_reader(EngineObject *self, PyObject *args,
 	r->reason = o.reason;
 	r->ctx = engine_take_ctx(self, o.kind);
 	if (!r->ctx) {
+		close_fd(&r->fd);
 		r->closed = 1;
-		close(r->fd);
-		r->fd = -1;
 		Py_DECREF(r);
 		return NULL;
 	}
@@ -984,8 +964,7 @@ static PyObject *Reader_read(ReaderObject *self, PyObject *segments)
 		if (self->ctx->broken) {
 			engine_return_ctx(self->eng, self->ctx);
 			self->ctx = NULL;
-			close(self->fd);
-			self->fd = -1;
+			close_fd(&self->fd);
 			self->closed = 1;
 		}
 		if (e.err == ENODATA)
@@ -1000,6 +979,8 @@ static PyObject *Reader_read(ReaderObject *self, PyObject *segments)
 
 static PyObject *Reader_close(ReaderObject *self, PyObject *unused)
 {
+	int err;
+
 	if (self->closed)
 		Py_RETURN_NONE;
 	if (busy_check(self->busy, 0, "reader"))
@@ -1007,11 +988,9 @@ static PyObject *Reader_close(ReaderObject *self, PyObject *unused)
 	engine_return_ctx(self->eng, self->ctx);
 	self->ctx = NULL;
 	self->closed = 1;
-	if (self->fd >= 0 && close(self->fd)) {
-		self->fd = -1;
-		return raise_io(errno, self->path, "close", 0, 0, NULL);
-	}
-	self->fd = -1;
+	err = close_fd(&self->fd);
+	if (err)
+		return raise_io(err, self->path, "close", 0, 0, NULL);
 	Py_RETURN_NONE;
 }
 
@@ -1032,8 +1011,7 @@ static void Reader_dealloc(ReaderObject *self)
 {
 	if (!self->closed) {
 		engine_return_ctx(self->eng, self->ctx);
-		if (self->fd >= 0)
-			close(self->fd);
+		close_fd(&self->fd);
 	}
 	Py_CLEAR(self->eng);
 	Py_CLEAR(self->path);
@@ -1041,49 +1019,9 @@ static void Reader_dealloc(ReaderObject *self)
 	PyObject_Free(self);
 }
 
-static PyObject *Reader_get_size(ReaderObject *self, void *c)
-{
-	return PyLong_FromUnsignedLongLong(self->size);
-}
-
-static PyObject *Reader_get_bytes(ReaderObject *self, void *c)
-{
-	return PyLong_FromUnsignedLongLong(self->payload);
-}
-
-static PyObject *Reader_get_io_bytes(ReaderObject *self, void *c)
-{
-	return PyLong_FromUnsignedLongLong(self->io_bytes);
-}
-
-static PyObject *Reader_get_seconds(ReaderObject *self, void *c)
-{
-	return PyFloat_FromDouble(self->seconds);
-}
-
-static PyObject *Reader_get_direct(ReaderObject *self, void *c)
-{
-	return PyBool_FromLong(self->direct);
-}
-
 static PyObject *Reader_get_engine(ReaderObject *self, void *c)
 {
 	return PyUnicode_FromString(kind_name(self->kind));
-}
-
-static PyObject *Reader_get_closed(ReaderObject *self, void *c)
-{
-	return PyBool_FromLong(self->closed);
-}
-
-static PyObject *Reader_get_path(ReaderObject *self, void *c)
-{
-	return Py_NewRef(self->path);
-}
-
-static PyObject *Reader_get_reason(ReaderObject *self, void *c)
-{
-	return Py_NewRef(self->reason ? self->reason : Py_None);
 }
 
 /* ------------------------------------------------------------------ */
@@ -1155,13 +1093,15 @@ static PyObject *mod_info(PyObject *m, PyObject *unused)
 	    dict_set(d, "default_block_size", PyLong_FromUnsignedLong(NIO_DEFAULT_BLOCK)) ||
 	    dict_set(d, "default_queue_depth", PyLong_FromUnsignedLong(NIO_DEFAULT_QD)) ||
 	    dict_set(d, "crc32c", PyUnicode_FromString(nio_crc32c_impl())) ||
-	    dict_set(d, "align", PyLong_FromUnsignedLong(NIO_ALIGN))) {
+	    dict_set(d, "align", PyLong_FromUnsignedLong(NIO_ALIGN)) ||
+	    dict_set(d, "testing", PyBool_FromLong(NIO_TESTING_BUILD))) {
 		Py_DECREF(d);
 		return NULL;
 	}
 	return d;
 }
 
+#ifdef NATIVE_IO_TESTING
 static PyObject *mod_inject(PyObject *m, PyObject *args, PyObject *kwds)
 {
 	static char *kwlist[] = {"short_every", "eintr_every", "eio_at",
@@ -1179,16 +1119,23 @@ static PyObject *mod_inject(PyObject *m, PyObject *args, PyObject *kwds)
 	nio_faults_set(s, i, e, rd, ru);
 	Py_RETURN_NONE;
 }
+#endif /* NATIVE_IO_TESTING */
 
 /* ------------------------------------------------------------------ */
 /* type tables                                                         */
 
+/* Plain fields are members; PyGetSetDef only for computed values. */
+static PyMemberDef Engine_members[] = {
+	{"block_size", T_ULONGLONG, offsetof(EngineObject, block_size), READONLY, "bytes per transfer"},
+	{"queue_depth", T_UINT, offsetof(EngineObject, qd), READONLY, "transfers in flight"},
+	{"direct", T_BOOL, offsetof(EngineObject, direct), READONLY, "O_DIRECT requested"},
+	{"fallback_reason", T_OBJECT, offsetof(EngineObject, fallback_reason), READONLY,
+	 "why uring is not used (auto), or None"},
+	{NULL}
+};
+
 static PyGetSetDef Engine_getset[] = {
 	{"engine", (getter)Engine_get_engine, NULL, "engine in use: 'uring' or 'portable'", NULL},
-	{"block_size", (getter)Engine_get_block_size, NULL, "bytes per transfer", NULL},
-	{"queue_depth", (getter)Engine_get_qd, NULL, "transfers in flight", NULL},
-	{"direct", (getter)Engine_get_direct, NULL, "O_DIRECT requested", NULL},
-	{"fallback_reason", (getter)Engine_get_fallback, NULL, "why uring is not used (auto), or None", NULL},
 	{"arena_bytes", (getter)Engine_get_arena_bytes, NULL, "bytes of idle staging arena held", NULL},
 	{NULL}
 };
@@ -1204,16 +1151,24 @@ static PyMethodDef Engine_methods[] = {
 	{NULL}
 };
 
+static PyMemberDef Writer_members[] = {
+	{"bytes_written", T_ULONGLONG, offsetof(WriterObject, w.payload), READONLY,
+	 "payload bytes handed to write()"},
+	{"io_bytes", T_ULONGLONG, offsetof(WriterObject, w.io_bytes), READONLY,
+	 "bytes transferred to the file (incl. padding)"},
+	{"seconds", T_DOUBLE, offsetof(WriterObject, seconds), READONLY,
+	 "wall time spent in write() and close()"},
+	{"direct", T_BOOL, offsetof(WriterObject, direct), READONLY, "file is open with O_DIRECT"},
+	{"closed", T_BOOL, offsetof(WriterObject, closed), READONLY, NULL},
+	{"path", T_OBJECT, offsetof(WriterObject, path), READONLY, NULL},
+	{"fallback_reason", T_OBJECT, offsetof(WriterObject, reason), READONLY,
+	 "why not uring/O_DIRECT, or None"},
+	{"end", T_ULONGLONG, offsetof(WriterObject, w.end), READONLY, "end offset of the last segment"},
+	{NULL}
+};
+
 static PyGetSetDef Writer_getset[] = {
-	{"bytes_written", (getter)Writer_get_bytes, NULL, "payload bytes handed to write()", NULL},
-	{"io_bytes", (getter)Writer_get_io_bytes, NULL, "bytes transferred to the file (incl. padding)", NULL},
-	{"seconds", (getter)Writer_get_seconds, NULL, "wall time spent in write() and close()", NULL},
-	{"direct", (getter)Writer_get_direct, NULL, "file is open with O_DIRECT", NULL},
 	{"engine", (getter)Writer_get_engine, NULL, "engine used for this file", NULL},
-	{"closed", (getter)Writer_get_closed, NULL, NULL, NULL},
-	{"path", (getter)Writer_get_path, NULL, NULL, NULL},
-	{"fallback_reason", (getter)Writer_get_reason, NULL, "why not uring/O_DIRECT, or None", NULL},
-	{"end", (getter)Writer_get_end, NULL, "end offset of the last segment", NULL},
 	{NULL}
 };
 
@@ -1227,16 +1182,22 @@ static PyMethodDef Writer_methods[] = {
 	{NULL}
 };
 
+static PyMemberDef Reader_members[] = {
+	{"size", T_ULONGLONG, offsetof(ReaderObject, size), READONLY, "file size (refreshed by read())"},
+	{"bytes_read", T_ULONGLONG, offsetof(ReaderObject, payload), READONLY, "payload bytes delivered"},
+	{"io_bytes", T_ULONGLONG, offsetof(ReaderObject, io_bytes), READONLY,
+	 "bytes transferred from the file"},
+	{"seconds", T_DOUBLE, offsetof(ReaderObject, seconds), READONLY, "wall time spent in read()"},
+	{"direct", T_BOOL, offsetof(ReaderObject, direct), READONLY, "file is open with O_DIRECT"},
+	{"closed", T_BOOL, offsetof(ReaderObject, closed), READONLY, NULL},
+	{"path", T_OBJECT, offsetof(ReaderObject, path), READONLY, NULL},
+	{"fallback_reason", T_OBJECT, offsetof(ReaderObject, reason), READONLY,
+	 "why not uring/O_DIRECT, or None"},
+	{NULL}
+};
+
 static PyGetSetDef Reader_getset[] = {
-	{"size", (getter)Reader_get_size, NULL, "file size (refreshed by read())", NULL},
-	{"bytes_read", (getter)Reader_get_bytes, NULL, "payload bytes delivered", NULL},
-	{"io_bytes", (getter)Reader_get_io_bytes, NULL, "bytes transferred from the file", NULL},
-	{"seconds", (getter)Reader_get_seconds, NULL, "wall time spent in read()", NULL},
-	{"direct", (getter)Reader_get_direct, NULL, "file is open with O_DIRECT", NULL},
 	{"engine", (getter)Reader_get_engine, NULL, "engine used for this file", NULL},
-	{"closed", (getter)Reader_get_closed, NULL, NULL, NULL},
-	{"path", (getter)Reader_get_path, NULL, NULL, NULL},
-	{"fallback_reason", (getter)Reader_get_reason, NULL, "why not uring/O_DIRECT, or None", NULL},
 	{NULL}
 };
 
@@ -1259,6 +1220,7 @@ static PyTypeObject EngineType = {
 	.tp_init = (initproc)Engine_init,
 	.tp_dealloc = (destructor)Engine_dealloc,
 	.tp_methods = Engine_methods,
+	.tp_members = Engine_members,
 	.tp_getset = Engine_getset,
 };
 
@@ -1270,6 +1232,7 @@ static PyTypeObject WriterType = {
 	.tp_doc = "Coalescing writer; create with IOEngine.open_writer(path)",
 	.tp_dealloc = (destructor)Writer_dealloc,
 	.tp_methods = Writer_methods,
+	.tp_members = Writer_members,
 	.tp_getset = Writer_getset,
 };
 
@@ -1281,6 +1244,7 @@ static PyTypeObject ReaderType = {
 	.tp_doc = "Extent reader; create with IOEngine.open_reader(path)",
 	.tp_dealloc = (destructor)Reader_dealloc,
 	.tp_methods = Reader_methods,
+	.tp_members = Reader_members,
 	.tp_getset = Reader_getset,
 };
 
@@ -1288,20 +1252,22 @@ static PyMethodDef module_methods[] = {
 	{"crc32c", (PyCFunction)(void (*)(void))mod_crc32c, METH_VARARGS | METH_KEYWORDS,
 	 "crc32c(buf, value=0) -> int: CRC-32C (Castagnoli), chainable"},
 	{"info", (PyCFunction)mod_info, METH_NOARGS, "info() -> dict describing the build and defaults"},
+#ifdef NATIVE_IO_TESTING
 	{"_inject_faults", (PyCFunction)(void (*)(void))mod_inject, METH_VARARGS | METH_KEYWORDS,
 	 "_inject_faults(short_every=0, eintr_every=0, eio_at=0, refuse_direct=False, refuse_uring=False)"},
+#endif
 	{NULL}
 };
 
 static struct PyModuleDef moduledef = {
 	PyModuleDef_HEAD_INIT,
-	.m_name = "native_io._native_io",
+	.m_name = NIO_MODULE_NAME,
 	.m_doc = "Coalescing io_uring checkpoint I/O engine",
 	.m_size = -1,
 	.m_methods = module_methods,
 };
 
-PyMODINIT_FUNC PyInit__native_io(void)
+PyMODINIT_FUNC NIO_PYINIT(void)
 {
 	PyObject *m;
 

@@ -117,6 +117,11 @@ static inline char *nio_slot(struct nio_ctx *ctx, unsigned i)
 }
 
 /* iocore.c */
+#ifdef NATIVE_IO_TESTING
+/*
+ * Test-only fault injection. Compiled into native_io._native_io_testing
+ * only, so the release module has no way to corrupt I/O on purpose.
+ */
 struct nio_faults {
 	long short_every;
 	long eintr_every;
@@ -127,6 +132,10 @@ struct nio_faults {
 extern struct nio_faults nio_faults;
 void nio_faults_set(long short_every, long eintr_every, long eio_at,
 		    int refuse_direct, int refuse_uring);
+#define NIO_FAULT(field) (nio_faults.field)
+#else
+#define NIO_FAULT(field) 0
+#endif
 void nio_req_setup(struct nio_req *req, int fd, int op, int direct,
 		   char *buf, uint64_t off, size_t len, size_t need);
 void nio_req_start(struct nio_ctx *ctx, struct nio_req *req);

@@ -133,7 +133,7 @@ int nio_uring_init(struct nio_ctx *ctx, char *why, size_t whylen)
 	unsigned entries = 8;
 	int ret;
 
-	if (nio_faults.refuse_uring) {
+	if (NIO_FAULT(refuse_uring)) {
 		snprintf(why, whylen,
 			 "io_uring_queue_init failed: %s (simulated by _inject_faults)",
 			 strerror(EPERM));
@@ -165,7 +165,7 @@ int nio_uring_probe(char *why, size_t whylen)
 	struct io_uring_cqe *cqe;
 	int ret;
 
-	if (nio_faults.refuse_uring) {
+	if (NIO_FAULT(refuse_uring)) {
 		snprintf(why, whylen,
 			 "io_uring_queue_init failed: %s (simulated by _inject_faults)",
 			 strerror(EPERM));
