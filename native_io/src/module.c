@@ -20,12 +20,12 @@
 
 /* The init symbol must match the last component of the module name. */
 #ifdef NATIVE_IO_TESTING
-#define NIO_MODULE_NAME "native_io._native_io_testing"
-#define NIO_PYINIT PyInit__native_io_testing
+#define NIO_MODULE_NAME	  "native_io._native_io_testing"
+#define NIO_PYINIT	  PyInit__native_io_testing
 #define NIO_TESTING_BUILD 1
 #else
-#define NIO_MODULE_NAME "native_io._native_io"
-#define NIO_PYINIT PyInit__native_io
+#define NIO_MODULE_NAME	  "native_io._native_io"
+#define NIO_PYINIT	  PyInit__native_io
 #define NIO_TESTING_BUILD 0
 #endif
 
@@ -46,21 +46,19 @@ static double now(void)
 }
 
 /* Raise NativeIOError(errno, "strerror (op at offset N)", path). */
-static PyObject *raise_io(int err, PyObject *path, const char *op,
-			  int has_off, uint64_t off, const char *detail)
+static PyObject *raise_io(int err, PyObject *path, const char *op, int has_off, uint64_t off,
+			  const char *detail)
 {
 	PyObject *exc, *v;
 	char msg[512];
 
 	if (has_off)
-		snprintf(msg, sizeof(msg), "%s (%s at offset %llu%s%s)",
-			 strerror(err), op, (unsigned long long)off,
-			 detail ? ": " : "", detail ? detail : "");
+		snprintf(msg, sizeof(msg), "%s (%s at offset %llu%s%s)", strerror(err), op,
+			 (unsigned long long)off, detail ? ": " : "", detail ? detail : "");
 	else
-		snprintf(msg, sizeof(msg), "%s (%s%s%s)", strerror(err), op,
-			 detail ? ": " : "", detail ? detail : "");
-	exc = PyObject_CallFunction(NativeIOError, "isO", err, msg,
-				    path ? path : Py_None);
+		snprintf(msg, sizeof(msg), "%s (%s%s%s)", strerror(err), op, detail ? ": " : "",
+			 detail ? detail : "");
+	exc = PyObject_CallFunction(NativeIOError, "isO", err, msg, path ? path : Py_None);
 	if (!exc)
 		return NULL;
 	v = PyUnicode_FromString(op);
@@ -121,13 +119,13 @@ static int uring_usable(const char **why)
 
 typedef struct {
 	PyObject_HEAD
-	int kind;		/* engine in use */
-	int requested;		/* 0 = auto */
+	int kind;      /* engine in use */
+	int requested; /* 0 = auto */
 	unsigned long long block_size;
 	unsigned int qd;
-	char direct;		/* char: exposed as a T_BOOL member */
-	struct nio_ctx *cache[3];	/* idle contexts, by kind */
-	PyObject *fallback_reason;	/* str or None */
+	char direct;		   /* char: exposed as a T_BOOL member */
+	struct nio_ctx *cache[3];  /* idle contexts, by kind */
+	PyObject *fallback_reason; /* str or None */
 } EngineObject;
 
 static struct nio_ctx *engine_take_ctx(EngineObject *eng, int kind)
@@ -147,16 +145,15 @@ static struct nio_ctx *engine_take_ctx(EngineObject *eng, int kind)
 		ctx = NULL;
 	}
 	Py_BEGIN_ALLOW_THREADS
-	err = nio_ctx_create(kind, eng->block_size, eng->qd, &ctx, why,
-			     sizeof(why));
+	err = nio_ctx_create(kind, eng->block_size, eng->qd, &ctx, why, sizeof(why));
 	Py_END_ALLOW_THREADS
 	if (err) {
 		if (err == ENOMEM)
 			PyErr_NoMemory();
 		else
 			PyErr_Format(PyExc_RuntimeError,
-				     "native_io: cannot start the %s engine: %s",
-				     kind_name(kind), why);
+				     "native_io: cannot start the %s engine: %s", kind_name(kind),
+				     why);
 		return NULL;
 	}
 	return ctx;
@@ -172,7 +169,7 @@ static void destroy_ctx_nogil(struct nio_ctx *ctx)
 static void engine_return_ctx(EngineObject *eng, struct nio_ctx *ctx)
 {
 	if (!ctx || ctx->pid != getpid())
-		return;	/* see engine_take_ctx: never touch a parent's ctx */
+		return; /* see engine_take_ctx: never touch a parent's ctx */
 	if (!ctx->broken && !ctx->inflight && !eng->cache[ctx->kind]) {
 		eng->cache[ctx->kind] = ctx;
 		return;
@@ -193,16 +190,14 @@ static void engine_release_all(EngineObject *eng)
 
 static int Engine_init(EngineObject *self, PyObject *args, PyObject *kwds)
 {
-	static char *kwlist[] = {"engine", "block_size", "queue_depth",
-				 "direct", NULL};
+	static char *kwlist[] = { "engine", "block_size", "queue_depth", "direct", NULL };
 	const char *engine = "auto";
 	Py_ssize_t bs = NIO_DEFAULT_BLOCK, qd = NIO_DEFAULT_QD;
 	int direct = 1, want;
 	const char *why = NULL;
 	struct nio_ctx *ctx;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kwds, "|snnp", kwlist, &engine,
-					 &bs, &qd, &direct))
+	if (!PyArg_ParseTupleAndKeywords(args, kwds, "|snnp", kwlist, &engine, &bs, &qd, &direct))
 		return -1;
 	if (!strcmp(engine, "auto"))
 		want = 0;
@@ -216,16 +211,14 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kwds)
 			     PyTuple_Size(args) ? PyTuple_GET_ITEM(args, 0) : Py_None);
 		return -1;
 	}
-	if (bs < (Py_ssize_t)NIO_ALIGN || bs % NIO_ALIGN ||
-	    bs > (Py_ssize_t)NIO_MAX_BLOCK) {
+	if (bs < (Py_ssize_t)NIO_ALIGN || bs % NIO_ALIGN || bs > (Py_ssize_t)NIO_MAX_BLOCK) {
 		PyErr_Format(PyExc_ValueError,
 			     "block_size must be a multiple of %u between %u and %u, got %zd",
 			     NIO_ALIGN, NIO_ALIGN, NIO_MAX_BLOCK, bs);
 		return -1;
 	}
 	if (qd < 1 || qd > (Py_ssize_t)NIO_MAX_QD) {
-		PyErr_Format(PyExc_ValueError,
-			     "queue_depth must be between 1 and %u, got %zd",
+		PyErr_Format(PyExc_ValueError, "queue_depth must be between 1 and %u, got %zd",
 			     NIO_MAX_QD, qd);
 		return -1;
 	}
@@ -325,9 +318,9 @@ struct opened {
 	int fd;
 	int direct;
 	int kind;
-	uint64_t size;		/* st_size at open (readers) */
-	PyObject *reason;	/* why not uring / not O_DIRECT, or NULL */
-	PyObject *path;		/* fspath(path) */
+	uint64_t size;	  /* st_size at open (readers) */
+	PyObject *reason; /* why not uring / not O_DIRECT, or NULL */
+	PyObject *path;	  /* fspath(path) */
 };
 
 /*
@@ -349,8 +342,7 @@ static int close_fd(int *fd)
  * back to buffered when the filesystem refuses it (EINVAL), clearing *direct
  * and saying why. Returns the fd or -errno. Runs without the GIL.
  */
-static int open_fd(const char *cpath, int flags, int *direct, char *why,
-		   size_t whylen)
+static int open_fd(const char *cpath, int flags, int *direct, char *why, size_t whylen)
 {
 	int fd;
 
@@ -363,8 +355,7 @@ static int open_fd(const char *cpath, int flags, int *direct, char *why,
 		if (errno != EINVAL)
 			return -errno;
 		*direct = 0;
-		snprintf(why, whylen,
-			 "O_DIRECT refused by the filesystem (open: EINVAL)");
+		snprintf(why, whylen, "O_DIRECT refused by the filesystem (open: EINVAL)");
 	}
 	do {
 		fd = open(cpath, flags, 0644);
@@ -384,11 +375,9 @@ static void opened_release(struct opened *o)
  * engine kind for the file and, for readers, its size. On failure raise
  * OSError(errno, strerror, path) and leave nothing open.
  */
-static int open_file(EngineObject *eng, PyObject *path_arg, int writing,
-		     struct opened *o)
+static int open_file(EngineObject *eng, PyObject *path_arg, int writing, struct opened *o)
 {
-	int flags = writing ? O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC
-			    : O_RDONLY | O_CLOEXEC;
+	int flags = writing ? O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC : O_RDONLY | O_CLOEXEC;
 	int direct = eng->direct, refused = 0, fd, err = 0;
 	PyObject *bytes = NULL;
 	char why[200] = "";
@@ -407,8 +396,7 @@ static int open_file(EngineObject *eng, PyObject *path_arg, int writing,
 			 "O_DIRECT refused by the filesystem (simulated by _inject_faults)");
 	}
 	Py_BEGIN_ALLOW_THREADS
-	fd = open_fd(PyBytes_AS_STRING(bytes), flags, &direct, why,
-		     sizeof(why));
+	fd = open_fd(PyBytes_AS_STRING(bytes), flags, &direct, why, sizeof(why));
 	if (fd >= 0 && !writing && fstat(fd, &st))
 		err = errno;
 	Py_END_ALLOW_THREADS
@@ -473,15 +461,13 @@ static void segs_release(struct segs *S)
 }
 
 /* Parse [(offset, buffer), ...]; writers check order against *end. */
-static int segs_parse(PyObject *segments, int writable, uint64_t *end,
-		      struct segs *S)
+static int segs_parse(PyObject *segments, int writable, uint64_t *end, struct segs *S)
 {
 	PyObject *seq;
 	uint64_t prev = end ? *end : 0;
 
 	memset(S, 0, sizeof(*S));
-	seq = PySequence_Fast(segments,
-			      "segments must be a sequence of (offset, buffer) pairs");
+	seq = PySequence_Fast(segments, "segments must be a sequence of (offset, buffer) pairs");
 	if (!seq)
 		return -1;
 	S->n = PySequence_Fast_GET_SIZE(seq);
@@ -510,8 +496,7 @@ static int segs_parse(PyObject *segments, int writable, uint64_t *end,
 		o = PySequence_Fast_GET_ITEM(pair, 0);
 		if (!PyLong_Check(o) && !PyIndex_Check(o)) {
 			Py_DECREF(pair);
-			PyErr_Format(PyExc_TypeError,
-				     "segment %zd: offset must be an int", i);
+			PyErr_Format(PyExc_TypeError, "segment %zd: offset must be an int", i);
 			goto fail;
 		}
 		{
@@ -525,19 +510,19 @@ static int segs_parse(PyObject *segments, int writable, uint64_t *end,
 			Py_DECREF(idx);
 			if (off == (unsigned long long)-1 && PyErr_Occurred()) {
 				Py_DECREF(pair);
-				PyErr_Format(PyExc_ValueError,
-					     "segment %zd: offset must be a non-negative int below 2**63", i);
+				PyErr_Format(
+					PyExc_ValueError,
+					"segment %zd: offset must be a non-negative int below 2**63",
+					i);
 				goto fail;
 			}
 			if (off > (unsigned long long)INT64_MAX) {
 				Py_DECREF(pair);
-				PyErr_Format(PyExc_ValueError,
-					     "segment %zd: offset too large", i);
+				PyErr_Format(PyExc_ValueError, "segment %zd: offset too large", i);
 				goto fail;
 			}
 		}
-		rc = PyObject_GetBuffer(PySequence_Fast_GET_ITEM(pair, 1),
-					&S->views[i],
+		rc = PyObject_GetBuffer(PySequence_Fast_GET_ITEM(pair, 1), &S->views[i],
 					writable ? PyBUF_WRITABLE : PyBUF_SIMPLE);
 		Py_DECREF(pair);
 		if (rc < 0)
@@ -545,15 +530,15 @@ static int segs_parse(PyObject *segments, int writable, uint64_t *end,
 		S->nheld = i + 1;
 		S->offs[i] = off;
 		if ((uint64_t)S->views[i].len > (uint64_t)INT64_MAX - off) {
-			PyErr_Format(PyExc_ValueError,
-				     "segment %zd: offset + length overflows", i);
+			PyErr_Format(PyExc_ValueError, "segment %zd: offset + length overflows", i);
 			goto fail;
 		}
 		if (end) {
 			if (off < prev) {
-				PyErr_Format(PyExc_ValueError,
-					     "segment %zd: offset %llu is before the end of the previous data (%llu); offsets must be increasing and non-overlapping",
-					     i, off, (unsigned long long)prev);
+				PyErr_Format(
+					PyExc_ValueError,
+					"segment %zd: offset %llu is before the end of the previous data (%llu); offsets must be increasing and non-overlapping",
+					i, off, (unsigned long long)prev);
 				goto fail;
 			}
 			prev = off + (uint64_t)S->views[i].len;
@@ -594,11 +579,11 @@ typedef struct {
 	struct nio_ctx *ctx;
 	struct nio_writer w;
 	int fd;
-	char direct;		/* char: T_BOOL members */
+	char direct; /* char: T_BOOL members */
 	char closed;
 	int kind;
 	int busy;
-	int failed;		/* errno of the failure that poisoned it */
+	int failed; /* errno of the failure that poisoned it */
 	double seconds;
 	PyObject *path;
 	PyObject *reason;
@@ -607,9 +592,10 @@ typedef struct {
 static int fork_check(struct nio_ctx *ctx, const char *what)
 {
 	if (ctx && ctx->pid != getpid()) {
-		PyErr_Format(PyExc_RuntimeError,
-			     "native_io: this %s was opened in another process (fork); open it again here",
-			     what);
+		PyErr_Format(
+			PyExc_RuntimeError,
+			"native_io: this %s was opened in another process (fork); open it again here",
+			what);
 		return -1;
 	}
 	return 0;
@@ -618,8 +604,7 @@ static int fork_check(struct nio_ctx *ctx, const char *what)
 static int busy_check(int busy, int closed, const char *what)
 {
 	if (busy) {
-		PyErr_Format(PyExc_RuntimeError,
-			     "native_io: %s is in use by another thread", what);
+		PyErr_Format(PyExc_RuntimeError, "native_io: %s is in use by another thread", what);
 		return -1;
 	}
 	if (closed) {
@@ -629,10 +614,9 @@ static int busy_check(int busy, int closed, const char *what)
 	return 0;
 }
 
-static PyObject *Engine_open_writer(EngineObject *self, PyObject *args,
-				    PyObject *kwds)
+static PyObject *Engine_open_writer(EngineObject *self, PyObject *args, PyObject *kwds)
 {
-	static char *kwlist[] = {"path", NULL};
+	static char *kwlist[] = { "path", NULL };
 	PyObject *path;
 	struct opened o;
 	WriterObject *w;
@@ -686,13 +670,12 @@ static void writer_discard(WriterObject *self)
 
 static PyObject *Writer_write(WriterObject *self, PyObject *segments)
 {
-	struct nio_error e = {0};
+	struct nio_error e = { 0 };
 	struct segs S;
 	PyObject *res;
 	int rc = 0;
 
-	if (busy_check(self->busy, self->closed, "writer") ||
-	    fork_check(self->ctx, "writer"))
+	if (busy_check(self->busy, self->closed, "writer") || fork_check(self->ctx, "writer"))
 		return NULL;
 	if (self->failed)
 		return raise_io(self->failed, self->path, "write", 0, 0,
@@ -704,8 +687,8 @@ static PyObject *Writer_write(WriterObject *self, PyObject *segments)
 	double t0 = now();
 
 	for (Py_ssize_t i = 0; i < S.n; i++) {
-		rc = nio_writer_put(&self->w, S.offs[i], S.views[i].buf,
-				    (size_t)S.views[i].len, &S.crcs[i], &e);
+		rc = nio_writer_put(&self->w, S.offs[i], S.views[i].buf, (size_t)S.views[i].len,
+				    &S.crcs[i], &e);
 		if (rc)
 			break;
 	}
@@ -724,21 +707,19 @@ static PyObject *Writer_write(WriterObject *self, PyObject *segments)
 	return res;
 }
 
-static PyObject *Writer_close(WriterObject *self, PyObject *args,
-			      PyObject *kwds)
+static PyObject *Writer_close(WriterObject *self, PyObject *args, PyObject *kwds)
 {
-	static char *kwlist[] = {"size", NULL};
+	static char *kwlist[] = { "size", NULL };
 	PyObject *size_obj = Py_None;
 	unsigned long long size = 0;
-	struct nio_error e = {0};
+	struct nio_error e = { 0 };
 	int have_size = 0, rc = 0, err;
 
 	if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O", kwlist, &size_obj))
 		return NULL;
 	if (self->closed)
 		Py_RETURN_NONE;
-	if (busy_check(self->busy, 0, "writer") ||
-	    fork_check(self->ctx, "writer"))
+	if (busy_check(self->busy, 0, "writer") || fork_check(self->ctx, "writer"))
 		return NULL;
 	if (size_obj != Py_None) {
 		size = PyLong_AsUnsignedLongLong(size_obj);
@@ -820,9 +801,10 @@ static void Writer_dealloc(WriterObject *self)
 		/* unflushed data is dropped: say so, like an unclosed file */
 		PyErr_Fetch(&et, &ev, &tb);
 		/* no source object: self is being freed, it must not be kept */
-		if (PyErr_WarnFormat(PyExc_ResourceWarning, 1,
-					  "native_io writer for %R was never closed; staged data discarded",
-					  self->path ? self->path : Py_None) < 0)
+		if (PyErr_WarnFormat(
+			    PyExc_ResourceWarning, 1,
+			    "native_io writer for %R was never closed; staged data discarded",
+			    self->path ? self->path : Py_None) < 0)
 			PyErr_WriteUnraisable((PyObject *)self);
 		PyErr_Restore(et, ev, tb);
 	}
@@ -846,7 +828,7 @@ typedef struct {
 	EngineObject *eng;
 	struct nio_ctx *ctx;
 	int fd;
-	char direct;		/* char: T_BOOL members */
+	char direct; /* char: T_BOOL members */
 	char closed;
 	int kind;
 	int busy;
@@ -858,10 +840,9 @@ typedef struct {
 	PyObject *reason;
 } ReaderObject;
 
-static PyObject *Engine_open_reader(EngineObject *self, PyObject *args,
-				    PyObject *kwds)
+static PyObject *Engine_open_reader(EngineObject *self, PyObject *args, PyObject *kwds)
 {
-	static char *kwlist[] = {"path", NULL};
+	static char *kwlist[] = { "path", NULL };
 	PyObject *path;
 	struct opened o;
 	ReaderObject *r;
@@ -900,7 +881,7 @@ static PyObject *Engine_open_reader(EngineObject *self, PyObject *args,
 
 static PyObject *Reader_read(ReaderObject *self, PyObject *segments)
 {
-	struct nio_error e = {0};
+	struct nio_error e = { 0 };
 	struct nio_rseg *rs;
 	struct segs S;
 	struct stat st;
@@ -908,8 +889,7 @@ static PyObject *Reader_read(ReaderObject *self, PyObject *segments)
 	uint64_t io = 0;
 	int rc;
 
-	if (busy_check(self->busy, self->closed, "reader") ||
-	    fork_check(self->ctx, "reader"))
+	if (busy_check(self->busy, self->closed, "reader") || fork_check(self->ctx, "reader"))
 		return NULL;
 	if (segs_parse(segments, 1, NULL, &S))
 		return NULL;
@@ -923,15 +903,16 @@ static PyObject *Reader_read(ReaderObject *self, PyObject *segments)
 		char detail[160];
 
 		if (end > self->size) {
-			snprintf(detail, sizeof(detail),
-				 "segment of %zd bytes ends at %llu but the file has %llu bytes; truncated file?",
-				 S.views[i].len, (unsigned long long)end,
-				 (unsigned long long)self->size);
+			snprintf(
+				detail, sizeof(detail),
+				"segment of %zd bytes ends at %llu but the file has %llu bytes; truncated file?",
+				S.views[i].len, (unsigned long long)end,
+				(unsigned long long)self->size);
 			uint64_t at = S.offs[i] > self->size ? S.offs[i] : self->size;
 
 			segs_release(&S);
-			return raise_io(ENODATA, self->path, "read past end of file",
-					1, at, detail);
+			return raise_io(ENODATA, self->path, "read past end of file", 1, at,
+					detail);
 		}
 	}
 	rs = PyMem_Calloc(S.n ? S.n : 1, sizeof(*rs));
@@ -948,8 +929,8 @@ static PyObject *Reader_read(ReaderObject *self, PyObject *segments)
 	Py_BEGIN_ALLOW_THREADS
 	double t0 = now();
 
-	rc = nio_read_segments(self->ctx, self->fd, self->direct, self->size,
-			       rs, (size_t)S.n, &io, &e);
+	rc = nio_read_segments(self->ctx, self->fd, self->direct, self->size, rs, (size_t)S.n, &io,
+			       &e);
 	self->seconds += now() - t0;
 	Py_END_ALLOW_THREADS
 	self->busy = 0;
@@ -968,8 +949,8 @@ static PyObject *Reader_read(ReaderObject *self, PyObject *segments)
 			self->closed = 1;
 		}
 		if (e.err == ENODATA)
-			return raise_io(ENODATA, self->path, "read past end of file",
-					1, e.off, "file shrank while reading");
+			return raise_io(ENODATA, self->path, "read past end of file", 1, e.off,
+					"file shrank while reading");
 		return raise_nio(&e, self->path);
 	}
 	res = crc_list(&S);
@@ -1029,7 +1010,7 @@ static PyObject *Reader_get_engine(ReaderObject *self, void *c)
 
 static PyObject *mod_crc32c(PyObject *m, PyObject *args, PyObject *kwds)
 {
-	static char *kwlist[] = {"buf", "value", NULL};
+	static char *kwlist[] = { "buf", "value", NULL };
 	unsigned long long value = 0;
 	PyObject *obj, *vobj = NULL;
 	Py_buffer view;
@@ -1079,13 +1060,11 @@ static PyObject *mod_info(PyObject *m, PyObject *unused)
 
 	if (!d)
 		return NULL;
-	engines = nio_uring_compiled() ? Py_BuildValue("[ss]", "uring", "portable")
-				       : Py_BuildValue("[s]", "portable");
+	engines = nio_uring_compiled() ? Py_BuildValue("[ss]", "uring", "portable") :
+					 Py_BuildValue("[s]", "portable");
 	if (dict_set(d, "engines", engines) ||
-	    dict_set(d, "default_engine",
-		     PyUnicode_FromString(usable ? "uring" : "portable")) ||
-	    dict_set(d, "liburing", ver ? PyUnicode_FromString(ver)
-					: Py_NewRef(Py_None)) ||
+	    dict_set(d, "default_engine", PyUnicode_FromString(usable ? "uring" : "portable")) ||
+	    dict_set(d, "liburing", ver ? PyUnicode_FromString(ver) : Py_NewRef(Py_None)) ||
 	    dict_set(d, "liburing_compiled", PyBool_FromLong(nio_uring_compiled())) ||
 	    dict_set(d, "uring_usable", PyBool_FromLong(usable)) ||
 	    dict_set(d, "uring_refused_reason",
@@ -1104,13 +1083,12 @@ static PyObject *mod_info(PyObject *m, PyObject *unused)
 #ifdef NATIVE_IO_TESTING
 static PyObject *mod_inject(PyObject *m, PyObject *args, PyObject *kwds)
 {
-	static char *kwlist[] = {"short_every", "eintr_every", "eio_at",
-				 "refuse_direct", "refuse_uring", NULL};
+	static char *kwlist[] = { "short_every",   "eintr_every",  "eio_at",
+				  "refuse_direct", "refuse_uring", NULL };
 	long s = 0, i = 0, e = 0;
 	int rd = 0, ru = 0;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kwds, "|lllpp", kwlist, &s, &i,
-					 &e, &rd, &ru))
+	if (!PyArg_ParseTupleAndKeywords(args, kwds, "|lllpp", kwlist, &s, &i, &e, &rd, &ru))
 		return NULL;
 	if (s < 0 || i < 0 || e < 0) {
 		PyErr_SetString(PyExc_ValueError, "fault counts must be >= 0");
@@ -1126,93 +1104,101 @@ static PyObject *mod_inject(PyObject *m, PyObject *args, PyObject *kwds)
 
 /* Plain fields are members; PyGetSetDef only for computed values. */
 static PyMemberDef Engine_members[] = {
-	{"block_size", T_ULONGLONG, offsetof(EngineObject, block_size), READONLY, "bytes per transfer"},
-	{"queue_depth", T_UINT, offsetof(EngineObject, qd), READONLY, "transfers in flight"},
-	{"direct", T_BOOL, offsetof(EngineObject, direct), READONLY, "O_DIRECT requested"},
-	{"fallback_reason", T_OBJECT, offsetof(EngineObject, fallback_reason), READONLY,
-	 "why uring is not used (auto), or None"},
-	{NULL}
+	{ "block_size", T_ULONGLONG, offsetof(EngineObject, block_size), READONLY,
+	  "bytes per transfer" },
+	{ "queue_depth", T_UINT, offsetof(EngineObject, qd), READONLY, "transfers in flight" },
+	{ "direct", T_BOOL, offsetof(EngineObject, direct), READONLY, "O_DIRECT requested" },
+	{ "fallback_reason", T_OBJECT, offsetof(EngineObject, fallback_reason), READONLY,
+	  "why uring is not used (auto), or None" },
+	{ NULL },
 };
 
 static PyGetSetDef Engine_getset[] = {
-	{"engine", (getter)Engine_get_engine, NULL, "engine in use: 'uring' or 'portable'", NULL},
-	{"arena_bytes", (getter)Engine_get_arena_bytes, NULL, "bytes of idle staging arena held", NULL},
-	{NULL}
+	{ "engine", (getter)Engine_get_engine, NULL, "engine in use: 'uring' or 'portable'", NULL },
+	{ "arena_bytes", (getter)Engine_get_arena_bytes, NULL, "bytes of idle staging arena held",
+	  NULL },
+	{ NULL },
 };
 
 static PyMethodDef Engine_methods[] = {
-	{"open_writer", (PyCFunction)(void (*)(void))Engine_open_writer, METH_VARARGS | METH_KEYWORDS,
-	 "open_writer(path) -> Writer: create/truncate path for writing"},
-	{"open_reader", (PyCFunction)(void (*)(void))Engine_open_reader, METH_VARARGS | METH_KEYWORDS,
-	 "open_reader(path) -> Reader"},
-	{"close", (PyCFunction)Engine_close, METH_NOARGS, "free the idle staging arenas"},
-	{"__enter__", Engine_enter, METH_NOARGS, NULL},
-	{"__exit__", (PyCFunction)Engine_exit, METH_VARARGS, NULL},
-	{NULL}
+	{ "open_writer", (PyCFunction)(void (*)(void))Engine_open_writer,
+	  METH_VARARGS | METH_KEYWORDS,
+	  "open_writer(path) -> Writer: create/truncate path for writing" },
+	{ "open_reader", (PyCFunction)(void (*)(void))Engine_open_reader,
+	  METH_VARARGS | METH_KEYWORDS, "open_reader(path) -> Reader" },
+	{ "close", (PyCFunction)Engine_close, METH_NOARGS, "free the idle staging arenas" },
+	{ "__enter__", Engine_enter, METH_NOARGS, NULL },
+	{ "__exit__", (PyCFunction)Engine_exit, METH_VARARGS, NULL },
+	{ NULL },
 };
 
 static PyMemberDef Writer_members[] = {
-	{"bytes_written", T_ULONGLONG, offsetof(WriterObject, w.payload), READONLY,
-	 "payload bytes handed to write()"},
-	{"io_bytes", T_ULONGLONG, offsetof(WriterObject, w.io_bytes), READONLY,
-	 "bytes transferred to the file (incl. padding)"},
-	{"seconds", T_DOUBLE, offsetof(WriterObject, seconds), READONLY,
-	 "wall time spent in write() and close()"},
-	{"direct", T_BOOL, offsetof(WriterObject, direct), READONLY, "file is open with O_DIRECT"},
-	{"closed", T_BOOL, offsetof(WriterObject, closed), READONLY, NULL},
-	{"path", T_OBJECT, offsetof(WriterObject, path), READONLY, NULL},
-	{"fallback_reason", T_OBJECT, offsetof(WriterObject, reason), READONLY,
-	 "why not uring/O_DIRECT, or None"},
-	{"end", T_ULONGLONG, offsetof(WriterObject, w.end), READONLY, "end offset of the last segment"},
-	{NULL}
+	{ "bytes_written", T_ULONGLONG, offsetof(WriterObject, w.payload), READONLY,
+	  "payload bytes handed to write()" },
+	{ "io_bytes", T_ULONGLONG, offsetof(WriterObject, w.io_bytes), READONLY,
+	  "bytes transferred to the file (incl. padding)" },
+	{ "seconds", T_DOUBLE, offsetof(WriterObject, seconds), READONLY,
+	  "wall time spent in write() and close()" },
+	{ "direct", T_BOOL, offsetof(WriterObject, direct), READONLY,
+	  "file is open with O_DIRECT" },
+	{ "closed", T_BOOL, offsetof(WriterObject, closed), READONLY, NULL },
+	{ "path", T_OBJECT, offsetof(WriterObject, path), READONLY, NULL },
+	{ "fallback_reason", T_OBJECT, offsetof(WriterObject, reason), READONLY,
+	  "why not uring/O_DIRECT, or None" },
+	{ "end", T_ULONGLONG, offsetof(WriterObject, w.end), READONLY,
+	  "end offset of the last segment" },
+	{ NULL },
 };
 
 static PyGetSetDef Writer_getset[] = {
-	{"engine", (getter)Writer_get_engine, NULL, "engine used for this file", NULL},
-	{NULL}
+	{ "engine", (getter)Writer_get_engine, NULL, "engine used for this file", NULL },
+	{ NULL },
 };
 
 static PyMethodDef Writer_methods[] = {
-	{"write", (PyCFunction)Writer_write, METH_O,
-	 "write(segments) -> list[int]: stage [(offset, buffer), ...], return crc32c per segment"},
-	{"close", (PyCFunction)(void (*)(void))Writer_close, METH_VARARGS | METH_KEYWORDS,
-	 "close(size=None): flush, truncate, fdatasync, close (idempotent)"},
-	{"__enter__", Writer_enter, METH_NOARGS, NULL},
-	{"__exit__", (PyCFunction)Writer_exit, METH_VARARGS, NULL},
-	{NULL}
+	{ "write", (PyCFunction)Writer_write, METH_O,
+	  "write(segments) -> list[int]: stage [(offset, buffer), ...], return crc32c per segment" },
+	{ "close", (PyCFunction)(void (*)(void))Writer_close, METH_VARARGS | METH_KEYWORDS,
+	  "close(size=None): flush, truncate, fdatasync, close (idempotent)" },
+	{ "__enter__", Writer_enter, METH_NOARGS, NULL },
+	{ "__exit__", (PyCFunction)Writer_exit, METH_VARARGS, NULL },
+	{ NULL },
 };
 
 static PyMemberDef Reader_members[] = {
-	{"size", T_ULONGLONG, offsetof(ReaderObject, size), READONLY, "file size (refreshed by read())"},
-	{"bytes_read", T_ULONGLONG, offsetof(ReaderObject, payload), READONLY, "payload bytes delivered"},
-	{"io_bytes", T_ULONGLONG, offsetof(ReaderObject, io_bytes), READONLY,
-	 "bytes transferred from the file"},
-	{"seconds", T_DOUBLE, offsetof(ReaderObject, seconds), READONLY, "wall time spent in read()"},
-	{"direct", T_BOOL, offsetof(ReaderObject, direct), READONLY, "file is open with O_DIRECT"},
-	{"closed", T_BOOL, offsetof(ReaderObject, closed), READONLY, NULL},
-	{"path", T_OBJECT, offsetof(ReaderObject, path), READONLY, NULL},
-	{"fallback_reason", T_OBJECT, offsetof(ReaderObject, reason), READONLY,
-	 "why not uring/O_DIRECT, or None"},
-	{NULL}
+	{ "size", T_ULONGLONG, offsetof(ReaderObject, size), READONLY,
+	  "file size (refreshed by read())" },
+	{ "bytes_read", T_ULONGLONG, offsetof(ReaderObject, payload), READONLY,
+	  "payload bytes delivered" },
+	{ "io_bytes", T_ULONGLONG, offsetof(ReaderObject, io_bytes), READONLY,
+	  "bytes transferred from the file" },
+	{ "seconds", T_DOUBLE, offsetof(ReaderObject, seconds), READONLY,
+	  "wall time spent in read()" },
+	{ "direct", T_BOOL, offsetof(ReaderObject, direct), READONLY,
+	  "file is open with O_DIRECT" },
+	{ "closed", T_BOOL, offsetof(ReaderObject, closed), READONLY, NULL },
+	{ "path", T_OBJECT, offsetof(ReaderObject, path), READONLY, NULL },
+	{ "fallback_reason", T_OBJECT, offsetof(ReaderObject, reason), READONLY,
+	  "why not uring/O_DIRECT, or None" },
+	{ NULL },
 };
 
 static PyGetSetDef Reader_getset[] = {
-	{"engine", (getter)Reader_get_engine, NULL, "engine used for this file", NULL},
-	{NULL}
+	{ "engine", (getter)Reader_get_engine, NULL, "engine used for this file", NULL },
+	{ NULL },
 };
 
 static PyMethodDef Reader_methods[] = {
-	{"read", (PyCFunction)Reader_read, METH_O,
-	 "read(segments) -> list[int]: fill [(offset, writable buffer), ...], return crc32c per segment"},
-	{"close", (PyCFunction)Reader_close, METH_NOARGS, "close (idempotent)"},
-	{"__enter__", Writer_enter, METH_NOARGS, NULL},
-	{"__exit__", (PyCFunction)Reader_exit, METH_VARARGS, NULL},
-	{NULL}
+	{ "read", (PyCFunction)Reader_read, METH_O,
+	  "read(segments) -> list[int]: fill [(offset, writable buffer), ...], return crc32c per segment" },
+	{ "close", (PyCFunction)Reader_close, METH_NOARGS, "close (idempotent)" },
+	{ "__enter__", Writer_enter, METH_NOARGS, NULL },
+	{ "__exit__", (PyCFunction)Reader_exit, METH_VARARGS, NULL },
+	{ NULL },
 };
 
 static PyTypeObject EngineType = {
-	PyVarObject_HEAD_INIT(NULL, 0)
-	.tp_name = "native_io.IOEngine",
+	PyVarObject_HEAD_INIT(NULL, 0).tp_name = "native_io.IOEngine",
 	.tp_basicsize = sizeof(EngineObject),
 	.tp_flags = Py_TPFLAGS_DEFAULT,
 	.tp_doc = "IOEngine(engine='auto', block_size=..., queue_depth=..., direct=True)",
@@ -1225,8 +1211,7 @@ static PyTypeObject EngineType = {
 };
 
 static PyTypeObject WriterType = {
-	PyVarObject_HEAD_INIT(NULL, 0)
-	.tp_name = "native_io.Writer",
+	PyVarObject_HEAD_INIT(NULL, 0).tp_name = "native_io.Writer",
 	.tp_basicsize = sizeof(WriterObject),
 	.tp_flags = Py_TPFLAGS_DEFAULT,
 	.tp_doc = "Coalescing writer; create with IOEngine.open_writer(path)",
@@ -1237,8 +1222,7 @@ static PyTypeObject WriterType = {
 };
 
 static PyTypeObject ReaderType = {
-	PyVarObject_HEAD_INIT(NULL, 0)
-	.tp_name = "native_io.Reader",
+	PyVarObject_HEAD_INIT(NULL, 0).tp_name = "native_io.Reader",
 	.tp_basicsize = sizeof(ReaderObject),
 	.tp_flags = Py_TPFLAGS_DEFAULT,
 	.tp_doc = "Extent reader; create with IOEngine.open_reader(path)",
@@ -1249,14 +1233,15 @@ static PyTypeObject ReaderType = {
 };
 
 static PyMethodDef module_methods[] = {
-	{"crc32c", (PyCFunction)(void (*)(void))mod_crc32c, METH_VARARGS | METH_KEYWORDS,
-	 "crc32c(buf, value=0) -> int: CRC-32C (Castagnoli), chainable"},
-	{"info", (PyCFunction)mod_info, METH_NOARGS, "info() -> dict describing the build and defaults"},
+	{ "crc32c", (PyCFunction)(void (*)(void))mod_crc32c, METH_VARARGS | METH_KEYWORDS,
+	  "crc32c(buf, value=0) -> int: CRC-32C (Castagnoli), chainable" },
+	{ "info", (PyCFunction)mod_info, METH_NOARGS,
+	  "info() -> dict describing the build and defaults" },
 #ifdef NATIVE_IO_TESTING
-	{"_inject_faults", (PyCFunction)(void (*)(void))mod_inject, METH_VARARGS | METH_KEYWORDS,
-	 "_inject_faults(short_every=0, eintr_every=0, eio_at=0, refuse_direct=False, refuse_uring=False)"},
+	{ "_inject_faults", (PyCFunction)(void (*)(void))mod_inject, METH_VARARGS | METH_KEYWORDS,
+	  "_inject_faults(short_every=0, eintr_every=0, eio_at=0, refuse_direct=False, refuse_uring=False)" },
 #endif
-	{NULL}
+	{ NULL },
 };
 
 static struct PyModuleDef moduledef = {
@@ -1282,8 +1267,7 @@ PyMODINIT_FUNC NIO_PYINIT(void)
 		"native_io.NativeIOError",
 		"OSError from native_io; .operation and .offset name the failing step",
 		PyExc_OSError, NULL);
-	if (!NativeIOError ||
-	    PyModule_AddObjectRef(m, "NativeIOError", NativeIOError) < 0 ||
+	if (!NativeIOError || PyModule_AddObjectRef(m, "NativeIOError", NativeIOError) < 0 ||
 	    PyModule_AddObjectRef(m, "IOEngine", (PyObject *)&EngineType) < 0 ||
 	    PyModule_AddObjectRef(m, "Writer", (PyObject *)&WriterType) < 0 ||
 	    PyModule_AddObjectRef(m, "Reader", (PyObject *)&ReaderType) < 0 ||
