@@ -8,6 +8,7 @@ import io
 import os
 import pathlib
 import pickle
+import struct
 import warnings
 
 import pytest
@@ -378,3 +379,120 @@ def test_skeleton_is_not_needed_for_pickle_free_scalars(tmp_path):
     assert len(enc.skeleton) < 200
     ops = [op.name for op, _, _ in __import__("pickletools").genops(io.BytesIO(enc.skeleton))]
     assert "BINPERSID" in ops and "GLOBAL" not in ops and "STACK_GLOBAL" not in ops
+
+
+# ------------------------------------------------------------------ crafted skeletons (issue 11)
+
+
+def _g(module: str, name: str) -> bytes:
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+def _int(n: int) -> bytes:
+    return b"J" + struct.pack("<i", n) if n < 1 << 31 else b"\x8a\x08" + struct.pack("<q", n)
+
+
+def _nested_str_bomb(levels: int = 40) -> bytes:
+    # x0 = "aaaa"; x(k+1) = [xk, xk]: 40 levels of shared references, repr is 2**40 * 6 chars
+    body = b"\x8c\x04aaaa\x940"
+    for i in range(levels):
+        body += b"(h" + bytes([i]) + b"h" + bytes([i]) + b"l\x940"
+    return _g("builtins", "str") + body + b"h" + bytes([levels]) + b"\x85R"
+
+
+def _repeated_copies(calls: int = 1000) -> bytes:
+    # one 2000-byte object copied by bytearray(...) again and again: quadratic in the file size
+    body = _g("builtins", "bytearray") + b"\x94" + b"B" + struct.pack("<I", 2000) + b"x" * 2000 + b"\x94("
+    body += b"h\x00h\x01\x85R" * calls
+    return body + b"l"
+
+
+def _path_join(n: int = 1500) -> bytes:
+    return _g("pathlib", "PosixPath") + b"X" + struct.pack("<I", 2000) + b"p" * 2000 + b"\x940(" + b"h\x00" * n + b"tR"
+
+
+CRAFTED_SKELETONS = {
+    "bytearray(512MiB)": _g("builtins", "bytearray") + _int(512 << 20) + b"\x85R",
+    "bytes(512MiB) via NEWOBJ": _g("builtins", "bytes") + _int(512 << 20) + b"\x85\x81",
+    "list(range(2**30))": _g("builtins", "list") + _g("builtins", "range") + _int(1 << 30) + b"\x85R\x85R",
+    "tuple(range(2**62)) via NEWOBJ": _g("builtins", "tuple") + _g("builtins", "range") + _int(1 << 62)
+    + b"\x85R\x85\x81",
+    "torch.Size(range(2**28))": _g("torch", "Size") + _g("builtins", "range") + _int(1 << 28) + b"\x85R\x85R",
+    "Counter(range(2**28))": _g("collections", "Counter") + _g("builtins", "range") + _int(1 << 28) + b"\x85R\x85R",
+    "str(shared nested lists)": _nested_str_bomb(),
+    "bytearray(copy) x1000": _repeated_copies(),
+    "PosixPath(*[s] * 1500)": _path_join(),
+}
+DECLARED_LENGTH_SKELETONS = {
+    "BINBYTES8 of 512MiB": b"\x8e" + struct.pack("<Q", 512 << 20) + b"x" * 100,
+    "BINUNICODE8 of 2**60": b"\x8d" + struct.pack("<Q", 1 << 60) + b"x" * 100,
+    "BYTEARRAY8 of 2**62": b"\x96" + struct.pack("<Q", 1 << 62) + b"x" * 100,
+}
+
+
+def _save_with_skeleton(monkeypatch, path, skeleton: bytes) -> None:
+    real = fmt.encode_checkpoint
+
+    def crafted(checkpoint, meta=None):
+        enc = real(checkpoint, meta)
+        enc.skeleton = b"\x80\x04" + skeleton + b"."
+        return enc
+
+    monkeypatch.setattr(fmt, "encode_checkpoint", crafted)
+    save({"w": torch.ones(4)}, path)
+    monkeypatch.undo()
+    assert os.path.getsize(path) < 64 << 10
+
+
+@pytest.mark.parametrize("name", list(CRAFTED_SKELETONS))
+def test_crafted_skeleton_refused_with_bounded_memory(tmp_path, monkeypatch, name):
+    """A few KiB of pickle must not make the weights_only load build hundreds of MiB."""
+    import time
+    import tracemalloc
+
+    p = tmp_path / "crafted.ckpt"
+    _save_with_skeleton(monkeypatch, p, CRAFTED_SKELETONS[name])
+    t0 = time.monotonic()
+    tracemalloc.start()
+    try:
+        with pytest.raises((UnsafeCheckpointError, CheckpointCorruptError)) as ei:
+            load(p)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, f"{name}: peak {peak >> 20} MiB"
+    assert time.monotonic() - t0 < 10
+    assert str(p) in str(ei.value)
+
+
+@pytest.mark.parametrize("name", list(DECLARED_LENGTH_SKELETONS))
+def test_declared_length_past_end_is_corrupt(tmp_path, monkeypatch, name):
+    """Counted opcodes whose length runs past the skeleton: corrupt, quickly, RSS bounded."""
+    import resource
+    import time
+
+    p = tmp_path / "crafted.ckpt"
+    _save_with_skeleton(monkeypatch, p, DECLARED_LENGTH_SKELETONS[name])
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointCorruptError, match="invalid skeleton"):
+        load(p)
+    assert time.monotonic() - t0 < 10
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 << 10  # KiB
+
+
+def test_skeleton_budget_admits_legitimate_constructor_calls(tmp_path):
+    """What the pickler writes for allowed types stays far inside the budget; defaultdict keeps its factory."""
+    ck = {
+        "dd": collections.defaultdict(list, {"k": [1]}), "ba": bytearray(b"\x01" * 100_000),
+        "size": [torch.Size([i, 3]) for i in range(2000)], "paths": [pathlib.Path("/data/run", str(i)) for i in range(2000)],
+        "ctr": collections.Counter({str(i): i for i in range(5000)}), "dq": collections.deque(range(100), maxlen=200),
+        "fs": frozenset(range(1000)), "rng": range(10**12),
+    }
+    save(ck, tmp_path / "ok.ckpt")
+    out = load(tmp_path / "ok.ckpt")
+    for k, v in ck.items():
+        assert out[k] == v and type(out[k]) is type(v), k
+    assert out["dd"].default_factory is list
+    up = fmt.RestrictedUnpickler(io.BytesIO(b"\x80\x04N."), [])
+    assert up.budget == fmt.skeleton_budget(4)

@@ -558,7 +558,7 @@ def test_open_errors_leave_nothing_open(tmp_path):
         with pytest.raises(IsADirectoryError) as ei:
             eng.open_writer(tmp_path)
         assert ei.value.errno == errno.EISDIR and ei.value.filename == str(tmp_path)
-    assert len(os.listdir("/proc/self/fd")) == before
+    assert len(os.listdir("/proc/self/fd")) <= before  # 100 failed opens: a leak would show
 
 
 def test_bad_arguments():
