@@ -4,6 +4,11 @@ The io_uring engine is compiled in only when liburing's headers and library are 
 (``apt-get install liburing-dev``); otherwise only the portable pread/pwrite engine is built.
 Set ``NATIVE_IO_NO_URING=1`` to force the portable-only build. ``native_io.info()`` reports
 which engines a build has.
+
+The same sources are built twice: ``native_io._native_io`` (release) and
+``native_io._native_io_testing`` with ``-DNATIVE_IO_TESTING``, which adds the test-only fault
+injection (``_inject_faults``). ``NATIVE_IO_NO_TESTING=1`` skips the testing module (its tests
+are then skipped).
 """
 
 import ctypes.util
@@ -12,6 +17,7 @@ import os
 import sys
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 
 def _have_liburing() -> bool:
@@ -31,16 +37,36 @@ if _have_liburing():
 else:
     print("native_io: liburing not found, building the portable engine only", file=sys.stderr)
 
-setup(
-    ext_modules=[
-        Extension(
-            "native_io._native_io",
-            sources=sources,
-            define_macros=macros,
-            libraries=libraries + ["pthread"],
-            extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-msse4.2"]
-            if os.uname().machine in ("x86_64", "AMD64")
-            else ["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
-        )
-    ]
-)
+if os.uname().machine in ("x86_64", "AMD64"):
+    cflags = ["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-msse4.2"]
+else:
+    cflags = ["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+
+
+def _extension(name: str, extra_macros: list) -> Extension:
+    return Extension(
+        name,
+        sources=sources,
+        define_macros=macros + extra_macros,
+        libraries=libraries + ["pthread"],
+        extra_compile_args=cflags,
+    )
+
+
+class BuildExtSeparateTemp(build_ext):
+    """Both extensions compile the same sources with different macros: one object dir each."""
+
+    def build_extension(self, ext: Extension) -> None:
+        base = self.build_temp
+        self.build_temp = os.path.join(base, ext.name.rsplit(".", 1)[-1])
+        try:
+            super().build_extension(ext)
+        finally:
+            self.build_temp = base
+
+
+ext_modules = [_extension("native_io._native_io", [])]
+if not os.environ.get("NATIVE_IO_NO_TESTING"):
+    ext_modules.append(_extension("native_io._native_io_testing", [("NATIVE_IO_TESTING", "1")]))
+
+setup(ext_modules=ext_modules, cmdclass={"build_ext": BuildExtSeparateTemp})

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+from types import ModuleType
 from typing import Any, Dict, Optional
 
 from . import _native_io
@@ -18,7 +19,6 @@ from ._native_io import (  # noqa: F401
     NativeIOError,
     Reader,
     Writer,
-    _inject_faults,
     crc32c,
 )
 
@@ -32,6 +32,7 @@ __all__ = [
     "Writer",
     "crc32c",
     "info",
+    "testing",
 ]
 
 
@@ -61,3 +62,20 @@ def info() -> Dict[str, Any]:
     if d.get("liburing") is None and d.get("liburing_compiled"):
         d["liburing"] = _linked_liburing_version()
     return d
+
+
+def testing() -> ModuleType:
+    """The test build ``native_io._native_io_testing``: same engine plus ``_inject_faults``.
+
+    Fault injection is compiled only into that module (``-DNATIVE_IO_TESTING``); its objects
+    (``IOEngine``, ``NativeIOError``, ...) are its own types, distinct from the release ones.
+    Raises ImportError when the package was built without it (``NATIVE_IO_NO_TESTING=1``).
+    """
+    try:
+        from . import _native_io_testing
+    except ImportError as e:
+        raise ImportError(
+            "native_io._native_io_testing is not built; rebuild without NATIVE_IO_NO_TESTING "
+            "(python setup.py build_ext --inplace)"
+        ) from e
+    return _native_io_testing

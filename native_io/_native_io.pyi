@@ -78,10 +78,3 @@ class IOEngine:
 
 def crc32c(buf: Buffer, value: int = 0) -> int: ...
 def info() -> Dict[str, Any]: ...
-def _inject_faults(
-    short_every: int = 0,
-    eintr_every: int = 0,
-    eio_at: int = 0,
-    refuse_direct: bool = False,
-    refuse_uring: bool = False,
-) -> None: ...

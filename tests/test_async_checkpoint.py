@@ -46,11 +46,21 @@ def _assert_same(a, b, path=""):
         assert a == b, path
 
 
-@pytest.fixture(autouse=True)
-def _no_faults():
-    native_io._inject_faults()
-    yield
-    native_io._inject_faults()
+@pytest.fixture
+def faults(monkeypatch):
+    """``_inject_faults`` of the test build, whose engine the checkpoint code then uses.
+
+    Fault injection exists only in ``native_io._native_io_testing`` (separate globals), so the
+    engines the plugin creates lazily (``native_io.IOEngine``) come from that build here.
+    """
+    nt = pytest.importorskip(
+        "native_io._native_io_testing",
+        reason="fault injection lives only in the test build native_io._native_io_testing",
+    )
+    monkeypatch.setattr(native_io, "IOEngine", nt.IOEngine)
+    nt._inject_faults()
+    yield nt._inject_faults
+    nt._inject_faults()
 
 
 def _model(seed=0):
@@ -213,17 +223,17 @@ def test_removal_is_deferred_until_newer_save_is_durable(tmp_path, monkeypatch):
     io.teardown()
 
 
-def test_removal_skipped_when_newer_save_fails(tmp_path):
+def test_removal_skipped_when_newer_save_fails(tmp_path, faults):
     io = UringCheckpointIO(async_save=True)
     io.save_checkpoint({"k": 1, "w": torch.randn(1_000_000)}, tmp_path / "old.ckpt")
     io.wait_until_durable()
-    native_io._inject_faults(eio_at=1)
+    faults(eio_at=1)
     io.save_checkpoint({"k": 2, "w": torch.randn(1_000_000)}, tmp_path / "new.ckpt")
     io.remove_checkpoint(tmp_path / "old.ckpt")
     with pytest.raises(AsyncCheckpointError, match="new.ckpt") as ei:
         io.wait_until_durable()
     assert isinstance(ei.value.__cause__, OSError)
-    native_io._inject_faults()
+    faults()
     assert load(tmp_path / "old.ckpt")["k"] == 1
     assert not (tmp_path / "new.ckpt").exists() and _temps(tmp_path) == []
     io.teardown()
@@ -233,17 +243,17 @@ def test_removal_skipped_when_newer_save_fails(tmp_path):
 
 
 @pytest.mark.parametrize("surface", ["save", "step", "teardown"])
-def test_background_error_surfaces_at_next_call(tmp_path, surface):
+def test_background_error_surfaces_at_next_call(tmp_path, surface, faults):
     io = UringCheckpointIO(async_save=True, max_pending_bytes=1 << 20)
     p = torch.nn.Parameter(torch.randn(2_000_000))
     opt = torch.optim.SGD([p], lr=0.1)
     io.save_checkpoint({"w": p, "k": 1}, tmp_path / "c.ckpt")
     io.wait_until_durable()
-    native_io._inject_faults(eio_at=1)
+    faults(eio_at=1)
     io.save_checkpoint({"w": p, "k": 2}, tmp_path / "c.ckpt")
     # wait (without raising) until the background failure happened
     io._saver._last.done.wait(30)
-    native_io._inject_faults()
+    faults()
     with pytest.raises(AsyncCheckpointError, match="c.ckpt") as ei:
         if surface == "save":
             io.save_checkpoint({"w": p, "k": 3}, tmp_path / "d.ckpt")

@@ -8,6 +8,7 @@ import io
 import os
 import pathlib
 import pickle
+import struct
 import warnings
 
 import pytest
@@ -95,7 +96,7 @@ def test_header_roundtrip_and_rejections():
     # a newer version is refused with a clear message (re-crc'ed so only the version differs)
     newer = bytearray(h)
     newer[8:12] = (fmt.FORMAT_VERSION + 1).to_bytes(4, "little")
-    newer[fmt._HEADER.size: fmt._HEADER.size + 4] = fmt.crc32c(bytes(newer[: fmt._HEADER.size])).to_bytes(4, "little")
+    newer[fmt._HEADER.size : fmt._HEADER.size + 4] = fmt.crc32c(bytes(newer[: fmt._HEADER.size])).to_bytes(4, "little")
     with pytest.raises(CheckpointCorruptError, match="unsupported checkpoint format version"):
         fmt.decode_header(bytes(newer), "f")
 
@@ -122,8 +123,10 @@ def test_footer_roundtrip_and_consistency():
 def test_index_roundtrip_and_validation():
     idx = fmt.Index(
         [fmt.StorageEntry(4096, 400, 7, "cpu"), fmt.StorageEntry(4544, 0, 0, "cuda:0")],
-        [fmt.TensorEntry("a/b", 0, "float32", [10, 10], [10, 1], 0, True, True),
-         fmt.TensorEntry("c", 0, "bfloat16", [3], [2], 4, False, False)],
+        [
+            fmt.TensorEntry("a/b", 0, "float32", [10, 10], [10, 1], 0, True, True),
+            fmt.TensorEntry("c", 0, "bfloat16", [3], [2], 4, False, False),
+        ],
         {"k": "v"},
     )
     dec = fmt.decode_index(fmt.encode_index(idx), 4096, 4600)
@@ -139,8 +142,12 @@ def test_index_roundtrip_and_validation():
 
 def test_tensor_paths_and_skeleton_roundtrip():
     w = torch.randn(3, 3)
-    ck = {"state_dict": collections.OrderedDict([("l.weight", w), ("l.bias", torch.zeros(3))]),
-          "optimizer_states": [{"state": {0: {"exp_avg": torch.ones(3)}}}], "again": w, "epoch": 3}
+    ck = {
+        "state_dict": collections.OrderedDict([("l.weight", w), ("l.bias", torch.zeros(3))]),
+        "optimizer_states": [{"state": {0: {"exp_avg": torch.ones(3)}}}],
+        "again": w,
+        "epoch": 3,
+    }
     paths = {p for p, _ in fmt.tensor_paths(ck).values()}
     assert paths == {"state_dict/l.weight", "state_dict/l.bias", "optimizer_states/0/state/0/exp_avg"}
     enc = fmt.encode_checkpoint(ck)
@@ -182,11 +189,24 @@ def test_restricted_unpickler_allowlist(tmp_path):
     from lightning.pytorch.utilities.parsing import AttributeDict as PLAttributeDict
 
     ck = {
-        "ns": argparse.Namespace(lr=0.1, layers=[1, 2]), "ad": AttributeDict(a=1), "pad": PLAttributeDict(b=2),
-        "od": collections.OrderedDict(a=1), "dd": collections.defaultdict(list, {"k": [1]}),
-        "p": pathlib.Path("/a/b"), "pp": pathlib.PurePosixPath("x"), "dt": torch.bfloat16, "dev": torch.device("cpu"),
-        "size": torch.Size([2, 3]), "c": 1 + 2j, "s": {1, 2}, "fs": frozenset([3]), "b": b"\x00", "n": None,
-        "t": (1, "a", 2.5, True), "big": 2**80, "inf": float("inf"),
+        "ns": argparse.Namespace(lr=0.1, layers=[1, 2]),
+        "ad": AttributeDict(a=1),
+        "pad": PLAttributeDict(b=2),
+        "od": collections.OrderedDict(a=1),
+        "dd": collections.defaultdict(list, {"k": [1]}),
+        "p": pathlib.Path("/a/b"),
+        "pp": pathlib.PurePosixPath("x"),
+        "dt": torch.bfloat16,
+        "dev": torch.device("cpu"),
+        "size": torch.Size([2, 3]),
+        "c": 1 + 2j,
+        "s": {1, 2},
+        "fs": frozenset([3]),
+        "b": b"\x00",
+        "n": None,
+        "t": (1, "a", 2.5, True),
+        "big": 2**80,
+        "inf": float("inf"),
     }
     out = load((save(ck, tmp_path / "a.ckpt"), tmp_path / "a.ckpt")[1])
     for k, v in ck.items():
@@ -213,8 +233,12 @@ class _Color:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=[fmt.dtype_name(d) for d in DTYPES])
 def test_roundtrip_every_dtype(tmp_path, dtype):
-    ck = {"t": _random_tensor([5, 3], dtype), "s": _random_tensor([], dtype, 1),
-          "e": torch.empty(0, 4, dtype=dtype), "nc": _random_tensor([4, 6], dtype, 2)[:, ::2]}
+    ck = {
+        "t": _random_tensor([5, 3], dtype),
+        "s": _random_tensor([], dtype, 1),
+        "e": torch.empty(0, 4, dtype=dtype),
+        "nc": _random_tensor([4, 6], dtype, 2)[:, ::2],
+    }
     save(ck, tmp_path / "d.ckpt")
     out = load(tmp_path / "d.ckpt")
     for k in ck:
@@ -222,11 +246,15 @@ def test_roundtrip_every_dtype(tmp_path, dtype):
     assert out["nc"].storage_offset() == ck["nc"].storage_offset()
 
 
-@pytest.mark.parametrize("nbytes", [1, 63, 64, 65, 4095, 4096, 4097, (1 << 20) - 1, 1 << 20, (1 << 20) + 1,
-                                    (1 << 20) + 4096 + 3])
+@pytest.mark.parametrize(
+    "nbytes", [1, 63, 64, 65, 4095, 4096, 4097, (1 << 20) - 1, 1 << 20, (1 << 20) + 1, (1 << 20) + 4096 + 3]
+)
 def test_roundtrip_sizes_around_boundaries(tmp_path, nbytes):
-    ck = {"a": _random_tensor([nbytes], torch.uint8, nbytes), "b": _random_tensor([3], torch.uint8, 1),
-          "c": _random_tensor([nbytes], torch.uint8, nbytes + 1)}
+    ck = {
+        "a": _random_tensor([nbytes], torch.uint8, nbytes),
+        "b": _random_tensor([3], torch.uint8, 1),
+        "c": _random_tensor([nbytes], torch.uint8, nbytes + 1),
+    }
     save(ck, tmp_path / "s.ckpt")
     info = __import__("lightning_recover.checkpoint", fromlist=["read_info"]).read_info(tmp_path / "s.ckpt")
     for s in info.index.storages:
@@ -239,9 +267,16 @@ def test_roundtrip_sizes_around_boundaries(tmp_path, nbytes):
 def test_shared_storage_and_views(tmp_path):
     base = torch.randn(8, 8)
     ck = {
-        "base": base, "row": base[2], "col": base[:, 3], "t": base.t(), "strided": base[::2, 1::3],
-        "int_view": base.view(torch.int32), "flat": base.view(-1)[5:20], "same": base,
-        "other": torch.randn(4), "expanded": torch.randn(3, 1).expand(3, 5),
+        "base": base,
+        "row": base[2],
+        "col": base[:, 3],
+        "t": base.t(),
+        "strided": base[::2, 1::3],
+        "int_view": base.view(torch.int32),
+        "flat": base.view(-1)[5:20],
+        "same": base,
+        "other": torch.randn(4),
+        "expanded": torch.randn(3, 1).expand(3, 5),
     }
     save(ck, tmp_path / "v.ckpt")
     out = load(tmp_path / "v.ckpt")
@@ -295,18 +330,31 @@ def _lightning_like_checkpoint() -> dict:
         opt.step()
         sched.step()
     return {
-        "epoch": 2, "global_step": 30, "pytorch-lightning_version": "2.6.6",
+        "epoch": 2,
+        "global_step": 30,
+        "pytorch-lightning_version": "2.6.6",
         "state_dict": model.state_dict(),
         "optimizer_states": [opt.state_dict()],
         "lr_schedulers": [sched.state_dict()],
-        "callbacks": {"ModelCheckpoint{'monitor': 'val', 'mode': 'min'}": {
-            "best_model_score": torch.tensor(0.25), "best_model_path": "/x/epoch=1.ckpt",
-            "best_k_models": {"/x/epoch=1.ckpt": torch.tensor(0.25)}, "dirpath": "/x"}},
-        "loops": {"fit_loop": {"state_dict": {}, "epoch_progress": {"total": {"ready": 3, "completed": 2}},
-                               "epoch_loop.state_dict": {"_batches_that_stepped": 30}}},
+        "callbacks": {
+            "ModelCheckpoint{'monitor': 'val', 'mode': 'min'}": {
+                "best_model_score": torch.tensor(0.25),
+                "best_model_path": "/x/epoch=1.ckpt",
+                "best_k_models": {"/x/epoch=1.ckpt": torch.tensor(0.25)},
+                "dirpath": "/x",
+            }
+        },
+        "loops": {
+            "fit_loop": {
+                "state_dict": {},
+                "epoch_progress": {"total": {"ready": 3, "completed": 2}},
+                "epoch_loop.state_dict": {"_batches_that_stepped": 30},
+            }
+        },
         "hparams_name": "kwargs",
-        "hyper_parameters": AttributeDict(lr=1e-3, hidden=8, args=argparse.Namespace(seed=1),
-                                          out_dir=pathlib.Path("/tmp/out"), betas=(0.9, 0.999)),
+        "hyper_parameters": AttributeDict(
+            lr=1e-3, hidden=8, args=argparse.Namespace(seed=1), out_dir=pathlib.Path("/tmp/out"), betas=(0.9, 0.999)
+        ),
     }
 
 
@@ -332,12 +380,10 @@ def test_lightning_like_checkpoint_roundtrip(tmp_path):
 
 
 def test_load_into_existing_tensors(tmp_path):
-    src = {"state_dict": {"w": torch.randn(4, 5), "b": torch.randn(5), "shared": torch.randn(6)},
-           "step": 7}
+    src = {"state_dict": {"w": torch.randn(4, 5), "b": torch.randn(5), "shared": torch.randn(6)}, "step": 7}
     src["state_dict"]["view"] = src["state_dict"]["shared"][1:4]
     save(src, tmp_path / "i.ckpt")
-    dest = {"state_dict": {"w": torch.zeros(4, 5), "b": torch.nn.Parameter(torch.zeros(5)),
-                           "view": torch.zeros(3)}}
+    dest = {"state_dict": {"w": torch.zeros(4, 5), "b": torch.nn.Parameter(torch.zeros(5)), "view": torch.zeros(3)}}
     ptrs = {k: v.data_ptr() for k, v in dest["state_dict"].items()}
     out = load(tmp_path / "i.ckpt", into=dest)
     for k in ("w", "b", "view"):
@@ -378,3 +424,126 @@ def test_skeleton_is_not_needed_for_pickle_free_scalars(tmp_path):
     assert len(enc.skeleton) < 200
     ops = [op.name for op, _, _ in __import__("pickletools").genops(io.BytesIO(enc.skeleton))]
     assert "BINPERSID" in ops and "GLOBAL" not in ops and "STACK_GLOBAL" not in ops
+
+
+# ------------------------------------------------------------------ crafted skeletons (issue 11)
+
+
+def _g(module: str, name: str) -> bytes:
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+def _int(n: int) -> bytes:
+    return b"J" + struct.pack("<i", n) if n < 1 << 31 else b"\x8a\x08" + struct.pack("<q", n)
+
+
+def _nested_str_bomb(levels: int = 40) -> bytes:
+    # x0 = "aaaa"; x(k+1) = [xk, xk]: 40 levels of shared references, repr is 2**40 * 6 chars
+    body = b"\x8c\x04aaaa\x940"
+    for i in range(levels):
+        body += b"(h" + bytes([i]) + b"h" + bytes([i]) + b"l\x940"
+    return _g("builtins", "str") + body + b"h" + bytes([levels]) + b"\x85R"
+
+
+def _repeated_copies(calls: int = 1000) -> bytes:
+    # one 2000-byte object copied by bytearray(...) again and again: quadratic in the file size
+    body = _g("builtins", "bytearray") + b"\x94" + b"B" + struct.pack("<I", 2000) + b"x" * 2000 + b"\x94("
+    body += b"h\x00h\x01\x85R" * calls
+    return body + b"l"
+
+
+def _path_join(n: int = 1500) -> bytes:
+    return _g("pathlib", "PosixPath") + b"X" + struct.pack("<I", 2000) + b"p" * 2000 + b"\x940(" + b"h\x00" * n + b"tR"
+
+
+CRAFTED_SKELETONS = {
+    "bytearray(512MiB)": _g("builtins", "bytearray") + _int(512 << 20) + b"\x85R",
+    "bytes(512MiB) via NEWOBJ": _g("builtins", "bytes") + _int(512 << 20) + b"\x85\x81",
+    "list(range(2**30))": _g("builtins", "list") + _g("builtins", "range") + _int(1 << 30) + b"\x85R\x85R",
+    "tuple(range(2**62)) via NEWOBJ": _g("builtins", "tuple")
+    + _g("builtins", "range")
+    + _int(1 << 62)
+    + b"\x85R\x85\x81",
+    "torch.Size(range(2**28))": _g("torch", "Size") + _g("builtins", "range") + _int(1 << 28) + b"\x85R\x85R",
+    "Counter(range(2**28))": _g("collections", "Counter") + _g("builtins", "range") + _int(1 << 28) + b"\x85R\x85R",
+    "str(shared nested lists)": _nested_str_bomb(),
+    "bytearray(copy) x1000": _repeated_copies(),
+    "PosixPath(*[s] * 1500)": _path_join(),
+}
+DECLARED_LENGTH_SKELETONS = {
+    "BINBYTES8 of 512MiB": b"\x8e" + struct.pack("<Q", 512 << 20) + b"x" * 100,
+    "BINUNICODE8 of 2**60": b"\x8d" + struct.pack("<Q", 1 << 60) + b"x" * 100,
+    "BYTEARRAY8 of 2**62": b"\x96" + struct.pack("<Q", 1 << 62) + b"x" * 100,
+}
+
+
+def _save_with_skeleton(monkeypatch, path, skeleton: bytes) -> None:
+    real = fmt.encode_checkpoint
+
+    def crafted(checkpoint, meta=None):
+        enc = real(checkpoint, meta)
+        enc.skeleton = b"\x80\x04" + skeleton + b"."
+        return enc
+
+    monkeypatch.setattr(fmt, "encode_checkpoint", crafted)
+    save({"w": torch.ones(4)}, path)
+    monkeypatch.undo()
+    assert os.path.getsize(path) < 64 << 10
+
+
+@pytest.mark.parametrize("name", list(CRAFTED_SKELETONS))
+def test_crafted_skeleton_refused_with_bounded_memory(tmp_path, monkeypatch, name):
+    """A few KiB of pickle must not make the weights_only load build hundreds of MiB."""
+    import time
+    import tracemalloc
+
+    p = tmp_path / "crafted.ckpt"
+    _save_with_skeleton(monkeypatch, p, CRAFTED_SKELETONS[name])
+    t0 = time.monotonic()
+    tracemalloc.start()
+    try:
+        with pytest.raises((UnsafeCheckpointError, CheckpointCorruptError)) as ei:
+            load(p)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, f"{name}: peak {peak >> 20} MiB"
+    assert time.monotonic() - t0 < 10
+    assert str(p) in str(ei.value)
+
+
+@pytest.mark.parametrize("name", list(DECLARED_LENGTH_SKELETONS))
+def test_declared_length_past_end_is_corrupt(tmp_path, monkeypatch, name):
+    """Counted opcodes whose length runs past the skeleton: corrupt, quickly, RSS bounded."""
+    import resource
+    import time
+
+    p = tmp_path / "crafted.ckpt"
+    _save_with_skeleton(monkeypatch, p, DECLARED_LENGTH_SKELETONS[name])
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointCorruptError, match="invalid skeleton"):
+        load(p)
+    assert time.monotonic() - t0 < 10
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 << 10  # KiB
+
+
+def test_skeleton_budget_admits_legitimate_constructor_calls(tmp_path):
+    """What the pickler writes for allowed types stays far inside the budget; defaultdict keeps its factory."""
+    ck = {
+        "dd": collections.defaultdict(list, {"k": [1]}),
+        "ba": bytearray(b"\x01" * 100_000),
+        "size": [torch.Size([i, 3]) for i in range(2000)],
+        "paths": [pathlib.Path("/data/run", str(i)) for i in range(2000)],
+        "ctr": collections.Counter({str(i): i for i in range(5000)}),
+        "dq": collections.deque(range(100), maxlen=200),
+        "fs": frozenset(range(1000)),
+        "rng": range(10**12),
+    }
+    save(ck, tmp_path / "ok.ckpt")
+    out = load(tmp_path / "ok.ckpt")
+    for k, v in ck.items():
+        assert out[k] == v and type(out[k]) is type(v), k
+    assert out["dd"].default_factory is list
+    up = fmt.RestrictedUnpickler(io.BytesIO(b"\x80\x04N."), [])
+    assert up.budget == fmt.skeleton_budget(4)

@@ -21,11 +21,23 @@ def _engine_or_skip(name, **kw):
     return native_io.IOEngine(engine=name, **kw)
 
 
-@pytest.fixture(autouse=True)
-def _reset_faults():
-    native_io._inject_faults()
-    yield
-    native_io._inject_faults()
+@pytest.fixture
+def nt():
+    """The test build (``native_io._native_io_testing``) with faults reset before and after."""
+    mod = pytest.importorskip(
+        "native_io._native_io_testing",
+        reason="fault injection lives only in the test build native_io._native_io_testing "
+        "(built by setup.py unless NATIVE_IO_NO_TESTING is set)",
+    )
+    mod._inject_faults()
+    yield mod
+    mod._inject_faults()
+
+
+def _test_engine_or_skip(nt, name, **kw):
+    if name == "uring" and not nt.info()["uring_usable"]:
+        pytest.skip("io_uring not usable here: %s" % nt.info()["uring_refused_reason"])
+    return nt.IOEngine(engine=name, **kw)
 
 
 def _crc_ref(data, crc=0):
@@ -243,50 +255,50 @@ def test_exception_in_with_block_closes_without_sync(tmp_path):
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize("faults", [dict(short_every=2), dict(eintr_every=3), dict(short_every=3, eintr_every=2)])
-def test_injected_short_and_eintr_still_identical(tmp_path, engine, direct, faults):
-    eng = _engine_or_skip(engine, block_size=BS, queue_depth=2, direct=direct)
+def test_injected_short_and_eintr_still_identical(tmp_path, nt, engine, direct, faults):
+    eng = _test_engine_or_skip(nt, engine, block_size=BS, queue_depth=2, direct=direct)
     rnd = random.Random(3)
     segs, expect = _make_segments([rnd.randrange(0, 50000) for _ in range(40)] + [300000], rnd, gaps=True)
-    native_io._inject_faults(**faults)
+    nt._inject_faults(**faults)
     _roundtrip(eng, tmp_path / "f.bin", segs, expect)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("eio_at", [1, 3])
-def test_injected_eio_on_write(tmp_path, engine, eio_at):
-    eng = _engine_or_skip(engine, block_size=BS, queue_depth=2)
+def test_injected_eio_on_write(tmp_path, nt, engine, eio_at):
+    eng = _test_engine_or_skip(nt, engine, block_size=BS, queue_depth=2)
     p = tmp_path / "f.bin"
-    native_io._inject_faults(eio_at=eio_at)
+    nt._inject_faults(eio_at=eio_at)
     w = eng.open_writer(p)
     with pytest.raises(OSError) as ei:
         w.write([(0, b"z" * (BS * 6))])
         w.close()
     assert ei.value.errno == errno.EIO
     assert ei.value.filename == str(p)
-    assert isinstance(ei.value, native_io.NativeIOError)
+    assert isinstance(ei.value, nt.NativeIOError)
     assert ei.value.offset is not None and ei.value.offset % BS == 0
     w.close()  # safe after an error
     w.close()
-    native_io._inject_faults()
+    nt._inject_faults()
     segs, expect = _make_segments([100000, 3], random.Random(0))
     _roundtrip(eng, tmp_path / "g.bin", segs, expect)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_injected_eio_on_read(tmp_path, engine):
-    eng = _engine_or_skip(engine, block_size=BS, queue_depth=2)
+def test_injected_eio_on_read(tmp_path, nt, engine):
+    eng = _test_engine_or_skip(nt, engine, block_size=BS, queue_depth=2)
     p = tmp_path / "f.bin"
     data = random.Random(0).randbytes(BS * 4)
     with eng.open_writer(p) as w:
         w.write([(0, data)])
     with eng.open_reader(p) as r:
-        native_io._inject_faults(eio_at=2)
+        nt._inject_faults(eio_at=2)
         buf = bytearray(len(data))
         with pytest.raises(OSError) as ei:
             r.read([(0, buf)])
         assert ei.value.errno == errno.EIO
         assert ei.value.filename == str(p)
-        native_io._inject_faults()
+        nt._inject_faults()
         r.read([(0, buf)])
         assert buf == data
 
@@ -320,9 +332,9 @@ def test_enospc_on_small_tmpfs(tmp_path):
         subprocess.run(["umount", str(mnt)], check=False)
 
 
-def test_direct_refused_falls_back_to_buffered(tmp_path):
-    native_io._inject_faults(refuse_direct=True)
-    eng = native_io.IOEngine(block_size=BS, queue_depth=2)
+def test_direct_refused_falls_back_to_buffered(tmp_path, nt):
+    nt._inject_faults(refuse_direct=True)
+    eng = nt.IOEngine(block_size=BS, queue_depth=2)
     segs, expect = _make_segments([1, 5000, 70000, 4096], random.Random(9), gaps=True)
     w, r = _roundtrip(eng, tmp_path / "f.bin", segs, expect)
     assert w.direct is False and r.direct is False
@@ -346,17 +358,17 @@ def test_dev_shm_tmpfs_roundtrip():
             os.unlink(p)
 
 
-def test_uring_refused_auto_falls_back(tmp_path):
-    native_io._inject_faults(refuse_uring=True)
-    info = native_io.info()
+def test_uring_refused_auto_falls_back(tmp_path, nt):
+    nt._inject_faults(refuse_uring=True)
+    info = nt.info()
     assert info["uring_usable"] is False and info["default_engine"] == "portable"
     assert info["uring_refused_reason"]
-    eng = native_io.IOEngine(engine="auto", block_size=BS)
+    eng = nt.IOEngine(engine="auto", block_size=BS)
     assert eng.engine == "portable"
     assert eng.fallback_reason
     if "uring" in ENGINES:
         with pytest.raises(RuntimeError, match="io_uring"):
-            native_io.IOEngine(engine="uring", block_size=BS)
+            nt.IOEngine(engine="uring", block_size=BS)
     segs, expect = _make_segments([10, 100000], random.Random(1))
     _roundtrip(eng, tmp_path / "f.bin", segs, expect)
 
@@ -482,6 +494,71 @@ def test_info_shape():
     assert eng.block_size == info["default_block_size"]
     assert eng.queue_depth == info["default_queue_depth"]
     assert eng.engine == info["default_engine"]
+
+
+def test_release_build_has_no_fault_injection():
+    """Fault injection is compiled only into the test build."""
+    assert not hasattr(native_io._native_io, "_inject_faults")
+    assert not hasattr(native_io, "_inject_faults")
+    assert native_io.info()["testing"] is False
+
+
+def test_testing_build_helper(nt):
+    assert native_io.testing() is nt
+    assert nt.__name__ == "native_io._native_io_testing"
+    assert nt.info()["testing"] is True
+    assert nt.info()["engines"] == native_io.info()["engines"]
+    # separate globals: faults armed in the test build do not reach the release build
+    nt._inject_faults(refuse_uring=True)
+    assert nt.info()["uring_usable"] is False
+    if "uring" in ENGINES:
+        assert "simulated" in nt.info()["uring_refused_reason"]
+        assert "simulated" not in (native_io.info()["uring_refused_reason"] or "")
+    with pytest.raises(ValueError):
+        nt._inject_faults(eio_at=-1)
+
+
+def test_attributes_types_and_read_only(tmp_path):
+    eng = native_io.IOEngine(block_size=BS, queue_depth=3, direct=False)
+    assert (eng.block_size, eng.queue_depth, eng.direct) == (BS, 3, False)
+    assert eng.fallback_reason is None or isinstance(eng.fallback_reason, str)
+    assert isinstance(eng.arena_bytes, int) and eng.engine in ("uring", "portable")
+    p = tmp_path / "f.bin"
+    w = eng.open_writer(p)
+    w.write([(10, b"abc")])
+    assert (w.bytes_written, w.end, w.closed, w.direct, w.path) == (3, 13, False, False, str(p))
+    assert isinstance(w.io_bytes, int) and isinstance(w.seconds, float)
+    assert isinstance(w.fallback_reason, str)  # direct=False says why it is buffered
+    w.close()
+    assert w.closed is True and w.io_bytes >= 13
+    r = eng.open_reader(p)
+    buf = bytearray(3)
+    r.read([(10, buf)])
+    assert (r.size, r.bytes_read, r.closed, r.direct, r.path, bytes(buf)) == (13, 3, False, False, str(p), b"abc")
+    assert isinstance(r.io_bytes, int) and isinstance(r.seconds, float)
+    r.close()
+    assert r.closed is True
+    for obj, names in (
+        (eng, ["engine", "block_size", "queue_depth", "direct", "fallback_reason", "arena_bytes"]),
+        (w, ["bytes_written", "io_bytes", "seconds", "direct", "engine", "closed", "path", "fallback_reason", "end"]),
+        (r, ["size", "bytes_read", "io_bytes", "seconds", "direct", "engine", "closed", "path", "fallback_reason"]),
+    ):
+        for name in names:
+            with pytest.raises(AttributeError):
+                setattr(obj, name, getattr(obj, name))
+
+
+def test_open_errors_leave_nothing_open(tmp_path):
+    """Failed opens (ENOENT, EISDIR) raise OSError with errno and path and leak no fd."""
+    eng = native_io.IOEngine(block_size=BS)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(50):
+        with pytest.raises(FileNotFoundError):
+            eng.open_reader(tmp_path / "missing.bin")
+        with pytest.raises(IsADirectoryError) as ei:
+            eng.open_writer(tmp_path)
+        assert ei.value.errno == errno.EISDIR and ei.value.filename == str(tmp_path)
+    assert len(os.listdir("/proc/self/fd")) <= before  # 100 failed opens: a leak would show
 
 
 def test_bad_arguments():

@@ -531,6 +531,53 @@ def _safe_global_names() -> set[tuple[str, str]]:
 
 SAFE_GLOBALS: frozenset = frozenset(_safe_global_names())
 
+#: Allowed globals whose call builds an object as large as its arguments say, not as large as the
+#: pickle bytes that describe it: ``bytes(1 << 29)``, ``list(range(1 << 30))``, ``str(x)`` of a
+#: structure sharing references (its repr doubles per level), ``PosixPath(*[s] * n)``, or any
+#: copy of one big object repeated. The unpickler hands out bounded stand-ins for these that
+#: charge the size of each call to a budget derived from the skeleton's length.
+SIZED_CONSTRUCTORS: frozenset = frozenset(
+    {("builtins", n) for n in ("dict", "list", "tuple", "set", "frozenset", "str", "bytes", "bytearray")}
+    | {("collections", n) for n in ("OrderedDict", "defaultdict", "deque", "Counter")}
+    | {("torch", "Size")}
+    | {("pathlib", n) for n in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")}
+    | {
+        ("lightning.fabric.utilities.data", "AttributeDict"),
+        ("lightning.pytorch.utilities.parsing", "AttributeDict"),
+        ("lightning_fabric.utilities.data", "AttributeDict"),
+        ("pytorch_lightning.utilities.parsing", "AttributeDict"),
+    }
+)
+
+
+def skeleton_budget(nbytes: int) -> int:
+    """Elements/bytes the constructor calls of an ``nbytes`` skeleton may build in total.
+
+    Pickle opcodes alone build at most a few objects per byte; legitimate constructor calls
+    (``torch.Size((3, 4))``, ``Counter({...})``, ``PosixPath('/', 'a')``) take arguments that the
+    same pickle spelled out, so a small multiple of its length bounds them.
+    """
+    return 4 * nbytes + (64 << 10)
+
+
+def _call_cost(real: Any, args: tuple, kwargs: dict) -> int:
+    """Size of what ``real(*args, **kwargs)`` builds, judged before calling it."""
+    cost = 0
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, bool):
+            continue
+        if isinstance(a, int):
+            if real is bytes or real is bytearray:  # bytes(n): n zero bytes
+                cost += max(a, 0)
+        elif isinstance(a, range):
+            try:
+                cost += len(a)
+            except OverflowError:
+                return 1 << 62
+        elif not isinstance(a, type) and hasattr(a, "__len__"):
+            cost += len(a)  # a copy (list(x), Counter(d)) or a join (PosixPath(*parts))
+    return cost
+
 
 def _torch_registered_safe_globals() -> set[str]:
     """Globals the user allowed with ``torch.serialization.add_safe_globals`` (honoured here too)."""
@@ -560,12 +607,57 @@ class RestrictedUnpickler(pickle.Unpickler):
         self._allow_all = allow_all
         self._path = path
         self._extra = set(extra_safe_globals)
+        self._bounded: dict[tuple[str, str], Any] = {}
+        self._real_of: dict[type, Any] = {}
+        self._spent = 0
+        try:
+            nbytes = len(file.getbuffer())
+        except AttributeError:
+            nbytes = 0
+        self.budget = skeleton_budget(nbytes)
+
+    def _charge(self, name: str, real: Any, args: tuple, kwargs: dict) -> None:
+        if real is str and any(not isinstance(a, (str, bytes, bytearray, int, float)) for a in args):
+            # str(obj) is repr(obj): exponential in a pickle that shares references
+            raise UnsafeCheckpointError(
+                f"{self._path}: refused to call '{name}' on a container while loading the skeleton", name
+            )
+        self._spent += _call_cost(real, args, kwargs)
+        if self._spent > self.budget:
+            raise UnsafeCheckpointError(
+                f"{self._path}: the skeleton's constructor calls ('{name}', ...) would build more than "
+                f"{self.budget} elements, far more than its own size allows; refusing a crafted or "
+                "corrupt checkpoint",
+                name,
+            )
+
+    def _bounded_constructor(self, module: str, name: str, real: Any) -> Any:
+        """A stand-in for ``real`` that charges each call (REDUCE and NEWOBJ) to the budget first."""
+        charge, qualname, real_of = self._charge, f"{module}.{name}", self._real_of
+
+        class Bounded:
+            __slots__ = ()
+
+            def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+                # a stand-in passed as an argument is the type itself: defaultdict(list)
+                args = tuple(real_of.get(a, a) if isinstance(a, type) else a for a in args)
+                charge(qualname, real, args, kwargs)
+                return real(*args, **kwargs)
+
+        Bounded.__name__ = Bounded.__qualname__ = f"bounded_{name}"
+        real_of[Bounded] = real
+        return Bounded
 
     def find_class(self, module: str, name: str) -> Any:
         if self._allow_all:
             return super().find_class(module, name)
         if module == "torch" and name in _DTYPES:
             return _DTYPES[name]
+        if (module, name) in SIZED_CONSTRUCTORS:
+            key = (module, name)
+            if key not in self._bounded:
+                self._bounded[key] = self._bounded_constructor(module, name, super().find_class(module, name))
+            return self._bounded[key]
         if (module, name) in SAFE_GLOBALS or (module, name) in self._extra \
                 or f"{module}.{name}" in _torch_registered_safe_globals():
             return super().find_class(module, name)
@@ -584,6 +676,17 @@ class RestrictedUnpickler(pickle.Unpickler):
         raise CheckpointCorruptError(f"{self._path}: skeleton refers to unknown tensor {pid!r}", self._path)
 
 
+def _declared_length_exceeds(buf: bytes) -> bool:
+    import pickletools
+
+    try:
+        for _ in pickletools.genops(io.BytesIO(buf)):
+            pass
+    except ValueError:
+        return True
+    return False
+
+
 def decode_skeleton(buf: bytes, tensors: Sequence[Any], weights_only: bool = True, path: str = "<buffer>",
                     extra_safe_globals: Iterable[tuple[str, str]] = ()) -> Any:
     up = RestrictedUnpickler(io.BytesIO(buf), tensors, allow_all=not weights_only, path=path,
@@ -591,6 +694,14 @@ def decode_skeleton(buf: bytes, tensors: Sequence[Any], weights_only: bool = Tru
     try:
         return up.load()
     except (UnsafeCheckpointError, CheckpointCorruptError):
+        raise
+    except MemoryError:
+        # the C unpickler allocates a counted bytes/str before reading it: a declared length
+        # beyond the end of the skeleton is corruption (or an attack), not a lack of memory
+        if weights_only and _declared_length_exceeds(buf):
+            raise CheckpointCorruptError(
+                f"{path}: invalid skeleton (an object's declared length runs past its end)", path
+            ) from None
         raise
     except (pickle.UnpicklingError, EOFError, ValueError, KeyError, IndexError) as e:
         if not weights_only:

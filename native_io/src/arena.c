@@ -16,12 +16,11 @@
 
 void *nio_aligned_alloc(size_t size)
 {
-	void *p = mmap(NULL, size, PROT_READ | PROT_WRITE,
-		       MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
 
 	if (p == MAP_FAILED)
 		return NULL;
-	return p;	/* page aligned, which is NIO_ALIGN */
+	return p; /* page aligned, which is NIO_ALIGN */
 }
 
 void nio_aligned_free(void *p, size_t size)
@@ -30,8 +29,8 @@ void nio_aligned_free(void *p, size_t size)
 		perror("native_io: munmap");
 }
 
-int nio_ctx_create(int kind, size_t block_size, unsigned qd,
-		   struct nio_ctx **out, char *why, size_t whylen)
+int nio_ctx_create(int kind, size_t block_size, unsigned qd, struct nio_ctx **out, char *why,
+		   size_t whylen)
 {
 	struct nio_ctx *ctx;
 	int err;
@@ -51,8 +50,7 @@ int nio_ctx_create(int kind, size_t block_size, unsigned qd,
 	ctx->reqs = calloc(ctx->nslots, sizeof(*ctx->reqs));
 	ctx->arena = nio_aligned_alloc(ctx->arena_size);
 	if (!ctx->reqs || !ctx->arena) {
-		snprintf(why, whylen, "cannot allocate %zu byte staging arena",
-			 ctx->arena_size);
+		snprintf(why, whylen, "cannot allocate %zu byte staging arena", ctx->arena_size);
 		err = ENOMEM;
 		goto fail;
 	}

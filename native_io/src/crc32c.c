@@ -29,8 +29,7 @@ void nio_crc32c_init(void)
 	}
 	for (unsigned n = 0; n < 256; n++)
 		for (int t = 1; t < 8; t++)
-			table[t][n] = (table[t - 1][n] >> 8) ^
-				      table[0][table[t - 1][n] & 0xff];
+			table[t][n] = (table[t - 1][n] >> 8) ^ table[0][table[t - 1][n] & 0xff];
 #if defined(__x86_64__)
 	__builtin_cpu_init();
 	use_hw = __builtin_cpu_supports("sse4.2");
@@ -57,12 +56,11 @@ static uint32_t sw_update(uint32_t c, const unsigned char *p, size_t len)
 		uint64_t v;
 
 		memcpy(&v, p, 8);
-		v ^= c;	/* little endian only; big endian takes the byte loop */
+		v ^= c; /* little endian only; big endian takes the byte loop */
 #if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-		c = table[7][v & 0xff] ^ table[6][(v >> 8) & 0xff] ^
-		    table[5][(v >> 16) & 0xff] ^ table[4][(v >> 24) & 0xff] ^
-		    table[3][(v >> 32) & 0xff] ^ table[2][(v >> 40) & 0xff] ^
-		    table[1][(v >> 48) & 0xff] ^ table[0][v >> 56];
+		c = table[7][v & 0xff] ^ table[6][(v >> 8) & 0xff] ^ table[5][(v >> 16) & 0xff] ^
+		    table[4][(v >> 24) & 0xff] ^ table[3][(v >> 32) & 0xff] ^
+		    table[2][(v >> 40) & 0xff] ^ table[1][(v >> 48) & 0xff] ^ table[0][v >> 56];
 		p += 8;
 		len -= 8;
 #else
@@ -74,8 +72,7 @@ static uint32_t sw_update(uint32_t c, const unsigned char *p, size_t len)
 	return c;
 }
 
-static uint32_t sw_copy(unsigned char *d, const unsigned char *s, size_t len,
-			uint32_t c)
+static uint32_t sw_copy(unsigned char *d, const unsigned char *s, size_t len, uint32_t c)
 {
 	/* copy in cache-sized chunks and checksum the chunk while it is hot */
 	while (len) {
@@ -93,8 +90,8 @@ static uint32_t sw_copy(unsigned char *d, const unsigned char *s, size_t len,
 #if defined(__x86_64__)
 #include <nmmintrin.h>
 
-__attribute__((target("sse4.2")))
-static uint32_t hw_update(uint32_t c, const unsigned char *p, size_t len)
+__attribute__((target("sse4.2"))) static uint32_t hw_update(uint32_t c, const unsigned char *p,
+							    size_t len)
 {
 	uint64_t c64;
 
@@ -117,9 +114,8 @@ static uint32_t hw_update(uint32_t c, const unsigned char *p, size_t len)
 	return c;
 }
 
-__attribute__((target("sse4.2")))
-static uint32_t hw_copy(unsigned char *d, const unsigned char *s, size_t len,
-			uint32_t c)
+__attribute__((target("sse4.2"))) static uint32_t hw_copy(unsigned char *d, const unsigned char *s,
+							  size_t len, uint32_t c)
 {
 	uint64_t c64;
 

@@ -12,11 +12,12 @@
 #include <errno.h>
 #include "nio.h"
 
+#ifdef NATIVE_IO_TESTING
 struct nio_faults nio_faults;
 static long io_counter;
 
-void nio_faults_set(long short_every, long eintr_every, long eio_at,
-		    int refuse_direct, int refuse_uring)
+void nio_faults_set(long short_every, long eintr_every, long eio_at, int refuse_direct,
+		    int refuse_uring)
 {
 	nio_faults.short_every = short_every > 0 ? short_every : 0;
 	nio_faults.eintr_every = eintr_every > 0 ? eintr_every : 0;
@@ -30,8 +31,7 @@ static long inject(const struct nio_req *req, long res)
 {
 	long n, s;
 
-	if (!nio_faults.short_every && !nio_faults.eintr_every &&
-	    !nio_faults.eio_at)
+	if (!nio_faults.short_every && !nio_faults.eintr_every && !nio_faults.eio_at)
 		return res;
 	n = __atomic_add_fetch(&io_counter, 1, __ATOMIC_SEQ_CST);
 	if (nio_faults.eio_at && n == nio_faults.eio_at)
@@ -49,9 +49,15 @@ static long inject(const struct nio_req *req, long res)
 	}
 	return res;
 }
+#else
+static inline long inject(const struct nio_req *req, long res)
+{
+	return res;
+}
+#endif /* NATIVE_IO_TESTING */
 
-void nio_req_setup(struct nio_req *req, int fd, int op, int direct,
-		   char *buf, uint64_t off, size_t len, size_t need)
+void nio_req_setup(struct nio_req *req, int fd, int op, int direct, char *buf, uint64_t off,
+		   size_t len, size_t need)
 {
 	req->fd = fd;
 	req->op = op;
@@ -69,8 +75,7 @@ void nio_req_setup(struct nio_req *req, int fd, int op, int direct,
 
 static size_t resume_point(const struct nio_req *req)
 {
-	return req->direct ? (size_t)NIO_ALIGN_DOWN((uint64_t)req->done)
-			   : req->done;
+	return req->direct ? (size_t)NIO_ALIGN_DOWN((uint64_t)req->done) : req->done;
 }
 
 static void fail(struct nio_req *req, int err, uint64_t off)
@@ -85,8 +90,7 @@ static void submit_rest(struct nio_ctx *ctx, struct nio_req *req)
 	size_t from = resume_point(req);
 	int rc;
 
-	rc = ctx->be->submit(ctx, req, req->buf + from, req->len - from,
-			     req->off + from);
+	rc = ctx->be->submit(ctx, req, req->buf + from, req->len - from, req->off + from);
 	if (rc) {
 		fail(req, rc, req->off + from);
 		return;
@@ -116,8 +120,7 @@ static void complete(struct nio_ctx *ctx, struct nio_req *req, long res)
 	if (res < 0) {
 		int e = (int)-res;
 
-		if ((e == EINTR || e == EAGAIN) &&
-		    ++req->retries < NIO_MAX_RETRIES) {
+		if ((e == EINTR || e == EAGAIN) && ++req->retries < NIO_MAX_RETRIES) {
 			submit_rest(ctx, req);
 			return;
 		}

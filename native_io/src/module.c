@@ -1,12 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
 /*
- * CPython glue for native_io._native_io: IOEngine, Writer, Reader, crc32c,
- * info and the test-only _inject_faults. Buffers are pinned (Py_buffer) while
- * in use and released on every path; all copying, checksumming and I/O runs
- * with the GIL released.
+ * CPython glue for native_io._native_io: IOEngine, Writer, Reader, crc32c and
+ * info. Buffers are pinned (Py_buffer) while in use and released on every
+ * path; all copying, checksumming and I/O runs with the GIL released.
+ *
+ * Built twice by setup.py: the release module, and with -DNATIVE_IO_TESTING
+ * native_io._native_io_testing, which adds the test-only _inject_faults.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <string.h>
@@ -14,6 +17,17 @@
 #include <time.h>
 #include <unistd.h>
 #include "nio.h"
+
+/* The init symbol must match the last component of the module name. */
+#ifdef NATIVE_IO_TESTING
+#define NIO_MODULE_NAME	  "native_io._native_io_testing"
+#define NIO_PYINIT	  PyInit__native_io_testing
+#define NIO_TESTING_BUILD 1
+#else
+#define NIO_MODULE_NAME	  "native_io._native_io"
+#define NIO_PYINIT	  PyInit__native_io
+#define NIO_TESTING_BUILD 0
+#endif
 
 static PyObject *NativeIOError;
 static PyTypeObject EngineType, WriterType, ReaderType;
@@ -32,21 +46,19 @@ static double now(void)
 }
 
 /* Raise NativeIOError(errno, "strerror (op at offset N)", path). */
-static PyObject *raise_io(int err, PyObject *path, const char *op,
-			  int has_off, uint64_t off, const char *detail)
+static PyObject *raise_io(int err, PyObject *path, const char *op, int has_off, uint64_t off,
+			  const char *detail)
 {
 	PyObject *exc, *v;
 	char msg[512];
 
 	if (has_off)
-		snprintf(msg, sizeof(msg), "%s (%s at offset %llu%s%s)",
-			 strerror(err), op, (unsigned long long)off,
-			 detail ? ": " : "", detail ? detail : "");
+		snprintf(msg, sizeof(msg), "%s (%s at offset %llu%s%s)", strerror(err), op,
+			 (unsigned long long)off, detail ? ": " : "", detail ? detail : "");
 	else
-		snprintf(msg, sizeof(msg), "%s (%s%s%s)", strerror(err), op,
-			 detail ? ": " : "", detail ? detail : "");
-	exc = PyObject_CallFunction(NativeIOError, "isO", err, msg,
-				    path ? path : Py_None);
+		snprintf(msg, sizeof(msg), "%s (%s%s%s)", strerror(err), op, detail ? ": " : "",
+			 detail ? detail : "");
+	exc = PyObject_CallFunction(NativeIOError, "isO", err, msg, path ? path : Py_None);
 	if (!exc)
 		return NULL;
 	v = PyUnicode_FromString(op);
@@ -85,7 +97,7 @@ static int uring_usable(const char **why)
 		*why = "native_io was built without liburing";
 		return 0;
 	}
-	if (nio_faults.refuse_uring) {
+	if (NIO_FAULT(refuse_uring)) {
 		snprintf(sim, sizeof(sim),
 			 "io_uring_queue_init failed: %s (simulated by _inject_faults)",
 			 strerror(EPERM));
@@ -107,13 +119,13 @@ static int uring_usable(const char **why)
 
 typedef struct {
 	PyObject_HEAD
-	int kind;		/* engine in use */
-	int requested;		/* 0 = auto */
-	size_t block_size;
-	unsigned qd;
-	int direct;
-	struct nio_ctx *cache[3];	/* idle contexts, by kind */
-	PyObject *fallback_reason;	/* str or None */
+	int kind;      /* engine in use */
+	int requested; /* 0 = auto */
+	unsigned long long block_size;
+	unsigned int qd;
+	char direct;		   /* char: exposed as a T_BOOL member */
+	struct nio_ctx *cache[3];  /* idle contexts, by kind */
+	PyObject *fallback_reason; /* str or None */
 } EngineObject;
 
 static struct nio_ctx *engine_take_ctx(EngineObject *eng, int kind)
@@ -133,16 +145,15 @@ static struct nio_ctx *engine_take_ctx(EngineObject *eng, int kind)
 		ctx = NULL;
 	}
 	Py_BEGIN_ALLOW_THREADS
-	err = nio_ctx_create(kind, eng->block_size, eng->qd, &ctx, why,
-			     sizeof(why));
+	err = nio_ctx_create(kind, eng->block_size, eng->qd, &ctx, why, sizeof(why));
 	Py_END_ALLOW_THREADS
 	if (err) {
 		if (err == ENOMEM)
 			PyErr_NoMemory();
 		else
 			PyErr_Format(PyExc_RuntimeError,
-				     "native_io: cannot start the %s engine: %s",
-				     kind_name(kind), why);
+				     "native_io: cannot start the %s engine: %s", kind_name(kind),
+				     why);
 		return NULL;
 	}
 	return ctx;
@@ -158,7 +169,7 @@ static void destroy_ctx_nogil(struct nio_ctx *ctx)
 static void engine_return_ctx(EngineObject *eng, struct nio_ctx *ctx)
 {
 	if (!ctx || ctx->pid != getpid())
-		return;	/* see engine_take_ctx: never touch a parent's ctx */
+		return; /* see engine_take_ctx: never touch a parent's ctx */
 	if (!ctx->broken && !ctx->inflight && !eng->cache[ctx->kind]) {
 		eng->cache[ctx->kind] = ctx;
 		return;
@@ -179,16 +190,14 @@ static void engine_release_all(EngineObject *eng)
 
 static int Engine_init(EngineObject *self, PyObject *args, PyObject *kwds)
 {
-	static char *kwlist[] = {"engine", "block_size", "queue_depth",
-				 "direct", NULL};
+	static char *kwlist[] = { "engine", "block_size", "queue_depth", "direct", NULL };
 	const char *engine = "auto";
 	Py_ssize_t bs = NIO_DEFAULT_BLOCK, qd = NIO_DEFAULT_QD;
 	int direct = 1, want;
 	const char *why = NULL;
 	struct nio_ctx *ctx;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kwds, "|snnp", kwlist, &engine,
-					 &bs, &qd, &direct))
+	if (!PyArg_ParseTupleAndKeywords(args, kwds, "|snnp", kwlist, &engine, &bs, &qd, &direct))
 		return -1;
 	if (!strcmp(engine, "auto"))
 		want = 0;
@@ -202,16 +211,14 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kwds)
 			     PyTuple_Size(args) ? PyTuple_GET_ITEM(args, 0) : Py_None);
 		return -1;
 	}
-	if (bs < (Py_ssize_t)NIO_ALIGN || bs % NIO_ALIGN ||
-	    bs > (Py_ssize_t)NIO_MAX_BLOCK) {
+	if (bs < (Py_ssize_t)NIO_ALIGN || bs % NIO_ALIGN || bs > (Py_ssize_t)NIO_MAX_BLOCK) {
 		PyErr_Format(PyExc_ValueError,
 			     "block_size must be a multiple of %u between %u and %u, got %zd",
 			     NIO_ALIGN, NIO_ALIGN, NIO_MAX_BLOCK, bs);
 		return -1;
 	}
 	if (qd < 1 || qd > (Py_ssize_t)NIO_MAX_QD) {
-		PyErr_Format(PyExc_ValueError,
-			     "queue_depth must be between 1 and %u, got %zd",
+		PyErr_Format(PyExc_ValueError, "queue_depth must be between 1 and %u, got %zd",
 			     NIO_MAX_QD, qd);
 		return -1;
 	}
@@ -277,26 +284,6 @@ static PyObject *Engine_get_engine(EngineObject *self, void *c)
 	return PyUnicode_FromString(kind_name(self->kind));
 }
 
-static PyObject *Engine_get_block_size(EngineObject *self, void *c)
-{
-	return PyLong_FromSize_t(self->block_size);
-}
-
-static PyObject *Engine_get_qd(EngineObject *self, void *c)
-{
-	return PyLong_FromUnsignedLong(self->qd);
-}
-
-static PyObject *Engine_get_direct(EngineObject *self, void *c)
-{
-	return PyBool_FromLong(self->direct);
-}
-
-static PyObject *Engine_get_fallback(EngineObject *self, void *c)
-{
-	return Py_NewRef(self->fallback_reason ? self->fallback_reason : Py_None);
-}
-
 static PyObject *Engine_get_arena_bytes(EngineObject *self, void *c)
 {
 	size_t n = 0;
@@ -331,19 +318,70 @@ struct opened {
 	int fd;
 	int direct;
 	int kind;
-	PyObject *reason;	/* why not uring / not O_DIRECT, or NULL */
-	PyObject *path;		/* fspath(path) */
+	uint64_t size;	  /* st_size at open (readers) */
+	PyObject *reason; /* why not uring / not O_DIRECT, or NULL */
+	PyObject *path;	  /* fspath(path) */
 };
 
-static int open_file(EngineObject *eng, PyObject *path_arg, int writing,
-		     struct opened *o)
+/*
+ * Close fd once and mark it closed. Returns 0 or the errno of close(); the
+ * fd is gone either way (Linux releases it even on EINTR), so never retry.
+ */
+static int close_fd(int *fd)
 {
+	int err = 0;
+
+	if (*fd >= 0 && close(*fd))
+		err = errno;
+	*fd = -1;
+	return err;
+}
+
+/*
+ * open(2) retried on EINTR. With *direct set, try O_DIRECT first and fall
+ * back to buffered when the filesystem refuses it (EINVAL), clearing *direct
+ * and saying why. Returns the fd or -errno. Runs without the GIL.
+ */
+static int open_fd(const char *cpath, int flags, int *direct, char *why, size_t whylen)
+{
+	int fd;
+
+	if (*direct) {
+		do {
+			fd = open(cpath, flags | O_DIRECT, 0644);
+		} while (fd < 0 && errno == EINTR);
+		if (fd >= 0)
+			return fd;
+		if (errno != EINVAL)
+			return -errno;
+		*direct = 0;
+		snprintf(why, whylen, "O_DIRECT refused by the filesystem (open: EINVAL)");
+	}
+	do {
+		fd = open(cpath, flags, 0644);
+	} while (fd < 0 && errno == EINTR);
+	return fd >= 0 ? fd : -errno;
+}
+
+static void opened_release(struct opened *o)
+{
+	close_fd(&o->fd);
+	Py_CLEAR(o->path);
+	Py_CLEAR(o->reason);
+}
+
+/*
+ * Open path for an engine: O_DIRECT when asked (buffered fallback), pick the
+ * engine kind for the file and, for readers, its size. On failure raise
+ * OSError(errno, strerror, path) and leave nothing open.
+ */
+static int open_file(EngineObject *eng, PyObject *path_arg, int writing, struct opened *o)
+{
+	int flags = writing ? O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC : O_RDONLY | O_CLOEXEC;
+	int direct = eng->direct, refused = 0, fd, err = 0;
 	PyObject *bytes = NULL;
-	const char *cpath;
-	int flags = writing ? O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC
-			    : O_RDONLY | O_CLOEXEC;
-	int try_direct = eng->direct, fd, err = 0, refused = 0;
 	char why[200] = "";
+	struct stat st;
 
 	memset(o, 0, sizeof(*o));
 	o->fd = -1;
@@ -352,42 +390,29 @@ static int open_file(EngineObject *eng, PyObject *path_arg, int writing,
 		return -1;
 	if (!PyUnicode_FSConverter(o->path, &bytes))
 		goto fail;
-	cpath = PyBytes_AS_STRING(bytes);
-	if (try_direct && nio_faults.refuse_direct) {
-		try_direct = 0;
-		refused = 1;
+	if (direct && NIO_FAULT(refuse_direct)) {
+		direct = 0;
 		snprintf(why, sizeof(why),
 			 "O_DIRECT refused by the filesystem (simulated by _inject_faults)");
 	}
 	Py_BEGIN_ALLOW_THREADS
-	fd = -1;
-	if (try_direct) {
-		do {
-			fd = open(cpath, flags | O_DIRECT, 0644);
-		} while (fd < 0 && errno == EINTR);
-		if (fd < 0 && errno == EINVAL) {
-			refused = 1;
-			snprintf(why, sizeof(why),
-				 "O_DIRECT refused by the filesystem (open: EINVAL)");
-		}
-		if (fd < 0)
-			err = errno;
-	}
-	if (fd < 0 && (!try_direct || err == EINVAL)) {
-		do {
-			fd = open(cpath, flags, 0644);
-		} while (fd < 0 && errno == EINTR);
-		err = fd < 0 ? errno : 0;
-	}
+	fd = open_fd(PyBytes_AS_STRING(bytes), flags, &direct, why, sizeof(why));
+	if (fd >= 0 && !writing && fstat(fd, &st))
+		err = errno;
 	Py_END_ALLOW_THREADS
 	Py_DECREF(bytes);
 	if (fd < 0) {
-		errno = err;
-		PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, o->path);
-		goto fail;
+		errno = -fd;
+		goto fail_errno;
 	}
 	o->fd = fd;
-	o->direct = try_direct && !refused;
+	if (err) {
+		errno = err;
+		goto fail_errno;
+	}
+	o->size = writing ? 0 : (uint64_t)st.st_size;
+	o->direct = direct;
+	refused = eng->direct && !direct;
 	o->kind = eng->kind;
 	if (eng->kind == NIO_URING && !o->direct && eng->requested == 0) {
 		/* auto: buffered files go through the portable engine */
@@ -404,12 +429,10 @@ static int open_file(EngineObject *eng, PyObject *path_arg, int writing,
 			goto fail;
 	}
 	return 0;
+fail_errno:
+	PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, o->path);
 fail:
-	if (o->fd >= 0)
-		close(o->fd);
-	o->fd = -1;
-	Py_CLEAR(o->path);
-	Py_CLEAR(o->reason);
+	opened_release(o);
 	return -1;
 }
 
@@ -438,15 +461,13 @@ static void segs_release(struct segs *S)
 }
 
 /* Parse [(offset, buffer), ...]; writers check order against *end. */
-static int segs_parse(PyObject *segments, int writable, uint64_t *end,
-		      struct segs *S)
+static int segs_parse(PyObject *segments, int writable, uint64_t *end, struct segs *S)
 {
 	PyObject *seq;
 	uint64_t prev = end ? *end : 0;
 
 	memset(S, 0, sizeof(*S));
-	seq = PySequence_Fast(segments,
-			      "segments must be a sequence of (offset, buffer) pairs");
+	seq = PySequence_Fast(segments, "segments must be a sequence of (offset, buffer) pairs");
 	if (!seq)
 		return -1;
 	S->n = PySequence_Fast_GET_SIZE(seq);
@@ -475,8 +496,7 @@ static int segs_parse(PyObject *segments, int writable, uint64_t *end,
 		o = PySequence_Fast_GET_ITEM(pair, 0);
 		if (!PyLong_Check(o) && !PyIndex_Check(o)) {
 			Py_DECREF(pair);
-			PyErr_Format(PyExc_TypeError,
-				     "segment %zd: offset must be an int", i);
+			PyErr_Format(PyExc_TypeError, "segment %zd: offset must be an int", i);
 			goto fail;
 		}
 		{
@@ -490,19 +510,19 @@ static int segs_parse(PyObject *segments, int writable, uint64_t *end,
 			Py_DECREF(idx);
 			if (off == (unsigned long long)-1 && PyErr_Occurred()) {
 				Py_DECREF(pair);
-				PyErr_Format(PyExc_ValueError,
-					     "segment %zd: offset must be a non-negative int below 2**63", i);
+				PyErr_Format(
+					PyExc_ValueError,
+					"segment %zd: offset must be a non-negative int below 2**63",
+					i);
 				goto fail;
 			}
 			if (off > (unsigned long long)INT64_MAX) {
 				Py_DECREF(pair);
-				PyErr_Format(PyExc_ValueError,
-					     "segment %zd: offset too large", i);
+				PyErr_Format(PyExc_ValueError, "segment %zd: offset too large", i);
 				goto fail;
 			}
 		}
-		rc = PyObject_GetBuffer(PySequence_Fast_GET_ITEM(pair, 1),
-					&S->views[i],
+		rc = PyObject_GetBuffer(PySequence_Fast_GET_ITEM(pair, 1), &S->views[i],
 					writable ? PyBUF_WRITABLE : PyBUF_SIMPLE);
 		Py_DECREF(pair);
 		if (rc < 0)
@@ -510,15 +530,15 @@ static int segs_parse(PyObject *segments, int writable, uint64_t *end,
 		S->nheld = i + 1;
 		S->offs[i] = off;
 		if ((uint64_t)S->views[i].len > (uint64_t)INT64_MAX - off) {
-			PyErr_Format(PyExc_ValueError,
-				     "segment %zd: offset + length overflows", i);
+			PyErr_Format(PyExc_ValueError, "segment %zd: offset + length overflows", i);
 			goto fail;
 		}
 		if (end) {
 			if (off < prev) {
-				PyErr_Format(PyExc_ValueError,
-					     "segment %zd: offset %llu is before the end of the previous data (%llu); offsets must be increasing and non-overlapping",
-					     i, off, (unsigned long long)prev);
+				PyErr_Format(
+					PyExc_ValueError,
+					"segment %zd: offset %llu is before the end of the previous data (%llu); offsets must be increasing and non-overlapping",
+					i, off, (unsigned long long)prev);
 				goto fail;
 			}
 			prev = off + (uint64_t)S->views[i].len;
@@ -559,11 +579,11 @@ typedef struct {
 	struct nio_ctx *ctx;
 	struct nio_writer w;
 	int fd;
-	int direct;
+	char direct; /* char: T_BOOL members */
+	char closed;
 	int kind;
-	int closed;
 	int busy;
-	int failed;		/* errno of the failure that poisoned it */
+	int failed; /* errno of the failure that poisoned it */
 	double seconds;
 	PyObject *path;
 	PyObject *reason;
@@ -572,9 +592,10 @@ typedef struct {
 static int fork_check(struct nio_ctx *ctx, const char *what)
 {
 	if (ctx && ctx->pid != getpid()) {
-		PyErr_Format(PyExc_RuntimeError,
-			     "native_io: this %s was opened in another process (fork); open it again here",
-			     what);
+		PyErr_Format(
+			PyExc_RuntimeError,
+			"native_io: this %s was opened in another process (fork); open it again here",
+			what);
 		return -1;
 	}
 	return 0;
@@ -583,8 +604,7 @@ static int fork_check(struct nio_ctx *ctx, const char *what)
 static int busy_check(int busy, int closed, const char *what)
 {
 	if (busy) {
-		PyErr_Format(PyExc_RuntimeError,
-			     "native_io: %s is in use by another thread", what);
+		PyErr_Format(PyExc_RuntimeError, "native_io: %s is in use by another thread", what);
 		return -1;
 	}
 	if (closed) {
@@ -594,10 +614,9 @@ static int busy_check(int busy, int closed, const char *what)
 	return 0;
 }
 
-static PyObject *Engine_open_writer(EngineObject *self, PyObject *args,
-				    PyObject *kwds)
+static PyObject *Engine_open_writer(EngineObject *self, PyObject *args, PyObject *kwds)
 {
-	static char *kwlist[] = {"path", NULL};
+	static char *kwlist[] = { "path", NULL };
 	PyObject *path;
 	struct opened o;
 	WriterObject *w;
@@ -607,11 +626,14 @@ static PyObject *Engine_open_writer(EngineObject *self, PyObject *args,
 	if (open_file(self, path, 1, &o))
 		return NULL;
 	w = PyObject_New(WriterObject, &WriterType);
-	if (!w)
-		goto fail;
+	if (!w) {
+		opened_release(&o);
+		return NULL;
+	}
+	/* the writer owns the fd and references from here on */
 	w->eng = (EngineObject *)Py_NewRef(self);
 	w->fd = o.fd;
-	w->direct = o.direct;
+	w->direct = (char)o.direct;
 	w->kind = o.kind;
 	w->closed = 0;
 	w->busy = 0;
@@ -621,19 +643,13 @@ static PyObject *Engine_open_writer(EngineObject *self, PyObject *args,
 	w->reason = o.reason;
 	w->ctx = engine_take_ctx(self, o.kind);
 	if (!w->ctx) {
+		close_fd(&w->fd);
 		w->closed = 1;
-		close(w->fd);
-		w->fd = -1;
 		Py_DECREF(w);
 		return NULL;
 	}
 	nio_writer_init(&w->w, w->ctx, w->fd, w->direct);
 	return (PyObject *)w;
-fail:
-	close(o.fd);
-	Py_XDECREF(o.path);
-	Py_XDECREF(o.reason);
-	return NULL;
 }
 
 /* Close without syncing: drain, close the fd, give the context back. */
@@ -648,21 +664,18 @@ static void writer_discard(WriterObject *self)
 		engine_return_ctx(self->eng, self->ctx);
 		self->ctx = NULL;
 	}
-	if (self->fd >= 0)
-		close(self->fd);
-	self->fd = -1;
+	close_fd(&self->fd);
 	self->closed = 1;
 }
 
 static PyObject *Writer_write(WriterObject *self, PyObject *segments)
 {
-	struct nio_error e = {0};
+	struct nio_error e = { 0 };
 	struct segs S;
 	PyObject *res;
 	int rc = 0;
 
-	if (busy_check(self->busy, self->closed, "writer") ||
-	    fork_check(self->ctx, "writer"))
+	if (busy_check(self->busy, self->closed, "writer") || fork_check(self->ctx, "writer"))
 		return NULL;
 	if (self->failed)
 		return raise_io(self->failed, self->path, "write", 0, 0,
@@ -674,8 +687,8 @@ static PyObject *Writer_write(WriterObject *self, PyObject *segments)
 	double t0 = now();
 
 	for (Py_ssize_t i = 0; i < S.n; i++) {
-		rc = nio_writer_put(&self->w, S.offs[i], S.views[i].buf,
-				    (size_t)S.views[i].len, &S.crcs[i], &e);
+		rc = nio_writer_put(&self->w, S.offs[i], S.views[i].buf, (size_t)S.views[i].len,
+				    &S.crcs[i], &e);
 		if (rc)
 			break;
 	}
@@ -694,21 +707,19 @@ static PyObject *Writer_write(WriterObject *self, PyObject *segments)
 	return res;
 }
 
-static PyObject *Writer_close(WriterObject *self, PyObject *args,
-			      PyObject *kwds)
+static PyObject *Writer_close(WriterObject *self, PyObject *args, PyObject *kwds)
 {
-	static char *kwlist[] = {"size", NULL};
+	static char *kwlist[] = { "size", NULL };
 	PyObject *size_obj = Py_None;
 	unsigned long long size = 0;
-	struct nio_error e = {0};
-	int have_size = 0, rc = 0;
+	struct nio_error e = { 0 };
+	int have_size = 0, rc = 0, err;
 
 	if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O", kwlist, &size_obj))
 		return NULL;
 	if (self->closed)
 		Py_RETURN_NONE;
-	if (busy_check(self->busy, 0, "writer") ||
-	    fork_check(self->ctx, "writer"))
+	if (busy_check(self->busy, 0, "writer") || fork_check(self->ctx, "writer"))
 		return NULL;
 	if (size_obj != Py_None) {
 		size = PyLong_AsUnsignedLongLong(size_obj);
@@ -732,16 +743,16 @@ static PyObject *Writer_close(WriterObject *self, PyObject *args,
 	rc = nio_writer_finish(&self->w, have_size, size, &e);
 	if (rc)
 		nio_writer_abort(&self->w);
-	if (close(self->fd) && !rc) {
+	err = close_fd(&self->fd);
+	if (err && !rc) {
 		rc = -1;
-		e.err = errno;
+		e.err = err;
 		e.op = "close";
 		e.has_off = 0;
 	}
 	self->seconds += now() - t0;
 	Py_END_ALLOW_THREADS
 	self->busy = 0;
-	self->fd = -1;
 	self->closed = 1;
 	engine_return_ctx(self->eng, self->ctx);
 	self->ctx = NULL;
@@ -790,9 +801,10 @@ static void Writer_dealloc(WriterObject *self)
 		/* unflushed data is dropped: say so, like an unclosed file */
 		PyErr_Fetch(&et, &ev, &tb);
 		/* no source object: self is being freed, it must not be kept */
-		if (PyErr_WarnFormat(PyExc_ResourceWarning, 1,
-					  "native_io writer for %R was never closed; staged data discarded",
-					  self->path ? self->path : Py_None) < 0)
+		if (PyErr_WarnFormat(
+			    PyExc_ResourceWarning, 1,
+			    "native_io writer for %R was never closed; staged data discarded",
+			    self->path ? self->path : Py_None) < 0)
 			PyErr_WriteUnraisable((PyObject *)self);
 		PyErr_Restore(et, ev, tb);
 	}
@@ -803,49 +815,9 @@ static void Writer_dealloc(WriterObject *self)
 	PyObject_Free(self);
 }
 
-static PyObject *Writer_get_bytes(WriterObject *self, void *c)
-{
-	return PyLong_FromUnsignedLongLong(self->w.payload);
-}
-
-static PyObject *Writer_get_io_bytes(WriterObject *self, void *c)
-{
-	return PyLong_FromUnsignedLongLong(self->w.io_bytes);
-}
-
-static PyObject *Writer_get_seconds(WriterObject *self, void *c)
-{
-	return PyFloat_FromDouble(self->seconds);
-}
-
-static PyObject *Writer_get_direct(WriterObject *self, void *c)
-{
-	return PyBool_FromLong(self->direct);
-}
-
 static PyObject *Writer_get_engine(WriterObject *self, void *c)
 {
 	return PyUnicode_FromString(kind_name(self->kind));
-}
-
-static PyObject *Writer_get_closed(WriterObject *self, void *c)
-{
-	return PyBool_FromLong(self->closed);
-}
-
-static PyObject *Writer_get_path(WriterObject *self, void *c)
-{
-	return Py_NewRef(self->path);
-}
-
-static PyObject *Writer_get_reason(WriterObject *self, void *c)
-{
-	return Py_NewRef(self->reason ? self->reason : Py_None);
-}
-
-static PyObject *Writer_get_end(WriterObject *self, void *c)
-{
-	return PyLong_FromUnsignedLongLong(self->w.end);
 }
 
 /* ------------------------------------------------------------------ */
@@ -856,9 +828,9 @@ typedef struct {
 	EngineObject *eng;
 	struct nio_ctx *ctx;
 	int fd;
-	int direct;
+	char direct; /* char: T_BOOL members */
+	char closed;
 	int kind;
-	int closed;
 	int busy;
 	uint64_t size;
 	uint64_t io_bytes;
@@ -868,40 +840,30 @@ typedef struct {
 	PyObject *reason;
 } ReaderObject;
 
-static PyObject *Engine_open_reader(EngineObject *self, PyObject *args,
-				    PyObject *kwds)
+static PyObject *Engine_open_reader(EngineObject *self, PyObject *args, PyObject *kwds)
 {
-	static char *kwlist[] = {"path", NULL};
+	static char *kwlist[] = { "path", NULL };
 	PyObject *path;
 	struct opened o;
 	ReaderObject *r;
-	struct stat st;
 
 	if (!PyArg_ParseTupleAndKeywords(args, kwds, "O", kwlist, &path))
 		return NULL;
 	if (open_file(self, path, 0, &o))
 		return NULL;
-	if (fstat(o.fd, &st)) {
-		PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, o.path);
-		close(o.fd);
-		Py_XDECREF(o.path);
-		Py_XDECREF(o.reason);
-		return NULL;
-	}
 	r = PyObject_New(ReaderObject, &ReaderType);
 	if (!r) {
-		close(o.fd);
-		Py_XDECREF(o.path);
-		Py_XDECREF(o.reason);
+		opened_release(&o);
 		return NULL;
 	}
+	/* the reader owns the fd and references from here on */
 	r->eng = (EngineObject *)Py_NewRef(self);
 	r->fd = o.fd;
-	r->direct = o.direct;
+	r->direct = (char)o.direct;
 	r->kind = o.kind;
 	r->closed = 0;
 	r->busy = 0;
-	r->size = (uint64_t)st.st_size;
+	r->size = o.size;
 	r->io_bytes = 0;
 	r->payload = 0;
 	r->seconds = 0;
@@ -909,9 +871,8 @@ static PyObject *Engine_open_reader(EngineObject *self, PyObject *args,
 	r->reason = o.reason;
 	r->ctx = engine_take_ctx(self, o.kind);
 	if (!r->ctx) {
+		close_fd(&r->fd);
 		r->closed = 1;
-		close(r->fd);
-		r->fd = -1;
 		Py_DECREF(r);
 		return NULL;
 	}
@@ -920,7 +881,7 @@ static PyObject *Engine_open_reader(EngineObject *self, PyObject *args,
 
 static PyObject *Reader_read(ReaderObject *self, PyObject *segments)
 {
-	struct nio_error e = {0};
+	struct nio_error e = { 0 };
 	struct nio_rseg *rs;
 	struct segs S;
 	struct stat st;
@@ -928,8 +889,7 @@ static PyObject *Reader_read(ReaderObject *self, PyObject *segments)
 	uint64_t io = 0;
 	int rc;
 
-	if (busy_check(self->busy, self->closed, "reader") ||
-	    fork_check(self->ctx, "reader"))
+	if (busy_check(self->busy, self->closed, "reader") || fork_check(self->ctx, "reader"))
 		return NULL;
 	if (segs_parse(segments, 1, NULL, &S))
 		return NULL;
@@ -943,15 +903,16 @@ static PyObject *Reader_read(ReaderObject *self, PyObject *segments)
 		char detail[160];
 
 		if (end > self->size) {
-			snprintf(detail, sizeof(detail),
-				 "segment of %zd bytes ends at %llu but the file has %llu bytes; truncated file?",
-				 S.views[i].len, (unsigned long long)end,
-				 (unsigned long long)self->size);
+			snprintf(
+				detail, sizeof(detail),
+				"segment of %zd bytes ends at %llu but the file has %llu bytes; truncated file?",
+				S.views[i].len, (unsigned long long)end,
+				(unsigned long long)self->size);
 			uint64_t at = S.offs[i] > self->size ? S.offs[i] : self->size;
 
 			segs_release(&S);
-			return raise_io(ENODATA, self->path, "read past end of file",
-					1, at, detail);
+			return raise_io(ENODATA, self->path, "read past end of file", 1, at,
+					detail);
 		}
 	}
 	rs = PyMem_Calloc(S.n ? S.n : 1, sizeof(*rs));
@@ -968,8 +929,8 @@ static PyObject *Reader_read(ReaderObject *self, PyObject *segments)
 	Py_BEGIN_ALLOW_THREADS
 	double t0 = now();
 
-	rc = nio_read_segments(self->ctx, self->fd, self->direct, self->size,
-			       rs, (size_t)S.n, &io, &e);
+	rc = nio_read_segments(self->ctx, self->fd, self->direct, self->size, rs, (size_t)S.n, &io,
+			       &e);
 	self->seconds += now() - t0;
 	Py_END_ALLOW_THREADS
 	self->busy = 0;
@@ -984,13 +945,12 @@ static PyObject *Reader_read(ReaderObject *self, PyObject *segments)
 		if (self->ctx->broken) {
 			engine_return_ctx(self->eng, self->ctx);
 			self->ctx = NULL;
-			close(self->fd);
-			self->fd = -1;
+			close_fd(&self->fd);
 			self->closed = 1;
 		}
 		if (e.err == ENODATA)
-			return raise_io(ENODATA, self->path, "read past end of file",
-					1, e.off, "file shrank while reading");
+			return raise_io(ENODATA, self->path, "read past end of file", 1, e.off,
+					"file shrank while reading");
 		return raise_nio(&e, self->path);
 	}
 	res = crc_list(&S);
@@ -1000,6 +960,8 @@ static PyObject *Reader_read(ReaderObject *self, PyObject *segments)
 
 static PyObject *Reader_close(ReaderObject *self, PyObject *unused)
 {
+	int err;
+
 	if (self->closed)
 		Py_RETURN_NONE;
 	if (busy_check(self->busy, 0, "reader"))
@@ -1007,11 +969,9 @@ static PyObject *Reader_close(ReaderObject *self, PyObject *unused)
 	engine_return_ctx(self->eng, self->ctx);
 	self->ctx = NULL;
 	self->closed = 1;
-	if (self->fd >= 0 && close(self->fd)) {
-		self->fd = -1;
-		return raise_io(errno, self->path, "close", 0, 0, NULL);
-	}
-	self->fd = -1;
+	err = close_fd(&self->fd);
+	if (err)
+		return raise_io(err, self->path, "close", 0, 0, NULL);
 	Py_RETURN_NONE;
 }
 
@@ -1032,8 +992,7 @@ static void Reader_dealloc(ReaderObject *self)
 {
 	if (!self->closed) {
 		engine_return_ctx(self->eng, self->ctx);
-		if (self->fd >= 0)
-			close(self->fd);
+		close_fd(&self->fd);
 	}
 	Py_CLEAR(self->eng);
 	Py_CLEAR(self->path);
@@ -1041,49 +1000,9 @@ static void Reader_dealloc(ReaderObject *self)
 	PyObject_Free(self);
 }
 
-static PyObject *Reader_get_size(ReaderObject *self, void *c)
-{
-	return PyLong_FromUnsignedLongLong(self->size);
-}
-
-static PyObject *Reader_get_bytes(ReaderObject *self, void *c)
-{
-	return PyLong_FromUnsignedLongLong(self->payload);
-}
-
-static PyObject *Reader_get_io_bytes(ReaderObject *self, void *c)
-{
-	return PyLong_FromUnsignedLongLong(self->io_bytes);
-}
-
-static PyObject *Reader_get_seconds(ReaderObject *self, void *c)
-{
-	return PyFloat_FromDouble(self->seconds);
-}
-
-static PyObject *Reader_get_direct(ReaderObject *self, void *c)
-{
-	return PyBool_FromLong(self->direct);
-}
-
 static PyObject *Reader_get_engine(ReaderObject *self, void *c)
 {
 	return PyUnicode_FromString(kind_name(self->kind));
-}
-
-static PyObject *Reader_get_closed(ReaderObject *self, void *c)
-{
-	return PyBool_FromLong(self->closed);
-}
-
-static PyObject *Reader_get_path(ReaderObject *self, void *c)
-{
-	return Py_NewRef(self->path);
-}
-
-static PyObject *Reader_get_reason(ReaderObject *self, void *c)
-{
-	return Py_NewRef(self->reason ? self->reason : Py_None);
 }
 
 /* ------------------------------------------------------------------ */
@@ -1091,7 +1010,7 @@ static PyObject *Reader_get_reason(ReaderObject *self, void *c)
 
 static PyObject *mod_crc32c(PyObject *m, PyObject *args, PyObject *kwds)
 {
-	static char *kwlist[] = {"buf", "value", NULL};
+	static char *kwlist[] = { "buf", "value", NULL };
 	unsigned long long value = 0;
 	PyObject *obj, *vobj = NULL;
 	Py_buffer view;
@@ -1141,13 +1060,11 @@ static PyObject *mod_info(PyObject *m, PyObject *unused)
 
 	if (!d)
 		return NULL;
-	engines = nio_uring_compiled() ? Py_BuildValue("[ss]", "uring", "portable")
-				       : Py_BuildValue("[s]", "portable");
+	engines = nio_uring_compiled() ? Py_BuildValue("[ss]", "uring", "portable") :
+					 Py_BuildValue("[s]", "portable");
 	if (dict_set(d, "engines", engines) ||
-	    dict_set(d, "default_engine",
-		     PyUnicode_FromString(usable ? "uring" : "portable")) ||
-	    dict_set(d, "liburing", ver ? PyUnicode_FromString(ver)
-					: Py_NewRef(Py_None)) ||
+	    dict_set(d, "default_engine", PyUnicode_FromString(usable ? "uring" : "portable")) ||
+	    dict_set(d, "liburing", ver ? PyUnicode_FromString(ver) : Py_NewRef(Py_None)) ||
 	    dict_set(d, "liburing_compiled", PyBool_FromLong(nio_uring_compiled())) ||
 	    dict_set(d, "uring_usable", PyBool_FromLong(usable)) ||
 	    dict_set(d, "uring_refused_reason",
@@ -1155,22 +1072,23 @@ static PyObject *mod_info(PyObject *m, PyObject *unused)
 	    dict_set(d, "default_block_size", PyLong_FromUnsignedLong(NIO_DEFAULT_BLOCK)) ||
 	    dict_set(d, "default_queue_depth", PyLong_FromUnsignedLong(NIO_DEFAULT_QD)) ||
 	    dict_set(d, "crc32c", PyUnicode_FromString(nio_crc32c_impl())) ||
-	    dict_set(d, "align", PyLong_FromUnsignedLong(NIO_ALIGN))) {
+	    dict_set(d, "align", PyLong_FromUnsignedLong(NIO_ALIGN)) ||
+	    dict_set(d, "testing", PyBool_FromLong(NIO_TESTING_BUILD))) {
 		Py_DECREF(d);
 		return NULL;
 	}
 	return d;
 }
 
+#ifdef NATIVE_IO_TESTING
 static PyObject *mod_inject(PyObject *m, PyObject *args, PyObject *kwds)
 {
-	static char *kwlist[] = {"short_every", "eintr_every", "eio_at",
-				 "refuse_direct", "refuse_uring", NULL};
+	static char *kwlist[] = { "short_every",   "eintr_every",  "eio_at",
+				  "refuse_direct", "refuse_uring", NULL };
 	long s = 0, i = 0, e = 0;
 	int rd = 0, ru = 0;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kwds, "|lllpp", kwlist, &s, &i,
-					 &e, &rd, &ru))
+	if (!PyArg_ParseTupleAndKeywords(args, kwds, "|lllpp", kwlist, &s, &i, &e, &rd, &ru))
 		return NULL;
 	if (s < 0 || i < 0 || e < 0) {
 		PyErr_SetString(PyExc_ValueError, "fault counts must be >= 0");
@@ -1179,79 +1097,108 @@ static PyObject *mod_inject(PyObject *m, PyObject *args, PyObject *kwds)
 	nio_faults_set(s, i, e, rd, ru);
 	Py_RETURN_NONE;
 }
+#endif /* NATIVE_IO_TESTING */
 
 /* ------------------------------------------------------------------ */
 /* type tables                                                         */
 
+/* Plain fields are members; PyGetSetDef only for computed values. */
+static PyMemberDef Engine_members[] = {
+	{ "block_size", T_ULONGLONG, offsetof(EngineObject, block_size), READONLY,
+	  "bytes per transfer" },
+	{ "queue_depth", T_UINT, offsetof(EngineObject, qd), READONLY, "transfers in flight" },
+	{ "direct", T_BOOL, offsetof(EngineObject, direct), READONLY, "O_DIRECT requested" },
+	{ "fallback_reason", T_OBJECT, offsetof(EngineObject, fallback_reason), READONLY,
+	  "why uring is not used (auto), or None" },
+	{ NULL },
+};
+
 static PyGetSetDef Engine_getset[] = {
-	{"engine", (getter)Engine_get_engine, NULL, "engine in use: 'uring' or 'portable'", NULL},
-	{"block_size", (getter)Engine_get_block_size, NULL, "bytes per transfer", NULL},
-	{"queue_depth", (getter)Engine_get_qd, NULL, "transfers in flight", NULL},
-	{"direct", (getter)Engine_get_direct, NULL, "O_DIRECT requested", NULL},
-	{"fallback_reason", (getter)Engine_get_fallback, NULL, "why uring is not used (auto), or None", NULL},
-	{"arena_bytes", (getter)Engine_get_arena_bytes, NULL, "bytes of idle staging arena held", NULL},
-	{NULL}
+	{ "engine", (getter)Engine_get_engine, NULL, "engine in use: 'uring' or 'portable'", NULL },
+	{ "arena_bytes", (getter)Engine_get_arena_bytes, NULL, "bytes of idle staging arena held",
+	  NULL },
+	{ NULL },
 };
 
 static PyMethodDef Engine_methods[] = {
-	{"open_writer", (PyCFunction)(void (*)(void))Engine_open_writer, METH_VARARGS | METH_KEYWORDS,
-	 "open_writer(path) -> Writer: create/truncate path for writing"},
-	{"open_reader", (PyCFunction)(void (*)(void))Engine_open_reader, METH_VARARGS | METH_KEYWORDS,
-	 "open_reader(path) -> Reader"},
-	{"close", (PyCFunction)Engine_close, METH_NOARGS, "free the idle staging arenas"},
-	{"__enter__", Engine_enter, METH_NOARGS, NULL},
-	{"__exit__", (PyCFunction)Engine_exit, METH_VARARGS, NULL},
-	{NULL}
+	{ "open_writer", (PyCFunction)(void (*)(void))Engine_open_writer,
+	  METH_VARARGS | METH_KEYWORDS,
+	  "open_writer(path) -> Writer: create/truncate path for writing" },
+	{ "open_reader", (PyCFunction)(void (*)(void))Engine_open_reader,
+	  METH_VARARGS | METH_KEYWORDS, "open_reader(path) -> Reader" },
+	{ "close", (PyCFunction)Engine_close, METH_NOARGS, "free the idle staging arenas" },
+	{ "__enter__", Engine_enter, METH_NOARGS, NULL },
+	{ "__exit__", (PyCFunction)Engine_exit, METH_VARARGS, NULL },
+	{ NULL },
+};
+
+static PyMemberDef Writer_members[] = {
+	{ "bytes_written", T_ULONGLONG, offsetof(WriterObject, w.payload), READONLY,
+	  "payload bytes handed to write()" },
+	{ "io_bytes", T_ULONGLONG, offsetof(WriterObject, w.io_bytes), READONLY,
+	  "bytes transferred to the file (incl. padding)" },
+	{ "seconds", T_DOUBLE, offsetof(WriterObject, seconds), READONLY,
+	  "wall time spent in write() and close()" },
+	{ "direct", T_BOOL, offsetof(WriterObject, direct), READONLY,
+	  "file is open with O_DIRECT" },
+	{ "closed", T_BOOL, offsetof(WriterObject, closed), READONLY, NULL },
+	{ "path", T_OBJECT, offsetof(WriterObject, path), READONLY, NULL },
+	{ "fallback_reason", T_OBJECT, offsetof(WriterObject, reason), READONLY,
+	  "why not uring/O_DIRECT, or None" },
+	{ "end", T_ULONGLONG, offsetof(WriterObject, w.end), READONLY,
+	  "end offset of the last segment" },
+	{ NULL },
 };
 
 static PyGetSetDef Writer_getset[] = {
-	{"bytes_written", (getter)Writer_get_bytes, NULL, "payload bytes handed to write()", NULL},
-	{"io_bytes", (getter)Writer_get_io_bytes, NULL, "bytes transferred to the file (incl. padding)", NULL},
-	{"seconds", (getter)Writer_get_seconds, NULL, "wall time spent in write() and close()", NULL},
-	{"direct", (getter)Writer_get_direct, NULL, "file is open with O_DIRECT", NULL},
-	{"engine", (getter)Writer_get_engine, NULL, "engine used for this file", NULL},
-	{"closed", (getter)Writer_get_closed, NULL, NULL, NULL},
-	{"path", (getter)Writer_get_path, NULL, NULL, NULL},
-	{"fallback_reason", (getter)Writer_get_reason, NULL, "why not uring/O_DIRECT, or None", NULL},
-	{"end", (getter)Writer_get_end, NULL, "end offset of the last segment", NULL},
-	{NULL}
+	{ "engine", (getter)Writer_get_engine, NULL, "engine used for this file", NULL },
+	{ NULL },
 };
 
 static PyMethodDef Writer_methods[] = {
-	{"write", (PyCFunction)Writer_write, METH_O,
-	 "write(segments) -> list[int]: stage [(offset, buffer), ...], return crc32c per segment"},
-	{"close", (PyCFunction)(void (*)(void))Writer_close, METH_VARARGS | METH_KEYWORDS,
-	 "close(size=None): flush, truncate, fdatasync, close (idempotent)"},
-	{"__enter__", Writer_enter, METH_NOARGS, NULL},
-	{"__exit__", (PyCFunction)Writer_exit, METH_VARARGS, NULL},
-	{NULL}
+	{ "write", (PyCFunction)Writer_write, METH_O,
+	  "write(segments) -> list[int]: stage [(offset, buffer), ...], return crc32c per segment" },
+	{ "close", (PyCFunction)(void (*)(void))Writer_close, METH_VARARGS | METH_KEYWORDS,
+	  "close(size=None): flush, truncate, fdatasync, close (idempotent)" },
+	{ "__enter__", Writer_enter, METH_NOARGS, NULL },
+	{ "__exit__", (PyCFunction)Writer_exit, METH_VARARGS, NULL },
+	{ NULL },
+};
+
+static PyMemberDef Reader_members[] = {
+	{ "size", T_ULONGLONG, offsetof(ReaderObject, size), READONLY,
+	  "file size (refreshed by read())" },
+	{ "bytes_read", T_ULONGLONG, offsetof(ReaderObject, payload), READONLY,
+	  "payload bytes delivered" },
+	{ "io_bytes", T_ULONGLONG, offsetof(ReaderObject, io_bytes), READONLY,
+	  "bytes transferred from the file" },
+	{ "seconds", T_DOUBLE, offsetof(ReaderObject, seconds), READONLY,
+	  "wall time spent in read()" },
+	{ "direct", T_BOOL, offsetof(ReaderObject, direct), READONLY,
+	  "file is open with O_DIRECT" },
+	{ "closed", T_BOOL, offsetof(ReaderObject, closed), READONLY, NULL },
+	{ "path", T_OBJECT, offsetof(ReaderObject, path), READONLY, NULL },
+	{ "fallback_reason", T_OBJECT, offsetof(ReaderObject, reason), READONLY,
+	  "why not uring/O_DIRECT, or None" },
+	{ NULL },
 };
 
 static PyGetSetDef Reader_getset[] = {
-	{"size", (getter)Reader_get_size, NULL, "file size (refreshed by read())", NULL},
-	{"bytes_read", (getter)Reader_get_bytes, NULL, "payload bytes delivered", NULL},
-	{"io_bytes", (getter)Reader_get_io_bytes, NULL, "bytes transferred from the file", NULL},
-	{"seconds", (getter)Reader_get_seconds, NULL, "wall time spent in read()", NULL},
-	{"direct", (getter)Reader_get_direct, NULL, "file is open with O_DIRECT", NULL},
-	{"engine", (getter)Reader_get_engine, NULL, "engine used for this file", NULL},
-	{"closed", (getter)Reader_get_closed, NULL, NULL, NULL},
-	{"path", (getter)Reader_get_path, NULL, NULL, NULL},
-	{"fallback_reason", (getter)Reader_get_reason, NULL, "why not uring/O_DIRECT, or None", NULL},
-	{NULL}
+	{ "engine", (getter)Reader_get_engine, NULL, "engine used for this file", NULL },
+	{ NULL },
 };
 
 static PyMethodDef Reader_methods[] = {
-	{"read", (PyCFunction)Reader_read, METH_O,
-	 "read(segments) -> list[int]: fill [(offset, writable buffer), ...], return crc32c per segment"},
-	{"close", (PyCFunction)Reader_close, METH_NOARGS, "close (idempotent)"},
-	{"__enter__", Writer_enter, METH_NOARGS, NULL},
-	{"__exit__", (PyCFunction)Reader_exit, METH_VARARGS, NULL},
-	{NULL}
+	{ "read", (PyCFunction)Reader_read, METH_O,
+	  "read(segments) -> list[int]: fill [(offset, writable buffer), ...], return crc32c per segment" },
+	{ "close", (PyCFunction)Reader_close, METH_NOARGS, "close (idempotent)" },
+	{ "__enter__", Writer_enter, METH_NOARGS, NULL },
+	{ "__exit__", (PyCFunction)Reader_exit, METH_VARARGS, NULL },
+	{ NULL },
 };
 
 static PyTypeObject EngineType = {
-	PyVarObject_HEAD_INIT(NULL, 0)
-	.tp_name = "native_io.IOEngine",
+	PyVarObject_HEAD_INIT(NULL, 0).tp_name = "native_io.IOEngine",
 	.tp_basicsize = sizeof(EngineObject),
 	.tp_flags = Py_TPFLAGS_DEFAULT,
 	.tp_doc = "IOEngine(engine='auto', block_size=..., queue_depth=..., direct=True)",
@@ -1259,49 +1206,53 @@ static PyTypeObject EngineType = {
 	.tp_init = (initproc)Engine_init,
 	.tp_dealloc = (destructor)Engine_dealloc,
 	.tp_methods = Engine_methods,
+	.tp_members = Engine_members,
 	.tp_getset = Engine_getset,
 };
 
 static PyTypeObject WriterType = {
-	PyVarObject_HEAD_INIT(NULL, 0)
-	.tp_name = "native_io.Writer",
+	PyVarObject_HEAD_INIT(NULL, 0).tp_name = "native_io.Writer",
 	.tp_basicsize = sizeof(WriterObject),
 	.tp_flags = Py_TPFLAGS_DEFAULT,
 	.tp_doc = "Coalescing writer; create with IOEngine.open_writer(path)",
 	.tp_dealloc = (destructor)Writer_dealloc,
 	.tp_methods = Writer_methods,
+	.tp_members = Writer_members,
 	.tp_getset = Writer_getset,
 };
 
 static PyTypeObject ReaderType = {
-	PyVarObject_HEAD_INIT(NULL, 0)
-	.tp_name = "native_io.Reader",
+	PyVarObject_HEAD_INIT(NULL, 0).tp_name = "native_io.Reader",
 	.tp_basicsize = sizeof(ReaderObject),
 	.tp_flags = Py_TPFLAGS_DEFAULT,
 	.tp_doc = "Extent reader; create with IOEngine.open_reader(path)",
 	.tp_dealloc = (destructor)Reader_dealloc,
 	.tp_methods = Reader_methods,
+	.tp_members = Reader_members,
 	.tp_getset = Reader_getset,
 };
 
 static PyMethodDef module_methods[] = {
-	{"crc32c", (PyCFunction)(void (*)(void))mod_crc32c, METH_VARARGS | METH_KEYWORDS,
-	 "crc32c(buf, value=0) -> int: CRC-32C (Castagnoli), chainable"},
-	{"info", (PyCFunction)mod_info, METH_NOARGS, "info() -> dict describing the build and defaults"},
-	{"_inject_faults", (PyCFunction)(void (*)(void))mod_inject, METH_VARARGS | METH_KEYWORDS,
-	 "_inject_faults(short_every=0, eintr_every=0, eio_at=0, refuse_direct=False, refuse_uring=False)"},
-	{NULL}
+	{ "crc32c", (PyCFunction)(void (*)(void))mod_crc32c, METH_VARARGS | METH_KEYWORDS,
+	  "crc32c(buf, value=0) -> int: CRC-32C (Castagnoli), chainable" },
+	{ "info", (PyCFunction)mod_info, METH_NOARGS,
+	  "info() -> dict describing the build and defaults" },
+#ifdef NATIVE_IO_TESTING
+	{ "_inject_faults", (PyCFunction)(void (*)(void))mod_inject, METH_VARARGS | METH_KEYWORDS,
+	  "_inject_faults(short_every=0, eintr_every=0, eio_at=0, refuse_direct=False, refuse_uring=False)" },
+#endif
+	{ NULL },
 };
 
 static struct PyModuleDef moduledef = {
 	PyModuleDef_HEAD_INIT,
-	.m_name = "native_io._native_io",
+	.m_name = NIO_MODULE_NAME,
 	.m_doc = "Coalescing io_uring checkpoint I/O engine",
 	.m_size = -1,
 	.m_methods = module_methods,
 };
 
-PyMODINIT_FUNC PyInit__native_io(void)
+PyMODINIT_FUNC NIO_PYINIT(void)
 {
 	PyObject *m;
 
@@ -1316,8 +1267,7 @@ PyMODINIT_FUNC PyInit__native_io(void)
 		"native_io.NativeIOError",
 		"OSError from native_io; .operation and .offset name the failing step",
 		PyExc_OSError, NULL);
-	if (!NativeIOError ||
-	    PyModule_AddObjectRef(m, "NativeIOError", NativeIOError) < 0 ||
+	if (!NativeIOError || PyModule_AddObjectRef(m, "NativeIOError", NativeIOError) < 0 ||
 	    PyModule_AddObjectRef(m, "IOEngine", (PyObject *)&EngineType) < 0 ||
 	    PyModule_AddObjectRef(m, "Writer", (PyObject *)&WriterType) < 0 ||
 	    PyModule_AddObjectRef(m, "Reader", (PyObject *)&ReaderType) < 0 ||

@@ -19,19 +19,19 @@
 #include <stdint.h>
 #include <sys/types.h>
 
-#define NIO_ALIGN		4096u
-#define NIO_BUFFERED_MAX	(256u * 1024u)	/* largest buffered pwrite */
-#define NIO_MAX_BLOCK		(1u << 30)	/* kernel caps one rw at ~2 GiB */
-#define NIO_MAX_QD		64u
-#define NIO_MAX_RETRIES		1000		/* EINTR/EAGAIN/no-progress cap */
-#define NIO_READ_DIRECT_MIN	(256u * 1024u)	/* pieces read straight into dest */
+#define NIO_ALIGN	    4096u
+#define NIO_BUFFERED_MAX    (256u * 1024u) /* largest buffered pwrite */
+#define NIO_MAX_BLOCK	    (1u << 30)	   /* kernel caps one rw at ~2 GiB */
+#define NIO_MAX_QD	    64u
+#define NIO_MAX_RETRIES	    1000	   /* EINTR/EAGAIN/no-progress cap */
+#define NIO_READ_DIRECT_MIN (256u * 1024u) /* pieces read straight into dest */
 
 /* Defaults chosen by measurement, see docs/native_io.md */
-#define NIO_DEFAULT_BLOCK	(16u * 1024u * 1024u)
-#define NIO_DEFAULT_QD		2u
+#define NIO_DEFAULT_BLOCK   (16u * 1024u * 1024u)
+#define NIO_DEFAULT_QD	    2u
 
-#define NIO_ALIGN_DOWN(x)	((x) & ~((uint64_t)NIO_ALIGN - 1))
-#define NIO_ALIGN_UP(x)		(((x) + NIO_ALIGN - 1) & ~((uint64_t)NIO_ALIGN - 1))
+#define NIO_ALIGN_DOWN(x)   ((x) & ~((uint64_t)NIO_ALIGN - 1))
+#define NIO_ALIGN_UP(x)	    (((x) + NIO_ALIGN - 1) & ~((uint64_t)NIO_ALIGN - 1))
 
 enum nio_kind { NIO_URING = 1, NIO_PORTABLE = 2 };
 enum nio_op { NIO_OP_READ = 0, NIO_OP_WRITE = 1 };
@@ -41,15 +41,15 @@ enum nio_req_state { NIO_REQ_IDLE = 0, NIO_REQ_BUSY, NIO_REQ_DONE };
 struct nio_req {
 	int fd;
 	int op;
-	int direct;		/* fd is O_DIRECT: resubmit from aligned point */
+	int direct; /* fd is O_DIRECT: resubmit from aligned point */
 	int state;
 	char *buf;
 	uint64_t off;
-	size_t len;		/* bytes requested */
-	size_t need;		/* bytes that must arrive (reads may stop at EOF) */
+	size_t len;  /* bytes requested */
+	size_t need; /* bytes that must arrive (reads may stop at EOF) */
 	size_t done;
-	int err;		/* positive errno once DONE with failure */
-	uint64_t err_off;	/* file offset of the failing transfer */
+	int err;	  /* positive errno once DONE with failure */
+	uint64_t err_off; /* file offset of the failing transfer */
 	int retries;
 	/* portable backend bookkeeping */
 	struct nio_req *next;
@@ -64,8 +64,8 @@ struct nio_ctx;
 struct nio_backend {
 	const char *name;
 	/* Queue one transfer for req; returns 0 or a positive errno. */
-	int (*submit)(struct nio_ctx *ctx, struct nio_req *req, char *buf,
-		      size_t len, uint64_t off);
+	int (*submit)(struct nio_ctx *ctx, struct nio_req *req, char *buf, size_t len,
+		      uint64_t off);
 	/* Block for one completion; returns 0 or a positive errno (fatal). */
 	int (*wait)(struct nio_ctx *ctx, struct nio_req **req, long *res);
 	void (*destroy)(struct nio_ctx *ctx);
@@ -79,22 +79,22 @@ struct nio_backend {
 struct nio_ctx {
 	int kind;
 	size_t block_size;
-	unsigned qd;		/* max transfers in flight */
-	unsigned nslots;	/* qd + 1: one slot is filled while qd fly */
+	unsigned qd;	 /* max transfers in flight */
+	unsigned nslots; /* qd + 1: one slot is filled while qd fly */
 	char *arena;
 	size_t arena_size;
-	struct nio_req *reqs;	/* nslots */
-	unsigned inflight;	/* transfers handed to the backend */
-	int broken;		/* backend failed: never reuse */
-	pid_t pid;		/* creator; threads and rings do not survive fork */
+	struct nio_req *reqs; /* nslots */
+	unsigned inflight;    /* transfers handed to the backend */
+	int broken;	      /* backend failed: never reuse */
+	pid_t pid;	      /* creator; threads and rings do not survive fork */
 	const struct nio_backend *be;
 	void *priv;
 };
 
 /* Error report of the pure C layer; module.c turns it into an exception. */
 struct nio_error {
-	int err;		/* positive errno, 0 = none */
-	const char *op;		/* "write", "read", "fdatasync", ... */
+	int err;	/* positive errno, 0 = none */
+	const char *op; /* "write", "read", "fdatasync", ... */
 	uint64_t off;
 	int has_off;
 };
@@ -108,8 +108,8 @@ uint32_t nio_crc32c_copy(void *dst, const void *src, size_t len, uint32_t crc);
 /* arena.c */
 void *nio_aligned_alloc(size_t size);
 void nio_aligned_free(void *p, size_t size);
-int nio_ctx_create(int kind, size_t block_size, unsigned qd,
-		   struct nio_ctx **out, char *why, size_t whylen);
+int nio_ctx_create(int kind, size_t block_size, unsigned qd, struct nio_ctx **out, char *why,
+		   size_t whylen);
 void nio_ctx_destroy(struct nio_ctx *ctx);
 static inline char *nio_slot(struct nio_ctx *ctx, unsigned i)
 {
@@ -117,6 +117,11 @@ static inline char *nio_slot(struct nio_ctx *ctx, unsigned i)
 }
 
 /* iocore.c */
+#ifdef NATIVE_IO_TESTING
+/*
+ * Test-only fault injection. Compiled into native_io._native_io_testing
+ * only, so the release module has no way to corrupt I/O on purpose.
+ */
 struct nio_faults {
 	long short_every;
 	long eintr_every;
@@ -125,10 +130,14 @@ struct nio_faults {
 	int refuse_uring;
 };
 extern struct nio_faults nio_faults;
-void nio_faults_set(long short_every, long eintr_every, long eio_at,
-		    int refuse_direct, int refuse_uring);
-void nio_req_setup(struct nio_req *req, int fd, int op, int direct,
-		   char *buf, uint64_t off, size_t len, size_t need);
+void nio_faults_set(long short_every, long eintr_every, long eio_at, int refuse_direct,
+		    int refuse_uring);
+#define NIO_FAULT(field) (nio_faults.field)
+#else
+#define NIO_FAULT(field) 0
+#endif
+void nio_req_setup(struct nio_req *req, int fd, int op, int direct, char *buf, uint64_t off,
+		   size_t len, size_t need);
 void nio_req_start(struct nio_ctx *ctx, struct nio_req *req);
 int nio_reap_one(struct nio_ctx *ctx);
 int nio_wait_req(struct nio_ctx *ctx, struct nio_req *req);
@@ -148,19 +157,17 @@ struct nio_writer {
 	struct nio_ctx *ctx;
 	int fd;
 	int direct;
-	unsigned cur;		/* slot being filled */
-	uint64_t slot_off;	/* file offset of the current slot (aligned) */
-	size_t fill;		/* bytes staged in the current slot */
-	uint64_t end;		/* end of the last segment */
-	uint64_t payload;	/* bytes handed in by segments */
-	uint64_t io_bytes;	/* bytes transferred to the file */
+	unsigned cur;	   /* slot being filled */
+	uint64_t slot_off; /* file offset of the current slot (aligned) */
+	size_t fill;	   /* bytes staged in the current slot */
+	uint64_t end;	   /* end of the last segment */
+	uint64_t payload;  /* bytes handed in by segments */
+	uint64_t io_bytes; /* bytes transferred to the file */
 };
-void nio_writer_init(struct nio_writer *w, struct nio_ctx *ctx, int fd,
-		     int direct);
-int nio_writer_put(struct nio_writer *w, uint64_t off, const void *src,
-		   size_t len, uint32_t *crc, struct nio_error *e);
-int nio_writer_finish(struct nio_writer *w, int have_size, uint64_t size,
-		      struct nio_error *e);
+void nio_writer_init(struct nio_writer *w, struct nio_ctx *ctx, int fd, int direct);
+int nio_writer_put(struct nio_writer *w, uint64_t off, const void *src, size_t len, uint32_t *crc,
+		   struct nio_error *e);
+int nio_writer_finish(struct nio_writer *w, int have_size, uint64_t size, struct nio_error *e);
 void nio_writer_abort(struct nio_writer *w);
 
 /* reader.c */
@@ -170,8 +177,7 @@ struct nio_rseg {
 	size_t len;
 	uint32_t crc;
 };
-int nio_read_segments(struct nio_ctx *ctx, int fd, int direct,
-		      uint64_t file_size, struct nio_rseg *segs, size_t nsegs,
-		      uint64_t *io_bytes, struct nio_error *e);
+int nio_read_segments(struct nio_ctx *ctx, int fd, int direct, uint64_t file_size,
+		      struct nio_rseg *segs, size_t nsegs, uint64_t *io_bytes, struct nio_error *e);
 
 #endif /* NATIVE_IO_NIO_H */

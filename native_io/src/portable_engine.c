@@ -28,8 +28,7 @@ struct portable_priv {
 	pthread_t threads[PORTABLE_MAX_THREADS];
 };
 
-static void push(struct nio_req **head, struct nio_req **tail,
-		 struct nio_req *req)
+static void push(struct nio_req **head, struct nio_req **tail, struct nio_req *req)
 {
 	req->next = NULL;
 	if (*tail)
@@ -63,8 +62,7 @@ static long do_io(struct nio_req *req)
 		size_t n = len - total;
 		ssize_t r;
 
-		if (!req->direct && req->op == NIO_OP_WRITE &&
-		    n > NIO_BUFFERED_MAX)
+		if (!req->direct && req->op == NIO_OP_WRITE && n > NIO_BUFFERED_MAX)
 			n = NIO_BUFFERED_MAX;
 		if (req->op == NIO_OP_WRITE)
 			r = pwrite(req->fd, buf + total, n, (off_t)(off + total));
@@ -76,7 +74,7 @@ static long do_io(struct nio_req *req)
 			break;
 		total += (size_t)r;
 		if ((size_t)r < n)
-			break;	/* short: the core decides what to resubmit */
+			break; /* short: the core decides what to resubmit */
 	}
 	return (long)total;
 }
@@ -93,7 +91,7 @@ static void *worker(void *arg)
 			pthread_cond_wait(&p->work_cv, &p->lock);
 		req = pop(&p->pend_head, &p->pend_tail);
 		if (!req)
-			break;	/* stop requested and nothing pending */
+			break; /* stop requested and nothing pending */
 		pthread_mutex_unlock(&p->lock);
 		res = do_io(req);
 		pthread_mutex_lock(&p->lock);
@@ -105,8 +103,8 @@ static void *worker(void *arg)
 	return NULL;
 }
 
-static int portable_submit(struct nio_ctx *ctx, struct nio_req *req,
-			   char *buf, size_t len, uint64_t off)
+static int portable_submit(struct nio_ctx *ctx, struct nio_req *req, char *buf, size_t len,
+			   uint64_t off)
 {
 	struct portable_priv *p = ctx->priv;
 

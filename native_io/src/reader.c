@@ -17,9 +17,9 @@
 
 struct rop {
 	int to_dest;
-	size_t seg_b, pos_b, seg_e, pos_e;	/* cursor range [b, e) */
-	uint64_t foff;				/* file offset of transfer */
-	char *dest;				/* to_dest only */
+	size_t seg_b, pos_b, seg_e, pos_e; /* cursor range [b, e) */
+	uint64_t foff;			   /* file offset of transfer */
+	char *dest;			   /* to_dest only */
 	size_t len, need;
 };
 
@@ -31,8 +31,7 @@ struct planner {
 	uint64_t file_size;
 };
 
-static int to_dest_ok(const struct planner *P, uint64_t fo, const char *dest,
-		      size_t rem)
+static int to_dest_ok(const struct planner *P, uint64_t fo, const char *dest, size_t rem)
 {
 	if (rem < NIO_READ_DIRECT_MIN)
 		return 0;
@@ -82,7 +81,7 @@ static int plan_next(struct planner *P, struct rop *op)
 		if (fo + take > hi)
 			hi = fo + take;
 		if (P->p < seg->len)
-			break;		/* segment continues past this block */
+			break; /* segment continues past this block */
 		P->s++;
 		P->p = 0;
 		while (P->s < P->nsegs && P->segs[P->s].len == 0)
@@ -105,8 +104,7 @@ static int plan_next(struct planner *P, struct rop *op)
 	return 1;
 }
 
-static void retire(struct nio_rseg *segs, size_t nsegs, const struct rop *op,
-		   const char *slot)
+static void retire(struct nio_rseg *segs, size_t nsegs, const struct rop *op, const char *slot)
 {
 	size_t last = op->seg_e < nsegs ? op->seg_e : nsegs - 1;
 
@@ -122,9 +120,9 @@ static void retire(struct nio_rseg *segs, size_t nsegs, const struct rop *op,
 
 		if (p1 <= p0)
 			continue;
-		segs[s].crc = nio_crc32c_copy(segs[s].buf + p0,
-					      slot + (segs[s].off + p0 - op->foff),
-					      p1 - p0, segs[s].crc);
+		segs[s].crc =
+			nio_crc32c_copy(segs[s].buf + p0, slot + (segs[s].off + p0 - op->foff),
+					p1 - p0, segs[s].crc);
 	}
 }
 
@@ -132,12 +130,10 @@ static void retire(struct nio_rseg *segs, size_t nsegs, const struct rop *op,
  * Plan and submit transfers while a ring entry is free and fewer than qd
  * transfers are in flight. Ring entry i owns arena slot i.
  */
-static void fill_queue(struct nio_ctx *ctx, struct planner *P,
-		       struct rop *ops, int fd, int direct, unsigned *head,
-		       unsigned *count, int *planned_all)
+static void fill_queue(struct nio_ctx *ctx, struct planner *P, struct rop *ops, int fd, int direct,
+		       unsigned *head, unsigned *count, int *planned_all)
 {
-	while (!*planned_all && *count < ctx->nslots &&
-	       ctx->inflight < ctx->qd) {
+	while (!*planned_all && *count < ctx->nslots && ctx->inflight < ctx->qd) {
 		struct rop *op = &ops[*head];
 		struct nio_req *req = &ctx->reqs[*head];
 
@@ -146,21 +142,23 @@ static void fill_queue(struct nio_ctx *ctx, struct planner *P,
 			return;
 		}
 		nio_req_setup(req, fd, NIO_OP_READ, direct,
-			      op->to_dest ? op->dest : nio_slot(ctx, *head),
-			      op->foff, op->len, op->need);
+			      op->to_dest ? op->dest : nio_slot(ctx, *head), op->foff, op->len,
+			      op->need);
 		nio_req_start(ctx, req);
 		*head = (*head + 1) % ctx->nslots;
 		(*count)++;
 	}
 }
 
-int nio_read_segments(struct nio_ctx *ctx, int fd, int direct,
-		      uint64_t file_size, struct nio_rseg *segs, size_t nsegs,
-		      uint64_t *io_bytes, struct nio_error *e)
+int nio_read_segments(struct nio_ctx *ctx, int fd, int direct, uint64_t file_size,
+		      struct nio_rseg *segs, size_t nsegs, uint64_t *io_bytes, struct nio_error *e)
 {
 	struct planner P = {
-		.segs = segs, .nsegs = nsegs, .direct = direct,
-		.bs = ctx->block_size, .file_size = file_size,
+		.segs = segs,
+		.nsegs = nsegs,
+		.direct = direct,
+		.bs = ctx->block_size,
+		.file_size = file_size,
 	};
 	unsigned n = ctx->nslots, head = 0, tail = 0, count = 0;
 	struct rop *ops;

@@ -27,10 +27,10 @@ const char *nio_uring_version(void)
 {
 #if defined(IO_URING_VERSION_MAJOR) && defined(IO_URING_VERSION_MINOR)
 #define NIO_STR2(x) #x
-#define NIO_STR(x) NIO_STR2(x)
+#define NIO_STR(x)  NIO_STR2(x)
 	return NIO_STR(IO_URING_VERSION_MAJOR) "." NIO_STR(IO_URING_VERSION_MINOR);
 #else
-	return NULL;	/* liburing < 2.4 has no version macros */
+	return NULL; /* liburing < 2.4 has no version macros */
 #endif
 }
 
@@ -49,12 +49,11 @@ static void describe_refusal(int err, char *why, size_t whylen)
 			 "io_uring_queue_init failed: %s (kernel.io_uring_disabled=%d)",
 			 strerror(err), disabled);
 	else
-		snprintf(why, whylen, "io_uring_queue_init failed: %s",
-			 strerror(err));
+		snprintf(why, whylen, "io_uring_queue_init failed: %s", strerror(err));
 }
 
-static int uring_submit(struct nio_ctx *ctx, struct nio_req *req, char *buf,
-			size_t len, uint64_t off)
+static int uring_submit(struct nio_ctx *ctx, struct nio_req *req, char *buf, size_t len,
+			uint64_t off)
 {
 	struct uring_priv *p = ctx->priv;
 	struct io_uring_sqe *sqe;
@@ -133,7 +132,7 @@ int nio_uring_init(struct nio_ctx *ctx, char *why, size_t whylen)
 	unsigned entries = 8;
 	int ret;
 
-	if (nio_faults.refuse_uring) {
+	if (NIO_FAULT(refuse_uring)) {
 		snprintf(why, whylen,
 			 "io_uring_queue_init failed: %s (simulated by _inject_faults)",
 			 strerror(EPERM));
@@ -165,7 +164,7 @@ int nio_uring_probe(char *why, size_t whylen)
 	struct io_uring_cqe *cqe;
 	int ret;
 
-	if (nio_faults.refuse_uring) {
+	if (NIO_FAULT(refuse_uring)) {
 		snprintf(why, whylen,
 			 "io_uring_queue_init failed: %s (simulated by _inject_faults)",
 			 strerror(EPERM));

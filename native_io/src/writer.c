@@ -12,8 +12,7 @@
 #include <unistd.h>
 #include "nio.h"
 
-void nio_writer_init(struct nio_writer *w, struct nio_ctx *ctx, int fd,
-		     int direct)
+void nio_writer_init(struct nio_writer *w, struct nio_ctx *ctx, int fd, int direct)
 {
 	memset(w, 0, sizeof(*w));
 	w->ctx = ctx;
@@ -23,8 +22,7 @@ void nio_writer_init(struct nio_writer *w, struct nio_ctx *ctx, int fd,
 		ctx->reqs[i].state = NIO_REQ_IDLE;
 }
 
-static void set_err(struct nio_error *e, int err, const char *op,
-		    int has_off, uint64_t off)
+static void set_err(struct nio_error *e, int err, const char *op, int has_off, uint64_t off)
 {
 	e->err = err;
 	e->op = op;
@@ -55,8 +53,7 @@ static int wait_slot(struct nio_writer *w, unsigned i, struct nio_error *e)
 }
 
 /* Submit the current slot (nbytes, padding already zeroed) and advance. */
-static int submit_slot(struct nio_writer *w, size_t nbytes,
-		       struct nio_error *e)
+static int submit_slot(struct nio_writer *w, size_t nbytes, struct nio_error *e)
 {
 	struct nio_ctx *ctx = w->ctx;
 	unsigned next = (w->cur + 1) % ctx->nslots;
@@ -65,8 +62,8 @@ static int submit_slot(struct nio_writer *w, size_t nbytes,
 	/* at most qd in flight: the oldest (next) slot must be idle first */
 	if (wait_slot(w, next, e))
 		return -1;
-	nio_req_setup(req, w->fd, NIO_OP_WRITE, w->direct,
-		      nio_slot(ctx, w->cur), w->slot_off, nbytes, nbytes);
+	nio_req_setup(req, w->fd, NIO_OP_WRITE, w->direct, nio_slot(ctx, w->cur), w->slot_off,
+		      nbytes, nbytes);
 	nio_req_start(ctx, req);
 	if (req->state == NIO_REQ_DONE && req->err) {
 		set_err(e, req->err, "write (submit)", 1, req->err_off);
@@ -89,8 +86,8 @@ static int flush_partial(struct nio_writer *w, struct nio_error *e)
 	return submit_slot(w, n, e);
 }
 
-int nio_writer_put(struct nio_writer *w, uint64_t off, const void *src,
-		   size_t len, uint32_t *crc, struct nio_error *e)
+int nio_writer_put(struct nio_writer *w, uint64_t off, const void *src, size_t len, uint32_t *crc,
+		   struct nio_error *e)
 {
 	struct nio_ctx *ctx = w->ctx;
 	size_t bs = ctx->block_size;
@@ -112,8 +109,7 @@ int nio_writer_put(struct nio_writer *w, uint64_t off, const void *src,
 			w->fill = (size_t)(off - w->slot_off);
 			memset(nio_slot(ctx, w->cur), 0, w->fill);
 		} else {
-			memset(nio_slot(ctx, w->cur) + w->fill, 0,
-			       (size_t)(off - pos));
+			memset(nio_slot(ctx, w->cur) + w->fill, 0, (size_t)(off - pos));
 			w->fill += (size_t)(off - pos);
 		}
 	}
@@ -138,8 +134,7 @@ int nio_writer_put(struct nio_writer *w, uint64_t off, const void *src,
 	return 0;
 }
 
-int nio_writer_finish(struct nio_writer *w, int have_size, uint64_t size,
-		      struct nio_error *e)
+int nio_writer_finish(struct nio_writer *w, int have_size, uint64_t size, struct nio_error *e)
 {
 	struct nio_ctx *ctx = w->ctx;
 	uint64_t target = have_size ? size : w->end;
