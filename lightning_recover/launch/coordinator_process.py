@@ -32,13 +32,14 @@ class CoordinatorProcess:
 
 
 def start(replicas: int, heartbeat_timeout: float, host: str = "127.0.0.1", port: int = 0,
-          timeout: float = 60.0) -> CoordinatorProcess:
+          timeout: float = 60.0, replica_size: int = 1) -> CoordinatorProcess:
     """Start the coordinator in a child process and wait until it listens."""
     read_fd, write_fd = os.pipe()
     # `-c` rather than `-m`: the package imports this module, and runpy warns about re-executing it.
     cmd = [sys.executable, "-c", "import sys; from lightning_recover.launch.coordinator_process import main; sys.exit(main())",
            "--host", host, "--port", str(port),
-           "--replicas", str(replicas), "--heartbeat-timeout", str(heartbeat_timeout), "--ready-fd", str(write_fd)]
+           "--replicas", str(replicas), "--heartbeat-timeout", str(heartbeat_timeout), "--ready-fd", str(write_fd),
+           "--replica-size", str(replica_size)]
     child_env = dict(os.environ, **{env.OMP_NUM_THREADS: "1"})
     proc = subprocess.Popen(cmd, pass_fds=(write_fd,), env=child_env)
     os.close(write_fd)
@@ -68,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     parser.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    coordinator.serve(args.host, args.port, args.replicas, args.heartbeat_timeout, args.ready_fd)
+    coordinator.serve(args.host, args.port, args.replicas, args.heartbeat_timeout, args.ready_fd,
+                      replica_size=args.replica_size)
     return 0
 
 
@@ -78,3 +80,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, required=True, help="number of replicas of the job")
     parser.add_argument("--heartbeat-timeout", type=float, default=1.0,
                         help="seconds without heartbeat before a replica is declared dead")
+    parser.add_argument("--replica-size", type=int, default=1,
+                        help="processes per replica (each heartbeats; one stale process makes its replica dead)")

@@ -93,6 +93,7 @@ def supervise(
     on_event: Callable[[str], Any] | None = None,
     finish_grace: float = 30.0,
     watch_workers: bool = False,
+    nproc_per_replica: int = 1,
 ) -> int:
     """Run ``command`` once per replica under a fresh coordinator; return the job's exit code.
 
@@ -102,14 +103,24 @@ def supervise(
     under an agent that waits for a hung worker) are killed. With ``watch_workers`` (torchrun mode:
     each child is an agent that restarts its worker itself), the death of a child's worker process
     is declared to the coordinator at once, as the exit of a direct child is.
+
+    ``nproc_per_replica`` = K > 1: sharded replicas. Locally the launcher starts K processes per
+    replica (see :mod:`~lightning_recover.launch.sharded`); in torchrun mode each agent starts them.
     """
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     if heartbeat_timeout <= 0:
         raise ValueError(f"heartbeat_timeout must be > 0 seconds, got {heartbeat_timeout}")
     parse_faults(inject)  # validate before starting anything
+    if nproc_per_replica < 1:
+        raise ValueError(f"nproc_per_replica must be >= 1, got {nproc_per_replica}")
+    if nproc_per_replica > 1 and restarts:
+        raise ValueError(
+            f"restarts={restarts} with {nproc_per_replica} processes per replica: rejoining a sharded replica is not "
+            "supported yet. HINT: use restarts=0 (the survivors finish the run without the failed replica)."
+        )
     say = on_event or (lambda line: print(f"[lightning-recover] {line}", file=sys.stderr, flush=True))
-    coord = coordinator_process.start(replicas, heartbeat_timeout, host=host)
+    coord = coordinator_process.start(replicas, heartbeat_timeout, host=host, replica_size=nproc_per_replica)
     store = connect(coord.addr)
     child_env = dict(os.environ, **(extra_env or {}))
     child_env[env.COORDINATOR] = coord.addr
@@ -119,6 +130,16 @@ def supervise(
         child_env[env.INJECT] = inject
 
     argv = command if callable(command) else (lambda r: command)
+    if nproc_per_replica > 1:
+        child_env[env.REPLICA_SIZE] = str(nproc_per_replica)
+        if not watch_workers:
+            from lightning_recover.launch.sharded import supervise_sharded
+
+            say(f"coordinator at {coord.addr} (pid {coord.proc.pid})")
+            try:
+                return supervise_sharded(argv, replicas, nproc_per_replica, store, child_env, say, finish_grace)
+            finally:
+                coord.stop()
 
     def spawn(r: int) -> subprocess.Popen:
         return subprocess.Popen(list(argv(r)), env=dict(child_env, **{env.REPLICA: str(r)}))
@@ -220,11 +241,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if not command:
         raise SystemExit("lightning-recover run: give the command after --, e.g. -- python train.py")
     return supervise(command, args.replicas, heartbeat_timeout=args.heartbeat_timeout, inject=args.inject,
-                     restarts=args.restarts, host=args.host)
+                     restarts=args.restarts, host=args.host, nproc_per_replica=args.nproc_per_replica)
 
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:
-    coordinator.serve(args.host, args.port, args.replicas, args.heartbeat_timeout)
+    coordinator.serve(args.host, args.port, args.replicas, args.heartbeat_timeout, replica_size=args.replica_size)
     return 0
 
 
@@ -233,6 +254,8 @@ def add_subcommands(sub: Any) -> None:
 
     p = sub.add_parser("run", help="run a script once per replica under a tolerant launcher")
     p.add_argument("--replicas", type=int, required=True)
+    p.add_argument("--nproc-per-replica", type=int, default=1,
+                   help="processes per replica (K > 1: the replica shards its model with FSDP2)")
     p.add_argument("--inject", default=None, help="faults, e.g. kill:replica=2:step=5:phase=backward")
     p.add_argument("--heartbeat-timeout", type=float, default=1.0)
     p.add_argument("--restarts", type=int, default=0, help="restart a failed replica up to K times")

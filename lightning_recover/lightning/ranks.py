@@ -25,7 +25,9 @@ class ReplicaRanks:
     def num_replicas(self) -> int:
         if env.REPLICAS in os.environ:
             return int(os.environ[env.REPLICAS])
-        return len(self.parallel_devices) if self.parallel_devices else 1
+        devices = len(self.parallel_devices) if self.parallel_devices else 1
+        sharding = getattr(self, "sharding", None)
+        return devices // sharding.replica_size if sharding is not None else devices
 
     @property
     def root_device(self) -> torch.device:

@@ -39,7 +39,8 @@ class Decisions:
         """
         m = self.membership
         key = self._key(step)
-        if m.store.add(f"{key}/done", 1) == m.gen.size:
+        # Every process of every member reports (K per replica when replicas are sharded).
+        if m.store.add(f"{key}/done", 1) == m.gen.size * getattr(m, "replica_size", 1):
             joins = m.pending_joins()
             value = "commit" + ("" if not joins else ";admit=" + ",".join(f"{r}:{i}" for r, i in sorted(joins.items())))
             m.store.compare_set(f"{key}/dec", "", value)

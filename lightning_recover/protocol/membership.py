@@ -56,9 +56,9 @@ def _quiet(fn: Callable[[], Any]) -> None:
 class Heartbeat:
     """Bumps ``hb/{replica}`` every ``interval`` seconds on its own store connection."""
 
-    def __init__(self, store: ControlStore, replica: int, interval: float) -> None:
+    def __init__(self, store: ControlStore, replica: int, interval: float, key: str | None = None) -> None:
         self._store = store.clone()
-        self._key = f"hb/{replica}"
+        self._key = key or f"hb/{replica}"
         self._interval = interval
         self._stop = threading.Event()
         self.error: BaseException | None = None
@@ -109,12 +109,18 @@ class Membership:
         collective_timeout: float = 60.0,
         startup_timeout: float = 300.0,
         backend: str = "gloo",
+        inner: int = 0,
+        replica_size: int = 1,
     ) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         if backend == "nccl" and not dist.is_nccl_available():
             raise RuntimeError("backend='nccl' needs a CUDA build of torch with NCCL. HINT: use accelerator='cpu' (gloo).")
         self.backend = backend
+        # A sharded replica is K processes; each runs this membership under the same replica id.
+        # Position `inner` of every member forms its own cross-replica group (see _build_pg).
+        self.inner = inner
+        self.replica_size = replica_size
         self.addr = coordinator_addr
         self.replica = replica
         self.num_replicas = num_replicas
@@ -133,9 +139,39 @@ class Membership:
     # ------------------------------------------------------------------ lifecycle
     def connect(self) -> None:
         self.store = ControlStore(self.addr, self.replica)
-        self.incarnation = self.store.add(f"inc/{self.replica}", 1)
-        self._heartbeat = Heartbeat(self.store, self.replica, self.heartbeat_interval)
+        if self.replica_size == 1:
+            self.incarnation = self.store.add(f"inc/{self.replica}", 1)
+            key = None
+        else:
+            self.incarnation = self._sharded_incarnation()
+            key = f"hb/{self.replica}/i{self.inner}"  # per process: a hung process stops only its own
+        self._heartbeat = Heartbeat(self.store, self.replica, self.heartbeat_interval, key=key)
         self._heartbeat.start()
+
+    def _sharded_incarnation(self) -> int:
+        """All K processes of a replica (re)start together: position 0 bumps the replica's counter,
+        the others wait until it reaches their own position's count."""
+        mine = self.store.add(f"inc/{self.replica}/i{self.inner}", 1)
+        if self.inner == 0:
+            return self.store.add(f"inc/{self.replica}", 1)
+        deadline = time.monotonic() + self.startup_timeout
+        delay = POLL_MIN
+        while int(self.store.get(f"inc/{self.replica}")) < mine:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replica {self.replica}: process 0 did not start within {self.startup_timeout}s")
+            delay = backoff(delay)
+        return mine
+
+    def _joined(self, prefix: str) -> set[int]:
+        """Replicas that joined round ``prefix``: with K processes, only once all K of them did."""
+        items = [x for x in self.store.get(f"{prefix}/joined").split(",") if x]
+        if self.replica_size == 1:
+            return {int(x) for x in items}
+        positions: dict[int, set[str]] = {}
+        for x in items:
+            r, _, i = x.partition(".")
+            positions.setdefault(int(r), set()).add(i)
+        return {r for r, got in positions.items() if len(got) >= self.replica_size}
 
     def form_initial(self) -> Generation | None:
         """Join generation 0 with every other replica (the job's start).
@@ -289,7 +325,8 @@ class Membership:
         prefix = f"g{number}"
         payload = dict(payload, inc=self.incarnation)
         self.store.set(f"{prefix}/join/{self.replica}", json.dumps(payload))
-        self.store.append(f"{prefix}/joined", f"{self.replica},")
+        me = str(self.replica) if self.replica_size == 1 else f"{self.replica}.{self.inner}"
+        self.store.append(f"{prefix}/joined", f"{me},")
         deadline = time.monotonic() + timeout
         delay = POLL_MIN
         while not self.store.has(f"{prefix}/members"):
@@ -297,7 +334,7 @@ class Membership:
             if not may_close:
                 delay = backoff(delay)
                 continue
-            joined = {int(x) for x in self.store.get(f"{prefix}/joined").split(",") if x}
+            joined = self._joined(prefix)
             dead = self.dead(sorted(set(expected) | joined), expected)
             if set(expected) - joined - dead and time.monotonic() < deadline:
                 delay = backoff(delay)
@@ -325,7 +362,8 @@ class Membership:
 
         def build() -> None:
             try:
-                store = self.store.prefixed(f"pg/g{gen.number}")
+                suffix = "" if self.replica_size == 1 else f"/i{self.inner}"  # one group per inner position
+                store = self.store.prefixed(f"pg/g{gen.number}{suffix}")
                 result["pg"] = self._new_process_group(store, gen.rank, gen.size)
             except BaseException as exc:  # reported to the waiting thread
                 result["error"] = exc

@@ -48,16 +48,20 @@ class Replica:
 
     def __init__(self, options: RecoverOptions, addr: str, replica: int, num_replicas: int,
                  params: Callable[[], Sequence[torch.nn.Parameter]], backend: str = "gloo",
-                 injector: Optional[FaultInjector] = None) -> None:
+                 injector: Optional[FaultInjector] = None, inner: int = 0, replica_size: int = 1) -> None:
         self.options = options
         self.M = options.resolve_microbatches(num_replicas)
+        self.inner, self.replica_size = inner, replica_size
         self.group = Membership(addr, replica, num_replicas, heartbeat_interval=options.heartbeat_interval,
                                 join_timeout=options.join_timeout, collective_timeout=options.collective_timeout,
-                                startup_timeout=options.startup_timeout, backend=backend)
+                                startup_timeout=options.startup_timeout, backend=backend,
+                                inner=inner, replica_size=replica_size)
+        self.world = None  # the replica's own K-process world (sharding.ReplicaWorld), when K > 1
         self.collectives = SurvivorCollectives(self.group)
         self.decisions = Decisions(self.group)
         self.protocol = StepProtocol(self.group, self.collectives, self.decisions, self.M, params,
-                                     quota=options.quota)
+                                     quota=options.quota, inner=inner, replica_size=replica_size,
+                                     intra_group=lambda: self.world.group if self.world is not None else None)
         self._injector = injector  # None: the plan in the environment, for this incarnation
         self._fault_listeners: list[Callable[[Fault, float], None]] = []
         self.step: int = -1
@@ -76,7 +80,8 @@ class Replica:
             raise RuntimeError(f"replica environment incomplete (missing {', '.join(missing)}). HINT: start replicas "
                                "with `fabric.launch()`, `lightning-recover run` or `lightning-recover torchrun`.")
         return cls(options, os.environ[env.COORDINATOR], int(os.environ[env.REPLICA]),
-                   int(os.environ[env.REPLICAS]), params, backend=backend)
+                   int(os.environ[env.REPLICAS]), params, backend=backend, inner=env.inner_rank(),
+                   replica_size=env.replica_size())
 
     # ------------------------------------------------------------------ identity
     @property
@@ -121,17 +126,29 @@ class Replica:
         atexit.register(self._at_exit)  # Fabric has no end-of-run hook: leave the group at exit
         _record_uncaught_exceptions()
         self.group.connect()
-        injector = self._injector or FaultInjector.from_env(self.group.replica, self.group.incarnation)
+        injector = self._injector or FaultInjector.from_env(self.group.replica, self.group.incarnation, self.inner)
         for listener in self._fault_listeners:
             injector.add_listener(listener)
         self.protocol.injector = injector
         self.joining = self.group.form_initial() is None
+        if self.replica_size > 1:
+            if self.joining:
+                raise RecoverError(
+                    f"replica {self.group.replica} (incarnation {self.group.incarnation}) was restarted, but rejoining "
+                    "a replica of more than one process is not supported yet. HINT: use restarts=0 with replica_size>1."
+                )
+            from lightning_recover.protocol.sharding import ReplicaWorld
+
+            device = "cuda" if self.group.backend == "nccl" else "cpu"
+            self.world = ReplicaWorld.start(self.group, self.replica_size, self.inner, device_type=device)
 
     def set_state_hooks(self, get_state: Callable[[], dict], set_state: Callable[[dict], None]) -> None:
         """How to read and overwrite the training state handed to a rejoining replica."""
         self._get_state, self._set_state = get_state, set_state
 
     def close(self) -> None:
+        if self.world is not None and not _uncaught[0]:
+            self.world.leave()  # a clean exit: the replica-mates' watchdogs must not read it as a death
         self.group.close()
 
     def _at_exit(self) -> None:
@@ -236,8 +253,13 @@ class Replica:
             self._forward_seen = True
         self.protocol.fire(self.step, phase)
 
+    @property
+    def zero_slot(self) -> bool:
+        """True while the current microbatch is a zero-contribution one (sharded replicas)."""
+        return self.protocol.zero_slot
+
     def before_backward(self, loss: torch.Tensor) -> None:
-        if self.step >= 0:
+        if self.step >= 0 and not self.protocol.zero_slot:
             self.protocol.record_loss(loss)
             if not self._backward_seen:
                 self._backward_seen = True
