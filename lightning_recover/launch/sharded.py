@@ -62,7 +62,7 @@ def supervise_sharded(argv: Callable[[int], Sequence[str]], replicas: int, nproc
             mark_dead(store, rep.replica)
         except Exception:
             pass  # the coordinator is gone; the replicas notice on their own
-        pids = [p.pid for p in rep.running()]
+        pids = [p.pid for p in rep.running() if p.poll() is None]
         for p in rep.running():
             _kill_tree(p.pid)  # SIGKILL ends a SIGSTOPped process too
         for i, p in enumerate(rep.procs):

@@ -266,8 +266,8 @@ class Replica:
                 self.protocol.fire(self.step, "backward")
 
     def say(self, message: str) -> None:
-        """One line per event, printed by the lowest live replica only."""
-        if self.group.gen is not None and self.group.rank == 0:
+        """One line per event, printed by the lowest live replica only (its process 0)."""
+        if self.group.gen is not None and self.group.rank == 0 and self.inner == 0:
             print(f"[lightning-recover] {message}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ collectives over live replicas

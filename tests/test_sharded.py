@@ -1,0 +1,119 @@
+"""Sharded replicas (FSDP2 inside a replica, fault-tolerant replicate dimension), end to end.
+
+Every run is compared with a single-process, unsharded float64 reference that sums the same M
+microbatches per step (tests/scripts/sharded_train.py --reference): relative difference <= 1e-9.
+Faults hit one process of one replica; the whole replica must leave, every one of its processes
+must be gone at the end, and the survivors must still equal the reference.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+
+import pytest
+import torch
+
+from tests.jobs import ROOT, max_relative_difference, run_job
+
+SCRIPT = os.path.join(ROOT, "tests", "scripts", "sharded_train.py")
+TOL = 1e-9
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    cache: dict[int, dict] = {}
+
+    def get(microbatches: int) -> dict:
+        if microbatches not in cache:
+            out = str(tmp_path_factory.mktemp(f"ref{microbatches}"))
+            result = run_job([sys.executable, SCRIPT, out, "--reference", "--steps", str(STEPS),
+                              "--microbatches", str(microbatches)], out, timeout=120)
+            assert result.returncode == 0, result.output[-3000:]
+            cache[microbatches] = torch.load(os.path.join(out, "reference.pt"))["state"]
+        return cache[microbatches]
+
+    return get
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is gone for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def sharded_job(out: str, replicas: int, microbatches: int, inject: str | None = None, cli: bool = False,
+                timeout: float = 400):
+    script = [SCRIPT, out, "--replicas", str(replicas), "--replica-size", "2", "--steps", str(STEPS),
+              "--microbatches", str(microbatches)]
+    if cli:
+        cmd = [sys.executable, "-m", "lightning_recover.cli", "run", "--replicas", str(replicas),
+               "--nproc-per-replica", "2", "--heartbeat-timeout", "2", "--", sys.executable, *script]
+    else:
+        cmd = [sys.executable, *script]
+    result = run_job(cmd, out, timeout=timeout, env={"LIGHTNING_RECOVER_INJECT": inject} if inject else None)
+    pids = {os.path.basename(p): int(open(p).read()) for p in glob.glob(os.path.join(out, "pid.*"))}
+    return result, pids
+
+
+def check(result, pids, reference_state, survivors, replicas):
+    assert result.returncode == 0, result.output[-4000:]
+    assert len(pids) == 2 * replicas, f"every process starts: {sorted(pids)}"
+    left = [name for name, pid in pids.items() if _pid_alive(pid)]
+    assert not left, f"processes still alive after the job: {left}"
+    states = result.states()
+    assert sorted(states) == survivors, f"finished replicas {sorted(states)}\n{result.output[-3000:]}"
+    for r, data in states.items():
+        diff = max_relative_difference(data["state"], reference_state)
+        assert diff <= TOL, f"replica {r} differs from the unsharded reference by {diff}"
+        assert len(data["stats"]) == STEPS
+    return states
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_replicas_of_two_failure_free(tmp_path, reference):
+    result, pids = sharded_job(str(tmp_path), replicas=2, microbatches=8)
+    states = check(result, pids, reference(8), survivors=[0, 1], replicas=2)
+    for data in states.values():
+        assert all(s["live_replicas"] == 2 and s["recoveries"] == 0 for s in data["stats"])
+        # the mean loss of the step is known (K processes' losses summed inside the replica)
+        assert all(s["loss"] is not None for s in data["stats"])
+
+
+# M=10 over 3 replicas of 2: quotas 4, 3, 3, so replicas 1 and 2 run a zero-contribution slot.
+FAULTS = {
+    "kill-backward": ("kill:replica=1:inner=1:step=1:phase=backward", [0, 2]),
+    "kill-reduce": ("kill:replica=0:inner=0:step=2:phase=reduce", [1, 2]),
+    "hang-forward": ("hang:replica=2:inner=0:step=1:phase=forward", [0, 1]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", sorted(FAULTS))
+def test_three_replicas_of_two_lose_one_process(tmp_path, reference, case):
+    inject, survivors = FAULTS[case]
+    result, pids = sharded_job(str(tmp_path), replicas=3, microbatches=10, inject=inject)
+    states = check(result, pids, reference(10), survivors=survivors, replicas=3)
+    stats = states[survivors[0]]["stats"]
+    assert stats[0]["live_replicas"] == 3 and stats[-1]["live_replicas"] == 2
+    assert sum(s["recoveries"] for s in stats) == 1, "exactly one in-step recovery"
+    lost = sum(s["recomputed"] for d in states.values() for s in d["stats"])
+    assert lost in (3, 4), f"the dead replica's quota was recomputed once ({lost})"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_cli_run_nproc_per_replica(tmp_path, reference):
+    result, pids = sharded_job(str(tmp_path), replicas=2, microbatches=8, cli=True)
+    check(result, pids, reference(8), survivors=[0, 1], replicas=2)
+    assert "2 replicas x 2 processes" in result.output
