@@ -50,13 +50,16 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
-def sharded_job(out: str, replicas: int, microbatches: int, inject: str | None = None, cli: bool = False,
+def sharded_job(out: str, replicas: int, microbatches: int, inject: str | None = None, cli: str | None = None,
                 timeout: float = 400):
     script = [SCRIPT, out, "--replicas", str(replicas), "--replica-size", "2", "--steps", str(STEPS),
               "--microbatches", str(microbatches)]
-    if cli:
+    if cli == "run":
         cmd = [sys.executable, "-m", "lightning_recover.cli", "run", "--replicas", str(replicas),
                "--nproc-per-replica", "2", "--heartbeat-timeout", "2", "--", sys.executable, *script]
+    elif cli == "torchrun":  # one torchrun job of 2 workers per replica; RANK is the inner position
+        cmd = [sys.executable, "-m", "lightning_recover.cli", "torchrun", "--replicas", str(replicas),
+               "--nproc-per-replica", "2", "--heartbeat-timeout", "2", "--", *script]
     else:
         cmd = [sys.executable, *script]
     result = run_job(cmd, out, timeout=timeout, env={"LIGHTNING_RECOVER_INJECT": inject} if inject else None)
@@ -114,6 +117,15 @@ def test_three_replicas_of_two_lose_one_process(tmp_path, reference, case):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_cli_run_nproc_per_replica(tmp_path, reference):
-    result, pids = sharded_job(str(tmp_path), replicas=2, microbatches=8, cli=True)
+    result, pids = sharded_job(str(tmp_path), replicas=2, microbatches=8, cli="run")
     check(result, pids, reference(8), survivors=[0, 1], replicas=2)
     assert "2 replicas x 2 processes" in result.output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_torchrun_nproc_per_replica_with_a_kill(tmp_path, reference):
+    result, pids = sharded_job(str(tmp_path), replicas=3, microbatches=10, cli="torchrun",
+                               inject="kill:replica=1:inner=1:step=1:phase=backward")
+    states = check(result, pids, reference(10), survivors=[0, 2], replicas=3)
+    assert states[0]["stats"][-1]["live_replicas"] == 2
