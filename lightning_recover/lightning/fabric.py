@@ -204,6 +204,8 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
         self.core.before_backward(tensor)
         if self.core.zero_slot:
             tensor = tensor * 0  # sharded replica, short last round: join FSDP's collectives, add nothing
+        elif self.sharding.enabled:
+            tensor = tensor * self.sharding.loss_scale  # FSDP2 averages over the K processes: undo it
         super().backward(tensor, module, *args, **kwargs)
 
     @override

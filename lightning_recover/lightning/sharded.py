@@ -72,8 +72,6 @@ class ShardingConfig:
         return replicas
 
     def parallelize(self, module: Module, mesh: Any) -> Module:
-        from torch.distributed.fsdp import FSDPModule
-
         if self.shard == "fsdp":
             module = fsdp_every_block(module, mesh)
         else:
@@ -87,11 +85,14 @@ class ShardingConfig:
                 "`fully_shard(model, mesh=mesh['shard'])`, or use shard='fsdp'."
             )
         # FSDP2 averages reduce-scattered gradients over the K processes; the replica must contribute
-        # the *sum* over its microbatches (the protocol divides by M once, at commit).
-        for sub in module.modules():
-            if isinstance(sub, FSDPModule):
-                sub.set_gradient_divide_factor(1.0)
+        # the *sum* over its microbatches (the protocol divides by M once, at commit), so the strategy
+        # scales each loss by K (loss_scale). Not set_gradient_divide_factor(1): for float32 it asks for
+        # ReduceOp.PREMUL_SUM, which gloo refuses (measured, torch 2.13).
         return module
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self.replica_size)
 
 
 def fsdp_every_block(module: Module, mesh: Any) -> Module:
