@@ -26,14 +26,14 @@ STEPS = 4
 def reference(tmp_path_factory):
     cache: dict[int, dict] = {}
 
-    def get(microbatches: int) -> dict:
-        if microbatches not in cache:
-            out = str(tmp_path_factory.mktemp(f"ref{microbatches}"))
+    def get(microbatches: int, dtype: str = "float64") -> dict:
+        if (microbatches, dtype) not in cache:
+            out = str(tmp_path_factory.mktemp(f"ref{microbatches}{dtype}"))
             result = run_job([sys.executable, SCRIPT, out, "--reference", "--steps", str(STEPS),
-                              "--microbatches", str(microbatches)], out, timeout=120)
+                              "--microbatches", str(microbatches), "--dtype", dtype], out, timeout=120)
             assert result.returncode == 0, result.output[-3000:]
-            cache[microbatches] = torch.load(os.path.join(out, "reference.pt"))["state"]
-        return cache[microbatches]
+            cache[microbatches, dtype] = torch.load(os.path.join(out, "reference.pt"))["state"]
+        return cache[microbatches, dtype]
 
     return get
 
@@ -51,9 +51,9 @@ def _pid_alive(pid: int) -> bool:
 
 
 def sharded_job(out: str, replicas: int, microbatches: int, inject: str | None = None, cli: str | None = None,
-                timeout: float = 400):
+                timeout: float = 400, dtype: str = "float64"):
     script = [SCRIPT, out, "--replicas", str(replicas), "--replica-size", "2", "--steps", str(STEPS),
-              "--microbatches", str(microbatches)]
+              "--microbatches", str(microbatches), "--dtype", dtype]
     if cli == "run":
         cmd = [sys.executable, "-m", "lightning_recover.cli", "run", "--replicas", str(replicas),
                "--nproc-per-replica", "2", "--heartbeat-timeout", "2", "--", sys.executable, *script]
@@ -67,7 +67,7 @@ def sharded_job(out: str, replicas: int, microbatches: int, inject: str | None =
     return result, pids
 
 
-def check(result, pids, reference_state, survivors, replicas):
+def check(result, pids, reference_state, survivors, replicas, tol=TOL):
     assert result.returncode == 0, result.output[-4000:]
     assert len(pids) == 2 * replicas, f"every process starts: {sorted(pids)}"
     left = [name for name, pid in pids.items() if _pid_alive(pid)]
@@ -76,7 +76,7 @@ def check(result, pids, reference_state, survivors, replicas):
     assert sorted(states) == survivors, f"finished replicas {sorted(states)}\n{result.output[-3000:]}"
     for r, data in states.items():
         diff = max_relative_difference(data["state"], reference_state)
-        assert diff <= TOL, f"replica {r} differs from the unsharded reference by {diff}"
+        assert diff <= tol, f"replica {r} differs from the unsharded reference by {diff}"
         assert len(data["stats"]) == STEPS
     return states
 
@@ -90,6 +90,15 @@ def test_two_replicas_of_two_failure_free(tmp_path, reference):
         assert all(s["live_replicas"] == 2 and s["recoveries"] == 0 for s in data["stats"])
         # the mean loss of the step is known (K processes' losses summed inside the replica)
         assert all(s["loss"] is not None for s in data["stats"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_float32_sharded_replicas(tmp_path, reference):
+    """float32 takes another FSDP2 reduce path on gloo (set_gradient_divide_factor(1) would ask
+    gloo for PREMUL_SUM and fail): the K-fold loss scale must hold there too."""
+    result, pids = sharded_job(str(tmp_path), replicas=2, microbatches=6, dtype="float32")
+    check(result, pids, reference(6, "float32"), survivors=[0, 1], replicas=2, tol=1e-5)
 
 
 # M=10 over 3 replicas of 2: quotas 4, 3, 3, so replicas 1 and 2 run a zero-contribution slot.

@@ -206,6 +206,12 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
             tensor = tensor * 0  # sharded replica, short last round: join FSDP's collectives, add nothing
         elif self.sharding.enabled:
             tensor = tensor * self.sharding.loss_scale  # FSDP2 averages over the K processes: undo it
+        if self.sharding.enabled:
+            # Reduce-scatter inside the replica once per list of microbatches (its last round), like
+            # stock no_sync; every process of the replica has the same number of rounds.
+            for m in self._modules:
+                if hasattr(m, "set_requires_gradient_sync"):
+                    m.set_requires_gradient_sync(self.core.sync_round)
         super().backward(tensor, module, *args, **kwargs)
 
     @override

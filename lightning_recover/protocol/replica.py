@@ -258,6 +258,11 @@ class Replica:
         """True while the current microbatch is a zero-contribution one (sharded replicas)."""
         return self.protocol.zero_slot
 
+    @property
+    def sync_round(self) -> bool:
+        """True during the last round of this process's list (sharded replicas reduce-scatter then)."""
+        return self.protocol.sync_round
+
     def before_backward(self, loss: torch.Tensor) -> None:
         if self.step >= 0 and not self.protocol.zero_slot:
             self.protocol.record_loss(loss)

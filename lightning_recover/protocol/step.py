@@ -87,6 +87,9 @@ class StepProtocol:
         self.replica_size = replica_size
         self._intra_group = intra_group  # the replica's own process group (sums loss stats)
         self.zero_slot = False
+        # True during the last round of a list: only then need FSDP reduce-scatter inside the
+        # replica (earlier rounds accumulate unsharded gradients locally, as no_sync does).
+        self.sync_round = True
 
     # -------------------------------------------------------------- hooks from the strategy
     def record_loss(self, loss: torch.Tensor) -> None:
@@ -114,11 +117,13 @@ class StepProtocol:
         ids = plan_quotas(step, range(self.M), group.members, weights)[group.replica]
         recovering_since: float | None = None
         while True:
-            for j, mine in rounds(ids, self.inner, self.replica_size):
+            slots = list(rounds(ids, self.inner, self.replica_size))
+            for n, (j, mine) in enumerate(slots):
                 start = time.perf_counter()
                 self.zero_slot = not mine
+                self.sync_round = n == len(slots) - 1
                 yield j
-                self.zero_slot = False
+                self.zero_slot, self.sync_round = False, True
                 self._mb_seconds.append(time.perf_counter() - start)
             # The replica (all K processes) covered all of `ids`; a failure of any one process
             # takes the whole replica out, so a survivor's list is always complete.

@@ -16,18 +16,20 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_recover.data import MicrobatchSource
 
 
-def data_and_model():
+def data_and_model(dtype: str = "float64"):
     torch.manual_seed(0)
     x = torch.randn(512, 16, dtype=torch.float64)
     y = (x @ torch.randn(16, 1, dtype=torch.float64)).tanh() + 0.01 * torch.randn(512, 1, dtype=torch.float64)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
                                 torch.nn.Linear(32, 1)).double()
+    if dtype == "float32":  # same values, rounded: gloo's float32 path differs from float64's in FSDP2
+        return TensorDataset(x.float(), y.float()), model.float()
     return TensorDataset(x, y), model
 
 
 def reference(args) -> None:
     """Single process, unsharded: each step sums the gradients of the same M microbatches, / M."""
-    dataset, model = data_and_model()
+    dataset, model = data_and_model(args.dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     source = MicrobatchSource(dataset, args.batch_size, args.microbatches, shuffle=True, seed=0)
     for step in range(args.steps):
@@ -47,7 +49,7 @@ def train(args) -> None:
 
     from lightning_recover import RecoverStrategy
 
-    dataset, model = data_and_model()
+    dataset, model = data_and_model(args.dtype)
     loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True)
     strategy = RecoverStrategy(microbatches=args.microbatches, heartbeat_timeout=args.heartbeat_timeout,
                                heartbeat_interval=min(0.1, args.heartbeat_timeout / 5), replica_size=args.replica_size,
@@ -87,6 +89,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--heartbeat-timeout", type=float, default=2.0)
     parser.add_argument("--reference", action="store_true")
+    parser.add_argument("--dtype", default="float64", choices=["float64", "float32"])
     args = parser.parse_args()
     reference(args) if args.reference else train(args)
 
