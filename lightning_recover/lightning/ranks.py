@@ -34,9 +34,10 @@ class ReplicaRanks:
         devices = self.parallel_devices or [torch.device("cpu")]
         device = devices[0]
         if device.type == "cuda":
-            # One GPU per replica: replica r of this host uses its r-th visible device.
+            # One GPU per process: process i of replica r uses visible device r*K + i (modulo the count).
             replica = int(os.environ.get(env.REPLICA, "0"))
-            return torch.device("cuda", replica % max(1, torch.cuda.device_count()))
+            slot = replica * env.replica_size() + env.inner_rank()
+            return torch.device("cuda", slot % max(1, torch.cuda.device_count()))
         return device
 
     @property
