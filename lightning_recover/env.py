@@ -20,6 +20,13 @@ REPLICAS = "LIGHTNING_RECOVER_REPLICAS"
 SECRET_FILE = "LIGHTNING_RECOVER_SECRET_FILE"
 #: The job's secret as hex, where a file is impractical (it is visible to this user's processes).
 SECRET = "LIGHTNING_RECOVER_SECRET"
+#: Processes per replica, ``K`` (set by the launcher; absent or 1 = one process per replica). With
+#: K > 1 the replica shards its model over its K processes (FSDP2) and is still the failure unit.
+REPLICA_SIZE = "LIGHTNING_RECOVER_REPLICA_SIZE"
+#: This process's position inside its replica, ``0 <= inner < K`` (set by the local launcher). Under
+#: one torchrun job per replica it may be absent: torchrun's ``RANK`` (rank within the replica's
+#: job, across its nodes) is the inner position then; LOCAL_RANK is not (it restarts per node).
+INNER = "LIGHTNING_RECOVER_INNER"
 #: Fault plan, e.g. ``kill:replica=2:step=5:phase=backward`` (set by ``--inject``; tests and demos).
 INJECT = "LIGHTNING_RECOVER_INJECT"
 #: JSON of the demo's arguments, handed by the demo's launcher to its replica processes.
@@ -46,6 +53,20 @@ REPLICA_VARIABLES = (COORDINATOR, REPLICA, REPLICAS)
 def in_replica() -> bool:
     """True inside a replica process started by a lightning-recover launcher."""
     return REPLICA in os.environ
+
+
+def replica_size() -> int:
+    """K, the number of processes of each replica (1 unless the launcher says otherwise)."""
+    return int(os.environ.get(REPLICA_SIZE, "1"))
+
+
+def inner_rank() -> int:
+    """This process's position inside its replica (see :data:`INNER`)."""
+    if INNER in os.environ:
+        return int(os.environ[INNER])
+    if replica_size() > 1 and "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    return 0
 
 
 def flag(name: str, default: str = "off") -> str:

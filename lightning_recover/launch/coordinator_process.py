@@ -83,7 +83,7 @@ class CoordinatorProcess:
 
 def start(replicas: int, heartbeat_timeout: float, host: str = "127.0.0.1", port: int = 0,
           timeout: float = 60.0, heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL, hang_timeout: float = 60.0,
-          secret_file: str | None = None) -> CoordinatorProcess:
+          secret_file: str | None = None, replica_size: int = 1) -> CoordinatorProcess:
     """Start the coordinator in a child process and wait until it listens; it dies with this process."""
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
@@ -95,7 +95,8 @@ def start(replicas: int, heartbeat_timeout: float, host: str = "127.0.0.1", port
            "--host", host, "--port", str(port),
            "--replicas", str(replicas), "--heartbeat-timeout", repr(float(heartbeat_timeout)),
            "--heartbeat-interval", repr(float(heartbeat_interval)), "--ready-fd", str(write_fd),
-           "--parent-pid", str(os.getpid()), "--hang-timeout", repr(float(hang_timeout))]
+           "--parent-pid", str(os.getpid()), "--hang-timeout", repr(float(hang_timeout)),
+           "--replica-size", str(replica_size)]
     child_env = dict(os.environ, **{env.OMP_NUM_THREADS: "1"})
     if secret_file is not None:
         child_env[env.SECRET_FILE] = secret_file
@@ -132,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.parent_pid is not None:  # started by a launcher: never outlive it
         die_with_parent(args.parent_pid)
     coordinator.serve(args.host, args.port, args.replicas, args.heartbeat_timeout, args.ready_fd,
-                      hang_timeout=args.hang_timeout, secret_file=args.secret_file)
+                      hang_timeout=args.hang_timeout, secret_file=args.secret_file,
+                      replica_size=args.replica_size)
     return 0
 
 
@@ -210,3 +212,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hang-timeout", type=seconds, default=60.0,
                         help="seconds without progress of a replica's main thread, while its peers wait on it, "
                              "before it is declared hung")
+    parser.add_argument("--replica-size", type=replica_count, default=1,
+                        help="processes per replica (each heartbeats; one stale process makes its replica dead)")

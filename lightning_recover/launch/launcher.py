@@ -41,7 +41,7 @@ class _Child:
     history: list[str] = field(default_factory=list)
 
 
-def _describe(code: int) -> str:
+def describe_exit(code: int) -> str:
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"
@@ -50,7 +50,7 @@ def _describe(code: int) -> str:
     return f"exit code {code}"
 
 
-def _stopped(pid: int) -> bool:
+def is_stopped(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
@@ -72,7 +72,7 @@ def _children_map() -> dict[int, list[int]]:
     return children
 
 
-def _kill_tree(pid: int) -> None:
+def kill_tree(pid: int) -> None:
     """SIGKILL a process and its descendants (a torchrun agent and its workers), by pid."""
     children = _children_map()
     stack, order = [pid], []
@@ -184,6 +184,7 @@ def supervise(
     finish_grace: float = 30.0,
     watch_workers: bool = False,
     heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
+    nproc_per_replica: int = 1,
 ) -> int:
     """Run ``command`` once per replica under a fresh coordinator; return the job's exit code.
 
@@ -195,9 +196,12 @@ def supervise(
     is declared to the coordinator at once, as the exit of a direct child is.
 
     Nothing of the job outlives it: the coordinator and the replicas get a parent-death signal; if
-    the coordinator dies or stops answering for 2 x ``heartbeat_timeout``, the replicas are ended
-    and the exit code is ``EXIT_COORDINATOR_LOST``; a command that cannot be started ends what was
-    started and returns ``EXIT_SPAWN_FAILED``.
+    the coordinator dies or stops answering for ``max(5, 2 x heartbeat_timeout + 1)`` seconds, the
+    replicas are ended and the exit code is ``EXIT_COORDINATOR_LOST``; a command that cannot be
+    started ends what was started and returns ``EXIT_SPAWN_FAILED``.
+
+    ``nproc_per_replica`` = K > 1: sharded replicas. Locally the launcher starts K processes per
+    replica (see :mod:`~lightning_recover.launch.sharded`); in torchrun mode each agent starts them.
     """
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
@@ -206,6 +210,13 @@ def supervise(
     if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
         raise ValueError(f"restarts must be an integer >= 0, got {restarts!r}")
     parse_faults(inject, replicas)  # validate before starting anything
+    if isinstance(nproc_per_replica, bool) or not isinstance(nproc_per_replica, int) or nproc_per_replica < 1:
+        raise ValueError(f"nproc_per_replica must be an integer >= 1, got {nproc_per_replica!r}")
+    if nproc_per_replica > 1 and restarts:
+        raise ValueError(
+            f"restarts={restarts} with {nproc_per_replica} processes per replica: rejoining a sharded replica is not "
+            "supported yet. HINT: use restarts=0 (the survivors finish the run without the failed replica)."
+        )
     say = on_event or (lambda line: print(f"[lightning-recover] {line}", file=sys.stderr, flush=True))
     argv = command if callable(command) else (lambda r: command)
     first = list(argv(0))
@@ -225,7 +236,8 @@ def supervise(
     sealer = Sealer(secret)
     try:
         coord = coordinator_process.start(replicas, heartbeat_timeout, host=host, heartbeat_interval=heartbeat_interval,
-                                          hang_timeout=hang_timeout, secret_file=secret_file)
+                                          hang_timeout=hang_timeout, secret_file=secret_file,
+                                          replica_size=nproc_per_replica)
     except BaseException:
         shutil.rmtree(secret_dir, ignore_errors=True)
         raise
@@ -245,6 +257,14 @@ def supervise(
         child_env.setdefault(env.OMP_NUM_THREADS, "1")  # spinning OpenMP threads make gloo 20x slower on small machines
         if inject:
             child_env[env.INJECT] = inject
+        if nproc_per_replica > 1:
+            child_env[env.REPLICA_SIZE] = str(nproc_per_replica)
+            if not watch_workers:
+                from lightning_recover.launch.sharded import supervise_sharded
+
+                say(f"coordinator at {coord.addr} (pid {coord.proc.pid})")
+                return supervise_sharded(argv, replicas, nproc_per_replica, connect(coord.addr), sealer, child_env,
+                                         say, finish_grace)
         preexec = _replica_preexec(os.getpid())
 
         def spawn(r: int) -> subprocess.Popen:
@@ -282,13 +302,13 @@ def supervise(
                         continue
                     code = c.proc.poll()
                     if code is None:
-                        running += not _stopped(c.proc.pid)
+                        running += not is_stopped(c.proc.pid)
                         continue
-                    c.history.append(_describe(code))
+                    c.history.append(describe_exit(code))
                     if code != 0:
                         if coord.proc.poll() is None:
                             declare_dead(c.replica)
-                        say(f"replica {c.replica} failed ({_describe(code)})")
+                        say(f"replica {c.replica} failed ({describe_exit(code)})")
                         if c.restarts < restarts and not interrupted:
                             c.restarts += 1
                             say(f"restarting replica {c.replica} ({c.restarts}/{restarts})")
@@ -320,14 +340,14 @@ def supervise(
                 if running == 0 or (finished_at is not None and time.monotonic() - finished_at > finish_grace):
                     break
                 if coord.proc.poll() is not None:
-                    raise _CoordinatorLost(f"it exited ({_describe(coord.proc.returncode)})")
+                    raise _CoordinatorLost(f"it exited ({describe_exit(coord.proc.returncode)})")
                 if link.silent_for() > lost_after:
                     raise _CoordinatorLost(f"it stopped answering for more than {lost_after:g}s (frozen or unreachable)"
                                            if link.error is None else f"the connection failed ({link.error})")
                 time.sleep(0.01)
             for c in children:
                 if c.exit_code is None:  # hung replicas (or agents waiting on one): nobody will resume them
-                    _kill_tree(c.proc.pid)
+                    kill_tree(c.proc.pid)
                     c.proc.wait()
                     c.exit_code = c.proc.returncode
                     c.history.append("hung, killed at the end")
@@ -346,11 +366,11 @@ def supervise(
             signal.signal(s, h)
         for c in children:
             if c.proc.poll() is None:
-                _kill_tree(c.proc.pid)
+                kill_tree(c.proc.pid)
                 c.proc.wait()
         if link is not None:
             link.close()
-        if coordinator_lost or _stopped(coord.proc.pid):
+        if coordinator_lost or is_stopped(coord.proc.pid):
             coord.proc.kill()  # a frozen coordinator would never handle SIGTERM
         coord.stop()
         shutil.rmtree(secret_dir, ignore_errors=True)
@@ -370,7 +390,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise SystemExit("lightning-recover run: give the command after --, e.g. -- python train.py")
     try:
         return supervise(command, args.replicas, heartbeat_timeout=args.heartbeat_timeout, inject=args.inject,
-                         restarts=args.restarts, host=args.host)
+                         restarts=args.restarts, host=args.host, nproc_per_replica=args.nproc_per_replica)
     except ValueError as exc:  # a bad option: say how to fix it, no traceback
         raise SystemExit(f"lightning-recover run: {exc}") from None
 
@@ -389,7 +409,7 @@ def non_negative_int(text: str) -> int:
 def _cmd_coordinator(args: argparse.Namespace) -> int:
     try:
         coordinator.serve(args.host, args.port, args.replicas, args.heartbeat_timeout, hang_timeout=args.hang_timeout,
-                          secret_file=args.secret_file)
+                          secret_file=args.secret_file, replica_size=args.replica_size)
     except (ValueError, OSError, RecoverError) as exc:
         raise SystemExit(f"lightning-recover coordinator: {exc}") from None
     return 0
@@ -401,6 +421,8 @@ def add_subcommands(sub: Any) -> None:
     replicas, seconds = coordinator_process.replica_count, coordinator_process.heartbeat_timeout_seconds
     p = sub.add_parser("run", help="run a script once per replica under a tolerant launcher")
     p.add_argument("--replicas", type=replicas, required=True)
+    p.add_argument("--nproc-per-replica", type=replicas, default=1,
+                   help="processes per replica (K > 1: the replica shards its model with FSDP2)")
     p.add_argument("--inject", default=None, help="faults, e.g. kill:replica=2:step=5:phase=backward")
     p.add_argument("--heartbeat-timeout", type=seconds, default=1.0,
                    help="seconds without heartbeat before a replica is declared dead (> 0.2)")

@@ -15,10 +15,12 @@ from lightning_recover.launch.launcher import supervise
 
 def torchrun_command(script: Sequence[str], nproc_per_replica: int = 1, max_restarts: int = 0) -> list[str]:
     """One torchrun agent per replica: its restarts touch only that replica's workers."""
-    if nproc_per_replica != 1:
+    if nproc_per_replica < 1:
+        raise ValueError(f"--nproc-per-replica must be >= 1, got {nproc_per_replica}")
+    if nproc_per_replica > 1 and max_restarts:
         raise ValueError(
-            f"--nproc-per-replica {nproc_per_replica}: replicas of more than one process (FSDP/TP inside a "
-            "replica) are not supported yet; use --nproc-per-replica 1 (one process per replica)."
+            f"--max-restarts {max_restarts} with --nproc-per-replica {nproc_per_replica}: rejoining a sharded replica "
+            "is not supported yet. HINT: use --max-restarts 0 (the survivors finish without the failed replica)."
         )
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_replica}",
             f"--max-restarts={max_restarts}", "--monitor-interval=0.1", *script]
@@ -32,7 +34,8 @@ def cmd_torchrun(args: argparse.Namespace) -> int:
         raise SystemExit("lightning-recover torchrun: give the script after --, e.g. -- train.py --lr 1e-3")
     try:
         command = torchrun_command(script, args.nproc_per_replica, args.max_restarts)
+        # Each worker's torchrun RANK is its position inside the replica (env.inner_rank).
         return supervise(command, args.replicas, heartbeat_timeout=args.heartbeat_timeout, inject=args.inject,
-                         host=args.host, watch_workers=True)
+                         host=args.host, watch_workers=True, nproc_per_replica=args.nproc_per_replica)
     except ValueError as exc:  # a bad option: say how to fix it, no traceback
         raise SystemExit(f"lightning-recover torchrun: {exc}") from None

@@ -51,11 +51,15 @@ class ReplicaLauncher(_Launcher):
         from lightning_recover.launch.launcher import supervise
 
         opts = self._strategy.options
+        sharding = getattr(self._strategy, "sharding", None)
+        K = sharding.replica_size if sharding is not None else 1
+        if K > 1:  # fail here, before starting R*K processes
+            devices = len(self._strategy.parallel_devices or [None])
+            sharding.validate(devices, opts.microbatches, opts.restarts)
         opts.resolve_microbatches(self._strategy.num_replicas)  # fail here, before starting N processes
         code = supervise(self._command(), self._strategy.num_replicas,
                          heartbeat_timeout=opts.heartbeat_timeout, heartbeat_interval=opts.heartbeat_interval,
-                         hang_timeout=opts.hang_timeout,
-                         restarts=opts.restarts)
+                         hang_timeout=opts.hang_timeout, restarts=opts.restarts, nproc_per_replica=K)
         # The supervisor never runs the training code itself: its job ends with the replicas'.
         raise SystemExit(code)
 

@@ -36,6 +36,7 @@ from typing_extensions import override
 
 from lightning_recover.data import MicrobatchSource
 from lightning_recover.lightning.base import RecoverStrategyBase, ReplicaLauncher, build_options
+from lightning_recover.lightning.sharded import ShardingConfig
 from lightning_recover.protocol.replica import Replica
 from lightning_recover.protocol.step import StepStats
 
@@ -85,6 +86,12 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
         startup_timeout: how long replicas wait for each other at start.
         restarts: how many times the local launcher restarts a failed replica.
         seed: seed of the per-epoch sample permutation (the same on every replica).
+        replica_size: ``K``, processes per replica (default 1). With K > 1 each replica shards
+            its model with FSDP2 over its K processes; ``devices`` is then ``replicas x K``. Set up
+            the module first (``fabric.setup_module``), then build and set up the optimizer.
+        parallelize_fn: ``fn(module, mesh) -> module`` sharding the model over the replica's mesh
+            (dimension ``"shard"``), as with Lightning's ModelParallelStrategy.
+        shard: ``"fsdp"``: shorthand that fully_shards every block (instead of parallelize_fn).
     """
 
     strategy_name = "recover"
@@ -101,6 +108,8 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          checkpoint_io=checkpoint_io, precision=precision)
+        self.sharding = ShardingConfig(options.pop("replica_size", 1), options.pop("parallelize_fn", None),
+                                       options.pop("shard", None))
         self.options = build_options(microbatches, options)
         self.core: Optional[Replica] = None
         self._modules: list[Module] = []
@@ -142,7 +151,19 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
         return params
 
     @override
+    def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer], scheduler: Any = None) -> Any:
+        if self.sharding.enabled:
+            raise RuntimeError(
+                "with replica_size>1 the model is sharded first, then the optimizer is built over the sharded "
+                "parameters. HINT: `model = fabric.setup_module(model)`, then "
+                "`optimizer = fabric.setup_optimizers(AdamW(model.parameters()))`."
+            )
+        return super().setup_module_and_optimizers(module, optimizers, scheduler)
+
+    @override
     def setup_module(self, module: Module) -> Module:
+        if self.sharding.enabled:
+            module = self.sharding.parallelize(module, self.core.world.mesh)
         self._modules.append(module)
         module.register_forward_pre_hook(lambda *_: self.core.fire("forward"))
         return module
@@ -183,6 +204,16 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
     @override
     def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
         self.core.before_backward(tensor)
+        if self.core.zero_slot:
+            tensor = tensor * 0  # sharded replica, short last round: join FSDP's collectives, add nothing
+        elif self.sharding.enabled:
+            tensor = tensor * self.sharding.loss_scale  # FSDP2 averages over the K processes: undo it
+        if self.sharding.enabled:
+            # Reduce-scatter inside the replica once per list of microbatches (its last round), like
+            # stock no_sync; every process of the replica has the same number of rounds.
+            for m in self._modules:
+                if hasattr(m, "set_requires_gradient_sync"):
+                    m.set_requires_gradient_sync(self.core.sync_round)
         super().backward(tensor, module, *args, **kwargs)
 
     @override
@@ -208,6 +239,12 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
     @override
     def save_checkpoint(self, path: Any, state: dict, storage_options: Optional[Any] = None,
                         filter: Optional[dict] = None) -> None:
+        if self.sharding.enabled:
+            raise NotImplementedError(
+                "fabric.save is not yet supported with replica_size>1 (sharded replicas): it would have to gather "
+                "the shards to one process. HINT: save each process's shard yourself with "
+                "torch.distributed.checkpoint (DCP) until sharded checkpoints land."
+            )
         if self._elect_writer():
             super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 

@@ -25,16 +25,19 @@ class ReplicaRanks:
     def num_replicas(self) -> int:
         if env.REPLICAS in os.environ:
             return int(os.environ[env.REPLICAS])
-        return len(self.parallel_devices) if self.parallel_devices else 1
+        devices = len(self.parallel_devices) if self.parallel_devices else 1
+        sharding = getattr(self, "sharding", None)
+        return devices // sharding.replica_size if sharding is not None else devices
 
     @property
     def root_device(self) -> torch.device:
         devices = self.parallel_devices or [torch.device("cpu")]
         device = devices[0]
         if device.type == "cuda":
-            # One GPU per replica: replica r of this host uses its r-th visible device.
+            # One GPU per process: process i of replica r uses visible device r*K + i (modulo the count).
             replica = int(os.environ.get(env.REPLICA, "0"))
-            return torch.device("cuda", replica % max(1, torch.cuda.device_count()))
+            slot = replica * env.replica_size() + env.inner_rank()
+            return torch.device("cuda", slot % max(1, torch.cuda.device_count()))
         return device
 
     @property

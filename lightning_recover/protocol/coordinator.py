@@ -8,7 +8,8 @@ Keys (values sealed with the job's MAC, see ``messages.py``, except the two coun
 
 ``inc/{r}``        incarnation counter of replica r (bumped by each (re)start of r; a hint)
 ``hb/{r}``         heartbeat of replica r: incarnation, beat number and the main thread's progress
-                   (step, phase, count), rewritten every ``heartbeat_interval``
+                   (step, phase, count), rewritten every ``heartbeat_interval``; ``hb/{r}/i{i}``
+                   per process when replicas have K > 1 processes
 ``dead/{r}``       the incarnation of r declared dead ("0" = none)
 ``events``         bumped on every death and every proposed generation (one cheap read
                    tells a waiting replica whether anything changed; a hint)
@@ -43,54 +44,64 @@ from lightning_recover.protocol.messages import JobSecret, Sealer, mark_dead, re
 _STORE_TIMEOUT = datetime.timedelta(seconds=60)
 
 
-def _init_keys(store: dist.TCPStore, sealer: Sealer, replicas: int) -> None:
+def _hb_keys(r: int, replica_size: int) -> list[str]:
+    return [f"hb/{r}"] if replica_size == 1 else [f"hb/{r}/i{i}" for i in range(replica_size)]
+
+
+def _init_keys(store: dist.TCPStore, sealer: Sealer, replicas: int, replica_size: int = 1) -> None:
     for r in range(replicas):
         store.set(f"dead/{r}", sealer.seal(f"dead/{r}", b"0"))
         store.add(f"inc/{r}", 0)
-        store.set(f"hb/{r}", sealer.seal(f"hb/{r}", json.dumps({"inc": 0}).encode()))
+        for key in _hb_keys(r, replica_size):
+            store.set(key, sealer.seal(key, json.dumps({"inc": 0}).encode()))
     store.add("events", 0)
     store.set("gen/latest", sealer.seal("gen/latest", b"0"))
     store.set("meta/replicas", sealer.seal("meta/replicas", str(replicas).encode()))
+    store.set("meta/replica_size", sealer.seal("meta/replica_size", str(replica_size).encode()))
 
 
 _WAITING = ("reduce", "decide", "regroup", "exchange")  # phases in which a replica waits on its peers
 
 
 def _monitor(store: dist.TCPStore, sealer: Sealer, replicas: int, timeout: float, hang_timeout: float,
-             stop: threading.Event) -> None:
-    """Declare dead every replica whose heartbeat stopped (killed, frozen, coordinator unreachable)
-    or whose main thread made no progress for ``hang_timeout`` while a peer waited on it (deadlock)."""
-    keys = [f"hb/{r}" for r in range(replicas)]
-    beats: dict[int, tuple[int, int, float]] = {}  # r -> (incarnation, beat, when it last moved)
-    progress: dict[int, tuple[int, int, float]] = {}  # r -> (incarnation, progress count, when it last moved)
+             stop: threading.Event, replica_size: int = 1) -> None:
+    """Declare dead every replica one of whose processes' heartbeats stopped (killed, frozen,
+    coordinator unreachable) or made no progress for ``hang_timeout`` while a peer waited on it
+    (deadlock). The replica is the failure unit: one process lost takes its replica out."""
+    procs = [(r, key) for r in range(replicas) for key in _hb_keys(r, replica_size)]
+    keys = [key for _, key in procs]
+    beats: dict[str, tuple[int, int, float]] = {}  # key -> (incarnation, beat, when it last moved)
+    progress: dict[str, tuple[int, int, float]] = {}  # key -> (incarnation, progress count, when it last moved)
     poll = min(0.02, timeout / 10)
     while not stop.wait(poll):
         now = time.monotonic()
-        hbs: dict[int, dict] = {}
-        for r, raw in zip(range(replicas), store.multi_get(keys)):
+        hbs: dict[str, tuple[int, dict]] = {}
+        for (r, key), raw in zip(procs, store.multi_get(keys)):
             try:
-                hbs[r] = json.loads(sealer.open(f"hb/{r}", raw))
+                hbs[key] = (r, json.loads(sealer.open(key, raw)))
             except (ForgedMessageError, ValueError):
                 continue  # a forged heartbeat is no heartbeat
-        waiting = {r for r, hb in hbs.items() if hb.get("phase") in _WAITING}
-        for r, hb in hbs.items():
+        waiting = {r for r, hb in hbs.values() if hb.get("phase") in _WAITING}
+        for key, (r, hb) in hbs.items():
             inc = int(hb.get("inc", 0))
             if inc == 0:
                 continue  # not started yet
-            key = (inc, int(hb.get("beat", 0)))
-            prev = beats.get(r)
-            if prev is None or prev[:2] != key:
-                beats[r] = (*key, now)
+            beat = (inc, int(hb.get("beat", 0)))
+            prev = beats.get(key)
+            if prev is None or prev[:2] != beat:
+                beats[key] = (*beat, now)
             count = (inc, int(hb.get("count", 0)))
-            moved = progress.get(r)
+            moved = progress.get(key)
             if moved is None or moved[:2] != count or hb.get("phase") in _WAITING or not (waiting - {r}):
-                progress[r] = (*count, now)  # progressing, waiting itself, or nobody waits on it
+                progress[key] = (*count, now)  # progressing, waiting itself, or nobody waits on it
             why = None
-            if now - beats[r][2] > timeout:
-                why = f"missed heartbeats for {now - beats[r][2]:.2f}s"
-            elif now - progress[r][2] > hang_timeout:
-                why = (f"made no progress for {now - progress[r][2]:.2f}s in phase {hb.get('phase')!r} of step "
+            if now - beats[key][2] > timeout:
+                why = f"missed heartbeats for {now - beats[key][2]:.2f}s"
+            elif now - progress[key][2] > hang_timeout:
+                why = (f"made no progress for {now - progress[key][2]:.2f}s in phase {hb.get('phase')!r} of step "
                        f"{hb.get('step')} while replicas {sorted(waiting - {r})} waited on it (hung)")
+            if why and replica_size > 1:
+                why = f"({key}) {why}"
             if why and read_death(sealer, r, store.get(f"dead/{r}")) < inc and mark_dead(store, sealer, r, inc):
                 print(f"[coordinator] replica {r} (incarnation {inc}) {why}: declared dead", flush=True)
 
@@ -130,9 +141,10 @@ class Coordinator:
     """
 
     def __init__(self, host: str, port: int, replicas: int, heartbeat_timeout: float, secret: JobSecret,
-                 hang_timeout: float = 60.0) -> None:
+                 hang_timeout: float = 60.0, replica_size: int = 1) -> None:
         self.host = host
         self.replicas = replicas
+        self.replica_size = replica_size
         self.heartbeat_timeout = heartbeat_timeout
         self.hang_timeout = hang_timeout
         self.sealer = Sealer(secret)
@@ -140,7 +152,7 @@ class Coordinator:
         self.socket = listen_socket(host, port)
         self.store = dist.TCPStore(host, self.socket.getsockname()[1], is_master=True, wait_for_workers=False,
                                    timeout=_STORE_TIMEOUT, use_libuv=True, master_listen_fd=self.socket.fileno())
-        _init_keys(self.store, self.sealer, replicas)
+        _init_keys(self.store, self.sealer, replicas, replica_size)
 
     @property
     def addr(self) -> str:
@@ -148,13 +160,14 @@ class Coordinator:
 
     def monitor(self, stop: threading.Event) -> None:
         """Declare dead every replica whose heartbeat stopped, until ``stop`` is set."""
-        _monitor(self.store.clone(), self.sealer, self.replicas, self.heartbeat_timeout, self.hang_timeout, stop)
+        _monitor(self.store.clone(), self.sealer, self.replicas, self.heartbeat_timeout, self.hang_timeout, stop,
+                 self.replica_size)
 
 
 def serve(host: str, port: int, replicas: int, heartbeat_timeout: float, ready_fd: int | None = None,
-          hang_timeout: float = 60.0, secret_file: str | None = None) -> None:
+          hang_timeout: float = 60.0, secret_file: str | None = None, replica_size: int = 1) -> None:
     secret = JobSecret.from_file(secret_file) if secret_file else JobSecret.from_env()
-    coordinator = Coordinator(host, port, replicas, heartbeat_timeout, secret, hang_timeout)
+    coordinator = Coordinator(host, port, replicas, heartbeat_timeout, secret, hang_timeout, replica_size)
     line = f"LISTENING {coordinator.addr}\n"
     if ready_fd is not None:
         os.write(ready_fd, line.encode())

@@ -44,9 +44,12 @@ class Decisions:
         """
         m = self.membership
         key = self._key(step)
-        m.store.set(f"{key}/done/{m.replica}", str(m.incarnation))
-        # Linearizable store: of the members writing their report, at least the last sees them all.
-        reports = [f"{key}/done/{r}" for r in m.gen.members]
+        # Every process of every member reports (K per replica when replicas are sharded).
+        me = str(m.replica) if m.replica_size == 1 else f"{m.replica}.{m.inner}"
+        m.store.set(f"{key}/done/{me}", str(m.incarnation))
+        # Linearizable store: of the processes writing their report, at least the last sees them all.
+        reports = [f"{key}/done/{r}" if m.replica_size == 1 else f"{key}/done/{r}.{i}"
+                   for r in m.gen.members for i in range(m.replica_size)]
         if m.store.has_all(reports):
             try:
                 m.store.multi_get(reports)
@@ -89,4 +92,6 @@ class Decisions:
         for g in range(max(0, number - 4), number + 1):
             self.membership.store.delete(f"s{step}/g{g}/dec")
             for r in self.membership.gen.members:
-                self.membership.store.delete(f"s{step}/g{g}/done/{r}")
+                for i in range(self.membership.replica_size):
+                    me = str(r) if self.membership.replica_size == 1 else f"{r}.{i}"
+                    self.membership.store.delete(f"s{step}/g{g}/done/{me}")

@@ -49,9 +49,11 @@ class Fault:
     step: int
     phase: str
     incarnation: int = 1
+    inner: int = 0  # which process of a K-process replica acts (0 with one process per replica)
 
     def __str__(self) -> str:
-        return f"{self.kind}:replica={self.replica}:step={self.step}:phase={self.phase}"
+        where = f":inner={self.inner}" if self.inner else ""
+        return f"{self.kind}:replica={self.replica}{where}:step={self.step}:phase={self.phase}"
 
 
 def parse_faults(spec: str | None, replicas: int | None = None) -> list[Fault]:
@@ -73,8 +75,9 @@ def parse_faults(spec: str | None, replicas: int | None = None) -> list[Fault]:
         values: dict[str, str] = {}
         for field in fields:
             key, sep, value = field.partition("=")
-            if not sep or key not in ("replica", "step", "phase", "incarnation"):
-                raise ValueError(f"fault {item!r}: bad field {field!r}; expected replica=R, step=S, phase=P[, incarnation=K]")
+            if not sep or key not in ("replica", "step", "phase", "incarnation", "inner"):
+                raise ValueError(f"fault {item!r}: bad field {field!r}; expected replica=R, step=S, phase=P"
+                                 "[, incarnation=K][, inner=I]")
             values[key] = value
         missing = {"replica", "step", "phase"} - values.keys()
         if missing:
@@ -82,11 +85,12 @@ def parse_faults(spec: str | None, replicas: int | None = None) -> list[Fault]:
         if values["phase"] not in PHASES:
             raise ValueError(f"fault {item!r}: phase must be one of {', '.join(PHASES)}")
         try:
-            fault = Fault(kind, int(values["replica"]), int(values["step"]), values["phase"], int(values.get("incarnation", 1)))
+            fault = Fault(kind, int(values["replica"]), int(values["step"]), values["phase"], int(values.get("incarnation", 1)),
+                          int(values.get("inner", 0)))
         except ValueError:
             raise ValueError(f"fault {item!r}: replica, step and incarnation must be integers") from None
-        if fault.replica < 0 or fault.step < 0:
-            raise ValueError(f"fault {item!r}: replica and step must be >= 0")
+        if fault.replica < 0 or fault.step < 0 or fault.inner < 0:
+            raise ValueError(f"fault {item!r}: replica, step and inner must be >= 0")
         if fault.incarnation < 1:
             raise ValueError(f"fault {item!r}: incarnation must be >= 1 (1 = the first start of the replica)")
         if replicas is not None and fault.replica >= replicas:
@@ -112,14 +116,15 @@ class FaultInjector:
     """Fires the faults planned for one replica incarnation at the matching (step, phase)."""
 
     def __init__(self, faults: list[Fault], replica: int, incarnation: int, *,
-                 act: Callable[[Fault], None] = act_on_process) -> None:
-        self._pending = {(f.step, f.phase): f for f in faults if f.replica == replica and f.incarnation == incarnation}
+                 act: Callable[[Fault], None] = act_on_process, inner: int = 0) -> None:
+        self._pending = {(f.step, f.phase): f for f in faults
+                         if f.replica == replica and f.incarnation == incarnation and f.inner == inner}
         self._act = act
         self._listeners: list[Callable[[Fault, float], None]] = []
 
     @classmethod
-    def from_env(cls, replica: int, incarnation: int) -> FaultInjector:
-        return cls(parse_faults(os.environ.get(env.INJECT)), replica, incarnation)
+    def from_env(cls, replica: int, incarnation: int, inner: int = 0) -> FaultInjector:
+        return cls(parse_faults(os.environ.get(env.INJECT)), replica, incarnation, inner=inner)
 
     def __bool__(self) -> bool:
         return bool(self._pending)

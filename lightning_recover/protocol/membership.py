@@ -22,23 +22,20 @@ of these is noticed within a few milliseconds, never after a long collective tim
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import torch.distributed as dist
 
 from lightning_recover import env
 from lightning_recover.errors import (
     CoordinatorLostError,
     ForgedMessageError,
-    MembershipChanged,
     RecoverError,
     ReplicaExcludedError,
 )
@@ -79,9 +76,10 @@ class Heartbeat:
     dead (so the main thread learns it at its next check, even between collectives)."""
 
     def __init__(self, store: ControlStore, replica: int, incarnation: int, interval: float,
-                 progress: Progress) -> None:
+                 progress: Progress, key: str | None = None) -> None:
         self._store = store.clone()
         self._replica = replica
+        self._key = key or f"hb/{replica}"  # per process when a replica is K processes
         self._incarnation = incarnation
         self._interval = interval
         self._progress = progress
@@ -99,7 +97,7 @@ class Heartbeat:
     def _send(self) -> None:
         self._beat += 1
         p = self._progress
-        self._store.set(f"hb/{self._replica}", json.dumps(
+        self._store.set(self._key, json.dumps(
             {"inc": self._incarnation, "beat": self._beat, "step": p.step, "phase": p.phase, "count": p.count}))
         if self._store.deaths([self._replica])[self._replica] >= self._incarnation:
             self.excluded = True
@@ -187,6 +185,21 @@ def refuse_if_id_in_use(store: ControlStore, replica: int, num_replicas: int, he
             )
 
 
+def sharded_incarnation(store: ControlStore, replica: int, inner: int, startup_timeout: float) -> int:
+    """All K processes of a replica (re)start together: position 0 bumps the replica's counter,
+    the others wait until it reaches their own position's count."""
+    mine = store.add(f"inc/{replica}/i{inner}", 1)
+    if inner == 0:
+        return store.add(f"inc/{replica}", 1)
+    deadline = time.monotonic() + startup_timeout
+    delay = POLL_MIN
+    while store.add(f"inc/{replica}", 0) < mine:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"replica {replica}: process 0 did not start within {startup_timeout}s")
+        delay = backoff(delay)
+    return mine
+
+
 @dataclass
 class Generation:
     number: int
@@ -217,6 +230,8 @@ class Membership:
         store_timeout: float = 5.0,
         backend: str = "gloo",
         secret: JobSecret,
+        inner: int = 0,
+        replica_size: int = 1,
     ) -> None:
         if not 0 <= replica < num_replicas:
             raise ValueError(
@@ -224,6 +239,10 @@ class Membership:
                 f"replicas a distinct {env.REPLICA} in that range."
             )
         self.backend = backend
+        # A sharded replica is K processes; each runs this membership under the same replica id.
+        # Position `inner` of every member forms its own cross-replica group (see _build_pg).
+        self.inner = inner
+        self.replica_size = replica_size
         self.addr = coordinator_addr
         self.replica = replica
         self.num_replicas = num_replicas
@@ -246,12 +265,38 @@ class Membership:
     def connect(self) -> None:
         self.store = ControlStore(self.addr, self.replica, self.secret, timeout=self.store_timeout)
         check_against_coordinator(self.store.get_genuine("meta/replicas"), self.num_replicas)
-        refuse_if_id_in_use(self.store, self.replica, self.num_replicas, self.heartbeat_interval)
-        self.incarnation = self.store.add(f"inc/{self.replica}", 1)
-        self._heartbeat = Heartbeat(self.store, self.replica, self.incarnation, self.heartbeat_interval, self.progress)
+        if self.replica_size == 1:
+            refuse_if_id_in_use(self.store, self.replica, self.num_replicas, self.heartbeat_interval)
+            self.incarnation = self.store.add(f"inc/{self.replica}", 1)
+            key = None
+        else:
+            self.incarnation = sharded_incarnation(self.store, self.replica, self.inner, self.startup_timeout)
+            key = f"hb/{self.replica}/i{self.inner}"  # per process: a hung process stops only its own
+        self._heartbeat = Heartbeat(self.store, self.replica, self.incarnation, self.heartbeat_interval, self.progress,
+                                    key=key)
         self._heartbeat.start()
         self._watchdog = CoordinatorWatchdog(self._heartbeat, self.replica, self.addr, self.store_timeout)
         self._watchdog.start()
+
+    def _joined(self, prefix: str) -> set[int]:
+        """Replicas that joined round ``prefix``. The unsealed list is only a hint of whom to look at:
+        a replica counts once its sealed join payload is there and, with K processes per replica,
+        all K of its positions said they joined."""
+        positions: dict[int, set[str]] = {}
+        for item in self.store.get_hint(f"{prefix}/joined").split(","):
+            r, _, i = item.partition(".")
+            if r.isdigit() and int(r) < self.num_replicas:
+                positions.setdefault(int(r), set()).add(i)
+        joined = set()
+        for r in sorted(positions):
+            if len(positions[r]) < self.replica_size:
+                continue
+            try:
+                json.loads(self.store.get(f"{prefix}/join/{r}"))
+                joined.add(r)
+            except (ForgedMessageError, ValueError):
+                continue  # planted by someone without the secret: not a member
+        return joined
 
     def form_initial(self) -> Generation | None:
         """Join generation 0 with every other replica (the job's start).
@@ -335,22 +380,6 @@ class Membership:
     def size(self) -> int:
         return self.gen.size
 
-    def _joined(self, prefix: str) -> set[int]:
-        """Replicas that joined round ``prefix``: the unsealed list is only a hint of whom to look
-        at; a replica counts once its sealed join payload is there."""
-        hinted = set()
-        for item in self.store.get_hint(f"{prefix}/joined").split(","):
-            if item.isdigit() and int(item) < self.num_replicas:
-                hinted.add(int(item))
-        joined = set()
-        for r in sorted(hinted):
-            try:
-                json.loads(self.store.get(f"{prefix}/join/{r}"))
-                joined.add(r)
-            except (ForgedMessageError, ValueError):
-                continue  # planted by someone without the secret: not a member
-        return joined
-
     # ------------------------------------------------------------------ failure detection
     def check_health(self) -> None:
         """Raise if the coordinator is gone or this replica was declared dead (fencing: an
@@ -429,7 +458,8 @@ class Membership:
         prefix = f"g{number}"
         payload = dict(payload, inc=self.incarnation)
         self.store.set(f"{prefix}/join/{self.replica}", json.dumps(payload))
-        self.store.append_hint(f"{prefix}/joined", f"{self.replica},")
+        me = str(self.replica) if self.replica_size == 1 else f"{self.replica}.{self.inner}"
+        self.store.append_hint(f"{prefix}/joined", f"{me},")
         deadline = time.monotonic() + timeout
         delay = POLL_MIN
         while self.store.get_genuine(f"{prefix}/members") is None:
@@ -461,7 +491,8 @@ class Membership:
     def _build_pg(self, gen: Generation) -> None:
         """Build the group of ``gen`` on a thread, so a member dying meanwhile is noticed."""
         self.gen = gen
-        gen.pg = self.groups.build(self.store.prefixed(f"pg/g{gen.number}"), gen.number, gen.rank, gen.size,
+        suffix = "" if self.replica_size == 1 else f"/i{self.inner}"  # one group per inner position
+        gen.pg = self.groups.build(self.store.prefixed(f"pg/g{gen.number}{suffix}"), gen.number, gen.rank, gen.size,
                                    self.failure_seen)
 
     @property

@@ -64,17 +64,22 @@ class Replica:
 
     def __init__(self, options: RecoverOptions, addr: str, replica: int, num_replicas: int,
                  params: Callable[[], Sequence[torch.nn.Parameter]], backend: str = "gloo",
-                 injector: Optional[FaultInjector] = None, secret: Optional[JobSecret] = None) -> None:
+                 injector: Optional[FaultInjector] = None, secret: Optional[JobSecret] = None,
+                 inner: int = 0, replica_size: int = 1) -> None:
         self.options = options
         self.M = options.resolve_microbatches(num_replicas)
+        self.inner, self.replica_size = inner, replica_size
         self.group = Membership(addr, replica, num_replicas, heartbeat_interval=options.heartbeat_interval,
                                 join_timeout=options.join_timeout, collective_timeout=options.collective_timeout,
                                 startup_timeout=options.startup_timeout, store_timeout=options.store_timeout,
-                                backend=backend, secret=secret or JobSecret.from_env())
+                                backend=backend, secret=secret or JobSecret.from_env(), inner=inner,
+                                replica_size=replica_size)
+        self.world = None  # the replica's own K-process world (sharding.ReplicaWorld), when K > 1
         self.collectives = SurvivorCollectives(self.group)
         self.decisions = Decisions(self.group)
         self.protocol = StepProtocol(self.group, self.collectives, self.decisions, self.M, params,
-                                     quota=options.quota)
+                                     quota=options.quota, inner=inner, replica_size=replica_size,
+                                     intra_group=lambda: self.world.group if self.world is not None else None)
         self._injector = injector  # None: the plan in the environment, for this incarnation
         self._fault_listeners: list[Callable[[Fault, float], None]] = []
         self.step: int = -1
@@ -89,7 +94,8 @@ class Replica:
     def from_env(cls, options: RecoverOptions, params: Callable[[], Sequence[torch.nn.Parameter]],
                  backend: str = "gloo") -> Replica:
         found = read_replica_env()  # every variable parsed and range-checked, with a HINT if bad
-        return cls(options, found.addr, found.replica, found.replicas, params, backend=backend)
+        return cls(options, found.addr, found.replica, found.replicas, params, backend=backend,
+                   inner=env.inner_rank(), replica_size=env.replica_size())
 
     # ------------------------------------------------------------------ identity
     @property
@@ -142,17 +148,29 @@ class Replica:
             atexit.register(self._at_exit)
         _record_uncaught_exceptions()
         self.group.connect()
-        injector = self._injector or FaultInjector.from_env(self.group.replica, self.group.incarnation)
+        injector = self._injector or FaultInjector.from_env(self.group.replica, self.group.incarnation, self.inner)
         for listener in self._fault_listeners:
             injector.add_listener(listener)
         self.protocol.injector = injector
         self.joining = self.group.form_initial() is None
+        if self.replica_size > 1:
+            if self.joining:
+                raise RecoverError(
+                    f"replica {self.group.replica} (incarnation {self.group.incarnation}) was restarted, but rejoining "
+                    "a replica of more than one process is not supported yet. HINT: use restarts=0 with replica_size>1."
+                )
+            from lightning_recover.protocol.sharding import ReplicaWorld
+
+            device = "cuda" if self.group.backend == "nccl" else "cpu"
+            self.world = ReplicaWorld.start(self.group, self.replica_size, self.inner, device_type=device)
 
     def set_state_hooks(self, get_state: Callable[[], dict], set_state: Callable[[dict], None]) -> None:
         """How to read and overwrite the training state handed to a rejoining replica."""
         self._get_state, self._set_state = get_state, set_state
 
     def close(self) -> None:
+        if self.world is not None and not _uncaught[0]:
+            self.world.leave()  # a clean exit: the replica-mates' watchdogs must not read it as a death
         self.group.close()
         # A planned fault that never fired makes a fault test pass for the wrong reason: say so.
         missed = [f for f in self.protocol.injector.unfired() if f.phase != "recompute"]
@@ -261,16 +279,26 @@ class Replica:
             self._forward_seen = True
         self.protocol.fire(self.step, phase)
 
+    @property
+    def zero_slot(self) -> bool:
+        """True while the current microbatch is a zero-contribution one (sharded replicas)."""
+        return self.protocol.zero_slot
+
+    @property
+    def sync_round(self) -> bool:
+        """True during the last round of this process's list (sharded replicas reduce-scatter then)."""
+        return self.protocol.sync_round
+
     def before_backward(self, loss: torch.Tensor) -> None:
-        if self.step >= 0:
+        if self.step >= 0 and not self.protocol.zero_slot:
             self.protocol.record_loss(loss)
             if not self._backward_seen:
                 self._backward_seen = True
                 self.protocol.fire(self.step, "backward")
 
     def say(self, message: str) -> None:
-        """One line per event, printed by the lowest live replica only."""
-        if self.group.gen is not None and self.group.rank == 0:
+        """One line per event, printed by the lowest live replica only (its process 0)."""
+        if self.group.gen is not None and self.group.rank == 0 and self.inner == 0:
             print(f"[lightning-recover] {message}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ collectives over live replicas

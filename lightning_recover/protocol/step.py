@@ -63,6 +63,9 @@ class StepProtocol:
         *,
         quota: str = "equal",
         injector: FaultInjector | None = None,
+        inner: int = 0,
+        replica_size: int = 1,
+        intra_group: Callable[[], object] | None = None,
     ) -> None:
         self.membership = membership
         self.collectives = collectives
@@ -77,6 +80,16 @@ class StepProtocol:
         self._weights: dict[int, float] | None = None
         self._step_loss: float | None = None
         self.last: StepStats | None = None
+        # Sharded replicas (K > 1): the replica's ids are taken in rounds of K, process `inner`
+        # takes the inner-th of each round; see sharding.rounds. `zero_slot` is True while the
+        # caller must run a zero-contribution microbatch (loss * 0) to keep FSDP's collectives.
+        self.inner = inner
+        self.replica_size = replica_size
+        self._intra_group = intra_group  # the replica's own process group (sums loss stats)
+        self.zero_slot = False
+        # True during the last round of a list: only then need FSDP reduce-scatter inside the
+        # replica (earlier rounds accumulate unsharded gradients locally, as no_sync does).
+        self.sync_round = True
 
     # -------------------------------------------------------------- hooks from the strategy
     def record_loss(self, loss: torch.Tensor) -> None:
@@ -106,12 +119,18 @@ class StepProtocol:
         ids = plan_quotas(step, range(self.M), group.members, weights)[group.replica]
         recovering_since: float | None = None
         while True:
-            for j in ids:
+            slots = list(rounds(ids, self.inner, self.replica_size))
+            for n, (j, mine) in enumerate(slots):
                 start = time.perf_counter()
                 progress.note("compute")
+                self.zero_slot = not mine
+                self.sync_round = n == len(slots) - 1
                 yield j
+                self.zero_slot, self.sync_round = False, True
                 self._mb_seconds.append(time.perf_counter() - start)
-                have.append(j)
+            # The replica (all K processes) covered all of `ids`; a failure of any one process
+            # takes the whole replica out, so a survivor's list is always complete.
+            have.extend(ids)
             stats.computed = len(have)
             try:
                 committed = self._reduce_and_decide(step)
@@ -171,10 +190,16 @@ class StepProtocol:
         params = [p for p in self._params() if p.requires_grad]
         # Reduce a *copy*: an interrupted gloo all-reduce leaves partial sums in its buffer, and
         # the local sum in param.grad must survive a failed attempt intact.
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        # Sharded parameters (DTensor): this process reduces its local shard with the processes at
+        # the same inner position of the other replicas.
+        grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in params]
         loss = self._loss_sum if self._loss_sum is not None else torch.zeros(1)
         device = grads[0].device if grads else torch.device("cpu")
         extra = torch.stack([loss.reshape(()).float().cpu(), torch.tensor(float(self._loss_count))]).to(device)
+        if self.replica_size > 1 and self._intra_group is not None:
+            # Loss statistics of the whole replica (its K processes computed different microbatches).
+            import torch.distributed as dist
+            dist.all_reduce(extra, group=self._intra_group())
         flat = _flatten_by_dtype(grads, extra)
         self.fire(step, "reduce")
         group.progress.note("reduce")
@@ -207,6 +232,27 @@ class StepProtocol:
         return {r: 1.0 / float(v) for r, v in zip(m.members, values)}
 
 
+def rounds(ids: Sequence[int], inner: int, replica_size: int) -> Iterator[tuple[int, bool]]:
+    """The slots of process ``inner`` of a replica computing ``ids`` in rounds of ``replica_size``.
+
+    Yields ``(id, mine)``: in round k the process computes ``ids[k*K + inner]`` (mine=True); in a
+    short last round a process with nothing left yields the round's first id with mine=False, a
+    zero-contribution microbatch that keeps it in step with FSDP's collectives.
+    """
+    if replica_size == 1:
+        for j in ids:
+            yield j, True
+        return
+    for start in range(0, len(ids), replica_size):
+        chunk = ids[start : start + replica_size]
+        yield (chunk[inner], True) if inner < len(chunk) else (chunk[0], False)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (a view: writes land in it), the tensor itself otherwise."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _flatten_by_dtype(grads: Sequence[torch.Tensor], extra: torch.Tensor) -> dict:
     """Concatenate gradients into one fresh buffer per dtype (plus the loss statistics)."""
     groups: dict[torch.dtype, list[int]] = {}
@@ -234,6 +280,14 @@ def _unflatten_into(flat: dict, grads: Sequence[torch.Tensor], params: Sequence[
         offset = 0
         for i in idx:
             n = grads[i].numel()
-            params[i].grad = buf[offset : offset + n].view_as(params[i]).clone() if params[i].grad is None \
-                else params[i].grad.copy_(buf[offset : offset + n].view_as(params[i]))
+            p = params[i]
+            if p.grad is None and hasattr(p, "to_local"):  # sharded, and no gradient reached it
+                from torch.distributed.tensor import DTensor
+                local = buf[offset : offset + n].view_as(grads[i]).clone()
+                p.grad = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
+                                            run_check=False)
+            elif p.grad is None:
+                p.grad = buf[offset : offset + n].view_as(p).clone()
+            else:
+                _local(p.grad).copy_(buf[offset : offset + n].view_as(grads[i]))
             offset += n

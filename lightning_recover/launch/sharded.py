@@ -1,0 +1,131 @@
+"""The tolerant local launcher for sharded replicas: K processes per replica, the replica fails whole.
+
+Like :func:`~lightning_recover.launch.launcher.supervise`, survivors are never touched. What
+changes with K processes per replica: when one process of replica r exits with an error, or the
+coordinator declares r dead (a process stopped heartbeating: hung), the launcher tells the
+coordinator and SIGKILLs the other processes of r by pid — they are stuck in intra-replica
+collectives and would only fail at the gloo timeout. A replica succeeded when all K exited 0.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_recover import env
+from lightning_recover.launch.launcher import describe_exit, is_stopped, kill_tree
+from lightning_recover.protocol.messages import Sealer, mark_dead, read_death
+
+
+@dataclass
+class _Replica:
+    replica: int
+    procs: list[subprocess.Popen]
+    codes: dict[int, int] = field(default_factory=dict)  # inner -> exit code
+    failed: bool = False
+    history: list[str] = field(default_factory=list)
+
+    def running(self) -> list[subprocess.Popen]:
+        return [p for i, p in enumerate(self.procs) if i not in self.codes]
+
+    @property
+    def done(self) -> bool:
+        return len(self.codes) == len(self.procs)
+
+    @property
+    def ok(self) -> bool:
+        return self.done and not self.failed and all(c == 0 for c in self.codes.values())
+
+
+def supervise_sharded(argv: Callable[[int], Sequence[str]], replicas: int, nproc: int, store: Any, sealer: Sealer,
+                      child_env: dict[str, str], say: Callable[[str], Any], finish_grace: float) -> int:
+    """Run ``nproc`` processes of ``argv(r)`` per replica; end a replica whole when one fails."""
+
+    def spawn(r: int, i: int) -> subprocess.Popen:
+        extra = {env.REPLICA: str(r), env.INNER: str(i), env.REPLICA_SIZE: str(nproc)}
+        return subprocess.Popen(list(argv(r)), env=dict(child_env, **extra))
+
+    group = [_Replica(r, [spawn(r, i) for i in range(nproc)]) for r in range(replicas)]
+    say(f"started {replicas} replicas x {nproc} processes: {' '.join(argv(0))}")
+    interrupted = False
+    finished_at: float | None = None
+    next_scan = 0.0
+
+    def end_replica(rep: _Replica, why: str) -> None:
+        rep.failed = True
+        try:
+            mark_dead(store, sealer, rep.replica)
+        except Exception:
+            pass  # the coordinator is gone; the replicas notice on their own
+        pids = [p.pid for p in rep.running() if p.poll() is None]
+        for p in rep.running():
+            kill_tree(p.pid)  # SIGKILL ends a SIGSTOPped process too
+        for i, p in enumerate(rep.procs):
+            if i not in rep.codes:
+                p.wait()
+                rep.codes[i] = p.returncode
+        rep.history.append(why + (f"; killed its other processes {pids}" if pids else ""))
+        say(f"replica {rep.replica} failed ({why}); ended its processes {pids}")
+
+    def _forward(signum: int, _frame: Any) -> None:
+        nonlocal interrupted
+        interrupted = True
+        for rep in group:
+            for p in rep.running():
+                p.send_signal(signum)
+
+    old = {s: signal.signal(s, _forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            for rep in group:
+                if rep.done:
+                    continue
+                for i, p in enumerate(rep.procs):
+                    if i in rep.codes:
+                        continue
+                    code = p.poll()
+                    if code is None:
+                        continue
+                    rep.codes[i] = code
+                    if code != 0 and not rep.failed:
+                        end_replica(rep, f"process {i} (pid {p.pid}) {describe_exit(code)}")
+                        break
+                if rep.ok:
+                    finished_at = finished_at or time.monotonic()
+                    rep.history.append(f"all {nproc} processes finished")
+            if time.monotonic() >= next_scan:
+                # A hung process: the coordinator declared its replica dead; end the rest of it.
+                next_scan = time.monotonic() + 0.05
+                for rep in group:
+                    if rep.done or rep.failed:
+                        continue
+                    try:
+                        inc = int(store.add(f"inc/{rep.replica}", 0))
+                        dead = inc > 0 and read_death(sealer, rep.replica, store.get(f"dead/{rep.replica}")) >= inc
+                        left = dead and store.check([f"left/{rep.replica}/{inc}"])
+                    except Exception:
+                        continue
+                    if dead and not left:
+                        end_replica(rep, "declared dead by the coordinator (a process hung or stopped heartbeating)")
+            running = sum(1 for rep in group for p in rep.running() if not is_stopped(p.pid))
+            if running == 0 or (finished_at is not None and time.monotonic() - finished_at > finish_grace):
+                break
+            time.sleep(0.01)
+        for rep in group:
+            if not rep.done:
+                end_replica(rep, "hung at the end of the run")
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        for rep in group:
+            for p in rep.procs:
+                if p.poll() is None:
+                    kill_tree(p.pid)
+                    p.wait()
+    say("done: " + ", ".join(f"replica {rep.replica}: {'; '.join(rep.history) or 'exit codes ' + str(rep.codes)}"
+                             for rep in group))
+    return 0 if any(rep.ok for rep in group) and not interrupted else 1

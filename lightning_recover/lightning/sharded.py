@@ -1,0 +1,113 @@
+"""Sharded replicas on the Lightning side: options, validation and the parallelize step.
+
+``RecoverStrategy(microbatches=M, replica_size=K, parallelize_fn=fn)`` (or ``shard="fsdp"``)
+with ``L.Fabric(devices=R*K)``: R replicas of K processes. ``fn(module, mesh)`` follows Lightning's
+``ModelParallelStrategy`` convention; ``mesh`` is the replica's 1-D mesh with dimension
+``"shard"`` (the replicate dimension is lightning-recover's own, fault-tolerant one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch.nn import Module
+
+from lightning_recover.protocol.sharding import is_sharded
+
+SHARD_MODES = ("fsdp",)
+
+
+@dataclass
+class ShardingConfig:
+    """How each replica shards its model over its K processes."""
+
+    replica_size: int = 1
+    parallelize_fn: Optional[Callable[[Module, Any], Module]] = None
+    shard: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.replica_size, int) or self.replica_size < 1:
+            raise ValueError(f"replica_size must be a positive integer, got {self.replica_size!r}")
+        if self.shard is not None and self.shard not in SHARD_MODES:
+            raise ValueError(f"shard must be one of {', '.join(SHARD_MODES)} or None, got {self.shard!r}")
+        if self.shard is not None and self.parallelize_fn is not None:
+            raise ValueError("give either shard='fsdp' or parallelize_fn, not both")
+        if self.replica_size > 1 and self.shard is None and self.parallelize_fn is None:
+            raise ValueError(
+                f"replica_size={self.replica_size} needs a way to shard the model. HINT: pass shard='fsdp' "
+                "(fully_shard every block) or parallelize_fn=fn with fn(model, mesh) -> model."
+            )
+        if self.replica_size == 1 and (self.shard is not None or self.parallelize_fn is not None):
+            raise ValueError("shard/parallelize_fn need replica_size > 1 (processes per replica). "
+                             "HINT: pass replica_size=K and devices=R*K.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.replica_size > 1
+
+    def validate(self, devices: int, microbatches: Optional[int], restarts: int) -> int:
+        """Check the job shape before any process starts; return the number of replicas."""
+        K = self.replica_size
+        if devices % K:
+            raise ValueError(
+                f"devices={devices} is not divisible by replica_size={K}. HINT: devices must be "
+                f"replicas x replica_size, e.g. devices={max(1, devices // K) * K} for {max(1, devices // K)} replicas."
+            )
+        replicas = devices // K
+        M = microbatches if microbatches is not None else replicas
+        if M < K:
+            raise ValueError(
+                f"microbatches={M} is smaller than replica_size={K}: the processes of one replica take one "
+                f"microbatch each per round. HINT: use microbatches >= {max(K, replicas)}, ideally a multiple of "
+                f"{K * replicas}."
+            )
+        if restarts:
+            raise ValueError(
+                f"restarts={restarts} with replica_size={K}: rejoining a sharded replica is not supported yet. "
+                "HINT: use restarts=0 (the survivors finish the run without the failed replica)."
+            )
+        return replicas
+
+    def parallelize(self, module: Module, mesh: Any) -> Module:
+        if self.shard == "fsdp":
+            module = fsdp_every_block(module, mesh)
+        else:
+            out = self.parallelize_fn(module, mesh)
+            module = out if isinstance(out, Module) else module
+        unsharded = [name for name, p in module.named_parameters() if not is_sharded(p)]
+        if unsharded:
+            raise ValueError(
+                f"parallelize_fn left {len(unsharded)} parameters unsharded (e.g. {', '.join(unsharded[:3])}); "
+                "every parameter must be sharded over the replica's mesh. HINT: end with "
+                "`fully_shard(model, mesh=mesh['shard'])`, or use shard='fsdp'."
+            )
+        # FSDP2 averages reduce-scattered gradients over the K processes; the replica must contribute
+        # the *sum* over its microbatches (the protocol divides by M once, at commit), so the strategy
+        # scales each loss by K (loss_scale). Not set_gradient_divide_factor(1): for float32 it asks for
+        # ReduceOp.PREMUL_SUM, which gloo refuses (measured, torch 2.13).
+        return module
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self.replica_size)
+
+
+def fsdp_every_block(module: Module, mesh: Any) -> Module:
+    """``shard="fsdp"``: fully_shard each block of the model, then the model itself.
+
+    The blocks are the entries of the first ModuleList found (transformer layers), else the
+    top-level children that hold parameters.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    shard_mesh = mesh["shard"]
+    lists = [m for m in module.modules() if isinstance(m, torch.nn.ModuleList)]
+    blocks = list(lists[0]) if lists else list(module.children())
+    for block in blocks:
+        if any(True for _ in block.parameters()):
+            fully_shard(block, mesh=shard_mesh)
+    fully_shard(module, mesh=shard_mesh)
+    return module

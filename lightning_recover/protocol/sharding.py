@@ -1,0 +1,93 @@
+"""The inside of a sharded replica: its own K-process world, and the watchdog that ends it.
+
+A replica of K processes shards its model with stock FSDP2 over a world of its own: each replica
+*incarnation* gets a default process group over ``PrefixStore(f"rep{r}/inc{n}", coordinator)``
+(rank = inner position, size = K) and a 1-D device mesh ``("shard",)``. Never one world of all
+R*K processes: ``new_group`` needs every process, so it cannot run after a death, and a restarted
+process cannot join a fixed-size world. Nothing inside a replica talks to another replica; the
+replicate dimension is the survivor groups of :class:`Membership` (one per inner position).
+
+The replica is the failure unit. A process whose mate died is stuck in an intra-replica
+collective (a SIGSTOPped mate only fails it at the gloo timeout), so each process runs a
+watchdog: once the coordinator declares its replica incarnation dead, and the death is not a
+clean leave at the end of the run, the process exits at once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_recover.protocol.membership import Membership
+
+WATCH_INTERVAL = 0.05  # how often a process checks whether its replica was declared dead
+
+
+def _left_key(replica: int, incarnation: int) -> str:
+    return f"left/{replica}/{incarnation}"
+
+
+@dataclass
+class ReplicaWorld:
+    """The default process group and device mesh of one replica incarnation."""
+
+    replica: int
+    incarnation: int
+    inner: int
+    size: int
+    mesh: Any
+    _membership: Membership
+    _stop: threading.Event
+
+    @classmethod
+    def start(cls, membership: Membership, size: int, inner: int, device_type: str = "cpu") -> ReplicaWorld:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        r, n = membership.replica, membership.incarnation
+        if dist.is_initialized():
+            raise RuntimeError(
+                "a default process group already exists in this process; a sharded replica builds its own. "
+                "HINT: do not call init_process_group yourself under strategy='recover' with replica_size>1."
+            )
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=membership.store.prefixed(f"rep{r}/inc{n}"), rank=inner,
+                                world_size=size, timeout=datetime.timedelta(seconds=membership.collective_timeout))
+        mesh = init_device_mesh(device_type, (size,), mesh_dim_names=("shard",))
+        world = cls(r, n, inner, size, mesh, membership, threading.Event())
+        threading.Thread(target=world._watch, name=f"lr-watchdog-{r}.{inner}", daemon=True).start()
+        return world
+
+    @property
+    def group(self) -> Any:
+        return dist.group.WORLD
+
+    def leave(self) -> None:
+        """A clean end of this process: say so before the replica is marked gone."""
+        self._stop.set()
+        try:
+            self._membership.store.set(_left_key(self.replica, self.incarnation), "1")
+        except Exception:
+            pass  # the coordinator is gone: nobody is left to misread the exit
+
+    def _watch(self) -> None:
+        store = self._membership.store.clone()
+        while not self._stop.wait(WATCH_INTERVAL):
+            try:
+                dead = int(store.get(f"dead/{self.replica}")) >= self.incarnation
+                if dead and not store.has(_left_key(self.replica, self.incarnation)):
+                    print(f"[lightning-recover] replica {self.replica} process {self.inner}: the replica was "
+                          "declared dead (one of its processes died or hung); this process exits",
+                          file=sys.stderr, flush=True)
+                    os._exit(1)
+            except Exception:
+                return  # the coordinator is gone: the heartbeat reports it to the main thread
+
+
+def is_sharded(param: Any) -> bool:
+    return hasattr(param, "to_local") and hasattr(param, "placements")
