@@ -28,3 +28,12 @@ __all__ = [
     "save",
     "verify_file",
 ]
+
+from lightning_recover.checkpoint.dcp import (  # noqa: E402
+    UringStorageReader,
+    UringStorageWriter,
+    cleanup_dcp_temps,
+    verify_dcp_checkpoint,
+)
+
+__all__ += ["UringStorageReader", "UringStorageWriter", "cleanup_dcp_temps", "verify_dcp_checkpoint"]
