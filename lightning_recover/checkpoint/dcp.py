@@ -487,6 +487,13 @@ class UringStorageReader(FileSystemReader):
                     span = run[-1][0] + run[-1][1] - base
                     buf = mmap.mmap(-1, max(_align_up(span), ALIGN))
                     mv = memoryview(buf)
+                    views: list[memoryview] = []  # every slice of buf, released before buf is closed
+
+                    def view(a: int, b: int) -> memoryview:
+                        v = mv[a - base : b - base]
+                        views.append(v)
+                        return v
+
                     try:
                         segs, checks = [], []
                         for off, length in run:
@@ -501,7 +508,7 @@ class UringStorageReader(FileSystemReader):
                             extents = rec["extents"] if rec is not None else [[off, length, None]]
                             for o, ln, c in extents:
                                 if ln:
-                                    segs.append((o, mv[o - base : o - base + ln]))
+                                    segs.append((o, view(o, o + ln)))
                                     checks.append((c, off, length, o, ln))
                         crcs = reader.read(segs)
                         for got, (want, off, length, o, ln) in zip(crcs, checks):
@@ -515,8 +522,11 @@ class UringStorageReader(FileSystemReader):
                                     damaged=[{"fqn": fqn, "offset": o, "length": ln, "expected": want, "actual": got}],
                                 )
                         for off, length in run:
-                            self._deliver(by_range[(off, length)], mv[off - base : off - base + length], planner)
+                            self._deliver(by_range[(off, length)], view(off, off + length), planner)
                     finally:
+                        segs = []
+                        for v in views:
+                            v.release()
                         mv.release()
                         buf.close()
             finally:
