@@ -410,7 +410,7 @@ class UringStorageReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         p = str(self.path)
-        if not os.path.exists(os.path.join(p, ".metadata")):
+        if not os.path.exists(self._get_metadata_path(kwargs.get("rank"))):
             hint = "the directory does not exist" if not os.path.isdir(p) else "it has no .metadata"
             raise CheckpointCorruptError(
                 f"{p} is not a complete DCP checkpoint: {hint} (a save that did not finish leaves its files under "
