@@ -82,7 +82,9 @@ def corrupt(match: str, typed: bool = True):
         yield
     exc = info.value
     errors = [e for e, _ in exc.failures.values()] if isinstance(exc, CheckpointException) else [exc]
-    assert any((isinstance(e, CheckpointCorruptError) or not typed) and re.search(match, str(e)) for e in errors), str(exc)
+    assert any((isinstance(e, CheckpointCorruptError) or not typed) and re.search(match, str(e)) for e in errors), str(
+        exc
+    )
 
 
 def largest_item(path: str):

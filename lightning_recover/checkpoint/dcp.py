@@ -379,14 +379,18 @@ def _load_sidecars(path: str, relative_paths: set[str]) -> dict[str, dict]:
         except FileNotFoundError:
             continue
         except (OSError, ValueError) as e:
-            raise CheckpointCorruptError(f"{p}: unreadable checksum sidecar ({e}); the checkpoint is damaged", path=p)
+            raise CheckpointCorruptError(
+                f"{p}: unreadable checksum sidecar ({e}); the checkpoint is damaged", path=p
+            ) from e
         if side.get("format") != SIDECAR_FORMAT or side.get("file") != rel:
             raise CheckpointCorruptError(f"{p}: not a checksum sidecar for {rel}; the checkpoint is damaged", path=p)
         found[rel] = side
     missing = relative_paths - found.keys()
     if found and missing:
         names = ", ".join(sidecar_name(m) for m in sorted(missing))
-        raise CheckpointCorruptError(f"{path}: checksum sidecar(s) missing: {names}; the checkpoint is incomplete", path=path)
+        raise CheckpointCorruptError(
+            f"{path}: checksum sidecar(s) missing: {names}; the checkpoint is incomplete", path=path
+        )
     return found
 
 
@@ -449,7 +453,9 @@ class UringStorageReader(FileSystemReader):
         try:
             size = os.stat(fpath).st_size
         except FileNotFoundError:
-            raise CheckpointCorruptError(f"{fpath}: shard file missing; the checkpoint is incomplete", path=fpath)
+            raise CheckpointCorruptError(
+                f"{fpath}: shard file missing; the checkpoint is incomplete", path=fpath
+            ) from None
         if side is not None and size != side["size"]:
             raise CheckpointCorruptError(
                 f"{fpath}: {size} bytes, its checksum sidecar records {side['size']}: truncated or overwritten shard",
@@ -489,7 +495,7 @@ class UringStorageReader(FileSystemReader):
                     mv = memoryview(buf)
                     views: list[memoryview] = []  # every slice of buf, released before buf is closed
 
-                    def view(a: int, b: int) -> memoryview:
+                    def view(a: int, b: int, mv: memoryview = mv, base: int = base, views: list = views) -> memoryview:
                         v = mv[a - base : b - base]
                         views.append(v)
                         return v
@@ -591,4 +597,3 @@ def verify_dcp_checkpoint(path: str | os.PathLike) -> dict:
                     n_items += 1
                     n_bytes += it["length"]
     return {"files": len(rels), "items": n_items, "bytes": n_bytes, "verified": bool(sides)}
-
