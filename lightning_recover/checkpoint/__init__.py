@@ -6,6 +6,12 @@ write and read the format described in ``docs/format.md``; :class:`UringCheckpoi
 """
 
 from lightning_recover.checkpoint.async_io import AsyncCheckpointError
+from lightning_recover.checkpoint.dcp import (
+    UringStorageReader,
+    UringStorageWriter,
+    cleanup_dcp_temps,
+    verify_dcp_checkpoint,
+)
 from lightning_recover.checkpoint.files import cleanup_stale_temps
 from lightning_recover.checkpoint.plugin import UringCheckpointIO
 from lightning_recover.checkpoint.single_file import CheckpointInfo, load, read_info, save, verify_file
@@ -22,9 +28,13 @@ __all__ = [
     "CheckpointInfo",
     "UnsafeCheckpointError",
     "UringCheckpointIO",
+    "UringStorageReader",
+    "UringStorageWriter",
+    "cleanup_dcp_temps",
     "cleanup_stale_temps",
     "load",
     "read_info",
     "save",
+    "verify_dcp_checkpoint",
     "verify_file",
 ]

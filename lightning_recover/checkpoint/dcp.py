@@ -1,0 +1,599 @@
+"""A ``native_io`` storage backend for ``torch.distributed.checkpoint`` (DCP).
+
+``dcp.save(state, storage_writer=UringStorageWriter(path))`` / ``dcp.load(state,
+storage_reader=UringStorageReader(path))``. The layout is DCP's own (see ``docs/dcp.md``):
+
+* one ``__<rank>_0.distcp`` per rank, written through ``native_io`` (coalesced, 4 KiB-aligned
+  ``O_DIRECT`` extents, ``fdatasync``); every tensor item is a complete ``torch.save`` archive whose
+  storage bytes start on a 4 KiB boundary, every bytes item its raw bytes; padding between items is
+  invisible to DCP, which locates items by ``(relative_path, offset, length)``;
+* ``.metadata`` is exactly what ``FileSystemWriter`` writes (the stock ``FileSystemReader`` loads it);
+* ``__<rank>_0.crc.json`` holds the CRC-32C of every extent of every item, verified on load;
+* the directory appears atomically: ranks write into ``.<name>.dcp-tmp-<token>`` next to ``path``
+  (token chosen by the coordinator and sent with the global plan), and the coordinator's ``finish()``,
+  which DCP calls only after every rank's writes completed, writes ``.metadata``, fsyncs, and renames
+  the directory onto ``path`` (an atomic exchange when ``path`` already exists).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import errno
+import io
+import json
+import mmap
+import os
+import secrets
+import shutil
+import threading
+from typing import Any, Optional
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.filesystem import (
+    FileSystemReader,
+    FileSystemWriter,
+    SerializationFormat,
+    _StorageInfo,
+    _StoragePrefix,
+)
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from lightning_recover.checkpoint.engine import resolve_engine
+from lightning_recover.checkpoint.files import fsync_dir
+from lightning_recover.checkpoint.format import CheckpointCorruptError
+
+__all__ = ["UringStorageWriter", "UringStorageReader", "verify_dcp_checkpoint", "cleanup_dcp_temps"]
+
+ALIGN = 4096
+SIDECAR_SUFFIX = ".crc.json"
+SIDECAR_FORMAT = "lightning-recover-dcp-crc32c"
+_TMP_MARK = ".dcp-tmp-"
+# hand segments to native_io in batches of about this many bytes: bounds the archives held in memory
+_WRITE_BATCH = 64 << 20
+# read contiguous runs of items of at most this many bytes into one staging buffer
+_READ_BATCH = 256 << 20
+# a hole this large between two wanted items starts a new read run (skip it rather than read it)
+_READ_GAP = 1 << 20
+
+
+def _align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def sidecar_name(relative_path: str) -> str:
+    stem = relative_path[: -len(".distcp")] if relative_path.endswith(".distcp") else relative_path
+    return stem + SIDECAR_SUFFIX
+
+
+def temp_dir_for(path: str, token: str) -> str:
+    parent, base = os.path.split(os.path.abspath(path))
+    return os.path.join(parent, f".{base}{_TMP_MARK}{token}")
+
+
+# --------------------------------------------------------------------------------------------------
+# tensor archives: the torch.save bytes around the storage are built once per layout
+
+
+class _ArchiveTemplate:
+    """``torch.save`` of a tensor with its storage bytes left out (``skip_data``): head, data offset, tail.
+
+    The archive depends only on dtype, shape and stride, so it is built once per layout and the
+    storage bytes are written straight from the tensor's memory between head and tail. The zip
+    CRC-32 of the data record is that of the skipped bytes: ``torch.load`` does not check it, our
+    CRC-32C sidecar covers the bytes instead.
+    """
+
+    __slots__ = ("head", "tail", "nbytes")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        buf = io.BytesIO()
+        with torch.serialization.skip_data():
+            torch.save(t, buf)
+        raw = buf.getvalue()
+        records = [r for r in torch._C.PyTorchFileReader(io.BytesIO(raw)).get_all_records() if r.startswith("data/")]
+        if records != ["data/0"]:  # pragma: no cover - torch changed its archive layout
+            raise RuntimeError(f"unexpected torch.save layout {records}; use FileSystemWriter with this torch")
+        data_off = torch._C.PyTorchFileReader(io.BytesIO(raw)).get_record_offset("data/0")
+        self.nbytes = t.untyped_storage().nbytes()
+        self.head = raw[:data_off]
+        self.tail = raw[data_off + self.nbytes :]
+
+
+_TEMPLATES: dict[tuple, _ArchiveTemplate] = {}
+_TEMPLATES_LOCK = threading.Lock()
+
+
+def _template(t: torch.Tensor) -> _ArchiveTemplate:
+    key = (t.dtype, tuple(t.shape), tuple(t.stride()), t.requires_grad)
+    tpl = _TEMPLATES.get(key)
+    if tpl is None:
+        tpl = _ArchiveTemplate(t)
+        with _TEMPLATES_LOCK:
+            if len(_TEMPLATES) > 65536:  # layouts churn (e.g. varying shapes): keep the cache bounded
+                _TEMPLATES.clear()
+            _TEMPLATES[key] = tpl
+    return tpl
+
+
+def _storage_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's storage as bytes, without a copy (any dtype, bf16 included)."""
+    u8 = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+    return memoryview(u8.numpy()).cast("B")
+
+
+# --------------------------------------------------------------------------------------------------
+# atomic directory commit
+
+
+def _renameat2_exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths (Linux ``renameat2(RENAME_EXCHANGE)``); False when unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    AT_FDCWD, RENAME_EXCHANGE = -100, 2
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, f"renameat2(RENAME_EXCHANGE) {a} <-> {b}: {os.strerror(err)}")
+
+
+def _commit_dir(tmp: str, path: str) -> None:
+    """Make ``tmp`` (complete and durable) visible as ``path`` in one step, then fsync the parent."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.lexists(path):
+        if not os.path.isdir(path) or os.path.islink(path):
+            raise FileExistsError(f"{path} exists and is not a checkpoint directory; remove it or choose another path")
+        if not _renameat2_exchange(tmp, path):
+            # no atomic exchange: move the old one aside first (a crash in between leaves both complete
+            # directories, the new one under its temporary name)
+            aside = tmp + ".old"
+            os.rename(path, aside)
+            os.rename(tmp, path)
+            fsync_dir(parent)
+            shutil.rmtree(aside, ignore_errors=True)
+            return
+        fsync_dir(parent)
+        shutil.rmtree(tmp, ignore_errors=True)  # now holds the previous checkpoint
+        return
+    os.rename(tmp, path)
+    fsync_dir(parent)
+
+
+def cleanup_dcp_temps(parent: str) -> list[str]:
+    """Remove temporary DCP directories (``.<name>.dcp-tmp-<token>``) left in ``parent`` by failed saves.
+
+    Call it when no save into ``parent`` is in progress (e.g. at start-up, before the first save).
+    """
+    removed = []
+    for name in os.listdir(parent):
+        full = os.path.join(parent, name)
+        if name.startswith(".") and _TMP_MARK in name and os.path.isdir(full) and not os.path.islink(full):
+            shutil.rmtree(full, ignore_errors=True)
+            removed.append(full)
+    return removed
+
+
+# --------------------------------------------------------------------------------------------------
+# writer
+
+
+@dataclasses.dataclass
+class _UringPrefix(_StoragePrefix):
+    """Per-rank storage data of the global plan: file prefix and the temporary directory all ranks share."""
+
+    tmp_token: str = ""
+
+
+class UringStorageWriter(FileSystemWriter):
+    """DCP ``StorageWriter`` writing each rank's items into one file through ``native_io``.
+
+    Subclasses :class:`FileSystemWriter` (planner, staging and ``dcp.async_save`` unchanged). ``engine``:
+    None (the shared default engine), an :class:`~lightning_recover.checkpoint.engine.EngineHandle` or a
+    ``native_io.IOEngine``. ``overwrite=False`` refuses an existing checkpoint at ``path``.
+    Needs DCP's collectives (the default): ``use_collectives=False`` gives no coordinator to commit.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        engine: Any = None,
+        overwrite: bool = True,
+        cache_staged_state_dict: bool = False,
+    ) -> None:
+        super().__init__(
+            path,
+            single_file_per_rank=True,
+            sync_files=True,
+            thread_count=1,
+            cache_staged_state_dict=cache_staged_state_dict,
+            overwrite=overwrite,
+            serialization_format=SerializationFormat.TORCH_SAVE,
+        )
+        self._engine = engine
+        self._tmp: Optional[str] = None
+
+    # -- planning ----------------------------------------------------------------------------------
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        if not self.use_collectives:
+            raise ValueError(
+                "UringStorageWriter commits the checkpoint directory on the coordinator rank and needs DCP's "
+                "collectives: call dcp.save without no_dist/use_collectives=False (or use FileSystemWriter)"
+            )
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        parent = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(parent, exist_ok=True)
+        if not self.overwrite and os.path.exists(os.path.join(self.path, ".metadata")):
+            raise RuntimeError(f"a checkpoint already exists at {self.path} and overwrite=False; choose a new path")
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        token = secrets.token_hex(6)  # chosen once, on the coordinator, and sent to every rank
+        return [dataclasses.replace(p, storage_data=_UringPrefix(f"__{i}_", token)) for i, p in enumerate(plans)]
+
+    # -- writing -----------------------------------------------------------------------------------
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        sd = plan.storage_data
+        if not isinstance(sd, _UringPrefix):
+            raise RuntimeError("UringStorageWriter got a plan it did not prepare; use it for every rank of the save")
+        self._tmp = tmp = temp_dir_for(str(self.path), sd.tmp_token)
+        os.makedirs(tmp, exist_ok=True)
+        file_name = f"{sd.prefix}0.distcp"
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(self._write_file(tmp, file_name, plan, planner))
+        return fut
+
+    def _write_file(self, tmp: str, file_name: str, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        results: list[WriteResult] = []
+        items_crc: list[dict] = []
+        pending: list[tuple[int, Any]] = []  # segments not handed to native_io yet
+        pending_meta: list[tuple[int, int, str, list[tuple[int, int]]]] = []
+        pending_bytes = 0
+        cursor = 0
+        eng, lock = resolve_engine(self._engine)
+
+        def flush(w: Any) -> None:
+            nonlocal pending, pending_meta, pending_bytes
+            if not pending:
+                return
+            crcs = w.write(pending)
+            k = 0
+            for off, length, fqn, extents in pending_meta:
+                n = len(extents)
+                items_crc.append(
+                    {
+                        "fqn": fqn,
+                        "offset": off,
+                        "length": length,
+                        "extents": [[o, ln, c] for (o, ln), c in zip(extents, crcs[k : k + n])],
+                    }
+                )
+                k += n
+            pending, pending_meta, pending_bytes = [], [], 0
+
+        # bytes items first, like FileSystemWriter; both kinds keep the plan's order otherwise
+        items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
+        items += [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
+        with lock:
+            w = eng.open_writer(os.path.join(tmp, file_name))
+            try:
+                for item in items:
+                    data = planner.resolve_data(item)
+                    if item.type == WriteItemType.BYTE_IO:
+                        if not isinstance(data, io.BytesIO):
+                            raise TypeError(f"bytes item {item.index.fqn} resolved to {type(data).__name__}")
+                        buf = data.getbuffer()
+                        off = _align_up(cursor)
+                        segs = [(off, buf)]
+                        length = len(buf)
+                    else:
+                        t = data.detach().cpu()
+                        if t.untyped_storage().nbytes() != t.nbytes:
+                            t = t.clone()  # a view: save only its bytes, as FileSystemWriter does
+                        tpl = _template(t)
+                        head = len(tpl.head)
+                        off = _align_up(cursor + head) - head  # storage bytes start on a 4 KiB boundary
+                        segs = [(off, tpl.head)]
+                        if tpl.nbytes:
+                            segs.append((off + head, _storage_bytes(t)))
+                        if tpl.tail:
+                            segs.append((off + head + tpl.nbytes, tpl.tail))
+                        length = head + tpl.nbytes + len(tpl.tail)
+                    pending += segs
+                    pending_meta.append((off, length, item.index.fqn, [(o, len(memoryview(b))) for o, b in segs]))
+                    pending_bytes += length
+                    cursor = off + length
+                    results.append(
+                        WriteResult(
+                            index=item.index, size_in_bytes=length, storage_data=_StorageInfo(file_name, off, length)
+                        )
+                    )
+                    if pending_bytes >= _WRITE_BATCH:
+                        flush(w)
+                flush(w)
+                w.close(size=cursor)  # truncates the O_DIRECT tail padding, fdatasyncs
+            except BaseException:
+                w.close()
+                raise
+        side = {"format": SIDECAR_FORMAT, "version": 1, "file": file_name, "size": cursor, "items": items_crc}
+        side_path = os.path.join(tmp, sidecar_name(file_name))
+        with open(side_path, "w") as f:
+            json.dump(side, f, separators=(",", ":"))
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(tmp)  # this rank's directory entries are durable before it reports success
+        return results
+
+    # -- commit ------------------------------------------------------------------------------------
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        if self._tmp is None:
+            raise RuntimeError("finish() before write_data(): nothing to commit")
+        final, tmp = self.path, self._tmp
+        self.path = self.fs.init_path(tmp)  # FileSystemWriter.finish writes and fsyncs .metadata here
+        try:
+            super().finish(metadata, results)
+        finally:
+            self.path = final
+        fsync_dir(tmp)
+        _commit_dir(tmp, str(final))
+        self._tmp = None
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+
+# --------------------------------------------------------------------------------------------------
+# reader
+
+
+def _load_sidecars(path: str, relative_paths: set[str]) -> dict[str, dict]:
+    """Sidecars by relative_path; {} for a stock checkpoint (none at all), an error when only some exist."""
+    found: dict[str, dict] = {}
+    for rel in sorted(relative_paths):
+        p = os.path.join(path, sidecar_name(rel))
+        try:
+            with open(p) as f:
+                side = json.load(f)
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as e:
+            raise CheckpointCorruptError(
+                f"{p}: unreadable checksum sidecar ({e}); the checkpoint is damaged", path=p
+            ) from e
+        if side.get("format") != SIDECAR_FORMAT or side.get("file") != rel:
+            raise CheckpointCorruptError(f"{p}: not a checksum sidecar for {rel}; the checkpoint is damaged", path=p)
+        found[rel] = side
+    missing = relative_paths - found.keys()
+    if found and missing:
+        names = ", ".join(sidecar_name(m) for m in sorted(missing))
+        raise CheckpointCorruptError(
+            f"{path}: checksum sidecar(s) missing: {names}; the checkpoint is incomplete", path=path
+        )
+    return found
+
+
+class UringStorageReader(FileSystemReader):
+    """DCP ``StorageReader`` reading through ``native_io`` and verifying CRC-32C sidecars when present.
+
+    Loads checkpoints written by :class:`UringStorageWriter` (verified: a flipped or missing byte raises
+    :class:`CheckpointCorruptError` naming the file and item) and by the stock ``FileSystemWriter``
+    (no sidecars: loaded unverified, as the stock reader does). ``verify=False`` skips verification.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, engine: Any = None, verify: bool = True) -> None:
+        super().__init__(path)
+        self._engine = engine
+        self.verify = verify
+        self._sidecars: Optional[dict[str, dict]] = None
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        super().reset(checkpoint_id)
+        self._sidecars = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        p = str(self.path)
+        if not os.path.exists(self._get_metadata_path(kwargs.get("rank"))):
+            hint = "the directory does not exist" if not os.path.isdir(p) else "it has no .metadata"
+            raise CheckpointCorruptError(
+                f"{p} is not a complete DCP checkpoint: {hint} (a save that did not finish leaves its files under "
+                f".{os.path.basename(p)}{_TMP_MARK}*); load the previous checkpoint",
+                path=p,
+            )
+        return super().read_metadata(*args, **kwargs)
+
+    def _sidecar_index(self) -> dict[str, dict]:
+        if self._sidecars is None:
+            rels = {sd.relative_path for sd in self.storage_data.values()}
+            sides = _load_sidecars(str(self.path), rels) if self.verify else {}
+            self._sidecars = {
+                rel: {"size": s["size"], "items": {(i["offset"], i["length"]): i for i in s["items"]}}
+                for rel, s in sides.items()
+            }
+        return self._sidecars
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list] = {}
+        for req in plan.items:
+            sinfo: _StorageInfo = self.storage_data[req.storage_index]
+            if sinfo.transform_descriptors:
+                raise ValueError(f"{sinfo.relative_path}: stream transforms are not supported; use FileSystemReader")
+            per_file.setdefault(sinfo.relative_path, []).append(req)
+        sidecars = self._sidecar_index()
+        eng, lock = resolve_engine(self._engine)
+        for rel, reqs in per_file.items():
+            self._read_file(eng, lock, rel, reqs, sidecars.get(rel), planner)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_file(self, eng: Any, lock: Any, rel: str, reqs: list, side: Optional[dict], planner: LoadPlanner) -> None:
+        fpath = os.path.join(str(self.path), rel)
+        try:
+            size = os.stat(fpath).st_size
+        except FileNotFoundError:
+            raise CheckpointCorruptError(
+                f"{fpath}: shard file missing; the checkpoint is incomplete", path=fpath
+            ) from None
+        if side is not None and size != side["size"]:
+            raise CheckpointCorruptError(
+                f"{fpath}: {size} bytes, its checksum sidecar records {side['size']}: truncated or overwritten shard",
+                path=fpath,
+            )
+        # every distinct (offset, length) once: several read items may come from one saved item
+        by_range: dict[tuple[int, int], list] = {}
+        for req in reqs:
+            s = self.storage_data[req.storage_index]
+            by_range.setdefault((s.offset, s.length), []).append(req)
+        ranges = sorted(by_range)
+        for off, length in ranges:
+            if off + length > size:
+                fqn = by_range[(off, length)][0].storage_index.fqn
+                raise CheckpointCorruptError(
+                    f"{fpath}: item {fqn} [{off}, {off + length}) lies past the end of the file ({size} bytes): "
+                    "truncated shard",
+                    path=fpath,
+                    damaged=[{"fqn": fqn, "offset": off, "length": length}],
+                )
+        # contiguous runs of wanted items, each read into one page-aligned buffer (file offset ≡ buffer offset mod 4 KiB)
+        runs: list[list[tuple[int, int]]] = []
+        for r in ranges:
+            if runs:
+                first, last = runs[-1][0], runs[-1][-1]
+                if r[0] - (last[0] + last[1]) <= _READ_GAP and r[0] + r[1] - first[0] <= _READ_BATCH:
+                    runs[-1].append(r)
+                    continue
+            runs.append([r])
+        with lock:
+            reader = eng.open_reader(fpath)
+            try:
+                for run in runs:
+                    base = run[0][0] // ALIGN * ALIGN
+                    span = run[-1][0] + run[-1][1] - base
+                    buf = mmap.mmap(-1, max(_align_up(span), ALIGN))
+                    mv = memoryview(buf)
+                    views: list[memoryview] = []  # every slice of buf, released before buf is closed
+
+                    def view(a: int, b: int, mv: memoryview = mv, base: int = base, views: list = views) -> memoryview:
+                        v = mv[a - base : b - base]
+                        views.append(v)
+                        return v
+
+                    try:
+                        segs, checks = [], []
+                        for off, length in run:
+                            rec = side["items"].get((off, length)) if side is not None else None
+                            if side is not None and rec is None:
+                                fqn = by_range[(off, length)][0].storage_index.fqn
+                                raise CheckpointCorruptError(
+                                    f"{fpath}: item {fqn} at {off} has no checksum in {sidecar_name(rel)}: "
+                                    "the sidecar does not belong to this checkpoint",
+                                    path=fpath,
+                                )
+                            extents = rec["extents"] if rec is not None else [[off, length, None]]
+                            for o, ln, c in extents:
+                                if ln:
+                                    segs.append((o, view(o, o + ln)))
+                                    checks.append((c, off, length, o, ln))
+                        crcs = reader.read(segs)
+                        for got, (want, off, length, o, ln) in zip(crcs, checks):
+                            if want is not None and got != want:
+                                fqn = by_range[(off, length)][0].storage_index.fqn
+                                raise CheckpointCorruptError(
+                                    f"{fpath}: item {fqn} (bytes [{o}, {o + ln}) of [{off}, {off + length})) fails its "
+                                    f"CRC-32C (stored {want:#010x}, read {got:#010x}): the shard is damaged; load an "
+                                    "earlier checkpoint",
+                                    path=fpath,
+                                    damaged=[{"fqn": fqn, "offset": o, "length": ln, "expected": want, "actual": got}],
+                                )
+                        for off, length in run:
+                            self._deliver(by_range[(off, length)], view(off, off + length), planner)
+                    finally:
+                        segs = []
+                        for v in views:
+                            v.release()
+                        mv.release()
+                        buf.close()
+            finally:
+                reader.close()
+
+    @staticmethod
+    def _deliver(reqs: list, data: memoryview, planner: LoadPlanner) -> None:
+        tensor = None
+        for req in reqs:
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(bytes(data)))
+                continue
+            if tensor is None:
+                # torch's weights_only loader, as FileSystemReader does
+                tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            t = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != t.size():
+                raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {t.size()}")
+            target.copy_(t)
+            planner.commit_tensor(req, target)
+
+
+def verify_dcp_checkpoint(path: str | os.PathLike) -> dict:
+    """Check every shard of a DCP checkpoint against its CRC-32C sidecar, reading it through ``native_io``.
+
+    Returns ``{"files": n, "items": n, "bytes": n, "verified": bool}`` (``verified`` False for a
+    checkpoint without sidecars, e.g. one written by ``FileSystemWriter``); raises
+    :class:`CheckpointCorruptError` naming the file and item on damage.
+    """
+    path = str(path)
+    reader = UringStorageReader(path)
+    md = reader.read_metadata()
+    reader.storage_data = md.storage_data
+    rels = {sd.relative_path for sd in md.storage_data.values()}
+    sides = _load_sidecars(path, rels)
+    eng, lock = resolve_engine(None)
+    n_items = n_bytes = 0
+    for rel, side in sides.items():
+        fpath = os.path.join(path, rel)
+        size = os.stat(fpath).st_size if os.path.exists(fpath) else -1
+        if size != side["size"]:
+            raise CheckpointCorruptError(f"{fpath}: {size} bytes, its sidecar records {side['size']}", path=fpath)
+        with lock:
+            with eng.open_reader(fpath) as r:
+                for it in side["items"]:
+                    for o, ln, c in it["extents"]:
+                        if not ln:
+                            continue
+                        buf = mmap.mmap(-1, _align_up(ln + o % ALIGN))
+                        try:
+                            with memoryview(buf) as mv:
+                                (got,) = r.read([(o, mv[o % ALIGN : o % ALIGN + ln])])
+                        finally:
+                            buf.close()
+                        if got != c:
+                            raise CheckpointCorruptError(
+                                f"{fpath}: item {it['fqn']} bytes [{o}, {o + ln}) fail their CRC-32C",
+                                path=fpath,
+                                damaged=[{"fqn": it["fqn"], "offset": o, "length": ln}],
+                            )
+                    n_items += 1
+                    n_bytes += it["length"]
+    return {"files": len(rels), "items": n_items, "bytes": n_bytes, "verified": bool(sides)}
