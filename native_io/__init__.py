@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import re
 from types import ModuleType
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 from . import _native_io
 from ._native_io import (  # noqa: F401
@@ -56,7 +56,7 @@ def _linked_liburing_version() -> Optional[str]:
     return None
 
 
-def info() -> Dict[str, Any]:
+def info() -> dict[str, Any]:
     """Describe this build: engines, defaults, io_uring usability, crc32c impl."""
     d = _native_io.info()
     if d.get("liburing") is None and d.get("liburing_compiled"):

@@ -52,8 +52,18 @@ def main() -> None:
             res[name].append(nbytes / (time.perf_counter() - t) / 1e9)
         if fio:
             f = os.path.join(a.dir, "fio.dat")
-            cmd = [fio, "--name=w", f"--filename={f}", "--rw=write", "--bs=16M", "--direct=1",
-                   "--ioengine=io_uring", f"--size={nbytes}", "--end_fsync=1", "--output-format=terse"]
+            cmd = [
+                fio,
+                "--name=w",
+                f"--filename={f}",
+                "--rw=write",
+                "--bs=16M",
+                "--direct=1",
+                "--ioengine=io_uring",
+                f"--size={nbytes}",
+                "--end_fsync=1",
+                "--output-format=terse",
+            ]
             t = time.perf_counter()
             subprocess.run(cmd, check=True, capture_output=True)
             res["fio"].append(nbytes / (time.perf_counter() - t) / 1e9)

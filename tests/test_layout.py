@@ -11,6 +11,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "lightning_recover")
 MAX_CLASS_LINES = 300
+_SOURCES: dict[str, str] = {}
 
 
 def _modules() -> dict[str, ast.Module]:
@@ -20,7 +21,8 @@ def _modules() -> dict[str, ast.Module]:
             if name.endswith(".py"):
                 path = os.path.join(directory, name)
                 dotted = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".").removesuffix(".__init__")
-                found[dotted] = ast.parse(open(path).read(), path)
+                _SOURCES[dotted] = open(path).read()
+                found[dotted] = ast.parse(_SOURCES[dotted], path)
     return found
 
 
@@ -57,11 +59,18 @@ def test_no_module_imports_a_private_name_of_another():
 
 
 def test_no_class_over_the_size_limit():
+    """Counted in lines that hold code or docstrings (blank and comment-only lines do not count, so
+    that the formatter's line breaking does not decide the limit)."""
     big = []
     for module, tree in _modules().items():
+        source = _SOURCES[module]
+        lines = source.splitlines()
         for node in ast.walk(tree):
-            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
-                big.append(f"{module}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+            if isinstance(node, ast.ClassDef):
+                body = lines[node.lineno - 1 : node.end_lineno]
+                size = sum(1 for line in body if line.strip() and not line.strip().startswith("#"))
+                if size > MAX_CLASS_LINES:
+                    big.append(f"{module}.{node.name}: {size} lines")
     assert not big, "\n".join(big)
 
 

@@ -29,8 +29,22 @@ def reference(tmp_path_factory):
     def get(microbatches: int, dtype: str = "float64") -> dict:
         if (microbatches, dtype) not in cache:
             out = str(tmp_path_factory.mktemp(f"ref{microbatches}{dtype}"))
-            result = run_job([sys.executable, SCRIPT, out, "--reference", "--steps", str(STEPS),
-                              "--microbatches", str(microbatches), "--dtype", dtype], out, timeout=120)
+            result = run_job(
+                [
+                    sys.executable,
+                    SCRIPT,
+                    out,
+                    "--reference",
+                    "--steps",
+                    str(STEPS),
+                    "--microbatches",
+                    str(microbatches),
+                    "--dtype",
+                    dtype,
+                ],
+                out,
+                timeout=120,
+            )
             assert result.returncode == 0, result.output[-3000:]
             cache[microbatches, dtype] = torch.load(os.path.join(out, "reference.pt"))["state"]
         return cache[microbatches, dtype]
@@ -50,16 +64,60 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
-def sharded_job(out: str, replicas: int, microbatches: int, inject: str | None = None, cli: str | None = None,
-                timeout: float = 400, dtype: str = "float64"):
-    script = [SCRIPT, out, "--replicas", str(replicas), "--replica-size", "2", "--steps", str(STEPS),
-              "--microbatches", str(microbatches), "--dtype", dtype]
+def sharded_job(
+    out: str,
+    replicas: int,
+    microbatches: int,
+    inject: str | None = None,
+    cli: str | None = None,
+    timeout: float = 400,
+    dtype: str = "float64",
+):
+    script = [
+        SCRIPT,
+        out,
+        "--replicas",
+        str(replicas),
+        "--replica-size",
+        "2",
+        "--steps",
+        str(STEPS),
+        "--microbatches",
+        str(microbatches),
+        "--dtype",
+        dtype,
+    ]
     if cli == "run":
-        cmd = [sys.executable, "-m", "lightning_recover.cli", "run", "--replicas", str(replicas),
-               "--nproc-per-replica", "2", "--heartbeat-timeout", "2", "--", sys.executable, *script]
+        cmd = [
+            sys.executable,
+            "-m",
+            "lightning_recover.cli",
+            "run",
+            "--replicas",
+            str(replicas),
+            "--nproc-per-replica",
+            "2",
+            "--heartbeat-timeout",
+            "2",
+            "--",
+            sys.executable,
+            *script,
+        ]
     elif cli == "torchrun":  # one torchrun job of 2 workers per replica; RANK is the inner position
-        cmd = [sys.executable, "-m", "lightning_recover.cli", "torchrun", "--replicas", str(replicas),
-               "--nproc-per-replica", "2", "--heartbeat-timeout", "2", "--", *script]
+        cmd = [
+            sys.executable,
+            "-m",
+            "lightning_recover.cli",
+            "torchrun",
+            "--replicas",
+            str(replicas),
+            "--nproc-per-replica",
+            "2",
+            "--heartbeat-timeout",
+            "2",
+            "--",
+            *script,
+        ]
     else:
         cmd = [sys.executable, *script]
     result = run_job(cmd, out, timeout=timeout, env={"LIGHTNING_RECOVER_INJECT": inject} if inject else None)
@@ -112,8 +170,11 @@ FAULTS = {
     "raise-optimizer": ("raise:replica=1:inner=0:step=1:phase=optimizer", [0, 2], 1),
     "hang-forward": ("hang:replica=2:inner=0:step=1:phase=forward", [0, 1], 1),
     # two replicas lost in one step, the second while it recomputes the first one's microbatches
-    "kill-then-kill-recompute": ("kill:replica=1:inner=1:step=1:phase=backward,"
-                                 "kill:replica=2:inner=0:step=1:phase=recompute", [0], 2),
+    "kill-then-kill-recompute": (
+        "kill:replica=1:inner=1:step=1:phase=backward," "kill:replica=2:inner=0:step=1:phase=recompute",
+        [0],
+        2,
+    ),
 }
 
 
@@ -140,7 +201,12 @@ def test_cli_run_nproc_per_replica(tmp_path, reference):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_torchrun_nproc_per_replica_with_a_kill(tmp_path, reference):
-    result, pids = sharded_job(str(tmp_path), replicas=3, microbatches=10, cli="torchrun",
-                               inject="kill:replica=1:inner=1:step=1:phase=backward")
+    result, pids = sharded_job(
+        str(tmp_path),
+        replicas=3,
+        microbatches=10,
+        cli="torchrun",
+        inject="kill:replica=1:inner=1:step=1:phase=backward",
+    )
     states = check(result, pids, reference(10), survivors=[0, 2], replicas=3)
     assert states[0]["stats"][-1]["live_replicas"] == 2

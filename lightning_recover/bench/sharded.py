@@ -30,8 +30,9 @@ import torch
 
 def _model(blocks: int, width: int) -> torch.nn.Module:
     torch.manual_seed(0)
-    layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
-                                 for _ in range(blocks))
+    layers = torch.nn.ModuleList(
+        torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh()) for _ in range(blocks)
+    )
     return torch.nn.Sequential(*layers, torch.nn.Linear(width, 1))
 
 
@@ -115,16 +116,39 @@ def worker(args: argparse.Namespace) -> None:
             commits.append(time.time())
     if writer:
         with open(args.out, "w") as f:
-            json.dump({"times": times, "commits": commits, "local_bytes": _local_bytes(model, optimizer),
-                       "unsharded_bytes": unsharded}, f)
+            json.dump(
+                {
+                    "times": times,
+                    "commits": commits,
+                    "local_bytes": _local_bytes(model, optimizer),
+                    "unsharded_bytes": unsharded,
+                },
+                f,
+            )
 
 
 def _run(mode: str, args: argparse.Namespace, inject: str | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, "-m", "lightning_recover.bench.sharded", "--worker", mode, "--out", out,
-               "--steps", str(args.steps), "--blocks", str(args.blocks), "--width", str(args.width),
-               "--microbatches", str(args.microbatches), "--batch-size", str(args.batch_size)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "lightning_recover.bench.sharded",
+            "--worker",
+            mode,
+            "--out",
+            out,
+            "--steps",
+            str(args.steps),
+            "--blocks",
+            str(args.blocks),
+            "--width",
+            str(args.width),
+            "--microbatches",
+            str(args.microbatches),
+            "--batch-size",
+            str(args.batch_size),
+        ]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         env.pop("LIGHTNING_RECOVER_INJECT", None)
         if inject:
@@ -162,14 +186,24 @@ def main(argv: list[str] | None = None) -> int:
         r, n = _run("recover", args), _run("native", args)
         mr, mn = statistics.median(r["times"][warm:]), statistics.median(n["times"][warm:])
         rows.append({"recover_s": mr, "native_s": mn, "ratio": mr / mn})
-    kills = [_run("recover", args, inject=f"kill:replica=1:inner=1:step={args.steps // 2}:phase=backward")["recovery_s"]
-             for _ in range(args.kills)]
-    print(json.dumps({
-        "config": vars(args), "pairs": rows,
-        "median_ratio": statistics.median(x["ratio"] for x in rows),
-        "recovery_s": kills,
-        "local_bytes": r["local_bytes"], "native_local_bytes": n["local_bytes"], "unsharded_bytes": r["unsharded_bytes"],
-    }, indent=1))
+    kills = [
+        _run("recover", args, inject=f"kill:replica=1:inner=1:step={args.steps // 2}:phase=backward")["recovery_s"]
+        for _ in range(args.kills)
+    ]
+    print(
+        json.dumps(
+            {
+                "config": vars(args),
+                "pairs": rows,
+                "median_ratio": statistics.median(x["ratio"] for x in rows),
+                "recovery_s": kills,
+                "local_bytes": r["local_bytes"],
+                "native_local_bytes": n["local_bytes"],
+                "unsharded_bytes": r["unsharded_bytes"],
+            },
+            indent=1,
+        )
+    )
     return 0
 
 

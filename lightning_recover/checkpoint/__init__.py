@@ -13,13 +13,13 @@ from lightning_recover.checkpoint.dcp import (
     verify_dcp_checkpoint,
 )
 from lightning_recover.checkpoint.files import cleanup_stale_temps
-from lightning_recover.checkpoint.plugin import UringCheckpointIO
-from lightning_recover.checkpoint.single_file import CheckpointInfo, load, read_info, save, verify_file
 from lightning_recover.checkpoint.format import (
     FORMAT_VERSION,
     CheckpointCorruptError,
     UnsafeCheckpointError,
 )
+from lightning_recover.checkpoint.plugin import UringCheckpointIO
+from lightning_recover.checkpoint.single_file import CheckpointInfo, load, read_info, save, verify_file
 
 __all__ = [
     "AsyncCheckpointError",

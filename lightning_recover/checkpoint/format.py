@@ -21,7 +21,8 @@ import json
 import os
 import pickle
 import struct
-from typing import Any, Callable, Iterable, Optional, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Optional
 
 import torch
 
@@ -319,8 +320,15 @@ def encode_index(index: Index) -> bytes:
         "meta": index.meta,
         "storages": [[s.offset, s.nbytes, s.crc32c, s.device] for s in index.storages],
         "tensors": [
-            [t.name, t.storage, t.dtype, list(t.shape), list(t.stride), t.storage_offset,
-             int(t.requires_grad) | (2 if t.parameter else 0)]
+            [
+                t.name,
+                t.storage,
+                t.dtype,
+                list(t.shape),
+                list(t.stride),
+                t.storage_offset,
+                int(t.requires_grad) | (2 if t.parameter else 0),
+            ]
             for t in index.tensors
         ],
     }
@@ -335,8 +343,16 @@ def decode_index(buf: bytes, data_start: int, data_end: int, path: str = "<buffe
         doc = json.loads(bytes(buf).decode("utf-8"))
         storages = [StorageEntry(int(o), int(n), int(c), str(d)) for o, n, c, d in doc["storages"]]
         tensors = [
-            TensorEntry(str(nm), int(si), str(dt), [int(x) for x in shp], [int(x) for x in st], int(so),
-                        bool(fl & 1), bool(fl & 2))
+            TensorEntry(
+                str(nm),
+                int(si),
+                str(dt),
+                [int(x) for x in shp],
+                [int(x) for x in st],
+                int(so),
+                bool(fl & 1),
+                bool(fl & 2),
+            )
             for nm, si, dt, shp, st, so, fl in doc["tensors"]
         ]
         meta = doc.get("meta", {})
@@ -500,8 +516,21 @@ def _safe_global_names() -> set[tuple[str, str]]:
     return {
         ("builtins", n)
         for n in (
-            "dict", "list", "tuple", "set", "frozenset", "int", "float", "complex", "str", "bytes",
-            "bytearray", "bool", "slice", "range", "object",
+            "dict",
+            "list",
+            "tuple",
+            "set",
+            "frozenset",
+            "int",
+            "float",
+            "complex",
+            "str",
+            "bytes",
+            "bytearray",
+            "bool",
+            "slice",
+            "range",
+            "object",
         )
     } | {
         ("collections", "OrderedDict"),
@@ -600,8 +629,14 @@ class RestrictedUnpickler(pickle.Unpickler):
     With ``allow_all=True`` it is a plain unpickler (arbitrary code may run).
     """
 
-    def __init__(self, file: Any, tensors: Sequence[Any], allow_all: bool = False, path: str = "<buffer>",
-                 extra_safe_globals: Iterable[tuple[str, str]] = ()) -> None:
+    def __init__(
+        self,
+        file: Any,
+        tensors: Sequence[Any],
+        allow_all: bool = False,
+        path: str = "<buffer>",
+        extra_safe_globals: Iterable[tuple[str, str]] = (),
+    ) -> None:
         super().__init__(file)
         self._tensors = tensors
         self._allow_all = allow_all
@@ -658,8 +693,11 @@ class RestrictedUnpickler(pickle.Unpickler):
             if key not in self._bounded:
                 self._bounded[key] = self._bounded_constructor(module, name, super().find_class(module, name))
             return self._bounded[key]
-        if (module, name) in SAFE_GLOBALS or (module, name) in self._extra \
-                or f"{module}.{name}" in _torch_registered_safe_globals():
+        if (
+            (module, name) in SAFE_GLOBALS
+            or (module, name) in self._extra
+            or f"{module}.{name}" in _torch_registered_safe_globals()
+        ):
             return super().find_class(module, name)
         raise UnsafeCheckpointError(
             f"{self._path}: refused to load global '{module}.{name}' from the checkpoint (weights_only=True "
@@ -670,8 +708,13 @@ class RestrictedUnpickler(pickle.Unpickler):
         )
 
     def persistent_load(self, pid: Any) -> Any:
-        if isinstance(pid, tuple) and len(pid) == 2 and pid[0] == "tensor" and isinstance(pid[1], int) \
-                and 0 <= pid[1] < len(self._tensors):
+        if (
+            isinstance(pid, tuple)
+            and len(pid) == 2
+            and pid[0] == "tensor"
+            and isinstance(pid[1], int)
+            and 0 <= pid[1] < len(self._tensors)
+        ):
             return self._tensors[pid[1]]
         raise CheckpointCorruptError(f"{self._path}: skeleton refers to unknown tensor {pid!r}", self._path)
 
@@ -687,10 +730,16 @@ def _declared_length_exceeds(buf: bytes) -> bool:
     return False
 
 
-def decode_skeleton(buf: bytes, tensors: Sequence[Any], weights_only: bool = True, path: str = "<buffer>",
-                    extra_safe_globals: Iterable[tuple[str, str]] = ()) -> Any:
-    up = RestrictedUnpickler(io.BytesIO(buf), tensors, allow_all=not weights_only, path=path,
-                             extra_safe_globals=extra_safe_globals)
+def decode_skeleton(
+    buf: bytes,
+    tensors: Sequence[Any],
+    weights_only: bool = True,
+    path: str = "<buffer>",
+    extra_safe_globals: Iterable[tuple[str, str]] = (),
+) -> Any:
+    up = RestrictedUnpickler(
+        io.BytesIO(buf), tensors, allow_all=not weights_only, path=path, extra_safe_globals=extra_safe_globals
+    )
     try:
         return up.load()
     except (UnsafeCheckpointError, CheckpointCorruptError):
@@ -727,18 +776,25 @@ def rebuild_tensors(index: Index, storages: Sequence[Any], path: str = "<buffer>
     return out
 
 
-def damaged_extents(index: Index, crcs: Sequence[int], path: str = "<buffer>",
-                    which: Optional[Sequence[int]] = None) -> list[dict]:
+def damaged_extents(
+    index: Index, crcs: Sequence[int], path: str = "<buffer>", which: Optional[Sequence[int]] = None
+) -> list[dict]:
     """Compare per-extent ``crcs`` (in the order of ``which``, default all storages) with the index."""
     which = range(len(index.storages)) if which is None else which
     bad = []
     for i, crc in zip(which, crcs):
         s = index.storages[i]
         if s.nbytes and crc != s.crc32c:
-            bad.append({
-                "storage": i, "offset": s.offset, "nbytes": s.nbytes, "expected_crc32c": s.crc32c,
-                "actual_crc32c": crc, "tensors": index.tensors_of_storage(i),
-            })
+            bad.append(
+                {
+                    "storage": i,
+                    "offset": s.offset,
+                    "nbytes": s.nbytes,
+                    "expected_crc32c": s.crc32c,
+                    "actual_crc32c": crc,
+                    "tensors": index.tensors_of_storage(i),
+                }
+            )
     return bad
 
 
@@ -772,8 +828,11 @@ def place_storage(storage: Any, saved_device: str, target: Any) -> Any:
         if res is None:
             target = torch.device(saved_device)
         else:
-            return res.untyped_storage() if hasattr(res, "untyped_storage") and not isinstance(
-                res, torch.UntypedStorage) else res
+            return (
+                res.untyped_storage()
+                if hasattr(res, "untyped_storage") and not isinstance(res, torch.UntypedStorage)
+                else res
+            )
     if target.type == "cpu":
         return storage
     u8 = torch.empty(0, dtype=torch.uint8).set_(storage)

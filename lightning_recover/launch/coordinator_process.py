@@ -81,9 +81,17 @@ class CoordinatorProcess:
                 self.proc.wait()
 
 
-def start(replicas: int, heartbeat_timeout: float, host: str = "127.0.0.1", port: int = 0,
-          timeout: float = 60.0, heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL, hang_timeout: float = 60.0,
-          secret_file: str | None = None, replica_size: int = 1) -> CoordinatorProcess:
+def start(
+    replicas: int,
+    heartbeat_timeout: float,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    timeout: float = 60.0,
+    heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
+    hang_timeout: float = 60.0,
+    secret_file: str | None = None,
+    replica_size: int = 1,
+) -> CoordinatorProcess:
     """Start the coordinator in a child process and wait until it listens; it dies with this process."""
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
@@ -91,12 +99,29 @@ def start(replicas: int, heartbeat_timeout: float, host: str = "127.0.0.1", port
     _libc()
     read_fd, write_fd = os.pipe()
     # `-c` rather than `-m`: the package imports this module, and runpy warns about re-executing it.
-    cmd = [sys.executable, "-c", "import sys; from lightning_recover.launch.coordinator_process import main; sys.exit(main())",
-           "--host", host, "--port", str(port),
-           "--replicas", str(replicas), "--heartbeat-timeout", repr(float(heartbeat_timeout)),
-           "--heartbeat-interval", repr(float(heartbeat_interval)), "--ready-fd", str(write_fd),
-           "--parent-pid", str(os.getpid()), "--hang-timeout", repr(float(hang_timeout)),
-           "--replica-size", str(replica_size)]
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from lightning_recover.launch.coordinator_process import main; sys.exit(main())",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--replicas",
+        str(replicas),
+        "--heartbeat-timeout",
+        repr(float(heartbeat_timeout)),
+        "--heartbeat-interval",
+        repr(float(heartbeat_interval)),
+        "--ready-fd",
+        str(write_fd),
+        "--parent-pid",
+        str(os.getpid()),
+        "--hang-timeout",
+        repr(float(hang_timeout)),
+        "--replica-size",
+        str(replica_size),
+    ]
     child_env = dict(os.environ, **{env.OMP_NUM_THREADS: "1"})
     if secret_file is not None:
         child_env[env.SECRET_FILE] = secret_file
@@ -132,9 +157,16 @@ def main(argv: list[str] | None = None) -> int:
     check_arguments(parser, args)
     if args.parent_pid is not None:  # started by a launcher: never outlive it
         die_with_parent(args.parent_pid)
-    coordinator.serve(args.host, args.port, args.replicas, args.heartbeat_timeout, args.ready_fd,
-                      hang_timeout=args.hang_timeout, secret_file=args.secret_file,
-                      replica_size=args.replica_size)
+    coordinator.serve(
+        args.host,
+        args.port,
+        args.replicas,
+        args.heartbeat_timeout,
+        args.ready_fd,
+        hang_timeout=args.hang_timeout,
+        secret_file=args.secret_file,
+        replica_size=args.replica_size,
+    )
     return 0
 
 
@@ -196,21 +228,42 @@ def heartbeat_timeout_seconds(text: str) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="the one address to bind (default loopback; a multi-node job names this machine's "
-                             "address on the private network the replicas use)")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the one address to bind (default loopback; a multi-node job names this machine's "
+        "address on the private network the replicas use)",
+    )
     parser.add_argument("--port", type=port_number, default=0, help="port to bind (0 = any free port, printed)")
     parser.add_argument("--replicas", type=replica_count, required=True, help="number of replicas of the job")
-    parser.add_argument("--heartbeat-timeout", type=seconds, default=1.0,
-                        help="seconds without heartbeat before a replica is declared dead "
-                             "(> 2 x --heartbeat-interval)")
-    parser.add_argument("--heartbeat-interval", type=seconds, default=DEFAULT_HEARTBEAT_INTERVAL,
-                        help="the replicas' heartbeat period (RecoverOptions.heartbeat_interval)")
-    parser.add_argument("--secret-file", default=None,
-                        help="the job's secret (a 0600 file of hex, e.g. `openssl rand -hex 32`); default: "
-                             "$LIGHTNING_RECOVER_SECRET_FILE or $LIGHTNING_RECOVER_SECRET. Every replica needs the same")
-    parser.add_argument("--hang-timeout", type=seconds, default=60.0,
-                        help="seconds without progress of a replica's main thread, while its peers wait on it, "
-                             "before it is declared hung")
-    parser.add_argument("--replica-size", type=replica_count, default=1,
-                        help="processes per replica (each heartbeats; one stale process makes its replica dead)")
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=seconds,
+        default=1.0,
+        help="seconds without heartbeat before a replica is declared dead " "(> 2 x --heartbeat-interval)",
+    )
+    parser.add_argument(
+        "--heartbeat-interval",
+        type=seconds,
+        default=DEFAULT_HEARTBEAT_INTERVAL,
+        help="the replicas' heartbeat period (RecoverOptions.heartbeat_interval)",
+    )
+    parser.add_argument(
+        "--secret-file",
+        default=None,
+        help="the job's secret (a 0600 file of hex, e.g. `openssl rand -hex 32`); default: "
+        "$LIGHTNING_RECOVER_SECRET_FILE or $LIGHTNING_RECOVER_SECRET. Every replica needs the same",
+    )
+    parser.add_argument(
+        "--hang-timeout",
+        type=seconds,
+        default=60.0,
+        help="seconds without progress of a replica's main thread, while its peers wait on it, "
+        "before it is declared hung",
+    )
+    parser.add_argument(
+        "--replica-size",
+        type=replica_count,
+        default=1,
+        help="processes per replica (each heartbeats; one stale process makes its replica dead)",
+    )

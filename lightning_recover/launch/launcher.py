@@ -153,8 +153,9 @@ class _Link:
         while not done.wait(0.05) and self.error is None and time.monotonic() < deadline:
             pass
         if not box:
-            raise _CoordinatorLost(f"no answer within {timeout:g}s" if self.error is None
-                                   else f"the connection failed ({self.error})")
+            raise _CoordinatorLost(
+                f"no answer within {timeout:g}s" if self.error is None else f"the connection failed ({self.error})"
+            )
         return box[0]
 
     def silent_for(self) -> float:
@@ -167,6 +168,7 @@ def _replica_preexec(launcher_pid: int) -> Callable[[], None]:
         coordinator_process.set_parent_death_signal(signal.SIGKILL)
         if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
             os.kill(os.getpid(), signal.SIGKILL)
+
     return preexec
 
 
@@ -226,8 +228,10 @@ def supervise(
     # after this point still end everything started.
     path = (extra_env or {}).get("PATH", os.environ.get("PATH"))
     if not os.path.dirname(first[0]) and shutil.which(first[0], path=path) is None:
-        say(f"cannot start the replicas: command {first[0]!r} not found on PATH. HINT: check the command "
-            "after --, e.g. -- python train.py")
+        say(
+            f"cannot start the replicas: command {first[0]!r} not found on PATH. HINT: check the command "
+            "after --, e.g. -- python train.py"
+        )
         return EXIT_SPAWN_FAILED
     # One secret per job, in a private 0600 file: it authenticates every control message.
     secret_dir = tempfile.mkdtemp(prefix="lightning-recover-")
@@ -235,9 +239,15 @@ def supervise(
     secret_file = secret.write_file(secret_dir)
     sealer = Sealer(secret)
     try:
-        coord = coordinator_process.start(replicas, heartbeat_timeout, host=host, heartbeat_interval=heartbeat_interval,
-                                          hang_timeout=hang_timeout, secret_file=secret_file,
-                                          replica_size=nproc_per_replica)
+        coord = coordinator_process.start(
+            replicas,
+            heartbeat_timeout,
+            host=host,
+            heartbeat_interval=heartbeat_interval,
+            hang_timeout=hang_timeout,
+            secret_file=secret_file,
+            replica_size=nproc_per_replica,
+        )
     except BaseException:
         shutil.rmtree(secret_dir, ignore_errors=True)
         raise
@@ -263,8 +273,9 @@ def supervise(
                 from lightning_recover.launch.sharded import supervise_sharded
 
                 say(f"coordinator at {coord.addr} (pid {coord.proc.pid})")
-                return supervise_sharded(argv, replicas, nproc_per_replica, connect(coord.addr), sealer, child_env,
-                                         say, finish_grace)
+                return supervise_sharded(
+                    argv, replicas, nproc_per_replica, connect(coord.addr), sealer, child_env, say, finish_grace
+                )
         preexec = _replica_preexec(os.getpid())
 
         def spawn(r: int) -> subprocess.Popen:
@@ -274,8 +285,10 @@ def supervise(
             for r in range(replicas):
                 children.append(_Child(r, spawn(r)))
         except OSError as exc:
-            say(f"cannot start replica {len(children)}: {exc}. Ended the {len(children)} replica(s) and the "
-                "coordinator already started. HINT: check the command after --, e.g. -- python train.py")
+            say(
+                f"cannot start replica {len(children)}: {exc}. Ended the {len(children)} replica(s) and the "
+                "coordinator already started. HINT: check the command after --, e.g. -- python train.py"
+            )
             return EXIT_SPAWN_FAILED
         say(f"coordinator at {coord.addr} (pid {coord.proc.pid}); started {replicas} replicas: {' '.join(first)}")
         finished_at: float | None = None
@@ -342,8 +355,11 @@ def supervise(
                 if coord.proc.poll() is not None:
                     raise _CoordinatorLost(f"it exited ({describe_exit(coord.proc.returncode)})")
                 if link.silent_for() > lost_after:
-                    raise _CoordinatorLost(f"it stopped answering for more than {lost_after:g}s (frozen or unreachable)"
-                                           if link.error is None else f"the connection failed ({link.error})")
+                    raise _CoordinatorLost(
+                        f"it stopped answering for more than {lost_after:g}s (frozen or unreachable)"
+                        if link.error is None
+                        else f"the connection failed ({link.error})"
+                    )
                 time.sleep(0.01)
             for c in children:
                 if c.exit_code is None:  # hung replicas (or agents waiting on one): nobody will resume them
@@ -357,9 +373,11 @@ def supervise(
                 pass  # Ctrl-C reached the coordinator too: an interruption, not a loss
             else:
                 coordinator_lost = True
-                say(f"CoordinatorLostError: the coordinator (pid {coord.proc.pid}, {coord.addr}) is lost: {exc}. "
+                say(
+                    f"CoordinatorLostError: the coordinator (pid {coord.proc.pid}, {coord.addr}) is lost: {exc}. "
                     "No step can be agreed without it; ending the job's replicas. "
-                    "HINT: restart the job from its last checkpoint.")
+                    "HINT: restart the job from its last checkpoint."
+                )
                 return EXIT_COORDINATOR_LOST
     finally:
         for s, h in old.items():
@@ -389,8 +407,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if not command:
         raise SystemExit("lightning-recover run: give the command after --, e.g. -- python train.py")
     try:
-        return supervise(command, args.replicas, heartbeat_timeout=args.heartbeat_timeout, inject=args.inject,
-                         restarts=args.restarts, host=args.host, nproc_per_replica=args.nproc_per_replica)
+        return supervise(
+            command,
+            args.replicas,
+            heartbeat_timeout=args.heartbeat_timeout,
+            inject=args.inject,
+            restarts=args.restarts,
+            host=args.host,
+            nproc_per_replica=args.nproc_per_replica,
+        )
     except ValueError as exc:  # a bad option: say how to fix it, no traceback
         raise SystemExit(f"lightning-recover run: {exc}") from None
 
@@ -408,8 +433,15 @@ def non_negative_int(text: str) -> int:
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:
     try:
-        coordinator.serve(args.host, args.port, args.replicas, args.heartbeat_timeout, hang_timeout=args.hang_timeout,
-                          secret_file=args.secret_file, replica_size=args.replica_size)
+        coordinator.serve(
+            args.host,
+            args.port,
+            args.replicas,
+            args.heartbeat_timeout,
+            hang_timeout=args.hang_timeout,
+            secret_file=args.secret_file,
+            replica_size=args.replica_size,
+        )
     except (ValueError, OSError, RecoverError) as exc:
         raise SystemExit(f"lightning-recover coordinator: {exc}") from None
     return 0
@@ -421,11 +453,19 @@ def add_subcommands(sub: Any) -> None:
     replicas, seconds = coordinator_process.replica_count, coordinator_process.heartbeat_timeout_seconds
     p = sub.add_parser("run", help="run a script once per replica under a tolerant launcher")
     p.add_argument("--replicas", type=replicas, required=True)
-    p.add_argument("--nproc-per-replica", type=replicas, default=1,
-                   help="processes per replica (K > 1: the replica shards its model with FSDP2)")
+    p.add_argument(
+        "--nproc-per-replica",
+        type=replicas,
+        default=1,
+        help="processes per replica (K > 1: the replica shards its model with FSDP2)",
+    )
     p.add_argument("--inject", default=None, help="faults, e.g. kill:replica=2:step=5:phase=backward")
-    p.add_argument("--heartbeat-timeout", type=seconds, default=1.0,
-                   help="seconds without heartbeat before a replica is declared dead (> 0.2)")
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=seconds,
+        default=1.0,
+        help="seconds without heartbeat before a replica is declared dead (> 0.2)",
+    )
     p.add_argument("--restarts", type=non_negative_int, default=0, help="restart a failed replica up to K times")
     p.add_argument("--host", default="127.0.0.1", help="coordinator bind address (only this one is bound)")
     p.add_argument("command", nargs=argparse.REMAINDER)
@@ -436,8 +476,12 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument("--nproc-per-replica", type=int, default=1)
     p.add_argument("--max-restarts", type=non_negative_int, default=0, help="torchrun restarts of a failed replica")
     p.add_argument("--inject", default=None, help="faults, e.g. kill:replica=2:step=5:phase=backward")
-    p.add_argument("--heartbeat-timeout", type=seconds, default=1.0,
-                   help="seconds without heartbeat before a replica is declared dead (> 0.2)")
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=seconds,
+        default=1.0,
+        help="seconds without heartbeat before a replica is declared dead (> 0.2)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="coordinator bind address (only this one is bound)")
     p.add_argument("command", nargs=argparse.REMAINDER)
     p.set_defaults(func=torchrun.cmd_torchrun)

@@ -41,8 +41,16 @@ class _Replica:
         return self.done and not self.failed and all(c == 0 for c in self.codes.values())
 
 
-def supervise_sharded(argv: Callable[[int], Sequence[str]], replicas: int, nproc: int, store: Any, sealer: Sealer,
-                      child_env: dict[str, str], say: Callable[[str], Any], finish_grace: float) -> int:
+def supervise_sharded(
+    argv: Callable[[int], Sequence[str]],
+    replicas: int,
+    nproc: int,
+    store: Any,
+    sealer: Sealer,
+    child_env: dict[str, str],
+    say: Callable[[str], Any],
+    finish_grace: float,
+) -> int:
     """Run ``nproc`` processes of ``argv(r)`` per replica; end a replica whole when one fails."""
 
     def spawn(r: int, i: int) -> subprocess.Popen:
@@ -126,6 +134,10 @@ def supervise_sharded(argv: Callable[[int], Sequence[str]], replicas: int, nproc
                 if p.poll() is None:
                     kill_tree(p.pid)
                     p.wait()
-    say("done: " + ", ".join(f"replica {rep.replica}: {'; '.join(rep.history) or 'exit codes ' + str(rep.codes)}"
-                             for rep in group))
+    say(
+        "done: "
+        + ", ".join(
+            f"replica {rep.replica}: {'; '.join(rep.history) or 'exit codes ' + str(rep.codes)}" for rep in group
+        )
+    )
     return 0 if any(rep.ok for rep in group) and not interrupted else 1

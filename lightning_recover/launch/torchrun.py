@@ -22,8 +22,16 @@ def torchrun_command(script: Sequence[str], nproc_per_replica: int = 1, max_rest
             f"--max-restarts {max_restarts} with --nproc-per-replica {nproc_per_replica}: rejoining a sharded replica "
             "is not supported yet. HINT: use --max-restarts 0 (the survivors finish without the failed replica)."
         )
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_replica}",
-            f"--max-restarts={max_restarts}", "--monitor-interval=0.1", *script]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc_per_replica}",
+        f"--max-restarts={max_restarts}",
+        "--monitor-interval=0.1",
+        *script,
+    ]
 
 
 def cmd_torchrun(args: argparse.Namespace) -> int:
@@ -35,7 +43,14 @@ def cmd_torchrun(args: argparse.Namespace) -> int:
     try:
         command = torchrun_command(script, args.nproc_per_replica, args.max_restarts)
         # Each worker's torchrun RANK is its position inside the replica (env.inner_rank).
-        return supervise(command, args.replicas, heartbeat_timeout=args.heartbeat_timeout, inject=args.inject,
-                         host=args.host, watch_workers=True, nproc_per_replica=args.nproc_per_replica)
+        return supervise(
+            command,
+            args.replicas,
+            heartbeat_timeout=args.heartbeat_timeout,
+            inject=args.inject,
+            host=args.host,
+            watch_workers=True,
+            nproc_per_replica=args.nproc_per_replica,
+        )
     except ValueError as exc:  # a bad option: say how to fix it, no traceback
         raise SystemExit(f"lightning-recover torchrun: {exc}") from None

@@ -57,9 +57,15 @@ class ReplicaLauncher(_Launcher):
             devices = len(self._strategy.parallel_devices or [None])
             sharding.validate(devices, opts.microbatches, opts.restarts)
         opts.resolve_microbatches(self._strategy.num_replicas)  # fail here, before starting N processes
-        code = supervise(self._command(), self._strategy.num_replicas,
-                         heartbeat_timeout=opts.heartbeat_timeout, heartbeat_interval=opts.heartbeat_interval,
-                         hang_timeout=opts.hang_timeout, restarts=opts.restarts, nproc_per_replica=K)
+        code = supervise(
+            self._command(),
+            self._strategy.num_replicas,
+            heartbeat_timeout=opts.heartbeat_timeout,
+            heartbeat_interval=opts.heartbeat_interval,
+            hang_timeout=opts.hang_timeout,
+            restarts=opts.restarts,
+            nproc_per_replica=K,
+        )
         # The supervisor never runs the training code itself: its job ends with the replicas'.
         raise SystemExit(code)
 
@@ -78,9 +84,13 @@ class RecoverStrategyBase(ReplicaRanks):
         if not env.in_replica():
             raise RuntimeError(f"strategy='recover' runs each replica in its own process. HINT: {how}")
 
-    def _start_replica(self, params: Callable[[], list[torch.nn.Parameter]],
-                       get_state: Callable[[], dict], set_state: Callable[[dict], None],
-                       backend: str = "gloo") -> Replica:
+    def _start_replica(
+        self,
+        params: Callable[[], list[torch.nn.Parameter]],
+        get_state: Callable[[], dict],
+        set_state: Callable[[dict], None],
+        backend: str = "gloo",
+    ) -> Replica:
         self.options.resolve_microbatches(self.num_replicas)
         self.core = Replica.from_env(self.options, params, backend=backend)
         self.core.set_state_hooks(get_state, set_state)

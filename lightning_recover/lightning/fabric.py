@@ -106,10 +106,12 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
         precision: Optional[Precision] = None,
         **options: Any,
     ) -> None:
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         checkpoint_io=checkpoint_io, precision=precision)
-        self.sharding = ShardingConfig(options.pop("replica_size", 1), options.pop("parallelize_fn", None),
-                                       options.pop("shard", None))
+        super().__init__(
+            accelerator=accelerator, parallel_devices=parallel_devices, checkpoint_io=checkpoint_io, precision=precision
+        )
+        self.sharding = ShardingConfig(
+            options.pop("replica_size", 1), options.pop("parallelize_fn", None), options.pop("shard", None)
+        )
         self.options = build_options(microbatches, options)
         self.core: Optional[Replica] = None
         self._modules: list[Module] = []
@@ -123,16 +125,20 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._require_replica_process("call `fabric.launch()` (or start the script with "
-                                      "`lightning-recover run --replicas N -- python script.py`).")
+        self._require_replica_process(
+            "call `fabric.launch()` (or start the script with "
+            "`lightning-recover run --replicas N -- python script.py`)."
+        )
         backend = "nccl" if self.root_device.type == "cuda" else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(self.root_device)
         self._start_replica(self._trainable_parameters, self._training_state, self._load_training_state, backend)
 
     def _training_state(self) -> dict:
-        return {"modules": [m.state_dict() for m in self._modules],
-                "optimizers": [o.state_dict() for o in self._optimizers]}
+        return {
+            "modules": [m.state_dict() for m in self._modules],
+            "optimizers": [o.state_dict() for o in self._optimizers],
+        }
 
     def _load_training_state(self, state: dict) -> None:
         for module, sd in zip(self._modules, state["modules"]):
@@ -223,10 +229,10 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
 
     # ------------------------------------------------------------------ collectives over live replicas
     @override
-    def all_reduce(self, tensor: Tensor, group: Optional[Any] = None,
-                   reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Tensor:
+    def all_reduce(
+        self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Tensor:
         return self.core.all_reduce(tensor, reduce_op)
-
 
     @override
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
@@ -237,8 +243,9 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
         return nullcontext()
 
     @override
-    def save_checkpoint(self, path: Any, state: dict, storage_options: Optional[Any] = None,
-                        filter: Optional[dict] = None) -> None:
+    def save_checkpoint(
+        self, path: Any, state: dict, storage_options: Optional[Any] = None, filter: Optional[dict] = None
+    ) -> None:
         if self.sharding.enabled:
             raise NotImplementedError(
                 "fabric.save is not yet supported with replica_size>1 (sharded replicas): it would have to gather "

@@ -40,8 +40,9 @@ class StepLoader:
     mean the same samples).
     """
 
-    def __init__(self, dataloader: DataLoader, microbatches: int, seed: int,
-                 resume_position: Optional[Callable[[], int]] = None) -> None:
+    def __init__(
+        self, dataloader: DataLoader, microbatches: int, seed: int, resume_position: Optional[Callable[[], int]] = None
+    ) -> None:
         check_train_dataloader(dataloader)
         self.dataloader = dataloader
         self.source = MicrobatchSource.from_dataloader(dataloader, microbatches, seed=seed)
@@ -66,9 +67,13 @@ class StepLoader:
         return self.source.b * self.source.M
 
     def _layout(self) -> dict[str, int]:
-        return {"microbatches": self.source.M, "microbatch_size": self.source.b,
-                "samples": len(self.source.dataset), "seed": self.source.seed,  # type: ignore[arg-type]
-                "shuffle": int(self.source.shuffle)}
+        return {
+            "microbatches": self.source.M,
+            "microbatch_size": self.source.b,
+            "samples": len(self.source.dataset),
+            "seed": self.source.seed,  # type: ignore[arg-type]
+            "shuffle": int(self.source.shuffle),
+        }
 
     def state_dict(self) -> dict[str, Any]:
         return {"lightning_recover": self._layout()}

@@ -41,8 +41,10 @@ class ShardingConfig:
                 "(fully_shard every block) or parallelize_fn=fn with fn(model, mesh) -> model."
             )
         if self.replica_size == 1 and (self.shard is not None or self.parallelize_fn is not None):
-            raise ValueError("shard/parallelize_fn need replica_size > 1 (processes per replica). "
-                             "HINT: pass replica_size=K and devices=R*K.")
+            raise ValueError(
+                "shard/parallelize_fn need replica_size > 1 (processes per replica). "
+                "HINT: pass replica_size=K and devices=R*K."
+            )
 
     @property
     def enabled(self) -> bool:

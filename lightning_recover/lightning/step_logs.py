@@ -51,8 +51,10 @@ class StepLogCapture:
         fx = arguments.get("reduce_fx", "mean")
         fx_name = fx if isinstance(fx, str) else getattr(fx, "__name__", "")
         if fx_name not in self._REDUCE:
-            raise ValueError(f"self.log({name!r}, reduce_fx={fx!r}) inside training_step is not supported by "
-                             "strategy='recover'. HINT: use reduce_fx='mean', 'sum', 'max' or 'min'.")
+            raise ValueError(
+                f"self.log({name!r}, reduce_fx={fx!r}) inside training_step is not supported by "
+                "strategy='recover'. HINT: use reduce_fx='mean', 'sum', 'max' or 'min'."
+            )
         arguments["reduce_fx"] = self._REDUCE[fx_name]
         entry = self.values.get(name)
         if entry is None:
@@ -66,11 +68,17 @@ class StepLogCapture:
         return None
 
 
-def log_step(capture: StepLogCapture, stats: StepStats, exchange: Callable[[Any], dict[int, Any]],
-             batch_size: int) -> None:
+def log_step(
+    capture: StepLogCapture, stats: StepStats, exchange: Callable[[Any], dict[int, Any]], batch_size: int
+) -> None:
     """Log the step's captured values, aggregated over all replicas, and the fault metrics."""
-    local = {"logs": capture.values, "kwargs": capture.kwargs, "recomputed": stats.recomputed,
-             "recoveries": stats.recoveries, "recovery_seconds": stats.recovery_seconds}
+    local = {
+        "logs": capture.values,
+        "kwargs": capture.kwargs,
+        "recomputed": stats.recomputed,
+        "recoveries": stats.recoveries,
+        "recovery_seconds": stats.recovery_seconds,
+    }
     gathered = list(exchange(local).values())
     log = capture.original
     names: dict[str, dict[str, Any]] = {}
@@ -102,8 +110,15 @@ def log_step(capture: StepLogCapture, stats: StepStats, exchange: Callable[[Any]
         "recover/recovery_seconds": max(item["recovery_seconds"] for item in gathered),
     }
     for name, value in metrics.items():
-        log(name, float(value), on_step=True, on_epoch=False, logger=True, batch_size=batch_size,
-            prog_bar=name in ("recover/loss", "recover/live_replicas"))
+        log(
+            name,
+            float(value),
+            on_step=True,
+            on_epoch=False,
+            logger=True,
+            batch_size=batch_size,
+            prog_bar=name in ("recover/loss", "recover/live_replicas"),
+        )
 
 
 def share_logger_versions(trainer: Any, is_global_zero: bool, broadcast: Callable[[Any], Any]) -> None:

@@ -124,8 +124,13 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
         precision_plugin: Optional[Precision] = None,
         **options: Any,
     ) -> None:
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=None,
-                         checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=None,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
         self.options = build_options(microbatches, options)
         self.core: Optional[Replica] = None
         self._committed: Optional[list[tuple[torch.nn.Parameter, Optional[Tensor]]]] = None
@@ -164,8 +169,10 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._require_replica_process("run the script directly (the Trainer starts the replicas) or with "
-                                      "`lightning-recover run --replicas N -- python script.py`.")
+        self._require_replica_process(
+            "run the script directly (the Trainer starts the replicas) or with "
+            "`lightning-recover run --replicas N -- python script.py`."
+        )
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if self.core is None:  # one replica per process, kept across fit/validate/test calls
             self._start_replica(self._trainable_parameters, self._state_for_joiner, self._receive_state)
@@ -259,8 +266,12 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
         module = self.lightning_module
         trainer = module.trainer if module is not None else None
         if trainer is not None and trainer.state.stage == RunningStage.TRAINING:
-            loader = StepLoader(dataloader, self.core.M, self.options.seed,  # type: ignore[arg-type]
-                                resume_position=lambda: epoch_position(trainer, len(loader)))
+            loader = StepLoader(
+                dataloader,
+                self.core.M,
+                self.options.seed,  # type: ignore[arg-type]
+                resume_position=lambda: epoch_position(trainer, len(loader)),
+            )
             return loader
         return dataloader  # evaluation: the full loader on every replica
 
@@ -275,8 +286,10 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         token = args[0] if args else kwargs.get("batch")
         if not isinstance(token, StepBatch):
-            raise RuntimeError("strategy='recover' expected its own step token as the training batch; the training "
-                               "DataLoader was not processed by the strategy.")
+            raise RuntimeError(
+                "strategy='recover' expected its own step token as the training batch; the training "
+                "DataLoader was not processed by the strategy."
+            )
         module = self.lightning_module
         trainer = module.trainer
         core = self.core
@@ -284,8 +297,10 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
         step = trainer.global_step
         if self._solo:  # a rejoined replica's first step: from here on it runs in step with the members
             if step != self._rejoin_step:
-                raise RecoverError(f"replica {self.replica} rejoined at step {self._rejoin_step} but its fit loop "
-                                   f"resumed at step {step}")
+                raise RecoverError(
+                    f"replica {self.replica} rejoined at step {self._rejoin_step} but its fit loop "
+                    f"resumed at step {step}"
+                )
             self._solo = False
             self._rejoin_checkpoint = None
         first = (step % source.steps_per_epoch) * source.M
@@ -347,11 +362,16 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
         module = self.lightning_module
         trainer = getattr(module, "_trainer", None) if module is not None else None
         return trainer is not None and trainer.state.stage in (
-            RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING, RunningStage.PREDICTING)
+            RunningStage.VALIDATING,
+            RunningStage.TESTING,
+            RunningStage.SANITY_CHECKING,
+            RunningStage.PREDICTING,
+        )
 
     @override
-    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
-               reduce_op: Optional[Union[Any, str]] = "mean") -> Union[Tensor, Any]:
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[Any, str]] = "mean"
+    ) -> Union[Tensor, Any]:
         if not isinstance(tensor, Tensor) or not self._group_ready():
             return tensor
         if self._evaluating():

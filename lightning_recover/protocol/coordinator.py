@@ -63,8 +63,15 @@ def _init_keys(store: dist.TCPStore, sealer: Sealer, replicas: int, replica_size
 _WAITING = ("reduce", "decide", "regroup", "exchange")  # phases in which a replica waits on its peers
 
 
-def _monitor(store: dist.TCPStore, sealer: Sealer, replicas: int, timeout: float, hang_timeout: float,
-             stop: threading.Event, replica_size: int = 1) -> None:
+def _monitor(
+    store: dist.TCPStore,
+    sealer: Sealer,
+    replicas: int,
+    timeout: float,
+    hang_timeout: float,
+    stop: threading.Event,
+    replica_size: int = 1,
+) -> None:
     """Declare dead every replica one of whose processes' heartbeats stopped (killed, frozen,
     coordinator unreachable) or made no progress for ``hang_timeout`` while a peer waited on it
     (deadlock). The replica is the failure unit: one process lost takes its replica out."""
@@ -98,8 +105,10 @@ def _monitor(store: dist.TCPStore, sealer: Sealer, replicas: int, timeout: float
             if now - beats[key][2] > timeout:
                 why = f"missed heartbeats for {now - beats[key][2]:.2f}s"
             elif now - progress[key][2] > hang_timeout:
-                why = (f"made no progress for {now - progress[key][2]:.2f}s in phase {hb.get('phase')!r} of step "
-                       f"{hb.get('step')} while replicas {sorted(waiting - {r})} waited on it (hung)")
+                why = (
+                    f"made no progress for {now - progress[key][2]:.2f}s in phase {hb.get('phase')!r} of step "
+                    f"{hb.get('step')} while replicas {sorted(waiting - {r})} waited on it (hung)"
+                )
             if why and replica_size > 1:
                 why = f"({key}) {why}"
             if why and read_death(sealer, r, store.get(f"dead/{r}")) < inc and mark_dead(store, sealer, r, inc):
@@ -116,8 +125,10 @@ def listen_socket(host: str, port: int) -> socket.socket:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        raise ValueError(f"cannot bind the coordinator to {host!r}: {exc}. HINT: --host takes an address "
-                         "of this machine (127.0.0.1 for one-machine jobs).") from None
+        raise ValueError(
+            f"cannot bind the coordinator to {host!r}: {exc}. HINT: --host takes an address "
+            "of this machine (127.0.0.1 for one-machine jobs)."
+        ) from None
     family, kind, proto, _, sockaddr = infos[0]
     sock = socket.socket(family, kind, proto)
     try:
@@ -128,8 +139,11 @@ def listen_socket(host: str, port: int) -> socket.socket:
         sock.listen(1024)
     except OSError as exc:
         sock.close()
-        raise OSError(exc.errno, f"cannot bind the coordinator to {host}:{port}: {exc.strerror}. "
-                      "HINT: pick another --port (0 = any free port) or an address of this machine.") from None
+        raise OSError(
+            exc.errno,
+            f"cannot bind the coordinator to {host}:{port}: {exc.strerror}. "
+            "HINT: pick another --port (0 = any free port) or an address of this machine.",
+        ) from None
     return sock
 
 
@@ -140,8 +154,16 @@ class Coordinator:
     ``threading.Thread(target=c.monitor, args=(stop_event,))``; ``c.addr`` is what replicas connect to.
     """
 
-    def __init__(self, host: str, port: int, replicas: int, heartbeat_timeout: float, secret: JobSecret,
-                 hang_timeout: float = 60.0, replica_size: int = 1) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        replicas: int,
+        heartbeat_timeout: float,
+        secret: JobSecret,
+        hang_timeout: float = 60.0,
+        replica_size: int = 1,
+    ) -> None:
         self.host = host
         self.replicas = replicas
         self.replica_size = replica_size
@@ -150,8 +172,15 @@ class Coordinator:
         self.sealer = Sealer(secret)
         # The store serves on this socket; keep it referenced as long as the store lives.
         self.socket = listen_socket(host, port)
-        self.store = dist.TCPStore(host, self.socket.getsockname()[1], is_master=True, wait_for_workers=False,
-                                   timeout=_STORE_TIMEOUT, use_libuv=True, master_listen_fd=self.socket.fileno())
+        self.store = dist.TCPStore(
+            host,
+            self.socket.getsockname()[1],
+            is_master=True,
+            wait_for_workers=False,
+            timeout=_STORE_TIMEOUT,
+            use_libuv=True,
+            master_listen_fd=self.socket.fileno(),
+        )
         _init_keys(self.store, self.sealer, replicas, replica_size)
 
     @property
@@ -160,12 +189,27 @@ class Coordinator:
 
     def monitor(self, stop: threading.Event) -> None:
         """Declare dead every replica whose heartbeat stopped, until ``stop`` is set."""
-        _monitor(self.store.clone(), self.sealer, self.replicas, self.heartbeat_timeout, self.hang_timeout, stop,
-                 self.replica_size)
+        _monitor(
+            self.store.clone(),
+            self.sealer,
+            self.replicas,
+            self.heartbeat_timeout,
+            self.hang_timeout,
+            stop,
+            self.replica_size,
+        )
 
 
-def serve(host: str, port: int, replicas: int, heartbeat_timeout: float, ready_fd: int | None = None,
-          hang_timeout: float = 60.0, secret_file: str | None = None, replica_size: int = 1) -> None:
+def serve(
+    host: str,
+    port: int,
+    replicas: int,
+    heartbeat_timeout: float,
+    ready_fd: int | None = None,
+    hang_timeout: float = 60.0,
+    secret_file: str | None = None,
+    replica_size: int = 1,
+) -> None:
     secret = JobSecret.from_file(secret_file) if secret_file else JobSecret.from_env()
     coordinator = Coordinator(host, port, replicas, heartbeat_timeout, secret, hang_timeout, replica_size)
     line = f"LISTENING {coordinator.addr}\n"

@@ -48,8 +48,11 @@ class Decisions:
         me = str(m.replica) if m.replica_size == 1 else f"{m.replica}.{m.inner}"
         m.store.set(f"{key}/done/{me}", str(m.incarnation))
         # Linearizable store: of the processes writing their report, at least the last sees them all.
-        reports = [f"{key}/done/{r}" if m.replica_size == 1 else f"{key}/done/{r}.{i}"
-                   for r in m.gen.members for i in range(m.replica_size)]
+        reports = [
+            f"{key}/done/{r}" if m.replica_size == 1 else f"{key}/done/{r}.{i}"
+            for r in m.gen.members
+            for i in range(m.replica_size)
+        ]
         if m.store.has_all(reports):
             try:
                 m.store.multi_get(reports)

@@ -71,22 +71,34 @@ def parse_faults(spec: str | None, replicas: int | None = None) -> list[Fault]:
             continue
         kind, *fields = item.split(":")
         if kind not in KINDS:
-            raise ValueError(f"fault {item!r}: kind must be one of {', '.join(KINDS)} (e.g. kill:replica=1:step=3:phase=backward)")
+            raise ValueError(
+                f"fault {item!r}: kind must be one of {', '.join(KINDS)} (e.g. kill:replica=1:step=3:phase=backward)"
+            )
         values: dict[str, str] = {}
         for field in fields:
             key, sep, value = field.partition("=")
             if not sep or key not in ("replica", "step", "phase", "incarnation", "inner"):
-                raise ValueError(f"fault {item!r}: bad field {field!r}; expected replica=R, step=S, phase=P"
-                                 "[, incarnation=K][, inner=I]")
+                raise ValueError(
+                    f"fault {item!r}: bad field {field!r}; expected replica=R, step=S, phase=P"
+                    "[, incarnation=K][, inner=I]"
+                )
             values[key] = value
         missing = {"replica", "step", "phase"} - values.keys()
         if missing:
-            raise ValueError(f"fault {item!r}: missing {', '.join(sorted(missing))} (e.g. {kind}:replica=1:step=3:phase=backward)")
+            raise ValueError(
+                f"fault {item!r}: missing {', '.join(sorted(missing))} (e.g. {kind}:replica=1:step=3:phase=backward)"
+            )
         if values["phase"] not in PHASES:
             raise ValueError(f"fault {item!r}: phase must be one of {', '.join(PHASES)}")
         try:
-            fault = Fault(kind, int(values["replica"]), int(values["step"]), values["phase"], int(values.get("incarnation", 1)),
-                          int(values.get("inner", 0)))
+            fault = Fault(
+                kind,
+                int(values["replica"]),
+                int(values["step"]),
+                values["phase"],
+                int(values.get("incarnation", 1)),
+                int(values.get("inner", 0)),
+            )
         except ValueError:
             raise ValueError(f"fault {item!r}: replica, step and incarnation must be integers") from None
         if fault.replica < 0 or fault.step < 0 or fault.inner < 0:
@@ -94,8 +106,10 @@ def parse_faults(spec: str | None, replicas: int | None = None) -> list[Fault]:
         if fault.incarnation < 1:
             raise ValueError(f"fault {item!r}: incarnation must be >= 1 (1 = the first start of the replica)")
         if replicas is not None and fault.replica >= replicas:
-            raise ValueError(f"fault {item!r}: the job has replicas 0..{replicas - 1}, so replica={fault.replica} "
-                             f"would never fire. HINT: name a replica below {replicas}.")
+            raise ValueError(
+                f"fault {item!r}: the job has replicas 0..{replicas - 1}, so replica={fault.replica} "
+                f"would never fire. HINT: name a replica below {replicas}."
+            )
         faults.append(fault)
     return faults
 
@@ -115,10 +129,20 @@ def act_on_process(fault: Fault) -> None:
 class FaultInjector:
     """Fires the faults planned for one replica incarnation at the matching (step, phase)."""
 
-    def __init__(self, faults: list[Fault], replica: int, incarnation: int, *,
-                 act: Callable[[Fault], None] = act_on_process, inner: int = 0) -> None:
-        self._pending = {(f.step, f.phase): f for f in faults
-                         if f.replica == replica and f.incarnation == incarnation and f.inner == inner}
+    def __init__(
+        self,
+        faults: list[Fault],
+        replica: int,
+        incarnation: int,
+        *,
+        act: Callable[[Fault], None] = act_on_process,
+        inner: int = 0,
+    ) -> None:
+        self._pending = {
+            (f.step, f.phase): f
+            for f in faults
+            if f.replica == replica and f.incarnation == incarnation and f.inner == inner
+        }
         self._act = act
         self._listeners: list[Callable[[Fault, float], None]] = []
 

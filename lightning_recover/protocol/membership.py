@@ -31,7 +31,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-
 from lightning_recover import env
 from lightning_recover.errors import (
     CoordinatorLostError,
@@ -75,8 +74,15 @@ class Heartbeat:
     carrying the main thread's :class:`Progress`, and watches for this incarnation being declared
     dead (so the main thread learns it at its next check, even between collectives)."""
 
-    def __init__(self, store: ControlStore, replica: int, incarnation: int, interval: float,
-                 progress: Progress, key: str | None = None) -> None:
+    def __init__(
+        self,
+        store: ControlStore,
+        replica: int,
+        incarnation: int,
+        interval: float,
+        progress: Progress,
+        key: str | None = None,
+    ) -> None:
         self._store = store.clone()
         self._replica = replica
         self._key = key or f"hb/{replica}"  # per process when a replica is K processes
@@ -97,8 +103,12 @@ class Heartbeat:
     def _send(self) -> None:
         self._beat += 1
         p = self._progress
-        self._store.set(self._key, json.dumps(
-            {"inc": self._incarnation, "beat": self._beat, "step": p.step, "phase": p.phase, "count": p.count}))
+        self._store.set(
+            self._key,
+            json.dumps(
+                {"inc": self._incarnation, "beat": self._beat, "step": p.step, "phase": p.phase, "count": p.count}
+            ),
+        )
         if self._store.deaths([self._replica])[self._replica] >= self._incarnation:
             self.excluded = True
         self.last_ok = time.monotonic()
@@ -148,10 +158,13 @@ class CoordinatorWatchdog:
                 return  # the heartbeat was stopped on purpose: nothing left to watch
             silent = time.monotonic() - self._heartbeat.last_ok
             if silent > self._limit and not self._stop.is_set():
-                print(f"[lightning-recover] replica {self._replica}: CoordinatorLostError: the coordinator at "
-                      f"{self._addr} has not answered for {silent:.1f}s (frozen or unreachable); no further step "
-                      "can be agreed, this replica stops. HINT: restart the job from its last checkpoint.",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[lightning-recover] replica {self._replica}: CoordinatorLostError: the coordinator at "
+                    f"{self._addr} has not answered for {silent:.1f}s (frozen or unreachable); no further step "
+                    "can be agreed, this replica stops. HINT: restart the job from its last checkpoint.",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 sys.stdout.flush()
                 os._exit(self.EXIT_STATUS)
 
@@ -272,8 +285,9 @@ class Membership:
         else:
             self.incarnation = sharded_incarnation(self.store, self.replica, self.inner, self.startup_timeout)
             key = f"hb/{self.replica}/i{self.inner}"  # per process: a hung process stops only its own
-        self._heartbeat = Heartbeat(self.store, self.replica, self.incarnation, self.heartbeat_interval, self.progress,
-                                    key=key)
+        self._heartbeat = Heartbeat(
+            self.store, self.replica, self.incarnation, self.heartbeat_interval, self.progress, key=key
+        )
         self._heartbeat.start()
         self._watchdog = CoordinatorWatchdog(self._heartbeat, self.replica, self.addr, self.store_timeout)
         self._watchdog.start()
@@ -345,8 +359,9 @@ class Membership:
                 print(f"[lightning-recover] replica {self.replica}: the job ended before it could rejoin", flush=True)
                 raise SystemExit(0)
             delay = backoff(delay)
-        self.gen = self._join_round(latest, {"step": None, "have": [], "joiner": True}, expected={},
-                                    timeout=self.join_timeout, may_close=False)
+        self.gen = self._join_round(
+            latest, {"step": None, "have": [], "joiner": True}, expected={}, timeout=self.join_timeout, may_close=False
+        )
         return self.gen
 
     def _job_over(self) -> bool:
@@ -452,8 +467,9 @@ class Membership:
         self.gen = self._join_round(g + 1, payload, expected=expected, timeout=self.join_timeout)
         return self.gen
 
-    def _join_round(self, number: int, payload: dict, expected: dict[int, int], timeout: float,
-                    may_close: bool = True) -> Generation:
+    def _join_round(
+        self, number: int, payload: dict, expected: dict[int, int], timeout: float, may_close: bool = True
+    ) -> Generation:
         """Join round ``number``; ``expected`` maps the replicas to wait for to their incarnation."""
         prefix = f"g{number}"
         payload = dict(payload, inc=self.incarnation)
@@ -482,8 +498,9 @@ class Membership:
             )
         raw = self.store.multi_get([f"{prefix}/join/{r}" for r in members])
         payloads = {r: json.loads(v) for r, v in zip(members, raw)}
-        gen = Generation(number, members, {r: p["inc"] for r, p in payloads.items()}, payloads,
-                         rank=members.index(self.replica))
+        gen = Generation(
+            number, members, {r: p["inc"] for r, p in payloads.items()}, payloads, rank=members.index(self.replica)
+        )
         self._build_pg(gen)
         self._events_seen = -1
         return gen
@@ -492,8 +509,9 @@ class Membership:
         """Build the group of ``gen`` on a thread, so a member dying meanwhile is noticed."""
         self.gen = gen
         suffix = "" if self.replica_size == 1 else f"/i{self.inner}"  # one group per inner position
-        gen.pg = self.groups.build(self.store.prefixed(f"pg/g{gen.number}{suffix}"), gen.number, gen.rank, gen.size,
-                                   self.failure_seen)
+        gen.pg = self.groups.build(
+            self.store.prefixed(f"pg/g{gen.number}{suffix}"), gen.number, gen.rank, gen.size, self.failure_seen
+        )
 
     @property
     def abandoned_work(self) -> bool:

@@ -180,7 +180,7 @@ def _from_json(obj: Any) -> Any:
     if not isinstance(obj, dict):
         return obj
     if len(obj) == 1:
-        (tag, value), = obj.items()
+        ((tag, value),) = obj.items()
         if tag == "__tensor__":
             dtype_name, shape, data = value
             dtype = getattr(torch, str(dtype_name), None)
@@ -211,10 +211,17 @@ def connect(addr: str, timeout: float = 60.0) -> dist.TCPStore:
     """Connect a raw client to the coordinator at ``host:port`` within ``timeout`` seconds."""
     host, _, port = addr.rpartition(":")
     if not host or not port.isdigit():
-        raise ValueError(f"coordinator address {addr!r} must be HOST:PORT (set {env.COORDINATOR} or pass --coordinator)")
+        raise ValueError(
+            f"coordinator address {addr!r} must be HOST:PORT (set {env.COORDINATOR} or pass --coordinator)"
+        )
     try:
-        return dist.TCPStore(host.strip("[]"), int(port), is_master=False, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=timeout))
+        return dist.TCPStore(
+            host.strip("[]"),
+            int(port),
+            is_master=False,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
     except Exception as exc:  # torch raises several types (DistNetworkError, RuntimeError)
         raise CoordinatorLostError(
             f"cannot reach the lightning-recover coordinator at {addr} within {timeout:.0f}s: {exc}. HINT: check "
@@ -256,8 +263,9 @@ def read_death(sealer: Sealer, replica: int, raw: bytes) -> int:
 class ControlStore:
     """A replica's (or launcher's) authenticated client of the coordinator."""
 
-    def __init__(self, addr: str, replica: int, secret: JobSecret, store: Optional[dist.Store] = None,
-                 timeout: float = 60.0) -> None:
+    def __init__(
+        self, addr: str, replica: int, secret: JobSecret, store: Optional[dist.Store] = None, timeout: float = 60.0
+    ) -> None:
         self.addr = addr
         self.replica = replica
         self.secret = secret
@@ -312,8 +320,11 @@ class ControlStore:
             except ForgedMessageError:
                 if expected is not None:
                     raise
-                print(f"[lightning-recover] replica {self.replica}: replaced a forged value under {key!r}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[lightning-recover] replica {self.replica}: replaced a forged value under {key!r}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 expected_raw = got
         raise ForgedMessageError(f"{key!r} keeps being overwritten by an unauthenticated client")
 

@@ -14,8 +14,9 @@ def check_seconds(name: str, value: object) -> float:
     """``value`` as a finite, positive number of seconds, or ``ValueError`` saying how to fix it."""
     # bool is an int, and nan/inf pass `> 0` checks: both would silently disable a timeout.
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}. "
-                         f"HINT: e.g. {name}=1.0")
+        raise ValueError(
+            f"{name} must be a positive, finite number of seconds, got {value!r}. " f"HINT: e.g. {name}=1.0"
+        )
     return float(value)
 
 
@@ -49,8 +50,14 @@ class RecoverOptions:
     def __post_init__(self) -> None:
         if self.quota not in ("equal", "throughput"):
             raise ValueError(f"quota must be 'equal' or 'throughput', got {self.quota!r}")
-        for name in ("heartbeat_interval", "heartbeat_timeout", "hang_timeout", "join_timeout",
-                     "collective_timeout", "startup_timeout"):
+        for name in (
+            "heartbeat_interval",
+            "heartbeat_timeout",
+            "hang_timeout",
+            "join_timeout",
+            "collective_timeout",
+            "startup_timeout",
+        ):
             check_seconds(name, getattr(self, name))
         check_heartbeat_timeout(self.heartbeat_timeout, self.heartbeat_interval)
         if self.hang_timeout <= self.heartbeat_timeout:

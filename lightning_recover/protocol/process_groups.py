@@ -35,7 +35,9 @@ class ProcessGroups:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         if backend == "nccl" and not dist.is_nccl_available():
-            raise RuntimeError("backend='nccl' needs a CUDA build of torch with NCCL. HINT: use accelerator='cpu' (gloo).")
+            raise RuntimeError(
+                "backend='nccl' needs a CUDA build of torch with NCCL. HINT: use accelerator='cpu' (gloo)."
+            )
         self.backend = backend
         self.collective_timeout = collective_timeout
         self._graveyard: list = []  # abandoned groups and builder threads; dropped with the process

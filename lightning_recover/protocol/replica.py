@@ -62,24 +62,50 @@ def _record_uncaught_exceptions() -> None:
 class Replica:
     """This replica's side of the protocol."""
 
-    def __init__(self, options: RecoverOptions, addr: str, replica: int, num_replicas: int,
-                 params: Callable[[], Sequence[torch.nn.Parameter]], backend: str = "gloo",
-                 injector: Optional[FaultInjector] = None, secret: Optional[JobSecret] = None,
-                 inner: int = 0, replica_size: int = 1) -> None:
+    def __init__(
+        self,
+        options: RecoverOptions,
+        addr: str,
+        replica: int,
+        num_replicas: int,
+        params: Callable[[], Sequence[torch.nn.Parameter]],
+        backend: str = "gloo",
+        injector: Optional[FaultInjector] = None,
+        secret: Optional[JobSecret] = None,
+        inner: int = 0,
+        replica_size: int = 1,
+    ) -> None:
         self.options = options
         self.M = options.resolve_microbatches(num_replicas)
         self.inner, self.replica_size = inner, replica_size
-        self.group = Membership(addr, replica, num_replicas, heartbeat_interval=options.heartbeat_interval,
-                                join_timeout=options.join_timeout, collective_timeout=options.collective_timeout,
-                                startup_timeout=options.startup_timeout, store_timeout=options.store_timeout,
-                                backend=backend, secret=secret or JobSecret.from_env(), inner=inner,
-                                replica_size=replica_size)
+        self.group = Membership(
+            addr,
+            replica,
+            num_replicas,
+            heartbeat_interval=options.heartbeat_interval,
+            join_timeout=options.join_timeout,
+            collective_timeout=options.collective_timeout,
+            startup_timeout=options.startup_timeout,
+            store_timeout=options.store_timeout,
+            backend=backend,
+            secret=secret or JobSecret.from_env(),
+            inner=inner,
+            replica_size=replica_size,
+        )
         self.world = None  # the replica's own K-process world (sharding.ReplicaWorld), when K > 1
         self.collectives = SurvivorCollectives(self.group)
         self.decisions = Decisions(self.group)
-        self.protocol = StepProtocol(self.group, self.collectives, self.decisions, self.M, params,
-                                     quota=options.quota, inner=inner, replica_size=replica_size,
-                                     intra_group=lambda: self.world.group if self.world is not None else None)
+        self.protocol = StepProtocol(
+            self.group,
+            self.collectives,
+            self.decisions,
+            self.M,
+            params,
+            quota=options.quota,
+            inner=inner,
+            replica_size=replica_size,
+            intra_group=lambda: self.world.group if self.world is not None else None,
+        )
         self._injector = injector  # None: the plan in the environment, for this incarnation
         self._fault_listeners: list[Callable[[Fault, float], None]] = []
         self.step: int = -1
@@ -91,11 +117,20 @@ class Replica:
         self.history: list[StepStats] = []
 
     @classmethod
-    def from_env(cls, options: RecoverOptions, params: Callable[[], Sequence[torch.nn.Parameter]],
-                 backend: str = "gloo") -> Replica:
+    def from_env(
+        cls, options: RecoverOptions, params: Callable[[], Sequence[torch.nn.Parameter]], backend: str = "gloo"
+    ) -> Replica:
         found = read_replica_env()  # every variable parsed and range-checked, with a HINT if bad
-        return cls(options, found.addr, found.replica, found.replicas, params, backend=backend,
-                   inner=env.inner_rank(), replica_size=env.replica_size())
+        return cls(
+            options,
+            found.addr,
+            found.replica,
+            found.replicas,
+            params,
+            backend=backend,
+            inner=env.inner_rank(),
+            replica_size=env.replica_size(),
+        )
 
     # ------------------------------------------------------------------ identity
     @property
@@ -175,9 +210,13 @@ class Replica:
         # A planned fault that never fired makes a fault test pass for the wrong reason: say so.
         missed = [f for f in self.protocol.injector.unfired() if f.phase != "recompute"]
         if missed and self.step >= 0:
-            print(f"[lightning-recover] replica {self.replica_id}: WARNING: injected fault(s) "
-                  f"{', '.join(map(str, missed))} never fired (the run ended at step {self.step}). HINT: name a "
-                  "step and phase the run reaches.", file=sys.stderr, flush=True)
+            print(
+                f"[lightning-recover] replica {self.replica_id}: WARNING: injected fault(s) "
+                f"{', '.join(map(str, missed))} never fired (the run ended at step {self.step}). HINT: name a "
+                "step and phase the run reaches.",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _at_exit(self) -> None:
         self.close()
@@ -198,8 +237,10 @@ class Replica:
         stats = self.protocol.last
         self.history.append(stats)
         if stats.recoveries:
-            self.say(f"step {step}: recovered in {stats.recovery_seconds:.3f}s; generation {stats.generation}, "
-                     f"{stats.live_replicas} live replicas; this replica recomputed {stats.recomputed} microbatches")
+            self.say(
+                f"step {step}: recovered in {stats.recovery_seconds:.3f}s; generation {stats.generation}, "
+                f"{stats.live_replicas} live replicas; this replica recomputed {stats.recomputed} microbatches"
+            )
 
     # ------------------------------------------------------------------ rejoin
     def rejoin(self) -> int:
@@ -210,8 +251,10 @@ class Replica:
             self._next_generation(None, joiner=True)
         step = self._receive_or_send_state(None, joiner=True)
         self.joining = False
-        self.say(f"replica {self.group.replica} rejoined at step {step}: generation {self.group.gen.number}, "
-                 f"live replicas {self.group.members}")
+        self.say(
+            f"replica {self.group.replica} rejoined at step {step}: generation {self.group.gen.number}, "
+            f"live replicas {self.group.members}"
+        )
         return step
 
     def _admit(self, step: int) -> None:

@@ -45,12 +45,16 @@ def read_replica_env(environ: Mapping[str, str] | None = None) -> ReplicaEnv:
     addr = environ[env.COORDINATOR].strip()
     host, _, port = addr.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{env.COORDINATOR}={addr!r} must be HOST:PORT with a port in 1..65535. "
-                         f"HINT: use the address the coordinator printed (LISTENING HOST:PORT).")
+        raise ValueError(
+            f"{env.COORDINATOR}={addr!r} must be HOST:PORT with a port in 1..65535. "
+            f"HINT: use the address the coordinator printed (LISTENING HOST:PORT)."
+        )
     replicas = _int(environ, env.REPLICAS, "3")
     if replicas < 1:
-        raise ValueError(f"{env.REPLICAS}={replicas}: a job has at least one replica. "
-                         f"HINT: set it to the --replicas the coordinator was started with.")
+        raise ValueError(
+            f"{env.REPLICAS}={replicas}: a job has at least one replica. "
+            f"HINT: set it to the --replicas the coordinator was started with."
+        )
     replica = _int(environ, env.REPLICA, "0")
     if not 0 <= replica < replicas:
         raise ValueError(

@@ -56,8 +56,13 @@ class ReplicaWorld:
                 "HINT: do not call init_process_group yourself under strategy='recover' with replica_size>1."
             )
         backend = "nccl" if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=membership.store.prefixed(f"rep{r}/inc{n}"), rank=inner,
-                                world_size=size, timeout=datetime.timedelta(seconds=membership.collective_timeout))
+        dist.init_process_group(
+            backend,
+            store=membership.store.prefixed(f"rep{r}/inc{n}"),
+            rank=inner,
+            world_size=size,
+            timeout=datetime.timedelta(seconds=membership.collective_timeout),
+        )
         mesh = init_device_mesh(device_type, (size,), mesh_dim_names=("shard",))
         world = cls(r, n, inner, size, mesh, membership, threading.Event())
         threading.Thread(target=world._watch, name=f"lr-watchdog-{r}.{inner}", daemon=True).start()
@@ -81,9 +86,12 @@ class ReplicaWorld:
             try:
                 dead = int(store.get(f"dead/{self.replica}")) >= self.incarnation
                 if dead and not store.has(_left_key(self.replica, self.incarnation)):
-                    print(f"[lightning-recover] replica {self.replica} process {self.inner}: the replica was "
-                          "declared dead (one of its processes died or hung); this process exits",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"[lightning-recover] replica {self.replica} process {self.inner}: the replica was "
+                        "declared dead (one of its processes died or hung); this process exits",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     os._exit(1)
             except Exception:
                 return  # the coordinator is gone: the heartbeat reports it to the main thread

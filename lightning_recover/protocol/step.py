@@ -181,8 +181,9 @@ class StepProtocol:
         stats.recoveries += 1
         ids = plan_quotas(step, missing, gen.members)[group.replica]
         stats.recomputed += len(ids)
-        stats.events.append({"kind": "regroup", "generation": gen.number, "members": list(gen.members),
-                             "lost": len(missing)})
+        stats.events.append(
+            {"kind": "regroup", "generation": gen.number, "members": list(gen.members), "lost": len(missing)}
+        )
         return ids
 
     def _reduce_and_decide(self, step: int) -> bool:
@@ -199,6 +200,7 @@ class StepProtocol:
         if self.replica_size > 1 and self._intra_group is not None:
             # Loss statistics of the whole replica (its K processes computed different microbatches).
             import torch.distributed as dist
+
             dist.all_reduce(extra, group=self._intra_group())
         flat = _flatten_by_dtype(grads, extra)
         self.fire(step, "reduce")
@@ -273,8 +275,9 @@ def _buckets(flat: dict) -> list[torch.Tensor]:
     return out
 
 
-def _unflatten_into(flat: dict, grads: Sequence[torch.Tensor], params: Sequence[torch.nn.Parameter],
-                    scale: float) -> None:
+def _unflatten_into(
+    flat: dict, grads: Sequence[torch.Tensor], params: Sequence[torch.nn.Parameter], scale: float
+) -> None:
     for idx, buf in flat["groups"]:
         buf.mul_(scale)
         offset = 0
@@ -283,9 +286,11 @@ def _unflatten_into(flat: dict, grads: Sequence[torch.Tensor], params: Sequence[
             p = params[i]
             if p.grad is None and hasattr(p, "to_local"):  # sharded, and no gradient reached it
                 from torch.distributed.tensor import DTensor
+
                 local = buf[offset : offset + n].view_as(grads[i]).clone()
-                p.grad = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
-                                            run_check=False)
+                p.grad = DTensor.from_local(
+                    local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False
+                )
             elif p.grad is None:
                 p.grad = buf[offset : offset + n].view_as(p).clone()
             else:

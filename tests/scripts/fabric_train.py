@@ -13,7 +13,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_recover
+import lightning_recover  # noqa: F401  (registers strategy="recover")
 from lightning_recover import RecoverStrategy
 
 
@@ -29,11 +29,18 @@ def main() -> None:
     parser.add_argument("--hang-timeout", type=float, default=30.0)
     parser.add_argument("--accelerator", default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per replica)")
     parser.add_argument("--work", type=float, default=0.0, help="extra seconds of work per microbatch")
-    parser.add_argument("--slow-while-degraded", type=float, default=0.0,
-                        help="sleep this long after each step run with fewer than --replicas live replicas "
-                             "(gives a restarted replica time to rejoin before the run ends)")
-    parser.add_argument("--metrics", action="store_true",
-                        help="also all-reduce the loss and pass a barrier every step (store collectives)")
+    parser.add_argument(
+        "--slow-while-degraded",
+        type=float,
+        default=0.0,
+        help="sleep this long after each step run with fewer than --replicas live replicas "
+        "(gives a restarted replica time to rejoin before the run ends)",
+    )
+    parser.add_argument(
+        "--metrics",
+        action="store_true",
+        help="also all-reduce the loss and pass a barrier every step (store collectives)",
+    )
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -43,9 +50,13 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
-    strategy = RecoverStrategy(microbatches=args.microbatches, heartbeat_timeout=args.heartbeat_timeout,
-                               heartbeat_interval=min(0.1, args.heartbeat_timeout / 5), quota=args.quota,
-                               hang_timeout=args.hang_timeout)
+    strategy = RecoverStrategy(
+        microbatches=args.microbatches,
+        heartbeat_timeout=args.heartbeat_timeout,
+        heartbeat_interval=min(0.1, args.heartbeat_timeout / 5),
+        quota=args.quota,
+        hang_timeout=args.hang_timeout,
+    )
     fabric = L.Fabric(strategy=strategy, devices=args.replicas, accelerator=args.accelerator)
     fabric.launch()
     model, optimizer = fabric.setup(model, optimizer)
@@ -71,8 +82,10 @@ def main() -> None:
             open(os.path.join(args.out, "started"), "w").close()
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     os.makedirs(args.out, exist_ok=True)
-    torch.save({"state": state, "stats": stats, "replica": fabric.strategy.replica},
-               os.path.join(args.out, f"replica{fabric.strategy.replica}.pt"))
+    torch.save(
+        {"state": state, "stats": stats, "replica": fabric.strategy.replica},
+        os.path.join(args.out, f"replica{fabric.strategy.replica}.pt"),
+    )
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ def main() -> None:
     step = 0
     while steps == 0 or step < steps:
         for j in replica.run_step(step):
-            loss = torch.nn.functional.mse_loss(model(x[2 * j:2 * j + 2]), y[2 * j:2 * j + 2])
+            loss = torch.nn.functional.mse_loss(model(x[2 * j : 2 * j + 2]), y[2 * j : 2 * j + 2])
             replica.before_backward(loss)
             loss.backward()
         with torch.no_grad():

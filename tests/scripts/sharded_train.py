@@ -20,8 +20,9 @@ def data_and_model(dtype: str = "float64"):
     torch.manual_seed(0)
     x = torch.randn(512, 16, dtype=torch.float64)
     y = (x @ torch.randn(16, 1, dtype=torch.float64)).tanh() + 0.01 * torch.randn(512, 1, dtype=torch.float64)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
-                                torch.nn.Linear(32, 1)).double()
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)
+    ).double()
     if dtype == "float32":  # same values, rounded: gloo's float32 path differs from float64's in FSDP2
         return TensorDataset(x.float(), y.float()), model.float()
     return TensorDataset(x, y), model
@@ -51,9 +52,13 @@ def train(args) -> None:
 
     dataset, model = data_and_model(args.dtype)
     loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True)
-    strategy = RecoverStrategy(microbatches=args.microbatches, heartbeat_timeout=args.heartbeat_timeout,
-                               heartbeat_interval=min(0.1, args.heartbeat_timeout / 5), replica_size=args.replica_size,
-                               shard="fsdp")
+    strategy = RecoverStrategy(
+        microbatches=args.microbatches,
+        heartbeat_timeout=args.heartbeat_timeout,
+        heartbeat_interval=min(0.1, args.heartbeat_timeout / 5),
+        replica_size=args.replica_size,
+        shard="fsdp",
+    )
     fabric = L.Fabric(strategy=strategy, devices=args.replicas * args.replica_size, accelerator="cpu")
     fabric.launch()
     core = fabric.strategy.core
@@ -69,20 +74,32 @@ def train(args) -> None:
         optimizer.zero_grad()
         stats.append(vars(step.stats))
     # full_tensor() is a collective inside the replica: every process of it calls it.
-    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-             for k, v in model.state_dict().items()}
+    state = {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()
+    }
     local_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-    local_bytes += sum(t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else 0
-                       for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
+    local_bytes += sum(
+        t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else 0
+        for s in optimizer.state.values()
+        for t in s.values()
+        if torch.is_tensor(t)
+    )
     save_error = None
     try:  # sharded checkpoints are not supported yet: it must refuse, never gather silently
         fabric.save(os.path.join(args.out, "ckpt"), {"model": model})
     except NotImplementedError as exc:
         save_error = str(exc)
     if core.inner == 0:
-        torch.save({"state": state, "stats": stats, "replica": core.replica_id, "local_bytes": local_bytes,
-                    "save_error": save_error},
-                   os.path.join(args.out, f"replica{core.replica_id}.pt"))
+        torch.save(
+            {
+                "state": state,
+                "stats": stats,
+                "replica": core.replica_id,
+                "local_bytes": local_bytes,
+                "save_error": save_error,
+            },
+            os.path.join(args.out, f"replica{core.replica_id}.pt"),
+        )
 
 
 def main() -> None:
