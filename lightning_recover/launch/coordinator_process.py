@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from lightning_recover import env
@@ -170,26 +171,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def replica_count(text: str) -> int:
-    """argparse type of --replicas: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer (e.g. --replicas 3)") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: a job has at least 1 replica")
-    return value
+def int_in_range(low: int, high: int | None, what: str) -> Callable[[str], int]:
+    """An argparse type: an integer in ``low..high`` (``high`` None = unbounded), said with ``what``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer ({what})") from None
+        if value < low or (high is not None and value > high):
+            bound = f"{low}..{high}" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"{value} is not in {bound} ({what})")
+        return value
+
+    return parse
 
 
-def port_number(text: str) -> int:
-    """argparse type of --port: 0 (any free port) to 65535."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not in 0..65535 (0 = any free port)")
-    return value
+replica_count = int_in_range(1, None, "a job has at least 1 replica, e.g. --replicas 3")
+port_number = int_in_range(0, 65535, "0 = any free port")
+non_negative_int = int_in_range(0, None, "a count, e.g. 0")
 
 
 def seconds(text: str) -> float:

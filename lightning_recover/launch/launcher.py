@@ -420,17 +420,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise SystemExit(f"lightning-recover run: {exc}") from None
 
 
-def non_negative_int(text: str) -> int:
-    """argparse type of restart counts: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value}: must be >= 0")
-    return value
-
-
 def _cmd_coordinator(args: argparse.Namespace) -> int:
     try:
         coordinator.serve(
@@ -466,7 +455,12 @@ def add_subcommands(sub: Any) -> None:
         default=1.0,
         help="seconds without heartbeat before a replica is declared dead (> 0.2)",
     )
-    p.add_argument("--restarts", type=non_negative_int, default=0, help="restart a failed replica up to K times")
+    p.add_argument(
+        "--restarts",
+        type=coordinator_process.non_negative_int,
+        default=0,
+        help="restart a failed replica up to K times",
+    )
     p.add_argument("--host", default="127.0.0.1", help="coordinator bind address (only this one is bound)")
     p.add_argument("command", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_run)
@@ -474,7 +468,12 @@ def add_subcommands(sub: Any) -> None:
     p = sub.add_parser("torchrun", help="one torchrun job per replica (restarts stay inside a replica)")
     p.add_argument("--replicas", type=replicas, required=True)
     p.add_argument("--nproc-per-replica", type=int, default=1)
-    p.add_argument("--max-restarts", type=non_negative_int, default=0, help="torchrun restarts of a failed replica")
+    p.add_argument(
+        "--max-restarts",
+        type=coordinator_process.non_negative_int,
+        default=0,
+        help="torchrun restarts of a failed replica",
+    )
     p.add_argument("--inject", default=None, help="faults, e.g. kill:replica=2:step=5:phase=backward")
     p.add_argument(
         "--heartbeat-timeout",
