@@ -24,11 +24,11 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    cache: dict[int, dict] = {}
+    cache: dict[tuple, dict] = {}
 
-    def get(microbatches: int, dtype: str = "float64") -> dict:
-        if (microbatches, dtype) not in cache:
-            out = str(tmp_path_factory.mktemp(f"ref{microbatches}{dtype}"))
+    def get(microbatches: int, dtype: str = "float64", steps: int = STEPS) -> dict:
+        if (microbatches, dtype, steps) not in cache:
+            out = str(tmp_path_factory.mktemp(f"ref{microbatches}{dtype}{steps}"))
             result = run_job(
                 [
                     sys.executable,
@@ -36,7 +36,7 @@ def reference(tmp_path_factory):
                     out,
                     "--reference",
                     "--steps",
-                    str(STEPS),
+                    str(steps),
                     "--microbatches",
                     str(microbatches),
                     "--dtype",
@@ -46,8 +46,8 @@ def reference(tmp_path_factory):
                 timeout=120,
             )
             assert result.returncode == 0, result.output[-3000:]
-            cache[microbatches, dtype] = torch.load(os.path.join(out, "reference.pt"))["state"]
-        return cache[microbatches, dtype]
+            cache[microbatches, dtype, steps] = torch.load(os.path.join(out, "reference.pt"))["state"]
+        return cache[microbatches, dtype, steps]
 
     return get
 
@@ -72,6 +72,9 @@ def sharded_job(
     cli: str | None = None,
     timeout: float = 400,
     dtype: str = "float64",
+    steps: int = STEPS,
+    extra: tuple[str, ...] = (),
+    restarts: int = 0,
 ):
     script = [
         SCRIPT,
@@ -81,11 +84,12 @@ def sharded_job(
         "--replica-size",
         "2",
         "--steps",
-        str(STEPS),
+        str(steps),
         "--microbatches",
         str(microbatches),
         "--dtype",
         dtype,
+        *extra,
     ]
     if cli == "run":
         cmd = [
@@ -97,6 +101,8 @@ def sharded_job(
             str(replicas),
             "--nproc-per-replica",
             "2",
+            "--restarts",
+            str(restarts),
             "--heartbeat-timeout",
             "2",
             "--",
@@ -113,19 +119,21 @@ def sharded_job(
             str(replicas),
             "--nproc-per-replica",
             "2",
+            "--max-restarts",
+            str(restarts),
             "--heartbeat-timeout",
             "2",
             "--",
             *script,
         ]
-    else:
-        cmd = [sys.executable, *script]
+    else:  # Fabric's own launcher (RecoverStrategy(restarts=...))
+        cmd = [sys.executable, *script, "--restarts", str(restarts)]
     result = run_job(cmd, out, timeout=timeout, env={"LIGHTNING_RECOVER_INJECT": inject} if inject else None)
     pids = {os.path.basename(p): int(open(p).read()) for p in glob.glob(os.path.join(out, "pid.*"))}
     return result, pids
 
 
-def check(result, pids, reference_state, survivors, replicas, tol=TOL):
+def check(result, pids, reference_state, survivors, replicas, tol=TOL, steps=STEPS):
     assert result.returncode == 0, result.output[-4000:]
     assert len(pids) == 2 * replicas, f"every process starts: {sorted(pids)}"
     left = [name for name, pid in pids.items() if _pid_alive(pid)]
@@ -135,7 +143,8 @@ def check(result, pids, reference_state, survivors, replicas, tol=TOL):
     for r, data in states.items():
         diff = max_relative_difference(data["state"], reference_state)
         assert diff <= tol, f"replica {r} differs from the unsharded reference by {diff}"
-        assert len(data["stats"]) == STEPS
+        stats = data["stats"]  # every step from the first it ran (0, or where it rejoined) to the last
+        assert stats[-1]["step"] == steps - 1 and len(stats) == steps - stats[0]["step"]
     return states
 
 
@@ -210,3 +219,31 @@ def test_torchrun_nproc_per_replica_with_a_kill(tmp_path, reference):
     )
     states = check(result, pids, reference(10), survivors=[0, 2], replicas=3)
     assert states[0]["stats"][-1]["live_replicas"] == 2
+
+
+REJOIN_STEPS = 30  # the survivors sleep 1 s after each degraded step, until the restarted replica is back
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("launch", ["fabric", "torchrun"])
+def test_restarted_replica_of_two_rejoins_with_its_shards(tmp_path, reference, launch):
+    """Process 1 of replica 1 is killed; the whole replica is ended and restarted (Fabric's
+    ``restarts=1`` / ``torchrun --max-restarts 1``): two fresh processes, each receiving its shard
+    of parameters and optimizer state from the process at the same position of a live replica.
+    All three replicas then finish equal to the unsharded reference."""
+    result, pids = sharded_job(
+        str(tmp_path),
+        replicas=3,
+        microbatches=10,
+        inject="kill:replica=1:inner=1:step=1:phase=backward",
+        cli=None if launch == "fabric" else "torchrun",
+        steps=REJOIN_STEPS,
+        extra=("--slow-while-degraded", "1"),
+        restarts=1,
+    )
+    states = check(result, pids, reference(10, steps=REJOIN_STEPS), survivors=[0, 1, 2], replicas=3, steps=REJOIN_STEPS)
+    rejoined = states[1]["stats"]
+    assert 1 < rejoined[0]["step"] < REJOIN_STEPS, "it rejoined mid-run"
+    assert all(s["live_replicas"] == 3 for s in rejoined)
+    assert states[0]["stats"][-1]["live_replicas"] == 3, "the quotas include the rejoined replica again"

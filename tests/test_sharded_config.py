@@ -33,15 +33,22 @@ def test_setup_validation_hints():
         ShardingConfig(replica_size=2)  # no way to shard
     config = ShardingConfig(replica_size=2, shard="fsdp")
     with pytest.raises(ValueError, match="not divisible by replica_size=2.*HINT"):
-        config.validate(devices=5, microbatches=8, restarts=0)
+        config.validate(devices=5, microbatches=8)
     with pytest.raises(ValueError, match="microbatches=1 is smaller than replica_size=2.*HINT"):
-        config.validate(devices=4, microbatches=1, restarts=0)
-    with pytest.raises(ValueError, match="rejoining a sharded replica.*HINT"):
-        config.validate(devices=4, microbatches=8, restarts=1)
-    assert config.validate(devices=6, microbatches=8, restarts=0) == 3
+        config.validate(devices=4, microbatches=1)
+    assert config.validate(devices=6, microbatches=8) == 3
 
 
 def test_parallelize_fn_that_leaves_parameters_unsharded_is_refused():
     config = ShardingConfig(replica_size=2, parallelize_fn=lambda model, mesh: model)
     with pytest.raises(ValueError, match="left 2 parameters unsharded.*HINT"):
         config.parallelize(torch.nn.Linear(2, 2), mesh=None)
+
+
+def test_a_replica_of_another_size_than_the_coordinators_is_refused():
+    from lightning_recover.protocol.replica_env import check_replica_size_against_coordinator
+
+    check_replica_size_against_coordinator("2", 2)
+    check_replica_size_against_coordinator(None, 1)  # an older coordinator: replicas of one process
+    with pytest.raises(ValueError, match="replicas of 2 process.*HINT.*--nproc-per-replica 2"):
+        check_replica_size_against_coordinator(b"2", 1)

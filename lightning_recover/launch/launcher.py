@@ -214,11 +214,6 @@ def supervise(
     parse_faults(inject, replicas)  # validate before starting anything
     if isinstance(nproc_per_replica, bool) or not isinstance(nproc_per_replica, int) or nproc_per_replica < 1:
         raise ValueError(f"nproc_per_replica must be an integer >= 1, got {nproc_per_replica!r}")
-    if nproc_per_replica > 1 and restarts:
-        raise ValueError(
-            f"restarts={restarts} with {nproc_per_replica} processes per replica: rejoining a sharded replica is not "
-            "supported yet. HINT: use restarts=0 (the survivors finish the run without the failed replica)."
-        )
     say = on_event or (lambda line: print(f"[lightning-recover] {line}", file=sys.stderr, flush=True))
     argv = command if callable(command) else (lambda r: command)
     first = list(argv(0))
@@ -274,7 +269,15 @@ def supervise(
 
                 say(f"coordinator at {coord.addr} (pid {coord.proc.pid})")
                 return supervise_sharded(
-                    argv, replicas, nproc_per_replica, connect(coord.addr), sealer, child_env, say, finish_grace
+                    argv,
+                    replicas,
+                    nproc_per_replica,
+                    connect(coord.addr),
+                    sealer,
+                    child_env,
+                    say,
+                    finish_grace,
+                    restarts=restarts,
                 )
         preexec = _replica_preexec(os.getpid())
 

@@ -28,6 +28,8 @@ class _Replica:
     codes: dict[int, int] = field(default_factory=dict)  # inner -> exit code
     failed: bool = False
     history: list[str] = field(default_factory=list)
+    restarts: int = 0
+    first_incarnation: int = 1  # the scan ignores deaths of older incarnations (before a restart bumps it)
 
     def running(self) -> list[subprocess.Popen]:
         return [p for i, p in enumerate(self.procs) if i not in self.codes]
@@ -50,8 +52,10 @@ def supervise_sharded(
     child_env: dict[str, str],
     say: Callable[[str], Any],
     finish_grace: float,
+    restarts: int = 0,
 ) -> int:
-    """Run ``nproc`` processes of ``argv(r)`` per replica; end a replica whole when one fails."""
+    """Run ``nproc`` processes of ``argv(r)`` per replica; end a replica whole when one fails, and
+    start it again (all ``nproc`` processes, a new incarnation that rejoins) up to ``restarts`` times."""
 
     def spawn(r: int, i: int) -> subprocess.Popen:
         extra = {env.REPLICA: str(r), env.INNER: str(i), env.REPLICA_SIZE: str(nproc)}
@@ -78,6 +82,21 @@ def supervise_sharded(
                 rep.codes[i] = p.returncode
         rep.history.append(why + (f"; killed its other processes {pids}" if pids else ""))
         say(f"replica {rep.replica} failed ({why}); ended its processes {pids}")
+        if rep.restarts < restarts and not interrupted:
+            restart(rep)
+
+    def restart(rep: _Replica) -> None:
+        # The old incarnation is declared dead by now (end_replica): the new processes' incarnation
+        # is the next one, and they rejoin with state from the live replicas.
+        try:
+            previous = int(store.add(f"inc/{rep.replica}", 0))
+        except Exception:
+            return  # the coordinator is gone: nothing to rejoin
+        rep.restarts += 1
+        rep.first_incarnation = previous + 1
+        say(f"restarting replica {rep.replica} ({rep.restarts}/{restarts}): {nproc} new processes")
+        rep.procs = [spawn(rep.replica, i) for i in range(nproc)]
+        rep.codes, rep.failed = {}, False
 
     def _forward(signum: int, _frame: Any) -> None:
         nonlocal interrupted
@@ -113,7 +132,10 @@ def supervise_sharded(
                         continue
                     try:
                         inc = int(store.add(f"inc/{rep.replica}", 0))
-                        dead = inc > 0 and read_death(sealer, rep.replica, store.get(f"dead/{rep.replica}")) >= inc
+                        dead = (
+                            inc >= rep.first_incarnation
+                            and read_death(sealer, rep.replica, store.get(f"dead/{rep.replica}")) >= inc
+                        )
                         left = dead and store.check([f"left/{rep.replica}/{inc}"])
                     except Exception:
                         continue

@@ -17,11 +17,6 @@ def torchrun_command(script: Sequence[str], nproc_per_replica: int = 1, max_rest
     """One torchrun agent per replica: its restarts touch only that replica's workers."""
     if nproc_per_replica < 1:
         raise ValueError(f"--nproc-per-replica must be >= 1, got {nproc_per_replica}")
-    if nproc_per_replica > 1 and max_restarts:
-        raise ValueError(
-            f"--max-restarts {max_restarts} with --nproc-per-replica {nproc_per_replica}: rejoining a sharded replica "
-            "is not supported yet. HINT: use --max-restarts 0 (the survivors finish without the failed replica)."
-        )
     return [
         sys.executable,
         "-m",

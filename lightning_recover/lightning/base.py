@@ -55,7 +55,7 @@ class ReplicaLauncher(_Launcher):
         K = sharding.replica_size if sharding is not None else 1
         if K > 1:  # fail here, before starting R*K processes
             devices = len(self._strategy.parallel_devices or [None])
-            sharding.validate(devices, opts.microbatches, opts.restarts)
+            sharding.validate(devices, opts.microbatches)
         opts.resolve_microbatches(self._strategy.num_replicas)  # fail here, before starting N processes
         code = supervise(
             self._command(),

@@ -36,7 +36,12 @@ from typing_extensions import override
 
 from lightning_recover.data import MicrobatchSource
 from lightning_recover.lightning.base import RecoverStrategyBase, ReplicaLauncher, build_options
-from lightning_recover.lightning.sharded import ShardingConfig
+from lightning_recover.lightning.sharded import (
+    ShardingConfig,
+    load_local_module_state,
+    local_shards,
+    optimizer_state_from_local,
+)
 from lightning_recover.protocol.replica import Replica
 from lightning_recover.protocol.step import StepStats
 
@@ -135,16 +140,21 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
         self._start_replica(self._trainable_parameters, self._training_state, self._load_training_state, backend)
 
     def _training_state(self) -> dict:
-        return {
+        state = {
             "modules": [m.state_dict() for m in self._modules],
             "optimizers": [o.state_dict() for o in self._optimizers],
         }
+        # Sharded: this process's local shards, for the joiner's process at the same position.
+        return local_shards(state) if self.sharding.enabled else state
 
     def _load_training_state(self, state: dict) -> None:
         for module, sd in zip(self._modules, state["modules"]):
-            module.load_state_dict(sd)
+            if self.sharding.enabled:
+                load_local_module_state(module, sd)
+            else:
+                module.load_state_dict(sd)
         for optimizer, sd in zip(self._optimizers, state["optimizers"]):
-            optimizer.load_state_dict(sd)
+            optimizer.load_state_dict(optimizer_state_from_local(optimizer, sd) if self.sharding.enabled else sd)
 
     def _trainable_parameters(self) -> list[torch.nn.Parameter]:
         seen: set[int] = set()

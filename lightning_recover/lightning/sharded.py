@@ -50,7 +50,7 @@ class ShardingConfig:
     def enabled(self) -> bool:
         return self.replica_size > 1
 
-    def validate(self, devices: int, microbatches: Optional[int], restarts: int) -> int:
+    def validate(self, devices: int, microbatches: Optional[int]) -> int:
         """Check the job shape before any process starts; return the number of replicas."""
         K = self.replica_size
         if devices % K:
@@ -65,11 +65,6 @@ class ShardingConfig:
                 f"microbatches={M} is smaller than replica_size={K}: the processes of one replica take one "
                 f"microbatch each per round. HINT: use microbatches >= {max(K, replicas)}, ideally a multiple of "
                 f"{K * replicas}."
-            )
-        if restarts:
-            raise ValueError(
-                f"restarts={restarts} with replica_size={K}: rejoining a sharded replica is not supported yet. "
-                "HINT: use restarts=0 (the survivors finish the run without the failed replica)."
             )
         return replicas
 
@@ -113,3 +108,64 @@ def fsdp_every_block(module: Module, mesh: Any) -> Module:
             fully_shard(block, mesh=shard_mesh)
     fully_shard(module, mesh=shard_mesh)
     return module
+
+
+# ---------------------------------------------------------------------------- rejoin of a sharded replica
+# A restarted replica's process at inner position i receives the state of position i of a live
+# replica: the *local* shards of parameters and optimizer state (plain tensors, so the weights-only
+# loader accepts them), rebuilt into DTensors on the joiner from its own parameters' placements.
+
+
+def local_shards(obj: Any) -> Any:
+    """``obj`` with every DTensor replaced by its local shard (containers walked)."""
+    if is_sharded(obj):
+        return obj.to_local()
+    if isinstance(obj, dict):
+        return {k: local_shards(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(local_shards(v) for v in obj)
+    return obj
+
+
+def load_local_module_state(module: Module, received: dict) -> None:
+    """Copy a peer's local shards into this module's (identically sharded) parameters and buffers."""
+    own = module.state_dict()
+    missing = sorted(set(own) - set(received))
+    if missing:
+        raise ValueError(f"the state received from the peer lacks {len(missing)} entries, e.g. {missing[:3]}")
+    with torch.no_grad():
+        for name, tensor in own.items():
+            local = tensor.to_local() if is_sharded(tensor) else tensor
+            value = received[name]
+            if tuple(value.shape) != tuple(local.shape):
+                raise ValueError(
+                    f"{name}: the peer's shard has shape {tuple(value.shape)}, this process's {tuple(local.shape)}. "
+                    "HINT: a restarted replica must use the same replica_size and parallelize_fn as the others."
+                )
+            local.copy_(value)
+
+
+def optimizer_state_from_local(optimizer: torch.optim.Optimizer, received: dict) -> dict:
+    """A peer's optimizer state dict (local shards) with the per-parameter tensors made DTensors
+    again, placed like this optimizer's own parameters, ready for ``optimizer.load_state_dict``."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for index, entry in received["state"].items():
+        p = params[int(index)]
+        out = {}
+        for key, value in entry.items():
+            if is_sharded(p) and torch.is_tensor(value) and value.dim() > 0:
+                if tuple(value.shape) != tuple(p.to_local().shape):
+                    raise ValueError(
+                        f"optimizer state {key!r} of parameter {index}: the peer's shard has shape "
+                        f"{tuple(value.shape)}, this process's {tuple(p.to_local().shape)}. HINT: a restarted "
+                        "replica must use the same replica_size and parallelize_fn as the others."
+                    )
+                value = DTensor.from_local(
+                    value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                )
+            out[key] = value
+        state[index] = out
+    return {"state": state, "param_groups": received["param_groups"]}

@@ -40,7 +40,7 @@ from lightning_recover.errors import (
 )
 from lightning_recover.protocol.messages import ControlStore, JobSecret
 from lightning_recover.protocol.process_groups import ProcessGroups
-from lightning_recover.protocol.replica_env import check_against_coordinator
+from lightning_recover.protocol.replica_env import check_against_coordinator, check_replica_size_against_coordinator
 
 POLL_MIN = 0.0005
 POLL_MAX = 0.005
@@ -278,6 +278,7 @@ class Membership:
     def connect(self) -> None:
         self.store = ControlStore(self.addr, self.replica, self.secret, timeout=self.store_timeout)
         check_against_coordinator(self.store.get_genuine("meta/replicas"), self.num_replicas)
+        check_replica_size_against_coordinator(self.store.get_genuine("meta/replica_size"), self.replica_size)
         if self.replica_size == 1:
             refuse_if_id_in_use(self.store, self.replica, self.num_replicas, self.heartbeat_interval)
             self.incarnation = self.store.add(f"inc/{self.replica}", 1)
@@ -350,14 +351,16 @@ class Membership:
         delay = POLL_MIN
         key = None
         while True:
+            # Job over first: with K processes per replica, the first one to leave marks this
+            # incarnation gone, which its mates must not read as an exclusion.
+            if self._job_over():
+                print(f"[lightning-recover] replica {self.replica}: the job ended before it could rejoin", flush=True)
+                raise SystemExit(0)
             self.check_health()
             latest = int(self.store.get("gen/latest"))
             key = f"g{latest}/invite/{self.replica}"
             if self.store.get_genuine(key) == str(self.incarnation):
                 break
-            if self._job_over():
-                print(f"[lightning-recover] replica {self.replica}: the job ended before it could rejoin", flush=True)
-                raise SystemExit(0)
             delay = backoff(delay)
         self.gen = self._join_round(
             latest, {"step": None, "have": [], "joiner": True}, expected={}, timeout=self.join_timeout, may_close=False

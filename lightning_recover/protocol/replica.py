@@ -189,11 +189,8 @@ class Replica:
         self.protocol.injector = injector
         self.joining = self.group.form_initial() is None
         if self.replica_size > 1:
-            if self.joining:
-                raise RecoverError(
-                    f"replica {self.group.replica} (incarnation {self.group.incarnation}) was restarted, but rejoining "
-                    "a replica of more than one process is not supported yet. HINT: use restarts=0 with replica_size>1."
-                )
+            # A restarted sharded replica builds its own K-process world first (a fresh incarnation's
+            # process group), then rejoins: position i receives its shards from position i of a peer.
             from lightning_recover.protocol.sharding import ReplicaWorld
 
             device = "cuda" if self.group.backend == "nccl" else "cpu"

@@ -85,3 +85,17 @@ def check_against_coordinator(stored: str | bytes | None, replicas: int) -> None
             f"HINT: set {env.REPLICAS}={expected} (and ids 0..{expected - 1}), or restart the coordinator "
             f"with --replicas {replicas}."
         )
+
+
+def check_replica_size_against_coordinator(stored: str | bytes | None, replica_size: int) -> None:
+    """Refuse a process whose replica size (K) differs from the coordinator's ``meta/replica_size``:
+    a restarted replica must have the same K (and so the same mesh) to take its peers' shards."""
+    if isinstance(stored, bytes):
+        stored = stored.decode(errors="replace")
+    expected = int(stored) if stored is not None and str(stored).strip().isdigit() else 1
+    if expected != replica_size:
+        raise ValueError(
+            f"{env.REPLICA_SIZE}={replica_size} but the coordinator was started for replicas of {expected} "
+            f"process(es). HINT: every replica, restarted ones included, must run {expected} processes "
+            f"(--nproc-per-replica {expected}); its shards are taken from a peer with the same mesh."
+        )

@@ -9,6 +9,7 @@ stats); every process writes OUT/pid.r{r}.i{i} at start so tests can check none 
 
 import argparse
 import os
+import time
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -58,6 +59,7 @@ def train(args) -> None:
         heartbeat_interval=min(0.1, args.heartbeat_timeout / 5),
         replica_size=args.replica_size,
         shard="fsdp",
+        restarts=args.restarts,
     )
     fabric = L.Fabric(strategy=strategy, devices=args.replicas * args.replica_size, accelerator="cpu")
     fabric.launch()
@@ -73,6 +75,8 @@ def train(args) -> None:
         optimizer.step()
         optimizer.zero_grad()
         stats.append(vars(step.stats))
+        if args.slow_while_degraded and step.stats.live_replicas < args.replicas:
+            time.sleep(args.slow_while_degraded)  # gives a restarted replica time to rejoin before the end
     # full_tensor() is a collective inside the replica: every process of it calls it.
     state = {
         k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()
@@ -112,6 +116,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--heartbeat-timeout", type=float, default=2.0)
     parser.add_argument("--reference", action="store_true")
+    parser.add_argument("--restarts", type=int, default=0, help="restart a failed replica up to N times (rejoin)")
+    parser.add_argument("--slow-while-degraded", type=float, default=0.0, help="sleep after a step with a replica down")
     parser.add_argument("--dtype", default="float64", choices=["float64", "float32"])
     args = parser.parse_args()
     reference(args) if args.reference else train(args)
