@@ -381,6 +381,11 @@ def supervise(
                     "No step can be agreed without it; ending the job's replicas. "
                     "HINT: restart the job from its last checkpoint."
                 )
+                # The replicas notice on their own within the same bound and exit with their own
+                # named error; give them that long, then end whatever is left (finally below).
+                deadline = time.monotonic() + lost_after + 1.0
+                while time.monotonic() < deadline and any(c.proc.poll() is None for c in children):
+                    time.sleep(0.02)
                 return EXIT_COORDINATOR_LOST
     finally:
         for s, h in old.items():
