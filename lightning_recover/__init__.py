@@ -7,8 +7,10 @@ package imports and only the Lightning adapters are missing.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+from lightning_recover import env
 from lightning_recover.protocol.options import RecoverOptions
 from lightning_recover.protocol.planner import plan_quotas
 
@@ -41,7 +43,7 @@ def _register() -> None:
         RecoverTrainerStrategy.register_strategies(StrategyRegistry)
 
 
-if _lightning_available():
+if os.environ.get(env.CONTROL_PROCESS) != "1" and _lightning_available():
     _register()
 
 

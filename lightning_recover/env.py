@@ -46,6 +46,11 @@ NATIVE_IO_NO_URING = "NATIVE_IO_NO_URING"
 #: all-reduce 20x slower on a 2-core machine.
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
 
+#: ``1`` in the coordinator process (set by the launcher that starts it): a control process that never
+#: runs Lightning, so ``import lightning_recover`` skips importing Lightning to register the
+#: strategies (seconds of start-up before any replica can start).
+CONTROL_PROCESS = "LIGHTNING_RECOVER_CONTROL_PROCESS"
+
 #: What a replica process needs to find its group.
 REPLICA_VARIABLES = (COORDINATOR, REPLICA, REPLICAS)
 

@@ -123,7 +123,7 @@ def start(
         "--replica-size",
         str(replica_size),
     ]
-    child_env = dict(os.environ, **{env.OMP_NUM_THREADS: "1"})
+    child_env = dict(os.environ, **{env.OMP_NUM_THREADS: "1", env.CONTROL_PROCESS: "1"})
     if secret_file is not None:
         child_env[env.SECRET_FILE] = secret_file
     proc = subprocess.Popen(cmd, pass_fds=(write_fd,), env=child_env)
