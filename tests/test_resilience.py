@@ -86,7 +86,7 @@ def test_one_failure_in_every_phase(tmp_path, reference, kind):
         steps=steps,
         microbatches=microbatches,
         inject=inject,
-        heartbeat_timeout=1.0,  # 6 replicas on 2 cores: keep the heartbeat clear of CPU starvation
+        heartbeat_timeout=2.0,  # 6 replicas on 2 cores: keep the heartbeat clear of CPU starvation at start-up
         timeout=240,
     )
     ref = reference(replicas=replicas, steps=steps, microbatches=microbatches)
