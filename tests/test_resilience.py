@@ -71,6 +71,7 @@ PHASES = ["forward", "backward", "reduce", "commit", "optimizer"]
 KINDS = ["kill", "hang", "raise"]  # "stall" (deadlock) has its own test below
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("kind", KINDS)
 def test_one_failure_in_every_phase(tmp_path, reference, kind):
     """One job per kind covers every phase: 6 replicas, and in step s = 1..5 replica s fails in
