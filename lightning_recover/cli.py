@@ -98,6 +98,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--modes", default=None, help="comma-separated subset of modes")
     p.add_argument(
+        "--replica-size",
+        type=int,
+        default=1,
+        help="K > 1: sharded replicas of K processes, against stock HSDP with DCP checkpoints",
+    )
+    p.add_argument(
         "--heartbeat-timeout",
         type=float,
         default=1.0,

@@ -20,6 +20,14 @@ Three modes train the same model on the same data with the same failure schedule
   restarts the whole group, which resumes from the newest checkpoint with all replicas.
 - ``failure-free``: ``strategy="recover"`` without faults: the reference trajectory and throughput.
 
+Sharded mode (``--replica-size K``, K > 1): every replica is K processes sharding the model with
+FSDP2. ``recover`` runs ``lightning-recover torchrun --nproc-per-replica K`` (a killed process takes
+its replica out; the agent restarts all K, which rejoin with their shards from a peer),
+``recover-local`` the local launcher's restarts, and the baseline is ``hsdp-dcp``: Lightning's stock
+``ModelParallelStrategy`` with FSDP2 over the 2-D (replicate, shard) mesh (HSDP) under
+``torchrun --max-restarts``, checkpointing DCP directories every ``K`` steps and resuming from the
+newest after a whole-group restart (``ddp-*`` modes are not run then).
+
 Effective throughput = committed microbatches (``steps * M``) / wall time from the start of the
 first training step of the first attempt to the last commit. Process start-up of the *first*
 attempt is excluded equally for every mode; everything after it (detection, restarts, re-imports,
@@ -48,6 +56,7 @@ import time
 import torch
 
 MODES = ("recover", "recover-local", "ddp-torch", "ddp-uring", "failure-free")
+SHARDED_MODES = ("recover", "recover-local", "hsdp-dcp", "failure-free")
 EXTRA_MODES = ("recover-norestart",)
 _FAULT_T = re.compile(r"injecting fault (\S+) at t=([0-9.]+)")
 
@@ -88,6 +97,7 @@ def run_mode(
     kills: list[tuple[int, int]],
     ckpt_every: int,
     heartbeat_timeout: float,
+    replica_size: int = 1,
     timeout: float = 1800,
 ) -> dict:
     shutil.rmtree(out, ignore_errors=True)
@@ -101,6 +111,8 @@ def run_mode(
         str(microbatches),
         "--mb-seconds",
         str(mb_seconds),
+        "--replica-size",
+        str(replica_size),
         "--out",
         out,
     ] + MODEL
@@ -118,6 +130,8 @@ def run_mode(
             "torchrun",
             "--replicas",
             str(replicas),
+            "--nproc-per-replica",
+            str(replica_size),
             "--max-restarts",
             str(len(kills)),
             "--heartbeat-timeout",
@@ -149,7 +163,7 @@ def run_mode(
             "torch.distributed.run",
             "--standalone",
             "--nproc-per-node",
-            str(replicas),
+            str(replicas * replica_size),
             "--max-restarts",
             str(len(kills)),
             "-m",
@@ -161,7 +175,7 @@ def run_mode(
             "--ckpt-every",
             str(ckpt_every),
             "--ckpt-io",
-            mode.split("-")[1],
+            "torch" if mode == "hsdp-dcp" else mode.split("-")[1],
             "--kill",
             ",".join(f"{r}:{s}" for r, s in kills),
         ] + common
@@ -216,7 +230,7 @@ def analyze(mode: str, out: str, output: str, *, steps: int, microbatches: int, 
             "step": step,
             "fault_to_commit_s": (max(done) - t) if done else None,
         }
-        if mode.startswith("ddp") and any(r["start"] > t for r in step_recs):
+        if mode.startswith(("ddp", "hsdp")) and any(r["start"] > t for r in step_recs):
             item["restart_s"] = min(r["start"] for r in step_recs if r["start"] > t) - t  # fault -> training again
         if mode.startswith("recover"):
             victim = int(re.search(r"replica=(\d+)", spec).group(1))
@@ -290,10 +304,10 @@ def _param_diff(a_path: str, b_path: str) -> float:
 
 def _table(rows: dict[str, dict], bases: tuple[str, ...] = ("ddp-torch", "ddp-uring")) -> str:
     lines = [
-        "| mode | wall s | effective mb/s | vs ddp-torch | vs ddp-uring | lost steps | recomputed mb"
+        f"| mode | wall s | effective mb/s | {' | '.join('vs ' + b for b in bases)} | lost steps | recomputed mb"
         " | fault -> step committed (median s) | fault -> replica training again (median s)"
         " | degraded steps | ckpt save / load s | max rel. param diff vs failure-free |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|" + "---|" * len(bases) + "---|---|---|---|---|---|---|",
     ]
 
     def f(v, fmt):
@@ -319,12 +333,15 @@ def main(args: argparse.Namespace) -> int:
     # the CLI's shared --steps defaults to 20 (for `bench overhead`); this benchmark's default is 40
     steps = args.steps if getattr(args, "steps", None) not in (None, 20) else DEFAULTS["steps"]
     kills = [(r, s) for r, s in DEFAULTS["kills"] if s < steps and r < args.replicas]
-    modes = [m for m in (getattr(args, "modes", None) or ",".join(MODES)).split(",") if m]
-    unknown = [m for m in modes if m not in MODES + EXTRA_MODES]
+    replica_size = getattr(args, "replica_size", 1) or 1
+    known = SHARDED_MODES if replica_size > 1 else MODES + EXTRA_MODES
+    bases = ("hsdp-dcp",) if replica_size > 1 else ("ddp-torch", "ddp-uring")
+    modes = [
+        m for m in (getattr(args, "modes", None) or ",".join(known[:4] if replica_size > 1 else MODES)).split(",") if m
+    ]
+    unknown = [m for m in modes if m not in known]
     if unknown:
-        raise SystemExit(
-            f"bench resilience: unknown mode(s) {', '.join(unknown)}; choose from " f"{', '.join(MODES + EXTRA_MODES)}"
-        )
+        raise SystemExit(f"bench resilience: unknown mode(s) {', '.join(unknown)}; choose from {', '.join(known)}")
     repeat = max(1, getattr(args, "repeat", 1) or 1)
     # under heavy load a 1 s heartbeat threshold can declare a slow replica dead (false suspicion);
     # only kills are injected here, so a generous threshold costs nothing (the CLI's shared default is 1.0)
@@ -337,6 +354,7 @@ def main(args: argparse.Namespace) -> int:
         "kills": kills,
         "ckpt_every": DEFAULTS["ckpt_every"],
         "heartbeat_timeout": hb,
+        "replica_size": replica_size,
     }
     print(f"resilience: {cfg}, modes {modes}, {repeat} repetition(s), in {workdir}", flush=True)
     runs: dict[str, list[dict]] = {m: [] for m in modes}
@@ -364,11 +382,11 @@ def main(args: argparse.Namespace) -> int:
     if "failure-free" in rows:
         for mode, r in rows.items():
             r["param_diff"] = _param_diff(r["final_params"], rows["failure-free"]["final_params"])
-    table = _table(rows)
+    table = _table(rows, bases)
     print(table)
     for mode in rows:
         if mode.startswith("recover"):
-            for base in ("ddp-torch", "ddp-uring"):
+            for base in bases:
                 if base in rows:
                     print(
                         f"{mode} / {base}: {rows[mode]['effective_mb_per_s'] / rows[base]['effective_mb_per_s']:.2f}x"

@@ -87,6 +87,8 @@ def run_recover(args: argparse.Namespace) -> None:
     from lightning_recover import RecoverStrategy
 
     data, model, optimizer, _ = _build(args)
+    K = args.replica_size
+    sharding = {"replica_size": K, "shard": "fsdp"} if K > 1 else {}
     # restarts: used when this script launches its own replicas (fabric.launch() supervises them);
     # under `lightning-recover torchrun --max-restarts K` the torchrun agents restart them instead.
     strategy = RecoverStrategy(
@@ -95,16 +97,22 @@ def run_recover(args: argparse.Namespace) -> None:
         heartbeat_interval=min(0.1, args.heartbeat_timeout / 5),
         seed=args.seed,
         restarts=args.restarts,
+        **sharding,
     )
-    fabric = L.Fabric(strategy=strategy, devices=args.replicas, accelerator="cpu", precision=args.precision)
+    fabric = L.Fabric(strategy=strategy, devices=args.replicas * K, accelerator="cpu", precision=args.precision)
     fabric.launch()
-    model, optimizer = fabric.setup(model, optimizer)
+    if K > 1:  # sharded replicas: shard first, then build the optimizer over the shards
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=args.lr))
+    else:
+        model, optimizer = fabric.setup(model, optimizer)
     # the same samples as MicrobatchSource(seed) in _build: the strategy builds it from this loader
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=True)
     replica = fabric.strategy.replica
     incarnation = fabric.strategy.core.incarnation
     joining = fabric.strategy.core.joining  # a restarted replica: steps() first rejoins (state from a peer)
-    log = _Log(args.out, f"rank{replica}")
+    # One record file per replica (its process 0 writes it; the others of a sharded replica do not).
+    log = _Log(args.out, f"rank{replica}") if fabric.strategy.core.inner == 0 else (lambda **rec: None)
     # attempt stays 0: the run is one attempt (no step is rolled back); incarnation tells restarts apart
     log(event="start", t=_T_PROCESS, attempt=0, incarnation=incarnation, ready=time.time())
     for step in fabric.strategy.steps(loader, max_steps=args.steps):
@@ -132,8 +140,26 @@ def run_recover(args: argparse.Namespace) -> None:
             attempt=0,
             incarnation=incarnation,
         )
-    if step.stats.leader:
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(args.out, "final.pt"))
+    # full_tensor() gathers a sharded replica's parameters: a collective of all its processes.
+    final = {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()
+    }
+    if step.stats.leader and fabric.strategy.core.inner == 0:
+        torch.save(final, os.path.join(args.out, "final.pt"))
+
+
+def _hsdp_strategy(replicas: int, replica_size: int):
+    """The stock baseline for sharded replicas: Lightning's ModelParallelStrategy with FSDP2 over a
+    2-D (replicate, shard) mesh (HSDP); its checkpoints are DCP directories written by every rank."""
+    from lightning.fabric.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import fully_shard
+
+    def parallelize(module, mesh):
+        for block in module.blocks:
+            fully_shard(block, mesh=mesh)  # dim 0 replicates, dim 1 shards
+        return fully_shard(module, mesh=mesh)
+
+    return ModelParallelStrategy(parallelize, data_parallel_size=replicas, tensor_parallel_size=replica_size)
 
 
 def _latest_checkpoint(directory: str) -> tuple[int, str] | None:
@@ -165,18 +191,26 @@ def run_ddp(args: argparse.Namespace) -> None:
 
         plugins.append(UringCheckpointIO())
     data, model, optimizer, source = _build(args)
-    if args.microbatches % args.replicas:
-        raise SystemExit("the ddp baseline needs microbatches divisible by replicas")
-    per_rank = args.microbatches // args.replicas
-    fabric = L.Fabric(
-        strategy="ddp", devices=args.replicas, accelerator="cpu", precision=args.precision, plugins=plugins
-    )
+    K = args.replica_size
+    ranks = args.replicas * K
+    if args.microbatches % ranks:
+        raise SystemExit("the checkpoint-and-restart baseline needs microbatches divisible by replicas x replica size")
+    per_rank = args.microbatches // ranks
+    if K > 1 and plugins:
+        raise SystemExit("--ckpt-io uring is the single-file plugin; the HSDP baseline writes DCP directories")
+    strategy = _hsdp_strategy(args.replicas, K) if K > 1 else "ddp"
+    fabric = L.Fabric(strategy=strategy, devices=ranks, accelerator="cpu", precision=args.precision, plugins=plugins)
     fabric.launch()
     rank = fabric.global_rank
-    log = _Log(args.out, f"rank{rank}")
+    # Replica r of the schedule is ranks r*K .. r*K+K-1; one record file per replica, by its first rank.
+    log = _Log(args.out, f"rank{rank // K}") if rank % K == 0 else (lambda **rec: None)
     log(event="start", t=_T_PROCESS, attempt=attempt)
-    model, optimizer = fabric.setup(model, optimizer)
-    model.mark_forward_method("loss")  # the loss is computed through DDP's forward (gradient sync hooks)
+    if K > 1:
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=args.lr))
+    else:
+        model, optimizer = fabric.setup(model, optimizer)
+        model.mark_forward_method("loss")  # the loss is computed through DDP's forward (gradient sync hooks)
     first = 0
     latest = _latest_checkpoint(args.ckpt_dir)
     if latest is not None:
@@ -194,9 +228,9 @@ def run_ddp(args: argparse.Namespace) -> None:
             x, y = source.batch(index, rank * per_rank + k)
             with fabric.no_backward_sync(model, enabled=k < per_rank - 1):
                 loss = model.loss(x, y)
-                if fault == (index, rank) and k == 0:
+                if fault == (index, rank // K) and rank % K == 0 and k == 0:
                     print(
-                        f"[ddp-restart] injecting fault kill:rank={rank}:step={index}:phase=backward "
+                        f"[ddp-restart] injecting fault kill:rank={rank // K}:step={index}:phase=backward "
                         f"at t={time.time():.6f}",
                         flush=True,
                     )
@@ -223,14 +257,20 @@ def run_ddp(args: argparse.Namespace) -> None:
             )
             fabric.barrier()
             log(event="ckpt", step=index + 1, seconds=time.time() - t, attempt=attempt)
+    final = {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()
+    }
     if rank == 0:
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(args.out, "final.pt"))
+        torch.save(final, os.path.join(args.out, "final.pt"))
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mode", choices=["recover", "ddp"], required=True)
     p.add_argument("--replicas", type=int, default=4)
+    p.add_argument(
+        "--replica-size", type=int, default=1, help="K > 1: sharded replicas (FSDP2 over K processes per replica)"
+    )
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--microbatches", type=int, default=12)
     p.add_argument("--batch-size", type=int, default=8)
