@@ -121,6 +121,15 @@ def test_sharded_trainer_refuses_checkpointing_before_starting():
         _fit(RecoverTrainerStrategy(microbatches=4, replica_size=2, shard="fsdp"), enable_checkpointing=True)
 
 
+def test_sharded_trainer_refuses_to_save_or_resume_a_checkpoint(tmp_path):
+    strategy = RecoverTrainerStrategy(microbatches=4, replica_size=2, shard="fsdp")
+    with pytest.raises(NotImplementedError, match=r"trainer.save_checkpoint is not yet supported.*HINT.*DCP"):
+        strategy.save_checkpoint({}, str(tmp_path / "x.ckpt"))
+    assert not os.path.exists(tmp_path / "x.ckpt")
+    with pytest.raises(NotImplementedError, match=r"resuming from a checkpoint .* replica_size>1.*HINT"):
+        strategy.load_checkpoint(str(tmp_path / "x.ckpt"))
+
+
 def test_sharded_trainer_validates_the_job_shape_before_starting():
     with pytest.raises(ValueError, match="devices=3 is not divisible by replica_size=2"):
         _fit(RecoverTrainerStrategy(microbatches=4, replica_size=2, shard="fsdp"), devices=3)
