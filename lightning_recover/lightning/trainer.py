@@ -158,8 +158,8 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
         self._rejoin_loggers: list[Any] = []
         self._rejoin_step: Optional[int] = None
         self._solo = False
-        if env.in_replica():  # until the group forms, the replica id is the rank: one banner, not N
-            set_rank_zero(int(os.environ[env.REPLICA]))
+        if env.in_replica():  # until the group forms, the replica id (x K + inner) is the rank: one banner, not N
+            set_rank_zero(int(os.environ[env.REPLICA]) * env.replica_size() + env.inner_rank())
 
     @property
     @override
