@@ -114,9 +114,7 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, checkpoint_io=checkpoint_io, precision=precision
         )
-        self.sharding = ShardingConfig(
-            options.pop("replica_size", 1), options.pop("parallelize_fn", None), options.pop("shard", None)
-        )
+        self.sharding = ShardingConfig.from_options(options)
         self.options = build_options(microbatches, options)
         self.core: Optional[Replica] = None
         self._modules: list[Module] = []
@@ -220,16 +218,7 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
     @override
     def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
         self.core.before_backward(tensor)
-        if self.core.zero_slot:
-            tensor = tensor * 0  # sharded replica, short last round: join FSDP's collectives, add nothing
-        elif self.sharding.enabled:
-            tensor = tensor * self.sharding.loss_scale  # FSDP2 averages over the K processes: undo it
-        if self.sharding.enabled:
-            # Reduce-scatter inside the replica once per list of microbatches (its last round), like
-            # stock no_sync; every process of the replica has the same number of rounds.
-            for m in self._modules:
-                if hasattr(m, "set_requires_gradient_sync"):
-                    m.set_requires_gradient_sync(self.core.sync_round)
+        tensor = self.sharding.prepare_backward(self.core, tensor, self._modules)  # zero slot, K-fold scale, sync
         super().backward(tensor, module, *args, **kwargs)
 
     @override

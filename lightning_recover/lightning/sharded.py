@@ -1,18 +1,21 @@
-"""Sharded replicas on the Lightning side: options, validation and the parallelize step.
+"""Sharded replicas on the Lightning side: options, validation, the parallelize step and the
+per-microbatch backward preparation, shared by the Fabric and the Trainer strategies.
 
 ``RecoverStrategy(microbatches=M, replica_size=K, parallelize_fn=fn)`` (or ``shard="fsdp"``)
-with ``L.Fabric(devices=R*K)``: R replicas of K processes. ``fn(module, mesh)`` follows Lightning's
-``ModelParallelStrategy`` convention; ``mesh`` is the replica's 1-D mesh with dimension
-``"shard"`` (the replicate dimension is lightning-recover's own, fault-tolerant one).
+with ``L.Fabric(devices=R*K)``, or ``RecoverTrainerStrategy(...)`` with ``L.Trainer(devices=R*K)``:
+R replicas of K processes. ``fn(module, mesh)`` follows Lightning's ``ModelParallelStrategy``
+convention; ``mesh`` is the replica's 1-D mesh with dimension ``"shard"`` (the replicate dimension
+is lightning-recover's own, fault-tolerant one).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+from torch import Tensor
 from torch.nn import Module
 
 from lightning_recover.protocol.sharding import is_sharded
@@ -27,6 +30,11 @@ class ShardingConfig:
     replica_size: int = 1
     parallelize_fn: Optional[Callable[[Module, Any], Module]] = None
     shard: Optional[str] = None
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> ShardingConfig:
+        """Take ``replica_size``, ``parallelize_fn`` and ``shard`` out of a strategy's keyword arguments."""
+        return cls(options.pop("replica_size", 1), options.pop("parallelize_fn", None), options.pop("shard", None))
 
     def __post_init__(self) -> None:
         if not isinstance(self.replica_size, int) or self.replica_size < 1:
@@ -68,9 +76,15 @@ class ShardingConfig:
             )
         return replicas
 
-    def parallelize(self, module: Module, mesh: Any) -> Module:
+    def parallelize(self, module: Module, mesh: Any, shard_root: bool = True) -> Module:
+        """Shard ``module`` over the replica's mesh; every parameter must end up sharded.
+
+        ``shard_root=False`` (the Trainer: Lightning calls ``training_step``, not the LightningModule's
+        forward, so a root FSDP module's hooks would not run reliably) makes ``shard="fsdp"`` shard the
+        module's top-level children instead of the module itself.
+        """
         if self.shard == "fsdp":
-            module = fsdp_every_block(module, mesh)
+            module = fsdp_every_block(module, mesh, shard_root=shard_root)
         else:
             out = self.parallelize_fn(module, mesh)
             module = out if isinstance(out, Module) else module
@@ -91,12 +105,34 @@ class ShardingConfig:
     def loss_scale(self) -> float:
         return float(self.replica_size)
 
+    def prepare_backward(self, core: Any, loss: Tensor, modules: Iterable[Module]) -> Tensor:
+        """The loss to back-propagate for the current microbatch (after ``core.before_backward``).
 
-def fsdp_every_block(module: Module, mesh: Any) -> Module:
+        A zero-contribution slot (sharded replica, short last round) runs backward with the loss
+        times 0: it joins FSDP's collectives and adds nothing. Otherwise the loss is scaled by K,
+        since FSDP2 averages the reduce-scattered gradients over the K processes. Reduce-scatter
+        happens once per list of microbatches (its last round), like stock ``no_sync``; every
+        process of the replica has the same number of rounds.
+        """
+        if core.zero_slot:
+            loss = loss * 0
+        elif self.enabled:
+            loss = loss * self.loss_scale
+        if self.enabled:
+            sync = core.sync_round
+            for module in modules:
+                for m in module.modules():
+                    if hasattr(m, "set_requires_gradient_sync"):
+                        m.set_requires_gradient_sync(sync, recurse=False)
+        return loss
+
+
+def fsdp_every_block(module: Module, mesh: Any, shard_root: bool = True) -> Module:
     """``shard="fsdp"``: fully_shard each block of the model, then the model itself.
 
     The blocks are the entries of the first ModuleList found (transformer layers), else the
-    top-level children that hold parameters.
+    top-level children that hold parameters. With ``shard_root=False`` the model itself is not
+    sharded; each top-level child still holding unsharded parameters is, instead.
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -106,7 +142,12 @@ def fsdp_every_block(module: Module, mesh: Any) -> Module:
     for block in blocks:
         if any(True for _ in block.parameters()):
             fully_shard(block, mesh=shard_mesh)
-    fully_shard(module, mesh=shard_mesh)
+    if shard_root:
+        fully_shard(module, mesh=shard_mesh)
+        return module
+    for child in module.children():
+        if any(not is_sharded(p) for p in child.parameters()):
+            fully_shard(child, mesh=shard_mesh)
     return module
 
 

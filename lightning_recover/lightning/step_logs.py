@@ -27,6 +27,7 @@ class StepLogCapture:
         self._signature = inspect.signature(self.original)
         self.values: dict[str, list[float]] = {}  # name -> [sum, count, max, min]
         self.kwargs: dict[str, dict[str, Any]] = {}
+        self.skip = False  # True while a sharded replica runs a zero-contribution slot (a repeated microbatch)
 
     def __enter__(self) -> StepLogCapture:
         self.module.log = self._log
@@ -36,7 +37,31 @@ class StepLogCapture:
         if self.module.__dict__.get("log") == self._log:
             del self.module.log
 
+    def merge_in_replica(self, group: Any) -> None:
+        """A sharded replica: combine the captures of its K processes (each computed other microbatches),
+        so that every process of the replica holds the replica's values. A collective inside the replica."""
+        import torch.distributed as dist
+
+        parts: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, (self.values, self.kwargs), group=group)
+        values: dict[str, list[float]] = {}
+        kwargs: dict[str, dict[str, Any]] = {}
+        for part_values, part_kwargs in parts:
+            kwargs.update(part_kwargs)
+            for name, (total, count, high, low) in part_values.items():
+                entry = values.get(name)
+                if entry is None:
+                    values[name] = [total, count, high, low]
+                else:
+                    entry[0] += total
+                    entry[1] += count
+                    entry[2] = max(entry[2], high)
+                    entry[3] = min(entry[3], low)
+        self.values, self.kwargs = values, kwargs
+
     def _log(self, *args: Any, **kwargs: Any) -> None:
+        if self.skip:
+            return None
         bound = self._signature.bind(*args, **kwargs)
         arguments = dict(bound.arguments)
         name, value = arguments.pop("name"), arguments.pop("value")

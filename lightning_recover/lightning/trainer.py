@@ -48,6 +48,7 @@ from lightning_recover.errors import RecoverError
 from lightning_recover.lightning.base import RecoverStrategyBase, ReplicaLauncher, build_options
 from lightning_recover.lightning.loader import StepBatch, StepLoader, epoch_position
 from lightning_recover.lightning.ranks import set_rank_zero
+from lightning_recover.lightning.sharded import ShardingConfig
 from lightning_recover.lightning.step_logs import StepLogCapture, log_step, share_logger_versions
 from lightning_recover.protocol.replica import Replica
 
@@ -57,8 +58,16 @@ _HINT_ACCUMULATE = (
 )
 
 
-def check_trainer(trainer: Any, model: Any = None) -> None:
+def check_trainer(trainer: Any, model: Any = None, replica_size: int = 1) -> None:
     """Unsupported Trainer/module combinations, refused before anything starts."""
+    if replica_size > 1 and trainer.checkpoint_callbacks:
+        names = ", ".join(sorted({type(cb).__name__ for cb in trainer.checkpoint_callbacks}))
+        raise NotImplementedError(
+            f"checkpointing ({names}) is not yet supported with replica_size={replica_size} (sharded replicas): "
+            "saving would have to gather the shards to one process, and the run would fail at its first save. "
+            "HINT: pass Trainer(enable_checkpointing=False) and no ModelCheckpoint callback; save each process's "
+            "shard yourself with torch.distributed.checkpoint (DCP) until sharded checkpoints land."
+        )
     if trainer.accumulate_grad_batches != 1:
         raise ValueError(
             f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not supported with "
@@ -91,7 +100,7 @@ class _TrainerLauncher(ReplicaLauncher):
     def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         if trainer is not None:
             model = args[0] if args and hasattr(args[0], "automatic_optimization") else None
-            check_trainer(trainer, model)  # fail in the supervisor, before starting N processes
+            check_trainer(trainer, model, self._strategy.sharding.replica_size)  # fail before starting N processes
         return super().launch(function, *args, **kwargs)
 
 
@@ -110,6 +119,13 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
         restarts: how many times the launcher restarts a failed replica.
         seed: seed of the per-epoch sample permutation (the same on every replica).
         checkpoint_io: defaults to :class:`lightning_recover.checkpoint.UringCheckpointIO`.
+        replica_size: ``K``, processes per replica (default 1). With K > 1 each replica shards the
+            LightningModule with FSDP2 over its K processes (``devices`` is ``replicas x K``): the
+            strategy calls ``configure_model``, then shards, then ``configure_optimizers``.
+            Checkpointing is not supported yet (``enable_checkpointing=False``).
+        parallelize_fn: ``fn(module, mesh) -> module`` sharding the LightningModule over the replica's
+            mesh (dimension ``"shard"``), as with Lightning's ModelParallelStrategy.
+        shard: ``"fsdp"``: shorthand that fully_shards every block and each top-level submodule.
     """
 
     strategy_name = "recover"
@@ -131,6 +147,7 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
+        self.sharding = ShardingConfig.from_options(options)
         self.options = build_options(microbatches, options)
         self.core: Optional[Replica] = None
         self._committed: Optional[list[tuple[torch.nn.Parameter, Optional[Tensor]]]] = None
@@ -141,8 +158,21 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
         self._rejoin_loggers: list[Any] = []
         self._rejoin_step: Optional[int] = None
         self._solo = False
-        if env.in_replica():  # until the group forms, the replica id is the rank: one banner, not N
-            set_rank_zero(int(os.environ[env.REPLICA]))
+        if env.in_replica():  # until the group forms, the replica id (x K + inner) is the rank: one banner, not N
+            set_rank_zero(int(os.environ[env.REPLICA]) * env.replica_size() + env.inner_rank())
+
+    @property
+    @override
+    def global_rank(self) -> int:
+        """Lightning's rank: the replica's rank among the live ones, times K, plus the inner position
+        (so only process 0 of the lowest live replica is "global zero": it logs and prints)."""
+        rank = super().global_rank
+        return rank * self.sharding.replica_size + self.core.inner if self.core is not None else rank
+
+    @property
+    @override
+    def world_size(self) -> int:
+        return super().world_size * self.sharding.replica_size
 
     @property
     def is_distributed(self) -> bool:
@@ -180,11 +210,11 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
                 self._rejoin(trainer)
         set_rank_zero(self.global_rank)
         if trainer is not None:
-            check_trainer(trainer, self.lightning_module)
+            check_trainer(trainer, self.lightning_module, self.sharding.replica_size)
             # A DistributedSampler must never be injected: the step plan decides what each replica reads.
             trainer._accelerator_connector.use_distributed_sampler = False
-            if not self._solo:
-                share_logger_versions(trainer, self.is_global_zero, self.broadcast)
+            if not self._solo:  # the K processes of a replica write the same value (store collectives are per replica)
+                share_logger_versions(trainer, self.core.rank == 0, self.broadcast)
 
     # ------------------------------------------------------------------ rejoin
     def _state_for_joiner(self) -> dict[str, Any]:
@@ -245,6 +275,12 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
         if self._rejoin_checkpoint is not None:
             # A rejoining replica resumes from the live state of its peers, not from the script's ckpt_path.
             return self._rejoin_checkpoint
+        if self.sharding.enabled:
+            raise NotImplementedError(
+                f"resuming from a checkpoint ({checkpoint_path}) is not yet supported with replica_size>1 (sharded "
+                "replicas). HINT: start without ckpt_path, or load each process's shard yourself with "
+                "torch.distributed.checkpoint (DCP) in configure_model."
+            )
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     @override
@@ -260,6 +296,13 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
+
+    @override
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """After ``configure_model``, before ``configure_optimizers``: shard the module inside the replica."""
+        if self.sharding.enabled:
+            model = self.sharding.parallelize(model, self.core.world.mesh, shard_root=False)
+        return super()._setup_model(model)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -304,8 +347,10 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
             self._solo = False
             self._rejoin_checkpoint = None
         first = (step % source.steps_per_epoch) * source.M
+        fsdp_modules = [module] if self.sharding.enabled else []
         with StepLogCapture(module) as capture:
             for j in core.run_step(step):
+                capture.skip = core.zero_slot  # a zero-contribution slot repeats a microbatch: not logged
                 core.seed_microbatch(step, j)
                 batch = trainer.precision_plugin.convert_input(source.batch(step, j))
                 batch = module._on_before_batch_transfer(batch, dataloader_idx=0)
@@ -319,6 +364,7 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
                         "strategy='recover'; skipping a microbatch would change the step for every replica."
                     )
                 core.before_backward(loss)
+                loss = self.sharding.prepare_backward(core, loss, fsdp_modules)  # zero slot, K-fold scale, sync
                 self.precision_plugin.backward(loss, module, None)
         # The step has committed: grads hold the mean over all M microbatches on every live replica.
         params = self._trainable_parameters()
@@ -327,6 +373,8 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
             p.grad = None  # out of reach of the closure's zero_grad; `backward` puts them back
         set_rank_zero(self.global_rank)
         stats = core.last_step
+        if core.world is not None:  # the K processes computed different microbatches: one capture per replica
+            capture.merge_in_replica(core.world.group)
         log_step(capture, stats, core.exchange, token.loader.samples_per_step)
         return torch.tensor(stats.loss if stats.loss is not None else float("nan"), device=self.root_device)
 
@@ -400,6 +448,12 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
     # ------------------------------------------------------------------ checkpoints
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if self.sharding.enabled:
+            raise NotImplementedError(
+                "trainer.save_checkpoint is not yet supported with replica_size>1 (sharded replicas): it would have to "
+                "gather the shards to one process. HINT: save each process's shard yourself with "
+                "torch.distributed.checkpoint (DCP) until sharded checkpoints land."
+            )
         if self._solo:
             return  # a replica still rejoining holds no step of its own to save; the members write
         if self._elect_writer():

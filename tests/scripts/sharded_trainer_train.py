@@ -1,0 +1,121 @@
+"""Training script of tests/test_sharded_trainer.py: the sharded_train.py MLP under the Trainer.
+
+    python tests/scripts/sharded_trainer_train.py OUT --replicas 2 --replica-size 2 --steps 4 --microbatches 8
+
+``RecoverTrainerStrategy(replica_size=K)`` with the model built in ``configure_model`` and sharded
+by the strategy (``--parallelize fsdp``: ``shard="fsdp"``; ``fn``: a ``parallelize_fn``). The data,
+the model and the microbatch layout are those of ``sharded_train.py``, so its ``--reference`` run
+(one process, unsharded) is the ground truth. Process 0 of every replica that finishes writes
+OUT/replica{r}.pt (full parameters, per-step stats, the refusal of ``trainer.save_checkpoint``);
+every process writes OUT/pid.r{r}.i{i} at start.
+"""
+
+import argparse
+import os
+import sys
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sharded_train import data_and_model  # noqa: E402  (same data and model as the Fabric script)
+
+from lightning_recover import RecoverTrainerStrategy  # noqa: E402
+
+
+def parallelize(module, mesh):
+    """A ModelParallelStrategy-style parallelize_fn: each Linear, then the network."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in module.net:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh["shard"])
+    fully_shard(module.net, mesh=mesh["shard"])
+    return module
+
+
+class Regressor(L.LightningModule):
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        self.out = out
+        self.net = None
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            _, self.net = data_and_model("float64")  # the same initial weights as the reference
+            core = self.trainer.strategy.core
+            with open(os.path.join(self.out, f"pid.r{core.replica_id}.i{core.inner}"), "w") as f:
+                f.write(str(os.getpid()))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch  # ONE microbatch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--replica-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--heartbeat-timeout", type=float, default=2.0)
+    parser.add_argument("--parallelize", default="fsdp", choices=["fsdp", "fn"])
+    args = parser.parse_args()
+
+    os.makedirs(args.out, exist_ok=True)
+    dataset, _ = data_and_model("float64")
+    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True)
+    shard = {"shard": "fsdp"} if args.parallelize == "fsdp" else {"parallelize_fn": parallelize}
+    strategy = RecoverTrainerStrategy(
+        microbatches=args.microbatches,
+        heartbeat_timeout=args.heartbeat_timeout,
+        heartbeat_interval=min(0.1, args.heartbeat_timeout / 5),
+        replica_size=args.replica_size,
+        **shard,
+    )
+    trainer = L.Trainer(
+        strategy=strategy,
+        devices=args.replicas * args.replica_size,
+        accelerator="cpu",
+        # The default precision leaves the float64 model and data as they are; "64-true" would build the
+        # model with float64 as the default dtype, i.e. other initial weights than the reference's.
+        max_steps=args.steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,  # sharded checkpoints are not supported yet (refused at launch)
+    )
+    model = Regressor(args.out)
+    trainer.fit(model, loader)
+    # Only replicas reach this line. full_tensor() is a collective inside the replica: all K call it.
+    core = trainer.strategy.core
+    state = {k.removeprefix("net."): v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
+    save_error = None
+    try:  # it must refuse, never gather silently
+        trainer.save_checkpoint(os.path.join(args.out, "ckpt.ckpt"))
+    except NotImplementedError as exc:
+        save_error = str(exc)
+    if core.inner == 0:
+        torch.save(
+            {
+                "state": state,
+                "stats": [vars(s) for s in core.history],
+                "replica": core.replica_id,
+                "global_step": trainer.global_step,
+                "train_loss": float(trainer.callback_metrics.get("train_loss", float("nan"))),
+                "save_error": save_error,
+            },
+            os.path.join(args.out, f"replica{core.replica_id}.pt"),
+        )
+
+
+if __name__ == "__main__":
+    main()
