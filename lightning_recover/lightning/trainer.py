@@ -149,6 +149,14 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
         )
         self.sharding = ShardingConfig.from_options(options)
         self.options = build_options(microbatches, options)
+        if self.sharding.enabled and self.options.restarts:
+            # The Trainer hands a joiner Lightning's whole checkpoint; for K > 1 that would have to be
+            # each position's local shards (Fabric's RecoverStrategy does this): not built yet.
+            raise ValueError(
+                f"restarts={self.options.restarts} with replica_size={self.sharding.replica_size}: the Trainer "
+                "cannot rejoin a sharded replica yet. HINT: use restarts=0 (the survivors finish without the "
+                "failed replica), or Fabric's RecoverStrategy, whose sharded replicas rejoin."
+            )
         self.core: Optional[Replica] = None
         self._committed: Optional[list[tuple[torch.nn.Parameter, Optional[Tensor]]]] = None
         # A restarted replica (rejoin): the Lightning checkpoint received from a live peer, the step
