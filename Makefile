@@ -11,7 +11,7 @@ demo: setup
 
 # The whole test suite (what CI runs).
 test: setup
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q --durations=25 tests
 
 # Style: ruff (lint + format check) over the whole tree, clang-format over native_io's C.
 lint:

@@ -116,6 +116,8 @@ def run_mode(
         "--out",
         out,
     ] + MODEL
+    if replica_size > 1:
+        common += ["--precision", "32-true"]  # ModelParallelStrategy (the HSDP baseline) refuses 64-true
     env = _env()
     job = [sys.executable, "-m", "lightning_recover.bench.resilience_train"]
     # The restart budget is the same for every mode that restarts: torchrun --max-restarts K in the
