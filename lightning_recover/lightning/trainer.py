@@ -39,7 +39,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.trainer.states import RunningStage
 from torch import Tensor
 from typing_extensions import override
 
@@ -50,6 +50,7 @@ from lightning_recover.lightning.loader import StepBatch, StepLoader, epoch_posi
 from lightning_recover.lightning.ranks import set_rank_zero
 from lightning_recover.lightning.sharded import ShardingConfig
 from lightning_recover.lightning.step_logs import StepLogCapture, log_step, share_logger_versions
+from lightning_recover.lightning.trainer_rejoin import adopt_checkpoint, check_rejoin_inside_fit, checkpoint_for_joiner
 from lightning_recover.protocol.replica import Replica
 
 _HINT_ACCUMULATE = (
@@ -163,7 +164,7 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
         # it resumes at, and whether it still runs alone (Lightning's start-of-fit collectives are
         # local until its first step: the members passed those points long ago).
         self._rejoin_checkpoint: Optional[dict[str, Any]] = None
-        self._rejoin_loggers: list[Any] = []
+        self._received: dict[str, Any] = {}  # what a peer handed this rejoining replica (checkpoint, loggers)
         self._rejoin_step: Optional[int] = None
         self._solo = False
         if env.in_replica():  # until the group forms, the replica id (x K + inner) is the rank: one banner, not N
@@ -224,59 +225,23 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
             if not self._solo:  # the K processes of a replica write the same value (store collectives are per replica)
                 share_logger_versions(trainer, self.core.rank == 0, self.broadcast)
 
-    # ------------------------------------------------------------------ rejoin
+    # ------------------------------------------------------------------ rejoin (lightning/trainer_rejoin.py)
     def _state_for_joiner(self) -> dict[str, Any]:
-        """Members (at the start of step s, inside ``run_step``, before any microbatch of s ran): the
-        Trainer's full checkpoint at that step boundary, handed to a rejoining replica."""
-        module = self.lightning_module
-        if module is None or module._trainer is None or module.trainer.state.fn != TrainerFn.FITTING:
-            raise RecoverError("a replica can only be admitted while the Trainer is fitting")
-        trainer = module.trainer
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        # Taken inside the step: the epoch loop has started the step's batch but not run it, which
-        # Lightning restores like a checkpoint saved mid-batch. Only the logging step differs: the
-        # loop already counted step s as stepped, and restoring from mid-batch counts it once more.
-        # The joiner built its module and datamodule from the same script: their hyper-parameters (of
-        # any type, which the weights-only loader on the joiner would refuse) are not handed over.
-        for key in ("hyper_parameters", "datamodule_hyper_parameters"):
-            checkpoint.pop(key, None)
-        epoch_loop = checkpoint["loops"]["fit_loop"]["epoch_loop.state_dict"]
-        epoch_loop["_batches_that_stepped"] = epoch_loop.get("_batches_that_stepped", 0) - 1
-        return {"checkpoint": checkpoint, "logger_versions": [logger.version for logger in trainer.loggers]}
+        return checkpoint_for_joiner(self.lightning_module)
 
     def _receive_state(self, state: dict[str, Any]) -> None:
-        self._rejoin_checkpoint = state["checkpoint"]
-        self._rejoin_loggers = list(state.get("logger_versions", []))
+        self._received = state
 
     def _rejoin(self, trainer: Any) -> None:
-        """A restarted replica: receive the live state from a peer before the fit loop starts.
-
-        The received checkpoint is restored by Lightning exactly like ``fit(ckpt_path=...)``: it is
-        pre-loaded into the checkpoint connector (and :meth:`load_checkpoint` returns it instead of
-        reading a file, should the script pass a ``ckpt_path``), so modules, callbacks, optimizers,
-        LR schedulers and the loops' progress all come from the peer's state at step ``s``.
-        """
-        replica = self.core.replica_id
-        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
-            fn = getattr(getattr(trainer, "state", None), "fn", None)
-            raise RuntimeError(
-                f"replica {replica} was restarted while the job runs and must rejoin inside `trainer.fit`, but its "
-                f"first Trainer call is {getattr(fn, 'value', fn)!r}. HINT: call trainer.fit(...) first in the "
-                "training script (evaluate after fit), or use restarts=0."
-            )
+        """A restarted replica: receive the live state from a peer before the fit loop starts; it is
+        restored like ``fit(ckpt_path=...)`` (and :meth:`load_checkpoint` returns it instead of
+        reading a file, should the script pass a ``ckpt_path``)."""
+        check_rejoin_inside_fit(trainer, self.core.replica_id)
         self._solo = True
         step = self.core.rejoin()
-        checkpoint = self._rejoin_checkpoint
-        if checkpoint is None or checkpoint.get("global_step") != step:
-            raise RecoverError(
-                f"replica {replica} received a state for step {None if checkpoint is None else checkpoint.get('global_step')} "
-                f"but the group resumes at step {step}"
-            )
+        self._rejoin_checkpoint = adopt_checkpoint(trainer, self._received, step, self.core.replica_id)
+        self._received = {}
         self._rejoin_step = step
-        for logger, version in zip(trainer.loggers, self._rejoin_loggers):
-            if "_version" in vars(logger):
-                logger._version = version  # the run's log directory, whoever writes it later
-        trainer._checkpoint_connector._loaded_checkpoint = checkpoint
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
