@@ -381,10 +381,13 @@ def supervise(
                     "No step can be agreed without it; ending the job's replicas. "
                     "HINT: restart the job from its last checkpoint."
                 )
-                # The replicas notice on their own within the same bound and exit with their own
-                # named error; give them that long, then end whatever is left (finally below).
+                # Running replicas notice on their own within the same bound and exit with their own
+                # named error; give them that long, then end whatever is left (finally below). A
+                # stopped (hung) replica never will: it is not waited for.
                 deadline = time.monotonic() + lost_after + 1.0
-                while time.monotonic() < deadline and any(c.proc.poll() is None for c in children):
+                while time.monotonic() < deadline and any(
+                    c.proc.poll() is None and not is_stopped(c.proc.pid) for c in children
+                ):
                     time.sleep(0.02)
                 return EXIT_COORDINATOR_LOST
     finally:
