@@ -17,6 +17,7 @@ averaged gradient of all ``M`` microbatches, whatever died meanwhile.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Optional, Union
@@ -247,13 +248,78 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
         self, path: Any, state: dict, storage_options: Optional[Any] = None, filter: Optional[dict] = None
     ) -> None:
         if self.sharding.enabled:
-            raise NotImplementedError(
-                "fabric.save is not yet supported with replica_size>1 (sharded replicas): it would have to gather "
-                "the shards to one process. HINT: save each process's shard yourself with "
-                "torch.distributed.checkpoint (DCP) until sharded checkpoints land."
-            )
+            if storage_options is not None or filter is not None:
+                raise NotImplementedError(
+                    "fabric.save with replica_size>1 writes a sharded DCP checkpoint directory and takes no "
+                    "storage_options or filter. HINT: put only what you want saved into `state`."
+                )
+            self._save_sharded(str(path), state)
+            return
         if self._elect_writer():
             super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+
+    def _save_sharded(self, path: str, state: dict) -> None:
+        """One replica's K processes write the checkpoint directory (the replicas hold identical shards).
+
+        The writer is the lowest live replica; every process elects it over its own survivor group, and
+        the K processes of a replica agree on the answer inside the replica (a replica that died between
+        two positions' elections could otherwise leave a replica half-writing). After the write, every
+        live replica learns how it went: a writer that died before reporting is replaced by a new
+        election among the survivors; an error is raised everywhere. Never a partial directory: the
+        writer commits it with one rename once every shard is durable (``UringStorageWriter``).
+        """
+        import torch.distributed as dist
+
+        from lightning_recover.checkpoint.sharded import save_sharded
+
+        while True:
+            flag = torch.tensor([int(self._elect_writer())], device=self.root_device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # inside this replica only
+            status, error = None, None
+            if flag.item():
+                try:
+                    save_sharded(path, state)
+                    status = "ok"
+                except Exception as exc:  # reported to every replica, then raised here
+                    status, error = f"{type(exc).__name__}: {exc}"[:2000], exc
+            reports = self.core.exchange(status)
+            if error is not None:
+                raise error
+            failed = {r: s for r, s in reports.items() if s not in (None, "ok")}
+            if failed:
+                r, s = sorted(failed.items())[0]
+                raise RuntimeError(f"replica {r} failed to write the sharded checkpoint {path}: {s}")
+            if "ok" in reports.values():
+                return
+            self.core.say(f"the replica writing {path} was lost before it finished; electing another writer")
+
+    @override
+    def load_checkpoint(
+        self,
+        path: Any,
+        state: Optional[Union[Module, Optimizer, dict[str, Any]]] = None,
+        strict: bool = True,
+        weights_only: Optional[bool] = None,
+    ) -> dict[str, Any]:
+        if not self.sharding.enabled:
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        from lightning_recover.checkpoint.sharded import is_dcp_checkpoint, load_full, load_sharded
+
+        if not is_dcp_checkpoint(path) and os.path.isfile(path):
+            raise ValueError(
+                f"{path} is a single file; with replica_size>1 fabric.load reads the sharded checkpoint directory "
+                "that fabric.save writes. HINT: convert it, or load it into an unsharded model first."
+            )
+        if weights_only is False:
+            raise ValueError("sharded checkpoints are always loaded with torch's weights_only loader")
+        if not state:
+            return load_full(path)  # every tensor full size, in every process
+        if not isinstance(state, dict):
+            raise TypeError(
+                "with replica_size>1 fabric.load restores a dict of objects. HINT: fabric.load(path, {'model': model})"
+            )
+        # every process of every replica reads its own shards (DCP over the replica's process group)
+        return load_sharded(path, state, strict=strict)
 
     @override
     def teardown(self) -> None:

@@ -1,0 +1,201 @@
+"""Sharded checkpoints of a training state (modules, optimizers, plain values) as one DCP directory.
+
+``save_sharded(path, state)`` / ``load_sharded(path, state)``: what ``fabric.save`` / ``fabric.load``
+do under ``RecoverStrategy(replica_size=K>1)``, usable on their own. Modules and optimizers become
+their (sharded) DCP state dicts (``get_model_state_dict`` / ``get_optimizer_state_dict``), objects with
+``state_dict``/``load_state_dict`` their state dicts, everything else is saved as it is (DCP writes
+non-tensors as bytes items). The collectives run over the default process group (inside a sharded
+replica: the replica's own K processes). Writing goes through :class:`UringStorageWriter` (crash-safe
+directory commit, CRC-32C sidecars), reading through :class:`UringStorageReader` (verified). Bytes
+items are read with torch's ``weights_only`` loader and ``.metadata`` with an allowlist unpickler:
+nothing read from disk reaches a plain ``pickle.load``.
+
+``load_full(path)`` rebuilds the whole checkpoint in one process with full (unsharded) tensors, the
+logic of torch's ``dcp_to_torch_save`` with the safe loaders (used by ``lightning-recover convert``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.nn import Module
+from torch.optim import Optimizer
+from torch.utils._pytree import tree_map_only
+
+from lightning_recover.checkpoint.dcp import UringStorageReader, UringStorageWriter, read_dcp_metadata
+from lightning_recover.checkpoint.format import CheckpointCorruptError
+
+__all__ = ["save_sharded", "load_sharded", "load_full", "checkpoint_keys", "is_dcp_checkpoint"]
+
+
+class _WeightsOnlyBytes:
+    """DCP's default planners load bytes items with ``torch.load(weights_only=False)``; ours do not."""
+
+    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+class SafeLoadPlanner(_WeightsOnlyBytes, DefaultLoadPlanner):
+    pass
+
+
+class SafeEmptyLoadPlanner(_WeightsOnlyBytes, _EmptyStateDictLoadPlanner):
+    pass
+
+
+@contextmanager
+def _unwrap_corruption() -> Iterator[None]:
+    """DCP turns a rank's error into ``CheckpointException`` (a ``BaseException``); a damaged checkpoint
+    is re-raised as the rank's own :class:`CheckpointCorruptError` naming the file and item."""
+    try:
+        yield
+    except CheckpointException as exc:
+        for failure in exc.failures.values():
+            err = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(err, CheckpointCorruptError):
+                raise err from exc
+        raise
+
+
+def is_dcp_checkpoint(path: str | os.PathLike) -> bool:
+    return os.path.isdir(path) and os.path.exists(os.path.join(path, ".metadata"))
+
+
+def checkpoint_keys(path: str | os.PathLike) -> set[str]:
+    """The top-level keys of the state saved at ``path`` (read from ``.metadata``, verified types only)."""
+    md = read_dcp_metadata(path)
+    if md.planner_data:
+        return {str(p[0]) for p in md.planner_data.values()}
+    return {k.split(".", 1)[0] for k in md.state_dict_metadata}
+
+
+def _is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _owner(optimizer: Optimizer, modules: dict[str, Module]) -> Module:
+    """The module whose parameters the optimizer updates (DCP keys optimizer state by parameter name)."""
+    ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for module in modules.values():
+        if ids <= {id(p) for p in module.parameters()}:
+            return module
+    raise ValueError(
+        "a sharded checkpoint keys optimizer state by parameter name, so the optimizer's module must be in the "
+        "same state. HINT: fabric.save(path, {'model': model, 'optimizer': optimizer, ...})"
+    )
+
+
+def sharded_state_dict(state: dict[str, Any]) -> dict[str, Any]:
+    """What is written: modules and optimizers as DCP (sharded) state dicts, stateful objects as their
+    state dicts, anything else as it is."""
+    modules = {k: v for k, v in state.items() if isinstance(v, Module)}
+    out: dict[str, Any] = {}
+    for key, obj in state.items():
+        if isinstance(obj, Module):
+            out[key] = get_model_state_dict(obj)
+        elif isinstance(obj, Optimizer):
+            out[key] = get_optimizer_state_dict(_owner(obj, modules), obj)
+        elif _is_stateful(obj):
+            out[key] = obj.state_dict()
+        else:
+            out[key] = obj
+    return out
+
+
+def save_sharded(path: str | os.PathLike, state: dict[str, Any], *, engine: Any = None) -> None:
+    """Write ``state`` as one DCP checkpoint directory at ``path`` (every rank of the default process
+    group, or this process alone without one, must call it). ``path`` appears complete or not at all."""
+    dcp.save(sharded_state_dict(state), storage_writer=UringStorageWriter(str(path), engine=engine))
+
+
+def load_sharded(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True) -> dict[str, Any]:
+    """Restore ``state`` in place from the DCP checkpoint at ``path``; return the saved entries not asked for.
+
+    Modules and optimizers get their shards (resharded if the checkpoint was written by another number
+    of processes), stateful objects their state dicts; a plain value in ``state`` is replaced by the
+    saved one. ``strict``: every key of ``state`` must be in the checkpoint, every module/optimizer
+    entry complete. Damaged shards raise ``CheckpointCorruptError``; nothing is half-restored then,
+    because every value is read and verified before any object is updated.
+    """
+    path = str(path)
+    saved = checkpoint_keys(path)
+    missing = sorted(set(state) - saved)
+    if strict and missing:
+        raise KeyError(
+            f"{path} has no {', '.join(map(repr, missing))} (it holds {', '.join(sorted(saved))}). "
+            "HINT: pass strict=False to restore only what the checkpoint holds."
+        )
+    objs = {k: v for k, v in state.items() if k in saved and (isinstance(v, (Module, Optimizer)) or _is_stateful(v))}
+    if objs:
+        # copies: the state dicts share storage with parameters and optimizer state, and a shard that fails
+        # its checksum after others were copied in must leave the objects untouched
+        sd = tree_map_only(torch.Tensor, lambda t: t.detach().clone(), sharded_state_dict(objs))
+        with _unwrap_corruption():
+            dcp.load(
+                sd,
+                storage_reader=UringStorageReader(path),
+                planner=SafeLoadPlanner(allow_partial_load=not strict),
+            )
+    plain = saved - set(objs)
+    extras: dict[str, Any] = {}
+    if plain:
+        # dcp.load would load into a copy of the (empty) dict; this is what torch's dcp_to_torch_save calls
+        with _unwrap_corruption():
+            _load_state_dict(
+                extras,
+                storage_reader=UringStorageReader(path),
+                planner=SafeEmptyLoadPlanner(keys=plain),
+                no_dist=not (dist.is_available() and dist.is_initialized()),
+            )
+    modules = {k: v for k, v in objs.items() if isinstance(v, Module)}
+    options = StateDictOptions(strict=strict)
+    for key, obj in objs.items():
+        if isinstance(obj, Module):
+            set_model_state_dict(obj, sd[key], options=options)
+        elif isinstance(obj, Optimizer):
+            set_optimizer_state_dict(_owner(obj, modules), obj, optim_state_dict=sd[key], options=options)
+        else:
+            obj.load_state_dict(sd[key])
+    for key in list(state):
+        if key in extras:
+            state[key] = extras.pop(key)
+    return extras
+
+
+def load_full(path: str | os.PathLike, keys: Optional[set[str]] = None, *, verify: bool = True) -> dict[str, Any]:
+    """The whole checkpoint (or the top-level ``keys``) in this process, every tensor full size.
+
+    torch's ``dcp_to_torch_save`` logic (the state dict is rebuilt from ``.metadata``), read through
+    :class:`UringStorageReader` with the safe loaders; needs no process group.
+    """
+    out: dict[str, Any] = {}
+    with _unwrap_corruption():
+        _load_state_dict(
+            out,
+            storage_reader=UringStorageReader(str(path), verify=verify),
+            planner=SafeEmptyLoadPlanner(keys=keys),
+            no_dist=True,
+        )
+    return out
