@@ -9,6 +9,7 @@ without a process group (2 x 2 shards -> 1, full tensors equal to the parameters
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -33,7 +34,7 @@ def _job(out: str, *extra: str):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_sharded_save_resume_and_stock_load(tmp_path):
+def test_sharded_save_resume_and_stock_load(tmp_path, capsys):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
@@ -66,6 +67,20 @@ def test_sharded_save_resume_and_stock_load(tmp_path):
     dcp.load(full, storage_reader=FileSystemReader(ckpt))
     assert max_relative_difference(full["model"], saved) == 0.0
     assert max_relative_difference(saved, reference) > 1e-3  # step 2 is not the end state
+
+    # lightning-recover inspect / convert on the 2-shard directory
+    from lightning_recover.cli import main
+
+    code = main(["inspect", ckpt, "--json"])
+    summary = json.loads(capsys.readouterr().out)
+    assert code == 0 and summary["verified"] and [f["rank"] for f in summary["files"]] == [0, 1]
+    items = {i["name"]: i for i in summary["items"]}
+    chunks = items["model.2.weight"]["chunks"]  # (32, 32) split in rows over the replica's 2 processes
+    assert items["model.2.weight"]["shape"] == [32, 32] and [c["shape"] for c in chunks] == [[16, 32], [16, 32]]
+    assert sorted(c["file"] for c in chunks) == ["__0_0.distcp", "__1_0.distcp"]
+    assert main(["convert", ckpt, str(tmp_path / "full.pt")]) == 0
+    converted = torch.load(str(tmp_path / "full.pt"), weights_only=True)
+    assert max_relative_difference(converted["model"], saved) == 0.0 and converted["step"] == SAVE_AT
 
     second = _job(str(tmp_path / "run2"), "--resume", ckpt)
     for r, data in second.items():

@@ -17,6 +17,7 @@ logic of torch's ``dcp_to_torch_save`` with the safe loaders (used by ``lightnin
 from __future__ import annotations
 
 import os
+import pickle
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Optional
@@ -41,7 +42,7 @@ from torch.optim import Optimizer
 from torch.utils._pytree import tree_map_only
 
 from lightning_recover.checkpoint.dcp import UringStorageReader, UringStorageWriter, read_dcp_metadata
-from lightning_recover.checkpoint.format import CheckpointCorruptError
+from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
 
 __all__ = ["save_sharded", "load_sharded", "load_full", "checkpoint_keys", "is_dcp_checkpoint"]
 
@@ -76,6 +77,10 @@ def _unwrap_corruption() -> Iterator[None]:
             err = failure[0] if isinstance(failure, tuple) else failure
             if isinstance(err, CheckpointCorruptError):
                 raise err from exc
+            if isinstance(err, pickle.UnpicklingError):
+                raise UnsafeCheckpointError(
+                    f"a saved item is not loadable with torch's weights_only loader ({err}); refusing to unpickle it"
+                ) from exc
         raise
 
 
@@ -184,18 +189,21 @@ def load_sharded(path: str | os.PathLike, state: dict[str, Any], *, strict: bool
     return extras
 
 
-def load_full(path: str | os.PathLike, keys: Optional[set[str]] = None, *, verify: bool = True) -> dict[str, Any]:
+def load_full(
+    path: str | os.PathLike, keys: Optional[set[str]] = None, *, verify: bool = True, allow_pickle: bool = False
+) -> dict[str, Any]:
     """The whole checkpoint (or the top-level ``keys``) in this process, every tensor full size.
 
     torch's ``dcp_to_torch_save`` logic (the state dict is rebuilt from ``.metadata``), read through
-    :class:`UringStorageReader` with the safe loaders; needs no process group.
+    :class:`UringStorageReader` with the safe loaders; needs no process group. ``allow_pickle``: bytes
+    items with torch's full unpickler (only for checkpoints you trust).
     """
     out: dict[str, Any] = {}
     with _unwrap_corruption():
         _load_state_dict(
             out,
             storage_reader=UringStorageReader(str(path), verify=verify),
-            planner=SafeEmptyLoadPlanner(keys=keys),
+            planner=(_EmptyStateDictLoadPlanner if allow_pickle else SafeEmptyLoadPlanner)(keys=keys),
             no_dist=True,
         )
     return out
