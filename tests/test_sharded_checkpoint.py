@@ -1,10 +1,11 @@
 """fabric.save / fabric.load with sharded replicas (replica_size=K>1): one DCP checkpoint directory.
 
-Run 1: 2 replicas x 2 processes, 4 steps, ``fabric.save`` after step 2 (then trains on). Run 2: a fresh
+Run 1: 2 replicas x 2 processes, 4 steps, ``fabric.save`` after step 2 (then trains on): each
+replica writes about half of the items (4 shard files). Run 2: a fresh
 2 x 2 job that ``fabric.load``s that checkpoint and trains steps 2..3. Both end equal to the
 unsharded single-process reference (float64, relative difference <= 1e-9), the checkpoint verifies
 (CRC-32C of every shard) and loads with stock ``dcp.load`` + ``FileSystemReader`` into one process
-without a process group (2 x 2 shards -> 1, full tensors equal to the parameters at step 2).
+without a process group (4 shard files -> 1 process, full tensors equal to the parameters at step 2).
 """
 
 from __future__ import annotations
@@ -54,12 +55,14 @@ def test_sharded_save_resume_and_stock_load(tmp_path, capsys):
         assert max_relative_difference(data["state"], reference) <= TOL, f"run 1 replica {r}"
     saved = first[0]["saved_state"]
 
-    # one replica's 2 processes wrote: 2 shard files, each with its checksum sidecar, nothing else
+    # both replicas wrote about half of the items each (2 processes each): 4 shard files + sidecars
     names = sorted(os.listdir(ckpt))
-    assert names == [".metadata", "__0_0.crc.json", "__0_0.distcp", "__1_0.crc.json", "__1_0.distcp"], names
+    assert names == [".metadata"] + [f"__{i}_0.{ext}" for i in range(4) for ext in ("crc.json", "distcp")], names
     assert not [n for n in os.listdir(tmp_path) if ".dcp-tmp-" in n]
     info = verify_dcp_checkpoint(ckpt)
-    assert info["verified"] and info["files"] == 2
+    assert info["verified"] and info["files"] == 4
+    sizes = [os.path.getsize(os.path.join(ckpt, f"__{i}_0.distcp")) for i in range(4)]
+    assert min(sizes[0] + sizes[1], sizes[2] + sizes[3]) > 0.3 * sum(sizes), sizes
 
     # stock reader, one process, no process group: resharded 2 x 2 -> 1, full tensors
     assert not dist.is_initialized()
@@ -73,11 +76,11 @@ def test_sharded_save_resume_and_stock_load(tmp_path, capsys):
 
     code = main(["inspect", ckpt, "--json"])
     summary = json.loads(capsys.readouterr().out)
-    assert code == 0 and summary["verified"] and [f["rank"] for f in summary["files"]] == [0, 1]
+    assert code == 0 and summary["verified"] and [f["rank"] for f in summary["files"]] == [0, 1, 2, 3]
     items = {i["name"]: i for i in summary["items"]}
     chunks = items["model.2.weight"]["chunks"]  # (32, 32) split in rows over the replica's 2 processes
     assert items["model.2.weight"]["shape"] == [32, 32] and [c["shape"] for c in chunks] == [[16, 32], [16, 32]]
-    assert sorted(c["file"] for c in chunks) == ["__0_0.distcp", "__1_0.distcp"]
+    assert sorted(c["file"] for c in chunks) in (["__0_0.distcp", "__1_0.distcp"], ["__2_0.distcp", "__3_0.distcp"])
     assert main(["convert", ckpt, str(tmp_path / "full.pt")]) == 0
     converted = torch.load(str(tmp_path / "full.pt"), weights_only=True)
     assert max_relative_difference(converted["model"], saved) == 0.0 and converted["step"] == SAVE_AT
@@ -156,3 +159,32 @@ def test_metadata_with_foreign_globals_is_refused(tmp_path):
     (path / ".metadata").write_bytes(pickle.dumps(Evil()))
     with pytest.raises(UnsafeCheckpointError, match="system"):
         read_dcp_metadata(path)
+
+
+def test_parts_written_separately_merge_into_one_checkpoint(tmp_path):
+    """What two replicas do in fabric.save, in one process: each writes its part, one commits."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from lightning_recover.checkpoint import verify_dcp_checkpoint
+    from lightning_recover.checkpoint.sharded import assign_parts, commit_parts, load_sharded, part_count, save_part
+
+    assert assign_parts({"a": 10, "b": 6, "c": 5, "d": 1}, 2) == [["a", "d"], ["b", "c"]]
+    assert len(assign_parts({"a": 1}, 3)) == 1
+    model, optimizer = _model_and_optimizer(0)
+    state = {"model": model, "optimizer": optimizer, "step": 5}
+    path = str(tmp_path / "ck")
+    assert part_count(state, 2) == 2
+    for q in range(2):
+        save_part(path, state, "t0k3n", q, 2, base=q)
+    assert not os.path.exists(path)  # nothing visible before the commit
+    commit_parts(path, state, "t0k3n", 2)
+    assert sorted(n for n in os.listdir(path) if n.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert verify_dcp_checkpoint(path)["files"] == 2 and os.listdir(tmp_path) == ["ck"]  # temp dir renamed
+    model2, optimizer2 = _model_and_optimizer(1)
+    restored = {"model": model2, "optimizer": optimizer2, "step": 0}
+    assert load_sharded(path, restored) == {} and restored["step"] == 5
+    assert max_relative_difference(model2.state_dict(), model.state_dict()) == 0.0
+    full = {"model": {k: torch.empty_like(v) for k, v in model.state_dict().items()}}
+    dcp.load(full, storage_reader=FileSystemReader(path))
+    assert max_relative_difference(full["model"], model.state_dict()) == 0.0

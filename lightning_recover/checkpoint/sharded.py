@@ -16,8 +16,10 @@ logic of torch's ``dcp_to_torch_save`` with the safe loaders (used by ``lightnin
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Optional
@@ -41,7 +43,14 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_map_only
 
-from lightning_recover.checkpoint.dcp import UringStorageReader, UringStorageWriter, read_dcp_metadata
+from lightning_recover.checkpoint.dcp import (
+    UringStorageReader,
+    UringStorageWriter,
+    _commit_dir,
+    read_dcp_metadata,
+    temp_dir_for,
+)
+from lightning_recover.checkpoint.files import fsync_dir
 from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
 
 __all__ = ["save_sharded", "load_sharded", "load_full", "checkpoint_keys", "is_dcp_checkpoint"]
@@ -207,3 +216,101 @@ def load_full(
             no_dist=True,
         )
     return out
+
+
+# ------------------------------------------------------------------ one checkpoint written by several replicas
+
+
+def _item_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()  # a DTensor's numel is the global one
+    return 1024
+
+
+def assign_parts(sizes: dict[str, int], parts: int) -> list[list[str]]:
+    """Split the items into at most ``parts`` non-empty groups of about equal bytes (largest first, each
+    to the lightest group); deterministic, so every process computes the same split."""
+    groups: list[list[str]] = [[] for _ in range(max(1, min(parts, len(sizes))))]
+    load = [0] * len(groups)
+    for key in sorted(sizes, key=lambda k: (-sizes[k], k)):
+        g = load.index(min(load))
+        groups[g].append(key)
+        load[g] += sizes[key]
+    return groups
+
+
+def _flat(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    return flatten_state_dict(sharded_state_dict(state))
+
+
+def part_count(state: dict[str, Any], replicas: int) -> int:
+    return len(assign_parts({k: _item_bytes(v) for k, v in _flat(state)[0].items()}, replicas))
+
+
+class _PartWriter(UringStorageWriter):
+    """One replica's share of a checkpoint spread over replicas: files ``__{base+i}_0.distcp`` in the
+    temporary directory of ``token`` (shared by every replica); ``finish`` leaves this part's metadata
+    as ``.metadata.part{part}`` there and commits nothing (:func:`commit_parts` does, once all parts are in)."""
+
+    def __init__(self, path: str, token: str, part: int, base: int) -> None:
+        super().__init__(path)
+        self._token, self._part, self._base = token, part, base
+
+    def prepare_global_plan(self, plans: list) -> list:
+        from lightning_recover.checkpoint.dcp import _UringPrefix
+
+        return [
+            dataclasses.replace(p, storage_data=_UringPrefix(f"__{self._base + i}_", self._token))
+            for i, p in enumerate(plans)
+        ]
+
+    def finish(self, metadata: Any, results: list) -> None:
+        from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_data = {wr.index: wr.storage_data for wr_list in results for wr in wr_list}
+        _write_durable(os.path.join(temp_dir_for(str(self.path), self._token), f".metadata.part{self._part}"), metadata)
+        self._tmp = None
+
+
+def _write_durable(path: str, obj: Any) -> None:
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(obj, f)  # what FileSystemWriter.finish writes for .metadata
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+    fsync_dir(os.path.dirname(path))
+
+
+def save_part(path: str | os.PathLike, state: dict[str, Any], token: str, part: int, parts: int, base: int) -> None:
+    """Write part ``part`` of ``parts`` of ``state`` (every rank of this replica's process group calls it)."""
+    flat, _ = _flat(state)
+    mine = assign_parts({k: _item_bytes(v) for k, v in flat.items()}, parts)[part]
+    dcp.save({k: flat[k] for k in mine}, storage_writer=_PartWriter(str(path), token, part, base))
+
+
+def commit_parts(path: str | os.PathLike, state: dict[str, Any], token: str, parts: int) -> None:
+    """Merge the parts' metadata into one ``.metadata`` and commit the directory (one process calls it)."""
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    path = str(path)
+    tmp = temp_dir_for(path, token)
+    mds = [read_dcp_metadata(tmp, f".metadata.part{q}") for q in range(parts)]
+    _, mappings = _flat(state)
+    md = Metadata(state_dict_metadata={}, storage_data={}, version=mds[0].version)
+    for m in mds:
+        md.state_dict_metadata.update(m.state_dict_metadata)
+        md.storage_data.update(m.storage_data)
+    md.planner_data = {k: mappings[k] for k in md.state_dict_metadata}  # nested paths in the whole state
+    md.storage_meta = StorageMeta(checkpoint_id=path)
+    _write_durable(os.path.join(tmp, ".metadata"), md)
+    for q in range(parts):
+        os.unlink(os.path.join(tmp, f".metadata.part{q}"))
+    fsync_dir(tmp)
+    _commit_dir(tmp, path)
+
+
+def abandon_parts(path: str | os.PathLike, token: str) -> None:
+    shutil.rmtree(temp_dir_for(str(path), token), ignore_errors=True)

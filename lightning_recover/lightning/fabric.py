@@ -259,39 +259,77 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
             super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
     def _save_sharded(self, path: str, state: dict) -> None:
-        """One replica's K processes write the checkpoint directory (the replicas hold identical shards).
+        """Every live replica writes about 1/R of the items of one checkpoint directory.
 
-        The writer is the lowest live replica; every process elects it over its own survivor group, and
-        the K processes of a replica agree on the answer inside the replica (a replica that died between
-        two positions' elections could otherwise leave a replica half-writing). After the write, every
-        live replica learns how it went: a writer that died before reporting is replaced by a new
-        election among the survivors; an error is raised everywhere. Never a partial directory: the
-        writer commits it with one rename once every shard is durable (``UringStorageWriter``).
+        The replicas hold identical shards, so the items are split by size over the Q live replicas
+        (deterministically, the same split everywhere); replica q's K processes write part q with
+        ``dcp.save`` over the replica's own process group into one shared temporary directory. Once
+        every part is reported written, the lowest live replica merges the parts' metadata and commits
+        the directory with one rename (``commit_parts``). Who is live is agreed per inner position
+        through the store, then intersected inside each replica (``all_reduce(MIN)``), so every process
+        of every replica sees the same set; the temporary name is the lowest replica's token at inner
+        position 0, broadcast inside each replica. A part lost with its replica means no commit and a
+        new round among the survivors; an error is raised on every replica. Never a partial directory.
         """
+        import secrets
+
         import torch.distributed as dist
 
-        from lightning_recover.checkpoint.sharded import save_sharded
+        from lightning_recover.checkpoint import sharded
 
+        core, device = self.core, self.root_device
         while True:
-            flag = torch.tensor([int(self._elect_writer())], device=self.root_device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # inside this replica only
-            status, error = None, None
-            if flag.item():
+            # The K processes of a replica write the same store key in an exchange, so each replica
+            # contributes one value, agreed inside it first.
+            mine = torch.tensor([secrets.randbits(62)], dtype=torch.int64, device=device)
+            dist.broadcast(mine, src=0)
+            seen = core.exchange(int(mine.item()))
+            members = torch.tensor([int(r in seen) for r in range(self.num_replicas)], device=device)
+            dist.all_reduce(members, op=dist.ReduceOp.MIN)  # inside this replica only
+            live = [r for r in range(self.num_replicas) if members[r]]
+            token = f"{seen[live[0]]:016x}"
+            parts = sharded.part_count(state, len(live))
+            q = live.index(core.replica_id)
+            error = None
+            if q < parts:
                 try:
-                    save_sharded(path, state)
-                    status = "ok"
-                except Exception as exc:  # reported to every replica, then raised here
-                    status, error = f"{type(exc).__name__}: {exc}"[:2000], exc
-            reports = self.core.exchange(status)
+                    sharded.save_part(path, state, token, q, parts, base=q * self.sharding.replica_size)
+                except Exception as exc:
+                    error = exc
+            failed_here = torch.tensor([int(error is not None)], device=device)
+            dist.all_reduce(failed_here, op=dist.ReduceOp.MAX)
+            reports = core.exchange(("error" if failed_here.item() else "ok") if q < parts else None)
             if error is not None:
                 raise error
-            failed = {r: s for r, s in reports.items() if s not in (None, "ok")}
+            failed = sorted(r for r, s in reports.items() if s == "error")
             if failed:
-                r, s = sorted(failed.items())[0]
-                raise RuntimeError(f"replica {r} failed to write the sharded checkpoint {path}: {s}")
-            if "ok" in reports.values():
+                raise RuntimeError(
+                    f"replica {failed[0]} failed to write its part of the sharded checkpoint {path} (its own "
+                    "processes raised the cause)"
+                )
+            complete = torch.tensor([int(all(reports.get(r) == "ok" for r in live[:parts]))], device=device)
+            dist.all_reduce(complete, op=dist.ReduceOp.MIN)
+            committer = q == 0
+            outcome = torch.tensor([0], device=device)  # committer: 1 committed, 2 failed
+            if committer and core.inner == 0:
+                try:
+                    if complete.item():
+                        sharded.commit_parts(path, state, token, parts)
+                        outcome[0] = 1
+                    else:
+                        sharded.abandon_parts(path, token)
+                except Exception as exc:
+                    outcome[0], error = 2, exc
+            dist.broadcast(outcome, src=0)
+            done = core.exchange(int(outcome.item()) if committer else None)
+            if error is not None:
+                raise error
+            result = done.get(live[0])
+            if result == 2:
+                raise RuntimeError(f"replica {live[0]} failed to commit the sharded checkpoint {path}")
+            if result == 1:
                 return
-            self.core.say(f"the replica writing {path} was lost before it finished; electing another writer")
+            core.say(f"a replica writing {path} was lost before the checkpoint was committed; writing it again")
 
     @override
     def load_checkpoint(
