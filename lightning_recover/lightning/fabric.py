@@ -267,9 +267,9 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
         every part is reported written, the lowest live replica merges the parts' metadata and commits
         the directory with one rename (``commit_parts``). Who is live is agreed per inner position
         through the store, then intersected inside each replica (``all_reduce(MIN)``), so every process
-        of every replica sees the same set; the temporary name is the lowest replica's token at inner
-        position 0, broadcast inside each replica. A part lost with its replica means no commit and a
-        new round among the survivors; an error is raised on every replica. Never a partial directory.
+        of every replica sees the same set; the temporary name is the lowest live replica's random
+        token. A part lost with its replica means no commit and a new round among the survivors; an
+        error is raised on every replica. Never a partial directory.
         """
         import secrets
 
