@@ -25,7 +25,10 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
-    module = importlib.import_module(f"lightning_recover.bench.{_BENCH_MODULES[args.what]}")
+    name = _BENCH_MODULES[args.what]
+    if args.what == "checkpoint" and getattr(args, "ranks", None):
+        name = "dcp_ranks"  # sharded DCP save by N processes
+    module = importlib.import_module(f"lightning_recover.bench.{name}")
     return int(module.main(args) or 0)
 
 
@@ -65,6 +68,13 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--size-gb", type=float, default=2.0, help="state size in GB")
     p.add_argument("--repeat", type=int, default=3, help="interleaved repetitions; medians are reported")
     p.add_argument("--methods", default=None, help="comma-separated subset of methods")
+    p.add_argument(
+        "--ranks",
+        default=None,
+        help="e.g. 1,2,4: instead, a sharded DCP save by N processes (UringStorageWriter vs FileSystemWriter "
+        "thread_count 1 and 4 vs fio numjobs=N), for each N",
+    )
+    p.add_argument("--small", type=int, default=2048, help="with --ranks: small tensors per rank (0: skip)")
     common(p)
 
     p = kinds.add_parser("async", help="time blocked per checkpoint and time to durability vs async peers")

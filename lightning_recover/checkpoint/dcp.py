@@ -24,6 +24,7 @@ import io
 import json
 import mmap
 import os
+import pickle
 import secrets
 import shutil
 import threading
@@ -52,9 +53,15 @@ from torch.futures import Future
 
 from lightning_recover.checkpoint.engine import resolve_engine
 from lightning_recover.checkpoint.files import fsync_dir
-from lightning_recover.checkpoint.format import CheckpointCorruptError
+from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
 
-__all__ = ["UringStorageWriter", "UringStorageReader", "verify_dcp_checkpoint", "cleanup_dcp_temps"]
+__all__ = [
+    "UringStorageWriter",
+    "UringStorageReader",
+    "verify_dcp_checkpoint",
+    "cleanup_dcp_temps",
+    "read_dcp_metadata",
+]
 
 ALIGN = 4096
 SIDECAR_SUFFIX = ".crc.json"
@@ -394,6 +401,70 @@ def _load_sidecars(path: str, relative_paths: set[str]) -> dict[str, dict]:
     return found
 
 
+# What a ``.metadata`` pickle may name (measured with torch 2.13: DCP's dataclasses, torch.Size, dtypes,
+# the layout decoder, the memory-format enum, the checkpoint path). Anything else is refused.
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", n)
+    for n in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(
+            f"DCP .metadata refers to {module}.{name}, which is not a DCP metadata type; refusing to load it"
+        )
+
+
+def read_dcp_metadata(path: str | os.PathLike, file_name: str = ".metadata") -> Metadata:
+    """``path/.metadata`` unpickled with an allowlist of DCP's own metadata types (no arbitrary globals).
+
+    Raises :class:`CheckpointCorruptError` when it is missing or unreadable, :class:`UnsafeCheckpointError`
+    when it names anything outside the allowlist.
+    """
+    p = str(path)
+    mpath = os.path.join(p, file_name)
+    if not os.path.exists(mpath):
+        hint = "the directory does not exist" if not os.path.isdir(p) else f"it has no {file_name}"
+        raise CheckpointCorruptError(
+            f"{p} is not a complete DCP checkpoint: {hint} (a save that did not finish leaves its files under "
+            f".{os.path.basename(p)}{_TMP_MARK}*); load the previous checkpoint",
+            path=p,
+        )
+    with open(mpath, "rb") as f:
+        try:
+            md = _MetadataUnpickler(f).load()
+        except UnsafeCheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointCorruptError(
+                f"{mpath}: unreadable DCP metadata ({type(exc).__name__}: {exc})", path=mpath
+            ) from None
+    if not isinstance(md, Metadata):
+        raise CheckpointCorruptError(f"{mpath}: holds a {type(md).__name__}, not DCP Metadata", path=mpath)
+    return md
+
+
 class UringStorageReader(FileSystemReader):
     """DCP ``StorageReader`` reading through ``native_io`` and verifying CRC-32C sidecars when present.
 
@@ -413,15 +484,13 @@ class UringStorageReader(FileSystemReader):
         self._sidecars = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        p = str(self.path)
-        if not os.path.exists(self._get_metadata_path(kwargs.get("rank"))):
-            hint = "the directory does not exist" if not os.path.isdir(p) else "it has no .metadata"
-            raise CheckpointCorruptError(
-                f"{p} is not a complete DCP checkpoint: {hint} (a save that did not finish leaves its files under "
-                f".{os.path.basename(p)}{_TMP_MARK}*); load the previous checkpoint",
-                path=p,
-            )
-        return super().read_metadata(*args, **kwargs)
+        # FileSystemReader.read_metadata is a bare pickle.load; ours allows DCP's metadata types only
+        rank = kwargs.get("rank")
+        md = read_dcp_metadata(self.path, os.path.basename(self._get_metadata_path(rank)))
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
 
     def _sidecar_index(self) -> dict[str, dict]:
         if self._sidecars is None:

@@ -51,6 +51,17 @@ def inspect_main(args: argparse.Namespace) -> int:
     path = args.checkpoint
     verify = not getattr(args, "no_verify", False)
     as_json = getattr(args, "json", False)
+    if os.path.isdir(path):  # a sharded (DCP) checkpoint directory
+        from lightning_recover.checkpoint.dcp_tools import inspect_dcp, print_dcp
+
+        summary, code = inspect_dcp(path, verify)
+        if as_json:
+            print(json.dumps(summary))
+        elif "items" not in summary:
+            print(f"error: {summary['error']}", file=sys.stderr)
+        else:
+            print_dcp(summary, verify, _human)
+        return code
     try:
         if verify:
             info, damaged = verify_file(path)
@@ -132,7 +143,12 @@ def convert_main(args: argparse.Namespace) -> int:
     path, out = args.checkpoint, args.output
     unsafe = getattr(args, "unsafe_pickle", False)
     try:
-        ckpt = load(path, map_location="cpu", weights_only=not unsafe)
+        if os.path.isdir(path):  # a sharded (DCP) checkpoint directory: gathered into full tensors
+            from lightning_recover.checkpoint.dcp_tools import convert_dcp
+
+            ckpt = convert_dcp(path, unsafe)
+        else:
+            ckpt = load(path, map_location="cpu", weights_only=not unsafe)
     except UnsafeCheckpointError as e:
         print(f"error: {e}\n(use --unsafe-pickle only if you trust this file)", file=sys.stderr)
         return EXIT_REFUSED

@@ -2,6 +2,8 @@
 
     python tests/scripts/sharded_train.py OUT --replicas 2 --replica-size 2 --steps 4 --microbatches 8
     python tests/scripts/sharded_train.py OUT --reference ...   # one process, unsharded, same M microbatches
+    ... --save-step S --ckpt DIR     # fabric.save a sharded DCP checkpoint after S steps, then go on
+    ... --resume DIR                 # fabric.load it after setup and continue from the saved step
 
 Process 0 of every replica that finishes writes OUT/replica{r}.pt (full parameters, per-step
 stats); every process writes OUT/pid.r{r}.i{i} at start so tests can check none is left over.
@@ -46,6 +48,13 @@ def reference(args) -> None:
     torch.save({"state": {k: v.clone() for k, v in model.state_dict().items()}}, os.path.join(args.out, "reference.pt"))
 
 
+def full_state(model) -> dict:
+    # full_tensor() is a collective inside the replica: every process of it calls it.
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()
+    }
+
+
 def train(args) -> None:
     import lightning as L
 
@@ -68,8 +77,14 @@ def train(args) -> None:
     open(os.path.join(args.out, f"pid.r{core.replica_id}.i{core.inner}"), "w").write(str(os.getpid()))
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    start, saved_state = 0, None
+    if args.resume:
+        ckpt = {"model": model, "optimizer": optimizer, "step": -1}
+        rest = fabric.load(args.resume, ckpt)
+        assert rest == {}, f"unrequested entries returned: {sorted(rest)}"
+        start = ckpt["step"]
     stats = []
-    for step in fabric.strategy.steps(loader, max_steps=args.steps):
+    for step in fabric.strategy.steps(loader, max_steps=args.steps, start_step=start):
         for xb, yb in step:
             fabric.backward(torch.nn.functional.mse_loss(model(xb), yb))
         optimizer.step()
@@ -77,10 +92,10 @@ def train(args) -> None:
         stats.append(vars(step.stats))
         if args.slow_while_degraded and step.stats.live_replicas < args.replicas:
             time.sleep(args.slow_while_degraded)  # gives a restarted replica time to rejoin before the end
-    # full_tensor() is a collective inside the replica: every process of it calls it.
-    state = {
-        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()
-    }
+        if args.save_step == step.index + 1:
+            fabric.save(args.ckpt, {"model": model, "optimizer": optimizer, "step": step.index + 1})
+            saved_state = full_state(model)
+    state = full_state(model)
     local_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     local_bytes += sum(
         t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else 0
@@ -88,11 +103,6 @@ def train(args) -> None:
         for t in s.values()
         if torch.is_tensor(t)
     )
-    save_error = None
-    try:  # sharded checkpoints are not supported yet: it must refuse, never gather silently
-        fabric.save(os.path.join(args.out, "ckpt"), {"model": model})
-    except NotImplementedError as exc:
-        save_error = str(exc)
     if core.inner == 0:
         torch.save(
             {
@@ -100,7 +110,7 @@ def train(args) -> None:
                 "stats": stats,
                 "replica": core.replica_id,
                 "local_bytes": local_bytes,
-                "save_error": save_error,
+                "saved_state": saved_state,
             },
             os.path.join(args.out, f"replica{core.replica_id}.pt"),
         )
@@ -118,6 +128,9 @@ def main() -> None:
     parser.add_argument("--reference", action="store_true")
     parser.add_argument("--restarts", type=int, default=0, help="restart a failed replica up to N times (rejoin)")
     parser.add_argument("--slow-while-degraded", type=float, default=0.0, help="sleep after a step with a replica down")
+    parser.add_argument("--save-step", type=int, default=0)
+    parser.add_argument("--ckpt", default=None)
+    parser.add_argument("--resume", default=None)
     parser.add_argument("--dtype", default="float64", choices=["float64", "float32"])
     args = parser.parse_args()
     reference(args) if args.reference else train(args)
