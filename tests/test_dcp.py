@@ -183,7 +183,7 @@ def test_torn_save_keeps_previous_and_is_refused(tmp_path, monkeypatch):
     def crash(tmp, path):
         raise KeyboardInterrupt("simulated crash at commit")
 
-    monkeypatch.setattr(dcp_mod, "_commit_dir", crash)
+    monkeypatch.setattr(dcp_mod, "commit_dir", crash)
     with pytest.raises(BaseException, match="simulated crash"):
         dcp.save(new, storage_writer=UringStorageWriter(p))
     monkeypatch.undo()

@@ -161,7 +161,7 @@ def _renameat2_exchange(a: str, b: str) -> bool:
     raise OSError(err, f"renameat2(RENAME_EXCHANGE) {a} <-> {b}: {os.strerror(err)}")
 
 
-def _commit_dir(tmp: str, path: str) -> None:
+def commit_dir(tmp: str, path: str) -> None:
     """Make ``tmp`` (complete and durable) visible as ``path`` in one step, then fsync the parent."""
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.lexists(path):
@@ -202,7 +202,7 @@ def cleanup_dcp_temps(parent: str) -> list[str]:
 
 
 @dataclasses.dataclass
-class _UringPrefix(_StoragePrefix):
+class UringPrefix(_StoragePrefix):
     """Per-rank storage data of the global plan: file prefix and the temporary directory all ranks share."""
 
     tmp_token: str = ""
@@ -256,13 +256,13 @@ class UringStorageWriter(FileSystemWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         token = secrets.token_hex(6)  # chosen once, on the coordinator, and sent to every rank
-        return [dataclasses.replace(p, storage_data=_UringPrefix(f"__{i}_", token)) for i, p in enumerate(plans)]
+        return [dataclasses.replace(p, storage_data=UringPrefix(f"__{i}_", token)) for i, p in enumerate(plans)]
 
     # -- writing -----------------------------------------------------------------------------------
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         sd = plan.storage_data
-        if not isinstance(sd, _UringPrefix):
+        if not isinstance(sd, UringPrefix):
             raise RuntimeError("UringStorageWriter got a plan it did not prepare; use it for every rank of the save")
         self._tmp = tmp = temp_dir_for(str(self.path), sd.tmp_token)
         os.makedirs(tmp, exist_ok=True)
@@ -364,7 +364,7 @@ class UringStorageWriter(FileSystemWriter):
         finally:
             self.path = final
         fsync_dir(tmp)
-        _commit_dir(tmp, str(final))
+        commit_dir(tmp, str(final))
         self._tmp = None
 
     def storage_meta(self) -> StorageMeta | None:

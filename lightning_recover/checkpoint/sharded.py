@@ -46,7 +46,7 @@ from torch.utils._pytree import tree_map_only
 from lightning_recover.checkpoint.dcp import (
     UringStorageReader,
     UringStorageWriter,
-    _commit_dir,
+    commit_dir,
     read_dcp_metadata,
     temp_dir_for,
 )
@@ -259,10 +259,10 @@ class _PartWriter(UringStorageWriter):
         self._token, self._part, self._base = token, part, base
 
     def prepare_global_plan(self, plans: list) -> list:
-        from lightning_recover.checkpoint.dcp import _UringPrefix
+        from lightning_recover.checkpoint.dcp import UringPrefix
 
         return [
-            dataclasses.replace(p, storage_data=_UringPrefix(f"__{self._base + i}_", self._token))
+            dataclasses.replace(p, storage_data=UringPrefix(f"__{self._base + i}_", self._token))
             for i, p in enumerate(plans)
         ]
 
@@ -309,7 +309,7 @@ def commit_parts(path: str | os.PathLike, state: dict[str, Any], token: str, par
     for q in range(parts):
         os.unlink(os.path.join(tmp, f".metadata.part{q}"))
     fsync_dir(tmp)
-    _commit_dir(tmp, path)
+    commit_dir(tmp, path)
 
 
 def abandon_parts(path: str | os.PathLike, token: str) -> None:
