@@ -1,0 +1,82 @@
+"""A sharded checkpoint written by every live replica: one DCP directory, each replica ~1/R of it.
+
+What ``fabric.save`` does under ``RecoverStrategy(replica_size=K>1)``. The replicas hold identical
+shards, so the items are split by size over the Q live replicas (deterministically, the same split
+everywhere); replica q's K processes write part q with ``dcp.save`` over the replica's own process
+group into one shared temporary directory. Once every part is reported written, the lowest live
+replica merges the parts' metadata and commits the directory with one rename (``commit_parts``).
+Who is live is agreed per inner position through the store, then intersected inside each replica
+(``all_reduce(MIN)``), so every process of every replica sees the same set; the temporary name is
+the lowest live replica's random token. A part lost with its replica means no commit and a new
+round among the survivors; an error is raised on every replica. Never a partial directory.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_recover.checkpoint import sharded
+
+
+def save_over_live_replicas(
+    replica: Any, path: str, state: dict, *, num_replicas: int, replica_size: int, device: torch.device
+) -> None:
+    """Called by every process of every live replica; ``replica`` is the protocol's ``Replica``
+    façade (exchange over live replicas, say), the default process group is the replica's own."""
+
+    while True:
+        # The K processes of a replica write the same store key in an exchange, so each replica
+        # contributes one value, agreed inside it first.
+        mine = torch.tensor([secrets.randbits(62)], dtype=torch.int64, device=device)
+        dist.broadcast(mine, src=0)
+        seen = replica.exchange(int(mine.item()))
+        members = torch.tensor([int(r in seen) for r in range(num_replicas)], device=device)
+        dist.all_reduce(members, op=dist.ReduceOp.MIN)  # inside this replica only
+        live = [r for r in range(num_replicas) if members[r]]
+        token = f"{seen[live[0]]:016x}"
+        parts = sharded.part_count(state, len(live))
+        q = live.index(replica.replica_id)
+        error = None
+        if q < parts:
+            try:
+                sharded.save_part(path, state, token, q, parts, base=q * replica_size)
+            except Exception as exc:
+                error = exc
+        failed_here = torch.tensor([int(error is not None)], device=device)
+        dist.all_reduce(failed_here, op=dist.ReduceOp.MAX)
+        reports = replica.exchange(("error" if failed_here.item() else "ok") if q < parts else None)
+        if error is not None:
+            raise error
+        failed = sorted(r for r, s in reports.items() if s == "error")
+        if failed:
+            raise RuntimeError(
+                f"replica {failed[0]} failed to write its part of the sharded checkpoint {path} (its own "
+                "processes raised the cause)"
+            )
+        complete = torch.tensor([int(all(reports.get(r) == "ok" for r in live[:parts]))], device=device)
+        dist.all_reduce(complete, op=dist.ReduceOp.MIN)
+        committer = q == 0
+        outcome = torch.tensor([0], device=device)  # committer: 1 committed, 2 failed
+        if committer and replica.inner == 0:
+            try:
+                if complete.item():
+                    sharded.commit_parts(path, state, token, parts)
+                    outcome[0] = 1
+                else:
+                    sharded.abandon_parts(path, token)
+            except Exception as exc:
+                outcome[0], error = 2, exc
+        dist.broadcast(outcome, src=0)
+        done = replica.exchange(int(outcome.item()) if committer else None)
+        if error is not None:
+            raise error
+        result = done.get(live[0])
+        if result == 2:
+            raise RuntimeError(f"replica {live[0]} failed to commit the sharded checkpoint {path}")
+        if result == 1:
+            return
+        replica.say(f"a replica writing {path} was lost before the checkpoint was committed; writing it again")
