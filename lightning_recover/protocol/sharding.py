@@ -2,11 +2,11 @@
 
 A replica of K processes shards its model with stock FSDP2 over a world of its own: each replica
 *incarnation* gets a default process group over ``PrefixStore(f"rep{r}/inc{n}", coordinator)``
-(rank = inner position, size = K) and a 1-D device mesh ``("shard",)``, or, with a
-tensor-parallel degree tp > 1, a 2-D mesh ``("shard", "tp")`` of shape ``(K // tp, tp)``: row-major,
-so the tp processes of one data position are consecutive inner ranks (position d = inner // tp). Never one world of all
-R*K processes: ``new_group`` needs every process, so it cannot run after a death, and a restarted
-process cannot join a fixed-size world. Nothing inside a replica talks to another replica; the
+(rank = inner position, size = K) and a 1-D device mesh ``("shard",)``, or, with a tensor-parallel
+degree tp > 1, a 2-D mesh ``("shard", "tp")`` of shape ``(K // tp, tp)``: row-major, so the tp
+processes of one data position are consecutive inner ranks (position d = inner // tp). Never one
+world of all R*K processes: ``new_group`` needs every process, so it cannot run after a death, and
+a restarted process cannot join a fixed-size world. Nothing inside a replica talks to another replica; the
 replicate dimension is the survivor groups of :class:`Membership` (one per inner position).
 
 The replica is the failure unit. A process whose mate died is stuck in an intra-replica
