@@ -234,7 +234,7 @@ REJOIN_STEPS = 30  # the survivors sleep 1 s after each degraded step, until the
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("launch", ["fabric", "torchrun"])
+@pytest.mark.parametrize("launch", ["fabric", "torchrun", "fabric-tp"])
 def test_restarted_replica_of_two_rejoins_with_its_shards(tmp_path, reference, launch):
     """Process 1 of replica 1 is killed; the whole replica is ended and restarted (Fabric's
     ``restarts=1`` / ``torchrun --max-restarts 1``): two fresh processes, each receiving its shard
@@ -245,10 +245,11 @@ def test_restarted_replica_of_two_rejoins_with_its_shards(tmp_path, reference, l
         replicas=3,
         microbatches=10,
         inject="kill:replica=1:inner=1:step=1:phase=backward",
-        cli=None if launch == "fabric" else "torchrun",
+        cli="torchrun" if launch == "torchrun" else None,
         steps=REJOIN_STEPS,
         extra=("--slow-while-degraded", "1"),
         restarts=1,
+        tp=2 if launch == "fabric-tp" else 1,  # pure TP: the joiner also receives the replicated plain parameters
     )
     states = check(result, pids, reference(10, steps=REJOIN_STEPS), survivors=[0, 1, 2], replicas=3, steps=REJOIN_STEPS)
     rejoined = states[1]["stats"]
