@@ -92,7 +92,9 @@ class RecoverStrategyBase(ReplicaRanks):
         backend: str = "gloo",
     ) -> Replica:
         self.options.resolve_microbatches(self.num_replicas)
-        self.core = Replica.from_env(self.options, params, backend=backend)
+        sharding = getattr(self, "sharding", None)
+        tp = sharding.tensor_parallel if sharding is not None else 1
+        self.core = Replica.from_env(self.options, params, backend=backend, tensor_parallel=tp)
         self.core.set_state_hooks(get_state, set_state)
         self.core.start()
         return self.core

@@ -98,6 +98,9 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
         parallelize_fn: ``fn(module, mesh) -> module`` sharding the model over the replica's mesh
             (dimension ``"shard"``), as with Lightning's ModelParallelStrategy.
         shard: ``"fsdp"``: shorthand that fully_shards every block (instead of parallelize_fn).
+        tensor_parallel: ``tp``, a tensor-parallel dimension inside each replica (default 1; tp
+            divides K; needs ``parallelize_fn``). The mesh becomes ``("shard", "tp")`` of shape
+            ``(K // tp, tp)``; the tp processes of one data position compute the same microbatch.
     """
 
     strategy_name = "recover"

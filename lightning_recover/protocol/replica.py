@@ -74,10 +74,17 @@ class Replica:
         secret: Optional[JobSecret] = None,
         inner: int = 0,
         replica_size: int = 1,
+        tensor_parallel: int = 1,
     ) -> None:
         self.options = options
         self.M = options.resolve_microbatches(num_replicas)
         self.inner, self.replica_size = inner, replica_size
+        if tensor_parallel < 1 or replica_size % tensor_parallel:
+            raise ValueError(
+                f"tensor_parallel={tensor_parallel} does not divide this replica's {replica_size} processes. "
+                "HINT: the processes per replica (replica_size / --nproc-per-replica) must be a multiple of tp."
+            )
+        self.tensor_parallel = tensor_parallel  # tp processes of the replica per data position
         self.group = Membership(
             addr,
             replica,
@@ -105,6 +112,7 @@ class Replica:
             inner=inner,
             replica_size=replica_size,
             intra_group=lambda: self.world.group if self.world is not None else None,
+            tensor_parallel=tensor_parallel,
         )
         self._injector = injector  # None: the plan in the environment, for this incarnation
         self._fault_listeners: list[Callable[[Fault, float], None]] = []
@@ -118,7 +126,11 @@ class Replica:
 
     @classmethod
     def from_env(
-        cls, options: RecoverOptions, params: Callable[[], Sequence[torch.nn.Parameter]], backend: str = "gloo"
+        cls,
+        options: RecoverOptions,
+        params: Callable[[], Sequence[torch.nn.Parameter]],
+        backend: str = "gloo",
+        tensor_parallel: int = 1,
     ) -> Replica:
         found = read_replica_env()  # every variable parsed and range-checked, with a HINT if bad
         return cls(
@@ -130,6 +142,7 @@ class Replica:
             backend=backend,
             inner=env.inner_rank(),
             replica_size=env.replica_size(),
+            tensor_parallel=tensor_parallel,
         )
 
     # ------------------------------------------------------------------ identity
@@ -194,7 +207,9 @@ class Replica:
             from lightning_recover.protocol.sharding import ReplicaWorld
 
             device = "cuda" if self.group.backend == "nccl" else "cpu"
-            self.world = ReplicaWorld.start(self.group, self.replica_size, self.inner, device_type=device)
+            self.world = ReplicaWorld.start(
+                self.group, self.replica_size, self.inner, device_type=device, tensor_parallel=self.tensor_parallel
+            )
 
     def set_state_hooks(self, get_state: Callable[[], dict], set_state: Callable[[dict], None]) -> None:
         """How to read and overwrite the training state handed to a rejoining replica."""

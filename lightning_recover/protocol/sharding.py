@@ -2,9 +2,11 @@
 
 A replica of K processes shards its model with stock FSDP2 over a world of its own: each replica
 *incarnation* gets a default process group over ``PrefixStore(f"rep{r}/inc{n}", coordinator)``
-(rank = inner position, size = K) and a 1-D device mesh ``("shard",)``. Never one world of all
-R*K processes: ``new_group`` needs every process, so it cannot run after a death, and a restarted
-process cannot join a fixed-size world. Nothing inside a replica talks to another replica; the
+(rank = inner position, size = K) and a 1-D device mesh ``("shard",)``, or, with a tensor-parallel
+degree tp > 1, a 2-D mesh ``("shard", "tp")`` of shape ``(K // tp, tp)``: row-major, so the tp
+processes of one data position are consecutive inner ranks (position d = inner // tp). Never one
+world of all R*K processes: ``new_group`` needs every process, so it cannot run after a death, and
+a restarted process cannot join a fixed-size world. Nothing inside a replica talks to another replica; the
 replicate dimension is the survivor groups of :class:`Membership` (one per inner position).
 
 The replica is the failure unit. A process whose mate died is stuck in an intra-replica
@@ -42,11 +44,15 @@ class ReplicaWorld:
     inner: int
     size: int
     mesh: Any
+    tensor_parallel: int
     _membership: Membership
     _stop: threading.Event
+    _store: Any = None
 
     @classmethod
-    def start(cls, membership: Membership, size: int, inner: int, device_type: str = "cpu") -> ReplicaWorld:
+    def start(
+        cls, membership: Membership, size: int, inner: int, device_type: str = "cpu", tensor_parallel: int = 1
+    ) -> ReplicaWorld:
         from torch.distributed.device_mesh import init_device_mesh
 
         r, n = membership.replica, membership.incarnation
@@ -56,15 +62,23 @@ class ReplicaWorld:
                 "HINT: do not call init_process_group yourself under strategy='recover' with replica_size>1."
             )
         backend = "nccl" if device_type == "cuda" else "gloo"
+        # Keep the store object alive as long as the world: it is a Python dist.Store subclass, and once
+        # it is garbage collected every later new_group over the default store (the 2-D mesh's
+        # per-dimension groups) fails with "INTERNAL ASSERT FAILED ... Not implemented" (torch 2.13).
+        store = membership.store.prefixed(f"rep{r}/inc{n}")
         dist.init_process_group(
             backend,
-            store=membership.store.prefixed(f"rep{r}/inc{n}"),
+            store=store,
             rank=inner,
             world_size=size,
             timeout=datetime.timedelta(seconds=membership.collective_timeout),
         )
-        mesh = init_device_mesh(device_type, (size,), mesh_dim_names=("shard",))
-        world = cls(r, n, inner, size, mesh, membership, threading.Event())
+        tp = tensor_parallel
+        if tp == 1:
+            mesh = init_device_mesh(device_type, (size,), mesh_dim_names=("shard",))
+        else:  # row-major: inner = d * tp + t, so mesh["tp"] is the tp consecutive ranks of position d
+            mesh = init_device_mesh(device_type, (size // tp, tp), mesh_dim_names=("shard", "tp"))
+        world = cls(r, n, inner, size, mesh, tp, membership, threading.Event(), store)
         threading.Thread(target=world._watch, name=f"lr-watchdog-{r}.{inner}", daemon=True).start()
         return world
 

@@ -66,6 +66,7 @@ class StepProtocol:
         inner: int = 0,
         replica_size: int = 1,
         intra_group: Callable[[], object] | None = None,
+        tensor_parallel: int = 1,
     ) -> None:
         self.membership = membership
         self.collectives = collectives
@@ -85,6 +86,11 @@ class StepProtocol:
         # caller must run a zero-contribution microbatch (loss * 0) to keep FSDP's collectives.
         self.inner = inner
         self.replica_size = replica_size
+        # With a tensor-parallel dimension of tp processes, the replica's data width is K // tp:
+        # the tp processes of data position inner // tp all compute the same microbatch.
+        self.tensor_parallel = tensor_parallel
+        self.data_width = replica_size // tensor_parallel
+        self.data_position = inner // tensor_parallel
         self._intra_group = intra_group  # the replica's own process group (sums loss stats)
         self.zero_slot = False
         # True during the last round of a list: only then need FSDP reduce-scatter inside the
@@ -119,7 +125,7 @@ class StepProtocol:
         ids = plan_quotas(step, range(self.M), group.members, weights)[group.replica]
         recovering_since: float | None = None
         while True:
-            slots = list(rounds(ids, self.inner, self.replica_size))
+            slots = list(rounds(ids, self.data_position, self.data_width))
             for n, (j, mine) in enumerate(slots):
                 start = time.perf_counter()
                 progress.note("compute")
@@ -198,9 +204,13 @@ class StepProtocol:
         device = grads[0].device if grads else torch.device("cpu")
         extra = torch.stack([loss.reshape(()).float().cpu(), torch.tensor(float(self._loss_count))]).to(device)
         if self.replica_size > 1 and self._intra_group is not None:
-            # Loss statistics of the whole replica (its K processes computed different microbatches).
+            # Loss statistics of the whole replica (its data positions computed different microbatches).
+            # The tp processes of one data position computed the same microbatches: only the first
+            # one contributes, so each microbatch is counted once.
             import torch.distributed as dist
 
+            if self.inner % self.tensor_parallel:
+                extra.zero_()
             dist.all_reduce(extra, group=self._intra_group())
         flat = _flatten_by_dtype(grads, extra)
         self.fire(step, "reduce")
@@ -240,6 +250,9 @@ def rounds(ids: Sequence[int], inner: int, replica_size: int) -> Iterator[tuple[
     Yields ``(id, mine)``: in round k the process computes ``ids[k*K + inner]`` (mine=True); in a
     short last round a process with nothing left yields the round's first id with mine=False, a
     zero-contribution microbatch that keeps it in step with FSDP's collectives.
+
+    With a tensor-parallel dimension the caller passes the *data* position and width
+    (``inner // tp``, ``K // tp``): the tp processes of one data position get the same slots.
     """
     if replica_size == 1:
         for j in ids:

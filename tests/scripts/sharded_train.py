@@ -4,6 +4,7 @@
     python tests/scripts/sharded_train.py OUT --reference ...   # one process, unsharded, same M microbatches
     ... --save-step S --ckpt DIR     # fabric.save a sharded DCP checkpoint after S steps, then go on
     ... --resume DIR                 # fabric.load it after setup and continue from the saved step
+    python tests/scripts/sharded_train.py OUT --replica-size 2 --tp 2 ...  # tensor parallel inside a replica
 
 Process 0 of every replica that finishes writes OUT/replica{r}.pt (full parameters, per-step
 stats); every process writes OUT/pid.r{r}.i{i} at start so tests can check none is left over.
@@ -29,6 +30,19 @@ def data_and_model(dtype: str = "float64"):
     if dtype == "float32":  # same values, rounded: gloo's float32 path differs from float64's in FSDP2
         return TensorDataset(x.float(), y.float()), model.float()
     return TensorDataset(x, y), model
+
+
+def parallelize_tp(model, mesh):
+    """``--tp``: ColwiseParallel/RowwiseParallel on the MLP's first Linear pair over mesh["tp"]; the
+    last Linear (32 -> 1) stays plain, replicated over tp. With a data width K // tp > 1, FSDP2 then
+    shards every parameter over mesh["shard"] (2-D: TP parameters become ("shard", "tp") DTensors)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    if mesh["shard"].size() > 1:
+        fully_shard(model, mesh=mesh["shard"])
+    return model
 
 
 def reference(args) -> None:
@@ -67,8 +81,8 @@ def train(args) -> None:
         heartbeat_timeout=args.heartbeat_timeout,
         heartbeat_interval=min(0.1, args.heartbeat_timeout / 5),
         replica_size=args.replica_size,
-        shard="fsdp",
         restarts=args.restarts,
+        **({"tensor_parallel": args.tp, "parallelize_fn": parallelize_tp} if args.tp > 1 else {"shard": "fsdp"}),
     )
     fabric = L.Fabric(strategy=strategy, devices=args.replicas * args.replica_size, accelerator="cpu")
     fabric.launch()
@@ -96,7 +110,9 @@ def train(args) -> None:
             fabric.save(args.ckpt, {"model": model, "optimizer": optimizer, "step": step.index + 1})
             saved_state = full_state(model)
     state = full_state(model)
-    local_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    local_bytes = sum(
+        (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in model.parameters()
+    )
     local_bytes += sum(
         t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else 0
         for s in optimizer.state.values()
@@ -121,6 +137,7 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--replica-size", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree inside a replica")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=4)
