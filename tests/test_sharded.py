@@ -173,33 +173,36 @@ def test_float32_sharded_replicas(tmp_path, reference):
 
 
 # Several faults per job (one per step, different replicas), so the matrix costs few process
-# start-ups on a 2-core CI machine. case: (replicas, M, faults, in-step recoveries, launcher).
-# M=12 over 4 replicas of 2 and M=10 over 3: quotas of 3 (or 4, 3, 3) ids taken in rounds of 2,
-# so replicas run zero-contribution slots.
+# start-ups on a 2-core CI machine; SIGKILL in every phase. case: (replicas, M, faults, in-step
+# recoveries, launcher). M=12 over 4 replicas of 2: quotas of 3 ids taken in rounds of 2, so
+# replicas run zero-contribution slots (and other quotas once replicas are lost).
 FAULTS = {
-    # SIGKILL of one process in the backward, the reduce and the commit phase; through the CLI launcher
-    "kill-backward-reduce-commit": (
+    # SIGKILL of one process in the forward, the backward and the reduce; through the CLI launcher
+    "kill-forward-backward-reduce": (
         4,
         12,
-        "kill:replica=1:inner=1:step=1:phase=backward,kill:replica=2:inner=0:step=2:phase=reduce,"
-        "kill:replica=3:inner=1:step=3:phase=commit",
+        "kill:replica=1:inner=1:step=1:phase=forward,kill:replica=2:inner=0:step=2:phase=backward,"
+        "kill:replica=3:inner=1:step=3:phase=reduce",
         3,
         "run",
     ),
-    # an exception after the commit (recovered in the next step), then a SIGSTOPped (hung) process
-    "raise-optimizer-hang-forward": (
+    # SIGKILL in the commit and (after the commit) in the optimizer phase, then a SIGSTOPped (hung) process
+    "kill-commit-optimizer-hang-forward": (
+        4,
+        12,
+        "kill:replica=1:inner=0:step=1:phase=commit,kill:replica=2:inner=1:step=2:phase=optimizer,"
+        "hang:replica=3:inner=0:step=4:phase=forward",
         3,
-        10,
-        "raise:replica=1:inner=0:step=1:phase=optimizer,hang:replica=2:inner=0:step=3:phase=forward",
-        2,
         None,
     ),
-    # two replicas lost in one step, the second while it recomputes the first one's microbatches
-    "kill-then-kill-recompute": (
+    # two replicas lost in one step, the second while it recomputes the first one's microbatches,
+    # then an exception after a commit
+    "kill-then-kill-recompute-raise-optimizer": (
+        4,
+        12,
+        "kill:replica=1:inner=1:step=1:phase=backward,kill:replica=2:inner=0:step=1:phase=recompute,"
+        "raise:replica=3:inner=0:step=2:phase=optimizer",
         3,
-        10,
-        "kill:replica=1:inner=1:step=1:phase=backward,kill:replica=2:inner=0:step=1:phase=recompute",
-        2,
         None,
     ),
 }

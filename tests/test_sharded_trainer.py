@@ -37,30 +37,38 @@ def reference(tmp_path_factory):
     )
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    cache: dict[int, dict] = {}
+    cache: dict[tuple[int, int], dict] = {}
 
-    def get(microbatches: int) -> dict:
-        if microbatches not in cache:
-            out = str(tmp_path_factory.mktemp(f"ref{microbatches}"))
-            args = SimpleNamespace(out=out, steps=STEPS, microbatches=microbatches, batch_size=4, dtype="float64")
+    def get(microbatches: int, steps: int = STEPS) -> dict:
+        if (microbatches, steps) not in cache:
+            out = str(tmp_path_factory.mktemp(f"ref{microbatches}_{steps}"))
+            args = SimpleNamespace(out=out, steps=steps, microbatches=microbatches, batch_size=4, dtype="float64")
             script.reference(args)
-            cache[microbatches] = torch.load(os.path.join(out, "reference.pt"))["state"]
-        return cache[microbatches]
+            cache[microbatches, steps] = torch.load(os.path.join(out, "reference.pt"))["state"]
+        return cache[microbatches, steps]
 
     return get
 
 
-def trainer_job(out: str, replicas: int, microbatches: int, parallelize: str, inject: str | None = None):
+def trainer_job(
+    out: str,
+    replicas: int,
+    microbatches: int,
+    parallelize: str,
+    inject: str | None = None,
+    steps: int = STEPS,
+    extra: tuple[str, ...] = (),
+):
     cmd = [sys.executable, SCRIPT, out, "--replicas", str(replicas), "--replica-size", "2"]
-    cmd += ["--steps", str(STEPS), "--microbatches", str(microbatches), "--parallelize", parallelize]
+    cmd += ["--steps", str(steps), "--microbatches", str(microbatches), "--parallelize", parallelize, *extra]
     result = run_job(cmd, out, timeout=400, env={"LIGHTNING_RECOVER_INJECT": inject} if inject else None)
     pids = {os.path.basename(p): int(open(p).read()) for p in glob.glob(os.path.join(out, "pid.*"))}
     return result, pids
 
 
-def check_logs_and_refusal(states: dict) -> None:
+def check_logs_and_refusal(states: dict, steps: int = STEPS) -> None:
     for data in states.values():
-        assert data["global_step"] == STEPS
+        assert data["global_step"] == steps
         # self.log("train_loss") in training_step: merged over the K processes of each replica and over
         # the replicas, zero-contribution slots left out, so it is the step's mean loss (logged in float32)
         assert abs(data["train_loss"] - data["stats"][-1]["loss"]) <= 1e-6 * abs(data["stats"][-1]["loss"])
@@ -79,18 +87,27 @@ def test_trainer_two_replicas_of_two_failure_free(tmp_path, reference):
     assert not os.path.exists(os.path.join(str(tmp_path), "ckpt.ckpt"))
 
 
+REJOIN_STEPS = 30  # the survivors sleep 1 s after each degraded step, until the restarted replica is back
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(500)
-def test_trainer_three_replicas_of_two_lose_one(tmp_path, reference):
+def test_trainer_replica_of_two_is_lost_and_rejoins(tmp_path, reference):
     """R=3, K=2, M=10 (quotas 4, 3, 3: zero-contribution slots), shard='fsdp'; one process of replica 1
-    is killed in the backward of step 1: the whole replica leaves, the survivors equal the reference."""
+    is killed in the backward of step 1: the whole replica leaves, the survivors recompute its
+    microbatches in that step, and the replica restarts (restarts=1): each of its two new processes
+    restores Lightning's checkpoint from the process at its position in a live replica (its local
+    shards). All three replicas end equal to the unsharded reference."""
     inject = "kill:replica=1:inner=1:step=1:phase=backward"
-    result, pids = trainer_job(str(tmp_path), replicas=3, microbatches=10, parallelize="fsdp", inject=inject)
-    states = check(result, pids, reference(10), survivors=[0, 2], replicas=3)
-    stats = states[0]["stats"]
-    assert stats[0]["live_replicas"] == 3 and stats[-1]["live_replicas"] == 2
-    assert sum(s["recoveries"] for s in stats) == 1
-    check_logs_and_refusal(states)
+    extra = ("--restarts", "1", "--slow-while-degraded", "1")
+    result, pids = trainer_job(str(tmp_path), 3, 10, "fsdp", inject=inject, steps=REJOIN_STEPS, extra=extra)
+    states = check(result, pids, reference(10, REJOIN_STEPS), survivors=[0, 1, 2], replicas=3, steps=REJOIN_STEPS)
+    assert "restarting replica 1 (1/1)" in result.output
+    survivor, rejoined = states[0]["stats"], states[1]["stats"]
+    assert survivor[1]["live_replicas"] == 2 and survivor[1]["recoveries"] == 1
+    assert survivor[-1]["live_replicas"] == 3, "the quotas include the rejoined replica again"
+    assert 1 < rejoined[0]["step"] < REJOIN_STEPS - 1, "it rejoined mid-run"
+    check_logs_and_refusal(states, REJOIN_STEPS)
 
 
 # --------------------------------------------------------------------------- in process, fast
@@ -135,8 +152,6 @@ def test_sharded_trainer_validates_the_job_shape_before_starting():
         _fit(RecoverTrainerStrategy(microbatches=4, replica_size=2, shard="fsdp"), devices=3)
     with pytest.raises(ValueError, match="microbatches=1 is smaller than replica_size=2"):
         _fit(RecoverTrainerStrategy(microbatches=1, replica_size=2, shard="fsdp"), devices=2)
-    with pytest.raises(ValueError, match="restarts=1 with replica_size=2.*HINT"):
-        _fit(RecoverTrainerStrategy(microbatches=4, replica_size=2, shard="fsdp", restarts=1))
     with pytest.raises(ValueError, match="replica_size=2 needs a way to shard the model"):
         RecoverTrainerStrategy(replica_size=2)
 

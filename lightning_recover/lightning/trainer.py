@@ -48,7 +48,12 @@ from lightning_recover.errors import RecoverError
 from lightning_recover.lightning.base import RecoverStrategyBase, ReplicaLauncher, build_options
 from lightning_recover.lightning.loader import StepBatch, StepLoader, epoch_position
 from lightning_recover.lightning.ranks import set_rank_zero
-from lightning_recover.lightning.sharded import ShardingConfig
+from lightning_recover.lightning.sharded import (
+    ShardingConfig,
+    load_local_module_state,
+    local_shards,
+    optimizer_state_from_local,
+)
 from lightning_recover.lightning.step_logs import StepLogCapture, log_step, share_logger_versions
 from lightning_recover.lightning.trainer_rejoin import adopt_checkpoint, check_rejoin_inside_fit, checkpoint_for_joiner
 from lightning_recover.protocol.replica import Replica
@@ -150,14 +155,6 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
         )
         self.sharding = ShardingConfig.from_options(options)
         self.options = build_options(microbatches, options)
-        if self.sharding.enabled and self.options.restarts:
-            # The Trainer hands a joiner Lightning's whole checkpoint; for K > 1 that would have to be
-            # each position's local shards (Fabric's RecoverStrategy does this): not built yet.
-            raise ValueError(
-                f"restarts={self.options.restarts} with replica_size={self.sharding.replica_size}: the Trainer "
-                "cannot rejoin a sharded replica yet. HINT: use restarts=0 (the survivors finish without the "
-                "failed replica), or Fabric's RecoverStrategy, whose sharded replicas rejoin."
-            )
         self.core: Optional[Replica] = None
         self._committed: Optional[list[tuple[torch.nn.Parameter, Optional[Tensor]]]] = None
         # A restarted replica (rejoin): the Lightning checkpoint received from a live peer, the step
@@ -227,7 +224,22 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
 
     # ------------------------------------------------------------------ rejoin (lightning/trainer_rejoin.py)
     def _state_for_joiner(self) -> dict[str, Any]:
-        return checkpoint_for_joiner(self.lightning_module)
+        state = checkpoint_for_joiner(self.lightning_module)
+        # Sharded: this process's local shards, for the joiner's process at the same inner position.
+        return local_shards(state) if self.sharding.enabled else state
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if not self.sharding.enabled:  # (sharded: only a rejoin restores, from a peer's local shards)
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        load_local_module_state(self.lightning_module, checkpoint["state_dict"])
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        if not self.sharding.enabled:
+            return super().load_optimizer_state_dict(checkpoint)
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            optimizer.load_state_dict(optimizer_state_from_local(optimizer, state))
 
     def _receive_state(self, state: dict[str, Any]) -> None:
         self._received = state

@@ -13,6 +13,7 @@ every process writes OUT/pid.r{r}.i{i} at start.
 import argparse
 import os
 import sys
+import time
 
 import lightning as L
 import torch
@@ -33,6 +34,18 @@ def parallelize(module, mesh):
             fully_shard(layer, mesh=mesh["shard"])
     fully_shard(module.net, mesh=mesh["shard"])
     return module
+
+
+class SlowWhileDegraded(L.Callback):
+    """Sleeps after each step run with a replica missing: a restarted replica has time to rejoin."""
+
+    def __init__(self, replicas: int, seconds: float) -> None:
+        self.replicas, self.seconds = replicas, seconds
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        stats = trainer.strategy.core.last_step
+        if self.seconds and stats is not None and stats.live_replicas < self.replicas:
+            time.sleep(self.seconds)
 
 
 class Regressor(L.LightningModule):
@@ -68,6 +81,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--heartbeat-timeout", type=float, default=2.0)
     parser.add_argument("--parallelize", default="fsdp", choices=["fsdp", "fn"])
+    parser.add_argument("--restarts", type=int, default=0, help="restart a failed replica up to N times (rejoin)")
+    parser.add_argument("--slow-while-degraded", type=float, default=0.0, help="sleep after a step with a replica down")
     args = parser.parse_args()
 
     os.makedirs(args.out, exist_ok=True)
@@ -79,6 +94,7 @@ def main() -> None:
         heartbeat_timeout=args.heartbeat_timeout,
         heartbeat_interval=min(0.1, args.heartbeat_timeout / 5),
         replica_size=args.replica_size,
+        restarts=args.restarts,
         **shard,
     )
     trainer = L.Trainer(
@@ -92,6 +108,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,  # sharded checkpoints are not supported yet (refused at launch)
+        callbacks=[SlowWhileDegraded(args.replicas, args.slow_while_degraded)],
     )
     model = Regressor(args.out)
     trainer.fit(model, loader)
