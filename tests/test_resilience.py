@@ -68,19 +68,23 @@ def assert_matches_reference(result, reference_state, survivors):
 
 
 PHASES = ["forward", "backward", "reduce", "commit", "optimizer"]
-KINDS = ["kill", "hang", "raise"]  # "stall" (deadlock) has its own test below
+
+
+# kill in every phase; hang and raise alternating over the phases (each also covered in-process)
+PLANS = {"kill": ["kill"] * 5, "hang-raise": ["hang", "raise", "hang", "raise", "hang"]}
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("kind", KINDS)
-def test_one_failure_in_every_phase(tmp_path, reference, kind):
-    """One job per kind covers every phase: 6 replicas, and in step s = 1..5 replica s fails in
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_one_failure_in_every_phase(tmp_path, reference, plan):
+    """One job per plan covers every phase: 6 replicas, and in step s = 1..5 replica s fails in
     phase PHASES[s-1] (one failure per step, so each is its own in-step recovery; a failure after
     the commit, in the optimizer phase, is recovered in the next step). Replica 0 ends alone and
     must equal the failure-free run; the lost quotas were recomputed exactly once.
     (tests/test_protocol_inprocess.py checks each phase on its own, in-process.)"""
     replicas, steps, microbatches = 6, 7, 12
-    inject = ",".join(f"{kind}:replica={s}:step={s}:phase={phase}" for s, phase in enumerate(PHASES, start=1))
+    kinds = PLANS[plan]
+    inject = ",".join(f"{kinds[s - 1]}:replica={s}:step={s}:phase={phase}" for s, phase in enumerate(PHASES, start=1))
     result = fabric_job(
         str(tmp_path),
         replicas=replicas,
@@ -98,31 +102,8 @@ def test_one_failure_in_every_phase(tmp_path, reference, kind):
     live = [s["live_replicas"] for s in stats]
     assert live[0] == 6 and live[-1] == 1 and live == sorted(live, reverse=True), live
     assert sum(s["recoveries"] for s in stats) == len(PHASES), "one in-step recovery per failure"
-    if kind == "hang":
-        assert result.output.count("was hung; killed it") == len(PHASES), result.output[-3000:]
-
-
-def test_two_failures_in_the_same_step(tmp_path, reference):
-    ref = reference(replicas=4, microbatches=8)
-    result = fabric_job(
-        str(tmp_path),
-        replicas=4,
-        microbatches=8,
-        inject="kill:replica=1:step=2:phase=backward,kill:replica=3:step=2:phase=reduce",
-    )
-    assert_matches_reference(result, ref, survivors=[0, 2])
-
-
-def test_two_failures_at_different_steps_one_hung(tmp_path, reference):
-    ref = reference(replicas=4, microbatches=8)
-    result = fabric_job(
-        str(tmp_path),
-        replicas=4,
-        microbatches=8,
-        inject="kill:replica=2:step=1:phase=forward,hang:replica=0:step=3:phase=backward",
-    )
-    states = assert_matches_reference(result, ref, survivors=[1, 3])
-    assert [s["live_replicas"] for s in states[1]["stats"]] == [4, 3, 3, 2]
+    hung = kinds.count("hang")
+    assert result.output.count("was hung; killed it") == hung, result.output[-3000:]
 
 
 def test_cascading_failure_during_recovery(tmp_path, reference):
@@ -138,18 +119,22 @@ def test_cascading_failure_during_recovery(tmp_path, reference):
     assert max(s["recoveries"] for s in states[0]["stats"]) == 2, "two recoveries inside one step"
 
 
-def test_down_to_a_single_survivor(tmp_path, reference):
+def test_two_failures_in_one_step_then_down_to_a_single_survivor(tmp_path, reference):
+    """Replicas 1 and 3 die in the same step (backward and reduce), replica 0 hangs in a later commit:
+    replica 2 ends alone, equal to the failure-free run. (Failures at different steps of each kind:
+    test_one_failure_in_every_phase.)"""
     ref = reference(replicas=4, steps=5, microbatches=8)
     result = fabric_job(
         str(tmp_path),
         replicas=4,
         steps=5,
         microbatches=8,
-        inject="kill:replica=0:step=1:phase=reduce,raise:replica=3:step=2:phase=forward,"
-        "hang:replica=1:step=3:phase=commit",
+        inject="kill:replica=1:step=2:phase=backward,kill:replica=3:step=2:phase=reduce,"
+        "hang:replica=0:step=3:phase=commit",
     )
     states = assert_matches_reference(result, ref, survivors=[2])
-    assert states[2]["stats"][-1]["live_replicas"] == 1
+    live = [s["live_replicas"] for s in states[2]["stats"]]
+    assert live[:3] == [4, 4, 2] and live[-1] == 1, live
 
 
 def test_throughput_quotas_keep_the_trajectory(tmp_path, reference):
@@ -223,38 +208,6 @@ def test_deadlocked_main_thread_with_live_heartbeat_is_declared_hung(tmp_path, r
     assert_matches_reference(result, reference(), survivors=[0, 2])
 
 
-def test_coordinator_death_stops_every_replica_in_bounded_time(tmp_path):
-    out = str(tmp_path)
-    cmd = [
-        sys.executable,
-        FABRIC_SCRIPT,
-        out,
-        "--replicas",
-        "3",
-        "--steps",
-        "200",
-        "--microbatches",
-        "3",
-        "--heartbeat-timeout",
-        "0.5",
-        "--work",
-        "0.02",
-    ]
-    proc, log = start_job(cmd, out)
-    try:
-        assert wait_for(lambda: re.search(r"\(pid (\d+)\)", open(log).read()), timeout=60)
-        coordinator_pid = int(re.search(r"\(pid (\d+)\)", open(log).read()).group(1))
-        assert wait_for(lambda: os.path.exists(os.path.join(out, "started")), timeout=60)
-        os.kill(coordinator_pid, signal.SIGKILL)
-        proc.wait(timeout=60)
-    finally:
-        kill_group(proc)
-    output = open(log).read()
-    assert proc.returncode != 0
-    assert output.count("lost the coordinator") >= 3, output[-3000:]
-    assert not os.path.exists(os.path.join(out, "replica0.pt"))
-
-
 def _job_processes(out: str) -> list[int]:
     """Live (not zombie) replica processes of the job writing to ``out``."""
     found = []
@@ -268,45 +221,6 @@ def _job_processes(out: str) -> list[int]:
         if state != "Z" and b"LIGHTNING_RECOVER_REPLICA=" in environ and out.encode() in cmdline:
             found.append(pid)
     return found
-
-
-def test_frozen_coordinator_ends_every_replica_with_a_named_error_in_bounded_time(tmp_path):
-    """SIGSTOP the coordinator for good: a TCPStore client would wait in its read forever; every
-    replica must print CoordinatorLostError and exit by itself within 2 x heartbeat timeout plus a
-    small constant (store_timeout = max(5 s, 2 x heartbeat_timeout + 1 s))."""
-    out = str(tmp_path)
-    cmd = [
-        sys.executable,
-        FABRIC_SCRIPT,
-        out,
-        "--replicas",
-        "3",
-        "--steps",
-        "500",
-        "--microbatches",
-        "3",
-        "--heartbeat-timeout",
-        "0.5",
-        "--work",
-        "0.02",
-    ]
-    proc, log = start_job(cmd, out)
-    coordinator_pid = None
-    try:
-        assert wait_for(lambda: re.search(r"\(pid (\d+)\)", open(log).read()), timeout=60)
-        coordinator_pid = int(re.search(r"\(pid (\d+)\)", open(log).read()).group(1))
-        assert wait_for(lambda: os.path.exists(os.path.join(out, "started")), timeout=60)
-        os.kill(coordinator_pid, signal.SIGSTOP)
-        frozen_at = time.monotonic()
-        assert wait_for(lambda: not _job_processes(out), timeout=30), open(log).read()[-3000:]
-        took = time.monotonic() - frozen_at
-    finally:
-        if coordinator_pid is not None:
-            os.kill(coordinator_pid, signal.SIGCONT)
-        kill_group(proc)
-    output = open(log).read()
-    assert output.count("CoordinatorLostError") >= 3, output[-3000:]
-    assert took <= 5 + 5, f"replicas ended {took:.1f}s after the coordinator froze (bound 5 s + slack)"
 
 
 @pytest.mark.parametrize("launch", ["local", "torchrun"])

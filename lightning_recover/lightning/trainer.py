@@ -228,6 +228,11 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
         # Sharded: this process's local shards, for the joiner's process at the same inner position.
         return local_shards(state) if self.sharding.enabled else state
 
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return self.sharding.enabled  # sharded: a peer's local shards go into the already sharded module
+
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         if not self.sharding.enabled:  # (sharded: only a rejoin restores, from a peer's local shards)
