@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
 
 import pytest
@@ -22,6 +23,7 @@ from lightning_recover.checkpoint import (
     UringStorageReader,
     UringStorageWriter,
     cleanup_dcp_temps,
+    dcp_snapshot,
     verify_dcp_checkpoint,
 )
 from lightning_recover.checkpoint import dcp as dcp_mod
@@ -241,6 +243,71 @@ def test_async_save(tmp_path):
     assert_same(load_with(UringStorageReader(p), state), state)
 
 
+def _big_state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"big": torch.randn(1 << 19, generator=g), "small": torch.randn(8, generator=g), "step": seed}
+
+
+def _delay_copies(monkeypatch, seconds: float) -> None:
+    """Make the background copy start late, so that the training thread runs during the snapshot."""
+    copy = dcp_snapshot.LazySnapshot._copy
+
+    def slow(self, *args):
+        time.sleep(seconds)
+        copy(self, *args)
+
+    monkeypatch.setattr(dcp_snapshot.LazySnapshot, "_copy", slow)
+
+
+def test_lazy_async_save_round_trip_reuses_its_staging_buffers(tmp_path):
+    writer = UringStorageWriter(str(tmp_path / "a"), lazy_snapshot=True)
+    for i, name in enumerate(("a", "b")):
+        state = _big_state(i)
+        resp = dcp.async_save(state, storage_writer=writer, checkpoint_id=str(tmp_path / name))
+        resp.upload_completion.result(timeout=120)
+        back = {"big": torch.zeros(1 << 19), "small": torch.zeros(8), "step": -1}
+        dcp.load(back, storage_reader=UringStorageReader(str(tmp_path / name)))
+        assert (
+            torch.equal(back["big"], state["big"]) and torch.equal(back["small"], state["small"]) and back["step"] == i
+        )
+    assert writer.staging_allocations == 1, "the second save of the same layout reuses the staging buffers"
+    assert writer.snapshot_blocked_s < 5
+    writer.close()
+
+
+def test_lazy_snapshot_optimizer_step_waits_for_the_copy(tmp_path, monkeypatch):
+    """optimizer.step() right after async_save: the checkpoint holds the parameters before the step."""
+    _delay_copies(monkeypatch, 0.3)
+    p = torch.nn.Parameter(torch.randn(1 << 19))
+    opt = torch.optim.SGD([p], lr=1.0)
+    before = p.detach().clone()
+    writer = UringStorageWriter(str(tmp_path / "ck"), lazy_snapshot=True)
+    resp = dcp.async_save({"p": p}, storage_writer=writer)
+    p.grad = torch.ones_like(p)
+    opt.step()  # the snapshot guard holds it until the copy is done
+    resp.upload_completion.result(timeout=120)
+    back = {"p": torch.zeros(1 << 19)}
+    dcp.load(back, storage_reader=UringStorageReader(str(tmp_path / "ck")))
+    assert torch.equal(back["p"], before) and not torch.equal(p.detach(), before)
+    writer.close()
+
+
+def test_lazy_snapshot_raced_by_an_in_place_change_fails_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    path = str(tmp_path / "ck")
+    old = _big_state(0)
+    dcp.save(old, storage_writer=UringStorageWriter(path))
+    _delay_copies(monkeypatch, 0.3)
+    state = _big_state(1)
+    resp = dcp.async_save(state, storage_writer=UringStorageWriter(path, lazy_snapshot=True))
+    with torch.no_grad():
+        state["big"].mul_(2.0)  # outside optimizer.step, e.g. an EMA callback
+    with pytest.raises(BaseException, match="changed in place"):
+        resp.upload_completion.result(timeout=120)
+    back = {"big": torch.zeros(1 << 19), "small": torch.zeros(8), "step": -1}
+    dcp.load(back, storage_reader=UringStorageReader(path))
+    assert torch.equal(back["big"], old["big"]) and back["step"] == 0, "the previous checkpoint is untouched"
+
+
 _TWO_RANKS = textwrap.dedent(
     """
     import os, sys, warnings
@@ -266,6 +333,30 @@ _TWO_RANKS = textwrap.dedent(
     for k, v in full.items():
         assert torch.equal(back[k].full_tensor(), v), k
     assert back["step"] == 42 and torch.equal(back[f"rank{rank}_only"], torch.full((5,), float(rank)))
+    # lazy async save of DTensors: rank 1 changes w in place while its snapshot is still being copied:
+    # the save fails on BOTH ranks (no rank left in a collective), nothing is committed at path + "-lazy"
+    from lightning_recover.checkpoint import dcp_snapshot
+    copy = dcp_snapshot.LazySnapshot._copy
+    def slow_copy(self, *a):
+        import time; time.sleep(0.5 if rank == 1 else 0.0); copy(self, *a)
+    dcp_snapshot.LazySnapshot._copy = slow_copy
+    writer = UringStorageWriter(path + "-lazy", lazy_snapshot=True, eager_bytes=0)
+    resp = dcp.async_save(state, storage_writer=writer)
+    if rank == 1:
+        with torch.no_grad():
+            state["w"].add_(1.0)
+    try:
+        resp.upload_completion.result(timeout=120)
+        raise SystemExit("the raced save was committed")
+    except BaseException as exc:
+        assert "changed in place" in str(exc), str(exc)
+    assert not os.path.exists(path + "-lazy")
+    dcp_snapshot.LazySnapshot._copy = copy
+    writer.wait_for_snapshot()
+    resp = dcp.async_save(state, storage_writer=writer)  # the same writer: staging buffers reused
+    resp.upload_completion.result(timeout=120)
+    assert writer.staging_allocations == 1
+    writer.close()
     dist.destroy_process_group()
     """
 )
@@ -285,7 +376,9 @@ def test_two_ranks_save_reshard_to_one(tmp_path):
         assert pr.wait(timeout=200) == 0
     names = sorted(os.listdir(p))
     assert names == [".metadata", "__0_0.crc.json", "__0_0.distcp", "__1_0.crc.json", "__1_0.distcp"]
-    assert os.listdir(tmp_path / "..") and not [n for n in os.listdir(tmp_path) if "dcp-tmp" in n]
+    # the raced lazy save left only its (never committed) temporary directory, which cleanup removes
+    assert [n for n in os.listdir(tmp_path) if "dcp-tmp" in n] == [n for n in os.listdir(tmp_path) if ".ck-lazy." in n]
+    assert len(cleanup_dcp_temps(str(tmp_path))) == 1
     # one process, no process group, plain tensors: DCP's planner reassembles the shards
     g = torch.Generator().manual_seed(0)
     full = {"w": torch.randn(64, 33, generator=g), "b": torch.randn(10, generator=g).to(torch.bfloat16)}
@@ -298,3 +391,10 @@ def test_two_ranks_save_reshard_to_one(tmp_path):
         assert torch.equal(out["w"], full["w"]) and torch.equal(out["b"], full["b"])
         assert torch.equal(out["rank1_only"], torch.ones(5)) and out["step"] == 42
     assert verify_dcp_checkpoint(p)["files"] == 2
+    lazy = {"w": torch.zeros(64, 33), "b": torch.zeros(10, dtype=torch.bfloat16)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(lazy, storage_reader=UringStorageReader(p + "-lazy"))
+    changed = full["w"].clone()
+    changed[32:] += 1.0  # rank 1's shard, changed in place before the second (successful) lazy save
+    assert torch.equal(lazy["w"], changed) and torch.equal(lazy["b"], full["b"])

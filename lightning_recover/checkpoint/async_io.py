@@ -36,6 +36,7 @@ from typing import Any, Optional
 import torch
 
 from lightning_recover.checkpoint import format as fmt
+from lightning_recover.checkpoint import snapshot_guard
 from lightning_recover.checkpoint.files import cleanup_stale_temps, commit, temp_path_for, unlink_quiet
 from lightning_recover.checkpoint.single_file import plan, write_tail
 
@@ -203,49 +204,8 @@ class _Removal:
 
 _STOP = object()
 
-# every live saver, for the global optimizer hook and the exit handler
+# every live saver, for the exit handler
 _savers: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
-_hook_handle: Any = None
-_hook_lock = threading.Lock()
-
-
-def _pending_savers() -> list:
-    return [s for s in list(_savers) if s._needs_wait()]
-
-
-def _optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> Any:
-    if not _savers:
-        return None
-    savers = _pending_savers()
-    if not savers:
-        return None
-
-    def wait_all() -> None:
-        for s in savers:
-            s.wait_for_snapshot()
-
-    closure = kwargs.get("closure") if "closure" in kwargs else (args[1] if len(args) > 1 else None)
-    if closure is None:
-        wait_all()
-        return None
-
-    def guarded_closure(*a: Any, **kw: Any) -> Any:
-        out = closure(*a, **kw)
-        wait_all()  # forward/backward ran concurrently with the snapshot; parameters change after this
-        return out
-
-    if "closure" in kwargs:
-        return args, {**kwargs, "closure": guarded_closure}
-    return (args[0], guarded_closure, *args[2:]), kwargs
-
-
-def _install_hook() -> None:
-    global _hook_handle
-    with _hook_lock:
-        if _hook_handle is None:
-            from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-            _hook_handle = register_optimizer_step_pre_hook(_optimizer_pre_hook)
 
 
 @atexit.register
@@ -311,7 +271,7 @@ class AsyncSaver:
                 lazy.append((i, u8))
         job = _Job(path, enc, data_end, eager, lazy)
         _savers.add(self)
-        _install_hook()
+        snapshot_guard.track(self)
         self._start()
         with self._lock:
             self._jobs.append(job)
@@ -328,7 +288,7 @@ class AsyncSaver:
             return
         self._copy_q.put(_Removal(path, pending))
 
-    def _needs_wait(self) -> bool:
+    def snapshot_pending(self) -> bool:
         last = self._last
         return bool(self._errors) or (last is not None and not last.snapshot_done.is_set())
 
@@ -379,6 +339,7 @@ class AsyncSaver:
         self._ring.free()
         self._engine.release()
         _savers.discard(self)
+        snapshot_guard.untrack(self)
         if raise_errors:
             self.raise_errors()
 

@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from lightning_recover.checkpoint.dcp_snapshot import LazySnapshot
 from lightning_recover.checkpoint.engine import resolve_engine
 from lightning_recover.checkpoint.files import fsync_dir
 from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
@@ -214,6 +215,8 @@ class UringStorageWriter(FileSystemWriter):
     Subclasses :class:`FileSystemWriter` (planner, staging and ``dcp.async_save`` unchanged). ``engine``:
     None (the shared default engine), an :class:`~lightning_recover.checkpoint.engine.EngineHandle` or a
     ``native_io.IOEngine``. ``overwrite=False`` refuses an existing checkpoint at ``path``.
+    ``lazy_snapshot=True``: ``dcp.async_save`` blocks only for tensors under ``eager_bytes`` and copies
+    the rest in the background into reused staging buffers (``dcp_snapshot.py``).
     Needs DCP's collectives (the default): ``use_collectives=False`` gives no coordinator to commit.
     """
 
@@ -224,6 +227,8 @@ class UringStorageWriter(FileSystemWriter):
         engine: Any = None,
         overwrite: bool = True,
         cache_staged_state_dict: bool = False,
+        lazy_snapshot: bool = False,
+        eager_bytes: int = 1 << 20,
     ) -> None:
         super().__init__(
             path,
@@ -236,6 +241,33 @@ class UringStorageWriter(FileSystemWriter):
         )
         self._engine = engine
         self._tmp: Optional[str] = None
+        self._lazy = LazySnapshot(eager_bytes) if lazy_snapshot else None
+
+    # -- staging (dcp.async_save) -----------------------------------------------------------------
+
+    def stage(self, state_dict: dict) -> Any:
+        if self._lazy is None:
+            return super().stage(state_dict)  # DCP's blocking copy (reused with cache_staged_state_dict)
+        return self._lazy.stage(state_dict)
+
+    def wait_for_snapshot(self) -> float:
+        """With ``lazy_snapshot=True``: block until the last save's tensors are copied (seconds waited)."""
+        return 0.0 if self._lazy is None else self._lazy.wait_for_snapshot()
+
+    @property
+    def snapshot_blocked_s(self) -> float:
+        """Seconds the last lazy ``stage()`` blocked the caller (0 without ``lazy_snapshot``)."""
+        return 0.0 if self._lazy is None else self._lazy.blocked_s
+
+    @property
+    def staging_allocations(self) -> int:
+        """How many times lazy staging buffers were allocated (a save of the same layout reuses them)."""
+        return 0 if self._lazy is None else self._lazy.allocations
+
+    def close(self) -> None:
+        if self._lazy is not None:
+            self._lazy.close()
+        super().close()
 
     # -- planning ----------------------------------------------------------------------------------
 
@@ -268,7 +300,13 @@ class UringStorageWriter(FileSystemWriter):
         os.makedirs(tmp, exist_ok=True)
         file_name = f"{sd.prefix}0.distcp"
         fut: Future[list[WriteResult]] = Future()
-        fut.set_result(self._write_file(tmp, file_name, plan, planner))
+        try:
+            if self._lazy is not None:
+                self._lazy.check()  # a snapshot raced with an in-place change: fail the save on every rank
+            fut.set_result(self._write_file(tmp, file_name, plan, planner))
+        finally:
+            if self._lazy is not None:
+                self._lazy.release()
         return fut
 
     def _write_file(self, tmp: str, file_name: str, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:

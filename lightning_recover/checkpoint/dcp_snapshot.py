@@ -1,0 +1,186 @@
+"""Lazy snapshots for ``dcp.async_save``: the training loop is blocked only for the small tensors.
+
+``UringStorageWriter(path, lazy_snapshot=True)`` makes ``stage()`` (what ``dcp.async_save`` calls in
+the training thread) return a ``concurrent.futures.Future`` at once: tensors smaller than
+``eager_bytes`` (step counters, norms, biases: cheap, and some change in ``forward``) are copied right
+away; the large ones are copied by a background thread into a staging state dict that is allocated once
+and reused by the next save of the same layout. DCP's upload thread waits for that future, then plans
+and writes as usual; ``dcp.async_save`` returns an ``AsyncSaveResponse`` whose ``staging_completion``
+is the end of the snapshot and ``upload_completion`` the durable commit.
+
+Never silently wrong: ``optimizer.step()`` waits for a pending snapshot (``snapshot_guard``), and every
+lazily copied tensor's version counter is compared before and after its copy. A tensor changed in place
+before its copy finished (outside ``optimizer.step``: an EMA callback, manual ``p.add_``) makes the save
+fail -- raised by ``write_data`` on that rank, so DCP fails the save on every rank and nothing is
+committed; no rank is left waiting in a collective. Changes through ``tensor.data`` bypass the version
+counter; call ``wait_for_snapshot()`` before those.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Optional
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from lightning_recover.checkpoint import snapshot_guard
+
+__all__ = ["LazySnapshot", "SnapshotRaceError"]
+
+MiB = 1 << 20
+
+
+class SnapshotRaceError(RuntimeError):
+    """A checkpointed tensor changed in place before its lazy snapshot was complete; nothing was saved."""
+
+
+def _leaves(obj: Any, path: tuple = ()) -> list[tuple[tuple, Any]]:
+    if isinstance(obj, dict):
+        return [leaf for k, v in obj.items() for leaf in _leaves(v, (*path, k))]
+    if isinstance(obj, (list, tuple)):
+        return [leaf for i, v in enumerate(obj) for leaf in _leaves(v, (*path, i))]
+    return [(path, obj)]
+
+
+def _rebuild(obj: Any, values: Any) -> Any:
+    """``obj``'s containers with its leaves replaced, in ``_leaves`` order, by ``next(values)``."""
+    if isinstance(obj, dict):
+        return {k: _rebuild(v, values) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [_rebuild(v, values) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)  # namedtuples too
+    return next(values)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _describe(v: Any) -> Any:
+    if isinstance(v, DTensor):
+        loc = v.to_local()
+        return ("dtensor", loc.dtype, tuple(loc.shape), v.device_mesh, tuple(v.placements), tuple(v.shape))
+    if isinstance(v, torch.Tensor):
+        return ("tensor", v.dtype, tuple(v.shape))
+    return None
+
+
+def _staging_for(v: Any) -> Any:
+    """A CPU tensor (or a DTensor around one) with ``v``'s shape, to copy ``v`` into."""
+    if isinstance(v, DTensor):
+        loc = v.to_local()
+        buf = torch.empty(loc.shape, dtype=loc.dtype, device="cpu")
+        return DTensor.from_local(buf, v.device_mesh, v.placements, run_check=False, shape=v.shape, stride=v.stride())
+    if isinstance(v, torch.Tensor):
+        return torch.empty(v.shape, dtype=v.dtype, device="cpu")
+    return None
+
+
+class LazySnapshot:
+    """The staging half of ``UringStorageWriter(lazy_snapshot=True)``: see the module docstring."""
+
+    def __init__(self, eager_bytes: int = MiB) -> None:
+        self.eager_bytes = int(eager_bytes)
+        self._lock = threading.Lock()
+        self._layout: Any = None
+        self._buffers: Optional[list] = None  # staging tensors by leaf, reused while the layout holds
+        self._in_use = False  # an upload still reads the buffers
+        self._pending: Optional[Future] = None
+        self._error: Optional[BaseException] = None  # of the pending save, raised by write_data
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self.blocked_s = 0.0  # the training thread's time in the last stage()
+        self.allocations = 0  # how many times staging buffers were allocated (reuse is observable)
+
+    # -- training thread ---------------------------------------------------------------------------
+
+    def stage(self, state_dict: dict) -> Future:
+        self.wait_for_snapshot()
+        t0 = time.perf_counter()
+        leaves = _leaves(state_dict)
+        layout = [_describe(v) for _, v in leaves]
+        with self._lock:
+            if self._buffers is None or self._in_use or layout != self._layout:
+                # a buffer still read by an unfinished upload is never overwritten: take new ones
+                self._buffers = [_staging_for(v) for _, v in leaves]
+                self._layout = layout
+                self.allocations += 1
+            self._in_use = True
+            self._error = None
+            buffers = self._buffers
+        staged_values, lazy = [], []
+        with torch.no_grad():
+            for (path, src), dst in zip(leaves, buffers):
+                if dst is None:
+                    staged_values.append(copy.deepcopy(src))  # ints, strings, bytes: frozen now
+                    continue
+                staged_values.append(dst)
+                s, d = _local(src), _local(dst)
+                if s.numel() * s.element_size() < self.eager_bytes:
+                    d.copy_(s)
+                else:
+                    lazy.append((path, src, src._version, s, d))
+        staged = _rebuild(state_dict, iter(staged_values))
+        done: Future = Future()
+        self._pending = done
+        snapshot_guard.track(self)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="dcp-lazy-snapshot")
+        self._pool.submit(self._copy, lazy, staged, done)
+        self.blocked_s = time.perf_counter() - t0
+        return done
+
+    def snapshot_pending(self) -> bool:
+        p = self._pending
+        return p is not None and not p.done()
+
+    def wait_for_snapshot(self) -> float:
+        """Block until the pending snapshot is complete; returns the seconds waited."""
+        t0 = time.perf_counter()
+        p = self._pending
+        if p is not None:
+            p.exception()  # waits; the error, if any, is raised by the save itself
+        return time.perf_counter() - t0
+
+    # -- background and upload threads -------------------------------------------------------------
+
+    def _copy(self, lazy: list, staged: dict, done: Future) -> None:
+        try:
+            with torch.no_grad():
+                for path, src, version, s, d in lazy:
+                    d.copy_(s)
+                    if src._version != version:
+                        name = ".".join(str(p) for p in path)
+                        raise SnapshotRaceError(
+                            f"{name} was changed in place (version {version} -> {src._version}) before its lazy "
+                            "snapshot was complete, so this checkpoint is not written. HINT: call "
+                            "writer.wait_for_snapshot() before changing checkpointed tensors outside "
+                            "optimizer.step(), or save with lazy_snapshot=False"
+                        )
+        except BaseException as exc:  # kept for write_data: the save fails on every rank together
+            self._error = exc
+        done.set_result(staged)
+
+    def check(self) -> None:
+        """Called by ``write_data``: raise the snapshot's error, if any."""
+        if self._error is not None:
+            raise self._error
+
+    def release(self) -> None:
+        """The upload no longer reads the staging buffers (called when ``write_data`` returns)."""
+        with self._lock:
+            self._in_use = False
+
+    def close(self) -> None:
+        self.wait_for_snapshot()
+        snapshot_guard.untrack(self)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._buffers = None
+
+    def __getstate__(self) -> dict:
+        raise TypeError("a lazy snapshot holds threads and staging memory and is not picklable")

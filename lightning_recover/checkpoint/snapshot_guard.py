@@ -1,0 +1,65 @@
+"""Optimizer steps wait for pending lazy snapshots.
+
+A lazy asynchronous save (``AsyncSaver`` for single files, ``LazySnapshotStager`` for DCP) returns to
+the training loop before it has copied the tensors it saves. Parameters and optimizer state change only
+in ``optimizer.step()``, so one global ``torch.optim`` step pre-hook makes every step wait until every
+tracked snapshot is complete. For a step called with a closure (Lightning's automatic optimization) the
+wait happens after the closure, i.e. after forward/backward ran concurrently with the copy, just before
+the parameters change.
+
+A tracked source has ``snapshot_pending() -> bool`` and ``wait_for_snapshot()`` (which also raises the
+source's background errors). Sources are held weakly.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+__all__ = ["track", "untrack"]
+
+_sources: weakref.WeakSet = weakref.WeakSet()
+_hook_handle: Any = None
+_hook_lock = threading.Lock()
+
+
+def track(source: Any) -> None:
+    """Make every later ``optimizer.step()`` wait for ``source``'s pending snapshot."""
+    global _hook_handle
+    _sources.add(source)
+    with _hook_lock:
+        if _hook_handle is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            _hook_handle = register_optimizer_step_pre_hook(_optimizer_pre_hook)
+
+
+def untrack(source: Any) -> None:
+    _sources.discard(source)
+
+
+def _optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> Any:
+    if not _sources:
+        return None
+    pending = [s for s in list(_sources) if s.snapshot_pending()]
+    if not pending:
+        return None
+
+    def wait_all() -> None:
+        for s in pending:
+            s.wait_for_snapshot()
+
+    closure = kwargs.get("closure") if "closure" in kwargs else (args[1] if len(args) > 1 else None)
+    if closure is None:
+        wait_all()
+        return None
+
+    def guarded_closure(*a: Any, **kw: Any) -> Any:
+        out = closure(*a, **kw)
+        wait_all()  # forward/backward ran concurrently with the snapshot; parameters change after this
+        return out
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": guarded_closure}
+    return (args[0], guarded_closure, *args[2:]), kwargs
