@@ -92,6 +92,32 @@ def test_bench_checkpoint_smoke(tmp_path, capsys):
     assert not any((tmp_path / "work").iterdir())
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_sharded_dcp_smoke(tmp_path, capsys):
+    """`bench checkpoint --ranks 1`: save, cold load (values compared), async and fio rows, tiny sizes."""
+    from lightning_recover.bench import dcp_ranks
+
+    args = argparse.Namespace(
+        ranks="1", size_gb=0.01, repeat=1, small=32, dir=str(tmp_path / "work"), json=str(tmp_path / "r.json")
+    )
+    args.no_torchsnapshot = True
+    assert dcp_ranks.main(args) == 0
+    printed = capsys.readouterr().out
+    rounds = json.loads((tmp_path / "r.json").read_text())["1"]
+    for kind in ("gpt", "small"):
+        (r,) = rounds[kind]["rounds"]
+        for key in ("save/uring", "save/fsw_t1", "save/fsw_t4", "load/uring", "load/fsr"):
+            assert r[key] > 0 and math.isfinite(r[key]), (kind, key)
+        if shutil.which("fio"):
+            assert r["save/fio"] > 0 and r["load/fio"] > 0
+    assert rounds["small"]["tensors"] == 32
+    gpt = rounds["gpt"]["rounds"][0]
+    for name in dcp_ranks.ASYNC:
+        assert gpt[f"async_blocked_s_per_gb/{name}"] > 0 and gpt[f"async_durable_s/{name}"] > 0
+    assert "| 1 | save |" in printed and "| 1 | load |" in printed and "uring_lazy" in printed
+
+
 def test_parse_methods():
     assert bench.parse_methods(None) == bench.ALL_METHODS
     assert bench.parse_methods("fio, dcp") == ["fio", "dcp"]

@@ -1,18 +1,29 @@
-"""Durable sharded DCP save with N processes: UringStorageWriter vs FileSystemWriter vs fio.
+"""Sharded DCP checkpoints by N processes: UringStorageWriter/Reader vs DCP's stock FileSystem ones vs fio.
 
     lightning-recover bench checkpoint --ranks 1,2,4 [--size-gb 1] [--repeat 3] [--small 2048] [--json OUT]
 
-For each N, N processes (gloo, one host) hold the same GPT-like training state (parameters +
-AdamW moments, fp32, ``gpt_state.config_for_size``) sharded N ways (``Shard(0)`` DTensors over a
-1-D CPU mesh, as FSDP2 holds them) and save it with ``dcp.save``: ``UringStorageWriter`` (ours),
-``FileSystemWriter(thread_count=1)`` (DCP's default) and ``FileSystemWriter(thread_count=4)``, all
-durable (fdatasync / fsync, DCP's default ``sync_files=True``). Then fio writes the same bytes:
-``--numjobs=N --bs=16M --direct=1 --ioengine=io_uring --end_fsync=1`` (one file per job). Every
-round runs each contender once (after one untimed tiny save with each); the median of the rounds is
-reported. GB/s = state bytes / wall
-time of ``dcp.save`` on rank 0 from a barrier to its return (planning, writing, fsync and the
-commit included); fio = bytes it wrote / wall time of the fio process. A second state of many small
-tensors (``--small`` per rank, 16 KiB each, not sharded: rank-private keys) measures per-item costs.
+For each N, N processes (gloo, one host) hold the same GPT-like training state (parameters + AdamW
+moments, fp32, ``gpt_state.config_for_size``) sharded N ways (``Shard(0)`` DTensors over a 1-D CPU
+mesh, as FSDP2 holds them). Each round runs every contender once, in this order, and the medians
+over the rounds are reported (ratios are taken within a round first, then their median):
+
+* **save**, durable: ``UringStorageWriter`` (ours), ``FileSystemWriter(thread_count=1)`` (DCP's
+  default) and ``thread_count=4``; then fio writes the same bytes (``--numjobs=N --bs=16M
+  --direct=1 --ioengine=io_uring --end_fsync=1``, one file per job). GB/s = state bytes / wall time
+  of ``dcp.save`` on rank 0 from a barrier to its return (planning, writing, fsync, commit); fio =
+  bytes / (wall time of the fio process less the wall time of a 1 MiB-per-job fio run: its start-up).
+  With N=1 and torchsnapshot installed, ``Snapshot.take`` of the same tensors as plain tensors
+  (it fails on DTensors and never fsyncs: its figure is not durable).
+* **load**, cold (every file dropped from the page cache with ``POSIX_FADV_DONTNEED`` first) into a
+  preallocated sharded state: ``UringStorageReader`` on our checkpoint (CRC-32C of every extent
+  verified) and the stock ``FileSystemReader`` on the stock writer's checkpoint; fio reads its files
+  (``--rw=read``, same options, start-up subtracted).
+* **async** (GPT state): seconds ``dcp.async_save`` blocks the caller, per GB, and seconds until the
+  checkpoint is durable: stock (``FileSystemWriter``, DCP's blocking staging), ours with DCP's
+  staging reused (``cache_staged_state_dict=True``) and ours lazy (``lazy_snapshot=True``).
+
+The second state (``--small`` tensors per rank, rank-private keys, not sharded) holds the same bytes
+per rank as the GPT state's shard, split into that many tensors: the per-item costs.
 """
 
 from __future__ import annotations
@@ -31,7 +42,8 @@ import warnings
 from typing import Any
 
 WRITERS = ("uring", "fsw_t1", "fsw_t4")
-SMALL_BYTES = 16 << 10
+READERS = {"uring": "uring", "fsr": "fsw_t4"}  # reader -> the writer whose checkpoint it loads
+ASYNC = ("stock", "uring_cached", "uring_lazy")
 
 
 def _writer(name: str, path: str) -> Any:
@@ -42,6 +54,24 @@ def _writer(name: str, path: str) -> Any:
     if name == "uring":
         return UringStorageWriter(path)
     return FileSystemWriter(path, thread_count=int(name.split("_t")[1]))
+
+
+def _reader(name: str, path: str) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from lightning_recover.checkpoint import UringStorageReader
+
+    return UringStorageReader(path) if name == "uring" else FileSystemReader(path)
+
+
+def _async_writer(name: str, path: str) -> Any:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from lightning_recover.checkpoint import UringStorageWriter
+
+    if name == "stock":
+        return FileSystemWriter(path)
+    return UringStorageWriter(path, cache_staged_state_dict=True, lazy_snapshot=name == "uring_lazy")
 
 
 def _sharded_state(size_gb: float, mesh: Any, seed: int) -> tuple[dict, int, int]:
@@ -72,40 +102,171 @@ def _sharded_state(size_gb: float, mesh: Any, seed: int) -> tuple[dict, int, int
     return {"model": model, "optim": {"state": optim}, "step": 1000}, nbytes, ntensors
 
 
-def _small_state(count: int, rank: int, world: int) -> tuple[dict, int, int]:
+def _small_state(count: int, per_rank_bytes: int, rank: int, world: int) -> tuple[dict, int, int]:
     import torch
 
     gen = torch.Generator().manual_seed(rank)
-    state = {f"r{rank}.t{i}": torch.rand(SMALL_BYTES // 4, generator=gen) for i in range(count)}
-    return state, count * SMALL_BYTES * world, count * world
+    numel = max(1, per_rank_bytes // count // 4)
+    state = {f"r{rank}.t{i}": torch.rand(numel, generator=gen) for i in range(count)}
+    return state, count * numel * 4 * world, count * world
 
 
-def _fio(directory: str, nbytes: int, jobs: int) -> float:
-    per_job = -(-nbytes // jobs // (16 << 20)) * (16 << 20)
-    cmd = [
-        "fio",
-        "--name=w",
-        f"--directory={directory}",
-        "--rw=write",
-        "--bs=16M",
-        "--direct=1",
-        "--ioengine=io_uring",
-        f"--numjobs={jobs}",
-        f"--size={per_job}",
-        "--end_fsync=1",
-        "--group_reporting",
-        "--output-format=json",
-    ]
+def _blank_like(state: Any) -> Any:
+    """A preallocated load target with ``state``'s structure (DTensors stay DTensors)."""
+    import torch
+
+    if isinstance(state, dict):
+        return {k: _blank_like(v) for k, v in state.items()}
+    if isinstance(state, torch.Tensor):
+        return torch.zeros_like(state)
+    return state
+
+
+def _plain(state: Any, prefix: str = "") -> dict:
+    """Flat ``{"a/b": tensor}`` of local tensors (torchsnapshot's baseline runs on plain tensors only)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, dict):
+        return {k: v for key, val in state.items() for k, v in _plain(val, f"{prefix}{key}/").items()}
+    if isinstance(state, DTensor):
+        return {prefix.rstrip("/"): state.to_local()}
+    if isinstance(state, torch.Tensor):
+        return {prefix.rstrip("/"): state}
+    return {}
+
+
+def _check_loaded(loaded: dict, saved: dict, reader: str) -> None:
+    """Untimed: every loaded tensor equals the saved one (a benchmark of a wrong load measures nothing)."""
+    import torch
+
+    got, want = _plain(loaded), _plain(saved)
+    bad = [k for k in want if not torch.equal(got[k], want[k])]
+    if bad:
+        raise RuntimeError(f"{reader} loaded different values for {len(bad)} tensors, e.g. {bad[0]}")
+
+
+def _drop_cache(*directories: str) -> None:
+    os.sync()
+    for d in directories:
+        for root, _, files in os.walk(d):
+            for name in files:
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
+
+def _fio_wall(directory: str, rw: str, per_job: int, jobs: int, bs: str = "16M") -> tuple[float, int]:
+    cmd = ["fio", "--name=w", f"--directory={directory}", f"--rw={rw}", f"--bs={bs}", "--direct=1"]
+    cmd += ["--ioengine=io_uring", f"--numjobs={jobs}", f"--size={per_job}", "--group_reporting"]
+    cmd += ["--output-format=json", *(["--end_fsync=1"] if rw == "write" else [])]
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t
     if proc.returncode != 0:
         raise RuntimeError(f"fio failed: {proc.stderr.strip() or proc.stdout.strip()}")
     doc = json.loads(proc.stdout[proc.stdout.index("{") :])
-    return int(doc["jobs"][0]["write"]["io_bytes"]) / wall / 1e9
+    return wall, int(doc["jobs"][0]["read" if rw == "read" else "write"]["io_bytes"])
+
+
+def _fio(directory: str, nbytes: int, jobs: int) -> dict:
+    """fio write then cold read of ``nbytes`` in ``jobs`` files: GB/s by wall time less fio's start-up."""
+    per_job = -(-nbytes // jobs // (16 << 20)) * (16 << 20)
+    out = {}
+    for rw in ("write", "read"):
+        tiny = os.path.join(directory, "tiny")
+        os.makedirs(tiny, exist_ok=True)
+        startup, _ = _fio_wall(tiny, "write", 1 << 20, jobs, bs="1M")  # 1 MiB per job: start-up
+        if rw == "read":
+            _drop_cache(directory)
+        wall, moved = _fio_wall(directory, rw, per_job, jobs)
+        out[rw] = moved / max(wall - startup, 1e-6) / 1e9
+        shutil.rmtree(tiny, ignore_errors=True)
+    return out
+
+
+def _timed(fn: Any, *args: Any, **kwargs: Any) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    t = time.perf_counter()
+    fn(*args, **kwargs)
+    dist.barrier()
+    return time.perf_counter() - t
+
+
+def _torchsnapshot_save(state: dict, path: str) -> float:
+    import torchsnapshot
+
+    app_state = {"state": torchsnapshot.StateDict(**_plain(state))}
+    t = time.perf_counter()
+    torchsnapshot.Snapshot.take(path, app_state=app_state)
+    return time.perf_counter() - t
+
+
+def _one_round(kind: str, state: dict, nbytes: int, work: str, args: argparse.Namespace, rank: int) -> dict:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    world = dist.get_world_size()
+    out: dict[str, float] = {}
+    dirs = {name: os.path.join(work, f"ck_{name}") for name in WRITERS}
+    if rank == 0:
+        for d in dirs.values():
+            shutil.rmtree(d, ignore_errors=True)
+        os.sync()
+    for name in WRITERS:
+        out[f"save/{name}"] = nbytes / _timed(dcp.save, state, storage_writer=_writer(name, dirs[name])) / 1e9
+    if world == 1 and args.torchsnapshot:
+        snap = os.path.join(work, "snap")
+        shutil.rmtree(snap, ignore_errors=True)
+        out["save/torchsnapshot"] = nbytes / _torchsnapshot_save(state, snap) / 1e9
+        shutil.rmtree(snap, ignore_errors=True)
+    target = _blank_like(state)
+    for reader, written_by in READERS.items():
+        if rank == 0:
+            _drop_cache(dirs[written_by])
+        secs = _timed(dcp.load, target, storage_reader=_reader(reader, dirs[written_by]))
+        out[f"load/{reader}"] = nbytes / secs / 1e9
+        _check_loaded(target, state, reader)
+    if args.fio:
+        fio_dir = os.path.join(work, "fio")
+        if rank == 0:
+            shutil.rmtree(fio_dir, ignore_errors=True)
+            os.makedirs(fio_dir)
+            fio = _fio(fio_dir, nbytes, world)
+            out["save/fio"], out["load/fio"] = fio["write"], fio["read"]
+            shutil.rmtree(fio_dir, ignore_errors=True)
+        dist.barrier()
+    return out
+
+
+def _async_round(state: dict, nbytes: int, work: str, writers: dict, rank: int) -> dict:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    out = {}
+    for name, writer in writers.items():
+        path = os.path.join(work, f"async_{name}")
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        dist.barrier()
+        t = time.perf_counter()
+        resp = dcp.async_save(state, storage_writer=writer, checkpoint_id=path)
+        blocked = time.perf_counter() - t
+        (resp.upload_completion if hasattr(resp, "upload_completion") else resp).result()
+        durable = time.perf_counter() - t
+        out[f"async_blocked_s_per_gb/{name}"] = blocked / (nbytes / 1e9)
+        out[f"async_durable_s/{name}"] = durable
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+    return out
 
 
 def worker(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
+    import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
@@ -114,44 +275,38 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     work = os.path.join(args.dir, f"n{world}")
-    target = os.path.join(work, "ck")
-    fio_dir = os.path.join(work, "fio")
     states = {"gpt": _sharded_state(args.size_gb, mesh, seed=0)}
     if args.small:
-        states["small"] = _small_state(args.small, rank, world)
-    import torch
-
+        states["small"] = _small_state(args.small, states["gpt"][1] // world, rank, world)
     for name in WRITERS:  # untimed: engine start-up, thread pools, first-use imports
-        dcp.save({"warm": torch.ones(1024)}, storage_writer=_writer(name, os.path.join(work, "warm")))
+        dcp.save({"warm": torch.ones(1024)}, storage_writer=_writer(name, os.path.join(work, f"warm_{name}")))
+    async_writers = {name: _async_writer(name, os.path.join(work, "async")) for name in ASYNC}
     results: dict[str, Any] = {}
     for kind, (state, nbytes, ntensors) in states.items():
-        rounds: dict[str, list[float]] = {w: [] for w in WRITERS}
-        if args.fio:
-            rounds["fio"] = []
+        rounds: list[dict] = []
         for _ in range(args.repeat):
-            for name in WRITERS:
-                if rank == 0:
-                    shutil.rmtree(target, ignore_errors=True)
-                    os.sync()
-                dist.barrier()
-                t = time.perf_counter()
-                dcp.save(state, storage_writer=_writer(name, target))
-                rounds[name].append(nbytes / (time.perf_counter() - t) / 1e9)
-            if args.fio:
-                if rank == 0:
-                    shutil.rmtree(fio_dir, ignore_errors=True)
-                    os.makedirs(fio_dir)
-                    os.sync()
-                    rounds["fio"].append(_fio(fio_dir, nbytes, world))
-                    shutil.rmtree(fio_dir, ignore_errors=True)
-                dist.barrier()
-        results[kind] = {"bytes": nbytes, "tensors": ntensors, "gbps": rounds}
+            r = _one_round(kind, state, nbytes, work, args, rank)
+            if kind == "gpt":
+                r.update(_async_round(state, nbytes, work, async_writers, rank))
+            rounds.append(r)
+        results[kind] = {"bytes": nbytes, "tensors": ntensors, "rounds": rounds}
+    for w in async_writers.values():
+        w.close()
     if rank == 0:
         shutil.rmtree(work, ignore_errors=True)
         with open(os.path.join(args.dir, f"result_n{world}.json"), "w") as f:
             json.dump(results, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _has_torchsnapshot() -> bool:
+    import importlib.util
+
+    if importlib.util.find_spec("torchsnapshot") is None:
+        print("torchsnapshot is not installed (pip install torchsnapshot==0.1.0): its baseline is skipped")
+        return False
+    return True
 
 
 def _run_world(world: int, args: argparse.Namespace) -> dict:
@@ -174,6 +329,7 @@ def _run_world(world: int, args: argparse.Namespace) -> dict:
         "--small",
         str(args.small),
         *([] if args.fio else ["--no-fio"]),
+        *([] if args.torchsnapshot else ["--no-torchsnapshot"]),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([*cmd, "--rank", str(r)], env=env) for r in range(world)]
@@ -184,14 +340,57 @@ def _run_world(world: int, args: argparse.Namespace) -> dict:
         return json.load(f)
 
 
-def _table(all_results: dict[int, dict], kind: str) -> list[str]:
-    lines = []
+def _median(rounds: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rounds)
+
+
+def _paired(rounds: list[dict], num: str, den: str) -> str:
+    """Median of the per-round ratios num/den, and their spread: each pair ran back to back."""
+    ratios = sorted(r[num] / r[den] for r in rounds if num in r and den in r)
+    if not ratios:
+        return "-"
+    return f"{statistics.median(ratios):.2f}x [{ratios[0]:.2f}-{ratios[-1]:.2f}]"
+
+
+def summarize(all_results: dict[int, dict], kind: str) -> list[str]:
+    """Markdown rows: per N, median GB/s of every contender and the paired ratios."""
+    lines = [
+        "| N | op | "
+        + " | ".join(["ours", "stock t=1", "stock t=4", "fio", "torchsnapshot"])
+        + " | ours/t=1 | ours/t=4 "
+        "| ours/fio |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for world, res in sorted(all_results.items()):
-        r = res[kind]
-        med = {k: statistics.median(v) for k, v in r["gbps"].items()}
-        cells = "  ".join(f"{k} {med[k]:.3f} ({' '.join(f'{x:.3f}' for x in v)})" for k, v in r["gbps"].items())
-        ratios = "  ".join(f"uring/{k} {med['uring'] / med[k]:.2f}x" for k in med if k != "uring")
-        lines.append(f"  N={world}: {cells}\n        {ratios}")
+        rounds = res[kind]["rounds"]
+
+        def cell(key: str, rounds: list = rounds) -> str:
+            return f"{_median(rounds, key):.3f}" if key in rounds[0] else "-"
+
+        lines.append(
+            f"| {world} | save | {cell('save/uring')} | {cell('save/fsw_t1')} | {cell('save/fsw_t4')} | "
+            f"{cell('save/fio')} | {cell('save/torchsnapshot')} | {_paired(rounds, 'save/uring', 'save/fsw_t1')} | "
+            f"{_paired(rounds, 'save/uring', 'save/fsw_t4')} | {_paired(rounds, 'save/uring', 'save/fio')} |"
+        )
+        lines.append(
+            f"| {world} | load | {cell('load/uring')} | - | {cell('load/fsr')} | {cell('load/fio')} | - | - | "
+            f"{_paired(rounds, 'load/uring', 'load/fsr')} | {_paired(rounds, 'load/uring', 'load/fio')} |"
+        )
+    return lines
+
+
+def summarize_async(all_results: dict[int, dict]) -> list[str]:
+    lines = [
+        "| N | " + " | ".join(f"{n}: blocked s/GB, durable s" for n in ASYNC) + " |",
+        "|---" * (len(ASYNC) + 1) + "|",
+    ]
+    for world, res in sorted(all_results.items()):
+        rounds = res["gpt"]["rounds"]
+        cells = [
+            f"{_median(rounds, f'async_blocked_s_per_gb/{n}'):.3f}, {_median(rounds, f'async_durable_s/{n}'):.2f}"
+            for n in ASYNC
+        ]
+        lines.append(f"| {world} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -201,6 +400,7 @@ def main(args: argparse.Namespace) -> int:
     args.dir = args.dir or tempfile.mkdtemp(prefix="lr_bench_dcp_", dir=os.environ.get("TMPDIR", "/var/tmp"))
     os.makedirs(args.dir, exist_ok=True)
     args.fio = shutil.which("fio") is not None and not getattr(args, "no_fio", False)
+    args.torchsnapshot = _has_torchsnapshot() and not getattr(args, "no_torchsnapshot", False)
     all_results = {}
     try:
         for world in ranks:
@@ -210,13 +410,15 @@ def main(args: argparse.Namespace) -> int:
             shutil.rmtree(args.dir, ignore_errors=True)
     first = all_results[ranks[0]]
     print(
-        f"durable dcp.save, GB/s, median of {args.repeat} (rounds); state {first['gpt']['bytes'] / 1e9:.2f} GB "
-        f"in {first['gpt']['tensors']} tensors, sharded N ways"
+        f"sharded DCP checkpoint, GB/s, median of {args.repeat} rounds; ratios: median of the per-round ratios "
+        f"[min-max]; state {first['gpt']['bytes'] / 1e9:.2f} GB in {first['gpt']['tensors']} tensors, sharded N ways"
     )
-    print("\n".join(_table(all_results, "gpt")))
+    print("\n".join(summarize(all_results, "gpt")))
     if args.small:
-        print(f"many small tensors: {args.small} x {SMALL_BYTES // 1024} KiB per rank")
-        print("\n".join(_table(all_results, "small")))
+        print(f"\nthe same bytes per rank in {args.small} tensors per rank")
+        print("\n".join(summarize(all_results, "small")))
+    print("\nasync save (GPT state)")
+    print("\n".join(summarize_async(all_results)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({str(k): v for k, v in all_results.items()}, f, indent=1)
@@ -230,6 +432,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", default=None)
     p.add_argument("--json", default=None)
     p.add_argument("--no-fio", action="store_true")
+    p.add_argument("--no-torchsnapshot", action="store_true")
 
 
 if __name__ == "__main__":
@@ -243,6 +446,7 @@ if __name__ == "__main__":
     a = ap.parse_args()
     if a.worker:
         a.fio = not a.no_fio
+        a.torchsnapshot = not a.no_torchsnapshot
         worker(a.rank, a.world, a.init, a)
     else:
         sys.exit(main(a))

@@ -216,7 +216,8 @@ class UringStorageWriter(FileSystemWriter):
     None (the shared default engine), an :class:`~lightning_recover.checkpoint.engine.EngineHandle` or a
     ``native_io.IOEngine``. ``overwrite=False`` refuses an existing checkpoint at ``path``.
     ``lazy_snapshot=True``: ``dcp.async_save`` blocks only for tensors under ``eager_bytes`` and copies
-    the rest in the background into reused staging buffers (``dcp_snapshot.py``).
+    the rest in the background into reused staging buffers (``dcp_snapshot.py``);
+    ``cache_staged_state_dict=True`` alone: a blocking copy into the same reused buffers.
     Needs DCP's collectives (the default): ``use_collectives=False`` gives no coordinator to commit.
     """
 
@@ -235,13 +236,15 @@ class UringStorageWriter(FileSystemWriter):
             single_file_per_rank=True,
             sync_files=True,
             thread_count=1,
-            cache_staged_state_dict=cache_staged_state_dict,
+            cache_staged_state_dict=False,
             overwrite=overwrite,
             serialization_format=SerializationFormat.TORCH_SAVE,
         )
         self._engine = engine
         self._tmp: Optional[str] = None
-        self._lazy = LazySnapshot(eager_bytes) if lazy_snapshot else None
+        # our own staging whenever it is reused: DCP's cached staging pins memory (fails without a GPU)
+        use_ours = lazy_snapshot or cache_staged_state_dict
+        self._lazy = LazySnapshot(eager_bytes, lazy=lazy_snapshot) if use_ours else None
 
     # -- staging (dcp.async_save) -----------------------------------------------------------------
 
@@ -384,7 +387,7 @@ class UringStorageWriter(FileSystemWriter):
         side = {"format": SIDECAR_FORMAT, "version": 1, "file": file_name, "size": cursor, "items": items_crc}
         side_path = os.path.join(tmp, sidecar_name(file_name))
         with open(side_path, "w") as f:
-            json.dump(side, f, separators=(",", ":"))
+            f.write(json.dumps(side, separators=(",", ":")))  # one-shot: the C encoder
             f.flush()
             os.fsync(f.fileno())
         fsync_dir(tmp)  # this rank's directory entries are durable before it reports success

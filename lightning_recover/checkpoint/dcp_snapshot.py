@@ -81,9 +81,15 @@ def _staging_for(v: Any) -> Any:
 
 
 class LazySnapshot:
-    """The staging half of ``UringStorageWriter(lazy_snapshot=True)``: see the module docstring."""
+    """The staging half of ``UringStorageWriter(lazy_snapshot=True)``: see the module docstring.
 
-    def __init__(self, eager_bytes: int = MiB) -> None:
+    ``lazy=False`` (``UringStorageWriter(cache_staged_state_dict=True)``): every tensor is copied in
+    ``stage()``, which returns the staged dict itself, into the same reused buffers (DCP's own cached
+    staging pins memory, which fails on a machine without an accelerator).
+    """
+
+    def __init__(self, eager_bytes: int = MiB, lazy: bool = True) -> None:
+        self.lazy = lazy
         self.eager_bytes = int(eager_bytes)
         self._lock = threading.Lock()
         self._layout: Any = None
@@ -97,7 +103,7 @@ class LazySnapshot:
 
     # -- training thread ---------------------------------------------------------------------------
 
-    def stage(self, state_dict: dict) -> Future:
+    def stage(self, state_dict: dict) -> Any:
         self.wait_for_snapshot()
         t0 = time.perf_counter()
         leaves = _leaves(state_dict)
@@ -119,11 +125,14 @@ class LazySnapshot:
                     continue
                 staged_values.append(dst)
                 s, d = _local(src), _local(dst)
-                if s.numel() * s.element_size() < self.eager_bytes:
+                if not self.lazy or s.numel() * s.element_size() < self.eager_bytes:
                     d.copy_(s)
                 else:
                     lazy.append((path, src, src._version, s, d))
         staged = _rebuild(state_dict, iter(staged_values))
+        if not self.lazy:
+            self.blocked_s = time.perf_counter() - t0
+            return staged
         done: Future = Future()
         self._pending = done
         snapshot_guard.track(self)
