@@ -3,7 +3,7 @@
 import pytest
 
 from lightning_recover.data import MicrobatchSource
-from lightning_recover.protocol.faults import Fault, parse_faults
+from lightning_recover.protocol.faults import Fault, FaultInjector, parse_faults
 from lightning_recover.protocol.options import RecoverOptions
 
 
@@ -13,6 +13,18 @@ def test_parse_several_faults():
     )
     assert faults == [Fault("kill", 2, 5, "backward"), Fault("hang", 1, 7, "reduce"), Fault("raise", 0, 1, "commit", 2)]
     assert str(faults[0]) == "kill:replica=2:step=5:phase=backward"
+
+
+def test_save_phase_and_a_save_fault_never_reached_is_reported():
+    faults = parse_faults("kill:replica=1:inner=1:step=3:phase=save")
+    assert faults == [Fault("kill", 1, 3, "save", inner=1)]
+    injector = FaultInjector(faults, replica=1, incarnation=1, act=lambda f: None, inner=1)
+    for phase in ("forward", "backward", "reduce", "commit", "optimizer"):
+        injector.maybe_fire(3, phase)
+    with pytest.raises(ValueError, match=r"phase=save never fired"):
+        injector.check_all_fired(last_step=3)  # e.g. no fabric.save after step 3
+    injector.maybe_fire(3, "save")
+    injector.check_all_fired(last_step=3)
 
 
 @pytest.mark.parametrize(

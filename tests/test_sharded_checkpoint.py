@@ -1,11 +1,15 @@
 """fabric.save / fabric.load with sharded replicas (replica_size=K>1): one DCP checkpoint directory.
 
-Run 1: 2 replicas x 2 processes, 4 steps, ``fabric.save`` after step 2 (then trains on): each
-replica writes about half of the items (4 shard files). Run 2: a fresh
-2 x 2 job that ``fabric.load``s that checkpoint and trains steps 2..3. Both end equal to the
-unsharded single-process reference (float64, relative difference <= 1e-9), the checkpoint verifies
-(CRC-32C of every shard) and loads with stock ``dcp.load`` + ``FileSystemReader`` into one process
-without a process group (4 shard files -> 1 process, full tensors equal to the parameters at step 2).
+Run 1: 3 replicas x 2 processes, 4 steps, ``fabric.save`` after step 2 (then trains on), and process 1
+of replica 0 is SIGKILLed inside that save (fault phase ``save``: its part written, not yet reported,
+while the other replicas write or wait for the reports). The survivors must not commit the round
+that misses replica 0's part (replica 0, the lowest, was the one to commit): replica 1 removes the
+round's temporary directory, the 2 survivors write the checkpoint again (each about half of the
+items, 4 shard files) and train on, recomputing replica 0's microbatches at the next step. Run 2: a fresh 2 x 2 job that ``fabric.load``s that
+checkpoint and trains steps 2..3. Both end equal to the unsharded single-process reference (float64,
+relative difference <= 1e-9), the checkpoint verifies (CRC-32C of every shard), holds every key
+and loads with stock ``dcp.load`` + ``FileSystemReader`` into one process without a process group
+(4 shard files -> 1 process, full tensors equal to the parameters at step 2).
 """
 
 from __future__ import annotations
@@ -24,13 +28,12 @@ TOL = 1e-9
 STEPS, SAVE_AT, M = 4, 2, 8
 
 
-def _job(out: str, *extra: str):
-    cmd = [sys.executable, SCRIPT, out, "--replicas", "2", "--replica-size", "2", "--steps", str(STEPS)]
-    result = run_job([*cmd, "--microbatches", str(M), *extra], out, timeout=400)
+def _job(out: str, *extra: str, replicas: int = 2, inject: str | None = None):
+    cmd = [sys.executable, SCRIPT, out, "--replicas", str(replicas), "--replica-size", "2", "--steps", str(STEPS)]
+    env = {"LIGHTNING_RECOVER_INJECT": inject} if inject else None
+    result = run_job([*cmd, "--microbatches", str(M), *extra], out, timeout=400, env=env)
     assert result.returncode == 0, result.output[-4000:]
-    states = result.states()
-    assert sorted(states) == [0, 1], result.output[-3000:]
-    return states
+    return result
 
 
 @pytest.mark.slow
@@ -41,6 +44,7 @@ def test_sharded_save_resume_and_stock_load(tmp_path, capsys):
     from torch.distributed.checkpoint import FileSystemReader
 
     from lightning_recover.checkpoint import verify_dcp_checkpoint
+    from lightning_recover.checkpoint.sharded import checkpoint_keys
 
     ref_dir = str(tmp_path / "ref")
     result = run_job(
@@ -50,17 +54,30 @@ def test_sharded_save_resume_and_stock_load(tmp_path, capsys):
     reference = torch.load(os.path.join(ref_dir, "reference.pt"))["state"]
 
     ckpt = str(tmp_path / "ckpt")
-    first = _job(str(tmp_path / "run1"), "--save-step", str(SAVE_AT), "--ckpt", ckpt)
+    # the save runs after step index SAVE_AT - 1: the fault's step is the last step run
+    inject = f"kill:replica=0:inner=1:step={SAVE_AT - 1}:phase=save"
+    run1 = _job(str(tmp_path / "run1"), "--save-step", str(SAVE_AT), "--ckpt", ckpt, replicas=3, inject=inject)
+    first = run1.states()
+    assert sorted(first) == [1, 2], run1.output[-3000:]
+    assert run1.output.count("injecting fault") == 1, run1.output[-3000:]
+    assert "replica(s) [0] writing" in run1.output and "writing it again" in run1.output, run1.output[-3000:]
     for r, data in first.items():
         assert max_relative_difference(data["state"], reference) <= TOL, f"run 1 replica {r}"
-    saved = first[0]["saved_state"]
+        steps = {s["step"]: s for s in data["stats"]}
+        assert [s["live_replicas"] for s in data["stats"]] == [3, 3, 2, 2]
+        assert steps[SAVE_AT]["recoveries"] == 1, "the next step noticed the death and recomputed"
+    assert sum(data["stats"][SAVE_AT]["recomputed"] for data in first.values()) > 0
+    saved = first[1]["saved_state"]
+    assert max_relative_difference(first[2]["saved_state"], saved) == 0.0
 
-    # both replicas wrote about half of the items each (2 processes each): 4 shard files + sidecars
+    # the survivors wrote about half of the items each (2 processes each): 4 shard files + sidecars;
+    # nothing of the round that lost replica 0 (3 parts, files up to __5_0) is left
     names = sorted(os.listdir(ckpt))
     assert names == [".metadata"] + [f"__{i}_0.{ext}" for i in range(4) for ext in ("crc.json", "distcp")], names
     assert not [n for n in os.listdir(tmp_path) if ".dcp-tmp-" in n]
     info = verify_dcp_checkpoint(ckpt)
     assert info["verified"] and info["files"] == 4
+    assert checkpoint_keys(ckpt) == {"model", "optimizer", "step"}
     sizes = [os.path.getsize(os.path.join(ckpt, f"__{i}_0.distcp")) for i in range(4)]
     assert min(sizes[0] + sizes[1], sizes[2] + sizes[3]) > 0.3 * sum(sizes), sizes
 
@@ -84,11 +101,13 @@ def test_sharded_save_resume_and_stock_load(tmp_path, capsys):
     assert main(["convert", ckpt, str(tmp_path / "full.pt")]) == 0
     converted = torch.load(str(tmp_path / "full.pt"), weights_only=True)
     assert max_relative_difference(converted["model"], saved) == 0.0 and converted["step"] == SAVE_AT
+    assert sorted(converted) == ["model", "optimizer", "step"] and converted["optimizer"]["state"]
 
-    second = _job(str(tmp_path / "run2"), "--resume", ckpt)
+    second = _job(str(tmp_path / "run2"), "--resume", ckpt).states()
+    assert sorted(second) == [0, 1]
     for r, data in second.items():
         assert [s["step"] for s in data["stats"]] == list(range(SAVE_AT, STEPS))
-        diff = max_relative_difference(data["state"], first[r]["state"])
+        diff = max_relative_difference(data["state"], first[1]["state"])
         assert diff <= TOL, f"resumed replica {r} differs from the uninterrupted run by {diff}"
         assert max_relative_difference(data["state"], reference) <= TOL
 

@@ -9,11 +9,18 @@ Who is live is agreed per inner position through the store, then intersected ins
 (``all_reduce(MIN)``), so every process of every replica sees the same set; the temporary name is
 the lowest live replica's random token. A part lost with its replica means no commit and a new
 round among the survivors; an error is raised on every replica. Never a partial directory.
+
+A replica lost during the save is never waited for beyond the protocol's bounds: the store
+exchanges return without a replica once the coordinator declared it dead (a killed process at
+once, through the launcher or ``heartbeat_timeout``; a stuck one after ``hang_timeout``), and its
+replica-mates end themselves (``ReplicaWorld``'s watchdog). The save forms no new generation: the
+next step's reduce notices the death and the survivors recompute its microbatches as usual.
 """
 
 from __future__ import annotations
 
 import secrets
+import sys
 from typing import Any
 
 import torch
@@ -26,8 +33,9 @@ def save_over_live_replicas(
     replica: Any, path: str, state: dict, *, num_replicas: int, replica_size: int, device: torch.device
 ) -> None:
     """Called by every process of every live replica; ``replica`` is the protocol's ``Replica``
-    façade (exchange over live replicas, say), the default process group is the replica's own."""
+    façade (exchange over live replicas, fire), the default process group is the replica's own."""
 
+    stale: list[str] = []  # tokens of failed rounds: the next committer removes what is left of them
     while True:
         # The K processes of a replica write the same store key in an exchange, so each replica
         # contributes one value, agreed inside it first.
@@ -46,6 +54,9 @@ def save_over_live_replicas(
                 sharded.save_part(path, state, token, q, parts, base=q * replica_size)
             except Exception as exc:
                 error = exc
+        # Fault injection (phase "save"): this part is on disk but not reported; the other replicas
+        # may still be writing theirs or already wait for the reports.
+        replica.fire("save")
         failed_here = torch.tensor([int(error is not None)], device=device)
         dist.all_reduce(failed_here, op=dist.ReduceOp.MAX)
         reports = replica.exchange(("error" if failed_here.item() else "ok") if q < parts else None)
@@ -59,10 +70,15 @@ def save_over_live_replicas(
             )
         complete = torch.tensor([int(all(reports.get(r) == "ok" for r in live[:parts]))], device=device)
         dist.all_reduce(complete, op=dist.ReduceOp.MIN)
-        committer = q == 0
+        # The committer is the lowest replica that took part in the reports (the same on every
+        # process): live[0] when every part is in, else a survivor, so that a failed round's
+        # temporary directory is removed even when live[0] is the replica that was lost.
+        committer = min(reports)
         outcome = torch.tensor([0], device=device)  # committer: 1 committed, 2 failed
-        if committer and replica.inner == 0:
+        if replica.replica_id == committer and replica.inner == 0:
             try:
+                for old in stale:  # a committer lost after the reports left its round's directory
+                    sharded.abandon_parts(path, old)
                 if complete.item():
                     sharded.commit_parts(path, state, token, parts)
                     outcome[0] = 1
@@ -71,12 +87,21 @@ def save_over_live_replicas(
             except Exception as exc:
                 outcome[0], error = 2, exc
         dist.broadcast(outcome, src=0)
-        done = replica.exchange(int(outcome.item()) if committer else None)
+        done = replica.exchange(int(outcome.item()) if replica.replica_id == committer else None)
         if error is not None:
             raise error
-        result = done.get(live[0])
+        result = done.get(committer)
         if result == 2:
-            raise RuntimeError(f"replica {live[0]} failed to commit the sharded checkpoint {path}")
+            raise RuntimeError(f"replica {committer} failed to commit the sharded checkpoint {path}")
         if result == 1:
             return
-        replica.say(f"a replica writing {path} was lost before the checkpoint was committed; writing it again")
+        stale.append(token)
+        lost = sorted(set(live) - set(done))
+        if replica.replica_id == min(done) and replica.inner == 0:  # Replica.say stays silent while the
+            # generation's lowest member is the one lost (the save does not form a new generation)
+            print(
+                f"[lightning-recover] replica(s) {lost} writing {path} were lost before the checkpoint was "
+                "committed; writing it again over the survivors",
+                file=sys.stderr,
+                flush=True,
+            )

@@ -14,7 +14,10 @@ Phases, in the order they happen in a step: ``forward`` (first forward of the st
 ``backward`` (first backward), ``reduce`` (just before the gradient all-reduce is issued),
 ``commit`` (after this replica reported its reduce as done, before the commit is decided),
 ``optimizer`` (inside the optimizer step, after the commit), and ``recompute`` (when this replica
-starts computing microbatches taken over from a failed one: a failure *during* recovery).
+starts computing microbatches taken over from a failed one: a failure *during* recovery). One
+phase outside the step: ``save`` (inside ``fabric.save`` of sharded replicas, after this replica
+wrote its part of the checkpoint and before it reported it, while the other replicas may still be
+writing or waiting for the reports; ``step`` is the index of the last step run before the save).
 
 A fault fires only in the first incarnation of a replica (a restarted replica does not kill
 itself again) unless ``incarnation=K`` says otherwise.
@@ -39,7 +42,7 @@ from lightning_recover import env
 from lightning_recover.errors import InjectedFault
 
 KINDS = ("kill", "hang", "stall", "raise")
-PHASES = ("forward", "backward", "reduce", "commit", "optimizer", "recompute")
+PHASES = ("forward", "backward", "reduce", "commit", "optimizer", "recompute", "save")
 
 
 @dataclass(frozen=True)
