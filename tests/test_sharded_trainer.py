@@ -4,7 +4,8 @@ The multi-process runs train the MLP of tests/scripts/sharded_train.py (same dat
 microbatch layout) with the model built in ``configure_model`` and sharded by the strategy, and
 compare the final full parameters with that script's single-process, unsharded float64 reference:
 relative difference <= 1e-9 (``check`` of tests/test_sharded.py, which also asserts that no process
-of a killed replica is left alive). The fast tests cover what is refused before any process starts.
+of a killed replica is left alive); the failure-free job also saves sharded checkpoints and a second
+job resumes from one. The fast tests cover what is refused and the checkpoint state conversion.
 """
 
 from __future__ import annotations
@@ -66,25 +67,64 @@ def trainer_job(
     return result, pids
 
 
-def check_logs_and_refusal(states: dict, steps: int = STEPS) -> None:
+def check_logs(states: dict, steps: int = STEPS) -> None:
     for data in states.values():
         assert data["global_step"] == steps
         # self.log("train_loss") in training_step: merged over the K processes of each replica and over
         # the replicas, zero-contribution slots left out, so it is the step's mean loss (logged in float32)
         assert abs(data["train_loss"] - data["stats"][-1]["loss"]) <= 1e-6 * abs(data["stats"][-1]["loss"])
-        assert "not yet supported with replica_size>1" in data["save_error"] and "HINT" in data["save_error"]
+
+
+SAVE_AT = 2
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(500)
+@pytest.mark.timeout(700)
 def test_trainer_two_replicas_of_two_failure_free(tmp_path, reference):
-    """R=2, K=2, M=8, a parallelize_fn in ModelParallelStrategy style."""
-    result, pids = trainer_job(str(tmp_path), replicas=2, microbatches=8, parallelize="fn")
+    """R=2, K=2, M=8, a parallelize_fn in ModelParallelStrategy style; sharded checkpoints.
+
+    Job 1 trains 4 steps with two ModelCheckpoints every 2 steps: OUT/keep keeps every one, OUT/latest
+    (save_top_k=1, save_last=True) removes step 2's directory at step 4 and overwrites last.ckpt. Each
+    checkpoint is one DCP directory written by both replicas (2 processes each: 4 shard files); step
+    2's verifies (CRC-32C) and loads with stock dcp.load + FileSystemReader into this process (no
+    process group): the parameters of the reference at step 2. Job 2, a fresh 2 x 2 job, resumes with
+    fit(ckpt_path=step 2's directory) and trains steps 2..3: module, AdamW state and loops restored, it
+    ends equal to the uninterrupted reference (relative difference <= 1e-9)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from lightning_recover.checkpoint import verify_dcp_checkpoint
+    from lightning_recover.lightning.trainer_checkpoint import trainer_checkpoint_metadata
+    from tests.jobs import max_relative_difference
+
+    out = str(tmp_path / "run1")
+    result, pids = trainer_job(out, replicas=2, microbatches=8, parallelize="fn", extra=("--ckpt-every", str(SAVE_AT)))
     states = check(result, pids, reference(8), survivors=[0, 1], replicas=2)
     for data in states.values():
         assert all(s["live_replicas"] == 2 and s["recoveries"] == 0 for s in data["stats"])
-    check_logs_and_refusal(states)
-    assert not os.path.exists(os.path.join(str(tmp_path), "ckpt.ckpt"))
+    check_logs(states)
+
+    keep, latest = os.path.join(out, "keep"), os.path.join(out, "latest")
+    assert sorted(os.listdir(keep)) == ["step=2.ckpt", "step=4.ckpt"]
+    assert sorted(os.listdir(latest)) == ["last.ckpt", "step=4.ckpt"], "step 2's directory removed, no temp left"
+    ckpt = os.path.join(keep, "step=2.ckpt")
+    info = verify_dcp_checkpoint(ckpt)
+    assert info["verified"] and info["files"] == 4
+    assert trainer_checkpoint_metadata(ckpt)["global_step"] == SAVE_AT
+    assert trainer_checkpoint_metadata(os.path.join(latest, "last.ckpt"))["global_step"] == STEPS
+    at_save = reference(8, SAVE_AT)
+    assert not dist.is_initialized()
+    full = {"state_dict": {f"net.{k}": torch.empty_like(v) for k, v in at_save.items()}}
+    dcp.load(full, storage_reader=FileSystemReader(ckpt))
+    assert max_relative_difference({k.removeprefix("net."): v for k, v in full["state_dict"].items()}, at_save) <= 1e-9
+
+    out2 = str(tmp_path / "run2")
+    result, pids = trainer_job(out2, replicas=2, microbatches=8, parallelize="fn", extra=("--resume", ckpt))
+    states = check(result, pids, reference(8), survivors=[0, 1], replicas=2)
+    for data in states.values():
+        assert [s["step"] for s in data["stats"]] == list(range(SAVE_AT, STEPS))
+    check_logs(states)
 
 
 REJOIN_STEPS = 30  # the survivors sleep 1 s after each degraded step, until the restarted replica is back
@@ -107,7 +147,7 @@ def test_trainer_replica_of_two_is_lost_and_rejoins(tmp_path, reference):
     assert survivor[1]["live_replicas"] == 2 and survivor[1]["recoveries"] == 1
     assert survivor[-1]["live_replicas"] == 3, "the quotas include the rejoined replica again"
     assert 1 < rejoined[0]["step"] < REJOIN_STEPS - 1, "it rejoined mid-run"
-    check_logs_and_refusal(states, REJOIN_STEPS)
+    check_logs(states, REJOIN_STEPS)
 
 
 # --------------------------------------------------------------------------- in process, fast
@@ -133,18 +173,94 @@ def _fit(strategy: RecoverTrainerStrategy, devices: int = 4, **kwargs) -> None:
     trainer.fit(_Tiny(), DataLoader(TensorDataset(torch.randn(32, 2)), batch_size=2))
 
 
-def test_sharded_trainer_refuses_checkpointing_before_starting():
-    with pytest.raises(NotImplementedError, match=r"ModelCheckpoint.*replica_size=2.*HINT: pass Trainer\(enable_che"):
-        _fit(RecoverTrainerStrategy(microbatches=4, replica_size=2, shard="fsdp"), enable_checkpointing=True)
-
-
-def test_sharded_trainer_refuses_to_save_or_resume_a_checkpoint(tmp_path):
+def test_sharded_trainer_refuses_what_a_sharded_checkpoint_cannot_be(tmp_path):
     strategy = RecoverTrainerStrategy(microbatches=4, replica_size=2, shard="fsdp")
-    with pytest.raises(NotImplementedError, match=r"trainer.save_checkpoint is not yet supported.*HINT.*DCP"):
-        strategy.save_checkpoint({}, str(tmp_path / "x.ckpt"))
-    assert not os.path.exists(tmp_path / "x.ckpt")
-    with pytest.raises(NotImplementedError, match=r"resuming from a checkpoint .* replica_size>1.*HINT"):
-        strategy.load_checkpoint(str(tmp_path / "x.ckpt"))
+    with pytest.raises(TypeError, match="storage_options"):
+        strategy.save_checkpoint({}, str(tmp_path / "x.ckpt"), storage_options={"a": 1})
+    single = tmp_path / "single.ckpt"
+    torch.save({"state_dict": {}}, single)
+    strategy.model = _Tiny()
+    with pytest.raises(ValueError, match="single file.*HINT"):
+        strategy.load_checkpoint(str(single))
+    with pytest.raises(FileNotFoundError, match="no sharded checkpoint"):
+        strategy.load_checkpoint(str(tmp_path / "missing.ckpt"))
+    with pytest.raises(ValueError, match="weights_only loader"):
+        strategy.load_checkpoint(str(tmp_path / "x.ckpt"), weights_only=False)
+
+
+class _Opaque:  # a hyper-parameter the weights-only loader refuses
+    pass
+
+
+def _tiny_trained(seed: int):
+    torch.manual_seed(seed)
+    module = _Tiny().double()
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    module.layer(torch.randn(3, 2, dtype=torch.float64)).sum().backward()
+    optimizer.step()
+    return module, optimizer
+
+
+def test_trainer_checkpoint_state_round_trip(tmp_path):
+    """Lightning's checkpoint dict -> DCP state (module, optimizer, one bytes item per other entry) ->
+    back, in one process: empty dicts, tuples and tensors survive, everything is read weights-only,
+    a hyper-parameter of another type is skipped, and stock dcp.load reads the module."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from lightning_recover.checkpoint import UnsafeCheckpointError, verify_dcp_checkpoint
+    from lightning_recover.checkpoint.sharded import save_sharded
+    from lightning_recover.lightning.trainer_checkpoint import (
+        dcp_state,
+        load_trainer_checkpoint,
+        trainer_checkpoint_metadata,
+    )
+
+    module, optimizer = _tiny_trained(0)
+    meta = {
+        "epoch": 0,
+        "global_step": 2,
+        "loops": {"fit_loop": {"state_dict": {}, "epoch_loop.batch_progress": {"total": {"ready": 2}}}},
+        "callbacks": {"ModelCheckpoint{'monitor': None}": {"best_model_score": torch.tensor(0.5), "kth": (1, "a")}},
+        "lr_schedulers": [],
+        "hyper_parameters": {"thing": _Opaque()},
+        "mine": [1, 2.5, None],
+    }
+    checkpoint = {**meta, "state_dict": module.state_dict(), "optimizer_states": [optimizer.state_dict()]}
+    path = str(tmp_path / "epoch=0-step=2.ckpt")
+    save_sharded(path, dcp_state(checkpoint, module, [optimizer]))
+    assert verify_dcp_checkpoint(path)["verified"]
+    module2, optimizer2 = _tiny_trained(1)
+    restored = load_trainer_checkpoint(path, module2, [optimizer2])
+    del meta["hyper_parameters"]  # not loadable weights-only, not needed to resume: skipped
+    assert sorted(restored) == sorted(meta) and restored["loops"] == meta["loops"] and restored["mine"] == meta["mine"]
+    callback = restored["callbacks"]["ModelCheckpoint{'monitor': None}"]
+    assert callback["kth"] == (1, "a") and torch.equal(callback["best_model_score"], torch.tensor(0.5))
+    assert all(torch.equal(a, b) for a, b in zip(module.state_dict().values(), module2.state_dict().values()))
+    for p, p2 in zip(module.parameters(), module2.parameters()):
+        assert torch.equal(optimizer.state[p]["exp_avg_sq"], optimizer2.state[p2]["exp_avg_sq"])
+    assert trainer_checkpoint_metadata(path)["global_step"] == 2
+    stock = {"state_dict": {k: torch.empty_like(v) for k, v in module.state_dict().items()}}
+    dcp.load(stock, storage_reader=FileSystemReader(path))
+    assert torch.equal(stock["state_dict"]["layer.weight"], module.layer.weight)
+
+    # weights only (save_weights_only=True): no optimizer entry, so fitting from it is refused
+    weights = str(tmp_path / "weights.ckpt")
+    save_sharded(weights, dcp_state({**meta, "state_dict": module.state_dict()}, module, [optimizer]))
+    with pytest.raises(KeyError, match="optimizer_0"):
+        load_trainer_checkpoint(weights, module2, [optimizer2])
+    assert load_trainer_checkpoint(weights, module2, [])["global_step"] == 2  # validate/test: the module only
+
+    # anything else that is not weights-only loadable is refused, never unpickled
+    evil = str(tmp_path / "evil.ckpt")
+    save_sharded(evil, dcp_state({**meta, "mine": _Opaque(), "state_dict": {}}, module, []))
+    with pytest.raises(UnsafeCheckpointError, match="'mine'.*weights_only.*HINT"):
+        load_trainer_checkpoint(evil, module2, [])
+    # a fabric.save checkpoint is not a Trainer checkpoint
+    fabric_style = str(tmp_path / "fabric")
+    save_sharded(fabric_style, {"model": module, "step": 2})
+    with pytest.raises(ValueError, match="not a Trainer checkpoint.*HINT"):
+        load_trainer_checkpoint(fabric_style, module2, [])
 
 
 def test_sharded_trainer_validates_the_job_shape_before_starting():

@@ -55,6 +55,11 @@ from lightning_recover.lightning.sharded import (
     optimizer_state_from_local,
 )
 from lightning_recover.lightning.step_logs import StepLogCapture, log_step, share_logger_versions
+from lightning_recover.lightning.trainer_checkpoint import (
+    load_trainer_checkpoint,
+    remove_checkpoint_dir,
+    save_trainer_checkpoint,
+)
 from lightning_recover.lightning.trainer_rejoin import adopt_checkpoint, check_rejoin_inside_fit, checkpoint_for_joiner
 from lightning_recover.protocol.replica import Replica
 
@@ -64,16 +69,8 @@ _HINT_ACCUMULATE = (
 )
 
 
-def check_trainer(trainer: Any, model: Any = None, replica_size: int = 1) -> None:
+def check_trainer(trainer: Any, model: Any = None) -> None:
     """Unsupported Trainer/module combinations, refused before anything starts."""
-    if replica_size > 1 and trainer.checkpoint_callbacks:
-        names = ", ".join(sorted({type(cb).__name__ for cb in trainer.checkpoint_callbacks}))
-        raise NotImplementedError(
-            f"checkpointing ({names}) is not yet supported with replica_size={replica_size} (sharded replicas): "
-            "saving would have to gather the shards to one process, and the run would fail at its first save. "
-            "HINT: pass Trainer(enable_checkpointing=False) and no ModelCheckpoint callback; save each process's "
-            "shard yourself with torch.distributed.checkpoint (DCP) until sharded checkpoints land."
-        )
     if trainer.accumulate_grad_batches != 1:
         raise ValueError(
             f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not supported with "
@@ -106,7 +103,7 @@ class _TrainerLauncher(ReplicaLauncher):
     def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         if trainer is not None:
             model = args[0] if args and hasattr(args[0], "automatic_optimization") else None
-            check_trainer(trainer, model, self._strategy.sharding.replica_size)  # fail before starting N processes
+            check_trainer(trainer, model)  # fail before starting N processes
         return super().launch(function, *args, **kwargs)
 
 
@@ -128,7 +125,8 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
         replica_size: ``K``, processes per replica (default 1). With K > 1 each replica shards the
             LightningModule with FSDP2 over its K processes (``devices`` is ``replicas x K``): the
             strategy calls ``configure_model``, then shards, then ``configure_optimizers``.
-            Checkpointing is not supported yet (``enable_checkpointing=False``).
+            Checkpoints (``trainer.save_checkpoint``, ``ModelCheckpoint``, ``fit(ckpt_path=...)``) are
+            then one DCP directory, written by all live replicas (lightning/trainer_checkpoint.py).
         parallelize_fn: ``fn(module, mesh) -> module`` sharding the LightningModule over the replica's
             mesh (dimension ``"shard"``), as with Lightning's ModelParallelStrategy.
         shard: ``"fsdp"``: shorthand that fully_shards every block and each top-level submodule.
@@ -216,7 +214,7 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
                 self._rejoin(trainer)
         set_rank_zero(self.global_rank)
         if trainer is not None:
-            check_trainer(trainer, self.lightning_module, self.sharding.replica_size)
+            check_trainer(trainer, self.lightning_module)
             # A DistributedSampler must never be injected: the step plan decides what each replica reads.
             trainer._accelerator_connector.use_distributed_sampler = False
             if not self._solo:  # the K processes of a replica write the same value (store collectives are per replica)
@@ -233,11 +231,18 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
     def restore_checkpoint_after_setup(self) -> bool:
         return self.sharding.enabled  # sharded: a peer's local shards go into the already sharded module
 
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        # sharded: load_checkpoint restored them from the DCP directory (as ModelParallelStrategy), unless rejoining
+        return not self.sharding.enabled or self._rejoin_checkpoint is not None
+
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        if not self.sharding.enabled:  # (sharded: only a rejoin restores, from a peer's local shards)
+        if not self.sharding.enabled:
             return super().load_model_state_dict(checkpoint, strict=strict)
-        load_local_module_state(self.lightning_module, checkpoint["state_dict"])
+        if self._rejoin_checkpoint is not None:  # (a ckpt_path was restored by load_checkpoint already)
+            load_local_module_state(self.lightning_module, checkpoint["state_dict"])
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
@@ -265,12 +270,8 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
         if self._rejoin_checkpoint is not None:
             # A rejoining replica resumes from the live state of its peers, not from the script's ckpt_path.
             return self._rejoin_checkpoint
-        if self.sharding.enabled:
-            raise NotImplementedError(
-                f"resuming from a checkpoint ({checkpoint_path}) is not yet supported with replica_size>1 (sharded "
-                "replicas). HINT: start without ckpt_path, or load each process's shard yourself with "
-                "torch.distributed.checkpoint (DCP) in configure_model."
-            )
+        if self.sharding.enabled:  # every process reads its own shards into the sharded module and optimizers
+            return load_trainer_checkpoint(checkpoint_path, self.lightning_module, self.optimizers, weights_only)
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     @override
@@ -438,19 +439,22 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
     # ------------------------------------------------------------------ checkpoints
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        if self.sharding.enabled:
-            raise NotImplementedError(
-                "trainer.save_checkpoint is not yet supported with replica_size>1 (sharded replicas): it would have to "
-                "gather the shards to one process. HINT: save each process's shard yourself with "
-                "torch.distributed.checkpoint (DCP) until sharded checkpoints land."
-            )
         if self._solo:
             return  # a replica still rejoining holds no step of its own to save; the members write
-        if self._elect_writer():
+        if self.sharding.enabled:  # one DCP directory at filepath, every live replica writing ~1/R of it
+            save_trainer_checkpoint(self, checkpoint, filepath, storage_options)
+        elif self._elect_writer():
             if storage_options is None:
                 self.checkpoint_io.save_checkpoint(checkpoint, filepath)
             else:
                 self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if not self.sharding.enabled:
+            return super().remove_checkpoint(filepath)
+        if not self._solo and self._elect_writer() and self.core.inner == 0:  # one process removes the directory
+            remove_checkpoint_dir(filepath)
 
     @override
     def teardown(self) -> None:

@@ -6,8 +6,11 @@
 by the strategy (``--parallelize fsdp``: ``shard="fsdp"``; ``fn``: a ``parallelize_fn``). The data,
 the model and the microbatch layout are those of ``sharded_train.py``, so its ``--reference`` run
 (one process, unsharded) is the ground truth. Process 0 of every replica that finishes writes
-OUT/replica{r}.pt (full parameters, per-step stats, the refusal of ``trainer.save_checkpoint``);
-every process writes OUT/pid.r{r}.i{i} at start.
+OUT/replica{r}.pt (full parameters, per-step stats); every process writes OUT/pid.r{r}.i{i} at start.
+
+    ... --ckpt-every N   # ModelCheckpoints every N steps: OUT/keep (every one kept) and OUT/latest
+                         # (top 1 by step: the previous one removed; save_last: last.ckpt overwritten)
+    ... --resume DIR     # trainer.fit(..., ckpt_path=DIR): a sharded checkpoint directory
 """
 
 import argparse
@@ -17,6 +20,7 @@ import time
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -82,6 +86,8 @@ def main() -> None:
     parser.add_argument("--heartbeat-timeout", type=float, default=2.0)
     parser.add_argument("--parallelize", default="fsdp", choices=["fsdp", "fn"])
     parser.add_argument("--restarts", type=int, default=0, help="restart a failed replica up to N times (rejoin)")
+    parser.add_argument("--ckpt-every", type=int, default=0, help="ModelCheckpoint every N steps (sharded DCP dirs)")
+    parser.add_argument("--resume", default=None, help="fit(ckpt_path=...) from this sharded checkpoint directory")
     parser.add_argument("--slow-while-degraded", type=float, default=0.0, help="sleep after a step with a replica down")
     args = parser.parse_args()
 
@@ -97,6 +103,12 @@ def main() -> None:
         restarts=args.restarts,
         **shard,
     )
+    callbacks = [SlowWhileDegraded(args.replicas, args.slow_while_degraded)]
+    if args.ckpt_every:
+        every = {"every_n_train_steps": args.ckpt_every, "filename": "{step}"}
+        callbacks.append(ModelCheckpoint(dirpath=os.path.join(args.out, "keep"), save_top_k=-1, **every))
+        latest = os.path.join(args.out, "latest")  # monitor: another state_key than the first one's
+        callbacks.append(ModelCheckpoint(dirpath=latest, monitor="step", mode="max", save_last=True, **every))
     trainer = L.Trainer(
         strategy=strategy,
         devices=args.replicas * args.replica_size,
@@ -107,19 +119,14 @@ def main() -> None:
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        enable_checkpointing=False,  # sharded checkpoints are not supported yet (refused at launch)
-        callbacks=[SlowWhileDegraded(args.replicas, args.slow_while_degraded)],
+        enable_checkpointing=bool(args.ckpt_every),
+        callbacks=callbacks,
     )
     model = Regressor(args.out)
-    trainer.fit(model, loader)
+    trainer.fit(model, loader, ckpt_path=args.resume)
     # Only replicas reach this line. full_tensor() is a collective inside the replica: all K call it.
     core = trainer.strategy.core
     state = {k.removeprefix("net."): v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
-    save_error = None
-    try:  # it must refuse, never gather silently
-        trainer.save_checkpoint(os.path.join(args.out, "ckpt.ckpt"))
-    except NotImplementedError as exc:
-        save_error = str(exc)
     if core.inner == 0:
         torch.save(
             {
@@ -128,7 +135,6 @@ def main() -> None:
                 "replica": core.replica_id,
                 "global_step": trainer.global_step,
                 "train_loss": float(trainer.callback_metrics.get("train_loss", float("nan"))),
-                "save_error": save_error,
             },
             os.path.join(args.out, f"replica{core.replica_id}.pt"),
         )
