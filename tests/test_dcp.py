@@ -333,6 +333,12 @@ _TWO_RANKS = textwrap.dedent(
     for k, v in full.items():
         assert torch.equal(back[k].full_tensor(), v), k
     assert back["step"] == 42 and torch.equal(back[f"rank{rank}_only"], torch.full((5,), float(rank)))
+    # resharding the other way: a checkpoint written by ONE process (the test, before this job) is
+    # loaded by two ranks, each reading only its Shard(0) rows
+    one = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)]) for k, v in full.items()}
+    dcp.load(one, storage_reader=UringStorageReader(path + "-one"))
+    for k, v in full.items():
+        assert torch.equal(one[k].to_local(), v.chunk(2)[rank]), k
     # lazy async save of DTensors: rank 1 changes w in place while its snapshot is still being copied:
     # the save fails on BOTH ranks (no rank left in a collective), nothing is committed at path + "-lazy"
     from lightning_recover.checkpoint import dcp_snapshot
@@ -368,6 +374,9 @@ def test_two_ranks_save_reshard_to_one(tmp_path):
     script = tmp_path / "two_ranks.py"
     script.write_text(_TWO_RANKS)
     p = str(tmp_path / "ck")
+    g = torch.Generator().manual_seed(0)
+    written_by_one = {"w": torch.randn(64, 33, generator=g), "b": torch.randn(10, generator=g).to(torch.bfloat16)}
+    dcp.save(written_by_one, storage_writer=UringStorageWriter(p + "-one"))  # one process, no process group
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
     procs = [
         subprocess.Popen([sys.executable, str(script), str(r), p, str(tmp_path / "store")], env=env) for r in (0, 1)

@@ -316,7 +316,7 @@ class UringStorageWriter(FileSystemWriter):
         results: list[WriteResult] = []
         items_crc: list[dict] = []
         pending: list[tuple[int, Any]] = []  # segments not handed to native_io yet
-        pending_meta: list[tuple[int, int, str, list[tuple[int, int]]]] = []
+        pending_meta: list[tuple[int, int, str, list[tuple[int, int]], Optional[list]]] = []
         pending_bytes = 0
         cursor = 0
         eng, lock = resolve_engine(self._engine)
@@ -327,16 +327,17 @@ class UringStorageWriter(FileSystemWriter):
                 return
             crcs = w.write(pending)
             k = 0
-            for off, length, fqn, extents in pending_meta:
+            for off, length, fqn, extents, layout in pending_meta:
                 n = len(extents)
-                items_crc.append(
-                    {
-                        "fqn": fqn,
-                        "offset": off,
-                        "length": length,
-                        "extents": [[o, ln, c] for (o, ln), c in zip(extents, crcs[k : k + n])],
-                    }
-                )
+                rec = {
+                    "fqn": fqn,
+                    "offset": off,
+                    "length": length,
+                    "extents": [[o, ln, c] for (o, ln), c in zip(extents, crcs[k : k + n])],
+                }
+                if layout is not None:
+                    rec["tensor"] = layout  # [dtype, shape, stride, storage_offset] of the archived tensor
+                items_crc.append(rec)
                 k += n
             pending, pending_meta, pending_bytes = [], [], 0
 
@@ -348,6 +349,7 @@ class UringStorageWriter(FileSystemWriter):
             try:
                 for item in items:
                     data = planner.resolve_data(item)
+                    layout = None
                     if item.type == WriteItemType.BYTE_IO:
                         if not isinstance(data, io.BytesIO):
                             raise TypeError(f"bytes item {item.index.fqn} resolved to {type(data).__name__}")
@@ -368,8 +370,12 @@ class UringStorageWriter(FileSystemWriter):
                         if tpl.tail:
                             segs.append((off + head + tpl.nbytes, tpl.tail))
                         length = head + tpl.nbytes + len(tpl.tail)
+                        if tpl.nbytes:  # lets our reader view the storage bytes in place (extent 1)
+                            layout = [str(t.dtype), list(t.shape), list(t.stride()), t.storage_offset()]
                     pending += segs
-                    pending_meta.append((off, length, item.index.fqn, [(o, len(memoryview(b))) for o, b in segs]))
+                    pending_meta.append(
+                        (off, length, item.index.fqn, [(o, len(memoryview(b))) for o, b in segs], layout)
+                    )
                     pending_bytes += length
                     cursor = off + length
                     results.append(
@@ -414,6 +420,23 @@ class UringStorageWriter(FileSystemWriter):
 
 # --------------------------------------------------------------------------------------------------
 # reader
+
+_DTYPES = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+def _stored_tensor(rec: dict, view: Any) -> Optional[torch.Tensor]:
+    """The archived tensor of a sidecar record, viewed in place in the read buffer (no torch.load, no
+    copy); None when the record has no layout (empty tensors, older sidecars, bytes items)."""
+    layout = rec.get("tensor")
+    if not layout or len(rec["extents"]) < 2:
+        return None
+    dtype_name, shape, stride, storage_offset = layout
+    dtype = _DTYPES.get(dtype_name)
+    if dtype is None:
+        raise CheckpointCorruptError(f"item {rec.get('fqn')}: unknown dtype {dtype_name!r} in the checksum sidecar")
+    o, ln, _ = rec["extents"][1]  # head, storage bytes, tail
+    raw = torch.frombuffer(view(o, o + ln), dtype=torch.uint8)
+    return raw.view(dtype).as_strided(shape, stride, storage_offset)
 
 
 def _load_sidecars(path: str, relative_paths: set[str]) -> dict[str, dict]:
@@ -595,13 +618,13 @@ class UringStorageReader(FileSystemReader):
                     runs[-1].append(r)
                     continue
             runs.append([r])
+        spans = [run[-1][0] + run[-1][1] - run[0][0] // ALIGN * ALIGN for run in runs]
+        buf = mmap.mmap(-1, max(_align_up(max(spans, default=0)), ALIGN))  # one buffer per file, reused
         with lock:
             reader = eng.open_reader(fpath)
             try:
                 for run in runs:
                     base = run[0][0] // ALIGN * ALIGN
-                    span = run[-1][0] + run[-1][1] - base
-                    buf = mmap.mmap(-1, max(_align_up(span), ALIGN))
                     mv = memoryview(buf)
                     views: list[memoryview] = []  # every slice of buf, released before buf is closed
 
@@ -638,19 +661,22 @@ class UringStorageReader(FileSystemReader):
                                     damaged=[{"fqn": fqn, "offset": o, "length": ln, "expected": want, "actual": got}],
                                 )
                         for off, length in run:
-                            self._deliver(by_range[(off, length)], view(off, off + length), planner)
+                            rec = side["items"].get((off, length)) if side is not None else None
+                            stored = _stored_tensor(rec, view) if rec is not None else None
+                            self._deliver(by_range[(off, length)], view(off, off + length), planner, stored)
+                            del stored
                     finally:
                         segs = []
                         for v in views:
                             v.release()
                         mv.release()
-                        buf.close()
             finally:
                 reader.close()
+                buf.close()
 
     @staticmethod
-    def _deliver(reqs: list, data: memoryview, planner: LoadPlanner) -> None:
-        tensor = None
+    def _deliver(reqs: list, data: memoryview, planner: LoadPlanner, tensor: Optional[torch.Tensor]) -> None:
+        """``tensor``: the saved tensor viewed in the read buffer (our files), else None (torch.load)."""
         for req in reqs:
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(bytes(data)))
