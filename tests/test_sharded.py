@@ -11,11 +11,13 @@ from __future__ import annotations
 import glob
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tests.jobs import ROOT, max_relative_difference, run_job
+from tests.scripts import sharded_train
 
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "sharded_train.py")
 TOL = 1e-9
@@ -24,28 +26,14 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
+    """sharded_train.py --reference, in this process (no interpreter start-up)."""
     cache: dict[tuple, dict] = {}
 
     def get(microbatches: int, dtype: str = "float64", steps: int = STEPS) -> dict:
         if (microbatches, dtype, steps) not in cache:
             out = str(tmp_path_factory.mktemp(f"ref{microbatches}{dtype}{steps}"))
-            result = run_job(
-                [
-                    sys.executable,
-                    SCRIPT,
-                    out,
-                    "--reference",
-                    "--steps",
-                    str(steps),
-                    "--microbatches",
-                    str(microbatches),
-                    "--dtype",
-                    dtype,
-                ],
-                out,
-                timeout=120,
-            )
-            assert result.returncode == 0, result.output[-3000:]
+            args = SimpleNamespace(out=out, steps=steps, microbatches=microbatches, batch_size=4, dtype=dtype)
+            sharded_train.reference(args)
             cache[microbatches, dtype, steps] = torch.load(os.path.join(out, "reference.pt"))["state"]
         return cache[microbatches, dtype, steps]
 

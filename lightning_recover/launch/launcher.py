@@ -3,8 +3,9 @@
 Lightning's stock launcher kills every rank when one dies, and torchrun's agent restarts its
 whole group. This supervisor instead starts the coordinator and one process per replica, tells
 the coordinator at once when a replica process exits (so survivors need not wait for heartbeats),
-optionally restarts it, and when the survivors are done ends what is left (a hung replica stays
-SIGSTOPped until then). Its exit code is 0 when at least one replica finished successfully.
+optionally restarts it, and ends a replica the coordinator declared dead (hung) that still runs
+after a grace period (a deadlocked process never exits by itself). When the survivors are done it
+ends what is left (a SIGSTOPped replica stays stopped until then). Its exit code is 0 when at least one replica finished successfully.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from lightning_recover.errors import RecoverError
 from lightning_recover.launch import coordinator_process
 from lightning_recover.protocol import coordinator
 from lightning_recover.protocol.faults import parse_faults
-from lightning_recover.protocol.messages import JobSecret, Sealer, connect, mark_dead
+from lightning_recover.protocol.messages import JobSecret, Sealer, connect, mark_dead, read_declared
 from lightning_recover.protocol.options import DEFAULT_HEARTBEAT_INTERVAL, check_heartbeat_timeout, check_seconds
 
 
@@ -39,6 +40,8 @@ class _Child:
     restarts: int = 0
     exit_code: int | None = None
     history: list[str] = field(default_factory=list)
+    handled: int = 0  # declarations of incarnations up to this one concern processes already ended
+    declared_at: float | None = None  # when the launcher first saw it declared dead while it ran
 
 
 def describe_exit(code: int) -> str:
@@ -157,6 +160,14 @@ class _Link:
                 f"no answer within {timeout:g}s" if self.error is None else f"the connection failed ({self.error})"
             )
         return box[0]
+
+    def submit(self, fn: Callable[[Any], Any]) -> tuple[list, threading.Event]:
+        """``fn(store)`` on the link's thread, without waiting: the event is set once ``box`` holds
+        the result (or the link failed, ``box`` empty). A failed link serves no more requests."""
+        box: list = []
+        done = threading.Event()
+        self._requests.put((fn, box, done))
+        return box, done
 
     def silent_for(self) -> float:
         return float("inf") if self.error is not None else time.monotonic() - self.last_ok
@@ -297,10 +308,58 @@ def supervise(
         finished_at: float | None = None
         first_seen: dict[int, dict[int, float]] = {}  # replica -> {worker pid under its agent: first seen}
         next_scan = 0.0
+        # A replica the coordinator declared dead (hung: no progress while peers waited, or no heartbeat)
+        # that still runs this long afterwards is ended: a deadlocked process never exits by itself, and
+        # one wrongly suspected has had the time to notice its exclusion and stop with its own error.
+        declared_grace = lost_after
+        declarations: tuple[list, threading.Event] | None = None
+        next_declarations = 0.0
+
+        def read_declarations(store: Any) -> dict[int, tuple[int, int]]:
+            """Replica -> (current incarnation, incarnation the coordinator's monitor declared dead)."""
+            raw = store.multi_get([f"inc/{r}" for r in range(replicas)] + [f"declared/{r}" for r in range(replicas)])
+            out = {}
+            for r in range(replicas):
+                try:
+                    out[r] = (int(raw[r]), read_declared(sealer, r, raw[replicas + r]))
+                except ValueError:
+                    out[r] = (0, 0)
+            return out
 
         def declare_dead(r: int) -> bool:
             # Synchronous: a restart must not bump the incarnation before the old one is declared dead.
-            return link.call(lambda store: mark_dead(store, sealer, r), timeout=lost_after)
+            marked, inc = link.call(
+                lambda store: (mark_dead(store, sealer, r), int(store.add(f"inc/{r}", 0))), timeout=lost_after
+            )
+            children[r].handled = max(children[r].handled, inc)  # its next incarnation is a new process
+            return marked
+
+        def end_declared(seen: dict[int, tuple[int, int]]) -> None:
+            now_t = time.monotonic()
+            for c in children:
+                inc, declared = seen.get(c.replica, (0, 0))
+                if (
+                    c.exit_code is not None
+                    or c.proc.poll() is not None
+                    or declared <= c.handled
+                    or declared < inc
+                    or is_stopped(c.proc.pid)  # frozen: it cannot act on its exclusion; ended at the end
+                ):
+                    c.declared_at = None
+                    continue
+                if c.declared_at is None:
+                    c.declared_at = now_t
+                elif now_t - c.declared_at > declared_grace:
+                    # Under a torchrun agent: end the worker (the agent restarts it or fails), not the agent.
+                    pids = _children_map().get(c.proc.pid, []) if watch_workers else [c.proc.pid]
+                    for pid in pids:
+                        kill_tree(pid)
+                    c.handled, c.declared_at = declared, None
+                    c.history.append("declared dead by the coordinator, still running: killed")
+                    say(
+                        f"replica {c.replica} (incarnation {declared}) was declared dead by the coordinator and "
+                        f"still ran {declared_grace:g}s later (hung); killed it (pids {pids})"
+                    )
 
         def _forward(signum: int, _frame: Any) -> None:
             nonlocal interrupted
@@ -338,6 +397,13 @@ def supervise(
                     c.exit_code = code
                     if code == 0 and finished_at is None:
                         finished_at = time.monotonic()
+                if declarations is not None and declarations[1].is_set():
+                    if declarations[0]:
+                        end_declared(declarations[0][0])
+                    declarations = None
+                if declarations is None and time.monotonic() >= next_declarations:
+                    next_declarations = time.monotonic() + 0.1
+                    declarations = link.submit(read_declarations)
                 if watch_workers and time.monotonic() >= next_scan:
                     next_scan = time.monotonic() + 0.05
                     tree, now_t = _children_map(), time.monotonic()

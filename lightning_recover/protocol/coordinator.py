@@ -11,6 +11,8 @@ Keys (values sealed with the job's MAC, see ``messages.py``, except the two coun
                    (step, phase, count), rewritten every ``heartbeat_interval``; ``hb/{r}/i{i}``
                    per process when replicas have K > 1 processes
 ``dead/{r}``       the incarnation of r declared dead ("0" = none)
+``declared/{r}``   the incarnation of r the monitor below declared dead (not one that left cleanly
+                   or that the launcher saw exit): the local launchers end it if it keeps running
 ``events``         bumped on every death and every proposed generation (one cheap read
                    tells a waiting replica whether anything changed; a hint)
 ``gen/latest``     newest generation that has been proposed
@@ -51,6 +53,7 @@ def _hb_keys(r: int, replica_size: int) -> list[str]:
 def _init_keys(store: dist.TCPStore, sealer: Sealer, replicas: int, replica_size: int = 1) -> None:
     for r in range(replicas):
         store.set(f"dead/{r}", sealer.seal(f"dead/{r}", b"0"))
+        store.set(f"declared/{r}", sealer.seal(f"declared/{r}", b"0"))
         store.add(f"inc/{r}", 0)
         for key in _hb_keys(r, replica_size):
             store.set(key, sealer.seal(key, json.dumps({"inc": 0}).encode()))
@@ -112,6 +115,7 @@ def _monitor(
             if why and replica_size > 1:
                 why = f"({key}) {why}"
             if why and read_death(sealer, r, store.get(f"dead/{r}")) < inc and mark_dead(store, sealer, r, inc):
+                store.set(f"declared/{r}", sealer.seal(f"declared/{r}", str(inc).encode()))
                 print(f"[coordinator] replica {r} (incarnation {inc}) {why}: declared dead", flush=True)
 
 

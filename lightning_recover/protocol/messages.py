@@ -251,6 +251,15 @@ def mark_dead(store: dist.Store, sealer: Sealer, replica: int, incarnation: Opti
     raise ForgedMessageError(f"{key} keeps being overwritten by an unauthenticated client")
 
 
+def read_declared(sealer: Sealer, replica: int, raw: bytes) -> int:
+    """The incarnation the coordinator's monitor declared dead in a ``declared/{r}`` value (0: none or forged)."""
+    try:
+        return int(sealer.open(f"declared/{replica}", raw))
+    except (ForgedMessageError, ValueError):
+        log.warning("ignored a forged declaration for replica %d", replica)
+        return 0
+
+
 def read_death(sealer: Sealer, replica: int, raw: bytes) -> int:
     """The incarnation declared dead in a ``dead/{r}`` value; a forged one counts as none."""
     try:

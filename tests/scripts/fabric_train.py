@@ -1,20 +1,55 @@
 """Training script used by the resilience tests: a small regression MLP under Fabric.
 
     python tests/scripts/fabric_train.py OUT_DIR --replicas 4 --steps 6 --microbatches 8
+    python tests/scripts/fabric_train.py OUT_DIR --reference --steps 6 --microbatches 8  # one process
 
 Every replica that finishes writes OUT_DIR/replica{r}.pt (final parameters and per-step stats).
+``--reference`` is the failure-free run without Lightning, a strategy or other processes: it sums
+the gradients of the same M microbatches (same samples, same order) and writes OUT_DIR/reference.pt.
 """
 
 import argparse
 import os
 import time
 
-import lightning as L
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
-import lightning_recover  # noqa: F401  (registers strategy="recover")
-from lightning_recover import RecoverStrategy
+from lightning_recover.data import MicrobatchSource
+
+
+def data_and_model(dtype: str):
+    torch.manual_seed(0)
+    x = torch.randn(512, 16)
+    y = (x @ torch.randn(16, 1)).tanh() + 0.01 * torch.randn(512, 1)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    if dtype == "float64":  # the same values, then trained in float64
+        return TensorDataset(x.double(), y.double()), model.double()
+    return TensorDataset(x, y), model
+
+
+def reference_state(steps: int, microbatches: int, batch_size: int = 4, dtype: str = "float32") -> dict:
+    """The failure-free run in this process: each step sums the gradients of microbatches 0..M-1
+    of the step (the samples the strategy gives them), times 1/M as the strategy's reduce does,
+    then the same AdamW step. Returns the final parameters."""
+    dataset, model = data_and_model(dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    source = MicrobatchSource(dataset, batch_size, microbatches, shuffle=True, seed=0)
+    for step in range(steps):
+        for j in range(microbatches):
+            xb, yb = source.batch(step, j)
+            torch.nn.functional.mse_loss(model(xb), yb).backward()
+        for p in model.parameters():
+            p.grad.mul_(1.0 / microbatches)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def reference(args) -> None:
+    state = reference_state(args.steps, args.microbatches, args.batch_size, args.dtype)
+    os.makedirs(args.out, exist_ok=True)
+    torch.save({"state": state}, os.path.join(args.out, "reference.pt"))
 
 
 def main() -> None:
@@ -41,13 +76,21 @@ def main() -> None:
         action="store_true",
         help="also all-reduce the loss and pass a barrier every step (store collectives)",
     )
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    parser.add_argument("--reference", action="store_true", help="the failure-free run in one process (no Lightning)")
     args = parser.parse_args()
+    reference(args) if args.reference else train(args)
 
-    torch.manual_seed(0)
-    x = torch.randn(512, 16)
-    y = (x @ torch.randn(16, 1)).tanh() + 0.01 * torch.randn(512, 1)
-    loader = DataLoader(TensorDataset(x, y), batch_size=args.batch_size, shuffle=True)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+
+def train(args) -> None:
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    import lightning_recover  # noqa: F401  (registers strategy="recover")
+    from lightning_recover import RecoverStrategy
+
+    dataset, model = data_and_model(args.dtype)
+    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     strategy = RecoverStrategy(
