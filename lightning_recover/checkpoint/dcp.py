@@ -217,7 +217,8 @@ class UringStorageWriter(FileSystemWriter):
     ``native_io.IOEngine``. ``overwrite=False`` refuses an existing checkpoint at ``path``.
     ``lazy_snapshot=True``: ``dcp.async_save`` blocks only for tensors under ``eager_bytes`` and copies
     the rest in the background into reused staging buffers (``dcp_snapshot.py``);
-    ``cache_staged_state_dict=True`` alone: a blocking copy into the same reused buffers.
+    ``cache_staged_state_dict=True`` alone: a blocking copy into the same reused buffers. One save at a
+    time per writer instance (wait for a save's ``upload_completion`` before the next through it).
     Needs DCP's collectives (the default): ``use_collectives=False`` gives no coordinator to commit.
     """
 
@@ -276,6 +277,8 @@ class UringStorageWriter(FileSystemWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        if self._lazy is not None:
+            self._lazy.begin_upload()
         if not self.use_collectives:
             raise ValueError(
                 "UringStorageWriter commits the checkpoint directory on the coordinator rank and needs DCP's "

@@ -18,6 +18,7 @@ counter; call ``wait_for_snapshot()`` before those.
 
 from __future__ import annotations
 
+import collections
 import copy
 import threading
 import time
@@ -96,7 +97,11 @@ class LazySnapshot:
         self._buffers: Optional[list] = None  # staging tensors by leaf, reused while the layout holds
         self._in_use = False  # an upload still reads the buffers
         self._pending: Optional[Future] = None
-        self._error: Optional[BaseException] = None  # of the pending save, raised by write_data
+        # One error cell per lazy save, in stage() order; the upload of a save takes the oldest in
+        # set_up_storage_writer (saves through one writer run one at a time, in order), so an error is
+        # always raised by the save it belongs to, never cleared by a later stage().
+        self._cells: collections.deque = collections.deque()
+        self._current: Optional[list] = None
         self._pool: Optional[ThreadPoolExecutor] = None
         self.blocked_s = 0.0  # the training thread's time in the last stage()
         self.allocations = 0  # how many times staging buffers were allocated (reuse is observable)
@@ -115,7 +120,6 @@ class LazySnapshot:
                 self._layout = layout
                 self.allocations += 1
             self._in_use = True
-            self._error = None
             buffers = self._buffers
         staged_values, lazy = [], []
         with torch.no_grad():
@@ -134,11 +138,13 @@ class LazySnapshot:
             self.blocked_s = time.perf_counter() - t0
             return staged
         done: Future = Future()
+        cell: list = [None]
+        self._cells.append(cell)
         self._pending = done
         snapshot_guard.track(self)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="dcp-lazy-snapshot")
-        self._pool.submit(self._copy, lazy, staged, done)
+        self._pool.submit(self._copy, lazy, staged, done, cell)
         self.blocked_s = time.perf_counter() - t0
         return done
 
@@ -156,7 +162,7 @@ class LazySnapshot:
 
     # -- background and upload threads -------------------------------------------------------------
 
-    def _copy(self, lazy: list, staged: dict, done: Future) -> None:
+    def _copy(self, lazy: list, staged: dict, done: Future, cell: list) -> None:
         try:
             with torch.no_grad():
                 for path, src, version, s, d in lazy:
@@ -170,13 +176,17 @@ class LazySnapshot:
                             "optimizer.step(), or save with lazy_snapshot=False"
                         )
         except BaseException as exc:  # kept for write_data: the save fails on every rank together
-            self._error = exc
+            cell[0] = exc
         done.set_result(staged)
 
+    def begin_upload(self) -> None:
+        """Called at the start of every save's upload (``set_up_storage_writer``): take its error cell."""
+        self._current = self._cells.popleft() if self.lazy and self._cells else None
+
     def check(self) -> None:
-        """Called by ``write_data``: raise the snapshot's error, if any."""
-        if self._error is not None:
-            raise self._error
+        """Called by ``write_data``: raise this save's snapshot error, if any."""
+        if self._current is not None and self._current[0] is not None:
+            raise self._current[0]
 
     def release(self) -> None:
         """The upload no longer reads the staging buffers (called when ``write_data`` returns)."""
