@@ -41,6 +41,8 @@ import time
 import warnings
 from typing import Any
 
+from lightning_recover.bench.checkpoint import make_cold
+
 WRITERS = ("uring", "fsw_t1", "fsw_t4")
 READERS = {"uring": "uring", "fsr": "fsw_t4"}  # reader -> the writer whose checkpoint it loads
 ASYNC = ("stock", "uring_cached", "uring_lazy")
@@ -146,18 +148,6 @@ def _check_loaded(loaded: dict, saved: dict, reader: str) -> None:
         raise RuntimeError(f"{reader} loaded different values for {len(bad)} tensors, e.g. {bad[0]}")
 
 
-def _drop_cache(*directories: str) -> None:
-    os.sync()
-    for d in directories:
-        for root, _, files in os.walk(d):
-            for name in files:
-                fd = os.open(os.path.join(root, name), os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
-
-
 def _fio_wall(directory: str, rw: str, per_job: int, jobs: int, bs: str = "16M") -> tuple[float, int]:
     cmd = ["fio", "--name=w", f"--directory={directory}", f"--rw={rw}", f"--bs={bs}", "--direct=1"]
     cmd += ["--ioengine=io_uring", f"--numjobs={jobs}", f"--size={per_job}", "--group_reporting"]
@@ -180,7 +170,7 @@ def _fio(directory: str, nbytes: int, jobs: int) -> dict:
         os.makedirs(tiny, exist_ok=True)
         startup, _ = _fio_wall(tiny, "write", 1 << 20, jobs, bs="1M")  # 1 MiB per job: start-up
         if rw == "read":
-            _drop_cache(directory)
+            make_cold(directory, "fadvise")
         wall, moved = _fio_wall(directory, rw, per_job, jobs)
         out[rw] = moved / max(wall - startup, 1e-6) / 1e9
         shutil.rmtree(tiny, ignore_errors=True)
@@ -206,7 +196,7 @@ def _torchsnapshot_save(state: dict, path: str) -> float:
     return time.perf_counter() - t
 
 
-def _one_round(kind: str, state: dict, nbytes: int, work: str, args: argparse.Namespace, rank: int) -> dict:
+def _one_round(state: dict, nbytes: int, work: str, args: argparse.Namespace, rank: int) -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -227,7 +217,7 @@ def _one_round(kind: str, state: dict, nbytes: int, work: str, args: argparse.Na
     target = _blank_like(state)
     for reader, written_by in READERS.items():
         if rank == 0:
-            _drop_cache(dirs[written_by])
+            make_cold(dirs[written_by], "fadvise")
         secs = _timed(dcp.load, target, storage_reader=_reader(reader, dirs[written_by]))
         out[f"load/{reader}"] = nbytes / secs / 1e9
         _check_loaded(target, state, reader)
@@ -285,7 +275,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
     for kind, (state, nbytes, ntensors) in states.items():
         rounds: list[dict] = []
         for _ in range(args.repeat):
-            r = _one_round(kind, state, nbytes, work, args, rank)
+            r = _one_round(state, nbytes, work, args, rank)
             if kind == "gpt":
                 r.update(_async_round(state, nbytes, work, async_writers, rank))
             rounds.append(r)

@@ -251,22 +251,23 @@ def mark_dead(store: dist.Store, sealer: Sealer, replica: int, incarnation: Opti
     raise ForgedMessageError(f"{key} keeps being overwritten by an unauthenticated client")
 
 
+def _read_incarnation(sealer: Sealer, key: str, raw: bytes, what: str, replica: int) -> int:
+    """A sealed incarnation number at ``key``; a forged or malformed value counts as none (0)."""
+    try:
+        return int(sealer.open(key, raw))
+    except (ForgedMessageError, ValueError):
+        log.warning("ignored a forged %s for replica %d", what, replica)
+        return 0
+
+
 def read_declared(sealer: Sealer, replica: int, raw: bytes) -> int:
     """The incarnation the coordinator's monitor declared dead in a ``declared/{r}`` value (0: none or forged)."""
-    try:
-        return int(sealer.open(f"declared/{replica}", raw))
-    except (ForgedMessageError, ValueError):
-        log.warning("ignored a forged declaration for replica %d", replica)
-        return 0
+    return _read_incarnation(sealer, f"declared/{replica}", raw, "declaration", replica)
 
 
 def read_death(sealer: Sealer, replica: int, raw: bytes) -> int:
     """The incarnation declared dead in a ``dead/{r}`` value; a forged one counts as none."""
-    try:
-        return int(sealer.open(f"dead/{replica}", raw))
-    except (ForgedMessageError, ValueError):
-        log.warning("ignored a forged death notice for replica %d", replica)
-        return 0
+    return _read_incarnation(sealer, f"dead/{replica}", raw, "death notice", replica)
 
 
 class ControlStore:
