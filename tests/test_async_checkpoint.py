@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import native_io
-from lightning_recover.checkpoint import AsyncCheckpointError, UringCheckpointIO, async_io, files, load, read_info
+from lightning_recover.checkpoint import AsyncCheckpointError, UringCheckpointIO, files, load, read_info
 from lightning_recover.checkpoint.async_io import _Ring, crc32c_combine
+from lightning_recover.checkpoint.torch_zip import PlanWriter
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -151,7 +152,7 @@ def test_step_waits_for_snapshot_with_small_staging(tmp_path):
     assert torch.equal(load(tmp_path / "a.ckpt")["w"], ref)
     assert io._saver.history[-1]["error"] is None
     info = read_info(tmp_path / "a.ckpt")
-    assert info.index.storages[0].nbytes == 16_000_000
+    assert info.index.records["data/0"].nbytes == 16_000_000  # written in 1 MiB chunks, checksummed whole
     io.teardown()
 
 
@@ -170,13 +171,13 @@ def test_explicit_wait_for_snapshot_and_pending(tmp_path):
 
 def test_final_name_appears_only_when_durable(tmp_path, monkeypatch):
     gate = threading.Event()
-    real = async_io.write_tail
+    real = PlanWriter.finish
 
     def slow_tail(*a, **kw):
         gate.wait(30)
         return real(*a, **kw)
 
-    monkeypatch.setattr(async_io, "write_tail", slow_tail)
+    monkeypatch.setattr(PlanWriter, "finish", slow_tail)
     io = UringCheckpointIO(async_save=True)
     io.save_checkpoint({"w": torch.randn(1_000_000)}, tmp_path / "a.ckpt")
     io.wait_for_snapshot()
@@ -207,13 +208,13 @@ def test_removal_is_deferred_until_newer_save_is_durable(tmp_path, monkeypatch):
     io.save_checkpoint({"k": 1, "w": torch.randn(1_000_000)}, tmp_path / "old.ckpt")
     io.wait_until_durable()
     gate = threading.Event()
-    real = async_io.write_tail
+    real = PlanWriter.finish
 
     def slow_tail(*a, **kw):
         gate.wait(30)
         return real(*a, **kw)
 
-    monkeypatch.setattr(async_io, "write_tail", slow_tail)
+    monkeypatch.setattr(PlanWriter, "finish", slow_tail)
     io.save_checkpoint({"k": 2, "w": torch.randn(1_000_000)}, tmp_path / "new.ckpt")
     io.remove_checkpoint(tmp_path / "old.ckpt")  # what ModelCheckpoint(save_top_k=1) does right after saving
     assert (tmp_path / "old.ckpt").exists()  # the only durable checkpoint is kept

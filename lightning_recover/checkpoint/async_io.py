@@ -27,7 +27,6 @@ import collections
 import logging
 import os
 import queue
-import secrets
 import threading
 import time
 import weakref
@@ -38,7 +37,7 @@ import torch
 from lightning_recover.checkpoint import format as fmt
 from lightning_recover.checkpoint import snapshot_guard
 from lightning_recover.checkpoint.files import cleanup_stale_temps, commit, temp_path_for, unlink_quiet
-from lightning_recover.checkpoint.single_file import plan, write_tail
+from lightning_recover.checkpoint.torch_zip import PlanWriter, ZipPlan, plan_archive
 
 log = logging.getLogger(__name__)
 
@@ -172,16 +171,14 @@ class _Ring:
 
 
 class _Job:
-    def __init__(self, path: str, enc: fmt.EncodedCheckpoint, data_end: int, eager: list, lazy: list) -> None:
+    def __init__(self, path: str, plan: ZipPlan, eager: list, lazy: list) -> None:
         self.path = path
         self.directory = os.path.dirname(path)
-        self.enc = enc
-        self.data_end = data_end
+        self.plan = plan
         self.eager = eager  # [(storage index, uint8 tensor copy)]
         self.lazy = lazy  # [(storage index, uint8 tensor view of the live storage)]
         self.lazy_bytes = sum(int(t.numel()) for _, t in lazy)
         self.crcs: dict[int, list] = {}  # storage index -> [(crc, length)] of its chunks, in order
-        self.file_id = secrets.token_bytes(16)
         self.tmp: Optional[str] = None
         self.writer: Any = None
         self.error: Optional[BaseException] = None
@@ -258,10 +255,10 @@ class AsyncSaver:
 
         path = os.path.abspath(os.fspath(path))
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        enc, data_end = plan(checkpoint)
+        zplan = plan_archive(checkpoint, meta=fmt.file_meta())
         eager, lazy = [], []
-        for i, st in enumerate(enc.storages):
-            n = enc.index.storages[i].nbytes
+        for i, st in enumerate(zplan.storages):
+            n = zplan.storage_record[i].nbytes
             if n == 0:
                 continue
             u8 = fmt.storage_as_bytes(st)
@@ -269,7 +266,7 @@ class AsyncSaver:
                 eager.append((i, u8.to("cpu", copy=True)))
             else:
                 lazy.append((i, u8))
-        job = _Job(path, enc, data_end, eager, lazy)
+        job = _Job(path, zplan, eager, lazy)
         _savers.add(self)
         snapshot_guard.track(self)
         self._start()
@@ -411,8 +408,8 @@ class AsyncSaver:
                         if job.error is None:
                             _, _, i, off, at, m = item
                             self._write_eager(job, below=i)
-                            entry = job.enc.index.storages[i]
-                            (crc,) = job.writer.write([(entry.offset + off, self._ring.buf[at : at + m].numpy())])
+                            start = job.plan.storage_record[i].data_offset
+                            (crc,) = job.writer.write([(start + off, self._ring.buf[at : at + m].numpy())])
                             job.crcs.setdefault(i, []).append((int(crc), m))
                     except BaseException as e:
                         job.fail(e)
@@ -430,8 +427,7 @@ class AsyncSaver:
         try:
             cleanup_stale_temps(job.directory)
             job.tmp = temp_path_for(job.path)
-            job.writer = self._engine.get().open_writer(job.tmp)
-            job.writer.write([(0, fmt.encode_header(job.file_id))])
+            job.writer = PlanWriter(job.plan, self._engine.get().open_writer(job.tmp))
         except BaseException as e:
             job.fail(e)
 
@@ -447,9 +443,9 @@ class AsyncSaver:
         if not k:
             return
         batch, job.eager = job.eager[:k], job.eager[k:]
-        crcs = job.writer.write([(job.enc.index.storages[i].offset, t.numpy()) for i, t in batch])
+        crcs = job.writer.write([(job.plan.storage_record[i].data_offset, t.numpy()) for i, t in batch])
         for (i, _), crc in zip(batch, crcs):
-            job.enc.index.storages[i].crc32c = int(crc)
+            job.plan.set_crc32c(i, crc)
 
     def _end(self, job: _Job) -> None:
         try:
@@ -459,8 +455,8 @@ class AsyncSaver:
                     crc = 0
                     for c, m in parts:
                         crc = crc32c_combine(crc, c, m)
-                    job.enc.index.storages[i].crc32c = crc
-                write_tail(job.writer, job.enc, job.data_end, job.file_id)
+                    job.plan.set_crc32c(i, crc)
+                job.writer.finish()
                 commit(job.tmp, job.path)
         except BaseException as e:
             job.fail(e)
@@ -489,7 +485,7 @@ class AsyncSaver:
                 "error": None if job.error is None else repr(job.error),
             }
         )
-        job.enc = None  # type: ignore[assignment]
+        job.plan = None  # type: ignore[assignment]
         with self._lock:
             if job in self._jobs:
                 self._jobs.remove(job)

@@ -9,6 +9,7 @@ Lightning.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
@@ -18,6 +19,7 @@ import torch
 
 from lightning_recover import env
 from lightning_recover.checkpoint import format as fmt
+from lightning_recover.checkpoint import torch_zip
 from lightning_recover.checkpoint.engine import resolve_engine
 from lightning_recover.checkpoint.files import cleanup_stale_temps, fsync_dir, temp_path_for, unlink_quiet
 from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
@@ -32,12 +34,15 @@ __all__ = [
     "plan",
     "write_tail",
     "CheckpointInfo",
+    "ArchiveInfo",
     "CheckpointCorruptError",
     "UnsafeCheckpointError",
 ]
 
 # storages living on an accelerator are staged to host memory in batches of at most this many bytes
 _DEVICE_STAGING_BYTES = 256 << 20
+# format 2 hands storages to the engine in batches of about this many bytes
+_WRITE_BATCH_BYTES = 256 << 20
 
 
 # ------------------------------------------------------------------------------------- save
@@ -80,16 +85,67 @@ def write_tail(w: Any, enc: fmt.EncodedCheckpoint, data_end: int, file_id: bytes
     w.close(size=skeleton_offset + len(enc.skeleton) + len(footer))
 
 
-def save(checkpoint: Any, path: Any, *, engine: Any = None) -> None:
-    """Write ``checkpoint`` (any nesting of containers, primitives and tensors) to ``path`` atomically.
+def save(checkpoint: Any, path: Any, *, engine: Any = None, format: int = 2, zip_crc32: bool = False) -> None:
+    """Write ``checkpoint`` (anything ``torch.save`` takes) to ``path`` atomically.
 
-    The file is written to a temporary name in the same directory, fdatasync'ed, renamed into place and the
-    directory fsync'ed: a crash leaves either the previous file or the new one under ``path``, never a
-    partial one. Parent directories are created.
+    Format 2 (default) is a ``torch.save`` archive (``torch.load`` and every tool that reads torch checkpoints
+    read it) with 4096-aligned records and a CRC-32C integrity record (``torch_zip.py``); ``zip_crc32=True``
+    also fills the ZIP CRC-32 fields (for ``unzip -t``; torch does not check them). ``format=1`` writes the
+    older lightning-recover layout. The file is written to a temporary name in the same directory,
+    fdatasync'ed, renamed into place and the directory fsync'ed: a crash leaves either the previous file or
+    the new one under ``path``, never a partial one. Parent directories are created.
     """
     path = os.path.abspath(os.fspath(path))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if format == 1:
+        _save_v1(checkpoint, path, engine)
+    elif format == 2:
+        _save_zip(checkpoint, path, engine, zip_crc32)
+    else:
+        raise ValueError(f"format must be 1 or 2, got {format!r}")
+
+
+def _save_zip(checkpoint: Any, path: str, engine: Any, zip_crc32: bool) -> None:
     directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
+    zplan = torch_zip.plan_archive(checkpoint, meta=fmt.file_meta(), zip_crc32=zip_crc32)
+    cleanup_stale_temps(directory)
+    eng, lock = resolve_engine(engine)
+    tmp = temp_path_for(path)
+    try:
+        with lock:
+            with eng.open_writer(tmp) as raw:
+                w = torch_zip.PlanWriter(zplan, raw)
+                pending: list = []
+                staged = 0
+
+                def flush() -> None:
+                    nonlocal pending, staged
+                    if pending:
+                        crcs = w.write([(off, buf) for _, off, buf in pending])
+                        for (i, _, _), crc in zip(pending, crcs):
+                            zplan.set_crc32c(i, crc)
+                    pending, staged = [], 0
+
+                for i, st in enumerate(zplan.storages):
+                    rec = zplan.storage_record[i]
+                    if rec.nbytes == 0:
+                        continue
+                    if staged + rec.nbytes > _WRITE_BATCH_BYTES:
+                        flush()
+                    pending.append((i, rec.data_offset, _host_bytes(st)))
+                    staged += rec.nbytes
+                flush()
+                w.finish()
+        os.rename(tmp, path)
+    except BaseException:
+        unlink_quiet(tmp)
+        raise
+    fsync_dir(directory)
+
+
+def _save_v1(checkpoint: Any, path: str, engine: Any) -> None:
+    """Format 1 (``docs/format.md``): kept so files for older readers can still be written, and for tests."""
+    directory = os.path.dirname(path)
     enc, data_end = plan(checkpoint)
     cleanup_stale_temps(directory)
 
@@ -158,6 +214,92 @@ def _open_reader(eng: Any, path: str) -> Any:
     return eng.open_reader(path)
 
 
+_TAIL_BYTES = 8192  # the end records and our comment fit well inside this
+
+
+def _read_kind(r: Any, path: str) -> str:
+    """ "v1" (lightning-recover format 1), "zip" (format 2) or "torch" (a plain ``torch.save`` file)."""
+    if r.size == 0:
+        raise CheckpointCorruptError(f"{path}: empty file: a save to this path did not complete", path)
+    head = bytearray(min(r.size, 8))
+    r.read([(0, head)])
+    if torch_zip.is_zip(bytes(head)):
+        return "zip" if _zip_tail(r, path) is not None else "torch"
+    return "v1"
+
+
+def _zip_tail(r: Any, path: str) -> Any:
+    n = min(r.size, _TAIL_BYTES)
+    tail = bytearray(n)
+    r.read([(r.size - n, tail)])
+    return torch_zip.parse_tail(bytes(tail), r.size, path)
+
+
+def _read_zip_index(r: Any, path: str) -> torch_zip.ArchiveIndex:
+    found = _zip_tail(r, path)
+    if found is None:  # pragma: no cover - callers check the kind first
+        raise CheckpointCorruptError(f"{path}: a torch.save file without a lightning-recover integrity record", path)
+    io_off, io_len, io_crc, cd_off, cd_end, cd_crc = found
+    integrity, central = bytearray(io_len), bytearray(cd_end - cd_off)
+    r.read([(io_off, integrity), (cd_off, central)])
+    index = torch_zip.parse_archive(path, r.size, bytes(integrity), bytes(central), cd_off, (io_crc, cd_crc))
+    index.integrity_offset, index.integrity_length = io_off, io_len
+    return index
+
+
+def _read_zip_records(r: Any, index: torch_zip.ArchiveIndex, verify: bool) -> tuple[dict, dict]:
+    """Read every record: ``(small records as bytes, data/* records as fresh storages)``, checksums verified."""
+    small: dict[str, bytes] = {}
+    storages: dict[str, torch.UntypedStorage] = {}
+    segs: list = []
+    names: list = []
+    bufs: dict[str, Any] = {}
+    for name, rec in sorted(index.records.items(), key=lambda kv: kv[1].data_offset):
+        if name.startswith("data/"):
+            st = _new_storage(rec.nbytes)
+            storages[name] = st
+            buf = fmt.storage_as_bytes(st).numpy()
+        else:
+            buf = bytearray(rec.nbytes)
+        bufs[name] = buf
+        if rec.nbytes:
+            segs.append((rec.data_offset, buf))
+            names.append(name)
+    crcs = r.read(segs) if segs else []
+    if verify:
+        bad = [
+            {
+                "record": n,
+                "offset": index.records[n].data_offset,
+                "nbytes": index.records[n].nbytes,
+                "expected_crc32c": index.records[n].crc32c,
+                "actual_crc32c": int(c),
+            }
+            for n, c in zip(names, crcs)
+            if int(c) != index.records[n].crc32c
+        ]
+        if bad:
+            small = {n: bytes(b) for n, b in bufs.items() if not n.startswith("data/")}
+            rows = _tensor_rows(index, small) if "data.pkl" in small else []
+            for d in bad:
+                d["tensors"] = [t["name"] for t in rows if t["record"] == d["record"]]
+            raise CheckpointCorruptError(_describe_zip_damage(bad, index.path), index.path, bad)
+    for name, buf in bufs.items():
+        if not name.startswith("data/"):
+            small[name] = bytes(buf)
+    return small, storages
+
+
+def _describe_zip_damage(bad: list, path: str) -> str:
+    first = bad[0]
+    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+    names = f" (tensors: {', '.join(first['tensors'])})" if first.get("tensors") else ""
+    return (
+        f"{path}: checksum mismatch in record {first['record']!r}{names} at offset {first['offset']} "
+        f"(+{first['nbytes']} bytes){more}: the file is damaged"
+    )
+
+
 def _read_info(r: Any, path: str) -> CheckpointInfo:
     size = r.size
     if size < fmt.HEADER_SIZE + fmt.FOOTER_SIZE:
@@ -184,25 +326,130 @@ def _read_info(r: Any, path: str) -> CheckpointInfo:
     return CheckpointInfo(path, size, header, footer, index, bytes(meta[footer.index_length :]))
 
 
-def read_info(path: Any, *, engine: Any = None) -> CheckpointInfo:
-    """Validate header/footer/index of ``path`` and return them (tensor data is not read)."""
+class ArchiveInfo:
+    """Format 2 (a ``torch.save`` archive): its records and the tensors they hold (no tensor data read).
+
+    ``tensors`` rows: name, dtype, shape, stride, bytes, offset (file offset of the first element), record.
+    """
+
+    format_version = 2
+
+    def __init__(self, path: str, size: int, index: torch_zip.ArchiveIndex, tensors: list[dict]) -> None:
+        self.path, self.size, self.index, self.tensors = path, size, index, tensors
+
+    def tensors_of(self, record: str) -> list[str]:
+        return [t["name"] for t in self.tensors if t["record"] == record]
+
+
+def _read_archive_info(r: Any, path: str) -> ArchiveInfo:
+    if _read_kind(r, path) == "torch":
+        raise CheckpointCorruptError(
+            f"{path}: a plain torch.save file (no lightning-recover integrity record): nothing to verify; "
+            "torch.load reads it",
+            path,
+        )
+    index = _read_zip_index(r, path)
+    meta_only = {n: rec for n, rec in index.records.items() if not n.startswith("data/")}
+    small, _ = _read_zip_records(r, dataclasses.replace(index, records=meta_only), verify=True)
+    return ArchiveInfo(path, r.size, index, _tensor_rows(index, small))
+
+
+def _tensor_rows(index: torch_zip.ArchiveIndex, small: dict) -> list[dict]:
+    """Tensor names, shapes and file offsets, from unpickling ``data.pkl`` onto meta storages."""
+    by_offset = {rec.data_offset: name for name, rec in index.records.items() if name.startswith("data/")}
+    try:
+        meta = torch_zip.unpickle(torch_zip.VerifiedArchive(index, small, {}), index.path, "meta", True)
+    except Exception as e:  # e.g. a custom class needs weights_only=False: list records only
+        log.debug("%s: tensors not listed: %s", index.path, e)
+        return []
+    rows = []
+    for name, t in sorted(fmt.tensor_paths(meta).values()):
+        off = getattr(t.untyped_storage(), "_checkpoint_offset", None)
+        if off is None:
+            continue
+        rows.append(
+            {
+                "name": name,
+                "dtype": str(t.dtype).replace("torch.", ""),
+                "shape": list(t.shape),
+                "stride": list(t.stride()),
+                "bytes": t.numel() * t.element_size(),
+                "offset": off + t.storage_offset() * t.element_size(),
+                "record": by_offset.get(off, "?"),
+            }
+        )
+    return rows
+
+
+def _verify_archive(r: Any, path: str, batch_bytes: int) -> tuple[ArchiveInfo, list]:
+    """Read every record and local header of a format-2 file; returns ``(info, damaged records)``."""
+    info = _read_archive_info(r, path)
+    index = info.index
+    bad: list = []
+    recs = sorted(index.records.values(), key=lambda rec: rec.data_offset)
+    batch: list = []
+    total = 0
+
+    def run() -> None:
+        nonlocal batch, total
+        if batch:
+            for rec, crc in zip(batch, r.read([(rec.data_offset, bytearray(rec.nbytes)) for rec in batch])):
+                if int(crc) != rec.crc32c:
+                    bad.append(_damage(info, rec, rec.data_offset, rec.nbytes, rec.crc32c, int(crc)))
+        batch, total = [], 0
+
+    for rec in recs:
+        if not rec.nbytes:
+            continue
+        if total and total + rec.nbytes > batch_bytes:
+            run()
+        batch.append(rec)
+        total += rec.nbytes
+    run()
+    heads = {rec.name: bytearray(rec.data_offset - rec.header_offset) for rec in recs}
+    r.read([(rec.header_offset, heads[rec.name]) for rec in recs])
+    for name in torch_zip.check_local_headers({n: bytes(b) for n, b in heads.items()}, index):
+        rec = index.records[name]
+        bad.append(_damage(info, rec, rec.header_offset, rec.data_offset - rec.header_offset, None, None))
+    return info, bad
+
+
+def _damage(info: ArchiveInfo, rec: Any, offset: int, nbytes: int, expected: Any, actual: Any) -> dict:
+    return {
+        "record": rec.name,
+        "offset": offset,
+        "nbytes": nbytes,
+        "expected_crc32c": expected,
+        "actual_crc32c": actual,
+        "what": "data" if expected is not None else "local header",
+        "tensors": info.tensors_of(rec.name),
+    }
+
+
+def read_info(path: Any, *, engine: Any = None) -> Any:
+    """Validate the metadata of ``path`` (no tensor data read): :class:`CheckpointInfo` for format 1,
+    :class:`ArchiveInfo` for format 2."""
     path = os.fspath(path)
     eng, lock = resolve_engine(engine)
     with lock:
         r = _open_reader(eng, path)
         try:
-            return _read_info(r, path)
+            if _read_kind(r, path) == "v1":
+                return _read_info(r, path)
+            return _read_archive_info(r, path)
         finally:
             r.close()
 
 
-def verify_file(path: Any, *, engine: Any = None, batch_bytes: int = 256 << 20) -> tuple[CheckpointInfo, list]:
+def verify_file(path: Any, *, engine: Any = None, batch_bytes: int = 256 << 20) -> tuple[Any, list]:
     """Read every extent of ``path`` and return ``(info, damaged extents)`` (bounded memory)."""
     path = os.fspath(path)
     eng, lock = resolve_engine(engine)
     with lock:
         r = _open_reader(eng, path)
         try:
+            if _read_kind(r, path) != "v1":
+                return _verify_archive(r, path, batch_bytes)
             info = _read_info(r, path)
             bad: list = []
             batch: list = []
@@ -298,8 +545,24 @@ def load(
     path = os.fspath(path)
     eng, lock = resolve_engine(engine)
     targets = _into_targets(into) if into is not None else {}
+    kind = "v1"
     with lock:
         r = _open_reader(eng, path)
+        try:
+            kind = _read_kind(r, path)
+            if kind == "zip":
+                zindex = _read_zip_index(r, path)
+                small, zstorages = _read_zip_records(r, zindex, verify)
+        finally:
+            if kind != "v1":
+                r.close()
+    if kind == "torch":
+        return _torch_load(path, map_location, weights_only)
+    if kind == "zip":
+        archive = torch_zip.VerifiedArchive(zindex, small, zstorages)
+        result = torch_zip.unpickle(archive, path, map_location, weights_only)
+        return _fill_targets(result, targets, strict, path) if targets else result
+    with lock:
         try:
             info = _read_info(r, path)
             index = info.index
@@ -372,3 +635,44 @@ def load(
 
 
 # ----------------------------------------------------------------------------------- plugin
+
+
+def _torch_load(path: str, map_location: Any, weights_only: bool) -> Any:
+    """A plain ``torch.save`` file (e.g. written by Lightning's ``TorchCheckpointIO``): torch reads it, unverified."""
+    import pickle
+
+    try:
+        return torch.load(path, map_location=map_location, weights_only=weights_only)
+    except pickle.UnpicklingError as e:
+        if not weights_only:
+            raise
+        raise UnsafeCheckpointError(f"{path}: {e}") from None
+
+
+def _fill_targets(result: Any, targets: dict[str, torch.Tensor], strict: bool, path: str) -> Any:
+    """Copy loaded tensors into the ``into=`` targets at the same paths and put the targets in the result."""
+
+    def visit(obj: Any, prefix: str) -> Any:
+        if isinstance(obj, torch.Tensor):
+            dest = targets.get(prefix)
+            if dest is None:
+                return obj
+            if list(dest.shape) != list(obj.shape) or dest.dtype != obj.dtype:
+                if strict:
+                    raise ValueError(
+                        f"{path}: cannot load {prefix!r} into the given tensor: checkpoint has "
+                        f"{obj.dtype} {tuple(obj.shape)}, target is {dest.dtype} {tuple(dest.shape)}"
+                    )
+                return obj
+            with torch.no_grad():
+                dest.copy_(obj)
+            return dest
+        if isinstance(obj, dict):
+            for k in list(obj.keys()):
+                obj[k] = visit(obj[k], f"{prefix}/{k}" if prefix else str(k))
+        elif isinstance(obj, list):
+            for i, v in enumerate(obj):
+                obj[i] = visit(v, f"{prefix}/{i}" if prefix else str(i))
+        return obj
+
+    return visit(result, "")

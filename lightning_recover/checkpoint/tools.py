@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
-from lightning_recover.checkpoint.single_file import load, read_info, verify_file
+from lightning_recover.checkpoint.single_file import ArchiveInfo, load, read_info, verify_file
 
 # exit codes
 EXIT_OK = 0
@@ -74,6 +74,8 @@ def inspect_main(args: argparse.Namespace) -> int:
             print(f"error: {e}", file=sys.stderr)
         return EXIT_UNREADABLE
 
+    if isinstance(info, ArchiveInfo):
+        return _report_archive(info, damaged, verify, as_json)
     rows = _tensor_rows(info)
     storages = info.index.storages
     summary = {
@@ -134,6 +136,64 @@ def inspect_main(args: argparse.Namespace) -> int:
             f"{d['actual_crc32c']:#010x} != {d['expected_crc32c']:#010x}; tensors: {', '.join(d['tensors'])}"
         )
     print(f"  {len(damaged)} damaged extent(s)")
+    return EXIT_DAMAGED
+
+
+def _report_archive(info: ArchiveInfo, damaged: list, verify: bool, as_json: bool) -> int:
+    """``inspect`` of a format-2 file (a torch.save archive with an integrity record)."""
+    records = sorted(info.index.records.values(), key=lambda r: r.data_offset)
+    summary = {
+        "path": info.path,
+        "format_version": info.format_version,
+        "file_size": info.size,
+        "file_id": info.index.file_id,
+        "meta": info.index.meta,
+        "num_tensors": len(info.tensors),
+        "num_records": len(records),
+        "tensor_bytes": sum(t["bytes"] for t in info.tensors),
+        "storage_bytes": sum(r.nbytes for r in info.index.storage_records()),
+        "records": [{"name": r.name, "offset": r.data_offset, "bytes": r.nbytes} for r in records],
+        "verified": verify,
+        "ok": not damaged,
+        "damaged": damaged,
+        "tensors": info.tensors,
+    }
+    if as_json:
+        print(json.dumps(summary))
+        return EXIT_DAMAGED if damaged else EXIT_OK
+    print(f"checkpoint {info.path}")
+    print(
+        f"  format version 2 (torch.save archive, 4096-aligned records, CRC-32C integrity record), "
+        f"file size {info.size} ({_human(info.size)})"
+    )
+    if info.index.meta:
+        print("  " + ", ".join(f"{k}={v}" for k, v in info.index.meta.items()))
+    w = min(max([len(t["name"]) for t in info.tensors] + [4]), 80)
+    print(f"\n  {'name':<{w}}  {'dtype':<14} {'shape':<20} {'bytes':>12} {'offset':>12}")
+    for t in info.tensors:
+        shape = "(" + ", ".join(map(str, t["shape"])) + ("," if len(t["shape"]) == 1 else "") + ")"
+        print(f"  {t['name']:<{w}}  {t['dtype']:<14} {shape:<20} {t['bytes']:>12} {t['offset']:>12}")
+    print(
+        f"\n  {len(info.tensors)} tensors in {len(info.index.storage_records())} storage records, "
+        f"{summary['tensor_bytes']} tensor bytes ({_human(summary['tensor_bytes'])})"
+    )
+    if not verify:
+        print("  data not verified (--no-verify)")
+        return EXIT_OK
+    if not damaged:
+        print(f"  verified {len(records)} records and their local headers: OK")
+        return EXIT_OK
+    for d in damaged:
+        crc = (
+            f"crc32c {d['actual_crc32c']:#010x} != {d['expected_crc32c']:#010x}"
+            if d["expected_crc32c"] is not None
+            else "unexpected bytes"
+        )
+        print(
+            f"  DAMAGED {d['what']} of record {d['record']} at offset {d['offset']} (+{d['nbytes']} bytes): "
+            f"{crc}; tensors: {', '.join(d['tensors']) or '-'}"
+        )
+    print(f"  {len(damaged)} damaged record(s)")
     return EXIT_DAMAGED
 
 

@@ -1,0 +1,577 @@
+"""Format 2: a ``torch.save`` archive laid out for the native engine, plus an integrity record.
+
+``torch.save`` writes a ZIP of stored (uncompressed) records under one top-level directory. This module
+plans and parses exactly that container, the way torch's own writer (miniz) lays it out with
+``torch.utils.serialization.config.save.storage_alignment = 4096`` and ``compute_crc32 = False``:
+
+* records in torch's order: ``data.pkl``, ``.format_version``, ``.storage_alignment``, ``byteorder``,
+  ``data/0`` ... ``data/N-1``, ``version``, ``.data/serialization_id``;
+* each record is a local header (flags 0x0808: sizes in a data descriptor, UTF-8 name; CRC-32 and
+  sizes zero), a ``FB`` extra field of padding so the record's data starts on a 4096-byte boundary, the
+  data, and a data descriptor (none after an empty record, as miniz does);
+* then central directory, zip64 end record and locator, end record -- always zip64, as torch writes.
+
+So ``torch.load(path)`` (``mmap=True`` included), ``LightningModule.load_from_checkpoint`` and every
+tool that reads torch checkpoints read these files. What we add, which torch ignores:
+
+* one more record, ``.data/lightning_recover.json``, after the others: the CRC-32C, offset and size of
+  every record (checked by our loader before anything is unpickled);
+* the end record's comment, ``lightning-recover 2 <offset> <length> <crc32c> <cd crc32c>``: where the
+  integrity record is, its checksum, and the checksum of the central directory and zip64 records.
+
+A file whose end record is missing or whose comment is not ours is a truncated file or a plain
+``torch.save`` file; :func:`parse_tail` says which. The ZIP CRC-32 fields are zero unless the writer
+is asked to compute them (``zip_crc32=True``): torch reads them unchecked, and CRC-32C covers integrity.
+Pure logic: the I/O lives in ``single_file.py`` and ``async_io.py``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import pickle
+import secrets
+import struct
+import zlib
+from typing import Any, Optional
+
+import torch
+
+from lightning_recover.checkpoint.format import CheckpointCorruptError
+
+__all__ = [
+    "ALIGN",
+    "ARCHIVE",
+    "INTEGRITY_RECORD",
+    "Record",
+    "ZipPlan",
+    "ArchiveIndex",
+    "plan_archive",
+    "parse_tail",
+    "parse_archive",
+    "VerifiedArchive",
+    "is_zip",
+]
+
+ALIGN = 4096
+ARCHIVE = "archive"
+INTEGRITY_RECORD = ".data/lightning_recover.json"
+INTEGRITY_FORMAT = "lightning-recover-zip"
+FORMAT_VERSION = 2
+COMMENT_TAG = b"lightning-recover 2 "
+
+_LOCAL = struct.Struct("<IHHHHHIIIHH")  # signature ... extra length (30 bytes)
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes
+_EOCD = struct.Struct("<IHHHHIIH")  # 22 bytes
+_EOCD64 = struct.Struct("<IQHHIIQQQQ")  # 56 bytes
+_LOCATOR = struct.Struct("<IIQI")  # 20 bytes
+_SIG_LOCAL, _SIG_CENTRAL, _SIG_DESC = 0x04034B50, 0x02014B50, 0x08074B50
+_SIG_EOCD, _SIG_EOCD64, _SIG_LOCATOR = 0x06054B50, 0x06064B50, 0x07064B50
+_FLAGS = 0x0808  # bit 3: data descriptor; bit 11: UTF-8 name
+_U32 = 0xFFFFFFFF
+_U16 = 0xFFFF
+# a record needs zip64 fields when its size or its header offset reaches this (tests lower it)
+ZIP64_LIMIT = _U32
+
+
+def _crc32c(buf: Any, value: int = 0) -> int:
+    import native_io
+
+    return native_io.crc32c(buf, value)
+
+
+def is_zip(head: bytes) -> bool:
+    return head[:4] == b"PK\x03\x04"
+
+
+# ------------------------------------------------------------------------------------------- plan
+
+
+@dataclasses.dataclass
+class Record:
+    """One ZIP record: a small payload known at planning time, or a storage written from memory."""
+
+    name: str  # without the archive prefix
+    nbytes: int
+    header_offset: int = 0
+    data_offset: int = 0
+    payload: Optional[bytes] = None
+    storage: Optional[int] = None  # index into ZipPlan.storages
+    zip_crc: int = 0
+    crc32c: int = 0
+
+    @property
+    def data_end(self) -> int:
+        return self.data_offset + self.nbytes
+
+    def big(self) -> bool:
+        return self.nbytes >= ZIP64_LIMIT or self.header_offset >= ZIP64_LIMIT
+
+    def end(self) -> int:
+        """Where the next local header starts: after the data and its descriptor."""
+        return self.data_end + (self.descriptor_size() if self.nbytes else 0)
+
+    def descriptor_size(self) -> int:
+        return 24 if self.big() else 16
+
+
+def _local_zip64(rec: Record, offset: int) -> bytes:
+    fields = b""
+    if rec.nbytes >= ZIP64_LIMIT:
+        fields += struct.pack("<QQ", rec.nbytes, rec.nbytes)
+    if offset >= ZIP64_LIMIT:
+        fields += struct.pack("<Q", offset)
+    return struct.pack("<HH", 1, len(fields)) + fields if fields else b""
+
+
+def _place(rec: Record, cursor: int) -> None:
+    """Put ``rec``'s local header at ``cursor`` and its data on the next ``ALIGN`` boundary after it."""
+    rec.header_offset = cursor
+    fixed = cursor + _LOCAL.size + len(_full_name(rec.name)) + len(_local_zip64(rec, cursor)) + 4
+    rec.data_offset = -(-fixed // ALIGN) * ALIGN
+
+
+def _full_name(name: str) -> bytes:
+    return f"{ARCHIVE}/{name}".encode()
+
+
+def local_header(rec: Record) -> bytes:
+    """The local header of ``rec`` with its padding: exactly ``data_offset - header_offset`` bytes."""
+    name = _full_name(rec.name)
+    z64 = _local_zip64(rec, rec.header_offset)
+    pad = rec.data_offset - rec.header_offset - _LOCAL.size - len(name) - len(z64)
+    extra = z64 + struct.pack("<HH", 0x4246, pad - 4) + b"Z" * (pad - 4)  # "FB" padding, as torch writes
+    return _LOCAL.pack(_SIG_LOCAL, 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(name), len(extra)) + name + extra
+
+
+def descriptor(rec: Record) -> bytes:
+    if not rec.nbytes:
+        return b""
+    if rec.big():
+        return struct.pack("<IIQQ", _SIG_DESC, rec.zip_crc, rec.nbytes, rec.nbytes)
+    return struct.pack("<IIII", _SIG_DESC, rec.zip_crc, rec.nbytes, rec.nbytes)
+
+
+def _central_entry(rec: Record) -> bytes:
+    name = _full_name(rec.name)
+    fields = b""
+    size32 = rec.nbytes
+    off32 = rec.header_offset
+    if rec.nbytes >= ZIP64_LIMIT:
+        fields += struct.pack("<QQ", rec.nbytes, rec.nbytes)
+        size32 = _U32
+    if rec.header_offset >= ZIP64_LIMIT:
+        fields += struct.pack("<Q", rec.header_offset)
+        off32 = _U32
+    extra = struct.pack("<HH", 1, len(fields)) + fields if fields else b""
+    return (
+        _CENTRAL.pack(
+            _SIG_CENTRAL, 0, 0, _FLAGS, 0, 0, 0, rec.zip_crc, size32, size32, len(name), len(extra), 0, 0, 0, 0, off32
+        )
+        + name
+        + extra
+    )
+
+
+class _Collector:
+    """Stands in for torch's zip writer in ``torch.serialization._save``: keeps the records in order."""
+
+    def __init__(self) -> None:
+        self.records: list[Record] = []
+        self.storages: list[torch.UntypedStorage] = []
+
+    def write_record(self, name: str, data: Any, nbytes: int) -> None:
+        if isinstance(data, torch.UntypedStorage):
+            self.records.append(Record(name, nbytes, storage=len(self.storages)))
+            self.storages.append(data)
+        else:
+            payload = data.encode() if isinstance(data, str) else bytes(data)
+            if name == ".storage_alignment":  # what torch's offset arithmetic must assume: our alignment
+                payload = str(ALIGN).encode()
+            self.records.append(Record(name, len(payload), payload=payload))
+
+    def write_record_metadata(self, name: str, nbytes: int) -> None:  # pragma: no cover - skip_data saves
+        raise RuntimeError("torch.serialization.skip_data() is not supported by the lightning-recover writer")
+
+
+def _torch_save_records(obj: Any) -> _Collector:
+    """The records ``torch.save(obj)`` would write, with storages referenced, not copied.
+
+    Runs torch's own pickling (``torch.serialization._save``), so tensor subclasses, nested and sparse
+    tensors, storages and ``persistent_id`` keys are exactly torch's.
+    """
+    save = getattr(torch.serialization, "_save", None)
+    if save is None:  # pragma: no cover - torch changed its internals
+        raise RuntimeError(f"torch {torch.__version__} has no torch.serialization._save; save with format=1")
+    out = _Collector()
+    save(obj, out, pickle, 2, False)
+    return out
+
+
+class ZipPlan:
+    """Where every record of one checkpoint goes; the bytes around the storages are produced here.
+
+    A writer writes, in increasing offsets: for each non-empty storage ``i``, :meth:`lead` (the bytes
+    between the previous storage's data and this one's: descriptors, small records, local headers) and
+    then the storage's bytes at ``records[...].data_offset``; finally :meth:`tail`. :class:`PlanWriter`
+    does this bookkeeping for a ``native_io`` writer.
+    """
+
+    def __init__(self, obj: Any, meta: Optional[dict] = None, zip_crc32: bool = False) -> None:
+        c = _torch_save_records(obj)
+        self.storages = c.storages
+        self.zip_crc32 = zip_crc32
+        self.meta = meta or {}
+        self.file_id = secrets.token_hex(16)
+        records = c.records + [Record("version", 2, payload=b"3\n")]
+        sid = str(secrets.randbits(128)).zfill(40).encode()
+        records.append(Record(".data/serialization_id", len(sid), payload=sid))
+        cursor = 0
+        for rec in records:
+            _place(rec, cursor)
+            if rec.payload is not None:
+                rec.crc32c = _crc32c(rec.payload)
+                if zip_crc32:
+                    rec.zip_crc = zlib.crc32(rec.payload)
+            cursor = rec.end()
+        self.records = records
+        self.data_end = cursor  # where the integrity record's header goes
+        self.storage_record = {r.storage: r for r in records if r.storage is not None}
+        self._written_upto = 0  # file offset up to which lead bytes have been produced
+
+    def set_crc32c(self, storage: int, crc: int) -> None:
+        self.storage_record[storage].crc32c = int(crc)
+
+    @property
+    def storage_bytes(self) -> int:
+        return sum(r.nbytes for r in self.storage_record.values())
+
+    def lead(self, storage: int) -> tuple[int, bytes]:
+        """``(offset, bytes)`` to write just before storage ``storage``'s data (its predecessors are done)."""
+        rec = self.storage_record[storage]
+        out = bytearray()
+        at = self._written_upto
+        for r in self.records:
+            if r.end() <= at or r.header_offset >= rec.data_offset:
+                continue
+            if r.storage is not None and r.data_offset < at:
+                out += descriptor(r)  # storage r was written up to `at`: its descriptor follows
+            elif r is rec:
+                out += local_header(r)
+            else:
+                out += local_header(r) + (r.payload or b"") + descriptor(r)
+        self._written_upto = rec.data_end
+        return at, bytes(out)
+
+    def tail(self) -> tuple[int, bytes, int]:
+        """``(offset, bytes, file size)``: the rest after the last storage (record checksums must be set)."""
+        at = self._written_upto
+        out = bytearray()
+        for r in self.records:
+            if r.end() <= at:
+                continue
+            if r.storage is not None and r.data_offset < at:
+                out += descriptor(r)
+            else:
+                out += local_header(r) + (r.payload or b"") + descriptor(r)
+        integrity = json.dumps(
+            {
+                "format": INTEGRITY_FORMAT,
+                "version": FORMAT_VERSION,
+                "file_id": self.file_id,
+                "align": ALIGN,
+                "meta": self.meta,
+                "records": [[r.name, r.data_offset, r.nbytes, r.crc32c] for r in self.records],
+            },
+            separators=(",", ":"),
+        ).encode()
+        irec = Record(INTEGRITY_RECORD, len(integrity), payload=integrity)
+        _place(irec, self.data_end)
+        irec.crc32c = _crc32c(integrity)
+        if self.zip_crc32:
+            irec.zip_crc = zlib.crc32(integrity)
+        out += local_header(irec) + integrity + descriptor(irec)
+        cd_offset = irec.end()
+        central = b"".join(_central_entry(r) for r in self.records + [irec])
+        n = len(self.records) + 1
+        eocd64_offset = cd_offset + len(central)
+        z64 = _EOCD64.pack(_SIG_EOCD64, 44, 0, 0, 0, 0, n, n, len(central), cd_offset)
+        z64 += _LOCATOR.pack(_SIG_LOCATOR, 0, eocd64_offset, 1)
+        comment = COMMENT_TAG + (
+            f"{irec.data_offset} {irec.nbytes} {irec.crc32c:08x} {_crc32c(central + z64):08x}".encode()
+        )
+        end = _EOCD.pack(
+            _SIG_EOCD, 0, 0, min(n, _U16), min(n, _U16), min(len(central), _U32), min(cd_offset, _U32), len(comment)
+        )
+        out += central + z64 + end + comment
+        return at, bytes(out), at + len(out)
+
+
+def plan_archive(obj: Any, meta: Optional[dict] = None, zip_crc32: bool = False) -> ZipPlan:
+    return ZipPlan(obj, meta, zip_crc32)
+
+
+class PlanWriter:
+    """Wraps a ``native_io`` writer: writes each storage's lead bytes before its data, the tail at the end.
+
+    ``write(segments)`` takes storage bytes at their data offsets, in file order, possibly in chunks;
+    it returns their CRC-32C values like the engine does (one per segment). ``finish()`` writes the
+    tail and closes (fdatasync). ``ZipPlan.records[...].crc32c`` must be set before ``finish``.
+    """
+
+    def __init__(self, plan: ZipPlan, writer: Any) -> None:
+        self.plan = plan
+        self.writer = writer
+        self._starts = {r.data_offset: r for r in plan.storage_record.values() if r.nbytes}
+        self._by_offset = sorted(self._starts.values(), key=lambda r: r.data_offset)
+        self._offsets = [r.data_offset for r in self._by_offset]
+
+    def write(self, segments: list) -> list[int]:
+        out: list = []
+        want: list = []
+        for off, buf in segments:
+            rec = self._starts.pop(off, None)
+            if rec is not None:
+                lead_at, lead = self.plan.lead(rec.storage)  # type: ignore[arg-type]
+                if lead:
+                    out.append((lead_at, lead))
+                    want.append(False)
+            if self.plan.zip_crc32:
+                owner = self._owner(off)
+                owner.zip_crc = zlib.crc32(buf, owner.zip_crc if off != owner.data_offset else 0)
+            out.append((off, buf))
+            want.append(True)
+        crcs = self.writer.write(out) if out else []
+        return [int(c) for c, w in zip(crcs, want) if w]
+
+    def _owner(self, off: int) -> Record:
+        r = self._by_offset[bisect.bisect_right(self._offsets, off) - 1]
+        if not r.data_offset <= off < r.data_end:  # pragma: no cover - a caller bug
+            raise ValueError(f"offset {off} is not inside a storage record")
+        return r
+
+    def close(self) -> None:
+        """Close without finishing (a failed save: the temporary file is removed by the caller)."""
+        self.writer.close()
+
+    def finish(self) -> None:
+        at, data, size = self.plan.tail()
+        self.writer.write([(at, data)])
+        self.writer.close(size=size)
+
+
+# ------------------------------------------------------------------------------------------- parse
+
+
+@dataclasses.dataclass
+class ArchiveIndex:
+    """What the end record, central directory and integrity record of a format-2 file say."""
+
+    path: str
+    size: int
+    file_id: str
+    meta: dict
+    records: dict[str, Record]  # name (without prefix) -> record, in file order
+    integrity_offset: int
+    integrity_length: int
+    central_offset: int
+
+    def storage_records(self) -> list[Record]:
+        return [r for n, r in self.records.items() if n.startswith("data/")]
+
+
+def parse_tail(tail: bytes, size: int, path: str) -> Optional[tuple[int, int, int, int, int, int]]:
+    """From the last bytes of a ZIP: ``(integrity offset, length, crc32c, cd offset, cd end, cd crc32c)``.
+
+    None for a valid ZIP end record without our comment (a plain ``torch.save`` file). Raises
+    :class:`CheckpointCorruptError` when there is no end record (truncated, or not a ZIP).
+    """
+    at = tail.rfind(struct.pack("<I", _SIG_EOCD))
+    if at < 0 or len(tail) - at < _EOCD.size:
+        raise CheckpointCorruptError(
+            f"{path}: no ZIP end record in the last {len(tail)} bytes: the file is truncated or not a checkpoint",
+            path,
+        )
+    _, _, _, _, _, cd_size, cd_off, clen = _EOCD.unpack_from(tail, at)
+    comment = tail[at + _EOCD.size : at + _EOCD.size + clen]
+    if not comment.startswith(COMMENT_TAG):
+        return None
+    try:
+        off, length, crc, cd_crc = comment[len(COMMENT_TAG) :].split()
+        io_off, io_len, io_crc, c_crc = int(off), int(length), int(crc, 16), int(cd_crc, 16)
+    except ValueError:
+        raise CheckpointCorruptError(
+            f"{path}: damaged lightning-recover end-record comment {comment!r}", path
+        ) from None
+    eocd_at = size - (len(tail) - at)
+    loc_at = at - _LOCATOR.size
+    if loc_at < 0:
+        raise CheckpointCorruptError(f"{path}: zip64 locator missing before the end record (truncated?)", path)
+    sig, _, eocd64_offset, _ = _LOCATOR.unpack_from(tail, loc_at)
+    if sig != _SIG_LOCATOR or not io_off + io_len <= eocd64_offset < eocd_at:
+        raise CheckpointCorruptError(f"{path}: damaged zip64 locator at offset {size - (len(tail) - loc_at)}", path)
+    z64 = bytes(_EOCD64.size)
+    z64_at = eocd64_offset - (size - len(tail))
+    if z64_at >= 0:
+        z64 = tail[z64_at : z64_at + _EOCD64.size]
+    cd_offset = cd_off if cd_off != _U32 else _EOCD64.unpack(z64)[9] if z64_at >= 0 else -1
+    if not io_off + io_len <= cd_offset <= eocd64_offset:
+        raise CheckpointCorruptError(f"{path}: damaged end records (central directory at {cd_offset})", path)
+    return io_off, io_len, io_crc, cd_offset, eocd_at, c_crc
+
+
+def parse_archive(
+    path: str, size: int, integrity: bytes, central_and_z64: bytes, central_offset: int, expect: tuple[int, int]
+) -> ArchiveIndex:
+    """Check the integrity record and central directory (already read) against each other."""
+    io_crc, cd_crc = expect
+    if _crc32c(integrity) != io_crc:
+        raise CheckpointCorruptError(f"{path}: integrity record checksum mismatch: damaged file", path)
+    if _crc32c(central_and_z64) != cd_crc:
+        raise CheckpointCorruptError(f"{path}: central directory checksum mismatch: damaged file", path)
+    try:
+        doc = json.loads(integrity)
+        if doc.get("format") != INTEGRITY_FORMAT:
+            raise ValueError(f"format {doc.get('format')!r}")
+        if doc.get("version") != FORMAT_VERSION:
+            raise ValueError(f"version {doc.get('version')!r} (this build reads {FORMAT_VERSION})")
+        records = {}
+        for name, off, n, crc in doc["records"]:
+            records[str(name)] = Record(str(name), int(n), data_offset=int(off), crc32c=int(crc))
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointCorruptError(f"{path}: unreadable integrity record: {e}", path) from None
+    central = _parse_central(central_and_z64, path)
+    for name, rec in records.items():
+        entry = central.get(f"{ARCHIVE}/{name}")
+        if entry is None:
+            raise CheckpointCorruptError(f"{path}: record {name!r} is missing from the central directory", path)
+        rec.header_offset, rec.zip_crc = entry[0], entry[2]
+        if entry[1] != rec.nbytes or not 0 < rec.data_offset - rec.header_offset <= ALIGN + 1024:
+            raise CheckpointCorruptError(f"{path}: central directory and integrity record disagree on {name!r}", path)
+        if rec.data_end > central_offset:
+            raise CheckpointCorruptError(f"{path}: record {name!r} extends past the data area", path)
+    return ArchiveIndex(
+        path, size, str(doc.get("file_id", "")), dict(doc.get("meta") or {}), records, 0, 0, central_offset
+    )
+
+
+def _parse_central(buf: bytes, path: str) -> dict[str, tuple[int, int, int]]:
+    """``name -> (local header offset, size, zip crc)`` from central directory bytes."""
+    out: dict[str, tuple[int, int, int]] = {}
+    at = 0
+    while at + 4 <= len(buf) and struct.unpack_from("<I", buf, at)[0] == _SIG_CENTRAL:
+        if at + _CENTRAL.size > len(buf):
+            break
+        f = _CENTRAL.unpack_from(buf, at)
+        crc, usize, nlen, elen, clen, off = f[7], f[9], f[10], f[11], f[12], f[16]
+        name = buf[at + _CENTRAL.size : at + _CENTRAL.size + nlen].decode("utf-8", "replace")
+        extra = buf[at + _CENTRAL.size + nlen : at + _CENTRAL.size + nlen + elen]
+        if usize == _U32 or off == _U32:
+            vals = list(struct.unpack_from(f"<{(len(extra) - 4) // 8}Q", extra, 4)) if len(extra) >= 12 else []
+            if usize == _U32 and vals:
+                usize = vals.pop(0)
+                vals.pop(0) if vals else None  # compressed size
+            if off == _U32 and vals:
+                off = vals.pop(0)
+        out[name] = (off, usize, crc)
+        at += _CENTRAL.size + nlen + elen + clen
+    if not out:
+        raise CheckpointCorruptError(f"{path}: empty or unreadable central directory", path)
+    return out
+
+
+def check_local_headers(headers: dict[str, bytes], index: ArchiveIndex) -> list[str]:
+    """Names of records whose local header (bytes from header offset to data offset) is not what torch expects."""
+    bad = []
+    for name, raw in headers.items():
+        rec = index.records[name]
+        full = _full_name(name)
+        ok = len(raw) >= _LOCAL.size + len(full) and struct.unpack_from("<I", raw)[0] == _SIG_LOCAL
+        if ok:
+            f = _LOCAL.unpack_from(raw)
+            ok = f[9] == len(full) and raw[_LOCAL.size : _LOCAL.size + len(full)] == full
+            ok = ok and _LOCAL.size + f[9] + f[10] == rec.data_offset - rec.header_offset
+        if not ok:
+            bad.append(name)
+    return bad
+
+
+# -------------------------------------------------------------------------------------------- load
+
+
+class VerifiedArchive:
+    """Stands in for torch's zip reader in ``torch.serialization._load``, over records already read and verified."""
+
+    def __init__(self, index: ArchiveIndex, small: dict[str, bytes], storages: dict[str, torch.UntypedStorage]):
+        self._index = index
+        self._small = small
+        self._storages = storages
+
+    def has_record(self, name: str) -> bool:
+        return name in self._small or name in self._storages
+
+    def get_record(self, name: str) -> bytes:
+        return self._small[name]
+
+    def get_storage_from_record(self, name: str, nbytes: int, _type: Any) -> torch.Tensor:
+        st = self._storages[name]
+        if st.nbytes() != nbytes:
+            raise CheckpointCorruptError(
+                f"{self._index.path}: record {name!r} holds {st.nbytes()} bytes, the pickle expects {nbytes}",
+                self._index.path,
+            )
+        return torch.empty(0, dtype=torch.uint8).set_(st)
+
+    def serialization_id(self) -> str:
+        return self._small.get(".data/serialization_id", b"").decode()
+
+    def get_record_offset(self, name: str) -> int:
+        return self._index.records[name].data_offset
+
+    def get_record_header_offset(self, name: str) -> int:
+        return self._index.records[name].header_offset
+
+    def get_record_offset_no_read(self, header_offset: int, name: str, nbytes: int, alignment: int) -> int:
+        return self._index.records[name].data_offset
+
+
+def _extra_safe_globals() -> list:
+    """The format-1 allowlist's classes beyond torch's own (Lightning's AttributeDict, Namespace, paths, dates).
+
+    They only hold data; format-1 files loaded them with ``weights_only=True``, so format 2 keeps doing so.
+    """
+    import importlib
+
+    from lightning_recover.checkpoint.format import SAFE_GLOBALS
+
+    out = []
+    for module, name in sorted(SAFE_GLOBALS):
+        if module == "builtins":
+            continue
+        try:
+            out.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            continue
+    return out
+
+
+def unpickle(archive: VerifiedArchive, path: str, map_location: Any, weights_only: bool) -> Any:
+    """Rebuild the checkpoint with torch's own loader, so the result equals ``torch.load``'s."""
+    from lightning_recover.checkpoint.format import UnsafeCheckpointError
+
+    load = getattr(torch.serialization, "_load", None)
+    if load is None:  # pragma: no cover - torch changed its internals
+        raise RuntimeError(f"torch {torch.__version__} has no torch.serialization._load")
+    if not weights_only:
+        return load(archive, map_location, pickle, encoding="utf-8")
+    from torch import _weights_only_unpickler
+
+    try:
+        with torch.serialization.safe_globals(_extra_safe_globals()):
+            return load(archive, map_location, _weights_only_unpickler, encoding="utf-8")
+    except pickle.UnpicklingError as e:
+        raise UnsafeCheckpointError(
+            f"{path}: weights_only load refused: {e}. Load with weights_only=False only if you trust the file, "
+            "or allow the global with torch.serialization.add_safe_globals([...])."
+        ) from None
