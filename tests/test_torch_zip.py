@@ -1,0 +1,312 @@
+"""Format 2: our files are torch.save archives, written by the native engine, with an integrity record."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import struct
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+
+from lightning_recover.checkpoint import CheckpointCorruptError, UnsafeCheckpointError, load, read_info, save
+from lightning_recover.checkpoint import torch_zip
+from lightning_recover.checkpoint.single_file import verify_file
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 200, generator=g)
+    ck = {
+        "state_dict": {
+            "w": w,
+            "b": torch.randn(7, generator=g),
+            "h": torch.randn(64, generator=g).to(torch.bfloat16),
+            "f8": torch.randn(33, generator=g).to(torch.float8_e4m3fn),
+            "i": torch.arange(11),
+            "mask": torch.rand(9, generator=g) > 0.5,
+            "c": torch.randn(5, dtype=torch.complex64, generator=g),
+            "empty": torch.empty(0, 4),
+            "big": torch.randn(1 << 19, generator=g),  # 2 MiB
+        },
+        "row": w[3],  # a view sharing w's storage
+        "t": w.t(),  # non-contiguous
+        "epoch": 3,
+        "nested": [{"lr": 0.1, "betas": (0.9, 0.99)}, None, "name"],
+    }
+    return ck
+
+
+def _assert_same(a, b) -> None:
+    assert a["epoch"] == b["epoch"] and a["nested"] == b["nested"]
+    for k, v in a["state_dict"].items():
+        assert v.dtype == b["state_dict"][k].dtype and torch.equal(v.view(torch.uint8), b["state_dict"][k].view(torch.uint8))
+    assert torch.equal(a["row"], b["row"]) and torch.equal(a["t"], b["t"])
+
+
+def test_stock_readers_read_our_file(tmp_path):
+    ck = _state()
+    path = tmp_path / "a.ckpt"
+    save(ck, path)
+    for out in (
+        load(path),
+        torch.load(path, weights_only=True),
+        torch.load(path, weights_only=True, mmap=True),
+    ):
+        _assert_same(ck, out)
+        # a view still shares its base's storage, like torch.load of a torch.save file
+        assert out["row"].untyped_storage().data_ptr() == out["state_dict"]["w"].untyped_storage().data_ptr()
+    names = zipfile.ZipFile(path).namelist()
+    assert names[0] == "archive/data.pkl" and names[-1] == "archive/" + torch_zip.INTEGRITY_RECORD
+    info = read_info(path)
+    for rec in info.index.storage_records():
+        assert rec.data_offset % 4096 == 0
+    assert {t["name"] for t in info.tensors} >= {"state_dict/w", "state_dict/big", "row", "t"}
+
+
+def test_layout_is_torch_saves_own(tmp_path):
+    """Record offsets equal torch.save's at storage_alignment=4096, so torch's offset arithmetic holds too."""
+    from torch.utils.serialization import config
+
+    ck = _state()
+    save(ck, tmp_path / "ours.ckpt")
+    old = config.save.storage_alignment, config.save.compute_crc32
+    config.save.storage_alignment, config.save.compute_crc32 = 4096, False
+    try:
+        torch.save(ck, tmp_path / "archive")  # torch names the archive after the file: same name length
+    finally:
+        config.save.storage_alignment, config.save.compute_crc32 = old
+    ours = zipfile.ZipFile(tmp_path / "ours.ckpt").infolist()
+    ref = zipfile.ZipFile(tmp_path / "archive").infolist()
+    assert [(i.filename, i.header_offset, i.file_size) for i in ours[: len(ref)]] == [
+        (i.filename, i.header_offset, i.file_size) for i in ref
+    ]
+    code = (
+        "import torch; from torch.utils.serialization import config; "
+        "config.load.calculate_storage_offsets = True; "
+        f"torch.load({str(tmp_path / 'ours.ckpt')!r}, weights_only=True, mmap=True); "
+        f"torch.load({str(tmp_path / 'ours.ckpt')!r}, weights_only=True, map_location='meta')"
+    )
+    env = dict(os.environ, TORCH_SERIALIZATION_DEBUG="1")  # torch asserts its computed offsets are right
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+def test_zip_crc32_option_gives_a_fully_valid_zip(tmp_path):
+    save(_state(), tmp_path / "z.ckpt", zip_crc32=True)
+    assert zipfile.ZipFile(tmp_path / "z.ckpt").testzip() is None
+    _assert_same(_state(), load(tmp_path / "z.ckpt"))
+    save(_state(), tmp_path / "n.ckpt")  # default: CRC-32 fields zero, as torch.save with compute_crc32=False
+    assert zipfile.ZipFile(tmp_path / "n.ckpt").testzip() is not None
+
+
+def test_zip64_records(tmp_path, monkeypatch):
+    """Files past 4 GiB need zip64 fields; forced here on a small file, read by torch and by us."""
+    monkeypatch.setattr(torch_zip, "ZIP64_LIMIT", 5000)
+    ck = _state()
+    save(ck, tmp_path / "z64.ckpt")
+    _assert_same(ck, torch.load(tmp_path / "z64.ckpt", weights_only=True))
+    _assert_same(ck, load(tmp_path / "z64.ckpt"))
+    assert verify_file(tmp_path / "z64.ckpt")[1] == []
+
+
+def test_async_save_writes_format_2(tmp_path):
+    from lightning_recover.checkpoint import UringCheckpointIO
+
+    io = UringCheckpointIO(async_save=True, max_pending_bytes=1 << 20)  # the 2 MiB tensor goes in chunks
+    ck = _state()
+    io.save_checkpoint(ck, tmp_path / "a.ckpt")
+    io.teardown()
+    _assert_same(ck, torch.load(tmp_path / "a.ckpt", weights_only=True))
+    assert verify_file(tmp_path / "a.ckpt")[1] == []
+
+
+# ----------------------------------------------------------------------------------- damage
+
+
+def _rewrite(path, fn) -> None:
+    data = bytearray(path.read_bytes())
+    path.write_bytes(bytes(fn(data)))
+
+
+def _flip(at: int, mask: int = 0x04):
+    def f(d):
+        d[at] ^= mask
+        return d
+
+    return f
+
+
+@pytest.fixture
+def saved(tmp_path):
+    path = tmp_path / "c.ckpt"
+    save(_state(), path)
+    return path
+
+
+def test_bitflip_in_tensor_data_names_tensor(saved):
+    info = read_info(saved)
+    rec = info.index.records[next(t["record"] for t in info.tensors if t["name"] == "state_dict/big")]
+    _rewrite(saved, _flip(rec.data_offset + 1000))
+    with pytest.raises(CheckpointCorruptError) as ei:
+        load(saved)
+    msg = str(ei.value)
+    assert str(saved) in msg and "state_dict/big" in msg and f"offset {rec.data_offset}" in msg
+    assert verify_file(saved)[1][0]["tensors"] == ["state_dict/big"]
+    assert not torch.equal(load(saved, verify=False)["state_dict"]["big"], _state()["state_dict"]["big"])
+
+
+@pytest.mark.parametrize("where", ["data.pkl", "central directory", "integrity record", "end comment"])
+def test_bitflip_in_metadata_rejected(saved, where):
+    info = read_info(saved)
+    size = saved.stat().st_size
+    at = {
+        "data.pkl": info.index.records["data.pkl"].data_offset + 20,
+        "central directory": info.index.central_offset + 50,
+        "integrity record": info.index.integrity_offset + 30,
+        "end comment": size - 5,
+    }[where]
+    _rewrite(saved, _flip(at))
+    with pytest.raises(CheckpointCorruptError) as ei:
+        load(saved)
+    assert str(saved) in str(ei.value)
+
+
+def test_damaged_local_header_found_by_verify(saved):
+    """Our loader reads records from verified offsets; torch follows local headers: verify checks them."""
+    info = read_info(saved)
+    rec = info.index.records["data/0"]
+    _rewrite(saved, _flip(rec.header_offset + 31))  # a byte of the record name
+    bad = verify_file(saved)[1]
+    assert [d["what"] for d in bad] == ["local header"] and bad[0]["record"] == "data/0"
+
+
+@pytest.mark.parametrize("cut", [1, 100, 5000, "half", "most"])
+def test_truncated_file_rejected(saved, cut):
+    size = saved.stat().st_size
+    keep = {"half": size // 2, "most": 10}[cut] if isinstance(cut, str) else size - cut
+    _rewrite(saved, lambda d: d[:keep])
+    with pytest.raises(CheckpointCorruptError):
+        load(saved)
+
+
+def test_trailing_bytes_and_empty_and_foreign(tmp_path, saved):
+    _rewrite(saved, lambda d: d + b"junk")
+    with pytest.raises(CheckpointCorruptError, match="stray bytes"):
+        load(saved)
+    empty = tmp_path / "empty.ckpt"
+    empty.write_bytes(b"")
+    with pytest.raises(CheckpointCorruptError, match="did not complete"):
+        load(empty)
+    plain = tmp_path / "plain.pt"  # what Lightning's TorchCheckpointIO writes: loaded by torch, unverified
+    torch.save(_state(), plain)
+    _assert_same(_state(), load(plain))
+    with pytest.raises(CheckpointCorruptError, match="plain torch.save"):
+        read_info(plain)
+
+
+def test_inspect_format_2(saved, capsys):
+    from lightning_recover.checkpoint.tools import inspect_main
+
+    ns = argparse.Namespace(checkpoint=str(saved), no_verify=False, json=False)
+    assert inspect_main(ns) == 0
+    out = capsys.readouterr().out
+    assert "format version 2" in out and "state_dict/w" in out and "OK" in out
+    info = read_info(saved)
+    rec = info.index.records["data/0"]
+    _rewrite(saved, _flip(rec.data_offset + 7))
+    assert inspect_main(ns) == 1
+    assert "DAMAGED" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------ what torch.load allows
+
+
+class _Point:
+    def __init__(self, x: int) -> None:
+        self.x = x
+
+
+def test_weights_only_is_torch_loads_allowlist(tmp_path):
+    path = tmp_path / "g.ckpt"
+    save({"p": _Point(3), "w": torch.ones(2)}, path)
+    with pytest.raises(UnsafeCheckpointError, match="add_safe_globals"):
+        load(path)
+    with torch.serialization.safe_globals([_Point]):
+        assert load(path)["p"].x == 3
+    assert load(path, weights_only=False)["p"].x == 3
+
+
+def test_nested_tensor_and_parameter_roundtrip(tmp_path):
+    nt = torch.nested.nested_tensor([torch.arange(3.0), torch.arange(5.0)])
+    p = torch.nn.Parameter(torch.randn(4))
+    save({"nt": nt, "p": p}, tmp_path / "n.ckpt")
+    out = load(tmp_path / "n.ckpt")
+    assert all(torch.equal(a, b) for a, b in zip(out["nt"].unbind(), nt.unbind()))
+    assert isinstance(out["p"], torch.nn.Parameter) and torch.equal(out["p"], p)
+
+
+def test_map_location_and_into(tmp_path):
+    ck = _state()
+    save(ck, tmp_path / "m.ckpt")
+    meta = load(tmp_path / "m.ckpt", map_location="meta")
+    assert meta["state_dict"]["w"].device.type == "meta" and meta["state_dict"]["w"].shape == (300, 200)
+    target = torch.zeros(300, 200)
+    out = load(tmp_path / "m.ckpt", into={"state_dict": {"w": target}})
+    assert out["state_dict"]["w"] is target and torch.equal(target, ck["state_dict"]["w"])
+
+
+def test_format_1_files_stay_loadable_and_convert(tmp_path, capsys):
+    from lightning_recover.checkpoint.tools import convert_main
+
+    ck = _state()
+    save(ck, tmp_path / "v1.ckpt", format=1)
+    assert (tmp_path / "v1.ckpt").read_bytes()[:8] != b"PK\x03\x04"
+    _assert_same(ck, load(tmp_path / "v1.ckpt"))
+    ns = argparse.Namespace(checkpoint=str(tmp_path / "v1.ckpt"), output=str(tmp_path / "v1.pt"), unsafe_pickle=False)
+    assert convert_main(ns) == 0
+    _assert_same(ck, torch.load(tmp_path / "v1.pt", weights_only=True))
+    with pytest.raises(ValueError, match="format must be"):
+        save(ck, tmp_path / "x.ckpt", format=3)
+
+
+def test_mixed_dtype_views_refused_like_torch_save(tmp_path):
+    base = torch.zeros(8)
+    with pytest.raises(RuntimeError, match="different types"):
+        save({"a": base, "b": base.view(torch.int32)}, tmp_path / "x.ckpt")
+    assert not (tmp_path / "x.ckpt").exists()
+    save({"a": base, "b": base.view(torch.int32)}, tmp_path / "x.ckpt", format=1)  # format 1 keeps both
+
+
+def test_header_struct_sizes():
+    """The ZIP structures are the sizes the format requires (guards a struct format typo)."""
+    assert (torch_zip._LOCAL.size, torch_zip._CENTRAL.size, torch_zip._EOCD.size) == (30, 46, 22)
+    assert (torch_zip._EOCD64.size, torch_zip._LOCATOR.size) == (56, 20)
+    assert struct.calcsize("<IIII") == 16
+
+
+def test_lightning_reads_our_checkpoints_without_the_plugin(tmp_path):
+    """The most common Lightning flows on a file the plugin wrote: load_from_checkpoint, resume with stock IO."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_recover.checkpoint import UringCheckpointIO
+
+    kw = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    model = BoringModel()
+    trainer = Trainer(max_steps=3, default_root_dir=tmp_path, plugins=[UringCheckpointIO()], **kw)
+    trainer.fit(model)
+    path = tmp_path / "ours.ckpt"
+    trainer.save_checkpoint(path)
+    restored = BoringModel.load_from_checkpoint(path)
+    assert all(torch.equal(a, b) for a, b in zip(restored.parameters(), model.parameters()))
+    assert torch.load(path, weights_only=True)["global_step"] == 3
+    stock = Trainer(max_steps=5, default_root_dir=tmp_path, **kw)  # Lightning's own TorchCheckpointIO
+    stock.fit(BoringModel(), ckpt_path=path)
+    assert stock.global_step == 5
+    stock.save_checkpoint(tmp_path / "stock.ckpt")
+    back = Trainer(max_steps=6, default_root_dir=tmp_path, plugins=[UringCheckpointIO()], **kw)
+    back.fit(BoringModel(), ckpt_path=tmp_path / "stock.ckpt")  # and ours resumes from a stock file
+    assert back.global_step == 6
