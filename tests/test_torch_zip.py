@@ -12,8 +12,7 @@ import zipfile
 import pytest
 import torch
 
-from lightning_recover.checkpoint import CheckpointCorruptError, UnsafeCheckpointError, load, read_info, save
-from lightning_recover.checkpoint import torch_zip
+from lightning_recover.checkpoint import CheckpointCorruptError, UnsafeCheckpointError, load, read_info, save, torch_zip
 from lightning_recover.checkpoint.single_file import verify_file
 
 
@@ -43,7 +42,9 @@ def _state() -> dict:
 def _assert_same(a, b) -> None:
     assert a["epoch"] == b["epoch"] and a["nested"] == b["nested"]
     for k, v in a["state_dict"].items():
-        assert v.dtype == b["state_dict"][k].dtype and torch.equal(v.view(torch.uint8), b["state_dict"][k].view(torch.uint8))
+        assert v.dtype == b["state_dict"][k].dtype and torch.equal(
+            v.view(torch.uint8), b["state_dict"][k].view(torch.uint8)
+        )
     assert torch.equal(a["row"], b["row"]) and torch.equal(a["t"], b["t"])
 
 

@@ -398,7 +398,9 @@ def parse_tail(tail: bytes, size: int, path: str) -> Optional[tuple[int, int, in
     if not comment.startswith(COMMENT_TAG):
         return None
     if at + _EOCD.size + clen != len(tail):
-        raise CheckpointCorruptError(f"{path}: {len(tail) - at - _EOCD.size - clen} stray bytes after the end record", path)
+        raise CheckpointCorruptError(
+            f"{path}: {len(tail) - at - _EOCD.size - clen} stray bytes after the end record", path
+        )
     try:
         off, length, crc, cd_crc = comment[len(COMMENT_TAG) :].split()
         io_off, io_len, io_crc, c_crc = int(off), int(length), int(crc, 16), int(cd_crc, 16)
