@@ -2,7 +2,10 @@
 
 Methods (all measured on the same Lightning-like checkpoint dict):
 
-* ``uring``       -- this project's :class:`lightning_recover.checkpoint.UringCheckpointIO`
+* ``uring``       -- this project's :class:`lightning_recover.checkpoint.UringCheckpointIO` (format 2: a
+  torch.save archive)
+* ``uring-v1``    -- the same engine writing the previous lightning-recover layout (format 1)
+* ``uring+mmap`` / ``torch.save+mmap`` -- saved by uring / torch.save, loaded by ``torch.load(mmap=True)``
 * ``lightning``   -- Lightning's ``TorchCheckpointIO``
 * ``torch.save``  -- ``torch.save`` / ``torch.load(weights_only=False)``
 * ``dcp``         -- ``torch.distributed.checkpoint`` FileSystemWriter/Reader, one process
@@ -51,7 +54,17 @@ from lightning_recover import env
 from lightning_recover.bench import fio as fio_mod
 from lightning_recover.bench.gpt_state import build_checkpoint, iter_tensors, tensor_stats
 
-ALL_METHODS = ["uring", "lightning", "torch.save", "dcp", "safetensors", "fio"]
+ALL_METHODS = [
+    "uring",
+    "uring-v1",
+    "uring+mmap",
+    "torch.save+mmap",
+    "lightning",
+    "torch.save",
+    "dcp",
+    "safetensors",
+    "fio",
+]
 BASELINE = "uring"
 
 # Targets of the issue, for the plugin (uring) against each reference.
@@ -354,8 +367,55 @@ class SafetensorsMethod(Method):
         return {"safetensors": safetensors.__version__}
 
 
+class UringFormat1Method(Method):
+    """The previous lightning-recover layout (format 1), to show format 2 costs nothing."""
+
+    name = "uring-v1"
+
+    def save(self, checkpoint, workdir):
+        from lightning_recover.checkpoint import save
+
+        target = os.path.join(workdir, "last.ckpt")
+        save(checkpoint, target, format=1)
+        return target
+
+    def load(self, target, prepared):
+        from lightning_recover.checkpoint import load
+
+        return load(target, map_location="cpu")
+
+
+class _MmapLoadMethod(Method):
+    """Saved like ``base``, loaded by ``torch.load(mmap=True)``: stock tools reading the file lazily."""
+
+    base: Callable[[], Method] = Method
+
+    def setup(self) -> None:
+        self.saver = self.base()
+        self.saver.setup()
+
+    def save(self, checkpoint, workdir):
+        return self.saver.save(checkpoint, workdir)
+
+    def load(self, target, prepared):
+        return torch.load(target, map_location="cpu", weights_only=True, mmap=True)
+
+
+class UringMmapMethod(_MmapLoadMethod):
+    name = "uring+mmap"
+    base = UringMethod
+
+
+class TorchSaveMmapMethod(_MmapLoadMethod):
+    name = "torch.save+mmap"
+    base = TorchSaveMethod
+
+
 METHOD_CLASSES: dict[str, Callable[[], Method]] = {
     "uring": UringMethod,
+    "uring-v1": UringFormat1Method,
+    "uring+mmap": UringMmapMethod,
+    "torch.save+mmap": TorchSaveMmapMethod,
     "lightning": LightningMethod,
     "torch.save": TorchSaveMethod,
     "dcp": DCPMethod,
