@@ -1,6 +1,6 @@
 """Where does UringCheckpointIO's time go? A breakdown of one durable save and one cold load.
 
-``python -m lightning_recover.bench.profile_uring [--size-gb 2] [--dir DIR] [--repeat 3]``
+``python -m lightning_recover.bench.profile_uring [--size-gb 2] [--dir DIR] [--repeat 3]`` (format 1 files)
 
 The functional ``save``/``load`` of :mod:`lightning_recover.checkpoint.checkpoint_io` are run
 unchanged; their calls into the format module and the native engine are wrapped with timers
@@ -208,7 +208,7 @@ def profile(size_gb: float, directory: str | None, repeat: int) -> dict[str, Any
             proxy = _EngineProxy(eng, ts)
             with _patched(fmt, fmt_names, ts, "fmt"), _patched(cio, cio_names, ts, "cio"):
                 t0 = time.perf_counter()
-                cio.save(checkpoint, path, engine=proxy)
+                cio.save(checkpoint, path, engine=proxy, format=1)  # the breakdown names format 1's steps
                 t1 = time.perf_counter()
             fsync_tree(root)
             t2 = time.perf_counter()
@@ -339,7 +339,7 @@ def align_experiment(size_gb: float, directory: str | None, repeat: int) -> dict
     root = tempfile.mkdtemp(prefix="lr-align-", dir=directory or "/tmp")
     path = os.path.join(root, "a.ckpt")
     cache = "drop_caches" if drop_caches_supported() else "fadvise"
-    cio.save(checkpoint, path)
+    cio.save(checkpoint, path, format=1)
     del checkpoint
     gc.collect()
     extents = [(s.offset, s.nbytes) for s in cio.read_info(path).index.storages if s.nbytes]
