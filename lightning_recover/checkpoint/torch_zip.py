@@ -238,7 +238,9 @@ class ZipPlan:
         self.records = records
         self.data_end = cursor  # where the integrity record's header goes
         self.storage_record = {r.storage: r for r in records if r.storage is not None}
-        self._written_upto = 0  # file offset up to which lead bytes have been produced
+        self._written_upto = 0  # file offset up to which bytes have been produced (lead or storage)
+        self._pos = 0  # next record whose header has not been produced
+        self._prev: Optional[Record] = None  # last storage handed out: its descriptor comes next
 
     def set_crc32c(self, storage: int, crc: int) -> None:
         self.storage_record[storage].crc32c = int(crc)
@@ -250,31 +252,29 @@ class ZipPlan:
     def lead(self, storage: int) -> tuple[int, bytes]:
         """``(offset, bytes)`` to write just before storage ``storage``'s data (its predecessors are done)."""
         rec = self.storage_record[storage]
-        out = bytearray()
         at = self._written_upto
-        for r in self.records:
-            if r.end() <= at or r.header_offset >= rec.data_offset:
-                continue
-            if r.storage is not None and r.data_offset < at:
-                out += descriptor(r)  # storage r was written up to `at`: its descriptor follows
-            elif r is rec:
+        out = bytearray(descriptor(self._prev) if self._prev is not None else b"")
+        while True:
+            r = self.records[self._pos]
+            self._pos += 1
+            if r is rec:
                 out += local_header(r)
-            else:
-                out += local_header(r) + (r.payload or b"") + descriptor(r)
-        self._written_upto = rec.data_end
+                break
+            if r.storage is not None and r.nbytes:
+                raise ValueError(f"storages must be written in file order: {r.name} comes before {rec.name}")
+            out += local_header(r) + (r.payload or b"") + descriptor(r)
+        self._written_upto, self._prev = rec.data_end, rec
         return at, bytes(out)
 
     def tail(self) -> tuple[int, bytes, int]:
         """``(offset, bytes, file size)``: the rest after the last storage (record checksums must be set)."""
         at = self._written_upto
-        out = bytearray()
-        for r in self.records:
-            if r.end() <= at:
-                continue
-            if r.storage is not None and r.data_offset < at:
-                out += descriptor(r)
-            else:
-                out += local_header(r) + (r.payload or b"") + descriptor(r)
+        out = bytearray(descriptor(self._prev) if self._prev is not None else b"")
+        for r in self.records[self._pos :]:
+            if r.storage is not None and r.nbytes:
+                raise ValueError(f"storage record {r.name} was never written")
+            out += local_header(r) + (r.payload or b"") + descriptor(r)
+        self._pos = len(self.records)
         integrity = json.dumps(
             {
                 "format": INTEGRITY_FORMAT,
