@@ -10,7 +10,15 @@ import pytest
 import torch
 
 import native_io
-from lightning_recover.checkpoint import AsyncCheckpointError, UringCheckpointIO, async_io, files, load, read_info
+from lightning_recover.checkpoint import (
+    AsyncCheckpointError,
+    CheckpointIncompleteError,
+    UringCheckpointIO,
+    async_io,
+    files,
+    load,
+    read_info,
+)
 from lightning_recover.checkpoint.async_io import _Ring, crc32c_combine
 
 pytestmark = pytest.mark.timeout(120)
@@ -183,10 +191,13 @@ def test_final_name_appears_only_when_durable(tmp_path, monkeypatch):
     deadline = time.monotonic() + 20
     while not _temps(tmp_path) and time.monotonic() < deadline:  # the flusher opens the temp file
         time.sleep(0.01)
-    assert not (tmp_path / "a.ckpt").exists() and len(_temps(tmp_path)) == 1
+    # the name is reserved by an empty placeholder (ModelCheckpoint sees it as taken); the data is in the temp
+    assert (tmp_path / "a.ckpt").stat().st_size == 0 and len(_temps(tmp_path)) == 1
+    with pytest.raises(CheckpointIncompleteError, match="did not complete"):
+        async_io.check_not_placeholder(str(tmp_path / "a.ckpt"))
     gate.set()
     io.wait_until_durable()
-    assert (tmp_path / "a.ckpt").exists() and _temps(tmp_path) == []
+    assert (tmp_path / "a.ckpt").stat().st_size > 0 and _temps(tmp_path) == []
     io.teardown()
 
 
