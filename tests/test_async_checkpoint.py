@@ -665,6 +665,7 @@ def test_trainer_in_flight_name_gets_version_suffix(tmp_path, monkeypatch):
         return real(*a, **kw)
 
     monkeypatch.setattr(async_io, "write_tail", slow_tail)
+
     class Logged(_bn_module_cls()):
         def training_step(self, batch, batch_idx):
             self.log("m", float(self.global_step))
