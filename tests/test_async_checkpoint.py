@@ -694,3 +694,37 @@ def test_trainer_in_flight_name_gets_version_suffix(tmp_path, monkeypatch):
         ck = load(tmp_path / "ck" / name)
         assert ck["global_step"] == step, name
         _assert_same(model.saved[step]["state_dict"], ck["state_dict"])
+
+
+def test_trainer_in_place_change_after_save_is_detected(tmp_path, monkeypatch):
+    """A LightningModule hook runs after ModelCheckpoint saved and changes a weight in place before the (slowed)
+    lazy copy: that save fails loudly instead of holding a value that never existed at save time."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    _slow_copier(monkeypatch)
+
+    class Meddling(_ema_module_cls()):
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            if self.global_step == 2:
+                with torch.no_grad():
+                    self.net[0].weight.add_(0.5)  # e.g. a hand-written EMA/clipping outside optimizer.step()
+
+    model = Meddling()
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        max_steps=4,
+        limit_val_batches=0,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1, every_n_train_steps=1, filename="{step}")],
+        plugins=[UringCheckpointIO(async_save=True)],
+    )
+    with pytest.raises(AsyncCheckpointError, match="changed in place"):
+        _bounded(lambda: trainer.fit(model), timeout=60)
+    assert not (tmp_path / "ck" / "step=2.ckpt").exists()  # nothing committed for the raced save
+    ck = load(tmp_path / "ck" / "step=1.ckpt")
+    _assert_same(model.saved[1]["state_dict"], ck["state_dict"])
