@@ -353,11 +353,11 @@ class AsyncSaver:
         job = _Job(path, enc, data_end, eager, lazy)
         job.versions = versions
         job.owner = weakref.ref(self)
-        job.placeholder = _reserve_name(path)
-        _register(job)
         _savers.add(self)
         snapshot_guard.track(self)
         self._start()
+        job.placeholder = _reserve_name(path)  # the name is taken from now on (ModelCheckpoint's -vN)
+        _register(job)
         with self._lock:
             self._jobs.append(job)
             self._last = job
