@@ -25,3 +25,14 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_status[0])
+
+
+@pytest.fixture(autouse=True)
+def _restore_deterministic_mode():
+    """``Trainer(deterministic=True)`` switches torch's deterministic algorithms on for the whole process;
+    later tests (e.g. ``torch.empty`` of bit dtypes, which deterministic mode fills) must not depend on order."""
+    import torch
+
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])

@@ -10,7 +10,15 @@ import pytest
 import torch
 
 import native_io
-from lightning_recover.checkpoint import AsyncCheckpointError, UringCheckpointIO, files, load, read_info
+from lightning_recover.checkpoint import (
+    AsyncCheckpointError,
+    CheckpointIncompleteError,
+    UringCheckpointIO,
+    async_io,
+    files,
+    load,
+    read_info,
+)
 from lightning_recover.checkpoint.async_io import _Ring, crc32c_combine
 from lightning_recover.checkpoint.torch_zip import PlanWriter
 
@@ -184,10 +192,13 @@ def test_final_name_appears_only_when_durable(tmp_path, monkeypatch):
     deadline = time.monotonic() + 20
     while not _temps(tmp_path) and time.monotonic() < deadline:  # the flusher opens the temp file
         time.sleep(0.01)
-    assert not (tmp_path / "a.ckpt").exists() and len(_temps(tmp_path)) == 1
+    # the name is reserved by an empty placeholder (ModelCheckpoint sees it as taken); the data is in the temp
+    assert (tmp_path / "a.ckpt").stat().st_size == 0 and len(_temps(tmp_path)) == 1
+    with pytest.raises(CheckpointIncompleteError, match="did not complete"):
+        async_io.check_not_placeholder(str(tmp_path / "a.ckpt"))
     gate.set()
     io.wait_until_durable()
-    assert (tmp_path / "a.ckpt").exists() and _temps(tmp_path) == []
+    assert (tmp_path / "a.ckpt").stat().st_size > 0 and _temps(tmp_path) == []
     io.teardown()
 
 
@@ -407,3 +418,314 @@ def test_fabric_async_save_and_in_place_restore(tmp_path):
         t.data_ptr() for s in opt2.state.values() for t in s.values()
     ]
     io.teardown()
+
+
+# ------------------------------------------------------------------------ drop-in for TorchCheckpointIO
+
+
+def _bounded(fn, timeout=30.0):
+    """Run ``fn`` in a thread; fail instead of hanging if it does not return within ``timeout``."""
+    out = {}
+
+    def run():
+        try:
+            out["v"] = fn()
+        except BaseException as e:
+            out["e"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"{fn} did not return within {timeout}s"
+    if "e" in out:
+        raise out["e"]
+    return out.get("v")
+
+
+def _gated_tail(monkeypatch):
+    gate = threading.Event()
+    real = PlanWriter.finish
+
+    def slow_tail(*a, **kw):
+        gate.wait(30)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(PlanWriter, "finish", slow_tail)
+    return gate
+
+
+def test_async_remove_directory_deferred(tmp_path, monkeypatch):
+    io = UringCheckpointIO(async_save=True)
+    d = tmp_path / "old_dir"
+    (d / "sub").mkdir(parents=True)
+    (d / "sub" / "x").write_bytes(b"1")
+    gate = _gated_tail(monkeypatch)
+    io.save_checkpoint({"w": torch.randn(1_000_000)}, tmp_path / "new.ckpt")
+    io.remove_checkpoint(d)  # deferred behind the pending save
+    io.remove_checkpoint(tmp_path / "missing_dir")  # deferred too; missing is fine
+    assert d.exists()
+    gate.set()
+    _bounded(io.wait_until_durable)
+    assert not d.exists()
+    io.remove_checkpoint(tmp_path / "missing_dir")  # immediate path, missing is fine
+    io.teardown()
+
+
+def test_in_flight_name_is_reserved_and_failed_save_releases_it(tmp_path, faults):
+    io = UringCheckpointIO(async_save=True)
+    io.save_checkpoint({"k": 1, "w": torch.randn(1_000_000)}, tmp_path / "old.ckpt")
+    io.wait_until_durable()
+    faults(eio_at=1)
+    io.save_checkpoint({"k": 2, "w": torch.randn(1_000_000)}, tmp_path / "new.ckpt")
+    assert (tmp_path / "new.ckpt").exists()  # taken from submit on (an empty placeholder until durable)
+    with pytest.raises(AsyncCheckpointError, match="new.ckpt"):
+        _bounded(io.wait_until_durable)
+    faults()
+    assert not (tmp_path / "new.ckpt").exists() and _temps(tmp_path) == []  # placeholder removed
+    assert load(tmp_path / "old.ckpt")["k"] == 1  # the previous checkpoint (other name) stays loadable
+    io.teardown()
+
+
+def test_placeholder_is_a_named_error(tmp_path):
+    (tmp_path / "crashed.ckpt").write_bytes(b"")  # what a crash mid-save leaves at a name never saved before
+    with pytest.raises(CheckpointIncompleteError, match="did not complete"):
+        load(tmp_path / "crashed.ckpt")
+    with pytest.raises(CheckpointIncompleteError, match="crashed.ckpt"):
+        UringCheckpointIO().load_checkpoint(tmp_path / "crashed.ckpt")
+
+
+def test_load_by_another_instance_waits_for_that_path_only(tmp_path, monkeypatch):
+    a, b = UringCheckpointIO(async_save=True), UringCheckpointIO()
+    a.save_checkpoint({"k": 1, "w": torch.zeros(1_000_000)}, tmp_path / "c.ckpt")
+    a.save_checkpoint({"k": 1}, tmp_path / "other.ckpt")
+    a.wait_until_durable()
+    gate = _gated_tail(monkeypatch)
+    a.save_checkpoint({"k": 2, "w": torch.ones(1_000_000)}, tmp_path / "c.ckpt")
+    got = []
+    t = threading.Thread(target=lambda: got.append(b.load_checkpoint(tmp_path / "c.ckpt")), daemon=True)
+    t.start()
+    assert _bounded(lambda: b.load_checkpoint(tmp_path / "other.ckpt"))["k"] == 1  # not blocked by c.ckpt
+    t.join(0.5)
+    assert t.is_alive() and not got  # waits for the in-flight save of c.ckpt
+    gate.set()
+    t.join(30)
+    assert got and got[0]["k"] == 2 and bool((got[0]["w"] == 1).all())  # the new contents
+    assert load(tmp_path / "c.ckpt")["k"] == 2  # the module-level load waits the same way
+    a.teardown()
+
+
+def test_failed_deferred_removal_keeps_flusher_alive(tmp_path, monkeypatch):
+    io = UringCheckpointIO(async_save=True)
+    io.save_checkpoint({"k": 1}, tmp_path / "old.ckpt")
+    io.wait_until_durable()
+    real_remove = async_io._remove_path
+
+    def failing_remove(path):
+        raise PermissionError(13, "injected", path)
+
+    monkeypatch.setattr(async_io, "_remove_path", failing_remove)
+    gate = _gated_tail(monkeypatch)
+    io.save_checkpoint({"k": 2, "w": torch.randn(1_000_000)}, tmp_path / "new.ckpt")
+    io.remove_checkpoint(tmp_path / "old.ckpt")  # deferred; fails in the flusher
+    gate.set()
+    with pytest.raises(AsyncCheckpointError, match="removal of checkpoint .*old.ckpt") as ei:
+        _bounded(io.wait_until_durable)
+    assert isinstance(ei.value.__cause__, PermissionError)
+    monkeypatch.setattr(async_io, "_remove_path", real_remove)
+    io.save_checkpoint({"k": 3, "w": torch.randn(1_000_000)}, tmp_path / "newer.ckpt")  # the flusher is alive
+    _bounded(io.wait_until_durable)
+    assert load(tmp_path / "newer.ckpt")["k"] == 3 and load(tmp_path / "new.ckpt")["k"] == 2
+    assert load(tmp_path / "old.ckpt")["k"] == 1
+    _bounded(io.teardown)
+
+
+def test_failed_deferred_removal_surfaces_at_next_save(tmp_path, monkeypatch):
+    io = UringCheckpointIO(async_save=True)
+    monkeypatch.setattr(async_io, "_remove_path", lambda path: (_ for _ in ()).throw(OSError(5, "injected", path)))
+    gate = _gated_tail(monkeypatch)
+    io.save_checkpoint({"k": 2, "w": torch.randn(1_000_000)}, tmp_path / "new.ckpt")
+    io.remove_checkpoint(tmp_path / "old.ckpt")
+    gate.set()
+    deadline = time.monotonic() + 30
+    while not io._saver._errors and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(AsyncCheckpointError, match="old.ckpt"):
+        _bounded(lambda: io.save_checkpoint({"k": 3}, tmp_path / "x.ckpt"))
+    io.save_checkpoint({"k": 4}, tmp_path / "x.ckpt")  # reported once
+    _bounded(io.teardown)
+    assert load(tmp_path / "x.ckpt")["k"] == 4
+
+
+def _slow_copier(monkeypatch, seconds=0.3):
+    real = async_io.AsyncSaver._snapshot
+
+    def slow(self, job, fq):
+        time.sleep(seconds)
+        return real(self, job, fq)
+
+    monkeypatch.setattr(async_io.AsyncSaver, "_snapshot", slow)
+
+
+def test_in_place_change_before_lazy_copy_fails_the_save(tmp_path, monkeypatch):
+    io = UringCheckpointIO(async_save=True)
+    w = torch.nn.Parameter(torch.zeros(1_000_000))
+    io.save_checkpoint({"k": 1, "w": w}, tmp_path / "a.ckpt")
+    io.wait_until_durable()
+    _slow_copier(monkeypatch)
+    io.save_checkpoint({"k": 2, "w": w}, tmp_path / "a.ckpt")
+    io.save_checkpoint({"k": 2, "w": w}, tmp_path / "b.ckpt")
+    with torch.no_grad():
+        w.add_(1.0)  # e.g. an EMA update outside optimizer.step(), before the lazy copy ran
+    with pytest.raises(AsyncCheckpointError, match="changed in place") as ei:
+        _bounded(io.wait_until_durable)
+    assert isinstance(ei.value.__cause__, async_io.snapshot_guard.SnapshotRaceError)
+    assert "2 more" not in str(ei.value) and "1 more" in str(ei.value)  # both saves failed, none committed
+    assert load(tmp_path / "a.ckpt")["k"] == 1 and bool((load(tmp_path / "a.ckpt")["w"] == 0).all())
+    assert not (tmp_path / "b.ckpt").exists() and _temps(tmp_path) == []
+    io.teardown()
+
+
+def _ema_module_cls():
+    import lightning.pytorch as pl
+
+    class EMA(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 8))
+            self.saved = {}
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).square().mean()
+
+        def validation_step(self, batch, batch_idx):
+            self.log("v", self.net(batch[0]).square().mean())
+
+        def on_save_checkpoint(self, checkpoint):  # runs last: the dict as it is handed to the plugin
+            keys = ("state_dict", "current_model_state")
+            self.saved[checkpoint["global_step"]] = {k: _clone(checkpoint[k]) for k in keys if k in checkpoint}
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            x = torch.randn(64, 512, generator=torch.Generator().manual_seed(0))
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=8)
+
+        val_dataloader = train_dataloader
+
+    return EMA
+
+
+def test_trainer_weight_averaging_async_checkpoints_hold_save_time_state(tmp_path, monkeypatch):
+    """EMAWeightAveraging swaps weights for validation and copies the average into the model at the end of
+    training through ``param.data`` (no version bump): the snapshot barrier makes the lazy copies happen first."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
+
+    _slow_copier(monkeypatch)
+    EMA = _ema_module_cls()
+    model = EMA()
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        max_steps=6,
+        val_check_interval=2,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[
+            EMAWeightAveraging(decay=0.5),
+            ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1, every_n_train_steps=1, filename="{step}"),
+        ],
+        plugins=[UringCheckpointIO(async_save=True)],
+    )
+    trainer.fit(model)
+    names = sorted(os.listdir(tmp_path / "ck"))
+    assert names == [f"step={s}.ckpt" for s in range(1, 7)], names
+    for name in names:
+        ck = load(tmp_path / "ck" / name)
+        ref = model.saved[ck["global_step"]]
+        assert set(ref) == {"state_dict", "current_model_state"}
+        for k in ref:
+            _assert_same(ref[k], ck[k], f"{name}:{k}")
+
+
+def test_trainer_in_flight_name_gets_version_suffix(tmp_path, monkeypatch):
+    """ModelCheckpoint's ``-vN`` versioning sees a name whose async save is still in flight as taken."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    real = PlanWriter.finish
+
+    def slow_tail(*a, **kw):
+        time.sleep(0.3)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(PlanWriter, "finish", slow_tail)
+
+    class Logged(_bn_module_cls()):
+        def training_step(self, batch, batch_idx):
+            self.log("m", float(self.global_step))
+            return super().training_step(batch, batch_idx)
+
+    model = Logged()
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        max_steps=3,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[
+            ModelCheckpoint(
+                dirpath=tmp_path / "ck", save_top_k=-1, monitor="m", mode="max", every_n_train_steps=1, filename="fixed"
+            )
+        ],
+        plugins=[UringCheckpointIO(async_save=True)],
+    )
+    trainer.fit(model)
+    names = sorted(os.listdir(tmp_path / "ck"))
+    assert names == ["fixed-v1.ckpt", "fixed-v2.ckpt", "fixed.ckpt"], names
+    for name, step in [("fixed.ckpt", 1), ("fixed-v1.ckpt", 2), ("fixed-v2.ckpt", 3)]:
+        ck = load(tmp_path / "ck" / name)
+        assert ck["global_step"] == step, name
+        _assert_same(model.saved[step]["state_dict"], ck["state_dict"])
+
+
+def test_trainer_in_place_change_after_save_is_detected(tmp_path, monkeypatch):
+    """A LightningModule hook runs after ModelCheckpoint saved and changes a weight in place before the (slowed)
+    lazy copy: that save fails loudly instead of holding a value that never existed at save time."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    _slow_copier(monkeypatch)
+
+    class Meddling(_ema_module_cls()):
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            if self.global_step == 2:
+                with torch.no_grad():
+                    self.net[0].weight.add_(0.5)  # e.g. a hand-written EMA/clipping outside optimizer.step()
+
+    model = Meddling()
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        max_steps=4,
+        limit_val_batches=0,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1, every_n_train_steps=1, filename="{step}")],
+        plugins=[UringCheckpointIO(async_save=True)],
+    )
+    with pytest.raises(AsyncCheckpointError, match="changed in place"):
+        _bounded(lambda: trainer.fit(model), timeout=60)
+    assert not (tmp_path / "ck" / "step=2.ckpt").exists()  # nothing committed for the raced save
+    ck = load(tmp_path / "ck" / "step=1.ckpt")
+    _assert_same(model.saved[1]["state_dict"], ck["state_dict"])

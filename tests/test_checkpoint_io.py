@@ -142,7 +142,7 @@ def test_zero_filled_and_foreign_rejected(tmp_path, saved_v1):
         load(rnd)
     empty = tmp_path / "empty.ckpt"
     empty.write_bytes(b"")
-    with pytest.raises(CheckpointCorruptError, match="did not complete"):
+    with pytest.raises(CheckpointCorruptError, match="did not complete"):  # the placeholder of an unfinished save
         load(empty)
     # a good file with trailing garbage: footer no longer at the end
     extended = tmp_path / "ext.ckpt"
@@ -566,3 +566,98 @@ def test_cli_subprocess(tmp_path):
     # the converted file is a regular Lightning checkpoint
     restored = Tiny.load_from_checkpoint(out, weights_only=False)
     torch.testing.assert_close(restored.state_dict(), model.state_dict())
+
+
+# ------------------------------------------------------------------------------- drop-in for TorchCheckpointIO
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_plugin_pickle_and_deepcopy(tmp_path, async_save):
+    import copy
+    import pickle
+
+    io = UringCheckpointIO(async_save=async_save, max_pending_bytes=1 << 20, weights_only=False, verify=False)
+    for clone in (pickle.loads(pickle.dumps(io)), copy.deepcopy(io)):  # fresh plugin: nothing started yet
+        assert (clone.async_save, clone.max_pending_bytes, clone.weights_only, clone.verify) == (
+            async_save,
+            1 << 20,
+            False,
+            False,
+        )
+    io.save_checkpoint(_state(1), tmp_path / "a.ckpt")  # engine, saver and threads now exist
+    for i, clone in enumerate((pickle.loads(pickle.dumps(io)), copy.deepcopy(io))):
+        assert clone._saver is None  # created lazily by the copy's first async save
+        clone.save_checkpoint(_state(2 + i), tmp_path / f"c{i}.ckpt")
+        _assert_state(clone.load_checkpoint(tmp_path / f"c{i}.ckpt"), 2 + i)
+        _assert_state(clone.load_checkpoint(tmp_path / "a.ckpt"), 1)
+        clone.teardown()
+    io.teardown()
+
+
+def test_trainer_with_plugin_can_be_pickled(tmp_path):
+    import io as _io
+    import pickle
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    Tiny = _tiny_module_cls()
+    plugin = UringCheckpointIO(async_save=True)
+    trainer = _trainer(tmp_path, 1, [ModelCheckpoint(dirpath=tmp_path / "ck")], io=plugin)
+    buf = _io.BytesIO()
+    torch.save(trainer, buf)  # before fit (what ddp_spawn needs of the strategy)
+    buf.seek(0)
+    t2 = torch.load(buf, weights_only=False)
+    assert isinstance(t2.strategy.checkpoint_io, UringCheckpointIO) and t2.strategy.checkpoint_io.async_save
+    trainer.fit(Tiny())  # the async saver ran (and the snapshot barrier was added to the callbacks)
+    barriers = [c for c in trainer.callbacks if type(c).__name__ == "_SnapshotBarrier"]
+    assert len(barriers) == 1 and barriers[0].io is plugin and trainer.callbacks[0] is barriers[0]
+    io2, barrier2 = pickle.loads(pickle.dumps((plugin, barriers[0])))
+    assert barrier2.io is io2 and io2.async_save and io2._saver is None
+
+
+def test_remote_paths_go_through_fsspec(tmp_path, monkeypatch, caplog):
+    import fsspec
+
+    from lightning_recover.checkpoint import plugin as plugin_mod
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(plugin_mod, "_noted_protocols", set())
+    fs = fsspec.filesystem("memory")
+    for async_save in (False, True):
+        io = UringCheckpointIO(async_save=async_save)
+        url = f"memory://bucket/run{int(async_save)}/e.ckpt"
+        with caplog.at_level("INFO"):
+            io.save_checkpoint(_state(5), url)
+        assert fs.exists(url)
+        with fs.open(url, "rb") as f:
+            assert f.read(2) == b"PK"  # a torch.save zip
+        _assert_state(io.load_checkpoint(url), 5)
+        with pytest.raises(FileNotFoundError):
+            io.load_checkpoint(f"memory://bucket/run{int(async_save)}/missing.ckpt")
+        io.remove_checkpoint(f"memory://bucket/run{int(async_save)}")  # a directory, recursively
+        assert not fs.exists(url)
+        io.remove_checkpoint(url)  # missing: fine
+        io.teardown()
+    assert os.listdir(tmp_path) == []  # nothing named like the URL on the local disk
+    assert sum("local filesystems" in r.getMessage() for r in caplog.records) == 1  # noted once
+
+
+def test_file_url_is_local_native(tmp_path):
+    io = UringCheckpointIO()
+    url = f"file://{tmp_path}/u/f.ckpt"
+    io.save_checkpoint(_state(3), url)
+    assert read_info(tmp_path / "u" / "f.ckpt").tensors  # the native format (with integrity record), locally
+    _assert_state(io.load_checkpoint(url), 3)
+    io.remove_checkpoint(url)
+    assert not (tmp_path / "u" / "f.ckpt").exists()
+
+
+def test_remove_checkpoint_directory(tmp_path):
+    io = UringCheckpointIO()
+    d = tmp_path / "dcp_dir"
+    (d / "sub").mkdir(parents=True)
+    (d / "sub" / "x").write_bytes(b"1")
+    (d / ".metadata").write_bytes(b"2")
+    io.remove_checkpoint(d)
+    assert not d.exists()
+    io.remove_checkpoint(d)  # missing: no error

@@ -16,8 +16,19 @@ snapshots are complete (for a step called with a closure -- Lightning's automati
 happens after the closure, i.e. after forward/backward, just before the parameters change). Anything else
 that modifies large checkpointed tensors in place before that must call ``wait_for_snapshot()`` first.
 
-Errors of the background threads are kept and raised in the training thread at the next ``submit``,
-``optimizer.step()``, ``wait_for_snapshot``/``wait_until_durable`` or ``close``.
+Never silently wrong: the version counter of every lazily copied tensor is recorded at ``submit`` and
+compared once its copy is done; a tensor changed in place in between (outside ``optimizer.step``) fails
+that save (``SnapshotRaceError`` as the cause), nothing is committed.
+
+Names in flight: ``submit`` reserves the final name at once with an empty placeholder file when nothing is
+there yet (so ``os.path.exists`` -- ModelCheckpoint's ``-vN`` versioning -- sees it as taken); the commit
+renames the durable file over it, a failed save removes it. Loaders treat an empty file as
+:class:`CheckpointIncompleteError`. A process-wide registry (:func:`wait_for_path`) lets any load of a path
+wait for that path's in-flight save.
+
+Errors of the background threads (saves and deferred removals) are kept and raised in the training thread at
+the next ``submit``, ``remove``, ``optimizer.step()``, ``wait_for_snapshot``/``wait_until_durable``, load or
+``close``; the threads themselves never die of them.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ import collections
 import logging
 import os
 import queue
+import shutil
 import threading
 import time
 import weakref
@@ -41,7 +53,7 @@ from lightning_recover.checkpoint.torch_zip import PlanWriter, ZipPlan, plan_arc
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncCheckpointError", "AsyncSaver", "crc32c_combine"]
+__all__ = ["AsyncCheckpointError", "AsyncSaver", "CheckpointIncompleteError", "crc32c_combine", "wait_for_path"]
 
 MiB = 1 << 20
 
@@ -52,6 +64,64 @@ class AsyncCheckpointError(RuntimeError):
     def __init__(self, message: str, path: Optional[str] = None) -> None:
         super().__init__(message)
         self.path = path
+
+
+class CheckpointIncompleteError(fmt.CheckpointCorruptError):
+    """``path`` is an empty placeholder: an asynchronous save to it was still in flight or did not complete."""
+
+
+def check_not_placeholder(path: str) -> None:
+    """Raise :class:`CheckpointIncompleteError` if ``path`` is the empty placeholder of an unfinished save."""
+    try:
+        empty = os.path.isfile(path) and os.path.getsize(path) == 0
+    except OSError:
+        return
+    if empty:
+        raise CheckpointIncompleteError(
+            f"{path} is empty: the asynchronous save to it did not complete (a save still in flight in another "
+            "process, or one interrupted by a crash); load an earlier checkpoint",
+            path,
+        )
+
+
+# --------------------------------------------------------------------------- in-flight saves, process-wide
+
+_inflight_lock = threading.Lock()
+_inflight: dict[str, list] = {}  # absolute path -> its saves not yet durable (or failed), in submit order
+
+
+def _register(job: _Job) -> None:
+    with _inflight_lock:
+        _inflight.setdefault(job.path, []).append(job)
+
+
+def _unregister(job: _Job) -> None:
+    with _inflight_lock:
+        jobs = _inflight.get(job.path)
+        if jobs is not None and job in jobs:
+            jobs.remove(job)
+            if not jobs:
+                del _inflight[job.path]
+
+
+def wait_for_path(path: Any, timeout: Optional[float] = None) -> bool:
+    """Wait until every in-flight asynchronous save to ``path`` (by any saver in this process) is durable or failed.
+
+    Only that path's saves are waited for. Returns False if ``timeout`` expired first. Errors of those saves
+    are raised by their own saver, not here.
+    """
+    path = os.path.abspath(os.fspath(path))
+    with _inflight_lock:
+        jobs = list(_inflight.get(path, ()))
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for job in jobs:
+        while not job.done.wait(0.5):
+            owner = job.owner()
+            if owner is None or not owner.threads_alive():
+                raise AsyncCheckpointError(f"the background thread saving {path} is gone; the save is lost", path)
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+    return True
 
 
 # ------------------------------------------------------------------------------------ crc32c combine
@@ -187,6 +257,9 @@ class _Job:
         self.t_submit = time.perf_counter()
         self.t_snapshot: Optional[float] = None
         self.t_durable: Optional[float] = None
+        self.versions: dict[int, list] = {}  # lazy storage index -> [(name, tensor, version at submit)]
+        self.placeholder: Optional[tuple] = None  # (st_dev, st_ino) of the empty file this save created
+        self.owner: Any = lambda: None
 
     def fail(self, e: BaseException) -> None:
         if self.error is None:
@@ -256,7 +329,14 @@ class AsyncSaver:
         path = os.path.abspath(os.fspath(path))
         os.makedirs(os.path.dirname(path), exist_ok=True)
         zplan = plan_archive(checkpoint, meta=fmt.file_meta())
-        eager, lazy = [], []
+        by_storage: dict[tuple, list] = {}
+        for name, t in snapshot_guard.tensor_leaves(checkpoint):
+            try:
+                key = (t.device, t.untyped_storage().data_ptr())
+            except Exception:
+                continue
+            by_storage.setdefault(key, []).append((name, t))
+        eager, lazy, versions = [], [], {}
         for i, st in enumerate(zplan.storages):
             n = zplan.storage_record[i].nbytes
             if n == 0:
@@ -266,22 +346,29 @@ class AsyncSaver:
                 eager.append((i, u8.to("cpu", copy=True)))
             else:
                 lazy.append((i, u8))
+                versions[i] = snapshot_guard.record_versions(by_storage.get((st.device, st.data_ptr()), ()))
         job = _Job(path, zplan, eager, lazy)
+        job.versions = versions
+        job.owner = weakref.ref(self)
         _savers.add(self)
         snapshot_guard.track(self)
         self._start()
+        job.placeholder = _reserve_name(path)  # the name is taken from now on (ModelCheckpoint's -vN)
+        _register(job)
         with self._lock:
             self._jobs.append(job)
             self._last = job
         self._copy_q.put(job)
 
     def remove(self, path: str) -> None:
-        """Remove ``path`` once every save submitted so far is durable (kept if one of them failed)."""
+        """Remove ``path`` (a directory recursively) once every save submitted so far is durable (kept if one of
+        them failed)."""
+        self.raise_errors()
         path = os.path.abspath(os.fspath(path))
         with self._lock:
             pending = [j for j in self._jobs if not j.done.is_set()]
         if not pending:
-            _remove_file(path)
+            _remove_path(path)
             return
         self._copy_q.put(_Removal(path, pending))
 
@@ -294,15 +381,16 @@ class AsyncSaver:
         t0 = time.perf_counter()
         last = self._last
         if last is not None:
-            last.snapshot_done.wait()
+            while not last.snapshot_done.wait(0.5):
+                self._check_threads()
         self.raise_errors()
         return time.perf_counter() - t0
 
     def wait_until_durable(self) -> float:
         """Block until every submitted save is durable (or failed); raises a background error."""
         t0 = time.perf_counter()
-        self._copy_q.join()
-        self._flush_q.join()
+        self._join(self._copy_q)
+        self._join(self._flush_q)
         self.raise_errors()
         return time.perf_counter() - t0
 
@@ -314,19 +402,37 @@ class AsyncSaver:
         with self._lock:
             errs, self._errors = self._errors, []
         if errs:
-            job, e = errs[0]
-            more = f" (and {len(errs) - 1} more failed saves)" if len(errs) > 1 else ""
-            raise AsyncCheckpointError(
-                f"asynchronous checkpoint save to {job.path} failed: {type(e).__name__}: {e}{more}; "
-                "the previous checkpoint under that name (if any) is unchanged",
-                job.path,
-            ) from e
+            item, e = errs[0]
+            more = f" (and {len(errs) - 1} more failures)" if len(errs) > 1 else ""
+            if isinstance(item, _Removal):
+                msg = f"asynchronous removal of checkpoint {item.path} failed: {type(e).__name__}: {e}{more}"
+            else:
+                msg = (
+                    f"asynchronous checkpoint save to {item.path} failed: {type(e).__name__}: {e}{more}; "
+                    "the previous checkpoint under that name (if any) is unchanged"
+                )
+            raise AsyncCheckpointError(msg, item.path) from e
+
+    def threads_alive(self) -> bool:
+        return all(t.is_alive() for t in self._threads)
+
+    def _check_threads(self) -> None:
+        if not self.threads_alive():
+            raise AsyncCheckpointError("a background checkpoint thread died; pending saves are lost")
+
+    def _join(self, q: queue.Queue) -> None:
+        """``q.join()`` that raises instead of waiting forever if a background thread is gone."""
+        with q.all_tasks_done:
+            while q.unfinished_tasks:
+                if not self.threads_alive():
+                    raise AsyncCheckpointError("a background checkpoint thread died; pending saves are lost")
+                q.all_tasks_done.wait(0.5)
 
     def close(self, raise_errors: bool = True) -> None:
         """Wait for durability of everything submitted, stop the threads and free the staging memory."""
         if self._threads:
-            self._copy_q.join()
-            self._flush_q.join()
+            self._join(self._copy_q)
+            self._join(self._flush_q)
             self._copy_q.put(_STOP)
             for t in self._threads:
                 t.join()
@@ -385,11 +491,20 @@ class AsyncSaver:
                         assert self._ring.buf is not None
                         self._ring.buf[at : at + m].copy_(src[off : off + m])
                         fq.put(("chunk", job, i, off, at, m))
+                    changed = snapshot_guard.changed_tensor(job.versions.get(i, ()))
+                    if changed is not None:
+                        name, v0, v1 = changed
+                        raise snapshot_guard.SnapshotRaceError(
+                            f"{name} was changed in place (version {v0} -> {v1}) before the lazy snapshot of "
+                            f"{job.path} was complete, so this checkpoint is not written. HINT: call "
+                            "io.wait_for_snapshot() before changing checkpointed tensors outside optimizer.step()"
+                        )
         except BaseException as e:  # e.g. MemoryError allocating the ring
             job.fail(e)
         finally:
             job.t_snapshot = time.perf_counter()
             job.lazy = []  # drop the references to the live tensors
+            job.versions = {}
             job.snapshot_done.set()
             fq.put(("end", job))
 
@@ -400,7 +515,12 @@ class AsyncSaver:
                 if item is _STOP:
                     return
                 if isinstance(item, _Removal):
-                    self._do_removal(item)
+                    try:
+                        self._do_removal(item)
+                    except BaseException as e:  # kept for the training thread; the flusher goes on
+                        log.error("asynchronous removal of checkpoint %s failed: %r", item.path, e)
+                        with self._lock:
+                            self._errors.append((item, e))
                     continue
                 kind, job = item[0], item[1]
                 if kind == "chunk":
@@ -420,6 +540,17 @@ class AsyncSaver:
                     self._begin(job)
                 else:
                     self._end(job)
+            except BaseException as e:  # pragma: no cover - defensive: the flusher must never die
+                log.exception("checkpoint flusher: unexpected error")
+                if isinstance(item, tuple) and isinstance(item[1], _Job):
+                    item[1].fail(e)
+                    if item[0] == "end" and not item[1].done.is_set():
+                        with self._lock:
+                            self._errors.append((item[1], e))
+                            if item[1] in self._jobs:
+                                self._jobs.remove(item[1])
+                        _unregister(item[1])
+                        item[1].done.set()
             finally:
                 fq.task_done()
 
@@ -468,6 +599,7 @@ class AsyncSaver:
                     pass
             if job.tmp is not None:
                 unlink_quiet(job.tmp)
+            _drop_placeholder(job)
             log.error("asynchronous checkpoint save to %s failed: %r", job.path, job.error)
             with self._lock:
                 self._errors.append((job, job.error))
@@ -489,6 +621,7 @@ class AsyncSaver:
         with self._lock:
             if job in self._jobs:
                 self._jobs.remove(job)
+        _unregister(job)
         job.done.set()
 
     def _do_removal(self, r: _Removal) -> None:
@@ -496,12 +629,41 @@ class AsyncSaver:
         if failed:
             log.warning("not removing checkpoint %s: the newer save to %s failed", r.path, failed[0].path)
             return
-        _remove_file(r.path)
+        _remove_path(r.path)
 
 
-def _remove_file(path: str) -> None:
+def _remove_path(path: str) -> None:
+    """Remove a checkpoint file, or a checkpoint directory recursively; a missing path is not an error."""
     try:
-        os.remove(path)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
     except FileNotFoundError:
         return
     log.debug("Removed checkpoint: %s", path)
+
+
+def _reserve_name(path: str) -> Optional[tuple]:
+    """Create an empty placeholder at ``path`` if nothing is there; its (st_dev, st_ino), or None."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return None
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    return (st.st_dev, st.st_ino)
+
+
+def _drop_placeholder(job: _Job) -> None:
+    """Remove the placeholder ``job`` created if it is still there and still empty (its save failed)."""
+    if job.placeholder is None:
+        return
+    try:
+        st = os.lstat(job.path)
+        if (st.st_dev, st.st_ino) == job.placeholder and st.st_size == 0:
+            os.unlink(job.path)
+    except OSError:
+        pass

@@ -29,14 +29,11 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lightning_recover.checkpoint import snapshot_guard
+from lightning_recover.checkpoint.snapshot_guard import SnapshotRaceError
 
 __all__ = ["LazySnapshot", "SnapshotRaceError"]
 
 MiB = 1 << 20
-
-
-class SnapshotRaceError(RuntimeError):
-    """A checkpointed tensor changed in place before its lazy snapshot was complete; nothing was saved."""
 
 
 def _leaves(obj: Any, path: tuple = ()) -> list[tuple[tuple, Any]]:

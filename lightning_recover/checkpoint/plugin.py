@@ -9,21 +9,58 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from typing import Any, Optional
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.cloud_io import _atomic_save, get_filesystem
+from lightning.fabric.utilities.cloud_io import _load as _fsspec_load
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import Callback
 
+from lightning_recover.checkpoint import async_io
 from lightning_recover.checkpoint.engine import EngineHandle
 from lightning_recover.checkpoint.single_file import load, save
 
 log = logging.getLogger(__name__)
 
+_noted_protocols: set = set()
+
+
+def local_path(path: Any) -> Optional[str]:
+    """The local filesystem path of ``path`` (a plain path or a ``file://`` URL), or None for any other URL."""
+    s = os.fspath(path)
+    if isinstance(s, bytes):
+        s = os.fsdecode(s)
+    if "://" not in s and "::" not in s:
+        return s
+    from fsspec.core import url_to_fs
+    from fsspec.implementations.local import LocalFileSystem
+
+    fs, p = url_to_fs(s)
+    return p if isinstance(fs, LocalFileSystem) else None
+
+
+def _note_remote(path: str) -> None:
+    proto = path.split("://", 1)[0] if "://" in path else path.split("::", 1)[0]
+    if proto not in _noted_protocols:
+        _noted_protocols.add(proto)
+        rank_zero_info(
+            f"UringCheckpointIO: {proto}:// paths are saved with torch.save and loaded with torch.load through "
+            "fsspec (synchronously, like TorchCheckpointIO); the native io_uring path is for local filesystems."
+        )
+
 
 class UringCheckpointIO(CheckpointIO):
     """Lightning ``CheckpointIO`` writing the lightning-recover format through ``native_io``.
 
-    Works with ``Trainer(plugins=[UringCheckpointIO()])`` and ``Fabric(plugins=[UringCheckpointIO()])``.
+    Works with ``Trainer(plugins=[UringCheckpointIO()])`` and ``Fabric(plugins=[UringCheckpointIO()])``. A drop-in
+    for ``TorchCheckpointIO``: picklable (``ddp_spawn``, ``torch.save(trainer)``, ``copy.deepcopy``: the
+    configuration is kept, engines and background threads are created again in the new process/copy), non-local
+    paths (``s3://``, ``memory://``, ...) go through fsspec with ``torch.save``/``torch.load`` like the stock IO,
+    ``remove_checkpoint`` removes directories recursively.
 
     Args:
         engine: ``native_io`` engine name ("auto", "uring", "portable").
@@ -34,12 +71,15 @@ class UringCheckpointIO(CheckpointIO):
         async_save: lazy asynchronous saves (see ``docs/checkpointing.md``): ``save_checkpoint`` returns after
             pickling the non-tensor state and copying small tensors; large tensors are copied into a staging
             buffer by a background thread while training continues, and written + fdatasync'ed + renamed by a
-            second one. Every ``optimizer.step()`` waits until pending snapshots are complete.
+            second one. Every ``optimizer.step()`` waits until pending snapshots are complete. The background
+            threads start with the first save.
         max_pending_bytes: size of the staging buffer (allocated once, reused) for ``async_save``. None: as big
             as the lazily copied part of the checkpoint, so snapshots never wait for the disk. Smaller values
             bound memory; the snapshot then waits for the disk (back-pressure) and ``optimizer.step`` may block.
         eager_bytes: with ``async_save``, storages smaller than this are copied inside ``save_checkpoint``.
     """
+
+    _RUNTIME = ("_engine", "_saver", "_into")  # per process / per copy: never pickled
 
     def __init__(
         self,
@@ -54,18 +94,34 @@ class UringCheckpointIO(CheckpointIO):
         eager_bytes: int = 1 << 20,
     ) -> None:
         super().__init__()
+        if async_save and max_pending_bytes is not None and max_pending_bytes < 4096:
+            raise ValueError("max_pending_bytes must be at least 4096")
         self.weights_only = weights_only
         self.verify = verify
         self.async_save = async_save
-        self._engine = EngineHandle(engine, block_size, queue_depth)
-        self._saver: Any = None
-        if async_save:
-            from lightning_recover.checkpoint.async_io import AsyncSaver
+        self.max_pending_bytes = max_pending_bytes
+        self.eager_bytes = eager_bytes
+        self._engine_args = (engine, block_size, queue_depth)
+        self._init_runtime()
 
-            self._saver = AsyncSaver(
-                EngineHandle(engine, block_size, queue_depth), staging_bytes=max_pending_bytes, eager_bytes=eager_bytes
-            )
+    def _init_runtime(self) -> None:
+        self._engine = EngineHandle(*self._engine_args)
+        self._saver: Any = None  # the AsyncSaver, created by the first asynchronous save
         self._into: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in self._RUNTIME}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_runtime()
+
+    def _async_saver(self) -> Any:
+        if self._saver is None:
+            self._saver = async_io.AsyncSaver(
+                EngineHandle(*self._engine_args), staging_bytes=self.max_pending_bytes, eager_bytes=self.eager_bytes
+            )
+        return self._saver
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
@@ -73,10 +129,21 @@ class UringCheckpointIO(CheckpointIO):
                 "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg"
                 f" is not supported for `{self.__class__.__name__}`: it takes no storage options."
             )
-        if self._saver is not None:
-            self._saver.submit(checkpoint, path)
+        local = local_path(path)
+        if local is None:
+            url = str(path)
+            _note_remote(url)
+            if self._saver is not None:
+                self._saver.raise_errors()
+            fs = get_filesystem(url)
+            fs.makedirs(os.path.dirname(url), exist_ok=True)
+            _atomic_save(checkpoint, url)
+            return
+        if self.async_save:
+            _attach_barrier(self)
+            self._async_saver().submit(checkpoint, local)
         else:
-            save(checkpoint, path, engine=self._engine)
+            save(checkpoint, local, engine=self._engine)
 
     # -------------------------------------------------------------- async control
     def wait_for_snapshot(self) -> float:
@@ -115,14 +182,28 @@ class UringCheckpointIO(CheckpointIO):
     def load_checkpoint(
         self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None
     ) -> dict[str, Any]:
-        """Load ``path``; ``map_location=None`` keeps tensors on the CPU (like ``TorchCheckpointIO``)."""
+        """Load ``path``; ``map_location=None`` keeps tensors on the CPU (like ``TorchCheckpointIO``).
+
+        Waits for an asynchronous save of ``path`` still in flight in this process (by any plugin instance),
+        and only for that one.
+        """
         if weights_only is None:
             weights_only = self.weights_only
-        if self._saver is not None and self._saver.pending():
-            self._saver.wait_until_durable()
+        map_location = "cpu" if map_location is None else map_location
+        if self._saver is not None:
+            self._saver.raise_errors()
+        local = local_path(path)
+        if local is None:
+            url = str(path)
+            _note_remote(url)
+            if not get_filesystem(url).exists(url):
+                raise FileNotFoundError(f"Checkpoint file not found: {url}")
+            return _fsspec_load(url, map_location=map_location, weights_only=weights_only)
+        async_io.wait_for_path(local)
+        async_io.check_not_placeholder(local)
         return load(
-            path,
-            map_location="cpu" if map_location is None else map_location,
+            local,
+            map_location=map_location,
             weights_only=weights_only,
             verify=self.verify,
             engine=self._engine,
@@ -131,16 +212,22 @@ class UringCheckpointIO(CheckpointIO):
         )
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Remove ``path``; with ``async_save`` only once every earlier save is durable (never if one failed)."""
-        path = os.fspath(path)
+        """Remove ``path`` (a directory recursively; a missing path is fine).
+
+        With ``async_save`` only once every earlier save is durable (never if one failed).
+        """
+        local = local_path(path)
+        if local is None:
+            url = str(path)
+            fs = get_filesystem(url)
+            if fs.exists(url):
+                fs.rm(url, recursive=True)
+                log.debug("Removed checkpoint: %s", url)
+            return
         if self._saver is not None:
-            self._saver.remove(path)
+            self._saver.remove(local)
             return
-        try:
-            os.remove(path)
-        except FileNotFoundError:
-            return
-        log.debug("Removed checkpoint: %s", path)
+        async_io._remove_path(os.path.abspath(local))
 
     def teardown(self) -> None:
         """Wait until pending saves are durable (raising a background error), then free engines and staging."""
@@ -149,6 +236,46 @@ class UringCheckpointIO(CheckpointIO):
                 self._saver.close()
         finally:
             self._engine.release()
+
+
+class _SnapshotBarrier(Callback):
+    """Waits for pending lazy snapshots before Lightning hooks that may change checkpointed tensors in place.
+
+    Inserted first in ``trainer.callbacks`` by the first asynchronous save of a ``Trainer``, so it runs before
+    e.g. ``WeightAveraging``, which swaps the current and averaged weights at ``on_validation_start`` and copies
+    the average into the model at ``on_train_end`` through ``param.data`` (invisible to version counters). All
+    are once-per-epoch hooks, except ``on_train_batch_end``, where the optimizer step has already waited.
+    """
+
+    def __init__(self, io: UringCheckpointIO) -> None:
+        self.io = io
+
+    def _wait(self, *_: Any, **__: Any) -> None:
+        self.io.wait_for_snapshot()
+
+    on_train_batch_end = _wait
+    on_train_epoch_end = _wait
+    on_validation_start = _wait
+    on_test_start = _wait
+    on_predict_start = _wait
+    on_train_end = _wait
+
+
+def _attach_barrier(io: UringCheckpointIO) -> None:
+    """If this save comes from ``Trainer.save_checkpoint``, make sure that trainer runs a ``_SnapshotBarrier``."""
+    code = Trainer.save_checkpoint.__code__
+    f = sys._getframe(2)
+    for _ in range(8):
+        if f is None:
+            return
+        if f.f_code is code:
+            trainer = f.f_locals.get("self")
+            cbs = getattr(trainer, "callbacks", None)
+            if isinstance(cbs, list) and not any(isinstance(c, _SnapshotBarrier) and c.io is io for c in cbs):
+                # a new list: Lightning may be iterating over the current one right now
+                trainer.callbacks = [_SnapshotBarrier(io), *cbs]
+            return
+        f = f.f_back
 
 
 def _state_targets(state: Any) -> Any:

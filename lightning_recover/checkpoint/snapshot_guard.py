@@ -9,19 +9,73 @@ the parameters change.
 
 A tracked source has ``snapshot_pending() -> bool`` and ``wait_for_snapshot()`` (which also raises the
 source's background errors). Sources are held weakly.
+
+The safety net for everything else (an EMA callback, a manual ``p.add_()``): a lazy snapshot records the
+version counter of every tensor it copies later (:func:`record_versions`) and compares it once the copy is
+done (:func:`changed_tensor`); a tensor changed in place in between makes that save fail with
+:class:`SnapshotRaceError`. Changes through ``tensor.data`` bypass the version counter and are not seen.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any
+from typing import Any, Optional
 
-__all__ = ["track", "untrack"]
+__all__ = ["SnapshotRaceError", "changed_tensor", "record_versions", "tensor_leaves", "track", "untrack"]
 
 _sources: weakref.WeakSet = weakref.WeakSet()
 _hook_handle: Any = None
 _hook_lock = threading.Lock()
+
+
+class SnapshotRaceError(RuntimeError):
+    """A checkpointed tensor changed in place before its lazy snapshot was complete; nothing was saved."""
+
+
+def tensor_version(t: Any) -> Optional[int]:
+    """``t._version``, or None where a tensor has no version counter (inference tensors)."""
+    try:
+        return int(t._version)
+    except Exception:
+        return None
+
+
+def tensor_leaves(obj: Any, path: str = "") -> list[tuple[str, Any]]:
+    """``(path, tensor)`` for the tensors reachable through dicts, lists and tuples (paths joined by ``/``)."""
+    import torch
+
+    out: list = []
+    stack: list = [(path, obj)]
+    seen: set = set()
+    while stack:
+        p, o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            out.append((p, o))
+        elif isinstance(o, (dict, list, tuple)) and id(o) not in seen:
+            seen.add(id(o))
+            items = o.items() if isinstance(o, dict) else enumerate(o)
+            stack.extend((f"{p}/{k}" if p else str(k), v) for k, v in items)
+    return out
+
+
+def record_versions(tensors: Any) -> list[tuple[str, Any, int]]:
+    """``(name, tensor, version)`` for ``(name, tensor)`` pairs, to compare with :func:`changed_tensor` later."""
+    out = []
+    for name, t in tensors:
+        v = tensor_version(t)
+        if v is not None:
+            out.append((name, t, v))
+    return out
+
+
+def changed_tensor(recorded: list[tuple[str, Any, int]]) -> Optional[tuple[str, int, int]]:
+    """The first ``(name, recorded version, current version)`` of a tensor changed in place since, else None."""
+    for name, t, v in recorded:
+        now = tensor_version(t)
+        if now is not None and now != v:
+            return name, v, now
+    return None
 
 
 def track(source: Any) -> None:
