@@ -518,12 +518,12 @@ def test_failed_deferred_removal_keeps_flusher_alive(tmp_path, monkeypatch):
     io = UringCheckpointIO(async_save=True)
     io.save_checkpoint({"k": 1}, tmp_path / "old.ckpt")
     io.wait_until_durable()
-    real_remove = async_io._remove_path
+    real_remove = async_io.remove_path
 
     def failing_remove(path):
         raise PermissionError(13, "injected", path)
 
-    monkeypatch.setattr(async_io, "_remove_path", failing_remove)
+    monkeypatch.setattr(async_io, "remove_path", failing_remove)
     gate = _gated_tail(monkeypatch)
     io.save_checkpoint({"k": 2, "w": torch.randn(1_000_000)}, tmp_path / "new.ckpt")
     io.remove_checkpoint(tmp_path / "old.ckpt")  # deferred; fails in the flusher
@@ -531,7 +531,7 @@ def test_failed_deferred_removal_keeps_flusher_alive(tmp_path, monkeypatch):
     with pytest.raises(AsyncCheckpointError, match="removal of checkpoint .*old.ckpt") as ei:
         _bounded(io.wait_until_durable)
     assert isinstance(ei.value.__cause__, PermissionError)
-    monkeypatch.setattr(async_io, "_remove_path", real_remove)
+    monkeypatch.setattr(async_io, "remove_path", real_remove)
     io.save_checkpoint({"k": 3, "w": torch.randn(1_000_000)}, tmp_path / "newer.ckpt")  # the flusher is alive
     _bounded(io.wait_until_durable)
     assert load(tmp_path / "newer.ckpt")["k"] == 3 and load(tmp_path / "new.ckpt")["k"] == 2
@@ -541,7 +541,7 @@ def test_failed_deferred_removal_keeps_flusher_alive(tmp_path, monkeypatch):
 
 def test_failed_deferred_removal_surfaces_at_next_save(tmp_path, monkeypatch):
     io = UringCheckpointIO(async_save=True)
-    monkeypatch.setattr(async_io, "_remove_path", lambda path: (_ for _ in ()).throw(OSError(5, "injected", path)))
+    monkeypatch.setattr(async_io, "remove_path", lambda path: (_ for _ in ()).throw(OSError(5, "injected", path)))
     gate = _gated_tail(monkeypatch)
     io.save_checkpoint({"k": 2, "w": torch.randn(1_000_000)}, tmp_path / "new.ckpt")
     io.remove_checkpoint(tmp_path / "old.ckpt")

@@ -53,7 +53,15 @@ from lightning_recover.checkpoint.torch_zip import PlanWriter, ZipPlan, plan_arc
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncCheckpointError", "AsyncSaver", "CheckpointIncompleteError", "crc32c_combine", "wait_for_path"]
+__all__ = [
+    "AsyncCheckpointError",
+    "AsyncSaver",
+    "CheckpointIncompleteError",
+    "check_not_placeholder",
+    "crc32c_combine",
+    "remove_path",
+    "wait_for_path",
+]
 
 MiB = 1 << 20
 
@@ -368,7 +376,7 @@ class AsyncSaver:
         with self._lock:
             pending = [j for j in self._jobs if not j.done.is_set()]
         if not pending:
-            _remove_path(path)
+            remove_path(path)
             return
         self._copy_q.put(_Removal(path, pending))
 
@@ -629,10 +637,10 @@ class AsyncSaver:
         if failed:
             log.warning("not removing checkpoint %s: the newer save to %s failed", r.path, failed[0].path)
             return
-        _remove_path(r.path)
+        remove_path(r.path)
 
 
-def _remove_path(path: str) -> None:
+def remove_path(path: str) -> None:
     """Remove a checkpoint file, or a checkpoint directory recursively; a missing path is not an error."""
     try:
         if os.path.isdir(path) and not os.path.islink(path):

@@ -227,7 +227,7 @@ class UringCheckpointIO(CheckpointIO):
         if self._saver is not None:
             self._saver.remove(local)
             return
-        async_io._remove_path(os.path.abspath(local))
+        async_io.remove_path(os.path.abspath(local))
 
     def teardown(self) -> None:
         """Wait until pending saves are durable (raising a background error), then free engines and staging."""
