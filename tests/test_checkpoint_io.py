@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import random
+import re
 import select
 import signal
 import subprocess
@@ -243,6 +244,28 @@ def _dead_pid() -> int:
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()
     return p.pid
+
+
+def _letters(pid: int) -> str:
+    return str(pid).translate(str.maketrans("0123456789", "abcdefghij"))
+
+
+def test_temp_names_add_no_digits(tmp_path):
+    """Lightning numbers ``hpc_ckpt_<N>.ckpt`` from the digits of every name containing ``ckpt_``: a temporary
+    in flight must not make up a version."""
+    name = os.path.basename(files.temp_path_for(str(tmp_path / "hpc_ckpt_33.ckpt")))
+    assert files.is_temp_name(name) and re.sub("[^0-9]", "", name.split("ckpt_")[-1]) == "33"
+
+
+@pytest.mark.parametrize("style", ["letters", "digits (earlier versions)"])
+def test_stale_temp_cleanup_both_spellings(tmp_path, style):
+    spell = _letters if style == "letters" else str
+    tag = "deadbeef" if style != "letters" else "qwertyui"
+    dead = tmp_path / f".c.ckpt.tmp-{spell(_dead_pid())}-{tag}"
+    mine = tmp_path / f".c.ckpt.tmp-{spell(os.getpid())}-{tag}"
+    for p in (dead, mine):
+        p.write_bytes(b"partial")
+    assert cleanup_stale_temps(str(tmp_path)) == [str(dead)] and mine.exists()
 
 
 def test_stale_temp_cleanup(tmp_path):

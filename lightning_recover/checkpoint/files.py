@@ -1,6 +1,8 @@
 """Crash-safe files: temporary names, durable commit (fsync, rename, directory fsync), cleanup.
 
-A checkpoint is written under ``.<final name>.tmp-<pid>-<8 hex>`` in its destination directory,
+A checkpoint is written under ``.<final name>.tmp-<pid>-<8 letters>`` in its destination directory (the pid
+spelled with the letters a-j for 0-9, so a temporary adds no digits to the final name: Lightning derives
+checkpoint versions from the digits of every name containing ``ckpt_``, e.g. ``hpc_ckpt_<N>.ckpt``),
 made durable, then renamed onto its final name and the directory fsynced: a crash at any point
 leaves the previous checkpoint in place and at most a temporary file that
 :func:`cleanup_stale_temps` removes later.
@@ -12,12 +14,17 @@ import logging
 import os
 import re
 import secrets
+import string
 import time
 
 log = logging.getLogger(__name__)
 
-# temporary files: ".<final name>.tmp-<pid>-<8 hex>" in the destination directory
-_TMP_RE = re.compile(r"^\..+\.tmp-(?P<pid>\d+)-[0-9a-f]{8}$")
+# temporary files: ".<final name>.tmp-<pid in letters a-j>-<8 letters>" in the destination directory
+_TMP_RE = re.compile(r"^\..+\.tmp-(?P<pid>[a-j]+)-[a-z]{8}$")
+# the digit spelling written by earlier versions, still cleaned up
+_OLD_TMP_RE = re.compile(r"^\..+\.tmp-(?P<pid>\d+)-[0-9a-f]{8}$")
+_PID_LETTERS = str.maketrans("0123456789", "abcdefghij")
+_PID_DIGITS = str.maketrans("abcdefghij", "0123456789")
 
 
 def _process_start_time() -> float:
@@ -48,17 +55,27 @@ def _pid_alive(pid: int) -> bool:
 
 def temp_path_for(path: str) -> str:
     d, base = os.path.split(path)
-    return os.path.join(d, f".{base}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    pid = str(os.getpid()).translate(_PID_LETTERS)
+    tag = "".join(secrets.choice(string.ascii_lowercase) for _ in range(8))
+    return os.path.join(d, f".{base}.tmp-{pid}-{tag}")
+
+
+def _temp_pid(name: str) -> int | None:
+    m = _TMP_RE.match(name)
+    if m is not None:
+        return int(m.group("pid").translate(_PID_DIGITS))
+    m = _OLD_TMP_RE.match(name)
+    return int(m.group("pid")) if m is not None else None
 
 
 def is_temp_name(name: str) -> bool:
-    return _TMP_RE.match(name) is not None
+    return _temp_pid(name) is not None
 
 
 def cleanup_stale_temps(directory: str) -> list[str]:
     """Remove our own temporary files left in ``directory`` by crashed saves.
 
-    Only names matching ``.NAME.tmp-<pid>-<8 hex>`` are touched, never those of this process, and only
+    Only names matching ``.NAME.tmp-<pid>-<8 letters>`` (or the older ``<pid digits>-<8 hex>``) are touched, never those of this process, and only
     when their pid is dead or the file is older than this process.
     """
     removed = []
@@ -68,10 +85,9 @@ def cleanup_stale_temps(directory: str) -> list[str]:
         return removed
     me = os.getpid()
     for name in names:
-        m = _TMP_RE.match(name)
-        if m is None:
+        pid = _temp_pid(name)
+        if pid is None:
             continue
-        pid = int(m.group("pid"))
         if pid == me:
             continue
         full = os.path.join(directory, name)
