@@ -729,3 +729,24 @@ def test_trainer_in_place_change_after_save_is_detected(tmp_path, monkeypatch):
     assert not (tmp_path / "ck" / "step=2.ckpt").exists()  # nothing committed for the raced save
     ck = load(tmp_path / "ck" / "step=1.ckpt")
     _assert_same(model.saved[1]["state_dict"], ck["state_dict"])
+
+
+def test_idle_saver_holds_no_threads(tmp_path):
+    """The copier and flusher exit once the last save is durable and start again with the next save."""
+
+    def ours():
+        return [t for t in threading.enumerate() if t.name.startswith("lr-ckpt-")]
+
+    io = UringCheckpointIO(async_save=True)
+    for k in range(3):
+        io.save_checkpoint({"w": torch.full((300_000,), float(k)), "k": k}, tmp_path / f"{k}.ckpt")
+        io.wait_until_durable()
+        deadline = time.monotonic() + 10
+        while ours() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ours() == []
+        assert load(tmp_path / f"{k}.ckpt")["k"] == k
+    io.save_checkpoint({"w": torch.ones(300_000), "k": 9}, tmp_path / "a.ckpt")
+    io.remove_checkpoint(tmp_path / "0.ckpt")  # queued behind the save, done before the threads retire
+    io.teardown()
+    assert not (tmp_path / "0.ckpt").exists() and load(tmp_path / "a.ckpt")["k"] == 9

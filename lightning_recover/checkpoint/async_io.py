@@ -323,6 +323,7 @@ class AsyncSaver:
         self._copy_q: queue.Queue = queue.Queue()
         self._flush_q: queue.Queue = queue.Queue()
         self._threads: list = []
+        self._retiring = False  # the threads were told to exit (idle); the next submit starts new ones
         self._lock = threading.Lock()
         self._jobs: list = []  # submitted and not yet done, in order
         self._last: Optional[_Job] = None
@@ -360,13 +361,13 @@ class AsyncSaver:
         job.owner = weakref.ref(self)
         _savers.add(self)
         snapshot_guard.track(self)
-        self._start()
         job.placeholder = _reserve_name(path)  # the name is taken from now on (ModelCheckpoint's -vN)
         _register(job)
-        with self._lock:
+        with self._lock:  # with the lock: the threads cannot retire between starting and the put
+            self._start()
             self._jobs.append(job)
             self._last = job
-        self._copy_q.put(job)
+            self._copy_q.put(job)
 
     def remove(self, path: str) -> None:
         """Remove ``path`` (a directory recursively) once every save submitted so far is durable (kept if one of
@@ -375,10 +376,10 @@ class AsyncSaver:
         path = os.path.abspath(os.fspath(path))
         with self._lock:
             pending = [j for j in self._jobs if not j.done.is_set()]
-        if not pending:
-            remove_path(path)
-            return
-        self._copy_q.put(_Removal(path, pending))
+            if pending:  # queued before the threads can retire (they retire when no job is left)
+                self._copy_q.put(_Removal(path, pending))
+                return
+        remove_path(path)
 
     def snapshot_pending(self) -> bool:
         last = self._last
@@ -422,7 +423,8 @@ class AsyncSaver:
             raise AsyncCheckpointError(msg, item.path) from e
 
     def threads_alive(self) -> bool:
-        return all(t.is_alive() for t in self._threads)
+        """False when a background thread died; retiring (idle) threads are expected to exit."""
+        return self._retiring or all(t.is_alive() for t in self._threads)
 
     def _check_threads(self) -> None:
         if not self.threads_alive():
@@ -457,8 +459,16 @@ class AsyncSaver:
     # ---------------------------------------------------------------- threads
 
     def _start(self) -> None:
-        if self._threads:
+        """Start the copier and flusher (called with ``self._lock`` held).
+
+        They exit when no save is left (``_end``), so an idle saver holds no threads (Lightning's tests and
+        users' thread checks see none after the last save is durable); a retiring pair keeps its own queues.
+        """
+        if self._threads and not self._retiring:
             return
+        if self._retiring:
+            self._copy_q, self._flush_q = queue.Queue(), queue.Queue()
+            self._retiring = False
         cq, fq = self._copy_q, self._flush_q
         self._threads = [
             threading.Thread(target=self._copier, args=(cq, fq), name="lr-ckpt-copier", daemon=True),
@@ -629,6 +639,10 @@ class AsyncSaver:
         with self._lock:
             if job in self._jobs:
                 self._jobs.remove(job)
+            if not self._jobs and not self._retiring:
+                # idle: the threads exit (after any removal still queued); the next submit starts new ones
+                self._retiring = True
+                self._copy_q.put(_STOP)
         _unregister(job)
         job.done.set()
 
