@@ -49,6 +49,7 @@ import torch
 from lightning_recover.checkpoint import format as fmt
 from lightning_recover.checkpoint import snapshot_guard
 from lightning_recover.checkpoint.files import cleanup_stale_temps, commit, temp_path_for, unlink_quiet
+from lightning_recover.checkpoint.format import CheckpointIncompleteError
 from lightning_recover.checkpoint.torch_zip import PlanWriter, ZipPlan, plan_archive
 
 log = logging.getLogger(__name__)
@@ -74,10 +75,6 @@ class AsyncCheckpointError(RuntimeError):
         self.path = path
 
 
-class CheckpointIncompleteError(fmt.CheckpointCorruptError):
-    """``path`` is an empty placeholder: an asynchronous save to it was still in flight or did not complete."""
-
-
 def check_not_placeholder(path: str) -> None:
     """Raise :class:`CheckpointIncompleteError` if ``path`` is the empty placeholder of an unfinished save."""
     try:
@@ -85,11 +82,7 @@ def check_not_placeholder(path: str) -> None:
     except OSError:
         return
     if empty:
-        raise CheckpointIncompleteError(
-            f"{path} is empty: the asynchronous save to it did not complete (a save still in flight in another "
-            "process, or one interrupted by a crash); load an earlier checkpoint",
-            path,
-        )
+        raise CheckpointIncompleteError.for_path(path)
 
 
 # --------------------------------------------------------------------------- in-flight saves, process-wide

@@ -34,6 +34,7 @@ __all__ = [
     "LARGE_ALIGN",
     "LARGE_EXTENT",
     "CheckpointCorruptError",
+    "CheckpointIncompleteError",
     "UnsafeCheckpointError",
     "Header",
     "Footer",
@@ -92,6 +93,18 @@ class CheckpointCorruptError(ValueError):
         super().__init__(message)
         self.path = path
         self.damaged = damaged or []
+
+
+class CheckpointIncompleteError(CheckpointCorruptError):
+    """``path`` is an empty placeholder: an asynchronous save to it was still in flight or did not complete."""
+
+    @classmethod
+    def for_path(cls, path: str) -> CheckpointIncompleteError:
+        return cls(
+            f"{path} is empty: the asynchronous save to it did not complete (a save still in flight in another "
+            "process, or one interrupted by a crash); load an earlier checkpoint",
+            path,
+        )
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):

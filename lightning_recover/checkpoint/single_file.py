@@ -220,7 +220,7 @@ _TAIL_BYTES = 8192  # the end records and our comment fit well inside this
 def _read_kind(r: Any, path: str) -> str:
     """ "v1" (lightning-recover format 1), "zip" (format 2) or "torch" (a plain ``torch.save`` file)."""
     if r.size == 0:
-        raise CheckpointCorruptError(f"{path}: empty file: a save to this path did not complete", path)
+        raise fmt.CheckpointIncompleteError.for_path(path)
     head = bytearray(min(r.size, 8))
     r.read([(0, head)])
     if torch_zip.is_zip(bytes(head)):
