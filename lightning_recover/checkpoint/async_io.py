@@ -266,6 +266,55 @@ class _Job:
         if self.error is None:
             self.error = e
 
+    def write_eager(self, below: Optional[int]) -> None:
+        """Write the eager (already copied) storages that precede storage ``below`` (all if None).
+
+        The writer takes increasing offsets only, and storages are laid out in index order.
+        """
+        k = 0
+        while k < len(self.eager) and (below is None or self.eager[k][0] < below):
+            k += 1
+        if not k:
+            return
+        batch, self.eager = self.eager[:k], self.eager[k:]
+        crcs = self.writer.write([(self.plan.storage_record[i].data_offset, t.numpy()) for i, t in batch])
+        for (i, _), crc in zip(batch, crcs):
+            self.plan.set_crc32c(i, crc)
+
+    def finish(self) -> None:
+        """Write what is left (eager storages, the tail with every record's CRC-32C), fdatasync, commit."""
+        self.write_eager(below=None)
+        for i, parts in self.crcs.items():
+            crc = 0
+            for c, m in parts:
+                crc = crc32c_combine(crc, c, m)
+            self.plan.set_crc32c(i, crc)
+        self.writer.finish()
+        commit(self.tmp, self.path)
+
+    def discard(self) -> None:
+        """A failed save: close and remove the temporary file, give the name back if we reserved it."""
+        if self.writer is not None:
+            try:
+                self.writer.close()
+            except BaseException:
+                pass
+        if self.tmp is not None:
+            unlink_quiet(self.tmp)
+        _drop_placeholder(self)
+
+    def timings(self) -> dict:
+        t_durable = self.t_durable or time.perf_counter()
+        return {
+            "path": self.path,
+            "snapshot_s": (self.t_snapshot or t_durable) - self.t_submit,
+            "durable_s": t_durable - self.t_submit,
+            "t_submit": self.t_submit,
+            "t_snapshot": self.t_snapshot,
+            "t_durable": self.t_durable,
+            "error": None if self.error is None else repr(self.error),
+        }
+
 
 class _Removal:
     def __init__(self, path: str, after: list) -> None:
@@ -538,7 +587,7 @@ class AsyncSaver:
                     try:
                         if job.error is None:
                             _, _, i, off, at, m = item
-                            self._write_eager(job, below=i)
+                            job.write_eager(below=i)
                             start = job.plan.storage_record[i].data_offset
                             (crc,) = job.writer.write([(start + off, self._ring.buf[at : at + m].numpy())])
                             job.crcs.setdefault(i, []).append((int(crc), m))
@@ -573,61 +622,21 @@ class AsyncSaver:
         except BaseException as e:
             job.fail(e)
 
-    @staticmethod
-    def _write_eager(job: _Job, below: Optional[int]) -> None:
-        """Write the eager (already copied) storages that precede storage ``below`` (all if None).
-
-        The writer takes increasing offsets only, and extents are laid out in index order.
-        """
-        k = 0
-        while k < len(job.eager) and (below is None or job.eager[k][0] < below):
-            k += 1
-        if not k:
-            return
-        batch, job.eager = job.eager[:k], job.eager[k:]
-        crcs = job.writer.write([(job.plan.storage_record[i].data_offset, t.numpy()) for i, t in batch])
-        for (i, _), crc in zip(batch, crcs):
-            job.plan.set_crc32c(i, crc)
-
     def _end(self, job: _Job) -> None:
         try:
             if job.error is None:
-                self._write_eager(job, below=None)
-                for i, parts in job.crcs.items():
-                    crc = 0
-                    for c, m in parts:
-                        crc = crc32c_combine(crc, c, m)
-                    job.plan.set_crc32c(i, crc)
-                job.writer.finish()
-                commit(job.tmp, job.path)
+                job.finish()
         except BaseException as e:
             job.fail(e)
         if job.error is not None:
-            if job.writer is not None:
-                try:
-                    job.writer.close()
-                except BaseException:
-                    pass
-            if job.tmp is not None:
-                unlink_quiet(job.tmp)
-            _drop_placeholder(job)
+            job.discard()
             log.error("asynchronous checkpoint save to %s failed: %r", job.path, job.error)
             with self._lock:
                 self._errors.append((job, job.error))
         job.writer = None
         job.t_durable = time.perf_counter()
         del self.history[:-99]
-        self.history.append(
-            {
-                "path": job.path,
-                "snapshot_s": (job.t_snapshot or job.t_durable) - job.t_submit,
-                "durable_s": job.t_durable - job.t_submit,
-                "t_submit": job.t_submit,
-                "t_snapshot": job.t_snapshot,
-                "t_durable": job.t_durable,
-                "error": None if job.error is None else repr(job.error),
-            }
-        )
+        self.history.append(job.timings())
         job.plan = None  # type: ignore[assignment]
         with self._lock:
             if job in self._jobs:

@@ -545,18 +545,17 @@ def _extra_safe_globals() -> list:
 
     They only hold data; format-1 files loaded them with ``weights_only=True``, so format 2 keeps doing so.
     """
-    import importlib
+    import sys
 
     from lightning_recover.checkpoint.format import SAFE_GLOBALS
 
     out = []
     for module, name in sorted(SAFE_GLOBALS):
-        if module == "builtins":
-            continue
-        try:
-            out.append(getattr(importlib.import_module(module), name))
-        except (ImportError, AttributeError):
-            continue
+        # only modules already imported: importing one here (a whole second Lightning, say) would hold the
+        # import lock for seconds, and a process whose heartbeat thread needs it would look hung
+        cls = getattr(sys.modules.get(module), name, None) if module != "builtins" else None
+        if cls is not None:
+            out.append(cls)
     return out
 
 
