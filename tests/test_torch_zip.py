@@ -295,17 +295,23 @@ def test_lightning_reads_our_checkpoints_without_the_plugin(tmp_path):
 
     from lightning_recover.checkpoint import UringCheckpointIO
 
+    class WithHparams(BoringModel):
+        def __init__(self, lr: float = 0.1, name: str = "x") -> None:
+            super().__init__()
+            self.save_hyperparameters()  # Lightning stores them as a plain dict: weights_only loads them
+
     kw = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
-    model = BoringModel()
+    model = WithHparams(lr=0.5, name="run")
     trainer = Trainer(max_steps=3, default_root_dir=tmp_path, plugins=[UringCheckpointIO()], **kw)
     trainer.fit(model)
     path = tmp_path / "ours.ckpt"
     trainer.save_checkpoint(path)
-    restored = BoringModel.load_from_checkpoint(path)
+    restored = WithHparams.load_from_checkpoint(path)
     assert all(torch.equal(a, b) for a, b in zip(restored.parameters(), model.parameters()))
+    assert restored.hparams.lr == 0.5 and restored.hparams.name == "run"
     assert torch.load(path, weights_only=True)["global_step"] == 3
     stock = Trainer(max_steps=5, default_root_dir=tmp_path, **kw)  # Lightning's own TorchCheckpointIO
-    stock.fit(BoringModel(), ckpt_path=path)
+    stock.fit(WithHparams(), ckpt_path=path)
     assert stock.global_step == 5
     stock.save_checkpoint(tmp_path / "stock.ckpt")
     back = Trainer(max_steps=6, default_root_dir=tmp_path, plugins=[UringCheckpointIO()], **kw)
