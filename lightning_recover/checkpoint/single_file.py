@@ -217,28 +217,24 @@ def _open_reader(eng: Any, path: str) -> Any:
 _TAIL_BYTES = 8192  # the end records and our comment fit well inside this
 
 
-def _read_kind(r: Any, path: str) -> str:
-    """ "v1" (lightning-recover format 1), "zip" (format 2) or "torch" (a plain ``torch.save`` file)."""
+def _read_kind(r: Any, path: str) -> tuple[str, Any]:
+    """``("v1", None)`` (lightning-recover format 1), ``("zip", end-record facts)`` (format 2, for
+    :func:`_read_zip_index`) or ``("torch", None)`` (a plain ``torch.save`` file)."""
     if r.size == 0:
         raise fmt.CheckpointIncompleteError.for_path(path)
     head = bytearray(min(r.size, 8))
     r.read([(0, head)])
-    if torch_zip.is_zip(bytes(head)):
-        return "zip" if _zip_tail(r, path) is not None else "torch"
-    return "v1"
-
-
-def _zip_tail(r: Any, path: str) -> Any:
+    if not torch_zip.is_zip(bytes(head)):
+        return "v1", None
     n = min(r.size, _TAIL_BYTES)
     tail = bytearray(n)
     r.read([(r.size - n, tail)])
-    return torch_zip.parse_tail(bytes(tail), r.size, path)
+    found = torch_zip.parse_tail(bytes(tail), r.size, path)
+    return ("zip", found) if found is not None else ("torch", None)
 
 
-def _read_zip_index(r: Any, path: str) -> torch_zip.ArchiveIndex:
-    found = _zip_tail(r, path)
-    if found is None:  # pragma: no cover - callers check the kind first
-        raise CheckpointCorruptError(f"{path}: a torch.save file without a lightning-recover integrity record", path)
+def _read_zip_index(r: Any, path: str, found: tuple) -> torch_zip.ArchiveIndex:
+    """Integrity record and central directory of a format-2 file, checked (``found``: from :func:`_read_kind`)."""
     io_off, io_len, io_crc, cd_off, cd_end, cd_crc = found
     integrity, central = bytearray(io_len), bytearray(cd_end - cd_off)
     r.read([(io_off, integrity), (cd_off, central)])
@@ -341,14 +337,15 @@ class ArchiveInfo:
         return [t["name"] for t in self.tensors if t["record"] == record]
 
 
-def _read_archive_info(r: Any, path: str) -> ArchiveInfo:
-    if _read_kind(r, path) == "torch":
+def _read_archive_info(r: Any, path: str, kind: str, found: Any) -> ArchiveInfo:
+    """Records and tensors of a format-2 file; a plain ``torch.save`` file has nothing to verify."""
+    if kind == "torch":
         raise CheckpointCorruptError(
             f"{path}: a plain torch.save file (no lightning-recover integrity record): nothing to verify; "
             "torch.load reads it",
             path,
         )
-    index = _read_zip_index(r, path)
+    index = _read_zip_index(r, path, found)
     meta_only = {n: rec for n, rec in index.records.items() if not n.startswith("data/")}
     small, _ = _read_zip_records(r, dataclasses.replace(index, records=meta_only), verify=True)
     return ArchiveInfo(path, r.size, index, _tensor_rows(index, small))
@@ -381,9 +378,9 @@ def _tensor_rows(index: torch_zip.ArchiveIndex, small: dict) -> list[dict]:
     return rows
 
 
-def _verify_archive(r: Any, path: str, batch_bytes: int) -> tuple[ArchiveInfo, list]:
+def _verify_archive(r: Any, path: str, kind: str, found: Any, batch_bytes: int) -> tuple[ArchiveInfo, list]:
     """Read every record and local header of a format-2 file; returns ``(info, damaged records)``."""
-    info = _read_archive_info(r, path)
+    info = _read_archive_info(r, path, kind, found)
     index = info.index
     bad: list = []
     recs = sorted(index.records.values(), key=lambda rec: rec.data_offset)
@@ -434,9 +431,10 @@ def read_info(path: Any, *, engine: Any = None) -> Any:
     with lock:
         r = _open_reader(eng, path)
         try:
-            if _read_kind(r, path) == "v1":
+            kind, found = _read_kind(r, path)
+            if kind == "v1":
                 return _read_info(r, path)
-            return _read_archive_info(r, path)
+            return _read_archive_info(r, path, kind, found)
         finally:
             r.close()
 
@@ -448,8 +446,9 @@ def verify_file(path: Any, *, engine: Any = None, batch_bytes: int = 256 << 20) 
     with lock:
         r = _open_reader(eng, path)
         try:
-            if _read_kind(r, path) != "v1":
-                return _verify_archive(r, path, batch_bytes)
+            kind, found = _read_kind(r, path)
+            if kind != "v1":
+                return _verify_archive(r, path, kind, found, batch_bytes)
             info = _read_info(r, path)
             bad: list = []
             batch: list = []
@@ -545,93 +544,112 @@ def load(
     path = os.fspath(path)
     eng, lock = resolve_engine(engine)
     targets = _into_targets(into) if into is not None else {}
-    kind = "v1"
     with lock:
         r = _open_reader(eng, path)
         try:
-            kind = _read_kind(r, path)
+            kind, found = _read_kind(r, path)
             if kind == "zip":
-                zindex = _read_zip_index(r, path)
+                zindex = _read_zip_index(r, path, found)
                 small, zstorages = _read_zip_records(r, zindex, verify)
+            elif kind == "v1":
+                v1 = _read_v1(r, path, targets, strict)
         finally:
-            if kind != "v1":
-                r.close()
+            r.close()
     if kind == "torch":
         return _torch_load(path, map_location, weights_only)
     if kind == "zip":
         archive = torch_zip.VerifiedArchive(zindex, small, zstorages)
         result = torch_zip.unpickle(archive, path, map_location, weights_only)
         return _fill_targets(result, targets, strict, path) if targets else result
-    with lock:
-        try:
-            info = _read_info(r, path)
-            index = info.index
-            users = [0] * len(index.storages)
-            for t in index.tensors:
-                users[t.storage] += 1
+    return _rebuild_v1(v1, path, map_location, weights_only, verify)
 
-            # where each tensor's data goes: direct read into a target, or a fresh storage then copy_
-            direct: dict[int, torch.Tensor] = {}  # storage index -> target tensor filled by the read
-            copy_into: dict[int, torch.Tensor] = {}  # tensor index -> target tensor to copy_ into
-            for ti, t in enumerate(index.tensors):
-                dest = targets.get(t.name)
-                if dest is None:
-                    continue
-                dt = fmt.dtype_from_name(t.dtype)
-                if list(dest.shape) != list(t.shape) or dest.dtype != dt:
-                    if strict:
-                        raise ValueError(
-                            f"{path}: cannot load {t.name!r} into the given tensor: checkpoint has "
-                            f"{dt} {tuple(t.shape)}, target is {dest.dtype} {tuple(dest.shape)}"
-                        )
-                    continue
-                contiguous_whole = (
-                    t.storage_offset == 0
-                    and t.nbytes > 0
-                    and t.nbytes == index.storages[t.storage].nbytes
-                    and _is_contiguous(t.shape, t.stride)
+
+@dataclasses.dataclass
+class _V1Read:
+    """What :func:`_read_v1` read of a format-1 file, for :func:`_rebuild_v1`."""
+
+    info: CheckpointInfo
+    storages: list
+    crcs: list
+    seg_ids: list
+    direct: dict  # storage index -> target tensor filled by the read
+    copy_into: dict  # tensor index -> target tensor to copy_ into
+
+
+def _read_v1(r: Any, path: str, targets: dict, strict: bool) -> _V1Read:
+    """Read a format-1 file's extents: straight into ``targets`` where possible, else into fresh storages."""
+    info = _read_info(r, path)
+    index = info.index
+    users = [0] * len(index.storages)
+    for t in index.tensors:
+        users[t.storage] += 1
+
+    # where each tensor's data goes: direct read into a target, or a fresh storage then copy_
+    direct: dict[int, torch.Tensor] = {}  # storage index -> target tensor filled by the read
+    copy_into: dict[int, torch.Tensor] = {}  # tensor index -> target tensor to copy_ into
+    for ti, t in enumerate(index.tensors):
+        dest = targets.get(t.name)
+        if dest is None:
+            continue
+        dt = fmt.dtype_from_name(t.dtype)
+        if list(dest.shape) != list(t.shape) or dest.dtype != dt:
+            if strict:
+                raise ValueError(
+                    f"{path}: cannot load {t.name!r} into the given tensor: checkpoint has "
+                    f"{dt} {tuple(t.shape)}, target is {dest.dtype} {tuple(dest.shape)}"
                 )
-                if contiguous_whole and users[t.storage] == 1 and dest.device.type == "cpu" and dest.is_contiguous():
-                    direct[t.storage] = dest
-                else:
-                    copy_into[ti] = dest
+            continue
+        contiguous_whole = (
+            t.storage_offset == 0
+            and t.nbytes > 0
+            and t.nbytes == index.storages[t.storage].nbytes
+            and _is_contiguous(t.shape, t.stride)
+        )
+        if contiguous_whole and users[t.storage] == 1 and dest.device.type == "cpu" and dest.is_contiguous():
+            direct[t.storage] = dest
+        else:
+            copy_into[ti] = dest
 
-            storages: list = []
-            segs: list = []
-            seg_ids: list = []
-            for i, s in enumerate(index.storages):
-                if i in direct:
-                    d = direct[i]
-                    buf = d.detach().reshape(-1).view(torch.uint8)
-                    storages.append(d.untyped_storage())
-                else:
-                    st = _new_storage(s.nbytes)
-                    buf = fmt.storage_as_bytes(st)
-                    storages.append(st)
-                if s.nbytes:
-                    segs.append((s.offset, buf.numpy()))
-                    seg_ids.append(i)
-            crcs = r.read(segs) if segs else []
-        finally:
-            r.close()
+    storages: list = []
+    segs: list = []
+    seg_ids: list = []
+    for i, s in enumerate(index.storages):
+        if i in direct:
+            d = direct[i]
+            buf = d.detach().reshape(-1).view(torch.uint8)
+            storages.append(d.untyped_storage())
+        else:
+            st = _new_storage(s.nbytes)
+            buf = fmt.storage_as_bytes(st)
+            storages.append(st)
+        if s.nbytes:
+            segs.append((s.offset, buf.numpy()))
+            seg_ids.append(i)
+    crcs = r.read(segs) if segs else []
+    return _V1Read(info, storages, crcs, seg_ids, direct, copy_into)
+
+
+def _rebuild_v1(v1: _V1Read, path: str, map_location: Any, weights_only: bool, verify: bool) -> Any:
+    """Check the extents' checksums, place storages, rebuild tensors and unpickle the skeleton."""
+    index = v1.info.index
     if verify:
-        bad = fmt.damaged_extents(index, crcs, path, seg_ids)
+        bad = fmt.damaged_extents(index, v1.crcs, path, v1.seg_ids)
         if bad:
             raise CheckpointCorruptError(fmt.describe_damage(bad, path), path, bad)
 
     where = fmt.map_location_fn(map_location)
     placed = []
-    for i, (s, st) in enumerate(zip(index.storages, storages)):
-        placed.append(st if i in direct else fmt.place_storage(st, s.device, where(s.device)))
+    for i, (s, st) in enumerate(zip(index.storages, v1.storages)):
+        placed.append(st if i in v1.direct else fmt.place_storage(st, s.device, where(s.device)))
     tensors = fmt.rebuild_tensors(index, placed, path)
     for ti, t in enumerate(index.tensors):
-        if t.storage in direct:
-            tensors[ti] = direct[t.storage]
-        elif ti in copy_into:
+        if t.storage in v1.direct:
+            tensors[ti] = v1.direct[t.storage]
+        elif ti in v1.copy_into:
             with torch.no_grad():
-                copy_into[ti].copy_(tensors[ti])
-            tensors[ti] = copy_into[ti]
-    return fmt.decode_skeleton(info.skeleton, tensors, weights_only=weights_only, path=path)
+                v1.copy_into[ti].copy_(tensors[ti])
+            tensors[ti] = v1.copy_into[ti]
+    return fmt.decode_skeleton(v1.info.skeleton, tensors, weights_only=weights_only, path=path)
 
 
 # ----------------------------------------------------------------------------------- plugin
