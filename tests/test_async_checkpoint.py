@@ -195,7 +195,7 @@ def test_final_name_appears_only_when_durable(tmp_path, monkeypatch):
     # the name is reserved by an empty placeholder (ModelCheckpoint sees it as taken); the data is in the temp
     assert (tmp_path / "a.ckpt").stat().st_size == 0 and len(_temps(tmp_path)) == 1
     with pytest.raises(CheckpointIncompleteError, match="did not complete"):
-        async_io.check_not_placeholder(str(tmp_path / "a.ckpt"))
+        read_info(tmp_path / "a.ckpt")  # a reader that does not wait (another process, say) sees a named error
     gate.set()
     io.wait_until_durable()
     assert (tmp_path / "a.ckpt").stat().st_size > 0 and _temps(tmp_path) == []

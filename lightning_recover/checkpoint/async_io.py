@@ -49,7 +49,6 @@ import torch
 from lightning_recover.checkpoint import format as fmt
 from lightning_recover.checkpoint import snapshot_guard
 from lightning_recover.checkpoint.files import cleanup_stale_temps, commit, temp_path_for, unlink_quiet
-from lightning_recover.checkpoint.format import CheckpointIncompleteError
 from lightning_recover.checkpoint.torch_zip import PlanWriter, ZipPlan, plan_archive
 
 log = logging.getLogger(__name__)
@@ -57,8 +56,6 @@ log = logging.getLogger(__name__)
 __all__ = [
     "AsyncCheckpointError",
     "AsyncSaver",
-    "CheckpointIncompleteError",
-    "check_not_placeholder",
     "crc32c_combine",
     "remove_path",
     "wait_for_path",
@@ -73,16 +70,6 @@ class AsyncCheckpointError(RuntimeError):
     def __init__(self, message: str, path: Optional[str] = None) -> None:
         super().__init__(message)
         self.path = path
-
-
-def check_not_placeholder(path: str) -> None:
-    """Raise :class:`CheckpointIncompleteError` if ``path`` is the empty placeholder of an unfinished save."""
-    try:
-        empty = os.path.isfile(path) and os.path.getsize(path) == 0
-    except OSError:
-        return
-    if empty:
-        raise CheckpointIncompleteError.for_path(path)
 
 
 # --------------------------------------------------------------------------- in-flight saves, process-wide

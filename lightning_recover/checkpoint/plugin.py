@@ -199,8 +199,6 @@ class UringCheckpointIO(CheckpointIO):
             if not get_filesystem(url).exists(url):
                 raise FileNotFoundError(f"Checkpoint file not found: {url}")
             return _fsspec_load(url, map_location=map_location, weights_only=weights_only)
-        async_io.wait_for_path(local)
-        async_io.check_not_placeholder(local)
         return load(
             local,
             map_location=map_location,

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from lightning_recover import env
+from lightning_recover.checkpoint import async_io, torch_zip
 from lightning_recover.checkpoint import format as fmt
-from lightning_recover.checkpoint import torch_zip
 from lightning_recover.checkpoint.engine import resolve_engine
 from lightning_recover.checkpoint.files import cleanup_stale_temps, fsync_dir, temp_path_for, unlink_quiet
 from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
@@ -542,6 +542,7 @@ def load(
             a checksum error is raised after the data has landed in those tensors.
     """
     path = os.fspath(path)
+    async_io.wait_for_path(path)  # an asynchronous save of this path in flight in this process, by any saver
     eng, lock = resolve_engine(engine)
     targets = _into_targets(into) if into is not None else {}
     with lock:
