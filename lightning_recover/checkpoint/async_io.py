@@ -368,7 +368,7 @@ class AsyncSaver:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         zplan = plan_archive(checkpoint, meta=fmt.file_meta())
         by_storage: dict[tuple, list] = {}
-        for name, t in snapshot_guard.tensor_leaves(checkpoint):
+        for name, t in fmt.tensor_paths(checkpoint).values():
             try:
                 key = (t.device, t.untyped_storage().data_ptr())
             except Exception:

@@ -22,7 +22,7 @@ import threading
 import weakref
 from typing import Any, Optional
 
-__all__ = ["SnapshotRaceError", "changed_tensor", "record_versions", "tensor_leaves", "track", "untrack"]
+__all__ = ["SnapshotRaceError", "changed_tensor", "record_versions", "track", "untrack"]
 
 _sources: weakref.WeakSet = weakref.WeakSet()
 _hook_handle: Any = None
@@ -39,24 +39,6 @@ def tensor_version(t: Any) -> Optional[int]:
         return int(t._version)
     except Exception:
         return None
-
-
-def tensor_leaves(obj: Any, path: str = "") -> list[tuple[str, Any]]:
-    """``(path, tensor)`` for the tensors reachable through dicts, lists and tuples (paths joined by ``/``)."""
-    import torch
-
-    out: list = []
-    stack: list = [(path, obj)]
-    seen: set = set()
-    while stack:
-        p, o = stack.pop()
-        if isinstance(o, torch.Tensor):
-            out.append((p, o))
-        elif isinstance(o, (dict, list, tuple)) and id(o) not in seen:
-            seen.add(id(o))
-            items = o.items() if isinstance(o, dict) else enumerate(o)
-            stack.extend((f"{p}/{k}" if p else str(k), v) for k, v in items)
-    return out
 
 
 def record_versions(tensors: Any) -> list[tuple[str, Any, int]]:
