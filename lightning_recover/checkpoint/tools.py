@@ -47,6 +47,17 @@ def _tensor_rows(info: Any) -> list[dict]:
     return rows
 
 
+def _print_meta_and_tensors(meta: dict, rows: list[dict]) -> None:
+    """The ``key=value`` metadata line and the tensor table (name, dtype, shape, bytes, file offset)."""
+    if meta:
+        print("  " + ", ".join(f"{k}={v}" for k, v in meta.items()))
+    w = min(max([len(r["name"]) for r in rows] + [4]), 80)
+    print(f"\n  {'name':<{w}}  {'dtype':<14} {'shape':<20} {'bytes':>12} {'offset':>12}")
+    for r in rows:
+        shape = "(" + ", ".join(map(str, r["shape"])) + ("," if len(r["shape"]) == 1 else "") + ")"
+        print(f"  {r['name']:<{w}}  {r['dtype']:<14} {shape:<20} {r['bytes']:>12} {r['offset']:>12}")
+
+
 def inspect_main(args: argparse.Namespace) -> int:
     path = args.checkpoint
     verify = not getattr(args, "no_verify", False)
@@ -112,14 +123,7 @@ def inspect_main(args: argparse.Namespace) -> int:
         f"  data [{info.header.data_start}, {info.footer.data_end}), index {info.footer.index_length} bytes at "
         f"{info.footer.index_offset}, skeleton {info.footer.skeleton_length} bytes at {info.footer.skeleton_offset}"
     )
-    if info.index.meta:
-        print("  " + ", ".join(f"{k}={v}" for k, v in info.index.meta.items()))
-    w = max([len(r["name"]) for r in rows] + [4])
-    w = min(w, 80)
-    print(f"\n  {'name':<{w}}  {'dtype':<14} {'shape':<20} {'bytes':>12} {'offset':>12}")
-    for r in rows:
-        shape = "(" + ", ".join(map(str, r["shape"])) + ("," if len(r["shape"]) == 1 else "") + ")"
-        print(f"  {r['name']:<{w}}  {r['dtype']:<14} {shape:<20} {r['bytes']:>12} {r['offset']:>12}")
+    _print_meta_and_tensors(info.index.meta, rows)
     print(
         f"\n  {len(rows)} tensors in {len(storages)} storages, {summary['tensor_bytes']} tensor bytes "
         f"({_human(summary['tensor_bytes'])}), {summary['storage_bytes']} storage bytes"
@@ -166,13 +170,7 @@ def _report_archive(info: ArchiveInfo, damaged: list, verify: bool, as_json: boo
         f"  format version 2 (torch.save archive, 4096-aligned records, CRC-32C integrity record), "
         f"file size {info.size} ({_human(info.size)})"
     )
-    if info.index.meta:
-        print("  " + ", ".join(f"{k}={v}" for k, v in info.index.meta.items()))
-    w = min(max([len(t["name"]) for t in info.tensors] + [4]), 80)
-    print(f"\n  {'name':<{w}}  {'dtype':<14} {'shape':<20} {'bytes':>12} {'offset':>12}")
-    for t in info.tensors:
-        shape = "(" + ", ".join(map(str, t["shape"])) + ("," if len(t["shape"]) == 1 else "") + ")"
-        print(f"  {t['name']:<{w}}  {t['dtype']:<14} {shape:<20} {t['bytes']:>12} {t['offset']:>12}")
+    _print_meta_and_tensors(info.index.meta, info.tensors)
     print(
         f"\n  {len(info.tensors)} tensors in {len(info.index.storage_records())} storage records, "
         f"{summary['tensor_bytes']} tensor bytes ({_human(summary['tensor_bytes'])})"
