@@ -177,7 +177,8 @@ def test_explicit_wait_for_snapshot_and_pending(tmp_path):
     io.teardown()
 
 
-def test_final_name_appears_only_when_durable(tmp_path, monkeypatch):
+def _gated_tail(monkeypatch):
+    """Hold every save's last step (tail, fdatasync, rename) until the returned event is set."""
     gate = threading.Event()
     real = PlanWriter.finish
 
@@ -186,6 +187,11 @@ def test_final_name_appears_only_when_durable(tmp_path, monkeypatch):
         return real(*a, **kw)
 
     monkeypatch.setattr(PlanWriter, "finish", slow_tail)
+    return gate
+
+
+def test_final_name_appears_only_when_durable(tmp_path, monkeypatch):
+    gate = _gated_tail(monkeypatch)
     io = UringCheckpointIO(async_save=True)
     io.save_checkpoint({"w": torch.randn(1_000_000)}, tmp_path / "a.ckpt")
     io.wait_for_snapshot()
@@ -218,14 +224,7 @@ def test_removal_is_deferred_until_newer_save_is_durable(tmp_path, monkeypatch):
     io = UringCheckpointIO(async_save=True)
     io.save_checkpoint({"k": 1, "w": torch.randn(1_000_000)}, tmp_path / "old.ckpt")
     io.wait_until_durable()
-    gate = threading.Event()
-    real = PlanWriter.finish
-
-    def slow_tail(*a, **kw):
-        gate.wait(30)
-        return real(*a, **kw)
-
-    monkeypatch.setattr(PlanWriter, "finish", slow_tail)
+    gate = _gated_tail(monkeypatch)
     io.save_checkpoint({"k": 2, "w": torch.randn(1_000_000)}, tmp_path / "new.ckpt")
     io.remove_checkpoint(tmp_path / "old.ckpt")  # what ModelCheckpoint(save_top_k=1) does right after saving
     assert (tmp_path / "old.ckpt").exists()  # the only durable checkpoint is kept
@@ -235,12 +234,18 @@ def test_removal_is_deferred_until_newer_save_is_durable(tmp_path, monkeypatch):
     io.teardown()
 
 
-def test_removal_skipped_when_newer_save_fails(tmp_path, faults):
+def _durable_old_then_failing_new(tmp_path, faults):
+    """An async plugin with a durable ``old.ckpt`` (k=1) and a save of ``new.ckpt`` (k=2) whose first write fails."""
     io = UringCheckpointIO(async_save=True)
     io.save_checkpoint({"k": 1, "w": torch.randn(1_000_000)}, tmp_path / "old.ckpt")
     io.wait_until_durable()
     faults(eio_at=1)
     io.save_checkpoint({"k": 2, "w": torch.randn(1_000_000)}, tmp_path / "new.ckpt")
+    return io
+
+
+def test_removal_skipped_when_newer_save_fails(tmp_path, faults):
+    io = _durable_old_then_failing_new(tmp_path, faults)
     io.remove_checkpoint(tmp_path / "old.ckpt")
     with pytest.raises(AsyncCheckpointError, match="new.ckpt") as ei:
         io.wait_until_durable()
@@ -442,18 +447,6 @@ def _bounded(fn, timeout=30.0):
     return out.get("v")
 
 
-def _gated_tail(monkeypatch):
-    gate = threading.Event()
-    real = PlanWriter.finish
-
-    def slow_tail(*a, **kw):
-        gate.wait(30)
-        return real(*a, **kw)
-
-    monkeypatch.setattr(PlanWriter, "finish", slow_tail)
-    return gate
-
-
 def test_async_remove_directory_deferred(tmp_path, monkeypatch):
     io = UringCheckpointIO(async_save=True)
     d = tmp_path / "old_dir"
@@ -472,11 +465,7 @@ def test_async_remove_directory_deferred(tmp_path, monkeypatch):
 
 
 def test_in_flight_name_is_reserved_and_failed_save_releases_it(tmp_path, faults):
-    io = UringCheckpointIO(async_save=True)
-    io.save_checkpoint({"k": 1, "w": torch.randn(1_000_000)}, tmp_path / "old.ckpt")
-    io.wait_until_durable()
-    faults(eio_at=1)
-    io.save_checkpoint({"k": 2, "w": torch.randn(1_000_000)}, tmp_path / "new.ckpt")
+    io = _durable_old_then_failing_new(tmp_path, faults)
     assert (tmp_path / "new.ckpt").exists()  # taken from submit on (an empty placeholder until durable)
     with pytest.raises(AsyncCheckpointError, match="new.ckpt"):
         _bounded(io.wait_until_durable)
