@@ -320,8 +320,22 @@ def _bn_module_cls():
     return BN
 
 
-def test_trainer_async_modelcheckpoint(tmp_path):
+def _quiet_cpu_trainer(tmp_path, **kwargs):
+    """A Trainer on the CPU in ``tmp_path``, without logger, progress bar or model summary."""
     from lightning.pytorch import Trainer
+
+    return Trainer(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+def test_trainer_async_modelcheckpoint(tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     BN = _bn_module_cls()
@@ -330,14 +344,9 @@ def test_trainer_async_modelcheckpoint(tmp_path):
     mc = ModelCheckpoint(
         dirpath=tmp_path / "ck", save_top_k=1, every_n_train_steps=1, save_last=True, filename="{step}"
     )
-    trainer = Trainer(
-        default_root_dir=tmp_path,
+    trainer = _quiet_cpu_trainer(
+        tmp_path,
         max_steps=6,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[mc],
         plugins=[io],
     )
@@ -351,14 +360,9 @@ def test_trainer_async_modelcheckpoint(tmp_path):
         _assert_same(ref["opt"], ck["optimizer_states"][0]["state"])
     # resume from the async checkpoint
     model2 = BN()
-    t2 = Trainer(
-        default_root_dir=tmp_path,
+    t2 = _quiet_cpu_trainer(
+        tmp_path,
         max_steps=7,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         enable_checkpointing=False,
         plugins=[UringCheckpointIO(async_save=True)],
     )
@@ -368,21 +372,15 @@ def test_trainer_async_modelcheckpoint(tmp_path):
 
 def test_trainer_consistency_mid_training(tmp_path):
     """Checkpoints taken every step while training mutates the state equal the state at save time."""
-    from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     BN = _bn_module_cls()
     model = BN()
     io = UringCheckpointIO(async_save=True, max_pending_bytes=1 << 20)  # forces back-pressure
     mc = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=1, filename="{step}")
-    trainer = Trainer(
-        default_root_dir=tmp_path,
+    trainer = _quiet_cpu_trainer(
+        tmp_path,
         max_steps=5,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[mc],
         plugins=[io],
     )
@@ -609,23 +607,17 @@ def _ema_module_cls():
 def test_trainer_weight_averaging_async_checkpoints_hold_save_time_state(tmp_path, monkeypatch):
     """EMAWeightAveraging swaps weights for validation and copies the average into the model at the end of
     training through ``param.data`` (no version bump): the snapshot barrier makes the lazy copies happen first."""
-    from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
 
     _slow_copier(monkeypatch)
     EMA = _ema_module_cls()
     model = EMA()
-    trainer = Trainer(
-        default_root_dir=tmp_path,
+    trainer = _quiet_cpu_trainer(
+        tmp_path,
         max_steps=6,
         val_check_interval=2,
         limit_val_batches=1,
         num_sanity_val_steps=0,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[
             EMAWeightAveraging(decay=0.5),
             ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1, every_n_train_steps=1, filename="{step}"),
@@ -645,7 +637,6 @@ def test_trainer_weight_averaging_async_checkpoints_hold_save_time_state(tmp_pat
 
 def test_trainer_in_flight_name_gets_version_suffix(tmp_path, monkeypatch):
     """ModelCheckpoint's ``-vN`` versioning sees a name whose async save is still in flight as taken."""
-    from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     real = PlanWriter.finish
@@ -662,14 +653,9 @@ def test_trainer_in_flight_name_gets_version_suffix(tmp_path, monkeypatch):
             return super().training_step(batch, batch_idx)
 
     model = Logged()
-    trainer = Trainer(
-        default_root_dir=tmp_path,
+    trainer = _quiet_cpu_trainer(
+        tmp_path,
         max_steps=3,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[
             ModelCheckpoint(
                 dirpath=tmp_path / "ck", save_top_k=-1, monitor="m", mode="max", every_n_train_steps=1, filename="fixed"
@@ -689,7 +675,6 @@ def test_trainer_in_flight_name_gets_version_suffix(tmp_path, monkeypatch):
 def test_trainer_in_place_change_after_save_is_detected(tmp_path, monkeypatch):
     """A LightningModule hook runs after ModelCheckpoint saved and changes a weight in place before the (slowed)
     lazy copy: that save fails loudly instead of holding a value that never existed at save time."""
-    from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     _slow_copier(monkeypatch)
@@ -701,15 +686,10 @@ def test_trainer_in_place_change_after_save_is_detected(tmp_path, monkeypatch):
                     self.net[0].weight.add_(0.5)  # e.g. a hand-written EMA/clipping outside optimizer.step()
 
     model = Meddling()
-    trainer = Trainer(
-        default_root_dir=tmp_path,
+    trainer = _quiet_cpu_trainer(
+        tmp_path,
         max_steps=4,
         limit_val_batches=0,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1, every_n_train_steps=1, filename="{step}")],
         plugins=[UringCheckpointIO(async_save=True)],
     )
