@@ -235,12 +235,10 @@ def _read_kind(r: Any, path: str) -> tuple[str, Any]:
 
 def _read_zip_index(r: Any, path: str, found: tuple) -> torch_zip.ArchiveIndex:
     """Integrity record and central directory of a format-2 file, checked (``found``: from :func:`_read_kind`)."""
-    io_off, io_len, io_crc, cd_off, cd_end, cd_crc = found
+    io_off, io_len, _, cd_off, cd_end, _ = found
     integrity, central = bytearray(io_len), bytearray(cd_end - cd_off)
     r.read([(io_off, integrity), (cd_off, central)])
-    index = torch_zip.parse_archive(path, r.size, bytes(integrity), bytes(central), cd_off, (io_crc, cd_crc))
-    index.integrity_offset, index.integrity_length = io_off, io_len
-    return index
+    return torch_zip.parse_archive(path, r.size, found, bytes(integrity), bytes(central))
 
 
 def _read_zip_records(r: Any, index: torch_zip.ArchiveIndex, verify: bool) -> tuple[dict, dict]:

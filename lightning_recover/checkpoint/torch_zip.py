@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_recover.checkpoint.format import CheckpointCorruptError
+from lightning_recover.checkpoint.format import CheckpointCorruptError, crc32c
 
 __all__ = [
     "ALIGN",
@@ -73,12 +73,6 @@ _U32 = 0xFFFFFFFF
 _U16 = 0xFFFF
 # a record needs zip64 fields when its size or its header offset reaches this (tests lower it)
 ZIP64_LIMIT = _U32
-
-
-def _crc32c(buf: Any, value: int = 0) -> int:
-    import native_io
-
-    return native_io.crc32c(buf, value)
 
 
 def is_zip(head: bytes) -> bool:
@@ -231,7 +225,7 @@ class ZipPlan:
         for rec in records:
             _place(rec, cursor)
             if rec.payload is not None:
-                rec.crc32c = _crc32c(rec.payload)
+                rec.crc32c = crc32c(rec.payload)
                 if zip_crc32:
                     rec.zip_crc = zlib.crc32(rec.payload)
             cursor = rec.end()
@@ -288,7 +282,7 @@ class ZipPlan:
         ).encode()
         irec = Record(INTEGRITY_RECORD, len(integrity), payload=integrity)
         _place(irec, self.data_end)
-        irec.crc32c = _crc32c(integrity)
+        irec.crc32c = crc32c(integrity)
         if self.zip_crc32:
             irec.zip_crc = zlib.crc32(integrity)
         out += local_header(irec) + integrity + descriptor(irec)
@@ -299,7 +293,7 @@ class ZipPlan:
         z64 = _EOCD64.pack(_SIG_EOCD64, 44, 0, 0, 0, 0, n, n, len(central), cd_offset)
         z64 += _LOCATOR.pack(_SIG_LOCATOR, 0, eocd64_offset, 1)
         comment = COMMENT_TAG + (
-            f"{irec.data_offset} {irec.nbytes} {irec.crc32c:08x} {_crc32c(central + z64):08x}".encode()
+            f"{irec.data_offset} {irec.nbytes} {irec.crc32c:08x} {crc32c(central + z64):08x}".encode()
         )
         end = _EOCD.pack(
             _SIG_EOCD, 0, 0, min(n, _U16), min(n, _U16), min(len(central), _U32), min(cd_offset, _U32), len(comment)
@@ -425,14 +419,13 @@ def parse_tail(tail: bytes, size: int, path: str) -> Optional[tuple[int, int, in
     return io_off, io_len, io_crc, cd_offset, eocd_at, c_crc
 
 
-def parse_archive(
-    path: str, size: int, integrity: bytes, central_and_z64: bytes, central_offset: int, expect: tuple[int, int]
-) -> ArchiveIndex:
-    """Check the integrity record and central directory (already read) against each other."""
-    io_crc, cd_crc = expect
-    if _crc32c(integrity) != io_crc:
+def parse_archive(path: str, size: int, found: tuple, integrity: bytes, central_and_z64: bytes) -> ArchiveIndex:
+    """Check the integrity record and central directory (already read, where ``found`` -- from
+    :func:`parse_tail` -- says) against their checksums and each other."""
+    io_off, io_len, io_crc, central_offset, _, cd_crc = found
+    if crc32c(integrity) != io_crc:
         raise CheckpointCorruptError(f"{path}: integrity record checksum mismatch: damaged file", path)
-    if _crc32c(central_and_z64) != cd_crc:
+    if crc32c(central_and_z64) != cd_crc:
         raise CheckpointCorruptError(f"{path}: central directory checksum mismatch: damaged file", path)
     try:
         doc = json.loads(integrity)
@@ -456,7 +449,7 @@ def parse_archive(
         if rec.data_end > central_offset:
             raise CheckpointCorruptError(f"{path}: record {name!r} extends past the data area", path)
     return ArchiveIndex(
-        path, size, str(doc.get("file_id", "")), dict(doc.get("meta") or {}), records, 0, 0, central_offset
+        path, size, str(doc.get("file_id", "")), dict(doc.get("meta") or {}), records, io_off, io_len, central_offset
     )
 
 
