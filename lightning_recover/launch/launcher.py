@@ -123,7 +123,9 @@ class _Link:
         """Stop probing (before the coordinator is stopped: a probe then would log a torch error)."""
         self._closed = True
         self._requests.put(None)
-        self._thread.join(timeout=1.0)  # a probe stuck on a frozen coordinator is left behind (daemon)
+        # A probe stuck on a frozen coordinator returns once the caller has killed it (the connection
+        # resets); should it not, within the second, the daemon thread is left behind.
+        self._thread.join(timeout=1.0)
 
     def _run(self) -> None:
         while self.error is None:
@@ -153,7 +155,14 @@ class _Link:
         self._requests.put((fn, box, done))
         deadline = time.monotonic() + timeout
         # Sliced: once the thread has failed it serves no more requests, so do not wait out the bound.
-        while not done.wait(0.05) and self.error is None and time.monotonic() < deadline:
+        # A link already silent for the bound (stuck on a frozen coordinator) does not get the bound
+        # again: the loss counts from the coordinator's last answer, not from this call.
+        while (
+            not done.wait(0.05)
+            and self.error is None
+            and time.monotonic() < deadline
+            and self.silent_for() <= timeout
+        ):
             pass
         if not box:
             raise _CoordinatorLost(
@@ -463,10 +472,13 @@ def supervise(
             if c.proc.poll() is None:
                 kill_tree(c.proc.pid)
                 c.proc.wait()
+        if coordinator_lost or is_stopped(coord.proc.pid):
+            # A frozen coordinator would never handle SIGTERM. Killed before the link is closed: the
+            # kill resets the connection the link's thread is stuck on, so the thread ends now
+            # instead of inside torch's store code while the interpreter exits (which aborts it).
+            coord.proc.kill()
         if link is not None:
             link.close()
-        if coordinator_lost or is_stopped(coord.proc.pid):
-            coord.proc.kill()  # a frozen coordinator would never handle SIGTERM
         coord.stop()
         shutil.rmtree(secret_dir, ignore_errors=True)
     ok = [c.replica for c in children if c.exit_code == 0]
