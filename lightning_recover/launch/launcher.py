@@ -158,10 +158,7 @@ class _Link:
         # A link already silent for the bound (stuck on a frozen coordinator) does not get the bound
         # again: the loss counts from the coordinator's last answer, not from this call.
         while (
-            not done.wait(0.05)
-            and self.error is None
-            and time.monotonic() < deadline
-            and self.silent_for() <= timeout
+            not done.wait(0.05) and self.error is None and time.monotonic() < deadline and self.silent_for() <= timeout
         ):
             pass
         if not box:
