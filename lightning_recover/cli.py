@@ -102,11 +102,23 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     common(p)
 
-    p = kinds.add_parser("resilience", help="this project vs checkpoint-and-restart vs failure-free")
+    p = kinds.add_parser("resilience", help="this project vs checkpoint-and-restart (and torchft) vs failure-free")
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--steps", type=int, default=20, help="steps (20 = the module's own default schedule)")
     p.add_argument("--repeat", type=int, default=1)
-    p.add_argument("--modes", default=None, help="comma-separated subset of modes")
+    p.add_argument(
+        "--modes",
+        default=None,
+        help="comma-separated subset of modes (torchft: only when asked for, and only if torchft is installed)",
+    )
+    p.add_argument(
+        "--straggler",
+        default=None,
+        metavar="R:F[@S]",
+        help="straggler scenario instead of faults: replica R's microbatches take F times as long (from step S "
+        "on); compares recover-equal, recover-throughput, ddp-torch and failure-free",
+    )
+    p.add_argument("--microbatches", type=int, default=None, help="M per step (default 12)")
     p.add_argument(
         "--replica-size",
         type=int,
@@ -116,8 +128,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--heartbeat-timeout",
         type=float,
-        default=1.0,
-        help="1.0 = the module's default (5 s, safe on a loaded 2-core machine)",
+        default=None,
+        help="seconds (default 5, safe on a loaded 2-core machine); torchft's lighthouse gets the same",
     )
     common(p)
 

@@ -532,7 +532,7 @@ def cli(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if env.DEMO_ARGS in os.environ and os.environ.get(env.REPLICA) is not None:
+    if env.DEMO_ARGS in os.environ and env.in_replica():
         _worker(argparse.Namespace(**json.loads(os.environ[env.DEMO_ARGS])))
     else:
         sys.exit(cli())

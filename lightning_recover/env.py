@@ -13,6 +13,11 @@ import os
 COORDINATOR = "LIGHTNING_RECOVER_COORDINATOR"
 #: This process's replica id, ``0 <= id < REPLICAS`` (set by the launcher per replica).
 REPLICA = "LIGHTNING_RECOVER_REPLICA"
+#: Set instead of :data:`REPLICA` in a warm standby process (``--standby S``): its standby id, unique in
+#: the job. It starts like a replica (imports, model, data), then waits at its connection to the
+#: coordinator until the launcher assigns it the id of a replica that died, and goes on as that
+#: replica's next incarnation (see :mod:`lightning_recover.protocol.standby`).
+STANDBY = "LIGHTNING_RECOVER_STANDBY"
 #: Number of replicas of the job (set by the launcher; checked against the coordinator's count).
 REPLICAS = "LIGHTNING_RECOVER_REPLICAS"
 #: Path of a 0600 file holding the job's secret (hex) that authenticates every control message;
@@ -56,8 +61,23 @@ REPLICA_VARIABLES = (COORDINATOR, REPLICA, REPLICAS)
 
 
 def in_replica() -> bool:
-    """True inside a replica process started by a lightning-recover launcher."""
-    return REPLICA in os.environ
+    """True inside a replica process started by a lightning-recover launcher (a standby included)."""
+    return REPLICA in os.environ or STANDBY in os.environ
+
+
+def standby_id() -> int | None:
+    """This process's standby id while it is a warm standby, else None."""
+    return int(os.environ[STANDBY]) if STANDBY in os.environ and REPLICA not in os.environ else None
+
+
+def device_slot() -> int:
+    """Which of the node's accelerators this process uses: replica r's process i takes r*K + i; a
+    standby takes a slot after all replicas' (it keeps its device when it takes a replica's place)."""
+    if STANDBY in os.environ:  # started as a standby: its slot stays after it takes a replica's place
+        base = int(os.environ.get(REPLICAS, "1")) + int(os.environ[STANDBY])
+    else:
+        base = int(os.environ.get(REPLICA, "0"))
+    return base * replica_size() + inner_rank()
 
 
 def replica_size() -> int:

@@ -55,14 +55,31 @@ import time
 
 import torch
 
+from lightning_recover.bench.resilience_train import parse_slow, slow_factor
+from lightning_recover.protocol.planner import plan_quotas
+
 MODES = ("recover", "recover-local", "ddp-torch", "ddp-uring", "failure-free")
 SHARDED_MODES = ("recover", "recover-local", "hsdp-dcp", "failure-free")
-EXTRA_MODES = ("recover-norestart",)
+EXTRA_MODES = ("recover-norestart", "torchft")
+# --straggler: no faults; one replica slowed; equal vs throughput quotas vs stock DDP (+ the reference)
+STRAGGLER_MODES = ("recover-equal", "recover-throughput", "ddp-torch", "failure-free")
 _FAULT_T = re.compile(r"injecting fault (\S+) at t=([0-9.]+)")
 
 # The documented default schedule: 4 replicas, 40 steps of M=12 microbatches, 3 successive kills.
 DEFAULTS = {"steps": 40, "microbatches": 12, "mb_seconds": 0.1, "ckpt_every": 10, "kills": [(1, 5), (2, 16), (3, 27)]}
-MODEL = ["--batch-size", "4", "--block-size", "64", "--layers", "2", "--width", "64", "--corpus-bytes", "1000000"]
+_BATCH = 4  # samples per microbatch
+MODEL = [
+    "--batch-size",
+    str(_BATCH),
+    "--block-size",
+    "64",
+    "--layers",
+    "2",
+    "--width",
+    "64",
+    "--corpus-bytes",
+    "1000000",
+]
 
 
 def _env() -> dict[str, str]:
@@ -98,8 +115,20 @@ def run_mode(
     ckpt_every: int,
     heartbeat_timeout: float,
     replica_size: int = 1,
+    slow: str = "",
     timeout: float = 1800,
 ) -> dict:
+    if mode == "torchft":
+        return run_torchft(
+            out,
+            replicas=replicas,
+            steps=steps,
+            microbatches=microbatches,
+            mb_seconds=mb_seconds,
+            kills=kills,
+            heartbeat_timeout=heartbeat_timeout,
+            timeout=timeout,
+        )
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     common = [
@@ -118,6 +147,8 @@ def run_mode(
     ] + MODEL
     if replica_size > 1:
         common += ["--precision", "32-true"]  # ModelParallelStrategy (the HSDP baseline) refuses 64-true
+    if slow and mode != "failure-free":  # the failure-free run is the reference: no straggler either
+        common += ["--slow", slow]
     env = _env()
     job = [sys.executable, "-m", "lightning_recover.bench.resilience_train"]
     # The restart budget is the same for every mode that restarts: torchrun --max-restarts K in the
@@ -154,6 +185,8 @@ def run_mode(
         )
     elif mode.startswith("recover") or mode == "failure-free":
         cmd = job + ["--mode", "recover", "--heartbeat-timeout", str(heartbeat_timeout)] + common
+        if mode == "recover-throughput":
+            cmd += ["--quota", "throughput"]
         if mode == "recover-local":
             cmd += ["--restarts", str(len(kills))]
         if mode != "failure-free" and kills:
@@ -189,6 +222,190 @@ def run_mode(
     if code != 0:
         raise RuntimeError(f"{mode} job failed ({code}):\n{output[-3000:]}")
     return analyze(mode, out, output, steps=steps, microbatches=microbatches, job_seconds=total)
+
+
+def torchft_available() -> str | None:
+    """None if torchft can be imported, else why not (the ``torchft`` mode is then skipped)."""
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust servers log every quorum at info
+    try:
+        import torchft  # noqa: F401
+        from torchft._torchft import LighthouseServer  # noqa: F401
+    except Exception as exc:  # ImportError, or a build that does not match this torch
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def run_torchft(
+    out: str,
+    *,
+    replicas: int,
+    steps: int,
+    microbatches: int,
+    mb_seconds: float,
+    kills: list[tuple[int, int]],
+    heartbeat_timeout: float,
+    collective_timeout: float = 10.0,
+    grace: float = 30.0,
+    timeout: float = 1800,
+    **_: object,
+) -> dict:
+    """torchft 0.2.0 under the same schedule: the driver hosts the lighthouse (127.0.0.1, a free
+    port) and runs one restart loop per replica (each replica = one replica group of one process,
+    restarted up to ``len(kills)`` times after a non-zero exit, as a per-replica ``torchrun
+    --max-restarts`` would). The lighthouse declares a replica dead after ``heartbeat_timeout``
+    seconds without a heartbeat and waits as long for heartbeating replicas that have not asked to
+    join (``join_timeout_ms``); the Manager's and gloo's timeout is ``collective_timeout``."""
+    import threading
+
+    from torchft._torchft import LighthouseServer
+
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    hb_ms = int(heartbeat_timeout * 1000)
+    lighthouse = LighthouseServer(
+        bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=hb_ms, quorum_tick_ms=100, heartbeat_timeout_ms=hb_ms
+    )
+    port = int(lighthouse.address().rsplit(":", 1)[1])  # it names the host by hostname; it listens on 127.0.0.1
+    env = _env()
+    common = ["--replicas", str(replicas), "--steps", str(steps), "--microbatches", str(microbatches)]
+    common += ["--mb-seconds", str(mb_seconds), "--out", out, "--lighthouse", f"http://127.0.0.1:{port}"]
+    common += ["--kill", ",".join(f"{r}:{s}" for r, s in kills), "--timeout", str(collective_timeout)] + MODEL
+    restarts = len(kills)
+    done = threading.Event()
+    procs: dict[int, subprocess.Popen] = {}
+    lock = threading.Lock()
+    codes: dict[int, list[int]] = {r: [] for r in range(replicas)}
+
+    def loop(r: int) -> None:
+        with open(os.path.join(out, f"replica{r}.log"), "wb") as f:
+            for incarnation in range(1, restarts + 2):
+                cmd = [sys.executable, "-m", "lightning_recover.bench.torchft_train", "--replica", str(r)]
+                cmd += ["--incarnation", str(incarnation)] + common
+                with lock:
+                    if done.is_set():
+                        return
+                    procs[r] = subprocess.Popen(
+                        cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+                    )
+                code = procs[r].wait()
+                codes[r].append(code)
+                if code == 0 or done.is_set():
+                    return
+
+    threads = [threading.Thread(target=loop, args=(r,), daemon=True) for r in range(replicas)]
+    t0 = time.time()
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + timeout
+        # the run is over when one replica has committed the last step (it writes DIR/done) or
+        # every restart loop has ended; then the others get `grace` seconds to finish theirs
+        while not os.path.exists(os.path.join(out, "done")) and any(t.is_alive() for t in threads):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"torchft did not finish within {timeout}s; see {out}/replica*.log")
+            time.sleep(0.1)
+        grace_end = time.monotonic() + grace
+        while any(t.is_alive() for t in threads) and time.monotonic() < grace_end:
+            time.sleep(0.1)
+    finally:
+        with lock:
+            done.set()
+            for proc in procs.values():
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)  # the replica's own session, by its leader's pid
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+        for t in threads:
+            t.join(timeout=10)
+        lighthouse.shutdown()
+    total = time.time() - t0
+    output = "".join(open(os.path.join(out, f"replica{r}.log"), errors="replace").read() for r in range(replicas))
+    with open(os.path.join(out, "job.log"), "w") as f:
+        f.write(output)
+    finals = sorted(glob.glob(os.path.join(out, "final*.pt")))
+    if not finals:
+        raise RuntimeError(f"torchft: no replica finished the run (exit codes {codes}):\n{output[-3000:]}")
+    shutil.copy(finals[0], os.path.join(out, "final.pt"))
+    result = analyze_torchft(out, output, steps=steps, microbatches=microbatches, replicas=replicas)
+    result.update(job_s=total, exit_codes=codes, heartbeat_timeout_ms=hb_ms, join_timeout_ms=hb_ms)
+    result["collective_timeout_s"] = collective_timeout
+    return result
+
+
+def analyze_torchft(out: str, output: str, *, steps: int, microbatches: int, replicas: int) -> dict:
+    """Throughput and recovery of a torchft run from its records (see torchft_train.py)."""
+    recs = _records(out)
+    step_recs = [r for r in recs if r["event"] == "step"]
+    committed = [r for r in step_recs if r["committed"]]
+    faults = sorted(((m.group(1), float(m.group(2))) for m in _FAULT_T.finditer(output)), key=lambda f: f[1])
+    # one commit per step index (every participant logs it; they agree on participants)
+    final: dict[int, dict] = {}
+    for r in committed:
+        final.setdefault(r["step"], r)
+    if sorted(final) != list(range(steps)):
+        raise RuntimeError(f"torchft: committed steps {sorted(final)} != 0..{steps - 1}")
+    first = min(r["start"] for r in step_recs if r["incarnation"] == 1)
+    last = max(r["commit"] for r in committed if r["step"] == steps - 1)
+    wall = last - first
+    per_replica = microbatches // replicas
+    applied_mb = [final[s]["participants"] * per_replica for s in range(steps)]
+    dropped: dict[int, int] = {}
+    for r in step_recs:
+        if not r["committed"]:
+            dropped[r["rank"]] = dropped.get(r["rank"], 0) + 1
+    recoveries = []
+    for spec, t in faults:
+        step = int(re.search(r"step=(\d+)", spec).group(1))
+        victim = int(re.search(r"replica=(\d+)", spec).group(1))
+        after = [r["commit"] for r in committed if r["commit"] > t]
+        item = {"fault": spec, "fault_t": t - first, "step": step}
+        item["fault_to_commit_s"] = (min(after) - t) if after else None  # the survivors' next commit
+        later = [r for r in recs if r["rank"] == victim and r.get("incarnation", 1) > 1]
+        starts = [r["t"] for r in later if r["event"] == "start" and r["t"] > t]
+        joined = [r for r in later if r["event"] == "step" and r["committed"] and r["start"] > t]
+        if starts:
+            item["process_restart_s"] = min(starts) - t
+        if joined:
+            # healed: the first committed step of the new incarnation (it received the state at that quorum);
+            # participating: the first step it contributes a gradient to
+            item["restart_s"] = min(r["commit"] for r in joined) - t
+            item["rejoin_step"] = min(r["step"] for r in joined)
+            if starts:
+                item["rejoin_s"] = item["restart_s"] - item["process_restart_s"]
+            part = [r["commit"] for r in joined if r["participating"]]
+            item["participating_s"] = (min(part) - t) if part else None
+        full = [r["commit"] for s, r in final.items() if s > step and r["participants"] >= replicas]
+        item["degraded_s"] = (min(full) - t) if full else None
+        recoveries.append(item)
+    return {
+        "mode": "torchft",
+        "steps": steps,
+        "wall_s": wall,
+        "effective_mb_per_s": sum(applied_mb) / wall,  # microbatches applied (only the participants')
+        "steps_per_s": steps / wall,
+        "applied_microbatches": sum(applied_mb),
+        "applied_mb_per_step": applied_mb,
+        "samples_per_step": {"min": min(applied_mb) * _BATCH, "max": max(applied_mb) * _BATCH},
+        "mean_samples_per_step": sum(applied_mb) * _BATCH / steps,
+        "faults": len(faults),
+        "lost_steps": max(dropped.values()) if dropped else 0,
+        "dropped_attempts": dropped,
+        "lost_microbatches": None,
+        "recomputed_microbatches": 0,
+        "recoveries": recoveries,
+        "median_fault_to_commit_s": statistics.median(
+            [x["fault_to_commit_s"] for x in recoveries if x["fault_to_commit_s"] is not None] or [0.0]
+        ),
+        "median_restart_s": _median(recoveries, "restart_s"),
+        "median_process_restart_s": _median(recoveries, "process_restart_s"),
+        "median_rejoin_s": _median(recoveries, "rejoin_s"),
+        "median_degraded_s": _median(recoveries, "degraded_s"),
+        "degraded_steps": sum(1 for r in final.values() if r["participants"] < replicas),
+        "rejoins": sum(1 for r in recs if r["event"] == "step" and r.get("healed")),
+        "final_loss": final[steps - 1]["loss"],
+        "min_live": min(r["participants"] for r in final.values()),
+    }
 
 
 def _records(out: str) -> list[dict]:
@@ -283,7 +500,50 @@ def analyze(mode: str, out: str, output: str, *, steps: int, microbatches: int, 
         "checkpoint_load_s": statistics.median(loads) if loads else None,
         "final_loss": final[steps - 1]["loss"],
         "min_live": min(r.get("live", 0) for r in final.values()),
+        "mb_by_replica": _mb_by_replica(step_recs),
     }
+
+
+def _mb_by_replica(step_recs: list[dict]) -> dict[int, int]:
+    """Microbatches each replica computed over the run (its quotas plus any recomputed ones)."""
+    counts: dict[int, int] = {}
+    for r in step_recs:
+        counts[r["rank"]] = counts.get(r["rank"], 0) + r.get("computed", 0)
+    return dict(sorted(counts.items()))
+
+
+# ------------------------------------------------------------------ stragglers: what is attainable
+
+
+def mb_times(replicas: int, mb_seconds: float, slow: dict[int, tuple[float, int]], step: int) -> list[float]:
+    """Seconds one microbatch takes on each replica in ``step`` (``--slow``'s factors applied)."""
+    return [mb_seconds * slow_factor(slow, r, step) for r in range(replicas)]
+
+
+def ideal_mb_per_s(replicas: int, mb_seconds: float, slow: dict[int, tuple[float, int]], steps: int, M: int) -> float:
+    """The ideal: every step runs at the sum of the replicas' individual rates (no quota rounding,
+    no communication). One replica at 2x of 4: (3 + 0.5) / mb_seconds; slow from a later step: the
+    steps' ideal times summed."""
+    wall = sum(M / sum(1.0 / t for t in mb_times(replicas, mb_seconds, slow, s)) for s in range(steps))
+    return steps * M / wall
+
+
+def planned_mb_per_s(
+    replicas: int, mb_seconds: float, slow: dict[int, tuple[float, int]], steps: int, M: int, quota: str
+) -> float:
+    """What the quota plan itself allows, with zero communication: each step takes its slowest
+    replica's ``quota x microbatch time``. ``equal`` (and DDP): M/N each. ``throughput``: the
+    protocol's own planner, weighted by the rates measured in the previous step (step 0: equal), so
+    rounding to whole microbatches and the one-step lag after a change are both counted."""
+    wall = 0.0
+    for s in range(steps):
+        times = mb_times(replicas, mb_seconds, slow, s)
+        weights = None
+        if quota == "throughput" and s > 0:
+            weights = {r: 1.0 / t for r, t in enumerate(mb_times(replicas, mb_seconds, slow, s - 1))}
+        plan = plan_quotas(s, range(M), range(replicas), weights)
+        wall += max(len(plan[r]) * times[r] for r in range(replicas))
+    return steps * M / wall
 
 
 def f_(v: float | None) -> str:
@@ -295,12 +555,13 @@ def _median(items: list[dict], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _param_diff(a_path: str, b_path: str) -> float:
+def _param_diff(a_path: str, b_path: str, relative: bool = True) -> float:
+    """Max over tensors of max |a - b| (relative: divided by the tensor's max |b|)."""
     a, b = torch.load(a_path), torch.load(b_path)
     worst = 0.0
     for key, ref in b.items():
         diff = (a[key].double() - ref.double()).abs().max().item()
-        worst = max(worst, diff / max(ref.double().abs().max().item(), 1e-12))
+        worst = max(worst, diff / max(ref.double().abs().max().item(), 1e-12) if relative else diff)
     return worst
 
 
@@ -329,35 +590,67 @@ def _table(rows: dict[str, dict], bases: tuple[str, ...] = ("ddp-torch", "ddp-ur
     return "\n".join(lines)
 
 
+def _select_modes(args: argparse.Namespace, straggler: str | None, replica_size: int) -> list[str]:
+    if straggler:
+        known, default = STRAGGLER_MODES, STRAGGLER_MODES
+    elif replica_size > 1:
+        known, default = SHARDED_MODES, SHARDED_MODES[:4]
+    else:
+        known, default = MODES + EXTRA_MODES, MODES
+    modes = [m for m in (getattr(args, "modes", None) or ",".join(default)).split(",") if m]
+    unknown = [m for m in modes if m not in known]
+    if unknown:
+        raise SystemExit(f"bench resilience: unknown mode(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+    if "torchft" in modes:
+        why = torchft_available()
+        if why is not None:
+            print(
+                f"bench resilience: skipping the torchft mode: torchft is not importable ({why}); "
+                "install it with pip install 'lightning-recover[bench]' (torchft==0.2.0)",
+                flush=True,
+            )
+            modes.remove("torchft")
+    return modes
+
+
 def main(args: argparse.Namespace) -> int:
     workdir = args.dir or tempfile.mkdtemp(prefix="lr-resilience-")
     os.makedirs(workdir, exist_ok=True)
     # the CLI's shared --steps defaults to 20 (for `bench overhead`); this benchmark's default is 40
     steps = args.steps if getattr(args, "steps", None) not in (None, 20) else DEFAULTS["steps"]
-    kills = [(r, s) for r, s in DEFAULTS["kills"] if s < steps and r < args.replicas]
+    straggler = getattr(args, "straggler", None) or None
+    try:
+        slow = parse_slow(straggler or "")
+    except ValueError as exc:
+        raise SystemExit(f"bench resilience --straggler: {exc}") from None
+    if any(r >= args.replicas for r in slow):
+        raise SystemExit(f"bench resilience --straggler {straggler}: there are only {args.replicas} replicas")
+    # the straggler scenario injects no faults: it isolates what the quotas do
+    kills = [] if straggler else [(r, s) for r, s in DEFAULTS["kills"] if s < steps and r < args.replicas]
     replica_size = getattr(args, "replica_size", 1) or 1
-    known = SHARDED_MODES if replica_size > 1 else MODES + EXTRA_MODES
-    bases = ("hsdp-dcp",) if replica_size > 1 else ("ddp-torch", "ddp-uring")
-    modes = [
-        m for m in (getattr(args, "modes", None) or ",".join(known[:4] if replica_size > 1 else MODES)).split(",") if m
-    ]
-    unknown = [m for m in modes if m not in known]
-    if unknown:
-        raise SystemExit(f"bench resilience: unknown mode(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+    if straggler and replica_size > 1:
+        raise SystemExit("bench resilience --straggler runs unsharded replicas (--replica-size 1)")
+    bases = ("hsdp-dcp",) if replica_size > 1 else ("ddp-torch",) if straggler else ("ddp-torch", "ddp-uring")
+    modes = _select_modes(args, straggler, replica_size)
     repeat = max(1, getattr(args, "repeat", 1) or 1)
     # under heavy load a 1 s heartbeat threshold can declare a slow replica dead (false suspicion);
-    # only kills are injected here, so a generous threshold costs nothing (the CLI's shared default is 1.0)
-    hb = args.heartbeat_timeout if args.heartbeat_timeout != 1.0 else 5.0
+    # only kills are injected here, so a generous threshold costs nothing. The launchers see a
+    # killed replica's exit at once: the threshold matters for hangs (and for torchft, whose
+    # lighthouse only learns of a death from missing heartbeats; it gets the same value).
+    hb = args.heartbeat_timeout if getattr(args, "heartbeat_timeout", None) is not None else 5.0
     cfg = {
         "replicas": args.replicas,
         "steps": steps,
-        "microbatches": DEFAULTS["microbatches"],
+        "microbatches": getattr(args, "microbatches", None) or DEFAULTS["microbatches"],
         "mb_seconds": DEFAULTS["mb_seconds"],
         "kills": kills,
-        "ckpt_every": DEFAULTS["ckpt_every"],
+        # no faults, nothing to restore from: the straggler scenario's DDP writes no checkpoints
+        "ckpt_every": 0 if straggler else DEFAULTS["ckpt_every"],
         "heartbeat_timeout": hb,
         "replica_size": replica_size,
     }
+    if straggler:
+        cfg["slow"] = straggler
     print(f"resilience: {cfg}, modes {modes}, {repeat} repetition(s), in {workdir}", flush=True)
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for rep in range(repeat):
@@ -373,8 +666,9 @@ def main(args: argparse.Namespace) -> int:
                     flush=True,
                 )
             print(
-                f"  {mode:12s} run {rep}: wall {r['wall_s']:.1f}s, {r['effective_mb_per_s']:.2f} mb/s, "
-                f"lost steps {r['lost_steps']}, recomputed mb {r['recomputed_microbatches']}",
+                f"  {mode:18s} run {rep}: wall {r['wall_s']:.1f}s, {r['effective_mb_per_s']:.2f} mb/s, "
+                f"lost steps {r['lost_steps']}, recomputed mb {r['recomputed_microbatches']}"
+                + (f", mb by replica {r['mb_by_replica']}" if straggler else ""),
                 flush=True,
             )
     rows = {}
@@ -384,10 +678,46 @@ def main(args: argparse.Namespace) -> int:
     if "failure-free" in rows:
         for mode, r in rows.items():
             r["param_diff"] = _param_diff(r["final_params"], rows["failure-free"]["final_params"])
-    table = _table(rows, bases)
+            r["param_absdiff"] = _param_diff(r["final_params"], rows["failure-free"]["final_params"], relative=False)
+    extra = {}
+    if straggler:
+        table = straggler_report(rows, runs, cfg, slow)
+        extra = {
+            "ideal_mb_per_s": ideal_mb_per_s(args.replicas, cfg["mb_seconds"], slow, steps, cfg["microbatches"]),
+            "planned_mb_per_s": {
+                q: planned_mb_per_s(args.replicas, cfg["mb_seconds"], slow, steps, cfg["microbatches"], q)
+                for q in ("equal", "throughput")
+            },
+        }
+    else:
+        table = _table(rows, bases)
+        if "torchft" in rows:
+            table += "\n\n" + _torchft_table(rows, cfg)
     print(table)
+    if not straggler:
+        _print_ratios(rows, bases)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "config": cfg,
+                    "machine": f"{os.cpu_count()} cores",
+                    "time": time.ctime(),
+                    "load_average": os.getloadavg(),
+                    **extra,
+                    "rows": rows,
+                    "runs": runs,
+                    "table": table,
+                },
+                f,
+                indent=2,
+            )
+    return 0
+
+
+def _print_ratios(rows: dict[str, dict], bases: tuple[str, ...]) -> None:
     for mode in rows:
-        if mode.startswith("recover"):
+        if mode.startswith("recover") or mode == "torchft":
             for base in bases:
                 if base in rows:
                     print(
@@ -401,19 +731,60 @@ def main(args: argparse.Namespace) -> int:
             )
             if per_fault:
                 print(f"  {mode} per fault (from the kill): {per_fault}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "config": cfg,
-                    "machine": f"{os.cpu_count()} cores",
-                    "time": time.ctime(),
-                    "load_average": os.getloadavg(),
-                    "rows": rows,
-                    "runs": runs,
-                    "table": table,
-                },
-                f,
-                indent=2,
-            )
-    return 0
+
+
+def straggler_report(rows: dict[str, dict], runs: dict[str, list[dict]], cfg: dict, slow: dict) -> str:
+    """The straggler table: throughput against the ideal and against what each quota plan allows."""
+    n, T, steps, M = cfg["replicas"], cfg["mb_seconds"], cfg["steps"], cfg["microbatches"]
+    ideal = ideal_mb_per_s(n, T, slow, steps, M)
+    lines = [
+        f"ideal (sum of the replicas' rates): {ideal:.2f} mb/s; equal split allows "
+        f"{planned_mb_per_s(n, T, slow, steps, M, 'equal'):.2f}, the throughput plan (whole microbatches, "
+        f"one-step lag) {planned_mb_per_s(n, T, slow, steps, M, 'throughput'):.2f}",
+        "",
+        "| mode | wall s | mb/s (median) | mb/s per run | ideal mb/s | fraction of ideal | plan allows (fraction)"
+        " | microbatches per replica | max abs param diff vs failure-free | max rel. param diff |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mode, r in rows.items():
+        plain = mode == "failure-free"
+        row_ideal = n / T if plain else ideal
+        quota = "throughput" if mode == "recover-throughput" else "equal"
+        plan = planned_mb_per_s(n, T, {} if plain else slow, steps, M, quota)
+        r.update(ideal_mb_per_s=row_ideal, fraction_of_ideal=r["effective_mb_per_s"] / row_ideal, plan_mb_per_s=plan)
+        per_run = ", ".join(f"{x['effective_mb_per_s']:.2f}" for x in runs[mode])
+        by = " / ".join(str(v) for v in r["mb_by_replica"].values())
+        lines.append(
+            f"| {mode}{' (no straggler)' if plain else ''} | {r['wall_s']:.1f} | {r['effective_mb_per_s']:.2f} | "
+            f"{per_run} | {row_ideal:.2f} | {r['fraction_of_ideal']:.3f} | {plan:.2f} ({plan / row_ideal:.3f}) | "
+            f"{by} | {_fmt(r.get('param_absdiff'))} | {_fmt(r.get('param_diff'))} |"
+        )
+    return "\n".join(lines)
+
+
+def _fmt(v: float | None) -> str:
+    return format(v, ".1e") if v is not None else "-"
+
+
+def _torchft_table(rows: dict[str, dict], cfg: dict) -> str:
+    """torchft side by side: what a step applies, what is dropped, how fast a kill is absorbed."""
+    M = cfg["microbatches"]
+    lines = [
+        "| mode | wall s | microbatches applied / s | steps / s | samples per step (min-max, mean) | steps dropped"
+        " | kill -> next commit (median s) | kill -> restarted replica trains (median s) | process start -> rejoined"
+        " (median s) | max abs param diff vs failure-free | max rel. param diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mode, r in rows.items():
+        if mode == "torchft":
+            sp = r["samples_per_step"]
+            samples = f"{sp['min']}-{sp['max']}, {r['mean_samples_per_step']:.1f}"
+        else:  # every committed step of recover / the DDP baselines covers all M microbatches
+            samples = f"{M * _BATCH}"
+        ftc = f"{r['median_fault_to_commit_s']:.2f}" if r["faults"] else "-"
+        lines.append(
+            f"| {mode} | {r['wall_s']:.1f} | {r['effective_mb_per_s']:.2f} | {r['steps'] / r['wall_s']:.2f} | "
+            f"{samples} | {r['lost_steps']} | {ftc} | {f_(r.get('median_restart_s'))} | "
+            f"{f_(r.get('median_rejoin_s'))} | {_fmt(r.get('param_absdiff'))} | {_fmt(r.get('param_diff'))} |"
+        )
+    return "\n".join(lines)

@@ -22,6 +22,10 @@ wall time (the replica sleeps for the rest), so a replica processes at most one 
 otherwise free CPU for the survivors and flatter them; with the padding the step time is
 ``ceil(M / live) * T`` plus communication, as on a cluster of fixed-speed accelerators.
 
+Stragglers (``--slow R:F[@S]``): replica ``R`` pads each microbatch to ``F * T`` instead (from step
+``S`` on), a slower accelerator; under ``recover``, ``--quota throughput`` gives it fewer of the ``M``
+microbatches (``strategy="recover"``'s quotas proportional to each replica's measured rate).
+
 The ``ddp`` fault hook (``--kill R:S,...``, sorted by step) is this baseline's own: the k-th entry
 SIGKILLs rank ``R`` at the start of step ``S``'s backward pass only in attempt ``k``
 (``TORCHELASTIC_RESTART_COUNT``), so after a restart the run does not fail at the same place again.
@@ -53,6 +57,33 @@ def _pad(start: float, seconds: float) -> None:
     left = start + seconds - time.perf_counter()
     if left > 0:
         time.sleep(left)
+
+
+def parse_slow(spec: str) -> dict[int, tuple[float, int]]:
+    """``--slow``: ``"R:F[@S],..."`` -> ``{R: (F, S)}``: replica ``R``'s microbatches take ``F`` times
+    ``--mb-seconds`` from step ``S`` on (``S`` = 0 when omitted: slow from the start)."""
+    slow: dict[int, tuple[float, int]] = {}
+    for item in (x.strip() for x in spec.split(",") if x.strip()):
+        try:
+            replica, rest = item.split(":")
+            factor, _, step = rest.partition("@")
+            r, f, s = int(replica), float(factor), int(step or 0)
+        except ValueError:
+            raise ValueError(
+                f"--slow {item!r}: expected REPLICA:FACTOR or REPLICA:FACTOR@STEP, e.g. 1:2.0@10"
+            ) from None
+        if r < 0 or not f >= 1.0 or f == float("inf") or s < 0 or r in slow:
+            raise ValueError(
+                f"--slow {item!r}: the replica must be >= 0 and appear once, the factor finite and >= 1, the step >= 0"
+            )
+        slow[r] = (f, s)
+    return slow
+
+
+def slow_factor(slow: dict[int, tuple[float, int]], replica: int, step: int) -> float:
+    """How many times ``--mb-seconds`` one microbatch of ``replica`` takes in ``step``."""
+    factor, since = slow.get(replica, (1.0, 0))
+    return factor if step >= since else 1.0
 
 
 def _build(args: argparse.Namespace):
@@ -97,6 +128,7 @@ def run_recover(args: argparse.Namespace) -> None:
         heartbeat_interval=min(0.1, args.heartbeat_timeout / 5),
         seed=args.seed,
         restarts=args.restarts,
+        quota=args.quota,
         **sharding,
     )
     fabric = L.Fabric(strategy=strategy, devices=args.replicas * K, accelerator="cpu", precision=args.precision)
@@ -115,15 +147,17 @@ def run_recover(args: argparse.Namespace) -> None:
     log = _Log(args.out, f"rank{replica}") if fabric.strategy.core.inner == 0 else (lambda **rec: None)
     # attempt stays 0: the run is one attempt (no step is rolled back); incarnation tells restarts apart
     log(event="start", t=_T_PROCESS, attempt=0, incarnation=incarnation, ready=time.time())
+    slow = parse_slow(args.slow)
     for step in fabric.strategy.steps(loader, max_steps=args.steps):
         start = time.time()
         if joining:
             joining = False
             log(event="rejoin", step=step.index, t=start, incarnation=incarnation, attempt=0)
+        mb_seconds = args.mb_seconds * slow_factor(slow, replica, step.index)
         for x, y in step:
             t = time.perf_counter()
             fabric.backward(model.loss(x, y))
-            _pad(t, args.mb_seconds)
+            _pad(t, mb_seconds)
         optimizer.step()
         optimizer.zero_grad()
         s = step.stats
@@ -220,9 +254,11 @@ def run_ddp(args: argparse.Namespace) -> None:
         first = state["step"]
         log(event="resume", step=first, seconds=time.time() - t, t=time.time(), attempt=attempt)
     fault = kills[attempt] if attempt < len(kills) else None
+    slow = parse_slow(args.slow)
     for index in range(first, args.steps):
         start = time.time()
         total = 0.0
+        mb_seconds = args.mb_seconds * slow_factor(slow, rank // K, index)
         for k in range(per_rank):
             t = time.perf_counter()
             x, y = source.batch(index, rank * per_rank + k)
@@ -237,7 +273,7 @@ def run_ddp(args: argparse.Namespace) -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
                 fabric.backward(loss / per_rank)
             total += loss.item()
-            _pad(t, args.mb_seconds)
+            _pad(t, mb_seconds)
         optimizer.step()
         optimizer.zero_grad()
         log(
@@ -247,6 +283,7 @@ def run_ddp(args: argparse.Namespace) -> None:
             commit=time.time(),
             loss=total / per_rank,
             live=args.replicas,
+            computed=per_rank,
             attempt=attempt,
         )
         if args.ckpt_every and (index + 1) % args.ckpt_every == 0 and index + 1 < args.steps:
@@ -267,6 +304,12 @@ def run_ddp(args: argparse.Namespace) -> None:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mode", choices=["recover", "ddp"], required=True)
+    add_job_arguments(p)
+    return p
+
+
+def add_job_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments every form of the job takes (also ``torchft_train.py``'s)."""
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument(
         "--replica-size", type=int, default=1, help="K > 1: sharded replicas (FSDP2 over K processes per replica)"
@@ -281,6 +324,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus-bytes", type=int, default=2_000_000)
     p.add_argument("--precision", default="64-true")
     p.add_argument("--mb-seconds", type=float, default=0.0, help="fixed wall time per microbatch (capacity)")
+    p.add_argument(
+        "--slow",
+        default="",
+        help="stragglers: R:F[@S],... replica R's microbatches take F x --mb-seconds (from step S on)",
+    )
+    p.add_argument("--quota", choices=["equal", "throughput"], default="equal", help="recover: microbatch quotas")
     p.add_argument("--heartbeat-timeout", type=float, default=1.0)
     p.add_argument(
         "--restarts",
@@ -294,7 +343,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kill", default="", help="ddp: R:S,... rank R is SIGKILLed at step S (k-th entry in attempt k)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
-    return p
 
 
 def main() -> None:

@@ -27,10 +27,19 @@ from typing import Any
 from lightning_recover import env
 from lightning_recover.errors import RecoverError
 from lightning_recover.launch import coordinator_process
+from lightning_recover.launch.process_tree import children_map, describe_exit, is_stopped, kill_tree
+from lightning_recover.launch.standby_pool import StandbyPool
 from lightning_recover.protocol import coordinator
 from lightning_recover.protocol.faults import parse_faults
 from lightning_recover.protocol.messages import JobSecret, Sealer, connect, mark_dead, read_declared
-from lightning_recover.protocol.options import DEFAULT_HEARTBEAT_INTERVAL, check_heartbeat_timeout, check_seconds
+from lightning_recover.protocol.options import (
+    DEFAULT_HEARTBEAT_INTERVAL,
+    check_heartbeat_timeout,
+    check_seconds,
+    check_standby,
+)
+from lightning_recover.protocol.standby import assign as assign_standby
+from lightning_recover.protocol.standby import is_ready as standby_is_ready
 
 
 @dataclass
@@ -42,52 +51,6 @@ class _Child:
     history: list[str] = field(default_factory=list)
     handled: int = 0  # declarations of incarnations up to this one concern processes already ended
     declared_at: float | None = None  # when the launcher first saw it declared dead while it ran
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-def is_stopped(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except OSError:
-        return False
-
-
-def _children_map() -> dict[int, list[int]]:
-    """Parent pid -> child pids, read from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    return children
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL a process and its descendants (a torchrun agent and its workers), by pid."""
-    children = _children_map()
-    stack, order = [pid], []
-    while stack:
-        p = stack.pop()
-        order.append(p)
-        stack.extend(children.get(p, []))
-    for p in order:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 #: Exit code of a job whose coordinator died or stopped answering (its replicas were ended).
@@ -204,6 +167,7 @@ def supervise(
     watch_workers: bool = False,
     heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
     nproc_per_replica: int = 1,
+    standby: int = 0,
 ) -> int:
     """Run ``command`` once per replica under a fresh coordinator; return the job's exit code.
 
@@ -221,6 +185,10 @@ def supervise(
 
     ``nproc_per_replica`` = K > 1: sharded replicas. Locally the launcher starts K processes per
     replica (see :mod:`~lightning_recover.launch.sharded`); in torchrun mode each agent starts them.
+
+    ``standby`` = S > 0: S warm standbys run the command ahead of need and wait; a failed replica's
+    restart is then a standby taking its place (it still counts as one of its ``restarts``), and a
+    new standby is started in its stead (see :mod:`~lightning_recover.protocol.standby`).
     """
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
@@ -231,6 +199,7 @@ def supervise(
     parse_faults(inject, replicas)  # validate before starting anything
     if isinstance(nproc_per_replica, bool) or not isinstance(nproc_per_replica, int) or nproc_per_replica < 1:
         raise ValueError(f"nproc_per_replica must be an integer >= 1, got {nproc_per_replica!r}")
+    check_standby(standby, restarts, nproc_per_replica, watch_workers)
     say = on_event or (lambda line: print(f"[lightning-recover] {line}", file=sys.stderr, flush=True))
     argv = command if callable(command) else (lambda r: command)
     first = list(argv(0))
@@ -269,6 +238,7 @@ def supervise(
     interrupted = coordinator_lost = False
     old: dict = {}
     link: _Link | None = None
+    standbys: StandbyPool | None = None
     try:
         link = _Link(coord.addr, period=min(1.0, heartbeat_timeout / 2))
         child_env = dict(os.environ, **(extra_env or {}))
@@ -301,6 +271,12 @@ def supervise(
         def spawn(r: int) -> subprocess.Popen:
             return subprocess.Popen(list(argv(r)), env=dict(child_env, **{env.REPLICA: str(r)}), preexec_fn=preexec)
 
+        def spawn_standby(s: int) -> subprocess.Popen:
+            return subprocess.Popen(list(argv(0)), env=dict(child_env, **{env.STANDBY: str(s)}), preexec_fn=preexec)
+
+        # One standby process per restart the job may still make, at most: never more than needed.
+        standbys = StandbyPool(standby, spawn_standby, standby + replicas * restarts, say) if standby else None
+
         try:
             for r in range(replicas):
                 children.append(_Child(r, spawn(r)))
@@ -310,7 +286,13 @@ def supervise(
                 "coordinator already started. HINT: check the command after --, e.g. -- python train.py"
             )
             return EXIT_SPAWN_FAILED
-        say(f"coordinator at {coord.addr} (pid {coord.proc.pid}); started {replicas} replicas: {' '.join(first)}")
+        if standbys is not None:
+            standbys.fill()  # after the replicas: they are the ones the job waits for
+        say(
+            f"coordinator at {coord.addr} (pid {coord.proc.pid}); started {replicas} replicas"
+            + (f" and {len(standbys.waiting)} standby" if standbys is not None else "")
+            + f": {' '.join(first)}"
+        )
         finished_at: float | None = None
         first_seen: dict[int, dict[int, float]] = {}  # replica -> {worker pid under its agent: first seen}
         next_scan = 0.0
@@ -340,6 +322,21 @@ def supervise(
             children[r].handled = max(children[r].handled, inc)  # its next incarnation is a new process
             return marked
 
+        def take_standby(c: _Child) -> bool:
+            """A waiting standby takes failed replica ``c``'s place (its death is already declared)."""
+            taken = standbys.take(
+                lambda ids: link.call(lambda store: [s for s in ids if standby_is_ready(store, sealer, s)], lost_after)
+            )
+            if taken is None:
+                return False
+            s, proc = taken
+            link.call(lambda store: assign_standby(store, sealer, s, c.replica), timeout=lost_after)
+            c.proc = proc
+            c.history.append(f"standby {s} took its place")
+            say(f"replica {c.replica}: standby {s} (pid {proc.pid}) takes its place ({c.restarts}/{restarts})")
+            standbys.fill()  # a new standby starts in the background
+            return True
+
         def end_declared(seen: dict[int, tuple[int, int]]) -> None:
             now_t = time.monotonic()
             for c in children:
@@ -357,7 +354,7 @@ def supervise(
                     c.declared_at = now_t
                 elif now_t - c.declared_at > declared_grace:
                     # Under a torchrun agent: end the worker (the agent restarts it or fails), not the agent.
-                    pids = _children_map().get(c.proc.pid, []) if watch_workers else [c.proc.pid]
+                    pids = children_map().get(c.proc.pid, []) if watch_workers else [c.proc.pid]
                     for pid in pids:
                         kill_tree(pid)
                     c.handled, c.declared_at = declared, None
@@ -392,6 +389,9 @@ def supervise(
                         say(f"replica {c.replica} failed ({describe_exit(code)})")
                         if c.restarts < restarts and not interrupted:
                             c.restarts += 1
+                            if standbys is not None and take_standby(c):
+                                running += 1
+                                continue
                             say(f"restarting replica {c.replica} ({c.restarts}/{restarts})")
                             try:
                                 c.proc = spawn(c.replica)
@@ -412,7 +412,7 @@ def supervise(
                     declarations = link.submit(read_declarations)
                 if watch_workers and time.monotonic() >= next_scan:
                     next_scan = time.monotonic() + 0.05
-                    tree, now_t = _children_map(), time.monotonic()
+                    tree, now_t = children_map(), time.monotonic()
                     for c in children:
                         seen = first_seen.setdefault(c.replica, {})
                         now = set(tree.get(c.proc.pid, [])) if c.exit_code is None else set()
@@ -427,6 +427,8 @@ def supervise(
                             say(f"replica {c.replica}: its worker exited; declared dead")
                 if running == 0 or (finished_at is not None and time.monotonic() - finished_at > finish_grace):
                     break
+                if standbys is not None and finished_at is None:
+                    standbys.reap()
                 if coord.proc.poll() is not None:
                     raise _CoordinatorLost(f"it exited ({describe_exit(coord.proc.returncode)})")
                 if link.silent_for() > lost_after:
@@ -465,6 +467,8 @@ def supervise(
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        if standbys is not None:
+            standbys.end()
         for c in children:
             if c.proc.poll() is None:
                 kill_tree(c.proc.pid)
@@ -501,6 +505,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             restarts=args.restarts,
             host=args.host,
             nproc_per_replica=args.nproc_per_replica,
+            standby=args.standby,
         )
     except ValueError as exc:  # a bad option: say how to fix it, no traceback
         raise SystemExit(f"lightning-recover run: {exc}") from None
@@ -546,6 +551,12 @@ def add_subcommands(sub: Any) -> None:
         type=coordinator_process.non_negative_int,
         default=0,
         help="restart a failed replica up to K times",
+    )
+    p.add_argument(
+        "--standby",
+        type=coordinator_process.non_negative_int,
+        default=0,
+        help="keep S warm standby processes that take a failed replica's place (each counts as a restart)",
     )
     p.add_argument("--host", default="127.0.0.1", help="coordinator bind address (only this one is bound)")
     p.add_argument("command", nargs=argparse.REMAINDER)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_recover import env
-from lightning_recover.launch.launcher import describe_exit, is_stopped, kill_tree
+from lightning_recover.launch.process_tree import describe_exit, is_stopped, kill_tree
 from lightning_recover.protocol.messages import Sealer, mark_dead, read_death
 
 

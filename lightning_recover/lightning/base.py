@@ -65,6 +65,7 @@ class ReplicaLauncher(_Launcher):
             hang_timeout=opts.hang_timeout,
             restarts=opts.restarts,
             nproc_per_replica=K,
+            standby=opts.standby,
         )
         # The supervisor never runs the training code itself: its job ends with the replicas'.
         raise SystemExit(code)

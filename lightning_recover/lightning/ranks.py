@@ -35,9 +35,7 @@ class ReplicaRanks:
         device = devices[0]
         if device.type == "cuda":
             # One GPU per process: process i of replica r uses visible device r*K + i (modulo the count).
-            replica = int(os.environ.get(env.REPLICA, "0"))
-            slot = replica * env.replica_size() + env.inner_rank()
-            return torch.device("cuda", slot % max(1, torch.cuda.device_count()))
+            return torch.device("cuda", env.device_slot() % max(1, torch.cuda.device_count()))
         return device
 
     @property

@@ -31,7 +31,6 @@ Fabric strategy); it contains no protocol code. How one optimizer step maps onto
 from __future__ import annotations
 
 import builtins
-import os
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Optional, Union
 
@@ -163,7 +162,7 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
         self._rejoin_step: Optional[int] = None
         self._solo = False
         if env.in_replica():  # until the group forms, the replica id (x K + inner) is the rank: one banner, not N
-            set_rank_zero(int(os.environ[env.REPLICA]) * env.replica_size() + env.inner_rank())
+            set_rank_zero(env.device_slot())  # a standby's slot is past every replica's: it prints nothing
 
     @property
     @override

@@ -41,6 +41,7 @@ from lightning_recover.errors import (
 from lightning_recover.protocol.messages import ControlStore, JobSecret
 from lightning_recover.protocol.process_groups import ProcessGroups
 from lightning_recover.protocol.replica_env import check_against_coordinator, check_replica_size_against_coordinator
+from lightning_recover.protocol.standby import wait_for_assignment
 
 POLL_MIN = 0.0005
 POLL_MAX = 0.005
@@ -245,8 +246,11 @@ class Membership:
         secret: JobSecret,
         inner: int = 0,
         replica_size: int = 1,
+        standby: int | None = None,
     ) -> None:
-        if not 0 <= replica < num_replicas:
+        # A warm standby has no replica id until the launcher assigns it one (see protocol.standby).
+        self.standby = standby
+        if standby is None and not 0 <= replica < num_replicas:
             raise ValueError(
                 f"replica id {replica} is outside 0..{num_replicas - 1}. HINT: give each of the {num_replicas} "
                 f"replicas a distinct {env.REPLICA} in that range."
@@ -279,6 +283,13 @@ class Membership:
         self.store = ControlStore(self.addr, self.replica, self.secret, timeout=self.store_timeout)
         check_against_coordinator(self.store.get_genuine("meta/replicas"), self.num_replicas)
         check_replica_size_against_coordinator(self.store.get_genuine("meta/replica_size"), self.replica_size)
+        if self.standby is not None:
+            self.replica = self.store.replica = wait_for_assignment(self.store, self.standby, self.num_replicas)
+            print(
+                f"[lightning-recover] standby {self.standby}: takes the place of replica {self.replica}",
+                file=sys.stderr,
+                flush=True,
+            )
         if self.replica_size == 1:
             refuse_if_id_in_use(self.store, self.replica, self.num_replicas, self.heartbeat_interval)
             self.incarnation = self.store.add(f"inc/{self.replica}", 1)

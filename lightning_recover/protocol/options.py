@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 #: The replicas' default heartbeat period; launchers check ``--heartbeat-timeout`` against it.
 DEFAULT_HEARTBEAT_INTERVAL = 0.1
@@ -32,6 +32,23 @@ def check_heartbeat_timeout(timeout: object, interval: float = DEFAULT_HEARTBEAT
     return timeout
 
 
+def check_standby(standby: Any, restarts: int, replica_size: int = 1, torchrun: bool = False) -> int:
+    """Validate a number of warm standbys (see :mod:`lightning_recover.protocol.standby`)."""
+    if isinstance(standby, bool) or not isinstance(standby, int) or standby < 0:
+        raise ValueError(f"standby must be an integer >= 0, got {standby!r}")
+    if standby and restarts < 1:
+        raise ValueError(
+            f"standby={standby} with restarts=0: a standby takes a failed replica's place, which counts as one of "
+            "its restarts. HINT: give restarts >= 1 (--restarts), e.g. the number of failures to ride through."
+        )
+    if standby and (replica_size > 1 or torchrun):
+        raise ValueError(
+            "standby replicas are supported by the local launcher with one process per replica only. "
+            "HINT: drop --standby, or run without --nproc-per-replica / torchrun."
+        )
+    return standby
+
+
 @dataclass
 class RecoverOptions:
     """Options of ``strategy="recover"``; see ``RecoverStrategy`` for their meaning."""
@@ -45,6 +62,7 @@ class RecoverOptions:
     collective_timeout: float = 60.0
     startup_timeout: float = 300.0
     restarts: int = 0
+    standby: int = 0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -70,6 +88,7 @@ class RecoverOptions:
             raise ValueError(f"microbatches must be a positive integer, got {self.microbatches!r}")
         if not isinstance(self.restarts, int) or self.restarts < 0:
             raise ValueError(f"restarts must be a non-negative integer, got {self.restarts!r}")
+        check_standby(self.standby, self.restarts)
 
     @property
     def store_timeout(self) -> float:

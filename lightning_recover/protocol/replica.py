@@ -75,6 +75,7 @@ class Replica:
         inner: int = 0,
         replica_size: int = 1,
         tensor_parallel: int = 1,
+        standby: Optional[int] = None,
     ) -> None:
         self.options = options
         self.M = options.resolve_microbatches(num_replicas)
@@ -98,6 +99,7 @@ class Replica:
             secret=secret or JobSecret.from_env(),
             inner=inner,
             replica_size=replica_size,
+            standby=standby,
         )
         self.world = None  # the replica's own K-process world (sharding.ReplicaWorld), when K > 1
         self.collectives = SurvivorCollectives(self.group)
@@ -143,6 +145,7 @@ class Replica:
             inner=env.inner_rank(),
             replica_size=env.replica_size(),
             tensor_parallel=tensor_parallel,
+            standby=found.standby,
         )
 
     # ------------------------------------------------------------------ identity

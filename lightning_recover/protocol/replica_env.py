@@ -20,8 +20,9 @@ from lightning_recover import env
 @dataclass(frozen=True)
 class ReplicaEnv:
     addr: str  # HOST:PORT of the coordinator
-    replica: int  # 0 <= replica < replicas
+    replica: int  # 0 <= replica < replicas; -1 for a standby until it is assigned one
     replicas: int  # >= 1
+    standby: int | None = None  # the standby id of a warm standby (env.STANDBY), else None
 
 
 def _int(environ: Mapping[str, str], name: str, example: str) -> int:
@@ -35,6 +36,12 @@ def _int(environ: Mapping[str, str], name: str, example: str) -> int:
 def read_replica_env(environ: Mapping[str, str] | None = None) -> ReplicaEnv:
     """The replica variables of ``environ`` (default ``os.environ``), validated; ``ValueError`` if bad."""
     environ = os.environ if environ is None else environ
+    standby = None
+    if env.STANDBY in environ and env.REPLICA not in environ:
+        standby = _int(environ, env.STANDBY, "0")
+        if standby < 0:
+            raise ValueError(f"{env.STANDBY}={standby} must be >= 0. HINT: the launcher numbers standbys 0, 1, ...")
+        environ = dict(environ, **{env.REPLICA: "-1"})  # checked below as the replicas' variables are
     missing = [v for v in env.REPLICA_VARIABLES if not environ.get(v, "").strip()]
     if missing:
         raise ValueError(
@@ -56,6 +63,8 @@ def read_replica_env(environ: Mapping[str, str] | None = None) -> ReplicaEnv:
             f"HINT: set it to the --replicas the coordinator was started with."
         )
     replica = _int(environ, env.REPLICA, "0")
+    if standby is not None:
+        return ReplicaEnv(addr, -1, replicas, standby)
     if not 0 <= replica < replicas:
         raise ValueError(
             f"{env.REPLICA}={replica} is out of range for {env.REPLICAS}={replicas}: ids are 0..{replicas - 1}. "

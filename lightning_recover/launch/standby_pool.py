@@ -1,0 +1,67 @@
+"""The launcher's warm standbys: S pre-started processes, one handed out per replica death.
+
+See :mod:`lightning_recover.protocol.standby` for what a standby does. The pool only starts,
+reaps, hands out and ends processes; the launcher writes the assignment. Standby ids are never
+reused (an assignment key, once written, stays), so a replacement gets the next id.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+
+from lightning_recover.launch.process_tree import describe_exit, kill_tree
+
+
+class StandbyPool:
+    """``count`` standbys kept started, within ``budget`` standby processes over the whole job."""
+
+    def __init__(
+        self, count: int, spawn: Callable[[int], subprocess.Popen], budget: int, say: Callable[[str], None]
+    ) -> None:
+        self._spawn = spawn
+        self._count = count
+        self._budget = budget
+        self._say = say
+        self._next_id = 0
+        self.waiting: dict[int, subprocess.Popen] = {}  # standby id -> its process, not yet assigned
+
+    def fill(self) -> None:
+        """Start standbys until ``count`` wait (or the budget is spent)."""
+        while len(self.waiting) < self._count and self._next_id < self._budget:
+            s = self._next_id
+            self._next_id += 1
+            try:
+                self.waiting[s] = self._spawn(s)
+            except OSError as exc:
+                self._say(f"cannot start standby {s}: {exc}; going on without it")
+                self._budget = self._next_id  # the command cannot start: do not try again
+                return
+
+    def reap(self) -> None:
+        """Forget standbys that exited while waiting (killed, crashed in start-up) and replace them."""
+        for s, proc in list(self.waiting.items()):
+            code = proc.poll()
+            if code is not None:
+                del self.waiting[s]
+                self._say(f"standby {s} exited while waiting ({describe_exit(code)})")
+        self.fill()
+
+    def take(self, ready: Callable[[list[int]], list[int]]) -> tuple[int, subprocess.Popen] | None:
+        """Hand out one waiting standby, a ready one (start-up done) first; None if none is left.
+
+        ``ready(ids)`` returns which of ``ids`` reached their wait (read from the coordinator)."""
+        alive = [s for s, p in sorted(self.waiting.items()) if p.poll() is None]
+        if not alive:
+            return None
+        done = ready(alive)
+        s = done[0] if done else alive[0]
+        return s, self.waiting.pop(s)
+
+    def end(self) -> None:
+        """Kill every standby still waiting (the job is over)."""
+        for proc in self.waiting.values():
+            if proc.poll() is None:
+                kill_tree(proc.pid)
+            proc.wait()
+        self.waiting.clear()

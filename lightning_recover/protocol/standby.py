@@ -1,0 +1,76 @@
+"""Warm standbys: processes started ahead of need that take a dead replica's place.
+
+A restarted replica spends seconds (here) to minutes (a real cluster: CUDA and NCCL start-up,
+imports, model construction) before it can rejoin. A standby pays that in advance: the launcher
+starts it with :data:`~lightning_recover.env.STANDBY` instead of a replica id, it runs the user's
+script like a replica up to its connection to the coordinator, and there it waits.
+
+Protocol (all values sealed with the job's secret):
+
+1. The standby sets ``standby/{s}/ready`` and waits for ``standby/{s}/assign`` with blocking store
+   waits of one second each (one request per second, served by the coordinator's wait list: no
+   polling while the active replicas train).
+2. When replica ``r`` dies, the launcher declares its incarnation dead and writes ``r`` to the
+   assign key of a standby (a ready one first).
+3. The standby becomes replica ``r``'s next incarnation and goes on exactly as a restarted replica
+   does: it asks to join, is admitted at the next commit and receives the live state from a peer.
+
+A standby is never a member of a generation before that, so it counts neither in M nor in the
+quotas.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Optional
+
+from lightning_recover import env
+from lightning_recover.protocol.messages import ControlStore, Sealer
+
+WAIT_SLICE = 1.0  # seconds of one blocking wait on the coordinator
+
+
+def ready_key(standby: int) -> str:
+    return f"standby/{standby}/ready"
+
+
+def assign_key(standby: int) -> str:
+    return f"standby/{standby}/assign"
+
+
+def assign(store: Any, sealer: Sealer, standby: int, replica: int) -> None:
+    """Launcher side: hand replica ``replica``'s place to standby ``standby`` (on a raw store client)."""
+    key = assign_key(standby)
+    store.set(key, sealer.seal(key, str(replica).encode()))
+
+
+def is_ready(store: Any, sealer: Sealer, standby: int) -> bool:
+    """Launcher side: whether the standby has reached its wait (its start-up is done)."""
+    key = ready_key(standby)
+    if not store.check([key]):
+        return False
+    try:
+        return sealer.open(key, store.get(key)) == b"1"
+    except Exception:
+        return False  # forged: not a standby of this job
+
+
+def wait_for_assignment(store: ControlStore, standby: int, replicas: int, on_ready: Optional[Any] = None) -> int:
+    """Standby side: say this standby is ready, then block until it is assigned a replica id.
+
+    Also sets :data:`env.REPLICA` in this process: from here on it is that replica (its device slot
+    stays the standby's, see :func:`env.device_slot`)."""
+    store.set(ready_key(standby), "1")
+    if on_ready is not None:
+        on_ready()
+    key = assign_key(standby)
+    while True:
+        if store.wait(key, WAIT_SLICE):
+            value = store.get_genuine(key)
+            if value is not None and value.isdigit() and int(value) < replicas:
+                break
+            time.sleep(WAIT_SLICE)  # a forged value: the wait returns at once, do not spin on it
+    replica = int(value)
+    os.environ[env.REPLICA] = str(replica)
+    return replica
