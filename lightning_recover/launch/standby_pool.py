@@ -48,15 +48,16 @@ class StandbyPool:
         self.fill()
 
     def take(self, ready: Callable[[list[int]], list[int]]) -> tuple[int, subprocess.Popen] | None:
-        """Hand out one waiting standby, a ready one (start-up done) first; None if none is left.
+        """Hand out one standby that finished its start-up (the oldest); None if none has.
 
-        ``ready(ids)`` returns which of ``ids`` reached their wait (read from the coordinator)."""
+        ``ready(ids)`` returns which of ``ids`` reached their wait (read from the coordinator). One
+        still starting is not handed out: the replica restarts in place, and the standby stays for
+        the next death."""
         alive = [s for s, p in sorted(self.waiting.items()) if p.poll() is None]
-        if not alive:
+        done = ready(alive) if alive else []
+        if not done:
             return None
-        done = ready(alive)
-        s = done[0] if done else alive[0]
-        return s, self.waiting.pop(s)
+        return done[0], self.waiting.pop(done[0])
 
     def end(self) -> None:
         """Kill every standby still waiting (the job is over)."""

@@ -11,7 +11,8 @@ Protocol (all values sealed with the job's secret):
    waits of one second each (one request per second, served by the coordinator's wait list: no
    polling while the active replicas train).
 2. When replica ``r`` dies, the launcher declares its incarnation dead and writes ``r`` to the
-   assign key of a standby (a ready one first).
+   assign key of a ready standby. With none ready (all still starting), ``r`` restarts in place
+   as without standbys, and the starting ones stay for the next death.
 3. The standby becomes replica ``r``'s next incarnation and goes on exactly as a restarted replica
    does: it asks to join, is admitted at the next commit and receives the live state from a peer.
 
@@ -22,8 +23,9 @@ quotas.
 from __future__ import annotations
 
 import os
+import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
 from lightning_recover import env
 from lightning_recover.protocol.messages import ControlStore, Sealer
@@ -56,14 +58,17 @@ def is_ready(store: Any, sealer: Sealer, standby: int) -> bool:
         return False  # forged: not a standby of this job
 
 
-def wait_for_assignment(store: ControlStore, standby: int, replicas: int, on_ready: Optional[Any] = None) -> int:
+def wait_for_assignment(store: ControlStore, standby: int, replicas: int) -> int:
     """Standby side: say this standby is ready, then block until it is assigned a replica id.
 
     Also sets :data:`env.REPLICA` in this process: from here on it is that replica (its device slot
     stays the standby's, see :func:`env.device_slot`)."""
     store.set(ready_key(standby), "1")
-    if on_ready is not None:
-        on_ready()
+    print(
+        f"[lightning-recover] standby {standby} (pid {os.getpid()}): ready, waiting to take a failed replica's place",
+        file=sys.stderr,
+        flush=True,
+    )
     key = assign_key(standby)
     while True:
         if store.wait(key, WAIT_SLICE):

@@ -76,6 +76,12 @@ def main() -> None:
         action="store_true",
         help="also all-reduce the loss and pass a barrier every step (store collectives)",
     )
+    parser.add_argument(
+        "--hold",
+        default="",
+        help="STEP:PATH,...: before step STEP, wait until PATH exists (at most 120 s); lets a test start a "
+        "fault only once a standby is ready",
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     parser.add_argument("--reference", action="store_true", help="the failure-free run in one process (no Lightning)")
     args = parser.parse_args()
@@ -105,6 +111,7 @@ def train(args) -> None:
     model, optimizer = fabric.setup(model, optimizer)
     os.makedirs(args.out, exist_ok=True)
     stats = []
+    holds = {int(item.split(":", 1)[0]): item.split(":", 1)[1] for item in args.hold.split(",") if item}
     for step in fabric.strategy.steps(loader, max_steps=args.steps):
         for xb, yb in step:
             if args.work:
@@ -123,6 +130,10 @@ def train(args) -> None:
             time.sleep(args.slow_while_degraded)
         if step.index == 0:
             open(os.path.join(args.out, "started"), "w").close()
+        gate = holds.get(step.index + 1)
+        deadline = time.monotonic() + 120
+        while gate and not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.05)
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     os.makedirs(args.out, exist_ok=True)
     torch.save(

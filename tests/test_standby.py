@@ -1,0 +1,203 @@
+"""Warm standbys (``lightning-recover run --standby S``), end to end: real processes on gloo.
+
+Each fault is started only once the standby it should meet is ready (the replicas hold before the
+fault's step until the test opens a gate file), so a takeover never depends on how fast this
+machine starts a process. Every run is compared in float64 with the failure-free run of the same
+script (its single-process reference mode).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from lightning_recover.launch.standby_pool import StandbyPool
+from lightning_recover.protocol.options import RecoverOptions, check_standby
+from lightning_recover.protocol.replica_env import read_replica_env
+from tests.jobs import FABRIC_SCRIPT, JobResult, kill_group, max_relative_difference, start_job, wait_for
+from tests.scripts.fabric_train import reference_state
+
+TOL = 1e-12  # float64: the same sums in another order
+M = 6
+READY = re.compile(r"standby (\d+) \(pid (\d+)\): ready")
+
+
+def _standby_job(
+    tmp_path, *, replicas: int, steps: int, inject: str, holds: dict[int, int], restarts: int = 1, extra=()
+):
+    """Start ``cli run --standby 1`` on fabric_train.py; ``holds`` = {step: k}: the replicas wait
+    before ``step`` until standby k is ready (the gate file ``gate{k}``)."""
+    out = str(tmp_path / "job")
+    hold = ",".join(f"{step}:{tmp_path}/gate{k}" for step, k in holds.items())
+    cmd = [sys.executable, "-m", "lightning_recover.cli", "run", "--replicas", str(replicas)]
+    cmd += ["--restarts", str(restarts), "--standby", "1", "--heartbeat-timeout", "0.5", "--", sys.executable]
+    cmd += [FABRIC_SCRIPT, out, "--replicas", str(replicas), "--steps", str(steps), "--microbatches", str(M)]
+    cmd += ["--heartbeat-timeout", "0.5", "--dtype", "float64", "--hold", hold, *extra]
+    return start_job(cmd, out, env={"LIGHTNING_RECOVER_INJECT": inject})
+
+
+def _ready_standbys(log: str) -> dict[int, int]:
+    """Standby id -> pid of every standby that said it is ready."""
+    return {int(s): int(pid) for s, pid in READY.findall(open(log).read())}
+
+
+def _open_gate(tmp_path, log: str, proc: subprocess.Popen, k: int) -> None:
+    assert wait_for(lambda: k in _ready_standbys(log) or proc.poll() is not None, timeout=150), open(log).read()[-3000:]
+    open(tmp_path / f"gate{k}", "w").close()
+
+
+def _finish(proc: subprocess.Popen, log: str, out: str, steps: int) -> JobResult:
+    try:
+        proc.wait(timeout=240)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"job did not finish within 240 s:\n{open(log).read()[-4000:]}") from None
+    finally:
+        kill_group(proc)
+    result = JobResult(proc.returncode, open(log).read(), out)
+    assert result.returncode == 0, result.output[-4000:]
+    reference = reference_state(steps, M, dtype="float64")
+    for r, data in result.states().items():
+        diff = max_relative_difference(data["state"], reference)
+        assert diff <= TOL, f"replica {r} diverged from the failure-free run: {diff}"
+    return result
+
+
+# ---------------------------------------------------------------------------- fast: options and pool
+
+
+def test_standby_needs_restarts_and_one_process_replicas():
+    assert check_standby(2, restarts=1) == 2
+    with pytest.raises(ValueError, match="counts as one of its restarts"):
+        RecoverOptions(standby=1)
+    with pytest.raises(ValueError, match="integer >= 0"):
+        check_standby(-1, restarts=1)
+    with pytest.raises(ValueError, match="one process per replica"):
+        check_standby(1, restarts=1, replica_size=2)
+
+
+def test_standby_environment_has_no_replica_id_until_assigned():
+    base = {"LIGHTNING_RECOVER_COORDINATOR": "127.0.0.1:1234", "LIGHTNING_RECOVER_REPLICAS": "3"}
+    found = read_replica_env(dict(base, LIGHTNING_RECOVER_STANDBY="4"))
+    assert (found.replica, found.standby) == (-1, 4)
+    assert read_replica_env(dict(base, LIGHTNING_RECOVER_STANDBY="4", LIGHTNING_RECOVER_REPLICA="2")).replica == 2
+    with pytest.raises(ValueError, match="must be >= 0"):
+        read_replica_env(dict(base, LIGHTNING_RECOVER_STANDBY="-1"))
+
+
+def test_pool_hands_out_only_ready_standbys_and_replaces_dead_ones():
+    lines: list[str] = []
+    started: list[subprocess.Popen] = []
+
+    def spawn(s: int) -> subprocess.Popen:
+        started.append(subprocess.Popen(["sleep", "60"]))
+        return started[-1]
+
+    pool = StandbyPool(1, spawn, budget=3, say=lines.append)
+    try:
+        pool.fill()
+        assert list(pool.waiting) == [0]
+        assert pool.take(lambda ids: []) is None, "a standby still starting is not handed out"
+        os.kill(started[0].pid, signal.SIGKILL)
+        started[0].wait()
+        pool.reap()
+        assert "standby 0 exited while waiting (killed by SIGKILL)" in lines
+        assert list(pool.waiting) == [1], "a dead standby is replaced"
+        s, proc = pool.take(lambda ids: ids)
+        assert (s, proc) == (1, started[1]) and not pool.waiting
+        pool.fill()
+        assert list(pool.waiting) == [2]
+        proc.kill()
+        proc.wait()
+        pool.take(lambda ids: ids)
+        pool.fill()
+        assert not pool.waiting, "the budget of standby processes is spent"
+    finally:
+        pool.end()
+        for p in started:
+            p.kill()
+            p.wait()
+
+
+# ---------------------------------------------------------------------------- slow: real jobs
+
+PHASE_PLAN = [  # (replica, step, phase, incarnation): each takeover meets the fault after it
+    (1, 2, "forward", 1),
+    (2, 5, "backward", 1),
+    (0, 8, "reduce", 1),
+    (1, 11, "commit", 2),
+    (2, 14, "optimizer", 2),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_standby_takes_over_a_kill_in_every_phase(tmp_path):
+    """3 replicas and one standby; five kills, one per phase, each met by a ready standby (the one
+    started after the previous takeover). Every replica ends equal to the failure-free run."""
+    steps = 17
+    inject = ",".join(f"kill:replica={r}:step={s}:phase={p}:incarnation={i}" for r, s, p, i in PHASE_PLAN)
+    proc, log = _standby_job(
+        tmp_path,
+        replicas=3,
+        steps=steps,
+        inject=inject,
+        holds={s: k for k, (_, s, _, _) in enumerate(PHASE_PLAN)},
+        restarts=2,
+    )
+    out = str(tmp_path / "job")
+    try:
+        for k in range(len(PHASE_PLAN)):
+            _open_gate(tmp_path, log, proc, k)
+    finally:
+        result = _finish(proc, log, out, steps)
+    for k, (r, _, _, _) in enumerate(PHASE_PLAN):
+        assert re.search(rf"replica {r}: standby {k} \(pid \d+\) takes its place", result.output), result.output[-3000:]
+    assert "restarting replica" not in result.output, "every death was met by a standby"
+    assert sorted(result.states()) == [0, 1, 2], result.output[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_standby_killed_while_waiting_is_replaced(tmp_path):
+    """The waiting standby is SIGKILLed: the launcher notices, starts another, and that one takes the
+    place of the replica killed later."""
+    steps = 6
+    proc, log = _standby_job(
+        tmp_path, replicas=2, steps=steps, inject="kill:replica=1:step=2:phase=backward", holds={2: 1}
+    )
+    out = str(tmp_path / "job")
+    try:
+        assert wait_for(lambda: 0 in _ready_standbys(log) or proc.poll() is not None, timeout=150), open(log).read()
+        os.kill(_ready_standbys(log)[0], signal.SIGKILL)
+        _open_gate(tmp_path, log, proc, 1)
+    finally:
+        result = _finish(proc, log, out, steps)
+    assert "standby 0 exited while waiting (killed by SIGKILL)" in result.output
+    assert re.search(r"replica 1: standby 1 \(pid \d+\) takes its place", result.output), result.output[-3000:]
+    assert sorted(result.states()) == [0, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_deaths_with_one_standby(tmp_path):
+    """Two replicas die in the same step with one standby: one takeover, and the other replica restarts
+    in place as without standbys (the standby started after the takeover is not ready yet)."""
+    steps = 12
+    inject = "kill:replica=1:step=2:phase=backward,kill:replica=2:step=2:phase=backward"
+    # the run slows while degraded, so that the replica restarted in place (seconds) rejoins before it ends
+    extra = ["--slow-while-degraded", "2.5"]
+    proc, log = _standby_job(tmp_path, replicas=3, steps=steps, inject=inject, holds={2: 0}, extra=extra)
+    out = str(tmp_path / "job")
+    try:
+        _open_gate(tmp_path, log, proc, 0)
+    finally:
+        result = _finish(proc, log, out, steps)
+    takeovers = re.findall(r"replica (\d): standby 0 \(pid \d+\) takes its place", result.output)
+    restarted = re.findall(r"restarting replica (\d) \(1/1\)", result.output)
+    assert len(takeovers) == 1 and len(restarted) == 1 and {*takeovers, *restarted} == {"1", "2"}, result.output[-3000:]
+    assert sorted(result.states()) == [0, 1, 2], result.output[-4000:]
