@@ -12,6 +12,9 @@ same failure times (common random numbers, one seed per trial) are replayed unde
 - ``checkpoint`` (checkpoint-and-restart): a blocking checkpoint of ``checkpoint_s`` every ``tau``
   seconds of work, ``tau`` from Young/Daly, ``sqrt(2 * checkpoint_s * system MTBF)``; a failure
   loses the work since the last checkpoint and the whole job restarts (``restart_s``).
+- ``standby``: ``recover`` with ``standby`` warm standby replicas: a failed replica's place is taken
+  ``takeover_s`` after the failure while a standby is free (a used standby is replaced, ready
+  ``rejoin_s`` later); with none free the replacement is back after ``rejoin_s`` as in ``recover``.
 - ``drop`` (drop-the-step, torchft-like): a failure costs ``recovery_s`` and the interrupted step is
   discarded by everybody; the global batch shrinks (``live / N``) until the replacement heals
   (``rejoin_s``), so throughput in tokens drops like ``recover``'s, but the trajectory changes.
@@ -28,7 +31,7 @@ import os
 import random
 from dataclasses import asdict, dataclass, field, replace
 
-APPROACHES = ("recover", "checkpoint", "drop")
+APPROACHES = ("recover", "standby", "checkpoint", "drop")
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,8 @@ class Params:
     tokens_per_gpu_step: float = 16_384.0
     recovery_s: float = 5.0  # recover/drop: fault -> survivors computing again
     rejoin_s: float = 600.0  # recover/drop: a replacement replica is back after this
+    standby: int = 1  # standby: warm standby replicas kept by the job
+    takeover_s: float = 5.0  # standby: failure -> a standby's microbatches are in a committed step
     restart_s: float = 600.0  # checkpoint: whole-job restart (reschedule, start-up, load)
     checkpoint_s: float = 60.0  # checkpoint: blocking write of one checkpoint
     checkpoint_interval_s: float | None = None  # None: Young/Daly
@@ -98,9 +103,11 @@ class Result:
         return self.work_s / self.horizon_s if self.horizon_s else 1.0
 
 
-def _degraded(p: Params, failures: list[Failure], drop: bool) -> Result:
-    """recover / drop: progress at rate live/N; per failure a pause, and the lost step share."""
+def _degraded(p: Params, failures: list[Failure], drop: bool, standby: int = 0) -> Result:
+    """recover / drop: progress at rate live/N; per failure a pause, and the lost step share.
+    ``standby`` > 0: a free standby takes a failed replica's place after ``takeover_s``."""
     n, horizon = p.replicas, p.hours * 3600.0
+    refills: list[float] = []  # when each standby in use has a started replacement ready
     events: list[tuple[float, int, Failure | None]] = [(f.t, 0, f) for f in failures]
     down: dict[int, float] = {}  # replica -> time its replacement is back
     t = work = lost = 0.0
@@ -130,7 +137,12 @@ def _degraded(p: Params, failures: list[Failure], drop: bool) -> Result:
             if f.replica in down:  # the replica was already down: nothing more to lose
                 continue
             live_before = n - len(down)
-            down[f.replica] = t + p.rejoin_s
+            refills = [b for b in refills if b > t]  # replacements ready by now are free standbys again
+            if standby - len(refills) > 0:
+                refills.append(t + p.rejoin_s)
+                down[f.replica] = t + p.takeover_s
+            else:
+                down[f.replica] = t + p.rejoin_s
             live_after = n - len(down)
             if drop:  # the interrupted step is discarded by every replica
                 cost = p.recovery_s
@@ -141,7 +153,8 @@ def _degraded(p: Params, failures: list[Failure], drop: bool) -> Result:
                 cost = p.recovery_s + (f.u * p.step_s / live_after if live_after else 0.0)
             pause_until = max(pause_until, t) + cost
         timeline.append((t, work))
-    return Result("drop" if drop else "recover", work, horizon, len(failures), lost, timeline)
+    name = "drop" if drop else "standby" if standby else "recover"
+    return Result(name, work, horizon, len(failures), lost, timeline)
 
 
 def _checkpoint(p: Params, failures: list[Failure]) -> Result:
@@ -192,6 +205,8 @@ def _checkpoint(p: Params, failures: list[Failure]) -> Result:
 def simulate(approach: str, p: Params, failures: list[Failure]) -> Result:
     if approach == "recover":
         return _degraded(p, failures, drop=False)
+    if approach == "standby":
+        return _degraded(p, failures, drop=False, standby=p.standby)
     if approach == "drop":
         return _degraded(p, failures, drop=True)
     if approach == "checkpoint":
@@ -241,6 +256,13 @@ def params_from_benchmarks(p: Params, paths: list[str]) -> tuple[Params, dict]:
             rec = rows["recover"]
             if rec.get("median_fault_to_commit_s") is not None and "step_s" in used:
                 used["recovery_s"] = max(0.0, rec["median_fault_to_commit_s"] - used["step_s"])
+            for mode in ("recover-local", "recover"):  # a restarted replica: fault -> it trains again
+                r = rows.get(mode)
+                if r and r.get("median_restart_s") is not None:
+                    used.setdefault("rejoin_s", r["median_restart_s"])
+            standby = rows.get("recover-standby")
+            if standby and standby.get("median_replacement_commit_s") is not None:
+                used["takeover_s"] = standby["median_replacement_commit_s"]
             for mode in ("ddp-uring", "ddp-torch"):
                 r = rows.get(mode)
                 if r and r.get("median_restart_s") is not None:
@@ -271,6 +293,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recovery-s", type=float, default=d.recovery_s)
     parser.add_argument("--rejoin-s", type=float, default=d.rejoin_s)
     parser.add_argument("--restart-s", type=float, default=d.restart_s)
+    parser.add_argument("--standby", type=int, default=d.standby, help="standby approach: warm standby replicas")
+    parser.add_argument("--takeover-s", type=float, default=d.takeover_s, help="standby: failure -> standby in a commit")
     parser.add_argument("--checkpoint-s", type=float, default=d.checkpoint_s)
     parser.add_argument("--checkpoint-interval-s", type=float, default=None, help="default: Young/Daly")
     parser.add_argument(
@@ -294,11 +318,12 @@ def plot(rows: list[dict], p: Params, curves: dict[str, Result], path: str) -> s
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8), constrained_layout=True)
     labels = {
         "recover": "in-step recovery (this project)",
+        "standby": "in-step recovery + warm standby",
         "checkpoint": "checkpoint-and-restart (Young/Daly)",
         "drop": "drop the step (torchft-like)",
     }
     g = [r["gpus"] for r in rows]
-    for a, style in zip(APPROACHES, ("o-", "s-", "^--")):
+    for a, style in zip(APPROACHES, ("o-", "D-", "s-", "^--")):
         ax1.plot(g, [100 * r[a] for r in rows], style, label=labels[a])
     ax1.set_xscale("log", base=2)
     ax1.set_xticks(g, [str(x) for x in g])
@@ -336,6 +361,8 @@ def main(args: argparse.Namespace) -> int:
         recovery_s=args.recovery_s,
         rejoin_s=args.rejoin_s,
         restart_s=args.restart_s,
+        standby=args.standby,
+        takeover_s=args.takeover_s,
         checkpoint_s=args.checkpoint_s,
         checkpoint_interval_s=args.checkpoint_interval_s,
     )
@@ -346,17 +373,19 @@ def main(args: argparse.Namespace) -> int:
     rows = sweep(p, gpus, args.trials, args.seed)
     print(
         f"costs: step {p.step_s:g}s, recovery {p.recovery_s:g}s, rejoin {p.rejoin_s:g}s, restart {p.restart_s:g}s, "
+        f"standby {p.standby} taking over in {p.takeover_s:g}s, "
         f"checkpoint {p.checkpoint_s:g}s; GPU MTBF {p.mtbf_gpu_hours:g}h; {p.hours:g}h runs; {args.trials} trials"
         + (f"; measured: {info['overrides']} from {', '.join(info['sources'])}" if info else "")
     )
     print(
         f"{'GPUs':>6} {'replicas':>8} {'sys MTBF h':>10} {'failures':>8} {'tau min':>7} "
-        f"{'recover':>8} {'ckpt':>8} {'drop':>8} {'rec/ckpt':>8}"
+        f"{'recover':>8} {'standby':>8} {'ckpt':>8} {'drop':>8} {'rec/ckpt':>8}"
     )
     for r in rows:
         print(
             f"{r['gpus']:>6} {r['replicas']:>8} {r['system_mtbf_h']:>10.2f} {r['failures']:>8.1f} {r['tau_min']:>7.1f} "
-            f"{100 * r['recover']:>7.2f}% {100 * r['checkpoint']:>7.2f}% {100 * r['drop']:>7.2f}% "
+            f"{100 * r['recover']:>7.2f}% {100 * r['standby']:>7.2f}% {100 * r['checkpoint']:>7.2f}% "
+            f"{100 * r['drop']:>7.2f}% "
             f"{r['recover_over_checkpoint']:>7.3f}x"
         )
     os.makedirs(args.out, exist_ok=True)

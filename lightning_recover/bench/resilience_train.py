@@ -128,6 +128,7 @@ def run_recover(args: argparse.Namespace) -> None:
         heartbeat_interval=min(0.1, args.heartbeat_timeout / 5),
         seed=args.seed,
         restarts=args.restarts,
+        standby=args.standby,
         quota=args.quota,
         **sharding,
     )
@@ -336,6 +337,9 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="recover, self-launched: the local launcher restarts a failed replica up to K times",
+    )
+    p.add_argument(
+        "--standby", type=int, default=0, help="recover, self-launched: S warm standbys take failed replicas' places"
     )
     p.add_argument("--ckpt-dir", default=None)
     p.add_argument("--ckpt-every", type=int, default=10)
