@@ -13,8 +13,10 @@ import re
 import signal
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from lightning_recover.launch.standby_pool import StandbyPool
 from lightning_recover.protocol.options import RecoverOptions, check_standby
@@ -76,8 +78,8 @@ def test_standby_needs_restarts_and_one_process_replicas():
         RecoverOptions(standby=1)
     with pytest.raises(ValueError, match="integer >= 0"):
         check_standby(-1, restarts=1)
-    with pytest.raises(ValueError, match="one process per replica"):
-        check_standby(1, restarts=1, replica_size=2)
+    with pytest.raises(ValueError, match="not under lightning-recover torchrun"):
+        check_standby(1, restarts=1, torchrun=True)
 
 
 def test_standby_environment_has_no_replica_id_until_assigned():
@@ -93,9 +95,9 @@ def test_pool_hands_out_only_ready_standbys_and_replaces_dead_ones():
     lines: list[str] = []
     started: list[subprocess.Popen] = []
 
-    def spawn(s: int) -> subprocess.Popen:
+    def spawn(s: int) -> list[subprocess.Popen]:
         started.append(subprocess.Popen(["sleep", "60"]))
-        return started[-1]
+        return [started[-1]]
 
     pool = StandbyPool(1, spawn, budget=3, say=lines.append)
     try:
@@ -107,7 +109,7 @@ def test_pool_hands_out_only_ready_standbys_and_replaces_dead_ones():
         pool.reap()
         assert "standby 0 exited while waiting (killed by SIGKILL)" in lines
         assert list(pool.waiting) == [1], "a dead standby is replaced"
-        s, proc = pool.take(lambda ids: ids)
+        s, (proc,) = pool.take(lambda ids: ids)
         assert (s, proc) == (1, started[1]) and not pool.waiting
         pool.fill()
         assert list(pool.waiting) == [2]
@@ -201,3 +203,42 @@ def test_two_deaths_with_one_standby(tmp_path):
     restarted = re.findall(r"restarting replica (\d) \(1/1\)", result.output)
     assert len(takeovers) == 1 and len(restarted) == 1 and {*takeovers, *restarted} == {"1", "2"}, result.output[-3000:]
     assert sorted(result.states()) == [0, 1, 2], result.output[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sharded_standby_takes_the_place_of_a_replica_of_two(tmp_path):
+    """2 replicas of 2 processes (FSDP2) and one standby of 2, which builds its own 2-process world
+    before it waits. Process 1 of replica 1 is killed: the replica is ended whole and the standby's
+    two processes take its place, each receiving its shards from the same position of replica 0."""
+    from tests.scripts import sharded_train
+
+    steps, microbatches = 6, 8
+    out = str(tmp_path / "job")
+    script = [os.path.join(os.path.dirname(FABRIC_SCRIPT), "sharded_train.py"), out, "--replicas", "2"]
+    script += ["--replica-size", "2", "--steps", str(steps), "--microbatches", str(microbatches)]
+    script += ["--hold", f"2:{tmp_path}/gate0"]
+    cmd = [sys.executable, "-m", "lightning_recover.cli", "run", "--replicas", "2", "--nproc-per-replica", "2"]
+    cmd += ["--restarts", "1", "--standby", "1", "--heartbeat-timeout", "2", "--", sys.executable, *script]
+    proc, log = start_job(cmd, out, env={"LIGHTNING_RECOVER_INJECT": "kill:replica=1:inner=1:step=2:phase=backward"})
+    both_ready = re.compile(r"standby 0( process 1)? \(pid \d+\): ready")
+    try:
+        assert wait_for(lambda: len(both_ready.findall(open(log).read())) == 2 or proc.poll() is not None, 300)
+        open(tmp_path / "gate0", "w").close()
+        proc.wait(timeout=300)
+    finally:
+        kill_group(proc)
+    result = JobResult(proc.returncode, open(log).read(), out)
+    assert result.returncode == 0, result.output[-4000:]
+    assert re.search(r"replica 1: standby 0 \(pids \[\d+, \d+\]\) takes its place", result.output), result.output[
+        -3000:
+    ]
+    ref_dir = tmp_path / "ref"
+    args = SimpleNamespace(out=str(ref_dir), steps=steps, microbatches=microbatches, batch_size=4, dtype="float64")
+    sharded_train.reference(args)
+    reference = torch.load(ref_dir / "reference.pt")["state"]
+    states = result.states()
+    assert sorted(states) == [0, 1], result.output[-3000:]
+    for r, data in states.items():
+        assert max_relative_difference(data["state"], reference) <= 1e-9, f"replica {r} diverged"
+    assert 2 < states[1]["stats"][0]["step"] < steps, "the standby took its place mid-run"

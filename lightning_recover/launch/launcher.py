@@ -199,7 +199,7 @@ def supervise(
     parse_faults(inject, replicas)  # validate before starting anything
     if isinstance(nproc_per_replica, bool) or not isinstance(nproc_per_replica, int) or nproc_per_replica < 1:
         raise ValueError(f"nproc_per_replica must be an integer >= 1, got {nproc_per_replica!r}")
-    check_standby(standby, restarts, nproc_per_replica, watch_workers)
+    check_standby(standby, restarts, torchrun=watch_workers)
     say = on_event or (lambda line: print(f"[lightning-recover] {line}", file=sys.stderr, flush=True))
     argv = command if callable(command) else (lambda r: command)
     first = list(argv(0))
@@ -265,14 +265,15 @@ def supervise(
                     say,
                     finish_grace,
                     restarts=restarts,
+                    standby=standby,
                 )
         preexec = _replica_preexec(os.getpid())
 
         def spawn(r: int) -> subprocess.Popen:
             return subprocess.Popen(list(argv(r)), env=dict(child_env, **{env.REPLICA: str(r)}), preexec_fn=preexec)
 
-        def spawn_standby(s: int) -> subprocess.Popen:
-            return subprocess.Popen(list(argv(0)), env=dict(child_env, **{env.STANDBY: str(s)}), preexec_fn=preexec)
+        def spawn_standby(s: int) -> list[subprocess.Popen]:
+            return [subprocess.Popen(list(argv(0)), env=dict(child_env, **{env.STANDBY: str(s)}), preexec_fn=preexec)]
 
         # One standby process per restart the job may still make, at most: never more than needed.
         standbys = StandbyPool(standby, spawn_standby, standby + replicas * restarts, say) if standby else None
@@ -325,11 +326,13 @@ def supervise(
         def take_standby(c: _Child) -> bool:
             """A waiting standby takes failed replica ``c``'s place (its death is already declared)."""
             taken = standbys.take(
-                lambda ids: link.call(lambda store: [s for s in ids if standby_is_ready(store, sealer, s)], lost_after)
+                lambda ids: link.call(
+                    lambda store: [s for s in ids if standby_is_ready(store, sealer, s, 1)], lost_after
+                )
             )
             if taken is None:
                 return False
-            s, proc = taken
+            s, (proc,) = taken
             link.call(lambda store: assign_standby(store, sealer, s, c.replica), timeout=lost_after)
             c.proc = proc
             c.history.append(f"standby {s} took its place")

@@ -18,7 +18,10 @@ from typing import Any
 
 from lightning_recover import env
 from lightning_recover.launch.process_tree import describe_exit, is_stopped, kill_tree
+from lightning_recover.launch.standby_pool import StandbyPool
 from lightning_recover.protocol.messages import Sealer, mark_dead, read_death
+from lightning_recover.protocol.standby import assign as assign_standby
+from lightning_recover.protocol.standby import is_ready as standby_is_ready
 
 
 @dataclass
@@ -53,16 +56,32 @@ def supervise_sharded(
     say: Callable[[str], Any],
     finish_grace: float,
     restarts: int = 0,
+    standby: int = 0,
 ) -> int:
     """Run ``nproc`` processes of ``argv(r)`` per replica; end a replica whole when one fails, and
-    start it again (all ``nproc`` processes, a new incarnation that rejoins) up to ``restarts`` times."""
+    start it again (all ``nproc`` processes, a new incarnation that rejoins) up to ``restarts`` times.
+    With ``standby`` = S, S standbys of ``nproc`` processes each wait; a ready one takes a failed
+    replica's place instead of a restart (see :mod:`~lightning_recover.protocol.standby`)."""
 
     def spawn(r: int, i: int) -> subprocess.Popen:
         extra = {env.REPLICA: str(r), env.INNER: str(i), env.REPLICA_SIZE: str(nproc)}
         return subprocess.Popen(list(argv(r)), env=dict(child_env, **extra))
 
+    def spawn_standby(s: int) -> list[subprocess.Popen]:
+        extra = {env.STANDBY: str(s), env.REPLICA_SIZE: str(nproc)}
+        return [
+            subprocess.Popen(list(argv(0)), env=dict(child_env, **extra, **{env.INNER: str(i)})) for i in range(nproc)
+        ]
+
     group = [_Replica(r, [spawn(r, i) for i in range(nproc)]) for r in range(replicas)]
-    say(f"started {replicas} replicas x {nproc} processes: {' '.join(argv(0))}")
+    standbys = StandbyPool(standby, spawn_standby, standby + replicas * restarts, say) if standby else None
+    if standbys is not None:
+        standbys.fill()
+    say(
+        f"started {replicas} replicas x {nproc} processes"
+        + (f" and {standby} standby x {nproc}" if standby else "")
+        + f": {' '.join(argv(0))}"
+    )
     interrupted = False
     finished_at: float | None = None
     next_scan = 0.0
@@ -94,8 +113,23 @@ def supervise_sharded(
             return  # the coordinator is gone: nothing to rejoin
         rep.restarts += 1
         rep.first_incarnation = previous + 1
-        say(f"restarting replica {rep.replica} ({rep.restarts}/{restarts}): {nproc} new processes")
-        rep.procs = [spawn(rep.replica, i) for i in range(nproc)]
+        taken = (
+            standbys.take(lambda ids: [s for s in ids if standby_is_ready(store, sealer, s, nproc)])
+            if standbys
+            else None
+        )
+        if taken is not None:
+            s, rep.procs = taken
+            assign_standby(store, sealer, s, rep.replica)
+            rep.history.append(f"standby {s} took its place")
+            say(
+                f"replica {rep.replica}: standby {s} (pids {[p.pid for p in rep.procs]}) takes its place "
+                f"({rep.restarts}/{restarts})"
+            )
+            standbys.fill()  # a new standby starts in the background
+        else:
+            say(f"restarting replica {rep.replica} ({rep.restarts}/{restarts}): {nproc} new processes")
+            rep.procs = [spawn(rep.replica, i) for i in range(nproc)]
         rep.codes, rep.failed = {}, False
 
     def _forward(signum: int, _frame: Any) -> None:
@@ -144,6 +178,8 @@ def supervise_sharded(
             running = sum(1 for rep in group for p in rep.running() if not is_stopped(p.pid))
             if running == 0 or (finished_at is not None and time.monotonic() - finished_at > finish_grace):
                 break
+            if standbys is not None and finished_at is None:
+                standbys.reap()
             time.sleep(0.01)
         for rep in group:
             if not rep.done:
@@ -151,6 +187,8 @@ def supervise_sharded(
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        if standbys is not None:
+            standbys.end()
         for rep in group:
             for p in rep.procs:
                 if p.poll() is None:

@@ -14,17 +14,20 @@ from lightning_recover.launch.process_tree import describe_exit, kill_tree
 
 
 class StandbyPool:
-    """``count`` standbys kept started, within ``budget`` standby processes over the whole job."""
+    """``count`` standbys kept started, within ``budget`` standbys over the whole job.
+
+    A standby is the list of its processes: one, or the K of a sharded replica (a standby one of
+    whose processes exited is ended whole: it can no longer take a replica's place)."""
 
     def __init__(
-        self, count: int, spawn: Callable[[int], subprocess.Popen], budget: int, say: Callable[[str], None]
+        self, count: int, spawn: Callable[[int], list[subprocess.Popen]], budget: int, say: Callable[[str], None]
     ) -> None:
         self._spawn = spawn
         self._count = count
         self._budget = budget
         self._say = say
         self._next_id = 0
-        self.waiting: dict[int, subprocess.Popen] = {}  # standby id -> its process, not yet assigned
+        self.waiting: dict[int, list[subprocess.Popen]] = {}  # standby id -> its processes, not yet assigned
 
     def fill(self) -> None:
         """Start standbys until ``count`` wait (or the budget is spent)."""
@@ -40,20 +43,22 @@ class StandbyPool:
 
     def reap(self) -> None:
         """Forget standbys that exited while waiting (killed, crashed in start-up) and replace them."""
-        for s, proc in list(self.waiting.items()):
-            code = proc.poll()
-            if code is not None:
+        for s, procs in list(self.waiting.items()):
+            codes = [p.poll() for p in procs]
+            if any(code is not None for code in codes):
                 del self.waiting[s]
+                _end(procs)
+                code = next(code for code in codes if code is not None)
                 self._say(f"standby {s} exited while waiting ({describe_exit(code)})")
         self.fill()
 
-    def take(self, ready: Callable[[list[int]], list[int]]) -> tuple[int, subprocess.Popen] | None:
+    def take(self, ready: Callable[[list[int]], list[int]]) -> tuple[int, list[subprocess.Popen]] | None:
         """Hand out one standby that finished its start-up (the oldest); None if none has.
 
         ``ready(ids)`` returns which of ``ids`` reached their wait (read from the coordinator). One
         still starting is not handed out: the replica restarts in place, and the standby stays for
         the next death."""
-        alive = [s for s, p in sorted(self.waiting.items()) if p.poll() is None]
+        alive = [s for s, procs in sorted(self.waiting.items()) if all(p.poll() is None for p in procs)]
         done = ready(alive) if alive else []
         if not done:
             return None
@@ -61,8 +66,13 @@ class StandbyPool:
 
     def end(self) -> None:
         """Kill every standby still waiting (the job is over)."""
-        for proc in self.waiting.values():
-            if proc.poll() is None:
-                kill_tree(proc.pid)
-            proc.wait()
+        for procs in self.waiting.values():
+            _end(procs)
         self.waiting.clear()
+
+
+def _end(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+        proc.wait()

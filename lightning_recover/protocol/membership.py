@@ -27,7 +27,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -279,17 +279,24 @@ class Membership:
         self.groups = ProcessGroups(backend, collective_timeout)
 
     # ------------------------------------------------------------------ lifecycle
-    def connect(self) -> None:
+    def connect(self, before_standby_wait: Callable[[], None] | None = None) -> None:
+        """Connect and take this replica's next incarnation. A standby first runs
+        ``before_standby_wait`` (a sharded one builds its K-process world there), then waits until
+        it is assigned a replica id."""
         self.store = ControlStore(self.addr, self.replica, self.secret, timeout=self.store_timeout)
         check_against_coordinator(self.store.get_genuine("meta/replicas"), self.num_replicas)
         check_replica_size_against_coordinator(self.store.get_genuine("meta/replica_size"), self.replica_size)
         if self.standby is not None:
-            self.replica = self.store.replica = wait_for_assignment(self.store, self.standby, self.num_replicas)
-            print(
-                f"[lightning-recover] standby {self.standby}: takes the place of replica {self.replica}",
-                file=sys.stderr,
-                flush=True,
-            )
+            if before_standby_wait is not None:
+                before_standby_wait()
+            assigned = wait_for_assignment(self.store, self.standby, self.num_replicas, self.inner)
+            self.replica = self.store.replica = assigned
+            if self.inner == 0:  # one line per replica, not K
+                print(
+                    f"[lightning-recover] standby {self.standby}: takes the place of replica {self.replica}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         if self.replica_size == 1:
             refuse_if_id_in_use(self.store, self.replica, self.num_replicas, self.heartbeat_interval)
             self.incarnation = self.store.add(f"inc/{self.replica}", 1)

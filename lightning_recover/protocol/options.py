@@ -32,7 +32,7 @@ def check_heartbeat_timeout(timeout: object, interval: float = DEFAULT_HEARTBEAT
     return timeout
 
 
-def check_standby(standby: Any, restarts: int, replica_size: int = 1, torchrun: bool = False) -> int:
+def check_standby(standby: Any, restarts: int, torchrun: bool = False) -> int:
     """Validate a number of warm standbys (see :mod:`lightning_recover.protocol.standby`)."""
     if isinstance(standby, bool) or not isinstance(standby, int) or standby < 0:
         raise ValueError(f"standby must be an integer >= 0, got {standby!r}")
@@ -41,10 +41,10 @@ def check_standby(standby: Any, restarts: int, replica_size: int = 1, torchrun: 
             f"standby={standby} with restarts=0: a standby takes a failed replica's place, which counts as one of "
             "its restarts. HINT: give restarts >= 1 (--restarts), e.g. the number of failures to ride through."
         )
-    if standby and (replica_size > 1 or torchrun):
+    if standby and torchrun:
         raise ValueError(
-            "standby replicas are supported by the local launcher with one process per replica only. "
-            "HINT: drop --standby, or run without --nproc-per-replica / torchrun."
+            "standby replicas are started by the local launcher (lightning-recover run, fabric.launch()), not "
+            "under lightning-recover torchrun. HINT: drop --standby, or use lightning-recover run."
         )
     return standby
 

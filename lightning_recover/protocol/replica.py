@@ -198,18 +198,32 @@ class Replica:
         if exit_hook:
             atexit.register(self._at_exit)
         _record_uncaught_exceptions()
-        self.group.connect()
+        device = "cuda" if self.group.backend == "nccl" else "cpu"
+        standby_world = []
+
+        def build_standby_world() -> None:
+            # A sharded standby builds its K-process world (the slow part after imports) before it waits.
+            from lightning_recover.protocol.sharding import ReplicaWorld
+
+            prefix = f"standby{self.group.standby}"
+            standby_world.append(
+                ReplicaWorld.build(self.group, self.replica_size, self.inner, prefix, device, self.tensor_parallel)
+            )
+
+        self.group.connect(before_standby_wait=build_standby_world if self.replica_size > 1 else None)
         injector = self._injector or FaultInjector.from_env(self.group.replica, self.group.incarnation, self.inner)
         for listener in self._fault_listeners:
             injector.add_listener(listener)
         self.protocol.injector = injector
         self.joining = self.group.form_initial() is None
-        if self.replica_size > 1:
+        if standby_world:
+            self.world = standby_world[0]
+            self.world.watch()
+        elif self.replica_size > 1:
             # A restarted sharded replica builds its own K-process world first (a fresh incarnation's
             # process group), then rejoins: position i receives its shards from position i of a peer.
             from lightning_recover.protocol.sharding import ReplicaWorld
 
-            device = "cuda" if self.group.backend == "nccl" else "cpu"
             self.world = ReplicaWorld.start(
                 self.group, self.replica_size, self.inner, device_type=device, tensor_parallel=self.tensor_parallel
             )

@@ -39,7 +39,7 @@ def _left_key(replica: int, incarnation: int) -> str:
 class ReplicaWorld:
     """The default process group and device mesh of one replica incarnation."""
 
-    replica: int
+    replica: int  # -1 / 0 until watch(): a standby's world belongs to no replica yet
     incarnation: int
     inner: int
     size: int
@@ -53,9 +53,26 @@ class ReplicaWorld:
     def start(
         cls, membership: Membership, size: int, inner: int, device_type: str = "cpu", tensor_parallel: int = 1
     ) -> ReplicaWorld:
+        """The world of this replica incarnation, watched for the replica's death."""
+        prefix = f"rep{membership.replica}/inc{membership.incarnation}"
+        world = cls.build(membership, size, inner, prefix, device_type, tensor_parallel)
+        world.watch()
+        return world
+
+    @classmethod
+    def build(
+        cls,
+        membership: Membership,
+        size: int,
+        inner: int,
+        prefix: str,
+        device_type: str = "cpu",
+        tensor_parallel: int = 1,
+    ) -> ReplicaWorld:
+        """The K-process group and mesh over the store keys under ``prefix``, not watched yet: a
+        sharded standby builds its world before it knows which replica it will be."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        r, n = membership.replica, membership.incarnation
         if dist.is_initialized():
             raise RuntimeError(
                 "a default process group already exists in this process; a sharded replica builds its own. "
@@ -65,7 +82,7 @@ class ReplicaWorld:
         # Keep the store object alive as long as the world: it is a Python dist.Store subclass, and once
         # it is garbage collected every later new_group over the default store (the 2-D mesh's
         # per-dimension groups) fails with "INTERNAL ASSERT FAILED ... Not implemented" (torch 2.13).
-        store = membership.store.prefixed(f"rep{r}/inc{n}")
+        store = membership.store.prefixed(prefix)
         dist.init_process_group(
             backend,
             store=store,
@@ -78,9 +95,14 @@ class ReplicaWorld:
             mesh = init_device_mesh(device_type, (size,), mesh_dim_names=("shard",))
         else:  # row-major: inner = d * tp + t, so mesh["tp"] is the tp consecutive ranks of position d
             mesh = init_device_mesh(device_type, (size // tp, tp), mesh_dim_names=("shard", "tp"))
-        world = cls(r, n, inner, size, mesh, tp, membership, threading.Event(), store)
-        threading.Thread(target=world._watch, name=f"lr-watchdog-{r}.{inner}", daemon=True).start()
-        return world
+        return cls(-1, 0, inner, size, mesh, tp, membership, threading.Event(), store)
+
+    def watch(self) -> None:
+        """From now on this world is replica ``membership.replica``'s current incarnation: exit at
+        once when the coordinator declares it dead (a mate died or hung)."""
+        self.replica, self.incarnation = self._membership.replica, self._membership.incarnation
+        name = f"lr-watchdog-{self.replica}.{self.inner}"
+        threading.Thread(target=self._watch, name=name, daemon=True).start()
 
     @property
     def group(self) -> Any:

@@ -7,7 +7,7 @@ script like a replica up to its connection to the coordinator, and there it wait
 
 Protocol (all values sealed with the job's secret):
 
-1. The standby sets ``standby/{s}/ready`` and waits for ``standby/{s}/assign`` with blocking store
+1. Each process ``i`` of the standby sets ``standby/{s}/ready/{i}`` and waits for ``standby/{s}/assign`` with blocking store
    waits of one second each (one request per second, served by the coordinator's wait list: no
    polling while the active replicas train).
 2. When replica ``r`` dies, the launcher declares its incarnation dead and writes ``r`` to the
@@ -33,8 +33,8 @@ from lightning_recover.protocol.messages import ControlStore, Sealer
 WAIT_SLICE = 1.0  # seconds of one blocking wait on the coordinator
 
 
-def ready_key(standby: int) -> str:
-    return f"standby/{standby}/ready"
+def ready_key(standby: int, inner: int) -> str:
+    return f"standby/{standby}/ready/{inner}"
 
 
 def assign_key(standby: int) -> str:
@@ -47,25 +47,27 @@ def assign(store: Any, sealer: Sealer, standby: int, replica: int) -> None:
     store.set(key, sealer.seal(key, str(replica).encode()))
 
 
-def is_ready(store: Any, sealer: Sealer, standby: int) -> bool:
-    """Launcher side: whether the standby has reached its wait (its start-up is done)."""
-    key = ready_key(standby)
-    if not store.check([key]):
+def is_ready(store: Any, sealer: Sealer, standby: int, processes: int) -> bool:
+    """Launcher side: whether all ``processes`` of the standby reached their wait (start-up done)."""
+    keys = [ready_key(standby, i) for i in range(processes)]
+    if not store.check(keys):
         return False
     try:
-        return sealer.open(key, store.get(key)) == b"1"
+        return all(sealer.open(key, raw) == b"1" for key, raw in zip(keys, store.multi_get(keys)))
     except Exception:
         return False  # forged: not a standby of this job
 
 
-def wait_for_assignment(store: ControlStore, standby: int, replicas: int) -> int:
-    """Standby side: say this standby is ready, then block until it is assigned a replica id.
+def wait_for_assignment(store: ControlStore, standby: int, replicas: int, inner: int = 0) -> int:
+    """Standby side: say this process of the standby is ready, then block until the standby is
+    assigned a replica id (all K processes of a sharded standby wait on the same key).
 
     Also sets :data:`env.REPLICA` in this process: from here on it is that replica (its device slot
     stays the standby's, see :func:`env.device_slot`)."""
-    store.set(ready_key(standby), "1")
+    store.set(ready_key(standby, inner), "1")
+    who = f"standby {standby}" + (f" process {inner}" if inner else "")
     print(
-        f"[lightning-recover] standby {standby} (pid {os.getpid()}): ready, waiting to take a failed replica's place",
+        f"[lightning-recover] {who} (pid {os.getpid()}): ready, waiting to take a failed replica's place",
         file=sys.stderr,
         flush=True,
     )

@@ -106,6 +106,10 @@ def train(args) -> None:
         stats.append(vars(step.stats))
         if args.slow_while_degraded and step.stats.live_replicas < args.replicas:
             time.sleep(args.slow_while_degraded)  # gives a restarted replica time to rejoin before the end
+        hold_step, _, gate = args.hold.partition(":")
+        deadline = time.monotonic() + 120
+        while gate and int(hold_step) == step.index + 1 and not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.05)
         if args.save_step == step.index + 1:
             fabric.save(args.ckpt, {"model": model, "optimizer": optimizer, "step": step.index + 1})
             saved_state = full_state(model)
@@ -149,6 +153,7 @@ def main() -> None:
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--dtype", default="float64", choices=["float64", "float32"])
+    parser.add_argument("--hold", default="", help="STEP:PATH: before step STEP, wait (<= 120 s) until PATH exists")
     args = parser.parse_args()
     reference(args) if args.reference else train(args)
 
