@@ -89,6 +89,27 @@ def test_single_failure_costs():
     assert drop.work_s == pytest.approx(3600.0 - 5.0 - 0.5 * 10.0 - (100.0 - 5.0) / n, abs=1e-6)
 
 
+def test_standby_takes_over_after_takeover_s_and_refills_after_rejoin_s():
+    p = _p(gpus=64, gpus_per_replica=8, step_s=10.0, recovery_s=5.0, rejoin_s=100.0, takeover_s=8.0, hours=1.0)
+    n = p.replicas  # 8
+    pause = 5.0 + 0.5 * 10.0 / 7
+    one = [sim.Failure(t=1500.0, replica=3, u=0.5)]
+    # the standby is in the dead replica's place 8 s after the failure (the pause included)
+    assert sim.simulate("standby", p, one).work_s == pytest.approx(3600.0 - pause - (8.0 - pause) / n, abs=1e-6)
+    # a second failure 50 s later finds no standby (the new one is ready 100 s after the first): a rejoin
+    two = one + [sim.Failure(t=1550.0, replica=5, u=0.5)]
+    lost_two = 2 * pause + (8.0 - pause) / n + (100.0 - pause) / n
+    assert sim.simulate("standby", p, two).work_s == pytest.approx(3600.0 - lost_two, abs=1e-6)
+    # ... and 150 s later it does
+    later = one + [sim.Failure(t=1650.0, replica=5, u=0.5)]
+    assert sim.simulate("standby", p, later).work_s == pytest.approx(
+        3600.0 - 2 * pause - 2 * (8.0 - pause) / n, abs=1e-6
+    )
+    # no standby: exactly recover
+    none = replace(p, standby=0)
+    assert sim.simulate("standby", none, two).work_s == sim.simulate("recover", none, two).work_s
+
+
 def test_gap_widens_with_scale():
     rows = sim.sweep(sim.Params(hours=48.0), [512, 4096, 16384], trials=5, seed=0)
     gaps = [r["recover"] - r["checkpoint"] for r in rows]
