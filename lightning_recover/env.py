@@ -65,11 +65,6 @@ def in_replica() -> bool:
     return REPLICA in os.environ or STANDBY in os.environ
 
 
-def standby_id() -> int | None:
-    """This process's standby id while it is a warm standby, else None."""
-    return int(os.environ[STANDBY]) if STANDBY in os.environ and REPLICA not in os.environ else None
-
-
 def device_slot() -> int:
     """Which of the node's accelerators this process uses: replica r's process i takes r*K + i; a
     standby takes a slot after all replicas' (it keeps its device when it takes a replica's place)."""

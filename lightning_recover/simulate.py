@@ -294,7 +294,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rejoin-s", type=float, default=d.rejoin_s)
     parser.add_argument("--restart-s", type=float, default=d.restart_s)
     parser.add_argument("--standby", type=int, default=d.standby, help="standby approach: warm standby replicas")
-    parser.add_argument("--takeover-s", type=float, default=d.takeover_s, help="standby: failure -> standby in a commit")
+    parser.add_argument(
+        "--takeover-s", type=float, default=d.takeover_s, help="standby: failure -> standby in a commit"
+    )
     parser.add_argument("--checkpoint-s", type=float, default=d.checkpoint_s)
     parser.add_argument("--checkpoint-interval-s", type=float, default=None, help="default: Young/Daly")
     parser.add_argument(

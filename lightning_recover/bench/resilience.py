@@ -19,6 +19,20 @@ Three modes train the same model on the same data with the same failure schedule
   default ``TorchCheckpointIO`` or through :class:`UringCheckpointIO`), and on any failure torchrun
   restarts the whole group, which resumes from the newest checkpoint with all replicas.
 - ``failure-free``: ``strategy="recover"`` without faults: the reference trajectory and throughput.
+- ``recover-standby`` (only with ``--modes``): ``recover-local`` with one warm standby (``standby=1``):
+  a killed replica's place is taken by the standby if it is ready, and a new standby starts.
+  ``failure-free-standby``: no faults, one standby waiting: what a standby costs the replicas.
+- ``torchft`` (only with ``--modes``; skipped with a message when torchft is not installed, see
+  ``pip install lightning-recover[bench]``): torchft 0.2.0, the same schedule; each replica is one
+  torchft replica group of one process restarted by its own loop, the lighthouse is hosted by this
+  driver on 127.0.0.1 (``torchft_train.py`` holds its training job and what it does and does not use).
+
+Straggler scenario (``--straggler R:F[@S]``, no faults): replica ``R``'s microbatches take ``F``
+times ``mb_seconds`` (from step ``S`` on). ``recover-equal`` and ``recover-throughput`` run
+``strategy="recover"`` (local launcher) with ``quota="equal"`` / ``"throughput"``, ``ddp-torch``
+stock DDP with the same slowdown (no checkpoints: nothing fails), ``failure-free`` the reference
+without the straggler. Reported against the ideal (the sum of the replicas' rates) and against what
+the quota plan itself allows with zero communication (:func:`planned_mb_per_s`).
 
 Sharded mode (``--replica-size K``, K > 1): every replica is K processes sharding the model with
 FSDP2. ``recover`` runs ``lightning-recover torchrun --nproc-per-replica K`` (a killed process takes
@@ -51,6 +65,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -60,7 +75,7 @@ from lightning_recover.protocol.planner import plan_quotas
 
 MODES = ("recover", "recover-local", "ddp-torch", "ddp-uring", "failure-free")
 SHARDED_MODES = ("recover", "recover-local", "hsdp-dcp", "failure-free")
-EXTRA_MODES = ("recover-norestart", "torchft")
+EXTRA_MODES = ("recover-norestart", "recover-standby", "failure-free-standby", "torchft")
 # --straggler: no faults; one replica slowed; equal vs throughput quotas vs stock DDP (+ the reference)
 STRAGGLER_MODES = ("recover-equal", "recover-throughput", "ddp-torch", "failure-free")
 _FAULT_T = re.compile(r"injecting fault (\S+) at t=([0-9.]+)")
@@ -183,13 +198,17 @@ def run_mode(
             ]
             + common
         )
-    elif mode.startswith("recover") or mode == "failure-free":
+    elif mode.startswith(("recover", "failure-free")):
         cmd = job + ["--mode", "recover", "--heartbeat-timeout", str(heartbeat_timeout)] + common
         if mode == "recover-throughput":
             cmd += ["--quota", "throughput"]
-        if mode == "recover-local":
+        if mode in ("recover-local", "recover-standby"):
             cmd += ["--restarts", str(len(kills))]
-        if mode != "failure-free" and kills:
+        if mode == "recover-standby":
+            cmd += ["--standby", "1"]
+        if mode == "failure-free-standby":  # what a waiting standby costs the replicas: no fault, one standby
+            cmd += ["--restarts", "1", "--standby", "1"]
+        if not mode.startswith("failure-free") and kills:
             env["LIGHTNING_RECOVER_INJECT"] = inject
     else:
         cmd = [
@@ -247,7 +266,6 @@ def run_torchft(
     collective_timeout: float = 10.0,
     grace: float = 30.0,
     timeout: float = 1800,
-    **_: object,
 ) -> dict:
     """torchft 0.2.0 under the same schedule: the driver hosts the lighthouse (127.0.0.1, a free
     port) and runs one restart loop per replica (each replica = one replica group of one process,
@@ -255,8 +273,6 @@ def run_torchft(
     --max-restarts`` would). The lighthouse declares a replica dead after ``heartbeat_timeout``
     seconds without a heartbeat and waits as long for heartbeating replicas that have not asked to
     join (``join_timeout_ms``); the Manager's and gloo's timeout is ``collective_timeout``."""
-    import threading
-
     from torchft._torchft import LighthouseServer
 
     shutil.rmtree(out, ignore_errors=True)
@@ -400,6 +416,7 @@ def analyze_torchft(out: str, output: str, *, steps: int, microbatches: int, rep
         "median_restart_s": _median(recoveries, "restart_s"),
         "median_process_restart_s": _median(recoveries, "process_restart_s"),
         "median_rejoin_s": _median(recoveries, "rejoin_s"),
+        "median_replacement_commit_s": _median(recoveries, "replacement_commit_s"),
         "median_degraded_s": _median(recoveries, "degraded_s"),
         "degraded_steps": sum(1 for r in final.values() if r["participants"] < replicas),
         "rejoins": sum(1 for r in recs if r["event"] == "step" and r.get("healed")),
@@ -462,6 +479,9 @@ def analyze(mode: str, out: str, output: str, *, steps: int, microbatches: int, 
             if rejoins:
                 rj = min(rejoins, key=lambda r: r["t"])
                 item["restart_s"] = rj["t"] - t  # fault -> the replacement trains again (admitted, state received)
+                commits = [r["commit"] for r in later if r["event"] == "step" and r["commit"] > t]
+                if commits:  # fault -> the replacement's microbatches are in a committed step
+                    item["replacement_commit_s"] = min(commits) - t
                 item["rejoin_step"] = rj["step"]
                 if starts:
                     item["rejoin_s"] = rj["t"] - min(
@@ -568,9 +588,10 @@ def _param_diff(a_path: str, b_path: str, relative: bool = True) -> float:
 def _table(rows: dict[str, dict], bases: tuple[str, ...] = ("ddp-torch", "ddp-uring")) -> str:
     lines = [
         f"| mode | wall s | effective mb/s | {' | '.join('vs ' + b for b in bases)} | lost steps | recomputed mb"
-        " | fault -> step committed (median s) | fault -> replica training again (median s)"
-        " | degraded steps | ckpt save / load s | max rel. param diff vs failure-free |",
-        "|---|---|---|" + "---|" * len(bases) + "---|---|---|---|---|---|---|",
+        " | of failure-free | fault -> step committed (median s) | fault -> replica training again (median s)"
+        " | fault -> replacement in a commit (median s) | degraded steps | ckpt save / load s"
+        " | max rel. param diff vs failure-free |",
+        "|---|---|---|" + "---|" * len(bases) + "---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(v, fmt):
@@ -582,9 +603,12 @@ def _table(rows: dict[str, dict], bases: tuple[str, ...] = ("ddp-torch", "ddp-ur
         )
         ck = " / ".join(f(r.get(k), ".3f") for k in ("checkpoint_save_s", "checkpoint_load_s"))
         ftc = f"{r['median_fault_to_commit_s']:.2f}" if r["faults"] else "-"
+        free = rows.get("failure-free")
+        of_free = f"{r['effective_mb_per_s'] / free['effective_mb_per_s']:.2f}" if free else "-"
         lines.append(
             f"| {mode} | {r['wall_s']:.1f} | {r['effective_mb_per_s']:.2f} | {ratios} | "
-            f"{r['lost_steps']} | {r['recomputed_microbatches']} | {ftc} | {f(r.get('median_restart_s'), '.1f')} | "
+            f"{r['lost_steps']} | {r['recomputed_microbatches']} | {of_free} | {ftc} | "
+            f"{f(r.get('median_restart_s'), '.1f')} | {f(r.get('median_replacement_commit_s'), '.2f')} | "
             f"{r.get('degraded_steps', 0)} | {ck} | {f(r.get('param_diff'), '.1e')} |"
         )
     return "\n".join(lines)

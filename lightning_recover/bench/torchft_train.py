@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> None:
             offset += g.numel()
         participants = manager.num_participants()
         participating = manager.is_participating()
-        healing = manager._healing  # noqa: SLF001 -- healed in this step (state applied in should_commit)
+        healing = manager._healing  # healed in this step (its state is applied in should_commit); private in 0.2.0
         committed = manager.should_commit()
         if committed:
             optimizer.step()

@@ -7,9 +7,10 @@ script like a replica up to its connection to the coordinator, and there it wait
 
 Protocol (all values sealed with the job's secret):
 
-1. Each process ``i`` of the standby sets ``standby/{s}/ready/{i}`` and waits for ``standby/{s}/assign`` with blocking store
-   waits of one second each (one request per second, served by the coordinator's wait list: no
-   polling while the active replicas train).
+1. Each process ``i`` of the standby (one, or the K of a sharded replica, which first build their
+   own K-process world) sets ``standby/{s}/ready/{i}`` and waits for ``standby/{s}/assign`` with
+   blocking store waits of one second each (one request per second, served by the coordinator's
+   wait list: no polling while the active replicas train).
 2. When replica ``r`` dies, the launcher declares its incarnation dead and writes ``r`` to the
    assign key of a ready standby. With none ready (all still starting), ``r`` restarts in place
    as without standbys, and the starting ones stay for the next death.
