@@ -119,6 +119,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "on); compares recover-equal, recover-throughput, ddp-torch and failure-free",
     )
     p.add_argument("--microbatches", type=int, default=None, help="M per step (default 12)")
+    p.add_argument("--standby", type=int, default=1, help="warm standbys of the recover-standby modes (default 1)")
     p.add_argument(
         "--replica-size",
         type=int,

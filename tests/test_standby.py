@@ -30,14 +30,31 @@ READY = re.compile(r"standby (\d+) \(pid (\d+)\): ready")
 
 
 def _standby_job(
-    tmp_path, *, replicas: int, steps: int, inject: str, holds: dict[int, int], restarts: int = 1, extra=()
+    tmp_path,
+    *,
+    replicas: int,
+    steps: int,
+    inject: str,
+    holds: dict[int, int],
+    restarts: int = 1,
+    extra=(),
+    torchrun: bool = False,
 ):
-    """Start ``cli run --standby 1`` on fabric_train.py; ``holds`` = {step: k}: the replicas wait
-    before ``step`` until standby k is ready (the gate file ``gate{k}``)."""
+    """Start ``cli run --standby 1`` (or ``cli torchrun``: one torchrun job per replica and per
+    standby) on fabric_train.py; ``holds`` = {step: k}: the replicas wait before ``step`` until
+    standby k is ready (the gate file ``gate{k}``)."""
     out = str(tmp_path / "job")
     hold = ",".join(f"{step}:{tmp_path}/gate{k}" for step, k in holds.items())
-    cmd = [sys.executable, "-m", "lightning_recover.cli", "run", "--replicas", str(replicas)]
-    cmd += ["--restarts", str(restarts), "--standby", "1", "--heartbeat-timeout", "0.5", "--", sys.executable]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lightning_recover.cli",
+        "torchrun" if torchrun else "run",
+        "--replicas",
+        str(replicas),
+    ]
+    cmd += ["--max-restarts" if torchrun else "--restarts", str(restarts), "--standby", "1"]
+    cmd += ["--heartbeat-timeout", "0.5", "--"] + ([] if torchrun else [sys.executable])
     cmd += [FABRIC_SCRIPT, out, "--replicas", str(replicas), "--steps", str(steps), "--microbatches", str(M)]
     cmd += ["--heartbeat-timeout", "0.5", "--dtype", "float64", "--hold", hold, *extra]
     return start_job(cmd, out, env={"LIGHTNING_RECOVER_INJECT": inject})
@@ -78,8 +95,6 @@ def test_standby_needs_restarts_and_one_process_replicas():
         RecoverOptions(standby=1)
     with pytest.raises(ValueError, match="integer >= 0"):
         check_standby(-1, restarts=1)
-    with pytest.raises(ValueError, match="not under lightning-recover torchrun"):
-        check_standby(1, restarts=1, torchrun=True)
 
 
 def test_standby_environment_has_no_replica_id_until_assigned():
@@ -139,49 +154,27 @@ PHASE_PLAN = [  # (replica, step, phase, incarnation): each takeover meets the f
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_standby_takes_over_a_kill_in_every_phase(tmp_path):
-    """3 replicas and one standby; five kills, one per phase, each met by a ready standby (the one
-    started after the previous takeover). Every replica ends equal to the failure-free run."""
+    """3 replicas and one standby. The first standby is SIGKILLed while it waits: the launcher
+    replaces it. Then five kills, one per phase, each met by a ready standby (the one started after
+    the previous takeover). Every replica ends equal to the failure-free run."""
     steps = 17
     inject = ",".join(f"kill:replica={r}:step={s}:phase={p}:incarnation={i}" for r, s, p, i in PHASE_PLAN)
-    proc, log = _standby_job(
-        tmp_path,
-        replicas=3,
-        steps=steps,
-        inject=inject,
-        holds={s: k for k, (_, s, _, _) in enumerate(PHASE_PLAN)},
-        restarts=2,
-    )
-    out = str(tmp_path / "job")
-    try:
-        for k in range(len(PHASE_PLAN)):
-            _open_gate(tmp_path, log, proc, k)
-    finally:
-        result = _finish(proc, log, out, steps)
-    for k, (r, _, _, _) in enumerate(PHASE_PLAN):
-        assert re.search(rf"replica {r}: standby {k} \(pid \d+\) takes its place", result.output), result.output[-3000:]
-    assert "restarting replica" not in result.output, "every death was met by a standby"
-    assert sorted(result.states()) == [0, 1, 2], result.output[-4000:]
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_standby_killed_while_waiting_is_replaced(tmp_path):
-    """The waiting standby is SIGKILLed: the launcher notices, starts another, and that one takes the
-    place of the replica killed later."""
-    steps = 6
-    proc, log = _standby_job(
-        tmp_path, replicas=2, steps=steps, inject="kill:replica=1:step=2:phase=backward", holds={2: 1}
-    )
+    holds = {s: k + 1 for k, (_, s, _, _) in enumerate(PHASE_PLAN)}  # standby 0 is killed while waiting
+    proc, log = _standby_job(tmp_path, replicas=3, steps=steps, inject=inject, holds=holds, restarts=2)
     out = str(tmp_path / "job")
     try:
         assert wait_for(lambda: 0 in _ready_standbys(log) or proc.poll() is not None, timeout=150), open(log).read()
         os.kill(_ready_standbys(log)[0], signal.SIGKILL)
-        _open_gate(tmp_path, log, proc, 1)
+        for k in range(len(PHASE_PLAN)):
+            _open_gate(tmp_path, log, proc, k + 1)
     finally:
         result = _finish(proc, log, out, steps)
-    assert "standby 0 exited while waiting (killed by SIGKILL)" in result.output
-    assert re.search(r"replica 1: standby 1 \(pid \d+\) takes its place", result.output), result.output[-3000:]
-    assert sorted(result.states()) == [0, 1]
+    assert "standby 0 exited while waiting (killed by SIGKILL)" in result.output, result.output[-3000:]
+    for k, (r, _, _, _) in enumerate(PHASE_PLAN):
+        taken = rf"replica {r}: standby {k + 1} \(pid \d+\) takes its place"
+        assert re.search(taken, result.output), result.output[-3000:]
+    assert "restarting replica" not in result.output, "every death was met by a standby"
+    assert sorted(result.states()) == [0, 1, 2], result.output[-4000:]
 
 
 @pytest.mark.slow
@@ -189,11 +182,9 @@ def test_standby_killed_while_waiting_is_replaced(tmp_path):
 def test_two_deaths_with_one_standby(tmp_path):
     """Two replicas die in the same step with one standby: one takeover, and the other replica restarts
     in place as without standbys (the standby started after the takeover is not ready yet)."""
-    steps = 12
+    steps = 6
     inject = "kill:replica=1:step=2:phase=backward,kill:replica=2:step=2:phase=backward"
-    # the run slows while degraded, so that the replica restarted in place (seconds) rejoins before it ends
-    extra = ["--slow-while-degraded", "2.5"]
-    proc, log = _standby_job(tmp_path, replicas=3, steps=steps, inject=inject, holds={2: 0}, extra=extra)
+    proc, log = _standby_job(tmp_path, replicas=3, steps=steps, inject=inject, holds={2: 0})
     out = str(tmp_path / "job")
     try:
         _open_gate(tmp_path, log, proc, 0)
@@ -202,7 +193,27 @@ def test_two_deaths_with_one_standby(tmp_path):
     takeovers = re.findall(r"replica (\d): standby 0 \(pid \d+\) takes its place", result.output)
     restarted = re.findall(r"restarting replica (\d) \(1/1\)", result.output)
     assert len(takeovers) == 1 and len(restarted) == 1 and {*takeovers, *restarted} == {"1", "2"}, result.output[-3000:]
-    assert sorted(result.states()) == [0, 1, 2], result.output[-4000:]
+    # the replica restarted in place rejoins only if it starts before the run's end (seconds here)
+    assert {0, int(takeovers[0])} <= set(result.states()), result.output[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_torchrun_standby_job_takes_the_place_of_a_replica(tmp_path):
+    """``lightning-recover torchrun --standby 1``: the standby is a torchrun job of its own. When a
+    replica's worker is killed, its agent is ended before it restarts the worker and the standby
+    job becomes the replica."""
+    steps = 6
+    inject = "kill:replica=1:step=2:phase=backward"
+    proc, log = _standby_job(tmp_path, replicas=2, steps=steps, inject=inject, holds={2: 0}, torchrun=True)
+    out = str(tmp_path / "job")
+    try:
+        _open_gate(tmp_path, log, proc, 0)
+    finally:
+        result = _finish(proc, log, out, steps)
+    assert "replica 1: its worker exited; declared dead" in result.output, result.output[-3000:]
+    assert re.search(r"replica 1: standby 0 \(pid \d+\) takes its place \(1/1\)", result.output), result.output[-3000:]
+    assert sorted(result.states()) == [0, 1], result.output[-4000:]
 
 
 @pytest.mark.slow

@@ -188,7 +188,9 @@ def supervise(
 
     ``standby`` = S > 0: S warm standbys run the command ahead of need and wait; a failed replica's
     restart is then a standby taking its place (it still counts as one of its ``restarts``), and a
-    new standby is started in its stead (see :mod:`~lightning_recover.protocol.standby`).
+    new standby is started in its stead (see :mod:`~lightning_recover.protocol.standby`). Under
+    torchrun (``watch_workers``) a standby is a torchrun job of its own; ``restarts`` then bounds
+    the takeovers per replica only (the agents restart workers themselves).
     """
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
@@ -199,7 +201,7 @@ def supervise(
     parse_faults(inject, replicas)  # validate before starting anything
     if isinstance(nproc_per_replica, bool) or not isinstance(nproc_per_replica, int) or nproc_per_replica < 1:
         raise ValueError(f"nproc_per_replica must be an integer >= 1, got {nproc_per_replica!r}")
-    check_standby(standby, restarts, torchrun=watch_workers)
+    check_standby(standby, restarts)
     say = on_event or (lambda line: print(f"[lightning-recover] {line}", file=sys.stderr, flush=True))
     argv = command if callable(command) else (lambda r: command)
     first = list(argv(0))
@@ -323,15 +325,19 @@ def supervise(
             children[r].handled = max(children[r].handled, inc)  # its next incarnation is a new process
             return marked
 
-        def take_standby(c: _Child) -> bool:
-            """A waiting standby takes failed replica ``c``'s place (its death is already declared)."""
+        def take_standby(c: _Child, end_agent: bool = False) -> bool:
+            """A waiting standby takes failed replica ``c``'s place (its death is already declared);
+            ``end_agent``: first end the replica's torchrun agent (and any worker it restarted)."""
             taken = standbys.take(
                 lambda ids: link.call(
-                    lambda store: [s for s in ids if standby_is_ready(store, sealer, s, 1)], lost_after
+                    lambda store: [s for s in ids if standby_is_ready(store, sealer, s, nproc_per_replica)], lost_after
                 )
             )
             if taken is None:
                 return False
+            if end_agent:
+                kill_tree(c.proc.pid)
+                c.proc.wait()
             s, (proc,) = taken
             link.call(lambda store: assign_standby(store, sealer, s, c.replica), timeout=lost_after)
             c.proc = proc
@@ -390,7 +396,8 @@ def supervise(
                         if coord.proc.poll() is None:
                             declare_dead(c.replica)
                         say(f"replica {c.replica} failed ({describe_exit(code)})")
-                        if c.restarts < restarts and not interrupted:
+                        # Under torchrun the agent restarts workers itself; `restarts` bounds takeovers only.
+                        if c.restarts < restarts and not interrupted and not watch_workers:
                             c.restarts += 1
                             if standbys is not None and take_standby(c):
                                 running += 1
@@ -428,6 +435,14 @@ def supervise(
                         if lost and c.proc.poll() is None and declare_dead(c.replica):
                             # The agent will restart it; tell the survivors now rather than after heartbeats.
                             say(f"replica {c.replica}: its worker exited; declared dead")
+                            if standbys is not None and c.restarts < restarts and not interrupted:
+                                # A ready standby job instead: the agent is ended before it restarts
+                                # anything, and the standby's agent becomes the replica's.
+                                c.restarts += 1
+                                if take_standby(c, end_agent=True):
+                                    first_seen[c.replica] = {}
+                                else:
+                                    c.restarts -= 1  # none ready: the agent restarts its worker
                 if running == 0 or (finished_at is not None and time.monotonic() - finished_at > finish_grace):
                     break
                 if standbys is not None and finished_at is None:
@@ -580,6 +595,12 @@ def add_subcommands(sub: Any) -> None:
         type=seconds,
         default=1.0,
         help="seconds without heartbeat before a replica is declared dead (> 0.2)",
+    )
+    p.add_argument(
+        "--standby",
+        type=coordinator_process.non_negative_int,
+        default=0,
+        help="keep S warm standby torchrun jobs that take a failed replica's place (each counts as a restart)",
     )
     p.add_argument("--host", default="127.0.0.1", help="coordinator bind address (only this one is bound)")
     p.add_argument("command", nargs=argparse.REMAINDER)

@@ -46,6 +46,9 @@ def cmd_torchrun(args: argparse.Namespace) -> int:
             host=args.host,
             watch_workers=True,
             nproc_per_replica=args.nproc_per_replica,
+            # standby jobs: a takeover replaces one of a replica's agent restarts, at most --max-restarts
+            standby=args.standby,
+            restarts=args.max_restarts if args.standby else 0,
         )
     except ValueError as exc:  # a bad option: say how to fix it, no traceback
         raise SystemExit(f"lightning-recover torchrun: {exc}") from None

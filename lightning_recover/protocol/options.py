@@ -32,19 +32,14 @@ def check_heartbeat_timeout(timeout: object, interval: float = DEFAULT_HEARTBEAT
     return timeout
 
 
-def check_standby(standby: Any, restarts: int, torchrun: bool = False) -> int:
+def check_standby(standby: Any, restarts: int) -> int:
     """Validate a number of warm standbys (see :mod:`lightning_recover.protocol.standby`)."""
     if isinstance(standby, bool) or not isinstance(standby, int) or standby < 0:
         raise ValueError(f"standby must be an integer >= 0, got {standby!r}")
     if standby and restarts < 1:
         raise ValueError(
             f"standby={standby} with restarts=0: a standby takes a failed replica's place, which counts as one of "
-            "its restarts. HINT: give restarts >= 1 (--restarts), e.g. the number of failures to ride through."
-        )
-    if standby and torchrun:
-        raise ValueError(
-            "standby replicas are started by the local launcher (lightning-recover run, fabric.launch()), not "
-            "under lightning-recover torchrun. HINT: drop --standby, or use lightning-recover run."
+            "its restarts. HINT: give restarts >= 1 (--restarts, torchrun --max-restarts), e.g. the failures to ride through."
         )
     return standby
 
