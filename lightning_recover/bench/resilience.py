@@ -374,9 +374,11 @@ def analyze_torchft(out: str, output: str, *, steps: int, microbatches: int, rep
     for spec, t in faults:
         step = int(re.search(r"step=(\d+)", spec).group(1))
         victim = int(re.search(r"replica=(\d+)", spec).group(1))
-        after = [r["commit"] for r in committed if r["commit"] > t]
+        # the survivors' next commit of the interrupted step (or a later one); a survivor may still
+        # be committing the step before it when the kill lands, which does not count
+        after = [r["commit"] for r in committed if r["commit"] > t and r["step"] >= step]
         item = {"fault": spec, "fault_t": t - first, "step": step}
-        item["fault_to_commit_s"] = (min(after) - t) if after else None  # the survivors' next commit
+        item["fault_to_commit_s"] = (min(after) - t) if after else None
         later = [r for r in recs if r["rank"] == victim and r.get("incarnation", 1) > 1]
         starts = [r["t"] for r in later if r["event"] == "start" and r["t"] > t]
         joined = [r for r in later if r["event"] == "step" and r["committed"] and r["start"] > t]
