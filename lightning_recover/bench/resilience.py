@@ -19,9 +19,9 @@ Three modes train the same model on the same data with the same failure schedule
   default ``TorchCheckpointIO`` or through :class:`UringCheckpointIO`), and on any failure torchrun
   restarts the whole group, which resumes from the newest checkpoint with all replicas.
 - ``failure-free``: ``strategy="recover"`` without faults: the reference trajectory and throughput.
-- ``recover-standby`` (only with ``--modes``): ``recover-local`` with one warm standby (``standby=1``):
-  a killed replica's place is taken by the standby if it is ready, and a new standby starts.
-  ``failure-free-standby``: no faults, one standby waiting: what a standby costs the replicas.
+- ``recover-standby`` (only with ``--modes``): ``recover-local`` with ``--standby S`` warm standbys
+  (default 1): a killed replica's place is taken by a ready standby, and a new standby starts.
+  ``failure-free-standby``: no faults, S standbys waiting: what waiting standbys cost the replicas.
 - ``torchft`` (only with ``--modes``; skipped with a message when torchft is not installed, see
   ``pip install lightning-recover[bench]``): torchft 0.2.0, the same schedule; each replica is one
   torchft replica group of one process restarted by its own loop, the lighthouse is hosted by this
@@ -131,6 +131,7 @@ def run_mode(
     heartbeat_timeout: float,
     replica_size: int = 1,
     slow: str = "",
+    standby: int = 1,
     timeout: float = 1800,
 ) -> dict:
     if mode == "torchft":
@@ -205,9 +206,9 @@ def run_mode(
         if mode in ("recover-local", "recover-standby"):
             cmd += ["--restarts", str(len(kills))]
         if mode == "recover-standby":
-            cmd += ["--standby", "1"]
-        if mode == "failure-free-standby":  # what a waiting standby costs the replicas: no fault, one standby
-            cmd += ["--restarts", "1", "--standby", "1"]
+            cmd += ["--standby", str(standby)]
+        if mode == "failure-free-standby":  # what waiting standbys cost the replicas: no fault
+            cmd += ["--restarts", "1", "--standby", str(standby)]
         if not mode.startswith("failure-free") and kills:
             env["LIGHTNING_RECOVER_INJECT"] = inject
     else:
@@ -502,6 +503,8 @@ def analyze(mode: str, out: str, output: str, *, steps: int, microbatches: int, 
         "wall_s": wall,
         "job_s": job_seconds,
         "effective_mb_per_s": steps * microbatches / wall,
+        # the second half of the run alone: after every process's start-up (a standby's included)
+        "late_mb_per_s": (steps - steps // 2) * microbatches / (last - final[steps // 2 - 1]["commit"]),
         "attempts": len(attempts),
         "faults": len(faults),
         "lost_steps": lost_steps,
@@ -589,11 +592,12 @@ def _param_diff(a_path: str, b_path: str, relative: bool = True) -> float:
 
 def _table(rows: dict[str, dict], bases: tuple[str, ...] = ("ddp-torch", "ddp-uring")) -> str:
     lines = [
-        f"| mode | wall s | effective mb/s | {' | '.join('vs ' + b for b in bases)} | lost steps | recomputed mb"
+        f"| mode | wall s | effective mb/s | 2nd half mb/s | {' | '.join('vs ' + b for b in bases)} | lost steps"
+        " | recomputed mb"
         " | of failure-free | fault -> step committed (median s) | fault -> replica training again (median s)"
         " | fault -> replacement in a commit (median s) | degraded steps | ckpt save / load s"
         " | max rel. param diff vs failure-free |",
-        "|---|---|---|" + "---|" * len(bases) + "---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|" + "---|" * len(bases) + "---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(v, fmt):
@@ -608,7 +612,8 @@ def _table(rows: dict[str, dict], bases: tuple[str, ...] = ("ddp-torch", "ddp-ur
         free = rows.get("failure-free")
         of_free = f"{r['effective_mb_per_s'] / free['effective_mb_per_s']:.2f}" if free else "-"
         lines.append(
-            f"| {mode} | {r['wall_s']:.1f} | {r['effective_mb_per_s']:.2f} | {ratios} | "
+            f"| {mode} | {r['wall_s']:.1f} | {r['effective_mb_per_s']:.2f} | {f(r.get('late_mb_per_s'), '.2f')} | "
+            f"{ratios} | "
             f"{r['lost_steps']} | {r['recomputed_microbatches']} | {of_free} | {ftc} | "
             f"{f(r.get('median_restart_s'), '.1f')} | {f(r.get('median_replacement_commit_s'), '.2f')} | "
             f"{r.get('degraded_steps', 0)} | {ck} | {f(r.get('param_diff'), '.1e')} |"
@@ -675,6 +680,8 @@ def main(args: argparse.Namespace) -> int:
         "heartbeat_timeout": hb,
         "replica_size": replica_size,
     }
+    if any("standby" in m for m in modes):
+        cfg["standby"] = getattr(args, "standby", 1)
     if straggler:
         cfg["slow"] = straggler
     print(f"resilience: {cfg}, modes {modes}, {repeat} repetition(s), in {workdir}", flush=True)
