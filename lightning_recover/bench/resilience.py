@@ -420,6 +420,8 @@ def analyze_torchft(out: str, output: str, *, steps: int, microbatches: int, rep
         "median_process_restart_s": _median(recoveries, "process_restart_s"),
         "median_rejoin_s": _median(recoveries, "rejoin_s"),
         "median_replacement_commit_s": _median(recoveries, "replacement_commit_s"),
+        "median_takeover_commit_s": _median([x for x in recoveries if x.get("takeover")], "replacement_commit_s"),
+        "takeovers": sum(1 for x in recoveries if x.get("takeover")),
         "median_degraded_s": _median(recoveries, "degraded_s"),
         "degraded_steps": sum(1 for r in final.values() if r["participants"] < replicas),
         "rejoins": sum(1 for r in recs if r["event"] == "step" and r.get("healed")),
@@ -485,6 +487,7 @@ def analyze(mode: str, out: str, output: str, *, steps: int, microbatches: int, 
                 commits = [r["commit"] for r in later if r["event"] == "step" and r["commit"] > t]
                 if commits:  # fault -> the replacement's microbatches are in a committed step
                     item["replacement_commit_s"] = min(commits) - t
+                item["takeover"] = not starts  # the replacement's process existed before the fault: a standby
                 item["rejoin_step"] = rj["step"]
                 if starts:
                     item["rejoin_s"] = rj["t"] - min(
