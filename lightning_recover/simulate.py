@@ -249,11 +249,11 @@ def params_from_benchmarks(p: Params, paths: list[str]) -> tuple[Params, dict]:
         with open(path) as f:
             data = json.load(f)
         rows = data.get("rows") if isinstance(data, dict) else None
-        if rows and "recover" in rows:  # bench resilience
+        if rows and ("recover" in rows or "recover-local" in rows):  # bench resilience
             ff = rows.get("failure-free")
             if ff:
                 used["step_s"] = ff["wall_s"] / ff["steps"]
-            rec = rows["recover"]
+            rec = rows.get("recover") or rows["recover-local"]
             if rec.get("median_fault_to_commit_s") is not None and "step_s" in used:
                 used["recovery_s"] = max(0.0, rec["median_fault_to_commit_s"] - used["step_s"])
             for mode in ("recover-local", "recover"):  # a restarted replica: fault -> it trains again
@@ -261,8 +261,8 @@ def params_from_benchmarks(p: Params, paths: list[str]) -> tuple[Params, dict]:
                 if r and r.get("median_restart_s") is not None:
                     used.setdefault("rejoin_s", r["median_restart_s"])
             standby = rows.get("recover-standby")
-            if standby and standby.get("median_replacement_commit_s") is not None:
-                used["takeover_s"] = standby["median_replacement_commit_s"]
+            if standby and standby.get("median_takeover_commit_s") is not None:
+                used["takeover_s"] = standby["median_takeover_commit_s"]
             for mode in ("ddp-uring", "ddp-torch"):
                 r = rows.get(mode)
                 if r and r.get("median_restart_s") is not None:
