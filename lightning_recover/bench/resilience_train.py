@@ -49,10 +49,10 @@ import os
 import signal
 import time
 
-_T_PROCESS = time.time()
+PROCESS_START = time.time()
 
 
-def _pad(start: float, seconds: float) -> None:
+def pad_microbatch(start: float, seconds: float) -> None:
     """Sleep until ``seconds`` after ``start``: the fixed per-microbatch capacity."""
     left = start + seconds - time.perf_counter()
     if left > 0:
@@ -86,7 +86,7 @@ def slow_factor(slow: dict[int, tuple[float, int]], replica: int, step: int) -> 
     return factor if step >= since else 1.0
 
 
-def _build(args: argparse.Namespace):
+def build_job(args: argparse.Namespace):
     import torch
 
     from lightning_recover.data import MicrobatchSource
@@ -100,7 +100,7 @@ def _build(args: argparse.Namespace):
     return data, model, optimizer, source
 
 
-class _Log:
+class RecordLog:
     def __init__(self, out: str, name: str) -> None:
         os.makedirs(out, exist_ok=True)
         self.f = open(os.path.join(out, f"{name}.jsonl"), "a")
@@ -117,7 +117,7 @@ def run_recover(args: argparse.Namespace) -> None:
 
     from lightning_recover import RecoverStrategy
 
-    data, model, optimizer, _ = _build(args)
+    data, model, optimizer, _ = build_job(args)
     K = args.replica_size
     sharding = {"replica_size": K, "shard": "fsdp"} if K > 1 else {}
     # restarts: used when this script launches its own replicas (fabric.launch() supervises them);
@@ -139,15 +139,15 @@ def run_recover(args: argparse.Namespace) -> None:
         optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=args.lr))
     else:
         model, optimizer = fabric.setup(model, optimizer)
-    # the same samples as MicrobatchSource(seed) in _build: the strategy builds it from this loader
+    # the same samples as MicrobatchSource(seed) in build_job: the strategy builds it from this loader
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=True)
     replica = fabric.strategy.replica
     incarnation = fabric.strategy.core.incarnation
     joining = fabric.strategy.core.joining  # a restarted replica: steps() first rejoins (state from a peer)
     # One record file per replica (its process 0 writes it; the others of a sharded replica do not).
-    log = _Log(args.out, f"rank{replica}") if fabric.strategy.core.inner == 0 else (lambda **rec: None)
+    log = RecordLog(args.out, f"rank{replica}") if fabric.strategy.core.inner == 0 else (lambda **rec: None)
     # attempt stays 0: the run is one attempt (no step is rolled back); incarnation tells restarts apart
-    log(event="start", t=_T_PROCESS, attempt=0, incarnation=incarnation, ready=time.time())
+    log(event="start", t=PROCESS_START, attempt=0, incarnation=incarnation, ready=time.time())
     slow = parse_slow(args.slow)
     for step in fabric.strategy.steps(loader, max_steps=args.steps):
         start = time.time()
@@ -158,7 +158,7 @@ def run_recover(args: argparse.Namespace) -> None:
         for x, y in step:
             t = time.perf_counter()
             fabric.backward(model.loss(x, y))
-            _pad(t, mb_seconds)
+            pad_microbatch(t, mb_seconds)
         optimizer.step()
         optimizer.zero_grad()
         s = step.stats
@@ -225,7 +225,7 @@ def run_ddp(args: argparse.Namespace) -> None:
         from lightning_recover.checkpoint import UringCheckpointIO
 
         plugins.append(UringCheckpointIO())
-    data, model, optimizer, source = _build(args)
+    data, model, optimizer, source = build_job(args)
     K = args.replica_size
     ranks = args.replicas * K
     if args.microbatches % ranks:
@@ -238,8 +238,8 @@ def run_ddp(args: argparse.Namespace) -> None:
     fabric.launch()
     rank = fabric.global_rank
     # Replica r of the schedule is ranks r*K .. r*K+K-1; one record file per replica, by its first rank.
-    log = _Log(args.out, f"rank{rank // K}") if rank % K == 0 else (lambda **rec: None)
-    log(event="start", t=_T_PROCESS, attempt=attempt)
+    log = RecordLog(args.out, f"rank{rank // K}") if rank % K == 0 else (lambda **rec: None)
+    log(event="start", t=PROCESS_START, attempt=attempt)
     if K > 1:
         model = fabric.setup_module(model)
         optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=args.lr))
@@ -274,7 +274,7 @@ def run_ddp(args: argparse.Namespace) -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
                 fabric.backward(loss / per_rank)
             total += loss.item()
-            _pad(t, mb_seconds)
+            pad_microbatch(t, mb_seconds)
         optimizer.step()
         optimizer.zero_grad()
         log(

@@ -11,7 +11,7 @@ each replica is one torchft replica group of one process running this script::
         --steps 40 --microbatches 12 --mb-seconds 0.1 --kill 1:5,2:16 --incarnation 1 --out DIR
 
 Same model, data, seed, precision and microbatch contents as the other modes
-(:func:`lightning_recover.bench.resilience_train._build`, :class:`~lightning_recover.data.MicrobatchSource`):
+(:func:`lightning_recover.bench.resilience_train.build_job`, :class:`~lightning_recover.data.MicrobatchSource`):
 replica ``r`` computes microbatches ``r*M/N .. (r+1)*M/N - 1`` of the step it is at (the DDP baseline's
 split); every microbatch is padded to ``--mb-seconds`` of wall time. Gradients are averaged with the
 Manager's own ``allreduce`` (``ReduceOp.AVG``: divided by the number of *participants*) and the step is
@@ -42,7 +42,13 @@ import signal
 import time
 from datetime import timedelta
 
-from lightning_recover.bench.resilience_train import _T_PROCESS, _build, _Log, _pad, add_job_arguments
+from lightning_recover.bench.resilience_train import (
+    PROCESS_START,
+    RecordLog,
+    add_job_arguments,
+    build_job,
+    pad_microbatch,
+)
 
 
 def parse_kills(spec: str) -> dict[int, int]:
@@ -77,12 +83,12 @@ def run(args: argparse.Namespace) -> None:
     done_marker = os.path.join(args.out, "done")
     if os.path.exists(done_marker):  # restarted after the run ended: nothing to do
         return
-    data, model, optimizer, source = _build(args)
+    data, model, optimizer, source = build_job(args)
     if args.precision == "64-true":
         model.double()  # in place: the optimizer's parameters are the converted ones (Fabric does the same)
     params = [p for p in model.parameters() if p.requires_grad]
-    log = _Log(args.out, f"rank{r}")
-    log(event="start", t=_T_PROCESS, attempt=0, incarnation=args.incarnation, ready=time.time())
+    log = RecordLog(args.out, f"rank{r}")
+    log(event="start", t=PROCESS_START, attempt=0, incarnation=args.incarnation, ready=time.time())
 
     def state_dict() -> dict:
         return {"model": model.state_dict(), "optim": optimizer.state_dict()}
@@ -137,7 +143,7 @@ def run(args: argparse.Namespace) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             (loss / per_rank).backward()
             loss_sum += loss.item()
-            _pad(t, args.mb_seconds)
+            pad_microbatch(t, args.mb_seconds)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor([loss_sum / per_rank], dtype=grads[0].dtype)])
         # AVG over the participants; a non-participant (healing) contributes zeros
