@@ -86,26 +86,23 @@ def test_cli_selects_the_scenario_and_modes(tmp_path, monkeypatch, capsys):
 @pytest.mark.timeout(600)
 def test_tiny_straggler_comparison(tmp_path):
     """2 replicas, replica 1 at 2x: throughput quotas give it fewer microbatches (the speed-up itself
-    is measured by the benchmark, not asserted here); both recover modes end on the failure-free
-    trajectory."""
+    is measured by the benchmark, not asserted here) and the run ends on the failure-free trajectory."""
     args = _args(
         tmp_path,
         replicas=2,
         steps=6,
         microbatches=6,
         straggler="1:2.0",
-        modes="recover-equal,recover-throughput,failure-free",
+        modes="recover-throughput,failure-free",  # equal quotas are what every other job runs
     )
     assert resilience.main(args) == 0
     result = json.load(open(tmp_path / "out.json"))
     rows = result["rows"]
     assert result["ideal_mb_per_s"] == pytest.approx(15.0)  # (1 + 0.5) / 0.1
-    equal, tput = rows["recover-equal"], rows["recover-throughput"]
-    assert equal["mb_by_replica"] == {"0": 18, "1": 18}
+    tput = rows["recover-throughput"]
     assert tput["mb_by_replica"]["1"] < tput["mb_by_replica"]["0"], tput["mb_by_replica"]
     assert sum(tput["mb_by_replica"].values()) == 6 * 6
-    for row in (equal, tput):
-        assert row["param_diff"] <= 1e-5 and row["param_absdiff"] <= 1e-8
+    assert tput["param_diff"] <= 1e-5 and tput["param_absdiff"] <= 1e-8
     assert "fraction of ideal" in result["table"]
 
 
