@@ -1,13 +1,18 @@
 """lightning-recover: Lightning training that survives dead replicas, and checkpoints at disk speed.
 
-``import lightning_recover`` registers ``strategy="recover"`` with Lightning Fabric and the Trainer.
-The protocol (``lightning_recover.protocol``) does not need Lightning: without it installed, the
-package imports and only the Lightning adapters are missing.
+``import lightning_recover`` registers ``strategy="recover"`` with Lightning Fabric and the Trainer:
+at once when Lightning is already imported, otherwise right after ``import lightning`` completes
+(so the CLI, the launcher and the coordinator, which never use Lightning, do not pay its ~4 s
+import). The protocol (``lightning_recover.protocol``) does not need Lightning: without it
+installed, the package imports and only the Lightning adapters are missing.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import os
+import sys
 from typing import Any
 
 from lightning_recover import env
@@ -16,14 +21,6 @@ from lightning_recover.protocol.planner import plan_quotas
 
 __all__ = ["RecoverOptions", "RecoverStrategy", "RecoverTrainerStrategy", "Step", "plan_quotas", "UringCheckpointIO"]
 __version__ = "0.1.0"
-
-
-def _lightning_available() -> bool:
-    try:
-        import lightning.fabric  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _register() -> None:
@@ -43,8 +40,32 @@ def _register() -> None:
         RecoverTrainerStrategy.register_strategies(StrategyRegistry)
 
 
-if os.environ.get(env.CONTROL_PROCESS) != "1" and _lightning_available():
-    _register()
+class _RegisterAfterLightningImport(importlib.abc.MetaPathFinder):
+    """Finds ``lightning`` once, and registers the strategies when its import has completed
+    (``lightning/__init__`` imports both Fabric and the Trainer, so both registries exist then)."""
+
+    def find_spec(self, name, path, target=None):  # noqa: ANN001, ANN201 (importlib's protocol)
+        if name != "lightning":
+            return None
+        sys.meta_path.remove(self)  # one shot: the search below must not find this finder again
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run_module = spec.loader.exec_module
+
+        def exec_module(module):  # noqa: ANN001, ANN202
+            run_module(module)
+            _register()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if os.environ.get(env.CONTROL_PROCESS) != "1":
+    if sys.modules.get("lightning") is not None:
+        _register()
+    elif "lightning" not in sys.modules:  # None there means "blocked": Lightning is not to be used
+        sys.meta_path.insert(0, _RegisterAfterLightningImport())
 
 
 def __getattr__(name: str) -> Any:

@@ -115,3 +115,19 @@ def test_protocol_works_without_lightning():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
+
+
+def test_strategy_registers_without_importing_lightning_early():
+    """``import lightning_recover`` leaves Lightning unimported (the CLI, the launcher and the
+    coordinator never use it: its import costs ~4 s per process), and ``strategy="recover"`` is
+    registered whichever of the two is imported first."""
+    check = (
+        "from lightning.fabric.strategies import STRATEGY_REGISTRY; "
+        "from lightning.pytorch.strategies import StrategyRegistry; "
+        "assert 'recover' in STRATEGY_REGISTRY and 'recover' in StrategyRegistry; "
+    )
+    ours_first = "import sys, lightning_recover.cli; assert 'lightning' not in sys.modules; import lightning; " + check
+    lightning_first = "import lightning.pytorch, lightning_recover; " + check
+    for code in (ours_first, lightning_first):
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert result.returncode == 0, result.stderr

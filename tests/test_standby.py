@@ -56,7 +56,9 @@ def _standby_job(
     cmd += ["--max-restarts" if torchrun else "--restarts", str(restarts), "--standby", "1"]
     cmd += ["--heartbeat-timeout", "0.5", "--"] + ([] if torchrun else [sys.executable])
     cmd += [FABRIC_SCRIPT, out, "--replicas", str(replicas), "--steps", str(steps), "--microbatches", str(M)]
-    cmd += ["--heartbeat-timeout", "0.5", "--dtype", "float64", "--hold", hold, *extra]
+    # survivors sleep after each step a replica is missing, so a standby that took a place always
+    # rejoins before the run ends (on a loaded machine the last steps otherwise outrun it)
+    cmd += ["--heartbeat-timeout", "0.5", "--dtype", "float64", "--hold", hold, "--slow-while-degraded", "1", *extra]
     return start_job(cmd, out, env={"LIGHTNING_RECOVER_INJECT": inject})
 
 
@@ -228,7 +230,7 @@ def test_sharded_standby_takes_the_place_of_a_replica_of_two(tmp_path):
     out = str(tmp_path / "job")
     script = [os.path.join(os.path.dirname(FABRIC_SCRIPT), "sharded_train.py"), out, "--replicas", "2"]
     script += ["--replica-size", "2", "--steps", str(steps), "--microbatches", str(microbatches)]
-    script += ["--hold", f"2:{tmp_path}/gate0"]
+    script += ["--hold", f"2:{tmp_path}/gate0", "--slow-while-degraded", "1"]
     cmd = [sys.executable, "-m", "lightning_recover.cli", "run", "--replicas", "2", "--nproc-per-replica", "2"]
     cmd += ["--restarts", "1", "--standby", "1", "--heartbeat-timeout", "2", "--", sys.executable, *script]
     proc, log = start_job(cmd, out, env={"LIGHTNING_RECOVER_INJECT": "kill:replica=1:inner=1:step=2:phase=backward"})
