@@ -27,8 +27,9 @@ from typing import Any
 from lightning_recover import env
 from lightning_recover.errors import RecoverError
 from lightning_recover.launch import coordinator_process
+from lightning_recover.launch.fork_server import DEFAULT_PRELOAD, StandbyStarter
 from lightning_recover.launch.process_tree import children_map, describe_exit, is_stopped, kill_tree
-from lightning_recover.launch.standby_pool import StandbyPool
+from lightning_recover.launch.standby_pool import Process, StandbyPool
 from lightning_recover.protocol import coordinator
 from lightning_recover.protocol.faults import parse_faults
 from lightning_recover.protocol.messages import JobSecret, Sealer, connect, mark_dead, read_declared
@@ -45,7 +46,7 @@ from lightning_recover.protocol.standby import is_ready as standby_is_ready
 @dataclass
 class _Child:
     replica: int
-    proc: subprocess.Popen
+    proc: Process
     restarts: int = 0
     exit_code: int | None = None
     history: list[str] = field(default_factory=list)
@@ -168,6 +169,8 @@ def supervise(
     heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
     nproc_per_replica: int = 1,
     standby: int = 0,
+    standby_fork: bool = True,
+    standby_preload: Sequence[str] = DEFAULT_PRELOAD,
 ) -> int:
     """Run ``command`` once per replica under a fresh coordinator; return the job's exit code.
 
@@ -190,7 +193,9 @@ def supervise(
     restart is then a standby taking its place (it still counts as one of its ``restarts``), and a
     new standby is started in its stead (see :mod:`~lightning_recover.protocol.standby`). Under
     torchrun (``watch_workers``) a standby is a torchrun job of its own; ``restarts`` then bounds
-    the takeovers per replica only (the agents restart workers themselves).
+    the takeovers per replica only (the agents restart workers themselves). Otherwise standbys are
+    forked by a fork server that imported ``standby_preload`` once (``standby_fork``; see
+    :mod:`~lightning_recover.launch.fork_server`), so a replacement skips those imports.
     """
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
@@ -241,6 +246,7 @@ def supervise(
     old: dict = {}
     link: _Link | None = None
     standbys: StandbyPool | None = None
+    starter: StandbyStarter | None = None
     try:
         link = _Link(coord.addr, period=min(1.0, heartbeat_timeout / 2))
         child_env = dict(os.environ, **(extra_env or {}))
@@ -251,6 +257,9 @@ def supervise(
         child_env.setdefault(env.OMP_NUM_THREADS, "1")  # spinning OpenMP threads make gloo 20x slower on small machines
         if inject:
             child_env[env.INJECT] = inject
+        preexec = _replica_preexec(os.getpid())
+        if standby and not watch_workers:  # torchrun's standbys are torchrun jobs: nothing to fork
+            starter = StandbyStarter(first, child_env, say, fork=standby_fork, preload=standby_preload, preexec=preexec)
         if nproc_per_replica > 1:
             child_env[env.REPLICA_SIZE] = str(nproc_per_replica)
             if not watch_workers:
@@ -268,14 +277,18 @@ def supervise(
                     finish_grace,
                     restarts=restarts,
                     standby=standby,
+                    starter=starter,
                 )
-        preexec = _replica_preexec(os.getpid())
 
         def spawn(r: int) -> subprocess.Popen:
             return subprocess.Popen(list(argv(r)), env=dict(child_env, **{env.REPLICA: str(r)}), preexec_fn=preexec)
 
-        def spawn_standby(s: int) -> list[subprocess.Popen]:
-            return [subprocess.Popen(list(argv(0)), env=dict(child_env, **{env.STANDBY: str(s)}), preexec_fn=preexec)]
+        def spawn_standby(s: int) -> Any:
+            standby_env = dict(child_env, **{env.STANDBY: str(s)})
+            if starter is not None:
+                proc = starter.start(argv(0), standby_env)
+                return None if proc is None else [proc]
+            return [subprocess.Popen(list(argv(0)), env=standby_env, preexec_fn=preexec)]
 
         # One standby process per restart the job may still make, at most: never more than needed.
         standbys = StandbyPool(standby, spawn_standby, standby + replicas * restarts, say) if standby else None
@@ -293,7 +306,7 @@ def supervise(
             standbys.fill()  # after the replicas: they are the ones the job waits for
         say(
             f"coordinator at {coord.addr} (pid {coord.proc.pid}); started {replicas} replicas"
-            + (f" and {len(standbys.waiting)} standby" if standbys is not None else "")
+            + (f" and {standby} standby" if standbys is not None else "")
             + f": {' '.join(first)}"
         )
         finished_at: float | None = None
@@ -491,6 +504,8 @@ def supervise(
             if c.proc.poll() is None:
                 kill_tree(c.proc.pid)
                 c.proc.wait()
+        if starter is not None:
+            starter.close()
         if coordinator_lost or is_stopped(coord.proc.pid):
             # A frozen coordinator would never handle SIGTERM. Killed before the link is closed: the
             # kill resets the connection the link's thread is stuck on, so the thread ends now
@@ -524,6 +539,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             host=args.host,
             nproc_per_replica=args.nproc_per_replica,
             standby=args.standby,
+            standby_fork=args.standby_start == "fork",
+            standby_preload=[*DEFAULT_PRELOAD, *(m for m in args.standby_preload.split(",") if m)],
         )
     except ValueError as exc:  # a bad option: say how to fix it, no traceback
         raise SystemExit(f"lightning-recover run: {exc}") from None
@@ -575,6 +592,18 @@ def add_subcommands(sub: Any) -> None:
         type=coordinator_process.non_negative_int,
         default=0,
         help="keep S warm standby processes that take a failed replica's place (each counts as a restart)",
+    )
+    p.add_argument(
+        "--standby-start",
+        choices=("fork", "exec"),
+        default="fork",
+        help="fork: standbys are forked by a server that imported torch and Lightning once (when the command "
+        "is `python script.py` or `python -m module`); exec: each standby is a new interpreter",
+    )
+    p.add_argument(
+        "--standby-preload",
+        default="",
+        help="more modules the fork server imports for the standbys, comma-separated (e.g. transformers)",
     )
     p.add_argument("--host", default="127.0.0.1", help="coordinator bind address (only this one is bound)")
     p.add_argument("command", nargs=argparse.REMAINDER)

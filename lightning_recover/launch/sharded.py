@@ -14,11 +14,12 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from lightning_recover import env
+from lightning_recover.launch.fork_server import StandbyStarter
 from lightning_recover.launch.process_tree import describe_exit, is_stopped, kill_tree
-from lightning_recover.launch.standby_pool import StandbyPool
+from lightning_recover.launch.standby_pool import Process, StandbyPool
 from lightning_recover.protocol.messages import Sealer, mark_dead, read_death
 from lightning_recover.protocol.standby import assign as assign_standby
 from lightning_recover.protocol.standby import is_ready as standby_is_ready
@@ -27,14 +28,14 @@ from lightning_recover.protocol.standby import is_ready as standby_is_ready
 @dataclass
 class _Replica:
     replica: int
-    procs: list[subprocess.Popen]
+    procs: list[Process]
     codes: dict[int, int] = field(default_factory=dict)  # inner -> exit code
     failed: bool = False
     history: list[str] = field(default_factory=list)
     restarts: int = 0
     first_incarnation: int = 1  # the scan ignores deaths of older incarnations (before a restart bumps it)
 
-    def running(self) -> list[subprocess.Popen]:
+    def running(self) -> list[Process]:
         return [p for i, p in enumerate(self.procs) if i not in self.codes]
 
     @property
@@ -57,21 +58,28 @@ def supervise_sharded(
     finish_grace: float,
     restarts: int = 0,
     standby: int = 0,
+    starter: Optional[StandbyStarter] = None,
 ) -> int:
     """Run ``nproc`` processes of ``argv(r)`` per replica; end a replica whole when one fails, and
     start it again (all ``nproc`` processes, a new incarnation that rejoins) up to ``restarts`` times.
     With ``standby`` = S, S standbys of ``nproc`` processes each wait; a ready one takes a failed
-    replica's place instead of a restart (see :mod:`~lightning_recover.protocol.standby`)."""
+    replica's place instead of a restart (see :mod:`~lightning_recover.protocol.standby`), started
+    by ``starter`` (the job's fork server) when given."""
 
     def spawn(r: int, i: int) -> subprocess.Popen:
         extra = {env.REPLICA: str(r), env.INNER: str(i), env.REPLICA_SIZE: str(nproc)}
         return subprocess.Popen(list(argv(r)), env=dict(child_env, **extra))
 
-    def spawn_standby(s: int) -> list[subprocess.Popen]:
+    def spawn_standby(s: int) -> Optional[list[Process]]:
         extra = {env.STANDBY: str(s), env.REPLICA_SIZE: str(nproc)}
-        return [
-            subprocess.Popen(list(argv(0)), env=dict(child_env, **extra, **{env.INNER: str(i)})) for i in range(nproc)
-        ]
+        procs: list[Process] = []
+        for i in range(nproc):
+            process_env = dict(child_env, **extra, **{env.INNER: str(i)})
+            proc = starter.start(argv(0), process_env) if starter is not None else None
+            if proc is None and starter is not None and not procs:
+                return None  # the fork server is still importing: start this standby later
+            procs.append(proc or subprocess.Popen(list(argv(0)), env=process_env))
+        return procs
 
     group = [_Replica(r, [spawn(r, i) for i in range(nproc)]) for r in range(replicas)]
     standbys = StandbyPool(standby, spawn_standby, standby + replicas * restarts, say) if standby else None

@@ -2,44 +2,54 @@
 
 See :mod:`lightning_recover.protocol.standby` for what a standby does. The pool only starts,
 reaps, hands out and ends processes; the launcher writes the assignment. Standby ids are never
-reused (an assignment key, once written, stays), so a replacement gets the next id.
+reused (an assignment key, once written, stays), so a replacement gets the next id. A standby's
+processes are ``subprocess.Popen`` objects or, started by the job's fork server,
+:class:`~lightning_recover.launch.fork_server.ForkedProcess` objects (the same interface).
 """
 
 from __future__ import annotations
 
 import subprocess
 from collections.abc import Callable
+from typing import Optional, Union
 
+from lightning_recover.launch.fork_server import ForkedProcess
 from lightning_recover.launch.process_tree import describe_exit, kill_tree
+
+Process = Union[subprocess.Popen, ForkedProcess]
 
 
 class StandbyPool:
     """``count`` standbys kept started, within ``budget`` standbys over the whole job.
 
     A standby is the list of its processes: one, or the K of a sharded replica (a standby one of
-    whose processes exited is ended whole: it can no longer take a replica's place)."""
+    whose processes exited is ended whole: it can no longer take a replica's place). ``spawn(s)``
+    returns None for "not now" (the fork server is still importing): the next fill tries again."""
 
     def __init__(
-        self, count: int, spawn: Callable[[int], list[subprocess.Popen]], budget: int, say: Callable[[str], None]
+        self, count: int, spawn: Callable[[int], Optional[list[Process]]], budget: int, say: Callable[[str], None]
     ) -> None:
         self._spawn = spawn
         self._count = count
         self._budget = budget
         self._say = say
         self._next_id = 0
-        self.waiting: dict[int, list[subprocess.Popen]] = {}  # standby id -> its processes, not yet assigned
+        self.waiting: dict[int, list[Process]] = {}  # standby id -> its processes, not yet assigned
 
     def fill(self) -> None:
         """Start standbys until ``count`` wait (or the budget is spent)."""
         while len(self.waiting) < self._count and self._next_id < self._budget:
             s = self._next_id
-            self._next_id += 1
             try:
-                self.waiting[s] = self._spawn(s)
+                procs = self._spawn(s)
             except OSError as exc:
                 self._say(f"cannot start standby {s}: {exc}; going on without it")
-                self._budget = self._next_id  # the command cannot start: do not try again
+                self._budget = s  # the command cannot start: do not try again
                 return
+            if procs is None:
+                return
+            self._next_id += 1
+            self.waiting[s] = procs
 
     def reap(self) -> None:
         """Forget standbys that exited while waiting (killed, crashed in start-up) and replace them."""
@@ -52,7 +62,7 @@ class StandbyPool:
                 self._say(f"standby {s} exited while waiting ({describe_exit(code)})")
         self.fill()
 
-    def take(self, ready: Callable[[list[int]], list[int]]) -> tuple[int, list[subprocess.Popen]] | None:
+    def take(self, ready: Callable[[list[int]], list[int]]) -> tuple[int, list[Process]] | None:
         """Hand out one standby that finished its start-up (the oldest); None if none has.
 
         ``ready(ids)`` returns which of ``ids`` reached their wait (read from the coordinator). One
@@ -71,7 +81,7 @@ class StandbyPool:
         self.waiting.clear()
 
 
-def _end(procs: list[subprocess.Popen]) -> None:
+def _end(procs: list[Process]) -> None:
     for proc in procs:
         if proc.poll() is None:
             kill_tree(proc.pid)

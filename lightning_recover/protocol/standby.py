@@ -31,7 +31,11 @@ from typing import Any
 from lightning_recover import env
 from lightning_recover.protocol.messages import ControlStore, Sealer
 
-WAIT_SLICE = 1.0  # seconds of one blocking wait on the coordinator
+# Seconds of one blocking wait on the coordinator. Long: the wait returns as soon as the key is set,
+# fails at once if the coordinator's connection drops, and the standby dies with its launcher; each
+# expiry makes torch's store client log two warnings, which 1 s slices made a line pair per second.
+WAIT_SLICE = 300.0
+FORGED_PAUSE = 1.0  # seconds between reads while the key holds a forged value (it does not wake waits)
 
 
 def ready_key(standby: int, inner: int) -> str:
@@ -78,7 +82,7 @@ def wait_for_assignment(store: ControlStore, standby: int, replicas: int, inner:
             value = store.get_genuine(key)
             if value is not None and value.isdigit() and int(value) < replicas:
                 break
-            time.sleep(WAIT_SLICE)  # a forged value: the wait returns at once, do not spin on it
+            time.sleep(FORGED_PAUSE)  # a forged value: the wait returns at once, do not spin on it
     replica = int(value)
     os.environ[env.REPLICA] = str(replica)
     return replica

@@ -1,0 +1,366 @@
+"""A fork server for warm standbys: replacements start with torch and Lightning already imported.
+
+A replacement standby started as a new interpreter spends most of its start-up importing torch
+and Lightning (~6 s of CPU here, on the cores the training runs on). The launcher instead starts
+one *fork server* per job: a process that imports those modules once, checks it is still a single
+thread (a fork with threads running is unsafe), and then forks one child per standby on request.
+The child takes the standby's environment, argv and working directory and runs the user's script
+as ``__main__`` (``runpy``), exactly as ``python script.py`` would, minus the imports.
+
+The launcher and the server talk over two private pipes in JSON lines (nothing is unpickled).
+The server reports each child's exit status, so the launcher supervises a forked standby through
+:class:`ForkedProcess`, which has the part of ``subprocess.Popen``'s interface the launchers use.
+A child dies with the server (parent-death signal) and the server with the launcher; if the server
+is lost, its children are killed and reported as killed, and new standbys start as new processes.
+
+Only commands that run a script or a module with this interpreter (``python script.py ...``,
+``python -m module ...``) can be forked; any other command starts new processes as before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import random
+import runpy
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from lightning_recover.launch.coordinator_process import set_parent_death_signal
+
+DEFAULT_PRELOAD = ("torch", "torch.distributed", "lightning")
+REPLY_TIMEOUT = 10.0  # seconds the launcher waits for a fork's pid before it stops using the server
+START_TIMEOUT = 120.0  # seconds the server may take to import before standbys start without it
+
+
+def forkable(command: Sequence[str]) -> Optional[str]:
+    """None if ``command`` runs a script or module with this interpreter, else why it cannot be forked."""
+    if len(command) < 2:
+        return "the command has no script"
+    exe = shutil.which(command[0]) if not os.path.dirname(command[0]) else command[0]
+    if exe is None or os.path.realpath(exe) != os.path.realpath(sys.executable):
+        return f"{command[0]!r} is not this interpreter ({sys.executable})"
+    if command[1] == "-m":
+        return None if len(command) > 2 else "-m without a module"
+    if command[1].startswith("-"):
+        return f"interpreter option {command[1]!r}"
+    return None
+
+
+# ---------------------------------------------------------------------------- launcher side
+
+
+class ForkedProcess:
+    """A standby forked by the server: ``pid``, ``returncode``, ``poll``, ``wait``, ``send_signal``,
+    ``kill``, ``terminate``, as ``subprocess.Popen`` (the exit status comes from the server)."""
+
+    def __init__(self, server: ForkServer, pid: int) -> None:
+        self._server = server
+        self.pid = pid
+        self.returncode: Optional[int] = None
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            self.returncode = self._server.exit_code(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+class ForkServer:
+    """The launcher's handle on its fork server: :meth:`start`, then :meth:`spawn` once :attr:`state`
+    is ``"ready"``; ``"starting"`` while it imports; ``"failed"`` (with :attr:`why`) for good."""
+
+    def __init__(self, proc: subprocess.Popen, requests: int, replies: int, say: Callable[[str], Any]) -> None:
+        self.proc = proc
+        self.state = "starting"
+        self.why = ""
+        self._say = say
+        self._requests = requests
+        self._replies = os.fdopen(replies, "rb", buffering=0)
+        self._lock = threading.Condition()
+        self._pids: dict[int, int] = {}  # request id -> pid
+        self._exits: dict[int, int] = {}  # pid -> exit code (Popen's convention)
+        self._children: set[int] = set()
+        self._next_id = 0
+        self._started = time.monotonic()
+        self._reader = threading.Thread(target=self._read, name="fork-server-replies", daemon=True)
+        self._reader.start()
+
+    @classmethod
+    def start(
+        cls,
+        child_env: dict[str, str],
+        say: Callable[[str], Any],
+        preload: Sequence[str] = DEFAULT_PRELOAD,
+        preexec: Optional[Callable[[], None]] = None,
+    ) -> ForkServer:
+        """Start the server (it imports ``preload`` in the background) with the job's environment."""
+        req_r, req_w = os.pipe()
+        rep_r, rep_w = os.pipe()
+        # -c, not -m: the package imports this module first, and runpy warns about running it as __main__
+        cmd = [sys.executable, "-c", "from lightning_recover.launch.fork_server import main; main()"]
+        cmd += [str(req_r), str(rep_w), "--preload", ",".join(preload)]
+        try:
+            proc = subprocess.Popen(cmd, env=child_env, pass_fds=(req_r, rep_w), preexec_fn=preexec)
+        finally:
+            os.close(req_r)
+            os.close(rep_w)
+        return cls(proc, req_w, rep_r, say)
+
+    def _read(self) -> None:
+        for line in self._replies:
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            with self._lock:
+                if "ready" in msg:
+                    self.state = "ready" if msg["ready"] else "failed"
+                    self.why = msg.get("why", "")
+                    took = time.monotonic() - self._started
+                    self._say(
+                        f"standbys start from a fork server (pid {self.proc.pid}; {msg.get('loaded')} "
+                        f"imported in {took:.1f}s)"
+                        if msg["ready"]
+                        else f"fork server unavailable ({self.why}): standbys start as new processes"
+                    )
+                elif "exit" in msg:
+                    self._exits[int(msg["exit"])] = int(msg["code"])
+                    self._children.discard(int(msg["exit"]))
+                elif "id" in msg:
+                    self._pids[int(msg["id"])] = int(msg["pid"])
+                    self._children.add(int(msg["pid"]))
+                self._lock.notify_all()
+        self._lost("it exited")
+
+    def _lost(self, why: str) -> None:
+        with self._lock:
+            if self.state != "failed":
+                self.state, self.why = "failed", why
+            for pid in self._children:  # they die with the server (parent-death signal): make sure
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self._exits.setdefault(pid, -signal.SIGKILL)
+            self._children.clear()
+            self._lock.notify_all()
+
+    def current_state(self) -> str:
+        """``state``, turned ``"failed"`` when the server takes too long to import."""
+        with self._lock:
+            if self.state == "starting" and time.monotonic() - self._started > START_TIMEOUT:
+                self.state, self.why = "failed", f"not ready after {START_TIMEOUT:g}s"
+                self._say(f"fork server unavailable ({self.why}): standbys start as new processes")
+            return self.state
+
+    def exit_code(self, pid: int) -> Optional[int]:
+        with self._lock:
+            return self._exits.get(pid)
+
+    def spawn(self, argv: Sequence[str], env: dict[str, str], cwd: Optional[str] = None) -> Optional[ForkedProcess]:
+        """Fork a child running ``argv`` (``python script.py ...`` or ``python -m module ...``) in
+        ``env``; None if the server is not ready (or stopped answering: it is then no longer used)."""
+        if self.current_state() != "ready":
+            return None
+        with self._lock:
+            rid = self._next_id
+            self._next_id += 1
+        request = {"id": rid, "argv": list(argv), "env": dict(env), "cwd": cwd or os.getcwd()}
+        try:
+            os.write(self._requests, (json.dumps(request) + "\n").encode())
+        except OSError as exc:
+            self._lost(f"its pipe failed: {exc}")
+            return None
+        with self._lock:
+            if not self._lock.wait_for(lambda: rid in self._pids or self.state != "ready", REPLY_TIMEOUT):
+                self.state, self.why = "failed", f"no answer within {REPLY_TIMEOUT:g}s"
+            pid = self._pids.pop(rid, None)
+        if pid is None:
+            self._say(f"fork server stopped answering ({self.why}): standbys start as new processes")
+            return None
+        return ForkedProcess(self, pid)
+
+    def close(self) -> None:
+        """End the server (its remaining children die with it)."""
+        try:
+            os.close(self._requests)
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._reader.join(timeout=2.0)
+        self._lost("closed")
+
+
+class StandbyStarter:
+    """How a launcher starts a standby's processes: forked by the job's fork server once it has
+    imported, as new processes when the command cannot be forked, ``fork`` is off or the server
+    failed. :meth:`start` returns None while the server is still importing (start it later)."""
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        child_env: dict[str, str],
+        say: Callable[[str], Any],
+        *,
+        fork: bool = True,
+        preload: Sequence[str] = DEFAULT_PRELOAD,
+        preexec: Optional[Callable[[], None]] = None,
+    ) -> None:
+        self._preexec = preexec
+        why = forkable(command) if fork else None
+        self.server = ForkServer.start(child_env, say, preload, preexec) if fork and why is None else None
+        if why is not None:
+            say(f"standbys start as new processes: the command cannot be forked ({why})")
+
+    def start(self, argv: Sequence[str], env: dict[str, str]) -> Optional[subprocess.Popen | ForkedProcess]:
+        if self.server is not None:
+            state = self.server.current_state()
+            if state == "starting":
+                return None
+            if state == "ready":
+                proc = self.server.spawn(argv, env)
+                if proc is not None:
+                    return proc
+        return subprocess.Popen(list(argv), env=env, preexec_fn=self._preexec)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
+# ---------------------------------------------------------------------------- server side
+
+
+@dataclass
+class _Job:
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+
+
+def _send(fd: int, msg: dict) -> None:
+    os.write(fd, (json.dumps(msg) + "\n").encode())
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def serve(requests: int, replies: int, preload: Sequence[str]) -> Optional[_Job]:
+    """Import ``preload``, then fork one child per request. Returns only in a child (its job), or
+    None when the launcher closed the pipe or the server cannot fork safely."""
+    server_pid = os.getpid()
+    loaded = []
+    for name in preload:
+        try:
+            importlib.import_module(name)
+            loaded.append(name)
+        except Exception as exc:  # a module the job does not have: the children import what they need
+            print(f"[lightning-recover] fork server: cannot preload {name}: {exc}", file=sys.stderr, flush=True)
+    if _threads() != 1:
+        why = f"{_threads()} threads after importing {loaded} (fork needs one"
+        if os.environ.get("OMP_NUM_THREADS", "") != "1":
+            why += "; with OMP_NUM_THREADS other than 1, importing torch starts OpenMP's threads"
+        _send(replies, {"ready": False, "why": why + ")"})
+        return None
+    _send(replies, {"ready": True, "loaded": ",".join(loaded)})
+    pending = b""
+    while True:
+        readable, _, _ = select.select([requests], [], [], 0.05)
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            _send(replies, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+        if not readable:
+            continue
+        data = os.read(requests, 1 << 20)
+        if not data:
+            return None  # the launcher is done (or gone)
+        pending += data
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            request = json.loads(line)
+            pid = os.fork()
+            if pid == 0:
+                os.close(requests)
+                os.close(replies)
+                # Die with the server (as a replica dies with the launcher).
+                set_parent_death_signal(signal.SIGKILL)
+                if os.getppid() != server_pid:
+                    os._exit(1)
+                return _Job([str(a) for a in request["argv"]], dict(request["env"]), str(request["cwd"]))
+            _send(replies, {"id": request["id"], "pid": pid})
+
+
+def run_job(job: _Job) -> None:
+    """In the forked child: become ``python script.py ...`` (or ``python -m module ...``)."""
+    os.environ.clear()
+    os.environ.update(job.env)
+    os.chdir(job.cwd)
+    random.seed()  # a fresh interpreter's generators are seeded per process, not copied
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    args = job.argv[1:]
+    if args[0] == "-m":
+        sys.argv = [args[1], *args[2:]]
+        sys.path[0] = job.cwd
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = args
+        sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
+        runpy.run_path(args[0], run_name="__main__")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="lightning-recover fork server", description="the launcher's fork server for standbys (started by it)"
+    )
+    parser.add_argument("requests", type=int)
+    parser.add_argument("replies", type=int)
+    parser.add_argument("--preload", default=",".join(DEFAULT_PRELOAD))
+    args = parser.parse_args(argv)
+    set_parent_death_signal(signal.SIGKILL)  # the server dies with the launcher
+    job = serve(args.requests, args.replies, [m for m in args.preload.split(",") if m])
+    if job is None:
+        return
+    run_job(job)  # SystemExit from the script ends the child as it would end `python script.py`
+
