@@ -116,7 +116,9 @@ def test_children_die_with_the_server_and_are_reported_killed(server, tmp_path):
 
 
 def test_a_server_with_threads_refuses_to_fork_and_standbys_start_as_new_processes(tmp_path):
-    (tmp_path / "threaded_mod.py").write_text("import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
+    (tmp_path / "threaded_mod.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+    )
     lines: list[str] = []
     env = dict(ENV, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     command = [sys.executable, _script(tmp_path)]

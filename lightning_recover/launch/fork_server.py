@@ -363,4 +363,3 @@ def main(argv: Optional[list[str]] = None) -> None:
     if job is None:
         return
     run_job(job)  # SystemExit from the script ends the child as it would end `python script.py`
-
