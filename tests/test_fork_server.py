@@ -150,3 +150,19 @@ def test_starter_waits_for_the_server_and_knows_what_it_cannot_fork(tmp_path):
     finally:
         starter.close()
     assert starter.server.proc.poll() is not None, "close ends the server"
+
+
+def test_ctrl_c_ends_the_children_not_the_server(server, tmp_path):
+    """Ctrl-C reaches the whole process group: the server ignores it (its death would kill every
+    child), a child handles it as a new interpreter does (KeyboardInterrupt)."""
+    out = tmp_path / "c.json"
+    proc = server.spawn([sys.executable, _script(tmp_path), str(out), "sleep"], dict(ENV), str(tmp_path))
+    deadline = time.monotonic() + 30
+    while not out.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.kill(server.proc.pid, signal.SIGINT)
+    time.sleep(0.3)
+    assert server.proc.poll() is None and proc.poll() is None
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == -signal.SIGINT, "an uncaught KeyboardInterrupt, as `python script.py`"
+    assert server.current_state() == "ready"

@@ -327,6 +327,7 @@ def serve(requests: int, replies: int, preload: Sequence[str]) -> Optional[_Job]
                 set_parent_death_signal(signal.SIGKILL)
                 if os.getppid() != server_pid:
                     os._exit(1)
+                signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a new interpreter
                 return _Job([str(a) for a in request["argv"]], dict(request["env"]), str(request["cwd"]))
             _send(replies, {"id": request["id"], "pid": pid})
 
@@ -359,6 +360,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--preload", default=",".join(DEFAULT_PRELOAD))
     args = parser.parse_args(argv)
     set_parent_death_signal(signal.SIGKILL)  # the server dies with the launcher
+    # Ctrl-C reaches the whole process group: the launcher forwards it to the replicas, and the
+    # server must survive it (its death would SIGKILL the children it forked, replicas included).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     job = serve(args.requests, args.replies, [m for m in args.preload.split(",") if m])
     if job is None:
         return
