@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from lightning_recover.launch.fork_server import ForkedProcess, ForkServer, StandbyStarter, forkable
+from lightning_recover.launch.fork_server import ForkedProcess, ForkServer, ProcessStarter, forkable
 
 SCRIPT = textwrap.dedent(
     """
@@ -80,7 +80,7 @@ def test_forked_child_runs_the_script_as_main_with_its_own_environment(server, t
     assert seen["cwd"] == str(tmp_path) and seen["path0"] == str(tmp_path)
     assert seen["var"] == "standby-7" and seen["pid"] == proc.pid and seen["ppid"] == server.proc.pid
     assert seen["preloaded"], "the preloaded module is already imported in the child"
-    assert "standbys start from a fork server" in server.lines[0]
+    assert "replicas start from a fork server" in server.lines[0]
 
 
 def test_forked_module_and_signal_exit(server, tmp_path):
@@ -122,7 +122,7 @@ def test_a_server_with_threads_refuses_to_fork_and_standbys_start_as_new_process
     lines: list[str] = []
     env = dict(ENV, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     command = [sys.executable, _script(tmp_path)]
-    starter = StandbyStarter(command, env, lines.append, preload=("threaded_mod",))
+    starter = ProcessStarter(command, env, lines.append, preload=("threaded_mod",))
     try:
         assert _wait_ready(starter.server) == "failed"
         assert "2 threads after importing ['threaded_mod'] (fork needs one)" in lines[0], lines
@@ -135,12 +135,12 @@ def test_a_server_with_threads_refuses_to_fork_and_standbys_start_as_new_process
 
 def test_starter_waits_for_the_server_and_knows_what_it_cannot_fork(tmp_path):
     lines: list[str] = []
-    starter = StandbyStarter(["bash", "-c", "true"], dict(ENV), lines.append)
+    starter = ProcessStarter(["bash", "-c", "true"], dict(ENV), lines.append)
     assert starter.server is None and "cannot be forked" in lines[0]
     assert forkable([sys.executable, "-u", "x.py"]) == "interpreter option '-u'"
     assert forkable([sys.executable, "-m"]) == "-m without a module"
     assert forkable([sys.executable, "train.py", "--lr", "1"]) is None
-    starter = StandbyStarter([sys.executable, _script(tmp_path)], dict(ENV), lines.append, preload=("json",))
+    starter = ProcessStarter([sys.executable, _script(tmp_path)], dict(ENV), lines.append, preload=("json",))
     try:
         first = starter.start([sys.executable, _script(tmp_path), str(tmp_path / "s.json")], dict(ENV))
         assert first is None, "while the server imports, the standby is started later"

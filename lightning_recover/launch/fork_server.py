@@ -1,17 +1,19 @@
-"""A fork server for warm standbys: replacements start with torch and Lightning already imported.
+"""A fork server: replicas, restarted replicas and standbys start with torch and Lightning imported.
 
-A replacement standby started as a new interpreter spends most of its start-up importing torch
-and Lightning (~6 s of CPU here, on the cores the training runs on). The launcher instead starts
-one *fork server* per job: a process that imports those modules once, checks it is still a single
-thread (a fork with threads running is unsafe), and then forks one child per standby on request.
-The child takes the standby's environment, argv and working directory and runs the user's script
+A replica started as a new interpreter spends most of its start-up importing torch and Lightning
+(~6 s of CPU here, on the cores the training runs on; a restarted replica or a replacement standby
+pays it again, beside the training). The launcher instead starts one *fork server* per job: a
+process that imports those modules once, checks it is still a single thread (a fork with threads
+running is unsafe), and then forks one child per replica or standby process on request.
+The child takes the process's environment, argv and working directory and runs the user's script
 as ``__main__`` (``runpy``), exactly as ``python script.py`` would, minus the imports.
 
 The launcher and the server talk over two private pipes in JSON lines (nothing is unpickled).
-The server reports each child's exit status, so the launcher supervises a forked standby through
+The server reports each child's exit status, so the launcher supervises a forked process through
 :class:`ForkedProcess`, which has the part of ``subprocess.Popen``'s interface the launchers use.
 A child dies with the server (parent-death signal) and the server with the launcher; if the server
-is lost, its children are killed and reported as killed, and new standbys start as new processes.
+is lost, its children are killed and reported as killed (the launcher handles them as any replica
+death), and new processes start as new interpreters.
 
 Only commands that run a script or a module with this interpreter (``python script.py ...``,
 ``python -m module ...``) can be forked; any other command starts new processes as before.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import random
@@ -40,7 +43,7 @@ from lightning_recover.launch.coordinator_process import set_parent_death_signal
 
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "lightning")
 REPLY_TIMEOUT = 10.0  # seconds the launcher waits for a fork's pid before it stops using the server
-START_TIMEOUT = 120.0  # seconds the server may take to import before standbys start without it
+START_TIMEOUT = 120.0  # seconds the server may take to import before processes start without it
 
 
 def forkable(command: Sequence[str]) -> Optional[str]:
@@ -61,7 +64,7 @@ def forkable(command: Sequence[str]) -> Optional[str]:
 
 
 class ForkedProcess:
-    """A standby forked by the server: ``pid``, ``returncode``, ``poll``, ``wait``, ``send_signal``,
+    """A process forked by the server: ``pid``, ``returncode``, ``poll``, ``wait``, ``send_signal``,
     ``kill``, ``terminate``, as ``subprocess.Popen`` (the exit status comes from the server)."""
 
     def __init__(self, server: ForkServer, pid: int) -> None:
@@ -149,10 +152,10 @@ class ForkServer:
                     self.why = msg.get("why", "")
                     took = time.monotonic() - self._started
                     self._say(
-                        f"standbys start from a fork server (pid {self.proc.pid}; {msg.get('loaded')} "
+                        f"replicas start from a fork server (pid {self.proc.pid}; {msg.get('loaded')} "
                         f"imported in {took:.1f}s)"
                         if msg["ready"]
-                        else f"fork server unavailable ({self.why}): standbys start as new processes"
+                        else f"fork server unavailable ({self.why}): replicas start as new processes"
                     )
                 elif "exit" in msg:
                     self._exits[int(msg["exit"])] = int(msg["code"])
@@ -181,7 +184,7 @@ class ForkServer:
         with self._lock:
             if self.state == "starting" and time.monotonic() - self._started > START_TIMEOUT:
                 self.state, self.why = "failed", f"not ready after {START_TIMEOUT:g}s"
-                self._say(f"fork server unavailable ({self.why}): standbys start as new processes")
+                self._say(f"fork server unavailable ({self.why}): replicas start as new processes")
             return self.state
 
     def exit_code(self, pid: int) -> Optional[int]:
@@ -207,12 +210,12 @@ class ForkServer:
                 self.state, self.why = "failed", f"no answer within {REPLY_TIMEOUT:g}s"
             pid = self._pids.pop(rid, None)
         if pid is None:
-            self._say(f"fork server stopped answering ({self.why}): standbys start as new processes")
+            self._say(f"fork server stopped answering ({self.why}): replicas start as new processes")
             return None
         return ForkedProcess(self, pid)
 
     def close(self) -> None:
-        """End the server (its remaining children die with it)."""
+        """End the server (its remaining children die with it: end them first)."""
         try:
             os.close(self._requests)
         except OSError:
@@ -226,10 +229,11 @@ class ForkServer:
         self._lost("closed")
 
 
-class StandbyStarter:
-    """How a launcher starts a standby's processes: forked by the job's fork server once it has
-    imported, as new processes when the command cannot be forked, ``fork`` is off or the server
-    failed. :meth:`start` returns None while the server is still importing (start it later)."""
+class ProcessStarter:
+    """How a launcher starts replica and standby processes: forked by the job's fork server once it
+    has imported, as new processes when the command cannot be forked, ``fork`` is off or the server
+    failed. ``start(..., wait=False)`` returns None while the server is still importing (a standby:
+    start it later); ``wait=True`` (a replica) waits for the server, at most ``START_TIMEOUT``."""
 
     def __init__(
         self,
@@ -245,11 +249,16 @@ class StandbyStarter:
         why = forkable(command) if fork else None
         self.server = ForkServer.start(child_env, say, preload, preexec) if fork and why is None else None
         if why is not None:
-            say(f"standbys start as new processes: the command cannot be forked ({why})")
+            say(f"replicas start as new processes: the command cannot be forked ({why})")
 
-    def start(self, argv: Sequence[str], env: dict[str, str]) -> Optional[subprocess.Popen | ForkedProcess]:
+    def start(
+        self, argv: Sequence[str], env: dict[str, str], wait: bool = False
+    ) -> Optional[subprocess.Popen | ForkedProcess]:
         if self.server is not None:
             state = self.server.current_state()
+            while wait and state == "starting":
+                time.sleep(0.01)
+                state = self.server.current_state()
             if state == "starting":
                 return None
             if state == "ready":
@@ -292,6 +301,10 @@ def serve(requests: int, replies: int, preload: Sequence[str]) -> Optional[_Job]
             loaded.append(name)
         except Exception as exc:  # a module the job does not have: the children import what they need
             print(f"[lightning-recover] fork server: cannot preload {name}: {exc}", file=sys.stderr, flush=True)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():  # a CUDA context does not survive fork
+        _send(replies, {"ready": False, "why": f"importing {loaded} initialised CUDA"})
+        return None
     if _threads() != 1:
         why = f"{_threads()} threads after importing {loaded} (fork needs one"
         if os.environ.get("OMP_NUM_THREADS", "") != "1":
@@ -344,16 +357,22 @@ def run_job(job: _Job) -> None:
     if args[0] == "-m":
         sys.argv = [args[1], *args[2:]]
         sys.path[0] = job.cwd
+        if importlib.util.find_spec(args[1]) is None:  # what `python -m` says and does
+            print(f"{job.argv[0]}: No module named {args[1]}", file=sys.stderr, flush=True)
+            raise SystemExit(1)
         runpy.run_module(args[1], run_name="__main__", alter_sys=True)
     else:
         sys.argv = args
         sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
+        if not os.path.isfile(args[0]):  # what `python script.py` says and does
+            print(f"{job.argv[0]}: can't open file {os.path.abspath(args[0])!r}", file=sys.stderr, flush=True)
+            raise SystemExit(2)
         runpy.run_path(args[0], run_name="__main__")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="lightning-recover fork server", description="the launcher's fork server for standbys (started by it)"
+        prog="lightning-recover fork server", description="the launcher's fork server (started by it)"
     )
     parser.add_argument("requests", type=int)
     parser.add_argument("replies", type=int)

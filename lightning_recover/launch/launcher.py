@@ -27,7 +27,7 @@ from typing import Any
 from lightning_recover import env
 from lightning_recover.errors import RecoverError
 from lightning_recover.launch import coordinator_process
-from lightning_recover.launch.fork_server import DEFAULT_PRELOAD, StandbyStarter
+from lightning_recover.launch.fork_server import DEFAULT_PRELOAD, ProcessStarter
 from lightning_recover.launch.process_tree import children_map, describe_exit, is_stopped, kill_tree
 from lightning_recover.launch.standby_pool import Process, StandbyPool
 from lightning_recover.protocol import coordinator
@@ -169,8 +169,8 @@ def supervise(
     heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
     nproc_per_replica: int = 1,
     standby: int = 0,
-    standby_fork: bool = True,
-    standby_preload: Sequence[str] = DEFAULT_PRELOAD,
+    fork: bool = True,
+    preload: Sequence[str] = DEFAULT_PRELOAD,
 ) -> int:
     """Run ``command`` once per replica under a fresh coordinator; return the job's exit code.
 
@@ -193,9 +193,12 @@ def supervise(
     restart is then a standby taking its place (it still counts as one of its ``restarts``), and a
     new standby is started in its stead (see :mod:`~lightning_recover.protocol.standby`). Under
     torchrun (``watch_workers``) a standby is a torchrun job of its own; ``restarts`` then bounds
-    the takeovers per replica only (the agents restart workers themselves). Otherwise standbys are
-    forked by a fork server that imported ``standby_preload`` once (``standby_fork``; see
-    :mod:`~lightning_recover.launch.fork_server`), so a replacement skips those imports.
+    the takeovers per replica only (the agents restart workers themselves).
+
+    ``fork`` (not under torchrun): replicas, restarted replicas and standbys are forked by a fork
+    server that imported ``preload`` once (see :mod:`~lightning_recover.launch.fork_server`), so
+    none of them imports torch and Lightning again; a command that cannot be forked starts new
+    processes.
     """
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
@@ -246,7 +249,7 @@ def supervise(
     old: dict = {}
     link: _Link | None = None
     standbys: StandbyPool | None = None
-    starter: StandbyStarter | None = None
+    starter: ProcessStarter | None = None
     try:
         link = _Link(coord.addr, period=min(1.0, heartbeat_timeout / 2))
         child_env = dict(os.environ, **(extra_env or {}))
@@ -258,8 +261,8 @@ def supervise(
         if inject:
             child_env[env.INJECT] = inject
         preexec = _replica_preexec(os.getpid())
-        if standby and not watch_workers:  # torchrun's standbys are torchrun jobs: nothing to fork
-            starter = StandbyStarter(first, child_env, say, fork=standby_fork, preload=standby_preload, preexec=preexec)
+        if not watch_workers:  # torchrun's replicas and standbys are torchrun agents: not forked
+            starter = ProcessStarter(first, child_env, say, fork=fork, preload=preload, preexec=preexec)
         if nproc_per_replica > 1:
             child_env[env.REPLICA_SIZE] = str(nproc_per_replica)
             if not watch_workers:
@@ -280,8 +283,11 @@ def supervise(
                     starter=starter,
                 )
 
-        def spawn(r: int) -> subprocess.Popen:
-            return subprocess.Popen(list(argv(r)), env=dict(child_env, **{env.REPLICA: str(r)}), preexec_fn=preexec)
+        def spawn(r: int) -> Process:
+            replica_env = dict(child_env, **{env.REPLICA: str(r)})
+            if starter is not None:
+                return starter.start(argv(r), replica_env, wait=True)
+            return subprocess.Popen(list(argv(r)), env=replica_env, preexec_fn=preexec)
 
         def spawn_standby(s: int) -> Any:
             standby_env = dict(child_env, **{env.STANDBY: str(s)})
@@ -539,8 +545,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             host=args.host,
             nproc_per_replica=args.nproc_per_replica,
             standby=args.standby,
-            standby_fork=args.standby_start == "fork",
-            standby_preload=[*DEFAULT_PRELOAD, *(m for m in args.standby_preload.split(",") if m)],
+            fork=args.start == "fork",
+            preload=[*DEFAULT_PRELOAD, *(m for m in args.preload.split(",") if m)],
         )
     except ValueError as exc:  # a bad option: say how to fix it, no traceback
         raise SystemExit(f"lightning-recover run: {exc}") from None
@@ -594,16 +600,16 @@ def add_subcommands(sub: Any) -> None:
         help="keep S warm standby processes that take a failed replica's place (each counts as a restart)",
     )
     p.add_argument(
-        "--standby-start",
+        "--start",
         choices=("fork", "exec"),
         default="fork",
-        help="fork: standbys are forked by a server that imported torch and Lightning once (when the command "
-        "is `python script.py` or `python -m module`); exec: each standby is a new interpreter",
+        help="fork: replicas, restarts and standbys are forked by a server that imported torch and Lightning "
+        "once (when the command is `python script.py` or `python -m module`); exec: each is a new interpreter",
     )
     p.add_argument(
-        "--standby-preload",
+        "--preload",
         default="",
-        help="more modules the fork server imports for the standbys, comma-separated (e.g. transformers)",
+        help="more modules the fork server imports once for every process, comma-separated (e.g. transformers)",
     )
     p.add_argument("--host", default="127.0.0.1", help="coordinator bind address (only this one is bound)")
     p.add_argument("command", nargs=argparse.REMAINDER)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lightning_recover import env
-from lightning_recover.launch.fork_server import StandbyStarter
+from lightning_recover.launch.fork_server import ProcessStarter
 from lightning_recover.launch.process_tree import describe_exit, is_stopped, kill_tree
 from lightning_recover.launch.standby_pool import Process, StandbyPool
 from lightning_recover.protocol.messages import Sealer, mark_dead, read_death
@@ -58,17 +58,19 @@ def supervise_sharded(
     finish_grace: float,
     restarts: int = 0,
     standby: int = 0,
-    starter: Optional[StandbyStarter] = None,
+    starter: Optional[ProcessStarter] = None,
 ) -> int:
     """Run ``nproc`` processes of ``argv(r)`` per replica; end a replica whole when one fails, and
     start it again (all ``nproc`` processes, a new incarnation that rejoins) up to ``restarts`` times.
     With ``standby`` = S, S standbys of ``nproc`` processes each wait; a ready one takes a failed
-    replica's place instead of a restart (see :mod:`~lightning_recover.protocol.standby`), started
-    by ``starter`` (the job's fork server) when given."""
+    replica's place instead of a restart (see :mod:`~lightning_recover.protocol.standby`). Processes
+    are started by ``starter`` (forked by the job's fork server) when given."""
 
-    def spawn(r: int, i: int) -> subprocess.Popen:
-        extra = {env.REPLICA: str(r), env.INNER: str(i), env.REPLICA_SIZE: str(nproc)}
-        return subprocess.Popen(list(argv(r)), env=dict(child_env, **extra))
+    def spawn(r: int, i: int) -> Process:
+        process_env = dict(child_env, **{env.REPLICA: str(r), env.INNER: str(i), env.REPLICA_SIZE: str(nproc)})
+        if starter is not None:
+            return starter.start(argv(r), process_env, wait=True)
+        return subprocess.Popen(list(argv(r)), env=process_env)
 
     def spawn_standby(s: int) -> Optional[list[Process]]:
         extra = {env.STANDBY: str(s), env.REPLICA_SIZE: str(nproc)}
