@@ -166,3 +166,22 @@ def test_ctrl_c_ends_the_children_not_the_server(server, tmp_path):
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=30) == -signal.SIGINT, "an uncaught KeyboardInterrupt, as `python script.py`"
     assert server.current_state() == "ready"
+
+
+def test_ps_shows_each_child_its_own_command_line_and_environment(server, tmp_path):
+    """/proc/PID/cmdline and /proc/PID/environ (ps, and tools that find a replica by its environment)
+    show the child's argv and environment, not the server's."""
+    out = tmp_path / "ps.json"
+    argv = [sys.executable, _script(tmp_path), str(out), "sleep"]
+    proc = server.spawn(argv, dict(ENV, FORK_TEST_VAR="replica-3"), str(tmp_path))
+    try:
+        deadline = time.monotonic() + 30
+        while not out.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        cmdline = open(f"/proc/{proc.pid}/cmdline", "rb").read().rstrip(b"\0").split(b"\0")
+        assert cmdline == [os.fsencode(a) for a in argv]
+        environ = open(f"/proc/{proc.pid}/environ", "rb").read()
+        assert b"\0FORK_TEST_VAR=replica-3\0" in b"\0" + environ and b"FORK_ROOM" not in environ
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)

@@ -44,6 +44,9 @@ from lightning_recover.launch.coordinator_process import set_parent_death_signal
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "lightning")
 REPLY_TIMEOUT = 10.0  # seconds the launcher waits for a fork's pid before it stops using the server
 START_TIMEOUT = 120.0  # seconds the server may take to import before processes start without it
+# Bytes of room in the server's argv and environment areas, which its children rewrite with their
+# own (see show_as): what ps, /proc/PID/cmdline and /proc/PID/environ then show for each process.
+TITLE_ROOM = 16384
 
 
 def forkable(command: Sequence[str]) -> Optional[str]:
@@ -132,9 +135,10 @@ class ForkServer:
         rep_r, rep_w = os.pipe()
         # -c, not -m: the package imports this module first, and runpy warns about running it as __main__
         cmd = [sys.executable, "-c", "from lightning_recover.launch.fork_server import main; main()"]
-        cmd += [str(req_r), str(rep_w), "--preload", ",".join(preload)]
+        cmd += [str(req_r), str(rep_w), "--preload", ",".join(preload), "--room", "." * TITLE_ROOM]
+        env = dict(child_env, LIGHTNING_RECOVER_FORK_ROOM="." * TITLE_ROOM)
         try:
-            proc = subprocess.Popen(cmd, env=child_env, pass_fds=(req_r, rep_w), preexec_fn=preexec)
+            proc = subprocess.Popen(cmd, env=env, pass_fds=(req_r, rep_w), preexec_fn=preexec)
         finally:
             os.close(req_r)
             os.close(rep_w)
@@ -345,10 +349,35 @@ def serve(requests: int, replies: int, preload: Sequence[str]) -> Optional[_Job]
             _send(replies, {"id": request["id"], "pid": pid})
 
 
+def show_as(argv: Sequence[str], env: dict[str, str]) -> None:
+    """Make /proc/self/cmdline and /proc/self/environ (what ps and tools that look for a replica by
+    its environment read) show this process's own argv and environment instead of the server's.
+
+    Both are the memory areas the kernel filled at the server's exec (their bounds are in
+    /proc/self/stat); the server was started with room to spare in each. Called after
+    ``os.environ`` was replaced, so no libc environment entry points into the area any more. What
+    does not fit is cut (argv) or left as the server's (environment)."""
+    import ctypes
+
+    fields = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+    arg_start, arg_end, env_start, env_end = (int(fields[n - 3]) for n in (48, 49, 50, 51))
+    args = b"\0".join(os.fsencode(a) for a in argv) + b"\0"
+    room = arg_end - arg_start
+    ctypes.memmove(arg_start, args[:room].ljust(room, b"\0"), room)
+    block = b"".join(os.fsencode(k) + b"=" + os.fsencode(v) + b"\0" for k, v in env.items())
+    room = env_end - env_start
+    if len(block) <= room:
+        ctypes.memmove(env_start, block.ljust(room, b"\0"), room)
+
+
 def run_job(job: _Job) -> None:
     """In the forked child: become ``python script.py ...`` (or ``python -m module ...``)."""
     os.environ.clear()
     os.environ.update(job.env)
+    try:
+        show_as(job.argv, job.env)
+    except (OSError, ValueError, IndexError):
+        pass  # cosmetic: ps shows the server's command line
     os.chdir(job.cwd)
     random.seed()  # a fresh interpreter's generators are seeded per process, not copied
     if "numpy" in sys.modules:
@@ -377,6 +406,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("requests", type=int)
     parser.add_argument("replies", type=int)
     parser.add_argument("--preload", default=",".join(DEFAULT_PRELOAD))
+    parser.add_argument("--room", default="", help="room for the children's command lines (see show_as)")
     args = parser.parse_args(argv)
     set_parent_death_signal(signal.SIGKILL)  # the server dies with the launcher
     # Ctrl-C reaches the whole process group: the launcher forwards it to the replicas, and the
