@@ -204,8 +204,10 @@ class ForkServer:
             rid = self._next_id
             self._next_id += 1
         request = {"id": rid, "argv": list(argv), "env": dict(env), "cwd": cwd or os.getcwd()}
+        data = (json.dumps(request) + "\n").encode()
         try:
-            os.write(self._requests, (json.dumps(request) + "\n").encode())
+            while data:  # a large environment may take several writes
+                data = data[os.write(self._requests, data) :]
         except OSError as exc:
             self._lost(f"its pipe failed: {exc}")
             return None

@@ -289,7 +289,7 @@ def supervise(
                 return starter.start(argv(r), replica_env, wait=True)
             return subprocess.Popen(list(argv(r)), env=replica_env, preexec_fn=preexec)
 
-        def spawn_standby(s: int) -> Any:
+        def spawn_standby(s: int) -> list[Process] | None:
             standby_env = dict(child_env, **{env.STANDBY: str(s)})
             if starter is not None:
                 proc = starter.start(argv(0), standby_env)
@@ -345,8 +345,9 @@ def supervise(
             return marked
 
         def take_standby(c: _Child, end_agent: bool = False) -> bool:
-            """A waiting standby takes failed replica ``c``'s place (its death is already declared);
-            ``end_agent``: first end the replica's torchrun agent (and any worker it restarted)."""
+            """A waiting standby takes failed replica ``c``'s place (its death is already declared) and
+            counts as one of its restarts; ``end_agent``: first end the replica's torchrun agent (and
+            any worker it restarted). False (nothing counted) when no standby is ready."""
             taken = standbys.take(
                 lambda ids: link.call(
                     lambda store: [s for s in ids if standby_is_ready(store, sealer, s, nproc_per_replica)], lost_after
@@ -359,6 +360,7 @@ def supervise(
                 c.proc.wait()
             s, (proc,) = taken
             link.call(lambda store: assign_standby(store, sealer, s, c.replica), timeout=lost_after)
+            c.restarts += 1
             c.proc = proc
             c.history.append(f"standby {s} took its place")
             say(f"replica {c.replica}: standby {s} (pid {proc.pid}) takes its place ({c.restarts}/{restarts})")
@@ -417,10 +419,10 @@ def supervise(
                         say(f"replica {c.replica} failed ({describe_exit(code)})")
                         # Under torchrun the agent restarts workers itself; `restarts` bounds takeovers only.
                         if c.restarts < restarts and not interrupted and not watch_workers:
-                            c.restarts += 1
                             if standbys is not None and take_standby(c):
                                 running += 1
                                 continue
+                            c.restarts += 1
                             say(f"restarting replica {c.replica} ({c.restarts}/{restarts})")
                             try:
                                 c.proc = spawn(c.replica)
@@ -456,12 +458,10 @@ def supervise(
                             say(f"replica {c.replica}: its worker exited; declared dead")
                             if standbys is not None and c.restarts < restarts and not interrupted:
                                 # A ready standby job instead: the agent is ended before it restarts
-                                # anything, and the standby's agent becomes the replica's.
-                                c.restarts += 1
+                                # anything, and the standby's agent becomes the replica's. With none
+                                # ready, the agent restarts its worker.
                                 if take_standby(c, end_agent=True):
                                     first_seen[c.replica] = {}
-                                else:
-                                    c.restarts -= 1  # none ready: the agent restarts its worker
                 if running == 0 or (finished_at is not None and time.monotonic() - finished_at > finish_grace):
                     break
                 if standbys is not None and finished_at is None:
