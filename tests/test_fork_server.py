@@ -63,6 +63,16 @@ def server():
             srv.proc.kill()
 
 
+def _sleeping_child(server: ForkServer, argv: list[str], out, env=None) -> ForkedProcess:
+    """Fork ``argv`` (a script that writes ``out`` and then sleeps) and wait until it has written it."""
+    proc = server.spawn(argv, dict(env or ENV), str(out.parent))
+    deadline = time.monotonic() + 30
+    while not out.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert out.exists(), "the forked child did not start"
+    return proc
+
+
 def _script(tmp_path) -> str:
     path = tmp_path / "child_script.py"
     path.write_text(SCRIPT)
@@ -89,10 +99,7 @@ def test_forked_module_and_signal_exit(server, tmp_path):
     (pkg / "__init__.py").write_text("")
     (pkg / "entry.py").write_text(SCRIPT)
     out = tmp_path / "m.json"
-    proc = server.spawn([sys.executable, "-m", "forkpkg.entry", str(out), "sleep"], dict(ENV), str(tmp_path))
-    deadline = time.monotonic() + 30
-    while not out.exists() and time.monotonic() < deadline:
-        time.sleep(0.02)
+    proc = _sleeping_child(server, [sys.executable, "-m", "forkpkg.entry", str(out), "sleep"], out)
     assert json.loads(out.read_text())["name"] == "__main__"
     assert proc.poll() is None
     proc.kill()
@@ -101,10 +108,7 @@ def test_forked_module_and_signal_exit(server, tmp_path):
 
 def test_children_die_with_the_server_and_are_reported_killed(server, tmp_path):
     out = tmp_path / "o.json"
-    proc = server.spawn([sys.executable, _script(tmp_path), str(out), "sleep"], dict(ENV), str(tmp_path))
-    deadline = time.monotonic() + 30
-    while not out.exists() and time.monotonic() < deadline:
-        time.sleep(0.02)
+    proc = _sleeping_child(server, [sys.executable, _script(tmp_path), str(out), "sleep"], out)
     os.kill(server.proc.pid, signal.SIGKILL)
     assert proc.wait(timeout=30) == -signal.SIGKILL
     deadline = time.monotonic() + 10
@@ -156,10 +160,7 @@ def test_ctrl_c_ends_the_children_not_the_server(server, tmp_path):
     """Ctrl-C reaches the whole process group: the server ignores it (its death would kill every
     child), a child handles it as a new interpreter does (KeyboardInterrupt)."""
     out = tmp_path / "c.json"
-    proc = server.spawn([sys.executable, _script(tmp_path), str(out), "sleep"], dict(ENV), str(tmp_path))
-    deadline = time.monotonic() + 30
-    while not out.exists() and time.monotonic() < deadline:
-        time.sleep(0.02)
+    proc = _sleeping_child(server, [sys.executable, _script(tmp_path), str(out), "sleep"], out)
     os.kill(server.proc.pid, signal.SIGINT)
     time.sleep(0.3)
     assert server.proc.poll() is None and proc.poll() is None
@@ -173,11 +174,8 @@ def test_ps_shows_each_child_its_own_command_line_and_environment(server, tmp_pa
     show the child's argv and environment, not the server's."""
     out = tmp_path / "ps.json"
     argv = [sys.executable, _script(tmp_path), str(out), "sleep"]
-    proc = server.spawn(argv, dict(ENV, FORK_TEST_VAR="replica-3"), str(tmp_path))
+    proc = _sleeping_child(server, argv, out, env=dict(ENV, FORK_TEST_VAR="replica-3"))
     try:
-        deadline = time.monotonic() + 30
-        while not out.exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
         cmdline = open(f"/proc/{proc.pid}/cmdline", "rb").read().rstrip(b"\0").split(b"\0")
         assert cmdline == [os.fsencode(a) for a in argv]
         environ = open(f"/proc/{proc.pid}/environ", "rb").read()
