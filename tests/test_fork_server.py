@@ -183,3 +183,4 @@ def test_ps_shows_each_child_its_own_command_line_and_environment(server, tmp_pa
     finally:
         proc.kill()
         proc.wait(timeout=30)
+    assert open(f"/proc/{server.proc.pid}/cmdline", "rb").read().startswith(b"lightning-recover fork server\0")

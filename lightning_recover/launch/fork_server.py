@@ -351,25 +351,35 @@ def serve(requests: int, replies: int, preload: Sequence[str]) -> Optional[_Job]
             _send(replies, {"id": request["id"], "pid": pid})
 
 
-def show_as(argv: Sequence[str], env: dict[str, str]) -> None:
-    """Make /proc/self/cmdline and /proc/self/environ (what ps and tools that look for a replica by
-    its environment read) show this process's own argv and environment instead of the server's.
-
-    Both are the memory areas the kernel filled at the server's exec (their bounds are in
-    /proc/self/stat); the server was started with room to spare in each. Called after
-    ``os.environ`` was replaced, so no libc environment entry points into the area any more. What
-    does not fit is cut (argv) or left as the server's (environment)."""
-    import ctypes
-
+def _areas() -> tuple[tuple[int, int], tuple[int, int]]:
+    """(start, end) of this process's argv and environment areas, from /proc/self/stat."""
     fields = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
     arg_start, arg_end, env_start, env_end = (int(fields[n - 3]) for n in (48, 49, 50, 51))
-    args = b"\0".join(os.fsencode(a) for a in argv) + b"\0"
-    room = arg_end - arg_start
-    ctypes.memmove(arg_start, args[:room].ljust(room, b"\0"), room)
-    block = b"".join(os.fsencode(k) + b"=" + os.fsencode(v) + b"\0" for k, v in env.items())
-    room = env_end - env_start
-    if len(block) <= room:
-        ctypes.memmove(env_start, block.ljust(room, b"\0"), room)
+    return (arg_start, arg_end), (env_start, env_end)
+
+
+def _write_area(area: tuple[int, int], data: bytes) -> None:
+    import ctypes
+
+    room = area[1] - area[0]
+    ctypes.memmove(area[0], data[:room].ljust(room, b"\0"), room)
+
+
+def show_as(argv: Sequence[str], env: Optional[dict[str, str]] = None) -> None:
+    """Make /proc/self/cmdline (and /proc/self/environ, given ``env``) show this process's own argv
+    (and environment) instead of the server's: what ps and tools that look for a replica by its
+    environment read.
+
+    Both are the memory areas the kernel filled at the server's exec (their bounds are in
+    /proc/self/stat); the server was started with room to spare in each. ``env`` only after
+    ``os.environ`` was replaced, so that no libc environment entry points into the area any more.
+    What does not fit is cut (argv) or left as it was (environment)."""
+    args_area, env_area = _areas()
+    _write_area(args_area, b"\0".join(os.fsencode(a) for a in argv) + b"\0")
+    if env is not None:
+        block = b"".join(os.fsencode(k) + b"=" + os.fsencode(v) + b"\0" for k, v in env.items())
+        if len(block) <= env_area[1] - env_area[0]:
+            _write_area(env_area, block)
 
 
 def run_job(job: _Job) -> None:
@@ -411,6 +421,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--room", default="", help="room for the children's command lines (see show_as)")
     args = parser.parse_args(argv)
     set_parent_death_signal(signal.SIGKILL)  # the server dies with the launcher
+    try:
+        show_as(["lightning-recover fork server", f"--preload={args.preload}"])  # not 16 KiB of room
+    except (OSError, ValueError, IndexError):
+        pass
     # Ctrl-C reaches the whole process group: the launcher forwards it to the replicas, and the
     # server must survive it (its death would SIGKILL the children it forked, replicas included).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
