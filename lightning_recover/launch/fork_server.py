@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from lightning_recover.launch.coordinator_process import set_parent_death_signal
 
@@ -100,6 +100,9 @@ class ForkedProcess:
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
+
+
+Process = Union[subprocess.Popen, ForkedProcess]  # what a launcher supervises
 
 
 class ForkServer:
@@ -257,9 +260,7 @@ class ProcessStarter:
         if why is not None:
             say(f"replicas start as new processes: the command cannot be forked ({why})")
 
-    def start(
-        self, argv: Sequence[str], env: dict[str, str], wait: bool = False
-    ) -> Optional[subprocess.Popen | ForkedProcess]:
+    def start(self, argv: Sequence[str], env: dict[str, str], wait: bool = False) -> Optional[Process]:
         if self.server is not None:
             state = self.server.current_state()
             while wait and state == "starting":

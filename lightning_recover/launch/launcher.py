@@ -15,7 +15,6 @@ import os
 import queue
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -27,9 +26,9 @@ from typing import Any
 from lightning_recover import env
 from lightning_recover.errors import RecoverError
 from lightning_recover.launch import coordinator_process
-from lightning_recover.launch.fork_server import DEFAULT_PRELOAD, ProcessStarter
+from lightning_recover.launch.fork_server import DEFAULT_PRELOAD, Process, ProcessStarter
 from lightning_recover.launch.process_tree import children_map, describe_exit, is_stopped, kill_tree
-from lightning_recover.launch.standby_pool import Process, StandbyPool
+from lightning_recover.launch.standby_pool import StandbyPool
 from lightning_recover.protocol import coordinator
 from lightning_recover.protocol.faults import parse_faults
 from lightning_recover.protocol.messages import JobSecret, Sealer, connect, mark_dead, read_declared
@@ -260,9 +259,15 @@ def supervise(
         child_env.setdefault(env.OMP_NUM_THREADS, "1")  # spinning OpenMP threads make gloo 20x slower on small machines
         if inject:
             child_env[env.INJECT] = inject
-        preexec = _replica_preexec(os.getpid())
-        if not watch_workers:  # torchrun's replicas and standbys are torchrun agents: not forked
-            starter = ProcessStarter(first, child_env, say, fork=fork, preload=preload, preexec=preexec)
+        # torchrun's replicas and standbys are torchrun agents: not forked
+        starter = ProcessStarter(
+            first,
+            child_env,
+            say,
+            fork=fork and not watch_workers,
+            preload=preload,
+            preexec=_replica_preexec(os.getpid()),
+        )
         if nproc_per_replica > 1:
             child_env[env.REPLICA_SIZE] = str(nproc_per_replica)
             if not watch_workers:
@@ -284,17 +289,11 @@ def supervise(
                 )
 
         def spawn(r: int) -> Process:
-            replica_env = dict(child_env, **{env.REPLICA: str(r)})
-            if starter is not None:
-                return starter.start(argv(r), replica_env, wait=True)
-            return subprocess.Popen(list(argv(r)), env=replica_env, preexec_fn=preexec)
+            return starter.start(argv(r), dict(child_env, **{env.REPLICA: str(r)}), wait=True)
 
         def spawn_standby(s: int) -> list[Process] | None:
-            standby_env = dict(child_env, **{env.STANDBY: str(s)})
-            if starter is not None:
-                proc = starter.start(argv(0), standby_env)
-                return None if proc is None else [proc]
-            return [subprocess.Popen(list(argv(0)), env=standby_env, preexec_fn=preexec)]
+            proc = starter.start(argv(0), dict(child_env, **{env.STANDBY: str(s)}))
+            return None if proc is None else [proc]  # None: the fork server is still importing
 
         # One standby process per restart the job may still make, at most: never more than needed.
         standbys = StandbyPool(standby, spawn_standby, standby + replicas * restarts, say) if standby else None

@@ -10,16 +10,15 @@ collectives and would only fail at the gloo timeout. A replica succeeded when al
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lightning_recover import env
-from lightning_recover.launch.fork_server import ProcessStarter
+from lightning_recover.launch.fork_server import Process, ProcessStarter
 from lightning_recover.launch.process_tree import describe_exit, is_stopped, kill_tree
-from lightning_recover.launch.standby_pool import Process, StandbyPool
+from lightning_recover.launch.standby_pool import StandbyPool
 from lightning_recover.protocol.messages import Sealer, mark_dead, read_death
 from lightning_recover.protocol.standby import assign as assign_standby
 from lightning_recover.protocol.standby import is_ready as standby_is_ready
@@ -56,31 +55,30 @@ def supervise_sharded(
     child_env: dict[str, str],
     say: Callable[[str], Any],
     finish_grace: float,
+    starter: ProcessStarter,
     restarts: int = 0,
     standby: int = 0,
-    starter: Optional[ProcessStarter] = None,
 ) -> int:
     """Run ``nproc`` processes of ``argv(r)`` per replica; end a replica whole when one fails, and
     start it again (all ``nproc`` processes, a new incarnation that rejoins) up to ``restarts`` times.
     With ``standby`` = S, S standbys of ``nproc`` processes each wait; a ready one takes a failed
     replica's place instead of a restart (see :mod:`~lightning_recover.protocol.standby`). Processes
-    are started by ``starter`` (forked by the job's fork server) when given."""
+    are started by ``starter`` (forked by the job's fork server, or new processes)."""
 
     def spawn(r: int, i: int) -> Process:
         process_env = dict(child_env, **{env.REPLICA: str(r), env.INNER: str(i), env.REPLICA_SIZE: str(nproc)})
-        if starter is not None:
-            return starter.start(argv(r), process_env, wait=True)
-        return subprocess.Popen(list(argv(r)), env=process_env)
+        return starter.start(argv(r), process_env, wait=True)
 
     def spawn_standby(s: int) -> Optional[list[Process]]:
         extra = {env.STANDBY: str(s), env.REPLICA_SIZE: str(nproc)}
         procs: list[Process] = []
         for i in range(nproc):
             process_env = dict(child_env, **extra, **{env.INNER: str(i)})
-            proc = starter.start(argv(0), process_env) if starter is not None else None
-            if proc is None and starter is not None and not procs:
-                return None  # the fork server is still importing: start this standby later
-            procs.append(proc or subprocess.Popen(list(argv(0)), env=process_env))
+            # None: the fork server is still importing; the first process decides, the others wait
+            proc = starter.start(argv(0), process_env, wait=bool(procs))
+            if proc is None:
+                return None  # start this standby later
+            procs.append(proc)
         return procs
 
     group = [_Replica(r, [spawn(r, i) for i in range(nproc)]) for r in range(replicas)]

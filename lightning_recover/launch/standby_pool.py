@@ -9,14 +9,11 @@ processes are ``subprocess.Popen`` objects or, started by the job's fork server,
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Callable
-from typing import Optional, Union
+from typing import Optional
 
-from lightning_recover.launch.fork_server import ForkedProcess
+from lightning_recover.launch.fork_server import Process
 from lightning_recover.launch.process_tree import describe_exit, kill_tree
-
-Process = Union[subprocess.Popen, ForkedProcess]
 
 
 class StandbyPool:
