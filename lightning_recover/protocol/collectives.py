@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -33,22 +33,26 @@ class SurvivorCollectives:
     def allreduce(self, tensors: Sequence[torch.Tensor]) -> None:
         """Sum ``tensors`` in place across the generation; raise MembershipChanged on any failure."""
         pg = self._pg()
-        try:
-            works = [pg.allreduce([t]) for t in tensors]
-        except Exception as exc:
-            raise MembershipChanged(f"all-reduce could not start: {exc}") from exc
-        self.wait(works)
+        self.wait(self._start(pg, "all-reduce", lambda t: pg.allreduce([t]), tensors))
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src_rank: int) -> None:
         """Broadcast ``tensors`` in place from the member of rank ``src_rank``."""
         pg = self._pg()
         opts = dist.BroadcastOptions()
         opts.rootRank = src_rank
+        self.wait(self._start(pg, "broadcast", lambda t: pg.broadcast([t], opts), tensors))
+
+    def _start(self, pg: Any, what: str, start_one: Callable[[torch.Tensor], Any], tensors: Sequence) -> list:
+        """Start one operation per tensor; the group learns of each, so that it outlives them if abandoned."""
+        works: list = []
         try:
-            works = [pg.broadcast([t], opts) for t in tensors]
+            for t in tensors:
+                works.append(start_one(t))
         except Exception as exc:
-            raise MembershipChanged(f"broadcast could not start: {exc}") from exc
-        self.wait(works)
+            raise MembershipChanged(f"{what} could not start: {exc}") from exc
+        finally:
+            self.membership.operations_started(pg, works)
+        return works
 
     def _pg(self) -> Any:
         pg = self.membership.gen.pg

@@ -539,6 +539,10 @@ class Membership:
         """True once a group with an operation possibly still in flight was abandoned."""
         return self.groups.abandoned_work
 
+    def operations_started(self, pg: Any, works: list) -> None:
+        """Tell the group's keeper which operations were just started on ``pg`` (see ProcessGroups.abandon)."""
+        self.groups.started(pg, works)
+
     def abandon_current(self) -> None:
         """Give up the current generation's group (an operation on it may still be in flight)."""
         if self.gen is not None:

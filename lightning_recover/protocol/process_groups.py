@@ -2,14 +2,22 @@
 
 A failed generation's group is never reused. gloo cannot abort an operation in flight, and
 destroying a group that has one blocks until the operation's timeout (then aborts the process), so
-abandoned gloo groups stay referenced until the process ends; NCCL communicators are non-blocking
-and aborted off the hot path.
+an abandoned gloo group stays referenced until this process's operations on it have ended (failed,
+or timed out after ``collective_timeout``) and is destroyed then, off the hot path. Destroying it
+matters: its sockets may still hold a survivor's data for the failed collective, which no receive
+will ever claim, and gloo's event loop spins on that readable socket (measured: 0.5-0.8 of a core
+per failure, for as long as the group lives, slowing every later step on a small machine). Closing
+the group also ends the peers' own pending operations on it, so they are destroyed in turn. NCCL
+communicators are non-blocking and aborted off the hot path.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
+import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +27,7 @@ from lightning_recover.errors import MembershipChanged
 
 _POLL_MIN = 0.0005
 _POLL_MAX = 0.005
+_REAP_EVERY = 0.2  # seconds between looks at the abandoned groups' operations
 
 
 def _quiet(fn: Callable[[], Any]) -> None:
@@ -40,12 +49,23 @@ class ProcessGroups:
             )
         self.backend = backend
         self.collective_timeout = collective_timeout
-        self._graveyard: list = []  # abandoned groups and builder threads; dropped with the process
+        self._stuck_builds: list[threading.Thread] = []  # builds given up on; they end with the process
+        self._in_flight: dict[int, list] = {}  # id(group) -> the operations last started on it
+        self._sockets: dict[int, set] = {}  # id(gloo group) -> its connections' (fd, inode)
+        self._abandoned: list[tuple[Any, list]] = []  # (gloo group, its operations), destroyed once they end
+        self._lock = threading.Lock()
+        self._reaper: threading.Thread | None = None
 
     @property
     def abandoned_work(self) -> bool:
-        """True once a group with an operation possibly still in flight was abandoned."""
-        return bool(self._graveyard)
+        """True while an abandoned group may still have an operation in flight (or a build is stuck)."""
+        with self._lock:
+            pending = any(not _ended(works) for _, works in self._abandoned)
+        return pending or any(t.is_alive() for t in self._stuck_builds)
+
+    def started(self, pg: Any, works: list) -> None:
+        """Record the operations just started on ``pg``: if it is abandoned, it is destroyed after them."""
+        self._in_flight[id(pg)] = works
 
     def build(self, store: dist.Store, number: int, rank: int, size: int, failure_seen: Callable[[], bool]) -> Any:
         """Build generation ``number``'s group on a thread; raise MembershipChanged if a member fails meanwhile."""
@@ -62,7 +82,7 @@ class ProcessGroups:
         delay = _POLL_MIN
         while thread.is_alive():
             if failure_seen():
-                self._graveyard.append(thread)
+                self._stuck_builds.append(thread)
                 raise MembershipChanged(f"a member of generation {number} failed while it was being built")
             thread.join(delay)
             delay = min(delay * 2, _POLL_MAX)
@@ -78,13 +98,107 @@ class ProcessGroups:
             opts.config.blocking = 0
             opts._timeout = timeout
             return dist.ProcessGroupNCCL(store, rank, size, opts)
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
+        with _SocketWitness() as witness:
+            pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+        # The sockets gloo opened for this group (its connections to the members): see abandon().
+        self._sockets[id(pg)] = witness.opened
+        return pg
 
     def abandon(self, pg: Any) -> None:
         if self.backend == "nccl":
             # NCCL can abort its communicators: do it off the hot path, then drop the group.
             threading.Thread(target=lambda: _quiet(pg.abort), name="lr-nccl-abort", daemon=True).start()
         else:
-            # gloo cannot abort an op in flight and destroying its group blocks until the op's
-            # timeout: keep the objects referenced and let them die with the process.
-            self._graveyard.append(pg)
+            # gloo cannot abort an op in flight and destroying its group blocks until the op ends:
+            # keep the group referenced until this process's operations on it have ended.
+            works = self._in_flight.pop(id(pg), [])
+            sockets = self._sockets.pop(id(pg), set())
+            if not _ended(works):
+                # An operation can be stuck behind a survivor's data that it will never receive (gloo
+                # reads a connection in order): shutting the group's connections down fails it now,
+                # and the peers' operations with it, instead of after collective_timeout.
+                _shut_down(sockets)
+            with self._lock:
+                self._abandoned.append((pg, works))
+                if self._reaper is None:
+                    self._reaper = threading.Thread(target=self._reap, name="lr-pg-reaper", daemon=True)
+                    self._reaper.start()
+
+    def _reap(self) -> None:
+        """Destroy abandoned gloo groups whose operations have ended, on this thread (about 20 ms each)."""
+        while True:
+            time.sleep(_REAP_EVERY)
+            with self._lock:
+                done = [entry for entry in self._abandoned if _ended(entry[1])]
+                self._abandoned = [entry for entry in self._abandoned if not _ended(entry[1])]
+                if not self._abandoned and not done:
+                    self._reaper = None
+                    return
+            del done  # the last references: the groups' destructors run here, not on the training thread
+
+
+def _ended(works: list) -> bool:
+    return all(w.is_completed() for w in works)
+
+
+class _SocketWitness:
+    """The sockets this process opened during a group's construction: ``opened`` (fd, 'socket:[inode]').
+
+    Known only when no other construction overlapped it: an embedding that runs several replicas in
+    one process (the in-process tests) builds their groups at once, and then ``opened`` is empty.
+    """
+
+    _lock = threading.Lock()
+    _active: dict[int, bool] = {}  # id(witness) -> whether another construction overlapped it
+
+    def __enter__(self) -> _SocketWitness:
+        with self._lock:
+            for other in self._active:
+                self._active[other] = True
+            self._active[id(self)] = bool(self._active)
+        self._before = _open_sockets()
+        self.opened: set[tuple[int, str]] = set()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        after = _open_sockets()
+        with self._lock:
+            overlapped = self._active.pop(id(self))
+        if not overlapped:
+            self.opened = after - self._before
+
+
+def _open_sockets() -> set[tuple[int, str]]:
+    """This process's open sockets as (fd, 'socket:[inode]'); empty where /proc is not there."""
+    found = set()
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for name in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            found.add((int(name), target))
+    return found
+
+
+def _shut_down(sockets: set[tuple[int, str]]) -> None:
+    """shutdown(2) each connection that is still the same socket (never closes: the fds stay gloo's)."""
+    for fd, target in sockets:
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != target:
+                continue  # gloo closed it and the number was reused
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        try:
+            # Never the group's listening socket: shutting that down fails gloo's accept(), which aborts.
+            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already shut down
+        finally:
+            sock.detach()
