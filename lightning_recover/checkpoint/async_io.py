@@ -7,9 +7,11 @@ How a save proceeds (see ``docs/checkpointing.md`` for the user-facing guarantee
 2. The **copier** thread copies the referenced storages, in file order, in chunks, into a ring-shaped
    staging buffer (host memory allocated once and reused; ``staging_bytes`` bounds it). When the ring is full
    it waits for the flusher (back-pressure). When the last chunk is copied the job's *snapshot* is complete.
-3. The **flusher** thread writes header, eager storages and staged chunks through ``native_io`` into a
-   temporary file, releases ring space as it goes, writes index/skeleton/footer, ``fdatasync``s, renames the
-   file onto its final name and fsyncs the directory: the final name appears only once the file is durable.
+3. The **flusher** thread writes header, eager storages and staged chunks through ``native_io`` into an
+   unnamed file in the target directory (``O_TMPFILE``; a hidden temporary name where the filesystem has no
+   unnamed files), releases ring space as it goes, writes index/skeleton/footer, ``fdatasync``s, links the file
+   to a temporary name, renames that onto the final name and fsyncs the directory: the final name appears only
+   once the file is durable, and while the save is in flight nothing but the name's placeholder is listed.
 
 Consistency: a global ``torch.optim`` step pre-hook makes every ``optimizer.step()`` wait until all pending
 snapshots are complete (for a step called with a closure -- Lightning's automatic optimization -- the wait
@@ -238,6 +240,7 @@ class _Job:
         self.lazy_bytes = sum(int(t.numel()) for _, t in lazy)
         self.crcs: dict[int, list] = {}  # storage index -> [(crc, length)] of its chunks, in order
         self.tmp: Optional[str] = None
+        self.anon_fd: Optional[int] = None  # the unnamed (O_TMPFILE) file being written, when the filesystem has them
         self.writer: Any = None
         self.error: Optional[BaseException] = None
         self.snapshot_done = threading.Event()
@@ -277,7 +280,16 @@ class _Job:
                 crc = crc32c_combine(crc, c, m)
             self.plan.set_crc32c(i, crc)
         self.writer.finish()
+        if self.anon_fd is not None:  # the durable unnamed file gets a (temporary) name only now
+            self.tmp = temp_path_for(self.path)
+            _link_unnamed(self.anon_fd, self.tmp)
+            self.close_anon()
         commit(self.tmp, self.path)
+
+    def close_anon(self) -> None:
+        fd, self.anon_fd = self.anon_fd, None
+        if fd is not None:
+            os.close(fd)
 
     def discard(self) -> None:
         """A failed save: close and remove the temporary file, give the name back if we reserved it."""
@@ -286,6 +298,10 @@ class _Job:
                 self.writer.close()
             except BaseException:
                 pass
+        try:
+            self.close_anon()  # an unnamed file just goes away
+        except OSError:
+            pass
         if self.tmp is not None:
             unlink_quiet(self.tmp)
         _drop_placeholder(self)
@@ -604,8 +620,11 @@ class AsyncSaver:
     def _begin(self, job: _Job) -> None:
         try:
             cleanup_stale_temps(job.directory)
-            job.tmp = temp_path_for(job.path)
-            job.writer = PlanWriter(job.plan, self._engine.get().open_writer(job.tmp))
+            raw = _open_unnamed_writer(self._engine.get(), job)
+            if raw is None:
+                job.tmp = temp_path_for(job.path)
+                raw = self._engine.get().open_writer(job.tmp)
+            job.writer = PlanWriter(job.plan, raw)
         except BaseException as e:
             job.fail(e)
 
@@ -641,6 +660,40 @@ class AsyncSaver:
             log.warning("not removing checkpoint %s: the newer save to %s failed", r.path, failed[0].path)
             return
         remove_path(r.path)
+
+
+def _open_unnamed_writer(engine: Any, job: _Job) -> Any:
+    """A writer on a new unnamed file in ``job.directory`` (``O_TMPFILE``), or None where there are none.
+
+    While a save is in flight its data then has no name in the directory (only the placeholder is listed, e.g. by
+    ModelCheckpoint or a user's ``os.listdir``), and a crash before the commit leaves nothing behind. The commit links
+    the durable file to a temporary name and renames that onto the final one (``_Job.finish``).
+    """
+    flag = getattr(os, "O_TMPFILE", 0)
+    if not flag or not os.path.isdir("/proc/self/fd"):
+        return None
+    try:
+        fd = os.open(job.directory, flag | os.O_WRONLY | os.O_CLOEXEC, 0o644)
+    except OSError:  # EOPNOTSUPP / EISDIR / EINVAL: the filesystem has no unnamed files
+        return None
+    try:
+        raw = engine.open_writer(f"/proc/self/fd/{fd}")
+    except OSError:
+        os.close(fd)
+        return None
+    job.anon_fd = fd
+    return raw
+
+
+def _link_unnamed(fd: int, path: str) -> None:
+    """Give the unnamed file open as ``fd`` the name ``path``: ``linkat(AT_FDCWD, "/proc/self/fd/N", dir, name,
+    AT_SYMLINK_FOLLOW)`` (``os.link`` makes that call only when given a directory fd; plain ``link(2)`` would link
+    the /proc symlink itself and fail with EXDEV)."""
+    d = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.link(f"/proc/self/fd/{fd}", os.path.basename(path), dst_dir_fd=d, follow_symlinks=True)
+    finally:
+        os.close(d)
 
 
 def remove_path(path: str) -> None:
