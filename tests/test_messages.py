@@ -10,7 +10,7 @@ import torch
 
 from lightning_recover.errors import ForgedMessageError, RecoverError
 from lightning_recover.protocol.messages import JobSecret, Sealer, decode_object, encode_object
-from lightning_recover.protocol.replica import load_state
+from lightning_recover.protocol.state_transfer import load_state
 
 
 class _Payload:

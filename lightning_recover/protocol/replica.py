@@ -10,9 +10,7 @@ the replicas that are alive now. Nothing here imports Lightning.
 from __future__ import annotations
 
 import atexit
-import io
 import os
-import pickle
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
@@ -21,6 +19,7 @@ import torch
 
 from lightning_recover import env
 from lightning_recover.errors import MembershipChanged, RecoverError
+from lightning_recover.protocol import state_transfer
 from lightning_recover.protocol.collectives import SurvivorCollectives
 from lightning_recover.protocol.decisions import Decisions
 from lightning_recover.protocol.faults import Fault, FaultInjector
@@ -29,20 +28,6 @@ from lightning_recover.protocol.messages import JobSecret
 from lightning_recover.protocol.options import RecoverOptions
 from lightning_recover.protocol.replica_env import read_replica_env
 from lightning_recover.protocol.step import StepProtocol, StepStats
-
-
-def load_state(raw: bytes) -> Any:
-    """A peer's training state, read with torch's weights-only unpickler: tensors, containers and
-    primitives (plus what ``torch.serialization.add_safe_globals`` allows), never arbitrary code."""
-    try:
-        return torch.load(io.BytesIO(raw), weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise RecoverError(
-            f"the training state handed to this rejoining replica holds a type the weights-only loader refuses "
-            f"({exc}). HINT: keep checkpointed state to tensors, containers and primitives, or allow the type "
-            "with torch.serialization.add_safe_globals([...]) in the training script."
-        ) from exc
-
 
 _uncaught = [False]
 
@@ -325,18 +310,16 @@ class Replica:
     def _broadcast_state(self, src_rank: int, receive: bool) -> None:
         if self._get_state is None or self._set_state is None:
             raise RecoverError("rejoin needs the strategy to register its state hooks (core.set_state_hooks)")
-        payload = torch.empty(0, dtype=torch.uint8)
+        payload, skeleton_len = torch.empty(0, dtype=torch.uint8), 0
         if self.group.rank == src_rank:
-            buffer = io.BytesIO()
-            torch.save(self._get_state(), buffer)  # typed: tensors plus a weights-only skeleton
-            payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
-        size = torch.tensor([payload.numel()], dtype=torch.int64)
-        self.collectives.broadcast([size], src_rank)
+            payload, skeleton_len = state_transfer.pack(self._get_state())  # raw tensor bytes + a skeleton
+        sizes = torch.tensor([payload.numel(), skeleton_len], dtype=torch.int64)
+        self.collectives.broadcast([sizes], src_rank)
         if self.group.rank != src_rank:
-            payload = torch.empty(int(size.item()), dtype=torch.uint8)
+            payload = torch.empty(int(sizes[0]), dtype=torch.uint8)
         self.collectives.broadcast([payload], src_rank)
         if receive:
-            self._set_state(load_state(payload.numpy().tobytes()))
+            self._set_state(state_transfer.unpack(payload, int(sizes[1])))
 
     def seed_microbatch(self, step: int, j: int) -> None:
         """Reseed the RNG so random ops (dropout) do not depend on which replica computes (s, j)."""
