@@ -28,6 +28,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     name = _BENCH_MODULES[args.what]
     if args.what == "checkpoint" and getattr(args, "ranks", None):
         name = "dcp_ranks"  # sharded DCP save by N processes
+        if args.size_gb is None:
+            args.size_gb = 2.0
     module = importlib.import_module(f"lightning_recover.bench.{name}")
     return int(module.main(args) or 0)
 
@@ -65,9 +67,23 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = kinds.add_parser(
         "checkpoint", help="durable save and cold load vs Lightning, torch.save, DCP, safetensors, fio"
     )
-    p.add_argument("--size-gb", type=float, default=2.0, help="state size in GB")
+    p.add_argument("--size-gb", type=float, default=None, help="state size in GB (default: 2, for --state small10k 1)")
     p.add_argument("--repeat", type=int, default=3, help="interleaved repetitions; medians are reported")
     p.add_argument("--methods", default=None, help="comma-separated subset of methods")
+    p.add_argument(
+        "--state",
+        default="gpt",
+        choices=["gpt", "llama", "small10k"],
+        help="gpt: GPT-2-like fp32 + AdamW; llama: bf16 params + fp32 master/Adam moments + norm/rope vectors; "
+        "small10k: 10,000 tensors (64 layers of large matrices plus norms, biases, scales)",
+    )
+    p.add_argument(
+        "--paired",
+        action="store_true",
+        help="pair every run of each method (default: uring) with a fio run of the same bytes next to it "
+        "and report the median of the paired ratios and their spread",
+    )
+    p.add_argument("--fio-iodepth", type=int, default=None, help="with --paired: fio's --iodepth (default 4)")
     p.add_argument(
         "--ranks",
         default=None,

@@ -123,3 +123,145 @@ def test_parse_methods():
     assert bench.parse_methods("fio, dcp") == ["fio", "dcp"]
     with pytest.raises(SystemExit):
         bench.parse_methods("nope")
+
+
+# ------------------------------------------------------------------------------------------------
+# issue 16: states and the pairing with fio
+
+
+def test_llama_state_is_mixed_precision():
+    from lightning_recover.bench.gpt_state import build_llama_checkpoint, llama_config_for_size
+
+    cfg = llama_config_for_size(2e9)
+    assert abs(cfg.n_params() * 14 / 2e9 - 1) < 0.15 and cfg.vocab_size == 32000
+    ckpt, cfg = build_llama_checkpoint(0.02)
+    sd = ckpt["state_dict"]
+    params = [k for k in sd if not k.endswith("inv_freq")]
+    ropes = [k for k in sd if k.endswith("rotary_emb.inv_freq")]
+    assert len(ropes) == cfg.n_layer and all(sd[k].dtype == torch.float32 and sd[k].dim() == 1 for k in ropes)
+    assert all(sd[k].dtype == torch.bfloat16 for k in params)
+    opt = ckpt["optimizer_states"][0]["state"]
+    assert len(opt) == len(params)
+    for i, k in enumerate(params):
+        st = opt[i]
+        assert {st["exp_avg"].dtype, st["exp_avg_sq"].dtype, st["master_param"].dtype} == {torch.float32}
+        assert st["master_param"].shape == sd[k].shape and st["step"].dim() == 0
+        # the bf16 parameter is the rounded master copy
+        assert torch.equal(st["master_param"].to(torch.bfloat16), sd[k])
+    assert any(k.endswith("norm.weight") and sd[k].dim() == 1 for k in params)
+    stats = tensor_stats(ckpt)
+    assert abs(stats["bytes"] / 0.02e9 - 1) < 0.2
+
+
+def test_small10k_state_has_10k_tensors():
+    from lightning_recover.bench.gpt_state import build_state
+
+    ckpt, desc = build_state("small10k", 0.05)
+    stats = tensor_stats(ckpt)
+    assert stats["tensors"] == 10000 and desc["config"]["n_layer"] == 64
+    # the bytes are in the 6 matrices per layer; everything else is small
+    big = [t for _, t in iter_tensors(ckpt) if t.dim() == 2]
+    assert len(big) == 6 * 64
+    small = [t for _, t in iter_tensors(ckpt) if t.dim() < 2]
+    assert all(t.numel() * t.element_size() <= 4 * 4 * desc["config"]["d_model"] for t in small)
+    assert sum(t.numel() * t.element_size() for t in big) > 0.8 * stats["bytes"]
+    ptrs = [t.untyped_storage().data_ptr() for _, t in iter_tensors(ckpt)]
+    assert len(set(ptrs)) == len(ptrs)
+    assert len({p for p, _ in iter_tensors(ckpt)}) == 10000
+
+
+def test_run_pairs_pairs_each_run_with_its_neighbour_and_reports_paired_ratios():
+    """Injected timings: ratios are per pair, the order alternates, the median and spread are of the ratios."""
+    calls = []
+    ours_s = {("uring", 0): (1.0, 2.0), ("uring", 1): (2.0, 2.0), ("uring", 2): (1.0, 1.0)}
+    fio_s = {("uring", 0): (0.5, 1.0), ("uring", 1): (2.0, 4.0), ("uring", 2): (0.9, 1.0)}
+
+    def run_ours(m, rep):
+        calls.append(("ours", m, rep))
+        save, load = ours_s[(m, rep)]
+        return {"save_s": save, "load_s": load, "bytes": 1000}
+
+    def run_fio(m, rep):
+        calls.append(("fio", m, rep))
+        w, r = fio_s[(m, rep)]
+        return {"write_s": w, "read_s": r, "bytes": 2000, "cmd": "x"}
+
+    pairs, errors = bench.run_pairs(["uring"], 3, run_ours, run_fio, log=lambda _: None)
+    assert errors == {}
+    assert calls == [
+        ("ours", "uring", 0),
+        ("fio", "uring", 0),
+        ("fio", "uring", 1),
+        ("ours", "uring", 1),
+        ("ours", "uring", 2),
+        ("fio", "uring", 2),
+    ]
+    p = pairs["uring"]
+    assert [x["first"] for x in p] == ["ours", "fio", "ours"]
+    # ratio = (1000 B / ours s) / (2000 B / fio s)
+    assert [x["save_ratio"] for x in p] == pytest.approx([0.25, 0.5, 0.45])
+    assert [x["load_ratio"] for x in p] == pytest.approx([0.25, 1.0, 0.5])
+    assert p[1]["fio_cmd"] == "x" and p[1]["fio_write_s"] == 2.0
+    s = bench.summarize_pairs(p)
+    assert s["pairs"] == 3
+    assert s["save"]["ratio_median"] == pytest.approx(0.45)
+    assert (s["save"]["ratio_min"], s["save"]["ratio_max"]) == pytest.approx((0.25, 0.5))
+    assert s["load"]["ratio_median"] == pytest.approx(0.5)
+    assert s["save"]["ours_s_median"] == 1.0 and s["save"]["fio_s_median"] == 0.9
+    assert s["save"]["ours_gbps_median"] == pytest.approx(1000 / 1.0 / 1e9)
+    assert s["save"]["fio_gbps_median"] == pytest.approx(2000 / 0.9 / 1e9)
+    # the median of paired ratios is not the ratio of medians
+    assert s["save"]["ratio_of_medians"] == pytest.approx((1000 / 1.0) / (2000 / 0.9))
+    targets = bench.paired_targets("llama", {"uring": s})
+    save_t = next(t for t in targets if "save" in t["what"])
+    assert save_t["target"] == 0.95 and save_t["met"] is False and save_t["spread"] == pytest.approx([0.25, 0.5])
+    table = bench.format_paired([{"method": "uring", "summary": s}], {})
+    assert "0.45x [0.25-0.50]" in table and "0.25 0.50 0.45" in table
+
+
+def test_run_pairs_two_methods_rotate_and_failures_are_recorded():
+    order = []
+
+    def run_ours(m, rep):
+        order.append(m)
+        if m == "bad":
+            raise OSError("boom")
+        return {"save_s": 1.0, "load_s": 1.0, "bytes": 10}
+
+    def run_fio(m, rep):
+        return {"write_s": 1.0, "read_s": 2.0, "bytes": 10}
+
+    pairs, errors = bench.run_pairs(["a", "bad"], 2, run_ours, run_fio, log=lambda _: None)
+    assert order == ["a", "bad", "a"]  # rep 1 starts with the second method; a failed method is not retried
+    assert "boom" in errors["bad"] and pairs["bad"] == []
+    assert [x["load_ratio"] for x in pairs["a"]] == [2.0, 2.0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(shutil.which("fio") is None, reason="fio not installed")
+def test_bench_checkpoint_paired_smoke(tmp_path, capsys):
+    out = tmp_path / "paired.json"
+    args = argparse.Namespace(
+        size_gb=0.01,
+        repeat=2,
+        dir=str(tmp_path / "work"),
+        methods="uring",
+        json=str(out),
+        cache="fadvise",
+        state="llama",
+        paired=True,
+        fio_iodepth=2,
+    )
+    rc = bench.main(args)
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    assert "paired ratios" in printed and "issue 16" in printed
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["mode"] == "paired" and doc["meta"]["fio_iodepth"] == 2
+    (rec,) = doc["records"]
+    assert rec["method"] == "uring" and rec["error"] is None and len(rec["pairs"]) == 2
+    for p in rec["pairs"]:
+        assert p["fio_write_s"] >= p["fio_write_runtime_s"] > 0 and p["save_s"] > 0
+        assert math.isfinite(p["save_ratio"]) and math.isfinite(p["load_ratio"])
+    assert not any((tmp_path / "work").iterdir())

@@ -52,7 +52,7 @@ import torch
 
 from lightning_recover import env
 from lightning_recover.bench import fio as fio_mod
-from lightning_recover.bench.gpt_state import build_checkpoint, iter_tensors, tensor_stats
+from lightning_recover.bench.gpt_state import STATES, build_state, iter_tensors, tensor_stats
 
 ALL_METHODS = [
     "uring",
@@ -66,6 +66,8 @@ ALL_METHODS = [
     "fio",
 ]
 BASELINE = "uring"
+# fio's queue depth in the paired mode (the best write depth of the earlier three-depth runs on this disk)
+PAIRED_FIO_IODEPTH = 4
 
 # Targets of the issue, for the plugin (uring) against each reference.
 # (kind, reference method, minimum ratio uring_gbps / reference_gbps, strict)
@@ -515,39 +517,26 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def run_benchmark(
-    size_gb: float,
+    size_gb: float | None,
     repeat: int,
     directory: str | None,
     methods: list[str],
     cache_mode: str = "auto",
     log: Callable[[str], None] = print,
+    state: str = "gpt",
+    paired: bool = False,
+    fio_iodepth: int = PAIRED_FIO_IODEPTH,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Run the benchmark; returns (records, meta)."""
+    """Run the benchmark; returns (records, meta). ``paired``: every run of a method next to a fio run."""
     root = tempfile.mkdtemp(prefix="lr-bench-ckpt-", dir=directory or "/tmp")
     try:
-        return _run(size_gb, repeat, root, methods, cache_mode, log)
+        return _run(size_gb, repeat, root, methods, cache_mode, log, state, paired, fio_iodepth)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _run(size_gb, repeat, root, methods, cache_mode, log):
-    if cache_mode == "auto":
-        cache_mode = "drop_caches" if drop_caches_supported() else "fadvise"
-    elif cache_mode == "drop_caches" and not drop_caches_supported():
-        raise SystemExit("cannot write /proc/sys/vm/drop_caches (need root and a writable /proc/sys)")
-
-    t0 = time.perf_counter()
-    checkpoint, cfg = build_checkpoint(size_gb)
-    stats = tensor_stats(checkpoint)
-    nbytes = stats["bytes"]
-    log(
-        f"state: GPT-like d_model={cfg.d_model} n_layer={cfg.n_layer} vocab={cfg.vocab_size} "
-        f"n_ctx={cfg.n_ctx} + AdamW: {stats['tensors']} tensors, {nbytes / 1e9:.3f} GB; "
-        f"{stats['tensors_lt_1mib']} tensors < 1 MiB ({stats['bytes_in_tensors_lt_1mib'] / 1e6:.2f} MB); "
-        f"histogram {stats['size_histogram']} (built in {time.perf_counter() - t0:.1f}s)"
-    )
-    log(f"dir: {root}  cache: {cache_mode}  repeat: {repeat}")
-
+def _setup_methods(methods: list[str], log: Callable[[str], None]) -> tuple[dict, dict, list]:
+    """Instantiate and set up the methods; returns (impls, skipped, runnable)."""
     impls: dict[str, Method] = {}
     skipped: dict[str, str] = {}
     runnable = []
@@ -568,6 +557,29 @@ def _run(size_gb, repeat, root, methods, cache_mode, log):
         runnable.append(m)
     for m, why in skipped.items():
         log(f"skipping {m}: {why}")
+    return impls, skipped, runnable
+
+
+def _run(size_gb, repeat, root, methods, cache_mode, log, state="gpt", paired=False, fio_iodepth=PAIRED_FIO_IODEPTH):
+    if cache_mode == "auto":
+        cache_mode = "drop_caches" if drop_caches_supported() else "fadvise"
+    elif cache_mode == "drop_caches" and not drop_caches_supported():
+        raise SystemExit("cannot write /proc/sys/vm/drop_caches (need root and a writable /proc/sys)")
+
+    t0 = time.perf_counter()
+    checkpoint, desc = build_state(state, size_gb)
+    stats = tensor_stats(checkpoint)
+    nbytes = stats["bytes"]
+    log(
+        f"state {state}: {desc['description']}: {stats['tensors']} tensors, {nbytes / 1e9:.3f} GB; "
+        f"{stats['tensors_lt_1mib']} tensors < 1 MiB ({stats['bytes_in_tensors_lt_1mib'] / 1e6:.2f} MB); "
+        f"histogram {stats['size_histogram']} (built in {time.perf_counter() - t0:.1f}s)"
+    )
+    log(f"dir: {root}  cache: {cache_mode}  repeat: {repeat}")
+    if paired:
+        return _run_paired(checkpoint, stats, desc, repeat, root, methods, cache_mode, log, fio_iodepth)
+
+    impls, skipped, runnable = _setup_methods(methods, log)
 
     samples: dict[str, dict[str, list]] = {
         m: {"save_s": [], "load_s": [], "sync_s": [], "touch_s": [], "file_bytes": [], "files": []} for m in runnable
@@ -612,8 +624,10 @@ def _run(size_gb, repeat, root, methods, cache_mode, log):
     meta = {
         "bytes": nbytes,
         "gb": nbytes / 1e9,
-        "size_gb_requested": size_gb,
-        "config": {"d_model": cfg.d_model, "n_layer": cfg.n_layer, "vocab_size": cfg.vocab_size, "n_ctx": cfg.n_ctx},
+        "size_gb_requested": desc["size_gb_requested"],
+        "state_kind": state,
+        "description": desc["description"],
+        "config": desc["config"],
         "state": stats,
         "repeat": repeat,
         "cache": cache_mode,
@@ -756,6 +770,247 @@ def _summarise_fio(s, extra) -> None:
     extra["fio_cmds"] = {str(d): c for d, c in extra["fio_cmds"].items()}
 
 
+# --------------------------------------------------------------------------------------------
+# paired with fio (issue 16): every run of a method next to a fio run of the same bytes
+
+# (state, kind) -> (minimum paired-ratio median, where the target comes from)
+PAIRED_TARGETS = {
+    ("llama", "save"): (0.95, "issue 16"),
+    ("small10k", "save"): (0.85, "issue 16"),
+    ("gpt", "save"): (0.90, "checkpoint I/O issue"),
+    ("llama", "load"): (0.85, "checkpoint I/O issue (load vs fio)"),
+    ("small10k", "load"): (0.85, "checkpoint I/O issue (load vs fio)"),
+    ("gpt", "load"): (0.85, "checkpoint I/O issue (load vs fio)"),
+}
+
+
+def run_pairs(
+    methods: list[str],
+    repeat: int,
+    run_ours: Callable[[str, int], dict[str, Any]],
+    run_fio: Callable[[str, int], dict[str, Any]],
+    log: Callable[[str], None] = print,
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, str]]:
+    """Run every method ``repeat`` times, each run right next to one fio run; returns (pairs, errors).
+
+    The method order rotates per repetition; inside a pair, ours runs first on even repetitions and fio
+    first on odd ones (so a drifting disk does not always favour the same side). ``run_ours(m, rep)``
+    returns ``save_s``, ``load_s`` and ``bytes`` (payload), ``run_fio(m, rep)`` returns ``write_s``,
+    ``read_s`` and ``bytes`` (what fio moved); other keys are kept. A pair's ratio is ours' GB/s over
+    fio's GB/s, each over its own bytes: > 1 means faster than fio.
+    """
+    pairs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+    errors: dict[str, str] = {}
+    for rep in range(repeat):
+        k = rep % len(methods) if methods else 0
+        for m in methods[k:] + methods[:k]:
+            if m in errors:
+                continue
+            first = "ours" if rep % 2 == 0 else "fio"
+            try:
+                if first == "ours":
+                    o = run_ours(m, rep)
+                    f = run_fio(m, rep)
+                else:
+                    f = run_fio(m, rep)
+                    o = run_ours(m, rep)
+            except Exception as e:  # noqa: BLE001 - reported in the record
+                errors[m] = f"{type(e).__name__}: {e}"
+                log(f"  {m}: FAILED: {errors[m]}")
+                continue
+            pair: dict[str, Any] = {"rep": rep, "first": first}
+            pair.update(o)
+            pair.update({f"fio_{key}": v for key, v in f.items()})
+            pair["save_ratio"] = (o["bytes"] / o["save_s"]) / (f["bytes"] / f["write_s"])
+            pair["load_ratio"] = (o["bytes"] / o["load_s"]) / (f["bytes"] / f["read_s"])
+            pairs[m].append(pair)
+            log(
+                f"  rep {rep + 1}/{repeat} {m:<10} ({first} first) save {o['save_s']:.3f}s vs fio write "
+                f"{f['write_s']:.3f}s = {pair['save_ratio']:.2f}x | load {o['load_s']:.3f}s vs fio read "
+                f"{f['read_s']:.3f}s = {pair['load_ratio']:.2f}x"
+            )
+    return pairs, errors
+
+
+def summarize_pairs(pairs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per op: the paired ratios, their median and spread, next to each side's median seconds and GB/s."""
+    out: dict[str, Any] = {"pairs": len(pairs)}
+    if not pairs:
+        return out
+    for kind, ours_key, fio_key in (("save", "save_s", "fio_write_s"), ("load", "load_s", "fio_read_s")):
+        ratios = [p[f"{kind}_ratio"] for p in pairs]
+        ours = _median([p[ours_key] for p in pairs])
+        fio = _median([p[fio_key] for p in pairs])
+        out[kind] = {
+            "ratios": ratios,
+            "ratio_median": _median(ratios),
+            "ratio_min": min(ratios),
+            "ratio_max": max(ratios),
+            "ours_s_all": [p[ours_key] for p in pairs],
+            "fio_s_all": [p[fio_key] for p in pairs],
+            "ours_s_median": ours,
+            "fio_s_median": fio,
+            "ours_gbps_median": pairs[0]["bytes"] / ours / 1e9,
+            "fio_gbps_median": pairs[0]["fio_bytes"] / fio / 1e9,
+            # the ratio of the medians, for comparison with the paired median
+            "ratio_of_medians": (pairs[0]["bytes"] / ours) / (pairs[0]["fio_bytes"] / fio),
+        }
+    return out
+
+
+def paired_targets(state: str, summaries: dict[str, dict[str, Any]], method: str = BASELINE) -> list[dict[str, Any]]:
+    out = []
+    summ = summaries.get(method) or {}
+    for kind in ("save", "load"):
+        if (state, kind) not in PAIRED_TARGETS:
+            continue
+        minimum, source = PAIRED_TARGETS[(state, kind)]
+        s = summ.get(kind)
+        ratio = s["ratio_median"] if s else None
+        out.append(
+            {
+                "what": f"{method} {kind} vs fio (median of paired ratios), state {state}",
+                "target": minimum,
+                "source": source,
+                "ratio": ratio,
+                "spread": [s["ratio_min"], s["ratio_max"]] if s else None,
+                "met": (ratio >= minimum) if ratio is not None else None,
+            }
+        )
+    return out
+
+
+def _fio_pair(workdir: str, nbytes: int, iodepth: int, startup: float, cache_mode: str) -> dict[str, Any]:
+    """fio write (end_fsync) then O_DIRECT read of ``nbytes`` in ``workdir``; seconds by wall clock.
+
+    ``write_s``/``read_s`` = the fio process's wall time less its start-up (``startup``, a 1 MiB run),
+    never less than fio's own ``runtime``; both raw values are kept.
+    """
+    path = os.path.join(workdir, "fio.bin")
+    os.sync()
+    if cache_mode == "drop_caches":
+        make_cold(workdir, cache_mode)
+    w, r = fio_mod.run(path, nbytes, iodepth=iodepth)
+    return {
+        "write_s": max(w["wall_s"] - startup, w["seconds"]),
+        "read_s": max(r["wall_s"] - startup, r["seconds"]),
+        "write_wall_s": w["wall_s"],
+        "read_wall_s": r["wall_s"],
+        "write_runtime_s": w["seconds"],
+        "read_runtime_s": r["seconds"],
+        "bytes": w["io_bytes"],
+        "engine": w["engine"],
+        "write_cmd": w["cmd"],
+        "read_cmd": r["cmd"],
+    }
+
+
+def _run_paired(checkpoint, stats, desc, repeat, root, methods, cache_mode, log, fio_iodepth):
+    if not fio_mod.available():
+        raise SystemExit("--paired needs fio (not installed)")
+    methods = [m for m in methods if m != "fio"]
+    impls, skipped, runnable = _setup_methods(methods, log)
+    nbytes = stats["bytes"]
+    startup = fio_mod.startup_s(root)
+    log(f"paired with fio --iodepth={fio_iodepth}; fio start-up (1 MiB write, median of 3): {startup:.3f}s")
+
+    def run_ours(m: str, rep: int) -> dict[str, Any]:
+        workdir = os.path.join(root, f"{m}-{rep}")
+        os.mkdir(workdir)
+        _fsync_path(root, directory=True)
+        s: dict[str, list] = {k: [] for k in ("save_s", "load_s", "sync_s", "touch_s", "file_bytes", "files")}
+        try:
+            _run_method(impls[m], checkpoint, workdir, cache_mode, s, verify_load=True)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+            gc.collect()
+        return {k: v[0] for k, v in s.items()} | {"bytes": nbytes}
+
+    def run_fio(m: str, rep: int) -> dict[str, Any]:
+        workdir = os.path.join(root, f"fio-{m}-{rep}")
+        os.mkdir(workdir)
+        _fsync_path(root, directory=True)
+        try:
+            return _fio_pair(workdir, nbytes, fio_iodepth, startup, cache_mode)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    pairs, errors = run_pairs(runnable, repeat, run_ours, run_fio, log)
+    summaries = {m: summarize_pairs(p) for m, p in pairs.items()}
+    meta = {
+        "mode": "paired",
+        "bytes": nbytes,
+        "gb": nbytes / 1e9,
+        "size_gb_requested": desc["size_gb_requested"],
+        "state_kind": desc["state"],
+        "description": desc["description"],
+        "config": desc["config"],
+        "state": stats,
+        "repeat": repeat,
+        "cache": cache_mode,
+        "fio_iodepth": fio_iodepth,
+        "fio_startup_s": startup,
+        "machine": machine_info(root),
+        "engine": native_io_info(),
+        "skipped": skipped,
+        "errors": errors,
+    }
+    meta["targets"] = paired_targets(desc["state"], summaries)
+    records = []
+    for m in runnable:
+        summ = summaries[m]
+        rec: dict[str, Any] = {"method": m, "error": errors.get(m), "pairs": pairs[m], "summary": summ}
+        if m in impls:
+            rec.update(impls[m].info())
+        records.append(rec)
+    return records, meta
+
+
+def format_paired(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    head = ("method", "op", "ours s (med)", "fio s (med)", "ours GB/s", "fio GB/s", "paired ratios", "median [min-max]")
+    rows = [head]
+    for r in records:
+        for kind, fio_op in (("save", "write"), ("load", "read")):
+            s = (r.get("summary") or {}).get(kind)
+            if not s:
+                rows.append((r["method"] + (" (FAILED)" if r.get("error") else ""), kind, *(["n/a"] * 6)))
+                continue
+            rows.append(
+                (
+                    r["method"],
+                    f"{kind} / fio {fio_op}",
+                    f"{s['ours_s_median']:.3f}",
+                    f"{s['fio_s_median']:.3f}",
+                    f"{s['ours_gbps_median']:.2f}",
+                    f"{s['fio_gbps_median']:.2f}",
+                    " ".join(f"{x:.2f}" for x in s["ratios"]),
+                    f"{s['ratio_median']:.2f}x [{s['ratio_min']:.2f}-{s['ratio_max']:.2f}]",
+                )
+            )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = []
+    for j, row in enumerate(rows):
+        lines.append(
+            "| " + " | ".join(c.ljust(widths[i]) if i < 2 else c.rjust(widths[i]) for i, c in enumerate(row)) + " |"
+        )
+        if j == 0:
+            lines.append("|" + "|".join("-" * (w + 1) + (":" if i >= 2 else "-") for i, w in enumerate(widths)) + "|")
+    return "\n".join(lines)
+
+
+def format_paired_targets(targets: list[dict[str, Any]]) -> str:
+    lines = []
+    for t in targets:
+        if t["ratio"] is None:
+            lines.append(f"  {t['what']}: n/a")
+            continue
+        lines.append(
+            f"  {t['what']}: {t['ratio']:.2f}x [{t['spread'][0]:.2f}-{t['spread'][1]:.2f}] "
+            f"(target >= {t['target']:.2f}x, {t['source']}) {'met' if t['met'] else 'MISSED'}"
+        )
+    return "\n".join(lines)
+
+
 def check_targets(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     by = {r["method"]: r for r in records}
     base = by.get(BASELINE)
@@ -851,24 +1106,45 @@ def parse_methods(spec: str | None) -> list[str]:
 def main(args: argparse.Namespace) -> int:
     methods = parse_methods(getattr(args, "methods", None))
     explicit = getattr(args, "methods", None) is not None
-    size_gb = float(getattr(args, "size_gb", 2.0))
+    state = getattr(args, "state", None) or "gpt"
+    if state not in STATES:
+        raise SystemExit(f"unknown state {state!r}; choose from {list(STATES)}")
+    size_gb = getattr(args, "size_gb", None)
+    size_gb = float(size_gb) if size_gb is not None else None
     repeat = max(1, int(getattr(args, "repeat", 3)))
+    paired = bool(getattr(args, "paired", False))
+    fio_iodepth = int(getattr(args, "fio_iodepth", None) or PAIRED_FIO_IODEPTH)
+    if paired and not explicit:
+        methods = [BASELINE]  # the paired mode's default: the plugin against fio
     # Not a CLI flag: tests set it to "fadvise" to leave the machine's page cache alone.
     cache_mode = getattr(args, "cache", None) or os.environ.get(env.BENCH_CACHE, "auto")
     directory = getattr(args, "dir", None)
     if directory:
         os.makedirs(directory, exist_ok=True)
 
-    records, meta = run_benchmark(size_gb, repeat, directory, methods, cache_mode)
-    print()
-    print(
-        f"checkpoint: {meta['gb']:.3f} GB in {meta['state']['tensors']} tensors "
-        f"({meta['state']['tensors_lt_1mib']} < 1 MiB); medians of {repeat}; cache: {meta['cache']}; "
-        f"durable save = save + fsync(files, dirs)"
+    records, meta = run_benchmark(
+        size_gb, repeat, directory, methods, cache_mode, state=state, paired=paired, fio_iodepth=fio_iodepth
     )
-    print(format_table(records))
-    print("targets:")
-    print(format_targets(meta["targets"]))
+    print()
+    if paired:
+        print(
+            f"checkpoint ({state}): {meta['gb']:.3f} GB in {meta['state']['tensors']} tensors "
+            f"({meta['state']['tensors_lt_1mib']} < 1 MiB); {repeat} pairs; cache: {meta['cache']}; "
+            f"fio --bs=16M --ioengine=io_uring --direct=1 --iodepth={fio_iodepth} (--end_fsync=1 for the write), "
+            f"wall clock less {meta['fio_startup_s']:.3f}s start-up; durable save = save + fsync(files, dirs)"
+        )
+        print(format_paired(records, meta))
+        print("targets:")
+        print(format_paired_targets(meta["targets"]))
+    else:
+        print(
+            f"checkpoint ({state}): {meta['gb']:.3f} GB in {meta['state']['tensors']} tensors "
+            f"({meta['state']['tensors_lt_1mib']} < 1 MiB); medians of {repeat}; cache: {meta['cache']}; "
+            f"durable save = save + fsync(files, dirs)"
+        )
+        print(format_table(records))
+        print("targets:")
+        print(format_targets(meta["targets"]))
     eng = meta["engine"].get("native_io")
     print(f"engine: {json.dumps(eng) if not isinstance(eng, str) else eng}")
     if meta["skipped"]:
@@ -878,7 +1154,7 @@ def main(args: argparse.Namespace) -> int:
     if json_path:
         os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
         with open(json_path, "w") as f:
-            json.dump(records, f, indent=2, default=str)
+            json.dump({"meta": meta, "records": records} if paired else records, f, indent=2, default=str)
             f.write("\n")
         print(f"wrote {json_path}")
 
