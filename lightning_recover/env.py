@@ -39,6 +39,9 @@ DEMO_ARGS = "LIGHTNING_RECOVER_DEMO_ARGS"
 #: ``on`` allocates fresh storages of >= 1 MiB 4096-aligned on checkpoint load so native_io reads
 #: them zero-copy (default ``off``: it measured slower in wall time here, see docs/benchmarks.md).
 ALIGNED_ALLOC = "LIGHTNING_RECOVER_ALIGNED_ALLOC"
+#: ``off``: format-2 saves pickle through ``torch.serialization._save`` only, never the fast pickler
+#: (``checkpoint/torch_zip.py``; for before/after measurements). Default ``on``.
+FAST_PICKLER = "LIGHTNING_RECOVER_FAST_PICKLER"
 #: Page-cache handling of ``bench checkpoint`` loads: ``auto`` (drop caches when root), ``drop``
 #: or ``keep``; the ``--cache`` flag wins.
 BENCH_CACHE = "LIGHTNING_RECOVER_BENCH_CACHE"

@@ -40,6 +40,7 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_recover import env
 from lightning_recover.checkpoint.format import CheckpointCorruptError, crc32c
 
 __all__ = [
@@ -286,8 +287,8 @@ class _FastPickler(pickle.Pickler):
         return (self._v2 if legacy else self._v3fn, args)
 
 
-# Off: every save pickles through torch.serialization._save (for comparisons; tests switch it).
-FAST_PICKLER = True
+# Off (LIGHTNING_RECOVER_FAST_PICKLER=off): every save pickles through torch.serialization._save.
+FAST_PICKLER = env.flag(env.FAST_PICKLER, "on") != "off"
 
 
 def _fast_save_records(obj: Any) -> _Collector:
