@@ -741,13 +741,26 @@ def test_ema_weight_averaging_checkpoints_hold_at_save_values(tmp_path, mode, mo
 # --------------------------------------------------------------------------- background errors (item 7)
 
 
-def _fail_saves_after(monkeypatch, mode: str, n_ok: int) -> None:
-    """Every checkpoint write after the first ``n_ok`` raises ``OSError(EIO)`` (stock IO: in ``_atomic_save``)."""
+def _fail_saves_after(monkeypatch, mode: str, n_ok: int) -> pl.Callback:
+    """Every checkpoint write after the first ``n_ok`` raises ``OSError(EIO)`` (stock IO: in ``_atomic_save``).
+
+    Returns a callback that, once a failing write has started, holds the next training batch until it has
+    failed: in async modes the failure then has certainly happened before the next call into the IO, however
+    slowly the background writer runs on a loaded machine (otherwise it could surface only at teardown)."""
     calls = [0]
+    failed = threading.Event()
 
     def should_fail() -> bool:
         calls[0] += 1
-        return calls[0] > n_ok
+        if calls[0] > n_ok:
+            failed.set()
+            return True
+        return False
+
+    class WaitForTheFailure(pl.Callback):
+        def on_train_batch_start(self, *args) -> None:
+            if calls[0] > n_ok:
+                assert failed.wait(60), "the injected write failure never ran"
 
     if mode == "stock":
         from lightning.fabric.plugins.io import torch_io
@@ -769,16 +782,17 @@ def _fail_saves_after(monkeypatch, mode: str, n_ok: int) -> None:
             return real_finish(*a, **kw)
 
         monkeypatch.setattr(PlanWriter, "finish", finish)
+    return WaitForTheFailure()
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_failed_save_surfaces_and_keeps_previous_checkpoint(tmp_path, mode, monkeypatch):
     """Item 7: a save that fails (synchronously, or in the background in async mode) makes ``fit`` raise -- at the
     next call into the IO or the optimizer step, never a hang -- and the earlier checkpoint stays intact."""
-    _fail_saves_after(monkeypatch, mode, n_ok=1)
+    wait_for_failure = _fail_saves_after(monkeypatch, mode, n_ok=1)
     model = Model()
     mc = ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1, every_n_train_steps=1, filename="{step}")
-    trainer = _trainer(tmp_path, mode, max_steps=6, limit_val_batches=0, callbacks=[mc])
+    trainer = _trainer(tmp_path, mode, max_steps=6, limit_val_batches=0, callbacks=[mc, wait_for_failure])
     with pytest.raises((OSError, AsyncCheckpointError)) as ei:
         _bounded(lambda: trainer.fit(model))
     err = ei.value
