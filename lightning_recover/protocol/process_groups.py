@@ -51,7 +51,7 @@ class ProcessGroups:
         self.collective_timeout = collective_timeout
         self._stuck_builds: list[threading.Thread] = []  # builds given up on; they end with the process
         self._in_flight: dict[int, list] = {}  # id(group) -> the operations last started on it
-        self._sockets: dict[int, set] = {}  # id(gloo group) -> its connections' (fd, inode)
+        self._sockets: dict[int, set] = {}  # id(gloo group) -> its sockets' (fd, 'socket:[inode]')
         self._abandoned: list[tuple[Any, list]] = []  # (gloo group, its operations), destroyed once they end
         self._lock = threading.Lock()
         self._reaper: threading.Thread | None = None
@@ -195,8 +195,11 @@ def _shut_down(sockets: set[tuple[int, str]]) -> None:
         except OSError:
             continue
         try:
-            # Never the group's listening socket: shutting that down fails gloo's accept(), which aborts.
-            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            # Only TCP connections (gloo's transport; not a unix socket another thread opened meanwhile,
+            # e.g. a data loader's fd passing), and never the group's listening socket: shutting that
+            # down fails gloo's accept(), which aborts the process.
+            tcp = sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
+            if tcp and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                 sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass  # already shut down
