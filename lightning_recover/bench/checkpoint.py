@@ -29,6 +29,11 @@ default) are charged for actually reading their data. DCP loads into a prealloca
 dict (allocated outside the timing, as a resuming job would have its model already).
 
 Repetitions are interleaved (method order rotated per repetition); medians are reported.
+
+``--paired`` (issue 16): each run of a method (default: uring) is paired with a fio run of the same bytes
+next to it (fio at ``--fio-iodepth``, default 4, wall clock less fio's fixed cost, ``end_fsync`` included);
+per method and op the median of the paired ratios and their spread are reported (:func:`run_pairs`,
+:func:`summarize_pairs`). ``--state gpt|llama|small10k`` picks the state (``gpt_state.build_state``).
 GB = 1e9 bytes; throughput = checkpoint tensor payload bytes / seconds (fio: its own bytes).
 """
 
@@ -883,7 +888,7 @@ def paired_targets(state: str, summaries: dict[str, dict[str, Any]], method: str
 def _fio_pair(workdir: str, nbytes: int, iodepth: int, startup: float, cache_mode: str) -> dict[str, Any]:
     """fio write (end_fsync) then O_DIRECT read of ``nbytes`` in ``workdir``; seconds by wall clock.
 
-    ``write_s``/``read_s`` = the fio process's wall time less its start-up (``startup``, a 1 MiB run),
+    ``write_s``/``read_s`` = the fio process's wall time less its start-up (``startup``: a one-block fio read),
     never less than fio's own ``runtime``; both raw values are kept.
     """
     path = os.path.join(workdir, "fio.bin")
@@ -911,8 +916,8 @@ def _run_paired(checkpoint, stats, desc, repeat, root, methods, cache_mode, log,
     methods = [m for m in methods if m != "fio"]
     impls, skipped, runnable = _setup_methods(methods, log)
     nbytes = stats["bytes"]
-    startup = fio_mod.startup_s(root)
-    log(f"paired with fio --iodepth={fio_iodepth}; fio start-up (1 MiB write, median of 3): {startup:.3f}s")
+    startup = fio_mod.startup_s(root, fio_iodepth)
+    log(f"paired with fio --iodepth={fio_iodepth}; fio start-up (one 16 MiB read, median of 3): {startup:.3f}s")
 
     def run_ours(m: str, rep: int) -> dict[str, Any]:
         workdir = os.path.join(root, f"{m}-{rep}")
