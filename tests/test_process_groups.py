@@ -26,13 +26,26 @@ import datetime, json, os, sys, time
 import torch, torch.distributed as dist
 from lightning_recover.protocol.process_groups import ProcessGroups
 
-port, rank = int(sys.argv[1]), int(sys.argv[2])
+port, rank, scenario = int(sys.argv[1]), int(sys.argv[2]), sys.argv[4]
+if scenario == "shutdown-ends-nothing":
+    # The case the shutdown cannot help (gloo's loop ignoring the dead connections): the operation
+    # then waits out collective_timeout, and only the group's threads' scheduling can be fixed.
+    import lightning_recover.protocol.process_groups as process_groups
+    process_groups._shut_down = lambda sockets: None
 store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
 groups = ProcessGroups("gloo", collective_timeout=float(sys.argv[3]))
 
 def gloo_threads():
     names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
     return sorted(n for n in names if "gloo" in n)
+
+def gloo_policies():
+    found = []
+    for t in os.listdir("/proc/self/task"):
+        if "gloo" in open(f"/proc/self/task/{t}/comm").read():
+            stat = open(f"/proc/self/task/{t}/stat").read()
+            found.append(int(stat[stat.rindex(")") + 2 :].split()[38]))  # field 41: scheduling policy
+    return sorted(found)
 
 pg = groups.build(dist.PrefixStore("g0", store), 0, rank, 2, lambda: False)
 pg.allreduce([torch.ones(4)]).wait()  # both members connected and working
@@ -47,28 +60,30 @@ stuck = not works[0].is_completed()
 start = time.monotonic()
 groups.abandon(pg)
 del pg
-while groups.abandoned_work and time.monotonic() - start < 30:
+while groups.abandoned_work and time.monotonic() - start < (30 if scenario == "normal" else 3):
     time.sleep(0.05)
 ended_after = time.monotonic() - start
+abandoned_work = groups.abandoned_work
 failed = works[0].exception() is not None if works[0].is_completed() else None
-works.clear()  # the operation holds the group's connections: the last reference outside the reaper
+policies = gloo_policies()
+del works  # the operation holds the group's connections: the last reference outside the reaper
 time.sleep(0.5)  # the reaper drops the group right after it saw the operation end
 print(json.dumps({
-    "stuck": stuck, "ended_after": ended_after, "abandoned_work": groups.abandoned_work, "operation_failed": failed,
+    "stuck": stuck, "ended_after": ended_after, "abandoned_work": abandoned_work, "operation_failed": failed,
     "gloo_threads_of_group": gloo_threads_of_group, "gloo_threads_after": gloo_threads(),
+    "gloo_policies": policies,
 }), flush=True)
 """
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="finds the group's sockets through /proc")
-def test_abandoned_group_with_a_stuck_operation_is_failed_and_destroyed():
+def _run_members(scenario: str) -> dict:
+    """Rank 0 and rank 1 of a gloo group; rank 0's result (rank 1 is ended by pid)."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30))
     cmd = [sys.executable, "-c", MEMBER, str(store.port)]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     procs = [
         subprocess.Popen(
-            cmd + [str(rank), str(COLLECTIVE_TIMEOUT)],
+            cmd + [str(rank), str(COLLECTIVE_TIMEOUT), scenario],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
@@ -83,10 +98,29 @@ def test_abandoned_group_with_a_stuck_operation_is_failed_and_destroyed():
         for proc in procs:
             kill_group(proc)
     assert procs[0].returncode == 0, out
-    result = json.loads(out.strip().splitlines()[-1])
+    return json.loads(out.strip().splitlines()[-1])
+
+
+needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="finds the group's sockets through /proc")
+
+
+@pytest.mark.slow
+@needs_proc
+def test_abandoned_group_with_a_stuck_operation_is_failed_and_destroyed():
+    result = _run_members("normal")
     assert result["stuck"], "the operation was in flight when the group was abandoned"
     assert result["abandoned_work"] is False, "the operation ended and the group was destroyed"
     assert result["ended_after"] < COLLECTIVE_TIMEOUT / 2, "failed by the shutdown, not by the timeout"
     assert result["operation_failed"] is True
     assert result["gloo_threads_of_group"], result
     assert result["gloo_threads_after"] == [], result
+
+
+@pytest.mark.slow
+@needs_proc
+def test_a_group_whose_operation_cannot_be_failed_gets_idle_threads():
+    result = _run_members("shutdown-ends-nothing")
+    assert result["stuck"] and result["abandoned_work"] is True, result  # it waits out collective_timeout
+    assert result["gloo_threads_after"] == result["gloo_threads_of_group"], result  # kept, not destroyed
+    SCHED_IDLE = 5
+    assert result["gloo_policies"] == [SCHED_IDLE] * len(result["gloo_threads_of_group"]), result

@@ -7,7 +7,8 @@ or timed out after ``collective_timeout``) and is destroyed then, off the hot pa
 matters: its sockets may still hold a survivor's data for the failed collective, which no receive
 will ever claim, and gloo's event loop spins on that readable socket (measured: 0.5-0.8 of a core
 per failure, for as long as the group lives, slowing every later step on a small machine). Closing
-the group also ends the peers' own pending operations on it, so they are destroyed in turn. NCCL
+the group also ends the peers' own pending operations on it, so they are destroyed in turn; if one
+still waits a second later, the group's gloo threads are scheduled SCHED_IDLE until it ends. NCCL
 communicators are non-blocking and aborted off the hot path.
 """
 
@@ -51,8 +52,8 @@ class ProcessGroups:
         self.collective_timeout = collective_timeout
         self._stuck_builds: list[threading.Thread] = []  # builds given up on; they end with the process
         self._in_flight: dict[int, list] = {}  # id(group) -> the operations last started on it
-        self._sockets: dict[int, set] = {}  # id(gloo group) -> its sockets' (fd, 'socket:[inode]')
-        self._abandoned: list[tuple[Any, list]] = []  # (gloo group, its operations), destroyed once they end
+        self._parts: dict[int, tuple[set, set]] = {}  # id(gloo group) -> its sockets and gloo threads
+        self._abandoned: list[_Abandoned] = []  # destroyed once their operations ended
         self._lock = threading.Lock()
         self._reaper: threading.Thread | None = None
 
@@ -60,12 +61,12 @@ class ProcessGroups:
     def abandoned_work(self) -> bool:
         """True while an abandoned group may still have an operation in flight (or a build is stuck)."""
         with self._lock:
-            pending = any(not _ended(works) for _, works in self._abandoned)
+            pending = any(not _ended(a.works) for a in self._abandoned)
         return pending or any(t.is_alive() for t in self._stuck_builds)
 
     def started(self, pg: Any, works: list) -> None:
         """Record the operations just started on ``pg``: if it is abandoned, it is destroyed after them."""
-        self._in_flight[id(pg)] = works
+        self._in_flight[id(pg)] = list(works)
 
     def build(self, store: dist.Store, number: int, rank: int, size: int, failure_seen: Callable[[], bool]) -> Any:
         """Build generation ``number``'s group on a thread; raise MembershipChanged if a member fails meanwhile."""
@@ -98,10 +99,10 @@ class ProcessGroups:
             opts.config.blocking = 0
             opts._timeout = timeout
             return dist.ProcessGroupNCCL(store, rank, size, opts)
-        with _SocketWitness() as witness:
+        with _ConstructionWitness() as witness:
             pg = dist.ProcessGroupGloo(store, rank, size, timeout)
-        # The sockets gloo opened for this group (its connections to the members): see abandon().
-        self._sockets[id(pg)] = witness.opened
+        # The sockets and threads gloo started for this group: see abandon().
+        self._parts[id(pg)] = (witness.sockets, witness.threads)
         return pg
 
     def abandon(self, pg: Any) -> None:
@@ -112,60 +113,109 @@ class ProcessGroups:
             # gloo cannot abort an op in flight and destroying its group blocks until the op ends:
             # keep the group referenced until this process's operations on it have ended.
             works = self._in_flight.pop(id(pg), [])
-            sockets = self._sockets.pop(id(pg), set())
+            sockets, threads = self._parts.pop(id(pg), (set(), set()))
             if not _ended(works):
                 # An operation can be stuck behind a survivor's data that it will never receive (gloo
                 # reads a connection in order): shutting the group's connections down fails it now,
                 # and the peers' operations with it, instead of after collective_timeout.
                 _shut_down(sockets)
             with self._lock:
-                self._abandoned.append((pg, works))
+                self._abandoned.append(_Abandoned(pg, works, threads, time.monotonic() + _STUCK_AFTER))
                 if self._reaper is None:
                     self._reaper = threading.Thread(target=self._reap, name="lr-pg-reaper", daemon=True)
                     self._reaper.start()
 
     def _reap(self) -> None:
-        """Destroy abandoned gloo groups whose operations have ended, on this thread (about 20 ms each)."""
+        """Destroy abandoned gloo groups whose operations have ended, on this thread (about 20 ms each).
+
+        An operation the shutdown did not end (it can still wait out ``collective_timeout``) keeps its
+        group; its gloo threads are then scheduled SCHED_IDLE, so that an event loop spinning on the
+        dead connections only uses CPU nobody else wants."""
         while True:
             time.sleep(_REAP_EVERY)
             with self._lock:
-                done = [entry for entry in self._abandoned if _ended(entry[1])]
-                self._abandoned = [entry for entry in self._abandoned if not _ended(entry[1])]
+                done = [a for a in self._abandoned if _ended(a.works)]
+                self._abandoned = [a for a in self._abandoned if not _ended(a.works)]
                 if not self._abandoned and not done:
                     self._reaper = None
                     return
+                stuck = [a for a in self._abandoned if not a.idled and time.monotonic() > a.stuck_at]
+            for a in stuck:
+                a.idled = True
+                _schedule_idle(a.threads)
             del done  # the last references: the groups' destructors run here, not on the training thread
+
+
+_STUCK_AFTER = 1.0  # seconds an abandoned group's operation may take to fail after the shutdown
+
+
+class _Abandoned:
+    """An abandoned gloo group, the operations this process started on it, and gloo's threads for it."""
+
+    def __init__(self, pg: Any, works: list, threads: set[int], stuck_at: float) -> None:
+        self.pg, self.works, self.threads, self.stuck_at = pg, works, threads, stuck_at
+        self.idled = False
 
 
 def _ended(works: list) -> bool:
     return all(w.is_completed() for w in works)
 
 
-class _SocketWitness:
-    """The sockets this process opened during a group's construction: ``opened`` (fd, 'socket:[inode]').
+def _gloo_threads() -> set[int]:
+    """Ids of this process's threads that gloo started (``gloo_tcp_loop``, ``pt_gloo_runloop``)."""
+    found = set()
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return found
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if "gloo" in f.read():
+                    found.add(int(tid))
+        except OSError:
+            continue  # ended meanwhile
+    return found
+
+
+def _schedule_idle(threads: set[int]) -> None:
+    idle = getattr(os, "SCHED_IDLE", None)
+    for tid in threads:
+        try:
+            if idle is not None:
+                os.sched_setscheduler(tid, idle, os.sched_param(0))
+        except OSError:
+            pass  # ended meanwhile, or not permitted here: the thread keeps its priority
+
+
+class _ConstructionWitness:
+    """What this process gained during a group's construction: ``sockets`` (fd, 'socket:[inode]') and
+    gloo's ``threads`` (thread ids).
 
     Known only when no other construction overlapped it: an embedding that runs several replicas in
-    one process (the in-process tests) builds their groups at once, and then ``opened`` is empty.
+    one process (the in-process tests) builds their groups at once, and then both are empty.
     """
 
     _lock = threading.Lock()
     _active: dict[int, bool] = {}  # id(witness) -> whether another construction overlapped it
 
-    def __enter__(self) -> _SocketWitness:
+    def __enter__(self) -> _ConstructionWitness:
         with self._lock:
             for other in self._active:
                 self._active[other] = True
             self._active[id(self)] = bool(self._active)
         self._before = _open_sockets()
-        self.opened: set[tuple[int, str]] = set()
+        self._threads_before = _gloo_threads()
+        self.sockets: set[tuple[int, str]] = set()
+        self.threads: set[int] = set()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        after = _open_sockets()
+        sockets, threads = _open_sockets(), _gloo_threads()
         with self._lock:
             overlapped = self._active.pop(id(self))
         if not overlapped:
-            self.opened = after - self._before
+            self.sockets, self.threads = sockets - self._before, threads - self._threads_before
 
 
 def _open_sockets() -> set[tuple[int, str]]:
