@@ -40,14 +40,14 @@ from typing import Any
 
 from lightning_recover.bench.checkpoint import fsync_tree
 from lightning_recover.bench.gpt_state import STATES, build_state, iter_tensors, tensor_stats
-from lightning_recover.bench.profile_uring import _EngineProxy, _Timers
+from lightning_recover.bench.profile_uring import EngineProxy, Timers
 
 NATIVE_WRITE = "native Writer.write (copy+crc32c+submit/wait)"
 NATIVE_CLOSE = "native Writer.close (drain, truncate, fdatasync)"
 
 
 @contextlib.contextmanager
-def _wrap(owner: Any, name: str, timers: _Timers, label: str) -> Iterator[None]:
+def _wrap(owner: Any, name: str, timers: Timers, label: str) -> Iterator[None]:
     fn = getattr(owner, name)
 
     def wrapper(*a: Any, **k: Any) -> Any:  # wall time only: cheap enough for per-storage calls
@@ -69,8 +69,8 @@ def one_save(checkpoint: Any, path: str, eng: Any) -> dict[str, Any]:
     """One timed ``single_file.save`` (format 2) of ``checkpoint`` to ``path``; returns the breakdown."""
     from lightning_recover.checkpoint import single_file, torch_zip
 
-    ts = _Timers()
-    proxy = _EngineProxy(eng, ts)
+    ts = Timers()
+    proxy = EngineProxy(eng, ts)
     with contextlib.ExitStack() as stack:
         stack.enter_context(_wrap(torch_zip, "_torch_save_records", ts, "torch pickler (_torch_save_records)"))
         stack.enter_context(_wrap(torch_zip, "plan_archive", ts, "plan_archive (total)"))

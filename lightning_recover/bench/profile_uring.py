@@ -39,7 +39,9 @@ def _runqueue_wait() -> float:
         return 0.0
 
 
-class _Timers:
+class Timers:
+    """Seconds and call counts accumulated per label (shared by the profilers)."""
+
     def __init__(self) -> None:
         self.t: dict[str, float] = defaultdict(float)
         self.n: dict[str, int] = defaultdict(int)
@@ -62,7 +64,7 @@ class _Timers:
 
 
 class _WriterProxy:
-    def __init__(self, w: Any, timers: _Timers) -> None:
+    def __init__(self, w: Any, timers: Timers) -> None:
         self._w, self._timers = w, timers
 
     def write(self, segments):
@@ -85,7 +87,7 @@ class _WriterProxy:
 
 
 class _ReaderProxy:
-    def __init__(self, r: Any, timers: _Timers) -> None:
+    def __init__(self, r: Any, timers: Timers) -> None:
         self._r, self._timers = r, timers
 
     def read(self, segments):
@@ -102,8 +104,10 @@ class _ReaderProxy:
         return getattr(self._r, name)
 
 
-class _EngineProxy:
-    def __init__(self, eng: Any, timers: _Timers) -> None:
+class EngineProxy:
+    """A ``native_io`` engine whose writers and readers time each call into ``timers``."""
+
+    def __init__(self, eng: Any, timers: Timers) -> None:
         self._eng, self._timers = eng, timers
         self.last_writer: Any = None
         self.last_reader: Any = None
@@ -125,7 +129,7 @@ class _EngineProxy:
 
 
 @contextlib.contextmanager
-def _patched(module: Any, names: list[str], timers: _Timers, label: str) -> Iterator[None]:
+def _patched(module: Any, names: list[str], timers: Timers, label: str) -> Iterator[None]:
     saved = {}
     for name in names:
         fn = getattr(module, name, None)
@@ -204,8 +208,8 @@ def profile(size_gb: float, directory: str | None, repeat: int) -> dict[str, Any
         for rep in range(repeat):
             path = os.path.join(root, f"last-{rep}.ckpt")
             os.sync()
-            ts = _Timers()
-            proxy = _EngineProxy(eng, ts)
+            ts = Timers()
+            proxy = EngineProxy(eng, ts)
             with _patched(fmt, fmt_names, ts, "fmt"), _patched(cio, cio_names, ts, "cio"):
                 t0 = time.perf_counter()
                 cio.save(checkpoint, path, engine=proxy, format=1)  # the breakdown names format 1's steps
@@ -232,8 +236,8 @@ def profile(size_gb: float, directory: str | None, repeat: int) -> dict[str, Any
             )
 
             make_cold(root, cache)
-            tl = _Timers()
-            proxy = _EngineProxy(eng, tl)
+            tl = Timers()
+            proxy = EngineProxy(eng, tl)
             with _patched(fmt, fmt_names, tl, "fmt"), _patched(cio, cio_names, tl, "cio"):
                 t0 = time.perf_counter()
                 loaded = cio.load(path, map_location="cpu", engine=proxy)

@@ -161,28 +161,27 @@ def _ended(works: list) -> bool:
     return all(w.is_completed() for w in works)
 
 
-def _gloo_threads() -> set[int]:
-    """Ids of this process's threads that gloo started (``gloo_tcp_loop``, ``pt_gloo_runloop``)."""
-    found = set()
+def _threads() -> set[int]:
     try:
-        tids = os.listdir("/proc/self/task")
+        return {int(tid) for tid in os.listdir("/proc/self/task")}
     except OSError:
-        return found
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if "gloo" in f.read():
-                    found.add(int(tid))
-        except OSError:
-            continue  # ended meanwhile
-    return found
+        return set()
+
+
+def _is_gloo_thread(tid: int) -> bool:
+    """``gloo_tcp_loop`` or ``pt_gloo_runloop``; False for any other thread (or one that ended)."""
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return "gloo" in f.read()
+    except OSError:
+        return False
 
 
 def _schedule_idle(threads: set[int]) -> None:
     idle = getattr(os, "SCHED_IDLE", None)
     for tid in threads:
         try:
-            if idle is not None:
+            if idle is not None and _is_gloo_thread(tid):  # never a thread another module started meanwhile
                 os.sched_setscheduler(tid, idle, os.sched_param(0))
         except OSError:
             pass  # ended meanwhile, or not permitted here: the thread keeps its priority
@@ -190,7 +189,7 @@ def _schedule_idle(threads: set[int]) -> None:
 
 class _ConstructionWitness:
     """What this process gained during a group's construction: ``sockets`` (fd, 'socket:[inode]') and
-    gloo's ``threads`` (thread ids).
+    ``threads`` (thread ids; gloo names its threads only once they run, so they are told apart later).
 
     Known only when no other construction overlapped it: an embedding that runs several replicas in
     one process (the in-process tests) builds their groups at once, and then both are empty.
@@ -205,13 +204,13 @@ class _ConstructionWitness:
                 self._active[other] = True
             self._active[id(self)] = bool(self._active)
         self._before = _open_sockets()
-        self._threads_before = _gloo_threads()
+        self._threads_before = _threads()
         self.sockets: set[tuple[int, str]] = set()
         self.threads: set[int] = set()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        sockets, threads = _open_sockets(), _gloo_threads()
+        sockets, threads = _open_sockets(), _threads()
         with self._lock:
             overlapped = self._active.pop(id(self))
         if not overlapped:
