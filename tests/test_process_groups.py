@@ -60,16 +60,16 @@ stuck = not works[0].is_completed()
 start = time.monotonic()
 groups.abandon(pg)
 del pg
-while groups.abandoned_work and time.monotonic() - start < (30 if scenario == "normal" else 3):
+while groups.abandoned_alive and time.monotonic() - start < (30 if scenario == "normal" else 3):
     time.sleep(0.05)
 ended_after = time.monotonic() - start
-abandoned_work = groups.abandoned_work
+abandoned_alive = groups.abandoned_alive
 failed = works[0].exception() is not None if works[0].is_completed() else None
 policies = gloo_policies()
 del works  # the operation holds the group's connections: the last reference outside the reaper
 time.sleep(0.5)  # the reaper drops the group right after it saw the operation end
 print(json.dumps({
-    "stuck": stuck, "ended_after": ended_after, "abandoned_work": abandoned_work, "operation_failed": failed,
+    "stuck": stuck, "ended_after": ended_after, "abandoned_alive": abandoned_alive, "exit_without_destructors": groups.abandoned_work, "operation_failed": failed,
     "gloo_threads_of_group": gloo_threads_of_group, "gloo_threads_after": gloo_threads(),
     "gloo_policies": policies,
 }), flush=True)
@@ -109,7 +109,8 @@ needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="find
 def test_abandoned_group_with_a_stuck_operation_is_failed_and_destroyed():
     result = _run_members("normal")
     assert result["stuck"], "the operation was in flight when the group was abandoned"
-    assert result["abandoned_work"] is False, "the operation ended and the group was destroyed"
+    assert result["abandoned_alive"] == 0, "the operation ended and the group was destroyed"
+    assert result["exit_without_destructors"] is True, "a process that abandoned a group still ends with os._exit"
     assert result["ended_after"] < COLLECTIVE_TIMEOUT / 2, "failed by the shutdown, not by the timeout"
     assert result["operation_failed"] is True
     assert result["gloo_threads_of_group"], result
@@ -120,7 +121,7 @@ def test_abandoned_group_with_a_stuck_operation_is_failed_and_destroyed():
 @needs_proc
 def test_a_group_whose_operation_cannot_be_failed_gets_idle_threads():
     result = _run_members("shutdown-ends-nothing")
-    assert result["stuck"] and result["abandoned_work"] is True, result  # it waits out collective_timeout
+    assert result["stuck"] and result["abandoned_alive"] == 1, result  # it waits out collective_timeout
     assert result["gloo_threads_after"] == result["gloo_threads_of_group"], result  # kept, not destroyed
     SCHED_IDLE = 5
     assert result["gloo_policies"] == [SCHED_IDLE] * len(result["gloo_threads_of_group"]), result

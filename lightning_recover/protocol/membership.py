@@ -536,7 +536,7 @@ class Membership:
 
     @property
     def abandoned_work(self) -> bool:
-        """True once a group with an operation possibly still in flight was abandoned."""
+        """True once a group was abandoned: the process ends with ``os._exit`` (see ProcessGroups)."""
         return self.groups.abandoned_work
 
     def operations_started(self, pg: Any, works: list) -> None:

@@ -56,13 +56,20 @@ class ProcessGroups:
         self._abandoned: list[_Abandoned] = []  # destroyed once their operations ended
         self._lock = threading.Lock()
         self._reaper: threading.Thread | None = None
+        self._ever_abandoned = False
 
     @property
     def abandoned_work(self) -> bool:
-        """True while an abandoned group may still have an operation in flight (or a build is stuck)."""
+        """True once a group was abandoned (or a build given up on): the process must then end without
+        running destructors (``os._exit``), as tearing gloo down at interpreter exit after a failure
+        aborted the process or hung in the tests, even when the reaper had destroyed every abandoned group."""
+        return self._ever_abandoned or bool(self._stuck_builds)
+
+    @property
+    def abandoned_alive(self) -> int:
+        """How many abandoned groups still wait for their operations to end (not destroyed yet)."""
         with self._lock:
-            pending = any(not _ended(a.works) for a in self._abandoned)
-        return pending or any(t.is_alive() for t in self._stuck_builds)
+            return len(self._abandoned)
 
     def started(self, pg: Any, works: list) -> None:
         """Record the operations just started on ``pg``: if it is abandoned, it is destroyed after them."""
@@ -106,6 +113,7 @@ class ProcessGroups:
         return pg
 
     def abandon(self, pg: Any) -> None:
+        self._ever_abandoned = True
         if self.backend == "nccl":
             # NCCL can abort its communicators: do it off the hot path, then drop the group.
             threading.Thread(target=lambda: _quiet(pg.abort), name="lr-nccl-abort", daemon=True).start()
