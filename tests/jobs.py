@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -112,6 +113,25 @@ def wait_for(predicate, timeout: float, interval: float = 0.02) -> bool:
             return True
         time.sleep(interval)
     return False
+
+
+def bounded(fn, timeout: float):
+    """Run ``fn`` in a thread; fail instead of hanging if it does not return within ``timeout``."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["v"] = fn()
+        except BaseException as e:
+            out["e"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"{fn} did not return within {timeout}s"
+    if "e" in out:
+        raise out["e"]
+    return out.get("v")
 
 
 TRAINER_SCRIPT = os.path.join(ROOT, "tests", "scripts", "trainer_train.py")

@@ -21,6 +21,7 @@ from lightning_recover.checkpoint import (
 )
 from lightning_recover.checkpoint.async_io import _Ring, crc32c_combine
 from lightning_recover.checkpoint.torch_zip import PlanWriter
+from tests.jobs import bounded
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -431,23 +432,8 @@ def test_fabric_async_save_and_in_place_restore(tmp_path):
 # ------------------------------------------------------------------------ drop-in for TorchCheckpointIO
 
 
-def _bounded(fn, timeout=30.0):
-    """Run ``fn`` in a thread; fail instead of hanging if it does not return within ``timeout``."""
-    out = {}
-
-    def run():
-        try:
-            out["v"] = fn()
-        except BaseException as e:
-            out["e"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout)
-    assert not t.is_alive(), f"{fn} did not return within {timeout}s"
-    if "e" in out:
-        raise out["e"]
-    return out.get("v")
+def _bounded(fn, timeout: float = 30.0):
+    return bounded(fn, timeout)
 
 
 def test_async_remove_directory_deferred(tmp_path, monkeypatch):

@@ -43,6 +43,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_recover.checkpoint import AsyncCheckpointError, UringCheckpointIO, async_io
 from lightning_recover.checkpoint.torch_zip import PlanWriter
+from tests.jobs import bounded
 
 pytestmark = [pytest.mark.lightning_compat, pytest.mark.timeout(120)]
 
@@ -151,22 +152,7 @@ def _durable(io) -> None:
 
 
 def _bounded(fn, timeout: float = 60.0):
-    """Run ``fn`` in a thread; fail instead of hanging if it does not return within ``timeout``."""
-    out: dict = {}
-
-    def run():
-        try:
-            out["v"] = fn()
-        except BaseException as e:
-            out["e"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout)
-    assert not t.is_alive(), f"{fn} did not return within {timeout}s"
-    if "e" in out:
-        raise out["e"]
-    return out.get("v")
+    return bounded(fn, timeout)
 
 
 def _slow_background(monkeypatch, mode: str, seconds: float = 0.15) -> None:
