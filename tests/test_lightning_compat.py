@@ -444,6 +444,29 @@ def test_hpc_checkpoint_versions_and_resume(tmp_path, mode, monkeypatch):
         _assert_same(_params(run(tmp_path / "stock", "stock")), _params(resumed), "hpc resume vs stock IO")
 
 
+@pytest.mark.parametrize("mode", ASYNC_MODES)
+def test_background_threads_stop_when_a_thread_check_asks(tmp_path, mode, monkeypatch):
+    """Lightning's test suite ends each test by calling ``stop()`` on every daemon thread the test left behind and
+    expecting it gone. With saves still in flight the saver's threads finish those saves first: afterwards no thread
+    is left and every checkpoint is complete."""
+    _slow_background(monkeypatch, mode)
+    before = set(threading.enumerate())
+    trainer = _trainer(tmp_path, mode, max_steps=2, limit_val_batches=0, enable_checkpointing=False)
+    trainer.fit(Model())
+    names = [f"hpc_ckpt_{i}.ckpt" for i in range(4)]
+    for name in names:
+        trainer.save_checkpoint(tmp_path / name)
+    left = [t for t in set(threading.enumerate()) - before if t.is_alive()]
+    assert any(t.name.startswith("lr-ckpt-") for t in left), "saves were in flight when the check ran"
+    for t in left:
+        stop = getattr(t, "stop", None)
+        assert t.daemon and callable(stop), t
+        _bounded(stop)
+        assert not t.is_alive(), t
+    for name in names:
+        assert _tload(tmp_path / name)["global_step"] == 2
+
+
 # --------------------------------------------------------------------------------------------- removal (item 6)
 
 

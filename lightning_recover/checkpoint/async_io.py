@@ -327,6 +327,18 @@ class _Removal:
 
 _STOP = object()
 
+
+class _SaverThread(threading.Thread):
+    """A copier or flusher thread; it exits by itself once every save submitted so far is durable or failed.
+
+    ``stop()`` waits for that. It follows the convention of Lightning's test suite (and others'), which calls
+    ``stop()`` on a daemon thread that outlived a test and then expects it gone: saves still in flight complete
+    instead of being abandoned, and their errors surface at the plugin's next call.
+    """
+
+    def stop(self, timeout: Optional[float] = None) -> None:
+        self.join(timeout)
+
 # every live saver, for the exit handler
 _savers: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
 
@@ -516,8 +528,8 @@ class AsyncSaver:
             self._retiring = False
         cq, fq = self._copy_q, self._flush_q
         self._threads = [
-            threading.Thread(target=self._copier, args=(cq, fq), name="lr-ckpt-copier", daemon=True),
-            threading.Thread(target=self._flusher, args=(fq,), name="lr-ckpt-flusher", daemon=True),
+            _SaverThread(target=self._copier, args=(cq, fq), name="lr-ckpt-copier", daemon=True),
+            _SaverThread(target=self._flusher, args=(fq,), name="lr-ckpt-flusher", daemon=True),
         ]
         for t in self._threads:
             t.start()
