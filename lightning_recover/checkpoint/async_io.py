@@ -339,6 +339,7 @@ class _SaverThread(threading.Thread):
     def stop(self, timeout: Optional[float] = None) -> None:
         self.join(timeout)
 
+
 # every live saver, for the exit handler
 _savers: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
 
