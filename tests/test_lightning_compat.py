@@ -369,6 +369,47 @@ def test_model_checkpoint_top_k_monitor_and_last(tmp_path, mode, monkeypatch):
     _assert_same(last["state_dict"], _params(model), "validate(last)")
 
 
+# Lightning's test_checkpoint_callback_frequency.py counts torch.save calls (the stock IO's implementation) for these
+# settings; the plugin writes through native_io, so here the default IO's save_checkpoint calls are counted instead.
+SAVE_COUNTS = {  # (top-k callback?, save_last): saves for 2 epochs of 4 batches validated every 2 batches
+    "default-callback": (False, False, 4),
+    "top2": (True, False, 4),
+    "top2-last": (True, True, 8),  # last.ckpt is written along with every top-k save
+    "top2-last-link": (True, "link", 4),  # last.ckpt is a symlink to the top-k file: no save of its own
+}
+
+
+@pytest.mark.parametrize("case", list(SAVE_COUNTS))
+@pytest.mark.parametrize("mode", MODES)
+def test_save_count_per_validation_top_k_and_last(tmp_path, mode, case, monkeypatch):
+    """Each validation check saves once through the default IO (twice with ``save_last=True``, once with
+    ``save_last="link"``); the files left are the stock IO's, with the same contents."""
+    _slow_background(monkeypatch, mode, seconds=0.05)
+    top_k, save_last, expected = SAVE_COUNTS[case]
+
+    def run(root, m):
+        callbacks = []
+        if top_k:
+            callbacks.append(
+                ModelCheckpoint(
+                    dirpath=root / "ck", monitor="train_step", mode="max", save_top_k=2, save_last=save_last
+                )
+            )
+        trainer = _trainer(root, m, max_epochs=2, val_check_interval=0.5, limit_val_batches=1, callbacks=callbacks)
+        if not top_k:  # Lightning's default callback: root/checkpoints
+            trainer.checkpoint_callback.dirpath = str(root / "ck")
+        io = trainer.strategy.checkpoint_io
+        calls = []
+        real = io.save_checkpoint
+        monkeypatch.setattr(io, "save_checkpoint", lambda *a, **kw: (calls.append(a[1]), real(*a, **kw))[1])
+        trainer.fit(Model())
+        _durable(io)
+        return len(calls)
+
+    count, stock_count, _ = _compare_with_stock(run, tmp_path, mode)
+    assert count == stock_count == expected
+
+
 @pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
 @pytest.mark.parametrize("mode", MODES)
 def test_every_n_train_steps_checkpoints_hold_at_save_values(tmp_path, mode, manual, monkeypatch):
