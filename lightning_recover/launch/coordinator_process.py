@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from lightning_recover import env
+from lightning_recover.launch.process_tree import end_helper_process
 from lightning_recover.protocol import coordinator
 from lightning_recover.protocol.options import DEFAULT_HEARTBEAT_INTERVAL, check_heartbeat_timeout
 
@@ -168,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         secret_file=args.secret_file,
         replica_size=args.replica_size,
     )
+    end_helper_process(0)  # stopped (SIGTERM from the launcher): nothing to finalize
     return 0
 
 

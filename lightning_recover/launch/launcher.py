@@ -228,7 +228,25 @@ def supervise(
     secret = JobSecret.generate()
     secret_file = secret.write_file(secret_dir)
     sealer = Sealer(secret)
+    child_env = dict(os.environ, **(extra_env or {}))
+    child_env[env.SECRET_FILE] = secret_file
+    child_env.pop(env.SECRET, None)
+    child_env[env.REPLICAS] = str(replicas)
+    child_env.setdefault(env.OMP_NUM_THREADS, "1")  # spinning OpenMP threads make gloo 20x slower on small machines
+    if inject:
+        child_env[env.INJECT] = inject
+    starter: ProcessStarter | None = None
     try:
+        # The fork server imports while the coordinator starts (each takes seconds); it needs no address: every
+        # process it forks gets its own environment. torchrun's replicas and standbys are agents: not forked.
+        starter = ProcessStarter(
+            first,
+            child_env,
+            say,
+            fork=fork and not watch_workers,
+            preload=preload,
+            preexec=_replica_preexec(os.getpid()),
+        )
         coord = coordinator_process.start(
             replicas,
             heartbeat_timeout,
@@ -239,8 +257,11 @@ def supervise(
             replica_size=nproc_per_replica,
         )
     except BaseException:
+        if starter is not None:
+            starter.close()
         shutil.rmtree(secret_dir, ignore_errors=True)
         raise
+    child_env[env.COORDINATOR] = coord.addr
     children: list[_Child] = []
     # The coordinator's silence that ends the job: the replicas' own bound (RecoverOptions.store_timeout).
     lost_after = max(5.0, 2 * heartbeat_timeout + 1.0)
@@ -248,26 +269,8 @@ def supervise(
     old: dict = {}
     link: _Link | None = None
     standbys: StandbyPool | None = None
-    starter: ProcessStarter | None = None
     try:
         link = _Link(coord.addr, period=min(1.0, heartbeat_timeout / 2))
-        child_env = dict(os.environ, **(extra_env or {}))
-        child_env[env.COORDINATOR] = coord.addr
-        child_env[env.SECRET_FILE] = secret_file
-        child_env.pop(env.SECRET, None)
-        child_env[env.REPLICAS] = str(replicas)
-        child_env.setdefault(env.OMP_NUM_THREADS, "1")  # spinning OpenMP threads make gloo 20x slower on small machines
-        if inject:
-            child_env[env.INJECT] = inject
-        # torchrun's replicas and standbys are torchrun agents: not forked
-        starter = ProcessStarter(
-            first,
-            child_env,
-            say,
-            fork=fork and not watch_workers,
-            preload=preload,
-            preexec=_replica_preexec(os.getpid()),
-        )
         if nproc_per_replica > 1:
             child_env[env.REPLICA_SIZE] = str(nproc_per_replica)
             if not watch_workers:

@@ -8,6 +8,22 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
+
+
+def end_helper_process(code: int) -> None:
+    """End one of the job's own helper processes (coordinator, fork server) once its work is done.
+
+    Skips the interpreter's finalization: with torch (and Lightning) imported, its garbage collections
+    take 1-3 s of CPU per process on a 2-core machine while the launcher waits for the exit. These
+    processes hold no buffered files of their own; standard output and error are flushed first.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def describe_exit(code: int) -> str:
