@@ -342,6 +342,106 @@ def test_direct_refused_falls_back_to_buffered(tmp_path, nt):
     assert "O_DIRECT" in w.fallback_reason
 
 
+# ------------------------------------------------------------ preallocation (size_hint)
+
+
+def _roundtrip_hint(eng, path, segs, expect, hint):
+    with eng.open_writer(path, size_hint=hint) as w:
+        reserved, why = w.preallocated, w.preallocate_error
+        crcs = w.write(segs)
+    assert crcs == [native_io.crc32c(b) for _, b in segs]
+    assert os.path.getsize(path) == len(expect)  # a reservation past the end never shows as bytes
+    with open(path, "rb") as f:
+        assert f.read() == expect
+    bufs = [(o, bytearray(len(b))) for o, b in segs]
+    with eng.open_reader(path) as r:
+        assert r.read(bufs) == crcs
+    assert all(got == want for (_, got), (_, want) in zip(bufs, segs))
+    return reserved, why
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("hint", ["exact", "over", "under"])
+def test_size_hint_roundtrip(tmp_path, engine, direct, hint):
+    """open_writer(size_hint=N) reserves N bytes up front; the file is exactly what was written."""
+    eng = _engine_or_skip(engine, block_size=BS, queue_depth=2, direct=direct)
+    rnd = random.Random(11)
+    segs, expect = _make_segments([rnd.randrange(0, 3 * BS) for _ in range(20)] + [5 * BS + 3], rnd, gaps=True)
+    n = {"exact": len(expect), "over": len(expect) + 7 * BS + 5, "under": len(expect) // 3}[hint]
+    reserved, why = _roundtrip_hint(eng, tmp_path / "f.bin", segs, expect, n)
+    if why is None:
+        assert reserved == n
+    else:  # a filesystem without fallocate: nothing reserved, same file
+        assert reserved == 0 and why.startswith("fallocate: ")
+    if hint == "over":  # the unused reservation is given back at close
+        st = os.stat(tmp_path / "f.bin")
+        assert st.st_blocks * 512 < n
+
+
+def test_size_hint_zero_or_none_reserves_nothing(tmp_path):
+    eng = native_io.IOEngine(block_size=BS, queue_depth=2)
+    for hint in (None, 0):
+        with eng.open_writer(tmp_path / "f.bin", size_hint=hint) as w:
+            assert (w.preallocated, w.preallocate_error) == (0, None)
+            w.write([(0, b"x" * 5000)])
+    with pytest.raises(OverflowError):
+        eng.open_writer(tmp_path / "g.bin", size_hint=-1)
+    with pytest.raises(TypeError):
+        eng.open_writer(tmp_path / "g.bin", size_hint="1")
+    assert not (tmp_path / "g.bin").exists() or os.path.getsize(tmp_path / "g.bin") == 0
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_size_hint_fallocate_unsupported_falls_back(tmp_path, nt, engine):
+    """A filesystem that refuses fallocate (EOPNOTSUPP): the writer goes on without a reservation."""
+    eng = _test_engine_or_skip(nt, engine, block_size=BS, queue_depth=2)
+    nt._inject_faults(refuse_fallocate=True)
+    rnd = random.Random(12)
+    segs, expect = _make_segments([70000, 1, 4096, 3 * BS], rnd, gaps=True)
+    reserved, why = _roundtrip_hint(eng, tmp_path / "f.bin", segs, expect, len(expect) + BS)
+    assert reserved == 0
+    assert why == "fallocate: " + os.strerror(errno.EOPNOTSUPP)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_size_hint_torn_write_keeps_written_size(tmp_path, nt, engine):
+    """A writer that fails mid-file leaves only what was written as the file's size, not the reservation."""
+    eng = _test_engine_or_skip(nt, engine, block_size=BS, queue_depth=2)
+    p = tmp_path / "f.bin"
+    hint = 10 * BS
+    w = eng.open_writer(p, size_hint=hint)
+    nt._inject_faults(eio_at=3)
+    with pytest.raises(OSError) as ei:
+        w.write([(0, b"t" * (8 * BS))])
+        w.close()
+    assert ei.value.errno == errno.EIO
+    w.close()
+    assert os.path.getsize(p) < hint  # KEEP_SIZE: the reservation does not make a torn file look complete
+
+
+def test_size_hint_enospc_on_small_tmpfs(tmp_path):
+    """A reservation larger than the filesystem fails (ENOSPC) and is skipped; writes that fit succeed."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting tmpfs needs root")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip("cannot mount tmpfs: %s" % r.stderr.decode(errors="replace").strip())
+    try:
+        for name in ENGINES:
+            if name == "uring" and not native_io.info()["uring_usable"]:
+                continue
+            eng = native_io.IOEngine(engine=name, block_size=BS, queue_depth=2)
+            segs, expect = _make_segments([200000, 3], random.Random(5))
+            reserved, why = _roundtrip_hint(eng, mnt / ("f-%s.bin" % name), segs, expect, 64 * MB)
+            assert reserved == 0 and why == "fallocate: " + os.strerror(errno.ENOSPC)
+            os.unlink(mnt / ("f-%s.bin" % name))
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
 def test_dev_shm_tmpfs_roundtrip():
     """tmpfs: O_DIRECT may be refused (older kernels) or accepted; data must be right."""
     if not os.path.isdir("/dev/shm"):
@@ -540,7 +640,22 @@ def test_attributes_types_and_read_only(tmp_path):
     assert r.closed is True
     for obj, names in (
         (eng, ["engine", "block_size", "queue_depth", "direct", "fallback_reason", "arena_bytes"]),
-        (w, ["bytes_written", "io_bytes", "seconds", "direct", "engine", "closed", "path", "fallback_reason", "end"]),
+        (
+            w,
+            [
+                "bytes_written",
+                "io_bytes",
+                "seconds",
+                "direct",
+                "engine",
+                "closed",
+                "path",
+                "fallback_reason",
+                "end",
+                "preallocated",
+                "preallocate_error",
+            ],
+        ),
         (r, ["size", "bytes_read", "io_bytes", "seconds", "direct", "engine", "closed", "path", "fallback_reason"]),
     ):
         for name in names:
@@ -603,3 +718,61 @@ def test_writer_not_closed_warns(tmp_path):
         import gc
 
         gc.collect()
+
+
+# -------------------------------------- the checkpoint writers with LIGHTNING_RECOVER_PREALLOCATE=on
+
+
+def _mixed_state():
+    import torch
+
+    g = torch.Generator().manual_seed(5)
+    state = {
+        "big": torch.randn(700, 1111, generator=g),  # ~3 MB: several 64 KiB blocks
+        "bf16": torch.randn(4097, generator=g).to(torch.bfloat16),
+        "empty": torch.zeros(0, 3),
+        "view": torch.randn(50, generator=g)[3:40],
+        "t": torch.randn(30, 20, generator=g).t(),
+        "step": 7,
+    }
+    for k in range(200):
+        state[f"small.{k}"] = torch.randn(k % 5 + 1, generator=g)
+    return state
+
+
+@pytest.mark.parametrize("prealloc", ["off", "on"])
+def test_single_file_save_with_preallocation(tmp_path, monkeypatch, prealloc):
+    """single_file.save reserves its size estimate when asked; the file loads back and damage is detected."""
+    import torch
+
+    from lightning_recover.bench.profile_uring import EngineProxy, Timers
+    from lightning_recover.checkpoint import single_file
+    from lightning_recover.checkpoint.format import CheckpointCorruptError
+
+    monkeypatch.setenv("LIGHTNING_RECOVER_PREALLOCATE", prealloc)
+    state = _mixed_state()
+    eng = EngineProxy(native_io.IOEngine(block_size=BS, queue_depth=2), Timers())
+    p = tmp_path / "c.ckpt"
+    single_file.save(state, p, engine=eng)
+    w = eng.last_writer
+    size = os.path.getsize(p)
+    if prealloc == "on":
+        assert w.preallocate_error is None
+        assert w.preallocated >= size  # the estimate bounds the real size
+        assert os.stat(p).st_blocks * 512 < size + 4096 + BS  # the unused reservation was given back
+    else:
+        assert (w.preallocated, w.preallocate_error) == (0, None)
+    got = single_file.load(p)
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor):
+            assert v.dtype == got[k].dtype and torch.equal(v, got[k]), k
+        else:
+            assert got[k] == v
+    assert torch.equal(torch.load(p, weights_only=True)["big"], state["big"])  # still a torch.save archive
+    with open(p, "r+b") as f:  # flip a bit inside "big"'s data
+        data = f.read()
+        at = data.index(state["big"][100].numpy().tobytes())
+        f.seek(at)
+        f.write(bytes([data[at] ^ 0x01]))
+    with pytest.raises(CheckpointCorruptError):
+        single_file.load(p)

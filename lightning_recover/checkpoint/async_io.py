@@ -50,6 +50,7 @@ import torch
 
 from lightning_recover.checkpoint import format as fmt
 from lightning_recover.checkpoint import snapshot_guard
+from lightning_recover.checkpoint.engine import open_writer
 from lightning_recover.checkpoint.files import cleanup_stale_temps, commit, temp_path_for, unlink_quiet
 from lightning_recover.checkpoint.torch_zip import PlanWriter, ZipPlan, plan_archive
 
@@ -636,7 +637,7 @@ class AsyncSaver:
             raw = _open_unnamed_writer(self._engine.get(), job)
             if raw is None:
                 job.tmp = temp_path_for(job.path)
-                raw = self._engine.get().open_writer(job.tmp)
+                raw = open_writer(self._engine.get(), job.tmp, job.plan.size_estimate())
             job.writer = PlanWriter(job.plan, raw)
         except BaseException as e:
             job.fail(e)
@@ -690,7 +691,7 @@ def _open_unnamed_writer(engine: Any, job: _Job) -> Any:
     except OSError:  # EOPNOTSUPP / EISDIR / EINVAL: the filesystem has no unnamed files
         return None
     try:
-        raw = engine.open_writer(f"/proc/self/fd/{fd}")
+        raw = open_writer(engine, f"/proc/self/fd/{fd}", job.plan.size_estimate())
     except OSError:
         os.close(fd)
         return None

@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from lightning_recover.checkpoint.dcp_snapshot import LazySnapshot
-from lightning_recover.checkpoint.engine import resolve_engine
+from lightning_recover.checkpoint.engine import open_writer, resolve_engine
 from lightning_recover.checkpoint.files import fsync_dir
 from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
 
@@ -70,6 +70,8 @@ SIDECAR_FORMAT = "lightning-recover-dcp-crc32c"
 _TMP_MARK = ".dcp-tmp-"
 # hand segments to native_io in batches of about this many bytes: bounds the archives held in memory
 _WRITE_BATCH = 64 << 20
+# per item, beyond its tensor bytes: archive head + tail (~1.6 KB) and up to 4 KiB of alignment padding
+_ITEM_SLACK = 8192
 # read contiguous runs of items of at most this many bytes into one staging buffer
 _READ_BATCH = 256 << 20
 # a hole this large between two wanted items starts a new read run (skip it rather than read it)
@@ -133,6 +135,25 @@ def _template(t: torch.Tensor) -> _ArchiveTemplate:
                 _TEMPLATES.clear()
             _TEMPLATES[key] = tpl
     return tpl
+
+
+def _size_estimate(items: list) -> int:
+    """An upper estimate of a rank's file size from its plan, before any item is resolved (preallocation).
+
+    Tensor items: the chunk's bytes plus its archive head and tail and up to 4 KiB of alignment (bounded by
+    ``_ITEM_SLACK``); bytes items are counted as ``_ITEM_SLACK`` (their size is known only once resolved; a
+    larger one extends the file past the reservation). The writer truncates to the exact size at close.
+    """
+    n = 0
+    for item in items:
+        td = getattr(item, "tensor_data", None)
+        if td is not None:
+            numel = 1
+            for d in td.chunk.sizes:
+                numel *= int(d)
+            n += numel * td.properties.dtype.itemsize
+        n += _ITEM_SLACK
+    return n
 
 
 def _storage_bytes(t: torch.Tensor) -> memoryview:
@@ -348,7 +369,7 @@ class UringStorageWriter(FileSystemWriter):
         items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
         items += [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
         with lock:
-            w = eng.open_writer(os.path.join(tmp, file_name))
+            w = open_writer(eng, os.path.join(tmp, file_name), _size_estimate(items))
             try:
                 for item in items:
                     data = planner.resolve_data(item)

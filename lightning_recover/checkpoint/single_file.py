@@ -20,7 +20,7 @@ import torch
 from lightning_recover import env
 from lightning_recover.checkpoint import async_io, torch_zip
 from lightning_recover.checkpoint import format as fmt
-from lightning_recover.checkpoint.engine import resolve_engine
+from lightning_recover.checkpoint.engine import open_writer, resolve_engine
 from lightning_recover.checkpoint.files import cleanup_stale_temps, fsync_dir, temp_path_for, unlink_quiet
 from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
 
@@ -113,7 +113,7 @@ def _save_zip(checkpoint: Any, path: str, engine: Any, zip_crc32: bool) -> None:
     tmp = temp_path_for(path)
     try:
         with lock:
-            with eng.open_writer(tmp) as raw:
+            with open_writer(eng, tmp, zplan.size_estimate()) as raw:
                 w = torch_zip.PlanWriter(zplan, raw)
                 pending: list = []
                 staged = 0

@@ -373,6 +373,16 @@ class ZipPlan:
     def storage_bytes(self) -> int:
         return sum(r.nbytes for r in self.storage_record.values())
 
+    def size_estimate(self) -> int:
+        """An upper estimate of the file size, known before any byte is written (for preallocation).
+
+        Exact up to ``data_end``; the tail (integrity record, central directory, end records) is bounded
+        from the record names and counts. The writer truncates to the exact size at close.
+        """
+        names = sum(len(r.name) for r in self.records)
+        n = len(self.records) + 1
+        return self.data_end + 4096 + 2 * names + 160 * n
+
     def lead(self, storage: int) -> tuple[int, bytes]:
         """``(offset, bytes)`` to write just before storage ``storage``'s data (its predecessors are done)."""
         rec = self.storage_record[storage]

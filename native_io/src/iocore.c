@@ -17,13 +17,14 @@ struct nio_faults nio_faults;
 static long io_counter;
 
 void nio_faults_set(long short_every, long eintr_every, long eio_at, int refuse_direct,
-		    int refuse_uring)
+		    int refuse_uring, int refuse_fallocate)
 {
 	nio_faults.short_every = short_every > 0 ? short_every : 0;
 	nio_faults.eintr_every = eintr_every > 0 ? eintr_every : 0;
 	nio_faults.eio_at = eio_at > 0 ? eio_at : 0;
 	nio_faults.refuse_direct = refuse_direct;
 	nio_faults.refuse_uring = refuse_uring;
+	nio_faults.refuse_fallocate = refuse_fallocate;
 	__atomic_store_n(&io_counter, 0, __ATOMIC_SEQ_CST);
 }
 

@@ -583,7 +583,8 @@ typedef struct {
 	char closed;
 	int kind;
 	int busy;
-	int failed; /* errno of the failure that poisoned it */
+	int failed;	  /* errno of the failure that poisoned it */
+	int prealloc_err; /* errno of a refused preallocation (size_hint), 0 = none */
 	double seconds;
 	PyObject *path;
 	PyObject *reason;
@@ -616,13 +617,23 @@ static int busy_check(int busy, int closed, const char *what)
 
 static PyObject *Engine_open_writer(EngineObject *self, PyObject *args, PyObject *kwds)
 {
-	static char *kwlist[] = { "path", NULL };
-	PyObject *path;
+	static char *kwlist[] = { "path", "size_hint", NULL };
+	PyObject *path, *hint_obj = Py_None;
+	unsigned long long hint = 0;
 	struct opened o;
 	WriterObject *w;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kwds, "O", kwlist, &path))
+	if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|O", kwlist, &path, &hint_obj))
 		return NULL;
+	if (hint_obj != Py_None) {
+		hint = PyLong_AsUnsignedLongLong(hint_obj);
+		if (hint == (unsigned long long)-1 && PyErr_Occurred())
+			return NULL;
+		if (hint > (unsigned long long)INT64_MAX) {
+			PyErr_SetString(PyExc_ValueError, "size_hint too large");
+			return NULL;
+		}
+	}
 	if (open_file(self, path, 1, &o))
 		return NULL;
 	w = PyObject_New(WriterObject, &WriterType);
@@ -638,6 +649,7 @@ static PyObject *Engine_open_writer(EngineObject *self, PyObject *args, PyObject
 	w->closed = 0;
 	w->busy = 0;
 	w->failed = 0;
+	w->prealloc_err = 0;
 	w->seconds = 0;
 	w->path = o.path;
 	w->reason = o.reason;
@@ -649,6 +661,11 @@ static PyObject *Engine_open_writer(EngineObject *self, PyObject *args, PyObject
 		return NULL;
 	}
 	nio_writer_init(&w->w, w->ctx, w->fd, w->direct);
+	if (hint) {
+		Py_BEGIN_ALLOW_THREADS
+		w->prealloc_err = nio_writer_preallocate(&w->w, hint);
+		Py_END_ALLOW_THREADS
+	}
 	return (PyObject *)w;
 }
 
@@ -818,6 +835,13 @@ static void Writer_dealloc(WriterObject *self)
 static PyObject *Writer_get_engine(WriterObject *self, void *c)
 {
 	return PyUnicode_FromString(kind_name(self->kind));
+}
+
+static PyObject *Writer_get_prealloc_error(WriterObject *self, void *c)
+{
+	if (!self->prealloc_err)
+		Py_RETURN_NONE;
+	return PyUnicode_FromFormat("fallocate: %s", strerror(self->prealloc_err));
 }
 
 /* ------------------------------------------------------------------ */
@@ -1083,18 +1107,18 @@ static PyObject *mod_info(PyObject *m, PyObject *unused)
 #ifdef NATIVE_IO_TESTING
 static PyObject *mod_inject(PyObject *m, PyObject *args, PyObject *kwds)
 {
-	static char *kwlist[] = { "short_every",   "eintr_every",  "eio_at",
-				  "refuse_direct", "refuse_uring", NULL };
+	static char *kwlist[] = { "short_every",  "eintr_every",      "eio_at", "refuse_direct",
+				  "refuse_uring", "refuse_fallocate", NULL };
 	long s = 0, i = 0, e = 0;
-	int rd = 0, ru = 0;
+	int rd = 0, ru = 0, rf = 0;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kwds, "|lllpp", kwlist, &s, &i, &e, &rd, &ru))
+	if (!PyArg_ParseTupleAndKeywords(args, kwds, "|lllppp", kwlist, &s, &i, &e, &rd, &ru, &rf))
 		return NULL;
 	if (s < 0 || i < 0 || e < 0) {
 		PyErr_SetString(PyExc_ValueError, "fault counts must be >= 0");
 		return NULL;
 	}
-	nio_faults_set(s, i, e, rd, ru);
+	nio_faults_set(s, i, e, rd, ru, rf);
 	Py_RETURN_NONE;
 }
 #endif /* NATIVE_IO_TESTING */
@@ -1123,7 +1147,8 @@ static PyGetSetDef Engine_getset[] = {
 static PyMethodDef Engine_methods[] = {
 	{ "open_writer", (PyCFunction)(void (*)(void))Engine_open_writer,
 	  METH_VARARGS | METH_KEYWORDS,
-	  "open_writer(path) -> Writer: create/truncate path for writing" },
+	  "open_writer(path, size_hint=None) -> Writer: create/truncate path for writing; "
+	  "size_hint: expected file size, reserved with fallocate before the first write" },
 	{ "open_reader", (PyCFunction)(void (*)(void))Engine_open_reader,
 	  METH_VARARGS | METH_KEYWORDS, "open_reader(path) -> Reader" },
 	{ "close", (PyCFunction)Engine_close, METH_NOARGS, "free the idle staging arenas" },
@@ -1145,6 +1170,8 @@ static PyMemberDef Writer_members[] = {
 	{ "path", T_OBJECT, offsetof(WriterObject, path), READONLY, NULL },
 	{ "fallback_reason", T_OBJECT, offsetof(WriterObject, reason), READONLY,
 	  "why not uring/O_DIRECT, or None" },
+	{ "preallocated", T_ULONGLONG, offsetof(WriterObject, w.reserved), READONLY,
+	  "bytes reserved with fallocate at open (size_hint), 0 if none" },
 	{ "end", T_ULONGLONG, offsetof(WriterObject, w.end), READONLY,
 	  "end offset of the last segment" },
 	{ NULL },
@@ -1152,6 +1179,9 @@ static PyMemberDef Writer_members[] = {
 
 static PyGetSetDef Writer_getset[] = {
 	{ "engine", (getter)Writer_get_engine, NULL, "engine used for this file", NULL },
+	{ "preallocate_error", (getter)Writer_get_prealloc_error, NULL,
+	  "why open_writer(size_hint=...) reserved nothing (None when it did or was not asked)",
+	  NULL },
 	{ NULL },
 };
 
@@ -1239,7 +1269,8 @@ static PyMethodDef module_methods[] = {
 	  "info() -> dict describing the build and defaults" },
 #ifdef NATIVE_IO_TESTING
 	{ "_inject_faults", (PyCFunction)(void (*)(void))mod_inject, METH_VARARGS | METH_KEYWORDS,
-	  "_inject_faults(short_every=0, eintr_every=0, eio_at=0, refuse_direct=False, refuse_uring=False)" },
+	  "_inject_faults(short_every=0, eintr_every=0, eio_at=0, refuse_direct=False, refuse_uring=False, "
+	  "refuse_fallocate=False)" },
 #endif
 	{ NULL },
 };

@@ -128,10 +128,11 @@ struct nio_faults {
 	long eio_at;
 	int refuse_direct;
 	int refuse_uring;
+	int refuse_fallocate;
 };
 extern struct nio_faults nio_faults;
 void nio_faults_set(long short_every, long eintr_every, long eio_at, int refuse_direct,
-		    int refuse_uring);
+		    int refuse_uring, int refuse_fallocate);
 #define NIO_FAULT(field) (nio_faults.field)
 #else
 #define NIO_FAULT(field) 0
@@ -163,12 +164,14 @@ struct nio_writer {
 	uint64_t end;	   /* end of the last segment */
 	uint64_t payload;  /* bytes handed in by segments */
 	uint64_t io_bytes; /* bytes transferred to the file */
+	uint64_t reserved; /* bytes preallocated at open (0: none) */
 };
 void nio_writer_init(struct nio_writer *w, struct nio_ctx *ctx, int fd, int direct);
 int nio_writer_put(struct nio_writer *w, uint64_t off, const void *src, size_t len, uint32_t *crc,
 		   struct nio_error *e);
 int nio_writer_finish(struct nio_writer *w, int have_size, uint64_t size, struct nio_error *e);
 void nio_writer_abort(struct nio_writer *w);
+int nio_writer_preallocate(struct nio_writer *w, uint64_t size);
 
 /* reader.c */
 struct nio_rseg {

@@ -7,7 +7,11 @@
  * block and skipped (left as a hole, which reads as zeros) across blocks.
  * Runs without the GIL: no Python API here.
  */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* fallocate */
+#endif
 #include <errno.h>
+#include <fcntl.h>
 #include <string.h>
 #include <unistd.h>
 #include "nio.h"
@@ -28,6 +32,32 @@ static void set_err(struct nio_error *e, int err, const char *op, int has_off, u
 	e->op = op;
 	e->has_off = has_off;
 	e->off = off;
+}
+
+/*
+ * Reserve [0, size) before the first write (size: the caller's estimate of
+ * the final size), with FALLOC_FL_KEEP_SIZE: the blocks are allocated up
+ * front but the file's size still grows only with what is written, so a torn
+ * file is never longer than its data. Past size, writes extend the file as
+ * usual; finish()'s ftruncate gives an unused reservation back.
+ * Returns 0 when reserved, else the errno (EOPNOTSUPP where the filesystem
+ * has no fallocate, ENOSPC, ...): the writer then goes on without one.
+ */
+int nio_writer_preallocate(struct nio_writer *w, uint64_t size)
+{
+	int rc;
+
+	if (!size)
+		return 0;
+	if (NIO_FAULT(refuse_fallocate))
+		return EOPNOTSUPP;
+	do {
+		rc = fallocate(w->fd, FALLOC_FL_KEEP_SIZE, 0, (off_t)size);
+	} while (rc && errno == EINTR);
+	if (rc)
+		return errno;
+	w->reserved = size;
+	return 0;
 }
 
 /* Wait until slot i is idle; report its failure if it had one. */
