@@ -110,7 +110,6 @@ def test_preallocated_save_round_trips_and_detects_damage(tmp_path, monkeypatch)
     """LIGHTNING_RECOVER_PREALLOCATE=on: each rank's file is reserved from the plan's estimate before the
     first write; the checkpoint is the same (ours and the stock reader load it, a flipped byte is caught)."""
     import native_io
-
     from lightning_recover.bench.profile_uring import EngineProxy, Timers
 
     monkeypatch.setenv("LIGHTNING_RECOVER_PREALLOCATE", "on")
