@@ -434,7 +434,7 @@ def native_io_info() -> dict[str, Any]:
     try:
         import native_io
 
-        return {"native_io": native_io.info()}
+        return {"native_io": native_io.info(), "preallocate": env.flag(env.PREALLOCATE)}
     except Exception as e:  # noqa: BLE001 - metadata only
         return {"native_io": f"unavailable: {e}"}
 
