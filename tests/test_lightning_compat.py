@@ -313,21 +313,33 @@ def test_fit_resume_from_checkpoint_of_either_io(tmp_path, writer, reader):
 # ------------------------------------------------------------------------------------------ ModelCheckpoint
 
 
-def _compare_with_stock(run, tmp_path, mode, subdir="ck"):
-    """Run ``run(root, mode)`` for ``mode`` and for the stock IO; listings and checkpoint contents must match."""
+_STOCK_RUNS: dict = {}  # (test, its parameters but the mode) -> (directory, result) of its stock-IO run
+
+
+def _compare_with_stock(run, request, tmp_path, mode, subdir="ck"):
+    """Run ``run(root, mode)`` for ``mode`` and for the stock IO; listings and checkpoint contents must match.
+
+    The stock run of a test is made once and shared by its modes (the directory stays for the session)."""
     out = run(tmp_path / mode, mode)
-    base = out if mode == "stock" else run(tmp_path / "stock", "stock")
+    spec = getattr(request.node, "callspec", None)
+    others = sorted((k, repr(v)) for k, v in (spec.params.items() if spec else ()) if k != "mode")
+    key = (request.node.originalname, tuple(others))
+    if mode == "stock":
+        _STOCK_RUNS[key] = (tmp_path / mode, out)
+    elif key not in _STOCK_RUNS:
+        _STOCK_RUNS[key] = (tmp_path / "stock", run(tmp_path / "stock", "stock"))
+    stock_dir, base = _STOCK_RUNS[key]
     names = _listing(tmp_path / mode / subdir)
-    assert names == _listing(tmp_path / "stock" / subdir)
+    assert names == _listing(stock_dir / subdir)
     for name in names:
         _assert_same_checkpoint(
-            _tload(tmp_path / "stock" / subdir / name), _tload(tmp_path / mode / subdir / name), f"{mode}/{name}"
+            _tload(stock_dir / subdir / name), _tload(tmp_path / mode / subdir / name), f"{mode}/{name}"
         )
     return out, base, names
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_model_checkpoint_top_k_monitor_and_last(tmp_path, mode, monkeypatch):
+def test_model_checkpoint_top_k_monitor_and_last(request, tmp_path, mode, monkeypatch):
     """ModelCheckpoint ``save_top_k=2`` on a monitored metric plus ``save_last``: the worse files are removed, the
     best are kept, ``last.ckpt`` is the latest saved state; ``validate(ckpt_path="best"|"last")`` loads them."""
     _slow_background(monkeypatch, mode)
@@ -344,7 +356,7 @@ def test_model_checkpoint_top_k_monitor_and_last(tmp_path, mode, monkeypatch):
         trainer.fit(model)
         return model, trainer, mc
 
-    (model, trainer, mc), _, names = _compare_with_stock(run, tmp_path, mode)
+    (model, trainer, mc), _, names = _compare_with_stock(run, request, tmp_path, mode)
     assert names == ["epoch=1.ckpt", "epoch=3.ckpt", "last.ckpt"]
     ck = tmp_path / mode / "ck"
     assert mc.best_model_path == str(ck / "epoch=1.ckpt") and float(mc.best_model_score) == pytest.approx(0.9)
@@ -381,7 +393,7 @@ SAVE_COUNTS = {  # (top-k callback?, save_last): saves for 2 epochs of 4 batches
 
 @pytest.mark.parametrize("case", list(SAVE_COUNTS))
 @pytest.mark.parametrize("mode", MODES)
-def test_save_count_per_validation_top_k_and_last(tmp_path, mode, case, monkeypatch):
+def test_save_count_per_validation_top_k_and_last(request, tmp_path, mode, case, monkeypatch):
     """Each validation check saves once through the default IO (twice with ``save_last=True``, once with
     ``save_last="link"``); the files left are the stock IO's, with the same contents."""
     _slow_background(monkeypatch, mode, seconds=0.05)
@@ -406,13 +418,13 @@ def test_save_count_per_validation_top_k_and_last(tmp_path, mode, case, monkeypa
         _durable(io)
         return len(calls)
 
-    count, stock_count, _ = _compare_with_stock(run, tmp_path, mode)
+    count, stock_count, _ = _compare_with_stock(run, request, tmp_path, mode)
     assert count == stock_count == expected
 
 
 @pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
 @pytest.mark.parametrize("mode", MODES)
-def test_every_n_train_steps_checkpoints_hold_at_save_values(tmp_path, mode, manual, monkeypatch):
+def test_every_n_train_steps_checkpoints_hold_at_save_values(request, tmp_path, mode, manual, monkeypatch):
     """``every_n_train_steps`` with ``save_top_k=-1``: one file per interval, each with exactly the model and Adam
     state at its save, while training went on (item 8: also under manual optimization)."""
     _slow_background(monkeypatch, mode)
@@ -424,7 +436,7 @@ def test_every_n_train_steps_checkpoints_hold_at_save_values(tmp_path, mode, man
         _trainer(root, m, max_steps=7, limit_val_batches=0, callbacks=[mc]).fit(model)
         return model
 
-    model, _, names = _compare_with_stock(run, tmp_path, mode)
+    model, _, names = _compare_with_stock(run, request, tmp_path, mode)
     assert names == ["step=2.ckpt", "step=4.ckpt", "step=6.ckpt"]
     for step in (2, 4, 6):
         got = _tload(tmp_path / mode / "ck" / f"step={step}.ckpt")
@@ -434,7 +446,7 @@ def test_every_n_train_steps_checkpoints_hold_at_save_values(tmp_path, mode, man
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_repeated_name_gets_version_suffix(tmp_path, mode, monkeypatch):
+def test_repeated_name_gets_version_suffix(request, tmp_path, mode, monkeypatch):
     """Item 4: a fixed ``filename`` saved repeatedly becomes ``fixed``, ``fixed-v1``, ... -- in async mode the name
     of a save still in flight counts as taken -- and a new Trainer in the same directory continues the versions."""
     _slow_background(monkeypatch, mode, seconds=0.3)
@@ -453,7 +465,7 @@ def test_repeated_name_gets_version_suffix(tmp_path, mode, monkeypatch):
             _trainer(root, m, max_steps=max_steps, limit_val_batches=0, callbacks=[mc]).fit(Model())
         return model
 
-    _compare_with_stock(run, tmp_path, mode)
+    _compare_with_stock(run, request, tmp_path, mode)
     names = _listing(tmp_path / mode / "ck")
     assert names == ["fixed-v1.ckpt", "fixed-v2.ckpt", "fixed-v3.ckpt", "fixed-v4.ckpt", "fixed.ckpt"]
     steps = [_tload(tmp_path / mode / "ck" / n)["global_step"] for n in ("fixed.ckpt", *names[:4])]
@@ -758,7 +770,7 @@ def test_directory_lists_only_final_names_while_saves_are_in_flight(tmp_path, mo
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_ema_weight_averaging_checkpoints_hold_at_save_values(tmp_path, mode, monkeypatch):
+def test_ema_weight_averaging_checkpoints_hold_at_save_values(request, tmp_path, mode, monkeypatch):
     """Item 8: with ``EMAWeightAveraging`` (which swaps the averaged weights in for validation and copies them
     into the model at the end through ``param.data``) every checkpoint holds exactly the state handed to the IO,
     and equals the stock run's."""
@@ -778,7 +790,7 @@ def test_ema_weight_averaging_checkpoints_hold_at_save_values(tmp_path, mode, mo
         trainer.fit(model)
         return model
 
-    model, _, names = _compare_with_stock(run, tmp_path, mode)
+    model, _, names = _compare_with_stock(run, request, tmp_path, mode)
     assert names == [f"step={s}.ckpt" for s in range(1, 7)]
     for name in names:
         ck = _tload(tmp_path / mode / "ck" / name)
