@@ -206,8 +206,8 @@ def test_failure_mid_write_keeps_previous_and_no_final_file(tmp_path, monkeypatc
         def __init__(self, eng):
             self.eng = eng
 
-        def open_writer(self, p):
-            return FailingWriter(self.eng.open_writer(p))
+        def open_writer(self, p, **kw):
+            return FailingWriter(self.eng.open_writer(p, **kw))
 
         def open_reader(self, p):
             return self.eng.open_reader(p)

@@ -64,14 +64,7 @@ def open_writer(eng: Any, path: Any, size_hint: Optional[int] = None) -> Any:
     estimate of the file size) is reserved with ``fallocate`` before the first write.
 
     Opt-in: paired runs against fio did not show a consistent gain on this machine's disk (docs/benchmarks.md).
-    An engine-like object whose ``open_writer`` takes no ``size_hint`` (a wrapper written against the older
-    signature) is called with the path alone: the reservation is an optimisation, never needed for correctness.
     """
     if not size_hint or env.flag(env.PREALLOCATE) != "on":
         return eng.open_writer(path)
-    try:
-        return eng.open_writer(path, size_hint=size_hint)
-    except TypeError as e:
-        if "size_hint" not in str(e):
-            raise
-        return eng.open_writer(path)
+    return eng.open_writer(path, size_hint=size_hint)
