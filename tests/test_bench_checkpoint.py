@@ -265,3 +265,21 @@ def test_bench_checkpoint_paired_smoke(tmp_path, capsys):
         assert p["fio_write_s"] >= p["fio_write_runtime_s"] > 0 and p["save_s"] > 0
         assert math.isfinite(p["save_ratio"]) and math.isfinite(p["load_ratio"])
     assert not any((tmp_path / "work").iterdir())
+
+
+def test_async_checkpoint_bench_pairs_each_save_with_the_steps_just_before(tmp_path):
+    """The async benchmark times steps with no checkpoint activity right before each save and reports the ratio
+    of the steps after the save to them (the flush's cost to training), per repetition and as a median."""
+    from lightning_recover.bench import async_checkpoint
+
+    res = async_checkpoint.run(
+        0.02, str(tmp_path), ["uring-async", "uring-sync"], 2, 2, 0.01, False, log=lambda _: None
+    )
+    assert [r["rep"] for r in res["records"]] == [0, 0, 1, 1]
+    for rec in res["records"]:
+        assert rec["baseline_step_s"] > 0 and len(rec["step_times"]) == 2
+        assert rec["step_ratio"] == pytest.approx(rec["step_s"] / rec["baseline_step_s"])
+    ours = res["summary"]["uring-async"]
+    assert len(ours["step_ratios"]) == 2 and min(ours["step_ratios"]) <= ours["step_ratio"] <= max(ours["step_ratios"])
+    assert "step_during_flush_le_1.05x" in res["targets"]
+    assert "paired step ratio" in async_checkpoint.format_table(res)
