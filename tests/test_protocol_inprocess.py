@@ -105,7 +105,13 @@ def test_cascade_death_during_recovery():
     )
     assert_matches_reference(cluster, [0, 3])
     assert cluster.slot(2).outcome == "killed", "the recompute fault fired"
-    assert max(s.recoveries for s in cluster.slot(0).history) == 2, "two recoveries inside one step"
+    step1 = cluster.slot(0).history[1]
+    assert step1.generation == 2, "both deaths handled inside step 1: two membership changes"
+    # Replica 2 dies once it recomputes in generation 1. A survivor that already formed generation 1 recovers a
+    # second time; one still building it (slower, e.g. on a loaded machine) sees the death there and retries the
+    # same recovery: which of the two is timing. Either way each death is seen, as a regroup or a failure.
+    assert 1 <= step1.recoveries <= 2
+    assert step1.recoveries + sum(e["kind"] == "failure" for e in step1.events) >= 2, step1.events
     assert live_per_step(cluster, 0) == [4, 2, 2]
 
 
