@@ -95,6 +95,17 @@ def largest_item(path: str):
     return max(md.storage_data.items(), key=lambda kv: kv[1].length)
 
 
+def flip_bit_in_largest_item(path: str):
+    """Flip one bit inside the tensor data of the checkpoint's largest item; returns that item's index."""
+    index, sinfo = largest_item(path)
+    with open(os.path.join(path, sinfo.relative_path), "r+b") as f:
+        f.seek(sinfo.offset + sinfo.length - 4096)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    return index
+
+
 def test_round_trip_ours(tmp_path):
     state = make_state()
     p = str(tmp_path / "ck")
@@ -122,12 +133,7 @@ def test_preallocated_save_round_trips_and_detects_damage(tmp_path, monkeypatch)
     assert w.preallocated >= os.path.getsize(shard)  # the estimate bounds the file
     assert_same(load_with(UringStorageReader(p), state), state)
     assert_same(load_with(FileSystemReader(p), state), state)
-    index, sinfo = largest_item(p)
-    with open(shard, "r+b") as f:
-        f.seek(sinfo.offset + sinfo.length - 4096)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0x10]))
+    index = flip_bit_in_largest_item(p)
     with corrupt(rf"__0_0\.distcp: item {index.fqn} .*CRC-32C"):
         load_with(UringStorageReader(p), state)
 
@@ -163,13 +169,7 @@ def test_flipped_byte_detected_by_ours_silent_in_stock(tmp_path):
     state = make_state(3)
     p = str(tmp_path / "ck")
     dcp.save(state, storage_writer=UringStorageWriter(p))
-    index, sinfo = largest_item(p)
-    shard = os.path.join(p, sinfo.relative_path)
-    with open(shard, "r+b") as f:  # flip one bit in the middle of the tensor data
-        f.seek(sinfo.offset + sinfo.length - 4096)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0x10]))
+    index = flip_bit_in_largest_item(p)
     with corrupt(rf"__0_0\.distcp: item {index.fqn} .*CRC-32C"):
         load_with(UringStorageReader(p), state)
     with corrupt(index.fqn):

@@ -1,5 +1,6 @@
 """Tests of the native_io C extension (both engines, fault injection, errors)."""
 
+import contextlib
 import errno
 import os
 import random
@@ -13,6 +14,30 @@ native_io = pytest.importorskip("native_io")
 ENGINES = native_io.info()["engines"]
 KB = 1024
 MB = 1024 * 1024
+
+
+def _usable_engines(**kw):
+    """``(name, IOEngine)`` for every compiled-in engine that works here (io_uring may be refused)."""
+    for name in ENGINES:
+        if name == "uring" and not native_io.info()["uring_usable"]:
+            continue
+        yield name, native_io.IOEngine(engine=name, **kw)
+
+
+@contextlib.contextmanager
+def _mounted_tmpfs(mnt, options):
+    """A tmpfs mounted at ``mnt`` (created) with ``options`` for the block, unmounted after; skips the test
+    without root or when the mount fails."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting tmpfs needs root")
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip("cannot mount tmpfs: %s" % r.stderr.decode(errors="replace").strip())
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def _engine_or_skip(name, **kw):
@@ -307,18 +332,8 @@ def test_injected_eio_on_read(tmp_path, nt, engine):
 
 
 def test_enospc_on_small_tmpfs(tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("mounting tmpfs needs root")
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip("cannot mount tmpfs: %s" % r.stderr.decode(errors="replace").strip())
-    try:
-        for name in ENGINES:
-            if name == "uring" and not native_io.info()["uring_usable"]:
-                continue
-            eng = native_io.IOEngine(engine=name, block_size=BS, queue_depth=2)
+    with _mounted_tmpfs(tmp_path / "mnt", "size=1m") as mnt:
+        for name, eng in _usable_engines(block_size=BS, queue_depth=2):
             p = mnt / ("full-%s.bin" % name)
             w = eng.open_writer(p)
             with pytest.raises(OSError) as ei:
@@ -328,8 +343,6 @@ def test_enospc_on_small_tmpfs(tmp_path):
             assert ei.value.filename == str(p)
             w.close()
             os.unlink(p)
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def test_direct_refused_falls_back_to_buffered(tmp_path, nt):
@@ -422,24 +435,12 @@ def test_size_hint_torn_write_keeps_written_size(tmp_path, nt, engine):
 
 def test_size_hint_enospc_on_small_tmpfs(tmp_path):
     """A reservation larger than the filesystem fails (ENOSPC) and is skipped; writes that fit succeed."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting tmpfs needs root")
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip("cannot mount tmpfs: %s" % r.stderr.decode(errors="replace").strip())
-    try:
-        for name in ENGINES:
-            if name == "uring" and not native_io.info()["uring_usable"]:
-                continue
-            eng = native_io.IOEngine(engine=name, block_size=BS, queue_depth=2)
+    with _mounted_tmpfs(tmp_path / "mnt", "size=1m") as mnt:
+        for name, eng in _usable_engines(block_size=BS, queue_depth=2):
             segs, expect = _make_segments([200000, 3], random.Random(5))
             reserved, why = _roundtrip_hint(eng, mnt / ("f-%s.bin" % name), segs, expect, 64 * MB)
             assert reserved == 0 and why == "fallocate: " + os.strerror(errno.ENOSPC)
             os.unlink(mnt / ("f-%s.bin" % name))
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def test_dev_shm_tmpfs_roundtrip():
@@ -529,20 +530,11 @@ def test_eacces_as_unprivileged_user(tmp_path):
 
 
 def test_erofs_on_readonly_tmpfs(tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("mounting tmpfs needs root")
-    mnt = tmp_path / "ro"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip("cannot mount tmpfs: %s" % r.stderr.decode(errors="replace").strip())
-    try:
+    with _mounted_tmpfs(tmp_path / "ro", "size=1m,ro") as mnt:
         with pytest.raises(OSError) as ei:
             native_io.IOEngine(block_size=BS).open_writer(mnt / "x.bin")
         assert ei.value.errno == errno.EROFS
         assert ei.value.filename == str(mnt / "x.bin")
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def test_nonexistent_directory(tmp_path):
