@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NoReturn
 
 from lightning_recover import env
 from lightning_recover.launch.process_tree import end_helper_process
@@ -150,7 +151,7 @@ def start(
     return CoordinatorProcess(proc, buf.decode().split()[1])
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> NoReturn:
     parser = argparse.ArgumentParser(prog="lightning-recover coordinator", description="run the coordinator")
     add_arguments(parser)
     parser.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
@@ -170,7 +171,6 @@ def main(argv: list[str] | None = None) -> int:
         replica_size=args.replica_size,
     )
     end_helper_process(0)  # stopped (SIGTERM from the launcher): nothing to finalize
-    return 0
 
 
 def int_in_range(low: int, high: int | None, what: str) -> Callable[[str], int]:

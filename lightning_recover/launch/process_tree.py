@@ -9,9 +9,10 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from typing import NoReturn
 
 
-def end_helper_process(code: int) -> None:
+def end_helper_process(code: int) -> NoReturn:
     """End one of the job's own helper processes (coordinator, fork server) once its work is done.
 
     Skips the interpreter's finalization: with torch (and Lightning) imported, its garbage collections
