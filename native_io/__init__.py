@@ -19,6 +19,7 @@ from ._native_io import (  # noqa: F401
     NativeIOError,
     Reader,
     Writer,
+    copy_crc32c,
     crc32c,
 )
 
@@ -30,6 +31,7 @@ __all__ = [
     "NativeIOError",
     "Reader",
     "Writer",
+    "copy_crc32c",
     "crc32c",
     "info",
     "testing",

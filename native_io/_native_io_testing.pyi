@@ -8,6 +8,7 @@ from native_io._native_io import (
     NativeIOError as NativeIOError,
     Reader as Reader,
     Writer as Writer,
+    copy_crc32c as copy_crc32c,
     crc32c as crc32c,
     info as info,
 )

@@ -20,7 +20,7 @@ from lightning_recover.checkpoint import (
     read_info,
 )
 from lightning_recover.checkpoint.async_io import _Ring, crc32c_combine
-from lightning_recover.checkpoint.torch_zip import PlanWriter
+from lightning_recover.checkpoint.torch_zip import ALIGN, PlanWriter
 from tests.jobs import bounded
 
 pytestmark = pytest.mark.timeout(120)
@@ -106,19 +106,22 @@ def test_crc32c_combine_matches_native():
 
 
 def test_ring_fifo_wraps_and_backpressure():
+    A = ALIGN  # regions start on ALIGN boundaries: the flusher writes them with O_DIRECT as they are
     r = _Ring()
-    r.ensure(100)
-    assert r.reserve(40, lambda: False) == 0
-    assert r.reserve(40, lambda: False) == 40
+    r.ensure(10 * A)
+    assert r.buf.data_ptr() % A == 0
+    assert r.reserve(4 * A, lambda: False) == 0
+    assert r.reserve(4 * A - 100, lambda: False) == 4 * A  # rounded up to 4 * A
     got = []
-    t = threading.Thread(target=lambda: got.append(r.reserve(30, lambda: False)))
+    t = threading.Thread(target=lambda: got.append(r.reserve(3 * A, lambda: False)), daemon=True)
     t.start()
     t.join(0.2)
-    assert t.is_alive()  # 20 bytes free at the end, none at the start: waits
-    r.release()  # frees [0, 40)
+    assert t.is_alive()  # 2 * A free at the end, none at the start: waits
+    r.release()  # frees [0, 4 * A)
     t.join(5)
     assert got == [0]  # wrapped to the start
-    assert r.reserve(50, lambda: True) is None  # cancelled
+    assert r.reserve(1, lambda: False) == 3 * A  # one byte takes the whole page left before the oldest region
+    assert r.reserve(1, lambda: True) is None  # full: it would wait; cancelled
 
 
 # --------------------------------------------------------------------------------------- consistency
@@ -162,6 +165,8 @@ def test_step_waits_for_snapshot_with_small_staging(tmp_path):
     assert io._saver.history[-1]["error"] is None
     info = read_info(tmp_path / "a.ckpt")
     assert info.index.records["data/0"].nbytes == 16_000_000  # written in 1 MiB chunks, checksummed whole
+    if io._saver.history[-1]["direct"]:  # every aligned page went to the disk straight from the staging ring
+        assert io._saver.history[-1]["unstaged_bytes"] == 16_000_000 // ALIGN * ALIGN
     io.teardown()
 
 

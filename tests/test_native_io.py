@@ -768,3 +768,141 @@ def test_single_file_save_with_preallocation(tmp_path, monkeypatch, prealloc):
         f.write(bytes([data[at] ^ 0x01]))
     with pytest.raises(CheckpointCorruptError):
         single_file.load(p)
+
+
+# ------------------------------------------------------- unstaged writes (write_unstaged)
+
+
+def _aligned(data: bytes, shift: int = 0) -> memoryview:
+    """``data`` in page-aligned memory (an anonymous mmap), starting ``shift`` bytes past the page."""
+    import mmap
+
+    mm = mmap.mmap(-1, len(data) + shift + 1)
+    mm[shift : shift + len(data)] = data
+    return memoryview(mm)[shift : shift + len(data)]
+
+
+def _write_mixed(w, pieces):
+    """Write ``pieces`` [(offset, data, unstaged?, shift)] in order; returns the CRCs."""
+    crcs = []
+    for off, data, unstaged, shift in pieces:
+        if unstaged:
+            crcs.append(w.write_unstaged(off, _aligned(data, shift)))
+        else:
+            crcs += w.write([(off, data)])
+    return crcs
+
+
+def _mixed_pieces(rnd, sizes):
+    """Staged headers at unaligned offsets, each followed by an unstaged body at the next 4096 boundary (the
+    layout of a format-2 checkpoint); returns the pieces and the expected file bytes."""
+    pieces, expect, off = [], bytearray(), 0
+    for n in sizes:
+        head = rnd.randbytes(rnd.randrange(1, 300))
+        pieces.append((off, head, False, 0))
+        expect += head
+        off += len(head)
+        body_at = -(-off // 4096) * 4096
+        expect += b"\0" * (body_at - off)
+        body = rnd.randbytes(n)
+        pieces.append((body_at, body, True, 0))
+        expect += body
+        off = body_at + n
+    return pieces, bytes(expect)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("direct", [True, False])
+def test_write_unstaged_roundtrip(tmp_path, engine, direct):
+    eng = _engine_or_skip(engine, block_size=BS, queue_depth=2, direct=direct)
+    rnd = random.Random(5)
+    sizes = [0, 1, 4095, 4096, 4097, BS - 1, BS, BS + 1, 3 * BS + 100, 7 * BS]
+    pieces, expect = _mixed_pieces(rnd, sizes)
+    p = tmp_path / "f.bin"
+    with eng.open_writer(p) as w:
+        crcs = _write_mixed(w, pieces)
+    assert crcs == [native_io.crc32c(d) for _, d, _, _ in pieces]
+    assert p.read_bytes() == expect
+    assert w.bytes_written == sum(len(d) for _, d, _, _ in pieces)
+    # with O_DIRECT the aligned bodies went to the device from the caller's memory; buffered, all was staged
+    unstaged = sum(len(d) // 4096 * 4096 for _, d, u, _ in pieces if u) if w.direct else 0
+    assert w.unstaged_bytes == unstaged
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_write_unstaged_buffer_may_be_reused_at_once(tmp_path, engine):
+    """The call returns only when no transfer reads the buffer: overwriting it right after changes nothing."""
+    eng = _engine_or_skip(engine, block_size=BS, queue_depth=2)
+    rnd = random.Random(6)
+    ring = _aligned(b"\0" * (4 * BS))
+    expect = bytearray()
+    p = tmp_path / "f.bin"
+    with eng.open_writer(p) as w:
+        for k in range(6):
+            data = rnd.randbytes(4 * BS - (k % 2) * 100)
+            ring[: len(data)] = data
+            assert w.write_unstaged(k * 4 * BS, ring[: len(data)]) == native_io.crc32c(data)
+            ring[:] = b"\xff" * len(ring)  # the next chunk's copy into the ring
+            expect += data + b"\0" * (4 * BS - len(data))
+    assert p.read_bytes() == bytes(expect[: 5 * 4 * BS + 4 * BS - 100])
+
+
+def test_write_unstaged_given_crc_is_returned_and_misaligned_input_is_staged(tmp_path):
+    eng = native_io.IOEngine(block_size=BS, queue_depth=2)
+    rnd = random.Random(7)
+    a, b, c = rnd.randbytes(BS + 5), rnd.randbytes(10000), rnd.randbytes(3 * BS)
+    p = tmp_path / "f.bin"
+    with eng.open_writer(p) as w:
+        assert w.write_unstaged(0, _aligned(a), crc=native_io.crc32c(a)) == native_io.crc32c(a)
+        assert w.write_unstaged(2 * BS, _aligned(b, shift=8)) == native_io.crc32c(b)  # misaligned memory
+        assert w.write_unstaged(2 * BS + 10000, _aligned(c)) == native_io.crc32c(c)  # misaligned offset
+        assert w.unstaged_bytes == (len(a) // 4096 * 4096 if w.direct else 0)
+        with pytest.raises(ValueError, match="before the end"):
+            w.write_unstaged(BS, _aligned(b))
+        with pytest.raises(ValueError, match="32 bits"):
+            w.write_unstaged(6 * BS, _aligned(b), crc=1 << 32)
+    gap = b"\0" * (2 * BS - len(a))
+    assert p.read_bytes() == a + gap + b + c
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("faults", [dict(short_every=2), dict(eintr_every=3)])
+def test_write_unstaged_short_and_eintr_still_identical(tmp_path, nt, engine, faults):
+    eng = _test_engine_or_skip(nt, engine, block_size=BS, queue_depth=2)
+    pieces, expect = _mixed_pieces(random.Random(8), [5 * BS + 17, 4096, 2 * BS])
+    nt._inject_faults(**faults)
+    p = tmp_path / "f.bin"
+    with eng.open_writer(p) as w:
+        crcs = _write_mixed(w, pieces)
+    nt._inject_faults()
+    assert crcs == [native_io.crc32c(d) for _, d, _, _ in pieces]
+    assert p.read_bytes() == expect
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_write_unstaged_eio_poisons_the_writer(tmp_path, nt, engine):
+    eng = _test_engine_or_skip(nt, engine, block_size=BS, queue_depth=2)
+    p = tmp_path / "f.bin"
+    nt._inject_faults(eio_at=2)
+    w = eng.open_writer(p)
+    with pytest.raises(OSError) as ei:
+        w.write_unstaged(0, _aligned(b"q" * (6 * BS)))
+    nt._inject_faults()
+    assert ei.value.errno == errno.EIO and ei.value.offset is not None
+    with pytest.raises(OSError, match="earlier write failed"):
+        w.write_unstaged(8 * BS, _aligned(b"q" * BS))
+    w.close()
+
+
+def test_copy_crc32c(tmp_path):
+    rnd = random.Random(9)
+    for n in [0, 1, 7, 4096, 100003, 3 * MB + 5]:
+        src = rnd.randbytes(n)
+        dst = bytearray(n)
+        assert native_io.copy_crc32c(dst, src) == native_io.crc32c(src)
+        assert dst == src
+    assert native_io.copy_crc32c(bytearray(4), b"6789", native_io.crc32c(b"12345")) == 0xE3069283
+    with pytest.raises(ValueError, match="must be equal"):
+        native_io.copy_crc32c(bytearray(3), b"1234")
+    with pytest.raises(BufferError):
+        native_io.copy_crc32c(b"1234", b"1234")  # read-only destination

@@ -34,6 +34,7 @@ import gc
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import sys
@@ -125,6 +126,7 @@ def run_one(method: str, checkpoint: dict, trainer: Trainer, workdir: str, steps
     """One save with ``method`` followed by ``steps`` training steps; returns the measurements."""
     os.makedirs(workdir, exist_ok=True)
     guard = None
+    cpu0 = process_cpu_s()
     finish: Callable[[], float]
     if method == "uring-async":
         from lightning_recover.checkpoint import UringCheckpointIO
@@ -190,6 +192,7 @@ def run_one(method: str, checkpoint: dict, trainer: Trainer, workdir: str, steps
         step_times.append(s)
         waits.append(w)
     durable = finish()
+    cpu_s = process_cpu_s() - cpu0
     return {
         "method": method,
         "call_s": t_call,
@@ -198,7 +201,14 @@ def run_one(method: str, checkpoint: dict, trainer: Trainer, workdir: str, steps
         "durable_s": durable,
         "step_s": statistics.mean(step_times) if step_times else 0.0,
         "step_times": step_times,
+        "cpu_s": cpu_s,
     }
+
+
+def process_cpu_s() -> float:
+    """CPU seconds of this process so far, all threads, user + system (the kernel's I/O work included)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 # ----------------------------------------------------------------------------------------------- restore
@@ -284,15 +294,27 @@ def run(
             gc.collect()
             # the same steps with no checkpoint activity, right before the save: the pair's baseline (the
             # machine's load drifts between repetitions, so one baseline at the start would not do)
+            cpu0 = process_cpu_s()
             before = [trainer.step()[0] for _ in range(max(1, steps))]
+            baseline_cpu = process_cpu_s() - cpu0
             rec = run_one(m, checkpoint, trainer, wd, steps, state)
             rec["rep"] = r
             rec["baseline_step_s"] = statistics.mean(before)
             rec["step_ratio"] = rec["step_s"] / rec["baseline_step_s"] if steps else 0.0
+            # the step the save was called in (the snapshot copy lands there) and the steps after it (the flush)
+            rec["first_step_ratio"] = rec["step_times"][0] / rec["baseline_step_s"] if steps else 0.0
+            rec["later_step_ratio"] = (
+                statistics.mean(rec["step_times"][1:]) / rec["baseline_step_s"] if steps > 1 else 0.0
+            )
+            # CPU the save cost the process: from the save call until durable, less the same number of steps
+            # without checkpoint activity (the baseline steps just before)
+            rec["save_cpu_s"] = rec["cpu_s"] - baseline_cpu
             records.append(rec)
             log(
                 f"  rep {r} {m:16s} blocked {rec['blocked_s']:.3f} s (call {rec['call_s']:.3f} + wait "
-                f"{rec['wait_s']:.3f})  durable {rec['durable_s']:.2f} s  step {rec['step_s']:.3f} s"
+                f"{rec['wait_s']:.3f})  durable {rec['durable_s']:.2f} s  step {rec['step_s']:.3f} s "
+                f"(x{rec['step_ratio']:.2f}: first x{rec['first_step_ratio']:.2f}, later x{rec['later_step_ratio']:.2f})"
+                f"  save CPU {rec['save_cpu_s']:.2f} s"
             )
             shutil.rmtree(wd, ignore_errors=True)
     for io in state.values():
@@ -302,7 +324,18 @@ def run(
         rs = [x for x in records if x["method"] == m]
         summary[m] = {
             k: statistics.median([x[k] for x in rs])
-            for k in ("blocked_s", "call_s", "wait_s", "durable_s", "step_s", "baseline_step_s", "step_ratio")
+            for k in (
+                "blocked_s",
+                "call_s",
+                "wait_s",
+                "durable_s",
+                "step_s",
+                "baseline_step_s",
+                "step_ratio",
+                "first_step_ratio",
+                "later_step_ratio",
+                "save_cpu_s",
+            )
         }
         summary[m]["step_ratios"] = [x["step_ratio"] for x in rs]
     sync = summary.get("uring-sync", {}).get("durable_s")

@@ -52,7 +52,7 @@ from lightning_recover.checkpoint import format as fmt
 from lightning_recover.checkpoint import snapshot_guard
 from lightning_recover.checkpoint.engine import open_writer
 from lightning_recover.checkpoint.files import cleanup_stale_temps, commit, temp_path_for, unlink_quiet
-from lightning_recover.checkpoint.torch_zip import PlanWriter, ZipPlan, plan_archive
+from lightning_recover.checkpoint.torch_zip import ALIGN, PlanWriter, ZipPlan, plan_archive
 
 log = logging.getLogger(__name__)
 
@@ -162,8 +162,16 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
 # ------------------------------------------------------------------------------------------ staging ring
 
 
+def _align_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
 class _Ring:
-    """FIFO allocator over one host buffer: regions are released in the order they were reserved."""
+    """FIFO allocator over one host buffer: regions are released in the order they were reserved.
+
+    The buffer and every region start on an ``ALIGN`` (4096) boundary, so the flusher can hand a region to an
+    O_DIRECT write as it is (``Writer.write_unstaged``) instead of copying it into the engine's arena.
+    """
 
     def __init__(self) -> None:
         self.buf: Optional[torch.Tensor] = None
@@ -180,13 +188,14 @@ class _Ring:
             while self._allocs:
                 self._cv.wait()
             self.buf = None
-            buf = torch.empty(capacity, dtype=torch.uint8)
+            raw = torch.empty(capacity + ALIGN, dtype=torch.uint8)
             if torch.cuda.is_available():  # pragma: no cover - no GPU here
                 try:
-                    buf = buf.pin_memory()
+                    raw = raw.pin_memory()
                 except RuntimeError:
                     pass
-            self.buf, self.capacity, self._head = buf, capacity, 0
+            pad = -raw.data_ptr() % ALIGN
+            self.buf, self.capacity, self._head = raw[pad : pad + capacity], capacity, 0
 
     def _fit(self, n: int) -> Optional[int]:
         if not self._allocs:
@@ -200,6 +209,7 @@ class _Ring:
 
     def reserve(self, n: int, cancelled: Any) -> Optional[int]:
         """Start of ``n`` free bytes (waits for releases); None if ``cancelled()`` became true."""
+        n = _align_up(n)
         with self._cv:
             while True:
                 if cancelled():
@@ -238,7 +248,7 @@ class _Job:
         self.plan = plan
         self.eager = eager  # [(storage index, uint8 tensor copy)]
         self.lazy = lazy  # [(storage index, uint8 tensor view of the live storage)]
-        self.lazy_bytes = sum(int(t.numel()) for _, t in lazy)
+        self.lazy_bytes = sum(_align_up(int(t.numel())) for _, t in lazy)  # in the ring, storages start aligned
         self.crcs: dict[int, list] = {}  # storage index -> [(crc, length)] of its chunks, in order
         self.tmp: Optional[str] = None
         self.anon_fd: Optional[int] = None  # the unnamed (O_TMPFILE) file being written, when the filesystem has them
@@ -249,6 +259,8 @@ class _Job:
         self.t_submit = time.perf_counter()
         self.t_snapshot: Optional[float] = None
         self.t_durable: Optional[float] = None
+        self.direct = False  # the file was written with O_DIRECT
+        self.unstaged_bytes = 0  # storage bytes the engine wrote straight from the ring (no copy into its arena)
         self.versions: dict[int, list] = {}  # lazy storage index -> [(name, tensor, version at submit)]
         self.placeholder: Optional[tuple] = None  # (st_dev, st_ino) of the empty file this save created
         self.owner: Any = lambda: None
@@ -281,6 +293,7 @@ class _Job:
                 crc = crc32c_combine(crc, c, m)
             self.plan.set_crc32c(i, crc)
         self.writer.finish()
+        self.unstaged_bytes, self.direct = self.writer.writer.unstaged_bytes, self.writer.writer.direct
         if self.anon_fd is not None:  # the durable unnamed file gets a (temporary) name only now
             self.tmp = temp_path_for(self.path)
             _link_unnamed(self.anon_fd, self.tmp)
@@ -316,6 +329,8 @@ class _Job:
             "t_submit": self.t_submit,
             "t_snapshot": self.t_snapshot,
             "t_durable": self.t_durable,
+            "direct": self.direct,
+            "unstaged_bytes": self.unstaged_bytes,
             "error": None if self.error is None else repr(self.error),
         }
 
@@ -555,8 +570,9 @@ class AsyncSaver:
         try:
             if job.lazy:
                 need = job.lazy_bytes if self.staging_bytes is None else self.staging_bytes
-                self._ring.ensure(max(need, 4096))
-                chunk = min(self.chunk_bytes, max(4096, self._ring.capacity // 4))
+                self._ring.ensure(max(need, ALIGN))
+                # aligned chunks keep every chunk's file offset aligned (storages start on ALIGN boundaries)
+                chunk = min(self.chunk_bytes, max(ALIGN, self._ring.capacity // 4)) // ALIGN * ALIGN
                 cancelled = lambda: job.error is not None  # noqa: E731
                 for i, src in job.lazy:
                     n = int(src.numel())
@@ -566,8 +582,8 @@ class AsyncSaver:
                         if at is None:
                             return
                         assert self._ring.buf is not None
-                        self._ring.buf[at : at + m].copy_(src[off : off + m])
-                        fq.put(("chunk", job, i, off, at, m))
+                        crc = _copy_chunk(self._ring.buf[at : at + m], src[off : off + m])
+                        fq.put(("chunk", job, i, off, at, m, crc))
                     changed = snapshot_guard.changed_tensor(job.versions.get(i, ()))
                     if changed is not None:
                         name, v0, v1 = changed
@@ -603,10 +619,10 @@ class AsyncSaver:
                 if kind == "chunk":
                     try:
                         if job.error is None:
-                            _, _, i, off, at, m = item
+                            _, _, i, off, at, m, crc = item
                             job.write_eager(below=i)
                             start = job.plan.storage_record[i].data_offset
-                            (crc,) = job.writer.write([(start + off, self._ring.buf[at : at + m].numpy())])
+                            crc = job.writer.write_unstaged(start + off, self._ring.buf[at : at + m].numpy(), crc)
                             job.crcs.setdefault(i, []).append((int(crc), m))
                     except BaseException as e:
                         job.fail(e)
@@ -674,6 +690,21 @@ class AsyncSaver:
             log.warning("not removing checkpoint %s: the newer save to %s failed", r.path, failed[0].path)
             return
         remove_path(r.path)
+
+
+def _copy_chunk(dst: torch.Tensor, src: torch.Tensor) -> Optional[int]:
+    """Copy a chunk of a live storage into the ring; returns its CRC-32C when it came for free.
+
+    Host memory is copied by ``native_io.copy_crc32c``: one core, without the interpreter lock, the checksum folded
+    into the copy (torch's copy would take every intra-op thread from the training step, and the checksum would
+    cost a second pass). Device memory is copied by torch; the flusher then computes the CRC.
+    """
+    if src.device.type != "cpu":  # pragma: no cover - no GPU here
+        dst.copy_(src)
+        return None
+    import native_io
+
+    return native_io.copy_crc32c(dst.numpy(), src.numpy())
 
 
 def _open_unnamed_writer(engine: Any, job: _Job) -> Any:

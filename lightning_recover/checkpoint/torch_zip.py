@@ -465,19 +465,36 @@ class PlanWriter:
         out: list = []
         want: list = []
         for off, buf in segments:
-            rec = self._starts.pop(off, None)
-            if rec is not None:
-                lead_at, lead = self.plan.lead(rec.storage)  # type: ignore[arg-type]
-                if lead:
-                    out.append((lead_at, lead))
-                    want.append(False)
-            if self.plan.zip_crc32:
-                owner = self._owner(off)
-                owner.zip_crc = zlib.crc32(buf, owner.zip_crc if off != owner.data_offset else 0)
+            lead = self._lead_before(off, buf)
+            if lead is not None:
+                out.append(lead)
+                want.append(False)
             out.append((off, buf))
             want.append(True)
         crcs = self.writer.write(out) if out else []
         return [int(c) for c, w in zip(crcs, want) if w]
+
+    def write_unstaged(self, off: int, buf: Any, crc: Optional[int] = None) -> int:
+        """One chunk of storage bytes at ``off`` through ``Writer.write_unstaged`` (sent to the device from
+        ``buf``'s own memory when it is aligned, the storage's lead bytes staged before it); returns its CRC-32C."""
+        lead = self._lead_before(off, buf)
+        if lead is not None:
+            self.writer.write([lead])
+        return int(self.writer.write_unstaged(off, buf, crc))
+
+    def _lead_before(self, off: int, buf: Any) -> Optional[tuple]:
+        """``(offset, bytes)`` of the lead (local header) to write before the storage starting at ``off``, if
+        any; also folds ``buf`` into the storage's zip CRC-32 when the plan keeps one."""
+        lead = None
+        rec = self._starts.pop(off, None)
+        if rec is not None:
+            lead_at, data = self.plan.lead(rec.storage)  # type: ignore[arg-type]
+            if data:
+                lead = (lead_at, data)
+        if self.plan.zip_crc32:
+            owner = self._owner(off)
+            owner.zip_crc = zlib.crc32(buf, owner.zip_crc if off != owner.data_offset else 0)
+        return lead
 
     def _owner(self, off: int) -> Record:
         r = self._by_offset[bisect.bisect_right(self._offsets, off) - 1]

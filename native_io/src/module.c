@@ -724,6 +724,88 @@ static PyObject *Writer_write(WriterObject *self, PyObject *segments)
 	return res;
 }
 
+/*
+ * write_unstaged(offset, buffer, crc=None): one segment written straight
+ * from the caller's memory when the writer is O_DIRECT and buffer and offset
+ * are ALIGN-aligned (else staged like write()). Returns once the buffer is no
+ * longer read, so the caller may reuse it. Saves the copy into the arena for
+ * callers that own an aligned buffer already (the async saver's staging ring).
+ */
+static PyObject *Writer_write_unstaged(WriterObject *self, PyObject *args, PyObject *kwds)
+{
+	static char *kwlist[] = { "offset", "buffer", "crc", NULL };
+	unsigned long long off;
+	PyObject *buf_obj, *crc_obj = Py_None;
+	struct nio_error e = { 0 };
+	Py_buffer view;
+	uint32_t crc = 0;
+	int have_crc = 0, unstaged, rc;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwds, "KO|O", kwlist, &off, &buf_obj, &crc_obj))
+		return NULL;
+	if (crc_obj != Py_None) {
+		unsigned long long v = PyLong_AsUnsignedLongLong(crc_obj);
+
+		if (v == (unsigned long long)-1 && PyErr_Occurred())
+			return NULL;
+		if (v > 0xffffffffull) {
+			PyErr_SetString(PyExc_ValueError, "crc must fit in 32 bits");
+			return NULL;
+		}
+		crc = (uint32_t)v;
+		have_crc = 1;
+	}
+	if (off > (unsigned long long)INT64_MAX) {
+		PyErr_SetString(PyExc_ValueError, "offset too large");
+		return NULL;
+	}
+	if (busy_check(self->busy, self->closed, "writer") || fork_check(self->ctx, "writer"))
+		return NULL;
+	if (self->failed)
+		return raise_io(self->failed, self->path, "write", 0, 0,
+				"an earlier write failed; close the writer");
+	if (PyObject_GetBuffer(buf_obj, &view, PyBUF_SIMPLE) < 0)
+		return NULL;
+	if ((uint64_t)view.len > (uint64_t)INT64_MAX - off) {
+		PyBuffer_Release(&view);
+		PyErr_SetString(PyExc_ValueError, "offset + length overflows");
+		return NULL;
+	}
+	if (off < self->w.end) {
+		PyBuffer_Release(&view);
+		return PyErr_Format(
+			PyExc_ValueError,
+			"offset %llu is before the end of the previous data (%llu); offsets must be increasing and non-overlapping",
+			off, (unsigned long long)self->w.end);
+	}
+	unstaged = self->direct && off % NIO_ALIGN == 0 && (uintptr_t)view.buf % NIO_ALIGN == 0;
+	self->busy = 1;
+	Py_BEGIN_ALLOW_THREADS
+	double t0 = now();
+
+	if (unstaged) {
+		rc = nio_writer_put_unstaged(&self->w, off, view.buf, (size_t)view.len, have_crc,
+					     &crc, &e);
+	} else {
+		uint32_t staged_crc;
+
+		rc = nio_writer_put(&self->w, off, view.buf, (size_t)view.len, &staged_crc, &e);
+		if (!have_crc)
+			crc = staged_crc;
+	}
+	if (rc)
+		nio_writer_abort(&self->w);
+	self->seconds += now() - t0;
+	Py_END_ALLOW_THREADS
+	self->busy = 0;
+	PyBuffer_Release(&view);
+	if (rc) {
+		self->failed = e.err ? e.err : EIO;
+		return raise_nio(&e, self->path);
+	}
+	return PyLong_FromUnsignedLong(crc);
+}
+
 static PyObject *Writer_close(WriterObject *self, PyObject *args, PyObject *kwds)
 {
 	static char *kwlist[] = { "size", NULL };
@@ -1064,6 +1146,47 @@ static PyObject *mod_crc32c(PyObject *m, PyObject *args, PyObject *kwds)
 	return PyLong_FromUnsignedLong(crc);
 }
 
+/*
+ * copy_crc32c(dst, src, value=0): copy src into dst (same length) and return
+ * src's CRC-32C, in one pass and without the GIL. The async saver's copier
+ * uses it to snapshot tensors into its staging ring on one core.
+ */
+static PyObject *mod_copy_crc32c(PyObject *m, PyObject *args, PyObject *kwds)
+{
+	static char *kwlist[] = { "dst", "src", "value", NULL };
+	unsigned long long value = 0;
+	PyObject *dst_obj, *src_obj;
+	Py_buffer dst, src;
+	uint32_t crc;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|K", kwlist, &dst_obj, &src_obj, &value))
+		return NULL;
+	if (value > 0xffffffffull) {
+		PyErr_SetString(PyExc_ValueError, "value must fit in 32 bits");
+		return NULL;
+	}
+	if (PyObject_GetBuffer(dst_obj, &dst, PyBUF_WRITABLE) < 0)
+		return NULL;
+	if (PyObject_GetBuffer(src_obj, &src, PyBUF_SIMPLE) < 0) {
+		PyBuffer_Release(&dst);
+		return NULL;
+	}
+	if (dst.len != src.len) {
+		PyErr_Format(PyExc_ValueError, "dst has %zd bytes, src %zd: they must be equal",
+			     dst.len, src.len);
+		crc = 0;
+	} else {
+		Py_BEGIN_ALLOW_THREADS
+		crc = nio_crc32c_copy(dst.buf, src.buf, (size_t)src.len, (uint32_t)value);
+		Py_END_ALLOW_THREADS
+	}
+	PyBuffer_Release(&src);
+	PyBuffer_Release(&dst);
+	if (PyErr_Occurred())
+		return NULL;
+	return PyLong_FromUnsignedLong(crc);
+}
+
 static int dict_set(PyObject *d, const char *k, PyObject *v)
 {
 	int rc;
@@ -1162,6 +1285,8 @@ static PyMemberDef Writer_members[] = {
 	  "payload bytes handed to write()" },
 	{ "io_bytes", T_ULONGLONG, offsetof(WriterObject, w.io_bytes), READONLY,
 	  "bytes transferred to the file (incl. padding)" },
+	{ "unstaged_bytes", T_ULONGLONG, offsetof(WriterObject, w.unstaged), READONLY,
+	  "payload bytes written straight from the caller's memory (write_unstaged)" },
 	{ "seconds", T_DOUBLE, offsetof(WriterObject, seconds), READONLY,
 	  "wall time spent in write() and close()" },
 	{ "direct", T_BOOL, offsetof(WriterObject, direct), READONLY,
@@ -1188,6 +1313,9 @@ static PyGetSetDef Writer_getset[] = {
 static PyMethodDef Writer_methods[] = {
 	{ "write", (PyCFunction)Writer_write, METH_O,
 	  "write(segments) -> list[int]: stage [(offset, buffer), ...], return crc32c per segment" },
+	{ "write_unstaged", (PyCFunction)(void (*)(void))Writer_write_unstaged,
+	  METH_VARARGS | METH_KEYWORDS,
+	  "write_unstaged(offset, buffer, crc=None) -> int: one segment, its aligned body written straight from buffer (O_DIRECT, buffer and offset 4096-aligned; else staged); returns its crc32c once buffer may be reused" },
 	{ "close", (PyCFunction)(void (*)(void))Writer_close, METH_VARARGS | METH_KEYWORDS,
 	  "close(size=None): flush, truncate, fdatasync, close (idempotent)" },
 	{ "__enter__", Writer_enter, METH_NOARGS, NULL },
@@ -1265,6 +1393,8 @@ static PyTypeObject ReaderType = {
 static PyMethodDef module_methods[] = {
 	{ "crc32c", (PyCFunction)(void (*)(void))mod_crc32c, METH_VARARGS | METH_KEYWORDS,
 	  "crc32c(buf, value=0) -> int: CRC-32C (Castagnoli), chainable" },
+	{ "copy_crc32c", (PyCFunction)(void (*)(void))mod_copy_crc32c, METH_VARARGS | METH_KEYWORDS,
+	  "copy_crc32c(dst, src, value=0) -> int: copy src into dst (same length), return src's CRC-32C" },
 	{ "info", (PyCFunction)mod_info, METH_NOARGS,
 	  "info() -> dict describing the build and defaults" },
 #ifdef NATIVE_IO_TESTING

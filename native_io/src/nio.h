@@ -164,11 +164,14 @@ struct nio_writer {
 	uint64_t end;	   /* end of the last segment */
 	uint64_t payload;  /* bytes handed in by segments */
 	uint64_t io_bytes; /* bytes transferred to the file */
+	uint64_t unstaged; /* payload bytes sent from the caller's memory */
 	uint64_t reserved; /* bytes preallocated at open (0: none) */
 };
 void nio_writer_init(struct nio_writer *w, struct nio_ctx *ctx, int fd, int direct);
 int nio_writer_put(struct nio_writer *w, uint64_t off, const void *src, size_t len, uint32_t *crc,
 		   struct nio_error *e);
+int nio_writer_put_unstaged(struct nio_writer *w, uint64_t off, const void *src, size_t len,
+			    int have_crc, uint32_t *crc, struct nio_error *e);
 int nio_writer_finish(struct nio_writer *w, int have_size, uint64_t size, struct nio_error *e);
 void nio_writer_abort(struct nio_writer *w);
 int nio_writer_preallocate(struct nio_writer *w, uint64_t size);

@@ -82,8 +82,13 @@ static int wait_slot(struct nio_writer *w, unsigned i, struct nio_error *e)
 	return 0;
 }
 
-/* Submit the current slot (nbytes, padding already zeroed) and advance. */
-static int submit_slot(struct nio_writer *w, size_t nbytes, struct nio_error *e)
+/*
+ * Submit nbytes from buf at file offset off on the current slot's request
+ * and advance. buf is the slot's arena block, or the caller's memory
+ * (nio_writer_put_unstaged), which must then outlive the transfer.
+ */
+static int submit_buf(struct nio_writer *w, char *buf, uint64_t off, size_t nbytes,
+		      struct nio_error *e)
 {
 	struct nio_ctx *ctx = w->ctx;
 	unsigned next = (w->cur + 1) % ctx->nslots;
@@ -92,8 +97,7 @@ static int submit_slot(struct nio_writer *w, size_t nbytes, struct nio_error *e)
 	/* at most qd in flight: the oldest (next) slot must be idle first */
 	if (wait_slot(w, next, e))
 		return -1;
-	nio_req_setup(req, w->fd, NIO_OP_WRITE, w->direct, nio_slot(ctx, w->cur), w->slot_off,
-		      nbytes, nbytes);
+	nio_req_setup(req, w->fd, NIO_OP_WRITE, w->direct, buf, off, nbytes, nbytes);
 	nio_req_start(ctx, req);
 	if (req->state == NIO_REQ_DONE && req->err) {
 		set_err(e, req->err, "write (submit)", 1, req->err_off);
@@ -103,6 +107,12 @@ static int submit_slot(struct nio_writer *w, size_t nbytes, struct nio_error *e)
 	w->cur = next;
 	w->fill = 0;
 	return 0;
+}
+
+/* Submit the current slot (nbytes, padding already zeroed) and advance. */
+static int submit_slot(struct nio_writer *w, size_t nbytes, struct nio_error *e)
+{
+	return submit_buf(w, nio_slot(w->ctx, w->cur), w->slot_off, nbytes, e);
 }
 
 /* Flush a partial slot (padded to NIO_ALIGN for O_DIRECT). */
@@ -161,6 +171,52 @@ int nio_writer_put(struct nio_writer *w, uint64_t off, const void *src, size_t l
 	*crc = c;
 	w->end = off + len;
 	w->payload += len;
+	return 0;
+}
+
+/*
+ * Write [src, src+len) at off without copying its aligned body into the
+ * arena: the body goes to the device straight from src, in block_size
+ * transfers (up to qd in flight), and only the unaligned tail (< NIO_ALIGN)
+ * is staged. Requires an O_DIRECT writer, src and off NIO_ALIGN-aligned
+ * (the caller checks). Returns once no transfer reads src any more, so the
+ * caller may reuse it. *crc is computed here (while the body is in flight)
+ * unless have_crc says the caller already knows it.
+ */
+int nio_writer_put_unstaged(struct nio_writer *w, uint64_t off, const void *src, size_t len,
+			    int have_crc, uint32_t *crc, struct nio_error *e)
+{
+	struct nio_ctx *ctx = w->ctx;
+	size_t body = (size_t)NIO_ALIGN_DOWN((uint64_t)len);
+	char *s = (char *)src;
+	uint32_t tail_crc;
+
+	if (off < w->slot_off + w->fill) {
+		set_err(e, EINVAL, "write (overlapping segment)", 1, off);
+		return -1;
+	}
+	/* staged bytes before off go first; their padding ends at or before off */
+	if (flush_partial(w, e))
+		return -1;
+	for (size_t done = 0; done < body;) {
+		size_t n = body - done < ctx->block_size ? body - done : ctx->block_size;
+
+		if (submit_buf(w, s + done, off + done, n, e))
+			return -1;
+		done += n;
+	}
+	if (!have_crc)
+		*crc = nio_crc32c(0, src, len);
+	for (unsigned i = 0; i < ctx->nslots; i++)
+		if (wait_slot(w, i, e))
+			return -1;
+	w->slot_off = off + body;
+	w->fill = 0;
+	w->end = off + body;
+	w->payload += body;
+	w->unstaged += body;
+	if (len > body)
+		return nio_writer_put(w, off + body, s + body, len - body, &tail_crc, e);
 	return 0;
 }
 
