@@ -2,6 +2,7 @@
 
 import contextlib
 import errno
+import json
 import os
 import random
 import subprocess
@@ -131,6 +132,67 @@ def test_crc32c_random_against_reference():
         # unaligned views exercise the head/tail paths
         mv = memoryview(data)[1:]
         assert native_io.crc32c(mv) == _crc_ref(bytes(mv)), n
+
+
+# crc32c.c's LANE: long inputs are checksummed as blocks of 3 lanes of this many bytes
+CRC_LANE = 8 * KB
+CRC_LANE_SIZES = [0, 1, 7, 8, 3 * CRC_LANE - 1, 3 * CRC_LANE, 3 * CRC_LANE + 1, 3 * CRC_LANE + 8]
+CRC_LANE_SIZES += [6 * CRC_LANE - 1, 6 * CRC_LANE, 6 * CRC_LANE + 1, 9 * CRC_LANE + 13]
+CRC_LANE_SIZES += [17 * 3 * CRC_LANE, 64 * 3 * CRC_LANE + 5, 3 * MB + 5, 4 * MB]
+
+
+def test_crc32c_lanes_against_reference():
+    rnd = random.Random(11)
+    mv = memoryview(rnd.randbytes(3 * CRC_LANE + 16))
+    for off in range(8):
+        # the bitwise reference is slow: one of 3L-1, 3L, 3L+1 per start offset, and 3L+8 so that one
+        # whole block of lanes follows the unaligned head
+        for n in (0, 1, 9, 3 * CRC_LANE - 1 + off % 3, 3 * CRC_LANE + 8):
+            value = rnd.getrandbits(32)
+            assert native_io.crc32c(mv[off : off + n], value=value) == _crc_ref(mv[off : off + n], value), (off, n)
+
+
+def test_crc32c_lanes_match_software():
+    rnd = random.Random(12)
+    data = rnd.randbytes(4 * MB + 8)
+    cases = [(off, n, rnd.getrandbits(32) * (i % 2)) for off in range(8) for i, n in enumerate(CRC_LANE_SIZES)]
+    code = (
+        "import json,sys,native_io;d=memoryview(sys.stdin.buffer.read());"
+        "print(json.dumps([native_io.__file__,native_io.info()['crc32c'],"
+        "[native_io.crc32c(d[o:o+n],value=v) for o,n,v in json.loads(sys.argv[1])]]))"
+    )
+    env = dict(os.environ, NATIVE_IO_CRC32C="software")
+    sw = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(cases)],
+        input=data,
+        env=env,
+        capture_output=True,
+        check=True,
+        timeout=30,
+    )
+    path, impl, crcs = json.loads(sw.stdout)
+    assert (path, impl) == (native_io.__file__, "software")
+    mv = memoryview(data)
+    assert [native_io.crc32c(mv[o : o + n], value=v) for o, n, v in cases] == crcs
+    # chaining at and around lane-block boundaries equals one call
+    whole = native_io.crc32c(mv)
+    for cut in (1, 3 * CRC_LANE - 1, 3 * CRC_LANE, 3 * CRC_LANE + 5, 2 * MB + 3):
+        assert native_io.crc32c(mv[cut:], value=native_io.crc32c(mv[:cut])) == whole, cut
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_crc32c_lanes_fused_copy_roundtrip(tmp_path, engine):
+    """Writer and Reader fold the crc into their copies: lane-boundary lengths from sources at offsets 1..7,
+    landing at every alignment in the 1 MiB slots."""
+    eng = _engine_or_skip(engine, block_size=1 * MB, queue_depth=2, direct=False)
+    rnd = random.Random(13)
+    src = memoryview(rnd.randbytes(4 * MB + 8))
+    segs, off = [], 0
+    for i, n in enumerate(CRC_LANE_SIZES):
+        start = 1 + i % 7
+        segs.append((off, src[start : start + n]))
+        off += n
+    _roundtrip(eng, tmp_path / "f.bin", segs, b"".join(b for _, b in segs))
 
 
 @pytest.mark.slow
