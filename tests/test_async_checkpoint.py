@@ -170,6 +170,23 @@ def test_step_waits_for_snapshot_with_small_staging(tmp_path):
     io.teardown()
 
 
+def test_paced_flush_writes_no_faster_than_asked_and_the_same_bytes(tmp_path):
+    """``flush_bytes_per_s`` spreads the write over time (a lower bound: sleeps, not the machine's speed)."""
+    big = torch.randn(4 * 1024 * 1024)  # 16 MiB in 1 MiB chunks, paced at 32 MiB/s: at least ~0.47 s
+    rate = 32 * 1024 * 1024
+    io = UringCheckpointIO(async_save=True, max_pending_bytes=1 << 20, flush_bytes_per_s=rate)
+    io.save_checkpoint({"w": big}, tmp_path / "a.ckpt")
+    io.wait_for_snapshot()
+    io.wait_until_durable()
+    h = io._saver.history[-1]
+    assert h["error"] is None
+    assert h["durable_s"] >= (big.numel() * 4 - (1 << 20)) / rate  # every chunk but the first waited its turn
+    assert torch.equal(load(tmp_path / "a.ckpt")["w"], big)
+    io.teardown()
+    with pytest.raises(ValueError, match="flush_bytes_per_s"):
+        UringCheckpointIO(async_save=True, flush_bytes_per_s=0)
+
+
 def test_explicit_wait_for_snapshot_and_pending(tmp_path):
     w = torch.randn(3_000_000)
     io = UringCheckpointIO(async_save=True)

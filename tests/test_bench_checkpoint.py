@@ -270,15 +270,18 @@ def test_bench_checkpoint_paired_smoke(tmp_path, capsys):
 def test_async_checkpoint_bench_pairs_each_save_with_the_steps_just_before(tmp_path):
     """The async benchmark times steps with no checkpoint activity right before each save and reports the ratio
     of the steps after the save to them (the flush's cost to training), per repetition and as a median."""
-    from lightning_recover.bench import async_checkpoint
+    from lightning_recover.bench import async_checkpoint, fio
 
-    res = async_checkpoint.run(
-        0.02, str(tmp_path), ["uring-async", "uring-sync"], 2, 2, 0.01, False, log=lambda _: None
-    )
-    assert [r["rep"] for r in res["records"]] == [0, 0, 1, 1]
+    methods = ["uring-async", "uring-sync", "uring-async-paced"] + (["fio-write"] if fio.available() else [])
+    res = async_checkpoint.run(0.02, str(tmp_path), methods, 2, 2, 0.01, False, log=lambda _: None, flush_mbps=50)
+    assert [r["rep"] for r in res["records"]] == [0] * len(methods) + [1] * len(methods)
     for rec in res["records"]:
         assert rec["baseline_step_s"] > 0 and len(rec["step_times"]) == 2
         assert rec["step_ratio"] == pytest.approx(rec["step_s"] / rec["baseline_step_s"])
+        assert rec["first_step_ratio"] == pytest.approx(rec["step_times"][0] / rec["baseline_step_s"])
+        assert rec["later_step_ratio"] == pytest.approx(rec["step_times"][1] / rec["baseline_step_s"])
+        assert rec["durable_s"] > 0
+    assert set(res["summary"]) == set(methods)  # (the pacing itself: test_async_checkpoint.py)
     ours = res["summary"]["uring-async"]
     assert len(ours["step_ratios"]) == 2 and min(ours["step_ratios"]) <= ours["step_ratio"] <= max(ours["step_ratios"])
     assert "step_during_flush_le_1.05x" in res["targets"]

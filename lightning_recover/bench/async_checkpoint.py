@@ -50,6 +50,7 @@ from lightning_recover.bench.checkpoint import drop_caches_supported, fsync_tree
 from lightning_recover.bench.gpt_state import build_checkpoint, tensor_stats
 
 ALL_METHODS = ["uring-async", "lightning-async", "dcp-async", "uring-sync"]
+EXTRA_METHODS = ["uring-async-paced", "fio-write"]  # on request: --methods ... (--flush-mbps for the paced one)
 
 
 # ------------------------------------------------------------------------------------ simulated training
@@ -141,6 +142,34 @@ def run_one(method: str, checkpoint: dict, trainer: Trainer, workdir: str, steps
         def finish() -> float:
             io.wait_until_durable()
             return io._saver.history[-1]["t_durable"] - t0
+    elif method == "uring-async-paced":
+        from lightning_recover.checkpoint import UringCheckpointIO
+
+        io = state.setdefault(
+            "uring-async-paced", UringCheckpointIO(async_save=True, flush_bytes_per_s=state["flush_bytes_per_s"])
+        )
+        target = os.path.join(workdir, "last.ckpt")
+        t0 = time.perf_counter()
+        io.save_checkpoint(checkpoint, target)
+        t_call = time.perf_counter() - t0
+        guard = io.wait_for_snapshot
+
+        def finish() -> float:
+            io.wait_until_durable()
+            return io._saver.history[-1]["t_durable"] - t0
+    elif method == "fio-write":
+        # the device's own cost to the steps: fio writes the checkpoint's bytes (O_DIRECT, 16 MiB blocks, fsync
+        # at the end) in another process, using next to no CPU, while the same steps run
+        from lightning_recover.bench import fio
+
+        target = os.path.join(workdir, "fio.bin")
+        t0 = time.perf_counter()
+        proc = fio.start_write(target, state["payload_bytes"])
+        t_call = time.perf_counter() - t0
+
+        def finish() -> float:
+            fio.wait(proc)
+            return time.perf_counter() - t0
     elif method == "uring-sync":
         from lightning_recover.checkpoint import UringCheckpointIO
 
@@ -271,6 +300,7 @@ def run(
     fwd_s: float,
     restore: bool,
     log: Callable[[str], None] = print,
+    flush_mbps: float = 100.0,
 ) -> dict:
     checkpoint, cfg = build_checkpoint(size_gb)
     stats = tensor_stats(checkpoint)
@@ -281,7 +311,7 @@ def run(
     base = [trainer.step()[0] for _ in range(max(3, steps))]
     baseline = statistics.median(base)
     log(f"baseline step (no checkpoint activity): {baseline:.3f} s (fwd/bwd x{trainer.n} matmuls)")
-    state: dict = {}
+    state: dict = {"flush_bytes_per_s": flush_mbps * 1e6, "payload_bytes": stats["bytes"]}
     records = []
     for m in methods:  # one untimed save per method: first-use costs (staging allocation, thread pools, ...)
         run_one(m, checkpoint, trainer, os.path.join(root, m), 0, state)
@@ -318,7 +348,8 @@ def run(
             )
             shutil.rmtree(wd, ignore_errors=True)
     for io in state.values():
-        io.teardown()
+        if hasattr(io, "teardown"):
+            io.teardown()
     summary = {}
     for m in methods:
         rs = [x for x in records if x["method"] == m]
@@ -376,16 +407,18 @@ def run(
 def format_table(res: dict) -> str:
     lines = [
         "| method | blocked per save (s) | of which waiting at step (s) | durable after (s) | "
-        "step after the save (s) | step just before (s) | paired step ratio, median [min-max] |",
-        "|---|---|---|---|---|---|---|",
+        "step after the save (s) | step just before (s) | paired step ratio, median [min-max] | "
+        "first step | later steps | save CPU (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m, s in res["summary"].items():
         ratios = s.get("step_ratios") or [0.0]
         lines.append(
             f"| {m} | {s['blocked_s']:.3f} | {s['wait_s']:.3f} | {s['durable_s']:.2f} | {s['step_s']:.3f} | "
-            f"{s['baseline_step_s']:.3f} | {s['step_ratio']:.2f}x [{min(ratios):.2f}-{max(ratios):.2f}] |"
+            f"{s['baseline_step_s']:.3f} | {s['step_ratio']:.2f}x [{min(ratios):.2f}-{max(ratios):.2f}] | "
+            f"{s['first_step_ratio']:.2f}x | {s['later_step_ratio']:.2f}x | {s['save_cpu_s']:.2f} |"
         )
-    lines.append(f"| (no checkpoint, at the start) | - | - | - | {res['baseline_step_s']:.3f} | - | - |")
+    lines.append(f"| (no checkpoint, at the start) | - | - | - | {res['baseline_step_s']:.3f} | - | - | - | - | - |")
     if res.get("restore"):
         lines += ["", "| cold restore | seconds | GB/s |", "|---|---|---|"]
         for r in res["restore"]:
@@ -402,7 +435,10 @@ def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.Argume
     )
     p.add_argument("--size-gb", type=float, default=2.0, help="state size (params + AdamW moments), GB")
     p.add_argument("--dir", default=None, help="directory for the checkpoints (default: a temp dir in /var/tmp)")
-    p.add_argument("--methods", default=",".join(ALL_METHODS), help=f"comma list of {ALL_METHODS}")
+    p.add_argument("--methods", default=",".join(ALL_METHODS), help=f"comma list of {ALL_METHODS + EXTRA_METHODS}")
+    p.add_argument(
+        "--flush-mbps", type=float, default=100.0, help="uring-async-paced: flush_bytes_per_s, in MB/s (1e6 B)"
+    )
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--steps", type=int, default=3, help="simulated training steps after each save")
     p.add_argument("--fwd-s", type=float, default=0.5, help="compute per simulated forward/backward, seconds")
@@ -415,9 +451,9 @@ def main(args: Optional[argparse.Namespace] = None) -> int:
     if args is None:
         args = build_parser().parse_args()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in ALL_METHODS]
+    bad = [m for m in methods if m not in ALL_METHODS + EXTRA_METHODS]
     if bad:
-        print(f"unknown methods {bad}; choose from {ALL_METHODS}", file=sys.stderr)
+        print(f"unknown methods {bad}; choose from {ALL_METHODS + EXTRA_METHODS}", file=sys.stderr)
         return 2
     root = tempfile.mkdtemp(prefix="lr-async-bench-", dir=args.dir or "/var/tmp")
     try:
@@ -430,6 +466,7 @@ def main(args: Optional[argparse.Namespace] = None) -> int:
             args.fwd_s,
             args.restore,
             log=lambda s: print(s, flush=True),
+            flush_mbps=args.flush_mbps,
         )
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -62,6 +62,37 @@ def _run(path: str, rw: str, size: int, engine: str, iodepth: int = 1, bs: int =
     }
 
 
+def start_write(path: str, nbytes: int, iodepth: int = 2) -> subprocess.Popen:
+    """Start fio writing ``nbytes`` to ``path`` (O_DIRECT, io_uring, 16 MiB blocks, fsync at the end) in the
+    background; ``wait(proc)`` ends it. For measuring what a write alone costs work running beside it."""
+    cmd = [
+        "fio",
+        "--name=bench-background-write",
+        f"--filename={path}",
+        "--rw=write",
+        f"--bs={BLOCK}",
+        f"--size={int(nbytes)}",
+        "--ioengine=io_uring",
+        f"--iodepth={int(iodepth)}",
+        "--direct=1",
+        "--end_fsync=1",
+        "--output=/dev/null",
+    ]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def wait(proc: subprocess.Popen, timeout: float = 600.0) -> None:
+    """Wait for a ``start_write`` fio (bounded: killed after ``timeout`` s); raises if it failed."""
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise RuntimeError(f"fio did not finish within {timeout} s (killed)") from None
+    if proc.returncode != 0:
+        raise RuntimeError(f"fio failed ({proc.returncode}): {err.strip()}")
+
+
 def startup_s(directory: str, iodepth: int = 1, repeat: int = 3, engine: str = "io_uring") -> float:
     """Median wall time of a one-block fio read (16 MiB, ``O_DIRECT``, same depth): fio's fixed cost.
 

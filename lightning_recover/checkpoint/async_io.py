@@ -259,6 +259,7 @@ class _Job:
         self.t_submit = time.perf_counter()
         self.t_snapshot: Optional[float] = None
         self.t_durable: Optional[float] = None
+        self.paced_until: Optional[float] = None  # with a flush rate: when the next chunk may be written
         self.direct = False  # the file was written with O_DIRECT
         self.unstaged_bytes = 0  # storage bytes the engine wrote straight from the ring (no copy into its arena)
         self.versions: dict[int, list] = {}  # lazy storage index -> [(name, tensor, version at submit)]
@@ -382,13 +383,26 @@ class AsyncSaver:
         chunk_bytes: copy/write granularity of large storages.
         eager_bytes: storages smaller than this are copied during ``submit`` (cheap; covers buffers updated in
             ``forward`` such as BatchNorm statistics, and AdamW's step counters).
+        flush_bytes_per_s: pace the flusher's writes of staged chunks to at most this many bytes per second
+            (None: as fast as the disk takes them). Spreads what the write costs the training steps over more
+            of them (docs/benchmarks.md: on this VM the disk's writes take the guests' CPUs, whoever writes).
     """
 
     def __init__(
-        self, engine: Any, staging_bytes: Optional[int] = None, chunk_bytes: int = 64 * MiB, eager_bytes: int = MiB
+        self,
+        engine: Any,
+        staging_bytes: Optional[int] = None,
+        chunk_bytes: int = 64 * MiB,
+        eager_bytes: int = MiB,
+        flush_bytes_per_s: Optional[float] = None,
     ) -> None:
         if staging_bytes is not None and staging_bytes < 4096:
             raise ValueError("staging_bytes must be at least 4096")
+        if flush_bytes_per_s is not None and not flush_bytes_per_s > 0:
+            raise ValueError(
+                f"flush_bytes_per_s must be a positive number of bytes per second, not {flush_bytes_per_s}"
+            )
+        self.flush_bytes_per_s = flush_bytes_per_s
         self._engine = engine
         self.staging_bytes = staging_bytes
         self.chunk_bytes = max(4096, int(chunk_bytes))
@@ -620,6 +634,7 @@ class AsyncSaver:
                     try:
                         if job.error is None:
                             _, _, i, off, at, m, crc = item
+                            self._pace(job, m)
                             job.write_eager(below=i)
                             start = job.plan.storage_record[i].data_offset
                             crc = job.writer.write_unstaged(start + off, self._ring.buf[at : at + m].numpy(), crc)
@@ -646,6 +661,16 @@ class AsyncSaver:
                         item[1].done.set()
             finally:
                 fq.task_done()
+
+    def _pace(self, job: _Job, nbytes: int) -> None:
+        """With ``flush_bytes_per_s``: wait until the job's chunks so far fit that rate, then count ``nbytes``."""
+        if self.flush_bytes_per_s is None or job.error is not None:
+            return
+        now = time.perf_counter()
+        if job.paced_until is not None and job.paced_until > now:
+            time.sleep(job.paced_until - now)
+            now = job.paced_until
+        job.paced_until = now + nbytes / self.flush_bytes_per_s
 
     def _begin(self, job: _Job) -> None:
         try:

@@ -77,6 +77,9 @@ class UringCheckpointIO(CheckpointIO):
             as the lazily copied part of the checkpoint, so snapshots never wait for the disk. Smaller values
             bound memory; the snapshot then waits for the disk (back-pressure) and ``optimizer.step`` may block.
         eager_bytes: with ``async_save``, storages smaller than this are copied inside ``save_checkpoint``.
+        flush_bytes_per_s: with ``async_save``, write the staged tensors at most this fast (bytes per second;
+            None: as fast as the disk goes). The save becomes durable later, and what the write costs the
+            training steps is spread over more of them (see "Pacing the flush" in ``docs/checkpointing.md``).
     """
 
     _RUNTIME = ("_engine", "_saver", "_into")  # per process / per copy: never pickled
@@ -92,15 +95,21 @@ class UringCheckpointIO(CheckpointIO):
         async_save: bool = False,
         max_pending_bytes: Optional[int] = None,
         eager_bytes: int = 1 << 20,
+        flush_bytes_per_s: Optional[float] = None,
     ) -> None:
         super().__init__()
         if async_save and max_pending_bytes is not None and max_pending_bytes < 4096:
             raise ValueError("max_pending_bytes must be at least 4096")
+        if flush_bytes_per_s is not None and not flush_bytes_per_s > 0:
+            raise ValueError(
+                f"flush_bytes_per_s must be a positive number of bytes per second (or None), not {flush_bytes_per_s}"
+            )
         self.weights_only = weights_only
         self.verify = verify
         self.async_save = async_save
         self.max_pending_bytes = max_pending_bytes
         self.eager_bytes = eager_bytes
+        self.flush_bytes_per_s = flush_bytes_per_s
         self._engine_args = (engine, block_size, queue_depth)
         self._init_runtime()
 
@@ -113,13 +122,17 @@ class UringCheckpointIO(CheckpointIO):
         return {k: v for k, v in self.__dict__.items() if k not in self._RUNTIME}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("flush_bytes_per_s", None)  # pickled by a version without pacing
         self.__dict__.update(state)
         self._init_runtime()
 
     def _async_saver(self) -> Any:
         if self._saver is None:
             self._saver = async_io.AsyncSaver(
-                EngineHandle(*self._engine_args), staging_bytes=self.max_pending_bytes, eager_bytes=self.eager_bytes
+                EngineHandle(*self._engine_args),
+                staging_bytes=self.max_pending_bytes,
+                eager_bytes=self.eager_bytes,
+                flush_bytes_per_s=self.flush_bytes_per_s,
             )
         return self._saver
 
