@@ -127,27 +127,13 @@ def run_one(method: str, checkpoint: dict, trainer: Trainer, workdir: str, steps
     """One save with ``method`` followed by ``steps`` training steps; returns the measurements."""
     os.makedirs(workdir, exist_ok=True)
     guard = None
-    cpu0 = process_cpu_s()
+    cpu0, steal0 = process_cpu_s(), steal_s()
     finish: Callable[[], float]
-    if method == "uring-async":
+    if method in ("uring-async", "uring-async-paced"):
         from lightning_recover.checkpoint import UringCheckpointIO
 
-        io = state.setdefault("uring-async", UringCheckpointIO(async_save=True))
-        target = os.path.join(workdir, "last.ckpt")
-        t0 = time.perf_counter()
-        io.save_checkpoint(checkpoint, target)
-        t_call = time.perf_counter() - t0
-        guard = io.wait_for_snapshot
-
-        def finish() -> float:
-            io.wait_until_durable()
-            return io._saver.history[-1]["t_durable"] - t0
-    elif method == "uring-async-paced":
-        from lightning_recover.checkpoint import UringCheckpointIO
-
-        io = state.setdefault(
-            "uring-async-paced", UringCheckpointIO(async_save=True, flush_bytes_per_s=state["flush_bytes_per_s"])
-        )
+        rate = state["flush_bytes_per_s"] if method == "uring-async-paced" else None
+        io = state.setdefault(method, UringCheckpointIO(async_save=True, flush_bytes_per_s=rate))
         target = os.path.join(workdir, "last.ckpt")
         t0 = time.perf_counter()
         io.save_checkpoint(checkpoint, target)
@@ -222,6 +208,7 @@ def run_one(method: str, checkpoint: dict, trainer: Trainer, workdir: str, steps
         waits.append(w)
     durable = finish()
     cpu_s = process_cpu_s() - cpu0
+    steal = steal_s() - steal0
     return {
         "method": method,
         "call_s": t_call,
@@ -231,7 +218,19 @@ def run_one(method: str, checkpoint: dict, trainer: Trainer, workdir: str, steps
         "step_s": statistics.mean(step_times) if step_times else 0.0,
         "step_times": step_times,
         "cpu_s": cpu_s,
+        "steal_s": steal,
     }
+
+
+def steal_s() -> float:
+    """CPU seconds the hypervisor has taken from this machine's CPUs so far (``/proc/stat`` steal, all CPUs), or
+    NaN where there is no such figure. On a VM, the host's work for the guest's disk writes shows up here."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
 
 
 def process_cpu_s() -> float:
@@ -324,9 +323,9 @@ def run(
             gc.collect()
             # the same steps with no checkpoint activity, right before the save: the pair's baseline (the
             # machine's load drifts between repetitions, so one baseline at the start would not do)
-            cpu0 = process_cpu_s()
+            cpu0, steal0 = process_cpu_s(), steal_s()
             before = [trainer.step()[0] for _ in range(max(1, steps))]
-            baseline_cpu = process_cpu_s() - cpu0
+            baseline_cpu, rec_steal = process_cpu_s() - cpu0, steal_s() - steal0
             rec = run_one(m, checkpoint, trainer, wd, steps, state)
             rec["rep"] = r
             rec["baseline_step_s"] = statistics.mean(before)
@@ -339,12 +338,13 @@ def run(
             # CPU the save cost the process: from the save call until durable, less the same number of steps
             # without checkpoint activity (the baseline steps just before)
             rec["save_cpu_s"] = rec["cpu_s"] - baseline_cpu
+            rec["baseline_steal_s"] = rec_steal  # CPU time the hypervisor took during the steps before
             records.append(rec)
             log(
                 f"  rep {r} {m:16s} blocked {rec['blocked_s']:.3f} s (call {rec['call_s']:.3f} + wait "
                 f"{rec['wait_s']:.3f})  durable {rec['durable_s']:.2f} s  step {rec['step_s']:.3f} s "
                 f"(x{rec['step_ratio']:.2f}: first x{rec['first_step_ratio']:.2f}, later x{rec['later_step_ratio']:.2f})"
-                f"  save CPU {rec['save_cpu_s']:.2f} s"
+                f"  save CPU {rec['save_cpu_s']:.2f} s  steal {rec['steal_s']:.2f} s (before: {rec_steal:.2f} s)"
             )
             shutil.rmtree(wd, ignore_errors=True)
     for io in state.values():
