@@ -59,12 +59,22 @@ log = logging.getLogger(__name__)
 __all__ = [
     "AsyncCheckpointError",
     "AsyncSaver",
+    "check_flush_rate",
     "crc32c_combine",
     "remove_path",
     "wait_for_path",
 ]
 
 MiB = 1 << 20
+
+
+def check_flush_rate(bytes_per_s: Optional[float]) -> Optional[float]:
+    """``bytes_per_s`` if it is a usable flush rate (None: unpaced), else a ValueError saying what is expected."""
+    if bytes_per_s is not None and not bytes_per_s > 0:
+        raise ValueError(
+            f"flush_bytes_per_s must be a positive number of bytes per second (or None), not {bytes_per_s}"
+        )
+    return bytes_per_s
 
 
 class AsyncCheckpointError(RuntimeError):
@@ -270,6 +280,16 @@ class _Job:
         if self.error is None:
             self.error = e
 
+    def pace(self, nbytes: int, bytes_per_s: Optional[float]) -> None:
+        """With a flush rate: wait until this job's chunks so far fit it, then count ``nbytes`` more."""
+        if bytes_per_s is None or self.error is not None:
+            return
+        now = time.perf_counter()
+        if self.paced_until is not None and self.paced_until > now:
+            time.sleep(self.paced_until - now)
+            now = self.paced_until
+        self.paced_until = now + nbytes / bytes_per_s
+
     def write_eager(self, below: Optional[int]) -> None:
         """Write the eager (already copied) storages that precede storage ``below`` (all if None).
 
@@ -398,11 +418,7 @@ class AsyncSaver:
     ) -> None:
         if staging_bytes is not None and staging_bytes < 4096:
             raise ValueError("staging_bytes must be at least 4096")
-        if flush_bytes_per_s is not None and not flush_bytes_per_s > 0:
-            raise ValueError(
-                f"flush_bytes_per_s must be a positive number of bytes per second, not {flush_bytes_per_s}"
-            )
-        self.flush_bytes_per_s = flush_bytes_per_s
+        self.flush_bytes_per_s = check_flush_rate(flush_bytes_per_s)
         self._engine = engine
         self.staging_bytes = staging_bytes
         self.chunk_bytes = max(4096, int(chunk_bytes))
@@ -634,7 +650,7 @@ class AsyncSaver:
                     try:
                         if job.error is None:
                             _, _, i, off, at, m, crc = item
-                            self._pace(job, m)
+                            job.pace(m, self.flush_bytes_per_s)
                             job.write_eager(below=i)
                             start = job.plan.storage_record[i].data_offset
                             crc = job.writer.write_unstaged(start + off, self._ring.buf[at : at + m].numpy(), crc)
@@ -661,16 +677,6 @@ class AsyncSaver:
                         item[1].done.set()
             finally:
                 fq.task_done()
-
-    def _pace(self, job: _Job, nbytes: int) -> None:
-        """With ``flush_bytes_per_s``: wait until the job's chunks so far fit that rate, then count ``nbytes``."""
-        if self.flush_bytes_per_s is None or job.error is not None:
-            return
-        now = time.perf_counter()
-        if job.paced_until is not None and job.paced_until > now:
-            time.sleep(job.paced_until - now)
-            now = job.paced_until
-        job.paced_until = now + nbytes / self.flush_bytes_per_s
 
     def _begin(self, job: _Job) -> None:
         try:

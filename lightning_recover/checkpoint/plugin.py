@@ -100,16 +100,12 @@ class UringCheckpointIO(CheckpointIO):
         super().__init__()
         if async_save and max_pending_bytes is not None and max_pending_bytes < 4096:
             raise ValueError("max_pending_bytes must be at least 4096")
-        if flush_bytes_per_s is not None and not flush_bytes_per_s > 0:
-            raise ValueError(
-                f"flush_bytes_per_s must be a positive number of bytes per second (or None), not {flush_bytes_per_s}"
-            )
         self.weights_only = weights_only
         self.verify = verify
         self.async_save = async_save
         self.max_pending_bytes = max_pending_bytes
         self.eager_bytes = eager_bytes
-        self.flush_bytes_per_s = flush_bytes_per_s
+        self.flush_bytes_per_s = async_io.check_flush_rate(flush_bytes_per_s)
         self._engine_args = (engine, block_size, queue_depth)
         self._init_runtime()
 
