@@ -9,6 +9,7 @@ kill, hang and raise are acted out in threads.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -18,7 +19,15 @@ from lightning_recover.protocol.coordinator import Coordinator
 from lightning_recover.protocol.decisions import Decisions
 from lightning_recover.protocol.membership import Generation, Membership
 from lightning_recover.protocol.messages import ControlStore, JobSecret
-from tests.inprocess import HEARTBEAT_TIMEOUT, RUN_TIMEOUT, TOL, Cluster, max_relative_difference, reference
+from tests.inprocess import (
+    HEARTBEAT_TIMEOUT,
+    JOIN_TIMEOUT,
+    RUN_TIMEOUT,
+    TOL,
+    Cluster,
+    max_relative_difference,
+    reference,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -173,6 +182,29 @@ def test_replica_declared_dead_between_steps_stops_at_its_next_step():
     victim = cluster.slot(1)
     assert victim.outcome == "excluded", cluster.report()
     assert victim.applied in ([0, 1], [0, 1, 2]), victim.describe()
+
+
+def test_replica_that_dies_before_joining_the_first_generation_is_not_waited_for():
+    """Replica 0 starts the first generation while replica 1 has not started (incarnation 0); replica 1
+    then starts and dies before it joins (a forged control value, a crash in its setup). Its death notice
+    names incarnation 1, so replica 0 closes generation 0 without it at once instead of waiting out the
+    start-up timeout (JOIN_TIMEOUT here, 300 s by default), and trains on alone."""
+    with Cluster(2, steps=3, microbatches=4) as cluster:
+        cluster.spawn(0)
+        joined = lambda: cluster.store.check(["g0/join/0"])  # noqa: E731 - replica 0 read the incarnations
+        deadline = time.monotonic() + RUN_TIMEOUT
+        while not joined():
+            assert time.monotonic() < deadline, cluster.report()
+            time.sleep(0.01)
+        cluster.store.add("inc/1", 1)  # replica 1 starts ...
+        t_dead = time.monotonic()
+        assert cluster.declare_dead(1, 1)  # ... and dies before joining
+        while not cluster.store.check(["g0/members"]):
+            assert time.monotonic() - t_dead < JOIN_TIMEOUT / 2, "generation 0 waited for a dead replica"
+            time.sleep(0.01)
+        cluster.join()
+    assert cluster.survivors() == [0], cluster.report()
+    assert cluster.slot(0).applied == [0, 1, 2]
 
 
 def test_restarted_replica_rejoins_with_live_state():

@@ -499,11 +499,18 @@ class Membership:
         self.store.append_hint(f"{prefix}/joined", f"{me},")
         deadline = time.monotonic() + timeout
         delay = POLL_MIN
+        expected = dict(expected)
         while self.store.get_genuine(f"{prefix}/members") is None:
             self.check_health()
             if not may_close:
                 delay = backoff(delay)
                 continue
+            # At the job's start a replica not started yet has incarnation 0, which no death notice
+            # matches: read it again, so one that starts and dies before joining is not waited for
+            # until the start-up timeout.
+            unstarted = [r for r, inc in expected.items() if inc == 0]
+            if unstarted:
+                expected.update({r: inc for r, inc in self.current_incarnations(unstarted).items() if inc})
             joined = self._joined(prefix)
             dead = self.dead(sorted(set(expected) | joined), expected)
             if set(expected) - joined - dead and time.monotonic() < deadline:
