@@ -21,21 +21,26 @@ def available() -> bool:
     return shutil.which("fio") is not None
 
 
-def _run(path: str, rw: str, size: int, engine: str, iodepth: int = 1, bs: int = BLOCK) -> dict[str, Any]:
+def _command(name: str, path: str, rw: str, size: int, engine: str, iodepth: int, bs: int = BLOCK) -> list[str]:
+    """fio moving ``size`` bytes of ``path`` with ``O_DIRECT``; a write ends with an fsync (durable, like ours)."""
     cmd = [
         "fio",
-        f"--name=bench-{rw}",
+        f"--name={name}",
         f"--filename={path}",
         f"--rw={rw}",
         f"--bs={int(bs)}",
-        f"--size={size}",
+        f"--size={int(size)}",
         f"--ioengine={engine}",
         f"--iodepth={int(iodepth)}",
         "--direct=1",
-        "--output-format=json",
     ]
     if rw == "write":
         cmd.append("--end_fsync=1")
+    return cmd
+
+
+def _run(path: str, rw: str, size: int, engine: str, iodepth: int = 1, bs: int = BLOCK) -> dict[str, Any]:
+    cmd = _command(f"bench-{rw}", path, rw, size, engine, iodepth, bs) + ["--output-format=json"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -65,19 +70,7 @@ def _run(path: str, rw: str, size: int, engine: str, iodepth: int = 1, bs: int =
 def start_write(path: str, nbytes: int, iodepth: int = 2) -> subprocess.Popen:
     """Start fio writing ``nbytes`` to ``path`` (O_DIRECT, io_uring, 16 MiB blocks, fsync at the end) in the
     background; ``wait(proc)`` ends it. For measuring what a write alone costs work running beside it."""
-    cmd = [
-        "fio",
-        "--name=bench-background-write",
-        f"--filename={path}",
-        "--rw=write",
-        f"--bs={BLOCK}",
-        f"--size={int(nbytes)}",
-        "--ioengine=io_uring",
-        f"--iodepth={int(iodepth)}",
-        "--direct=1",
-        "--end_fsync=1",
-        "--output=/dev/null",
-    ]
+    cmd = _command("bench-background-write", path, "write", nbytes, "io_uring", iodepth) + ["--output=/dev/null"]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
