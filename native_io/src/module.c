@@ -436,6 +436,24 @@ fail:
 	return -1;
 }
 
+/* A CRC-32C argument (crc=, value=): NULL (not given) leaves *out; else it must fit in 32 bits. */
+static int parse_u32(PyObject *obj, const char *what, uint32_t *out)
+{
+	unsigned long long v;
+
+	if (!obj)
+		return 0;
+	v = PyLong_AsUnsignedLongLong(obj);
+	if (v == (unsigned long long)-1 && PyErr_Occurred())
+		return -1;
+	if (v > 0xffffffffull) {
+		PyErr_Format(PyExc_ValueError, "%s must fit in 32 bits", what);
+		return -1;
+	}
+	*out = (uint32_t)v;
+	return 0;
+}
+
 /* ------------------------------------------------------------------ */
 /* segment parsing                                                     */
 
@@ -743,18 +761,9 @@ static PyObject *Writer_write_unstaged(WriterObject *self, PyObject *args, PyObj
 
 	if (!PyArg_ParseTupleAndKeywords(args, kwds, "KO|O", kwlist, &off, &buf_obj, &crc_obj))
 		return NULL;
-	if (crc_obj != Py_None) {
-		unsigned long long v = PyLong_AsUnsignedLongLong(crc_obj);
-
-		if (v == (unsigned long long)-1 && PyErr_Occurred())
-			return NULL;
-		if (v > 0xffffffffull) {
-			PyErr_SetString(PyExc_ValueError, "crc must fit in 32 bits");
-			return NULL;
-		}
-		crc = (uint32_t)v;
-		have_crc = 1;
-	}
+	have_crc = crc_obj != Py_None;
+	if (have_crc && parse_u32(crc_obj, "crc", &crc))
+		return NULL;
 	if (off > (unsigned long long)INT64_MAX) {
 		PyErr_SetString(PyExc_ValueError, "offset too large");
 		return NULL;
@@ -1117,30 +1126,22 @@ static PyObject *Reader_get_engine(ReaderObject *self, void *c)
 static PyObject *mod_crc32c(PyObject *m, PyObject *args, PyObject *kwds)
 {
 	static char *kwlist[] = { "buf", "value", NULL };
-	unsigned long long value = 0;
+	uint32_t value = 0, crc;
 	PyObject *obj, *vobj = NULL;
 	Py_buffer view;
-	uint32_t crc;
 
 	if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|O", kwlist, &obj, &vobj))
 		return NULL;
-	if (vobj) {
-		value = PyLong_AsUnsignedLongLong(vobj);
-		if (value == (unsigned long long)-1 && PyErr_Occurred())
-			return NULL;
-		if (value > 0xffffffffull) {
-			PyErr_SetString(PyExc_ValueError, "value must fit in 32 bits");
-			return NULL;
-		}
-	}
+	if (parse_u32(vobj, "value", &value))
+		return NULL;
 	if (PyObject_GetBuffer(obj, &view, PyBUF_SIMPLE) < 0)
 		return NULL;
 	if (view.len >= 65536) {
 		Py_BEGIN_ALLOW_THREADS
-		crc = nio_crc32c((uint32_t)value, view.buf, (size_t)view.len);
+		crc = nio_crc32c(value, view.buf, (size_t)view.len);
 		Py_END_ALLOW_THREADS
 	} else {
-		crc = nio_crc32c((uint32_t)value, view.buf, (size_t)view.len);
+		crc = nio_crc32c(value, view.buf, (size_t)view.len);
 	}
 	PyBuffer_Release(&view);
 	return PyLong_FromUnsignedLong(crc);
@@ -1154,17 +1155,14 @@ static PyObject *mod_crc32c(PyObject *m, PyObject *args, PyObject *kwds)
 static PyObject *mod_copy_crc32c(PyObject *m, PyObject *args, PyObject *kwds)
 {
 	static char *kwlist[] = { "dst", "src", "value", NULL };
-	unsigned long long value = 0;
-	PyObject *dst_obj, *src_obj;
+	uint32_t value = 0, crc;
+	PyObject *dst_obj, *src_obj, *vobj = NULL;
 	Py_buffer dst, src;
-	uint32_t crc;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|K", kwlist, &dst_obj, &src_obj, &value))
+	if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O", kwlist, &dst_obj, &src_obj, &vobj))
 		return NULL;
-	if (value > 0xffffffffull) {
-		PyErr_SetString(PyExc_ValueError, "value must fit in 32 bits");
+	if (parse_u32(vobj, "value", &value))
 		return NULL;
-	}
 	if (PyObject_GetBuffer(dst_obj, &dst, PyBUF_WRITABLE) < 0)
 		return NULL;
 	if (PyObject_GetBuffer(src_obj, &src, PyBUF_SIMPLE) < 0) {
@@ -1177,7 +1175,7 @@ static PyObject *mod_copy_crc32c(PyObject *m, PyObject *args, PyObject *kwds)
 		crc = 0;
 	} else {
 		Py_BEGIN_ALLOW_THREADS
-		crc = nio_crc32c_copy(dst.buf, src.buf, (size_t)src.len, (uint32_t)value);
+		crc = nio_crc32c_copy(dst.buf, src.buf, (size_t)src.len, value);
 		Py_END_ALLOW_THREADS
 	}
 	PyBuffer_Release(&src);
