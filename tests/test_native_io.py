@@ -956,6 +956,98 @@ def test_write_unstaged_eio_poisons_the_writer(tmp_path, nt, engine):
     w.close()
 
 
+# ------------------------------------------ write(): congruent segments go unstaged (unstaged_min)
+
+
+def _congruent_pieces(rnd, specs):
+    """Segments for one ``write()`` call: [(file offset, memory, expected unstaged body)] and the file bytes.
+
+    ``specs``: (gap before, length, memory shift, file shift); a segment whose file offset and memory agree
+    modulo 4096 (shift == file shift) sends its aligned interior from its own memory when it is large enough.
+    """
+    segs, expect, off = [], bytearray(), 0
+    for gap, n, mem_shift, file_shift in specs:
+        at = -(-(off + gap) // 4096) * 4096 + file_shift
+        expect += b"\0" * (at - off)
+        data = rnd.randbytes(n)
+        segs.append((at, _aligned(data, mem_shift)))
+        expect += data
+        off = at + n
+    return segs, bytes(expect)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_write_sends_congruent_segments_from_their_memory(tmp_path, engine):
+    eng = _engine_or_skip(engine, block_size=BS, queue_depth=2)
+    rnd = random.Random(11)
+    specs = [
+        (0, 100, 0, 0),  # small: staged
+        (10, 5 * BS + 123, 64, 64),  # congruent, +64 like torch's tensors: head and tail staged, body not
+        (1, 3 * BS, 0, 0),  # congruent and aligned
+        (7, 2 * BS + 5, 8, 16),  # not congruent: staged
+        (0, 4 * BS + 9, 512, 512),  # congruent
+        (3, 4096 * 3, 100, 100),  # congruent but its body is under unstaged_min: staged
+    ]
+    segs, expect = _congruent_pieces(rnd, specs)
+    p = tmp_path / "f.bin"
+    with eng.open_writer(p) as w:
+        w.unstaged_min = 4 * 4096
+        crcs = w.write(segs)
+        for _, mv in segs:  # the call returned: nothing reads the buffers any more
+            mv[:] = b"\xff" * len(mv)
+    assert crcs == [native_io.crc32c(bytes(expect[o : o + len(m)])) for o, m in segs]
+    assert p.read_bytes() == expect
+    bodies = [(o + len(m)) // 4096 * 4096 - -(-o // 4096) * 4096 for (o, m), sp in zip(segs, specs) if sp[2] == sp[3]]
+    expect_unstaged = sum(b for b in bodies if b >= 4 * 4096) if w.direct else 0
+    assert w.unstaged_bytes == expect_unstaged and (expect_unstaged > 0) == w.direct
+
+
+def test_write_unstaged_min_zero_copies_everything_and_rejects_negative(tmp_path):
+    eng = native_io.IOEngine(block_size=BS, queue_depth=2)
+    data = random.Random(12).randbytes(6 * BS)
+    p = tmp_path / "f.bin"
+    with eng.open_writer(p) as w:
+        assert w.unstaged_min == 2 << 20  # the default
+        w.unstaged_min = 0
+        assert w.write([(0, _aligned(data))]) == [native_io.crc32c(data)]
+        assert w.unstaged_bytes == 0
+        with pytest.raises(OverflowError):
+            w.unstaged_min = -1
+    assert p.read_bytes() == data
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("faults", [dict(short_every=2), dict(eintr_every=3)])
+def test_write_congruent_short_and_eintr_still_identical(tmp_path, nt, engine, faults):
+    eng = _test_engine_or_skip(nt, engine, block_size=BS, queue_depth=2)
+    segs, expect = _congruent_pieces(random.Random(13), [(0, 5 * BS + 17, 64, 64), (9, 100, 0, 0), (0, 3 * BS, 0, 0)])
+    nt._inject_faults(**faults)
+    p = tmp_path / "f.bin"
+    with eng.open_writer(p) as w:
+        w.unstaged_min = 4096
+        crcs = w.write(segs)
+    nt._inject_faults()
+    assert crcs == [native_io.crc32c(bytes(expect[o : o + len(m)])) for o, m in segs]
+    assert p.read_bytes() == expect
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_write_congruent_eio_poisons_the_writer(tmp_path, nt, engine):
+    eng = _test_engine_or_skip(nt, engine, block_size=BS, queue_depth=2)
+    segs, _ = _congruent_pieces(random.Random(14), [(0, 6 * BS, 64, 64)])
+    p = tmp_path / "f.bin"
+    nt._inject_faults(eio_at=2)
+    w = eng.open_writer(p)
+    w.unstaged_min = 4096
+    with pytest.raises(OSError) as ei:
+        w.write(segs)
+    nt._inject_faults()
+    assert ei.value.errno == errno.EIO
+    with pytest.raises(OSError, match="earlier write failed"):
+        w.write(segs)
+    w.close()
+
+
 def test_copy_crc32c(tmp_path):
     rnd = random.Random(9)
     for n in [0, 1, 7, 4096, 100003, 3 * MB + 5]:

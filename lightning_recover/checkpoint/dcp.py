@@ -5,8 +5,9 @@ storage_reader=UringStorageReader(path))``. The layout is DCP's own (see ``docs/
 
 * one ``__<rank>_0.distcp`` per rank, written through ``native_io`` (coalesced, 4 KiB-aligned
   ``O_DIRECT`` extents, ``fdatasync``); every tensor item is a complete ``torch.save`` archive whose
-  storage bytes start on a 4 KiB boundary, every bytes item its raw bytes; padding between items is
-  invisible to DCP, which locates items by ``(relative_path, offset, length)``;
+  storage bytes sit at a file offset congruent to the tensor's memory address modulo 4 KiB (so the
+  large ones go to the disk from their own memory, uncopied), every bytes item its raw bytes; padding
+  between items is invisible to DCP, which locates items by ``(relative_path, offset, length)``;
 * ``.metadata`` is exactly what ``FileSystemWriter`` writes (the stock ``FileSystemReader`` loads it);
 * ``__<rank>_0.crc.json`` holds the CRC-32C of every extent of every item, verified on load;
 * the directory appears atomically: ranks write into ``.<name>.dcp-tmp-<token>`` next to ``path``
@@ -54,6 +55,7 @@ from torch.futures import Future
 from lightning_recover.checkpoint.dcp_snapshot import LazySnapshot
 from lightning_recover.checkpoint.engine import open_writer, resolve_engine
 from lightning_recover.checkpoint.files import fsync_dir
+from lightning_recover.checkpoint.gc_pause import GcPause
 from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
 
 __all__ = [
@@ -156,10 +158,99 @@ def _size_estimate(items: list) -> int:
     return n
 
 
+def _congruent(cursor: int, address: int) -> int:
+    """The first file offset at or after ``cursor`` that agrees with the memory ``address`` modulo 4 KiB.
+
+    Storage bytes placed there are sent to the disk from the tensor's own memory (``O_DIRECT`` needs file
+    offset and memory aligned together; torch's large CPU tensors start 64 bytes past a page), not copied
+    through the staging arena: ``native_io.Writer.unstaged_min``.
+    """
+    return cursor + (address - cursor) % ALIGN
+
+
 def _storage_bytes(t: torch.Tensor) -> memoryview:
     """The tensor's storage as bytes, without a copy (any dtype, bf16 included)."""
     u8 = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
     return memoryview(u8.numpy()).cast("B")
+
+
+# --------------------------------------------------------------------------------------------------
+# writing one rank's file: batches of segments, the next planned while this one is written
+
+
+class _Batch:
+    """Segments not handed to ``native_io`` yet, and per item what its sidecar record needs."""
+
+    __slots__ = ("segments", "items", "nbytes")
+
+    def __init__(self) -> None:
+        self.segments: list[tuple[int, Any]] = []
+        self.items: list[tuple[int, int, str, list[tuple[int, int]], Optional[list]]] = []
+        self.nbytes = 0
+
+    def add(self, segments: list, item: tuple) -> None:
+        self.segments += segments
+        self.items.append(item)
+        self.nbytes += item[1]
+
+
+class _WritePipeline:
+    """Writes batches on a second thread: ``Writer.write`` runs without the GIL, so the caller resolves and
+    lays out the next batch's items (Python) while the disk takes this one; at most one batch is in flight.
+
+    CRC-32C values come back per segment and become the sidecar records (``records``), in file order.
+    """
+
+    def __init__(self, writer: Any, records: list[dict]) -> None:
+        self._writer = writer
+        self._records = records
+        self._thread: Optional[threading.Thread] = None
+        self._batch: Optional[_Batch] = None
+        self._crcs: Optional[list[int]] = None
+        self._error: Optional[BaseException] = None
+
+    def send(self, batch: _Batch) -> None:
+        self.drain()
+        if not batch.segments:
+            return
+        self._batch, self._crcs = batch, None
+        self._thread = threading.Thread(target=self._run, name="dcp-write", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._crcs = self._writer.write(self._batch.segments)
+        except BaseException as exc:  # re-raised in the caller's thread by drain()
+            self._error = exc
+
+    def drain(self) -> None:
+        """Wait for the batch in flight and record its checksums (its error, if any, is raised here)."""
+        if self._thread is None:
+            return
+        self._thread.join()
+        self._thread, batch, crcs = None, self._batch, self._crcs
+        self._batch = None
+        if self._error is not None:
+            raise self._error
+        k = 0
+        for off, length, fqn, extents, layout in batch.items:
+            n = len(extents)
+            rec = {
+                "fqn": fqn,
+                "offset": off,
+                "length": length,
+                "extents": [[o, ln, c] for (o, ln), c in zip(extents, crcs[k : k + n])],
+            }
+            if layout is not None:
+                rec["tensor"] = layout  # [dtype, shape, stride, storage_offset] of the archived tensor
+            self._records.append(rec)
+            k += n
+
+    def abandon(self) -> None:
+        """After a failure: wait for the batch in flight (the writer is closed next), keep the first error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -241,6 +332,8 @@ class UringStorageWriter(FileSystemWriter):
     ``cache_staged_state_dict=True`` alone: a blocking copy into the same reused buffers. One save at a
     time per writer instance (wait for a save's ``upload_completion`` before the next through it).
     Needs DCP's collectives (the default): ``use_collectives=False`` gives no coordinator to commit.
+    ``pause_gc=True``: Python's cyclic collector is off from this rank's first hook to its last of a save
+    run by the main thread (DCP's per-item objects otherwise trigger full collections: ``gc_pause.py``).
     """
 
     def __init__(
@@ -252,6 +345,7 @@ class UringStorageWriter(FileSystemWriter):
         cache_staged_state_dict: bool = False,
         lazy_snapshot: bool = False,
         eager_bytes: int = 1 << 20,
+        pause_gc: bool = True,
     ) -> None:
         super().__init__(
             path,
@@ -267,6 +361,8 @@ class UringStorageWriter(FileSystemWriter):
         # our own staging whenever it is reused: DCP's cached staging pins memory (fails without a GPU)
         use_ours = lazy_snapshot or cache_staged_state_dict
         self._lazy = LazySnapshot(eager_bytes, lazy=lazy_snapshot) if use_ours else None
+        self._gc = GcPause() if pause_gc else None
+        self._is_coordinator = False
 
     # -- staging (dcp.async_save) -----------------------------------------------------------------
 
@@ -298,6 +394,9 @@ class UringStorageWriter(FileSystemWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        self._is_coordinator = is_coordinator
+        if self._gc is not None:
+            self._gc.pause()  # DCP's first call of a save; resumed after this rank's last (gc_pause.py)
         if self._lazy is not None:
             self._lazy.begin_upload()
         if not self.use_collectives:
@@ -327,49 +426,32 @@ class UringStorageWriter(FileSystemWriter):
         os.makedirs(tmp, exist_ok=True)
         file_name = f"{sd.prefix}0.distcp"
         fut: Future[list[WriteResult]] = Future()
+        done = False
         try:
             if self._lazy is not None:
                 self._lazy.check()  # a snapshot raced with an in-place change: fail the save on every rank
             fut.set_result(self._write_file(tmp, file_name, plan, planner))
+            done = True
         finally:
             if self._lazy is not None:
                 self._lazy.release()
+            if self._gc is not None and not (done and self._is_coordinator):
+                self._gc.resume()  # a failure, or a rank whose part ends here (the coordinator's ends in finish)
         return fut
 
     def _write_file(self, tmp: str, file_name: str, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         results: list[WriteResult] = []
         items_crc: list[dict] = []
-        pending: list[tuple[int, Any]] = []  # segments not handed to native_io yet
-        pending_meta: list[tuple[int, int, str, list[tuple[int, int]], Optional[list]]] = []
-        pending_bytes = 0
+        batch = _Batch()
         cursor = 0
         eng, lock = resolve_engine(self._engine)
-
-        def flush(w: Any) -> None:
-            nonlocal pending, pending_meta, pending_bytes
-            if not pending:
-                return
-            crcs = w.write(pending)
-            k = 0
-            for off, length, fqn, extents, layout in pending_meta:
-                n = len(extents)
-                rec = {
-                    "fqn": fqn,
-                    "offset": off,
-                    "length": length,
-                    "extents": [[o, ln, c] for (o, ln), c in zip(extents, crcs[k : k + n])],
-                }
-                if layout is not None:
-                    rec["tensor"] = layout  # [dtype, shape, stride, storage_offset] of the archived tensor
-                items_crc.append(rec)
-                k += n
-            pending, pending_meta, pending_bytes = [], [], 0
 
         # bytes items first, like FileSystemWriter; both kinds keep the plan's order otherwise
         items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
         items += [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
         with lock:
             w = open_writer(eng, os.path.join(tmp, file_name), _size_estimate(items))
+            pipe = _WritePipeline(w, items_crc)
             try:
                 for item in items:
                     data = planner.resolve_data(item)
@@ -387,7 +469,7 @@ class UringStorageWriter(FileSystemWriter):
                             t = t.clone()  # a view: save only its bytes, as FileSystemWriter does
                         tpl = _template(t)
                         head = len(tpl.head)
-                        off = _align_up(cursor + head) - head  # storage bytes start on a 4 KiB boundary
+                        off = _congruent(cursor + head, t.untyped_storage().data_ptr()) - head
                         segs = [(off, tpl.head)]
                         if tpl.nbytes:
                             segs.append((off + head, _storage_bytes(t)))
@@ -396,22 +478,21 @@ class UringStorageWriter(FileSystemWriter):
                         length = head + tpl.nbytes + len(tpl.tail)
                         if tpl.nbytes:  # lets our reader view the storage bytes in place (extent 1)
                             layout = [str(t.dtype), list(t.shape), list(t.stride()), t.storage_offset()]
-                    pending += segs
-                    pending_meta.append(
-                        (off, length, item.index.fqn, [(o, len(memoryview(b))) for o, b in segs], layout)
-                    )
-                    pending_bytes += length
+                    batch.add(segs, (off, length, item.index.fqn, [(o, len(memoryview(b))) for o, b in segs], layout))
                     cursor = off + length
                     results.append(
                         WriteResult(
                             index=item.index, size_in_bytes=length, storage_data=_StorageInfo(file_name, off, length)
                         )
                     )
-                    if pending_bytes >= _WRITE_BATCH:
-                        flush(w)
-                flush(w)
+                    if batch.nbytes >= _WRITE_BATCH:
+                        pipe.send(batch)
+                        batch = _Batch()
+                pipe.send(batch)
+                pipe.drain()
                 w.close(size=cursor)  # truncates the O_DIRECT tail padding, fdatasyncs
             except BaseException:
+                pipe.abandon()
                 w.close()
                 raise
         side = {"format": SIDECAR_FORMAT, "version": 1, "file": file_name, "size": cursor, "items": items_crc}
@@ -434,6 +515,8 @@ class UringStorageWriter(FileSystemWriter):
             super().finish(metadata, results)
         finally:
             self.path = final
+            if self._gc is not None:
+                self._gc.resume()
         fsync_dir(tmp)
         commit_dir(tmp, str(final))
         self._tmp = None
@@ -559,13 +642,20 @@ class UringStorageReader(FileSystemReader):
     Loads checkpoints written by :class:`UringStorageWriter` (verified: a flipped or missing byte raises
     :class:`CheckpointCorruptError` naming the file and item) and by the stock ``FileSystemWriter``
     (no sidecars: loaded unverified, as the stock reader does). ``verify=False`` skips verification.
+    ``pause_gc=True``: the cyclic collector is off from planning to the end of ``read_data`` (``gc_pause.py``).
     """
 
-    def __init__(self, path: str | os.PathLike, *, engine: Any = None, verify: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, *, engine: Any = None, verify: bool = True, pause_gc: bool = True) -> None:
         super().__init__(path)
         self._engine = engine
         self.verify = verify
         self._sidecars: Optional[dict[str, dict]] = None
+        self._gc = GcPause() if pause_gc else None
+
+    def set_up_storage_reader(self, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(*args, **kwargs)
+        if self._gc is not None:
+            self._gc.pause()  # planning and reading of one dcp.load; resumed when read_data ends (gc_pause.py)
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         super().reset(checkpoint_id)
@@ -597,10 +687,14 @@ class UringStorageReader(FileSystemReader):
             if sinfo.transform_descriptors:
                 raise ValueError(f"{sinfo.relative_path}: stream transforms are not supported; use FileSystemReader")
             per_file.setdefault(sinfo.relative_path, []).append(req)
-        sidecars = self._sidecar_index()
-        eng, lock = resolve_engine(self._engine)
-        for rel, reqs in per_file.items():
-            self._read_file(eng, lock, rel, reqs, sidecars.get(rel), planner)
+        try:
+            sidecars = self._sidecar_index()
+            eng, lock = resolve_engine(self._engine)
+            for rel, reqs in per_file.items():
+                self._read_file(eng, lock, rel, reqs, sidecars.get(rel), planner)
+        finally:
+            if self._gc is not None:
+                self._gc.resume()
         fut: Future = Future()
         fut.set_result(None)
         return fut

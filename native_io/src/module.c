@@ -604,6 +604,7 @@ typedef struct {
 	int failed;	  /* errno of the failure that poisoned it */
 	int prealloc_err; /* errno of a refused preallocation (size_hint), 0 = none */
 	double seconds;
+	size_t unstaged_min; /* write(): congruent segments with an aligned body this large go unstaged */
 	PyObject *path;
 	PyObject *reason;
 } WriterObject;
@@ -669,6 +670,7 @@ static PyObject *Engine_open_writer(EngineObject *self, PyObject *args, PyObject
 	w->failed = 0;
 	w->prealloc_err = 0;
 	w->seconds = 0;
+	w->unstaged_min = NIO_UNSTAGED_MIN;
 	w->path = o.path;
 	w->reason = o.reason;
 	w->ctx = engine_take_ctx(self, o.kind);
@@ -721,12 +723,17 @@ static PyObject *Writer_write(WriterObject *self, PyObject *segments)
 	Py_BEGIN_ALLOW_THREADS
 	double t0 = now();
 
+	int in_flight = 0; /* unstaged transfers read the callers' buffers */
+
 	for (Py_ssize_t i = 0; i < S.n; i++) {
-		rc = nio_writer_put(&self->w, S.offs[i], S.views[i].buf, (size_t)S.views[i].len,
-				    &S.crcs[i], &e);
+		rc = nio_writer_put_auto(&self->w, S.offs[i], S.views[i].buf,
+					 (size_t)S.views[i].len, self->unstaged_min, &S.crcs[i],
+					 &in_flight, &e);
 		if (rc)
 			break;
 	}
+	if (!rc && in_flight)
+		rc = nio_writer_wait_all(&self->w, &e); /* before the buffers are released */
 	if (rc)
 		nio_writer_abort(&self->w);
 	self->seconds += now() - t0;
@@ -1284,7 +1291,7 @@ static PyMemberDef Writer_members[] = {
 	{ "io_bytes", T_ULONGLONG, offsetof(WriterObject, w.io_bytes), READONLY,
 	  "bytes transferred to the file (incl. padding)" },
 	{ "unstaged_bytes", T_ULONGLONG, offsetof(WriterObject, w.unstaged), READONLY,
-	  "payload bytes written straight from the caller's memory (write_unstaged)" },
+	  "payload bytes written straight from the caller's memory (write_unstaged, unstaged_min)" },
 	{ "seconds", T_DOUBLE, offsetof(WriterObject, seconds), READONLY,
 	  "wall time spent in write() and close()" },
 	{ "direct", T_BOOL, offsetof(WriterObject, direct), READONLY,
@@ -1300,8 +1307,33 @@ static PyMemberDef Writer_members[] = {
 	{ NULL },
 };
 
+static PyObject *Writer_get_unstaged_min(WriterObject *self, void *closure)
+{
+	return PyLong_FromSize_t(self->unstaged_min);
+}
+
+static int Writer_set_unstaged_min(WriterObject *self, PyObject *value, void *closure)
+{
+	size_t n;
+
+	if (!value) {
+		PyErr_SetString(PyExc_AttributeError, "unstaged_min cannot be deleted");
+		return -1;
+	}
+	n = PyLong_AsSize_t(value);
+	if (n == (size_t)-1 && PyErr_Occurred())
+		return -1;
+	self->unstaged_min = n;
+	return 0;
+}
+
 static PyGetSetDef Writer_getset[] = {
 	{ "engine", (getter)Writer_get_engine, NULL, "engine used for this file", NULL },
+	{ "unstaged_min", (getter)Writer_get_unstaged_min, (setter)Writer_set_unstaged_min,
+	  "write(): on an O_DIRECT writer, a segment whose buffer address and file offset agree "
+	  "modulo 4096 and whose aligned body is at least this many bytes is sent from its own "
+	  "memory, not copied (0: always copy)",
+	  NULL },
 	{ "preallocate_error", (getter)Writer_get_prealloc_error, NULL,
 	  "why open_writer(size_hint=...) reserved nothing (None when it did or was not asked)",
 	  NULL },
@@ -1310,7 +1342,7 @@ static PyGetSetDef Writer_getset[] = {
 
 static PyMethodDef Writer_methods[] = {
 	{ "write", (PyCFunction)Writer_write, METH_O,
-	  "write(segments) -> list[int]: stage [(offset, buffer), ...], return crc32c per segment" },
+	  "write(segments) -> list[int]: write [(offset, buffer), ...] (staged, or from the buffer itself: see unstaged_min), return crc32c per segment once the buffers may be reused" },
 	{ "write_unstaged", (PyCFunction)(void (*)(void))Writer_write_unstaged,
 	  METH_VARARGS | METH_KEYWORDS,
 	  "write_unstaged(offset, buffer, crc=None) -> int: one segment, its aligned body written straight from buffer (O_DIRECT, buffer and offset 4096-aligned; else staged); returns its crc32c once buffer may be reused" },

@@ -20,6 +20,9 @@
 #include <sys/types.h>
 
 #define NIO_ALIGN	    4096u
+/* default Writer.unstaged_min: smaller bodies are cheaper to copy than to send alone
+ * (measured, docs/native_io.md) */
+#define NIO_UNSTAGED_MIN    (2u << 20)
 #define NIO_BUFFERED_MAX    (256u * 1024u) /* largest buffered pwrite */
 #define NIO_MAX_BLOCK	    (1u << 30)	   /* kernel caps one rw at ~2 GiB */
 #define NIO_MAX_QD	    64u
@@ -172,6 +175,9 @@ int nio_writer_put(struct nio_writer *w, uint64_t off, const void *src, size_t l
 		   struct nio_error *e);
 int nio_writer_put_unstaged(struct nio_writer *w, uint64_t off, const void *src, size_t len,
 			    int have_crc, uint32_t *crc, struct nio_error *e);
+int nio_writer_put_auto(struct nio_writer *w, uint64_t off, const void *src, size_t len,
+			size_t min_body, uint32_t *crc, int *in_flight, struct nio_error *e);
+int nio_writer_wait_all(struct nio_writer *w, struct nio_error *e);
 int nio_writer_finish(struct nio_writer *w, int have_size, uint64_t size, struct nio_error *e);
 void nio_writer_abort(struct nio_writer *w);
 int nio_writer_preallocate(struct nio_writer *w, uint64_t size);

@@ -175,21 +175,15 @@ int nio_writer_put(struct nio_writer *w, uint64_t off, const void *src, size_t l
 }
 
 /*
- * Write [src, src+len) at off without copying its aligned body into the
- * arena: the body goes to the device straight from src, in block_size
- * transfers (up to qd in flight), and only the unaligned tail (< NIO_ALIGN)
- * is staged. Requires an O_DIRECT writer, src and off NIO_ALIGN-aligned
- * (the caller checks). Returns once no transfer reads src any more, so the
- * caller may reuse it. *crc is computed here (while the body is in flight)
- * unless have_crc says the caller already knows it.
+ * Send [src, src+body) to file offset off straight from the caller's
+ * memory (O_DIRECT; src, off and body NIO_ALIGN-aligned, the caller checks),
+ * after the bytes staged before it, in block_size transfers (up to qd in
+ * flight). Does not wait: src must stay valid until nio_writer_wait_all.
  */
-int nio_writer_put_unstaged(struct nio_writer *w, uint64_t off, const void *src, size_t len,
-			    int have_crc, uint32_t *crc, struct nio_error *e)
+static int submit_unstaged(struct nio_writer *w, uint64_t off, const char *src, size_t body,
+			   struct nio_error *e)
 {
-	struct nio_ctx *ctx = w->ctx;
-	size_t body = (size_t)NIO_ALIGN_DOWN((uint64_t)len);
-	char *s = (char *)src;
-	uint32_t tail_crc;
+	size_t bs = w->ctx->block_size;
 
 	if (off < w->slot_off + w->fill) {
 		set_err(e, EINVAL, "write (overlapping segment)", 1, off);
@@ -199,38 +193,91 @@ int nio_writer_put_unstaged(struct nio_writer *w, uint64_t off, const void *src,
 	if (flush_partial(w, e))
 		return -1;
 	for (size_t done = 0; done < body;) {
-		size_t n = body - done < ctx->block_size ? body - done : ctx->block_size;
+		size_t n = body - done < bs ? body - done : bs;
 
-		if (submit_buf(w, s + done, off + done, n, e))
+		if (submit_buf(w, (char *)src + done, off + done, n, e))
 			return -1;
 		done += n;
 	}
-	if (!have_crc)
-		*crc = nio_crc32c(0, src, len);
-	for (unsigned i = 0; i < ctx->nslots; i++)
-		if (wait_slot(w, i, e))
-			return -1;
 	w->slot_off = off + body;
 	w->fill = 0;
 	w->end = off + body;
 	w->payload += body;
 	w->unstaged += body;
+	return 0;
+}
+
+int nio_writer_wait_all(struct nio_writer *w, struct nio_error *e)
+{
+	for (unsigned i = 0; i < w->ctx->nslots; i++)
+		if (wait_slot(w, i, e))
+			return -1;
+	return 0;
+}
+
+/*
+ * Write [src, src+len) at off without copying its aligned body into the
+ * arena: the body goes to the device straight from src, and only the
+ * unaligned tail (< NIO_ALIGN) is staged. Requires an O_DIRECT writer, src
+ * and off NIO_ALIGN-aligned (the caller checks). Returns once no transfer
+ * reads src any more, so the caller may reuse it. *crc is computed here
+ * (while the body is in flight) unless have_crc says the caller knows it.
+ */
+int nio_writer_put_unstaged(struct nio_writer *w, uint64_t off, const void *src, size_t len,
+			    int have_crc, uint32_t *crc, struct nio_error *e)
+{
+	size_t body = (size_t)NIO_ALIGN_DOWN((uint64_t)len);
+	const char *s = src;
+	uint32_t tail_crc;
+
+	if (submit_unstaged(w, off, s, body, e))
+		return -1;
+	if (!have_crc)
+		*crc = nio_crc32c(0, src, len);
+	if (nio_writer_wait_all(w, e))
+		return -1;
 	if (len > body)
 		return nio_writer_put(w, off + body, s + body, len - body, &tail_crc, e);
 	return 0;
 }
 
+/*
+ * nio_writer_put, except that on an O_DIRECT writer a segment whose memory
+ * and file offset are congruent modulo NIO_ALIGN, with an aligned interior of
+ * at least min_body bytes (min_body > 0), has that interior sent from src
+ * without a copy; its head and tail (< NIO_ALIGN each) are staged. Sets
+ * *in_flight when it did: src is read until nio_writer_wait_all returns.
+ */
+int nio_writer_put_auto(struct nio_writer *w, uint64_t off, const void *src, size_t len,
+			size_t min_body, uint32_t *crc, int *in_flight, struct nio_error *e)
+{
+	const char *s = src;
+	uint64_t a = NIO_ALIGN_UP(off), b = NIO_ALIGN_DOWN(off + len);
+	uint32_t part_crc;
+	size_t head;
+
+	if (!w->direct || !min_body || (uintptr_t)s % NIO_ALIGN != off % NIO_ALIGN || b <= a ||
+	    b - a < min_body)
+		return nio_writer_put(w, off, src, len, crc, e);
+	head = (size_t)(a - off);
+	if (head && nio_writer_put(w, off, s, head, &part_crc, e))
+		return -1;
+	if (submit_unstaged(w, a, s + head, (size_t)(b - a), e))
+		return -1;
+	*in_flight = 1;
+	*crc = nio_crc32c(0, s, len); /* while the body is in flight */
+	if (off + len > b)
+		return nio_writer_put(w, b, s + (b - off), (size_t)(off + len - b), &part_crc, e);
+	return 0;
+}
+
 int nio_writer_finish(struct nio_writer *w, int have_size, uint64_t size, struct nio_error *e)
 {
-	struct nio_ctx *ctx = w->ctx;
 	uint64_t target = have_size ? size : w->end;
 	int rc;
 
-	if (flush_partial(w, e))
+	if (flush_partial(w, e) || nio_writer_wait_all(w, e))
 		return -1;
-	for (unsigned i = 0; i < ctx->nslots; i++)
-		if (wait_slot(w, i, e))
-			return -1;
 	/* drop the O_DIRECT padding (or extend with a hole to size) */
 	do {
 		rc = ftruncate(w->fd, (off_t)target);
