@@ -168,6 +168,13 @@ def _congruent(cursor: int, address: int) -> int:
     return cursor + (address - cursor) % ALIGN
 
 
+def _gc_pause(pause_gc: bool | float) -> Optional[GcPause]:
+    """The backends' ``pause_gc`` argument: True (the default bound), False, or the bound in seconds."""
+    if pause_gc is True:
+        return GcPause()
+    return GcPause(float(pause_gc)) if pause_gc else None
+
+
 def _storage_bytes(t: torch.Tensor) -> memoryview:
     """The tensor's storage as bytes, without a copy (any dtype, bf16 included)."""
     u8 = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
@@ -333,7 +340,8 @@ class UringStorageWriter(FileSystemWriter):
     time per writer instance (wait for a save's ``upload_completion`` before the next through it).
     Needs DCP's collectives (the default): ``use_collectives=False`` gives no coordinator to commit.
     ``pause_gc=True``: Python's cyclic collector is off from this rank's first hook to its last of a save
-    run by the main thread (DCP's per-item objects otherwise trigger full collections: ``gc_pause.py``).
+    run by the main thread (DCP's per-item objects otherwise trigger full collections: ``gc_pause.py``);
+    a number: the same, with that many seconds as the bound after the latest hook (default 30).
     """
 
     def __init__(
@@ -345,7 +353,7 @@ class UringStorageWriter(FileSystemWriter):
         cache_staged_state_dict: bool = False,
         lazy_snapshot: bool = False,
         eager_bytes: int = 1 << 20,
-        pause_gc: bool = True,
+        pause_gc: bool | float = True,
     ) -> None:
         super().__init__(
             path,
@@ -361,7 +369,7 @@ class UringStorageWriter(FileSystemWriter):
         # our own staging whenever it is reused: DCP's cached staging pins memory (fails without a GPU)
         use_ours = lazy_snapshot or cache_staged_state_dict
         self._lazy = LazySnapshot(eager_bytes, lazy=lazy_snapshot) if use_ours else None
-        self._gc = GcPause() if pause_gc else None
+        self._gc = _gc_pause(pause_gc)
         self._is_coordinator = False
 
     # -- staging (dcp.async_save) -----------------------------------------------------------------
@@ -435,8 +443,11 @@ class UringStorageWriter(FileSystemWriter):
         finally:
             if self._lazy is not None:
                 self._lazy.release()
-            if self._gc is not None and not (done and self._is_coordinator):
-                self._gc.resume()  # a failure, or a rank whose part ends here (the coordinator's ends in finish)
+            if self._gc is not None:
+                if done and self._is_coordinator:
+                    self._gc.pause()  # its part ends in finish(): the countdown restarts for the wait on the others
+                else:
+                    self._gc.resume()  # a failure, or a rank whose part ends here
         return fut
 
     def _write_file(self, tmp: str, file_name: str, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
@@ -645,12 +656,14 @@ class UringStorageReader(FileSystemReader):
     ``pause_gc=True``: the cyclic collector is off from planning to the end of ``read_data`` (``gc_pause.py``).
     """
 
-    def __init__(self, path: str | os.PathLike, *, engine: Any = None, verify: bool = True, pause_gc: bool = True) -> None:
+    def __init__(
+        self, path: str | os.PathLike, *, engine: Any = None, verify: bool = True, pause_gc: bool | float = True
+    ) -> None:
         super().__init__(path)
         self._engine = engine
         self.verify = verify
         self._sidecars: Optional[dict[str, dict]] = None
-        self._gc = GcPause() if pause_gc else None
+        self._gc = _gc_pause(pause_gc)
 
     def set_up_storage_reader(self, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(*args, **kwargs)

@@ -1,15 +1,16 @@
-"""Python's cyclic garbage collector held off for the span of one DCP save or load.
+"""Python's cyclic garbage collector held off for the span of one DCP save or load (or one single-file save).
 
 DCP allocates several small objects per item (write items, plans, results, metadata entries) and pickles
 them through its collectives; each unpickle of thousands of them trips the collector's thresholds, and
 every full collection walks the whole heap (torch's modules alone are hundreds of thousands of objects,
 about 0.1 s per pass here). With 2048 tensors per rank this was 0.5 s of a 1.9 s save
-(docs/benchmarks.md). torch's own ``get_state_dict`` disables the collector the same way.
+(docs/benchmarks.md). torch's own ``get_state_dict`` disables the collector the same way. A single-file save
+of 10,000 tensors pickles as many objects: ``single_file.save`` runs inside ``with GcPause():``.
 
 The storage backends pause it when DCP first calls them and resume it at their last hook. DCP gives a
-backend no hook when a save fails between two of its calls, so a pause also ends by itself after
-``max_s`` seconds: a failed save costs at most that long without cyclic collection, never a collector
-left off.
+backend no hook when a save fails between two of its calls (another rank's write failed: the coordinator's
+``finish`` is never called), so a pause also ends by itself ``max_s`` seconds after the backend's latest
+hook: a failed save costs at most that long without cyclic collection, never a collector left off.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import gc
 import threading
 from typing import Optional
 
-DEFAULT_MAX_S = 120.0
+DEFAULT_MAX_S = 30.0
 
 
 class GcPause:
-    """``pause()`` disables the collector (if it was on); ``resume()`` restores it; both are idempotent.
+    """``pause()`` disables the collector (if it was on) or, when paused, restarts the ``max_s`` countdown;
+    ``resume()`` restores it (idempotent).
 
     Only a save or load run by the main thread pauses it: one run by a background thread
     (``dcp.async_save``'s upload) overlaps the training loop, which keeps its collector.
@@ -42,13 +44,23 @@ class GcPause:
 
     def pause(self) -> None:
         with self._lock:
-            if self._paused or not gc.isenabled() or threading.current_thread() is not threading.main_thread():
-                return  # already paused here, off by the application's choice, or not the main thread
-            gc.disable()
-            self._paused = True
+            if not self._paused:
+                if not gc.isenabled() or threading.current_thread() is not threading.main_thread():
+                    return  # off by the application's choice, or not the main thread: not ours to pause
+                gc.disable()
+                self._paused = True
+            elif self._timer is not None:
+                self._timer.cancel()
             self._timer = threading.Timer(self.max_s, self.resume)
             self._timer.daemon = True
             self._timer.start()
+
+    def __enter__(self) -> "GcPause":
+        self.pause()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.resume()
 
     def resume(self) -> None:
         with self._lock:

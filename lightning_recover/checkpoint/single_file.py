@@ -22,6 +22,7 @@ from lightning_recover.checkpoint import async_io, torch_zip
 from lightning_recover.checkpoint import format as fmt
 from lightning_recover.checkpoint.engine import open_writer, resolve_engine
 from lightning_recover.checkpoint.files import cleanup_stale_temps, fsync_dir, temp_path_for, unlink_quiet
+from lightning_recover.checkpoint.gc_pause import GcPause
 from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
 
 log = logging.getLogger(__name__)
@@ -97,12 +98,13 @@ def save(checkpoint: Any, path: Any, *, engine: Any = None, format: int = 2, zip
     """
     path = os.path.abspath(os.fspath(path))
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    if format == 1:
-        _save_v1(checkpoint, path, engine)
-    elif format == 2:
-        _save_zip(checkpoint, path, engine, zip_crc32)
-    else:
+    if format not in (1, 2):
         raise ValueError(f"format must be 1 or 2, got {format!r}")
+    with GcPause():  # thousands of small objects per save: no full collections in between (gc_pause.py)
+        if format == 1:
+            _save_v1(checkpoint, path, engine)
+        else:
+            _save_zip(checkpoint, path, engine, zip_crc32)
 
 
 def _save_zip(checkpoint: Any, path: str, engine: Any, zip_crc32: bool) -> None:
