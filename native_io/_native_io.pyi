@@ -20,6 +20,7 @@ class Writer:
     bytes_written: int
     io_bytes: int
     unstaged_bytes: int
+    unstaged_min: int
     seconds: float
     direct: bool
     engine: Literal["uring", "portable"]
@@ -42,6 +43,7 @@ class Reader:
     size: int
     bytes_read: int
     io_bytes: int
+    direct_bytes: int
     seconds: float
     direct: bool
     engine: Literal["uring", "portable"]

@@ -160,6 +160,34 @@ def test_tensor_data_placed_congruent_to_its_memory(tmp_path):
     assert_same(load_with(UringStorageReader(p), state), state)
 
 
+def test_whole_tensors_load_straight_into_their_targets_and_are_still_verified(tmp_path, monkeypatch):
+    big = torch.randn(3 << 20, generator=torch.Generator().manual_seed(6))  # 12 MiB
+    state = {**make_state(), "big": big, "big_bf16": big[: 1 << 20].to(torch.bfloat16)}
+    p = str(tmp_path / "ck")
+    dcp.save(state, storage_writer=UringStorageWriter(p))
+    read_into = []
+    real = dcp_mod._whole_target
+
+    def spy(rec, reqs, planner):
+        got = real(rec, reqs, planner)
+        if got is not None:
+            read_into.append(rec["fqn"])
+        return got
+
+    monkeypatch.setattr(dcp_mod, "_whole_target", spy)
+    assert_same(load_with(UringStorageReader(p), state), state)
+    assert {"big", "big_bf16", "w"} <= set(read_into)  # whole contiguous tensors; not the view or transposed
+    assert "t" not in read_into
+    index, sinfo = largest_item(p)  # "big": a flipped bit in its bytes is caught after landing in the target
+    with open(os.path.join(p, sinfo.relative_path), "r+b") as f:
+        f.seek(sinfo.offset + sinfo.length // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    with corrupt("item big "):
+        load_with(UringStorageReader(p), state)
+
+
 def test_stock_reader_loads_ours(tmp_path):
     state = make_state(1)
     p = str(tmp_path / "ck")

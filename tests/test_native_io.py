@@ -1048,6 +1048,43 @@ def test_write_congruent_eio_poisons_the_writer(tmp_path, nt, engine):
     w.close()
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_read_into_congruent_destinations(tmp_path, engine):
+    """A destination whose address agrees with the file offset modulo 4096 gets its aligned rest straight in
+    (O_DIRECT), its head via the arena; anything else is read via the arena; bytes and CRCs are the same."""
+    eng = _engine_or_skip(engine, block_size=BS, queue_depth=2)
+    rnd = random.Random(15)
+    data = rnd.randbytes(40 * BS)
+    p = tmp_path / "f.bin"
+    p.write_bytes(data)
+    pieces = [(64, 9 * BS, 64), (9 * BS + 100, 5 * BS, 8), (15 * BS + 512, 6 * BS + 7, 512), (30 * BS + 3, 100, 3)]
+    dests = [_aligned(b"\0" * n, shift) for _, n, shift in pieces]
+    with eng.open_reader(p) as r:
+        crcs = r.read([(off, d) for (off, _, _), d in zip(pieces, dests)])
+        direct_bytes = r.direct_bytes
+    for (off, n, _), d, c in zip(pieces, dests, crcs):
+        assert bytes(d) == data[off : off + n] and c == native_io.crc32c(data[off : off + n])
+    if r.direct:  # both congruent pieces went in straight while 256 KiB or more remained (5 + 2 blocks)
+        assert direct_bytes >= 6 * BS
+    else:
+        assert direct_bytes > 0  # buffered: no alignment rule, large pieces go straight in
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("faults", [dict(short_every=2), dict(eintr_every=3)])
+def test_read_congruent_short_and_eintr_still_identical(tmp_path, nt, engine, faults):
+    eng = _test_engine_or_skip(nt, engine, block_size=BS, queue_depth=2)
+    data = random.Random(16).randbytes(20 * BS)
+    p = tmp_path / "f.bin"
+    p.write_bytes(data)
+    dest = _aligned(b"\0" * (12 * BS), 64)
+    nt._inject_faults(**faults)
+    with eng.open_reader(p) as r:
+        (crc,) = r.read([(64, dest)])
+    nt._inject_faults()
+    assert bytes(dest) == data[64 : 64 + 12 * BS] and crc == native_io.crc32c(data[64 : 64 + 12 * BS])
+
+
 def test_copy_crc32c(tmp_path):
     rnd = random.Random(9)
     for n in [0, 1, 7, 4096, 100003, 3 * MB + 5]:

@@ -55,8 +55,8 @@ from torch.futures import Future
 from lightning_recover.checkpoint.dcp_snapshot import LazySnapshot
 from lightning_recover.checkpoint.engine import open_writer, resolve_engine
 from lightning_recover.checkpoint.files import fsync_dir
-from lightning_recover.checkpoint.gc_pause import GcPause
 from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
+from lightning_recover.checkpoint.gc_pause import GcPause
 
 __all__ = [
     "UringStorageWriter",
@@ -557,6 +557,39 @@ def _stored_tensor(rec: dict, view: Any) -> Optional[torch.Tensor]:
     return raw.view(dtype).as_strided(shape, stride, storage_offset)
 
 
+def _whole_target(rec: dict, reqs: list, planner: LoadPlanner) -> Optional[tuple[Any, torch.Tensor]]:
+    """``(request, target)`` when one request wants the whole stored tensor into a contiguous CPU target of the
+    same dtype and shape: its storage bytes are then read straight into the target (no read buffer, no copy;
+    with ``O_DIRECT`` when the target's address agrees with the file offset modulo 4 KiB, as when the saving
+    process's allocator placed it like this one's). None otherwise (resharding, dtype change, views).
+    """
+    layout = rec.get("tensor")
+    if not layout or len(rec["extents"]) < 2 or len(reqs) != 1 or reqs[0].type != LoadItemType.TENSOR:
+        return None
+    req = reqs[0]
+    dtype_name, shape, stride, storage_offset = layout
+    if storage_offset or any(req.storage_offsets) or list(req.lengths) != list(shape):
+        return None
+    dtype = _DTYPES.get(dtype_name)
+    if dtype is None or list(stride) != list(torch.empty(shape, device="meta").stride()):
+        return None
+    target = planner.resolve_tensor(req).detach()
+    if (
+        target.device.type != "cpu"
+        or target.dtype != dtype
+        or list(target.shape) != list(shape)
+        or not target.is_contiguous()
+        or target.nbytes != rec["extents"][1][1]
+    ):
+        return None
+    return req, target
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of contiguous ``t`` as a writable memoryview (any dtype)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
 def _load_sidecars(path: str, relative_paths: set[str]) -> dict[str, dict]:
     """Sidecars by relative_path; {} for a stock checkpoint (none at all), an error when only some exist."""
     found: dict[str, dict] = {}
@@ -766,6 +799,7 @@ class UringStorageReader(FileSystemReader):
 
                     try:
                         segs, checks = [], []
+                        direct: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
                         for off, length in run:
                             rec = side["items"].get((off, length)) if side is not None else None
                             if side is not None and rec is None:
@@ -775,10 +809,15 @@ class UringStorageReader(FileSystemReader):
                                     "the sidecar does not belong to this checkpoint",
                                     path=fpath,
                                 )
+                            into = _whole_target(rec, by_range[(off, length)], planner) if rec is not None else None
+                            if into is not None:
+                                direct[(off, length)] = into
                             extents = rec["extents"] if rec is not None else [[off, length, None]]
-                            for o, ln, c in extents:
+                            for i, (o, ln, c) in enumerate(extents):
                                 if ln:
-                                    segs.append((o, view(o, o + ln)))
+                                    # the storage bytes of a whole-tensor read land in the target itself
+                                    dest = _tensor_bytes(into[1]) if into is not None and i == 1 else view(o, o + ln)
+                                    segs.append((o, dest))
                                     checks.append((c, off, length, o, ln))
                         crcs = reader.read(segs)
                         for got, (want, off, length, o, ln) in zip(crcs, checks):
@@ -792,6 +831,9 @@ class UringStorageReader(FileSystemReader):
                                     damaged=[{"fqn": fqn, "offset": o, "length": ln, "expected": want, "actual": got}],
                                 )
                         for off, length in run:
+                            if (off, length) in direct:
+                                planner.commit_tensor(*direct[(off, length)])
+                                continue
                             rec = side["items"].get((off, length)) if side is not None else None
                             stored = _stored_tensor(rec, view) if rec is not None else None
                             self._deliver(by_range[(off, length)], view(off, off + length), planner, stored)

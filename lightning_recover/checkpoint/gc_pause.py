@@ -55,7 +55,7 @@ class GcPause:
             self._timer.daemon = True
             self._timer.start()
 
-    def __enter__(self) -> "GcPause":
+    def __enter__(self) -> GcPause:
         self.pause()
         return self
 

@@ -22,8 +22,8 @@ from lightning_recover.checkpoint import async_io, torch_zip
 from lightning_recover.checkpoint import format as fmt
 from lightning_recover.checkpoint.engine import open_writer, resolve_engine
 from lightning_recover.checkpoint.files import cleanup_stale_temps, fsync_dir, temp_path_for, unlink_quiet
-from lightning_recover.checkpoint.gc_pause import GcPause
 from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
+from lightning_recover.checkpoint.gc_pause import GcPause
 
 log = logging.getLogger(__name__)
 

@@ -956,6 +956,7 @@ typedef struct {
 	int busy;
 	uint64_t size;
 	uint64_t io_bytes;
+	uint64_t to_dest_bytes;
 	uint64_t payload;
 	double seconds;
 	PyObject *path;
@@ -987,6 +988,7 @@ static PyObject *Engine_open_reader(EngineObject *self, PyObject *args, PyObject
 	r->busy = 0;
 	r->size = o.size;
 	r->io_bytes = 0;
+	r->to_dest_bytes = 0;
 	r->payload = 0;
 	r->seconds = 0;
 	r->path = o.path;
@@ -1052,7 +1054,7 @@ static PyObject *Reader_read(ReaderObject *self, PyObject *segments)
 	double t0 = now();
 
 	rc = nio_read_segments(self->ctx, self->fd, self->direct, self->size, rs, (size_t)S.n, &io,
-			       &e);
+			       &self->to_dest_bytes, &e);
 	self->seconds += now() - t0;
 	Py_END_ALLOW_THREADS
 	self->busy = 0;
@@ -1360,6 +1362,8 @@ static PyMemberDef Reader_members[] = {
 	  "payload bytes delivered" },
 	{ "io_bytes", T_ULONGLONG, offsetof(ReaderObject, io_bytes), READONLY,
 	  "bytes transferred from the file" },
+	{ "direct_bytes", T_ULONGLONG, offsetof(ReaderObject, to_dest_bytes), READONLY,
+	  "bytes read straight into the destination buffers (not via the staging arena)" },
 	{ "seconds", T_DOUBLE, offsetof(ReaderObject, seconds), READONLY,
 	  "wall time spent in read()" },
 	{ "direct", T_BOOL, offsetof(ReaderObject, direct), READONLY,

@@ -190,6 +190,7 @@ struct nio_rseg {
 	uint32_t crc;
 };
 int nio_read_segments(struct nio_ctx *ctx, int fd, int direct, uint64_t file_size,
-		      struct nio_rseg *segs, size_t nsegs, uint64_t *io_bytes, struct nio_error *e);
+		      struct nio_rseg *segs, size_t nsegs, uint64_t *io_bytes,
+		      uint64_t *to_dest_bytes, struct nio_error *e);
 
 #endif /* NATIVE_IO_NIO_H */

@@ -3,7 +3,9 @@
  * Extent reader. Segments are turned into a stream of transfers:
  *  - "to dest": a large piece read straight into the caller's buffer, used
  *    when the fd is O_DIRECT and buffer address and file offset are 4096
- *    aligned, or when the fd is buffered (no alignment rules apply);
+ *    aligned, or when the fd is buffered (no alignment rules apply); a piece
+ *    whose address and offset only agree modulo 4096 has its unaligned head
+ *    read via the arena and the rest straight in;
  *  - "via arena": one aligned read of up to block_size into an arena slot
  *    that serves every consecutive small/unaligned piece inside it; the
  *    pieces are copied out (crc32c folded into the copy) when it retires.
@@ -38,6 +40,21 @@ static int to_dest_ok(const struct planner *P, uint64_t fo, const char *dest, si
 	if (!P->direct)
 		return 1;
 	return !(fo & (NIO_ALIGN - 1)) && !((uintptr_t)dest & (NIO_ALIGN - 1));
+}
+
+/*
+ * Bytes of the piece at file offset fo (destination dest, rem bytes) to read
+ * via the arena before the rest can go straight into dest: its unaligned
+ * head, when file offset and destination agree modulo NIO_ALIGN and enough
+ * is left after it (0: no such split; the whole piece goes via the arena).
+ */
+static size_t congruent_head(const struct planner *P, uint64_t fo, const char *dest, size_t rem)
+{
+	size_t head = (size_t)(NIO_ALIGN_UP(fo) - fo);
+
+	if (!P->direct || !head || (uintptr_t)dest % NIO_ALIGN != fo % NIO_ALIGN)
+		return 0;
+	return rem > head && rem - head >= NIO_READ_DIRECT_MIN ? head : 0;
 }
 
 static int plan_next(struct planner *P, struct rop *op)
@@ -76,7 +93,11 @@ static int plan_next(struct planner *P, struct rop *op)
 	limit = bstart + P->bs;
 	hi = fo;
 	for (;;) {
+		size_t cut = congruent_head(P, fo, seg->buf + P->p, rem);
+
 		take = limit - fo < rem ? (size_t)(limit - fo) : rem;
+		if (cut && cut < take)
+			take = cut; /* the aligned rest goes straight into dest next */
 		P->p += take;
 		if (fo + take > hi)
 			hi = fo + take;
@@ -151,7 +172,8 @@ static void fill_queue(struct nio_ctx *ctx, struct planner *P, struct rop *ops, 
 }
 
 int nio_read_segments(struct nio_ctx *ctx, int fd, int direct, uint64_t file_size,
-		      struct nio_rseg *segs, size_t nsegs, uint64_t *io_bytes, struct nio_error *e)
+		      struct nio_rseg *segs, size_t nsegs, uint64_t *io_bytes,
+		      uint64_t *to_dest_bytes, struct nio_error *e)
 {
 	struct planner P = {
 		.segs = segs,
@@ -204,6 +226,8 @@ int nio_read_segments(struct nio_ctx *ctx, int fd, int direct, uint64_t file_siz
 		fill_queue(ctx, &P, ops, fd, direct, &head, &count, &planned_all);
 		retire(segs, nsegs, &ops[tail], nio_slot(ctx, tail));
 		*io_bytes += req->done;
+		if (ops[tail].to_dest)
+			*to_dest_bytes += req->done;
 		req->state = NIO_REQ_IDLE;
 		tail = (tail + 1) % n;
 		count--;
