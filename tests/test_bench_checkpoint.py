@@ -287,3 +287,13 @@ def test_async_checkpoint_bench_pairs_each_save_with_the_steps_just_before(tmp_p
     assert len(ours["step_ratios"]) == 2 and min(ours["step_ratios"]) <= ours["step_ratio"] <= max(ours["step_ratios"])
     assert "step_during_flush_le_1.05x" in res["targets"]
     assert "paired step ratio" in async_checkpoint.format_table(res)
+
+
+def test_bench_unstaged_smoke(tmp_path, capsys):
+    """Both ways of writing each item size run to the end and leave nothing behind (no timing is checked)."""
+    from lightning_recover.bench import unstaged
+
+    assert unstaged.main(["--size-gb", "0.02", "--items", "256K,4M", "--repeat", "1", "--dir", str(tmp_path)]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "KiB" in line]
+    assert [r.split("|")[1].strip() for r in rows] == ["256 KiB", "4096 KiB"]
+    assert list(tmp_path.iterdir()) == []

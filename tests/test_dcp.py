@@ -389,6 +389,13 @@ _TWO_RANKS = textwrap.dedent(
     state[f"rank{rank}_only"] = torch.full((5,), float(rank))
     state["step"] = 42
     dcp.save(state, storage_writer=UringStorageWriter(path))
+    # the collector: back at once on the coordinator (finish), within the tail bound on the other rank
+    import gc, time
+    from lightning_recover.checkpoint.gc_pause import TAIL_S
+    t0 = time.monotonic()
+    while not gc.isenabled() and time.monotonic() - t0 < TAIL_S + 10:
+        time.sleep(0.05)
+    assert gc.isenabled() and (rank == 1 or time.monotonic() - t0 < 1.0)
     # and back into the same 2-rank layout with our reader
     back = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)]) for k, v in full.items()}
     back[f"rank{rank}_only"] = torch.zeros(5)

@@ -45,6 +45,16 @@ def test_a_pause_nobody_resumes_ends_by_itself():
     assert gc.isenabled() and not p.paused
 
 
+def test_pause_again_restarts_the_countdown_with_its_own_bound():
+    p = GcPause(max_s=60)
+    p.pause()
+    p.pause(0.2)  # a rank's last hook: a short tail instead of the full bound
+    deadline = time.monotonic() + 10
+    while not gc.isenabled() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert gc.isenabled() and not p.paused
+
+
 def test_an_application_that_disabled_the_collector_keeps_it_disabled():
     gc.disable()
     p = GcPause()

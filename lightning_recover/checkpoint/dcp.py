@@ -56,7 +56,7 @@ from lightning_recover.checkpoint.dcp_snapshot import LazySnapshot
 from lightning_recover.checkpoint.engine import open_writer, resolve_engine
 from lightning_recover.checkpoint.files import fsync_dir
 from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
-from lightning_recover.checkpoint.gc_pause import GcPause
+from lightning_recover.checkpoint.gc_pause import TAIL_S, GcPause
 
 __all__ = [
     "UringStorageWriter",
@@ -444,10 +444,12 @@ class UringStorageWriter(FileSystemWriter):
             if self._lazy is not None:
                 self._lazy.release()
             if self._gc is not None:
-                if done and self._is_coordinator:
+                if not done:
+                    self._gc.resume()
+                elif self._is_coordinator:
                     self._gc.pause()  # its part ends in finish(): the countdown restarts for the wait on the others
                 else:
-                    self._gc.resume()  # a failure, or a rank whose part ends here
+                    self._gc.pause(TAIL_S)  # no later hook here; DCP still broadcasts the metadata to this rank
         return fut
 
     def _write_file(self, tmp: str, file_name: str, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:

@@ -20,6 +20,9 @@ import threading
 from typing import Optional
 
 DEFAULT_MAX_S = 30.0
+# a rank whose last hook has run (DCP still exchanges results and the metadata): the collector comes back this
+# many seconds later, so the exchange's unpickling runs without collections too
+TAIL_S = 5.0
 
 
 class GcPause:
@@ -42,7 +45,8 @@ class GcPause:
     def paused(self) -> bool:
         return self._paused
 
-    def pause(self) -> None:
+    def pause(self, max_s: Optional[float] = None) -> None:
+        """Pause (or, when paused, restart the countdown) for at most ``max_s`` seconds (default: ``self.max_s``)."""
         with self._lock:
             if not self._paused:
                 if not gc.isenabled() or threading.current_thread() is not threading.main_thread():
@@ -51,7 +55,7 @@ class GcPause:
                 self._paused = True
             elif self._timer is not None:
                 self._timer.cancel()
-            self._timer = threading.Timer(self.max_s, self.resume)
+            self._timer = threading.Timer(self.max_s if max_s is None else max_s, self.resume)
             self._timer.daemon = True
             self._timer.start()
 
