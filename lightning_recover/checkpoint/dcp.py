@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import errno
+import functools
 import io
 import json
 import mmap
@@ -57,6 +58,7 @@ from lightning_recover.checkpoint.engine import open_writer, resolve_engine
 from lightning_recover.checkpoint.files import fsync_dir
 from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
 from lightning_recover.checkpoint.gc_pause import TAIL_S, GcPause
+from lightning_recover.checkpoint.write_pipeline import WritePipeline
 
 __all__ = [
     "UringStorageWriter",
@@ -182,7 +184,7 @@ def _storage_bytes(t: torch.Tensor) -> memoryview:
 
 
 # --------------------------------------------------------------------------------------------------
-# writing one rank's file: batches of segments, the next planned while this one is written
+# writing one rank's file: batches of segments, the next laid out while this one is written (write_pipeline.py)
 
 
 class _Batch:
@@ -201,63 +203,21 @@ class _Batch:
         self.nbytes += item[1]
 
 
-class _WritePipeline:
-    """Writes batches on a second thread: ``Writer.write`` runs without the GIL, so the caller resolves and
-    lays out the next batch's items (Python) while the disk takes this one; at most one batch is in flight.
-
-    CRC-32C values come back per segment and become the sidecar records (``records``), in file order.
-    """
-
-    def __init__(self, writer: Any, records: list[dict]) -> None:
-        self._writer = writer
-        self._records = records
-        self._thread: Optional[threading.Thread] = None
-        self._batch: Optional[_Batch] = None
-        self._crcs: Optional[list[int]] = None
-        self._error: Optional[BaseException] = None
-
-    def send(self, batch: _Batch) -> None:
-        self.drain()
-        if not batch.segments:
-            return
-        self._batch, self._crcs = batch, None
-        self._thread = threading.Thread(target=self._run, name="dcp-write", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._crcs = self._writer.write(self._batch.segments)
-        except BaseException as exc:  # re-raised in the caller's thread by drain()
-            self._error = exc
-
-    def drain(self) -> None:
-        """Wait for the batch in flight and record its checksums (its error, if any, is raised here)."""
-        if self._thread is None:
-            return
-        self._thread.join()
-        self._thread, batch, crcs = None, self._batch, self._crcs
-        self._batch = None
-        if self._error is not None:
-            raise self._error
-        k = 0
-        for off, length, fqn, extents, layout in batch.items:
-            n = len(extents)
-            rec = {
-                "fqn": fqn,
-                "offset": off,
-                "length": length,
-                "extents": [[o, ln, c] for (o, ln), c in zip(extents, crcs[k : k + n])],
-            }
-            if layout is not None:
-                rec["tensor"] = layout  # [dtype, shape, stride, storage_offset] of the archived tensor
-            self._records.append(rec)
-            k += n
-
-    def abandon(self) -> None:
-        """After a failure: wait for the batch in flight (the writer is closed next), keep the first error."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+def _record_batch(records: list[dict], batch: _Batch, crcs: list[int]) -> None:
+    """The sidecar records of a written batch, in file order: one CRC-32C per extent (segment)."""
+    k = 0
+    for off, length, fqn, extents, layout in batch.items:
+        n = len(extents)
+        rec = {
+            "fqn": fqn,
+            "offset": off,
+            "length": length,
+            "extents": [[o, ln, c] for (o, ln), c in zip(extents, crcs[k : k + n])],
+        }
+        if layout is not None:
+            rec["tensor"] = layout  # [dtype, shape, stride, storage_offset] of the archived tensor
+        records.append(rec)
+        k += n
 
 
 # --------------------------------------------------------------------------------------------------
@@ -464,7 +424,7 @@ class UringStorageWriter(FileSystemWriter):
         items += [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
         with lock:
             w = open_writer(eng, os.path.join(tmp, file_name), _size_estimate(items))
-            pipe = _WritePipeline(w, items_crc)
+            pipe = WritePipeline(lambda b: w.write(b.segments), functools.partial(_record_batch, items_crc))
             try:
                 for item in items:
                     data = planner.resolve_data(item)
@@ -501,7 +461,8 @@ class UringStorageWriter(FileSystemWriter):
                     if batch.nbytes >= _WRITE_BATCH:
                         pipe.send(batch)
                         batch = _Batch()
-                pipe.send(batch)
+                if batch.segments:
+                    pipe.send(batch)
                 pipe.drain()
                 w.close(size=cursor)  # truncates the O_DIRECT tail padding, fdatasyncs
             except BaseException:

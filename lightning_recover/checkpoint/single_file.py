@@ -24,6 +24,7 @@ from lightning_recover.checkpoint.engine import open_writer, resolve_engine
 from lightning_recover.checkpoint.files import cleanup_stale_temps, fsync_dir, temp_path_for, unlink_quiet
 from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
 from lightning_recover.checkpoint.gc_pause import GcPause
+from lightning_recover.checkpoint.write_pipeline import WritePipeline
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,9 @@ __all__ = [
 
 # storages living on an accelerator are staged to host memory in batches of at most this many bytes
 _DEVICE_STAGING_BYTES = 256 << 20
-# format 2 hands storages to the engine in batches of about this many bytes
-_WRITE_BATCH_BYTES = 256 << 20
+# format 2 hands storages to the engine in batches of about this many bytes; the first batch's Python work
+# is the only part not overlapped with the disk (write_pipeline.py), so batches are not made larger
+_WRITE_BATCH_BYTES = 64 << 20
 
 
 # ------------------------------------------------------------------------------------- save
@@ -117,26 +119,31 @@ def _save_zip(checkpoint: Any, path: str, engine: Any, zip_crc32: bool) -> None:
         with lock:
             with open_writer(eng, tmp, zplan.size_estimate()) as raw:
                 w = torch_zip.PlanWriter(zplan, raw)
+
+                def record(batch: list, crcs: list[int]) -> None:
+                    for (i, _, _), crc in zip(batch, crcs):
+                        zplan.set_crc32c(i, crc)
+
+                # the next batch's views are taken while this one is written (write_pipeline.py)
+                pipe = WritePipeline(lambda batch: w.write([(off, buf) for _, off, buf in batch]), record)
                 pending: list = []
                 staged = 0
-
-                def flush() -> None:
-                    nonlocal pending, staged
+                try:
+                    for i, st in enumerate(zplan.storages):
+                        rec = zplan.storage_record[i]
+                        if rec.nbytes == 0:
+                            continue
+                        if staged + rec.nbytes > _WRITE_BATCH_BYTES and pending:
+                            pipe.send(pending)
+                            pending, staged = [], 0
+                        pending.append((i, rec.data_offset, _host_bytes(st)))
+                        staged += rec.nbytes
                     if pending:
-                        crcs = w.write([(off, buf) for _, off, buf in pending])
-                        for (i, _, _), crc in zip(pending, crcs):
-                            zplan.set_crc32c(i, crc)
-                    pending, staged = [], 0
-
-                for i, st in enumerate(zplan.storages):
-                    rec = zplan.storage_record[i]
-                    if rec.nbytes == 0:
-                        continue
-                    if staged + rec.nbytes > _WRITE_BATCH_BYTES:
-                        flush()
-                    pending.append((i, rec.data_offset, _host_bytes(st)))
-                    staged += rec.nbytes
-                flush()
+                        pipe.send(pending)
+                    pipe.drain()
+                except BaseException:
+                    pipe.abandon()
+                    raise
                 w.finish()
         os.rename(tmp, path)
     except BaseException:
