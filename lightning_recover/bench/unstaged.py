@@ -20,6 +20,8 @@ import time
 
 import torch
 
+from lightning_recover.checkpoint.dcp import congruent_offset
+
 _HEAD, _TAIL = b"h" * 1600, b"t" * 300
 _BATCH = 64 << 20
 
@@ -33,8 +35,7 @@ def _segments(tensors: list[torch.Tensor]) -> tuple[list[list[tuple[int, object]
     """64 MiB batches of (offset, buffer) in the DCP writer's layout, and the file size."""
     batches, batch, acc, cursor = [], [], 0, 0
     for t in tensors:
-        start = cursor + len(_HEAD)
-        data_at = start + (t.data_ptr() - start) % 4096
+        data_at = congruent_offset(cursor + len(_HEAD), t.data_ptr())  # where the DCP writer puts it
         body = memoryview(t.numpy()).cast("B")
         batch += [(data_at - len(_HEAD), _HEAD), (data_at, body), (data_at + len(body), _TAIL)]
         cursor = data_at + len(body) + len(_TAIL)

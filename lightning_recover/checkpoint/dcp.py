@@ -160,7 +160,7 @@ def _size_estimate(items: list) -> int:
     return n
 
 
-def _congruent(cursor: int, address: int) -> int:
+def congruent_offset(cursor: int, address: int) -> int:
     """The first file offset at or after ``cursor`` that agrees with the memory ``address`` modulo 4 KiB.
 
     Storage bytes placed there are sent to the disk from the tensor's own memory (``O_DIRECT`` needs file
@@ -442,7 +442,7 @@ class UringStorageWriter(FileSystemWriter):
                             t = t.clone()  # a view: save only its bytes, as FileSystemWriter does
                         tpl = _template(t)
                         head = len(tpl.head)
-                        off = _congruent(cursor + head, t.untyped_storage().data_ptr()) - head
+                        off = congruent_offset(cursor + head, t.untyped_storage().data_ptr()) - head
                         segs = [(off, tpl.head)]
                         if tpl.nbytes:
                             segs.append((off + head, _storage_bytes(t)))
