@@ -63,17 +63,20 @@ def test_stock_readers_read_our_file(tmp_path):
     names = zipfile.ZipFile(path).namelist()
     assert names[0] == "archive/data.pkl" and names[-1] == "archive/" + torch_zip.INTEGRITY_RECORD
     info = read_info(path)
+    big = info.index.records[next(t["record"] for t in info.tensors if t["name"] == "state_dict/big")]
+    assert big.data_offset % 4096 == ck["state_dict"]["big"].data_ptr() % 4096  # congruent: written uncopied
     for rec in info.index.storage_records():
-        assert rec.data_offset % 4096 == 0
+        assert rec is big or rec.data_offset % 4096 == 0  # the small ones stay 4096-aligned
     assert {t["name"] for t in info.tensors} >= {"state_dict/w", "state_dict/big", "row", "t"}
 
 
-def test_layout_is_torch_saves_own(tmp_path):
-    """Record offsets equal torch.save's at storage_alignment=4096, so torch's offset arithmetic holds too."""
+def test_torch_layout_is_torch_saves_own(tmp_path):
+    """With torch_layout=True record offsets equal torch.save's at storage_alignment=4096, so torch's offset
+    arithmetic holds too."""
     from torch.utils.serialization import config
 
     ck = _state()
-    save(ck, tmp_path / "ours.ckpt")
+    save(ck, tmp_path / "ours.ckpt", torch_layout=True)
     old = config.save.storage_alignment, config.save.compute_crc32
     config.save.storage_alignment, config.save.compute_crc32 = 4096, False
     try:
@@ -85,14 +88,79 @@ def test_layout_is_torch_saves_own(tmp_path):
     assert [(i.filename, i.header_offset, i.file_size) for i in ours[: len(ref)]] == [
         (i.filename, i.header_offset, i.file_size) for i in ref
     ]
+    assert "archive/.format_version" in [i.filename for i in ours]
+    _stock_loads_with_offset_arithmetic_asked_for(tmp_path / "ours.ckpt")  # torch's arithmetic finds every record
+
+
+def _stock_loads_with_offset_arithmetic_asked_for(path) -> None:
+    """torch.load (mmap and meta) with torch's opt-in offset arithmetic and its debug check of every offset."""
     code = (
         "import torch; from torch.utils.serialization import config; "
         "config.load.calculate_storage_offsets = True; "
-        f"torch.load({str(tmp_path / 'ours.ckpt')!r}, weights_only=True, mmap=True); "
-        f"torch.load({str(tmp_path / 'ours.ckpt')!r}, weights_only=True, map_location='meta')"
+        f"torch.load({str(path)!r}, weights_only=True, mmap=True); "
+        f"torch.load({str(path)!r}, weights_only=True, map_location='meta')"
     )
-    env = dict(os.environ, TORCH_SERIALIZATION_DEBUG="1")  # torch asserts its computed offsets are right
+    env = dict(os.environ, TORCH_SERIALIZATION_DEBUG="1")
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+def test_default_layout_storages_first_and_congruent(tmp_path):
+    """The default layout: storages first (written while the rest is pickled), the large ones congruent to their
+    memory; data.pkl after them but first in the central directory; no .format_version, so torch reads every
+    offset from the local headers even when asked for its offset arithmetic."""
+    ck = _state()
+    path = tmp_path / "c.ckpt"
+    save(ck, path)
+    info = read_info(path)
+    in_file = [n for n, _ in sorted(info.index.records.items(), key=lambda kv: kv[1].data_offset)]
+    storages = [n for n in in_file if n.startswith("data/")]
+    assert in_file[: len(storages)] == storages and in_file[len(storages)] == "data.pkl"
+    assert ".format_version" not in in_file
+    names = zipfile.ZipFile(path).namelist()
+    assert names[0] == "archive/data.pkl" and names[1:3] == ["archive/.storage_alignment", "archive/byteorder"]
+    for name in ("big", "w"):
+        rec = info.index.records[next(t["record"] for t in info.tensors if t["name"] == f"state_dict/{name}")]
+        address = ck["state_dict"][name].data_ptr() % 4096
+        assert rec.data_offset % 4096 == (address if name == "big" else 0)  # w (240 KB) is under 1 MiB
+    _assert_same(ck, torch.load(path, weights_only=True, mmap=True))
+    _stock_loads_with_offset_arithmetic_asked_for(path)
+
+
+def test_storages_are_written_while_the_object_is_pickled(tmp_path, monkeypatch):
+    from lightning_recover.checkpoint import single_file
+
+    monkeypatch.setattr(single_file, "_WRITE_BATCH_BYTES", 1 << 20)
+    events: list = []
+    real_write = torch_zip.PlanWriter.write
+    monkeypatch.setattr(
+        torch_zip.PlanWriter, "write", lambda self, segs: events.append("write") or real_write(self, segs)
+    )
+    real_dump = torch_zip._FastPickler.dump
+    monkeypatch.setattr(
+        torch_zip._FastPickler, "dump", lambda self, obj: real_dump(self, obj) or events.append("pickled")
+    )
+    ck = {f"t{i}": torch.randn(1 << 19) for i in range(8)}  # 2 MiB each
+    save(ck, tmp_path / "s.ckpt")
+    assert "pickled" in events and events.index("write") < events.index("pickled")
+    out = load(tmp_path / "s.ckpt")
+    assert all(torch.equal(out[k], v) for k, v in ck.items())
+
+
+def test_fast_pickler_giving_up_midway_restarts_the_save_unstreamed(tmp_path, monkeypatch):
+    """A Parameter after plain tensors: the fast pickler has streamed storages when it gives up; the save starts
+    again with torch's pickler, and the file is exactly what torch would pickle."""
+    from lightning_recover.checkpoint import single_file
+
+    calls: list = []
+    real = single_file._save_zip
+    monkeypatch.setattr(single_file, "_save_zip", lambda *a, **k: calls.append(k.get("fast_pickler")) or real(*a, **k))
+    ck = {"a": torch.randn(1 << 19), "b": torch.randn(5), "p": torch.nn.Parameter(torch.randn(1 << 19))}
+    save(ck, tmp_path / "p.ckpt")
+    assert calls == [None, False]
+    for out in (load(tmp_path / "p.ckpt", weights_only=False), torch.load(tmp_path / "p.ckpt", weights_only=True)):
+        assert isinstance(out["p"], torch.nn.Parameter) and all(torch.equal(out[k], v) for k, v in ck.items())
+    assert verify_file(tmp_path / "p.ckpt")[1] == []
+    assert not [p for p in os.listdir(tmp_path) if p != "p.ckpt"]  # the abandoned temporary file is gone
 
 
 def test_zip_crc32_option_gives_a_fully_valid_zip(tmp_path):

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import os
 import secrets
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -88,12 +88,23 @@ def write_tail(w: Any, enc: fmt.EncodedCheckpoint, data_end: int, file_id: bytes
     w.close(size=skeleton_offset + len(enc.skeleton) + len(footer))
 
 
-def save(checkpoint: Any, path: Any, *, engine: Any = None, format: int = 2, zip_crc32: bool = False) -> None:
+def save(
+    checkpoint: Any,
+    path: Any,
+    *,
+    engine: Any = None,
+    format: int = 2,
+    zip_crc32: bool = False,
+    torch_layout: bool = False,
+) -> None:
     """Write ``checkpoint`` (anything ``torch.save`` takes) to ``path`` atomically.
 
     Format 2 (default) is a ``torch.save`` archive (``torch.load`` and every tool that reads torch checkpoints
-    read it) with 4096-aligned records and a CRC-32C integrity record (``torch_zip.py``); ``zip_crc32=True``
-    also fills the ZIP CRC-32 fields (for ``unzip -t``; torch does not check them). ``format=1`` writes the
+    read it) with a CRC-32C integrity record (``torch_zip.py``). Its tensors of 1 MiB or more start at file
+    offsets congruent to their memory modulo 4096, so the engine writes them from that memory without a copy;
+    ``torch_layout=True`` puts every record where ``torch.save`` with ``storage_alignment=4096`` would instead
+    (for ``torch.utils.serialization.config.load.calculate_storage_offsets``), at the price of that copy.
+    ``zip_crc32=True`` also fills the ZIP CRC-32 fields (for ``unzip -t``; torch does not check them). ``format=1`` writes the
     older lightning-recover layout. The file is written to a temporary name in the same directory,
     fdatasync'ed, renamed into place and the directory fsync'ed: a crash leaves either the previous file or
     the new one under ``path``, never a partial one. Parent directories are created.
@@ -106,38 +117,46 @@ def save(checkpoint: Any, path: Any, *, engine: Any = None, format: int = 2, zip
         if format == 1:
             _save_v1(checkpoint, path, engine)
         else:
-            _save_zip(checkpoint, path, engine, zip_crc32)
+            _save_zip(checkpoint, path, engine, zip_crc32, congruent=not torch_layout)
 
 
-def _save_zip(checkpoint: Any, path: str, engine: Any, zip_crc32: bool) -> None:
+def _save_zip(
+    checkpoint: Any, path: str, engine: Any, zip_crc32: bool, congruent: bool, fast_pickler: Optional[bool] = None
+) -> None:
     directory = os.path.dirname(path)
-    zplan = torch_zip.plan_archive(checkpoint, meta=fmt.file_meta(), zip_crc32=zip_crc32)
     cleanup_stale_temps(directory)
     eng, lock = resolve_engine(engine)
     tmp = temp_path_for(path)
+    zplan = torch_zip.ZipPlan(meta=fmt.file_meta(), zip_crc32=zip_crc32, congruent=congruent)
     try:
         with lock:
-            with open_writer(eng, tmp, zplan.size_estimate()) as raw:
+            # no size hint for LIGHTNING_RECOVER_PREALLOCATE: the size is known only once the object is pickled
+            with open_writer(eng, tmp) as raw:
                 w = torch_zip.PlanWriter(zplan, raw)
 
                 def record(batch: list, crcs: list[int]) -> None:
                     for (i, _, _), crc in zip(batch, crcs):
                         zplan.set_crc32c(i, crc)
 
-                # the next batch's views are taken while this one is written (write_pipeline.py)
+                # a batch is written on a second thread while the next is laid out (write_pipeline.py): with the
+                # congruent layout, while the pickler is still walking the object
                 pipe = WritePipeline(lambda batch: w.write([(off, buf) for _, off, buf in batch]), record)
                 pending: list = []
                 staged = 0
+
+                def placed(i: int, st: torch.UntypedStorage) -> None:
+                    nonlocal pending, staged
+                    rec = zplan.storage_record[i]
+                    if rec.nbytes == 0:
+                        return
+                    if staged + rec.nbytes > _WRITE_BATCH_BYTES and pending:
+                        pipe.send(pending)
+                        pending, staged = [], 0
+                    pending.append((i, rec.data_offset, _host_bytes(st)))
+                    staged += rec.nbytes
+
                 try:
-                    for i, st in enumerate(zplan.storages):
-                        rec = zplan.storage_record[i]
-                        if rec.nbytes == 0:
-                            continue
-                        if staged + rec.nbytes > _WRITE_BATCH_BYTES and pending:
-                            pipe.send(pending)
-                            pending, staged = [], 0
-                        pending.append((i, rec.data_offset, _host_bytes(st)))
-                        staged += rec.nbytes
+                    zplan.lay_out(checkpoint, placed, fast_pickler)
                     if pending:
                         pipe.send(pending)
                     pipe.drain()
@@ -146,6 +165,11 @@ def _save_zip(checkpoint: Any, path: str, engine: Any, zip_crc32: bool) -> None:
                     raise
                 w.finish()
         os.rename(tmp, path)
+    except torch_zip.RestartWithoutStreaming:
+        unlink_quiet(tmp)
+        # torch's own pickler hands the storages over only once it has pickled everything
+        _save_zip(checkpoint, path, engine, zip_crc32, congruent, fast_pickler=False)
+        return
     except BaseException:
         unlink_quiet(tmp)
         raise

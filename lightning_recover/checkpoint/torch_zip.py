@@ -36,6 +36,7 @@ import secrets
 import struct
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -76,6 +77,10 @@ _U32 = 0xFFFFFFFF
 _U16 = 0xFFFF
 # a record needs zip64 fields when its size or its header offset reaches this (tests lower it)
 ZIP64_LIMIT = _U32
+# a congruent plan places CPU storages of at least this many bytes congruent to their memory: the engine
+# writes their aligned interior without a copy (native_io's unstaged_min, 2 MiB, decides which it sends so);
+# smaller ones stay ALIGN-aligned (padding of up to 4 KiB each is not worth it)
+CONGRUENT_MIN = 1 << 20
 
 
 def is_zip(head: bytes) -> bool:
@@ -122,11 +127,15 @@ def _local_zip64(rec: Record, offset: int) -> bytes:
     return struct.pack("<HH", 1, len(fields)) + fields if fields else b""
 
 
-def _place(rec: Record, cursor: int) -> None:
-    """Put ``rec``'s local header at ``cursor`` and its data on the next ``ALIGN`` boundary after it."""
+def _place(rec: Record, cursor: int, address: Optional[int] = None) -> None:
+    """Put ``rec``'s local header at ``cursor`` and its data on the next ``ALIGN`` boundary after it, or, given
+    the ``address`` of the bytes it will be written from, on the next offset congruent to it modulo ``ALIGN``."""
     rec.header_offset = cursor
     fixed = cursor + _LOCAL.size + len(_full_name(rec.name)) + len(_local_zip64(rec, cursor)) + 4
-    rec.data_offset = -(-fixed // ALIGN) * ALIGN
+    if address is None:
+        rec.data_offset = -(-fixed // ALIGN) * ALIGN
+    else:
+        rec.data_offset = fixed + (address - fixed) % ALIGN
 
 
 def _full_name(name: str) -> bytes:
@@ -172,24 +181,42 @@ def _central_entry(rec: Record) -> bytes:
 
 
 class _Collector:
-    """Stands in for torch's zip writer in ``torch.serialization._save``: keeps the records in order."""
+    """Stands in for torch's zip writer in ``torch.serialization._save``: keeps the records in torch's order.
 
-    def __init__(self) -> None:
-        self.records: list[Record] = []
+    ``on_storage(record, storage)``, if given, is called as each storage record arrives (during pickling, from
+    :class:`_FastPickler`), so its bytes can go to the disk while the rest of the object is still pickled.
+    """
+
+    def __init__(self, on_storage: Optional[Callable[[Record, torch.UntypedStorage], None]] = None) -> None:
+        self.small: list[Record] = []  # data.pkl, .format_version, .storage_alignment, byteorder
+        self.storage_records: list[Record] = []
         self.storages: list[torch.UntypedStorage] = []
+        self.on_storage = on_storage
+
+    @property
+    def records(self) -> list[Record]:
+        return self.small + self.storage_records
 
     def write_record(self, name: str, data: Any, nbytes: int) -> None:
         if isinstance(data, torch.UntypedStorage):
-            self.records.append(Record(name, nbytes, storage=len(self.storages)))
+            rec = Record(name, nbytes, storage=len(self.storages))
+            self.storage_records.append(rec)
             self.storages.append(data)
+            if self.on_storage is not None:
+                self.on_storage(rec, data)
         else:
             payload = data.encode() if isinstance(data, str) else bytes(data)
             if name == ".storage_alignment":  # what torch's offset arithmetic must assume: our alignment
                 payload = str(ALIGN).encode()
-            self.records.append(Record(name, len(payload), payload=payload))
+            self.small.append(Record(name, len(payload), payload=payload))
 
     def write_record_metadata(self, name: str, nbytes: int) -> None:  # pragma: no cover - skip_data saves
         raise RuntimeError("torch.serialization.skip_data() is not supported by the lightning-recover writer")
+
+
+class RestartWithoutStreaming(Exception):
+    """The fast pickler handed storages to ``on_storage`` and then gave up on the object (see :class:`_Fallback`):
+    what was written from them may not match torch's pickling. The save starts again without streaming."""
 
 
 class _Fallback(Exception):
@@ -223,9 +250,10 @@ class _FastPickler(pickle.Pickler):
     ``tests/test_fast_pickler.py`` compares the bytes with torch's.
     """
 
-    def __init__(self, file: Any) -> None:
+    def __init__(self, file: Any, on_storage: Optional[Callable[[str, torch.UntypedStorage], None]] = None) -> None:
         super().__init__(file, protocol=2)
         self.storages: dict[str, torch.UntypedStorage] = {}
+        self.on_storage = on_storage  # called with each new storage's key as the pickler meets it
         self._keys: dict[int, str] = {}
         self._dtypes: dict[int, torch.dtype] = {}
         self._v3 = torch.storage._new_dtypes()
@@ -246,8 +274,12 @@ class _FastPickler(pickle.Pickler):
             if ptr != 0:
                 if self._dtypes.setdefault(ptr, dtype) != dtype:
                     raise _Fallback("one storage viewed with two dtypes")
-            key = self._keys.setdefault(st._cdata, str(len(self._keys)))
-            self.storages[key] = st
+            key = self._keys.get(st._cdata)
+            if key is None:
+                key = self._keys[st._cdata] = str(len(self._keys))
+                self.storages[key] = st
+                if self.on_storage is not None:
+                    self.on_storage(key, st)
             return ("storage", storage_type, key, "cpu", numel)
         if t in _PLAIN_TYPES:
             return None
@@ -291,44 +323,52 @@ class _FastPickler(pickle.Pickler):
 FAST_PICKLER = env.flag(env.FAST_PICKLER, "on") != "off"
 
 
-def _fast_save_records(obj: Any) -> _Collector:
-    """``torch.serialization._save``'s records, pickled by :class:`_FastPickler` (raises :class:`_Fallback`)."""
+def _fast_save_records(obj: Any, out: Optional[_Collector] = None) -> _Collector:
+    """``torch.serialization._save``'s records, pickled by :class:`_FastPickler` (raises :class:`_Fallback`).
+
+    Storage records reach ``out`` (and its ``on_storage``) as the pickler meets them, before ``data.pkl``."""
     import sys
 
     from torch.serialization import _serialization_tls
 
     if _serialization_tls.skip_data or getattr(_serialization_tls, "materialize_fake_tensors", False):
         raise _Fallback("skip_data")
+    out = _Collector() if out is None else out
     buf = io.BytesIO()
-    p = _FastPickler(buf)
+    p = _FastPickler(buf, lambda key, st: out.write_record(f"data/{key}", st, st.nbytes()))
     p.dump(obj)
-    out = _Collector()
     data = buf.getvalue()
     out.write_record("data.pkl", data, len(data))
     out.write_record(".format_version", "1", 1)
     out.write_record(".storage_alignment", str(ALIGN), len(str(ALIGN)))
     out.write_record("byteorder", sys.byteorder, len(sys.byteorder))
-    for key, st in p.storages.items():
-        out.write_record(f"data/{key}", st, st.nbytes())
     return out
 
 
-def _torch_save_records(obj: Any) -> _Collector:
+def _torch_save_records(
+    obj: Any,
+    on_storage: Optional[Callable[[Record, torch.UntypedStorage], None]] = None,
+    fast_pickler: Optional[bool] = None,
+) -> _Collector:
     """The records ``torch.save(obj)`` would write, with storages referenced, not copied.
 
     Plain dense CPU tensors (the usual checkpoint) are pickled by :class:`_FastPickler`, which writes the
     bytes torch would; anything else runs torch's own pickling (``torch.serialization._save``), so tensor
     subclasses, nested and sparse tensors, storages and ``persistent_id`` keys are exactly torch's.
+    ``on_storage`` sees each storage record as it arrives: during pickling on the fast path, after it on
+    torch's. Raises :class:`RestartWithoutStreaming` when the fast path gives up after it has seen some.
     """
-    if FAST_PICKLER:
+    if FAST_PICKLER if fast_pickler is None else fast_pickler:
+        out = _Collector(on_storage)
         try:
-            return _fast_save_records(obj)
+            return _fast_save_records(obj, out)
         except _Fallback:
-            pass
+            if out.storages and on_storage is not None:
+                raise RestartWithoutStreaming() from None
     save = getattr(torch.serialization, "_save", None)
     if save is None:  # pragma: no cover - torch changed its internals
         raise RuntimeError(f"torch {torch.__version__} has no torch.serialization._save; save with format=1")
-    out = _Collector()
+    out = _Collector(on_storage)
     save(obj, out, pickle, 2, False)
     return out
 
@@ -336,35 +376,89 @@ def _torch_save_records(obj: Any) -> _Collector:
 class ZipPlan:
     """Where every record of one checkpoint goes; the bytes around the storages are produced here.
 
-    A writer writes, in increasing offsets: for each non-empty storage ``i``, :meth:`lead` (the bytes
-    between the previous storage's data and this one's: descriptors, small records, local headers) and
-    then the storage's bytes at ``records[...].data_offset``; finally :meth:`tail`. :class:`PlanWriter`
-    does this bookkeeping for a ``native_io`` writer.
+    :meth:`lay_out` pickles the object and places its records. A writer writes, in increasing offsets: for each
+    non-empty storage ``i``, :meth:`lead` (the bytes between the previous storage's data and this one's:
+    descriptors, small records, local headers) and then the storage's bytes at ``records[...].data_offset``;
+    finally :meth:`tail`. :class:`PlanWriter` does this bookkeeping for a ``native_io`` writer.
+
+    Two layouts, both ``torch.load``-able:
+
+    * ``congruent=False``: exactly ``torch.save``'s at ``storage_alignment=4096`` (records in torch's order,
+      every record's data 4096-aligned), so torch's offset arithmetic holds too;
+    * ``congruent=True``: the storages come first, in the order the pickler meets them, so each can be written
+      while the rest is pickled; ``data.pkl`` and the small records follow them. CPU storages of at least
+      ``CONGRUENT_MIN`` bytes start at an offset congruent to their memory modulo ``ALIGN``, the rest on an
+      ``ALIGN`` boundary. The central directory lists the records in torch's order (``data.pkl`` first: torch
+      names the archive after its first entry). There is no ``.format_version`` record: torch then reads every
+      record's offset from its local header, as for files written before torch 2.3.
     """
 
-    def __init__(self, obj: Any, meta: Optional[dict] = None, zip_crc32: bool = False) -> None:
-        c = _torch_save_records(obj)
-        self.storages = c.storages
+    def __init__(self, meta: Optional[dict] = None, zip_crc32: bool = False, congruent: bool = False) -> None:
         self.zip_crc32 = zip_crc32
         self.meta = meta or {}
+        self.congruent = congruent
         self.file_id = secrets.token_hex(16)
-        records = c.records + [Record("version", 2, payload=b"3\n")]
-        sid = str(secrets.randbits(128)).zfill(40).encode()
-        records.append(Record(".data/serialization_id", len(sid), payload=sid))
-        cursor = 0
-        for rec in records:
-            _place(rec, cursor)
-            if rec.payload is not None:
-                rec.crc32c = crc32c(rec.payload)
-                if zip_crc32:
-                    rec.zip_crc = zlib.crc32(rec.payload)
-            cursor = rec.end()
-        self.records = records
-        self.data_end = cursor  # where the integrity record's header goes
-        self.storage_record = {r.storage: r for r in records if r.storage is not None}
+        self.records: list[Record] = []  # in file order
+        self.central: list[Record] = []  # in central-directory order
+        self.storages: list[torch.UntypedStorage] = []
+        self.storage_record: dict[int, Record] = {}
+        self.storage_starts: dict[int, Record] = {}  # data offset -> non-empty storage record
+        self.storage_offsets: list[int] = []  # their data offsets, increasing
+        self.data_end = 0  # where the next record's header goes; after lay_out, the integrity record's
         self._written_upto = 0  # file offset up to which bytes have been produced (lead or storage)
         self._pos = 0  # next record whose header has not been produced
         self._prev: Optional[Record] = None  # last storage handed out: its descriptor comes next
+
+    def lay_out(
+        self,
+        obj: Any,
+        on_storage: Optional[Callable[[int, torch.UntypedStorage], None]] = None,
+        fast_pickler: Optional[bool] = None,
+    ) -> None:
+        """Pickle ``obj`` and place every record. ``on_storage(i, storage)`` is called once each storage is placed:
+        with ``congruent``, during pickling. Raises :class:`RestartWithoutStreaming` (see there)."""
+        user = on_storage
+
+        def placed(rec: Record, st: torch.UntypedStorage) -> None:
+            big = self.congruent and st.device.type == "cpu" and rec.nbytes >= CONGRUENT_MIN
+            self._append(rec, st.data_ptr() if big else None)
+            if user is not None:
+                user(rec.storage, st)  # type: ignore[arg-type]
+
+        if self.congruent:
+            c = _torch_save_records(obj, placed, fast_pickler)
+            small = [r for r in c.small if r.name != ".format_version"]
+        else:
+            c = _torch_save_records(obj, None, fast_pickler)
+            small = c.small
+        self.storages = c.storages
+        sid = str(secrets.randbits(128)).zfill(40).encode()
+        trailer = [Record("version", 2, payload=b"3\n"), Record(".data/serialization_id", len(sid), payload=sid)]
+        if self.congruent:
+            for rec in small + trailer:
+                self._append(rec)
+        else:
+            for rec in small:
+                self._append(rec)
+            for rec, st in zip(c.storage_records, c.storages):
+                placed(rec, st)
+            for rec in trailer:
+                self._append(rec)
+        self.central = small + c.storage_records + trailer
+
+    def _append(self, rec: Record, address: Optional[int] = None) -> None:
+        _place(rec, self.data_end, address)
+        if rec.payload is not None:
+            rec.crc32c = crc32c(rec.payload)
+            if self.zip_crc32:
+                rec.zip_crc = zlib.crc32(rec.payload)
+        self.data_end = rec.end()
+        self.records.append(rec)
+        if rec.storage is not None:
+            self.storage_record[rec.storage] = rec
+            if rec.nbytes:
+                self.storage_starts[rec.data_offset] = rec
+                self.storage_offsets.append(rec.data_offset)
 
     def set_crc32c(self, storage: int, crc: int) -> None:
         self.storage_record[storage].crc32c = int(crc)
@@ -427,7 +521,7 @@ class ZipPlan:
             irec.zip_crc = zlib.crc32(integrity)
         out += local_header(irec) + integrity + descriptor(irec)
         cd_offset = irec.end()
-        central = b"".join(_central_entry(r) for r in self.records + [irec])
+        central = b"".join(_central_entry(r) for r in self.central + [irec])
         n = len(self.records) + 1
         eocd64_offset = cd_offset + len(central)
         z64 = _EOCD64.pack(_SIG_EOCD64, 44, 0, 0, 0, 0, n, n, len(central), cd_offset)
@@ -443,7 +537,10 @@ class ZipPlan:
 
 
 def plan_archive(obj: Any, meta: Optional[dict] = None, zip_crc32: bool = False) -> ZipPlan:
-    return ZipPlan(obj, meta, zip_crc32)
+    """The plan of ``obj`` in torch's own layout (see :class:`ZipPlan`), all records placed."""
+    plan = ZipPlan(meta, zip_crc32)
+    plan.lay_out(obj)
+    return plan
 
 
 class PlanWriter:
@@ -455,11 +552,9 @@ class PlanWriter:
     """
 
     def __init__(self, plan: ZipPlan, writer: Any) -> None:
-        self.plan = plan
+        self.plan = plan  # may still be laying out (a congruent plan streams): its storages are looked up late
         self.writer = writer
-        self._starts = {r.data_offset: r for r in plan.storage_record.values() if r.nbytes}
-        self._by_offset = sorted(self._starts.values(), key=lambda r: r.data_offset)
-        self._offsets = [r.data_offset for r in self._by_offset]
+        self._led: set[int] = set()  # data offsets of the storages whose lead is written
 
     def write(self, segments: list) -> list[int]:
         out: list = []
@@ -486,8 +581,9 @@ class PlanWriter:
         """``(offset, bytes)`` of the lead (local header) to write before the storage starting at ``off``, if
         any; also folds ``buf`` into the storage's zip CRC-32 when the plan keeps one."""
         lead = None
-        rec = self._starts.pop(off, None)
-        if rec is not None:
+        rec = self.plan.storage_starts.get(off)
+        if rec is not None and off not in self._led:
+            self._led.add(off)
             lead_at, data = self.plan.lead(rec.storage)  # type: ignore[arg-type]
             if data:
                 lead = (lead_at, data)
@@ -497,7 +593,8 @@ class PlanWriter:
         return lead
 
     def _owner(self, off: int) -> Record:
-        r = self._by_offset[bisect.bisect_right(self._offsets, off) - 1]
+        offsets = self.plan.storage_offsets
+        r = self.plan.storage_starts[offsets[bisect.bisect_right(offsets, off) - 1]]
         if not r.data_offset <= off < r.data_end:  # pragma: no cover - a caller bug
             raise ValueError(f"offset {off} is not inside a storage record")
         return r
