@@ -42,9 +42,11 @@ ALIGNED_ALLOC = "LIGHTNING_RECOVER_ALIGNED_ALLOC"
 #: ``off``: format-2 saves pickle through ``torch.serialization._save`` only, never the fast pickler
 #: (``checkpoint/torch_zip.py``; for before/after measurements). Default ``on``.
 FAST_PICKLER = "LIGHTNING_RECOVER_FAST_PICKLER"
-#: ``on``: checkpoint writers reserve each file's estimated size with ``fallocate`` before the first
-#: write (``native_io`` ``open_writer(size_hint=...)``). Default ``off``: paired runs against fio on this
-#: disk did not show a consistent gain (docs/benchmarks.md, "Paired with fio (issue 16)").
+#: Space reserved ahead of checkpoint writes. Default (``auto``): the synchronous single-file save grows a
+#: reservation that also sets the file size ahead of its streaming writes (``checkpoint/reservation.py``;
+#: ext4 takes direct writes inside a file far better than extending ones, docs/benchmarks.md). ``on``: the
+#: other writers (DCP, async) also reserve each file's estimated size before the first write, keeping the
+#: size (``native_io`` ``open_writer(size_hint=...)``; no consistent gain measured). ``off``: none.
 PREALLOCATE = "LIGHTNING_RECOVER_PREALLOCATE"
 #: Page-cache handling of ``bench checkpoint`` loads: ``auto`` (drop caches when root), ``drop``
 #: or ``keep``; the ``--cache`` flag wins.

@@ -21,6 +21,7 @@ from ._native_io import (  # noqa: F401
     Writer,
     copy_crc32c,
     crc32c,
+    reserve,
 )
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "copy_crc32c",
     "crc32c",
     "info",
+    "reserve",
     "testing",
 ]
 

@@ -11,6 +11,7 @@ from native_io._native_io import (
     copy_crc32c as copy_crc32c,
     crc32c as crc32c,
     info as info,
+    reserve as reserve,
 )
 
 def _inject_faults(

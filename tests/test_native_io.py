@@ -794,28 +794,31 @@ def _mixed_state():
     return state
 
 
-@pytest.mark.parametrize("prealloc", ["off", "on"])
+@pytest.mark.parametrize("prealloc", ["off", "auto"])
 def test_single_file_save_with_preallocation(tmp_path, monkeypatch, prealloc):
-    """single_file.save reserves its size estimate when asked; the file loads back and damage is detected."""
+    """single_file.save reserves space ahead of its writes unless told not to (reservation.py); the unused
+    reservation is given back, the file loads back and damage is detected."""
     import torch
 
-    from lightning_recover.bench.profile_uring import EngineProxy, Timers
-    from lightning_recover.checkpoint import single_file
+    from lightning_recover.checkpoint import reservation, single_file
     from lightning_recover.checkpoint.format import CheckpointCorruptError
 
     monkeypatch.setenv("LIGHTNING_RECOVER_PREALLOCATE", prealloc)
+    monkeypatch.setattr(reservation, "FIRST_BYTES", 1 << 20)  # grow several times on this small state
+    monkeypatch.setattr(reservation, "AHEAD_BYTES", 1 << 20)
+    made: list = []
+    real = single_file.GrowingReservation
+    monkeypatch.setattr(single_file, "GrowingReservation", lambda path: made.append(real(path)) or made[-1])
     state = _mixed_state()
-    eng = EngineProxy(native_io.IOEngine(block_size=BS, queue_depth=2), Timers())
     p = tmp_path / "c.ckpt"
-    single_file.save(state, p, engine=eng)
-    w = eng.last_writer
+    single_file.save(state, p)
     size = os.path.getsize(p)
-    if prealloc == "on":
-        assert w.preallocate_error is None
-        assert w.preallocated >= size  # the estimate bounds the real size
-        assert os.stat(p).st_blocks * 512 < size + 4096 + BS  # the unused reservation was given back
+    (r,) = made
+    if prealloc == "auto":
+        assert r.error is None and r.calls >= 1 and r.reserved >= size  # reserved ahead of the placement
+        assert os.stat(p).st_blocks * 512 < size + (1 << 20)  # the unused reservation was given back
     else:
-        assert (w.preallocated, w.preallocate_error) == (0, None)
+        assert (r.calls, r.reserved) == (0, 0)
     got = single_file.load(p)
     for k, v in state.items():
         if isinstance(v, torch.Tensor):

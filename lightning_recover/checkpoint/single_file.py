@@ -24,6 +24,7 @@ from lightning_recover.checkpoint.engine import open_writer, resolve_engine
 from lightning_recover.checkpoint.files import cleanup_stale_temps, fsync_dir, temp_path_for, unlink_quiet
 from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
 from lightning_recover.checkpoint.gc_pause import GcPause
+from lightning_recover.checkpoint.reservation import GrowingReservation
 from lightning_recover.checkpoint.write_pipeline import WritePipeline
 
 log = logging.getLogger(__name__)
@@ -130,8 +131,8 @@ def _save_zip(
     zplan = torch_zip.ZipPlan(meta=fmt.file_meta(), zip_crc32=zip_crc32, congruent=congruent)
     try:
         with lock:
-            # no size hint for LIGHTNING_RECOVER_PREALLOCATE: the size is known only once the object is pickled
-            with open_writer(eng, tmp) as raw:
+            # the size is known only once the object is pickled: a reservation grows ahead of the placement
+            with open_writer(eng, tmp) as raw, _reservation(tmp) as reserve:
                 w = torch_zip.PlanWriter(zplan, raw)
 
                 def record(batch: list, crcs: list[int]) -> None:
@@ -149,6 +150,7 @@ def _save_zip(
                     rec = zplan.storage_record[i]
                     if rec.nbytes == 0:
                         return
+                    reserve.ensure(rec.data_end)
                     if staged + rec.nbytes > _WRITE_BATCH_BYTES and pending:
                         pipe.send(pending)
                         pending, staged = [], 0
@@ -174,6 +176,12 @@ def _save_zip(
         unlink_quiet(tmp)
         raise
     fsync_dir(directory)
+
+
+def _reservation(path: str) -> GrowingReservation:
+    """The file's space reserved ahead of the save (``reservation.py``); ``LIGHTNING_RECOVER_PREALLOCATE=off``
+    leaves the writes to extend the file themselves."""
+    return GrowingReservation(None if env.flag(env.PREALLOCATE, "auto") == "off" else path)
 
 
 def _save_v1(checkpoint: Any, path: str, engine: Any) -> None:

@@ -167,7 +167,7 @@ def _report_archive(info: ArchiveInfo, damaged: list, verify: bool, as_json: boo
         return EXIT_DAMAGED if damaged else EXIT_OK
     print(f"checkpoint {info.path}")
     print(
-        f"  format version 2 (torch.save archive, 4096-aligned records, CRC-32C integrity record), "
+        f"  format version 2 (torch.save archive laid out for O_DIRECT, CRC-32C integrity record), "
         f"file size {info.size} ({_human(info.size)})"
     )
     _print_meta_and_tensors(info.index.meta, info.tensors)

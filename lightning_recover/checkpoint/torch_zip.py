@@ -1,7 +1,7 @@
 """Format 2: a ``torch.save`` archive laid out for the native engine, plus an integrity record.
 
 ``torch.save`` writes a ZIP of stored (uncompressed) records under one top-level directory. This module
-plans and parses exactly that container, the way torch's own writer (miniz) lays it out with
+plans and parses that container, the way torch's own writer (miniz) lays it out with
 ``torch.utils.serialization.config.save.storage_alignment = 4096`` and ``compute_crc32 = False``:
 
 * records in torch's order: ``data.pkl``, ``.format_version``, ``.storage_alignment``, ``byteorder``,
@@ -10,6 +10,10 @@ plans and parses exactly that container, the way torch's own writer (miniz) lays
   sizes zero), a ``FB`` extra field of padding so the record's data starts on a 4096-byte boundary, the
   data, and a data descriptor (none after an empty record, as miniz does);
 * then central directory, zip64 end record and locator, end record -- always zip64, as torch writes.
+
+That is ``ZipPlan(congruent=False)``. The synchronous save's default, ``congruent=True``, differs in where the
+records go, not in what they are: storages first (written while the rest is pickled), large ones at offsets
+congruent to their memory, no ``.format_version`` record (see :class:`ZipPlan`, docs/format.md).
 
 So ``torch.load(path)`` (``mmap=True`` included), ``LightningModule.load_from_checkpoint`` and every
 tool that reads torch checkpoints read these files. What we add, which torch ignores:

@@ -1194,6 +1194,34 @@ static PyObject *mod_copy_crc32c(PyObject *m, PyObject *args, PyObject *kwds)
 	return PyLong_FromUnsignedLong(crc);
 }
 
+/*
+ * reserve(fd, offset, length): fallocate mode 0 without the GIL: the range is
+ * allocated and the file's size grows to cover it. OSError with the errno
+ * where the filesystem refuses (EOPNOTSUPP, ENOSPC, EFBIG, ...).
+ */
+static PyObject *mod_reserve(PyObject *m, PyObject *args)
+{
+	int fd, err;
+	long long off, len;
+
+	if (!PyArg_ParseTuple(args, "iLL", &fd, &off, &len))
+		return NULL;
+	if (fd < 0 || off < 0 || len <= 0) {
+		PyErr_SetString(
+			PyExc_ValueError,
+			"reserve(fd, offset, length): fd and offset must be >= 0, length > 0");
+		return NULL;
+	}
+	Py_BEGIN_ALLOW_THREADS
+	err = nio_reserve(fd, (uint64_t)off, (uint64_t)len);
+	Py_END_ALLOW_THREADS
+	if (err) {
+		errno = err;
+		return PyErr_SetFromErrno(PyExc_OSError);
+	}
+	Py_RETURN_NONE;
+}
+
 static int dict_set(PyObject *d, const char *k, PyObject *v)
 {
 	int rc;
@@ -1429,6 +1457,8 @@ static PyMethodDef module_methods[] = {
 	  "crc32c(buf, value=0) -> int: CRC-32C (Castagnoli), chainable" },
 	{ "copy_crc32c", (PyCFunction)(void (*)(void))mod_copy_crc32c, METH_VARARGS | METH_KEYWORDS,
 	  "copy_crc32c(dst, src, value=0) -> int: copy src into dst (same length), return src's CRC-32C" },
+	{ "reserve", (PyCFunction)mod_reserve, METH_VARARGS,
+	  "reserve(fd, offset, length): allocate the range and grow the file's size to cover it (fallocate mode 0)" },
 	{ "info", (PyCFunction)mod_info, METH_NOARGS,
 	  "info() -> dict describing the build and defaults" },
 #ifdef NATIVE_IO_TESTING

@@ -181,6 +181,7 @@ int nio_writer_wait_all(struct nio_writer *w, struct nio_error *e);
 int nio_writer_finish(struct nio_writer *w, int have_size, uint64_t size, struct nio_error *e);
 void nio_writer_abort(struct nio_writer *w);
 int nio_writer_preallocate(struct nio_writer *w, uint64_t size);
+int nio_reserve(int fd, uint64_t off, uint64_t len);
 
 /* reader.c */
 struct nio_rseg {
