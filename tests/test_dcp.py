@@ -118,19 +118,25 @@ def test_round_trip_ours(tmp_path):
 
 
 def test_preallocated_save_round_trips_and_detects_damage(tmp_path, monkeypatch):
-    """LIGHTNING_RECOVER_PREALLOCATE=on: each rank's file is reserved from the plan's estimate before the
-    first write; the checkpoint is the same (ours and the stock reader load it, a flipped byte is caught)."""
-    import native_io
-    from lightning_recover.bench.profile_uring import EngineProxy, Timers
+    """Each rank's file is reserved from the plan's estimate, size included, before the first write
+    (reservation.py); the checkpoint is the same (ours and the stock reader load it, a flipped byte is caught)."""
+    from lightning_recover.checkpoint import engine
 
-    monkeypatch.setenv("LIGHTNING_RECOVER_PREALLOCATE", "on")
+    reserved: list = []
+    real = engine.reserve_size
+
+    def spy(path, nbytes):
+        err = real(path, nbytes)
+        reserved.append((os.path.basename(path), nbytes, err, os.path.getsize(path)))
+        return err
+
+    monkeypatch.setattr(engine, "reserve_size", spy)
     state = make_state(5)
     p = str(tmp_path / "ck")
-    eng = EngineProxy(native_io.IOEngine(), Timers())
-    dcp.save(state, storage_writer=UringStorageWriter(p, engine=eng))
-    w, shard = eng.last_writer, os.path.join(p, "__0_0.distcp")
-    assert w.preallocate_error is None
-    assert w.preallocated >= os.path.getsize(shard)  # the estimate bounds the file
+    dcp.save(state, storage_writer=UringStorageWriter(p))
+    ((name, nbytes, err, size_at_open),) = reserved
+    shard = os.path.join(p, name)
+    assert err is None and size_at_open == nbytes >= os.path.getsize(shard)  # the estimate bounds the file
     assert_same(load_with(UringStorageReader(p), state), state)
     assert_same(load_with(FileSystemReader(p), state), state)
     index = flip_bit_in_largest_item(p)

@@ -84,3 +84,30 @@ def test_native_reserve_rejects_bad_arguments(tmp_path):
         assert e.value.errno == errno.EBADF
     finally:
         os.close(fd)
+
+
+def test_reserve_size_sets_the_size_or_says_why_not(tmp_path):
+    from lightning_recover.checkpoint.reservation import reserve_size
+
+    path = tmp_path / "f"
+    path.write_bytes(b"")
+    assert reserve_size(path, 3 * MiB) is None
+    assert os.path.getsize(path) == 3 * MiB and os.stat(path).st_blocks * 512 >= 3 * MiB
+    err = reserve_size(path, 1 << 62)  # past the filesystem's largest file
+    assert isinstance(err, OSError) and os.path.getsize(path) == 3 * MiB
+
+
+@pytest.mark.parametrize("prealloc", ["auto", "off"])
+def test_engine_open_writer_reserves_the_estimate_and_close_cuts_it(tmp_path, monkeypatch, prealloc):
+    """The DCP writer's and the async saver's way: the estimate reserved at open, the exact size at close."""
+    from lightning_recover.checkpoint.engine import open_writer
+
+    monkeypatch.setenv("LIGHTNING_RECOVER_PREALLOCATE", prealloc)
+    path = tmp_path / "w.bin"
+    data = os.urandom(3 * 4096 + 100)
+    with native_io.IOEngine() as eng:
+        w = open_writer(eng, path, 8 * MiB)
+        assert os.path.getsize(path) == (8 * MiB if prealloc == "auto" else 0)
+        w.write([(0, data)])
+        w.close(size=len(data))
+    assert path.read_bytes() == data

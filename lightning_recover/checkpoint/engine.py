@@ -10,6 +10,7 @@ import threading
 from typing import Any, Optional
 
 from lightning_recover import env
+from lightning_recover.checkpoint.reservation import reserve_size
 
 
 class EngineHandle:
@@ -60,11 +61,13 @@ def resolve_engine(engine: Any) -> tuple[Any, Any]:
 
 
 def open_writer(eng: Any, path: Any, size_hint: Optional[int] = None) -> Any:
-    """``eng.open_writer(path)``; with ``LIGHTNING_RECOVER_PREALLOCATE=on``, ``size_hint`` (the caller's
-    estimate of the file size) is reserved with ``fallocate`` before the first write.
-
-    Opt-in: paired runs against fio did not show a consistent gain on this machine's disk (docs/benchmarks.md).
+    """``eng.open_writer(path)``, then ``size_hint`` bytes (the caller's upper estimate of the file size)
+    reserved with the file size set (``reservation.py``: ext4 takes direct writes inside a file far better than
+    ones that extend it). Only for files that get their name after the writer's ``close(size=...)`` has cut
+    them to the exact size: temporary and unnamed files, as every caller writes.
+    ``LIGHTNING_RECOVER_PREALLOCATE=off``: nothing reserved.
     """
-    if not size_hint or env.flag(env.PREALLOCATE) != "on":
-        return eng.open_writer(path)
-    return eng.open_writer(path, size_hint=size_hint)
+    w = eng.open_writer(path)
+    if size_hint and env.flag(env.PREALLOCATE, "auto") != "off":
+        reserve_size(path, size_hint)  # refused (ENOSPC, EOPNOTSUPP): the writes extend the file as they go
+    return w

@@ -1,16 +1,18 @@
-"""A file's space and size reserved ahead of a writer that streams, so its direct writes never extend the file.
+"""A file's space and size reserved ahead of its writer, so its direct writes never extend the file.
 
 ext4 handles an ``O_DIRECT`` write that extends a file far worse than one inside it. fio's own default
 (``--fallocate=native``) reserves the whole file first; docs/benchmarks.md measures fio with and without it,
-and the single-file save with and without this module. A streaming save (``single_file._save_zip``) only
-knows its size once it has pickled everything, so the reservation grows ahead of the placement:
+and the single-file save with and without this module. A writer that knows its size up front (an upper
+estimate: the DCP writer, the async saver) reserves it at once (:func:`reserve_size`, through
+``engine.open_writer``). A streaming save (``single_file._save_zip``) only knows its size once it has pickled
+everything, so its reservation grows ahead of the placement (:class:`GrowingReservation`):
 
 * geometrically, from ``FIRST_BYTES``;
 * always at least ``AHEAD_BYTES`` past the last placed byte.
 
 ``native_io.reserve`` is ``fallocate`` mode 0. It also sets the file size. The writer's ``close(size=...)``
-truncates to the exact size and so gives the rest back. The file is a temporary one, renamed only after that,
-so the zeros past the data are never seen under the checkpoint's name.
+truncates to the exact size and so gives the rest back. Every file reserved this way is a temporary (or unnamed)
+one that gets the checkpoint's name only after that, so the zeros past the data are never seen under it.
 
 It is only an optimisation. When the filesystem refuses the headroom (ENOSPC, say), it asks for exactly what
 is placed. When it refuses that too (EOPNOTSUPP, ENOSPC), it stops reserving, and the writes extend the file
@@ -26,6 +28,19 @@ import native_io
 
 FIRST_BYTES = 256 << 20
 AHEAD_BYTES = 128 << 20  # two of the save's 64 MiB batches
+
+
+def reserve_size(path: Any, nbytes: int) -> Optional[OSError]:
+    """Reserve ``[0, nbytes)`` of ``path`` at once, size included, for a writer that knows its size up front
+    (an upper estimate); returns the filesystem's refusal, if any (the writes then extend the file)."""
+    fd = os.open(os.fspath(path), os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        native_io.reserve(fd, 0, nbytes)
+    except OSError as e:
+        return e
+    finally:
+        os.close(fd)
+    return None
 
 
 class GrowingReservation:
