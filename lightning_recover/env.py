@@ -42,10 +42,10 @@ ALIGNED_ALLOC = "LIGHTNING_RECOVER_ALIGNED_ALLOC"
 #: ``off``: format-2 saves pickle through ``torch.serialization._save`` only, never the fast pickler
 #: (``checkpoint/torch_zip.py``; for before/after measurements). Default ``on``.
 FAST_PICKLER = "LIGHTNING_RECOVER_FAST_PICKLER"
-#: ``off``: checkpoint writers reserve no space ahead of their writes. By default they reserve it with the file
-#: size set (``checkpoint/reservation.py``): the DCP writer and the async saver their estimated size at open,
-#: the streaming single-file save a reservation that grows ahead of it (ext4 takes direct writes inside a
-#: file far better than extending ones, docs/benchmarks.md).
+#: Space reserved ahead of checkpoint writes, with the file size set (``checkpoint/reservation.py``; ext4 takes
+#: direct writes inside a file far better than extending ones). Default ``auto``: the streaming single-file save
+#: grows a reservation ahead of its writes (measured faster, docs/benchmarks.md). ``on``: the DCP writer and
+#: the async saver also reserve their estimated size at open (measured no faster). ``off``: none.
 PREALLOCATE = "LIGHTNING_RECOVER_PREALLOCATE"
 #: Page-cache handling of ``bench checkpoint`` loads: ``auto`` (drop caches when root), ``drop``
 #: or ``keep``; the ``--cache`` flag wins.

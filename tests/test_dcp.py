@@ -118,8 +118,9 @@ def test_round_trip_ours(tmp_path):
 
 
 def test_preallocated_save_round_trips_and_detects_damage(tmp_path, monkeypatch):
-    """Each rank's file is reserved from the plan's estimate, size included, before the first write
-    (reservation.py); the checkpoint is the same (ours and the stock reader load it, a flipped byte is caught)."""
+    """LIGHTNING_RECOVER_PREALLOCATE=on: each rank's file is reserved from the plan's estimate, size included,
+    before the first write (reservation.py); the checkpoint is the same (ours and the stock reader load it, a
+    flipped byte is caught)."""
     from lightning_recover.checkpoint import engine
 
     reserved: list = []
@@ -131,6 +132,7 @@ def test_preallocated_save_round_trips_and_detects_damage(tmp_path, monkeypatch)
         return err
 
     monkeypatch.setattr(engine, "reserve_size", spy)
+    monkeypatch.setenv("LIGHTNING_RECOVER_PREALLOCATE", "on")
     state = make_state(5)
     p = str(tmp_path / "ck")
     dcp.save(state, storage_writer=UringStorageWriter(p))

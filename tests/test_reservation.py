@@ -97,9 +97,10 @@ def test_reserve_size_sets_the_size_or_says_why_not(tmp_path):
     assert isinstance(err, OSError) and os.path.getsize(path) == 3 * MiB
 
 
-@pytest.mark.parametrize("prealloc", ["auto", "off"])
+@pytest.mark.parametrize("prealloc", ["on", "auto", "off"])
 def test_engine_open_writer_reserves_the_estimate_and_close_cuts_it(tmp_path, monkeypatch, prealloc):
-    """The DCP writer's and the async saver's way: the estimate reserved at open, the exact size at close."""
+    """The DCP writer's and the async saver's way, when asked for (``on``): the estimate reserved at open, the
+    exact size at close."""
     from lightning_recover.checkpoint.engine import open_writer
 
     monkeypatch.setenv("LIGHTNING_RECOVER_PREALLOCATE", prealloc)
@@ -107,7 +108,7 @@ def test_engine_open_writer_reserves_the_estimate_and_close_cuts_it(tmp_path, mo
     data = os.urandom(3 * 4096 + 100)
     with native_io.IOEngine() as eng:
         w = open_writer(eng, path, 8 * MiB)
-        assert os.path.getsize(path) == (8 * MiB if prealloc == "auto" else 0)
+        assert os.path.getsize(path) == (8 * MiB if prealloc == "on" else 0)
         w.write([(0, data)])
         w.close(size=len(data))
     assert path.read_bytes() == data

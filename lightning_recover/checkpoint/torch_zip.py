@@ -421,13 +421,12 @@ class ZipPlan:
     ) -> None:
         """Pickle ``obj`` and place every record. ``on_storage(i, storage)`` is called once each storage is placed:
         with ``congruent``, during pickling. Raises :class:`RestartWithoutStreaming` (see there)."""
-        user = on_storage
 
         def placed(rec: Record, st: torch.UntypedStorage) -> None:
             big = self.congruent and st.device.type == "cpu" and rec.nbytes >= CONGRUENT_MIN
             self._append(rec, st.data_ptr() if big else None)
-            if user is not None:
-                user(rec.storage, st)  # type: ignore[arg-type]
+            if on_storage is not None:
+                on_storage(rec.storage, st)  # type: ignore[arg-type]
 
         if self.congruent:
             c = _torch_save_records(obj, placed, fast_pickler)
