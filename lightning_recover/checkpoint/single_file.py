@@ -25,6 +25,7 @@ from lightning_recover.checkpoint.files import cleanup_stale_temps, fsync_dir, t
 from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
 from lightning_recover.checkpoint.gc_pause import GcPause
 from lightning_recover.checkpoint.reservation import GrowingReservation
+from lightning_recover.checkpoint.storage_reads import StorageDamaged, StorageReads
 from lightning_recover.checkpoint.write_pipeline import WritePipeline
 
 log = logging.getLogger(__name__)
@@ -314,15 +315,41 @@ def _read_zip_records(r: Any, index: torch_zip.ArchiveIndex, verify: bool) -> tu
             if int(c) != index.records[n].crc32c
         ]
         if bad:
-            small = {n: bytes(b) for n, b in bufs.items() if not n.startswith("data/")}
-            rows = _tensor_rows(index, small) if "data.pkl" in small else []
-            for d in bad:
-                d["tensors"] = [t["name"] for t in rows if t["record"] == d["record"]]
-            raise CheckpointCorruptError(_describe_zip_damage(bad, index.path), index.path, bad)
+            _raise_zip_damage(bad, index, {n: bytes(b) for n, b in bufs.items() if not n.startswith("data/")})
     for name, buf in bufs.items():
         if not name.startswith("data/"):
             small[name] = bytes(buf)
     return small, storages
+
+
+def _load_zip(r: Any, index: torch_zip.ArchiveIndex, verify: bool, map_location: Any, weights_only: bool) -> Any:
+    """Unpickle a format-2 file while its storages are read (``storage_reads.py``): the small records first,
+    checked, then each storage handed to torch's loader once it is read and checked."""
+    records = index.records
+    small_only = {n: rec for n, rec in records.items() if not n.startswith("data/")}
+    small, _ = _read_zip_records(r, dataclasses.replace(index, records=small_only), verify)
+    data = [(n, rec) for n, rec in records.items() if n.startswith("data/")]
+    reads = StorageReads(r, data, verify, _new_storage, lambda st: fmt.storage_as_bytes(st).numpy())
+    try:
+        result = torch_zip.unpickle(
+            torch_zip.VerifiedArchive(index, small, reads), index.path, map_location, weights_only
+        )
+    except StorageDamaged:
+        result = None  # reported below, with every damaged record
+    except BaseException:
+        reads.abandon()
+        raise
+    bad = reads.finish()
+    if bad:
+        _raise_zip_damage(bad, index, small)
+    return result
+
+
+def _raise_zip_damage(bad: list, index: torch_zip.ArchiveIndex, small: dict) -> None:
+    rows = _tensor_rows(index, small) if "data.pkl" in small else []
+    for d in bad:
+        d["tensors"] = [t["name"] for t in rows if t["record"] == d["record"]]
+    raise CheckpointCorruptError(_describe_zip_damage(bad, index.path), index.path, bad)
 
 
 def _describe_zip_damage(bad: list, path: str) -> str:
@@ -588,9 +615,8 @@ def load(
         r = _open_reader(eng, path)
         try:
             kind, found = _read_kind(r, path)
-            if kind == "zip":
-                zindex = _read_zip_index(r, path, found)
-                small, zstorages = _read_zip_records(r, zindex, verify)
+            if kind == "zip":  # unpickled while the storages are read
+                result = _load_zip(r, _read_zip_index(r, path, found), verify, map_location, weights_only)
             elif kind == "v1":
                 v1 = _read_v1(r, path, targets, strict)
         finally:
@@ -598,8 +624,6 @@ def load(
     if kind == "torch":
         return _torch_load(path, map_location, weights_only)
     if kind == "zip":
-        archive = torch_zip.VerifiedArchive(zindex, small, zstorages)
-        result = torch_zip.unpickle(archive, path, map_location, weights_only)
         return _fill_targets(result, targets, strict, path) if targets else result
     return _rebuild_v1(v1, path, map_location, weights_only, verify)
 
