@@ -486,3 +486,54 @@ def test_two_ranks_save_reshard_to_one(tmp_path):
     changed = full["w"].clone()
     changed[32:] += 1.0  # rank 1's shard, changed in place before the second (successful) lazy save
     assert torch.equal(lazy["w"], changed) and torch.equal(lazy["b"], full["b"])
+
+
+# ------------------------------------------------------------------- plan caching (dcp_planner.py)
+
+
+def test_caching_planner_reuses_the_plan_with_each_saves_own_directory(tmp_path, monkeypatch):
+    """Saves of an unchanged layout reuse the plan (no usable local plan is sent), yet each writes its own
+    temporary directory: to two paths, then over the first."""
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    from lightning_recover.checkpoint import CachingSavePlanner
+
+    monkeypatch.setattr(SavePlanner, "_cached_save_plan", {})  # this test's cache only
+    for cache in ("_cached_final_save_plan", "_cached_all_plans", "_cached_global_plan", "_cached_metadata"):
+        monkeypatch.setattr(SavePlanner, cache, {})
+    usable: list = []
+    real = CachingSavePlanner.create_local_plan
+    monkeypatch.setattr(
+        CachingSavePlanner, "create_local_plan", lambda self: usable.append(real(self).usable) or self.plan
+    )
+    tokens: list = []
+    real_tmp = dcp_mod.temp_dir_for
+    monkeypatch.setattr(dcp_mod, "temp_dir_for", lambda path, token: tokens.append(token) or real_tmp(path, token))
+    for i, name in enumerate(("a", "b", "a")):
+        state = make_state(i)
+        dcp.save(state, storage_writer=UringStorageWriter(str(tmp_path / name)), planner=CachingSavePlanner())
+        assert_same(load_with(UringStorageReader(str(tmp_path / name)), state), state)
+        assert_same(load_with(FileSystemReader(str(tmp_path / name)), state), state)
+    assert usable == [True, False, False]  # the second and third saves sent no plan
+    assert len(set(tokens)) == 3  # but each had its own temporary directory
+    assert sorted(os.listdir(tmp_path)) == ["a", "b"]
+
+
+def test_stock_caching_planner_works_too(tmp_path, monkeypatch):
+    """torch's own caching planner hands the writer the last save's storage data (the same temporary directory
+    name); saves one after another still commit and load."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    for cache in ("_cached_save_plan", "_cached_final_save_plan", "_cached_all_plans", "_cached_global_plan"):
+        monkeypatch.setattr(SavePlanner, cache, {})
+    monkeypatch.setattr(SavePlanner, "_cached_metadata", {})
+    for i, name in enumerate(("a", "a", "b")):
+        state = make_state(i)
+        dcp.save(
+            state,
+            storage_writer=UringStorageWriter(str(tmp_path / name)),
+            planner=DefaultSavePlanner(enable_plan_caching=True),
+        )
+        assert_same(load_with(UringStorageReader(str(tmp_path / name)), state), state)
+    assert sorted(os.listdir(tmp_path)) == ["a", "b"]

@@ -12,6 +12,7 @@ from lightning_recover.checkpoint.dcp import (
     cleanup_dcp_temps,
     verify_dcp_checkpoint,
 )
+from lightning_recover.checkpoint.dcp_planner import CachingSavePlanner
 from lightning_recover.checkpoint.files import cleanup_stale_temps
 from lightning_recover.checkpoint.format import (
     FORMAT_VERSION,
@@ -24,6 +25,7 @@ from lightning_recover.checkpoint.single_file import CheckpointInfo, load, read_
 
 __all__ = [
     "AsyncCheckpointError",
+    "CachingSavePlanner",
     "CheckpointIncompleteError",
     "FORMAT_VERSION",
     "CheckpointCorruptError",

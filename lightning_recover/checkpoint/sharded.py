@@ -50,6 +50,7 @@ from lightning_recover.checkpoint.dcp import (
     read_dcp_metadata,
     temp_dir_for,
 )
+from lightning_recover.checkpoint.dcp_planner import CachingSavePlanner
 from lightning_recover.checkpoint.files import fsync_dir
 from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
 
@@ -141,7 +142,13 @@ def sharded_state_dict(state: dict[str, Any]) -> dict[str, Any]:
 def save_sharded(path: str | os.PathLike, state: dict[str, Any], *, engine: Any = None) -> None:
     """Write ``state`` as one DCP checkpoint directory at ``path`` (every rank of the default process
     group, or this process alone without one, must call it). ``path`` appears complete or not at all."""
-    dcp.save(sharded_state_dict(state), storage_writer=UringStorageWriter(str(path), engine=engine))
+    # the plan is reused while the state's layout stays the same (dcp_planner.py): saves in a loop skip DCP's
+    # gather, merge and scatter of every rank's plan
+    dcp.save(
+        sharded_state_dict(state),
+        storage_writer=UringStorageWriter(str(path), engine=engine),
+        planner=CachingSavePlanner(),
+    )
 
 
 def load_sharded(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True) -> dict[str, Any]:
