@@ -91,6 +91,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "thread_count 1 and 4 vs fio numjobs=N), for each N",
     )
     p.add_argument("--small", type=int, default=2048, help="with --ranks: small tensors per rank (0: skip)")
+    p.add_argument(
+        "--plan-cache",
+        action="store_true",
+        help="with --ranks: every writer reuses the last save's plan, as a training loop's saves would",
+    )
     common(p)
 
     p = kinds.add_parser("async", help="time blocked per checkpoint and time to durability vs async peers")

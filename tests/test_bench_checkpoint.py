@@ -94,14 +94,17 @@ def test_bench_checkpoint_smoke(tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_bench_sharded_dcp_smoke(tmp_path, capsys):
-    """`bench checkpoint --ranks 1`: save, cold load (values compared), async and fio rows, tiny sizes."""
+@pytest.mark.parametrize("plan_cache", [False, True])
+def test_bench_sharded_dcp_smoke(tmp_path, capsys, plan_cache):
+    """`bench checkpoint --ranks 1 [--plan-cache]`: save, cold load (values compared), async and fio rows, tiny
+    sizes."""
     from lightning_recover.bench import dcp_ranks
 
     args = argparse.Namespace(
         ranks="1", size_gb=0.01, repeat=1, small=32, dir=str(tmp_path / "work"), json=str(tmp_path / "r.json")
     )
     args.no_torchsnapshot = True
+    args.plan_cache = plan_cache
     assert dcp_ranks.main(args) == 0
     printed = capsys.readouterr().out
     rounds = json.loads((tmp_path / "r.json").read_text())["1"]
