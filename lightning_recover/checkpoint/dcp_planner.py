@@ -16,6 +16,7 @@ save's directory has been renamed to its checkpoint by then, but not for two in 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan
@@ -26,11 +27,14 @@ __all__ = ["CachingSavePlanner"]
 class CachingSavePlanner(DefaultSavePlanner):
     """``DefaultSavePlanner`` with plan caching, keeping each save's own storage data (temporary directory).
 
-    Its cache is its own: torch keys the cache by the planner's class name.
+    torch keys its class-level cache by the planner's class name. ``key`` narrows that key: saves that may run
+    over different process groups or different item sets in one process should each have their own. torch
+    merges a cached plan with a new one by rank, and that is only right within one unchanged group.
     """
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, key: str = "", **kwargs: Any) -> None:
         super().__init__(enable_plan_caching=True, **kwargs)
+        self._cached_plans_key = f"{type(self).__name__}:{key}"
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         finished = super().finish_plan(new_plan)

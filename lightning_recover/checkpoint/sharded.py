@@ -144,10 +144,11 @@ def save_sharded(path: str | os.PathLike, state: dict[str, Any], *, engine: Any 
     group, or this process alone without one, must call it). ``path`` appears complete or not at all."""
     # the plan is reused while the state's layout stays the same (dcp_planner.py): saves in a loop skip DCP's
     # gather, merge and scatter of every rank's plan
+    world = dist.get_world_size() if dist.is_initialized() else 1
     dcp.save(
         sharded_state_dict(state),
         storage_writer=UringStorageWriter(str(path), engine=engine),
-        planner=CachingSavePlanner(),
+        planner=CachingSavePlanner(key=f"sharded:{world}"),
     )
 
 
@@ -295,7 +296,14 @@ def save_part(path: str | os.PathLike, state: dict[str, Any], token: str, part: 
     """Write part ``part`` of ``parts`` of ``state`` (every rank of this replica's process group calls it)."""
     flat, _ = _flat(state)
     mine = assign_parts({k: _item_bytes(v) for k, v in flat.items()}, parts)[part]
-    dcp.save({k: flat[k] for k in mine}, storage_writer=_PartWriter(str(path), token, part, base))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    # the plan is reused while this replica writes the same part of the same layout (dcp_planner.py); another
+    # assignment of parts (replicas lost or back) is another key, planned afresh
+    dcp.save(
+        {k: flat[k] for k in mine},
+        storage_writer=_PartWriter(str(path), token, part, base),
+        planner=CachingSavePlanner(key=f"part:{part}/{parts}:{base}:{world}"),
+    )
 
 
 def commit_parts(path: str | os.PathLike, state: dict[str, Any], token: str, parts: int) -> None:
