@@ -50,8 +50,7 @@ NATIVE_WRITE = "native Writer.write (copy+crc32c+submit/wait)"
 NATIVE_CLOSE = "native Writer.close (drain, truncate, fdatasync)"
 
 
-@contextlib.contextmanager
-def _wrap(owner: Any, name: str, timers: Timers, label: str) -> Iterator[None]:
+def _wrap(owner: Any, name: str, timers: Timers, label: str) -> contextlib.AbstractContextManager:
     fn = getattr(owner, name)
 
     def wrapper(*a: Any, **k: Any) -> Any:  # wall time only: cheap enough for per-storage calls
@@ -62,11 +61,18 @@ def _wrap(owner: Any, name: str, timers: Timers, label: str) -> Iterator[None]:
             timers.t[label] += time.perf_counter() - t0
             timers.n[label] += 1
 
-    setattr(owner, name, wrapper)
+    return _patched(owner, name, wrapper)
+
+
+@contextlib.contextmanager
+def _patched(owner: Any, name: str, fn: Any) -> Iterator[None]:
+    """``owner.name`` replaced by ``fn`` inside the block."""
+    old = getattr(owner, name)
+    setattr(owner, name, fn)
     try:
         yield
     finally:
-        setattr(owner, name, fn)
+        setattr(owner, name, old)
 
 
 def one_save(checkpoint: Any, path: str, eng: Any) -> dict[str, Any]:
@@ -143,16 +149,6 @@ def one_save(checkpoint: Any, path: str, eng: Any) -> dict[str, Any]:
         "file_bytes": os.path.getsize(path),
         "writer": {"seconds": getattr(w, "seconds", None), "io_bytes": getattr(w, "io_bytes", None)},
     }
-
-
-@contextlib.contextmanager
-def _patched(owner: Any, name: str, fn: Any) -> Iterator[None]:
-    old = getattr(owner, name)
-    setattr(owner, name, fn)
-    try:
-        yield
-    finally:
-        setattr(owner, name, old)
 
 
 def reference(checkpoint: Any, eng_factory: Any) -> dict[str, float]:

@@ -56,7 +56,7 @@ from torch.futures import Future
 from lightning_recover.checkpoint.dcp_snapshot import LazySnapshot
 from lightning_recover.checkpoint.engine import open_writer, resolve_engine
 from lightning_recover.checkpoint.files import fsync_dir
-from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
+from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError, congruent_offset
 from lightning_recover.checkpoint.gc_pause import TAIL_S, GcPause
 from lightning_recover.checkpoint.write_pipeline import WritePipeline
 
@@ -158,16 +158,6 @@ def _size_estimate(items: list) -> int:
             n += numel * td.properties.dtype.itemsize
         n += _ITEM_SLACK
     return n
-
-
-def congruent_offset(cursor: int, address: int) -> int:
-    """The first file offset at or after ``cursor`` that agrees with the memory ``address`` modulo 4 KiB.
-
-    Storage bytes placed there are sent to the disk from the tensor's own memory (``O_DIRECT`` needs file
-    offset and memory aligned together; torch's large CPU tensors start 64 bytes past a page), not copied
-    through the staging arena: ``native_io.Writer.unstaged_min``.
-    """
-    return cursor + (address - cursor) % ALIGN
 
 
 def _gc_pause(pause_gc: bool | float) -> Optional[GcPause]:

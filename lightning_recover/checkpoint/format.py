@@ -43,6 +43,7 @@ __all__ = [
     "Index",
     "EncodedCheckpoint",
     "align_up",
+    "congruent_offset",
     "extent_alignment",
     "plan_layout",
     "encode_header",
@@ -126,6 +127,17 @@ def crc32c(buf: Any, value: int = 0) -> int:
 
 def align_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
+
+
+def congruent_offset(cursor: int, address: int) -> int:
+    """The first file offset at or after ``cursor`` that agrees with the memory ``address`` modulo 4 KiB.
+
+    Storage bytes placed there are sent to the disk from the tensor's own memory (``O_DIRECT`` needs file
+    offset and memory aligned together; torch's large CPU tensors start 64 bytes past a page), not copied
+    through the staging arena: ``native_io.Writer.unstaged_min``. The DCP writer and the single-file save's
+    congruent layout place storages with it.
+    """
+    return cursor + (address - cursor) % LARGE_ALIGN
 
 
 def extent_alignment(nbytes: int) -> int:

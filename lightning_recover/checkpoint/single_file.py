@@ -25,7 +25,7 @@ from lightning_recover.checkpoint.files import cleanup_stale_temps, fsync_dir, t
 from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
 from lightning_recover.checkpoint.gc_pause import GcPause
 from lightning_recover.checkpoint.reservation import GrowingReservation
-from lightning_recover.checkpoint.storage_reads import StorageDamaged, StorageReads
+from lightning_recover.checkpoint.storage_reads import StorageDamaged, StorageReads, damaged_record
 from lightning_recover.checkpoint.write_pipeline import WritePipeline
 
 log = logging.getLogger(__name__)
@@ -283,52 +283,25 @@ def _read_zip_index(r: Any, path: str, found: tuple) -> torch_zip.ArchiveIndex:
     return torch_zip.parse_archive(path, r.size, found, bytes(integrity), bytes(central))
 
 
-def _read_zip_records(r: Any, index: torch_zip.ArchiveIndex, verify: bool) -> tuple[dict, dict]:
-    """Read every record: ``(small records as bytes, data/* records as fresh storages)``, checksums verified."""
-    small: dict[str, bytes] = {}
-    storages: dict[str, torch.UntypedStorage] = {}
-    segs: list = []
-    names: list = []
-    bufs: dict[str, Any] = {}
-    for name, rec in sorted(index.records.items(), key=lambda kv: kv[1].data_offset):
-        if name.startswith("data/"):
-            st = _new_storage(rec.nbytes)
-            storages[name] = st
-            buf = fmt.storage_as_bytes(st).numpy()
-        else:
-            buf = bytearray(rec.nbytes)
-        bufs[name] = buf
-        if rec.nbytes:
-            segs.append((rec.data_offset, buf))
-            names.append(name)
-    crcs = r.read(segs) if segs else []
+def _read_small_records(r: Any, index: torch_zip.ArchiveIndex, verify: bool) -> dict[str, bytes]:
+    """Read every record but the storages (``data.pkl`` and the rest), checksums verified."""
+    in_file_order = sorted(index.records.items(), key=lambda kv: kv[1].data_offset)
+    small = {n: rec for n, rec in in_file_order if not n.startswith("data/")}
+    bufs = {n: bytearray(rec.nbytes) for n, rec in small.items()}
+    names = [n for n, rec in small.items() if rec.nbytes]
+    crcs = r.read([(small[n].data_offset, bufs[n]) for n in names]) if names else []
     if verify:
-        bad = [
-            {
-                "record": n,
-                "offset": index.records[n].data_offset,
-                "nbytes": index.records[n].nbytes,
-                "expected_crc32c": index.records[n].crc32c,
-                "actual_crc32c": int(c),
-            }
-            for n, c in zip(names, crcs)
-            if int(c) != index.records[n].crc32c
-        ]
+        bad = [damaged_record(n, small[n], int(c)) for n, c in zip(names, crcs) if int(c) != small[n].crc32c]
         if bad:
-            _raise_zip_damage(bad, index, {n: bytes(b) for n, b in bufs.items() if not n.startswith("data/")})
-    for name, buf in bufs.items():
-        if not name.startswith("data/"):
-            small[name] = bytes(buf)
-    return small, storages
+            _raise_zip_damage(bad, index, {n: bytes(b) for n, b in bufs.items()})
+    return {n: bytes(b) for n, b in bufs.items()}
 
 
 def _load_zip(r: Any, index: torch_zip.ArchiveIndex, verify: bool, map_location: Any, weights_only: bool) -> Any:
     """Unpickle a format-2 file while its storages are read (``storage_reads.py``): the small records first,
     checked, then each storage handed to torch's loader once it is read and checked."""
-    records = index.records
-    small_only = {n: rec for n, rec in records.items() if not n.startswith("data/")}
-    small, _ = _read_zip_records(r, dataclasses.replace(index, records=small_only), verify)
-    data = [(n, rec) for n, rec in records.items() if n.startswith("data/")]
+    small = _read_small_records(r, index, verify)
+    data = [(n, rec) for n, rec in index.records.items() if n.startswith("data/")]
     reads = StorageReads(r, data, verify, _new_storage, lambda st: fmt.storage_as_bytes(st).numpy())
     try:
         result = torch_zip.unpickle(
@@ -412,8 +385,7 @@ def _read_archive_info(r: Any, path: str, kind: str, found: Any) -> ArchiveInfo:
             path,
         )
     index = _read_zip_index(r, path, found)
-    meta_only = {n: rec for n, rec in index.records.items() if not n.startswith("data/")}
-    small, _ = _read_zip_records(r, dataclasses.replace(index, records=meta_only), verify=True)
+    small = _read_small_records(r, index, verify=True)
     return ArchiveInfo(path, r.size, index, _tensor_rows(index, small))
 
 

@@ -23,6 +23,17 @@ import torch
 BATCH_BYTES = 64 << 20
 
 
+def damaged_record(name: str, rec: Any, crc: int) -> dict:
+    """What a load reports of a record whose CRC-32C (``crc``, read) differs from the one written (``rec``)."""
+    return {
+        "record": name,
+        "offset": rec.data_offset,
+        "nbytes": rec.nbytes,
+        "expected_crc32c": rec.crc32c,
+        "actual_crc32c": crc,
+    }
+
+
 class StorageDamaged(Exception):
     """A storage record's CRC-32C did not match: the load stops and reports (see :meth:`StorageReads.finish`)."""
 
@@ -70,15 +81,7 @@ class StorageReads:
                         name, rec = self._records[k]
                         if self._verify and int(crc) != rec.crc32c:
                             self._bad_names.add(name)
-                            self.bad.append(
-                                {
-                                    "record": name,
-                                    "offset": rec.data_offset,
-                                    "nbytes": rec.nbytes,
-                                    "expected_crc32c": rec.crc32c,
-                                    "actual_crc32c": int(crc),
-                                }
-                            )
+                            self.bad.append(damaged_record(name, rec, int(crc)))
                     self._read_upto = i = j
                     self._cond.notify_all()
         except BaseException as e:  # raised in the caller's thread by [] and finish()

@@ -46,7 +46,7 @@ from typing import Any, Optional
 import torch
 
 from lightning_recover import env
-from lightning_recover.checkpoint.format import CheckpointCorruptError, crc32c
+from lightning_recover.checkpoint.format import CheckpointCorruptError, congruent_offset, crc32c
 
 __all__ = [
     "ALIGN",
@@ -139,7 +139,7 @@ def _place(rec: Record, cursor: int, address: Optional[int] = None) -> None:
     if address is None:
         rec.data_offset = -(-fixed // ALIGN) * ALIGN
     else:
-        rec.data_offset = fixed + (address - fixed) % ALIGN
+        rec.data_offset = congruent_offset(fixed, address)
 
 
 def _full_name(name: str) -> bytes:
