@@ -187,11 +187,11 @@ def test_failure_mid_write_keeps_previous_and_no_final_file(tmp_path, monkeypatc
         def __init__(self, w):
             self.w, self.calls = w, 0
 
-        def write(self, segs):
+        def write(self, segs, wait=True):
             self.calls += 1
             if self.calls == 2:  # after the data, before index/footer
                 raise OSError(5, "Input/output error (simulated)")
-            return self.w.write(segs)
+            return self.w.write(segs, wait=wait)
 
         def close(self, size=None):
             return self.w.close(size)

@@ -1051,6 +1051,120 @@ def test_write_congruent_eio_poisons_the_writer(tmp_path, nt, engine):
     w.close()
 
 
+# ------------------------- write(..., wait=False): the queue stays full from one call to the next
+
+
+def _interleaved_calls(rnd, groups):
+    """Calls of ``write()`` like a streaming save: each ``groups`` entry is one call of small staged segments
+    (a partial run each time) around congruent bodies sent from their memory; returns the calls and the
+    file bytes."""
+    calls, expect, off = [], bytearray(), 0
+    for n_small, body in groups:
+        segs = []
+        for _ in range(n_small):
+            data = rnd.randbytes(rnd.randrange(1, 3000))
+            at = off + rnd.randrange(0, 70)
+            expect += b"\0" * (at - off) + data
+            segs.append((at, memoryview(data)))
+            off = at + len(data)
+        shift = rnd.randrange(0, 4096, 64)
+        at = -(-off // 4096) * 4096 + shift
+        data = rnd.randbytes(body)
+        expect += b"\0" * (at - off) + data
+        segs.append((at, _aligned(data, shift)))
+        off = at + body
+        calls.append(segs)
+    return calls, bytes(expect)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("qd", [1, 2, 4])
+def test_write_without_wait_keeps_buffers_until_their_transfers_are_done(tmp_path, engine, direct, qd):
+    """Many partial runs between uncopied bodies: the arena is used as a ring (it wraps several times here),
+    bodies of any size fly together, and every buffer still read is kept by the writer, not released."""
+    eng = _engine_or_skip(engine, block_size=BS, queue_depth=qd, direct=direct)
+    rnd = random.Random(21)
+    calls, expect = _interleaved_calls(rnd, [(rnd.randrange(0, 6), rnd.randrange(4096, 3 * BS)) for _ in range(60)])
+    p = tmp_path / "f.bin"
+    crcs, held_seen = [], 0
+    with eng.open_writer(p) as w:
+        w.unstaged_min = 4096
+        for segs in calls:
+            crcs += w.write(segs, wait=False)
+            held_seen = max(held_seen, w.held)
+            if w.held:  # the newest body is still read: the writer has its buffer, which cannot be released
+                with pytest.raises(BufferError):
+                    segs[-1][1].release()
+    assert w.held == 0
+    assert p.read_bytes() == expect
+    assert crcs == [native_io.crc32c(expect[o : o + len(m)]) for segs in calls for o, m in segs]
+    for segs in calls:
+        segs[-1][1].release()  # close() let go of every buffer
+    if w.direct:
+        assert w.unstaged_bytes > 0 and held_seen > 0
+    else:
+        assert w.unstaged_bytes == 0 and held_seen == 0  # buffered writes copy everything
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("faults", [dict(short_every=2), dict(eintr_every=3), dict(short_every=3, eintr_every=2)])
+def test_write_without_wait_short_and_eintr_still_identical(tmp_path, nt, engine, faults):
+    eng = _test_engine_or_skip(nt, engine, block_size=BS, queue_depth=2)
+    rnd = random.Random(22)
+    calls, expect = _interleaved_calls(rnd, [(rnd.randrange(0, 4), rnd.randrange(4096, 2 * BS)) for _ in range(30)])
+    p = tmp_path / "f.bin"
+    nt._inject_faults(**faults)
+    try:
+        with eng.open_writer(p) as w:
+            w.unstaged_min = 4096
+            crcs = [c for segs in calls for c in w.write(segs, wait=False)]
+    finally:
+        nt._inject_faults()
+    assert p.read_bytes() == expect
+    assert crcs == [native_io.crc32c(expect[o : o + len(m)]) for segs in calls for o, m in segs]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_write_without_wait_eio_is_raised_later_and_lets_go_of_the_buffers(tmp_path, nt, engine):
+    """A transfer that fails after its call returned fails a later call (or close), poisons the writer, and the
+    buffers held for it are released."""
+    eng = _test_engine_or_skip(nt, engine, block_size=BS, queue_depth=2)
+    rnd = random.Random(23)
+    calls, _ = _interleaved_calls(rnd, [(1, 2 * BS) for _ in range(12)])
+    p = tmp_path / "f.bin"
+    nt._inject_faults(eio_at=3)
+    w = eng.open_writer(p)
+    w.unstaged_min = 4096
+    try:
+        with pytest.raises(OSError) as ei:
+            for segs in calls:
+                w.write(segs, wait=False)
+            w.close()
+    finally:
+        nt._inject_faults()
+    assert ei.value.errno == errno.EIO
+    assert w.held == 0
+    for segs in calls:
+        segs[-1][1].release()
+    with pytest.raises(OSError, match="earlier write failed"):
+        w.write(calls[0], wait=False)
+    w.close()
+
+
+def test_write_wait_true_returns_with_nothing_held(tmp_path):
+    eng = native_io.IOEngine(block_size=BS, queue_depth=4)
+    calls, expect = _interleaved_calls(random.Random(24), [(2, 3 * BS) for _ in range(5)])
+    p = tmp_path / "f.bin"
+    with eng.open_writer(p) as w:
+        w.unstaged_min = 4096
+        for segs in calls:
+            w.write(segs)
+            assert w.held == 0
+            segs[-1][1].release()  # the default waits: the buffer is free at once
+    assert p.read_bytes() == expect
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_read_into_congruent_destinations(tmp_path, engine):
     """A destination whose address agrees with the file offset modulo 4096 gets its aligned rest straight in

@@ -133,7 +133,7 @@ def test_storages_are_written_while_the_object_is_pickled(tmp_path, monkeypatch)
     events: list = []
     real_write = torch_zip.PlanWriter.write
     monkeypatch.setattr(
-        torch_zip.PlanWriter, "write", lambda self, segs: events.append("write") or real_write(self, segs)
+        torch_zip.PlanWriter, "write", lambda self, segs, **kw: events.append("write") or real_write(self, segs, **kw)
     )
     real_dump = torch_zip._FastPickler.dump
     monkeypatch.setattr(

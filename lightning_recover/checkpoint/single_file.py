@@ -141,8 +141,10 @@ def _save_zip(
                         zplan.set_crc32c(i, crc)
 
                 # a batch is written on a second thread while the next is laid out (write_pipeline.py): with the
-                # congruent layout, while the pickler is still walking the object
-                pipe = WritePipeline(lambda batch: w.write([(off, buf) for _, off, buf in batch]), record)
+                # congruent layout, while the pickler is still walking the object. wait=False: the transfers of
+                # one batch that read tensors' own memory run on while the next batch is submitted, so the
+                # device's queue does not drain between batches (nothing changes the tensors during the save)
+                pipe = WritePipeline(lambda batch: w.write([(off, buf) for _, off, buf in batch], wait=False), record)
                 pending: list = []
                 staged = 0
 

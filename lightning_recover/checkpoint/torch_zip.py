@@ -559,7 +559,8 @@ class PlanWriter:
         self.writer = writer
         self._led: set[int] = set()  # data offsets of the storages whose lead is written
 
-    def write(self, segments: list) -> list[int]:
+    def write(self, segments: list, wait: bool = True) -> list[int]:
+        """``wait=False``: see ``native_io``'s ``Writer.write`` (the buffers must not change before ``finish``)."""
         out: list = []
         want: list = []
         for off, buf in segments:
@@ -569,7 +570,7 @@ class PlanWriter:
                 want.append(False)
             out.append((off, buf))
             want.append(True)
-        crcs = self.writer.write(out) if out else []
+        crcs = self.writer.write(out, wait=wait) if out else []
         return [int(c) for c, w in zip(crcs, want) if w]
 
     def write_unstaged(self, off: int, buf: Any, crc: Optional[int] = None) -> int:

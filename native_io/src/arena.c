@@ -46,8 +46,9 @@ int nio_ctx_create(int kind, size_t block_size, unsigned qd, struct nio_ctx **ou
 	ctx->block_size = block_size;
 	ctx->qd = qd;
 	ctx->nslots = qd + 1;
+	ctx->nreqs = ctx->nslots > NIO_WRITE_REQS ? ctx->nslots : NIO_WRITE_REQS;
 	ctx->arena_size = (size_t)ctx->nslots * block_size;
-	ctx->reqs = calloc(ctx->nslots, sizeof(*ctx->reqs));
+	ctx->reqs = calloc(ctx->nreqs, sizeof(*ctx->reqs));
 	ctx->arena = nio_aligned_alloc(ctx->arena_size);
 	if (!ctx->reqs || !ctx->arena) {
 		snprintf(why, whylen, "cannot allocate %zu byte staging arena", ctx->arena_size);

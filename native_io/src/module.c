@@ -605,6 +605,14 @@ typedef struct {
 	int prealloc_err; /* errno of a refused preallocation (size_hint), 0 = none */
 	double seconds;
 	size_t unstaged_min; /* write(): congruent segments with an aligned body this large go unstaged */
+	/*
+	 * write(..., wait=False): buffers that transfers still in flight may
+	 * read, oldest first, each with the submission count after which it is
+	 * free (released once w.retired reaches it).
+	 */
+	Py_buffer *held;
+	uint64_t *held_until;
+	Py_ssize_t held_head, held_n, held_cap;
 	PyObject *path;
 	PyObject *reason;
 } WriterObject;
@@ -631,6 +639,43 @@ static int busy_check(int busy, int closed, const char *what)
 		PyErr_Format(PyExc_ValueError, "I/O operation on a closed %s", what);
 		return -1;
 	}
+	return 0;
+}
+
+/* Release the held buffers no transfer reads any more (all of them: every one). Needs the GIL. */
+static void writer_release_held(WriterObject *self, int every)
+{
+	while (self->held_head < self->held_n &&
+	       (every || self->held_until[self->held_head] <= self->w.retired))
+		PyBuffer_Release(&self->held[self->held_head++]);
+	if (self->held_head == self->held_n)
+		self->held_head = self->held_n = 0;
+}
+
+/* Keep S's buffers (moved, not copied: S releases none of them) until the transfers so far are done. */
+static int writer_hold(WriterObject *self, struct segs *S)
+{
+	Py_ssize_t need = self->held_n + S->nheld;
+
+	if (need > self->held_cap) {
+		Py_ssize_t cap = need > 2 * self->held_cap ? need : 2 * self->held_cap;
+		Py_buffer *v = PyMem_Realloc(self->held, (size_t)cap * sizeof(Py_buffer));
+		uint64_t *u;
+
+		if (!v)
+			return -1;
+		self->held = v;
+		u = PyMem_Realloc(self->held_until, (size_t)cap * sizeof(uint64_t));
+		if (!u)
+			return -1;
+		self->held_until = u;
+		self->held_cap = cap;
+	}
+	for (Py_ssize_t i = 0; i < S->nheld; i++) {
+		self->held[self->held_n] = S->views[i];
+		self->held_until[self->held_n++] = self->w.submits;
+	}
+	S->nheld = 0;
 	return 0;
 }
 
@@ -671,6 +716,9 @@ static PyObject *Engine_open_writer(EngineObject *self, PyObject *args, PyObject
 	w->prealloc_err = 0;
 	w->seconds = 0;
 	w->unstaged_min = NIO_UNSTAGED_MIN;
+	w->held = NULL;
+	w->held_until = NULL;
+	w->held_head = w->held_n = w->held_cap = 0;
 	w->path = o.path;
 	w->reason = o.reason;
 	w->ctx = engine_take_ctx(self, o.kind);
@@ -703,15 +751,28 @@ static void writer_discard(WriterObject *self)
 	}
 	close_fd(&self->fd);
 	self->closed = 1;
+	writer_release_held(self, 1);
 }
 
-static PyObject *Writer_write(WriterObject *self, PyObject *segments)
+/*
+ * write(segments, wait=True). wait=False returns without waiting for the
+ * transfers that read segments straight from their buffers (see
+ * unstaged_min): the writer keeps those buffers until the transfers are
+ * done, at the latest until close(), so that the queue stays full from one
+ * call to the next. Their bytes must not change until then.
+ */
+static PyObject *Writer_write(WriterObject *self, PyObject *args, PyObject *kwds)
 {
+	static char *kwlist[] = { "segments", "wait", NULL };
 	struct nio_error e = { 0 };
+	PyObject *segments;
 	struct segs S;
 	PyObject *res;
-	int rc = 0;
+	int rc = 0, wait = 1;
+	int in_flight = 0; /* unstaged transfers read the callers' buffers */
 
+	if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|p", kwlist, &segments, &wait))
+		return NULL;
 	if (busy_check(self->busy, self->closed, "writer") || fork_check(self->ctx, "writer"))
 		return NULL;
 	if (self->failed)
@@ -723,8 +784,6 @@ static PyObject *Writer_write(WriterObject *self, PyObject *segments)
 	Py_BEGIN_ALLOW_THREADS
 	double t0 = now();
 
-	int in_flight = 0; /* unstaged transfers read the callers' buffers */
-
 	for (Py_ssize_t i = 0; i < S.n; i++) {
 		rc = nio_writer_put_auto(&self->w, S.offs[i], S.views[i].buf,
 					 (size_t)S.views[i].len, self->unstaged_min, &S.crcs[i],
@@ -732,19 +791,36 @@ static PyObject *Writer_write(WriterObject *self, PyObject *segments)
 		if (rc)
 			break;
 	}
-	if (!rc && in_flight)
+	if (!rc && in_flight && wait)
 		rc = nio_writer_wait_all(&self->w, &e); /* before the buffers are released */
 	if (rc)
 		nio_writer_abort(&self->w);
 	self->seconds += now() - t0;
 	Py_END_ALLOW_THREADS
 	self->busy = 0;
+	writer_release_held(self, 0);
 	if (rc) {
 		segs_release(&S);
 		self->failed = e.err ? e.err : EIO;
 		return raise_nio(&e, self->path);
 	}
 	res = crc_list(&S);
+	if (res && in_flight && self->w.retired < self->w.submits && writer_hold(self, &S)) {
+		/* cannot keep the buffers: wait for the transfers instead */
+		Py_BEGIN_ALLOW_THREADS
+		rc = nio_writer_wait_all(&self->w, &e);
+		if (rc)
+			nio_writer_abort(&self->w);
+		Py_END_ALLOW_THREADS
+		writer_release_held(self, 0);
+		PyErr_Clear();
+		if (rc) {
+			Py_DECREF(res);
+			segs_release(&S);
+			self->failed = e.err ? e.err : EIO;
+			return raise_nio(&e, self->path);
+		}
+	}
 	segs_release(&S);
 	return res;
 }
@@ -814,6 +890,7 @@ static PyObject *Writer_write_unstaged(WriterObject *self, PyObject *args, PyObj
 	self->seconds += now() - t0;
 	Py_END_ALLOW_THREADS
 	self->busy = 0;
+	writer_release_held(self, 0);
 	PyBuffer_Release(&view);
 	if (rc) {
 		self->failed = e.err ? e.err : EIO;
@@ -871,6 +948,7 @@ static PyObject *Writer_close(WriterObject *self, PyObject *args, PyObject *kwds
 	self->closed = 1;
 	engine_return_ctx(self->eng, self->ctx);
 	self->ctx = NULL;
+	writer_release_held(self, 1); /* finished or aborted: nothing in flight */
 	if (rc) {
 		self->failed = e.err ? e.err : EIO;
 		return raise_nio(&e, self->path);
@@ -924,6 +1002,8 @@ static void Writer_dealloc(WriterObject *self)
 		PyErr_Restore(et, ev, tb);
 	}
 	writer_discard(self);
+	PyMem_Free(self->held);
+	PyMem_Free(self->held_until);
 	Py_CLEAR(self->eng);
 	Py_CLEAR(self->path);
 	Py_CLEAR(self->reason);
@@ -1357,7 +1437,16 @@ static int Writer_set_unstaged_min(WriterObject *self, PyObject *value, void *cl
 	return 0;
 }
 
+static PyObject *Writer_get_held(WriterObject *self, void *closure)
+{
+	if (!self->busy)
+		writer_release_held(self, 0);
+	return PyLong_FromSsize_t(self->held_n - self->held_head);
+}
+
 static PyGetSetDef Writer_getset[] = {
+	{ "held", (getter)Writer_get_held, NULL,
+	  "buffers of write(..., wait=False) calls that transfers in flight may still read", NULL },
 	{ "engine", (getter)Writer_get_engine, NULL, "engine used for this file", NULL },
 	{ "unstaged_min", (getter)Writer_get_unstaged_min, (setter)Writer_set_unstaged_min,
 	  "write(): on an O_DIRECT writer, a segment whose buffer address and file offset agree "
@@ -1371,8 +1460,8 @@ static PyGetSetDef Writer_getset[] = {
 };
 
 static PyMethodDef Writer_methods[] = {
-	{ "write", (PyCFunction)Writer_write, METH_O,
-	  "write(segments) -> list[int]: write [(offset, buffer), ...] (staged, or from the buffer itself: see unstaged_min), return crc32c per segment once the buffers may be reused" },
+	{ "write", (PyCFunction)(void (*)(void))Writer_write, METH_VARARGS | METH_KEYWORDS,
+	  "write(segments, wait=True) -> list[int]: write [(offset, buffer), ...] (staged, or from the buffer itself: see unstaged_min), return crc32c per segment once the buffers may be reused; wait=False: return at once, the writer keeps the buffers still being read (see held) and they must not change before close()" },
 	{ "write_unstaged", (PyCFunction)(void (*)(void))Writer_write_unstaged,
 	  METH_VARARGS | METH_KEYWORDS,
 	  "write_unstaged(offset, buffer, crc=None) -> int: one segment, its aligned body written straight from buffer (O_DIRECT, buffer and offset 4096-aligned; else staged); returns its crc32c once buffer may be reused" },

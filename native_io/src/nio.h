@@ -26,6 +26,12 @@
 #define NIO_BUFFERED_MAX    (256u * 1024u) /* largest buffered pwrite */
 #define NIO_MAX_BLOCK	    (1u << 30)	   /* kernel caps one rw at ~2 GiB */
 #define NIO_MAX_QD	    64u
+/*
+ * A writer keeps up to qd blocks' worth of bytes in flight, in at most this
+ * many transfers: uncopied tensor bodies can be much smaller than a block.
+ */
+#define NIO_WRITE_REQS	    32u
+#define NIO_MAX_REQS	    (NIO_MAX_QD + 1 > NIO_WRITE_REQS ? NIO_MAX_QD + 1 : NIO_WRITE_REQS)
 #define NIO_MAX_RETRIES	    1000	   /* EINTR/EAGAIN/no-progress cap */
 #define NIO_READ_DIRECT_MIN (256u * 1024u) /* pieces read straight into dest */
 
@@ -82,11 +88,12 @@ struct nio_backend {
 struct nio_ctx {
 	int kind;
 	size_t block_size;
-	unsigned qd;	 /* max transfers in flight */
+	unsigned qd;	 /* transfers in flight (a writer: qd blocks' worth of bytes) */
 	unsigned nslots; /* qd + 1: one slot is filled while qd fly */
+	unsigned nreqs;	 /* requests: nslots, or more for a writer's uncopied transfers */
 	char *arena;
 	size_t arena_size;
-	struct nio_req *reqs; /* nslots */
+	struct nio_req *reqs; /* nreqs; the reader uses the first nslots */
 	unsigned inflight;    /* transfers handed to the backend */
 	int broken;	      /* backend failed: never reuse */
 	pid_t pid;	      /* creator; threads and rings do not survive fork */
@@ -161,14 +168,19 @@ struct nio_writer {
 	struct nio_ctx *ctx;
 	int fd;
 	int direct;
-	unsigned cur;	   /* slot being filled */
-	uint64_t slot_off; /* file offset of the current slot (aligned) */
-	size_t fill;	   /* bytes staged in the current slot */
+	size_t run;	  /* arena offset of the run being staged (aligned) */
+	uint64_t run_off; /* its file offset (aligned) */
+	size_t fill;	  /* bytes staged in it: at most block_size */
+	/* arena bytes [lo, hi) read by the transfer in reqs[i] (0, 0: the caller's memory) */
+	size_t req_lo[NIO_MAX_REQS], req_hi[NIO_MAX_REQS];
 	uint64_t end;	   /* end of the last segment */
 	uint64_t payload;  /* bytes handed in by segments */
 	uint64_t io_bytes; /* bytes transferred to the file */
 	uint64_t unstaged; /* payload bytes sent from the caller's memory */
 	uint64_t reserved; /* bytes preallocated at open (0: none) */
+	uint64_t submits;  /* transfers submitted so far; the n-th uses reqs[n % nreqs] */
+	uint64_t retired;  /* the first `retired` submitted transfers are complete (in order) */
+	uint64_t inflight_bytes; /* of the transfers submitted and not retired */
 };
 void nio_writer_init(struct nio_writer *w, struct nio_ctx *ctx, int fd, int direct);
 int nio_writer_put(struct nio_writer *w, uint64_t off, const void *src, size_t len, uint32_t *crc,

@@ -138,7 +138,7 @@ int nio_uring_init(struct nio_ctx *ctx, char *why, size_t whylen)
 			 strerror(EPERM));
 		return EPERM;
 	}
-	while (entries < ctx->nslots * 2)
+	while (entries < ctx->nreqs * 2)
 		entries <<= 1;
 	p = calloc(1, sizeof(*p));
 	if (!p) {

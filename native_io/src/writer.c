@@ -1,11 +1,17 @@
 // SPDX-License-Identifier: Apache-2.0
 /*
  * Coalescing writer. Segments are copied (with their crc32c folded into the
- * copy) into the current arena slot; a full slot is submitted as one
- * block_size transfer at a 4096-aligned file offset and the next slot is
- * filled while up to qd blocks are in flight. Gaps are zero-filled inside a
- * block and skipped (left as a hole, which reads as zeros) across blocks.
- * Runs without the GIL: no Python API here.
+ * copy) into a run in the staging arena: contiguous bytes of the file from a
+ * 4096-aligned offset, at most block_size long. A full run is submitted as
+ * one transfer and the next is staged while up to qd blocks' worth of bytes
+ * are in flight. Large aligned bodies can instead go straight from the
+ * caller's memory (unstaged), as transfers of any size; the run before such
+ * a body is sent short, and the next run starts right after it in the
+ * arena, which is used as a ring. Up to NIO_WRITE_REQS transfers fly, so
+ * that small ones still keep the device busy; they retire in submission
+ * order. Gaps are zero-filled inside a run and skipped (left as a hole,
+ * which reads as zeros) between runs. Runs without the GIL: no Python API
+ * here.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* fallocate */
@@ -22,7 +28,7 @@ void nio_writer_init(struct nio_writer *w, struct nio_ctx *ctx, int fd, int dire
 	w->ctx = ctx;
 	w->fd = fd;
 	w->direct = direct;
-	for (unsigned i = 0; i < ctx->nslots; i++)
+	for (unsigned i = 0; i < ctx->nreqs; i++)
 		ctx->reqs[i].state = NIO_REQ_IDLE;
 }
 
@@ -80,10 +86,10 @@ int nio_reserve(int fd, uint64_t off, uint64_t len)
 	return rc ? errno : 0;
 }
 
-/* Wait until slot i is idle; report its failure if it had one. */
-static int wait_slot(struct nio_writer *w, unsigned i, struct nio_error *e)
+/* Wait for the oldest transfer not yet retired; report its failure if it had one. */
+static int retire_oldest(struct nio_writer *w, struct nio_error *e)
 {
-	struct nio_req *req = &w->ctx->reqs[i];
+	struct nio_req *req = &w->ctx->reqs[w->retired % w->ctx->nreqs];
 	int rc;
 
 	rc = nio_wait_req(w->ctx, req);
@@ -91,6 +97,8 @@ static int wait_slot(struct nio_writer *w, unsigned i, struct nio_error *e)
 		set_err(e, rc, "write (waiting for completion)", 0, 0);
 		return -1;
 	}
+	w->retired++;
+	w->inflight_bytes -= req->len;
 	if (req->state == NIO_REQ_DONE) {
 		req->state = NIO_REQ_IDLE;
 		if (req->err) {
@@ -102,74 +110,127 @@ static int wait_slot(struct nio_writer *w, unsigned i, struct nio_error *e)
 	return 0;
 }
 
+/* Retire transfers in order until the first n submitted are complete. */
+static int retire_to(struct nio_writer *w, uint64_t n, struct nio_error *e)
+{
+	while (w->retired < n)
+		if (retire_oldest(w, e))
+			return -1;
+	return 0;
+}
+
 /*
- * Submit nbytes from buf at file offset off on the current slot's request
- * and advance. buf is the slot's arena block, or the caller's memory
- * (nio_writer_put_unstaged), which must then outlive the transfer.
+ * Submit nbytes from buf at file offset off. buf is in the staging arena, or the
+ * caller's memory (unstaged), which must then outlive the transfer. Waits
+ * first for a free request and until at most qd blocks' worth of bytes,
+ * this transfer's included, are in flight (one larger transfer may fly
+ * alone).
  */
 static int submit_buf(struct nio_writer *w, char *buf, uint64_t off, size_t nbytes,
 		      struct nio_error *e)
 {
 	struct nio_ctx *ctx = w->ctx;
-	unsigned next = (w->cur + 1) % ctx->nslots;
-	struct nio_req *req = &ctx->reqs[w->cur];
+	uint64_t budget = (uint64_t)ctx->qd * ctx->block_size;
+	unsigned i = (unsigned)(w->submits % ctx->nreqs);
+	int staged = buf >= ctx->arena && buf < ctx->arena + ctx->arena_size;
+	struct nio_req *req;
 
-	/* at most qd in flight: the oldest (next) slot must be idle first */
-	if (wait_slot(w, next, e))
+	if (w->submits - w->retired >= ctx->nreqs && retire_to(w, w->submits + 1 - ctx->nreqs, e))
 		return -1;
+	while (w->retired < w->submits && w->inflight_bytes + nbytes > budget)
+		if (retire_oldest(w, e))
+			return -1;
+	req = &ctx->reqs[i];
+	w->req_lo[i] = staged ? (size_t)(buf - ctx->arena) : 0;
+	w->req_hi[i] = staged ? w->req_lo[i] + nbytes : 0;
 	nio_req_setup(req, w->fd, NIO_OP_WRITE, w->direct, buf, off, nbytes, nbytes);
 	nio_req_start(ctx, req);
+	w->submits++;
+	w->inflight_bytes += nbytes;
 	if (req->state == NIO_REQ_DONE && req->err) {
 		set_err(e, req->err, "write (submit)", 1, req->err_off);
-		req->state = NIO_REQ_IDLE;
 		return -1;
 	}
-	w->cur = next;
+	return 0;
+}
+
+/* Arena bytes [lo, hi), once no transfer in flight reads them. */
+static char *arena_free(struct nio_writer *w, size_t lo, size_t hi, struct nio_error *e)
+{
+	for (uint64_t n = w->retired; n < w->submits; n++) {
+		unsigned i = (unsigned)(n % w->ctx->nreqs);
+
+		if (w->req_lo[i] < hi && lo < w->req_hi[i] && retire_to(w, n + 1, e))
+			return NULL;
+	}
+	return w->ctx->arena + lo;
+}
+
+/* The current run's bytes [from, to) (offsets in the run), free to be written. */
+static char *run_space(struct nio_writer *w, size_t from, size_t to, struct nio_error *e)
+{
+	char *p = arena_free(w, w->run + from, w->run + to, e);
+
+	return p ? p - from : NULL;
+}
+
+/* Submit the first nbytes of the current run; the next run starts after them in the arena. */
+static int submit_run(struct nio_writer *w, size_t nbytes, struct nio_error *e)
+{
+	size_t bs = w->ctx->block_size;
+
+	if (submit_buf(w, w->ctx->arena + w->run, w->run_off, nbytes, e))
+		return -1;
+	w->run += (size_t)NIO_ALIGN_UP((uint64_t)nbytes);
+	if (w->run + bs > w->ctx->arena_size)
+		w->run = 0; /* a run never wraps: start over at the arena's start */
+	w->run_off += nbytes;
 	w->fill = 0;
 	return 0;
 }
 
-/* Submit the current slot (nbytes, padding already zeroed) and advance. */
-static int submit_slot(struct nio_writer *w, size_t nbytes, struct nio_error *e)
-{
-	return submit_buf(w, nio_slot(w->ctx, w->cur), w->slot_off, nbytes, e);
-}
-
-/* Flush a partial slot (padded to NIO_ALIGN for O_DIRECT). */
+/* Send a partial run (padded to NIO_ALIGN for O_DIRECT). */
 static int flush_partial(struct nio_writer *w, struct nio_error *e)
 {
 	size_t n = w->direct ? (size_t)NIO_ALIGN_UP((uint64_t)w->fill) : w->fill;
+	char *run;
 
 	if (!w->fill)
 		return 0;
-	memset(nio_slot(w->ctx, w->cur) + w->fill, 0, n - w->fill);
-	return submit_slot(w, n, e);
+	if (!(run = run_space(w, w->fill, n, e)))
+		return -1;
+	memset(run + w->fill, 0, n - w->fill);
+	return submit_run(w, n, e);
 }
 
 int nio_writer_put(struct nio_writer *w, uint64_t off, const void *src, size_t len, uint32_t *crc,
 		   struct nio_error *e)
 {
-	struct nio_ctx *ctx = w->ctx;
-	size_t bs = ctx->block_size;
-	uint64_t pos = w->slot_off + w->fill;
+	size_t bs = w->ctx->block_size;
+	uint64_t pos = w->run_off + w->fill;
 	const char *s = src;
 	size_t left = len;
 	uint32_t c = 0;
+	char *run;
 
 	if (off < pos) {
 		set_err(e, EINVAL, "write (overlapping segment)", 1, off);
 		return -1;
 	}
 	if (off > pos) {
-		if (off >= w->slot_off + bs) {
-			/* gap leaves this block: flush, restart at off */
+		if (off >= w->run_off + bs) {
+			/* gap leaves this run: send it, start the next at off */
 			if (flush_partial(w, e))
 				return -1;
-			w->slot_off = NIO_ALIGN_DOWN(off);
-			w->fill = (size_t)(off - w->slot_off);
-			memset(nio_slot(ctx, w->cur), 0, w->fill);
+			w->run_off = NIO_ALIGN_DOWN(off);
+			w->fill = (size_t)(off - w->run_off);
+			if (!(run = run_space(w, 0, w->fill, e)))
+				return -1;
+			memset(run, 0, w->fill);
 		} else {
-			memset(nio_slot(ctx, w->cur) + w->fill, 0, (size_t)(off - pos));
+			if (!(run = run_space(w, w->fill, (size_t)(off - w->run_off), e)))
+				return -1;
+			memset(run + w->fill, 0, (size_t)(off - pos));
 			w->fill += (size_t)(off - pos);
 		}
 	}
@@ -178,15 +239,14 @@ int nio_writer_put(struct nio_writer *w, uint64_t off, const void *src, size_t l
 
 		if (n > left)
 			n = left;
-		c = nio_crc32c_copy(nio_slot(ctx, w->cur) + w->fill, s, n, c);
+		if (!(run = run_space(w, w->fill, w->fill + n, e)))
+			return -1;
+		c = nio_crc32c_copy(run + w->fill, s, n, c);
 		w->fill += n;
 		s += n;
 		left -= n;
-		if (w->fill == bs) {
-			if (submit_slot(w, bs, e))
-				return -1;
-			w->slot_off += bs;
-		}
+		if (w->fill == bs && submit_run(w, bs, e))
+			return -1;
 	}
 	*crc = c;
 	w->end = off + len;
@@ -205,7 +265,7 @@ static int submit_unstaged(struct nio_writer *w, uint64_t off, const char *src, 
 {
 	size_t bs = w->ctx->block_size;
 
-	if (off < w->slot_off + w->fill) {
+	if (off < w->run_off + w->fill) {
 		set_err(e, EINVAL, "write (overlapping segment)", 1, off);
 		return -1;
 	}
@@ -219,7 +279,7 @@ static int submit_unstaged(struct nio_writer *w, uint64_t off, const char *src, 
 			return -1;
 		done += n;
 	}
-	w->slot_off = off + body;
+	w->run_off = off + body;
 	w->fill = 0;
 	w->end = off + body;
 	w->payload += body;
@@ -229,10 +289,7 @@ static int submit_unstaged(struct nio_writer *w, uint64_t off, const char *src, 
 
 int nio_writer_wait_all(struct nio_writer *w, struct nio_error *e)
 {
-	for (unsigned i = 0; i < w->ctx->nslots; i++)
-		if (wait_slot(w, i, e))
-			return -1;
-	return 0;
+	return retire_to(w, w->submits, e);
 }
 
 /*
@@ -323,7 +380,10 @@ void nio_writer_abort(struct nio_writer *w)
 
 	if (nio_drain(ctx))
 		ctx->broken = 1;
-	for (unsigned i = 0; i < ctx->nslots; i++)
+	for (unsigned i = 0; i < ctx->nreqs; i++)
 		ctx->reqs[i].state = NIO_REQ_IDLE;
 	w->fill = 0;
+	/* even if the drain failed: its buffers are the caller's to release (abort discards the file) */
+	w->retired = w->submits;
+	w->inflight_bytes = 0;
 }
