@@ -4,7 +4,8 @@
 
 Writes ``--size-gb`` of torch tensors of one item size in the DCP writer's layout (a 1.6 KB staged head,
 the storage bytes at a file offset congruent to the tensor's address modulo 4 KiB, a 300-byte tail), in
-64 MiB ``write()`` calls, durable (``close`` fdatasyncs), once copying every byte through the staging
+64 MiB ``write(..., wait=False)`` calls (``--wait``: each call waits for its uncopied transfers), durable
+(``close`` fdatasyncs), once copying every byte through the staging
 arena (``unstaged_min = 0``) and once sending each body from the tensor's memory (``unstaged_min = 1``),
 interleaved; prints the medians of wall time and process CPU and the uncopied/copied speed ratio. The
 default ``unstaged_min`` (2 MiB) is where sending uncopied stops losing on this machine's disk.
@@ -48,7 +49,7 @@ def _segments(tensors: list[torch.Tensor]) -> tuple[list[list[tuple[int, object]
     return batches, cursor
 
 
-def _one(engine: object, path: str, batches: list, size: int, unstaged_min: int) -> tuple[float, float]:
+def _one(engine: object, path: str, batches: list, size: int, unstaged_min: int, wait: bool) -> tuple[float, float]:
     if os.path.exists(path):
         os.unlink(path)
     os.sync()
@@ -56,7 +57,7 @@ def _one(engine: object, path: str, batches: list, size: int, unstaged_min: int)
     w = engine.open_writer(path)  # type: ignore[attr-defined]
     w.unstaged_min = unstaged_min
     for batch in batches:
-        w.write(batch)
+        w.write(batch, wait=wait)
     w.close(size=size)
     return time.perf_counter() - t0, time.process_time() - c0
 
@@ -69,12 +70,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--items", default="256K,1M,2M,4M,16M,64M", help="item sizes, comma-separated")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--dir", default=None)
+    p.add_argument(
+        "--wait", action="store_true", help="each write() waits for its uncopied transfers (before 2026-11-26 pm)"
+    )
     args = p.parse_args(argv)
     engine = native_io.IOEngine()
     work = tempfile.mkdtemp(prefix="lr-unstaged-", dir=args.dir)
     path = os.path.join(work, "f.bin")
     total = int(args.size_gb * 1e9)
-    print(f"engine {native_io.info()['default_engine']}, {args.size_gb} GB per run, medians of {args.repeat}")
+    print(
+        f"engine {native_io.info()['default_engine']}, {args.size_gb} GB per run, medians of {args.repeat}, "
+        f"wait={args.wait}"
+    )
     print("| item | copied s | copied CPU s | uncopied s | uncopied CPU s | uncopied/copied speed |")
     print("|---|---|---|---|---|---|")
     try:
@@ -84,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             runs: dict[int, list[tuple[float, float]]] = {0: [], 1: []}
             for _ in range(args.repeat):
                 for unstaged_min in (0, 1):
-                    runs[unstaged_min].append(_one(engine, path, batches, size, unstaged_min))
+                    runs[unstaged_min].append(_one(engine, path, batches, size, unstaged_min, args.wait))
             med = {k: (statistics.median(r[0] for r in v), statistics.median(r[1] for r in v)) for k, v in runs.items()}
             ratio = statistics.median(c[0] / u[0] for c, u in zip(runs[0], runs[1]))
             print(

@@ -414,7 +414,9 @@ class UringStorageWriter(FileSystemWriter):
         items += [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
         with lock:
             w = open_writer(eng, os.path.join(tmp, file_name), _size_estimate(items))
-            pipe = WritePipeline(lambda b: w.write(b.segments), functools.partial(_record_batch, items_crc))
+            # wait=False: a batch's uncopied transfers run on while the next is submitted (the queue stays
+            # full); the writer holds their tensors until close(), before which nothing changes them
+            pipe = WritePipeline(lambda b: w.write(b.segments, wait=False), functools.partial(_record_batch, items_crc))
             try:
                 for item in items:
                     data = planner.resolve_data(item)
