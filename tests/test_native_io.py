@@ -1005,12 +1005,47 @@ def test_write_sends_congruent_segments_from_their_memory(tmp_path, engine):
     assert w.unstaged_bytes == expect_unstaged and (expect_unstaged > 0) == w.direct
 
 
+def _device_splits_pages(path) -> bool:
+    """The engine's rule, read from sysfs here: the device takes fewer 4 KiB segments per request than its
+    request size holds (``max_segments * 4 < max_sectors_kb``); False where no block device is found."""
+    st = os.stat(path)
+    for d in (
+        f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/queue",
+        f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/../queue",
+    ):
+        try:
+            with open(f"{d}/max_segments") as f:
+                segs = int(f.read())
+            with open(f"{d}/max_sectors_kb") as f:
+                kb = int(f.read())
+        except OSError:
+            continue
+        return segs * 4 < kb
+    return False
+
+
+def test_unstaged_min_default_follows_the_device(tmp_path):
+    """Copy everything (0) where the device splits transfers from plain 4 KiB pages (the arena is on huge
+    pages), else send bodies of 2 MiB or more from their own memory; buffered writers copy anyway."""
+    eng = native_io.IOEngine(block_size=BS, queue_depth=2)
+    p = tmp_path / "f.bin"
+    with eng.open_writer(p) as w:
+        expect = 0 if w.direct and _device_splits_pages(p) else 2 << 20
+        assert w.unstaged_min == expect
+    if os.path.isdir("/dev/shm"):  # tmpfs: no block device behind it
+        q = f"/dev/shm/lr-unstaged-{os.getpid()}.bin"
+        try:
+            with eng.open_writer(q) as w:
+                assert w.unstaged_min == 2 << 20
+        finally:
+            os.remove(q)
+
+
 def test_write_unstaged_min_zero_copies_everything_and_rejects_negative(tmp_path):
     eng = native_io.IOEngine(block_size=BS, queue_depth=2)
     data = random.Random(12).randbytes(6 * BS)
     p = tmp_path / "f.bin"
     with eng.open_writer(p) as w:
-        assert w.unstaged_min == 2 << 20  # the default
         w.unstaged_min = 0
         assert w.write([(0, _aligned(data))]) == [native_io.crc32c(data)]
         assert w.unstaged_bytes == 0

@@ -10,6 +10,7 @@
  * point so both backends exercise the same requeue and error paths.
  */
 #include <errno.h>
+#include <string.h>
 #include "nio.h"
 
 #ifdef NATIVE_IO_TESTING
@@ -64,6 +65,7 @@ void nio_req_setup(struct nio_req *req, int fd, int op, int direct, char *buf, u
 	req->op = op;
 	req->direct = direct;
 	req->buf = buf;
+	req->niov = 0;
 	req->off = off;
 	req->len = len;
 	req->need = need;
@@ -72,6 +74,15 @@ void nio_req_setup(struct nio_req *req, int fd, int op, int direct, char *buf, u
 	req->err_off = 0;
 	req->retries = 0;
 	req->state = NIO_REQ_IDLE;
+}
+
+/* A gathered write of the len bytes of iov[0..niov) (copied into the request's own array). */
+void nio_req_setup_vec(struct nio_req *req, int fd, int direct, const struct iovec *iov, int niov,
+		       uint64_t off, size_t len)
+{
+	nio_req_setup(req, fd, NIO_OP_WRITE, direct, NULL, off, len, len);
+	memcpy(req->iov, iov, (size_t)niov * sizeof(*iov));
+	req->niov = niov;
 }
 
 static size_t resume_point(const struct nio_req *req)
@@ -86,12 +97,36 @@ static void fail(struct nio_req *req, int err, uint64_t off)
 	req->state = NIO_REQ_DONE;
 }
 
+/* The pieces of a gathered request from byte `from` on, in its sub_iov; returns their count. */
+static int vec_from(struct nio_req *req, size_t from)
+{
+	int i = 0, n = 0;
+
+	while (i < req->niov && from >= req->iov[i].iov_len) {
+		from -= req->iov[i].iov_len;
+		i++;
+	}
+	for (; i < req->niov; i++) {
+		req->sub_iov[n].iov_base = (char *)req->iov[i].iov_base + from;
+		req->sub_iov[n++].iov_len = req->iov[i].iov_len - from;
+		from = 0;
+	}
+	return n;
+}
+
 static void submit_rest(struct nio_ctx *ctx, struct nio_req *req)
 {
 	size_t from = resume_point(req);
-	int rc;
+	int n = 1, rc;
 
-	rc = ctx->be->submit(ctx, req, req->buf + from, req->len - from, req->off + from);
+	if (req->niov) {
+		n = vec_from(req, from);
+	} else {
+		req->sub_iov[0].iov_base = req->buf + from;
+		req->sub_iov[0].iov_len = req->len - from;
+	}
+	/* sub_iov outlives the transfer: the portable backend's thread reads it */
+	rc = ctx->be->submit(ctx, req, req->sub_iov, n, req->off + from);
 	if (rc) {
 		fail(req, rc, req->off + from);
 		return;

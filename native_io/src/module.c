@@ -715,7 +715,8 @@ static PyObject *Engine_open_writer(EngineObject *self, PyObject *args, PyObject
 	w->failed = 0;
 	w->prealloc_err = 0;
 	w->seconds = 0;
-	w->unstaged_min = NIO_UNSTAGED_MIN;
+	/* 0 copies everything: faster where the device splits transfers from plain pages */
+	w->unstaged_min = w->direct && nio_device_splits_pages(o.fd) ? 0 : NIO_UNSTAGED_MIN;
 	w->held = NULL;
 	w->held_until = NULL;
 	w->held_head = w->held_n = w->held_cap = 0;
@@ -791,8 +792,10 @@ static PyObject *Writer_write(WriterObject *self, PyObject *args, PyObject *kwds
 		if (rc)
 			break;
 	}
-	if (!rc && in_flight && wait)
-		rc = nio_writer_wait_all(&self->w, &e); /* before the buffers are released */
+	/* before the buffers are released; or every transfer that reads them in flight, to hold them */
+	if (!rc && in_flight)
+		rc = wait ? nio_writer_wait_all(&self->w, &e) :
+			    nio_writer_release_user(&self->w, &e);
 	if (rc)
 		nio_writer_abort(&self->w);
 	self->seconds += now() - t0;

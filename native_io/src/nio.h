@@ -18,6 +18,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/types.h>
+#include <sys/uio.h>
 
 #define NIO_ALIGN	    4096u
 /* default Writer.unstaged_min: smaller bodies are cheaper to copy than to send alone
@@ -31,6 +32,8 @@
  * many transfers: uncopied tensor bodies can be much smaller than a block.
  */
 #define NIO_WRITE_REQS	    32u
+/* Pieces of one gathered write (IOV_MAX is 1024). */
+#define NIO_MAX_IOV	    256
 #define NIO_MAX_REQS	    (NIO_MAX_QD + 1 > NIO_WRITE_REQS ? NIO_MAX_QD + 1 : NIO_WRITE_REQS)
 #define NIO_MAX_RETRIES	    1000	   /* EINTR/EAGAIN/no-progress cap */
 #define NIO_READ_DIRECT_MIN (256u * 1024u) /* pieces read straight into dest */
@@ -46,13 +49,19 @@ enum nio_kind { NIO_URING = 1, NIO_PORTABLE = 2 };
 enum nio_op { NIO_OP_READ = 0, NIO_OP_WRITE = 1 };
 enum nio_req_state { NIO_REQ_IDLE = 0, NIO_REQ_BUSY, NIO_REQ_DONE };
 
-/* One logical I/O: transfer [buf, buf+len) at file offset off. */
+/*
+ * One logical I/O: transfer [buf, buf+len) at file offset off, or, when
+ * niov > 0, the len bytes of iov[0..niov) (a writer's gathered transfer).
+ */
 struct nio_req {
 	int fd;
 	int op;
 	int direct; /* fd is O_DIRECT: resubmit from aligned point */
 	int state;
 	char *buf;
+	struct iovec *iov;     /* NIO_MAX_IOV entries (owned by the context) */
+	struct iovec *sub_iov; /* scratch: the part of iov still to transfer */
+	int niov;
 	uint64_t off;
 	size_t len;  /* bytes requested */
 	size_t need; /* bytes that must arrive (reads may stop at EOF) */
@@ -63,17 +72,21 @@ struct nio_req {
 	/* portable backend bookkeeping */
 	struct nio_req *next;
 	long res;
-	size_t sub_len;
+	const struct iovec *sub_vec;
+	int sub_cnt;
 	uint64_t sub_off;
-	char *sub_buf;
 };
 
 struct nio_ctx;
 
 struct nio_backend {
 	const char *name;
-	/* Queue one transfer for req; returns 0 or a positive errno. */
-	int (*submit)(struct nio_ctx *ctx, struct nio_req *req, char *buf, size_t len,
+	/*
+	 * Queue one transfer of iov[0..cnt) for req at off (cnt > 1 only for
+	 * writes); returns 0 or a positive errno. iov stays valid until the
+	 * transfer completes.
+	 */
+	int (*submit)(struct nio_ctx *ctx, struct nio_req *req, const struct iovec *iov, int cnt,
 		      uint64_t off);
 	/* Block for one completion; returns 0 or a positive errno (fatal). */
 	int (*wait)(struct nio_ctx *ctx, struct nio_req **req, long *res);
@@ -94,6 +107,7 @@ struct nio_ctx {
 	char *arena;
 	size_t arena_size;
 	struct nio_req *reqs; /* nreqs; the reader uses the first nslots */
+	struct iovec *iovs;   /* 2 * NIO_MAX_IOV per request: its iov and sub_iov */
 	unsigned inflight;    /* transfers handed to the backend */
 	int broken;	      /* backend failed: never reuse */
 	pid_t pid;	      /* creator; threads and rings do not survive fork */
@@ -149,6 +163,8 @@ void nio_faults_set(long short_every, long eintr_every, long eio_at, int refuse_
 #endif
 void nio_req_setup(struct nio_req *req, int fd, int op, int direct, char *buf, uint64_t off,
 		   size_t len, size_t need);
+void nio_req_setup_vec(struct nio_req *req, int fd, int direct, const struct iovec *iov, int niov,
+		       uint64_t off, size_t len);
 void nio_req_start(struct nio_ctx *ctx, struct nio_req *req);
 int nio_reap_one(struct nio_ctx *ctx);
 int nio_wait_req(struct nio_ctx *ctx, struct nio_req *req);
@@ -168,10 +184,22 @@ struct nio_writer {
 	struct nio_ctx *ctx;
 	int fd;
 	int direct;
-	size_t run;	  /* arena offset of the run being staged (aligned) */
-	uint64_t run_off; /* its file offset (aligned) */
-	size_t fill;	  /* bytes staged in it: at most block_size */
-	/* arena bytes [lo, hi) read by the transfer in reqs[i] (0, 0: the caller's memory) */
+	/*
+	 * The transfer being gathered starts at file offset run_off (aligned):
+	 * closed pieces (iov: staged runs of the arena and the caller's aligned
+	 * bodies, gathered bytes in all), then the open piece, fill bytes staged
+	 * at arena offset run (aligned). At most block_size bytes in all.
+	 */
+	uint64_t run_off;
+	size_t gathered;
+	struct iovec iov[NIO_MAX_IOV];
+	int niov;
+	int has_user;	/* a piece is the caller's memory */
+	int arena_used; /* a piece is staged: the first starts at arena_lo */
+	size_t arena_lo;
+	size_t run;
+	size_t fill;
+	/* arena bytes [lo, hi) read by the transfer in reqs[i] (0, 0: none) */
 	size_t req_lo[NIO_MAX_REQS], req_hi[NIO_MAX_REQS];
 	uint64_t end;	   /* end of the last segment */
 	uint64_t payload;  /* bytes handed in by segments */
@@ -189,6 +217,8 @@ int nio_writer_put_unstaged(struct nio_writer *w, uint64_t off, const void *src,
 			    int have_crc, uint32_t *crc, struct nio_error *e);
 int nio_writer_put_auto(struct nio_writer *w, uint64_t off, const void *src, size_t len,
 			size_t min_body, uint32_t *crc, int *in_flight, struct nio_error *e);
+int nio_writer_release_user(struct nio_writer *w, struct nio_error *e);
+int nio_device_splits_pages(int fd);
 int nio_writer_wait_all(struct nio_writer *w, struct nio_error *e);
 int nio_writer_finish(struct nio_writer *w, int have_size, uint64_t size, struct nio_error *e);
 void nio_writer_abort(struct nio_writer *w);

@@ -54,9 +54,16 @@ static struct nio_req *pop(struct nio_req **head, struct nio_req **tail)
 /* One transfer; returns bytes moved (possibly short) or -errno. */
 static long do_io(struct nio_req *req)
 {
-	char *buf = req->sub_buf;
+	char *buf = req->sub_vec[0].iov_base;
 	uint64_t off = req->sub_off;
-	size_t len = req->sub_len, total = 0;
+	size_t len = req->sub_vec[0].iov_len, total = 0;
+
+	if (req->sub_cnt > 1) {
+		/* a gathered write (O_DIRECT): one call, a short result goes back to the core */
+		ssize_t r = pwritev(req->fd, req->sub_vec, req->sub_cnt, (off_t)off);
+
+		return r < 0 ? -(long)errno : (long)r;
+	}
 
 	while (total < len) {
 		size_t n = len - total;
@@ -103,14 +110,14 @@ static void *worker(void *arg)
 	return NULL;
 }
 
-static int portable_submit(struct nio_ctx *ctx, struct nio_req *req, char *buf, size_t len,
-			   uint64_t off)
+static int portable_submit(struct nio_ctx *ctx, struct nio_req *req, const struct iovec *iov,
+			   int cnt, uint64_t off)
 {
 	struct portable_priv *p = ctx->priv;
 
 	pthread_mutex_lock(&p->lock);
-	req->sub_buf = buf;
-	req->sub_len = len;
+	req->sub_vec = iov;
+	req->sub_cnt = cnt;
 	req->sub_off = off;
 	push(&p->pend_head, &p->pend_tail, req);
 	pthread_cond_signal(&p->work_cv);

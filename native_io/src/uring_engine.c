@@ -52,7 +52,7 @@ static void describe_refusal(int err, char *why, size_t whylen)
 		snprintf(why, whylen, "io_uring_queue_init failed: %s", strerror(err));
 }
 
-static int uring_submit(struct nio_ctx *ctx, struct nio_req *req, char *buf, size_t len,
+static int uring_submit(struct nio_ctx *ctx, struct nio_req *req, const struct iovec *iov, int cnt,
 			uint64_t off)
 {
 	struct uring_priv *p = ctx->priv;
@@ -68,10 +68,12 @@ static int uring_submit(struct nio_ctx *ctx, struct nio_req *req, char *buf, siz
 		if (!sqe)
 			return EBUSY;
 	}
-	if (req->op == NIO_OP_WRITE)
-		io_uring_prep_write(sqe, req->fd, buf, (unsigned)len, off);
+	if (cnt > 1)
+		io_uring_prep_writev(sqe, req->fd, iov, (unsigned)cnt, off);
+	else if (req->op == NIO_OP_WRITE)
+		io_uring_prep_write(sqe, req->fd, iov->iov_base, (unsigned)iov->iov_len, off);
 	else
-		io_uring_prep_read(sqe, req->fd, buf, (unsigned)len, off);
+		io_uring_prep_read(sqe, req->fd, iov->iov_base, (unsigned)iov->iov_len, off);
 	io_uring_sqe_set_data(sqe, req);
 	for (;;) {
 		ret = io_uring_submit(&p->ring);

@@ -18,7 +18,10 @@
 #endif
 #include <errno.h>
 #include <fcntl.h>
+#include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 #include "nio.h"
 
@@ -86,6 +89,59 @@ int nio_reserve(int fd, uint64_t off, uint64_t len)
 	return rc ? errno : 0;
 }
 
+static int read_sysfs_ulong(const char *path, unsigned long *v)
+{
+	FILE *f = fopen(path, "r");
+	int ok;
+
+	if (!f)
+		return -1;
+	ok = fscanf(f, "%lu", v) == 1;
+	fclose(f);
+	return ok ? 0 : -1;
+}
+
+/* max_segments and max_sectors_kb of the device under the file (a partition: its disk's). */
+static int device_limits(int fd, unsigned long *segs, unsigned long *kb)
+{
+	static const char *const dirs[] = { "/sys/dev/block/%u:%u/queue/%s",
+					    "/sys/dev/block/%u:%u/../queue/%s" };
+	struct stat st;
+	char path[128];
+
+	if (fstat(fd, &st))
+		return -1;
+	for (unsigned i = 0; i < 2; i++) {
+		snprintf(path, sizeof(path), dirs[i], major(st.st_dev), minor(st.st_dev),
+			 "max_segments");
+		if (read_sysfs_ulong(path, segs))
+			continue;
+		snprintf(path, sizeof(path), dirs[i], major(st.st_dev), minor(st.st_dev),
+			 "max_sectors_kb");
+		if (!read_sysfs_ulong(path, kb))
+			return 0;
+	}
+	return -1;
+}
+
+/*
+ * Does the file's device split an O_DIRECT transfer from 4 KiB pages into
+ * requests smaller than it takes? Each page is a segment, a request holds
+ * at most max_segments of them: virtio-blk (254 segments, 4 MiB requests)
+ * takes a transfer from plain pages in ~1 MiB requests, one from the
+ * arena's huge pages whole. Such a device writes staged (copied) bytes
+ * faster than the caller's memory, unless that is on huge pages too.
+ * 1: it does; 0: it does not, or no block device is found (tmpfs, overlay).
+ */
+int nio_device_splits_pages(int fd)
+{
+	unsigned long segs, kb;
+
+	if (device_limits(fd, &segs, &kb))
+		return 0;
+	return segs * 4 < kb;
+}
+
 /* Wait for the oldest transfer not yet retired; report its failure if it had one. */
 static int retire_oldest(struct nio_writer *w, struct nio_error *e)
 {
@@ -120,38 +176,61 @@ static int retire_to(struct nio_writer *w, uint64_t n, struct nio_error *e)
 }
 
 /*
- * Submit nbytes from buf at file offset off. buf is in the staging arena, or the
- * caller's memory (unstaged), which must then outlive the transfer. Waits
- * first for a free request and until at most qd blocks' worth of bytes,
- * this transfer's included, are in flight (one larger transfer may fly
- * alone).
+ * Submit the gathered pieces as one transfer at run_off. Waits first for a
+ * free request and until at most qd blocks' worth of bytes, this transfer's
+ * included, are in flight. The open piece (fill bytes at run) stays: it
+ * starts the next transfer.
  */
-static int submit_buf(struct nio_writer *w, char *buf, uint64_t off, size_t nbytes,
-		      struct nio_error *e)
+static int submit_gathered(struct nio_writer *w, struct nio_error *e)
 {
 	struct nio_ctx *ctx = w->ctx;
 	uint64_t budget = (uint64_t)ctx->qd * ctx->block_size;
 	unsigned i = (unsigned)(w->submits % ctx->nreqs);
-	int staged = buf >= ctx->arena && buf < ctx->arena + ctx->arena_size;
+	size_t len = w->gathered;
 	struct nio_req *req;
 
+	if (!w->niov)
+		return 0;
 	if (w->submits - w->retired >= ctx->nreqs && retire_to(w, w->submits + 1 - ctx->nreqs, e))
 		return -1;
-	while (w->retired < w->submits && w->inflight_bytes + nbytes > budget)
+	while (w->retired < w->submits && w->inflight_bytes + len > budget)
 		if (retire_oldest(w, e))
 			return -1;
 	req = &ctx->reqs[i];
-	w->req_lo[i] = staged ? (size_t)(buf - ctx->arena) : 0;
-	w->req_hi[i] = staged ? w->req_lo[i] + nbytes : 0;
-	nio_req_setup(req, w->fd, NIO_OP_WRITE, w->direct, buf, off, nbytes, nbytes);
+	w->req_lo[i] = w->arena_used ? w->arena_lo : 0;
+	w->req_hi[i] = w->arena_used ? w->run : 0;
+	if (w->niov == 1)
+		nio_req_setup(req, w->fd, NIO_OP_WRITE, w->direct, w->iov[0].iov_base, w->run_off,
+			      len, len);
+	else
+		nio_req_setup_vec(req, w->fd, w->direct, w->iov, w->niov, w->run_off, len);
 	nio_req_start(ctx, req);
 	w->submits++;
-	w->inflight_bytes += nbytes;
+	w->inflight_bytes += len;
+	w->run_off += len;
+	w->gathered = 0;
+	w->niov = 0;
+	w->arena_used = 0;
+	w->has_user = 0;
 	if (req->state == NIO_REQ_DONE && req->err) {
 		set_err(e, req->err, "write (submit)", 1, req->err_off);
 		return -1;
 	}
 	return 0;
+}
+
+/* Append [base, base+len) to the gathered pieces (the caller left room for it). */
+static void add_piece(struct nio_writer *w, char *base, size_t len)
+{
+	struct iovec *last = w->niov ? &w->iov[w->niov - 1] : NULL;
+
+	if (last && (char *)last->iov_base + last->iov_len == base) {
+		last->iov_len += len; /* contiguous in memory too: one piece */
+	} else {
+		w->iov[w->niov].iov_base = base;
+		w->iov[w->niov++].iov_len = len;
+	}
+	w->gathered += len;
 }
 
 /* Arena bytes [lo, hi), once no transfer in flight reads them. */
@@ -166,86 +245,96 @@ static char *arena_free(struct nio_writer *w, size_t lo, size_t hi, struct nio_e
 	return w->ctx->arena + lo;
 }
 
-/* The current run's bytes [from, to) (offsets in the run), free to be written. */
-static char *run_space(struct nio_writer *w, size_t from, size_t to, struct nio_error *e)
+/*
+ * Close the open piece (padded to NIO_ALIGN when O_DIRECT) into the
+ * gathered ones; the next open piece starts after it in the arena.
+ */
+static int close_piece(struct nio_writer *w, struct nio_error *e)
 {
-	char *p = arena_free(w, w->run + from, w->run + to, e);
+	size_t n = w->direct ? (size_t)NIO_ALIGN_UP((uint64_t)w->fill) : w->fill;
+	char *pad;
 
-	return p ? p - from : NULL;
-}
-
-/* Submit the first nbytes of the current run; the next run starts after them in the arena. */
-static int submit_run(struct nio_writer *w, size_t nbytes, struct nio_error *e)
-{
-	size_t bs = w->ctx->block_size;
-
-	if (submit_buf(w, w->ctx->arena + w->run, w->run_off, nbytes, e))
+	if (!w->fill)
+		return 0;
+	if (!(pad = arena_free(w, w->run + w->fill, w->run + n, e)))
 		return -1;
-	w->run += (size_t)NIO_ALIGN_UP((uint64_t)nbytes);
-	if (w->run + bs > w->ctx->arena_size)
-		w->run = 0; /* a run never wraps: start over at the arena's start */
-	w->run_off += nbytes;
+	memset(pad, 0, n - w->fill);
+	if (!w->arena_used) {
+		w->arena_used = 1;
+		w->arena_lo = w->run;
+	}
+	add_piece(w, w->ctx->arena + w->run, n);
+	w->run = (size_t)NIO_ALIGN_UP((uint64_t)(w->run + n));
 	w->fill = 0;
 	return 0;
 }
 
-/* Send a partial run (padded to NIO_ALIGN for O_DIRECT). */
-static int flush_partial(struct nio_writer *w, struct nio_error *e)
+/* Send everything gathered, the open piece included (padded). */
+static int submit_all(struct nio_writer *w, struct nio_error *e)
 {
-	size_t n = w->direct ? (size_t)NIO_ALIGN_UP((uint64_t)w->fill) : w->fill;
-	char *run;
+	return close_piece(w, e) || submit_gathered(w, e) ? -1 : 0;
+}
 
-	if (!w->fill)
-		return 0;
-	if (!(run = run_space(w, w->fill, n, e)))
-		return -1;
-	memset(run + w->fill, 0, n - w->fill);
-	return submit_run(w, n, e);
+/*
+ * Room to stage n more bytes in the open piece; returns where they go. A
+ * piece never wraps around the arena and a transfer's staged pieces lie in
+ * one stretch of it, so a new piece that would pass the arena's end sends
+ * the transfer and starts over at the arena's start.
+ */
+static char *stage(struct nio_writer *w, size_t n, struct nio_error *e)
+{
+	struct nio_ctx *ctx = w->ctx;
+
+	if (!w->fill && (w->niov >= NIO_MAX_IOV - 1 ||
+			 w->run + (ctx->block_size - w->gathered) > ctx->arena_size)) {
+		if (submit_gathered(w, e))
+			return NULL;
+		if (w->run + ctx->block_size > ctx->arena_size)
+			w->run = 0;
+	}
+	return arena_free(w, w->run + w->fill, w->run + w->fill + n, e);
 }
 
 int nio_writer_put(struct nio_writer *w, uint64_t off, const void *src, size_t len, uint32_t *crc,
 		   struct nio_error *e)
 {
 	size_t bs = w->ctx->block_size;
-	uint64_t pos = w->run_off + w->fill;
+	uint64_t pos = w->run_off + w->gathered + w->fill;
 	const char *s = src;
 	size_t left = len;
 	uint32_t c = 0;
-	char *run;
+	char *dst;
 
 	if (off < pos) {
 		set_err(e, EINVAL, "write (overlapping segment)", 1, off);
 		return -1;
 	}
-	if (off > pos) {
-		if (off >= w->run_off + bs) {
-			/* gap leaves this run: send it, start the next at off */
-			if (flush_partial(w, e))
-				return -1;
-			w->run_off = NIO_ALIGN_DOWN(off);
-			w->fill = (size_t)(off - w->run_off);
-			if (!(run = run_space(w, 0, w->fill, e)))
-				return -1;
-			memset(run, 0, w->fill);
-		} else {
-			if (!(run = run_space(w, w->fill, (size_t)(off - w->run_off), e)))
-				return -1;
-			memset(run + w->fill, 0, (size_t)(off - pos));
-			w->fill += (size_t)(off - pos);
-		}
+	if (off > pos && off - w->run_off >= bs) {
+		/* the gap leaves this transfer: send it, start the next at off */
+		if (submit_all(w, e))
+			return -1;
+		w->run_off = NIO_ALIGN_DOWN(off);
+	}
+	while ((pos = w->run_off + w->gathered + w->fill) < off) {
+		size_t n = (size_t)(off - pos); /* a gap inside the transfer: zeros */
+
+		if (!(dst = stage(w, n, e)))
+			return -1;
+		memset(dst, 0, n);
+		w->fill += n;
 	}
 	while (left) {
-		size_t n = bs - w->fill;
+		size_t n = bs - w->gathered - w->fill;
 
 		if (n > left)
 			n = left;
-		if (!(run = run_space(w, w->fill, w->fill + n, e)))
+		if (!(dst = stage(w, n, e)))
 			return -1;
-		c = nio_crc32c_copy(run + w->fill, s, n, c);
+		c = nio_crc32c_copy(dst, s, n, c);
 		w->fill += n;
 		s += n;
 		left -= n;
-		if (w->fill == bs && submit_run(w, bs, e))
+		if (w->gathered + w->fill == bs && submit_all(w, e))
 			return -1;
 	}
 	*crc = c;
@@ -255,40 +344,66 @@ int nio_writer_put(struct nio_writer *w, uint64_t off, const void *src, size_t l
 }
 
 /*
- * Send [src, src+body) to file offset off straight from the caller's
- * memory (O_DIRECT; src, off and body NIO_ALIGN-aligned, the caller checks),
- * after the bytes staged before it, in block_size transfers (up to qd in
- * flight). Does not wait: src must stay valid until nio_writer_wait_all.
+ * Gather [src, src+body) at file offset off straight from the caller's
+ * memory (O_DIRECT; src, off and body NIO_ALIGN-aligned, the caller checks):
+ * the bytes staged before it and the bytes after it join it in transfers
+ * of up to block_size. Does not wait: src is read until the transfers that
+ * hold it have retired (nio_writer_release_user, then nio_writer_wait_all).
  */
-static int submit_unstaged(struct nio_writer *w, uint64_t off, const char *src, size_t body,
+static int gather_unstaged(struct nio_writer *w, uint64_t off, const char *src, size_t body,
 			   struct nio_error *e)
 {
 	size_t bs = w->ctx->block_size;
 
-	if (off < w->run_off + w->fill) {
+	if (off < w->run_off + w->gathered + w->fill) {
 		set_err(e, EINVAL, "write (overlapping segment)", 1, off);
 		return -1;
 	}
-	/* staged bytes before off go first; their padding ends at or before off */
-	if (flush_partial(w, e))
-		return -1;
-	for (size_t done = 0; done < body;) {
-		size_t n = body - done < bs ? body - done : bs;
-
-		if (submit_buf(w, (char *)src + done, off + done, n, e))
+	if (w->run_off + w->gathered + NIO_ALIGN_UP((uint64_t)w->fill) == off) {
+		/* right after the staged bytes (their padding ends at off): one transfer */
+		if (close_piece(w, e))
 			return -1;
-		done += n;
+	} else {
+		if (submit_all(w, e))
+			return -1;
+		w->run_off = off;
 	}
-	w->run_off = off + body;
-	w->fill = 0;
+	for (size_t done = 0; done < body;) {
+		size_t n = bs - w->gathered;
+
+		if (!n || w->niov >= NIO_MAX_IOV - 1) {
+			if (submit_gathered(w, e))
+				return -1;
+			n = bs;
+		}
+		if (n > body - done)
+			n = body - done;
+		add_piece(w, (char *)src + done, n);
+		w->has_user = 1;
+		done += n;
+		if (w->gathered == bs && submit_gathered(w, e))
+			return -1;
+	}
 	w->end = off + body;
 	w->payload += body;
 	w->unstaged += body;
 	return 0;
 }
 
+/*
+ * Submit the gathered transfer if it holds the caller's memory, so that
+ * every transfer that reads the caller's memory is in flight: they are done
+ * once `retired` reaches `submits`.
+ */
+int nio_writer_release_user(struct nio_writer *w, struct nio_error *e)
+{
+	return w->has_user ? submit_gathered(w, e) : 0;
+}
+
 int nio_writer_wait_all(struct nio_writer *w, struct nio_error *e)
 {
+	if (nio_writer_release_user(w, e))
+		return -1;
 	return retire_to(w, w->submits, e);
 }
 
@@ -307,7 +422,7 @@ int nio_writer_put_unstaged(struct nio_writer *w, uint64_t off, const void *src,
 	const char *s = src;
 	uint32_t tail_crc;
 
-	if (submit_unstaged(w, off, s, body, e))
+	if (gather_unstaged(w, off, s, body, e))
 		return -1;
 	if (!have_crc)
 		*crc = nio_crc32c(0, src, len);
@@ -339,10 +454,10 @@ int nio_writer_put_auto(struct nio_writer *w, uint64_t off, const void *src, siz
 	head = (size_t)(a - off);
 	if (head && nio_writer_put(w, off, s, head, &part_crc, e))
 		return -1;
-	if (submit_unstaged(w, a, s + head, (size_t)(b - a), e))
+	if (gather_unstaged(w, a, s + head, (size_t)(b - a), e))
 		return -1;
 	*in_flight = 1;
-	*crc = nio_crc32c(0, s, len); /* while the body is in flight */
+	*crc = nio_crc32c(0, s, len); /* while earlier transfers are in flight */
 	if (off + len > b)
 		return nio_writer_put(w, b, s + (b - off), (size_t)(off + len - b), &part_crc, e);
 	return 0;
@@ -353,7 +468,7 @@ int nio_writer_finish(struct nio_writer *w, int have_size, uint64_t size, struct
 	uint64_t target = have_size ? size : w->end;
 	int rc;
 
-	if (flush_partial(w, e) || nio_writer_wait_all(w, e))
+	if (submit_all(w, e) || nio_writer_wait_all(w, e))
 		return -1;
 	/* drop the O_DIRECT padding (or extend with a hole to size) */
 	do {
@@ -383,6 +498,10 @@ void nio_writer_abort(struct nio_writer *w)
 	for (unsigned i = 0; i < ctx->nreqs; i++)
 		ctx->reqs[i].state = NIO_REQ_IDLE;
 	w->fill = 0;
+	w->gathered = 0;
+	w->niov = 0;
+	w->arena_used = 0;
+	w->has_user = 0;
 	/* even if the drain failed: its buffers are the caller's to release (abort discards the file) */
 	w->retired = w->submits;
 	w->inflight_bytes = 0;
