@@ -1201,6 +1201,22 @@ def test_write_wait_true_returns_with_nothing_held(tmp_path):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+def test_read_direct_min_sends_everything_through_the_arena(tmp_path, engine):
+    eng = _engine_or_skip(engine, block_size=BS, queue_depth=2)
+    data = random.Random(17).randbytes(20 * BS)
+    p = tmp_path / "f.bin"
+    p.write_bytes(data)
+    dest = _aligned(b"\0" * (12 * BS), 0)
+    with eng.open_reader(p) as r:
+        r.direct_min = 2**64 - 1
+        (crc,) = r.read([(4 * BS, dest)])
+        assert r.direct_bytes == 0
+        with pytest.raises(OverflowError):
+            r.direct_min = -1
+    assert bytes(dest) == data[4 * BS : 16 * BS] and crc == native_io.crc32c(data[4 * BS : 16 * BS])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 def test_read_into_congruent_destinations(tmp_path, engine):
     """A destination whose address agrees with the file offset modulo 4096 gets its aligned rest straight in
     (O_DIRECT), its head via the arena; anything else is read via the arena; bytes and CRCs are the same."""
@@ -1212,6 +1228,8 @@ def test_read_into_congruent_destinations(tmp_path, engine):
     pieces = [(64, 9 * BS, 64), (9 * BS + 100, 5 * BS, 8), (15 * BS + 512, 6 * BS + 7, 512), (30 * BS + 3, 100, 3)]
     dests = [_aligned(b"\0" * n, shift) for _, n, shift in pieces]
     with eng.open_reader(p) as r:
+        assert r.direct_min == (2**64 - 1 if r.direct and _device_splits_pages(p) else 256 * KB)  # the default
+        r.direct_min = 256 * KB
         crcs = r.read([(off, d) for (off, _, _), d in zip(pieces, dests)])
         direct_bytes = r.direct_bytes
     for (off, n, _), d, c in zip(pieces, dests, crcs):

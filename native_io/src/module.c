@@ -1042,6 +1042,7 @@ typedef struct {
 	uint64_t to_dest_bytes;
 	uint64_t payload;
 	double seconds;
+	size_t direct_min; /* read(): pieces this large may go straight into their buffers */
 	PyObject *path;
 	PyObject *reason;
 } ReaderObject;
@@ -1074,6 +1075,8 @@ static PyObject *Engine_open_reader(EngineObject *self, PyObject *args, PyObject
 	r->to_dest_bytes = 0;
 	r->payload = 0;
 	r->seconds = 0;
+	/* through the arena (huge pages) where the device splits transfers into plain pages */
+	r->direct_min = r->direct && nio_device_splits_pages(o.fd) ? SIZE_MAX : NIO_READ_DIRECT_MIN;
 	r->path = o.path;
 	r->reason = o.reason;
 	r->ctx = engine_take_ctx(self, o.kind);
@@ -1136,8 +1139,8 @@ static PyObject *Reader_read(ReaderObject *self, PyObject *segments)
 	Py_BEGIN_ALLOW_THREADS
 	double t0 = now();
 
-	rc = nio_read_segments(self->ctx, self->fd, self->direct, self->size, rs, (size_t)S.n, &io,
-			       &self->to_dest_bytes, &e);
+	rc = nio_read_segments(self->ctx, self->fd, self->direct, self->direct_min, self->size, rs,
+			       (size_t)S.n, &io, &self->to_dest_bytes, &e);
 	self->seconds += now() - t0;
 	Py_END_ALLOW_THREADS
 	self->busy = 0;
@@ -1495,8 +1498,33 @@ static PyMemberDef Reader_members[] = {
 	{ NULL },
 };
 
+static PyObject *Reader_get_direct_min(ReaderObject *self, void *closure)
+{
+	return PyLong_FromSize_t(self->direct_min);
+}
+
+static int Reader_set_direct_min(ReaderObject *self, PyObject *value, void *closure)
+{
+	size_t n;
+
+	if (!value) {
+		PyErr_SetString(PyExc_AttributeError, "direct_min cannot be deleted");
+		return -1;
+	}
+	n = PyLong_AsSize_t(value);
+	if (n == (size_t)-1 && PyErr_Occurred())
+		return -1;
+	self->direct_min = n;
+	return 0;
+}
+
 static PyGetSetDef Reader_getset[] = {
 	{ "engine", (getter)Reader_get_engine, NULL, "engine used for this file", NULL },
+	{ "direct_min", (getter)Reader_get_direct_min, (setter)Reader_set_direct_min,
+	  "read(): a piece at least this large whose buffer and file offset agree modulo 4096 is read "
+	  "straight into its buffer, the rest via the arena (default 256 KiB; on a device that splits "
+	  "transfers into plain 4 KiB pages, everything via the arena's huge pages)",
+	  NULL },
 	{ NULL },
 };
 

@@ -232,8 +232,8 @@ struct nio_rseg {
 	size_t len;
 	uint32_t crc;
 };
-int nio_read_segments(struct nio_ctx *ctx, int fd, int direct, uint64_t file_size,
-		      struct nio_rseg *segs, size_t nsegs, uint64_t *io_bytes,
+int nio_read_segments(struct nio_ctx *ctx, int fd, int direct, size_t direct_min,
+		      uint64_t file_size, struct nio_rseg *segs, size_t nsegs, uint64_t *io_bytes,
 		      uint64_t *to_dest_bytes, struct nio_error *e);
 
 #endif /* NATIVE_IO_NIO_H */

@@ -30,12 +30,13 @@ struct planner {
 	size_t nsegs, s, p;
 	int direct;
 	size_t bs;
+	size_t direct_min; /* pieces this large or larger may go straight into dest */
 	uint64_t file_size;
 };
 
 static int to_dest_ok(const struct planner *P, uint64_t fo, const char *dest, size_t rem)
 {
-	if (rem < NIO_READ_DIRECT_MIN)
+	if (rem < P->direct_min)
 		return 0;
 	if (!P->direct)
 		return 1;
@@ -54,7 +55,7 @@ static size_t congruent_head(const struct planner *P, uint64_t fo, const char *d
 
 	if (!P->direct || !head || (uintptr_t)dest % NIO_ALIGN != fo % NIO_ALIGN)
 		return 0;
-	return rem > head && rem - head >= NIO_READ_DIRECT_MIN ? head : 0;
+	return rem > head && rem - head >= P->direct_min ? head : 0;
 }
 
 static int plan_next(struct planner *P, struct rop *op)
@@ -171,8 +172,8 @@ static void fill_queue(struct nio_ctx *ctx, struct planner *P, struct rop *ops, 
 	}
 }
 
-int nio_read_segments(struct nio_ctx *ctx, int fd, int direct, uint64_t file_size,
-		      struct nio_rseg *segs, size_t nsegs, uint64_t *io_bytes,
+int nio_read_segments(struct nio_ctx *ctx, int fd, int direct, size_t direct_min,
+		      uint64_t file_size, struct nio_rseg *segs, size_t nsegs, uint64_t *io_bytes,
 		      uint64_t *to_dest_bytes, struct nio_error *e)
 {
 	struct planner P = {
@@ -180,6 +181,7 @@ int nio_read_segments(struct nio_ctx *ctx, int fd, int direct, uint64_t file_siz
 		.nsegs = nsegs,
 		.direct = direct,
 		.bs = ctx->block_size,
+		.direct_min = direct_min,
 		.file_size = file_size,
 	};
 	unsigned n = ctx->nslots, head = 0, tail = 0, count = 0;
