@@ -38,6 +38,7 @@ from __future__ import annotations
 import atexit
 import collections
 import logging
+import mmap
 import os
 import queue
 import shutil
@@ -176,6 +177,23 @@ def _align_up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def _host_staging(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of host memory for the ring: pinned where CUDA copies into it; otherwise an anonymous mapping
+    asked to be backed by transparent huge pages. The flusher sends the ring's bytes to the disk uncopied, and a
+    device that takes few segments per request (virtio-blk: 254) splits a transfer from plain 4 KiB pages into
+    ~1 MiB requests, from huge pages not (docs/native_io.md)."""
+    if torch.cuda.is_available():  # pragma: no cover - no GPU here
+        raw = torch.empty(nbytes, dtype=torch.uint8)
+        try:
+            return raw.pin_memory()
+        except RuntimeError:
+            return raw
+    mem = mmap.mmap(-1, nbytes)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        mem.madvise(mmap.MADV_HUGEPAGE)  # advisory: without THP the pages stay small
+    return torch.frombuffer(mem, dtype=torch.uint8)  # the tensor keeps the mapping alive
+
+
 class _Ring:
     """FIFO allocator over one host buffer: regions are released in the order they were reserved.
 
@@ -198,12 +216,7 @@ class _Ring:
             while self._allocs:
                 self._cv.wait()
             self.buf = None
-            raw = torch.empty(capacity + ALIGN, dtype=torch.uint8)
-            if torch.cuda.is_available():  # pragma: no cover - no GPU here
-                try:
-                    raw = raw.pin_memory()
-                except RuntimeError:
-                    pass
+            raw = _host_staging(capacity + ALIGN)
             pad = -raw.data_ptr() % ALIGN
             self.buf, self.capacity, self._head = raw[pad : pad + capacity], capacity, 0
 
