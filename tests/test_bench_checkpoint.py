@@ -293,7 +293,7 @@ def test_async_checkpoint_bench_pairs_each_save_with_the_steps_just_before(tmp_p
 
 
 def test_bench_unstaged_smoke(tmp_path, capsys):
-    """Both ways of writing each item size run to the end and leave nothing behind (no timing is checked)."""
+    """The three ways of writing each item size run to the end and leave nothing behind (no timing is checked)."""
     from lightning_recover.bench import unstaged
 
     assert unstaged.main(["--size-gb", "0.02", "--items", "256K,4M", "--repeat", "1", "--dir", str(tmp_path)]) == 0
