@@ -300,3 +300,19 @@ def test_bench_unstaged_smoke(tmp_path, capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "KiB" in line]
     assert [r.split("|")[1].strip() for r in rows] == ["256 KiB", "4096 KiB"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_fio_uses_huge_pages_only_when_reserved():
+    """fio gets hugetlb buffers (``--iomem=shmhuge``) exactly when enough reserved huge pages are free."""
+    from lightning_recover.bench import fio
+
+    info = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            info[key] = rest.split()
+    free = int(info.get("HugePages_Free", ["0"])[0]) * int(info.get("Hugepagesize", ["2048"])[0]) * 1024
+    assert fio.huge_iomem(0) == ("shmhuge" if free >= 2 << 20 else None)
+    assert fio.huge_iomem(free + 1) is None
+    assert fio._command("n", "/p", "write", 1 << 20, "io_uring", 4, iomem="shmhuge")[-1] == "--iomem=shmhuge"
+    assert not any(a.startswith("--iomem") for a in fio._command("n", "/p", "write", 1 << 20, "io_uring", 4))

@@ -42,6 +42,7 @@ import warnings
 from typing import Any
 
 from lightning_recover.bench.checkpoint import make_cold
+from lightning_recover.bench.fio import huge_iomem as fio_huge_iomem
 
 WRITERS = ("uring", "fsw_t1", "fsw_t4")
 READERS = {"uring": "uring", "fsr": "fsw_t4"}  # reader -> the writer whose checkpoint it loads
@@ -151,6 +152,8 @@ def _check_loaded(loaded: dict, saved: dict, reader: str) -> None:
 def _fio_wall(directory: str, rw: str, per_job: int, jobs: int, bs: str = "16M") -> tuple[float, int]:
     cmd = ["fio", "--name=w", f"--directory={directory}", f"--rw={rw}", f"--bs={bs}", "--direct=1"]
     cmd += ["--ioengine=io_uring", f"--numjobs={jobs}", f"--size={per_job}", "--group_reporting"]
+    iomem = fio_huge_iomem(jobs * (16 << 20))  # huge-page buffers where reserved (fio.huge_iomem)
+    cmd += [f"--iomem={iomem}"] if iomem else []
     cmd += ["--output-format=json", *(["--end_fsync=1"] if rw == "write" else [])]
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)

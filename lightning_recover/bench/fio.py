@@ -11,7 +11,7 @@ import json
 import shutil
 import subprocess
 import time
-from typing import Any
+from typing import Any, Optional
 
 BLOCK = 16 << 20
 DEPTHS = (1, 2, 4)
@@ -21,8 +21,35 @@ def available() -> bool:
     return shutil.which("fio") is not None
 
 
-def _command(name: str, path: str, rw: str, size: int, engine: str, iodepth: int, bs: int = BLOCK) -> list[str]:
-    """fio moving ``size`` bytes of ``path`` with ``O_DIRECT``; a write ends with an fsync (durable, like ours)."""
+def huge_iomem(buffer_bytes: int) -> Optional[str]:
+    """``"shmhuge"`` when enough hugetlb pages are free for fio's I/O buffers (``buffer_bytes``: iodepth x block
+    size x jobs), else None (fio's default, malloc: plain 4 KiB pages).
+
+    On a device that takes few segments per request (virtio-blk: 254) a transfer from plain pages is split into
+    ~1 MiB requests, so fio's default buffers understate the device; the checkpoint engine's own staging arena
+    is on transparent huge pages. fio can use only hugetlbfs pages (``vm.nr_hugepages``), which a benchmark
+    does not reserve by itself: ``sysctl vm.nr_hugepages=N`` first.
+    """
+    info = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                info[key] = rest.split()
+    except OSError:
+        return None
+    try:
+        free = int(info["HugePages_Free"][0]) * int(info["Hugepagesize"][0]) * 1024
+    except (KeyError, IndexError, ValueError):
+        return None
+    return "shmhuge" if free >= buffer_bytes + (2 << 20) else None
+
+
+def _command(
+    name: str, path: str, rw: str, size: int, engine: str, iodepth: int, bs: int = BLOCK, iomem: Optional[str] = None
+) -> list[str]:
+    """fio moving ``size`` bytes of ``path`` with ``O_DIRECT``; a write ends with an fsync (durable, like ours).
+    ``iomem``: fio's ``--iomem`` (its I/O buffers' memory), None for fio's default."""
     cmd = [
         "fio",
         f"--name={name}",
@@ -36,11 +63,15 @@ def _command(name: str, path: str, rw: str, size: int, engine: str, iodepth: int
     ]
     if rw == "write":
         cmd.append("--end_fsync=1")
+    if iomem:
+        cmd.append(f"--iomem={iomem}")
     return cmd
 
 
-def _run(path: str, rw: str, size: int, engine: str, iodepth: int = 1, bs: int = BLOCK) -> dict[str, Any]:
-    cmd = _command(f"bench-{rw}", path, rw, size, engine, iodepth, bs) + ["--output-format=json"]
+def _run(
+    path: str, rw: str, size: int, engine: str, iodepth: int = 1, bs: int = BLOCK, iomem: Optional[str] = None
+) -> dict[str, Any]:
+    cmd = _command(f"bench-{rw}", path, rw, size, engine, iodepth, bs, iomem) + ["--output-format=json"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -62,6 +93,7 @@ def _run(path: str, rw: str, size: int, engine: str, iodepth: int = 1, bs: int =
         "wall_s": wall,
         "engine": engine,
         "iodepth": int(iodepth),
+        "iomem": iomem or "malloc",
         "fio_version": doc.get("fio version"),
         "cmd": " ".join(cmd),
     }
@@ -86,7 +118,9 @@ def wait(proc: subprocess.Popen, timeout: float = 600.0) -> None:
         raise RuntimeError(f"fio failed ({proc.returncode}): {err.strip()}")
 
 
-def startup_s(directory: str, iodepth: int = 1, repeat: int = 3, engine: str = "io_uring") -> float:
+def startup_s(
+    directory: str, iodepth: int = 1, repeat: int = 3, engine: str = "io_uring", iomem: Optional[str] = None
+) -> float:
     """Median wall time of a one-block fio read (16 MiB, ``O_DIRECT``, same depth): fio's fixed cost.
 
     Process start, job setup, io_uring and buffer set-up, JSON output and exit; subtracted from fio's wall
@@ -107,7 +141,7 @@ def startup_s(directory: str, iodepth: int = 1, repeat: int = 3, engine: str = "
             engine = "libaio"
             _run(path, "write", BLOCK, engine, 1)
         for _ in range(max(1, repeat)):
-            walls.append(_run(path, "read", BLOCK, engine, iodepth)["wall_s"])
+            walls.append(_run(path, "read", BLOCK, engine, iodepth, iomem=iomem)["wall_s"])
     finally:
         if os.path.exists(path):
             os.remove(path)
@@ -115,7 +149,9 @@ def startup_s(directory: str, iodepth: int = 1, repeat: int = 3, engine: str = "
     return walls[len(walls) // 2]
 
 
-def run(path: str, nbytes: int, engine: str = "io_uring", iodepth: int = 1) -> tuple[dict[str, Any], dict[str, Any]]:
+def run(
+    path: str, nbytes: int, engine: str = "io_uring", iodepth: int = 1, iomem: Optional[str] = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Sequential O_DIRECT write (with end fsync) then read of ``nbytes`` rounded up to 16 MiB.
 
     ``iodepth`` requests are kept in flight. Returns ``(write, read)`` result dicts. Falls back
@@ -123,11 +159,11 @@ def run(path: str, nbytes: int, engine: str = "io_uring", iodepth: int = 1) -> t
     """
     size = -(-int(nbytes) // BLOCK) * BLOCK
     try:
-        w = _run(path, "write", size, engine, iodepth)
+        w = _run(path, "write", size, engine, iodepth, iomem=iomem)
     except RuntimeError:
         if engine != "io_uring":
             raise
         engine = "libaio"
-        w = _run(path, "write", size, engine, iodepth)
-    r = _run(path, "read", size, engine, iodepth)
+        w = _run(path, "write", size, engine, iodepth, iomem=iomem)
+    r = _run(path, "read", size, engine, iodepth, iomem=iomem)
     return w, r
