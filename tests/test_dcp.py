@@ -443,6 +443,13 @@ _TWO_RANKS = textwrap.dedent(
     assert writer.staging_allocations == 1
     writer.close()
     dist.destroy_process_group()
+    # gloo's worker threads outlive destroy_process_group, and one may still be freeing the last collective's
+    # work, whose tensors need the GIL to drop their Python objects: if the interpreter is finalizing by then,
+    # CPython ends that thread with pthread_exit inside a C++ destructor -> std::terminate, SIGABRT. Everything
+    # is checked and durable by now: leave without finalizing (as tests/conftest.py and Replica._at_exit do).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
     """
 )
 
