@@ -21,8 +21,10 @@
 #include <sys/uio.h>
 
 #define NIO_ALIGN	    4096u
-/* default Writer.unstaged_min: smaller bodies are cheaper to copy than to send alone
- * (measured, docs/native_io.md) */
+/*
+ * default Writer.unstaged_min where the device does not split plain-page
+ * transfers (elsewhere 0: copy everything; measured, docs/native_io.md)
+ */
 #define NIO_UNSTAGED_MIN    (2u << 20)
 #define NIO_BUFFERED_MAX    (256u * 1024u) /* largest buffered pwrite */
 #define NIO_MAX_BLOCK	    (1u << 30)	   /* kernel caps one rw at ~2 GiB */
