@@ -57,8 +57,10 @@ def _huge_page_tensors(item: int, count: int) -> list[torch.Tensor]:
     64 bytes past a page boundary like torch's own large allocations."""
     stride = -(-(item + 64) // 4096) * 4096
     mem = mmap.mmap(-1, stride * count)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
+    try:
         mem.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):  # no THP here: plain pages, like the torch row
+        pass
     flat = torch.frombuffer(mem, dtype=torch.uint8)  # keeps the mapping alive
     out = [flat[i * stride + 64 : i * stride + 64 + item].view(torch.float32) for i in range(count)]
     for t in out:

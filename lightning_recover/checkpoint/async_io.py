@@ -189,8 +189,10 @@ def _host_staging(nbytes: int) -> torch.Tensor:
         except RuntimeError:
             return raw
     mem = mmap.mmap(-1, nbytes)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        mem.madvise(mmap.MADV_HUGEPAGE)  # advisory: without THP the pages stay small
+    try:
+        mem.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):  # no THP in this kernel (EINVAL) or platform: the pages stay small
+        pass
     return torch.frombuffer(mem, dtype=torch.uint8)  # the tensor keeps the mapping alive
 
 
