@@ -67,9 +67,9 @@ class _WriterProxy:
     def __init__(self, w: Any, timers: Timers) -> None:
         self._w, self._timers = w, timers
 
-    def write(self, segments):
+    def write(self, segments, wait=True):
         with self._timers.time("native Writer.write (copy+crc32c+submit/wait)"):
-            return self._w.write(segments)
+            return self._w.write(segments, wait=wait)
 
     def close(self, size=None):
         with self._timers.time("native Writer.close (drain, truncate, fdatasync)"):
