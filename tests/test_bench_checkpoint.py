@@ -316,3 +316,12 @@ def test_fio_uses_huge_pages_only_when_reserved():
     assert fio.huge_iomem(free + 1) is None
     assert fio._command("n", "/p", "write", 1 << 20, "io_uring", 4, iomem="shmhuge")[-1] == "--iomem=shmhuge"
     assert not any(a.startswith("--iomem") for a in fio._command("n", "/p", "write", 1 << 20, "io_uring", 4))
+
+
+def test_profile_save_smoke(tmp_path):
+    """profile_save runs the real save through its timing proxies (they must accept what the save passes)."""
+    from lightning_recover.bench import profile_save
+
+    out = profile_save.profile("small10k", 0.01, str(tmp_path), 1, 0)
+    assert out["runs"] and out["runs"][0]["total_s"] > 0
+    assert list(tmp_path.iterdir()) == []
