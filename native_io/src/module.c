@@ -1428,19 +1428,25 @@ static PyObject *Writer_get_unstaged_min(WriterObject *self, void *closure)
 	return PyLong_FromSize_t(self->unstaged_min);
 }
 
-static int Writer_set_unstaged_min(WriterObject *self, PyObject *value, void *closure)
+/* A settable size attribute: *out = value (an int >= 0). */
+static int set_size_attr(PyObject *value, const char *name, size_t *out)
 {
 	size_t n;
 
 	if (!value) {
-		PyErr_SetString(PyExc_AttributeError, "unstaged_min cannot be deleted");
+		PyErr_Format(PyExc_AttributeError, "%s cannot be deleted", name);
 		return -1;
 	}
 	n = PyLong_AsSize_t(value);
 	if (n == (size_t)-1 && PyErr_Occurred())
 		return -1;
-	self->unstaged_min = n;
+	*out = n;
 	return 0;
+}
+
+static int Writer_set_unstaged_min(WriterObject *self, PyObject *value, void *closure)
+{
+	return set_size_attr(value, "unstaged_min", &self->unstaged_min);
 }
 
 static PyObject *Writer_get_held(WriterObject *self, void *closure)
@@ -1505,17 +1511,7 @@ static PyObject *Reader_get_direct_min(ReaderObject *self, void *closure)
 
 static int Reader_set_direct_min(ReaderObject *self, PyObject *value, void *closure)
 {
-	size_t n;
-
-	if (!value) {
-		PyErr_SetString(PyExc_AttributeError, "direct_min cannot be deleted");
-		return -1;
-	}
-	n = PyLong_AsSize_t(value);
-	if (n == (size_t)-1 && PyErr_Occurred())
-		return -1;
-	self->direct_min = n;
-	return 0;
+	return set_size_attr(value, "direct_min", &self->direct_min);
 }
 
 static PyGetSetDef Reader_getset[] = {
