@@ -409,11 +409,12 @@ int nio_writer_wait_all(struct nio_writer *w, struct nio_error *e)
 
 /*
  * Write [src, src+len) at off without copying its aligned body into the
- * arena: the body goes to the device straight from src, and only the
- * unaligned tail (< NIO_ALIGN) is staged. Requires an O_DIRECT writer, src
- * and off NIO_ALIGN-aligned (the caller checks). Returns once no transfer
- * reads src any more, so the caller may reuse it. *crc is computed here
- * (while the body is in flight) unless have_crc says the caller knows it.
+ * arena: the body goes to the device straight from src (gathered with the
+ * bytes staged before it), and only the unaligned tail (< NIO_ALIGN) is
+ * staged. Requires an O_DIRECT writer, src and off NIO_ALIGN-aligned (the
+ * caller checks). Returns once no transfer reads src any more, so the caller
+ * may reuse it. *crc is computed here (while earlier transfers are in
+ * flight) unless have_crc says the caller knows it.
  */
 int nio_writer_put_unstaged(struct nio_writer *w, uint64_t off, const void *src, size_t len,
 			    int have_crc, uint32_t *crc, struct nio_error *e)
@@ -437,8 +438,9 @@ int nio_writer_put_unstaged(struct nio_writer *w, uint64_t off, const void *src,
  * nio_writer_put, except that on an O_DIRECT writer a segment whose memory
  * and file offset are congruent modulo NIO_ALIGN, with an aligned interior of
  * at least min_body bytes (min_body > 0), has that interior sent from src
- * without a copy; its head and tail (< NIO_ALIGN each) are staged. Sets
- * *in_flight when it did: src is read until nio_writer_wait_all returns.
+ * without a copy, gathered with its staged head and tail (< NIO_ALIGN each)
+ * and its neighbours. Sets *in_flight when it did: src is read until the
+ * transfers holding it retire (nio_writer_wait_all).
  */
 int nio_writer_put_auto(struct nio_writer *w, uint64_t off, const void *src, size_t len,
 			size_t min_body, uint32_t *crc, int *in_flight, struct nio_error *e)
