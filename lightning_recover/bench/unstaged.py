@@ -16,7 +16,6 @@ which is why the writers copy by default there (docs/native_io.md).
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import statistics
 import tempfile
@@ -24,6 +23,7 @@ import time
 
 import torch
 
+from lightning_recover.checkpoint.engine import huge_page_bytes
 from lightning_recover.checkpoint.format import congruent_offset
 
 _HEAD, _TAIL = b"h" * 1600, b"t" * 300
@@ -56,12 +56,7 @@ def _huge_page_tensors(item: int, count: int) -> list[torch.Tensor]:
     """``count`` fp32 tensors of ``item`` bytes in one anonymous mapping asked for transparent huge pages, each
     64 bytes past a page boundary like torch's own large allocations."""
     stride = -(-(item + 64) // 4096) * 4096
-    mem = mmap.mmap(-1, stride * count)
-    try:
-        mem.madvise(mmap.MADV_HUGEPAGE)
-    except (AttributeError, OSError):  # no THP here: plain pages, like the torch row
-        pass
-    flat = torch.frombuffer(mem, dtype=torch.uint8)  # keeps the mapping alive
+    flat = huge_page_bytes(stride * count)
     out = [flat[i * stride + 64 : i * stride + 64 + item].view(torch.float32) for i in range(count)]
     for t in out:
         t.uniform_()

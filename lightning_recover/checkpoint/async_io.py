@@ -38,7 +38,6 @@ from __future__ import annotations
 import atexit
 import collections
 import logging
-import mmap
 import os
 import queue
 import shutil
@@ -51,7 +50,7 @@ import torch
 
 from lightning_recover.checkpoint import format as fmt
 from lightning_recover.checkpoint import snapshot_guard
-from lightning_recover.checkpoint.engine import open_writer
+from lightning_recover.checkpoint.engine import huge_page_bytes, open_writer
 from lightning_recover.checkpoint.files import cleanup_stale_temps, commit, temp_path_for, unlink_quiet
 from lightning_recover.checkpoint.torch_zip import ALIGN, PlanWriter, ZipPlan, plan_archive
 
@@ -178,22 +177,15 @@ def _align_up(n: int) -> int:
 
 
 def _host_staging(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of host memory for the ring: pinned where CUDA copies into it; otherwise an anonymous mapping
-    asked to be backed by transparent huge pages. The flusher sends the ring's bytes to the disk uncopied, and a
-    device that takes few segments per request (virtio-blk: 254) splits a transfer from plain 4 KiB pages into
-    ~1 MiB requests, from huge pages not (docs/native_io.md)."""
+    """``nbytes`` of host memory for the ring: pinned where CUDA copies into it; otherwise on huge pages
+    (``engine.huge_page_bytes``), since the flusher sends the ring's bytes to the disk uncopied."""
     if torch.cuda.is_available():  # pragma: no cover - no GPU here
         raw = torch.empty(nbytes, dtype=torch.uint8)
         try:
             return raw.pin_memory()
         except RuntimeError:
             return raw
-    mem = mmap.mmap(-1, nbytes)
-    try:
-        mem.madvise(mmap.MADV_HUGEPAGE)
-    except (AttributeError, OSError):  # no THP in this kernel (EINVAL) or platform: the pages stay small
-        pass
-    return torch.frombuffer(mem, dtype=torch.uint8)  # the tensor keeps the mapping alive
+    return huge_page_bytes(nbytes)
 
 
 class _Ring:
