@@ -413,8 +413,8 @@ int nio_writer_wait_all(struct nio_writer *w, struct nio_error *e)
  * bytes staged before it), and only the unaligned tail (< NIO_ALIGN) is
  * staged. Requires an O_DIRECT writer, src and off NIO_ALIGN-aligned (the
  * caller checks). Returns once no transfer reads src any more, so the caller
- * may reuse it. *crc is computed here (while earlier transfers are in
- * flight) unless have_crc says the caller knows it.
+ * may reuse it. *crc is computed here (while the body is in flight)
+ * unless have_crc says the caller knows it.
  */
 int nio_writer_put_unstaged(struct nio_writer *w, uint64_t off, const void *src, size_t len,
 			    int have_crc, uint32_t *crc, struct nio_error *e)
@@ -423,7 +423,8 @@ int nio_writer_put_unstaged(struct nio_writer *w, uint64_t off, const void *src,
 	const char *s = src;
 	uint32_t tail_crc;
 
-	if (gather_unstaged(w, off, s, body, e))
+	/* the body goes out before its CRC is computed, so that the two overlap */
+	if (gather_unstaged(w, off, s, body, e) || nio_writer_release_user(w, e))
 		return -1;
 	if (!have_crc)
 		*crc = nio_crc32c(0, src, len);
