@@ -498,16 +498,26 @@ def test_two_ranks_save_reshard_to_one(tmp_path):
 # ------------------------------------------------------------------- plan caching (dcp_planner.py)
 
 
+def _fresh_plan_caches(monkeypatch) -> None:
+    """torch keeps its plan caches on the SavePlanner class: give this test empty ones of its own."""
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    for cache in (
+        "_cached_save_plan",
+        "_cached_final_save_plan",
+        "_cached_all_plans",
+        "_cached_global_plan",
+        "_cached_metadata",
+    ):
+        monkeypatch.setattr(SavePlanner, cache, {})
+
+
 def test_caching_planner_reuses_the_plan_with_each_saves_own_directory(tmp_path, monkeypatch):
     """Saves of an unchanged layout reuse the plan (no usable local plan is sent), yet each writes its own
     temporary directory: to two paths, then over the first."""
-    from torch.distributed.checkpoint.planner import SavePlanner
-
     from lightning_recover.checkpoint import CachingSavePlanner
 
-    monkeypatch.setattr(SavePlanner, "_cached_save_plan", {})  # this test's cache only
-    for cache in ("_cached_final_save_plan", "_cached_all_plans", "_cached_global_plan", "_cached_metadata"):
-        monkeypatch.setattr(SavePlanner, cache, {})
+    _fresh_plan_caches(monkeypatch)
     usable: list = []
     real = CachingSavePlanner.create_local_plan
     monkeypatch.setattr(
@@ -530,11 +540,8 @@ def test_stock_caching_planner_works_too(tmp_path, monkeypatch):
     """torch's own caching planner hands the writer the last save's storage data (the same temporary directory
     name); saves one after another still commit and load."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-    from torch.distributed.checkpoint.planner import SavePlanner
 
-    for cache in ("_cached_save_plan", "_cached_final_save_plan", "_cached_all_plans", "_cached_global_plan"):
-        monkeypatch.setattr(SavePlanner, cache, {})
-    monkeypatch.setattr(SavePlanner, "_cached_metadata", {})
+    _fresh_plan_caches(monkeypatch)
     for i, name in enumerate(("a", "a", "b")):
         state = make_state(i)
         dcp.save(
