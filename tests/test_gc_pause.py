@@ -88,6 +88,14 @@ def test_context_manager_pauses_for_its_body_only(tmp_path):
     assert seen and not any(seen) and gc.isenabled()
 
 
+def test_the_tail_is_bounded_by_max_s():
+    p = GcPause(max_s=0.2)
+    p.pause()
+    p.pause_tail()  # TAIL_S is longer than this pause's own bound
+    assert not gc.isenabled()
+    assert _wait_for_the_collector(0.2) < 0.2 + 5
+
+
 def test_bad_bound_is_refused():
     with pytest.raises(ValueError, match="positive"):
         GcPause(max_s=0)
@@ -114,11 +122,21 @@ class _FailingAfterWrite(UringStorageWriter):
         raise OSError("disk full (injected)")
 
 
+def _wait_for_the_collector(bound_s: float) -> float:
+    t0 = time.monotonic()
+    while not gc.isenabled() and time.monotonic() - t0 < bound_s + 10:
+        time.sleep(0.02)
+    assert gc.isenabled()
+    return time.monotonic() - t0
+
+
 def test_dcp_save_and_load_pause_the_collector_and_restore_it(tmp_path):
     state = {"a": torch.arange(10.0), "b": {"c": torch.ones(3, 4)}}
-    w = _Recording(str(tmp_path / "ck"))
+    w = _Recording(str(tmp_path / "ck"), pause_gc=0.3)
     dcp.save(state, storage_writer=w)
-    assert w.enabled_while_writing is False and gc.isenabled()
+    # still paused after the coordinator's finish (DCP's metadata broadcast follows it), back within the bound
+    assert w.enabled_while_writing is False and not gc.isenabled()
+    assert _wait_for_the_collector(0.3) < 0.3 + 5
     target = {"a": torch.zeros(10), "b": {"c": torch.zeros(3, 4)}}
     dcp.load(target, storage_reader=UringStorageReader(str(tmp_path / "ck")))
     assert gc.isenabled() and torch.equal(target["a"], state["a"])
@@ -134,8 +152,5 @@ def test_a_failed_save_restores_the_collector(tmp_path):
     assert gc.isenabled()
     with pytest.raises(CheckpointException):
         dcp.save({"a": torch.ones(4)}, storage_writer=_FailingAfterWrite(str(tmp_path / "ck"), pause_gc=0.3))
-    deadline = time.monotonic() + 10
-    while not gc.isenabled() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert gc.isenabled()
+    _wait_for_the_collector(0.3)
     assert not (tmp_path / "ck").exists()  # nothing committed

@@ -35,6 +35,7 @@ from typing import Any, Optional
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import (
+    CURRENT_DCP_VERSION,
     FileSystemReader,
     FileSystemWriter,
     SerializationFormat,
@@ -57,7 +58,7 @@ from lightning_recover.checkpoint.dcp_snapshot import LazySnapshot
 from lightning_recover.checkpoint.engine import open_writer, resolve_engine
 from lightning_recover.checkpoint.files import fsync_dir
 from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError, congruent_offset
-from lightning_recover.checkpoint.gc_pause import TAIL_S, GcPause
+from lightning_recover.checkpoint.gc_pause import GcPause
 from lightning_recover.checkpoint.write_pipeline import WritePipeline
 
 __all__ = [
@@ -399,7 +400,7 @@ class UringStorageWriter(FileSystemWriter):
                 elif self._is_coordinator:
                     self._gc.pause()  # its part ends in finish(): the countdown restarts for the wait on the others
                 else:
-                    self._gc.pause(TAIL_S)  # no later hook here; DCP still broadcasts the metadata to this rank
+                    self._gc.pause_tail()  # no later hook here; DCP still broadcasts the metadata to this rank
         return fut
 
     def _write_file(self, tmp: str, file_name: str, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
@@ -473,19 +474,40 @@ class UringStorageWriter(FileSystemWriter):
     # -- commit ------------------------------------------------------------------------------------
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Write ``.metadata`` exactly as ``FileSystemWriter.finish`` does, into the temporary directory, then
+        commit the directory.
+
+        Two differences keep the collector's oldest generation from growing with every save (its growth
+        triggers a full collection of the whole heap every few saves: docs/dcp.md, "Garbage collection"):
+        when the items' storage data equal what ``metadata`` already holds (a cached plan's metadata, the
+        same layout saved again), the held dict is kept and the freshly unpickled results die with this save;
+        and the collector stays paused through DCP's broadcast of the metadata that follows (``pause_tail``, as on
+        the other ranks), so the results gathered from every rank are freed before it looks at them.
+        """
         if self._tmp is None:
             raise RuntimeError("finish() before write_data(): nothing to commit")
-        final, tmp = self.path, self._tmp
-        self.path = self.fs.init_path(tmp)  # FileSystemWriter.finish writes and fsyncs .metadata here
+        tmp = self._tmp
         try:
-            super().finish(metadata, results)
-        finally:
-            self.path = final
+            metadata.version = CURRENT_DCP_VERSION
+            storage_md = {wr.index: wr.storage_data for wr_list in results for wr in wr_list}
+            if metadata.storage_data != storage_md:
+                metadata.storage_data = storage_md
+            metadata.storage_meta = self.storage_meta()
+            part = os.path.join(tmp, ".metadata.tmp")
+            with open(part, "wb") as f:
+                pickle.dump(metadata, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(part, os.path.join(tmp, ".metadata"))
+            fsync_dir(tmp)
+            commit_dir(tmp, str(self.path))
+        except BaseException:
             if self._gc is not None:
                 self._gc.resume()
-        fsync_dir(tmp)
-        commit_dir(tmp, str(final))
+            raise
         self._tmp = None
+        if self._gc is not None:
+            self._gc.pause_tail()
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)

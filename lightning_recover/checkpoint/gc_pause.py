@@ -59,6 +59,11 @@ class GcPause:
             self._timer.daemon = True
             self._timer.start()
 
+    def pause_tail(self) -> None:
+        """A rank's last hook of a save: the collector comes back ``TAIL_S`` seconds later (at most ``max_s``),
+        after DCP's closing exchange, whose unpickled objects are then already freed."""
+        self.pause(min(TAIL_S, self.max_s))
+
     def __enter__(self) -> GcPause:
         self.pause()
         return self
