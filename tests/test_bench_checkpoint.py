@@ -115,6 +115,9 @@ def test_bench_sharded_dcp_smoke(tmp_path, capsys, plan_cache):
         if shutil.which("fio"):
             assert r["save/fio"] > 0 and r["load/fio"] > 0
     assert rounds["small"]["tensors"] == 32
+    (floor,) = rounds["floor"]["rounds"]
+    assert all(floor[f"floor_s/{name}"] > 0 for name in dcp_ranks.WRITERS)
+    assert "per-item floor" in printed and "ceiling on ours/fio" in printed
     gpt = rounds["gpt"]["rounds"][0]
     for name in dcp_ranks.ASYNC:
         assert gpt[f"async_blocked_s_per_gb/{name}"] > 0 and gpt[f"async_durable_s/{name}"] > 0

@@ -568,6 +568,33 @@ def test_cached_metadata_keeps_its_storage_data_while_it_is_unchanged(tmp_path, 
         assert str(pickle.load(f).storage_meta.checkpoint_id) == str(tmp_path / "c")  # test-only: our own metadata
 
 
+def test_caching_planner_resolves_every_item_as_torchs_planner_does():
+    """``CachingSavePlanner.lookup_object`` short-cuts plain tensors; every item resolves to what
+    ``DefaultSavePlanner`` gives (the same tensor object, the same bytes), and a missing key is torch's error."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from lightning_recover.checkpoint import CachingSavePlanner
+
+    state = make_state(0)
+    state["param"] = torch.nn.Parameter(torch.ones(3))  # a subclass: torch's own lookup
+    ours, stock = CachingSavePlanner(), DefaultSavePlanner()
+    for planner in (ours, stock):
+        planner.set_up_planner(state, None, True)
+    items = stock.create_local_plan().items
+    assert len(items) > 300
+    for item in items:
+        a, b = ours.resolve_data(item), stock.resolve_data(item)
+        if isinstance(b, torch.Tensor):
+            assert a is b, item.index.fqn
+        else:
+            assert a.getvalue() == b.getvalue(), item.index.fqn
+    with pytest.raises(ValueError, match="Could not find FQN"):
+        ours.lookup_object(MetadataIndex("no.such.key"))
+    with pytest.raises(ValueError, match="can't find by offset"):
+        ours.lookup_object(MetadataIndex("w", torch.Size([1, 0])))  # a plain tensor holds no other chunk
+
+
 def test_stock_caching_planner_works_too(tmp_path, monkeypatch):
     """torch's own caching planner hands the writer the last save's storage data (the same temporary directory
     name); saves one after another still commit and load."""

@@ -22,8 +22,13 @@ over the rounds are reported (ratios are taken within a round first, then their 
   checkpoint is durable: stock (``FileSystemWriter``, DCP's blocking staging), ours with DCP's
   staging reused (``cache_staged_state_dict=True``) and ours lazy (``lazy_snapshot=True``).
 
-The second state (``--small`` tensors per rank, rank-private keys, not sharded) holds the same bytes
-per rank as the GPT state's shard, split into that many tensors: the per-item costs.
+The second state (``--small`` tensors per rank under ``"model"``, rank-private keys, not sharded) holds the
+same bytes per rank as the GPT state's shard, split into that many tensors: the per-item costs.
+
+The third (``floor``) has as many one-element tensors per rank: a save of it writes almost nothing, so its
+seconds are what DCP's per-item protocol costs (planning, the plan and result exchanges, the metadata, the
+broadcast, the fsyncs and the commit) before and after any bytes move. With the data written at fio's speed
+and nothing of that overlapped, ours/fio for the small state can be at most fio_s / (fio_s + floor_s).
 """
 
 from __future__ import annotations
@@ -110,7 +115,9 @@ def _small_state(count: int, per_rank_bytes: int, rank: int, world: int) -> tupl
 
     gen = torch.Generator().manual_seed(rank)
     numel = max(1, per_rank_bytes // count // 4)
-    state = {f"r{rank}.t{i}": torch.rand(numel, generator=gen) for i in range(count)}
+    # under one key, as callers pass a model's state ({"model": ...}): dcp.save wraps each top-level value in a
+    # logging call of its own, ~30 us a key for every writer alike, which a flat dict would add per tensor
+    state = {"model": {f"r{rank}.t{i}": torch.rand(numel, generator=gen) for i in range(count)}}
     return state, count * numel * 4 * world, count * world
 
 
@@ -249,6 +256,17 @@ def _one_round(state: dict, nbytes: int, work: str, args: argparse.Namespace, ra
     return out
 
 
+def _floor_round(state: dict, work: str, args: argparse.Namespace) -> dict:
+    """Seconds of a save of the floor state (one-element tensors) with every writer (each over its last one)."""
+    import torch.distributed.checkpoint as dcp
+
+    out = {}
+    for name in WRITERS:
+        writer, planner = _writer(name, os.path.join(work, f"floor_{name}")), _planner(name, args)
+        out[f"floor_s/{name}"] = _timed(dcp.save, state, storage_writer=writer, planner=planner)
+    return out
+
+
 def _async_round(state: dict, nbytes: int, work: str, writers: dict, rank: int) -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -284,6 +302,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
     states = {"gpt": _sharded_state(args.size_gb, mesh, seed=0)}
     if args.small:
         states["small"] = _small_state(args.small, states["gpt"][1] // world, rank, world)
+        states["floor"] = _small_state(args.small, 4 * args.small, rank, world)  # one element each
     for name in WRITERS:  # untimed: engine start-up, thread pools, first-use imports
         dcp.save({"warm": torch.ones(1024)}, storage_writer=_writer(name, os.path.join(work, f"warm_{name}")))
     async_writers = {name: _async_writer(name, os.path.join(work, "async")) for name in ASYNC}
@@ -298,6 +317,9 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
                     shutil.rmtree(prime, ignore_errors=True)
         rounds: list[dict] = []
         for _ in range(args.repeat):
+            if kind == "floor":
+                rounds.append(_floor_round(state, work, args))
+                continue
             r = _one_round(state, nbytes, work, args, rank)
             if kind == "gpt":
                 r.update(_async_round(state, nbytes, work, async_writers, rank))
@@ -393,6 +415,26 @@ def summarize(all_results: dict[int, dict], kind: str) -> list[str]:
     return lines
 
 
+def summarize_floor(all_results: dict[int, dict]) -> list[str]:
+    """Markdown rows: per N, the floor state's save seconds per writer, fio's seconds for the small state's
+    bytes, and the ceiling on ours/fio for the small state that the floor leaves (see the module docstring)."""
+    lines = [
+        "| N | ours s | stock t=1 s | stock t=4 s | fio s (small state's bytes) | ceiling on ours/fio | ours/fio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for world, res in sorted(all_results.items()):
+        floor, small = res["floor"]["rounds"], res["small"]["rounds"]
+        cells = [f"{_median(floor, f'floor_s/{name}'):.3f}" for name in WRITERS]
+        if "save/fio" in small[0]:
+            fio_s = statistics.median(res["small"]["bytes"] / r["save/fio"] / 1e9 for r in small)
+            ceiling = f"{fio_s / (fio_s + _median(floor, 'floor_s/uring')):.2f}x"
+            tail = [f"{fio_s:.3f}", ceiling, _paired(small, "save/uring", "save/fio")]
+        else:
+            tail = ["-", "-", "-"]
+        lines.append(f"| {world} | " + " | ".join(cells + tail) + " |")
+    return lines
+
+
 def summarize_async(all_results: dict[int, dict]) -> list[str]:
     lines = [
         "| N | " + " | ".join(f"{n}: blocked s/GB, durable s" for n in ASYNC) + " |",
@@ -432,6 +474,8 @@ def main(args: argparse.Namespace) -> int:
     if args.small:
         print(f"\nthe same bytes per rank in {args.small} tensors per rank")
         print("\n".join(summarize(all_results, "small")))
+        print(f"\nDCP's per-item floor: a save of {args.small} one-element tensors per rank, seconds (median)")
+        print("\n".join(summarize_floor(all_results)))
     print("\nasync save (GPT state)")
     print("\n".join(summarize_async(all_results)))
     if args.json:

@@ -18,7 +18,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
 
 __all__ = ["CachingSavePlanner"]
@@ -35,6 +37,16 @@ class CachingSavePlanner(DefaultSavePlanner):
     def __init__(self, key: str = "", **kwargs: Any) -> None:
         super().__init__(enable_plan_caching=True, **kwargs)
         self._cached_plans_key = f"{type(self).__name__}:{key}"
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        """A plain tensor asked for at its origin is returned as it is, which is what torch's lookup returns
+        for it too, but only after checking it against its checkpointing protocols: a ``typing.Protocol``
+        ``isinstance``, uncached in Python 3.11, about 10 us an item (20 ms of every save of 2048 tensors).
+        Everything else (DTensors, sharded tensors, subclasses, other objects, a missing key) goes to torch."""
+        obj = self.state_dict.get(index.fqn)
+        if type(obj) is torch.Tensor and (index.offset is None or not any(index.offset)):
+            return obj
+        return super().lookup_object(index)
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         finished = super().finish_plan(new_plan)
