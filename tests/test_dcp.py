@@ -403,7 +403,7 @@ _TWO_RANKS = textwrap.dedent(
     t0 = time.monotonic()
     while not gc.isenabled() and time.monotonic() - t0 < TAIL_S + 10:
         time.sleep(0.05)
-    assert gc.isenabled() and time.monotonic() - t0 < TAIL_S + 1.0
+    assert gc.isenabled() and time.monotonic() - t0 < TAIL_S + 3.0
     # and back into the same 2-rank layout with our reader
     back = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)]) for k, v in full.items()}
     back[f"rank{rank}_only"] = torch.zeros(5)
