@@ -42,10 +42,11 @@ ALIGNED_ALLOC = "LIGHTNING_RECOVER_ALIGNED_ALLOC"
 #: ``off``: format-2 saves pickle through ``torch.serialization._save`` only, never the fast pickler
 #: (``checkpoint/torch_zip.py``; for before/after measurements). Default ``on``.
 FAST_PICKLER = "LIGHTNING_RECOVER_FAST_PICKLER"
-#: Space reserved ahead of checkpoint writes, with the file size set (``checkpoint/reservation.py``; ext4 takes
-#: direct writes inside a file far better than extending ones). Default ``auto``: the streaming single-file save
-#: grows a reservation ahead of its writes (measured faster, docs/benchmarks.md). ``on``: the DCP writer and
-#: the async saver also reserve their estimated size at open (measured no faster). ``off``: none.
+#: Space reserved ahead of checkpoint writes, with the file size set (``checkpoint/reservation.py``). ``on``: the
+#: streaming single-file save grows a reservation ahead of its writes, and the DCP writer and the async saver
+#: reserve their estimated size at open. Default ``auto`` (and ``off``): none; the writes extend the file. The
+#: growing reservation measured faster before the engine's arena moved to huge pages and 20% slower after it
+#: (docs/native_io.md, "Preallocation ...").
 PREALLOCATE = "LIGHTNING_RECOVER_PREALLOCATE"
 #: Page-cache handling of ``bench checkpoint`` loads: ``auto`` (drop caches when root), ``drop``
 #: or ``keep``; the ``--cache`` flag wins.

@@ -794,10 +794,10 @@ def _mixed_state():
     return state
 
 
-@pytest.mark.parametrize("prealloc", ["off", "auto"])
+@pytest.mark.parametrize("prealloc", ["off", "auto", "on"])
 def test_single_file_save_with_preallocation(tmp_path, monkeypatch, prealloc):
-    """single_file.save reserves space ahead of its writes unless told not to (reservation.py); the unused
-    reservation is given back, the file loads back and damage is detected."""
+    """single_file.save reserves space ahead of its writes when asked to (``on``, reservation.py); the unused
+    reservation is given back, the file loads back and damage is detected, with or without."""
     import torch
 
     from lightning_recover.checkpoint import reservation, single_file
@@ -814,7 +814,7 @@ def test_single_file_save_with_preallocation(tmp_path, monkeypatch, prealloc):
     single_file.save(state, p)
     size = os.path.getsize(p)
     (r,) = made
-    if prealloc == "auto":
+    if prealloc == "on":
         assert r.error is None and r.calls >= 1 and r.reserved >= size  # reserved ahead of the placement
         assert os.stat(p).st_blocks * 512 < size + (1 << 20)  # the unused reservation was given back
     else:

@@ -1,11 +1,13 @@
 """A file's space and size reserved ahead of its writer, so its direct writes never extend the file.
 
-ext4 handles an ``O_DIRECT`` write that extends a file far worse than one inside it. fio's own default
-(``--fallocate=native``) reserves the whole file first; docs/benchmarks.md measures fio with and without it,
-and the single-file save with and without this module. A writer that knows its size up front (an upper
-estimate: the DCP writer, the async saver) reserves it at once (:func:`reserve_size`, through
-``engine.open_writer``). A streaming save (``single_file._save_zip``) only knows its size once it has pickled
-everything, so its reservation grows ahead of the placement (:class:`GrowingReservation`):
+Opt-in, with ``LIGHTNING_RECOVER_PREALLOCATE=on``. ext4 runs an ``O_DIRECT`` write that extends a file under the
+inode lock and waits for it, and fio's own default (``--fallocate=native``) reserves the whole file first. While
+the engine's transfers came from plain pages this made the single-file save faster; since its arena is on huge
+pages, the growing reservation makes it about 20% slower instead (docs/native_io.md, "Preallocation ..."). A
+writer that knows its size up front (an upper estimate: the DCP writer, the async saver) reserves it at once
+(:func:`reserve_size`, through ``engine.open_writer``). A streaming save (``single_file._save_zip``) only knows
+its size once it has pickled everything, so its reservation grows ahead of the placement
+(:class:`GrowingReservation`):
 
 * geometrically, from ``FIRST_BYTES``;
 * always at least ``AHEAD_BYTES`` past the last placed byte.
