@@ -24,6 +24,15 @@ def collector_on():
     gc.enable()
 
 
+def _wait_for_the_collector(bound_s: float) -> float:
+    """Seconds until the collector is back (fails past ``bound_s`` + 10 s)."""
+    t0 = time.monotonic()
+    while not gc.isenabled() and time.monotonic() - t0 < bound_s + 10:
+        time.sleep(0.02)
+    assert gc.isenabled()
+    return time.monotonic() - t0
+
+
 def test_pause_and_resume_are_idempotent():
     p = GcPause()
     p.pause()
@@ -120,14 +129,6 @@ class _FailingAfterWrite(UringStorageWriter):
     def write_data(self, plan, planner):
         super().write_data(plan, planner)
         raise OSError("disk full (injected)")
-
-
-def _wait_for_the_collector(bound_s: float) -> float:
-    t0 = time.monotonic()
-    while not gc.isenabled() and time.monotonic() - t0 < bound_s + 10:
-        time.sleep(0.02)
-    assert gc.isenabled()
-    return time.monotonic() - t0
 
 
 def test_dcp_save_and_load_pause_the_collector_and_restore_it(tmp_path):

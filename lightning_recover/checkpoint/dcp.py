@@ -478,7 +478,7 @@ class UringStorageWriter(FileSystemWriter):
         commit the directory.
 
         Two differences keep the collector's oldest generation from growing with every save (its growth
-        triggers a full collection of the whole heap every few saves: docs/dcp.md, "Garbage collection"):
+        triggers a full collection of the whole heap every few saves: docs/dcp.md, "The collector"):
         when the items' storage data equal what ``metadata`` already holds (a cached plan's metadata, the
         same layout saved again), the held dict is kept and the freshly unpickled results die with this save;
         and the collector stays paused through DCP's broadcast of the metadata that follows (``pause_tail``, as on
