@@ -400,8 +400,14 @@ class UringStorageWriter(FileSystemWriter):
                 elif self._is_coordinator:
                     self._gc.pause()  # its part ends in finish(): the countdown restarts for the wait on the others
                 else:
-                    self._gc.pause_tail()  # no later hook here; DCP still broadcasts the metadata to this rank
+                    self.release_collector_after_exchange()  # no later hook here; DCP still broadcasts the metadata
         return fut
+
+    def release_collector_after_exchange(self) -> None:
+        """This rank's last hook of a save has run: the collector comes back after DCP's closing exchange
+        (``GcPause.pause_tail``). A subclass that replaces ``finish`` calls it at the end of its own."""
+        if self._gc is not None:
+            self._gc.pause_tail()
 
     def _write_file(self, tmp: str, file_name: str, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         results: list[WriteResult] = []
@@ -506,8 +512,7 @@ class UringStorageWriter(FileSystemWriter):
                 self._gc.resume()
             raise
         self._tmp = None
-        if self._gc is not None:
-            self._gc.pause_tail()
+        self.release_collector_after_exchange()
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)

@@ -281,6 +281,7 @@ class _PartWriter(UringStorageWriter):
         metadata.storage_data = {wr.index: wr.storage_data for wr_list in results for wr in wr_list}
         _write_durable(os.path.join(temp_dir_for(str(self.path), self._token), f".metadata.part{self._part}"), metadata)
         self._tmp = None
+        self.release_collector_after_exchange()  # else it stayed off until the writer's 30 s bound
 
 
 def _write_durable(path: str, obj: Any) -> None:
