@@ -67,6 +67,7 @@ __all__ = [
     "verify_dcp_checkpoint",
     "cleanup_dcp_temps",
     "read_dcp_metadata",
+    "write_metadata_file",
 ]
 
 ALIGN = 4096
@@ -254,6 +255,18 @@ def commit_dir(tmp: str, path: str) -> None:
     fsync_dir(parent)
 
 
+def write_metadata_file(path: str, metadata: Metadata) -> None:
+    """``metadata`` pickled to ``path`` as ``FileSystemWriter.finish`` writes ``.metadata``: through ``path.tmp``,
+    fsynced, renamed over ``path``, and the directory fsynced."""
+    part = path + ".tmp"
+    with open(part, "wb") as f:
+        pickle.dump(metadata, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, path)
+    fsync_dir(os.path.dirname(path))
+
+
 def cleanup_dcp_temps(parent: str) -> list[str]:
     """Remove temporary DCP directories (``.<name>.dcp-tmp-<token>``) left in ``parent`` by failed saves.
 
@@ -403,6 +416,17 @@ class UringStorageWriter(FileSystemWriter):
                     self.release_collector_after_exchange()  # no later hook here; DCP still broadcasts the metadata
         return fut
 
+    @staticmethod
+    def record_results(metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Set ``metadata``'s version and the storage data of every rank's results, as ``FileSystemWriter.finish``
+        does, except that a held dict equal to the new one is kept: with a cached plan's metadata and the same
+        layout saved again, the freshly unpickled results then die with this save instead of growing the
+        collector's oldest generation (docs/dcp.md, "The collector")."""
+        metadata.version = CURRENT_DCP_VERSION
+        storage_md = {wr.index: wr.storage_data for wr_list in results for wr in wr_list}
+        if metadata.storage_data != storage_md:
+            metadata.storage_data = storage_md
+
     def release_collector_after_exchange(self) -> None:
         """This rank's last hook of a save has run: the collector comes back after DCP's closing exchange
         (``GcPause.pause_tail``). A subclass that replaces ``finish`` calls it at the end of its own."""
@@ -484,28 +508,18 @@ class UringStorageWriter(FileSystemWriter):
         commit the directory.
 
         Two differences keep the collector's oldest generation from growing with every save (its growth
-        triggers a full collection of the whole heap every few saves: docs/dcp.md, "The collector"):
-        when the items' storage data equal what ``metadata`` already holds (a cached plan's metadata, the
-        same layout saved again), the held dict is kept and the freshly unpickled results die with this save;
-        and the collector stays paused through DCP's broadcast of the metadata that follows (``pause_tail``, as on
-        the other ranks), so the results gathered from every rank are freed before it looks at them.
+        triggers a full collection of the whole heap every few saves: docs/dcp.md, "The collector"): an
+        unchanged storage-data dict is kept (``record_results``), and the collector stays paused through DCP's
+        broadcast of the metadata that follows (``pause_tail``, as on the other ranks), so the results gathered
+        from every rank are freed before it looks at them.
         """
         if self._tmp is None:
             raise RuntimeError("finish() before write_data(): nothing to commit")
         tmp = self._tmp
         try:
-            metadata.version = CURRENT_DCP_VERSION
-            storage_md = {wr.index: wr.storage_data for wr_list in results for wr in wr_list}
-            if metadata.storage_data != storage_md:
-                metadata.storage_data = storage_md
+            self.record_results(metadata, results)
             metadata.storage_meta = self.storage_meta()
-            part = os.path.join(tmp, ".metadata.tmp")
-            with open(part, "wb") as f:
-                pickle.dump(metadata, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(part, os.path.join(tmp, ".metadata"))
-            fsync_dir(tmp)
+            write_metadata_file(os.path.join(tmp, ".metadata"), metadata)
             commit_dir(tmp, str(self.path))
         except BaseException:
             if self._gc is not None:

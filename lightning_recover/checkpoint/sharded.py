@@ -49,6 +49,7 @@ from lightning_recover.checkpoint.dcp import (
     commit_dir,
     read_dcp_metadata,
     temp_dir_for,
+    write_metadata_file,
 )
 from lightning_recover.checkpoint.dcp_planner import CachingSavePlanner
 from lightning_recover.checkpoint.files import fsync_dir
@@ -275,22 +276,12 @@ class _PartWriter(UringStorageWriter):
         ]
 
     def finish(self, metadata: Any, results: list) -> None:
-        from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
-
-        metadata.version = CURRENT_DCP_VERSION
-        metadata.storage_data = {wr.index: wr.storage_data for wr_list in results for wr in wr_list}
-        _write_durable(os.path.join(temp_dir_for(str(self.path), self._token), f".metadata.part{self._part}"), metadata)
+        self.record_results(metadata, results)
+        write_metadata_file(
+            os.path.join(temp_dir_for(str(self.path), self._token), f".metadata.part{self._part}"), metadata
+        )
         self._tmp = None
         self.release_collector_after_exchange()  # else it stayed off until the writer's 30 s bound
-
-
-def _write_durable(path: str, obj: Any) -> None:
-    with open(path + ".tmp", "wb") as f:
-        pickle.dump(obj, f)  # what FileSystemWriter.finish writes for .metadata
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
-    fsync_dir(os.path.dirname(path))
 
 
 def save_part(path: str | os.PathLike, state: dict[str, Any], token: str, part: int, parts: int, base: int) -> None:
@@ -321,7 +312,7 @@ def commit_parts(path: str | os.PathLike, state: dict[str, Any], token: str, par
         md.storage_data.update(m.storage_data)
     md.planner_data = {k: mappings[k] for k in md.state_dict_metadata}  # nested paths in the whole state
     md.storage_meta = StorageMeta(checkpoint_id=path)
-    _write_durable(os.path.join(tmp, ".metadata"), md)
+    write_metadata_file(os.path.join(tmp, ".metadata"), md)
     for q in range(parts):
         os.unlink(os.path.join(tmp, f".metadata.part{q}"))
     fsync_dir(tmp)
