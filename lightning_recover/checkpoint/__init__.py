@@ -13,6 +13,7 @@ from lightning_recover.checkpoint.dcp import (
     verify_dcp_checkpoint,
 )
 from lightning_recover.checkpoint.dcp_planner import CachingSavePlanner
+from lightning_recover.checkpoint.dcp_saver import DcpSaveError, DcpSaver
 from lightning_recover.checkpoint.files import cleanup_stale_temps
 from lightning_recover.checkpoint.format import (
     FORMAT_VERSION,
@@ -30,6 +31,8 @@ __all__ = [
     "FORMAT_VERSION",
     "CheckpointCorruptError",
     "CheckpointInfo",
+    "DcpSaveError",
+    "DcpSaver",
     "UnsafeCheckpointError",
     "UringCheckpointIO",
     "UringStorageReader",

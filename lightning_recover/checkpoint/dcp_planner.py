@@ -23,20 +23,11 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
 
-__all__ = ["CachingSavePlanner"]
+__all__ = ["CachingSavePlanner", "FastLookupSavePlanner"]
 
 
-class CachingSavePlanner(DefaultSavePlanner):
-    """``DefaultSavePlanner`` with plan caching, keeping each save's own storage data (temporary directory).
-
-    torch keys its class-level cache by the planner's class name. ``key`` narrows that key: saves that may run
-    over different process groups or different item sets in one process should each have their own. torch
-    merges a cached plan with a new one by rank, and that is only right within one unchanged group.
-    """
-
-    def __init__(self, key: str = "", **kwargs: Any) -> None:
-        super().__init__(enable_plan_caching=True, **kwargs)
-        self._cached_plans_key = f"{type(self).__name__}:{key}"
+class FastLookupSavePlanner(DefaultSavePlanner):
+    """``DefaultSavePlanner`` that resolves plain tensors without torch's per-item protocol checks."""
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         """A plain tensor asked for at its origin is returned as it is, which is what torch's lookup returns
@@ -47,6 +38,19 @@ class CachingSavePlanner(DefaultSavePlanner):
         if type(obj) is torch.Tensor and (index.offset is None or not any(index.offset)):
             return obj
         return super().lookup_object(index)
+
+
+class CachingSavePlanner(FastLookupSavePlanner):
+    """``DefaultSavePlanner`` with plan caching, keeping each save's own storage data (temporary directory).
+
+    torch keys its class-level cache by the planner's class name. ``key`` narrows that key: saves that may run
+    over different process groups or different item sets in one process should each have their own. torch
+    merges a cached plan with a new one by rank, and that is only right within one unchanged group.
+    """
+
+    def __init__(self, key: str = "", **kwargs: Any) -> None:
+        super().__init__(enable_plan_caching=True, **kwargs)
+        self._cached_plans_key = f"{type(self).__name__}:{key}"
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         finished = super().finish_plan(new_plan)

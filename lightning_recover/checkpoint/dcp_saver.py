@@ -1,0 +1,413 @@
+"""DCP checkpoints saved in a loop without DCP's per-item exchange: ``DcpSaver().save(state_dict, path)``.
+
+What it writes is what ``dcp.save(state_dict, storage_writer=UringStorageWriter(path))`` writes: one file per
+rank, ``.metadata`` as ``FileSystemWriter`` pickles it (the stock ``FileSystemReader`` loads it), the CRC
+sidecars, and the directory committed in one rename. Only the messages between the ranks differ.
+
+``dcp.save`` sends every rank's write results to the coordinator as pickled objects, pickles the metadata
+into ``.metadata``, then pickles it again to broadcast it to every rank, which unpickles it. All of it is per
+item and happens after the last byte is on the disk: with 2048 tensors per rank at N = 4 on two cores it is
+0.44 s of a save whose data takes 0.7 s at the device's speed (docs/dcp.md, "The floor").
+
+A training loop saves the same state layout again and again, and then all of it is known before the save
+starts: the plan, the metadata, even where each item lands in its file. So a save here runs on what the last
+one left, and exchanges only numbers:
+
+1. every rank plans as ``dcp.save`` does (DCP's planner) and compares the plan with its last one;
+2. one ``all_gather`` of five integers per rank: failed, plan unchanged, the generation of the ranks' caches,
+   the coordinator's token for the temporary directory, and the number of items;
+3. a rank that failed fails the save on every rank. A changed plan, a rank without a cache (the first save,
+   a process that joined) or caches of different generations: the save is a plain ``dcp.save``, recorded as
+   the cache of the next one;
+4. otherwise every rank writes its file with the final plan of last time, and the coordinator writes
+   ``.metadata`` from the last metadata while the data is in flight (a background thread);
+5. one ``gather`` to the coordinator: status and each item's (offset, length) in its file as int64. An item
+   that moved (a tensor reallocated, a bytes item that grew) updates the storage data, and ``.metadata`` is
+   written again. The coordinator commits the directory;
+6. one ``broadcast`` of the commit's status: every rank returns after the commit, or raises.
+
+A failure raises ``CheckpointException`` on every rank, as ``dcp.save`` does, drops every rank's cache, and
+leaves the previous checkpoint at ``path`` as it was (the temporary directory is removed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import shutil
+import threading
+import traceback
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from lightning_recover.checkpoint.dcp import UringStorageWriter, commit_dir, temp_dir_for, write_metadata_file
+from lightning_recover.checkpoint.dcp_planner import FastLookupSavePlanner
+
+__all__ = ["DcpSaver", "DcpSaveError"]
+
+# the vote's columns
+_FAILED, _UNCHANGED, _GENERATION, _TOKEN, _ITEMS = range(5)
+
+
+class _RecordingPlanner(FastLookupSavePlanner):
+    """Keeps the final plan the coordinator sent (a full ``dcp.save``) for the saves that follow."""
+
+    central_plan: Optional[SavePlan] = None
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        self.central_plan = new_plan
+        return super().finish_plan(new_plan)
+
+
+class _RecordingWriter(UringStorageWriter):
+    """Keeps this rank's write results and, on the coordinator, the metadata and every rank's results."""
+
+    results: Optional[list[WriteResult]] = None
+    all_results: Optional[list[list[WriteResult]]] = None
+    metadata: Optional[Metadata] = None
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        fut = super().write_data(plan, planner)
+        self.results = fut.value()  # written before it returns: the value is there
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        super().finish(metadata, results)
+        self.metadata, self.all_results = metadata, results
+
+
+@dataclasses.dataclass
+class _RankCache:
+    rank: int  # the file names follow the rank: a cache is for the rank and group size it was made with
+    world: int
+    local_plan: SavePlan
+    central_plan: SavePlan  # its storage data gets each save's own token
+    result_indices: list[MetadataIndex]  # the writer's order of its results
+
+
+@dataclasses.dataclass
+class _CoordinatorCache:
+    metadata: Metadata
+    files: list[Optional[str]]  # per rank: the file its items are in (None: it wrote no item)
+    indices: list[list[MetadataIndex]]
+    extents: list[torch.Tensor]  # per rank: [items, 2] int64, (offset, length) in results order
+
+
+def _extents(results: list[WriteResult]) -> torch.Tensor:
+    rows = [(r.storage_data.offset, r.storage_data.length) for r in results]
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 2)
+
+
+def _one_file(results: list[WriteResult]) -> Optional[str]:
+    files = {r.storage_data.relative_path for r in results}
+    if len(files) > 1:
+        raise RuntimeError(f"DcpSaver expects one file per rank, the writer wrote {sorted(files)}")
+    return next(iter(files), None)
+
+
+class _MetadataAhead:
+    """``.metadata`` written in a background thread while the coordinator's data is in flight."""
+
+    def __init__(self, path: str, metadata: Metadata) -> None:
+        self.path, self.metadata = path, metadata
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="dcp-metadata-ahead", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            write_metadata_file(self.path, self.metadata)
+        except BaseException as e:  # reported by join(), on the thread that commits
+            self._error = e
+
+    def join(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+class DcpSaveError(CheckpointException):
+    """A ``DcpSaver`` save failed (on every rank alike); a ``CheckpointException``, as ``dcp.save`` raises, whose
+    text starts with what failed and what is left at the path."""
+
+    def __str__(self) -> str:
+        return f"{self.args[0]}\n{super().__str__()}"
+
+
+def _failure(error: BaseException) -> tuple[BaseException, traceback.StackSummary]:
+    return error, traceback.extract_tb(error.__traceback__)
+
+
+class DcpSaver:
+    """Saves DCP checkpoints through :class:`UringStorageWriter`, repeating DCP's exchange of plans, results and
+    metadata only when the state's layout changed (module docstring).
+
+    Every rank of ``process_group`` (default: the default group; this process alone without one) calls
+    ``save`` with its part of the state, in the same order, as with ``dcp.save``. One saver per group and
+    state: its cache belongs to both. ``engine``, ``overwrite``, ``pause_gc``: as for ``UringStorageWriter``.
+    ``predict_metadata=False`` writes ``.metadata`` after the data instead of alongside it.
+    """
+
+    def __init__(
+        self,
+        process_group: Optional[dist.ProcessGroup] = None,
+        *,
+        engine: Any = None,
+        overwrite: bool = True,
+        pause_gc: bool | float = True,
+        predict_metadata: bool = True,
+    ) -> None:
+        self._group = process_group
+        self._engine = engine
+        self._overwrite = overwrite
+        self._pause_gc = pause_gc
+        self._predict = predict_metadata
+        self._generation = 0
+        self._rank_cache: Optional[_RankCache] = None
+        self._coordinator_cache: Optional[_CoordinatorCache] = None
+        #: "dcp" (a full ``dcp.save``) or "cached": the protocol the last save took
+        self.last_protocol: Optional[str] = None
+
+    def reset(self) -> None:
+        """Forget the cached layout: the next save is a full ``dcp.save`` (on every rank, as it votes so)."""
+        self._generation = 0
+        self._rank_cache = None
+        self._coordinator_cache = None
+
+    # -- collectives (none without a process group) -------------------------------------------------
+
+    def _distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def _rank_world(self) -> tuple[int, int]:
+        if not self._distributed():
+            return 0, 1
+        return dist.get_rank(self._group), dist.get_world_size(self._group)
+
+    def _device(self) -> torch.device:
+        """Where the collectives' tensors live: NCCL takes only the current GPU's, gloo the CPU's."""
+        if dist.get_backend(self._group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _all_gather(self, row: list[int], world: int) -> torch.Tensor:
+        mine = torch.tensor(row, dtype=torch.int64)
+        if world == 1:
+            return mine.reshape(1, -1)
+        mine = mine.to(self._device())
+        out = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(out, mine, group=self._group)
+        return torch.stack(out).cpu()
+
+    def _gather(self, row: torch.Tensor, rank: int, world: int) -> Optional[list[torch.Tensor]]:
+        if world == 1:
+            return [row]
+        row = row.to(self._device())
+        out = [torch.empty_like(row) for _ in range(world)] if rank == 0 else None
+        dist.gather(row, out, group_dst=0, group=self._group)
+        return None if out is None else [r.cpu() for r in out]
+
+    def _broadcast(self, flags: torch.Tensor, world: int) -> torch.Tensor:
+        if world == 1:
+            return flags
+        flags = flags.to(self._device())
+        dist.broadcast(flags, group_src=0, group=self._group)
+        return flags.cpu()
+
+    # -- a save --------------------------------------------------------------------------------------
+
+    def save(self, state_dict: dict[str, Any], path: str | os.PathLike) -> None:
+        """Write ``state_dict`` as the DCP checkpoint ``path`` (complete, or not there at all)."""
+        path = str(path)
+        rank, world = self._rank_world()
+        coordinator = rank == 0
+        writer = _RecordingWriter(path, engine=self._engine, overwrite=self._overwrite, pause_gc=self._pause_gc)
+        planner = _RecordingPlanner()
+        try:
+            self._save(state_dict, path, writer, planner, rank, world, coordinator)
+        finally:
+            writer.release_collector_after_exchange()
+
+    def _save(
+        self,
+        state_dict: dict[str, Any],
+        path: str,
+        writer: _RecordingWriter,
+        planner: _RecordingPlanner,
+        rank: int,
+        world: int,
+        coordinator: bool,
+    ) -> None:
+        error: Optional[BaseException] = None
+        local: Optional[SavePlan] = None
+        try:
+            planner.set_up_planner(state_dict, storage_meta=writer.storage_meta(), is_coordinator=coordinator)
+            writer.set_up_storage_writer(coordinator, rank=rank, use_collectives=True)
+            local = writer.prepare_local_plan(planner.create_local_plan())
+        except Exception as e:
+            error = e
+        cache = self._rank_cache
+        unchanged = (
+            error is None
+            and cache is not None
+            and (cache.rank, cache.world) == (rank, world)
+            and local == cache.local_plan
+        )
+        token = secrets.randbits(48) if coordinator else 0
+        items = len(cache.result_indices) if cache is not None else 0
+        votes = self._all_gather([int(error is not None), int(unchanged), self._generation, token, items], world)
+        self._raise_failures(votes[:, _FAILED].tolist(), error, rank, path, "planning")
+
+        generations = set(votes[:, _GENERATION].tolist())
+        if not bool(votes[:, _UNCHANGED].all()) or len(generations) != 1 or 0 in generations:
+            self._save_with_dcp(state_dict, path, writer, planner, local, rank, world, coordinator)
+            self._generation = max(generations) + 1
+            return
+
+        assert cache is not None  # unchanged implies a cache
+        self._save_cached(path, writer, planner, cache, votes, rank, world, coordinator)
+        self.last_protocol = "cached"
+
+    def _save_with_dcp(
+        self,
+        state_dict: dict[str, Any],
+        path: str,
+        writer: _RecordingWriter,
+        planner: _RecordingPlanner,
+        local: Optional[SavePlan],
+        rank: int,
+        world: int,
+        coordinator: bool,
+    ) -> None:
+        """A full ``dcp.save``, whose plan, results and (on the coordinator) metadata become the cache."""
+        self.reset()
+        dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=self._group)
+        results = writer.results or []
+        if local is None or planner.central_plan is None or writer.results is None:
+            raise RuntimeError("dcp.save returned without calling the planner's and the writer's hooks")
+        self._rank_cache = _RankCache(rank, world, local, planner.central_plan, [r.index for r in results])
+        if coordinator:
+            if writer.metadata is None or writer.all_results is None:
+                raise RuntimeError("dcp.save returned on the coordinator without calling the writer's finish")
+            rs = writer.all_results
+            self._coordinator_cache = _CoordinatorCache(
+                writer.metadata,
+                [_one_file(r) for r in rs],
+                [[w.index for w in r] for r in rs],
+                [_extents(r) for r in rs],
+            )
+        self.last_protocol = "dcp"
+
+    def _save_cached(
+        self,
+        path: str,
+        writer: _RecordingWriter,
+        planner: _RecordingPlanner,
+        cache: _RankCache,
+        votes: torch.Tensor,
+        rank: int,
+        world: int,
+        coordinator: bool,
+    ) -> None:
+        token = f"{int(votes[0, _TOKEN]):012x}"
+        tmp = temp_dir_for(path, token)
+        ahead: Optional[_MetadataAhead] = None
+        metadata: Optional[Metadata] = None
+        if coordinator:
+            if self._coordinator_cache is None:
+                raise RuntimeError("the coordinator voted with a cache it does not have")
+            metadata = dataclasses.replace(self._coordinator_cache.metadata, storage_meta=writer.storage_meta())
+            if self._predict:
+                ahead = _MetadataAhead(os.path.join(tmp, ".metadata"), metadata)
+
+        error: Optional[BaseException] = None
+        row = torch.zeros(1 + 2 * int(votes[:, _ITEMS].max()), dtype=torch.int64)
+        try:
+            sd = dataclasses.replace(cache.central_plan.storage_data, tmp_token=token)
+            final = planner.finish_plan(dataclasses.replace(cache.central_plan, storage_data=sd))
+            results = writer.write_data(final, planner).value()
+            if [r.index for r in results] != cache.result_indices:
+                raise RuntimeError("the writer wrote the items of an unchanged plan in another order")
+            row[1 : 1 + 2 * len(results)] = _extents(results).flatten()
+        except Exception as e:
+            error = e
+            row[0] = 1
+        rows = self._gather(row, rank, world)
+
+        failed = torch.zeros(world, dtype=torch.int64)
+        if coordinator:
+            assert rows is not None and metadata is not None and self._coordinator_cache is not None
+            failed = torch.stack([r[0] for r in rows])
+            try:
+                if ahead is not None:
+                    ahead.join()
+                if not bool(failed.any()):
+                    self._commit(tmp, path, metadata, rows, self._coordinator_cache, written=ahead is not None)
+            except Exception as e:
+                error = error or e
+                failed[0] = 1
+            if bool(failed.any()):
+                shutil.rmtree(tmp, ignore_errors=True)  # every rank is done with it, and nothing was committed
+        failed = self._broadcast(failed, world)
+        self._raise_failures(failed.tolist(), error, rank, path, "writing or committing")
+
+    def _raise_failures(
+        self, failed: list[int], error: Optional[BaseException], rank: int, path: str, phase: str
+    ) -> None:
+        """Every rank raises the same ``CheckpointException`` when any failed; its own exception is in it."""
+        if not any(failed) and error is None:
+            return
+        self.reset()
+        ranks = [r for r, f in enumerate(failed) if f] or [rank]
+        failures = {
+            r: _failure(error)
+            if r == rank and error is not None
+            else (
+                RuntimeError(f"rank {r} failed while {phase}; its exception was raised there"),
+                traceback.StackSummary(),
+            )
+            for r in ranks
+        }
+        raise DcpSaveError(
+            f"saving the DCP checkpoint {path} failed on rank(s) {ranks} while {phase}; the checkpoint at that path, "
+            "if any, is the previous one",
+            failures,
+        )
+
+    def _commit(
+        self,
+        tmp: str,
+        path: str,
+        metadata: Metadata,
+        rows: list[torch.Tensor],
+        cache: _CoordinatorCache,
+        written: bool,
+    ) -> None:
+        """Storage data from every rank's extents (the cached dict where none moved), ``.metadata``, the rename."""
+        storage = None
+        for r, row in enumerate(rows):
+            old = cache.extents[r]
+            new = row[1 : 1 + old.numel()].reshape(-1, 2)
+            if torch.equal(new, old):
+                continue
+            storage = dict(metadata.storage_data) if storage is None else storage
+            for i in (new != old).any(dim=1).nonzero().flatten().tolist():
+                storage[cache.indices[r][i]] = _StorageInfo(cache.files[r], int(new[i, 0]), int(new[i, 1]))
+            cache.extents[r] = new.clone()
+        if storage is not None:
+            metadata = dataclasses.replace(metadata, storage_data=storage)
+        if storage is not None or not written:
+            write_metadata_file(os.path.join(tmp, ".metadata"), metadata)
+        commit_dir(tmp, path)
+        cache.metadata = metadata

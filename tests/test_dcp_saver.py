@@ -1,0 +1,306 @@
+"""DcpSaver: DCP checkpoints saved in a loop over a cached protocol (checkpoint/dcp_saver.py).
+
+What it writes must be what ``dcp.save`` with ``UringStorageWriter`` writes, loadable by the stock reader,
+whichever protocol a save took; a layout change must take the full one; a failure must leave the previous
+checkpoint and nothing else.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+
+from lightning_recover.checkpoint import UringStorageReader, UringStorageWriter, dcp_saver, verify_dcp_checkpoint
+from lightning_recover.checkpoint import dcp as dcp_mod
+from lightning_recover.checkpoint.dcp import read_dcp_metadata
+from lightning_recover.checkpoint.dcp_saver import DcpSaver
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+
+def make_state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    state = {
+        "w": torch.randn(256, 129, generator=g),
+        "bf16": torch.randn(333, generator=g).to(torch.bfloat16),
+        "view": torch.randn(50, generator=g)[7:31],
+        "t": torch.randn(8, 6, generator=g).t(),
+        "empty": torch.zeros(0, 5),
+        "meta": {"step": 100 + seed, "name": f"run-{seed}"},  # bytes items
+    }
+    for k in range(200):
+        state[f"small.{k}"] = torch.randn(k % 7 + 1, generator=g)
+    return state
+
+
+def blank(state: dict) -> dict:
+    return {
+        k: torch.full_like(v, 7) if isinstance(v, torch.Tensor) else {"step": 0, "name": ""} for k, v in state.items()
+    }
+
+
+def load_with(reader, state: dict) -> dict:
+    out = blank(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(out, storage_reader=reader)
+    return out
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k, v in a.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(v, b[k]), k
+        else:
+            assert v == b[k], k
+
+
+def test_cached_saves_write_what_dcp_save_writes(tmp_path):
+    """The first save is a full dcp.save, the next ones take the cached protocol; every checkpoint loads with the
+    stock reader and ours, and its .metadata equals the one dcp.save with our writer writes for the same state."""
+    state = make_state()
+    saver = DcpSaver()
+    protocols = []
+    for i in range(3):
+        with torch.no_grad():
+            state["w"].add_(1.0)  # new values in the same memory: the layout is unchanged
+        saver.save(state, tmp_path / f"ck{i}")
+        protocols.append(saver.last_protocol)
+        for reader in (FileSystemReader(tmp_path / f"ck{i}"), UringStorageReader(tmp_path / f"ck{i}")):
+            assert_same(load_with(reader, state), state)
+        assert verify_dcp_checkpoint(tmp_path / f"ck{i}")["files"] == 1
+    assert protocols == ["dcp", "cached", "cached"]
+    dcp.save(state, storage_writer=UringStorageWriter(tmp_path / "by_dcp"))
+    ours, theirs = read_dcp_metadata(tmp_path / "ck2"), read_dcp_metadata(tmp_path / "by_dcp")
+    assert ours.state_dict_metadata == theirs.state_dict_metadata
+    assert ours.planner_data == theirs.planner_data
+    # where each item sits follows memory addresses (a view is copied afresh by every save): compare the rest
+    assert {k: (v.relative_path, v.length) for k, v in ours.storage_data.items()} == {
+        k: (v.relative_path, v.length) for k, v in theirs.storage_data.items()
+    }
+    assert str(ours.storage_meta.checkpoint_id) == str(tmp_path / "ck2")
+    assert sorted(os.listdir(tmp_path / "ck2")) == sorted(os.listdir(tmp_path / "by_dcp"))
+    assert not [n for n in os.listdir(tmp_path) if "dcp-tmp" in n]
+
+
+@pytest.mark.parametrize("predict", [True, False])
+def test_moved_items_update_the_metadata(tmp_path, predict):
+    """Items that land elsewhere in the file with the plan unchanged (a tensor reallocated, a bytes item that
+    grew) take the cached protocol, and .metadata follows them."""
+    state = make_state()
+    saver = DcpSaver(predict_metadata=predict)
+    saver.save(state, tmp_path / "a")
+    state["w"] = state["w"].clone() + 1.0  # new memory: its offset follows the address modulo 4 KiB
+    state["small.3"] = torch.randn(4)
+    state["meta"] = {"step": 10**30, "name": "x" * 5000}  # the bytes item grows past its 4 KiB slot
+    saver.save(state, tmp_path / "b")
+    assert saver.last_protocol == "cached"
+    for reader in (FileSystemReader(tmp_path / "b"), UringStorageReader(tmp_path / "b")):
+        assert_same(load_with(reader, state), state)
+    assert read_dcp_metadata(tmp_path / "b").storage_data != read_dcp_metadata(tmp_path / "a").storage_data
+    first = make_state()  # the first checkpoint still holds the values of then
+    assert_same(load_with(FileSystemReader(tmp_path / "a"), first), first)
+
+
+def test_a_changed_layout_takes_the_full_protocol(tmp_path):
+    state = make_state()
+    saver = DcpSaver()
+    saver.save(state, tmp_path / "a")
+    state["new"] = torch.arange(10)
+    saver.save(state, tmp_path / "b")
+    assert saver.last_protocol == "dcp"
+    state["w"] = torch.randn(10, 10)  # another shape
+    saver.save(state, tmp_path / "c")
+    assert saver.last_protocol == "dcp"
+    saver.save(state, tmp_path / "d")
+    assert saver.last_protocol == "cached"
+    assert_same(load_with(FileSystemReader(tmp_path / "d"), state), state)
+
+
+def test_a_failed_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    """The engine refuses the cached save's file (ENOSPC): CheckpointException, the previous checkpoint at the
+    path is untouched and loadable, no temporary directory is left, and the next save is a full one."""
+    state = make_state()
+    saver = DcpSaver()
+    path = tmp_path / "ck"
+    saver.save(state, path)
+    saver.save(state, path)
+    assert saver.last_protocol == "cached"
+    before = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+    with torch.no_grad():
+        state["w"].add_(1.0)
+    real_open = dcp_mod.open_writer
+
+    def refuse(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    monkeypatch.setattr(dcp_mod, "open_writer", refuse)
+    with pytest.raises(CheckpointException, match="previous one") as info:
+        saver.save(state, path)
+    assert "No space left" in str(info.value)
+    assert not [n for n in os.listdir(tmp_path) if "dcp-tmp" in n]
+    assert_same(load_with(FileSystemReader(path), state), before)
+    monkeypatch.setattr(dcp_mod, "open_writer", real_open)
+    saver.save(state, path)
+    assert saver.last_protocol == "dcp"
+    assert_same(load_with(UringStorageReader(path), state), state)
+
+
+def test_a_failed_commit_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    state = make_state()
+    saver = DcpSaver()
+    path = tmp_path / "ck"
+    saver.save(state, path)
+    before = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+    with torch.no_grad():
+        state["w"].add_(1.0)
+
+    def fail(tmp, dst):
+        raise OSError(errno.EIO, "rename failed (injected)")
+
+    monkeypatch.setattr(dcp_saver, "commit_dir", fail)
+    with pytest.raises(CheckpointException, match="rename failed"):
+        saver.save(state, path)
+    assert not [n for n in os.listdir(tmp_path) if "dcp-tmp" in n]
+    assert_same(load_with(FileSystemReader(path), state), before)
+
+
+def test_a_failed_plan_fails_the_save(tmp_path):
+    """overwrite=False refuses an existing checkpoint while planning: nothing is written, the old one stays."""
+    saver = DcpSaver(overwrite=False)
+    saver.save({"a": torch.ones(3)}, tmp_path / "ck")
+    saver.save({"a": torch.ones(3)}, tmp_path / "ck2")
+    assert saver.last_protocol == "cached"
+    with pytest.raises(CheckpointException, match="while planning") as info:
+        saver.save({"a": torch.zeros(3)}, tmp_path / "ck")
+    assert "overwrite=False" in str(info.value)
+    assert not [n for n in os.listdir(tmp_path) if "dcp-tmp" in n]
+    out = {"a": torch.zeros(3)}
+    dcp.load(out, storage_reader=FileSystemReader(tmp_path / "ck"))
+    assert torch.equal(out["a"], torch.ones(3))
+
+
+# ------------------------------------------------------------------------------------- two processes
+
+_TWO_RANKS = textwrap.dedent(
+    """
+    import errno, os, sys, warnings
+    warnings.simplefilter("ignore")
+    import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor, Shard
+    from lightning_recover.checkpoint import dcp as dcp_mod
+    from lightning_recover.checkpoint.dcp_saver import DcpSaver
+    rank, root, store = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    g = torch.Generator().manual_seed(0)
+    full = {"w": torch.randn(64, 33, generator=g), "b": torch.randn(10, generator=g).to(torch.bfloat16)}
+    state = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
+    state["shared"] = torch.arange(6.0)  # the same on both ranks: DCP's global plan writes it once
+    state[f"rank{rank}_only"] = torch.full((5,), float(rank))
+    state["step"] = 1
+    saver = DcpSaver()
+    seen = []
+
+    def save(name):
+        saver.save(state, os.path.join(root, name))
+        seen.append(saver.last_protocol)
+
+    save("s1")
+    state["step"] = 2
+    save("s2")
+    # rank 1's private tensor reallocated and the step's pickle grown: the plan is unchanged, items move
+    if rank == 1:
+        state["rank1_only"] = state["rank1_only"].clone() * 3
+    state["step"] = 10**40
+    save("s3")
+    # rank 0 alone changes its layout: every rank takes the full protocol
+    if rank == 0:
+        state["extra0"] = torch.ones(3)
+    save("s4")
+    save("s5")
+    assert seen == ["dcp", "cached", "cached", "dcp", "cached"], seen
+    # rank 1's engine refuses its file: the save fails on both ranks, s5 is left as it was
+    real_open = dcp_mod.open_writer
+    if rank == 1:
+        def refuse(*a, **k):
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        dcp_mod.open_writer = refuse
+    with torch.no_grad():
+        state["shared"].add_(100.0)
+    try:
+        save("s5")
+        raise SystemExit("the failed save returned")
+    except CheckpointException as exc:
+        assert "[1]" in str(exc), str(exc)
+    dcp_mod.open_writer = real_open
+    with torch.no_grad():
+        state["shared"].sub_(100.0)
+    save("s6")
+    assert seen[-1] == "dcp", seen
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as in tests/test_dcp.py: gloo's threads may still free the last collective's tensors
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_ranks_cached_saves_load_with_the_stock_reader(tmp_path):
+    script = tmp_path / "two_ranks.py"
+    script.write_text(_TWO_RANKS)
+    root = tmp_path / "cks"
+    root.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(r), str(root), str(tmp_path / "store")], env=env)
+        for r in (0, 1)
+    ]
+    try:
+        for pr in procs:
+            assert pr.wait(timeout=200) == 0
+    finally:
+        for pr in procs:
+            if pr.poll() is None:
+                pr.kill()
+    assert not [n for n in os.listdir(root) if "dcp-tmp" in n]
+    g = torch.Generator().manual_seed(0)
+    full = {"w": torch.randn(64, 33, generator=g), "b": torch.randn(10, generator=g).to(torch.bfloat16)}
+
+    def load(name: str, step: int, extra: bool) -> None:
+        out = {"w": torch.zeros(64, 33), "b": torch.zeros(10, dtype=torch.bfloat16), "shared": torch.zeros(6)}
+        out |= {"rank0_only": torch.zeros(5), "rank1_only": torch.zeros(5), "step": 0}
+        if extra:
+            out["extra0"] = torch.zeros(3)
+        for reader in (FileSystemReader(root / name), UringStorageReader(root / name)):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                dcp.load(out, storage_reader=reader)
+            assert torch.equal(out["w"], full["w"]) and torch.equal(out["b"], full["b"]), name
+            assert torch.equal(out["shared"], torch.arange(6.0)) and out["step"] == step, name
+            assert torch.equal(out["rank0_only"], torch.zeros(5)), name
+            assert torch.equal(out["rank1_only"], torch.full((5,), 1.0 if name in ("s1", "s2") else 3.0)), name
+            if extra:
+                assert torch.equal(out["extra0"], torch.ones(3))
+        assert verify_dcp_checkpoint(root / name)["files"] == 2
+
+    load("s1", 1, False)
+    load("s2", 2, False)
+    load("s3", 10**40, False)
+    load("s5", 10**40, True)
+    load("s6", 10**40, True)
