@@ -7,8 +7,10 @@ checkpoint and nothing else.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -19,11 +21,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import StorageMeta
 
 from lightning_recover.checkpoint import UringStorageReader, UringStorageWriter, dcp_saver, verify_dcp_checkpoint
 from lightning_recover.checkpoint import dcp as dcp_mod
 from lightning_recover.checkpoint.dcp import read_dcp_metadata
 from lightning_recover.checkpoint.dcp_saver import DcpSaver
+from lightning_recover.checkpoint.metadata_template import MetadataTemplate
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -94,12 +98,11 @@ def test_cached_saves_write_what_dcp_save_writes(tmp_path):
     assert not [n for n in os.listdir(tmp_path) if "dcp-tmp" in n]
 
 
-@pytest.mark.parametrize("predict", [True, False])
-def test_moved_items_update_the_metadata(tmp_path, predict):
+def test_moved_items_update_the_metadata(tmp_path):
     """Items that land elsewhere in the file with the plan unchanged (a tensor reallocated, a bytes item that
     grew) take the cached protocol, and .metadata follows them."""
     state = make_state()
-    saver = DcpSaver(predict_metadata=predict)
+    saver = DcpSaver()
     saver.save(state, tmp_path / "a")
     state["w"] = state["w"].clone() + 1.0  # new memory: its offset follows the address modulo 4 KiB
     state["small.3"] = torch.randn(4)
@@ -111,6 +114,21 @@ def test_moved_items_update_the_metadata(tmp_path, predict):
     assert read_dcp_metadata(tmp_path / "b").storage_data != read_dcp_metadata(tmp_path / "a").storage_data
     first = make_state()  # the first checkpoint still holds the values of then
     assert_same(load_with(FileSystemReader(tmp_path / "a"), first), first)
+
+
+def test_the_metadata_template_renders_any_ids(tmp_path):
+    """A rendering unpickles to the metadata with the ids it was given: short and long (another length opcode),
+    non-ASCII, and a metadata large enough to span many frames."""
+    state = {f"t{i}": torch.ones(1) for i in range(3000)}
+    dcp.save(state, storage_writer=UringStorageWriter(tmp_path / "ck"))
+    md = read_dcp_metadata(tmp_path / "ck")
+    template = MetadataTemplate(md)
+    for cid, sid in [("/a", "x"), ("/" + "d" * 5000 + "/ck", "s" * 255), ("/päth/ck", ""), ("/x", "y" * 256)]:
+        back = pickle.loads(template.render(cid, sid))
+        assert back == dataclasses.replace(md, storage_meta=StorageMeta(checkpoint_id=cid, save_id=sid))
+    assert template.render("/a", "x") == pickle.dumps(
+        dataclasses.replace(md, storage_meta=StorageMeta(checkpoint_id="/a", save_id="x")), protocol=4
+    )
 
 
 def test_a_changed_layout_takes_the_full_protocol(tmp_path):

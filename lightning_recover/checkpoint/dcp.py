@@ -67,6 +67,7 @@ __all__ = [
     "verify_dcp_checkpoint",
     "cleanup_dcp_temps",
     "read_dcp_metadata",
+    "write_metadata_bytes",
     "write_metadata_file",
 ]
 
@@ -256,11 +257,16 @@ def commit_dir(tmp: str, path: str) -> None:
 
 
 def write_metadata_file(path: str, metadata: Metadata) -> None:
-    """``metadata`` pickled to ``path`` as ``FileSystemWriter.finish`` writes ``.metadata``: through ``path.tmp``,
-    fsynced, renamed over ``path``, and the directory fsynced."""
+    """``metadata`` pickled to ``path`` as ``FileSystemWriter.finish`` writes ``.metadata`` (``write_metadata_bytes``)."""
+    write_metadata_bytes(path, pickle.dumps(metadata))
+
+
+def write_metadata_bytes(path: str, data: bytes) -> None:
+    """``data`` (a pickled ``Metadata``) written as ``FileSystemWriter.finish`` writes ``.metadata``: through
+    ``path.tmp``, fsynced, renamed over ``path``, and the directory fsynced."""
     part = path + ".tmp"
     with open(part, "wb") as f:
-        pickle.dump(metadata, f)
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(part, path)

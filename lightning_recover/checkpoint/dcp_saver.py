@@ -19,11 +19,11 @@ one left, and exchanges only numbers:
 3. a rank that failed fails the save on every rank. A changed plan, a rank without a cache (the first save,
    a process that joined) or caches of different generations: the save is a plain ``dcp.save``, recorded as
    the cache of the next one;
-4. otherwise every rank writes its file with the final plan of last time, and the coordinator writes
-   ``.metadata`` from the last metadata while the data is in flight (a background thread);
+4. otherwise every rank writes its file with the final plan of last time;
 5. one ``gather`` to the coordinator: status and each item's (offset, length) in its file as int64. An item
-   that moved (a tensor reallocated, a bytes item that grew) updates the storage data, and ``.metadata`` is
-   written again. The coordinator commits the directory;
+   that moved (a tensor reallocated, a bytes item that grew) updates the storage data. The coordinator writes
+   ``.metadata`` from a template of the last metadata's pickle (``metadata_template.py``: 0.09 s less per save
+   at 8192 items) and commits the directory;
 6. one ``broadcast`` of the commit's status: every rank returns after the commit, or raises.
 
 A failure raises ``CheckpointException`` on every rank, as ``dcp.save`` does, drops every rank's cache, and
@@ -36,7 +36,6 @@ import dataclasses
 import os
 import secrets
 import shutil
-import threading
 import traceback
 from typing import Any, Optional
 
@@ -50,8 +49,9 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from lightning_recover.checkpoint.dcp import UringStorageWriter, commit_dir, temp_dir_for, write_metadata_file
+from lightning_recover.checkpoint.dcp import UringStorageWriter, commit_dir, temp_dir_for, write_metadata_bytes
 from lightning_recover.checkpoint.dcp_planner import FastLookupSavePlanner
+from lightning_recover.checkpoint.metadata_template import MetadataTemplate
 
 __all__ = ["DcpSaver", "DcpSaveError"]
 
@@ -97,7 +97,7 @@ class _RankCache:
 
 @dataclasses.dataclass
 class _CoordinatorCache:
-    metadata: Metadata
+    template: MetadataTemplate  # .metadata of the cached metadata, for any save's own storage_meta
     files: list[Optional[str]]  # per rank: the file its items are in (None: it wrote no item)
     indices: list[list[MetadataIndex]]
     extents: list[torch.Tensor]  # per rank: [items, 2] int64, (offset, length) in results order
@@ -113,28 +113,6 @@ def _one_file(results: list[WriteResult]) -> Optional[str]:
     if len(files) > 1:
         raise RuntimeError(f"DcpSaver expects one file per rank, the writer wrote {sorted(files)}")
     return next(iter(files), None)
-
-
-class _MetadataAhead:
-    """``.metadata`` written in a background thread while the coordinator's data is in flight."""
-
-    def __init__(self, path: str, metadata: Metadata) -> None:
-        self.path, self.metadata = path, metadata
-        self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, name="dcp-metadata-ahead", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            write_metadata_file(self.path, self.metadata)
-        except BaseException as e:  # reported by join(), on the thread that commits
-            self._error = e
-
-    def join(self) -> None:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
 
 
 class DcpSaveError(CheckpointException):
@@ -156,7 +134,6 @@ class DcpSaver:
     Every rank of ``process_group`` (default: the default group; this process alone without one) calls
     ``save`` with its part of the state, in the same order, as with ``dcp.save``. One saver per group and
     state: its cache belongs to both. ``engine``, ``overwrite``, ``pause_gc``: as for ``UringStorageWriter``.
-    ``predict_metadata=False`` writes ``.metadata`` after the data instead of alongside it.
     """
 
     def __init__(
@@ -166,13 +143,11 @@ class DcpSaver:
         engine: Any = None,
         overwrite: bool = True,
         pause_gc: bool | float = True,
-        predict_metadata: bool = True,
     ) -> None:
         self._group = process_group
         self._engine = engine
         self._overwrite = overwrite
         self._pause_gc = pause_gc
-        self._predict = predict_metadata
         self._generation = 0
         self._rank_cache: Optional[_RankCache] = None
         self._coordinator_cache: Optional[_CoordinatorCache] = None
@@ -302,7 +277,7 @@ class DcpSaver:
                 raise RuntimeError("dcp.save returned on the coordinator without calling the writer's finish")
             rs = writer.all_results
             self._coordinator_cache = _CoordinatorCache(
-                writer.metadata,
+                MetadataTemplate(writer.metadata),
                 [_one_file(r) for r in rs],
                 [[w.index for w in r] for r in rs],
                 [_extents(r) for r in rs],
@@ -322,15 +297,6 @@ class DcpSaver:
     ) -> None:
         token = f"{int(votes[0, _TOKEN]):012x}"
         tmp = temp_dir_for(path, token)
-        ahead: Optional[_MetadataAhead] = None
-        metadata: Optional[Metadata] = None
-        if coordinator:
-            if self._coordinator_cache is None:
-                raise RuntimeError("the coordinator voted with a cache it does not have")
-            metadata = dataclasses.replace(self._coordinator_cache.metadata, storage_meta=writer.storage_meta())
-            if self._predict:
-                ahead = _MetadataAhead(os.path.join(tmp, ".metadata"), metadata)
-
         error: Optional[BaseException] = None
         row = torch.zeros(1 + 2 * int(votes[:, _ITEMS].max()), dtype=torch.int64)
         try:
@@ -347,13 +313,13 @@ class DcpSaver:
 
         failed = torch.zeros(world, dtype=torch.int64)
         if coordinator:
-            assert rows is not None and metadata is not None and self._coordinator_cache is not None
+            assert rows is not None
             failed = torch.stack([r[0] for r in rows])
             try:
-                if ahead is not None:
-                    ahead.join()
+                if self._coordinator_cache is None:
+                    raise RuntimeError("the coordinator voted with a cache it does not have")
                 if not bool(failed.any()):
-                    self._commit(tmp, path, metadata, rows, self._coordinator_cache, written=ahead is not None)
+                    self._commit(tmp, path, writer.save_id, rows, self._coordinator_cache)
             except Exception as e:
                 error = error or e
                 failed[0] = 1
@@ -385,29 +351,19 @@ class DcpSaver:
             failures,
         )
 
-    def _commit(
-        self,
-        tmp: str,
-        path: str,
-        metadata: Metadata,
-        rows: list[torch.Tensor],
-        cache: _CoordinatorCache,
-        written: bool,
-    ) -> None:
-        """Storage data from every rank's extents (the cached dict where none moved), ``.metadata``, the rename."""
+    def _commit(self, tmp: str, path: str, save_id: str, rows: list[torch.Tensor], cache: _CoordinatorCache) -> None:
+        """Storage data from every rank's extents (the cached metadata where none moved), ``.metadata``, the rename."""
         storage = None
         for r, row in enumerate(rows):
             old = cache.extents[r]
             new = row[1 : 1 + old.numel()].reshape(-1, 2)
             if torch.equal(new, old):
                 continue
-            storage = dict(metadata.storage_data) if storage is None else storage
+            storage = dict(cache.template.metadata.storage_data) if storage is None else storage
             for i in (new != old).any(dim=1).nonzero().flatten().tolist():
                 storage[cache.indices[r][i]] = _StorageInfo(cache.files[r], int(new[i, 0]), int(new[i, 1]))
             cache.extents[r] = new.clone()
-        if storage is not None:
-            metadata = dataclasses.replace(metadata, storage_data=storage)
-        if storage is not None or not written:
-            write_metadata_file(os.path.join(tmp, ".metadata"), metadata)
+        if storage is not None:  # a new metadata (the cached one is never changed: the template holds its pickle)
+            cache.template = MetadataTemplate(dataclasses.replace(cache.template.metadata, storage_data=storage))
+        write_metadata_bytes(os.path.join(tmp, ".metadata"), cache.template.render(path, save_id))
         commit_dir(tmp, path)
-        cache.metadata = metadata
