@@ -14,8 +14,9 @@ starts: the plan, the metadata, even where each item lands in its file. So a sav
 one left, and exchanges only numbers:
 
 1. every rank plans as ``dcp.save`` does (DCP's planner) and compares the plan with its last one;
-2. one ``all_gather`` of five integers per rank: failed, plan unchanged, the generation of the ranks' caches,
-   the coordinator's token for the temporary directory, and the number of items;
+2. one ``all_gather`` of five integers per rank: failed, plan unchanged, the generation of the ranks' caches
+   (the coordinator's token of the full save that made them), the coordinator's token for the temporary
+   directory, and the number of items;
 3. a rank that failed fails the save on every rank. A changed plan, a rank without a cache (the first save,
    a process that joined) or caches of different generations: the save is a plain ``dcp.save``, recorded as
    the cache of the next one;
@@ -247,7 +248,8 @@ class DcpSaver:
         generations = set(votes[:, _GENERATION].tolist())
         if not bool(votes[:, _UNCHANGED].all()) or len(generations) != 1 or 0 in generations:
             self._save_with_dcp(state_dict, path, writer, planner, local, rank, world, coordinator)
-            self._generation = max(generations) + 1
+            # the caches of this full save, on every rank alike: named by its token (random, drawn once for it)
+            self._generation = int(votes[0, _TOKEN])
             return
 
         assert cache is not None  # unchanged implies a cache

@@ -6,7 +6,8 @@ their (sharded) DCP state dicts (``get_model_state_dict`` / ``get_optimizer_stat
 ``state_dict``/``load_state_dict`` their state dicts, everything else is saved as it is (DCP writes
 non-tensors as bytes items). The collectives run over the default process group (inside a sharded
 replica: the replica's own K processes). Writing goes through :class:`UringStorageWriter` (crash-safe
-directory commit, CRC-32C sidecars), reading through :class:`UringStorageReader` (verified). Bytes
+directory commit, CRC-32C sidecars) driven by a :class:`DcpSaver` (saves of an unchanged layout without DCP's
+per-item exchange), reading through :class:`UringStorageReader` (verified). Bytes
 items are read with torch's ``weights_only`` loader and ``.metadata`` with an allowlist unpickler:
 nothing read from disk reaches a plain ``pickle.load``.
 
@@ -52,6 +53,7 @@ from lightning_recover.checkpoint.dcp import (
     write_metadata_file,
 )
 from lightning_recover.checkpoint.dcp_planner import CachingSavePlanner
+from lightning_recover.checkpoint.dcp_saver import DcpSaver
 from lightning_recover.checkpoint.files import fsync_dir
 from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
 
@@ -140,17 +142,18 @@ def sharded_state_dict(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# one saver per group size, for the default engine: saves in a loop with the same layout skip DCP's per-item
+# exchange of plans, results and metadata (dcp_saver.py); its cache checks rank, group size and layout itself
+_SAVERS: dict[int, DcpSaver] = {}
+
+
 def save_sharded(path: str | os.PathLike, state: dict[str, Any], *, engine: Any = None) -> None:
     """Write ``state`` as one DCP checkpoint directory at ``path`` (every rank of the default process
-    group, or this process alone without one, must call it). ``path`` appears complete or not at all."""
-    # the plan is reused while the state's layout stays the same (dcp_planner.py): saves in a loop skip DCP's
-    # gather, merge and scatter of every rank's plan
+    group, or this process alone without one, must call it). ``path`` appears complete or not at all;
+    a failure raises ``DcpSaveError`` (a ``CheckpointException``) on every rank."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    dcp.save(
-        sharded_state_dict(state),
-        storage_writer=UringStorageWriter(str(path), engine=engine),
-        planner=CachingSavePlanner(key=f"sharded:{world}"),
-    )
+    saver = _SAVERS.setdefault(world, DcpSaver()) if engine is None else DcpSaver(engine=engine)
+    saver.save(sharded_state_dict(state), path)
 
 
 def load_sharded(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True) -> dict[str, Any]:
