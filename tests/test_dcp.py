@@ -297,11 +297,20 @@ def test_torn_save_keeps_previous_and_is_refused(tmp_path, monkeypatch):
 
 
 def test_overwrite_replaces_atomically(tmp_path):
+    """The previous checkpoint is swapped out in one step and removed in the background under a name of its own;
+    one that a process left behind (it ended first) goes with the next commit in the directory, or with
+    cleanup_dcp_temps."""
     p = str(tmp_path / "ck")
     dcp.save(make_state(8), storage_writer=UringStorageWriter(p))
     new = make_state(9)
+    left = tmp_path / ".other.dcp-old-0123456789ab"
+    (left / "sub").mkdir(parents=True)
     dcp.save(new, storage_writer=UringStorageWriter(p))
+    assert [n for n in os.listdir(tmp_path) if "dcp-tmp" in n] == []
+    assert dcp_mod.wait_for_removals(timeout=60)
     assert os.listdir(tmp_path) == ["ck"]
+    left.mkdir()
+    assert cleanup_dcp_temps(str(tmp_path)) == [str(left)]
     assert_same(load_with(UringStorageReader(p), new), new)
     with pytest.raises(BaseException, match="overwrite=False"):
         dcp.save(new, storage_writer=UringStorageWriter(p, overwrite=False))

@@ -18,6 +18,7 @@ storage_reader=UringStorageReader(path))``. The layout is DCP's own (see ``docs/
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import dataclasses
 import errno
@@ -30,6 +31,7 @@ import pickle
 import secrets
 import shutil
 import threading
+import time
 from typing import Any, Optional
 
 import torch
@@ -67,6 +69,8 @@ __all__ = [
     "verify_dcp_checkpoint",
     "cleanup_dcp_temps",
     "read_dcp_metadata",
+    "remove_replaced",
+    "wait_for_removals",
     "write_metadata_bytes",
     "write_metadata_file",
 ]
@@ -235,7 +239,8 @@ def _renameat2_exchange(a: str, b: str) -> bool:
 
 
 def commit_dir(tmp: str, path: str) -> None:
-    """Make ``tmp`` (complete and durable) visible as ``path`` in one step, then fsync the parent."""
+    """Make ``tmp`` (complete and durable) visible as ``path`` in one step, then fsync the parent. A previous
+    checkpoint at ``path`` is removed in the background (``remove_replaced``)."""
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.lexists(path):
         if not os.path.isdir(path) or os.path.islink(path):
@@ -247,13 +252,60 @@ def commit_dir(tmp: str, path: str) -> None:
             os.rename(path, aside)
             os.rename(tmp, path)
             fsync_dir(parent)
-            shutil.rmtree(aside, ignore_errors=True)
+            remove_replaced(aside, parent)
             return
         fsync_dir(parent)
-        shutil.rmtree(tmp, ignore_errors=True)  # now holds the previous checkpoint
+        remove_replaced(tmp, parent)  # tmp now holds the previous checkpoint
         return
     os.rename(tmp, path)
     fsync_dir(parent)
+
+
+# A replaced checkpoint is removed off the save's path: rmtree of a 2 GB DCP directory took 0.4 s here, inside
+# every save over an existing path. It is first renamed ".<name>.dcp-old-<token>"; a process that ends before
+# its removal is done (os._exit skips the wait at exit) leaves it under that name, and the next commit in the
+# same directory removes it.
+_OLD_MARK = ".dcp-old-"
+_REMOVALS: list[threading.Thread] = []
+_REMOVALS_LOCK = threading.Lock()
+
+
+def _remove_all(paths: list[str]) -> None:
+    for p in paths:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def remove_replaced(old: str, parent: str) -> None:
+    """Remove the replaced checkpoint ``old`` (and any left by an earlier process in ``parent``) in a thread."""
+    # the checkpoint is committed by now: nothing here may fail the save
+    name = os.path.basename(old).lstrip(".").split(_TMP_MARK)[0]
+    trash = os.path.join(parent, f".{name}{_OLD_MARK}{secrets.token_hex(6)}")
+    try:
+        os.rename(old, trash)
+    except OSError:
+        trash = old
+    try:
+        found = [os.path.join(parent, n) for n in os.listdir(parent) if n.startswith(".") and _OLD_MARK in n]
+    except OSError:
+        found = []
+    targets = [trash] + [p for p in found if p != trash]
+    t = threading.Thread(target=_remove_all, args=(targets,), name="dcp-remove-replaced", daemon=True)
+    with _REMOVALS_LOCK:
+        _REMOVALS[:] = [x for x in _REMOVALS if x.is_alive()] + [t]
+    t.start()
+
+
+def wait_for_removals(timeout: Optional[float] = None) -> bool:
+    """Wait for the removals of replaced checkpoints started so far; False if ``timeout`` seconds ran out first."""
+    with _REMOVALS_LOCK:
+        threads = list(_REMOVALS)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for t in threads:
+        t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    return not any(t.is_alive() for t in threads)
+
+
+atexit.register(wait_for_removals, 60.0)
 
 
 def write_metadata_file(path: str, metadata: Metadata) -> None:
@@ -274,14 +326,16 @@ def write_metadata_bytes(path: str, data: bytes) -> None:
 
 
 def cleanup_dcp_temps(parent: str) -> list[str]:
-    """Remove temporary DCP directories (``.<name>.dcp-tmp-<token>``) left in ``parent`` by failed saves.
+    """Remove temporary DCP directories (``.<name>.dcp-tmp-<token>``) left in ``parent`` by failed saves, and
+    replaced checkpoints a process ended before removing (``.<name>.dcp-old-<token>``, see ``remove_replaced``).
 
     Call it when no save into ``parent`` is in progress (e.g. at start-up, before the first save).
     """
     removed = []
     for name in os.listdir(parent):
         full = os.path.join(parent, name)
-        if name.startswith(".") and _TMP_MARK in name and os.path.isdir(full) and not os.path.islink(full):
+        ours = _TMP_MARK in name or _OLD_MARK in name
+        if name.startswith(".") and ours and os.path.isdir(full) and not os.path.islink(full):
             shutil.rmtree(full, ignore_errors=True)
             removed.append(full)
     return removed
