@@ -141,6 +141,19 @@ def test_a_changed_layout_takes_the_full_protocol(tmp_path):
     state["w"] = torch.randn(10, 10)  # another shape
     saver.save(state, tmp_path / "c")
     assert saver.last_protocol == "dcp"
+    # each of what a tensor's item is made of: dtype, requires_grad, the key (same shape and count)
+    for change in ("dtype", "requires_grad", "key"):
+        if change == "dtype":
+            state["w"] = state["w"].double()
+        elif change == "requires_grad":
+            state["w"] = state["w"].clone().requires_grad_(True)
+        else:
+            state["w2"] = state.pop("w")
+        saver.save(state, tmp_path / f"c-{change}")
+        assert saver.last_protocol == "dcp", change
+        saver.save(state, tmp_path / f"c-{change}-again")
+        assert saver.last_protocol == "cached", change
+        assert_same(load_with(FileSystemReader(tmp_path / f"c-{change}-again"), state), state)
     saver.save(state, tmp_path / "d")
     assert saver.last_protocol == "cached"
     assert_same(load_with(FileSystemReader(tmp_path / "d"), state), state)

@@ -94,6 +94,7 @@ class _RankCache:
     local_plan: SavePlan
     central_plan: SavePlan  # its storage data gets each save's own token
     result_indices: list[MetadataIndex]  # the writer's order of its results
+    signature: Optional[tuple]  # _layout_signature of the state the local plan was made from
 
 
 @dataclasses.dataclass
@@ -102,6 +103,24 @@ class _CoordinatorCache:
     files: list[Optional[str]]  # per rank: the file its items are in (None: it wrote no item)
     indices: list[list[MetadataIndex]]
     extents: list[torch.Tensor]  # per rank: [items, 2] int64, (offset, length) in results order
+
+
+def _layout_signature(flat_state: dict[str, Any], mappings: Any) -> Optional[tuple]:
+    """Everything DCP's default local plan is made from, for a flattened state of plain tensors and bytes items
+    (``create_default_local_save_plan``: a tensor's item is its key, size, dtype, layout, ``requires_grad`` and
+    pinning; a bytes item its key), with the flattening's mappings. None when a value plans itself (a DTensor,
+    a sharded tensor, a tensor subclass, an object with ``__create_write_items__``): such a state is planned
+    with DCP's planner every save. Comparing signatures costs 2 ms where planning and comparing the plans cost
+    ~15 ms per 2048 items."""
+    rows: list[tuple] = []
+    for fqn, v in flat_state.items():
+        if type(v) is torch.Tensor:
+            rows.append((fqn, v.shape, v.dtype, v.layout, v.requires_grad, v.is_pinned()))
+        elif isinstance(v, torch.Tensor) or hasattr(v, "__create_write_items__"):
+            return None
+        else:
+            rows.append((fqn,))
+    return (tuple(rows), mappings)
 
 
 def _extents(results: list[WriteResult]) -> torch.Tensor:
@@ -227,10 +246,16 @@ class DcpSaver:
     ) -> None:
         error: Optional[BaseException] = None
         local: Optional[SavePlan] = None
+        signature: Optional[tuple] = None
         try:
             planner.set_up_planner(state_dict, storage_meta=writer.storage_meta(), is_coordinator=coordinator)
             writer.set_up_storage_writer(coordinator, rank=rank, use_collectives=True)
-            local = writer.prepare_local_plan(planner.create_local_plan())
+            signature = _layout_signature(planner.state_dict, getattr(planner, "mappings", None))
+            cached = self._rank_cache
+            if cached is not None and signature is not None and signature == cached.signature:
+                local = writer.prepare_local_plan(cached.local_plan)  # the plan DCP's planner would make again
+            else:
+                local = writer.prepare_local_plan(planner.create_local_plan())
         except Exception as e:
             error = e
         cache = self._rank_cache
@@ -247,7 +272,7 @@ class DcpSaver:
 
         generations = set(votes[:, _GENERATION].tolist())
         if not bool(votes[:, _UNCHANGED].all()) or len(generations) != 1 or 0 in generations:
-            self._save_with_dcp(state_dict, path, writer, planner, local, rank, world, coordinator)
+            self._save_with_dcp(state_dict, path, writer, planner, local, signature, rank, world, coordinator)
             # the caches of this full save, on every rank alike: named by its token (random, drawn once for it)
             self._generation = int(votes[0, _TOKEN])
             return
@@ -263,6 +288,7 @@ class DcpSaver:
         writer: _RecordingWriter,
         planner: _RecordingPlanner,
         local: Optional[SavePlan],
+        signature: Optional[tuple],
         rank: int,
         world: int,
         coordinator: bool,
@@ -273,7 +299,8 @@ class DcpSaver:
         results = writer.results or []
         if local is None or planner.central_plan is None or writer.results is None:
             raise RuntimeError("dcp.save returned without calling the planner's and the writer's hooks")
-        self._rank_cache = _RankCache(rank, world, local, planner.central_plan, [r.index for r in results])
+        indices = [r.index for r in results]
+        self._rank_cache = _RankCache(rank, world, local, planner.central_plan, indices, signature)
         if coordinator:
             if writer.metadata is None or writer.all_results is None:
                 raise RuntimeError("dcp.save returned on the coordinator without calling the writer's finish")
