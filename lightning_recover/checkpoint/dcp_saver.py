@@ -38,6 +38,7 @@ import os
 import secrets
 import shutil
 import traceback
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -296,22 +297,30 @@ class DcpSaver:
         """A full ``dcp.save``, whose plan, results and (on the coordinator) metadata become the cache."""
         self.reset()
         dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=self._group)
-        results = writer.results or []
+        self.last_protocol = "dcp"
+        # the checkpoint is committed on every rank by now: a cache that cannot be made only means that this rank
+        # votes "changed" next time, and every save stays a full one
         if local is None or planner.central_plan is None or writer.results is None:
-            raise RuntimeError("dcp.save returned without calling the planner's and the writer's hooks")
-        indices = [r.index for r in results]
+            warnings.warn(
+                "DcpSaver: dcp.save skipped the planner's or the writer's hooks: no cache", RuntimeWarning, stacklevel=3
+            )
+            return
+        indices = [r.index for r in writer.results]
         self._rank_cache = _RankCache(rank, world, local, planner.central_plan, indices, signature)
         if coordinator:
-            if writer.metadata is None or writer.all_results is None:
-                raise RuntimeError("dcp.save returned on the coordinator without calling the writer's finish")
-            rs = writer.all_results
-            self._coordinator_cache = _CoordinatorCache(
-                MetadataTemplate(writer.metadata),
-                [_one_file(r) for r in rs],
-                [[w.index for w in r] for r in rs],
-                [_extents(r) for r in rs],
-            )
-        self.last_protocol = "dcp"
+            try:
+                if writer.metadata is None or writer.all_results is None:
+                    raise RuntimeError("dcp.save returned on the coordinator without calling the writer's finish")
+                rs = writer.all_results
+                self._coordinator_cache = _CoordinatorCache(
+                    MetadataTemplate(writer.metadata),
+                    [_one_file(r) for r in rs],
+                    [[w.index for w in r] for r in rs],
+                    [_extents(r) for r in rs],
+                )
+            except (RuntimeError, ValueError) as e:
+                self._rank_cache = None
+                warnings.warn(f"DcpSaver: every save stays a full dcp.save: {e}", RuntimeWarning, stacklevel=3)
 
     def _save_cached(
         self,
