@@ -10,10 +10,11 @@ over the rounds are reported (ratios are taken within a round first, then their 
 * **save**, durable: ``dcp.save`` with ``UringStorageWriter`` (ours), ``DcpSaver.save`` (ours, the same
   writer without DCP's per-item exchange once the layout is cached: ``checkpoint/dcp_saver.py``; its first
   save, the full one, is untimed, and its checkpoint is loaded and checked once per state),
-  ``FileSystemWriter(thread_count=1)`` (DCP's default) and ``thread_count=4``; then fio writes the same bytes (``--numjobs=N --bs=16M
-  --direct=1 --ioengine=io_uring --end_fsync=1``, one file per job). GB/s = state bytes / wall time
-  of ``dcp.save`` on rank 0 from a barrier to its return (planning, writing, fsync, commit); fio =
-  bytes / (wall time of the fio process less the wall time of a 1 MiB-per-job fio run: its start-up).
+  ``FileSystemWriter(thread_count=1)`` (DCP's default) and ``thread_count=4``; then fio writes the same
+  bytes (``--numjobs=N --bs=16M --direct=1 --ioengine=io_uring --end_fsync=1``, one file per job).
+  GB/s = state bytes / wall time of the save on rank 0 from a barrier to the barrier after it (planning,
+  writing, fsync, commit); fio = bytes / (wall time of the fio process less the wall time of a 1 MiB-per-job
+  fio run: its start-up).
   With N=1 and torchsnapshot installed, ``Snapshot.take`` of the same tensors as plain tensors
   (it fails on DTensors and never fsyncs: its figure is not durable).
 * **load**, cold (every file dropped from the page cache with ``POSIX_FADV_DONTNEED`` first) into a
