@@ -335,3 +335,72 @@ def test_two_ranks_cached_saves_load_with_the_stock_reader(tmp_path):
     load("s3", 10**40, False)
     load("s5", 10**40, True)
     load("s6", 10**40, True)
+
+
+_DEAD_PEER = textwrap.dedent(
+    """
+    import os, sys, time, warnings
+    from datetime import timedelta
+    warnings.simplefilter("ignore")
+    import torch, torch.distributed as dist
+    from lightning_recover.checkpoint import dcp as dcp_mod
+    from lightning_recover.checkpoint.dcp_saver import DcpSaver
+    rank, root, store = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    dist.init_process_group(
+        "gloo", init_method="file://" + store, rank=rank, world_size=2, timeout=timedelta(seconds=30)
+    )
+    state = {f"t{rank}": torch.full((1000,), float(rank)), "step": 1}
+    saver = DcpSaver()
+    saver.save(state, os.path.join(root, "ck"))
+    saver.save(state, os.path.join(root, "ck"))
+    assert saver.last_protocol == "cached"
+    if rank == 1:
+        def die(*a, **k):
+            os._exit(17)  # the process dies while it writes its file
+        dcp_mod.open_writer = die
+    state["step"] = 2
+    t0 = time.monotonic()
+    try:
+        saver.save(state, os.path.join(root, "ck"))
+    except BaseException as exc:
+        print("RAISED", type(exc).__name__, round(time.monotonic() - t0, 1), flush=True)
+        os._exit(0)
+    os._exit(3)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_dead_peer_ends_the_save_with_an_error(tmp_path):
+    """A rank that dies in the middle of a cached save: the survivor's collective fails (gloo sees the peer's
+    connection close) and it raises well inside the group's 30 s timeout; nothing is committed."""
+    script = tmp_path / "dead_peer.py"
+    script.write_text(_DEAD_PEER)
+    root = tmp_path / "cks"
+    root.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), str(root), str(tmp_path / "store")],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    try:
+        out0, _ = procs[0].communicate(timeout=90)
+        assert procs[1].wait(timeout=30) == 17
+    finally:
+        for pr in procs:
+            if pr.poll() is None:
+                pr.kill()
+    assert procs[0].returncode == 0, out0
+    raised = [line.split() for line in out0.splitlines() if line.startswith("RAISED")]
+    assert raised and float(raised[0][2]) < 30, out0
+    out = {"t0": torch.zeros(1000), "t1": torch.zeros(1000), "step": 0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(out, storage_reader=FileSystemReader(root / "ck"))
+    assert out["step"] == 1 and torch.equal(out["t1"], torch.ones(1000))
