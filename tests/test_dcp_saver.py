@@ -264,6 +264,12 @@ _TWO_RANKS = textwrap.dedent(
     save("s4")
     save("s5")
     assert seen == ["dcp", "cached", "cached", "dcp", "cached"], seen
+    # a DTensor's placements change its plan (its chunk): the full protocol, then cached again
+    from torch.distributed.tensor import Replicate
+    state["b"] = state["b"].redistribute(mesh, [Replicate()])
+    save("s4b")
+    save("s4c")
+    assert seen[-2:] == ["dcp", "cached"], seen
     # rank 1's engine refuses its file: the save fails on both ranks, s5 is left as it was
     real_open = dcp_mod.open_writer
     if rank == 1:
@@ -333,6 +339,7 @@ def test_two_ranks_cached_saves_load_with_the_stock_reader(tmp_path):
     load("s1", 1, False)
     load("s2", 2, False)
     load("s3", 10**40, False)
+    load("s4c", 10**40, True)
     load("s5", 10**40, True)
     load("s6", 10**40, True)
 

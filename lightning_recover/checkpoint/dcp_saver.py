@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from lightning_recover.checkpoint.dcp import UringStorageWriter, commit_dir, temp_dir_for, write_metadata_bytes
@@ -110,16 +111,24 @@ class _CoordinatorCache:
 
 
 def _layout_signature(flat_state: dict[str, Any], mappings: Any) -> Optional[tuple]:
-    """Everything DCP's default local plan is made from, for a flattened state of plain tensors and bytes items
-    (``create_default_local_save_plan``: a tensor's item is its key, size, dtype, layout, ``requires_grad`` and
-    pinning; a bytes item its key), with the flattening's mappings. None when a value plans itself (a DTensor,
-    a sharded tensor, a tensor subclass, an object with ``__create_write_items__``): such a state is planned
-    with DCP's planner every save. Comparing signatures costs 2 ms where planning and comparing the plans cost
-    ~15 ms per 2048 items."""
+    """Everything DCP's default local plan is made from (``create_default_local_save_plan``), for a flattened
+    state of plain tensors, DTensors over plain local tensors and bytes items, with the flattening's mappings:
+    a tensor's item is its key, size, dtype, layout, ``requires_grad`` and pinning; a DTensor's also its global
+    size, mesh (``DeviceMesh`` compares by ranks and layout) and placements, which with the rank (the cache's
+    own) give its chunk, and its properties are its local tensor's; a bytes item is its key. None when a value
+    plans itself otherwise (a sharded tensor, another tensor subclass, an object with
+    ``__create_write_items__``): such a state is planned with DCP's planner every save. Comparing signatures
+    costs 2 ms per 2048 tensors (6 ms per 881 DTensors) where planning and comparing the plans cost ~15 ms (~30)."""
     rows: list[tuple] = []
     for fqn, v in flat_state.items():
         if type(v) is torch.Tensor:
             rows.append((fqn, v.shape, v.dtype, v.layout, v.requires_grad, v.is_pinned()))
+        elif type(v) is DTensor:
+            local = v.to_local()
+            if type(local) is not torch.Tensor:
+                return None
+            props = (local.shape, local.dtype, local.layout, local.requires_grad, local.is_pinned())
+            rows.append((fqn, v.shape, v.device_mesh, tuple(v.placements), props))
         elif isinstance(v, torch.Tensor) or hasattr(v, "__create_write_items__"):
             return None
         else:
