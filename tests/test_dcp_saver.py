@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -296,18 +297,22 @@ _TWO_RANKS = textwrap.dedent(
 )
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_two_ranks_cached_saves_load_with_the_stock_reader(tmp_path):
-    script = tmp_path / "two_ranks.py"
-    script.write_text(_TWO_RANKS)
+def _start_two_ranks(tmp_path: Path, script_text: str, **popen) -> tuple[list[subprocess.Popen], Path]:
+    """Both ranks of ``script_text`` (argv: rank, checkpoint root, file store), started; and the root."""
+    script = tmp_path / "ranks.py"
+    script.write_text(script_text)
     root = tmp_path / "cks"
     root.mkdir()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    procs = [
-        subprocess.Popen([sys.executable, str(script), str(r), str(root), str(tmp_path / "store")], env=env)
-        for r in (0, 1)
-    ]
+    argv = [sys.executable, str(script)]
+    procs = [subprocess.Popen([*argv, str(r), str(root), str(tmp_path / "store")], env=env, **popen) for r in (0, 1)]
+    return procs, root
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_ranks_cached_saves_load_with_the_stock_reader(tmp_path):
+    procs, root = _start_two_ranks(tmp_path, _TWO_RANKS)
     try:
         for pr in procs:
             assert pr.wait(timeout=200) == 0
@@ -382,20 +387,7 @@ _DEAD_PEER = textwrap.dedent(
 def test_a_dead_peer_ends_the_save_with_an_error(tmp_path):
     """A rank that dies in the middle of a cached save: the survivor's collective fails (gloo sees the peer's
     connection close) and it raises well inside the group's 30 s timeout; nothing is committed."""
-    script = tmp_path / "dead_peer.py"
-    script.write_text(_DEAD_PEER)
-    root = tmp_path / "cks"
-    root.mkdir()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(r), str(root), str(tmp_path / "store")],
-            env=env,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for r in (0, 1)
-    ]
+    procs, root = _start_two_ranks(tmp_path, _DEAD_PEER, stdout=subprocess.PIPE, text=True)
     try:
         out0, _ = procs[0].communicate(timeout=90)
         assert procs[1].wait(timeout=30) == 17
