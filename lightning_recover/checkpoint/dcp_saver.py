@@ -260,18 +260,17 @@ class DcpSaver:
         error: Optional[BaseException] = None
         local: Optional[SavePlan] = None
         signature: Optional[tuple] = None
+        cache = self._rank_cache
         try:
             planner.set_up_planner(state_dict, storage_meta=writer.storage_meta(), is_coordinator=coordinator)
             writer.set_up_storage_writer(coordinator, rank=rank, use_collectives=True)
             signature = _layout_signature(planner.state_dict, getattr(planner, "mappings", None))
-            cached = self._rank_cache
-            if cached is not None and signature is not None and signature == cached.signature:
-                local = writer.prepare_local_plan(cached.local_plan)  # the plan DCP's planner would make again
+            if cache is not None and signature is not None and signature == cache.signature:
+                local = writer.prepare_local_plan(cache.local_plan)  # the plan DCP's planner would make again
             else:
                 local = writer.prepare_local_plan(planner.create_local_plan())
         except Exception as e:
             error = e
-        cache = self._rank_cache
         unchanged = (
             error is None
             and cache is not None
