@@ -9,7 +9,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -46,6 +49,26 @@ def kill_group(proc: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
+
+
+@contextmanager
+def gloo_ranks(script_text: str, tmp_path: Path, arg: str | Path, world: int = 2, **popen) -> Iterator[list]:
+    """``world`` processes of ``script_text`` (argv: rank, ``arg``, a file store in ``tmp_path`` for
+    ``init_process_group``); any still running on leaving is killed, by pid."""
+    script = tmp_path / "ranks.py"
+    script.write_text(script_text)
+    argv = [sys.executable, str(script)]
+    procs = [
+        subprocess.Popen([*argv, str(r), str(arg), str(tmp_path / "store")], env=_env(None), cwd=ROOT, **popen)
+        for r in range(world)
+    ]
+    try:
+        yield procs
+    finally:
+        for pr in procs:
+            if pr.poll() is None:
+                pr.kill()
+                pr.wait()
 
 
 def start_job(cmd: list[str], out_dir: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:

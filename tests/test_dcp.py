@@ -6,8 +6,6 @@ import contextlib
 import os
 import pickle
 import re
-import subprocess
-import sys
 import textwrap
 import time
 import warnings
@@ -27,6 +25,7 @@ from lightning_recover.checkpoint import (
     verify_dcp_checkpoint,
 )
 from lightning_recover.checkpoint import dcp as dcp_mod
+from tests.jobs import gloo_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -466,18 +465,13 @@ _TWO_RANKS = textwrap.dedent(
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_ranks_save_reshard_to_one(tmp_path):
-    script = tmp_path / "two_ranks.py"
-    script.write_text(_TWO_RANKS)
     p = str(tmp_path / "ck")
     g = torch.Generator().manual_seed(0)
     written_by_one = {"w": torch.randn(64, 33, generator=g), "b": torch.randn(10, generator=g).to(torch.bfloat16)}
     dcp.save(written_by_one, storage_writer=UringStorageWriter(p + "-one"))  # one process, no process group
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    procs = [
-        subprocess.Popen([sys.executable, str(script), str(r), p, str(tmp_path / "store")], env=env) for r in (0, 1)
-    ]
-    for pr in procs:
-        assert pr.wait(timeout=200) == 0
+    with gloo_ranks(_TWO_RANKS, tmp_path, p) as procs:
+        for pr in procs:
+            assert pr.wait(timeout=200) == 0
     names = sorted(os.listdir(p))
     assert names == [".metadata", "__0_0.crc.json", "__0_0.distcp", "__1_0.crc.json", "__1_0.distcp"]
     # the raced lazy save left only its (never committed) temporary directory, which cleanup removes

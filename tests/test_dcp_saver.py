@@ -12,10 +12,8 @@ import errno
 import os
 import pickle
 import subprocess
-import sys
 import textwrap
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +27,7 @@ from lightning_recover.checkpoint import dcp as dcp_mod
 from lightning_recover.checkpoint.dcp import read_dcp_metadata
 from lightning_recover.checkpoint.dcp_saver import DcpSaver
 from lightning_recover.checkpoint.metadata_template import MetadataTemplate
+from tests.jobs import gloo_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -297,29 +296,14 @@ _TWO_RANKS = textwrap.dedent(
 )
 
 
-def _start_two_ranks(tmp_path: Path, script_text: str, **popen) -> tuple[list[subprocess.Popen], Path]:
-    """Both ranks of ``script_text`` (argv: rank, checkpoint root, file store), started; and the root."""
-    script = tmp_path / "ranks.py"
-    script.write_text(script_text)
-    root = tmp_path / "cks"
-    root.mkdir()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    argv = [sys.executable, str(script)]
-    procs = [subprocess.Popen([*argv, str(r), str(root), str(tmp_path / "store")], env=env, **popen) for r in (0, 1)]
-    return procs, root
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_ranks_cached_saves_load_with_the_stock_reader(tmp_path):
-    procs, root = _start_two_ranks(tmp_path, _TWO_RANKS)
-    try:
+    root = tmp_path / "cks"
+    root.mkdir()
+    with gloo_ranks(_TWO_RANKS, tmp_path, root) as procs:
         for pr in procs:
             assert pr.wait(timeout=200) == 0
-    finally:
-        for pr in procs:
-            if pr.poll() is None:
-                pr.kill()
     assert not [n for n in os.listdir(root) if "dcp-tmp" in n]
     g = torch.Generator().manual_seed(0)
     full = {"w": torch.randn(64, 33, generator=g), "b": torch.randn(10, generator=g).to(torch.bfloat16)}
@@ -387,14 +371,11 @@ _DEAD_PEER = textwrap.dedent(
 def test_a_dead_peer_ends_the_save_with_an_error(tmp_path):
     """A rank that dies in the middle of a cached save: the survivor's collective fails (gloo sees the peer's
     connection close) and it raises well inside the group's 30 s timeout; nothing is committed."""
-    procs, root = _start_two_ranks(tmp_path, _DEAD_PEER, stdout=subprocess.PIPE, text=True)
-    try:
+    root = tmp_path / "cks"
+    root.mkdir()
+    with gloo_ranks(_DEAD_PEER, tmp_path, root, stdout=subprocess.PIPE, text=True) as procs:
         out0, _ = procs[0].communicate(timeout=90)
         assert procs[1].wait(timeout=30) == 17
-    finally:
-        for pr in procs:
-            if pr.poll() is None:
-                pr.kill()
     assert procs[0].returncode == 0, out0
     raised = [line.split() for line in out0.splitlines() if line.startswith("RAISED")]
     assert raised and float(raised[0][2]) < 30, out0
