@@ -8,6 +8,7 @@ import struct
 import subprocess
 import sys
 import zipfile
+from collections import Counter
 
 import pytest
 import torch
@@ -325,6 +326,101 @@ def test_map_location_and_into(tmp_path):
     target = torch.zeros(300, 200)
     out = load(tmp_path / "m.ckpt", into={"state_dict": {"w": target}})
     assert out["state_dict"]["w"] is target and torch.equal(target, ck["state_dict"]["w"])
+
+
+def _count_fresh_storages(monkeypatch, listing_min_average: int = 0) -> list[int]:
+    """Sizes of the fresh storages loads allocate; records of any average size are read into targets (unless
+    ``listing_min_average`` says otherwise): the test states' records are small."""
+    from lightning_recover.checkpoint import single_file
+
+    monkeypatch.setattr(single_file, "_LISTING_MIN_AVERAGE_RECORD", listing_min_average)
+    sizes: list[int] = []
+    fresh = single_file._new_storage
+    monkeypatch.setattr(single_file, "_new_storage", lambda n: (sizes.append(n), fresh(n))[1])
+    return sizes
+
+
+def test_load_into_reads_records_straight_into_the_targets(tmp_path, monkeypatch):
+    """A record holding exactly one whole tensor whose target matches is read into the target's own storage: no
+    fresh storage, and the result's tensor is the target. Views, slices, tied targets and mismatches take fresh
+    storages and are copied as before; every value arrives."""
+    ck = _state()
+    ck["state_dict"]["tied_a"] = torch.randn(1000)
+    ck["state_dict"]["tied_b"] = torch.randn(1000)
+    save(ck, tmp_path / "i.ckpt")
+    sd = ck["state_dict"]
+    tied = torch.zeros(1000)
+    into = {
+        "state_dict": {
+            "w": torch.zeros(300, 200),
+            "big": torch.nn.Parameter(torch.zeros(1 << 19)),
+            "h": torch.zeros(64, dtype=torch.bfloat16),
+            "f8": torch.zeros(33, dtype=torch.float8_e4m3fn),
+            "i": torch.zeros(7, dtype=torch.int64),  # another shape: a fresh storage (strict=False)
+            "b": torch.zeros(10)[2:9],  # a slice of a larger storage: fresh, then copied in
+            "tied_a": tied,
+            "tied_b": tied.view(1000),  # tied_a's storage: read into once, the second record fresh
+        },
+        "t": torch.zeros(200, 300),  # w's storage holds w, row and t: fresh
+    }
+    ptrs = {k: v.data_ptr() for k, v in into["state_dict"].items()}
+    sizes = _count_fresh_storages(monkeypatch)
+    out = load(tmp_path / "i.ckpt", into=into, strict=False)
+
+    straight = Counter(sd[k].numel() * sd[k].element_size() for k in ("big", "h", "f8", "tied_a"))
+    assert Counter(sizes) == Counter(_record_sizes(tmp_path / "i.ckpt")) - straight
+    for k in ("w", "big", "h", "f8", "b", "tied_a"):
+        assert out["state_dict"][k] is into["state_dict"][k] and into["state_dict"][k].data_ptr() == ptrs[k], k
+    for k in ("big", "h", "f8", "b"):
+        assert torch.equal(into["state_dict"][k].detach(), sd[k]), k
+    assert torch.equal(tied, sd["tied_b"])  # tied_b's record, copied in last (as when every record was fresh)
+    assert torch.equal(out["state_dict"]["i"], sd["i"]) and out["state_dict"]["i"] is not into["state_dict"]["i"]
+    assert torch.equal(out["t"], sd["w"].t()) and torch.equal(out["row"], sd["w"][3])
+    assert out["epoch"] == 3 and out["nested"] == ck["nested"]
+
+
+def test_load_into_small_records_are_copied(tmp_path, monkeypatch):
+    """Records that average under ``_LISTING_MIN_AVERAGE_RECORD`` are not worth listing the tensors ahead for: they
+    are read into fresh storages and copied into the targets, as before."""
+    from lightning_recover.checkpoint import single_file
+
+    ck = {f"t{i}": torch.randn(100) for i in range(20)}
+    save(ck, tmp_path / "s.ckpt")
+    sizes = _count_fresh_storages(monkeypatch, single_file._LISTING_MIN_AVERAGE_RECORD)
+    into = {k: torch.zeros(100) for k in ck}
+    out = load(tmp_path / "s.ckpt", into=into)
+    assert sorted(sizes) == sorted(_record_sizes(tmp_path / "s.ckpt"))
+    assert all(out[k] is into[k] and torch.equal(into[k], ck[k]) for k in ck)
+
+
+def _record_sizes(path) -> list[int]:
+    return [r.nbytes for n, r in read_info(path).index.records.items() if n.startswith("data/")]
+
+
+def test_load_into_a_damaged_record_still_raises(tmp_path, monkeypatch):
+    """A record read straight into its target is checked like any other: the load raises and names the tensor
+    (the target holds what was read, as documented for ``into=``)."""
+    save(_state(), tmp_path / "d.ckpt")
+    info = read_info(tmp_path / "d.ckpt")
+    rec = info.index.records[next(t["record"] for t in info.tensors if t["name"] == "state_dict/big")]
+    _rewrite(tmp_path / "d.ckpt", _flip(rec.data_offset + 1000))
+    sizes = _count_fresh_storages(monkeypatch)
+    target = torch.zeros(1 << 19)
+    with pytest.raises(CheckpointCorruptError, match="state_dict/big"):
+        load(tmp_path / "d.ckpt", into={"state_dict": {"big": target}})
+    assert rec.nbytes not in sizes  # it was read into the target
+
+
+def test_load_into_without_a_safe_listing_reads_fresh(tmp_path, monkeypatch):
+    """When ``data.pkl`` needs the full unpickler (a custom class), its tensors cannot be listed safely ahead of
+    the load: every record gets a fresh storage and is copied into its target afterwards."""
+    w = torch.randn(64, 32)
+    save({"p": _Point(3), "w": w}, tmp_path / "p.ckpt")
+    sizes = _count_fresh_storages(monkeypatch)
+    target = torch.zeros(64, 32)
+    out = load(tmp_path / "p.ckpt", into={"w": target}, weights_only=False)
+    assert out["w"] is target and torch.equal(target, w) and out["p"].x == 3
+    assert sizes == [w.numel() * 4]
 
 
 def test_format_1_files_stay_loadable_and_convert(tmp_path, capsys):

@@ -61,6 +61,7 @@ from lightning_recover.bench.gpt_state import STATES, build_state, iter_tensors,
 
 ALL_METHODS = [
     "uring",
+    "uring-into",
     "uring-v1",
     "uring+mmap",
     "torch.save+mmap",
@@ -282,6 +283,31 @@ class UringMethod(_CheckpointIOMethod):
         return native_io_info()
 
 
+class UringIntoMethod(UringMethod):
+    """The plugin's resume in place (``restore_into``): the load fills a state of the same layout that exists and
+    has been written to before the timing (as a model and optimizer have), instead of allocating new tensors."""
+
+    name = "uring-into"
+
+    def prepare_load(self, target, reference):
+        return _written_like(reference)
+
+    def load(self, target, prepared):
+        with self.io.restore_into(prepared):
+            return self.io.load_checkpoint(target)
+
+
+def _written_like(obj: Any) -> Any:
+    """``alloc_like`` with every tensor's memory written once (zeros), so that its pages are there."""
+    if isinstance(obj, torch.Tensor):
+        return torch.zeros_like(obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _written_like(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_written_like(v) for v in obj)
+    return obj
+
+
 class LightningMethod(_CheckpointIOMethod):
     name = "lightning"
 
@@ -420,6 +446,7 @@ class TorchSaveMmapMethod(_MmapLoadMethod):
 
 METHOD_CLASSES: dict[str, Callable[[], Method]] = {
     "uring": UringMethod,
+    "uring-into": UringIntoMethod,
     "uring-v1": UringFormat1Method,
     "uring+mmap": UringMmapMethod,
     "torch.save+mmap": TorchSaveMmapMethod,

@@ -39,22 +39,22 @@ class StorageDamaged(Exception):
 
 
 class StorageReads:
-    """Reads ``records`` (``[(name, record)]``, each with ``data_offset``, ``nbytes`` and ``crc32c``) into fresh
-    storages from ``new_storage(nbytes)`` on a thread; ``reads[name]`` is the storage once read and checked."""
+    """Reads ``records`` (``[(name, record)]``, each with ``data_offset``, ``nbytes`` and ``crc32c``) into the
+    storages from ``new_storage(name, nbytes)`` on a thread; ``reads[name]`` is the storage once read and checked."""
 
     def __init__(
         self,
         reader: Any,
         records: list,
         verify: bool,
-        new_storage: Callable[[int], torch.UntypedStorage],
+        new_storage: Callable[[str, int], torch.UntypedStorage],
         as_bytes: Callable[[torch.UntypedStorage], Any],
     ) -> None:
         self._reader = reader
         self._verify = verify
         self._records = sorted(records, key=lambda nr: nr[1].data_offset)
         self._position = {name: i for i, (name, _) in enumerate(self._records)}
-        self.storages = {name: new_storage(rec.nbytes) for name, rec in self._records}
+        self.storages = {name: new_storage(name, rec.nbytes) for name, rec in self._records}
         self._buffers = [as_bytes(self.storages[name]) for name, _ in self._records]
         self.bad: list[dict] = []  # damaged records, in file order
         self._bad_names: set[str] = set()
