@@ -340,6 +340,10 @@ def _count_fresh_storages(monkeypatch, listing_min_average: int = 0) -> list[int
     return sizes
 
 
+def _record_sizes(path) -> list[int]:
+    return [r.nbytes for n, r in read_info(path).index.records.items() if n.startswith("data/")]
+
+
 def test_load_into_reads_records_straight_into_the_targets(tmp_path, monkeypatch):
     """A record holding exactly one whole tensor whose target matches is read into the target's own storage: no
     fresh storage, and the result's tensor is the target. Views, slices, tied targets and mismatches take fresh
@@ -391,10 +395,6 @@ def test_load_into_small_records_are_copied(tmp_path, monkeypatch):
     out = load(tmp_path / "s.ckpt", into=into)
     assert sorted(sizes) == sorted(_record_sizes(tmp_path / "s.ckpt"))
     assert all(out[k] is into[k] and torch.equal(into[k], ck[k]) for k in ck)
-
-
-def _record_sizes(path) -> list[int]:
-    return [r.nbytes for n, r in read_info(path).index.records.items() if n.startswith("data/")]
 
 
 def test_load_into_a_damaged_record_still_raises(tmp_path, monkeypatch):

@@ -442,7 +442,7 @@ def _tensor_rows(index: torch_zip.ArchiveIndex, small: dict) -> list[dict]:
 
 # Listing the tensors ahead of the load (:func:`_meta_tensors`) costs ~0.1 ms per tensor (torch's pure-Python
 # weights_only unpickler): 1.1 s for 10,000 tensors. Reading a record into its target saves allocating and faulting
-# in fresh memory (0.2-2.5 s per GB on the benchmark VM) and a copy. So records are read into targets only when they
+# in fresh memory (0.85-2.5 s per GB in a new process on the benchmark VM) and a copy. So records are read into targets only when they
 # average at least this many bytes (the Llama-like state: 6.9 MB; small10k: 100 KB, where listing cost more than it
 # saved: 1.6 s against 0.8 s per load, docs/benchmarks.md).
 _LISTING_MIN_AVERAGE_RECORD = 1 << 20
