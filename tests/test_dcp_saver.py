@@ -333,6 +333,103 @@ def test_two_ranks_cached_saves_load_with_the_stock_reader(tmp_path):
     load("s6", 10**40, True)
 
 
+_SPREAD_PARTS = textwrap.dedent(
+    """
+    import errno, os, sys, warnings
+    warnings.simplefilter("ignore")
+    import torch, torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor, Shard
+    from lightning_recover.checkpoint import dcp as dcp_mod, sharded
+    from lightning_recover.checkpoint.dcp_saver import DcpSaveError
+    rank, root, store = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    g = torch.Generator().manual_seed(0)
+    full = {"w": torch.randn(64, 33, generator=g), "b": torch.randn(10, generator=g).to(torch.bfloat16)}
+    state = {"model": {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}}
+    state["shared"], state["step"] = torch.arange(6.0), 1
+    seen = []
+
+    def spread(name, token):
+        # both parts written by this group, as two replicas of it would (files __0_, __1_ and __2_, __3_)
+        for q in range(2):
+            sharded.save_part(os.path.join(root, name), state, token, q, 2, base=2 * q)
+            seen.append(sharded._PART_SAVERS[(q, 2, 2 * q, 2)].last_protocol)
+        dist.barrier()
+        if rank == 0:
+            sharded.commit_parts(os.path.join(root, name), state, token, 2)
+        dist.barrier()
+
+    spread("ck1", "t1")
+    state["step"] = 2
+    with torch.no_grad():
+        state["model"]["w"].add_(1.0)
+    spread("ck2", "t2")
+    state["shared"] = state["shared"].clone() * 2  # reallocated: its extent moves, the plan stays
+    state["step"] = 10**40
+    spread("ck3", "t3")
+    assert seen == ["dcp", "dcp", "cached", "cached", "cached", "cached"], seen
+    # rank 1's engine refuses its file in part 1: that part fails on both ranks, its shared directory is left
+    # for the spread save's committer to abandon
+    real_open = dcp_mod.open_writer
+    sharded.save_part(os.path.join(root, "ck4"), state, "t4", 0, 2, base=0)
+    if rank == 1:
+        def refuse(*a, **k):
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        dcp_mod.open_writer = refuse
+    try:
+        sharded.save_part(os.path.join(root, "ck4"), state, "t4", 1, 2, base=2)
+        raise SystemExit("the failed part returned")
+    except DcpSaveError as exc:
+        assert "[1]" in str(exc), str(exc)
+    dcp_mod.open_writer = real_open
+    dist.barrier()
+    tmp = dcp_mod.temp_dir_for(os.path.join(root, "ck4"), "t4")
+    assert os.path.isdir(tmp) and "__0_0.distcp" in os.listdir(tmp), os.listdir(root)
+    if rank == 0:
+        sharded.abandon_parts(os.path.join(root, "ck4"), "t4")
+    dist.barrier()
+    seen.clear()
+    spread("ck5", "t5")
+    assert seen == ["cached", "dcp"], seen  # the failed part's saver starts over
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_ranks_spread_parts_take_the_cached_protocol(tmp_path):
+    """``sharded.save_part`` (the spread save of sharded replicas) over a group of two gloo ranks: the first save of
+    each part is a full ``dcp.save``, the next ones the cached protocol; a moved item, a failed part (the shared
+    directory left for the committer to abandon) and the part that failed starting over. Every committed
+    checkpoint loads with both readers."""
+    root = tmp_path / "cks"
+    root.mkdir()
+    with gloo_ranks(_SPREAD_PARTS, tmp_path, root) as procs:
+        for pr in procs:
+            assert pr.wait(timeout=200) == 0
+    assert sorted(os.listdir(root)) == ["ck1", "ck2", "ck3", "ck5"]
+    g = torch.Generator().manual_seed(0)
+    full = {"w": torch.randn(64, 33, generator=g), "b": torch.randn(10, generator=g).to(torch.bfloat16)}
+    rounds = (("ck1", 1, 0, 1), ("ck2", 2, 1, 1), ("ck3", 10**40, 1, 2), ("ck5", 10**40, 1, 2))
+    for name, step, w_plus, shared_times in rounds:
+        for reader in (FileSystemReader(root / name), UringStorageReader(root / name)):
+            out = {"model": {"w": torch.zeros(64, 33), "b": torch.zeros(10, dtype=torch.bfloat16)}}
+            out |= {"shared": torch.zeros(6), "step": 0}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                dcp.load(out, storage_reader=reader)
+            assert torch.equal(out["model"]["w"], full["w"] + w_plus), name
+            assert torch.equal(out["model"]["b"], full["b"]), name
+            assert torch.equal(out["shared"], torch.arange(6.0) * shared_times) and out["step"] == step, name
+        assert verify_dcp_checkpoint(root / name)["files"] == 4
+
+
 _DEAD_PEER = textwrap.dedent(
     """
     import os, sys, time, warnings

@@ -204,7 +204,8 @@ def test_parts_written_separately_merge_into_one_checkpoint(tmp_path, monkeypatc
     monkeypatch.setattr(gc_pause.GcPause, "pause_tail", lambda self: tails.append(self) or real_tail(self))
     for q in range(2):
         save_part(path, state, "t0k3n", q, 2, base=q)
-    assert len(tails) == 2  # each part's finish hands the collector to the short tail, not the writer's 30 s bound
+    # each part's writer hands the collector to the short tail, not the writer's 30 s bound
+    assert len({id(t) for t in tails}) == 2
     assert not os.path.exists(path)  # nothing visible before the commit
     commit_parts(path, state, "t0k3n", 2)
     assert sorted(n for n in os.listdir(path) if n.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
@@ -216,3 +217,41 @@ def test_parts_written_separately_merge_into_one_checkpoint(tmp_path, monkeypatc
     full = {"model": {k: torch.empty_like(v) for k, v in model.state_dict().items()}}
     dcp.load(full, storage_reader=FileSystemReader(path))
     assert max_relative_difference(full["model"], model.state_dict()) == 0.0
+
+
+def test_parts_saved_again_take_the_cached_protocol(tmp_path):
+    """The next save of the same parts (training went on, same layout) skips DCP's exchange in each part
+    (``DcpSaver.save_part``) and commits a checkpoint of the new values over the old one; another assignment of
+    parts (a replica lost) is a full save again."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from lightning_recover.checkpoint import verify_dcp_checkpoint
+    from lightning_recover.checkpoint.sharded import _PART_SAVERS, commit_parts, load_sharded, save_part
+
+    _PART_SAVERS.clear()
+    model, optimizer = _model_and_optimizer(0)
+    state = {"model": model, "optimizer": optimizer, "step": 5}
+    path = str(tmp_path / "ck")
+    for round_, token in enumerate(("aa01", "aa02", "aa03")):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        state["step"] = 5 + round_
+        for q in range(2):
+            save_part(path, state, token, q, 2, base=q)
+            assert _PART_SAVERS[(q, 2, q, 1)].last_protocol == ("dcp" if round_ == 0 else "cached")
+        commit_parts(path, state, token, 2)
+        assert verify_dcp_checkpoint(path)["files"] == 2 and os.listdir(tmp_path) == ["ck"]
+        model2, optimizer2 = _model_and_optimizer(1)
+        restored = {"model": model2, "optimizer": optimizer2, "step": 0}
+        assert load_sharded(path, restored) == {} and restored["step"] == 5 + round_
+        assert max_relative_difference(model2.state_dict(), model.state_dict()) == 0.0
+        full = {"model": {k: torch.empty_like(v) for k, v in model.state_dict().items()}}
+        dcp.load(full, storage_reader=FileSystemReader(path))  # the stock reader too
+        assert max_relative_difference(full["model"], model.state_dict()) == 0.0
+
+    save_part(path, state, "aa04", 0, 1, base=0)  # one replica left: one part, written by a new saver
+    assert _PART_SAVERS[(0, 1, 0, 1)].last_protocol == "dcp"
+    commit_parts(path, state, "aa04", 1)
+    assert verify_dcp_checkpoint(path)["files"] == 1

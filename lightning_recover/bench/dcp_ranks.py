@@ -25,6 +25,11 @@ over the rounds are reported (ratios are taken within a round first, then their 
   checkpoint is durable: stock (``FileSystemWriter``, DCP's blocking staging), ours with DCP's
   staging reused (``cache_staged_state_dict=True``) and ours lazy (``lazy_snapshot=True``).
 
+* **spread save** (GPT state): what ``fabric.save`` does with sharded replicas, as one replica of N processes runs
+  it (one part): ``sharded.save_part`` over the N ranks (a ``DcpSaver`` part: cached after its first, untimed
+  save), then ``sharded.commit_parts`` on rank 0 (reads the part's metadata back, merges, commits), timed like
+  the saves above. Its first checkpoint is loaded and checked once.
+
 The second state (``--small`` tensors per rank under ``"model"``, rank-private keys, not sharded) holds the
 same bytes per rank as the GPT state's shard, split into that many tensors: the per-item costs.
 
@@ -37,6 +42,7 @@ and nothing of that overlapped, ours/fio for the small state can be at most fio_
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -74,6 +80,22 @@ def _timed_save(name: str, state: dict, path: str, args: argparse.Namespace, sav
     if name == "saver":
         return _timed(saver.save, state, path)
     return _timed(dcp.save, state, storage_writer=_writer(name, path), planner=_planner(name, args))
+
+
+_spread_saves = itertools.count()
+
+
+def _spread_save(state: dict, path: str) -> None:
+    """The spread save of one replica (Q = 1): its part over this group, then the merge and commit on rank 0. The
+    token is the same on every rank (each rank counts its saves)."""
+    import torch.distributed as dist
+
+    from lightning_recover.checkpoint.sharded import commit_parts, save_part
+
+    token = f"bench{next(_spread_saves):011x}"
+    save_part(path, state, token, 0, 1, base=0)
+    if dist.get_rank() == 0:
+        commit_parts(path, state, token, 1)
 
 
 def _reader(name: str, path: str) -> Any:
@@ -230,19 +252,23 @@ def _planner(name: str, args: argparse.Namespace) -> Any:
     return CachingSavePlanner() if name == "uring" else DefaultSavePlanner(enable_plan_caching=True)
 
 
-def _one_round(state: dict, nbytes: int, work: str, args: argparse.Namespace, rank: int, saver: Any) -> dict:
+def _one_round(
+    state: dict, nbytes: int, work: str, args: argparse.Namespace, rank: int, saver: Any, spread: bool = False
+) -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     world = dist.get_world_size()
     out: dict[str, float] = {}
-    dirs = {name: os.path.join(work, f"ck_{name}") for name in WRITERS}
+    dirs = {name: os.path.join(work, f"ck_{name}") for name in (*WRITERS, "spread")}
     if rank == 0:
         for d in dirs.values():
             shutil.rmtree(d, ignore_errors=True)
         os.sync()
     for name in WRITERS:
         out[f"save/{name}"] = nbytes / _timed_save(name, state, dirs[name], args, saver) / 1e9
+    if spread:
+        out["save/spread"] = nbytes / _timed(_spread_save, state, dirs["spread"]) / 1e9
     if world == 1 and args.torchsnapshot:
         snap = os.path.join(work, "snap")
         shutil.rmtree(snap, ignore_errors=True)
@@ -282,6 +308,22 @@ def _check_saver(state: dict, work: str, rank: int, saver: Any) -> None:
     target = _blank_like(state)
     dcp.load(target, storage_reader=_reader("uring", path))
     _check_loaded(target, state, "uring (DcpSaver's checkpoint)")
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _check_spread(state: dict, work: str, rank: int) -> None:
+    """A spread save's checkpoint of ``state``, loaded by our reader, holds exactly ``state`` (untimed)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    path = os.path.join(work, "check_spread")
+    _spread_save(state, path)
+    dist.barrier()
+    target = _blank_like(state)
+    dcp.load(target, storage_reader=_reader("uring", path))
+    _check_loaded(target, state, "uring (the spread save's checkpoint)")
     dist.barrier()
     if rank == 0:
         shutil.rmtree(path, ignore_errors=True)
@@ -337,12 +379,14 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
             _timed_save(name, state, prime, args, saver)
             if rank == 0:
                 shutil.rmtree(prime, ignore_errors=True)
+        if kind == "gpt":
+            _check_spread(state, work, rank)  # untimed: the part's first save is a full one
         rounds: list[dict] = []
         for _ in range(args.repeat):
             if kind == "floor":
                 rounds.append(_floor_round(state, work, args, saver))
                 continue
-            r = _one_round(state, nbytes, work, args, rank, saver)
+            r = _one_round(state, nbytes, work, args, rank, saver, spread=kind == "gpt")
             if kind == "gpt":
                 r.update(_async_round(state, nbytes, work, async_writers, rank))
             rounds.append(r)
@@ -465,6 +509,24 @@ def summarize_floor(all_results: dict[int, dict]) -> list[str]:
     return lines
 
 
+def summarize_spread(all_results: dict[int, dict]) -> list[str]:
+    """Markdown rows: per N, the spread save's GB/s (GPT state) beside DcpSaver's and dcp.save's, and its ratios."""
+    lines = [
+        "| N | spread GB/s | DcpSaver GB/s | dcp.save + ours GB/s | spread/fio | spread/DcpSaver | spread/dcp.save |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for world, res in sorted(all_results.items()):
+        rounds = res["gpt"]["rounds"]
+        if "save/spread" not in rounds[0]:
+            continue
+        lines.append(
+            f"| {world} | {_median(rounds, 'save/spread'):.3f} | {_median(rounds, 'save/saver'):.3f} | "
+            f"{_median(rounds, 'save/uring'):.3f} | {_paired(rounds, 'save/spread', 'save/fio')} | "
+            f"{_paired(rounds, 'save/spread', 'save/saver')} | {_paired(rounds, 'save/spread', 'save/uring')} |"
+        )
+    return lines
+
+
 def summarize_async(all_results: dict[int, dict]) -> list[str]:
     lines = [
         "| N | " + " | ".join(f"{n}: blocked s/GB, durable s" for n in ASYNC) + " |",
@@ -506,6 +568,8 @@ def main(args: argparse.Namespace) -> int:
         print("\n".join(summarize(all_results, "small")))
         print(f"\nDCP's per-item floor: a save of {args.small} one-element tensors per rank, seconds (median)")
         print("\n".join(summarize_floor(all_results)))
+    print("\nspread save (GPT state): fabric.save with sharded replicas, one replica of N processes")
+    print("\n".join(summarize_spread(all_results)))
     print("\nasync save (GPT state)")
     print("\n".join(summarize_async(all_results)))
     if args.json:

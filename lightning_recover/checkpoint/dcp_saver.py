@@ -32,6 +32,10 @@ one left, and exchanges only numbers:
 A failure raises ``DcpSaveError`` (a ``CheckpointException``, as ``dcp.save`` raises) on every rank, drops
 every rank's cache, and leaves the previous checkpoint at ``path`` as it was (the temporary directory is
 removed). A dead peer ends the collectives with the process group's error, within its timeout.
+
+``save_part`` writes one part of a checkpoint that several groups (replicas) write together: the same protocol,
+into a temporary directory the parts share, leaving the part's metadata there for whoever merges and commits
+the parts (``sharded.commit_parts``).
 """
 
 from __future__ import annotations
@@ -55,11 +59,18 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from lightning_recover.checkpoint.dcp import UringStorageWriter, commit_dir, temp_dir_for, write_metadata_bytes
+from lightning_recover.checkpoint.dcp import (
+    UringPrefix,
+    UringStorageWriter,
+    commit_dir,
+    temp_dir_for,
+    write_metadata_bytes,
+    write_metadata_file,
+)
 from lightning_recover.checkpoint.dcp_planner import FastLookupSavePlanner
 from lightning_recover.checkpoint.metadata_template import MetadataTemplate
 
-__all__ = ["DcpSaver", "DcpSaveError"]
+__all__ = ["DcpSaver", "DcpSaveError", "part_metadata_name"]
 
 # the vote's columns
 _FAILED, _UNCHANGED, _GENERATION, _TOKEN, _ITEMS = range(5)
@@ -92,10 +103,49 @@ class _RecordingWriter(UringStorageWriter):
         self.metadata, self.all_results = metadata, results
 
 
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    """Where one part of a checkpoint spread over replicas goes (``DcpSaver.save_part``)."""
+
+    token: str  # the temporary directory's, shared by every part
+    part: int
+    base: int  # this part's first file number: its ranks write ``__{base + rank}_0.distcp``
+
+
+def part_metadata_name(part: int) -> str:
+    """The file a part's metadata is left in, in the shared temporary directory, until the parts are merged."""
+    return f".metadata.part{part}"
+
+
+class _RecordingPartWriter(_RecordingWriter):
+    """A part's files in the shared temporary directory of its token; ``finish`` leaves the part's metadata there
+    (``part_metadata_name``) and commits nothing: the parts are merged and committed once all are in."""
+
+    def __init__(self, path: str, part: _Part, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self._part = part
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        p = self._part
+        return [
+            dataclasses.replace(plan, storage_data=UringPrefix(f"__{p.base + i}_", p.token))
+            for i, plan in enumerate(plans)
+        ]
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        self.record_results(metadata, results)
+        tmp = temp_dir_for(str(self.path), self._part.token)
+        write_metadata_file(os.path.join(tmp, part_metadata_name(self._part.part)), metadata)
+        self._tmp = None
+        self.metadata, self.all_results = metadata, results
+        self.release_collector_after_exchange()
+
+
 @dataclasses.dataclass
 class _RankCache:
     rank: int  # the file names follow the rank: a cache is for the rank and group size it was made with
     world: int
+    part: Optional[tuple[int, int]]  # (part, base) of a part's save: its file names follow the base too
     local_plan: SavePlan
     central_plan: SavePlan  # its storage data gets each save's own token
     result_indices: list[MetadataIndex]  # the writer's order of its results
@@ -237,13 +287,26 @@ class DcpSaver:
 
     def save(self, state_dict: dict[str, Any], path: str | os.PathLike) -> None:
         """Write ``state_dict`` as the DCP checkpoint ``path`` (complete, or not there at all)."""
-        path = str(path)
+        self._run(state_dict, str(path), None)
+
+    def save_part(
+        self, state_dict: dict[str, Any], path: str | os.PathLike, *, token: str, part: int, base: int
+    ) -> None:
+        """Write ``state_dict`` as part ``part`` of a checkpoint spread over several groups (replicas): this group's
+        ranks write ``__{base + rank}_0.distcp`` into the temporary directory of ``token`` that every part shares,
+        and the coordinator leaves the part's metadata there as ``part_metadata_name(part)``. Nothing is committed:
+        whoever merges the parts does (``sharded.commit_parts``). A failure raises ``DcpSaveError`` on every rank
+        of the group and removes nothing (the directory is shared; the merger abandons it)."""
+        self._run(state_dict, str(path), _Part(token, part, base))
+
+    def _run(self, state_dict: dict[str, Any], path: str, part: Optional[_Part]) -> None:
         rank, world = self._rank_world()
         coordinator = rank == 0
-        writer = _RecordingWriter(path, engine=self._engine, overwrite=self._overwrite, pause_gc=self._pause_gc)
+        options = {"engine": self._engine, "overwrite": self._overwrite, "pause_gc": self._pause_gc}
+        writer = _RecordingWriter(path, **options) if part is None else _RecordingPartWriter(path, part, **options)
         planner = _RecordingPlanner()
         try:
-            self._save(state_dict, path, writer, planner, rank, world, coordinator)
+            self._save(state_dict, path, part, writer, planner, rank, world, coordinator)
         finally:
             writer.release_collector_after_exchange()
 
@@ -251,6 +314,7 @@ class DcpSaver:
         self,
         state_dict: dict[str, Any],
         path: str,
+        part: Optional[_Part],
         writer: _RecordingWriter,
         planner: _RecordingPlanner,
         rank: int,
@@ -271,10 +335,11 @@ class DcpSaver:
                 local = writer.prepare_local_plan(planner.create_local_plan())
         except Exception as e:
             error = e
+        part_key = None if part is None else (part.part, part.base)
         unchanged = (
             error is None
             and cache is not None
-            and (cache.rank, cache.world) == (rank, world)
+            and (cache.rank, cache.world, cache.part) == (rank, world, part_key)
             and local == cache.local_plan
         )
         token = secrets.randbits(48) if coordinator else 0
@@ -284,23 +349,24 @@ class DcpSaver:
 
         generations = set(votes[:, _GENERATION].tolist())
         if not bool(votes[:, _UNCHANGED].all()) or len(generations) != 1 or 0 in generations:
-            self._save_with_dcp(state_dict, path, writer, planner, local, signature, rank, world, coordinator)
+            self._save_with_dcp(state_dict, writer, planner, local, signature, part_key, rank, world, coordinator)
             # the caches of this full save, on every rank alike: named by its token (random, drawn once for it)
             self._generation = int(votes[0, _TOKEN])
             return
 
         assert cache is not None  # unchanged implies a cache
-        self._save_cached(path, writer, planner, cache, votes, rank, world, coordinator)
+        token = f"{int(votes[0, _TOKEN]):012x}" if part is None else part.token
+        self._save_cached(path, part, token, writer, planner, cache, votes, rank, world, coordinator)
         self.last_protocol = "cached"
 
     def _save_with_dcp(
         self,
         state_dict: dict[str, Any],
-        path: str,
         writer: _RecordingWriter,
         planner: _RecordingPlanner,
         local: Optional[SavePlan],
         signature: Optional[tuple],
+        part_key: Optional[tuple[int, int]],
         rank: int,
         world: int,
         coordinator: bool,
@@ -317,7 +383,7 @@ class DcpSaver:
             )
             return
         indices = [r.index for r in writer.results]
-        self._rank_cache = _RankCache(rank, world, local, planner.central_plan, indices, signature)
+        self._rank_cache = _RankCache(rank, world, part_key, local, planner.central_plan, indices, signature)
         if coordinator:
             try:
                 if writer.metadata is None or writer.all_results is None:
@@ -336,6 +402,8 @@ class DcpSaver:
     def _save_cached(
         self,
         path: str,
+        part: Optional[_Part],
+        token: str,
         writer: _RecordingWriter,
         planner: _RecordingPlanner,
         cache: _RankCache,
@@ -344,7 +412,6 @@ class DcpSaver:
         world: int,
         coordinator: bool,
     ) -> None:
-        token = f"{int(votes[0, _TOKEN]):012x}"
         tmp = temp_dir_for(path, token)
         error: Optional[BaseException] = None
         row = torch.zeros(1 + 2 * int(votes[:, _ITEMS].max()), dtype=torch.int64)
@@ -368,11 +435,11 @@ class DcpSaver:
                 if self._coordinator_cache is None:
                     raise RuntimeError("the coordinator voted with a cache it does not have")
                 if not bool(failed.any()):
-                    self._commit(tmp, path, writer.save_id, rows, self._coordinator_cache)
+                    self._commit(tmp, path, part, writer.save_id, rows, self._coordinator_cache)
             except Exception as e:
                 error = error or e
                 failed[0] = 1
-            if bool(failed.any()):
+            if bool(failed.any()) and part is None:  # (a part's directory is shared: its merger abandons it)
                 shutil.rmtree(tmp, ignore_errors=True)  # every rank is done with it, and nothing was committed
         failed = self._broadcast(failed, world)
         self._raise_failures(failed.tolist(), error, rank, path, "writing or committing")
@@ -400,8 +467,17 @@ class DcpSaver:
             failures,
         )
 
-    def _commit(self, tmp: str, path: str, save_id: str, rows: list[torch.Tensor], cache: _CoordinatorCache) -> None:
-        """Storage data from every rank's extents (the cached metadata where none moved), ``.metadata``, the rename."""
+    def _commit(
+        self,
+        tmp: str,
+        path: str,
+        part: Optional[_Part],
+        save_id: str,
+        rows: list[torch.Tensor],
+        cache: _CoordinatorCache,
+    ) -> None:
+        """Storage data from every rank's extents (the cached metadata where none moved), ``.metadata`` and the
+        rename; for a part, its metadata file only."""
         storage = None
         for r, row in enumerate(rows):
             old = cache.extents[r]
@@ -414,5 +490,9 @@ class DcpSaver:
             cache.extents[r] = new.clone()
         if storage is not None:  # a new metadata (the cached one is never changed: the template holds its pickle)
             cache.template = MetadataTemplate(dataclasses.replace(cache.template.metadata, storage_data=storage))
-        write_metadata_bytes(os.path.join(tmp, ".metadata"), cache.template.render(path, save_id))
+        rendered = cache.template.render(path, save_id)
+        if part is not None:
+            write_metadata_bytes(os.path.join(tmp, part_metadata_name(part.part)), rendered)
+            return
+        write_metadata_bytes(os.path.join(tmp, ".metadata"), rendered)
         commit_dir(tmp, path)

@@ -17,7 +17,6 @@ logic of torch's ``dcp_to_torch_save`` with the safe loaders (used by ``lightnin
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import pickle
 import shutil
@@ -46,14 +45,12 @@ from torch.utils._pytree import tree_map_only
 
 from lightning_recover.checkpoint.dcp import (
     UringStorageReader,
-    UringStorageWriter,
     commit_dir,
     read_dcp_metadata,
     temp_dir_for,
     write_metadata_file,
 )
-from lightning_recover.checkpoint.dcp_planner import CachingSavePlanner
-from lightning_recover.checkpoint.dcp_saver import DcpSaver
+from lightning_recover.checkpoint.dcp_saver import DcpSaver, part_metadata_name
 from lightning_recover.checkpoint.files import fsync_dir
 from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
 
@@ -261,44 +258,21 @@ def part_count(state: dict[str, Any], replicas: int) -> int:
     return len(assign_parts({k: _item_bytes(v) for k, v in _flat(state)[0].items()}, replicas))
 
 
-class _PartWriter(UringStorageWriter):
-    """One replica's share of a checkpoint spread over replicas: files ``__{base+i}_0.distcp`` in the
-    temporary directory of ``token`` (shared by every replica); ``finish`` leaves this part's metadata
-    as ``.metadata.part{part}`` there and commits nothing (:func:`commit_parts` does, once all parts are in)."""
-
-    def __init__(self, path: str, token: str, part: int, base: int) -> None:
-        super().__init__(path)
-        self._token, self._part, self._base = token, part, base
-
-    def prepare_global_plan(self, plans: list) -> list:
-        from lightning_recover.checkpoint.dcp import UringPrefix
-
-        return [
-            dataclasses.replace(p, storage_data=UringPrefix(f"__{self._base + i}_", self._token))
-            for i, p in enumerate(plans)
-        ]
-
-    def finish(self, metadata: Any, results: list) -> None:
-        self.record_results(metadata, results)
-        write_metadata_file(
-            os.path.join(temp_dir_for(str(self.path), self._token), f".metadata.part{self._part}"), metadata
-        )
-        self._tmp = None
-        self.release_collector_after_exchange()  # else it stayed off until the writer's 30 s bound
+# one saver per part layout (which part of how many, written by which files, by how many ranks): a replica saving
+# the same part of the same layout again skips DCP's per-item exchange (dcp_saver.py); another assignment of parts
+# (replicas lost or back) is another saver, whose first save is a full one
+_PART_SAVERS: dict[tuple[int, int, int, int], DcpSaver] = {}
 
 
 def save_part(path: str | os.PathLike, state: dict[str, Any], token: str, part: int, parts: int, base: int) -> None:
-    """Write part ``part`` of ``parts`` of ``state`` (every rank of this replica's process group calls it)."""
+    """Write part ``part`` of ``parts`` of ``state`` (every rank of this replica's process group calls it): files
+    ``__{base+i}_0.distcp`` in the temporary directory of ``token`` (shared by every replica), and the part's
+    metadata left there; nothing is committed (:func:`commit_parts` does, once all parts are in)."""
     flat, _ = _flat(state)
     mine = assign_parts({k: _item_bytes(v) for k, v in flat.items()}, parts)[part]
     world = dist.get_world_size() if dist.is_initialized() else 1
-    # the plan is reused while this replica writes the same part of the same layout (dcp_planner.py); another
-    # assignment of parts (replicas lost or back) is another key, planned afresh
-    dcp.save(
-        {k: flat[k] for k in mine},
-        storage_writer=_PartWriter(str(path), token, part, base),
-        planner=CachingSavePlanner(key=f"part:{part}/{parts}:{base}:{world}"),
-    )
+    saver = _PART_SAVERS.setdefault((part, parts, base, world), DcpSaver())
+    saver.save_part({k: flat[k] for k in mine}, path, token=token, part=part, base=base)
 
 
 def commit_parts(path: str | os.PathLike, state: dict[str, Any], token: str, parts: int) -> None:
@@ -307,7 +281,7 @@ def commit_parts(path: str | os.PathLike, state: dict[str, Any], token: str, par
 
     path = str(path)
     tmp = temp_dir_for(path, token)
-    mds = [read_dcp_metadata(tmp, f".metadata.part{q}") for q in range(parts)]
+    mds = [read_dcp_metadata(tmp, part_metadata_name(q)) for q in range(parts)]
     _, mappings = _flat(state)
     md = Metadata(state_dict_metadata={}, storage_data={}, version=mds[0].version)
     for m in mds:
@@ -317,7 +291,7 @@ def commit_parts(path: str | os.PathLike, state: dict[str, Any], token: str, par
     md.storage_meta = StorageMeta(checkpoint_id=path)
     write_metadata_file(os.path.join(tmp, ".metadata"), md)
     for q in range(parts):
-        os.unlink(os.path.join(tmp, f".metadata.part{q}"))
+        os.unlink(os.path.join(tmp, part_metadata_name(q)))
     fsync_dir(tmp)
     commit_dir(tmp, path)
 
