@@ -333,7 +333,7 @@ def _count_fresh_storages(monkeypatch, listing_min_average: int = 0) -> list[int
     ``listing_min_average`` says otherwise): the test states' records are small."""
     from lightning_recover.checkpoint import single_file
 
-    monkeypatch.setattr(single_file, "_LISTING_MIN_AVERAGE_RECORD", listing_min_average)
+    monkeypatch.setattr(single_file, "_LARGE_AVERAGE_RECORD", listing_min_average)
     sizes: list[int] = []
     fresh = single_file._new_storage
     monkeypatch.setattr(single_file, "_new_storage", lambda n: (sizes.append(n), fresh(n))[1])
@@ -384,13 +384,13 @@ def test_load_into_reads_records_straight_into_the_targets(tmp_path, monkeypatch
 
 
 def test_load_into_small_records_are_copied(tmp_path, monkeypatch):
-    """Records that average under ``_LISTING_MIN_AVERAGE_RECORD`` are not worth listing the tensors ahead for: they
+    """Records that average under ``_LARGE_AVERAGE_RECORD`` are not worth listing the tensors ahead for: they
     are read into fresh storages and copied into the targets, as before."""
     from lightning_recover.checkpoint import single_file
 
     ck = {f"t{i}": torch.randn(100) for i in range(20)}
     save(ck, tmp_path / "s.ckpt")
-    sizes = _count_fresh_storages(monkeypatch, single_file._LISTING_MIN_AVERAGE_RECORD)
+    sizes = _count_fresh_storages(monkeypatch, single_file._LARGE_AVERAGE_RECORD)
     into = {k: torch.zeros(100) for k in ck}
     out = load(tmp_path / "s.ckpt", into=into)
     assert sorted(sizes) == sorted(_record_sizes(tmp_path / "s.ckpt"))

@@ -24,6 +24,7 @@ from lightning_recover.checkpoint.engine import open_writer, resolve_engine
 from lightning_recover.checkpoint.files import cleanup_stale_temps, fsync_dir, temp_path_for, unlink_quiet
 from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
 from lightning_recover.checkpoint.gc_pause import GcPause
+from lightning_recover.checkpoint.page_populate import PagePopulator, populate_supported
 from lightning_recover.checkpoint.reservation import GrowingReservation
 from lightning_recover.checkpoint.storage_reads import StorageDamaged, StorageReads, damaged_record
 from lightning_recover.checkpoint.write_pipeline import WritePipeline
@@ -312,13 +313,21 @@ def _load_zip(
     of the ``into=`` targets' storages is read straight into it (:func:`_target_storages`)."""
     small = _read_small_records(r, index, verify)
     data = [(n, rec) for n, rec in index.records.items() if n.startswith("data/")]
-    into = _target_storages(index, small, targets) if targets and _worth_listing(data) else {}
+    large = _mostly_large_records(data)
+    into = _target_storages(index, small, targets) if targets and large else {}
+    fresh: list[torch.UntypedStorage] = []
 
     def storage_for(name: str, nbytes: int) -> torch.UntypedStorage:
         st = into.get(name)
-        return st if st is not None else _new_storage(nbytes)
+        if st is None:
+            st = _new_storage(nbytes)
+            fresh.append(st)
+        return st
 
     reads = StorageReads(r, data, verify, storage_for, lambda st: fmt.storage_as_bytes(st).numpy())
+    # the fresh storages' pages faulted in beside the reads (page_populate.py); not for many small records,
+    # whose load is bound by the unpickler, which a third busy thread would slow down on two cores
+    populate = PagePopulator(fresh) if large and fresh and populate_supported() else None
     try:
         result = torch_zip.unpickle(
             torch_zip.VerifiedArchive(index, small, reads), index.path, map_location, weights_only
@@ -328,6 +337,9 @@ def _load_zip(
     except BaseException:
         reads.abandon()
         raise
+    finally:
+        if populate is not None:
+            populate.close()
     bad = reads.finish()
     if bad:
         _raise_zip_damage(bad, index, small)
@@ -440,16 +452,16 @@ def _tensor_rows(index: torch_zip.ArchiveIndex, small: dict) -> list[dict]:
     return rows
 
 
-# Listing the tensors ahead of the load (:func:`_meta_tensors`) costs ~0.1 ms per tensor (torch's pure-Python
-# weights_only unpickler): 1.1 s for 10,000 tensors. Reading a record into its target saves allocating and faulting
-# in fresh memory (0.85-2.5 s per GB in a new process on the benchmark VM) and a copy. So records are read into targets only when they
-# average at least this many bytes (the Llama-like state: 6.9 MB; small10k: 100 KB, where listing cost more than it
-# saved: 1.6 s against 0.8 s per load, docs/benchmarks.md).
-_LISTING_MIN_AVERAGE_RECORD = 1 << 20
+# A file whose records average at least this many bytes is a load bound by its bytes, not by its tensors (the
+# Llama-like state: 6.9 MB; small10k: 100 KB, bound by unpickling 10,000 tensors). Only then are the tensors listed
+# ahead of the load to read records straight into ``into=`` targets (:func:`_meta_tensors`: ~0.1 ms per tensor,
+# torch's pure-Python weights_only unpickler; for small10k 1.1 s, more than it saved: 1.6 s against 0.8 s per load,
+# docs/benchmarks.md), and only then are fresh storages populated on a second thread (``page_populate.py``).
+_LARGE_AVERAGE_RECORD = 1 << 20
 
 
-def _worth_listing(records: list) -> bool:
-    return sum(rec.nbytes for _, rec in records) >= _LISTING_MIN_AVERAGE_RECORD * max(1, len(records))
+def _mostly_large_records(records: list) -> bool:
+    return sum(rec.nbytes for _, rec in records) >= _LARGE_AVERAGE_RECORD * max(1, len(records))
 
 
 def _target_storages(

@@ -1,0 +1,84 @@
+"""Fresh storages' pages populated beside a load's reads (checkpoint/page_populate.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+
+import pytest
+import torch
+
+from lightning_recover.checkpoint import load, page_populate, save, single_file
+
+needs_populate = pytest.mark.skipif(not page_populate.populate_supported(), reason="no madvise(MADV_POPULATE_WRITE)")
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@needs_populate
+def test_populate_maps_the_pages_of_fresh_storages():
+    n = 64 << 20
+    storages = [torch.UntypedStorage(n) for _ in range(2)]  # malloc'd by mmap: no page is there yet
+    before = _resident_bytes()
+    page_populate.PagePopulator(storages).wait()
+    if not page_populate.populate_supported():
+        pytest.skip("the kernel refused MADV_POPULATE_WRITE (older than 5.14)")
+    assert _resident_bytes() - before >= 2 * n - (4 << 20)
+
+
+@needs_populate
+def test_populate_leaves_written_bytes_alone():
+    t = torch.arange(3 << 20, dtype=torch.float32)  # 12 MiB, written
+    page_populate.PagePopulator([t.untyped_storage()]).wait()
+    assert torch.equal(t, torch.arange(3 << 20, dtype=torch.float32))
+
+
+def test_a_kernel_without_populate_is_remembered(monkeypatch):
+    calls = []
+
+    def refused(addr, length, advice):
+        calls.append(advice)
+        ctypes.set_errno(errno.EINVAL)
+        return -1
+
+    monkeypatch.setattr(page_populate, "_madvise_fn", refused)
+    monkeypatch.setattr(page_populate, "_supported", True)
+    page_populate.PagePopulator([torch.UntypedStorage(1 << 20) for _ in range(3)]).wait()
+    assert calls == [23] and not page_populate.populate_supported()  # tried once, then left to the reader
+
+
+def test_loads_of_large_records_populate_their_fresh_storages(tmp_path, monkeypatch):
+    """A file of large records (a load bound by its bytes) gets a populator over exactly its fresh storages; the
+    targets of ``into=`` are not among them; every value arrives."""
+    g = torch.Generator().manual_seed(0)
+    ck = {"a": torch.randn(1 << 20, generator=g), "b": torch.randn(700_000, generator=g).to(torch.bfloat16)}
+    ck["c"] = torch.randn(600_000, generator=g)
+    save(ck, tmp_path / "l.ckpt")
+    seen: list[list[int]] = []
+    real = page_populate.PagePopulator
+
+    def recording(storages):
+        seen.append([st.nbytes() for st in storages])
+        return real(storages)
+
+    monkeypatch.setattr(single_file, "PagePopulator", recording)
+    monkeypatch.setattr(single_file, "populate_supported", lambda: True)
+    out = load(tmp_path / "l.ckpt")
+    assert all(torch.equal(out[k], ck[k]) for k in ck)
+    assert sorted(seen[0]) == sorted(t.nbytes for t in ck.values())
+    target = torch.zeros(1 << 20)
+    out = load(tmp_path / "l.ckpt", into={"a": target})
+    assert out["a"] is target and torch.equal(target, ck["a"]) and torch.equal(out["c"], ck["c"])
+    assert sorted(seen[1]) == sorted(ck[k].nbytes for k in ("b", "c"))
+
+
+def test_loads_of_many_small_records_do_not_populate(tmp_path, monkeypatch):
+    ck = {f"t{i}": torch.randn(1000) for i in range(50)}
+    save(ck, tmp_path / "s.ckpt")
+    monkeypatch.setattr(single_file, "PagePopulator", lambda storages: pytest.fail("populated"))
+    out = load(tmp_path / "s.ckpt")
+    assert all(torch.equal(out[k], ck[k]) for k in ck)
