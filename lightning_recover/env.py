@@ -39,6 +39,10 @@ DEMO_ARGS = "LIGHTNING_RECOVER_DEMO_ARGS"
 #: ``on`` allocates fresh storages of >= 1 MiB 4096-aligned on checkpoint load so native_io reads
 #: them zero-copy (default ``off``: it measured slower in wall time here, see docs/benchmarks.md).
 ALIGNED_ALLOC = "LIGHTNING_RECOVER_ALIGNED_ALLOC"
+#: ``off``: loads into fresh tensors leave every page fault to the reader thread, as before
+#: ``checkpoint/page_populate.py`` (for before/after measurements). Default ``on``: files of large records have
+#: their fresh storages' pages populated on a second thread beside the reads.
+POPULATE = "LIGHTNING_RECOVER_POPULATE"
 #: ``off``: format-2 saves pickle through ``torch.serialization._save`` only, never the fast pickler
 #: (``checkpoint/torch_zip.py``; for before/after measurements). Default ``on``.
 FAST_PICKLER = "LIGHTNING_RECOVER_FAST_PICKLER"

@@ -21,6 +21,8 @@ from typing import Optional
 
 import torch
 
+from lightning_recover import env
+
 __all__ = ["PagePopulator", "populate_supported"]
 
 _MADV_POPULATE_WRITE = 23  # linux/mman.h
@@ -40,10 +42,12 @@ def _madvise() -> Optional[ctypes._CFuncPtr]:
 
 
 _madvise_fn = _madvise()
-_supported = _madvise_fn is not None  # until the kernel says otherwise (EINVAL: older than 5.14)
+# until the kernel says otherwise (EINVAL: older than 5.14); LIGHTNING_RECOVER_POPULATE=off turns it off
+_supported = _madvise_fn is not None and env.flag(env.POPULATE, "on") != "off"
 
 
 def populate_supported() -> bool:
+    """Whether loads populate fresh storages (Linux 5.14+, not turned off by ``LIGHTNING_RECOVER_POPULATE``)."""
     return _supported
 
 
