@@ -17,6 +17,7 @@ import ctypes
 import errno
 import sys
 import threading
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -29,7 +30,7 @@ _MADV_POPULATE_WRITE = 23  # linux/mman.h
 _PAGE = 4096
 
 
-def _madvise() -> Optional[ctypes._CFuncPtr]:
+def _madvise() -> Optional[Callable[[int, int, int], int]]:
     if not sys.platform.startswith("linux"):
         return None
     try:
