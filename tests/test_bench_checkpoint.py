@@ -122,6 +122,8 @@ def test_bench_sharded_dcp_smoke(tmp_path, capsys, plan_cache):
     for name in dcp_ranks.ASYNC:
         assert gpt[f"async_blocked_s_per_gb/{name}"] > 0 and gpt[f"async_durable_s/{name}"] > 0
     assert "| 1 | save |" in printed and "| 1 | load |" in printed and "uring_lazy" in printed
+    assert gpt["save/spread"] > 0 and "save/spread" not in rounds["small"]["rounds"][0]  # the spread save: GPT
+    assert "spread save (GPT state)" in printed
 
 
 def test_parse_methods():

@@ -298,32 +298,17 @@ def _floor_round(state: dict, work: str, args: argparse.Namespace, saver: Any) -
     return {f"floor_s/{n}": _timed_save(n, state, os.path.join(work, f"floor_{n}"), args, saver) for n in WRITERS}
 
 
-def _check_saver(state: dict, work: str, rank: int, saver: Any) -> None:
-    """The saver's last checkpoint of ``state``, loaded by our reader, holds exactly ``state`` (untimed)."""
+def _check_written(state: dict, work: str, rank: int, save: Any, what: str) -> None:
+    """``save(state, path)``'s checkpoint, loaded by our reader, holds exactly ``state`` (untimed)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    path = os.path.join(work, "check_saver")
-    saver.save(state, path)
+    path = os.path.join(work, "check_written")
+    save(state, path)
+    dist.barrier()  # (the spread save commits on rank 0 alone)
     target = _blank_like(state)
     dcp.load(target, storage_reader=_reader("uring", path))
-    _check_loaded(target, state, "uring (DcpSaver's checkpoint)")
-    dist.barrier()
-    if rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _check_spread(state: dict, work: str, rank: int) -> None:
-    """A spread save's checkpoint of ``state``, loaded by our reader, holds exactly ``state`` (untimed)."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
-    path = os.path.join(work, "check_spread")
-    _spread_save(state, path)
-    dist.barrier()
-    target = _blank_like(state)
-    dcp.load(target, storage_reader=_reader("uring", path))
-    _check_loaded(target, state, "uring (the spread save's checkpoint)")
+    _check_loaded(target, state, f"uring ({what})")
     dist.barrier()
     if rank == 0:
         shutil.rmtree(path, ignore_errors=True)
@@ -380,7 +365,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
             if rank == 0:
                 shutil.rmtree(prime, ignore_errors=True)
         if kind == "gpt":
-            _check_spread(state, work, rank)  # untimed: the part's first save is a full one
+            _check_written(state, work, rank, _spread_save, "the spread save's checkpoint")  # its first: full
         rounds: list[dict] = []
         for _ in range(args.repeat):
             if kind == "floor":
@@ -390,7 +375,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
             if kind == "gpt":
                 r.update(_async_round(state, nbytes, work, async_writers, rank))
             rounds.append(r)
-        _check_saver(state, work, rank, saver)
+        _check_written(state, work, rank, saver.save, "DcpSaver's checkpoint")
         results[kind] = {"bytes": nbytes, "tensors": ntensors, "rounds": rounds}
     for w in async_writers.values():
         w.close()
