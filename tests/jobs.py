@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -49,6 +50,50 @@ def kill_group(proc: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
+
+
+def two_rank_tensors() -> dict[str, torch.Tensor]:
+    """The full tensors the two-rank scripts (:func:`two_rank_script`) shard, rebuilt the same in any process."""
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(64, 33, generator=g), "b": torch.randn(10, generator=g).to(torch.bfloat16)}
+
+
+# The start of a script for :func:`gloo_ranks` with two ranks (:func:`two_rank_script`).
+_TWO_RANKS_START = textwrap.dedent(
+    """
+    import os, sys, warnings
+    warnings.simplefilter("ignore")
+    import torch, torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor, Shard
+    from tests.jobs import two_rank_tensors
+    rank, arg, store = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    full = two_rank_tensors()
+    """
+)
+
+# Its end: gloo's worker threads outlive destroy_process_group, and one may still be freeing the
+# last collective's work, whose tensors need the GIL to drop their Python objects: if the interpreter is finalizing
+# by then, CPython ends that thread with pthread_exit inside a C++ destructor -> std::terminate, SIGABRT. Everything
+# is checked and durable by then: leave without finalizing (as tests/conftest.py and Replica._at_exit do).
+_TWO_RANKS_EXIT = textwrap.dedent(
+    """
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+    """
+)
+
+
+def two_rank_script(body: str) -> str:
+    """A script for :func:`gloo_ranks` with two ranks: ``body`` (dedented) runs with ``rank``, ``arg`` and ``store``
+    from argv, the gloo group joined, ``mesh`` (both ranks, CPU), ``full`` (:func:`two_rank_tensors`) and ``os``,
+    ``sys``, ``torch``, ``dist``, ``distribute_tensor``, ``Shard`` imported; then the group is left and the process
+    exits without finalizing."""
+    return _TWO_RANKS_START + textwrap.dedent(body) + _TWO_RANKS_EXIT
 
 
 @contextmanager

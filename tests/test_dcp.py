@@ -6,7 +6,6 @@ import contextlib
 import os
 import pickle
 import re
-import textwrap
 import time
 import warnings
 
@@ -25,7 +24,7 @@ from lightning_recover.checkpoint import (
     verify_dcp_checkpoint,
 )
 from lightning_recover.checkpoint import dcp as dcp_mod
-from tests.jobs import gloo_ranks
+from tests.jobs import gloo_ranks, two_rank_script, two_rank_tensors
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -388,19 +387,11 @@ def test_lazy_snapshot_raced_by_an_in_place_change_fails_and_keeps_the_previous_
     assert torch.equal(back["big"], old["big"]) and back["step"] == 0, "the previous checkpoint is untouched"
 
 
-_TWO_RANKS = textwrap.dedent(
+_TWO_RANKS = two_rank_script(
     """
-    import os, sys, warnings
-    warnings.simplefilter("ignore")
-    import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import distribute_tensor, Shard
+    import torch.distributed.checkpoint as dcp
     from lightning_recover.checkpoint import UringStorageWriter, UringStorageReader
-    rank, path, store = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
-    mesh = init_device_mesh("cpu", (2,))
-    g = torch.Generator().manual_seed(0)
-    full = {"w": torch.randn(64, 33, generator=g), "b": torch.randn(10, generator=g).to(torch.bfloat16)}
+    path = arg
     state = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
     state[f"rank{rank}_only"] = torch.full((5,), float(rank))
     state["step"] = 42
@@ -450,14 +441,6 @@ _TWO_RANKS = textwrap.dedent(
     resp.upload_completion.result(timeout=120)
     assert writer.staging_allocations == 1
     writer.close()
-    dist.destroy_process_group()
-    # gloo's worker threads outlive destroy_process_group, and one may still be freeing the last collective's
-    # work, whose tensors need the GIL to drop their Python objects: if the interpreter is finalizing by then,
-    # CPython ends that thread with pthread_exit inside a C++ destructor -> std::terminate, SIGABRT. Everything
-    # is checked and durable by now: leave without finalizing (as tests/conftest.py and Replica._at_exit do).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
     """
 )
 
@@ -466,8 +449,7 @@ _TWO_RANKS = textwrap.dedent(
 @pytest.mark.timeout(240)
 def test_two_ranks_save_reshard_to_one(tmp_path):
     p = str(tmp_path / "ck")
-    g = torch.Generator().manual_seed(0)
-    written_by_one = {"w": torch.randn(64, 33, generator=g), "b": torch.randn(10, generator=g).to(torch.bfloat16)}
+    written_by_one = two_rank_tensors()
     dcp.save(written_by_one, storage_writer=UringStorageWriter(p + "-one"))  # one process, no process group
     with gloo_ranks(_TWO_RANKS, tmp_path, p) as procs:
         for pr in procs:
@@ -478,8 +460,7 @@ def test_two_ranks_save_reshard_to_one(tmp_path):
     assert [n for n in os.listdir(tmp_path) if "dcp-tmp" in n] == [n for n in os.listdir(tmp_path) if ".ck-lazy." in n]
     assert len(cleanup_dcp_temps(str(tmp_path))) == 1
     # one process, no process group, plain tensors: DCP's planner reassembles the shards
-    g = torch.Generator().manual_seed(0)
-    full = {"w": torch.randn(64, 33, generator=g), "b": torch.randn(10, generator=g).to(torch.bfloat16)}
+    full = two_rank_tensors()
     for reader in (UringStorageReader(p), FileSystemReader(p)):
         out = {"w": torch.zeros(64, 33), "b": torch.zeros(10, dtype=torch.bfloat16), "rank1_only": torch.zeros(5)}
         out["step"] = 0

@@ -27,7 +27,7 @@ from lightning_recover.checkpoint import dcp as dcp_mod
 from lightning_recover.checkpoint.dcp import read_dcp_metadata
 from lightning_recover.checkpoint.dcp_saver import DcpSaver
 from lightning_recover.checkpoint.metadata_template import MetadataTemplate
-from tests.jobs import gloo_ranks
+from tests.jobs import gloo_ranks, two_rank_script, two_rank_tensors
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -224,21 +224,13 @@ def test_a_failed_plan_fails_the_save(tmp_path):
 
 # ------------------------------------------------------------------------------------- two processes
 
-_TWO_RANKS = textwrap.dedent(
+_TWO_RANKS = two_rank_script(
     """
-    import errno, os, sys, warnings
-    warnings.simplefilter("ignore")
-    import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+    import errno
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import distribute_tensor, Shard
     from lightning_recover.checkpoint import dcp as dcp_mod
     from lightning_recover.checkpoint.dcp_saver import DcpSaver
-    rank, root, store = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
-    mesh = init_device_mesh("cpu", (2,))
-    g = torch.Generator().manual_seed(0)
-    full = {"w": torch.randn(64, 33, generator=g), "b": torch.randn(10, generator=g).to(torch.bfloat16)}
+    root = arg
     state = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
     state["shared"] = torch.arange(6.0)  # the same on both ranks: DCP's global plan writes it once
     state[f"rank{rank}_only"] = torch.full((5,), float(rank))
@@ -288,10 +280,6 @@ _TWO_RANKS = textwrap.dedent(
         state["shared"].sub_(100.0)
     save("s6")
     assert seen[-1] == "dcp", seen
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # as in tests/test_dcp.py: gloo's threads may still free the last collective's tensors
     """
 )
 
@@ -305,8 +293,7 @@ def test_two_ranks_cached_saves_load_with_the_stock_reader(tmp_path):
         for pr in procs:
             assert pr.wait(timeout=200) == 0
     assert not [n for n in os.listdir(root) if "dcp-tmp" in n]
-    g = torch.Generator().manual_seed(0)
-    full = {"w": torch.randn(64, 33, generator=g), "b": torch.randn(10, generator=g).to(torch.bfloat16)}
+    full = two_rank_tensors()
 
     def load(name: str, step: int, extra: bool) -> None:
         out = {"w": torch.zeros(64, 33), "b": torch.zeros(10, dtype=torch.bfloat16), "shared": torch.zeros(6)}
@@ -333,20 +320,12 @@ def test_two_ranks_cached_saves_load_with_the_stock_reader(tmp_path):
     load("s6", 10**40, True)
 
 
-_SPREAD_PARTS = textwrap.dedent(
+_SPREAD_PARTS = two_rank_script(
     """
-    import errno, os, sys, warnings
-    warnings.simplefilter("ignore")
-    import torch, torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import distribute_tensor, Shard
+    import errno
     from lightning_recover.checkpoint import dcp as dcp_mod, sharded
     from lightning_recover.checkpoint.dcp_saver import DcpSaveError
-    rank, root, store = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
-    mesh = init_device_mesh("cpu", (2,))
-    g = torch.Generator().manual_seed(0)
-    full = {"w": torch.randn(64, 33, generator=g), "b": torch.randn(10, generator=g).to(torch.bfloat16)}
+    root = arg
     state = {"model": {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}}
     state["shared"], state["step"] = torch.arange(6.0), 1
     seen = []
@@ -393,10 +372,6 @@ _SPREAD_PARTS = textwrap.dedent(
     seen.clear()
     spread("ck5", "t5")
     assert seen == ["cached", "dcp"], seen  # the failed part's saver starts over
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
     """
 )
 
@@ -414,8 +389,7 @@ def test_two_ranks_spread_parts_take_the_cached_protocol(tmp_path):
         for pr in procs:
             assert pr.wait(timeout=200) == 0
     assert sorted(os.listdir(root)) == ["ck1", "ck2", "ck3", "ck5"]
-    g = torch.Generator().manual_seed(0)
-    full = {"w": torch.randn(64, 33, generator=g), "b": torch.randn(10, generator=g).to(torch.bfloat16)}
+    full = two_rank_tensors()
     rounds = (("ck1", 1, 0, 1), ("ck2", 2, 1, 1), ("ck3", 10**40, 1, 2), ("ck5", 10**40, 1, 2))
     for name, step, w_plus, shared_times in rounds:
         for reader in (FileSystemReader(root / name), UringStorageReader(root / name)):
