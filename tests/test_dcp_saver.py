@@ -366,6 +366,7 @@ _SPREAD_PARTS = two_rank_script(
     dist.barrier()
     tmp = dcp_mod.temp_dir_for(os.path.join(root, "ck4"), "t4")
     assert os.path.isdir(tmp) and "__0_0.distcp" in os.listdir(tmp), os.listdir(root)
+    dist.barrier()  # both ranks have looked before rank 0 abandons it
     if rank == 0:
         sharded.abandon_parts(os.path.join(root, "ck4"), "t4")
     dist.barrier()
