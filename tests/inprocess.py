@@ -14,7 +14,9 @@ Faults (``FaultInjector(..., act=...)``) are acted out without signals:
 - ``raise``: :class:`InjectedFault` ends the thread; the replica is closed as the process's atexit
   hook would, and declared dead as the launcher would;
 - ``suspect`` (harness-only kind): the replica pauses with its heartbeat running, the harness declares
-  it dead (a false suspicion), waits until the others applied the step, then lets it continue.
+  it dead (a false suspicion), waits until the others applied the step, then lets it continue;
+- ``tamper`` (harness-only kind): the replica thread calls the cluster's ``tamper(slot, fault)`` (an
+  outside client acting on the store at that exact point of the protocol), then goes on.
 
 Replicas start with ``Replica.start(exit_hook=False)`` (the process's exit hook may ``os._exit`` the
 whole pytest process). One protocol internal is replaced while a :class:`Cluster` is open:
@@ -214,6 +216,9 @@ class Cluster:
         faults: Iterable[Fault] = (),
         quota: str = "equal",
         before_step: Optional[Callable[[int, int], None]] = None,
+        tamper: Optional[Callable[[Slot, Fault], None]] = None,
+        hang_timeout: float = 60.0,
+        collective_timeout: float = COLLECTIVE_TIMEOUT,
     ) -> None:
         self.R = replicas
         self.steps = steps
@@ -221,6 +226,9 @@ class Cluster:
         self.faults = list(faults)
         self.quota = quota
         self.before_step = before_step
+        self.tamper = tamper
+        self.hang_timeout = hang_timeout
+        self.collective_timeout = collective_timeout
         self.slots: list[Slot] = []
         self._progress = threading.Condition()
         self._release = threading.Event()
@@ -234,7 +242,9 @@ class Cluster:
         _clusters_run[0] += 1
         for patch in self._patches:
             patch.start()
-        self.coordinator = Coordinator("127.0.0.1", 0, self.R, HEARTBEAT_TIMEOUT, self.secret)
+        self.coordinator = Coordinator(
+            "127.0.0.1", 0, self.R, HEARTBEAT_TIMEOUT, self.secret, hang_timeout=self.hang_timeout
+        )
         self._monitor = threading.Thread(
             target=self.coordinator.monitor, args=(self._stop_monitor,), name="test-coordinator-monitor", daemon=True
         )
@@ -328,6 +338,9 @@ class Cluster:
                 others = [s for s in self.slots if s.replica != slot.replica]
                 self.wait(lambda: all(fault.step in s.applied or s.finished.is_set() for s in others))
                 return
+            if fault.kind == "tamper" and self.tamper is not None:
+                self.tamper(slot, fault)
+                return
             raise InjectedFault(f"injected fault {fault}")
 
         return act
@@ -340,7 +353,8 @@ class Cluster:
             heartbeat_interval=HEARTBEAT_INTERVAL,
             heartbeat_timeout=HEARTBEAT_TIMEOUT,
             join_timeout=JOIN_TIMEOUT,
-            collective_timeout=COLLECTIVE_TIMEOUT,
+            collective_timeout=self.collective_timeout,
+            hang_timeout=self.hang_timeout,
             startup_timeout=JOIN_TIMEOUT,
         )
         injector = FaultInjector(self.faults, slot.replica, slot.incarnation, act=self._act(slot))

@@ -10,6 +10,7 @@ declared dead, a newer generation proposed), so a dead or hung peer is noticed w
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -18,8 +19,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_recover.errors import MembershipChanged
+from lightning_recover.errors import ForgedMessageError, MembershipChanged, RecoverError
 from lightning_recover.protocol.membership import POLL_MIN, SLICE, Membership, backoff
+
+_TAKEBACKS = 16  # times a member writes its own contribution again before calling it an attack
 
 
 class SurvivorCollectives:
@@ -99,12 +102,22 @@ class SurvivorCollectives:
                 raise MembershipChanged(f"collective failed: {exc}") from exc
 
     # ------------------------------------------------------------------ small objects, over the store
-    def _live_contributors(self, prefix: str) -> list[int]:
-        """Wait until every live member wrote ``{prefix}/{r}``; agree on who counts."""
+    def _live_contributors(self, prefix: str, mine: Any) -> list[int]:
+        """Wait until every live member wrote ``{prefix}/{r}``; agree on who counts.
+
+        This member's own contribution found deleted or forged is written again (the first
+        ``_TAKEBACKS`` times). The wait ends within ``hang_timeout + store_timeout``: a peer that does
+        not contribute is declared hung by the coordinator's monitor within ``hang_timeout`` (this
+        phase counts as waiting on it), so a contribution still missing after that was deleted or
+        forged, or the peers call different collectives: a named error, never a silent spin.
+        """
         m = self.membership
         store = m.store
         delay = POLL_MIN
         members = m.gen.members
+        bound = m.hang_timeout + m.store_timeout
+        deadline = time.monotonic() + bound
+        takebacks = 0
         while True:
             agreed = store.get_genuine(f"{prefix}/set")
             if agreed is not None:
@@ -114,6 +127,35 @@ class SurvivorCollectives:
             missing = set(members) - set(present)
             if not missing or not (missing - m.dead(sorted(missing), m.gen.incarnations)):
                 return json.loads(store.compare_set(f"{prefix}/set", None, json.dumps(present)))
+            if m.replica in missing:
+                takebacks += 1
+                if takebacks > _TAKEBACKS:
+                    raise ForgedMessageError(
+                        f"replica {m.replica}: its contribution {prefix}/{m.replica} keeps being deleted or "
+                        "overwritten by a client without the job's secret"
+                    )
+                print(
+                    f"[lightning-recover] replica {m.replica}: wrote again its contribution {prefix}/{m.replica} "
+                    "(deleted or overwritten)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                store.put_object(f"{prefix}/{m.replica}", mine)
+                continue
+            if time.monotonic() > deadline:
+                forged = sorted(r for r in missing if store.has(f"{prefix}/{r}"))
+                if forged:
+                    raise ForgedMessageError(
+                        f"replica {m.replica}: the contributions of replicas {forged} to {prefix} failed "
+                        f"authentication for {bound:.0f}s (forged by a client without the job's secret)"
+                    )
+                raise RecoverError(
+                    f"replica {m.replica}: replicas {sorted(missing)} did not contribute to store collective "
+                    f"{prefix} within hang_timeout + store_timeout ({bound:.0f}s) and were not declared dead "
+                    "(deleted by a client without the job's secret, or the replicas call different collectives). "
+                    "HINT: every replica must call the same barriers, broadcasts and metric reductions in the "
+                    "same order."
+                )
             delay = backoff(delay)
 
     def exchange(self, obj: Any) -> dict[int, Any]:
@@ -130,7 +172,7 @@ class SurvivorCollectives:
             del self._seq[old]
         prefix = f"x/{number}/{seq}"
         m.store.put_object(f"{prefix}/{m.replica}", obj)
-        who = self._live_contributors(prefix)
+        who = self._live_contributors(prefix, obj)
         values = dict(zip(who, m.store.get_objects([f"{prefix}/{r}" for r in who])))
         m.progress.note("idle")
         return values

@@ -41,7 +41,7 @@ import time
 import torch.distributed as dist
 
 from lightning_recover.errors import ForgedMessageError
-from lightning_recover.protocol.messages import JobSecret, Sealer, mark_dead, read_death
+from lightning_recover.protocol.messages import Freshness, JobSecret, Sealer, mark_dead, read_death
 
 _STORE_TIMEOUT = datetime.timedelta(seconds=60)
 
@@ -77,20 +77,28 @@ def _monitor(
 ) -> None:
     """Declare dead every replica one of whose processes' heartbeats stopped (killed, frozen,
     coordinator unreachable) or made no progress for ``hang_timeout`` while a peer waited on it
-    (deadlock). The replica is the failure unit: one process lost takes its replica out."""
+    (deadlock). The replica is the failure unit: one process lost takes its replica out.
+
+    Only fresh, genuine heartbeats count: a forged one, or an old genuine one written back (its
+    sequence is below the newest seen, :class:`Freshness`), is dropped, and the replica is judged
+    on the last fresh one, so neither keeps a stopped replica alive past ``timeout``."""
     procs = [(r, key) for r in range(replicas) for key in _hb_keys(r, replica_size)]
     keys = [key for _, key in procs]
     beats: dict[str, tuple[int, int, float]] = {}  # key -> (incarnation, beat, when it last moved)
     progress: dict[str, tuple[int, int, float]] = {}  # key -> (incarnation, progress count, when it last moved)
+    hbs: dict[str, tuple[int, dict]] = {}  # key -> (replica, its last fresh and genuine heartbeat)
+    fresh = Freshness("[coordinator]")
     poll = min(0.02, timeout / 10)
     while not stop.wait(poll):
         now = time.monotonic()
-        hbs: dict[str, tuple[int, dict]] = {}
         for (r, key), raw in zip(procs, store.multi_get(keys)):
             try:
-                hbs[key] = (r, json.loads(sealer.open(key, raw)))
+                seq, payload = sealer.open_sequenced(key, raw)
+                hb = json.loads(payload)
             except (ForgedMessageError, ValueError):
                 continue  # a forged heartbeat is no heartbeat
+            if fresh.accept(key, seq):  # a replayed heartbeat is none either
+                hbs[key] = (r, hb)
         waiting = {r for r, hb in hbs.values() if hb.get("phase") in _WAITING}
         for key, (r, hb) in hbs.items():
             inc = int(hb.get("inc", 0))

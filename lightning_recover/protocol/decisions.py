@@ -13,6 +13,8 @@ secret can complete the count; a decision value is bound by its MAC to its (step
 
 from __future__ import annotations
 
+import time
+
 from lightning_recover.errors import ForgedMessageError, ReplicaExcludedError
 from lightning_recover.protocol.membership import POLL_MIN, SLICE, Membership, backoff
 
@@ -63,10 +65,17 @@ class Decisions:
             m.store.compare_set(f"{key}/dec", None, value)
 
     def await_decision(self, step: int) -> bool:
-        """Wait for the step's decision; settle it as ``retry`` if the generation fails meanwhile."""
+        """Wait for the step's decision; settle it as ``retry`` if the generation fails meanwhile.
+
+        Every member's reduce completed before it waits here, so the decision is due at once; a
+        register still empty or forged after ``collective_timeout`` was deleted or overwritten by a
+        client without the secret: :class:`ForgedMessageError`, never a guess (some member may
+        already have applied the value that was taken away).
+        """
         m = self.membership
         key = f"{self._key(step)}/dec"
         delay = POLL_MIN
+        deadline = time.monotonic() + m.collective_timeout
         while True:
             if m.store.wait(key, SLICE):  # returns as soon as the decision is written
                 decided = m.store.get_genuine(key)
@@ -75,6 +84,14 @@ class Decisions:
                 delay = backoff(delay)  # a forged value: its legitimate writer will take it back
             if m.failure_seen():
                 return self._read(m.store.compare_set(key, None, "retry"))
+            if time.monotonic() > deadline:
+                what = "failed authentication" if m.store.has(key) else "was deleted or never written"
+                raise ForgedMessageError(
+                    f"replica {m.replica}: the decision {key!r} of step {step} {what} for collective_timeout "
+                    f"({m.collective_timeout}s) after every member's reduce completed (a client without the "
+                    "job's secret tampers with the coordinator's store); this replica stops without applying it. "
+                    "HINT: keep the coordinator's port on loopback or a private network."
+                )
 
     def _read(self, text: str) -> bool:
         if not text.startswith("commit"):

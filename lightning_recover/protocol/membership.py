@@ -38,7 +38,7 @@ from lightning_recover.errors import (
     RecoverError,
     ReplicaExcludedError,
 )
-from lightning_recover.protocol.messages import ControlStore, JobSecret
+from lightning_recover.protocol.messages import ControlStore, JobSecret, sequence
 from lightning_recover.protocol.process_groups import ProcessGroups
 from lightning_recover.protocol.replica_env import check_against_coordinator, check_replica_size_against_coordinator
 from lightning_recover.protocol.standby import wait_for_assignment
@@ -72,7 +72,8 @@ class Progress:
 
 class Heartbeat:
     """Rewrites the sealed ``hb/{replica}`` every ``interval`` seconds on its own store connection,
-    carrying the main thread's :class:`Progress`, and watches for this incarnation being declared
+    carrying the main thread's :class:`Progress` under a growing sequence (incarnation, beat): an
+    old heartbeat written back is a replay its readers drop (messages.Freshness). It also watches for this incarnation being declared
     dead (so the main thread learns it at its next check, even between collectives)."""
 
     def __init__(
@@ -109,6 +110,7 @@ class Heartbeat:
             json.dumps(
                 {"inc": self._incarnation, "beat": self._beat, "step": p.step, "phase": p.phase, "count": p.count}
             ),
+            seq=sequence(self._incarnation, self._beat),
         )
         if self._store.deaths([self._replica])[self._replica] >= self._incarnation:
             self.excluded = True
@@ -180,8 +182,8 @@ def refuse_if_id_in_use(store: ControlStore, replica: int, num_replicas: int, he
     key = f"hb/{replica}"
 
     def beat() -> tuple[int, int]:
-        value = store.get_genuine(key)
-        hb = json.loads(value) if value else {}
+        found = store.get_fresh(key)  # a replayed heartbeat is no sign of life
+        hb = json.loads(found[1]) if found else {}
         return int(hb.get("inc", 0)), int(hb.get("beat", 0))
 
     inc, first = beat()
@@ -191,7 +193,7 @@ def refuse_if_id_in_use(store: ControlStore, replica: int, num_replicas: int, he
     while time.monotonic() < deadline:
         time.sleep(heartbeat_interval)
         now_inc, now = beat()
-        if now_inc == inc and now != first and store.deaths([replica])[replica] < inc:
+        if now_inc == inc and now > first and store.deaths([replica])[replica] < inc:
             raise RecoverError(
                 f"replica id {replica} is already in use by a live process of this job (incarnation {inc} "
                 f"is heartbeating). HINT: give each process a distinct {env.REPLICA} in 0..{num_replicas - 1};"
@@ -242,6 +244,7 @@ class Membership:
         collective_timeout: float = 60.0,
         startup_timeout: float = 300.0,
         store_timeout: float = 5.0,
+        hang_timeout: float = 60.0,
         backend: str = "gloo",
         secret: JobSecret,
         inner: int = 0,
@@ -268,6 +271,7 @@ class Membership:
         self.collective_timeout = collective_timeout
         self.startup_timeout = startup_timeout
         self.store_timeout = store_timeout  # bounds every store operation: a frozen coordinator is noticed
+        self.hang_timeout = hang_timeout  # how long the monitor lets a peer make no progress while others wait
         self.secret = secret
         self.progress = Progress()
         self.store: ControlStore | None = None
@@ -337,7 +341,7 @@ class Membership:
         Returns None when the group has already formed: this process is a restarted replica and
         must come in through :meth:`rejoin` (at a step boundary, with state from a peer).
         """
-        latest = int(self.store.get("gen/latest"))
+        latest = self.store.generation()
         if latest != 0 or self.store.get_genuine("g0/members") is not None:
             self.request_join()
             return None
@@ -375,7 +379,7 @@ class Membership:
                 print(f"[lightning-recover] replica {self.replica}: the job ended before it could rejoin", flush=True)
                 raise SystemExit(0)
             self.check_health()
-            latest = int(self.store.get("gen/latest"))
+            latest = self.store.generation()
             key = f"g{latest}/invite/{self.replica}"
             if self.store.get_genuine(key) == str(self.incarnation):
                 break
@@ -449,7 +453,7 @@ class Membership:
         events = self.store.add("events", 0)
         if events == self._events_seen:
             return False
-        if int(self.store.get("gen/latest")) > self.gen.number:
+        if self.store.generation() > self.gen.number:
             return True
         dead = self.dead(self.gen.members, self.gen.incarnations)
         if self.replica in dead:
@@ -473,6 +477,9 @@ class Membership:
         g = self.gen.number
         self._abandon(self.gen)
         latest = int(self.store.compare_set("gen/latest", str(g), str(g + 1)))
+        if latest < g:
+            # gen/latest only grows: an older genuine value was written back. Take the register back.
+            latest = int(self.store.compare_set("gen/latest", str(latest), str(g + 1)))
         if latest == g + 1:
             self.store.add("events", 1)
         elif latest > g + 1:
@@ -503,6 +510,14 @@ class Membership:
         while self.store.get_genuine(f"{prefix}/members") is None:
             self.check_health()
             if not may_close:
+                # A joiner waits for the members, who close the round within their join_timeout; a
+                # member list deleted or forged after they read it must not keep it here for ever.
+                if time.monotonic() > deadline + self.store_timeout:
+                    raise RecoverError(
+                        f"replica {self.replica}: the members of generation {number} were not written within "
+                        f"join_timeout ({timeout}s) + {self.store_timeout}s (deleted or forged by a client without "
+                        "the job's secret?); this joiner stops. HINT: its launcher restarts it if restarts remain."
+                    )
                 delay = backoff(delay)
                 continue
             # At the job's start a replica not started yet has incarnation 0, which no death notice

@@ -3,12 +3,19 @@
 Every read and write of the control plane goes through :class:`ControlStore`. The store server
 (a TCPStore) accepts any client that reaches its port, so nothing read from it is trusted:
 
-* **Authenticated**: every value carries an HMAC-SHA256 over (key, payload) under the job's
-  secret (:class:`JobSecret`, made by the launcher). A value that fails verification is never
+* **Authenticated**: every value carries an HMAC-SHA256 over (key, sequence, payload) under the
+  job's secret (:class:`JobSecret`, made by the launcher). A value that fails verification is never
   acted on: registers (decisions, memberships) are taken back by the first legitimate writer,
   death notices and heartbeats that fail are dropped and logged, and any other forged value stops
   the replica with :class:`ForgedMessageError`. Binding the MAC to the key stops replays of a
   genuine value under another key (an old step's ``commit`` cannot decide a new step).
+* **Fresh**: a key that is rewritten over time (a heartbeat with its progress) carries its writer's
+  sequence (:func:`sequence`: incarnation, then a counter) under the MAC, and its readers keep a
+  :class:`Freshness`: a value below the newest sequence already accepted is an old genuine value
+  written back (a replay), dropped and logged, never counted as liveness. Registers that only grow
+  (``dead/{r}``, ``gen/latest``) are read as the largest value seen so far; every other key is
+  written once, under a name unique to its (step, generation, replica), so writing its value back
+  changes nothing. A deleted or overwritten value is waited for only up to its documented bound.
 * **Typed**: objects exchanged between replicas (metrics, barrier, broadcast) are encoded as JSON
   with tagged tensors (dtype, shape, raw bytes); nothing received is ever unpickled.
 * **Failures named**: a store failure or timeout raises :class:`CoordinatorLostError`; the client
@@ -49,9 +56,10 @@ from lightning_recover.errors import (
 log = logging.getLogger(__name__)
 
 _MAC_BYTES = 32
-_TAG = b"\x00lr1"  # separates payload and MAC; versions the sealing
-_REGISTER_TAKEBACKS = 16
-_CONNECT_TIMEOUT = 5.0  # seconds a replica waits for an unreachable coordinator before saying so  # forged register values a legitimate writer replaces before giving up
+_SEQ_BYTES = 8
+_TAG = b"\x00lr2"  # separates payload from sequence and MAC; versions the sealing
+_REGISTER_TAKEBACKS = 16  # forged register values a legitimate writer replaces before giving up
+_CONNECT_TIMEOUT = 5.0  # seconds a replica waits for an unreachable coordinator before saying so
 
 
 # ---------------------------------------------------------------------------- the job's secret
@@ -113,27 +121,72 @@ class JobSecret:
             raise RecoverError(f"{where} must hold at least 32 hex digits (e.g. `openssl rand -hex 32`)") from None
 
 
+def sequence(incarnation: int, count: int) -> int:
+    """The sequence of a writer's ``count``-th value in its ``incarnation``: it only grows, also
+    across a restart (a new incarnation starts above every value of the previous one)."""
+    return (incarnation << 32) | (count & 0xFFFFFFFF)
+
+
 class Sealer:
-    """HMAC sealing of store values under one :class:`JobSecret`."""
+    """HMAC sealing of store values under one :class:`JobSecret`.
+
+    Sealed value: ``payload | TAG | sequence (8 bytes) | HMAC(key, sequence, payload)``. Values
+    written once carry sequence 0; values rewritten over time carry their writer's :func:`sequence`.
+    """
 
     def __init__(self, secret: JobSecret) -> None:
         self._key = secret.key
 
-    def _mac(self, key: str, payload: bytes) -> bytes:
-        return hmac.new(self._key, key.encode() + b"\x00" + payload, hashlib.sha256).digest()
+    def _mac(self, key: str, seq: bytes, payload: bytes) -> bytes:
+        return hmac.new(self._key, key.encode() + b"\x00" + seq + payload, hashlib.sha256).digest()
 
-    def seal(self, key: str, payload: bytes) -> bytes:
-        return payload + _TAG + self._mac(key, payload)
+    def seal(self, key: str, payload: bytes, seq: int = 0) -> bytes:
+        stamp = seq.to_bytes(_SEQ_BYTES, "big")
+        return payload + _TAG + stamp + self._mac(key, stamp, payload)
 
     def open(self, key: str, raw: bytes) -> bytes:
         """The payload of a sealed value; raises :class:`ForgedMessageError` if it is not genuine."""
-        cut = len(raw) - _MAC_BYTES - len(_TAG)
+        return self.open_sequenced(key, raw)[1]
+
+    def open_sequenced(self, key: str, raw: bytes) -> tuple[int, bytes]:
+        """``(sequence, payload)`` of a sealed value; raises :class:`ForgedMessageError` if it is not genuine."""
+        cut = len(raw) - _MAC_BYTES - _SEQ_BYTES - len(_TAG)
         if cut < 0 or raw[cut : cut + len(_TAG)] != _TAG:
             raise ForgedMessageError(f"control-plane value under {key!r} is not sealed ({len(raw)} bytes)")
-        payload, mac = raw[:cut], raw[cut + len(_TAG) :]
-        if not hmac.compare_digest(mac, self._mac(key, payload)):
+        stamp = raw[cut + len(_TAG) : cut + len(_TAG) + _SEQ_BYTES]
+        payload, mac = raw[:cut], raw[-_MAC_BYTES:]
+        if not hmac.compare_digest(mac, self._mac(key, stamp, payload)):
             raise ForgedMessageError(f"control-plane value under {key!r} failed authentication")
-        return payload
+        return int.from_bytes(stamp, "big"), payload
+
+
+class Freshness:
+    """A reader's memory of the newest sequence it accepted under each key.
+
+    A genuine value whose sequence is below that one is an old value written back by someone who
+    read it earlier (a replay): :meth:`accept` refuses it and says so (the 1st, 2nd, 4th, 8th...
+    replay of a key, so a flood does not flood the log). An equal sequence is the same value read
+    again: accepted, but nothing moved.
+    """
+
+    def __init__(self, reader: str) -> None:
+        self.reader = reader
+        self._newest: dict[str, int] = {}
+        self.replays: dict[str, int] = {}  # key -> replays dropped (read by tests and logs)
+
+    def accept(self, key: str, seq: int) -> bool:
+        if seq >= self._newest.get(key, -1):
+            self._newest[key] = seq
+            return True
+        n = self.replays[key] = self.replays.get(key, 0) + 1
+        if n & (n - 1) == 0:
+            print(
+                f"{self.reader}: dropped a replayed value under {key!r} (sequence {seq:#x} < "
+                f"{self._newest[key]:#x}; {n} so far)",
+                file=sys.stderr,
+                flush=True,
+            )
+        return False
 
 
 # ---------------------------------------------------------------------------- typed objects
@@ -286,6 +339,10 @@ class ControlStore:
             store = connect(addr, max(timeout, _CONNECT_TIMEOUT))
             store.set_timeout(datetime.timedelta(seconds=timeout))
         self.raw = store
+        # What this client already read of the keys that are rewritten (see the module docstring).
+        self.freshness = Freshness(f"[lightning-recover] replica {replica}")
+        self._deaths_seen: dict[int, int] = {}
+        self._generation_seen = 0
 
     def clone(self) -> ControlStore:
         """A second connection (threads must not share one)."""
@@ -312,8 +369,31 @@ class ControlStore:
     def get(self, key: str) -> str:
         return self.sealer.open(key, self.call(self.raw.get, key)).decode()
 
-    def set(self, key: str, value: str) -> None:
-        self.call(self.raw.set, key, self.sealer.seal(key, value.encode()))
+    def set(self, key: str, value: str, seq: int = 0) -> None:
+        """Seal and write; ``seq`` is the writer's :func:`sequence` for a key it rewrites over time."""
+        self.call(self.raw.set, key, self.sealer.seal(key, value.encode(), seq))
+
+    def get_fresh(self, key: str) -> Optional[tuple[int, str]]:
+        """``(sequence, value)`` under a rewritten key if present, genuine and not older than what this
+        client already read there; None otherwise (a replayed value is dropped and logged)."""
+        if not self.has(key):
+            return None
+        try:
+            seq, payload = self.sealer.open_sequenced(key, self.call(self.raw.get, key))
+        except ForgedMessageError:
+            return None
+        return (seq, payload.decode()) if self.freshness.accept(key, seq) else None
+
+    def generation(self) -> int:
+        """The newest proposed generation (``gen/latest``), never below one this client already read:
+        the register only grows, so a smaller genuine value is an old one written back."""
+        latest = int(self.get("gen/latest"))
+        if latest < self._generation_seen:
+            self.freshness.accept("gen/latest", latest)  # logs the replay
+            return self._generation_seen
+        self._generation_seen = latest
+        self.freshness.accept("gen/latest", latest)
+        return latest
 
     def compare_set(self, key: str, expected: Optional[str], desired: str) -> str:
         """Linearizable register: returns the value now stored (``desired`` if this call won).
@@ -390,7 +470,13 @@ class ControlStore:
     def deaths(self, replicas: Sequence[int]) -> dict[int, int]:
         """``{r: incarnation declared dead}`` (0 = none; forged notices are ignored)."""
         raw = self.call(self.raw.multi_get, [f"dead/{r}" for r in replicas])
-        return {r: read_death(self.sealer, r, v) for r, v in zip(replicas, raw)}
+        found = {}
+        for r, v in zip(replicas, raw):
+            # dead/{r} only grows: a smaller genuine value read later is an old notice written back.
+            declared = read_death(self.sealer, r, v)
+            self.freshness.accept(f"dead/{r}", declared)  # logs a replay
+            found[r] = self._deaths_seen[r] = max(declared, self._deaths_seen.get(r, 0))
+        return found
 
     # ---------------------------------------------------------------- objects
     def put_object(self, key: str, obj: Any) -> None:

@@ -80,6 +80,7 @@ class Replica:
             collective_timeout=options.collective_timeout,
             startup_timeout=options.startup_timeout,
             store_timeout=options.store_timeout,
+            hang_timeout=options.hang_timeout,
             backend=backend,
             secret=secret or JobSecret.from_env(),
             inner=inner,
@@ -310,15 +311,20 @@ class Replica:
     def _broadcast_state(self, src_rank: int, receive: bool) -> None:
         if self._get_state is None or self._set_state is None:
             raise RecoverError("rejoin needs the strategy to register its state hooks (core.set_state_hooks)")
+        # The state travels over the (unauthenticated) gloo group; its SHA-256 over the sealed store.
+        key = f"g{self.group.gen.number}/state" + (f"/i{self.inner}" if self.replica_size > 1 else "")
         payload, skeleton_len = torch.empty(0, dtype=torch.uint8), 0
         if self.group.rank == src_rank:
             payload, skeleton_len = state_transfer.pack(self._get_state())  # raw tensor bytes + a skeleton
+            self.group.store.set(key, state_transfer.digest(payload))
         sizes = torch.tensor([payload.numel(), skeleton_len], dtype=torch.int64)
         self.collectives.broadcast([sizes], src_rank)
         if self.group.rank != src_rank:
             payload = torch.empty(int(sizes[0]), dtype=torch.uint8)
         self.collectives.broadcast([payload], src_rank)
         if receive:
+            expected = self.group.store.get_genuine(key)  # written before the broadcast began
+            state_transfer.check_digest(payload, expected, key)
             self._set_state(state_transfer.unpack(payload, int(sizes[1])))
 
     def seed_microbatch(self, step: int, j: int) -> None:

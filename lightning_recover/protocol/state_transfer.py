@@ -11,17 +11,23 @@ weights-only unpickler, so nothing received becomes code.
 
 Layout of the payload: ``[tensor bytes | skeleton]``; the skeleton's length travels with the
 payload's (see :meth:`Replica._broadcast_state`).
+
+The group's traffic is not authenticated, so the sender also writes the payload's SHA-256
+(:func:`digest`) to the sealed control plane before the broadcast, and the joiner refuses a payload
+whose digest differs (:func:`check_digest`, :class:`ForgedMessageError`): it then stops, and its
+launcher restarts it if restarts remain; the members are not affected.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import pickle
 from typing import Any
 
 import torch
 
-from lightning_recover.errors import RecoverError
+from lightning_recover.errors import ForgedMessageError, RecoverError
 
 _ALIGN = 64  # every tensor's bytes start at a multiple of this: a view of any dtype is aligned
 _MARK = "__lightning_recover_tensor__"  # a skeleton dict {_MARK: i} stands for the i-th tensor
@@ -69,6 +75,26 @@ def pack(state: Any) -> tuple[torch.Tensor, int]:
             payload[start : start + nbytes].view(t.dtype).view(t.shape).copy_(t.detach())
     payload[offset:] = torch.frombuffer(head, dtype=torch.uint8)
     return payload, len(head)
+
+
+def digest(payload: torch.Tensor) -> str:
+    """The SHA-256 of a packed payload (hex), as the sender states it on the sealed control plane."""
+    return hashlib.sha256(payload.numpy()).hexdigest()
+
+
+def check_digest(payload: torch.Tensor, expected: str | None, key: str) -> None:
+    """Refuse a received payload unless its SHA-256 is the one the sender sealed under ``key``."""
+    if expected is None:
+        raise ForgedMessageError(
+            f"the digest of the state handed to this rejoining replica ({key!r}) is missing or forged: the state "
+            "is refused. HINT: its launcher restarts it if restarts remain; keep the coordinator's port private."
+        )
+    if digest(payload) != expected:
+        raise ForgedMessageError(
+            f"the state handed to this rejoining replica does not match the digest its sender sealed under {key!r} "
+            "(altered on the way): the state is refused. HINT: its launcher restarts it if restarts remain; run "
+            "multi-host jobs on a private network."
+        )
 
 
 def unpack(payload: torch.Tensor, skeleton_len: int) -> Any:
