@@ -41,7 +41,7 @@ import time
 import torch.distributed as dist
 
 from lightning_recover.errors import ForgedMessageError
-from lightning_recover.protocol.messages import Freshness, JobSecret, Sealer, mark_dead, read_death
+from lightning_recover.protocol.messages import Freshness, JobSecret, Sealer, mark_dead, peek, read_death
 
 _STORE_TIMEOUT = datetime.timedelta(seconds=60)
 
@@ -83,7 +83,6 @@ def _monitor(
     sequence is below the newest seen, :class:`Freshness`), is dropped, and the replica is judged
     on the last fresh one, so neither keeps a stopped replica alive past ``timeout``."""
     procs = [(r, key) for r in range(replicas) for key in _hb_keys(r, replica_size)]
-    keys = [key for _, key in procs]
     beats: dict[str, tuple[int, int, float]] = {}  # key -> (incarnation, beat, when it last moved)
     progress: dict[str, tuple[int, int, float]] = {}  # key -> (incarnation, progress count, when it last moved)
     hbs: dict[str, tuple[int, dict]] = {}  # key -> (replica, its last fresh and genuine heartbeat)
@@ -91,7 +90,11 @@ def _monitor(
     poll = min(0.02, timeout / 10)
     while not stop.wait(poll):
         now = time.monotonic()
-        for (r, key), raw in zip(procs, store.multi_get(keys)):
+        # Non-waiting reads: a heartbeat key deleted by an outside client must not stall the monitor.
+        for r, key in procs:
+            raw = peek(store, key)
+            if raw is None:
+                continue  # deleted: judged on its last fresh heartbeat
             try:
                 seq, payload = sealer.open_sequenced(key, raw)
                 hb = json.loads(payload)
@@ -122,7 +125,11 @@ def _monitor(
                 )
             if why and replica_size > 1:
                 why = f"({key}) {why}"
-            if why and read_death(sealer, r, store.get(f"dead/{r}")) < inc and mark_dead(store, sealer, r, inc):
+            if (
+                why
+                and read_death(sealer, r, peek(store, f"dead/{r}") or b"") < inc
+                and mark_dead(store, sealer, r, inc)
+            ):
                 store.set(f"declared/{r}", sealer.seal(f"declared/{r}", str(inc).encode()))
                 print(f"[coordinator] replica {r} (incarnation {inc}) {why}: declared dead", flush=True)
 

@@ -282,6 +282,21 @@ def connect(addr: str, timeout: float = 60.0) -> dist.TCPStore:
         ) from exc
 
 
+_ABSENT = b"\x00lr-absent"  # what peek's compare_set expects: never a sealed value
+
+
+def peek(store: dist.Store, key: str) -> Optional[bytes]:
+    """The raw value under ``key``, or None if there is none, in one round trip that never waits.
+
+    A store ``get`` of a missing key blocks until the key appears or the client's timeout ends; a
+    key deleted by an outside client between a ``check`` and a ``get`` would stall the reader.
+    ``compare_set(key, X, X)`` answers at once: the value, or ``X`` when the key is absent (X is never
+    a sealed value, and writing it over itself changes nothing).
+    """
+    raw = store.compare_set(key, _ABSENT, _ABSENT)
+    return None if raw == _ABSENT else raw
+
+
 def mark_dead(store: dist.Store, sealer: Sealer, replica: int, incarnation: Optional[int] = None) -> bool:
     """Declare ``replica`` (its current or the given incarnation) dead.
 
@@ -293,7 +308,7 @@ def mark_dead(store: dist.Store, sealer: Sealer, replica: int, incarnation: Opti
     if inc <= 0:
         return False
     for _ in range(_REGISTER_TAKEBACKS):
-        raw = store.get(key)
+        raw = peek(store, key) or b""  # deleted: a notice is written afresh
         current = read_death(sealer, replica, raw)
         if current >= inc:
             return False
@@ -376,10 +391,11 @@ class ControlStore:
     def get_fresh(self, key: str) -> Optional[tuple[int, str]]:
         """``(sequence, value)`` under a rewritten key if present, genuine and not older than what this
         client already read there; None otherwise (a replayed value is dropped and logged)."""
-        if not self.has(key):
+        raw = self.call(peek, self.raw, key)
+        if raw is None:
             return None
         try:
-            seq, payload = self.sealer.open_sequenced(key, self.call(self.raw.get, key))
+            seq, payload = self.sealer.open_sequenced(key, raw)
         except ForgedMessageError:
             return None
         return (seq, payload.decode()) if self.freshness.accept(key, seq) else None
@@ -421,10 +437,11 @@ class ControlStore:
     def get_genuine(self, key: str) -> Optional[str]:
         """The value under ``key`` if present and genuine; None if absent or forged (a forged value
         in a register is not a decision: its legitimate writer takes it back)."""
-        if not self.has(key):
+        raw = self.call(peek, self.raw, key)
+        if raw is None:
             return None
         try:
-            return self.get(key)
+            return self.sealer.open(key, raw).decode()
         except ForgedMessageError:
             return None
 
@@ -469,7 +486,8 @@ class ControlStore:
 
     def deaths(self, replicas: Sequence[int]) -> dict[int, int]:
         """``{r: incarnation declared dead}`` (0 = none; forged notices are ignored)."""
-        raw = self.call(self.raw.multi_get, [f"dead/{r}" for r in replicas])
+        # One non-waiting read per replica: a deleted notice must not stall the heartbeat thread.
+        raw = [self.call(peek, self.raw, f"dead/{r}") or b"" for r in replicas]
         found = {}
         for r, v in zip(replicas, raw):
             # dead/{r} only grows: a smaller genuine value read later is an old notice written back.
