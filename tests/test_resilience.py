@@ -31,6 +31,11 @@ from tests.scripts.fabric_train import reference_state
 pytestmark = pytest.mark.slow
 
 TOL = 1e-5
+# Seconds over a documented liveness bound: the log is polled every 10 ms, the monitor every 20 ms,
+# and on this 2-core machine shared with other jobs a process is scheduled up to ~1 s late.
+DECLARE_SLACK = 1.5
+# A process's exit after it named the error (interpreter and gloo teardown, the launcher's reaping).
+EXIT_SLACK = 3.0
 REPLICAS, STEPS, M = 3, 4, 6
 
 
@@ -143,7 +148,8 @@ def test_throughput_quotas_keep_the_trajectory(tmp_path, reference):
 
 
 def test_falsely_suspected_replica_never_applies_a_divergent_step(tmp_path, reference):
-    """A replica frozen long enough to be declared dead, then resumed, must stop, not rejoin silently."""
+    """A replica frozen (SIGSTOP) is declared dead within heartbeat_timeout (docs/security.md's bound,
+    plus DECLARE_SLACK); resumed, it must stop, not rejoin silently."""
     out = str(tmp_path)
     cmd = [
         sys.executable,
@@ -162,7 +168,13 @@ def test_falsely_suspected_replica_never_applies_a_divergent_step(tmp_path, refe
     ]
     proc, log = start_job(cmd, out, env={"LIGHTNING_RECOVER_INJECT": "hang:replica=1:step=1:phase=backward"})
     try:
-        assert wait_for(lambda: "declared dead" in open(log).read(), timeout=60), open(log).read()[-3000:]
+        assert wait_for(lambda: "declared dead" in open(log).read(), timeout=60, interval=0.01), open(log).read()[
+            -3000:
+        ]
+        declared_at = time.time()
+        froze_at = float(re.search(r"injecting fault hang\S* at t=([\d.]+)", open(log).read()).group(1))
+        print(f"\nfrozen replica declared dead {declared_at - froze_at:.2f}s after it froze (heartbeat_timeout 0.5s)")
+        assert declared_at - froze_at <= 0.5 + DECLARE_SLACK, declared_at - froze_at
         # find the frozen replica and let it run again: it must notice it was excluded and stop
         pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
         frozen = []
@@ -391,4 +403,5 @@ def test_coordinator_killed_while_survivors_wait_on_a_hung_peer(tmp_path):
     output = open(log).read()
     assert proc.returncode != 0
     assert "CoordinatorLostError" in output and "terminate called" not in output, output[-3000:]
-    assert took < 10, f"the job's processes ended {took:.1f}s after the coordinator died"
+    # Documented bound: the next store operation fails within one 10 ms slice; then the processes exit.
+    assert took <= 0.01 + EXIT_SLACK, f"the job's processes ended {took:.1f}s after the coordinator died"
