@@ -20,6 +20,11 @@ Keys (values sealed with the job's MAC, see ``messages.py``, except the two coun
 ``join/{r}``       the incarnation of a restarted replica r asking to be admitted
 ``g{G}/...``       the membership round of generation G (see ``membership.py``)
 ``s{S}/g{G}/...``  step S's reduce under generation G: done reports and the commit decision
+``g{G}/state``     SHA-256 of the state handed to the joiners admitted into generation G
+
+``hb/{r}`` is the one key rewritten by one writer: its value carries the sequence (incarnation, beat)
+and readers drop one below what they already read (a replay). ``dead/{r}`` and ``gen/latest`` only grow
+and are read as the largest value seen; every other sealed key is written once.
 
 The monitor declares a replica dead when its beat has not moved for ``heartbeat_timeout`` seconds
 of the coordinator's own clock (no cross-host clock comparison; a killed or frozen process), or
