@@ -30,6 +30,7 @@ def main() -> None:
         t0 = time.monotonic()
         for i in range(n):
             store.set(f"junk{size}/{i}", b"x" * size)
+        store.check([f"junk{size}/{n - 1}"])  # a set has no reply: a round trip after it, all are stored
         took = time.monotonic() - t0
         grown = rss() - before
         out[size] = {

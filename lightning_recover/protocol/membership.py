@@ -216,6 +216,14 @@ def sharded_incarnation(store: ControlStore, replica: int, inner: int, startup_t
     return mine
 
 
+def _members_never_written(replica: int, number: int, waited: float) -> RecoverError:
+    return RecoverError(
+        f"replica {replica}: the members of generation {number} were not written within join_timeout + "
+        f"store_timeout ({waited:.0f}s; deleted or forged by a client without the job's secret?); this joiner "
+        "stops. HINT: its launcher restarts it if restarts remain."
+    )
+
+
 @dataclass
 class Generation:
     number: int
@@ -513,11 +521,7 @@ class Membership:
                 # A joiner waits for the members, who close the round within their join_timeout; a
                 # member list deleted or forged after they read it must not keep it here for ever.
                 if time.monotonic() > deadline + self.store_timeout:
-                    raise RecoverError(
-                        f"replica {self.replica}: the members of generation {number} were not written within "
-                        f"join_timeout ({timeout}s) + {self.store_timeout}s (deleted or forged by a client without "
-                        "the job's secret?); this joiner stops. HINT: its launcher restarts it if restarts remain."
-                    )
+                    raise _members_never_written(self.replica, number, timeout + self.store_timeout)
                 delay = backoff(delay)
                 continue
             # At the job's start a replica not started yet has incarnation 0, which no death notice

@@ -311,21 +311,17 @@ class Replica:
     def _broadcast_state(self, src_rank: int, receive: bool) -> None:
         if self._get_state is None or self._set_state is None:
             raise RecoverError("rejoin needs the strategy to register its state hooks (core.set_state_hooks)")
-        # The state travels over the (unauthenticated) gloo group; its SHA-256 over the sealed store.
-        key = f"g{self.group.gen.number}/state" + (f"/i{self.inner}" if self.replica_size > 1 else "")
         payload, skeleton_len = torch.empty(0, dtype=torch.uint8), 0
         if self.group.rank == src_rank:
-            payload, skeleton_len = state_transfer.pack(self._get_state())  # raw tensor bytes + a skeleton
-            self.group.store.set(key, state_transfer.digest(payload))
+            # Raw tensor bytes + a skeleton; their SHA-256 goes to the sealed store (the group is not authenticated).
+            payload, skeleton_len = state_transfer.pack_and_seal_digest(self._get_state(), self.group)
         sizes = torch.tensor([payload.numel(), skeleton_len], dtype=torch.int64)
         self.collectives.broadcast([sizes], src_rank)
         if self.group.rank != src_rank:
             payload = torch.empty(int(sizes[0]), dtype=torch.uint8)
         self.collectives.broadcast([payload], src_rank)
         if receive:
-            expected = self.group.store.get_genuine(key)  # written before the broadcast began
-            state_transfer.check_digest(payload, expected, key)
-            self._set_state(state_transfer.unpack(payload, int(sizes[1])))
+            self._set_state(state_transfer.unpack_checked(payload, int(sizes[1]), self.group))
 
     def seed_microbatch(self, step: int, j: int) -> None:
         """Reseed the RNG so random ops (dropout) do not depend on which replica computes (s, j)."""

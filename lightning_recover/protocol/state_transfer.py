@@ -97,6 +97,26 @@ def check_digest(payload: torch.Tensor, expected: str | None, key: str) -> None:
         )
 
 
+def _digest_key(group: Any) -> str:
+    """Where the sender of generation G's state seals its digest (one per position of a sharded replica)."""
+    return f"g{group.gen.number}/state" + (f"/i{group.inner}" if group.replica_size > 1 else "")
+
+
+def pack_and_seal_digest(state: Any, group: Any) -> tuple[torch.Tensor, int]:
+    """:func:`pack`, then write the payload's digest to the sealed store of ``group`` (a Membership)."""
+    payload, skeleton_len = pack(state)
+    group.store.set(_digest_key(group), digest(payload))
+    return payload, skeleton_len
+
+
+def unpack_checked(payload: torch.Tensor, skeleton_len: int, group: Any) -> Any:
+    """:func:`unpack` a received payload once its digest is the one its sender sealed (written before the
+    broadcast began, so it is there unless deleted or forged: then the state is refused too)."""
+    key = _digest_key(group)
+    check_digest(payload, group.store.get_genuine(key), key)
+    return unpack(payload, skeleton_len)
+
+
 def unpack(payload: torch.Tensor, skeleton_len: int) -> Any:
     """The state :func:`pack` made; its tensors are views of ``payload`` (which they keep alive)."""
     if not 0 < skeleton_len <= payload.numel():
