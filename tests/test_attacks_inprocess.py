@@ -326,6 +326,33 @@ def test_a_decision_taken_away_after_a_member_applied_it_ends_in_a_named_error(h
     _no_wrong_step(cluster)
 
 
+def test_a_member_list_deleted_while_the_group_forms_is_written_again():
+    """An outsider deletes generation 0's member list over and over while 3 replicas form it: a
+    replica that finds it missing writes the same list again (nobody died), and the job trains to
+    the end equal to the reference."""
+    stop = threading.Event()
+    deleted = [0]
+
+    def delete_members() -> None:
+        store = connect(cluster.coordinator.addr)
+        while not stop.is_set():
+            deleted[0] += bool(store.delete_key("g0/members"))
+            time.sleep(0.0005)
+
+    with Cluster(3, steps=3, microbatches=6) as cluster:
+        attacker = threading.Thread(target=delete_members, name="test-outsider", daemon=True)
+        attacker.start()
+        try:
+            cluster.start()
+            cluster.wait(lambda: all(0 in cluster.slot(r).applied for r in range(3)))
+        finally:
+            stop.set()
+            attacker.join(timeout=5)
+        cluster.join()
+    assert deleted[0] >= 1
+    _finished_equal_to_reference(cluster, [0, 1, 2])
+
+
 # ---------------------------------------------------------------------- a flood
 def test_a_client_flooding_the_store_costs_memory_not_correctness():
     """An outsider writes 20,000 junk keys of 1 KiB (20 MiB the coordinator now holds: the embedded

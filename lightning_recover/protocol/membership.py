@@ -515,7 +515,7 @@ class Membership:
         deadline = time.monotonic() + timeout
         delay = POLL_MIN
         expected = dict(expected)
-        while self.store.get_genuine(f"{prefix}/members") is None:
+        while (listed := self.store.get_genuine(f"{prefix}/members")) is None:
             self.check_health()
             if not may_close:
                 # A joiner waits for the members, who close the round within their join_timeout; a
@@ -536,8 +536,9 @@ class Membership:
                 delay = backoff(delay)
                 continue
             members = sorted(joined - dead)
-            self.store.compare_set(f"{prefix}/members", None, json.dumps(members))
-        members = json.loads(self.store.get(f"{prefix}/members"))
+            listed = self.store.compare_set(f"{prefix}/members", None, json.dumps(members))
+            break
+        members = json.loads(listed)  # the value read, not a second read (the key may be deleted meanwhile)
         if self.replica not in members:
             raise ReplicaExcludedError(
                 f"replica {self.replica} was left out of generation {number} (the others suspected it dead); "
