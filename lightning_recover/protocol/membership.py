@@ -391,6 +391,8 @@ class Membership:
             key = f"g{latest}/invite/{self.replica}"
             if self.store.get_genuine(key) == str(self.incarnation):
                 break
+            if self.store.get_genuine(f"join/{self.replica}") != str(self.incarnation):
+                self.request_join()  # the request was deleted or overwritten: nobody would admit this replica
             delay = backoff(delay)
         self.gen = self._join_round(
             latest, {"step": None, "have": [], "joiner": True}, expected={}, timeout=self.join_timeout, may_close=False
