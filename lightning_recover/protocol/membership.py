@@ -73,8 +73,9 @@ class Progress:
 class Heartbeat:
     """Rewrites the sealed ``hb/{replica}`` every ``interval`` seconds on its own store connection,
     carrying the main thread's :class:`Progress` under a growing sequence (incarnation, beat): an
-    old heartbeat written back is a replay its readers drop (messages.Freshness). It also watches for this incarnation being declared
-    dead (so the main thread learns it at its next check, even between collectives)."""
+    old heartbeat written back is a replay its readers drop (messages.Freshness). It also watches
+    for this incarnation being declared dead (so the main thread learns it at its next check, even
+    between collectives)."""
 
     def __init__(
         self,
