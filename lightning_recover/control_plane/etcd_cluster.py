@@ -82,6 +82,7 @@ def make_certificates(directory: str, hosts: Sequence[str]) -> dict[str, str]:
         run(
             *("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "30"),
             *("-subj", "/CN=lightning-recover test CA", "-keyout", p["cakey"], "-out", p["cacert"]),
+            *("-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign"),
         )
         for name, cn, extfile in (("server", "etcd member", ext), ("", "lightning-recover", client_ext)):
             cert, key = (p["server_cert"], p["server_key"]) if name else (p["cert"], p["key"])

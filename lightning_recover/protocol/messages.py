@@ -294,7 +294,12 @@ class ControlStore:
     def prefixed(self, prefix: str) -> dist.Store:
         """A fresh, sealed connection under ``prefix``, for building process groups over it: the
         group's rendezvous (peer addresses) is authenticated like every other value."""
-        return SealedStore(dist.PrefixStore(prefix, self.call(self.raw.clone)), self.sealer, prefix)
+        # An etcd store prefixes its own keys. torch's PrefixStore would hold a Python store only on the
+        # C++ side, where its Python half is collected ("Not implemented" on the next call, torch 2.13),
+        # and it does not forward delete_key/num_keys to Python (tests/test_etcd_store.py).
+        make = getattr(self.raw, "prefixed_clone", None)
+        inner = self.call(make, prefix) if make else dist.PrefixStore(prefix, self.call(self.raw.clone))
+        return SealedStore(inner, self.sealer, prefix)
 
     def call(self, fn: Any, *args: Any) -> Any:
         try:
