@@ -48,8 +48,13 @@ def sync_ops(name: str, eps: list[str], tls: dict):
         from etcd3gw.client import Etcd3Client
 
         c = Etcd3Client(
-            host, int(port), protocol="https" if tls else "http",
-            ca_cert=tls.get("cacert"), cert_cert=tls.get("cert"), cert_key=tls.get("key"), timeout=5,
+            host,
+            int(port),
+            protocol="https" if tls else "http",
+            ca_cert=tls.get("cacert"),
+            cert_cert=tls.get("cert"),
+            cert_key=tls.get("key"),
+            timeout=5,
         )
         import base64
 
@@ -57,17 +62,21 @@ def sync_ops(name: str, eps: list[str], tls: dict):
             return base64.b64encode(s.encode()).decode()
 
         def cas(i):
-            c.transaction({
-                "compare": [{"key": b("bench/cas"), "result": "EQUAL", "target": "VALUE", "value": b(str(i - 1))}],
-                "success": [{"request_put": {"key": b("bench/cas"), "value": b(str(i))}}],
-                "failure": [{"request_range": {"key": b("bench/cas")}}],
-            })
+            c.transaction(
+                {
+                    "compare": [{"key": b("bench/cas"), "result": "EQUAL", "target": "VALUE", "value": b(str(i - 1))}],
+                    "success": [{"request_put": {"key": b("bench/cas"), "value": b(str(i))}}],
+                    "failure": [{"request_range": {"key": b("bench/cas")}}],
+                }
+            )
 
         return (lambda i: c.put("bench/k", f"v{i}")), (lambda i: c.get("bench/k")), cas
     if name == "etcd3":  # 0.12 (2020): one endpoint, no failover
         import etcd3
 
-        c = etcd3.client(host, int(port), ca_cert=tls.get("cacert"), cert_key=tls.get("key"), cert_cert=tls.get("cert"), timeout=5)
+        c = etcd3.client(
+            host, int(port), ca_cert=tls.get("cacert"), cert_key=tls.get("key"), cert_cert=tls.get("cert"), timeout=5
+        )
 
         def cas(i):
             c.transaction(
@@ -86,7 +95,9 @@ def sync_ops(name: str, eps: list[str], tls: dict):
                 open(tls["cacert"], "rb").read(), open(tls["key"], "rb").read(), open(tls["cert"], "rb").read()
             )
         endpoints = [
-            etcd3.Endpoint(e.rsplit(":", 1)[0], int(e.rsplit(":", 1)[1]), secure=bool(tls), creds=creds if tls else None)
+            etcd3.Endpoint(
+                e.rsplit(":", 1)[0], int(e.rsplit(":", 1)[1]), secure=bool(tls), creds=creds if tls else None
+            )
             for e in eps
         ]
         c = etcd3.MultiEndpointEtcd3Client(endpoints=endpoints, timeout=5, failover=True)
@@ -112,11 +123,13 @@ def async_ops(name: str, eps: list[str], tls: dict, loop: asyncio.AbstractEventL
         run(c.connect())
 
         def cas(i):
-            run(c.transaction(
-                compare=[c.transactions.value(b"bench/cas") == str(i - 1).encode()],
-                success=[c.transactions.put(b"bench/cas", str(i).encode())],
-                failure=[c.transactions.get(b"bench/cas")],
-            ))
+            run(
+                c.transaction(
+                    compare=[c.transactions.value(b"bench/cas") == str(i - 1).encode()],
+                    success=[c.transactions.put(b"bench/cas", str(i).encode())],
+                    failure=[c.transactions.get(b"bench/cas")],
+                )
+            )
 
         return (lambda i: run(c.put(b"bench/k", b"v%d" % i))), (lambda i: run(c.get(b"bench/k"))), cas
     if name == "etcd-client-py":
@@ -184,7 +197,12 @@ def main() -> None:
             time.sleep(0.01)
         i += 1
     gap = max(gap, time.perf_counter() - last)  # a client still stuck (or failing) at the end
-    out["failover"] = {"max_gap_s": gap, "errors": errors, "first_error": first_error, "recovered": time.perf_counter() - last < 1.0}
+    out["failover"] = {
+        "max_gap_s": gap,
+        "errors": errors,
+        "first_error": first_error,
+        "recovered": time.perf_counter() - last < 1.0,
+    }
     print(json.dumps(out), flush=True)
 
 

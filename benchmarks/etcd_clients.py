@@ -29,7 +29,9 @@ NO_TLS = {"etcd-client-py", "aetcd"}  # no CA / client-certificate settings (0.5
 def site_size_mb(venv: str) -> float:
     base = subprocess.run(
         [os.path.join(venv, "bin", "python"), "-c", "import site; print(site.getsitepackages()[0])"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.strip()
     total = 0
     for d, _, files in os.walk(base):

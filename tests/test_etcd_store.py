@@ -17,7 +17,7 @@ from lightning_recover.control_plane.etcd_cluster import LocalEtcdCluster
 from lightning_recover.control_plane.etcd_store import EtcdStore
 from lightning_recover.errors import CoordinatorLostError, RecoverError
 from lightning_recover.protocol.messages import ControlStore, JobSecret
-from tests.etcd_cluster_fixtures import etcd1, need_etcd  # noqa: F401 -- fixture
+from tests.etcd_cluster_fixtures import need_etcd
 
 _count = [0]
 

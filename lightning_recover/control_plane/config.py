@@ -9,6 +9,7 @@ Every misconfiguration is a :class:`~lightning_recover.errors.RecoverError` with
 
 from __future__ import annotations
 
+import datetime
 import ipaddress
 import os
 import secrets
@@ -155,3 +156,28 @@ def with_job(settings: EtcdSettings, job: Optional[str]) -> EtcdSettings:
     from dataclasses import replace
 
     return replace(settings, job=job or settings.job or "job-" + secrets.token_hex(6))
+
+
+def connect_store(addr: str, timeout: float):  # -> EtcdStore
+    """The replica's (or launcher's) store for an ``etcd://`` coordinator address: TLS files and the job's
+    name from the environment the launcher handed down. Unreachable etcd -> ``CoordinatorLostError``."""
+    from lightning_recover.control_plane.etcd_client import EtcdRequestError, EtcdUnavailable
+    from lightning_recover.errors import CoordinatorLostError
+
+    settings = parse(addr)
+    if settings is None or not settings.job:
+        raise RecoverError(
+            f"{env.COORDINATOR}={addr} names an etcd control plane but {env.JOB} (the job's name) is not set. "
+            "HINT: start replicas with `lightning-recover run --control-plane ...`, or give every process of "
+            f"the job the same {env.JOB}"
+        )
+    store = settings.store()
+    store.set_timeout(datetime.timedelta(seconds=timeout))
+    try:
+        store.check(["meta/replicas"])
+    except (EtcdUnavailable, EtcdRequestError) as exc:
+        raise CoordinatorLostError(
+            f"cannot reach the etcd control plane {settings.url}: {exc}. HINT: check that a majority of the "
+            f"members run and {env.ETCD_CACERT}/{env.ETCD_CERT}/{env.ETCD_KEY}"
+        ) from exc
+    return store

@@ -250,7 +250,9 @@ class EtcdClient:
         return self.request("maintenance/status", {})
 
     # ------------------------------------------------------------------ watch
-    def watch(self, key: bytes, start_revision: int, timeout: float, range_end: Optional[bytes] = None) -> Iterator[dict]:
+    def watch(
+        self, key: bytes, start_revision: int, timeout: float, range_end: Optional[bytes] = None
+    ) -> Iterator[dict]:
         """Events on ``key`` from ``start_revision`` on, for up to ``timeout`` seconds (then it just ends).
 
         A watch stream of its own (one HTTP connection to the current member); reading it is bounded

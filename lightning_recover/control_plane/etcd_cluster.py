@@ -222,7 +222,10 @@ class LocalEtcdCluster:
         log = open(os.path.join(self.directory, f"{m.name}.log"), "ab")
         # Its own session: a Ctrl-C in the terminal of `etcd up` must not reach the members.
         m.proc = subprocess.Popen(
-            self._command(i, state), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            self._command(i, state),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
         log.close()
@@ -316,7 +319,9 @@ def down(directory: str, timeout: float = 10.0) -> int:
         with open(path) as f:
             state = json.load(f)
     except FileNotFoundError:
-        raise RecoverError(f"no cluster in {directory} ({path} is missing). HINT: `lightning-recover etcd up --dir D`")
+        raise RecoverError(
+            f"no cluster in {directory} ({path} is missing). HINT: `lightning-recover etcd up --dir D`"
+        ) from None
     ended = []
     for m in state["members"]:
         pid = int(m["pid"])
@@ -347,7 +352,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     up = kinds.add_parser("up", help="make certificates, start the members, print the environment to use")
     up.add_argument("--dir", required=True, help="directory for certificates, data and logs")
     up.add_argument("--members", type=int, default=3)
-    up.add_argument("--host", default="127.0.0.1", help="address the members listen on (one, or comma-separated per member)")
+    up.add_argument(
+        "--host", default="127.0.0.1", help="address the members listen on (one, or comma-separated per member)"
+    )
     up.add_argument("--election-timeout-ms", type=int, default=DEFAULT_ELECTION_MS)
     up.add_argument("--heartbeat-ms", type=int, default=DEFAULT_HEARTBEAT_MS)
     up.add_argument(
@@ -361,8 +368,11 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_up(args: argparse.Namespace) -> int:
     if os.path.exists(os.path.join(args.dir, _STATE)):
-        print(f"a cluster was already started in {args.dir}. HINT: `lightning-recover etcd down --dir {args.dir}`, "
-              "or another --dir", file=sys.stderr)
+        print(
+            f"a cluster was already started in {args.dir}. HINT: `lightning-recover etcd down --dir {args.dir}`, "
+            "or another --dir",
+            file=sys.stderr,
+        )
         return 2
     cluster = LocalEtcdCluster(
         args.dir,

@@ -51,7 +51,9 @@ class EtcdStore(dist.Store):
     """Keys ``prefix + key`` in etcd through ``client``; ``root`` holds the store's own bookkeeping
     (the tokens of ``add``), outside ``prefix`` so that ``num_keys`` counts only the caller's keys."""
 
-    def __init__(self, client: ec.EtcdClient, prefix: str, root: Optional[str] = None, timeout: float = _DEFAULT_TIMEOUT):
+    def __init__(
+        self, client: ec.EtcdClient, prefix: str, root: Optional[str] = None, timeout: float = _DEFAULT_TIMEOUT
+    ):
         super().__init__()
         self.client = client
         self.prefix = prefix.encode()

@@ -208,7 +208,15 @@ def _hashable(key: Any) -> Any:
 
 
 def connect(addr: str, timeout: float = 60.0) -> dist.TCPStore:
-    """Connect a raw client to the coordinator at ``host:port`` within ``timeout`` seconds."""
+    """Connect a raw client to the coordinator at ``host:port`` within ``timeout`` seconds.
+
+    An ``etcd://`` address is the etcd control plane: the same door, an etcd-backed store
+    (:mod:`lightning_recover.control_plane`; the TLS files and the job's name come from the environment).
+    """
+    if addr.startswith("etcd"):
+        from lightning_recover.control_plane.config import connect_store
+
+        return connect_store(addr, timeout)
     host, _, port = addr.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(
@@ -308,7 +316,8 @@ class ControlStore:
             raise
         except Exception as exc:
             raise CoordinatorLostError(
-                f"replica {self.replica} lost the coordinator at {self.addr} ({type(exc).__name__}: {exc}). "
+                f"replica {self.replica} lost the {'etcd control plane' if self.addr.startswith('etcd') else 'coordinator'} "
+                f"at {self.addr} ({type(exc).__name__}: {exc}). "
                 "No further step can be agreed safely; this replica stops. "
                 "HINT: restart the job from its last checkpoint."
             ) from exc
