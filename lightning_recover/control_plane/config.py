@@ -181,3 +181,9 @@ def connect_store(addr: str, timeout: float):  # -> EtcdStore
             f"members run and {env.ETCD_CACERT}/{env.ETCD_CERT}/{env.ETCD_KEY}"
         ) from exc
     return store
+
+
+def control_plane_of(options: object) -> Optional[EtcdSettings]:
+    """The etcd settings a strategy's ``control_plane=`` option (or the environment) names, with a job name."""
+    settings = parse(getattr(options, "control_plane", None))
+    return with_job(settings, None) if settings is not None else None

@@ -76,8 +76,8 @@ class _Link:
     of its last answer with a bound.
     """
 
-    def __init__(self, addr: str, period: float) -> None:
-        self._store = connect(addr, timeout=10.0)
+    def __init__(self, addr: str, period: float, store: Any = None) -> None:
+        self._store = store if store is not None else connect(addr, timeout=10.0)
         self._period = period
         self._requests: queue.Queue = queue.Queue()
         self.last_ok = time.monotonic()
@@ -310,7 +310,9 @@ def supervise(
     link: _Link | None = None
     standbys: StandbyPool | None = None
     try:
-        link = _Link(coord.addr, period=min(1.0, heartbeat_timeout / 2))
+        link = _Link(
+            coord.addr, period=min(1.0, heartbeat_timeout / 2), store=control_plane.store() if control_plane else None
+        )
         if nproc_per_replica > 1:
             child_env[env.REPLICA_SIZE] = str(nproc_per_replica)
             if not watch_workers:
@@ -321,7 +323,7 @@ def supervise(
                     argv,
                     replicas,
                     nproc_per_replica,
-                    connect(coord.addr),
+                    control_plane.store() if control_plane else connect(coord.addr),
                     sealer,
                     child_env,
                     say,
