@@ -134,10 +134,11 @@ def measure(args: argparse.Namespace) -> dict:
         etcd_env = cluster.environment()
         result["election_timeout_s"] = args.election_ms / 1000
         modes = {"embedded": {}, "etcd": etcd_env}
+        parts = set(args.parts.split(","))
         # --- overhead and load (failure-free runs, alternated)
         times: dict[str, list[float]] = {m: [] for m in modes}
         load = []
-        for rep in range(args.repeat):
+        for rep in range(args.repeat if "overhead" in parts else 0):
             for mode in list(modes)[rep % 2 :] + list(modes)[: rep % 2]:
                 out = os.path.join(work, f"free-{mode}{rep}")
                 before = metrics(cluster) if mode == "etcd" else None
@@ -148,12 +149,17 @@ def measure(args: argparse.Namespace) -> dict:
                     load.append({k: (after[k] - before[k]) / per for k in _METRICS})
                 times[mode].append(step_median(out, 3))
                 print(f"  {mode:8s} run {rep}: median step {times[mode][-1] * 1e3:.1f} ms", flush=True)
-        paired = [e / b for b, e in zip(times["embedded"], times["etcd"])]
-        result["overhead"] = {"runs": times, "paired_ratios": paired, "paired_ratio_median": statistics.median(paired)}
+        if times["etcd"]:
+            paired = [e / b for b, e in zip(times["embedded"], times["etcd"])]
+            result["overhead"] = {
+                "runs": times,
+                "paired_ratios": paired,
+                "paired_ratio_median": statistics.median(paired),
+            }
         # --- kill -> next commit, alternated
         kills: dict[str, list[float]] = {m: [] for m in modes}
         phases = ["reduce", "backward", "forward"]
-        for i in range(args.kills):
+        for i in range(args.kills if "kill" in parts else 0):
             for mode in list(modes)[i % 2 :] + list(modes)[: i % 2]:
                 victim, step, phase = 1 + i % (args.replicas - 1), 2 + i % 3, phases[i % 3]
                 out = os.path.join(work, f"kill-{mode}{i}")
@@ -173,10 +179,11 @@ def measure(args: argparse.Namespace) -> dict:
                 ]
                 kills[mode].append(max(nxt) - fault_at)
                 print(f"  {mode:8s} kill {i} ({phase}): next commit after {kills[mode][-1]:.3f}s", flush=True)
-        result["kill_next_commit_s"] = {m: {"runs": v, "median": statistics.median(v)} for m, v in kills.items()}
+        if kills["etcd"]:
+            result["kill_next_commit_s"] = {m: {"runs": v, "median": statistics.median(v)} for m, v in kills.items()}
         # --- etcd leader SIGKILL during training
         leader_runs = []
-        for i in range(args.leader_kills):
+        for i in range(args.leader_kills if "leader" in parts else 0):
             out = os.path.join(work, f"leader{i}")
             steps = args.steps + 6
             job = f"bench-leader-{i}-{os.getpid()}"
@@ -206,7 +213,10 @@ def measure(args: argparse.Namespace) -> dict:
             leader_runs.append(run)
             print(f"  leader kill {i}: {run}", flush=True)
             cluster.restart(leader)
-        result["leader_kill"] = leader_runs
+        if leader_runs:
+            result["leader_kill"] = leader_runs
+        if not load:
+            return result
         # --- load and its projection
         mean_load = {k: statistics.mean(x[k] for x in load) for k in _METRICS}
         capacity = write_capacity(cluster)
@@ -250,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--leader-kills", type=int, default=2)
     p.add_argument("--election-ms", type=int, default=500)
     p.add_argument("--dir", default=None)
+    p.add_argument("--parts", default="overhead,kill,leader", help="which measurements (load comes with overhead)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     result = measure(args)
