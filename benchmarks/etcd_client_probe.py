@@ -140,6 +140,9 @@ def async_ops(name: str, eps: list[str], tls: dict, loop: asyncio.AbstractEventL
 
         comm = run(connect())
 
+        async def call(make):  # its futures need a running loop when they are created
+            return await make()
+
         def cas(i):
             txn = (
                 Txn()
@@ -147,9 +150,13 @@ def async_ops(name: str, eps: list[str], tls: dict, loop: asyncio.AbstractEventL
                 .and_then([TxnOp.put(b"bench/cas", str(i).encode())])
                 .or_else([TxnOp.get(b"bench/cas")])
             )
-            run(comm.txn(txn))
+            run(call(lambda: comm.txn(txn)))
 
-        return (lambda i: run(comm.put(b"bench/k", b"v%d" % i))), (lambda i: run(comm.get(b"bench/k"))), cas
+        return (
+            (lambda i: run(call(lambda: comm.put(b"bench/k", b"v%d" % i)))),
+            (lambda i: run(call(lambda: comm.get(b"bench/k")))),
+            cas,
+        )
     raise ValueError(name)
 
 

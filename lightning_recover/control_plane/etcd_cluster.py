@@ -264,7 +264,7 @@ class LocalEtcdCluster:
         self.stop()
 
     # ------------------------------------------------------------------ status
-    def _status(self, i: int, timeout: float = 1.0) -> dict | None:
+    def status(self, i: int, timeout: float = 1.0) -> dict | None:
         """``/v3/maintenance/status`` of member ``i`` (None if it does not answer)."""
         from lightning_recover.control_plane.etcd_client import EtcdClient, EtcdUnavailable
 
@@ -284,7 +284,7 @@ class LocalEtcdCluster:
             for i, m in enumerate(self.members):
                 if m.proc is not None and m.proc.poll() is not None:
                     continue
-                st = self._status(i)
+                st = self.status(i)
                 if st and st.get("leader") and st["leader"] == st["header"]["member_id"]:
                     return i
             if time.monotonic() > deadline:
