@@ -120,3 +120,45 @@ def test_launcher_holding_the_monitor_role_sigkilled(etcd3, tmp_path, reference)
             kill_group(b)
     result = JobResult(b.returncode, open(log_b).read(), out)
     _assert_failure_free(result, reference, [1, 2])
+
+
+def test_etcd_up_and_down_cli(tmp_path):
+    """`lightning-recover etcd up` starts a TLS cluster that etcdctl (with the printed files) uses and a
+    client without a certificate cannot; `etcd down` ends its members."""
+    import shutil
+    import subprocess
+
+    if shutil.which("etcd") is None or shutil.which("etcdctl") is None:
+        pytest.skip("etcd-server/etcd-client not installed (scripts/setup.sh installs them)")
+    d = str(tmp_path / "cluster")
+    cli = [sys.executable, "-m", "lightning_recover.cli", "etcd"]
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    up = subprocess.run([*cli, "up", "--dir", d], capture_output=True, text=True, timeout=60, env=env)
+    try:
+        assert up.returncode == 0, up.stderr
+        exported = dict(
+            line[len("export ") :].split("=", 1) for line in up.stdout.splitlines() if line.startswith("export ")
+        )
+        endpoints = exported["LIGHTNING_RECOVER_CONTROL_PLANE"].removeprefix("etcd://")
+        ctl = ["etcdctl", "--endpoints", endpoints, "--cacert", exported["LIGHTNING_RECOVER_ETCD_CACERT"]]
+        auth = ["--cert", exported["LIGHTNING_RECOVER_ETCD_CERT"], "--key", exported["LIGHTNING_RECOVER_ETCD_KEY"]]
+        etcd_env = dict(os.environ, ETCDCTL_API="3")
+        put = subprocess.run([*ctl, *auth, "put", "k", "v"], capture_output=True, text=True, timeout=30, env=etcd_env)
+        assert put.returncode == 0 and "OK" in put.stdout, put.stderr
+        refused = subprocess.run(
+            [*ctl, "--command-timeout", "2s", "get", "k"], capture_output=True, text=True, timeout=30, env=etcd_env
+        )
+        assert refused.returncode != 0  # no client certificate: the handshake is refused
+        again = subprocess.run([*cli, "up", "--dir", d], capture_output=True, text=True, timeout=60, env=env)
+        assert again.returncode == 2 and "HINT" in again.stderr
+    finally:
+        down = subprocess.run([*cli, "down", "--dir", d], capture_output=True, text=True, timeout=60, env=env)
+    assert down.returncode == 0 and "ended 3 etcd member(s)" in down.stdout, down.stdout + down.stderr
+    import json
+
+    for m in (
+        json.load(open(os.path.join(d, "cluster.json")))["members"]
+        if os.path.exists(os.path.join(d, "cluster.json"))
+        else []
+    ):
+        assert not os.path.exists(f"/proc/{m['pid']}")
