@@ -125,6 +125,7 @@ def test_launcher_holding_the_monitor_role_sigkilled(etcd3, tmp_path, reference)
 def test_etcd_up_and_down_cli(tmp_path):
     """`lightning-recover etcd up` starts a TLS cluster that etcdctl (with the printed files) uses and a
     client without a certificate cannot; `etcd down` ends its members."""
+    import json
     import shutil
     import subprocess
 
@@ -134,7 +135,10 @@ def test_etcd_up_and_down_cli(tmp_path):
     cli = [sys.executable, "-m", "lightning_recover.cli", "etcd"]
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     up = subprocess.run([*cli, "up", "--dir", d], capture_output=True, text=True, timeout=60, env=env)
+    pids = []
     try:
+        with open(os.path.join(d, "cluster.json")) as f:
+            pids = [m["pid"] for m in json.load(f)["members"]]
         assert up.returncode == 0, up.stderr
         exported = dict(
             line[len("export ") :].split("=", 1) for line in up.stdout.splitlines() if line.startswith("export ")
@@ -154,11 +158,5 @@ def test_etcd_up_and_down_cli(tmp_path):
     finally:
         down = subprocess.run([*cli, "down", "--dir", d], capture_output=True, text=True, timeout=60, env=env)
     assert down.returncode == 0 and "ended 3 etcd member(s)" in down.stdout, down.stdout + down.stderr
-    import json
-
-    for m in (
-        json.load(open(os.path.join(d, "cluster.json")))["members"]
-        if os.path.exists(os.path.join(d, "cluster.json"))
-        else []
-    ):
-        assert not os.path.exists(f"/proc/{m['pid']}")
+    for pid in pids:  # the members are gone (not left behind, not re-parented)
+        assert not os.path.exists(f"/proc/{pid}"), pid
