@@ -66,6 +66,15 @@ def test_same_answers_as_tcpstore(etcd1):
     assert ours.num_keys() == 6  # r, c, fresh, m1, m2, ap ("absent" was never created, "a" deleted)
 
 
+def test_more_keys_than_one_transaction_holds(etcd1):
+    """multi_get/multi_set/check of 300 keys: etcd refuses transactions of more than 128 operations."""
+    store = fresh_store(etcd1)
+    keys = [f"k{i}" for i in range(300)]
+    store.multi_set(keys, [str(i).encode() for i in range(300)])
+    assert store.multi_get(keys) == [str(i).encode() for i in range(300)]
+    assert store.check(keys) and not store.check(keys + ["absent"])
+
+
 def test_concurrent_adds_are_counted_once_each(etcd1):
     base = fresh_store(etcd1)
     stores = [base.clone() for _ in range(4)]

@@ -41,6 +41,7 @@ from lightning_recover.control_plane import etcd_client as ec
 
 _WATCH_SLICE = 1.0  # seconds a watch runs before the keys are read again
 _DEFAULT_TIMEOUT = 300.0  # TCPStore's default wait
+_MAX_TXN_OPS = 128  # etcd's default --max-txn-ops: a transaction of more operations is refused
 
 
 def _as_bytes(value: Any) -> bytes:
@@ -84,7 +85,9 @@ class EtcdStore(dist.Store):
         self.client.put(self._k(key), _as_bytes(value))
 
     def multi_set(self, keys: Sequence[str], values: Sequence[Any]) -> None:
-        self.client.txn([], [ec.op_put(self._k(k), _as_bytes(v)) for k, v in zip(keys, values)])
+        ops = [ec.op_put(self._k(k), _as_bytes(v)) for k, v in zip(keys, values)]
+        for at in range(0, len(ops), _MAX_TXN_OPS):
+            self.client.txn([], ops[at : at + _MAX_TXN_OPS])
 
     def get(self, key: str) -> bytes:
         value, _ = self.client.get(self._k(key))
@@ -101,17 +104,21 @@ class EtcdStore(dist.Store):
         return [v if v is not None else b"" for v in found[0]]
 
     def _ranges(self, keys: Sequence[str], count_only: bool = False) -> tuple[list[Optional[bytes]], int]:
-        """The values (None: absent) of ``keys`` in one transaction, and the revision it read at."""
-        answer = self.client.txn([], [ec.op_get(self._k(k), count_only) for k in keys])
+        """The values (None: absent) of ``keys`` in one transaction per ``_MAX_TXN_OPS`` keys, and the
+        revision of the first (keys read in later chunks can only be newer)."""
         out: list[Optional[bytes]] = []
-        for r in answer.get("responses") or []:
-            rng = r.get("response_range") or {}
-            if count_only:
-                out.append(b"" if int(rng.get("count", 0)) else None)
-            else:
-                kv = ec.first_kv(r)
-                out.append(ec.unb64(kv.get("value")) if kv else None)
-        return out, int(answer["header"]["revision"])
+        revision = 0
+        for at in range(0, max(len(keys), 1), _MAX_TXN_OPS):
+            answer = self.client.txn([], [ec.op_get(self._k(k), count_only) for k in keys[at : at + _MAX_TXN_OPS]])
+            revision = revision or int(answer["header"]["revision"])
+            for r in answer.get("responses") or []:
+                rng = r.get("response_range") or {}
+                if count_only:
+                    out.append(b"" if int(rng.get("count", 0)) else None)
+                else:
+                    kv = ec.first_kv(r)
+                    out.append(ec.unb64(kv.get("value")) if kv else None)
+        return out, revision
 
     def check(self, keys: Sequence[str]) -> bool:
         return all(v is not None for v in self._ranges(keys, count_only=True)[0])
