@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import math
 import os
 import re
 import statistics
@@ -239,6 +240,10 @@ def measure(args: argparse.Namespace) -> dict:
             "writes_per_s": 2000 * writes_per_s_per_replica,
             "capacity_fraction": 2000 * writes_per_s_per_replica / capacity,
             "step_s_assumed": step_s,
+            # the monitor reads every heartbeat key each poll (coordinator.run_monitor: every 20 ms),
+            # in transactions of 128 ranges
+            "monitor_key_reads_per_s": 2000 / 0.02,
+            "monitor_txns_per_s": math.ceil(2000 / 128) / 0.02,
         }
     return result
 
