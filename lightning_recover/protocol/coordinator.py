@@ -83,10 +83,20 @@ def run_monitor(
     beats: dict[str, tuple[int, int, float]] = {}  # key -> (incarnation, beat, when it last moved)
     progress: dict[str, tuple[int, int, float]] = {}  # key -> (incarnation, progress count, when it last moved)
     poll = min(0.02, timeout / 10)
+    last_read = time.monotonic()
     while not stop.wait(poll):
+        values = store.multi_get(keys)
         now = time.monotonic()
+        # A read that came late means the control plane itself stalled (an etcd leader election, a
+        # CPU-starved coordinator): no replica could beat meanwhile, so that time does not count
+        # against anyone. Only the excess over the usual poll is forgiven.
+        stalled = now - last_read - poll
+        last_read = now
+        if stalled > 2 * poll:
+            beats = {k: (i, b, t + stalled) for k, (i, b, t) in beats.items()}
+            progress = {k: (i, c, t + stalled) for k, (i, c, t) in progress.items()}
         hbs: dict[str, tuple[int, dict]] = {}
-        for (r, key), raw in zip(procs, store.multi_get(keys)):
+        for (r, key), raw in zip(procs, values):
             try:
                 hbs[key] = (r, json.loads(sealer.open(key, raw)))
             except (ForgedMessageError, ValueError):
