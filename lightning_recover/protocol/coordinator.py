@@ -55,7 +55,7 @@ def _hb_keys(r: int, replica_size: int) -> list[str]:
     return [f"hb/{r}"] if replica_size == 1 else [f"hb/{r}/i{i}" for i in range(replica_size)]
 
 
-def _init_keys(store: dist.TCPStore, sealer: Sealer, replicas: int, replica_size: int = 1) -> None:
+def init_keys(store: dist.TCPStore, sealer: Sealer, replicas: int, replica_size: int = 1) -> None:
     for r in range(replicas):
         store.set(f"dead/{r}", sealer.seal(f"dead/{r}", b"0"))
         store.set(f"declared/{r}", sealer.seal(f"declared/{r}", b"0"))
@@ -71,7 +71,7 @@ def _init_keys(store: dist.TCPStore, sealer: Sealer, replicas: int, replica_size
 _WAITING = ("reduce", "decide", "regroup", "exchange")  # phases in which a replica waits on its peers
 
 
-def _monitor(
+def run_monitor(
     store: dist.TCPStore,
     sealer: Sealer,
     replicas: int,
@@ -93,8 +93,17 @@ def _monitor(
     hbs: dict[str, tuple[int, dict]] = {}  # key -> (replica, its last fresh and genuine heartbeat)
     fresh = Freshness("[coordinator]")
     poll = min(0.02, timeout / 10)
+    last_read = time.monotonic()
     while not stop.wait(poll):
         now = time.monotonic()
+        # A read that came late means the control plane itself stalled (an etcd leader election, a
+        # CPU-starved coordinator): no replica could beat meanwhile, so that time does not count
+        # against anyone. Only the excess over the usual poll is forgiven.
+        stalled = now - last_read - poll
+        last_read = now
+        if stalled > 2 * poll:
+            beats = {k: (i, b, t + stalled) for k, (i, b, t) in beats.items()}
+            progress = {k: (i, c, t + stalled) for k, (i, c, t) in progress.items()}
         # Non-waiting reads: a heartbeat key deleted by an outside client must not stall the monitor.
         for r, key in procs:
             raw = peek(store, key)
@@ -205,7 +214,7 @@ class Coordinator:
             use_libuv=True,
             master_listen_fd=self.socket.fileno(),
         )
-        _init_keys(self.store, self.sealer, replicas, replica_size)
+        init_keys(self.store, self.sealer, replicas, replica_size)
 
     @property
     def addr(self) -> str:
@@ -213,7 +222,7 @@ class Coordinator:
 
     def monitor(self, stop: threading.Event) -> None:
         """Declare dead every replica whose heartbeat stopped, until ``stop`` is set."""
-        _monitor(
+        run_monitor(
             self.store.clone(),
             self.sealer,
             self.replicas,
