@@ -19,6 +19,7 @@ Keys (values sealed with the job's MAC, see ``messages.py``, except the two coun
 ``meta/replicas``  the job's replica count, checked by every replica when it connects
 ``join/{r}``       the incarnation of a restarted replica r asking to be admitted
 ``g{G}/...``       the membership round of generation G (see ``membership.py``)
+``reach/...``      probe addresses, rounds, reports and verdicts of partition detection (``reachability.py``)
 ``s{S}/g{G}/...``  step S's reduce under generation G: done reports and the commit decision
 
 The monitor declares a replica dead when its beat has not moved for ``heartbeat_timeout`` seconds
@@ -42,6 +43,7 @@ import torch.distributed as dist
 
 from lightning_recover.errors import ForgedMessageError
 from lightning_recover.protocol.messages import JobSecret, Sealer, mark_dead, read_death
+from lightning_recover.protocol.reachability import PartitionJudge, probe_timeout_for
 
 _STORE_TIMEOUT = datetime.timedelta(seconds=60)
 
@@ -83,6 +85,8 @@ def _monitor(
     beats: dict[str, tuple[int, int, float]] = {}  # key -> (incarnation, beat, when it last moved)
     progress: dict[str, tuple[int, int, float]] = {}  # key -> (incarnation, progress count, when it last moved)
     poll = min(0.02, timeout / 10)
+    # Members that reach the coordinator but not each other (an asymmetric partition): see reachability.py.
+    judge = PartitionJudge(store, sealer, suspect_after=timeout, probe_timeout=probe_timeout_for(timeout))
     while not stop.wait(poll):
         now = time.monotonic()
         hbs: dict[str, tuple[int, dict]] = {}
@@ -117,6 +121,7 @@ def _monitor(
             if why and read_death(sealer, r, store.get(f"dead/{r}")) < inc and mark_dead(store, sealer, r, inc):
                 store.set(f"declared/{r}", sealer.seal(f"declared/{r}", str(inc).encode()))
                 print(f"[coordinator] replica {r} (incarnation {inc}) {why}: declared dead", flush=True)
+        judge.observe(now, hbs)
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
