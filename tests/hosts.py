@@ -97,7 +97,7 @@ class Hosts:
 
     def close(self) -> None:
         """End every process started in the hosts, then delete what was made (never raises)."""
-        for proc in self._procs:
+        for proc in reversed(self._procs):  # the last started first (replicas before their coordinator)
             _end(proc)
         for name in self.names:  # anything else still inside our namespaces was started by us
             listed = _run("ip", "netns", "pids", self.netns[name], check=False).stdout.split()

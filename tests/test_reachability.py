@@ -20,6 +20,7 @@ from lightning_recover.protocol.reachability import (
     ProbeServer,
     ReachabilityResponder,
     exclusion_bound,
+    fence_reason,
     largest_mutual_set,
     probe,
     probe_timeout_for,
@@ -57,9 +58,7 @@ def test_largest_mutual_set_matches_brute_force():
     for _ in range(400):
         n = rng.randint(1, 8)
         members = list(range(n))
-        reached = {
-            r: [s for s in members if s != r and rng.random() < 0.8] for r in members if rng.random() < 0.9
-        }
+        reached = {r: [s for s in members if s != r and rng.random() < 0.8] for r in members if rng.random() < 0.9}
         assert largest_mutual_set(members, reached) == _brute_force(members, reached), reached
 
 
@@ -135,7 +134,9 @@ def test_judge_fences_the_member_its_peers_cannot_reach(coordinator, monkeypatch
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)
-        store.set("reach/addr/2", json.dumps({"inc": replicas[2][1], "host": "127.0.0.1", "port": silent.getsockname()[1]}))
+        store.set(
+            "reach/addr/2", json.dumps({"inc": replicas[2][1], "host": "127.0.0.1", "port": silent.getsockname()[1]})
+        )
         start = time.monotonic()
         try:
             bound = exclusion_bound(1.0, probe_timeout_for(1.0))
@@ -146,7 +147,9 @@ def test_judge_fences_the_member_its_peers_cannot_reach(coordinator, monkeypatch
             assert store.deaths([0, 1, 2]) == {0: 0, 1: 0, 2: replicas[2][1]}, f"after {took:.2f}s"
             assert took >= 1.0, "not before the group waited suspect_after"
             verdict = json.loads(store.get("reach/1/verdict"))
-            assert verdict == {"keep": [0, 1], "fenced": {"2": {"unreachable": [0, 1]}}}
+            assert verdict["keep"] == [0, 1] and verdict["fenced"] == {"2": {"unreachable": [0, 1]}}
+            assert "has no two-way connection with replicas [0, 1]" in fence_reason(store, 2, replicas[2][1])
+            assert fence_reason(store, 0, replicas[0][1]) is None
             assert store.get("declared/2") == str(replicas[2][1]), "its launcher is told to end it"
         finally:
             _close(replicas)
@@ -161,7 +164,8 @@ def test_judge_fences_nobody_when_everyone_reaches_everyone(coordinator, monkeyp
         deadline = time.monotonic() + exclusion_bound(1.0, probe_timeout_for(1.0)) + 1.0
         while time.monotonic() < deadline and store.get_genuine("reach/1/verdict") is None:
             time.sleep(0.02)
-        assert json.loads(store.get("reach/1/verdict")) == {"keep": [0, 1, 2], "fenced": {}}
+        verdict = json.loads(store.get("reach/1/verdict"))
+        assert verdict["keep"] == [0, 1, 2] and verdict["fenced"] == {}
         assert store.deaths([0, 1, 2]) == {0: 0, 1: 0, 2: 0}
     finally:
         _close(replicas)

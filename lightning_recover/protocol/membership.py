@@ -41,7 +41,7 @@ from lightning_recover.errors import (
 )
 from lightning_recover.protocol.messages import ControlStore, JobSecret
 from lightning_recover.protocol.process_groups import ProcessGroups
-from lightning_recover.protocol.reachability import ReachabilityResponder, wait_until_reachable
+from lightning_recover.protocol.reachability import ReachabilityResponder, fence_reason, wait_until_reachable
 from lightning_recover.protocol.replica_env import check_against_coordinator, check_replica_size_against_coordinator
 from lightning_recover.protocol.standby import wait_for_assignment
 
@@ -436,11 +436,18 @@ class Membership:
                 f"(heartbeat failed: {self._heartbeat.error}). " + COORDINATOR_LOST_HINT
             )
         if self._heartbeat is not None and self._heartbeat.excluded:
-            raise ReplicaExcludedError(
-                f"replica {self.replica} was declared dead by the group (missed heartbeats, stalled, or cut off "
-                "from its peers: see the coordinator's log) and must not apply further steps; it stops here. "
-                "HINT: raise heartbeat_timeout/hang_timeout if this replica was only slow."
-            )
+            raise self._declared_dead()
+
+    def _declared_dead(self) -> ReplicaExcludedError:
+        # Cut off from its peers' data network (protocol.reachability) or stale/stalled (the monitor).
+        partition = fence_reason(self.store, self.replica, self.incarnation)
+        if partition:
+            return ReplicaExcludedError(f"replica {self.replica} {partition}")
+        return ReplicaExcludedError(
+            f"replica {self.replica} was declared dead by the group (missed heartbeats or stalled) and must not "
+            "apply further steps; it stops here. HINT: raise heartbeat_timeout/hang_timeout if this replica was "
+            "only slow."
+        )
 
     def dead(self, replicas: Sequence[int], incarnations: dict[int, int]) -> set[int]:
         if not replicas:
@@ -463,11 +470,7 @@ class Membership:
             return True
         dead = self.dead(self.gen.members, self.gen.incarnations)
         if self.replica in dead:
-            raise ReplicaExcludedError(
-                f"replica {self.replica} was declared dead by the group (missed heartbeats or stalled) and "
-                "must not apply further steps; it stops here. HINT: raise heartbeat_timeout if this replica "
-                "was only slow."
-            )
+            raise self._declared_dead()
         if dead:
             return True
         self._events_seen = events

@@ -297,18 +297,14 @@ class ReachabilityResponder:
         return True
 
     def _read_verdict(self, n: int) -> bool:
-        value = self._store.get_genuine(f"reach/{n}/verdict")
-        if value is None:
+        """Once round ``n`` is decided: if it fenced this replica, say why here too (the main thread
+        may be blocked in a collective until it notices)."""
+        if self._store.get_genuine(f"reach/{n}/verdict") is None:
             return False
-        verdict = json.loads(value)
-        mine = verdict.get("fenced", {}).get(str(self.replica))
-        if mine is not None:
+        reason = fence_reason(self._store, self.replica, self.incarnation, n)
+        if reason:
             print(
-                f"[lightning-recover] replica {self.replica}: ReplicaExcludedError: it has no two-way connection with "
-                f"replicas {mine['unreachable']} over the data network (a network partition) while replicas "
-                f"{verdict['keep']} reach each other; it was fenced and stops, the other replicas continue "
-                "without it. HINT: check the network between this host and its peers (firewall rules, NIC, "
-                "GLOO_SOCKET_IFNAME); restarted by its launcher or torchrun agent, it rejoins once it reaches them.",
+                f"[lightning-recover] replica {self.replica}: ReplicaExcludedError: {reason}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -317,6 +313,22 @@ class ReachabilityResponder:
     def close(self) -> None:
         self._stop.set()
         self._server.close()
+
+
+def fence_reason(store: ControlStore, replica: int, incarnation: int, number: int | None = None) -> str | None:
+    """Why round ``number`` (default: the latest) fenced this incarnation, or None if it did not."""
+    number = store.add("reach/rounds", 0) if number is None else number
+    value = store.get_genuine(f"reach/{number}/verdict") if number > 0 else None
+    verdict = json.loads(value) if value else {}
+    mine = verdict.get("fenced", {}).get(str(replica))
+    if mine is None or verdict.get("members", {}).get(str(replica)) != incarnation:
+        return None
+    return (
+        f"has no two-way connection with replicas {mine['unreachable']} over the data network (a network "
+        f"partition) while replicas {verdict['keep']} reach each other; it was fenced and stops, the other "
+        "replicas continue without it. HINT: check the network between this host and its peers (firewall rules, "
+        "NIC, GLOO_SOCKET_IFNAME); restarted by its launcher or torchrun agent, it rejoins once it reaches them."
+    )
 
 
 def probe_targets(store: ControlStore, replicas: Sequence[int], incarnations: Mapping[int, int]) -> dict[int, dict]:
@@ -450,13 +462,20 @@ class PartitionJudge:
             self._log(f"[coordinator] round {number}: no replica reported; nothing decided")
             return []
         keep = largest_mutual_set(alive, {r: s for r, s in reports.items() if r in alive})
+
         def linked(a: int, b: int) -> bool:
             return b in reports.get(a, []) and a in reports.get(b, [])
 
         # For each fenced member: the kept members it has no two-way connection with.
         fenced = {r: [s for s in keep if not linked(r, s)] for r in sorted(alive) if r not in keep}
         verdict_key = f"reach/{number}/verdict"
-        body = json.dumps({"keep": keep, "fenced": {str(r): {"unreachable": u} for r, u in fenced.items()}})
+        body = json.dumps(
+            {
+                "keep": keep,
+                "fenced": {str(r): {"unreachable": u} for r, u in fenced.items()},
+                "members": {str(r): inc for r, inc in members.items()},
+            }
+        )
         self.store.set(verdict_key, self.sealer.seal(verdict_key, body.encode()))
         if not fenced:
             self._log(f"[coordinator] round {number}: every replica reaches every other (no partition)")
