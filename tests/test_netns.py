@@ -221,28 +221,42 @@ def test_asymmetric_partition_excludes_the_cut_off_replica(tmp_path):
 @pytest.mark.timeout(600)
 def test_torchrun_two_processes_per_replica_on_two_hosts(tmp_path):
     """K = 2: each replica is a torchrun job of 2 workers (FSDP2 inside the replica) on its own host;
-    the two replicas' gloo groups cross the bridge. Failure-free: both equal the unsharded float64 run."""
+    the replicas' gloo groups cross the bridge. Once every worker runs, the test cuts replica 1's host
+    off from replica 0's (asymmetric; the coordinator stays reachable), so their first reduce (or
+    group build) stalls: with two replicas the tie goes to the smaller id, so replica 1 is fenced
+    within the bound and replica 0 goes on alone. torchrun restarts replica 1's two workers, which wait until they reach replica 0;
+    the rule is removed, they rejoin, and both replicas end equal to the unsharded float64 run."""
     from types import SimpleNamespace
 
     import torch
 
     from tests.scripts import sharded_train
 
-    steps, microbatches = 4, 8
+    steps, microbatches = 40, 8
+    bound = exclusion_bound(HEARTBEAT_TIMEOUT, probe_timeout_for(HEARTBEAT_TIMEOUT))
     with Hosts(["coord", "h0", "h1"]) as hosts:
         job = MultiHostJob(hosts, str(tmp_path / "job"), replicas=2, replica_size=2)
         job.start_coordinator()
         args = ["--replicas", "2", "--replica-size", "2", "--steps", str(steps), "--microbatches", str(microbatches)]
-        args += ["--dtype", "float64"]
+        args += ["--dtype", "float64", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), "--slow-while-degraded", "0.6"]
         for r in range(2):
-            job.start_replica(r, args, max_restarts=0, script=SHARDED)
+            job.start_replica(r, args, max_restarts=2, script=SHARDED)
+        pids = os.path.join(job.out, "pid.r{}.i{}")
+        assert wait_until(lambda: all(os.path.exists(pids.format(r, i)) for r in range(2) for i in range(2)), 240)
+        hosts.isolate("h1", ["h0"])
+        t_cut = time.monotonic()
+        fenced_line = "replica 1 (incarnation 1) has no two-way connection with replicas [0]"
+        assert wait_until(lambda: fenced_line in job.log("coord"), 60), job.dump()
+        excluded = time.monotonic() - t_cut
+        assert wait_until(lambda: "waits to rejoin until it reaches replicas [0]" in job.log("h1"), 180), job.dump()
+        hosts.rejoin("h1")
         job.wait_finished(300)
         ref_dir = str(tmp_path / "ref")
-        sharded_train.reference(
-            SimpleNamespace(out=ref_dir, steps=steps, microbatches=microbatches, batch_size=4, dtype="float64")
-        )
-        reference = torch.load(os.path.join(ref_dir, "reference.pt"))["state"]
-        job.check_states(reference)
-        for r in range(2):
-            stats = torch.load(os.path.join(job.out, f"replica{r}.pt"), weights_only=False)["stats"]
-            assert [s["live_replicas"] for s in stats] == [2] * steps
+        options = SimpleNamespace(out=ref_dir, steps=steps, microbatches=microbatches, batch_size=4, dtype="float64")
+        sharded_train.reference(options)
+        job.check_states(torch.load(os.path.join(ref_dir, "reference.pt"))["state"], rejoined=1)
+        stats = torch.load(os.path.join(job.out, "replica0.pt"), weights_only=False)["stats"]
+        live = [s["live_replicas"] for s in stats]
+        assert live[0] == 1 and live[-1] == 2, f"replica 0 went on alone, then replica 1 rejoined: {live}"
+        report("k2_asymmetric", {"excluded_s": round(excluded, 3), "bound_s": round(bound, 3)})
+        assert excluded <= bound + SLACK, f"excluded after {excluded:.2f}s (bound {bound:.2f}s + {SLACK}s slack)"
