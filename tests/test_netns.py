@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 
@@ -125,6 +126,26 @@ def report(name: str, figures: dict) -> None:
     if path:
         with open(path, "a") as f:
             f.write(json.dumps({"test": name, **figures}) + "\n")
+
+
+def test_hosts_harness_partitions_and_cleans_up():
+    """The harness itself: hosts reach each other; a cut host reaches nobody and heals; an isolated
+    host loses only the named peers (both directions); nothing of it is left afterwards."""
+    with Hosts(["a", "b", "c"]) as hosts:
+        assert hosts.reaches("a", "b") and hosts.reaches("b", "c")
+        hosts.cut("a")
+        assert not hosts.reaches("a", "b") and not hosts.reaches("c", "a") and hosts.reaches("b", "c")
+        hosts.heal("a")
+        assert wait_until(lambda: hosts.reaches("a", "b"), 10)
+        hosts.isolate("a", ["b"])
+        assert not hosts.reaches("a", "b") and not hosts.reaches("b", "a")
+        assert hosts.reaches("a", "c") and hosts.reaches("c", "a") and hosts.reaches("b", "c")
+        hosts.rejoin("a")
+        assert hosts.reaches("a", "b")
+        tag = hosts.tag
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert tag not in listed and tag not in links, "namespaces, veths and the bridge are deleted"
 
 
 STEPS, M = 40, 6
@@ -257,6 +278,6 @@ def test_torchrun_two_processes_per_replica_on_two_hosts(tmp_path):
         job.check_states(torch.load(os.path.join(ref_dir, "reference.pt"))["state"], rejoined=1)
         stats = torch.load(os.path.join(job.out, "replica0.pt"), weights_only=False)["stats"]
         live = [s["live_replicas"] for s in stats]
-        assert live[0] == 1 and live[-1] == 2, f"replica 0 went on alone, then replica 1 rejoined: {live}"
+        assert 1 in live and live[-1] == 2, f"replica 0 went on alone, then replica 1 rejoined: {live}"
         report("k2_asymmetric", {"excluded_s": round(excluded, 3), "bound_s": round(bound, 3)})
         assert excluded <= bound + SLACK, f"excluded after {excluded:.2f}s (bound {bound:.2f}s + {SLACK}s slack)"

@@ -24,6 +24,7 @@ from lightning_recover.protocol.reachability import (
     largest_mutual_set,
     probe,
     probe_timeout_for,
+    wait_until_reachable,
 )
 
 
@@ -181,5 +182,33 @@ def test_no_round_while_a_replica_computes(coordinator, monkeypatch):
     try:
         time.sleep(exclusion_bound(1.0, probe_timeout_for(1.0)))
         assert store.add("reach/rounds", 0) == 0
+    finally:
+        _close(replicas)
+
+
+def test_a_restarted_replica_waits_until_it_reaches_the_live_members(coordinator, monkeypatch, capfd):
+    """Before asking to rejoin, a restarted replica probes the live members; while one of them does not
+    answer (cut off), it waits and says so; once it answers, it goes on."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    coord, secret = coordinator
+    replicas = _replicas(coord, secret, "compute")
+    store = replicas[0][0]
+    genuine = store.get("reach/addr/1")
+    joiner = ControlStore(coord.addr, 2, secret, timeout=5.0)
+    done = threading.Event()
+    try:
+        with socket.socket() as silent:
+            silent.bind(("127.0.0.1", 0))
+            silent.listen(8)
+            address = {"inc": replicas[1][1], "host": "127.0.0.1", "port": silent.getsockname()[1]}
+            store.set("reach/addr/1", json.dumps(address))
+            waiter = threading.Thread(
+                target=lambda: (wait_until_reachable(joiner, 2, 3, 0.3, lambda: False), done.set()), daemon=True
+            )
+            waiter.start()
+            assert not done.wait(1.5), "it must not ask to rejoin while replica 1 does not answer"
+            store.set("reach/addr/1", genuine)
+            assert done.wait(5.0), "it goes on once every live member answers"
+        assert "waits to rejoin until it reaches replicas [1]" in capfd.readouterr().err
     finally:
         _close(replicas)
