@@ -41,7 +41,12 @@ from lightning_recover.errors import (
 )
 from lightning_recover.protocol.messages import ControlStore, JobSecret
 from lightning_recover.protocol.process_groups import ProcessGroups
-from lightning_recover.protocol.reachability import ReachabilityResponder, fence_reason, wait_until_reachable
+from lightning_recover.protocol.reachability import (
+    ReachabilityResponder,
+    fence_reason,
+    start_responder,
+    wait_until_reachable,
+)
 from lightning_recover.protocol.replica_env import check_against_coordinator, check_replica_size_against_coordinator
 from lightning_recover.protocol.standby import wait_for_assignment
 
@@ -314,7 +319,7 @@ class Membership:
         self._watchdog = CoordinatorWatchdog(self._heartbeat, self.replica, self.addr, self.store_timeout)
         self._watchdog.start()
         if self.inner == 0:  # one probe server per replica (its processes share a host)
-            self._responder = ReachabilityResponder(self.store, self.replica, self.incarnation, self.heartbeat_interval)
+            self._responder = start_responder(self.store, self.replica, self.incarnation, self.heartbeat_interval)
 
     def _joined(self, prefix: str) -> set[int]:
         """Replicas that joined round ``prefix``. The unsealed list is only a hint of whom to look at:

@@ -315,6 +315,17 @@ class ReachabilityResponder:
         self._server.close()
 
 
+def start_responder(
+    store: ControlStore, replica: int, incarnation: int, interval: float
+) -> ReachabilityResponder | None:
+    """This replica's responder; None (said on stderr) where it has no data address to bind."""
+    try:
+        return ReachabilityResponder(store, replica, incarnation, interval)
+    except OSError as exc:  # then a probe round would fence this replica: say why now
+        print(f"[lightning-recover] replica {replica}: no partition probes: {exc}", file=sys.stderr, flush=True)
+        return None
+
+
 def fence_reason(store: ControlStore, replica: int, incarnation: int, number: int | None = None) -> str | None:
     """Why round ``number`` (default: the latest) fenced this incarnation, or None if it did not."""
     number = store.add("reach/rounds", 0) if number is None else number
