@@ -189,6 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
     from lightning_recover.launch import launcher
 
     launcher.add_subcommands(sub)
+
+    from lightning_recover.control_plane import etcd_cluster
+
+    etcd_cluster.add_subcommands(sub)
     return parser
 
 

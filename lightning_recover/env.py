@@ -11,6 +11,21 @@ import os
 
 #: ``HOST:PORT`` of the coordinator (set by the launcher in every replica).
 COORDINATOR = "LIGHTNING_RECOVER_COORDINATOR"
+#: Which control plane the job uses: unset or ``embedded`` = the TCPStore coordinator the launcher starts
+#: (one host's default); ``etcd://HOST:PORT[,HOST:PORT...]`` = an etcd cluster (v3 API, TLS with client
+#: certificates from the three variables below); ``etcd+insecure://...`` = plain-text etcd, accepted on
+#: loopback addresses only (experiments). ``--control-plane`` and ``control_plane=`` set the same.
+CONTROL_PLANE = "LIGHTNING_RECOVER_CONTROL_PLANE"
+#: CA certificate (PEM) that signed the etcd members' certificates (etcdctl's ``--cacert``).
+ETCD_CACERT = "LIGHTNING_RECOVER_ETCD_CACERT"
+#: Client certificate (PEM) this process presents to etcd (etcdctl's ``--cert``).
+ETCD_CERT = "LIGHTNING_RECOVER_ETCD_CERT"
+#: Private key of :data:`ETCD_CERT` (etcdctl's ``--key``); keep it 0600.
+ETCD_KEY = "LIGHTNING_RECOVER_ETCD_KEY"
+#: The job's name on a shared control plane: every key of the job lives under ``/lightning-recover/<JOB>/``
+#: in etcd. The launchers of one job (one per host) must be given the same name (``--job``); a
+#: single launcher makes a fresh one.
+JOB = "LIGHTNING_RECOVER_JOB"
 #: This process's replica id, ``0 <= id < REPLICAS`` (set by the launcher per replica).
 REPLICA = "LIGHTNING_RECOVER_REPLICA"
 #: Set instead of :data:`REPLICA` in a warm standby process (``--standby S``): its standby id, unique in
@@ -71,6 +86,8 @@ CONTROL_PROCESS = "LIGHTNING_RECOVER_CONTROL_PROCESS"
 
 #: What a replica process needs to find its group.
 REPLICA_VARIABLES = (COORDINATOR, REPLICA, REPLICAS)
+#: What points a process at an etcd control plane (handed on by the launchers with the job's variables).
+ETCD_VARIABLES = (CONTROL_PLANE, ETCD_CACERT, ETCD_CERT, ETCD_KEY, JOB)
 
 
 def in_replica() -> bool:

@@ -10,6 +10,9 @@ PY=${PYTHON:-python3}
 need_apt=()
 [ -f /usr/include/liburing.h ] || need_apt+=(liburing-dev)
 command -v fio >/dev/null 2>&1 || need_apt+=(fio)
+command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
+command -v etcdctl >/dev/null 2>&1 || need_apt+=(etcd-client)
+command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)
 if [ ${#need_apt[@]} -gt 0 ]; then
     if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
         echo "setup: apt-get install ${need_apt[*]}"

@@ -7,6 +7,9 @@ import sys
 
 import pytest
 
+#: Real local etcd clusters as fixtures (etcd1, etcd3) for the control plane's tests.
+pytest_plugins = ["tests.etcd_cluster_fixtures"]
+
 _status: list[int] = [0]
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from lightning_recover import env
-from lightning_recover.launch.process_tree import end_helper_process
+from lightning_recover.launch.process_tree import describe_exit, end_helper_process, is_stopped
 from lightning_recover.protocol import coordinator
 from lightning_recover.protocol.options import DEFAULT_HEARTBEAT_INTERVAL, check_heartbeat_timeout
 
@@ -73,6 +73,22 @@ class CoordinatorProcess:
 
     proc: subprocess.Popen
     addr: str
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def exited(self) -> str | None:
+        """How it ended, once it has (the job cannot go on without it)."""
+        return None if self.proc.poll() is None else f"it exited ({describe_exit(self.proc.returncode)})"
+
+    def frozen(self) -> bool:
+        return is_stopped(self.proc.pid)
+
+    def describe(self) -> str:
+        return f"coordinator at {self.addr} (pid {self.proc.pid})"
+
+    def kill(self) -> None:
+        self.proc.kill()
 
     def stop(self, timeout: float = 5.0) -> None:
         if self.proc.poll() is None:

@@ -15,6 +15,7 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -24,6 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_recover import env
+from lightning_recover.control_plane import config
+from lightning_recover.control_plane.config import EtcdSettings
+from lightning_recover.control_plane.etcd_job import EtcdCoordinator, MonitorRole, forget_job, join_job
 from lightning_recover.errors import RecoverError
 from lightning_recover.launch import coordinator_process
 from lightning_recover.launch.fork_server import DEFAULT_PRELOAD, Process, ProcessStarter
@@ -72,8 +76,8 @@ class _Link:
     of its last answer with a bound.
     """
 
-    def __init__(self, addr: str, period: float) -> None:
-        self._store = connect(addr, timeout=10.0)
+    def __init__(self, addr: str, period: float, store: Any = None) -> None:
+        self._store = store if store is not None else connect(addr, timeout=10.0)
         self._period = period
         self._requests: queue.Queue = queue.Queue()
         self.last_ok = time.monotonic()
@@ -170,6 +174,8 @@ def supervise(
     standby: int = 0,
     fork: bool = True,
     preload: Sequence[str] = DEFAULT_PRELOAD,
+    control_plane: EtcdSettings | None = None,
+    local_replicas: Sequence[int] | None = None,
 ) -> int:
     """Run ``command`` once per replica under a fresh coordinator; return the job's exit code.
 
@@ -198,6 +204,12 @@ def supervise(
     server that imported ``preload`` once (see :mod:`~lightning_recover.launch.fork_server`), so
     none of them imports torch and Lightning again; a command that cannot be forked starts new
     processes.
+
+    ``control_plane`` (etcd settings, see :mod:`lightning_recover.control_plane`): no coordinator
+    process; the job's keys live in etcd under ``control_plane.job`` and this launcher is one candidate
+    for the monitor role (:mod:`~lightning_recover.control_plane.etcd_job`). ``local_replicas``: the
+    replica ids this launcher starts (default all); the launchers of one job on several hosts each
+    start theirs, under the same ``job``.
     """
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
@@ -209,6 +221,14 @@ def supervise(
     if isinstance(nproc_per_replica, bool) or not isinstance(nproc_per_replica, int) or nproc_per_replica < 1:
         raise ValueError(f"nproc_per_replica must be an integer >= 1, got {nproc_per_replica!r}")
     check_standby(standby, restarts)
+    local = list(range(replicas)) if local_replicas is None else sorted(set(local_replicas))
+    if not local or any(not 0 <= r < replicas for r in local):
+        raise ValueError(f"local replicas {list(local_replicas or [])} must be ids in 0..{replicas - 1}")
+    if control_plane is None and len(local) != replicas:
+        raise ValueError(
+            "--local-replicas needs a shared control plane: the launchers of one job meet in etcd. "
+            "HINT: add --control-plane etcd://... (and the same --job on every launcher)"
+        )
     say = on_event or (lambda line: print(f"[lightning-recover] {line}", file=sys.stderr, flush=True))
     argv = command if callable(command) else (lambda r: command)
     first = list(argv(0))
@@ -223,9 +243,14 @@ def supervise(
             "after --, e.g. -- python train.py"
         )
         return EXIT_SPAWN_FAILED
-    # One secret per job, in a private 0600 file: it authenticates every control message.
+    # One secret per job, in a private 0600 file: it authenticates every control message. On etcd the
+    # job's launchers share the one the first of them wrote there (etcd_job.join_job).
     secret_dir = tempfile.mkdtemp(prefix="lightning-recover-")
-    secret = JobSecret.generate()
+    try:
+        secret = join_job(control_plane, replicas, nproc_per_replica) if control_plane else JobSecret.generate()
+    except BaseException:
+        shutil.rmtree(secret_dir, ignore_errors=True)
+        raise
     secret_file = secret.write_file(secret_dir)
     sealer = Sealer(secret)
     child_env = dict(os.environ, **(extra_env or {}))
@@ -235,6 +260,8 @@ def supervise(
     child_env.setdefault(env.OMP_NUM_THREADS, "1")  # spinning OpenMP threads make gloo 20x slower on small machines
     if inject:
         child_env[env.INJECT] = inject
+    if control_plane is not None:
+        child_env.update(control_plane.environment())
     starter: ProcessStarter | None = None
     try:
         # The fork server imports while the coordinator starts (each takes seconds); it needs no address: every
@@ -247,15 +274,28 @@ def supervise(
             preload=preload,
             preexec=_replica_preexec(os.getpid()),
         )
-        coord = coordinator_process.start(
-            replicas,
-            heartbeat_timeout,
-            host=host,
-            heartbeat_interval=heartbeat_interval,
-            hang_timeout=hang_timeout,
-            secret_file=secret_file,
-            replica_size=nproc_per_replica,
-        )
+        if control_plane is not None:
+            role = MonitorRole(
+                control_plane,
+                secret,
+                replicas,
+                heartbeat_timeout,
+                hang_timeout,
+                nproc_per_replica,
+                f"launcher {socket.gethostname()}/{os.getpid()} (replicas {local})",
+                say,
+            )
+            coord: Any = EtcdCoordinator(control_plane, role.start())
+        else:
+            coord = coordinator_process.start(
+                replicas,
+                heartbeat_timeout,
+                host=host,
+                heartbeat_interval=heartbeat_interval,
+                hang_timeout=hang_timeout,
+                secret_file=secret_file,
+                replica_size=nproc_per_replica,
+            )
     except BaseException:
         if starter is not None:
             starter.close()
@@ -270,18 +310,20 @@ def supervise(
     link: _Link | None = None
     standbys: StandbyPool | None = None
     try:
-        link = _Link(coord.addr, period=min(1.0, heartbeat_timeout / 2))
+        link = _Link(
+            coord.addr, period=min(1.0, heartbeat_timeout / 2), store=control_plane.store() if control_plane else None
+        )
         if nproc_per_replica > 1:
             child_env[env.REPLICA_SIZE] = str(nproc_per_replica)
             if not watch_workers:
                 from lightning_recover.launch.sharded import supervise_sharded
 
-                say(f"coordinator at {coord.addr} (pid {coord.proc.pid})")
+                say(coord.describe())
                 return supervise_sharded(
                     argv,
                     replicas,
                     nproc_per_replica,
-                    connect(coord.addr),
+                    control_plane.store() if control_plane else connect(coord.addr),
                     sealer,
                     child_env,
                     say,
@@ -301,9 +343,11 @@ def supervise(
         # One standby process per restart the job may still make, at most: never more than needed.
         standbys = StandbyPool(standby, spawn_standby, standby + replicas * restarts, say) if standby else None
 
+        by_id: dict[int, _Child] = {}
         try:
-            for r in range(replicas):
+            for r in local:
                 children.append(_Child(r, spawn(r)))
+                by_id[r] = children[-1]
         except OSError as exc:
             say(
                 f"cannot start replica {len(children)}: {exc}. Ended the {len(children)} replica(s) and the "
@@ -313,7 +357,7 @@ def supervise(
         if standbys is not None:
             standbys.fill()  # after the replicas: they are the ones the job waits for
         say(
-            f"coordinator at {coord.addr} (pid {coord.proc.pid}); started {replicas} replicas"
+            f"{coord.describe()}; started {len(local)} replicas"
             + (f" and {standby} standby" if standbys is not None else "")
             + f": {' '.join(first)}"
         )
@@ -343,7 +387,7 @@ def supervise(
             marked, inc = link.call(
                 lambda store: (mark_dead(store, sealer, r), int(store.add(f"inc/{r}", 0))), timeout=lost_after
             )
-            children[r].handled = max(children[r].handled, inc)  # its next incarnation is a new process
+            by_id[r].handled = max(by_id[r].handled, inc)  # its next incarnation is a new process
             return marked
 
         def take_standby(c: _Child, end_agent: bool = False) -> bool:
@@ -416,7 +460,7 @@ def supervise(
                         continue
                     c.history.append(describe_exit(code))
                     if code != 0:
-                        if coord.proc.poll() is None:
+                        if coord.running():
                             declare_dead(c.replica)
                         say(f"replica {c.replica} failed ({describe_exit(code)})")
                         # Under torchrun the agent restarts workers itself; `restarts` bounds takeovers only.
@@ -468,8 +512,8 @@ def supervise(
                     break
                 if standbys is not None and finished_at is None:
                     standbys.reap()
-                if coord.proc.poll() is not None:
-                    raise _CoordinatorLost(f"it exited ({describe_exit(coord.proc.returncode)})")
+                if coord.exited():
+                    raise _CoordinatorLost(coord.exited())
                 if link.silent_for() > lost_after:
                     raise _CoordinatorLost(
                         f"it stopped answering for more than {lost_after:g}s (frozen or unreachable)"
@@ -485,12 +529,12 @@ def supervise(
                     c.history.append("hung, killed at the end")
                     say(f"replica {c.replica} was hung; killed it")
         except _CoordinatorLost as exc:
-            if interrupted and coord.proc.poll() is not None:
+            if interrupted and not coord.running():
                 pass  # Ctrl-C reached the coordinator too: an interruption, not a loss
             else:
                 coordinator_lost = True
                 say(
-                    f"CoordinatorLostError: the coordinator (pid {coord.proc.pid}, {coord.addr}) is lost: {exc}. "
+                    f"CoordinatorLostError: the control plane ({coord.describe()}) is lost: {exc}. "
                     "No step can be agreed without it; ending the job's replicas. "
                     "HINT: restart the job from its last checkpoint."
                 )
@@ -514,15 +558,17 @@ def supervise(
                 c.proc.wait()
         if starter is not None:
             starter.close()
-        if coordinator_lost or is_stopped(coord.proc.pid):
+        if coordinator_lost or coord.frozen():
             # A frozen coordinator would never handle SIGTERM. Killed before the link is closed: the
             # kill resets the connection the link's thread is stuck on, so the thread ends now
             # instead of inside torch's store code while the interpreter exits (which aborts it).
-            coord.proc.kill()
+            coord.kill()
         if link is not None:
             link.close()
         coord.stop()
         shutil.rmtree(secret_dir, ignore_errors=True)
+        if control_plane is not None and len(local) == replicas:
+            forget_job(control_plane)  # the only launcher of the job: nobody else needs its keys
     ok = [c.replica for c in children if c.exit_code == 0]
     say("done: " + ", ".join(f"replica {c.replica}: {'; '.join(c.history)}" for c in children))
     return 0 if ok and not interrupted else 1
@@ -549,9 +595,54 @@ def _cmd_run(args: argparse.Namespace) -> int:
             standby=args.standby,
             fork=args.start == "fork",
             preload=[*DEFAULT_PRELOAD, *(m for m in args.preload.split(",") if m)],
+            **control_plane_arguments(args),
         )
-    except ValueError as exc:  # a bad option: say how to fix it, no traceback
+    except (ValueError, RecoverError) as exc:  # a bad option: say how to fix it, no traceback
         raise SystemExit(f"lightning-recover run: {exc}") from None
+
+
+def control_plane_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """``control_plane=`` and ``local_replicas=`` of :func:`supervise` from the command line (and environment)."""
+    settings = config.parse(
+        args.control_plane, cacert=args.etcd_cacert, cert=args.etcd_cert, key=args.etcd_key, job=args.job
+    )
+    local = None
+    if args.local_replicas:
+        try:
+            local = [int(r) for r in args.local_replicas.split(",") if r.strip()]
+        except ValueError:
+            raise ValueError(
+                f"--local-replicas {args.local_replicas!r}: comma-separated replica ids, e.g. 0,1"
+            ) from None
+    if settings is not None and local is not None and not settings.job:
+        raise ValueError(
+            "--local-replicas: the launchers of one job find each other by its name. HINT: give every one "
+            f"the same --job NAME (or {env.JOB})"
+        )
+    return {"control_plane": config.with_job(settings, args.job) if settings else None, "local_replicas": local}
+
+
+def add_control_plane_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--control-plane",
+        default=None,
+        help="embedded (default: a coordinator process on this host) or etcd://HOST:PORT[,HOST:PORT...] "
+        f"(default ${env.CONTROL_PLANE}); etcd needs --etcd-cacert/--etcd-cert/--etcd-key",
+    )
+    p.add_argument("--etcd-cacert", default=None, help=f"CA of the etcd members (default ${env.ETCD_CACERT})")
+    p.add_argument("--etcd-cert", default=None, help=f"client certificate for etcd (default ${env.ETCD_CERT})")
+    p.add_argument("--etcd-key", default=None, help=f"its private key, 0600 (default ${env.ETCD_KEY})")
+    p.add_argument(
+        "--job",
+        default=None,
+        help=f"the job's name in etcd (default ${env.JOB}, else a fresh one); the same on every launcher of the job",
+    )
+    p.add_argument(
+        "--local-replicas",
+        default=None,
+        help="with etcd: the replica ids this launcher starts, e.g. 0,1 (default all); one launcher per host, "
+        "each a candidate for the monitor role",
+    )
 
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:
@@ -614,6 +705,7 @@ def add_subcommands(sub: Any) -> None:
         help="more modules the fork server imports once for every process, comma-separated (e.g. transformers)",
     )
     p.add_argument("--host", default="127.0.0.1", help="coordinator bind address (only this one is bound)")
+    add_control_plane_arguments(p)
     p.add_argument("command", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_run)
 
@@ -640,6 +732,7 @@ def add_subcommands(sub: Any) -> None:
         help="keep S warm standby torchrun jobs that take a failed replica's place (each counts as a restart)",
     )
     p.add_argument("--host", default="127.0.0.1", help="coordinator bind address (only this one is bound)")
+    add_control_plane_arguments(p)
     p.add_argument("command", nargs=argparse.REMAINDER)
     p.set_defaults(func=torchrun.cmd_torchrun)
 

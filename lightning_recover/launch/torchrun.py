@@ -10,7 +10,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from lightning_recover.launch.launcher import supervise
+from lightning_recover.errors import RecoverError
+from lightning_recover.launch.launcher import control_plane_arguments, supervise
 
 
 def torchrun_command(script: Sequence[str], nproc_per_replica: int = 1, max_restarts: int = 0) -> list[str]:
@@ -49,6 +50,7 @@ def cmd_torchrun(args: argparse.Namespace) -> int:
             # standby jobs: a takeover replaces one of a replica's agent restarts, at most --max-restarts
             standby=args.standby,
             restarts=args.max_restarts if args.standby else 0,
+            **control_plane_arguments(args),
         )
-    except ValueError as exc:  # a bad option: say how to fix it, no traceback
+    except (ValueError, RecoverError) as exc:  # a bad option: say how to fix it, no traceback
         raise SystemExit(f"lightning-recover torchrun: {exc}") from None

@@ -49,6 +49,7 @@ class ReplicaLauncher(_Launcher):
     def launch(self, function: Any, *args: Any, **kwargs: Any) -> Any:
         if env.in_replica():
             return function(*args, **kwargs)
+        from lightning_recover.control_plane.config import control_plane_of
         from lightning_recover.launch.launcher import supervise
 
         opts = self._strategy.options
@@ -67,6 +68,7 @@ class ReplicaLauncher(_Launcher):
             restarts=opts.restarts,
             nproc_per_replica=K,
             standby=opts.standby,
+            control_plane=control_plane_of(opts),
         )
         # The supervisor never runs the training code itself: its job ends with the replicas'. Its objects
         # move to the collector's permanent generation first, so that the interpreter's exit does not spend

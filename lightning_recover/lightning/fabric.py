@@ -92,6 +92,9 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
         startup_timeout: how long replicas wait for each other at start.
         restarts: how many times the local launcher restarts a failed replica.
         seed: seed of the per-epoch sample permutation (the same on every replica).
+        control_plane: ``"etcd://HOST:PORT,..."`` to keep the job's control plane in etcd (no coordinator
+            process; TLS files from ``LIGHTNING_RECOVER_ETCD_CACERT/_CERT/_KEY``; docs/control_plane.md).
+            Default: ``LIGHTNING_RECOVER_CONTROL_PLANE``, else the embedded coordinator.
         replica_size: ``K``, processes per replica (default 1). With K > 1 each replica shards
             its model with FSDP2 over its K processes; ``devices`` is then ``replicas x K``. Set up
             the module first (``fabric.setup_module``), then build and set up the optimizer.

@@ -52,7 +52,7 @@ def _hb_keys(r: int, replica_size: int) -> list[str]:
     return [f"hb/{r}"] if replica_size == 1 else [f"hb/{r}/i{i}" for i in range(replica_size)]
 
 
-def _init_keys(store: dist.TCPStore, sealer: Sealer, replicas: int, replica_size: int = 1) -> None:
+def init_keys(store: dist.TCPStore, sealer: Sealer, replicas: int, replica_size: int = 1) -> None:
     for r in range(replicas):
         store.set(f"dead/{r}", sealer.seal(f"dead/{r}", b"0"))
         store.set(f"declared/{r}", sealer.seal(f"declared/{r}", b"0"))
@@ -68,7 +68,7 @@ def _init_keys(store: dist.TCPStore, sealer: Sealer, replicas: int, replica_size
 _WAITING = ("reduce", "decide", "regroup", "exchange")  # phases in which a replica waits on its peers
 
 
-def _monitor(
+def run_monitor(
     store: dist.TCPStore,
     sealer: Sealer,
     replicas: int,
@@ -190,7 +190,7 @@ class Coordinator:
             use_libuv=True,
             master_listen_fd=self.socket.fileno(),
         )
-        _init_keys(self.store, self.sealer, replicas, replica_size)
+        init_keys(self.store, self.sealer, replicas, replica_size)
 
     @property
     def addr(self) -> str:
@@ -198,7 +198,7 @@ class Coordinator:
 
     def monitor(self, stop: threading.Event) -> None:
         """Declare dead every replica whose heartbeat stopped, until ``stop`` is set."""
-        _monitor(
+        run_monitor(
             self.store.clone(),
             self.sealer,
             self.replicas,

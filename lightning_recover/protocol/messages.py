@@ -209,7 +209,15 @@ def _hashable(key: Any) -> Any:
 
 
 def connect(addr: str, timeout: float = 60.0) -> dist.TCPStore:
-    """Connect a raw client to the coordinator at ``host:port`` within ``timeout`` seconds."""
+    """Connect a raw client to the coordinator at ``host:port`` within ``timeout`` seconds.
+
+    An ``etcd://`` address is the etcd control plane: the same door, an etcd-backed store
+    (:mod:`lightning_recover.control_plane`; the TLS files and the job's name come from the environment).
+    """
+    if addr.startswith("etcd"):
+        from lightning_recover.control_plane.config import connect_store
+
+        return connect_store(addr, timeout)
     host, _, port = addr.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(
@@ -295,7 +303,12 @@ class ControlStore:
     def prefixed(self, prefix: str) -> dist.Store:
         """A fresh, sealed connection under ``prefix``, for building process groups over it: the
         group's rendezvous (peer addresses) is authenticated like every other value."""
-        return SealedStore(dist.PrefixStore(prefix, self.call(self.raw.clone)), self.sealer, prefix)
+        # An etcd store prefixes its own keys. torch's PrefixStore would hold a Python store only on the
+        # C++ side, where its Python half is collected ("Not implemented" on the next call, torch 2.13),
+        # and it does not forward delete_key/num_keys to Python (tests/test_etcd_store.py).
+        make = getattr(self.raw, "prefixed_clone", None)
+        inner = self.call(make, prefix) if make else dist.PrefixStore(prefix, self.call(self.raw.clone))
+        return SealedStore(inner, self.sealer, prefix)
 
     def call(self, fn: Any, *args: Any) -> Any:
         try:
@@ -304,7 +317,8 @@ class ControlStore:
             raise
         except Exception as exc:
             raise CoordinatorLostError(
-                f"replica {self.replica} lost the coordinator at {self.addr} ({type(exc).__name__}: {exc}). "
+                f"replica {self.replica} lost the {'etcd control plane' if self.addr.startswith('etcd') else 'coordinator'} "
+                f"at {self.addr} ({type(exc).__name__}: {exc}). "
                 "No further step can be agreed safely; this replica stops. " + COORDINATOR_LOST_HINT
             ) from exc
 

@@ -59,6 +59,9 @@ class RecoverOptions:
     restarts: int = 0
     standby: int = 0
     seed: int = 0
+    #: ``None``/``"embedded"`` (a coordinator process on the launcher's host) or ``"etcd://HOST:PORT,..."``
+    #: (TLS files from LIGHTNING_RECOVER_ETCD_*; see docs/control_plane.md). None: LIGHTNING_RECOVER_CONTROL_PLANE.
+    control_plane: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.quota not in ("equal", "throughput"):

@@ -51,7 +51,9 @@ def read_replica_env(environ: Mapping[str, str] | None = None) -> ReplicaEnv:
         )
     addr = environ[env.COORDINATOR].strip()
     host, _, port = addr.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if addr.startswith("etcd"):  # the etcd control plane: its URL is checked where it is opened
+        pass
+    elif not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(
             f"{env.COORDINATOR}={addr!r} must be HOST:PORT with a port in 1..65535. "
             f"HINT: use the address the coordinator printed (LISTENING HOST:PORT)."

@@ -1,0 +1,287 @@
+"""The etcd control plane against the embedded coordinator, paired in one session (issue 32's targets).
+
+    python -m lightning_recover.bench.etcd_control_plane --json benchmarks/results/etcd32_targets.json
+
+On a fresh local 3-member TLS etcd (``LocalEtcdCluster``, election timeout 500 ms), with 4 replicas of
+the TinyGPT job of ``bench overhead`` (``lightning_recover.bench.fabric_gpt``):
+
+* **overhead**: failure-free median step time, embedded vs etcd, runs alternated; the median of the
+  paired ratios (target <= 1.03).
+* **kill**: a replica SIGKILLed mid-step -> the last survivor's next commit (as ``bench recovery``),
+  embedded and etcd alternated (target on etcd: median <= 0.3 s).
+* **leader**: the etcd leader SIGKILLed during training: the longest gap between two commits of any
+  replica around the kill, against the usual step (target: <= election timeout + 0.5 s), and no step
+  lost or applied twice (every replica's committed steps are 0..S-1 once each).
+* **load**: etcd's own counters (``/metrics``) over a failure-free run: raft proposals (writes), reads,
+  watch events per step per replica; and the projection to 2,000 replicas against the write rate this
+  cluster sustains (measured here too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from lightning_recover.control_plane.etcd_client import EtcdClient, tls_context
+from lightning_recover.control_plane.etcd_cluster import LocalEtcdCluster
+
+_APPLIED_BY_ALL = {
+    "etcd_server_proposals_committed_total",
+    "etcd_mvcc_put_total",
+    "etcd_mvcc_txn_total",
+    "etcd_mvcc_delete_total",
+}
+_KILL_TIME = re.compile(r"injecting fault (\S+) at t=([0-9.]+)")
+_METRICS = (
+    "etcd_server_proposals_committed_total",
+    "etcd_mvcc_put_total",
+    "etcd_mvcc_txn_total",
+    "etcd_mvcc_range_total",
+    "etcd_mvcc_delete_total",
+    "etcd_debugging_mvcc_events_total",
+)
+
+
+def _start(args: list[str], out: str, env_extra: dict[str, str], inject: str | None = None) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", **env_extra)
+    env.pop("LIGHTNING_RECOVER_INJECT", None)
+    if inject:
+        env["LIGHTNING_RECOVER_INJECT"] = inject
+    os.makedirs(out, exist_ok=True)
+    cmd = [sys.executable, "-m", "lightning_recover.bench.fabric_gpt", "--out", out, *args]
+    log = open(os.path.join(out, "job.log"), "w")
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, out: str, timeout: float = 600) -> str:
+    try:
+        proc.wait(timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    log = open(os.path.join(out, "job.log")).read()
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark job failed ({proc.returncode}):\n{log[-3000:]}")
+    return log
+
+
+def _records(out: str) -> dict[str, list[dict]]:
+    return {n[:-5]: json.load(open(os.path.join(out, n))) for n in os.listdir(out) if n.endswith(".json")}
+
+
+def _job_args(replicas: int, steps: int) -> list[str]:
+    return ["--strategy", "recover", "--replicas", str(replicas), "--steps", str(steps)] + [
+        "--microbatches",
+        str(2 * replicas),
+    ]
+
+
+def metrics(cluster: LocalEtcdCluster) -> dict[str, float]:
+    """etcd's counters, summed over the members that answer (``GET /metrics``)."""
+    total = dict.fromkeys(_METRICS, 0.0)
+    ctx = tls_context(**cluster.tls_files) if cluster.tls else None
+    for m in cluster.members:
+        if m.proc is None or m.proc.poll() is not None:
+            continue
+        host, port = m.endpoint.rsplit(":", 1)
+        conn = (
+            http.client.HTTPSConnection(host, int(port), context=ctx, timeout=5)
+            if ctx
+            else http.client.HTTPConnection(host, int(port), timeout=5)
+        )
+        conn.request("GET", "/metrics")
+        for line in conn.getresponse().read().decode().splitlines():
+            name = line.split("{")[0].split(" ")[0]
+            if name in total:
+                total[name] += float(line.rsplit(" ", 1)[1])
+        conn.close()
+    return total
+
+
+def write_capacity(cluster: LocalEtcdCluster, clients: int = 8, seconds: float = 3.0) -> float:
+    """Puts per second this cluster sustains from ``clients`` concurrent clients (one key each)."""
+    counts = [0] * clients
+    stop = time.monotonic() + seconds
+
+    def run(i: int) -> None:
+        c = EtcdClient(cluster.endpoints, **cluster.tls_files, allow_insecure=not cluster.tls)
+        while time.monotonic() < stop:
+            c.put(b"/capacity/%d" % i, b"x" * 64)
+            counts[i] += 1
+        c.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(counts) / seconds
+
+
+def step_median(out: str, warmup: int) -> float:
+    recs = list(_records(out).values())[0]
+    return statistics.median(r["seconds"] for r in recs if r["step"] >= warmup)
+
+
+def measure(args: argparse.Namespace) -> dict:
+    work = args.dir or tempfile.mkdtemp(prefix="lr-etcd32-")
+    result: dict = {"replicas": args.replicas, "steps": args.steps}
+    with LocalEtcdCluster(os.path.join(work, "etcd"), election_ms=args.election_ms) as cluster:
+        etcd_env = cluster.environment()
+        result["election_timeout_s"] = args.election_ms / 1000
+        modes = {"embedded": {}, "etcd": etcd_env}
+        parts = set(args.parts.split(","))
+        # --- overhead and load (failure-free runs, alternated)
+        times: dict[str, list[float]] = {m: [] for m in modes}
+        load = []
+        for rep in range(args.repeat if "overhead" in parts else 0):
+            for mode in list(modes)[rep % 2 :] + list(modes)[: rep % 2]:
+                out = os.path.join(work, f"free-{mode}{rep}")
+                before = metrics(cluster) if mode == "etcd" else None
+                _finish(_start(_job_args(args.replicas, args.steps), out, modes[mode]), out)
+                if before is not None:
+                    after = metrics(cluster)
+                    per = args.steps * args.replicas
+                    # Writes are applied by every member (counted 3 times); reads and watch events only by
+                    # the member that served them. Read-only transactions (check, multi_get) are served
+                    # locally, so the txn count divided by 3 is approximate.
+                    load.append(
+                        {k: (after[k] - before[k]) / per / (3 if k in _APPLIED_BY_ALL else 1) for k in _METRICS}
+                    )
+                times[mode].append(step_median(out, 3))
+                print(f"  {mode:8s} run {rep}: median step {times[mode][-1] * 1e3:.1f} ms", flush=True)
+        if times["etcd"]:
+            paired = [e / b for b, e in zip(times["embedded"], times["etcd"])]
+            result["overhead"] = {
+                "runs": times,
+                "paired_ratios": paired,
+                "paired_ratio_median": statistics.median(paired),
+            }
+        # --- kill -> next commit, alternated
+        kills: dict[str, list[float]] = {m: [] for m in modes}
+        phases = ["reduce", "backward", "forward"]
+        for i in range(args.kills if "kill" in parts else 0):
+            for mode in list(modes)[i % 2 :] + list(modes)[: i % 2]:
+                victim, step, phase = 1 + i % (args.replicas - 1), 2 + i % 3, phases[i % 3]
+                out = os.path.join(work, f"kill-{mode}{i}")
+                log = _finish(
+                    _start(
+                        _job_args(args.replicas, step + 3) + ["--heartbeat-timeout", "1.0"],
+                        out,
+                        modes[mode],
+                        inject=f"kill:replica={victim}:step={step}:phase={phase}",
+                    ),
+                    out,
+                )
+                fault_at = float(_KILL_TIME.search(log).group(2))
+                nxt = [
+                    min(r["committed_at"] for r in recs if r["committed_at"] > fault_at)
+                    for recs in _records(out).values()
+                ]
+                kills[mode].append(max(nxt) - fault_at)
+                print(f"  {mode:8s} kill {i} ({phase}): next commit after {kills[mode][-1]:.3f}s", flush=True)
+        if kills["etcd"]:
+            result["kill_next_commit_s"] = {m: {"runs": v, "median": statistics.median(v)} for m, v in kills.items()}
+        # --- etcd leader SIGKILL during training
+        leader_runs = []
+        for i in range(args.leader_kills if "leader" in parts else 0):
+            out = os.path.join(work, f"leader{i}")
+            steps = args.steps + 6
+            job = f"bench-leader-{i}-{os.getpid()}"
+            proc = _start(_job_args(args.replicas, steps), out, dict(etcd_env, LIGHTNING_RECOVER_JOB=job))
+            _wait_for_step(cluster, job, 4, proc)
+            leader = cluster.leader()
+            killed_at = time.time()
+            cluster.kill(leader)
+            _finish(proc, out)
+            recs = _records(out)
+            gaps, usual, lost = [], [], []
+            for name, rs in recs.items():
+                times_ = sorted(r["committed_at"] for r in rs)
+                steps_seen = sorted(r["step"] for r in rs)
+                if steps_seen != list(range(steps)):
+                    lost.append(name)
+                d = [b - a for a, b in zip(times_, times_[1:])]
+                usual.append(statistics.median(d))
+                gaps.append(max(b - a for a, b in zip(times_, times_[1:]) if b > killed_at))
+            run = {
+                "killed_leader": f"m{leader}",
+                "max_gap_s": max(gaps),
+                "usual_step_s": statistics.median(usual),
+                "stall_s": max(gaps) - statistics.median(usual),
+                "replicas_with_lost_or_repeated_steps": lost,
+            }
+            leader_runs.append(run)
+            print(f"  leader kill {i}: {run}", flush=True)
+            cluster.restart(leader)
+        if leader_runs:
+            result["leader_kill"] = leader_runs
+        if not load:
+            return result
+        # --- load and its projection
+        mean_load = {k: statistics.mean(x[k] for x in load) for k in _METRICS}
+        capacity = write_capacity(cluster)
+        step_s = statistics.median(times["etcd"])
+        writes_per_s_per_replica = mean_load["etcd_server_proposals_committed_total"] / step_s
+        result["load_per_step_per_replica"] = mean_load
+        result["write_capacity_puts_per_s"] = capacity
+        result["projection_2000"] = {
+            "writes_per_s": 2000 * writes_per_s_per_replica,
+            "capacity_fraction": 2000 * writes_per_s_per_replica / capacity,
+            "step_s_assumed": step_s,
+        }
+    return result
+
+
+def _wait_for_step(
+    cluster: LocalEtcdCluster, job: str, step: int, proc: subprocess.Popen, timeout: float = 300
+) -> None:
+    """Until replica 0's heartbeat (in etcd) says it runs ``step``: the fault lands mid-training."""
+    client = EtcdClient(cluster.endpoints, **cluster.tls_files, allow_insecure=not cluster.tls)
+    deadline = time.monotonic() + timeout
+    key = f"/lightning-recover/{job}/kv/hb/0".encode()
+    while time.monotonic() < deadline and proc.poll() is None:
+        value, _ = client.get(key)
+        if value:
+            try:
+                if int(json.loads(value.split(b"\x00lr1")[0]).get("step") or 0) >= step:
+                    break
+            except ValueError:
+                pass
+        time.sleep(0.05)
+    client.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--repeat", type=int, default=4)
+    p.add_argument("--kills", type=int, default=4)
+    p.add_argument("--leader-kills", type=int, default=2)
+    p.add_argument("--election-ms", type=int, default=500)
+    p.add_argument("--dir", default=None)
+    p.add_argument("--parts", default="overhead,kill,leader", help="which measurements (load comes with overhead)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    result = measure(args)
+    print(json.dumps(result, indent=1))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,402 @@
+"""A local etcd cluster with TLS client certificates: ``lightning-recover etcd up/down --dir D``.
+
+For tests, the docs and trying the etcd control plane out on one machine. ``up`` makes a CA and
+certificates with ``openssl`` (server certificate with SANs for every member address, a client
+certificate for client-cert auth, peer traffic on TLS too), starts ``members`` etcd processes and
+waits until the cluster has a leader; it writes ``D/cluster.json`` (endpoints, pids, the client
+cert paths) and prints the environment that points lightning-recover at it. ``down`` ends the
+members by the pids in ``cluster.json`` (each checked to be that etcd, by its command line).
+
+Start-up is parameterized by listen address (``hosts``: one per member) and by a command prefix per
+member (``wrap``, e.g. ``["ip", "netns", "exec", "hA"]``) so that network-namespace tests can put
+each member on its own "host".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from lightning_recover import env
+from lightning_recover.errors import RecoverError
+
+#: etcd's own defaults are 100 ms / 1000 ms; tests and the docs use a shorter election timeout so
+#: a leader's death costs ~1 s, not ~2 s (DESIGN.md "Round 3": SIGKILL of the leader -> next put 1.54 s at 1 s).
+DEFAULT_HEARTBEAT_MS = 50
+DEFAULT_ELECTION_MS = 500
+_STATE = "cluster.json"
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _url(scheme: str, host: str, port: int) -> str:
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
+def make_certificates(directory: str, hosts: Sequence[str]) -> dict[str, str]:
+    """A CA, a server/peer certificate for ``hosts`` (SAN IPs) and a client certificate, by openssl.
+
+    Returns the paths: ``cacert``, ``server_cert``, ``server_key``, ``cert``, ``key``.
+    """
+    if shutil.which("openssl") is None:
+        raise RecoverError("openssl is not installed. HINT: apt-get install openssl")
+    os.makedirs(directory, exist_ok=True)
+    p = {
+        k: os.path.join(directory, v)
+        for k, v in {
+            "cacert": "ca.crt",
+            "cakey": "ca.key",
+            "server_cert": "server.crt",
+            "server_key": "server.key",
+            "cert": "client.crt",
+            "key": "client.key",
+        }.items()
+    }
+    sans = ",".join(sorted({f"IP:{h}" for h in hosts} | {"IP:127.0.0.1", "DNS:localhost"}))
+    ext = os.path.join(directory, "san.cnf")
+    with open(ext, "w") as f:
+        f.write(f"subjectAltName={sans}\nextendedKeyUsage=serverAuth,clientAuth\n")
+    client_ext = os.path.join(directory, "client.cnf")
+    with open(client_ext, "w") as f:
+        f.write("extendedKeyUsage=clientAuth\n")
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+    old = os.umask(0o077)  # keys readable by this user only
+    try:
+        run(
+            *("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "30"),
+            *("-subj", "/CN=lightning-recover test CA", "-keyout", p["cakey"], "-out", p["cacert"]),
+            *("-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign"),
+        )
+        for name, cn, extfile in (("server", "etcd member", ext), ("", "lightning-recover", client_ext)):
+            cert, key = (p["server_cert"], p["server_key"]) if name else (p["cert"], p["key"])
+            csr = cert + ".csr"
+            run(
+                *("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"),
+                *("-subj", f"/CN={cn}", "-keyout", key, "-out", csr),
+            )
+            run(
+                *("x509", "-req", "-in", csr, "-CA", p["cacert"], "-CAkey", p["cakey"], "-CAcreateserial"),
+                *("-days", "30", "-out", cert, "-extfile", extfile),
+            )
+            os.remove(csr)
+    finally:
+        os.umask(old)
+    return p
+
+
+@dataclass
+class Member:
+    name: str
+    host: str
+    client_port: int
+    peer_port: int
+    data_dir: str
+    proc: subprocess.Popen | None = None
+    pid: int | None = None
+
+    def client_url(self, tls: bool) -> str:
+        return _url("https" if tls else "http", self.host, self.client_port)
+
+    def peer_url(self, tls: bool) -> str:
+        return _url("https" if tls else "http", self.host, self.peer_port)
+
+    @property
+    def endpoint(self) -> str:
+        return f"[{self.host}]:{self.client_port}" if ":" in self.host else f"{self.host}:{self.client_port}"
+
+
+@dataclass
+class LocalEtcdCluster:
+    """``members`` etcd processes in ``directory`` (one data dir each); :meth:`start` / :meth:`stop`.
+
+    In-process use (tests)::
+
+        with LocalEtcdCluster(tmp_path) as cluster:
+            cluster.url   # etcd://127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3
+            cluster.tls   # {"cacert": ..., "cert": ..., "key": ...}
+    """
+
+    directory: str
+    members_count: int = 3
+    hosts: Sequence[str] = ("127.0.0.1",)
+    tls: bool = True
+    heartbeat_ms: int = DEFAULT_HEARTBEAT_MS
+    election_ms: int = DEFAULT_ELECTION_MS
+    wrap: Sequence[Sequence[str]] | None = None  # a command prefix per member (network namespaces)
+    etcd: str = "etcd"
+    members: list[Member] = field(default_factory=list)
+    certs: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.directory = os.path.abspath(str(self.directory))
+
+    # ------------------------------------------------------------------ addresses
+    @property
+    def endpoints(self) -> list[str]:
+        return [m.endpoint for m in self.members]
+
+    @property
+    def url(self) -> str:
+        """The control-plane URL lightning-recover takes (``LIGHTNING_RECOVER_CONTROL_PLANE``)."""
+        return ("etcd://" if self.tls else "etcd+insecure://") + ",".join(self.endpoints)
+
+    @property
+    def tls_files(self) -> dict[str, str]:
+        return {k: self.certs[k] for k in ("cacert", "cert", "key")} if self.tls else {}
+
+    def environment(self) -> dict[str, str]:
+        """The variables that point lightning-recover at this cluster."""
+        out = {env.CONTROL_PLANE: self.url}
+        if self.tls:
+            out.update({env.ETCD_CACERT: self.certs["cacert"], env.ETCD_CERT: self.certs["cert"]})
+            out[env.ETCD_KEY] = self.certs["key"]
+        return out
+
+    # ------------------------------------------------------------------ life cycle
+    def start(self, timeout: float = 30.0) -> LocalEtcdCluster:
+        if shutil.which(self.etcd) is None:
+            raise RecoverError(
+                f"{self.etcd!r} is not installed. HINT: apt-get install etcd-server (scripts/setup.sh does it)"
+            )
+        os.makedirs(self.directory, exist_ok=True)
+        hosts = list(self.hosts) * self.members_count if len(self.hosts) == 1 else list(self.hosts)
+        if len(hosts) != self.members_count:
+            raise ValueError(f"hosts: one address, or one per member ({self.members_count}), got {list(self.hosts)}")
+        if self.tls:
+            self.certs = make_certificates(os.path.join(self.directory, "pki"), sorted(set(hosts)))
+        self.members = [
+            Member(f"m{i}", h, _free_port(h), _free_port(h), os.path.join(self.directory, f"m{i}.etcd"))
+            for i, h in enumerate(hosts)
+        ]
+        try:
+            for i in range(len(self.members)):
+                self._spawn(i, "new")
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        self._write_state()
+        return self
+
+    def _command(self, i: int, state: str) -> list[str]:
+        m, tls = self.members[i], self.tls
+        initial = ",".join(f"{o.name}={o.peer_url(tls)}" for o in self.members)
+        cmd = [
+            *(self.wrap[i] if self.wrap else []),
+            self.etcd,
+            *("--name", m.name, "--data-dir", m.data_dir),
+            *("--listen-client-urls", m.client_url(tls), "--advertise-client-urls", m.client_url(tls)),
+            *("--listen-peer-urls", m.peer_url(tls), "--initial-advertise-peer-urls", m.peer_url(tls)),
+            *("--initial-cluster", initial, "--initial-cluster-state", state),
+            *("--initial-cluster-token", "lr-" + os.path.basename(self.directory)),
+            *("--heartbeat-interval", str(self.heartbeat_ms), "--election-timeout", str(self.election_ms)),
+            *("--log-level", "warn", "--logger", "zap"),
+        ]
+        if tls:
+            c = self.certs
+            cmd += ["--cert-file", c["server_cert"], "--key-file", c["server_key"]]
+            cmd += ["--trusted-ca-file", c["cacert"], "--client-cert-auth"]
+            cmd += ["--peer-cert-file", c["server_cert"], "--peer-key-file", c["server_key"]]
+            cmd += ["--peer-trusted-ca-file", c["cacert"], "--peer-client-cert-auth"]
+        return cmd
+
+    def _spawn(self, i: int, state: str) -> None:
+        m = self.members[i]
+        log = open(os.path.join(self.directory, f"{m.name}.log"), "ab")
+        # Its own session: a Ctrl-C in the terminal of `etcd up` must not reach the members.
+        m.proc = subprocess.Popen(
+            self._command(i, state),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        log.close()
+        m.pid = m.proc.pid
+
+    def restart(self, i: int, timeout: float = 30.0) -> None:
+        """Start member ``i`` again (after :meth:`kill`) on its data dir; it rejoins the cluster."""
+        self._spawn(i, "existing")
+        self._write_state()
+        self.wait_ready(timeout)
+
+    def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
+        m = self.members[i]
+        if m.proc is not None and m.proc.poll() is None:
+            m.proc.send_signal(sig)
+            m.proc.wait(10)
+
+    def stop(self) -> None:
+        """End every member this object started (SIGTERM, then SIGKILL after 5 s)."""
+        for m in self.members:
+            if m.proc is not None and m.proc.poll() is None:
+                m.proc.terminate()
+        deadline = time.monotonic() + 5.0
+        for m in self.members:
+            if m.proc is not None:
+                try:
+                    m.proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    m.proc.kill()
+                    m.proc.wait()
+
+    def __enter__(self) -> LocalEtcdCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ status
+    def status(self, i: int, timeout: float = 1.0) -> dict | None:
+        """``/v3/maintenance/status`` of member ``i`` (None if it does not answer)."""
+        from lightning_recover.control_plane.etcd_client import EtcdClient, EtcdUnavailable
+
+        m = self.members[i]
+        client = EtcdClient([m.endpoint], timeout=timeout, **self.tls_files, allow_insecure=not self.tls)
+        try:
+            return client.status()
+        except EtcdUnavailable:
+            return None
+        finally:
+            client.close()
+
+    def leader(self, timeout: float = 10.0) -> int:
+        """The index of the current leader (waits up to ``timeout`` for one)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for i, m in enumerate(self.members):
+                if m.proc is not None and m.proc.poll() is not None:
+                    continue
+                st = self.status(i)
+                if st and st.get("leader") and st["leader"] == st["header"]["member_id"]:
+                    return i
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no etcd leader within {timeout}s (logs in {self.directory})")
+            time.sleep(0.05)
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for m in self.members:
+            if m.proc is not None and m.proc.poll() is not None:
+                raise RecoverError(
+                    f"etcd member {m.name} exited ({m.proc.returncode}) at start; see {self.directory}/{m.name}.log"
+                )
+        self.leader(max(0.1, deadline - time.monotonic()))
+
+    def _write_state(self) -> None:
+        state = {
+            "url": self.url,
+            "tls": self.tls_files,
+            "members": [
+                {"name": m.name, "pid": m.pid, "endpoint": m.endpoint, "data_dir": m.data_dir} for m in self.members
+            ],
+        }
+        with open(os.path.join(self.directory, _STATE), "w") as f:
+            json.dump(state, f, indent=1)
+
+
+def down(directory: str, timeout: float = 10.0) -> int:
+    """End the members recorded in ``directory/cluster.json``; return how many were running."""
+    path = os.path.join(os.path.abspath(directory), _STATE)
+    try:
+        with open(path) as f:
+            state = json.load(f)
+    except FileNotFoundError:
+        raise RecoverError(
+            f"no cluster in {directory} ({path} is missing). HINT: `lightning-recover etcd up --dir D`"
+        ) from None
+    ended = []
+    for m in state["members"]:
+        pid = int(m["pid"])
+        try:  # only that etcd: a reused pid must not be signalled
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().split(b"\0")
+        except OSError:
+            continue
+        if m["data_dir"].encode() not in cmdline:
+            continue
+        os.kill(pid, signal.SIGTERM)
+        ended.append(pid)
+    deadline = time.monotonic() + timeout
+    for pid in ended:
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if os.path.exists(f"/proc/{pid}"):
+            os.kill(pid, signal.SIGKILL)
+    return len(ended)
+
+
+# ---------------------------------------------------------------------------- the command line
+
+
+def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("etcd", help="a local 3-member etcd cluster with TLS client certificates (tests, trying it out)")
+    kinds = p.add_subparsers(dest="etcd_command", required=True)
+    up = kinds.add_parser("up", help="make certificates, start the members, print the environment to use")
+    up.add_argument("--dir", required=True, help="directory for certificates, data and logs")
+    up.add_argument("--members", type=int, default=3)
+    up.add_argument(
+        "--host", default="127.0.0.1", help="address the members listen on (one, or comma-separated per member)"
+    )
+    up.add_argument("--election-timeout-ms", type=int, default=DEFAULT_ELECTION_MS)
+    up.add_argument("--heartbeat-ms", type=int, default=DEFAULT_HEARTBEAT_MS)
+    up.add_argument(
+        "--insecure", action="store_true", help="plain-text http, no certificates (loopback experiments only)"
+    )
+    up.set_defaults(func=_cmd_up)
+    dn = kinds.add_parser("down", help="end the members `etcd up` started in --dir")
+    dn.add_argument("--dir", required=True)
+    dn.set_defaults(func=_cmd_down)
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    if os.path.exists(os.path.join(args.dir, _STATE)):
+        print(
+            f"a cluster was already started in {args.dir}. HINT: `lightning-recover etcd down --dir {args.dir}`, "
+            "or another --dir",
+            file=sys.stderr,
+        )
+        return 2
+    cluster = LocalEtcdCluster(
+        args.dir,
+        args.members,
+        hosts=args.host.split(","),
+        tls=not args.insecure,
+        heartbeat_ms=args.heartbeat_ms,
+        election_ms=args.election_timeout_ms,
+    )
+    cluster.start()
+    print(f"# etcd cluster of {args.members} members up in {cluster.directory}; leader m{cluster.leader()}")
+    for k, v in cluster.environment().items():
+        print(f"export {k}={v}")
+    return 0
+
+
+def _cmd_down(args: argparse.Namespace) -> int:
+    n = down(args.dir)
+    print(f"ended {n} etcd member(s) of {args.dir}")
+    try:
+        os.remove(os.path.join(args.dir, _STATE))
+    except FileNotFoundError:
+        pass
+    return 0
+
+
+_ = ssl  # the client module does the TLS

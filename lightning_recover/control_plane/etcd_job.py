@@ -1,0 +1,221 @@
+"""A launcher's part in a job whose control plane is etcd: the job's keys, its secret, the monitor role.
+
+With etcd there is no coordinator process. Every launcher of the job (one per host, each starting its
+own replicas: ``lightning-recover run --control-plane etcd://... --job NAME --local-replicas 0,1``) does:
+
+* **join**: the first launcher to write ``meta/owner`` (a compare-and-set) writes the job's initial
+  keys (the same as the embedded coordinator's, :func:`~lightning_recover.protocol.coordinator.init_keys`)
+  and then ``meta/ready``; the others wait for ``meta/ready``. A job name already used by a job of
+  another shape is refused.
+* **secret**: the job's MAC key is written once to etcd (first writer wins) and read by every launcher,
+  which hands it to its replicas in a 0600 file. Only clients with a certificate of the cluster's CA
+  reach it (TLS client auth), the same set that can reach the job's keys at all.
+* **monitor role** (:class:`MonitorRole`): declaring replicas dead on missed heartbeats or hangs is what
+  the embedded coordinator's monitor thread does; here it is held by one launcher at a time through an
+  etcd election: a key ``monitor`` created in a transaction only if absent (``version == 0``), attached
+  to that launcher's lease. Its holder keeps the lease alive; if the holder dies (or loses etcd) the
+  lease expires after ``ttl`` seconds, etcd deletes the key, and a waiting candidate's transaction
+  succeeds. A holder that cannot renew its lease within ``ttl`` stops monitoring before any other can
+  take over (it counts from before its last successful renewal), so two monitors never overlap in the
+  holder's own time. Even if they did, every declaration is a compare-and-set on ``dead/{r}`` that only
+  grows: a second monitor could only repeat a declaration, never undo one.
+
+Takeover bound: ``ttl`` (lease expiry) + ``CAMPAIGN_PERIOD`` + one request; the new holder declares a
+replica that died meanwhile after ``heartbeat_timeout`` more (it starts its own clock of every beat).
+"""
+
+from __future__ import annotations
+
+import datetime
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from typing import Optional
+
+from lightning_recover.control_plane import etcd_client as ec
+from lightning_recover.control_plane.config import EtcdSettings
+from lightning_recover.errors import RecoverError
+from lightning_recover.protocol import coordinator
+from lightning_recover.protocol.messages import JobSecret, Sealer
+
+#: Seconds between a candidate's tries to take the monitor role (and the longest its takeover waits
+#: after the holder's lease expired).
+CAMPAIGN_PERIOD = 0.1
+#: The monitor's lease (whole seconds: etcd's unit; etcd raises anything below ~1.5 x its election
+#: timeout to that minimum). Takeover after the holder's death: <= DEFAULT_LEASE_TTL + CAMPAIGN_PERIOD
+#: + one request (tests/test_etcd_job.py asserts it with 1 s of slack).
+DEFAULT_LEASE_TTL = 2
+
+
+def join_job(settings: EtcdSettings, replicas: int, replica_size: int, timeout: float = 30.0) -> JobSecret:
+    """Create the job's keys (first launcher) or wait until they exist (the others); the job's secret."""
+    store = settings.store()
+    try:
+        mine = secrets.token_hex(8).encode()
+        # The secret first: init_keys seals with it.
+        key = store.compare_set("secret", b"", secrets.token_bytes(32).hex().encode())
+        secret = JobSecret(bytes.fromhex(key.decode()))
+        sealer = Sealer(secret)
+        if store.compare_set("meta/owner", b"", mine) == mine:
+            coordinator.init_keys(store, sealer, replicas, replica_size)
+            store.set("meta/ready", b"1")
+        else:
+            store.wait(["meta/ready"], datetime.timedelta(seconds=timeout))
+        stored = [sealer.open(k, store.get(k)).decode() for k in ("meta/replicas", "meta/replica_size")]
+        if stored != [str(replicas), str(replica_size)]:
+            raise RecoverError(
+                f"job {settings.job!r} on {settings.url} already exists with {stored[0]} replicas of {stored[1]} "
+                f"process(es), not {replicas} of {replica_size}. HINT: give every launcher of one job the same "
+                "--replicas/--nproc-per-replica, and each new job a new --job name"
+            )
+        return secret
+    finally:
+        store.client.close()
+
+
+class MonitorRole:
+    """Campaign for the job's monitor role on a thread; while held, run the coordinator's monitor."""
+
+    def __init__(
+        self,
+        settings: EtcdSettings,
+        secret: JobSecret,
+        replicas: int,
+        heartbeat_timeout: float,
+        hang_timeout: float,
+        replica_size: int,
+        name: str,
+        say: Callable[[str], object],
+        ttl: int = DEFAULT_LEASE_TTL,
+    ) -> None:
+        self.settings = settings
+        self.sealer = Sealer(secret)
+        self.replicas, self.replica_size = replicas, replica_size
+        self.heartbeat_timeout, self.hang_timeout = heartbeat_timeout, hang_timeout
+        self.name = name
+        self.say = say
+        self.ttl = ttl
+        self.key = (settings.prefix + "monitor").encode()
+        self.held = threading.Event()  # set while this launcher holds the role
+        self.taken_at: Optional[float] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lr-monitor-role", daemon=True)
+
+    def start(self) -> MonitorRole:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def holder(self, client: ec.EtcdClient) -> Optional[str]:
+        value, _ = client.get(self.key)
+        return value.decode() if value is not None else None
+
+    def _run(self) -> None:
+        client = self.settings.client()
+        while not self._stop.is_set():
+            try:
+                lease = client.lease_grant(self.ttl)
+                granted = time.monotonic()
+                answer = client.txn(
+                    [ec.cmp_version(self.key, 0)],
+                    [ec.op_put(self.key, self.name.encode(), lease)],
+                    [ec.op_get(self.key)],
+                )
+                if not answer.get("succeeded"):
+                    client.lease_revoke(lease)
+                    self._stop.wait(CAMPAIGN_PERIOD)
+                    continue
+                self._hold(client, lease, granted)
+            except RecoverError as exc:  # etcd unreachable: no role, try again
+                if self.held.is_set():
+                    self.held.clear()
+                self.say(f"monitor role: etcd not reachable ({exc}); retrying")
+                self._stop.wait(CAMPAIGN_PERIOD)
+        client.close()
+
+    def _hold(self, client: ec.EtcdClient, lease: int, renewed: float) -> None:
+        """Monitor while the lease lives; give the role up (revoke) when stopped."""
+        self.taken_at = time.monotonic()
+        self.held.set()
+        self.say(f"monitor role taken by {self.name}")
+        lost = threading.Event()
+        monitor = threading.Thread(target=self._monitor, args=(lost,), name="lr-monitor", daemon=True)
+        monitor.start()
+        # Renew at a third of the TTL; a renewal counts from when it was sent. Give up the role
+        # (stop monitoring) once the lease may have expired in etcd's eyes.
+        renew_client = client.clone()
+        renew_client.timeout = max(0.2, self.ttl / 3)
+        try:
+            while not self._stop.wait(self.ttl / 3):
+                sent = time.monotonic()
+                try:
+                    if renew_client.lease_keepalive(lease) > 0:
+                        renewed = sent
+                except RecoverError:
+                    pass
+                if time.monotonic() - renewed >= self.ttl:
+                    self.say(f"monitor role of {self.name} lost: lease not renewed for {self.ttl}s")
+                    break
+            else:
+                client.lease_revoke(lease)  # handing over at once, not after the TTL
+        finally:
+            lost.set()
+            monitor.join(5.0)
+            self.held.clear()
+            renew_client.close()
+
+    def _monitor(self, stop: threading.Event) -> None:
+        store = self.settings.store()
+        try:
+            coordinator.run_monitor(
+                store, self.sealer, self.replicas, self.heartbeat_timeout, self.hang_timeout, stop, self.replica_size
+            )
+        except RecoverError as exc:  # etcd lost while monitoring: the lease loop gives the role up
+            self.say(f"monitor of {self.name} stopped: {exc}")
+            stop.wait(self.ttl)
+        finally:
+            store.client.close()
+
+
+class EtcdCoordinator:
+    """What the launcher holds instead of a coordinator process when the control plane is etcd: the
+    address its replicas get (the etcd URL) and this launcher's candidacy for the monitor role."""
+
+    def __init__(self, settings: EtcdSettings, role: MonitorRole) -> None:
+        self.settings = settings
+        self.role = role
+        self.addr = settings.url
+
+    def running(self) -> bool:
+        return True  # nothing of this launcher's own can exit; losing etcd shows on the link
+
+    def exited(self) -> Optional[str]:
+        return None
+
+    def frozen(self) -> bool:
+        return False
+
+    def describe(self) -> str:
+        return f"etcd control plane {self.addr}, job {self.settings.job!r}"
+
+    def kill(self) -> None:
+        self.role.stop()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.role.stop(timeout)
+
+
+def forget_job(settings: EtcdSettings) -> None:
+    """Delete every key of the job (at its end, by its only launcher); an unreachable etcd is only said."""
+    client = settings.client(timeout=2.0)
+    try:
+        prefix = settings.prefix.encode()
+        client.delete(prefix, ec.prefix_end(prefix))
+    except RecoverError:
+        pass  # the keys stay until `etcdctl del --prefix`; they name a finished job only
+    finally:
+        client.close()

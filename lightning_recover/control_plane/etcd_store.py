@@ -1,0 +1,209 @@
+"""A ``torch.distributed.Store`` on etcd: the control plane's key-value door when it runs on etcd.
+
+:class:`~lightning_recover.protocol.messages.ControlStore` wraps any ``dist.Store`` (the embedded
+TCPStore by default); this one keeps every key under the job's prefix in an etcd cluster, so the
+sealing, typing and naming of the messages are the same on both backends. It is also what gloo
+rendezvous through (a Python ``dist.Store`` works as a c10d store, also under ``dist.PrefixStore``),
+so generation process groups need no fixed host.
+
+The TCPStore operations, on etcd's:
+
+* ``set``/``get``/``delete_key``/``num_keys``/``check``/``multi_get``: put, range (linearizable),
+  delete-range, count; ``check`` and ``multi_get`` are one transaction of ranges (one round trip).
+* ``compare_set``: one transaction (``version == 0`` for "only if absent", else ``value == expected``)
+  that returns the value now stored, as TCPStore does. A retry after an unanswered try is safe: if the
+  first try was applied, the retry finds the desired value.
+* ``add``: a compare-and-swap on the key's ``mod_revision``. Each try also writes a fresh token key in
+  the same transaction, and a failed compare reads that token back: a try applied whose answer was lost
+  (the member died after committing) is recognised and not counted twice. The token is deleted by the
+  store's next ``add``. ``add(key, 0)`` of an existing counter is a plain read (no write).
+* ``wait``/``get`` of a missing key: a watch from the revision of the read that found it missing (no
+  event can fall between), re-checked by a read at least every ``_WATCH_SLICE`` seconds so a watch on
+  a member that stopped answering cannot hold a caller.
+
+Every request fails over between the members within the client's deadline
+(:class:`~lightning_recover.control_plane.etcd_client.EtcdClient`); past it
+:class:`~lightning_recover.control_plane.etcd_client.EtcdUnavailable` is raised, which ControlStore
+turns into ``CoordinatorLostError``: a replica that loses etcd stops within that bound.
+"""
+
+from __future__ import annotations
+
+import datetime
+import secrets
+import time
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from lightning_recover.control_plane import etcd_client as ec
+
+_WATCH_SLICE = 1.0  # seconds a watch runs before the keys are read again
+_DEFAULT_TIMEOUT = 300.0  # TCPStore's default wait
+
+
+def _as_bytes(value: Any) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+class EtcdStore(dist.Store):
+    """Keys ``prefix + key`` in etcd through ``client``; ``root`` holds the store's own bookkeeping
+    (the tokens of ``add``), outside ``prefix`` so that ``num_keys`` counts only the caller's keys."""
+
+    def __init__(
+        self, client: ec.EtcdClient, prefix: str, root: Optional[str] = None, timeout: float = _DEFAULT_TIMEOUT
+    ):
+        super().__init__()
+        self.client = client
+        self.prefix = prefix.encode()
+        self.root = (root if root is not None else prefix).encode()
+        self._timeout = timeout
+        self._last_token: Optional[bytes] = None
+        self.watches = 0  # watch streams opened (load figures)
+
+    def _k(self, key: str) -> bytes:
+        return self.prefix + key.encode()
+
+    # ---------------------------------------------------------------- plumbing
+    def clone(self) -> EtcdStore:
+        """A store on a connection of its own (threads must not share one)."""
+        return EtcdStore(self.client.clone(), self.prefix.decode(), self.root.decode(), self._timeout)
+
+    def prefixed_clone(self, prefix: str) -> EtcdStore:
+        """A store on a connection of its own whose keys live under ``prefix/`` inside this one's (what
+        ``dist.PrefixStore`` does, without losing ``delete_key``/``num_keys``, which torch does not
+        forward to a Python store)."""
+        return EtcdStore(self.client.clone(), f"{self.prefix.decode()}{prefix}/", self.root.decode(), self._timeout)
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self._timeout = timeout.total_seconds()
+
+    # ---------------------------------------------------------------- plain values
+    def set(self, key: str, value: Any) -> None:
+        self.client.put(self._k(key), _as_bytes(value))
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[Any]) -> None:
+        self.client.txn([], [ec.op_put(self._k(k), _as_bytes(v)) for k, v in zip(keys, values)])
+
+    def get(self, key: str) -> bytes:
+        value, _ = self.client.get(self._k(key))
+        if value is None:
+            self.wait([key])
+            value, _ = self.client.get(self._k(key))
+        return value if value is not None else b""
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        found = self._ranges(keys)
+        if any(v is None for v in found[0]):
+            self.wait(list(keys))
+            found = self._ranges(keys)
+        return [v if v is not None else b"" for v in found[0]]
+
+    def _ranges(self, keys: Sequence[str], count_only: bool = False) -> tuple[list[Optional[bytes]], int]:
+        """The values (None: absent) of ``keys`` in one transaction, and the revision it read at."""
+        answer = self.client.txn([], [ec.op_get(self._k(k), count_only) for k in keys])
+        out: list[Optional[bytes]] = []
+        for r in answer.get("responses") or []:
+            rng = r.get("response_range") or {}
+            if count_only:
+                out.append(b"" if int(rng.get("count", 0)) else None)
+            else:
+                kv = ec.first_kv(r)
+                out.append(ec.unb64(kv.get("value")) if kv else None)
+        return out, int(answer["header"]["revision"])
+
+    def check(self, keys: Sequence[str]) -> bool:
+        return all(v is not None for v in self._ranges(keys, count_only=True)[0])
+
+    def delete_key(self, key: str) -> bool:
+        return self.client.delete(self._k(key)) > 0
+
+    def num_keys(self) -> int:
+        answer = self.client.range(self.prefix, ec.prefix_end(self.prefix), count_only=True)
+        return int(answer.get("count", 0))
+
+    # ---------------------------------------------------------------- registers
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        k, expected, desired = self._k(key), _as_bytes(expected), _as_bytes(desired)
+        compare = [ec.cmp_version(k, 0)] if not expected else [ec.cmp_value(k, expected)]
+        answer = self.client.txn(compare, [ec.op_put(k, desired)], [ec.op_get(k)])
+        if answer.get("succeeded"):
+            return desired
+        kv = ec.first_kv((answer.get("responses") or [{}])[0])
+        if kv is None:  # absent and something was expected: TCPStore answers with the expected value
+            return expected
+        return ec.unb64(kv.get("value"))
+
+    def add(self, key: str, amount: int) -> int:
+        k = self._k(key)
+        value, mod = self._read_counter(k)
+        if amount == 0 and mod:
+            return value
+        while True:
+            token = self.root + b"\x00add/" + secrets.token_hex(8).encode()
+            new = value + amount
+            compare = [ec.cmp_mod(k, mod)] if mod else [ec.cmp_version(k, 0)]
+            success = [ec.op_put(k, str(new).encode()), ec.op_put(token, b"")]
+            if self._last_token is not None:
+                success.append(ec.op_delete(self._last_token))
+            answer = self.client.txn(compare, success, [ec.op_get(k), ec.op_get(token, count_only=True)])
+            if answer.get("succeeded"):
+                self._last_token = token
+                return new
+            responses = answer.get("responses") or [{}, {}]
+            if int((responses[1].get("response_range") or {}).get("count", 0)):
+                # An earlier try of this very transaction was applied (its answer was lost, the
+                # client retried): the counter moved because of us.
+                self._last_token = token
+                return new
+            kv = ec.first_kv(responses[0])
+            value, mod = (int(ec.unb64(kv.get("value")) or b"0"), int(kv["mod_revision"])) if kv else (0, 0)
+
+    def _read_counter(self, k: bytes) -> tuple[int, int]:
+        answer = self.client.range(k)
+        kvs = answer.get("kvs") or []
+        if not kvs:
+            return 0, 0
+        return int(ec.unb64(kvs[0].get("value")) or b"0"), int(kvs[0]["mod_revision"])
+
+    def append(self, key: str, value: Any) -> None:
+        """Append to the value (created if absent). Appends are hints here (``ControlStore.append_hint``):
+        an unanswered try that was applied may be appended twice, which a reader of hints tolerates."""
+        k, value = self._k(key), _as_bytes(value)
+        while True:
+            answer = self.client.range(k)
+            kvs = answer.get("kvs") or []
+            old, compare = (
+                (ec.unb64(kvs[0].get("value")), [ec.cmp_mod(k, int(kvs[0]["mod_revision"]))])
+                if kvs
+                else (b"", [ec.cmp_version(k, 0)])
+            )
+            if self.client.txn(compare, [ec.op_put(k, old + value)]).get("succeeded"):
+                return
+
+    # ---------------------------------------------------------------- waiting
+    def wait(self, keys: Sequence[str], timeout: Optional[datetime.timedelta] = None) -> None:
+        """Return once every key exists; ``dist.DistStoreError`` after ``timeout`` (default: the store's)."""
+        limit = self._timeout if timeout is None else timeout.total_seconds()
+        deadline = time.monotonic() + limit
+        keys = list(keys)
+        while True:
+            present, revision = self._ranges(keys, count_only=True)
+            missing = [k for k, v in zip(keys, present) if v is None]
+            if not missing:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise dist.DistStoreError(
+                    f"wait timeout after {limit:g}s for keys {missing[:4]} in etcd under {self.prefix.decode()!r}"
+                )
+            self.watches += 1
+            # Watch the first missing key from the revision just read: its creation cannot be missed.
+            events = self.client.watch(self._k(missing[0]), revision + 1, min(left, _WATCH_SLICE))
+            try:
+                for event in events:
+                    if event.get("type", "PUT") == "PUT":
+                        break
+            finally:
+                events.close()  # ends the watch's connection now, not at garbage collection

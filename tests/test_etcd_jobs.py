@@ -1,0 +1,162 @@
+"""Training jobs whose control plane is a real 3-member TLS etcd cluster on loopback, under faults.
+
+Each job (a small float64 MLP, store collectives every step) must end equal to the failure-free run
+(max relative difference <= 1e-9, as tests/test_attacks.py) with every surviving replica having applied
+every step exactly once, through: a replica SIGKILLed mid-step; the etcd leader SIGKILLed mid-training;
+the launcher holding the monitor role SIGKILLed (two launchers, one job, each a monitor candidate).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from lightning_recover.control_plane.etcd_job import CAMPAIGN_PERIOD, DEFAULT_LEASE_TTL
+from tests.jobs import FABRIC_SCRIPT, JobResult, kill_group, max_relative_difference, run_job, start_job, wait_for
+from tests.scripts.fabric_train import reference_state
+
+pytestmark = pytest.mark.slow
+
+REPLICAS, STEPS, M = 3, 6, 6
+TRAIN_ARGS = ["--steps", str(STEPS), "--microbatches", str(M), "--dtype", "float64", "--metrics"]
+#: Slack on time bounds for a loaded 2-core machine (stated in docs/control_plane.md).
+SLACK = 1.0
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_state(STEPS, M, dtype="float64")
+
+
+def _assert_failure_free(result: JobResult, reference, survivors) -> None:
+    assert result.returncode == 0, result.output[-4000:]
+    states = result.states()
+    assert sorted(states) == sorted(survivors), result.output[-3000:]
+    for r, data in states.items():
+        assert max_relative_difference(data["state"], reference) <= 1e-9, f"replica {r} diverged"
+        with open(os.path.join(result.out_dir, f"steps{r}.log")) as f:
+            applied = [int(line) for line in f if line.strip()]
+        assert applied == list(range(STEPS)), f"replica {r} applied steps {applied}"
+
+
+def _fabric_cmd(out: str, work: float = 0.0) -> list[str]:
+    return [sys.executable, FABRIC_SCRIPT, out, "--replicas", str(REPLICAS), "--heartbeat-timeout", "0.5"] + [
+        *TRAIN_ARGS,
+        "--work",
+        str(work),
+    ]
+
+
+def test_replica_killed_on_etcd(etcd3, tmp_path, reference):
+    out = str(tmp_path / "run")
+    env = dict(etcd3.environment(), LIGHTNING_RECOVER_INJECT="kill:replica=1:step=2:phase=backward")
+    result = run_job(_fabric_cmd(out), out, timeout=180, env=env)
+    assert "monitor role taken" in result.output, result.output[-3000:]
+    _assert_failure_free(result, reference, [0, 2])
+
+
+def test_etcd_leader_sigkill_mid_training(etcd3, tmp_path, reference):
+    out = str(tmp_path / "run")
+    proc, log = start_job(_fabric_cmd(out, work=0.03), out, etcd3.environment())
+    try:
+        assert wait_for(lambda: os.path.exists(os.path.join(out, "started")), 120), open(log).read()[-3000:]
+        leader = etcd3.leader()
+        etcd3.kill(leader)  # SIGKILL, mid-training (step 1 of 6 is running)
+        proc.wait(timeout=150)
+    finally:
+        kill_group(proc)
+    result = JobResult(proc.returncode, open(log).read(), out)
+    _assert_failure_free(result, reference, range(REPLICAS))
+
+
+def _run_cmd(out: str, cluster, job: str, local: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "lightning_recover.cli",
+        "run",
+        "--replicas",
+        str(REPLICAS),
+        "--heartbeat-timeout",
+        "0.5",
+        "--control-plane",
+        cluster.url,
+        "--job",
+        job,
+        "--local-replicas",
+        local,
+        "--",
+        *_fabric_cmd(out, work=0.05),
+    ]
+
+
+def test_launcher_holding_the_monitor_role_sigkilled(etcd3, tmp_path, reference):
+    """Two launchers of one job (replica 0 / replicas 1, 2); the first holds the monitor role and is SIGKILLed
+    with its replica mid-training. The other takes the role within the lease bound, declares replica 0
+    dead, and its replicas finish on the failure-free trajectory."""
+    out = str(tmp_path / "run")
+    job = f"t-{os.getpid()}-{time.monotonic_ns()}"
+    env = etcd3.environment()
+    a, log_a = start_job(_run_cmd(out, etcd3, job, "0"), str(tmp_path / "a"), env)
+    b = None
+    try:
+        assert wait_for(lambda: "monitor role taken" in open(log_a).read(), 90), open(log_a).read()[-3000:]
+        b, log_b = start_job(_run_cmd(out, etcd3, job, "1,2"), str(tmp_path / "b"), env)
+        assert wait_for(lambda: os.path.exists(os.path.join(out, "started")), 120), open(log_b).read()[-3000:]
+        assert "monitor role taken" not in open(log_b).read()
+        os.kill(a.pid, signal.SIGKILL)  # the launcher; its replica dies with it (parent-death signal)
+        killed = time.monotonic()
+        assert wait_for(lambda: "monitor role taken" in open(log_b).read(), DEFAULT_LEASE_TTL + 10), open(log_b).read()
+        takeover = time.monotonic() - killed
+        assert takeover <= DEFAULT_LEASE_TTL + CAMPAIGN_PERIOD + SLACK, takeover
+        b.wait(timeout=150)
+    finally:
+        kill_group(a)
+        if b is not None:
+            kill_group(b)
+    result = JobResult(b.returncode, open(log_b).read(), out)
+    _assert_failure_free(result, reference, [1, 2])
+
+
+def test_etcd_up_and_down_cli(tmp_path):
+    """`lightning-recover etcd up` starts a TLS cluster that etcdctl (with the printed files) uses and a
+    client without a certificate cannot; `etcd down` ends its members."""
+    import json
+    import shutil
+    import subprocess
+
+    if shutil.which("etcd") is None or shutil.which("etcdctl") is None:
+        pytest.skip("etcd-server/etcd-client not installed (scripts/setup.sh installs them)")
+    d = str(tmp_path / "cluster")
+    cli = [sys.executable, "-m", "lightning_recover.cli", "etcd"]
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    up = subprocess.run([*cli, "up", "--dir", d], capture_output=True, text=True, timeout=60, env=env)
+    pids = []
+    try:
+        with open(os.path.join(d, "cluster.json")) as f:
+            pids = [m["pid"] for m in json.load(f)["members"]]
+        assert up.returncode == 0, up.stderr
+        exported = dict(
+            line[len("export ") :].split("=", 1) for line in up.stdout.splitlines() if line.startswith("export ")
+        )
+        endpoints = exported["LIGHTNING_RECOVER_CONTROL_PLANE"].removeprefix("etcd://")
+        ctl = ["etcdctl", "--endpoints", endpoints, "--cacert", exported["LIGHTNING_RECOVER_ETCD_CACERT"]]
+        auth = ["--cert", exported["LIGHTNING_RECOVER_ETCD_CERT"], "--key", exported["LIGHTNING_RECOVER_ETCD_KEY"]]
+        etcd_env = dict(os.environ, ETCDCTL_API="3")
+        put = subprocess.run([*ctl, *auth, "put", "k", "v"], capture_output=True, text=True, timeout=30, env=etcd_env)
+        assert put.returncode == 0 and "OK" in put.stdout, put.stderr
+        refused = subprocess.run(
+            [*ctl, "--command-timeout", "2s", "get", "k"], capture_output=True, text=True, timeout=30, env=etcd_env
+        )
+        assert refused.returncode != 0  # no client certificate: the handshake is refused
+        again = subprocess.run([*cli, "up", "--dir", d], capture_output=True, text=True, timeout=60, env=env)
+        assert again.returncode == 2 and "HINT" in again.stderr
+    finally:
+        down = subprocess.run([*cli, "down", "--dir", d], capture_output=True, text=True, timeout=60, env=env)
+    assert down.returncode == 0 and "ended 3 etcd member(s)" in down.stdout, down.stdout + down.stderr
+    for pid in pids:  # the members are gone (not left behind, not re-parented)
+        assert not os.path.exists(f"/proc/{pid}"), pid
