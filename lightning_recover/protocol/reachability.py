@@ -210,7 +210,8 @@ def data_address(coordinator_addr: str) -> str:
     ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
     if ifname:
         return _interface_ipv4(ifname)
-    coord_host = coordinator_addr.rpartition(":")[0].strip("[]")
+    first = coordinator_addr.split("://", 1)[-1].split(",")[0]  # HOST:PORT, or an etcd URL's first member
+    coord_host = first.rpartition(":")[0].strip("[]")
     try:
         mine = socket.gethostbyname(socket.gethostname())
     except OSError:
