@@ -421,23 +421,20 @@ class PartitionJudge:
         """One pass; returns the replicas fenced by it (usually none)."""
         if self._round is not None:
             return self._maybe_decide(now)
+        stalled_since = 0.0  # the last time any process made progress
+        for key, (_, hb) in heartbeats.items():
+            moved = (int(hb.get("inc", 0)), int(hb.get("count", 0)))
+            if self._moved.get(key, (None, None))[:2] != moved:
+                self._moved[key] = (*moved, now)
+            stalled_since = max(stalled_since, self._moved[key][2])
+        if now - stalled_since < self.suspect_after or now < self._quiet_until:
+            return []  # someone made progress lately (the usual case: no store read at all)
         if any(int(hb.get("inc", 0)) == 0 for _, hb in heartbeats.values()):
             return []  # a replica has not started yet: the others wait for it at the job's start
-        live: dict[int, int] = {}
-        all_waiting = True
-        stalled_since = 0.0
         dead = self._deaths({r for r, _ in heartbeats.values()})
-        for key, (r, hb) in heartbeats.items():
-            inc, count = int(hb.get("inc", 0)), int(hb.get("count", 0))
-            if inc == 0 or dead.get(r, 0) >= inc:
-                continue  # not started, or declared dead: not part of the group
-            live[r] = inc
-            prev = self._moved.get(key)
-            if prev is None or prev[:2] != (inc, count):
-                self._moved[key] = (inc, count, now)
-            all_waiting = all_waiting and hb.get("phase") in WAITING_PHASES
-            stalled_since = max(stalled_since, self._moved[key][2])
-        if len(live) < 2 or not all_waiting or now - stalled_since < self.suspect_after or now < self._quiet_until:
+        live = {r: int(hb["inc"]) for r, hb in heartbeats.values() if dead.get(r, 0) < int(hb["inc"])}
+        waiting = all(hb.get("phase") in WAITING_PHASES for r, hb in heartbeats.values() if r in live)
+        if len(live) < 2 or not waiting:
             return []
         number = int(self.store.add("reach/rounds", 0)) + 1
         key = "reach/round"
