@@ -19,6 +19,7 @@ from lightning_recover.protocol.messages import ControlStore, JobSecret
 from lightning_recover.protocol.reachability import (
     ProbeServer,
     ReachabilityResponder,
+    data_address,
     exclusion_bound,
     fence_reason,
     largest_mutual_set,
@@ -212,3 +213,14 @@ def test_a_restarted_replica_waits_until_it_reaches_the_live_members(coordinator
         assert "waits to rejoin until it reaches replicas [1]" in capfd.readouterr().err
     finally:
         _close(replicas)
+
+
+def test_data_address_follows_gloo_and_says_how_to_fix_a_wrong_interface(monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    assert data_address("10.0.0.1:29600") == "127.0.0.1"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nosuchif0")
+    with pytest.raises(OSError, match="HINT: name the interface"):
+        data_address("10.0.0.1:29600")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    for addr in ("127.0.0.1:29600", "etcd://127.0.0.1:2379,127.0.0.1:2380"):  # an etcd URL: its first member
+        socket.inet_aton(data_address(addr))  # an IPv4 address of this host, as gloo would pick it
