@@ -19,6 +19,7 @@ Keys (values sealed with the job's MAC, see ``messages.py``, except the two coun
 ``meta/replicas``  the job's replica count, checked by every replica when it connects
 ``join/{r}``       the incarnation of a restarted replica r asking to be admitted
 ``g{G}/...``       the membership round of generation G (see ``membership.py``)
+``reach/...``      probe addresses, rounds, reports and verdicts of partition detection (``reachability.py``)
 ``s{S}/g{G}/...``  step S's reduce under generation G: done reports and the commit decision
 ``g{G}/state``     SHA-256 of the state handed to the joiners admitted into generation G
 
@@ -47,6 +48,7 @@ import torch.distributed as dist
 
 from lightning_recover.errors import ForgedMessageError
 from lightning_recover.protocol.messages import Freshness, JobSecret, Sealer, mark_dead, peek, read_death
+from lightning_recover.protocol.reachability import PartitionJudge, probe_timeout_for
 
 _STORE_TIMEOUT = datetime.timedelta(seconds=60)
 
@@ -94,6 +96,8 @@ def run_monitor(
     fresh = Freshness("[coordinator]")
     poll = min(0.02, timeout / 10)
     last_read = time.monotonic()
+    # Members that reach the coordinator but not each other (an asymmetric partition): see reachability.py.
+    judge = PartitionJudge(store, sealer, suspect_after=timeout, probe_timeout=probe_timeout_for(timeout))
     while not stop.wait(poll):
         now = time.monotonic()
         # A read that came late means the control plane itself stalled (an etcd leader election, a
@@ -146,6 +150,7 @@ def run_monitor(
             ):
                 store.set(f"declared/{r}", sealer.seal(f"declared/{r}", str(inc).encode()))
                 print(f"[coordinator] replica {r} (incarnation {inc}) {why}: declared dead", flush=True)
+        judge.observe(now, hbs)
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

@@ -33,6 +33,7 @@ from typing import Any, Optional
 
 from lightning_recover import env
 from lightning_recover.errors import (
+    COORDINATOR_LOST_HINT,
     CoordinatorLostError,
     ForgedMessageError,
     RecoverError,
@@ -40,6 +41,12 @@ from lightning_recover.errors import (
 )
 from lightning_recover.protocol.messages import ControlStore, JobSecret, sequence
 from lightning_recover.protocol.process_groups import ProcessGroups
+from lightning_recover.protocol.reachability import (
+    ReachabilityResponder,
+    fence_reason,
+    start_responder,
+    wait_until_reachable,
+)
 from lightning_recover.protocol.replica_env import check_against_coordinator, check_replica_size_against_coordinator
 from lightning_recover.protocol.standby import wait_for_assignment
 
@@ -165,7 +172,7 @@ class CoordinatorWatchdog:
                 print(
                     f"[lightning-recover] replica {self._replica}: CoordinatorLostError: the coordinator at "
                     f"{self._addr} has not answered for {silent:.1f}s (frozen or unreachable); no further step "
-                    "can be agreed, this replica stops. HINT: restart the job from its last checkpoint.",
+                    "can be agreed, this replica stops. " + COORDINATOR_LOST_HINT,
                     file=sys.stderr,
                     flush=True,
                 )
@@ -288,6 +295,7 @@ class Membership:
         self.gen: Generation | None = None
         self._heartbeat: Heartbeat | None = None
         self._watchdog: CoordinatorWatchdog | None = None
+        self._responder: ReachabilityResponder | None = None  # answers partition probes (protocol.reachability)
         self._events_seen = -1
         self.groups = ProcessGroups(backend, collective_timeout)
 
@@ -323,6 +331,8 @@ class Membership:
         self._heartbeat.start()
         self._watchdog = CoordinatorWatchdog(self._heartbeat, self.replica, self.addr, self.store_timeout)
         self._watchdog.start()
+        if self.inner == 0:  # one probe server per replica (its processes share a host)
+            self._responder = start_responder(self.store, self.replica, self.incarnation, self.heartbeat_interval)
 
     def _joined(self, prefix: str) -> set[int]:
         """Replicas that joined round ``prefix``. The unsealed list is only a hint of whom to look at:
@@ -364,6 +374,8 @@ class Membership:
         if self.incarnation > 1:
             # Our previous incarnation is certainly dead: say so now rather than after heartbeats.
             self.store.mark_dead(self.replica, self.incarnation - 1)
+        # Cut off from the members' data network, joining would only stall their next generation.
+        wait_until_reachable(self.store, self.replica, self.num_replicas, 1.0, self._job_over)
         self.store.set(f"join/{self.replica}", str(self.incarnation))
 
     def pending_joins(self) -> dict[int, int]:
@@ -414,6 +426,9 @@ class Membership:
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None
+        if self._responder is not None:
+            self._responder.close()
+            self._responder = None
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
@@ -438,14 +453,21 @@ class Membership:
         if self._heartbeat is not None and self._heartbeat.error is not None:
             raise CoordinatorLostError(
                 f"replica {self.replica} lost the coordinator at {self.addr} "
-                f"(heartbeat failed: {self._heartbeat.error}). HINT: restart the job from its last checkpoint."
+                f"(heartbeat failed: {self._heartbeat.error}). " + COORDINATOR_LOST_HINT
             )
         if self._heartbeat is not None and self._heartbeat.excluded:
-            raise ReplicaExcludedError(
-                f"replica {self.replica} was declared dead by the group (missed heartbeats or stalled) and "
-                "must not apply further steps; it stops here. HINT: raise heartbeat_timeout/hang_timeout if "
-                "this replica was only slow."
-            )
+            raise self._declared_dead()
+
+    def _declared_dead(self) -> ReplicaExcludedError:
+        # Cut off from its peers' data network (protocol.reachability) or stale/stalled (the monitor).
+        partition = fence_reason(self.store, self.replica, self.incarnation)
+        if partition:
+            return ReplicaExcludedError(f"replica {self.replica} {partition}")
+        return ReplicaExcludedError(
+            f"replica {self.replica} was declared dead by the group (missed heartbeats or stalled) and must not "
+            "apply further steps; it stops here. HINT: raise heartbeat_timeout/hang_timeout if this replica was "
+            "only slow."
+        )
 
     def dead(self, replicas: Sequence[int], incarnations: dict[int, int]) -> set[int]:
         if not replicas:
@@ -468,11 +490,7 @@ class Membership:
             return True
         dead = self.dead(self.gen.members, self.gen.incarnations)
         if self.replica in dead:
-            raise ReplicaExcludedError(
-                f"replica {self.replica} was declared dead by the group (missed heartbeats or stalled) and "
-                "must not apply further steps; it stops here. HINT: raise heartbeat_timeout if this replica "
-                "was only slow."
-            )
+            raise self._declared_dead()
         if dead:
             return True
         self._events_seen = events

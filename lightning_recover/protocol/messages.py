@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from lightning_recover import env
 from lightning_recover.errors import (
+    COORDINATOR_LOST_HINT,
     CoordinatorLostError,
     ForgedMessageError,
     MembershipChanged,
@@ -390,8 +391,7 @@ class ControlStore:
             raise CoordinatorLostError(
                 f"replica {self.replica} lost the {'etcd control plane' if self.addr.startswith('etcd') else 'coordinator'} "
                 f"at {self.addr} ({type(exc).__name__}: {exc}). "
-                "No further step can be agreed safely; this replica stops. "
-                "HINT: restart the job from its last checkpoint."
+                "No further step can be agreed safely; this replica stops. " + COORDINATOR_LOST_HINT
             ) from exc
 
     # ---------------------------------------------------------------- sealed strings

@@ -1,0 +1,501 @@
+"""Network partitions: find the members that cannot reach each other, keep the largest set that can.
+
+A replica whose host lost the control plane is declared dead by its missing heartbeats. One that
+still reaches the control plane but not its peers' data traffic (a NIC or firewall fault on the
+data network: an *asymmetric* partition) keeps heartbeating, and every collective and every new
+generation's gloo group stalls on it. The heartbeat monitor alone never ends that. This module does:
+
+1. **Suspect** (:class:`PartitionJudge`, run by whoever holds the monitor role): the whole group has
+   waited on itself for ``suspect_after`` seconds, i.e. every live process of every live replica is
+   in a phase that waits on peers (reduce, decide, regroup, exchange, or building its first group)
+   and none made progress. A slow peer does not qualify: it is computing, not waiting.
+2. **Probe**: the judge opens a round (sealed ``reach/round`` listing the live replicas and their
+   incarnations; the unsealed counter ``reach/rounds`` says a new one exists). Each replica's
+   :class:`ReachabilityResponder` (a thread beside the heartbeat, polling that counter once per
+   heartbeat interval) probes every other member's :class:`ProbeServer`, bound to the address its
+   data traffic uses, within ``probe_timeout``, and writes a sealed report ``reach/{n}/{r}``: the
+   members it reached. A probe is authenticated (the server answers a fresh nonce with an HMAC under
+   the job's secret, bound to its replica id and incarnation) so an unrelated process listening on
+   a reused address never counts as the peer; a TCP exchange needs both directions, so one probe
+   tests both.
+3. **Decide**: once every member reported (or ``report_within`` passed), two members are *mutually
+   reachable* when each reached the other; the judge keeps the largest set of members that are all
+   pairwise mutually reachable (ties: the smallest replica ids, so any process computing it from the
+   same reports picks the same set), and declares every other member dead (fencing, as for a missed
+   heartbeat: it applies no further step; its launcher ends it). A member that sent no report is
+   not in the kept set. If every member reached every other, nothing is fenced (the stall was
+   something else) and no new round opens for another ``suspect_after``.
+4. The survivors see the deaths at their next check (milliseconds), abandon the stalled group and
+   form the next generation without the fenced members. The fenced replica prints why and stops;
+   restarted (torchrun agent, launcher), it waits to ask to rejoin until it reaches every live member
+   (:func:`wait_until_reachable`), so a host still cut off never stalls the group again.
+
+**Bound** (docs/protocol.md, "Network partitions"): a member cut off from its peers is declared dead
+at most ``suspect_after + report_within + 0.1`` seconds after the last member started waiting on the
+others, where ``report_within = 2 x probe_timeout + heartbeat_interval_max + 0.25``; the embedded
+monitor uses ``suspect_after = heartbeat_timeout`` and ``probe_timeout = clamp(heartbeat_timeout / 2,
+0.5, 2)``. Typical: ``suspect_after + probe_timeout + one heartbeat interval``.
+
+Everything here goes through a ``dist.Store``-like client and the job's :class:`Sealer`, so the same
+judge runs in the embedded coordinator's monitor and in any other backend's monitor.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import hmac
+import ipaddress
+import json
+import os
+import secrets
+import socket
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from lightning_recover.errors import ForgedMessageError
+from lightning_recover.protocol.messages import ControlStore, JobSecret, Sealer, mark_dead, read_death
+
+# Phases in which a replica's main thread waits on its peers ("start": building the first group, or
+# a joiner's). A group all of whose live processes sit in these, without progress, waits on itself.
+WAITING_PHASES = frozenset({"reduce", "decide", "regroup", "exchange", "start"})
+_NONCE = 16
+_HELLO = b"LRP1"
+_MAX_HANDLERS = 64  # concurrent probe connections a server answers (more are refused: a flood costs nothing)
+HEARTBEAT_INTERVAL_MAX = 0.5  # the longest heartbeat interval report_within allows for (seconds)
+
+
+def probe_timeout_for(heartbeat_timeout: float) -> float:
+    """The probe timeout the embedded monitor uses: half the heartbeat timeout, within 0.5-2 s."""
+    return min(2.0, max(0.5, heartbeat_timeout / 2))
+
+
+def report_within_for(probe_timeout: float) -> float:
+    """How long the judge waits for the members' reports once a round is open."""
+    return 2 * probe_timeout + HEARTBEAT_INTERVAL_MAX + 0.25
+
+
+def exclusion_bound(suspect_after: float, probe_timeout: float) -> float:
+    """Seconds from "the last member started waiting" to "the cut-off members are declared dead"."""
+    return suspect_after + report_within_for(probe_timeout) + 0.1
+
+
+# ---------------------------------------------------------------------------- the decision
+
+
+def largest_mutual_set(members: Iterable[int], reached: Mapping[int, Iterable[int]]) -> list[int]:
+    """The largest set of ``members`` that all reached each other (``reached[r]``: whom r reached;
+    a member absent from ``reached`` sent no report and is in no set). Ties go to the set whose
+    sorted ids compare smallest, so every process computing it from the same reports agrees.
+
+    A maximum clique of the mutual-reachability graph (Bron-Kerbosch with pivoting): exponential only
+    in the number of missing links, which a partition keeps small."""
+    reported = sorted(r for r in set(members) if r in reached)
+    seen = {r: set(reached[r]) for r in reported}
+    adjacent = {r: {s for s in reported if s != r and s in seen[r] and r in seen[s]} for r in reported}
+    best: list[int] = []
+
+    def better(candidate: list[int]) -> bool:
+        return len(candidate) > len(best) or (len(candidate) == len(best) and candidate < best)
+
+    def expand(chosen: set[int], candidates: set[int], excluded: set[int]) -> None:
+        nonlocal best
+        if len(chosen) + len(candidates) < len(best):
+            return  # cannot beat the best (nor tie it: a tie needs equal size)
+        if not candidates and not excluded:
+            found = sorted(chosen)
+            if better(found):
+                best = found
+            return
+        if not candidates:
+            return
+        pivot = max(candidates | excluded, key=lambda v: len(adjacent[v] & candidates))
+        for v in sorted(candidates - adjacent[pivot]):
+            expand(chosen | {v}, candidates & adjacent[v], excluded & adjacent[v])
+            candidates = candidates - {v}
+            excluded = excluded | {v}
+
+    expand(set(), set(reported), set())
+    return best
+
+
+# ---------------------------------------------------------------------------- the probe
+
+
+def _answer(key: bytes, nonce: bytes, replica: int, incarnation: int) -> bytes:
+    return hmac.new(key, b"lr-probe\x00" + nonce + f"{replica}:{incarnation}".encode(), hashlib.sha256).digest()
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("closed")
+        data += chunk
+    return data
+
+
+class ProbeServer:
+    """Answers authenticated probes on ``host`` (the address this replica's data traffic uses)."""
+
+    def __init__(self, host: str, secret: JobSecret, replica: int, incarnation: int) -> None:
+        self._key = secret.key
+        self.replica, self.incarnation = replica, incarnation
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, 0))  # only the data address, never every interface
+        self._sock.listen(128)
+        self.host, self.port = host, self._sock.getsockname()[1]
+        self._slots = threading.BoundedSemaphore(_MAX_HANDLERS)
+        self._closed = False
+        threading.Thread(target=self._serve, name=f"lr-probe-server-{replica}", daemon=True).start()
+
+    def _serve(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            if not self._slots.acquire(blocking=False):
+                conn.close()
+                continue
+            threading.Thread(target=self._handle, args=(conn,), name="lr-probe-answer", daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(2.0)
+            hello = _recv_exactly(conn, len(_HELLO) + _NONCE)
+            if hello.startswith(_HELLO):
+                conn.sendall(_answer(self._key, hello[len(_HELLO) :], self.replica, self.incarnation))
+        except OSError:
+            pass  # a probe that went away: nothing to answer
+        finally:
+            conn.close()
+            self._slots.release()
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+
+def probe(host: str, port: int, secret: JobSecret, replica: int, incarnation: int, timeout: float) -> bool:
+    """True when the server at ``host:port`` proved, within ``timeout``, that it is ``replica``'s
+    incarnation ``incarnation`` of this job (it knows the job's secret and answered our fresh nonce)."""
+    nonce = secrets.token_bytes(_NONCE)
+    deadline = time.monotonic() + timeout
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            sock.sendall(_HELLO + nonce)
+            got = _recv_exactly(sock, 32)
+    except OSError:
+        return False
+    return hmac.compare_digest(got, _answer(secret.key, nonce, replica, incarnation))
+
+
+def data_address(coordinator_addr: str) -> str:
+    """The address this process's gloo traffic uses, as gloo picks it: ``GLOO_SOCKET_IFNAME``'s IPv4
+    address if set, else this host name's address, else (that is loopback while the coordinator is
+    not) the address of the route to the coordinator."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
+    if ifname:
+        return _interface_ipv4(ifname)
+    first = coordinator_addr.split("://", 1)[-1].split(",")[0]  # HOST:PORT, or an etcd URL's first member
+    coord_host = first.rpartition(":")[0].strip("[]")
+    try:
+        mine = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        mine = ""
+    if mine and not (ipaddress.ip_address(mine).is_loopback and not _is_loopback(coord_host)):
+        return mine
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # no packet is sent: routing only
+        s.connect((coord_host, 9))
+        return s.getsockname()[0]
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _interface_ipv4(ifname: str) -> str:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode()))  # SIOCGIFADDR
+        except OSError as exc:
+            raise OSError(
+                f"GLOO_SOCKET_IFNAME={ifname}: this host has no IPv4 address on that interface ({exc.strerror}). "
+                "HINT: name the interface of the network between the replicas (see `ip -4 addr`)."
+            ) from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def _read_sealed_json(store, sealer: Sealer, key: str) -> dict | None:
+    """A sealed JSON object at ``key`` of a raw store, or None if absent, forged or malformed."""
+    try:
+        if not store.check([key]):
+            return None
+        return json.loads(sealer.open(key, store.get(key)))
+    except (ForgedMessageError, ValueError):
+        return None
+
+
+# ---------------------------------------------------------------------------- each replica's side
+
+
+class ReachabilityResponder:
+    """A replica's probe server and the thread that answers the judge's rounds (see the module doc)."""
+
+    def __init__(self, store: ControlStore, replica: int, incarnation: int, interval: float) -> None:
+        self._store = store.clone()
+        self.replica, self.incarnation = replica, incarnation
+        self._interval = min(interval, HEARTBEAT_INTERVAL_MAX)  # the judge waits for reports accordingly
+        self._server = ProbeServer(data_address(store.addr), store.secret, replica, incarnation)
+        self._store.set(
+            f"reach/addr/{replica}",
+            json.dumps({"inc": incarnation, "host": self._server.host, "port": self._server.port}),
+        )
+        self._stop = threading.Event()
+        self._seen = self._store.add("reach/rounds", 0)  # rounds before this incarnation are not ours
+        self._thread = threading.Thread(target=self._run, name=f"lr-reachability-{replica}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        pending: int | None = None  # a round we reported in, whose verdict we have not read yet
+        while not self._stop.wait(self._interval):
+            try:
+                latest = self._store.add("reach/rounds", 0)
+                if latest > self._seen:
+                    self._seen = latest
+                    if self._answer_round(latest):
+                        pending = latest
+                if pending is not None and self._read_verdict(pending):
+                    pending = None
+            except Exception:
+                return  # the control plane is gone: the heartbeat and its watchdog report that
+
+    def _answer_round(self, n: int) -> bool:
+        value = self._store.get_genuine("reach/round")
+        round_ = json.loads(value) if value else {}
+        members = {int(r): inc for r, inc in round_.get("members", {}).items()}
+        if round_.get("round") != n or members.get(self.replica) != self.incarnation:
+            return False  # an older round, or one this incarnation is not part of
+        others = [r for r in members if r != self.replica]
+        reached = reach(self._store, others, members, float(round_.get("probe_timeout", 1.0)))
+        self._store.set(f"reach/{n}/{self.replica}", json.dumps({"inc": self.incarnation, "reached": reached}))
+        return True
+
+    def _read_verdict(self, n: int) -> bool:
+        """Once round ``n`` is decided: if it fenced this replica, say why here too (the main thread
+        may be blocked in a collective until it notices)."""
+        if self._store.get_genuine(f"reach/{n}/verdict") is None:
+            return False
+        reason = fence_reason(self._store, self.replica, self.incarnation, n)
+        if reason:
+            print(
+                f"[lightning-recover] replica {self.replica}: ReplicaExcludedError: {reason}",
+                file=sys.stderr,
+                flush=True,
+            )
+        return True
+
+    def close(self) -> None:
+        self._stop.set()
+        self._server.close()
+
+
+def start_responder(
+    store: ControlStore, replica: int, incarnation: int, interval: float
+) -> ReachabilityResponder | None:
+    """This replica's responder; None (said on stderr) where it has no data address to bind."""
+    try:
+        return ReachabilityResponder(store, replica, incarnation, interval)
+    except OSError as exc:  # then a probe round would fence this replica: say why now
+        print(f"[lightning-recover] replica {replica}: no partition probes: {exc}", file=sys.stderr, flush=True)
+        return None
+
+
+def fence_reason(store: ControlStore, replica: int, incarnation: int, number: int | None = None) -> str | None:
+    """Why round ``number`` (default: the latest) fenced this incarnation, or None if it did not."""
+    number = store.add("reach/rounds", 0) if number is None else number
+    value = store.get_genuine(f"reach/{number}/verdict") if number > 0 else None
+    verdict = json.loads(value) if value else {}
+    mine = verdict.get("fenced", {}).get(str(replica))
+    if mine is None or verdict.get("members", {}).get(str(replica)) != incarnation:
+        return None
+    return (
+        f"has no two-way connection with replicas {mine['unreachable']} over the data network (a network "
+        f"partition) while replicas {verdict['keep']} reach each other; it was fenced and stops, the other "
+        "replicas continue without it. HINT: check the network between this host and its peers (firewall rules, "
+        "NIC, GLOO_SOCKET_IFNAME); restarted by its launcher or torchrun agent, it rejoins once it reaches them."
+    )
+
+
+def probe_targets(store: ControlStore, replicas: Sequence[int], incarnations: Mapping[int, int]) -> dict[int, dict]:
+    """``{r: {"host", "port", "inc"}}`` for the replicas whose given incarnation published a probe server."""
+    targets = {}
+    for r in replicas:
+        value = store.get_genuine(f"reach/addr/{r}")
+        addr = json.loads(value) if value else None
+        if addr and addr.get("inc") == incarnations.get(r):
+            targets[r] = addr
+    return targets
+
+
+def reach(store: ControlStore, others: Sequence[int], incarnations: Mapping[int, int], timeout: float) -> list[int]:
+    """The replicas among ``others`` whose probe server (published under ``reach/addr/{r}`` by the
+    given incarnation) answered within ``timeout``; probed in parallel."""
+    targets = probe_targets(store, others, incarnations)
+    if not targets:
+        return []
+    with ThreadPoolExecutor(max_workers=min(32, len(targets)), thread_name_prefix="lr-probe") as pool:
+        done = {
+            r: pool.submit(probe, a["host"], int(a["port"]), store.secret, r, int(a["inc"]), timeout)
+            for r, a in targets.items()
+        }
+    return sorted(r for r, future in done.items() if future.result())
+
+
+def wait_until_reachable(
+    store: ControlStore, replica: int, num_replicas: int, timeout: float, job_over: Callable[[], bool]
+) -> None:
+    """A restarted replica, before asking to rejoin: wait until it reaches every live member that runs a
+    probe server (a host still cut off from its peers would only stall the group's next generation
+    until it is fenced again)."""
+    said = None
+    while not job_over():
+        others = [r for r in range(num_replicas) if r != replica]
+        incs = {r: int(v) for r, v in zip(others, store.call(store.raw.multi_get, [f"inc/{r}" for r in others]))}
+        deaths = store.deaths(others)
+        live = {r: inc for r, inc in incs.items() if inc > deaths[r]}
+        targets = sorted(probe_targets(store, sorted(live), live))
+        missing = sorted(set(targets) - set(reach(store, targets, live, timeout)))
+        if not missing:
+            return
+        if missing != said:
+            said = missing
+            print(
+                f"[lightning-recover] replica {replica}: waits to rejoin until it reaches replicas {missing} over the "
+                "data network (a network partition)",
+                file=sys.stderr,
+                flush=True,
+            )
+        time.sleep(timeout)
+
+
+# ---------------------------------------------------------------------------- the monitor's side
+
+
+class PartitionJudge:
+    """Run by the monitor: opens probe rounds when the group waits on itself, fences who is cut off.
+
+    ``observe(now, heartbeats)`` is called on every pass of the monitor with the genuine heartbeats
+    it just read (``{key: (replica, heartbeat dict)}``); it uses only ``store`` (a raw ``dist.Store``-like
+    client: get, set, add, check, compare_set) and ``sealer``."""
+
+    def __init__(
+        self, store, sealer: Sealer, suspect_after: float, probe_timeout: float, log: Callable[[str], None] = print
+    ) -> None:
+        self.store, self.sealer = store, sealer
+        self.suspect_after = suspect_after
+        self.probe_timeout = probe_timeout
+        self.report_within = report_within_for(probe_timeout)
+        self._log = log
+        self._moved: dict[str, tuple[int, int, float]] = {}  # hb key -> (incarnation, count, when it last moved)
+        self._round: tuple[int, dict[int, int], float] | None = None  # (number, members' incarnations, opened)
+        self._quiet_until = 0.0  # no new round before this (after a round that found no partition)
+
+    def observe(self, now: float, heartbeats: Mapping[str, tuple[int, dict]]) -> list[int]:
+        """One pass; returns the replicas fenced by it (usually none)."""
+        if self._round is not None:
+            return self._maybe_decide(now)
+        stalled_since = 0.0  # the last time any process made progress
+        for key, (_, hb) in heartbeats.items():
+            moved = (int(hb.get("inc", 0)), int(hb.get("count", 0)))
+            if self._moved.get(key, (None, None))[:2] != moved:
+                self._moved[key] = (*moved, now)
+            stalled_since = max(stalled_since, self._moved[key][2])
+        if now - stalled_since < self.suspect_after or now < self._quiet_until:
+            return []  # someone made progress lately (the usual case: no store read at all)
+        if any(int(hb.get("inc", 0)) == 0 for _, hb in heartbeats.values()):
+            return []  # a replica has not started yet: the others wait for it at the job's start
+        dead = self._deaths({r for r, _ in heartbeats.values()})
+        live = {r: int(hb["inc"]) for r, hb in heartbeats.values() if dead.get(r, 0) < int(hb["inc"])}
+        waiting = all(hb.get("phase") in WAITING_PHASES for r, hb in heartbeats.values() if r in live)
+        if len(live) < 2 or not waiting:
+            return []
+        number = int(self.store.add("reach/rounds", 0)) + 1
+        key = "reach/round"
+        members = {str(r): inc for r, inc in sorted(live.items())}
+        body = json.dumps({"round": number, "members": members, "probe_timeout": self.probe_timeout})
+        self.store.set(key, self.sealer.seal(key, body.encode()))
+        self.store.add("reach/rounds", 1)
+        self._round = (number, live, now)
+        self._log(
+            f"[coordinator] every live replica {sorted(live)} waited on the others for {now - stalled_since:.2f}s "
+            f"without progress: probing their data network (round {number})"
+        )
+        return []
+
+    def _deaths(self, replicas: Iterable[int]) -> dict[int, int]:
+        replicas = sorted(set(replicas))
+        raw = self.store.multi_get([f"dead/{r}" for r in replicas]) if replicas else []
+        return {r: read_death(self.sealer, r, v) for r, v in zip(replicas, raw)}
+
+    def _maybe_decide(self, now: float) -> list[int]:
+        number, members, opened = self._round
+        reports: dict[int, list[int]] = {}
+        for r, inc in members.items():
+            report = _read_sealed_json(self.store, self.sealer, f"reach/{number}/{r}")
+            if report is not None and report.get("inc") == inc:
+                reports[r] = [int(s) for s in report.get("reached", [])]
+        dead = self._deaths(members)
+        alive = {r: inc for r, inc in members.items() if dead[r] < inc}
+        if set(alive) - set(reports) and now - opened < self.report_within:
+            return []  # not everyone reported yet
+        self._round = None
+        self._quiet_until = now + self.suspect_after
+        if not reports:
+            self._log(f"[coordinator] round {number}: no replica reported; nothing decided")
+            return []
+        keep = largest_mutual_set(alive, {r: s for r, s in reports.items() if r in alive})
+
+        def linked(a: int, b: int) -> bool:
+            return b in reports.get(a, []) and a in reports.get(b, [])
+
+        # For each fenced member: the kept members it has no two-way connection with.
+        fenced = {r: [s for s in keep if not linked(r, s)] for r in sorted(alive) if r not in keep}
+        verdict_key = f"reach/{number}/verdict"
+        body = json.dumps(
+            {
+                "keep": keep,
+                "fenced": {str(r): {"unreachable": u} for r, u in fenced.items()},
+                "members": {str(r): inc for r, inc in members.items()},
+            }
+        )
+        self.store.set(verdict_key, self.sealer.seal(verdict_key, body.encode()))
+        if not fenced:
+            self._log(f"[coordinator] round {number}: every replica reaches every other (no partition)")
+            return []
+        for r in sorted(fenced):
+            inc = alive[r]
+            why = "sent no report" if r not in reports else f"has no two-way connection with replicas {fenced[r]}"
+            if mark_dead(self.store, self.sealer, r, inc):
+                self.store.set(f"declared/{r}", self.sealer.seal(f"declared/{r}", str(inc).encode()))
+                self._log(
+                    f"[coordinator] replica {r} (incarnation {inc}) {why} while replicas {keep} reach each other "
+                    f"(network partition, round {number}, {now - opened:.2f}s after probing began): declared dead"
+                )
+        return sorted(fenced)

@@ -1,0 +1,226 @@
+"""Partition detection (lightning_recover.protocol.reachability), fast: the decision on its own, the
+authenticated probe on loopback, and the judge in a real coordinator's monitor with real replicas'
+heartbeats and probe servers (one of which never answers: the data network to it is cut)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import socket
+import threading
+import time
+
+import pytest
+
+from lightning_recover.protocol.coordinator import Coordinator
+from lightning_recover.protocol.membership import Heartbeat, Progress
+from lightning_recover.protocol.messages import ControlStore, JobSecret
+from lightning_recover.protocol.reachability import (
+    ProbeServer,
+    ReachabilityResponder,
+    data_address,
+    exclusion_bound,
+    fence_reason,
+    largest_mutual_set,
+    probe,
+    probe_timeout_for,
+    wait_until_reachable,
+)
+
+
+def _brute_force(members, reached):
+    ok = [r for r in members if r in reached]
+    for size in range(len(ok), 0, -1):
+        for combo in itertools.combinations(sorted(ok), size):  # lexicographic: the first found is the smallest
+            if all(b in reached[a] and a in reached[b] for a, b in itertools.combinations(combo, 2)):
+                return list(combo)
+    return []
+
+
+def test_largest_mutual_set_cases():
+    everyone = {0: [1, 2], 1: [0, 2], 2: [0, 1]}
+    assert largest_mutual_set([0, 1, 2], everyone) == [0, 1, 2]
+    # replica 2 drops its peers' traffic: nobody reaches it, it reaches nobody
+    assert largest_mutual_set([0, 1, 2], {0: [1], 1: [0], 2: []}) == [0, 1]
+    # one direction of a report is not enough: 2 says it reached 0 and 1, they did not reach it
+    assert largest_mutual_set([0, 1, 2], {0: [1], 1: [0], 2: [0, 1]}) == [0, 1]
+    # a member that sent no report is in no set
+    assert largest_mutual_set([0, 1, 2], {0: [1, 2], 1: [0, 2]}) == [0, 1]
+    # two halves of equal size: the smaller ids win, deterministically
+    assert largest_mutual_set([0, 1, 2, 3], {0: [1], 1: [0], 2: [3], 3: [2]}) == [0, 1]
+    # the larger side wins whatever the ids
+    assert largest_mutual_set([0, 1, 2, 3, 4], {0: [], 1: [], 2: [3, 4], 3: [2, 4], 4: [2, 3]}) == [2, 3, 4]
+    assert largest_mutual_set([0, 1], {0: [], 1: []}) == [0]
+    assert largest_mutual_set([], {}) == []
+
+
+def test_largest_mutual_set_matches_brute_force():
+    rng = random.Random(0)
+    for _ in range(400):
+        n = rng.randint(1, 8)
+        members = list(range(n))
+        reached = {r: [s for s in members if s != r and rng.random() < 0.8] for r in members if rng.random() < 0.9}
+        assert largest_mutual_set(members, reached) == _brute_force(members, reached), reached
+
+
+def test_largest_mutual_set_is_fast_for_a_large_group_with_a_partition():
+    members = list(range(300))
+    cut = {7, 150, 299}
+    reached = {r: [s for s in members if s != r and (s not in cut and r not in cut)] for r in members}
+    start = time.perf_counter()
+    keep = largest_mutual_set(members, reached)
+    assert keep == [r for r in members if r not in cut]
+    assert time.perf_counter() - start < 5.0
+
+
+def test_probe_is_authenticated_and_bounded():
+    secret = JobSecret.generate()
+    server = ProbeServer("127.0.0.1", secret, replica=3, incarnation=2)
+    try:
+        assert probe("127.0.0.1", server.port, secret, 3, 2, timeout=2.0)
+        assert not probe("127.0.0.1", server.port, JobSecret.generate(), 3, 2, timeout=2.0), "another job's key"
+        assert not probe("127.0.0.1", server.port, secret, 3, 1, timeout=2.0), "an older incarnation"
+        assert not probe("127.0.0.1", server.port, secret, 4, 2, timeout=2.0), "another replica"
+    finally:
+        server.close()
+    assert not probe("127.0.0.1", server.port, secret, 3, 2, timeout=2.0), "nobody listens any more"
+    with socket.socket() as silent:  # accepts connections (the kernel does) but never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        start = time.monotonic()
+        assert not probe("127.0.0.1", silent.getsockname()[1], secret, 3, 2, timeout=0.3)
+        assert time.monotonic() - start < 0.3 + 0.2
+
+
+@pytest.fixture
+def coordinator():
+    secret = JobSecret.generate()
+    coord = Coordinator("127.0.0.1", 0, 3, 1.0, secret, hang_timeout=30.0)
+    stop = threading.Event()
+    thread = threading.Thread(target=coord.monitor, args=(stop,), daemon=True)
+    thread.start()
+    yield coord, secret
+    stop.set()
+    thread.join(5)
+
+
+def _replicas(coord, secret, phase: str):
+    """Three connected replicas that heartbeat in ``phase`` and answer probe rounds."""
+    out = []
+    for r in range(3):
+        store = ControlStore(coord.addr, r, secret, timeout=5.0)
+        inc = store.add(f"inc/{r}", 1)
+        progress = Progress()
+        progress.note(phase, 0)
+        heartbeat = Heartbeat(store, r, inc, 0.05, progress)
+        heartbeat.start()
+        out.append((store, inc, heartbeat, ReachabilityResponder(store, r, inc, 0.05)))
+    return out
+
+
+def _close(replicas):
+    for _, _, heartbeat, responder in replicas:
+        responder.close()
+        heartbeat.stop()
+
+
+def test_judge_fences_the_member_its_peers_cannot_reach(coordinator, monkeypatch):
+    """All three wait on each other (phase 'reduce', no progress). Replica 2's probe address is cut
+    (a listener that never answers, as behind a firewall that drops its peers' packets): 0 and 1
+    cannot reach it, so it is declared dead within the stated bound; 0 and 1 are kept."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    coord, secret = coordinator
+    replicas = _replicas(coord, secret, "reduce")
+    store = replicas[0][0]
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        store.set(
+            "reach/addr/2", json.dumps({"inc": replicas[2][1], "host": "127.0.0.1", "port": silent.getsockname()[1]})
+        )
+        start = time.monotonic()
+        try:
+            bound = exclusion_bound(1.0, probe_timeout_for(1.0))
+            deadline = start + bound + 1.0  # slack: 1 s for a loaded 2-core machine
+            while time.monotonic() < deadline and store.deaths([2])[2] == 0:
+                time.sleep(0.02)
+            took = time.monotonic() - start
+            assert store.deaths([0, 1, 2]) == {0: 0, 1: 0, 2: replicas[2][1]}, f"after {took:.2f}s"
+            assert took >= 1.0, "not before the group waited suspect_after"
+            verdict = json.loads(store.get("reach/1/verdict"))
+            assert verdict["keep"] == [0, 1] and verdict["fenced"] == {"2": {"unreachable": [0, 1]}}
+            assert "has no two-way connection with replicas [0, 1]" in fence_reason(store, 2, replicas[2][1])
+            assert fence_reason(store, 0, replicas[0][1]) is None
+            assert store.get("declared/2") == str(replicas[2][1]), "its launcher is told to end it"
+        finally:
+            _close(replicas)
+
+
+def test_judge_fences_nobody_when_everyone_reaches_everyone(coordinator, monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    coord, secret = coordinator
+    replicas = _replicas(coord, secret, "regroup")
+    store = replicas[0][0]
+    try:
+        deadline = time.monotonic() + exclusion_bound(1.0, probe_timeout_for(1.0)) + 1.0
+        while time.monotonic() < deadline and store.get_genuine("reach/1/verdict") is None:
+            time.sleep(0.02)
+        verdict = json.loads(store.get("reach/1/verdict"))
+        assert verdict["keep"] == [0, 1, 2] and verdict["fenced"] == {}
+        assert store.deaths([0, 1, 2]) == {0: 0, 1: 0, 2: 0}
+    finally:
+        _close(replicas)
+
+
+def test_no_round_while_a_replica_computes(coordinator, monkeypatch):
+    """A slow replica (computing) is not a partition: the others wait on it, nobody is probed."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    coord, secret = coordinator
+    replicas = _replicas(coord, secret, "reduce")
+    replicas[1][2]._progress.note("compute")  # noqa: SLF001  (the heartbeat reports this progress object)
+    store = replicas[0][0]
+    try:
+        time.sleep(exclusion_bound(1.0, probe_timeout_for(1.0)))
+        assert store.add("reach/rounds", 0) == 0
+    finally:
+        _close(replicas)
+
+
+def test_a_restarted_replica_waits_until_it_reaches_the_live_members(coordinator, monkeypatch, capfd):
+    """Before asking to rejoin, a restarted replica probes the live members; while one of them does not
+    answer (cut off), it waits and says so; once it answers, it goes on."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    coord, secret = coordinator
+    replicas = _replicas(coord, secret, "compute")
+    store = replicas[0][0]
+    genuine = store.get("reach/addr/1")
+    joiner = ControlStore(coord.addr, 2, secret, timeout=5.0)
+    done = threading.Event()
+    try:
+        with socket.socket() as silent:
+            silent.bind(("127.0.0.1", 0))
+            silent.listen(8)
+            address = {"inc": replicas[1][1], "host": "127.0.0.1", "port": silent.getsockname()[1]}
+            store.set("reach/addr/1", json.dumps(address))
+            waiter = threading.Thread(
+                target=lambda: (wait_until_reachable(joiner, 2, 3, 0.3, lambda: False), done.set()), daemon=True
+            )
+            waiter.start()
+            assert not done.wait(1.5), "it must not ask to rejoin while replica 1 does not answer"
+            store.set("reach/addr/1", genuine)
+            assert done.wait(5.0), "it goes on once every live member answers"
+        assert "waits to rejoin until it reaches replicas [1]" in capfd.readouterr().err
+    finally:
+        _close(replicas)
+
+
+def test_data_address_follows_gloo_and_says_how_to_fix_a_wrong_interface(monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    assert data_address("10.0.0.1:29600") == "127.0.0.1"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nosuchif0")
+    with pytest.raises(OSError, match="HINT: name the interface"):
+        data_address("10.0.0.1:29600")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    for addr in ("127.0.0.1:29600", "etcd://127.0.0.1:2379,127.0.0.1:2380"):  # an etcd URL: its first member
+        socket.inet_aton(data_address(addr))  # an IPv4 address of this host, as gloo would pick it
