@@ -92,6 +92,9 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
         startup_timeout: how long replicas wait for each other at start.
         restarts: how many times the local launcher restarts a failed replica.
         seed: seed of the per-epoch sample permutation (the same on every replica).
+        exact: ``True``: every step's gradient is bitwise a function of the parameters and its ``M``
+            microbatch ids alone, whatever fails and on any replica count (fixed-point reduction,
+            docs/protocol.md "Exact mode"); needs ``replica_size=1``. Default ``False``.
         replica_size: ``K``, processes per replica (default 1). With K > 1 each replica shards
             its model with FSDP2 over its K processes; ``devices`` is then ``replicas x K``. Set up
             the module first (``fabric.setup_module``), then build and set up the optimizer.
@@ -119,7 +122,7 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
             accelerator=accelerator, parallel_devices=parallel_devices, checkpoint_io=checkpoint_io, precision=precision
         )
         self.sharding = ShardingConfig.from_options(options)
-        self.options = build_options(microbatches, options)
+        self.options = build_options(microbatches, options, self.sharding.replica_size)
         self.core: Optional[Replica] = None
         self._modules: list[Module] = []
         self._optimizers: list[Optimizer] = []

@@ -59,6 +59,9 @@ class RecoverOptions:
     restarts: int = 0
     standby: int = 0
     seed: int = 0
+    #: Bitwise reproducible steps: every step's gradient a function of the parameters and its M
+    #: microbatch ids alone, whatever fails (fixed-point reduction, protocol/exact.py).
+    exact: bool = False
 
     def __post_init__(self) -> None:
         if self.quota not in ("equal", "throughput"):
@@ -84,6 +87,8 @@ class RecoverOptions:
         if not isinstance(self.restarts, int) or self.restarts < 0:
             raise ValueError(f"restarts must be a non-negative integer, got {self.restarts!r}")
         check_standby(self.standby, self.restarts)
+        if not isinstance(self.exact, bool):
+            raise ValueError(f"exact must be True or False, got {self.exact!r}")
 
     @property
     def store_timeout(self) -> float:
