@@ -37,7 +37,7 @@ stages the accumulator bucket by bucket and the accumulator survives a failed at
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import torch
@@ -165,8 +165,9 @@ class ExactAccumulator:
     def reduce(self, membership: Any, collectives: Any, params: Sequence[torch.nn.Parameter]) -> None:
         """All-reduce this attempt: the grid check (MAX), the loss slots and the fixed-point sums (SUM).
 
-        Leaves the unscaled float results in ``self.results``; the accumulator itself is never
-        written, so a failed attempt can be retried in the next generation.
+        Leaves ``sum * 2**-k / M`` in ``self.results`` (applied only after a commit); the accumulator
+        itself is never written, so a failed attempt can be retried in the next generation.
+        ``collectives=None``: a single process with nothing to reduce (:func:`exact_step_alone`).
         """
         n = len(self.exponents)
         ks = torch.tensor([_NO_EXPONENT if k is None else float(k) for k in self.exponents], dtype=torch.float32)
@@ -174,10 +175,12 @@ class ExactAccumulator:
         # MAX of (A, k, -k, threads, -threads): A exactly, and whether every member used the same grid and
         # CPU thread count (max(x) == -max(-x) iff all equal).
         peak = torch.cat([self.amax.cpu(), ks, -ks, torch.tensor([threads, -threads])]).to(self.acc.device)
-        works = _start_max(membership, peak)
+        works = _start_max(membership, peak) if collectives is not None else []
         self.results = [torch.empty(p.shape, dtype=p.dtype, device=p.device) for p in params]  # contiguous
-        losses = self.losses.to(self.acc.device)
-        if all(k is None for k in self.exponents):  # a calibration attempt: nothing to sum yet
+        losses = self.losses.clone().to(self.acc.device)  # a copy: a failed attempt leaves partial sums in it
+        if collectives is None:
+            self._unstage(0, self.acc.clone())
+        elif all(k is None for k in self.exponents):  # a calibration attempt: nothing to sum yet
             collectives.allreduce([losses])
         else:
             first = True
@@ -188,7 +191,8 @@ class ExactAccumulator:
                 self._unstage(start, bucket)
             if first:
                 collectives.allreduce([losses])
-        collectives.wait(works)
+        if works:
+            collectives.wait(works)
         peak = peak.cpu()
         self._peak = peak[:n]
         ks_max, ks_negmax = peak[n : 2 * n], peak[2 * n : 3 * n]
@@ -251,6 +255,26 @@ class ExactAccumulator:
                 else:
                     target.copy_(mul_pow2_(piece, -k).div_(self.M))
             offset += out.numel()
+
+
+def exact_step_alone(
+    accumulator: ExactAccumulator, params: Sequence[torch.nn.Parameter], backward: Callable[[int], torch.Tensor]
+) -> Optional[float]:
+    """One exact-mode step in a single process: ``backward(j)`` back-propagates microbatch ``j`` and
+    returns its loss. Leaves the step's gradient in ``param.grad``, bitwise what any number of
+    replicas commit through any failures (the failure-free reference of the tests); returns the mean loss."""
+    while True:
+        accumulator.begin(params)
+        for j in range(accumulator.M):
+            accumulator.record_loss(j, backward(j))
+            accumulator.absorb(params)
+        accumulator.reduce(None, None, params)
+        results = accumulator.results
+        loss = accumulator.finish(params)
+        if not accumulator.redo:
+            for p, grad in zip(params, results):
+                p.grad = grad
+            return loss
 
 
 def _start_max(membership: Any, tensor: torch.Tensor) -> list:
