@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import time
 
 import lightning as L
@@ -35,11 +36,13 @@ def run_recover(args: argparse.Namespace) -> None:
     from lightning_recover import RecoverStrategy
 
     data, model, optimizer = build(args)
+    model.to(getattr(torch, args.dtype))  # in place: the optimizer keeps the same parameters
     strategy = RecoverStrategy(
         microbatches=args.microbatches,
         heartbeat_timeout=args.heartbeat_timeout,
         heartbeat_interval=min(0.1, args.heartbeat_timeout / 5),
         seed=args.seed,
+        exact=args.exact,
     )
     fabric = L.Fabric(strategy=strategy, devices=args.replicas, accelerator="cpu")
     fabric.launch()
@@ -65,6 +68,8 @@ def run_recover(args: argparse.Namespace) -> None:
                 "generation": s.generation,
                 "recomputed": s.recomputed,
                 "recovery_seconds": s.recovery_seconds,
+                "redone": s.redone,
+                "max_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,  # peak resident memory so far
             }
         )
     _write(args.out, f"rank{fabric.strategy.replica}", records, model)
@@ -122,6 +127,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-timeout", type=float, default=1.0)
     p.add_argument("--busy", type=float, default=0.0, help="extra busy-wait seconds per microbatch")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--exact", action="store_true", help="recover: RecoverStrategy(exact=True)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="recover: parameter dtype")
     p.add_argument("--out", required=True)
     return p
 

@@ -51,7 +51,7 @@ EXACT_BITS = 52
 #: before the step is redone with a recentred grid.
 HEADROOM_BITS = 8
 #: Elements per reduce bucket (float64): the bucket is the only copy of the accumulator the reduce makes.
-BUCKET_ELEMENTS = 4 << 20
+BUCKET_ELEMENTS = 1 << 20
 _NO_EXPONENT = 1e4  # "no grid yet" in the exponent agreement check (any k is far smaller)
 # A scalar factor 2**n must stay a normal number of the tensor's dtype (float32/bf16: n in [-126, 127]).
 _MAX_POW2_STEP = 100
