@@ -3,11 +3,14 @@
     python -m lightning_recover.bench.exact paired --rounds 3 --json benchmarks/results/exact33_paired.json
     python -m lightning_recover.bench.exact accuracy --json benchmarks/results/exact33_accuracy.json
 
-``paired``: 4 replicas of TinyGPT (lightning_recover.bench.fabric_gpt), ``exact=False`` and
-``exact=True`` jobs alternated (the order flips every round); per job the median step time of
-every replica over the steps after warm-up, and the ratio exact / default per round. It also
-records the replicas' peak resident memory, and checks that every exact-mode job ended with
-bitwise the same parameters (plus, with ``--replica-counts``, exact jobs on other replica counts).
+``paired``: 4 replicas of TinyGPT (lightning_recover.bench.fabric_gpt). Two pairings: (1) inside one
+job (``--exact-every-other``), odd steps run exact mode and even steps the default mode, and each
+exact step is compared with the default step before it (the same machine load, a few hundred ms
+apart: the pairing that survives a shared, loaded machine); (2) ``exact=False`` and ``exact=True``
+jobs alternated (the order flips every round), per job the median step time over the steps after
+warm-up. It also records the replicas' peak resident memory, and checks that every exact-mode job
+ended with bitwise the same parameters (plus, with ``--replica-counts``, exact jobs on other replica
+counts).
 
 ``accuracy``: the reduced gradient of one step (M microbatches of TinyGPT, float32) against the
 float64 sum of the same float32 microbatch gradients: the default path (each of 4 replicas sums its
@@ -30,12 +33,12 @@ import time
 WARMUP_STEPS = 3  # step 0 of an exact job has no grid yet (one redo); all jobs warm up their allocator
 
 
-def _job(out: str, replicas: int, steps: int, microbatches: int, exact: bool, dtype: str) -> None:
+def _job(out: str, replicas: int, steps: int, microbatches: int, exact, dtype: str) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("LIGHTNING_RECOVER_INJECT", None)
     cmd = [sys.executable, "-m", "lightning_recover.bench.fabric_gpt", "--out", out, "--strategy", "recover"]
     cmd += ["--replicas", str(replicas), "--steps", str(steps), "--microbatches", str(microbatches)]
-    cmd += ["--dtype", dtype] + (["--exact"] if exact else [])
+    cmd += ["--dtype", dtype] + ({True: ["--exact"], False: [], "alternate": ["--exact-every-other"]}[exact])
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark job failed ({proc.returncode}):\n{proc.stdout[-3000:]}")
@@ -60,7 +63,21 @@ def paired(args: argparse.Namespace) -> dict:
 
     rounds = []
     exact_states = []
+    step_pairs = []
     with tempfile.TemporaryDirectory(prefix="bench-exact-") as work:
+        for i in range(args.alternating_jobs):
+            out = os.path.join(work, f"alt{i}")
+            _job(out, args.replicas, args.alternating_steps, args.microbatches, "alternate", args.dtype)
+            for name in sorted(n for n in os.listdir(out) if n.startswith("rank") and n.endswith(".json")):
+                recs = {r["step"]: r for r in json.load(open(os.path.join(out, name)))}
+                for s, r in recs.items():
+                    if r["exact"] and s >= WARMUP_STEPS and s - 1 in recs and not r["redone"]:
+                        step_pairs.append(r["seconds"] / recs[s - 1]["seconds"])
+            print(
+                f"alternating job {i}: {len(step_pairs)} step pairs so far, median ratio "
+                f"{statistics.median(step_pairs):.3f}",
+                flush=True,
+            )
         for i in range(args.rounds):
             order = (False, True) if i % 2 == 0 else (True, False)
             row: dict = {}
@@ -101,9 +118,12 @@ def paired(args: argparse.Namespace) -> dict:
         "warmup_steps": WARMUP_STEPS,
         "parameters": params,
         "rounds": rounds,
-        "ratio_median": statistics.median(ratios),
-        "ratio_min": min(ratios),
-        "ratio_max": max(ratios),
+        "step_pairs_in_one_job": len(step_pairs),
+        "step_pair_ratio_median": statistics.median(step_pairs) if step_pairs else None,
+        "step_pair_ratio_quartiles": statistics.quantiles(step_pairs, n=4) if len(step_pairs) > 1 else None,
+        "job_ratio_median": statistics.median(ratios),
+        "job_ratio_min": min(ratios),
+        "job_ratio_max": max(ratios),
         "exact_jobs_bitwise_equal": all(equal(s) for s in exact_states),
         "other_replica_counts_bitwise_equal": {str(k): equal(s) for k, s in others.items()},
         "allreduce_bytes_per_step": {
@@ -124,12 +144,21 @@ def accuracy(args: argparse.Namespace) -> dict:
     params = list(model.parameters())
     source = MicrobatchSource(data, 8, args.microbatches, shuffle=True, seed=0)
     worst: dict = {"default": [0.0, 0.0], "exact": [0.0, 0.0]}
+    backward_s, absorb_s = [], []
+    timing = ExactAccumulator(args.microbatches)
+    timing.begin(params)
+    timing.exponents = [0] * len(params)  # any grid: this only times the conversion
     for step in range(args.steps):
         grads = []
         for j in range(args.microbatches):
             model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
             model.loss(*source.batch(step, j)).backward()
+            backward_s.append(time.perf_counter() - start)
             grads.append([p.grad.detach().clone() for p in params])
+            start = time.perf_counter()
+            timing.absorb(params)  # what exact mode adds per microbatch (moves the gradient out of param.grad)
+            absorb_s.append(time.perf_counter() - start)
         ref = [sum(g[i].double() for g in grads) / args.microbatches for i in range(len(params))]
         # the default path: 4 replicas each sum a quota in float32, then the replicas' sums are added
         quotas = [list(range(args.microbatches))[r :: args.replicas] for r in range(args.replicas)]
@@ -156,6 +185,9 @@ def accuracy(args: argparse.Namespace) -> dict:
         "steps": args.steps,
         "normwise_relative_error_worst_tensor": {k: v[0] for k, v in worst.items()},
         "max_elementwise_error_relative_to_tensor_max": {k: v[1] for k, v in worst.items()},
+        "forward_backward_seconds_per_microbatch_median": statistics.median(backward_s),
+        "fixed_point_conversion_seconds_per_microbatch_median": statistics.median(absorb_s),
+        "conversion_over_forward_backward": statistics.median(absorb_s) / statistics.median(backward_s),
     }
 
 
@@ -178,6 +210,8 @@ def main() -> None:
     a.add_argument("--microbatches", type=int, default=8)
     a.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     a.add_argument("--replica-counts", type=lambda s: [int(x) for x in s.split(",") if x], default=[])
+    a.add_argument("--alternating-jobs", type=int, default=1, help="jobs that alternate the modes step by step")
+    a.add_argument("--alternating-steps", type=int, default=41)
     b = sub.add_parser("accuracy")
     b.add_argument("--steps", type=int, default=3)
     b.add_argument("--microbatches", type=int, default=8)

@@ -42,7 +42,7 @@ def run_recover(args: argparse.Namespace) -> None:
         heartbeat_timeout=args.heartbeat_timeout,
         heartbeat_interval=min(0.1, args.heartbeat_timeout / 5),
         seed=args.seed,
-        exact=args.exact,
+        exact=args.exact or args.exact_every_other,
     )
     fabric = L.Fabric(strategy=strategy, devices=args.replicas, accelerator="cpu")
     fabric.launch()
@@ -50,7 +50,11 @@ def run_recover(args: argparse.Namespace) -> None:
     model.mark_forward_method("loss")
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=True)
     records = []
+    protocol = fabric.strategy.core.protocol
+    accumulator = protocol.exact
     for step in fabric.strategy.steps(loader, max_steps=args.steps):
+        if args.exact_every_other:  # paired inside one job: odd steps exact, even steps the default mode
+            protocol.exact = accumulator if step.index % 2 else None
         start = time.perf_counter()
         for x, y in step:
             fabric.backward(model.loss(x, y))
@@ -69,6 +73,7 @@ def run_recover(args: argparse.Namespace) -> None:
                 "recomputed": s.recomputed,
                 "recovery_seconds": s.recovery_seconds,
                 "redone": s.redone,
+                "exact": protocol.exact is not None,
                 "max_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,  # peak resident memory so far
             }
         )
@@ -128,6 +133,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--busy", type=float, default=0.0, help="extra busy-wait seconds per microbatch")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--exact", action="store_true", help="recover: RecoverStrategy(exact=True)")
+    p.add_argument(
+        "--exact-every-other",
+        action="store_true",
+        help="recover: exact mode on odd steps only (the benchmark's pairing of the two modes inside one job)",
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="recover: parameter dtype")
     p.add_argument("--out", required=True)
     return p
