@@ -155,6 +155,14 @@ def test_throughput_quotas_keep_the_trajectory(tmp_path, reference):
     assert_matches_reference(result, reference(exact=True), survivors=[0, 1], exact=True)
 
 
+def test_exact_mode_on_two_replicas_equals_the_reference(tmp_path, reference):
+    """Exact mode on 2 replicas, failure-free: the same bits as the single-process exact run (which the
+    3-, 4- and 6-replica jobs above equal too, through their failures)."""
+    result = fabric_job(str(tmp_path), replicas=2, steps=STEPS, microbatches=M, extra=["--exact"])
+    states = assert_matches_reference(result, reference(exact=True), survivors=[0, 1], exact=True)
+    assert [s["redone"] for s in states[0]["stats"]][0] == 1, "the first step calibrates the grid (one redo)"
+
+
 def test_falsely_suspected_replica_never_applies_a_divergent_step(tmp_path, reference):
     """A replica frozen long enough to be declared dead, then resumed, must stop, not rejoin silently."""
     out = str(tmp_path)
