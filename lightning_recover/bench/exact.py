@@ -63,7 +63,7 @@ def paired(args: argparse.Namespace) -> dict:
 
     rounds = []
     exact_states = []
-    step_pairs = []
+    step_pairs, cpu_pairs = [], []
     with tempfile.TemporaryDirectory(prefix="bench-exact-") as work:
         for i in range(args.alternating_jobs):
             out = os.path.join(work, f"alt{i}")
@@ -71,8 +71,10 @@ def paired(args: argparse.Namespace) -> dict:
             for name in sorted(n for n in os.listdir(out) if n.startswith("rank") and n.endswith(".json")):
                 recs = {r["step"]: r for r in json.load(open(os.path.join(out, name)))}
                 for s, r in recs.items():
-                    if r["exact"] and s >= WARMUP_STEPS and s - 1 in recs and not r["redone"]:
-                        step_pairs.append(r["seconds"] / recs[s - 1]["seconds"])
+                    # an exact step against the mean of the default steps either side (cancels a drift)
+                    if r["exact"] and s >= WARMUP_STEPS and s + 1 in recs and not r["redone"]:
+                        for key, pairs in (("seconds", step_pairs), ("cpu_seconds", cpu_pairs)):
+                            pairs.append(2 * r[key] / (recs[s - 1][key] + recs[s + 1][key]))
             print(
                 f"alternating job {i}: {len(step_pairs)} step pairs so far, median ratio "
                 f"{statistics.median(step_pairs):.3f}",
@@ -121,6 +123,8 @@ def paired(args: argparse.Namespace) -> dict:
         "step_pairs_in_one_job": len(step_pairs),
         "step_pair_ratio_median": statistics.median(step_pairs) if step_pairs else None,
         "step_pair_ratio_quartiles": statistics.quantiles(step_pairs, n=4) if len(step_pairs) > 1 else None,
+        "step_pair_cpu_ratio_median": statistics.median(cpu_pairs) if cpu_pairs else None,
+        "step_pair_cpu_ratio_quartiles": statistics.quantiles(cpu_pairs, n=4) if len(cpu_pairs) > 1 else None,
         "job_ratio_median": statistics.median(ratios),
         "job_ratio_min": min(ratios),
         "job_ratio_max": max(ratios),
