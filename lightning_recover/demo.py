@@ -72,6 +72,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "up to summation order (see the module docstring)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        help="RecoverStrategy(exact=True): every step bitwise independent of failures and replica count; the "
+        "reference replays exact mode in one process, so the final difference is 0",
+    )
 
 
 # ---------------------------------------------------------------------------- the model (shared)
@@ -99,6 +105,7 @@ def _worker(args: argparse.Namespace) -> None:
         heartbeat_timeout=args.heartbeat_timeout,
         heartbeat_interval=min(0.1, args.heartbeat_timeout / 5),
         seed=args.seed,
+        exact=args.exact,
     )
     fabric = L.Fabric(strategy=strategy, devices=args.replicas, accelerator="cpu", precision=args.precision)
     fabric.launch()
@@ -218,16 +225,23 @@ def reference_run(args: argparse.Namespace, progress: bool = True) -> tuple[list
             dynamic_ncols=True,
         )
     losses = []
+    accumulator = None
+    if args.exact:  # the replicas' fixed-point step, in one process (protocol/exact.py)
+        from lightning_recover.protocol.exact import ExactAccumulator
+
+        accumulator = ExactAccumulator(args.microbatches)
     for s in range(args.steps):
         optimizer.zero_grad()
         total = 0.0
-        for j in range(args.microbatches):
+        if accumulator is not None:
+            total = _exact_step(accumulator, model, source, s) * args.microbatches
+        for j in range(args.microbatches if accumulator is None else 0):
             x, y = source.batch(s, j)
             loss = model.loss(x, y)
             loss.backward()
             total += loss.item()
         for p in model.parameters():
-            if p.grad is not None:
+            if p.grad is not None and accumulator is None:
                 p.grad /= args.microbatches
         optimizer.step()
         losses.append(total / args.microbatches)
@@ -237,6 +251,17 @@ def reference_run(args: argparse.Namespace, progress: bool = True) -> tuple[list
     if bar is not None:
         bar.close()
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _exact_step(accumulator, model, source, step: int) -> float:
+    from lightning_recover.protocol.exact import exact_step_alone
+
+    def backward(j: int):
+        loss = model.loss(*source.batch(step, j))
+        loss.backward()
+        return loss
+
+    return exact_step_alone(accumulator, [p for p in model.parameters() if p.requires_grad], backward)
 
 
 def max_relative_difference(state: dict, reference: dict) -> float:

@@ -109,7 +109,8 @@ def batch(step: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def loss_fn(model: torch.nn.Module, step: int, j: int) -> torch.Tensor:
     x, y = batch(step, j)
-    return torch.nn.functional.mse_loss(model(x), y)
+    dtype = next(model.parameters()).dtype  # float64 by default; float32/bf16 in the exact-mode tests
+    return torch.nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype))
 
 
 def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -219,6 +220,11 @@ class Cluster:
         tamper: Optional[Callable[[Slot, Fault], None]] = None,
         hang_timeout: float = 60.0,
         collective_timeout: float = COLLECTIVE_TIMEOUT,
+        exact: bool = False,
+        dtype: torch.dtype = torch.float64,
+        optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] = make_optimizer,
+        loss: Callable[[torch.nn.Module, int, int], torch.Tensor] = loss_fn,
+        clip: Optional[float] = None,
     ) -> None:
         self.R = replicas
         self.steps = steps
@@ -229,6 +235,7 @@ class Cluster:
         self.tamper = tamper
         self.hang_timeout = hang_timeout
         self.collective_timeout = collective_timeout
+        self.exact, self.dtype, self.make_optimizer, self.loss, self.clip = exact, dtype, optimizer, loss, clip
         self.slots: list[Slot] = []
         self._progress = threading.Condition()
         self._release = threading.Event()
@@ -285,8 +292,8 @@ class Cluster:
         self, replica: int, incarnation: int = 1, seed: int = 0, on_started: Optional[Callable[[Slot], None]] = None
     ) -> Slot:
         """Start a thread for ``replica``; ``incarnation`` must be the one it will get (1, then 2...)."""
-        model = make_model(seed)
-        slot = Slot(replica, incarnation, model, make_optimizer(model))
+        model = make_model(seed).to(self.dtype)
+        slot = Slot(replica, incarnation, model, self.make_optimizer(model))
         self.slots.append(slot)
         slot.thread = threading.Thread(
             target=self._run, args=(slot, on_started), name=f"test-replica-{replica}-{incarnation}", daemon=True
@@ -356,6 +363,7 @@ class Cluster:
             collective_timeout=self.collective_timeout,
             hang_timeout=self.hang_timeout,
             startup_timeout=JOIN_TIMEOUT,
+            exact=self.exact,
         )
         injector = FaultInjector(self.faults, slot.replica, slot.incarnation, act=self._act(slot))
         injector.add_listener(lambda fault, _wall: slot.fired_at.__setitem__(str(fault), time.monotonic()))
@@ -385,10 +393,12 @@ class Cluster:
                     self.before_step(slot.replica, s)
                 for j in core.run_step(s):
                     core.fire("forward")
-                    loss = loss_fn(model, s, j)
+                    loss = self.loss(model, s, j)
                     core.before_backward(loss)
                     loss.backward()
                 core.fire("optimizer")
+                if self.clip is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), self.clip)
                 optimizer.step()
                 optimizer.zero_grad()
                 slot.applied.append(s)

@@ -1,4 +1,7 @@
-"""Smoke test of ``lightning-recover demo`` with tiny settings (a kill and a hang, then the summary)."""
+"""Smoke test of ``lightning-recover demo`` with tiny settings (a kill and a hang, then the summary).
+
+It runs in exact mode with float32 parameters (``--exact --precision 32-true``): the survivor's
+parameters must equal the single-process reference bitwise (difference 0)."""
 
 from __future__ import annotations
 
@@ -41,6 +44,9 @@ def test_demo_tiny(tmp_path):
         out,
         "--inject",
         "kill:replica=2:step=2:phase=backward,hang:replica=0:step=4:phase=reduce",
+        "--exact",
+        "--precision",
+        "32-true",
     ]
     result = run_job(cmd, out, timeout=400)
     assert result.returncode == 0, result.output[-4000:]
@@ -49,7 +55,7 @@ def test_demo_tiny(tmp_path):
     assert [f["kind"] for f in summary["failures"]] == ["kill", "hang"]
     assert summary["final_live_replicas"] == 1
     assert summary["recomputed_microbatches"] >= 2
-    assert summary["max_relative_param_difference"] <= 1e-5
+    assert summary["max_relative_param_difference"] == 0.0, "exact mode: bitwise equal to the reference"
     assert abs(summary["final_loss"] - summary["reference_final_loss"]) < 1e-6
     assert os.path.getsize(os.path.join(out, "demo.png")) > 10_000
     assert "Summary: 6/6 steps committed" in result.output

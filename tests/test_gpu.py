@@ -1,17 +1,39 @@
 """The NCCL path: survivor groups over NCCL with aborted communicators. Needs >= 2 CUDA GPUs
-(NCCL refuses two ranks on one device); skipped cleanly elsewhere (CI has no GPU)."""
+(NCCL refuses two ranks on one device); skipped cleanly elsewhere (CI has no GPU). Exact mode's CUDA
+check needs one GPU."""
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from tests.jobs import fabric_job, max_relative_difference
+from tests.jobs import ROOT, fabric_job, max_relative_difference
 
-pytestmark = pytest.mark.skipif(
+needs_two_gpus = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not torch.distributed.is_nccl_available(),
     reason="needs >= 2 CUDA GPUs with NCCL",
 )
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not torch.distributed.is_nccl_available(), reason="needs a CUDA GPU with NCCL"
+)
+@pytest.mark.timeout(180)
+def test_exact_mode_is_bitwise_deterministic_on_cuda():
+    """tests/scripts/exact_cuda_check.py in a fresh process (cuBLAS reads CUBLAS_WORKSPACE_CONFIG at its
+    start): with torch.use_deterministic_algorithms(True), TinyGPT's fixed-point step gradient (float32
+    and bf16 parameters) is the same bits over repeats and over partitions of the microbatches; NCCL
+    reduces float64 SUM and float32 MAX."""
+    env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8", PYTHONPATH=ROOT)
+    script = os.path.join(ROOT, "tests", "scripts", "exact_cuda_check.py")
+    proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("ok ") == 3, proc.stdout
+
+
+@needs_two_gpus
 def test_nccl_kill_matches_failure_free_run(tmp_path):
     replicas = min(3, torch.cuda.device_count())
     extra = ["--accelerator", "cuda"]

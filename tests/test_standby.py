@@ -39,6 +39,7 @@ def _standby_job(
     restarts: int = 1,
     extra=(),
     torchrun: bool = False,
+    exact_dtype: str | None = None,
 ):
     """Start ``cli run --standby 1`` (or ``cli torchrun``: one torchrun job per replica and per
     standby) on fabric_train.py; ``holds`` = {step: k}: the replicas wait before ``step`` until
@@ -58,7 +59,9 @@ def _standby_job(
     cmd += [FABRIC_SCRIPT, out, "--replicas", str(replicas), "--steps", str(steps), "--microbatches", str(M)]
     # survivors sleep after each step a replica is missing, so a standby that took a place always
     # rejoins before the run ends (on a loaded machine the last steps otherwise outrun it)
-    cmd += ["--heartbeat-timeout", "0.5", "--dtype", "float64", "--hold", hold, "--slow-while-degraded", "1", *extra]
+    # exact mode (exact_dtype given): float32 or bf16 parameters, compared bitwise; else float64 within TOL
+    dtype = ["--dtype", exact_dtype, "--exact"] if exact_dtype else ["--dtype", "float64"]
+    cmd += ["--heartbeat-timeout", "0.5", *dtype, "--hold", hold, "--slow-while-degraded", "1", *extra]
     return start_job(cmd, out, env={"LIGHTNING_RECOVER_INJECT": inject})
 
 
@@ -72,7 +75,7 @@ def _open_gate(tmp_path, log: str, proc: subprocess.Popen, k: int) -> None:
     open(tmp_path / f"gate{k}", "w").close()
 
 
-def _finish(proc: subprocess.Popen, log: str, out: str, steps: int) -> JobResult:
+def _finish(proc: subprocess.Popen, log: str, out: str, steps: int, exact_dtype: str | None = None) -> JobResult:
     try:
         proc.wait(timeout=240)
     except subprocess.TimeoutExpired:
@@ -81,10 +84,13 @@ def _finish(proc: subprocess.Popen, log: str, out: str, steps: int) -> JobResult
         kill_group(proc)
     result = JobResult(proc.returncode, open(log).read(), out)
     assert result.returncode == 0, result.output[-4000:]
-    reference = reference_state(steps, M, dtype="float64")
+    reference = reference_state(steps, M, dtype=exact_dtype or "float64", exact=exact_dtype is not None)
     for r, data in result.states().items():
         diff = max_relative_difference(data["state"], reference)
         assert diff <= TOL, f"replica {r} diverged from the failure-free run: {diff}"
+        if exact_dtype:
+            differ = [k for k, v in reference.items() if not torch.equal(data["state"][k], v)]
+            assert not differ, f"replica {r}: {differ} not bitwise equal to the exact failure-free run ({diff})"
     return result
 
 
@@ -158,11 +164,14 @@ PHASE_PLAN = [  # (replica, step, phase, incarnation): each takeover meets the f
 def test_standby_takes_over_a_kill_in_every_phase(tmp_path):
     """3 replicas and one standby. The first standby is SIGKILLed while it waits: the launcher
     replaces it. Then five kills, one per phase, each met by a ready standby (the one started after
-    the previous takeover). Every replica ends equal to the failure-free run."""
+    the previous takeover). Every replica ends bitwise equal to the failure-free run (exact mode, bf16
+    parameters)."""
     steps = 17
     inject = ",".join(f"kill:replica={r}:step={s}:phase={p}:incarnation={i}" for r, s, p, i in PHASE_PLAN)
     holds = {s: k + 1 for k, (_, s, _, _) in enumerate(PHASE_PLAN)}  # standby 0 is killed while waiting
-    proc, log = _standby_job(tmp_path, replicas=3, steps=steps, inject=inject, holds=holds, restarts=2)
+    proc, log = _standby_job(
+        tmp_path, replicas=3, steps=steps, inject=inject, holds=holds, restarts=2, exact_dtype="bfloat16"
+    )
     out = str(tmp_path / "job")
     try:
         assert wait_for(lambda: 0 in _ready_standbys(log) or proc.poll() is not None, timeout=150), open(log).read()
@@ -170,7 +179,7 @@ def test_standby_takes_over_a_kill_in_every_phase(tmp_path):
         for k in range(len(PHASE_PLAN)):
             _open_gate(tmp_path, log, proc, k + 1)
     finally:
-        result = _finish(proc, log, out, steps)
+        result = _finish(proc, log, out, steps, exact_dtype="bfloat16")
     assert "standby 0 exited while waiting (killed by SIGKILL)" in result.output, result.output[-3000:]
     for k, (r, _, _, _) in enumerate(PHASE_PLAN):
         taken = rf"replica {r}: standby {k + 1} \(pid \d+\) takes its place"
@@ -207,12 +216,14 @@ def test_torchrun_standby_job_takes_the_place_of_a_replica(tmp_path):
     job becomes the replica."""
     steps = 6
     inject = "kill:replica=1:step=2:phase=backward"
-    proc, log = _standby_job(tmp_path, replicas=2, steps=steps, inject=inject, holds={2: 0}, torchrun=True)
+    proc, log = _standby_job(
+        tmp_path, replicas=2, steps=steps, inject=inject, holds={2: 0}, torchrun=True, exact_dtype="float32"
+    )
     out = str(tmp_path / "job")
     try:
         _open_gate(tmp_path, log, proc, 0)
     finally:
-        result = _finish(proc, log, out, steps)
+        result = _finish(proc, log, out, steps, exact_dtype="float32")
     assert "replica 1: its worker exited; declared dead" in result.output, result.output[-3000:]
     assert re.search(r"replica 1: standby 0 \(pid \d+\) takes its place \(1/1\)", result.output), result.output[-3000:]
     assert sorted(result.states()) == [0, 1], result.output[-4000:]

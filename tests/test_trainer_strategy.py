@@ -24,6 +24,7 @@ import lightning_recover
 from lightning_recover import RecoverTrainerStrategy
 from lightning_recover.data import MicrobatchSource
 from lightning_recover.lightning.trainer import StepLoader
+from lightning_recover.protocol.exact import ExactAccumulator, exact_step_alone
 from tests.jobs import TRAINER_SCRIPT, max_relative_difference, run_job, trainer_job
 
 TOL = 1e-5
@@ -37,18 +38,30 @@ def _script():
     return module
 
 
-def _single_process(steps: int = STEPS, microbatches: int = M, batch_size: int = B) -> dict:
-    """The same training without Lightning or replicas: the ground truth."""
+def _single_process(steps: int = STEPS, microbatches: int = M, batch_size: int = B, exact: bool = False) -> dict:
+    """The same training without Lightning or replicas: the ground truth. ``exact``: each step as
+    ``RecoverTrainerStrategy(exact=True)`` computes it (fixed point, protocol/exact.py), which every
+    replica of an exact-mode run must equal bitwise."""
     script = _script()
     train, val = script.make_data()
     net = script.make_net()
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
     source = MicrobatchSource(train, batch_size, microbatches, shuffle=True, seed=0)
+    accumulator = ExactAccumulator(microbatches) if exact else None
     losses, val_losses = [], []
     for step in range(steps):
         optimizer.zero_grad()
         total = 0.0
-        for j in range(microbatches):
+
+        def backward(j: int, step: int = step) -> torch.Tensor:
+            x, y = source.batch(step, j)
+            loss = torch.nn.functional.mse_loss(net(x), y)
+            loss.backward()
+            return loss
+
+        if accumulator is not None:
+            total = exact_step_alone(accumulator, list(net.parameters()), backward) * microbatches
+        for j in range(microbatches if accumulator is None else 0):
             x, y = source.batch(step, j)
             loss = torch.nn.functional.mse_loss(net(x), y)
             (loss / microbatches).backward()
@@ -87,12 +100,16 @@ def step_rows(out: str) -> dict[int, dict]:
     return {int(r["step"]): r for r in metrics(out) if r.get("recover/loss")}
 
 
-def assert_parameters(result, reference_state, survivors, steps: int = STEPS):
+def assert_parameters(result, reference_state, survivors, steps: int = STEPS, exact: bool = False):
+    """Every survivor ran all steps and equals the single-process run: bitwise in exact mode, else within TOL."""
     states = result.states()
     assert sorted(states) == sorted(survivors), f"finished replicas {sorted(states)}\n{result.output[-3000:]}"
     for r, data in states.items():
         diff = max_relative_difference(data["state"], reference_state)
         assert diff <= TOL, f"replica {r} differs from the single-process run: max relative difference {diff}"
+        if exact:
+            differ = [k for k, v in reference_state.items() if not torch.equal(data["state"][k], v)]
+            assert not differ, f"replica {r}: {differ} not bitwise equal to the exact single-process run ({diff})"
         assert data["global_step"] == steps
     return states
 
@@ -133,14 +150,18 @@ def test_failure_free_run_matches_single_process_training(reference_run, truth):
 @pytest.mark.slow
 def test_killed_replica_mid_step_keeps_the_trajectory(tmp_path):
     # batch 16 x M 6 = 96 samples a step: 5 steps an epoch, so 7 steps also cross an epoch boundary
+    # (exact mode, automatic optimization: bitwise equal to the exact single-process run)
     steps, batch_size = 7, 16
-    truth = _single_process(steps=steps, batch_size=batch_size)
+    truth = _single_process(steps=steps, batch_size=batch_size, exact=True)
     out = str(tmp_path)
     result = trainer_job(
-        out, steps=steps, inject="kill:replica=1:step=2:phase=backward", extra=["--batch-size", str(batch_size)]
+        out,
+        steps=steps,
+        inject="kill:replica=1:step=2:phase=backward",
+        extra=["--batch-size", str(batch_size), "--exact"],
     )
     assert result.returncode == 0, result.output[-4000:]
-    assert_parameters(result, truth["state"], survivors=[0, 2], steps=steps)
+    assert_parameters(result, truth["state"], survivors=[0, 2], steps=steps, exact=True)
     rows = step_rows(out)
     assert sorted(rows) == list(range(steps))
     assert [int(rows[s]["epoch"]) for s in range(steps)] == [0] * 5 + [1] * 2
@@ -155,9 +176,9 @@ def test_killed_replica_mid_step_keeps_the_trajectory(tmp_path):
     assert result.output.count("step 2: recovered in") == 1
 
 
-def assert_rejoined(result, truth, steps: int, rejoiner: int, steps_per_epoch: int):
+def assert_rejoined(result, truth, steps: int, rejoiner: int, steps_per_epoch: int, exact: bool = False):
     """All replicas finished with the reference parameters; the restarted one resumed mid-run, in step."""
-    states = assert_parameters(result, truth["state"], survivors=range(REPLICAS), steps=steps)
+    states = assert_parameters(result, truth["state"], survivors=range(REPLICAS), steps=steps, exact=exact)
     rejoined = states[rejoiner]
     first = rejoined["steps"][0]["step"]
     assert 1 < first < steps, f"the restarted replica resumed mid-run (at step {first})"
@@ -188,17 +209,17 @@ REJOIN_STEPS, REJOIN_BATCH = 9, 16  # 5 steps an epoch: the rejoined replica als
 
 @pytest.mark.slow
 def test_restarted_replica_rejoins_the_trainer_run(tmp_path):
-    truth = _single_process(steps=REJOIN_STEPS, batch_size=REJOIN_BATCH)
+    truth = _single_process(steps=REJOIN_STEPS, batch_size=REJOIN_BATCH, exact=True)
     result = trainer_job(
         str(tmp_path),
         steps=REJOIN_STEPS,
         inject="kill:replica=1:step=1:phase=backward",
-        extra=["--batch-size", str(REJOIN_BATCH), "--restarts", "1", "--slow-while-degraded", "2.5"],
+        extra=["--batch-size", str(REJOIN_BATCH), "--restarts", "1", "--slow-while-degraded", "2.5", "--exact"],
         timeout=300,
     )
     assert result.returncode == 0, result.output[-4000:]
     assert "restarting replica 1 (1/1)" in result.output
-    assert_rejoined(result, truth, REJOIN_STEPS, rejoiner=1, steps_per_epoch=5)
+    assert_rejoined(result, truth, REJOIN_STEPS, rejoiner=1, steps_per_epoch=5, exact=True)
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import time
 
 import lightning as L
@@ -35,11 +36,13 @@ def run_recover(args: argparse.Namespace) -> None:
     from lightning_recover import RecoverStrategy
 
     data, model, optimizer = build(args)
+    model.to(getattr(torch, args.dtype))  # in place: the optimizer keeps the same parameters
     strategy = RecoverStrategy(
         microbatches=args.microbatches,
         heartbeat_timeout=args.heartbeat_timeout,
         heartbeat_interval=min(0.1, args.heartbeat_timeout / 5),
         seed=args.seed,
+        exact=args.exact or args.exact_every_other,
     )
     fabric = L.Fabric(strategy=strategy, devices=args.replicas, accelerator="cpu")
     fabric.launch()
@@ -47,8 +50,12 @@ def run_recover(args: argparse.Namespace) -> None:
     model.mark_forward_method("loss")
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=True)
     records = []
+    protocol = fabric.strategy.core.protocol
+    accumulator = protocol.exact
     for step in fabric.strategy.steps(loader, max_steps=args.steps):
-        start = time.perf_counter()
+        if args.exact_every_other:  # paired inside one job: odd steps exact, even steps the default mode
+            protocol.exact = accumulator if step.index % 2 else None
+        start, cpu_start = time.perf_counter(), time.process_time()
         for x, y in step:
             fabric.backward(model.loss(x, y))
             _busy(args.busy)
@@ -59,12 +66,16 @@ def run_recover(args: argparse.Namespace) -> None:
             {
                 "step": step.index,
                 "seconds": time.perf_counter() - start,
+                "cpu_seconds": time.process_time() - cpu_start,  # this process, all its threads
                 "committed_at": time.time(),
                 "loss": s.loss,
                 "live": s.live_replicas,
                 "generation": s.generation,
                 "recomputed": s.recomputed,
                 "recovery_seconds": s.recovery_seconds,
+                "redone": s.redone,
+                "exact": protocol.exact is not None,
+                "max_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,  # peak resident memory so far
             }
         )
     _write(args.out, f"rank{fabric.strategy.replica}", records, model)
@@ -122,6 +133,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-timeout", type=float, default=1.0)
     p.add_argument("--busy", type=float, default=0.0, help="extra busy-wait seconds per microbatch")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--exact", action="store_true", help="recover: RecoverStrategy(exact=True)")
+    p.add_argument(
+        "--exact-every-other",
+        action="store_true",
+        help="recover: exact mode on odd steps only (the benchmark's pairing of the two modes inside one job)",
+    )
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="recover: parameter dtype")
     p.add_argument("--out", required=True)
     return p
 

@@ -15,6 +15,7 @@ from typing_extensions import override
 
 from lightning_recover import env
 from lightning_recover.lightning.ranks import ReplicaRanks
+from lightning_recover.protocol.exact import check_exact_layout
 from lightning_recover.protocol.options import RecoverOptions
 from lightning_recover.protocol.replica import Replica
 
@@ -24,13 +25,15 @@ except ImportError:  # pragma: no cover - lightning is a dependency
     _Launcher = object  # type: ignore[misc,assignment]
 
 
-def build_options(microbatches: Optional[int], options: dict[str, Any]) -> RecoverOptions:
+def build_options(microbatches: Optional[int], options: dict[str, Any], replica_size: int = 1) -> RecoverOptions:
     """``RecoverOptions`` from a strategy's keyword arguments, with a hint for a misspelt name."""
     try:
-        return RecoverOptions(microbatches=microbatches, **options)
+        built = RecoverOptions(microbatches=microbatches, **options)
     except TypeError as exc:
         names = ", ".join(f for f in RecoverOptions.__dataclass_fields__ if f != "microbatches")
         raise TypeError(f"{exc}. HINT: strategy='recover' takes microbatches and {names}.") from None
+    check_exact_layout(built.exact, replica_size)  # refused before any process starts
+    return built
 
 
 class ReplicaLauncher(_Launcher):

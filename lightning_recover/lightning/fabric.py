@@ -95,6 +95,9 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
         control_plane: ``"etcd://HOST:PORT,..."`` to keep the job's control plane in etcd (no coordinator
             process; TLS files from ``LIGHTNING_RECOVER_ETCD_CACERT/_CERT/_KEY``; docs/control_plane.md).
             Default: ``LIGHTNING_RECOVER_CONTROL_PLANE``, else the embedded coordinator.
+        exact: ``True``: every step's gradient is bitwise a function of the parameters and its ``M``
+            microbatch ids alone, whatever fails and on any replica count (fixed-point reduction,
+            docs/protocol.md "Exact mode"); needs ``replica_size=1``. Default ``False``.
         replica_size: ``K``, processes per replica (default 1). With K > 1 each replica shards
             its model with FSDP2 over its K processes; ``devices`` is then ``replicas x K``. Set up
             the module first (``fabric.setup_module``), then build and set up the optimizer.
@@ -122,7 +125,7 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
             accelerator=accelerator, parallel_devices=parallel_devices, checkpoint_io=checkpoint_io, precision=precision
         )
         self.sharding = ShardingConfig.from_options(options)
-        self.options = build_options(microbatches, options)
+        self.options = build_options(microbatches, options, self.sharding.replica_size)
         self.core: Optional[Replica] = None
         self._modules: list[Module] = []
         self._optimizers: list[Optimizer] = []

@@ -118,8 +118,8 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
         quota: ``"equal"`` or ``"throughput"``.
         heartbeat_interval, heartbeat_timeout, hang_timeout, join_timeout, collective_timeout, startup_timeout:
             failure-detection and waiting limits, in seconds.
-        restarts: how many times the launcher restarts a failed replica.
-        seed: seed of the per-epoch sample permutation (the same on every replica).
+        restarts, seed: restarts of a failed replica; seed of the per-epoch sample permutation.
+        exact: bitwise reproducible steps, whatever fails (replica_size=1; docs/protocol.md "Exact mode").
         checkpoint_io: defaults to :class:`lightning_recover.checkpoint.UringCheckpointIO`.
         replica_size: ``K``, processes per replica (default 1). With K > 1 each replica shards the
             LightningModule with FSDP2 over its K processes (``devices`` is ``replicas x K``): the
@@ -151,7 +151,7 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self.sharding = ShardingConfig.from_options(options)
-        self.options = build_options(microbatches, options)
+        self.options = build_options(microbatches, options, self.sharding.replica_size)
         self.core: Optional[Replica] = None
         self._committed: Optional[list[tuple[torch.nn.Parameter, Optional[Tensor]]]] = None
         # A restarted replica (rejoin): the Lightning checkpoint received from a live peer, the step

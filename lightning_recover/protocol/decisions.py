@@ -26,18 +26,19 @@ class Decisions:
         self.membership = membership
         self.admit_next: dict[int, int] = {}  # joiners the last commit admitted (replica -> incarnation)
 
-    def _key(self, step: int) -> str:
-        return f"s{step}/g{self.membership.gen.number}"
+    def _key(self, step: int, attempt: int = 0) -> str:
+        # attempt > 0: exact mode redoing a committed step on a recentred grid (protocol/exact.py)
+        return f"s{step}/g{self.membership.gen.number}" + (f"/a{attempt}" if attempt else "")
 
-    def decide_retry(self, step: int) -> bool:
+    def decide_retry(self, step: int, attempt: int = 0) -> bool:
         """This member's reduce failed: settle the step as ``retry`` unless already decided.
 
         Returns True only if the step had been committed before (impossible for a member whose
         reduce failed, since a commit needs every member's done report; checked by the caller).
         """
-        return self._read(self.membership.store.compare_set(f"{self._key(step)}/dec", None, "retry"))
+        return self._read(self.membership.store.compare_set(f"{self._key(step, attempt)}/dec", None, "retry"))
 
-    def report_done(self, step: int) -> None:
+    def report_done(self, step: int, attempt: int = 0) -> None:
         """This member's reduce completed. The member completing the count writes ``commit``.
 
         Whichever ``compare_set`` lands first, this ``commit`` or some member's ``retry``, is the
@@ -45,7 +46,7 @@ class Decisions:
         also names the joiners to admit after this step, so that all members admit the same ones.
         """
         m = self.membership
-        key = self._key(step)
+        key = self._key(step, attempt)
         # Every process of every member reports (K per replica when replicas are sharded).
         me = str(m.replica) if m.replica_size == 1 else f"{m.replica}.{m.inner}"
         m.store.set(f"{key}/done/{me}", str(m.incarnation))
@@ -64,7 +65,7 @@ class Decisions:
             value = "commit" + ("" if not joins else ";admit=" + ",".join(f"{r}:{i}" for r, i in sorted(joins.items())))
             m.store.compare_set(f"{key}/dec", None, value)
 
-    def await_decision(self, step: int) -> bool:
+    def await_decision(self, step: int, attempt: int = 0) -> bool:
         """Wait for the step's decision; settle it as ``retry`` if the generation fails meanwhile.
 
         Every member's reduce completed before it waits here, so the decision is due at once; a
@@ -73,7 +74,7 @@ class Decisions:
         already have applied the value that was taken away).
         """
         m = self.membership
-        key = f"{self._key(step)}/dec"
+        key = f"{self._key(step, attempt)}/dec"
         delay = POLL_MIN
         deadline = time.monotonic() + m.collective_timeout
         while True:
@@ -106,12 +107,14 @@ class Decisions:
         self.admit_next = {int(r): int(i) for r, i in (x.split(":") for x in admit.split(",") if x)}
         return True
 
-    def forget_step(self, step: int) -> None:
-        """Delete the decision keys of an old step (called by the leader)."""
+    def forget_step(self, step: int, attempts: int = 1) -> None:
+        """Delete the decision keys of an old step (called by the leader); ``attempts``: exact-mode redos + 1."""
         number = self.membership.gen.number
         for g in range(max(0, number - 4), number + 1):
-            self.membership.store.delete(f"s{step}/g{g}/dec")
-            for r in self.membership.gen.members:
-                for i in range(self.membership.replica_size):
-                    me = str(r) if self.membership.replica_size == 1 else f"{r}.{i}"
-                    self.membership.store.delete(f"s{step}/g{g}/done/{me}")
+            for a in range(attempts):
+                key = f"s{step}/g{g}" + (f"/a{a}" if a else "")
+                self.membership.store.delete(f"{key}/dec")
+                for r in self.membership.gen.members:
+                    for i in range(self.membership.replica_size):
+                        me = str(r) if self.membership.replica_size == 1 else f"{r}.{i}"
+                        self.membership.store.delete(f"{key}/done/{me}")

@@ -62,6 +62,9 @@ class RecoverOptions:
     #: ``None``/``"embedded"`` (a coordinator process on the launcher's host) or ``"etcd://HOST:PORT,..."``
     #: (TLS files from LIGHTNING_RECOVER_ETCD_*; see docs/control_plane.md). None: LIGHTNING_RECOVER_CONTROL_PLANE.
     control_plane: Optional[str] = None
+    #: Bitwise reproducible steps: every step's gradient a function of the parameters and its M
+    #: microbatch ids alone, whatever fails (fixed-point reduction, protocol/exact.py).
+    exact: bool = False
 
     def __post_init__(self) -> None:
         if self.quota not in ("equal", "throughput"):
@@ -87,6 +90,8 @@ class RecoverOptions:
         if not isinstance(self.restarts, int) or self.restarts < 0:
             raise ValueError(f"restarts must be a non-negative integer, got {self.restarts!r}")
         check_standby(self.standby, self.restarts)
+        if not isinstance(self.exact, bool):
+            raise ValueError(f"exact must be True or False, got {self.exact!r}")
 
     @property
     def store_timeout(self) -> float:

@@ -22,6 +22,7 @@ from lightning_recover.errors import MembershipChanged, RecoverError
 from lightning_recover.protocol import state_transfer
 from lightning_recover.protocol.collectives import SurvivorCollectives
 from lightning_recover.protocol.decisions import Decisions
+from lightning_recover.protocol.exact import ExactAccumulator, check_exact_layout
 from lightning_recover.protocol.faults import Fault, FaultInjector
 from lightning_recover.protocol.membership import Membership
 from lightning_recover.protocol.messages import JobSecret
@@ -71,6 +72,7 @@ class Replica:
                 "HINT: the processes per replica (replica_size / --nproc-per-replica) must be a multiple of tp."
             )
         self.tensor_parallel = tensor_parallel  # tp processes of the replica per data position
+        check_exact_layout(options.exact, replica_size)
         self.group = Membership(
             addr,
             replica,
@@ -101,6 +103,7 @@ class Replica:
             replica_size=replica_size,
             intra_group=lambda: self.world.group if self.world is not None else None,
             tensor_parallel=tensor_parallel,
+            exact=options.exact,
         )
         self._injector = injector  # None: the plan in the environment, for this incarnation
         self._fault_listeners: list[Callable[[Fault, float], None]] = []
@@ -313,15 +316,22 @@ class Replica:
             raise RecoverError("rejoin needs the strategy to register its state hooks (core.set_state_hooks)")
         payload, skeleton_len = torch.empty(0, dtype=torch.uint8), 0
         if self.group.rank == src_rank:
-            # Raw tensor bytes + a skeleton; their SHA-256 goes to the sealed store (the group is not authenticated).
-            payload, skeleton_len = state_transfer.pack_and_seal_digest(self._get_state(), self.group)
+            # The training state and the exact grid as raw tensor bytes + a skeleton; their SHA-256 goes to
+            # the sealed store (the group is not authenticated).
+            payload, skeleton_len = state_transfer.pack_and_seal_digest(
+                joiner_state(self._get_state(), self.protocol.exact), self.group
+            )
         sizes = torch.tensor([payload.numel(), skeleton_len], dtype=torch.int64)
         self.collectives.broadcast([sizes], src_rank)
         if self.group.rank != src_rank:
             payload = torch.empty(int(sizes[0]), dtype=torch.uint8)
         self.collectives.broadcast([payload], src_rank)
         if receive:
-            self._set_state(state_transfer.unpack_checked(payload, int(sizes[1]), self.group))
+            self._set_state(
+                adopt_joiner_state(
+                    state_transfer.unpack_checked(payload, int(sizes[1]), self.group), self.protocol.exact
+                )
+            )
 
     def seed_microbatch(self, step: int, j: int) -> None:
         """Reseed the RNG so random ops (dropout) do not depend on which replica computes (s, j)."""
@@ -392,3 +402,23 @@ class Replica:
     def elect_writer(self) -> bool:
         """All live replicas agree on one writer: the lowest replica id among them."""
         return min(self.collectives.exchange(None)) == self.group.replica
+
+
+def joiner_state(training: dict, exact: Optional[ExactAccumulator]) -> dict:
+    """What a rejoining replica receives: the strategy's training state and, in exact mode, the
+    fixed-point grid (committed history that every member holds alike)."""
+    return {"training": training, "exact": exact.state() if exact is not None else None}
+
+
+def adopt_joiner_state(state: Any, exact: Optional[ExactAccumulator]) -> dict:
+    """The training state out of :func:`joiner_state`'s dict; the exact grid taken over."""
+    if not isinstance(state, dict) or "training" not in state:
+        raise RecoverError("the state handed to this replica is malformed (no training state)")
+    if exact is not None:
+        if state.get("exact") is None:
+            raise RecoverError(
+                "this replica runs with exact=True but the replica handing it the state does not. "
+                "HINT: give every replica of the job the same exact= option."
+            )
+        exact.load_state(state["exact"])
+    return state["training"]

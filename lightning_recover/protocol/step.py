@@ -9,6 +9,11 @@ live replica.
 The invariant kept through any failure: each of the ``M`` microbatch ids is counted exactly once
 in the committed gradient. Survivors keep what they computed; the ids the dead held are re-planned
 over the survivors and computed inside the same step; the reduce is retried in a new generation.
+
+Exact mode (``exact=True``, :mod:`lightning_recover.protocol.exact`): each microbatch's gradient is
+moved out of ``param.grad`` into a fixed-point accumulator right after its backward, so the sum is
+exact and the committed gradient is bitwise the same whatever the partition. A committed attempt
+whose gradients left the grid's range is redone (all ``M`` microbatches, attempt ``a + 1``).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from lightning_recover.errors import MembershipChanged, RecoverError
 from lightning_recover.protocol.collectives import SurvivorCollectives
 from lightning_recover.protocol.decisions import Decisions
+from lightning_recover.protocol.exact import ExactAccumulator
 from lightning_recover.protocol.faults import FaultInjector
 from lightning_recover.protocol.membership import Membership
 from lightning_recover.protocol.planner import plan_quotas
@@ -41,6 +47,7 @@ class StepStats:
     recoveries: int = 0
     recovery_seconds: float = 0.0
     loss: float | None = None  # mean loss over the M microbatches (when losses were recorded)
+    redone: int = 0  # exact mode: attempts redone on a recentred fixed-point grid
     leader: bool = False
     events: list[dict] = field(default_factory=list)  # see StepProtocol: {"kind": "regroup"|"failure", ...}
 
@@ -67,6 +74,7 @@ class StepProtocol:
         replica_size: int = 1,
         intra_group: Callable[[], object] | None = None,
         tensor_parallel: int = 1,
+        exact: bool = False,
     ) -> None:
         self.membership = membership
         self.collectives = collectives
@@ -96,9 +104,17 @@ class StepProtocol:
         # True during the last round of a list: only then need FSDP reduce-scatter inside the
         # replica (earlier rounds accumulate unsharded gradients locally, as no_sync does).
         self.sync_round = True
+        # Exact mode: the fixed-point accumulator, the microbatch being computed, the step's attempt.
+        self.exact = ExactAccumulator(microbatches) if exact else None
+        self._current: int | None = None
+        self.attempt = 0
+        self._attempts: dict[int, int] = {}  # step -> attempts it took (their decision keys are forgotten)
 
     # -------------------------------------------------------------- hooks from the strategy
     def record_loss(self, loss: torch.Tensor) -> None:
+        if self.exact is not None and self._current is not None:
+            self.exact.record_loss(self._current, loss)
+            return
         value = loss.detach().float().reshape(-1)[:1].sum().cpu()
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
         self._loss_count += 1
@@ -115,6 +131,9 @@ class StepProtocol:
         progress.note("compute", step)
         for p in self._params():
             p.grad = None
+        self.attempt = 0
+        if self.exact is not None:
+            self.exact.begin([p for p in self._params() if p.requires_grad])
         self._loss_sum, self._loss_count = None, 0
         self._step_loss = None
         stats = StepStats(step=step)
@@ -131,7 +150,11 @@ class StepProtocol:
                 progress.note("compute")
                 self.zero_slot = not mine
                 self.sync_round = n == len(slots) - 1
+                self._current = j
                 yield j
+                self._current = None
+                if self.exact is not None:
+                    self.exact.absorb([p for p in self._params() if p.requires_grad])
                 self.zero_slot, self.sync_round = False, True
                 self._mb_seconds.append(time.perf_counter() - start)
             # The replica (all K processes) covered all of `ids`; a failure of any one process
@@ -141,7 +164,7 @@ class StepProtocol:
             try:
                 committed = self._reduce_and_decide(step)
             except MembershipChanged as exc:
-                if self.decisions.decide_retry(step):
+                if self.decisions.decide_retry(step, attempt=self.attempt):
                     # A commit needs every member's done report, and this member's reduce failed:
                     # only a forged or corrupted decision reads "commit" here. Never apply it.
                     raise RecoverError(
@@ -150,6 +173,11 @@ class StepProtocol:
                     ) from exc
                 committed = False
                 stats.events.append({"kind": "failure", "error": str(exc)})
+            if committed and self.exact is not None and self.exact.redo:
+                # Every member read the same reduced magnitudes: all redo the step on the same new grid.
+                ids = self._redo(step, stats)
+                have = []
+                continue
             if committed:
                 break
             recovering_since = recovering_since or time.perf_counter()
@@ -164,8 +192,19 @@ class StepProtocol:
         stats.live_replicas = group.size
         stats.leader = group.rank == 0
         self.last = stats
+        self._attempts[step] = self.attempt + 1
         if stats.leader and step >= 2:
-            self.decisions.forget_step(step - 2)
+            self.decisions.forget_step(step - 2, attempts=self._attempts.pop(step - 2, 1))
+        self._attempts.pop(step - 2, None)
+
+    def _redo(self, step: int, stats: StepStats) -> list[int]:
+        """Exact mode: start attempt ``a + 1`` of the step on the recentred grid; this replica's new ids."""
+        self.attempt += 1
+        stats.redone += 1
+        stats.events.append({"kind": "exact-redo", "attempt": self.attempt})
+        self.exact.begin([p for p in self._params() if p.requires_grad])
+        group = self.membership
+        return plan_quotas(step, range(self.M), group.members)[group.replica]
 
     def _recover(self, step: int, have: list[int], stats: StepStats) -> list[int]:
         """Form the next generation; return the ids of lost microbatches this replica computes."""
@@ -173,13 +212,15 @@ class StepProtocol:
         group.progress.note("regroup")
         while True:
             try:
-                gen = group.next_generation({"step": step, "have": have})
+                gen = group.next_generation({"step": step, "have": have, "attempt": self.attempt})
                 break
             except MembershipChanged as exc:  # a member died while the generation was built
                 stats.events.append({"kind": "failure", "error": str(exc)})
-        steps = {p["step"] for p in gen.payloads.values()}
-        if steps != {step}:
-            raise RecoverError(f"members of generation {gen.number} disagree on the open step: {sorted(steps)}")
+        steps = {(p["step"], p.get("attempt", 0)) for p in gen.payloads.values()}
+        if steps != {(step, self.attempt)}:
+            raise RecoverError(
+                f"members of generation {gen.number} disagree on the open step and attempt: {sorted(steps)}"
+            )
         covered: set[int] = set()
         for payload in gen.payloads.values():
             covered.update(payload["have"])
@@ -193,6 +234,8 @@ class StepProtocol:
         return ids
 
     def _reduce_and_decide(self, step: int) -> bool:
+        if self.exact is not None:
+            return self._reduce_and_decide_exact(step)
         group = self.membership
         params = [p for p in self._params() if p.requires_grad]
         # Reduce a *copy*: an interrupted gloo all-reduce leaves partial sums in its buffer, and
@@ -227,6 +270,29 @@ class StepProtocol:
         loss_sum, count = flat["extra"].tolist()
         # The mean loss of the step is known only if every microbatch recorded one.
         self._step_loss = loss_sum / self.M if round(count) == self.M else None
+        if self.quota == "throughput":
+            self._weights = self._read_speeds(step)
+        return True
+
+    def _reduce_and_decide_exact(self, step: int) -> bool:
+        """Exact mode: reduce the fixed-point sums, decide; after a commit, apply or mark a redo."""
+        group = self.membership
+        params = [p for p in self._params() if p.requires_grad]
+        self.fire(step, "reduce")
+        group.progress.note("reduce")
+        self.exact.reduce(group, self.collectives, params)
+        if self.quota == "throughput":
+            self._publish_speed(step)
+        group.progress.note("decide")
+        self.decisions.report_done(step, attempt=self.attempt)
+        self.fire(step, "commit")
+        if not self.decisions.await_decision(step, attempt=self.attempt):
+            return False
+        results = self.exact.results
+        self._step_loss = self.exact.finish(params)
+        if not self.exact.redo:
+            for p, grad in zip(params, results):
+                p.grad = grad
         if self.quota == "throughput":
             self._weights = self._read_speeds(step)
         return True

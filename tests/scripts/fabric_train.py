@@ -6,6 +6,8 @@
 Every replica that finishes writes OUT_DIR/replica{r}.pt (final parameters and per-step stats).
 ``--reference`` is the failure-free run without Lightning, a strategy or other processes: it sums
 the gradients of the same M microbatches (same samples, same order) and writes OUT_DIR/reference.pt.
+``--exact`` runs ``RecoverStrategy(exact=True)``; its reference is then the exact-mode step in one
+process (protocol/exact.py: exact_step_alone), which every replica must equal bitwise.
 """
 
 import argparse
@@ -23,18 +25,38 @@ def data_and_model(dtype: str):
     x = torch.randn(512, 16)
     y = (x @ torch.randn(16, 1)).tanh() + 0.01 * torch.randn(512, 1)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-    if dtype == "float64":  # the same values, then trained in float64
-        return TensorDataset(x.double(), y.double()), model.double()
+    if dtype in ("float64", "bfloat16"):  # the same values, then trained in that dtype
+        dt = getattr(torch, dtype)
+        return TensorDataset(x.to(dt), y.to(dt)), model.to(dt)
     return TensorDataset(x, y), model
 
 
-def reference_state(steps: int, microbatches: int, batch_size: int = 4, dtype: str = "float32") -> dict:
+def reference_state(
+    steps: int, microbatches: int, batch_size: int = 4, dtype: str = "float32", exact: bool = False
+) -> dict:
     """The failure-free run in this process: each step sums the gradients of microbatches 0..M-1
     of the step (the samples the strategy gives them), times 1/M as the strategy's reduce does,
     then the same AdamW step. Returns the final parameters."""
     dataset, model = data_and_model(dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     source = MicrobatchSource(dataset, batch_size, microbatches, shuffle=True, seed=0)
+    if exact:
+        from lightning_recover.protocol.exact import ExactAccumulator, exact_step_alone
+
+        accumulator = ExactAccumulator(microbatches)
+        params = list(model.parameters())
+        for step in range(steps):
+
+            def backward(j: int, step: int = step) -> torch.Tensor:
+                xb, yb = source.batch(step, j)
+                loss = torch.nn.functional.mse_loss(model(xb), yb)
+                loss.backward()
+                return loss
+
+            exact_step_alone(accumulator, params, backward)
+            optimizer.step()
+            optimizer.zero_grad()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
     for step in range(steps):
         for j in range(microbatches):
             xb, yb = source.batch(step, j)
@@ -47,7 +69,7 @@ def reference_state(steps: int, microbatches: int, batch_size: int = 4, dtype: s
 
 
 def reference(args) -> None:
-    state = reference_state(args.steps, args.microbatches, args.batch_size, args.dtype)
+    state = reference_state(args.steps, args.microbatches, args.batch_size, args.dtype, args.exact)
     os.makedirs(args.out, exist_ok=True)
     torch.save({"state": state}, os.path.join(args.out, "reference.pt"))
 
@@ -82,7 +104,8 @@ def main() -> None:
         help="STEP:PATH,...: before step STEP, wait until PATH exists (at most 120 s); lets a test start a "
         "fault only once a standby is ready",
     )
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    parser.add_argument("--exact", action="store_true", help="RecoverStrategy(exact=True): bitwise reproducible steps")
     parser.add_argument("--reference", action="store_true", help="the failure-free run in one process (no Lightning)")
     args = parser.parse_args()
     reference(args) if args.reference else train(args)
@@ -105,6 +128,7 @@ def train(args) -> None:
         heartbeat_interval=min(0.1, args.heartbeat_timeout / 5),
         quota=args.quota,
         hang_timeout=args.hang_timeout,
+        exact=args.exact,
     )
     fabric = L.Fabric(strategy=strategy, devices=args.replicas, accelerator=args.accelerator)
     fabric.launch()

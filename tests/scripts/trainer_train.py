@@ -109,6 +109,7 @@ def main() -> None:
     parser.add_argument("--test", action="store_true", help="trainer.test() on the validation set after fit")
     parser.add_argument("--quota", default="equal")
     parser.add_argument("--restarts", type=int, default=0, help="RecoverTrainerStrategy(restarts=K)")
+    parser.add_argument("--exact", action="store_true", help="RecoverTrainerStrategy(exact=True)")
     parser.add_argument(
         "--slow-while-degraded",
         type=float,
@@ -128,6 +129,7 @@ def main() -> None:
         heartbeat_interval=min(0.1, args.heartbeat_timeout / 5),
         restarts=args.restarts,
         quota=args.quota,
+        exact=args.exact,
     )
     recorder = StepRecorder(args.replicas, args.slow_while_degraded)
     callbacks = [recorder]
