@@ -25,13 +25,16 @@ The numbered items of issue 14 are named in the tests' docstrings.
 from __future__ import annotations
 
 import copy
+import errno
 import io as _bytes_io
 import os
 import pickle
+import re
 import threading
 import time
 import uuid
 import warnings
+from unittest import mock
 
 import lightning.pytorch as pl
 import pytest
@@ -956,3 +959,45 @@ def test_weights_only_allow_list_and_nested_tensors(tmp_path, mode):
         assert got["point"] == SafePoint(1, 2) and torch.equal(got["w"], torch.ones(3))
         assert [t.tolist() for t in got["nt"].unbind()] == [[0.0, 1.0], [0.0, 1.0, 2.0]]
         assert load(weights_only=False)["point"] == SafePoint(1, 2)
+
+
+# ------------------------------------------------------------------- storage_options, cross-device rename (issue 34)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_storage_options_refused_with_lightnings_wording(tmp_path, mode):
+    """Issue 34 item 3: ``Trainer.save_checkpoint(..., storage_options=...)`` with an IO that takes no storage options
+    raises Lightning's own ``TypeError`` text (what Lightning's tests match), naming the IO's class."""
+    trainer = _trainer(tmp_path, mode, max_steps=1, limit_val_batches=0, enable_checkpointing=False)
+    trainer.fit(Model())
+    name = type(trainer.strategy.checkpoint_io).__name__
+    text = (
+        "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg"
+        f" is not supported for `{name}`. Please implement your custom `CheckpointIO`"
+        " to define how you'd like to use `storage_options`."
+    )
+    with pytest.raises(TypeError, match=re.escape(text)):
+        trainer.save_checkpoint(tmp_path / "a.ckpt", storage_options={"x": 1})
+    _durable(trainer.strategy.checkpoint_io)
+    assert not (tmp_path / "a.ckpt").exists()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cross_device_rename_falls_back_to_a_copy(tmp_path, mode):
+    """Issue 34 item 3: where ``os.rename`` fails with EXDEV (and ``os.chmod`` is not permitted), the save still
+    lands under its final name with the saved values, as Lightning's ``_atomic_save`` (fsspec's move) does; no
+    temporary is left behind."""
+    model = Model()
+    trainer = _trainer(tmp_path, mode, max_steps=2, limit_val_batches=0, enable_checkpointing=False)
+    trainer.fit(model)
+    path = tmp_path / "cross" / "hpc_ckpt.ckpt"
+    with (
+        mock.patch("os.rename", side_effect=OSError(errno.EXDEV, "Invalid cross-device link")),
+        mock.patch("os.chmod", side_effect=PermissionError("Operation not permitted")),
+    ):
+        trainer.save_checkpoint(path)
+        _durable(trainer.strategy.checkpoint_io)
+    assert _listing(path.parent) == ["hpc_ckpt.ckpt"]
+    ck = _tload(path)
+    assert ck["global_step"] == 2
+    _assert_same(_params(model), ck["state_dict"], "cross-device save")

@@ -10,10 +10,12 @@ leaves the previous checkpoint in place and at most a temporary file that
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
 import secrets
+import shutil
 import string
 import time
 
@@ -118,8 +120,32 @@ def fsync_dir(directory: str) -> None:
 
 def commit(tmp: str, path: str) -> None:
     """Rename a durable temporary onto ``path`` and fsync the directory."""
-    os.rename(tmp, path)
+    rename_into_place(tmp, path)
     fsync_dir(os.path.dirname(path))
+
+
+def rename_into_place(tmp: str, path: str) -> None:
+    """``os.rename(tmp, path)``; where the file system refuses it across devices (EXDEV), copy and remove ``tmp``.
+
+    The fallback is what Lightning's ``_atomic_save`` gets from fsspec's local move (``shutil.move``): the content is
+    copied onto ``path`` (then fdatasync'ed) and the temporary removed, so the replacement is not atomic there; a
+    crash in between leaves a partial file that fails its CRC-32C check on load. Permissions are not copied (the
+    fallback must work where ``chmod`` is not permitted).
+    """
+    try:
+        os.rename(tmp, path)
+        return
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+    log.warning("%s: rename across devices refused (EXDEV); copying the checkpoint into place (not atomic)", path)
+    shutil.copyfile(tmp, path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+    os.unlink(tmp)
 
 
 def unlink_quiet(path: str) -> None:

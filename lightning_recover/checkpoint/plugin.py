@@ -134,9 +134,10 @@ class UringCheckpointIO(CheckpointIO):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
-            raise TypeError(
+            raise TypeError(  # Lightning's own wording (TorchCheckpointIO), which its tests match
                 "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg"
-                f" is not supported for `{self.__class__.__name__}`: it takes no storage options."
+                f" is not supported for `{self.__class__.__name__}`. Please implement your custom `CheckpointIO`"
+                " to define how you'd like to use `storage_options`."
             )
         local = local_path(path)
         if local is None:
