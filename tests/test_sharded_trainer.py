@@ -176,7 +176,8 @@ def _fit(strategy: RecoverTrainerStrategy, devices: int = 4, **kwargs) -> None:
 def test_sharded_trainer_refuses_what_a_sharded_checkpoint_cannot_be(tmp_path):
     strategy = RecoverTrainerStrategy(microbatches=4, replica_size=2, shard="fsdp")
     with pytest.raises(  # Lightning's wording for a strategy that does not use the CheckpointIO
-        TypeError, match=r"`RecoverTrainerStrategy.save_checkpoint\(..., storage_options=...\)` is not supported because"
+        TypeError,
+        match=r"`RecoverTrainerStrategy.save_checkpoint\(..., storage_options=...\)` is not supported because",
     ):
         strategy.save_checkpoint({}, str(tmp_path / "x.ckpt"), storage_options={"a": 1})
     single = tmp_path / "single.ckpt"
