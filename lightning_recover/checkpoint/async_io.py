@@ -760,7 +760,8 @@ def _open_unnamed_writer(engine: Any, job: _Job) -> Any:
     except OSError:  # EOPNOTSUPP / EISDIR / EINVAL: the filesystem has no unnamed files
         return None
     try:
-        raw = open_writer(engine, f"/proc/self/fd/{fd}", job.plan.size_estimate())
+        # reopened through /proc (for O_DIRECT): a file that exists, reached through the fd's magic link
+        raw = open_writer(engine, f"/proc/self/fd/{fd}", job.plan.size_estimate(), existing=True)
     except OSError:
         os.close(fd)
         return None
