@@ -70,9 +70,7 @@ def _read_first_line(path: str) -> str:
         return ""
 
 
-def host_tag(
-    hostname: Optional[str] = None, boot_id: Optional[str] = None, pid_namespace: Optional[str] = None
-) -> str:
+def host_tag(hostname: Optional[str] = None, boot_id: Optional[str] = None, pid_namespace: Optional[str] = None) -> str:
     """12 letters (a-z) identifying where a pid can be checked: host name, boot and pid namespace.
 
     Each argument left None is this process's own: ``socket.gethostname()``, ``/proc/sys/kernel/random/boot_id``
