@@ -732,3 +732,63 @@ def test_idle_saver_holds_no_threads(tmp_path):
     io.remove_checkpoint(tmp_path / "0.ckpt")  # queued behind the save, done before the threads retire
     io.teardown()
     assert not (tmp_path / "0.ckpt").exists() and load(tmp_path / "a.ckpt")["k"] == 9
+
+
+@pytest.mark.parametrize("how", ["bare", "closure", "fabric"])
+def test_every_way_of_stepping_waits_and_an_idle_hook_is_disarmed(tmp_path, monkeypatch, how):
+    """Issue 34 item 2: the step waits for the lazy snapshot however it is called (a bare ``torch.optim`` optimizer,
+    with a closure, Fabric's optimizer wrapper; Lightning's ``LightningOptimizer`` in test_lightning_compat), so the
+    checkpoint holds the values at save time; once nothing is pending the global hook is disarmed (one flag test per
+    step) and re-armed by the next save."""
+    from lightning.fabric import Fabric
+
+    from lightning_recover.checkpoint import snapshot_guard
+
+    _slow_copier(monkeypatch, seconds=0.3)
+    w = torch.nn.Parameter(torch.ones(1_000_000))
+    opt = torch.optim.SGD([w], lr=1.0)
+    if how == "fabric":
+        fabric = Fabric(accelerator="cpu", devices=1)
+        opt = fabric.setup_optimizers(opt)
+    io = UringCheckpointIO(async_save=True, eager_bytes=0)
+    for round_ in range(2):
+        before = w.detach().clone()
+        io.save_checkpoint({"w": w}, tmp_path / f"r{round_}.ckpt")
+        assert snapshot_guard.hook_state() == "armed" and io._saver.snapshot_pending()
+        w.grad = torch.ones_like(w)
+        if how == "closure":
+            opt.step(lambda: None)
+        else:
+            opt.step()
+        assert not io._saver.snapshot_pending()  # the step waited for the copy before changing w
+        assert torch.equal(w.detach(), before - 1)
+        opt.step()  # nothing pending: this step disarms the hook
+        assert snapshot_guard.hook_state() == "disarmed"
+        io.wait_until_durable()
+        assert torch.equal(load(tmp_path / f"r{round_}.ckpt")["w"], before)
+    io.teardown()
+
+
+def test_guarded_load_state_dict_waits_for_the_snapshot(tmp_path, monkeypatch):
+    """Issue 34 item 2: ``load_state_dict`` copies into the parameters in place; on a module passed to ``guard_loads``
+    (the Trainer does it for its LightningModule) it waits for a pending lazy snapshot instead of failing that save
+    with ``SnapshotRaceError``. The guarded module still pickles and deep-copies."""
+    import copy
+    import io as bytes_io
+    import pickle
+
+    _slow_copier(monkeypatch, seconds=0.3)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 8))
+    io = UringCheckpointIO(async_save=True, eager_bytes=0)
+    io.guard_loads(model)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    io.save_checkpoint({"state_dict": model.state_dict()}, tmp_path / "a.ckpt")
+    assert io._saver.snapshot_pending()
+    model[0].load_state_dict({k: torch.zeros_like(v) for k, v in model[0].state_dict().items()})  # a submodule
+    io.wait_until_durable()
+    _assert_same(before, load(tmp_path / "a.ckpt")["state_dict"])
+    assert float(model[0].weight.abs().sum()) == 0.0
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        clone.load_state_dict(model.state_dict())  # the copies' hooks do nothing
+    torch.save(model, bytes_io.BytesIO())
+    io.teardown()

@@ -258,20 +258,53 @@ def test_temp_names_add_no_digits(tmp_path):
 
 
 @pytest.mark.parametrize("style", ["letters", "digits (earlier versions)"])
-def test_stale_temp_cleanup_both_spellings(tmp_path, style):
+def test_temps_without_a_host_are_never_removed(tmp_path, style):
+    """Names of earlier versions carry no host: on a shared file system their pid says nothing here, so cleanup
+    leaves them (they are still recognised as temporaries, e.g. hidden from version scans)."""
     spell = _letters if style == "letters" else str
     tag = "deadbeef" if style != "letters" else "qwertyui"
     dead = tmp_path / f".c.ckpt.tmp-{spell(_dead_pid())}-{tag}"
-    mine = tmp_path / f".c.ckpt.tmp-{spell(os.getpid())}-{tag}"
-    for p in (dead, mine):
+    dead.write_bytes(b"partial")
+    assert files.is_temp_name(dead.name)
+    assert cleanup_stale_temps(str(tmp_path)) == [] and dead.exists()
+
+
+def _temp_of(directory, host: str, pid: int, tag: str = "qwertyui"):
+    """The temporary name a save by process ``pid`` on the host with identity tag ``host`` uses."""
+    return directory / f".c.ckpt.tmp-{host}-{_letters(pid)}-{tag}"
+
+
+def test_two_hosts_on_a_shared_directory_remove_only_their_own_temps(tmp_path):
+    """Issue 34 item 6: on a shared file system a temporary whose pid is not alive *here* may be another host's save
+    in progress. Each host removes only temporaries named with its own identity (hostname, boot, pid namespace:
+    ``files.host_tag``), passed here as ``cleanup_stale_temps(..., host=)`` to play two hosts in one directory."""
+    a = files.host_tag(hostname="node-a", boot_id="boot-1", pid_namespace="pid:[1]")
+    b = files.host_tag(hostname="node-b", boot_id="boot-1", pid_namespace="pid:[1]")
+    a_rebooted = files.host_tag(hostname="node-a", boot_id="boot-2", pid_namespace="pid:[1]")
+    assert len({a, b, a_rebooted}) == 3 and all(re.fullmatch("[a-z]{12}", t) for t in (a, b, a_rebooted))
+    assert files.host_tag() == files.host_tag()  # this host's own is stable within a boot
+    dead = _dead_pid()  # not alive on this machine: alive or not on the other host, nobody here can tell
+    a_save = _temp_of(tmp_path, a, dead, "aaaaaaaa")
+    b_save = _temp_of(tmp_path, b, dead, "bbbbbbbb")
+    for p in (a_save, b_save):
         p.write_bytes(b"partial")
-    assert cleanup_stale_temps(str(tmp_path)) == [str(dead)] and mine.exists()
+    assert cleanup_stale_temps(str(tmp_path), host=b) == [str(b_save)]  # B removes its own dead save only
+    assert a_save.exists()
+    assert cleanup_stale_temps(str(tmp_path), host=a_rebooted) == []  # another boot cannot judge A's pids either
+    assert cleanup_stale_temps(str(tmp_path), host=a) == [str(a_save)]
+    # the default identity is this host's; a save names its temporary with it and removes nothing of A's
+    assert f".tmp-{files.host_tag()}-" in files.temp_path_for(str(tmp_path / "c.ckpt"))
+    a_save.write_bytes(b"partial")
+    save(_state(1), tmp_path / "c.ckpt")
+    assert a_save.exists()
+    _assert_state(load(tmp_path / "c.ckpt"), 1)
 
 
 def test_stale_temp_cleanup(tmp_path):
-    dead = tmp_path / f".c.ckpt.tmp-{_dead_pid()}-deadbeef"
-    mine = tmp_path / f".c.ckpt.tmp-{os.getpid()}-0123abcd"
-    live = tmp_path / f".c.ckpt.tmp-{os.getppid()}-01234567"
+    here = files.host_tag()
+    dead = _temp_of(tmp_path, here, _dead_pid(), "deadbeef")
+    mine = _temp_of(tmp_path, here, os.getpid(), "abcdabcd")
+    live = _temp_of(tmp_path, here, os.getppid(), "abcdefgh")
     unrelated = tmp_path / ".c.ckpt.tmp-notours"
     for p in (dead, mine, live, unrelated):
         p.write_bytes(b"partial")

@@ -201,6 +201,17 @@ def test_stock_reader_loads_ours(tmp_path):
     assert_same(load_with(FileSystemReader(p), state), state)
 
 
+def test_stock_checkpoint_records_no_sidecars_and_loads_unverified(tmp_path):
+    """Issue 34 item 4: a ``FileSystemWriter`` checkpoint records no sidecars: ours loads it (unverified, as the
+    stock reader does) and ``verify_dcp_checkpoint`` says it is not verified."""
+    state = make_state(4)
+    p = str(tmp_path / "stock")
+    dcp.save(state, storage_writer=FileSystemWriter(p))
+    assert not dcp_mod.sidecars_recorded(dcp_mod.read_dcp_metadata(p))
+    assert_same(load_with(UringStorageReader(p), state), state)
+    assert verify_dcp_checkpoint(p)["verified"] is False
+
+
 def test_ours_loads_stock(tmp_path):
     state = make_state(2)
     p = str(tmp_path / "stock")
@@ -234,16 +245,22 @@ def test_truncated_shard_detected(tmp_path):
 
 
 def test_missing_shard_and_sidecar_detected(tmp_path):
+    """Issue 34 item 4: ``.metadata`` records that sidecars were written, so a checkpoint of ours whose sidecars are
+    all gone is refused (named error with a HINT), by the reader and by ``verify_dcp_checkpoint``, instead of
+    loading unverified as if it were a stock one; ``verify=False`` is the explicit way to load it anyway."""
     state = make_state(5)
     p = str(tmp_path / "ck")
     dcp.save(state, storage_writer=UringStorageWriter(p))
+    assert dcp_mod.sidecars_recorded(dcp_mod.read_dcp_metadata(p))
     os.unlink(os.path.join(p, "__0_0.crc.json"))
-    # a lone shard without its sidecar among ours cannot be told from a stock one: only the reader's
-    # view of the whole set can; here the only sidecar is gone, so it loads unverified like stock
-    assert_same(load_with(UringStorageReader(p), state), state)
-    os.unlink(os.path.join(p, "__0_0.distcp"))
-    with corrupt(r"__0_0\.distcp: shard file missing"):
+    with corrupt(r"__0_0\.crc\.json.*were written with this checkpoint.*HINT: .*verify=False"):
         load_with(UringStorageReader(p), state)
+    with pytest.raises(dcp_mod.SidecarsMissingError, match=r"__0_0\.crc\.json"):
+        verify_dcp_checkpoint(p)
+    assert_same(load_with(UringStorageReader(p, verify=False), state), state)
+    os.unlink(os.path.join(p, "__0_0.distcp"))
+    with corrupt(r"__0_0\.distcp: shard file missing"):  # also unverified: a missing shard is an error
+        load_with(UringStorageReader(p, verify=False), state)
 
 
 def test_torn_save_keeps_previous_and_is_refused(tmp_path, monkeypatch):

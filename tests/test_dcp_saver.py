@@ -20,7 +20,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import StorageMeta
 
 from lightning_recover.checkpoint import UringStorageReader, UringStorageWriter, dcp_saver, verify_dcp_checkpoint
 from lightning_recover.checkpoint import dcp as dcp_mod
@@ -84,6 +83,8 @@ def test_cached_saves_write_what_dcp_save_writes(tmp_path):
         for reader in (FileSystemReader(tmp_path / f"ck{i}"), UringStorageReader(tmp_path / f"ck{i}")):
             assert_same(load_with(reader, state), state)
         assert verify_dcp_checkpoint(tmp_path / f"ck{i}")["files"] == 1
+        # the cached protocol's .metadata (a rendered template) records the sidecars too (issue 34 item 4)
+        assert dcp_mod.sidecars_recorded(read_dcp_metadata(tmp_path / f"ck{i}"))
     assert protocols == ["dcp", "cached", "cached"]
     dcp.save(state, storage_writer=UringStorageWriter(tmp_path / "by_dcp"))
     ours, theirs = read_dcp_metadata(tmp_path / "ck2"), read_dcp_metadata(tmp_path / "by_dcp")
@@ -125,9 +126,9 @@ def test_the_metadata_template_renders_any_ids(tmp_path):
     template = MetadataTemplate(md)
     for cid, sid in [("/a", "x"), ("/" + "d" * 5000 + "/ck", "s" * 255), ("/päth/ck", ""), ("/x", "y" * 256)]:
         back = pickle.loads(template.render(cid, sid))
-        assert back == dataclasses.replace(md, storage_meta=StorageMeta(checkpoint_id=cid, save_id=sid))
+        assert back == dataclasses.replace(md, storage_meta=dcp_mod.sidecar_storage_meta(cid, sid))
     assert template.render("/a", "x") == pickle.dumps(
-        dataclasses.replace(md, storage_meta=StorageMeta(checkpoint_id="/a", save_id="x")), protocol=4
+        dataclasses.replace(md, storage_meta=dcp_mod.sidecar_storage_meta("/a", "x")), protocol=4
     )
 
 
@@ -403,6 +404,7 @@ def test_two_ranks_spread_parts_take_the_cached_protocol(tmp_path):
             assert torch.equal(out["model"]["b"], full["b"]), name
             assert torch.equal(out["shared"], torch.arange(6.0) * shared_times) and out["step"] == step, name
         assert verify_dcp_checkpoint(root / name)["files"] == 4
+        assert dcp_mod.sidecars_recorded(read_dcp_metadata(root / name)), name  # the merged .metadata too
 
 
 _DEAD_PEER = textwrap.dedent(

@@ -25,13 +25,16 @@ The numbered items of issue 14 are named in the tests' docstrings.
 from __future__ import annotations
 
 import copy
+import errno
 import io as _bytes_io
 import os
 import pickle
+import re
 import threading
 import time
 import uuid
 import warnings
+from unittest import mock
 
 import lightning.pytorch as pl
 import pytest
@@ -956,3 +959,96 @@ def test_weights_only_allow_list_and_nested_tensors(tmp_path, mode):
         assert got["point"] == SafePoint(1, 2) and torch.equal(got["w"], torch.ones(3))
         assert [t.tolist() for t in got["nt"].unbind()] == [[0.0, 1.0], [0.0, 1.0, 2.0]]
         assert load(weights_only=False)["point"] == SafePoint(1, 2)
+
+
+# ------------------------------------------------------------------- storage_options, cross-device rename (issue 34)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_storage_options_refused_with_lightnings_wording(tmp_path, mode):
+    """Issue 34 item 3: ``Trainer.save_checkpoint(..., storage_options=...)`` with an IO that takes no storage options
+    raises Lightning's own ``TypeError`` text (what Lightning's tests match), naming the IO's class."""
+    trainer = _trainer(tmp_path, mode, max_steps=1, limit_val_batches=0, enable_checkpointing=False)
+    trainer.fit(Model())
+    name = type(trainer.strategy.checkpoint_io).__name__
+    text = (
+        "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg"
+        f" is not supported for `{name}`. Please implement your custom `CheckpointIO`"
+        " to define how you'd like to use `storage_options`."
+    )
+    with pytest.raises(TypeError, match=re.escape(text)):
+        trainer.save_checkpoint(tmp_path / "a.ckpt", storage_options={"x": 1})
+    _durable(trainer.strategy.checkpoint_io)
+    assert not (tmp_path / "a.ckpt").exists()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cross_device_rename_falls_back_to_a_copy(tmp_path, mode):
+    """Issue 34 item 3: where ``os.rename`` fails with EXDEV (and ``os.chmod`` is not permitted), the save still
+    lands under its final name with the saved values, as Lightning's ``_atomic_save`` (fsspec's move) does; no
+    temporary is left behind."""
+    model = Model()
+    trainer = _trainer(tmp_path, mode, max_steps=2, limit_val_batches=0, enable_checkpointing=False)
+    trainer.fit(model)
+    path = tmp_path / "cross" / "hpc_ckpt.ckpt"
+    with (
+        mock.patch("os.rename", side_effect=OSError(errno.EXDEV, "Invalid cross-device link")),
+        mock.patch("os.chmod", side_effect=PermissionError("Operation not permitted")),
+    ):
+        trainer.save_checkpoint(path)
+        _durable(trainer.strategy.checkpoint_io)
+    assert _listing(path.parent) == ["hpc_ckpt.ckpt"]
+    ck = _tload(path)
+    assert ck["global_step"] == 2
+    _assert_same(_params(model), ck["state_dict"], "cross-device save")
+
+
+# ----------------------------------------------- manual optimization: ModelCheckpoint's pre-step state (issue 34)
+
+
+class PreStepStateModel(Model):
+    """Lightning's documented recipe for ModelCheckpoint under manual optimization: ``training_step`` keeps the
+    module's state before ``optimizer.step()`` in ``saved_models``; ModelCheckpoint loads it into ``layer`` for the
+    save and loads the current state back right after (``load_state_dict``: an in-place copy into the parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.layer = self.net
+        self.saved_models: dict = {}
+        self.losses = [1.0, 1.0, 0.0, 1.0]
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        self.log("loss", self.losses[batch_idx], on_step=True, on_epoch=True)
+        self.saved_models[batch_idx] = {k: v.detach().clone() for k, v in self.layer.state_dict().items()}
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()  # LightningOptimizer -> SGD.step
+        return loss
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_manual_optimization_checkpoint_holds_the_pre_step_state(tmp_path, mode):
+    """Issue 34 item 2 (Lightning's ``test_model_checkpoint_manual_opt``): the best checkpoint holds the state saved
+    before ``optimizer.step()``. In lazy mode ModelCheckpoint's restoring ``load_state_dict`` runs right after the
+    save, before the background copy: it must wait for the snapshot (it raced: ``SnapshotRaceError``)."""
+    model = PreStepStateModel()
+    mc = ModelCheckpoint(
+        dirpath=tmp_path / "ck",
+        monitor="loss",
+        mode="min",
+        save_top_k=1,
+        every_n_train_steps=1,
+        every_n_epochs=0,
+        save_on_train_epoch_end=True,
+        save_weights_only=True,
+    )
+    trainer = _trainer(tmp_path, mode, max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[mc])
+    _bounded(lambda: trainer.fit(model, torch.utils.data.DataLoader(_data(), batch_size=4)))
+    best = _tload(mc.best_model_path)["state_dict"]
+    assert os.path.basename(mc.best_model_path) == "epoch=0-step=3.ckpt"
+    for name, value in best.items():
+        assert torch.equal(model.saved_models[2][name.removeprefix("layer.").removeprefix("net.")], value), name

@@ -457,7 +457,7 @@ def test_size_hint_roundtrip(tmp_path, engine, direct, hint):
 def test_size_hint_zero_or_none_reserves_nothing(tmp_path):
     eng = native_io.IOEngine(block_size=BS, queue_depth=2)
     for hint in (None, 0):
-        with eng.open_writer(tmp_path / "f.bin", size_hint=hint) as w:
+        with eng.open_writer(tmp_path / f"f{hint}.bin", size_hint=hint) as w:
             assert (w.preallocated, w.preallocate_error) == (0, None)
             w.write([(0, b"x" * 5000)])
     with pytest.raises(OverflowError):
@@ -718,15 +718,15 @@ def test_attributes_types_and_read_only(tmp_path):
 
 
 def test_open_errors_leave_nothing_open(tmp_path):
-    """Failed opens (ENOENT, EISDIR) raise OSError with errno and path and leak no fd."""
+    """Failed opens (ENOENT, EEXIST for a writer on a directory) raise OSError with errno and path and leak no fd."""
     eng = native_io.IOEngine(block_size=BS)
     before = len(os.listdir("/proc/self/fd"))
     for _ in range(50):
         with pytest.raises(FileNotFoundError):
             eng.open_reader(tmp_path / "missing.bin")
-        with pytest.raises(IsADirectoryError) as ei:
+        with pytest.raises(FileExistsError) as ei:  # O_EXCL: any existing name, a directory too
             eng.open_writer(tmp_path)
-        assert ei.value.errno == errno.EISDIR and ei.value.filename == str(tmp_path)
+        assert ei.value.errno == errno.EEXIST and ei.value.filename == str(tmp_path)
     assert len(os.listdir("/proc/self/fd")) <= before  # 100 failed opens: a leak would show
 
 
@@ -1267,3 +1267,35 @@ def test_copy_crc32c(tmp_path):
         native_io.copy_crc32c(bytearray(3), b"1234")
     with pytest.raises(BufferError):
         native_io.copy_crc32c(b"1234", b"1234")  # read-only destination
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_writer_creates_a_new_file_only(tmp_path, engine):
+    """Issue 34 item 6: ``open_writer`` opens with ``O_CREAT | O_EXCL | O_NOFOLLOW``: an existing file is not truncated
+    and a symlink planted at the name is not written through (both ``FileExistsError``); ``existing=True`` opens a
+    file that exists (what the async saver does with ``/proc/self/fd/N`` of its unnamed file) and creates none."""
+    if engine == "uring" and not native_io.info()["uring_usable"]:
+        pytest.skip("io_uring is not usable here")
+    eng = native_io.IOEngine(engine=engine, block_size=BS)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me")
+    for name in ("victim", "planted-link"):
+        if name == "planted-link":
+            os.symlink(victim, tmp_path / name)
+        with pytest.raises(FileExistsError):
+            eng.open_writer(tmp_path / name)
+    dangling = tmp_path / "dangling-link"
+    os.symlink(tmp_path / "not-there", dangling)
+    with pytest.raises(FileExistsError):
+        eng.open_writer(dangling)  # would otherwise create the link's target
+    assert victim.read_bytes() == b"keep me" and not (tmp_path / "not-there").exists()
+    fd = os.open(tmp_path, os.O_TMPFILE | os.O_WRONLY, 0o644)
+    try:
+        with eng.open_writer(f"/proc/self/fd/{fd}", existing=True) as w:
+            w.write([(0, b"written")])
+        assert os.pread(fd_r := os.open(f"/proc/self/fd/{fd}", os.O_RDONLY), 100, 0) == b"written"
+        os.close(fd_r)
+    finally:
+        os.close(fd)
+    with pytest.raises(FileNotFoundError):
+        eng.open_writer(tmp_path / "absent", existing=True)  # existing=True creates nothing

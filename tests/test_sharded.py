@@ -9,6 +9,7 @@ must be gone at the end, and the survivors must still equal the reference.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import sys
 from types import SimpleNamespace
@@ -145,6 +146,14 @@ def check(result, pids, reference_state, survivors, replicas, tol=TOL, steps=STE
 def test_two_replicas_of_two_failure_free(tmp_path, reference):
     result, pids = sharded_job(str(tmp_path), replicas=2, microbatches=8)
     states = check(result, pids, reference(8), survivors=[0, 1], replicas=2)
+    # issue 34 item 1: Fabric numbers the R x K = 2 x 2 processes one rank each, as the Trainer does
+    ranks = {}
+    for r, i in [(r, i) for r in range(2) for i in range(2)]:
+        with open(tmp_path / f"ranks.r{r}.i{i}.json") as f:
+            ranks[r, i] = json.load(f)
+    for (r, i), seen in ranks.items():
+        expected = [r * 2 + i, r * 2 + i, 0, 4, r == 0 and i == 0]  # global, local, node, world, is_global_zero
+        assert seen["start"] == seen["end"] == expected, (r, i, seen)
     for data in states.values():
         assert all(s["live_replicas"] == 2 and s["recoveries"] == 0 for s in data["stats"])
         # the mean loss of the step is known (K processes' losses summed inside the replica)

@@ -175,7 +175,10 @@ def _fit(strategy: RecoverTrainerStrategy, devices: int = 4, **kwargs) -> None:
 
 def test_sharded_trainer_refuses_what_a_sharded_checkpoint_cannot_be(tmp_path):
     strategy = RecoverTrainerStrategy(microbatches=4, replica_size=2, shard="fsdp")
-    with pytest.raises(TypeError, match="storage_options"):
+    with pytest.raises(  # Lightning's wording for a strategy that does not use the CheckpointIO
+        TypeError,
+        match=r"`RecoverTrainerStrategy.save_checkpoint\(..., storage_options=...\)` is not supported because",
+    ):
         strategy.save_checkpoint({}, str(tmp_path / "x.ckpt"), storage_options={"a": 1})
     single = tmp_path / "single.ckpt"
     torch.save({"state_dict": {}}, single)
@@ -278,6 +281,36 @@ def test_sharded_trainer_strategy_ranks():
     assert (strategy.global_rank, strategy.world_size, strategy.is_global_zero) == (3, 4, False)
     strategy.core = SimpleNamespace(rank=0, size=2, inner=1)
     assert not strategy.is_global_zero  # only process 0 of the lowest live replica logs and prints
+
+
+def test_fabric_and_trainer_strategies_number_processes_alike():
+    """Issue 34 item 1: with K processes per replica, Fabric's strategy answers Lightning's one-rank-per-process
+    numbering exactly as the Trainer's: global_rank = live rank x K + inner, world_size = live replicas x K,
+    local_rank = global_rank, node_rank = 0, one is_global_zero process. The live rank (and so these) is renumbered
+    when replicas fail; the replica id is what stays (``strategy.replica``)."""
+    from lightning_recover import RecoverStrategy
+
+    def ranks(strategy):
+        return (
+            strategy.global_rank,
+            strategy.local_rank,
+            strategy.node_rank,
+            strategy.world_size,
+            strategy.is_global_zero,
+        )
+
+    kw = {"microbatches": 4, "replica_size": 2, "parallelize_fn": lambda m, mesh: m}
+    fabric_strategy, trainer_strategy = RecoverStrategy(**kw), RecoverTrainerStrategy(**kw)
+    seen = []
+    for live_rank, inner in [(0, 0), (0, 1), (1, 0), (1, 1)]:  # R = 2 live replicas x K = 2
+        for strategy in (fabric_strategy, trainer_strategy):
+            strategy.core = SimpleNamespace(rank=live_rank, size=2, inner=inner, replica_id=live_rank + 5)
+        assert ranks(fabric_strategy) == ranks(trainer_strategy)
+        seen.append(ranks(fabric_strategy))
+    assert seen == [(0, 0, 0, 4, True), (1, 1, 0, 4, False), (2, 2, 0, 4, False), (3, 3, 0, 4, False)]
+    # replica 6 (live rank 1) loses its peer with the lower id: renumbered to rank 0; its replica id stays
+    fabric_strategy.core = SimpleNamespace(rank=0, size=1, inner=1, replica_id=6)
+    assert ranks(fabric_strategy) == (1, 1, 0, 2, False) and fabric_strategy.replica == 6
 
 
 def test_prepare_backward_scales_zeroes_and_sets_gradient_sync():

@@ -112,9 +112,9 @@ class EngineProxy:
         self.last_writer: Any = None
         self.last_reader: Any = None
 
-    def open_writer(self, path, size_hint=None):
+    def open_writer(self, path, size_hint=None, *, existing=False):
         with self._timers.time("native open_writer"):
-            w = self._eng.open_writer(path, size_hint=size_hint)
+            w = self._eng.open_writer(path, size_hint=size_hint, existing=existing)
         self.last_writer = w
         return _WriterProxy(w, self._timers)
 

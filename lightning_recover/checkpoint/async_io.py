@@ -471,7 +471,6 @@ class AsyncSaver:
         job.versions = versions
         job.owner = weakref.ref(self)
         _savers.add(self)
-        snapshot_guard.track(self)
         job.placeholder = _reserve_name(path)  # the name is taken from now on (ModelCheckpoint's -vN)
         _register(job)
         with self._lock:  # with the lock: the threads cannot retire between starting and the put
@@ -479,6 +478,7 @@ class AsyncSaver:
             self._jobs.append(job)
             self._last = job
             self._copy_q.put(job)
+        snapshot_guard.track(self)  # now that the job shows as pending: the next optimizer step waits for it
 
     def remove(self, path: str) -> None:
         """Remove ``path`` (a directory recursively) once every save submitted so far is durable (kept if one of
@@ -760,7 +760,8 @@ def _open_unnamed_writer(engine: Any, job: _Job) -> Any:
     except OSError:  # EOPNOTSUPP / EISDIR / EINVAL: the filesystem has no unnamed files
         return None
     try:
-        raw = open_writer(engine, f"/proc/self/fd/{fd}", job.plan.size_estimate())
+        # reopened through /proc (for O_DIRECT): a file that exists, reached through the fd's magic link
+        raw = open_writer(engine, f"/proc/self/fd/{fd}", job.plan.size_estimate(), existing=True)
     except OSError:
         os.close(fd)
         return None

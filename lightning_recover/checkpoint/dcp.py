@@ -9,7 +9,9 @@ storage_reader=UringStorageReader(path))``. The layout is DCP's own (see ``docs/
   large ones go to the disk from their own memory, uncopied), every bytes item its raw bytes; padding
   between items is invisible to DCP, which locates items by ``(relative_path, offset, length)``;
 * ``.metadata`` is exactly what ``FileSystemWriter`` writes (the stock ``FileSystemReader`` loads it);
-* ``__<rank>_0.crc.json`` holds the CRC-32C of every extent of every item, verified on load;
+* ``__<rank>_0.crc.json`` holds the CRC-32C of every extent of every item, verified on load; ``.metadata``
+  records that they were written (``storage_meta.modules`` holds ``SIDECARS_RECORDED``), so a checkpoint of ours
+  whose sidecars are gone is refused (:class:`SidecarsMissingError`) rather than loaded unverified like a stock one;
 * the directory appears atomically: ranks write into ``.<name>.dcp-tmp-<token>`` next to ``path``
   (token chosen by the coordinator and sent with the global plan), and the coordinator's ``finish()``,
   which DCP calls only after every rank's writes completed, writes ``.metadata``, fsyncs, and renames
@@ -67,6 +69,8 @@ __all__ = [
     "UringStorageWriter",
     "UringStorageReader",
     "verify_dcp_checkpoint",
+    "SidecarsMissingError",
+    "sidecars_recorded",
     "cleanup_dcp_temps",
     "read_dcp_metadata",
     "remove_replaced",
@@ -78,6 +82,9 @@ __all__ = [
 ALIGN = 4096
 SIDECAR_SUFFIX = ".crc.json"
 SIDECAR_FORMAT = "lightning-recover-dcp-crc32c"
+# in ``.metadata``'s ``storage_meta.modules`` (a list of names DCP itself leaves alone): this checkpoint's shards
+# have CRC-32C sidecars. Without it a reader cannot tell a checkpoint whose sidecars were deleted from a stock one.
+SIDECARS_RECORDED = "lightning_recover.checkpoint.dcp:crc32c-sidecars"
 _TMP_MARK = ".dcp-tmp-"
 # hand segments to native_io in batches of about this many bytes: bounds the archives held in memory
 _WRITE_BATCH = 64 << 20
@@ -91,6 +98,21 @@ _READ_GAP = 1 << 20
 
 def _align_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
+
+
+class SidecarsMissingError(CheckpointCorruptError):
+    """``.metadata`` records CRC-32C sidecars for this checkpoint, but some or all of them are missing."""
+
+
+def sidecar_storage_meta(checkpoint_id: Any = None, save_id: Optional[str] = None) -> StorageMeta:
+    """The ``storage_meta`` of a checkpoint whose shards have sidecars (every writer of ours uses it)."""
+    return StorageMeta(checkpoint_id=checkpoint_id, save_id=save_id, modules=[SIDECARS_RECORDED])
+
+
+def sidecars_recorded(metadata: Metadata) -> bool:
+    """Whether ``metadata`` says its checkpoint was written with CRC-32C sidecars."""
+    sm = getattr(metadata, "storage_meta", None)
+    return SIDECARS_RECORDED in (getattr(sm, "modules", None) or ())
 
 
 def sidecar_name(relative_path: str) -> str:
@@ -589,7 +611,7 @@ class UringStorageWriter(FileSystemWriter):
         self.release_collector_after_exchange()
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+        return sidecar_storage_meta(self.path, self.save_id)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -646,8 +668,9 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
-def _load_sidecars(path: str, relative_paths: set[str]) -> dict[str, dict]:
-    """Sidecars by relative_path; {} for a stock checkpoint (none at all), an error when only some exist."""
+def _load_sidecars(path: str, relative_paths: set[str], recorded: bool) -> dict[str, dict]:
+    """Sidecars by relative_path; {} for a stock checkpoint (none at all, none ``recorded`` in its metadata), an
+    error when only some exist or when the metadata records sidecars and any is missing."""
     found: dict[str, dict] = {}
     for rel in sorted(relative_paths):
         p = os.path.join(path, sidecar_name(rel))
@@ -664,6 +687,14 @@ def _load_sidecars(path: str, relative_paths: set[str]) -> dict[str, dict]:
             raise CheckpointCorruptError(f"{p}: not a checksum sidecar for {rel}; the checkpoint is damaged", path=p)
         found[rel] = side
     missing = relative_paths - found.keys()
+    if recorded and missing:
+        names = ", ".join(sidecar_name(m) for m in sorted(missing))
+        raise SidecarsMissingError(
+            f"{path}: checksum sidecar(s) missing: {names}; its .metadata says they were written with this checkpoint,"
+            " so its data cannot be verified. HINT: restore the .crc.json files from where the checkpoint was copied"
+            " from; to load it unverified anyway, pass verify=False (UringStorageReader(path, verify=False))",
+            path=path,
+        )
     if found and missing:
         names = ", ".join(sidecar_name(m) for m in sorted(missing))
         raise CheckpointCorruptError(
@@ -741,7 +772,8 @@ class UringStorageReader(FileSystemReader):
 
     Loads checkpoints written by :class:`UringStorageWriter` (verified: a flipped or missing byte raises
     :class:`CheckpointCorruptError` naming the file and item) and by the stock ``FileSystemWriter``
-    (no sidecars: loaded unverified, as the stock reader does). ``verify=False`` skips verification.
+    (no sidecars: loaded unverified, as the stock reader does). A checkpoint whose ``.metadata`` records sidecars
+    and lacks some is refused with :class:`SidecarsMissingError`. ``verify=False`` skips verification.
     ``pause_gc=True``: the cyclic collector is off from planning to the end of ``read_data`` (``gc_pause.py``).
     """
 
@@ -752,10 +784,13 @@ class UringStorageReader(FileSystemReader):
         self._engine = engine
         self.verify = verify
         self._sidecars: Optional[dict[str, dict]] = None
+        self._sidecars_recorded = False
         self._gc = _gc_pause(pause_gc)
 
     def set_up_storage_reader(self, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(*args, **kwargs)
+        metadata = kwargs["metadata"] if "metadata" in kwargs else args[0]
+        self._sidecars_recorded = sidecars_recorded(metadata)
         if self._gc is not None:
             self._gc.pause()  # planning and reading of one dcp.load; resumed when read_data ends (gc_pause.py)
 
@@ -775,7 +810,7 @@ class UringStorageReader(FileSystemReader):
     def _sidecar_index(self) -> dict[str, dict]:
         if self._sidecars is None:
             rels = {sd.relative_path for sd in self.storage_data.values()}
-            sides = _load_sidecars(str(self.path), rels) if self.verify else {}
+            sides = _load_sidecars(str(self.path), rels, self._sidecars_recorded) if self.verify else {}
             self._sidecars = {
                 rel: {"size": s["size"], "items": {(i["offset"], i["length"]): i for i in s["items"]}}
                 for rel, s in sides.items()
@@ -933,7 +968,7 @@ def verify_dcp_checkpoint(path: str | os.PathLike) -> dict:
     md = reader.read_metadata()
     reader.storage_data = md.storage_data
     rels = {sd.relative_path for sd in md.storage_data.values()}
-    sides = _load_sidecars(path, rels)
+    sides = _load_sidecars(path, rels, sidecars_recorded(md))
     eng, lock = resolve_engine(None)
     n_items = n_bytes = 0
     for rel, side in sides.items():

@@ -64,15 +64,16 @@ def resolve_engine(engine: Any) -> tuple[Any, Any]:
     return engine, threading.RLock()
 
 
-def open_writer(eng: Any, path: Any, size_hint: Optional[int] = None) -> Any:
-    """``eng.open_writer(path)``; with ``LIGHTNING_RECOVER_PREALLOCATE=on``, then ``size_hint`` bytes (the
+def open_writer(eng: Any, path: Any, size_hint: Optional[int] = None, *, existing: bool = False) -> Any:
+    """``eng.open_writer(path)``: a new file (``O_EXCL | O_NOFOLLOW``: an existing name or a symlink there is refused),
+    or with ``existing=True`` a file that exists (``/proc/self/fd/N`` of an unnamed file); with ``LIGHTNING_RECOVER_PREALLOCATE=on``, then ``size_hint`` bytes (the
     caller's upper estimate of the file size) reserved with the file size set (``reservation.py``). Only for
     files that get their name after the writer's ``close(size=...)`` has cut them to the exact size: temporary
     and unnamed files, as every caller writes.
 
     Opt-in: for the DCP writer it measured no faster, in one process with the order alternating (docs/benchmarks.md).
     """
-    w = eng.open_writer(path)
+    w = eng.open_writer(path, existing=True) if existing else eng.open_writer(path)
     if size_hint and env.flag(env.PREALLOCATE, "auto") == "on":
         reserve_size(path, size_hint)  # refused (ENOSPC, EOPNOTSUPP): the writes extend the file as they go
     return w

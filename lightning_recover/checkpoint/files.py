@@ -1,28 +1,37 @@
 """Crash-safe files: temporary names, durable commit (fsync, rename, directory fsync), cleanup.
 
-A checkpoint is written under ``.<final name>.tmp-<pid>-<8 letters>`` in its destination directory (the pid
-spelled with the letters a-j for 0-9, so a temporary adds no digits to the final name: Lightning derives
-checkpoint versions from the digits of every name containing ``ckpt_``, e.g. ``hpc_ckpt_<N>.ckpt``),
-made durable, then renamed onto its final name and the directory fsynced: a crash at any point
-leaves the previous checkpoint in place and at most a temporary file that
-:func:`cleanup_stale_temps` removes later.
+A checkpoint is written under ``.<final name>.tmp-<host>-<pid>-<8 letters>`` in its destination directory,
+made durable, then renamed onto its final name and the directory fsynced: a crash at any point leaves the
+previous checkpoint in place and at most a temporary file that :func:`cleanup_stale_temps` removes later.
+
+``<host>`` is :func:`host_tag`: 12 letters naming the host, its boot and the pid namespace the writer ran in,
+the only place where the writer's pid means anything. On a shared file system (NFS, Lustre) a temporary of
+another host (or of this host before a reboot, or of another container) is another machine's business: its pid
+says nothing here, so it may be a save in progress, and only its own host removes it. The pid is spelled with
+the letters a-j for 0-9, so a temporary adds no digits to the final name (Lightning derives checkpoint
+versions from the digits of every name containing ``ckpt_``, e.g. ``hpc_ckpt_<N>.ckpt``).
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import logging
 import os
 import re
 import secrets
+import shutil
+import socket
 import string
 import time
+from typing import Optional
 
 log = logging.getLogger(__name__)
 
-# temporary files: ".<final name>.tmp-<pid in letters a-j>-<8 letters>" in the destination directory
-_TMP_RE = re.compile(r"^\..+\.tmp-(?P<pid>[a-j]+)-[a-z]{8}$")
-# the digit spelling written by earlier versions, still cleaned up
-_OLD_TMP_RE = re.compile(r"^\..+\.tmp-(?P<pid>\d+)-[0-9a-f]{8}$")
+# temporary files: ".<final name>.tmp-<host tag>-<pid in letters a-j>-<8 letters>" in the destination directory
+_TMP_RE = re.compile(r"^\..+\.tmp-(?P<host>[a-z]{12})-(?P<pid>[a-j]+)-[a-z]{8}$")
+# the spellings of earlier versions, without a host: recognised as temporaries, never removed (whose pid?)
+_HOSTLESS_TMP_RES = (re.compile(r"^\..+\.tmp-[a-j]+-[a-z]{8}$"), re.compile(r"^\..+\.tmp-\d+-[0-9a-f]{8}$"))
 _PID_LETTERS = str.maketrans("0123456789", "abcdefghij")
 _PID_DIGITS = str.maketrans("abcdefghij", "0123456789")
 
@@ -53,31 +62,57 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def temp_path_for(path: str) -> str:
+def _read_first_line(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.readline().strip()
+    except OSError:
+        return ""
+
+
+def host_tag(hostname: Optional[str] = None, boot_id: Optional[str] = None, pid_namespace: Optional[str] = None) -> str:
+    """12 letters (a-z) identifying where a pid can be checked: host name, boot and pid namespace.
+
+    Each argument left None is this process's own: ``socket.gethostname()``, ``/proc/sys/kernel/random/boot_id``
+    (a new one at every boot: pids of an earlier boot mean nothing now) and the ``/proc/self/ns/pid`` link (two
+    containers of one host number their processes separately). Passing them gives another host's tag, e.g. to play
+    two hosts in one directory in a test.
+    """
+    if hostname is None:
+        hostname = socket.gethostname()
+    if boot_id is None:
+        boot_id = _read_first_line("/proc/sys/kernel/random/boot_id")
+    if pid_namespace is None:
+        try:
+            pid_namespace = os.readlink("/proc/self/ns/pid")
+        except OSError:
+            pid_namespace = ""
+    digest = hashlib.sha256("\0".join((hostname, boot_id, pid_namespace)).encode()).digest()
+    return "".join(string.ascii_lowercase[b % 26] for b in digest[:12])
+
+
+def temp_path_for(path: str, host: Optional[str] = None) -> str:
+    """The temporary name a save to ``path`` by this process writes first (``host``: the tag, default this host's)."""
     d, base = os.path.split(path)
     pid = str(os.getpid()).translate(_PID_LETTERS)
     tag = "".join(secrets.choice(string.ascii_lowercase) for _ in range(8))
-    return os.path.join(d, f".{base}.tmp-{pid}-{tag}")
-
-
-def _temp_pid(name: str) -> int | None:
-    m = _TMP_RE.match(name)
-    if m is not None:
-        return int(m.group("pid").translate(_PID_DIGITS))
-    m = _OLD_TMP_RE.match(name)
-    return int(m.group("pid")) if m is not None else None
+    return os.path.join(d, f".{base}.tmp-{host or host_tag()}-{pid}-{tag}")
 
 
 def is_temp_name(name: str) -> bool:
-    return _temp_pid(name) is not None
+    """A temporary of ours (of any host, also the host-less spellings of earlier versions)."""
+    return _TMP_RE.match(name) is not None or any(r.match(name) for r in _HOSTLESS_TMP_RES)
 
 
-def cleanup_stale_temps(directory: str) -> list[str]:
-    """Remove our own temporary files left in ``directory`` by crashed saves.
+def cleanup_stale_temps(directory: str, host: Optional[str] = None) -> list[str]:
+    """Remove temporary files left in ``directory`` by crashed saves of this host.
 
-    Only names matching ``.NAME.tmp-<pid>-<8 letters>`` (or the older ``<pid digits>-<8 hex>``) are touched, never those of this process, and only
-    when their pid is dead or the file is older than this process.
+    Only names matching ``.NAME.tmp-<host>-<pid>-<8 letters>`` whose ``<host>`` is ``host`` (default: this host's
+    :func:`host_tag`) are touched, never those of this process, and only when their pid is dead or the file is
+    older than this process. Temporaries of other hosts, boots or pid namespaces, and the host-less names of
+    earlier versions, are left alone: remove them by hand once no save is in flight anywhere (docs/checkpointing.md).
     """
+    host = host or host_tag()
     removed = []
     try:
         names = os.listdir(directory)
@@ -85,9 +120,10 @@ def cleanup_stale_temps(directory: str) -> list[str]:
         return removed
     me = os.getpid()
     for name in names:
-        pid = _temp_pid(name)
-        if pid is None:
+        m = _TMP_RE.match(name)
+        if m is None or m.group("host") != host:
             continue
+        pid = int(m.group("pid").translate(_PID_DIGITS))
         if pid == me:
             continue
         full = os.path.join(directory, name)
@@ -118,8 +154,32 @@ def fsync_dir(directory: str) -> None:
 
 def commit(tmp: str, path: str) -> None:
     """Rename a durable temporary onto ``path`` and fsync the directory."""
-    os.rename(tmp, path)
+    rename_into_place(tmp, path)
     fsync_dir(os.path.dirname(path))
+
+
+def rename_into_place(tmp: str, path: str) -> None:
+    """``os.rename(tmp, path)``; where the file system refuses it across devices (EXDEV), copy and remove ``tmp``.
+
+    The fallback is what Lightning's ``_atomic_save`` gets from fsspec's local move (``shutil.move``): the content is
+    copied onto ``path`` (then fdatasync'ed) and the temporary removed, so the replacement is not atomic there; a
+    crash in between leaves a partial file that fails its CRC-32C check on load. Permissions are not copied (the
+    fallback must work where ``chmod`` is not permitted).
+    """
+    try:
+        os.rename(tmp, path)
+        return
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+    log.warning("%s: rename across devices refused (EXDEV); copying the checkpoint into place (not atomic)", path)
+    shutil.copyfile(tmp, path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+    os.unlink(tmp)
 
 
 def unlink_quiet(path: str) -> None:

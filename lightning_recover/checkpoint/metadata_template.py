@@ -20,7 +20,9 @@ import dataclasses
 import pickle
 import secrets
 
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata
+
+from lightning_recover.checkpoint.dcp import sidecar_storage_meta
 
 __all__ = ["MetadataTemplate"]
 
@@ -86,7 +88,8 @@ class MetadataTemplate:
 
     def _with_ids(self, checkpoint_id: str, save_id: str) -> Metadata:
         return dataclasses.replace(
-            self.metadata, storage_meta=StorageMeta(checkpoint_id=checkpoint_id, save_id=save_id)
+            self.metadata,
+            storage_meta=sidecar_storage_meta(checkpoint_id, save_id),  # our writers' sidecars
         )
 
     def render(self, checkpoint_id: str, save_id: str) -> bytes:

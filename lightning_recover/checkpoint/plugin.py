@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import sys
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -82,7 +83,7 @@ class UringCheckpointIO(CheckpointIO):
             training steps is spread over more of them (see "Pacing the flush" in ``docs/checkpointing.md``).
     """
 
-    _RUNTIME = ("_engine", "_saver", "_into")  # per process / per copy: never pickled
+    _RUNTIME = ("_engine", "_saver", "_into", "_guarded")  # per process / per copy: never pickled
 
     def __init__(
         self,
@@ -113,6 +114,7 @@ class UringCheckpointIO(CheckpointIO):
         self._engine = EngineHandle(*self._engine_args)
         self._saver: Any = None  # the AsyncSaver, created by the first asynchronous save
         self._into: Any = None
+        self._guarded: weakref.WeakSet = weakref.WeakSet()  # modules whose load_state_dict waits (guard_loads)
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k not in self._RUNTIME}
@@ -134,9 +136,10 @@ class UringCheckpointIO(CheckpointIO):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
-            raise TypeError(
+            raise TypeError(  # Lightning's own wording (TorchCheckpointIO), which its tests match
                 "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg"
-                f" is not supported for `{self.__class__.__name__}`: it takes no storage options."
+                f" is not supported for `{self.__class__.__name__}`. Please implement your custom `CheckpointIO`"
+                " to define how you'd like to use `storage_options`."
             )
         local = local_path(path)
         if local is None:
@@ -166,6 +169,22 @@ class UringCheckpointIO(CheckpointIO):
     def wait_until_durable(self) -> float:
         """Block until every save so far is on stable storage under its final name (seconds waited)."""
         return self._saver.wait_until_durable() if self._saver is not None else 0.0
+
+    def guard_loads(self, module: torch.nn.Module) -> None:
+        """Make ``load_state_dict`` of ``module`` and of each of its submodules wait for pending lazy snapshots.
+
+        ``load_state_dict`` copies into the parameters in place. Lightning's ModelCheckpoint does that right after a
+        save under manual optimization (it loads the pre-step state for the save and the current state back right
+        after), so a lazy snapshot still copying would see the restored values (``SnapshotRaceError``). The
+        ``Trainer`` calls this for its LightningModule at the first asynchronous save; call it for a module that a
+        Fabric or plain loop changes with ``load_state_dict`` while a save may be in flight. A hook per module that
+        checks for a pending snapshot and returns: no cost on the training step.
+        """
+        wait = _WaitForSnapshot(self)
+        for m in module.modules():
+            if m not in self._guarded:
+                m.register_load_state_dict_pre_hook(wait)
+                self._guarded.add(m)
 
     @property
     def pending_saves(self) -> int:
@@ -268,8 +287,29 @@ class _SnapshotBarrier(Callback):
     on_train_end = _wait
 
 
+class _WaitForSnapshot:
+    """A ``load_state_dict`` pre-hook (``UringCheckpointIO.guard_loads``): waits for the plugin's pending snapshots.
+
+    Holds the plugin weakly and pickles as a hook that does nothing (a pickled or copied module has no snapshot
+    of this process in flight), so modules stay picklable.
+    """
+
+    def __init__(self, io: Optional[UringCheckpointIO] = None) -> None:
+        self._io = weakref.ref(io) if io is not None else None
+
+    def __call__(self, *_: Any) -> None:
+        io = self._io() if self._io is not None else None
+        saver = getattr(io, "_saver", None)
+        if saver is not None and saver.snapshot_pending():
+            saver.wait_for_snapshot()
+
+    def __reduce__(self) -> tuple:
+        return (_WaitForSnapshot, ())
+
+
 def _attach_barrier(io: UringCheckpointIO) -> None:
-    """If this save comes from ``Trainer.save_checkpoint``, make sure that trainer runs a ``_SnapshotBarrier``."""
+    """If this save comes from ``Trainer.save_checkpoint``, make sure that trainer runs a ``_SnapshotBarrier`` and
+    that its LightningModule's ``load_state_dict`` waits for pending snapshots (``guard_loads``)."""
     code = Trainer.save_checkpoint.__code__
     f = sys._getframe(2)
     for _ in range(8):
@@ -281,6 +321,9 @@ def _attach_barrier(io: UringCheckpointIO) -> None:
             if isinstance(cbs, list) and not any(isinstance(c, _SnapshotBarrier) and c.io is io for c in cbs):
                 # a new list: Lightning may be iterating over the current one right now
                 trainer.callbacks = [_SnapshotBarrier(io), *cbs]
+            module = getattr(trainer, "lightning_module", None)
+            if isinstance(module, torch.nn.Module) and module not in io._guarded:
+                io.guard_loads(module)
             return
         f = f.f_back
 

@@ -47,6 +47,7 @@ from lightning_recover.checkpoint.dcp import (
     UringStorageReader,
     commit_dir,
     read_dcp_metadata,
+    sidecar_storage_meta,
     temp_dir_for,
     write_metadata_file,
 )
@@ -277,7 +278,7 @@ def save_part(path: str | os.PathLike, state: dict[str, Any], token: str, part: 
 
 def commit_parts(path: str | os.PathLike, state: dict[str, Any], token: str, parts: int) -> None:
     """Merge the parts' metadata into one ``.metadata`` and commit the directory (one process calls it)."""
-    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+    from torch.distributed.checkpoint.metadata import Metadata
 
     path = str(path)
     tmp = temp_dir_for(path, token)
@@ -288,7 +289,7 @@ def commit_parts(path: str | os.PathLike, state: dict[str, Any], token: str, par
         md.state_dict_metadata.update(m.state_dict_metadata)
         md.storage_data.update(m.storage_data)
     md.planner_data = {k: mappings[k] for k in md.state_dict_metadata}  # nested paths in the whole state
-    md.storage_meta = StorageMeta(checkpoint_id=path)
+    md.storage_meta = sidecar_storage_meta(path)  # every part was written with sidecars
     write_metadata_file(os.path.join(tmp, ".metadata"), md)
     for q in range(parts):
         os.unlink(os.path.join(tmp, part_metadata_name(q)))

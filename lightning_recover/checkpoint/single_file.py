@@ -21,7 +21,13 @@ from lightning_recover import env
 from lightning_recover.checkpoint import async_io, torch_zip
 from lightning_recover.checkpoint import format as fmt
 from lightning_recover.checkpoint.engine import open_writer, resolve_engine
-from lightning_recover.checkpoint.files import cleanup_stale_temps, fsync_dir, temp_path_for, unlink_quiet
+from lightning_recover.checkpoint.files import (
+    cleanup_stale_temps,
+    fsync_dir,
+    rename_into_place,
+    temp_path_for,
+    unlink_quiet,
+)
 from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
 from lightning_recover.checkpoint.gc_pause import GcPause
 from lightning_recover.checkpoint.page_populate import PagePopulator, populate_supported
@@ -170,7 +176,7 @@ def _save_zip(
                     pipe.abandon()
                     raise
                 w.finish()
-        os.rename(tmp, path)
+        rename_into_place(tmp, path)
     except torch_zip.RestartWithoutStreaming:
         unlink_quiet(tmp)
         # torch's own pickler hands the storages over only once it has pickled everything
@@ -225,7 +231,7 @@ def _save_v1(checkpoint: Any, path: str, engine: Any) -> None:
                     pending_ids.append(i)
                 flush()
                 write_tail(w, enc, data_end, file_id)
-        os.rename(tmp, path)
+        rename_into_place(tmp, path)
     except BaseException:
         unlink_quiet(tmp)
         raise

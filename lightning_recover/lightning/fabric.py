@@ -37,6 +37,7 @@ from typing_extensions import override
 
 from lightning_recover.data import MicrobatchSource
 from lightning_recover.lightning.base import RecoverStrategyBase, ReplicaLauncher, build_options
+from lightning_recover.lightning.ranks import set_rank_zero
 from lightning_recover.lightning.sharded import (
     ShardingConfig,
     load_local_module_state,
@@ -62,6 +63,7 @@ class Step:
             core.seed_microbatch(self.index, j)
             yield self._strategy.batch_to_device(self._source.batch(self.index, j))
         self.committed = True
+        set_rank_zero(self._strategy.global_rank)  # the live replicas may have been renumbered in this step
 
     @property
     def stats(self) -> Optional[StepStats]:
@@ -146,6 +148,7 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
         if backend == "nccl":
             torch.cuda.set_device(self.root_device)
         self._start_replica(self._trainable_parameters, self._training_state, self._load_training_state, backend)
+        set_rank_zero(self.global_rank)  # Lightning's rank_zero_* helpers follow global_rank, as under the Trainer
 
     def _training_state(self) -> dict:
         state = {

@@ -1,8 +1,17 @@
 """Ranks and sizes as Lightning sees them under ``strategy="recover"``, shared by both strategies.
 
-Lightning's rank properties are answered from the current generation: ``global_rank`` is this
-replica's rank among the live replicas (0 = the lowest live replica, which logs and writes
-checkpoints), ``world_size`` the number of live replicas. ``replica`` is the stable replica id.
+Lightning's convention is one rank per process, and both strategies (``Trainer`` and ``Fabric``) answer it
+the same way, from the current generation. With ``K`` processes per replica (``replica_size``):
+
+* ``global_rank`` = this replica's rank among the live replicas x K + this process's position in its
+  replica (``inner``): 0 is process 0 of the lowest live replica, the only ``is_global_zero`` process;
+* ``world_size`` = live replicas x K;
+* ``local_rank`` = ``global_rank`` and ``node_rank`` = 0: the job is one Lightning "node" (how the
+  ``Trainer``'s ``devices=replicas x K`` on one node is numbered).
+
+These change when a replica fails or rejoins (the live ranks are renumbered). What stays the same across
+failures is ``replica`` (the replica id, ``0 <= replica < replicas``, kept by a restarted replica) and the
+inner position: use them for anything that must name the same process for the whole run.
 """
 
 from __future__ import annotations
@@ -39,12 +48,20 @@ class ReplicaRanks:
         return device
 
     @property
+    def _replica_size(self) -> int:
+        sharding = getattr(self, "sharding", None)
+        return sharding.replica_size if sharding is not None else 1
+
+    @property
     def global_rank(self) -> int:
-        return self.core.rank if self.core is not None else 0
+        """The live replica's rank x K + the inner position (renumbered when replicas fail or rejoin)."""
+        if self.core is None:
+            return 0
+        return self.core.rank * self._replica_size + getattr(self.core, "inner", 0)
 
     @property
     def local_rank(self) -> int:
-        return 0
+        return self.global_rank  # one Lightning node: local and global ranks coincide
 
     @property
     def node_rank(self) -> int:
@@ -52,7 +69,8 @@ class ReplicaRanks:
 
     @property
     def world_size(self) -> int:
-        return self.core.size if self.core is not None else self.num_replicas
+        replicas = self.core.size if self.core is not None else self.num_replicas
+        return replicas * self._replica_size
 
     @property
     def is_global_zero(self) -> bool:

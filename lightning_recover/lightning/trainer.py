@@ -165,19 +165,6 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
             set_rank_zero(env.device_slot())  # a standby's slot is past every replica's: it prints nothing
 
     @property
-    @override
-    def global_rank(self) -> int:
-        """Lightning's rank: the replica's rank among the live ones, times K, plus the inner position
-        (so only process 0 of the lowest live replica is "global zero": it logs and prints)."""
-        rank = super().global_rank
-        return rank * self.sharding.replica_size + self.core.inner if self.core is not None else rank
-
-    @property
-    @override
-    def world_size(self) -> int:
-        return super().world_size * self.sharding.replica_size
-
-    @property
     def is_distributed(self) -> bool:
         return True  # so that `self.log(..., sync_dist=True)` outside training_step reaches `reduce`
 

@@ -129,7 +129,11 @@ def save_trainer_checkpoint(
     from lightning_recover.checkpoint.spread_save import save_over_live_replicas
 
     if storage_options is not None:
-        raise TypeError("with replica_size>1 a checkpoint is a DCP directory: storage_options is not supported")
+        name = type(strategy).__name__  # Lightning's wording for a strategy that writes without the CheckpointIO
+        raise TypeError(
+            f"`{name}.save_checkpoint(..., storage_options=...)` is not supported because"
+            f" `{name}` does not use the `CheckpointIO` (with replica_size>1 a checkpoint is a DCP directory)."
+        )
     path = str(strategy.broadcast(os.fspath(filepath)))  # the lowest live replica's path, as ModelParallelStrategy
     if os.path.isfile(path):
         raise FileExistsError(

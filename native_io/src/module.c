@@ -370,14 +370,30 @@ static void opened_release(struct opened *o)
 	Py_CLEAR(o->reason);
 }
 
+/* How open_file opens a path. */
+enum open_mode {
+	OPEN_READ,
+	/*
+	 * A new file: O_EXCL | O_NOFOLLOW, so a name that exists (a file, or a
+	 * symlink planted where a temporary will be created) is refused with
+	 * EEXIST / ELOOP instead of being truncated or written through.
+	 */
+	OPEN_CREATE,
+	/* A file that exists already (e.g. /proc/self/fd/N of an O_TMPFILE file): no create, no truncate. */
+	OPEN_EXISTING,
+};
+
 /*
  * Open path for an engine: O_DIRECT when asked (buffered fallback), pick the
  * engine kind for the file and, for readers, its size. On failure raise
  * OSError(errno, strerror, path) and leave nothing open.
  */
-static int open_file(EngineObject *eng, PyObject *path_arg, int writing, struct opened *o)
+static int open_file(EngineObject *eng, PyObject *path_arg, enum open_mode mode, struct opened *o)
 {
-	int flags = writing ? O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC : O_RDONLY | O_CLOEXEC;
+	int writing = mode != OPEN_READ;
+	int flags = mode == OPEN_CREATE	  ? O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC :
+		    mode == OPEN_EXISTING ? O_WRONLY | O_CLOEXEC :
+					    O_RDONLY | O_CLOEXEC;
 	int direct = eng->direct, refused = 0, fd, err = 0;
 	PyObject *bytes = NULL;
 	char why[200] = "";
@@ -681,13 +697,14 @@ static int writer_hold(WriterObject *self, struct segs *S)
 
 static PyObject *Engine_open_writer(EngineObject *self, PyObject *args, PyObject *kwds)
 {
-	static char *kwlist[] = { "path", "size_hint", NULL };
+	static char *kwlist[] = { "path", "size_hint", "existing", NULL };
 	PyObject *path, *hint_obj = Py_None;
 	unsigned long long hint = 0;
+	int existing = 0;
 	struct opened o;
 	WriterObject *w;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|O", kwlist, &path, &hint_obj))
+	if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|O$p", kwlist, &path, &hint_obj, &existing))
 		return NULL;
 	if (hint_obj != Py_None) {
 		hint = PyLong_AsUnsignedLongLong(hint_obj);
@@ -698,7 +715,7 @@ static PyObject *Engine_open_writer(EngineObject *self, PyObject *args, PyObject
 			return NULL;
 		}
 	}
-	if (open_file(self, path, 1, &o))
+	if (open_file(self, path, existing ? OPEN_EXISTING : OPEN_CREATE, &o))
 		return NULL;
 	w = PyObject_New(WriterObject, &WriterType);
 	if (!w) {
@@ -1056,7 +1073,7 @@ static PyObject *Engine_open_reader(EngineObject *self, PyObject *args, PyObject
 
 	if (!PyArg_ParseTupleAndKeywords(args, kwds, "O", kwlist, &path))
 		return NULL;
-	if (open_file(self, path, 0, &o))
+	if (open_file(self, path, OPEN_READ, &o))
 		return NULL;
 	r = PyObject_New(ReaderObject, &ReaderType);
 	if (!r) {
@@ -1391,7 +1408,9 @@ static PyGetSetDef Engine_getset[] = {
 static PyMethodDef Engine_methods[] = {
 	{ "open_writer", (PyCFunction)(void (*)(void))Engine_open_writer,
 	  METH_VARARGS | METH_KEYWORDS,
-	  "open_writer(path, size_hint=None) -> Writer: create/truncate path for writing; "
+	  "open_writer(path, size_hint=None, *, existing=False) -> Writer: create path, a new file "
+	  "(O_EXCL | O_NOFOLLOW: an existing name or a symlink is refused); existing=True opens a "
+	  "file that exists (e.g. /proc/self/fd/N of an O_TMPFILE file) and creates none; "
 	  "size_hint: expected file size, reserved with fallocate before the first write" },
 	{ "open_reader", (PyCFunction)(void (*)(void))Engine_open_reader,
 	  METH_VARARGS | METH_KEYWORDS, "open_reader(path) -> Reader" },

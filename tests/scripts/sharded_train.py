@@ -11,6 +11,7 @@ stats); every process writes OUT/pid.r{r}.i{i} at start so tests can check none 
 """
 
 import argparse
+import json
 import os
 import time
 
@@ -89,6 +90,11 @@ def train(args) -> None:
     core = fabric.strategy.core
     os.makedirs(args.out, exist_ok=True)
     open(os.path.join(args.out, f"pid.r{core.replica_id}.i{core.inner}"), "w").write(str(os.getpid()))
+
+    def ranks() -> list:  # Lightning's numbering as Fabric answers it (one rank per process)
+        return [fabric.global_rank, fabric.local_rank, fabric.node_rank, fabric.world_size, fabric.is_global_zero]
+
+    ranks_seen = {"replica": core.replica_id, "inner": core.inner, "start": ranks()}
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
     start, saved_state = 0, None
@@ -123,6 +129,9 @@ def train(args) -> None:
         for t in s.values()
         if torch.is_tensor(t)
     )
+    ranks_seen["end"] = ranks()
+    with open(os.path.join(args.out, f"ranks.r{core.replica_id}.i{core.inner}.json"), "w") as f:
+        json.dump(ranks_seen, f)
     if core.inner == 0:
         torch.save(
             {
