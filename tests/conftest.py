@@ -7,7 +7,17 @@ import sys
 
 import pytest
 
+from tests import needs
+
 _status: list[int] = [0]
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # CI must exercise io_uring and fio: a run without them would pass by skipping (issue #34).
+    if needs.strict():
+        lacking = needs.problems()
+        if lacking:
+            pytest.exit("CI=true, and this machine lacks what the suite must test:\n  " + "\n  ".join(lacking), 4)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
