@@ -7,6 +7,7 @@ dispatches, importing lazily so that ``lightning-recover --help`` stays fast.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -197,7 +198,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "check", None) is not None:  # checks that involve several options
         args.check(args)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except BrokenPipeError:
+        # The reader went away (`lightning-recover inspect ... | head`): not an error of ours. Point stdout at
+        # /dev/null so that the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -453,14 +453,22 @@ def plot(summary: dict, path: str) -> str:
 
 def main(args: argparse.Namespace) -> int:
     from lightning_recover.launch import launcher
-    from lightning_recover.protocol.faults import parse_faults
+    from lightning_recover.protocol.faults import check_plan
 
-    faults = parse_faults(args.inject)  # a bad schedule fails here, before anything starts
+    try:  # a bad schedule fails here, in one line, before anything starts
+        faults = check_plan(args.inject, args.replicas)
+    except ValueError as exc:
+        raise SystemExit(f"lightning-recover demo: {exc}") from None
     for f in faults:
-        if f.replica >= args.replicas or f.step >= args.steps:
-            raise SystemExit(f"demo: fault {f} is outside {args.replicas} replicas x {args.steps} steps")
+        if f.step >= args.steps:
+            raise SystemExit(
+                f"lightning-recover demo: fault {f} names step {f.step}, but the demo runs steps 0..{args.steps - 1}. "
+                f"HINT: name a step below {args.steps}, or pass --steps {f.step + 1} or more."
+            )
     if len({f.replica for f in faults}) >= args.replicas:
-        raise SystemExit("demo: the schedule kills every replica; leave at least one alive")
+        raise SystemExit(
+            "lightning-recover demo: the schedule kills every replica. HINT: leave at least one replica without a fault."
+        )
     os.makedirs(args.out, exist_ok=True)
     for name in os.listdir(args.out):
         if name.startswith(("replica", "fault-")):

@@ -30,7 +30,7 @@ from lightning_recover.launch.fork_server import DEFAULT_PRELOAD, Process, Proce
 from lightning_recover.launch.process_tree import children_map, describe_exit, is_stopped, kill_tree
 from lightning_recover.launch.standby_pool import StandbyPool
 from lightning_recover.protocol import coordinator
-from lightning_recover.protocol.faults import parse_faults
+from lightning_recover.protocol.faults import check_plan
 from lightning_recover.protocol.messages import JobSecret, Sealer, connect, mark_dead, read_declared
 from lightning_recover.protocol.options import (
     DEFAULT_HEARTBEAT_INTERVAL,
@@ -205,7 +205,11 @@ def supervise(
     check_seconds("finish_grace", finish_grace)
     if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
         raise ValueError(f"restarts must be an integer >= 0, got {restarts!r}")
-    parse_faults(inject, replicas)  # validate before starting anything
+    # Validate before starting anything; a plan in the environment reaches every replica too.
+    if inject:
+        check_plan(inject, replicas)
+    else:
+        check_plan(dict(os.environ, **(extra_env or {})).get(env.INJECT), replicas, env.INJECT)
     if isinstance(nproc_per_replica, bool) or not isinstance(nproc_per_replica, int) or nproc_per_replica < 1:
         raise ValueError(f"nproc_per_replica must be an integer >= 1, got {nproc_per_replica!r}")
     check_standby(standby, restarts)
