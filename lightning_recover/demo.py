@@ -46,9 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", type=int, default=8, help="M, global microbatches per step")
     p.add_argument("--batch-size", type=int, default=8, help="samples per microbatch")
     p.add_argument("--block-size", type=int, default=64, help="context length in bytes")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--width", type=int, default=128)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    p.add_argument("--width", type=int, default=128, help="embedding width")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--corpus-bytes", type=int, default=2_000_000, help="bytes of stdlib source to train on")
     p.add_argument(
         "--inject",
@@ -71,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="Lightning precision; 64-true (default) makes the comparison with the reference exact "
         "up to summation order (see the module docstring)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and of the microbatch order")
 
 
 # ---------------------------------------------------------------------------- the model (shared)

@@ -31,6 +31,7 @@ Fabric strategy); it contains no protocol code. How one optimizer step maps onto
 from __future__ import annotations
 
 import builtins
+import logging
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Optional, Union
 
@@ -106,6 +107,14 @@ class _TrainerLauncher(ReplicaLauncher):
         return super().launch(function, *args, **kwargs)
 
 
+#: What ``Trainer(...)`` prints while it is built: the supervisor has printed it, its replicas need not.
+_BANNER = ("GPU available:", "TPU available:", "HPU available:", "💡 Tip:")
+
+
+def _not_the_supervisors_banner(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(_BANNER)
+
+
 class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
     """``Trainer(strategy="recover")``: fault-tolerant data parallelism with in-step recovery.
 
@@ -163,6 +172,9 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
         self._solo = False
         if env.in_replica():  # until the group forms, the replica id (x K + inner) is the rank: one banner, not N
             set_rank_zero(env.device_slot())  # a standby's slot is past every replica's: it prints nothing
+            # ... and not even one: the supervisor printed Trainer(...)'s device lines and tips already.
+            for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+                logging.getLogger(name).addFilter(_not_the_supervisors_banner)
 
     @property
     @override
@@ -365,7 +377,7 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
         stats = core.last_step
         if core.world is not None:  # the K processes computed different microbatches: one capture per replica
             capture.merge_in_replica(core.world.group)
-        log_step(capture, stats, core.exchange, token.loader.samples_per_step)
+        log_step(capture, stats, core.exchange, token.loader.samples_per_step, bool(self.lightning_module.loggers))
         return torch.tensor(stats.loss if stats.loss is not None else float("nan"), device=self.root_device)
 
     @override
