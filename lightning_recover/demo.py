@@ -36,6 +36,7 @@ import time
 from typing import Any
 
 from lightning_recover import env
+from lightning_recover.optional import plotting_available
 
 DEFAULT_INJECT = "kill:replica=2:step=12:phase=backward,hang:replica=0:step=27:phase=reduce"
 
@@ -278,7 +279,7 @@ def summarize(
 ) -> dict:
     """Merge every replica's per-step records into one view of the run, plus the reference."""
     steps: dict[int, dict] = {}
-    for recs in records.values():
+    for replica, recs in records.items():
         for r in recs:
             st = steps.setdefault(
                 r["step"],
@@ -289,12 +290,17 @@ def summarize(
                     "generation": r["generation"],
                     "recomputed": 0,
                     "recovery_seconds": 0.0,
+                    "recovery_seconds_by_replica": {},
                     "committed_at": 0.0,
                     "started_at": 1e300,
                 },
             )
             st["recomputed"] += r["recomputed"]
+            # Each survivor times its own recovery (the leader prints its time as it happens); the step's
+            # recovery_seconds is the slowest survivor's, the one the step waited for.
             st["recovery_seconds"] = max(st["recovery_seconds"], r["recovery_seconds"])
+            if r["recovery_seconds"]:
+                st["recovery_seconds_by_replica"][int(replica)] = r["recovery_seconds"]
             st["committed_at"] = max(st["committed_at"], r["committed_at"])
             st["started_at"] = min(st["started_at"], r["committed_at"] - r["seconds"])
     rows = [steps[s] for s in sorted(steps)]
@@ -315,7 +321,8 @@ def summarize(
                 **f,
                 "fault_to_commit_s": (min(after) - f["t"]) if after else None,
                 "step_seconds": (row["committed_at"] - row["started_at"]) if row else None,
-                "recovery_seconds": row["recovery_seconds"] if row else None,
+                "recovery_seconds": row["recovery_seconds"] if row else None,  # the slowest survivor's
+                "recovery_seconds_by_replica": row["recovery_seconds_by_replica"] if row else None,
                 "recomputed": row["recomputed"] if row else None,
                 "live_after": row["live"] if row else None,
             }
@@ -365,11 +372,13 @@ def _print_summary(s: dict, out: str, plot: str | None) -> None:
         how = "SIGKILL" if f["kind"] == "kill" else ("SIGSTOP (hung)" if f["kind"] == "hang" else f["kind"])
         ftc = f"{f['fault_to_commit_s']:.2f}s" if f["fault_to_commit_s"] is not None else "n/a"
         print(
-            f"    step {f['step']:3d}: replica {f['replica']} {how} in {f['phase']:8s} -> step committed "
-            f"{ftc} after the fault (detection + recovery + recompute; a clean step takes "
-            f"{s['failure_free_step_seconds']:.2f}s), {f['recomputed']} microbatches recomputed, "
-            f"{f['live_after']} live"
+            f"    step {f['step']:3d}: replica {f['replica']} {how} in {f['phase']}: the step committed {ftc} after "
+            f"the fault (a clean step: {s['failure_free_step_seconds']:.2f}s)"
         )
+        if f["recovery_seconds"]:
+            each = ", ".join(f"{r} {t:.2f}s" for r, t in sorted(f["recovery_seconds_by_replica"].items()))
+            print(f"              recovery {f['recovery_seconds']:.2f}s, the slowest survivor's (replica {each})")
+        print(f"              {f['recomputed']} microbatches recomputed, {f['live_after']} replicas live after it")
     print(f"  recomputed microbatches: {s['recomputed_microbatches']} (nothing a survivor had computed was redone)")
     ref = s["reference_final_loss"]
     print(
@@ -524,7 +533,8 @@ def main(args: argparse.Namespace) -> int:
         if finals:
             ref_diff = max(max_relative_difference(torch.load(os.path.join(args.out, f)), ref_state) for f in finals)
     summary = summarize(args, records, _load_faults(args.out), events, ref_losses, ref_diff)
-    png = None if args.no_plot else plot(summary, os.path.join(args.out, "demo.png"))
+    draw = not args.no_plot and plotting_available("the picture (demo.png)")
+    png = plot(summary, os.path.join(args.out, "demo.png")) if draw else None
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     _print_summary(summary, args.out, png)
