@@ -390,8 +390,11 @@ def _print_summary(s: dict, out: str, plot: str | None) -> None:
         print(f"  parameters vs reference: max relative difference {s['max_relative_param_difference']:.2e} ({ok})")
     print(
         f"  effective throughput  : {s['effective_microbatches_per_s']:.1f} microbatches/s "
-        f"({s['effective_tokens_per_s']:.0f} tokens/s) over {s['train_seconds']:.1f}s of training; "
-        f"failure-free with {s['replicas']} replicas: {s['failure_free_microbatches_per_s']:.1f} microbatches/s"
+        f"({s['effective_tokens_per_s']:.0f} tokens/s) over {s['train_seconds']:.1f}s of training"
+    )
+    print(
+        f"                          failure-free with {s['replicas']} replicas: "
+        f"{s['failure_free_microbatches_per_s']:.1f} microbatches/s"
     )
     print(f"  outputs               : {os.path.join(out, 'summary.json')}" + (f", {plot}" if plot else ""))
     print(line)

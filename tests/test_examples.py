@@ -46,6 +46,8 @@ def test_trainer_gpt(tmp_path):
     ]
     res = run_job(cmd, str(tmp_path), timeout=400)
     assert res.returncode == 0, res.output[-4000:]
+    assert res.output.count("GPU available:") == 1, res.output[-4000:]  # the supervisor's banner, not again
+    assert "no logger configured" not in res.output, res.output[-4000:]  # recover/* metrics: no logger, no warning
 
 
 def test_checkpoint_plugin_save_and_resume(tmp_path):

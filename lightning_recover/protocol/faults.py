@@ -139,11 +139,11 @@ def check_plan(spec: str | None, replicas: int | None = None, source: str = "--i
 def announcement(fault: Fault, when: float, terminal: bool) -> str:
     """The line a replica prints as a fault acts. On a terminal: the wall clock, after clearing the line
     (another replica's progress bar may be drawn there). Otherwise (a log, a benchmark's pipe) the epoch time
-    that benchmarks read (``at t=``) to time the recovery from the fault on."""
+    that benchmarks read (``at t=``) to time the recovery from the fault on, on a line of its own."""
     if terminal:
         clock = time.strftime("%H:%M:%S", time.localtime(when))
         return f"\r\033[K[lightning-recover] replica {fault.replica}: injecting fault {fault} at {clock}"
-    return f"[lightning-recover] injecting fault {fault} at t={when:.6f}"
+    return f"\n[lightning-recover] injecting fault {fault} at t={when:.6f}"  # \n: off a bar drawn with \r
 
 
 def act_on_process(fault: Fault) -> None:

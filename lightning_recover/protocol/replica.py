@@ -252,9 +252,9 @@ class Replica:
         self.history.append(stats)
         if stats.recoveries:
             self.say(
-                f"step {step}: recovered in {stats.recovery_seconds:.3f}s (as replica {self.replica_id} measured it); "
-                f"generation {stats.generation}, {stats.live_replicas} live replicas; replica {self.replica_id} "
-                f"recomputed {stats.recomputed} microbatches"
+                f"step {step}: recovered in {stats.recovery_seconds:.3f}s (replica {self.replica_id}'s time); "
+                f"generation {stats.generation}, {stats.live_replicas} live; replica {self.replica_id} recomputed "
+                f"{stats.recomputed} microbatch{'es' if stats.recomputed != 1 else ''}"
             )
 
     # ------------------------------------------------------------------ rejoin
