@@ -190,9 +190,9 @@ def _version() -> str:
     try:
         return version("lightning-recover")
     except PackageNotFoundError:  # run from a checkout that was never installed
-        from lightning_recover import __version__
+        import lightning_recover
 
-        return __version__
+        return lightning_recover.__version__
 
 
 def build_parser() -> argparse.ArgumentParser:

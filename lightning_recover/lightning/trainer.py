@@ -115,6 +115,15 @@ def _not_the_supervisors_banner(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith(_BANNER)
 
 
+def _replica_banner() -> None:
+    """In a replica, until the group forms, the replica id (x K + inner) is the rank: one banner, not N (a
+    standby's slot is past every replica's: it prints nothing). And not even that one for what the supervisor
+    printed already: Trainer(...)'s device lines and tips."""
+    set_rank_zero(env.device_slot())
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logging.getLogger(name).addFilter(_not_the_supervisors_banner)
+
+
 class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
     """``Trainer(strategy="recover")``: fault-tolerant data parallelism with in-step recovery.
 
@@ -170,11 +179,8 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
         self._received: dict[str, Any] = {}  # what a peer handed this rejoining replica (checkpoint, loggers)
         self._rejoin_step: Optional[int] = None
         self._solo = False
-        if env.in_replica():  # until the group forms, the replica id (x K + inner) is the rank: one banner, not N
-            set_rank_zero(env.device_slot())  # a standby's slot is past every replica's: it prints nothing
-            # ... and not even one: the supervisor printed Trainer(...)'s device lines and tips already.
-            for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
-                logging.getLogger(name).addFilter(_not_the_supervisors_banner)
+        if env.in_replica():
+            _replica_banner()
 
     @property
     @override
