@@ -2,6 +2,9 @@
 # scripts/setup.sh: the machine's own Python is never touched. Set VENV to use another one.
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
+# As if activated: a script or test that runs `python` (examples/torchrun_replica.sh) gets the same one.
+export VIRTUAL_ENV := $(abspath $(VENV))
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 .PHONY: setup demo test test-fast lint format bench
 

@@ -66,7 +66,8 @@ def test_torchrun_replica_script(tmp_path):
         ["bash", os.path.join(EXAMPLES, "torchrun_replica.sh")],
         str(tmp_path),
         timeout=400,
-        env={"REPLICAS": "2", "STEPS": "3"},
+        # The script runs `python`: this interpreter's, as `make test` (which puts .venv/bin first) would.
+        env={"REPLICAS": "2", "STEPS": "3", "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]},
     )
     assert res.returncode == 0, res.output[-4000:]
     assert "step   2  loss" in res.output
