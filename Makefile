@@ -1,9 +1,16 @@
-PYTHON ?= python3
+# Every target runs in the project-local virtual environment .venv, made (and kept up to date) by
+# scripts/setup.sh: the machine's own Python is never touched. Set VENV to use another one.
+VENV ?= .venv
+PYTHON := $(VENV)/bin/python
+# As if activated: a script or test that runs `python` (examples/torchrun_replica.sh) gets the same one.
+export VIRTUAL_ENV := $(abspath $(VENV))
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 .PHONY: setup demo test test-fast lint format bench
 
+# Fast when nothing changed (a stamp in $(VENV)); fails with what to install when it cannot set up.
 setup:
-	bash scripts/setup.sh
+	VENV=$(VENV) bash scripts/setup.sh
 
 # The main job: resilient training with injected failures.
 demo: setup
@@ -14,18 +21,18 @@ test: setup
 	$(PYTHON) -m pytest -q --durations=25 tests
 
 # Style: ruff (lint + format check) over the whole tree, clang-format over native_io's C.
-lint:
+lint: setup
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
-	clang-format --dry-run --Werror native_io/src/*.c native_io/src/*.h
+	$(VENV)/bin/clang-format --dry-run --Werror native_io/src/*.c native_io/src/*.h
 
-format:
+format: setup
 	$(PYTHON) -m ruff check --fix .
 	$(PYTHON) -m ruff format .
-	clang-format -i native_io/src/*.c native_io/src/*.h
+	$(VENV)/bin/clang-format -i native_io/src/*.c native_io/src/*.h
 
 # The fast tests (no multi-process job, nothing > 5 s): what to run while editing.
-test-fast:
+test-fast: setup
 	$(PYTHON) -m pytest -q -m "not slow" tests
 
 bench: setup

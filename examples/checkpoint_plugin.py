@@ -12,36 +12,44 @@ file with ``lightning-recover inspect ckpt_example/last.ckpt``.
 import argparse
 import os
 
-import lightning as L
-import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader
-
-from lightning_recover.checkpoint import UringCheckpointIO
-from lightning_recover.tiny_gpt import ByteCorpus, GPTConfig, TinyGPT, stdlib_text
-
-
-class GPTModule(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.model = TinyGPT(GPTConfig(block_size=64, n_layer=2, n_embd=128))
-
-    def training_step(self, batch, batch_idx):
-        loss = self.model.loss(*batch)
-        self.log("loss", loss, prog_bar=True)
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=3e-3)
-
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--out", default="ckpt_example")
-    parser.add_argument("--resume", action="store_true", help="resume from OUT/last.ckpt")
-    args = parser.parse_args()
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=30, help="train up to this many optimizer steps in all")
+    parser.add_argument("--out", default="ckpt_example", help="directory of the checkpoints")
+    parser.add_argument("--resume", action="store_true", help="resume from OUT/last.ckpt (which must exist)")
+    args = parser.parse_args()  # before the imports below: --help answers without loading torch (seconds)
+    last = os.path.join(args.out, "last.ckpt")
+    if args.resume and not os.path.exists(last):  # never train from scratch when asked to resume
+        parser.exit(
+            2,
+            f"{parser.prog}: --resume: there is nothing to resume: {last} does not exist. HINT: run once without "
+            f"--resume (it writes {last}), or give the --out of an earlier run.\n",
+        )
+
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader
+
+    from lightning_recover.checkpoint import UringCheckpointIO
+    from lightning_recover.tiny_gpt import ByteCorpus, GPTConfig, TinyGPT, stdlib_text
+
+    class GPTModule(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = TinyGPT(GPTConfig(block_size=64, n_layer=2, n_embd=128))
+
+        def training_step(self, batch, batch_idx):
+            loss = self.model.loss(*batch)
+            self.log("loss", loss, prog_bar=True)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=3e-3)
 
     data = ByteCorpus(stdlib_text(500_000), block_size=64)
     trainer = L.Trainer(
@@ -53,12 +61,9 @@ def main() -> None:
         plugins=[UringCheckpointIO()],
         callbacks=[ModelCheckpoint(dirpath=args.out, every_n_train_steps=10, save_last=True, save_top_k=-1)],
     )
-    last = os.path.join(args.out, "last.ckpt")
-    trainer.fit(
-        GPTModule(),
-        DataLoader(data, batch_size=8, shuffle=True),
-        ckpt_path=last if args.resume and os.path.exists(last) else None,
-    )
+    if args.resume:
+        print(f"resuming from {last}", flush=True)
+    trainer.fit(GPTModule(), DataLoader(data, batch_size=8, shuffle=True), ckpt_path=last if args.resume else None)
     print(f"trained to step {trainer.global_step}; checkpoints: {sorted(os.listdir(args.out))}")
 
 

@@ -12,22 +12,24 @@ averages exactly ``--microbatches`` microbatches. The lowest live replica prints
 
 import argparse
 
-import lightning as L
-import torch
-from torch.utils.data import DataLoader
-
-from lightning_recover import RecoverStrategy
-from lightning_recover.tiny_gpt import ByteCorpus, GPTConfig, TinyGPT, stdlib_text
-
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--microbatches", type=int, default=8, help="M: microbatches per optimizer step")
     parser.add_argument("--batch-size", type=int, default=8, help="samples per microbatch")
     parser.add_argument("--heartbeat-timeout", type=float, default=2.0, help="seconds until a hung replica is dropped")
-    args = parser.parse_args()
+    args = parser.parse_args()  # before the imports below: --help answers without loading torch (seconds)
+
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+
+    from lightning_recover import RecoverStrategy
+    from lightning_recover.tiny_gpt import ByteCorpus, GPTConfig, TinyGPT, stdlib_text
 
     torch.manual_seed(0)
     data = ByteCorpus(stdlib_text(1_000_000), block_size=64)

@@ -7,7 +7,9 @@ dispatches, importing lazily so that ``lightning-recover --help`` stays fast.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from typing import Any
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -156,19 +158,66 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     common(p)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lightning-recover", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default where it says something: not for flags, unset (None) values, or a help
+    text that names its default already."""
 
-    p = sub.add_parser("inspect", help="show a checkpoint's index and verify its checksums")
-    p.add_argument("checkpoint")
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default in ("", argparse.SUPPRESS)
+        if unset or "default" in text or not action.option_strings:
+            return text
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose help shows defaults; subcommands' parsers are of the same class."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+DESCRIPTION = (
+    "lightning-recover: data-parallel training with Lightning that survives dead and hung replicas, "
+    "and checkpoints at the speed of the disk. Run `lightning-recover COMMAND --help` for a command's options."
+)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lightning-recover")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        import lightning_recover
+
+        return lightning_recover.__version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="lightning-recover", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser(
+        "inspect",
+        help="show a checkpoint's index and verify its checksums",
+        description="Show what a checkpoint holds (tensors, dtypes, shapes, offsets) and verify its checksums. "
+        "Exit code 0: OK; 1: damaged data; 2: not a readable checkpoint.",
+    )
+    p.add_argument("checkpoint", help="a checkpoint file (.ckpt, .pt) or a sharded (DCP) checkpoint directory")
     p.add_argument("--no-verify", action="store_true", help="only print the index, do not read the data")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_inspect)
 
-    p = sub.add_parser("convert", help="convert a checkpoint to a plain torch.save file")
-    p.add_argument("checkpoint")
-    p.add_argument("output")
+    p = sub.add_parser(
+        "convert",
+        help="convert a checkpoint to a plain torch.save file",
+        description="Convert a checkpoint to a plain torch.save file.",
+    )
+    p.add_argument("checkpoint", help="the checkpoint to read")
+    p.add_argument("output", help="the torch.save file to write")
     p.add_argument(
         "--unsafe-pickle", action="store_true", help="allow arbitrary pickled objects (only for checkpoints you trust)"
     )
@@ -178,11 +227,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     from lightning_recover import demo, simulate
 
-    p = sub.add_parser("demo", help="resilient training of a small GPT with injected failures (the main job)")
+    p = sub.add_parser(
+        "demo",
+        help="resilient training of a small GPT with injected failures (the main job)",
+        description="Train a small GPT with 4 replicas on CPU, kill one and hang another mid-run, then compare "
+        "with a failure-free replay of the same steps (OUT/summary.json, OUT/demo.png).",
+    )
     demo.add_arguments(p)
     p.set_defaults(func=_cmd_demo)
 
-    p = sub.add_parser("simulate", help="project effective throughput to large clusters (discrete-event model)")
+    p = sub.add_parser(
+        "simulate",
+        help="project effective throughput to large clusters (discrete-event model)",
+        description="Project effective throughput to large clusters with a discrete-event model (docs/simulator.md).",
+    )
     simulate.add_arguments(p)
     p.set_defaults(func=_cmd_simulate)
 
@@ -201,7 +259,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "check", None) is not None:  # checks that involve several options
         args.check(args)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except BrokenPipeError:
+        # The reader went away (`lightning-recover inspect ... | head`): not an error of ours. Point stdout at
+        # /dev/null so that the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ import time
 from typing import Any
 
 from lightning_recover import env
+from lightning_recover.optional import plotting_available
 
 DEFAULT_INJECT = "kill:replica=2:step=12:phase=backward,hang:replica=0:step=27:phase=reduce"
 
@@ -46,9 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", type=int, default=8, help="M, global microbatches per step")
     p.add_argument("--batch-size", type=int, default=8, help="samples per microbatch")
     p.add_argument("--block-size", type=int, default=64, help="context length in bytes")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--width", type=int, default=128)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    p.add_argument("--width", type=int, default=128, help="embedding width")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--corpus-bytes", type=int, default=2_000_000, help="bytes of stdlib source to train on")
     p.add_argument(
         "--inject",
@@ -71,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="Lightning precision; 64-true (default) makes the comparison with the reference exact "
         "up to summation order (see the module docstring)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and of the microbatch order")
     p.add_argument(
         "--exact",
         action="store_true",
@@ -303,7 +304,7 @@ def summarize(
 ) -> dict:
     """Merge every replica's per-step records into one view of the run, plus the reference."""
     steps: dict[int, dict] = {}
-    for recs in records.values():
+    for replica, recs in records.items():
         for r in recs:
             st = steps.setdefault(
                 r["step"],
@@ -314,12 +315,17 @@ def summarize(
                     "generation": r["generation"],
                     "recomputed": 0,
                     "recovery_seconds": 0.0,
+                    "recovery_seconds_by_replica": {},
                     "committed_at": 0.0,
                     "started_at": 1e300,
                 },
             )
             st["recomputed"] += r["recomputed"]
+            # Each survivor times its own recovery (the leader prints its time as it happens); the step's
+            # recovery_seconds is the slowest survivor's, the one the step waited for.
             st["recovery_seconds"] = max(st["recovery_seconds"], r["recovery_seconds"])
+            if r["recovery_seconds"]:
+                st["recovery_seconds_by_replica"][int(replica)] = r["recovery_seconds"]
             st["committed_at"] = max(st["committed_at"], r["committed_at"])
             st["started_at"] = min(st["started_at"], r["committed_at"] - r["seconds"])
     rows = [steps[s] for s in sorted(steps)]
@@ -340,7 +346,8 @@ def summarize(
                 **f,
                 "fault_to_commit_s": (min(after) - f["t"]) if after else None,
                 "step_seconds": (row["committed_at"] - row["started_at"]) if row else None,
-                "recovery_seconds": row["recovery_seconds"] if row else None,
+                "recovery_seconds": row["recovery_seconds"] if row else None,  # the slowest survivor's
+                "recovery_seconds_by_replica": row["recovery_seconds_by_replica"] if row else None,
                 "recomputed": row["recomputed"] if row else None,
                 "live_after": row["live"] if row else None,
             }
@@ -390,11 +397,13 @@ def _print_summary(s: dict, out: str, plot: str | None) -> None:
         how = "SIGKILL" if f["kind"] == "kill" else ("SIGSTOP (hung)" if f["kind"] == "hang" else f["kind"])
         ftc = f"{f['fault_to_commit_s']:.2f}s" if f["fault_to_commit_s"] is not None else "n/a"
         print(
-            f"    step {f['step']:3d}: replica {f['replica']} {how} in {f['phase']:8s} -> step committed "
-            f"{ftc} after the fault (detection + recovery + recompute; a clean step takes "
-            f"{s['failure_free_step_seconds']:.2f}s), {f['recomputed']} microbatches recomputed, "
-            f"{f['live_after']} live"
+            f"    step {f['step']:3d}: replica {f['replica']} {how} in {f['phase']}: the step committed {ftc} after "
+            f"the fault (a clean step: {s['failure_free_step_seconds']:.2f}s)"
         )
+        if f["recovery_seconds"]:
+            each = ", ".join(f"{r} {t:.2f}s" for r, t in sorted(f["recovery_seconds_by_replica"].items()))
+            print(f"              recovery {f['recovery_seconds']:.2f}s, the slowest survivor's (replica {each})")
+        print(f"              {f['recomputed']} microbatches recomputed, {f['live_after']} replicas live after it")
     print(f"  recomputed microbatches: {s['recomputed_microbatches']} (nothing a survivor had computed was redone)")
     ref = s["reference_final_loss"]
     print(
@@ -406,8 +415,11 @@ def _print_summary(s: dict, out: str, plot: str | None) -> None:
         print(f"  parameters vs reference: max relative difference {s['max_relative_param_difference']:.2e} ({ok})")
     print(
         f"  effective throughput  : {s['effective_microbatches_per_s']:.1f} microbatches/s "
-        f"({s['effective_tokens_per_s']:.0f} tokens/s) over {s['train_seconds']:.1f}s of training; "
-        f"failure-free with {s['replicas']} replicas: {s['failure_free_microbatches_per_s']:.1f} microbatches/s"
+        f"({s['effective_tokens_per_s']:.0f} tokens/s) over {s['train_seconds']:.1f}s of training"
+    )
+    print(
+        f"                          failure-free with {s['replicas']} replicas: "
+        f"{s['failure_free_microbatches_per_s']:.1f} microbatches/s"
     )
     print(f"  outputs               : {os.path.join(out, 'summary.json')}" + (f", {plot}" if plot else ""))
     print(line)
@@ -478,14 +490,22 @@ def plot(summary: dict, path: str) -> str:
 
 def main(args: argparse.Namespace) -> int:
     from lightning_recover.launch import launcher
-    from lightning_recover.protocol.faults import parse_faults
+    from lightning_recover.protocol.faults import check_plan
 
-    faults = parse_faults(args.inject)  # a bad schedule fails here, before anything starts
+    try:  # a bad schedule fails here, in one line, before anything starts
+        faults = check_plan(args.inject, args.replicas)
+    except ValueError as exc:
+        raise SystemExit(f"lightning-recover demo: {exc}") from None
     for f in faults:
-        if f.replica >= args.replicas or f.step >= args.steps:
-            raise SystemExit(f"demo: fault {f} is outside {args.replicas} replicas x {args.steps} steps")
+        if f.step >= args.steps:
+            raise SystemExit(
+                f"lightning-recover demo: fault {f} names step {f.step}, but the demo runs steps 0..{args.steps - 1}. "
+                f"HINT: name a step below {args.steps}, or pass --steps {f.step + 1} or more."
+            )
     if len({f.replica for f in faults}) >= args.replicas:
-        raise SystemExit("demo: the schedule kills every replica; leave at least one alive")
+        raise SystemExit(
+            "lightning-recover demo: the schedule kills every replica. HINT: leave at least one replica without a fault."
+        )
     os.makedirs(args.out, exist_ok=True)
     for name in os.listdir(args.out):
         if name.startswith(("replica", "fault-")):
@@ -541,7 +561,8 @@ def main(args: argparse.Namespace) -> int:
         if finals:
             ref_diff = max(max_relative_difference(torch.load(os.path.join(args.out, f)), ref_state) for f in finals)
     summary = summarize(args, records, _load_faults(args.out), events, ref_losses, ref_diff)
-    png = None if args.no_plot else plot(summary, os.path.join(args.out, "demo.png"))
+    draw = not args.no_plot and plotting_available("the picture (demo.png)")
+    png = plot(summary, os.path.join(args.out, "demo.png")) if draw else None
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     _print_summary(summary, args.out, png)

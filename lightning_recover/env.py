@@ -49,6 +49,10 @@ REPLICA_SIZE = "LIGHTNING_RECOVER_REPLICA_SIZE"
 INNER = "LIGHTNING_RECOVER_INNER"
 #: Fault plan, e.g. ``kill:replica=2:step=5:phase=backward`` (set by ``--inject``; tests and demos).
 INJECT = "LIGHTNING_RECOVER_INJECT"
+#: The job's private temporary directory (0700; it holds the job secret), made by the launcher and removed
+#: when the job ends, even after a SIGKILLed launcher (``launch/job_dir.py``). torchrun agents keep their
+#: temporaries there.
+JOB_DIR = "LIGHTNING_RECOVER_JOB_DIR"
 #: JSON of the demo's arguments, handed by the demo's launcher to its replica processes.
 DEMO_ARGS = "LIGHTNING_RECOVER_DEMO_ARGS"
 #: ``on`` allocates fresh storages of >= 1 MiB 4096-aligned on checkpoint load so native_io reads

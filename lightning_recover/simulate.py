@@ -31,6 +31,8 @@ import os
 import random
 from dataclasses import asdict, dataclass, field, replace
 
+from lightning_recover.optional import plotting_available
+
 APPROACHES = ("recover", "standby", "checkpoint", "drop")
 
 
@@ -308,7 +310,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trials", type=int, default=20, help="Monte Carlo trials per size")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="simulate_out", help="directory for simulate.png and simulate.json")
-    parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--no-plot", action="store_true", help="do not write simulate.png (needs matplotlib)")
 
 
 def plot(rows: list[dict], p: Params, curves: dict[str, Result], path: str) -> str:
@@ -393,7 +395,7 @@ def main(args: argparse.Namespace) -> int:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "simulate.json"), "w") as f:
         json.dump({"params": asdict(p), "measured": info, "rows": rows}, f, indent=2)
-    if not args.no_plot:
+    if not args.no_plot and plotting_available("the plot (simulate.png)"):
         q = replace(p, gpus=max(gpus))
         fails = failure_times(q, args.seed)
         curves = {a: simulate(a, q, fails) for a in APPROACHES}

@@ -7,10 +7,20 @@ import sys
 
 import pytest
 
+from tests import needs
+
 #: Real local etcd clusters as fixtures (etcd1, etcd3) for the control plane's tests.
 pytest_plugins = ["tests.etcd_cluster_fixtures"]
 
 _status: list[int] = [0]
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # CI must exercise io_uring and fio: a run without them would pass by skipping (issue #34).
+    if needs.strict():
+        lacking = needs.problems()
+        if lacking:
+            pytest.exit("CI=true, and this machine lacks what the suite must test:\n  " + "\n  ".join(lacking), 4)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -13,6 +13,7 @@ import torch
 
 from lightning_recover.bench import checkpoint as bench
 from lightning_recover.bench.gpt_state import build_checkpoint, config_for_size, iter_tensors, tensor_stats
+from tests import needs
 
 
 def _uring_available() -> bool:
@@ -247,8 +248,9 @@ def test_run_pairs_two_methods_rotate_and_failures_are_recorded():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(shutil.which("fio") is None, reason="fio not installed")
 def test_bench_checkpoint_paired_smoke(tmp_path, capsys):
+    if shutil.which("fio") is None:
+        needs.missing("the paired save against fio", "fio is not installed", "fio")
     out = tmp_path / "paired.json"
     args = argparse.Namespace(
         size_gb=0.01,

@@ -60,3 +60,9 @@ def test_demo_tiny(tmp_path):
     assert os.path.getsize(os.path.join(out, "demo.png")) > 10_000
     assert "Summary: 6/6 steps committed" in result.output
     assert "replica 1 is now the lowest live replica" in result.output
+    for f in summary["failures"]:  # the step's recovery time is its slowest survivor's, each one listed
+        if f["recovery_seconds"]:
+            assert f["recovery_seconds"] == max(f["recovery_seconds_by_replica"].values()), f
+    assert "the slowest survivor's (replica " in result.output
+    # A fault's line starts a line of its own, never glued to the progress bar drawn with \r.
+    assert result.output.count("\n[lightning-recover] injecting fault") == 2, result.output[-4000:]

@@ -46,6 +46,8 @@ def test_trainer_gpt(tmp_path):
     ]
     res = run_job(cmd, str(tmp_path), timeout=400)
     assert res.returncode == 0, res.output[-4000:]
+    assert res.output.count("GPU available:") == 1, res.output[-4000:]  # the supervisor's banner, not again
+    assert "no logger configured" not in res.output, res.output[-4000:]  # recover/* metrics: no logger, no warning
 
 
 def test_checkpoint_plugin_save_and_resume(tmp_path):
@@ -64,7 +66,8 @@ def test_torchrun_replica_script(tmp_path):
         ["bash", os.path.join(EXAMPLES, "torchrun_replica.sh")],
         str(tmp_path),
         timeout=400,
-        env={"REPLICAS": "2", "STEPS": "3"},
+        # The script runs `python`: this interpreter's, as `make test` (which puts .venv/bin first) would.
+        env={"REPLICAS": "2", "STEPS": "3", "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]},
     )
     assert res.returncode == 0, res.output[-4000:]
     assert "step   2  loss" in res.output

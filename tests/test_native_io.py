@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from tests import needs
+
 native_io = pytest.importorskip("native_io")
 
 ENGINES = native_io.info()["engines"]
@@ -43,7 +45,9 @@ def _mounted_tmpfs(mnt, options):
 
 def _engine_or_skip(name, **kw):
     if name == "uring" and not native_io.info()["uring_usable"]:
-        pytest.skip("io_uring not usable here: %s" % native_io.info()["uring_refused_reason"])
+        needs.missing(
+            "the io_uring engine", "it is refused here: %s" % native_io.info()["uring_refused_reason"], "liburing"
+        )
     return native_io.IOEngine(engine=name, **kw)
 
 
@@ -62,7 +66,7 @@ def nt():
 
 def _test_engine_or_skip(nt, name, **kw):
     if name == "uring" and not nt.info()["uring_usable"]:
-        pytest.skip("io_uring not usable here: %s" % nt.info()["uring_refused_reason"])
+        needs.missing("the io_uring engine", "it is refused here: %s" % nt.info()["uring_refused_reason"], "liburing")
     return nt.IOEngine(engine=name, **kw)
 
 
@@ -538,7 +542,7 @@ def test_uring_refused_auto_falls_back(tmp_path, nt):
 
 def test_uring_not_compiled_error():
     if "uring" in ENGINES:
-        pytest.skip("uring is compiled in")
+        pytest.skip("not tested: the error of a build without liburing, because this build has io_uring compiled in")
     with pytest.raises(RuntimeError, match="liburing"):
         native_io.IOEngine(engine="uring")
 
@@ -546,7 +550,10 @@ def test_uring_not_compiled_error():
 def test_eacces(tmp_path):
     if os.geteuid() == 0:
         # root bypasses permission bits; a read-only bind is not available, use chattr-free check
-        pytest.skip("root ignores file permission bits")
+        pytest.skip(
+            "not tested here: EACCES as this user, because root ignores permission bits "
+            "(test_eacces_as_unprivileged_user covers it as nobody)"
+        )
     d = tmp_path / "ro"
     d.mkdir()
     d.chmod(0o500)
@@ -562,7 +569,7 @@ def test_eacces(tmp_path):
 def test_eacces_as_unprivileged_user(tmp_path):
     """As root, drop to nobody in a forked child (no exec needed) and hit EACCES."""
     if os.geteuid() != 0:
-        pytest.skip("covered by test_eacces")
+        pytest.skip("not tested here: dropping from root to nobody, because this is not root (test_eacces covers it)")
     d = tmp_path / "ro"
     d.mkdir()
     os.chmod(tmp_path, 0o755)

@@ -58,10 +58,82 @@ def _print_meta_and_tensors(meta: dict, rows: list[dict]) -> None:
         print(f"  {r['name']:<{w}}  {r['dtype']:<14} {shape:<20} {r['bytes']:>12} {r['offset']:>12}")
 
 
+_WHAT = "HINT: give a checkpoint file (.ckpt, .pt) or a sharded (DCP) checkpoint directory"
+
+
+def _unusable_path(path: str) -> str | None:
+    """Why ``path`` cannot be a checkpoint, said once and with a HINT; None where it may be one."""
+    if not os.path.exists(path):
+        return f"{path}: no such file or directory. {_WHAT}."
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, ".metadata")):
+        parent, name = os.path.split(os.path.abspath(path))
+        if any(f.startswith(f".{name}.dcp-tmp-") for f in os.listdir(parent)):
+            return None  # an unfinished save: inspect_dcp says what that means
+        inside = sorted(f for f in os.listdir(path) if f.endswith((".ckpt", ".pt", ".pth")))
+        found = (
+            f" (checkpoint files in it: {', '.join(inside[:5])}{', ...' if len(inside) > 5 else ''})" if inside else ""
+        )
+        return f"{path} is a directory, not a sharded checkpoint: it has no .metadata{found}. {_WHAT}."
+    return None
+
+
+def _inspect_plain_torch(path: str, as_json: bool) -> int:
+    """A plain ``torch.save`` file (no integrity record to verify): its tensors, read with ``weights_only``."""
+    import torch
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # not loadable without arbitrary unpickling: say so, do not go further
+        message = f"{path}: a torch.save file that weights_only cannot load ({exc}). HINT: torch.load it yourself if you trust it"
+        print(json.dumps({"path": path, "ok": False, "error": message}) if as_json else f"error: {message}")
+        return EXIT_UNREADABLE
+
+    rows: list[dict] = []
+
+    def walk(prefix: str, obj: Any) -> None:
+        if isinstance(obj, torch.Tensor):
+            rows.append(
+                {
+                    "name": prefix,
+                    "dtype": str(obj.dtype).removeprefix("torch."),
+                    "shape": list(obj.shape),
+                    "bytes": obj.nbytes,
+                }
+            )
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(f"{prefix}.{i}" if prefix else str(i), v)
+
+    walk("", state)
+    total = sum(r["bytes"] for r in rows)
+    if as_json:
+        print(json.dumps({"path": path, "format": "torch.save", "ok": True, "verified": False, "tensors": rows}))
+        return EXIT_OK
+    print(f"torch.save file {path} ({_human(os.path.getsize(path))})")
+    w = min(max([len(r["name"]) for r in rows] + [4]), 80)
+    print(f"\n  {'name':<{w}}  {'dtype':<14} {'shape':<20} {'bytes':>12}")
+    for r in rows:
+        shape = "(" + ", ".join(map(str, r["shape"])) + ("," if len(r["shape"]) == 1 else "") + ")"
+        print(f"  {r['name']:<{w}}  {r['dtype']:<14} {shape:<20} {r['bytes']:>12}")
+    print(f"\n  {len(rows)} tensors, {total} bytes ({_human(total)})")
+    print("  not verified: a plain torch.save file carries no checksums (lightning-recover's own files do)")
+    return EXIT_OK
+
+
 def inspect_main(args: argparse.Namespace) -> int:
     path = args.checkpoint
     verify = not getattr(args, "no_verify", False)
     as_json = getattr(args, "json", False)
+    problem = _unusable_path(path)
+    if problem is not None:
+        if as_json:
+            print(json.dumps({"path": path, "ok": False, "error": problem}))
+        else:
+            print(f"error: {problem}", file=sys.stderr)
+        return EXIT_UNREADABLE
     if os.path.isdir(path):  # a sharded (DCP) checkpoint directory
         from lightning_recover.checkpoint.dcp_tools import inspect_dcp, print_dcp
 
@@ -79,6 +151,8 @@ def inspect_main(args: argparse.Namespace) -> int:
         else:
             info, damaged = read_info(path), []
     except (CheckpointCorruptError, FileNotFoundError, IsADirectoryError, OSError) as e:
+        if "a plain torch.save file" in str(e):  # nothing to verify, but its tensors can be listed
+            return _inspect_plain_torch(path, as_json)
         if as_json:
             print(json.dumps({"path": path, "ok": False, "error": str(e)}))
         else:

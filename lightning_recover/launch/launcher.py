@@ -17,7 +17,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,10 +30,11 @@ from lightning_recover.control_plane.etcd_job import EtcdCoordinator, MonitorRol
 from lightning_recover.errors import RecoverError
 from lightning_recover.launch import coordinator_process
 from lightning_recover.launch.fork_server import DEFAULT_PRELOAD, Process, ProcessStarter
+from lightning_recover.launch.job_dir import JobDir
 from lightning_recover.launch.process_tree import children_map, describe_exit, is_stopped, kill_tree
 from lightning_recover.launch.standby_pool import StandbyPool
 from lightning_recover.protocol import coordinator
-from lightning_recover.protocol.faults import parse_faults
+from lightning_recover.protocol.faults import check_plan
 from lightning_recover.protocol.messages import JobSecret, Sealer, connect, mark_dead, read_declared
 from lightning_recover.protocol.options import (
     DEFAULT_HEARTBEAT_INTERVAL,
@@ -217,7 +217,11 @@ def supervise(
     check_seconds("finish_grace", finish_grace)
     if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
         raise ValueError(f"restarts must be an integer >= 0, got {restarts!r}")
-    parse_faults(inject, replicas)  # validate before starting anything
+    # Validate before starting anything; a plan in the environment reaches every replica too.
+    if inject:
+        check_plan(inject, replicas)
+    else:
+        check_plan(dict(os.environ, **(extra_env or {})).get(env.INJECT), replicas, env.INJECT)
     if isinstance(nproc_per_replica, bool) or not isinstance(nproc_per_replica, int) or nproc_per_replica < 1:
         raise ValueError(f"nproc_per_replica must be an integer >= 1, got {nproc_per_replica!r}")
     check_standby(standby, restarts)
@@ -245,16 +249,18 @@ def supervise(
         return EXIT_SPAWN_FAILED
     # One secret per job, in a private 0600 file: it authenticates every control message. On etcd the
     # job's launchers share the one the first of them wrote there (etcd_job.join_job).
-    secret_dir = tempfile.mkdtemp(prefix="lightning-recover-")
+    job_dir = JobDir.create()  # removed when the job ends, even if this process is SIGKILLed
+    secret_dir = job_dir.path
     try:
         secret = join_job(control_plane, replicas, nproc_per_replica) if control_plane else JobSecret.generate()
     except BaseException:
-        shutil.rmtree(secret_dir, ignore_errors=True)
+        job_dir.remove()
         raise
     secret_file = secret.write_file(secret_dir)
     sealer = Sealer(secret)
     child_env = dict(os.environ, **(extra_env or {}))
     child_env[env.SECRET_FILE] = secret_file
+    child_env[env.JOB_DIR] = secret_dir
     child_env.pop(env.SECRET, None)
     child_env[env.REPLICAS] = str(replicas)
     child_env.setdefault(env.OMP_NUM_THREADS, "1")  # spinning OpenMP threads make gloo 20x slower on small machines
@@ -299,7 +305,7 @@ def supervise(
     except BaseException:
         if starter is not None:
             starter.close()
-        shutil.rmtree(secret_dir, ignore_errors=True)
+        job_dir.remove()
         raise
     child_env[env.COORDINATOR] = coord.addr
     children: list[_Child] = []
@@ -460,9 +466,9 @@ def supervise(
                         continue
                     c.history.append(describe_exit(code))
                     if code != 0:
-                        if coord.running():
-                            declare_dead(c.replica)
-                        say(f"replica {c.replica} failed ({describe_exit(code)})")
+                        newly = coord.running() and declare_dead(c.replica)
+                        if newly or not watch_workers:  # under torchrun: reported when its worker exited
+                            say(f"replica {c.replica} failed ({describe_exit(code)})")
                         # Under torchrun the agent restarts workers itself; `restarts` bounds takeovers only.
                         if c.restarts < restarts and not interrupted and not watch_workers:
                             if standbys is not None and take_standby(c):
@@ -566,7 +572,7 @@ def supervise(
         if link is not None:
             link.close()
         coord.stop()
-        shutil.rmtree(secret_dir, ignore_errors=True)
+        job_dir.remove()
         if control_plane is not None and len(local) == replicas:
             forget_job(control_plane)  # the only launcher of the job: nobody else needs its keys
     ok = [c.replica for c in children if c.exit_code == 0]
@@ -665,8 +671,16 @@ def add_subcommands(sub: Any) -> None:
     from lightning_recover.launch import torchrun
 
     replicas, seconds = coordinator_process.replica_count, coordinator_process.heartbeat_timeout_seconds
-    p = sub.add_parser("run", help="run a script once per replica under a tolerant launcher")
-    p.add_argument("--replicas", type=replicas, required=True)
+    p = sub.add_parser(
+        "run",
+        help="run a script once per replica under a tolerant launcher",
+        description="Start a coordinator and one process per replica running COMMAND (a script using "
+        "strategy='recover'). A replica that dies or hangs is dropped and its microbatches are recomputed by the "
+        "survivors inside the same step; the survivors are never killed. Exit code 0 when a replica finished.",
+        epilog="example: lightning-recover run --replicas 4 --inject kill:replica=2:step=5:phase=backward "
+        "-- python train.py",
+    )
+    p.add_argument("--replicas", type=replicas, required=True, help="data-parallel replicas (the failure units)")
     p.add_argument(
         "--nproc-per-replica",
         type=replicas,
@@ -678,7 +692,7 @@ def add_subcommands(sub: Any) -> None:
         "--heartbeat-timeout",
         type=seconds,
         default=1.0,
-        help="seconds without heartbeat before a replica is declared dead (> 0.2)",
+        help="seconds without heartbeat before a replica is declared dead (> 0.2; default: 1.0)",
     )
     p.add_argument(
         "--restarts",
@@ -706,12 +720,18 @@ def add_subcommands(sub: Any) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="coordinator bind address (only this one is bound)")
     add_control_plane_arguments(p)
-    p.add_argument("command", nargs=argparse.REMAINDER)
+    p.add_argument("command", nargs=argparse.REMAINDER, help="after --: what each replica runs, e.g. python train.py")
     p.set_defaults(func=_cmd_run)
 
-    p = sub.add_parser("torchrun", help="one torchrun job per replica (restarts stay inside a replica)")
-    p.add_argument("--replicas", type=replicas, required=True)
-    p.add_argument("--nproc-per-replica", type=int, default=1)
+    p = sub.add_parser(
+        "torchrun",
+        help="one torchrun job per replica (restarts stay inside a replica)",
+        description="Like run, but each replica is a torchrun job of its own (torch.distributed.run), so that "
+        "torchrun's restarts touch only the failed replica's processes.",
+        epilog="example: lightning-recover torchrun --replicas 2 --max-restarts 1 -- train.py --lr 1e-3",
+    )
+    p.add_argument("--replicas", type=replicas, required=True, help="data-parallel replicas (the failure units)")
+    p.add_argument("--nproc-per-replica", type=int, default=1, help="processes per replica (K > 1: sharded with FSDP2)")
     p.add_argument(
         "--max-restarts",
         type=coordinator_process.non_negative_int,
@@ -723,7 +743,7 @@ def add_subcommands(sub: Any) -> None:
         "--heartbeat-timeout",
         type=seconds,
         default=1.0,
-        help="seconds without heartbeat before a replica is declared dead (> 0.2)",
+        help="seconds without heartbeat before a replica is declared dead (> 0.2; default: 1.0)",
     )
     p.add_argument(
         "--standby",
@@ -733,7 +753,7 @@ def add_subcommands(sub: Any) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="coordinator bind address (only this one is bound)")
     add_control_plane_arguments(p)
-    p.add_argument("command", nargs=argparse.REMAINDER)
+    p.add_argument("command", nargs=argparse.REMAINDER, help="after --: the script and its arguments")
     p.set_defaults(func=torchrun.cmd_torchrun)
 
     p = sub.add_parser("coordinator", help="run only the coordinator (multi-node jobs)")

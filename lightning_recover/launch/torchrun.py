@@ -21,7 +21,7 @@ def torchrun_command(script: Sequence[str], nproc_per_replica: int = 1, max_rest
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "lightning_recover.launch.torchrun_agent",  # torch.distributed.run, tidier and quieter
         "--standalone",
         f"--nproc-per-node={nproc_per_replica}",
         f"--max-restarts={max_restarts}",

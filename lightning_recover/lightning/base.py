@@ -7,6 +7,7 @@ this mixin holds everything that does not depend on which Lightning base class t
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -16,6 +17,7 @@ from typing_extensions import override
 from lightning_recover import env
 from lightning_recover.lightning.ranks import ReplicaRanks
 from lightning_recover.protocol.exact import check_exact_layout
+from lightning_recover.protocol.faults import check_plan
 from lightning_recover.protocol.options import RecoverOptions
 from lightning_recover.protocol.replica import Replica
 
@@ -58,10 +60,12 @@ class ReplicaLauncher(_Launcher):
         opts = self._strategy.options
         sharding = getattr(self._strategy, "sharding", None)
         K = sharding.replica_size if sharding is not None else 1
-        if K > 1:  # fail here, before starting R*K processes
+        # Every user input is checked here, before any process starts (a ValueError with a HINT).
+        if K > 1:
             devices = len(self._strategy.parallel_devices or [None])
             sharding.validate(devices, opts.microbatches)
-        opts.resolve_microbatches(self._strategy.num_replicas)  # fail here, before starting N processes
+        opts.resolve_microbatches(self._strategy.num_replicas)
+        check_plan(os.environ.get(env.INJECT), self._strategy.num_replicas, env.INJECT)
         code = supervise(
             self._command(),
             self._strategy.num_replicas,

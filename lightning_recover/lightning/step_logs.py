@@ -94,9 +94,14 @@ class StepLogCapture:
 
 
 def log_step(
-    capture: StepLogCapture, stats: StepStats, exchange: Callable[[Any], dict[int, Any]], batch_size: int
+    capture: StepLogCapture,
+    stats: StepStats,
+    exchange: Callable[[Any], dict[int, Any]],
+    batch_size: int,
+    has_logger: bool = True,
 ) -> None:
-    """Log the step's captured values, aggregated over all replicas, and the fault metrics."""
+    """Log the step's captured values, aggregated over all replicas, and the fault metrics (to the
+    logger where the Trainer has one: otherwise Lightning warns once per metric that none is configured)."""
     local = {
         "logs": capture.values,
         "kwargs": capture.kwargs,
@@ -140,7 +145,7 @@ def log_step(
             float(value),
             on_step=True,
             on_epoch=False,
-            logger=True,
+            logger=has_logger,
             batch_size=batch_size,
             prog_bar=name in ("recover/loss", "recover/live_replicas"),
         )

@@ -31,6 +31,7 @@ Fabric strategy); it contains no protocol code. How one optimizer step maps onto
 from __future__ import annotations
 
 import builtins
+import logging
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Optional, Union
 
@@ -106,6 +107,23 @@ class _TrainerLauncher(ReplicaLauncher):
         return super().launch(function, *args, **kwargs)
 
 
+#: What ``Trainer(...)`` prints while it is built: the supervisor has printed it, its replicas need not.
+_BANNER = ("GPU available:", "TPU available:", "HPU available:", "💡 Tip:")
+
+
+def _not_the_supervisors_banner(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(_BANNER)
+
+
+def _replica_banner() -> None:
+    """In a replica, until the group forms, the replica id (x K + inner) is the rank: one banner, not N (a
+    standby's slot is past every replica's: it prints nothing). And not even that one for what the supervisor
+    printed already: Trainer(...)'s device lines and tips."""
+    set_rank_zero(env.device_slot())
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logging.getLogger(name).addFilter(_not_the_supervisors_banner)
+
+
 class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
     """``Trainer(strategy="recover")``: fault-tolerant data parallelism with in-step recovery.
 
@@ -161,8 +179,8 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
         self._received: dict[str, Any] = {}  # what a peer handed this rejoining replica (checkpoint, loggers)
         self._rejoin_step: Optional[int] = None
         self._solo = False
-        if env.in_replica():  # until the group forms, the replica id (x K + inner) is the rank: one banner, not N
-            set_rank_zero(env.device_slot())  # a standby's slot is past every replica's: it prints nothing
+        if env.in_replica():
+            _replica_banner()
 
     @property
     def is_distributed(self) -> bool:
@@ -352,7 +370,7 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
         stats = core.last_step
         if core.world is not None:  # the K processes computed different microbatches: one capture per replica
             capture.merge_in_replica(core.world.group)
-        log_step(capture, stats, core.exchange, token.loader.samples_per_step)
+        log_step(capture, stats, core.exchange, token.loader.samples_per_step, bool(self.lightning_module.loggers))
         return torch.tensor(stats.loss if stats.loss is not None else float("nan"), device=self.root_device)
 
     @override

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -117,6 +118,34 @@ def parse_faults(spec: str | None, replicas: int | None = None) -> list[Fault]:
     return faults
 
 
+#: The form of a fault plan, for the HINT of every error about one.
+PLAN_HINT = (
+    f"HINT: a fault is KIND:replica=R:step=S:phase=P (several joined by ','), KIND one of {'|'.join(KINDS)}, "
+    f"P one of {'|'.join(PHASES)}."
+)
+
+
+def check_plan(spec: str | None, replicas: int | None = None, source: str = "--inject") -> list[Fault]:
+    """:func:`parse_faults`, for a plan a user gave (``source``: where it came from, e.g. the
+    ``LIGHTNING_RECOVER_INJECT`` variable): a ``ValueError`` of one line that names the source and ends
+    in a HINT. Launchers call it before they start anything."""
+    try:
+        return parse_faults(spec, replicas)
+    except ValueError as exc:
+        message = str(exc)
+        raise ValueError(f"{source}: {message}" + ("" if "HINT:" in message else f". {PLAN_HINT}")) from None
+
+
+def announcement(fault: Fault, when: float, terminal: bool) -> str:
+    """The line a replica prints as a fault acts. On a terminal: the wall clock, after clearing the line
+    (another replica's progress bar may be drawn there). Otherwise (a log, a benchmark's pipe) the epoch time
+    that benchmarks read (``at t=``) to time the recovery from the fault on, on a line of its own."""
+    if terminal:
+        clock = time.strftime("%H:%M:%S", time.localtime(when))
+        return f"\r\033[K[lightning-recover] replica {fault.replica}: injecting fault {fault} at {clock}"
+    return f"\n[lightning-recover] injecting fault {fault} at t={when:.6f}"  # \n: off a bar drawn with \r
+
+
 def act_on_process(fault: Fault) -> None:
     """What a fault does by default: SIGKILL or SIGSTOP this process, or raise in it."""
     if fault.kind == "kill":
@@ -186,6 +215,5 @@ class FaultInjector:
         now = time.time()
         for listener in self._listeners:
             listener(fault, now)
-        # The wall-clock time lets benchmarks measure from the fault to the survivors' next commit.
-        print(f"[lightning-recover] injecting fault {fault} at t={now:.6f}", flush=True)
+        print(announcement(fault, now, sys.stdout.isatty()), flush=True)
         self._act(fault)

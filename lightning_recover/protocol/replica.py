@@ -256,8 +256,9 @@ class Replica:
         self.history.append(stats)
         if stats.recoveries:
             self.say(
-                f"step {step}: recovered in {stats.recovery_seconds:.3f}s; generation {stats.generation}, "
-                f"{stats.live_replicas} live replicas; this replica recomputed {stats.recomputed} microbatches"
+                f"step {step}: recovered in {stats.recovery_seconds:.3f}s (replica {self.replica_id}'s time); "
+                f"generation {stats.generation}, {stats.live_replicas} live; replica {self.replica_id} recomputed "
+                f"{stats.recomputed} microbatch{'es' if stats.recomputed != 1 else ''}"
             )
 
     # ------------------------------------------------------------------ rejoin

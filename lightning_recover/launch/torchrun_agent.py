@@ -1,0 +1,39 @@
+"""One replica's torchrun agent: ``python -m torch.distributed.run``, tidier and quieter.
+
+``lightning-recover torchrun`` starts this instead of ``torch.distributed.run`` itself, with the same
+arguments. Two differences, both about what a user sees:
+
+- the agent's own temporaries (torchelastic's per-run ``/tmp/torchelastic_*`` log directory, left behind
+  by every stock run) go to the job's private directory (``LIGHTNING_RECOVER_JOB_DIR``), which the launcher
+  removes when the job ends;
+- a worker's death is reported once, by the launcher, as an event ("its worker exited; declared dead"):
+  the agent does not add torch elastic's error line and 30-line ``ChildFailedError`` traceback for the same
+  death when it gives up (the worker's own output, a traceback included, is still shown).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+
+from lightning_recover import env
+
+
+def main(argv: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    tempfile.tempdir = tempfile.mkdtemp(prefix="torchrun-", dir=os.environ.get(env.JOB_DIR) or None)
+    # "failed (exitcode: -9) local_rank: 0 ...": the launcher reports that death already.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    try:
+        run(parse_args(argv))
+    except ChildFailedError:
+        return 1  # no restarts left: the replica ends (the launcher has reported its worker's death)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
