@@ -376,3 +376,22 @@ def test_profile_save_smoke(tmp_path):
     out = profile_save.profile("small10k", 0.01, str(tmp_path), 1, 0)
     assert out["runs"] and out["runs"][0]["total_s"] > 0
     assert list(tmp_path.iterdir()) == []
+
+
+def test_unpaired_targets_also_give_ratios_paired_by_repetition():
+    """`bench checkpoint` (all methods): besides the ratio of the medians, each target gives uring's ratio to the
+    reference repetition by repetition; against fio, each repetition's fastest depth."""
+    uring = {"method": "uring", "bytes": 1000, "save_s_all": [1.0, 2.0, 1.0], "load_s_all": [1.0, 1.0, 1.0]}
+    dcp = {"method": "dcp", "bytes": 1000, "save_s_all": [2.0, 2.0, 3.0], "load_s_all": [4.0, 1.0, 2.0]}
+    fio = {
+        "method": "fio",
+        "bytes": 2000,
+        "fio_depths": {
+            "1": {"save_s_all": [2.0, 2.0, 4.0], "load_s_all": [1.0, 1.0, 1.0]},
+            "4": {"save_s_all": [1.0, 4.0, 2.0], "load_s_all": [2.0, 2.0, 2.0]},
+        },
+    }
+    assert bench.repetition_ratios(uring, dcp, "save") == [2.0, 1.0, 3.0]
+    # fio's fastest depth per repetition: 1.0, 2.0, 2.0 s for 2000 B
+    assert bench.repetition_ratios(uring, fio, "save") == [0.5, 0.5, 1.0]
+    assert bench.repetition_ratios(uring, fio, "load") == [0.5, 0.5, 0.5]

@@ -1125,6 +1125,18 @@ def format_paired_targets(targets: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def repetition_ratios(base: dict[str, Any], ref: dict[str, Any], kind: str) -> list[float]:
+    """``base``'s GB/s over ``ref``'s, repetition by repetition (the methods of one repetition ran next to each
+    other). fio's side of a repetition is its fastest depth in that repetition."""
+    ours = base.get(f"{kind}_s_all") or []
+    if ref["method"] == "fio" and ref.get("fio_depths"):
+        per_depth = [ds[f"{kind}_s_all"] for ds in ref["fio_depths"].values()]
+        theirs = [min(xs[i] for xs in per_depth) for i in range(min(len(xs) for xs in per_depth))]
+    else:
+        theirs = ref.get(f"{kind}_s_all") or []
+    return [(base["bytes"] / a) / (ref["bytes"] / b) for a, b in zip(ours, theirs)]
+
+
 def check_targets(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     by = {r["method"]: r for r in records}
     base = by.get(BASELINE)
@@ -1137,6 +1149,16 @@ def check_targets(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ratio = base[f"{kind}_gbps"] / r[f"{kind}_gbps"]
         met = ratio > minimum if strict else ratio >= minimum
         item = {"what": f"{kind} vs {ref}", "target": minimum, "strict": strict, "ratio": ratio, "met": met}
+        paired = repetition_ratios(base, r, kind)
+        if paired:
+            item.update(
+                {
+                    "paired_ratios": paired,
+                    "paired_median": _median(paired),
+                    "paired_min": min(paired),
+                    "paired_max": max(paired),
+                }
+            )
         if ref == "fio" and r.get("fio_depths"):
             best = r.get("fio_best_write_iodepth" if kind == "save" else "fio_best_read_iodepth")
             item["what"] = f"{kind} vs fio (best of iodepth {'/'.join(r['fio_depths'])}: iodepth {best})"
@@ -1200,9 +1222,14 @@ def format_targets(targets: list[dict[str, Any]]) -> str:
             lines.append(f"  uring {t['what']}: n/a")
             continue
         op = ">" if t.get("strict") else ">="
+        paired = (
+            f"; paired by repetition {t['paired_median']:.2f}x [{t['paired_min']:.2f}-{t['paired_max']:.2f}]"
+            if t.get("paired_ratios")
+            else ""
+        )
         lines.append(
             f"  uring {t['what']}: {t['ratio']:.2f}x (target {op} {t['target']:.2f}x) "
-            f"{'met' if t['met'] else 'MISSED'}"
+            f"{'met' if t['met'] else 'MISSED'}{paired}"
         )
     return "\n".join(lines)
 
