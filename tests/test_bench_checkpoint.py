@@ -285,7 +285,15 @@ def test_paired_fio_side_is_the_best_depth_of_each_pair_and_each_depth_is_report
     of that pair (possibly from different depths); the summary also gives the paired ratios against each depth."""
 
     def fio_run(write_s, read_s, depth):
-        return {"write_s": write_s, "read_s": read_s, "bytes": 2000, "read_cmd": f"read qd{depth}", "iodepth": depth}
+        return {
+            "write_s": write_s,
+            "read_s": read_s,
+            "write_runtime_s": write_s / 2,
+            "read_runtime_s": read_s / 2,
+            "bytes": 2000,
+            "read_cmd": f"read qd{depth}",
+            "iodepth": depth,
+        }
 
     fio_by_rep = [
         {"1": fio_run(2.0, 1.0, 1), "4": fio_run(1.0, 1.5, 4), "16": fio_run(1.25, 2.0, 16)},
@@ -316,6 +324,8 @@ def test_paired_fio_side_is_the_best_depth_of_each_pair_and_each_depth_is_report
     for d in per:
         assert all(b <= x for b, x in zip(s["save"]["ratios"], per[d]["ratios"]))
     assert s["save"]["fio_best_median_iodepth"] == 4  # medians 2.0 / 1.0 / 1.25 s
+    # against fio's own runtime (here half its wall time) at the best depth: half the wall-clock ratios
+    assert s["save"]["vs_fio_runtime"]["ratios"] == [0.25, 0.25, 0.25]
     assert bench.parse_depths(None) == (1, 4, 16) and bench.parse_depths("2") == (2,)
     with pytest.raises(SystemExit):
         bench.parse_depths("0,4")
