@@ -128,10 +128,8 @@ def test_forged_death_notices_and_decisions_are_ignored_or_taken_back(tmp_path, 
     start = time.monotonic()
     result = _attacked_job(str(tmp_path / "run"), forge)
     _assert_equal_to_reference(result, reference)
-    # Both defences must show in the log: the forged death notices were read and ignored (not merely
-    # overwritten), and the pre-written decisions were replaced by the replicas' genuine ones.
-    assert "ignored a forged death notice" in result.output, result.output[-3000:]
-    assert "replaced a forged value" in result.output, result.output[-3000:]
+    assert "ignored a forged death notice" in result.output
+    assert "replaced a forged value" in result.output
     assert time.monotonic() - start < 120  # no livelock, no wait for a phantom joiner
 
 
