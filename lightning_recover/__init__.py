@@ -15,9 +15,14 @@ import os
 import sys
 from typing import Any
 
-from lightning_recover import env
+import torch
+
+from lightning_recover import env, torch_version
 from lightning_recover.protocol.options import RecoverOptions
 from lightning_recover.protocol.planner import plan_quotas
+
+# Before anything can load a file or a peer's state with torch's weights_only loader (torch_version.py).
+torch_version.check(torch.__version__)
 
 __all__ = ["RecoverOptions", "RecoverStrategy", "RecoverTrainerStrategy", "Step", "plan_quotas", "UringCheckpointIO"]
 __version__ = "0.1.0"

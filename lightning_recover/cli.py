@@ -85,7 +85,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         help="pair every run of each method (default: uring) with a fio run of the same bytes next to it "
         "and report the median of the paired ratios and their spread",
     )
-    p.add_argument("--fio-iodepth", type=int, default=None, help="with --paired: fio's --iodepth (default 4)")
+    p.add_argument(
+        "--fio-iodepth",
+        default=None,
+        help="with --paired: fio's --iodepth, one or a comma-separated list, the best per pair (default 1,4,16)",
+    )
     p.add_argument(
         "--ranks",
         default=None,

@@ -79,6 +79,16 @@ BENCH_CACHE = "LIGHTNING_RECOVER_BENCH_CACHE"
 NATIVE_IO_CRC32C = "NATIVE_IO_CRC32C"
 #: Build switch of setup.py: any value builds native_io without the io_uring engine.
 NATIVE_IO_NO_URING = "NATIVE_IO_NO_URING"
+#: Build switch of setup.py: any value skips the test build ``native_io._native_io_testing`` (the fault
+#: injection the tests use; its tests then fail with a hint to rebuild without it).
+NATIVE_IO_NO_TESTING = "NATIVE_IO_NO_TESTING"
+#: Set by the launcher's fork server for itself only: a long dummy value that reserves room in the server's
+#: environment area, which each forked replica rewrites with its own environment (``launch/fork_server.py``,
+#: ``show_as``); the replicas never see it.
+FORK_ROOM = "LIGHTNING_RECOVER_FORK_ROOM"
+#: ``1`` runs the heaviest manual test, the 2-D (FSDP x TP) replicas of 4 processes (8-12 processes) in
+#: ``tests/test_sharded.py``; it is skipped otherwise (read by the tests only).
+HEAVY = "LIGHTNING_RECOVER_HEAVY"
 #: Set to 1 for replica processes by the launchers: spinning OpenMP threads made a 256 KB gloo
 #: all-reduce 20x slower on a 2-core machine.
 OMP_NUM_THREADS = "OMP_NUM_THREADS"

@@ -21,7 +21,7 @@ from lightning_recover.checkpoint import (
 )
 from lightning_recover.checkpoint.async_io import _Ring, crc32c_combine
 from lightning_recover.checkpoint.torch_zip import ALIGN, PlanWriter
-from tests.jobs import bounded
+from tests.jobs import ROOT, bounded
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -792,3 +792,38 @@ def test_guarded_load_state_dict_waits_for_the_snapshot(tmp_path, monkeypatch):
         clone.load_state_dict(model.state_dict())  # the copies' hooks do nothing
     torch.save(model, bytes_io.BytesIO())
     io.teardown()
+
+
+_EXIT_WITH_A_SAVE_IN_FLIGHT = """
+import sys, time, torch
+from lightning_recover.checkpoint import UringCheckpointIO
+io = UringCheckpointIO(async_save=True, flush_bytes_per_s=16e6)  # ~0.75 s of paced flushing for 12 MB
+io.save_checkpoint({"w": torch.full((3_000_000,), 7.0), "k": 7}, sys.argv[1])
+io.wait_for_snapshot()
+print(f"exiting {time.monotonic()}", flush=True)  # no wait_until_durable, no teardown: the exit handler drains
+"""
+
+
+def test_interpreter_exit_drains_a_save_in_flight(tmp_path):
+    """A script that saves asynchronously and simply ends: the saver's exit handler (``_drain_at_exit``)
+    finishes the save, so the checkpoint is complete under its name and the interpreter took the flush's
+    time to exit (its threads are daemon threads, which exit alone would abandon)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "last.ckpt"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-c", _EXIT_WITH_A_SAVE_IN_FLIGHT, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=env,
+    )
+    ended = time.monotonic()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    exiting = float(proc.stdout.split("exiting ")[1])
+    assert ended - exiting >= 0.3, "the interpreter exited before the paced flush could have finished"
+    assert _temps(tmp_path) == []
+    state = load(path)
+    assert state["k"] == 7 and torch.equal(state["w"], torch.full((3_000_000,), 7.0))

@@ -261,20 +261,76 @@ def test_bench_checkpoint_paired_smoke(tmp_path, capsys):
         cache="fadvise",
         state="llama",
         paired=True,
-        fio_iodepth=2,
+        fio_iodepth="1,4",
     )
     rc = bench.main(args)
     printed = capsys.readouterr().out
     assert rc == 0, printed
-    assert "paired ratios" in printed and "issue 16" in printed
+    assert "paired ratios" in printed and "issue 16" in printed and "vs fio at each depth: qd1" in printed
     doc = json.loads(out.read_text())
-    assert doc["meta"]["mode"] == "paired" and doc["meta"]["fio_iodepth"] == 2
+    assert doc["meta"]["mode"] == "paired" and doc["meta"]["fio_iodepths"] == [1, 4]
     (rec,) = doc["records"]
     assert rec["method"] == "uring" and rec["error"] is None and len(rec["pairs"]) == 2
     for p in rec["pairs"]:
+        assert set(p["fio_by_depth"]) == {"1", "4"}
         assert p["fio_write_s"] >= p["fio_write_runtime_s"] > 0 and p["save_s"] > 0
         assert math.isfinite(p["save_ratio"]) and math.isfinite(p["load_ratio"])
+        # each pair's fio side is its best depth: no single depth was faster
+        assert p["fio_write_s"] == min(r["write_s"] for r in p["fio_by_depth"].values())
+        assert p["fio_read_s"] == min(r["read_s"] for r in p["fio_by_depth"].values())
+    assert set(rec["summary"]["save"]["by_iodepth"]) == {"1", "4"}
     assert not any((tmp_path / "work").iterdir())
+
+
+def test_paired_fio_side_is_the_best_depth_of_each_pair_and_each_depth_is_reported():
+    """With fio at several depths per pair, a pair's ratio is against the fastest fio write and the fastest read
+    of that pair (possibly from different depths); the summary also gives the paired ratios against each depth."""
+
+    def fio_run(write_s, read_s, depth):
+        return {
+            "write_s": write_s,
+            "read_s": read_s,
+            "write_runtime_s": write_s / 2,
+            "read_runtime_s": read_s / 2,
+            "bytes": 2000,
+            "read_cmd": f"read qd{depth}",
+            "iodepth": depth,
+        }
+
+    fio_by_rep = [
+        {"1": fio_run(2.0, 1.0, 1), "4": fio_run(1.0, 1.5, 4), "16": fio_run(1.25, 2.0, 16)},
+        {"1": fio_run(4.0, 1.0, 1), "4": fio_run(2.0, 2.0, 4), "16": fio_run(1.0, 2.0, 16)},
+        {"1": fio_run(2.0, 0.5, 1), "4": fio_run(1.0, 1.0, 4), "16": fio_run(2.0, 1.0, 16)},
+    ]
+    best = bench.best_of_depths(fio_by_rep[0])
+    assert (best["write_s"], best["write_iodepth"], best["read_s"], best["read_iodepth"]) == (1.0, 4, 1.0, 1)
+    assert best["read_cmd"] == "read qd1" and set(best["by_depth"]) == {"1", "4", "16"}
+
+    pairs, errors = bench.run_pairs(
+        ["uring"],
+        3,
+        lambda m, rep: {"save_s": 1.0, "load_s": 1.0, "bytes": 1000},
+        lambda m, rep: bench.best_of_depths(fio_by_rep[rep]),
+        log=lambda _: None,
+    )
+    assert errors == {}
+    # (1000 B / 1 s) / (2000 B / best fio s): best writes 1.0, 1.0, 1.0 s; best reads 1.0, 1.0, 0.5 s
+    assert [p["save_ratio"] for p in pairs["uring"]] == [0.5, 0.5, 0.5]
+    assert [p["load_ratio"] for p in pairs["uring"]] == [0.5, 0.5, 0.25]
+    s = bench.summarize_pairs(pairs["uring"])
+    assert s["save"]["fio_best_iodepth_per_pair"] == [4, 16, 4]
+    assert s["load"]["fio_best_iodepth_per_pair"] == [1, 1, 1]
+    per = s["save"]["by_iodepth"]
+    assert per["1"]["ratios"] == [1.0, 2.0, 1.0] and per["16"]["ratios"] == [0.625, 0.5, 1.0]
+    # the best depth per pair is never slower than any one depth, so its ratio is the lowest
+    for d in per:
+        assert all(b <= x for b, x in zip(s["save"]["ratios"], per[d]["ratios"]))
+    assert s["save"]["fio_best_median_iodepth"] == 4  # medians 2.0 / 1.0 / 1.25 s
+    # against fio's own runtime (here half its wall time) at the best depth: half the wall-clock ratios
+    assert s["save"]["vs_fio_runtime"]["ratios"] == [0.25, 0.25, 0.25]
+    assert bench.parse_depths(None) == (1, 4, 16) and bench.parse_depths("2") == (2,)
+    with pytest.raises(SystemExit):
+        bench.parse_depths("0,4")
 
 
 def test_async_checkpoint_bench_pairs_each_save_with_the_steps_just_before(tmp_path):
@@ -332,3 +388,22 @@ def test_profile_save_smoke(tmp_path):
     out = profile_save.profile("small10k", 0.01, str(tmp_path), 1, 0)
     assert out["runs"] and out["runs"][0]["total_s"] > 0
     assert list(tmp_path.iterdir()) == []
+
+
+def test_unpaired_targets_also_give_ratios_paired_by_repetition():
+    """`bench checkpoint` (all methods): besides the ratio of the medians, each target gives uring's ratio to the
+    reference repetition by repetition; against fio, each repetition's fastest depth."""
+    uring = {"method": "uring", "bytes": 1000, "save_s_all": [1.0, 2.0, 1.0], "load_s_all": [1.0, 1.0, 1.0]}
+    dcp = {"method": "dcp", "bytes": 1000, "save_s_all": [2.0, 2.0, 3.0], "load_s_all": [4.0, 1.0, 2.0]}
+    fio = {
+        "method": "fio",
+        "bytes": 2000,
+        "fio_depths": {
+            "1": {"save_s_all": [2.0, 2.0, 4.0], "load_s_all": [1.0, 1.0, 1.0]},
+            "4": {"save_s_all": [1.0, 4.0, 2.0], "load_s_all": [2.0, 2.0, 2.0]},
+        },
+    }
+    assert bench.repetition_ratios(uring, dcp, "save") == [2.0, 1.0, 3.0]
+    # fio's fastest depth per repetition: 1.0, 2.0, 2.0 s for 2000 B
+    assert bench.repetition_ratios(uring, fio, "save") == [0.5, 0.5, 1.0]
+    assert bench.repetition_ratios(uring, fio, "load") == [0.5, 0.5, 0.5]

@@ -57,6 +57,27 @@ def test_ideal_and_plan_arithmetic():
     assert planned_mb_per_s(4, 0.1, {}, 40, 12, "equal") == pytest.approx(40.0)
 
 
+def test_resilience_ratios_are_paired_by_repetition():
+    """The headline throughput ratios (of failure-free, vs checkpoint-and-restart) divide repetition i of a mode
+    by repetition i of its reference; their median is not the ratio of the medians."""
+
+    def reps(*rates):
+        return [{"effective_mb_per_s": r, "median_takeover_commit_s": None} for r in rates]
+
+    runs = {"recover-standby": reps(30.0, 34.0, 33.0), "failure-free": reps(32.0, 35.0, 40.0), "ddp-torch": reps(8.0)}
+    paired = resilience.paired_ratios(runs, ("failure-free", "ddp-torch"))
+    v = paired["recover-standby"]["failure-free"]
+    assert v["ratios"] == pytest.approx([30 / 32, 34 / 35, 33 / 40])
+    assert (
+        v["median"] == pytest.approx(30 / 32)
+        and v["min"] == pytest.approx(33 / 40)
+        and v["max"] == pytest.approx(34 / 35)
+    )
+    assert v["median"] != pytest.approx(33 / 35)  # the ratio of the medians
+    assert "ddp-torch" not in paired["recover-standby"]  # a different number of repetitions: no pairing
+    assert "failure-free" not in paired.get("failure-free", {})
+
+
 def _args(tmp_path, **kw) -> argparse.Namespace:
     argv = ["bench", "resilience", "--dir", str(tmp_path / "work"), "--json", str(tmp_path / "out.json")]
     for key, value in kw.items():

@@ -26,6 +26,7 @@ from lightning_recover.checkpoint import (
     load,
     read_info,
     save,
+    verify_file,
 )
 from lightning_recover.checkpoint import format as fmt
 
@@ -381,6 +382,39 @@ def test_fabric_load_refuses_payload(tmp_path):
     assert not marker.exists()
 
 
-def test_header_format_constants_unchanged():
-    # async files are format v1 like synchronous ones (same header/footer)
-    assert fmt.FORMAT_VERSION == 1 and fmt.HEADER_SIZE == 4096
+def test_async_saves_write_the_format_of_synchronous_ones(tmp_path):
+    """An async save writes what a synchronous save of the same state writes: a format-2 archive with the
+    same tensors (name, dtype, shape) and a valid integrity record, which the verifier and plain
+    ``torch.load(weights_only=True)`` both read back equal. (The files are not byte-identical: a record's
+    file offset follows the address of the memory it was written from.)"""
+    state = {"w": torch.arange(3_000_000, dtype=torch.float32), "b": torch.ones(10), "meta": {"k": 3}}
+    sync_io, async_io = UringCheckpointIO(), UringCheckpointIO(async_save=True)
+    try:
+        sync_io.save_checkpoint(state, tmp_path / "sync.ckpt")
+        async_io.save_checkpoint(state, tmp_path / "async.ckpt")
+        async_io.wait_until_durable()
+    finally:
+        async_io.teardown()
+        sync_io.teardown()
+    infos = {}
+    for name in ("sync", "async"):
+        path = tmp_path / f"{name}.ckpt"
+        info, damage = verify_file(path)
+        assert damage == [], f"{name}: {damage}"
+        infos[name] = info
+        loaded = torch.load(path, weights_only=True)
+        assert (
+            loaded["meta"] == {"k": 3} and torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["b"], state["b"])
+        )
+    assert infos["sync"].format_version == infos["async"].format_version == 2
+
+    def columns(info):
+        return sorted((t["name"], t["dtype"], t["shape"]) for t in info.tensors)
+
+    assert columns(infos["sync"]) == columns(infos["async"])
+
+
+def test_format1_header_constants_unchanged():
+    """Format 1 (``save(..., format=1)``) files already on disk stay readable only while its header
+    constants stay what they were written with."""
+    assert fmt.FORMAT_VERSION == 1 and fmt.HEADER_SIZE == 4096 and fmt.FOOTER_SIZE == 128

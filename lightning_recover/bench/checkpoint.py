@@ -30,10 +30,12 @@ dict (allocated outside the timing, as a resuming job would have its model alrea
 
 Repetitions are interleaved (method order rotated per repetition); medians are reported.
 
-``--paired`` (issue 16): each run of a method (default: uring) is paired with a fio run of the same bytes
-next to it (fio at ``--fio-iodepth``, default 4, wall clock less fio's fixed cost, ``end_fsync`` included);
-per method and op the median of the paired ratios and their spread are reported (:func:`run_pairs`,
-:func:`summarize_pairs`). ``--state gpt|llama|small10k`` picks the state (``gpt_state.build_state``).
+``--paired`` (issue 16): each run of a method (default: uring) is paired with fio runs of the same bytes
+next to it, one per queue depth of ``--fio-iodepth`` (default 1,4,16; wall clock less fio's fixed cost,
+``end_fsync`` included); a pair's fio time is the best of its depths, so the ratio is against fio at its best
+depth on that disk at that moment (issue 34: depth 1 alone understates this disk ~1.6x). Per method and op the
+median of the paired ratios and their spread are reported (:func:`run_pairs`, :func:`summarize_pairs`), and
+the same against each depth alone. ``--state gpt|llama|small10k`` picks the state (``gpt_state.build_state``).
 GB = 1e9 bytes; throughput = checkpoint tensor payload bytes / seconds (fio: its own bytes).
 """
 
@@ -51,7 +53,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -72,8 +74,8 @@ ALL_METHODS = [
     "fio",
 ]
 BASELINE = "uring"
-# fio's queue depth in the paired mode (the best write depth of the earlier three-depth runs on this disk)
-PAIRED_FIO_IODEPTH = 4
+# fio's queue depths in the paired mode: each pair runs fio at all of them and takes the best (fio.DEPTHS)
+PAIRED_FIO_IODEPTHS = fio_mod.DEPTHS
 
 # Targets of the issue, for the plugin (uring) against each reference.
 # (kind, reference method, minimum ratio uring_gbps / reference_gbps, strict)
@@ -557,12 +559,12 @@ def run_benchmark(
     log: Callable[[str], None] = print,
     state: str = "gpt",
     paired: bool = False,
-    fio_iodepth: int = PAIRED_FIO_IODEPTH,
+    fio_iodepths: tuple[int, ...] = PAIRED_FIO_IODEPTHS,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Run the benchmark; returns (records, meta). ``paired``: every run of a method next to a fio run."""
     root = tempfile.mkdtemp(prefix="lr-bench-ckpt-", dir=directory or "/tmp")
     try:
-        return _run(size_gb, repeat, root, methods, cache_mode, log, state, paired, fio_iodepth)
+        return _run(size_gb, repeat, root, methods, cache_mode, log, state, paired, fio_iodepths)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -592,7 +594,7 @@ def _setup_methods(methods: list[str], log: Callable[[str], None]) -> tuple[dict
     return impls, skipped, runnable
 
 
-def _run(size_gb, repeat, root, methods, cache_mode, log, state="gpt", paired=False, fio_iodepth=PAIRED_FIO_IODEPTH):
+def _run(size_gb, repeat, root, methods, cache_mode, log, state="gpt", paired=False, fio_iodepths=PAIRED_FIO_IODEPTHS):
     if cache_mode == "auto":
         cache_mode = "drop_caches" if drop_caches_supported() else "fadvise"
     elif cache_mode == "drop_caches" and not drop_caches_supported():
@@ -609,7 +611,7 @@ def _run(size_gb, repeat, root, methods, cache_mode, log, state="gpt", paired=Fa
     )
     log(f"dir: {root}  cache: {cache_mode}  repeat: {repeat}")
     if paired:
-        return _run_paired(checkpoint, stats, desc, repeat, root, methods, cache_mode, log, fio_iodepth)
+        return _run_paired(checkpoint, stats, desc, repeat, root, methods, cache_mode, log, fio_iodepths)
 
     impls, skipped, runnable = _setup_methods(methods, log)
 
@@ -766,7 +768,9 @@ def _run_fio(workdir, nbytes, cache_mode, s, extra, rep: int = 0) -> None:
         os.sync()
         if cache_mode == "drop_caches":
             make_cold(workdir, cache_mode)
-        w, r = fio_mod.run(path, nbytes, iodepth=d)
+        # hugetlb buffers where reserved (for the deepest depth, so every depth gets the same memory): fio's
+        # default malloc'd buffers understate this virtio disk (fio.huge_iomem)
+        w, r = fio_mod.run(path, nbytes, iodepth=d, iomem=fio_mod.huge_iomem(max(depths) * fio_mod.BLOCK))
         ds = by[d]
         ds["save_s_all"].append(w["seconds"])
         ds["load_s_all"].append(r["seconds"])
@@ -774,7 +778,14 @@ def _run_fio(workdir, nbytes, cache_mode, s, extra, rep: int = 0) -> None:
         ds["load_gbps_all"].append(r["gbps"])
         s["file_bytes"].append(os.path.getsize(path))
         s["files"].append(1)
-        extra.update({"io_bytes": w["io_bytes"], "fio_engine": w["engine"], "fio_version": w["fio_version"]})
+        extra.update(
+            {
+                "io_bytes": w["io_bytes"],
+                "fio_engine": w["engine"],
+                "fio_version": w["fio_version"],
+                "fio_iomem": w["iomem"],
+            }
+        )
         extra.setdefault("fio_cmds", {})[d] = {"write": w["cmd"], "read": r["cmd"]}
         extra.setdefault("fio_wall_s", []).append({"iodepth": d, "write": w["wall_s"], "read": r["wall_s"]})
 
@@ -887,6 +898,42 @@ def summarize_pairs(pairs: list[dict[str, Any]]) -> dict[str, Any]:
             # the ratio of the medians, for comparison with the paired median
             "ratio_of_medians": (pairs[0]["bytes"] / ours) / (pairs[0]["fio_bytes"] / fio),
         }
+        by_depth = [p.get("fio_by_depth") for p in pairs]
+        if all(by_depth):
+            fio_op = "write_s" if kind == "save" else "read_s"
+            depths = sorted({int(d) for b in by_depth for d in b})
+            per: dict[str, Any] = {}
+            for d in depths:
+                ratios_d = [
+                    (p["bytes"] / p[ours_key]) / (p["fio_bytes"] / p["fio_by_depth"][str(d)][fio_op]) for p in pairs
+                ]
+                fio_d = _median([p["fio_by_depth"][str(d)][fio_op] for p in pairs])
+                per[str(d)] = {
+                    "ratios": ratios_d,
+                    "ratio_median": _median(ratios_d),
+                    "ratio_min": min(ratios_d),
+                    "ratio_max": max(ratios_d),
+                    "fio_s_median": fio_d,
+                    "fio_gbps_median": pairs[0]["fio_bytes"] / fio_d / 1e9,
+                }
+            out[kind]["by_iodepth"] = per
+            # which depth was fio's best in each pair, and the depth with the best median over the run
+            out[kind]["fio_best_iodepth_per_pair"] = [
+                p[f"fio_{'write' if kind == 'save' else 'read'}_iodepth"] for p in pairs
+            ]
+            out[kind]["fio_best_median_iodepth"] = int(min(per, key=lambda d: per[d]["fio_s_median"]))
+        runtime_key = f"fio_{'write' if kind == 'save' else 'read'}_runtime_best_s"
+        if all(runtime_key in p for p in pairs):
+            # the strictest reading: against fio's own runtime at its best depth (what the device moved while
+            # fio timed itself; fio's start and its file layout, which the wall clock charges it, left out)
+            rr = [(p["bytes"] / p[ours_key]) / (p["fio_bytes"] / p[runtime_key]) for p in pairs]
+            out[kind]["vs_fio_runtime"] = {
+                "ratios": rr,
+                "ratio_median": _median(rr),
+                "ratio_min": min(rr),
+                "ratio_max": max(rr),
+                "fio_gbps_median": pairs[0]["fio_bytes"] / _median([p[runtime_key] for p in pairs]) / 1e9,
+            }
     return out
 
 
@@ -912,17 +959,22 @@ def paired_targets(state: str, summaries: dict[str, dict[str, Any]], method: str
     return out
 
 
-def _fio_pair(workdir: str, nbytes: int, iodepth: int, startup: float, cache_mode: str) -> dict[str, Any]:
+def _fio_pair(
+    workdir: str, nbytes: int, iodepth: int, startup: float, cache_mode: str, iomem: Optional[str] = None
+) -> dict[str, Any]:
     """fio write (end_fsync) then O_DIRECT read of ``nbytes`` in ``workdir``; seconds by wall clock.
 
     ``write_s``/``read_s`` = the fio process's wall time less its start-up (``startup``: a one-block fio read),
     never less than fio's own ``runtime``; both raw values are kept.
     """
     path = os.path.join(workdir, "fio.bin")
+    if os.path.exists(path):  # a fresh file for every depth: none overwrites already-allocated blocks
+        os.remove(path)
+        _fsync_path(workdir, directory=True)
     os.sync()
     if cache_mode == "drop_caches":
         make_cold(workdir, cache_mode)
-    w, r = fio_mod.run(path, nbytes, iodepth=iodepth, iomem=fio_mod.huge_iomem(iodepth * fio_mod.BLOCK))
+    w, r = fio_mod.run(path, nbytes, iodepth=iodepth, iomem=iomem)
     return {
         "write_s": max(w["wall_s"] - startup, w["seconds"]),
         "read_s": max(r["wall_s"] - startup, r["seconds"]),
@@ -935,20 +987,49 @@ def _fio_pair(workdir: str, nbytes: int, iodepth: int, startup: float, cache_mod
         "iomem": w["iomem"],
         "write_cmd": w["cmd"],
         "read_cmd": r["cmd"],
+        "iodepth": iodepth,
     }
 
 
-def _run_paired(checkpoint, stats, desc, repeat, root, methods, cache_mode, log, fio_iodepth):
+def best_of_depths(by_depth: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One pair's fio side from its runs at several depths (``{depth: _fio_pair result}``): the fastest write
+    and the fastest read (each may come from another depth), which depth gave each, and every depth's run."""
+    bw = min(by_depth, key=lambda d: by_depth[d]["write_s"])
+    br = min(by_depth, key=lambda d: by_depth[d]["read_s"])
+    out = dict(by_depth[bw])
+    out.update(
+        {
+            "write_s": by_depth[bw]["write_s"],
+            "read_s": by_depth[br]["read_s"],
+            "write_iodepth": int(bw),
+            "read_iodepth": int(br),
+            "read_cmd": by_depth[br]["read_cmd"],
+            # fio's own runtime (its transfers and end fsync only: no process start, no file layout), best depth
+            "write_runtime_best_s": min(r["write_runtime_s"] for r in by_depth.values()),
+            "read_runtime_best_s": min(r["read_runtime_s"] for r in by_depth.values()),
+            "by_depth": by_depth,
+        }
+    )
+    out.pop("iodepth", None)
+    return out
+
+
+def _run_paired(checkpoint, stats, desc, repeat, root, methods, cache_mode, log, fio_iodepths):
     if not fio_mod.available():
         raise SystemExit("--paired needs fio (not installed)")
     methods = [m for m in methods if m != "fio"]
     impls, skipped, runnable = _setup_methods(methods, log)
     nbytes = stats["bytes"]
-    iomem = fio_mod.huge_iomem(fio_iodepth * fio_mod.BLOCK)
-    startup = fio_mod.startup_s(root, fio_iodepth, iomem=iomem)
+    depths = [int(d) for d in fio_iodepths]
+    # One kind of buffer memory for every depth (huge pages only if they suffice for the deepest), so the
+    # depths differ in nothing else.
+    iomem = fio_mod.huge_iomem(max(depths) * fio_mod.BLOCK)
+    startups = {d: fio_mod.startup_s(root, d, iomem=iomem) for d in depths}
     log(
-        f"paired with fio --iodepth={fio_iodepth} --iomem={iomem or 'malloc'}; "
-        f"fio start-up (one 16 MiB read, median of 3): {startup:.3f}s"
+        f"paired with fio at --iodepth {'/'.join(map(str, depths))} (best per pair) --iomem={iomem or 'malloc'}; "
+        "fio start-up (one 16 MiB read, median of 3) at the start: "
+        + ", ".join(f"qd{d} {t:.3f}s" for d, t in startups.items())
+        + "; each fio run is charged the start-up measured right before it"
     )
 
     def run_ours(m: str, rep: int) -> dict[str, Any]:
@@ -967,10 +1048,18 @@ def _run_paired(checkpoint, stats, desc, repeat, root, methods, cache_mode, log,
         workdir = os.path.join(root, f"fio-{m}-{rep}")
         os.mkdir(workdir)
         _fsync_path(root, directory=True)
+        k = rep % len(depths)  # the depths' order rotates per repetition
+        by_depth = {}
         try:
-            return _fio_pair(workdir, nbytes, fio_iodepth, startup, cache_mode)
+            for d in depths[k:] + depths[:k]:
+                # fio's start-up varies with the machine's load (0.29-0.73 s in two runs an hour apart here): one
+                # measured at the start of the run and subtracted from every wall time moved the save ratio
+                # from 1.10x to 0.69x. A one-block read right before each run is charged under the same load.
+                startup = fio_mod.startup_s(workdir, d, repeat=1, iomem=iomem)
+                by_depth[str(d)] = _fio_pair(workdir, nbytes, d, startup, cache_mode, iomem) | {"startup_s": startup}
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
+        return best_of_depths(by_depth)
 
     pairs, errors = run_pairs(runnable, repeat, run_ours, run_fio, log)
     summaries = {m: summarize_pairs(p) for m, p in pairs.items()}
@@ -985,8 +1074,8 @@ def _run_paired(checkpoint, stats, desc, repeat, root, methods, cache_mode, log,
         "state": stats,
         "repeat": repeat,
         "cache": cache_mode,
-        "fio_iodepth": fio_iodepth,
-        "fio_startup_s": startup,
+        "fio_iodepths": depths,
+        "fio_startup_s": {str(d): t for d, t in startups.items()},
         "fio_iomem": iomem or "malloc",
         "machine": machine_info(root),
         "engine": native_io_info(),
@@ -1036,6 +1125,29 @@ def format_paired(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_paired_depths(records: list[dict[str, Any]]) -> str:
+    """The paired ratios against each fio depth alone (the table above is against the best depth per pair)."""
+    lines = []
+    for r in records:
+        for kind in ("save", "load"):
+            s = (r.get("summary") or {}).get(kind) or {}
+            per = s.get("by_iodepth")
+            if not per:
+                continue
+            cells = ", ".join(
+                f"qd{d} {v['fio_gbps_median']:.2f} GB/s: {v['ratio_median']:.2f}x [{v['ratio_min']:.2f}-{v['ratio_max']:.2f}]"
+                for d, v in per.items()
+            )
+            lines.append(f"  {r['method']} {kind} vs fio at each depth: {cells}")
+            rt = s.get("vs_fio_runtime")
+            if rt:
+                lines.append(
+                    f"  {r['method']} {kind} vs fio's own runtime at its best depth ({rt['fio_gbps_median']:.2f} GB/s): "
+                    f"{rt['ratio_median']:.2f}x [{rt['ratio_min']:.2f}-{rt['ratio_max']:.2f}]"
+                )
+    return "\n".join(lines)
+
+
 def format_paired_targets(targets: list[dict[str, Any]]) -> str:
     lines = []
     for t in targets:
@@ -1047,6 +1159,18 @@ def format_paired_targets(targets: list[dict[str, Any]]) -> str:
             f"(target >= {t['target']:.2f}x, {t['source']}) {'met' if t['met'] else 'MISSED'}"
         )
     return "\n".join(lines)
+
+
+def repetition_ratios(base: dict[str, Any], ref: dict[str, Any], kind: str) -> list[float]:
+    """``base``'s GB/s over ``ref``'s, repetition by repetition (the methods of one repetition ran next to each
+    other). fio's side of a repetition is its fastest depth in that repetition."""
+    ours = base.get(f"{kind}_s_all") or []
+    if ref["method"] == "fio" and ref.get("fio_depths"):
+        per_depth = [ds[f"{kind}_s_all"] for ds in ref["fio_depths"].values()]
+        theirs = [min(xs[i] for xs in per_depth) for i in range(min(len(xs) for xs in per_depth))]
+    else:
+        theirs = ref.get(f"{kind}_s_all") or []
+    return [(base["bytes"] / a) / (ref["bytes"] / b) for a, b in zip(ours, theirs)]
 
 
 def check_targets(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -1061,6 +1185,16 @@ def check_targets(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ratio = base[f"{kind}_gbps"] / r[f"{kind}_gbps"]
         met = ratio > minimum if strict else ratio >= minimum
         item = {"what": f"{kind} vs {ref}", "target": minimum, "strict": strict, "ratio": ratio, "met": met}
+        paired = repetition_ratios(base, r, kind)
+        if paired:
+            item.update(
+                {
+                    "paired_ratios": paired,
+                    "paired_median": _median(paired),
+                    "paired_min": min(paired),
+                    "paired_max": max(paired),
+                }
+            )
         if ref == "fio" and r.get("fio_depths"):
             best = r.get("fio_best_write_iodepth" if kind == "save" else "fio_best_read_iodepth")
             item["what"] = f"{kind} vs fio (best of iodepth {'/'.join(r['fio_depths'])}: iodepth {best})"
@@ -1124,11 +1258,26 @@ def format_targets(targets: list[dict[str, Any]]) -> str:
             lines.append(f"  uring {t['what']}: n/a")
             continue
         op = ">" if t.get("strict") else ">="
+        paired = (
+            f"; paired by repetition {t['paired_median']:.2f}x [{t['paired_min']:.2f}-{t['paired_max']:.2f}]"
+            if t.get("paired_ratios")
+            else ""
+        )
         lines.append(
             f"  uring {t['what']}: {t['ratio']:.2f}x (target {op} {t['target']:.2f}x) "
-            f"{'met' if t['met'] else 'MISSED'}"
+            f"{'met' if t['met'] else 'MISSED'}{paired}"
         )
     return "\n".join(lines)
+
+
+def parse_depths(spec: Any) -> tuple[int, ...]:
+    """``--fio-iodepth``: a depth or a comma-separated list (default :data:`PAIRED_FIO_IODEPTHS`)."""
+    if spec is None or spec == "":
+        return tuple(PAIRED_FIO_IODEPTHS)
+    depths = tuple(int(x) for x in str(spec).split(",") if x.strip())
+    if not depths or min(depths) < 1:
+        raise SystemExit(f"--fio-iodepth: positive depths, e.g. 1,4,16 (got {spec!r})")
+    return depths
 
 
 def parse_methods(spec: str | None) -> list[str]:
@@ -1151,7 +1300,7 @@ def main(args: argparse.Namespace) -> int:
     size_gb = float(size_gb) if size_gb is not None else None
     repeat = max(1, int(getattr(args, "repeat", 3)))
     paired = bool(getattr(args, "paired", False))
-    fio_iodepth = int(getattr(args, "fio_iodepth", None) or PAIRED_FIO_IODEPTH)
+    fio_iodepths = parse_depths(getattr(args, "fio_iodepth", None))
     if paired and not explicit:
         methods = [BASELINE]  # the paired mode's default: the plugin against fio
     # Not a CLI flag: tests set it to "fadvise" to leave the machine's page cache alone.
@@ -1161,17 +1310,19 @@ def main(args: argparse.Namespace) -> int:
         os.makedirs(directory, exist_ok=True)
 
     records, meta = run_benchmark(
-        size_gb, repeat, directory, methods, cache_mode, state=state, paired=paired, fio_iodepth=fio_iodepth
+        size_gb, repeat, directory, methods, cache_mode, state=state, paired=paired, fio_iodepths=fio_iodepths
     )
     print()
     if paired:
         print(
             f"checkpoint ({state}): {meta['gb']:.3f} GB in {meta['state']['tensors']} tensors "
             f"({meta['state']['tensors_lt_1mib']} < 1 MiB); {repeat} pairs; cache: {meta['cache']}; "
-            f"fio --bs=16M --ioengine=io_uring --direct=1 --iodepth={fio_iodepth} (--end_fsync=1 for the write), "
-            f"wall clock less {meta['fio_startup_s']:.3f}s start-up; durable save = save + fsync(files, dirs)"
+            f"fio --bs=16M --ioengine=io_uring --direct=1 at --iodepth {'/'.join(map(str, fio_iodepths))}, the best "
+            "per pair (--end_fsync=1 for the write), wall clock less fio's start-up; durable save = save + "
+            "fsync(files, dirs)"
         )
         print(format_paired(records, meta))
+        print(format_paired_depths(records))
         print("targets:")
         print(format_paired_targets(meta["targets"]))
     else:

@@ -730,8 +730,11 @@ def main(args: argparse.Namespace) -> int:
         if "torchft" in rows:
             table += "\n\n" + _torchft_table(rows, cfg)
     print(table)
+    paired = paired_ratios(runs, ("failure-free", *bases))
     if not straggler:
         _print_ratios(rows, bases)
+    if repeat > 1:
+        _print_paired(paired, runs)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -741,6 +744,7 @@ def main(args: argparse.Namespace) -> int:
                     "time": time.ctime(),
                     "load_average": os.getloadavg(),
                     **extra,
+                    "paired": paired,
                     "rows": rows,
                     "runs": runs,
                     "table": table,
@@ -749,6 +753,41 @@ def main(args: argparse.Namespace) -> int:
                 indent=2,
             )
     return 0
+
+
+def paired_ratios(runs: dict[str, list[dict]], references: tuple[str, ...]) -> dict[str, dict[str, dict]]:
+    """Throughput ratios paired by repetition: ``{mode: {reference: {"ratios": [...], "median", "min", "max"}}}``.
+
+    Repetition ``i`` of a mode is divided by repetition ``i`` of the reference (same repetition, modes run
+    next to each other), so a machine that is slower for one repetition moves both sides; the median and
+    spread of those ratios are the headline figures (docs/benchmarks.md), not the ratio of the medians.
+    """
+    out: dict[str, dict[str, dict]] = {}
+    for mode, rs in runs.items():
+        for ref in references:
+            if ref == mode or ref not in runs or not rs or len(runs[ref]) != len(rs):
+                continue
+            ratios = [a["effective_mb_per_s"] / b["effective_mb_per_s"] for a, b in zip(rs, runs[ref])]
+            out.setdefault(mode, {})[ref] = {
+                "ratios": ratios,
+                "median": statistics.median(ratios),
+                "min": min(ratios),
+                "max": max(ratios),
+            }
+    return out
+
+
+def _print_paired(paired: dict[str, dict[str, dict]], runs: dict[str, list[dict]]) -> None:
+    print("paired by repetition (median [min-max] of the per-repetition ratios):")
+    for mode, refs in paired.items():
+        cells = "; ".join(
+            f"/ {ref} {v['median']:.3f}x [{v['min']:.3f}-{v['max']:.3f}] ({', '.join(f'{x:.3f}' for x in v['ratios'])})"
+            for ref, v in refs.items()
+        )
+        takeover = [r.get("median_takeover_commit_s") for r in runs[mode]]
+        if any(t is not None for t in takeover):
+            cells += "; kill -> standby in a commit, per-run medians: " + ", ".join(f_(t) for t in takeover) + " s"
+        print(f"  {mode}: {cells}")
 
 
 def _print_ratios(rows: dict[str, dict], bases: tuple[str, ...]) -> None:

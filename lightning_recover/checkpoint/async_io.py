@@ -389,7 +389,7 @@ _savers: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
 
 
 @atexit.register
-def _drain_at_exit() -> None:  # pragma: no cover - exercised by subprocess tests
+def _drain_at_exit() -> None:  # pragma: no cover - runs in a subprocess: test_interpreter_exit_drains_a_save_in_flight
     for s in list(_savers):
         try:
             s.close(raise_errors=False)

@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+from lightning_recover.env import FORK_ROOM
 from lightning_recover.launch.coordinator_process import set_parent_death_signal
 from lightning_recover.launch.process_tree import end_helper_process
 
@@ -141,9 +142,9 @@ class ForkServer:
         # -c, not -m: the package imports this module first, and runpy warns about running it as __main__
         cmd = [sys.executable, "-c", "from lightning_recover.launch.fork_server import main; main()"]
         cmd += [str(req_r), str(rep_w), "--preload", ",".join(preload), "--room", "." * TITLE_ROOM]
-        env = dict(child_env, LIGHTNING_RECOVER_FORK_ROOM="." * TITLE_ROOM)
+        server_env = dict(child_env, **{FORK_ROOM: "." * TITLE_ROOM})
         try:
-            proc = subprocess.Popen(cmd, env=env, pass_fds=(req_r, rep_w), preexec_fn=preexec)
+            proc = subprocess.Popen(cmd, env=server_env, pass_fds=(req_r, rep_w), preexec_fn=preexec)
         finally:
             os.close(req_r)
             os.close(rep_w)
