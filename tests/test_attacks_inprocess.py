@@ -324,7 +324,7 @@ def test_a_decision_taken_away_after_a_member_applied_it_ends_in_a_named_error(h
         assert ("failed authentication" if how == "overwrite" else "was deleted") in str(victim.error)
         _finished_equal_to_reference(cluster, [1])
     else:
-        assert "disagree on the open step: [1, 2]" in str(victim.error), cluster.report()
+        assert "disagree on the open step and attempt: [(1, 0), (2, 0)]" in str(victim.error), cluster.report()
     assert stopped - tampered[0] <= collective_timeout + SLACK
     _no_wrong_step(cluster)
 
