@@ -322,16 +322,19 @@ _STOCK_RUNS: dict = {}  # (test, its parameters but the mode) -> (directory, res
 def _compare_with_stock(run, request, tmp_path, mode, subdir="ck"):
     """Run ``run(root, mode)`` for ``mode`` and for the stock IO; listings and checkpoint contents must match.
 
-    The stock run of a test is made once and shared by its modes (the directory stays for the session)."""
+    The stock run of a test is made once and shared by its modes: it lives in a session directory
+    (``tmp_path_factory``), because a passing test's own ``tmp_path`` is removed when it ends."""
     out = run(tmp_path / mode, mode)
     spec = getattr(request.node, "callspec", None)
     others = sorted((k, repr(v)) for k, v in (spec.params.items() if spec else ()) if k != "mode")
     key = (request.node.originalname, tuple(others))
     if mode == "stock":
-        _STOCK_RUNS[key] = (tmp_path / mode, out)
-    elif key not in _STOCK_RUNS:
-        _STOCK_RUNS[key] = (tmp_path / "stock", run(tmp_path / "stock", "stock"))
-    stock_dir, base = _STOCK_RUNS[key]
+        stock_dir, base = tmp_path / mode, out  # compared with itself: the listing and loads still run
+    else:
+        if key not in _STOCK_RUNS:
+            shared = request.getfixturevalue("tmp_path_factory").mktemp("stock")
+            _STOCK_RUNS[key] = (shared, run(shared, "stock"))
+        stock_dir, base = _STOCK_RUNS[key]
     names = _listing(tmp_path / mode / subdir)
     assert names == _listing(stock_dir / subdir)
     for name in names:

@@ -69,6 +69,8 @@ def _unusable_path(path: str) -> str | None:
         parent, name = os.path.split(os.path.abspath(path))
         if any(f.startswith(f".{name}.dcp-tmp-") for f in os.listdir(parent)):
             return None  # an unfinished save: inspect_dcp says what that means
+        if any(f.endswith(".distcp") for f in os.listdir(path)):
+            return None  # DCP shards without their .metadata: inspect_dcp names the damage
         inside = sorted(f for f in os.listdir(path) if f.endswith((".ckpt", ".pt", ".pth")))
         found = (
             f" (checkpoint files in it: {', '.join(inside[:5])}{', ...' if len(inside) > 5 else ''})" if inside else ""

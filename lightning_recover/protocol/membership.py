@@ -246,6 +246,20 @@ class Generation:
         return len(self.members)
 
 
+def _generation_listed(store: ControlStore, number: int, members: list[int], replica: int) -> Generation:
+    """Generation ``number`` as its member list names it, with the members' join payloads."""
+    if replica not in members:
+        raise ReplicaExcludedError(
+            f"replica {replica} was left out of generation {number} (the others suspected it dead); "
+            "it stops here so that it never applies a divergent step."
+        )
+    raw = store.multi_get([f"g{number}/join/{r}" for r in members])
+    payloads = {r: json.loads(v) for r, v in zip(members, raw)}
+    return Generation(
+        number, members, {r: p["inc"] for r, p in payloads.items()}, payloads, rank=members.index(replica)
+    )
+
+
 class Membership:
     """One replica's view of the group: generations, joins, heartbeats, failure detection."""
 
@@ -559,17 +573,8 @@ class Membership:
             members = sorted(joined - dead)
             listed = self.store.compare_set(f"{prefix}/members", None, json.dumps(members))
             break
-        members = json.loads(listed)  # the value read, not a second read (the key may be deleted meanwhile)
-        if self.replica not in members:
-            raise ReplicaExcludedError(
-                f"replica {self.replica} was left out of generation {number} (the others suspected it dead); "
-                "it stops here so that it never applies a divergent step."
-            )
-        raw = self.store.multi_get([f"{prefix}/join/{r}" for r in members])
-        payloads = {r: json.loads(v) for r, v in zip(members, raw)}
-        gen = Generation(
-            number, members, {r: p["inc"] for r, p in payloads.items()}, payloads, rank=members.index(self.replica)
-        )
+        # The value read, not a second read (the key may be deleted meanwhile).
+        gen = _generation_listed(self.store, number, json.loads(listed), self.replica)
         self._build_pg(gen)
         self._events_seen = -1
         return gen

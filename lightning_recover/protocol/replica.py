@@ -315,24 +315,11 @@ class Replica:
     def _broadcast_state(self, src_rank: int, receive: bool) -> None:
         if self._get_state is None or self._set_state is None:
             raise RecoverError("rejoin needs the strategy to register its state hooks (core.set_state_hooks)")
-        payload, skeleton_len = torch.empty(0, dtype=torch.uint8), 0
-        if self.group.rank == src_rank:
-            # The training state and the exact grid as raw tensor bytes + a skeleton; their SHA-256 goes to
-            # the sealed store (the group is not authenticated).
-            payload, skeleton_len = state_transfer.pack_and_seal_digest(
-                joiner_state(self._get_state(), self.protocol.exact), self.group
-            )
-        sizes = torch.tensor([payload.numel(), skeleton_len], dtype=torch.int64)
-        self.collectives.broadcast([sizes], src_rank)
-        if self.group.rank != src_rank:
-            payload = torch.empty(int(sizes[0]), dtype=torch.uint8)
-        self.collectives.broadcast([payload], src_rank)
+        exact = self.protocol.exact  # the exact grid travels with the training state
+        mine = joiner_state(self._get_state(), exact) if self.group.rank == src_rank else None
+        received = state_transfer.broadcast_state(self.collectives, self.group, src_rank, mine, receive)
         if receive:
-            self._set_state(
-                adopt_joiner_state(
-                    state_transfer.unpack_checked(payload, int(sizes[1]), self.group), self.protocol.exact
-                )
-            )
+            self._set_state(adopt_joiner_state(received, exact))
 
     def seed_microbatch(self, step: int, j: int) -> None:
         """Reseed the RNG so random ops (dropout) do not depend on which replica computes (s, j)."""

@@ -160,3 +160,19 @@ def load_state(raw: bytes) -> Any:
             f"({exc}). HINT: keep checkpointed state to tensors, containers and primitives, or allow the type "
             "with torch.serialization.add_safe_globals([...]) in the training script."
         ) from exc
+
+
+def broadcast_state(collectives: Any, group: Any, src_rank: int, state: Any, receive: bool) -> Any:
+    """Hand ``state`` (given on ``src_rank`` only) to the members of ``group`` (a Membership) over
+    ``collectives``: its sizes, then its raw bytes + skeleton. The gloo group is not authenticated, so the
+    sender seals the payload's SHA-256 in the store first and a receiver checks it before unpacking.
+    Returns the state where ``receive`` (a joiner), else None."""
+    payload, skeleton_len = torch.empty(0, dtype=torch.uint8), 0
+    if group.rank == src_rank:
+        payload, skeleton_len = pack_and_seal_digest(state, group)
+    sizes = torch.tensor([payload.numel(), skeleton_len], dtype=torch.int64)
+    collectives.broadcast([sizes], src_rank)
+    if group.rank != src_rank:
+        payload = torch.empty(int(sizes[0]), dtype=torch.uint8)
+    collectives.broadcast([payload], src_rank)
+    return unpack_checked(payload, int(sizes[1]), group) if receive else None
