@@ -209,7 +209,10 @@ def reference_run(args: argparse.Namespace, progress: bool = True) -> tuple[list
 
     from lightning_recover.data import MicrobatchSource
 
-    torch.set_num_threads(min(4, os.cpu_count() or 1))  # the replicas are done: use the machine
+    if args.exact:  # bitwise: the replicas' CPU thread count (the launcher starts them with OMP_NUM_THREADS=1)
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    else:
+        torch.set_num_threads(min(4, os.cpu_count() or 1))  # the replicas are done: use the machine
     data, model, optimizer = _build(args)
     if args.precision == "64-true":
         model.double()  # in place: the optimizer keeps the same parameters
