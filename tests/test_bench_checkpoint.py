@@ -299,7 +299,7 @@ def test_async_checkpoint_bench_pairs_each_save_with_the_steps_just_before(tmp_p
 
 def test_bench_unstaged_smoke(tmp_path, capsys):
     """The three ways of writing each item size run to the end and leave nothing behind (no timing is checked)."""
-    from lightning_recover.bench import unstaged
+    from benchmarks import unstaged
 
     assert unstaged.main(["--size-gb", "0.02", "--items", "256K,4M", "--repeat", "1", "--dir", str(tmp_path)]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "KiB" in line]
@@ -325,7 +325,7 @@ def test_fio_uses_huge_pages_only_when_reserved():
 
 def test_profile_save_smoke(tmp_path):
     """profile_save runs the real save through its timing proxies (they must accept what the save passes)."""
-    from lightning_recover.bench import profile_save
+    from benchmarks import profile_save
 
     out = profile_save.profile("small10k", 0.01, str(tmp_path), 1, 0)
     assert out["runs"] and out["runs"][0]["total_s"] > 0

@@ -1,6 +1,6 @@
 """Where does UringCheckpointIO's time go? A breakdown of one durable save and one cold load.
 
-``python -m lightning_recover.bench.profile_uring [--size-gb 2] [--dir DIR] [--repeat 3]`` (format 1 files)
+``python -m benchmarks.profile_uring [--size-gb 2] [--dir DIR] [--repeat 3]`` (format 1 files)
 
 The functional ``save``/``load`` of :mod:`lightning_recover.checkpoint.checkpoint_io` are run
 unchanged; their calls into the format module and the native engine are wrapped with timers

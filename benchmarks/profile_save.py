@@ -1,6 +1,6 @@
 """Where does a format-2 save's time go? Timers around every step of ``single_file.save``, per state.
 
-``python -m lightning_recover.bench.profile_save --state llama|small10k|gpt [--size-gb G] [--repeat 3]
+``python -m benchmarks.profile_save --state llama|small10k|gpt [--size-gb G] [--repeat 3]
 [--dir DIR] [--cprofile 25] [--json OUT]``
 
 The plugin's ``save`` (format 2, ``single_file._save_zip``) runs unchanged; these calls are wrapped:
@@ -42,9 +42,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from benchmarks.profile_uring import EngineProxy, Timers
 from lightning_recover.bench.checkpoint import fsync_tree
 from lightning_recover.bench.gpt_state import STATES, build_state, iter_tensors, tensor_stats
-from lightning_recover.bench.profile_uring import EngineProxy, Timers
 
 NATIVE_WRITE = "native Writer.write (copy+crc32c+submit/wait)"
 NATIVE_CLOSE = "native Writer.close (drain, truncate, fdatasync)"
