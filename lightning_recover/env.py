@@ -37,7 +37,7 @@ INJECT = "LIGHTNING_RECOVER_INJECT"
 #: JSON of the demo's arguments, handed by the demo's launcher to its replica processes.
 DEMO_ARGS = "LIGHTNING_RECOVER_DEMO_ARGS"
 #: ``on`` allocates fresh storages of >= 1 MiB 4096-aligned on checkpoint load so native_io reads
-#: them zero-copy (default ``off``: it measured slower in wall time here, see docs/benchmarks.md).
+#: them zero-copy (default ``off``: it measured slower in wall time here, see benchmarks/LOG.md).
 ALIGNED_ALLOC = "LIGHTNING_RECOVER_ALIGNED_ALLOC"
 #: ``off``: loads into fresh tensors leave every page fault to the reader thread, as before
 #: ``checkpoint/page_populate.py`` (for before/after measurements). Default ``on``: files of large records have

@@ -412,7 +412,7 @@ class AsyncSaver:
             ``forward`` such as BatchNorm statistics, and AdamW's step counters).
         flush_bytes_per_s: pace the flusher's writes of staged chunks to at most this many bytes per second
             (None: as fast as the disk takes them). Spreads what the write costs the training steps over more
-            of them (docs/benchmarks.md: on this VM the disk's writes take the guests' CPUs, whoever writes).
+            of them (benchmarks/LOG.md: on this VM the disk's writes take the guests' CPUs, whoever writes).
     """
 
     def __init__(

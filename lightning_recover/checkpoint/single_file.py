@@ -456,7 +456,7 @@ def _tensor_rows(index: torch_zip.ArchiveIndex, small: dict) -> list[dict]:
 # Llama-like state: 6.9 MB; small10k: 100 KB, bound by unpickling 10,000 tensors). Only then are the tensors listed
 # ahead of the load to read records straight into ``into=`` targets (:func:`_meta_tensors`: ~0.1 ms per tensor,
 # torch's pure-Python weights_only unpickler; for small10k 1.1 s, more than it saved: 1.6 s against 0.8 s per load,
-# docs/benchmarks.md), and only then are fresh storages populated on a second thread (``page_populate.py``).
+# benchmarks/LOG.md), and only then are fresh storages populated on a second thread (``page_populate.py``).
 _LARGE_AVERAGE_RECORD = 1 << 20
 
 
@@ -614,7 +614,7 @@ def _new_storage(nbytes: int) -> torch.UntypedStorage:
 
     Off by default: on the benchmark VM (virtio disk, max_segments 254) the zero-copy reads into
     scattered 4 KiB user pages reach the device as smaller requests than the arena's and measured
-    slower in wall time (docs/benchmarks.md, "Checkpoint I/O"), although they save the copy's CPU.
+    slower in wall time (benchmarks/LOG.md, "Checkpoint I/O"), although they save the copy's CPU.
     """
     if nbytes < _ALIGNED_MIN_BYTES or not _ALIGNED_ALLOC:
         return torch.UntypedStorage(nbytes)
