@@ -17,7 +17,7 @@ from typing import Any
 
 from lightning_recover import env
 from lightning_recover.protocol.options import RecoverOptions
-from lightning_recover.protocol.planner import plan_quotas
+from lightning_recover.protocol.quotas import plan_quotas
 
 __all__ = ["RecoverOptions", "RecoverStrategy", "RecoverTrainerStrategy", "Step", "plan_quotas", "UringCheckpointIO"]
 __version__ = "0.1.0"

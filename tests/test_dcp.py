@@ -479,7 +479,7 @@ def test_two_ranks_save_reshard_to_one(tmp_path):
     assert torch.equal(lazy["w"], changed) and torch.equal(lazy["b"], full["b"])
 
 
-# ------------------------------------------------------------------- plan caching (dcp_planner.py)
+# ------------------------------------------------------------------- plan caching (dcp_plan_cache.py)
 
 
 def _fresh_plan_caches(monkeypatch) -> None:

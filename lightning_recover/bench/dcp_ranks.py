@@ -26,8 +26,8 @@ over the rounds are reported (ratios are taken within a round first, then their 
   staging reused (``cache_staged_state_dict=True``) and ours lazy (``lazy_snapshot=True``).
 
 * **spread save** (GPT state): what ``fabric.save`` does with sharded replicas, as one replica of N processes runs
-  it (one part): ``sharded.save_part`` over the N ranks (a ``DcpSaver`` part: cached after its first, untimed
-  save), then ``sharded.commit_parts`` on rank 0 (reads the part's metadata back, merges, commits), timed like
+  it (one part): ``dcp_state.save_part`` over the N ranks (a ``DcpSaver`` part: cached after its first, untimed
+  save), then ``dcp_state.commit_parts`` on rank 0 (reads the part's metadata back, merges, commits), timed like
   the saves above. Its first checkpoint is loaded and checked once.
 
 The second state (``--small`` tensors per rank under ``"model"``, rank-private keys, not sharded) holds the
@@ -90,7 +90,7 @@ def _spread_save(state: dict, path: str) -> None:
     token is the same on every rank (each rank counts its saves)."""
     import torch.distributed as dist
 
-    from lightning_recover.checkpoint.sharded import commit_parts, save_part
+    from lightning_recover.checkpoint.dcp_state import commit_parts, save_part
 
     token = f"bench{next(_spread_saves):011x}"
     save_part(path, state, token, 0, 1, base=0)

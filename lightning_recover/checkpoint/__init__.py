@@ -12,7 +12,7 @@ from lightning_recover.checkpoint.dcp import (
     cleanup_dcp_temps,
     verify_dcp_checkpoint,
 )
-from lightning_recover.checkpoint.dcp_planner import CachingSavePlanner
+from lightning_recover.checkpoint.dcp_plan_cache import CachingSavePlanner
 from lightning_recover.checkpoint.dcp_saver import DcpSaveError, DcpSaver
 from lightning_recover.checkpoint.files import cleanup_stale_temps
 from lightning_recover.checkpoint.format import (

@@ -147,6 +147,6 @@ def print_dcp(summary: dict, verify: bool, human: Any) -> None:
 
 def convert_dcp(path: str, unsafe: bool) -> Any:
     """The full checkpoint (one process, full tensors), ready for ``torch.save``."""
-    from lightning_recover.checkpoint.sharded import load_full
+    from lightning_recover.checkpoint.dcp_state import load_full
 
     return load_full(path, allow_pickle=unsafe)

@@ -47,7 +47,7 @@ from lightning_recover.errors import RecoverError
 from lightning_recover.lightning.base import RecoverStrategyBase, ReplicaLauncher, build_options
 from lightning_recover.lightning.loader import StepBatch, StepLoader, epoch_position
 from lightning_recover.lightning.ranks import set_rank_zero
-from lightning_recover.lightning.sharded import (
+from lightning_recover.lightning.sharding_config import (
     ShardingConfig,
     load_local_module_state,
     local_shards,
