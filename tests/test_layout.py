@@ -109,7 +109,7 @@ def test_no_import_cycle_among_top_level_imports():
 def test_protocol_works_without_lightning():
     code = (
         "import sys; sys.modules['lightning'] = None; sys.modules['lightning.fabric'] = None; "
-        "import lightning_recover.protocol, lightning_recover.launch.launcher; "
+        "import lightning_recover.protocol, lightning_recover.launch.supervisor; "
         "from lightning_recover.protocol import Replica, plan_quotas; "
         "assert not [m for m, v in sys.modules.items() if m.split('.')[0] == 'lightning' and v is not None]"
     )

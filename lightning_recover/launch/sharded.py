@@ -1,6 +1,6 @@
 """The tolerant local launcher for sharded replicas: K processes per replica, the replica fails whole.
 
-Like :func:`~lightning_recover.launch.launcher.supervise`, survivors are never touched. What
+Like :func:`~lightning_recover.launch.supervisor.supervise`, survivors are never touched. What
 changes with K processes per replica: when one process of replica r exits with an error, or the
 coordinator declares r dead (a process stopped heartbeating: hung), the launcher tells the
 coordinator and SIGKILLs the other processes of r by pid — they are stuck in intra-replica

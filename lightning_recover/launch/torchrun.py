@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from lightning_recover.launch.launcher import supervise
+from lightning_recover.launch.supervisor import supervise
 
 
 def torchrun_command(script: Sequence[str], nproc_per_replica: int = 1, max_restarts: int = 0) -> list[str]:

@@ -49,7 +49,7 @@ class ReplicaLauncher(_Launcher):
     def launch(self, function: Any, *args: Any, **kwargs: Any) -> Any:
         if env.in_replica():
             return function(*args, **kwargs)
-        from lightning_recover.launch.launcher import supervise
+        from lightning_recover.launch.supervisor import supervise
 
         opts = self._strategy.options
         sharding = getattr(self._strategy, "sharding", None)
