@@ -186,9 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_arguments(p)
     p.set_defaults(func=_cmd_simulate)
 
-    from lightning_recover.launch import supervisor
+    from lightning_recover.launch import commands
 
-    supervisor.add_subcommands(sub)
+    commands.add_subcommands(sub)
     return parser
 
 

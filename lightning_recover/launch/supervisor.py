@@ -1,16 +1,38 @@
-"""The tolerant local launcher: one process per replica, survivors are never killed.
+"""The tolerant local launcher: replicas of K processes (K = 1 the common case), survivors never killed.
 
 Lightning's stock launcher kills every rank when one dies, and torchrun's agent restarts its
-whole group. This supervisor instead starts the coordinator and one process per replica, tells
-the coordinator at once when a replica process exits (so survivors need not wait for heartbeats),
-optionally restarts it, and ends a replica the coordinator declared dead (hung) that still runs
-after a grace period (a deadlocked process never exits by itself). When the survivors are done it
-ends what is left (a SIGSTOPped replica stays stopped until then). Its exit code is 0 when at least one replica finished successfully.
+whole group. :class:`Supervisor` instead starts the coordinator and the processes of every replica,
+tells the coordinator at once when a replica process exits (so survivors need not wait for
+heartbeats), ends the rest of a replica whose process failed, optionally restarts it (or lets a warm
+standby take its place), and ends a replica the coordinator declared dead (hung) that still runs (a
+deadlocked process never exits by itself). When the survivors are done it ends what is left (a
+SIGSTOPped replica stays stopped until then). Its exit code is 0 when at least one replica finished
+successfully. The subcommands that use it are parsed in :mod:`~lightning_recover.launch.commands`.
+
+``Supervisor(command, replicas, ...)``: ``command`` is the argv of every replica process, or a
+function of the replica id returning it (the torchrun mode wraps each replica in its own torchrun
+agent). Once one replica has finished successfully the job is done: replicas still running
+``finish_grace`` seconds later are killed. ``nproc_per_replica`` = K > 1: the replica shards its
+model; the launcher starts its K processes and the replica fails whole (one process exits with an
+error, or the coordinator declares the replica dead: the others, stuck in intra-replica collectives
+until the gloo timeout, are SIGKILLed); it succeeded when all K exited 0. ``watch_workers`` (torchrun
+mode: each child is an agent that starts the K workers and restarts them itself): the death of a
+child's worker is declared to the coordinator at once, as the exit of a direct child is.
+``restarts``: a failed replica is started again (all K processes, a new incarnation that rejoins) up
+to that many times; under torchrun it bounds the standby takeovers. ``standby`` = S > 0: S warm
+standbys (of K processes each) wait; a ready one takes a failed replica's place instead of a restart
+(it counts as one) and a new one starts in its stead (see :mod:`~lightning_recover.protocol.standby`).
+``fork`` (not under torchrun): processes are forked by a fork server that imported ``preload`` once
+(see :mod:`~lightning_recover.launch.fork_server`).
+
+Nothing of the job outlives it: the coordinator and the replicas get a parent-death signal; if the
+coordinator dies or stops answering for ``max(5, 2 x heartbeat_timeout + 1)`` seconds, the replicas
+are ended and the exit code is ``EXIT_COORDINATOR_LOST``; a command that cannot be started ends what
+was started and returns ``EXIT_SPAWN_FAILED``.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import queue
 import shutil
@@ -24,14 +46,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_recover import env
-from lightning_recover.errors import RecoverError
 from lightning_recover.launch import coordinator_process
 from lightning_recover.launch.fork_server import DEFAULT_PRELOAD, Process, ProcessStarter
 from lightning_recover.launch.process_tree import children_map, describe_exit, is_stopped, kill_tree
 from lightning_recover.launch.standby_pool import StandbyPool
-from lightning_recover.protocol import coordinator
 from lightning_recover.protocol.faults import parse_faults
-from lightning_recover.protocol.messages import JobSecret, Sealer, connect, mark_dead, read_declared
+from lightning_recover.protocol.messages import JobSecret, Sealer, connect, mark_dead, read_death, read_declared
 from lightning_recover.protocol.options import (
     DEFAULT_HEARTBEAT_INTERVAL,
     check_heartbeat_timeout,
@@ -40,18 +60,6 @@ from lightning_recover.protocol.options import (
 )
 from lightning_recover.protocol.standby import assign as assign_standby
 from lightning_recover.protocol.standby import is_ready as standby_is_ready
-
-
-@dataclass
-class _Child:
-    replica: int
-    proc: Process
-    restarts: int = 0
-    exit_code: int | None = None
-    history: list[str] = field(default_factory=list)
-    handled: int = 0  # declarations of incarnations up to this one concern processes already ended
-    declared_at: float | None = None  # when the launcher first saw it declared dead while it ran
-
 
 #: Exit code of a job whose coordinator died or stopped answering (its replicas were ended).
 EXIT_COORDINATOR_LOST = 3
@@ -152,56 +160,236 @@ def _replica_preexec(launcher_pid: int) -> Callable[[], None]:
     return preexec
 
 
-def supervise(
-    command: Sequence[str] | Callable[[int], Sequence[str]],
-    replicas: int,
-    *,
-    heartbeat_timeout: float = 1.0,
-    hang_timeout: float = 60.0,
-    inject: str | None = None,
-    restarts: int = 0,
-    host: str = "127.0.0.1",
-    extra_env: dict[str, str] | None = None,
-    on_event: Callable[[str], Any] | None = None,
-    finish_grace: float = 30.0,
-    watch_workers: bool = False,
-    heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
-    nproc_per_replica: int = 1,
-    standby: int = 0,
-    fork: bool = True,
-    preload: Sequence[str] = DEFAULT_PRELOAD,
-) -> int:
-    """Run ``command`` once per replica under a fresh coordinator; return the job's exit code.
+@dataclass
+class _ReplicaProcesses:
+    """One replica as the launcher sees it: the K processes it started for it (K = 1: one process, or
+    under torchrun one agent, which starts the replica's workers itself)."""
 
-    ``command`` is the argv of every replica, or a function of the replica id returning it (the
-    torchrun mode wraps each replica in its own torchrun agent). Once one replica has finished
-    successfully the job is done: replicas still running ``finish_grace`` seconds later (hung, or
-    under an agent that waits for a hung worker) are killed. With ``watch_workers`` (torchrun mode:
-    each child is an agent that restarts its worker itself), the death of a child's worker process
-    is declared to the coordinator at once, as the exit of a direct child is.
+    replica: int
+    procs: list[Process]
+    restarts: int = 0
+    history: list[str] = field(default_factory=list)
+    codes: dict[int, int] = field(default_factory=dict)  # inner position -> exit code (current processes)
+    failed: bool = False  # K > 1: ended whole after one of its processes failed or hung
+    handled: int = 0  # declarations of incarnations up to this one concern processes already ended
+    declared_at: float | None = None  # when the launcher first saw it declared dead while it ran
+    first_incarnation: int = 1  # K > 1: deaths of older incarnations (before a restart) are not this one's
 
-    Nothing of the job outlives it: the coordinator and the replicas get a parent-death signal; if
-    the coordinator dies or stops answering for ``max(5, 2 x heartbeat_timeout + 1)`` seconds, the
-    replicas are ended and the exit code is ``EXIT_COORDINATOR_LOST``; a command that cannot be
-    started ends what was started and returns ``EXIT_SPAWN_FAILED``.
+    @property
+    def proc(self) -> Process:
+        """K = 1: the replica's process."""
+        return self.procs[0]
 
-    ``nproc_per_replica`` = K > 1: sharded replicas. Locally the launcher starts K processes per
-    replica (see :mod:`~lightning_recover.launch.sharded`); in torchrun mode each agent starts them.
+    def running(self) -> list[Process]:
+        return [p for i, p in enumerate(self.procs) if i not in self.codes]
 
-    ``standby`` = S > 0: S warm standbys run the command ahead of need and wait; a failed replica's
-    restart is then a standby taking its place (it still counts as one of its ``restarts``), and a
-    new standby is started in its stead (see :mod:`~lightning_recover.protocol.standby`). Under
-    torchrun (``watch_workers``) a standby is a torchrun job of its own; ``restarts`` then bounds
-    the takeovers per replica only (the agents restart workers themselves).
+    @property
+    def done(self) -> bool:
+        return len(self.codes) == len(self.procs)
 
-    ``fork`` (not under torchrun): replicas, restarted replicas and standbys are forked by a fork
-    server that imported ``preload`` once (see :mod:`~lightning_recover.launch.fork_server`), so
-    none of them imports torch and Lightning again; a command that cannot be forked starts new
-    processes.
-    """
+    def describe(self) -> str:
+        return f"replica {self.replica}: {'; '.join(self.history) or 'exit codes ' + str(self.codes)}"
+
+    def end(self) -> list[int]:
+        """SIGKILL the processes still running (a SIGSTOPped one too), wait for them, record their exit
+        codes; the pids it ended."""
+        pids = [p.pid for p in self.running() if p.poll() is None]
+        for p in self.running():
+            kill_tree(p.pid)
+        for i, p in enumerate(self.procs):
+            if i not in self.codes:
+                p.wait()
+                self.codes[i] = p.returncode
+        return pids
+
+    @property
+    def ok(self) -> bool:
+        return self.done and not self.failed and all(c == 0 for c in self.codes.values())
+
+
+class _DeathReader:
+    """Which replicas the coordinator declared dead, read on the link's thread (a frozen coordinator
+    never blocks the launcher's loop). K = 1: what its monitor declared (``declared/{r}``); K > 1: the
+    death notices (``dead/{r}``) and whether that incarnation left cleanly."""
+
+    def __init__(self, link: _Link, sealer: Sealer, replicas: int, k: int) -> None:
+        self.link, self.sealer, self.replicas, self.k = link, sealer, replicas, k
+        self._pending: tuple[list, threading.Event] | None = None
+        self._next = 0.0
+
+    def take(self) -> dict[int, tuple] | None:
+        """The last reading, once it is there (then None until the next one)."""
+        if self._pending is None or not self._pending[1].is_set():
+            return None
+        box, self._pending = self._pending[0], None
+        return box[0] if box else None
+
+    def request(self) -> None:
+        """Start the next reading: every 0.1 s (K > 1: 0.05 s), one at a time."""
+        if self._pending is None and time.monotonic() >= self._next:
+            self._next = time.monotonic() + (0.1 if self.k == 1 else 0.05)
+            self._pending = self.link.submit(self._declarations if self.k == 1 else self._deaths)
+
+    def _declarations(self, store: Any) -> dict[int, tuple[int, int]]:
+        """Replica -> (current incarnation, incarnation the coordinator's monitor declared dead)."""
+        n = self.replicas
+        raw = store.multi_get([f"inc/{r}" for r in range(n)] + [f"declared/{r}" for r in range(n)])
+        out = {}
+        for r in range(n):
+            try:
+                out[r] = (int(raw[r]), read_declared(self.sealer, r, raw[n + r]))
+            except ValueError:
+                out[r] = (0, 0)
+        return out
+
+    def _deaths(self, store: Any) -> dict[int, tuple[int, int, bool]]:
+        """Replica -> (current incarnation, incarnation declared dead, whether it left cleanly)."""
+        out = {}
+        for r in range(self.replicas):
+            try:
+                inc = int(store.add(f"inc/{r}", 0))
+                dead = read_death(self.sealer, r, store.get(f"dead/{r}"))
+                out[r] = (inc, dead, dead >= inc and store.check([f"left/{r}/{inc}"]))
+            except ValueError:
+                continue
+        return out
+
+
+class _WorkerWatch:
+    """torchrun mode: notices when the worker under a replica's agent exits. Only a worker that lived
+    >= 1 s counts: no transient helper process of the agent."""
+
+    def __init__(self) -> None:
+        self.first_seen: dict[int, dict[int, float]] = {}  # replica -> {worker pid under its agent: first seen}
+        self._next = 0.0
+
+    def lost(self, group: list[_ReplicaProcesses]) -> list[_ReplicaProcesses]:
+        """The running replicas whose agent lost a worker since the last look (every 0.05 s at most)."""
+        if time.monotonic() < self._next:
+            return []
+        self._next = time.monotonic() + 0.05
+        tree, now_t = children_map(), time.monotonic()
+        out = []
+        for c in group:
+            seen = self.first_seen.setdefault(c.replica, {})
+            now = set(tree.get(c.proc.pid, [])) if not c.done else set()
+            lost = [pid for pid, t in seen.items() if pid not in now and now_t - t >= 1.0]
+            for pid in set(seen) - now:
+                del seen[pid]
+            for pid in now:
+                seen.setdefault(pid, now_t)
+            if lost and c.proc.poll() is None:
+                out.append(c)
+        return out
+
+
+class _Job:
+    """What a job's replicas run on, started and ended together: the job's secret, its coordinator
+    process, the launcher's link to it, and the starter of the replicas' processes (the fork server)."""
+
+    def __init__(self, argv: Callable[[int], Sequence[str]], k: int, say: Callable[[str], Any]) -> None:
+        self.argv, self.k, self.say = argv, k, say
+        # One secret per job, in a private 0600 file: it authenticates every control message.
+        self.secret_dir = tempfile.mkdtemp(prefix="lightning-recover-")
+        secret = JobSecret.generate()
+        self.secret_file = secret.write_file(self.secret_dir)
+        self.sealer = Sealer(secret)
+        self.child_env: dict[str, str] = {}
+        self.starter: ProcessStarter | None = None
+        self.coord: Any = None
+        self.link: _Link | None = None
+
+    def start(
+        self,
+        *,
+        replicas: int,
+        nproc: int,
+        extra_env: dict[str, str] | None,
+        inject: str | None,
+        fork: bool,
+        preload: Sequence[str],
+        heartbeat_timeout: float,
+        **coordinator: Any,
+    ) -> None:
+        child_env = dict(os.environ, **(extra_env or {}))
+        child_env[env.SECRET_FILE] = self.secret_file
+        child_env.pop(env.SECRET, None)
+        child_env[env.REPLICAS] = str(replicas)
+        child_env.setdefault(env.OMP_NUM_THREADS, "1")  # spinning OpenMP threads make gloo 20x slower on small machines
+        if inject:
+            child_env[env.INJECT] = inject
+        if nproc > 1:
+            child_env[env.REPLICA_SIZE] = str(nproc)
+        self.child_env = child_env
+        try:
+            # The fork server imports while the coordinator starts (each takes seconds); it needs no address: every
+            # process it forks gets its own environment. torchrun's replicas and standbys are agents: not forked.
+            self.starter = ProcessStarter(
+                list(self.argv(0)),
+                child_env,
+                self.say,
+                fork=fork,
+                preload=preload,
+                preexec=_replica_preexec(os.getpid()),
+            )
+            self.coord = coordinator_process.start(
+                replicas, heartbeat_timeout, secret_file=self.secret_file, replica_size=nproc, **coordinator
+            )
+            child_env[env.COORDINATOR] = self.coord.addr
+            self.link = _Link(self.coord.addr, period=min(1.0, heartbeat_timeout / 2))
+        except BaseException:
+            self.close()
+            raise
+
+    def _process_env(self, extra: dict[str, str], inner: int) -> dict[str, str]:
+        out = dict(self.child_env, **extra)
+        if self.k > 1:
+            out[env.INNER] = str(inner)
+        return out
+
+    def spawn(self, r: int) -> list[Process]:
+        """The K processes of replica ``r`` (a replica starts whole or not at all)."""
+        procs: list[Process] = []
+        try:
+            for i in range(self.k):
+                procs.append(self.starter.start(self.argv(r), self._process_env({env.REPLICA: str(r)}, i), wait=True))
+        except BaseException:
+            for p in procs:
+                kill_tree(p.pid)
+                p.wait()
+            raise
+        return procs
+
+    def spawn_standby(self, s: int) -> list[Process] | None:
+        procs: list[Process] = []
+        for i in range(self.k):
+            # None: the fork server is still importing; the first process decides, the others wait
+            proc = self.starter.start(self.argv(0), self._process_env({env.STANDBY: str(s)}, i), wait=bool(procs))
+            if proc is None:
+                return None  # start this standby later
+            procs.append(proc)
+        return procs
+
+    def close(self, coordinator_lost: bool = False) -> None:
+        if self.starter is not None:
+            self.starter.close()
+        if self.coord is not None and (coordinator_lost or is_stopped(self.coord.proc.pid)):
+            # A frozen coordinator would never handle SIGTERM. Killed before the link is closed: the
+            # kill resets the connection the link's thread is stuck on, so the thread ends now
+            # instead of inside torch's store code while the interpreter exits (which aborts it).
+            self.coord.proc.kill()
+        if self.link is not None:
+            self.link.close()
+        if self.coord is not None:
+            self.coord.stop()
+        shutil.rmtree(self.secret_dir, ignore_errors=True)
+
+
+def _check_options(
+    replicas: Any, restarts: Any, nproc_per_replica: Any, inject: str | None, standby: int, finish_grace: float
+) -> None:
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
-    check_heartbeat_timeout(heartbeat_timeout, heartbeat_interval)
     check_seconds("finish_grace", finish_grace)
     if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
         raise ValueError(f"restarts must be an integer >= 0, got {restarts!r}")
@@ -209,440 +397,356 @@ def supervise(
     if isinstance(nproc_per_replica, bool) or not isinstance(nproc_per_replica, int) or nproc_per_replica < 1:
         raise ValueError(f"nproc_per_replica must be an integer >= 1, got {nproc_per_replica!r}")
     check_standby(standby, restarts)
-    say = on_event or (lambda line: print(f"[lightning-recover] {line}", file=sys.stderr, flush=True))
-    argv = command if callable(command) else (lambda r: command)
-    first = list(argv(0))
-    if not first:
-        raise ValueError("the replica command is empty. HINT: give it after --, e.g. -- python train.py")
-    # Refuse a command that cannot run before anything is started (the usual typo); spawn errors
-    # after this point still end everything started.
-    path = (extra_env or {}).get("PATH", os.environ.get("PATH"))
-    if not os.path.dirname(first[0]) and shutil.which(first[0], path=path) is None:
-        say(
-            f"cannot start the replicas: command {first[0]!r} not found on PATH. HINT: check the command "
-            "after --, e.g. -- python train.py"
-        )
-        return EXIT_SPAWN_FAILED
-    # One secret per job, in a private 0600 file: it authenticates every control message.
-    secret_dir = tempfile.mkdtemp(prefix="lightning-recover-")
-    secret = JobSecret.generate()
-    secret_file = secret.write_file(secret_dir)
-    sealer = Sealer(secret)
-    child_env = dict(os.environ, **(extra_env or {}))
-    child_env[env.SECRET_FILE] = secret_file
-    child_env.pop(env.SECRET, None)
-    child_env[env.REPLICAS] = str(replicas)
-    child_env.setdefault(env.OMP_NUM_THREADS, "1")  # spinning OpenMP threads make gloo 20x slower on small machines
-    if inject:
-        child_env[env.INJECT] = inject
-    starter: ProcessStarter | None = None
-    try:
-        # The fork server imports while the coordinator starts (each takes seconds); it needs no address: every
-        # process it forks gets its own environment. torchrun's replicas and standbys are agents: not forked.
-        starter = ProcessStarter(
-            first,
-            child_env,
-            say,
+
+
+class Supervisor:
+    """Runs one job: a fresh coordinator and R replicas of K processes each (``nproc_per_replica``);
+    :meth:`run` returns the job's exit code. The options are described in the module's docstring."""
+
+    def __init__(
+        self,
+        command: Sequence[str] | Callable[[int], Sequence[str]],
+        replicas: int,
+        *,
+        heartbeat_timeout: float = 1.0,
+        hang_timeout: float = 60.0,
+        inject: str | None = None,
+        restarts: int = 0,
+        host: str = "127.0.0.1",
+        extra_env: dict[str, str] | None = None,
+        on_event: Callable[[str], Any] | None = None,
+        finish_grace: float = 30.0,
+        watch_workers: bool = False,
+        heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
+        nproc_per_replica: int = 1,
+        standby: int = 0,
+        fork: bool = True,
+        preload: Sequence[str] = DEFAULT_PRELOAD,
+    ) -> None:
+        _check_options(replicas, restarts, nproc_per_replica, inject, standby, finish_grace)
+        check_heartbeat_timeout(heartbeat_timeout, heartbeat_interval)
+        self.argv = command if callable(command) else (lambda r: command)
+        self.first = list(self.argv(0))
+        if not self.first:
+            raise ValueError("the replica command is empty. HINT: give it after --, e.g. -- python train.py")
+        self.replicas, self.nproc, self.restarts, self.standby = replicas, nproc_per_replica, restarts, standby
+        self.extra_env, self.finish_grace, self.watch_workers = extra_env, finish_grace, watch_workers
+        self.job_options = dict(
+            replicas=replicas,
+            nproc=nproc_per_replica,
+            extra_env=extra_env,
+            inject=inject,
             fork=fork and not watch_workers,
             preload=preload,
-            preexec=_replica_preexec(os.getpid()),
-        )
-        coord = coordinator_process.start(
-            replicas,
-            heartbeat_timeout,
-            host=host,
+            heartbeat_timeout=heartbeat_timeout,
             heartbeat_interval=heartbeat_interval,
             hang_timeout=hang_timeout,
-            secret_file=secret_file,
-            replica_size=nproc_per_replica,
+            host=host,
         )
-    except BaseException:
-        if starter is not None:
-            starter.close()
-        shutil.rmtree(secret_dir, ignore_errors=True)
-        raise
-    child_env[env.COORDINATOR] = coord.addr
-    children: list[_Child] = []
-    # The coordinator's silence that ends the job: the replicas' own bound (RecoverOptions.store_timeout).
-    lost_after = max(5.0, 2 * heartbeat_timeout + 1.0)
-    interrupted = coordinator_lost = False
-    old: dict = {}
-    link: _Link | None = None
-    standbys: StandbyPool | None = None
-    try:
-        link = _Link(coord.addr, period=min(1.0, heartbeat_timeout / 2))
-        if nproc_per_replica > 1:
-            child_env[env.REPLICA_SIZE] = str(nproc_per_replica)
-            if not watch_workers:
-                from lightning_recover.launch.sharded import supervise_sharded
+        self.say = on_event or (lambda line: print(f"[lightning-recover] {line}", file=sys.stderr, flush=True))
+        # The processes this launcher starts per replica: under torchrun one agent starts the K workers.
+        self.k = 1 if watch_workers else nproc_per_replica
+        # The coordinator's silence that ends the job: the replicas' own bound (RecoverOptions.store_timeout).
+        # A replica declared dead that still runs this long afterwards (K = 1) is ended: a deadlocked process
+        # never exits by itself, and one wrongly suspected has had the time to notice its exclusion and stop.
+        self.lost_after = max(5.0, 2 * heartbeat_timeout + 1.0)
+        self.group: list[_ReplicaProcesses] = []
+        self.interrupted = self.coordinator_lost = False
+        self.finished_at: float | None = None
+        self.job: _Job | None = None
+        self.standbys: StandbyPool | None = None
+        self.deaths: _DeathReader | None = None
+        self.workers = _WorkerWatch()
 
-                say(f"coordinator at {coord.addr} (pid {coord.proc.pid})")
-                return supervise_sharded(
-                    argv,
-                    replicas,
-                    nproc_per_replica,
-                    connect(coord.addr),
-                    sealer,
-                    child_env,
-                    say,
-                    finish_grace,
-                    restarts=restarts,
-                    standby=standby,
-                    starter=starter,
-                )
-
-        def spawn(r: int) -> Process:
-            return starter.start(argv(r), dict(child_env, **{env.REPLICA: str(r)}), wait=True)
-
-        def spawn_standby(s: int) -> list[Process] | None:
-            proc = starter.start(argv(0), dict(child_env, **{env.STANDBY: str(s)}))
-            return None if proc is None else [proc]  # None: the fork server is still importing
-
-        # One standby process per restart the job may still make, at most: never more than needed.
-        standbys = StandbyPool(standby, spawn_standby, standby + replicas * restarts, say) if standby else None
-
-        try:
-            for r in range(replicas):
-                children.append(_Child(r, spawn(r)))
-        except OSError as exc:
-            say(
-                f"cannot start replica {len(children)}: {exc}. Ended the {len(children)} replica(s) and the "
-                "coordinator already started. HINT: check the command after --, e.g. -- python train.py"
+    # ------------------------------------------------------------------ the job
+    def run(self) -> int:
+        # Refuse a command that cannot run before anything is started (the usual typo); spawn errors
+        # after this point still end everything started.
+        path = (self.extra_env or {}).get("PATH", os.environ.get("PATH"))
+        if not os.path.dirname(self.first[0]) and shutil.which(self.first[0], path=path) is None:
+            self.say(
+                f"cannot start the replicas: command {self.first[0]!r} not found on PATH. HINT: check the command "
+                "after --, e.g. -- python train.py"
             )
             return EXIT_SPAWN_FAILED
-        if standbys is not None:
-            standbys.fill()  # after the replicas: they are the ones the job waits for
-        say(
-            f"coordinator at {coord.addr} (pid {coord.proc.pid}); started {replicas} replicas"
-            + (f" and {standby} standby" if standbys is not None else "")
-            + f": {' '.join(first)}"
-        )
-        finished_at: float | None = None
-        first_seen: dict[int, dict[int, float]] = {}  # replica -> {worker pid under its agent: first seen}
-        next_scan = 0.0
-        # A replica the coordinator declared dead (hung: no progress while peers waited, or no heartbeat)
-        # that still runs this long afterwards is ended: a deadlocked process never exits by itself, and
-        # one wrongly suspected has had the time to notice its exclusion and stop with its own error.
-        declared_grace = lost_after
-        declarations: tuple[list, threading.Event] | None = None
-        next_declarations = 0.0
-
-        def read_declarations(store: Any) -> dict[int, tuple[int, int]]:
-            """Replica -> (current incarnation, incarnation the coordinator's monitor declared dead)."""
-            raw = store.multi_get([f"inc/{r}" for r in range(replicas)] + [f"declared/{r}" for r in range(replicas)])
-            out = {}
-            for r in range(replicas):
-                try:
-                    out[r] = (int(raw[r]), read_declared(sealer, r, raw[replicas + r]))
-                except ValueError:
-                    out[r] = (0, 0)
-            return out
-
-        def declare_dead(r: int) -> bool:
-            # Synchronous: a restart must not bump the incarnation before the old one is declared dead.
-            marked, inc = link.call(
-                lambda store: (mark_dead(store, sealer, r), int(store.add(f"inc/{r}", 0))), timeout=lost_after
-            )
-            children[r].handled = max(children[r].handled, inc)  # its next incarnation is a new process
-            return marked
-
-        def take_standby(c: _Child, end_agent: bool = False) -> bool:
-            """A waiting standby takes failed replica ``c``'s place (its death is already declared) and
-            counts as one of its restarts; ``end_agent``: first end the replica's torchrun agent (and
-            any worker it restarted). False (nothing counted) when no standby is ready."""
-            taken = standbys.take(
-                lambda ids: link.call(
-                    lambda store: [s for s in ids if standby_is_ready(store, sealer, s, nproc_per_replica)], lost_after
-                )
-            )
-            if taken is None:
-                return False
-            if end_agent:
-                kill_tree(c.proc.pid)
-                c.proc.wait()
-            s, (proc,) = taken
-            link.call(lambda store: assign_standby(store, sealer, s, c.replica), timeout=lost_after)
-            c.restarts += 1
-            c.proc = proc
-            c.history.append(f"standby {s} took its place")
-            say(f"replica {c.replica}: standby {s} (pid {proc.pid}) takes its place ({c.restarts}/{restarts})")
-            standbys.fill()  # a new standby starts in the background
-            return True
-
-        def end_declared(seen: dict[int, tuple[int, int]]) -> None:
-            now_t = time.monotonic()
-            for c in children:
-                inc, declared = seen.get(c.replica, (0, 0))
-                if (
-                    c.exit_code is not None
-                    or c.proc.poll() is not None
-                    or declared <= c.handled
-                    or declared < inc
-                    or is_stopped(c.proc.pid)  # frozen: it cannot act on its exclusion; ended at the end
-                ):
-                    c.declared_at = None
-                    continue
-                if c.declared_at is None:
-                    c.declared_at = now_t
-                elif now_t - c.declared_at > declared_grace:
-                    # Under a torchrun agent: end the worker (the agent restarts it or fails), not the agent.
-                    pids = children_map().get(c.proc.pid, []) if watch_workers else [c.proc.pid]
-                    for pid in pids:
-                        kill_tree(pid)
-                    c.handled, c.declared_at = declared, None
-                    c.history.append("declared dead by the coordinator, still running: killed")
-                    say(
-                        f"replica {c.replica} (incarnation {declared}) was declared dead by the coordinator and "
-                        f"still ran {declared_grace:g}s later (hung); killed it (pids {pids})"
-                    )
-
-        def _forward(signum: int, _frame: Any) -> None:
-            nonlocal interrupted
-            interrupted = True
-            for c in children:
-                if c.proc.poll() is None:
-                    c.proc.send_signal(signum)
-
-        old = {s: signal.signal(s, _forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.job = _Job(self.argv, self.k, self.say)
+        self.job.start(**self.job_options)
+        self.link, self.sealer, self.coord = self.job.link, self.job.sealer, self.job.coord
+        self.deaths = _DeathReader(self.link, self.sealer, self.replicas, self.k)
+        old: dict = {}
         try:
-            while True:
-                running = 0
-                for c in children:
-                    if c.exit_code is not None:
-                        continue
-                    code = c.proc.poll()
-                    if code is None:
-                        running += not is_stopped(c.proc.pid)
-                        continue
-                    c.history.append(describe_exit(code))
-                    if code != 0:
-                        if coord.proc.poll() is None:
-                            declare_dead(c.replica)
-                        say(f"replica {c.replica} failed ({describe_exit(code)})")
-                        # Under torchrun the agent restarts workers itself; `restarts` bounds takeovers only.
-                        if c.restarts < restarts and not interrupted and not watch_workers:
-                            if standbys is not None and take_standby(c):
-                                running += 1
-                                continue
-                            c.restarts += 1
-                            say(f"restarting replica {c.replica} ({c.restarts}/{restarts})")
-                            try:
-                                c.proc = spawn(c.replica)
-                            except OSError as exc:
-                                say(f"cannot restart replica {c.replica}: {exc}")
-                            else:
-                                running += 1
-                                continue
-                    c.exit_code = code
-                    if code == 0 and finished_at is None:
-                        finished_at = time.monotonic()
-                if declarations is not None and declarations[1].is_set():
-                    if declarations[0]:
-                        end_declared(declarations[0][0])
-                    declarations = None
-                if declarations is None and time.monotonic() >= next_declarations:
-                    next_declarations = time.monotonic() + 0.1
-                    declarations = link.submit(read_declarations)
-                if watch_workers and time.monotonic() >= next_scan:
-                    next_scan = time.monotonic() + 0.05
-                    tree, now_t = children_map(), time.monotonic()
-                    for c in children:
-                        seen = first_seen.setdefault(c.replica, {})
-                        now = set(tree.get(c.proc.pid, [])) if c.exit_code is None else set()
-                        # Only a worker that lived >= 1 s counts: no transient helper process of the agent.
-                        lost = [pid for pid, t in seen.items() if pid not in now and now_t - t >= 1.0]
-                        for pid in set(seen) - now:
-                            del seen[pid]
-                        for pid in now:
-                            seen.setdefault(pid, now_t)
-                        if lost and c.proc.poll() is None and declare_dead(c.replica):
-                            # The agent will restart it; tell the survivors now rather than after heartbeats.
-                            say(f"replica {c.replica}: its worker exited; declared dead")
-                            if standbys is not None and c.restarts < restarts and not interrupted:
-                                # A ready standby job instead: the agent is ended before it restarts
-                                # anything, and the standby's agent becomes the replica's. With none
-                                # ready, the agent restarts its worker.
-                                if take_standby(c, end_agent=True):
-                                    first_seen[c.replica] = {}
-                if running == 0 or (finished_at is not None and time.monotonic() - finished_at > finish_grace):
-                    break
-                if standbys is not None and finished_at is None:
-                    standbys.reap()
-                if coord.proc.poll() is not None:
-                    raise _CoordinatorLost(f"it exited ({describe_exit(coord.proc.returncode)})")
-                if link.silent_for() > lost_after:
-                    raise _CoordinatorLost(
-                        f"it stopped answering for more than {lost_after:g}s (frozen or unreachable)"
-                        if link.error is None
-                        else f"the connection failed ({link.error})"
-                    )
-                time.sleep(0.01)
-            for c in children:
-                if c.exit_code is None:  # hung replicas (or agents waiting on one): nobody will resume them
-                    kill_tree(c.proc.pid)
-                    c.proc.wait()
-                    c.exit_code = c.proc.returncode
-                    c.history.append("hung, killed at the end")
-                    say(f"replica {c.replica} was hung; killed it")
-        except _CoordinatorLost as exc:
-            if interrupted and coord.proc.poll() is not None:
-                pass  # Ctrl-C reached the coordinator too: an interruption, not a loss
-            else:
-                coordinator_lost = True
-                say(
-                    f"CoordinatorLostError: the coordinator (pid {coord.proc.pid}, {coord.addr}) is lost: {exc}. "
-                    "No step can be agreed without it; ending the job's replicas. "
-                    "HINT: restart the job from its last checkpoint."
+            if not self._start_replicas():
+                return EXIT_SPAWN_FAILED
+            old = {s: signal.signal(s, self._forward) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                self._watch()
+                self._end_hung_at_the_end()
+            except _CoordinatorLost as exc:
+                if not (self.interrupted and self.coord.proc.poll() is not None):
+                    return self._coordinator_is_lost(exc)
+                # else: Ctrl-C reached the coordinator too: an interruption, not a loss
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            self._end_job()
+        self.say("done: " + ", ".join(rep.describe() for rep in self.group))
+        return 0 if any(rep.ok for rep in self.group) and not self.interrupted else 1
+
+    def _start_replicas(self) -> bool:
+        if self.standby:
+            # One standby per restart the job may still make, at most: never more than needed.
+            limit = self.standby + self.replicas * self.restarts
+            self.standbys = StandbyPool(self.standby, self.job.spawn_standby, limit, self.say)
+        try:
+            for r in range(self.replicas):
+                self.group.append(_ReplicaProcesses(r, self.job.spawn(r)))
+        except OSError as exc:
+            self.say(
+                f"cannot start replica {len(self.group)}: {exc}. Ended the {len(self.group)} replica(s) and the "
+                "coordinator already started. HINT: check the command after --, e.g. -- python train.py"
+            )
+            return False
+        if self.standbys is not None:
+            self.standbys.fill()  # after the replicas: they are the ones the job waits for
+        per = f" x {self.k} processes" if self.k > 1 else ""
+        self.say(
+            f"coordinator at {self.coord.addr} (pid {self.coord.proc.pid}); started {self.replicas} replicas{per}"
+            + (f" and {self.standby} standby{per}" if self.standbys is not None else "")
+            + f": {' '.join(self.first)}"
+        )
+        return True
+
+    def _forward(self, signum: int, _frame: Any) -> None:
+        self.interrupted = True
+        for rep in self.group:
+            for p in rep.procs:
+                if p.poll() is None:
+                    p.send_signal(signum)
+
+    # ------------------------------------------------------------------ the main loop
+    def _watch(self) -> None:
+        while True:
+            running = sum(self._poll(rep) if self.k == 1 else self._poll_group(rep) for rep in self.group)
+            seen = self.deaths.take()
+            if seen is not None:
+                (self._end_declared if self.k == 1 else self._end_dead_replicas)(seen)
+            self.deaths.request()
+            if self.watch_workers:
+                self._scan_workers()
+            finished = self.finished_at is not None and time.monotonic() - self.finished_at > self.finish_grace
+            if running == 0 or finished:
+                return
+            if self.standbys is not None and self.finished_at is None:
+                self.standbys.reap()
+            if self.coord.proc.poll() is not None:
+                raise _CoordinatorLost(f"it exited ({describe_exit(self.coord.proc.returncode)})")
+            if self.link.silent_for() > self.lost_after:
+                raise _CoordinatorLost(
+                    f"it stopped answering for more than {self.lost_after:g}s (frozen or unreachable)"
+                    if self.link.error is None
+                    else f"the connection failed ({self.link.error})"
                 )
-                # Running replicas notice on their own within the same bound and exit with their own
-                # named error; give them that long, then end whatever is left (finally below). A
-                # stopped (hung) replica never will: it is not waited for.
-                deadline = time.monotonic() + lost_after + 1.0
-                while time.monotonic() < deadline and any(
-                    c.proc.poll() is None and not is_stopped(c.proc.pid) for c in children
-                ):
-                    time.sleep(0.02)
-                return EXIT_COORDINATOR_LOST
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-        if standbys is not None:
-            standbys.end()
-        for c in children:
-            if c.proc.poll() is None:
-                kill_tree(c.proc.pid)
-                c.proc.wait()
-        if starter is not None:
-            starter.close()
-        if coordinator_lost or is_stopped(coord.proc.pid):
-            # A frozen coordinator would never handle SIGTERM. Killed before the link is closed: the
-            # kill resets the connection the link's thread is stuck on, so the thread ends now
-            # instead of inside torch's store code while the interpreter exits (which aborts it).
-            coord.proc.kill()
-        if link is not None:
-            link.close()
-        coord.stop()
-        shutil.rmtree(secret_dir, ignore_errors=True)
-    ok = [c.replica for c in children if c.exit_code == 0]
-    say("done: " + ", ".join(f"replica {c.replica}: {'; '.join(c.history)}" for c in children))
-    return 0 if ok and not interrupted else 1
+            time.sleep(0.01)
 
+    def _poll(self, c: _ReplicaProcesses) -> int:
+        """K = 1: look at the replica's process; 1 if it runs (or was started again), else 0."""
+        if c.done:
+            return 0
+        code = c.proc.poll()
+        if code is None:
+            return int(not is_stopped(c.proc.pid))
+        c.history.append(describe_exit(code))
+        if code != 0:
+            if self.coord.proc.poll() is None:
+                self._declare_dead(c)
+            self.say(f"replica {c.replica} failed ({describe_exit(code)})")
+            # Under torchrun the agent restarts workers itself; `restarts` bounds takeovers only.
+            if c.restarts < self.restarts and not self.interrupted and not self.watch_workers and self._restart(c):
+                return 1
+        c.codes[0] = code
+        if code == 0 and self.finished_at is None:
+            self.finished_at = time.monotonic()
+        return 0
 
-# ---------------------------------------------------------------------------- CLI
+    def _poll_group(self, rep: _ReplicaProcesses) -> int:
+        """K > 1: look at the replica's processes (one failed: end it whole); how many of them run."""
+        if not rep.done:
+            for i, p in enumerate(rep.procs):
+                if i in rep.codes:
+                    continue
+                code = p.poll()
+                if code is None:
+                    continue
+                rep.codes[i] = code
+                if code != 0 and not rep.failed:
+                    self._end_replica(rep, f"process {i} (pid {p.pid}) {describe_exit(code)}")
+                    break
+            if rep.ok:
+                self.finished_at = self.finished_at or time.monotonic()
+                rep.history.append(f"all {self.k} processes finished")
+        return sum(1 for p in rep.running() if not is_stopped(p.pid))
 
+    def _end_replica(self, rep: _ReplicaProcesses, why: str, restart: bool = True) -> None:
+        """K > 1: end all of the replica's processes, and start it again if it may."""
+        rep.failed = True
+        try:
+            self._declare_dead(rep)
+        except _CoordinatorLost:
+            pass  # the coordinator is gone; the replicas notice on their own
+        pids = rep.end()
+        rep.history.append(why + (f"; killed its other processes {pids}" if pids else ""))
+        self.say(f"replica {rep.replica} failed ({why}); ended its processes {pids}")
+        if restart and rep.restarts < self.restarts and not self.interrupted:
+            self._restart(rep)
 
-def _cmd_run(args: argparse.Namespace) -> int:
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
-    if not command:
-        raise SystemExit("lightning-recover run: give the command after --, e.g. -- python train.py")
-    try:
-        return supervise(
-            command,
-            args.replicas,
-            heartbeat_timeout=args.heartbeat_timeout,
-            inject=args.inject,
-            restarts=args.restarts,
-            host=args.host,
-            nproc_per_replica=args.nproc_per_replica,
-            standby=args.standby,
-            fork=args.start == "fork",
-            preload=[*DEFAULT_PRELOAD, *(m for m in args.preload.split(",") if m)],
+    def _declare_dead(self, rep: _ReplicaProcesses) -> bool:
+        # Synchronous: a restart must not bump the incarnation before the old one is declared dead.
+        marked, inc = self.link.call(
+            lambda store: (mark_dead(store, self.sealer, rep.replica), int(store.add(f"inc/{rep.replica}", 0))),
+            timeout=self.lost_after,
         )
-    except ValueError as exc:  # a bad option: say how to fix it, no traceback
-        raise SystemExit(f"lightning-recover run: {exc}") from None
+        rep.handled = max(rep.handled, inc)  # its next incarnation is a new process
+        return marked
 
+    def _restart(self, rep: _ReplicaProcesses) -> bool:
+        """Start failed replica ``rep`` again (its death is declared): a ready standby takes its place,
+        else new processes (a new incarnation that rejoins). False when it could not be started."""
+        if self.k > 1:
+            # The new processes' incarnation is the next one: deaths of this one are no longer theirs.
+            previous = self.link.call(lambda store: int(store.add(f"inc/{rep.replica}", 0)), timeout=self.lost_after)
+            rep.first_incarnation = previous + 1
+        if self.standbys is not None and self._take_standby(rep):
+            return True
+        rep.restarts += 1
+        more = f": {self.k} new processes" if self.k > 1 else ""
+        self.say(f"restarting replica {rep.replica} ({rep.restarts}/{self.restarts}){more}")
+        try:
+            rep.procs = self.job.spawn(rep.replica)
+        except OSError as exc:
+            self.say(f"cannot restart replica {rep.replica}: {exc}")
+            return False
+        rep.codes, rep.failed = {}, False
+        return True
 
-def _cmd_coordinator(args: argparse.Namespace) -> int:
-    try:
-        coordinator.serve(
-            args.host,
-            args.port,
-            args.replicas,
-            args.heartbeat_timeout,
-            hang_timeout=args.hang_timeout,
-            secret_file=args.secret_file,
-            replica_size=args.replica_size,
+    def _take_standby(self, rep: _ReplicaProcesses, end_agent: bool = False) -> bool:
+        """A waiting standby takes failed replica ``rep``'s place (its death is already declared) and
+        counts as one of its restarts; ``end_agent``: first end the replica's torchrun agent (and
+        any worker it restarted). False (nothing counted) when no standby is ready."""
+        taken = self.standbys.take(
+            lambda ids: self.link.call(
+                lambda store: [s for s in ids if standby_is_ready(store, self.sealer, s, self.nproc)], self.lost_after
+            )
         )
-    except (ValueError, OSError, RecoverError) as exc:
-        raise SystemExit(f"lightning-recover coordinator: {exc}") from None
-    return 0
+        if taken is None:
+            return False
+        if end_agent:
+            kill_tree(rep.proc.pid)
+            rep.proc.wait()
+        s, rep.procs = taken
+        self.link.call(lambda store: assign_standby(store, self.sealer, s, rep.replica), timeout=self.lost_after)
+        rep.restarts += 1
+        rep.codes, rep.failed = {}, False
+        rep.history.append(f"standby {s} took its place")
+        pids = f"pid {rep.proc.pid}" if len(rep.procs) == 1 else f"pids {[p.pid for p in rep.procs]}"
+        self.say(f"replica {rep.replica}: standby {s} ({pids}) takes its place ({rep.restarts}/{self.restarts})")
+        self.standbys.fill()  # a new standby starts in the background
+        return True
+
+    # ------------------------------------------------------------------ what the coordinator declared
+    def _end_declared(self, seen: dict[int, tuple[int, int]]) -> None:
+        """K = 1: end a replica declared dead that still runs ``lost_after`` seconds later."""
+        now_t = time.monotonic()
+        for c in self.group:
+            inc, declared = seen.get(c.replica, (0, 0))
+            if (
+                c.done
+                or c.proc.poll() is not None
+                or declared <= c.handled
+                or declared < inc
+                or is_stopped(c.proc.pid)  # frozen: it cannot act on its exclusion; ended at the end
+            ):
+                c.declared_at = None
+                continue
+            if c.declared_at is None:
+                c.declared_at = now_t
+            elif now_t - c.declared_at > self.lost_after:
+                # Under a torchrun agent: end the worker (the agent restarts it or fails), not the agent.
+                pids = children_map().get(c.proc.pid, []) if self.watch_workers else [c.proc.pid]
+                for pid in pids:
+                    kill_tree(pid)
+                c.handled, c.declared_at = declared, None
+                c.history.append("declared dead by the coordinator, still running: killed")
+                self.say(
+                    f"replica {c.replica} (incarnation {declared}) was declared dead by the coordinator and "
+                    f"still ran {self.lost_after:g}s later (hung); killed it (pids {pids})"
+                )
+
+    def _end_dead_replicas(self, seen: dict[int, tuple[int, int, bool]]) -> None:
+        """K > 1: a process hung (the coordinator declared its replica dead): end the rest of it."""
+        for rep in self.group:
+            inc, dead, left = seen.get(rep.replica, (0, 0, True))
+            if rep.done or rep.failed or inc < rep.first_incarnation or dead < inc or left:
+                continue
+            self._end_replica(rep, "declared dead by the coordinator (a process hung or stopped heartbeating)")
+
+    def _scan_workers(self) -> None:
+        """torchrun mode: a replica whose agent's worker exited is declared dead at once."""
+        for c in self.workers.lost(self.group):
+            if not self._declare_dead(c):
+                continue
+            # The agent will restart it; tell the survivors now rather than after heartbeats.
+            self.say(f"replica {c.replica}: its worker exited; declared dead")
+            if self.standbys is not None and c.restarts < self.restarts and not self.interrupted:
+                # A ready standby job instead: the agent is ended before it restarts anything, and
+                # the standby's agent becomes the replica's. With none ready, the agent restarts its worker.
+                if self._take_standby(c, end_agent=True):
+                    self.workers.first_seen[c.replica] = {}
+
+    # ------------------------------------------------------------------ the end
+    def _end_hung_at_the_end(self) -> None:
+        for rep in self.group:
+            if rep.done:
+                continue
+            if self.k > 1:
+                self._end_replica(rep, "hung at the end of the run", restart=False)
+                continue
+            rep.end()  # hung replicas (or agents waiting on one): nobody will resume them
+            rep.history.append("hung, killed at the end")
+            self.say(f"replica {rep.replica} was hung; killed it")
+
+    def _coordinator_is_lost(self, exc: Exception) -> int:
+        self.coordinator_lost = True
+        self.say(
+            f"CoordinatorLostError: the coordinator (pid {self.coord.proc.pid}, {self.coord.addr}) is lost: {exc}. "
+            "No step can be agreed without it; ending the job's replicas. "
+            "HINT: restart the job from its last checkpoint."
+        )
+        _wait_for_running(self.group, self.lost_after + 1.0)
+        return EXIT_COORDINATOR_LOST
+
+    def _end_job(self) -> None:
+        if self.standbys is not None:
+            self.standbys.end()
+        for rep in self.group:
+            for p in rep.procs:
+                if p.poll() is None:
+                    kill_tree(p.pid)
+                    p.wait()
+        self.job.close(self.coordinator_lost)
 
 
-def add_subcommands(sub: Any) -> None:
-    from lightning_recover.launch import torchrun
+def _wait_for_running(group: list[_ReplicaProcesses], seconds: float) -> None:
+    """After the coordinator was lost: running replicas notice on their own within the same bound and
+    exit with their own named error; give them that long, then the job ends whatever is left. A
+    stopped (hung) replica never will: it is not waited for."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(
+        p.poll() is None and not is_stopped(p.pid) for rep in group for p in rep.procs
+    ):
+        time.sleep(0.02)
 
-    replicas, seconds = coordinator_process.replica_count, coordinator_process.heartbeat_timeout_seconds
-    p = sub.add_parser("run", help="run a script once per replica under a tolerant launcher")
-    p.add_argument("--replicas", type=replicas, required=True)
-    p.add_argument(
-        "--nproc-per-replica",
-        type=replicas,
-        default=1,
-        help="processes per replica (K > 1: the replica shards its model with FSDP2)",
-    )
-    p.add_argument("--inject", default=None, help="faults, e.g. kill:replica=2:step=5:phase=backward")
-    p.add_argument(
-        "--heartbeat-timeout",
-        type=seconds,
-        default=1.0,
-        help="seconds without heartbeat before a replica is declared dead (> 0.2)",
-    )
-    p.add_argument(
-        "--restarts",
-        type=coordinator_process.non_negative_int,
-        default=0,
-        help="restart a failed replica up to K times",
-    )
-    p.add_argument(
-        "--standby",
-        type=coordinator_process.non_negative_int,
-        default=0,
-        help="keep S warm standby processes that take a failed replica's place (each counts as a restart)",
-    )
-    p.add_argument(
-        "--start",
-        choices=("fork", "exec"),
-        default="fork",
-        help="fork: replicas, restarts and standbys are forked by a server that imported torch and Lightning "
-        "once (when the command is `python script.py` or `python -m module`); exec: each is a new interpreter",
-    )
-    p.add_argument(
-        "--preload",
-        default="",
-        help="more modules the fork server imports once for every process, comma-separated (e.g. transformers)",
-    )
-    p.add_argument("--host", default="127.0.0.1", help="coordinator bind address (only this one is bound)")
-    p.add_argument("command", nargs=argparse.REMAINDER)
-    p.set_defaults(func=_cmd_run)
 
-    p = sub.add_parser("torchrun", help="one torchrun job per replica (restarts stay inside a replica)")
-    p.add_argument("--replicas", type=replicas, required=True)
-    p.add_argument("--nproc-per-replica", type=int, default=1)
-    p.add_argument(
-        "--max-restarts",
-        type=coordinator_process.non_negative_int,
-        default=0,
-        help="torchrun restarts of a failed replica",
-    )
-    p.add_argument("--inject", default=None, help="faults, e.g. kill:replica=2:step=5:phase=backward")
-    p.add_argument(
-        "--heartbeat-timeout",
-        type=seconds,
-        default=1.0,
-        help="seconds without heartbeat before a replica is declared dead (> 0.2)",
-    )
-    p.add_argument(
-        "--standby",
-        type=coordinator_process.non_negative_int,
-        default=0,
-        help="keep S warm standby torchrun jobs that take a failed replica's place (each counts as a restart)",
-    )
-    p.add_argument("--host", default="127.0.0.1", help="coordinator bind address (only this one is bound)")
-    p.add_argument("command", nargs=argparse.REMAINDER)
-    p.set_defaults(func=torchrun.cmd_torchrun)
-
-    p = sub.add_parser("coordinator", help="run only the coordinator (multi-node jobs)")
-    coordinator_process.add_arguments(p)
-    p.set_defaults(func=_cmd_coordinator, check=lambda args, p=p: coordinator_process.check_arguments(p, args))
+def supervise(command: Sequence[str] | Callable[[int], Sequence[str]], replicas: int, **options: Any) -> int:
+    """Run ``command`` as ``replicas`` replicas under a fresh coordinator (see :class:`Supervisor`
+    for the options); return the job's exit code."""
+    return Supervisor(command, replicas, **options).run()
