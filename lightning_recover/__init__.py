@@ -78,7 +78,7 @@ def __getattr__(name: str) -> Any:
 
         return RecoverTrainerStrategy
     if name == "UringCheckpointIO":
-        from lightning_recover.checkpoint import UringCheckpointIO
+        from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
 
         return UringCheckpointIO
     raise AttributeError(f"module 'lightning_recover' has no attribute {name!r}")

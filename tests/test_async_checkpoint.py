@@ -13,7 +13,6 @@ import native_io
 from lightning_recover.checkpoint import (
     AsyncCheckpointError,
     CheckpointIncompleteError,
-    UringCheckpointIO,
     async_io,
     files,
     load,
@@ -21,6 +20,7 @@ from lightning_recover.checkpoint import (
 )
 from lightning_recover.checkpoint.async_io import _Ring, crc32c_combine
 from lightning_recover.checkpoint.torch_zip import ALIGN, PlanWriter
+from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
 from tests.jobs import bounded
 
 pytestmark = pytest.mark.timeout(120)

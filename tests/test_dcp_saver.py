@@ -323,7 +323,7 @@ def test_two_ranks_cached_saves_load_with_the_stock_reader(tmp_path):
 _SPREAD_PARTS = two_rank_script(
     """
     import errno
-    from lightning_recover.checkpoint import dcp as dcp_mod, sharded
+    from lightning_recover.checkpoint import dcp as dcp_mod, dcp_state
     from lightning_recover.checkpoint.dcp_saver import DcpSaveError
     root = arg
     state = {"model": {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}}
@@ -333,11 +333,11 @@ _SPREAD_PARTS = two_rank_script(
     def spread(name, token):
         # both parts written by this group, as two replicas of it would (files __0_, __1_ and __2_, __3_)
         for q in range(2):
-            sharded.save_part(os.path.join(root, name), state, token, q, 2, base=2 * q)
-            seen.append(sharded._PART_SAVERS[(q, 2, 2 * q, 2)].last_protocol)
+            dcp_state.save_part(os.path.join(root, name), state, token, q, 2, base=2 * q)
+            seen.append(dcp_state._PART_SAVERS[(q, 2, 2 * q, 2)].last_protocol)
         dist.barrier()
         if rank == 0:
-            sharded.commit_parts(os.path.join(root, name), state, token, 2)
+            dcp_state.commit_parts(os.path.join(root, name), state, token, 2)
         dist.barrier()
 
     spread("ck1", "t1")
@@ -352,13 +352,13 @@ _SPREAD_PARTS = two_rank_script(
     # rank 1's engine refuses its file in part 1: that part fails on both ranks, its shared directory is left
     # for the spread save's committer to abandon
     real_open = dcp_mod.open_writer
-    sharded.save_part(os.path.join(root, "ck4"), state, "t4", 0, 2, base=0)
+    dcp_state.save_part(os.path.join(root, "ck4"), state, "t4", 0, 2, base=0)
     if rank == 1:
         def refuse(*a, **k):
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
         dcp_mod.open_writer = refuse
     try:
-        sharded.save_part(os.path.join(root, "ck4"), state, "t4", 1, 2, base=2)
+        dcp_state.save_part(os.path.join(root, "ck4"), state, "t4", 1, 2, base=2)
         raise SystemExit("the failed part returned")
     except DcpSaveError as exc:
         assert "[1]" in str(exc), str(exc)
@@ -368,7 +368,7 @@ _SPREAD_PARTS = two_rank_script(
     assert os.path.isdir(tmp) and "__0_0.distcp" in os.listdir(tmp), os.listdir(root)
     dist.barrier()  # both ranks have looked before rank 0 abandons it
     if rank == 0:
-        sharded.abandon_parts(os.path.join(root, "ck4"), "t4")
+        dcp_state.abandon_parts(os.path.join(root, "ck4"), "t4")
     dist.barrier()
     seen.clear()
     spread("ck5", "t5")
@@ -380,7 +380,7 @@ _SPREAD_PARTS = two_rank_script(
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_ranks_spread_parts_take_the_cached_protocol(tmp_path):
-    """``sharded.save_part`` (the spread save of sharded replicas) over a group of two gloo ranks: the first save of
+    """``dcp_state.save_part`` (the spread save of sharded replicas) over a group of two gloo ranks: the first save of
     each part is a full ``dcp.save``, the next ones the cached protocol; a moved item, a failed part (the shared
     directory left for the committer to abandon) and the part that failed starting over. Every committed
     checkpoint loads with both readers."""

@@ -41,8 +41,9 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_recover.checkpoint import AsyncCheckpointError, UringCheckpointIO, async_io
+from lightning_recover.checkpoint import AsyncCheckpointError, async_io
 from lightning_recover.checkpoint.torch_zip import PlanWriter
+from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
 from tests.jobs import bounded
 
 pytestmark = [pytest.mark.lightning_compat, pytest.mark.timeout(120)]

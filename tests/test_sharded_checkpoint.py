@@ -227,6 +227,7 @@ def test_parts_saved_again_take_the_cached_protocol(tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 
     from lightning_recover.checkpoint import verify_dcp_checkpoint
+    from lightning_recover.checkpoint.dcp import wait_for_removals
     from lightning_recover.checkpoint.dcp_state import _PART_SAVERS, commit_parts, load_sharded, save_part
 
     _PART_SAVERS.clear()
@@ -242,6 +243,7 @@ def test_parts_saved_again_take_the_cached_protocol(tmp_path):
             save_part(path, state, token, q, 2, base=q)
             assert _PART_SAVERS[(q, 2, q, 1)].last_protocol == ("dcp" if round_ == 0 else "cached")
         commit_parts(path, state, token, 2)
+        assert wait_for_removals(timeout=60)  # the replaced checkpoint is removed on a thread
         assert verify_dcp_checkpoint(path)["files"] == 2 and os.listdir(tmp_path) == ["ck"]
         model2, optimizer2 = _model_and_optimizer(1)
         restored = {"model": model2, "optimizer": optimizer2, "step": 0}

@@ -183,7 +183,7 @@ def test_zip64_records(tmp_path, monkeypatch):
 
 
 def test_async_save_writes_format_2(tmp_path):
-    from lightning_recover.checkpoint import UringCheckpointIO
+    from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
 
     io = UringCheckpointIO(async_save=True, max_pending_bytes=1 << 20)  # the 2 MiB tensor goes in chunks
     ck = _state()
@@ -457,7 +457,7 @@ def test_lightning_reads_our_checkpoints_without_the_plugin(tmp_path):
     from lightning.pytorch import Trainer
     from lightning.pytorch.demos.boring_classes import BoringModel
 
-    from lightning_recover.checkpoint import UringCheckpointIO
+    from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
 
     class WithHparams(BoringModel):
         def __init__(self, lr: float = 0.1, name: str = "x") -> None:

@@ -1,8 +1,10 @@
-"""The lightning-recover checkpoint format and its Lightning ``CheckpointIO`` plugin.
+"""The lightning-recover checkpoint engine: single-file checkpoints and sharded DCP checkpoints.
 
 ``save(checkpoint, path)`` / ``load(path, map_location=None, weights_only=True, verify=True, into=None)``
-write and read the format described in ``docs/format.md``; :class:`UringCheckpointIO` plugs it into
-``Trainer``/``Fabric``.
+write and read the format described in ``docs/format.md``; ``UringStorageWriter``/``UringStorageReader``
+and ``DcpSaver`` the DCP side (``docs/dcp.md``). Importing it does not import Lightning: the Lightning
+``CheckpointIO`` plugin is :class:`lightning_recover.lightning.checkpoint_io.UringCheckpointIO`
+(also ``lightning_recover.UringCheckpointIO``).
 """
 
 from lightning_recover.checkpoint.async_io import AsyncCheckpointError
@@ -21,7 +23,6 @@ from lightning_recover.checkpoint.format import (
     CheckpointIncompleteError,
     UnsafeCheckpointError,
 )
-from lightning_recover.checkpoint.plugin import UringCheckpointIO
 from lightning_recover.checkpoint.single_file import CheckpointInfo, load, read_info, save, verify_file
 
 __all__ = [
@@ -34,7 +35,6 @@ __all__ = [
     "DcpSaveError",
     "DcpSaver",
     "UnsafeCheckpointError",
-    "UringCheckpointIO",
     "UringStorageReader",
     "UringStorageWriter",
     "cleanup_dcp_temps",

@@ -3,7 +3,7 @@
 ``save`` encodes the checkpoint (``format.py``), writes the storages as aligned extents with a
 crc32c each, then the index, skeleton and footer, into a temporary file made durable and renamed
 onto its final name (``files.py``). ``load`` verifies every extent's checksum before building a
-tensor from it. :class:`~lightning_recover.checkpoint.plugin.UringCheckpointIO` plugs this into
+tensor from it. :class:`~lightning_recover.lightning.checkpoint_io.UringCheckpointIO` plugs this into
 Lightning.
 """
 

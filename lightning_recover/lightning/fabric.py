@@ -261,7 +261,7 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
             super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
     def _save_sharded(self, path: str, state: dict) -> None:
-        from lightning_recover.checkpoint.spread_save import save_over_live_replicas
+        from lightning_recover.lightning.spread_save import save_over_live_replicas
 
         save_over_live_replicas(
             self.core,

@@ -120,7 +120,7 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
             failure-detection and waiting limits, in seconds.
         restarts: how many times the launcher restarts a failed replica.
         seed: seed of the per-epoch sample permutation (the same on every replica).
-        checkpoint_io: defaults to :class:`lightning_recover.checkpoint.UringCheckpointIO`.
+        checkpoint_io: defaults to :class:`lightning_recover.lightning.checkpoint_io.UringCheckpointIO`.
         replica_size: ``K``, processes per replica (default 1). With K > 1 each replica shards the
             LightningModule with FSDP2 over its K processes (``devices`` is ``replicas x K``): the
             strategy calls ``configure_model``, then shards, then ``configure_optimizers``.
@@ -185,7 +185,7 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
     @override
     def checkpoint_io(self) -> CheckpointIO:
         if self._checkpoint_io is None:
-            from lightning_recover.checkpoint import UringCheckpointIO
+            from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
 
             self._checkpoint_io = UringCheckpointIO()
         return self._checkpoint_io

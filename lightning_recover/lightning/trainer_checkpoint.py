@@ -13,7 +13,7 @@ with Lightning's ``ModelParallelStrategy``). What is in it (:func:`dcp_state`):
   separate ``meta.pt`` from rank 0; here they are items of the same directory, so they are part of
   its atomic commit and of its CRC-32C sidecars.
 
-Writing goes through :func:`~lightning_recover.checkpoint.spread_save.save_over_live_replicas`
+Writing goes through :func:`~lightning_recover.lightning.spread_save.save_over_live_replicas`
 (every live replica writes about 1/R of the items, committed once, atomically), like ``fabric.save``.
 Reading (:func:`load_trainer_checkpoint`) restores the module and the optimizers in place, every
 process its own shards (:func:`~lightning_recover.checkpoint.dcp_state.load_sharded`), and returns
@@ -126,7 +126,7 @@ def save_trainer_checkpoint(
 ) -> None:
     """Every process of every live replica of ``strategy`` (a sharded ``RecoverTrainerStrategy``):
     write Lightning's ``checkpoint`` as one DCP directory at ``filepath``."""
-    from lightning_recover.checkpoint.spread_save import save_over_live_replicas
+    from lightning_recover.lightning.spread_save import save_over_live_replicas
 
     if storage_options is not None:
         raise TypeError("with replica_size>1 a checkpoint is a DCP directory: storage_options is not supported")
