@@ -21,19 +21,19 @@ from __future__ import annotations
 
 import secrets
 import sys
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from lightning_recover.checkpoint import dcp_state
+from lightning_recover.protocol.replica import Replica
 
 
 def save_over_live_replicas(
-    replica: Any, path: str, state: dict, *, num_replicas: int, replica_size: int, device: torch.device
+    replica: Replica, path: str, state: dict, *, num_replicas: int, replica_size: int, device: torch.device
 ) -> None:
-    """Called by every process of every live replica; ``replica`` is the protocol's ``Replica``
-    façade (exchange over live replicas, fire), the default process group is the replica's own."""
+    """Called by every process of every live replica; ``replica`` is the protocol's façade (exchange
+    over live replicas, fire), the default process group is the replica's own."""
 
     stale: list[str] = []  # tokens of failed rounds: the next committer removes what is left of them
     while True:
