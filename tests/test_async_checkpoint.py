@@ -127,8 +127,12 @@ def test_ring_fifo_wraps_and_backpressure():
 # --------------------------------------------------------------------------------------- consistency
 
 
-@pytest.mark.parametrize("closure", [False, True])
-@pytest.mark.parametrize("staging", [None, 1 << 20])
+@pytest.mark.parametrize(
+    "staging,closure",
+    # one variant in the fast suite, the other three (5-6 s each of training beside the save) in the slow one
+    [(None, False)]
+    + [pytest.param(s, c, marks=pytest.mark.slow) for s, c in ((None, True), (1 << 20, False), (1 << 20, True))],
+)
 def test_snapshot_equals_state_at_save_time_while_training_continues(tmp_path, closure, staging):
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -363,6 +367,7 @@ def _quiet_cpu_trainer(tmp_path, **kwargs):
     )
 
 
+@pytest.mark.slow  # a Trainer fit
 def test_trainer_async_modelcheckpoint(tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 

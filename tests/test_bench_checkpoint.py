@@ -275,6 +275,7 @@ def test_bench_checkpoint_paired_smoke(tmp_path, capsys):
     assert not any((tmp_path / "work").iterdir())
 
 
+@pytest.mark.slow  # a run of the bench (~9 s)
 def test_async_checkpoint_bench_pairs_each_save_with_the_steps_just_before(tmp_path):
     """The async benchmark times steps with no checkpoint activity right before each save and reports the ratio
     of the steps after the save to them (the flush's cost to training), per repetition and as a median."""

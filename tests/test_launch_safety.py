@@ -116,6 +116,7 @@ def _wait_for(log: str, pattern: str, proc: subprocess.Popen, timeout: float) ->
 # ---------------------------------------------------------------------------- item 1: bind
 
 
+@pytest.mark.slow  # a coordinator process
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
 def test_coordinator_listens_only_on_the_given_address(host, tmp_path):
@@ -162,6 +163,7 @@ def test_launcher_sigkilled_takes_coordinator_and_replicas_with_it(tmp_path):
         proc.wait()
 
 
+@pytest.mark.slow  # a coordinator process
 @pytest.mark.timeout(60)
 def test_coordinator_watchdog_exits_when_its_launcher_is_gone():
     # The fallback of PDEATHSIG: a coordinator whose parent is not the launcher it was told of exits.
@@ -429,6 +431,7 @@ def test_supervise_refuses_faults_naming_replicas_outside_the_job():
         parse_faults("kill:replica=0:step=0:phase=forward:incarnation=0")
 
 
+@pytest.mark.slow  # the CLI in a new interpreter
 def test_cli_run_refuses_out_of_range_faults():
     out = subprocess.run(
         CLI + ["run", "--replicas", "3", "--inject", "kill:replica=9:step=1:phase=forward", "--", "true"],

@@ -6,9 +6,12 @@ product, and a protocol and a checkpoint engine that do not need Lightning."""
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "lightning_recover")
@@ -34,6 +37,7 @@ LAZY_IMPORTS = {
 }
 
 
+@functools.lru_cache(maxsize=1)  # parsed once for all the tests here (the trees are only read)
 def _modules() -> dict[str, ast.Module]:
     found = {}
     for directory, _, files in os.walk(PACKAGE):
@@ -193,15 +197,18 @@ def test_benchmarks_stay_out_of_the_product():
     assert not offenders, "\n".join(offenders)
 
 
-def test_checkpoint_works_without_lightning():
-    """The checkpoint engine (single files and DCP) is usable without Lightning: the Lightning plugin
-    and the spread save live in ``lightning_recover.lightning``."""
+def test_protocol_works_without_lightning():
+    """The protocol, the launcher and the checkpoint engine (single files and DCP) are usable without
+    Lightning (one interpreter for both checks: each costs a torch import); the Lightning plugin and
+    the spread save live in ``lightning_recover.lightning``."""
     code = (
         "import sys, pkgutil, importlib; "
         "sys.modules.update({m: None for m in ('lightning', 'lightning.fabric', 'lightning.pytorch', "
         "'pytorch_lightning')}); "
+        "import lightning_recover.protocol, lightning_recover.launch.supervisor, lightning_recover.launch.commands; "
+        "from lightning_recover.protocol import Replica, plan_quotas; "
         "import lightning_recover.checkpoint as c; "
-        "[importlib.import_module('lightning_recover.checkpoint.' + m.name) for m in pkgutil.iter_modules(c.__path__)]; "
+        "[importlib.import_module(m.name) for m in pkgutil.walk_packages(c.__path__, c.__name__ + '.')]; "
         "assert not [m for m, v in sys.modules.items() if m.split('.')[0] in ('lightning', 'pytorch_lightning') "
         "and v is not None]"
     )
@@ -209,17 +216,7 @@ def test_checkpoint_works_without_lightning():
     assert result.returncode == 0, result.stderr
 
 
-def test_protocol_works_without_lightning():
-    code = (
-        "import sys; sys.modules['lightning'] = None; sys.modules['lightning.fabric'] = None; "
-        "import lightning_recover.protocol, lightning_recover.launch.supervisor, lightning_recover.launch.commands; "
-        "from lightning_recover.protocol import Replica, plan_quotas; "
-        "assert not [m for m, v in sys.modules.items() if m.split('.')[0] == 'lightning' and v is not None]"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert result.returncode == 0, result.stderr
-
-
+@pytest.mark.slow  # two new interpreters that import Lightning (~10 s)
 def test_strategy_registers_without_importing_lightning_early():
     """``import lightning_recover`` leaves Lightning unimported (the CLI, the launcher and the
     coordinator never use it: its import costs ~4 s per process), and ``strategy="recover"`` is
