@@ -80,7 +80,8 @@ def one_save(checkpoint: Any, path: str, eng: Any) -> dict[str, Any]:
 
     ``parts`` follow the calling thread and add up to the total; ``overlapped`` is work that runs beside it
     (the batch writes on the pipeline thread, the views taken inside ``lay_out``)."""
-    from lightning_recover.checkpoint import single_file, torch_zip, write_pipeline
+    from lightning_recover.checkpoint import write_pipeline
+    from lightning_recover.checkpoint.file import single_file, torch_zip
 
     ts = Timers()
     proxy = EngineProxy(eng, ts)
@@ -207,7 +208,7 @@ def profile(state: str, size_gb: float | None, directory: str | None, repeat: in
             runs.append(r)
             gc.collect()
         if cprofile:
-            from lightning_recover.checkpoint import single_file
+            from lightning_recover.checkpoint.file import single_file
 
             path = os.path.join(root, "cprofile.ckpt")
             os.sync()

@@ -178,7 +178,7 @@ def _ref_numbers(checkpoint: Any) -> dict[str, float]:
 def profile(size_gb: float, directory: str | None, repeat: int) -> dict[str, Any]:
     import native_io
     from lightning_recover.checkpoint import format as fmt
-    from lightning_recover.checkpoint import single_file as cio
+    from lightning_recover.checkpoint.file import single_file as cio
 
     checkpoint, cfg = build_checkpoint(size_gb)
     stats = tensor_stats(checkpoint)
@@ -337,7 +337,7 @@ def align_experiment(size_gb: float, directory: str | None, repeat: int) -> dict
     import numpy as np
 
     import native_io
-    from lightning_recover.checkpoint import single_file as cio
+    from lightning_recover.checkpoint.file import single_file as cio
 
     checkpoint, _ = build_checkpoint(size_gb)
     root = tempfile.mkdtemp(prefix="lr-align-", dir=directory or "/tmp")

@@ -20,10 +20,10 @@ from lightning_recover.checkpoint import (
     UringStorageReader,
     UringStorageWriter,
     cleanup_dcp_temps,
-    dcp_snapshot,
     verify_dcp_checkpoint,
 )
-from lightning_recover.checkpoint import dcp as dcp_mod
+from lightning_recover.checkpoint.dcp import snapshot as dcp_snapshot
+from lightning_recover.checkpoint.dcp import storage as dcp_mod
 from tests.jobs import gloo_ranks, two_rank_script, two_rank_tensors
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -419,7 +419,7 @@ _TWO_RANKS = two_rank_script(
         assert torch.equal(one[k].to_local(), v.chunk(2)[rank]), k
     # lazy async save of DTensors: rank 1 changes w in place while its snapshot is still being copied:
     # the save fails on BOTH ranks (no rank left in a collective), nothing is committed at path + "-lazy"
-    from lightning_recover.checkpoint import dcp_snapshot
+    from lightning_recover.checkpoint.dcp import snapshot as dcp_snapshot
     copy = dcp_snapshot.LazySnapshot._copy
     def slow_copy(self, *a):
         import time; time.sleep(0.5 if rank == 1 else 0.0); copy(self, *a)

@@ -1,4 +1,4 @@
-"""DcpSaver: DCP checkpoints saved in a loop over a cached protocol (checkpoint/dcp_saver.py).
+"""DcpSaver: DCP checkpoints saved in a loop over a cached protocol (checkpoint/dcp/saver.py).
 
 What it writes must be what ``dcp.save`` with ``UringStorageWriter`` writes, loadable by the stock reader,
 whichever protocol a save took; a layout change must take the full one; a failure must leave the previous
@@ -22,11 +22,12 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from lightning_recover.checkpoint import UringStorageReader, UringStorageWriter, dcp_saver, verify_dcp_checkpoint
-from lightning_recover.checkpoint import dcp as dcp_mod
-from lightning_recover.checkpoint.dcp import read_dcp_metadata
-from lightning_recover.checkpoint.dcp_saver import DcpSaver
-from lightning_recover.checkpoint.metadata_template import MetadataTemplate
+from lightning_recover.checkpoint import UringStorageReader, UringStorageWriter, verify_dcp_checkpoint
+from lightning_recover.checkpoint.dcp import saver as dcp_saver
+from lightning_recover.checkpoint.dcp import storage as dcp_mod
+from lightning_recover.checkpoint.dcp.metadata_template import MetadataTemplate
+from lightning_recover.checkpoint.dcp.saver import DcpSaver
+from lightning_recover.checkpoint.dcp.storage import read_dcp_metadata
 from tests.jobs import gloo_ranks, two_rank_script, two_rank_tensors
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -228,8 +229,8 @@ _TWO_RANKS = two_rank_script(
     """
     import errno
     from torch.distributed.checkpoint.api import CheckpointException
-    from lightning_recover.checkpoint import dcp as dcp_mod
-    from lightning_recover.checkpoint.dcp_saver import DcpSaver
+    from lightning_recover.checkpoint.dcp import storage as dcp_mod
+    from lightning_recover.checkpoint.dcp.saver import DcpSaver
     root = arg
     state = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
     state["shared"] = torch.arange(6.0)  # the same on both ranks: DCP's global plan writes it once
@@ -323,8 +324,8 @@ def test_two_ranks_cached_saves_load_with_the_stock_reader(tmp_path):
 _SPREAD_PARTS = two_rank_script(
     """
     import errno
-    from lightning_recover.checkpoint import dcp as dcp_mod, dcp_state
-    from lightning_recover.checkpoint.dcp_saver import DcpSaveError
+    from lightning_recover.checkpoint.dcp import sharded_state as dcp_state, storage as dcp_mod
+    from lightning_recover.checkpoint.dcp.saver import DcpSaveError
     root = arg
     state = {"model": {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}}
     state["shared"], state["step"] = torch.arange(6.0), 1
@@ -411,8 +412,8 @@ _DEAD_PEER = textwrap.dedent(
     from datetime import timedelta
     warnings.simplefilter("ignore")
     import torch, torch.distributed as dist
-    from lightning_recover.checkpoint import dcp as dcp_mod
-    from lightning_recover.checkpoint.dcp_saver import DcpSaver
+    from lightning_recover.checkpoint.dcp import storage as dcp_mod
+    from lightning_recover.checkpoint.dcp.saver import DcpSaver
     rank, root, store = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     dist.init_process_group(
         "gloo", init_method="file://" + store, rank=rank, world_size=2, timeout=timedelta(seconds=30)

@@ -209,7 +209,7 @@ def test_trainer_checkpoint_state_round_trip(tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 
     from lightning_recover.checkpoint import UnsafeCheckpointError, verify_dcp_checkpoint
-    from lightning_recover.checkpoint.dcp_state import save_sharded
+    from lightning_recover.checkpoint.dcp.sharded_state import save_sharded
     from lightning_recover.lightning.trainer_checkpoint import (
         dcp_state,
         load_trainer_checkpoint,

@@ -7,15 +7,16 @@ and ``DcpSaver`` the DCP side (``docs/dcp.md``). Importing it does not import Li
 (also ``lightning_recover.UringCheckpointIO``).
 """
 
-from lightning_recover.checkpoint.async_io import AsyncCheckpointError
-from lightning_recover.checkpoint.dcp import (
+from lightning_recover.checkpoint.dcp.plan_cache import CachingSavePlanner
+from lightning_recover.checkpoint.dcp.saver import DcpSaveError, DcpSaver
+from lightning_recover.checkpoint.dcp.storage import (
     UringStorageReader,
     UringStorageWriter,
     cleanup_dcp_temps,
     verify_dcp_checkpoint,
 )
-from lightning_recover.checkpoint.dcp_plan_cache import CachingSavePlanner
-from lightning_recover.checkpoint.dcp_saver import DcpSaveError, DcpSaver
+from lightning_recover.checkpoint.file.async_io import AsyncCheckpointError
+from lightning_recover.checkpoint.file.single_file import CheckpointInfo, load, read_info, save, verify_file
 from lightning_recover.checkpoint.files import cleanup_stale_temps
 from lightning_recover.checkpoint.format import (
     FORMAT_VERSION,
@@ -23,7 +24,6 @@ from lightning_recover.checkpoint.format import (
     CheckpointIncompleteError,
     UnsafeCheckpointError,
 )
-from lightning_recover.checkpoint.single_file import CheckpointInfo, load, read_info, save, verify_file
 
 __all__ = [
     "AsyncCheckpointError",

@@ -21,10 +21,15 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from lightning_recover.checkpoint.dcp import SIDECAR_SUFFIX, read_dcp_metadata, sidecar_name, verify_dcp_checkpoint
-from lightning_recover.checkpoint.dcp_state import load_full
+from lightning_recover.checkpoint.dcp.sharded_state import load_full
+from lightning_recover.checkpoint.dcp.storage import (
+    SIDECAR_SUFFIX,
+    read_dcp_metadata,
+    sidecar_name,
+    verify_dcp_checkpoint,
+)
+from lightning_recover.checkpoint.file.single_file import ArchiveInfo, load, read_info, verify_file
 from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
-from lightning_recover.checkpoint.single_file import ArchiveInfo, load, read_info, verify_file
 
 # exit codes
 EXIT_OK = 0

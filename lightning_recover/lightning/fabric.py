@@ -282,7 +282,7 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
     ) -> dict[str, Any]:
         if not self.sharding.enabled:
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
-        from lightning_recover.checkpoint.dcp_state import is_dcp_checkpoint, load_full, load_sharded
+        from lightning_recover.checkpoint.dcp.sharded_state import is_dcp_checkpoint, load_full, load_sharded
 
         if not is_dcp_checkpoint(path) and os.path.isfile(path):
             raise ValueError(

@@ -25,7 +25,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from lightning_recover.checkpoint import dcp_state
+from lightning_recover.checkpoint.dcp import sharded_state as dcp_state
 from lightning_recover.protocol.replica import Replica
 
 

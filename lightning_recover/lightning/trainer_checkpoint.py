@@ -16,7 +16,7 @@ with Lightning's ``ModelParallelStrategy``). What is in it (:func:`dcp_state`):
 Writing goes through :func:`~lightning_recover.lightning.spread_save.save_over_live_replicas`
 (every live replica writes about 1/R of the items, committed once, atomically), like ``fabric.save``.
 Reading (:func:`load_trainer_checkpoint`) restores the module and the optimizers in place, every
-process its own shards (:func:`~lightning_recover.checkpoint.dcp_state.load_sharded`), and returns
+process its own shards (:func:`~lightning_recover.checkpoint.dcp.sharded_state.load_sharded`), and returns
 the rest as Lightning's checkpoint dict, which Lightning then restores (loops, callbacks,
 schedulers). Every bytes item is read with torch's ``weights_only`` loader: nothing read from the
 directory becomes code; a hyper-parameter of another type is skipped (resuming does not use them).
@@ -34,7 +34,7 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_recover.checkpoint.dcp_state import checkpoint_keys, is_dcp_checkpoint, load_full, load_sharded
+from lightning_recover.checkpoint.dcp.sharded_state import checkpoint_keys, is_dcp_checkpoint, load_full, load_sharded
 from lightning_recover.checkpoint.format import UnsafeCheckpointError
 
 META_KEY = "lightning"

@@ -59,7 +59,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from lightning_recover.checkpoint.dcp import (
+from lightning_recover.checkpoint.dcp.metadata_template import MetadataTemplate
+from lightning_recover.checkpoint.dcp.plan_cache import FastLookupSavePlanner
+from lightning_recover.checkpoint.dcp.storage import (
     UringPrefix,
     UringStorageWriter,
     commit_dir,
@@ -67,8 +69,6 @@ from lightning_recover.checkpoint.dcp import (
     write_metadata_bytes,
     write_metadata_file,
 )
-from lightning_recover.checkpoint.dcp_plan_cache import FastLookupSavePlanner
-from lightning_recover.checkpoint.metadata_template import MetadataTemplate
 
 __all__ = ["DcpSaver", "DcpSaveError", "part_metadata_name"]
 

@@ -43,14 +43,14 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_map_only
 
-from lightning_recover.checkpoint.dcp import (
+from lightning_recover.checkpoint.dcp.saver import DcpSaver, part_metadata_name
+from lightning_recover.checkpoint.dcp.storage import (
     UringStorageReader,
     commit_dir,
     read_dcp_metadata,
     temp_dir_for,
     write_metadata_file,
 )
-from lightning_recover.checkpoint.dcp_saver import DcpSaver, part_metadata_name
 from lightning_recover.checkpoint.files import fsync_dir
 from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
 

@@ -51,8 +51,8 @@ import torch
 from lightning_recover.checkpoint import format as fmt
 from lightning_recover.checkpoint import snapshot_guard
 from lightning_recover.checkpoint.engine import huge_page_bytes, open_writer
+from lightning_recover.checkpoint.file.torch_zip import ALIGN, PlanWriter, ZipPlan, plan_archive
 from lightning_recover.checkpoint.files import cleanup_stale_temps, commit, temp_path_for, unlink_quiet
-from lightning_recover.checkpoint.torch_zip import ALIGN, PlanWriter, ZipPlan, plan_archive
 
 log = logging.getLogger(__name__)
 
