@@ -10,16 +10,10 @@ import pytest
 import torch
 
 import native_io
-from lightning_recover.checkpoint import (
-    AsyncCheckpointError,
-    CheckpointIncompleteError,
-    async_io,
-    files,
-    load,
-    read_info,
-)
-from lightning_recover.checkpoint.async_io import _Ring, crc32c_combine
-from lightning_recover.checkpoint.torch_zip import ALIGN, PlanWriter
+from lightning_recover.checkpoint import AsyncCheckpointError, CheckpointIncompleteError, files, load, read_info
+from lightning_recover.checkpoint.file import async_io
+from lightning_recover.checkpoint.file.async_io import _Ring, crc32c_combine
+from lightning_recover.checkpoint.file.torch_zip import ALIGN, PlanWriter
 from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
 from tests.jobs import bounded
 
@@ -403,6 +397,7 @@ def test_trainer_async_modelcheckpoint(tmp_path):
     assert t2.global_step == 7
 
 
+@pytest.mark.slow  # a Trainer fit
 def test_trainer_consistency_mid_training(tmp_path):
     """Checkpoints taken every step while training mutates the state equal the state at save time."""
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -622,6 +617,7 @@ def _ema_module_cls():
     return EMA
 
 
+@pytest.mark.slow  # a Trainer fit
 def test_trainer_weight_averaging_async_checkpoints_hold_save_time_state(tmp_path, monkeypatch):
     """EMAWeightAveraging swaps weights for validation and copies the average into the model at the end of
     training through ``param.data`` (no version bump): the snapshot barrier makes the lazy copies happen first."""
@@ -653,6 +649,7 @@ def test_trainer_weight_averaging_async_checkpoints_hold_save_time_state(tmp_pat
             _assert_same(ref[k], ck[k], f"{name}:{k}")
 
 
+@pytest.mark.slow  # a Trainer fit
 def test_trainer_in_flight_name_gets_version_suffix(tmp_path, monkeypatch):
     """ModelCheckpoint's ``-vN`` versioning sees a name whose async save is still in flight as taken."""
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -690,6 +687,7 @@ def test_trainer_in_flight_name_gets_version_suffix(tmp_path, monkeypatch):
         _assert_same(model.saved[step]["state_dict"], ck["state_dict"])
 
 
+@pytest.mark.slow  # a Trainer fit
 def test_trainer_in_place_change_after_save_is_detected(tmp_path, monkeypatch):
     """A LightningModule hook runs after ModelCheckpoint saved and changes a weight in place before the (slowed)
     lazy copy: that save fails loudly instead of holding a value that never existed at save time."""
