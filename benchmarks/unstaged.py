@@ -24,7 +24,7 @@ import time
 import torch
 
 from lightning_recover.checkpoint.engine import huge_page_bytes
-from lightning_recover.checkpoint.format import congruent_offset
+from lightning_recover.checkpoint.integrity import congruent_offset
 
 _HEAD, _TAIL = b"h" * 1600, b"t" * 300
 _BATCH = 64 << 20

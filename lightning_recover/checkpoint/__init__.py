@@ -18,8 +18,8 @@ from lightning_recover.checkpoint.dcp.storage import (
 from lightning_recover.checkpoint.file.async_io import AsyncCheckpointError
 from lightning_recover.checkpoint.file.single_file import CheckpointInfo, load, read_info, save, verify_file
 from lightning_recover.checkpoint.files import cleanup_stale_temps
-from lightning_recover.checkpoint.format import (
-    FORMAT_VERSION,
+from lightning_recover.checkpoint.format import FORMAT_VERSION
+from lightning_recover.checkpoint.integrity import (
     CheckpointCorruptError,
     CheckpointIncompleteError,
     UnsafeCheckpointError,

@@ -29,7 +29,7 @@ from lightning_recover.checkpoint.dcp.storage import (
     verify_dcp_checkpoint,
 )
 from lightning_recover.checkpoint.file.single_file import ArchiveInfo, load, read_info, verify_file
-from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
+from lightning_recover.checkpoint.integrity import CheckpointCorruptError, UnsafeCheckpointError
 
 # exit codes
 EXIT_OK = 0

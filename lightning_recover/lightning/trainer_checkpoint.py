@@ -35,7 +35,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_recover.checkpoint.dcp.sharded_state import checkpoint_keys, is_dcp_checkpoint, load_full, load_sharded
-from lightning_recover.checkpoint.format import UnsafeCheckpointError
+from lightning_recover.checkpoint.integrity import UnsafeCheckpointError
 
 META_KEY = "lightning"
 MODEL_KEY = "state_dict"

@@ -52,7 +52,7 @@ from lightning_recover.checkpoint.dcp.storage import (
     write_metadata_file,
 )
 from lightning_recover.checkpoint.files import fsync_dir
-from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
+from lightning_recover.checkpoint.integrity import CheckpointCorruptError, UnsafeCheckpointError
 
 __all__ = ["save_sharded", "load_sharded", "load_full", "checkpoint_keys", "is_dcp_checkpoint"]
 

@@ -59,8 +59,8 @@ from torch.futures import Future
 from lightning_recover.checkpoint.dcp.snapshot import LazySnapshot
 from lightning_recover.checkpoint.engine import open_writer, resolve_engine
 from lightning_recover.checkpoint.files import fsync_dir
-from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError, congruent_offset
 from lightning_recover.checkpoint.gc_pause import GcPause
+from lightning_recover.checkpoint.integrity import CheckpointCorruptError, UnsafeCheckpointError, congruent_offset
 from lightning_recover.checkpoint.write_pipeline import WritePipeline
 
 __all__ = [

@@ -24,8 +24,8 @@ from lightning_recover.checkpoint.file import async_io, torch_zip
 from lightning_recover.checkpoint.file.page_populate import PagePopulator, populate_supported
 from lightning_recover.checkpoint.file.storage_reads import StorageDamaged, StorageReads, damaged_record
 from lightning_recover.checkpoint.files import cleanup_stale_temps, fsync_dir, temp_path_for, unlink_quiet
-from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
 from lightning_recover.checkpoint.gc_pause import GcPause
+from lightning_recover.checkpoint.integrity import CheckpointCorruptError, UnsafeCheckpointError
 from lightning_recover.checkpoint.reservation import GrowingReservation
 from lightning_recover.checkpoint.write_pipeline import WritePipeline
 

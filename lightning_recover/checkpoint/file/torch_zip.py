@@ -46,8 +46,8 @@ from typing import Any, Optional
 import torch
 
 from lightning_recover import env
-from lightning_recover.checkpoint.format import (
-    SAFE_GLOBALS,
+from lightning_recover.checkpoint.format import SAFE_GLOBALS
+from lightning_recover.checkpoint.integrity import (
     CheckpointCorruptError,
     UnsafeCheckpointError,
     congruent_offset,
