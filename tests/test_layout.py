@@ -182,6 +182,16 @@ def test_no_two_modules_share_a_name():
     assert not shared, shared
 
 
+def test_every_package_is_in_the_wheel():
+    """pyproject.toml lists the packages one by one: a new subpackage must be listed, or the wheel lacks it."""
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    packages = {m for m in _modules() if os.path.exists(os.path.join(ROOT, *m.split("."), "__init__.py"))}
+    assert packages <= listed, sorted(packages - listed)
+
+
 def test_benchmarks_stay_out_of_the_product():
     """The research benchmarks (repo-root ``benchmarks/``) are not installed: nothing in the package
     imports them, and only the CLI and the user-facing benches themselves import ``bench``."""
