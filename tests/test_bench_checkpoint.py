@@ -298,6 +298,7 @@ def test_async_checkpoint_bench_pairs_each_save_with_the_steps_just_before(tmp_p
     assert "paired step ratio" in async_checkpoint.format_table(res)
 
 
+@pytest.mark.slow  # runs a research benchmark (benchmarks/)
 def test_bench_unstaged_smoke(tmp_path, capsys):
     """The three ways of writing each item size run to the end and leave nothing behind (no timing is checked)."""
     from benchmarks import unstaged
@@ -324,6 +325,7 @@ def test_fio_uses_huge_pages_only_when_reserved():
     assert not any(a.startswith("--iomem") for a in fio._command("n", "/p", "write", 1 << 20, "io_uring", 4))
 
 
+@pytest.mark.slow  # runs a research benchmark (benchmarks/)
 def test_profile_save_smoke(tmp_path):
     """profile_save runs the real save through its timing proxies (they must accept what the save passes)."""
     from benchmarks import profile_save
