@@ -23,7 +23,7 @@ from lightning_recover.checkpoint import (
     verify_dcp_checkpoint,
 )
 from lightning_recover.checkpoint.dcp import snapshot as dcp_snapshot
-from lightning_recover.checkpoint.dcp import storage as dcp_mod
+from lightning_recover.checkpoint.dcp import writer as dcp_mod
 from tests.jobs import gloo_ranks, two_rank_script, two_rank_tensors
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")

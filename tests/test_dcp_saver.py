@@ -24,10 +24,10 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 
 from lightning_recover.checkpoint import UringStorageReader, UringStorageWriter, verify_dcp_checkpoint
 from lightning_recover.checkpoint.dcp import saver as dcp_saver
-from lightning_recover.checkpoint.dcp import storage as dcp_mod
+from lightning_recover.checkpoint.dcp import writer as dcp_mod
 from lightning_recover.checkpoint.dcp.metadata_template import MetadataTemplate
 from lightning_recover.checkpoint.dcp.saver import DcpSaver
-from lightning_recover.checkpoint.dcp.storage import read_dcp_metadata
+from lightning_recover.checkpoint.dcp.writer import read_dcp_metadata
 from tests.jobs import gloo_ranks, two_rank_script, two_rank_tensors
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -229,7 +229,7 @@ _TWO_RANKS = two_rank_script(
     """
     import errno
     from torch.distributed.checkpoint.api import CheckpointException
-    from lightning_recover.checkpoint.dcp import storage as dcp_mod
+    from lightning_recover.checkpoint.dcp import writer as dcp_mod
     from lightning_recover.checkpoint.dcp.saver import DcpSaver
     root = arg
     state = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
@@ -412,7 +412,7 @@ _DEAD_PEER = textwrap.dedent(
     from datetime import timedelta
     warnings.simplefilter("ignore")
     import torch, torch.distributed as dist
-    from lightning_recover.checkpoint.dcp import storage as dcp_mod
+    from lightning_recover.checkpoint.dcp import writer as dcp_mod
     from lightning_recover.checkpoint.dcp.saver import DcpSaver
     rank, root, store = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     dist.init_process_group(

@@ -79,7 +79,7 @@ def test_sharded_save_resume_and_stock_load(tmp_path, capsys):
     assert checkpoint_keys(ckpt) == {"model", "optimizer", "step"}
     # the items' bytes per file (file sizes would add up to 4 KiB of padding an item, which follows the tensors'
     # memory addresses: on this tiny model that alone moved the split across any fixed bound)
-    from lightning_recover.checkpoint.dcp.storage import read_dcp_metadata
+    from lightning_recover.checkpoint.dcp.writer import read_dcp_metadata
 
     sizes = [0] * 4
     for info in read_dcp_metadata(ckpt).storage_data.values():
@@ -171,7 +171,7 @@ def test_metadata_with_foreign_globals_is_refused(tmp_path):
     import pickle
 
     from lightning_recover.checkpoint import UnsafeCheckpointError
-    from lightning_recover.checkpoint.dcp.storage import read_dcp_metadata
+    from lightning_recover.checkpoint.dcp.writer import read_dcp_metadata
 
     path = tmp_path / "ck"
     path.mkdir()
@@ -234,7 +234,7 @@ def test_parts_saved_again_take_the_cached_protocol(tmp_path):
 
     from lightning_recover.checkpoint import verify_dcp_checkpoint
     from lightning_recover.checkpoint.dcp.sharded_state import _PART_SAVERS, commit_parts, load_sharded, save_part
-    from lightning_recover.checkpoint.dcp.storage import wait_for_removals
+    from lightning_recover.checkpoint.dcp.writer import wait_for_removals
 
     _PART_SAVERS.clear()
     model, optimizer = _model_and_optimizer(0)

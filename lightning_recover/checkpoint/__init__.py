@@ -9,7 +9,7 @@ and ``DcpSaver`` the DCP side (``docs/dcp.md``). Importing it does not import Li
 
 from lightning_recover.checkpoint.dcp.plan_cache import CachingSavePlanner
 from lightning_recover.checkpoint.dcp.saver import DcpSaveError, DcpSaver
-from lightning_recover.checkpoint.dcp.storage import (
+from lightning_recover.checkpoint.dcp.writer import (
     UringStorageReader,
     UringStorageWriter,
     cleanup_dcp_temps,

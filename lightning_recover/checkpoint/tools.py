@@ -22,7 +22,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from lightning_recover.checkpoint.dcp.sharded_state import load_full
-from lightning_recover.checkpoint.dcp.storage import (
+from lightning_recover.checkpoint.dcp.writer import (
     SIDECAR_SUFFIX,
     read_dcp_metadata,
     sidecar_name,

@@ -61,7 +61,7 @@ from torch.futures import Future
 
 from lightning_recover.checkpoint.dcp.metadata_template import MetadataTemplate
 from lightning_recover.checkpoint.dcp.plan_cache import FastLookupSavePlanner
-from lightning_recover.checkpoint.dcp.storage import (
+from lightning_recover.checkpoint.dcp.writer import (
     UringPrefix,
     UringStorageWriter,
     commit_dir,

@@ -44,7 +44,7 @@ from torch.optim import Optimizer
 from torch.utils._pytree import tree_map_only
 
 from lightning_recover.checkpoint.dcp.saver import DcpSaver, part_metadata_name
-from lightning_recover.checkpoint.dcp.storage import (
+from lightning_recover.checkpoint.dcp.writer import (
     UringStorageReader,
     commit_dir,
     read_dcp_metadata,
