@@ -22,6 +22,7 @@ from lightning_recover.checkpoint import (
     cleanup_dcp_temps,
     verify_dcp_checkpoint,
 )
+from lightning_recover.checkpoint.dcp import reader as dcp_reader
 from lightning_recover.checkpoint.dcp import snapshot as dcp_snapshot
 from lightning_recover.checkpoint.dcp import writer as dcp_mod
 from tests.jobs import gloo_ranks, two_rank_script, two_rank_tensors
@@ -172,7 +173,7 @@ def test_whole_tensors_load_straight_into_their_targets_and_are_still_verified(t
     p = str(tmp_path / "ck")
     dcp.save(state, storage_writer=UringStorageWriter(p))
     read_into = []
-    real = dcp_mod._whole_target
+    real = dcp_reader._whole_target
 
     def spy(rec, reqs, planner):
         got = real(rec, reqs, planner)
@@ -180,7 +181,7 @@ def test_whole_tensors_load_straight_into_their_targets_and_are_still_verified(t
             read_into.append(rec["fqn"])
         return got
 
-    monkeypatch.setattr(dcp_mod, "_whole_target", spy)
+    monkeypatch.setattr(dcp_reader, "_whole_target", spy)
     assert_same(load_with(UringStorageReader(p), state), state)
     assert {"big", "big_bf16", "w"} <= set(read_into)  # whole contiguous tensors; not the view or transposed
     assert "t" not in read_into

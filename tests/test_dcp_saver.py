@@ -26,8 +26,8 @@ from lightning_recover.checkpoint import UringStorageReader, UringStorageWriter,
 from lightning_recover.checkpoint.dcp import saver as dcp_saver
 from lightning_recover.checkpoint.dcp import writer as dcp_mod
 from lightning_recover.checkpoint.dcp.metadata_template import MetadataTemplate
+from lightning_recover.checkpoint.dcp.reader import read_dcp_metadata
 from lightning_recover.checkpoint.dcp.saver import DcpSaver
-from lightning_recover.checkpoint.dcp.writer import read_dcp_metadata
 from tests.jobs import gloo_ranks, two_rank_script, two_rank_tensors
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")

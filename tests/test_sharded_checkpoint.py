@@ -79,7 +79,7 @@ def test_sharded_save_resume_and_stock_load(tmp_path, capsys):
     assert checkpoint_keys(ckpt) == {"model", "optimizer", "step"}
     # the items' bytes per file (file sizes would add up to 4 KiB of padding an item, which follows the tensors'
     # memory addresses: on this tiny model that alone moved the split across any fixed bound)
-    from lightning_recover.checkpoint.dcp.writer import read_dcp_metadata
+    from lightning_recover.checkpoint.dcp.reader import read_dcp_metadata
 
     sizes = [0] * 4
     for info in read_dcp_metadata(ckpt).storage_data.values():
@@ -171,7 +171,7 @@ def test_metadata_with_foreign_globals_is_refused(tmp_path):
     import pickle
 
     from lightning_recover.checkpoint import UnsafeCheckpointError
-    from lightning_recover.checkpoint.dcp.writer import read_dcp_metadata
+    from lightning_recover.checkpoint.dcp.reader import read_dcp_metadata
 
     path = tmp_path / "ck"
     path.mkdir()

@@ -8,13 +8,9 @@ and ``DcpSaver`` the DCP side (``docs/dcp.md``). Importing it does not import Li
 """
 
 from lightning_recover.checkpoint.dcp.plan_cache import CachingSavePlanner
+from lightning_recover.checkpoint.dcp.reader import UringStorageReader, verify_dcp_checkpoint
 from lightning_recover.checkpoint.dcp.saver import DcpSaveError, DcpSaver
-from lightning_recover.checkpoint.dcp.writer import (
-    UringStorageReader,
-    UringStorageWriter,
-    cleanup_dcp_temps,
-    verify_dcp_checkpoint,
-)
+from lightning_recover.checkpoint.dcp.writer import UringStorageWriter, cleanup_dcp_temps
 from lightning_recover.checkpoint.file.async_io import AsyncCheckpointError
 from lightning_recover.checkpoint.file.single_file import CheckpointInfo, load, read_info, save, verify_file
 from lightning_recover.checkpoint.files import cleanup_stale_temps

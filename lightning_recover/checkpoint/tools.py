@@ -21,13 +21,9 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
+from lightning_recover.checkpoint.dcp.reader import read_dcp_metadata, verify_dcp_checkpoint
 from lightning_recover.checkpoint.dcp.sharded_state import load_full
-from lightning_recover.checkpoint.dcp.writer import (
-    SIDECAR_SUFFIX,
-    read_dcp_metadata,
-    sidecar_name,
-    verify_dcp_checkpoint,
-)
+from lightning_recover.checkpoint.dcp.writer import SIDECAR_SUFFIX, sidecar_name
 from lightning_recover.checkpoint.file.single_file import ArchiveInfo, load, read_info, verify_file
 from lightning_recover.checkpoint.integrity import CheckpointCorruptError, UnsafeCheckpointError
 

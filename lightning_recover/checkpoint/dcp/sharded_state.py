@@ -43,14 +43,9 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_map_only
 
+from lightning_recover.checkpoint.dcp.reader import UringStorageReader, read_dcp_metadata
 from lightning_recover.checkpoint.dcp.saver import DcpSaver, part_metadata_name
-from lightning_recover.checkpoint.dcp.writer import (
-    UringStorageReader,
-    commit_dir,
-    read_dcp_metadata,
-    temp_dir_for,
-    write_metadata_file,
-)
+from lightning_recover.checkpoint.dcp.writer import commit_dir, temp_dir_for, write_metadata_file
 from lightning_recover.checkpoint.files import fsync_dir
 from lightning_recover.checkpoint.integrity import CheckpointCorruptError, UnsafeCheckpointError
 
