@@ -18,10 +18,7 @@ storage_reader=UringStorageReader(path))``. The layout is DCP's own (see ``docs/
 
 from __future__ import annotations
 
-import atexit
-import ctypes
 import dataclasses
-import errno
 import functools
 import io
 import json
@@ -30,7 +27,6 @@ import pickle
 import secrets
 import shutil
 import threading
-import time
 from typing import Any, Optional
 
 import torch
@@ -52,7 +48,8 @@ from torch.futures import Future
 
 from lightning_recover.checkpoint.dcp.snapshot import LazySnapshot
 from lightning_recover.checkpoint.engine import open_writer, resolve_engine
-from lightning_recover.checkpoint.files import fsync_dir
+from lightning_recover.checkpoint.files import DIR_TMP_MARK as TMP_MARK
+from lightning_recover.checkpoint.files import OLD_MARK, commit_dir, fsync_dir, remove_replaced, wait_for_removals
 from lightning_recover.checkpoint.gc_pause import GcPause
 from lightning_recover.checkpoint.integrity import congruent_offset
 from lightning_recover.checkpoint.write_pipeline import WritePipeline
@@ -69,7 +66,6 @@ __all__ = [
 ALIGN = 4096
 SIDECAR_SUFFIX = ".crc.json"
 SIDECAR_FORMAT = "lightning-recover-dcp-crc32c"
-TMP_MARK = ".dcp-tmp-"
 # hand segments to native_io in batches of about this many bytes: bounds the archives held in memory
 _WRITE_BATCH = 64 << 20
 # per item, beyond its tensor bytes: archive head + tail (~1.6 KB) and up to 4 KiB of alignment padding
@@ -204,97 +200,6 @@ def _record_batch(records: list[dict], batch: _Batch, crcs: list[int]) -> None:
         k += n
 
 
-# --------------------------------------------------------------------------------------------------
-# atomic directory commit
-
-
-def _renameat2_exchange(a: str, b: str) -> bool:
-    """Atomically swap two paths (Linux ``renameat2(RENAME_EXCHANGE)``); False when unsupported."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    AT_FDCWD, RENAME_EXCHANGE = -100, 2
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if fn(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
-        return False
-    raise OSError(err, f"renameat2(RENAME_EXCHANGE) {a} <-> {b}: {os.strerror(err)}")
-
-
-def commit_dir(tmp: str, path: str) -> None:
-    """Make ``tmp`` (complete and durable) visible as ``path`` in one step, then fsync the parent. A previous
-    checkpoint at ``path`` is removed in the background (``remove_replaced``)."""
-    parent = os.path.dirname(os.path.abspath(path))
-    if os.path.lexists(path):
-        if not os.path.isdir(path) or os.path.islink(path):
-            raise FileExistsError(f"{path} exists and is not a checkpoint directory; remove it or choose another path")
-        if not _renameat2_exchange(tmp, path):
-            # no atomic exchange: move the old one aside first (a crash in between leaves both complete
-            # directories, the new one under its temporary name)
-            aside = tmp + ".old"
-            os.rename(path, aside)
-            os.rename(tmp, path)
-            fsync_dir(parent)
-            remove_replaced(aside, parent)
-            return
-        fsync_dir(parent)
-        remove_replaced(tmp, parent)  # tmp now holds the previous checkpoint
-        return
-    os.rename(tmp, path)
-    fsync_dir(parent)
-
-
-# A replaced checkpoint is removed off the save's path: rmtree of a 2 GB DCP directory took 0.4 s here, inside
-# every save over an existing path. It is first renamed ".<name>.dcp-old-<token>"; a process that ends before
-# its removal is done (os._exit skips the wait at exit) leaves it under that name, and the next commit in the
-# same directory removes it.
-_OLD_MARK = ".dcp-old-"
-_REMOVALS: list[threading.Thread] = []
-_REMOVALS_LOCK = threading.Lock()
-
-
-def _remove_all(paths: list[str]) -> None:
-    for p in paths:
-        shutil.rmtree(p, ignore_errors=True)
-
-
-def remove_replaced(old: str, parent: str) -> None:
-    """Remove the replaced checkpoint ``old`` (and any left by an earlier process in ``parent``) in a thread."""
-    # the checkpoint is committed by now: nothing here may fail the save
-    name = os.path.basename(old).lstrip(".").split(TMP_MARK)[0]
-    trash = os.path.join(parent, f".{name}{_OLD_MARK}{secrets.token_hex(6)}")
-    try:
-        os.rename(old, trash)
-    except OSError:
-        trash = old
-    try:
-        found = [os.path.join(parent, n) for n in os.listdir(parent) if n.startswith(".") and _OLD_MARK in n]
-    except OSError:
-        found = []
-    targets = [trash] + [p for p in found if p != trash]
-    t = threading.Thread(target=_remove_all, args=(targets,), name="dcp-remove-replaced", daemon=True)
-    with _REMOVALS_LOCK:
-        _REMOVALS[:] = [x for x in _REMOVALS if x.is_alive()] + [t]
-    t.start()
-
-
-def wait_for_removals(timeout: Optional[float] = None) -> bool:
-    """Wait for the removals of replaced checkpoints started so far; False if ``timeout`` seconds ran out first."""
-    with _REMOVALS_LOCK:
-        threads = list(_REMOVALS)
-    deadline = None if timeout is None else time.monotonic() + timeout
-    for t in threads:
-        t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-    return not any(t.is_alive() for t in threads)
-
-
-atexit.register(wait_for_removals, 60.0)
-
-
 def write_metadata_file(path: str, metadata: Metadata) -> None:
     """``metadata`` pickled to ``path`` as ``FileSystemWriter.finish`` writes ``.metadata`` (``write_metadata_bytes``)."""
     write_metadata_bytes(path, pickle.dumps(metadata))
@@ -321,7 +226,7 @@ def cleanup_dcp_temps(parent: str) -> list[str]:
     removed = []
     for name in os.listdir(parent):
         full = os.path.join(parent, name)
-        ours = TMP_MARK in name or _OLD_MARK in name
+        ours = TMP_MARK in name or OLD_MARK in name
         if name.startswith(".") and ours and os.path.isdir(full) and not os.path.islink(full):
             shutil.rmtree(full, ignore_errors=True)
             removed.append(full)
