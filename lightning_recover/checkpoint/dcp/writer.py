@@ -49,7 +49,14 @@ from torch.futures import Future
 from lightning_recover.checkpoint.dcp.snapshot import LazySnapshot
 from lightning_recover.checkpoint.engine import open_writer, resolve_engine
 from lightning_recover.checkpoint.files import DIR_TMP_MARK as TMP_MARK
-from lightning_recover.checkpoint.files import OLD_MARK, commit_dir, fsync_dir, remove_replaced, wait_for_removals
+from lightning_recover.checkpoint.files import (
+    OLD_MARK,
+    commit,
+    commit_dir,
+    fsync_dir,
+    remove_replaced,
+    wait_for_removals,
+)
 from lightning_recover.checkpoint.gc_pause import GcPause
 from lightning_recover.checkpoint.integrity import congruent_offset
 from lightning_recover.checkpoint.write_pipeline import WritePipeline
@@ -213,8 +220,7 @@ def write_metadata_bytes(path: str, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(part, path)
-    fsync_dir(os.path.dirname(path))
+    commit(part, path)
 
 
 def cleanup_dcp_temps(parent: str) -> list[str]:

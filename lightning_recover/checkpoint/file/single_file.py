@@ -23,7 +23,7 @@ from lightning_recover.checkpoint.engine import open_writer, resolve_engine
 from lightning_recover.checkpoint.file import async_io, torch_zip
 from lightning_recover.checkpoint.file.page_populate import PagePopulator, populate_supported
 from lightning_recover.checkpoint.file.storage_reads import StorageDamaged, StorageReads, damaged_record
-from lightning_recover.checkpoint.files import cleanup_stale_temps, fsync_dir, temp_path_for, unlink_quiet
+from lightning_recover.checkpoint.files import cleanup_stale_temps, commit, temp_path_for, unlink_quiet
 from lightning_recover.checkpoint.gc_pause import GcPause
 from lightning_recover.checkpoint.integrity import CheckpointCorruptError, UnsafeCheckpointError
 from lightning_recover.checkpoint.reservation import GrowingReservation
@@ -170,7 +170,7 @@ def _save_zip(
                     pipe.abandon()
                     raise
                 w.finish()
-        os.rename(tmp, path)
+        commit(tmp, path)
     except torch_zip.RestartWithoutStreaming:
         unlink_quiet(tmp)
         # torch's own pickler hands the storages over only once it has pickled everything
@@ -179,7 +179,6 @@ def _save_zip(
     except BaseException:
         unlink_quiet(tmp)
         raise
-    fsync_dir(directory)
 
 
 def _reservation(path: str) -> GrowingReservation:
@@ -225,11 +224,10 @@ def _save_v1(checkpoint: Any, path: str, engine: Any) -> None:
                     pending_ids.append(i)
                 flush()
                 write_tail(w, enc, data_end, file_id)
-        os.rename(tmp, path)
+        commit(tmp, path)
     except BaseException:
         unlink_quiet(tmp)
         raise
-    fsync_dir(directory)
 
 
 # ------------------------------------------------------------------------------------- load
