@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.profile_uring [--size-gb 2] [--dir DIR] [--repeat 3]`` (format 1 files)
 
-The functional ``save``/``load`` of :mod:`lightning_recover.checkpoint.checkpoint_io` are run
+The functional ``save``/``load`` of :mod:`lightning_recover.checkpoint.file.single_file` are run
 unchanged; their calls into the format module and the native engine are wrapped with timers
 (an engine proxy passed as ``engine=``, format functions patched for the duration of a call).
 Reference numbers measured alone on the same bytes: crc32c, memcpy (warm and fresh

@@ -324,7 +324,7 @@ def test_two_ranks_cached_saves_load_with_the_stock_reader(tmp_path):
 _SPREAD_PARTS = two_rank_script(
     """
     import errno
-    from lightning_recover.checkpoint.dcp import sharded_state as dcp_state, storage as dcp_mod
+    from lightning_recover.checkpoint.dcp import sharded_state as dcp_state, writer as dcp_mod
     from lightning_recover.checkpoint.dcp.saver import DcpSaveError
     root = arg
     state = {"model": {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}}
