@@ -36,4 +36,4 @@ test-fast: setup
 	$(PYTHON) -m pytest -q -m "not slow" tests
 
 bench: setup
-	$(PYTHON) -m lightning_recover.cli bench checkpoint --size-gb 2 --json docs/bench_checkpoint.json
+	$(PYTHON) -m lightning_recover.cli bench checkpoint --size-gb 2 --json benchmarks/results/bench_checkpoint.json

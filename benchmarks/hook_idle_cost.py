@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from lightning_recover.checkpoint import UringCheckpointIO, snapshot_guard
+from lightning_recover.checkpoint import snapshot_guard
+from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
 
 
 def _per_step_us(opt: torch.optim.Optimizer, steps: int) -> float:

@@ -34,7 +34,7 @@ def main() -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader
 
-    from lightning_recover.checkpoint import UringCheckpointIO
+    from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
     from lightning_recover.tiny_gpt import ByteCorpus, GPTConfig, TinyGPT, stdlib_text
 
     class GPTModule(L.LightningModule):

@@ -19,7 +19,7 @@ import torch
 
 from lightning_recover import env, torch_version
 from lightning_recover.protocol.options import RecoverOptions
-from lightning_recover.protocol.planner import plan_quotas
+from lightning_recover.protocol.quotas import plan_quotas
 
 # Before anything can load a file or a peer's state with torch's weights_only loader (torch_version.py).
 torch_version.check(torch.__version__)
@@ -83,7 +83,7 @@ def __getattr__(name: str) -> Any:
 
         return RecoverTrainerStrategy
     if name == "UringCheckpointIO":
-        from lightning_recover.checkpoint import UringCheckpointIO
+        from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
 
         return UringCheckpointIO
     raise AttributeError(f"module 'lightning_recover' has no attribute {name!r}")

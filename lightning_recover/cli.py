@@ -248,9 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_arguments(p)
     p.set_defaults(func=_cmd_simulate)
 
-    from lightning_recover.launch import launcher
+    from lightning_recover.launch import commands
 
-    launcher.add_subcommands(sub)
+    commands.add_subcommands(sub)
 
     from lightning_recover.control_plane import etcd_cluster
 

@@ -492,7 +492,7 @@ def plot(summary: dict, path: str) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from lightning_recover.launch import launcher
+    from lightning_recover.launch import supervisor
     from lightning_recover.protocol.faults import check_plan
 
     try:  # a bad schedule fails here, in one line, before anything starts
@@ -539,7 +539,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"[lightning-recover] {line}", file=sys.stderr, flush=True)
 
     worker_args = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
-    code = launcher.supervise(
+    code = supervisor.supervise(
         [sys.executable, "-m", "lightning_recover.demo"],
         args.replicas,
         heartbeat_timeout=args.heartbeat_timeout,

@@ -59,14 +59,14 @@ ALLOW_MISSING = "LIGHTNING_RECOVER_ALLOW_MISSING"
 #: JSON of the demo's arguments, handed by the demo's launcher to its replica processes.
 DEMO_ARGS = "LIGHTNING_RECOVER_DEMO_ARGS"
 #: ``on`` allocates fresh storages of >= 1 MiB 4096-aligned on checkpoint load so native_io reads
-#: them zero-copy (default ``off``: it measured slower in wall time here, see docs/benchmarks.md).
+#: them zero-copy (default ``off``: it measured slower in wall time here, see benchmarks/LOG.md).
 ALIGNED_ALLOC = "LIGHTNING_RECOVER_ALIGNED_ALLOC"
 #: ``off``: loads into fresh tensors leave every page fault to the reader thread, as before
-#: ``checkpoint/page_populate.py`` (for before/after measurements). Default ``on``: files of large records have
+#: ``checkpoint/file/page_populate.py`` (for before/after measurements). Default ``on``: files of large records have
 #: their fresh storages' pages populated on a second thread beside the reads.
 POPULATE = "LIGHTNING_RECOVER_POPULATE"
 #: ``off``: format-2 saves pickle through ``torch.serialization._save`` only, never the fast pickler
-#: (``checkpoint/torch_zip.py``; for before/after measurements). Default ``on``.
+#: (``checkpoint/file/torch_zip.py``; for before/after measurements). Default ``on``.
 FAST_PICKLER = "LIGHTNING_RECOVER_FAST_PICKLER"
 #: Space reserved ahead of checkpoint writes, with the file size set (``checkpoint/reservation.py``). ``on``: the
 #: streaming single-file save grows a reservation ahead of its writes, and the DCP writer and the async saver

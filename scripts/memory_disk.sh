@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A memory-backed disk for the checkpoint benchmarks' fast-device runs (docs/benchmarks.md,
+# A memory-backed disk for the checkpoint benchmarks' fast-device runs (benchmarks/LOG.md,
 # "Single file on a memory-backed disk"): ext4 on a loop device whose backing file lives in
 # /dev/shm. O_DIRECT, fsync and io_uring behave as on a real disk, but the "device" moves bytes at
 # memory speed, so a writer's or reader's own costs show up that a ~2-3 GB/s virtio disk hides.

@@ -10,17 +10,11 @@ import pytest
 import torch
 
 import native_io
-from lightning_recover.checkpoint import (
-    AsyncCheckpointError,
-    CheckpointIncompleteError,
-    UringCheckpointIO,
-    async_io,
-    files,
-    load,
-    read_info,
-)
-from lightning_recover.checkpoint.async_io import _Ring, crc32c_combine
-from lightning_recover.checkpoint.torch_zip import ALIGN, PlanWriter
+from lightning_recover.checkpoint import AsyncCheckpointError, CheckpointIncompleteError, files, load, read_info
+from lightning_recover.checkpoint.file import async_io
+from lightning_recover.checkpoint.file.async_io import _Ring, crc32c_combine
+from lightning_recover.checkpoint.file.torch_zip import ALIGN, PlanWriter
+from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
 from tests.jobs import ROOT, bounded
 
 pytestmark = pytest.mark.timeout(120)
@@ -127,8 +121,12 @@ def test_ring_fifo_wraps_and_backpressure():
 # --------------------------------------------------------------------------------------- consistency
 
 
-@pytest.mark.parametrize("closure", [False, True])
-@pytest.mark.parametrize("staging", [None, 1 << 20])
+@pytest.mark.parametrize(
+    "staging,closure",
+    # one variant in the fast suite, the other three (5-6 s each of training beside the save) in the slow one
+    [(None, False)]
+    + [pytest.param(s, c, marks=pytest.mark.slow) for s, c in ((None, True), (1 << 20, False), (1 << 20, True))],
+)
 def test_snapshot_equals_state_at_save_time_while_training_continues(tmp_path, closure, staging):
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -363,6 +361,7 @@ def _quiet_cpu_trainer(tmp_path, **kwargs):
     )
 
 
+@pytest.mark.slow  # a Trainer fit
 def test_trainer_async_modelcheckpoint(tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -398,6 +397,7 @@ def test_trainer_async_modelcheckpoint(tmp_path):
     assert t2.global_step == 7
 
 
+@pytest.mark.slow  # a Trainer fit
 def test_trainer_consistency_mid_training(tmp_path):
     """Checkpoints taken every step while training mutates the state equal the state at save time."""
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -617,6 +617,7 @@ def _ema_module_cls():
     return EMA
 
 
+@pytest.mark.slow  # a Trainer fit
 def test_trainer_weight_averaging_async_checkpoints_hold_save_time_state(tmp_path, monkeypatch):
     """EMAWeightAveraging swaps weights for validation and copies the average into the model at the end of
     training through ``param.data`` (no version bump): the snapshot barrier makes the lazy copies happen first."""
@@ -648,6 +649,7 @@ def test_trainer_weight_averaging_async_checkpoints_hold_save_time_state(tmp_pat
             _assert_same(ref[k], ck[k], f"{name}:{k}")
 
 
+@pytest.mark.slow  # a Trainer fit
 def test_trainer_in_flight_name_gets_version_suffix(tmp_path, monkeypatch):
     """ModelCheckpoint's ``-vN`` versioning sees a name whose async save is still in flight as taken."""
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -685,6 +687,7 @@ def test_trainer_in_flight_name_gets_version_suffix(tmp_path, monkeypatch):
         _assert_same(model.saved[step]["state_dict"], ck["state_dict"])
 
 
+@pytest.mark.slow  # a Trainer fit
 def test_trainer_in_place_change_after_save_is_detected(tmp_path, monkeypatch):
     """A LightningModule hook runs after ModelCheckpoint saved and changes a weight in place before the (slowed)
     lazy copy: that save fails loudly instead of holding a value that never existed at save time."""
@@ -796,7 +799,7 @@ def test_guarded_load_state_dict_waits_for_the_snapshot(tmp_path, monkeypatch):
 
 _EXIT_WITH_A_SAVE_IN_FLIGHT = """
 import sys, time, torch
-from lightning_recover.checkpoint import UringCheckpointIO
+from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
 io = UringCheckpointIO(async_save=True, flush_bytes_per_s=16e6)  # ~0.75 s of paced flushing for 12 MB
 io.save_checkpoint({"w": torch.full((3_000_000,), 7.0), "k": 7}, sys.argv[1])
 io.wait_for_snapshot()
@@ -804,6 +807,7 @@ print(f"exiting {time.monotonic()}", flush=True)  # no wait_until_durable, no te
 """
 
 
+@pytest.mark.slow  # starts an interpreter (house30's rule: what starts processes is slow)
 def test_interpreter_exit_drains_a_save_in_flight(tmp_path):
     """A script that saves asynchronously and simply ends: the saver's exit handler (``_drain_at_exit``)
     finishes the save, so the checkpoint is complete under its name and the interpreter took the flush's

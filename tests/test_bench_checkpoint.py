@@ -333,6 +333,7 @@ def test_paired_fio_side_is_the_best_depth_of_each_pair_and_each_depth_is_report
         bench.parse_depths("0,4")
 
 
+@pytest.mark.slow  # a run of the bench (~9 s)
 def test_async_checkpoint_bench_pairs_each_save_with_the_steps_just_before(tmp_path):
     """The async benchmark times steps with no checkpoint activity right before each save and reports the ratio
     of the steps after the save to them (the flush's cost to training), per repetition and as a median."""
@@ -355,9 +356,10 @@ def test_async_checkpoint_bench_pairs_each_save_with_the_steps_just_before(tmp_p
     assert "paired step ratio" in async_checkpoint.format_table(res)
 
 
+@pytest.mark.slow  # runs a research benchmark (benchmarks/)
 def test_bench_unstaged_smoke(tmp_path, capsys):
     """The three ways of writing each item size run to the end and leave nothing behind (no timing is checked)."""
-    from lightning_recover.bench import unstaged
+    from benchmarks import unstaged
 
     assert unstaged.main(["--size-gb", "0.02", "--items", "256K,4M", "--repeat", "1", "--dir", str(tmp_path)]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "KiB" in line]
@@ -381,9 +383,10 @@ def test_fio_uses_huge_pages_only_when_reserved():
     assert not any(a.startswith("--iomem") for a in fio._command("n", "/p", "write", 1 << 20, "io_uring", 4))
 
 
+@pytest.mark.slow  # runs a research benchmark (benchmarks/)
 def test_profile_save_smoke(tmp_path):
     """profile_save runs the real save through its timing proxies (they must accept what the save passes)."""
-    from lightning_recover.bench import profile_save
+    from benchmarks import profile_save
 
     out = profile_save.profile("small10k", 0.01, str(tmp_path), 1, 0)
     assert out["runs"] and out["runs"][0]["total_s"] > 0

@@ -17,7 +17,7 @@ import torch
 from lightning_recover.checkpoint import format as fmt
 from lightning_recover.checkpoint import load
 from lightning_recover.checkpoint import save as _save
-from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
+from lightning_recover.checkpoint.integrity import CheckpointCorruptError, UnsafeCheckpointError
 
 
 def save(checkpoint, path, **kw):

@@ -19,7 +19,6 @@ import torch
 
 from lightning_recover.checkpoint import (
     CheckpointCorruptError,
-    UringCheckpointIO,
     cleanup_stale_temps,
     engine,
     files,
@@ -28,6 +27,7 @@ from lightning_recover.checkpoint import (
     save,
 )
 from lightning_recover.checkpoint import format as fmt
+from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
 
 
 def _state(k: int = 0, n: int = 1000) -> dict:
@@ -674,7 +674,7 @@ def test_trainer_with_plugin_can_be_pickled(tmp_path):
 def test_remote_paths_go_through_fsspec(tmp_path, monkeypatch, caplog):
     import fsspec
 
-    from lightning_recover.checkpoint import plugin as plugin_mod
+    from lightning_recover.lightning import checkpoint_io as plugin_mod
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(plugin_mod, "_noted_protocols", set())

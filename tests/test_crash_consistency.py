@@ -21,7 +21,6 @@ from lightning_recover.checkpoint import (
     CheckpointCorruptError,
     CheckpointIncompleteError,
     UnsafeCheckpointError,
-    UringCheckpointIO,
     files,
     load,
     read_info,
@@ -29,6 +28,7 @@ from lightning_recover.checkpoint import (
     verify_file,
 )
 from lightning_recover.checkpoint import format as fmt
+from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
 
 NAMES = 4  # rotating checkpoint names r0..r3
 
@@ -36,7 +36,7 @@ NAMES = 4  # rotating checkpoint names r0..r3
 # r{k % 4}.ckpt again and again (k increasing), sync or async, and prints "done <k>" once save k is durable.
 _HELPER = textwrap.dedent("""
     import os, sys, torch
-    from lightning_recover.checkpoint import UringCheckpointIO
+    from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
     d = sys.argv[1]
 
     def state(k):

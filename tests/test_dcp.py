@@ -20,10 +20,11 @@ from lightning_recover.checkpoint import (
     UringStorageReader,
     UringStorageWriter,
     cleanup_dcp_temps,
-    dcp_snapshot,
     verify_dcp_checkpoint,
 )
-from lightning_recover.checkpoint import dcp as dcp_mod
+from lightning_recover.checkpoint.dcp import reader as dcp_reader
+from lightning_recover.checkpoint.dcp import snapshot as dcp_snapshot
+from lightning_recover.checkpoint.dcp import writer as dcp_mod
 from tests.jobs import gloo_ranks, two_rank_script, two_rank_tensors
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -172,7 +173,7 @@ def test_whole_tensors_load_straight_into_their_targets_and_are_still_verified(t
     p = str(tmp_path / "ck")
     dcp.save(state, storage_writer=UringStorageWriter(p))
     read_into = []
-    real = dcp_mod._whole_target
+    real = dcp_reader._whole_target
 
     def spy(rec, reqs, planner):
         got = real(rec, reqs, planner)
@@ -180,7 +181,7 @@ def test_whole_tensors_load_straight_into_their_targets_and_are_still_verified(t
             read_into.append(rec["fqn"])
         return got
 
-    monkeypatch.setattr(dcp_mod, "_whole_target", spy)
+    monkeypatch.setattr(dcp_reader, "_whole_target", spy)
     assert_same(load_with(UringStorageReader(p), state), state)
     assert {"big", "big_bf16", "w"} <= set(read_into)  # whole contiguous tensors; not the view or transposed
     assert "t" not in read_into
@@ -207,7 +208,7 @@ def test_stock_checkpoint_records_no_sidecars_and_loads_unverified(tmp_path):
     state = make_state(4)
     p = str(tmp_path / "stock")
     dcp.save(state, storage_writer=FileSystemWriter(p))
-    assert not dcp_mod.sidecars_recorded(dcp_mod.read_dcp_metadata(p))
+    assert not dcp_mod.sidecars_recorded(dcp_reader.read_dcp_metadata(p))
     assert_same(load_with(UringStorageReader(p), state), state)
     assert verify_dcp_checkpoint(p)["verified"] is False
 
@@ -251,11 +252,11 @@ def test_missing_shard_and_sidecar_detected(tmp_path):
     state = make_state(5)
     p = str(tmp_path / "ck")
     dcp.save(state, storage_writer=UringStorageWriter(p))
-    assert dcp_mod.sidecars_recorded(dcp_mod.read_dcp_metadata(p))
+    assert dcp_mod.sidecars_recorded(dcp_reader.read_dcp_metadata(p))
     os.unlink(os.path.join(p, "__0_0.crc.json"))
     with corrupt(r"__0_0\.crc\.json.*were written with this checkpoint.*HINT: .*verify=False"):
         load_with(UringStorageReader(p), state)
-    with pytest.raises(dcp_mod.SidecarsMissingError, match=r"__0_0\.crc\.json"):
+    with pytest.raises(dcp_reader.SidecarsMissingError, match=r"__0_0\.crc\.json"):
         verify_dcp_checkpoint(p)
     assert_same(load_with(UringStorageReader(p, verify=False), state), state)
     os.unlink(os.path.join(p, "__0_0.distcp"))
@@ -436,7 +437,7 @@ _TWO_RANKS = two_rank_script(
         assert torch.equal(one[k].to_local(), v.chunk(2)[rank]), k
     # lazy async save of DTensors: rank 1 changes w in place while its snapshot is still being copied:
     # the save fails on BOTH ranks (no rank left in a collective), nothing is committed at path + "-lazy"
-    from lightning_recover.checkpoint import dcp_snapshot
+    from lightning_recover.checkpoint.dcp import snapshot as dcp_snapshot
     copy = dcp_snapshot.LazySnapshot._copy
     def slow_copy(self, *a):
         import time; time.sleep(0.5 if rank == 1 else 0.0); copy(self, *a)
@@ -496,7 +497,7 @@ def test_two_ranks_save_reshard_to_one(tmp_path):
     assert torch.equal(lazy["w"], changed) and torch.equal(lazy["b"], full["b"])
 
 
-# ------------------------------------------------------------------- plan caching (dcp_planner.py)
+# ------------------------------------------------------------------- plan caching (dcp_plan_cache.py)
 
 
 def _fresh_plan_caches(monkeypatch) -> None:

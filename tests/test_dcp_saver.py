@@ -1,4 +1,4 @@
-"""DcpSaver: DCP checkpoints saved in a loop over a cached protocol (checkpoint/dcp_saver.py).
+"""DcpSaver: DCP checkpoints saved in a loop over a cached protocol (checkpoint/dcp/saver.py).
 
 What it writes must be what ``dcp.save`` with ``UringStorageWriter`` writes, loadable by the stock reader,
 whichever protocol a save took; a layout change must take the full one; a failure must leave the previous
@@ -21,11 +21,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_recover.checkpoint import UringStorageReader, UringStorageWriter, dcp_saver, verify_dcp_checkpoint
-from lightning_recover.checkpoint import dcp as dcp_mod
-from lightning_recover.checkpoint.dcp import read_dcp_metadata
-from lightning_recover.checkpoint.dcp_saver import DcpSaver
-from lightning_recover.checkpoint.metadata_template import MetadataTemplate
+from lightning_recover.checkpoint import UringStorageReader, UringStorageWriter, verify_dcp_checkpoint
+from lightning_recover.checkpoint.dcp import saver as dcp_saver
+from lightning_recover.checkpoint.dcp import writer as dcp_mod
+from lightning_recover.checkpoint.dcp.metadata_template import MetadataTemplate
+from lightning_recover.checkpoint.dcp.reader import read_dcp_metadata
+from lightning_recover.checkpoint.dcp.saver import DcpSaver
 from tests.jobs import gloo_ranks, two_rank_script, two_rank_tensors
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -229,8 +230,8 @@ _TWO_RANKS = two_rank_script(
     """
     import errno
     from torch.distributed.checkpoint.api import CheckpointException
-    from lightning_recover.checkpoint import dcp as dcp_mod
-    from lightning_recover.checkpoint.dcp_saver import DcpSaver
+    from lightning_recover.checkpoint.dcp import writer as dcp_mod
+    from lightning_recover.checkpoint.dcp.saver import DcpSaver
     root = arg
     state = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
     state["shared"] = torch.arange(6.0)  # the same on both ranks: DCP's global plan writes it once
@@ -324,8 +325,8 @@ def test_two_ranks_cached_saves_load_with_the_stock_reader(tmp_path):
 _SPREAD_PARTS = two_rank_script(
     """
     import errno
-    from lightning_recover.checkpoint import dcp as dcp_mod, sharded
-    from lightning_recover.checkpoint.dcp_saver import DcpSaveError
+    from lightning_recover.checkpoint.dcp import sharded_state as dcp_state, writer as dcp_mod
+    from lightning_recover.checkpoint.dcp.saver import DcpSaveError
     root = arg
     state = {"model": {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}}
     state["shared"], state["step"] = torch.arange(6.0), 1
@@ -334,11 +335,11 @@ _SPREAD_PARTS = two_rank_script(
     def spread(name, token):
         # both parts written by this group, as two replicas of it would (files __0_, __1_ and __2_, __3_)
         for q in range(2):
-            sharded.save_part(os.path.join(root, name), state, token, q, 2, base=2 * q)
-            seen.append(sharded._PART_SAVERS[(q, 2, 2 * q, 2)].last_protocol)
+            dcp_state.save_part(os.path.join(root, name), state, token, q, 2, base=2 * q)
+            seen.append(dcp_state._PART_SAVERS[(q, 2, 2 * q, 2)].last_protocol)
         dist.barrier()
         if rank == 0:
-            sharded.commit_parts(os.path.join(root, name), state, token, 2)
+            dcp_state.commit_parts(os.path.join(root, name), state, token, 2)
         dist.barrier()
 
     spread("ck1", "t1")
@@ -353,13 +354,13 @@ _SPREAD_PARTS = two_rank_script(
     # rank 1's engine refuses its file in part 1: that part fails on both ranks, its shared directory is left
     # for the spread save's committer to abandon
     real_open = dcp_mod.open_writer
-    sharded.save_part(os.path.join(root, "ck4"), state, "t4", 0, 2, base=0)
+    dcp_state.save_part(os.path.join(root, "ck4"), state, "t4", 0, 2, base=0)
     if rank == 1:
         def refuse(*a, **k):
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
         dcp_mod.open_writer = refuse
     try:
-        sharded.save_part(os.path.join(root, "ck4"), state, "t4", 1, 2, base=2)
+        dcp_state.save_part(os.path.join(root, "ck4"), state, "t4", 1, 2, base=2)
         raise SystemExit("the failed part returned")
     except DcpSaveError as exc:
         assert "[1]" in str(exc), str(exc)
@@ -369,7 +370,7 @@ _SPREAD_PARTS = two_rank_script(
     assert os.path.isdir(tmp) and "__0_0.distcp" in os.listdir(tmp), os.listdir(root)
     dist.barrier()  # both ranks have looked before rank 0 abandons it
     if rank == 0:
-        sharded.abandon_parts(os.path.join(root, "ck4"), "t4")
+        dcp_state.abandon_parts(os.path.join(root, "ck4"), "t4")
     dist.barrier()
     seen.clear()
     spread("ck5", "t5")
@@ -381,7 +382,7 @@ _SPREAD_PARTS = two_rank_script(
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_ranks_spread_parts_take_the_cached_protocol(tmp_path):
-    """``sharded.save_part`` (the spread save of sharded replicas) over a group of two gloo ranks: the first save of
+    """``dcp_state.save_part`` (the spread save of sharded replicas) over a group of two gloo ranks: the first save of
     each part is a full ``dcp.save``, the next ones the cached protocol; a moved item, a failed part (the shared
     directory left for the committer to abandon) and the part that failed starting over. Every committed
     checkpoint loads with both readers."""
@@ -413,8 +414,8 @@ _DEAD_PEER = textwrap.dedent(
     from datetime import timedelta
     warnings.simplefilter("ignore")
     import torch, torch.distributed as dist
-    from lightning_recover.checkpoint import dcp as dcp_mod
-    from lightning_recover.checkpoint.dcp_saver import DcpSaver
+    from lightning_recover.checkpoint.dcp import writer as dcp_mod
+    from lightning_recover.checkpoint.dcp.saver import DcpSaver
     rank, root, store = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     dist.init_process_group(
         "gloo", init_method="file://" + store, rank=rank, world_size=2, timeout=timedelta(seconds=30)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from lightning_recover.checkpoint.sharded import save_sharded
+from lightning_recover.checkpoint.dcp.sharded_state import save_sharded
 from lightning_recover.checkpoint.tools import EXIT_DAMAGED, EXIT_OK, EXIT_REFUSED, EXIT_UNREADABLE
 from lightning_recover.cli import main
 

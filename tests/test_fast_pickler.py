@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from lightning_recover.bench.gpt_state import build_state
-from lightning_recover.checkpoint import CheckpointCorruptError, load, save, torch_zip
+from lightning_recover.checkpoint import CheckpointCorruptError, load, save
+from lightning_recover.checkpoint.file import torch_zip
 
 
 def _torch_records(obj) -> torch_zip._Collector:

@@ -18,6 +18,9 @@ import pytest
 
 from lightning_recover.launch.fork_server import ForkedProcess, ForkServer, ProcessStarter, forkable
 
+# every test here starts a fork server or forks replicas: real processes
+pytestmark = pytest.mark.slow
+
 SCRIPT = textwrap.dedent(
     """
     import sys

@@ -81,7 +81,7 @@ def test_no_pause_from_a_background_thread():
 
 
 def test_context_manager_pauses_for_its_body_only(tmp_path):
-    from lightning_recover.checkpoint import single_file
+    from lightning_recover.checkpoint.file import single_file
 
     with GcPause() as p:
         assert p.paused and not gc.isenabled()

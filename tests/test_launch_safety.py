@@ -19,7 +19,7 @@ import time
 import pytest
 
 from lightning_recover import cli, env
-from lightning_recover.launch import coordinator_process, launcher
+from lightning_recover.launch import coordinator_process, supervisor
 from lightning_recover.protocol.faults import Fault, FaultInjector, parse_faults
 from lightning_recover.protocol.messages import JobSecret
 from lightning_recover.protocol.options import RecoverOptions
@@ -118,6 +118,7 @@ def _wait_for(log: str, pattern: str, proc: subprocess.Popen, timeout: float) ->
 # ---------------------------------------------------------------------------- item 1: bind
 
 
+@pytest.mark.slow  # a coordinator process
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
 def test_coordinator_listens_only_on_the_given_address(host, tmp_path):
@@ -164,6 +165,7 @@ def test_launcher_sigkilled_takes_coordinator_and_replicas_with_it(tmp_path):
         proc.wait()
 
 
+@pytest.mark.slow  # a coordinator process
 @pytest.mark.timeout(60)
 def test_coordinator_watchdog_exits_when_its_launcher_is_gone():
     # The fallback of PDEATHSIG: a coordinator whose parent is not the launcher it was told of exits.
@@ -192,7 +194,7 @@ def test_failed_spawn_ends_everything_and_fails(tmp_path):
         proc.wait(timeout=90)
         out = open(log).read()
         print(f"\nfailed spawn: exit {proc.returncode} after {time.monotonic() - t0:.1f}s")
-        assert proc.returncode == launcher.EXIT_SPAWN_FAILED, out
+        assert proc.returncode == supervisor.EXIT_SPAWN_FAILED, out
         assert "cannot start replica 0" in out and "HINT" in out, out
         assert _wait_until(lambda: not _session_pids(proc.pid), SLACK) is not None, _session_pids(proc.pid)
     finally:
@@ -205,14 +207,14 @@ def test_failed_spawn_ends_everything_and_fails(tmp_path):
 def test_failed_spawn_of_a_later_replica_ends_the_started_ones(tmp_path):
     # Replica 0 starts (a long sleep), replica 1 cannot: both the sleep and the coordinator must end.
     code = (
-        "import sys; from lightning_recover.launch.launcher import supervise; "
+        "import sys; from lightning_recover.launch.supervisor import supervise; "
         "sys.exit(supervise(lambda r: ['sleep', '600'] if r == 0 else ['/nonexistent'], 2))"
     )
     proc, log = start_job([sys.executable, "-c", code], str(tmp_path))
     try:
         proc.wait(timeout=90)
         out = open(log).read()
-        assert proc.returncode == launcher.EXIT_SPAWN_FAILED, out
+        assert proc.returncode == supervisor.EXIT_SPAWN_FAILED, out
         assert "cannot start replica 1" in out, out
         assert _wait_until(lambda: not _session_pids(proc.pid), SLACK) is not None, _session_pids(proc.pid)
     finally:
@@ -222,8 +224,8 @@ def test_failed_spawn_of_a_later_replica_ends_the_started_ones(tmp_path):
 
 def test_command_not_on_path_is_refused_before_starting_anything():
     lines = []
-    code = launcher.supervise(["no-such-command-lr"], 2, on_event=lines.append)
-    assert code == launcher.EXIT_SPAWN_FAILED
+    code = supervisor.supervise(["no-such-command-lr"], 2, on_event=lines.append)
+    assert code == supervisor.EXIT_SPAWN_FAILED
     assert "not found on PATH" in lines[0] and "HINT" in lines[0]
 
 
@@ -258,7 +260,7 @@ def test_launcher_ends_the_job_when_the_coordinator_is_lost(tmp_path, how):
             f"\ncoordinator {how}: launcher exit {proc.returncode} after {took:.2f}s "
             f"(bound: 10 ms killed, store_timeout frozen, + {EXIT_SLACK}s); the rest of the job {job} gone {gone}s later"
         )
-        assert proc.returncode == launcher.EXIT_COORDINATOR_LOST, out[-3000:]
+        assert proc.returncode == supervisor.EXIT_COORDINATOR_LOST, out[-3000:]
         assert "CoordinatorLostError" in out and "HINT" in out, out[-3000:]
         # every replica names the loss itself (it exits on its own within the same bound)
         for r in (0, 1):
@@ -422,7 +424,7 @@ def test_cli_refuses_bad_counts(capsys, args, message):
 def test_supervise_and_coordinator_start_refuse_bad_heartbeat_timeouts(value):
     # Refused before anything is started: no process, so this is fast.
     with pytest.raises(ValueError, match="heartbeat_timeout"):
-        launcher.supervise(["sleep", "1"], 2, heartbeat_timeout=value)
+        supervisor.supervise(["sleep", "1"], 2, heartbeat_timeout=value)
     with pytest.raises(ValueError, match="heartbeat_timeout"):
         coordinator_process.start(2, value)
 
@@ -432,7 +434,7 @@ def test_supervise_and_coordinator_start_refuse_bad_heartbeat_timeouts(value):
 
 def test_supervise_refuses_faults_naming_replicas_outside_the_job():
     with pytest.raises(ValueError, match=r"replicas 0\.\.2, so replica=9.*HINT"):
-        launcher.supervise(["sleep", "1"], 3, inject="kill:replica=9:step=1:phase=forward")
+        supervisor.supervise(["sleep", "1"], 3, inject="kill:replica=9:step=1:phase=forward")
     with pytest.raises(ValueError, match="replica=3"):
         parse_faults("hang:replica=3:step=0:phase=reduce", replicas=3)
     assert parse_faults("hang:replica=2:step=0:phase=reduce", replicas=3)[0].replica == 2
@@ -440,6 +442,7 @@ def test_supervise_refuses_faults_naming_replicas_outside_the_job():
         parse_faults("kill:replica=0:step=0:phase=forward:incarnation=0")
 
 
+@pytest.mark.slow  # the CLI in a new interpreter
 def test_cli_run_refuses_out_of_range_faults():
     out = subprocess.run(
         CLI + ["run", "--replicas", "3", "--inject", "kill:replica=9:step=1:phase=forward", "--", "true"],

@@ -44,11 +44,14 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_recover.checkpoint import AsyncCheckpointError, UringCheckpointIO, async_io
-from lightning_recover.checkpoint.torch_zip import PlanWriter
+from lightning_recover.checkpoint import AsyncCheckpointError
+from lightning_recover.checkpoint.file import async_io
+from lightning_recover.checkpoint.file.torch_zip import PlanWriter
+from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
 from tests.jobs import bounded
 
-pytestmark = [pytest.mark.lightning_compat, pytest.mark.timeout(120)]
+# Lightning Trainer fits (149 of them): the slow suite (make test), not the edit loop (make test-fast)
+pytestmark = [pytest.mark.lightning_compat, pytest.mark.slow, pytest.mark.timeout(120)]
 
 MODES = ["stock", "sync", "async", "lazy"]
 PLUGIN_MODES = ["sync", "async", "lazy"]

@@ -807,8 +807,9 @@ def test_single_file_save_with_preallocation(tmp_path, monkeypatch, prealloc):
     reservation is given back, the file loads back and damage is detected, with or without."""
     import torch
 
-    from lightning_recover.checkpoint import reservation, single_file
-    from lightning_recover.checkpoint.format import CheckpointCorruptError
+    from lightning_recover.checkpoint import reservation
+    from lightning_recover.checkpoint.file import single_file
+    from lightning_recover.checkpoint.integrity import CheckpointCorruptError
 
     monkeypatch.setenv("LIGHTNING_RECOVER_PREALLOCATE", prealloc)
     monkeypatch.setattr(reservation, "FIRST_BYTES", 1 << 20)  # grow several times on this small state

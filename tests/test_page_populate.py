@@ -1,4 +1,4 @@
-"""Fresh storages' pages populated beside a load's reads (checkpoint/page_populate.py)."""
+"""Fresh storages' pages populated beside a load's reads (checkpoint/file/page_populate.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 
-from lightning_recover.checkpoint import load, page_populate, save, single_file
+from lightning_recover.checkpoint import load, save
+from lightning_recover.checkpoint.file import page_populate, single_file
 
 needs_populate = pytest.mark.skipif(not page_populate.populate_supported(), reason="no madvise(MADV_POPULATE_WRITE)")
 

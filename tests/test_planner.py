@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from lightning_recover.protocol.planner import plan_quotas
+from lightning_recover.protocol.quotas import plan_quotas
 
 
 @pytest.mark.parametrize("M,members", [(8, [0, 1, 2, 3]), (7, [0, 2, 5]), (1, [3]), (16, [1, 2]), (5, [0, 1, 2, 3, 4])])

@@ -46,7 +46,7 @@ def test_sharded_save_resume_and_stock_load(tmp_path, capsys):
     from torch.distributed.checkpoint import FileSystemReader
 
     from lightning_recover.checkpoint import verify_dcp_checkpoint
-    from lightning_recover.checkpoint.sharded import checkpoint_keys
+    from lightning_recover.checkpoint.dcp.sharded_state import checkpoint_keys
 
     ref_dir = str(tmp_path / "ref")  # sharded_train.py --reference, in this process (no interpreter start-up)
     sharded_train.reference(SimpleNamespace(out=ref_dir, steps=STEPS, microbatches=M, batch_size=4, dtype="float64"))
@@ -79,7 +79,7 @@ def test_sharded_save_resume_and_stock_load(tmp_path, capsys):
     assert checkpoint_keys(ckpt) == {"model", "optimizer", "step"}
     # the items' bytes per file (file sizes would add up to 4 KiB of padding an item, which follows the tensors'
     # memory addresses: on this tiny model that alone moved the split across any fixed bound)
-    from lightning_recover.checkpoint.dcp import read_dcp_metadata
+    from lightning_recover.checkpoint.dcp.reader import read_dcp_metadata
 
     sizes = [0] * 4
     for info in read_dcp_metadata(ckpt).storage_data.values():
@@ -130,7 +130,7 @@ def _model_and_optimizer(seed: int):
 
 
 def test_save_load_sharded_one_process(tmp_path):
-    from lightning_recover.checkpoint.sharded import load_full, load_sharded, save_sharded
+    from lightning_recover.checkpoint.dcp.sharded_state import load_full, load_sharded, save_sharded
 
     model, optimizer = _model_and_optimizer(0)
     path = str(tmp_path / "ck")
@@ -151,7 +151,7 @@ def test_save_load_sharded_one_process(tmp_path):
 
 def test_damaged_shard_leaves_objects_untouched(tmp_path):
     from lightning_recover.checkpoint import CheckpointCorruptError
-    from lightning_recover.checkpoint.sharded import load_sharded, save_sharded
+    from lightning_recover.checkpoint.dcp.sharded_state import load_sharded, save_sharded
 
     model, optimizer = _model_and_optimizer(0)
     path = str(tmp_path / "ck")
@@ -171,7 +171,7 @@ def test_metadata_with_foreign_globals_is_refused(tmp_path):
     import pickle
 
     from lightning_recover.checkpoint import UnsafeCheckpointError
-    from lightning_recover.checkpoint.dcp import read_dcp_metadata
+    from lightning_recover.checkpoint.dcp.reader import read_dcp_metadata
 
     path = tmp_path / "ck"
     path.mkdir()
@@ -191,7 +191,13 @@ def test_parts_written_separately_merge_into_one_checkpoint(tmp_path, monkeypatc
     from torch.distributed.checkpoint import FileSystemReader
 
     from lightning_recover.checkpoint import gc_pause, verify_dcp_checkpoint
-    from lightning_recover.checkpoint.sharded import assign_parts, commit_parts, load_sharded, part_count, save_part
+    from lightning_recover.checkpoint.dcp.sharded_state import (
+        assign_parts,
+        commit_parts,
+        load_sharded,
+        part_count,
+        save_part,
+    )
 
     assert assign_parts({"a": 10, "b": 6, "c": 5, "d": 1}, 2) == [["a", "d"], ["b", "c"]]
     assert len(assign_parts({"a": 1}, 3)) == 1
@@ -227,7 +233,8 @@ def test_parts_saved_again_take_the_cached_protocol(tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 
     from lightning_recover.checkpoint import verify_dcp_checkpoint
-    from lightning_recover.checkpoint.sharded import _PART_SAVERS, commit_parts, load_sharded, save_part
+    from lightning_recover.checkpoint.dcp.sharded_state import _PART_SAVERS, commit_parts, load_sharded, save_part
+    from lightning_recover.checkpoint.dcp.writer import wait_for_removals
 
     _PART_SAVERS.clear()
     model, optimizer = _model_and_optimizer(0)
@@ -242,6 +249,7 @@ def test_parts_saved_again_take_the_cached_protocol(tmp_path):
             save_part(path, state, token, q, 2, base=q)
             assert _PART_SAVERS[(q, 2, q, 1)].last_protocol == ("dcp" if round_ == 0 else "cached")
         commit_parts(path, state, token, 2)
+        assert wait_for_removals(timeout=60)  # the replaced checkpoint is removed on a thread
         assert verify_dcp_checkpoint(path)["files"] == 2 and os.listdir(tmp_path) == ["ck"]
         model2, optimizer2 = _model_and_optimizer(1)
         restored = {"model": model2, "optimizer": optimizer2, "step": 0}

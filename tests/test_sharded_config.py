@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_recover.lightning.sharded import ShardingConfig
+from lightning_recover.lightning.sharding_config import ShardingConfig
 from lightning_recover.protocol.faults import FaultInjector, parse_faults
 from lightning_recover.protocol.step import rounds
 

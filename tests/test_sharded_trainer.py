@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_recover import RecoverTrainerStrategy
-from lightning_recover.lightning.sharded import ShardingConfig
+from lightning_recover.lightning.sharding_config import ShardingConfig
 from lightning_recover.lightning.step_logs import StepLogCapture
 from tests.jobs import ROOT, run_job
 from tests.test_sharded import STEPS, check
@@ -212,7 +212,7 @@ def test_trainer_checkpoint_state_round_trip(tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 
     from lightning_recover.checkpoint import UnsafeCheckpointError, verify_dcp_checkpoint
-    from lightning_recover.checkpoint.sharded import save_sharded
+    from lightning_recover.checkpoint.dcp.sharded_state import save_sharded
     from lightning_recover.lightning.trainer_checkpoint import (
         dcp_state,
         load_trainer_checkpoint,

@@ -1,4 +1,4 @@
-"""Storages read on a second thread while data.pkl is unpickled (checkpoint/storage_reads.py)."""
+"""Storages read on a second thread while data.pkl is unpickled (checkpoint/file/storage_reads.py)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,8 @@ import pytest
 import torch
 
 import native_io
-from lightning_recover.checkpoint import (
-    CheckpointCorruptError,
-    UnsafeCheckpointError,
-    load,
-    read_info,
-    save,
-    storage_reads,
-)
+from lightning_recover.checkpoint import CheckpointCorruptError, UnsafeCheckpointError, load, read_info, save
+from lightning_recover.checkpoint.file import storage_reads
 
 
 def _state(n: int = 24) -> dict:

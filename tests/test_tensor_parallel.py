@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_recover.lightning.sharded import ShardingConfig
+from lightning_recover.lightning.sharding_config import ShardingConfig
 from lightning_recover.protocol.step import rounds
 
 

@@ -13,8 +13,9 @@ from collections import Counter
 import pytest
 import torch
 
-from lightning_recover.checkpoint import CheckpointCorruptError, UnsafeCheckpointError, load, read_info, save, torch_zip
-from lightning_recover.checkpoint.single_file import verify_file
+from lightning_recover.checkpoint import CheckpointCorruptError, UnsafeCheckpointError, load, read_info, save
+from lightning_recover.checkpoint.file import torch_zip
+from lightning_recover.checkpoint.file.single_file import verify_file
 
 
 def _state() -> dict:
@@ -128,7 +129,7 @@ def test_default_layout_storages_first_and_congruent(tmp_path):
 
 
 def test_storages_are_written_while_the_object_is_pickled(tmp_path, monkeypatch):
-    from lightning_recover.checkpoint import single_file
+    from lightning_recover.checkpoint.file import single_file
 
     monkeypatch.setattr(single_file, "_WRITE_BATCH_BYTES", 1 << 20)
     events: list = []
@@ -150,7 +151,7 @@ def test_storages_are_written_while_the_object_is_pickled(tmp_path, monkeypatch)
 def test_fast_pickler_giving_up_midway_restarts_the_save_unstreamed(tmp_path, monkeypatch):
     """A Parameter after plain tensors: the fast pickler has streamed storages when it gives up; the save starts
     again with torch's pickler, and the file is exactly what torch would pickle."""
-    from lightning_recover.checkpoint import single_file
+    from lightning_recover.checkpoint.file import single_file
 
     calls: list = []
     real = single_file._save_zip
@@ -183,7 +184,7 @@ def test_zip64_records(tmp_path, monkeypatch):
 
 
 def test_async_save_writes_format_2(tmp_path):
-    from lightning_recover.checkpoint import UringCheckpointIO
+    from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
 
     io = UringCheckpointIO(async_save=True, max_pending_bytes=1 << 20)  # the 2 MiB tensor goes in chunks
     ck = _state()
@@ -331,7 +332,7 @@ def test_map_location_and_into(tmp_path):
 def _count_fresh_storages(monkeypatch, listing_min_average: int = 0) -> list[int]:
     """Sizes of the fresh storages loads allocate; records of any average size are read into targets (unless
     ``listing_min_average`` says otherwise): the test states' records are small."""
-    from lightning_recover.checkpoint import single_file
+    from lightning_recover.checkpoint.file import single_file
 
     monkeypatch.setattr(single_file, "_LARGE_AVERAGE_RECORD", listing_min_average)
     sizes: list[int] = []
@@ -386,7 +387,7 @@ def test_load_into_reads_records_straight_into_the_targets(tmp_path, monkeypatch
 def test_load_into_small_records_are_copied(tmp_path, monkeypatch):
     """Records that average under ``_LARGE_AVERAGE_RECORD`` are not worth listing the tensors ahead for: they
     are read into fresh storages and copied into the targets, as before."""
-    from lightning_recover.checkpoint import single_file
+    from lightning_recover.checkpoint.file import single_file
 
     ck = {f"t{i}": torch.randn(100) for i in range(20)}
     save(ck, tmp_path / "s.ckpt")
@@ -452,12 +453,13 @@ def test_header_struct_sizes():
     assert struct.calcsize("<IIII") == 16
 
 
+@pytest.mark.slow  # Trainer fits
 def test_lightning_reads_our_checkpoints_without_the_plugin(tmp_path):
     """The most common Lightning flows on a file the plugin wrote: load_from_checkpoint, resume with stock IO."""
     from lightning.pytorch import Trainer
     from lightning.pytorch.demos.boring_classes import BoringModel
 
-    from lightning_recover.checkpoint import UringCheckpointIO
+    from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
 
     class WithHparams(BoringModel):
         def __init__(self, lr: float = 0.1, name: str = "x") -> None:

@@ -1,1 +1,6 @@
-"""Benchmarks behind ``lightning-recover bench`` (``checkpoint``: durable save / cold load)."""
+"""What ``lightning-recover bench`` runs, to compare on your own hardware: ``checkpoint`` (durable save
+and cold load against the stock IOs and fio; ``--ranks``: sharded DCP saves, ``dcp_ranks.py``),
+``async`` (``async_checkpoint.py``), ``recovery`` and ``overhead`` (``recovery.py`` over
+``fabric_gpt.py``) and ``resilience`` (``resilience.py`` over ``resilience_train.py`` and
+``torchft_train.py``); ``gpt_state.py`` builds the states, ``fio.py`` runs the device reference. The
+research and profiling scripts live in the repository's ``benchmarks/``, outside the package."""

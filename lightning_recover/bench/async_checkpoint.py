@@ -130,7 +130,7 @@ def run_one(method: str, checkpoint: dict, trainer: Trainer, workdir: str, steps
     cpu0, steal0 = process_cpu_s(), steal_s()
     finish: Callable[[], float]
     if method in ("uring-async", "uring-async-paced"):
-        from lightning_recover.checkpoint import UringCheckpointIO
+        from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
 
         rate = state["flush_bytes_per_s"] if method == "uring-async-paced" else None
         io = state.setdefault(method, UringCheckpointIO(async_save=True, flush_bytes_per_s=rate))
@@ -157,7 +157,7 @@ def run_one(method: str, checkpoint: dict, trainer: Trainer, workdir: str, steps
             fio.wait(proc)
             return time.perf_counter() - t0
     elif method == "uring-sync":
-        from lightning_recover.checkpoint import UringCheckpointIO
+        from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
 
         io = state.setdefault("uring-sync", UringCheckpointIO())
         target = os.path.join(workdir, "last.ckpt")

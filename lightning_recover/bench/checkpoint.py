@@ -2,7 +2,7 @@
 
 Methods (all measured on the same Lightning-like checkpoint dict):
 
-* ``uring``       -- this project's :class:`lightning_recover.checkpoint.UringCheckpointIO` (format 2: a
+* ``uring``       -- this project's :class:`lightning_recover.lightning.checkpoint_io.UringCheckpointIO` (format 2: a
   torch.save archive)
 * ``uring-v1``    -- the same engine writing the previous lightning-recover layout (format 1)
 * ``uring+mmap`` / ``torch.save+mmap`` -- saved by uring / torch.save, loaded by ``torch.load(mmap=True)``
@@ -277,7 +277,7 @@ class UringMethod(_CheckpointIOMethod):
     name = "uring"
 
     def make_io(self) -> Any:
-        from lightning_recover.checkpoint import UringCheckpointIO
+        from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
 
         return UringCheckpointIO()
 

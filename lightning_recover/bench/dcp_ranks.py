@@ -8,7 +8,7 @@ mesh, as FSDP2 holds them). Each round runs every contender once, in this order,
 over the rounds are reported (ratios are taken within a round first, then their median):
 
 * **save**, durable: ``dcp.save`` with ``UringStorageWriter`` (ours), ``DcpSaver.save`` (ours, the same
-  writer without DCP's per-item exchange once the layout is cached: ``checkpoint/dcp_saver.py``; its first
+  writer without DCP's per-item exchange once the layout is cached: ``checkpoint/dcp/saver.py``; its first
   save, the full one, is untimed, and its checkpoint is loaded and checked once per state),
   ``FileSystemWriter(thread_count=1)`` (DCP's default) and ``thread_count=4``; then fio writes the same
   bytes (``--numjobs=N --bs=16M --direct=1 --ioengine=io_uring --end_fsync=1``, one file per job).
@@ -26,8 +26,8 @@ over the rounds are reported (ratios are taken within a round first, then their 
   staging reused (``cache_staged_state_dict=True``) and ours lazy (``lazy_snapshot=True``).
 
 * **spread save** (GPT state): what ``fabric.save`` does with sharded replicas, as one replica of N processes runs
-  it (one part): ``sharded.save_part`` over the N ranks (a ``DcpSaver`` part: cached after its first, untimed
-  save), then ``sharded.commit_parts`` on rank 0 (reads the part's metadata back, merges, commits), timed like
+  it (one part): ``dcp_state.save_part`` over the N ranks (a ``DcpSaver`` part: cached after its first, untimed
+  save), then ``dcp_state.commit_parts`` on rank 0 (reads the part's metadata back, merges, commits), timed like
   the saves above. Its first checkpoint is loaded and checked once.
 
 The second state (``--small`` tensors per rank under ``"model"``, rank-private keys, not sharded) holds the
@@ -90,7 +90,7 @@ def _spread_save(state: dict, path: str) -> None:
     token is the same on every rank (each rank counts its saves)."""
     import torch.distributed as dist
 
-    from lightning_recover.checkpoint.sharded import commit_parts, save_part
+    from lightning_recover.checkpoint.dcp.sharded_state import commit_parts, save_part
 
     token = f"bench{next(_spread_saves):011x}"
     save_part(path, state, token, 0, 1, base=0)
@@ -350,7 +350,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
     if args.small:
         states["small"] = _small_state(args.small, states["gpt"][1] // world, rank, world)
         states["floor"] = _small_state(args.small, 4 * args.small, rank, world)  # one element each
-    from lightning_recover.checkpoint.dcp_saver import DcpSaver
+    from lightning_recover.checkpoint.dcp.saver import DcpSaver
 
     for name in (n for n in WRITERS if n != "saver"):  # untimed: engine start-up, thread pools, first-use imports
         dcp.save({"warm": torch.ones(1024)}, storage_writer=_writer(name, os.path.join(work, f"warm_{name}")))

@@ -25,7 +25,7 @@ from lightning_recover.tiny_gpt import build
 
 
 def _busy(seconds: float) -> None:
-    """Fixed per-microbatch compute budget (see docs/benchmarks.md: emulated replica capacity)."""
+    """Fixed per-microbatch compute budget (see benchmarks/LOG.md: emulated replica capacity)."""
     if seconds > 0:
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:

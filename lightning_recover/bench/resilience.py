@@ -71,7 +71,7 @@ import time
 import torch
 
 from lightning_recover.bench.resilience_train import parse_slow, slow_factor
-from lightning_recover.protocol.planner import plan_quotas
+from lightning_recover.protocol.quotas import plan_quotas
 
 MODES = ("recover", "recover-local", "ddp-torch", "ddp-uring", "failure-free")
 SHARDED_MODES = ("recover", "recover-local", "hsdp-dcp", "failure-free")

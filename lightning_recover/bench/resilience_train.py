@@ -222,7 +222,7 @@ def run_ddp(args: argparse.Namespace) -> None:
     kills = sorted(((int(s), int(r)) for r, s in (item.split(":") for item in args.kill.split(",") if item)))
     plugins = []
     if args.ckpt_io == "uring":
-        from lightning_recover.checkpoint import UringCheckpointIO
+        from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
 
         plugins.append(UringCheckpointIO())
     data, model, optimizer, source = build_job(args)

@@ -1,28 +1,25 @@
-"""The lightning-recover checkpoint format and its Lightning ``CheckpointIO`` plugin.
+"""The lightning-recover checkpoint engine: single-file checkpoints and sharded DCP checkpoints.
 
 ``save(checkpoint, path)`` / ``load(path, map_location=None, weights_only=True, verify=True, into=None)``
-write and read the format described in ``docs/format.md``; :class:`UringCheckpointIO` plugs it into
-``Trainer``/``Fabric``.
+write and read the format described in ``docs/format.md``; ``UringStorageWriter``/``UringStorageReader``
+and ``DcpSaver`` the DCP side (``docs/dcp.md``). Importing it does not import Lightning: the Lightning
+``CheckpointIO`` plugin is :class:`lightning_recover.lightning.checkpoint_io.UringCheckpointIO`
+(also ``lightning_recover.UringCheckpointIO``).
 """
 
-from lightning_recover.checkpoint.async_io import AsyncCheckpointError
-from lightning_recover.checkpoint.dcp import (
-    UringStorageReader,
-    UringStorageWriter,
-    cleanup_dcp_temps,
-    verify_dcp_checkpoint,
-)
-from lightning_recover.checkpoint.dcp_planner import CachingSavePlanner
-from lightning_recover.checkpoint.dcp_saver import DcpSaveError, DcpSaver
+from lightning_recover.checkpoint.dcp.plan_cache import CachingSavePlanner
+from lightning_recover.checkpoint.dcp.reader import UringStorageReader, verify_dcp_checkpoint
+from lightning_recover.checkpoint.dcp.saver import DcpSaveError, DcpSaver
+from lightning_recover.checkpoint.dcp.writer import UringStorageWriter, cleanup_dcp_temps
+from lightning_recover.checkpoint.file.async_io import AsyncCheckpointError
+from lightning_recover.checkpoint.file.single_file import CheckpointInfo, load, read_info, save, verify_file
 from lightning_recover.checkpoint.files import cleanup_stale_temps
-from lightning_recover.checkpoint.format import (
-    FORMAT_VERSION,
+from lightning_recover.checkpoint.format import FORMAT_VERSION
+from lightning_recover.checkpoint.integrity import (
     CheckpointCorruptError,
     CheckpointIncompleteError,
     UnsafeCheckpointError,
 )
-from lightning_recover.checkpoint.plugin import UringCheckpointIO
-from lightning_recover.checkpoint.single_file import CheckpointInfo, load, read_info, save, verify_file
 
 __all__ = [
     "AsyncCheckpointError",
@@ -34,7 +31,6 @@ __all__ = [
     "DcpSaveError",
     "DcpSaver",
     "UnsafeCheckpointError",
-    "UringCheckpointIO",
     "UringStorageReader",
     "UringStorageWriter",
     "cleanup_dcp_temps",

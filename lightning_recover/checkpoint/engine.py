@@ -71,7 +71,7 @@ def open_writer(eng: Any, path: Any, size_hint: Optional[int] = None, *, existin
     files that get their name after the writer's ``close(size=...)`` has cut them to the exact size: temporary
     and unnamed files, as every caller writes.
 
-    Opt-in: for the DCP writer it measured no faster, in one process with the order alternating (docs/benchmarks.md).
+    Opt-in: for the DCP writer it measured no faster, in one process with the order alternating (benchmarks/LOG.md).
     """
     w = eng.open_writer(path, existing=True) if existing else eng.open_writer(path)
     if size_hint and env.flag(env.PREALLOCATE, "auto") == "on":

@@ -10,7 +10,7 @@ See ``docs/format.md`` for the byte-level description. In short::
 
 This module knows how to plan the layout, encode/decode header, footer, index and skeleton, rebuild
 tensors from raw storages, and check extents against their checksums. The I/O lives in
-``single_file.py``.
+``file/single_file.py``.
 """
 
 from __future__ import annotations
@@ -25,6 +25,19 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional
 
 import torch
+
+from lightning_recover.checkpoint.integrity import (
+    LARGE_ALIGN,
+    LARGE_EXTENT,
+    SMALL_ALIGN,
+    CheckpointCorruptError,
+    CheckpointIncompleteError,
+    UnsafeCheckpointError,
+    align_up,
+    congruent_offset,
+    crc32c,
+    extent_alignment,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -63,9 +76,6 @@ __all__ = [
 FORMAT_VERSION = 1
 HEADER_SIZE = 4096
 FOOTER_SIZE = 128
-SMALL_ALIGN = 64
-LARGE_ALIGN = 4096
-LARGE_EXTENT = 1 << 20  # extents at least this big are aligned to LARGE_ALIGN
 
 HEADER_MAGIC = b"\x89LRCKPT\n"
 FOOTER_MAGIC = b"\x89LRFOOT\n"
@@ -83,65 +93,7 @@ _FOOTER_CRC_AT = 116
 _PICKLE_PROTOCOL = 4
 
 
-class CheckpointCorruptError(ValueError):
-    """A file is not a valid lightning-recover checkpoint: foreign, truncated or damaged.
-
-    The message names the file and, for damaged data, the extent (offset, tensor names).
-    ``path`` and ``damaged`` (a list of dicts for damaged extents, possibly empty) are attributes.
-    """
-
-    def __init__(self, message: str, path: Optional[str] = None, damaged: Optional[list] = None) -> None:
-        super().__init__(message)
-        self.path = path
-        self.damaged = damaged or []
-
-
-class CheckpointIncompleteError(CheckpointCorruptError):
-    """``path`` is an empty placeholder: an asynchronous save to it was still in flight or did not complete."""
-
-    @classmethod
-    def for_path(cls, path: str) -> CheckpointIncompleteError:
-        return cls(
-            f"{path} is empty: the asynchronous save to it did not complete (a save still in flight in another "
-            "process, or one interrupted by a crash); load an earlier checkpoint",
-            path,
-        )
-
-
-class UnsafeCheckpointError(pickle.UnpicklingError):
-    """The skeleton refers to a global outside the allowlist while loading with ``weights_only=True``."""
-
-    def __init__(self, message: str, global_name: str = "") -> None:
-        super().__init__(message)
-        self.global_name = global_name
-
-
-def crc32c(buf: Any, value: int = 0) -> int:
-    import native_io
-
-    return native_io.crc32c(buf, value)
-
-
 # --------------------------------------------------------------------------------------- layout
-
-
-def align_up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
-
-
-def congruent_offset(cursor: int, address: int) -> int:
-    """The first file offset at or after ``cursor`` that agrees with the memory ``address`` modulo 4 KiB.
-
-    Storage bytes placed there are sent to the disk from the tensor's own memory (``O_DIRECT`` needs file
-    offset and memory aligned together; torch's large CPU tensors start 64 bytes past a page), not copied
-    through the staging arena: ``native_io.Writer.unstaged_min``. The DCP writer and the single-file save's
-    congruent layout place storages with it.
-    """
-    return cursor + (address - cursor) % LARGE_ALIGN
-
-
-def extent_alignment(nbytes: int) -> int:
-    return LARGE_ALIGN if nbytes >= LARGE_EXTENT else SMALL_ALIGN
 
 
 def plan_layout(sizes: Sequence[int], data_start: int = HEADER_SIZE) -> tuple[list[int], int]:

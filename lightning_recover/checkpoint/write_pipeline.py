@@ -2,7 +2,7 @@
 
 ``native_io``'s ``Writer.write`` runs without the GIL, so the Python work of a save (resolving items,
 building archive headers, taking views of storages) can run while the disk takes the previous batch.
-Used by the DCP writer (``dcp.py``) and the single-file save (``single_file.py``).
+Used by the DCP writer (``dcp/writer.py``) and the single-file save (``file/single_file.py``).
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ import sys
 from collections.abc import Sequence
 
 from lightning_recover.errors import RecoverError
-from lightning_recover.launch.launcher import control_plane_arguments, supervise
+from lightning_recover.launch.control_plane_options import control_plane_arguments
+from lightning_recover.launch.supervisor import supervise
 
 
 def torchrun_command(script: Sequence[str], nproc_per_replica: int = 1, max_restarts: int = 0) -> list[str]:

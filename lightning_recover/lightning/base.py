@@ -55,7 +55,7 @@ class ReplicaLauncher(_Launcher):
         if env.in_replica():
             return function(*args, **kwargs)
         from lightning_recover.control_plane.config import control_plane_of
-        from lightning_recover.launch.launcher import supervise
+        from lightning_recover.launch.supervisor import supervise
 
         opts = self._strategy.options
         sharding = getattr(self._strategy, "sharding", None)

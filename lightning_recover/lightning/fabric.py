@@ -38,7 +38,7 @@ from typing_extensions import override
 from lightning_recover.data import MicrobatchSource
 from lightning_recover.lightning.base import RecoverStrategyBase, ReplicaLauncher, build_options
 from lightning_recover.lightning.ranks import set_rank_zero
-from lightning_recover.lightning.sharded import (
+from lightning_recover.lightning.sharding_config import (
     ShardingConfig,
     load_local_module_state,
     local_shards,
@@ -270,7 +270,7 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
             super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
     def _save_sharded(self, path: str, state: dict) -> None:
-        from lightning_recover.checkpoint.spread_save import save_over_live_replicas
+        from lightning_recover.lightning.spread_save import save_over_live_replicas
 
         save_over_live_replicas(
             self.core,
@@ -291,7 +291,7 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
     ) -> dict[str, Any]:
         if not self.sharding.enabled:
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
-        from lightning_recover.checkpoint.sharded import is_dcp_checkpoint, load_full, load_sharded
+        from lightning_recover.checkpoint.dcp.sharded_state import is_dcp_checkpoint, load_full, load_sharded
 
         if not is_dcp_checkpoint(path) and os.path.isfile(path):
             raise ValueError(

@@ -48,7 +48,7 @@ from lightning_recover.errors import RecoverError
 from lightning_recover.lightning.base import RecoverStrategyBase, ReplicaLauncher, build_options
 from lightning_recover.lightning.loader import StepBatch, StepLoader, epoch_position
 from lightning_recover.lightning.ranks import set_rank_zero
-from lightning_recover.lightning.sharded import (
+from lightning_recover.lightning.sharding_config import (
     ShardingConfig,
     load_local_module_state,
     local_shards,
@@ -136,9 +136,10 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
         quota: ``"equal"`` or ``"throughput"``.
         heartbeat_interval, heartbeat_timeout, hang_timeout, join_timeout, collective_timeout, startup_timeout:
             failure-detection and waiting limits, in seconds.
-        restarts, seed: restarts of a failed replica; seed of the per-epoch sample permutation.
+        restarts: how many times the launcher restarts a failed replica.
+        seed: seed of the per-epoch sample permutation (the same on every replica).
         exact: bitwise reproducible steps, whatever fails (replica_size=1; docs/protocol.md "Exact mode").
-        checkpoint_io: defaults to :class:`lightning_recover.checkpoint.UringCheckpointIO`.
+        checkpoint_io: defaults to :class:`lightning_recover.lightning.checkpoint_io.UringCheckpointIO`.
         replica_size: ``K``, processes per replica (default 1). With K > 1 each replica shards the
             LightningModule with FSDP2 over its K processes (``devices`` is ``replicas x K``): the
             strategy calls ``configure_model``, then shards, then ``configure_optimizers``.
@@ -190,7 +191,7 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
     @override
     def checkpoint_io(self) -> CheckpointIO:
         if self._checkpoint_io is None:
-            from lightning_recover.checkpoint import UringCheckpointIO
+            from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
 
             self._checkpoint_io = UringCheckpointIO()
         return self._checkpoint_io

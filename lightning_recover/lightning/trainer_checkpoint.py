@@ -13,10 +13,10 @@ with Lightning's ``ModelParallelStrategy``). What is in it (:func:`dcp_state`):
   separate ``meta.pt`` from rank 0; here they are items of the same directory, so they are part of
   its atomic commit and of its CRC-32C sidecars.
 
-Writing goes through :func:`~lightning_recover.checkpoint.spread_save.save_over_live_replicas`
+Writing goes through :func:`~lightning_recover.lightning.spread_save.save_over_live_replicas`
 (every live replica writes about 1/R of the items, committed once, atomically), like ``fabric.save``.
 Reading (:func:`load_trainer_checkpoint`) restores the module and the optimizers in place, every
-process its own shards (:func:`~lightning_recover.checkpoint.sharded.load_sharded`), and returns
+process its own shards (:func:`~lightning_recover.checkpoint.dcp.sharded_state.load_sharded`), and returns
 the rest as Lightning's checkpoint dict, which Lightning then restores (loops, callbacks,
 schedulers). Every bytes item is read with torch's ``weights_only`` loader: nothing read from the
 directory becomes code; a hyper-parameter of another type is skipped (resuming does not use them).
@@ -34,8 +34,8 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_recover.checkpoint.format import UnsafeCheckpointError
-from lightning_recover.checkpoint.sharded import checkpoint_keys, is_dcp_checkpoint, load_full, load_sharded
+from lightning_recover.checkpoint.dcp.sharded_state import checkpoint_keys, is_dcp_checkpoint, load_full, load_sharded
+from lightning_recover.checkpoint.integrity import UnsafeCheckpointError
 
 META_KEY = "lightning"
 MODEL_KEY = "state_dict"
@@ -126,7 +126,7 @@ def save_trainer_checkpoint(
 ) -> None:
     """Every process of every live replica of ``strategy`` (a sharded ``RecoverTrainerStrategy``):
     write Lightning's ``checkpoint`` as one DCP directory at ``filepath``."""
-    from lightning_recover.checkpoint.spread_save import save_over_live_replicas
+    from lightning_recover.lightning.spread_save import save_over_live_replicas
 
     if storage_options is not None:
         name = type(strategy).__name__  # Lightning's wording for a strategy that writes without the CheckpointIO

@@ -9,7 +9,7 @@ commit/retry rule), ``planner`` (quotas), ``step`` (one step with in-step recove
 
 from lightning_recover.protocol.faults import Fault, FaultInjector, parse_faults
 from lightning_recover.protocol.options import RecoverOptions
-from lightning_recover.protocol.planner import plan_quotas
+from lightning_recover.protocol.quotas import plan_quotas
 from lightning_recover.protocol.replica import Replica
 from lightning_recover.protocol.step import StepStats
 

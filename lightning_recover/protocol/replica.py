@@ -192,7 +192,7 @@ class Replica:
 
         def build_standby_world() -> None:
             # A sharded standby builds its K-process world (the slow part after imports) before it waits.
-            from lightning_recover.protocol.sharding import ReplicaWorld
+            from lightning_recover.protocol.replica_world import ReplicaWorld
 
             prefix = f"standby{self.group.standby}"
             standby_world.append(
@@ -211,7 +211,7 @@ class Replica:
         elif self.replica_size > 1:
             # A restarted sharded replica builds its own K-process world first (a fresh incarnation's
             # process group), then rejoins: position i receives its shards from position i of a peer.
-            from lightning_recover.protocol.sharding import ReplicaWorld
+            from lightning_recover.protocol.replica_world import ReplicaWorld
 
             self.world = ReplicaWorld.start(
                 self.group, self.replica_size, self.inner, device_type=device, tensor_parallel=self.tensor_parallel

@@ -30,7 +30,7 @@ from lightning_recover.protocol.decisions import Decisions
 from lightning_recover.protocol.exact import ExactAccumulator
 from lightning_recover.protocol.faults import FaultInjector
 from lightning_recover.protocol.membership import Membership
-from lightning_recover.protocol.planner import plan_quotas
+from lightning_recover.protocol.quotas import plan_quotas
 
 _BUCKET_BYTES = 32 << 20
 

@@ -46,7 +46,13 @@ from typing import Any, Optional
 import torch
 
 from lightning_recover import env
-from lightning_recover.checkpoint.format import CheckpointCorruptError, congruent_offset, crc32c
+from lightning_recover.checkpoint.format import SAFE_GLOBALS
+from lightning_recover.checkpoint.integrity import (
+    CheckpointCorruptError,
+    UnsafeCheckpointError,
+    congruent_offset,
+    crc32c,
+)
 
 __all__ = [
     "ALIGN",
@@ -798,8 +804,6 @@ def _extra_safe_globals() -> list:
     """
     import sys
 
-    from lightning_recover.checkpoint.format import SAFE_GLOBALS
-
     out = []
     for module, name in sorted(SAFE_GLOBALS):
         # only modules already imported: importing one here (a whole second Lightning, say) would hold the
@@ -812,8 +816,6 @@ def _extra_safe_globals() -> list:
 
 def unpickle(archive: VerifiedArchive, path: str, map_location: Any, weights_only: bool) -> Any:
     """Rebuild the checkpoint with torch's own loader, so the result equals ``torch.load``'s."""
-    from lightning_recover.checkpoint.format import UnsafeCheckpointError
-
     load = getattr(torch.serialization, "_load", None)
     if load is None:  # pragma: no cover - torch changed its internals
         raise RuntimeError(f"torch {torch.__version__} has no torch.serialization._load")

@@ -35,7 +35,7 @@ removed). A dead peer ends the collectives with the process group's error, withi
 
 ``save_part`` writes one part of a checkpoint that several groups (replicas) write together: the same protocol,
 into a temporary directory the parts share, leaving the part's metadata there for whoever merges and commits
-the parts (``sharded.commit_parts``).
+the parts (``dcp_state.commit_parts``).
 """
 
 from __future__ import annotations
@@ -59,7 +59,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from lightning_recover.checkpoint.dcp import (
+from lightning_recover.checkpoint.dcp.metadata_template import MetadataTemplate
+from lightning_recover.checkpoint.dcp.plan_cache import FastLookupSavePlanner
+from lightning_recover.checkpoint.dcp.writer import (
     UringPrefix,
     UringStorageWriter,
     commit_dir,
@@ -67,8 +69,6 @@ from lightning_recover.checkpoint.dcp import (
     write_metadata_bytes,
     write_metadata_file,
 )
-from lightning_recover.checkpoint.dcp_planner import FastLookupSavePlanner
-from lightning_recover.checkpoint.metadata_template import MetadataTemplate
 
 __all__ = ["DcpSaver", "DcpSaveError", "part_metadata_name"]
 
@@ -295,7 +295,7 @@ class DcpSaver:
         """Write ``state_dict`` as part ``part`` of a checkpoint spread over several groups (replicas): this group's
         ranks write ``__{base + rank}_0.distcp`` into the temporary directory of ``token`` that every part shares,
         and the coordinator leaves the part's metadata there as ``part_metadata_name(part)``. Nothing is committed:
-        whoever merges the parts does (``sharded.commit_parts``). A failure raises ``DcpSaveError`` on every rank
+        whoever merges the parts does (``dcp_state.commit_parts``). A failure raises ``DcpSaveError`` on every rank
         of the group and removes nothing (the directory is shared; the merger abandons it)."""
         self._run(state_dict, str(path), _Part(token, part, base))
 

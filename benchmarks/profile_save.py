@@ -1,6 +1,6 @@
 """Where does a format-2 save's time go? Timers around every step of ``single_file.save``, per state.
 
-``python -m lightning_recover.bench.profile_save --state llama|small10k|gpt [--size-gb G] [--repeat 3]
+``python -m benchmarks.profile_save --state llama|small10k|gpt [--size-gb G] [--repeat 3]
 [--dir DIR] [--cprofile 25] [--json OUT]``
 
 The plugin's ``save`` (format 2, ``single_file._save_zip``) runs unchanged; these calls are wrapped:
@@ -42,9 +42,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from benchmarks.profile_uring import EngineProxy, Timers
 from lightning_recover.bench.checkpoint import fsync_tree
 from lightning_recover.bench.gpt_state import STATES, build_state, iter_tensors, tensor_stats
-from lightning_recover.bench.profile_uring import EngineProxy, Timers
 
 NATIVE_WRITE = "native Writer.write (copy+crc32c+submit/wait)"
 NATIVE_CLOSE = "native Writer.close (drain, truncate, fdatasync)"
@@ -80,7 +80,8 @@ def one_save(checkpoint: Any, path: str, eng: Any) -> dict[str, Any]:
 
     ``parts`` follow the calling thread and add up to the total; ``overlapped`` is work that runs beside it
     (the batch writes on the pipeline thread, the views taken inside ``lay_out``)."""
-    from lightning_recover.checkpoint import single_file, torch_zip, write_pipeline
+    from lightning_recover.checkpoint import write_pipeline
+    from lightning_recover.checkpoint.file import single_file, torch_zip
 
     ts = Timers()
     proxy = EngineProxy(eng, ts)
@@ -207,7 +208,7 @@ def profile(state: str, size_gb: float | None, directory: str | None, repeat: in
             runs.append(r)
             gc.collect()
         if cprofile:
-            from lightning_recover.checkpoint import single_file
+            from lightning_recover.checkpoint.file import single_file
 
             path = os.path.join(root, "cprofile.ckpt")
             os.sync()

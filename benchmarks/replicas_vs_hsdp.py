@@ -1,6 +1,6 @@
 """Sharded replicas vs Lightning's stock ModelParallelStrategy (native FSDP2 HSDP), CPU/gloo.
 
-    python -m lightning_recover.bench.sharded --pairs 3 --steps 12   # writes JSON to stdout
+    python -m benchmarks.replicas_vs_hsdp --pairs 3 --steps 12   # writes JSON to stdout
 
 Both modes train the same MLP of ``--blocks`` blocks on R*K = 4 processes with the same M
 microbatches per step (M/4 per process): ``recover`` = ``RecoverStrategy(replica_size=2,
@@ -26,6 +26,8 @@ import tempfile
 import time
 
 import torch
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _model(blocks: int, width: int) -> torch.nn.Module:
@@ -133,7 +135,7 @@ def _run(mode: str, args: argparse.Namespace, inject: str | None = None) -> dict
         cmd = [
             sys.executable,
             "-m",
-            "lightning_recover.bench.sharded",
+            "benchmarks.replicas_vs_hsdp",
             "--worker",
             mode,
             "--out",
@@ -150,6 +152,8 @@ def _run(mode: str, args: argparse.Namespace, inject: str | None = None) -> dict
             str(args.batch_size),
         ]
         env = dict(os.environ, OMP_NUM_THREADS="1")
+        # benchmarks/ is not installed: the workers find it (and this checkout) through the repo root
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, env.get("PYTHONPATH")]))
         env.pop("LIGHTNING_RECOVER_INJECT", None)
         if inject:
             env["LIGHTNING_RECOVER_INJECT"] = inject
@@ -165,7 +169,7 @@ def _run(mode: str, args: argparse.Namespace, inject: str | None = None) -> dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_recover.bench.sharded")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.replicas_vs_hsdp")
     parser.add_argument("--worker", choices=["recover", "native"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--pairs", type=int, default=3)

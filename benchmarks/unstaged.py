@@ -1,6 +1,6 @@
 """Copy or send from the tensor's own memory? ``native_io.Writer.unstaged_min`` measured by item size.
 
-``python -m lightning_recover.bench.unstaged [--size-gb 2] [--items 256K,1M,2M,4M,16M,64M] [--repeat 3]``
+``python -m benchmarks.unstaged [--size-gb 2] [--items 256K,1M,2M,4M,16M,64M] [--repeat 3]``
 
 Writes ``--size-gb`` of torch tensors of one item size in the DCP writer's layout (a 1.6 KB staged head,
 the storage bytes at a file offset congruent to the tensor's address modulo 4 KiB, a 300-byte tail), in
@@ -24,7 +24,7 @@ import time
 import torch
 
 from lightning_recover.checkpoint.engine import huge_page_bytes
-from lightning_recover.checkpoint.format import congruent_offset
+from lightning_recover.checkpoint.integrity import congruent_offset
 
 _HEAD, _TAIL = b"h" * 1600, b"t" * 300
 _BATCH = 64 << 20

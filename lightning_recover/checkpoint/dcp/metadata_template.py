@@ -22,7 +22,7 @@ import secrets
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from lightning_recover.checkpoint.dcp import sidecar_storage_meta
+from lightning_recover.checkpoint.dcp.writer import sidecar_storage_meta
 
 __all__ = ["MetadataTemplate"]
 

@@ -51,8 +51,8 @@ import torch
 from lightning_recover.checkpoint import format as fmt
 from lightning_recover.checkpoint import snapshot_guard
 from lightning_recover.checkpoint.engine import huge_page_bytes, open_writer
+from lightning_recover.checkpoint.file.torch_zip import ALIGN, PlanWriter, ZipPlan, plan_archive
 from lightning_recover.checkpoint.files import cleanup_stale_temps, commit, temp_path_for, unlink_quiet
-from lightning_recover.checkpoint.torch_zip import ALIGN, PlanWriter, ZipPlan, plan_archive
 
 log = logging.getLogger(__name__)
 
@@ -412,7 +412,7 @@ class AsyncSaver:
             ``forward`` such as BatchNorm statistics, and AdamW's step counters).
         flush_bytes_per_s: pace the flusher's writes of staged chunks to at most this many bytes per second
             (None: as fast as the disk takes them). Spreads what the write costs the training steps over more
-            of them (docs/benchmarks.md: on this VM the disk's writes take the guests' CPUs, whoever writes).
+            of them (benchmarks/LOG.md: on this VM the disk's writes take the guests' CPUs, whoever writes).
     """
 
     def __init__(

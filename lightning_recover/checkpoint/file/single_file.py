@@ -3,7 +3,7 @@
 ``save`` encodes the checkpoint (``format.py``), writes the storages as aligned extents with a
 crc32c each, then the index, skeleton and footer, into a temporary file made durable and renamed
 onto its final name (``files.py``). ``load`` verifies every extent's checksum before building a
-tensor from it. :class:`~lightning_recover.checkpoint.plugin.UringCheckpointIO` plugs this into
+tensor from it. :class:`~lightning_recover.lightning.checkpoint_io.UringCheckpointIO` plugs this into
 Lightning.
 """
 
@@ -18,21 +18,15 @@ from typing import Any, Optional
 import torch
 
 from lightning_recover import env
-from lightning_recover.checkpoint import async_io, torch_zip
 from lightning_recover.checkpoint import format as fmt
 from lightning_recover.checkpoint.engine import open_writer, resolve_engine
-from lightning_recover.checkpoint.files import (
-    cleanup_stale_temps,
-    fsync_dir,
-    rename_into_place,
-    temp_path_for,
-    unlink_quiet,
-)
-from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
+from lightning_recover.checkpoint.file import async_io, torch_zip
+from lightning_recover.checkpoint.file.page_populate import PagePopulator, populate_supported
+from lightning_recover.checkpoint.file.storage_reads import StorageDamaged, StorageReads, damaged_record
+from lightning_recover.checkpoint.files import cleanup_stale_temps, commit, temp_path_for, unlink_quiet
 from lightning_recover.checkpoint.gc_pause import GcPause
-from lightning_recover.checkpoint.page_populate import PagePopulator, populate_supported
+from lightning_recover.checkpoint.integrity import CheckpointCorruptError, UnsafeCheckpointError
 from lightning_recover.checkpoint.reservation import GrowingReservation
-from lightning_recover.checkpoint.storage_reads import StorageDamaged, StorageReads, damaged_record
 from lightning_recover.checkpoint.write_pipeline import WritePipeline
 
 log = logging.getLogger(__name__)
@@ -176,7 +170,7 @@ def _save_zip(
                     pipe.abandon()
                     raise
                 w.finish()
-        rename_into_place(tmp, path)
+        commit(tmp, path)
     except torch_zip.RestartWithoutStreaming:
         unlink_quiet(tmp)
         # torch's own pickler hands the storages over only once it has pickled everything
@@ -185,7 +179,6 @@ def _save_zip(
     except BaseException:
         unlink_quiet(tmp)
         raise
-    fsync_dir(directory)
 
 
 def _reservation(path: str) -> GrowingReservation:
@@ -231,11 +224,10 @@ def _save_v1(checkpoint: Any, path: str, engine: Any) -> None:
                     pending_ids.append(i)
                 flush()
                 write_tail(w, enc, data_end, file_id)
-        rename_into_place(tmp, path)
+        commit(tmp, path)
     except BaseException:
         unlink_quiet(tmp)
         raise
-    fsync_dir(directory)
 
 
 # ------------------------------------------------------------------------------------- load
@@ -462,7 +454,7 @@ def _tensor_rows(index: torch_zip.ArchiveIndex, small: dict) -> list[dict]:
 # Llama-like state: 6.9 MB; small10k: 100 KB, bound by unpickling 10,000 tensors). Only then are the tensors listed
 # ahead of the load to read records straight into ``into=`` targets (:func:`_meta_tensors`: ~0.1 ms per tensor,
 # torch's pure-Python weights_only unpickler; for small10k 1.1 s, more than it saved: 1.6 s against 0.8 s per load,
-# docs/benchmarks.md), and only then are fresh storages populated on a second thread (``page_populate.py``).
+# benchmarks/LOG.md), and only then are fresh storages populated on a second thread (``page_populate.py``).
 _LARGE_AVERAGE_RECORD = 1 << 20
 
 
@@ -620,7 +612,7 @@ def _new_storage(nbytes: int) -> torch.UntypedStorage:
 
     Off by default: on the benchmark VM (virtio disk, max_segments 254) the zero-copy reads into
     scattered 4 KiB user pages reach the device as smaller requests than the arena's and measured
-    slower in wall time (docs/benchmarks.md, "Checkpoint I/O"), although they save the copy's CPU.
+    slower in wall time (benchmarks/LOG.md, "Checkpoint I/O"), although they save the copy's CPU.
     """
     if nbytes < _ALIGNED_MIN_BYTES or not _ALIGNED_ALLOC:
         return torch.UntypedStorage(nbytes)

@@ -1,6 +1,6 @@
 """Durable DCP save bandwidth, one process: UringStorageWriter vs FileSystemWriter (thread_count 1, 4) vs fio.
 
-python scripts/bench_dcp.py [--gb 1] [--tensors 64] [--reps 3] [--dir DIR]
+python -m benchmarks.dcp_writers [--gb 1] [--tensors 64] [--reps 3] [--dir DIR]
 (N processes, sharded state, small tensors: `lightning-recover bench checkpoint --ranks 1,2,4`.)
 Every round runs each contender once (same bytes, same disk); the median of the rounds is printed.
 GB/s = state bytes / wall time of dcp.save (fsync included); fio = bytes / wall time of its run.

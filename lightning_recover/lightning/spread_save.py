@@ -21,19 +21,19 @@ from __future__ import annotations
 
 import secrets
 import sys
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lightning_recover.checkpoint import sharded
+from lightning_recover.checkpoint.dcp import sharded_state as dcp_state
+from lightning_recover.protocol.replica import Replica
 
 
 def save_over_live_replicas(
-    replica: Any, path: str, state: dict, *, num_replicas: int, replica_size: int, device: torch.device
+    replica: Replica, path: str, state: dict, *, num_replicas: int, replica_size: int, device: torch.device
 ) -> None:
-    """Called by every process of every live replica; ``replica`` is the protocol's ``Replica``
-    façade (exchange over live replicas, fire), the default process group is the replica's own."""
+    """Called by every process of every live replica; ``replica`` is the protocol's façade (exchange
+    over live replicas, fire), the default process group is the replica's own."""
 
     stale: list[str] = []  # tokens of failed rounds: the next committer removes what is left of them
     while True:
@@ -46,12 +46,12 @@ def save_over_live_replicas(
         dist.all_reduce(members, op=dist.ReduceOp.MIN)  # inside this replica only
         live = [r for r in range(num_replicas) if members[r]]
         token = f"{seen[live[0]]:016x}"
-        parts = sharded.part_count(state, len(live))
+        parts = dcp_state.part_count(state, len(live))
         q = live.index(replica.replica_id)
         error = None
         if q < parts:
             try:
-                sharded.save_part(path, state, token, q, parts, base=q * replica_size)
+                dcp_state.save_part(path, state, token, q, parts, base=q * replica_size)
             except Exception as exc:
                 error = exc
         # Fault injection (phase "save"): this part is on disk but not reported; the other replicas
@@ -78,12 +78,12 @@ def save_over_live_replicas(
         if replica.replica_id == committer and replica.inner == 0:
             try:
                 for old in stale:  # a committer lost after the reports left its round's directory
-                    sharded.abandon_parts(path, old)
+                    dcp_state.abandon_parts(path, old)
                 if complete.item():
-                    sharded.commit_parts(path, state, token, parts)
+                    dcp_state.commit_parts(path, state, token, parts)
                     outcome[0] = 1
                 else:
-                    sharded.abandon_parts(path, token)
+                    dcp_state.abandon_parts(path, token)
             except Exception as exc:
                 outcome[0], error = 2, exc
         dist.broadcast(outcome, src=0)

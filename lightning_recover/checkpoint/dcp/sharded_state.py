@@ -43,17 +43,11 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_map_only
 
-from lightning_recover.checkpoint.dcp import (
-    UringStorageReader,
-    commit_dir,
-    read_dcp_metadata,
-    sidecar_storage_meta,
-    temp_dir_for,
-    write_metadata_file,
-)
-from lightning_recover.checkpoint.dcp_saver import DcpSaver, part_metadata_name
+from lightning_recover.checkpoint.dcp.reader import UringStorageReader, read_dcp_metadata
+from lightning_recover.checkpoint.dcp.saver import DcpSaver, part_metadata_name
+from lightning_recover.checkpoint.dcp.writer import commit_dir, sidecar_storage_meta, temp_dir_for, write_metadata_file
 from lightning_recover.checkpoint.files import fsync_dir
-from lightning_recover.checkpoint.format import CheckpointCorruptError, UnsafeCheckpointError
+from lightning_recover.checkpoint.integrity import CheckpointCorruptError, UnsafeCheckpointError
 
 __all__ = ["save_sharded", "load_sharded", "load_full", "checkpoint_keys", "is_dcp_checkpoint"]
 

@@ -21,9 +21,9 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback
 
-from lightning_recover.checkpoint import async_io
 from lightning_recover.checkpoint.engine import EngineHandle
-from lightning_recover.checkpoint.single_file import load, save
+from lightning_recover.checkpoint.file import async_io
+from lightning_recover.checkpoint.file.single_file import load, save
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 
-from lightning_recover.protocol.sharding import is_sharded
+from lightning_recover.protocol.replica_world import is_sharded
 
 SHARD_MODES = ("fsdp",)
 

@@ -3,7 +3,7 @@
 A load into new tensors (``single_file.load`` without ``into=``) writes every byte into memory that nobody has
 touched yet, so each of its pages is faulted in on first write: by the reader thread, one page after the other,
 between the reads. On the benchmark VM that first touch costs more than the reading (a new process writing 2 GB of
-fresh memory: 1.7-5.1 s, and 0.17-0.26 s the second time; docs/benchmarks.md, "Ninth paired run"), and on any
+fresh memory: 1.7-5.1 s, and 0.17-0.26 s the second time; benchmarks/LOG.md, "Ninth paired run"), and on any
 machine it is half a million page faults per 2 GB. :class:`PagePopulator` asks the kernel to map the storages'
 pages (``madvise(MADV_POPULATE_WRITE)``, Linux 5.14+, one call per storage, without the GIL) in file order on a
 thread of its own, so that the faults run beside the reads instead of between them. The reader may reach a page

@@ -1,8 +1,8 @@
 """Where does UringCheckpointIO's time go? A breakdown of one durable save and one cold load.
 
-``python -m lightning_recover.bench.profile_uring [--size-gb 2] [--dir DIR] [--repeat 3]`` (format 1 files)
+``python -m benchmarks.profile_uring [--size-gb 2] [--dir DIR] [--repeat 3]`` (format 1 files)
 
-The functional ``save``/``load`` of :mod:`lightning_recover.checkpoint.checkpoint_io` are run
+The functional ``save``/``load`` of :mod:`lightning_recover.checkpoint.file.single_file` are run
 unchanged; their calls into the format module and the native engine are wrapped with timers
 (an engine proxy passed as ``engine=``, format functions patched for the duration of a call).
 Reference numbers measured alone on the same bytes: crc32c, memcpy (warm and fresh
@@ -178,7 +178,7 @@ def _ref_numbers(checkpoint: Any) -> dict[str, float]:
 def profile(size_gb: float, directory: str | None, repeat: int) -> dict[str, Any]:
     import native_io
     from lightning_recover.checkpoint import format as fmt
-    from lightning_recover.checkpoint import single_file as cio
+    from lightning_recover.checkpoint.file import single_file as cio
 
     checkpoint, cfg = build_checkpoint(size_gb)
     stats = tensor_stats(checkpoint)
@@ -337,7 +337,7 @@ def align_experiment(size_gb: float, directory: str | None, repeat: int) -> dict
     import numpy as np
 
     import native_io
-    from lightning_recover.checkpoint import single_file as cio
+    from lightning_recover.checkpoint.file import single_file as cio
 
     checkpoint, _ = build_checkpoint(size_gb)
     root = tempfile.mkdtemp(prefix="lr-align-", dir=directory or "/tmp")

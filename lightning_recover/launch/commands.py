@@ -1,0 +1,147 @@
+"""The launcher's subcommands: ``lightning-recover run``, ``torchrun`` and ``coordinator`` (argument
+parsing and dispatch; the work is in :mod:`~lightning_recover.launch.supervisor`,
+:mod:`~lightning_recover.launch.torchrun` and :mod:`~lightning_recover.protocol.coordinator`)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from lightning_recover.errors import RecoverError
+from lightning_recover.launch import coordinator_process, torchrun
+from lightning_recover.launch.control_plane_options import add_control_plane_arguments, control_plane_arguments
+from lightning_recover.launch.fork_server import DEFAULT_PRELOAD
+from lightning_recover.launch.supervisor import supervise
+from lightning_recover.protocol import coordinator
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise SystemExit("lightning-recover run: give the command after --, e.g. -- python train.py")
+    try:
+        return supervise(
+            command,
+            args.replicas,
+            heartbeat_timeout=args.heartbeat_timeout,
+            inject=args.inject,
+            restarts=args.restarts,
+            host=args.host,
+            nproc_per_replica=args.nproc_per_replica,
+            standby=args.standby,
+            fork=args.start == "fork",
+            preload=[*DEFAULT_PRELOAD, *(m for m in args.preload.split(",") if m)],
+            **control_plane_arguments(args),
+        )
+    except (ValueError, RecoverError) as exc:  # a bad option: say how to fix it, no traceback
+        raise SystemExit(f"lightning-recover run: {exc}") from None
+
+
+def _cmd_coordinator(args: argparse.Namespace) -> int:
+    try:
+        coordinator.serve(
+            args.host,
+            args.port,
+            args.replicas,
+            args.heartbeat_timeout,
+            hang_timeout=args.hang_timeout,
+            secret_file=args.secret_file,
+            replica_size=args.replica_size,
+        )
+    except (ValueError, OSError, RecoverError) as exc:
+        raise SystemExit(f"lightning-recover coordinator: {exc}") from None
+    return 0
+
+
+def add_subcommands(sub: Any) -> None:
+    replicas, seconds = coordinator_process.replica_count, coordinator_process.heartbeat_timeout_seconds
+    p = sub.add_parser(
+        "run",
+        help="run a script once per replica under a tolerant launcher",
+        description="Start a coordinator and one process per replica running COMMAND (a script using "
+        "strategy='recover'). A replica that dies or hangs is dropped and its microbatches are recomputed by the "
+        "survivors inside the same step; the survivors are never killed. Exit code 0 when a replica finished.",
+        epilog="example: lightning-recover run --replicas 4 --inject kill:replica=2:step=5:phase=backward "
+        "-- python train.py",
+    )
+    p.add_argument("--replicas", type=replicas, required=True, help="data-parallel replicas (the failure units)")
+    p.add_argument(
+        "--nproc-per-replica",
+        type=replicas,
+        default=1,
+        help="processes per replica (K > 1: the replica shards its model with FSDP2)",
+    )
+    p.add_argument("--inject", default=None, help="faults, e.g. kill:replica=2:step=5:phase=backward")
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=seconds,
+        default=1.0,
+        help="seconds without heartbeat before a replica is declared dead (> 0.2; default: 1.0)",
+    )
+    p.add_argument(
+        "--restarts",
+        type=coordinator_process.non_negative_int,
+        default=0,
+        help="restart a failed replica up to K times",
+    )
+    p.add_argument(
+        "--standby",
+        type=coordinator_process.non_negative_int,
+        default=0,
+        help="keep S warm standby processes that take a failed replica's place (each counts as a restart)",
+    )
+    p.add_argument(
+        "--start",
+        choices=("fork", "exec"),
+        default="fork",
+        help="fork: replicas, restarts and standbys are forked by a server that imported torch and Lightning "
+        "once (when the command is `python script.py` or `python -m module`); exec: each is a new interpreter",
+    )
+    p.add_argument(
+        "--preload",
+        default="",
+        help="more modules the fork server imports once for every process, comma-separated (e.g. transformers)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="coordinator bind address (only this one is bound)")
+    add_control_plane_arguments(p)
+    p.add_argument("command", nargs=argparse.REMAINDER, help="after --: what each replica runs, e.g. python train.py")
+    p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser(
+        "torchrun",
+        help="one torchrun job per replica (restarts stay inside a replica)",
+        description="Like run, but each replica is a torchrun job of its own (torch.distributed.run), so that "
+        "torchrun's restarts touch only the failed replica's processes.",
+        epilog="example: lightning-recover torchrun --replicas 2 --max-restarts 1 -- train.py --lr 1e-3",
+    )
+    p.add_argument("--replicas", type=replicas, required=True, help="data-parallel replicas (the failure units)")
+    p.add_argument("--nproc-per-replica", type=int, default=1, help="processes per replica (K > 1: sharded with FSDP2)")
+    p.add_argument(
+        "--max-restarts",
+        type=coordinator_process.non_negative_int,
+        default=0,
+        help="torchrun restarts of a failed replica",
+    )
+    p.add_argument("--inject", default=None, help="faults, e.g. kill:replica=2:step=5:phase=backward")
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=seconds,
+        default=1.0,
+        help="seconds without heartbeat before a replica is declared dead (> 0.2; default: 1.0)",
+    )
+    p.add_argument(
+        "--standby",
+        type=coordinator_process.non_negative_int,
+        default=0,
+        help="keep S warm standby torchrun jobs that take a failed replica's place (each counts as a restart)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="coordinator bind address (only this one is bound)")
+    add_control_plane_arguments(p)
+    p.add_argument("command", nargs=argparse.REMAINDER, help="after --: the script and its arguments")
+    p.set_defaults(func=torchrun.cmd_torchrun)
+
+    p = sub.add_parser("coordinator", help="run only the coordinator (multi-node jobs)")
+    coordinator_process.add_arguments(p)
+    p.set_defaults(func=_cmd_coordinator, check=lambda args, p=p: coordinator_process.check_arguments(p, args))

@@ -1,0 +1,54 @@
+"""The control plane's command-line options, shared by ``lightning-recover run`` and ``torchrun``:
+``--control-plane``, the etcd TLS files, ``--job`` and ``--local-replicas`` (docs/control_plane.md)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from lightning_recover import env
+from lightning_recover.control_plane import config
+
+
+def control_plane_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """``control_plane=`` and ``local_replicas=`` of :func:`supervise` from the command line (and environment)."""
+    settings = config.parse(
+        args.control_plane, cacert=args.etcd_cacert, cert=args.etcd_cert, key=args.etcd_key, job=args.job
+    )
+    local = None
+    if args.local_replicas:
+        try:
+            local = [int(r) for r in args.local_replicas.split(",") if r.strip()]
+        except ValueError:
+            raise ValueError(
+                f"--local-replicas {args.local_replicas!r}: comma-separated replica ids, e.g. 0,1"
+            ) from None
+    if settings is not None and local is not None and not settings.job:
+        raise ValueError(
+            "--local-replicas: the launchers of one job find each other by its name. HINT: give every one "
+            f"the same --job NAME (or {env.JOB})"
+        )
+    return {"control_plane": config.with_job(settings, args.job) if settings else None, "local_replicas": local}
+
+
+def add_control_plane_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--control-plane",
+        default=None,
+        help="embedded (default: a coordinator process on this host) or etcd://HOST:PORT[,HOST:PORT...] "
+        f"(default ${env.CONTROL_PLANE}); etcd needs --etcd-cacert/--etcd-cert/--etcd-key",
+    )
+    p.add_argument("--etcd-cacert", default=None, help=f"CA of the etcd members (default ${env.ETCD_CACERT})")
+    p.add_argument("--etcd-cert", default=None, help=f"client certificate for etcd (default ${env.ETCD_CERT})")
+    p.add_argument("--etcd-key", default=None, help=f"its private key, 0600 (default ${env.ETCD_KEY})")
+    p.add_argument(
+        "--job",
+        default=None,
+        help=f"the job's name in etcd (default ${env.JOB}, else a fresh one); the same on every launcher of the job",
+    )
+    p.add_argument(
+        "--local-replicas",
+        default=None,
+        help="with etcd: the replica ids this launcher starts, e.g. 0,1 (default all); one launcher per host, "
+        "each a candidate for the monitor role",
+    )
