@@ -50,3 +50,35 @@ def test_nccl_kill_matches_failure_free_run(tmp_path):
     reference = ref.states()[0]["state"]
     for data in faulty.states().values():
         assert max_relative_difference({k: v.cpu() for k, v in data["state"].items()}, reference) <= 1e-5
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="not tested: checkpoints of CUDA tensors, because no CUDA GPU"
+)
+@pytest.mark.parametrize("async_save", [False, True])
+def test_checkpoint_io_round_trips_cuda_tensors(tmp_path, async_save):
+    """``UringCheckpointIO`` saves CUDA tensors (float32, bf16, a view, an int tensor) through its host
+    staging; the file is a torch.save archive that stock ``torch.load`` reads; the plugin loads it back
+    bitwise, onto the device ``map_location`` names."""
+    from lightning_recover import UringCheckpointIO
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    big = torch.randn(4096, 1024, device=dev, generator=g)
+    state = {
+        "w": big,
+        "half": torch.randn(1000, device=dev, generator=g).to(torch.bfloat16),
+        "view": big[7:9, 3:300],
+        "step": torch.tensor(12, device=dev),
+        "meta": {"epoch": 3},
+    }
+    io = UringCheckpointIO(async_save=async_save)
+    path = tmp_path / "gpu.ckpt"
+    io.save_checkpoint(state, path)
+    io.teardown()  # async: waits until the save is durable
+    stock = torch.load(path, weights_only=True, map_location="cpu")
+    loaded = io.load_checkpoint(path, map_location=lambda storage, loc: storage.cuda())
+    for key in ("w", "half", "view", "step"):
+        assert torch.equal(stock[key], state[key].cpu()), key
+        assert loaded[key].is_cuda and torch.equal(loaded[key], state[key]), key
+    assert loaded["meta"] == {"epoch": 3}
