@@ -80,7 +80,7 @@ def one_save(checkpoint: Any, path: str, eng: Any) -> dict[str, Any]:
 
     ``parts`` follow the calling thread and add up to the total; ``overlapped`` is work that runs beside it
     (the batch writes on the pipeline thread, the views taken inside ``lay_out``)."""
-    from lightning_recover.checkpoint import write_pipeline
+    from lightning_recover.checkpoint import files, write_pipeline
     from lightning_recover.checkpoint.file import single_file, torch_zip
 
     ts = Timers()
@@ -112,7 +112,7 @@ def one_save(checkpoint: Any, path: str, eng: Any) -> dict[str, Any]:
         stack.enter_context(_wrap(torch_zip.PlanWriter, "write", ts, "PlanWriter.write (total)"))
         stack.enter_context(_wrap(torch_zip.ZipPlan, "tail", ts, "ZipPlan.tail (integrity, central dir)"))
         stack.enter_context(_wrap(single_file, "cleanup_stale_temps", ts, "cleanup_stale_temps"))
-        stack.enter_context(_wrap(single_file, "fsync_dir", ts, "fsync_dir"))
+        stack.enter_context(_wrap(files, "fsync_dir", ts, "fsync_dir"))  # inside files.commit
         stack.enter_context(_patched(write_pipeline.WritePipeline, "drain", timed_drain))
         stack.enter_context(_patched(torch_zip.ZipPlan, "lay_out", timed_lay_out))
         os.sync()
