@@ -57,6 +57,10 @@ class ReplicaRanks:
         """The live replica's rank x K + the inner position (renumbered when replicas fail or rejoin)."""
         if self.core is None:
             return 0
+        if not self.core.joined:
+            # A restarted replica before it rejoins has no live rank yet: its replica id stands in (stable,
+            # in range); is_global_zero stays False until it is a member again.
+            return self.core.replica_id * self._replica_size + getattr(self.core, "inner", 0)
         return self.core.rank * self._replica_size + getattr(self.core, "inner", 0)
 
     @property
@@ -69,12 +73,12 @@ class ReplicaRanks:
 
     @property
     def world_size(self) -> int:
-        replicas = self.core.size if self.core is not None else self.num_replicas
+        replicas = self.core.size if self.core is not None and self.core.joined else self.num_replicas
         return replicas * self._replica_size
 
     @property
     def is_global_zero(self) -> bool:
-        return self.global_rank == 0
+        return self.global_rank == 0 and (self.core is None or self.core.joined)
 
     @property
     def distributed_sampler_kwargs(self) -> Optional[dict[str, Any]]:

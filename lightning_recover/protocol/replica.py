@@ -143,6 +143,10 @@ class Replica:
         return self.group.replica
 
     @property
+    def joined(self) -> bool:  # a restarted replica is a member of no generation until it rejoins
+        return self.group.gen is not None
+
+    @property
     def rank(self) -> int:
         """This replica's rank among the live replicas (0 = the lowest live one)."""
         return self.group.rank
