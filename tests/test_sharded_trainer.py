@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_recover import RecoverTrainerStrategy
+from lightning_recover import RecoverTrainerStrategy, env
 from lightning_recover.lightning.sharding_config import ShardingConfig
 from lightning_recover.lightning.step_logs import StepLogCapture
 from tests.jobs import ROOT, run_job
@@ -277,13 +277,13 @@ def test_sharded_trainer_validates_the_job_shape_before_starting():
 
 def test_sharded_trainer_strategy_ranks():
     strategy = RecoverTrainerStrategy(microbatches=4, replica_size=2, parallelize_fn=lambda m, mesh: m)
-    strategy.core = SimpleNamespace(rank=1, size=2, inner=1)
+    strategy.core = SimpleNamespace(rank=1, size=2, inner=1, joined=True)
     assert (strategy.global_rank, strategy.world_size, strategy.is_global_zero) == (3, 4, False)
-    strategy.core = SimpleNamespace(rank=0, size=2, inner=1)
+    strategy.core = SimpleNamespace(rank=0, size=2, inner=1, joined=True)
     assert not strategy.is_global_zero  # only process 0 of the lowest live replica logs and prints
 
 
-def test_fabric_and_trainer_strategies_number_processes_alike():
+def test_fabric_and_trainer_strategies_number_processes_alike(monkeypatch):
     """Issue 34 item 1: with K processes per replica, Fabric's strategy answers Lightning's one-rank-per-process
     numbering exactly as the Trainer's: global_rank = live rank x K + inner, world_size = live replicas x K,
     local_rank = global_rank, node_rank = 0, one is_global_zero process. The live rank (and so these) is renumbered
@@ -304,13 +304,19 @@ def test_fabric_and_trainer_strategies_number_processes_alike():
     seen = []
     for live_rank, inner in [(0, 0), (0, 1), (1, 0), (1, 1)]:  # R = 2 live replicas x K = 2
         for strategy in (fabric_strategy, trainer_strategy):
-            strategy.core = SimpleNamespace(rank=live_rank, size=2, inner=inner, replica_id=live_rank + 5)
+            strategy.core = SimpleNamespace(rank=live_rank, size=2, inner=inner, replica_id=live_rank + 5, joined=True)
         assert ranks(fabric_strategy) == ranks(trainer_strategy)
         seen.append(ranks(fabric_strategy))
     assert seen == [(0, 0, 0, 4, True), (1, 1, 0, 4, False), (2, 2, 0, 4, False), (3, 3, 0, 4, False)]
     # replica 6 (live rank 1) loses its peer with the lower id: renumbered to rank 0; its replica id stays
-    fabric_strategy.core = SimpleNamespace(rank=0, size=1, inner=1, replica_id=6)
+    fabric_strategy.core = SimpleNamespace(rank=0, size=1, inner=1, replica_id=6, joined=True)
     assert ranks(fabric_strategy) == (1, 1, 0, 2, False) and fabric_strategy.replica == 6
+    # a restarted replica before it rejoins belongs to no generation: its replica id stands in for the live
+    # rank, the world is the job's, and it is never is_global_zero (replica 0's process 0 included)
+    monkeypatch.setenv(env.REPLICAS, "2")  # the launcher sets it in every replica process
+    for strategy in (fabric_strategy, trainer_strategy):
+        strategy.core = SimpleNamespace(inner=0, replica_id=0, joined=False)
+    assert ranks(fabric_strategy) == ranks(trainer_strategy) == (0, 0, 0, 4, False)
 
 
 def test_prepare_backward_scales_zeroes_and_sets_gradient_sync():
