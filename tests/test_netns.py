@@ -23,6 +23,7 @@ import pytest
 from lightning_recover.protocol.reachability import exclusion_bound, probe_timeout_for
 from tests.hosts import Hosts
 from tests.jobs import ROOT, max_relative_difference
+from tests.jobs import wait_for as wait_until
 from tests.scripts.fabric_train import reference_state
 
 pytestmark = pytest.mark.slow
@@ -110,15 +111,6 @@ class MultiHostJob:
             assert diff <= TOL, f"replica {r} diverged from the failure-free run by {diff}"
             if r == rejoined:
                 assert data["stats"][0]["step"] > 0, "the partitioned replica came back mid-run (a new incarnation)"
-
-
-def wait_until(predicate, timeout: float, interval: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return False
 
 
 def report(name: str, figures: dict) -> None:

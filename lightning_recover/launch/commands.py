@@ -55,6 +55,23 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_fault_arguments(p: argparse.ArgumentParser, seconds: Any) -> None:
+    """The fault-injection and liveness options ``run`` and ``torchrun`` share."""
+    p.add_argument("--inject", default=None, help="faults, e.g. kill:replica=2:step=5:phase=backward")
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=seconds,
+        default=1.0,
+        help="seconds without heartbeat before a replica is declared dead (> 0.2; default: 1.0)",
+    )
+
+
+def _add_control_plane_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the job's control plane is, for ``run`` and ``torchrun``: the embedded coordinator or etcd."""
+    p.add_argument("--host", default="127.0.0.1", help="coordinator bind address (only this one is bound)")
+    add_control_plane_arguments(p)
+
+
 def add_subcommands(sub: Any) -> None:
     replicas, seconds = coordinator_process.replica_count, coordinator_process.heartbeat_timeout_seconds
     p = sub.add_parser(
@@ -73,13 +90,7 @@ def add_subcommands(sub: Any) -> None:
         default=1,
         help="processes per replica (K > 1: the replica shards its model with FSDP2)",
     )
-    p.add_argument("--inject", default=None, help="faults, e.g. kill:replica=2:step=5:phase=backward")
-    p.add_argument(
-        "--heartbeat-timeout",
-        type=seconds,
-        default=1.0,
-        help="seconds without heartbeat before a replica is declared dead (> 0.2; default: 1.0)",
-    )
+    _add_fault_arguments(p, seconds)
     p.add_argument(
         "--restarts",
         type=coordinator_process.non_negative_int,
@@ -104,8 +115,7 @@ def add_subcommands(sub: Any) -> None:
         default="",
         help="more modules the fork server imports once for every process, comma-separated (e.g. transformers)",
     )
-    p.add_argument("--host", default="127.0.0.1", help="coordinator bind address (only this one is bound)")
-    add_control_plane_arguments(p)
+    _add_control_plane_arguments(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="after --: what each replica runs, e.g. python train.py")
     p.set_defaults(func=_cmd_run)
 
@@ -124,21 +134,14 @@ def add_subcommands(sub: Any) -> None:
         default=0,
         help="torchrun restarts of a failed replica",
     )
-    p.add_argument("--inject", default=None, help="faults, e.g. kill:replica=2:step=5:phase=backward")
-    p.add_argument(
-        "--heartbeat-timeout",
-        type=seconds,
-        default=1.0,
-        help="seconds without heartbeat before a replica is declared dead (> 0.2; default: 1.0)",
-    )
+    _add_fault_arguments(p, seconds)
     p.add_argument(
         "--standby",
         type=coordinator_process.non_negative_int,
         default=0,
         help="keep S warm standby torchrun jobs that take a failed replica's place (each counts as a restart)",
     )
-    p.add_argument("--host", default="127.0.0.1", help="coordinator bind address (only this one is bound)")
-    add_control_plane_arguments(p)
+    _add_control_plane_arguments(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="after --: the script and its arguments")
     p.set_defaults(func=torchrun.cmd_torchrun)
 
