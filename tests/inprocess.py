@@ -193,6 +193,7 @@ class Slot:
     rejoined_at: Optional[int] = None
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     finished: threading.Event = field(default_factory=threading.Event)
+    finished_at: float = 0.0  # time.monotonic() when its thread ended
     blocked: threading.Event = field(default_factory=threading.Event)  # hung until teardown
 
     @property
@@ -425,5 +426,6 @@ class Cluster:
             self.declare_dead(slot.replica, slot.incarnation)
         finally:
             slot.state = snapshot(model)
+            slot.finished_at = time.monotonic()
             slot.finished.set()
             self._notify()

@@ -356,6 +356,46 @@ def test_a_member_list_deleted_while_the_group_forms_is_written_again():
     _finished_equal_to_reference(cluster, [0, 1, 2])
 
 
+def test_a_join_payload_deleted_while_a_generation_forms_is_written_again_or_named(capfd):
+    """Replica 2 is killed in step 1; an outsider deletes replica 0's join payload of generation 1 over
+    and over while the survivors form it. While the round is open, replica 0 writes its payload
+    again; once the member list is out, a survivor that reads a listed payload missing (it was
+    taken away: only replicas whose payload is there get listed) stops at once with
+    ForgedMessageError naming it. Before, both reads waited for store_timeout and ended misnamed
+    CoordinatorLostError. Nobody stalls, nobody applies a wrong step, a finisher equals the reference."""
+    stop = threading.Event()
+    deleted = [0]
+
+    def delete_payload() -> None:
+        store = connect(cluster.coordinator.addr)
+        while not stop.is_set():
+            deleted[0] += bool(store.delete_key("g1/join/0"))
+            time.sleep(0.0005)
+
+    with Cluster(3, steps=4, microbatches=6, faults=[Fault("kill", 2, 1, "backward")]) as cluster:
+        attacker = threading.Thread(target=delete_payload, name="test-outsider", daemon=True)
+        attacker.start()
+        try:
+            cluster.start()
+            cluster.wait(lambda: all(slot.finished.is_set() for slot in cluster.slots))
+        finally:
+            stop.set()
+            attacker.join(timeout=5)
+        cluster.join()
+    assert deleted[0] >= 1
+    errors = [slot for slot in cluster.slots if slot.outcome == "error"]
+    assert errors or "replica 0: wrote again its join payload g1/join/0" in capfd.readouterr().out, cluster.report()
+    for slot in errors:
+        assert isinstance(slot.error, ForgedMessageError), cluster.report()
+        assert "join payload 'g1/join/0'" in str(slot.error) and "was deleted" in str(slot.error), cluster.report()
+        # at once: within the harness's slack of the step it was killed in, not after store_timeout
+        assert slot.finished_at - cluster.slot(2).finished_at <= SLACK, cluster.report()
+    assert {s.outcome for s in cluster.slots} <= {"error", "done", "killed"}, cluster.report()
+    for r in cluster.survivors():
+        assert max_relative_difference(cluster.slot(r).state, reference(cluster.M, cluster.steps)[-1]) <= TOL
+    _no_wrong_step(cluster)
+
+
 # ---------------------------------------------------------------------- a flood
 def test_a_client_flooding_the_store_costs_memory_not_correctness():
     """An outsider writes 20,000 junk keys of 1 KiB (20 MiB the coordinator now holds: the embedded

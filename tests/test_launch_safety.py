@@ -322,9 +322,9 @@ def test_unreachable_coordinator_is_named_within_a_bound():
     took = time.monotonic() - t0
     print(f"\nunreachable coordinator: exit {proc.returncode} after {took:.1f}s ({startup:.1f}s of it start-up)")
     assert "CoordinatorLostError" in out and f"127.0.0.1:{port}" in out, out[-2000:]
-    # docs/security.md: an unreachable coordinator is named after store_timeout (5 s by default); torch's
-    # connect retries overshoot that deadline by up to ~2 s (measured 6.9 s in all), then the exit.
-    assert took - startup <= RecoverOptions().store_timeout + 2.0 + EXIT_SLACK, (took, startup)
+    # docs/security.md: an unreachable coordinator is named after store_timeout (5 s by default), the
+    # connect's own deadline (torch's client alone retried past it: 10-15 s), then the exit.
+    assert took - startup <= RecoverOptions().store_timeout + EXIT_SLACK, (took, startup)
 
 
 # ---------------------------------------------------------------------------- item 12: replica env

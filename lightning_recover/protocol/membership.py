@@ -253,8 +253,21 @@ def _generation_listed(store: ControlStore, number: int, members: list[int], rep
             f"replica {replica} was left out of generation {number} (the others suspected it dead); "
             "it stops here so that it never applies a divergent step."
         )
-    raw = store.multi_get([f"g{number}/join/{r}" for r in members])
-    payloads = {r: json.loads(v) for r, v in zip(members, raw)}
+    payloads = {}
+    for r in members:
+        # Never a waiting read: every listed member wrote its payload before it could be listed, so
+        # a missing one was deleted by a client without the secret, which must not stall this reader
+        # until the store's timeout (and then be misnamed a lost coordinator).
+        key = f"g{number}/join/{r}"
+        value = store.get_genuine(key)
+        if value is None:
+            raise ForgedMessageError(
+                f"replica {replica}: the join payload {key!r} of generation {number}'s member {r} "
+                f"{'failed authentication' if store.has(key) else 'was deleted'} (a client without the job's "
+                "secret tampers with the coordinator's store); this replica stops. "
+                "HINT: keep the coordinator's port on loopback or a private network."
+            )
+        payloads[r] = json.loads(value)
     return Generation(
         number, members, {r: p["inc"] for r, p in payloads.items()}, payloads, rank=members.index(replica)
     )
@@ -361,11 +374,14 @@ class Membership:
         for r in sorted(positions):
             if len(positions[r]) < self.replica_size:
                 continue
+            # Never a waiting read: a payload deleted by an outsider must not stall the round (its
+            # writer puts it back, see _join_round); forged or missing, it is not a member yet.
+            payload = self.store.get_genuine(f"{prefix}/join/{r}")
             try:
-                json.loads(self.store.get(f"{prefix}/join/{r}"))
+                json.loads(payload or "")
                 joined.add(r)
-            except (ForgedMessageError, ValueError):
-                continue  # planted by someone without the secret: not a member
+            except ValueError:
+                continue
         return joined
 
     def form_initial(self) -> Generation | None:
@@ -544,7 +560,8 @@ class Membership:
         """Join round ``number``; ``expected`` maps the replicas to wait for to their incarnation."""
         prefix = f"g{number}"
         payload = dict(payload, inc=self.incarnation)
-        self.store.set(f"{prefix}/join/{self.replica}", json.dumps(payload))
+        mine = f"{prefix}/join/{self.replica}"
+        self.store.set(mine, json.dumps(payload))
         me = str(self.replica) if self.replica_size == 1 else f"{self.replica}.{self.inner}"
         self.store.append_hint(f"{prefix}/joined", f"{me},")
         deadline = time.monotonic() + timeout
@@ -552,6 +569,10 @@ class Membership:
         expected = dict(expected)
         while (listed := self.store.get_genuine(f"{prefix}/members")) is None:
             self.check_health()
+            if self.store.get_genuine(mine) is None:
+                # deleted or overwritten by a client without the secret: nobody would count this replica
+                print(f"[lightning-recover] replica {self.replica}: wrote again its join payload {mine}", flush=True)
+                self.store.set(mine, json.dumps(payload))
             if not may_close:
                 # A joiner waits for the members, who close the round within their join_timeout; a
                 # member list deleted or forged after they read it must not keep it here for ever.

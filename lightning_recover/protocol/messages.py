@@ -38,6 +38,7 @@ import os
 import secrets
 import stat
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -277,18 +278,47 @@ def connect(addr: str, timeout: float = 60.0) -> dist.TCPStore:
             f"coordinator address {addr!r} must be HOST:PORT (set {env.COORDINATOR} or pass --coordinator)"
         )
     try:
-        return dist.TCPStore(
-            host.strip("[]"),
-            int(port),
-            is_master=False,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=timeout),
+        return _within(
+            timeout,
+            lambda: dist.TCPStore(
+                host.strip("[]"),
+                int(port),
+                is_master=False,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=timeout),
+            ),
         )
     except Exception as exc:  # torch raises several types (DistNetworkError, RuntimeError)
         raise CoordinatorLostError(
             f"cannot reach the lightning-recover coordinator at {addr} within {timeout:.0f}s: {exc}. HINT: check "
             f"{env.COORDINATOR}; start it with the launcher (`lightning-recover run`) or `lightning-recover coordinator`."
         ) from exc
+
+
+def _within(timeout: float, make: Any) -> Any:
+    """``make()`` or TimeoutError after ``timeout`` seconds, whatever ``make`` does meanwhile.
+
+    torch's TCPStore client does not keep its own timeout on connect: after it runs out it sleeps a
+    random back-off and tries again (measured 5 s + 3.3 s + another try), so an unreachable
+    coordinator was named only after 10-15 s. Here the deadline is ours. A connect still running at
+    the deadline is left to its daemon thread: its caller stops with the error.
+    """
+    done: dict[str, Any] = {}
+
+    def attempt() -> None:
+        try:
+            done["value"] = make()
+        except BaseException as exc:  # handed to the caller's thread
+            done["error"] = exc
+
+    worker = threading.Thread(target=attempt, name="lightning-recover-connect", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if "error" in done:
+        raise done["error"]
+    if "value" not in done:
+        raise TimeoutError(f"no connection within {timeout:.1f}s")
+    return done["value"]
 
 
 _ABSENT = b"\x00lr-absent"  # what peek's compare_set expects: never a sealed value
