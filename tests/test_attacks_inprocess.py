@@ -23,6 +23,7 @@ from lightning_recover.errors import ForgedMessageError, RecoverError
 from lightning_recover.protocol import Fault
 from lightning_recover.protocol.coordinator import Coordinator
 from lightning_recover.protocol.messages import ControlStore, JobSecret, connect, sequence
+from lightning_recover.protocol.replica_world import declared_dead, left_key
 from lightning_recover.protocol.state_transfer import check_digest, digest, pack, unpack
 from tests.inprocess import HEARTBEAT_TIMEOUT, RUN_TIMEOUT, TOL, Cluster, max_relative_difference, reference
 
@@ -204,6 +205,26 @@ def test_replayed_death_notices_and_generations_never_go_back(store_pair):
     assert writer.compare_set("gen/latest", "0", "1") == "1" and reader.generation() == 1
     _write(outsider, "gen/latest", gen0)
     assert reader.generation() == 1
+
+
+def test_a_sharded_replicas_watchdog_reads_death_notices_it_can_trust(store_pair):
+    """The watchdog that ends a sharded replica's other processes once the replica is declared dead:
+    a deleted or forged notice counts as none (a forged one used to end the watchdog for good, so a
+    later genuine death left the mates running), a planted "left" key does not hide a real death,
+    and a replica that left cleanly is not ended."""
+    writer, reader, outsider = store_pair
+    assert not declared_dead(reader, 0, 1)
+    _write(outsider, "dead/0", b"1")  # forged
+    assert not declared_dead(reader, 0, 1)
+    outsider.delete_key("dead/0")
+    started = time.monotonic()
+    assert not declared_dead(reader, 0, 1) and time.monotonic() - started < 1.0, "a missing notice is never waited on"
+    assert writer.mark_dead(0, 1)
+    _write(outsider, left_key(0, 1), b"1")  # planted, unsealed
+    assert declared_dead(reader, 0, 1)
+    writer.set(left_key(0, 1), "1")  # the replica's own clean exit (ReplicaWorld.leave)
+    writer.has(left_key(0, 1))
+    assert not declared_dead(reader, 0, 1)
 
 
 @pytest.mark.parametrize(

@@ -26,12 +26,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_recover.errors import CoordinatorLostError
 from lightning_recover.protocol.membership import Membership
 
 WATCH_INTERVAL = 0.05  # how often a process checks whether its replica was declared dead
 
 
-def _left_key(replica: int, incarnation: int) -> str:
+def left_key(replica: int, incarnation: int) -> str:
     return f"left/{replica}/{incarnation}"
 
 
@@ -112,7 +113,7 @@ class ReplicaWorld:
         """A clean end of this process: say so before the replica is marked gone."""
         self._stop.set()
         try:
-            self._membership.store.set(_left_key(self.replica, self.incarnation), "1")
+            self._membership.store.set(left_key(self.replica, self.incarnation), "1")
         except Exception:
             pass  # the coordinator is gone: nobody is left to misread the exit
 
@@ -120,8 +121,7 @@ class ReplicaWorld:
         store = self._membership.store.clone()
         while not self._stop.wait(WATCH_INTERVAL):
             try:
-                dead = int(store.get(f"dead/{self.replica}")) >= self.incarnation
-                if dead and not store.has(_left_key(self.replica, self.incarnation)):
+                if declared_dead(store, self.replica, self.incarnation):
                     print(
                         f"[lightning-recover] replica {self.replica} process {self.inner}: the replica was "
                         "declared dead (one of its processes died or hung); this process exits",
@@ -129,8 +129,20 @@ class ReplicaWorld:
                         flush=True,
                     )
                     os._exit(1)
-            except Exception:
+            except CoordinatorLostError:
                 return  # the coordinator is gone: the heartbeat reports it to the main thread
+
+
+def declared_dead(store: Any, replica: int, incarnation: int) -> bool:
+    """True when ``replica``'s ``incarnation`` was declared dead and did not leave cleanly.
+
+    Reads that never wait and never take a forged value: a death notice deleted or forged by a client
+    without the secret counts as none (it used to end the watchdog for good), and a planted "left"
+    key does not hide a real death (only a sealed one counts).
+    """
+    if store.deaths([replica])[replica] < incarnation:
+        return False
+    return store.get_genuine(left_key(replica, incarnation)) is None
 
 
 def is_sharded(param: Any) -> bool:
