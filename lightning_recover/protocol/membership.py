@@ -273,6 +273,14 @@ def _generation_listed(store: ControlStore, number: int, members: list[int], rep
     )
 
 
+def _payload_or_none(text: str | None) -> dict | None:
+    """A join payload's JSON object, or None when it is missing (deleted, forged) or not JSON."""
+    try:
+        return json.loads(text or "")
+    except ValueError:
+        return None
+
+
 class Membership:
     """One replica's view of the group: generations, joins, heartbeats, failure detection."""
 
@@ -374,14 +382,9 @@ class Membership:
         for r in sorted(positions):
             if len(positions[r]) < self.replica_size:
                 continue
-            # Never a waiting read: a payload deleted by an outsider must not stall the round (its
-            # writer puts it back, see _join_round); forged or missing, it is not a member yet.
-            payload = self.store.get_genuine(f"{prefix}/join/{r}")
-            try:
-                json.loads(payload or "")
+            # Never a waiting read: a deleted payload must not stall the round (its writer puts it back).
+            if _payload_or_none(self.store.get_genuine(f"{prefix}/join/{r}")) is not None:
                 joined.add(r)
-            except ValueError:
-                continue
         return joined
 
     def form_initial(self) -> Generation | None:
