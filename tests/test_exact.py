@@ -16,8 +16,17 @@ import threading
 import pytest
 import torch
 
+from lightning_recover.errors import RecoverError
 from lightning_recover.protocol import Fault, RecoverOptions, Replica
-from lightning_recover.protocol.exact import EXACT_BITS, ExactAccumulator, ceil_log2, mul_pow2_
+from lightning_recover.protocol.exact import (
+    CHECKPOINT_KEY,
+    EXACT_BITS,
+    ExactAccumulator,
+    ceil_log2,
+    checkpoint_entries,
+    mul_pow2_,
+    restore_checkpoint_entries,
+)
 from tests.inprocess import RUN_TIMEOUT, Cluster, loss_fn, make_model, max_relative_difference
 
 pytestmark = pytest.mark.timeout(90)
@@ -253,3 +262,19 @@ def test_rejoined_replica_receives_the_grid_and_ends_bitwise_equal():
 
 def test_model_helpers_build_the_requested_dtype():
     assert next(make_model().to(torch.bfloat16).parameters()).dtype == torch.bfloat16
+
+
+def test_checkpoint_entries_carry_the_grid_and_leave_the_users_remainder_clean():
+    saving = ExactAccumulator(M)
+    saving.load_state({"exponents": [30, None, -2]})
+    checkpoint = {"model": {"w": torch.zeros(1)}, "step": 4, **checkpoint_entries(saving)}
+    assert checkpoint_entries(None) == {}, "no entry without exact mode"
+    resumed = ExactAccumulator(M)
+    restore_checkpoint_entries(resumed, checkpoint)
+    assert resumed.state() == {"exponents": [30, None, -2]}
+    assert sorted(checkpoint) == ["model", "step"], "the entry is taken out of what the user gets back"
+    plain = {"step": 4, **checkpoint_entries(saving)}
+    restore_checkpoint_entries(None, plain)  # a job without exact mode drops the entry
+    assert plain == {"step": 4}
+    with pytest.raises(RecoverError, match="malformed"):
+        restore_checkpoint_entries(ExactAccumulator(M), {CHECKPOINT_KEY: {"exponents": ["import os"]}})

@@ -168,6 +168,32 @@ def test_exact_mode_on_two_replicas_equals_the_reference(tmp_path, reference):
     assert [s["redone"] for s in states[0]["stats"]][0] == 1, "the first step calibrates the grid (one redo)"
 
 
+def test_exact_mode_resumed_from_a_checkpoint_on_another_replica_count_stays_bitwise(tmp_path, reference):
+    """A whole-job restart in exact mode: 2 replicas save a checkpoint after step 2 (fabric.save), a new
+    job of 3 replicas resumes from it (fabric.load) and ends with the same bits as the failure-free
+    run. The checkpoint carries the fixed-point grid, so the first resumed step is not recalibrated
+    (before, it was redone on a grid of its own and the last bits left the trajectory)."""
+    checkpoint = str(tmp_path / "step2.ckpt")
+    saved = fabric_job(
+        str(tmp_path / "first"),
+        replicas=2,
+        steps=3,
+        microbatches=M,
+        extra=["--exact", "--save-at", "2", "--checkpoint", checkpoint],
+    )
+    assert_matches_reference(saved, reference(steps=3, exact=True), survivors=[0, 1], exact=True)
+    resumed = fabric_job(
+        str(tmp_path / "resumed"),
+        replicas=3,
+        steps=STEPS,
+        microbatches=M,
+        extra=["--exact", "--resume", "--checkpoint", checkpoint],
+    )
+    states = assert_matches_reference(resumed, reference(exact=True), survivors=[0, 1, 2], exact=True)
+    assert len(states[0]["stats"]) == STEPS - 3, "the resumed job ran only the steps after the checkpoint"
+    assert states[0]["stats"][0]["redone"] == 0, "the first resumed step used the checkpoint's grid"
+
+
 def test_falsely_suspected_replica_never_applies_a_divergent_step(tmp_path, reference):
     """A replica frozen (SIGSTOP) is declared dead within heartbeat_timeout (docs/security.md's bound,
     plus DECLARE_SLACK); resumed, it must stop, not rejoin silently."""

@@ -293,6 +293,23 @@ def test_elastic_resume_with_fewer_replicas(tmp_path, reference_run, truth):
 
 
 @pytest.mark.slow
+def test_exact_resume_on_another_replica_count_is_bitwise(tmp_path):
+    """Exact mode across a whole-job restart: 3 replicas checkpoint at step 3 (ModelCheckpoint), 2 replicas
+    resume with fit(ckpt_path=...) and end bitwise equal to the exact single-process run; the checkpoint
+    carried the fixed-point grid, so the first resumed step was not recalibrated (no redo)."""
+    truth = _single_process(exact=True)
+    first = str(tmp_path / "first")
+    result = trainer_job(first, extra=["--exact", "--ckpt-every", "3"])
+    assert_parameters(result, truth["state"], survivors=[0, 1, 2], exact=True)
+    ckpt = os.path.join(first, "ckpt", "step=3.ckpt")
+    result = trainer_job(str(tmp_path / "resumed"), replicas=2, extra=["--exact", "--resume", ckpt])
+    assert result.returncode == 0, result.output[-4000:]
+    assert_parameters(result, truth["state"], survivors=[0, 1], exact=True)
+    history = result.states()[0]["stats"]
+    assert [s["step"] for s in history] == [3, 4, 5] and history[0]["redone"] == 0, history
+
+
+@pytest.mark.slow
 def test_bf16_mixed(tmp_path, truth):
     out = str(tmp_path)
     result = trainer_job(out, replicas=2, steps=3, microbatches=4, extra=["--precision", "bf16-mixed", "--clip", "1.0"])

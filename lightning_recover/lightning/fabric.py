@@ -44,6 +44,7 @@ from lightning_recover.lightning.sharding_config import (
     local_shards,
     optimizer_state_from_local,
 )
+from lightning_recover.protocol.exact import checkpoint_entries, restore_checkpoint_entries
 from lightning_recover.protocol.replica import Replica
 from lightning_recover.protocol.step import StepStats
 
@@ -267,6 +268,8 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
             self._save_sharded(str(path), state)
             return
         if self._elect_writer():
+            if self.core is not None:
+                state = {**state, **checkpoint_entries(self.core.protocol.exact)}
             super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
     def _save_sharded(self, path: str, state: dict) -> None:
@@ -290,7 +293,10 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
         if not self.sharding.enabled:
-            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+            remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+            if self.core is not None:
+                restore_checkpoint_entries(self.core.protocol.exact, remainder)
+            return remainder
         from lightning_recover.checkpoint.dcp.sharded_state import is_dcp_checkpoint, load_full, load_sharded
 
         if not is_dcp_checkpoint(path) and os.path.isfile(path):

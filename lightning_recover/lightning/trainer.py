@@ -61,6 +61,7 @@ from lightning_recover.lightning.trainer_checkpoint import (
     save_trainer_checkpoint,
 )
 from lightning_recover.lightning.trainer_rejoin import adopt_checkpoint, check_rejoin_inside_fit, checkpoint_for_joiner
+from lightning_recover.protocol.exact import checkpoint_entries, restore_checkpoint_entries
 from lightning_recover.protocol.replica import Replica
 
 _HINT_ACCUMULATE = (
@@ -277,7 +278,10 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
             return self._rejoin_checkpoint
         if self.sharding.enabled:  # every process reads its own shards into the sharded module and optimizers
             return load_trainer_checkpoint(checkpoint_path, self.lightning_module, self.optimizers, weights_only)
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if self.core is not None:
+            restore_checkpoint_entries(self.core.protocol.exact, checkpoint)
+        return checkpoint
 
     @override
     def on_train_start(self) -> None:
@@ -446,6 +450,8 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if self._solo:
             return  # a replica still rejoining holds no step of its own to save; the members write
+        if self.core is not None:
+            checkpoint = {**checkpoint, **checkpoint_entries(self.core.protocol.exact)}
         if self.sharding.enabled:  # one DCP directory at filepath, every live replica writing ~1/R of it
             save_trainer_checkpoint(self, checkpoint, filepath, storage_options)
         elif self._elect_writer():

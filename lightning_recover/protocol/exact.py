@@ -52,6 +52,10 @@ EXACT_BITS = 52
 HEADROOM_BITS = 8
 #: Elements per reduce bucket (float64): the bucket is the only copy of the accumulator the reduce makes.
 BUCKET_ELEMENTS = 1 << 20
+#: The key under which a checkpoint of an exact-mode job carries its fixed-point grid (a list of small
+#: ints). With it a job resumed from the checkpoint, on any replica count, continues bitwise on the
+#: failure-free trajectory; without it the first resumed step recalibrates and the last bits differ.
+CHECKPOINT_KEY = "lightning_recover_exact_grid"
 _NO_EXPONENT = 1e4  # "no grid yet" in the exponent agreement check (any k is far smaller)
 # A scalar factor 2**n must stay a normal number of the tensor's dtype (float32/bf16: n in [-126, 127]).
 _MAX_POW2_STEP = 100
@@ -68,6 +72,18 @@ def mul_pow2_(t: torch.Tensor, n: int) -> torch.Tensor:
 
 def ceil_log2(n: int) -> int:
     return max(0, (n - 1).bit_length())
+
+
+def checkpoint_entries(exact: Optional[ExactAccumulator]) -> dict[str, Any]:
+    """What a checkpoint of the job carries besides the user's state: in exact mode the grid."""
+    return {} if exact is None else {CHECKPOINT_KEY: exact.state()}
+
+
+def restore_checkpoint_entries(exact: Optional[ExactAccumulator], checkpoint: Any) -> None:
+    """Take :func:`checkpoint_entries` out of a loaded checkpoint (the user's remainder never sees them)."""
+    saved = checkpoint.pop(CHECKPOINT_KEY, None) if isinstance(checkpoint, dict) else None
+    if saved is not None and exact is not None:
+        exact.load_state(saved)
 
 
 def check_exact_layout(exact: bool, replica_size: int) -> None:

@@ -104,6 +104,9 @@ def main() -> None:
         help="STEP:PATH,...: before step STEP, wait until PATH exists (at most 120 s); lets a test start a "
         "fault only once a standby is ready",
     )
+    parser.add_argument("--save-at", type=int, default=-1, help="after step N, fabric.save to --checkpoint")
+    parser.add_argument("--resume", action="store_true", help="fabric.load --checkpoint, go on after its step")
+    parser.add_argument("--checkpoint", default="", help="the checkpoint file of --save-at and --resume")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
     parser.add_argument("--exact", action="store_true", help="RecoverStrategy(exact=True): bitwise reproducible steps")
     parser.add_argument("--reference", action="store_true", help="the failure-free run in one process (no Lightning)")
@@ -136,7 +139,10 @@ def train(args) -> None:
     os.makedirs(args.out, exist_ok=True)
     stats = []
     holds = {int(item.split(":", 1)[0]): item.split(":", 1)[1] for item in args.hold.split(",") if item}
-    for step in fabric.strategy.steps(loader, max_steps=args.steps):
+    start_step = 0
+    if args.resume:
+        start_step = fabric.load(args.checkpoint, {"model": model, "optimizer": optimizer})["step"] + 1
+    for step in fabric.strategy.steps(loader, max_steps=args.steps, start_step=start_step):
         for xb, yb in step:
             if args.work:
                 time.sleep(args.work)
@@ -148,6 +154,8 @@ def train(args) -> None:
             fabric.all_reduce(torch.tensor(step.loss), reduce_op="mean")
             fabric.barrier()
         stats.append(vars(step.stats))
+        if step.index == args.save_at:
+            fabric.save(args.checkpoint, {"model": model, "optimizer": optimizer, "step": step.index})
         with open(os.path.join(args.out, f"steps{fabric.strategy.replica}.log"), "a") as f:
             f.write(f"{step.index}\n")  # every step this replica applied, written as it happens
         if args.slow_while_degraded and step.stats.live_replicas < args.replicas:
