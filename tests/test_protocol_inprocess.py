@@ -124,6 +124,27 @@ def test_cascade_death_during_recovery():
     assert live_per_step(cluster, 0) == [4, 2, 2]
 
 
+def test_death_while_the_first_generation_is_built():
+    """Replica 2 dies after the first member list is out, while every member builds generation 0's
+    group (which waits on it): the survivors form generation 1 before any step and train on. Before,
+    every survivor stopped with the internal MembershipChanged signal."""
+    cluster = run(3, steps=3, microbatches=6, faults=[Fault("kill", 2, 0, "regroup")])
+    assert_matches_reference(cluster, [0, 1])
+    assert cluster.slot(2).outcome == "killed" and cluster.slot(2).applied == []
+    assert live_per_step(cluster, 0) == [2, 2, 2]
+    assert cluster.slot(0).history[0].generation == 1 and cluster.slot(0).history[0].recoveries == 0
+
+
+def test_death_while_the_survivors_build_the_next_generation():
+    # Replica 1 dies in step 1; replica 2 dies while the survivors build the generation without it.
+    cluster = run(4, steps=3, microbatches=8, faults=[Fault("kill", 1, 1, "backward"), Fault("kill", 2, 1, "regroup")])
+    assert_matches_reference(cluster, [0, 3])
+    assert cluster.slot(2).outcome == "killed", "the regroup fault fired"
+    assert live_per_step(cluster, 0) == [4, 2, 2]
+    step1 = cluster.slot(0).history[1]
+    assert any(e["kind"] == "failure" for e in step1.events) or step1.recoveries == 2, step1.events
+
+
 def test_down_to_a_single_survivor():
     cluster = run(
         4,

@@ -150,6 +150,15 @@ def test_two_failures_in_one_step_then_down_to_a_single_survivor(tmp_path, refer
     assert live[:3] == [4, 4, 2] and live[-1] == 1, live
 
 
+def test_death_while_the_first_generation_is_built(tmp_path, reference):
+    """A replica SIGKILLed while every replica builds the job's first process group (which waits on it):
+    the other two form the next generation before step 0 and end on the failure-free trajectory."""
+    result = fabric_job(str(tmp_path), inject="kill:replica=2:step=0:phase=regroup")
+    states = assert_matches_reference(result, reference(), survivors=[0, 1])
+    assert [s["live_replicas"] for s in states[0]["stats"]] == [2] * STEPS
+    assert "never fired" not in result.output
+
+
 def test_throughput_quotas_keep_the_trajectory(tmp_path, reference):
     # killed at the reduce, which every replica reaches: under load a replica measured slow can get no microbatch
     # of a step (throughput quotas), and a kill at its backward then never happens (a CI run saw exactly that)

@@ -43,7 +43,8 @@ from lightning_recover import env
 from lightning_recover.errors import InjectedFault
 
 KINDS = ("kill", "hang", "stall", "raise")
-PHASES = ("forward", "backward", "reduce", "commit", "optimizer", "recompute", "save")
+# "regroup": while this replica builds a generation's process group (at step 0 the job's first one).
+PHASES = ("forward", "backward", "reduce", "commit", "optimizer", "recompute", "save", "regroup")
 
 
 @dataclass(frozen=True)

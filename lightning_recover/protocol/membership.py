@@ -36,6 +36,7 @@ from lightning_recover.errors import (
     COORDINATOR_LOST_HINT,
     CoordinatorLostError,
     ForgedMessageError,
+    MembershipChanged,
     RecoverError,
     ReplicaExcludedError,
 )
@@ -281,6 +282,25 @@ def _payload_or_none(text: str | None) -> dict | None:
         return None
 
 
+def joined_replicas(store: ControlStore, prefix: str, num_replicas: int, replica_size: int) -> set[int]:
+    """Replicas that joined round ``prefix``. The unsealed list is only a hint of whom to look at:
+    a replica counts once its sealed join payload is there and, with K processes per replica,
+    all K of its positions said they joined."""
+    positions: dict[int, set[str]] = {}
+    for item in store.get_hint(f"{prefix}/joined").split(","):
+        r, _, i = item.partition(".")
+        if r.isdigit() and int(r) < num_replicas:
+            positions.setdefault(int(r), set()).add(i)
+    joined = set()
+    for r in sorted(positions):
+        if len(positions[r]) < replica_size:
+            continue
+        # Never a waiting read: a deleted payload must not stall the round (its writer puts it back).
+        if _payload_or_none(store.get_genuine(f"{prefix}/join/{r}")) is not None:
+            joined.add(r)
+    return joined
+
+
 class Membership:
     """One replica's view of the group: generations, joins, heartbeats, failure detection."""
 
@@ -304,6 +324,7 @@ class Membership:
     ) -> None:
         # A warm standby has no replica id until the launcher assigns it one (see protocol.standby).
         self.standby = standby
+        self.before_build: Callable[[], None] = lambda: None  # set by the Replica (its "regroup" faults)
         if standby is None and not 0 <= replica < num_replicas:
             raise ValueError(
                 f"replica id {replica} is outside 0..{num_replicas - 1}. HINT: give each of the {num_replicas} "
@@ -369,24 +390,6 @@ class Membership:
         if self.inner == 0:  # one probe server per replica (its processes share a host)
             self._responder = start_responder(self.store, self.replica, self.incarnation, self.heartbeat_interval)
 
-    def _joined(self, prefix: str) -> set[int]:
-        """Replicas that joined round ``prefix``. The unsealed list is only a hint of whom to look at:
-        a replica counts once its sealed join payload is there and, with K processes per replica,
-        all K of its positions said they joined."""
-        positions: dict[int, set[str]] = {}
-        for item in self.store.get_hint(f"{prefix}/joined").split(","):
-            r, _, i = item.partition(".")
-            if r.isdigit() and int(r) < self.num_replicas:
-                positions.setdefault(int(r), set()).add(i)
-        joined = set()
-        for r in sorted(positions):
-            if len(positions[r]) < self.replica_size:
-                continue
-            # Never a waiting read: a deleted payload must not stall the round (its writer puts it back).
-            if _payload_or_none(self.store.get_genuine(f"{prefix}/join/{r}")) is not None:
-                joined.add(r)
-        return joined
-
     def form_initial(self) -> Generation | None:
         """Join generation 0 with every other replica (the job's start).
 
@@ -398,7 +401,16 @@ class Membership:
             self.request_join()
             return None
         starting = self.current_incarnations(range(self.num_replicas))
-        self.gen = self._join_round(0, {"step": -1, "have": []}, expected=starting, timeout=self.startup_timeout)
+        try:
+            self.gen = self._join_round(0, {"step": -1, "have": []}, expected=starting, timeout=self.startup_timeout)
+        except MembershipChanged:
+            # A member died while generation 0's group was built, which every survivor's build waits on:
+            # the survivors form the next generation before any step.
+            while True:
+                try:
+                    return self.next_generation({"step": -1, "have": []})
+                except MembershipChanged:
+                    continue
         return self.gen
 
     # ------------------------------------------------------------------ rejoin
@@ -589,7 +601,7 @@ class Membership:
             unstarted = [r for r, inc in expected.items() if inc == 0]
             if unstarted:
                 expected.update({r: inc for r, inc in self.current_incarnations(unstarted).items() if inc})
-            joined = self._joined(prefix)
+            joined = joined_replicas(self.store, prefix, self.num_replicas, self.replica_size)
             dead = self.dead(sorted(set(expected) | joined), expected)
             if set(expected) - joined - dead and time.monotonic() < deadline:
                 delay = backoff(delay)
@@ -606,6 +618,7 @@ class Membership:
     def _build_pg(self, gen: Generation) -> None:
         """Build the group of ``gen`` on a thread, so a member dying meanwhile is noticed."""
         self.gen = gen
+        self.before_build()  # fault injection's "regroup" phase
         suffix = "" if self.replica_size == 1 else f"/i{self.inner}"  # one group per inner position
         gen.pg = self.groups.build(
             self.store.prefixed(f"pg/g{gen.number}{suffix}"), gen.number, gen.rank, gen.size, self.failure_seen

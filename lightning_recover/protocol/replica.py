@@ -111,8 +111,7 @@ class Replica:
         self.joining = False  # a restarted replica that must rejoin with state from a peer
         self._get_state: Callable[[], dict] | None = None
         self._set_state: Callable[[dict], None] | None = None
-        self._backward_seen = False
-        self._forward_seen = False
+        self._backward_seen = self._forward_seen = False
         self.history: list[StepStats] = []
 
     @classmethod
@@ -208,6 +207,7 @@ class Replica:
         for listener in self._fault_listeners:
             injector.add_listener(listener)
         self.protocol.injector = injector
+        self.group.before_build = lambda: self.protocol.fire(max(self.step, 0), "regroup")
         self.joining = self.group.form_initial() is None
         if standby_world:
             self.world = standby_world[0]
