@@ -48,10 +48,10 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_recover.checkpoint import format as fmt
 from lightning_recover.checkpoint import snapshot_guard
 from lightning_recover.checkpoint.engine import huge_page_bytes, open_writer
-from lightning_recover.checkpoint.file.torch_zip import ALIGN, PlanWriter, ZipPlan, plan_archive
+from lightning_recover.checkpoint.file.state_tensors import storage_as_bytes, tensor_paths
+from lightning_recover.checkpoint.file.torch_zip import ALIGN, PlanWriter, ZipPlan, file_meta, plan_archive
 from lightning_recover.checkpoint.files import cleanup_stale_temps, commit, temp_path_for, unlink_quiet
 
 log = logging.getLogger(__name__)
@@ -448,9 +448,9 @@ class AsyncSaver:
 
         path = os.path.abspath(os.fspath(path))
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        zplan = plan_archive(checkpoint, meta=fmt.file_meta())
+        zplan = plan_archive(checkpoint, meta=file_meta())
         by_storage: dict[tuple, list] = {}
-        for name, t in fmt.tensor_paths(checkpoint).values():
+        for name, t in tensor_paths(checkpoint).values():
             try:
                 key = (t.device, t.untyped_storage().data_ptr())
             except Exception:
@@ -461,7 +461,7 @@ class AsyncSaver:
             n = zplan.storage_record[i].nbytes
             if n == 0:
                 continue
-            u8 = fmt.storage_as_bytes(st)
+            u8 = storage_as_bytes(st)
             if n < self.eager_bytes:
                 eager.append((i, u8.to("cpu", copy=True)))
             else:
