@@ -424,18 +424,20 @@ def test_load_into_without_a_safe_listing_reads_fresh(tmp_path, monkeypatch):
     assert sizes == [w.numel() * 4]
 
 
-def test_format_1_files_stay_loadable_and_convert(tmp_path, capsys):
-    from lightning_recover.checkpoint.tools import convert_main
-
+def test_format_1_is_neither_written_nor_read(tmp_path):
+    """Format 1 is gone: asking for it, or loading one of its files, says so and how to convert."""
     ck = _state()
-    save(ck, tmp_path / "v1.ckpt", format=1)
-    assert (tmp_path / "v1.ckpt").read_bytes()[:8] != b"PK\x03\x04"
-    _assert_same(ck, load(tmp_path / "v1.ckpt"))
-    ns = argparse.Namespace(checkpoint=str(tmp_path / "v1.ckpt"), output=str(tmp_path / "v1.pt"), unsafe_pickle=False)
-    assert convert_main(ns) == 0
-    _assert_same(ck, torch.load(tmp_path / "v1.pt", weights_only=True))
-    with pytest.raises(ValueError, match="format must be"):
+    with pytest.raises(ValueError, match="format=1 is no longer supported") as ei:
+        save(ck, tmp_path / "v1.ckpt", format=1)
+    assert "HINT: convert" in str(ei.value) and "lightning-recover convert" in str(ei.value)
+    assert not (tmp_path / "v1.ckpt").exists()
+    with pytest.raises(ValueError, match="format must be 2"):
         save(ck, tmp_path / "x.ckpt", format=3)
+    old = tmp_path / "old.ckpt"  # a format-1 file starts with its header magic
+    old.write_bytes(b"\x89LRCKPT\n" + bytes(8192))
+    for read in (load, read_info):
+        with pytest.raises(CheckpointCorruptError, match="format-1 checkpoint, which this version no longer reads"):
+            read(old)
 
 
 def test_mixed_dtype_views_refused_like_torch_save(tmp_path):
@@ -443,7 +445,6 @@ def test_mixed_dtype_views_refused_like_torch_save(tmp_path):
     with pytest.raises(RuntimeError, match="different types"):
         save({"a": base, "b": base.view(torch.int32)}, tmp_path / "x.ckpt")
     assert not (tmp_path / "x.ckpt").exists()
-    save({"a": base, "b": base.view(torch.int32)}, tmp_path / "x.ckpt", format=1)  # format 1 keeps both
 
 
 def test_header_struct_sizes():
