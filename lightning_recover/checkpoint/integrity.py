@@ -1,7 +1,7 @@
 """What every checkpoint module checks data with: the error classes of a damaged, incomplete or unsafe
 checkpoint, CRC-32C (``native_io``'s), and the alignment of extents in a file (64 bytes, 4096 for
 extents of 1 MiB or more; a storage placed congruent with its memory so that it is written uncopied).
-Used by single files (both formats), the DCP writer and reader, and the tools."""
+Used by single files, the DCP writer and reader, and the tools."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class CheckpointIncompleteError(CheckpointCorruptError):
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
-    """The skeleton refers to a global outside the allowlist while loading with ``weights_only=True``."""
+    """The pickled state refers to a global outside the allowlist while loading with ``weights_only=True``."""
 
     def __init__(self, message: str, global_name: str = "") -> None:
         super().__init__(message)

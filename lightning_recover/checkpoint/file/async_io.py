@@ -2,15 +2,16 @@
 
 How a save proceeds (see ``docs/checkpointing.md`` for the user-facing guarantees):
 
-1. ``submit()`` (the training thread) pickles the non-tensor skeleton, plans the file layout and copies
-   *small* storages (< ``eager_bytes``) right away. Large storages are only *referenced*. It returns.
+1. ``submit()`` (the training thread) pickles the non-tensor state (``data.pkl``), plans the archive layout and
+   copies *small* storages (< ``eager_bytes``) right away. Large storages are only *referenced*. It returns.
 2. The **copier** thread copies the referenced storages, in file order, in chunks, into a ring-shaped
    staging buffer (host memory allocated once and reused; ``staging_bytes`` bounds it). When the ring is full
    it waits for the flusher (back-pressure). When the last chunk is copied the job's *snapshot* is complete.
-3. The **flusher** thread writes header, eager storages and staged chunks through ``native_io`` into an
-   unnamed file in the target directory (``O_TMPFILE``; a hidden temporary name where the filesystem has no
-   unnamed files), releases ring space as it goes, writes index/skeleton/footer, ``fdatasync``s, links the file
-   to a temporary name, renames that onto the final name and fsyncs the directory: the final name appears only
+3. The **flusher** thread writes the leading records, eager storages and staged chunks through ``native_io``
+   into an unnamed file in the target directory (``O_TMPFILE``; a hidden temporary name where the filesystem has
+   no unnamed files), releases ring space as it goes, writes the closing records (integrity record, central
+   directory), ``fdatasync``s, links the file to a temporary name, renames that onto the final name and fsyncs
+   the directory: the final name appears only
    once the file is durable, and while the save is in flight nothing but the name's placeholder is listed.
 
 Consistency: a global ``torch.optim`` step pre-hook makes every ``optimizer.step()`` wait until all pending
