@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import struct
-import subprocess
-import sys
 import zipfile
 from collections import Counter
 
@@ -95,15 +93,22 @@ def test_torch_layout_is_torch_saves_own(tmp_path):
 
 
 def _stock_loads_with_offset_arithmetic_asked_for(path) -> None:
-    """torch.load (mmap and meta) with torch's opt-in offset arithmetic and its debug check of every offset."""
-    code = (
-        "import torch; from torch.utils.serialization import config; "
-        "config.load.calculate_storage_offsets = True; "
-        f"torch.load({str(path)!r}, weights_only=True, mmap=True); "
-        f"torch.load({str(path)!r}, weights_only=True, map_location='meta')"
-    )
-    env = dict(os.environ, TORCH_SERIALIZATION_DEBUG="1")
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+    """torch.load (mmap and meta) with torch's opt-in offset arithmetic and its debug check of every offset
+    (torch reads ``TORCH_SERIALIZATION_DEBUG`` at each load, so this runs in this process, both settings restored)."""
+    from torch.utils.serialization import config
+
+    old_env, old_calc = os.environ.get("TORCH_SERIALIZATION_DEBUG"), config.load.calculate_storage_offsets
+    os.environ["TORCH_SERIALIZATION_DEBUG"] = "1"
+    config.load.calculate_storage_offsets = True
+    try:
+        torch.load(path, weights_only=True, mmap=True)
+        torch.load(path, weights_only=True, map_location="meta")
+    finally:
+        config.load.calculate_storage_offsets = old_calc
+        if old_env is None:
+            del os.environ["TORCH_SERIALIZATION_DEBUG"]
+        else:
+            os.environ["TORCH_SERIALIZATION_DEBUG"] = old_env
 
 
 def test_default_layout_storages_first_and_congruent(tmp_path):
