@@ -127,7 +127,7 @@ def test_replayed_progress_does_not_hide_a_deadlocked_main_thread(capfd):
     declares the replica within hang_timeout. (The replay runs at a tenth of a heartbeat per
     monitor poll: overwriting a live heartbeat faster than it beats gets that replica declared dead
     after heartbeat_timeout instead, a denial of service docs/security.md lists.)"""
-    hang_timeout = 2.0
+    hang_timeout = 1.5  # as in test_a_store_collective_a_peer_never_joins_ends_within_its_bound
     release = threading.Event()
     attackers: list[HeartbeatAttacker] = []
 
