@@ -438,6 +438,10 @@ def test_format_1_is_neither_written_nor_read(tmp_path):
     assert not (tmp_path / "v1.ckpt").exists()
     with pytest.raises(ValueError, match="format must be 2"):
         save(ck, tmp_path / "x.ckpt", format=3)
+    from lightning_recover.bench.checkpoint import parse_methods
+
+    with pytest.raises(SystemExit, match="uring-v1 is gone.*HINT"):  # the benchmark's format-1 method
+        parse_methods("uring,uring-v1")
     old = tmp_path / "old.ckpt"  # a format-1 file starts with its header magic
     old.write_bytes(b"\x89LRCKPT\n" + bytes(8192))
     for read in (load, read_info):
