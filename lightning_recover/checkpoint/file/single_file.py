@@ -1,9 +1,9 @@
 """One checkpoint, one file: ``save``, ``load``, ``read_info`` and ``verify_file`` through ``native_io``.
 
-``save`` lays the checkpoint out as a ``torch.save`` archive (``torch_zip.py``) and writes its records, each
-with a CRC-32C, into a temporary file made durable and renamed onto its final name (``files.py``). ``load``
-verifies every record's checksum before torch's loader builds a tensor from it. :class:`~lightning_recover.lightning.checkpoint_io.UringCheckpointIO` plugs this into
-Lightning.
+``save`` lays the checkpoint out as a ``torch.save`` archive (``torch_zip.py``, format 2, the only format) and
+writes its records, each with a CRC-32C, into a temporary file made durable and renamed onto its final name
+(``files.py``). ``load`` verifies every record's checksum before torch's loader builds a tensor from it.
+:class:`~lightning_recover.lightning.checkpoint_io.UringCheckpointIO` plugs this into Lightning.
 """
 
 from __future__ import annotations
