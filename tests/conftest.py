@@ -48,4 +48,6 @@ def _restore_deterministic_mode():
 
     before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     yield
-    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    if (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) != before:
+        # only when changed: the setter imports torch._inductor.config (~1.5 s, once per run)
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])

@@ -128,7 +128,7 @@ def test_replayed_progress_does_not_hide_a_deadlocked_main_thread(capfd):
     declares the replica within hang_timeout. (The replay runs at a tenth of a heartbeat per
     monitor poll: overwriting a live heartbeat faster than it beats gets that replica declared dead
     after heartbeat_timeout instead, a denial of service docs/security.md lists.)"""
-    hang_timeout = 2.0
+    hang_timeout = 1.5  # as in test_a_store_collective_a_peer_never_joins_ends_within_its_bound
     release = threading.Event()
     attackers: list[HeartbeatAttacker] = []
 
@@ -277,6 +277,7 @@ def test_a_contribution_overwritten_or_deleted_after_it_was_written_is_written_a
     assert max(took) <= SLACK, took
 
 
+@pytest.mark.slow  # waits out hang_timeout + store_timeout (6.5 s; store_timeout's floor is 5 s)
 def test_a_store_collective_a_peer_never_joins_ends_within_its_bound():
     """Replica 1 calls one barrier more than replica 0 (or its peer's contribution was deleted and the
     peer moved on): both wait, in phases the monitor counts as waiting, so nobody is declared hung.
@@ -307,6 +308,7 @@ def test_a_store_collective_a_peer_never_joins_ends_within_its_bound():
     _no_wrong_step(cluster)
 
 
+@pytest.mark.slow  # waits out collective_timeout (5 s), twice
 @pytest.mark.parametrize("how", ["overwrite", "delete"])
 def test_a_decision_taken_away_after_a_member_applied_it_ends_in_a_named_error(how):
     """Step 1 is decided 'commit' and replica 1 applies it; before replica 0 reads it, an outsider

@@ -27,7 +27,6 @@ from lightning_recover.checkpoint import (
     save,
     verify_file,
 )
-from lightning_recover.checkpoint import format as fmt
 from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
 
 NAMES = 4  # rotating checkpoint names r0..r3
@@ -412,9 +411,3 @@ def test_async_saves_write_the_format_of_synchronous_ones(tmp_path):
         return sorted((t["name"], t["dtype"], t["shape"]) for t in info.tensors)
 
     assert columns(infos["sync"]) == columns(infos["async"])
-
-
-def test_format1_header_constants_unchanged():
-    """Format 1 (``save(..., format=1)``) files already on disk stay readable only while its header
-    constants stay what they were written with."""
-    assert fmt.FORMAT_VERSION == 1 and fmt.HEADER_SIZE == 4096 and fmt.FOOTER_SIZE == 128

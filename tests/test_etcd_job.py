@@ -38,6 +38,7 @@ def _role(s, secret, name, said):
     return MonitorRole(s, secret, 2, 1.0, 60.0, 1, name, said.append).start()
 
 
+@pytest.mark.slow  # waits out the old holder's lease TTL (DEFAULT_LEASE_TTL, 2 s)
 def test_monitor_role_is_held_by_one_and_taken_over(etcd1):
     s = settings(etcd1)
     secret = join_job(s, replicas=2, replica_size=1)

@@ -188,6 +188,7 @@ def test_prefix_store_over_etcd_store(etcd1):
     assert p.multi_get(["a"]) == [b"y"]
 
 
+@pytest.mark.slow  # starts and kills an etcd of its own, then waits out the client timeout
 def test_lost_etcd_is_a_named_error_within_the_bound(tmp_path):
     need_etcd()
     cluster = LocalEtcdCluster(str(tmp_path / "e"), members_count=1).start(timeout=20)

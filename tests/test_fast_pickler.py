@@ -7,7 +7,7 @@ import pickle
 import pytest
 import torch
 
-from lightning_recover.bench.gpt_state import build_state
+from lightning_recover.bench.gpt_state import build_small_tensors_checkpoint, build_state
 from lightning_recover.checkpoint import CheckpointCorruptError, load, save
 from lightning_recover.checkpoint.file import torch_zip
 
@@ -121,7 +121,9 @@ def test_round_trip_and_corruption_detection_through_the_fast_path(tmp_path, mon
     real = torch_zip._fast_save_records
     monkeypatch.setattr(torch_zip, "_fast_save_records", lambda obj, *a: calls.append(1) or real(obj, *a))
     obj = _mixed_state()
-    obj["small"] = build_state("small10k", 0.002)[0]["state_dict"]  # 10,000 small tensors
+    # 2,000 small tensors over 64 layers (test_fast_pickler_writes_torchs_bytes[small10k] pickles 10,000: the
+    # round trip, the listing and the damage report of this many already take ~1 s)
+    obj["small"] = build_small_tensors_checkpoint(0.002, n_tensors=2000)[0]["state_dict"]
     path = tmp_path / "a.ckpt"
     save(obj, path)
     assert calls == [1]

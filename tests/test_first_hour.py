@@ -176,6 +176,7 @@ def test_simulate_without_matplotlib_skips_the_plot_with_a_note(tmp_path, monkey
 # ---------------------------------------------------------------------------- leftovers
 
 
+@pytest.mark.slow  # a child interpreter (imports torch, ~1.5 s CPU) killed with SIGKILL
 def test_job_dir_is_removed_by_its_janitor_when_the_owner_dies(tmp_path):
     code = (
         "import os, sys, time\n"

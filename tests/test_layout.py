@@ -211,6 +211,55 @@ def test_benchmarks_stay_out_of_the_product():
     assert not offenders, "\n".join(offenders)
 
 
+LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric")
+# what test_protocol_works_without_lightning imports in a fresh interpreter (and the checkpoint package's modules)
+WITHOUT_LIGHTNING = (
+    "lightning_recover.protocol",
+    "lightning_recover.launch.supervisor",
+    "lightning_recover.launch.commands",
+)
+
+
+def _imports_at_import_time(tree: ast.AST) -> list[ast.AST]:
+    """The import statements that run when the module is imported: not those inside a function, nor under
+    ``if TYPE_CHECKING:``."""
+    out: list[ast.AST] = []
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            out.extend(_imports_at_import_time(ast.Module(body=node.orelse, type_ignores=[])))
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.append(node)
+        else:
+            out.extend(_imports_at_import_time(node))
+    return out
+
+
+def test_no_lightning_import_reachable_from_the_core():
+    """The static half of test_protocol_works_without_lightning (which runs in the slow suite: a fresh
+    interpreter): no module that importing the protocol, the launcher or any checkpoint module loads (its
+    packages' ``__init__`` included) imports Lightning when it is imported."""
+    modules = _modules()
+    todo = [*WITHOUT_LIGHTNING, *(m for m in modules if m.startswith("lightning_recover.checkpoint"))]
+    seen: set[str] = set()
+    offenders = []
+    while todo:
+        module = todo.pop()
+        parts = module.split(".")
+        for parent in (".".join(parts[:i]) for i in range(1, len(parts) + 1)):  # packages run their __init__
+            if parent in modules and parent not in seen:
+                seen.add(parent)
+                for node in _imports_at_import_time(modules[parent]):
+                    names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                    offenders.extend(f"{parent} imports {n}" for n in names if n.split(".")[0] in LIGHTNING)
+                    todo.extend(_targets(node, parent, modules))
+    assert "lightning_recover.checkpoint.file.single_file" in seen and "lightning_recover.protocol.replica" in seen
+    assert not offenders, "\n".join(offenders)
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch and all of the checkpoint package (~3 s of CPU)
 def test_protocol_works_without_lightning():
     """The protocol, the launcher and the checkpoint engine (single files and DCP) are usable without
     Lightning (one interpreter for both checks: each costs a torch import); the Lightning plugin and

@@ -93,10 +93,16 @@ def test_probe_is_authenticated_and_bounded():
         assert time.monotonic() - start < 0.3 + 0.2
 
 
+# The monitor's heartbeat timeout, which is also its suspect_after (the in-process harness's, tests/inprocess.py:
+# heartbeats every 0.05 s); the waits below are bounds derived from it.
+HEARTBEAT_TIMEOUT = 0.5
+BOUND = exclusion_bound(HEARTBEAT_TIMEOUT, probe_timeout_for(HEARTBEAT_TIMEOUT))
+
+
 @pytest.fixture
 def coordinator():
     secret = JobSecret.generate()
-    coord = Coordinator("127.0.0.1", 0, 3, 1.0, secret, hang_timeout=30.0)
+    coord = Coordinator("127.0.0.1", 0, 3, HEARTBEAT_TIMEOUT, secret, hang_timeout=30.0)
     stop = threading.Event()
     thread = threading.Thread(target=coord.monitor, args=(stop,), daemon=True)
     thread.start()
@@ -141,13 +147,12 @@ def test_judge_fences_the_member_its_peers_cannot_reach(coordinator, monkeypatch
         )
         start = time.monotonic()
         try:
-            bound = exclusion_bound(1.0, probe_timeout_for(1.0))
-            deadline = start + bound + 1.0  # slack: 1 s for a loaded 2-core machine
+            deadline = start + BOUND + 1.0  # slack: 1 s for a loaded 2-core machine
             while time.monotonic() < deadline and store.deaths([2])[2] == 0:
                 time.sleep(0.02)
             took = time.monotonic() - start
             assert store.deaths([0, 1, 2]) == {0: 0, 1: 0, 2: replicas[2][1]}, f"after {took:.2f}s"
-            assert took >= 1.0, "not before the group waited suspect_after"
+            assert took >= HEARTBEAT_TIMEOUT, "not before the group waited suspect_after"
             verdict = json.loads(store.get("reach/1/verdict"))
             assert verdict["keep"] == [0, 1] and verdict["fenced"] == {"2": {"unreachable": [0, 1]}}
             assert "has no two-way connection with replicas [0, 1]" in fence_reason(store, 2, replicas[2][1])
@@ -163,7 +168,7 @@ def test_judge_fences_nobody_when_everyone_reaches_everyone(coordinator, monkeyp
     replicas = _replicas(coord, secret, "regroup")
     store = replicas[0][0]
     try:
-        deadline = time.monotonic() + exclusion_bound(1.0, probe_timeout_for(1.0)) + 1.0
+        deadline = time.monotonic() + BOUND + 1.0
         while time.monotonic() < deadline and store.get_genuine("reach/1/verdict") is None:
             time.sleep(0.02)
         verdict = json.loads(store.get("reach/1/verdict"))
@@ -181,7 +186,9 @@ def test_no_round_while_a_replica_computes(coordinator, monkeypatch):
     replicas[1][2]._progress.note("compute")  # noqa: SLF001  (the heartbeat reports this progress object)
     store = replicas[0][0]
     try:
-        time.sleep(exclusion_bound(1.0, probe_timeout_for(1.0)))
+        # a round would open (reach/rounds counts it) suspect_after after the group stalled; 1 s of slack over
+        # that, as the tests above allow over their bounds
+        time.sleep(HEARTBEAT_TIMEOUT + 1.0)
         assert store.add("reach/rounds", 0) == 0
     finally:
         _close(replicas)
@@ -207,7 +214,8 @@ def test_a_restarted_replica_waits_until_it_reaches_the_live_members(coordinator
                 target=lambda: (wait_until_reachable(joiner, 2, 3, 0.3, lambda: False), done.set()), daemon=True
             )
             waiter.start()
-            assert not done.wait(1.5), "it must not ask to rejoin while replica 1 does not answer"
+            # 1 s: three probe timeouts (0.3 s) of the joiner's
+            assert not done.wait(1.0), "it must not ask to rejoin while replica 1 does not answer"
             store.set("reach/addr/1", genuine)
             assert done.wait(5.0), "it goes on once every live member answers"
         assert "waits to rejoin until it reaches replicas [1]" in capfd.readouterr().err

@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import struct
-import subprocess
-import sys
 import zipfile
 from collections import Counter
 
@@ -95,15 +93,22 @@ def test_torch_layout_is_torch_saves_own(tmp_path):
 
 
 def _stock_loads_with_offset_arithmetic_asked_for(path) -> None:
-    """torch.load (mmap and meta) with torch's opt-in offset arithmetic and its debug check of every offset."""
-    code = (
-        "import torch; from torch.utils.serialization import config; "
-        "config.load.calculate_storage_offsets = True; "
-        f"torch.load({str(path)!r}, weights_only=True, mmap=True); "
-        f"torch.load({str(path)!r}, weights_only=True, map_location='meta')"
-    )
-    env = dict(os.environ, TORCH_SERIALIZATION_DEBUG="1")
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+    """torch.load (mmap and meta) with torch's opt-in offset arithmetic and its debug check of every offset
+    (torch reads ``TORCH_SERIALIZATION_DEBUG`` at each load, so this runs in this process, both settings restored)."""
+    from torch.utils.serialization import config
+
+    old_env, old_calc = os.environ.get("TORCH_SERIALIZATION_DEBUG"), config.load.calculate_storage_offsets
+    os.environ["TORCH_SERIALIZATION_DEBUG"] = "1"
+    config.load.calculate_storage_offsets = True
+    try:
+        torch.load(path, weights_only=True, mmap=True)
+        torch.load(path, weights_only=True, map_location="meta")
+    finally:
+        config.load.calculate_storage_offsets = old_calc
+        if old_env is None:
+            del os.environ["TORCH_SERIALIZATION_DEBUG"]
+        else:
+            os.environ["TORCH_SERIALIZATION_DEBUG"] = old_env
 
 
 def test_default_layout_storages_first_and_congruent(tmp_path):
@@ -424,18 +429,24 @@ def test_load_into_without_a_safe_listing_reads_fresh(tmp_path, monkeypatch):
     assert sizes == [w.numel() * 4]
 
 
-def test_format_1_files_stay_loadable_and_convert(tmp_path, capsys):
-    from lightning_recover.checkpoint.tools import convert_main
-
+def test_format_1_is_neither_written_nor_read(tmp_path):
+    """Format 1 is gone: asking for it, or loading one of its files, says so and how to convert."""
     ck = _state()
-    save(ck, tmp_path / "v1.ckpt", format=1)
-    assert (tmp_path / "v1.ckpt").read_bytes()[:8] != b"PK\x03\x04"
-    _assert_same(ck, load(tmp_path / "v1.ckpt"))
-    ns = argparse.Namespace(checkpoint=str(tmp_path / "v1.ckpt"), output=str(tmp_path / "v1.pt"), unsafe_pickle=False)
-    assert convert_main(ns) == 0
-    _assert_same(ck, torch.load(tmp_path / "v1.pt", weights_only=True))
-    with pytest.raises(ValueError, match="format must be"):
+    with pytest.raises(ValueError, match="format=1 is no longer supported") as ei:
+        save(ck, tmp_path / "v1.ckpt", format=1)
+    assert "HINT: convert" in str(ei.value) and "lightning-recover convert" in str(ei.value)
+    assert not (tmp_path / "v1.ckpt").exists()
+    with pytest.raises(ValueError, match="format must be 2"):
         save(ck, tmp_path / "x.ckpt", format=3)
+    from lightning_recover.bench.checkpoint import parse_methods
+
+    with pytest.raises(SystemExit, match="uring-v1 is gone.*HINT"):  # the benchmark's format-1 method
+        parse_methods("uring,uring-v1")
+    old = tmp_path / "old.ckpt"  # a format-1 file starts with its header magic
+    old.write_bytes(b"\x89LRCKPT\n" + bytes(8192))
+    for read in (load, read_info):
+        with pytest.raises(CheckpointCorruptError, match="format-1 checkpoint, which this version no longer reads"):
+            read(old)
 
 
 def test_mixed_dtype_views_refused_like_torch_save(tmp_path):
@@ -443,7 +454,6 @@ def test_mixed_dtype_views_refused_like_torch_save(tmp_path):
     with pytest.raises(RuntimeError, match="different types"):
         save({"a": base, "b": base.view(torch.int32)}, tmp_path / "x.ckpt")
     assert not (tmp_path / "x.ckpt").exists()
-    save({"a": base, "b": base.view(torch.int32)}, tmp_path / "x.ckpt", format=1)  # format 1 keeps both
 
 
 def test_header_struct_sizes():

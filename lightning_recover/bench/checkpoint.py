@@ -4,7 +4,6 @@ Methods (all measured on the same Lightning-like checkpoint dict):
 
 * ``uring``       -- this project's :class:`lightning_recover.lightning.checkpoint_io.UringCheckpointIO` (format 2: a
   torch.save archive)
-* ``uring-v1``    -- the same engine writing the previous lightning-recover layout (format 1)
 * ``uring+mmap`` / ``torch.save+mmap`` -- saved by uring / torch.save, loaded by ``torch.load(mmap=True)``
 * ``lightning``   -- Lightning's ``TorchCheckpointIO``
 * ``torch.save``  -- ``torch.save`` / ``torch.load(weights_only=False)``
@@ -64,7 +63,6 @@ from lightning_recover.bench.gpt_state import STATES, build_state, iter_tensors,
 ALL_METHODS = [
     "uring",
     "uring-into",
-    "uring-v1",
     "uring+mmap",
     "torch.save+mmap",
     "lightning",
@@ -402,24 +400,6 @@ class SafetensorsMethod(Method):
         return {"safetensors": safetensors.__version__}
 
 
-class UringFormat1Method(Method):
-    """The previous lightning-recover layout (format 1), to show format 2 costs nothing."""
-
-    name = "uring-v1"
-
-    def save(self, checkpoint, workdir):
-        from lightning_recover.checkpoint import save
-
-        target = os.path.join(workdir, "last.ckpt")
-        save(checkpoint, target, format=1)
-        return target
-
-    def load(self, target, prepared):
-        from lightning_recover.checkpoint import load
-
-        return load(target, map_location="cpu")
-
-
 class _MmapLoadMethod(Method):
     """Saved like ``base``, loaded by ``torch.load(mmap=True)``: stock tools reading the file lazily."""
 
@@ -449,7 +429,6 @@ class TorchSaveMmapMethod(_MmapLoadMethod):
 METHOD_CLASSES: dict[str, Callable[[], Method]] = {
     "uring": UringMethod,
     "uring-into": UringIntoMethod,
-    "uring-v1": UringFormat1Method,
     "uring+mmap": UringMmapMethod,
     "torch.save+mmap": TorchSaveMmapMethod,
     "lightning": LightningMethod,
@@ -1284,6 +1263,11 @@ def parse_methods(spec: str | None) -> list[str]:
     if not spec:
         return list(ALL_METHODS)
     methods = [m.strip() for m in spec.split(",") if m.strip()]
+    if "uring-v1" in methods:  # format 1 is no longer written (docs/format.md)
+        raise SystemExit(
+            "method uring-v1 is gone: lightning-recover no longer writes format 1. "
+            "HINT: `uring` measures the format it writes (format 2, a torch.save archive)"
+        )
     unknown = [m for m in methods if m not in ALL_METHODS]
     if unknown:
         raise SystemExit(f"unknown method(s) {unknown}; choose from {ALL_METHODS}")

@@ -12,9 +12,9 @@ from lightning_recover.checkpoint.dcp.reader import UringStorageReader, verify_d
 from lightning_recover.checkpoint.dcp.saver import DcpSaveError, DcpSaver
 from lightning_recover.checkpoint.dcp.writer import UringStorageWriter, cleanup_dcp_temps
 from lightning_recover.checkpoint.file.async_io import AsyncCheckpointError
-from lightning_recover.checkpoint.file.single_file import CheckpointInfo, load, read_info, save, verify_file
+from lightning_recover.checkpoint.file.single_file import ArchiveInfo, load, read_info, save, verify_file
+from lightning_recover.checkpoint.file.torch_zip import FORMAT_VERSION
 from lightning_recover.checkpoint.files import cleanup_stale_temps
-from lightning_recover.checkpoint.format import FORMAT_VERSION
 from lightning_recover.checkpoint.integrity import (
     CheckpointCorruptError,
     CheckpointIncompleteError,
@@ -22,12 +22,12 @@ from lightning_recover.checkpoint.integrity import (
 )
 
 __all__ = [
+    "ArchiveInfo",
     "AsyncCheckpointError",
     "CachingSavePlanner",
     "CheckpointIncompleteError",
     "FORMAT_VERSION",
     "CheckpointCorruptError",
-    "CheckpointInfo",
     "DcpSaveError",
     "DcpSaver",
     "UnsafeCheckpointError",

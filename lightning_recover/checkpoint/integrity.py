@@ -1,16 +1,14 @@
 """What every checkpoint module checks data with: the error classes of a damaged, incomplete or unsafe
-checkpoint, CRC-32C (``native_io``'s), and the alignment of extents in a file (64 bytes, 4096 for
-extents of 1 MiB or more; a storage placed congruent with its memory so that it is written uncopied).
-Used by single files (both formats), the DCP writer and reader, and the tools."""
+checkpoint, CRC-32C (``native_io``'s), and alignment in a file (4096 bytes; a storage placed congruent with its
+memory so that it is written uncopied).
+Used by single files, the DCP writer and reader, and the tools."""
 
 from __future__ import annotations
 
 import pickle
 from typing import Any, Optional
 
-SMALL_ALIGN = 64
-LARGE_ALIGN = 4096
-LARGE_EXTENT = 1 << 20  # extents at least this big are aligned to LARGE_ALIGN
+LARGE_ALIGN = 4096  # O_DIRECT's alignment of file offsets and memory
 
 
 class CheckpointCorruptError(ValueError):
@@ -39,7 +37,7 @@ class CheckpointIncompleteError(CheckpointCorruptError):
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
-    """The skeleton refers to a global outside the allowlist while loading with ``weights_only=True``."""
+    """The pickled state refers to a global outside the allowlist while loading with ``weights_only=True``."""
 
     def __init__(self, message: str, global_name: str = "") -> None:
         super().__init__(message)
@@ -65,7 +63,3 @@ def congruent_offset(cursor: int, address: int) -> int:
     congruent layout place storages with it.
     """
     return cursor + (address - cursor) % LARGE_ALIGN
-
-
-def extent_alignment(nbytes: int) -> int:
-    return LARGE_ALIGN if nbytes >= LARGE_EXTENT else SMALL_ALIGN

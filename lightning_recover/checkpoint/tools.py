@@ -29,9 +29,9 @@ from lightning_recover.checkpoint.integrity import CheckpointCorruptError, Unsaf
 
 # exit codes
 EXIT_OK = 0
-EXIT_DAMAGED = 1  # header/index fine, some data extents fail their checksum
-EXIT_UNREADABLE = 2  # not a checkpoint, truncated, damaged header/footer/index, missing file
-EXIT_REFUSED = 3  # convert: the skeleton needs --unsafe-pickle
+EXIT_DAMAGED = 1  # integrity record and central directory fine, some records fail their checksum
+EXIT_UNREADABLE = 2  # not a checkpoint, truncated, damaged end records or integrity record, missing file
+EXIT_REFUSED = 3  # convert: the pickled state needs --unsafe-pickle
 
 
 def _human(n: int) -> str:
@@ -40,27 +40,6 @@ def _human(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)  # pragma: no cover
-
-
-def _tensor_rows(info: Any) -> list[dict]:
-    rows = []
-    storages = info.index.storages
-    for t in info.index.tensors:
-        rows.append(
-            {
-                "name": t.name,
-                "dtype": t.dtype,
-                "shape": list(t.shape),
-                "stride": list(t.stride),
-                "bytes": t.nbytes,
-                "offset": t.file_offset(storages),
-                "storage": t.storage,
-                "parameter": t.parameter,
-                "requires_grad": t.requires_grad,
-                "device": storages[t.storage].device,
-            }
-        )
-    return rows
 
 
 def _print_meta_and_tensors(meta: dict, rows: list[dict]) -> None:
@@ -175,62 +154,7 @@ def inspect_main(args: argparse.Namespace) -> int:
             print(f"error: {e}", file=sys.stderr)
         return EXIT_UNREADABLE
 
-    if isinstance(info, ArchiveInfo):
-        return _report_archive(info, damaged, verify, as_json)
-    rows = _tensor_rows(info)
-    storages = info.index.storages
-    summary = {
-        "path": path,
-        "format_version": info.header.version,
-        "flags": info.header.flags,
-        "file_size": info.size,
-        "data_start": info.header.data_start,
-        "data_end": info.footer.data_end,
-        "index_offset": info.footer.index_offset,
-        "index_length": info.footer.index_length,
-        "skeleton_offset": info.footer.skeleton_offset,
-        "skeleton_length": info.footer.skeleton_length,
-        "meta": info.index.meta,
-        "num_tensors": len(rows),
-        "num_storages": len(storages),
-        "tensor_bytes": sum(r["bytes"] for r in rows),
-        "storage_bytes": sum(s.nbytes for s in storages),
-        "verified": verify,
-        "ok": not damaged,
-        "damaged": damaged,
-        "tensors": rows,
-    }
-    if as_json:
-        print(json.dumps(summary))
-        return EXIT_DAMAGED if damaged else EXIT_OK
-
-    print(f"checkpoint {path}")
-    print(
-        f"  format version {info.header.version}, flags {info.header.flags:#x}, file size {info.size} "
-        f"({_human(info.size)})"
-    )
-    print(
-        f"  data [{info.header.data_start}, {info.footer.data_end}), index {info.footer.index_length} bytes at "
-        f"{info.footer.index_offset}, skeleton {info.footer.skeleton_length} bytes at {info.footer.skeleton_offset}"
-    )
-    _print_meta_and_tensors(info.index.meta, rows)
-    print(
-        f"\n  {len(rows)} tensors in {len(storages)} storages, {summary['tensor_bytes']} tensor bytes "
-        f"({_human(summary['tensor_bytes'])}), {summary['storage_bytes']} storage bytes"
-    )
-    if not verify:
-        print("  data not verified (--no-verify)")
-        return EXIT_OK
-    if not damaged:
-        print(f"  verified {sum(1 for s in storages if s.nbytes)} extents: OK")
-        return EXIT_OK
-    for d in damaged:
-        print(
-            f"  DAMAGED extent {d['storage']} at offset {d['offset']} (+{d['nbytes']} bytes): crc32c "
-            f"{d['actual_crc32c']:#010x} != {d['expected_crc32c']:#010x}; tensors: {', '.join(d['tensors'])}"
-        )
-    print(f"  {len(damaged)} damaged extent(s)")
-    return EXIT_DAMAGED
+    return _report_archive(info, damaged, verify, as_json)
 
 
 def _report_archive(info: ArchiveInfo, damaged: list, verify: bool, as_json: bool) -> int:

@@ -2,15 +2,16 @@
 
 How a save proceeds (see ``docs/checkpointing.md`` for the user-facing guarantees):
 
-1. ``submit()`` (the training thread) pickles the non-tensor skeleton, plans the file layout and copies
-   *small* storages (< ``eager_bytes``) right away. Large storages are only *referenced*. It returns.
+1. ``submit()`` (the training thread) pickles the non-tensor state (``data.pkl``), plans the archive layout and
+   copies *small* storages (< ``eager_bytes``) right away. Large storages are only *referenced*. It returns.
 2. The **copier** thread copies the referenced storages, in file order, in chunks, into a ring-shaped
    staging buffer (host memory allocated once and reused; ``staging_bytes`` bounds it). When the ring is full
    it waits for the flusher (back-pressure). When the last chunk is copied the job's *snapshot* is complete.
-3. The **flusher** thread writes header, eager storages and staged chunks through ``native_io`` into an
-   unnamed file in the target directory (``O_TMPFILE``; a hidden temporary name where the filesystem has no
-   unnamed files), releases ring space as it goes, writes index/skeleton/footer, ``fdatasync``s, links the file
-   to a temporary name, renames that onto the final name and fsyncs the directory: the final name appears only
+3. The **flusher** thread writes the leading records, eager storages and staged chunks through ``native_io``
+   into an unnamed file in the target directory (``O_TMPFILE``; a hidden temporary name where the filesystem has
+   no unnamed files), releases ring space as it goes, writes the closing records (integrity record, central
+   directory), ``fdatasync``s, links the file to a temporary name, renames that onto the final name and fsyncs
+   the directory: the final name appears only
    once the file is durable, and while the save is in flight nothing but the name's placeholder is listed.
 
 Consistency: a global ``torch.optim`` step pre-hook makes every ``optimizer.step()`` wait until all pending
@@ -48,10 +49,10 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_recover.checkpoint import format as fmt
 from lightning_recover.checkpoint import snapshot_guard
 from lightning_recover.checkpoint.engine import huge_page_bytes, open_writer
-from lightning_recover.checkpoint.file.torch_zip import ALIGN, PlanWriter, ZipPlan, plan_archive
+from lightning_recover.checkpoint.file.state_tensors import storage_as_bytes, tensor_paths
+from lightning_recover.checkpoint.file.torch_zip import ALIGN, PlanWriter, ZipPlan, file_meta, plan_archive
 from lightning_recover.checkpoint.files import cleanup_stale_temps, commit, temp_path_for, unlink_quiet
 
 log = logging.getLogger(__name__)
@@ -448,9 +449,9 @@ class AsyncSaver:
 
         path = os.path.abspath(os.fspath(path))
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        zplan = plan_archive(checkpoint, meta=fmt.file_meta())
+        zplan = plan_archive(checkpoint, meta=file_meta())
         by_storage: dict[tuple, list] = {}
-        for name, t in fmt.tensor_paths(checkpoint).values():
+        for name, t in tensor_paths(checkpoint).values():
             try:
                 key = (t.device, t.untyped_storage().data_ptr())
             except Exception:
@@ -461,7 +462,7 @@ class AsyncSaver:
             n = zplan.storage_record[i].nbytes
             if n == 0:
                 continue
-            u8 = fmt.storage_as_bytes(st)
+            u8 = storage_as_bytes(st)
             if n < self.eager_bytes:
                 eager.append((i, u8.to("cpu", copy=True)))
             else:

@@ -1,31 +1,32 @@
 """One checkpoint, one file: ``save``, ``load``, ``read_info`` and ``verify_file`` through ``native_io``.
 
-``save`` encodes the checkpoint (``format.py``), writes the storages as aligned extents with a
-crc32c each, then the index, skeleton and footer, into a temporary file made durable and renamed
-onto its final name (``files.py``). ``load`` verifies every extent's checksum before building a
-tensor from it. :class:`~lightning_recover.lightning.checkpoint_io.UringCheckpointIO` plugs this into
-Lightning.
+``save`` lays the checkpoint out as a ``torch.save`` archive (``torch_zip.py``, format 2, the only format) and
+writes its records, each with a CRC-32C, into a temporary file made durable and renamed onto its final name
+(``files.py``). ``load`` verifies every record's checksum before torch's loader builds a tensor from it.
+:class:`~lightning_recover.lightning.checkpoint_io.UringCheckpointIO` plugs this into Lightning.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import secrets
 from typing import Any, Optional
 
 import torch
 
 from lightning_recover import env
-from lightning_recover.checkpoint import format as fmt
 from lightning_recover.checkpoint.engine import open_writer, resolve_engine
 from lightning_recover.checkpoint.file import async_io, torch_zip
 from lightning_recover.checkpoint.file.page_populate import PagePopulator, populate_supported
+from lightning_recover.checkpoint.file.state_tensors import storage_as_bytes, tensor_paths
 from lightning_recover.checkpoint.file.storage_reads import StorageDamaged, StorageReads, damaged_record
 from lightning_recover.checkpoint.files import cleanup_stale_temps, commit, temp_path_for, unlink_quiet
 from lightning_recover.checkpoint.gc_pause import GcPause
-from lightning_recover.checkpoint.integrity import CheckpointCorruptError, UnsafeCheckpointError
+from lightning_recover.checkpoint.integrity import (
+    CheckpointCorruptError,
+    CheckpointIncompleteError,
+    UnsafeCheckpointError,
+)
 from lightning_recover.checkpoint.reservation import GrowingReservation
 from lightning_recover.checkpoint.write_pipeline import WritePipeline
 
@@ -36,16 +37,11 @@ __all__ = [
     "load",
     "read_info",
     "verify_file",
-    "plan",
-    "write_tail",
-    "CheckpointInfo",
     "ArchiveInfo",
     "CheckpointCorruptError",
     "UnsafeCheckpointError",
 ]
 
-# storages living on an accelerator are staged to host memory in batches of at most this many bytes
-_DEVICE_STAGING_BYTES = 256 << 20
 # format 2 hands storages to the engine in batches of about this many bytes; the first batch's Python work
 # is the only part not overlapped with the disk (write_pipeline.py), so batches are not made larger
 _WRITE_BATCH_BYTES = 64 << 20
@@ -56,39 +52,7 @@ _WRITE_BATCH_BYTES = 64 << 20
 
 def _host_bytes(storage: Any) -> Any:
     """A buffer-protocol object over the bytes of a CPU ``UntypedStorage``."""
-    return fmt.storage_as_bytes(storage).numpy()
-
-
-def plan(checkpoint: Any) -> tuple[fmt.EncodedCheckpoint, int]:
-    """Encode ``checkpoint`` (skeleton pickled now) and assign file offsets; returns (encoded, data_end)."""
-    enc = fmt.encode_checkpoint(checkpoint, meta=fmt.file_meta())
-    offsets, data_end = fmt.plan_layout([s.nbytes for s in enc.index.storages])
-    for entry, off in zip(enc.index.storages, offsets):
-        entry.offset = off
-    return enc, data_end
-
-
-def write_tail(w: Any, enc: fmt.EncodedCheckpoint, data_end: int, file_id: bytes) -> None:
-    """Write index, skeleton and footer (extent crcs must be set in ``enc.index``), then close + fdatasync."""
-    index_bytes = fmt.encode_index(enc.index)
-    index_offset = fmt.align_up(data_end, fmt.SMALL_ALIGN)
-    skeleton_offset = index_offset + len(index_bytes)
-    meta_crc = fmt.crc32c(enc.skeleton, fmt.crc32c(index_bytes))
-    footer = fmt.encode_footer(
-        fmt.Footer(
-            fmt.FORMAT_VERSION,
-            0,
-            index_offset,
-            len(index_bytes),
-            skeleton_offset,
-            len(enc.skeleton),
-            data_end,
-            meta_crc,
-            file_id,
-        )
-    )
-    w.write([(index_offset, index_bytes + enc.skeleton + footer)])
-    w.close(size=skeleton_offset + len(enc.skeleton) + len(footer))
+    return storage_as_bytes(storage).numpy()
 
 
 def save(
@@ -107,20 +71,36 @@ def save(
     offsets congruent to their memory modulo 4096, so the engine writes them from that memory without a copy;
     ``torch_layout=True`` puts every record where ``torch.save`` with ``storage_alignment=4096`` would instead
     (for ``torch.utils.serialization.config.load.calculate_storage_offsets``), at the price of that copy.
-    ``zip_crc32=True`` also fills the ZIP CRC-32 fields (for ``unzip -t``; torch does not check them). ``format=1`` writes the
-    older lightning-recover layout. The file is written to a temporary name in the same directory,
-    fdatasync'ed, renamed into place and the directory fsync'ed: a crash leaves either the previous file or
-    the new one under ``path``, never a partial one. Parent directories are created.
+    ``zip_crc32=True`` also fills the ZIP CRC-32 fields (for ``unzip -t``; torch does not check them). The file
+    is written to a temporary name in the same directory, fdatasync'ed, renamed into place and the directory
+    fsync'ed: a crash leaves either the previous file or the new one under ``path``, never a partial one. Parent
+    directories are created. ``format`` is 2, the only format written (format 1 is gone: :func:`check_format`).
     """
+    check_format(format)
     path = os.path.abspath(os.fspath(path))
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    if format not in (1, 2):
-        raise ValueError(f"format must be 1 or 2, got {format!r}")
     with GcPause():  # thousands of small objects per save: no full collections in between (gc_pause.py)
-        if format == 1:
-            _save_v1(checkpoint, path, engine)
-        else:
-            _save_zip(checkpoint, path, engine, zip_crc32, congruent=not torch_layout)
+        _save_zip(checkpoint, path, engine, zip_crc32, congruent=not torch_layout)
+
+
+# How to turn a format-1 file (the lightning-recover layout of 0.1.0 before the torch.save archive) into one this
+# version reads: the last version that read it converts it to a plain torch.save file.
+FORMAT1_HINT = (
+    "HINT: convert a format-1 file with lightning-recover at commit e45c159 or earlier: "
+    "`lightning-recover convert OLD.ckpt NEW.ckpt` writes a torch.save file, which this version and torch.load read"
+)
+
+
+def check_format(format: Any) -> None:
+    """Refuse any format but 2, the ``torch.save`` archive (format 1 is neither written nor read any more)."""
+    if format == 1:
+        raise ValueError(
+            "format=1 is no longer supported: lightning-recover writes only format 2 (a torch.save archive with a "
+            "CRC-32C integrity record) and no longer reads format 1. Drop the format argument to write format 2.\n"
+            + FORMAT1_HINT
+        )
+    if format != 2:
+        raise ValueError(f"format must be 2 (the torch.save archive), got {format!r}")
 
 
 def _save_zip(
@@ -130,7 +110,7 @@ def _save_zip(
     cleanup_stale_temps(directory)
     eng, lock = resolve_engine(engine)
     tmp = temp_path_for(path)
-    zplan = torch_zip.ZipPlan(meta=fmt.file_meta(), zip_crc32=zip_crc32, congruent=congruent)
+    zplan = torch_zip.ZipPlan(meta=torch_zip.file_meta(), zip_crc32=zip_crc32, congruent=congruent)
     try:
         with lock:
             # the size is known only once the object is pickled: a reservation grows ahead of the placement
@@ -187,66 +167,7 @@ def _reservation(path: str) -> GrowingReservation:
     return GrowingReservation(path if env.flag(env.PREALLOCATE, "auto") == "on" else None)
 
 
-def _save_v1(checkpoint: Any, path: str, engine: Any) -> None:
-    """Format 1 (``docs/format.md``): kept so files for older readers can still be written, and for tests."""
-    directory = os.path.dirname(path)
-    enc, data_end = plan(checkpoint)
-    cleanup_stale_temps(directory)
-
-    file_id = secrets.token_bytes(16)
-    eng, lock = resolve_engine(engine)
-    tmp = temp_path_for(path)
-    try:
-        with lock:
-            with eng.open_writer(tmp) as w:
-                pending: list = [(0, fmt.encode_header(file_id))]
-                pending_ids: list = [None]
-                staged = 0
-
-                def flush() -> None:
-                    nonlocal pending, pending_ids, staged
-                    if pending:
-                        crcs = w.write(pending)
-                        for i, crc in zip(pending_ids, crcs):
-                            if i is not None:
-                                enc.index.storages[i].crc32c = int(crc)
-                    pending, pending_ids, staged = [], [], 0
-
-                for i, (st, entry) in enumerate(zip(enc.storages, enc.index.storages)):
-                    if entry.nbytes == 0:
-                        continue
-                    if st.device.type != "cpu":
-                        if staged + entry.nbytes > _DEVICE_STAGING_BYTES:
-                            flush()
-                        st = st.cpu()
-                        staged += entry.nbytes
-                    pending.append((entry.offset, _host_bytes(st)))
-                    pending_ids.append(i)
-                flush()
-                write_tail(w, enc, data_end, file_id)
-        commit(tmp, path)
-    except BaseException:
-        unlink_quiet(tmp)
-        raise
-
-
 # ------------------------------------------------------------------------------------- load
-
-
-class CheckpointInfo:
-    """Header, footer, index and skeleton bytes of a checkpoint (no tensor data read)."""
-
-    def __init__(
-        self, path: str, size: int, header: fmt.Header, footer: fmt.Footer, index: fmt.Index, skeleton: bytes
-    ) -> None:
-        self.path, self.size, self.header, self.footer, self.index, self.skeleton = (
-            path,
-            size,
-            header,
-            footer,
-            index,
-            skeleton,
-        )
 
 
 def _open_reader(eng: Any, path: str) -> Any:
@@ -260,15 +181,34 @@ def _open_reader(eng: Any, path: str) -> Any:
 _TAIL_BYTES = 8192  # the end records and our comment fit well inside this
 
 
+# the first bytes of a format-1 file (recognised only to say how to convert it)
+_FORMAT1_MAGIC = b"\x89LRCKPT\n"
+
+
+def _not_an_archive(head: bytes, size: int, path: str) -> CheckpointCorruptError:
+    """The error for a file that does not start as a ZIP archive does, from what its first bytes look like."""
+    if head[:8] == _FORMAT1_MAGIC:
+        why = f"a lightning-recover format-1 checkpoint, which this version no longer reads.\n{FORMAT1_HINT}"
+    elif size < 8:
+        why = f"file too small ({size} bytes) to be a checkpoint (truncated?)"
+    elif head[:1] == b"\x80":
+        why = "a pickle stream (legacy torch.save format?), not a lightning-recover checkpoint"
+    elif not any(head):
+        why = "zero-filled where the archive should start (incompletely written or damaged)"
+    else:
+        why = "not a lightning-recover checkpoint (no ZIP archive signature)"
+    return CheckpointCorruptError(f"{path}: {why}", path)
+
+
 def _read_kind(r: Any, path: str) -> tuple[str, Any]:
-    """``("v1", None)`` (lightning-recover format 1), ``("zip", end-record facts)`` (format 2, for
-    :func:`_read_zip_index`) or ``("torch", None)`` (a plain ``torch.save`` file)."""
+    """``("zip", end-record facts)`` (format 2, for :func:`_read_zip_index`) or ``("torch", None)`` (a plain
+    ``torch.save`` file); anything else raises :class:`CheckpointCorruptError` saying what it looks like."""
     if r.size == 0:
-        raise fmt.CheckpointIncompleteError.for_path(path)
-    head = bytearray(min(r.size, 8))
+        raise CheckpointIncompleteError.for_path(path)
+    head = bytearray(min(r.size, 4096))
     r.read([(0, head)])
-    if not torch_zip.is_zip(bytes(head)):
-        return "v1", None
+    if not torch_zip.is_zip(bytes(head[:8])):
+        raise _not_an_archive(bytes(head), r.size, path)
     n = min(r.size, _TAIL_BYTES)
     tail = bytearray(n)
     r.read([(r.size - n, tail)])
@@ -322,7 +262,7 @@ def _load_zip(
             fresh.append(st)
         return st
 
-    reads = StorageReads(r, data, verify, storage_for, lambda st: fmt.storage_as_bytes(st).numpy())
+    reads = StorageReads(r, data, verify, storage_for, lambda st: storage_as_bytes(st).numpy())
     # the fresh storages' pages faulted in beside the reads (page_populate.py); not for many small records,
     # whose load is bound by the unpickler, which a third busy thread would slow down on two cores
     populate = PagePopulator(fresh) if large and fresh and populate_supported() else None
@@ -359,32 +299,6 @@ def _describe_zip_damage(bad: list, path: str) -> str:
         f"{path}: checksum mismatch in record {first['record']!r}{names} at offset {first['offset']} "
         f"(+{first['nbytes']} bytes){more}: the file is damaged"
     )
-
-
-def _read_info(r: Any, path: str) -> CheckpointInfo:
-    size = r.size
-    if size < fmt.HEADER_SIZE + fmt.FOOTER_SIZE:
-        head = bytearray(min(size, fmt.HEADER_SIZE))
-        if size:
-            r.read([(0, head)])
-        if size >= 8 and bytes(head[:8]) != fmt.HEADER_MAGIC:
-            fmt.decode_header(bytes(head) + bytes(64), path)  # raises the "foreign" message
-        raise CheckpointCorruptError(f"{path}: file too small ({size} bytes) to be a checkpoint (truncated?)", path)
-    head = bytearray(fmt.HEADER_SIZE)
-    tail = bytearray(fmt.FOOTER_SIZE)
-    r.read([(0, head), (size - fmt.FOOTER_SIZE, tail)])
-    header = fmt.decode_header(bytes(head), path)
-    footer = fmt.decode_footer(bytes(tail), size, header, path)
-    meta = bytearray(footer.index_length + footer.skeleton_length)
-    (crc,) = r.read([(footer.index_offset, meta)])
-    if crc != footer.meta_crc32c:
-        raise CheckpointCorruptError(
-            f"{path}: index/skeleton checksum mismatch at offset {footer.index_offset} "
-            f"(+{len(meta)} bytes): damaged index or skeleton",
-            path,
-        )
-    index = fmt.decode_index(bytes(meta[: footer.index_length]), header.data_start, footer.data_end, path)
-    return CheckpointInfo(path, size, header, footer, index, bytes(meta[footer.index_length :]))
 
 
 class ArchiveInfo:
@@ -425,7 +339,7 @@ def _meta_tensors(index: torch_zip.ArchiveIndex, small: dict) -> list[tuple[str,
         log.debug("%s: tensors not listed: %s", index.path, e)
         return []
     out = []
-    for name, t in sorted(fmt.tensor_paths(meta).values()):
+    for name, t in sorted(tensor_paths(meta).values()):
         off = getattr(t.untyped_storage(), "_checkpoint_offset", None)
         if off is not None:
             out.append((name, t, by_offset.get(off, "?")))
@@ -541,54 +455,28 @@ def _damage(info: ArchiveInfo, rec: Any, offset: int, nbytes: int, expected: Any
     }
 
 
-def read_info(path: Any, *, engine: Any = None) -> Any:
-    """Validate the metadata of ``path`` (no tensor data read): :class:`CheckpointInfo` for format 1,
-    :class:`ArchiveInfo` for format 2."""
+def read_info(path: Any, *, engine: Any = None) -> ArchiveInfo:
+    """Validate the metadata of ``path`` (no tensor data read): its records and the tensors they hold."""
     path = os.fspath(path)
     eng, lock = resolve_engine(engine)
     with lock:
         r = _open_reader(eng, path)
         try:
             kind, found = _read_kind(r, path)
-            if kind == "v1":
-                return _read_info(r, path)
             return _read_archive_info(r, path, kind, found)
         finally:
             r.close()
 
 
-def verify_file(path: Any, *, engine: Any = None, batch_bytes: int = 256 << 20) -> tuple[Any, list]:
-    """Read every extent of ``path`` and return ``(info, damaged extents)`` (bounded memory)."""
+def verify_file(path: Any, *, engine: Any = None, batch_bytes: int = 256 << 20) -> tuple[ArchiveInfo, list]:
+    """Read every record of ``path`` and return ``(info, damaged records)`` (bounded memory)."""
     path = os.fspath(path)
     eng, lock = resolve_engine(engine)
     with lock:
         r = _open_reader(eng, path)
         try:
             kind, found = _read_kind(r, path)
-            if kind != "v1":
-                return _verify_archive(r, path, kind, found, batch_bytes)
-            info = _read_info(r, path)
-            bad: list = []
-            batch: list = []
-            ids: list = []
-            total = 0
-
-            def run() -> None:
-                nonlocal batch, ids, total
-                if batch:
-                    bad.extend(fmt.damaged_extents(info.index, r.read(batch), path, ids))
-                batch, ids, total = [], [], 0
-
-            for i, s in enumerate(info.index.storages):
-                if s.nbytes == 0:
-                    continue
-                if total and total + s.nbytes > batch_bytes:
-                    run()
-                batch.append((s.offset, bytearray(s.nbytes)))
-                ids.append(i)
-                total += s.nbytes
-            run()
-            return info, bad
+            return _verify_archive(r, path, kind, found, batch_bytes)
         finally:
             r.close()
 
@@ -600,7 +488,7 @@ _ALIGNED_ALLOC = env.flag(env.ALIGNED_ALLOC) == "on"
 
 
 def _new_storage(nbytes: int) -> torch.UntypedStorage:
-    """A fresh CPU storage of exactly ``nbytes`` to read an extent into.
+    """A fresh CPU storage of exactly ``nbytes`` to read a record into.
 
     ``torch.UntypedStorage(n)`` memory sits at 64 mod 4096 (the CPU allocator's alignment is 64), so
     ``native_io``'s reader cannot read it with ``O_DIRECT`` straight into it and stages every byte
@@ -621,17 +509,8 @@ def _new_storage(nbytes: int) -> torch.UntypedStorage:
     return torch.from_numpy(raw[a : a + nbytes].numpy()).untyped_storage()
 
 
-def _is_contiguous(shape: list, stride: list) -> bool:
-    expected = 1
-    for size, st in zip(reversed(shape), reversed(stride)):
-        if size != 1 and st != expected:
-            return False
-        expected *= size
-    return True
-
-
 def _into_targets(into: Any) -> dict[str, torch.Tensor]:
-    return {p: t for p, t in fmt.tensor_paths(into).values()}
+    return {p: t for p, t in tensor_paths(into).values()}
 
 
 def load(
@@ -650,9 +529,10 @@ def load(
         path: the checkpoint file.
         map_location: like ``torch.load``: None (the saved devices), a device/str, a dict
             ``{saved: target}`` or a callable ``(storage, location) -> storage``.
-        weights_only: True (default) unpickles the skeleton with an allowlist (no arbitrary code runs);
-            False allows any pickled object: only for checkpoints you trust.
-        verify: compare every extent with its crc32c (raises :class:`CheckpointCorruptError`).
+        weights_only: True (default) unpickles with torch's weights_only unpickler and an allowlist
+            (``torch_zip.SAFE_GLOBALS``; no arbitrary code runs); False allows any pickled object: only for
+            checkpoints you trust.
+        verify: compare every record with its CRC-32C (raises :class:`CheckpointCorruptError`).
         into: a nested structure like the checkpoint (e.g. ``{"state_dict": model.state_dict()}``); tensors at
             the same paths with the same shape and dtype are filled in place (read straight into them when
             possible) and returned in the result instead of new tensors. With ``strict``, a shape/dtype
@@ -669,106 +549,11 @@ def load(
             kind, found = _read_kind(r, path)
             if kind == "zip":  # unpickled while the storages are read
                 result = _load_zip(r, _read_zip_index(r, path, found), verify, map_location, weights_only, targets)
-            elif kind == "v1":
-                v1 = _read_v1(r, path, targets, strict)
         finally:
             r.close()
     if kind == "torch":
         return _torch_load(path, map_location, weights_only)
-    if kind == "zip":
-        return _fill_targets(result, targets, strict, path) if targets else result
-    return _rebuild_v1(v1, path, map_location, weights_only, verify)
-
-
-@dataclasses.dataclass
-class _V1Read:
-    """What :func:`_read_v1` read of a format-1 file, for :func:`_rebuild_v1`."""
-
-    info: CheckpointInfo
-    storages: list
-    crcs: list
-    seg_ids: list
-    direct: dict  # storage index -> target tensor filled by the read
-    copy_into: dict  # tensor index -> target tensor to copy_ into
-
-
-def _read_v1(r: Any, path: str, targets: dict, strict: bool) -> _V1Read:
-    """Read a format-1 file's extents: straight into ``targets`` where possible, else into fresh storages."""
-    info = _read_info(r, path)
-    index = info.index
-    users = [0] * len(index.storages)
-    for t in index.tensors:
-        users[t.storage] += 1
-
-    # where each tensor's data goes: direct read into a target, or a fresh storage then copy_
-    direct: dict[int, torch.Tensor] = {}  # storage index -> target tensor filled by the read
-    copy_into: dict[int, torch.Tensor] = {}  # tensor index -> target tensor to copy_ into
-    for ti, t in enumerate(index.tensors):
-        dest = targets.get(t.name)
-        if dest is None:
-            continue
-        dt = fmt.dtype_from_name(t.dtype)
-        if list(dest.shape) != list(t.shape) or dest.dtype != dt:
-            if strict:
-                raise ValueError(
-                    f"{path}: cannot load {t.name!r} into the given tensor: checkpoint has "
-                    f"{dt} {tuple(t.shape)}, target is {dest.dtype} {tuple(dest.shape)}"
-                )
-            continue
-        contiguous_whole = (
-            t.storage_offset == 0
-            and t.nbytes > 0
-            and t.nbytes == index.storages[t.storage].nbytes
-            and _is_contiguous(t.shape, t.stride)
-        )
-        if contiguous_whole and users[t.storage] == 1 and dest.device.type == "cpu" and dest.is_contiguous():
-            direct[t.storage] = dest
-        else:
-            copy_into[ti] = dest
-
-    storages: list = []
-    segs: list = []
-    seg_ids: list = []
-    for i, s in enumerate(index.storages):
-        if i in direct:
-            d = direct[i]
-            buf = d.detach().reshape(-1).view(torch.uint8)
-            storages.append(d.untyped_storage())
-        else:
-            st = _new_storage(s.nbytes)
-            buf = fmt.storage_as_bytes(st)
-            storages.append(st)
-        if s.nbytes:
-            segs.append((s.offset, buf.numpy()))
-            seg_ids.append(i)
-    crcs = r.read(segs) if segs else []
-    return _V1Read(info, storages, crcs, seg_ids, direct, copy_into)
-
-
-def _rebuild_v1(v1: _V1Read, path: str, map_location: Any, weights_only: bool, verify: bool) -> Any:
-    """Check the extents' checksums, place storages, rebuild tensors and unpickle the skeleton."""
-    index = v1.info.index
-    if verify:
-        bad = fmt.damaged_extents(index, v1.crcs, path, v1.seg_ids)
-        if bad:
-            raise CheckpointCorruptError(fmt.describe_damage(bad, path), path, bad)
-
-    where = fmt.map_location_fn(map_location)
-    placed = []
-    for i, (s, st) in enumerate(zip(index.storages, v1.storages)):
-        placed.append(st if i in v1.direct else fmt.place_storage(st, s.device, where(s.device)))
-    tensors = fmt.rebuild_tensors(index, placed, path)
-    for ti, t in enumerate(index.tensors):
-        if t.storage in v1.direct:
-            tensors[ti] = v1.direct[t.storage]
-        elif ti in v1.copy_into:
-            with torch.no_grad():
-                v1.copy_into[ti].copy_(tensors[ti])
-            tensors[ti] = v1.copy_into[ti]
-    return fmt.decode_skeleton(v1.info.skeleton, tensors, weights_only=weights_only, path=path)
-
-
-# ----------------------------------------------------------------------------------- plugin
+    return _fill_targets(result, targets, strict, path) if targets else result
 
 
 def _torch_load(path: str, map_location: Any, weights_only: bool) -> Any:

@@ -35,6 +35,7 @@ import bisect
 import dataclasses
 import io
 import json
+import os
 import pickle
 import secrets
 import struct
@@ -46,7 +47,6 @@ from typing import Any, Optional
 import torch
 
 from lightning_recover import env
-from lightning_recover.checkpoint.format import SAFE_GLOBALS
 from lightning_recover.checkpoint.integrity import (
     CheckpointCorruptError,
     UnsafeCheckpointError,
@@ -377,7 +377,7 @@ def _torch_save_records(
                 raise RestartWithoutStreaming() from None
     save = getattr(torch.serialization, "_save", None)
     if save is None:  # pragma: no cover - torch changed its internals
-        raise RuntimeError(f"torch {torch.__version__} has no torch.serialization._save; save with format=1")
+        raise RuntimeError(f"torch {torch.__version__} has no torch.serialization._save")
     out = _Collector(on_storage)
     save(obj, out, pickle, 2, False)
     return out
@@ -797,11 +797,64 @@ class VerifiedArchive:
         return self._index.records[name].data_offset
 
 
-def _extra_safe_globals() -> list:
-    """The format-1 allowlist's classes beyond torch's own (Lightning's AttributeDict, Namespace, paths, dates).
+def file_meta() -> dict:
+    """What the integrity record says about the file's origin (``inspect`` shows it)."""
+    return {"created_by": "lightning-recover", "torch_version": torch.__version__, "host": os.uname().nodename}
 
-    They only hold data; format-1 files loaded them with ``weights_only=True``, so format 2 keeps doing so.
-    """
+
+#: Classes beyond torch's own that ``weights_only=True`` loads admit: they only hold data, and Lightning
+#: checkpoints carry them (hyper-parameters as AttributeDict or Namespace, paths, dates). Only modules already
+#: imported are looked up (:func:`_extra_safe_globals`).
+SAFE_GLOBALS: frozenset = frozenset(
+    {
+        ("builtins", n)
+        for n in (
+            "dict",
+            "list",
+            "tuple",
+            "set",
+            "frozenset",
+            "int",
+            "float",
+            "complex",
+            "str",
+            "bytes",
+            "bytearray",
+            "bool",
+            "slice",
+            "range",
+            "object",
+        )
+    }
+    | {
+        ("collections", "OrderedDict"),
+        ("collections", "defaultdict"),
+        ("collections", "deque"),
+        ("collections", "Counter"),
+        ("torch", "Size"),
+        ("torch", "device"),
+        ("argparse", "Namespace"),
+        ("pathlib", "Path"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PurePath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "PureWindowsPath"),
+        ("datetime", "datetime"),
+        ("datetime", "date"),
+        ("datetime", "time"),
+        ("datetime", "timedelta"),
+        ("datetime", "timezone"),
+        ("lightning.fabric.utilities.data", "AttributeDict"),
+        ("lightning.pytorch.utilities.parsing", "AttributeDict"),
+        ("lightning_fabric.utilities.data", "AttributeDict"),
+        ("pytorch_lightning.utilities.parsing", "AttributeDict"),
+    }
+)
+
+
+def _extra_safe_globals() -> list:
+    """The :data:`SAFE_GLOBALS` classes of modules already imported (Lightning's AttributeDict, Namespace, ...)."""
     import sys
 
     out = []
