@@ -120,7 +120,7 @@ class Heartbeat:
             ),
             seq=sequence(self._incarnation, self._beat),
         )
-        if self._store.deaths([self._replica])[self._replica] >= self._incarnation:
+        if self._store.deaths([self._replica], recent=True)[self._replica] >= self._incarnation:
             self.excluded = True
         self.last_ok = time.monotonic()
 
@@ -392,15 +392,17 @@ class Membership:
         wait_until_reachable(self.store, self.replica, self.num_replicas, 1.0, self._job_over)
         self.store.set(f"join/{self.replica}", str(self.incarnation))
 
-    def pending_joins(self) -> dict[int, int]:
-        """Join requests not yet admitted and still alive: ``{replica: incarnation}``."""
+    def pending_joins(self, recent: bool = False) -> dict[int, int]:
+        """Join requests not yet admitted and still alive: ``{replica: incarnation}``. ``recent``: from
+        reads that may be a moment stale (a request made meanwhile is admitted at the next commit)."""
         latest: dict[int, int] = {}
+        read = self.store.recent_genuine if recent else self.store.get_genuine
         for r in range(self.num_replicas):
-            asked = self.store.get_genuine(f"join/{r}")
+            asked = read(f"join/{r}")
             if asked is not None:
                 latest[r] = int(asked)
         wanted = {r: inc for r, inc in latest.items() if self.gen.incarnations.get(r) != inc}
-        dead = self.dead(sorted(wanted), wanted)
+        dead = self.dead(sorted(wanted), wanted, recent=recent)
         return {r: inc for r, inc in wanted.items() if r not in dead}
 
     def wait_for_invitation(self) -> Generation:
@@ -483,10 +485,10 @@ class Membership:
             "only slow."
         )
 
-    def dead(self, replicas: Sequence[int], incarnations: dict[int, int]) -> set[int]:
+    def dead(self, replicas: Sequence[int], incarnations: dict[int, int], recent: bool = False) -> set[int]:
         if not replicas:
             return set()
-        deaths = self.store.deaths(replicas)
+        deaths = self.store.deaths(replicas, recent=recent)
         # Incarnation 0 = not started yet (only during the first formation): not dead.
         return {r for r in replicas if 0 < incarnations.get(r, 1 << 30) <= deaths[r]}
 
@@ -495,9 +497,11 @@ class Membership:
         return {r: int(v) for r, v in zip(replicas, values)}
 
     def failure_seen(self) -> bool:
-        """Cheap test (one store round trip when nothing changed): did the generation fail?"""
+        """Cheap test (one store round trip when nothing changed, none on etcd while its watched view is
+        current): did the generation fail? The counter is a hint, read a moment stale at worst; what it
+        points at (the generation register, the death notices) is read directly."""
         self.check_health()
-        events = self.store.add("events", 0)
+        events = self.store.recent_count("events")
         if events == self._events_seen:
             return False
         if self.store.generation() > self.gen.number:
