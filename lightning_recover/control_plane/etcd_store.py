@@ -103,6 +103,7 @@ class EtcdStore(dist.Store):
         self._last_token: Optional[bytes] = None
         self.watches = 0  # watch streams opened (load figures)
         self._shared = shared if shared is not None else _SharedView(client, self.prefix)
+        self.write_once = False  # True: every key is written once (see prefixed_clone)
 
     def _k(self, key: str) -> bytes:
         return self.prefix + key.encode()
@@ -116,9 +117,13 @@ class EtcdStore(dist.Store):
         """A store on a connection of its own whose keys live under ``prefix/`` inside this one's (what
         ``dist.PrefixStore`` does, without losing ``delete_key``/``num_keys``, which torch does not
         forward to a Python store). Its keys are inside the watched view's, which it shares."""
-        return EtcdStore(
+        store = EtcdStore(
             self.client.clone(), f"{self.prefix.decode()}{prefix}/", self.root.decode(), self._timeout, self._shared
         )
+        # Built for a process group's rendezvous, whose keys (the members' addresses) are written once:
+        # a value the watched view holds is the value, so ``get`` takes it from there (no round trip).
+        store.write_once = True
+        return store
 
     # ---------------------------------------------------------------- the watched view
     @property
@@ -162,6 +167,16 @@ class EtcdStore(dist.Store):
             self.client.txn([], ops[at : at + _MAX_TXN_OPS])
 
     def get(self, key: str) -> bytes:
+        view = self._shared.view
+        if self.write_once and view is not None:
+            hit, value = view.lookup(self._k(key))
+            if value is not None:
+                return value
+            if hit:  # not there yet: wait for it in the view, then take it from there
+                self.wait([key])
+                hit, value = view.lookup(self._k(key))
+                if value is not None:
+                    return value
         value, _ = self.client.get(self._k(key))
         if value is None:
             self.wait([key])
@@ -251,7 +266,8 @@ class EtcdStore(dist.Store):
 
     def add(self, key: str, amount: int) -> int:
         k = self._k(key)
-        value, mod = self._read_counter(k)
+        guess = self._guess(k) if amount else None
+        value, mod = (int(guess[0] or b"0"), guess[1]) if guess else self._read_counter(k)
         if amount == 0 and mod:
             return value
         while True:
@@ -274,6 +290,13 @@ class EtcdStore(dist.Store):
             kv = ec.first_kv(responses[0])
             value, mod = (int(ec.unb64(kv.get("value")) or b"0"), int(kv["mod_revision"])) if kv else (0, 0)
 
+    def _guess(self, k: bytes) -> Optional[tuple[bytes, int]]:
+        """The watched view's ``(value, mod_revision)`` of ``k`` if it is running and holds it: the first
+        compare of a read-modify-write then needs no read (a stale guess fails the compare, whose answer
+        carries the current value for the next try)."""
+        view = self._shared.view
+        return view.lookup_versioned(k) if view is not None else None
+
     def _read_counter(self, k: bytes) -> tuple[int, int]:
         answer = self.client.range(k)
         kvs = answer.get("kvs") or []
@@ -285,14 +308,18 @@ class EtcdStore(dist.Store):
         """Append to the value (created if absent). Appends are hints here (``ControlStore.append_hint``):
         an unanswered try that was applied may be appended twice, which a reader of hints tolerates."""
         k, value = self._k(key), _as_bytes(value)
+        guess = self._guess(k)
         while True:
-            answer = self.client.range(k)
-            kvs = answer.get("kvs") or []
-            old, compare = (
-                (ec.unb64(kvs[0].get("value")), [ec.cmp_mod(k, int(kvs[0]["mod_revision"]))])
-                if kvs
-                else (b"", [ec.cmp_version(k, 0)])
-            )
+            if guess is not None:
+                old, compare = guess[0], [ec.cmp_mod(k, guess[1])]
+            else:
+                kvs = self.client.range(k).get("kvs") or []
+                old, compare = (
+                    (ec.unb64(kvs[0].get("value")), [ec.cmp_mod(k, int(kvs[0]["mod_revision"]))])
+                    if kvs
+                    else (b"", [ec.cmp_version(k, 0)])
+                )
+            guess = None
             if self.client.txn(compare, [ec.op_put(k, old + value)]).get("succeeded"):
                 return
 

@@ -46,6 +46,7 @@ class WatchView:
         self.stale_after = stale_after
         self._cond = threading.Condition()
         self._values: dict[bytes, bytes] = {}
+        self._mods: dict[bytes, int] = {}  # key -> its mod_revision (a compare-and-swap's first guess)
         self.revision = 0  # the store's revision this view is complete up to
         self._synced = False
         self._heard = 0.0  # monotonic time of the stream's last message
@@ -80,6 +81,14 @@ class WatchView:
             if not self._healthy():
                 return False, None
             return True, self._values.get(key)
+
+    def lookup_versioned(self, key: bytes) -> Optional[tuple[bytes, int]]:
+        """``(value, mod_revision)`` of a key the view holds while healthy, else None: a guess for a
+        compare-and-swap (a stale guess only fails its compare, and the transaction answers the truth)."""
+        with self._cond:
+            if not self._healthy() or key not in self._values:
+                return None
+            return self._values[key], self._mods[key]
 
     def wait_for(self, keys: list[bytes], timeout: float) -> Optional[bool]:
         """True once every key is in the view, False after ``timeout`` seconds; None as soon as the view
@@ -138,9 +147,11 @@ class WatchView:
                 break
         else:
             raise OSError(f"etcd answered revision {revision} after the view had applied {self.revision}")
-        values = {ec.unb64(kv["key"]): ec.unb64(kv.get("value")) for kv in answer.get("kvs") or []}
+        kvs = answer.get("kvs") or []
+        values = {ec.unb64(kv["key"]): ec.unb64(kv.get("value")) for kv in kvs}
+        mods = {ec.unb64(kv["key"]): int(kv.get("mod_revision") or 0) for kv in kvs}
         with self._cond:
-            self._values = values
+            self._values, self._mods = values, mods
             self.revision = revision
             self._synced = True
             self._heard = time.monotonic()
@@ -152,11 +163,14 @@ class WatchView:
             for event in msg.get("events") or []:
                 kv = event.get("kv") or {}
                 key = ec.unb64(kv.get("key"))
+                mod = int(kv.get("mod_revision") or 0)
                 if event.get("type", "PUT") == "DELETE":
                     self._values.pop(key, None)
+                    self._mods.pop(key, None)
                 else:
                     self._values[key] = ec.unb64(kv.get("value"))
-                self.revision = max(self.revision, int(kv.get("mod_revision") or 0))
+                    self._mods[key] = mod
+                self.revision = max(self.revision, mod)
                 self.events += 1
             self._heard = time.monotonic()
             self._cond.notify_all()

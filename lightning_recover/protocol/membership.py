@@ -351,9 +351,17 @@ class Membership:
     def _joined(self, prefix: str) -> set[int]:
         """Replicas that joined round ``prefix``. The unsealed list is only a hint of whom to look at:
         a replica counts once its sealed join payload is there and, with K processes per replica,
-        all K of its positions said they joined."""
+        all K of its positions said they joined.
+
+        With a watched view (etcd) the reads may be a moment stale: a stale answer is a subset of the
+        replicas that joined (a join is never taken back), so the round only waits a moment longer."""
         positions: dict[int, set[str]] = {}
-        for item in self.store.get_hint(f"{prefix}/joined").split(","):
+        watched = self.store.watched
+        if watched:
+            hint = (self.store.recent_raw(f"{prefix}/joined") or b"").decode(errors="replace")
+        else:
+            hint = self.store.get_hint(f"{prefix}/joined")
+        for item in hint.split(","):
             r, _, i = item.partition(".")
             if r.isdigit() and int(r) < self.num_replicas:
                 positions.setdefault(int(r), set()).add(i)
@@ -362,7 +370,13 @@ class Membership:
             if len(positions[r]) < self.replica_size:
                 continue
             try:
-                json.loads(self.store.get(f"{prefix}/join/{r}"))
+                if watched:
+                    payload = self.store.recent_genuine(f"{prefix}/join/{r}")
+                    if payload is None:
+                        continue  # not in the view yet (or forged)
+                else:
+                    payload = self.store.get(f"{prefix}/join/{r}")
+                json.loads(payload)
                 joined.add(r)
             except (ForgedMessageError, ValueError):
                 continue  # planted by someone without the secret: not a member
@@ -554,14 +568,18 @@ class Membership:
         deadline = time.monotonic() + timeout
         delay = POLL_MIN
         expected = dict(expected)
-        while (listed := self.store.get_genuine(f"{prefix}/members")) is None:
+        # On etcd the round is watched, not polled: its reads come from the process's watched view (a
+        # stale view only makes the round wait a moment longer: joins and deaths are never taken back,
+        # and the member list is a register whose compare_set answers the list already written).
+        read_members = self.store.recent_genuine if self.store.watched else self.store.get_genuine
+        while (listed := read_members(f"{prefix}/members")) is None:
             self.check_health()
             if not may_close:
                 # A joiner waits for the members, who close the round within their join_timeout; a
                 # member list deleted or forged after they read it must not keep it here for ever.
                 if time.monotonic() > deadline + self.store_timeout:
                     raise _members_never_written(self.replica, number, timeout + self.store_timeout)
-                delay = backoff(delay)
+                delay = self._pause(delay)
                 continue
             # At the job's start a replica not started yet has incarnation 0, which no death notice
             # matches: read it again, so one that starts and dies before joining is not waited for
@@ -570,9 +588,9 @@ class Membership:
             if unstarted:
                 expected.update({r: inc for r, inc in self.current_incarnations(unstarted).items() if inc})
             joined = self._joined(prefix)
-            dead = self.dead(sorted(set(expected) | joined), expected)
+            dead = self.dead(sorted(set(expected) | joined), expected, recent=self.store.watched)
             if set(expected) - joined - dead and time.monotonic() < deadline:
-                delay = backoff(delay)
+                delay = self._pause(delay)
                 continue
             members = sorted(joined - dead)
             listed = self.store.compare_set(f"{prefix}/members", None, json.dumps(members))
@@ -582,6 +600,14 @@ class Membership:
         self._build_pg(gen)
         self._events_seen = -1
         return gen
+
+    def _pause(self, delay: float) -> float:
+        """Between two polls of a round: on etcd until the watched view moves (at most ``POLL_MAX``),
+        on the TCPStore a sleep that doubles up to ``POLL_MAX``; the next pause's length."""
+        if self.store.watched:
+            self.store.wait_changed(POLL_MAX)
+            return delay
+        return backoff(delay)
 
     def _build_pg(self, gen: Generation) -> None:
         """Build the group of ``gen`` on a thread, so a member dying meanwhile is noticed."""

@@ -528,6 +528,11 @@ class ControlStore:
         else:
             self.call(waiter, timeout)
 
+    @property
+    def watched(self) -> bool:
+        """True when a watched view (etcd) answers the ``recent_*`` reads; False on the TCPStore."""
+        return getattr(self.raw, "cached", None) is not None
+
     # ---------------------------------------------------------------- several keys in one round trip
     @property
     def transactional(self) -> bool:
