@@ -194,3 +194,16 @@ def test_sealed_report_and_forged_register(etcd1):
         a.report_and_decide("s2/done/0", "1", {}, "s2/dec", "commit")
     # the checked path takes the register back (what decisions.report_done falls back to)
     assert a.compare_set("s2/dec", None, "commit") == "commit"
+
+
+def test_cleanup_rides_on_the_report(etcd1):
+    """forget_prefix deletes every key of the old step (all generations and attempts) and nothing else."""
+    store = fresh_store(etcd1)
+    old = ["s1/g0/dec", "s1/g0/done/0", "s1/g2/a1/dec", "s1/g3/done/1"]
+    kept = ["s10/g0/dec", "s12/g0/done/0", "speed/s1/0"]
+    store.multi_set(old + kept, [b"x"] * (len(old) + len(kept)))
+    assert store.put_and_decide("s3/g0/done/0", b"r", [], "s3/g0/dec", b"commit", forget_prefix="s1/") == b"commit"
+    assert store.peek_many(old) == [None] * len(old)
+    assert store.peek_many(kept) == [b"x"] * len(kept)
+    with pytest.raises(ValueError):
+        store.put_and_decide("s3/g0/done/1", b"r", [], "s3/g0/dec", b"commit", forget_prefix="s3/")

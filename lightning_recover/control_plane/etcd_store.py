@@ -240,11 +240,18 @@ class EtcdStore(dist.Store):
         return ec.unb64(kv.get("value"))
 
     def put_and_decide(
-        self, key: str, value: Any, expected: Sequence[tuple[str, Any]], register: str, decision: Any
+        self,
+        key: str,
+        value: Any,
+        expected: Sequence[tuple[str, Any]],
+        register: str,
+        decision: Any,
+        forget_prefix: Optional[str] = None,
     ) -> Optional[bytes]:
         """Write ``key`` and, in the same transaction, ``decision`` into ``register`` if the register is
         still absent and every ``(key, value)`` of ``expected`` holds exactly that value. Returns the
         register's value now (``decision`` when this call decided; None while nobody has).
+        ``forget_prefix``: also delete every key under that prefix (cleanup riding on the same request).
 
         One round trip: of concurrent callers whose expectations name each other's keys, exactly one
         decides (transactions are serialized; the last writer sees every other report). A retry after an
@@ -254,10 +261,16 @@ class EtcdStore(dist.Store):
             raise ValueError(f"put_and_decide compares at most {_MAX_TXN_OPS - 1} keys, not {len(expected)}")
         k, reg = self._k(key), self._k(register)
         compare = [ec.cmp_value(self._k(e), _as_bytes(v)) for e, v in expected] + [ec.cmp_version(reg, 0)]
+        cleanup = []
+        if forget_prefix is not None:
+            gone = self._k(forget_prefix)
+            if k.startswith(gone) or reg.startswith(gone):
+                raise ValueError(f"put_and_decide would delete its own keys under {forget_prefix!r}")
+            cleanup = [ec.op_delete(gone, ec.prefix_end(gone))]
         answer = self.client.txn(
             compare,
-            [ec.op_put(k, _as_bytes(value)), ec.op_put(reg, _as_bytes(decision))],
-            [ec.op_put(k, _as_bytes(value)), ec.op_get(reg)],
+            [ec.op_put(k, _as_bytes(value)), ec.op_put(reg, _as_bytes(decision)), *cleanup],
+            [ec.op_put(k, _as_bytes(value)), ec.op_get(reg), *cleanup],
         )
         if answer.get("succeeded"):
             return _as_bytes(decision)

@@ -32,6 +32,7 @@ class Decisions:
         self.membership = membership
         self.admit_next: dict[int, int] = {}  # joiners the last commit admitted (replica -> incarnation)
         self._known: dict[str, str] = {}  # register -> decision this member's report already read back
+        self._forget: list[int] = []  # etcd: old steps whose keys the next report deletes (see forget_step)
 
     def _key(self, step: int, attempt: int = 0) -> str:
         # attempt > 0: exact mode redoing a committed step on a recentred grid (protocol/exact.py)
@@ -56,7 +57,7 @@ class Decisions:
         key = self._key(step, attempt)
         # Every process of every member reports (K per replica when replicas are sharded).
         me = str(m.replica) if m.replica_size == 1 else f"{m.replica}.{m.inner}"
-        if m.store.transactional and m.replica_size == 1 and len(m.gen.members) <= 100:
+        if self._one_transaction():
             try:
                 self._report_in_one_transaction(key, me)
                 return
@@ -78,6 +79,13 @@ class Decisions:
             value = "commit" + ("" if not joins else ";admit=" + ",".join(f"{r}:{i}" for r, i in sorted(joins.items())))
             m.store.compare_set(f"{key}/dec", None, value)
 
+    def _one_transaction(self) -> bool:
+        """Reports are one transaction: a store with transactions (etcd), replicas of one process (a
+        sealed report is then predictable from the generation), and few enough members that comparing
+        all their reports fits one transaction (etcd allows 128 operations)."""
+        m = self.membership
+        return m.store.transactional and m.replica_size == 1 and len(m.gen.members) <= 100
+
     def _commit_value(self) -> str:
         joins = self.membership.pending_joins(recent=True)
         return "commit" + ("" if not joins else ";admit=" + ",".join(f"{r}:{i}" for r, i in sorted(joins.items())))
@@ -92,9 +100,19 @@ class Decisions:
         """
         m = self.membership
         expected = {f"{key}/done/{r}": str(m.gen.incarnations[r]) for r in m.gen.members if r != m.replica}
+        # The keys of an old step the leader forgot go in the same request (never this step's own).
+        step = int(key[1:].split("/", 1)[0])
+        old = next((s for s in self._forget if s != step), None)
         decided = m.store.report_and_decide(
-            f"{key}/done/{me}", str(m.incarnation), expected, f"{key}/dec", self._commit_value()
+            f"{key}/done/{me}",
+            str(m.incarnation),
+            expected,
+            f"{key}/dec",
+            self._commit_value(),
+            forget_prefix=None if old is None else f"s{old}/",
         )
+        if old is not None:
+            self._forget.remove(old)
         if decided is not None:
             self._known[f"{key}/dec"] = decided
 
@@ -148,7 +166,15 @@ class Decisions:
         return True
 
     def forget_step(self, step: int, attempts: int = 1) -> None:
-        """Delete the decision keys of an old step (called by the leader); ``attempts``: exact-mode redos + 1."""
+        """Delete the decision keys of an old step (called by the leader); ``attempts``: exact-mode redos + 1.
+
+        On etcd (one-transaction reports) the deletion of every key under ``s{step}/`` rides on this
+        member's next report: no request of its own on the step's path. Keys of a step not forgotten
+        before the job ends go with the job's keys (``forget_job``)."""
+        if self._one_transaction():
+            self._forget.append(step)
+            del self._forget[:-8]  # a leader whose reports stopped keeps no growing list
+            return
         number = self.membership.gen.number
         keys = []
         for g in range(max(0, number - 4), number + 1):

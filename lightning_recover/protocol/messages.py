@@ -540,12 +540,19 @@ class ControlStore:
         return hasattr(self.raw, "put_and_decide")
 
     def report_and_decide(
-        self, key: str, value: str, expected: dict[str, str], register: str, decision: str
+        self,
+        key: str,
+        value: str,
+        expected: dict[str, str],
+        register: str,
+        decision: str,
+        forget_prefix: Optional[str] = None,
     ) -> Optional[str]:
         """Write the sealed ``value`` under ``key`` and, in the same transaction, ``decision`` into the
         empty ``register`` if every key of ``expected`` holds its sealed value (etcd only, see
-        ``EtcdStore.put_and_decide``). Returns the register's decision now, None while undecided;
-        :class:`ForgedMessageError` if the register holds a forged value (the caller takes it back)."""
+        ``EtcdStore.put_and_decide``; ``forget_prefix``: delete the keys under it in the same request).
+        Returns the register's decision now, None while undecided; :class:`ForgedMessageError` if the
+        register holds a forged value (the caller takes it back)."""
         sealed = [(k, self.sealer.seal(k, v.encode())) for k, v in expected.items()]
         got = self.call(
             self.raw.put_and_decide,
@@ -554,6 +561,7 @@ class ControlStore:
             sealed,
             register,
             self.sealer.seal(register, decision.encode()),
+            forget_prefix,
         )
         return None if got is None else self.sealer.open(register, got).decode()
 
