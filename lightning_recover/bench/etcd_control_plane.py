@@ -265,7 +265,7 @@ def _wait_for_step(
         value, _ = client.get(key)
         if value:
             try:
-                if int(json.loads(value.split(b"\x00lr1")[0]).get("step") or 0) >= step:
+                if int(json.loads(value.split(b"\x00lr")[0]).get("step") or 0) >= step:
                     break
             except ValueError:
                 pass
