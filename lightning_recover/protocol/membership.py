@@ -232,6 +232,50 @@ def _members_never_written(replica: int, number: int, waited: float) -> RecoverE
     )
 
 
+def joined_round(store: ControlStore, prefix: str, num_replicas: int, replica_size: int) -> set[int]:
+    """Replicas that joined round ``prefix``. The unsealed list is only a hint of whom to look at:
+    a replica counts once its sealed join payload is there and, with K processes per replica,
+    all K of its positions said they joined.
+
+    With a watched view (etcd) the reads may be a moment stale: a stale answer is a subset of the
+    replicas that joined (a join is never taken back), so the round only waits a moment longer."""
+    positions: dict[int, set[str]] = {}
+    watched = store.watched
+    if watched:
+        hint = (store.recent_raw(f"{prefix}/joined") or b"").decode(errors="replace")
+    else:
+        hint = store.get_hint(f"{prefix}/joined")
+    for item in hint.split(","):
+        r, _, i = item.partition(".")
+        if r.isdigit() and int(r) < num_replicas:
+            positions.setdefault(int(r), set()).add(i)
+    joined = set()
+    for r in sorted(positions):
+        if len(positions[r]) < replica_size:
+            continue
+        try:
+            if watched:
+                payload = store.recent_genuine(f"{prefix}/join/{r}")
+                if payload is None:
+                    continue  # not in the view yet (or forged)
+            else:
+                payload = store.get(f"{prefix}/join/{r}")
+            json.loads(payload)
+            joined.add(r)
+        except (ForgedMessageError, ValueError):
+            continue  # planted by someone without the secret: not a member
+    return joined
+
+
+def pause(store: ControlStore, delay: float) -> float:
+    """Between two polls of a round: on etcd until the watched view moves (at most ``POLL_MAX``),
+    on the TCPStore a sleep that doubles up to ``POLL_MAX``; the next pause's length."""
+    if store.watched:
+        store.wait_changed(POLL_MAX)
+        return delay
+    return backoff(delay)
+
+
 @dataclass
 class Generation:
     number: int
@@ -349,38 +393,7 @@ class Membership:
             self._responder = start_responder(self.store, self.replica, self.incarnation, self.heartbeat_interval)
 
     def _joined(self, prefix: str) -> set[int]:
-        """Replicas that joined round ``prefix``. The unsealed list is only a hint of whom to look at:
-        a replica counts once its sealed join payload is there and, with K processes per replica,
-        all K of its positions said they joined.
-
-        With a watched view (etcd) the reads may be a moment stale: a stale answer is a subset of the
-        replicas that joined (a join is never taken back), so the round only waits a moment longer."""
-        positions: dict[int, set[str]] = {}
-        watched = self.store.watched
-        if watched:
-            hint = (self.store.recent_raw(f"{prefix}/joined") or b"").decode(errors="replace")
-        else:
-            hint = self.store.get_hint(f"{prefix}/joined")
-        for item in hint.split(","):
-            r, _, i = item.partition(".")
-            if r.isdigit() and int(r) < self.num_replicas:
-                positions.setdefault(int(r), set()).add(i)
-        joined = set()
-        for r in sorted(positions):
-            if len(positions[r]) < self.replica_size:
-                continue
-            try:
-                if watched:
-                    payload = self.store.recent_genuine(f"{prefix}/join/{r}")
-                    if payload is None:
-                        continue  # not in the view yet (or forged)
-                else:
-                    payload = self.store.get(f"{prefix}/join/{r}")
-                json.loads(payload)
-                joined.add(r)
-            except (ForgedMessageError, ValueError):
-                continue  # planted by someone without the secret: not a member
-        return joined
+        return joined_round(self.store, prefix, self.num_replicas, self.replica_size)
 
     def form_initial(self) -> Generation | None:
         """Join generation 0 with every other replica (the job's start).
@@ -602,12 +615,7 @@ class Membership:
         return gen
 
     def _pause(self, delay: float) -> float:
-        """Between two polls of a round: on etcd until the watched view moves (at most ``POLL_MAX``),
-        on the TCPStore a sleep that doubles up to ``POLL_MAX``; the next pause's length."""
-        if self.store.watched:
-            self.store.wait_changed(POLL_MAX)
-            return delay
-        return backoff(delay)
+        return pause(self.store, delay)
 
     def _build_pg(self, gen: Generation) -> None:
         """Build the group of ``gen`` on a thread, so a member dying meanwhile is noticed."""
