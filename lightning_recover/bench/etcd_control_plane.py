@@ -14,7 +14,8 @@ the TinyGPT job of ``bench overhead`` (``lightning_recover.bench.fabric_gpt``):
   lost or applied twice (every replica's committed steps are 0..S-1 once each).
 * **load**: etcd's own counters (``/metrics``) over a failure-free run: raft proposals (writes), reads,
   watch events per step per replica; and the projection to 2,000 replicas against the write rate this
-  cluster sustains (measured here too).
+  cluster sustains (measured here too). Watch events grow with the square of the replicas (every
+  process's watched view receives every write of the job): the projection scales them so.
 """
 
 from __future__ import annotations
@@ -236,14 +237,19 @@ def measure(args: argparse.Namespace) -> dict:
         writes_per_s_per_replica = mean_load["etcd_server_proposals_committed_total"] / step_s
         result["load_per_step_per_replica"] = mean_load
         result["write_capacity_puts_per_s"] = capacity
+        # Watch events: every process's watched view (control_plane/etcd_watch.py) receives every write
+        # under the job's prefix, so the events sent per replica grow with the number of replicas: the
+        # measured rate per replica, times 2000 / replicas.
+        events_per_s_per_replica = mean_load["etcd_debugging_mvcc_events_total"] / step_s
         result["projection_2000"] = {
             "writes_per_s": 2000 * writes_per_s_per_replica,
             "capacity_fraction": 2000 * writes_per_s_per_replica / capacity,
             "step_s_assumed": step_s,
-            # the monitor reads every heartbeat key each poll (coordinator.run_monitor: every 20 ms),
-            # in transactions of 128 ranges
-            "monitor_key_reads_per_s": 2000 / 0.02,
-            "monitor_txns_per_s": math.ceil(2000 / 128) / 0.02,
+            # the monitor reads every heartbeat key from its watched view, and from etcd itself every
+            # ~0.2 s (coordinator.run_monitor), in transactions of 128 ranges
+            "monitor_key_reads_per_s": 2000 / 0.2,
+            "monitor_txns_per_s": math.ceil(2000 / 128) / 0.2,
+            "watch_events_per_s": 2000 * events_per_s_per_replica * 2000 / args.replicas,
         }
     return result
 
@@ -259,7 +265,7 @@ def _wait_for_step(
         value, _ = client.get(key)
         if value:
             try:
-                if int(json.loads(value.split(b"\x00lr1")[0]).get("step") or 0) >= step:
+                if int(json.loads(value.split(b"\x00lr")[0]).get("step") or 0) >= step:
                     break
             except ValueError:
                 pass

@@ -290,6 +290,39 @@ class EtcdClient:
         finally:
             conn.close()
 
+    def watch_messages(self, key: bytes, range_end: bytes, start_revision: int, read_timeout: float) -> Iterator[dict]:
+        """Every message of a watch on ``[key, range_end)`` from ``start_revision`` on (``result``: header,
+        events, ``compact_revision``, ``canceled``), for as long as the stream lives.
+
+        Unlike :meth:`watch` it has no deadline: it ends (returns) when the member closes the stream, and
+        raises ``OSError`` when no message came for ``read_timeout`` seconds, so the caller (a watch cache,
+        :mod:`~lightning_recover.control_plane.etcd_watch`) can tell a silent stream from a quiet one.
+        """
+        body = {"create_request": {"key": b64(key), "range_end": b64(range_end), "start_revision": start_revision}}
+        try:
+            conn = self._connect(max(0.05, min(read_timeout, self.try_timeout)))
+        except OSError:
+            self._next_endpoint()
+            raise
+        try:
+            conn.request("POST", "/v3/watch", json.dumps(body).encode(), {"Content-Type": "application/json"})
+            self.requests += 1
+            resp = conn.getresponse()
+            if resp.status != 200:
+                self._next_endpoint()
+                raise OSError(f"etcd watch answered HTTP {resp.status}")
+            while True:
+                conn.sock.settimeout(read_timeout)
+                line = resp.readline()
+                if not line:
+                    return
+                msg = json.loads(line)
+                if "error" in msg:
+                    raise OSError(f"etcd watch stream error: {msg['error']}")
+                yield msg.get("result", {})
+        finally:
+            conn.close()
+
 
 # ---------------------------------------------------------------------------- transaction ops
 
@@ -324,8 +357,11 @@ def op_get(key: bytes, count_only: bool = False) -> dict:
     return {"request_range": req}
 
 
-def op_delete(key: bytes) -> dict:
-    return {"request_delete_range": {"key": b64(key)}}
+def op_delete(key: bytes, range_end: Optional[bytes] = None) -> dict:
+    req = {"key": b64(key)}
+    if range_end is not None:
+        req["range_end"] = b64(range_end)
+    return {"request_delete_range": req}
 
 
 def first_kv(response: dict) -> Optional[dict]:

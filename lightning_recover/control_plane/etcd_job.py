@@ -178,7 +178,7 @@ class MonitorRole:
             self.say(f"monitor of {self.name} stopped: {exc}")
             stop.wait(self.ttl)
         finally:
-            store.client.close()
+            store.close()  # its connection and its watched view
 
 
 class EtcdCoordinator:

@@ -19,7 +19,18 @@ The TCPStore operations, on etcd's:
   store's next ``add``. ``add(key, 0)`` of an existing counter is a plain read (no write).
 * ``wait``/``get`` of a missing key: a watch from the revision of the read that found it missing (no
   event can fall between), re-checked by a read at least every ``_WATCH_SLICE`` seconds so a watch on
-  a member that stopped answering cannot hold a caller.
+  a member that stopped answering cannot hold a caller. Once the process's watched view is running
+  (below), a wait is served by it instead (no watch connection of its own per wait).
+
+Beyond TCPStore's operations, what the step protocol uses to make about one round trip per step
+(docs/control_plane.md, "Round trips per step"):
+
+* a **watched view** (:class:`~lightning_recover.control_plane.etcd_watch.WatchView`): one watch stream per
+  process on the job's keys, shared by every clone of the store, started by the first :meth:`cached`
+  read; it answers reads that may be slightly stale (hints, write-once registers, notices that only grow)
+  from memory, and nothing while it is not known to be current;
+* :meth:`put_and_decide`: a report and, if it completes a set of expected values, a decision, in one
+  transaction; :meth:`peek_many` and :meth:`delete_many`: many keys in one transaction.
 
 Every request fails over between the members within the client's deadline
 (:class:`~lightning_recover.control_plane.etcd_client.EtcdClient`); past it
@@ -31,6 +42,7 @@ from __future__ import annotations
 
 import datetime
 import secrets
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -38,6 +50,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from lightning_recover.control_plane import etcd_client as ec
+from lightning_recover.control_plane.etcd_watch import WatchView
 
 _WATCH_SLICE = 1.0  # seconds a watch runs before the keys are read again
 _DEFAULT_TIMEOUT = 300.0  # TCPStore's default wait
@@ -48,12 +61,39 @@ def _as_bytes(value: Any) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
 
 
+class _SharedView:
+    """The one :class:`WatchView` of a store and all its clones, started on first use."""
+
+    def __init__(self, client: ec.EtcdClient, prefix: bytes) -> None:
+        self._client = client
+        self._prefix = prefix
+        self._lock = threading.Lock()
+        self.view: Optional[WatchView] = None
+
+    def close(self) -> None:
+        with self._lock:
+            view, self.view = self.view, None
+        if view is not None:
+            view.close()
+
+    def get(self) -> WatchView:
+        with self._lock:
+            if self.view is None:
+                self.view = WatchView(self._client.clone(), self._prefix).start()
+            return self.view
+
+
 class EtcdStore(dist.Store):
     """Keys ``prefix + key`` in etcd through ``client``; ``root`` holds the store's own bookkeeping
     (the tokens of ``add``), outside ``prefix`` so that ``num_keys`` counts only the caller's keys."""
 
     def __init__(
-        self, client: ec.EtcdClient, prefix: str, root: Optional[str] = None, timeout: float = _DEFAULT_TIMEOUT
+        self,
+        client: ec.EtcdClient,
+        prefix: str,
+        root: Optional[str] = None,
+        timeout: float = _DEFAULT_TIMEOUT,
+        shared: Optional[_SharedView] = None,
     ):
         super().__init__()
         self.client = client
@@ -62,20 +102,57 @@ class EtcdStore(dist.Store):
         self._timeout = timeout
         self._last_token: Optional[bytes] = None
         self.watches = 0  # watch streams opened (load figures)
+        self._shared = shared if shared is not None else _SharedView(client, self.prefix)
+        self.write_once = False  # True: every key is written once (see prefixed_clone)
 
     def _k(self, key: str) -> bytes:
         return self.prefix + key.encode()
 
     # ---------------------------------------------------------------- plumbing
     def clone(self) -> EtcdStore:
-        """A store on a connection of its own (threads must not share one)."""
-        return EtcdStore(self.client.clone(), self.prefix.decode(), self.root.decode(), self._timeout)
+        """A store on a connection of its own (threads must not share one); it shares the watched view."""
+        return EtcdStore(self.client.clone(), self.prefix.decode(), self.root.decode(), self._timeout, self._shared)
 
     def prefixed_clone(self, prefix: str) -> EtcdStore:
         """A store on a connection of its own whose keys live under ``prefix/`` inside this one's (what
         ``dist.PrefixStore`` does, without losing ``delete_key``/``num_keys``, which torch does not
-        forward to a Python store)."""
-        return EtcdStore(self.client.clone(), f"{self.prefix.decode()}{prefix}/", self.root.decode(), self._timeout)
+        forward to a Python store). Its keys are inside the watched view's, which it shares."""
+        store = EtcdStore(
+            self.client.clone(), f"{self.prefix.decode()}{prefix}/", self.root.decode(), self._timeout, self._shared
+        )
+        # Built for a process group's rendezvous, whose keys (the members' addresses) are written once:
+        # a value the watched view holds is the value, so ``get`` takes it from there (no round trip).
+        store.write_once = True
+        return store
+
+    # ---------------------------------------------------------------- the watched view
+    @property
+    def view(self) -> WatchView:
+        """This process's watched view of the keys (started by the first call)."""
+        return self._shared.get()
+
+    def close(self) -> None:
+        """Close this store's connection and stop the watched view it shares with its clones (if started)."""
+        self.client.close()
+        self._shared.close()
+
+    def cached(self, key: str) -> tuple[bool, Optional[bytes]]:
+        """``(True, value or None)`` from the watched view while it is current; ``(False, None)`` otherwise
+        (then the caller reads etcd). May be slightly stale, never older than an answer it gave before."""
+        return self.view.lookup(self._k(key))
+
+    def cached_wait(self, key: str, timeout: float) -> Optional[bool]:
+        """Wait up to ``timeout`` seconds for ``key`` to appear in the watched view: True/False; None when
+        the view is not current (the caller waits on etcd instead)."""
+        return self.view.wait_for([self._k(key)], timeout)
+
+    def wait_changed(self, timeout: float) -> None:
+        """Return when the watched view moves (any key changes), or after ``timeout`` seconds."""
+        view = self.view
+        if view.healthy:
+            view.wait_change(view.revision, timeout)
+        else:
+            time.sleep(min(timeout, 0.005))
 
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         self._timeout = timeout.total_seconds()
@@ -90,6 +167,16 @@ class EtcdStore(dist.Store):
             self.client.txn([], ops[at : at + _MAX_TXN_OPS])
 
     def get(self, key: str) -> bytes:
+        view = self._shared.view
+        if self.write_once and view is not None:
+            hit, value = view.lookup(self._k(key))
+            if value is not None:
+                return value
+            if hit:  # not there yet: wait for it in the view, then take it from there
+                self.wait([key])
+                hit, value = view.lookup(self._k(key))
+                if value is not None:
+                    return value
         value, _ = self.client.get(self._k(key))
         if value is None:
             self.wait([key])
@@ -120,6 +207,16 @@ class EtcdStore(dist.Store):
                     out.append(ec.unb64(kv.get("value")) if kv else None)
         return out, revision
 
+    def peek_many(self, keys: Sequence[str]) -> list[Optional[bytes]]:
+        """The values of ``keys`` (None: absent) in one transaction per 128 keys; never waits."""
+        return self._ranges(keys)[0] if keys else []
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """Delete ``keys`` in one transaction per 128 keys (absent keys are no error)."""
+        ops = [ec.op_delete(self._k(k)) for k in keys]
+        for at in range(0, len(ops), _MAX_TXN_OPS):
+            self.client.txn([], ops[at : at + _MAX_TXN_OPS])
+
     def check(self, keys: Sequence[str]) -> bool:
         return all(v is not None for v in self._ranges(keys, count_only=True)[0])
 
@@ -142,9 +239,48 @@ class EtcdStore(dist.Store):
             return expected
         return ec.unb64(kv.get("value"))
 
+    def put_and_decide(
+        self,
+        key: str,
+        value: Any,
+        expected: Sequence[tuple[str, Any]],
+        register: str,
+        decision: Any,
+        forget_prefix: Optional[str] = None,
+    ) -> Optional[bytes]:
+        """Write ``key`` and, in the same transaction, ``decision`` into ``register`` if the register is
+        still absent and every ``(key, value)`` of ``expected`` holds exactly that value. Returns the
+        register's value now (``decision`` when this call decided; None while nobody has).
+        ``forget_prefix``: also delete every key under that prefix (cleanup riding on the same request).
+
+        One round trip: of concurrent callers whose expectations name each other's keys, exactly one
+        decides (transactions are serialized; the last writer sees every other report). A retry after an
+        unanswered try is safe: the write is idempotent and the register is only written while absent.
+        """
+        if len(expected) + 1 > _MAX_TXN_OPS:
+            raise ValueError(f"put_and_decide compares at most {_MAX_TXN_OPS - 1} keys, not {len(expected)}")
+        k, reg = self._k(key), self._k(register)
+        compare = [ec.cmp_value(self._k(e), _as_bytes(v)) for e, v in expected] + [ec.cmp_version(reg, 0)]
+        cleanup = []
+        if forget_prefix is not None:
+            gone = self._k(forget_prefix)
+            if k.startswith(gone) or reg.startswith(gone):
+                raise ValueError(f"put_and_decide would delete its own keys under {forget_prefix!r}")
+            cleanup = [ec.op_delete(gone, ec.prefix_end(gone))]
+        answer = self.client.txn(
+            compare,
+            [ec.op_put(k, _as_bytes(value)), ec.op_put(reg, _as_bytes(decision)), *cleanup],
+            [ec.op_put(k, _as_bytes(value)), ec.op_get(reg), *cleanup],
+        )
+        if answer.get("succeeded"):
+            return _as_bytes(decision)
+        kv = ec.first_kv((answer.get("responses") or [{}, {}])[1])
+        return ec.unb64(kv.get("value")) if kv else None
+
     def add(self, key: str, amount: int) -> int:
         k = self._k(key)
-        value, mod = self._read_counter(k)
+        guess = self._guess(k) if amount else None
+        value, mod = (int(guess[0] or b"0"), guess[1]) if guess else self._read_counter(k)
         if amount == 0 and mod:
             return value
         while True:
@@ -167,6 +303,13 @@ class EtcdStore(dist.Store):
             kv = ec.first_kv(responses[0])
             value, mod = (int(ec.unb64(kv.get("value")) or b"0"), int(kv["mod_revision"])) if kv else (0, 0)
 
+    def _guess(self, k: bytes) -> Optional[tuple[bytes, int]]:
+        """The watched view's ``(value, mod_revision)`` of ``k`` if it is running and holds it: the first
+        compare of a read-modify-write then needs no read (a stale guess fails the compare, whose answer
+        carries the current value for the next try)."""
+        view = self._shared.view
+        return view.lookup_versioned(k) if view is not None else None
+
     def _read_counter(self, k: bytes) -> tuple[int, int]:
         answer = self.client.range(k)
         kvs = answer.get("kvs") or []
@@ -178,14 +321,18 @@ class EtcdStore(dist.Store):
         """Append to the value (created if absent). Appends are hints here (``ControlStore.append_hint``):
         an unanswered try that was applied may be appended twice, which a reader of hints tolerates."""
         k, value = self._k(key), _as_bytes(value)
+        guess = self._guess(k)
         while True:
-            answer = self.client.range(k)
-            kvs = answer.get("kvs") or []
-            old, compare = (
-                (ec.unb64(kvs[0].get("value")), [ec.cmp_mod(k, int(kvs[0]["mod_revision"]))])
-                if kvs
-                else (b"", [ec.cmp_version(k, 0)])
-            )
+            if guess is not None:
+                old, compare = guess[0], [ec.cmp_mod(k, guess[1])]
+            else:
+                kvs = self.client.range(k).get("kvs") or []
+                old, compare = (
+                    (ec.unb64(kvs[0].get("value")), [ec.cmp_mod(k, int(kvs[0]["mod_revision"]))])
+                    if kvs
+                    else (b"", [ec.cmp_version(k, 0)])
+                )
+            guess = None
             if self.client.txn(compare, [ec.op_put(k, old + value)]).get("succeeded"):
                 return
 
@@ -195,6 +342,11 @@ class EtcdStore(dist.Store):
         limit = self._timeout if timeout is None else timeout.total_seconds()
         deadline = time.monotonic() + limit
         keys = list(keys)
+        view = self._shared.view  # only once running: a store that never reads through it opens none
+        if view is not None and view.healthy:
+            # Served by the process's watch stream; an unhealthy view hands the rest of the time to etcd.
+            if view.wait_for([self._k(k) for k in keys], limit):
+                return
         while True:
             present, revision = self._ranges(keys, count_only=True)
             missing = [k for k, v in zip(keys, present) if v is None]

@@ -47,7 +47,7 @@ import time
 import torch.distributed as dist
 
 from lightning_recover.errors import ForgedMessageError
-from lightning_recover.protocol.messages import Freshness, JobSecret, Sealer, mark_dead, peek, read_death
+from lightning_recover.protocol.messages import Freshness, JobSecret, Sealer, mark_dead, peek, peek_all, read_death
 from lightning_recover.protocol.reachability import PartitionJudge, probe_timeout_for
 
 _STORE_TIMEOUT = datetime.timedelta(seconds=60)
@@ -95,6 +95,11 @@ def run_monitor(
     hbs: dict[str, tuple[int, dict]] = {}  # key -> (replica, its last fresh and genuine heartbeat)
     fresh = Freshness("[coordinator]")
     poll = min(0.02, timeout / 10)
+    # On etcd the heartbeats are read from the monitor's watched view (no request per poll), and from
+    # etcd itself every ~0.2 s: that read blocks while etcd cannot serve (an election), which the
+    # stall allowance below needs to see. On the TCPStore every poll reads the store.
+    direct_every = max(1, round(0.2 / poll))
+    polls = 0
     last_read = time.monotonic()
     # Members that reach the coordinator but not each other (an asymmetric partition): see reachability.py.
     judge = PartitionJudge(store, sealer, suspect_after=timeout, probe_timeout=probe_timeout_for(timeout))
@@ -109,8 +114,8 @@ def run_monitor(
             beats = {k: (i, b, t + stalled) for k, (i, b, t) in beats.items()}
             progress = {k: (i, c, t + stalled) for k, (i, c, t) in progress.items()}
         # Non-waiting reads: a heartbeat key deleted by an outside client must not stall the monitor.
-        for r, key in procs:
-            raw = peek(store, key)
+        polls += 1
+        for (r, key), raw in zip(procs, peek_all(store, [k for _, k in procs], recent=polls % direct_every != 0)):
             if raw is None:
                 continue  # deleted: judged on its last fresh heartbeat
             try:

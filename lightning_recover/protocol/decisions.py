@@ -9,6 +9,12 @@ replica the others excluded never applies a step of a generation it is no longer
 
 Done reports are one sealed key per member rather than a counter, so nobody without the job's
 secret can complete the count; a decision value is bound by its MAC to its (step, generation).
+
+On a store with transactions (etcd) a report is one round trip: the member's report and, if every
+other member's sealed report is already there (compared by value: a sealed report is deterministic)
+and the register is empty, ``commit`` in the same transaction (``ControlStore.report_and_decide``).
+The other members are woken by the process's watched view, not by polling the register. On the
+TCPStore the report is a write, a check of the others' reports and a ``compare_set``, as before.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ class Decisions:
     def __init__(self, membership: Membership) -> None:
         self.membership = membership
         self.admit_next: dict[int, int] = {}  # joiners the last commit admitted (replica -> incarnation)
+        self._known: dict[str, str] = {}  # register -> decision this member's report already read back
+        self._forget: list[int] = []  # etcd: old steps whose keys the next report deletes (see forget_step)
 
     def _key(self, step: int, attempt: int = 0) -> str:
         # attempt > 0: exact mode redoing a committed step on a recentred grid (protocol/exact.py)
@@ -49,6 +57,12 @@ class Decisions:
         key = self._key(step, attempt)
         # Every process of every member reports (K per replica when replicas are sharded).
         me = str(m.replica) if m.replica_size == 1 else f"{m.replica}.{m.inner}"
+        if self._one_transaction():
+            try:
+                self._report_in_one_transaction(key, me)
+                return
+            except ForgedMessageError:
+                pass  # a forged value sits in the register: the checked path below takes it back
         m.store.set(f"{key}/done/{me}", str(m.incarnation))
         # Linearizable store: of the processes writing their report, at least the last sees them all.
         reports = [
@@ -65,6 +79,43 @@ class Decisions:
             value = "commit" + ("" if not joins else ";admit=" + ",".join(f"{r}:{i}" for r, i in sorted(joins.items())))
             m.store.compare_set(f"{key}/dec", None, value)
 
+    def _one_transaction(self) -> bool:
+        """Reports are one transaction: a store with transactions (etcd), replicas of one process (a
+        sealed report is then predictable from the generation), and few enough members that comparing
+        all their reports fits one transaction (etcd allows 128 operations)."""
+        m = self.membership
+        return m.store.transactional and m.replica_size == 1 and len(m.gen.members) <= 100
+
+    def _commit_value(self) -> str:
+        joins = self.membership.pending_joins(recent=True)
+        return "commit" + ("" if not joins else ";admit=" + ",".join(f"{r}:{i}" for r, i in sorted(joins.items())))
+
+    def _report_in_one_transaction(self, key: str, me: str) -> None:
+        """The report, and ``commit`` if it completes the count, in one transaction (etcd).
+
+        The others' reports are compared with the sealed values they write (their incarnation in this
+        generation, sealed under their key: deterministic), so a planted report completes nothing. The
+        joiners named in the commit come from the watched view: one that asked a moment ago is admitted at
+        the next commit instead, and every member reads the same list from the register.
+        """
+        m = self.membership
+        expected = {f"{key}/done/{r}": str(m.gen.incarnations[r]) for r in m.gen.members if r != m.replica}
+        # The keys of an old step the leader forgot go in the same request (never this step's own).
+        step = int(key[1:].split("/", 1)[0])
+        old = next((s for s in self._forget if s != step), None)
+        decided = m.store.report_and_decide(
+            f"{key}/done/{me}",
+            str(m.incarnation),
+            expected,
+            f"{key}/dec",
+            self._commit_value(),
+            forget_prefix=None if old is None else f"s{old}/",
+        )
+        if old is not None:
+            self._forget.remove(old)
+        if decided is not None:
+            self._known[f"{key}/dec"] = decided
+
     def await_decision(self, step: int, attempt: int = 0) -> bool:
         """Wait for the step's decision; settle it as ``retry`` if the generation fails meanwhile.
 
@@ -75,11 +126,16 @@ class Decisions:
         """
         m = self.membership
         key = f"{self._key(step, attempt)}/dec"
+        known = self._known.pop(key, None)
+        if known is not None:  # this member's report read it back (or wrote it)
+            return self._read(known)
+        self._known.clear()  # an attempt abandoned for a new generation leaves nothing behind
         delay = POLL_MIN
         deadline = time.monotonic() + m.collective_timeout
         while True:
-            if m.store.wait(key, SLICE):  # returns as soon as the decision is written
-                decided = m.store.get_genuine(key)
+            # Returns as soon as the decision is written (etcd: woken by the process's watched view).
+            if m.store.wait_recent(key, SLICE):
+                decided = m.store.recent_genuine(key)
                 if decided is not None:
                     return self._read(decided)
                 delay = backoff(delay)  # a forged value: its legitimate writer will take it back
@@ -98,7 +154,9 @@ class Decisions:
         if not text.startswith("commit"):
             return False
         m = self.membership
-        if m.store.deaths([m.replica])[m.replica] >= m.incarnation:
+        # Read after the decision was (the watched view applies events in order, so a recent read that
+        # found the decision is at least as new as it).
+        if m.store.deaths([m.replica], recent=True)[m.replica] >= m.incarnation:
             raise ReplicaExcludedError(
                 f"replica {m.replica} was declared dead by the group while its step was being decided; it "
                 "applies nothing more and stops here. HINT: raise heartbeat_timeout/hang_timeout if it was only slow."
@@ -108,13 +166,23 @@ class Decisions:
         return True
 
     def forget_step(self, step: int, attempts: int = 1) -> None:
-        """Delete the decision keys of an old step (called by the leader); ``attempts``: exact-mode redos + 1."""
+        """Delete the decision keys of an old step (called by the leader); ``attempts``: exact-mode redos + 1.
+
+        On etcd (one-transaction reports) the deletion of every key under ``s{step}/`` rides on this
+        member's next report: no request of its own on the step's path. Keys of a step not forgotten
+        before the job ends go with the job's keys (``forget_job``)."""
+        if self._one_transaction():
+            self._forget.append(step)
+            del self._forget[:-8]  # a leader whose reports stopped keeps no growing list
+            return
         number = self.membership.gen.number
+        keys = []
         for g in range(max(0, number - 4), number + 1):
             for a in range(attempts):
                 key = f"s{step}/g{g}" + (f"/a{a}" if a else "")
-                self.membership.store.delete(f"{key}/dec")
+                keys.append(f"{key}/dec")
                 for r in self.membership.gen.members:
                     for i in range(self.membership.replica_size):
                         me = str(r) if self.membership.replica_size == 1 else f"{r}.{i}"
-                        self.membership.store.delete(f"{key}/done/{me}")
+                        keys.append(f"{key}/done/{me}")
+        self.membership.store.delete_many(keys)  # etcd: one transaction; TCPStore: one delete per key

@@ -121,7 +121,7 @@ class Heartbeat:
             ),
             seq=sequence(self._incarnation, self._beat),
         )
-        if self._store.deaths([self._replica])[self._replica] >= self._incarnation:
+        if self._store.deaths([self._replica], recent=True)[self._replica] >= self._incarnation:
             self.excluded = True
         self.last_ok = time.monotonic()
 
@@ -233,6 +233,53 @@ def _members_never_written(replica: int, number: int, waited: float) -> RecoverE
     )
 
 
+def joined_round(store: ControlStore, prefix: str, num_replicas: int, replica_size: int) -> set[int]:
+    """Replicas that joined round ``prefix``. The unsealed list is only a hint of whom to look at:
+    a replica counts once its sealed join payload is there and, with K processes per replica,
+    all K of its positions said they joined.
+
+    With a watched view (etcd) the reads may be a moment stale: a stale answer is a subset of the
+    replicas that joined (a join is never taken back), so the round only waits a moment longer."""
+    positions: dict[int, set[str]] = {}
+    watched = store.watched
+    if watched:
+        hint = (store.recent_raw(f"{prefix}/joined") or b"").decode(errors="replace")
+    else:
+        hint = store.get_hint(f"{prefix}/joined")
+    for item in hint.split(","):
+        r, _, i = item.partition(".")
+        if r.isdigit() and int(r) < num_replicas:
+            positions.setdefault(int(r), set()).add(i)
+    joined = set()
+    for r in sorted(positions):
+        if len(positions[r]) < replica_size:
+            continue
+        try:
+            if watched:
+                payload = store.recent_genuine(f"{prefix}/join/{r}")
+                if payload is None:
+                    continue  # not in the view yet (or forged)
+            else:
+                # Never a waiting read: a deleted payload must not stall the round (its writer puts it back).
+                payload = store.get_genuine(f"{prefix}/join/{r}")
+                if payload is None:
+                    continue
+            json.loads(payload)
+            joined.add(r)
+        except (ForgedMessageError, ValueError):
+            continue  # planted by someone without the secret: not a member
+    return joined
+
+
+def pause(store: ControlStore, delay: float) -> float:
+    """Between two polls of a round: on etcd until the watched view moves (at most ``POLL_MAX``),
+    on the TCPStore a sleep that doubles up to ``POLL_MAX``; the next pause's length."""
+    if store.watched:
+        store.wait_changed(POLL_MAX)
+        return delay
+    return backoff(delay)
+
+
 @dataclass
 class Generation:
     number: int
@@ -272,33 +319,6 @@ def _generation_listed(store: ControlStore, number: int, members: list[int], rep
     return Generation(
         number, members, {r: p["inc"] for r, p in payloads.items()}, payloads, rank=members.index(replica)
     )
-
-
-def _payload_or_none(text: str | None) -> dict | None:
-    """A join payload's JSON object, or None when it is missing (deleted, forged) or not JSON."""
-    try:
-        return json.loads(text or "")
-    except ValueError:
-        return None
-
-
-def joined_replicas(store: ControlStore, prefix: str, num_replicas: int, replica_size: int) -> set[int]:
-    """Replicas that joined round ``prefix``. The unsealed list is only a hint of whom to look at:
-    a replica counts once its sealed join payload is there and, with K processes per replica,
-    all K of its positions said they joined."""
-    positions: dict[int, set[str]] = {}
-    for item in store.get_hint(f"{prefix}/joined").split(","):
-        r, _, i = item.partition(".")
-        if r.isdigit() and int(r) < num_replicas:
-            positions.setdefault(int(r), set()).add(i)
-    joined = set()
-    for r in sorted(positions):
-        if len(positions[r]) < replica_size:
-            continue
-        # Never a waiting read: a deleted payload must not stall the round (its writer puts it back).
-        if _payload_or_none(store.get_genuine(f"{prefix}/join/{r}")) is not None:
-            joined.add(r)
-    return joined
 
 
 class Membership:
@@ -423,15 +443,17 @@ class Membership:
         wait_until_reachable(self.store, self.replica, self.num_replicas, 1.0, self._job_over)
         self.store.set(f"join/{self.replica}", str(self.incarnation))
 
-    def pending_joins(self) -> dict[int, int]:
-        """Join requests not yet admitted and still alive: ``{replica: incarnation}``."""
+    def pending_joins(self, recent: bool = False) -> dict[int, int]:
+        """Join requests not yet admitted and still alive: ``{replica: incarnation}``. ``recent``: from
+        reads that may be a moment stale (a request made meanwhile is admitted at the next commit)."""
         latest: dict[int, int] = {}
+        read = self.store.recent_genuine if recent else self.store.get_genuine
         for r in range(self.num_replicas):
-            asked = self.store.get_genuine(f"join/{r}")
+            asked = read(f"join/{r}")
             if asked is not None:
                 latest[r] = int(asked)
         wanted = {r: inc for r, inc in latest.items() if self.gen.incarnations.get(r) != inc}
-        dead = self.dead(sorted(wanted), wanted)
+        dead = self.dead(sorted(wanted), wanted, recent=recent)
         return {r: inc for r, inc in wanted.items() if r not in dead}
 
     def wait_for_invitation(self) -> Generation:
@@ -514,10 +536,10 @@ class Membership:
             "only slow."
         )
 
-    def dead(self, replicas: Sequence[int], incarnations: dict[int, int]) -> set[int]:
+    def dead(self, replicas: Sequence[int], incarnations: dict[int, int], recent: bool = False) -> set[int]:
         if not replicas:
             return set()
-        deaths = self.store.deaths(replicas)
+        deaths = self.store.deaths(replicas, recent=recent)
         # Incarnation 0 = not started yet (only during the first formation): not dead.
         return {r for r in replicas if 0 < incarnations.get(r, 1 << 30) <= deaths[r]}
 
@@ -526,9 +548,11 @@ class Membership:
         return {r: int(v) for r, v in zip(replicas, values)}
 
     def failure_seen(self) -> bool:
-        """Cheap test (one store round trip when nothing changed): did the generation fail?"""
+        """Cheap test (one store round trip when nothing changed, none on etcd while its watched view is
+        current): did the generation fail? The counter is a hint, read a moment stale at worst; what it
+        points at (the generation register, the death notices) is read directly."""
         self.check_health()
-        events = self.store.add("events", 0)
+        events = self.store.recent_count("events")
         if events == self._events_seen:
             return False
         if self.store.generation() > self.gen.number:
@@ -582,10 +606,15 @@ class Membership:
         deadline = time.monotonic() + timeout
         delay = POLL_MIN
         expected = dict(expected)
-        while (listed := self.store.get_genuine(f"{prefix}/members")) is None:
+        # On etcd the round is watched, not polled: its reads come from the process's watched view (a
+        # stale view only makes the round wait a moment longer: joins and deaths are never taken back,
+        # and the member list is a register whose compare_set answers the list already written).
+        read_members = self.store.recent_genuine if self.store.watched else self.store.get_genuine
+        while (listed := read_members(f"{prefix}/members")) is None:
             self.check_health()
-            if self.store.get_genuine(mine) is None:
-                # deleted or overwritten by a client without the secret: nobody would count this replica
+            if not self.store.watched and self.store.get_genuine(mine) is None:
+                # Deleted or overwritten by a client without the secret (the embedded store; etcd's clients
+                # are authenticated): nobody would count this replica.
                 print(f"[lightning-recover] replica {self.replica}: wrote again its join payload {mine}", flush=True)
                 self.store.set(mine, json.dumps(payload))
             if not may_close:
@@ -593,7 +622,7 @@ class Membership:
                 # member list deleted or forged after they read it must not keep it here for ever.
                 if time.monotonic() > deadline + self.store_timeout:
                     raise _members_never_written(self.replica, number, timeout + self.store_timeout)
-                delay = backoff(delay)
+                delay = self._pause(delay)
                 continue
             # At the job's start a replica not started yet has incarnation 0, which no death notice
             # matches: read it again, so one that starts and dies before joining is not waited for
@@ -601,10 +630,10 @@ class Membership:
             unstarted = [r for r, inc in expected.items() if inc == 0]
             if unstarted:
                 expected.update({r: inc for r, inc in self.current_incarnations(unstarted).items() if inc})
-            joined = joined_replicas(self.store, prefix, self.num_replicas, self.replica_size)
-            dead = self.dead(sorted(set(expected) | joined), expected)
+            joined = joined_round(self.store, prefix, self.num_replicas, self.replica_size)
+            dead = self.dead(sorted(set(expected) | joined), expected, recent=self.store.watched)
             if set(expected) - joined - dead and time.monotonic() < deadline:
-                delay = backoff(delay)
+                delay = self._pause(delay)
                 continue
             members = sorted(joined - dead)
             listed = self.store.compare_set(f"{prefix}/members", None, json.dumps(members))
@@ -614,6 +643,9 @@ class Membership:
         self._build_pg(gen)
         self._events_seen = -1
         return gen
+
+    def _pause(self, delay: float) -> float:
+        return pause(self.store, delay)
 
     def _build_pg(self, gen: Generation) -> None:
         """Build the group of ``gen`` on a thread, so a member dying meanwhile is noticed."""

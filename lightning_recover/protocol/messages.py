@@ -39,6 +39,7 @@ import secrets
 import stat
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -336,6 +337,20 @@ def peek(store: dist.Store, key: str) -> Optional[bytes]:
     return None if raw == _ABSENT else raw
 
 
+def peek_all(store: dist.Store, keys: Sequence[str], recent: bool = False) -> list[Optional[bytes]]:
+    """:func:`peek` of every key, never waiting. ``recent``: a store with a watched view (etcd) answers
+    from it while it is current, a moment stale at most; otherwise one transaction on etcd, one
+    ``peek`` per key on the TCPStore."""
+    if recent and getattr(store, "cached", None) is not None:
+        hits = [store.cached(k) for k in keys]
+        if all(hit for hit, _ in hits):
+            return [raw for _, raw in hits]
+    many = getattr(store, "peek_many", None)
+    if many is not None:
+        return many(list(keys))
+    return [peek(store, k) for k in keys]
+
+
 def mark_dead(store: dist.Store, sealer: Sealer, replica: int, incarnation: Optional[int] = None) -> bool:
     """Declare ``replica`` (its current or the given incarnation) dead.
 
@@ -493,6 +508,112 @@ class ControlStore:
         raw = self.call(self.raw.multi_get, list(keys))
         return [self.sealer.open(k, v).decode() for k, v in zip(keys, raw)]
 
+    # ---------------------------------------------------------------- reads that may be slightly stale
+    # On etcd these are answered by the process's watched view (control_plane/etcd_watch.py) while it is
+    # current, else by a read; on the TCPStore they are the plain reads. A stale answer is the store's
+    # state a moment ago, never older than one already given: use them only where such a read is as
+    # good as a read made a moment earlier (hints, write-once registers, notices that only grow).
+    def recent_raw(self, key: str) -> Optional[bytes]:
+        lookup = getattr(self.raw, "cached", None)
+        if lookup is not None:
+            hit, raw = self.call(lookup, key)
+            if hit:
+                return raw
+        return self.call(peek, self.raw, key)
+
+    def recent_genuine(self, key: str) -> Optional[str]:
+        """:meth:`get_genuine`, possibly a moment stale."""
+        raw = self.recent_raw(key)
+        if raw is None:
+            return None
+        try:
+            return self.sealer.open(key, raw).decode()
+        except ForgedMessageError:
+            return None
+
+    def recent_count(self, key: str) -> int:
+        """A counter's value (``add(key, 0)``), possibly a moment stale."""
+        if getattr(self.raw, "cached", None) is None:
+            return self.add(key, 0)
+        raw = self.recent_raw(key)
+        try:
+            return int(raw or b"0")
+        except ValueError:
+            return -1  # not a number (forged): counts as a change, which the caller checks
+
+    def wait_recent(self, key: str, timeout: float) -> bool:
+        """:meth:`wait`; on etcd served by the watched view while it is current (no round trip)."""
+        waiter = getattr(self.raw, "cached_wait", None)
+        if waiter is not None:
+            found = self.call(waiter, key, timeout)
+            if found is not None:
+                return found
+        return self.wait(key, timeout)
+
+    def wait_changed(self, timeout: float) -> None:
+        """Sleep until some key changes (etcd: the watched view moves) or ``timeout`` seconds pass."""
+        waiter = getattr(self.raw, "wait_changed", None)
+        if waiter is None:
+            time.sleep(timeout)
+        else:
+            self.call(waiter, timeout)
+
+    @property
+    def watched(self) -> bool:
+        """True when a watched view (etcd) answers the ``recent_*`` reads; False on the TCPStore."""
+        return getattr(self.raw, "cached", None) is not None
+
+    # ---------------------------------------------------------------- several keys in one round trip
+    @property
+    def transactional(self) -> bool:
+        """True on a backend with multi-key transactions (etcd): :meth:`report_and_decide` is one round trip."""
+        return hasattr(self.raw, "put_and_decide")
+
+    def report_and_decide(
+        self,
+        key: str,
+        value: str,
+        expected: dict[str, str],
+        register: str,
+        decision: str,
+        forget_prefix: Optional[str] = None,
+    ) -> Optional[str]:
+        """Write the sealed ``value`` under ``key`` and, in the same transaction, ``decision`` into the
+        empty ``register`` if every key of ``expected`` holds its sealed value (etcd only, see
+        ``EtcdStore.put_and_decide``; ``forget_prefix``: delete the keys under it in the same request).
+        Returns the register's decision now, None while undecided; :class:`ForgedMessageError` if the
+        register holds a forged value (the caller takes it back)."""
+        sealed = [(k, self.sealer.seal(k, v.encode())) for k, v in expected.items()]
+        got = self.call(
+            self.raw.put_and_decide,
+            key,
+            self.sealer.seal(key, value.encode()),
+            sealed,
+            register,
+            self.sealer.seal(register, decision.encode()),
+            forget_prefix,
+        )
+        return None if got is None else self.sealer.open(register, got).decode()
+
+    def peek_many(self, keys: Sequence[str]) -> list[Optional[bytes]]:
+        """Raw values (None: absent) without waiting; one round trip on etcd, one per key on the TCPStore."""
+        many = getattr(self.raw, "peek_many", None)
+        if many is not None:
+            return self.call(many, list(keys))
+        return [self.call(peek, self.raw, k) for k in keys]
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """Delete ``keys`` (cleanup: failures are ignored); one transaction on etcd."""
+        many = getattr(self.raw, "delete_many", None)
+        if many is None:
+            for k in keys:
+                self.delete(k)
+            return
+        try:
+            many(list(keys))
+        except Exception:
+            pass  # cleanup only: a lost control plane is noticed elsewhere
+
     # ---------------------------------------------------------------- unsealed hints and plumbing
     def append_hint(self, key: str, value: str) -> None:
         """Append to an unsealed list that only says where to look (entries are verified there)."""
@@ -528,15 +649,24 @@ class ControlStore:
     def mark_dead(self, replica: int, incarnation: Optional[int] = None) -> bool:
         return self.call(mark_dead, self.raw, self.sealer, replica, incarnation)
 
-    def deaths(self, replicas: Sequence[int]) -> dict[int, int]:
-        """``{r: incarnation declared dead}`` (0 = none; forged notices are ignored)."""
-        # One non-waiting read per replica: a deleted notice must not stall the heartbeat thread.
-        raw = [self.call(peek, self.raw, f"dead/{r}") or b"" for r in replicas]
+    def deaths(self, replicas: Sequence[int], recent: bool = False) -> dict[int, int]:
+        """``{r: incarnation declared dead}`` (0 = none; forged notices are ignored). ``recent``: may be a
+        moment stale (:meth:`recent_raw`; a notice only grows, so a stale one is just an earlier one)."""
+        # Non-waiting reads: a deleted notice must not stall the heartbeat thread.
+        keys = [f"dead/{r}" for r in replicas]
+        if recent:
+            raw = [self.recent_raw(k) or b"" for k in keys]
+        elif getattr(self.raw, "peek_many", None) is not None:
+            raw = [v or b"" for v in self.peek_many(keys)]
+        else:
+            raw = [self.call(peek, self.raw, k) or b"" for k in keys]
         found = {}
         for r, v in zip(replicas, raw):
-            # dead/{r} only grows: a smaller genuine value read later is an old notice written back.
+            # dead/{r} only grows: a smaller genuine value read later is an old notice written back
+            # (a recent read may just be earlier than a direct one: no replay is concluded from it).
             declared = read_death(self.sealer, r, v)
-            self.freshness.accept(f"dead/{r}", declared)  # logs a replay
+            if not (recent and getattr(self.raw, "cached", None) is not None):
+                self.freshness.accept(f"dead/{r}", declared)  # logs a replay
             found[r] = self._deaths_seen[r] = max(declared, self._deaths_seen.get(r, 0))
         return found
 

@@ -276,7 +276,7 @@ class ReachabilityResponder:
         pending: int | None = None  # a round we reported in, whose verdict we have not read yet
         while not self._stop.wait(self._interval):
             try:
-                latest = self._store.add("reach/rounds", 0)
+                latest = self._store.recent_count("reach/rounds")  # a hint: etcd answers from its watched view
                 if latest > self._seen:
                     self._seen = latest
                     if self._answer_round(latest):

@@ -1,0 +1,176 @@
+"""A process's watched view of the job's keys: one etcd watch stream feeding a local, revision-ordered copy.
+
+Why: on etcd every read is a round trip through TLS and the leader (3-5 ms on a loaded host, against tens
+of microseconds on the embedded TCPStore), and the step protocol was written for the TCPStore: a replica's
+main thread polled the decision register, the ``events`` counter, join requests and death notices about
+twenty times per step. With a :class:`WatchView` those polls are answered from memory and a wait for a key
+wakes on the watch event that creates it.
+
+What a reader may rely on (tests/test_etcd_watch.py checks each):
+
+* **A consistent past state, never older than one already served**: the view starts from one linearizable
+  read of the whole prefix at revision R, then applies the watch's events from R + 1 in revision order.
+  Every answer is the store's state at the view's revision, and that revision only grows (a re-read after a
+  lost stream is linearizable, so it is at least as new as every event applied before).
+* **Bounded staleness, else no answer**: the view answers only while it is *healthy*: synced and a message
+  of the stream arrived within ``stale_after`` seconds (the job's heartbeats write several times a second,
+  so a live stream is never that quiet). A silent, compacted, cancelled or broken stream makes the view
+  unhealthy at once or within ``stale_after``; readers then make the round trip they would have made
+  without a view (``lookup`` answers ``(False, None)``), and the view re-reads the prefix and watches again.
+* A stale answer is only an earlier state: the protocol uses the view only where reading slightly earlier
+  is a read that could have happened anyway (hints, registers written once, notices that only grow);
+  decisions themselves are written by transactions (``EtcdStore.put_and_decide``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Optional
+
+from lightning_recover.control_plane import etcd_client as ec
+from lightning_recover.errors import RecoverError
+
+#: Seconds a stream may stay silent before the view stops answering (and reconnects).
+STALE_AFTER = 1.0
+_RETRY_MIN, _RETRY_MAX = 0.02, 0.5  # seconds between tries to re-read and re-watch after a failure
+
+
+class WatchView:
+    """Keys under ``prefix`` as of :attr:`revision`, kept current by a watch on a thread of its own."""
+
+    def __init__(self, client: ec.EtcdClient, prefix: bytes, stale_after: float = STALE_AFTER) -> None:
+        self._client = client  # its own connection: the stream and the re-reads never share the caller's
+        self.prefix = prefix
+        self._end = ec.prefix_end(prefix)
+        self.stale_after = stale_after
+        self._cond = threading.Condition()
+        self._values: dict[bytes, bytes] = {}
+        self._mods: dict[bytes, int] = {}  # key -> its mod_revision (a compare-and-swap's first guess)
+        self.revision = 0  # the store's revision this view is complete up to
+        self._synced = False
+        self._heard = 0.0  # monotonic time of the stream's last message
+        self.resyncs = 0  # full re-reads (1 at start; more after a lost or compacted stream)
+        self.events = 0  # watch events applied (load figures)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lr-etcd-watch", daemon=True)
+
+    def start(self) -> WatchView:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._cond:
+            self._synced = False
+            self._cond.notify_all()
+        self._thread.join(timeout=self.stale_after + 1.0)
+
+    # ---------------------------------------------------------------- reading
+    def _healthy(self) -> bool:
+        return self._synced and time.monotonic() - self._heard <= self.stale_after
+
+    @property
+    def healthy(self) -> bool:
+        with self._cond:
+            return self._healthy()
+
+    def lookup(self, key: bytes) -> tuple[bool, Optional[bytes]]:
+        """``(True, value or None when absent)`` while healthy; ``(False, None)``: ask etcd instead."""
+        with self._cond:
+            if not self._healthy():
+                return False, None
+            return True, self._values.get(key)
+
+    def lookup_versioned(self, key: bytes) -> Optional[tuple[bytes, int]]:
+        """``(value, mod_revision)`` of a key the view holds while healthy, else None: a guess for a
+        compare-and-swap (a stale guess only fails its compare, and the transaction answers the truth)."""
+        with self._cond:
+            if not self._healthy() or key not in self._values:
+                return None
+            return self._values[key], self._mods[key]
+
+    def wait_for(self, keys: list[bytes], timeout: float) -> Optional[bool]:
+        """True once every key is in the view, False after ``timeout`` seconds; None as soon as the view
+        is (or becomes) unhealthy: the caller waits on etcd itself for what is left of its time."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if not self._healthy():
+                    return None
+                if all(k in self._values for k in keys):
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                # Wake at the latest when the view would turn stale, to say so.
+                self._cond.wait(min(left, max(0.001, self._heard + self.stale_after - time.monotonic())))
+
+    def wait_change(self, revision: int, timeout: float) -> int:
+        """Wait up to ``timeout`` seconds for the view to move past ``revision``; the view's revision."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self.revision <= revision and self._healthy():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            return self.revision
+
+    # ---------------------------------------------------------------- the stream
+    def _run(self) -> None:
+        delay = _RETRY_MIN
+        while not self._stop.is_set():
+            try:
+                self._sync()
+                delay = _RETRY_MIN
+                for msg in self._client.watch_messages(self.prefix, self._end, self.revision + 1, self.stale_after):
+                    if self._stop.is_set():
+                        return
+                    if msg.get("canceled") or int(msg.get("compact_revision") or 0):
+                        break  # compacted past our revision, or cancelled: re-read everything
+                    self._apply(msg)
+            except (OSError, ValueError, RecoverError):
+                pass  # lost, silent or refused: unhealthy until re-read below
+            with self._cond:
+                self._synced = False
+                self._cond.notify_all()
+            self._stop.wait(delay)
+            delay = min(delay * 2, _RETRY_MAX)
+
+    def _sync(self) -> None:
+        """Replace the view by one linearizable read of the prefix (never older than what it held)."""
+        for _ in range(10):
+            answer = self._client.range(self.prefix, self._end)
+            revision = int(answer["header"]["revision"])
+            if revision >= self.revision:
+                break
+        else:
+            raise OSError(f"etcd answered revision {revision} after the view had applied {self.revision}")
+        kvs = answer.get("kvs") or []
+        values = {ec.unb64(kv["key"]): ec.unb64(kv.get("value")) for kv in kvs}
+        mods = {ec.unb64(kv["key"]): int(kv.get("mod_revision") or 0) for kv in kvs}
+        with self._cond:
+            self._values, self._mods = values, mods
+            self.revision = revision
+            self._synced = True
+            self._heard = time.monotonic()
+            self.resyncs += 1
+            self._cond.notify_all()
+
+    def _apply(self, msg: dict) -> None:
+        with self._cond:
+            for event in msg.get("events") or []:
+                kv = event.get("kv") or {}
+                key = ec.unb64(kv.get("key"))
+                mod = int(kv.get("mod_revision") or 0)
+                if event.get("type", "PUT") == "DELETE":
+                    self._values.pop(key, None)
+                    self._mods.pop(key, None)
+                else:
+                    self._values[key] = ec.unb64(kv.get("value"))
+                    self._mods[key] = mod
+                self.revision = max(self.revision, mod)
+                self.events += 1
+            self._heard = time.monotonic()
+            self._cond.notify_all()

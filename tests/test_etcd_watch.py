@@ -1,0 +1,209 @@
+"""The etcd backend's round-trip savers against a real etcd (fast: one-member TLS etcd of this module's own).
+
+* the watched view (``control_plane/etcd_watch.py``): answers in revision order, never older than an
+  answer it gave, nothing while it is not current, and a lost stream or a silent one forces a re-read;
+* ``put_and_decide``: a report and the decision in one transaction, exactly one decision among concurrent
+  reporters, none from a planted report;
+* the sealed ``ControlStore.report_and_decide`` over it: a forged register is a named error.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from lightning_recover.control_plane.etcd_client import EtcdClient
+from lightning_recover.control_plane.etcd_store import EtcdStore
+from lightning_recover.control_plane.etcd_watch import WatchView
+from lightning_recover.errors import ForgedMessageError
+from lightning_recover.protocol.messages import ControlStore, JobSecret
+
+_count = [0]
+
+
+def fresh_store(cluster, timeout: float = 5.0) -> EtcdStore:
+    _count[0] += 1
+    client = EtcdClient(cluster.endpoints, **cluster.tls_files, timeout=timeout)
+    return EtcdStore(client, f"/watch-test/{_count[0]}/kv/", root=f"/watch-test/{_count[0]}/")
+
+
+def until(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.005)
+
+
+def test_view_follows_writes_in_order_and_never_goes_back(etcd1):
+    store = fresh_store(etcd1)
+    store.set("before", b"0")  # present before the view starts: comes from its first read
+    until(lambda: store.cached("before") == (True, b"0"))
+    view = store.view
+    clone = store.clone()
+    assert clone.view is view  # one view per process, shared by the store's clones
+
+    seen: list[int] = []
+    stop = threading.Event()
+
+    def reader() -> None:
+        while not stop.is_set():
+            hit, value = clone.cached("counter")
+            if hit and value is not None:
+                seen.append(int(value))
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        for i in range(1, 101):
+            store.set("counter", str(i).encode())
+        store.delete_key("before")
+        until(lambda: store.cached("counter") == (True, b"100") and store.cached("before") == (True, None))
+    finally:
+        stop.set()
+        t.join(5)
+    assert seen and seen == sorted(seen), "the view answered an older value after a newer one"
+    assert view.revision >= int(store.client.range(b"/none")["header"]["revision"]) - 1
+    assert view.resyncs == 1  # a live stream needs no re-read
+
+
+def test_view_waits_wake_on_the_write(etcd1):
+    store = fresh_store(etcd1)
+    until(lambda: store.view.healthy)
+    threading.Timer(0.2, lambda: store.clone().set("late", b"x")).start()
+    start = time.monotonic()
+    assert store.cached_wait("late", 5.0) is True
+    assert 0.15 < time.monotonic() - start < 2.0
+    assert store.cached_wait("never", 0.1) is False
+    # EtcdStore.wait is served by the running view too (no watch connection of its own)
+    store.wait(["late"])
+    assert store.watches == 0
+
+
+def test_silent_stream_is_not_trusted_and_is_read_again(etcd1):
+    """A stream with no message for stale_after: the view stops answering, then re-reads the prefix."""
+    store = fresh_store(etcd1)
+    store.set("k", b"1")
+    view = WatchView(EtcdClient(etcd1.endpoints, **etcd1.tls_files), store.prefix, stale_after=0.3).start()
+    try:
+        key = store.prefix + b"k"
+        until(lambda: view.lookup(key) == (True, b"1"))
+        unhealthy = []
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline and view.resyncs < 3:
+            hit, value = view.lookup(key)
+            if not hit:
+                unhealthy.append(time.monotonic())
+            else:
+                assert value == b"1"
+            time.sleep(0.01)
+        assert view.resyncs >= 3, "a quiet stream must be re-read after stale_after"
+        assert unhealthy, "a stream silent for stale_after must not be trusted"
+        store.set("k", b"2")
+        until(lambda: view.lookup(key) == (True, b"2"))
+    finally:
+        view.close()
+
+
+def test_lost_stream_is_read_again_and_never_serves_older(etcd1):
+    """The member serving the stream dies and comes back: the view says it cannot answer meanwhile, then
+    re-reads everything (what was written while it was away included) and goes on."""
+    store = fresh_store(etcd1, timeout=15.0)
+    store.set("k", b"1")
+    view = store.view
+    until(lambda: store.cached("k") == (True, b"1"))
+    etcd1.kill(0)
+    try:
+        until(lambda: not view.healthy, timeout=view.stale_after + 2.0)
+        assert store.cached("k") == (False, None)
+    finally:
+        etcd1.restart(0)
+    store.set("k", b"2")
+    until(lambda: store.cached("k") == (True, b"2"), timeout=10.0)
+    assert view.resyncs >= 2
+
+
+def test_compacted_watch_says_so(etcd1):
+    """A watch from a compacted revision answers compact_revision (the view then re-reads everything)."""
+    store = fresh_store(etcd1)
+    first = store.client.put(store.prefix + b"c", b"1")
+    last = store.client.put(store.prefix + b"c", b"2")
+    store.client.request("kv/compaction", {"revision": last})
+    messages = store.client.watch_messages(store.prefix, store.prefix + b"\xff", first, read_timeout=2.0)
+    try:
+        msg = next(messages)
+        while not (msg.get("canceled") or int(msg.get("compact_revision") or 0)):
+            msg = next(messages)
+    finally:
+        messages.close()
+    assert int(msg.get("compact_revision") or 0) >= last
+
+
+def test_one_transaction_decides_exactly_once_among_concurrent_reporters(etcd1):
+    base = fresh_store(etcd1)
+    n = 4
+    stores = [base.clone() for _ in range(n)]
+    for round_ in range(10):
+        reports = {f"r{round_}/done/{i}": f"report-{i}".encode() for i in range(n)}
+        answers: list = [None] * n
+        barrier = threading.Barrier(n)
+
+        def report(i: int) -> None:
+            mine = f"r{round_}/done/{i}"
+            expected = [(k, v) for k, v in reports.items() if k != mine]
+            barrier.wait()
+            answers[i] = stores[i].put_and_decide(mine, reports[mine], expected, f"r{round_}/dec", f"by-{i}")
+
+        threads = [threading.Thread(target=report, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        decided = base.get(f"r{round_}/dec")
+        winners = [i for i, a in enumerate(answers) if a == f"by-{i}".encode()]
+        assert len(winners) == 1 and decided == f"by-{winners[0]}".encode()
+        # whoever did not decide read either nothing yet or that same decision
+        assert all(a in (None, decided) for a in answers)
+        assert base.multi_get(list(reports)) == list(reports.values())  # every report was written
+
+
+def test_planted_report_completes_nothing(etcd1):
+    store = fresh_store(etcd1)
+    store.set("done/1", b"planted")  # not the value member 1 writes
+    assert store.put_and_decide("done/0", b"zero", [("done/1", b"one")], "dec", b"commit") is None
+    assert store.peek_many(["dec"]) == [None]
+    # member 1's genuine report completes the count
+    assert store.put_and_decide("done/1", b"one", [("done/0", b"zero")], "dec", b"commit") == b"commit"
+    # a register already decided is answered, never overwritten
+    assert store.put_and_decide("done/0", b"zero", [("done/1", b"one")], "dec", b"other") == b"commit"
+
+
+def test_sealed_report_and_forged_register(etcd1):
+    secret = JobSecret.generate()
+    a = ControlStore("etcd://test", 0, secret, store=fresh_store(etcd1))
+    b = ControlStore("etcd://test", 1, secret, store=a.raw.clone())
+    assert a.transactional and a.watched
+    assert a.report_and_decide("s1/done/0", "1", {"s1/done/1": "1"}, "s1/dec", "commit") is None
+    assert b.report_and_decide("s1/done/1", "1", {"s1/done/0": "1"}, "s1/dec", "commit") == "commit"
+    assert a.recent_genuine("s1/dec") in (None, "commit")
+    until(lambda: a.recent_genuine("s1/dec") == "commit")
+    # A value planted in the register without the secret: never read as a decision.
+    a.raw.set("s2/dec", b"commit")
+    with pytest.raises(ForgedMessageError):
+        a.report_and_decide("s2/done/0", "1", {}, "s2/dec", "commit")
+    # the checked path takes the register back (what decisions.report_done falls back to)
+    assert a.compare_set("s2/dec", None, "commit") == "commit"
+
+
+def test_cleanup_rides_on_the_report(etcd1):
+    """forget_prefix deletes every key of the old step (all generations and attempts) and nothing else."""
+    store = fresh_store(etcd1)
+    old = ["s1/g0/dec", "s1/g0/done/0", "s1/g2/a1/dec", "s1/g3/done/1"]
+    kept = ["s10/g0/dec", "s12/g0/done/0", "speed/s1/0"]
+    store.multi_set(old + kept, [b"x"] * (len(old) + len(kept)))
+    assert store.put_and_decide("s3/g0/done/0", b"r", [], "s3/g0/dec", b"commit", forget_prefix="s1/") == b"commit"
+    assert store.peek_many(old) == [None] * len(old)
+    assert store.peek_many(kept) == [b"x"] * len(kept)
+    with pytest.raises(ValueError):
+        store.put_and_decide("s3/g0/done/1", b"r", [], "s3/g0/dec", b"commit", forget_prefix="s3/")
