@@ -337,17 +337,13 @@ def peek(store: dist.Store, key: str) -> Optional[bytes]:
     return None if raw == _ABSENT else raw
 
 
-def peek_all(store: dist.Store, keys: Sequence[str], recent: bool = False) -> list[Optional[bytes]]:
-    """:func:`peek` of every key, never waiting. ``recent``: a store with a watched view (etcd) answers
-    from it while it is current, a moment stale at most; otherwise one transaction on etcd, one
-    ``peek`` per key on the TCPStore."""
-    if recent and getattr(store, "cached", None) is not None:
-        hits = [store.cached(k) for k in keys]
-        if all(hit for hit, _ in hits):
-            return [raw for _, raw in hits]
+def peek_all(store: dist.Store, keys: Sequence[str]) -> list[Optional[bytes]]:
+    """:func:`peek` of every key, never waiting, each answered when a write would be (a TCPStore answers
+    in order; on etcd one transaction ordered in the Raft log, ``EtcdStore.peek_many(through_log=True)``,
+    instead of one compare-and-set per key)."""
     many = getattr(store, "peek_many", None)
     if many is not None:
-        return many(list(keys))
+        return many(list(keys), through_log=True)
     return [peek(store, k) for k in keys]
 
 
