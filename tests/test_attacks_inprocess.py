@@ -120,6 +120,7 @@ def test_a_frozen_replica_is_declared_within_heartbeat_timeout_whatever_its_key_
         assert "[coordinator]: dropped a replayed value under 'hb/1'" in capfd.readouterr().err
 
 
+@pytest.mark.slow  # waits out a timeout or a window (1-1.7 s): kept out of `make test-fast`
 def test_replayed_progress_does_not_hide_a_deadlocked_main_thread(capfd):
     """Replica 1's main thread blocks in step 2 with its heartbeat thread alive (a deadlock): only its
     progress count reveals it. Meanwhile an outsider writes back, in turn, two of its earlier genuine

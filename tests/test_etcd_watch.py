@@ -56,10 +56,10 @@ def test_view_follows_writes_in_order_and_never_goes_back(etcd1):
     t = threading.Thread(target=reader)
     t.start()
     try:
-        for i in range(1, 101):
+        for i in range(1, 31):  # each put is a Raft write with an fsync: 30 of them show the order
             store.set("counter", str(i).encode())
         store.delete_key("before")
-        until(lambda: store.cached("counter") == (True, b"100") and store.cached("before") == (True, None))
+        until(lambda: store.cached("counter") == (True, b"30") and store.cached("before") == (True, None))
     finally:
         stop.set()
         t.join(5)
@@ -81,6 +81,7 @@ def test_view_waits_wake_on_the_write(etcd1):
     assert store.watches == 0
 
 
+@pytest.mark.slow  # waits out a timeout or a window (1-1.7 s): kept out of `make test-fast`
 def test_silent_stream_is_not_trusted_and_is_read_again(etcd1):
     """A stream with no message for stale_after: the view stops answering, then re-reads the prefix."""
     store = fresh_store(etcd1)

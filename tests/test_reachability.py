@@ -178,6 +178,7 @@ def test_judge_fences_nobody_when_everyone_reaches_everyone(coordinator, monkeyp
         _close(replicas)
 
 
+@pytest.mark.slow  # waits out a timeout or a window (1-1.7 s): kept out of `make test-fast`
 def test_no_round_while_a_replica_computes(coordinator, monkeypatch):
     """A slow replica (computing) is not a partition: the others wait on it, nobody is probed."""
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
@@ -194,6 +195,7 @@ def test_no_round_while_a_replica_computes(coordinator, monkeypatch):
         _close(replicas)
 
 
+@pytest.mark.slow  # waits out a timeout or a window (1-1.7 s): kept out of `make test-fast`
 def test_a_restarted_replica_waits_until_it_reaches_the_live_members(coordinator, monkeypatch, capfd):
     """Before asking to rejoin, a restarted replica probes the live members; while one of them does not
     answer (cut off), it waits and says so; once it answers, it goes on."""

@@ -492,7 +492,9 @@ class ControlStore:
     def get_genuine(self, key: str) -> Optional[str]:
         """The value under ``key`` if present and genuine; None if absent or forged (a forged value
         in a register is not a decision: its legitimate writer takes it back)."""
-        raw = self.call(peek, self.raw, key)
+        return self._genuine(key, self.call(peek, self.raw, key))
+
+    def _genuine(self, key: str, raw: Optional[bytes]) -> Optional[str]:
         if raw is None:
             return None
         try:
@@ -519,13 +521,7 @@ class ControlStore:
 
     def recent_genuine(self, key: str) -> Optional[str]:
         """:meth:`get_genuine`, possibly a moment stale."""
-        raw = self.recent_raw(key)
-        if raw is None:
-            return None
-        try:
-            return self.sealer.open(key, raw).decode()
-        except ForgedMessageError:
-            return None
+        return self._genuine(key, self.recent_raw(key))
 
     def recent_count(self, key: str) -> int:
         """A counter's value (``add(key, 0)``), possibly a moment stale."""
