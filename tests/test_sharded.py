@@ -66,7 +66,10 @@ def sharded_job(
     restarts: int = 0,
     replica_size: int = 2,
     tp: int = 1,
+    env: dict[str, str] | None = None,
 ):
+    """Run sharded_train.py as one bounded job (``cli``: "run", "torchrun" or Fabric's own launcher);
+    ``env``: more environment for the job (e.g. an etcd control plane's)."""
     script = [
         SCRIPT,
         out,
@@ -121,7 +124,8 @@ def sharded_job(
         ]
     else:  # Fabric's own launcher (RecoverStrategy(restarts=...))
         cmd = [sys.executable, *script, "--restarts", str(restarts)]
-    result = run_job(cmd, out, timeout=timeout, env={"LIGHTNING_RECOVER_INJECT": inject} if inject else None)
+    env = dict(env or {}, **({"LIGHTNING_RECOVER_INJECT": inject} if inject else {}))
+    result = run_job(cmd, out, timeout=timeout, env=env or None)
     pids = {os.path.basename(p): int(open(p).read()) for p in glob.glob(os.path.join(out, "pid.*"))}
     return result, pids
 

@@ -426,11 +426,7 @@ class Membership:
         except MembershipChanged:
             # A member died while generation 0's group was built, which every survivor's build waits on:
             # the survivors form the next generation before any step.
-            while True:
-                try:
-                    return self.next_generation({"step": -1, "have": []})
-                except MembershipChanged:
-                    continue
+            return form_next_generation(self, {"step": -1, "have": []})
         return self.gen
 
     # ------------------------------------------------------------------ rejoin
@@ -674,3 +670,12 @@ class Membership:
         if gen.pg is not None:
             self.groups.abandon(gen.pg)
             gen.pg = None
+
+
+def form_next_generation(group: Membership, payload: dict) -> Generation:
+    """:meth:`Membership.next_generation`, formed again for as long as a member fails while it is built."""
+    while True:
+        try:
+            return group.next_generation(payload)
+        except MembershipChanged:
+            continue

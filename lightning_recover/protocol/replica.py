@@ -24,7 +24,7 @@ from lightning_recover.protocol.collectives import SurvivorCollectives
 from lightning_recover.protocol.decisions import Decisions
 from lightning_recover.protocol.exact import ExactAccumulator, check_exact_layout
 from lightning_recover.protocol.faults import Fault, FaultInjector
-from lightning_recover.protocol.membership import Membership
+from lightning_recover.protocol.membership import Membership, form_next_generation
 from lightning_recover.protocol.messages import JobSecret
 from lightning_recover.protocol.options import RecoverOptions
 from lightning_recover.protocol.replica_env import read_replica_env
@@ -290,12 +290,7 @@ class Replica:
         self._receive_or_send_state(step, joiner=False)
 
     def _next_generation(self, step: Optional[int], joiner: bool) -> None:
-        while True:
-            try:
-                self.group.next_generation({"step": step, "have": [], "joiner": joiner})
-                return
-            except MembershipChanged:
-                continue
+        form_next_generation(self.group, {"step": step, "have": [], "joiner": joiner})
 
     def _receive_or_send_state(self, step: Optional[int], joiner: bool) -> int:
         """Broadcast the state from the lowest member holding it to the joiners (retried on failure)."""
