@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from lightning_recover.errors import ForgedMessageError, MembershipChanged, RecoverError
 from lightning_recover.protocol.membership import POLL_MIN, SLICE, Membership, backoff
+from lightning_recover.protocol.messages import decode_object
 
 _TAKEBACKS = 16  # times a member writes its own contribution again before calling it an attack
 
@@ -102,8 +103,13 @@ class SurvivorCollectives:
                 raise MembershipChanged(f"collective failed: {exc}") from exc
 
     # ------------------------------------------------------------------ small objects, over the store
-    def _live_contributors(self, prefix: str, mine: Any) -> list[int]:
-        """Wait until every live member wrote ``{prefix}/{r}``; agree on who counts.
+    def _agree(self, prefix: str, mine: Any) -> dict[int, Any]:
+        """Wait until every live member wrote ``{prefix}/{r}``; agree on who counts and what each sent.
+
+        The first member to see every live contribution writes the decision ``{prefix}/set``
+        (one sealed record holding the contributions it read as genuine), so every member returns
+        the same values even if a contribution is overwritten or deleted after it was counted:
+        reading the contributions again after the decision would race with such a write.
 
         This member's own contribution found deleted or forged is written again (the first
         ``_TAKEBACKS`` times). The wait ends within ``hang_timeout + store_timeout``: a peer that does
@@ -120,13 +126,15 @@ class SurvivorCollectives:
         takebacks = 0
         while True:
             agreed = store.get_genuine(f"{prefix}/set")
+            if agreed is None:
+                m.check_health()
+                read = {r: store.get_genuine(f"{prefix}/{r}") for r in members}
+                sent = {r: value for r, value in read.items() if value is not None}
+                missing = set(members) - set(sent)
+                if not missing or not (missing - m.dead(sorted(missing), m.gen.incarnations)):
+                    agreed = store.compare_set(f"{prefix}/set", None, json.dumps({str(r): v for r, v in sent.items()}))
             if agreed is not None:
-                return json.loads(agreed)
-            m.check_health()
-            present = [r for r in members if store.get_genuine(f"{prefix}/{r}") is not None]
-            missing = set(members) - set(present)
-            if not missing or not (missing - m.dead(sorted(missing), m.gen.incarnations)):
-                return json.loads(store.compare_set(f"{prefix}/set", None, json.dumps(present)))
+                return {int(r): decode_object(value.encode()) for r, value in json.loads(agreed).items()}
             if m.replica in missing:
                 takebacks += 1
                 if takebacks > _TAKEBACKS:
@@ -172,8 +180,7 @@ class SurvivorCollectives:
             del self._seq[old]
         prefix = f"x/{number}/{seq}"
         m.store.put_object(f"{prefix}/{m.replica}", obj)
-        who = self._live_contributors(prefix, obj)
-        values = dict(zip(who, m.store.get_objects([f"{prefix}/{r}" for r in who])))
+        values = self._agree(prefix, obj)
         m.progress.note("idle")
         return values
 

@@ -666,10 +666,6 @@ class ControlStore:
     def put_object(self, key: str, obj: Any) -> None:
         self.call(self.raw.set, key, self.sealer.seal(key, encode_object(obj)))
 
-    def get_objects(self, keys: Sequence[str]) -> list[Any]:
-        raw = self.call(self.raw.multi_get, list(keys))
-        return [decode_object(self.sealer.open(k, v)) for k, v in zip(keys, raw)]
-
 
 class SealedStore(dist.Store):
     """A ``dist.Store`` that seals what it writes and verifies what it reads (for gloo's rendezvous)."""
