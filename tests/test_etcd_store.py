@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_recover.control_plane import config
-from lightning_recover.control_plane.etcd_client import EtcdClient, EtcdUnavailable
+from lightning_recover.control_plane.etcd_client import MAX_TRY_TIMEOUT, QUICK_TRIES, EtcdClient, EtcdUnavailable
 from lightning_recover.control_plane.etcd_cluster import LocalEtcdCluster
 from lightning_recover.control_plane.etcd_store import EtcdStore
 from lightning_recover.errors import CoordinatorLostError, RecoverError
@@ -222,3 +222,34 @@ def test_misconfiguration_says_how_to_fix_it(tmp_path, etcd1):
     bare = EtcdClient(etcd1.endpoints, cacert=etcd1.tls_files["cacert"], timeout=1.0)
     with pytest.raises(EtcdUnavailable):
         bare.put(b"k", b"v")
+
+
+def test_a_try_waits_briefly_at_first_then_twice_as_long():
+    """The client's retry policy (etcd_client's docstring): short tries while a leader election may
+    have swallowed a proposal, then doubling ones so a slow but working cluster still answers."""
+    client = EtcdClient(["127.0.0.1:1"], allow_insecure=True)
+    tries = [client.try_timeout_after(n) for n in range(QUICK_TRIES + 4)]
+    assert tries == [0.25] * QUICK_TRIES + [0.5, 1.0, 2.0, MAX_TRY_TIMEOUT]
+
+
+@pytest.mark.slow  # a three-member etcd of its own
+def test_a_member_that_never_answers_costs_one_short_try(tmp_path):
+    """A member frozen mid-request (SIGSTOP: it accepts, never answers, like a follower that forwarded
+    the proposal to a leader that just died) costs one try of ``try_timeout``, then the next member
+    answers (with a 1 s try, as before, every such request stalled 1 s)."""
+    need_etcd()
+    cluster = LocalEtcdCluster(str(tmp_path / "e"), members_count=3).start(timeout=30)
+    frozen = (cluster.leader() + 1) % 3  # a follower: the other two keep a majority
+    client = EtcdClient([cluster.endpoints[(frozen + k) % 3] for k in range(3)], **cluster.tls_files, timeout=5.0)
+    try:
+        client.put(b"/test/frozen/k", b"0")  # connected to the member about to freeze
+        cluster.freeze(frozen)
+        started = time.monotonic()
+        client.put(b"/test/frozen/k", b"1")
+        took = time.monotonic() - started
+        assert took <= client.try_timeout + 0.5, took  # + 0.5 s slack: a TLS connect on a loaded 2-core VM
+        assert client.get(b"/test/frozen/k")[0] == b"1"
+    finally:
+        cluster.freeze(frozen, False)
+        client.close()
+        cluster.stop()

@@ -243,11 +243,18 @@ class LocalEtcdCluster:
             m.proc.send_signal(sig)
             m.proc.wait(10)
 
+    def freeze(self, i: int, frozen: bool = True) -> None:
+        """Stop member ``i`` where it is (SIGSTOP: its connections stay open, nothing answers) or let it go on."""
+        m = self.members[i]
+        if m.proc is not None and m.proc.poll() is None:
+            m.proc.send_signal(signal.SIGSTOP if frozen else signal.SIGCONT)
+
     def stop(self) -> None:
         """End every member this object started (SIGTERM, then SIGKILL after 5 s)."""
         for m in self.members:
             if m.proc is not None and m.proc.poll() is None:
                 m.proc.terminate()
+                m.proc.send_signal(signal.SIGCONT)  # a frozen member must run to end
         deadline = time.monotonic() + 5.0
         for m in self.members:
             if m.proc is not None:

@@ -46,6 +46,10 @@ CAMPAIGN_PERIOD = 0.1
 #: timeout to that minimum). Takeover after the holder's death: <= DEFAULT_LEASE_TTL + CAMPAIGN_PERIOD
 #: + one request (tests/test_etcd_job.py asserts it with 1 s of slack).
 DEFAULT_LEASE_TTL = 2
+#: Seconds between the monitor's reads of every heartbeat (at most heartbeat_timeout / 10). Each read
+#: is a Raft proposal (EtcdStore.peek_many(through_log=True)) that every member applies; at the
+#: embedded coordinator's 20 ms it was about half of the job's proposals (benchmarks/figures/etcdperf.md).
+MONITOR_POLL = 0.1
 
 
 def join_job(settings: EtcdSettings, replicas: int, replica_size: int, timeout: float = 30.0) -> JobSecret:
@@ -172,7 +176,14 @@ class MonitorRole:
         store = self.settings.store()
         try:
             coordinator.run_monitor(
-                store, self.sealer, self.replicas, self.heartbeat_timeout, self.hang_timeout, stop, self.replica_size
+                store,
+                self.sealer,
+                self.replicas,
+                self.heartbeat_timeout,
+                self.hang_timeout,
+                stop,
+                self.replica_size,
+                poll_period=MONITOR_POLL,
             )
         except RecoverError as exc:  # etcd lost while monitoring: the lease loop gives the role up
             self.say(f"monitor of {self.name} stopped: {exc}")

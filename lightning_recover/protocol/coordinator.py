@@ -81,6 +81,7 @@ def run_monitor(
     hang_timeout: float,
     stop: threading.Event,
     replica_size: int = 1,
+    poll_period: float = 0.02,
 ) -> None:
     """Declare dead every replica one of whose processes' heartbeats stopped (killed, frozen,
     coordinator unreachable) or made no progress for ``hang_timeout`` while a peer waited on it
@@ -88,13 +89,16 @@ def run_monitor(
 
     Only fresh, genuine heartbeats count: a forged one, or an old genuine one written back (its
     sequence is below the newest seen, :class:`Freshness`), is dropped, and the replica is judged
-    on the last fresh one, so neither keeps a stopped replica alive past ``timeout``."""
+    on the last fresh one, so neither keeps a stopped replica alive past ``timeout``.
+
+    It reads every ``poll_period`` seconds (at most ``timeout / 10``): a declaration comes at most
+    one period after its bound."""
     procs = [(r, key) for r in range(replicas) for key in _hb_keys(r, replica_size)]
     beats: dict[str, tuple[int, int, float]] = {}  # key -> (incarnation, beat, when it last moved)
     progress: dict[str, tuple[int, int, float]] = {}  # key -> (incarnation, progress count, when it last moved)
     hbs: dict[str, tuple[int, dict]] = {}  # key -> (replica, its last fresh and genuine heartbeat)
     fresh = Freshness("[coordinator]")
-    poll = min(0.02, timeout / 10)
+    poll = min(poll_period, timeout / 10)
     # Every poll reads every heartbeat from the store itself, ordered like a write (etcd: one transaction
     # through the Raft log for all of them): a read that blocks as long as the replicas' heartbeat writes
     # do is how the stall allowance below sees that etcd could not take writes (an election). Reading
