@@ -12,6 +12,9 @@ the TinyGPT job of ``bench overhead`` (``lightning_recover.bench.fabric_gpt``):
 * **leader**: the etcd leader SIGKILLed during training: the longest gap between two commits of any
   replica around the kill, against the usual step (target: <= election timeout + 0.5 s), and no step
   lost or applied twice (every replica's committed steps are 0..S-1 once each).
+* **failover**: the reference for **leader**: a bare client writing in a loop through a follower, the
+  leader SIGKILLed: the longest gap between two of its puts (etcd's election plus the client's retry,
+  nothing of the job).
 * **load**: etcd's own counters (``/metrics``) over a failure-free run: raft proposals (writes), reads,
   watch events per step per replica; and the projection to 2,000 replicas against the write rate this
   cluster sustains (measured here too). Watch events grow with the square of the replicas (every
@@ -35,6 +38,7 @@ import time
 
 from lightning_recover.control_plane.etcd_client import EtcdClient, tls_context
 from lightning_recover.control_plane.etcd_cluster import LocalEtcdCluster
+from lightning_recover.control_plane.etcd_job import MONITOR_POLL
 
 _APPLIED_BY_ALL = {
     "etcd_server_proposals_committed_total",
@@ -228,6 +232,10 @@ def measure(args: argparse.Namespace) -> dict:
             cluster.restart(leader)
         if leader_runs:
             result["leader_kill"] = leader_runs
+        failovers = [bare_failover(cluster) for _ in range(args.leader_kills if "failover" in parts else 0)]
+        if failovers:
+            result["bare_client_failover_s"] = {"runs": failovers, "median": statistics.median(failovers)}
+            print(f"  bare client failover: {[round(x, 3) for x in failovers]}", flush=True)
         if not load:
             return result
         # --- load and its projection
@@ -245,13 +253,40 @@ def measure(args: argparse.Namespace) -> dict:
             "writes_per_s": 2000 * writes_per_s_per_replica,
             "capacity_fraction": 2000 * writes_per_s_per_replica / capacity,
             "step_s_assumed": step_s,
-            # the monitor reads every heartbeat key each poll (coordinator.run_monitor: every 20 ms), in
-            # transactions of 128 ranges ordered through the Raft log (each one a proposal)
-            "monitor_key_reads_per_s": 2000 / 0.02,
-            "monitor_txns_per_s": math.ceil(2000 / 128) / 0.02,
+            # the monitor reads every heartbeat key each poll (etcd_job.MONITOR_POLL), in transactions
+            # of 128 ranges ordered through the Raft log (each one a proposal)
+            "monitor_key_reads_per_s": 2000 / MONITOR_POLL,
+            "monitor_txns_per_s": math.ceil(2000 / 128) / MONITOR_POLL,
             "watch_events_per_s": 2000 * events_per_s_per_replica * 2000 / args.replicas,
         }
     return result
+
+
+def bare_failover(cluster: LocalEtcdCluster) -> float:
+    """The longest gap between two puts of a client writing in a loop through a follower while the
+    leader is SIGKILLed (then restarted)."""
+    leader = cluster.leader()
+    follower_first = [e for i, e in enumerate(cluster.endpoints) if i != leader] + [cluster.endpoints[leader]]
+    client = EtcdClient(follower_first, **cluster.tls_files, allow_insecure=not cluster.tls, timeout=10)
+    done: list[float] = []
+    stop = threading.Event()
+
+    def write() -> None:
+        while not stop.is_set():
+            client.put(b"/bench/failover", str(len(done)).encode())
+            done.append(time.monotonic())
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    time.sleep(0.5)
+    killed = time.monotonic()
+    cluster.kill(leader)
+    time.sleep(2.5)
+    stop.set()
+    writer.join()
+    client.close()
+    cluster.restart(leader)
+    return max(b - a for a, b in zip(done, done[1:]) if b > killed)
 
 
 def _wait_for_step(
@@ -282,7 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--leader-kills", type=int, default=2)
     p.add_argument("--election-ms", type=int, default=500)
     p.add_argument("--dir", default=None)
-    p.add_argument("--parts", default="overhead,kill,leader", help="which measurements (load comes with overhead)")
+    p.add_argument(
+        "--parts", default="overhead,kill,leader,failover", help="which measurements (load comes with overhead)"
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     result = measure(args)
