@@ -18,7 +18,7 @@ from lightning_recover.protocol import Fault
 from lightning_recover.protocol.coordinator import Coordinator
 from lightning_recover.protocol.decisions import Decisions
 from lightning_recover.protocol.membership import Generation, Membership
-from lightning_recover.protocol.messages import ControlStore, JobSecret
+from lightning_recover.protocol.messages import ControlStore, JobSecret, connect
 from tests.inprocess import (
     HEARTBEAT_TIMEOUT,
     JOIN_TIMEOUT,
@@ -259,6 +259,24 @@ def test_restarted_replica_rejoins_with_live_state():
     assert_matches_reference(cluster, [0, 1, 2])
     assert live_per_step(cluster, 0) == [3] + [2] * (k - 1) + [3] * (6 - k)
     assert all(s.computed == 2 for s in joiner.history), "the rejoined replica takes its share"
+
+
+def test_store_collectives_leave_the_keys_of_the_last_one_only():
+    """Three barriers per step over 4 steps: once a collective is decided, the keys of the one before
+    it are deleted (every member counted is done with it), so the store does not grow with each
+    metric, barrier and broadcast of a long run."""
+
+    def before_step(replica: int, step: int) -> None:
+        for _ in range(3):
+            cluster.slot(replica).core.barrier()
+
+    with Cluster(3, steps=4, microbatches=6, before_step=before_step) as cluster:
+        cluster.start().join()
+        store = connect(cluster.coordinator.addr)
+        decided = [seq for seq in range(1, 40) if store.check([f"x/0/{seq}/set"])]
+        left = [seq for seq in range(1, 40) if any(store.check([f"x/0/{seq}/{r}"]) for r in range(3))]
+    assert_matches_reference(cluster, [0, 1, 2])
+    assert decided == left == [12], (decided, left)
 
 
 # ---------------------------------------------------------------------- the commit/retry rule

@@ -181,6 +181,12 @@ class SurvivorCollectives:
         prefix = f"x/{number}/{seq}"
         m.store.put_object(f"{prefix}/{m.replica}", obj)
         values = self._agree(prefix, obj)
+        if seq > 1 and m.replica == min(values):
+            # Every member counted here contributed to this collective, so it is done reading the
+            # previous one (SPMD order); those not counted were declared dead. Its keys can go: one
+            # member deletes them, so the store does not grow with every metric, barrier and broadcast.
+            previous = f"x/{number}/{seq - 1}"
+            m.store.delete_many([f"{previous}/{r}" for r in m.gen.members] + [f"{previous}/set"])
         m.progress.note("idle")
         return values
 
