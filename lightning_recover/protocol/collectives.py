@@ -181,10 +181,12 @@ class SurvivorCollectives:
         prefix = f"x/{number}/{seq}"
         m.store.put_object(f"{prefix}/{m.replica}", obj)
         values = self._agree(prefix, obj)
-        if seq > 1 and m.replica == min(values):
+        if seq > 1 and m.replica == min(values) and m.replica_size == 1:
             # Every member counted here contributed to this collective, so it is done reading the
             # previous one (SPMD order); those not counted were declared dead. Its keys can go: one
             # member deletes them, so the store does not grow with every metric, barrier and broadcast.
+            # Not with K processes per replica: they write one key together, so one of them having
+            # contributed here says nothing of where the others are (they may still read the previous).
             previous = f"x/{number}/{seq - 1}"
             m.store.delete_many([f"{previous}/{r}" for r in m.gen.members] + [f"{previous}/set"])
         m.progress.note("idle")
