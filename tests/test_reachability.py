@@ -162,6 +162,21 @@ def test_judge_fences_the_member_its_peers_cannot_reach(coordinator, monkeypatch
             _close(replicas)
 
 
+def test_the_reason_of_a_fencing_is_found_after_later_rounds(coordinator):
+    """Round 1 fenced replica 2's incarnation 1; round 2 (its next incarnation among the members)
+    opened before incarnation 1's main thread asked why it was excluded: it still gets the reason
+    (CI once saw the generic 'declared dead' instead, the latest round not naming it)."""
+    coord, secret = coordinator
+    store = ControlStore(coord.addr, 0, secret, timeout=5.0)
+    fenced = {"members": {"0": 1, "1": 1, "2": 1}, "keep": [0, 1], "fenced": {"2": {"unreachable": [0, 1]}}}
+    store.set("reach/1/verdict", json.dumps(fenced))
+    store.set("reach/2/verdict", json.dumps({"members": {"0": 1, "1": 1, "2": 2}, "keep": [0, 1, 2], "fenced": {}}))
+    store.add("reach/rounds", 2)
+    assert "has no two-way connection with replicas [0, 1]" in fence_reason(store, 2, 1)
+    assert fence_reason(store, 2, 1, number=2) is None
+    assert fence_reason(store, 2, 2) is None and fence_reason(store, 0, 1) is None
+
+
 def test_judge_fences_nobody_when_everyone_reaches_everyone(coordinator, monkeypatch):
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     coord, secret = coordinator

@@ -327,9 +327,21 @@ def start_responder(
         return None
 
 
+#: Rounds :func:`fence_reason` looks back over: later rounds may open (among the others, or with this
+#: replica's next incarnation) before a fenced incarnation's main thread asks why it was excluded.
+_ROUNDS_LOOKED_BACK = 8
+
+
 def fence_reason(store: ControlStore, replica: int, incarnation: int, number: int | None = None) -> str | None:
-    """Why round ``number`` (default: the latest) fenced this incarnation, or None if it did not."""
-    number = store.add("reach/rounds", 0) if number is None else number
+    """Why round ``number`` fenced this incarnation (default: the latest of the last few rounds that
+    did), or None if it did not."""
+    if number is None:
+        latest = store.add("reach/rounds", 0)
+        for n in range(latest, max(0, latest - _ROUNDS_LOOKED_BACK), -1):
+            reason = fence_reason(store, replica, incarnation, n)
+            if reason:
+                return reason
+        return None
     value = store.get_genuine(f"reach/{number}/verdict") if number > 0 else None
     verdict = json.loads(value) if value else {}
     mine = verdict.get("fenced", {}).get(str(replica))
