@@ -128,8 +128,8 @@ class SurvivorCollectives:
             agreed = store.get_genuine(f"{prefix}/set")
             if agreed is None:
                 m.check_health()
-                read = {r: store.get_genuine(f"{prefix}/{r}") for r in members}
-                sent = {r: value for r, value in read.items() if value is not None}
+                read = store.genuine_many([f"{prefix}/{r}" for r in members])
+                sent = {r: value for r, value in zip(members, read) if value is not None}
                 missing = set(members) - set(sent)
                 if not missing or not (missing - m.dead(sorted(missing), m.gen.incarnations)):
                     agreed = store.compare_set(f"{prefix}/set", None, json.dumps({str(r): v for r, v in sent.items()}))

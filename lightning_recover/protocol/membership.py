@@ -302,12 +302,11 @@ def _generation_listed(store: ControlStore, number: int, members: list[int], rep
             "it stops here so that it never applies a divergent step."
         )
     payloads = {}
-    for r in members:
-        # Never a waiting read: every listed member wrote its payload before it could be listed, so
-        # a missing one was deleted by a client without the secret, which must not stall this reader
-        # until the store's timeout (and then be misnamed a lost coordinator).
-        key = f"g{number}/join/{r}"
-        value = store.get_genuine(key)
+    # Never a waiting read: every listed member wrote its payload before it could be listed, so a
+    # missing one was deleted by a client without the secret, which must not stall this reader until
+    # the store's timeout (and then be misnamed a lost coordinator).
+    keys = [f"g{number}/join/{r}" for r in members]
+    for r, key, value in zip(members, keys, store.genuine_many(keys)):
         if value is None:
             raise ForgedMessageError(
                 f"replica {replica}: the join payload {key!r} of generation {number}'s member {r} "

@@ -594,6 +594,10 @@ class ControlStore:
             return self.call(many, list(keys))
         return [self.call(peek, self.raw, k) for k in keys]
 
+    def genuine_many(self, keys: Sequence[str]) -> list[Optional[str]]:
+        """:meth:`get_genuine` of every key, in one :meth:`peek_many` (one round trip on etcd)."""
+        return [self._genuine(k, raw) for k, raw in zip(keys, self.peek_many(keys))]
+
     def delete_many(self, keys: Sequence[str]) -> None:
         """Delete ``keys`` (cleanup: failures are ignored); one transaction on etcd."""
         many = getattr(self.raw, "delete_many", None)
