@@ -12,9 +12,11 @@ other jobs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -44,6 +46,28 @@ def _until(predicate, timeout: float = RUN_TIMEOUT) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.002)
+
+
+@contextlib.contextmanager
+def _deleting_over_and_over(addr: str, key: str) -> Iterator[list[int]]:
+    """An outsider (a client without the secret) deleting ``key`` every 0.5 ms while the block runs;
+    yields ``[times it deleted something]``."""
+    stop = threading.Event()
+    deleted = [0]
+
+    def delete() -> None:
+        store = connect(addr)
+        while not stop.is_set():
+            deleted[0] += bool(store.delete_key(key))
+            time.sleep(0.0005)
+
+    attacker = threading.Thread(target=delete, name="test-outsider", daemon=True)
+    attacker.start()
+    try:
+        yield deleted
+    finally:
+        stop.set()
+        attacker.join(timeout=5)
 
 
 def _no_wrong_step(cluster: Cluster) -> None:
@@ -381,24 +405,10 @@ def test_a_member_list_deleted_while_the_group_forms_is_written_again():
     """An outsider deletes generation 0's member list over and over while 3 replicas form it: a
     replica that finds it missing writes the same list again (nobody died), and the job trains to
     the end equal to the reference."""
-    stop = threading.Event()
-    deleted = [0]
-
-    def delete_members() -> None:
-        store = connect(cluster.coordinator.addr)
-        while not stop.is_set():
-            deleted[0] += bool(store.delete_key("g0/members"))
-            time.sleep(0.0005)
-
     with Cluster(3, steps=3, microbatches=6) as cluster:
-        attacker = threading.Thread(target=delete_members, name="test-outsider", daemon=True)
-        attacker.start()
-        try:
+        with _deleting_over_and_over(cluster.coordinator.addr, "g0/members") as deleted:
             cluster.start()
             cluster.wait(lambda: all(0 in cluster.slot(r).applied for r in range(3)))
-        finally:
-            stop.set()
-            attacker.join(timeout=5)
         cluster.join()
     assert deleted[0] >= 1
     _finished_equal_to_reference(cluster, [0, 1, 2])
@@ -411,24 +421,10 @@ def test_a_join_payload_deleted_while_a_generation_forms_is_written_again_or_nam
     taken away: only replicas whose payload is there get listed) stops at once with
     ForgedMessageError naming it. Before, both reads waited for store_timeout and ended misnamed
     CoordinatorLostError. Nobody stalls, nobody applies a wrong step, a finisher equals the reference."""
-    stop = threading.Event()
-    deleted = [0]
-
-    def delete_payload() -> None:
-        store = connect(cluster.coordinator.addr)
-        while not stop.is_set():
-            deleted[0] += bool(store.delete_key("g1/join/0"))
-            time.sleep(0.0005)
-
     with Cluster(3, steps=4, microbatches=6, faults=[Fault("kill", 2, 1, "backward")]) as cluster:
-        attacker = threading.Thread(target=delete_payload, name="test-outsider", daemon=True)
-        attacker.start()
-        try:
+        with _deleting_over_and_over(cluster.coordinator.addr, "g1/join/0") as deleted:
             cluster.start()
             cluster.wait(lambda: all(slot.finished.is_set() for slot in cluster.slots))
-        finally:
-            stop.set()
-            attacker.join(timeout=5)
         cluster.join()
     assert deleted[0] >= 1
     errors = [slot for slot in cluster.slots if slot.outcome == "error"]
