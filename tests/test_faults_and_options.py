@@ -4,7 +4,7 @@ import pytest
 
 from lightning_recover.data import MicrobatchSource
 from lightning_recover.protocol.faults import Fault, FaultInjector, parse_faults
-from lightning_recover.protocol.options import RecoverOptions
+from lightning_recover.protocol.options import DEFAULT_HEARTBEAT_INTERVAL, ETCD_HEARTBEAT_INTERVAL_MAX, RecoverOptions
 
 
 def test_parse_several_faults():
@@ -56,6 +56,17 @@ def test_bad_fault_specs_say_what_is_expected(spec, message):
 def test_bad_options_raise_with_hint(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RecoverOptions(**kwargs)
+
+
+def test_the_default_heartbeat_period_is_the_control_planes():
+    """0.1 s on the embedded coordinator; on etcd a quarter of heartbeat_timeout up to 0.25 s (each beat is a
+    Raft write there); a heartbeat_interval given is used on both."""
+    assert RecoverOptions().heartbeat_period(etcd=False) == DEFAULT_HEARTBEAT_INTERVAL == 0.1
+    assert RecoverOptions().heartbeat_period(etcd=True) == ETCD_HEARTBEAT_INTERVAL_MAX == 0.25
+    assert RecoverOptions(heartbeat_timeout=0.6).heartbeat_period(etcd=True) == 0.15
+    assert RecoverOptions(heartbeat_interval=0.05).heartbeat_period(etcd=True) == 0.05
+    with pytest.raises(ValueError, match="heartbeat_interval must be a positive"):
+        RecoverOptions(heartbeat_interval=float("nan"))
 
 
 def test_microbatches_smaller_than_replicas_is_refused_with_hint():

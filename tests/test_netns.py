@@ -20,6 +20,7 @@ import time
 
 import pytest
 
+from lightning_recover.control_plane.etcd_cluster import DEFAULT_ELECTION_MS, DEFAULT_HEARTBEAT_MS
 from lightning_recover.protocol.reachability import exclusion_bound, probe_timeout_for
 from tests.hosts import Hosts
 from tests.jobs import ROOT, max_relative_difference
@@ -311,9 +312,9 @@ class EtcdOnHosts:
             ]
             argv += [
                 "--heartbeat-interval",
-                "50",
+                str(DEFAULT_HEARTBEAT_MS),
                 "--election-timeout",
-                "500",
+                str(DEFAULT_ELECTION_MS),
                 "--log-level",
                 "warn",
                 "--logger",

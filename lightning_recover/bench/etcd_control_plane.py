@@ -2,7 +2,7 @@
 
     python -m lightning_recover.bench.etcd_control_plane --json benchmarks/results/etcd32_targets.json
 
-On a fresh local 3-member TLS etcd (``LocalEtcdCluster``, election timeout 500 ms), with 4 replicas of
+On a fresh local 3-member TLS etcd (``LocalEtcdCluster``, its default election timeout), with 4 replicas of
 the TinyGPT job of ``bench overhead`` (``lightning_recover.bench.fabric_gpt``):
 
 * **overhead**: failure-free median step time, embedded vs etcd, runs alternated; the median of the
@@ -37,7 +37,7 @@ import threading
 import time
 
 from lightning_recover.control_plane.etcd_client import EtcdClient, tls_context
-from lightning_recover.control_plane.etcd_cluster import LocalEtcdCluster
+from lightning_recover.control_plane.etcd_cluster import DEFAULT_ELECTION_MS, LocalEtcdCluster
 from lightning_recover.control_plane.etcd_job import MONITOR_POLL
 
 _APPLIED_BY_ALL = {
@@ -55,6 +55,8 @@ _METRICS = (
     "etcd_mvcc_delete_total",
     "etcd_debugging_mvcc_events_total",
 )
+#: elections each member saw (the largest count of the members that answer; not summed)
+_LEADER_CHANGES = "etcd_server_leader_changes_seen_total"
 
 
 def _start(args: list[str], out: str, env_extra: dict[str, str], inject: str | None = None) -> subprocess.Popen:
@@ -85,16 +87,21 @@ def _records(out: str) -> dict[str, list[dict]]:
     return {n[:-5]: json.load(open(os.path.join(out, n))) for n in os.listdir(out) if n.endswith(".json")}
 
 
+#: the TinyGPT size of the jobs (``--layers``/``--width``: a longer step, same control-plane traffic per step)
+MODEL = {"layers": 2, "width": 128}
+
+
 def _job_args(replicas: int, steps: int) -> list[str]:
     return ["--strategy", "recover", "--replicas", str(replicas), "--steps", str(steps)] + [
         "--microbatches",
         str(2 * replicas),
+        *("--layers", str(MODEL["layers"]), "--width", str(MODEL["width"])),
     ]
 
 
 def metrics(cluster: LocalEtcdCluster) -> dict[str, float]:
     """etcd's counters, summed over the members that answer (``GET /metrics``)."""
-    total = dict.fromkeys(_METRICS, 0.0)
+    total = dict.fromkeys((*_METRICS, _LEADER_CHANGES), 0.0)
     ctx = tls_context(**cluster.tls_files) if cluster.tls else None
     for m in cluster.members:
         if m.proc is None or m.proc.poll() is not None:
@@ -108,10 +115,24 @@ def metrics(cluster: LocalEtcdCluster) -> dict[str, float]:
         conn.request("GET", "/metrics")
         for line in conn.getresponse().read().decode().splitlines():
             name = line.split("{")[0].split(" ")[0]
-            if name in total:
+            if name == _LEADER_CHANGES:
+                total[name] = max(total[name], float(line.rsplit(" ", 1)[1]))
+            elif name in total:
                 total[name] += float(line.rsplit(" ", 1)[1])
         conn.close()
     return total
+
+
+def members_cpu_seconds(cluster: LocalEtcdCluster) -> float:
+    """User + system CPU seconds the running members used so far (``/proc/PID/stat``)."""
+    total = 0
+    for m in cluster.members:
+        if m.proc is None or m.proc.poll() is not None:
+            continue
+        with open(f"/proc/{m.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def write_capacity(cluster: LocalEtcdCluster, clients: int = 8, seconds: float = 3.0) -> float:
@@ -141,7 +162,7 @@ def step_median(out: str, warmup: int) -> float:
 
 def measure(args: argparse.Namespace) -> dict:
     work = args.dir or tempfile.mkdtemp(prefix="lr-etcd32-")
-    result: dict = {"replicas": args.replicas, "steps": args.steps}
+    result: dict = {"replicas": args.replicas, "steps": args.steps, "model": dict(MODEL)}
     with LocalEtcdCluster(os.path.join(work, "etcd"), election_ms=args.election_ms) as cluster:
         etcd_env = cluster.environment()
         result["election_timeout_s"] = args.election_ms / 1000
@@ -154,9 +175,11 @@ def measure(args: argparse.Namespace) -> dict:
             for mode in list(modes)[rep % 2 :] + list(modes)[: rep % 2]:
                 out = os.path.join(work, f"free-{mode}{rep}")
                 before = metrics(cluster) if mode == "etcd" else None
+                cpu, began = members_cpu_seconds(cluster), time.monotonic()
                 _finish(_start(_job_args(args.replicas, args.steps), out, modes[mode]), out)
                 if before is not None:
                     after = metrics(cluster)
+                    cores = (members_cpu_seconds(cluster) - cpu) / (time.monotonic() - began)
                     per = args.steps * args.replicas
                     # Writes are applied by every member (counted 3 times); reads and watch events only by
                     # the member that served them. Read-only transactions (check, multi_get) are served
@@ -164,6 +187,9 @@ def measure(args: argparse.Namespace) -> dict:
                     load.append(
                         {k: (after[k] - before[k]) / per / (3 if k in _APPLIED_BY_ALL else 1) for k in _METRICS}
                     )
+                    # elections during a failure-free run are spurious (a member missed the leader's beats)
+                    load[-1]["leader_changes_in_run"] = after[_LEADER_CHANGES] - before[_LEADER_CHANGES]
+                    load[-1]["etcd_cores"] = cores  # the members' CPU over the whole job, start-up included
                 times[mode].append(step_median(out, 3))
                 print(f"  {mode:8s} run {rep}: median step {times[mode][-1] * 1e3:.1f} ms", flush=True)
         if times["etcd"]:
@@ -244,6 +270,8 @@ def measure(args: argparse.Namespace) -> dict:
         step_s = statistics.median(times["etcd"])
         writes_per_s_per_replica = mean_load["etcd_server_proposals_committed_total"] / step_s
         result["load_per_step_per_replica"] = mean_load
+        result["spurious_leader_changes"] = [x["leader_changes_in_run"] for x in load]
+        result["etcd_members_cores"] = [x["etcd_cores"] for x in load]
         result["write_capacity_puts_per_s"] = capacity
         # Watch events: every process's watched view (control_plane/etcd_watch.py) receives every write
         # under the job's prefix, so the events sent per replica grow with the number of replicas: the
@@ -315,13 +343,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=4)
     p.add_argument("--kills", type=int, default=4)
     p.add_argument("--leader-kills", type=int, default=2)
-    p.add_argument("--election-ms", type=int, default=500)
+    p.add_argument("--election-ms", type=int, default=DEFAULT_ELECTION_MS)
+    p.add_argument("--layers", type=int, default=MODEL["layers"], help="TinyGPT layers (a longer step)")
+    p.add_argument("--width", type=int, default=MODEL["width"], help="TinyGPT width (a longer step)")
     p.add_argument("--dir", default=None)
     p.add_argument(
         "--parts", default="overhead,kill,leader,failover", help="which measurements (load comes with overhead)"
     )
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    MODEL.update(layers=args.layers, width=args.width)
     result = measure(args)
     print(json.dumps(result, indent=1))
     if args.json:

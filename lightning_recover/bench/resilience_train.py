@@ -125,7 +125,7 @@ def run_recover(args: argparse.Namespace) -> None:
     strategy = RecoverStrategy(
         microbatches=args.microbatches,
         heartbeat_timeout=args.heartbeat_timeout,
-        heartbeat_interval=min(0.1, args.heartbeat_timeout / 5),
+        heartbeat_interval=None if args.heartbeat_timeout >= 0.5 else args.heartbeat_timeout / 5,
         seed=args.seed,
         restarts=args.restarts,
         standby=args.standby,

@@ -30,10 +30,14 @@ from dataclasses import dataclass, field
 from lightning_recover import env
 from lightning_recover.errors import RecoverError
 
-#: etcd's own defaults are 100 ms / 1000 ms; tests and the docs use a shorter election timeout so
-#: a leader's death costs ~1 s, not ~2 s (DESIGN.md "Round 3": SIGKILL of the leader -> next put 1.54 s at 1 s).
+#: etcd's own defaults are 100 ms / 1000 ms (SIGKILL of the leader -> next put 1.54 s; DESIGN.md "Round 3").
+#: A leader's death stalls writes for etcd's election, whose timer fires 1-2x the election timeout after the
+#: last beat, plus up to one 0.25 s client try: "election timeout + 0.5 s" holds only up to ~250 ms. At 250 ms
+#: a training job's stall was 0.30-0.63 s over 16 kills, and no election happened in 12 loaded failure-free runs
+#: (benchmarks/figures/etcdperf.md, "Session 5"); at 500 ms 2 of 13 stalls passed 1.0 s. etcd needs the
+#: election timeout >= 5 x the heartbeat interval.
 DEFAULT_HEARTBEAT_MS = 50
-DEFAULT_ELECTION_MS = 500
+DEFAULT_ELECTION_MS = 250
 _STATE = "cluster.json"
 
 

@@ -66,16 +66,17 @@ class ReplicaLauncher(_Launcher):
             sharding.validate(devices, opts.microbatches)
         opts.resolve_microbatches(self._strategy.num_replicas)
         check_plan(os.environ.get(env.INJECT), self._strategy.num_replicas, env.INJECT)
+        control_plane = control_plane_of(opts)
         code = supervise(
             self._command(),
             self._strategy.num_replicas,
             heartbeat_timeout=opts.heartbeat_timeout,
-            heartbeat_interval=opts.heartbeat_interval,
+            heartbeat_interval=opts.heartbeat_period(etcd=control_plane is not None),
             hang_timeout=opts.hang_timeout,
             restarts=opts.restarts,
             nproc_per_replica=K,
             standby=opts.standby,
-            control_plane=control_plane_of(opts),
+            control_plane=control_plane,
         )
         # The supervisor never runs the training code itself: its job ends with the replicas'. Its objects
         # move to the collector's permanent generation first, so that the interpreter's exit does not spend

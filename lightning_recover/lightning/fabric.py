@@ -85,7 +85,8 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
             Must be at least the number of replicas.
         quota: ``"equal"`` (default) or ``"throughput"`` (quotas proportional to each replica's
             measured microbatch speed, for heterogeneous or straggling replicas).
-        heartbeat_interval: seconds between heartbeats of a replica.
+        heartbeat_interval: seconds between heartbeats of a replica (default: 0.1 on the embedded
+            coordinator; ``min(heartbeat_timeout / 4, 0.25)`` on etcd, where each beat is a Raft write).
         heartbeat_timeout: seconds without heartbeat after which a replica is declared dead (how
             fast a *frozen* replica is dropped; killed ones are noticed at once).
         hang_timeout: seconds a replica's main thread may make no progress while its peers wait on

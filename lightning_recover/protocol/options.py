@@ -6,8 +6,15 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-#: The replicas' default heartbeat period; launchers check ``--heartbeat-timeout`` against it.
+#: The replicas' default heartbeat period on the embedded coordinator; launchers check
+#: ``--heartbeat-timeout`` against it.
 DEFAULT_HEARTBEAT_INTERVAL = 0.1
+#: The longest default heartbeat period on etcd (``heartbeat_timeout / 4`` up to this). There every beat is a
+#: Raft write that each member applies and every process's watch receives, and on a 2-core host their CPU is
+#: the replicas': 0.25 s instead of 0.1 s measured 1.13x instead of 1.21x failure-free step time against the
+#: embedded coordinator (benchmarks/figures/etcdperf.md, "Session 5"). Not longer: a watched view counts a
+#: stream silent for 1 s as lost (control_plane/etcd_watch.py), and heartbeats keep it talking.
+ETCD_HEARTBEAT_INTERVAL_MAX = 0.25
 
 
 def check_seconds(name: str, value: object) -> float:
@@ -50,7 +57,8 @@ class RecoverOptions:
 
     microbatches: Optional[int] = None
     quota: str = "equal"
-    heartbeat_interval: float = 0.1
+    #: None: DEFAULT_HEARTBEAT_INTERVAL on the embedded coordinator, min(heartbeat_timeout / 4, 0.25) on etcd
+    heartbeat_interval: Optional[float] = None
     heartbeat_timeout: float = 1.0
     hang_timeout: float = 60.0
     join_timeout: float = 60.0
@@ -69,8 +77,9 @@ class RecoverOptions:
     def __post_init__(self) -> None:
         if self.quota not in ("equal", "throughput"):
             raise ValueError(f"quota must be 'equal' or 'throughput', got {self.quota!r}")
+        if self.heartbeat_interval is not None:
+            check_seconds("heartbeat_interval", self.heartbeat_interval)
         for name in (
-            "heartbeat_interval",
             "heartbeat_timeout",
             "hang_timeout",
             "join_timeout",
@@ -78,7 +87,7 @@ class RecoverOptions:
             "startup_timeout",
         ):
             check_seconds(name, getattr(self, name))
-        check_heartbeat_timeout(self.heartbeat_timeout, self.heartbeat_interval)
+        check_heartbeat_timeout(self.heartbeat_timeout, self.heartbeat_period(etcd=False))
         if self.hang_timeout <= self.heartbeat_timeout:
             raise ValueError(
                 f"hang_timeout ({self.hang_timeout}s) must exceed heartbeat_timeout ({self.heartbeat_timeout}s): it is "
@@ -92,6 +101,13 @@ class RecoverOptions:
         check_standby(self.standby, self.restarts)
         if not isinstance(self.exact, bool):
             raise ValueError(f"exact must be True or False, got {self.exact!r}")
+
+    def heartbeat_period(self, etcd: bool) -> float:
+        """Seconds between a replica's heartbeats: ``heartbeat_interval`` if given, else the default of the
+        control plane (a beat costs a Raft write on etcd, a memory write on the embedded coordinator)."""
+        if self.heartbeat_interval is not None:
+            return self.heartbeat_interval
+        return min(self.heartbeat_timeout / 4, ETCD_HEARTBEAT_INTERVAL_MAX) if etcd else DEFAULT_HEARTBEAT_INTERVAL
 
     @property
     def store_timeout(self) -> float:

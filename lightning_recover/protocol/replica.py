@@ -77,7 +77,7 @@ class Replica:
             addr,
             replica,
             num_replicas,
-            heartbeat_interval=options.heartbeat_interval,
+            heartbeat_interval=options.heartbeat_period(etcd=addr.startswith("etcd")),
             join_timeout=options.join_timeout,
             collective_timeout=options.collective_timeout,
             startup_timeout=options.startup_timeout,
