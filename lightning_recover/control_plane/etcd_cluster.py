@@ -33,8 +33,8 @@ from lightning_recover.errors import RecoverError
 #: etcd's own defaults are 100 ms / 1000 ms (SIGKILL of the leader -> next put 1.54 s; DESIGN.md "Round 3").
 #: A leader's death stalls writes for etcd's election, whose timer fires 1-2x the election timeout after the
 #: last beat, plus up to one 0.25 s client try: "election timeout + 0.5 s" holds only up to ~250 ms. At 250 ms
-#: a training job's stall was 0.30-0.63 s over 16 kills, and no election happened in 12 loaded failure-free runs
-#: (benchmarks/figures/etcdperf.md, "Session 5"); at 500 ms 2 of 13 stalls passed 1.0 s. etcd needs the
+#: 27 of 28 training stalls were within 0.75 s (one 0.91 s), and no election happened in 22 loaded failure-free
+#: runs (benchmarks/figures/etcdperf.md, "Session 5"); at 500 ms 2 of 13 stalls passed 1.0 s. etcd needs the
 #: election timeout >= 5 x the heartbeat interval.
 DEFAULT_HEARTBEAT_MS = 50
 DEFAULT_ELECTION_MS = 250
