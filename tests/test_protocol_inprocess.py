@@ -15,6 +15,7 @@ import pytest
 
 from lightning_recover.errors import ReplicaExcludedError
 from lightning_recover.protocol import Fault
+from lightning_recover.protocol.collectives import SurvivorCollectives
 from lightning_recover.protocol.coordinator import Coordinator
 from lightning_recover.protocol.decisions import Decisions
 from lightning_recover.protocol.membership import Generation, Membership
@@ -277,6 +278,45 @@ def test_store_collectives_leave_the_keys_of_the_last_one_only():
         left = [seq for seq in range(1, 40) if any(store.check([f"x/0/{seq}/{r}"]) for r in range(3))]
     assert_matches_reference(cluster, [0, 1, 2])
     assert decided == left == [12], (decided, left)
+
+
+def test_store_collectives_of_replicas_of_two_processes_leave_the_last_ones_keys_only():
+    """2 replicas of K = 2 processes each, every process on its own connection, one of them late to each
+    of 10 exchanges: every process reads the same values (each replica's process 0's), nobody fails on a key
+    deleted under it (each process contributes under its own key, so a decided collective means every
+    process is done with the one before), and only the last collective's keys remain."""
+    secret = JobSecret.generate()
+    coordinator = Coordinator("127.0.0.1", 0, 2, HEARTBEAT_TIMEOUT, secret, replica_size=2)
+    results: dict[tuple[int, int], list] = {}
+    errors: list[BaseException] = []
+
+    def process(r: int, i: int) -> None:
+        m = Membership(coordinator.addr, r, 2, secret=secret, inner=i, replica_size=2)
+        m.store = ControlStore(coordinator.addr, r, secret)
+        m.incarnation = 1
+        m.gen = Generation(0, [0, 1], {0: 1, 1: 1}, {})
+        collectives = SurvivorCollectives(m)
+        try:
+            for n in range(10):
+                if (r, i) == (1, 1):
+                    time.sleep(0.05)  # the others run ahead to the next exchange and wait for this one
+                results.setdefault((r, i), []).append(collectives.exchange((n, r, i)))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=process, args=(r, i)) for r in range(2) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(RUN_TIMEOUT)
+    assert not errors, errors
+    expected = [{0: (n, 0, 0), 1: (n, 1, 0)} for n in range(10)]
+    assert all(results[(r, i)] == expected for r in range(2) for i in range(2)), results
+    store = connect(coordinator.addr)
+    keys = [f"x/0/{seq}/{r}.{i}" for seq in range(1, 12) for r in range(2) for i in range(2)]
+    left = sorted({int(k.split("/")[2]) for k in keys if store.check([k])})
+    decided = [seq for seq in range(1, 12) if store.check([f"x/0/{seq}/set"])]
+    assert left == decided == [10], (left, decided)
 
 
 # ---------------------------------------------------------------------- the commit/retry rule

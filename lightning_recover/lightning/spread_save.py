@@ -37,8 +37,8 @@ def save_over_live_replicas(
 
     stale: list[str] = []  # tokens of failed rounds: the next committer removes what is left of them
     while True:
-        # The K processes of a replica write the same store key in an exchange, so each replica
-        # contributes one value, agreed inside it first.
+        # An exchange returns each replica's process-0 value; the value is agreed inside the replica
+        # first, so all K processes contribute the same one.
         mine = torch.tensor([secrets.randbits(62)], dtype=torch.int64, device=device)
         dist.broadcast(mine, src=0)
         seen = replica.exchange(int(mine.item()))

@@ -103,8 +103,17 @@ class SurvivorCollectives:
                 raise MembershipChanged(f"collective failed: {exc}") from exc
 
     # ------------------------------------------------------------------ small objects, over the store
+    def _contribution_key(self, prefix: str, replica: int, inner: int) -> str:
+        # One key per process: with K processes per replica, every one of them contributes, so a decided
+        # collective says that each process of each member counted is done with the one before it.
+        return f"{prefix}/{replica}" if self.membership.replica_size == 1 else f"{prefix}/{replica}.{inner}"
+
+    def _contribution_keys(self, prefix: str, members: Sequence[int]) -> list[str]:
+        return [self._contribution_key(prefix, r, i) for r in members for i in range(self.membership.replica_size)]
+
     def _agree(self, prefix: str, mine: Any) -> dict[int, Any]:
-        """Wait until every live member wrote ``{prefix}/{r}``; agree on who counts and what each sent.
+        """Wait until every process of every live member wrote its contribution under ``prefix``; agree on
+        who counts and what each member sent (with K processes per replica: its process 0's value).
 
         The first member to see every live contribution writes the decision ``{prefix}/set``
         (one sealed record holding the contributions it read as genuine), so every member returns
@@ -124,34 +133,42 @@ class SurvivorCollectives:
         bound = m.hang_timeout + m.store_timeout
         deadline = time.monotonic() + bound
         takebacks = 0
+        k = m.replica_size
+        own = self._contribution_key(prefix, m.replica, m.inner)
         while True:
             agreed = store.get_genuine(f"{prefix}/set")
             if agreed is None:
                 m.check_health()
-                read = store.genuine_many([f"{prefix}/{r}" for r in members])
-                sent = {r: value for r, value in zip(members, read) if value is not None}
+                read = store.genuine_many(self._contribution_keys(prefix, members))
+                # a member counts once all its K processes contributed; its value is its process 0's
+                sent = {
+                    r: read[n * k] for n, r in enumerate(members) if all(v is not None for v in read[n * k : n * k + k])
+                }
+                own_missing = read[members.index(m.replica) * k + m.inner] is None
                 missing = set(members) - set(sent)
                 if not missing or not (missing - m.dead(sorted(missing), m.gen.incarnations)):
                     agreed = store.compare_set(f"{prefix}/set", None, json.dumps({str(r): v for r, v in sent.items()}))
             if agreed is not None:
                 return {int(r): decode_object(value.encode()) for r, value in json.loads(agreed).items()}
-            if m.replica in missing:
+            if own_missing:
                 takebacks += 1
                 if takebacks > _TAKEBACKS:
                     raise ForgedMessageError(
-                        f"replica {m.replica}: its contribution {prefix}/{m.replica} keeps being deleted or "
+                        f"replica {m.replica}: its contribution {own} keeps being deleted or "
                         "overwritten by a client without the job's secret"
                     )
                 print(
-                    f"[lightning-recover] replica {m.replica}: wrote again its contribution {prefix}/{m.replica} "
+                    f"[lightning-recover] replica {m.replica}: wrote again its contribution {own} "
                     "(deleted or overwritten)",
                     file=sys.stderr,
                     flush=True,
                 )
-                store.put_object(f"{prefix}/{m.replica}", mine)
+                store.put_object(own, mine)
                 continue
             if time.monotonic() > deadline:
-                forged = sorted(r for r in missing if store.has(f"{prefix}/{r}"))
+                forged = sorted(
+                    r for r in missing if any(store.has(key) for key in self._contribution_keys(prefix, [r]))
+                )
                 if forged:
                     raise ForgedMessageError(
                         f"replica {m.replica}: the contributions of replicas {forged} to {prefix} failed "
@@ -179,16 +196,15 @@ class SurvivorCollectives:
         for old in [g for g in self._seq if g < number]:
             del self._seq[old]
         prefix = f"x/{number}/{seq}"
-        m.store.put_object(f"{prefix}/{m.replica}", obj)
+        m.store.put_object(self._contribution_key(prefix, m.replica, m.inner), obj)
         values = self._agree(prefix, obj)
-        if seq > 1 and m.replica == min(values) and m.replica_size == 1:
-            # Every member counted here contributed to this collective, so it is done reading the
-            # previous one (SPMD order); those not counted were declared dead. Its keys can go: one
-            # member deletes them, so the store does not grow with every metric, barrier and broadcast.
-            # Not with K processes per replica: they write one key together, so one of them having
-            # contributed here says nothing of where the others are (they may still read the previous).
+        if seq > 1 and m.replica == min(values) and m.inner == 0:
+            # Every process of every member counted here contributed to this collective, so it is done
+            # reading the previous one (SPMD order); members not counted were declared dead. Its keys can
+            # go: one process deletes them, so the store does not grow with every metric, barrier and
+            # broadcast.
             previous = f"x/{number}/{seq - 1}"
-            m.store.delete_many([f"{previous}/{r}" for r in m.gen.members] + [f"{previous}/set"])
+            m.store.delete_many(self._contribution_keys(previous, m.gen.members) + [f"{previous}/set"])
         m.progress.note("idle")
         return values
 
