@@ -280,6 +280,18 @@ def test_store_collectives_leave_the_keys_of_the_last_one_only():
     assert decided == left == [12], (decided, left)
 
 
+def _member_of_generation_0(
+    coordinator: Coordinator, secret: JobSecret, replicas: int, r: int, inner: int = 0, replica_size: int = 1
+) -> Membership:
+    """Process ``inner`` of replica ``r``, incarnation 1, in generation 0 of all ``replicas``, on its own
+    store connection: no heartbeat, no process group (the store-only parts of the protocol)."""
+    m = Membership(coordinator.addr, r, replicas, secret=secret, inner=inner, replica_size=replica_size)
+    m.store = ControlStore(coordinator.addr, r, secret)
+    m.incarnation = 1
+    m.gen = Generation(0, list(range(replicas)), dict.fromkeys(range(replicas), 1), {})
+    return m
+
+
 def test_store_collectives_of_replicas_of_two_processes_leave_the_last_ones_keys_only():
     """2 replicas of K = 2 processes each, every process on its own connection, one of them late to each
     of 10 exchanges: every process reads the same values (each replica's process 0's), nobody fails on a key
@@ -291,11 +303,7 @@ def test_store_collectives_of_replicas_of_two_processes_leave_the_last_ones_keys
     errors: list[BaseException] = []
 
     def process(r: int, i: int) -> None:
-        m = Membership(coordinator.addr, r, 2, secret=secret, inner=i, replica_size=2)
-        m.store = ControlStore(coordinator.addr, r, secret)
-        m.incarnation = 1
-        m.gen = Generation(0, [0, 1], {0: 1, 1: 1}, {})
-        collectives = SurvivorCollectives(m)
+        collectives = SurvivorCollectives(_member_of_generation_0(coordinator, secret, 2, r, inner=i, replica_size=2))
         try:
             for n in range(10):
                 if (r, i) == (1, 1):
@@ -325,13 +333,7 @@ def decisions():
     """One Decisions per member of generation 0 of 3 replicas, each on its own store connection."""
     secret = JobSecret.generate()
     coordinator = Coordinator("127.0.0.1", 0, 3, HEARTBEAT_TIMEOUT, secret)
-    out = []
-    for r in range(3):
-        m = Membership(coordinator.addr, r, 3, secret=secret)
-        m.store = ControlStore(coordinator.addr, r, secret)
-        m.incarnation = 1
-        m.gen = Generation(0, [0, 1, 2], {0: 1, 1: 1, 2: 1}, {})
-        out.append(Decisions(m))
+    out = [Decisions(_member_of_generation_0(coordinator, secret, 3, r)) for r in range(3)]
     yield out
     del out, coordinator  # the last reference to the server store: stops it
 
