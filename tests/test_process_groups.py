@@ -3,7 +3,8 @@
 A survivor's operation on a failed generation's group can wait behind data it will never receive;
 left alone it ends only at ``collective_timeout`` while gloo's event loop spins on the unread socket.
 :meth:`ProcessGroups.abandon` shuts the group's connections down (so the operation fails now) and
-destroys the group once its operations ended (its threads go away).
+destroys the group once its operations ended (its threads go away). And a build given up on (in
+process) leaves the process to end with ``os._exit``, whatever stopped the wait for it.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch.distributed as dist
 
+from lightning_recover.errors import ForgedMessageError
+from lightning_recover.protocol.process_groups import ProcessGroups
 from tests.jobs import kill_group
 
 COLLECTIVE_TIMEOUT = 60.0  # what the stuck operation would otherwise wait for
@@ -125,3 +129,26 @@ def test_a_group_whose_operation_cannot_be_failed_gets_idle_threads():
     assert result["gloo_threads_after"] == result["gloo_threads_of_group"], result  # kept, not destroyed
     SCHED_IDLE = 5
     assert result["gloo_policies"] == [SCHED_IDLE] * len(result["gloo_threads_of_group"]), result
+
+
+def test_a_failure_check_that_raises_during_a_build_still_ends_the_process_without_destructors():
+    """The check run while a group is built can raise (a forged control value, a named error): the
+    build still waits in gloo's connect, so the process must end with os._exit as after a failed
+    member; destroying the waiting build at interpreter exit aborted a replica (SIGABRT)."""
+    # Rank 1 never comes: the build waits until the timeout (0.5 s), then its thread ends.
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=0.5)
+    )
+    groups = ProcessGroups("gloo", collective_timeout=0.5)
+
+    def forged() -> bool:
+        raise ForgedMessageError("control-plane value under 'gen/latest' is not sealed (1 bytes)")
+
+    with pytest.raises(ForgedMessageError):
+        groups.build(dist.PrefixStore("g0", store), 0, 0, 2, forged)
+    assert groups.abandoned_work
+    # This process (pytest) does not end with os._exit: let the build fail at the store's timeout first.
+    for thread in threading.enumerate():
+        if thread.name == "lr-build-g0":
+            thread.join(timeout=30)
+            assert not thread.is_alive()

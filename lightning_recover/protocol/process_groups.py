@@ -89,7 +89,15 @@ class ProcessGroups:
         thread.start()
         delay = _POLL_MIN
         while thread.is_alive():
-            if failure_seen():
+            try:
+                failed = failure_seen()
+            except BaseException:
+                # The check itself failed (a forged control value: a named error ends the replica).
+                # The build still waits in gloo's connect: the process must end with os._exit too,
+                # as destroying it at interpreter exit aborts the process (SIGABRT, seen in a test).
+                self._stuck_builds.append(thread)
+                raise
+            if failed:
                 self._stuck_builds.append(thread)
                 raise MembershipChanged(f"a member of generation {number} failed while it was being built")
             thread.join(delay)
