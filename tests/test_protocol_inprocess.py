@@ -8,6 +8,7 @@ kill, hang and raise are acted out in threads.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -176,6 +177,27 @@ def test_falsely_suspected_replica_stops_and_never_applies_another_step():
     assert max_relative_difference(victim.state, reference(6, 4)[1]) <= TOL, "its state is the committed step 0"
     assert_matches_reference(cluster, [0, 2])
     assert live_per_step(cluster, 0) == [3, 2, 2, 2]
+
+
+@pytest.mark.parametrize("partition", [True, False])
+def test_a_replica_left_out_of_the_next_member_list_names_its_partition(partition):
+    """Replica 2 reaches the next generation's member list before its own death notice (CI saw this
+    order in the netns asymmetric-partition test): where the monitor fenced it for a network partition,
+    the error names the partition, as when the death notice comes first; otherwise it says it was left out."""
+    secret = JobSecret.generate()
+    coordinator = Coordinator("127.0.0.1", 0, 3, HEARTBEAT_TIMEOUT, secret)
+    member = _member_of_generation_0(coordinator, secret, 3, 2)
+    if partition:
+        verdict = {"members": {"0": 1, "1": 1, "2": 1}, "keep": [0, 1], "fenced": {"2": {"unreachable": [0, 1]}}}
+        member.store.set("reach/1/verdict", json.dumps(verdict))
+        member.store.add("reach/rounds", 1)
+    member.store.set("g1/members", json.dumps([0, 1]))  # the others closed generation 1 without it
+    with pytest.raises(ReplicaExcludedError) as excluded:
+        member.next_generation({"step": 0, "have": []})
+    if partition:
+        assert "replica 2 has no two-way connection with replicas [0, 1]" in str(excluded.value)
+    else:
+        assert "replica 2 was left out of generation 1" in str(excluded.value)
 
 
 def declared_dead_before_step_2(steps: int) -> Cluster:

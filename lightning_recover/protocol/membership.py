@@ -295,12 +295,8 @@ class Generation:
 
 
 def _generation_listed(store: ControlStore, number: int, members: list[int], replica: int) -> Generation:
-    """Generation ``number`` as its member list names it, with the members' join payloads."""
-    if replica not in members:
-        raise ReplicaExcludedError(
-            f"replica {replica} was left out of generation {number} (the others suspected it dead); "
-            "it stops here so that it never applies a divergent step."
-        )
+    """Generation ``number`` as its member list names it (``replica``, this process's, among them), with the
+    members' join payloads."""
     payloads = {}
     # Never a waiting read: every listed member wrote its payload before it could be listed, so a
     # missing one was deleted by a client without the secret, which must not stall this reader until
@@ -520,15 +516,17 @@ class Membership:
         if self._heartbeat is not None and self._heartbeat.excluded:
             raise self._declared_dead()
 
+    def _excluded(self, why: str) -> ReplicaExcludedError:
+        """The error that stops this replica once the group went on without it, however it noticed (its
+        death notice, a member list without it, a newer generation): a replica fenced for a network
+        partition names the partition, whichever it noticed first; otherwise ``why``."""
+        partition = fence_reason(self.store, self.replica, self.incarnation)  # protocol.reachability's verdicts
+        return ReplicaExcludedError(f"replica {self.replica} {partition or why}")
+
     def _declared_dead(self) -> ReplicaExcludedError:
-        # Cut off from its peers' data network (protocol.reachability) or stale/stalled (the monitor).
-        partition = fence_reason(self.store, self.replica, self.incarnation)
-        if partition:
-            return ReplicaExcludedError(f"replica {self.replica} {partition}")
-        return ReplicaExcludedError(
-            f"replica {self.replica} was declared dead by the group (missed heartbeats or stalled) and must not "
-            "apply further steps; it stops here. HINT: raise heartbeat_timeout/hang_timeout if this replica was "
-            "only slow."
+        return self._excluded(
+            "was declared dead by the group (missed heartbeats or stalled) and must not apply further steps; it "
+            "stops here. HINT: raise heartbeat_timeout/hang_timeout if this replica was only slow."
         )
 
     def dead(self, replicas: Sequence[int], incarnations: dict[int, int], recent: bool = False) -> set[int]:
@@ -576,9 +574,9 @@ class Membership:
         if latest == g + 1:
             self.store.add("events", 1)
         elif latest > g + 1:
-            raise ReplicaExcludedError(
-                f"replica {self.replica} fell behind: the group is at generation {latest} and this replica "
-                f"left generation {g}; it stops here so that it never applies a divergent step."
+            raise self._excluded(
+                f"fell behind: the group is at generation {latest} and this replica left generation {g}; it stops "
+                "here so that it never applies a divergent step."
             )
         for r, inc in (invite or {}).items():
             self.store.set(f"g{g + 1}/invite/{r}", str(inc))
@@ -634,7 +632,13 @@ class Membership:
             listed = self.store.compare_set(f"{prefix}/members", None, json.dumps(members))
             break
         # The value read, not a second read (the key may be deleted meanwhile).
-        gen = _generation_listed(self.store, number, json.loads(listed), self.replica)
+        members = json.loads(listed)
+        if self.replica not in members:
+            raise self._excluded(
+                f"was left out of generation {number} (the others suspected it dead); it stops here so that it "
+                "never applies a divergent step."
+            )
+        gen = _generation_listed(self.store, number, members, self.replica)
         self._build_pg(gen)
         self._events_seen = -1
         return gen
