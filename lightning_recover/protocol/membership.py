@@ -280,6 +280,22 @@ def pause(store: ControlStore, delay: float) -> float:
     return backoff(delay)
 
 
+#: Why a replica stops when its death notice is what it noticed (see :func:`exclusion_error`).
+DECLARED_DEAD = (
+    "was declared dead by the group (missed heartbeats or stalled) and must not apply further steps; it "
+    "stops here. HINT: raise heartbeat_timeout/hang_timeout if this replica was only slow."
+)
+
+
+def exclusion_error(store: ControlStore, replica: int, incarnation: int, why: str) -> ReplicaExcludedError:
+    """The error that stops a replica once the group went on without it, however it noticed (its death
+    notice, a member list without it, a newer generation): a replica fenced for a network partition names
+    the partition (:func:`~lightning_recover.protocol.reachability.fence_reason`), whichever it noticed
+    first; otherwise ``why``."""
+    partition = fence_reason(store, replica, incarnation)
+    return ReplicaExcludedError(f"replica {replica} {partition or why}")
+
+
 @dataclass
 class Generation:
     number: int
@@ -514,20 +530,10 @@ class Membership:
                 f"(heartbeat failed: {self._heartbeat.error}). " + COORDINATOR_LOST_HINT
             )
         if self._heartbeat is not None and self._heartbeat.excluded:
-            raise self._declared_dead()
+            raise self._excluded()
 
-    def _excluded(self, why: str) -> ReplicaExcludedError:
-        """The error that stops this replica once the group went on without it, however it noticed (its
-        death notice, a member list without it, a newer generation): a replica fenced for a network
-        partition names the partition, whichever it noticed first; otherwise ``why``."""
-        partition = fence_reason(self.store, self.replica, self.incarnation)  # protocol.reachability's verdicts
-        return ReplicaExcludedError(f"replica {self.replica} {partition or why}")
-
-    def _declared_dead(self) -> ReplicaExcludedError:
-        return self._excluded(
-            "was declared dead by the group (missed heartbeats or stalled) and must not apply further steps; it "
-            "stops here. HINT: raise heartbeat_timeout/hang_timeout if this replica was only slow."
-        )
+    def _excluded(self, why: str = DECLARED_DEAD) -> ReplicaExcludedError:
+        return exclusion_error(self.store, self.replica, self.incarnation, why)
 
     def dead(self, replicas: Sequence[int], incarnations: dict[int, int], recent: bool = False) -> set[int]:
         if not replicas:
@@ -552,7 +558,7 @@ class Membership:
             return True
         dead = self.dead(self.gen.members, self.gen.incarnations)
         if self.replica in dead:
-            raise self._declared_dead()
+            raise self._excluded()
         if dead:
             return True
         self._events_seen = events
