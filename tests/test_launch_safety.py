@@ -6,6 +6,7 @@ session's processes, read from /proc) in a ``finally``. Measured bounds are prin
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import re
@@ -14,12 +15,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from lightning_recover import cli, env
 from lightning_recover.launch import coordinator_process, supervisor
+from lightning_recover.protocol.coordinator import Coordinator
 from lightning_recover.protocol.faults import Fault, FaultInjector, parse_faults
 from lightning_recover.protocol.messages import JobSecret
 from lightning_recover.protocol.options import RecoverOptions
@@ -141,6 +144,38 @@ def test_coordinator_listens_only_on_the_given_address(host, tmp_path):
     finally:
         coord.proc.kill()
         coord.proc.wait()
+
+
+@pytest.mark.timeout(60)
+def test_a_coordinator_closes_its_listening_socket_once():
+    """The store's server owns the coordinator's listening socket once it serves on it, and closes it when
+    the store is destroyed. The Coordinator closing it too closed the number twice: in a process that
+    goes on (the in-process tests), the second close hit another thread's fresh socket (CI: EBADF in a
+    later test's set-up; 42 in 100 coordinator lifetimes here before the fix)."""
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def open_sockets_meanwhile() -> None:
+        while not stop.is_set():
+            with socket.socket() as sock:
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)
+                except OSError as exc:  # its number was closed under it
+                    errors.append(repr(exc))
+
+    thread = threading.Thread(target=open_sockets_meanwhile)
+    thread.start()
+    try:
+        secret = JobSecret.generate()
+        for _ in range(15):
+            coordinator = Coordinator("127.0.0.1", 0, 2, 1.0, secret)
+            del coordinator
+            gc.collect()
+    finally:
+        stop.set()
+        thread.join(10)
+    assert errors == []
 
 
 # ---------------------------------------------------------------------------- item 8: nothing orphaned

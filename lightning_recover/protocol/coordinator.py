@@ -216,17 +216,24 @@ class Coordinator:
         self.heartbeat_timeout = heartbeat_timeout
         self.hang_timeout = hang_timeout
         self.sealer = Sealer(secret)
-        # The store serves on this socket; keep it referenced as long as the store lives.
-        self.socket = listen_socket(host, port)
-        self.store = dist.TCPStore(
-            host,
-            self.socket.getsockname()[1],
-            is_master=True,
-            wait_for_workers=False,
-            timeout=_STORE_TIMEOUT,
-            use_libuv=True,
-            master_listen_fd=self.socket.fileno(),
-        )
+        listener = listen_socket(host, port)
+        try:
+            self.store = dist.TCPStore(
+                host,
+                listener.getsockname()[1],
+                is_master=True,
+                wait_for_workers=False,
+                timeout=_STORE_TIMEOUT,
+                use_libuv=True,
+                master_listen_fd=listener.fileno(),
+            )
+        except BaseException:
+            listener.close()
+            raise
+        # The store's server now owns the socket and closes it when the store is destroyed. Closing it here
+        # too (when this object is collected) closed the number twice: in a process that goes on (the
+        # in-process tests) the second close hit whatever another thread had opened under it meanwhile.
+        listener.detach()
         init_keys(self.store, self.sealer, replicas, replica_size)
 
     @property
