@@ -146,18 +146,26 @@ REAP_TIMEOUT = 120.0
 
 def _where(pid: int) -> str:
     """The state, kernel wait channel and kernel stack of each thread of ``pid`` (what blocks its exit)."""
+
+    def read(path: str) -> str:
+        try:
+            with open(path) as f:
+                return f.read().strip()
+        except OSError as exc:
+            return f"({exc.strerror})"
+
+    task = f"/proc/{pid}/task"
+    try:
+        tids = sorted(os.listdir(task))
+    except OSError:
+        return "no such process"
     found = []
-    for tid in sorted(os.listdir(f"/proc/{pid}/task")) if os.path.isdir(f"/proc/{pid}/task") else []:
-        parts = []
-        for name in ("stat", "wchan", "stack"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/{name}") as f:
-                    text = f.read().strip()
-            except OSError as exc:
-                text = f"({exc.strerror})"
-            parts.append(text.rsplit(")", 1)[-1].split()[0] if name == "stat" and ")" in text else text)
-        found.append(f"thread {tid}: state {parts[0]}, wchan {parts[1]}, stack {parts[2]!r}")
-    return "; ".join(found) or "no such process"
+    for tid in tids:
+        stat = read(f"{task}/{tid}/stat")
+        state = stat.rsplit(")", 1)[1].split()[0] if ")" in stat else stat  # the field after the command name
+        wchan, stack = read(f"{task}/{tid}/wchan"), read(f"{task}/{tid}/stack")
+        found.append(f"thread {tid}: state {state}, wchan {wchan}, stack {stack!r}")
+    return "; ".join(found)
 
 
 @pytest.mark.slow

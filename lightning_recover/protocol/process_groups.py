@@ -88,20 +88,18 @@ class ProcessGroups:
         thread = threading.Thread(target=run, name=f"lr-build-g{number}", daemon=True)
         thread.start()
         delay = _POLL_MIN
-        while thread.is_alive():
-            try:
-                failed = failure_seen()
-            except BaseException:
-                # The check itself failed (a forged control value: a named error ends the replica).
-                # The build still waits in gloo's connect: the process must end with os._exit too,
-                # as destroying it at interpreter exit aborts the process (SIGABRT, seen in a test).
-                self._stuck_builds.append(thread)
-                raise
-            if failed:
-                self._stuck_builds.append(thread)
-                raise MembershipChanged(f"a member of generation {number} failed while it was being built")
-            thread.join(delay)
-            delay = min(delay * 2, _POLL_MAX)
+        try:
+            while thread.is_alive():
+                if failure_seen():
+                    raise MembershipChanged(f"a member of generation {number} failed while it was being built")
+                thread.join(delay)
+                delay = min(delay * 2, _POLL_MAX)
+        except BaseException:
+            # Whatever ends the wait (a member failed, or the check itself raised: a forged control value)
+            # leaves the build in gloo's connect: the process must then end with os._exit, as destroying
+            # the build at interpreter exit aborts the process (SIGABRT, seen in a test).
+            self._stuck_builds.append(thread)
+            raise
         if "error" in result:
             raise MembershipChanged(f"building generation {number} failed: {result['error']}")
         return result["pg"]
