@@ -4,6 +4,7 @@ gloo rendezvous through it, and the named errors of a lost or misconfigured etcd
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 import time
 
@@ -13,10 +14,10 @@ import torch.distributed as dist
 
 from lightning_recover.control_plane import config
 from lightning_recover.control_plane.etcd_client import MAX_TRY_TIMEOUT, QUICK_TRIES, EtcdClient, EtcdUnavailable
-from lightning_recover.control_plane.etcd_cluster import LocalEtcdCluster
+from lightning_recover.control_plane.etcd_cluster import LocalEtcdCluster, member_environment
 from lightning_recover.control_plane.etcd_store import EtcdStore
 from lightning_recover.errors import CoordinatorLostError, RecoverError
-from lightning_recover.protocol.messages import ControlStore, JobSecret
+from lightning_recover.protocol.messages import ControlStore, JobSecret, recent_many
 from tests.etcd_cluster_fixtures import need_etcd
 
 _count = [0]
@@ -64,6 +65,23 @@ def test_same_answers_as_tcpstore(etcd1):
         got = getattr(ours, op)(*args)
         assert got == expected, (op, args, got, expected)
     assert ours.num_keys() == 6  # r, c, fresh, m1, m2, ap ("absent" was never created, "a" deleted)
+
+
+def test_recent_many_on_the_tcpstore_is_one_multi_get():
+    store = tcp_store()
+    store.multi_set(["a", "b"], [b"1", b"2"])
+    assert recent_many(store, ["b", "a"]) == [b"2", b"1"]
+
+
+def test_local_members_get_their_share_of_the_cores(etcd1):
+    """Go's GOMAXPROCS of a local member: the caller's if set, else the host's cores over the members."""
+    with open(f"/proc/{etcd1.members[0].proc.pid}/environ", "rb") as f:
+        environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    expected = os.environ.get("GOMAXPROCS") or str(max(1, len(os.sched_getaffinity(0)) // 1))
+    assert environ[b"GOMAXPROCS"] == expected.encode()
+    assert member_environment(3)["GOMAXPROCS"] == os.environ.get(
+        "GOMAXPROCS", str(max(1, len(os.sched_getaffinity(0)) // 3))
+    )
 
 
 def test_more_keys_than_one_transaction_holds(etcd1):

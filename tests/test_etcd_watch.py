@@ -18,7 +18,7 @@ from lightning_recover.control_plane.etcd_client import EtcdClient
 from lightning_recover.control_plane.etcd_store import EtcdStore
 from lightning_recover.control_plane.etcd_watch import WatchView
 from lightning_recover.errors import ForgedMessageError
-from lightning_recover.protocol.messages import ControlStore, JobSecret
+from lightning_recover.protocol.messages import ControlStore, JobSecret, recent_many
 
 _count = [0]
 
@@ -79,6 +79,22 @@ def test_view_waits_wake_on_the_write(etcd1):
     # EtcdStore.wait is served by the running view too (no watch connection of its own)
     store.wait(["late"])
     assert store.watches == 0
+
+
+def test_many_keys_come_from_the_view_only_while_it_holds_them_all(etcd1):
+    """``recent_many`` (a launcher's poll of ``inc/*`` and ``declared/*``): no round trip while the view is
+    current and holds every key; a read of etcd when a key is missing from it or the view is not current."""
+    store = fresh_store(etcd1)
+    store.multi_set(["a", "b"], [b"1", b"2"])
+    until(lambda: store.cached_many(["a", "b"]) == [b"1", b"2"])
+    assert store.cached_many(["a", "missing"]) is None
+    before = store.client.requests
+    assert recent_many(store, ["a", "b"]) == [b"1", b"2"]
+    assert store.client.requests == before  # answered by the view
+    store.view.close()  # a view that is not current answers nothing: etcd is read
+    assert store.cached_many(["a"]) is None
+    assert recent_many(store, ["b", "a"]) == [b"2", b"1"]
+    assert store.client.requests == before + 1
 
 
 @pytest.mark.slow  # waits out a timeout or a window (1-1.7 s): kept out of `make test-fast`

@@ -15,6 +15,9 @@ the TinyGPT job of ``bench overhead`` (``lightning_recover.bench.fabric_gpt``):
 * **failover**: the reference for **leader**: a bare client writing in a loop through a follower, the
   leader SIGKILLed: the longest gap between two of its puts (etcd's election plus the client's retry,
   nothing of the job).
+* **cost**: what each kind of request costs the members in CPU, and the floor that sets for the step ratio
+  on this host (``lightning_recover.bench.etcd_request_cost``): at the embedded runs' median step when
+  **overhead** ran too, and at a 1 s step.
 * **load**: etcd's own counters (``/metrics``) over a failure-free run: raft proposals (writes), reads,
   watch events per step per replica; and the projection to 2,000 replicas against the write rate this
   cluster sustains (measured here too). Watch events grow with the square of the replicas (every
@@ -36,6 +39,7 @@ import tempfile
 import threading
 import time
 
+from lightning_recover.bench.etcd_request_cost import floor, measure_costs
 from lightning_recover.control_plane.etcd_client import EtcdClient, tls_context
 from lightning_recover.control_plane.etcd_cluster import DEFAULT_ELECTION_MS, LocalEtcdCluster
 from lightning_recover.control_plane.etcd_job import MONITOR_POLL
@@ -168,6 +172,9 @@ def measure(args: argparse.Namespace) -> dict:
         result["election_timeout_s"] = args.election_ms / 1000
         modes = {"embedded": {}, "etcd": etcd_env}
         parts = set(args.parts.split(","))
+        if "cost" in parts:  # first, on the idle cluster: nothing else may use the cores meanwhile
+            result["request_cost"] = measure_costs(cluster)
+            print(f"  request cost: {result['request_cost']}", flush=True)
         # --- overhead and load (failure-free runs, alternated)
         times: dict[str, list[float]] = {m: [] for m in modes}
         load = []
@@ -222,6 +229,9 @@ def measure(args: argparse.Namespace) -> dict:
                 ]
                 kills[mode].append(max(nxt) - fault_at)
                 print(f"  {mode:8s} kill {i} ({phase}): next commit after {kills[mode][-1]:.3f}s", flush=True)
+        if "request_cost" in result:
+            steps_s = [statistics.median(times["embedded"])] if times["embedded"] else []
+            result["floor"] = [floor(result["request_cost"], args.replicas, s) for s in steps_s + [1.0]]
         if kills["etcd"]:
             result["kill_next_commit_s"] = {m: {"runs": v, "median": statistics.median(v)} for m, v in kills.items()}
         # --- etcd leader SIGKILL during training

@@ -41,6 +41,16 @@ DEFAULT_ELECTION_MS = 250
 _STATE = "cluster.json"
 
 
+def member_environment(members: int) -> dict[str, str]:
+    """A local member's environment: Go's ``GOMAXPROCS`` set to the member's share of this host's cores,
+    unless the caller set it. Go gives every process all the cores by default; members sharing a host
+    (with the job's processes) then spend CPU on idle runtime threads: one core each on a 2-core host used
+    about 30 % less CPU per put (benchmarks/figures/etcdperf.md, "Session 7")."""
+    out = dict(os.environ)
+    out.setdefault("GOMAXPROCS", str(max(1, len(os.sched_getaffinity(0)) // members)))
+    return out
+
+
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
@@ -231,6 +241,7 @@ class LocalEtcdCluster:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            env=member_environment(len(self.members)),
         )
         log.close()
         m.pid = m.proc.pid

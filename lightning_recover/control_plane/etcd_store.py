@@ -141,6 +141,11 @@ class EtcdStore(dist.Store):
         (then the caller reads etcd). May be slightly stale, never older than an answer it gave before."""
         return self.view.lookup(self._k(key))
 
+    def cached_many(self, keys: Sequence[str]) -> Optional[list[bytes]]:
+        """Every key's value from the watched view while it is current and holds them all; None otherwise
+        (then the caller reads etcd)."""
+        return self.view.lookup_many([self._k(k) for k in keys])
+
     def cached_wait(self, key: str, timeout: float) -> Optional[bool]:
         """Wait up to ``timeout`` seconds for ``key`` to appear in the watched view: True/False; None when
         the view is not current (the caller waits on etcd instead)."""

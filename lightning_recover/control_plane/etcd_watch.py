@@ -90,6 +90,13 @@ class WatchView:
                 return None
             return self._values[key], self._mods[key]
 
+    def lookup_many(self, keys: list[bytes]) -> Optional[list[bytes]]:
+        """Every key's value while healthy and every key is in the view; else None: ask etcd instead."""
+        with self._cond:
+            if not self._healthy() or any(k not in self._values for k in keys):
+                return None
+            return [self._values[k] for k in keys]
+
     def wait_for(self, keys: list[bytes], timeout: float) -> Optional[bool]:
         """True once every key is in the view, False after ``timeout`` seconds; None as soon as the view
         is (or becomes) unhealthy: the caller waits on etcd itself for what is left of its time."""

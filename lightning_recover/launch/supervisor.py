@@ -54,7 +54,15 @@ from lightning_recover.launch.job_dir import JobDir
 from lightning_recover.launch.process_tree import children_map, describe_exit, is_stopped, kill_tree
 from lightning_recover.launch.standby_pool import StandbyPool
 from lightning_recover.protocol.faults import check_plan
-from lightning_recover.protocol.messages import JobSecret, Sealer, connect, mark_dead, read_death, read_declared
+from lightning_recover.protocol.messages import (
+    JobSecret,
+    Sealer,
+    connect,
+    mark_dead,
+    read_death,
+    read_declared,
+    recent_many,
+)
 from lightning_recover.protocol.options import (
     DEFAULT_HEARTBEAT_INTERVAL,
     check_heartbeat_timeout,
@@ -236,7 +244,7 @@ class _DeathReader:
     def _declarations(self, store: Any) -> dict[int, tuple[int, int]]:
         """Replica -> (current incarnation, incarnation the coordinator's monitor declared dead)."""
         n = self.replicas
-        raw = store.multi_get([f"inc/{r}" for r in range(n)] + [f"declared/{r}" for r in range(n)])
+        raw = recent_many(store, [f"inc/{r}" for r in range(n)] + [f"declared/{r}" for r in range(n)])
         out = {}
         for r in range(n):
             try:
@@ -247,14 +255,16 @@ class _DeathReader:
 
     def _deaths(self, store: Any) -> dict[int, tuple[int, int, bool]]:
         """Replica -> (current incarnation, incarnation declared dead, whether it left cleanly)."""
+        n = self.replicas
+        raw = recent_many(store, [f"inc/{r}" for r in range(n)] + [f"dead/{r}" for r in range(n)])
         out = {}
-        for r in range(self.replicas):
+        for r in range(n):
             try:
-                inc = int(store.add(f"inc/{r}", 0))
-                dead = read_death(self.sealer, r, store.get(f"dead/{r}"))
-                out[r] = (inc, dead, dead >= inc and store.check([f"left/{r}/{inc}"]))
+                inc = int(raw[r])
+                dead = read_death(self.sealer, r, raw[n + r])
             except ValueError:
                 continue
+            out[r] = (inc, dead, dead >= inc and store.check([f"left/{r}/{inc}"]))
         return out
 
 
