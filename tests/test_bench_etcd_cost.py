@@ -1,8 +1,8 @@
 """``bench etcd_control_plane --parts cost``: what each etcd request costs the members in CPU, and the floor
 that sets for the step ratio on a shared host (``lightning_recover.bench.etcd_request_cost``).
 
-The arithmetic of the floor is checked in-process; the measurement itself runs briefly on the module's
-one-member etcd (a real cluster: the numbers are this host's, so only their form is asserted).
+The arithmetic of the floor is checked in-process (fast); the measurement itself runs briefly on the
+one-member etcd (slow) (a real cluster: the numbers are this host's, so only their form is asserted).
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ def test_floor_is_idle_plus_one_report_per_replica_per_step():
     assert longer["implied_step_ratio"] < f["implied_step_ratio"]  # a longer step: fewer reports per second
 
 
+@pytest.mark.slow  # a real measurement of 8 phases (about 3 s): kept out of `make test-fast`
 def test_every_request_kind_is_measured(etcd1):
-    costs = measure_costs(etcd1, rate=50, seconds=0.4, watchers=2)
+    costs = measure_costs(etcd1, rate=50, seconds=0.2, watchers=2)
     assert set(costs["ms_per_request"]) == {
         "put",
         "report_txn",

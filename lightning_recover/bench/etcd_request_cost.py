@@ -92,7 +92,9 @@ def measure_costs(cluster: LocalEtcdCluster, rate: float = 100.0, seconds: float
         used, n = cores(request)
         out["ms_per_request"][name] = (used - idle) * 1e3 / rate if n else None
     views = [WatchView(client.clone(), _PREFIX).start() for _ in range(watchers)]
-    time.sleep(1.0)
+    deadline = time.monotonic() + 10.0
+    while not all(v.healthy for v in views) and time.monotonic() < deadline:
+        time.sleep(0.01)  # every watcher synced before the count starts
     watched, _ = cores(_requests(cluster, client)["put"])
     events = sum(v.events for v in views)
     for v in views:
