@@ -18,6 +18,7 @@ from lightning_recover.control_plane.etcd_client import EtcdClient
 from lightning_recover.control_plane.etcd_store import EtcdStore
 from lightning_recover.control_plane.etcd_watch import WatchView
 from lightning_recover.errors import ForgedMessageError
+from lightning_recover.protocol.membership import Heartbeat, Progress
 from lightning_recover.protocol.messages import ControlStore, JobSecret, recent_many
 
 _count = [0]
@@ -224,3 +225,46 @@ def test_cleanup_rides_on_the_report(etcd1):
     assert store.peek_many(kept) == [b"x"] * len(kept)
     with pytest.raises(ValueError):
         store.put_and_decide("s3/g0/done/1", b"r", [], "s3/g0/dec", b"commit", forget_prefix="s3/")
+
+
+def test_a_heartbeat_rides_on_the_report_and_the_thread_skips_its_own(etcd1):
+    """While reports come more often than the beat period, every beat rides on a report transaction (the
+    heartbeat thread writes none of its own); once they stop, the thread beats again within a period. The
+    sequence under ``hb/0`` only grows, so the monitor never drops a beat as a replay."""
+    secret = JobSecret.generate()
+    replica = ControlStore("etcd://test", 0, secret, store=fresh_store(etcd1))
+    monitor = ControlStore("etcd://test", 9, secret, store=replica.raw.clone())
+    period = 0.2
+    heartbeat = Heartbeat(replica, 0, 1, period, Progress())
+    heartbeat.start()
+    seen: list[int] = []
+    rode: list[int] = []
+
+    def read() -> None:
+        fresh = monitor.get_fresh("hb/0")  # (sequence, payload); the same value again is accepted
+        if fresh is not None and (not seen or fresh[0] != seen[-1]):
+            seen.append(fresh[0])
+
+    def report(beat):
+        if beat is not None:
+            rode.append(beat[2])
+        return replica.report_and_decide(f"s{len(rode)}/done/0", "1", {}, f"s{len(rode)}/dec", "commit", beat=beat)
+
+    try:
+        read()
+        first = seen[-1]  # the beat start() wrote
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:  # a report every 30 ms: a beat is due every other 0.1 s
+            assert heartbeat.ride(report) in ("commit", None)
+            read()
+            time.sleep(0.03)
+        read()
+        assert len(rode) >= 5
+        assert set(seen) - {first} <= set(rode), "the heartbeat thread wrote a beat while reports carried them"
+        time.sleep(3 * period)  # no reports: the thread's own beats again
+        read()
+        assert seen[-1] not in rode and seen[-1] > max(rode)
+        assert seen == sorted(seen)
+        assert monitor.freshness.replays == {}
+    finally:
+        heartbeat.stop()

@@ -273,11 +273,13 @@ class EtcdStore(dist.Store):
         register: str,
         decision: Any,
         forget_prefix: Optional[str] = None,
+        also: Sequence[tuple[str, Any]] = (),
     ) -> Optional[bytes]:
         """Write ``key`` and, in the same transaction, ``decision`` into ``register`` if the register is
         still absent and every ``(key, value)`` of ``expected`` holds exactly that value. Returns the
         register's value now (``decision`` when this call decided; None while nobody has).
         ``forget_prefix``: also delete every key under that prefix (cleanup riding on the same request).
+        ``also``: more ``(key, value)`` written whatever the outcome (a heartbeat riding on the report).
 
         One round trip: of concurrent callers whose expectations name each other's keys, exactly one
         decides (transactions are serialized; the last writer sees every other report). A retry after an
@@ -293,10 +295,11 @@ class EtcdStore(dist.Store):
             if k.startswith(gone) or reg.startswith(gone):
                 raise ValueError(f"put_and_decide would delete its own keys under {forget_prefix!r}")
             cleanup = [ec.op_delete(gone, ec.prefix_end(gone))]
+        extra = [ec.op_put(self._k(a), _as_bytes(v)) for a, v in also]
         answer = self.client.txn(
             compare,
-            [ec.op_put(k, _as_bytes(value)), ec.op_put(reg, _as_bytes(decision)), *cleanup],
-            [ec.op_put(k, _as_bytes(value)), ec.op_get(reg), *cleanup],
+            [ec.op_put(k, _as_bytes(value)), ec.op_put(reg, _as_bytes(decision)), *extra, *cleanup],
+            [ec.op_put(k, _as_bytes(value)), ec.op_get(reg), *extra, *cleanup],
         )
         if answer.get("succeeded"):
             return _as_bytes(decision)

@@ -20,6 +20,7 @@ TCPStore the report is a write, a check of the others' reports and a ``compare_s
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 from lightning_recover.errors import ForgedMessageError, ReplicaExcludedError
 from lightning_recover.protocol.membership import POLL_MIN, SLICE, Membership, backoff
@@ -103,14 +104,20 @@ class Decisions:
         # The keys of an old step the leader forgot go in the same request (never this step's own).
         step = int(key[1:].split("/", 1)[0])
         old = next((s for s in self._forget if s != step), None)
-        decided = m.store.report_and_decide(
-            f"{key}/done/{me}",
-            str(m.incarnation),
-            expected,
-            f"{key}/dec",
-            self._commit_value(),
-            forget_prefix=None if old is None else f"s{old}/",
-        )
+
+        def report(beat: Optional[tuple[str, str, int]]) -> Optional[str]:
+            return m.store.report_and_decide(
+                f"{key}/done/{me}",
+                str(m.incarnation),
+                expected,
+                f"{key}/dec",
+                self._commit_value(),
+                forget_prefix=None if old is None else f"s{old}/",
+                beat=beat,
+            )
+
+        # The replica's heartbeat rides on the report when one is due (no Raft write of its own).
+        decided = report(None) if m.heartbeat is None else m.heartbeat.ride(report)
         if old is not None:
             self._forget.remove(old)
         if decided is not None:

@@ -579,13 +579,16 @@ class ControlStore:
         register: str,
         decision: str,
         forget_prefix: Optional[str] = None,
+        beat: Optional[tuple[str, str, int]] = None,
     ) -> Optional[str]:
         """Write the sealed ``value`` under ``key`` and, in the same transaction, ``decision`` into the
         empty ``register`` if every key of ``expected`` holds its sealed value (etcd only, see
-        ``EtcdStore.put_and_decide``; ``forget_prefix``: delete the keys under it in the same request).
+        ``EtcdStore.put_and_decide``; ``forget_prefix``: delete the keys under it in the same request;
+        ``beat``: a heartbeat ``(key, payload, sequence)`` written with it, see ``Heartbeat.ride``).
         Returns the register's decision now, None while undecided; :class:`ForgedMessageError` if the
         register holds a forged value (the caller takes it back)."""
         sealed = [(k, self.sealer.seal(k, v.encode())) for k, v in expected.items()]
+        also = [] if beat is None else [(beat[0], self.sealer.seal(beat[0], beat[1].encode(), beat[2]))]
         got = self.call(
             self.raw.put_and_decide,
             key,
@@ -594,6 +597,7 @@ class ControlStore:
             register,
             self.sealer.seal(register, decision.encode()),
             forget_prefix,
+            also,
         )
         return None if got is None else self.sealer.open(register, got).decode()
 
