@@ -13,8 +13,9 @@ secret can complete the count; a decision value is bound by its MAC to its (step
 On a store with transactions (etcd) a report is one round trip: the member's report and, if every
 other member's sealed report is already there (compared by value: a sealed report is deterministic)
 and the register is empty, ``commit`` in the same transaction (``ControlStore.report_and_decide``).
-The other members are woken by the process's watched view, not by polling the register. On the
-TCPStore the report is a write, a check of the others' reports and a ``compare_set``, as before.
+The other members are woken by the process's watched view, not by polling the register; the replica's
+heartbeat rides on the same transaction when one is due (``Heartbeat.ride``). On the TCPStore the report
+is a write, a check of the others' reports and a ``compare_set``, as before.
 """
 
 from __future__ import annotations
