@@ -39,7 +39,7 @@ import tempfile
 import threading
 import time
 
-from lightning_recover.bench.etcd_request_cost import floor, measure_costs
+from lightning_recover.bench.etcd_request_cost import floor, measure_costs, members_cpu_seconds
 from lightning_recover.control_plane.etcd_client import EtcdClient, tls_context
 from lightning_recover.control_plane.etcd_cluster import DEFAULT_ELECTION_MS, LocalEtcdCluster
 from lightning_recover.control_plane.etcd_job import MONITOR_POLL
@@ -125,18 +125,6 @@ def metrics(cluster: LocalEtcdCluster) -> dict[str, float]:
                 total[name] += float(line.rsplit(" ", 1)[1])
         conn.close()
     return total
-
-
-def members_cpu_seconds(cluster: LocalEtcdCluster) -> float:
-    """User + system CPU seconds the running members used so far (``/proc/PID/stat``)."""
-    total = 0
-    for m in cluster.members:
-        if m.proc is None or m.proc.poll() is not None:
-            continue
-        with open(f"/proc/{m.proc.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
-    return total / os.sysconf("SC_CLK_TCK")
 
 
 def write_capacity(cluster: LocalEtcdCluster, clients: int = 8, seconds: float = 3.0) -> float:

@@ -32,16 +32,19 @@ from lightning_recover.control_plane.etcd_watch import WatchView
 _PREFIX = b"/bench-cost/"
 
 
-def _members_cpu(cluster: LocalEtcdCluster) -> float:
+def members_cpu_seconds(cluster: LocalEtcdCluster) -> float:
+    """User + system CPU seconds the running members used so far (``/proc/PID/stat``)."""
     total = 0
     for m in cluster.members:
+        if m.proc is None or m.proc.poll() is not None:
+            continue
         with open(f"/proc/{m.proc.pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def _requests(cluster: LocalEtcdCluster, client: ec.EtcdClient) -> dict[str, Callable[[int], object]]:
+def _requests(client: ec.EtcdClient) -> dict[str, Callable[[int], object]]:
     """One request of each kind (``n``: the request's number, spreading the keys over 8)."""
     lease = client.lease_grant(60)
     never = _PREFIX + b"\x00never"
@@ -82,20 +85,21 @@ def measure_costs(cluster: LocalEtcdCluster, rate: float = 100.0, seconds: float
         client.put(_PREFIX + b"k%d" % k, b"v")
 
     def cores(request: Callable[[int], object] | None) -> tuple[float, int]:
-        cpu, began = _members_cpu(cluster), time.monotonic()
+        cpu, began = members_cpu_seconds(cluster), time.monotonic()
         n = _run_at(rate, seconds, request)
-        return (_members_cpu(cluster) - cpu) / (time.monotonic() - began), n
+        return (members_cpu_seconds(cluster) - cpu) / (time.monotonic() - began), n
 
     idle, _ = cores(None)
     out: dict = {"idle_cores": idle, "rate_per_s": rate, "seconds": seconds, "ms_per_request": {}}
-    for name, request in _requests(cluster, client).items():
+    requests = _requests(client)
+    for name, request in requests.items():
         used, n = cores(request)
         out["ms_per_request"][name] = (used - idle) * 1e3 / rate if n else None
     views = [WatchView(client.clone(), _PREFIX).start() for _ in range(watchers)]
     deadline = time.monotonic() + 10.0
     while not all(v.healthy for v in views) and time.monotonic() < deadline:
         time.sleep(0.01)  # every watcher synced before the count starts
-    watched, _ = cores(_requests(cluster, client)["put"])
+    watched, _ = cores(requests["put"])
     events = sum(v.events for v in views)
     for v in views:
         v.close()
