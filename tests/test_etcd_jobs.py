@@ -11,11 +11,17 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 
 import pytest
 
+from lightning_recover.control_plane.etcd_client import EtcdClient
 from lightning_recover.control_plane.etcd_job import CAMPAIGN_PERIOD, DEFAULT_LEASE_TTL
+from lightning_recover.control_plane.etcd_store import EtcdStore
+from lightning_recover.protocol.coordinator import init_keys, run_monitor
+from lightning_recover.protocol.membership import Heartbeat, Progress
+from lightning_recover.protocol.messages import ControlStore, JobSecret, Sealer
 from tests.jobs import FABRIC_SCRIPT, JobResult, kill_group, max_relative_difference, run_job, start_job, wait_for
 from tests.scripts.fabric_train import reference_state
 
@@ -160,3 +166,52 @@ def test_etcd_up_and_down_cli(tmp_path):
     assert down.returncode == 0 and "ended 3 etcd member(s)" in down.stdout, down.stdout + down.stderr
     for pid in pids:  # the members are gone (not left behind, not re-parented)
         assert not os.path.exists(f"/proc/{pid}"), pid
+
+
+def test_the_monitor_forgives_an_etcd_election(etcd3):
+    """The etcd leader SIGKILLed while the monitor's watched view streams from a follower: the view goes
+    quiet, the replicas' beats wait for the election, and the monitor's confirming read may come just after
+    it. Nobody is declared dead (the grown Raft term forgives the election); afterwards a replica that stops
+    beating is declared within the heartbeat timeout plus a poll (and the slack)."""
+    secret = JobSecret.generate()
+    sealer = Sealer(secret)
+    leader = etcd3.leader()
+    follower_first = [etcd3.members[i].endpoint for i in range(3) if i != leader] + [etcd3.members[leader].endpoint]
+    raw = EtcdStore(EtcdClient(follower_first, **etcd3.tls_files), "/election/kv/", root="/election/")
+    init_keys(raw, sealer, 3)
+    computing, stop = Progress(), threading.Event()
+
+    def compute() -> None:
+        while not stop.wait(0.02):
+            computing.note("compute", 0)
+
+    threading.Thread(target=compute, daemon=True).start()
+    timeout, poll = 0.5, 0.05
+    beating = [
+        Heartbeat(ControlStore("etcd://test", r, secret, store=raw.clone()), r, 1, 0.125, computing) for r in range(3)
+    ]
+    for hb in beating:
+        hb.start()
+    monitor_store = raw.clone()
+    monitor = threading.Thread(target=run_monitor, args=(monitor_store, sealer, 3, timeout, 60.0, stop, 1, poll))
+    monitor.start()
+    deaths = ControlStore("etcd://test", 9, secret, store=raw.clone())
+    try:
+        assert wait_for(lambda: monitor_store.view.healthy, 10)
+        time.sleep(1.0)
+        term = monitor_store.raft_term()
+        etcd3.kill(leader)
+        time.sleep(4.0)  # the election, the beats' retries, and a few timeouts more
+        assert monitor_store.raft_term() > term
+        assert deaths.deaths([0, 1, 2]) == {0: 0, 1: 0, 2: 0}
+        beating[2].stop()
+        stopped = time.monotonic()
+        assert wait_for(lambda: deaths.deaths([0, 1, 2])[2] == 1, timeout + 10)
+        assert time.monotonic() - stopped <= timeout + poll + SLACK
+        assert deaths.deaths([0, 1]) == {0: 0, 1: 0}
+    finally:
+        stop.set()
+        monitor.join(10)
+        for hb in beating:
+            hb.stop()
+        monitor_store.close()

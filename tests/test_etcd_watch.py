@@ -18,10 +18,13 @@ from lightning_recover.control_plane.etcd_client import EtcdClient
 from lightning_recover.control_plane.etcd_store import EtcdStore
 from lightning_recover.control_plane.etcd_watch import WatchView
 from lightning_recover.errors import ForgedMessageError
+from lightning_recover.protocol.coordinator import init_keys, run_monitor
 from lightning_recover.protocol.membership import Heartbeat, Progress
-from lightning_recover.protocol.messages import ControlStore, JobSecret, recent_many
+from lightning_recover.protocol.messages import ControlStore, JobSecret, Sealer, recent_many
 
 _count = [0]
+#: Slack on time bounds for a loaded 2-core machine (as tests/test_etcd_jobs.py).
+SLACK = 1.0
 
 
 def fresh_store(cluster, timeout: float = 5.0) -> EtcdStore:
@@ -268,3 +271,50 @@ def test_a_heartbeat_rides_on_the_report_and_the_thread_skips_its_own(etcd1):
         assert monitor.freshness.replays == {}
     finally:
         heartbeat.stop()
+
+
+def test_the_monitor_reads_etcd_only_to_confirm_a_late_replica(etcd1):
+    """The monitor judges from its watched view: while every replica beats it sends no request at all; when
+    one stops, it confirms on a read ordered through the Raft log and declares that one (only) dead within
+    the heartbeat timeout plus a poll (and this machine's slack)."""
+    secret = JobSecret.generate()
+    sealer = Sealer(secret)
+    raw = fresh_store(etcd1)
+    init_keys(raw, sealer, 2)
+    computing = Progress()
+    stop = threading.Event()
+
+    def compute() -> None:  # progress, not waiting on a peer: no partition probe either
+        while not stop.wait(0.02):
+            computing.note("compute", 0)
+
+    threading.Thread(target=compute, daemon=True).start()
+    beating = [
+        Heartbeat(ControlStore("etcd://test", r, secret, store=raw.clone()), r, 1, 0.1, computing) for r in (0, 1)
+    ]
+    for hb in beating:
+        hb.start()
+    monitor_store = raw.clone()
+    timeout, poll = 0.8, 0.05
+    monitor = threading.Thread(target=run_monitor, args=(monitor_store, sealer, 2, timeout, 60.0, stop, 1, poll))
+    monitor.start()
+    try:
+        until(lambda: monitor_store.view.healthy)
+        time.sleep(3 * poll)  # the first poll that found the view current
+        sent = monitor_store.client.requests
+        time.sleep(2 * timeout)
+        assert monitor_store.client.requests == sent, "the monitor read etcd while every replica beat"
+        assert ControlStore("etcd://test", 9, secret, store=raw.clone()).deaths([0, 1]) == {0: 0, 1: 0}
+        beating[1].stop()
+        stopped = time.monotonic()
+        deaths = ControlStore("etcd://test", 9, secret, store=raw.clone())
+        until(lambda: deaths.deaths([0, 1])[1] == 1, timeout=timeout + 5)
+        assert time.monotonic() - stopped <= timeout + poll + SLACK
+        assert monitor_store.client.requests > sent  # the confirming read (and the declaration)
+        assert deaths.deaths([0, 1])[0] == 0
+    finally:
+        stop.set()
+        monitor.join(5)
+        for hb in beating:
+            hb.stop()
+        monitor_store.close()

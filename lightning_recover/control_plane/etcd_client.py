@@ -112,6 +112,8 @@ class EtcdClient:
         self._current = 0
         self._conn: Optional[http.client.HTTPConnection] = None
         self.requests = 0  # requests sent (load figures)
+        #: the highest Raft term in any answer (etcd's ``header.raft_term``): it grows with every leader election
+        self.raft_term = 0
 
     def clone(self) -> EtcdClient:
         return EtcdClient(
@@ -191,6 +193,7 @@ class EtcdClient:
             except ValueError:
                 answer = {"error": data[:200].decode(errors="replace"), "code": 2}
             if resp.status == 200 and "error" not in answer:
+                self.raft_term = max(self.raft_term, int((answer.get("header") or {}).get("raft_term") or 0))
                 return answer
             code = int(answer.get("code", 14 if resp.status >= 500 else 3))
             message = answer.get("message") or answer.get("error") or f"HTTP {resp.status}"

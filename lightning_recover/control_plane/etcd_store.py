@@ -146,6 +146,12 @@ class EtcdStore(dist.Store):
         (then the caller reads etcd)."""
         return self.view.lookup_many([self._k(k) for k in keys])
 
+    def raft_term(self) -> int:
+        """The highest Raft term in this store's answers and its watched view's stream. It grows with every
+        leader election: the monitor forgives heartbeats the election held up (protocol/coordinator.py)."""
+        view = self._shared.view
+        return max(self.client.raft_term, view.term if view is not None else 0)
+
     def cached_wait(self, key: str, timeout: float) -> Optional[bool]:
         """Wait up to ``timeout`` seconds for ``key`` to appear in the watched view: True/False; None when
         the view is not current (the caller waits on etcd instead)."""

@@ -52,6 +52,7 @@ class WatchView:
         self._heard = 0.0  # monotonic time of the stream's last message
         self.resyncs = 0  # full re-reads (1 at start; more after a lost or compacted stream)
         self.events = 0  # watch events applied (load figures)
+        self.term = 0  # the highest Raft term in the stream's headers (grows with every leader election)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lr-etcd-watch", daemon=True)
 
@@ -160,6 +161,7 @@ class WatchView:
         with self._cond:
             self._values, self._mods = values, mods
             self.revision = revision
+            self.term = max(self.term, int(answer["header"].get("raft_term") or 0))
             self._synced = True
             self._heard = time.monotonic()
             self.resyncs += 1
@@ -179,5 +181,6 @@ class WatchView:
                     self._mods[key] = mod
                 self.revision = max(self.revision, mod)
                 self.events += 1
+            self.term = max(self.term, int((msg.get("header") or {}).get("raft_term") or 0))
             self._heard = time.monotonic()
             self._cond.notify_all()

@@ -94,33 +94,41 @@ def run_monitor(
     It reads every ``poll_period`` seconds (at most ``timeout / 10``): a declaration comes at most
     one period after its bound."""
     procs = [(r, key) for r in range(replicas) for key in _hb_keys(r, replica_size)]
+    keys = [k for _, k in procs]
     beats: dict[str, tuple[int, int, float]] = {}  # key -> (incarnation, beat, when it last moved)
     progress: dict[str, tuple[int, int, float]] = {}  # key -> (incarnation, progress count, when it last moved)
     hbs: dict[str, tuple[int, dict]] = {}  # key -> (replica, its last fresh and genuine heartbeat)
     fresh = Freshness("[coordinator]")
     poll = min(poll_period, timeout / 10)
-    # Every poll reads every heartbeat from the store itself, ordered like a write (etcd: one transaction
-    # through the Raft log for all of them): a read that blocks as long as the replicas' heartbeat writes
-    # do is how the stall allowance below sees that etcd could not take writes (an election). Reading
-    # them from a watched view, or with a plain linearizable read, was tried: the monitor then declared
-    # every replica dead in about half the runs of test_etcd_leader_sigkill_mid_training.
+    # A declaration rests on heartbeats read from the store itself, ordered like a write (etcd: one
+    # transaction through the Raft log for all of them, ``peek_all``): a read that blocks as long as the
+    # replicas' heartbeat writes do is how the stall allowance below sees that etcd could not take writes.
+    # On etcd the other polls look at the process's watched view (no request): only when it shows a replica
+    # late or hung is that read made, and the replica judged again on it. A view alone was tried: it
+    # declared every replica dead in about half the runs of test_etcd_leader_sigkill_mid_training (an
+    # election's silence looks like missed beats), and so does a read that comes just after the election,
+    # before the replicas' retried beats: a grown Raft term forgives what came before it.
+    view = getattr(store, "cached_many", None)
+    term_of = getattr(store, "raft_term", None)
+    term = 0
     last_read = time.monotonic()
     # Members that reach the coordinator but not each other (an asymmetric partition): see reachability.py.
     judge = PartitionJudge(store, sealer, suspect_after=timeout, probe_timeout=probe_timeout_for(timeout))
-    while not stop.wait(poll):
-        now = time.monotonic()
-        # A read that came late means the control plane itself stalled (an etcd leader election, a
-        # CPU-starved coordinator): no replica could beat meanwhile, so that time does not count
-        # against anyone. Only the excess over the usual poll is forgiven.
-        stalled = now - last_read - poll
-        last_read = now
-        if stalled > 2 * poll:
-            beats = {k: (i, b, t + stalled) for k, (i, b, t) in beats.items()}
-            progress = {k: (i, c, t + stalled) for k, (i, c, t) in progress.items()}
-        # Non-waiting reads: a heartbeat key deleted by an outside client must not stall the monitor.
-        for (r, key), raw in zip(procs, peek_all(store, [k for _, k in procs])):
-            if raw is None:
-                continue  # deleted: judged on its last fresh heartbeat
+
+    def forgive(seconds: float, until: float = 0.0) -> None:
+        """Count ``seconds`` (or everything before ``until``) against nobody: the control plane stalled."""
+        nonlocal beats, progress
+        beats = {k: (i, b, max(t + seconds, until)) for k, (i, b, t) in beats.items()}
+        progress = {k: (i, c, max(t + seconds, until)) for k, (i, c, t) in progress.items()}
+
+    opened: dict[str, bytes] = {}  # key -> the raw value last opened (the view answers the same one many polls)
+
+    def observe(raws: list, now: float) -> None:
+        nonlocal term
+        for (r, key), raw in zip(procs, raws):
+            if raw is None or opened.get(key) == raw:
+                continue  # deleted (judged on its last fresh heartbeat), or already read
+            opened[key] = raw
             try:
                 seq, payload = sealer.open_sequenced(key, raw)
                 hb = json.loads(payload)
@@ -128,6 +136,15 @@ def run_monitor(
                 continue  # a forged heartbeat is no heartbeat
             if fresh.accept(key, seq):  # a replayed heartbeat is none either
                 hbs[key] = (r, hb)
+        if term_of is not None:
+            seen = term_of()
+            if seen > term and term:
+                forgive(0.0, until=now)  # a leader election since the last look: nobody could beat during it
+            term = max(term, seen)
+
+    def verdicts(now: float) -> dict[str, tuple[int, int, str]]:
+        """Key -> (replica, incarnation, why) of every process late or hung as of ``now``."""
+        out = {}
         waiting = {r for r, hb in hbs.values() if hb.get("phase") in _WAITING}
         for key, (r, hb) in hbs.items():
             inc = int(hb.get("inc", 0))
@@ -141,21 +158,46 @@ def run_monitor(
             moved = progress.get(key)
             if moved is None or moved[:2] != count or hb.get("phase") in _WAITING or not (waiting - {r}):
                 progress[key] = (*count, now)  # progressing, waiting itself, or nobody waits on it
-            why = None
             if now - beats[key][2] > timeout:
-                why = f"missed heartbeats for {now - beats[key][2]:.2f}s"
+                out[key] = (r, inc, f"missed heartbeats for {now - beats[key][2]:.2f}s")
             elif now - progress[key][2] > hang_timeout:
-                why = (
+                out[key] = (
+                    r,
+                    inc,
                     f"made no progress for {now - progress[key][2]:.2f}s in phase {hb.get('phase')!r} of step "
-                    f"{hb.get('step')} while replicas {sorted(waiting - {r})} waited on it (hung)"
+                    f"{hb.get('step')} while replicas {sorted(waiting - {r})} waited on it (hung)",
                 )
-            if why and replica_size > 1:
+        return out
+
+    while not stop.wait(poll):
+        now = time.monotonic()
+        # A read that came late means the control plane itself stalled (an etcd leader election, a
+        # CPU-starved coordinator): no replica could beat meanwhile, so that time does not count
+        # against anyone. Only the excess over the usual poll is forgiven.
+        stalled = now - last_read - poll
+        last_read = now
+        if stalled > 2 * poll:
+            forgive(stalled)
+        # Non-waiting reads: a heartbeat key deleted by an outside client must not stall the monitor.
+        raws = view(keys) if view is not None else None
+        read_from_store = raws is None
+        if read_from_store:
+            raws = peek_all(store, keys)
+        observe(raws, now)
+        late = verdicts(now)
+        if late and not read_from_store:
+            # The view says a replica is late or hung: judge it again on a read ordered like a write.
+            began = time.monotonic()
+            raws = peek_all(store, keys)
+            now = last_read = time.monotonic()
+            if now - began > 2 * poll:
+                forgive(now - began)
+            observe(raws, now)
+            late = verdicts(now)
+        for key, (r, inc, why) in late.items():
+            if replica_size > 1:
                 why = f"({key}) {why}"
-            if (
-                why
-                and read_death(sealer, r, peek(store, f"dead/{r}") or b"") < inc
-                and mark_dead(store, sealer, r, inc)
-            ):
+            if read_death(sealer, r, peek(store, f"dead/{r}") or b"") < inc and mark_dead(store, sealer, r, inc):
                 store.set(f"declared/{r}", sealer.seal(f"declared/{r}", str(inc).encode()))
                 print(f"[coordinator] replica {r} (incarnation {inc}) {why}: declared dead", flush=True)
         judge.observe(now, hbs)
