@@ -15,9 +15,8 @@ the TinyGPT job of ``bench overhead`` (``lightning_recover.bench.fabric_gpt``):
 * **failover**: the reference for **leader**: a bare client writing in a loop through a follower, the
   leader SIGKILLed: the longest gap between two of its puts (etcd's election plus the client's retry,
   nothing of the job).
-* **cost**: what each kind of request costs the members in CPU, and the floor that sets for the step ratio
-  on this host (``lightning_recover.bench.etcd_request_cost``): at the embedded runs' median step when
-  **overhead** ran too, and at a 1 s step.
+* **cost**: what each kind of request costs the members in CPU, one kind at a time on the idle cluster
+  (``lightning_recover.bench.etcd_request_cost``).
 * **load**: etcd's own counters (``/metrics``) over a failure-free run: raft proposals (writes), reads,
   watch events per step per replica; and the projection to 2,000 replicas against the write rate this
   cluster sustains (measured here too). Watch events grow with the square of the replicas (every
@@ -38,7 +37,7 @@ import tempfile
 import threading
 import time
 
-from lightning_recover.bench.etcd_request_cost import floor, measure_costs, members_cpu_seconds
+from lightning_recover.bench.etcd_request_cost import measure_costs, members_cpu_seconds
 from lightning_recover.control_plane.etcd_client import EtcdClient, tls_context
 from lightning_recover.control_plane.etcd_cluster import DEFAULT_ELECTION_MS, LocalEtcdCluster
 
@@ -150,6 +149,14 @@ def step_median(out: str, warmup: int) -> float:
     return statistics.median(r["seconds"] for r in recs if r["step"] >= warmup)
 
 
+def step_parts(out: str, warmup: int) -> dict[str, float]:
+    """Medians over every replica's steps after ``warmup``: a replica's CPU per step (all its threads: the
+    client's share of the control plane shows here) and its time deciding the step after its reduce (the
+    report and the wait for the decision: the control plane's share of the critical path)."""
+    recs = [r for rs in _records(out).values() for r in rs if r["step"] >= warmup]
+    return {k: statistics.median(r[k] for r in recs) for k in ("cpu_seconds", "decide_seconds")}
+
+
 def measure(args: argparse.Namespace) -> dict:
     work = args.dir or tempfile.mkdtemp(prefix="lr-etcd32-")
     result: dict = {"replicas": args.replicas, "steps": args.steps, "model": dict(MODEL)}
@@ -163,6 +170,7 @@ def measure(args: argparse.Namespace) -> dict:
             print(f"  request cost: {result['request_cost']}", flush=True)
         # --- overhead and load (failure-free runs, alternated)
         times: dict[str, list[float]] = {m: [] for m in modes}
+        parts_of_step: dict[str, list[dict]] = {m: [] for m in modes}
         load = []
         for rep in range(args.repeat if "overhead" in parts else 0):
             for mode in list(modes)[rep % 2 :] + list(modes)[: rep % 2]:
@@ -170,9 +178,11 @@ def measure(args: argparse.Namespace) -> dict:
                 before = metrics(cluster) if mode == "etcd" else None
                 cpu, began = members_cpu_seconds(cluster), time.monotonic()
                 _finish(_start(_job_args(args.replicas, args.steps), out, modes[mode]), out)
+                # the members' CPU over the whole job, start-up included (embedded runs: the idle cluster's)
+                cores = (members_cpu_seconds(cluster) - cpu) / (time.monotonic() - began)
+                parts_of_step[mode].append({"members_cores": cores})
                 if before is not None:
                     after = metrics(cluster)
-                    cores = (members_cpu_seconds(cluster) - cpu) / (time.monotonic() - began)
                     per = args.steps * args.replicas
                     # Writes are applied by every member (counted 3 times); reads and watch events only by
                     # the member that served them. Read-only transactions (check, multi_get) are served
@@ -182,15 +192,29 @@ def measure(args: argparse.Namespace) -> dict:
                     )
                     # elections during a failure-free run are spurious (a member missed the leader's beats)
                     load[-1]["leader_changes_in_run"] = after[_LEADER_CHANGES] - before[_LEADER_CHANGES]
-                    load[-1]["etcd_cores"] = cores  # the members' CPU over the whole job, start-up included
+                    load[-1]["etcd_cores"] = cores
                 times[mode].append(step_median(out, 3))
-                print(f"  {mode:8s} run {rep}: median step {times[mode][-1] * 1e3:.1f} ms", flush=True)
+                parts_of_step[mode][-1].update(step_parts(out, 3))
+                print(
+                    f"  {mode:8s} run {rep}: median step {times[mode][-1] * 1e3:.1f} ms, "
+                    f"deciding {parts_of_step[mode][-1]['decide_seconds'] * 1e3:.1f} ms, "
+                    f"replica CPU {parts_of_step[mode][-1]['cpu_seconds'] * 1e3:.1f} ms",
+                    flush=True,
+                )
         if times["etcd"]:
             paired = [e / b for b, e in zip(times["embedded"], times["etcd"])]
             result["overhead"] = {
                 "runs": times,
                 "paired_ratios": paired,
                 "paired_ratio_median": statistics.median(paired),
+                # per mode, the mean over runs of each run's median (step_parts)
+                "replica_cpu_s_per_step": {
+                    m: statistics.mean(p["cpu_seconds"] for p in v) for m, v in parts_of_step.items()
+                },
+                "members_cores": {m: statistics.mean(p["members_cores"] for p in v) for m, v in parts_of_step.items()},
+                "decide_s_per_step": {
+                    m: statistics.mean(p["decide_seconds"] for p in v) for m, v in parts_of_step.items()
+                },
             }
         # --- kill -> next commit, alternated
         kills: dict[str, list[float]] = {m: [] for m in modes}
@@ -215,9 +239,6 @@ def measure(args: argparse.Namespace) -> dict:
                 ]
                 kills[mode].append(max(nxt) - fault_at)
                 print(f"  {mode:8s} kill {i} ({phase}): next commit after {kills[mode][-1]:.3f}s", flush=True)
-        if "request_cost" in result:
-            steps_s = [statistics.median(times["embedded"])] if times["embedded"] else []
-            result["floor"] = [floor(result["request_cost"], args.replicas, s) for s in steps_s + [1.0]]
         if kills["etcd"]:
             result["kill_next_commit_s"] = {m: {"runs": v, "median": statistics.median(v)} for m, v in kills.items()}
         # --- etcd leader SIGKILL during training

@@ -1,4 +1,4 @@
-"""What each kind of etcd request costs the cluster in CPU, and the floor it sets for a job on the same host.
+"""What each kind of etcd request costs the cluster in CPU.
 
     python -m lightning_recover.bench.etcd_control_plane --parts cost --json benchmarks/results/etcd_cost.json
 
@@ -14,9 +14,10 @@ CPU read from ``/proc/PID/stat`` before and after:
   branch is a put), a serializable range, a lease keep-alive; and one watch event delivered to a watcher
   (puts with ``watchers`` watched views on the prefix, minus puts alone, per event).
 
-:func:`floor` turns those into the members' CPU for the least a job of this design sends (one report
-transaction per replica per step) and the step ratio that CPU alone implies when training is CPU-bound on
-the same cores: ``1 / (1 - members' cores / host cores)``.
+These price a design's requests against each other (a keep-alive against a put, say). They do not add up
+to a job's cost: in a job, etcd batches the replicas' concurrent reports into one Raft round, and the
+members used less above idle than the sum of these per-request figures (benchmarks/figures/etcdperf.md,
+"Session 8", where an earlier ``floor`` built on that sum was withdrawn).
 """
 
 from __future__ import annotations
@@ -108,19 +109,3 @@ def measure_costs(cluster: LocalEtcdCluster, rate: float = 100.0, seconds: float
     out["ms_per_watch_event"] = per_event * 1e3
     out["watchers"] = watchers
     return out
-
-
-def floor(costs: dict, replicas: int, step_s: float, host_cores: int | None = None) -> dict:
-    """The members' CPU for one report transaction per replica per step (and nothing else), as cores and
-    as the fraction of the host; the step ratio that CPU implies on a CPU-bound host shared with training."""
-    host = host_cores or len(os.sched_getaffinity(0))
-    members = costs["idle_cores"] + replicas / step_s * costs["ms_per_request"]["report_txn"] / 1e3
-    share = members / host
-    return {
-        "replicas": replicas,
-        "step_s": step_s,
-        "host_cores": host,
-        "members_cores": members,
-        "host_fraction": share,
-        "implied_step_ratio": 1 / (1 - share),
-    }

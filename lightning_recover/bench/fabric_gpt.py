@@ -73,6 +73,7 @@ def run_recover(args: argparse.Namespace) -> None:
                 "generation": s.generation,
                 "recomputed": s.recomputed,
                 "recovery_seconds": s.recovery_seconds,
+                "decide_seconds": s.decide_seconds,
                 "redone": s.redone,
                 "exact": protocol.exact is not None,
                 "max_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,  # peak resident memory so far

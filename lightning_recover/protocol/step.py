@@ -46,6 +46,9 @@ class StepStats:
     recomputed: int = 0  # of which were taken over from failed replicas
     recoveries: int = 0
     recovery_seconds: float = 0.0
+    #: seconds this replica spent deciding the step after its reduce (its report and the wait for the
+    #: decision): the control plane's share of the step's critical path
+    decide_seconds: float = 0.0
     loss: float | None = None  # mean loss over the M microbatches (when losses were recorded)
     redone: int = 0  # exact mode: attempts redone on a recentred fixed-point grid
     leader: bool = False
@@ -162,7 +165,7 @@ class StepProtocol:
             have.extend(ids)
             stats.computed = len(have)
             try:
-                committed = self._reduce_and_decide(step)
+                committed = self._reduce_and_decide(step, stats)
             except MembershipChanged as exc:
                 if self.decisions.decide_retry(step, attempt=self.attempt):
                     # A commit needs every member's done report, and this member's reduce failed:
@@ -233,9 +236,9 @@ class StepProtocol:
         )
         return ids
 
-    def _reduce_and_decide(self, step: int) -> bool:
+    def _reduce_and_decide(self, step: int, stats: StepStats) -> bool:
         if self.exact is not None:
-            return self._reduce_and_decide_exact(step)
+            return self._reduce_and_decide_exact(step, stats)
         group = self.membership
         params = [p for p in self._params() if p.requires_grad]
         # Reduce a *copy*: an interrupted gloo all-reduce leaves partial sums in its buffer, and
@@ -262,9 +265,12 @@ class StepProtocol:
         if self.quota == "throughput":
             self._publish_speed(step)
         group.progress.note("decide")
+        began = time.perf_counter()
         self.decisions.report_done(step)
         self.fire(step, "commit")
-        if not self.decisions.await_decision(step):
+        decided = self.decisions.await_decision(step)
+        stats.decide_seconds += time.perf_counter() - began
+        if not decided:
             return False
         _unflatten_into(flat, grads, params, scale=1.0 / self.M)
         loss_sum, count = flat["extra"].tolist()
@@ -274,7 +280,7 @@ class StepProtocol:
             self._weights = self._read_speeds(step)
         return True
 
-    def _reduce_and_decide_exact(self, step: int) -> bool:
+    def _reduce_and_decide_exact(self, step: int, stats: StepStats) -> bool:
         """Exact mode: reduce the fixed-point sums, decide; after a commit, apply or mark a redo."""
         group = self.membership
         params = [p for p in self._params() if p.requires_grad]
@@ -284,9 +290,12 @@ class StepProtocol:
         if self.quota == "throughput":
             self._publish_speed(step)
         group.progress.note("decide")
+        began = time.perf_counter()
         self.decisions.report_done(step, attempt=self.attempt)
         self.fire(step, "commit")
-        if not self.decisions.await_decision(step, attempt=self.attempt):
+        decided = self.decisions.await_decision(step, attempt=self.attempt)
+        stats.decide_seconds += time.perf_counter() - began
+        if not decided:
             return False
         results = self.exact.results
         self._step_loss = self.exact.finish(params)
