@@ -15,6 +15,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from lightning_recover.control_plane.etcd_client import EtcdClient
 from lightning_recover.control_plane.etcd_job import CAMPAIGN_PERIOD, DEFAULT_LEASE_TTL
@@ -63,6 +64,18 @@ def test_replica_killed_on_etcd(etcd3, tmp_path, reference):
     result = run_job(_fabric_cmd(out), out, timeout=180, env=env)
     assert "monitor role taken" in result.output, result.output[-3000:]
     _assert_failure_free(result, reference, [0, 2])
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_replica_killed_after_the_done_barrier(etcd3, tmp_path, reference, victim):
+    """On etcd the done reports are a barrier over the generation and its leader (replica 0) commits alone
+    (decisions.py). Killed once past that barrier (phase "commit": the leader has written the commit, a
+    follower is waiting for it), the replica's contribution is in the step every survivor applies, and the
+    run still follows the failure-free trajectory."""
+    out = str(tmp_path / "run")
+    env = dict(etcd3.environment(), LIGHTNING_RECOVER_INJECT=f"kill:replica={victim}:step=2:phase=commit")
+    result = run_job(_fabric_cmd(out), out, timeout=180, env=env)
+    _assert_failure_free(result, reference, [r for r in range(REPLICAS) if r != victim])
 
 
 def test_etcd_leader_sigkill_mid_training(etcd3, tmp_path, reference):
@@ -215,3 +228,27 @@ def test_the_monitor_forgives_an_etcd_election(etcd3):
         for hb in beating:
             hb.stop()
         monitor_store.close()
+
+
+def test_exact_mode_on_etcd_is_bitwise_equal_through_a_kill_after_the_barrier(etcd3, tmp_path):
+    """Exact mode over the barrier-and-leader decisions: a replica killed past the done barrier in step 2
+    (its contribution committed), then the survivors' steps on a new generation: every survivor ends
+    bitwise equal to the failure-free exact run on etcd."""
+    exact = ["--exact", "--dtype", "float32"]
+
+    def run(name: str, inject: str = "") -> JobResult:
+        out = str(tmp_path / name)
+        env = dict(etcd3.environment(), LIGHTNING_RECOVER_INJECT=inject) if inject else etcd3.environment()
+        cmd = [sys.executable, FABRIC_SCRIPT, out, "--replicas", str(REPLICAS), "--heartbeat-timeout", "0.5"]
+        return run_job(cmd + ["--steps", str(STEPS), "--microbatches", str(M), *exact], out, timeout=180, env=env)
+
+    free = run("free")
+    assert free.returncode == 0, free.output[-3000:]
+    killed = run("killed", "kill:replica=2:step=2:phase=commit")
+    assert killed.returncode == 0, killed.output[-3000:]
+    reference = free.states()[0]["state"]
+    states = killed.states()
+    assert sorted(states) == [0, 1]
+    for r, data in states.items():
+        for key, ref in reference.items():
+            assert torch.equal(data["state"][key], ref), f"replica {r}: {key} differs"

@@ -10,12 +10,17 @@ replica the others excluded never applies a step of a generation it is no longer
 Done reports are one sealed key per member rather than a counter, so nobody without the job's
 secret can complete the count; a decision value is bound by its MAC to its (step, generation).
 
-On a store with transactions (etcd) a report is one round trip: the member's report and, if every
-other member's sealed report is already there (compared by value: a sealed report is deterministic)
-and the register is empty, ``commit`` in the same transaction (``ControlStore.report_and_decide``).
-The other members are woken by the process's watched view, not by polling the register; the replica's
-heartbeat rides on the same transaction when one is due (``Heartbeat.ride``). On the TCPStore the report
-is a write, a check of the others' reports and a ``compare_set``, as before.
+On etcd (replicas of one process) the done reports move to the data plane: after its reduce every member
+joins a barrier over the generation's process group (``StepProtocol``), and only the generation's leader
+writes to etcd: ``commit`` in one transaction once its barrier completed (``ControlStore.report_and_decide``,
+with no other report to compare). A barrier completes somewhere only if every member entered it, and a
+member enters it only after its own reduce completed: so a commit still means every member holds the
+reduced gradients. A member whose barrier failed settles ``retry`` unless the leader's ``commit`` was first,
+and then applies the step (it entered the barrier, so its reduce had completed). The other members are woken
+by the process's watched view, not by polling the register; the leader's heartbeat rides on its transaction
+when one is due (``Heartbeat.ride``). One write per step for the whole generation, instead of one per member.
+On the TCPStore (and for replicas of K > 1 processes) every member reports: a write, a check of the others'
+reports and a ``compare_set``, as before.
 """
 
 from __future__ import annotations
@@ -43,13 +48,16 @@ class Decisions:
     def decide_retry(self, step: int, attempt: int = 0) -> bool:
         """This member's reduce failed: settle the step as ``retry`` unless already decided.
 
-        Returns True only if the step had been committed before (impossible for a member whose
-        reduce failed, since a commit needs every member's done report; checked by the caller).
+        Returns True only if the step had been committed before: impossible for a member whose reduce
+        failed, since a commit needs every member's done report (checked by the caller); on etcd, where
+        the reports are a barrier, the leader's commit may have come first for a member whose barrier
+        failed after its reduce completed, which then applies the step.
         """
         return self._read(self.membership.store.compare_set(f"{self._key(step, attempt)}/dec", None, "retry"))
 
     def report_done(self, step: int, attempt: int = 0) -> None:
-        """This member's reduce completed. The member completing the count writes ``commit``.
+        """This member's reduce completed (on etcd: and the barrier after it). The member completing the
+        count writes ``commit`` (on etcd: the generation's leader, see the module docstring).
 
         Whichever ``compare_set`` lands first, this ``commit`` or some member's ``retry``, is the
         decision of the step, and every member reads that one (:meth:`await_decision`). A commit
@@ -59,12 +67,13 @@ class Decisions:
         key = self._key(step, attempt)
         # Every process of every member reports (K per replica when replicas are sharded).
         me = str(m.replica) if m.replica_size == 1 else f"{m.replica}.{m.inner}"
-        if self._one_transaction():
-            try:
-                self._report_in_one_transaction(key, me)
-                return
-            except ForgedMessageError:
-                pass  # a forged value sits in the register: the checked path below takes it back
+        if self.reports_on_data_plane():
+            if m.rank == 0:  # every member passed the barrier: the leader decides alone
+                try:
+                    self._decide_in_one_transaction(key, me)
+                except ForgedMessageError:  # a forged value sits in the register: take it back
+                    self._known[f"{key}/dec"] = m.store.compare_set(f"{key}/dec", None, self._commit_value())
+            return
         m.store.set(f"{key}/done/{me}", str(m.incarnation))
         # Linearizable store: of the processes writing their report, at least the last sees them all.
         reports = [
@@ -81,27 +90,23 @@ class Decisions:
             value = "commit" + ("" if not joins else ";admit=" + ",".join(f"{r}:{i}" for r, i in sorted(joins.items())))
             m.store.compare_set(f"{key}/dec", None, value)
 
-    def _one_transaction(self) -> bool:
-        """Reports are one transaction: a store with transactions (etcd), replicas of one process (a
-        sealed report is then predictable from the generation), and few enough members that comparing
-        all their reports fits one transaction (etcd allows 128 operations)."""
+    def reports_on_data_plane(self) -> bool:
+        """Done reports are a barrier over the process group and the leader alone writes the decision: a store
+        with transactions (etcd), replicas of one process (see the module docstring)."""
         m = self.membership
-        return m.store.transactional and m.replica_size == 1 and len(m.gen.members) <= 100
+        return m.store.transactional and m.replica_size == 1
 
     def _commit_value(self) -> str:
         joins = self.membership.pending_joins(recent=True)
         return "commit" + ("" if not joins else ";admit=" + ",".join(f"{r}:{i}" for r, i in sorted(joins.items())))
 
-    def _report_in_one_transaction(self, key: str, me: str) -> None:
-        """The report, and ``commit`` if it completes the count, in one transaction (etcd).
-
-        The others' reports are compared with the sealed values they write (their incarnation in this
-        generation, sealed under their key: deterministic), so a planted report completes nothing. The
-        joiners named in the commit come from the watched view: one that asked a moment ago is admitted at
-        the next commit instead, and every member reads the same list from the register.
+    def _decide_in_one_transaction(self, key: str, me: str) -> None:
+        """The leader's report and ``commit`` in one transaction (etcd), with no other report to compare: its
+        barrier completed, so every member holds the reduce. The joiners named in the commit come from the
+        watched view: one that asked a moment ago is admitted at the next commit instead, and every member
+        reads the same list from the register.
         """
         m = self.membership
-        expected = {f"{key}/done/{r}": str(m.gen.incarnations[r]) for r in m.gen.members if r != m.replica}
         # The keys of an old step the leader forgot go in the same request (never this step's own).
         step = int(key[1:].split("/", 1)[0])
         old = next((s for s in self._forget if s != step), None)
@@ -110,7 +115,7 @@ class Decisions:
             return m.store.report_and_decide(
                 f"{key}/done/{me}",
                 str(m.incarnation),
-                expected,
+                {},
                 f"{key}/dec",
                 self._commit_value(),
                 forget_prefix=None if old is None else f"s{old}/",
@@ -179,7 +184,7 @@ class Decisions:
         On etcd (one-transaction reports) the deletion of every key under ``s{step}/`` rides on this
         member's next report: no request of its own on the step's path. Keys of a step not forgotten
         before the job ends go with the job's keys (``forget_job``)."""
-        if self._one_transaction():
+        if self.reports_on_data_plane():
             self._forget.append(step)
             del self._forget[:-8]  # a leader whose reports stopped keeps no growing list
             return

@@ -266,9 +266,7 @@ class StepProtocol:
             self._publish_speed(step)
         group.progress.note("decide")
         began = time.perf_counter()
-        self.decisions.report_done(step)
-        self.fire(step, "commit")
-        decided = self.decisions.await_decision(step)
+        decided = self._decide(step, device)
         stats.decide_seconds += time.perf_counter() - began
         if not decided:
             return False
@@ -279,6 +277,24 @@ class StepProtocol:
         if self.quota == "throughput":
             self._weights = self._read_speeds(step)
         return True
+
+    def _decide(self, step: int, device: torch.device) -> bool:
+        """After this member's reduce completed: its done report, then the step's decision (True: commit).
+
+        On etcd the reports are a barrier over the generation (``Decisions.reports_on_data_plane``): once it
+        completes anywhere, every member entered it after its own reduce, so every member holds the reduced
+        gradients and the leader may commit alone. A member whose barrier fails settles ``retry``, unless the
+        leader's ``commit`` came first: then it applies the step, whose reduce it holds."""
+        if self.decisions.reports_on_data_plane():
+            try:
+                self.collectives.allreduce([torch.ones(1, device=device)])
+            except MembershipChanged:
+                if self.decisions.decide_retry(step, attempt=self.attempt):
+                    return True
+                raise
+        self.decisions.report_done(step, attempt=self.attempt)
+        self.fire(step, "commit")
+        return self.decisions.await_decision(step, attempt=self.attempt)
 
     def _reduce_and_decide_exact(self, step: int, stats: StepStats) -> bool:
         """Exact mode: reduce the fixed-point sums, decide; after a commit, apply or mark a redo."""
@@ -291,9 +307,7 @@ class StepProtocol:
             self._publish_speed(step)
         group.progress.note("decide")
         began = time.perf_counter()
-        self.decisions.report_done(step, attempt=self.attempt)
-        self.fire(step, "commit")
-        decided = self.decisions.await_decision(step, attempt=self.attempt)
+        decided = self._decide(step, params[0].device if params else torch.device("cpu"))
         stats.decide_seconds += time.perf_counter() - began
         if not decided:
             return False
