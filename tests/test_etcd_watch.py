@@ -273,6 +273,7 @@ def test_a_heartbeat_rides_on_the_report_and_the_thread_skips_its_own(etcd1):
         heartbeat.stop()
 
 
+@pytest.mark.slow  # waits out two heartbeat timeouts (about 4 s): kept out of `make test-fast`
 def test_the_monitor_reads_etcd_only_to_confirm_a_late_replica(etcd1):
     """The monitor judges from its watched view: while every replica beats it sends no request at all; when
     one stops, it confirms on a read ordered through the Raft log and declares that one (only) dead within
