@@ -277,7 +277,8 @@ def test_a_heartbeat_rides_on_the_report_and_the_thread_skips_its_own(etcd1):
 def test_the_monitor_reads_etcd_only_to_confirm_a_late_replica(etcd1):
     """The monitor judges from its watched view: while every replica beats it sends no request at all; when
     one stops, it confirms on a read ordered through the Raft log and declares that one (only) dead within
-    the heartbeat timeout plus a poll (and this machine's slack)."""
+    the heartbeat timeout plus a poll (and this machine's slack); a replica it knows dead costs no request
+    after that."""
     secret = JobSecret.generate()
     sealer = Sealer(secret)
     raw = fresh_store(etcd1)
@@ -313,6 +314,10 @@ def test_the_monitor_reads_etcd_only_to_confirm_a_late_replica(etcd1):
         assert time.monotonic() - stopped <= timeout + poll + SLACK
         assert monitor_store.client.requests > sent  # the confirming read (and the declaration)
         assert deaths.deaths([0, 1])[0] == 0
+        time.sleep(3 * poll)
+        settled = monitor_store.client.requests
+        time.sleep(timeout)  # replica 1 stays dead and silent: judged no more, no request
+        assert monitor_store.client.requests == settled
     finally:
         stop.set()
         monitor.join(5)

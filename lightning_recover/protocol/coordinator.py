@@ -91,8 +91,8 @@ def run_monitor(
     sequence is below the newest seen, :class:`Freshness`), is dropped, and the replica is judged
     on the last fresh one, so neither keeps a stopped replica alive past ``timeout``.
 
-    It reads every ``poll_period`` seconds (at most ``timeout / 10``): a declaration comes at most
-    one period after its bound."""
+    It looks every ``poll_period`` seconds (at most ``timeout / 10``; on etcd at its watched view, reading
+    etcd only to confirm a late or hung replica): a declaration comes at most one period after its bound."""
     procs = [(r, key) for r in range(replicas) for key in _hb_keys(r, replica_size)]
     keys = [k for _, k in procs]
     beats: dict[str, tuple[int, int, float]] = {}  # key -> (incarnation, beat, when it last moved)
@@ -122,6 +122,7 @@ def run_monitor(
         progress = {k: (i, c, max(t + seconds, until)) for k, (i, c, t) in progress.items()}
 
     opened: dict[str, bytes] = {}  # key -> the raw value last opened (the view answers the same one many polls)
+    settled: dict[int, int] = {}  # replica -> the incarnation known dead (dead/{r} only grows): judged no more
 
     def observe(raws: list, now: float) -> None:
         nonlocal term
@@ -148,8 +149,8 @@ def run_monitor(
         waiting = {r for r, hb in hbs.values() if hb.get("phase") in _WAITING}
         for key, (r, hb) in hbs.items():
             inc = int(hb.get("inc", 0))
-            if inc == 0:
-                continue  # not started yet
+            if inc == 0 or settled.get(r, 0) >= inc:
+                continue  # not started yet, or already dead
             beat = (inc, int(hb.get("beat", 0)))
             prev = beats.get(key)
             if prev is None or prev[:2] != beat:
@@ -197,9 +198,12 @@ def run_monitor(
         for key, (r, inc, why) in late.items():
             if replica_size > 1:
                 why = f"({key}) {why}"
-            if read_death(sealer, r, peek(store, f"dead/{r}") or b"") < inc and mark_dead(store, sealer, r, inc):
+            dead = read_death(sealer, r, peek(store, f"dead/{r}") or b"")
+            if dead < inc and mark_dead(store, sealer, r, inc):
                 store.set(f"declared/{r}", sealer.seal(f"declared/{r}", str(inc).encode()))
                 print(f"[coordinator] replica {r} (incarnation {inc}) {why}: declared dead", flush=True)
+                dead = inc
+            settled[r] = max(settled.get(r, 0), dead)
         judge.observe(now, hbs)
 
 
