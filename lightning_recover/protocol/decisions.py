@@ -65,7 +65,8 @@ class Decisions:
         """
         m = self.membership
         key = self._key(step, attempt)
-        # Every process of every member reports (K per replica when replicas are sharded).
+        # Every process of every member reports (K per replica when replicas are sharded); on etcd the
+        # barrier before this was the reports, and only the leader writes.
         me = str(m.replica) if m.replica_size == 1 else f"{m.replica}.{m.inner}"
         if self.reports_on_data_plane():
             if m.rank == 0:  # every member passed the barrier: the leader decides alone
@@ -181,8 +182,8 @@ class Decisions:
     def forget_step(self, step: int, attempts: int = 1) -> None:
         """Delete the decision keys of an old step (called by the leader); ``attempts``: exact-mode redos + 1.
 
-        On etcd (one-transaction reports) the deletion of every key under ``s{step}/`` rides on this
-        member's next report: no request of its own on the step's path. Keys of a step not forgotten
+        On etcd (the leader's decision transaction) the deletion of every key under ``s{step}/`` rides on
+        this member's next decision: no request of its own on the step's path. Keys of a step not forgotten
         before the job ends go with the job's keys (``forget_job``)."""
         if self.reports_on_data_plane():
             self._forget.append(step)
