@@ -39,16 +39,23 @@ if scenario == "shutdown-ends-nothing":
 store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
 groups = ProcessGroups("gloo", collective_timeout=float(sys.argv[3]))
 
+def read_task(t, name):
+    try:
+        return open(f"/proc/self/task/{t}/{name}").read()
+    except (FileNotFoundError, ProcessLookupError):
+        return ""  # the thread ended between the listing and the read (the reaper ends gloo's threads)
+
 def gloo_threads():
-    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    names = [read_task(t, "comm").strip() for t in os.listdir("/proc/self/task")]
     return sorted(n for n in names if "gloo" in n)
 
 def gloo_policies():
     found = []
     for t in os.listdir("/proc/self/task"):
-        if "gloo" in open(f"/proc/self/task/{t}/comm").read():
-            stat = open(f"/proc/self/task/{t}/stat").read()
-            found.append(int(stat[stat.rindex(")") + 2 :].split()[38]))  # field 41: scheduling policy
+        if "gloo" in read_task(t, "comm"):
+            stat = read_task(t, "stat")
+            if stat:
+                found.append(int(stat[stat.rindex(")") + 2 :].split()[38]))  # field 41: scheduling policy
     return sorted(found)
 
 pg = groups.build(dist.PrefixStore("g0", store), 0, rank, 2, lambda: False)
