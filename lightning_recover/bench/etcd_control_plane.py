@@ -207,13 +207,14 @@ def measure(args: argparse.Namespace) -> dict:
                 "runs": times,
                 "paired_ratios": paired,
                 "paired_ratio_median": statistics.median(paired),
-                # per mode, the mean over runs of each run's median (step_parts)
-                "replica_cpu_s_per_step": {
-                    m: statistics.mean(p["cpu_seconds"] for p in v) for m, v in parts_of_step.items()
-                },
-                "members_cores": {m: statistics.mean(p["members_cores"] for p in v) for m, v in parts_of_step.items()},
-                "decide_s_per_step": {
-                    m: statistics.mean(p["decide_seconds"] for p in v) for m, v in parts_of_step.items()
+                # per mode, the mean over runs of each run's median (step_parts), and the members' CPU
+                **{
+                    name: {m: statistics.mean(p[field] for p in v) for m, v in parts_of_step.items()}
+                    for name, field in (
+                        ("replica_cpu_s_per_step", "cpu_seconds"),
+                        ("members_cores", "members_cores"),
+                        ("decide_s_per_step", "decide_seconds"),
+                    )
                 },
             }
         # --- kill -> next commit, alternated
