@@ -21,11 +21,28 @@ by the process's watched view, not by polling the register; the leader's heartbe
 when one is due (``Heartbeat.ride``). One write per step for the whole generation, instead of one per member.
 On the TCPStore (and for replicas of K > 1 processes) every member reports: a write, a check of the others'
 reports and a ``compare_set``, as before.
+
+Speculative commit (etcd, replicas of one process, not exact mode, no joiner waiting): once its barrier
+completed, a member applies the step at once, and the leader's ``commit`` is written off the critical path
+(:meth:`commit_speculatively`). The step is *confirmed* (:meth:`confirm`) before this member takes part in
+anything that depends on it: its next reduce, a store collective (metrics, barriers, checkpoint election),
+the end of the job. By then the leader's ``commit`` is in the watched view, so the failure-free step pays
+the barrier only. Why this is safe:
+
+* ``commit`` is right whenever any member's barrier completed (every member then holds the reduce), so any
+  such member may write it: the leader at once, or a member that finds the register empty while the
+  generation fails (the leader died before writing).
+* ``retry`` is written only by a member whose reduce or barrier failed. If a barrier failed at one member
+  and completed at another (a member died during the barrier itself), the first ``compare_set`` wins as
+  before. A member that applied a step settled ``retry`` learns it at confirmation and stops
+  (:class:`ReplicaExcludedError`): it never takes part in another step, collective or checkpoint, and
+  the others carry on from the retried step, as after any death.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
 from lightning_recover.errors import ForgedMessageError, ReplicaExcludedError
@@ -40,6 +57,12 @@ class Decisions:
         self.admit_next: dict[int, int] = {}  # joiners the last commit admitted (replica -> incarnation)
         self._known: dict[str, str] = {}  # register -> decision this member's report already read back
         self._forget: list[int] = []  # etcd: old steps whose keys the next report deletes (see forget_step)
+        # Speculative commit: the register of the step applied but not yet confirmed, and the leader's write
+        # of it (on a thread of its own, over a connection of its own: threads must not share one).
+        self._pending: Optional[tuple[int, str]] = None  # (step, register)
+        self._pending_write: Optional[Future] = None
+        self._writer: Optional[ThreadPoolExecutor] = None
+        self._writer_store = None
 
     def _key(self, step: int, attempt: int = 0) -> str:
         # attempt > 0: exact mode redoing a committed step on a recentred grid (protocol/exact.py)
@@ -70,8 +93,13 @@ class Decisions:
         me = str(m.replica) if m.replica_size == 1 else f"{m.replica}.{m.inner}"
         if self.reports_on_data_plane():
             if m.rank == 0:  # every member passed the barrier: the leader decides alone
+                old = next((s for s in self._forget if s != step), None)
+                if old is not None:
+                    self._forget.remove(old)
                 try:
-                    self._decide_in_one_transaction(key, me)
+                    decided = self._decide_in_one_transaction(key, me, old)
+                    if decided is not None:
+                        self._known[f"{key}/dec"] = decided
                 except ForgedMessageError:  # a forged value sits in the register: take it back
                     self._known[f"{key}/dec"] = m.store.compare_set(f"{key}/dec", None, self._commit_value())
             return
@@ -97,38 +125,105 @@ class Decisions:
         m = self.membership
         return m.store.transactional and m.replica_size == 1
 
+    def leader_awaits_commit(self) -> bool:
+        """The leader wants every member to wait for its ``commit`` this step (no speculation): a joiner
+        waits for admission, and the commit names it, which every member must read."""
+        m = self.membership
+        return m.rank == 0 and bool(m.pending_joins(recent=True))
+
+    def commit_speculatively(self, step: int) -> bool:
+        """This member's barrier completed on the fast path: apply the step now (True), confirm it later.
+
+        The leader writes ``commit`` on its writer thread; the others read it from the watched view when they
+        confirm. Fencing as for any commit: a member its view shows declared dead applies nothing."""
+        m = self.membership
+        key = f"{self._key(step)}/dec"
+        self._pending = (step, key)
+        if m.rank == 0:
+            old = next((s for s in self._forget if s != step), None)
+            if old is not None:
+                self._forget.remove(old)  # the keys stay for forget_job if this write fails
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"lr-commit-{m.replica}")
+                self._writer_store = m.store.clone()
+            me = str(m.replica)
+            self._pending_write = self._writer.submit(
+                self._decide_in_one_transaction, self._key(step), me, old, self._writer_store, "commit"
+            )
+        return self._read("commit")
+
+    def confirm(self) -> None:
+        """The step applied speculatively is settled ``commit`` (return) or ``retry`` (stop): see the module
+        docstring. Waits for the leader's write, reading the watched view; if the generation fails before it
+        lands, this member (whose barrier completed) writes ``commit`` itself."""
+        if self._pending is None:
+            return
+        (step, key), write = self._pending, self._pending_write
+        self._pending = self._pending_write = None
+        m = self.membership
+        decided = None
+        if write is not None:  # the leader's own write: its answer
+            try:
+                decided = write.result()
+            except ForgedMessageError:  # a forged value sits in the register: take it back
+                decided = m.store.compare_set(key, None, "commit")
+        deadline = time.monotonic() + m.collective_timeout
+        while decided is None:
+            if m.store.wait_recent(key, SLICE):
+                decided = m.store.recent_genuine(key)
+            if decided is None and m.failure_seen():
+                decided = m.store.compare_set(key, None, "commit")
+            if decided is None and time.monotonic() > deadline:
+                raise ForgedMessageError(
+                    f"replica {m.replica}: the decision {key!r} of step {step}, applied after every member's "
+                    f"barrier, was not written within collective_timeout ({m.collective_timeout}s) and no member "
+                    "failed (a client without the job's secret deletes keys); this replica stops. "
+                    "HINT: keep etcd's client port on a private network with client certificates."
+                )
+        if not decided.startswith("commit"):
+            raise ReplicaExcludedError(
+                f"replica {m.replica} applied step {step} once every member's barrier completed, but the "
+                f"generation settled it {decided!r} (a member died during the barrier and another's completed); "
+                "it stops here, applying nothing more, and the others redo the step. HINT: its launcher "
+                "restarts it as a joiner (--restarts), or a standby takes its place."
+            )
+
+    def close(self) -> None:
+        """Stop the leader's writer thread (after the write in flight)."""
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+
     def _commit_value(self) -> str:
         joins = self.membership.pending_joins(recent=True)
         return "commit" + ("" if not joins else ";admit=" + ",".join(f"{r}:{i}" for r, i in sorted(joins.items())))
 
-    def _decide_in_one_transaction(self, key: str, me: str) -> None:
+    def _decide_in_one_transaction(
+        self, key: str, me: str, old: Optional[int], store=None, value: Optional[str] = None
+    ) -> Optional[str]:
         """The leader's report and ``commit`` in one transaction (etcd), with no other report to compare: its
         barrier completed, so every member holds the reduce. The joiners named in the commit come from the
         watched view: one that asked a moment ago is admitted at the next commit instead, and every member
-        reads the same list from the register.
+        reads the same list from the register. ``old``: a step whose keys the same request deletes (never
+        this step's own); ``store``/``value``: the writer thread's connection and a commit naming no joiner
+        (speculation: the members do not read it before they go on). Returns the register's value.
         """
         m = self.membership
-        # The keys of an old step the leader forgot go in the same request (never this step's own).
-        step = int(key[1:].split("/", 1)[0])
-        old = next((s for s in self._forget if s != step), None)
+        store = store or m.store
 
         def report(beat: Optional[tuple[str, str, int]]) -> Optional[str]:
-            return m.store.report_and_decide(
+            return store.report_and_decide(
                 f"{key}/done/{me}",
                 str(m.incarnation),
                 {},
                 f"{key}/dec",
-                self._commit_value(),
+                value or self._commit_value(),
                 forget_prefix=None if old is None else f"s{old}/",
                 beat=beat,
             )
 
         # The replica's heartbeat rides on the report when one is due (no Raft write of its own).
-        decided = report(None) if m.heartbeat is None else m.heartbeat.ride(report)
-        if old is not None:
-            self._forget.remove(old)
-        if decided is not None:
-            self._known[f"{key}/dec"] = decided
+        return report(None) if m.heartbeat is None else m.heartbeat.ride(report)
 
     def await_decision(self, step: int, attempt: int = 0) -> bool:
         """Wait for the step's decision; settle it as ``retry`` if the generation fails meanwhile.

@@ -226,9 +226,14 @@ class Replica:
         self._get_state, self._set_state = get_state, set_state
 
     def close(self) -> None:
-        if self.world is not None and not _uncaught[0]:
-            self.world.leave()  # a clean exit: the replica-mates' watchdogs must not read it as a death
-        self.group.close()
+        try:
+            if not _uncaught[0]:
+                self.decisions.confirm()  # the last step, if applied speculatively, is settled before the end
+        finally:
+            self.decisions.close()
+            if self.world is not None and not _uncaught[0]:
+                self.world.leave()  # a clean exit: the replica-mates' watchdogs must not read it as a death
+            self.group.close()
         # A planned fault that never fired makes a fault test pass for the wrong reason: say so.
         missed = [f for f in self.protocol.injector.unfired() if f.phase != "recompute"]
         if missed and self.step >= 0:
@@ -356,9 +361,11 @@ class Replica:
             print(f"[lightning-recover] {message}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ collectives over live replicas
+    # Each first confirms a step applied speculatively (Decisions.confirm): what a collective, a metric or a
+    # checkpoint election sees must be settled.
     def all_reduce(self, tensor: torch.Tensor, reduce_op: Any = "mean") -> torch.Tensor:
         op = str(getattr(reduce_op, "name", reduce_op)).lower()
-        values = self.collectives.exchange(tensor.detach().cpu())
+        values = self.exchange(tensor.detach().cpu())
         stacked = torch.stack([values[r] for r in sorted(values)])
         if op in ("sum",):
             out = stacked.sum(0)
@@ -373,22 +380,24 @@ class Replica:
         return out.to(tensor.device)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        values = self.collectives.exchange(tensor.detach().cpu())
+        values = self.exchange(tensor.detach().cpu())
         return torch.stack([values[r] for r in sorted(values)]).to(tensor.device)
 
     def barrier(self) -> None:
-        self.collectives.exchange(None)
+        self.exchange(None)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self.decisions.confirm()
         return self.collectives.broadcast_object(obj, src)
 
     def exchange(self, obj: Any) -> dict[int, Any]:
         """Every live replica contributes ``obj``; all receive the same ``{replica: obj}``."""
+        self.decisions.confirm()
         return self.collectives.exchange(obj)
 
     def elect_writer(self) -> bool:
         """All live replicas agree on one writer: the lowest replica id among them."""
-        return min(self.collectives.exchange(None)) == self.group.replica
+        return min(self.exchange(None)) == self.group.replica
 
 
 def joiner_state(training: dict, exact: Optional[ExactAccumulator]) -> dict:

@@ -237,6 +237,10 @@ class StepProtocol:
         return ids
 
     def _reduce_and_decide(self, step: int, stats: StepStats) -> bool:
+        # The step before, if applied speculatively, is settled before this member reduces again.
+        began = time.perf_counter()
+        self.decisions.confirm()
+        stats.decide_seconds += time.perf_counter() - began
         if self.exact is not None:
             return self._reduce_and_decide_exact(step, stats)
         group = self.membership
@@ -248,7 +252,11 @@ class StepProtocol:
         grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in params]
         loss = self._loss_sum if self._loss_sum is not None else torch.zeros(1)
         device = grads[0].device if grads else torch.device("cpu")
-        extra = torch.stack([loss.reshape(()).float().cpu(), torch.tensor(float(self._loss_count))]).to(device)
+        # The third element: the leader asks every member to await its commit this step (a joiner waits to be
+        # admitted); summed with the gradients, so every member whose reduce completed reads the same answer.
+        speculate = self.decisions.reports_on_data_plane()
+        awaited = float(speculate and self.decisions.leader_awaits_commit())
+        extra = torch.tensor([float(loss.reshape(()).float()), float(self._loss_count), awaited]).to(device)
         if self.replica_size > 1 and self._intra_group is not None:
             # Loss statistics of the whole replica (its data positions computed different microbatches).
             # The tp processes of one data position computed the same microbatches: only the first
@@ -266,25 +274,26 @@ class StepProtocol:
             self._publish_speed(step)
         group.progress.note("decide")
         began = time.perf_counter()
-        decided = self._decide(step, device)
+        decided = self._decide(step, device, speculate=speculate and not flat["extra"][2].item())
         stats.decide_seconds += time.perf_counter() - began
         if not decided:
             return False
         _unflatten_into(flat, grads, params, scale=1.0 / self.M)
-        loss_sum, count = flat["extra"].tolist()
+        loss_sum, count, _ = flat["extra"].tolist()
         # The mean loss of the step is known only if every microbatch recorded one.
         self._step_loss = loss_sum / self.M if round(count) == self.M else None
         if self.quota == "throughput":
             self._weights = self._read_speeds(step)
         return True
 
-    def _decide(self, step: int, device: torch.device) -> bool:
+    def _decide(self, step: int, device: torch.device, speculate: bool = False) -> bool:
         """After this member's reduce completed: its done report, then the step's decision (True: commit).
 
         On etcd the reports are a barrier over the generation (``Decisions.reports_on_data_plane``): once it
         completes anywhere, every member entered it after its own reduce, so every member holds the reduced
         gradients and the leader may commit alone. A member whose barrier fails settles ``retry``, unless the
-        leader's ``commit`` came first: then it applies the step, whose reduce it holds."""
+        leader's ``commit`` came first: then it applies the step, whose reduce it holds. ``speculate``: apply
+        once the barrier completed and confirm the commit later (``Decisions.commit_speculatively``)."""
         if self.decisions.reports_on_data_plane():
             try:
                 self.collectives.allreduce([torch.ones(1, device=device)])
@@ -292,6 +301,9 @@ class StepProtocol:
                 if self.decisions.decide_retry(step, attempt=self.attempt):
                     return True
                 raise
+            if speculate:
+                self.fire(step, "commit")
+                return self.decisions.commit_speculatively(step)
         self.decisions.report_done(step, attempt=self.attempt)
         self.fire(step, "commit")
         return self.decisions.await_decision(step, attempt=self.attempt)

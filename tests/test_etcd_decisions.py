@@ -1,0 +1,116 @@
+"""The speculative commit on etcd (``protocol/decisions.py``), against a real one-member TLS etcd.
+
+Once its barrier completed a member applies the step at once; the leader writes ``commit`` on its writer
+thread, and every member *confirms* the step before its next reduce or store collective. These tests drive
+the members' ``Decisions`` directly (no process group): the failure-free confirmation, a leader that dies
+before writing (a member whose barrier completed writes ``commit`` itself once the generation fails), the
+race a death during the barrier allows (a ``retry`` that lands first stops the member that applied the
+step, with a named error), and the leader asking every member to await its commit while a joiner waits.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from lightning_recover.control_plane.etcd_client import EtcdClient
+from lightning_recover.control_plane.etcd_store import EtcdStore
+from lightning_recover.errors import ReplicaExcludedError
+from lightning_recover.protocol.coordinator import init_keys
+from lightning_recover.protocol.decisions import Decisions
+from lightning_recover.protocol.membership import Generation, Membership
+from lightning_recover.protocol.messages import ControlStore, JobSecret, Sealer
+
+REPLICAS = 3
+_count = [0]
+
+
+def members_of_generation_0(cluster, collective_timeout: float = 10.0) -> list[Decisions]:
+    """One ``Decisions`` per member of generation 0 of three replicas (incarnation 1), each on its own etcd
+    connection under a fresh job prefix; no heartbeat, no process group."""
+    _count[0] += 1
+    secret = JobSecret.generate()
+    client = EtcdClient(cluster.endpoints, **cluster.tls_files, timeout=5.0)
+    raw = EtcdStore(client, f"/decisions-test/{_count[0]}/kv/", root=f"/decisions-test/{_count[0]}/")
+    init_keys(raw, Sealer(secret), REPLICAS)
+    out = []
+    for r in range(REPLICAS):
+        m = Membership("etcd://test", r, REPLICAS, secret=secret, collective_timeout=collective_timeout)
+        m.store = ControlStore("etcd://test", r, secret, store=raw.clone())
+        m.incarnation = 1
+        m.gen = Generation(0, list(range(REPLICAS)), dict.fromkeys(range(REPLICAS), 1), {}, rank=r)
+        out.append(Decisions(m))
+    return out
+
+
+def fail_generation(d: Decisions) -> None:
+    """What a member forming the next generation writes first: the generation register and the event."""
+    store = d.membership.store
+    store.compare_set("gen/latest", "0", "1")
+    store.add("events", 1)
+
+
+def register(d: Decisions, step: int) -> str:
+    return d.membership.store.get_genuine(f"s{step}/g0/dec")
+
+
+@pytest.fixture
+def decisions(etcd1):
+    out = members_of_generation_0(etcd1)
+    yield out
+    for d in out:
+        d.close()
+
+
+def test_the_fast_path_applies_at_once_and_confirms_the_leaders_commit(decisions):
+    assert all(d.reports_on_data_plane() for d in decisions)
+    assert [d.commit_speculatively(4) for d in decisions] == [True, True, True]
+    for d in decisions:
+        d.confirm()
+    assert register(decisions[0], 4) == "commit"
+    assert decisions[1].decide_retry(4) is True  # a late failure cannot overturn it
+    for d in decisions:
+        d.confirm()  # nothing pending: returns at once
+
+
+def test_a_leader_dead_before_writing_leaves_the_commit_to_a_member_whose_barrier_completed(decisions):
+    # Members 1 and 2 passed the barrier and applied step 6; the leader died before its writer ran.
+    assert decisions[1].commit_speculatively(6) and decisions[2].commit_speculatively(6)
+    done = threading.Event()
+    confirmed: list[BaseException | None] = []
+
+    def confirm() -> None:
+        try:
+            decisions[1].confirm()
+            confirmed.append(None)
+        except BaseException as exc:
+            confirmed.append(exc)
+        done.set()
+
+    threading.Thread(target=confirm, daemon=True).start()
+    assert not done.wait(0.5), "confirmed a step nobody decided"
+    fail_generation(decisions[2])  # the survivors notice the leader's death
+    assert done.wait(10) and confirmed == [None]
+    assert register(decisions[1], 6) == "commit"
+    decisions[2].confirm()
+
+
+def test_a_retry_that_lands_first_stops_the_member_that_applied_the_step(decisions):
+    # A member died during the barrier: it completed at member 1 (which applied step 8), failed at member 2,
+    # whose retry landed before any commit. Member 1 must not go on: the others redo step 8.
+    assert decisions[1].commit_speculatively(8)
+    assert decisions[2].decide_retry(8) is False
+    with pytest.raises(ReplicaExcludedError, match="settled it 'retry'.*redo the step"):
+        decisions[1].confirm()
+
+
+def test_the_leader_asks_every_member_to_await_its_commit_while_a_joiner_waits(decisions):
+    assert not any(d.leader_awaits_commit() for d in decisions)
+    decisions[0].membership.store.set("join/1", "2")  # replica 1's second incarnation asks to join
+    deadline = time.monotonic() + 5
+    while not decisions[0].leader_awaits_commit():  # once the watched view (shared by all four) holds it
+        assert time.monotonic() < deadline, "the leader never saw the join request"
+        time.sleep(0.01)
+    assert [d.leader_awaits_commit() for d in decisions] == [True, False, False]
