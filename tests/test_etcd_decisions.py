@@ -61,7 +61,8 @@ def decisions(etcd1):
     out = members_of_generation_0(etcd1)
     yield out
     for d in out:
-        d.close()
+        d.close(settle=False)
+        d.membership.store.raw.close()  # its connection, and the watched view its clones share
 
 
 def test_the_fast_path_applies_at_once_and_confirms_the_leaders_commit(decisions):

@@ -29,8 +29,9 @@ _TAKEBACKS = 16  # times a member writes its own contribution again before calli
 class SurvivorCollectives:
     """Collectives over the current generation of a :class:`Membership`."""
 
-    def __init__(self, membership: Membership) -> None:
+    def __init__(self, membership: Membership, before_exchange: Callable[[], None] = lambda: None) -> None:
         self.membership = membership
+        self._before_exchange = before_exchange  # the replica's Decisions.confirm (a speculative step, settled)
         self._seq: dict[int, int] = {}  # generation -> store collectives issued in it (SPMD order)
 
     # ------------------------------------------------------------------ tensors, over the process group
@@ -189,6 +190,7 @@ class SurvivorCollectives:
         Store collectives are numbered per generation, so a replica that joined a generation
         issues its first one in step with the members.
         """
+        self._before_exchange()
         m = self.membership
         m.progress.note("exchange")
         number = m.gen.number

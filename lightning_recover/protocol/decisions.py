@@ -188,11 +188,16 @@ class Decisions:
                 "restarts it as a joiner (--restarts), or a standby takes its place."
             )
 
-    def close(self) -> None:
-        """Stop the leader's writer thread (after the write in flight)."""
-        if self._writer is not None:
-            self._writer.shutdown(wait=True)
-            self._writer = None
+    def close(self, settle: bool = True) -> None:
+        """Confirm the step applied speculatively (``settle``: the job ends normally), then stop the leader's
+        writer thread (after the write in flight)."""
+        try:
+            if settle:
+                self.confirm()
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
+                self._writer = None
 
     def _commit_value(self) -> str:
         joins = self.membership.pending_joins(recent=True)

@@ -90,8 +90,9 @@ class Replica:
             standby=standby,
         )
         self.world = None  # the replica's own K-process world (sharding.ReplicaWorld), when K > 1
-        self.collectives = SurvivorCollectives(self.group)
         self.decisions = Decisions(self.group)
+        # A store collective first confirms a step applied speculatively: what it sees must be settled.
+        self.collectives = SurvivorCollectives(self.group, before_exchange=self.decisions.confirm)
         self.protocol = StepProtocol(
             self.group,
             self.collectives,
@@ -227,10 +228,8 @@ class Replica:
 
     def close(self) -> None:
         try:
-            if not _uncaught[0]:
-                self.decisions.confirm()  # the last step, if applied speculatively, is settled before the end
+            self.decisions.close(settle=not _uncaught[0])  # a step applied speculatively is confirmed first
         finally:
-            self.decisions.close()
             if self.world is not None and not _uncaught[0]:
                 self.world.leave()  # a clean exit: the replica-mates' watchdogs must not read it as a death
             self.group.close()
@@ -361,11 +360,9 @@ class Replica:
             print(f"[lightning-recover] {message}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ collectives over live replicas
-    # Each first confirms a step applied speculatively (Decisions.confirm): what a collective, a metric or a
-    # checkpoint election sees must be settled.
     def all_reduce(self, tensor: torch.Tensor, reduce_op: Any = "mean") -> torch.Tensor:
         op = str(getattr(reduce_op, "name", reduce_op)).lower()
-        values = self.exchange(tensor.detach().cpu())
+        values = self.collectives.exchange(tensor.detach().cpu())
         stacked = torch.stack([values[r] for r in sorted(values)])
         if op in ("sum",):
             out = stacked.sum(0)
@@ -380,24 +377,22 @@ class Replica:
         return out.to(tensor.device)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        values = self.exchange(tensor.detach().cpu())
+        values = self.collectives.exchange(tensor.detach().cpu())
         return torch.stack([values[r] for r in sorted(values)]).to(tensor.device)
 
     def barrier(self) -> None:
-        self.exchange(None)
+        self.collectives.exchange(None)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        self.decisions.confirm()
         return self.collectives.broadcast_object(obj, src)
 
     def exchange(self, obj: Any) -> dict[int, Any]:
         """Every live replica contributes ``obj``; all receive the same ``{replica: obj}``."""
-        self.decisions.confirm()
         return self.collectives.exchange(obj)
 
     def elect_writer(self) -> bool:
         """All live replicas agree on one writer: the lowest replica id among them."""
-        return min(self.exchange(None)) == self.group.replica
+        return min(self.collectives.exchange(None)) == self.group.replica
 
 
 def joiner_state(training: dict, exact: Optional[ExactAccumulator]) -> dict:
