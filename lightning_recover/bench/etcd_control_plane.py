@@ -17,6 +17,9 @@ the TinyGPT job of ``bench overhead`` (``lightning_recover.bench.fabric_gpt``):
   nothing of the job).
 * **cost**: what each kind of request costs the members in CPU, one kind at a time on the idle cluster
   (``lightning_recover.bench.etcd_request_cost``).
+* **steady**: the control plane's cost per step in steady state: etcd's counters and the members' CPU over
+  one job of ``4 x --steps`` steps minus one of ``--steps`` steps, per step (start-up and shutdown cancel
+  out); the idle members' CPU over the same time is given beside it.
 * **load**: etcd's own counters (``/metrics``) over a failure-free run: raft proposals (writes), reads,
   watch events per step per replica; and the projection to 2,000 replicas against the write rate this
   cluster sustains (measured here too). Watch events grow with the square of the replicas (every
@@ -217,6 +220,9 @@ def measure(args: argparse.Namespace) -> dict:
                     )
                 },
             }
+        if "steady" in parts:
+            result["steady_state"] = steady_state(cluster, etcd_env, args.replicas, args.steps, work)
+            print(f"  steady state: {result['steady_state']}", flush=True)
         # --- kill -> next commit, alternated
         kills: dict[str, list[float]] = {m: [] for m in modes}
         phases = ["reduce", "backward", "forward"]
@@ -304,6 +310,40 @@ def measure(args: argparse.Namespace) -> dict:
             "watch_events_per_s": 2000 * events_per_s_per_replica * 2000 / args.replicas,
         }
     return result
+
+
+def steady_state(cluster: LocalEtcdCluster, env: dict[str, str], replicas: int, steps: int, work: str) -> dict:
+    """Per step of the whole job (all replicas), in steady state: a job of ``4 x steps`` steps minus one of
+    ``steps`` steps. Writes are counted once (every member applies them), reads and watch events as served."""
+    runs = []
+    for n in (steps, 4 * steps):
+        out = os.path.join(work, f"steady{n}")
+        before, cpu, began = metrics(cluster), members_cpu_seconds(cluster), time.monotonic()
+        _finish(_start(_job_args(replicas, n), out, env), out)
+        after = metrics(cluster)
+        runs.append((after, before, members_cpu_seconds(cluster) - cpu, time.monotonic() - began, step_median(out, 3)))
+    (short_after, short_before, short_cpu, short_s, _), (long_after, long_before, long_cpu, long_s, step_s) = runs
+    extra_steps, extra_s = 3 * steps, long_s - short_s
+    per_step = {
+        k: ((long_after[k] - long_before[k]) - (short_after[k] - short_before[k]))
+        / extra_steps
+        / (3 if k in _APPLIED_BY_ALL else 1)
+        for k in _METRICS
+    }
+    idle = cluster_idle_cores(cluster)
+    return {
+        "per_step_of_the_job": per_step,
+        "members_cpu_s_per_step": (long_cpu - short_cpu) / extra_steps,
+        "idle_members_cpu_s_per_step": idle * extra_s / extra_steps,
+        "step_s": step_s,
+    }
+
+
+def cluster_idle_cores(cluster: LocalEtcdCluster, seconds: float = 3.0) -> float:
+    """The members' CPU (in cores) while nothing uses the cluster."""
+    cpu, began = members_cpu_seconds(cluster), time.monotonic()
+    time.sleep(seconds)
+    return (members_cpu_seconds(cluster) - cpu) / (time.monotonic() - began)
 
 
 def bare_failover(cluster: LocalEtcdCluster) -> float:
