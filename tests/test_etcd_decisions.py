@@ -5,7 +5,8 @@ thread, and every member *confirms* the step before its next reduce or store col
 the members' ``Decisions`` directly (no process group): the failure-free confirmation, a leader that dies
 before writing (a member whose barrier completed writes ``commit`` itself once the generation fails), the
 race a death during the barrier allows (a ``retry`` that lands first stops the member that applied the
-step, with a named error), and the leader asking every member to await its commit while a joiner waits.
+step, with a named error), a forged register (a named error within collective_timeout), and the leader
+asking every member to await its commit while a joiner waits.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 
 from lightning_recover.control_plane.etcd_client import EtcdClient
 from lightning_recover.control_plane.etcd_store import EtcdStore
-from lightning_recover.errors import ReplicaExcludedError
+from lightning_recover.errors import ForgedMessageError, ReplicaExcludedError
 from lightning_recover.protocol.coordinator import init_keys
 from lightning_recover.protocol.decisions import Decisions
 from lightning_recover.protocol.membership import Generation, Membership
@@ -115,3 +116,20 @@ def test_the_leader_asks_every_member_to_await_its_commit_while_a_joiner_waits(d
         assert time.monotonic() < deadline, "the leader never saw the join request"
         time.sleep(0.01)
     assert [d.leader_awaits_commit() for d in decisions] == [True, False, False]
+
+
+def test_a_forged_decision_stops_the_member_that_applied_the_step_within_its_bound(etcd1):
+    """A value written into the register without the job's secret is no decision: the member that applied the
+    step waits for a genuine one for collective_timeout, then stops with a named error (never a guess)."""
+    members = members_of_generation_0(etcd1, collective_timeout=0.5)
+    try:
+        assert members[1].commit_speculatively(3)
+        members[1].membership.store.raw.set("s3/g0/dec", b"commit")  # unsealed: a client without the secret
+        began = time.monotonic()
+        with pytest.raises(ForgedMessageError, match="failed authentication for collective_timeout"):
+            members[1].confirm()
+        assert time.monotonic() - began < 0.5 + 2.0  # the bound, and this machine's slack
+    finally:
+        for d in members:
+            d.close(settle=False)
+            d.membership.store.raw.close()

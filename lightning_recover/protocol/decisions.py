@@ -174,10 +174,11 @@ class Decisions:
             if decided is None and m.failure_seen():
                 decided = m.store.compare_set(key, None, "commit")
             if decided is None and time.monotonic() > deadline:
+                what = "failed authentication" if m.store.has(key) else "was deleted or never written"
                 raise ForgedMessageError(
                     f"replica {m.replica}: the decision {key!r} of step {step}, applied after every member's "
-                    f"barrier, was not written within collective_timeout ({m.collective_timeout}s) and no member "
-                    "failed (a client without the job's secret deletes keys); this replica stops. "
+                    f"barrier, {what} for collective_timeout ({m.collective_timeout}s) while no member failed (a "
+                    "client without the job's secret tampers with the store); this replica stops. "
                     "HINT: keep etcd's client port on a private network with client certificates."
                 )
         if not decided.startswith("commit"):
