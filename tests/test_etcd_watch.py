@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -20,7 +21,8 @@ from lightning_recover.control_plane.etcd_watch import WatchView
 from lightning_recover.errors import ForgedMessageError
 from lightning_recover.protocol.coordinator import init_keys, run_monitor
 from lightning_recover.protocol.membership import Heartbeat, Progress
-from lightning_recover.protocol.messages import ControlStore, JobSecret, Sealer, recent_many
+from lightning_recover.protocol.messages import ControlStore, JobSecret, Sealer, recent_many, sequence
+from lightning_recover.protocol.vouches import VouchReader, vouch_record
 
 _count = [0]
 #: Slack on time bounds for a loaded 2-core machine (as tests/test_etcd_jobs.py).
@@ -230,47 +232,128 @@ def test_cleanup_rides_on_the_report(etcd1):
         store.put_and_decide("s3/g0/done/1", b"r", [], "s3/g0/dec", b"commit", forget_prefix="s3/")
 
 
-def test_a_heartbeat_rides_on_the_report_and_the_thread_skips_its_own(etcd1):
-    """While reports come more often than the beat period, every beat rides on a report transaction (the
-    heartbeat thread writes none of its own); once they stop, the thread beats again within a period. The
-    sequence under ``hb/0`` only grows, so the monitor never drops a beat as a replay."""
+def test_a_commit_vouches_for_its_members_and_their_threads_skip_their_beats(etcd1):
+    """While commits come more often than the beat period, no member's heartbeat thread writes a beat: each
+    commit's vouch names it (vouches.py). A replica the vouch names under another incarnation beats on; once
+    the commits stop, every thread beats again within a period. A commit that did not decide (a ``retry``
+    landed first) vouches for nobody."""
     secret = JobSecret.generate()
-    replica = ControlStore("etcd://test", 0, secret, store=fresh_store(etcd1))
-    monitor = ControlStore("etcd://test", 9, secret, store=replica.raw.clone())
+    raw = fresh_store(etcd1)
+    leader = ControlStore("etcd://test", 0, secret, store=raw)
+    monitor = ControlStore("etcd://test", 9, secret, store=raw.clone())
     period = 0.2
-    heartbeat = Heartbeat(replica, 0, 1, period, Progress())
-    heartbeat.start()
-    seen: list[int] = []
-    rode: list[int] = []
+    beating = [
+        Heartbeat(ControlStore("etcd://test", r, secret, store=raw.clone()), r, 1, period, Progress())
+        for r in (0, 1, 2)
+    ]
+    beats: dict[int, list[int]] = {0: [], 1: [], 2: []}
 
     def read() -> None:
-        fresh = monitor.get_fresh("hb/0")  # (sequence, payload); the same value again is accepted
-        if fresh is not None and (not seen or fresh[0] != seen[-1]):
-            seen.append(fresh[0])
+        for r in beats:
+            fresh = monitor.get_fresh(f"hb/{r}")  # (sequence, payload); the same value again is accepted
+            if fresh is not None and (not beats[r] or fresh[0] != beats[r][-1]):
+                beats[r].append(fresh[0])
 
-    def report(beat):
-        if beat is not None:
-            rode.append(beat[2])
-        return replica.report_and_decide(f"s{len(rode)}/done/0", "1", {}, f"s{len(rode)}/dec", "commit", beat=beat)
-
+    for hb in beating:
+        hb.start()
     try:
-        read()
-        first = seen[-1]  # the beat start() wrote
+        until(lambda: raw.view.healthy)
+        step = 0
         deadline = time.monotonic() + 1.5
-        while time.monotonic() < deadline:  # a report every 30 ms: a beat is due every other 0.1 s
-            assert heartbeat.ride(report) in ("commit", None)
+        while time.monotonic() < deadline:  # a commit every 30 ms, naming replica 2 under another incarnation
+            step += 1
+            vouch = vouch_record(1, step, {0: 1, 1: 1, 2: 7})
+            assert (
+                leader.report_and_decide(f"s{step}/done/0", "1", {}, f"s{step}/dec", "commit", vouch=vouch) == "commit"
+            )
             read()
+            if step == 10:
+                first = {r: len(b) for r, b in beats.items()}  # every thread has seen a vouch by now
             time.sleep(0.03)
         read()
-        assert len(rode) >= 5
-        assert set(seen) - {first} <= set(rode), "the heartbeat thread wrote a beat while reports carried them"
-        time.sleep(3 * period)  # no reports: the thread's own beats again
+        assert beats[0][first[0] :] == [] and beats[1][first[1] :] == [], "a vouched-for thread wrote a beat"
+        assert len(beats[2]) - first[2] >= 4, "replica 2 (another incarnation) must beat on"
+        assert beating[0].vouched_at > 0 and beating[2].vouched_at == 0
+        # A retry that landed first: the commit's transaction does not decide and writes no vouch.
+        leader.compare_set("s99/dec", None, "retry")
+        before = raw.cached("vouch")
+        assert (
+            leader.report_and_decide(
+                "s99/done/0", "1", {}, "s99/dec", "commit", vouch=vouch_record(1, step + 1, {0: 1})
+            )
+            == "retry"
+        )
+        assert raw.peek_many(["vouch"]) == [before[1]]
+        stopped = len(beats[0])
+        time.sleep(3 * period)  # no commits: the threads beat again
         read()
-        assert seen[-1] not in rode and seen[-1] > max(rode)
-        assert seen == sorted(seen)
-        assert monitor.freshness.replays == {}
+        assert len(beats[0]) > stopped and len(beats[1]) > first[1]
+        assert all(b == sorted(b) for b in beats.values()) and monitor.freshness.replays == {}
     finally:
-        heartbeat.stop()
+        for hb in beating:
+            hb.stop()
+
+
+def test_a_vouch_counts_once_and_only_if_genuine():
+    """A reader accepts a vouch only with a sequence above the newest it accepted: an old one written back (a
+    replay), a forged or a malformed one counts for nobody."""
+    sealer = Sealer(JobSecret.generate())
+    reader = VouchReader(sealer)
+
+    def sealed(generation: int, count: int, members: dict) -> bytes:
+        key, payload, seq = vouch_record(generation, count, members)
+        return sealer.seal(key, payload.encode(), seq)
+
+    first, second = sealed(3, 1, {0: 1, 1: 2}), sealed(3, 2, {0: 1, 1: 2})
+    assert reader.newer(first).incarnations == {0: 1, 1: 2}
+    assert reader.newer(first) is None  # the same value read again: nothing new
+    assert reader.newer(second).generation == 3
+    assert reader.newer(first) is None  # a replay
+    assert reader.newer(sealed(2, 99, {0: 1})) is None  # an older generation's leader, however many it wrote
+    assert reader.newer(sealed(4, 1, {0: 1})).incarnations == {0: 1}  # the next generation's leader
+    forged = Sealer(JobSecret.generate())
+    key, payload, seq = vouch_record(5, 1, {0: 1})
+    assert reader.newer(forged.seal(key, payload.encode(), seq)) is None
+    assert reader.newer(sealer.seal(key, b'{"gen": 5}', seq)) is None  # not well formed
+    assert reader.newer(sealer.seal(key, b"[1]", seq + 1)) is None
+
+
+@pytest.mark.slow  # waits out a heartbeat timeout twice over
+def test_the_monitor_counts_a_vouch_as_a_beat(etcd1):
+    """A replica that writes no beat of its own stays alive while commits vouch for it, and is declared dead
+    within the heartbeat timeout plus a poll (and this machine's slack) once they stop; a vouch naming another
+    incarnation keeps nobody alive."""
+    secret = JobSecret.generate()
+    sealer = Sealer(secret)
+    raw = fresh_store(etcd1)
+    init_keys(raw, sealer, 2)
+    leader = ControlStore("etcd://test", 0, secret, store=raw.clone())
+    for r in (0, 1):  # each replica's one beat, at its start
+        leader.set(f"hb/{r}", json.dumps({"inc": 1, "beat": 1, "phase": "compute", "count": 1}), seq=sequence(1, 1))
+    stop = threading.Event()
+    monitor_store = raw.clone()
+    timeout, poll = 0.8, 0.05
+    monitor = threading.Thread(target=run_monitor, args=(monitor_store, sealer, 2, timeout, 60.0, stop, 1, poll))
+    monitor.start()
+    deaths = ControlStore("etcd://test", 9, secret, store=raw.clone())
+    try:
+        step = 0
+        deadline = time.monotonic() + 2.5 * timeout
+        while time.monotonic() < deadline:  # replica 1 is vouched for under another incarnation
+            step += 1
+            vouch = vouch_record(1, step, {0: 1, 1: 2})
+            assert (
+                leader.report_and_decide(f"s{step}/done/0", "1", {}, f"s{step}/dec", "commit", vouch=vouch) == "commit"
+            )
+            time.sleep(0.1)
+        assert deaths.deaths([0, 1]) == {0: 0, 1: 1}
+        stopped = time.monotonic()
+        until(lambda: deaths.deaths([0, 1])[0] == 1, timeout=timeout + 5)
+        assert time.monotonic() - stopped <= timeout + poll + SLACK
+    finally:
+        stop.set()
+        monitor.join(5)
+        monitor_store.close()
 
 
 @pytest.mark.slow  # waits out two heartbeat timeouts (about 4 s): kept out of `make test-fast`

@@ -146,6 +146,11 @@ class EtcdStore(dist.Store):
         (then the caller reads etcd)."""
         return self.view.lookup_many([self._k(k) for k in keys])
 
+    def cached_arrival(self, key: str) -> Optional[tuple[bytes, float]]:
+        """``(value, monotonic time it reached this process)`` from the watched view while it is current and
+        holds the key; None otherwise."""
+        return self.view.lookup_arrival(self._k(key))
+
     def raft_term(self) -> int:
         """The highest Raft term in this store's answers and its watched view's stream. It grows with every
         leader election: the monitor forgives heartbeats the election held up (protocol/coordinator.py)."""
@@ -279,13 +284,14 @@ class EtcdStore(dist.Store):
         register: str,
         decision: Any,
         forget_prefix: Optional[str] = None,
-        also: Sequence[tuple[str, Any]] = (),
+        with_decision: Sequence[tuple[str, Any]] = (),
     ) -> Optional[bytes]:
         """Write ``key`` and, in the same transaction, ``decision`` into ``register`` if the register is
         still absent and every ``(key, value)`` of ``expected`` holds exactly that value. Returns the
         register's value now (``decision`` when this call decided; None while nobody has).
         ``forget_prefix``: also delete every key under that prefix (cleanup riding on the same request).
-        ``also``: more ``(key, value)`` written whatever the outcome (a heartbeat riding on the report).
+        ``with_decision``: more ``(key, value)`` written only if this call decides (the commit's vouch for
+        the generation's members, ``protocol/vouches.py``).
 
         One round trip: of concurrent callers whose expectations name each other's keys, exactly one
         decides (transactions are serialized; the last writer sees every other report). A retry after an
@@ -301,11 +307,11 @@ class EtcdStore(dist.Store):
             if k.startswith(gone) or reg.startswith(gone):
                 raise ValueError(f"put_and_decide would delete its own keys under {forget_prefix!r}")
             cleanup = [ec.op_delete(gone, ec.prefix_end(gone))]
-        extra = [ec.op_put(self._k(a), _as_bytes(v)) for a, v in also]
+        extra = [ec.op_put(self._k(a), _as_bytes(v)) for a, v in with_decision]
         answer = self.client.txn(
             compare,
             [ec.op_put(k, _as_bytes(value)), ec.op_put(reg, _as_bytes(decision)), *extra, *cleanup],
-            [ec.op_put(k, _as_bytes(value)), ec.op_get(reg), *extra, *cleanup],
+            [ec.op_put(k, _as_bytes(value)), ec.op_get(reg), *cleanup],
         )
         if answer.get("succeeded"):
             return _as_bytes(decision)

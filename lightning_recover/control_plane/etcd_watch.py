@@ -47,6 +47,7 @@ class WatchView:
         self._cond = threading.Condition()
         self._values: dict[bytes, bytes] = {}
         self._mods: dict[bytes, int] = {}  # key -> its mod_revision (a compare-and-swap's first guess)
+        self._arrived: dict[bytes, float] = {}  # key -> monotonic time its current value reached this view
         self.revision = 0  # the store's revision this view is complete up to
         self._synced = False
         self._heard = 0.0  # monotonic time of the stream's last message
@@ -90,6 +91,14 @@ class WatchView:
             if not self._healthy() or key not in self._values:
                 return None
             return self._values[key], self._mods[key]
+
+    def lookup_arrival(self, key: bytes) -> Optional[tuple[bytes, float]]:
+        """``(value, monotonic time it reached this view)`` of a key the view holds while healthy, else None:
+        when a record written for this process arrived (``protocol/vouches.py``)."""
+        with self._cond:
+            if not self._healthy() or key not in self._values:
+                return None
+            return self._values[key], self._arrived[key]
 
     def lookup_many(self, keys: list[bytes]) -> Optional[list[bytes]]:
         """Every key's value while healthy and every key is in the view; else None: ask etcd instead."""
@@ -158,8 +167,11 @@ class WatchView:
         kvs = answer.get("kvs") or []
         values = {ec.unb64(kv["key"]): ec.unb64(kv.get("value")) for kv in kvs}
         mods = {ec.unb64(kv["key"]): int(kv.get("mod_revision") or 0) for kv in kvs}
+        now = time.monotonic()
         with self._cond:
-            self._values, self._mods = values, mods
+            # A value the view already held keeps its arrival time; one first seen in this read arrived now.
+            arrived = {k: self._arrived[k] if self._mods.get(k) == m else now for k, m in mods.items()}
+            self._values, self._mods, self._arrived = values, mods, arrived
             self.revision = revision
             self.term = max(self.term, int(answer["header"].get("raft_term") or 0))
             self._synced = True
@@ -168,6 +180,7 @@ class WatchView:
             self._cond.notify_all()
 
     def _apply(self, msg: dict) -> None:
+        now = time.monotonic()
         with self._cond:
             for event in msg.get("events") or []:
                 kv = event.get("kv") or {}
@@ -176,11 +189,13 @@ class WatchView:
                 if event.get("type", "PUT") == "DELETE":
                     self._values.pop(key, None)
                     self._mods.pop(key, None)
+                    self._arrived.pop(key, None)
                 else:
                     self._values[key] = ec.unb64(kv.get("value"))
                     self._mods[key] = mod
+                    self._arrived[key] = now
                 self.revision = max(self.revision, mod)
                 self.events += 1
             self.term = max(self.term, int((msg.get("header") or {}).get("raft_term") or 0))
-            self._heard = time.monotonic()
+            self._heard = now
             self._cond.notify_all()

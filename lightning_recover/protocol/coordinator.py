@@ -22,13 +22,15 @@ Keys (values sealed with the job's MAC, see ``messages.py``, except the two coun
 ``reach/...``      probe addresses, rounds, reports and verdicts of partition detection (``reachability.py``)
 ``s{S}/g{G}/...``  step S's reduce under generation G: done reports and the commit decision
 ``g{G}/state``     SHA-256 of the state handed to the joiners admitted into generation G
+``vouch``          etcd: the members a step's commit vouches for (``vouches.py``): a beat of each
 
-``hb/{r}`` is the one key rewritten by one writer: its value carries the sequence (incarnation, beat)
-and readers drop one below what they already read (a replay). ``dead/{r}`` and ``gen/latest`` only grow
+``hb/{r}`` and ``vouch`` are rewritten over time: their values carry a sequence ((incarnation, beat);
+(generation, the leader's count)) and readers drop one below what they already read (a replay). ``dead/{r}`` and ``gen/latest`` only grow
 and are read as the largest value seen; every other sealed key is written once.
 
 The monitor declares a replica dead when its beat has not moved for ``heartbeat_timeout`` seconds
-of the coordinator's own clock (no cross-host clock comparison; a killed or frozen process), or
+of the coordinator's own clock (no cross-host clock comparison; a killed or frozen process; a commit
+vouching for it counts as a beat and as progress), or
 when its main thread made no progress for ``hang_timeout`` seconds while a peer waited on it (a
 deadlock the heartbeat thread alone would hide). The launcher also declares a replica dead as soon
 as it sees the process exit.
@@ -49,6 +51,7 @@ import torch.distributed as dist
 from lightning_recover.errors import ForgedMessageError
 from lightning_recover.protocol.messages import Freshness, JobSecret, Sealer, mark_dead, peek, peek_all, read_death
 from lightning_recover.protocol.reachability import PartitionJudge, probe_timeout_for
+from lightning_recover.protocol.vouches import VOUCH_KEY, Vouch, VouchReader
 
 _STORE_TIMEOUT = datetime.timedelta(seconds=60)
 
@@ -109,6 +112,9 @@ def run_monitor(
     # election's silence looks like missed beats), and so does a read that comes just after the election,
     # before the replicas' retried beats: a grown Raft term forgives what came before it.
     view = getattr(store, "cached_many", None)
+    cached = getattr(store, "cached", None)
+    # etcd: a step's commit vouches for its members (vouches.py); read after the heartbeats, as the last key.
+    read_keys = keys + [VOUCH_KEY] if cached is not None and replica_size == 1 else keys
     term_of = getattr(store, "raft_term", None)
     term = 0
     last_read = time.monotonic()
@@ -123,9 +129,21 @@ def run_monitor(
 
     opened: dict[str, bytes] = {}  # key -> the raw value last opened (the view answers the same one many polls)
     settled: dict[int, int] = {}  # replica -> the incarnation known dead (dead/{r} only grows): judged no more
+    vouches = VouchReader(sealer)
+    vouched_at = 0.0  # when the newest vouch was read: progress of the whole generation it names
+
+    def credit(vouch: Vouch, now: float) -> None:
+        """A commit vouches that every member it names beat and progressed (vouches.py)."""
+        for r, inc in vouch.incarnations.items():
+            key = f"hb/{r}"
+            if beats.get(key, (None,))[0] == inc:
+                beats[key] = (*beats[key][:2], now)
+            if progress.get(key, (None,))[0] == inc:
+                progress[key] = (*progress[key][:2], now)
 
     def observe(raws: list, now: float) -> None:
-        nonlocal term
+        nonlocal term, vouched_at
+        vouch = vouches.newer(raws[-1]) if len(raws) > len(keys) else None
         for (r, key), raw in zip(procs, raws):
             if raw is None or opened.get(key) == raw:
                 continue  # deleted (judged on its last fresh heartbeat), or already read
@@ -137,6 +155,9 @@ def run_monitor(
                 continue  # a forged heartbeat is no heartbeat
             if fresh.accept(key, seq):  # a replayed heartbeat is none either
                 hbs[key] = (r, hb)
+        if vouch is not None:
+            credit(vouch, now)
+            vouched_at = now
         if term_of is not None:
             seen = term_of()
             if seen > term and term:
@@ -183,13 +204,16 @@ def run_monitor(
         raws = view(keys) if view is not None else None
         read_from_store = raws is None
         if read_from_store:
-            raws = peek_all(store, keys)
+            raws = peek_all(store, read_keys)
+        elif len(read_keys) > len(keys):
+            hit, raw = cached(VOUCH_KEY)  # absent until the first commit
+            raws.append(raw if hit else None)
         observe(raws, now)
         late = verdicts(now)
         if late and not read_from_store:
             # The view says a replica is late or hung: judge it again on a read ordered like a write.
             began = time.monotonic()
-            raws = peek_all(store, keys)
+            raws = peek_all(store, read_keys)
             now = last_read = time.monotonic()
             if now - began > 2 * poll:
                 forgive(now - began)
@@ -204,7 +228,7 @@ def run_monitor(
                 print(f"[coordinator] replica {r} (incarnation {inc}) {why}: declared dead", flush=True)
                 dead = inc
             settled[r] = max(settled.get(r, 0), dead)
-        judge.observe(now, hbs)
+        judge.observe(now, hbs, progressed_at=vouched_at)
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

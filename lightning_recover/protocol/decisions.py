@@ -17,8 +17,9 @@ with no other report to compare). A barrier completes somewhere only if every me
 member enters it only after its own reduce completed: so a commit still means every member holds the
 reduced gradients. A member whose barrier failed settles ``retry`` unless the leader's ``commit`` was first,
 and then applies the step (it entered the barrier, so its reduce had completed). The other members are woken
-by the process's watched view, not by polling the register; the leader's heartbeat rides on its transaction
-when one is due (``Heartbeat.ride``). One write per step for the whole generation, instead of one per member.
+by the process's watched view, not by polling the register; the same transaction vouches for every member,
+whose heartbeat threads then skip their own beats (``vouches.py``). One write per step for the whole
+generation, instead of one per member and their beats.
 On the TCPStore (and for replicas of K > 1 processes) every member reports: a write, a check of the others'
 reports and a ``compare_set``, as before.
 
@@ -47,6 +48,7 @@ from typing import Optional
 
 from lightning_recover.errors import ForgedMessageError, ReplicaExcludedError
 from lightning_recover.protocol.membership import POLL_MIN, SLICE, Membership, backoff
+from lightning_recover.protocol.vouches import vouch_record
 
 
 class Decisions:
@@ -63,6 +65,7 @@ class Decisions:
         self._pending_write: Optional[Future] = None
         self._writer: Optional[ThreadPoolExecutor] = None
         self._writer_store = None
+        self._vouched = (-1, 0)  # (generation, vouches this member wrote as its leader): the vouch's sequence
 
     def _key(self, step: int, attempt: int = 0) -> str:
         # attempt > 0: exact mode redoing a committed step on a recentred grid (protocol/exact.py)
@@ -148,7 +151,13 @@ class Decisions:
                 self._writer_store = m.store.clone()
             me = str(m.replica)
             self._pending_write = self._writer.submit(
-                self._decide_in_one_transaction, self._key(step), me, old, self._writer_store, "commit"
+                self._decide_in_one_transaction,
+                self._key(step),
+                me,
+                old,
+                self._writer_store,
+                "commit",
+                self._next_vouch(),  # made here: the main thread owns the generation
             )
         return self._read("commit")
 
@@ -205,31 +214,35 @@ class Decisions:
         return "commit" + ("" if not joins else ";admit=" + ",".join(f"{r}:{i}" for r, i in sorted(joins.items())))
 
     def _decide_in_one_transaction(
-        self, key: str, me: str, old: Optional[int], store=None, value: Optional[str] = None
+        self, key: str, me: str, old: Optional[int], store=None, value: Optional[str] = None, vouch=None
     ) -> Optional[str]:
         """The leader's report and ``commit`` in one transaction (etcd), with no other report to compare: its
         barrier completed, so every member holds the reduce. The joiners named in the commit come from the
         watched view: one that asked a moment ago is admitted at the next commit instead, and every member
         reads the same list from the register. ``old``: a step whose keys the same request deletes (never
         this step's own); ``store``/``value``: the writer thread's connection and a commit naming no joiner
-        (speculation: the members do not read it before they go on). Returns the register's value.
+        (speculation: the members do not read it before they go on); ``vouch``: the record by which the commit
+        vouches for every member, made by the main thread for the writer thread. Returns the register's value.
         """
         m = self.membership
         store = store or m.store
+        return store.report_and_decide(
+            f"{key}/done/{me}",
+            str(m.incarnation),
+            {},
+            f"{key}/dec",
+            value or self._commit_value(),
+            forget_prefix=None if old is None else f"s{old}/",
+            vouch=vouch or self._next_vouch(),
+        )
 
-        def report(beat: Optional[tuple[str, str, int]]) -> Optional[str]:
-            return store.report_and_decide(
-                f"{key}/done/{me}",
-                str(m.incarnation),
-                {},
-                f"{key}/dec",
-                value or self._commit_value(),
-                forget_prefix=None if old is None else f"s{old}/",
-                beat=beat,
-            )
-
-        # The replica's heartbeat rides on the report when one is due (no Raft write of its own).
-        return report(None) if m.heartbeat is None else m.heartbeat.ride(report)
+    def _next_vouch(self) -> tuple[str, str, int]:
+        """The record by which this leader's next commit vouches for every member (vouches.py): their
+        heartbeat threads skip their own beats."""
+        gen = self.membership.gen
+        count = self._vouched[1] + 1 if self._vouched[0] == gen.number else 1
+        self._vouched = (gen.number, count)
+        return vouch_record(gen.number, count, gen.incarnations)
 
     def await_decision(self, step: int, attempt: int = 0) -> bool:
         """Wait for the step's decision; settle it as ``retry`` if the generation fails meanwhile.

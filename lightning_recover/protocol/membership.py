@@ -50,6 +50,7 @@ from lightning_recover.protocol.reachability import (
 )
 from lightning_recover.protocol.replica_env import check_against_coordinator, check_replica_size_against_coordinator
 from lightning_recover.protocol.standby import wait_for_assignment
+from lightning_recover.protocol.vouches import VOUCH_KEY, VouchReader
 
 POLL_MIN = 0.0005
 POLL_MAX = 0.005
@@ -85,10 +86,10 @@ class Heartbeat:
     for this incarnation being declared dead (so the main thread learns it at its next check, even
     between collectives).
 
-    A beat may instead ride on a write of the main thread (:meth:`ride`; on etcd the step's report
-    transaction): the thread then skips its own while a beat was written less than ``interval`` ago.
-    Why: on etcd every beat of its own is a Raft write (2-4 ms of the members' CPU); riding on the report it
-    costs one more operation in a transaction that is written anyway."""
+    On etcd a step's commit may vouch for this replica (``vouches.py``): the thread then skips its beat while
+    a vouch naming this incarnation reached the watched view less than ``interval`` ago. Why: every beat of
+    its own is a Raft write (2-4 ms of the etcd members' CPU) and a watch event for every watcher; the commit
+    is written anyway."""
 
     def __init__(
         self,
@@ -106,8 +107,10 @@ class Heartbeat:
         self._interval = interval
         self._progress = progress
         self._beat = 0
-        self._lock = threading.Lock()  # one beat written at a time: the thread's or one riding on a write
-        self._last_beat = 0.0  # monotonic time of the last beat written, either way
+        self._last_beat = 0.0  # monotonic time of the last beat written
+        # Commits vouch for whole replicas of one process only (decisions.py).
+        self._vouches = VouchReader(self._store.sealer) if key is None else None
+        self.vouched_at = 0.0  # monotonic time the newest vouch naming this incarnation reached this process
         self.last_ok = time.monotonic()  # when the coordinator last answered (read by the watchdog)
         self._stop = threading.Event()
         self.error: BaseException | None = None
@@ -118,38 +121,30 @@ class Heartbeat:
         self._send()
         self._thread.start()
 
-    def _next_beat(self) -> tuple[str, str, int]:
-        """``(key, payload, sequence)`` of the next beat (called under the lock)."""
-        self._beat += 1
-        p = self._progress
-        payload = {"inc": self._incarnation, "beat": self._beat, "step": p.step, "phase": p.phase, "count": p.count}
-        return self._key, json.dumps(payload), sequence(self._incarnation, self._beat)
+    def _covered_since(self) -> float:
+        """The last beat, written or vouched for."""
+        if self._vouches is not None:
+            got = self._store.recent_arrival(VOUCH_KEY)
+            if got is not None and got[1] > self.vouched_at:
+                vouch = self._vouches.newer(got[0])
+                if vouch is not None and vouch.incarnations.get(self._replica) == self._incarnation:
+                    self.vouched_at = got[1]
+        return max(self._last_beat, self.vouched_at)
 
     def _send(self) -> None:
-        with self._lock:
-            if time.monotonic() - self._last_beat >= self._interval:  # no beat rode on a write meanwhile
-                key, payload, seq = self._next_beat()
-                self._store.set(key, payload, seq=seq)
-                self._last_beat = time.monotonic()
+        if time.monotonic() - self._covered_since() >= self._interval:
+            self._beat += 1
+            p = self._progress
+            payload = {"inc": self._incarnation, "beat": self._beat, "step": p.step, "phase": p.phase, "count": p.count}
+            self._store.set(self._key, json.dumps(payload), seq=sequence(self._incarnation, self._beat))
+            self._last_beat = time.monotonic()
         if self._store.deaths([self._replica], recent=True)[self._replica] >= self._incarnation:
             self.excluded = True
         self.last_ok = time.monotonic()
 
-    def ride(self, write: Callable[[Optional[tuple[str, str, int]]], Any]) -> Any:
-        """``write(beat)``, which must write ``beat`` = ``(key, payload, sequence)`` with what it writes, or
-        ``write(None)`` when no beat is due (one was written less than half a period ago, or the heartbeat
-        stopped). Beats are written one at a time, so their sequence grows in the order they land."""
-        with self._lock:
-            due = not self.stopped and time.monotonic() - self._last_beat >= self._interval / 2
-            beat = self._next_beat() if due else None
-            result = write(beat)
-            if beat is not None:
-                self._last_beat = self.last_ok = time.monotonic()
-            return result
-
     def _run(self) -> None:
-        # Wakes one period after the last beat, whoever wrote it: beats are never further apart than that.
-        while not self._stop.wait(max(0.0, self._last_beat + self._interval - time.monotonic())):
+        # Wakes one period after the last beat, written or vouched for: never further apart than that.
+        while not self._stop.wait(max(0.0, self._covered_since() + self._interval - time.monotonic())):
             try:
                 self._send()
             except Exception as exc:

@@ -529,6 +529,12 @@ class ControlStore:
                 return raw
         return self.call(peek, self.raw, key)
 
+    def recent_arrival(self, key: str) -> Optional[tuple[bytes, float]]:
+        """``(raw value, monotonic time it reached this process)`` from the watched view (etcd, while current);
+        None on the TCPStore, while the view is not current or when the key is absent."""
+        lookup = getattr(self.raw, "cached_arrival", None)
+        return None if lookup is None else self.call(lookup, key)
+
     def recent_genuine(self, key: str) -> Optional[str]:
         """:meth:`get_genuine`, possibly a moment stale."""
         return self._genuine(key, self.recent_raw(key))
@@ -579,16 +585,16 @@ class ControlStore:
         register: str,
         decision: str,
         forget_prefix: Optional[str] = None,
-        beat: Optional[tuple[str, str, int]] = None,
+        vouch: Optional[tuple[str, str, int]] = None,
     ) -> Optional[str]:
         """Write the sealed ``value`` under ``key`` and, in the same transaction, ``decision`` into the
         empty ``register`` if every key of ``expected`` holds its sealed value (etcd only, see
         ``EtcdStore.put_and_decide``; ``forget_prefix``: delete the keys under it in the same request;
-        ``beat``: a heartbeat ``(key, payload, sequence)`` written with it, see ``Heartbeat.ride``).
+        ``vouch``: a record ``(key, payload, sequence)`` written only with the decision, see ``vouches.py``).
         Returns the register's decision now, None while undecided; :class:`ForgedMessageError` if the
         register holds a forged value (the caller takes it back)."""
         sealed = [(k, self.sealer.seal(k, v.encode())) for k, v in expected.items()]
-        also = [] if beat is None else [(beat[0], self.sealer.seal(beat[0], beat[1].encode(), beat[2]))]
+        also = [] if vouch is None else [(vouch[0], self.sealer.seal(vouch[0], vouch[1].encode(), vouch[2]))]
         got = self.call(
             self.raw.put_and_decide,
             key,

@@ -429,11 +429,14 @@ class PartitionJudge:
         self._round: tuple[int, dict[int, int], float] | None = None  # (number, members' incarnations, opened)
         self._quiet_until = 0.0  # no new round before this (after a round that found no partition)
 
-    def observe(self, now: float, heartbeats: Mapping[str, tuple[int, dict]]) -> list[int]:
-        """One pass; returns the replicas fenced by it (usually none)."""
+    def observe(
+        self, now: float, heartbeats: Mapping[str, tuple[int, dict]], progressed_at: float = 0.0
+    ) -> list[int]:
+        """One pass; returns the replicas fenced by it (usually none). ``progressed_at``: when the group was
+        last seen to make progress otherwise (a step's commit vouching for its members, ``vouches.py``)."""
         if self._round is not None:
             return self._maybe_decide(now)
-        stalled_since = 0.0  # the last time any process made progress
+        stalled_since = progressed_at  # the last time any process made progress
         for key, (_, hb) in heartbeats.items():
             moved = (int(hb.get("inc", 0)), int(hb.get("count", 0)))
             if self._moved.get(key, (None, None))[:2] != moved:
