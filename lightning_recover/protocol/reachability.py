@@ -429,9 +429,7 @@ class PartitionJudge:
         self._round: tuple[int, dict[int, int], float] | None = None  # (number, members' incarnations, opened)
         self._quiet_until = 0.0  # no new round before this (after a round that found no partition)
 
-    def observe(
-        self, now: float, heartbeats: Mapping[str, tuple[int, dict]], progressed_at: float = 0.0
-    ) -> list[int]:
+    def observe(self, now: float, heartbeats: Mapping[str, tuple[int, dict]], progressed_at: float = 0.0) -> list[int]:
         """One pass; returns the replicas fenced by it (usually none). ``progressed_at``: when the group was
         last seen to make progress otherwise (a step's commit vouching for its members, ``vouches.py``)."""
         if self._round is not None:
