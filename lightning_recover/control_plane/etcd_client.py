@@ -124,6 +124,15 @@ class EtcdClient:
             allow_insecure=self.context is None,
         )
 
+    def warm(self) -> None:
+        """Open the connection now (TCP and the TLS handshake), so that the first request does not wait for it.
+        A failure is left to that request, which fails over as usual."""
+        if self._conn is None:
+            try:
+                self._conn = self._connect(self.timeout)
+            except (OSError, http.client.HTTPException):
+                self._next_endpoint()
+
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()

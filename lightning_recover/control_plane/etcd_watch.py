@@ -100,6 +100,13 @@ class WatchView:
                 return None
             return self._values[key], self._arrived[key]
 
+    def lookup_each(self, keys: list[bytes]) -> Optional[list[Optional[bytes]]]:
+        """Every key's value (None when absent) while healthy, else None: ask etcd instead."""
+        with self._cond:
+            if not self._healthy():
+                return None
+            return [self._values.get(k) for k in keys]
+
     def lookup_many(self, keys: list[bytes]) -> Optional[list[bytes]]:
         """Every key's value while healthy and every key is in the view; else None: ask etcd instead."""
         with self._cond:

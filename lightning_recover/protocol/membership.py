@@ -257,9 +257,15 @@ def joined_round(store: ControlStore, prefix: str, num_replicas: int, replica_si
     all K of its positions said they joined.
 
     With a watched view (etcd) the reads may be a moment stale: a stale answer is a subset of the
-    replicas that joined (a join is never taken back), so the round only waits a moment longer."""
-    positions: dict[int, set[str]] = {}
+    replicas that joined (a join is never taken back), so the round only waits a moment longer. There,
+    with replicas of one process, there is no list: the view holds every payload, and looking at each
+    replica's costs no round trip (a list would cost an append, contended by every joiner, on the
+    regroup's critical path)."""
     watched = store.watched
+    if watched and replica_size == 1:
+        keys = [f"{prefix}/join/{r}" for r in range(num_replicas)]
+        return {r for r, payload in enumerate(store.recent_genuine_many(keys)) if _well_formed(payload)}
+    positions: dict[int, set[str]] = {}
     if watched:
         hint = (store.recent_raw(f"{prefix}/joined") or b"").decode(errors="replace")
     else:
@@ -287,6 +293,13 @@ def joined_round(store: ControlStore, prefix: str, num_replicas: int, replica_si
         except (ForgedMessageError, ValueError):
             continue  # planted by someone without the secret: not a member
     return joined
+
+
+def _well_formed(payload: Optional[str]) -> bool:
+    try:
+        return payload is not None and isinstance(json.loads(payload), dict)
+    except ValueError:
+        return False
 
 
 def pause(store: ControlStore, delay: float) -> float:
@@ -336,7 +349,11 @@ def _generation_listed(store: ControlStore, number: int, members: list[int], rep
     # missing one was deleted by a client without the secret, which must not stall this reader until
     # the store's timeout (and then be misnamed a lost coordinator).
     keys = [f"g{number}/join/{r}" for r in members]
-    for r, key, value in zip(members, keys, store.genuine_many(keys)):
+    # etcd: the view that showed the member list holds the payloads written before it (revision order).
+    values = store.recent_genuine_many(keys) if store.watched else [None]
+    if None in values:  # not yet in this view (the list came from a compare_set), or gone: read etcd
+        values = store.genuine_many(keys)
+    for r, key, value in zip(members, keys, values):
         if value is None:
             raise ForgedMessageError(
                 f"replica {replica}: the join payload {key!r} of generation {number}'s member {r} "
@@ -595,31 +612,42 @@ class Membership:
         if latest < g:
             # gen/latest only grows: an older genuine value was written back. Take the register back.
             latest = int(self.store.compare_set("gen/latest", str(latest), str(g + 1)))
-        if latest == g + 1:
-            self.store.add("events", 1)
-        elif latest > g + 1:
+        if latest > g + 1:
             raise self._excluded(
                 f"fell behind: the group is at generation {latest} and this replica left generation {g}; it stops "
                 "here so that it never applies a divergent step."
             )
         for r, inc in (invite or {}).items():
             self.store.set(f"g{g + 1}/invite/{r}", str(inc))
-        dead = self.dead(self.gen.members, self.gen.incarnations)
+        # A death the view has not shown yet only makes the round wait until it does (it reads deaths again).
+        dead = self.dead(self.gen.members, self.gen.incarnations, recent=self.store.watched)
         expected = {r: inc for r, inc in self.gen.incarnations.items() if r not in dead}
         expected.update(invite or {})
-        self.gen = self._join_round(g + 1, payload, expected=expected, timeout=self.join_timeout)
+        self.gen = self._join_round(
+            g + 1, payload, expected=expected, timeout=self.join_timeout, announce=latest == g + 1
+        )
         return self.gen
 
     def _join_round(
-        self, number: int, payload: dict, expected: dict[int, int], timeout: float, may_close: bool = True
+        self,
+        number: int,
+        payload: dict,
+        expected: dict[int, int],
+        timeout: float,
+        may_close: bool = True,
+        announce: bool = False,
     ) -> Generation:
-        """Join round ``number``; ``expected`` maps the replicas to wait for to their incarnation."""
+        """Join round ``number``; ``expected`` maps the replicas to wait for to their incarnation. ``announce``:
+        this replica proposed the round, and bumps ``events`` (a hint) once its own join is written."""
         prefix = f"g{number}"
         payload = dict(payload, inc=self.incarnation)
         mine = f"{prefix}/join/{self.replica}"
         self.store.set(mine, json.dumps(payload))
-        me = str(self.replica) if self.replica_size == 1 else f"{self.replica}.{self.inner}"
-        self.store.append_hint(f"{prefix}/joined", f"{me},")
+        if not (self.store.watched and self.replica_size == 1):  # there joined_round needs no list
+            me = str(self.replica) if self.replica_size == 1 else f"{self.replica}.{self.inner}"
+            self.store.append_hint(f"{prefix}/joined", f"{me},")
+        if announce:
+            self.store.add("events", 1)
         deadline = time.monotonic() + timeout
         delay = POLL_MIN
         expected = dict(expected)

@@ -618,6 +618,15 @@ class ControlStore:
         """:meth:`get_genuine` of every key, in one :meth:`peek_many` (one round trip on etcd)."""
         return [self._genuine(k, raw) for k, raw in zip(keys, self.peek_many(keys))]
 
+    def recent_genuine_many(self, keys: Sequence[str]) -> list[Optional[str]]:
+        """:meth:`genuine_many`, possibly a moment stale: from the watched view while it is current (no round
+        trip), else one read of them all."""
+        each = getattr(self.raw, "cached_each", None)
+        raws = None if each is None else self.call(each, list(keys))
+        if raws is None:
+            raws = self.peek_many(keys)
+        return [self._genuine(k, raw) for k, raw in zip(keys, raws)]
+
     def delete_many(self, keys: Sequence[str]) -> None:
         """Delete ``keys`` (cleanup: failures are ignored); one transaction on etcd."""
         many = getattr(self.raw, "delete_many", None)
