@@ -83,6 +83,36 @@ class _SharedView:
             return self.view
 
 
+class _WarmClones:
+    """Clones of a client whose connection was opened ahead of need: each generation's process group
+    rendezvous on a connection of its own (``EtcdStore.prefixed_clone``), and a TLS handshake (7-12 ms
+    measured on a 2-core host) would otherwise sit on the regroup's critical path."""
+
+    def __init__(self, client: ec.EtcdClient) -> None:
+        self._client = client
+        self._next: Optional[tuple[ec.EtcdClient, threading.Thread]] = None
+
+    def take(self) -> ec.EtcdClient:
+        """The clone opened ahead (or a new one the first time); the next one starts opening on a thread."""
+        if self._next is None:
+            client = self._client.clone()
+        else:
+            client, opening = self._next
+            opening.join()
+        spare = self._client.clone()
+        opening = threading.Thread(target=spare.warm, name="lr-etcd-warm", daemon=True)
+        opening.start()
+        self._next = (spare, opening)
+        return client
+
+    def close(self) -> None:
+        if self._next is not None:
+            spare, opening = self._next
+            opening.join()
+            spare.close()
+            self._next = None
+
+
 class EtcdStore(dist.Store):
     """Keys ``prefix + key`` in etcd through ``client``; ``root`` holds the store's own bookkeeping
     (the tokens of ``add``), outside ``prefix`` so that ``num_keys`` counts only the caller's keys."""
@@ -104,7 +134,7 @@ class EtcdStore(dist.Store):
         self.watches = 0  # watch streams opened (load figures)
         self._shared = shared if shared is not None else _SharedView(client, self.prefix)
         self.write_once = False  # True: every key is written once (see prefixed_clone)
-        self._spare: Optional[tuple[ec.EtcdClient, threading.Thread]] = None  # see _warm_clone
+        self._warm = _WarmClones(client)  # for prefixed_clone
 
     def _k(self, key: str) -> bytes:
         return self.prefix + key.encode()
@@ -119,27 +149,12 @@ class EtcdStore(dist.Store):
         ``dist.PrefixStore`` does, without losing ``delete_key``/``num_keys``, which torch does not
         forward to a Python store). Its keys are inside the watched view's, which it shares."""
         store = EtcdStore(
-            self._warm_clone(), f"{self.prefix.decode()}{prefix}/", self.root.decode(), self._timeout, self._shared
+            self._warm.take(), f"{self.prefix.decode()}{prefix}/", self.root.decode(), self._timeout, self._shared
         )
         # Built for a process group's rendezvous, whose keys (the members' addresses) are written once:
         # a value the watched view holds is the value, so ``get`` takes it from there (no round trip).
         store.write_once = True
         return store
-
-    def _warm_clone(self) -> ec.EtcdClient:
-        """A clone of the client whose connection was opened ahead of need, and the next one opening now on a
-        thread: each generation's process group rendezvous on a connection of its own, and a TLS handshake
-        (7-12 ms measured on a 2-core host) would otherwise sit on the regroup's critical path."""
-        if self._spare is None:
-            client = self.client.clone()
-        else:
-            client, opening = self._spare
-            opening.join()
-        spare = self.client.clone()
-        opening = threading.Thread(target=spare.warm, name="lr-etcd-warm", daemon=True)
-        opening.start()
-        self._spare = (spare, opening)
-        return client
 
     # ---------------------------------------------------------------- the watched view
     @property
@@ -150,10 +165,7 @@ class EtcdStore(dist.Store):
     def close(self) -> None:
         """Close this store's connection and stop the watched view it shares with its clones (if started)."""
         self.client.close()
-        if self._spare is not None:
-            spare, opening = self._spare
-            opening.join()
-            spare.close()
+        self._warm.close()
         self._shared.close()
 
     def cached(self, key: str) -> tuple[bool, Optional[bytes]]:

@@ -295,6 +295,14 @@ def joined_round(store: ControlStore, prefix: str, num_replicas: int, replica_si
     return joined
 
 
+def _say_joined(store: ControlStore, prefix: str, replica: int, inner: int, replica_size: int) -> None:
+    """Add this process to round ``prefix``'s list of whom to look at (not on etcd with replicas of one
+    process, where :func:`joined_round` needs no list)."""
+    if not (store.watched and replica_size == 1):
+        me = str(replica) if replica_size == 1 else f"{replica}.{inner}"
+        store.append_hint(f"{prefix}/joined", f"{me},")
+
+
 def _well_formed(payload: Optional[str]) -> bool:
     try:
         return payload is not None and isinstance(json.loads(payload), dict)
@@ -623,9 +631,7 @@ class Membership:
         dead = self.dead(self.gen.members, self.gen.incarnations, recent=self.store.watched)
         expected = {r: inc for r, inc in self.gen.incarnations.items() if r not in dead}
         expected.update(invite or {})
-        self.gen = self._join_round(
-            g + 1, payload, expected=expected, timeout=self.join_timeout, announce=latest == g + 1
-        )
+        self.gen = self._join_round(g + 1, payload, expected, self.join_timeout, announce=latest == g + 1)
         return self.gen
 
     def _join_round(
@@ -643,9 +649,7 @@ class Membership:
         payload = dict(payload, inc=self.incarnation)
         mine = f"{prefix}/join/{self.replica}"
         self.store.set(mine, json.dumps(payload))
-        if not (self.store.watched and self.replica_size == 1):  # there joined_round needs no list
-            me = str(self.replica) if self.replica_size == 1 else f"{self.replica}.{self.inner}"
-            self.store.append_hint(f"{prefix}/joined", f"{me},")
+        _say_joined(self.store, prefix, self.replica, self.inner, self.replica_size)
         if announce:
             self.store.add("events", 1)
         deadline = time.monotonic() + timeout
