@@ -41,7 +41,7 @@ import threading
 import time
 
 from lightning_recover.bench.etcd_request_cost import measure_costs, members_cpu_seconds
-from lightning_recover.control_plane.etcd_client import EtcdClient, tls_context
+from lightning_recover.control_plane.etcd_client import EtcdClient, prefix_end, tls_context, unb64
 from lightning_recover.control_plane.etcd_cluster import DEFAULT_ELECTION_MS, LocalEtcdCluster
 
 _APPLIED_BY_ALL = {
@@ -51,6 +51,7 @@ _APPLIED_BY_ALL = {
     "etcd_mvcc_delete_total",
 }
 _KILL_TIME = re.compile(r"injecting fault (\S+) at t=([0-9.]+)")
+_STEP_KEY = re.compile(rb"(\d+)/")  # a step's keys: s{step}/g{generation}/...
 _METRICS = (
     "etcd_server_proposals_committed_total",
     "etcd_mvcc_put_total",
@@ -376,18 +377,16 @@ def bare_failover(cluster: LocalEtcdCluster) -> float:
 def _wait_for_step(
     cluster: LocalEtcdCluster, job: str, step: int, proc: subprocess.Popen, timeout: float = 300
 ) -> None:
-    """Until replica 0's heartbeat (in etcd) says it runs ``step``: the fault lands mid-training."""
+    """Until the keys of ``step`` (or a later one) are in etcd: the fault lands mid-training. (Not the
+    heartbeats: while each step's commit vouches for the replicas, they write none.)"""
     client = EtcdClient(cluster.endpoints, **cluster.tls_files, allow_insecure=not cluster.tls)
     deadline = time.monotonic() + timeout
-    key = f"/lightning-recover/{job}/kv/hb/0".encode()
+    prefix = f"/lightning-recover/{job}/kv/s".encode()
     while time.monotonic() < deadline and proc.poll() is None:
-        value, _ = client.get(key)
-        if value:
-            try:
-                if int(json.loads(value.split(b"\x00lr")[0]).get("step") or 0) >= step:
-                    break
-            except ValueError:
-                pass
+        kvs = client.range(prefix, prefix_end(prefix), keys_only=True).get("kvs") or []
+        seen = [int(m.group(1)) for kv in kvs if (m := _STEP_KEY.match(unb64(kv["key"])[len(prefix) :]))]
+        if seen and max(seen) >= step:
+            break
         time.sleep(0.05)
     client.close()
 
