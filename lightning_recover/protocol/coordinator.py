@@ -25,8 +25,9 @@ Keys (values sealed with the job's MAC, see ``messages.py``, except the two coun
 ``vouch``          etcd: the members a step's commit vouches for (``vouches.py``): a beat of each
 
 ``hb/{r}`` and ``vouch`` are rewritten over time: their values carry a sequence ((incarnation, beat);
-(generation, the leader's count)) and readers drop one below what they already read (a replay). ``dead/{r}`` and ``gen/latest`` only grow
-and are read as the largest value seen; every other sealed key is written once.
+(generation, the leader's count)) and readers drop one below what they already read (a replay).
+``dead/{r}`` and ``gen/latest`` only grow and are read as the largest value seen; every other sealed
+key is written once.
 
 The monitor declares a replica dead when its beat has not moved for ``heartbeat_timeout`` seconds
 of the coordinator's own clock (no cross-host clock comparison; a killed or frozen process; a commit
