@@ -16,9 +16,11 @@ setup:
 demo: setup
 	$(PYTHON) -m lightning_recover.cli demo
 
-# The whole test suite (what CI runs).
+# The whole test suite (what CI runs): two workers (pytest-xdist, a file per worker at a time) for all
+# but the tests marked serial, which race a restart against the job's end and run alone afterwards.
 test: setup
-	$(PYTHON) -m pytest -q --durations=25 tests
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile --durations=25 -m "not serial" tests
+	$(PYTHON) -m pytest -q --durations=10 -m serial tests
 
 # Style: ruff (lint + format check) over the whole tree, clang-format over native_io's C.
 lint: setup

@@ -164,6 +164,7 @@ def _next_commit_after(job: MultiHostJob, r: int, since_count: int, timeout: flo
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.serial  # a restart races the job's end: run alone (make test)
 def test_replica_host_link_down_then_up(tmp_path):
     """Symmetric partition: replica 1's host loses its link. It is declared dead by its heartbeats
     (bound: heartbeat_timeout), the others commit on, and replica 1 stops with CoordinatorLostError

@@ -295,6 +295,7 @@ def _job_processes(out: str) -> list[int]:
 
 
 @pytest.mark.parametrize("launch", ["local", "torchrun"])
+@pytest.mark.serial  # a restart races the job's end: run alone (make test)
 def test_restarted_replica_rejoins_with_live_state(tmp_path, reference, launch):
     """A killed replica is restarted (launcher restart / torchrun --max-restarts), receives model,
     optimizer state and step from a peer over the group, and the quotas rebalance to include it."""

@@ -241,6 +241,7 @@ REJOIN_STEPS = 30  # the survivors sleep 1 s after each degraded step, until the
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("launch", ["torchrun", "fabric-tp"])  # plain Fabric restarts: fabric-tp
+@pytest.mark.serial  # a restart races the job's end: run alone (make test)
 def test_restarted_replica_of_two_rejoins_with_its_shards(tmp_path, reference, launch):
     """Process 1 of replica 1 is killed; the whole replica is ended and restarted (Fabric's
     ``restarts=1`` / ``torchrun --max-restarts 1``): two fresh processes, each receiving its shard

@@ -132,6 +132,7 @@ REJOIN_STEPS = 30  # the survivors sleep 1 s after each degraded step, until the
 
 @pytest.mark.slow
 @pytest.mark.timeout(500)
+@pytest.mark.serial  # a restart races the job's end: run alone (make test)
 def test_trainer_replica_of_two_is_lost_and_rejoins(tmp_path, reference):
     """R=3, K=2, M=10 (quotas 4, 3, 3: zero-contribution slots), shard='fsdp'; one process of replica 1
     is killed in the backward of step 1: the whole replica leaves, the survivors recompute its

@@ -161,6 +161,7 @@ PHASE_PLAN = [  # (replica, step, phase, incarnation): each takeover meets the f
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
+@pytest.mark.serial  # a restart races the job's end: run alone (make test)
 def test_standby_takes_over_a_kill_in_every_phase(tmp_path):
     """3 replicas and one standby. The first standby is SIGKILLed while it waits: the launcher
     replaces it. Then five kills, one per phase, each met by a ready standby (the one started after
@@ -192,6 +193,7 @@ def test_standby_takes_over_a_kill_in_every_phase(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.serial  # a restart races the job's end: run alone (make test)
 def test_two_deaths_with_one_standby(tmp_path):
     """Two replicas die in the same step with one standby: one takeover, and the other replica restarts
     in place as without standbys (the standby started after the takeover is not ready yet)."""
@@ -212,6 +214,7 @@ def test_two_deaths_with_one_standby(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.serial  # a restart races the job's end: run alone (make test)
 def test_torchrun_standby_job_takes_the_place_of_a_replica(tmp_path):
     """``lightning-recover torchrun --standby 1``: the standby is a torchrun job of its own. When a
     replica's worker is killed, its agent is ended before it restarts the worker and the standby
@@ -233,6 +236,7 @@ def test_torchrun_standby_job_takes_the_place_of_a_replica(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.serial  # a restart races the job's end: run alone (make test)
 def test_sharded_standby_takes_the_place_of_a_replica_of_two(tmp_path):
     """2 replicas of 2 processes (FSDP2) and one standby of 2, which builds its own 2-process world
     before it waits. Process 1 of replica 1 is killed: the replica is ended whole and the standby's

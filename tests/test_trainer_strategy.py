@@ -208,6 +208,7 @@ REJOIN_STEPS, REJOIN_BATCH = 9, 16  # 5 steps an epoch: the rejoined replica als
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # a restart races the job's end: run alone (make test)
 def test_restarted_replica_rejoins_the_trainer_run(tmp_path):
     truth = _single_process(steps=REJOIN_STEPS, batch_size=REJOIN_BATCH, exact=True)
     result = trainer_job(
@@ -223,6 +224,7 @@ def test_restarted_replica_rejoins_the_trainer_run(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # a restart races the job's end: run alone (make test)
 def test_torchrun_restarted_trainer_replica_rejoins(tmp_path):
     """`lightning-recover torchrun --max-restarts 1`: torchrun restarts the killed replica's worker (with
     torchrun's WORLD_SIZE=1 environment), and it rejoins the Trainer run with the live state."""
