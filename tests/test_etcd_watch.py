@@ -9,11 +9,13 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import threading
 import time
 
 import pytest
+import torch.distributed as dist
 
 from lightning_recover.control_plane.etcd_client import EtcdClient
 from lightning_recover.control_plane.etcd_store import EtcdStore
@@ -21,7 +23,14 @@ from lightning_recover.control_plane.etcd_watch import WatchView
 from lightning_recover.errors import ForgedMessageError
 from lightning_recover.protocol.coordinator import init_keys, run_monitor
 from lightning_recover.protocol.membership import Heartbeat, Progress
-from lightning_recover.protocol.messages import ControlStore, JobSecret, Sealer, recent_many, sequence
+from lightning_recover.protocol.messages import (
+    ControlStore,
+    JobSecret,
+    Sealer,
+    compare_set_announced,
+    recent_many,
+    sequence,
+)
 from lightning_recover.protocol.vouches import VouchReader, vouch_record
 
 _count = [0]
@@ -85,6 +94,39 @@ def test_view_waits_wake_on_the_write(etcd1):
     # EtcdStore.wait is served by the running view too (no watch connection of its own)
     store.wait(["late"])
     assert store.watches == 0
+
+
+def test_a_proposal_its_join_and_its_hint_are_one_transaction(etcd1):
+    """``compare_set_announced`` (a regroup's proposal with the proposer's join payload and the ``events``
+    bump; a death notice with its bump): one round trip on etcd while the view holds the counter, and the
+    counter moves by exactly one for the call that set the register, whatever the view's guess was."""
+    store = fresh_store(etcd1)
+    store.set("gen", b"1")
+    store.add("events", 3)
+    until(lambda: store.cached("events") == (True, b"3"))
+    before = store.client.requests
+    assert compare_set_announced(store, "gen", b"1", b"2", "events", [("g2/join/0", b"p0")]) == b"2"
+    assert store.client.requests == before + 1
+    assert (store.get("gen"), store.get("g2/join/0"), store.add("events", 0)) == (b"2", b"p0", 4)
+    # Another replica finds the register set: its join is written, the hint is not bumped again.
+    assert compare_set_announced(store.clone(), "gen", b"1", b"2", "events", [("g2/join/1", b"p1")]) == b"2"
+    assert (store.get("g2/join/1"), store.add("events", 0)) == (b"p1", 4)
+    # A guess the counter moved past (written through a store with a view of its own): still one increment.
+    other = EtcdStore(EtcdClient(etcd1.endpoints, **etcd1.tls_files), store.prefix.decode(), root=store.root.decode())
+    other.add("events", 10)
+    assert compare_set_announced(store, "gen", b"2", b"3", "events") == b"3"
+    assert store.add("events", 0) == 15
+    # No current view (closed): the bump is an add after the transaction.
+    store.view.close()
+    assert compare_set_announced(store, "gen", b"3", b"4", "events") == b"4"
+    assert store.add("events", 0) == 16
+    # The TCPStore: the same answers, one request each; every caller finding ``desired`` bumps.
+    tcp = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
+    tcp.set("gen", b"1")
+    assert compare_set_announced(tcp, "gen", b"1", b"2", "events", [("g2/join/0", b"p0")]) == b"2"
+    assert compare_set_announced(tcp, "gen", b"1", b"2", "events", [("g2/join/1", b"p1")]) == b"2"
+    assert compare_set_announced(tcp, "gen", b"7", b"8", "events") == b"2"
+    assert (tcp.get("g2/join/1"), tcp.add("events", 0)) == (b"p1", 2)
 
 
 def test_many_keys_come_from_the_view_only_while_it_holds_them_all(etcd1):

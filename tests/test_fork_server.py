@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -187,3 +188,25 @@ def test_ps_shows_each_child_its_own_command_line_and_environment(server, tmp_pa
         proc.kill()
         proc.wait(timeout=30)
     assert open(f"/proc/{server.proc.pid}/cmdline", "rb").read().startswith(b"lightning-recover fork server\0")
+
+
+def test_an_exit_wakes_the_launcher_and_children_hold_no_descriptor_of_their_siblings(server, tmp_path):
+    """The server waits on each child's pidfd, so an exit is reported as it happens and a launcher's
+    ``wait_for_exit`` (its main loop's pause) returns then, not at its timeout. The descriptors are the
+    server's own: a child forked later must not hold its older siblings' (it would keep nothing alive,
+    but a child's descriptors are its program's)."""
+    first_out, second_out = tmp_path / "a.json", tmp_path / "b.json"
+    first = _sleeping_child(server, [sys.executable, _script(tmp_path), str(first_out), "sleep"], first_out)
+    second = _sleeping_child(server, [sys.executable, _script(tmp_path), str(second_out), "sleep"], second_out)
+
+    def pidfds(pid: int) -> int:
+        return sum("pidfd" in os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd"))
+
+    assert pidfds(server.proc.pid) == 2 and pidfds(second.pid) == 0
+    began = time.monotonic()
+    threading.Timer(0.5, first.kill).start()
+    server.wait_for_exit(30.0)
+    assert time.monotonic() - began < 15.0, "woken by the exit, not by the timeout"
+    assert first.poll() == -signal.SIGKILL and second.poll() is None
+    second.kill()
+    assert second.wait(timeout=30) == -signal.SIGKILL

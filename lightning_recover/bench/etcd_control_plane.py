@@ -41,6 +41,7 @@ import threading
 import time
 
 from lightning_recover.bench.etcd_request_cost import measure_costs, members_cpu_seconds
+from lightning_recover.bench.recovery import next_commit_after
 from lightning_recover.control_plane.etcd_client import EtcdClient, prefix_end, tls_context, unb64
 from lightning_recover.control_plane.etcd_cluster import DEFAULT_ELECTION_MS, LocalEtcdCluster
 
@@ -241,10 +242,7 @@ def measure(args: argparse.Namespace) -> dict:
                     out,
                 )
                 fault_at = float(_KILL_TIME.search(log).group(2))
-                nxt = [
-                    min(r["committed_at"] for r in recs if r["committed_at"] > fault_at)
-                    for recs in _records(out).values()
-                ]
+                nxt = [next_commit_after(recs, step, fault_at) for recs in _records(out).values()]
                 kills[mode].append(max(nxt) - fault_at)
                 print(f"  {mode:8s} kill {i} ({phase}): next commit after {kills[mode][-1]:.3f}s", flush=True)
         if kills["etcd"]:

@@ -12,7 +12,8 @@ The TCPStore operations, on etcd's:
   delete-range, count; ``check`` and ``multi_get`` are one transaction of ranges (one round trip).
 * ``compare_set``: one transaction (``version == 0`` for "only if absent", else ``value == expected``)
   that returns the value now stored, as TCPStore does. A retry after an unanswered try is safe: if the
-  first try was applied, the retry finds the desired value.
+  first try was applied, the retry finds the desired value. It may also write other keys and bump a
+  counter in the same transaction (a regroup's proposal, its join payload and the ``events`` hint).
 * ``add``: a compare-and-swap on the key's ``mod_revision``. Each try also writes a fresh token key in
   the same transaction, and a failed compare reads that token back: a try applied whose answer was lost
   (the member died after committing) is recognised and not counted twice. The token is deleted by the
@@ -55,10 +56,20 @@ from lightning_recover.control_plane.etcd_watch import WatchView
 _WATCH_SLICE = 1.0  # seconds a watch runs before the keys are read again
 _DEFAULT_TIMEOUT = 300.0  # TCPStore's default wait
 _MAX_TXN_OPS = 128  # etcd's default --max-txn-ops: a transaction of more operations is refused
+_REFILL_AFTER = 0.5  # seconds after a warm clone is taken before the next one opens (a rendezvous is shorter)
 
 
 def _as_bytes(value: Any) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
+
+
+def _nested_increment(key: bytes, guess: Optional[tuple[bytes, int]]) -> Optional[dict]:
+    """A nested transaction adding 1 to the counter ``key`` if it still has the ``mod_revision`` of ``guess``
+    (the watched view's ``(value, mod_revision)``); None without a usable guess."""
+    if guess is None or not guess[1] or not (guess[0] or b"0").isdigit():
+        return None
+    then = [ec.op_put(key, str(int(guess[0] or b"0") + 1).encode())]
+    return {"request_txn": {"compare": [ec.cmp_mod(key, guess[1])], "success": then, "failure": []}}
 
 
 class _SharedView:
@@ -86,21 +97,25 @@ class _SharedView:
 class _WarmClones:
     """Clones of a client whose connection was opened ahead of need: each generation's process group
     rendezvous on a connection of its own (``EtcdStore.prefixed_clone``), and a TLS handshake (7-12 ms
-    measured on a 2-core host) would otherwise sit on the regroup's critical path."""
+    measured on a 2-core host) would otherwise sit on the regroup's critical path. The next clone opens
+    ``_REFILL_AFTER`` seconds after one is taken, not at once: its handshake would compete for the cores
+    with the rendezvous it was taken for."""
 
     def __init__(self, client: ec.EtcdClient) -> None:
         self._client = client
-        self._next: Optional[tuple[ec.EtcdClient, threading.Thread]] = None
+        self._next: Optional[tuple[ec.EtcdClient, threading.Timer]] = None
 
     def take(self) -> ec.EtcdClient:
-        """The clone opened ahead (or a new one the first time); the next one starts opening on a thread."""
+        """The clone opened ahead (or a new one the first time); the next one opens a moment later."""
         if self._next is None:
             client = self._client.clone()
         else:
             client, opening = self._next
+            opening.cancel()  # not opened yet (regroups in quick succession): it connects on its first request
             opening.join()
         spare = self._client.clone()
-        opening = threading.Thread(target=spare.warm, name="lr-etcd-warm", daemon=True)
+        opening = threading.Timer(_REFILL_AFTER, spare.warm)
+        opening.name, opening.daemon = "lr-etcd-warm", True
         opening.start()
         self._next = (spare, opening)
         return client
@@ -108,6 +123,7 @@ class _WarmClones:
     def close(self) -> None:
         if self._next is not None:
             spare, opening = self._next
+            opening.cancel()
             opening.join()
             spare.close()
             self._next = None
@@ -301,13 +317,27 @@ class EtcdStore(dist.Store):
         return int(answer.get("count", 0))
 
     # ---------------------------------------------------------------- registers
-    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+    def compare_set(
+        self, key: str, expected: Any, desired: Any, also: Sequence[tuple[str, Any]] = (), bump: Optional[str] = None
+    ) -> bytes:
+        """TCPStore's compare_set, in one transaction. ``also``: more ``(key, value)`` written in the same
+        transaction whatever its outcome. ``bump``: a counter incremented (``add(bump, 1)``) only if this
+        call set the register: inside the transaction (a nested one, on the counter's ``mod_revision`` as
+        the watched view holds it), else, when the view had no current value, by an ``add`` right after.
+        A register found already holding ``desired`` (another caller's, or this call's own unanswered
+        try) bumps nothing: the counter is a hint, bumped by the call that set the register."""
         k, expected, desired = self._k(key), _as_bytes(expected), _as_bytes(desired)
         compare = [ec.cmp_version(k, 0)] if not expected else [ec.cmp_value(k, expected)]
-        answer = self.client.txn(compare, [ec.op_put(k, desired)], [ec.op_get(k)])
+        puts = [ec.op_put(self._k(a), _as_bytes(v)) for a, v in also]
+        nested = _nested_increment(self._k(bump), self._guess(self._k(bump))) if bump is not None else None
+        success = [ec.op_put(k, desired), *puts] + ([nested] if nested else [])
+        answer = self.client.txn(compare, success, [*puts, ec.op_get(k)])
+        responses = answer.get("responses") or []
         if answer.get("succeeded"):
+            if bump is not None and not (nested and (responses[-1].get("response_txn") or {}).get("succeeded")):
+                self.add(bump, 1)
             return desired
-        kv = ec.first_kv((answer.get("responses") or [{}])[0])
+        kv = ec.first_kv(responses[len(puts)] if len(responses) > len(puts) else {})
         if kv is None:  # absent and something was expected: TCPStore answers with the expected value
             return expected
         return ec.unb64(kv.get("value"))

@@ -436,6 +436,13 @@ class _Job:
             procs.append(proc)
         return procs
 
+    def nap(self, timeout: float) -> None:
+        """The main loop's pause: ``timeout`` seconds, or less when a replica process exits."""
+        if self.starter is not None:
+            self.starter.nap(timeout)
+        else:
+            time.sleep(timeout)
+
     def close(self, coordinator_lost: bool = False) -> None:
         if self.starter is not None:
             self.starter.close()
@@ -640,7 +647,7 @@ class Supervisor:
                     if self.link.error is None
                     else f"the connection failed ({self.link.error})"
                 )
-            time.sleep(0.01)
+            self.job.nap(0.01)
 
     def _poll(self, c: _ReplicaProcesses) -> int:
         """K = 1: look at the replica's process; 1 if it runs (or was started again), else 0."""
@@ -695,10 +702,11 @@ class Supervisor:
 
     def _declare_dead(self, rep: _ReplicaProcesses) -> bool:
         # Synchronous: a restart must not bump the incarnation before the old one is declared dead.
-        marked, inc = self.link.call(
-            lambda store: (mark_dead(store, self.sealer, rep.replica), int(store.add(f"inc/{rep.replica}", 0))),
-            timeout=self.lost_after,
-        )
+        def declare(store: Any) -> tuple[bool, int]:
+            inc = int(store.add(f"inc/{rep.replica}", 0))  # one read: the notice names this incarnation
+            return mark_dead(store, self.sealer, rep.replica, inc), inc
+
+        marked, inc = self.link.call(declare, timeout=self.lost_after)
         rep.handled = max(rep.handled, inc)  # its next incarnation is a new process
         return marked
 

@@ -310,6 +310,10 @@ def _well_formed(payload: Optional[str]) -> bool:
         return False
 
 
+def _join_payload(payload: dict, incarnation: int) -> str:
+    return json.dumps(dict(payload, inc=incarnation))
+
+
 def pause(store: ControlStore, delay: float) -> float:
     """Between two polls of a round: on etcd until the watched view moves (at most ``POLL_MAX``),
     on the TCPStore a sleep that doubles up to ``POLL_MAX``; the next pause's length."""
@@ -616,10 +620,14 @@ class Membership:
         """
         g = self.gen.number
         self._abandon(self.gen)
-        latest = int(self.store.compare_set("gen/latest", str(g), str(g + 1)))
+        # The proposal, this replica's join payload and the ``events`` hint (bumped by the proposer): one
+        # transaction on etcd. A join written into a round already closed (the group went on: excluded
+        # below) is read by nobody.
+        join = {f"g{g + 1}/join/{self.replica}": _join_payload(payload, self.incarnation)}
+        latest = int(self.store.compare_set("gen/latest", str(g), str(g + 1), also=join, announce="events"))
         if latest < g:
             # gen/latest only grows: an older genuine value was written back. Take the register back.
-            latest = int(self.store.compare_set("gen/latest", str(latest), str(g + 1)))
+            latest = int(self.store.compare_set("gen/latest", str(latest), str(g + 1), also=join, announce="events"))
         if latest > g + 1:
             raise self._excluded(
                 f"fell behind: the group is at generation {latest} and this replica left generation {g}; it stops "
@@ -631,7 +639,7 @@ class Membership:
         dead = self.dead(self.gen.members, self.gen.incarnations, recent=self.store.watched)
         expected = {r: inc for r, inc in self.gen.incarnations.items() if r not in dead}
         expected.update(invite or {})
-        self.gen = self._join_round(g + 1, payload, expected, self.join_timeout, announce=latest == g + 1)
+        self.gen = self._join_round(g + 1, payload, expected, self.join_timeout, written=True)
         return self.gen
 
     def _join_round(
@@ -641,17 +649,15 @@ class Membership:
         expected: dict[int, int],
         timeout: float,
         may_close: bool = True,
-        announce: bool = False,
+        written: bool = False,
     ) -> Generation:
-        """Join round ``number``; ``expected`` maps the replicas to wait for to their incarnation. ``announce``:
-        this replica proposed the round, and bumps ``events`` (a hint) once its own join is written."""
+        """Join round ``number``; ``expected`` maps the replicas to wait for to their incarnation. ``written``:
+        this replica's join payload is already written (with the round's proposal, :meth:`next_generation`)."""
         prefix = f"g{number}"
-        payload = dict(payload, inc=self.incarnation)
         mine = f"{prefix}/join/{self.replica}"
-        self.store.set(mine, json.dumps(payload))
+        if not written:
+            self.store.set(mine, _join_payload(payload, self.incarnation))
         _say_joined(self.store, prefix, self.replica, self.inner, self.replica_size)
-        if announce:
-            self.store.add("events", 1)
         deadline = time.monotonic() + timeout
         delay = POLL_MIN
         expected = dict(expected)
@@ -665,7 +671,7 @@ class Membership:
                 # Deleted or overwritten by a client without the secret (the embedded store; etcd's clients
                 # are authenticated): nobody would count this replica.
                 print(f"[lightning-recover] replica {self.replica}: wrote again its join payload {mine}", flush=True)
-                self.store.set(mine, json.dumps(payload))
+                self.store.set(mine, _join_payload(payload, self.incarnation))
             if not may_close:
                 # A joiner waits for the members, who close the round within their join_timeout; a
                 # member list deleted or forged after they read it must not keep it here for ever.
