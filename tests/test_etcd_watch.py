@@ -259,6 +259,11 @@ def test_sealed_report_and_forged_register(etcd1):
         a.report_and_decide("s2/done/0", "1", {}, "s2/dec", "commit")
     # the checked path takes the register back (what decisions.report_done falls back to)
     assert a.compare_set("s2/dec", None, "commit") == "commit"
+    # A leader deciding alone (its barrier completed) writes the decision and no report; a second try
+    # answers the decision already there.
+    assert a.report_and_decide(None, None, {}, "s3/dec", "commit") == "commit"
+    assert b.report_and_decide(None, None, {}, "s3/dec", "retry") == "commit"
+    assert a.raw.num_keys() == len(["s1/done/0", "s1/done/1", "s1/dec", "s2/done/0", "s2/dec", "s3/dec"])
 
 
 def test_cleanup_rides_on_the_report(etcd1):

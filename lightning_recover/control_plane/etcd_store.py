@@ -320,12 +320,9 @@ class EtcdStore(dist.Store):
     def compare_set(
         self, key: str, expected: Any, desired: Any, also: Sequence[tuple[str, Any]] = (), bump: Optional[str] = None
     ) -> bytes:
-        """TCPStore's compare_set, in one transaction. ``also``: more ``(key, value)`` written in the same
-        transaction whatever its outcome. ``bump``: a counter incremented (``add(bump, 1)``) only if this
-        call set the register: inside the transaction (a nested one, on the counter's ``mod_revision`` as
-        the watched view holds it), else, when the view had no current value, by an ``add`` right after.
-        A register found already holding ``desired`` (another caller's, or this call's own unanswered
-        try) bumps nothing: the counter is a hint, bumped by the call that set the register."""
+        """TCPStore's compare_set in one transaction, which also writes ``also`` whatever its outcome and, only
+        if this call set the register, adds 1 to the counter ``bump`` (nested, on the view's ``mod_revision``;
+        an ``add`` after it without one). A register already holding ``desired`` bumps nothing (a hint)."""
         k, expected, desired = self._k(key), _as_bytes(expected), _as_bytes(desired)
         compare = [ec.cmp_version(k, 0)] if not expected else [ec.cmp_value(k, expected)]
         puts = [ec.op_put(self._k(a), _as_bytes(v)) for a, v in also]
@@ -344,7 +341,7 @@ class EtcdStore(dist.Store):
 
     def put_and_decide(
         self,
-        key: str,
+        key: Optional[str],
         value: Any,
         expected: Sequence[tuple[str, Any]],
         register: str,
@@ -352,8 +349,9 @@ class EtcdStore(dist.Store):
         forget_prefix: Optional[str] = None,
         with_decision: Sequence[tuple[str, Any]] = (),
     ) -> Optional[bytes]:
-        """Write ``key`` and, in the same transaction, ``decision`` into ``register`` if the register is
-        still absent and every ``(key, value)`` of ``expected`` holds exactly that value. Returns the
+        """Write ``key`` (None: no report, a decider alone) and, in the same transaction, ``decision`` into
+        ``register`` if the register is still absent and every ``(key, value)`` of ``expected`` holds exactly
+        that value. Returns the
         register's value now (``decision`` when this call decided; None while nobody has).
         ``forget_prefix``: also delete every key under that prefix (cleanup riding on the same request).
         ``with_decision``: more ``(key, value)`` written only if this call decides (the commit's vouch for
@@ -365,23 +363,25 @@ class EtcdStore(dist.Store):
         """
         if len(expected) + 1 > _MAX_TXN_OPS:
             raise ValueError(f"put_and_decide compares at most {_MAX_TXN_OPS - 1} keys, not {len(expected)}")
-        k, reg = self._k(key), self._k(register)
+        reg = self._k(register)
         compare = [ec.cmp_value(self._k(e), _as_bytes(v)) for e, v in expected] + [ec.cmp_version(reg, 0)]
+        report = [] if key is None else [ec.op_put(self._k(key), _as_bytes(value))]
         cleanup = []
         if forget_prefix is not None:
             gone = self._k(forget_prefix)
-            if k.startswith(gone) or reg.startswith(gone):
+            if reg.startswith(gone) or (key is not None and self._k(key).startswith(gone)):
                 raise ValueError(f"put_and_decide would delete its own keys under {forget_prefix!r}")
             cleanup = [ec.op_delete(gone, ec.prefix_end(gone))]
         extra = [ec.op_put(self._k(a), _as_bytes(v)) for a, v in with_decision]
         answer = self.client.txn(
             compare,
-            [ec.op_put(k, _as_bytes(value)), ec.op_put(reg, _as_bytes(decision)), *extra, *cleanup],
-            [ec.op_put(k, _as_bytes(value)), ec.op_get(reg), *cleanup],
+            [*report, ec.op_put(reg, _as_bytes(decision)), *extra, *cleanup],
+            [*report, ec.op_get(reg), *cleanup],
         )
         if answer.get("succeeded"):
             return _as_bytes(decision)
-        kv = ec.first_kv((answer.get("responses") or [{}, {}])[1])
+        responses = answer.get("responses") or []
+        kv = ec.first_kv(responses[len(report)]) if len(responses) > len(report) else None
         return ec.unb64(kv.get("value")) if kv else None
 
     def add(self, key: str, amount: int) -> int:

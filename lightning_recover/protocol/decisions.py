@@ -93,19 +93,19 @@ class Decisions:
         key = self._key(step, attempt)
         # Every process of every member reports (K per replica when replicas are sharded); on etcd the
         # barrier before this was the reports, and only the leader writes.
-        me = str(m.replica) if m.replica_size == 1 else f"{m.replica}.{m.inner}"
         if self.reports_on_data_plane():
             if m.rank == 0:  # every member passed the barrier: the leader decides alone
                 old = next((s for s in self._forget if s != step), None)
                 if old is not None:
                     self._forget.remove(old)
                 try:
-                    decided = self._decide_in_one_transaction(key, me, old)
+                    decided = self._decide_in_one_transaction(key, old)
                     if decided is not None:
                         self._known[f"{key}/dec"] = decided
                 except ForgedMessageError:  # a forged value sits in the register: take it back
                     self._known[f"{key}/dec"] = m.store.compare_set(f"{key}/dec", None, self._commit_value())
             return
+        me = str(m.replica) if m.replica_size == 1 else f"{m.replica}.{m.inner}"
         m.store.set(f"{key}/done/{me}", str(m.incarnation))
         # Linearizable store: of the processes writing their report, at least the last sees them all.
         reports = [
@@ -149,11 +149,9 @@ class Decisions:
             if self._writer is None:
                 self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"lr-commit-{m.replica}")
                 self._writer_store = m.store.clone()
-            me = str(m.replica)
             self._pending_write = self._writer.submit(
                 self._decide_in_one_transaction,
                 self._key(step),
-                me,
                 old,
                 self._writer_store,
                 "commit",
@@ -214,10 +212,11 @@ class Decisions:
         return "commit" + ("" if not joins else ";admit=" + ",".join(f"{r}:{i}" for r, i in sorted(joins.items())))
 
     def _decide_in_one_transaction(
-        self, key: str, me: str, old: Optional[int], store=None, value: Optional[str] = None, vouch=None
+        self, key: str, old: Optional[int], store=None, value: Optional[str] = None, vouch=None
     ) -> Optional[str]:
-        """The leader's report and ``commit`` in one transaction (etcd), with no other report to compare: its
-        barrier completed, so every member holds the reduce. The joiners named in the commit come from the
+        """The leader's ``commit`` in one transaction (etcd), with no report to write or compare (nobody would
+        read one, and each is two watch events for every watcher): its barrier completed, so every member
+        holds the reduce. The joiners named in the commit come from the
         watched view: one that asked a moment ago is admitted at the next commit instead, and every member
         reads the same list from the register. ``old``: a step whose keys the same request deletes (never
         this step's own); ``store``/``value``: the writer thread's connection and a commit naming no joiner
@@ -227,8 +226,8 @@ class Decisions:
         m = self.membership
         store = store or m.store
         return store.report_and_decide(
-            f"{key}/done/{me}",
-            str(m.incarnation),
+            None,
+            None,
             {},
             f"{key}/dec",
             value or self._commit_value(),

@@ -610,16 +610,16 @@ class ControlStore:
 
     def report_and_decide(
         self,
-        key: str,
-        value: str,
+        key: Optional[str],
+        value: Optional[str],
         expected: dict[str, str],
         register: str,
         decision: str,
         forget_prefix: Optional[str] = None,
         vouch: Optional[tuple[str, str, int]] = None,
     ) -> Optional[str]:
-        """Write the sealed ``value`` under ``key`` and, in the same transaction, ``decision`` into the
-        empty ``register`` if every key of ``expected`` holds its sealed value (etcd only, see
+        """Write the sealed ``value`` under ``key`` (None: no report) and, in the same transaction, ``decision``
+        into the empty ``register`` if every key of ``expected`` holds its sealed value (etcd only, see
         ``EtcdStore.put_and_decide``; ``forget_prefix``: delete the keys under it in the same request;
         ``vouch``: a record ``(key, payload, sequence)`` written only with the decision, see ``vouches.py``).
         Returns the register's decision now, None while undecided; :class:`ForgedMessageError` if the
@@ -629,7 +629,7 @@ class ControlStore:
         got = self.call(
             self.raw.put_and_decide,
             key,
-            self.sealer.seal(key, value.encode()),
+            None if key is None or value is None else self.sealer.seal(key, value.encode()),
             sealed,
             register,
             self.sealer.seal(register, decision.encode()),
