@@ -11,6 +11,7 @@ asking every member to await its commit while a joiner waits.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -21,7 +22,7 @@ from lightning_recover.control_plane.etcd_store import EtcdStore
 from lightning_recover.errors import ForgedMessageError, ReplicaExcludedError
 from lightning_recover.protocol.coordinator import init_keys
 from lightning_recover.protocol.decisions import Decisions
-from lightning_recover.protocol.membership import Generation, Membership
+from lightning_recover.protocol.membership import Generation, Membership, closing_members
 from lightning_recover.protocol.messages import ControlStore, JobSecret, Sealer
 
 REPLICAS = 3
@@ -133,3 +134,29 @@ def test_a_forged_decision_stops_the_member_that_applied_the_step_within_its_bou
         for d in members:
             d.close(settle=False)
             d.membership.store.raw.close()
+
+
+def test_the_last_join_closes_the_round_in_its_own_transaction(decisions):
+    """``closing_members``: a survivor whose join is the last one the round awaits (as its watched view shows the
+    round) writes the member list with its join; while a join or a death is missing from the view, none."""
+    group = [d.membership for d in decisions]
+    expected = {0: 1, 1: 1, 2: 1}
+    assert closing_members(group[0], 1, expected) is None  # nobody else joined yet
+    group[1].store.set("g1/join/1", json.dumps({"step": 5, "have": [0], "inc": 1}))
+    group[2].store.mark_dead(2, 1)
+
+    def closing() -> dict | None:
+        deadline = time.monotonic() + 5
+        while (found := closing_members(group[0], 1, expected)) is None:  # once the view holds both
+            assert time.monotonic() < deadline, "the view never showed the join and the death"
+            time.sleep(0.01)
+        return found
+
+    assert closing() == {"g1/members": "[0, 1]"}
+    # Written with the join (only where no list is yet): the others read it, and a second close changes nothing.
+    join = {"g1/join/0": json.dumps({"step": 5, "have": [1], "inc": 1})}
+    store = group[0].store
+    assert store.compare_set("gen/latest", "0", "1", also=join, announce="events", if_absent=closing()) == "1"
+    assert store.get_genuine("g1/members") == "[0, 1]"
+    assert store.compare_set("gen/latest", "0", "1", if_absent={"g1/members": "[0]"}) == "1"
+    assert group[1].store.get_genuine("g1/members") == "[0, 1]"

@@ -127,6 +127,11 @@ def test_a_proposal_its_join_and_its_hint_are_one_transaction(etcd1):
     assert compare_set_announced(tcp, "gen", b"1", b"2", "events", [("g2/join/1", b"p1")]) == b"2"
     assert compare_set_announced(tcp, "gen", b"7", b"8", "events") == b"2"
     assert (tcp.get("g2/join/1"), tcp.add("events", 0)) == (b"p1", 2)
+    # ``if_absent``: written where the key is absent only, on both stores.
+    for either in (store, tcp):
+        assert compare_set_announced(either, "reg", b"", b"a", None, if_absent=[("m", b"first")]) == b"a"
+        assert compare_set_announced(either, "reg", b"", b"b", None, if_absent=[("m", b"second")]) == b"a"
+        assert either.get("m") == b"first"
 
 
 def test_many_keys_come_from_the_view_only_while_it_holds_them_all(etcd1):

@@ -63,6 +63,12 @@ def _as_bytes(value: Any) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
 
 
+def _put(key: bytes, value: Any, if_absent: bool = False) -> dict:
+    """A put; ``if_absent``: a nested transaction that puts only where ``key`` is absent."""
+    put = ec.op_put(key, _as_bytes(value))
+    return {"request_txn": {"compare": [ec.cmp_version(key, 0)], "success": [put]}} if if_absent else put
+
+
 def _nested_increment(key: bytes, guess: Optional[tuple[bytes, int]]) -> Optional[dict]:
     """A nested transaction adding 1 to the counter ``key`` if it still has the ``mod_revision`` of ``guess``
     (the watched view's ``(value, mod_revision)``); None without a usable guess."""
@@ -318,14 +324,19 @@ class EtcdStore(dist.Store):
 
     # ---------------------------------------------------------------- registers
     def compare_set(
-        self, key: str, expected: Any, desired: Any, also: Sequence[tuple[str, Any]] = (), bump: Optional[str] = None
+        self,
+        key: str,
+        expected: Any,
+        desired: Any,
+        also: Sequence[tuple[str, Any]] = (),
+        bump: Optional[str] = None,
+        if_absent: Sequence[tuple[str, Any]] = (),
     ) -> bytes:
-        """TCPStore's compare_set in one transaction, which also writes ``also`` whatever its outcome and, only
-        if this call set the register, adds 1 to the counter ``bump`` (nested, on the view's ``mod_revision``;
-        an ``add`` after it without one). A register already holding ``desired`` bumps nothing (a hint)."""
+        """TCPStore's compare_set in one transaction, writing ``also`` (``if_absent``: where absent) whatever its
+        outcome; ``bump``: a counter +1 only if this call set the register (nested on the view's mod_revision)."""
         k, expected, desired = self._k(key), _as_bytes(expected), _as_bytes(desired)
         compare = [ec.cmp_version(k, 0)] if not expected else [ec.cmp_value(k, expected)]
-        puts = [ec.op_put(self._k(a), _as_bytes(v)) for a, v in also]
+        puts = [_put(self._k(a), v) for a, v in also] + [_put(self._k(a), v, if_absent=True) for a, v in if_absent]
         nested = _nested_increment(self._k(bump), self._guess(self._k(bump))) if bump is not None else None
         success = [ec.op_put(k, desired), *puts] + ([nested] if nested else [])
         answer = self.client.txn(compare, success, [*puts, ec.op_get(k)])
@@ -349,18 +360,12 @@ class EtcdStore(dist.Store):
         forget_prefix: Optional[str] = None,
         with_decision: Sequence[tuple[str, Any]] = (),
     ) -> Optional[bytes]:
-        """Write ``key`` (None: no report, a decider alone) and, in the same transaction, ``decision`` into
-        ``register`` if the register is still absent and every ``(key, value)`` of ``expected`` holds exactly
-        that value. Returns the
-        register's value now (``decision`` when this call decided; None while nobody has).
-        ``forget_prefix``: also delete every key under that prefix (cleanup riding on the same request).
-        ``with_decision``: more ``(key, value)`` written only if this call decides (the commit's vouch for
-        the generation's members, ``protocol/vouches.py``).
-
-        One round trip: of concurrent callers whose expectations name each other's keys, exactly one
-        decides (transactions are serialized; the last writer sees every other report). A retry after an
-        unanswered try is safe: the write is idempotent and the register is only written while absent.
-        """
+        """Write ``key`` (None: no report) and, in the same transaction, ``decision`` into the absent ``register``
+        if every ``(key, value)`` of ``expected`` holds exactly that value; ``forget_prefix``: delete the keys
+        under it too; ``with_decision``: more ``(key, value)`` written only with the decision (the vouch,
+        ``protocol/vouches.py``). Returns the register's value now (None while nobody decided). Of concurrent
+        callers whose expectations name each other's keys, exactly one decides (the last writer sees every
+        report); a retry after an unanswered try is safe (idempotent write, register written while absent)."""
         if len(expected) + 1 > _MAX_TXN_OPS:
             raise ValueError(f"put_and_decide compares at most {_MAX_TXN_OPS - 1} keys, not {len(expected)}")
         reg = self._k(register)

@@ -613,18 +613,22 @@ class Membership:
 
     # ------------------------------------------------------------------ generations
     def next_generation(self, payload: dict, invite: dict[int, int] | None = None) -> Generation:
-        """Leave the current generation and form the next one.
-
-        Its members are the survivors of the current one plus the ``invite``d joiners
-        (``{replica: incarnation}``, as admitted by a commit decision) that are alive.
-        """
+        """Leave the current generation and form the next one: its survivors plus the ``invite``d joiners
+        (``{replica: incarnation}``, as admitted by a commit decision) that are alive."""
         g = self.gen.number
         self._abandon(self.gen)
-        # The proposal, this replica's join payload and the ``events`` hint (bumped by the proposer): one
-        # transaction on etcd. A join written into a round already closed (the group went on: excluded
-        # below) is read by nobody.
+        # A death the view has not shown yet only makes the round wait until it does (it reads deaths again).
+        dead = self.dead(self.gen.members, self.gen.incarnations, recent=self.store.watched)
+        expected = {r: inc for r, inc in self.gen.incarnations.items() if r not in dead}
+        expected.update(invite or {})
+        # The proposal, this replica's join payload, the ``events`` hint (bumped by the proposer) and, when
+        # this join is the last one the round awaits, the member list: one transaction on etcd. A join
+        # written into a round already closed (the group went on: excluded below) is read by nobody.
         join = {f"g{g + 1}/join/{self.replica}": _join_payload(payload, self.incarnation)}
-        latest = int(self.store.compare_set("gen/latest", str(g), str(g + 1), also=join, announce="events"))
+        close = None if invite else closing_members(self, g + 1, expected)
+        latest = int(
+            self.store.compare_set("gen/latest", str(g), str(g + 1), also=join, announce="events", if_absent=close)
+        )
         if latest < g:
             # gen/latest only grows: an older genuine value was written back. Take the register back.
             latest = int(self.store.compare_set("gen/latest", str(latest), str(g + 1), also=join, announce="events"))
@@ -635,10 +639,6 @@ class Membership:
             )
         for r, inc in (invite or {}).items():
             self.store.set(f"g{g + 1}/invite/{r}", str(inc))
-        # A death the view has not shown yet only makes the round wait until it does (it reads deaths again).
-        dead = self.dead(self.gen.members, self.gen.incarnations, recent=self.store.watched)
-        expected = {r: inc for r, inc in self.gen.incarnations.items() if r not in dead}
-        expected.update(invite or {})
         self.gen = self._join_round(g + 1, payload, expected, self.join_timeout, written=True)
         return self.gen
 
@@ -735,6 +735,20 @@ class Membership:
         if gen.pg is not None:
             self.groups.abandon(gen.pg)
             gen.pg = None
+
+
+def closing_members(group: Membership, number: int, expected: dict[int, int]) -> Optional[dict[str, str]]:
+    """Round ``number``'s member list if this replica's join is the last one it awaits, as the watched view
+    shows the round (etcd, replicas of one process): the list written with the join, if none is yet, by the
+    rule :meth:`Membership._join_round` closes a round by. None otherwise (that loop closes it)."""
+    if not (group.store.watched and group.replica_size == 1):
+        return None
+    prefix = f"g{number}"
+    joined = joined_round(group.store, prefix, group.num_replicas, 1) | {group.replica}
+    dead = group.dead(sorted(set(expected) | joined), expected, recent=True)
+    if set(expected) - joined - dead:
+        return None
+    return {f"{prefix}/members": json.dumps(sorted(joined - dead))}
 
 
 def form_next_generation(group: Membership, payload: dict) -> Generation:

@@ -364,16 +364,20 @@ def compare_set_announced(
     desired: bytes,
     counter: Optional[str],
     also: Sequence[tuple[str, bytes]] = (),
+    if_absent: Sequence[tuple[str, bytes]] = (),
 ) -> bytes:
-    """``store.compare_set`` that also writes ``also`` (whatever the outcome) and bumps the hint ``counter``
-    once the register holds ``desired``. On etcd all of it is one transaction (a regroup's or a death's
-    critical path: a round trip is 5-15 ms under load) and only the call that set the register bumps; on
-    the TCPStore it is one request each, and every caller that finds ``desired`` bumps (it cannot tell)."""
+    """``store.compare_set`` that also writes ``also`` (whatever the outcome) and each of ``if_absent`` where
+    that key is absent, and bumps the hint ``counter`` once the register holds ``desired``. On etcd all of
+    it is one transaction (a regroup's or a death's critical path: a round trip is 5-15 ms under load) and
+    only the call that set the register bumps; on the TCPStore it is one request each, and every caller
+    that finds ``desired`` bumps (it cannot tell)."""
     if hasattr(store, "put_and_decide"):  # etcd's transactions (EtcdStore)
-        return store.compare_set(key, expected, desired, also=also, bump=counter)
+        return store.compare_set(key, expected, desired, also=also, bump=counter, if_absent=if_absent)
     got = store.compare_set(key, expected, desired)
     for k, v in also:
         store.set(k, v)
+    for k, v in if_absent:
+        store.compare_set(k, b"", v)
     if got == desired and counter is not None:
         store.add(counter, 1)
     return got
@@ -504,19 +508,23 @@ class ControlStore:
         desired: str,
         also: Optional[dict[str, str]] = None,
         announce: Optional[str] = None,
+        if_absent: Optional[dict[str, str]] = None,
     ) -> str:
         """Linearizable register: returns the value now stored (``desired`` if this call won).
 
         ``expected=None`` means "only if nobody decided yet": a forged value found there is not a
         decision, so it is replaced as if the key were empty. ``also``: sealed values written with it,
-        whatever the outcome; ``announce``: a hint counter bumped once the register holds ``desired``
-        (one transaction on etcd: :func:`compare_set_announced`).
+        whatever the outcome, and ``if_absent`` where absent; ``announce``: a hint counter bumped once the
+        register holds ``desired`` (one transaction on etcd: :func:`compare_set_announced`).
         """
         expected_raw = b"" if expected is None else self.sealer.seal(key, expected.encode())
         desired_raw = self.sealer.seal(key, desired.encode())
         sealed = [(k, self.sealer.seal(k, v.encode())) for k, v in (also or {}).items()]
+        sealed_if_absent = [(k, self.sealer.seal(k, v.encode())) for k, v in (if_absent or {}).items()]
         for _ in range(_REGISTER_TAKEBACKS):
-            got = self.call(compare_set_announced, self.raw, key, expected_raw, desired_raw, announce, sealed)
+            got = self.call(
+                compare_set_announced, self.raw, key, expected_raw, desired_raw, announce, sealed, sealed_if_absent
+            )
             try:
                 return self.sealer.open(key, got).decode()
             except ForgedMessageError:
