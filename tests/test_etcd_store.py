@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import threading
 import time
 
@@ -16,8 +17,9 @@ from lightning_recover.control_plane import config
 from lightning_recover.control_plane.etcd_client import MAX_TRY_TIMEOUT, QUICK_TRIES, EtcdClient, EtcdUnavailable
 from lightning_recover.control_plane.etcd_cluster import LocalEtcdCluster, member_environment
 from lightning_recover.control_plane.etcd_store import EtcdStore
-from lightning_recover.errors import CoordinatorLostError, RecoverError
-from lightning_recover.protocol.messages import ControlStore, JobSecret, recent_many
+from lightning_recover.errors import CoordinatorLostError, ForgedMessageError, RecoverError
+from lightning_recover.protocol.messages import ControlStore, JobSecret, SealedStore, recent_many
+from lightning_recover.protocol.rendezvous import RendezvousHost, leaders_store, meeting_place
 from tests.etcd_cluster_fixtures import need_etcd
 
 _count = [0]
@@ -271,3 +273,41 @@ def test_a_member_that_never_answers_costs_one_short_try(tmp_path):
         cluster.freeze(frozen, False)
         client.close()
         cluster.stop()
+
+
+def test_a_generation_meets_at_its_leaders_store(etcd1):
+    """On etcd a generation's group meets at the rendezvous store its leader hosts (protocol/rendezvous.py):
+    a two-rank gloo group built there writes nothing to etcd; the store is bound to the address given only,
+    and reads only sealed values; without an address in the leader's payload the group meets through etcd."""
+    secret = JobSecret.generate()
+    base = ControlStore("etcd", 0, secret, store=fresh_store(etcd1))
+    host = RendezvousHost("127.0.0.1", 20.0)
+    out: dict[int, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            cs = ControlStore("etcd", r, secret, store=base.raw.clone())
+            place = meeting_place(cs, {"step": 3, "rdv": host.address}, "pg/g1", 20.0)
+            pg = dist.ProcessGroupGloo(place(), r, 2, datetime.timedelta(seconds=20))
+            t = torch.full((4,), float(r + 1))
+            pg.allreduce([t]).wait()
+            out[r] = t
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert torch.equal(out[0], torch.full((4,), 3.0)) and torch.equal(out[1], out[0])
+    assert base.raw.num_keys() == 0, "the rendezvous wrote to etcd"
+    port = int(host.address.rpartition(":")[2])
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.2", port), timeout=5).close()  # loopback, but not the address given
+    host.store.set("pg/g2/addr", b"planted")  # written without the job's secret
+    with pytest.raises(ForgedMessageError):
+        leaders_store(base, host.address, "pg/g2", 5.0).get("addr")
+    assert isinstance(meeting_place(base, {"step": 3}, "pg/g3", 5.0), SealedStore)

@@ -232,8 +232,8 @@ def run_monitor(
         judge.observe(now, hbs, progressed_at=vouched_at)
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
-    """A listening socket bound to ``host`` only.
+def listen_socket(host: str, port: int, what: str = "the coordinator") -> socket.socket:
+    """A listening socket bound to ``host`` only (``what``: the server, for the errors).
 
     TCPStore given a host still listens on every interface (``*:PORT``, IPv4 and IPv6); handing it
     a socket bound here (``master_listen_fd``, works with libuv in torch 2.13) keeps the control
@@ -243,7 +243,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
         raise ValueError(
-            f"cannot bind the coordinator to {host!r}: {exc}. HINT: --host takes an address "
+            f"cannot bind {what} to {host!r}: {exc}. HINT: --host takes an address "
             "of this machine (127.0.0.1 for one-machine jobs)."
         ) from None
     family, kind, proto, _, sockaddr = infos[0]
@@ -258,7 +258,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
         sock.close()
         raise OSError(
             exc.errno,
-            f"cannot bind the coordinator to {host}:{port}: {exc.strerror}. "
+            f"cannot bind {what} to {host}:{port}: {exc.strerror}. "
             "HINT: pick another --port (0 = any free port) or an address of this machine.",
         ) from None
     return sock

@@ -48,6 +48,8 @@ from lightning_recover.protocol.reachability import (
     start_responder,
     wait_until_reachable,
 )
+from lightning_recover.protocol.rendezvous import FIELD as RENDEZVOUS_FIELD
+from lightning_recover.protocol.rendezvous import RendezvousHost, host_rendezvous, meeting_place
 from lightning_recover.protocol.replica_env import check_against_coordinator, check_replica_size_against_coordinator
 from lightning_recover.protocol.standby import wait_for_assignment
 from lightning_recover.protocol.vouches import VOUCH_KEY, VouchReader
@@ -310,8 +312,10 @@ def _well_formed(payload: Optional[str]) -> bool:
         return False
 
 
-def _join_payload(payload: dict, incarnation: int) -> str:
-    return json.dumps(dict(payload, inc=incarnation))
+def _join_payload(group: Membership, payload: dict) -> str:
+    """What a replica publishes when it joins a round: ``payload``, its incarnation, its rendezvous store."""
+    rendezvous = {} if group.rendezvous is None else {RENDEZVOUS_FIELD: group.rendezvous.address}
+    return json.dumps(dict(payload, inc=group.incarnation, **rendezvous))
 
 
 def pause(store: ControlStore, delay: float) -> float:
@@ -430,6 +434,7 @@ class Membership:
         self.heartbeat: Heartbeat | None = None
         self._watchdog: CoordinatorWatchdog | None = None
         self._responder: ReachabilityResponder | None = None  # answers partition probes (protocol.reachability)
+        self.rendezvous: RendezvousHost | None = None  # where generations it leads meet (protocol.rendezvous)
         self._events_seen = -1
         self.groups = ProcessGroups(backend, collective_timeout)
 
@@ -467,6 +472,8 @@ class Membership:
         self._watchdog.start()
         if self.inner == 0:  # one probe server per replica (its processes share a host)
             self._responder = start_responder(self.store, self.replica, self.incarnation, self.heartbeat_interval)
+        if self.store.watched and self.replica_size == 1:
+            self.rendezvous = host_rendezvous(self.store, self.replica, self.collective_timeout)
 
     def form_initial(self) -> Generation | None:
         """Join generation 0 with every other replica (the job's start).
@@ -494,7 +501,7 @@ class Membership:
             # Our previous incarnation is certainly dead: say so now rather than after heartbeats.
             self.store.mark_dead(self.replica, self.incarnation - 1)
         # Cut off from the members' data network, joining would only stall their next generation.
-        wait_until_reachable(self.store, self.replica, self.num_replicas, 1.0, self._job_over)
+        wait_until_reachable(self.store, self.replica, self.num_replicas, 1.0, lambda: _job_over(self))
         self.store.set(f"join/{self.replica}", str(self.incarnation))
 
     def pending_joins(self, recent: bool = False) -> dict[int, int]:
@@ -517,7 +524,7 @@ class Membership:
         while True:
             # Job over first: with K processes per replica, the first one to leave marks this
             # incarnation gone, which its mates must not read as an exclusion.
-            if self._job_over():
+            if _job_over(self):
                 print(f"[lightning-recover] replica {self.replica}: the job ended before it could rejoin", flush=True)
                 raise SystemExit(0)
             self.check_health()
@@ -532,10 +539,6 @@ class Membership:
             latest, {"step": None, "have": [], "joiner": True}, expected={}, timeout=self.join_timeout, may_close=False
         )
         return self.gen
-
-    def _job_over(self) -> bool:
-        others = [r for r in range(self.num_replicas) if r != self.replica]
-        return not others or len(self.dead(others, self.current_incarnations(others))) == len(others)
 
     def close(self) -> None:
         """Leave the group cleanly: mark this incarnation as gone so nobody waits for it."""
@@ -624,7 +627,7 @@ class Membership:
         # The proposal, this replica's join payload, the ``events`` hint (bumped by the proposer) and, when
         # this join is the last one the round awaits, the member list: one transaction on etcd. A join
         # written into a round already closed (the group went on: excluded below) is read by nobody.
-        join = {f"g{g + 1}/join/{self.replica}": _join_payload(payload, self.incarnation)}
+        join = {f"g{g + 1}/join/{self.replica}": _join_payload(self, payload)}
         close = None if invite else closing_members(self, g + 1, expected)
         latest = int(
             self.store.compare_set("gen/latest", str(g), str(g + 1), also=join, announce="events", if_absent=close)
@@ -656,7 +659,7 @@ class Membership:
         prefix = f"g{number}"
         mine = f"{prefix}/join/{self.replica}"
         if not written:
-            self.store.set(mine, _join_payload(payload, self.incarnation))
+            self.store.set(mine, _join_payload(self, payload))
         _say_joined(self.store, prefix, self.replica, self.inner, self.replica_size)
         deadline = time.monotonic() + timeout
         delay = POLL_MIN
@@ -671,13 +674,13 @@ class Membership:
                 # Deleted or overwritten by a client without the secret (the embedded store; etcd's clients
                 # are authenticated): nobody would count this replica.
                 print(f"[lightning-recover] replica {self.replica}: wrote again its join payload {mine}", flush=True)
-                self.store.set(mine, _join_payload(payload, self.incarnation))
+                self.store.set(mine, _join_payload(self, payload))
             if not may_close:
                 # A joiner waits for the members, who close the round within their join_timeout; a
                 # member list deleted or forged after they read it must not keep it here for ever.
                 if time.monotonic() > deadline + self.store_timeout:
                     raise _members_never_written(self.replica, number, timeout + self.store_timeout)
-                delay = self._pause(delay)
+                delay = pause(self.store, delay)
                 continue
             # At the job's start a replica not started yet has incarnation 0, which no death notice
             # matches: read it again, so one that starts and dies before joining is not waited for
@@ -688,7 +691,7 @@ class Membership:
             joined = joined_round(self.store, prefix, self.num_replicas, self.replica_size)
             dead = self.dead(sorted(set(expected) | joined), expected, recent=self.store.watched)
             if set(expected) - joined - dead and time.monotonic() < deadline:
-                delay = self._pause(delay)
+                delay = pause(self.store, delay)
                 continue
             members = sorted(joined - dead)
             listed = self.store.compare_set(f"{prefix}/members", None, json.dumps(members))
@@ -705,17 +708,14 @@ class Membership:
         self._events_seen = -1
         return gen
 
-    def _pause(self, delay: float) -> float:
-        return pause(self.store, delay)
-
     def _build_pg(self, gen: Generation) -> None:
         """Build the group of ``gen`` on a thread, so a member dying meanwhile is noticed."""
         self.gen = gen
         self.before_build()  # fault injection's "regroup" phase
         suffix = "" if self.replica_size == 1 else f"/i{self.inner}"  # one group per inner position
-        gen.pg = self.groups.build(
-            self.store.prefixed(f"pg/g{gen.number}{suffix}"), gen.number, gen.rank, gen.size, self.failure_seen
-        )
+        leader = gen.payloads[gen.members[0]]
+        place = meeting_place(self.store, leader, f"pg/g{gen.number}{suffix}", self.collective_timeout)
+        gen.pg = self.groups.build(place, gen.number, gen.rank, gen.size, self.failure_seen)
 
     @property
     def abandoned_work(self) -> bool:
@@ -735,6 +735,12 @@ class Membership:
         if gen.pg is not None:
             self.groups.abandon(gen.pg)
             gen.pg = None
+
+
+def _job_over(group: Membership) -> bool:
+    """Every other replica's current incarnation is declared dead (or there is no other replica)."""
+    others = [r for r in range(group.num_replicas) if r != group.replica]
+    return not others or len(group.dead(others, group.current_incarnations(others))) == len(others)
 
 
 def closing_members(group: Membership, number: int, expected: dict[int, int]) -> Optional[dict[str, str]]:

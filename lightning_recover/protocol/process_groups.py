@@ -75,13 +75,22 @@ class ProcessGroups:
         """Record the operations just started on ``pg``: if it is abandoned, it is destroyed after them."""
         self._in_flight[id(pg)] = list(works)
 
-    def build(self, store: dist.Store, number: int, rank: int, size: int, failure_seen: Callable[[], bool]) -> Any:
-        """Build generation ``number``'s group on a thread; raise MembershipChanged if a member fails meanwhile."""
+    def build(
+        self,
+        store: dist.Store | Callable[[], dist.Store],
+        number: int,
+        rank: int,
+        size: int,
+        failure_seen: Callable[[], bool],
+    ) -> Any:
+        """Build generation ``number``'s group on a thread; raise MembershipChanged if a member fails meanwhile.
+        ``store``: the rendezvous store, or what connects to it (on the thread: a connection to a member that
+        died meanwhile waits there, not here)."""
         result: dict[str, Any] = {}
 
         def run() -> None:
             try:
-                result["pg"] = self._new(store, rank, size)
+                result["pg"] = self._new(store() if callable(store) else store, rank, size)
             except BaseException as exc:  # reported to the waiting thread
                 result["error"] = exc
 
