@@ -168,17 +168,14 @@ def test_sealed_control_store_over_etcd(etcd1):
     assert a.mark_dead(0) is False  # already declared
 
 
-def test_gloo_rendezvous_through_etcd(etcd1):
-    """A two-rank gloo group whose rendezvous goes through the etcd store (under ControlStore.prefixed)."""
-    secret = JobSecret.generate()
-    base = ControlStore("etcd", 0, secret, store=fresh_store(etcd1))
+def two_ranks_sum(rendezvous) -> None:
+    """Two ranks (threads) build a gloo group over ``rendezvous(rank)`` and all-reduce: both read 1 + 2."""
     out: dict[int, torch.Tensor] = {}
     errors: list[BaseException] = []
 
     def rank(r: int) -> None:
         try:
-            cs = ControlStore("etcd", r, secret, store=base.raw.clone())
-            pg = dist.ProcessGroupGloo(cs.prefixed("gen/1"), r, 2, datetime.timedelta(seconds=20))
+            pg = dist.ProcessGroupGloo(rendezvous(r), r, 2, datetime.timedelta(seconds=20))
             t = torch.full((4,), float(r + 1))
             pg.allreduce([t]).wait()
             out[r] = t
@@ -192,6 +189,13 @@ def test_gloo_rendezvous_through_etcd(etcd1):
         t.join(60)
     assert not errors, errors
     assert torch.equal(out[0], torch.full((4,), 3.0)) and torch.equal(out[1], out[0])
+
+
+def test_gloo_rendezvous_through_etcd(etcd1):
+    """A two-rank gloo group whose rendezvous goes through the etcd store (under ControlStore.prefixed)."""
+    secret = JobSecret.generate()
+    base = ControlStore("etcd", 0, secret, store=fresh_store(etcd1))
+    two_ranks_sum(lambda r: ControlStore("etcd", r, secret, store=base.raw.clone()).prefixed("gen/1"))
 
 
 def test_prefix_store_over_etcd_store(etcd1):
@@ -282,27 +286,12 @@ def test_a_generation_meets_at_its_leaders_store(etcd1):
     secret = JobSecret.generate()
     base = ControlStore("etcd", 0, secret, store=fresh_store(etcd1))
     host = RendezvousHost("127.0.0.1", 20.0)
-    out: dict[int, torch.Tensor] = {}
-    errors: list[BaseException] = []
 
-    def rank(r: int) -> None:
-        try:
-            cs = ControlStore("etcd", r, secret, store=base.raw.clone())
-            place = meeting_place(cs, {"step": 3, "rdv": host.address}, "pg/g1", 20.0)
-            pg = dist.ProcessGroupGloo(place(), r, 2, datetime.timedelta(seconds=20))
-            t = torch.full((4,), float(r + 1))
-            pg.allreduce([t]).wait()
-            out[r] = t
-        except BaseException as exc:  # reported below
-            errors.append(exc)
+    def leaders(r: int) -> dist.Store:
+        cs = ControlStore("etcd", r, secret, store=base.raw.clone())
+        return meeting_place(cs, {"step": 3, "rdv": host.address}, "pg/g1", 20.0)()
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-    assert torch.equal(out[0], torch.full((4,), 3.0)) and torch.equal(out[1], out[0])
+    two_ranks_sum(leaders)
     assert base.raw.num_keys() == 0, "the rendezvous wrote to etcd"
     port = int(host.address.rpartition(":")[2])
     with pytest.raises(ConnectionRefusedError):

@@ -264,6 +264,29 @@ def listen_socket(host: str, port: int, what: str = "the coordinator") -> socket
     return sock
 
 
+def serve_store(host: str, port: int, timeout: datetime.timedelta, what: str = "the coordinator") -> dist.TCPStore:
+    """A TCPStore server listening on ``host`` only (:func:`listen_socket`)."""
+    listener = listen_socket(host, port, what)
+    try:
+        store = dist.TCPStore(
+            host,
+            listener.getsockname()[1],
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timeout,
+            use_libuv=True,
+            master_listen_fd=listener.fileno(),
+        )
+    except BaseException:
+        listener.close()
+        raise
+    # The store's server now owns the socket and closes it when the store is destroyed. Closing it here
+    # too (when the socket object is collected) closed the number twice: in a process that goes on (the
+    # in-process tests) the second close hit whatever another thread had opened under it meanwhile.
+    listener.detach()
+    return store
+
+
 class Coordinator:
     """The store server and its heartbeat monitor; :func:`serve` runs one until SIGTERM.
 
@@ -287,24 +310,7 @@ class Coordinator:
         self.heartbeat_timeout = heartbeat_timeout
         self.hang_timeout = hang_timeout
         self.sealer = Sealer(secret)
-        listener = listen_socket(host, port)
-        try:
-            self.store = dist.TCPStore(
-                host,
-                listener.getsockname()[1],
-                is_master=True,
-                wait_for_workers=False,
-                timeout=_STORE_TIMEOUT,
-                use_libuv=True,
-                master_listen_fd=listener.fileno(),
-            )
-        except BaseException:
-            listener.close()
-            raise
-        # The store's server now owns the socket and closes it when the store is destroyed. Closing it here
-        # too (when this object is collected) closed the number twice: in a process that goes on (the
-        # in-process tests) the second close hit whatever another thread had opened under it meanwhile.
-        listener.detach()
+        self.store = serve_store(host, port, _STORE_TIMEOUT)
         init_keys(self.store, self.sealer, replicas, replica_size)
 
     @property

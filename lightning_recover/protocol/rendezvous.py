@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from lightning_recover.protocol.coordinator import listen_socket
+from lightning_recover.protocol.coordinator import serve_store
 from lightning_recover.protocol.messages import ControlStore, SealedStore
 from lightning_recover.protocol.reachability import data_address
 
@@ -37,21 +37,7 @@ class RendezvousHost:
     """This process's rendezvous store: a TCPStore server bound to ``host`` only, on a free port."""
 
     def __init__(self, host: str, timeout: float) -> None:
-        listener = listen_socket(host, 0, what="the rendezvous store")
-        try:
-            self.store = dist.TCPStore(
-                host,
-                listener.getsockname()[1],
-                is_master=True,
-                wait_for_workers=False,
-                timeout=datetime.timedelta(seconds=timeout),
-                use_libuv=True,
-                master_listen_fd=listener.fileno(),
-            )
-        except BaseException:
-            listener.close()
-            raise
-        listener.detach()  # the store's server owns the socket now (see Coordinator)
+        self.store = serve_store(host, 0, datetime.timedelta(seconds=timeout), what="the rendezvous store")
         self.address = f"{host}:{self.store.port}"
 
 
