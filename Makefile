@@ -35,7 +35,7 @@ format: setup
 
 # The fast tests (no multi-process job, nothing > 5 s): what to run while editing.
 test-fast: setup
-	$(PYTHON) -m pytest -q -m "not slow" tests
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
 
 bench: setup
 	$(PYTHON) -m lightning_recover.cli bench checkpoint --size-gb 2 --json benchmarks/results/bench_checkpoint.json
