@@ -688,12 +688,10 @@ class Membership:
             unstarted = [r for r, inc in expected.items() if inc == 0]
             if unstarted:
                 expected.update({r: inc for r, inc in self.current_incarnations(unstarted).items() if inc})
-            joined = joined_round(self.store, prefix, self.num_replicas, self.replica_size)
-            dead = self.dead(sorted(set(expected) | joined), expected, recent=self.store.watched)
-            if set(expected) - joined - dead and time.monotonic() < deadline:
+            awaited, members = _round_state(self, prefix, expected)
+            if awaited and time.monotonic() < deadline:
                 delay = pause(self.store, delay)
                 continue
-            members = sorted(joined - dead)
             listed = self.store.compare_set(f"{prefix}/members", None, json.dumps(members))
             break
         # The value read, not a second read (the key may be deleted meanwhile).
@@ -750,11 +748,20 @@ def closing_members(group: Membership, number: int, expected: dict[int, int]) ->
     if not (group.store.watched and group.replica_size == 1):
         return None
     prefix = f"g{number}"
-    joined = joined_round(group.store, prefix, group.num_replicas, 1) | {group.replica}
-    dead = group.dead(sorted(set(expected) | joined), expected, recent=True)
-    if set(expected) - joined - dead:
-        return None
-    return {f"{prefix}/members": json.dumps(sorted(joined - dead))}
+    awaited, members = _round_state(group, prefix, expected, joined_too=frozenset({group.replica}))
+    return None if awaited else {f"{prefix}/members": json.dumps(members)}
+
+
+def _round_state(
+    group: Membership, prefix: str, expected: dict[int, int], joined_too: frozenset[int] = frozenset()
+) -> tuple[set[int], list[int]]:
+    """Whom round ``prefix`` still awaits (expected, neither joined nor declared dead), and its member list
+    were it closed now (joined, not dead). On etcd both come from the watched view: a join or a death it has
+    not shown yet only makes the round wait. ``joined_too``: joins not in the view yet (this replica's own,
+    written in the transaction that would close the round)."""
+    joined = joined_round(group.store, prefix, group.num_replicas, group.replica_size) | joined_too
+    dead = group.dead(sorted(set(expected) | joined), expected, recent=group.store.watched)
+    return set(expected) - joined - dead, sorted(joined - dead)
 
 
 def form_next_generation(group: Membership, payload: dict) -> Generation:
