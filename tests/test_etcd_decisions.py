@@ -160,3 +160,51 @@ def test_the_last_join_closes_the_round_in_its_own_transaction(decisions):
     assert store.get_genuine("g1/members") == "[0, 1]"
     assert store.compare_set("gen/latest", "0", "1", if_absent={"g1/members": "[0]"}) == "1"
     assert group[1].store.get_genuine("g1/members") == "[0, 1]"
+
+
+class _RoundClosed(Exception):
+    """Raised where a member would build the new generation's process group (none in these tests)."""
+
+
+def _stop_at_build() -> None:
+    raise _RoundClosed
+
+
+def test_a_member_whose_reduce_failed_settles_retry_in_its_proposal(decisions):
+    """``Decisions.retry_with_proposal``: a member that failed before its barrier settles the step ``retry`` in
+    the next generation's proposal transaction (the register and its join payload carry one etcd revision),
+    not in a write of its own before it; where the register is already settled it stays as it is."""
+    group = [d.membership for d in decisions]
+    settle = decisions[1].retry_with_proposal(5)
+    assert settle == {"s5/g0/dec": "retry"}
+    decisions[2].membership.store.compare_set("s6/g0/dec", None, "retry")  # settled before: left as it is
+    failed: list[BaseException] = []
+
+    def regroup(m: Membership, settle: dict | None) -> None:
+        m.before_build = _stop_at_build
+        try:
+            m.next_generation({"step": 5, "have": [m.replica], "attempt": 0}, settle=settle)
+        except _RoundClosed:
+            pass
+        except BaseException as exc:  # reported to the test's thread
+            failed.append(exc)
+
+    settles = [None, settle, {"s6/g0/dec": "commit"}]
+    threads = [threading.Thread(target=regroup, args=(m, s), daemon=True) for m, s in zip(group, settles)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert not failed and not any(t.is_alive() for t in threads), failed
+    store = group[0].store
+    assert store.get_genuine("g1/members") == "[0, 1, 2]"
+    assert (register(decisions[0], 5), register(decisions[0], 6)) == ("retry", "retry")
+    raw = store.raw
+
+    def mod_revision(key: str) -> int:
+        return int(raw.client.range(raw.prefix + key.encode())["kvs"][0]["mod_revision"])
+
+    assert mod_revision("s5/g0/dec") == mod_revision("g1/join/1")  # one transaction
+    # Replicas of K processes (and the TCPStore) settle the register first, and read it: no settle.
+    group[1].replica_size = 2
+    assert decisions[1].retry_with_proposal(5) is None

@@ -81,6 +81,17 @@ class Decisions:
         """
         return self._read(self.membership.store.compare_set(f"{self._key(step, attempt)}/dec", None, "retry"))
 
+    def retry_with_proposal(self, step: int, attempt: int = 0) -> Optional[dict[str, str]]:
+        """This member failed before its barrier (its reduce, on etcd with reports on the data plane): the
+        register to settle ``retry`` where absent, ``{register: "retry"}``, written in the next generation's
+        proposal (``Membership.next_generation``) instead of a transaction of its own before it: one write
+        fewer on the regroup's critical path. Nobody can commit the step or await its decision meanwhile:
+        both follow the barrier, which needs this member. None where the register must be settled and read
+        first (:meth:`decide_retry`): the TCPStore, replicas of K processes."""
+        if not self.reports_on_data_plane():
+            return None
+        return {f"{self._key(step, attempt)}/dec": "retry"}
+
     def report_done(self, step: int, attempt: int = 0) -> None:
         """This member's reduce completed (on etcd: and the barrier after it). The member completing the
         count writes ``commit`` (on etcd: the generation's leader, see the module docstring).

@@ -615,9 +615,12 @@ class Membership:
         return False
 
     # ------------------------------------------------------------------ generations
-    def next_generation(self, payload: dict, invite: dict[int, int] | None = None) -> Generation:
+    def next_generation(
+        self, payload: dict, invite: dict[int, int] | None = None, settle: dict[str, str] | None = None
+    ) -> Generation:
         """Leave the current generation and form the next one: its survivors plus the ``invite``d joiners
-        (``{replica: incarnation}``, as admitted by a commit decision) that are alive."""
+        (``{replica: incarnation}``, as admitted by a commit decision) that are alive. ``settle``: registers
+        written with the proposal where absent (a failed step's ``retry``, ``Decisions.retry_with_proposal``)."""
         g = self.gen.number
         self._abandon(self.gen)
         # A death the view has not shown yet only makes the round wait until it does (it reads deaths again).
@@ -629,12 +632,19 @@ class Membership:
         # written into a round already closed (the group went on: excluded below) is read by nobody.
         join = {f"g{g + 1}/join/{self.replica}": _join_payload(self, payload)}
         close = None if invite else closing_members(self, g + 1, expected)
+        where_absent = {**(close or {}), **(settle or {})}
         latest = int(
-            self.store.compare_set("gen/latest", str(g), str(g + 1), also=join, announce="events", if_absent=close)
+            self.store.compare_set(
+                "gen/latest", str(g), str(g + 1), also=join, announce="events", if_absent=where_absent
+            )
         )
         if latest < g:
             # gen/latest only grows: an older genuine value was written back. Take the register back.
-            latest = int(self.store.compare_set("gen/latest", str(latest), str(g + 1), also=join, announce="events"))
+            latest = int(
+                self.store.compare_set(
+                    "gen/latest", str(latest), str(g + 1), also=join, announce="events", if_absent=settle
+                )
+            )
         if latest > g + 1:
             raise self._excluded(
                 f"fell behind: the group is at generation {latest} and this replica left generation {g}; it stops "

@@ -111,6 +111,7 @@ class StepProtocol:
         self.exact = ExactAccumulator(microbatches) if exact else None
         self._current: int | None = None
         self.attempt = 0
+        self._deciding = False  # this member's reduce of the attempt completed (see _reduce_and_decide)
         self._attempts: dict[int, int] = {}  # step -> attempts it took (their decision keys are forgotten)
 
     # -------------------------------------------------------------- hooks from the strategy
@@ -164,10 +165,13 @@ class StepProtocol:
             # takes the whole replica out, so a survivor's list is always complete.
             have.extend(ids)
             stats.computed = len(have)
+            settle = None  # the register to settle ``retry`` in the proposal (Decisions.retry_with_proposal)
             try:
                 committed = self._reduce_and_decide(step, stats)
             except MembershipChanged as exc:
-                if self.decisions.decide_retry(step, attempt=self.attempt):
+                if not self._deciding:
+                    settle = self.decisions.retry_with_proposal(step, attempt=self.attempt)
+                if settle is None and self.decisions.decide_retry(step, attempt=self.attempt):
                     # A commit needs every member's done report, and this member's reduce failed:
                     # only a forged or corrupted decision reads "commit" here. Never apply it.
                     raise RecoverError(
@@ -184,7 +188,7 @@ class StepProtocol:
             if committed:
                 break
             recovering_since = recovering_since or time.perf_counter()
-            ids = self._recover(step, have, stats)
+            ids = self._recover(step, have, stats, settle)
             if ids:
                 self.fire(step, "recompute")
         group.progress.note("idle")
@@ -209,13 +213,14 @@ class StepProtocol:
         group = self.membership
         return plan_quotas(step, range(self.M), group.members)[group.replica]
 
-    def _recover(self, step: int, have: list[int], stats: StepStats) -> list[int]:
-        """Form the next generation; return the ids of lost microbatches this replica computes."""
+    def _recover(self, step: int, have: list[int], stats: StepStats, settle: dict[str, str] | None = None) -> list[int]:
+        """Form the next generation (``settle``: registers its proposal writes where absent); return the ids
+        of lost microbatches this replica computes."""
         group = self.membership
         group.progress.note("regroup")
         while True:
             try:
-                gen = group.next_generation({"step": step, "have": have, "attempt": self.attempt})
+                gen = group.next_generation({"step": step, "have": have, "attempt": self.attempt}, settle=settle)
                 break
             except MembershipChanged as exc:  # a member died while the generation was built
                 stats.events.append({"kind": "failure", "error": str(exc)})
@@ -238,6 +243,7 @@ class StepProtocol:
 
     def _reduce_and_decide(self, step: int, stats: StepStats) -> bool:
         # The step before, if applied speculatively, is settled before this member reduces again.
+        self._deciding = False  # True once this member's reduce completed: it may have entered the barrier
         began = time.perf_counter()
         self.decisions.confirm()
         stats.decide_seconds += time.perf_counter() - began
@@ -274,6 +280,7 @@ class StepProtocol:
             self._publish_speed(step)
         group.progress.note("decide")
         began = time.perf_counter()
+        self._deciding = True
         decided = self._decide(step, device, speculate=speculate and not flat["extra"][2].item())
         stats.decide_seconds += time.perf_counter() - began
         if not decided:
@@ -319,6 +326,7 @@ class StepProtocol:
             self._publish_speed(step)
         group.progress.note("decide")
         began = time.perf_counter()
+        self._deciding = True
         decided = self._decide(step, params[0].device if params else torch.device("cpu"))
         stats.decide_seconds += time.perf_counter() - began
         if not decided:
