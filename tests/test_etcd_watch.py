@@ -41,7 +41,8 @@ SLACK = 1.0
 def fresh_store(cluster, timeout: float = 5.0) -> EtcdStore:
     _count[0] += 1
     client = EtcdClient(cluster.endpoints, **cluster.tls_files, timeout=timeout)
-    return EtcdStore(client, f"/watch-test/{_count[0]}/kv/", root=f"/watch-test/{_count[0]}/")
+    # Heartbeats beside the watched keys, as the job's control store keeps them (ControlPlane.store).
+    return EtcdStore(client, f"/watch-test/{_count[0]}/kv/", root=f"/watch-test/{_count[0]}/", apart="hb/")
 
 
 def until(condition, timeout: float = 5.0) -> None:
@@ -132,6 +133,33 @@ def test_a_proposal_its_join_and_its_hint_are_one_transaction(etcd1):
         assert compare_set_announced(either, "reg", b"", b"a", None, if_absent=[("m", b"first")]) == b"a"
         assert compare_set_announced(either, "reg", b"", b"b", None, if_absent=[("m", b"second")]) == b"a"
         assert either.get("m") == b"first"
+
+
+def test_heartbeats_reach_only_a_view_that_reads_them(etcd1):
+    """The family kept apart (``apart="hb/"``: heartbeats) lives beside the watched keys: the view of the job's
+    keys, which every process runs, receives none of its writes and answers nothing about it (a key it does
+    not watch is not absent); a process that reads it (the monitor) starts a view of its own, which serves it."""
+    store = fresh_store(etcd1)
+    store.set("a", b"1")
+    until(lambda: store.cached("a") == (True, b"1"))
+    job_view = store.view
+    events = job_view.events
+    for beat in range(5):
+        store.clone().set("hb/0", b"%d" % beat)  # a replica's heartbeat thread writes on a clone
+    store.set("b", b"2")
+    until(lambda: store.cached("b") == (True, b"2"))
+    assert job_view.events == events + 1  # "b" only
+    assert store.client.get(store.root + b"hb/0")[0] == b"4"  # where it lives: beside kv/
+    assert job_view.lookup(store.root + b"hb/0") == (False, None)  # not watched, so not "absent" either
+    assert store.get("hb/0") == b"4"
+    until(lambda: store.cached_many(["hb/0"]) == [b"4"])  # the monitor's read: a view of their own
+    store.set("hb/0", b"5")
+    until(lambda: store.cached_each(["a", "hb/0", "missing"]) == [b"1", b"5", None])  # one lookup, both views
+    assert store.cached_many(["a", "missing"]) is None
+    assert job_view.events == events + 1
+    began = time.monotonic()
+    store.close()  # both views' threads end now, not after their streams' silence limits (1 s, 10 s)
+    assert time.monotonic() - began < 0.5 + SLACK
 
 
 def test_many_keys_come_from_the_view_only_while_it_holds_them_all(etcd1):
@@ -410,10 +438,11 @@ def test_the_monitor_counts_a_vouch_as_a_beat(etcd1):
 
 @pytest.mark.slow  # waits out two heartbeat timeouts (about 4 s): kept out of `make test-fast`
 def test_the_monitor_reads_etcd_only_to_confirm_a_late_replica(etcd1):
-    """The monitor judges from its watched view: while every replica beats it sends no request at all; when
-    one stops, it confirms on a read ordered through the Raft log and declares that one (only) dead within
-    the heartbeat timeout plus a poll (and this machine's slack); a replica it knows dead costs no request
-    after that."""
+    """The monitor judges from its watched view: while every replica beats it reads nothing from etcd (its
+    only requests are ticks: the beats live beside the job's keys, and with nothing else written it keeps
+    every process's view of them current, here another process's, checked all along); when one stops, it
+    confirms on a read ordered through the Raft log and declares that one (only) dead within the heartbeat
+    timeout plus a poll (and this machine's slack); a replica it knows dead costs no read after that."""
     secret = JobSecret.generate()
     sealer = Sealer(secret)
     raw = fresh_store(etcd1)
@@ -435,27 +464,37 @@ def test_the_monitor_reads_etcd_only_to_confirm_a_late_replica(etcd1):
     timeout, poll = 0.8, 0.05
     monitor = threading.Thread(target=run_monitor, args=(monitor_store, sealer, 2, timeout, 60.0, stop, 1, poll))
     monitor.start()
+    elsewhere = EtcdStore(EtcdClient(etcd1.endpoints, **etcd1.tls_files), raw.prefix.decode(), raw.root.decode())
+
+    def reads() -> int:  # the monitor's requests, less its ticks (one may be on its way: counted, not written)
+        return monitor_store.client.requests - int(raw.client.get(raw.prefix + b"tick")[0] or 0)
+
     try:
-        until(lambda: monitor_store.view.healthy)
+        until(lambda: monitor_store.view.healthy and elsewhere.view.healthy)
         time.sleep(3 * poll)  # the first poll that found the view current
-        sent = monitor_store.client.requests
-        time.sleep(2 * timeout)
-        assert monitor_store.client.requests == sent, "the monitor read etcd while every replica beat"
+        sent, ticks = reads(), raw.client.get(raw.prefix + b"tick")[0]
+        deadline = time.monotonic() + 2 * timeout
+        while time.monotonic() < deadline:
+            assert elsewhere.view.healthy, "another process's view went stale while only heartbeats were written"
+            time.sleep(0.02)
+        assert reads() - sent in (0, 1), "the monitor read etcd while every replica beat"
+        assert raw.client.get(raw.prefix + b"tick")[0] != ticks  # it ticked
         assert ControlStore("etcd://test", 9, secret, store=raw.clone()).deaths([0, 1]) == {0: 0, 1: 0}
         beating[1].stop()
         stopped = time.monotonic()
         deaths = ControlStore("etcd://test", 9, secret, store=raw.clone())
         until(lambda: deaths.deaths([0, 1])[1] == 1, timeout=timeout + 5)
         assert time.monotonic() - stopped <= timeout + poll + SLACK
-        assert monitor_store.client.requests > sent  # the confirming read (and the declaration)
+        assert reads() > sent + 1  # the confirming read (and the declaration)
         assert deaths.deaths([0, 1])[0] == 0
         time.sleep(3 * poll)
-        settled = monitor_store.client.requests
-        time.sleep(timeout)  # replica 1 stays dead and silent: judged no more, no request
-        assert monitor_store.client.requests == settled
+        settled = reads()
+        time.sleep(timeout)  # replica 1 stays dead and silent: judged no more, no read
+        assert reads() - settled in (0, 1)
     finally:
         stop.set()
         monitor.join(5)
         for hb in beating:
             hb.stop()
         monitor_store.close()
+        elsewhere.close()

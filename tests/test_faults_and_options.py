@@ -4,7 +4,7 @@ import pytest
 
 from lightning_recover.data import MicrobatchSource
 from lightning_recover.protocol.faults import Fault, FaultInjector, parse_faults
-from lightning_recover.protocol.options import DEFAULT_HEARTBEAT_INTERVAL, ETCD_HEARTBEAT_INTERVAL_MAX, RecoverOptions
+from lightning_recover.protocol.options import DEFAULT_HEARTBEAT_INTERVAL, ETCD_BEATS_PER_TIMEOUT, RecoverOptions
 
 
 def test_parse_several_faults():
@@ -59,11 +59,13 @@ def test_bad_options_raise_with_hint(kwargs, message):
 
 
 def test_the_default_heartbeat_period_is_the_control_planes():
-    """0.1 s on the embedded coordinator; on etcd a quarter of heartbeat_timeout up to 0.25 s (each beat is a
+    """0.1 s on the embedded coordinator; on etcd a quarter of heartbeat_timeout (each beat is a
     Raft write there); a heartbeat_interval given is used on both."""
     assert RecoverOptions().heartbeat_period(etcd=False) == DEFAULT_HEARTBEAT_INTERVAL == 0.1
-    assert RecoverOptions().heartbeat_period(etcd=True) == ETCD_HEARTBEAT_INTERVAL_MAX == 0.25
+    assert RecoverOptions().heartbeat_period(etcd=True) == 1.0 / ETCD_BEATS_PER_TIMEOUT == 0.25
     assert RecoverOptions(heartbeat_timeout=0.6).heartbeat_period(etcd=True) == 0.15
+    # Not capped (the monitor's ticks, not the beats, keep the watched views current): fewer beats per second.
+    assert RecoverOptions(heartbeat_timeout=4.0).heartbeat_period(etcd=True) == 1.0
     assert RecoverOptions(heartbeat_interval=0.05).heartbeat_period(etcd=True) == 0.05
     with pytest.raises(ValueError, match="heartbeat_interval must be a positive"):
         RecoverOptions(heartbeat_interval=float("nan"))

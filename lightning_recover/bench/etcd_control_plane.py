@@ -181,6 +181,7 @@ def measure(args: argparse.Namespace) -> dict:
             for mode in list(modes)[rep % 2 :] + list(modes)[: rep % 2]:
                 out = os.path.join(work, f"free-{mode}{rep}")
                 before = metrics(cluster) if mode == "etcd" else None
+                first = revision(cluster) + 1 if mode == "etcd" else 0
                 cpu, began = members_cpu_seconds(cluster), time.monotonic()
                 _finish(_start(_job_args(args.replicas, args.steps), out, modes[mode]), out)
                 # the members' CPU over the whole job, start-up included (embedded runs: the idle cluster's)
@@ -198,6 +199,7 @@ def measure(args: argparse.Namespace) -> dict:
                     # elections during a failure-free run are spurious (a member missed the leader's beats)
                     load[-1]["leader_changes_in_run"] = after[_LEADER_CHANGES] - before[_LEADER_CHANGES]
                     load[-1]["etcd_cores"] = cores
+                    load[-1]["heartbeats"] = heartbeat_writes(cluster, first, revision(cluster)) / per
                 times[mode].append(step_median(out, 3))
                 parts_of_step[mode][-1].update(step_parts(out, 3))
                 print(
@@ -288,7 +290,7 @@ def measure(args: argparse.Namespace) -> dict:
         if not load:
             return result
         # --- load and its projection
-        mean_load = {k: statistics.mean(x[k] for x in load) for k in _METRICS}
+        mean_load = {k: statistics.mean(x[k] for x in load) for k in (*_METRICS, "heartbeats")}
         capacity = write_capacity(cluster)
         step_s = statistics.median(times["etcd"])
         writes_per_s_per_replica = mean_load["etcd_server_proposals_committed_total"] / step_s
@@ -297,16 +299,19 @@ def measure(args: argparse.Namespace) -> dict:
         result["etcd_members_cores"] = [x["etcd_cores"] for x in load]
         result["write_capacity_puts_per_s"] = capacity
         # Watch events: every process's watched view (control_plane/etcd_watch.py) receives every write
-        # under the job's prefix, so the events sent per replica grow with the number of replicas: the
-        # measured rate per replica, times 2000 / replicas.
-        events_per_s_per_replica = mean_load["etcd_debugging_mvcc_events_total"] / step_s
+        # under the job's keys, so those events grow with the number of replicas: the measured rate per
+        # replica, times 2000 / replicas. Heartbeats live beside those keys and reach the monitor's view
+        # alone (control_plane/etcd_store.py, ``apart``): one event per beat at any size.
+        beats_per_s_per_replica = mean_load["heartbeats"] / step_s
+        shared_per_s_per_replica = mean_load["etcd_debugging_mvcc_events_total"] / step_s - beats_per_s_per_replica
         result["projection_2000"] = {
             "writes_per_s": 2000 * writes_per_s_per_replica,
             "capacity_fraction": 2000 * writes_per_s_per_replica / capacity,
             "step_s_assumed": step_s,
+            "heartbeats_per_s": 2000 * beats_per_s_per_replica,
             # (the monitor reads etcd only when its watched view shows a replica late: none while all beat,
-            # coordinator.run_monitor; its view's events are in the measured rate)
-            "watch_events_per_s": 2000 * events_per_s_per_replica * 2000 / args.replicas,
+            # coordinator.run_monitor; its views' events are in the measured rate)
+            "watch_events_per_s": 2000 * (shared_per_s_per_replica * 2000 / args.replicas + beats_per_s_per_replica),
         }
     return result
 
@@ -336,6 +341,33 @@ def steady_state(cluster: LocalEtcdCluster, env: dict[str, str], replicas: int, 
         "idle_members_cpu_s_per_step": idle * extra_s / extra_steps,
         "step_s": step_s,
     }
+
+
+def revision(cluster: LocalEtcdCluster) -> int:
+    """The cluster's current revision (every write moves it by one)."""
+    client = EtcdClient(cluster.endpoints, **cluster.tls_files, allow_insecure=not cluster.tls)
+    try:
+        return int(client.range(b"/", count_only=True)["header"]["revision"])
+    finally:
+        client.close()
+
+
+def heartbeat_writes(cluster: LocalEtcdCluster, first: int, last: int) -> int:
+    """Heartbeats written between revisions ``first`` and ``last`` (both included), from etcd's history: a
+    watch from ``first`` replays every write since (read after the run's figures: its events are not in them)."""
+    client = EtcdClient(cluster.endpoints, **cluster.tls_files, allow_insecure=not cluster.tls)
+    root = b"/lightning-recover/"
+    beats = 0
+    try:
+        for event in client.watch(root, first, timeout=10.0, range_end=prefix_end(root)):
+            kv = event.get("kv") or {}
+            at = int(kv.get("mod_revision") or 0)
+            beats += at <= last and event.get("type", "PUT") == "PUT" and b"/hb/" in unb64(kv.get("key"))
+            if at >= last:  # the run's last write (its job's keys deleted): nothing later is the run's
+                break
+    finally:
+        client.close()
+    return beats
 
 
 def cluster_idle_cores(cluster: LocalEtcdCluster, seconds: float = 3.0) -> float:

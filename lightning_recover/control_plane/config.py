@@ -74,7 +74,8 @@ class EtcdSettings:
     def store(self, timeout: Optional[float] = None):  # -> EtcdStore
         from lightning_recover.control_plane.etcd_store import EtcdStore
 
-        return EtcdStore(self.client(timeout), self.prefix + "kv/", root=self.prefix)
+        # Heartbeats beside the watched keys (``/{job}/hb/``): only the monitor's view receives them.
+        return EtcdStore(self.client(timeout), self.prefix + "kv/", root=self.prefix, apart="hb/")
 
     def environment(self) -> dict[str, str]:
         """What a child process needs to reach the same control plane (see :func:`from_environment`)."""

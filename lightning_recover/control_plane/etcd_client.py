@@ -111,6 +111,7 @@ class EtcdClient:
         self.try_timeout = try_timeout
         self._current = 0
         self._conn: Optional[http.client.HTTPConnection] = None
+        self._stream: Optional[http.client.HTTPConnection] = None  # the connection watch_messages reads
         self.requests = 0  # requests sent (load figures)
         #: the highest Raft term in any answer (etcd's ``header.raft_term``): it grows with every leader election
         self.raft_term = 0
@@ -332,6 +333,7 @@ class EtcdClient:
         except OSError:
             self._next_endpoint()
             raise
+        self._stream = conn
         try:
             conn.request("POST", "/v3/watch", json.dumps(body).encode(), {"Content-Type": "application/json"})
             self.requests += 1
@@ -349,7 +351,18 @@ class EtcdClient:
                     raise OSError(f"etcd watch stream error: {msg['error']}")
                 yield msg.get("result", {})
         finally:
+            self._stream = None
             conn.close()
+
+    def end_stream(self) -> None:
+        """End the stream :meth:`watch_messages` is reading (from another thread): its read returns now, not
+        after its ``read_timeout``."""
+        conn = self._stream
+        if conn is not None and conn.sock is not None:
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed
 
 
 # ---------------------------------------------------------------------------- transaction ops

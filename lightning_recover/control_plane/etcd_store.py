@@ -29,7 +29,9 @@ Beyond TCPStore's operations, what the step protocol uses to make about one roun
 * a **watched view** (:class:`~lightning_recover.control_plane.etcd_watch.WatchView`): one watch stream per
   process on the job's keys, shared by every clone of the store, started by the first :meth:`cached`
   read; it answers reads that may be slightly stale (hints, write-once registers, notices that only grow)
-  from memory, and nothing while it is not known to be current;
+  from memory, and nothing while it is not known to be current. Keys of the family kept ``apart``
+  (heartbeats) live beside the watched ones: no process's view receives their writes (each would receive
+  every replica's beat), but a process that reads them from a view (the monitor) starts one of its own;
 * :meth:`put_and_decide`: a report and, if it completes a set of expected values, a decision, in one
   transaction; :meth:`peek_many` and :meth:`delete_many`: many keys in one transaction.
 
@@ -45,15 +47,20 @@ import datetime
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import torch.distributed as dist
 
 from lightning_recover.control_plane import etcd_client as ec
-from lightning_recover.control_plane.etcd_watch import WatchView
+from lightning_recover.control_plane.etcd_watch import STALE_AFTER, WatchView
 
 _WATCH_SLICE = 1.0  # seconds a watch runs before the keys are read again
+#: Seconds of silence the view of the family kept apart (heartbeats) is trusted for. That stream is quiet
+#: while commits vouch for every member (no beats, ``protocol/vouches.py``), and a stale answer there only
+#: makes a heartbeat look late, which the monitor confirms by a read through the Raft log before it declares
+#: anyone (``protocol/coordinator.py``): a silent stream costs confirmations, never a wrong verdict.
+_APART_STALE_AFTER = 10.0
 _DEFAULT_TIMEOUT = 300.0  # TCPStore's default wait
 _MAX_TXN_OPS = 128  # etcd's default --max-txn-ops: a transaction of more operations is refused
 _REFILL_AFTER = 0.5  # seconds after a warm clone is taken before the next one opens (a rendezvous is shorter)
@@ -78,26 +85,53 @@ def _nested_increment(key: bytes, guess: Optional[tuple[bytes, int]]) -> Optiona
     return {"request_txn": {"compare": [ec.cmp_mod(key, guess[1])], "success": then, "failure": []}}
 
 
-class _SharedView:
-    """The one :class:`WatchView` of a store and all its clones, started on first use."""
+class _SharedViews:
+    """The watched views of a store and all its clones, each started on first use: one of the job's keys
+    (``prefix``), and one of the family kept beside them (``apart``: heartbeats), which only a process that
+    reads that family starts (the monitor)."""
 
-    def __init__(self, client: ec.EtcdClient, prefix: bytes) -> None:
+    def __init__(self, client: ec.EtcdClient, prefix: bytes, apart: Optional[bytes] = None) -> None:
         self._client = client
-        self._prefix = prefix
+        self._prefix, self._apart = prefix, apart
         self._lock = threading.Lock()
-        self.view: Optional[WatchView] = None
+        self._views: dict[bytes, WatchView] = {}
+
+    @property
+    def view(self) -> Optional[WatchView]:
+        """The view of the job's keys, if started."""
+        return self._views.get(self._prefix)
 
     def close(self) -> None:
         with self._lock:
-            view, self.view = self.view, None
-        if view is not None:
+            views, self._views = list(self._views.values()), {}
+        for view in views:
             view.close()
 
-    def get(self) -> WatchView:
+    def get(self, key: Optional[bytes] = None) -> WatchView:
+        """The view holding ``key`` (the job's keys' view when None), started now if it was not."""
+        apart = self._apart is not None and key is not None and key.startswith(self._apart)
+        prefix = self._apart if apart else self._prefix
         with self._lock:
-            if self.view is None:
-                self.view = WatchView(self._client.clone(), self._prefix).start()
-            return self.view
+            if prefix not in self._views:
+                stale_after = _APART_STALE_AFTER if apart else STALE_AFTER
+                self._views[prefix] = WatchView(self._client.clone(), prefix, stale_after).start()
+            return self._views[prefix]
+
+    def lookup(self, keys: list[bytes], how: Callable[[WatchView, list[bytes]], Optional[list]]) -> Optional[list]:
+        """``how(view, its keys)`` for the keys of each view, merged in the order of ``keys``; None if a view
+        answered None (not current, or missing a key the caller needs)."""
+        by_view: dict[int, tuple[WatchView, list[int]]] = {}
+        for i, k in enumerate(keys):
+            view = self.get(k)
+            by_view.setdefault(id(view), (view, []))[1].append(i)
+        out: list = [None] * len(keys)
+        for view, where in by_view.values():
+            got = how(view, [keys[i] for i in where])
+            if got is None:
+                return None
+            for i, value in zip(where, got):
+                out[i] = value
+        return out
 
 
 class _WarmClones:
@@ -135,9 +169,74 @@ class _WarmClones:
             self._next = None
 
 
-class EtcdStore(dist.Store):
+class _ViewReads:
+    """The reads an :class:`EtcdStore` answers from the watched views it shares with its clones
+    (``_shared``), each key in the view that holds it (``_k``: the key's place in etcd)."""
+
+    _shared: _SharedViews
+    client: ec.EtcdClient
+
+    def _k(self, key: str) -> bytes:
+        raise NotImplementedError
+
+    @property
+    def view(self) -> WatchView:
+        """This process's watched view of the keys (started by the first call)."""
+        return self._shared.get()
+
+    def cached(self, key: str) -> tuple[bool, Optional[bytes]]:
+        """``(True, value or None)`` from the watched view while it is current; ``(False, None)`` otherwise
+        (then the caller reads etcd). May be slightly stale, never older than an answer it gave before."""
+        k = self._k(key)
+        return self._shared.get(k).lookup(k)
+
+    def cached_many(self, keys: Sequence[str]) -> Optional[list[bytes]]:
+        """Every key's value from the watched view while it is current and holds them all; None otherwise
+        (then the caller reads etcd)."""
+        return self._shared.lookup([self._k(k) for k in keys], WatchView.lookup_many)
+
+    def cached_each(self, keys: Sequence[str]) -> Optional[list[Optional[bytes]]]:
+        """Every key's value (None when absent) from the watched view while it is current; None otherwise."""
+        return self._shared.lookup([self._k(k) for k in keys], WatchView.lookup_each)
+
+    def cached_arrival(self, key: str) -> Optional[tuple[bytes, float]]:
+        """``(value, monotonic time it reached this process)`` from the watched view while it is current and
+        holds the key; None otherwise."""
+        k = self._k(key)
+        return self._shared.get(k).lookup_arrival(k)
+
+    def raft_term(self) -> int:
+        """The highest Raft term in this store's answers and its watched view's stream. It grows with every
+        leader election: the monitor forgives heartbeats the election held up (protocol/coordinator.py)."""
+        view = self._shared.view
+        return max(self.client.raft_term, view.term if view is not None else 0)
+
+    def quiet(self) -> bool:
+        """True when the view of the job's keys (if started) heard nothing for half of what it tolerates: a
+        write now keeps every process's view current (``coordinator.run_monitor``)."""
+        view = self._shared.view
+        return view is not None and view.quiet_for > view.stale_after / 2
+
+    def cached_wait(self, key: str, timeout: float) -> Optional[bool]:
+        """Wait up to ``timeout`` seconds for ``key`` to appear in the watched view: True/False; None when
+        the view is not current (the caller waits on etcd instead)."""
+        k = self._k(key)
+        return self._shared.get(k).wait_for([k], timeout)
+
+    def wait_changed(self, timeout: float) -> None:
+        """Return when the watched view moves (any key changes), or after ``timeout`` seconds."""
+        view = self.view
+        if view.healthy:
+            view.wait_change(view.revision, timeout)
+        else:
+            time.sleep(min(timeout, 0.005))
+
+
+class EtcdStore(_ViewReads, dist.Store):
     """Keys ``prefix + key`` in etcd through ``client``; ``root`` holds the store's own bookkeeping
-    (the tokens of ``add``), outside ``prefix`` so that ``num_keys`` counts only the caller's keys."""
+    (the tokens of ``add``), outside ``prefix`` so that ``num_keys`` counts only the caller's keys, and the
+    keys that begin with ``apart`` (``root + key``): beside the watched keys, so that no process's view
+    receives them unless it reads them (heartbeats: every replica's beat would reach every process)."""
 
     def __init__(
         self,
@@ -145,7 +244,8 @@ class EtcdStore(dist.Store):
         prefix: str,
         root: Optional[str] = None,
         timeout: float = _DEFAULT_TIMEOUT,
-        shared: Optional[_SharedView] = None,
+        shared: Optional[_SharedViews] = None,
+        apart: Optional[str] = None,
     ):
         super().__init__()
         self.client = client
@@ -154,17 +254,21 @@ class EtcdStore(dist.Store):
         self._timeout = timeout
         self._last_token: Optional[bytes] = None
         self.watches = 0  # watch streams opened (load figures)
-        self._shared = shared if shared is not None else _SharedView(client, self.prefix)
+        self.apart = apart
+        beside = None if apart is None else self.root + apart.encode()
+        self._shared = shared if shared is not None else _SharedViews(client, self.prefix, beside)
         self.write_once = False  # True: every key is written once (see prefixed_clone)
         self._warm = _WarmClones(client)  # for prefixed_clone
 
     def _k(self, key: str) -> bytes:
-        return self.prefix + key.encode()
+        apart = self.apart is not None and key.startswith(self.apart)
+        return (self.root if apart else self.prefix) + key.encode()
 
     # ---------------------------------------------------------------- plumbing
     def clone(self) -> EtcdStore:
-        """A store on a connection of its own (threads must not share one); it shares the watched view."""
-        return EtcdStore(self.client.clone(), self.prefix.decode(), self.root.decode(), self._timeout, self._shared)
+        """A store on a connection of its own (threads must not share one); it shares the watched views."""
+        root = self.root.decode()
+        return EtcdStore(self.client.clone(), self.prefix.decode(), root, self._timeout, self._shared, self.apart)
 
     def prefixed_clone(self, prefix: str) -> EtcdStore:
         """A store on a connection of its own whose keys live under ``prefix/`` inside this one's (what
@@ -178,55 +282,12 @@ class EtcdStore(dist.Store):
         store.write_once = True
         return store
 
-    # ---------------------------------------------------------------- the watched view
-    @property
-    def view(self) -> WatchView:
-        """This process's watched view of the keys (started by the first call)."""
-        return self._shared.get()
-
+    # ---------------------------------------------------------------- plumbing, continued
     def close(self) -> None:
         """Close this store's connection and stop the watched view it shares with its clones (if started)."""
         self.client.close()
         self._warm.close()
         self._shared.close()
-
-    def cached(self, key: str) -> tuple[bool, Optional[bytes]]:
-        """``(True, value or None)`` from the watched view while it is current; ``(False, None)`` otherwise
-        (then the caller reads etcd). May be slightly stale, never older than an answer it gave before."""
-        return self.view.lookup(self._k(key))
-
-    def cached_many(self, keys: Sequence[str]) -> Optional[list[bytes]]:
-        """Every key's value from the watched view while it is current and holds them all; None otherwise
-        (then the caller reads etcd)."""
-        return self.view.lookup_many([self._k(k) for k in keys])
-
-    def cached_each(self, keys: Sequence[str]) -> Optional[list[Optional[bytes]]]:
-        """Every key's value (None when absent) from the watched view while it is current; None otherwise."""
-        return self.view.lookup_each([self._k(k) for k in keys])
-
-    def cached_arrival(self, key: str) -> Optional[tuple[bytes, float]]:
-        """``(value, monotonic time it reached this process)`` from the watched view while it is current and
-        holds the key; None otherwise."""
-        return self.view.lookup_arrival(self._k(key))
-
-    def raft_term(self) -> int:
-        """The highest Raft term in this store's answers and its watched view's stream. It grows with every
-        leader election: the monitor forgives heartbeats the election held up (protocol/coordinator.py)."""
-        view = self._shared.view
-        return max(self.client.raft_term, view.term if view is not None else 0)
-
-    def cached_wait(self, key: str, timeout: float) -> Optional[bool]:
-        """Wait up to ``timeout`` seconds for ``key`` to appear in the watched view: True/False; None when
-        the view is not current (the caller waits on etcd instead)."""
-        return self.view.wait_for([self._k(key)], timeout)
-
-    def wait_changed(self, timeout: float) -> None:
-        """Return when the watched view moves (any key changes), or after ``timeout`` seconds."""
-        view = self.view
-        if view.healthy:
-            view.wait_change(view.revision, timeout)
-        else:
-            time.sleep(min(timeout, 0.005))
 
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         self._timeout = timeout.total_seconds()

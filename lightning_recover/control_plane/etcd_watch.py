@@ -13,8 +13,8 @@ What a reader may rely on (tests/test_etcd_watch.py checks each):
   Every answer is the store's state at the view's revision, and that revision only grows (a re-read after a
   lost stream is linearizable, so it is at least as new as every event applied before).
 * **Bounded staleness, else no answer**: the view answers only while it is *healthy*: synced and a message
-  of the stream arrived within ``stale_after`` seconds (the job's heartbeats write several times a second,
-  so a live stream is never that quiet). A silent, compacted, cancelled or broken stream makes the view
+  of the stream arrived within ``stale_after`` seconds (a step's commit, or the monitor's ``tick`` written
+  while nothing else is: a live stream of the job's keys is never that quiet, ``coordinator.run_monitor``). A silent, compacted, cancelled or broken stream makes the view
   unhealthy at once or within ``stale_after``; readers then make the round trip they would have made
   without a view (``lookup`` answers ``(False, None)``), and the view re-reads the prefix and watches again.
 * A stale answer is only an earlier state: the protocol uses the view only where reading slightly earlier
@@ -24,6 +24,7 @@ What a reader may rely on (tests/test_etcd_watch.py checks each):
 
 from __future__ import annotations
 
+import http.client
 import threading
 import time
 from typing import Optional
@@ -66,21 +67,35 @@ class WatchView:
         with self._cond:
             self._synced = False
             self._cond.notify_all()
-        self._thread.join(timeout=self.stale_after + 1.0)
+        deadline = time.monotonic() + self.stale_after + 1.0
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            self._client.end_stream()  # its read returns now, not after stale_after (again: it may open one)
+            self._thread.join(0.05)
 
     # ---------------------------------------------------------------- reading
     def _healthy(self) -> bool:
         return self._synced and time.monotonic() - self._heard <= self.stale_after
+
+    def _holds(self, keys: list[bytes]) -> bool:
+        """Healthy, and every key is in the watched range (a key outside it is not absent: it is not watched)."""
+        return self._healthy() and all(k.startswith(self.prefix) for k in keys)
 
     @property
     def healthy(self) -> bool:
         with self._cond:
             return self._healthy()
 
-    def lookup(self, key: bytes) -> tuple[bool, Optional[bytes]]:
-        """``(True, value or None when absent)`` while healthy; ``(False, None)``: ask etcd instead."""
+    @property
+    def quiet_for(self) -> float:
+        """Seconds since the stream's last message (or the last re-read)."""
         with self._cond:
-            if not self._healthy():
+            return time.monotonic() - self._heard
+
+    def lookup(self, key: bytes) -> tuple[bool, Optional[bytes]]:
+        """``(True, value or None when absent)`` while healthy, for a key in the watched range;
+        ``(False, None)``: ask etcd instead."""
+        with self._cond:
+            if not self._holds([key]):
                 return False, None
             return True, self._values.get(key)
 
@@ -88,7 +103,7 @@ class WatchView:
         """``(value, mod_revision)`` of a key the view holds while healthy, else None: a guess for a
         compare-and-swap (a stale guess only fails its compare, and the transaction answers the truth)."""
         with self._cond:
-            if not self._healthy() or key not in self._values:
+            if not self._holds([key]) or key not in self._values:
                 return None
             return self._values[key], self._mods[key]
 
@@ -96,21 +111,21 @@ class WatchView:
         """``(value, monotonic time it reached this view)`` of a key the view holds while healthy, else None:
         when a record written for this process arrived (``protocol/vouches.py``)."""
         with self._cond:
-            if not self._healthy() or key not in self._values:
+            if not self._holds([key]) or key not in self._values:
                 return None
             return self._values[key], self._arrived[key]
 
     def lookup_each(self, keys: list[bytes]) -> Optional[list[Optional[bytes]]]:
         """Every key's value (None when absent) while healthy, else None: ask etcd instead."""
         with self._cond:
-            if not self._healthy():
+            if not self._holds(keys):
                 return None
             return [self._values.get(k) for k in keys]
 
     def lookup_many(self, keys: list[bytes]) -> Optional[list[bytes]]:
         """Every key's value while healthy and every key is in the view; else None: ask etcd instead."""
         with self._cond:
-            if not self._healthy() or any(k not in self._values for k in keys):
+            if not self._holds(keys) or any(k not in self._values for k in keys):
                 return None
             return [self._values[k] for k in keys]
 
@@ -120,7 +135,7 @@ class WatchView:
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:
-                if not self._healthy():
+                if not self._holds(keys):
                     return None
                 if all(k in self._values for k in keys):
                     return True
@@ -154,8 +169,8 @@ class WatchView:
                     if msg.get("canceled") or int(msg.get("compact_revision") or 0):
                         break  # compacted past our revision, or cancelled: re-read everything
                     self._apply(msg)
-            except (OSError, ValueError, RecoverError):
-                pass  # lost, silent or refused: unhealthy until re-read below
+            except (OSError, ValueError, RecoverError, http.client.HTTPException):
+                pass  # lost, silent, refused or ended by close(): unhealthy until re-read below
             with self._cond:
                 self._synced = False
                 self._cond.notify_all()

@@ -9,7 +9,8 @@ Keys (values sealed with the job's MAC, see ``messages.py``, except the two coun
 ``inc/{r}``        incarnation counter of replica r (bumped by each (re)start of r; a hint)
 ``hb/{r}``         heartbeat of replica r: incarnation, beat number and the main thread's progress
                    (step, phase, count), rewritten every ``heartbeat_interval``; ``hb/{r}/i{i}``
-                   per process when replicas have K > 1 processes
+                   per process when replicas have K > 1 processes; on etcd beside the job's other keys
+                   (``/{job}/hb/``), so that only the monitor's watched view receives them
 ``dead/{r}``       the incarnation of r declared dead ("0" = none)
 ``declared/{r}``   the incarnation of r the monitor below declared dead (not one that left cleanly
                    or that the launcher saw exit): the local launchers end it if it keeps running
@@ -23,6 +24,8 @@ Keys (values sealed with the job's MAC, see ``messages.py``, except the two coun
 ``s{S}/g{G}/...``  step S's reduce under generation G: done reports and the commit decision
 ``g{G}/state``     SHA-256 of the state handed to the joiners admitted into generation G
 ``vouch``          etcd: the members a step's commit vouches for (``vouches.py``): a beat of each
+``tick``           etcd: written by the monitor while nothing else was (a long step): it keeps every
+                   process's watched view current (unsealed, read by nobody)
 
 ``hb/{r}`` and ``vouch`` are rewritten over time: their values carry a sequence ((incarnation, beat);
 (generation, the leader's count)) and readers drop one below what they already read (a replay).
@@ -55,6 +58,7 @@ from lightning_recover.protocol.reachability import PartitionJudge, probe_timeou
 from lightning_recover.protocol.vouches import VOUCH_KEY, Vouch, VouchReader
 
 _STORE_TIMEOUT = datetime.timedelta(seconds=60)
+_TICK_MIN = 0.25  # seconds between two ticks at least: a view whose stream is lost is not flooded
 
 
 def _hb_keys(r: int, replica_size: int) -> list[str]:
@@ -118,6 +122,11 @@ def run_monitor(
     read_keys = keys + [VOUCH_KEY] if cached is not None and replica_size == 1 else keys
     term_of = getattr(store, "raft_term", None)
     term = 0
+    # etcd: a watched view stops answering once its stream was silent for a while (etcd_watch.STALE_AFTER),
+    # and with the heartbeats beside the job's keys nothing else may be written while a long step runs. The
+    # monitor's own view hears what every view hears: when it says quiet, a tick keeps them all current.
+    quiet = getattr(store, "quiet", None)
+    ticks, ticked = 0, 0.0
     last_read = time.monotonic()
     # Members that reach the coordinator but not each other (an asymmetric partition): see reachability.py.
     judge = PartitionJudge(store, sealer, suspect_after=timeout, probe_timeout=probe_timeout_for(timeout))
@@ -136,7 +145,7 @@ def run_monitor(
     def credit(vouch: Vouch, now: float) -> None:
         """A commit vouches that every member it names beat and progressed (vouches.py)."""
         for r, inc in vouch.incarnations.items():
-            key = f"hb/{r}"
+            (key,) = _hb_keys(r, 1)  # commits vouch for replicas of one process only
             if beats.get(key, (None,))[0] == inc:
                 beats[key] = (*beats[key][:2], now)
             if progress.get(key, (None,))[0] == inc:
@@ -230,6 +239,9 @@ def run_monitor(
                 dead = inc
             settled[r] = max(settled.get(r, 0), dead)
         judge.observe(now, hbs, progressed_at=vouched_at)
+        if quiet is not None and now - ticked > _TICK_MIN and quiet():
+            ticks, ticked = ticks + 1, now
+            store.set("tick", str(ticks))
 
 
 def listen_socket(host: str, port: int, what: str = "the coordinator") -> socket.socket:

@@ -276,24 +276,18 @@ def joined_round(store: ControlStore, prefix: str, num_replicas: int, replica_si
         r, _, i = item.partition(".")
         if r.isdigit() and int(r) < num_replicas:
             positions.setdefault(int(r), set()).add(i)
+    # Never a waiting read: a deleted payload must not stall the round (its writer puts it back).
+    read = store.recent_genuine if watched else store.get_genuine
     joined = set()
     for r in sorted(positions):
         if len(positions[r]) < replica_size:
             continue
         try:
-            if watched:
-                payload = store.recent_genuine(f"{prefix}/join/{r}")
-                if payload is None:
-                    continue  # not in the view yet (or forged)
-            else:
-                # Never a waiting read: a deleted payload must not stall the round (its writer puts it back).
-                payload = store.get_genuine(f"{prefix}/join/{r}")
-                if payload is None:
-                    continue
-            json.loads(payload)
-            joined.add(r)
-        except (ForgedMessageError, ValueError):
+            payload = read(f"{prefix}/join/{r}")  # None: not in the view yet, deleted, or forged
+        except ForgedMessageError:
             continue  # planted by someone without the secret: not a member
+        if _well_formed(payload):
+            joined.add(r)
     return joined
 
 
@@ -632,19 +626,14 @@ class Membership:
         # written into a round already closed (the group went on: excluded below) is read by nobody.
         join = {f"g{g + 1}/join/{self.replica}": _join_payload(self, payload)}
         close = None if invite else closing_members(self, g + 1, expected)
-        where_absent = {**(close or {}), **(settle or {})}
-        latest = int(
-            self.store.compare_set(
-                "gen/latest", str(g), str(g + 1), also=join, announce="events", if_absent=where_absent
-            )
-        )
-        if latest < g:
-            # gen/latest only grows: an older genuine value was written back. Take the register back.
-            latest = int(
-                self.store.compare_set(
-                    "gen/latest", str(latest), str(g + 1), also=join, announce="events", if_absent=settle
-                )
-            )
+
+        def propose(after: int, where_absent: dict[str, str] | None) -> int:
+            found = self.store.compare_set("gen/latest", str(after), str(g + 1), join, "events", where_absent)
+            return int(found)
+
+        latest = propose(g, {**(close or {}), **(settle or {})})
+        if latest < g:  # gen/latest only grows: an older genuine value was written back. Take it back.
+            latest = propose(latest, settle)
         if latest > g + 1:
             raise self._excluded(
                 f"fell behind: the group is at generation {latest} and this replica left generation {g}; it stops "

@@ -637,7 +637,7 @@ class ControlStore:
         got = self.call(
             self.raw.put_and_decide,
             key,
-            None if key is None or value is None else self.sealer.seal(key, value.encode()),
+            None if key is None else self.sealer.seal(key, value.encode()),
             sealed,
             register,
             self.sealer.seal(register, decision.encode()),
