@@ -21,9 +21,12 @@ the TinyGPT job of ``bench overhead`` (``lightning_recover.bench.fabric_gpt``):
   one job of ``4 x --steps`` steps minus one of ``--steps`` steps, per step (start-up and shutdown cancel
   out); the idle members' CPU over the same time is given beside it.
 * **load**: etcd's own counters (``/metrics``) over a failure-free run: raft proposals (writes), reads,
-  watch events per step per replica; and the projection to 2,000 replicas against the write rate this
-  cluster sustains (measured here too). Watch events grow with the square of the replicas (every
-  process's watched view receives every write of the job): the projection scales them so.
+  watch events per step per replica, heartbeats (counted from etcd's history); and the projection to 2,000
+  replicas against the write rate this cluster sustains (measured here too). Heartbeats reach the monitor's
+  view alone; every other write reaches every process's view, so those events grow with the square of the
+  replicas when each replica's writes are counted (``projection_2000``: the whole job, start-up included,
+  as if every step cost that). With **steady**, ``projection_2000_steady`` projects a running job instead:
+  heartbeats grow with the replicas, a step's other writes (the commit, its cleanup, ticks) do not.
 """
 
 from __future__ import annotations
@@ -313,19 +316,23 @@ def measure(args: argparse.Namespace) -> dict:
             # coordinator.run_monitor; its views' events are in the measured rate)
             "watch_events_per_s": 2000 * (shared_per_s_per_replica * 2000 / args.replicas + beats_per_s_per_replica),
         }
+        if "steady_state" in result:  # the same without start-up: what a running job costs
+            result["projection_2000_steady"] = project_steady(result["steady_state"], args.replicas, capacity)
     return result
 
 
 def steady_state(cluster: LocalEtcdCluster, env: dict[str, str], replicas: int, steps: int, work: str) -> dict:
     """Per step of the whole job (all replicas), in steady state: a job of ``4 x steps`` steps minus one of
     ``steps`` steps. Writes are counted once (every member applies them), reads and watch events as served."""
-    runs = []
+    runs, beats = [], []
     for n in (steps, 4 * steps):
         out = os.path.join(work, f"steady{n}")
         before, cpu, began = metrics(cluster), members_cpu_seconds(cluster), time.monotonic()
+        first = revision(cluster) + 1
         _finish(_start(_job_args(replicas, n), out, env), out)
         after = metrics(cluster)
         runs.append((after, before, members_cpu_seconds(cluster) - cpu, time.monotonic() - began, step_median(out, 3)))
+        beats.append(heartbeat_writes(cluster, first, revision(cluster)))
     (short_after, short_before, short_cpu, short_s, _), (long_after, long_before, long_cpu, long_s, step_s) = runs
     extra_steps, extra_s = 3 * steps, long_s - short_s
     per_step = {
@@ -339,7 +346,26 @@ def steady_state(cluster: LocalEtcdCluster, env: dict[str, str], replicas: int, 
         "per_step_of_the_job": per_step,
         "members_cpu_s_per_step": (long_cpu - short_cpu) / extra_steps,
         "idle_members_cpu_s_per_step": idle * extra_s / extra_steps,
+        "heartbeats_per_step_of_the_job": (beats[1] - beats[0]) / extra_steps,
         "step_s": step_s,
+    }
+
+
+def project_steady(steady: dict, replicas: int, capacity: float, n: int = 2000) -> dict:
+    """etcd's load at ``n`` replicas in steady state, from the per-step figures of the whole job (``steady_state``):
+    each replica's heartbeats (written beside the job's keys, received by the monitor's view alone) grow with
+    ``n``; the other writes of a step (the leader's commit and its cleanup, the monitor's ticks) do not, and
+    every process's view receives each of them: ``n`` replicas' and at most as many launchers' (2 n)."""
+    step_s = steady["step_s"]
+    beats_per_s = steady["heartbeats_per_step_of_the_job"] / replicas / step_s * n
+    shared_per_s = (steady["per_step_of_the_job"]["etcd_server_proposals_committed_total"]) / step_s
+    shared_per_s -= steady["heartbeats_per_step_of_the_job"] / step_s
+    return {
+        "writes_per_s": beats_per_s + shared_per_s,
+        "capacity_fraction": (beats_per_s + shared_per_s) / capacity,
+        "heartbeats_per_s": beats_per_s,
+        "watch_events_per_s": beats_per_s + shared_per_s * 2 * n,
+        "step_s_assumed": step_s,
     }
 
 
