@@ -357,9 +357,9 @@ def project_steady(steady: dict, replicas: int, capacity: float, n: int = 2000) 
     ``n``; the other writes of a step (the leader's commit and its cleanup, the monitor's ticks) do not, and
     every process's view receives each of them: ``n`` replicas' and at most as many launchers' (2 n)."""
     step_s = steady["step_s"]
-    beats_per_s = steady["heartbeats_per_step_of_the_job"] / replicas / step_s * n
-    shared_per_s = (steady["per_step_of_the_job"]["etcd_server_proposals_committed_total"]) / step_s
-    shared_per_s -= steady["heartbeats_per_step_of_the_job"] / step_s
+    beats = steady["heartbeats_per_step_of_the_job"]
+    beats_per_s = beats / replicas / step_s * n
+    shared_per_s = (steady["per_step_of_the_job"]["etcd_server_proposals_committed_total"] - beats) / step_s
     return {
         "writes_per_s": beats_per_s + shared_per_s,
         "capacity_fraction": (beats_per_s + shared_per_s) / capacity,

@@ -181,7 +181,7 @@ class _ViewReads:
 
     @property
     def view(self) -> WatchView:
-        """This process's watched view of the keys (started by the first call)."""
+        """This process's watched view of the job's keys (started by the first call)."""
         return self._shared.get()
 
     def cached(self, key: str) -> tuple[bool, Optional[bytes]]:
@@ -282,7 +282,6 @@ class EtcdStore(_ViewReads, dist.Store):
         store.write_once = True
         return store
 
-    # ---------------------------------------------------------------- plumbing, continued
     def close(self) -> None:
         """Close this store's connection and stop the watched view it shares with its clones (if started)."""
         self.client.close()

@@ -14,9 +14,11 @@ What a reader may rely on (tests/test_etcd_watch.py checks each):
   lost stream is linearizable, so it is at least as new as every event applied before).
 * **Bounded staleness, else no answer**: the view answers only while it is *healthy*: synced and a message
   of the stream arrived within ``stale_after`` seconds (a step's commit, or the monitor's ``tick`` written
-  while nothing else is: a live stream of the job's keys is never that quiet, ``coordinator.run_monitor``). A silent, compacted, cancelled or broken stream makes the view
-  unhealthy at once or within ``stale_after``; readers then make the round trip they would have made
-  without a view (``lookup`` answers ``(False, None)``), and the view re-reads the prefix and watches again.
+  while nothing else is, ``coordinator.run_monitor``: a live stream of the job's keys is never that quiet).
+  A silent, compacted, cancelled or broken stream makes the view unhealthy at once or within
+  ``stale_after``; readers then make the round trip they would have made without a view (``lookup``
+  answers ``(False, None)``), and the view re-reads the prefix and watches again. A key outside the
+  watched range gets the same answer: it is not watched, which is not absent.
 * A stale answer is only an earlier state: the protocol uses the view only where reading slightly earlier
   is a read that could have happened anyway (hints, registers written once, notices that only grow);
   decisions themselves are written by transactions (``EtcdStore.put_and_decide``).
