@@ -41,7 +41,7 @@ SLACK = 1.0
 def fresh_store(cluster, timeout: float = 5.0) -> EtcdStore:
     _count[0] += 1
     client = EtcdClient(cluster.endpoints, **cluster.tls_files, timeout=timeout)
-    # Heartbeats beside the watched keys, as the job's control store keeps them (ControlPlane.store).
+    # Heartbeats beside the watched keys, as the job's control store keeps them (EtcdSettings.store).
     return EtcdStore(client, f"/watch-test/{_count[0]}/kv/", root=f"/watch-test/{_count[0]}/", apart="hb/")
 
 
