@@ -111,7 +111,7 @@ class StepProtocol:
         self.exact = ExactAccumulator(microbatches) if exact else None
         self._current: int | None = None
         self.attempt = 0
-        self._deciding = False  # this member's reduce of the attempt completed (see _reduce_and_decide)
+        self._deciding = False  # this member's reduce of the attempt completed: it reached _decide
         self._attempts: dict[int, int] = {}  # step -> attempts it took (their decision keys are forgotten)
 
     # -------------------------------------------------------------- hooks from the strategy
@@ -243,7 +243,7 @@ class StepProtocol:
 
     def _reduce_and_decide(self, step: int, stats: StepStats) -> bool:
         # The step before, if applied speculatively, is settled before this member reduces again.
-        self._deciding = False  # True once this member's reduce completed: it may have entered the barrier
+        self._deciding = False  # True once _decide began (this member's reduce completed)
         began = time.perf_counter()
         self.decisions.confirm()
         stats.decide_seconds += time.perf_counter() - began
@@ -280,7 +280,6 @@ class StepProtocol:
             self._publish_speed(step)
         group.progress.note("decide")
         began = time.perf_counter()
-        self._deciding = True
         decided = self._decide(step, device, speculate=speculate and not flat["extra"][2].item())
         stats.decide_seconds += time.perf_counter() - began
         if not decided:
@@ -301,6 +300,7 @@ class StepProtocol:
         gradients and the leader may commit alone. A member whose barrier fails settles ``retry``, unless the
         leader's ``commit`` came first: then it applies the step, whose reduce it holds. ``speculate``: apply
         once the barrier completed and confirm the commit later (``Decisions.commit_speculatively``)."""
+        self._deciding = True  # this member may enter the barrier: the register is settled (and read) first
         if self.decisions.reports_on_data_plane():
             try:
                 self.collectives.allreduce([torch.ones(1, device=device)])
@@ -326,7 +326,6 @@ class StepProtocol:
             self._publish_speed(step)
         group.progress.note("decide")
         began = time.perf_counter()
-        self._deciding = True
         decided = self._decide(step, params[0].device if params else torch.device("cpu"))
         stats.decide_seconds += time.perf_counter() - began
         if not decided:
