@@ -44,8 +44,28 @@ def pytest_collection(session: pytest.Session):
         gc.freeze()
 
 
+_skips: list[str] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _skips.append(f"{report.nodeid}: {reason}")
+
+
+@pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    _status[0] = int(exitstatus)
+    # Under CI=true a skip that needs.ALLOWED_SKIPS does not list fails the run: a missing etcd, namespace
+    # or test build would otherwise pass by testing nothing. (Each xdist worker checks its own tests.)
+    if needs.strict():
+        refused = needs.disallowed_skips(_skips)
+        if refused:
+            sys.stderr.write(
+                "\nCI=true: these tests were skipped, and tests/needs.py ALLOWED_SKIPS allows none of them:\n"
+            )
+            sys.stderr.write("".join(f"  {line}\n" for line in refused))
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    _status[0] = int(session.exitstatus)
 
 
 @pytest.hookimpl(trylast=True)
