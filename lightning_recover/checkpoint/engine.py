@@ -36,11 +36,16 @@ class EngineHandle:
         self.lock = threading.RLock()
 
     def get(self) -> Any:
-        if self._engine is None:
-            import native_io
+        """The engine, created on first use; threads asking first at the same time all get the same one."""
+        eng = self._engine
+        if eng is None:
+            with self.lock:  # two threads both seeing None would each make an engine (and its arena)
+                if self._engine is None:
+                    import native_io
 
-            self._engine = native_io.IOEngine(**self.kwargs)
-        return self._engine
+                    self._engine = native_io.IOEngine(**self.kwargs)
+                eng = self._engine
+        return eng
 
     def release(self) -> None:
         """Free the engine (and its staging arena); the next use creates a new one."""

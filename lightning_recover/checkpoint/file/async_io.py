@@ -129,10 +129,14 @@ def wait_for_path(path: Any, timeout: Optional[float] = None) -> bool:
 # ------------------------------------------------------------------------------------ crc32c combine
 
 _POLY = 0x82F63B78  # CRC-32C, reflected
-_byte_ops: list = []  # _byte_ops[k]: the GF(2) operator appending 2**k zero bytes
+# _byte_ops()[k]: the GF(2) operator appending 2**k zero bytes, for every length a file can have. Built whole on
+# first use and published as one immutable tuple: the flushers of several savers (and any thread) combine at the
+# same time, and a list filled step by step would let one of them see, or extend, another's half-built list.
+_byte_ops_table: Optional[tuple] = None
+_byte_ops_lock = threading.Lock()
 
 
-def _gf2_times(mat: list, vec: int) -> int:
+def _gf2_times(mat: tuple, vec: int) -> int:
     s = 0
     i = 0
     while vec:
@@ -143,28 +147,36 @@ def _gf2_times(mat: list, vec: int) -> int:
     return s
 
 
-def _gf2_square(mat: list) -> list:
-    return [_gf2_times(mat, mat[n]) for n in range(32)]
+def _gf2_square(mat: tuple) -> tuple:
+    return tuple(_gf2_times(mat, mat[n]) for n in range(32))
 
 
-def _op(k: int) -> list:
-    if not _byte_ops:
-        one_bit = [_POLY] + [1 << n for n in range(31)]
-        m = one_bit
-        for _ in range(3):  # 1 -> 2 -> 4 -> 8 bits
-            m = _gf2_square(m)
-        _byte_ops.append(m)
-    while len(_byte_ops) <= k:
-        _byte_ops.append(_gf2_square(_byte_ops[-1]))
-    return _byte_ops[k]
+def _byte_ops() -> tuple:
+    global _byte_ops_table
+    table = _byte_ops_table
+    if table is None:
+        with _byte_ops_lock:
+            if _byte_ops_table is None:
+                m = (_POLY, *(1 << n for n in range(31)))  # appending one zero bit
+                for _ in range(3):  # 1 -> 2 -> 4 -> 8 bits
+                    m = _gf2_square(m)
+                ops = [m]
+                while len(ops) < 64:
+                    ops.append(_gf2_square(ops[-1]))
+                _byte_ops_table = tuple(ops)
+            table = _byte_ops_table
+    return table
 
 
 def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC-32C of ``A + B`` from ``crc32c(A)``, ``crc32c(B)`` and ``len(B)``."""
+    """CRC-32C of ``A + B`` from ``crc32c(A)``, ``crc32c(B)`` and ``len(B)`` (``0 <= len(B) < 2**64``); thread-safe."""
+    if not 0 <= len2 < 1 << 64:
+        raise ValueError(f"len2 must be in [0, 2**64), not {len2}")
+    ops = _byte_ops()
     k = 0
     while len2:
         if len2 & 1:
-            crc1 = _gf2_times(_op(k), crc1)
+            crc1 = _gf2_times(ops[k], crc1)
         len2 >>= 1
         k += 1
     return crc1 ^ crc2
