@@ -6,7 +6,7 @@ PYTHON := $(VENV)/bin/python
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: setup demo test test-fast lint format bench
+.PHONY: setup demo test test-c test-fast lint format bench
 
 # Fast when nothing changed (a stamp in $(VENV)); fails with what to install when it cannot set up.
 setup:
@@ -18,20 +18,24 @@ demo: setup
 
 # The whole test suite (what CI runs): two workers (pytest-xdist, a file per worker at a time) for all
 # but the tests marked serial, which race a restart against the job's end and run alone afterwards.
-test: setup
+test: setup test-c
 	$(PYTHON) -m pytest -q -n 2 --dist loadfile --durations=25 -m "not serial" tests
 	$(PYTHON) -m pytest -q --durations=10 -m serial tests
+
+# native_io's C tests: small programs against the engine's C core, under AddressSanitizer and UBSan.
+test-c:
+	$(MAKE) -C native_io/tests
 
 # Style: ruff (lint + format check) over the whole tree, clang-format over native_io's C.
 lint: setup
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
-	$(VENV)/bin/clang-format --dry-run --Werror native_io/src/*.c native_io/src/*.h
+	$(VENV)/bin/clang-format --dry-run --Werror native_io/src/*.c native_io/src/*.h native_io/tests/*.c native_io/tests/*.h
 
 format: setup
 	$(PYTHON) -m ruff check --fix .
 	$(PYTHON) -m ruff format .
-	$(VENV)/bin/clang-format -i native_io/src/*.c native_io/src/*.h
+	$(VENV)/bin/clang-format -i native_io/src/*.c native_io/src/*.h native_io/tests/*.c native_io/tests/*.h
 
 # The fast tests (no multi-process job, nothing > 5 s): what to run while editing.
 test-fast: setup
