@@ -255,6 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
     from lightning_recover.control_plane import etcd_cluster
 
     etcd_cluster.add_subcommands(sub)
+
+    from lightning_recover.launch import slurm
+
+    slurm.add_subcommand(sub)
     return parser
 
 

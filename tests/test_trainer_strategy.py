@@ -133,7 +133,7 @@ def test_failure_free_run_matches_single_process_training(reference_run, truth):
         assert close(float(row["train_loss"]), truth["losses"][step]), (step, row)  # self.log in training_step
         assert float(row["train_loss_max"]) >= float(row["train_loss"])
         assert float(row["recover/live_replicas"]) == REPLICAS
-        assert float(row["recover/recoveries"]) == 0 and float(row["recover/recomputed"]) == 0
+        assert float(row["recover/recoveries"]) == 0 and float(row["recover/recomputed_microbatches"]) == 0
         assert float(row["recover/generation"]) == 0
     val = {int(r["step"]): float(r["val_loss"]) for r in metrics(out) if r.get("val_loss")}
     assert sorted(val) == [2, 5], val  # validated after steps 3 and 6 (logged at global steps 2 and 5)
@@ -167,7 +167,7 @@ def test_killed_replica_mid_step_keeps_the_trajectory(tmp_path):
     assert [int(rows[s]["epoch"]) for s in range(steps)] == [0] * 5 + [1] * 2
     assert [float(rows[s]["recover/live_replicas"]) for s in range(steps)] == [3, 3, 2, 2, 2, 2, 2]
     assert float(rows[2]["recover/recoveries"]) == 1
-    assert float(rows[2]["recover/recomputed"]) == M // REPLICAS  # the dead replica's quota, recomputed
+    assert float(rows[2]["recover/recomputed_microbatches"]) == M // REPLICAS  # the dead replica's quota, recomputed
     assert float(rows[2]["recover/recovery_seconds"]) > 0
     assert float(rows[2]["recover/generation"]) == 1
     for step, row in rows.items():

@@ -18,6 +18,7 @@ from typing import NoReturn
 
 from lightning_recover import env
 from lightning_recover.launch.process_tree import describe_exit, end_helper_process, is_stopped
+from lightning_recover.observe.status_server import parse_address
 from lightning_recover.protocol import coordinator
 from lightning_recover.protocol.options import DEFAULT_HEARTBEAT_INTERVAL, check_heartbeat_timeout
 
@@ -73,6 +74,7 @@ class CoordinatorProcess:
 
     proc: subprocess.Popen
     addr: str
+    status_url: str | None = None  # where it serves the job's status page (``--status-address``)
 
     def running(self) -> bool:
         return self.proc.poll() is None
@@ -110,8 +112,11 @@ def start(
     hang_timeout: float = 60.0,
     secret_file: str | None = None,
     replica_size: int = 1,
+    status_address: str | None = None,
+    event_log: str | None = None,
 ) -> CoordinatorProcess:
-    """Start the coordinator in a child process and wait until it listens; it dies with this process."""
+    """Start the coordinator in a child process and wait until it listens; it dies with this process.
+    ``status_address``/``event_log``: see :func:`~lightning_recover.protocol.coordinator.serve`."""
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
     check_heartbeat_timeout(heartbeat_timeout, heartbeat_interval)
@@ -141,6 +146,10 @@ def start(
         "--replica-size",
         str(replica_size),
     ]
+    if status_address is not None:
+        cmd += ["--status-address", status_address]
+    if event_log is not None:
+        cmd += ["--event-log", event_log]
     child_env = dict(os.environ, **{env.OMP_NUM_THREADS: "1", env.CONTROL_PROCESS: "1"})
     if secret_file is not None:
         child_env[env.SECRET_FILE] = secret_file
@@ -164,7 +173,8 @@ def start(
         raise
     finally:
         os.close(read_fd)
-    return CoordinatorProcess(proc, buf.decode().split()[1])
+    words = buf.decode().split()  # LISTENING ADDR [STATUS URL]
+    return CoordinatorProcess(proc, words[1], words[3] if len(words) > 3 and words[2] == "STATUS" else None)
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
@@ -185,6 +195,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
         hang_timeout=args.hang_timeout,
         secret_file=args.secret_file,
         replica_size=args.replica_size,
+        status_address=args.status_address,
+        event_log=args.event_log,
     )
     end_helper_process(0)  # stopped (SIGTERM from the launcher): nothing to finalize
 
@@ -285,3 +297,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="processes per replica (each heartbeats; one stale process makes its replica dead)",
     )
+    add_status_arguments(parser)
+
+
+def add_status_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--status-address`` and ``--event-log``: what the job's monitor shows (``run``, ``torchrun``, ``coordinator``)."""
+    parser.add_argument(
+        "--status-address",
+        type=status_address,
+        default=None,
+        help="serve the job's status page (/), /status (JSON) and /metrics (Prometheus) at [HOST:]PORT (default: "
+        "off; loopback unless a host is given; 0 = any free port, said in the log). On etcd each launcher serves "
+        "it while it holds the monitor role",
+    )
+    parser.add_argument(
+        "--event-log",
+        default=None,
+        help="append every event of the job (deaths, recoveries, joins) to this file, one JSON object per line",
+    )
+
+
+def status_address(text: str) -> str:
+    """argparse type of ``--status-address``: checked here, bound by the monitor."""
+    try:
+        parse_address(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text

@@ -15,6 +15,7 @@ import torch
 from typing_extensions import override
 
 from lightning_recover import env
+from lightning_recover.lightning.environment import srun_probe_quiet
 from lightning_recover.lightning.ranks import ReplicaRanks
 from lightning_recover.protocol.exact import check_exact_layout
 from lightning_recover.protocol.faults import check_plan
@@ -53,7 +54,8 @@ class ReplicaLauncher(_Launcher):
     @override
     def launch(self, function: Any, *args: Any, **kwargs: Any) -> Any:
         if env.in_replica():
-            return function(*args, **kwargs)
+            with srun_probe_quiet():  # the Trainer's Slurm probe in fit (environment.py)
+                return function(*args, **kwargs)
         from lightning_recover.control_plane.config import control_plane_of
         from lightning_recover.launch.supervisor import supervise
 

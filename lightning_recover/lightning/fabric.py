@@ -37,6 +37,7 @@ from typing_extensions import override
 
 from lightning_recover.data import MicrobatchSource
 from lightning_recover.lightning.base import RecoverStrategyBase, ReplicaLauncher, build_options
+from lightning_recover.lightning.environment import RecoverEnvironment
 from lightning_recover.lightning.ranks import set_rank_zero
 from lightning_recover.lightning.sharding_config import (
     ShardingConfig,
@@ -126,7 +127,11 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
         **options: Any,
     ) -> None:
         super().__init__(
-            accelerator=accelerator, parallel_devices=parallel_devices, checkpoint_io=checkpoint_io, precision=precision
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=RecoverEnvironment(),  # not Lightning's detection: environment.py says why
+            checkpoint_io=checkpoint_io,
+            precision=precision,
         )
         self.sharding = ShardingConfig.from_options(options)
         self.options = build_options(microbatches, options, self.sharding.replica_size)

@@ -1,13 +1,14 @@
 """``self.log`` inside ``training_step`` under the Trainer strategy: captured per microbatch,
 logged once per step with the value aggregated over all ``M`` microbatches of all replicas, plus
-the fault metrics of the step (``recover/loss``, ``recover/live_replicas``, ...).
+the fault metrics of the step (``recover/loss``, ``recover/live_replicas``, ...); under Fabric the
+same fault metrics go to the loggers given to ``steps()`` (:func:`log_recovery_metrics`).
 """
 
 from __future__ import annotations
 
 import inspect
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -136,7 +137,7 @@ def log_step(
         "recover/live_replicas": stats.live_replicas,
         "recover/generation": stats.generation,
         "recover/recoveries": max(item["recoveries"] for item in gathered),
-        "recover/recomputed": sum(item["recomputed"] for item in gathered),
+        "recover/recomputed_microbatches": sum(item["recomputed"] for item in gathered),
         "recover/recovery_seconds": max(item["recovery_seconds"] for item in gathered),
     }
     for name, value in metrics.items():
@@ -149,6 +150,29 @@ def log_step(
             batch_size=batch_size,
             prog_bar=name in ("recover/loss", "recover/live_replicas"),
         )
+
+
+def recovery_metrics(stats: StepStats) -> dict[str, float]:
+    """The fault metrics of a committed step as this replica saw it: the same on every live replica (the
+    microbatches recomputed are those the step's regroups re-planned, whoever computed them)."""
+    lost = sum(int(event.get("lost", 0)) for event in stats.events if event.get("kind") == "regroup")
+    return {
+        "recover/live_replicas": float(stats.live_replicas),
+        "recover/generation": float(stats.generation),
+        "recover/recoveries": float(stats.recoveries),
+        "recover/recomputed_microbatches": float(lost),
+        "recover/recovery_seconds": float(stats.recovery_seconds),
+    }
+
+
+def log_recovery_metrics(loggers: Sequence[Any], stats: StepStats, step: int, is_global_zero: bool) -> None:
+    """Fabric: log the step's fault metrics at ``step`` to ``loggers`` (Lightning loggers: TensorBoard, CSV,
+    W&B, ...), from the lowest live replica only; nothing, and no warning, without a logger."""
+    if not loggers or not is_global_zero:
+        return
+    metrics = recovery_metrics(stats)
+    for logger in loggers:
+        logger.log_metrics(metrics, step=step)
 
 
 def share_logger_versions(trainer: Any, is_global_zero: bool, broadcast: Callable[[Any], Any]) -> None:

@@ -46,6 +46,7 @@ from typing_extensions import override
 from lightning_recover import env
 from lightning_recover.errors import RecoverError
 from lightning_recover.lightning.base import RecoverStrategyBase, ReplicaLauncher, build_options
+from lightning_recover.lightning.environment import RecoverEnvironment
 from lightning_recover.lightning.loader import StepBatch, StepLoader, epoch_position
 from lightning_recover.lightning.ranks import set_rank_zero
 from lightning_recover.lightning.sharding_config import (
@@ -166,7 +167,7 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
-            cluster_environment=None,
+            cluster_environment=RecoverEnvironment(),  # not Lightning's detection: environment.py says why
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )

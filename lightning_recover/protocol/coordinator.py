@@ -44,18 +44,26 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import signal
 import socket
 import threading
 import time
+from typing import Optional
 
 import torch.distributed as dist
 
 from lightning_recover.errors import ForgedMessageError
+from lightning_recover.observe.board import StatusBoard
+from lightning_recover.observe.events import EventLog
+from lightning_recover.observe.logs import configure_logging
+from lightning_recover.observe.status_server import StatusServer
 from lightning_recover.protocol.messages import Freshness, JobSecret, Sealer, mark_dead, peek, peek_all, read_death
 from lightning_recover.protocol.reachability import PartitionJudge, probe_timeout_for
 from lightning_recover.protocol.vouches import VOUCH_KEY, Vouch, VouchReader
+
+log = logging.getLogger(__name__)
 
 _STORE_TIMEOUT = datetime.timedelta(seconds=60)
 _TICK_MIN = 0.25  # seconds between two ticks at least: a view whose stream is lost is not flooded
@@ -90,6 +98,7 @@ def run_monitor(
     stop: threading.Event,
     replica_size: int = 1,
     poll_period: float = 0.02,
+    board: Optional[StatusBoard] = None,
 ) -> None:
     """Declare dead every replica one of whose processes' heartbeats stopped (killed, frozen,
     coordinator unreachable) or made no progress for ``hang_timeout`` while a peer waited on it
@@ -100,7 +109,8 @@ def run_monitor(
     on the last fresh one, so neither keeps a stopped replica alive past ``timeout``.
 
     It looks every ``poll_period`` seconds (at most ``timeout / 10``; on etcd at its watched view, reading
-    etcd only to confirm a late or hung replica): a declaration comes at most one period after its bound."""
+    etcd only to confirm a late or hung replica): a declaration comes at most one period after its bound.
+    ``board``: told every pass what the monitor read, and every declaration with its cause (the status page)."""
     procs = [(r, key) for r in range(replicas) for key in _hb_keys(r, replica_size)]
     keys = [k for _, k in procs]
     beats: dict[str, tuple[int, int, float]] = {}  # key -> (incarnation, beat, when it last moved)
@@ -129,7 +139,13 @@ def run_monitor(
     ticks, ticked = 0, 0.0
     last_read = time.monotonic()
     # Members that reach the coordinator but not each other (an asymmetric partition): see reachability.py.
-    judge = PartitionJudge(store, sealer, suspect_after=timeout, probe_timeout=probe_timeout_for(timeout))
+    judge = PartitionJudge(
+        store,
+        sealer,
+        suspect_after=timeout,
+        probe_timeout=probe_timeout_for(timeout),
+        log=lambda line: log.warning("%s", line.removeprefix("[coordinator] ")),
+    )
 
     def forgive(seconds: float, until: float = 0.0) -> None:
         """Count ``seconds`` (or everything before ``until``) against nobody: the control plane stalled."""
@@ -174,8 +190,8 @@ def run_monitor(
                 forgive(0.0, until=now)  # a leader election since the last look: nobody could beat during it
             term = max(term, seen)
 
-    def verdicts(now: float) -> dict[str, tuple[int, int, str]]:
-        """Key -> (replica, incarnation, why) of every process late or hung as of ``now``."""
+    def verdicts(now: float) -> dict[str, tuple[int, int, str, str]]:
+        """Key -> (replica, incarnation, why, cause) of every process late or hung as of ``now``."""
         out = {}
         waiting = {r for r, hb in hbs.values() if hb.get("phase") in _WAITING}
         for key, (r, hb) in hbs.items():
@@ -191,13 +207,14 @@ def run_monitor(
             if moved is None or moved[:2] != count or hb.get("phase") in _WAITING or not (waiting - {r}):
                 progress[key] = (*count, now)  # progressing, waiting itself, or nobody waits on it
             if now - beats[key][2] > timeout:
-                out[key] = (r, inc, f"missed heartbeats for {now - beats[key][2]:.2f}s")
+                out[key] = (r, inc, f"missed heartbeats for {now - beats[key][2]:.2f}s", "kill")
             elif now - progress[key][2] > hang_timeout:
                 out[key] = (
                     r,
                     inc,
                     f"made no progress for {now - progress[key][2]:.2f}s in phase {hb.get('phase')!r} of step "
                     f"{hb.get('step')} while replicas {sorted(waiting - {r})} waited on it (hung)",
+                    "hang",
                 )
         return out
 
@@ -229,16 +246,22 @@ def run_monitor(
                 forgive(now - began)
             observe(raws, now)
             late = verdicts(now)
-        for key, (r, inc, why) in late.items():
+        for key, (r, inc, why, cause) in late.items():
             if replica_size > 1:
                 why = f"({key}) {why}"
             dead = read_death(sealer, r, peek(store, f"dead/{r}") or b"")
             if dead < inc and mark_dead(store, sealer, r, inc):
                 store.set(f"declared/{r}", sealer.seal(f"declared/{r}", str(inc).encode()))
-                print(f"[coordinator] replica {r} (incarnation {inc}) {why}: declared dead", flush=True)
+                log.warning("replica %d (incarnation %d) %s: declared dead", r, inc, why)
+                if board is not None:
+                    board.declared(r, inc, cause, why)
                 dead = inc
             settled[r] = max(settled.get(r, 0), dead)
-        judge.observe(now, hbs, progressed_at=vouched_at)
+        fenced = judge.observe(now, hbs, progressed_at=vouched_at)
+        if board is not None:
+            for r in fenced:
+                board.declared(r, None, "partition", "cut off from its peers (network partition)")
+            board.poll(now, store, sealer, hbs, beats)
         if quiet is not None and now - ticked > _TICK_MIN and quiet():
             ticks, ticked = ticks + 1, now
             store.set("tick", str(ticks))
@@ -329,8 +352,8 @@ class Coordinator:
     def addr(self) -> str:
         return f"{self.host}:{self.store.port}"
 
-    def monitor(self, stop: threading.Event) -> None:
-        """Declare dead every replica whose heartbeat stopped, until ``stop`` is set."""
+    def monitor(self, stop: threading.Event, board: Optional[StatusBoard] = None) -> None:
+        """Declare dead every replica whose heartbeat stopped, until ``stop`` is set (telling ``board``)."""
         run_monitor(
             self.store.clone(),
             self.sealer,
@@ -339,6 +362,7 @@ class Coordinator:
             self.hang_timeout,
             stop,
             self.replica_size,
+            board=board,
         )
 
 
@@ -351,19 +375,37 @@ def serve(
     hang_timeout: float = 60.0,
     secret_file: str | None = None,
     replica_size: int = 1,
+    status_address: Optional[str] = None,
+    event_log: Optional[str] = None,
 ) -> None:
+    """Run a coordinator until SIGTERM or SIGINT; ``status_address``: serve the job's status page there
+    (:mod:`~lightning_recover.observe.status_server`), ``event_log``: append the job's events to that file."""
+    configure_logging("coordinator")
     secret = JobSecret.from_file(secret_file) if secret_file else JobSecret.from_env()
     coordinator = Coordinator(host, port, replicas, heartbeat_timeout, secret, hang_timeout, replica_size)
-    line = f"LISTENING {coordinator.addr}\n"
+    board = server = None
+    line = f"LISTENING {coordinator.addr}"
+    if status_address is not None or event_log is not None:
+        board = StatusBoard(replicas, replica_size, "embedded", EventLog(event_log))
+    if status_address is not None:
+        server = StatusServer(status_address, board)
+        line += f" STATUS {server.url}"
     if ready_fd is not None:
-        os.write(ready_fd, line.encode())
+        os.write(ready_fd, f"{line}\n".encode())
         os.close(ready_fd)
-    print(f"[coordinator] {line.strip()} replicas={replicas} heartbeat_timeout={heartbeat_timeout}s", flush=True)
+    log.info("%s replicas=%d heartbeat_timeout=%ss", line, replicas, heartbeat_timeout)
+    if server is not None:
+        log.info("status page of the job: %s (metrics: %smetrics)", server.url, server.url)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
-        coordinator.monitor(stop)
+        coordinator.monitor(stop, board)
     except Exception as exc:  # a store failure here means the server itself is broken
-        print(f"[coordinator] monitor stopped: {exc}", flush=True)
+        log.error("monitor stopped: %s", exc)
         raise
+    finally:
+        if server is not None:
+            server.close()
+        if board is not None:
+            board.events_log.close()

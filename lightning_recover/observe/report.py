@@ -1,0 +1,65 @@
+"""What a replica tells the monitor about itself, on its heartbeat: a few short fields beside the beat.
+
+The heartbeat is already read by the monitor on every pass, so the status board costs the replicas no
+write of their own. Fields (all optional; a replica that never committed a step sends none of them):
+
+``gen``     the generation this replica last committed a step in
+``member``  True once the replica is a member of a generation (a restarted one: once it rejoined)
+``done``    the last step this replica committed
+``quota``   microbatches it computed in that step (its quota plus any it recomputed)
+``m``       microbatches per step (M)
+``host``    its host name
+``rec``     its last recovery: ``[generation, step, recoveries in that step, seconds, microbatches it recomputed]``
+``ckpt``    its last checkpoint save: ``[step, seconds, bytes]``
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any, Optional
+
+HOST = socket.gethostname()
+
+
+def step_report(
+    previous: dict[str, Any],
+    generation: int,
+    step: int,
+    computed: int,
+    microbatches: int,
+    recovery: Optional[tuple[int, float, int]] = None,
+) -> dict[str, Any]:
+    """The fields of a replica that just committed ``step`` in ``generation``; ``recovery`` = (recoveries,
+    seconds, recomputed) when the step recovered. The last recovery and checkpoint of ``previous`` (the
+    replica's report before) are kept: a board that missed a beat still learns them at the next."""
+    out: dict[str, Any] = {
+        "gen": generation,
+        "member": True,
+        "done": step,
+        "quota": computed,
+        "m": microbatches,
+        "host": HOST,
+    }
+    for kept in ("rec", "ckpt"):
+        if kept in previous:
+            out[kept] = previous[kept]
+    if recovery is not None:
+        count, seconds, recomputed = recovery
+        out["rec"] = [generation, step, count, round(seconds, 4), recomputed]
+    return out
+
+
+def note_step(progress: Any, stats: Any, microbatches: int) -> None:
+    """Put a replica's committed step (its ``StepStats``) on its heartbeat (``progress.report``)."""
+    recovery = (stats.recoveries, stats.recovery_seconds, stats.recomputed) if stats.recoveries else None
+    progress.report = step_report(progress.report, stats.generation, stats.step, stats.computed, microbatches, recovery)
+
+
+def member_report(generation: int, microbatches: int) -> dict[str, Any]:
+    """The fields of a replica that became a member of ``generation`` (formed it, or rejoined into it)."""
+    return {"gen": generation, "member": True, "m": microbatches, "host": HOST}
+
+
+def checkpoint_report(previous: dict[str, Any], step: int, seconds: float, size: int) -> dict[str, Any]:
+    """``previous`` with the replica's newest checkpoint save: ``size`` bytes of ``step`` in ``seconds``."""
+    return {**previous, "ckpt": [step, round(seconds, 4), int(size)]}
