@@ -9,30 +9,27 @@ itself (``lightning-recover ...``, the coordinator) print ``[TAG] message`` line
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import warnings
-
-from lightning_recover import env
 
 ROOT = "lightning_recover"
 #: Set on the handler this module installs, so that a second call replaces it instead of doubling lines.
 _HANDLER_NAME = "lightning-recover"
 
 
-def configure_logging(tag: str = "lightning-recover", level: int | str | None = None) -> logging.Handler:
-    """Log the package's records as ``[tag] message`` lines on stderr at ``level`` (default INFO, or
-    ``$LIGHTNING_RECOVER_LOG_LEVEL``); returns the handler. Idempotent within a process.
+def configure_logging(tag: str = "lightning-recover", level: int | str = "INFO") -> logging.Handler:
+    """Log the package's records as ``[tag] message`` lines on stderr at ``level``; returns the handler.
+    Idempotent within a process (a second call replaces the handler).
 
     Raises:
-        ValueError: ``level`` (or the variable) names no logging level.
+        ValueError: ``level`` names no logging level.
     """
-    chosen = level if level is not None else os.environ.get(env.LOG_LEVEL, "INFO")
+    chosen = level
     if isinstance(chosen, str):
         number = logging.getLevelName(chosen.upper())
         if not isinstance(number, int):
             raise ValueError(
-                f"log level {chosen!r} is not one of DEBUG, INFO, WARNING, ERROR. HINT: e.g. {env.LOG_LEVEL}=DEBUG"
+                f"log level {chosen!r} is not one of DEBUG, INFO, WARNING, ERROR. HINT: e.g. level='DEBUG'"
             )
         chosen = number
     root = logging.getLogger(ROOT)
