@@ -10,19 +10,30 @@ installed, the package imports and only the Lightning adapters are missing.
 from __future__ import annotations
 
 import importlib.abc
+import importlib.metadata
 import importlib.util
 import os
 import sys
 from typing import Any
 
-import torch
-
 from lightning_recover import env, torch_version
-from lightning_recover.protocol.options import RecoverOptions
-from lightning_recover.protocol.quotas import plan_quotas
+
+
+def _torch_version() -> str:
+    """The version of the torch this process imports, without importing it (seconds that ``lightning-recover
+    --help`` and the launcher's parsing do not need): the imported module's, else its distribution's."""
+    if "torch" in sys.modules:
+        return sys.modules["torch"].__version__
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:  # a torch without metadata (a source tree on sys.path)
+        import torch
+
+        return torch.__version__
+
 
 # Before anything can load a file or a peer's state with torch's weights_only loader (torch_version.py).
-torch_version.check(torch.__version__)
+torch_version.check(_torch_version())
 
 __all__ = ["RecoverOptions", "RecoverStrategy", "RecoverTrainerStrategy", "Step", "plan_quotas", "UringCheckpointIO"]
 __version__ = "0.1.0"
@@ -32,6 +43,9 @@ def _register() -> None:
     from lightning.fabric.strategies import STRATEGY_REGISTRY
 
     from lightning_recover.lightning.fabric import RecoverStrategy
+    from lightning_recover.observe.logs import quiet_lightning_noise
+
+    quiet_lightning_noise()
 
     if "recover" not in STRATEGY_REGISTRY:
         RecoverStrategy.register_strategies(STRATEGY_REGISTRY)
@@ -74,6 +88,14 @@ if os.environ.get(env.CONTROL_PROCESS) != "1":
 
 
 def __getattr__(name: str) -> Any:
+    if name == "RecoverOptions":
+        from lightning_recover.protocol.options import RecoverOptions
+
+        return RecoverOptions
+    if name == "plan_quotas":
+        from lightning_recover.protocol.quotas import plan_quotas
+
+        return plan_quotas
     if name in ("RecoverStrategy", "Step"):
         from lightning_recover.lightning import fabric
 

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
-from typing import Any
+from typing import Any, NoReturn
+
+from lightning_recover.observe.logs import configure_logging
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -58,7 +61,7 @@ _BENCH_MODULES = {
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser("bench", help="benchmarks (each compares against its peers in the same run)")
+    bench = sub.add_parser("bench", help=COMMANDS["bench"])
     kinds = bench.add_subparsers(dest="what", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
@@ -175,11 +178,20 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose help shows defaults; subcommands' parsers are of the same class."""
+    """An ``ArgumentParser`` whose help shows defaults and whose errors are one line with a HINT;
+    subcommands' parsers are of the same class."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        """Exit with status 2 and one line (no usage block: the line names the option and the fix)."""
+        option = re.match(r"argument (\S+): (.*)", message)
+        if option and option.group(2).startswith(option.group(1).split("/")[-1]):
+            message = option.group(2)  # the option's own check names it already
+        tail = "" if "HINT:" in message else f". HINT: see `{self.prog} --help`"
+        self.exit(2, f"{self.prog}: error: {message.rstrip('.')}{tail}\n")
 
 
 DESCRIPTION = (
@@ -199,14 +211,10 @@ def _version() -> str:
         return lightning_recover.__version__
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="lightning-recover", description=DESCRIPTION)
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def _add_inspect(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "inspect",
-        help="show a checkpoint's index and verify its checksums",
+        help=COMMANDS["inspect"],
         description="Show what a checkpoint holds (tensors, dtypes, shapes, offsets) and verify its checksums. "
         "Exit code 0: OK; 1: damaged data; 2: not a readable checkpoint.",
     )
@@ -215,10 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_inspect)
 
+
+def _add_convert(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "convert",
-        help="convert a checkpoint to a plain torch.save file",
-        description="Convert a checkpoint to a plain torch.save file.",
+        "convert", help=COMMANDS["convert"], description="Convert a checkpoint to a plain torch.save file."
     )
     p.add_argument("checkpoint", help="the checkpoint to read")
     p.add_argument("output", help="the torch.save file to write")
@@ -227,44 +235,131 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_convert)
 
-    _add_bench(sub)
 
-    from lightning_recover import demo, simulate
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    from lightning_recover import demo
 
     p = sub.add_parser(
         "demo",
-        help="resilient training of a small GPT with injected failures (the main job)",
+        help=COMMANDS["demo"],
         description="Train a small GPT with 4 replicas on CPU, kill one and hang another mid-run, then compare "
         "with a failure-free replay of the same steps (OUT/summary.json, OUT/demo.png).",
     )
     demo.add_arguments(p)
     p.set_defaults(func=_cmd_demo)
 
+
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    from lightning_recover import simulate
+
     p = sub.add_parser(
         "simulate",
-        help="project effective throughput to large clusters (discrete-event model)",
+        help=COMMANDS["simulate"],
         description="Project effective throughput to large clusters with a discrete-event model (docs/simulator.md).",
     )
     simulate.add_arguments(p)
     p.set_defaults(func=_cmd_simulate)
 
+
+def _add_launch(sub: argparse._SubParsersAction) -> None:
     from lightning_recover.launch import commands
 
     commands.add_subcommands(sub)
 
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from lightning_recover.observe.terminal import status_main
+
+    return status_main(args)
+
+
+def _add_status(sub: argparse._SubParsersAction) -> None:
+    from lightning_recover.observe import terminal
+
+    p = sub.add_parser(
+        "status",
+        help=COMMANDS["status"],
+        description="Print a running job's state: from the status address its monitor serves (--status-address of "
+        "run, torchrun and coordinator), or read straight from its control plane.",
+        epilog="examples: lightning-recover status 127.0.0.1:9400; lightning-recover status --control-plane "
+        "etcd://10.0.0.5:2379 --job train-7",
+    )
+    terminal.add_arguments(p)
+    p.set_defaults(func=_cmd_status)
+
+
+def _add_etcd(sub: argparse._SubParsersAction) -> None:
     from lightning_recover.control_plane import etcd_cluster
 
     etcd_cluster.add_subcommands(sub)
 
-    from lightning_recover.launch import slurm
 
-    slurm.add_subcommand(sub)
+def _add_leave(sub: argparse._SubParsersAction) -> None:
+    from lightning_recover.launch import elastic_commands
+
+    elastic_commands.add_leave_subcommand(sub, COMMANDS["leave"])
+
+
+#: Every command and its line in ``lightning-recover --help`` (a test checks that each command's own
+#: parser says the same).
+COMMANDS = {
+    "inspect": "show a checkpoint's index and verify its checksums",
+    "convert": "convert a checkpoint to a plain torch.save file",
+    "bench": "benchmarks (each compares against its peers in the same run)",
+    "demo": "resilient training of a small GPT with injected failures (the main job)",
+    "simulate": "project effective throughput to large clusters (discrete-event model)",
+    "run": "run a script once per replica under a tolerant launcher",
+    "torchrun": "one torchrun job per replica (restarts stay inside a replica)",
+    "coordinator": "run only the coordinator (multi-node jobs)",
+    "leave": "ask a running replica to leave at its next step boundary (a preemption notice from outside)",
+    "status": "a running job's replicas, steps and recoveries (from its status address or control plane)",
+    "etcd": "a local 3-member etcd cluster with TLS client certificates (tests, trying it out)",
+}
+_ADDERS = {
+    "inspect": _add_inspect,
+    "convert": _add_convert,
+    "bench": _add_bench,
+    "demo": _add_demo,
+    "simulate": _add_simulate,
+    "run": _add_launch,  # run, torchrun and coordinator are added together
+    "torchrun": _add_launch,
+    "coordinator": _add_launch,
+    "leave": _add_leave,
+    "status": _add_status,
+    "etcd": _add_etcd,
+}
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command line's parser.
+
+    Args:
+        argv: the arguments about to be parsed. Only the command they name gets its full parser, so that only
+            its modules are imported (torch costs seconds that ``--help``, ``--version`` or ``simulate`` do
+            not need); the other commands are listed with their help line. None: every command in full.
+
+    Returns:
+        The parser.
+    """
+    parser = Parser(prog="lightning-recover", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    named = next((a for a in argv if not a.startswith("-")), None) if argv is not None else None
+    for name, help_line in COMMANDS.items():
+        if name in sub.choices:  # added with its group
+            continue
+        if argv is None or _ADDERS[name] is _ADDERS.get(named):  # the named command's group, in full
+            _ADDERS[name](sub)
+        else:
+            sub.add_parser(name, help=help_line)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
+    configure_logging()  # the package's log lines, as "[lightning-recover] ..." on stderr
     if getattr(args, "check", None) is not None:  # checks that involve several options
         args.check(args)
     try:

@@ -7,7 +7,8 @@ Trains TinyGPT (byte level) on the Python standard library's own source, a real 
 every machine, with 4 replicas on CPU under ``Fabric(strategy="recover")``. By default two
 replicas are lost at different steps: replica 2 is SIGKILLed during its backward pass at step 12,
 and replica 0 (the one drawing the progress bar) is frozen with SIGSTOP just before the gradient
-all-reduce of step 27, so only the heartbeat threshold can reveal it. The survivors recompute
+all-reduce of step 27, so only the heartbeat threshold can reveal it (another ``--replicas`` or
+``--steps`` moves the default plan with them: :func:`default_faults`). The survivors recompute
 the lost microbatches inside the same step and keep going; the lowest live replica takes over the
 progress bar.
 
@@ -38,11 +39,25 @@ from typing import Any
 from lightning_recover import env
 from lightning_recover.optional import plotting_available
 
-DEFAULT_INJECT = "kill:replica=2:step=12:phase=backward,hang:replica=0:step=27:phase=reduce"
+DEFAULT_INJECT = "kill:replica=2:step=12:phase=backward,hang:replica=0:step=27:phase=reduce"  # 4 replicas, 40 steps
+
+
+def default_faults(replicas: int, steps: int) -> str:
+    """The demo's fault plan when ``--inject`` is not given, fitted to the job: one replica SIGKILLed in its
+    backward pass 30 % into the run, and (with 3 replicas or more) replica 0, the one drawing the progress
+    bar, hung before the all-reduce two thirds in. One survivor at least; with 1 replica, or too few steps
+    to fail in, no fault: there would be nobody left to recover, or nothing to recover into."""
+    kill_step, hang_step = steps * 3 // 10, steps * 27 // 40
+    if replicas < 2 or kill_step < 1:
+        return ""
+    kill = f"kill:replica={min(2, replicas - 1)}:step={kill_step}:phase=backward"
+    if replicas < 3 or hang_step <= kill_step:
+        return kill
+    return f"{kill},hang:replica=0:step={hang_step}:phase=reduce"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--replicas", type=int, default=4, help="data-parallel replicas (processes)")
+    p.add_argument("--replicas", type=int, default=4, help="data-parallel replicas (processes, at least 1)")
     p.add_argument("--steps", type=int, default=40, help="optimizer steps")
     p.add_argument("--microbatches", type=int, default=8, help="M, global microbatches per step")
     p.add_argument("--batch-size", type=int, default=8, help="samples per microbatch")
@@ -53,8 +68,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--corpus-bytes", type=int, default=2_000_000, help="bytes of stdlib source to train on")
     p.add_argument(
         "--inject",
-        default=DEFAULT_INJECT,
-        help="faults, KIND:replica=R:step=S:phase=P[,...] ('' for none); default: %(default)s",
+        default=None,
+        help="faults, KIND:replica=R:step=S:phase=P[,...] ('' for none); default: one replica killed 30%% into "
+        "the run and replica 0 hung at two thirds (with 4 replicas and 40 steps: "
+        f"{DEFAULT_INJECT}); with 2 replicas only the kill, with 1 no fault",
     )
     p.add_argument(
         "--heartbeat-timeout",
@@ -491,10 +508,33 @@ def plot(summary: dict, path: str) -> str:
     return path
 
 
+def check_shape(args: argparse.Namespace) -> None:
+    """The job's shape, refused in one line with a HINT before anything starts.
+
+    Raises:
+        SystemExit: with the message, when a count is out of range.
+    """
+    if args.replicas < 1:
+        raise SystemExit(
+            f"lightning-recover demo: --replicas must be at least 1, got {args.replicas}. HINT: e.g. --replicas 4"
+        )
+    if args.steps < 1:
+        raise SystemExit(f"lightning-recover demo: --steps must be at least 1, got {args.steps}. HINT: e.g. --steps 40")
+    if args.microbatches < args.replicas:
+        raise SystemExit(
+            f"lightning-recover demo: --microbatches ({args.microbatches}) is smaller than --replicas "
+            f"({args.replicas}): some replica would have nothing to compute. HINT: pass --microbatches "
+            f"{args.replicas} or more"
+        )
+
+
 def main(args: argparse.Namespace) -> int:
     from lightning_recover.launch import supervisor
     from lightning_recover.protocol.faults import check_plan
 
+    check_shape(args)
+    if args.inject is None:  # the plan the user did not write fits the job's shape
+        args.inject = default_faults(args.replicas, args.steps)
     try:  # a bad schedule fails here, in one line, before anything starts
         faults = check_plan(args.inject, args.replicas)
     except ValueError as exc:

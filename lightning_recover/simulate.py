@@ -285,32 +285,77 @@ def params_from_benchmarks(p: Params, paths: list[str]) -> tuple[Params, dict]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = Params()
-    parser.add_argument("--gpus", default="512,1024,2048,4096,8192,16384", help="comma-separated cluster sizes")
-    parser.add_argument("--gpus-per-replica", type=int, default=d.gpus_per_replica)
+    parser.add_argument(
+        "--gpus", default="512,1024,2048,4096,8192,16384", help="comma-separated cluster sizes, one row each"
+    )
+    parser.add_argument(
+        "--gpus-per-replica",
+        type=int,
+        default=d.gpus_per_replica,
+        help="GPUs of one data-parallel replica (a node: tensor/pipeline parallel inside it); a GPU's failure "
+        "takes down its replica",
+    )
     parser.add_argument(
         "--mtbf-gpu-hours", type=float, default=d.mtbf_gpu_hours, help="mean time between failures of one GPU"
     )
     parser.add_argument("--hours", type=float, default=d.hours, help="simulated run length (wall-clock hours)")
-    parser.add_argument("--step-s", type=float, default=d.step_s)
-    parser.add_argument("--recovery-s", type=float, default=d.recovery_s)
-    parser.add_argument("--rejoin-s", type=float, default=d.rejoin_s)
-    parser.add_argument("--restart-s", type=float, default=d.restart_s)
+    parser.add_argument("--step-s", type=float, default=d.step_s, help="seconds of one failure-free training step")
+    parser.add_argument(
+        "--recovery-s",
+        type=float,
+        default=d.recovery_s,
+        help="recover and drop: seconds from a failure to the survivors computing again",
+    )
+    parser.add_argument(
+        "--rejoin-s",
+        type=float,
+        default=d.rejoin_s,
+        help="recover and drop: seconds until a replacement for a failed replica trains again",
+    )
+    parser.add_argument(
+        "--restart-s",
+        type=float,
+        default=d.restart_s,
+        help="checkpoint: seconds of a whole-job restart (reschedule, start-up, checkpoint load)",
+    )
     parser.add_argument("--standby", type=int, default=d.standby, help="standby approach: warm standby replicas")
     parser.add_argument(
         "--takeover-s", type=float, default=d.takeover_s, help="standby: failure -> standby in a commit"
     )
-    parser.add_argument("--checkpoint-s", type=float, default=d.checkpoint_s)
-    parser.add_argument("--checkpoint-interval-s", type=float, default=None, help="default: Young/Daly")
+    parser.add_argument(
+        "--checkpoint-s", type=float, default=d.checkpoint_s, help="checkpoint: seconds of one blocking checkpoint"
+    )
+    parser.add_argument(
+        "--checkpoint-interval-s",
+        type=float,
+        default=None,
+        help="checkpoint: seconds of work between checkpoints (default: Young/Daly, sqrt(2 x checkpoint-s x "
+        "system MTBF), the table's 'tau min')",
+    )
     parser.add_argument(
         "--from-bench",
         nargs="*",
         default=[],
-        help="benchmark JSON files (bench resilience/recovery) whose measured costs replace the defaults",
+        help="benchmark JSON files (bench resilience/recovery) whose measured costs replace the defaults "
+        "(default: none)",
     )
     parser.add_argument("--trials", type=int, default=20, help="Monte Carlo trials per size")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the failure times (the same for every approach)")
     parser.add_argument("--out", default="simulate_out", help="directory for simulate.png and simulate.json")
     parser.add_argument("--no-plot", action="store_true", help="do not write simulate.png (needs matplotlib)")
+
+
+#: What each column of the table means, printed under it.
+LEGEND = (
+    ("sys MTBF h", "mean hours between two failures anywhere in the cluster (GPU MTBF / GPUs)"),
+    ("failures", "mean failures in one simulated run (--hours)"),
+    ("tau min", "checkpoint-and-restart's interval between checkpoints, in minutes (Young/Daly)"),
+    ("recover", "effective throughput of in-step recovery (this project): committed tokens / failure-free tokens"),
+    ("standby", "the same, with --standby warm standby replicas taking a failed replica's place"),
+    ("ckpt", "the same for checkpoint-and-restart (every failure: back to the last checkpoint, restart all)"),
+    ("drop", "the same for dropping the interrupted step (torchft-like; the trajectory changes)"),
+    ("rec/ckpt", "recover's effective throughput over ckpt's"),
+)
 
 
 def plot(rows: list[dict], p: Params, curves: dict[str, Result], path: str) -> str:
@@ -392,6 +437,9 @@ def main(args: argparse.Namespace) -> int:
             f"{100 * r['drop']:>7.2f}% "
             f"{r['recover_over_checkpoint']:>7.3f}x"
         )
+    print()
+    for column, meaning in LEGEND:
+        print(f"  {column:>10}: {meaning}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "simulate.json"), "w") as f:
         json.dump({"params": asdict(p), "measured": info, "rows": rows}, f, indent=2)
@@ -404,7 +452,11 @@ def main(args: argparse.Namespace) -> int:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lightning-recover simulate", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="lightning-recover simulate",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     add_arguments(parser)
     return main(parser.parse_args(argv))
 

@@ -236,6 +236,7 @@ LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric")
 # what test_protocol_works_without_lightning imports in a fresh interpreter (and the checkpoint package's modules)
 WITHOUT_LIGHTNING = (
     "lightning_recover.protocol",
+    "lightning_recover.protocol.replica",  # the package's __init__ imports its public names on first use
     "lightning_recover.launch.supervisor",
     "lightning_recover.launch.commands",
 )

@@ -42,15 +42,32 @@ def _human(n: int) -> str:
     return str(n)  # pragma: no cover
 
 
+#: Widest name column of inspect's tables; a longer name (a Lightning callback's state key holds the
+#: callback's whole configuration) keeps its start and its end, the middle elided (``--json`` has it whole).
+NAME_WIDTH = 60
+
+
+def fit_name(name: str, width: int = NAME_WIDTH) -> str:
+    """``name`` if it fits in ``width`` characters, else its start and end around a ``...``."""
+    if len(name) <= width:
+        return name
+    tail = (width - 3) // 2
+    return name[: width - 3 - tail] + "..." + name[len(name) - tail :]
+
+
+def _name_width(names: list[str]) -> int:
+    return min(max([len(n) for n in names] + [4]), NAME_WIDTH)
+
+
 def _print_meta_and_tensors(meta: dict, rows: list[dict]) -> None:
     """The ``key=value`` metadata line and the tensor table (name, dtype, shape, bytes, file offset)."""
     if meta:
         print("  " + ", ".join(f"{k}={v}" for k, v in meta.items()))
-    w = min(max([len(r["name"]) for r in rows] + [4]), 80)
+    w = _name_width([r["name"] for r in rows])
     print(f"\n  {'name':<{w}}  {'dtype':<14} {'shape':<20} {'bytes':>12} {'offset':>12}")
     for r in rows:
         shape = "(" + ", ".join(map(str, r["shape"])) + ("," if len(r["shape"]) == 1 else "") + ")"
-        print(f"  {r['name']:<{w}}  {r['dtype']:<14} {shape:<20} {r['bytes']:>12} {r['offset']:>12}")
+        print(f"  {fit_name(r['name']):<{w}}  {r['dtype']:<14} {shape:<20} {r['bytes']:>12} {r['offset']:>12}")
 
 
 _WHAT = "HINT: give a checkpoint file (.ckpt, .pt) or a sharded (DCP) checkpoint directory"
@@ -110,11 +127,11 @@ def _inspect_plain_torch(path: str, as_json: bool) -> int:
         print(json.dumps({"path": path, "format": "torch.save", "ok": True, "verified": False, "tensors": rows}))
         return EXIT_OK
     print(f"torch.save file {path} ({_human(os.path.getsize(path))})")
-    w = min(max([len(r["name"]) for r in rows] + [4]), 80)
+    w = _name_width([r["name"] for r in rows])
     print(f"\n  {'name':<{w}}  {'dtype':<14} {'shape':<20} {'bytes':>12}")
     for r in rows:
         shape = "(" + ", ".join(map(str, r["shape"])) + ("," if len(r["shape"]) == 1 else "") + ")"
-        print(f"  {r['name']:<{w}}  {r['dtype']:<14} {shape:<20} {r['bytes']:>12}")
+        print(f"  {fit_name(r['name']):<{w}}  {r['dtype']:<14} {shape:<20} {r['bytes']:>12}")
     print(f"\n  {len(rows)} tensors, {total} bytes ({_human(total)})")
     print("  not verified: a plain torch.save file carries no checksums (lightning-recover's own files do)")
     return EXIT_OK
@@ -214,6 +231,10 @@ def convert_main(args: argparse.Namespace) -> int:
 
     path, out = args.checkpoint, args.output
     unsafe = getattr(args, "unsafe_pickle", False)
+    problem = _unusable_path(path)
+    if problem is not None:  # said once, with a HINT, as inspect says it
+        print(f"error: {problem}", file=sys.stderr)
+        return EXIT_UNREADABLE
     try:
         if os.path.isdir(path):  # a sharded (DCP) checkpoint directory: gathered into full tensors
             ckpt = convert_dcp(path, unsafe)
@@ -226,19 +247,24 @@ def convert_main(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_DAMAGED if e.damaged else EXIT_UNREADABLE
     except OSError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {path}: {e.strerror or e}", file=sys.stderr)
         return EXIT_UNREADABLE
     out = os.path.abspath(out)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.convert-{os.getpid()}")
     try:
+        os.makedirs(os.path.dirname(out), exist_ok=True)
         torch.save(ckpt, tmp)
         os.replace(tmp, out)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(exc, OSError):  # nothing was written at OUT: say why in one line
+            print(
+                f"error: cannot write {args.output}: {exc.strerror or exc}. HINT: pick a writable path", file=sys.stderr
+            )
+            return EXIT_UNREADABLE
         raise
     print(f"wrote {out} (torch.save format)")
     return EXIT_OK
@@ -351,7 +377,7 @@ def print_dcp(summary: dict, verify: bool, human: Any) -> None:
         side = f"checksums in {sidecar_name(f['file'])}" if f["sidecar"] else f"no {SIDECAR_SUFFIX} sidecar"
         rank = f"rank {f['rank']}" if f["rank"] is not None else "rank ?"
         print(f"  {f['file']:<20} {rank:<8} {f['items']:>6} items {f['size']:>14} bytes ({human(f['size'])}), {side}")
-    w = min(max([len(i["name"]) for i in summary["items"]] + [4]), 70)
+    w = _name_width([i["name"] for i in summary["items"]])
     print(f"\n  {'name':<{w}}  {'dtype':<10} {'shape':<18} {'bytes':>12}  chunks (file: shape of the chunk)")
     for i in summary["items"]:
         where = ", ".join(
@@ -359,7 +385,7 @@ def print_dcp(summary: dict, verify: bool, human: Any) -> None:
         )
         dtype = i.get("dtype", "bytes")
         shape = _shape(i["shape"]) if i["kind"] == "tensor" else "-"
-        print(f"  {i['name']:<{w}}  {dtype:<10} {shape:<18} {i.get('nbytes', i['bytes']):>12}  {where}")
+        print(f"  {fit_name(i['name']):<{w}}  {dtype:<10} {shape:<18} {i.get('nbytes', i['bytes']):>12}  {where}")
     if not verify:
         print("\n  data not verified (--no-verify)")
     elif not summary["ok"]:

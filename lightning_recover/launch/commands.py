@@ -5,6 +5,10 @@ parsing and dispatch; the work is in :mod:`~lightning_recover.launch.supervisor`
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning_recover.errors import RecoverError
@@ -15,12 +19,44 @@ from lightning_recover.launch.supervisor import supervise
 from lightning_recover.protocol import coordinator
 
 
+#: Names that, given bare in a replica's command, mean "a Python interpreter".
+BARE_PYTHON = ("python", "python3", f"python{sys.version_info.major}.{sys.version_info.minor}")
+
+
+def own_interpreter(command: Sequence[str], say: Callable[[str], Any]) -> list[str]:
+    """``command`` with a bare ``python`` replaced by this interpreter (``sys.executable``), said once.
+
+    The launcher runs in the environment that has torch, Lightning and this package; the ``python`` first
+    on PATH may be another one (the machine's own, when the virtual environment is not activated), where
+    every replica would fail on its first import. A path (``/usr/bin/python3``, ``.venv/bin/python``) is
+    left as given: naming the interpreter is how to run another one.
+    """
+    command = list(command)
+    if not command or command[0] not in BARE_PYTHON:
+        return command
+    found = shutil.which(command[0])
+    if found is not None and os.path.realpath(found) == os.path.realpath(sys.executable):
+        return command  # already this interpreter: nothing to say
+    on_path = f"the {command[0]!r} on PATH is {found}" if found else f"no {command[0]!r} is on PATH"
+    say(
+        f"{command[0]!r} in the command runs as this launcher's interpreter, {sys.executable} ({on_path}). "
+        f"HINT: give an interpreter's path after -- to run another one"
+    )
+    command[0] = sys.executable
+    return command
+
+
+def _say(line: str) -> None:
+    print(f"[lightning-recover] {line}", file=sys.stderr, flush=True)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
     if not command:
         raise SystemExit("lightning-recover run: give the command after --, e.g. -- python train.py")
+    command = own_interpreter(command, _say)
     try:
         return supervise(
             command,
@@ -116,7 +152,12 @@ def add_subcommands(sub: Any) -> None:
         help="more modules the fork server imports once for every process, comma-separated (e.g. transformers)",
     )
     _add_control_plane_arguments(p)
-    p.add_argument("command", nargs=argparse.REMAINDER, help="after --: what each replica runs, e.g. python train.py")
+    p.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        help="after --: what each replica runs, e.g. python train.py (a bare python is the launcher's own "
+        "interpreter, whatever python is first on PATH)",
+    )
     p.set_defaults(func=_cmd_run)
 
     p = sub.add_parser(

@@ -7,10 +7,26 @@ commit/retry rule), ``planner`` (quotas), ``step`` (one step with in-step recove
 (fault injection), ``options`` and ``replica`` (the façade the strategies use).
 """
 
-from lightning_recover.protocol.faults import Fault, FaultInjector, parse_faults
-from lightning_recover.protocol.options import RecoverOptions
-from lightning_recover.protocol.quotas import plan_quotas
-from lightning_recover.protocol.replica import Replica
-from lightning_recover.protocol.step import StepStats
+from __future__ import annotations
 
-__all__ = ["Fault", "FaultInjector", "RecoverOptions", "Replica", "StepStats", "parse_faults", "plan_quotas"]
+import importlib
+from typing import Any
+
+# Where each public name lives: imported on first use, so that a light module of the package (options,
+# faults, quotas) does not import torch through this package's import.
+_PUBLIC = {
+    "Fault": "faults",
+    "FaultInjector": "faults",
+    "parse_faults": "faults",
+    "RecoverOptions": "options",
+    "plan_quotas": "quotas",
+    "Replica": "replica",
+    "StepStats": "step",
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'lightning_recover.protocol' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"lightning_recover.protocol.{_PUBLIC[name]}"), name)
