@@ -38,6 +38,12 @@ from lightning_recover.errors import RecoverError
 #: election timeout >= 5 x the heartbeat interval.
 DEFAULT_HEARTBEAT_MS = 50
 DEFAULT_ELECTION_MS = 250
+#: etcd keeps every revision until someone compacts; a job's beats and commits would fill its quota (NOSPACE
+#: stops every write). Members of `etcd up` compact what is older than this themselves (etcd's periodic mode:
+#: it compacts once per retention period); the job's monitor also compacts (``etcd_compaction``).
+AUTO_COMPACTION_RETENTION = "1m"
+#: Days the certificates of `etcd up` are valid (the CA's included): a local cluster for tests and trials.
+CERT_DAYS = 30
 _STATE = "cluster.json"
 
 
@@ -91,10 +97,11 @@ def make_certificates(directory: str, hosts: Sequence[str]) -> dict[str, str]:
     def run(*args: str) -> None:
         subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
 
+    days = str(CERT_DAYS)
     old = os.umask(0o077)  # keys readable by this user only
     try:
         run(
-            *("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "30"),
+            *("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", days),
             *("-subj", "/CN=lightning-recover test CA", "-keyout", p["cakey"], "-out", p["cacert"]),
             *("-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign"),
         )
@@ -107,7 +114,7 @@ def make_certificates(directory: str, hosts: Sequence[str]) -> dict[str, str]:
             )
             run(
                 *("x509", "-req", "-in", csr, "-CA", p["cacert"], "-CAkey", p["cakey"], "-CAcreateserial"),
-                *("-days", "30", "-out", cert, "-extfile", extfile),
+                *("-days", days, "-out", cert, "-extfile", extfile),
             )
             os.remove(csr)
     finally:
@@ -155,6 +162,13 @@ class LocalEtcdCluster:
     election_ms: int = DEFAULT_ELECTION_MS
     wrap: Sequence[Sequence[str]] | None = None  # a command prefix per member (network namespaces)
     etcd: str = "etcd"
+    #: etcd's ``--quota-backend-bytes`` (None: etcd's default, 2 GiB); tests reach NOSPACE with a tiny one
+    quota_backend_bytes: int | None = None
+    #: etcd's periodic ``--auto-compaction-retention`` (None: the members never compact by themselves)
+    auto_compaction: str | None = AUTO_COMPACTION_RETENTION
+    #: ``{member index: (certificate, key)}`` a member serves to clients instead of the cluster's (tests of
+    #: a member whose certificate its clients refuse); peers still use the cluster's
+    client_facing_certs: dict[int, tuple[str, str]] = field(default_factory=dict)
     members: list[Member] = field(default_factory=list)
     certs: dict[str, str] = field(default_factory=dict)
 
@@ -193,6 +207,15 @@ class LocalEtcdCluster:
         hosts = list(self.hosts) * self.members_count if len(self.hosts) == 1 else list(self.hosts)
         if len(hosts) != self.members_count:
             raise ValueError(f"hosts: one address, or one per member ({self.members_count}), got {list(self.hosts)}")
+        # A data directory remembers its cluster's members and peer ports: a new cluster on it never elects.
+        stale = [
+            d for d in (os.path.join(self.directory, f"m{i}.etcd") for i in range(len(hosts))) if os.path.exists(d)
+        ]
+        if stale:
+            raise RecoverError(
+                f"{stale[0]} holds the data of an earlier cluster, which a new one cannot use. HINT: "
+                f"`lightning-recover etcd down --dir {self.directory}` removes it, or use another --dir"
+            )
         if self.tls:
             self.certs = make_certificates(os.path.join(self.directory, "pki"), sorted(set(hosts)))
         self.members = [
@@ -223,9 +246,14 @@ class LocalEtcdCluster:
             *("--heartbeat-interval", str(self.heartbeat_ms), "--election-timeout", str(self.election_ms)),
             *("--log-level", "warn", "--logger", "zap"),
         ]
+        if self.quota_backend_bytes:
+            cmd += ["--quota-backend-bytes", str(self.quota_backend_bytes)]
+        if self.auto_compaction:
+            cmd += ["--auto-compaction-mode", "periodic", "--auto-compaction-retention", self.auto_compaction]
         if tls:
             c = self.certs
-            cmd += ["--cert-file", c["server_cert"], "--key-file", c["server_key"]]
+            cert, key = self.client_facing_certs.get(i, (c["server_cert"], c["server_key"]))
+            cmd += ["--cert-file", cert, "--key-file", key]
             cmd += ["--trusted-ca-file", c["cacert"], "--client-cert-auth"]
             cmd += ["--peer-cert-file", c["server_cert"], "--peer-key-file", c["server_key"]]
             cmd += ["--peer-trusted-ca-file", c["cacert"], "--peer-client-cert-auth"]
@@ -320,7 +348,13 @@ class LocalEtcdCluster:
                 raise RecoverError(
                     f"etcd member {m.name} exited ({m.proc.returncode}) at start; see {self.directory}/{m.name}.log"
                 )
-        self.leader(max(0.1, deadline - time.monotonic()))
+        try:
+            self.leader(max(0.1, deadline - time.monotonic()))
+        except TimeoutError as exc:
+            raise RecoverError(
+                f"{exc}. HINT: see the members' logs ({self.directory}/m*.log); a member that cannot reach the "
+                "others (address, firewall) or a slow host delays the election"
+            ) from None
 
     def _write_state(self) -> None:
         state = {
@@ -335,15 +369,23 @@ class LocalEtcdCluster:
 
 
 def down(directory: str, timeout: float = 10.0) -> int:
-    """End the members recorded in ``directory/cluster.json``; return how many were running."""
+    """End the members recorded in ``directory/cluster.json``, then remove what only that cluster could use
+    (:func:`remove_leftovers`); return how many members were running.
+
+    Raises:
+        RecoverError: no cluster was started in ``directory`` (or it was brought down already).
+    """
     path = os.path.join(os.path.abspath(directory), _STATE)
     try:
         with open(path) as f:
             state = json.load(f)
     except FileNotFoundError:
         raise RecoverError(
-            f"no cluster in {directory} ({path} is missing). HINT: `lightning-recover etcd up --dir D`"
+            f"no cluster in {directory}: nothing to end (never started there, or already down). "
+            f"HINT: `lightning-recover etcd up --dir {directory}` starts one"
         ) from None
+    except (OSError, ValueError) as exc:
+        raise RecoverError(f"cannot read {path}: {exc}. HINT: end its etcd processes by hand, then remove it") from None
     ended = []
     for m in state["members"]:
         pid = int(m["pid"])
@@ -362,7 +404,25 @@ def down(directory: str, timeout: float = 10.0) -> int:
             time.sleep(0.05)
         if os.path.exists(f"/proc/{pid}"):
             os.kill(pid, signal.SIGKILL)
+    for pid in ended:  # a SIGKILLed member is gone once its /proc entry is
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline + 5.0:
+            time.sleep(0.05)
+    remove_leftovers(directory, [m["data_dir"] for m in state["members"]])
+    os.remove(path)
     return len(ended)
+
+
+def remove_leftovers(directory: str, data_dirs: Sequence[str]) -> list[str]:
+    """Remove what a cluster that was brought down leaves and nobody can use again: the members' data
+    (it names the old members and their peer ports: a new cluster on it never elects a leader) and the
+    certificates with their private keys (a new ``up`` makes a new CA; the old keys would only be
+    credentials lying around). The logs stay, for a post-mortem. Returns what was removed."""
+    removed = []
+    for d in [*data_dirs, os.path.join(directory, "pki")]:
+        if os.path.isdir(d):
+            shutil.rmtree(d)
+            removed.append(os.path.relpath(d, directory))
+    return removed
 
 
 # ---------------------------------------------------------------------------- the command line
@@ -382,6 +442,14 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--insecure", action="store_true", help="plain-text http, no certificates (loopback experiments only)"
     )
+    up.add_argument(
+        "--quota-backend-bytes", type=int, default=None, help="etcd's space quota (default: etcd's own, 2 GiB)"
+    )
+    up.add_argument(
+        "--auto-compaction-retention",
+        default=AUTO_COMPACTION_RETENTION,
+        help="history the members keep before compacting it (etcd's periodic mode; '' never compacts)",
+    )
     up.set_defaults(func=_cmd_up)
     dn = kinds.add_parser("down", help="end the members `etcd up` started in --dir")
     dn.add_argument("--dir", required=True)
@@ -389,6 +457,14 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
+    try:
+        return _up(args)
+    except RecoverError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _up(args: argparse.Namespace) -> int:
     if os.path.exists(os.path.join(args.dir, _STATE)):
         print(
             f"a cluster was already started in {args.dir}. HINT: `lightning-recover etcd down --dir {args.dir}`, "
@@ -403,6 +479,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         tls=not args.insecure,
         heartbeat_ms=args.heartbeat_ms,
         election_ms=args.election_timeout_ms,
+        quota_backend_bytes=args.quota_backend_bytes,
+        auto_compaction=args.auto_compaction_retention or None,
     )
     cluster.start()
     print(f"# etcd cluster of {args.members} members up in {cluster.directory}; leader m{cluster.leader()}")
@@ -412,12 +490,16 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 
 def _cmd_down(args: argparse.Namespace) -> int:
-    n = down(args.dir)
-    print(f"ended {n} etcd member(s) of {args.dir}")
     try:
-        os.remove(os.path.join(args.dir, _STATE))
-    except FileNotFoundError:
-        pass
+        n = down(args.dir)
+    except RecoverError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"ended {n} etcd member(s) of {args.dir}; removed their data (m*.etcd: it pins the old members' ports, a new "
+        "`up` starts afresh) and the certificates with their private keys (pki/: nothing trusts that CA any more); "
+        f"kept the logs (m*.log). `rm -r {args.dir}` removes the rest"
+    )
     return 0
 
 
