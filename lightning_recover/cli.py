@@ -57,6 +57,7 @@ _BENCH_MODULES = {
     "recovery": "recovery",
     "overhead": "recovery",
     "resilience": "resilience",
+    "scale": "scale",
 }
 
 
@@ -111,6 +112,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     from lightning_recover.bench.async_checkpoint import build_parser as async_parser
 
     async_parser(p)
+    p.set_defaults(func=_cmd_bench)
+
+    p = kinds.add_parser("scale", help="the control plane against the job's size: N replica threads, N = 16 ... 512")
+    from lightning_recover.bench.scale import build_parser as scale_parser
+
+    scale_parser(p)
     p.set_defaults(func=_cmd_bench)
 
     p = kinds.add_parser("recovery", help="fault -> survivors' next committed step, over many faults")

@@ -108,9 +108,9 @@ def _job_args(replicas: int, steps: int) -> list[str]:
     ]
 
 
-def metrics(cluster: LocalEtcdCluster) -> dict[str, float]:
-    """etcd's counters, summed over the members that answer (``GET /metrics``)."""
-    total = dict.fromkeys((*_METRICS, _LEADER_CHANGES), 0.0)
+def metrics(cluster: LocalEtcdCluster, extra: tuple[str, ...] = ()) -> dict[str, float]:
+    """etcd's counters, summed over the members that answer (``GET /metrics``); ``extra``: more counters."""
+    total = dict.fromkeys((*_METRICS, *extra, _LEADER_CHANGES), 0.0)
     ctx = tls_context(**cluster.tls_files) if cluster.tls else None
     for m in cluster.members:
         if m.proc is None or m.proc.poll() is not None:

@@ -56,6 +56,8 @@ class WatchView:
         self._heard = 0.0  # monotonic time of the stream's last message
         self.resyncs = 0  # full re-reads (1 at start; more after a lost or compacted stream)
         self.events = 0  # watch events applied (load figures)
+        #: bytes of keys and values this view received, base64 as etcd's gateway sends them (load figures)
+        self.payload_bytes = 0
         self.term = 0  # the highest Raft term in the stream's headers (grows with every leader election)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lr-etcd-watch", daemon=True)
@@ -189,6 +191,7 @@ class WatchView:
         else:
             raise OSError(f"etcd answered revision {revision} after the view had applied {self.revision}")
         kvs = answer.get("kvs") or []
+        received = sum(len(kv.get("key") or "") + len(kv.get("value") or "") for kv in kvs)
         values = {ec.unb64(kv["key"]): ec.unb64(kv.get("value")) for kv in kvs}
         mods = {ec.unb64(kv["key"]): int(kv.get("mod_revision") or 0) for kv in kvs}
         now = time.monotonic()
@@ -201,6 +204,7 @@ class WatchView:
             self._synced = True
             self._heard = time.monotonic()
             self.resyncs += 1
+            self.payload_bytes += received
             self._cond.notify_all()
 
     def _apply(self, msg: dict) -> None:
@@ -220,6 +224,7 @@ class WatchView:
                     self._arrived[key] = now
                 self.revision = max(self.revision, mod)
                 self.events += 1
+                self.payload_bytes += len(kv.get("key") or "") + len(kv.get("value") or "")
             self.term = max(self.term, int((msg.get("header") or {}).get("raft_term") or 0))
             self._heard = now
             self._cond.notify_all()
