@@ -307,6 +307,12 @@ def _add_leave(sub: argparse._SubParsersAction) -> None:
     elastic_commands.add_leave_subcommand(sub, COMMANDS["leave"])
 
 
+def _add_slurm(sub: argparse._SubParsersAction) -> None:
+    from lightning_recover.launch import slurm
+
+    slurm.add_subcommand(sub)
+
+
 #: Every command and its line in ``lightning-recover --help`` (a test checks that each command's own
 #: parser says the same).
 COMMANDS = {
@@ -321,6 +327,7 @@ COMMANDS = {
     "leave": "ask a running replica to leave at its next step boundary (a preemption notice from outside)",
     "status": "a running job's replicas, steps and recoveries (from its status address or control plane)",
     "etcd": "a local 3-member etcd cluster with TLS client certificates (tests, trying it out)",
+    "slurm": "inside a Slurm batch job: the coordinator here, one replica per node (srun)",
 }
 _ADDERS = {
     "inspect": _add_inspect,
@@ -334,6 +341,7 @@ _ADDERS = {
     "leave": _add_leave,
     "status": _add_status,
     "etcd": _add_etcd,
+    "slurm": _add_slurm,
 }
 
 

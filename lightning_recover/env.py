@@ -33,7 +33,9 @@ REPLICA = "LIGHTNING_RECOVER_REPLICA"
 #: coordinator until the launcher assigns it the id of a replica that died, and goes on as that
 #: replica's next incarnation (see :mod:`lightning_recover.protocol.standby`).
 STANDBY = "LIGHTNING_RECOVER_STANDBY"
-#: Number of replicas of the job (set by the launcher; checked against the coordinator's count).
+#: Number of replicas of the job (set by the launcher; checked against the coordinator's count): ``N``, or
+#: ``MIN:MAX`` for a job that grows (torchrun's ``--nnodes MIN:MAX``): ids are ``0..MAX-1``, training starts
+#: once MIN replicas are in, and a replica started later is admitted at a commit while fewer than MAX are live.
 REPLICAS = "LIGHTNING_RECOVER_REPLICAS"
 #: Path of a 0600 file holding the job's secret (hex) that authenticates every control message;
 #: the launchers make one per job. Multi-host jobs give the same file to every process.
@@ -96,6 +98,12 @@ HEAVY = "LIGHTNING_RECOVER_HEAVY"
 #: all-reduce 20x slower on a 2-core machine.
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
 
+#: The signal a replica takes as a preemption notice (``SIGTERM`` by default, e.g. ``SIGUSR1`` for Slurm's
+#: ``--signal=USR1@60``; set by ``--notice-signal``, or ``notice_signal=`` of the strategies): the replica
+#: finishes its step, commits it with the others and leaves, exiting with ``EXIT_LEFT_ON_NOTICE`` (75,
+#: ``protocol/notice.py``), which the launchers do not restart.
+NOTICE_SIGNAL = "LIGHTNING_RECOVER_NOTICE_SIGNAL"
+
 #: ``1`` in the coordinator process (set by the launcher that starts it): a control process that never
 #: runs Lightning, so ``import lightning_recover`` skips importing Lightning to register the
 #: strategies (seconds of start-up before any replica can start).
@@ -116,10 +124,28 @@ def device_slot() -> int:
     """Which of the node's accelerators this process uses: replica r's process i takes r*K + i; a
     standby takes a slot after all replicas' (it keeps its device when it takes a replica's place)."""
     if STANDBY in os.environ:  # started as a standby: its slot stays after it takes a replica's place
-        base = int(os.environ.get(REPLICAS, "1")) + int(os.environ[STANDBY])
+        base = replica_range(os.environ.get(REPLICAS, "1"))[1] + int(os.environ[STANDBY])
     else:
         base = int(os.environ.get(REPLICA, "0"))
     return base * replica_size() + inner_rank()
+
+
+def replica_range(text: str) -> tuple[int, int]:
+    """``"N"`` -> ``(N, N)``; ``"MIN:MAX"`` -> ``(MIN, MAX)``; ``ValueError`` with a HINT otherwise."""
+    low, sep, high = str(text).strip().partition(":")
+    try:
+        found = (int(low), int(high)) if sep else (int(low), int(low))
+    except ValueError:
+        raise ValueError(
+            f"replicas {text!r} is not an integer N or a range MIN:MAX. HINT: e.g. 4, or 2:4 to start with 2 "
+            "replicas and admit up to 4."
+        ) from None
+    if not 1 <= found[0] <= found[1]:
+        raise ValueError(
+            f"replicas {text!r}: a job has at least 1 replica (N, or MIN:MAX with 1 <= MIN <= MAX). HINT: e.g. 4, "
+            "or 2:4 to start with 2 replicas and admit up to 4."
+        )
+    return found
 
 
 def replica_size() -> int:

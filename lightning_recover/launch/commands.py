@@ -14,10 +14,10 @@ from typing import Any
 from lightning_recover.errors import RecoverError
 from lightning_recover.launch import coordinator_process, torchrun
 from lightning_recover.launch.control_plane_options import add_control_plane_arguments, control_plane_arguments
+from lightning_recover.launch.elastic_commands import add_elastic_arguments, elastic_arguments, replica_range_option
 from lightning_recover.launch.fork_server import DEFAULT_PRELOAD
 from lightning_recover.launch.supervisor import supervise
 from lightning_recover.protocol import coordinator
-
 
 #: Names that, given bare in a replica's command, mean "a Python interpreter".
 BARE_PYTHON = ("python", "python3", f"python{sys.version_info.major}.{sys.version_info.minor}")
@@ -60,7 +60,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     try:
         return supervise(
             command,
-            args.replicas,
             heartbeat_timeout=args.heartbeat_timeout,
             inject=args.inject,
             restarts=args.restarts,
@@ -70,6 +69,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             fork=args.start == "fork",
             preload=[*DEFAULT_PRELOAD, *(m for m in args.preload.split(",") if m)],
             **control_plane_arguments(args),
+            **elastic_arguments(args),
         )
     except (ValueError, RecoverError) as exc:  # a bad option: say how to fix it, no traceback
         raise SystemExit(f"lightning-recover run: {exc}") from None
@@ -85,6 +85,8 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
             hang_timeout=args.hang_timeout,
             secret_file=args.secret_file,
             replica_size=args.replica_size,
+            status_address=args.status_address,
+            event_log=args.event_log,
         )
     except (ValueError, OSError, RecoverError) as exc:
         raise SystemExit(f"lightning-recover coordinator: {exc}") from None
@@ -109,7 +111,7 @@ def _add_control_plane_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_subcommands(sub: Any) -> None:
-    replicas, seconds = coordinator_process.replica_count, coordinator_process.heartbeat_timeout_seconds
+    seconds = coordinator_process.heartbeat_timeout_seconds
     p = sub.add_parser(
         "run",
         help="run a script once per replica under a tolerant launcher",
@@ -119,10 +121,16 @@ def add_subcommands(sub: Any) -> None:
         epilog="example: lightning-recover run --replicas 4 --inject kill:replica=2:step=5:phase=backward "
         "-- python train.py",
     )
-    p.add_argument("--replicas", type=replicas, required=True, help="data-parallel replicas (the failure units)")
+    p.add_argument(
+        "--replicas",
+        type=replica_range_option,
+        required=True,
+        help="data-parallel replicas (the failure units): N, or MIN:MAX to start with MIN and admit up to MAX",
+    )
+    add_elastic_arguments(p)
     p.add_argument(
         "--nproc-per-replica",
-        type=replicas,
+        type=coordinator_process.replica_count,
         default=1,
         help="processes per replica (K > 1: the replica shards its model with FSDP2)",
     )
@@ -167,7 +175,13 @@ def add_subcommands(sub: Any) -> None:
         "torchrun's restarts touch only the failed replica's processes.",
         epilog="example: lightning-recover torchrun --replicas 2 --max-restarts 1 -- train.py --lr 1e-3",
     )
-    p.add_argument("--replicas", type=replicas, required=True, help="data-parallel replicas (the failure units)")
+    p.add_argument(
+        "--replicas",
+        type=replica_range_option,
+        required=True,
+        help="data-parallel replicas (the failure units): N, or MIN:MAX (torchrun's --nnodes MIN:MAX convention)",
+    )
+    add_elastic_arguments(p)
     p.add_argument("--nproc-per-replica", type=int, default=1, help="processes per replica (K > 1: sharded with FSDP2)")
     p.add_argument(
         "--max-restarts",

@@ -25,6 +25,15 @@ standbys (of K processes each) wait; a ready one takes a failed replica's place 
 ``fork`` (not under torchrun): processes are forked by a fork server that imported ``preload`` once
 (see :mod:`~lightning_recover.launch.fork_server`).
 
+Preemption notices and growth (:mod:`~lightning_recover.protocol.notice`, docs/howto.md "Spot and
+preemptible nodes", "Growing a job"): a replica that left on notice exits with ``EXIT_LEFT_ON_NOTICE`` (75) and
+is not restarted (``restart_left``: it is); SIGTERM (or the ``notice_signal``) to the launcher is forwarded to
+every replica as the notice signal, a whole-job notice; a job all of whose replicas left on notice exits 75.
+``min_replicas`` < ``replicas`` (``--replicas MIN:MAX``): the replicas' ids are ``0..MAX-1``, training starts
+once MIN are in, and this launcher starts MIN of them unless told which (``local_replicas``);
+``add_replicas`` = N: a launcher of a running job (etcd) starts N newcomers whose ids the control plane
+assigns (:mod:`~lightning_recover.protocol.growth`).
+
 Nothing of the job outlives it: the coordinator and the replicas get a parent-death signal; if the
 coordinator dies or stops answering for ``max(5, 2 x heartbeat_timeout + 1)`` seconds, the replicas
 are ended and the exit code is ``EXIT_COORDINATOR_LOST``; a command that cannot be started ends what
@@ -54,6 +63,7 @@ from lightning_recover.launch.job_dir import JobDir
 from lightning_recover.launch.process_tree import children_map, describe_exit, is_stopped, kill_tree
 from lightning_recover.launch.standby_pool import StandbyPool
 from lightning_recover.protocol.faults import check_plan
+from lightning_recover.protocol.growth import claim_free_id, claim_replica_ids
 from lightning_recover.protocol.messages import (
     JobSecret,
     Sealer,
@@ -63,6 +73,7 @@ from lightning_recover.protocol.messages import (
     read_declared,
     recent_many,
 )
+from lightning_recover.protocol.notice import EXIT_LEFT_ON_NOTICE, parse_signal
 from lightning_recover.protocol.options import (
     DEFAULT_HEARTBEAT_INTERVAL,
     check_heartbeat_timeout,
@@ -329,13 +340,15 @@ class _Job:
         extra_env: dict[str, str] | None,
         inject: str | None,
         fork: bool,
+        replica_range: str,
+        notice_signal: str,
         preload: Sequence[str],
         heartbeat_timeout: float,
         **coordinator: Any,
     ) -> None:
         try:
-            # One secret per job, in a private 0600 file: it authenticates every control message. On etcd the
-            # job's launchers share the one the first of them wrote there (etcd_job.join_job).
+            # One secret per job, in a private 0600 file: it authenticates every control message. On etcd it is
+            # never stored there: the launchers of one job are given the same one (etcd_job.launcher_secret).
             cp = self.control_plane
             self.secret = join_job(cp, replicas, nproc) if cp is not None else JobSecret.generate()
         except BaseException:
@@ -347,7 +360,8 @@ class _Job:
         child_env[env.SECRET_FILE] = self.secret_file
         child_env[env.JOB_DIR] = self.secret_dir
         child_env.pop(env.SECRET, None)
-        child_env[env.REPLICAS] = str(replicas)
+        child_env[env.REPLICAS] = replica_range  # N, or MIN:MAX
+        child_env[env.NOTICE_SIGNAL] = notice_signal
         child_env.setdefault(env.OMP_NUM_THREADS, "1")  # spinning OpenMP threads make gloo 20x slower on small machines
         if inject:
             child_env[env.INJECT] = inject
@@ -484,14 +498,28 @@ def _check_options(
     check_standby(standby, restarts)
 
 
+def _check_added(add: Any, local: Sequence[int] | None, control_plane: EtcdSettings | None) -> int:
+    """``add_replicas``: newcomers of a running job; their launcher meets the job in etcd."""
+    if isinstance(add, bool) or not isinstance(add, int) or add < 0:
+        raise ValueError(f"add_replicas must be an integer >= 0, got {add!r}")
+    if add and local is not None:
+        raise ValueError("--add-replicas N and --local-replicas IDS exclude each other. HINT: give one of them")
+    if add and control_plane is None:
+        raise ValueError(
+            "--add-replicas joins a running job through its control plane. HINT: add --control-plane etcd://... and "
+            "the job's --job NAME (or start replicas by hand with the job's variables, docs/howto.md)"
+        )
+    return add
+
+
 def _local_replicas(
-    replicas: int, local_replicas: Sequence[int] | None, control_plane: EtcdSettings | None
+    replicas: int, local_replicas: Sequence[int] | None, control_plane: EtcdSettings | None, growing: bool = False
 ) -> list[int]:
     """The replica ids this launcher starts: all, or (several launchers of one job meeting in etcd) its own."""
     local = list(range(replicas)) if local_replicas is None else sorted(set(local_replicas))
     if not local or any(not 0 <= r < replicas for r in local):
         raise ValueError(f"local replicas {list(local_replicas or [])} must be ids in 0..{replicas - 1}")
-    if control_plane is None and len(local) != replicas:
+    if control_plane is None and len(local) != replicas and not growing:
         raise ValueError(
             "--local-replicas needs a shared control plane: the launchers of one job meet in etcd. "
             "HINT: add --control-plane etcd://... (and the same --job on every launcher)"
@@ -499,220 +527,36 @@ def _local_replicas(
     return local
 
 
-class Supervisor:
-    """Runs one job: a fresh coordinator and R replicas of K processes each (``nproc_per_replica``);
-    :meth:`run` returns the job's exit code. The options are described in the module's docstring."""
+class _Replacing:
+    """What the launcher does about a replica that failed or hung: restart it, hand its place to a standby, end
+    one the coordinator declared dead that still runs. Part of :class:`Supervisor`."""
 
-    def __init__(
-        self,
-        command: Sequence[str] | Callable[[int], Sequence[str]],
-        replicas: int,
-        *,
-        heartbeat_timeout: float = 1.0,
-        hang_timeout: float = 60.0,
-        inject: str | None = None,
-        restarts: int = 0,
-        host: str = "127.0.0.1",
-        extra_env: dict[str, str] | None = None,
-        on_event: Callable[[str], Any] | None = None,
-        finish_grace: float = 30.0,
-        watch_workers: bool = False,
-        heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
-        nproc_per_replica: int = 1,
-        standby: int = 0,
-        fork: bool = True,
-        preload: Sequence[str] = DEFAULT_PRELOAD,
-        control_plane: EtcdSettings | None = None,
-        local_replicas: Sequence[int] | None = None,
-    ) -> None:
-        _check_options(replicas, restarts, nproc_per_replica, inject, standby, finish_grace, extra_env)
-        self.control_plane, self.local = control_plane, _local_replicas(replicas, local_replicas, control_plane)
-        check_heartbeat_timeout(heartbeat_timeout, heartbeat_interval)
-        self.argv = command if callable(command) else (lambda r: command)
-        self.first = list(self.argv(0))
-        if not self.first:
-            raise ValueError("the replica command is empty. HINT: give it after --, e.g. -- python train.py")
-        self.replicas, self.nproc, self.restarts, self.standby = replicas, nproc_per_replica, restarts, standby
-        self.extra_env, self.finish_grace, self.watch_workers = extra_env, finish_grace, watch_workers
-        self.job_options = dict(
-            replicas=replicas,
-            nproc=nproc_per_replica,
-            extra_env=extra_env,
-            inject=inject,
-            fork=fork and not watch_workers,
-            preload=preload,
-            heartbeat_timeout=heartbeat_timeout,
-            heartbeat_interval=heartbeat_interval,
-            hang_timeout=hang_timeout,
-            host=host,
-            local=self.local,
-        )
-        self.say = on_event or (lambda line: print(f"[lightning-recover] {line}", file=sys.stderr, flush=True))
-        # The processes this launcher starts per replica: under torchrun one agent starts the K workers.
-        self.k = 1 if watch_workers else nproc_per_replica
-        # The coordinator's silence that ends the job: the replicas' own bound (RecoverOptions.store_timeout).
-        # A replica declared dead that still runs this long afterwards (K = 1) is ended: a deadlocked process
-        # never exits by itself, and one wrongly suspected has had the time to notice its exclusion and stop.
-        self.lost_after = max(5.0, 2 * heartbeat_timeout + 1.0)
-        self.group: list[_ReplicaProcesses] = []
-        self.interrupted = self.coordinator_lost = False
-        self.finished_at: float | None = None
-        self.job: _Job | None = None
-        self.standbys: StandbyPool | None = None
-        self.deaths: _DeathReader | None = None
-        self.workers = _WorkerWatch()
-
-    # ------------------------------------------------------------------ the job
-    def run(self) -> int:
-        # Refuse a command that cannot run before anything is started (the usual typo); spawn errors
-        # after this point still end everything started.
-        path = (self.extra_env or {}).get("PATH", os.environ.get("PATH"))
-        if not os.path.dirname(self.first[0]) and shutil.which(self.first[0], path=path) is None:
-            self.say(
-                f"cannot start the replicas: command {self.first[0]!r} not found on PATH. HINT: check the command "
-                "after --, e.g. -- python train.py"
-            )
-            return EXIT_SPAWN_FAILED
-        self.job = _Job(self.argv, self.k, self.say, self.control_plane, len(self.local) == self.replicas)
-        self.job.start(**self.job_options)
-        self.link, self.sealer, self.coord = self.job.link, self.job.sealer, self.job.coord
-        self.deaths = _DeathReader(self.link, self.sealer, self.replicas, self.k)
-        old: dict = {}
-        try:
-            if not self._start_replicas():
-                return EXIT_SPAWN_FAILED
-            old = {s: signal.signal(s, self._forward) for s in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                self._watch()
-                self._end_hung_at_the_end()
-            except _CoordinatorLost as exc:
-                if not (self.interrupted and not self.coord.running()):
-                    return self._coordinator_is_lost(exc)
-                # else: Ctrl-C reached the coordinator too: an interruption, not a loss
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
-            self._end_job()
-        self.say("done: " + ", ".join(rep.describe() for rep in self.group))
-        return 0 if any(rep.ok for rep in self.group) and not self.interrupted else 1
-
-    def _start_replicas(self) -> bool:
-        if self.standby:
-            # One standby per restart the job may still make, at most: never more than needed.
-            limit = self.standby + self.replicas * self.restarts
-            self.standbys = StandbyPool(self.standby, self.job.spawn_standby, limit, self.say)
-        try:
-            for r in self.local:
-                self.group.append(_ReplicaProcesses(r, self.job.spawn(r)))
-        except OSError as exc:
-            self.say(
-                f"cannot start replica {len(self.group)}: {exc}. Ended the {len(self.group)} replica(s) and the "
-                "coordinator already started. HINT: check the command after --, e.g. -- python train.py"
-            )
-            return False
-        if self.standbys is not None:
-            self.standbys.fill()  # after the replicas: they are the ones the job waits for
-        per = f" x {self.k} processes" if self.k > 1 else ""
-        self.say(
-            f"{self.coord.describe()}; started {len(self.local)} replicas{per}"
-            + (f" and {self.standby} standby{per}" if self.standbys is not None else "")
-            + f": {' '.join(self.first)}"
-        )
-        return True
-
-    def _forward(self, signum: int, _frame: Any) -> None:
-        self.interrupted = True
-        _send_signal(self.group, signum)
-
-    # ------------------------------------------------------------------ the main loop
-    def _watch(self) -> None:
-        while True:
-            running = sum(self._poll(rep) if self.k == 1 else self._poll_group(rep) for rep in self.group)
-            seen = self.deaths.take()
-            if seen is not None:
-                (self._end_declared if self.k == 1 else self._end_dead_replicas)(seen)
-            self.deaths.request()
-            if self.watch_workers:
-                self._scan_workers()
-            finished = self.finished_at is not None and time.monotonic() - self.finished_at > self.finish_grace
-            if running == 0 or finished:
-                return
-            if self.standbys is not None and self.finished_at is None:
-                self.standbys.reap()
-            if self.coord.exited():
-                raise _CoordinatorLost(self.coord.exited())
-            if self.link.silent_for() > self.lost_after:
-                raise _CoordinatorLost(
-                    f"it stopped answering for more than {self.lost_after:g}s (frozen or unreachable)"
-                    if self.link.error is None
-                    else f"the connection failed ({self.link.error})"
-                )
-            self.job.nap(0.01)
-
-    def _poll(self, c: _ReplicaProcesses) -> int:
-        """K = 1: look at the replica's process; 1 if it runs (or was started again), else 0."""
-        if c.done:
-            return 0
-        code = c.proc.poll()
-        if code is None:
-            return int(not is_stopped(c.proc.pid))
-        c.history.append(describe_exit(code))
-        if code != 0:
-            newly = self.coord.running() and self._declare_dead(c)
-            if newly or not self.watch_workers:  # under torchrun: reported when its worker exited
-                self.say(f"replica {c.replica} failed ({describe_exit(code)})")
-            # Under torchrun the agent restarts workers itself; `restarts` bounds takeovers only.
-            if c.restarts < self.restarts and not self.interrupted and not self.watch_workers and self._restart(c):
-                return 1
-        c.codes[0] = code
-        if code == 0 and self.finished_at is None:
-            self.finished_at = time.monotonic()
-        return 0
-
-    def _poll_group(self, rep: _ReplicaProcesses) -> int:
-        """K > 1: look at the replica's processes (one failed: end it whole); how many of them run."""
-        if not rep.done:
-            for i, p in enumerate(rep.procs):
-                if i in rep.codes:
-                    continue
-                code = p.poll()
-                if code is None:
-                    continue
-                rep.codes[i] = code
-                if code != 0 and not rep.failed:
-                    self._end_replica(rep, f"process {i} (pid {p.pid}) {describe_exit(code)}")
-                    break
-            if rep.ok:
-                self.finished_at = self.finished_at or time.monotonic()
-                rep.history.append(f"all {self.k} processes finished")
-        return sum(1 for p in rep.running() if not is_stopped(p.pid))
-
-    def _end_replica(self, rep: _ReplicaProcesses, why: str, restart: bool = True) -> None:
-        """K > 1: end all of the replica's processes, and start it again if it may."""
-        rep.failed = True
-        try:
-            self._declare_dead(rep)
-        except _CoordinatorLost:
-            pass  # the coordinator is gone; the replicas notice on their own
-        pids = rep.end()
-        rep.history.append(why + (f"; killed its other processes {pids}" if pids else ""))
-        self.say(f"replica {rep.replica} failed ({why}); ended its processes {pids}")
-        if restart and rep.restarts < self.restarts and not self.interrupted:
-            self._restart(rep)
-
-    def _declare_dead(self, rep: _ReplicaProcesses) -> bool:
-        # Synchronous: a restart must not bump the incarnation before the old one is declared dead.
-        def declare(store: Any) -> tuple[bool, int]:
-            inc = int(store.add(f"inc/{rep.replica}", 0))  # one read: the notice names this incarnation
-            return mark_dead(store, self.sealer, rep.replica, inc), inc
-
-        marked, inc = self.link.call(declare, timeout=self.lost_after)
-        rep.handled = max(rep.handled, inc)  # its next incarnation is a new process
-        return marked
+    group: list[_ReplicaProcesses]
+    job: _Job
+    link: _Link
+    sealer: Sealer
+    standbys: StandbyPool | None
+    workers: _WorkerWatch
+    k: int
+    nproc: int
+    replicas: int
+    min_replicas: int
+    restarts: int
+    lost_after: float
+    interrupted: bool
+    watch_workers: bool
+    say: Callable[[str], Any]
+    _declare_dead: Callable[[_ReplicaProcesses], bool]
+    _end_replica: Callable[..., None]
 
     def _restart(self, rep: _ReplicaProcesses) -> bool:
         """Start failed replica ``rep`` again (its death is declared): a ready standby takes its place,
         else new processes (a new incarnation that rejoins). False when it could not be started."""
+        if self.min_replicas < self.replicas and not self.link.call(
+            lambda store: claim_free_id(store, self.sealer, rep.replica), timeout=self.lost_after
+        ):
+            self.say(f"replica {rep.replica}: not restarted, a newcomer of another launcher took its id")
+            return False
         if self.k > 1:
             # The new processes' incarnation is the next one: deaths of this one are no longer theirs.
             previous = self.link.call(lambda store: int(store.add(f"inc/{rep.replica}", 0)), timeout=self.lost_after)
@@ -803,6 +647,260 @@ class Supervisor:
                 # the standby's agent becomes the replica's. With none ready, the agent restarts its worker.
                 if self._take_standby(c, end_agent=True):
                     self.workers.first_seen[c.replica] = {}
+
+
+class Supervisor(_Replacing):
+    """Runs one job: a fresh coordinator and R replicas of K processes each (``nproc_per_replica``);
+    :meth:`run` returns the job's exit code. The options are described in the module's docstring."""
+
+    def __init__(
+        self,
+        command: Sequence[str] | Callable[[int], Sequence[str]],
+        replicas: int,
+        *,
+        heartbeat_timeout: float = 1.0,
+        hang_timeout: float = 60.0,
+        inject: str | None = None,
+        restarts: int = 0,
+        host: str = "127.0.0.1",
+        extra_env: dict[str, str] | None = None,
+        on_event: Callable[[str], Any] | None = None,
+        finish_grace: float = 30.0,
+        watch_workers: bool = False,
+        heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
+        nproc_per_replica: int = 1,
+        standby: int = 0,
+        fork: bool = True,
+        preload: Sequence[str] = DEFAULT_PRELOAD,
+        control_plane: EtcdSettings | None = None,
+        local_replicas: Sequence[int] | None = None,
+        min_replicas: int | None = None,
+        add_replicas: int = 0,
+        notice_signal: str | None = None,
+        restart_left: bool = False,
+    ) -> None:
+        _check_options(replicas, restarts, nproc_per_replica, inject, standby, finish_grace, extra_env)
+        self.min_replicas = replicas if min_replicas is None else min_replicas
+        if not 1 <= self.min_replicas <= replicas:
+            raise ValueError(
+                f"replicas {self.min_replicas}:{replicas}: MIN must be in 1..MAX. HINT: e.g. --replicas 2:4"
+            )
+        self.add_replicas = _check_added(add_replicas, local_replicas, control_plane)
+        if local_replicas is None and not add_replicas and self.min_replicas < replicas:
+            local_replicas = list(range(self.min_replicas))  # a growing job starts with MIN; newcomers add more
+        self.control_plane = control_plane
+        growing = self.min_replicas < replicas
+        self.local = [] if add_replicas else _local_replicas(replicas, local_replicas, control_plane, growing)
+        self.notice_signal = parse_signal(notice_signal or os.environ.get(env.NOTICE_SIGNAL) or "SIGTERM")
+        self.restart_left = restart_left
+        check_heartbeat_timeout(heartbeat_timeout, heartbeat_interval)
+        self.argv = command if callable(command) else (lambda r: command)
+        self.first = list(self.argv(0))
+        if not self.first:
+            raise ValueError("the replica command is empty. HINT: give it after --, e.g. -- python train.py")
+        self.replicas, self.nproc, self.restarts, self.standby = replicas, nproc_per_replica, restarts, standby
+        self.extra_env, self.finish_grace, self.watch_workers = extra_env, finish_grace, watch_workers
+        self.job_options = dict(
+            replicas=replicas,
+            nproc=nproc_per_replica,
+            extra_env=extra_env,
+            inject=inject,
+            fork=fork and not watch_workers,
+            preload=preload,
+            heartbeat_timeout=heartbeat_timeout,
+            heartbeat_interval=heartbeat_interval,
+            hang_timeout=hang_timeout,
+            host=host,
+            local=self.local,
+            replica_range=str(replicas) if self.min_replicas == replicas else f"{self.min_replicas}:{replicas}",
+            notice_signal=self.notice_signal.name,
+        )
+        self.say = on_event or (lambda line: print(f"[lightning-recover] {line}", file=sys.stderr, flush=True))
+        # The processes this launcher starts per replica: under torchrun one agent starts the K workers.
+        self.k = 1 if watch_workers else nproc_per_replica
+        # The coordinator's silence that ends the job: the replicas' own bound (RecoverOptions.store_timeout).
+        # A replica declared dead that still runs this long afterwards (K = 1) is ended: a deadlocked process
+        # never exits by itself, and one wrongly suspected has had the time to notice its exclusion and stop.
+        self.lost_after = max(5.0, 2 * heartbeat_timeout + 1.0)
+        self.group: list[_ReplicaProcesses] = []
+        self.interrupted = self.coordinator_lost = False
+        self.finished_at: float | None = None
+        self.job: _Job | None = None
+        self.standbys: StandbyPool | None = None
+        self.deaths: _DeathReader | None = None
+        self.workers = _WorkerWatch()
+
+    # ------------------------------------------------------------------ the job
+    def run(self) -> int:
+        # Refuse a command that cannot run before anything is started (the usual typo); spawn errors
+        # after this point still end everything started.
+        path = (self.extra_env or {}).get("PATH", os.environ.get("PATH"))
+        if not os.path.dirname(self.first[0]) and shutil.which(self.first[0], path=path) is None:
+            self.say(
+                f"cannot start the replicas: command {self.first[0]!r} not found on PATH. HINT: check the command "
+                "after --, e.g. -- python train.py"
+            )
+            return EXIT_SPAWN_FAILED
+        self.job = _Job(self.argv, self.k, self.say, self.control_plane, len(self.local) == self.replicas)
+        self.job.start(**self.job_options)
+        self.link, self.sealer, self.coord = self.job.link, self.job.sealer, self.job.coord
+        self.deaths = _DeathReader(self.link, self.sealer, self.replicas, self.k)
+        if self.add_replicas:
+            try:
+                self.local = self.link.call(
+                    lambda store: claim_replica_ids(store, self.sealer, self.replicas, self.add_replicas),
+                    self.lost_after,
+                )
+            except BaseException:
+                self.job.close()
+                raise
+            self.say(f"the control plane assigned replica ids {self.local} to this launcher's newcomers")
+        old: dict = {}
+        try:
+            if not self._start_replicas():
+                return EXIT_SPAWN_FAILED
+            old = {s: signal.signal(s, self._forward) for s in {signal.SIGINT, signal.SIGTERM, self.notice_signal}}
+            try:
+                self._watch()
+                self._end_hung_at_the_end()
+            except _CoordinatorLost as exc:
+                if not (self.interrupted and not self.coord.running()):
+                    return self._coordinator_is_lost(exc)
+                # else: Ctrl-C reached the coordinator too: an interruption, not a loss
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            self._end_job()
+        self.say("done: " + ", ".join(rep.describe() for rep in self.group))
+        if any(rep.ok for rep in self.group) and not self.interrupted:
+            return 0
+        left = [rep for rep in self.group if rep.done and set(rep.codes.values()) == {EXIT_LEFT_ON_NOTICE}]
+        return EXIT_LEFT_ON_NOTICE if left and len(left) == len(self.group) else 1
+
+    def _start_replicas(self) -> bool:
+        if self.standby:
+            # One standby per restart the job may still make, at most: never more than needed.
+            limit = self.standby + self.replicas * self.restarts
+            self.standbys = StandbyPool(self.standby, self.job.spawn_standby, limit, self.say)
+        try:
+            for r in self.local:
+                self.group.append(_ReplicaProcesses(r, self.job.spawn(r)))
+        except OSError as exc:
+            self.say(
+                f"cannot start replica {len(self.group)}: {exc}. Ended the {len(self.group)} replica(s) and the "
+                "coordinator already started. HINT: check the command after --, e.g. -- python train.py"
+            )
+            return False
+        if self.standbys is not None:
+            self.standbys.fill()  # after the replicas: they are the ones the job waits for
+        per = f" x {self.k} processes" if self.k > 1 else ""
+        self.say(
+            f"{self.coord.describe()}; started {len(self.local)} replicas{per}"
+            + (f" and {self.standby} standby{per}" if self.standbys is not None else "")
+            + f": {' '.join(self.first)}"
+        )
+        return True
+
+    def _forward(self, signum: int, _frame: Any) -> None:
+        """Ctrl-C reaches every replica; SIGTERM or the notice signal is a whole-job notice: every replica
+        gets its notice signal, finishes its step and leaves (with a final checkpoint if configured)."""
+        self.interrupted = True
+        _send_signal(self.group, signum if signum == signal.SIGINT else self.notice_signal)
+
+    # ------------------------------------------------------------------ the main loop
+    def _watch(self) -> None:
+        while True:
+            running = sum(self._poll(rep) if self.k == 1 else self._poll_group(rep) for rep in self.group)
+            seen = self.deaths.take()
+            if seen is not None:
+                (self._end_declared if self.k == 1 else self._end_dead_replicas)(seen)
+            self.deaths.request()
+            if self.watch_workers:
+                self._scan_workers()
+            finished = self.finished_at is not None and time.monotonic() - self.finished_at > self.finish_grace
+            if running == 0 or finished:
+                return
+            if self.standbys is not None and self.finished_at is None:
+                self.standbys.reap()
+            if self.coord.exited():
+                raise _CoordinatorLost(self.coord.exited())
+            if self.link.silent_for() > self.lost_after:
+                raise _CoordinatorLost(
+                    f"it stopped answering for more than {self.lost_after:g}s (frozen or unreachable)"
+                    if self.link.error is None
+                    else f"the connection failed ({self.link.error})"
+                )
+            self.job.nap(0.01)
+
+    def _poll(self, c: _ReplicaProcesses) -> int:
+        """K = 1: look at the replica's process; 1 if it runs (or was started again), else 0."""
+        if c.done:
+            return 0
+        code = c.proc.poll()
+        if code is None:
+            return int(not is_stopped(c.proc.pid))
+        c.history.append(describe_exit(code) if code != EXIT_LEFT_ON_NOTICE else "left on notice")
+        if code == EXIT_LEFT_ON_NOTICE:
+            self.say(f"replica {c.replica} left on notice")
+            if self.coord.running():
+                self._declare_dead(c)  # it marked itself gone already; a notice for a torchrun agent's worker
+            if self.restart_left and not self.interrupted and c.restarts < self.restarts and self._restart(c):
+                return 1
+        elif code != 0:
+            newly = self.coord.running() and self._declare_dead(c)
+            if newly or not self.watch_workers:  # under torchrun: reported when its worker exited
+                self.say(f"replica {c.replica} failed ({describe_exit(code)})")
+            # Under torchrun the agent restarts workers itself; `restarts` bounds takeovers only.
+            if c.restarts < self.restarts and not self.interrupted and not self.watch_workers and self._restart(c):
+                return 1
+        c.codes[0] = code
+        if code == 0 and self.finished_at is None:
+            self.finished_at = time.monotonic()
+        return 0
+
+    def _poll_group(self, rep: _ReplicaProcesses) -> int:
+        """K > 1: look at the replica's processes (one failed: end it whole); how many of them run."""
+        if not rep.done:
+            for i, p in enumerate(rep.procs):
+                if i in rep.codes:
+                    continue
+                code = p.poll()
+                if code is None:
+                    continue
+                rep.codes[i] = code
+                if code == EXIT_LEFT_ON_NOTICE and i == 0:
+                    rep.history.append("left on notice")
+                    self.say(f"replica {rep.replica} left on notice")
+                if code != 0 and code != EXIT_LEFT_ON_NOTICE and not rep.failed:
+                    self._end_replica(rep, f"process {i} (pid {p.pid}) {describe_exit(code)}")
+                    break
+            if rep.ok:
+                self.finished_at = self.finished_at or time.monotonic()
+                rep.history.append(f"all {self.k} processes finished")
+        return sum(1 for p in rep.running() if not is_stopped(p.pid))
+
+    def _end_replica(self, rep: _ReplicaProcesses, why: str, restart: bool = True) -> None:
+        """K > 1: end all of the replica's processes, and start it again if it may."""
+        rep.failed = True
+        try:
+            self._declare_dead(rep)
+        except _CoordinatorLost:
+            pass  # the coordinator is gone; the replicas notice on their own
+        pids = rep.end()
+        rep.history.append(why + (f"; killed its other processes {pids}" if pids else ""))
+        self.say(f"replica {rep.replica} failed ({why}); ended its processes {pids}")
+        if restart and rep.restarts < self.restarts and not self.interrupted:
+            self._restart(rep)
+
+    def _declare_dead(self, rep: _ReplicaProcesses) -> bool:
+        # Synchronous: a restart must not bump the incarnation before the old one is declared dead.
+        def declare(store: Any) -> tuple[bool, int]:
+            inc = int(store.add(f"inc/{rep.replica}", 0))  # one read: the notice names this incarnation
+            return mark_dead(store, self.sealer, rep.replica, inc), inc
+
+        marked, inc = self.link.call(declare, timeout=self.lost_after)
+        rep.handled = max(rep.handled, inc)  # its next incarnation is a new process
+        return marked
 
     # ------------------------------------------------------------------ the end
     def _end_hung_at_the_end(self) -> None:

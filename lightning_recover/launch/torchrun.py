@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from lightning_recover.errors import RecoverError
 from lightning_recover.launch.control_plane_options import control_plane_arguments
+from lightning_recover.launch.elastic_commands import elastic_arguments
 from lightning_recover.launch.supervisor import supervise
 
 
@@ -42,7 +43,6 @@ def cmd_torchrun(args: argparse.Namespace) -> int:
         # Each worker's torchrun RANK is its position inside the replica (env.inner_rank).
         return supervise(
             command,
-            args.replicas,
             heartbeat_timeout=args.heartbeat_timeout,
             inject=args.inject,
             host=args.host,
@@ -52,6 +52,7 @@ def cmd_torchrun(args: argparse.Namespace) -> int:
             standby=args.standby,
             restarts=args.max_restarts if args.standby else 0,
             **control_plane_arguments(args),
+            **elastic_arguments(args),
         )
     except (ValueError, RecoverError) as exc:  # a bad option: say how to fix it, no traceback
         raise SystemExit(f"lightning-recover torchrun: {exc}") from None

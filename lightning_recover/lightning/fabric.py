@@ -18,7 +18,7 @@ averaged gradient of all ``M`` microbatches, whatever died meanwhile.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Optional, Union
 
@@ -45,6 +45,7 @@ from lightning_recover.lightning.sharding_config import (
     local_shards,
     optimizer_state_from_local,
 )
+from lightning_recover.lightning.step_logs import log_recovery_metrics
 from lightning_recover.protocol.exact import checkpoint_entries, restore_checkpoint_entries
 from lightning_recover.protocol.replica import Replica
 from lightning_recover.protocol.step import StepStats
@@ -53,11 +54,14 @@ from lightning_recover.protocol.step import StepStats
 class Step:
     """One optimizer step: iterate it to get this replica's microbatches (already on device)."""
 
-    def __init__(self, strategy: RecoverStrategy, source: MicrobatchSource, index: int) -> None:
+    def __init__(
+        self, strategy: RecoverStrategy, source: MicrobatchSource, index: int, loggers: Sequence[Any] = ()
+    ) -> None:
         self._strategy = strategy
         self._source = source
         self.index = index
         self.committed = False
+        self._loggers = loggers
 
     def __iter__(self) -> Iterator[Any]:
         core = self._strategy.core
@@ -66,6 +70,7 @@ class Step:
             yield self._strategy.batch_to_device(self._source.batch(self.index, j))
         self.committed = True
         set_rank_zero(self._strategy.global_rank)  # the live replicas may have been renumbered in this step
+        log_recovery_metrics(self._loggers, core.last_step, self.index, self._strategy.is_global_zero)
 
     @property
     def stats(self) -> Optional[StepStats]:
@@ -216,24 +221,57 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
         return dataloader
 
     # ------------------------------------------------------------------ the step loop
-    def steps(self, dataloader: DataLoader, max_steps: int, start_step: int = 0) -> Iterator[Step]:
+    def steps(
+        self, dataloader: DataLoader, max_steps: int, start_step: int = 0, loggers: Sequence[Any] = ()
+    ) -> Iterator[Step]:
         """Yield steps ``start_step .. max_steps-1``; each covers exactly ``M`` microbatches.
 
         A restarted replica first rejoins: it receives model, optimizer state and the step to
-        resume at from a live peer, and its steps start there.
+        resume at from a live peer, and its steps start there. ``loggers`` (e.g. ``fabric.loggers``):
+        each committed step's ``recover/*`` metrics are logged there at its index, by the lowest live replica.
         """
         loader = getattr(dataloader, "_dataloader", dataloader)  # unwrap Fabric's wrapper
         source = MicrobatchSource.from_dataloader(loader, self.core.M, seed=self.options.seed)
         if self.core.joining:
             start_step = self.core.rejoin()
+        else:
+            start_step = self._resume_after_notice(start_step)
         for index in range(start_step, max_steps):
-            step = Step(self, source, index)
+            step = Step(self, source, index, loggers)
             yield step
             if not step.committed:
                 raise RuntimeError(
                     f"step {index} was not iterated to its end. HINT: run `for batch in step: ...` fully "
                     "before calling optimizer.step()."
                 )
+            self.core.leave_if_told()  # a notice: this replica leaves here, at the step boundary
+
+    # ------------------------------------------------------------------ preemption notices
+    def _notice_state(self, step: int) -> dict:
+        """What the final checkpoint of a whole-job notice holds: every module and optimizer, and the step."""
+        state: dict[str, Any] = {"step": step}
+        for i, module in enumerate(self._modules):
+            state["model" if i == 0 else f"model{i}"] = module
+        for i, optimizer in enumerate(self._optimizers):
+            state["optimizer" if i == 0 else f"optimizer{i}"] = optimizer
+        return state
+
+    def _write_notice_checkpoint(self, step: int) -> None:
+        self.save_checkpoint(self.options.notice_checkpoint, self._notice_state(step))
+
+    def _resume_after_notice(self, start_step: int) -> int:
+        """A job started again after a whole-job notice (a requeue) resumes from the final checkpoint it wrote."""
+        path = self.options.notice_checkpoint
+        if path is None:
+            return start_step
+        self.core.set_final_checkpoint(self._write_notice_checkpoint)
+        if not os.path.exists(path):
+            return start_step
+        state = self._notice_state(-1)
+        self.load_checkpoint(path, state)  # modules and optimizers in place; "step" read back into ``state``
+        resumed = int(state["step"]) + 1
+        self.core.say(f"resumed from the notice checkpoint {path}: step {resumed}")
+        return max(start_step, resumed)
 
     @override
     def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:

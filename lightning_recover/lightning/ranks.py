@@ -33,7 +33,7 @@ class ReplicaRanks:
     @property
     def num_replicas(self) -> int:
         if env.REPLICAS in os.environ:
-            return int(os.environ[env.REPLICAS])
+            return env.replica_range(os.environ[env.REPLICAS])[1]  # MAX: the ids 0..MAX-1
         devices = len(self.parallel_devices) if self.parallel_devices else 1
         sharding = getattr(self, "sharding", None)
         return devices // sharding.replica_size if sharding is not None else devices

@@ -120,6 +120,7 @@ class ExactAccumulator:
         self.redo = False  # the committed attempt must be redone with the recentred grid
         self.redos = 0  # redone attempts in this process's life (for tests and logs)
         self.results: list[torch.Tensor] = []
+        self.flags: list[float] = []  # the last reduce's MAX of the members' flags (see reduce)
 
     # ------------------------------------------------------------------ history handed to a joiner
     def state(self) -> dict[str, Any]:
@@ -184,19 +185,24 @@ class ExactAccumulator:
                 self._views[i].add_(mul_pow2_(g, k).round_().reshape(-1))
 
     # ------------------------------------------------------------------ the reduce
-    def reduce(self, membership: Any, collectives: Any, params: Sequence[torch.nn.Parameter]) -> None:
+    def reduce(
+        self, membership: Any, collectives: Any, params: Sequence[torch.nn.Parameter], flags: Sequence[float] = ()
+    ) -> None:
         """All-reduce this attempt: the grid check (MAX), the loss slots and the fixed-point sums (SUM).
 
         Leaves ``sum * 2**-k / M`` in ``self.results`` (applied only after a commit); the accumulator
         itself is never written, so a failed attempt can be retried in the next generation.
         ``collectives=None``: a single process with nothing to reduce (:func:`exact_step_alone`).
+        ``flags``: small values reduced with MAX beside the grid check, left in ``self.flags`` (the members'
+        leave flags, ``StepProtocol``).
         """
         n = len(self.exponents)
         ks = torch.tensor([_NO_EXPONENT if k is None else float(k) for k in self.exponents], dtype=torch.float32)
         threads = float(torch.get_num_threads())
         # MAX of (A, k, -k, threads, -threads): A exactly, and whether every member used the same grid and
         # CPU thread count (max(x) == -max(-x) iff all equal).
-        peak = torch.cat([self.amax.cpu(), ks, -ks, torch.tensor([threads, -threads])]).to(self.acc.device)
+        extra = torch.tensor([threads, -threads, *flags], dtype=torch.float32)
+        peak = torch.cat([self.amax.cpu(), ks, -ks, extra]).to(self.acc.device)
         works = _start_max(membership, peak) if collectives is not None else []
         self.results = [torch.empty(p.shape, dtype=p.dtype, device=p.device) for p in params]  # contiguous
         losses = self.losses.clone().to(self.acc.device)  # a copy: a failed attempt leaves partial sums in it
@@ -230,6 +236,7 @@ class ExactAccumulator:
                 "same OMP_NUM_THREADS (the launcher's default is 1), or call torch.set_num_threads(n) in the script."
             )
         self._losses = losses.cpu()
+        self.flags = peak[3 * n + 2 :].tolist()
 
     def finish(self, params: Sequence[torch.nn.Parameter]) -> Optional[float]:
         """After a commit: recentre the grid; return the step's mean loss, or mark the attempt for a redo."""

@@ -7,8 +7,9 @@ replica through the ``LIGHTNING_RECOVER_INJECT`` environment variable.
 Kinds: ``kill`` (SIGKILL of the replica process), ``hang`` (SIGSTOP: the process is frozen, its
 heartbeats stop, only the staleness threshold can reveal it), ``stall`` (the main thread blocks
 for good while the process and its heartbeat thread live on: a deadlock, revealed only by the
-progress it reports) and ``raise`` (an exception inside the replica, which then exits with a
-traceback).
+progress it reports), ``raise`` (an exception inside the replica, which then exits with a
+traceback) and ``notice`` (the process sends itself its preemption notice signal, ``protocol/notice.py``:
+it finishes the step and leaves at its commit).
 
 Phases, in the order they happen in a step: ``forward`` (first forward of the step),
 ``backward`` (first backward), ``reduce`` (just before the gradient all-reduce is issued),
@@ -41,8 +42,9 @@ from dataclasses import dataclass
 
 from lightning_recover import env
 from lightning_recover.errors import InjectedFault
+from lightning_recover.protocol.notice import DEFAULT_NOTICE_SIGNAL, parse_signal
 
-KINDS = ("kill", "hang", "stall", "raise")
+KINDS = ("kill", "hang", "stall", "raise", "notice")
 # "regroup": while this replica builds a generation's process group (at step 0 the job's first one).
 PHASES = ("forward", "backward", "reduce", "commit", "optimizer", "recompute", "save", "regroup")
 
@@ -155,6 +157,8 @@ def act_on_process(fault: Fault) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     elif fault.kind == "stall":
         threading.Event().wait()  # never set: the main thread is stuck, the heartbeat thread is not
+    elif fault.kind == "notice":
+        os.kill(os.getpid(), parse_signal(os.environ.get(env.NOTICE_SIGNAL) or DEFAULT_NOTICE_SIGNAL))
     else:
         raise InjectedFault(f"injected fault {fault}")
 

@@ -41,6 +41,7 @@ from lightning_recover.errors import (
     ReplicaExcludedError,
 )
 from lightning_recover.protocol.messages import ControlStore, JobSecret, sequence
+from lightning_recover.protocol.notice import Notice, leave_requested
 from lightning_recover.protocol.process_groups import ProcessGroups
 from lightning_recover.protocol.reachability import (
     ReachabilityResponder,
@@ -73,6 +74,7 @@ class Progress:
         self.step = -1
         self.phase = "start"
         self.count = 0
+        self.report: dict = {}  # what the status board shows of this replica (observe/report.py), set by it
 
     def note(self, phase: str, step: Optional[int] = None) -> None:
         self.phase = phase
@@ -101,8 +103,10 @@ class Heartbeat:
         interval: float,
         progress: Progress,
         key: str | None = None,
+        notice: Notice | None = None,
     ) -> None:
         self._store = store.clone()
+        self._notice = notice  # an operator's leave request (``lightning-recover leave``) is read here
         self._replica = replica
         self._key = key or f"hb/{replica}"  # per process when a replica is K processes
         self._incarnation = incarnation
@@ -137,11 +141,26 @@ class Heartbeat:
         if time.monotonic() - self._covered_since() >= self._interval:
             self._beat += 1
             p = self._progress
-            payload = {"inc": self._incarnation, "beat": self._beat, "step": p.step, "phase": p.phase, "count": p.count}
+            payload = {
+                **p.report,
+                "inc": self._incarnation,
+                "beat": self._beat,
+                "step": p.step,
+                "phase": p.phase,
+                "count": p.count,
+            }
             self._store.set(self._key, json.dumps(payload), seq=sequence(self._incarnation, self._beat))
             self._last_beat = time.monotonic()
         if self._store.deaths([self._replica], recent=True)[self._replica] >= self._incarnation:
             self.excluded = True
+        if self._notice is not None and not self._notice.is_set():
+            if leave_requested(self._store, self._replica, self._incarnation):
+                self._notice.set("leave request")
+                print(
+                    f"[lightning-recover] replica {self._replica}: told to leave (leave request); it leaves at the "
+                    "commit of its next reduce",
+                    flush=True,
+                )
         self.last_ok = time.monotonic()
 
     def _run(self) -> None:
@@ -377,7 +396,68 @@ def _generation_listed(store: ControlStore, number: int, members: list[int], rep
     )
 
 
-class Membership:
+class _JoinRequests:
+    """A replica outside the group asks to be admitted, and members read who asks: restarted replicas, standbys
+    that took a dead replica's place, newcomers of a growing job. Part of :class:`Membership`."""
+
+    store: ControlStore
+    gen: Optional[Generation]
+    replica: int
+    incarnation: int
+    inner: int
+    num_replicas: int
+    join_timeout: float
+
+    # ------------------------------------------------------------------ rejoin
+    def request_join(self) -> None:
+        """Ask the group to admit this (restarted) replica at its next commit."""
+        if self.incarnation > 1:
+            # Our previous incarnation is certainly dead: say so now rather than after heartbeats.
+            self.store.mark_dead(self.replica, self.incarnation - 1)
+        # Cut off from the members' data network, joining would only stall their next generation.
+        wait_until_reachable(self.store, self.replica, self.num_replicas, 1.0, lambda: _job_over(self))
+        self.store.set(f"join/{self.replica}", str(self.incarnation))
+        if self.inner == 0:
+            print(f"[lightning-recover] replica {self.replica}: asks to join at the next commit", flush=True)
+
+    def pending_joins(self, recent: bool = False) -> dict[int, int]:
+        """Join requests not yet admitted and still alive: ``{replica: incarnation}``. ``recent``: from
+        reads that may be a moment stale (a request made meanwhile is admitted at the next commit)."""
+        latest: dict[int, int] = {}
+        read = self.store.recent_genuine if recent else self.store.get_genuine
+        for r in range(self.num_replicas):
+            asked = read(f"join/{r}")
+            if asked is not None:
+                latest[r] = int(asked)
+        wanted = {r: inc for r, inc in latest.items() if self.gen.incarnations.get(r) != inc}
+        dead = self.dead(sorted(wanted), wanted, recent=recent)
+        return {r: inc for r, inc in wanted.items() if r not in dead}
+
+    def wait_for_invitation(self) -> Generation:
+        """A joiner waits until members invite it into a generation, then joins that round."""
+        delay = POLL_MIN
+        key = None
+        while True:
+            # Job over first: with K processes per replica, the first one to leave marks this
+            # incarnation gone, which its mates must not read as an exclusion.
+            if _job_over(self):
+                print(f"[lightning-recover] replica {self.replica}: the job ended before it could rejoin", flush=True)
+                raise SystemExit(0)
+            self.check_health()
+            latest = self.store.generation()
+            key = f"g{latest}/invite/{self.replica}"
+            if self.store.get_genuine(key) == str(self.incarnation):
+                break
+            if self.store.get_genuine(f"join/{self.replica}") != str(self.incarnation):
+                self.request_join()  # the request was deleted or overwritten: nobody would admit this replica
+            delay = backoff(delay)
+        self.gen = self._join_round(
+            latest, {"step": None, "have": [], "joiner": True}, expected={}, timeout=self.join_timeout, may_close=False
+        )
+        return self.gen
+
+
+class Membership(_JoinRequests):
     """One replica's view of the group: generations, joins, heartbeats, failure detection."""
 
     def __init__(
@@ -397,7 +477,12 @@ class Membership:
         inner: int = 0,
         replica_size: int = 1,
         standby: int | None = None,
+        min_replicas: int | None = None,
+        notice: Notice | None = None,
     ) -> None:
+        # Growth (``replicas=MIN:MAX``): ids are 0..MAX-1 (``num_replicas``); training starts once MIN are in.
+        self.min_replicas = num_replicas if min_replicas is None else min_replicas  # checked where it was parsed
+        self.notice = notice
         # A warm standby has no replica id until the launcher assigns it one (see protocol.standby).
         self.standby = standby
         self.before_build: Callable[[], None] = lambda: None  # set by the Replica (its "regroup" faults)
@@ -459,7 +544,13 @@ class Membership:
             self.incarnation = sharded_incarnation(self.store, self.replica, self.inner, self.startup_timeout)
             key = f"hb/{self.replica}/i{self.inner}"  # per process: a hung process stops only its own
         self.heartbeat = Heartbeat(
-            self.store, self.replica, self.incarnation, self.heartbeat_interval, self.progress, key=key
+            self.store,
+            self.replica,
+            self.incarnation,
+            self.heartbeat_interval,
+            self.progress,
+            key=key,
+            notice=self.notice,
         )
         self.heartbeat.start()
         self._watchdog = CoordinatorWatchdog(self.heartbeat, self.replica, self.addr, self.store_timeout)
@@ -481,57 +572,17 @@ class Membership:
             return None
         starting = self.current_incarnations(range(self.num_replicas))
         try:
-            self.gen = self._join_round(0, {"step": -1, "have": []}, expected=starting, timeout=self.startup_timeout)
+            self.gen = self._join_round(
+                0, {"step": -1, "have": []}, expected=starting, timeout=self.startup_timeout, least=self.min_replicas
+            )
+        except _LeftOutAtStart:
+            # Started as generation 0 closed with MIN replicas: admitted at a commit, as a newcomer.
+            self.request_join()
+            return None
         except MembershipChanged:
             # A member died while generation 0's group was built, which every survivor's build waits on:
             # the survivors form the next generation before any step.
             return form_next_generation(self, {"step": -1, "have": []})
-        return self.gen
-
-    # ------------------------------------------------------------------ rejoin
-    def request_join(self) -> None:
-        """Ask the group to admit this (restarted) replica at its next commit."""
-        if self.incarnation > 1:
-            # Our previous incarnation is certainly dead: say so now rather than after heartbeats.
-            self.store.mark_dead(self.replica, self.incarnation - 1)
-        # Cut off from the members' data network, joining would only stall their next generation.
-        wait_until_reachable(self.store, self.replica, self.num_replicas, 1.0, lambda: _job_over(self))
-        self.store.set(f"join/{self.replica}", str(self.incarnation))
-
-    def pending_joins(self, recent: bool = False) -> dict[int, int]:
-        """Join requests not yet admitted and still alive: ``{replica: incarnation}``. ``recent``: from
-        reads that may be a moment stale (a request made meanwhile is admitted at the next commit)."""
-        latest: dict[int, int] = {}
-        read = self.store.recent_genuine if recent else self.store.get_genuine
-        for r in range(self.num_replicas):
-            asked = read(f"join/{r}")
-            if asked is not None:
-                latest[r] = int(asked)
-        wanted = {r: inc for r, inc in latest.items() if self.gen.incarnations.get(r) != inc}
-        dead = self.dead(sorted(wanted), wanted, recent=recent)
-        return {r: inc for r, inc in wanted.items() if r not in dead}
-
-    def wait_for_invitation(self) -> Generation:
-        """A joiner waits until members invite it into a generation, then joins that round."""
-        delay = POLL_MIN
-        key = None
-        while True:
-            # Job over first: with K processes per replica, the first one to leave marks this
-            # incarnation gone, which its mates must not read as an exclusion.
-            if _job_over(self):
-                print(f"[lightning-recover] replica {self.replica}: the job ended before it could rejoin", flush=True)
-                raise SystemExit(0)
-            self.check_health()
-            latest = self.store.generation()
-            key = f"g{latest}/invite/{self.replica}"
-            if self.store.get_genuine(key) == str(self.incarnation):
-                break
-            if self.store.get_genuine(f"join/{self.replica}") != str(self.incarnation):
-                self.request_join()  # the request was deleted or overwritten: nobody would admit this replica
-            delay = backoff(delay)
-        self.gen = self._join_round(
-            latest, {"step": None, "have": [], "joiner": True}, expected={}, timeout=self.join_timeout, may_close=False
-        )
         return self.gen
 
     def close(self) -> None:
@@ -610,16 +661,22 @@ class Membership:
 
     # ------------------------------------------------------------------ generations
     def next_generation(
-        self, payload: dict, invite: dict[int, int] | None = None, settle: dict[str, str] | None = None
+        self,
+        payload: dict,
+        invite: dict[int, int] | None = None,
+        settle: dict[str, str] | None = None,
+        leaving: frozenset[int] = frozenset(),
     ) -> Generation:
         """Leave the current generation and form the next one: its survivors plus the ``invite``d joiners
         (``{replica: incarnation}``, as admitted by a commit decision) that are alive. ``settle``: registers
-        written with the proposal where absent (a failed step's ``retry``, ``Decisions.retry_with_proposal``)."""
+        written with the proposal where absent (a failed step's ``retry``, ``Decisions.retry_with_proposal``).
+        ``leaving``: members that left on notice at the last commit (every member read the same ones from the
+        step's reduce): not waited for."""
         g = self.gen.number
         self._abandon(self.gen)
         # A death the view has not shown yet only makes the round wait until it does (it reads deaths again).
         dead = self.dead(self.gen.members, self.gen.incarnations, recent=self.store.watched)
-        expected = {r: inc for r, inc in self.gen.incarnations.items() if r not in dead}
+        expected = {r: inc for r, inc in self.gen.incarnations.items() if r not in dead and r not in leaving}
         expected.update(invite or {})
         # The proposal, this replica's join payload, the ``events`` hint (bumped by the proposer) and, when
         # this join is the last one the round awaits, the member list: one transaction on etcd. A join
@@ -652,11 +709,15 @@ class Membership:
         timeout: float,
         may_close: bool = True,
         written: bool = False,
+        least: int = 0,
     ) -> Generation:
         """Join round ``number``; ``expected`` maps the replicas to wait for to their incarnation. ``written``:
-        this replica's join payload is already written (with the round's proposal, :meth:`next_generation`)."""
+        this replica's join payload is already written (with the round's proposal, :meth:`next_generation`).
+        ``least`` (the job's first round, ``replicas=MIN:MAX`` with MIN < MAX): the round closes once ``least``
+        replicas joined and every replica started meanwhile did; ids not started are admitted later."""
         prefix = f"g{number}"
         mine = f"{prefix}/join/{self.replica}"
+        growth = 0 < least < self.num_replicas
         if not written:
             self.store.set(mine, _join_payload(self, payload))
         _say_joined(self.store, prefix, self.replica, self.inner, self.replica_size)
@@ -688,13 +749,24 @@ class Membership:
             if unstarted:
                 expected.update({r: inc for r, inc in self.current_incarnations(unstarted).items() if inc})
             awaited, members = _round_state(self, prefix, expected)
-            if awaited and time.monotonic() < deadline:
+            short = growth and len(members) < least
+            if growth and not short:
+                awaited = {r for r in awaited if expected[r]}  # enough in: ids not started are not waited for
+            if (awaited or short) and time.monotonic() < deadline:
                 delay = pause(self.store, delay)
                 continue
+            if short:
+                raise RecoverError(
+                    f"replica {self.replica}: only {len(members)} of the {least} replicas this job needs to start "
+                    f"joined within startup_timeout ({timeout:g}s). HINT: start at least {least} replicas "
+                    "(replicas=MIN:MAX), or raise startup_timeout."
+                )
             listed = self.store.compare_set(f"{prefix}/members", None, json.dumps(members))
             break
         # The value read, not a second read (the key may be deleted meanwhile).
         members = json.loads(listed)
+        if self.replica not in members and growth:
+            raise _LeftOutAtStart()
         if self.replica not in members:
             raise self._excluded(
                 f"was left out of generation {number} (the others suspected it dead); it stops here so that it "
@@ -735,9 +807,16 @@ class Membership:
 
 
 def _job_over(group: Membership) -> bool:
-    """Every other replica's current incarnation is declared dead (or there is no other replica)."""
+    """Every other replica's current incarnation is declared dead or never started (or there is no other
+    replica): with ``replicas=MIN:MAX`` ids above those started may never be used."""
     others = [r for r in range(group.num_replicas) if r != group.replica]
-    return not others or len(group.dead(others, group.current_incarnations(others))) == len(others)
+    incarnations = group.current_incarnations(others)
+    started = [r for r in others if incarnations[r] > 0]
+    return len(group.dead(started, incarnations)) == len(started)
+
+
+class _LeftOutAtStart(Exception):
+    """This replica joined the job's first round after it closed with MIN replicas (``replicas=MIN:MAX``)."""
 
 
 def closing_members(group: Membership, number: int, expected: dict[int, int]) -> Optional[dict[str, str]]:
@@ -763,10 +842,10 @@ def _round_state(
     return set(expected) - joined - dead, sorted(joined - dead)
 
 
-def form_next_generation(group: Membership, payload: dict) -> Generation:
+def form_next_generation(group: Membership, payload: dict, leaving: frozenset[int] = frozenset()) -> Generation:
     """:meth:`Membership.next_generation`, formed again for as long as a member fails while it is built."""
     while True:
         try:
-            return group.next_generation(payload)
+            return group.next_generation(payload, leaving=leaving)
         except MembershipChanged:
             continue

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
+
+from lightning_recover.env import NOTICE_SIGNAL, replica_range
+from lightning_recover.protocol.notice import DEFAULT_NOTICE_SIGNAL, parse_signal
 
 #: The replicas' default heartbeat period on the embedded coordinator; launchers check
 #: ``--heartbeat-timeout`` against it.
@@ -74,6 +78,15 @@ class RecoverOptions:
     #: Bitwise reproducible steps: every step's gradient a function of the parameters and its M
     #: microbatch ids alone, whatever fails (fixed-point reduction, protocol/exact.py).
     exact: bool = False
+    #: The signal taken as a preemption notice (protocol/notice.py): the replica finishes its step and leaves.
+    #: None: LIGHTNING_RECOVER_NOTICE_SIGNAL, else SIGTERM.
+    notice_signal: Optional[str] = None
+    #: ``"MIN:MAX"`` (or ``(MIN, MAX)``): a job that starts once MIN replicas are in and admits later ones up to
+    #: MAX (``devices`` stays MAX). None: LIGHTNING_RECOVER_REPLICAS, else a fixed count (``devices``).
+    replicas: Any = None
+    #: Where a whole-job notice (every replica told to leave at the same step) writes a final checkpoint through
+    #: the strategy's checkpoint plugin before the replicas exit; the next run of the script resumes from it.
+    notice_checkpoint: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.quota not in ("equal", "throughput"):
@@ -102,6 +115,23 @@ class RecoverOptions:
         check_standby(self.standby, self.restarts)
         if not isinstance(self.exact, bool):
             raise ValueError(f"exact must be True or False, got {self.exact!r}")
+        if self.notice_signal is not None:
+            parse_signal(self.notice_signal)
+        if self.replicas is not None:
+            self.replica_range()
+
+    def replica_range(self) -> Optional[tuple[int, int]]:
+        """``replicas`` as ``(MIN, MAX)`` (None when not given); ``ValueError`` with a HINT if malformed."""
+        if self.replicas is None:
+            return None
+        if isinstance(self.replicas, (tuple, list)) and len(self.replicas) == 2:
+            return replica_range(f"{self.replicas[0]}:{self.replicas[1]}")
+        return replica_range(str(self.replicas))
+
+    def resolve_notice_signal(self) -> str:
+        """The notice signal's name: the option, else LIGHTNING_RECOVER_NOTICE_SIGNAL, else SIGTERM."""
+        chosen = self.notice_signal or os.environ.get(NOTICE_SIGNAL) or DEFAULT_NOTICE_SIGNAL
+        return parse_signal(chosen).name
 
     def heartbeat_period(self, etcd: bool) -> float:
         """Seconds between a replica's heartbeats: ``heartbeat_interval`` if given, else the default of the

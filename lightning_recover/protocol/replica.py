@@ -19,6 +19,7 @@ import torch
 
 from lightning_recover import env
 from lightning_recover.errors import MembershipChanged, RecoverError
+from lightning_recover.observe.report import member_report, note_step
 from lightning_recover.protocol import state_transfer
 from lightning_recover.protocol.collectives import SurvivorCollectives
 from lightning_recover.protocol.decisions import Decisions
@@ -26,11 +27,13 @@ from lightning_recover.protocol.exact import ExactAccumulator, check_exact_layou
 from lightning_recover.protocol.faults import Fault, FaultInjector
 from lightning_recover.protocol.membership import Membership, form_next_generation
 from lightning_recover.protocol.messages import JobSecret
+from lightning_recover.protocol.notice import EXIT_LEFT_ON_NOTICE, Notice
 from lightning_recover.protocol.options import RecoverOptions
 from lightning_recover.protocol.replica_env import read_replica_env
 from lightning_recover.protocol.step import StepProtocol, StepStats
 
 _uncaught = [False]
+_left_on_notice = [False]  # this process left the job on a notice: its exit code says so (EXIT_LEFT_ON_NOTICE)
 
 
 def _record_uncaught_exceptions() -> None:
@@ -45,7 +48,126 @@ def _record_uncaught_exceptions() -> None:
         sys.excepthook = hook
 
 
-class Replica:
+class _JoinsAndLeaves:
+    """The step boundaries where the membership changes on purpose: a joiner admitted with state from a peer,
+    members leaving on notice (with a final checkpoint when every member leaves). Part of :class:`Replica`."""
+
+    group: Membership
+    protocol: StepProtocol
+    decisions: Decisions
+    collectives: SurvivorCollectives
+    notice: Notice
+    step: int
+    inner: int
+    joining: bool
+    _final_checkpoint: Optional[Callable[[int], None]]
+    _get_state: Optional[Callable[[], dict]]
+    _set_state: Optional[Callable[[dict], None]]
+    say: Callable[[str], None]
+
+    # ------------------------------------------------------------------ leaving on notice
+    def set_final_checkpoint(self, write: Callable[[int], None]) -> None:
+        """``write(step)`` saves the training state after committed step ``step``; every member calls it
+        together (a collective save) when the whole job leaves on notice at that step."""
+        self._final_checkpoint = write
+
+    @property
+    def told_to_leave(self) -> bool:
+        """This replica leaves at the step boundary just committed (it got the notice before that step's reduce)."""
+        return self.group.replica in self.protocol.leaving
+
+    def leave_if_told(self) -> None:
+        """At a step boundary: if the last commit named this replica as leaving, leave the job (after the final
+        checkpoint when every member leaves) and exit with ``EXIT_LEFT_ON_NOTICE``. Called by the strategies
+        right after a step's body and again before the next step."""
+        if not self.told_to_leave:
+            return
+        step = self.step
+        everyone = set(self.group.members) <= self.protocol.leaving
+        if everyone and self._final_checkpoint is not None:
+            self._final_checkpoint(step)
+        self.say(
+            f"replica {self.group.replica} left on notice ({self.notice.source}) after step {step}"
+            + (
+                "; the whole job left" + (", final checkpoint written" if self._final_checkpoint else "")
+                if everyone
+                else ""
+            )
+        )
+        if self.inner == 0:
+            print(
+                f"[lightning-recover] replica {self.group.replica}: left on notice ({self.notice.source}) after "
+                f"step {step}, exit code {EXIT_LEFT_ON_NOTICE}",
+                file=sys.stderr,
+                flush=True,
+            )
+        _left_on_notice[0] = True
+        raise SystemExit(EXIT_LEFT_ON_NOTICE)
+
+    # ------------------------------------------------------------------ rejoin
+    def rejoin(self) -> int:
+        """A restarted replica: wait to be admitted, receive the state; return the step to run next."""
+        try:
+            self.group.wait_for_invitation()
+        except MembershipChanged:
+            self._next_generation(None, joiner=True)
+        step = self._receive_or_send_state(None, joiner=True)
+        self.joining = False
+        self.group.progress.report = member_report(self.group.gen.number, self.protocol.M)
+        self.say(
+            f"replica {self.group.replica} rejoined at step {step}: generation {self.group.gen.number}, "
+            f"live replicas {self.group.members}"
+        )
+        return step
+
+    def _admit(self, step: int, leaving: frozenset[int] = frozenset()) -> None:
+        """Members: form the generation that includes the admitted joiners, without the members that left on
+        notice at the last commit, and hand the joiners the state."""
+        invite, self.decisions.admit_next = self.decisions.admit_next, {}
+        try:
+            self.group.next_generation({"step": step, "have": []}, invite=invite, leaving=leaving)
+        except MembershipChanged:
+            self._next_generation(step, joiner=False, leaving=leaving)
+        if leaving:
+            self.say(
+                f"step {step}: replica(s) {sorted(leaving)} left on notice; generation {self.group.gen.number}, "
+                f"live replicas {self.group.members}"
+            )
+        self._receive_or_send_state(step, joiner=False)
+
+    def _next_generation(self, step: Optional[int], joiner: bool, leaving: frozenset[int] = frozenset()) -> None:
+        form_next_generation(self.group, {"step": step, "have": [], "joiner": joiner}, leaving=leaving)
+
+    def _receive_or_send_state(self, step: Optional[int], joiner: bool) -> int:
+        """Broadcast the state from the lowest member holding it to the joiners (retried on failure)."""
+        while True:
+            gen = self.group.gen
+            joiners = {r for r, p in gen.payloads.items() if p.get("joiner")}
+            holders = [r for r in gen.members if r not in joiners]
+            if not holders:
+                raise RecoverError("no live replica holds the training state to hand to the rejoining replicas")
+            steps = {gen.payloads[r]["step"] for r in holders}
+            if len(steps) != 1:
+                raise RecoverError(f"members disagree on the step to resume at: {sorted(steps)}")
+            if not joiners:
+                return steps.pop()
+            try:
+                self._broadcast_state(gen.members.index(holders[0]), receive=joiner)
+                return steps.pop()
+            except MembershipChanged:
+                self._next_generation(step, joiner=joiner)
+
+    def _broadcast_state(self, src_rank: int, receive: bool) -> None:
+        if self._get_state is None or self._set_state is None:
+            raise RecoverError("rejoin needs the strategy to register its state hooks (core.set_state_hooks)")
+        exact = self.protocol.exact  # the exact grid travels with the training state
+        mine = joiner_state(self._get_state(), exact) if self.group.rank == src_rank else None
+        received = state_transfer.broadcast_state(self.collectives, self.group, src_rank, mine, receive)
+        if receive:
+            self._set_state(adopt_joiner_state(received, exact))
+
+
+class Replica(_JoinsAndLeaves):
     """This replica's side of the protocol."""
 
     def __init__(
@@ -62,8 +184,12 @@ class Replica:
         replica_size: int = 1,
         tensor_parallel: int = 1,
         standby: Optional[int] = None,
+        min_replicas: Optional[int] = None,
     ) -> None:
         self.options = options
+        if min_replicas is None and options.replica_range() is not None:
+            min_replicas = options.replica_range()[0]
+        self.notice = Notice()  # set by the notice signal or an operator's leave request
         self.M = options.resolve_microbatches(num_replicas)
         self.inner, self.replica_size = inner, replica_size
         if tensor_parallel < 1 or replica_size % tensor_parallel:
@@ -88,6 +214,8 @@ class Replica:
             inner=inner,
             replica_size=replica_size,
             standby=standby,
+            min_replicas=min_replicas,
+            notice=self.notice,
         )
         self.world = None  # the replica's own K-process world (sharding.ReplicaWorld), when K > 1
         self.decisions = Decisions(self.group)
@@ -106,6 +234,8 @@ class Replica:
             tensor_parallel=tensor_parallel,
             exact=options.exact,
         )
+        self.protocol.notice = self.notice
+        self._final_checkpoint: Callable[[int], None] | None = None
         self._injector = injector  # None: the plan in the environment, for this incarnation
         self._fault_listeners: list[Callable[[Fault, float], None]] = []
         self.step: int = -1
@@ -135,6 +265,7 @@ class Replica:
             replica_size=env.replica_size(),
             tensor_parallel=tensor_parallel,
             standby=found.standby,
+            min_replicas=found.min_replicas,
         )
 
     # ------------------------------------------------------------------ identity
@@ -190,6 +321,9 @@ class Replica:
         """
         if exit_hook:
             atexit.register(self._at_exit)
+            # A notice before the first step has no step to finish: the process leaves at once.
+            self.notice.before_training = lambda: self.step < 0
+            self.notice.install(self.options.resolve_notice_signal())
         _record_uncaught_exceptions()
         device = "cuda" if self.group.backend == "nccl" else "cpu"
         standby_world = []
@@ -210,6 +344,8 @@ class Replica:
         self.protocol.injector = injector
         self.group.before_build = lambda: self.protocol.fire(max(self.step, 0), "regroup")
         self.joining = self.group.form_initial() is None
+        if not self.joining:
+            self.group.progress.report = member_report(self.group.gen.number, self.protocol.M)
         if standby_world:
             self.world = standby_world[0]
             self.world.watch()
@@ -246,83 +382,32 @@ class Replica:
 
     def _at_exit(self) -> None:
         self.close()
+        self.notice.uninstall()
         if self.group.abandoned_work:
             # gloo cannot abort an op in flight: destroying a group that has one blocks until the op
             # times out, or aborts the process. The results are written; end without destroying it.
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(1 if _uncaught[0] else 0)
+            os._exit(1 if _uncaught[0] else EXIT_LEFT_ON_NOTICE if _left_on_notice[0] else 0)
 
     # ------------------------------------------------------------------ steps
     def run_step(self, step: int) -> Iterator[int]:
+        self.leave_if_told()
         self.step = step
         self._forward_seen = self._backward_seen = False
-        if self.decisions.admit_next:
-            self._admit(step)
+        leaving, self.protocol.leaving = self.protocol.leaving, frozenset()
+        if self.decisions.admit_next or leaving:
+            self._admit(step, leaving)
         yield from self.protocol.run(step)
         stats = self.protocol.last
         self.history.append(stats)
+        note_step(self.group.progress, stats, self.protocol.M)  # what the status page shows of this replica
         if stats.recoveries:
             self.say(
                 f"step {step}: recovered in {stats.recovery_seconds:.3f}s (replica {self.replica_id}'s time); "
                 f"generation {stats.generation}, {stats.live_replicas} live; replica {self.replica_id} recomputed "
                 f"{stats.recomputed} microbatch{'es' if stats.recomputed != 1 else ''}"
             )
-
-    # ------------------------------------------------------------------ rejoin
-    def rejoin(self) -> int:
-        """A restarted replica: wait to be admitted, receive the state; return the step to run next."""
-        try:
-            self.group.wait_for_invitation()
-        except MembershipChanged:
-            self._next_generation(None, joiner=True)
-        step = self._receive_or_send_state(None, joiner=True)
-        self.joining = False
-        self.say(
-            f"replica {self.group.replica} rejoined at step {step}: generation {self.group.gen.number}, "
-            f"live replicas {self.group.members}"
-        )
-        return step
-
-    def _admit(self, step: int) -> None:
-        """Members: form the generation that includes the admitted joiners and hand them the state."""
-        invite, self.decisions.admit_next = self.decisions.admit_next, {}
-        try:
-            self.group.next_generation({"step": step, "have": []}, invite=invite)
-        except MembershipChanged:
-            self._next_generation(step, joiner=False)
-        self._receive_or_send_state(step, joiner=False)
-
-    def _next_generation(self, step: Optional[int], joiner: bool) -> None:
-        form_next_generation(self.group, {"step": step, "have": [], "joiner": joiner})
-
-    def _receive_or_send_state(self, step: Optional[int], joiner: bool) -> int:
-        """Broadcast the state from the lowest member holding it to the joiners (retried on failure)."""
-        while True:
-            gen = self.group.gen
-            joiners = {r for r, p in gen.payloads.items() if p.get("joiner")}
-            holders = [r for r in gen.members if r not in joiners]
-            if not holders:
-                raise RecoverError("no live replica holds the training state to hand to the rejoining replicas")
-            steps = {gen.payloads[r]["step"] for r in holders}
-            if len(steps) != 1:
-                raise RecoverError(f"members disagree on the step to resume at: {sorted(steps)}")
-            if not joiners:
-                return steps.pop()
-            try:
-                self._broadcast_state(gen.members.index(holders[0]), receive=joiner)
-                return steps.pop()
-            except MembershipChanged:
-                self._next_generation(step, joiner=joiner)
-
-    def _broadcast_state(self, src_rank: int, receive: bool) -> None:
-        if self._get_state is None or self._set_state is None:
-            raise RecoverError("rejoin needs the strategy to register its state hooks (core.set_state_hooks)")
-        exact = self.protocol.exact  # the exact grid travels with the training state
-        mine = joiner_state(self._get_state(), exact) if self.group.rank == src_rank else None
-        received = state_transfer.broadcast_state(self.collectives, self.group, src_rank, mine, receive)
-        if receive:
-            self._set_state(adopt_joiner_state(received, exact))
 
     def seed_microbatch(self, step: int, j: int) -> None:
         """Reseed the RNG so random ops (dropout) do not depend on which replica computes (s, j)."""

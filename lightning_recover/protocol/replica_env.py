@@ -21,8 +21,9 @@ from lightning_recover import env
 class ReplicaEnv:
     addr: str  # HOST:PORT of the coordinator
     replica: int  # 0 <= replica < replicas; -1 for a standby until it is assigned one
-    replicas: int  # >= 1
+    replicas: int  # >= 1; MAX of ``MIN:MAX``
     standby: int | None = None  # the standby id of a warm standby (env.STANDBY), else None
+    min_replicas: int | None = None  # MIN of ``MIN:MAX`` (None: the same as replicas)
 
 
 def _int(environ: Mapping[str, str], name: str, example: str) -> int:
@@ -58,21 +59,23 @@ def read_replica_env(environ: Mapping[str, str] | None = None) -> ReplicaEnv:
             f"{env.COORDINATOR}={addr!r} must be HOST:PORT with a port in 1..65535. "
             f"HINT: use the address the coordinator printed (LISTENING HOST:PORT)."
         )
-    replicas = _int(environ, env.REPLICAS, "3")
-    if replicas < 1:
+    try:
+        least, replicas = env.replica_range(environ[env.REPLICAS])
+    except ValueError as exc:
         raise ValueError(
-            f"{env.REPLICAS}={replicas}: a job has at least one replica. "
-            f"HINT: set it to the --replicas the coordinator was started with."
-        )
+            f"{env.REPLICAS}={environ[env.REPLICAS]!r}: a job has at least one replica; {exc} Set it to the "
+            "--replicas the coordinator was started with."
+        ) from None
+    least = least if least < replicas else None  # a fixed count: no MIN
     replica = _int(environ, env.REPLICA, "0")
     if standby is not None:
-        return ReplicaEnv(addr, -1, replicas, standby)
+        return ReplicaEnv(addr, -1, replicas, standby, least)
     if not 0 <= replica < replicas:
         raise ValueError(
             f"{env.REPLICA}={replica} is out of range for {env.REPLICAS}={replicas}: ids are 0..{replicas - 1}. "
             "HINT: give each process of the job a distinct id in that range (a restart reuses its old id)."
         )
-    return ReplicaEnv(addr, replica, replicas)
+    return ReplicaEnv(addr, replica, replicas, None, least)
 
 
 def check_against_coordinator(stored: str | bytes | None, replicas: int) -> None:

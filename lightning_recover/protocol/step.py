@@ -30,6 +30,7 @@ from lightning_recover.protocol.decisions import Decisions
 from lightning_recover.protocol.exact import ExactAccumulator
 from lightning_recover.protocol.faults import FaultInjector
 from lightning_recover.protocol.membership import Membership
+from lightning_recover.protocol.notice import Notice
 from lightning_recover.protocol.quotas import plan_quotas
 
 _BUCKET_BYTES = 32 << 20
@@ -52,6 +53,8 @@ class StepStats:
     loss: float | None = None  # mean loss over the M microbatches (when losses were recorded)
     redone: int = 0  # exact mode: attempts redone on a recentred fixed-point grid
     leader: bool = False
+    #: members that left on notice at this step's commit (the next step is planned without them)
+    left: list[int] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)  # see StepProtocol: {"kind": "regroup"|"failure", ...}
 
 
@@ -113,6 +116,11 @@ class StepProtocol:
         self.attempt = 0
         self._deciding = False  # this member's reduce of the attempt completed: it reached _decide
         self._attempts: dict[int, int] = {}  # step -> attempts it took (their decision keys are forgotten)
+        # Leaving on notice: this process's notice (read before each reduce), the leave flags the attempt's
+        # reduce summed (one slot per member rank), and the members that left at the last commit.
+        self.notice: Notice | None = None
+        self._leave_flags: list[float] = []
+        self.leaving: frozenset[int] = frozenset()
 
     # -------------------------------------------------------------- hooks from the strategy
     def record_loss(self, loss: torch.Tensor) -> None:
@@ -186,6 +194,7 @@ class StepProtocol:
                 have = []
                 continue
             if committed:
+                self.leaving = frozenset(r for r, flag in zip(group.members, self._leave_flags) if flag > 0)
                 break
             recovering_since = recovering_since or time.perf_counter()
             ids = self._recover(step, have, stats, settle)
@@ -198,6 +207,9 @@ class StepProtocol:
         stats.generation = group.gen.number
         stats.live_replicas = group.size
         stats.leader = group.rank == 0
+        stats.left = sorted(self.leaving)
+        if self.leaving:
+            stats.events.append({"kind": "leave", "members": stats.left})
         self.last = stats
         self._attempts[step] = self.attempt + 1
         if stats.leader and step >= 2:
@@ -262,15 +274,17 @@ class StepProtocol:
         # admitted); summed with the gradients, so every member whose reduce completed reads the same answer.
         speculate = self.decisions.reports_on_data_plane()
         awaited = float(speculate and self.decisions.leader_awaits_commit())
-        extra = torch.tensor([float(loss.reshape(()).float()), float(self._loss_count), awaited]).to(device)
+        head = [float(loss.reshape(()).float()), float(self._loss_count), awaited]
+        extra = torch.tensor(head + self._own_leave_flag()).to(device)
         if self.replica_size > 1 and self._intra_group is not None:
             # Loss statistics of the whole replica (its data positions computed different microbatches).
             # The tp processes of one data position computed the same microbatches: only the first
-            # one contributes, so each microbatch is counted once.
+            # one contributes, so each microbatch is counted once. A notice to any of its processes
+            # makes the whole replica leave.
             import torch.distributed as dist
 
             if self.inner % self.tensor_parallel:
-                extra.zero_()
+                extra[:2].zero_()
             dist.all_reduce(extra, group=self._intra_group())
         flat = _flatten_by_dtype(grads, extra)
         self.fire(step, "reduce")
@@ -285,7 +299,7 @@ class StepProtocol:
         if not decided:
             return False
         _unflatten_into(flat, grads, params, scale=1.0 / self.M)
-        loss_sum, count, _ = flat["extra"].tolist()
+        loss_sum, count, _, *self._leave_flags = flat["extra"].tolist()
         # The mean loss of the step is known only if every microbatch recorded one.
         self._step_loss = loss_sum / self.M if round(count) == self.M else None
         if self.quota == "throughput":
@@ -321,7 +335,7 @@ class StepProtocol:
         params = [p for p in self._params() if p.requires_grad]
         self.fire(step, "reduce")
         group.progress.note("reduce")
-        self.exact.reduce(group, self.collectives, params)
+        self.exact.reduce(group, self.collectives, params, flags=self._own_leave_flag())
         if self.quota == "throughput":
             self._publish_speed(step)
         group.progress.note("decide")
@@ -330,6 +344,7 @@ class StepProtocol:
         stats.decide_seconds += time.perf_counter() - began
         if not decided:
             return False
+        self._leave_flags = self.exact.flags
         results = self.exact.results
         self._step_loss = self.exact.finish(params)
         if not self.exact.redo:
@@ -338,6 +353,14 @@ class StepProtocol:
         if self.quota == "throughput":
             self._weights = self._read_speeds(step)
         return True
+
+    def _own_leave_flag(self) -> list[float]:
+        """One slot per member rank, 1.0 at this member's if it was told to leave: summed (or maxed) by the
+        reduce, every member whose reduce completed reads the same leavers."""
+        flags = [0.0] * self.membership.size
+        if self.notice is not None and self.notice.is_set():
+            flags[self.membership.rank] = 1.0
+        return flags
 
     # -------------------------------------------------------------- throughput quotas
     def _publish_speed(self, step: int) -> None:

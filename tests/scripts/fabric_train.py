@@ -107,9 +107,13 @@ def main() -> None:
     parser.add_argument("--save-at", type=int, default=-1, help="after step N, fabric.save to --checkpoint")
     parser.add_argument("--resume", action="store_true", help="fabric.load --checkpoint, go on after its step")
     parser.add_argument("--checkpoint", default="", help="the checkpoint file of --save-at and --resume")
+    parser.add_argument(
+        "--notice-checkpoint", default=None, help="RecoverStrategy(notice_checkpoint=...): a whole-job notice's save"
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
     parser.add_argument("--exact", action="store_true", help="RecoverStrategy(exact=True): bitwise reproducible steps")
     parser.add_argument("--reference", action="store_true", help="the failure-free run in one process (no Lightning)")
+    parser.add_argument("--tensorboard", default="", help="log the recover/* metrics to a TensorBoardLogger here")
     args = parser.parse_args()
     reference(args) if args.reference else train(args)
 
@@ -132,8 +136,14 @@ def train(args) -> None:
         quota=args.quota,
         hang_timeout=args.hang_timeout,
         exact=args.exact,
+        notice_checkpoint=args.notice_checkpoint,
     )
-    fabric = L.Fabric(strategy=strategy, devices=args.replicas, accelerator=args.accelerator)
+    loggers = []
+    if args.tensorboard:
+        from lightning.fabric.loggers import TensorBoardLogger
+
+        loggers.append(TensorBoardLogger(args.tensorboard, name="tb", version=0))  # one version for every replica
+    fabric = L.Fabric(strategy=strategy, devices=args.replicas, accelerator=args.accelerator, loggers=loggers)
     fabric.launch()
     model, optimizer = fabric.setup(model, optimizer)
     os.makedirs(args.out, exist_ok=True)
@@ -142,7 +152,7 @@ def train(args) -> None:
     start_step = 0
     if args.resume:
         start_step = fabric.load(args.checkpoint, {"model": model, "optimizer": optimizer})["step"] + 1
-    for step in fabric.strategy.steps(loader, max_steps=args.steps, start_step=start_step):
+    for step in fabric.strategy.steps(loader, max_steps=args.steps, start_step=start_step, loggers=fabric.loggers):
         for xb, yb in step:
             if args.work:
                 time.sleep(args.work)
