@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from lightning_recover.checkpoint.dcp.reader import read_dcp_metadata, verify_dcp_checkpoint
 from lightning_recover.checkpoint.dcp.sharded_state import load_full
 from lightning_recover.checkpoint.dcp.writer import SIDECAR_SUFFIX, sidecar_name
+from lightning_recover.checkpoint.file.record_diagnosis import explain_damaged_records
 from lightning_recover.checkpoint.file.single_file import ArchiveInfo, load, read_info, verify_file
 from lightning_recover.checkpoint.integrity import CheckpointCorruptError, UnsafeCheckpointError
 
@@ -32,6 +33,7 @@ EXIT_OK = 0
 EXIT_DAMAGED = 1  # integrity record and central directory fine, some records fail their checksum
 EXIT_UNREADABLE = 2  # not a checkpoint, truncated, damaged end records or integrity record, missing file
 EXIT_REFUSED = 3  # convert: the pickled state needs --unsafe-pickle
+EXIT_RECORD_WRONG = 4  # every record that fails its checksum holds the data its wrong recorded CRC-32C came from
 
 
 def _human(n: int) -> str:
@@ -171,11 +173,23 @@ def inspect_main(args: argparse.Namespace) -> int:
             print(f"error: {e}", file=sys.stderr)
         return EXIT_UNREADABLE
 
+    if damaged:  # a wrong integrity record over intact data, or damaged data?
+        sizes = [r.nbytes for r in info.index.storage_records()]
+        for d, why in zip(damaged, explain_damaged_records(path, sizes, damaged)):
+            d["record_wrong"] = None if why is None else {"chunk_bytes": why.chunk_bytes, "hypotheses": why.hypotheses}
     return _report_archive(info, damaged, verify, as_json)
+
+
+_RECORD_WRONG_HINT = (
+    "HINT: the data is intact; load it with load(path, verify=False) or torch.load(path, weights_only=True) and "
+    "save it again for a correct record (docs/checkpointing.md, 'A wrong integrity record over intact data')"
+)
 
 
 def _report_archive(info: ArchiveInfo, damaged: list, verify: bool, as_json: bool) -> int:
     """``inspect`` of a format-2 file (a torch.save archive with an integrity record)."""
+    record_wrong = bool(damaged) and all(d.get("record_wrong") for d in damaged)
+    code = EXIT_RECORD_WRONG if record_wrong else EXIT_DAMAGED if damaged else EXIT_OK
     records = sorted(info.index.records.values(), key=lambda r: r.data_offset)
     summary = {
         "path": info.path,
@@ -191,11 +205,12 @@ def _report_archive(info: ArchiveInfo, damaged: list, verify: bool, as_json: boo
         "verified": verify,
         "ok": not damaged,
         "damaged": damaged,
+        "record_wrong": record_wrong,
         "tensors": info.tensors,
     }
     if as_json:
         print(json.dumps(summary))
-        return EXIT_DAMAGED if damaged else EXIT_OK
+        return code
     print(f"checkpoint {info.path}")
     print(
         f"  format version 2 (torch.save archive laid out for O_DIRECT, CRC-32C integrity record), "
@@ -218,12 +233,24 @@ def _report_archive(info: ArchiveInfo, damaged: list, verify: bool, as_json: boo
             if d["expected_crc32c"] is not None
             else "unexpected bytes"
         )
+        where = f"record {d['record']} at offset {d['offset']} (+{d['nbytes']} bytes): {crc}"
+        tensors = ", ".join(d["tensors"]) or "-"
+        why = d.get("record_wrong")
+        if why:
+            print(
+                f"  RECORD WRONG for {where}; tensors: {tensors}: data consistent with a recomputed checksum, "
+                f"integrity record wrong (the recorded value is the faulty CRC-32C combine of this data's own "
+                f"{why['chunk_bytes']}-byte chunks, as lazy asynchronous saves before the fix wrote it)"
+            )
+        else:
+            print(f"  DAMAGED {d['what']} of {where}; tensors: {tensors}")
+    if record_wrong:
         print(
-            f"  DAMAGED {d['what']} of record {d['record']} at offset {d['offset']} (+{d['nbytes']} bytes): "
-            f"{crc}; tensors: {', '.join(d['tensors']) or '-'}"
+            f"  {len(damaged)} record(s) with a wrong checksum in the integrity record, data intact. {_RECORD_WRONG_HINT}"
         )
-    print(f"  {len(damaged)} damaged record(s)")
-    return EXIT_DAMAGED
+    else:
+        print(f"  {len(damaged)} damaged record(s)")
+    return code
 
 
 def convert_main(args: argparse.Namespace) -> int:
