@@ -15,6 +15,9 @@ setup:
 # The main job: resilient training with injected failures.
 demo: setup
 	$(PYTHON) -m lightning_recover.cli demo
+	@echo "Next: the tools are in $(VENV), not on your PATH: source $(VENV)/bin/activate, then lightning-recover --help"
+	@echo "      and python examples/fabric_gpt.py --replicas 2 (or, without activating: $(VENV)/bin/lightning-recover,"
+	@echo "      $(VENV)/bin/python examples/...). README.md, 'Four ways in', has the examples."
 
 # The whole test suite (what CI runs): two workers (pytest-xdist, a file per worker at a time) for all
 # but the tests marked serial, which race a restart against the job's end and run alone afterwards.

@@ -13,7 +13,10 @@ the lost microbatches inside the same step and keep going; the lowest live repli
 progress bar.
 
 Afterwards the same steps are replayed failure-free in this process (the same model, seed and
-microbatches, summed in one process) as the reference, and a summary compares the two: steps,
+microbatches, summed in one process) as the reference, on one core: every microbatch the replicas
+shared, so it takes about as long as the training. It is saved as ``OUT/reference-KEY.pt`` and reused
+by a later run whose configuration, code and torch are the same (:func:`reference_key`); ``--replicas``,
+``--inject`` and the timing options are not part of the key. A summary compares the two: steps,
 failures survived, time to recover, recomputed microbatches, final loss and the largest relative
 parameter difference, effective throughput.
 
@@ -29,6 +32,7 @@ reference) and live replicas over time; ``OUT/summary.json`` holds the numbers.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -79,7 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=1.5,
         help="seconds without heartbeat before a (hung) replica is declared dead",
     )
-    p.add_argument("--out", default="demo_out", help="directory for demo.png, summary.json and logs")
+    p.add_argument(
+        "--out", default="demo_out", help="directory for demo.png, summary.json, logs and the reference it reuses"
+    )
     p.add_argument("--no-reference", action="store_true", help="skip the failure-free reference replay")
     p.add_argument("--no-plot", action="store_true", help="do not write demo.png")
     p.add_argument(
@@ -226,10 +232,9 @@ def reference_run(args: argparse.Namespace, progress: bool = True) -> tuple[list
 
     from lightning_recover.data import MicrobatchSource
 
-    if args.exact:  # bitwise: the replicas' CPU thread count (the launcher starts them with OMP_NUM_THREADS=1)
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    else:
-        torch.set_num_threads(min(4, os.cpu_count() or 1))  # the replicas are done: use the machine
+    # The replicas' thread count (the launcher starts them with OMP_NUM_THREADS=1): exact mode needs it to be
+    # bitwise, and for these small matrices more threads spin more than they compute on a busy machine.
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     data, model, optimizer = _build(args)
     if args.precision == "64-true":
         model.double()  # in place: the optimizer keeps the same parameters
@@ -272,6 +277,72 @@ def reference_run(args: argparse.Namespace, progress: bool = True) -> tuple[list
     if bar is not None:
         bar.close()
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+#: What the reference's result depends on besides the arguments: its code and the versions that compute it.
+_REFERENCE_SOURCES = ("demo.py", "tiny_gpt.py", "data.py", os.path.join("protocol", "exact.py"))
+#: The arguments that change the reference (not --replicas, --inject or --heartbeat-timeout: that is the point).
+_REFERENCE_ARGS = (
+    "steps",
+    "microbatches",
+    "batch_size",
+    "block_size",
+    "layers",
+    "width",
+    "lr",
+    "corpus_bytes",
+    "precision",
+    "seed",
+    "exact",
+)
+
+
+def reference_key(args: argparse.Namespace) -> str:
+    """A digest of everything the failure-free reference depends on: the same key, the same losses and state."""
+    import torch
+
+    package = os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.sha256(json.dumps({k: getattr(args, k) for k in _REFERENCE_ARGS}, sort_keys=True).encode())
+    digest.update(torch.__version__.encode())
+    for name in _REFERENCE_SOURCES:
+        with open(os.path.join(package, name), "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
+def cached_reference(args: argparse.Namespace, train_seconds: float) -> tuple[list[float], dict]:
+    """The failure-free reference: read from ``OUT/reference-KEY.pt`` when an earlier run of the same
+    configuration wrote it (:func:`reference_key`), else replayed (:func:`reference_run`) and written there.
+    Says which, and what a replay cost against the training it checks."""
+    import torch
+
+    path = os.path.join(args.out, f"reference-{reference_key(args)}.pt")
+    if os.path.exists(path):
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        print(
+            f"[demo] failure-free reference: reused {path}, replayed by an earlier run of the same configuration "
+            "(delete it to replay)",
+            flush=True,
+        )
+        return saved["losses"], saved["state"]
+    print(
+        f"[demo] failure-free reference: replaying the {args.steps} steps in one process (all "
+        f"{args.steps * args.microbatches} microbatches on one core, where the training spread them over "
+        f"{args.replicas} replicas)",
+        flush=True,
+    )
+    started = time.perf_counter()
+    losses, state = reference_run(args)
+    took = time.perf_counter() - started
+    tmp = f"{path}.tmp-{os.getpid()}"
+    torch.save({"losses": losses, "state": state}, tmp)
+    os.replace(tmp, path)  # whole or absent: a later run never reads half a reference
+    print(
+        f"[demo] failure-free reference: {took:.1f}s (the training: {train_seconds:.1f}s); saved as {path}, reused "
+        "by the next run of the same configuration",
+        flush=True,
+    )
+    return losses, state
 
 
 def _exact_step(accumulator, model, source, step: int) -> float:
@@ -529,10 +600,10 @@ def check_shape(args: argparse.Namespace) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    check_shape(args)  # before the imports below (torch): a wrong count is refused at once
     from lightning_recover.launch import supervisor
     from lightning_recover.protocol.faults import check_plan
 
-    check_shape(args)
     if args.inject is None:  # the plan the user did not write fits the job's shape
         args.inject = default_faults(args.replicas, args.steps)
     try:  # a bad schedule fails here, in one line, before anything starts
@@ -579,6 +650,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"[lightning-recover] {line}", file=sys.stderr, flush=True)
 
     worker_args = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
+    train_started = time.monotonic()
     code = supervisor.supervise(
         [sys.executable, "-m", "lightning_recover.demo"],
         args.replicas,
@@ -598,8 +670,7 @@ def main(args: argparse.Namespace) -> int:
     if not args.no_reference:
         import torch
 
-        print("[demo] replaying the same steps failure-free in one process, for the reference", flush=True)
-        ref_losses, ref_state = reference_run(args)
+        ref_losses, ref_state = cached_reference(args, time.monotonic() - train_started)
         finals = sorted(f for f in os.listdir(args.out) if f.startswith("replica") and f.endswith(".pt"))
         if finals:
             ref_diff = max(max_relative_difference(torch.load(os.path.join(args.out, f)), ref_state) for f in finals)

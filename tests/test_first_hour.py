@@ -1,8 +1,10 @@
-"""A new user's first hour (issue 35): inputs refused in one line before anything starts, commands that
-explain themselves, optional parts that fail like optional parts, and no leftovers in /tmp."""
+"""A new user's first hour: inputs refused in one line before anything starts, commands that explain
+themselves (fast: no torch import to print help), optional parts that fail like optional parts, no leftovers
+in /tmp, a bare ``python`` that means the launcher's interpreter, and a demo that fits any replica count."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -14,7 +16,9 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_recover import RecoverStrategy, cli, env, simulate
+from lightning_recover import RecoverStrategy, cli, demo, env, simulate
+from lightning_recover.checkpoint.tools import fit_name
+from lightning_recover.launch.commands import own_interpreter
 from lightning_recover.launch.job_dir import JobDir
 from lightning_recover.protocol.faults import check_plan
 from tests.jobs import ROOT, _env, kill_group, run_job, start_job, wait_for
@@ -243,3 +247,237 @@ def test_torchrun_injected_kill_is_reported_once_and_leaves_nothing_in_tmp(tmp_p
     assert res.output.count("replica 1: its worker exited; declared dead") == 1, res.output[-4000:]
     assert "replica 1 failed" not in res.output, res.output[-4000:]  # the same death, not reported again
     assert not os.listdir(tmp), os.listdir(tmp)  # no torchelastic_*, no job dir
+
+
+# ---------------------------------------------------------------------------- second pass: one-line errors
+
+
+def _cli_error(*args: str, code: int = 2) -> str:
+    """The stderr of ``lightning-recover ARGS`` run as a new process, which must fail in one line, no traceback."""
+    r = subprocess.run(CLI + list(args), capture_output=True, text=True, timeout=120, env=_env(None), cwd=ROOT)
+    assert r.returncode == code and "Traceback" not in r.stderr and not r.stdout, r
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and "HINT: " in lines[0], r.stderr
+    return lines[0]
+
+
+def test_demo_with_no_replica_is_refused_in_one_line():
+    assert _cli_error("demo", "--replicas", "0", code=1) == (
+        "lightning-recover demo: --replicas must be at least 1, got 0. HINT: e.g. --replicas 4"
+    )
+    assert _cli_error("demo", "--replicas", "9", code=1) == (
+        "lightning-recover demo: --microbatches (8) is smaller than --replicas (9): some replica would have nothing "
+        "to compute. HINT: pass --microbatches 9 or more"
+    )
+
+
+def test_run_with_no_replica_is_refused_in_one_line():
+    line = _cli_error("run", "--replicas", "0", "--", "python", "train.py")
+    # The wording is --replicas' own (N or MIN:MAX): this checks the form, one line naming the option and the bound.
+    assert line.startswith("lightning-recover run: error: ") and "--replicas" in line, line
+    assert "at least 1 replica" in line, line
+
+
+def test_a_missing_option_is_one_line_that_points_to_help():
+    assert _cli_error("run", "--", "python", "train.py") == (
+        "lightning-recover run: error: the following arguments are required: --replicas. "
+        "HINT: see `lightning-recover run --help`"
+    )
+
+
+def test_convert_of_a_missing_file_says_so_once(tmp_path):
+    assert _cli_error("convert", "nope.ckpt", str(tmp_path / "out.pt")) == (
+        "error: nope.ckpt: no such file or directory. HINT: give a checkpoint file (.ckpt, .pt) or a sharded (DCP) "
+        "checkpoint directory."
+    )
+    assert not os.listdir(tmp_path)  # nothing written
+
+
+# ---------------------------------------------------------------------------- the demo's default plan
+
+
+@pytest.mark.parametrize(
+    "replicas, steps, plan",
+    [
+        (4, 40, demo.DEFAULT_INJECT),
+        (3, 40, "kill:replica=2:step=12:phase=backward,hang:replica=0:step=27:phase=reduce"),
+        (2, 40, "kill:replica=1:step=12:phase=backward"),
+        (1, 40, ""),
+        (4, 10, "kill:replica=2:step=3:phase=backward,hang:replica=0:step=6:phase=reduce"),
+        (4, 3, ""),  # no step to fail in before the last
+    ],
+)
+def test_the_demos_default_plan_fits_the_job(replicas, steps, plan):
+    assert demo.default_faults(replicas, steps) == plan
+    faults = check_plan(plan, replicas)  # a plan the demo's own checks accept
+    assert all(f.step < steps for f in faults) and len({f.replica for f in faults}) < replicas
+
+
+def test_the_demo_accepts_any_replica_count_without_inject(monkeypatch):
+    """Every count from 1 up passes the demo's checks with the default plan (nothing started: supervise raises)."""
+
+    def started(*args, **kwargs):
+        raise RuntimeError(f"started with inject={kwargs['inject']!r}")
+
+    monkeypatch.setattr("lightning_recover.launch.supervisor.supervise", started)
+    for replicas in (1, 2, 3, 4, 8):
+        with pytest.raises(RuntimeError, match="started with inject="):
+            cli.main(["demo", "--replicas", str(replicas), "--microbatches", "8", "--out", "/nonexistent/demo"])
+
+
+# ---------------------------------------------------------------------------- the launcher's interpreter
+
+
+def _path_with(tmp_path, name: str, target: str) -> str:
+    """A PATH whose first directory holds ``name``, a link to the interpreter ``target``."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    os.symlink(target, bin_dir / name)
+    return f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+
+
+def test_a_bare_python_is_the_launchers_interpreter(tmp_path, monkeypatch):
+    said: list[str] = []
+    monkeypatch.setenv("PATH", _path_with(tmp_path, "python", "/usr/bin/python3"))
+    assert own_interpreter(["python", "train.py", "--lr", "1"], said.append) == [
+        sys.executable,
+        "train.py",
+        "--lr",
+        "1",
+    ]
+    assert said == [
+        f"'python' in the command runs as this launcher's interpreter, {sys.executable} (the 'python' on PATH is "
+        f"{tmp_path / 'bin' / 'python'}). HINT: give an interpreter's path after -- to run another one"
+    ]
+    said.clear()
+    assert own_interpreter(["/usr/bin/python3", "train.py"], said.append) == ["/usr/bin/python3", "train.py"]
+    assert own_interpreter(["bash", "run.sh"], said.append) == ["bash", "run.sh"]
+    assert not said  # a path, or another program, is run as given
+
+
+def test_a_bare_python_that_is_this_interpreter_is_left_alone(tmp_path, monkeypatch):
+    said: list[str] = []
+    monkeypatch.setenv("PATH", _path_with(tmp_path, "python3", sys.executable))
+    assert own_interpreter(["python3", "-m", "train"], said.append) == ["python3", "-m", "train"] and not said
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_run_with_python_of_another_environment_first_on_path_trains(tmp_path):
+    """The issue's case: `python` on PATH is the machine's (no torch); the replicas run in the launcher's."""
+    if subprocess.run(["/usr/bin/python3", "-c", "import torch"], capture_output=True).returncode == 0:
+        pytest.skip("/usr/bin/python3 has torch: it is not another environment here")
+    script = os.path.join(ROOT, "tests", "scripts", "replica_steps.py")
+    res = run_job(
+        CLI + ["run", "--replicas", "2", "--", "python", script, "3"],
+        str(tmp_path / "job"),
+        timeout=240,
+        env={"PATH": _path_with(tmp_path, "python", "/usr/bin/python3")},
+    )
+    assert res.returncode == 0 and "No module named" not in res.output, res.output[-4000:]
+    assert res.output.count("'python' in the command runs as this launcher's interpreter") == 1, res.output[-4000:]
+    assert "cannot be forked" not in res.output, res.output[-4000:]  # this interpreter: the fork server starts them
+
+
+# ---------------------------------------------------------------------------- fast and explained
+
+
+def test_help_and_version_import_no_torch():
+    code = (
+        "import sys\n"
+        "from lightning_recover import cli\n"
+        "for argv in (['--help'], ['--version'], ['demo', '--help'], ['simulate', '--help'], ['inspect', '--help']):\n"
+        "    try:\n"
+        "        cli.main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print('TORCH_IMPORTED' if 'torch' in sys.modules else 'TORCH_NOT_IMPORTED')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=_env(None))
+    assert r.returncode == 0 and r.stdout.rstrip().endswith("TORCH_NOT_IMPORTED"), r
+    assert "lightning-recover 0" in r.stdout and "--mtbf-gpu-hours" in r.stdout
+
+
+def test_every_command_is_listed_with_its_own_help_line():
+    parser = cli.build_parser()  # every command in full
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert {a.dest: a.help for a in sub._choices_actions} == cli.COMMANDS
+
+
+def test_simulate_explains_every_option_and_column(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    simulate.add_arguments(parser)
+    for action in parser._actions:
+        assert action.help, f"{action.option_strings} has no help"
+    text = _help(capsys, "simulate", "--help")
+    assert "(default: 8)" in text and "(default: 600.0)" in text and "Young/Daly" in text
+    assert simulate.cli(["--out", str(tmp_path), "--trials", "1", "--gpus", "512", "--no-plot"]) == 0
+    out = capsys.readouterr().out
+    for column, _ in simulate.LEGEND:
+        assert f"{column}: " in out.split("rec/ckpt\n", 1)[1], column  # under the table, one line per column
+
+
+def test_inspect_elides_a_long_name_in_the_middle(tmp_path, capsys):
+    long_key = "ModelCheckpoint{" + ", ".join(f"'option{i}': {i}" for i in range(30)) + "}"
+    path = tmp_path / "long.pt"
+    torch.save({long_key: torch.zeros(2), "w": torch.zeros(3)}, path)
+    code, out, _ = _inspect(capsys, str(path))
+    assert code == 0
+    row = next(line for line in out.splitlines() if line.strip().startswith("ModelCheckpoint{"))
+    name = row[2 : 2 + 60]  # the name column: the key's start and its end around "..."
+    assert name.startswith("ModelCheckpoint{'option0'") and "..." in name and name.endswith("'option29': 29}"), row
+    code, out, _ = _inspect(capsys, "--json", str(path))
+    assert json.loads(out)["tensors"][0]["name"] == long_key  # the machine-readable output keeps it whole
+    assert fit_name("x" * 10) == "x" * 10 and len(fit_name("x" * 500)) == 60
+
+
+# ---------------------------------------------------------------------------- resuming from a damaged checkpoint
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_resume_from_a_damaged_last_ckpt_names_the_checkpoint_before_it(tmp_path):
+    script = os.path.join(EXAMPLES, "checkpoint_plugin.py")
+    out = tmp_path / "ckpt"
+
+    def example(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, script, "--out", str(out), *args],
+            capture_output=True,
+            text=True,
+            timeout=280,
+            env=_env(None),
+        )
+
+    assert example("--steps", "10").returncode == 0
+    assert sorted(os.listdir(out)) == ["epoch=0-step=10.ckpt", "last.ckpt"]
+    last = out / "last.ckpt"
+    damaged = bytearray(last.read_bytes())
+    damaged[len(damaged) // 2 : len(damaged) // 2 + 64] = b"\xff" * 64  # inside the tensor data
+    last.write_bytes(bytes(damaged))
+    r = example("--steps", "20", "--resume")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-4000:]
+    line = r.stderr.splitlines()[-1]
+    assert line.startswith(f"checkpoint_plugin.py: --resume: {last}: checksum mismatch in record"), line
+    assert line.endswith(
+        f"HINT: resume from the newest intact checkpoint ModelCheckpoint kept: --resume '{out / 'epoch=0-step=10.ckpt'}'"
+    ), line
+    assert last.read_bytes() == bytes(damaged)  # refused, not overwritten
+    assert sorted(os.listdir(out)) == ["epoch=0-step=10.ckpt", "last.ckpt"]  # and nothing trained or saved
+
+
+def test_the_demos_reference_is_reused_for_the_same_configuration(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    tiny = ["--steps", "2", "--microbatches", "2", "--batch-size", "2", "--block-size", "16", "--width", "16"]
+    args = parser.parse_args([*tiny, "--layers", "1", "--corpus-bytes", "50000", "--out", str(tmp_path)])
+    losses, state = demo.cached_reference(args, train_seconds=1.0)
+    assert "replaying the 2 steps in one process" in capsys.readouterr().out
+    saved = [n for n in os.listdir(tmp_path) if n.startswith("reference-")]
+    assert saved == [f"reference-{demo.reference_key(args)}.pt"]
+    args.replicas, args.inject = 3, ""  # not part of the reference
+    again_losses, again_state = demo.cached_reference(args, train_seconds=1.0)
+    assert "reused" in capsys.readouterr().out
+    assert again_losses == losses and all(torch.equal(again_state[k], v) for k, v in state.items())
+    args.lr = 1e-2  # part of it: another key, replayed
+    assert demo.reference_key(args) != saved[0][len("reference-") : -len(".pt")]
