@@ -122,7 +122,8 @@ def test_launcher_holding_the_monitor_role_sigkilled(etcd3, tmp_path, reference)
     dead, and its replicas finish on the failure-free trajectory."""
     out = str(tmp_path / "run")
     job = f"t-{os.getpid()}-{time.monotonic_ns()}"
-    env = etcd3.environment()
+    # The launchers of one job are given one secret (it is never stored in etcd).
+    env = dict(etcd3.environment(), LIGHTNING_RECOVER_SECRET_FILE=JobSecret.generate().write_file(str(tmp_path)))
     a, log_a = start_job(_run_cmd(out, etcd3, job, "0"), str(tmp_path / "a"), env)
     b = None
     try:

@@ -21,6 +21,7 @@ import time
 import pytest
 
 from lightning_recover.control_plane.etcd_cluster import DEFAULT_ELECTION_MS, DEFAULT_HEARTBEAT_MS
+from lightning_recover.protocol.messages import JobSecret
 from lightning_recover.protocol.reachability import exclusion_bound, probe_timeout_for
 from tests.hosts import Hosts
 from tests.jobs import ROOT, max_relative_difference
@@ -351,6 +352,10 @@ class EtcdOnHosts:
         argv += [sys.executable, FABRIC, self.out, *script_args]
         env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=self.hosts.iface[f"h{r}"])
         env.pop("LIGHTNING_RECOVER_INJECT", None)
+        secret_file = os.path.join(self.out, "job.secret")  # the job's launchers share one secret (never in etcd)
+        if not os.path.exists(secret_file):
+            JobSecret.generate().write_file(self.out)
+        env["LIGHTNING_RECOVER_SECRET_FILE"] = secret_file
         self.launchers[r] = self.hosts.popen(f"h{r}", argv, os.path.join(self.out, f"h{r}.log"), env)
 
     def log(self, name: str) -> str:

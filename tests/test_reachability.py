@@ -171,6 +171,7 @@ def test_the_reason_of_a_fencing_is_found_after_later_rounds(coordinator):
     fenced = {"members": {"0": 1, "1": 1, "2": 1}, "keep": [0, 1], "fenced": {"2": {"unreachable": [0, 1]}}}
     store.set("reach/1/verdict", json.dumps(fenced))
     store.set("reach/2/verdict", json.dumps({"members": {"0": 1, "1": 1, "2": 2}, "keep": [0, 1, 2], "fenced": {}}))
+    store.set("reach/round", json.dumps({"round": 2, "members": {"0": 1, "1": 1, "2": 2}}))  # the latest, sealed
     store.add("reach/rounds", 2)
     assert "has no two-way connection with replicas [0, 1]" in fence_reason(store, 2, 1)
     assert fence_reason(store, 2, 1, number=2) is None
@@ -191,6 +192,45 @@ def test_judge_fences_nobody_when_everyone_reaches_everyone(coordinator, monkeyp
         assert store.deaths([0, 1, 2]) == {0: 0, 1: 0, 2: 0}
     finally:
         _close(replicas)
+
+
+def _cut_probe_address(store, replica: int, incarnation: int, silent: socket.socket) -> None:
+    """Publish a listener that never answers as ``replica``'s probe server (its data network is cut)."""
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    address = {"inc": incarnation, "host": "127.0.0.1", "port": silent.getsockname()[1]}
+    store.set(f"reach/addr/{replica}", json.dumps(address))
+
+
+def test_a_bumped_round_counter_makes_no_replica_skip_a_round(coordinator, monkeypatch):
+    """A client without the secret keeps bumping the unsealed ``reach/rounds`` while a real partition is
+    judged: the responders take the round (and its number) from the sealed record, so the partitioned
+    replica is still fenced within the bound."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    coord, secret = coordinator
+    replicas = _replicas(coord, secret, "reduce")
+    store = replicas[0][0]
+    attacker = store.raw.clone()
+    stop = threading.Event()
+
+    def bump() -> None:
+        while not stop.wait(0.005):
+            attacker.add("reach/rounds", 1)
+
+    bumper = threading.Thread(target=bump, name="test-round-bumper", daemon=True)
+    with socket.socket() as silent:
+        _cut_probe_address(store, 2, replicas[2][1], silent)
+        bumper.start()
+        try:
+            deadline = time.monotonic() + BOUND + 1.0
+            while time.monotonic() < deadline and store.deaths([2])[2] == 0:
+                time.sleep(0.02)
+            assert store.deaths([0, 1, 2]) == {0: 0, 1: 0, 2: replicas[2][1]}
+            assert "has no two-way connection with replicas [0, 1]" in fence_reason(store, 2, replicas[2][1])
+        finally:
+            stop.set()
+            bumper.join(5)
+            _close(replicas)
 
 
 @pytest.mark.slow  # waits out a timeout or a window (1-1.7 s): kept out of `make test-fast`

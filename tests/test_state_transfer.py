@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import collections
+import datetime
 import io
 import os
+import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore
 
-from lightning_recover.errors import RecoverError
-from lightning_recover.protocol.state_transfer import pack, unpack
+from lightning_recover.errors import ForgedMessageError, RecoverError
+from lightning_recover.protocol.messages import ControlStore, JobSecret
+from lightning_recover.protocol.state_transfer import broadcast_state, pack, pack_and_seal_digest, unpack
 from lightning_recover.tiny_gpt import GPTConfig, TinyGPT
 
 
@@ -115,3 +121,59 @@ def test_a_skeleton_that_would_run_code_is_refused():
     payload, skeleton_len = pack({"x": torch.ones(2), "evil": _NotAllowed()})
     with pytest.raises(RecoverError, match="weights-only"):
         unpack(payload, skeleton_len)
+
+
+class _Gloo:
+    """The ``collectives`` of broadcast_state on a real two-rank gloo group (each rank a thread)."""
+
+    def __init__(self, store, rank: int) -> None:
+        self.pg = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=20))
+
+    def broadcast(self, tensors, src_rank: int) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src_rank
+        for t in tensors:
+            self.pg.broadcast([t], opts).wait()
+
+
+def _member(server, secret: JobSecret, rank: int) -> SimpleNamespace:
+    """What broadcast_state needs of a Membership: its generation, position, rank and sealed store."""
+    store = ControlStore(f"127.0.0.1:{server.port}", rank, secret, store=server.clone())
+    return SimpleNamespace(gen=SimpleNamespace(number=2), inner=0, replica_size=1, rank=rank, store=store)
+
+
+def test_rejoin_sizes_altered_on_the_way_are_refused_before_any_allocation():
+    """The sender seals the state's digest and sizes; an on-path peer announces 2**40 bytes instead. The joiner
+    refuses before it allocates (it would have tried 1 TiB), and takes the genuine announcement."""
+    secret = JobSecret.generate()
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=20), wait_for_workers=False)
+    state = _trained_state()
+    outcome: dict[str, object] = {}
+
+    def sender(forge: bool) -> None:
+        group = _member(server, secret, 0)
+        gloo = _Gloo(PrefixStore(f"pg{forge}", server.clone()), 0)
+        if not forge:
+            broadcast_state(gloo, group, 0, state, receive=False)
+            return
+        payload, skeleton_len = pack_and_seal_digest(state, group)  # the genuine record is sealed...
+        gloo.broadcast([torch.tensor([1 << 40, skeleton_len], dtype=torch.int64)], 0)  # ...other sizes travel
+
+    def joiner(forge: bool) -> None:
+        group = _member(server, secret, 1)
+        gloo = _Gloo(PrefixStore(f"pg{forge}", server.clone()), 1)
+        try:
+            outcome[f"state{forge}"] = broadcast_state(gloo, group, 0, None, receive=True)
+        except BaseException as exc:  # reported by the asserts below
+            outcome[f"error{forge}"] = exc
+
+    for forge in (True, False):
+        threads = [threading.Thread(target=sender, args=(forge,)), threading.Thread(target=joiner, args=(forge,))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    error = outcome.get("errorTrue")
+    assert isinstance(error, ForgedMessageError) and "nothing is allocated" in str(error), error
+    assert "errorFalse" not in outcome, outcome.get("errorFalse")
+    _assert_same(outcome["stateFalse"], state)

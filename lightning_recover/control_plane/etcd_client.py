@@ -8,9 +8,19 @@ pulls in requests/futurist/pbr. What this module adds over ``http.client`` is ex
 plane needs and none of them does together: every member as an endpoint with failover within a deadline,
 TLS with client certificates, and per-call bounds.
 
-A request goes to the current member; on a connection failure, a timeout of one try, or etcd's
-"unavailable" answers (no leader, leader changed) it moves to the next member and tries again until
-the call's deadline, then raises :class:`EtcdUnavailable`. A try is short (``try_timeout``, 0.25 s)
+A request goes to the current member; on a connection failure, a timeout of one try, a certificate the
+client refuses (or that refuses the client), or etcd's "unavailable" answers (no leader, leader changed)
+it moves to the next member and tries again until the call's deadline, then raises :class:`EtcdUnavailable`
+(or :class:`EtcdCertificateError` when every member's certificate was the problem, naming each member and
+its problem). The deadline bounds the whole call: every read of an answer waits at most until it, so a
+member trickling bytes cannot stretch a call. After every member failed once, the next round waits a
+jittered, doubling pause (``BACKOFF_MIN`` to ``BACKOFF_MAX``): clients of a recovering cluster do not
+retry in step. Answers are bounded too (``MAX_ANSWER_BYTES``, ``MAX_LINE_BYTES`` for a watch message).
+
+etcd's ``RESOURCE_EXHAUSTED`` (gRPC code 8) has two meanings: "too many requests" (its apply lags its
+log; transient) is retried like "unavailable"; "database space exceeded" (the NOSPACE alarm: every
+write fails until an operator compacts, defragments and disarms) raises :class:`EtcdNoSpace` at once,
+with those commands in its HINT. A try is short (``try_timeout``, 0.25 s)
 for the first few times it times out, then twice as long each time (up to 2 s): when the leader dies,
 a follower that still believes in it forwards the proposal into the void and never answers, so only
 a new try after the election gets through (with a 1 s try, a leader's SIGKILL stalled every writer
@@ -23,8 +33,12 @@ counters carry a token that tells whether an unanswered try was applied (see ``e
 from __future__ import annotations
 
 import base64
+import datetime
+import functools
 import http.client
+import io
 import json
+import random
 import socket
 import ssl
 import time
@@ -35,6 +49,17 @@ from lightning_recover.errors import RecoverError
 
 #: gRPC codes etcd answers with while the cluster cannot serve right now (retried on another member).
 _RETRY_CODES = {2, 4, 14}  # UNKNOWN ("leader changed"), DEADLINE_EXCEEDED, UNAVAILABLE
+#: RESOURCE_EXHAUSTED: "too many requests" (retried) or "database space exceeded" (EtcdNoSpace).
+_EXHAUSTED = 8
+#: The pause after a whole round of members failed starts here and doubles per round, up to BACKOFF_MAX
+#: (each drawn from its upper half at random).
+BACKOFF_MIN = 0.02
+BACKOFF_MAX = 0.5
+#: The largest answer (body) read from a member: a job's own keys are far below it; beyond it a member
+#: (or whoever holds its address) could make the client allocate without bound.
+MAX_ANSWER_BYTES = 64 << 20
+#: The largest watch message (one line of the stream).
+MAX_LINE_BYTES = 64 << 20
 #: Tries of one request that may time out at ``try_timeout`` before each next try waits twice as long.
 QUICK_TRIES = 5
 #: The longest one try waits for its answer.
@@ -49,6 +74,118 @@ class EtcdUnavailable(RecoverError):
 
 class EtcdRequestError(RecoverError):
     """etcd refused a request (bad request, permission): retrying elsewhere would not help."""
+
+
+class EtcdNoSpace(EtcdRequestError):
+    """etcd's space quota is full (its NOSPACE alarm): every write fails until an operator frees space."""
+
+
+class EtcdCertificateError(RecoverError):
+    """Every member's TLS handshake failed on a certificate: theirs refused by this client, or this client's
+    refused by them (each member and its problem named)."""
+
+
+class EtcdClientCertificateExpired(RecoverError):
+    """This host's etcd client certificate is outside its validity period."""
+
+
+def certificate_validity(path: str) -> tuple[datetime.datetime, datetime.datetime]:
+    """``(notBefore, notAfter)`` of the first certificate of the PEM file ``path`` (UTC), read from its DER
+    encoding (the standard library decodes only a peer's certificate, not a file's)."""
+    with open(path) as f:
+        pem = f.read()
+    begin, end = "-----BEGIN CERTIFICATE-----", "-----END CERTIFICATE-----"
+    der = ssl.PEM_cert_to_DER_cert(pem[pem.index(begin) : pem.index(end) + len(end)])
+
+    def tlv(at: int) -> tuple[int, int, int]:  # tag, where its value starts, where it ends
+        tag, n = der[at], der[at + 1]
+        at += 2
+        if n & 0x80:
+            width = n & 0x7F
+            n = int.from_bytes(der[at : at + width], "big")
+            at += width
+        return tag, at, at + n
+
+    at = tlv(tlv(0)[1])[1]  # into Certificate, then into TBSCertificate
+    tag, _, end_of = tlv(at)
+    if tag == 0xA0:  # [0] version
+        at = end_of
+    for _ in range(3):  # serialNumber, signature, issuer
+        at = tlv(at)[2]
+    at = tlv(at)[1]  # into validity
+    times = []
+    for _ in range(2):
+        tag, start, stop = tlv(at)
+        fmt = "%y%m%d%H%M%SZ" if tag == 0x17 else "%Y%m%d%H%M%SZ"  # UTCTime or GeneralizedTime
+        times.append(datetime.datetime.strptime(der[start:stop].decode(), fmt).replace(tzinfo=datetime.timezone.utc))
+        at = stop
+    return times[0], times[1]
+
+
+def check_client_certificate(path: str) -> None:
+    """Refuse a client certificate outside its validity period now, by name, rather than as members that
+    "do not answer" (each would refuse the handshake).
+
+    Raises:
+        EtcdClientCertificateExpired: ``path`` expired (or is not valid yet).
+    """
+    try:
+        not_before, not_after = certificate_validity(path)
+    except (OSError, ValueError, IndexError):
+        return  # not readable as one PEM certificate: loading it into the TLS context says why
+    now = datetime.datetime.now(datetime.timezone.utc)
+    if now > not_after or now < not_before:
+        state = f"expired on {not_after:%Y-%m-%d %H:%M} UTC" if now > not_after else f"is valid from {not_before}"
+        raise EtcdClientCertificateExpired(
+            f"the etcd client certificate {path} {state}: every member would refuse it. HINT: issue a new client "
+            "certificate from the cluster's CA (--etcd-cert/--etcd-key, or LIGHTNING_RECOVER_ETCD_CERT/_KEY); "
+            "`lightning-recover etcd up` makes certificates valid for 30 days"
+        )
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A socket's bytes, each read waiting at most until ``deadline.at``: the whole answer is bounded, not
+    each read (a peer sending one byte per second would otherwise hold a reader forever)."""
+
+    def __init__(self, sock: socket.socket, deadline: _Deadline) -> None:
+        super().__init__()
+        self._sock, self._deadline = sock, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = self._deadline.at - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the member's answer did not arrive within the request's deadline")
+        self._sock.settimeout(left)
+        return self._sock.recv_into(buffer)
+
+
+class _Deadline:
+    """The time (monotonic) the answer being read must be complete by."""
+
+    def __init__(self) -> None:
+        self.at = float("inf")
+
+
+class _BoundedResponse(http.client.HTTPResponse):
+    """An HTTP answer read through a :class:`_DeadlineReader` (its status line and headers too)."""
+
+    def __init__(self, sock: socket.socket, *args: Any, deadline: _Deadline, **kwargs: Any) -> None:
+        super().__init__(sock, *args, **kwargs)
+        self.fp = io.BufferedReader(_DeadlineReader(sock, deadline))
+
+
+def _alert(exc: ssl.SSLError) -> bool:
+    """A TLS alert from the member about this client's certificate (it refused it)."""
+    return "ALERT" in str(exc.reason or "") and "CERTIFICATE" in str(exc.reason or "")
+
+
+def backoff(round_: int) -> float:
+    """The jittered pause after ``round_`` (1, 2, ...) whole rounds of members failed."""
+    top = min(BACKOFF_MAX, BACKOFF_MIN * 2 ** max(0, round_ - 1))
+    return random.uniform(top / 2, top)
 
 
 def b64(data: bytes) -> str:
@@ -73,11 +210,149 @@ def prefix_end(prefix: bytes) -> bytes:
 def tls_context(cacert: Optional[str], cert: Optional[str], key: Optional[str]) -> ssl.SSLContext:
     ctx = ssl.create_default_context(cafile=cacert)
     if cert:
+        check_client_certificate(cert)
         ctx.load_cert_chain(cert, key)
     return ctx
 
 
-class EtcdClient:
+class _Transport:
+    """How one request reaches a member: a connection at a time, failover, bounds (see the module doc)."""
+
+    endpoints: list[str]
+    context: Optional[ssl.SSLContext]
+    timeout: float
+    try_timeout: float
+    requests: int
+    raft_term: int
+    _current: int
+    _conn: Optional[http.client.HTTPConnection]
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _connect(self, timeout: float) -> http.client.HTTPConnection:
+        host, _, port = self.endpoints[self._current].rpartition(":")
+        host = host.strip("[]")
+        if self.context is not None:
+            conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+                host, int(port), timeout=timeout, context=self.context
+            )
+        else:
+            conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+        deadline = _Deadline()
+        conn.response_class = functools.partial(_BoundedResponse, deadline=deadline)  # type: ignore[assignment]
+        conn.lr_deadline = deadline  # type: ignore[attr-defined]
+        conn.connect()  # the TLS handshake is bounded by ``timeout`` as a whole (CPython's own deadline)
+        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return conn
+
+    def _next_endpoint(self) -> None:
+        self.close()
+        self._current = (self._current + 1) % len(self.endpoints)
+
+    def try_timeout_after(self, timed_out: int) -> float:
+        """How long the next try of a request waits, after ``timed_out`` of its tries timed out."""
+        return min(MAX_TRY_TIMEOUT, self.try_timeout * 2 ** max(0, timed_out - QUICK_TRIES + 1))
+
+    def _exchange(self, path: str, payload: bytes, try_for: float) -> tuple[int, bytes]:
+        """One try: ``(HTTP status, body)`` of POST ``/v3/{path}`` to the current member, within ``try_for``."""
+        until = time.monotonic() + try_for
+        if self._conn is None:
+            self._conn = self._connect(try_for)
+        self._conn.sock.settimeout(max(0.001, until - time.monotonic()))
+        self._conn.lr_deadline.at = until  # type: ignore[attr-defined]
+        self._conn.request("POST", f"/v3/{path}", payload, {"Content-Type": "application/json"})
+        self.requests += 1
+        resp = self._conn.getresponse()
+        if resp.length is not None and resp.length > MAX_ANSWER_BYTES:
+            self.close()
+            raise EtcdRequestError(self._too_large(path, f"{resp.length} bytes"))
+        data = resp.read(MAX_ANSWER_BYTES + 1)
+        if len(data) > MAX_ANSWER_BYTES:
+            self.close()
+            raise EtcdRequestError(self._too_large(path, "a chunked answer"))
+        return resp.status, data
+
+    def _too_large(self, path: str, what: str) -> str:
+        return (
+            f"etcd at {self.endpoints[self._current]} answered /v3/{path} with {what}, over the "
+            f"{MAX_ANSWER_BYTES} bytes this client reads. HINT: a job's keys are far smaller: check that the address "
+            "is the job's etcd and that nothing else writes under the job's prefix"
+        )
+
+    def request(self, path: str, body: dict, timeout: Optional[float] = None) -> dict:
+        """POST ``body`` to ``/v3/{path}``; fail over between members until ``timeout`` (default: the client's).
+
+        Raises:
+            EtcdUnavailable: no member answered within the deadline (each member's last problem named).
+            EtcdCertificateError: every member's TLS handshake failed on a certificate (named per member).
+            EtcdNoSpace: etcd's space quota is full (NOSPACE alarm).
+            EtcdRequestError: etcd refused the request (retrying would not help).
+        """
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        payload = json.dumps(body).encode()
+        problems: dict[str, str] = {}  # member -> its last problem in this call
+        certificate: dict[str, str] = {}  # member -> the certificate problem of its handshake
+        tried = timed_out = 0
+        while True:
+            left = deadline - time.monotonic()
+            if tried and (left <= 0 or len(certificate) == len(self.endpoints)):
+                raise self._gave_up(path, limit, problems, certificate)
+            tried += 1
+            member = self.endpoints[self._current]
+            try:
+                status, data = self._exchange(path, payload, max(0.05, min(left, self.try_timeout_after(timed_out))))
+            except ssl.SSLCertVerificationError as exc:
+                problems[member] = certificate[member] = f"its certificate was refused: {exc.verify_message}"
+            except ssl.SSLError as exc:
+                if _alert(exc):
+                    problems[member] = certificate[member] = f"it refused this client's certificate ({exc.reason})"
+                else:
+                    problems[member] = f"TLS: {exc}"
+            except (OSError, http.client.HTTPException) as exc:  # refused, reset, timed out
+                timed_out += isinstance(exc, TimeoutError)
+                problems[member] = f"{type(exc).__name__}: {exc}"
+            else:
+                answer = _answer_of(status, data)
+                if status == 200 and "error" not in answer:
+                    self.raft_term = max(self.raft_term, int((answer.get("header") or {}).get("raft_term") or 0))
+                    return answer
+                code = int(answer.get("code", 14 if status >= 500 else 3))
+                message = str(answer.get("message") or answer.get("error") or f"HTTP {status}")
+                if code == _EXHAUSTED and "too many requests" not in message:
+                    raise EtcdNoSpace(
+                        f"etcd at {member} refused /v3/{path}: {message} (its NOSPACE alarm: every write fails "
+                        "until space is freed). HINT: compact, defragment, disarm: `etcdctl compact <revision from "
+                        "etcdctl endpoint status -w json>`, `etcdctl defrag --cluster`, `etcdctl alarm disarm`; then "
+                        "turn on compaction (--auto-compaction-retention) or raise --quota-backend-bytes"
+                    )
+                if code not in _RETRY_CODES and code != _EXHAUSTED and status not in (502, 503, 504):
+                    raise EtcdRequestError(f"etcd refused /v3/{path}: {message} (code {code})")
+                problems[member] = message
+            self._next_endpoint()
+            if tried % len(self.endpoints) == 0:  # every member failed once more: pause before the next round
+                time.sleep(min(backoff(tried // len(self.endpoints)), max(0.0, deadline - time.monotonic())))
+
+    def _gave_up(self, path: str, limit: float, problems: dict[str, str], certificate: dict[str, str]) -> RecoverError:
+        named = "; ".join(f"{m}: {p}" for m, p in problems.items())
+        if certificate and len(certificate) == len(problems):
+            return EtcdCertificateError(
+                f"no etcd member of {','.join(self.endpoints)} could be reached for /v3/{path}: every TLS handshake "
+                f"failed on a certificate ({named}). HINT: --etcd-cacert must be the CA that signed the members' "
+                "certificates (whose SANs must name the address used), and the members must trust the CA of "
+                "--etcd-cert; a member with a rotated or expired certificate needs a new one"
+            )
+        return EtcdUnavailable(
+            f"no etcd member of {','.join(self.endpoints)} answered /v3/{path} within {limit:g}s ({named}). "
+            "HINT: check that a majority of the etcd members run and that this host reaches them "
+            "(LIGHTNING_RECOVER_CONTROL_PLANE)"
+        )
+
+
+class EtcdClient(_Transport):
     """One connection at a time to one of ``endpoints`` (``HOST:PORT``); not thread-safe (use :meth:`clone`).
 
     ``tls`` None means plain http (refused unless ``allow_insecure``); otherwise an ``ssl.SSLContext``
@@ -133,86 +408,6 @@ class EtcdClient:
                 self._conn = self._connect(self.timeout)
             except (OSError, http.client.HTTPException):
                 self._next_endpoint()
-
-    def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-
-    # ------------------------------------------------------------------ transport
-    def _connect(self, timeout: float) -> http.client.HTTPConnection:
-        host, _, port = self.endpoints[self._current].rpartition(":")
-        host = host.strip("[]")
-        if self.context is not None:
-            conn: http.client.HTTPConnection = http.client.HTTPSConnection(
-                host, int(port), timeout=timeout, context=self.context
-            )
-        else:
-            conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
-        conn.connect()
-        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return conn
-
-    def _next_endpoint(self) -> None:
-        self.close()
-        self._current = (self._current + 1) % len(self.endpoints)
-
-    def try_timeout_after(self, timed_out: int) -> float:
-        """How long the next try of a request waits, after ``timed_out`` of its tries timed out."""
-        return min(MAX_TRY_TIMEOUT, self.try_timeout * 2 ** max(0, timed_out - QUICK_TRIES + 1))
-
-    def request(self, path: str, body: dict, timeout: Optional[float] = None) -> dict:
-        """POST ``body`` to ``/v3/{path}``; fail over between members until ``timeout`` (default: the client's)."""
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        payload = json.dumps(body).encode()
-        last: object = None
-        tried = timed_out = 0
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 and tried:
-                raise EtcdUnavailable(
-                    f"no etcd member of {','.join(self.endpoints)} answered /v3/{path} within "
-                    f"{self.timeout if timeout is None else timeout:g}s (last: {last}). HINT: check that a majority "
-                    "of the etcd members run and that this host reaches them (LIGHTNING_RECOVER_CONTROL_PLANE)"
-                )
-            tried += 1
-            try_for = max(0.05, min(left, self.try_timeout_after(timed_out)))
-            try:
-                if self._conn is None:
-                    self._conn = self._connect(try_for)
-                self._conn.sock.settimeout(try_for)
-                self._conn.request("POST", f"/v3/{path}", payload, {"Content-Type": "application/json"})
-                self.requests += 1
-                resp = self._conn.getresponse()
-                data = resp.read()
-            except ssl.SSLCertVerificationError as exc:
-                self.close()
-                raise EtcdRequestError(
-                    f"TLS verification of etcd at {self.endpoints[self._current]} failed: {exc}. HINT: "
-                    "--etcd-cacert must be the CA that signed the members' certificates, whose SANs must "
-                    "name the address used"
-                ) from None
-            except (OSError, http.client.HTTPException) as exc:  # refused, reset, timed out, TLS alert
-                timed_out += isinstance(exc, TimeoutError)
-                last = f"{self.endpoints[self._current]}: {type(exc).__name__}: {exc}"
-                self._next_endpoint()
-                time.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
-                continue
-            try:
-                answer = json.loads(data) if data else {}
-            except ValueError:
-                answer = {"error": data[:200].decode(errors="replace"), "code": 2}
-            if resp.status == 200 and "error" not in answer:
-                self.raft_term = max(self.raft_term, int((answer.get("header") or {}).get("raft_term") or 0))
-                return answer
-            code = int(answer.get("code", 14 if resp.status >= 500 else 3))
-            message = answer.get("message") or answer.get("error") or f"HTTP {resp.status}"
-            if code in _RETRY_CODES or resp.status in (502, 503, 504):
-                last = f"{self.endpoints[self._current]}: {message}"
-                self._next_endpoint()
-                time.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
-                continue
-            raise EtcdRequestError(f"etcd refused /v3/{path}: {message} (code {code})")
 
     # ------------------------------------------------------------------ key-value
     def range(
@@ -278,6 +473,18 @@ class EtcdClient:
     def status(self) -> dict:
         return self.request("maintenance/status", {})
 
+    def compact(self, revision: int) -> bool:
+        """Compact etcd's history up to ``revision`` (the whole cluster's: etcd keeps one); False when it was
+        compacted further already (by another client, or the members' own auto-compaction). Returns once the
+        member removed the old revisions (``physical``): compactions never pile up behind a busy member."""
+        try:
+            self.request("kv/compaction", {"revision": str(revision), "physical": True})
+        except EtcdRequestError as exc:
+            if "compacted" in str(exc):
+                return False
+            raise
+        return True
+
     # ------------------------------------------------------------------ watch
     def watch(
         self, key: bytes, start_revision: int, timeout: float, range_end: Optional[bytes] = None
@@ -297,18 +504,17 @@ class EtcdClient:
             self._next_endpoint()
             return
         try:
+            conn.lr_deadline.at = deadline  # type: ignore[attr-defined]
             conn.request("POST", "/v3/watch", json.dumps(body).encode(), {"Content-Type": "application/json"})
             self.requests += 1
             resp = conn.getresponse()
             if resp.status != 200:
                 return
             while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
+                if deadline - time.monotonic() <= 0:
                     return
-                conn.sock.settimeout(left)
-                line = resp.readline()
-                if not line:
+                line = resp.readline(MAX_LINE_BYTES + 1)
+                if not line or len(line) > MAX_LINE_BYTES:
                     return
                 msg = json.loads(line).get("result", {})
                 if msg.get("canceled"):
@@ -335,6 +541,7 @@ class EtcdClient:
             raise
         self._stream = conn
         try:
+            conn.lr_deadline.at = time.monotonic() + read_timeout  # type: ignore[attr-defined]
             conn.request("POST", "/v3/watch", json.dumps(body).encode(), {"Content-Type": "application/json"})
             self.requests += 1
             resp = conn.getresponse()
@@ -342,10 +549,12 @@ class EtcdClient:
                 self._next_endpoint()
                 raise OSError(f"etcd watch answered HTTP {resp.status}")
             while True:
-                conn.sock.settimeout(read_timeout)
-                line = resp.readline()
+                conn.lr_deadline.at = time.monotonic() + read_timeout  # type: ignore[attr-defined]
+                line = resp.readline(MAX_LINE_BYTES + 1)
                 if not line:
                     return
+                if len(line) > MAX_LINE_BYTES:
+                    raise OSError(f"an etcd watch message over {MAX_LINE_BYTES} bytes")
                 msg = json.loads(line)
                 if "error" in msg:
                     raise OSError(f"etcd watch stream error: {msg['error']}")
@@ -366,6 +575,15 @@ class EtcdClient:
 
 
 # ---------------------------------------------------------------------------- transaction ops
+
+
+def _answer_of(status: int, data: bytes) -> dict:
+    """A member's answer as JSON (a body that is not JSON: an error of code 2, retried elsewhere)."""
+    try:
+        answer = json.loads(data) if data else {}
+    except ValueError:
+        return {"error": data[:200].decode(errors="replace"), "code": 2}
+    return answer if isinstance(answer, dict) else {"error": f"not a JSON object (HTTP {status})", "code": 2}
 
 
 def cmp_version(key: bytes, version: int) -> dict:

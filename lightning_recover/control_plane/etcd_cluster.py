@@ -316,13 +316,13 @@ class LocalEtcdCluster:
     # ------------------------------------------------------------------ status
     def status(self, i: int, timeout: float = 1.0) -> dict | None:
         """``/v3/maintenance/status`` of member ``i`` (None if it does not answer)."""
-        from lightning_recover.control_plane.etcd_client import EtcdClient, EtcdUnavailable
+        from lightning_recover.control_plane.etcd_client import EtcdClient
 
         m = self.members[i]
         client = EtcdClient([m.endpoint], timeout=timeout, **self.tls_files, allow_insecure=not self.tls)
         try:
             return client.status()
-        except EtcdUnavailable:
+        except RecoverError:  # down, or a certificate this client refuses (client_facing_certs)
             return None
         finally:
             client.close()
@@ -348,13 +348,15 @@ class LocalEtcdCluster:
                 raise RecoverError(
                     f"etcd member {m.name} exited ({m.proc.returncode}) at start; see {self.directory}/{m.name}.log"
                 )
-        try:
-            self.leader(max(0.1, deadline - time.monotonic()))
-        except TimeoutError as exc:
-            raise RecoverError(
-                f"{exc}. HINT: see the members' logs ({self.directory}/m*.log); a member that cannot reach the "
-                "others (address, firewall) or a slow host delays the election"
-            ) from None
+        # Ready once any member names a leader (the leader itself may be one whose certificate this client
+        # refuses: client_facing_certs).
+        while not any(int((self.status(i) or {}).get("leader") or 0) for i in range(len(self.members))):
+            if time.monotonic() > deadline:
+                raise RecoverError(
+                    f"no etcd leader within {timeout:g}s. HINT: see the members' logs ({self.directory}/m*.log); a "
+                    "member that cannot reach the others (address, firewall) or a slow host delays the election"
+                )
+            time.sleep(0.05)
 
     def _write_state(self) -> None:
         state = {

@@ -7,18 +7,24 @@ own replicas: ``lightning-recover run --control-plane etcd://... --job NAME --lo
   keys (the same as the embedded coordinator's, :func:`~lightning_recover.protocol.coordinator.init_keys`)
   and then ``meta/ready``; the others wait for ``meta/ready``. A job name already used by a job of
   another shape is refused.
-* **secret**: the job's MAC key is written once to etcd (first writer wins) and read by every launcher,
-  which hands it to its replicas in a 0600 file. Only clients with a certificate of the cluster's CA
-  reach it (TLS client auth), the same set that can reach the job's keys at all.
+  The job's keys are sealed with its secret, so a launcher with another secret is refused by name: a job
+  is its name *and* its secret, and a new job reusing an old name never adopts the old one's state.
+* **secret**: never stored in etcd (where every holder of a client certificate of the cluster, another
+  job's included, could read it, and so could its data directory, snapshots and backups). Each launcher
+  takes the one it is given (``LIGHTNING_RECOVER_SECRET_FILE``: the same 0600 file for every launcher of
+  a multi-launcher job), or makes one (a job of one launcher), and hands it to its replicas in a 0600 file.
 * **monitor role** (:class:`MonitorRole`): declaring replicas dead on missed heartbeats or hangs is what
   the embedded coordinator's monitor thread does; here it is held by one launcher at a time through an
   etcd election: a key ``monitor`` created in a transaction only if absent (``version == 0``), attached
   to that launcher's lease. Its holder keeps the lease alive; if the holder dies (or loses etcd) the
   lease expires after ``ttl`` seconds, etcd deletes the key, and a waiting candidate's transaction
   succeeds. A holder that cannot renew its lease within ``ttl`` stops monitoring before any other can
-  take over (it counts from before its last successful renewal), so two monitors never overlap in the
-  holder's own time. Even if they did, every declaration is a compare-and-set on ``dead/{r}`` that only
-  grows: a second monitor could only repeat a declaration, never undo one.
+  take over (it counts from before it asked for the lease or its last renewal), and every request of its
+  monitor is fenced by the lease (``etcd_store.Fence``: a transaction whose compare is "the role's key
+  is attached to my lease"), so once etcd has given the role to another, etcd refuses the old holder's
+  writes: two monitors never act at once in etcd's order. A monitor thread that ends (any exception) gives
+  the role up at once (lease revoked) and its launcher waits ``ttl`` before campaigning again, so another
+  launcher takes over. The holder also compacts etcd's history (``etcd_compaction.Compactor``).
 
 Takeover bound: ``ttl`` (lease expiry) + ``CAMPAIGN_PERIOD`` + one request; the new holder declares a
 replica that died meanwhile after ``heartbeat_timeout`` more (it starts its own clock of every beat).
@@ -27,15 +33,19 @@ replica that died meanwhile after ``heartbeat_timeout`` more (it starts its own 
 from __future__ import annotations
 
 import datetime
+import os
 import secrets
 import threading
 import time
 from collections.abc import Callable
 from typing import Optional
 
+from lightning_recover import env
 from lightning_recover.control_plane import etcd_client as ec
 from lightning_recover.control_plane.config import EtcdSettings
-from lightning_recover.errors import RecoverError
+from lightning_recover.control_plane.etcd_compaction import COMPACT_PERIOD, COMPACT_RETAIN, Compactor
+from lightning_recover.control_plane.etcd_store import Fence
+from lightning_recover.errors import ForgedMessageError, RecoverError
 from lightning_recover.protocol import coordinator
 from lightning_recover.protocol.messages import JobSecret, Sealer
 
@@ -52,21 +62,61 @@ DEFAULT_LEASE_TTL = 2
 MONITOR_POLL = 0.1
 
 
-def join_job(settings: EtcdSettings, replicas: int, replica_size: int, timeout: float = 30.0) -> JobSecret:
-    """Create the job's keys (first launcher) or wait until they exist (the others); the job's secret."""
+class JobNameTaken(RecoverError):
+    """The job's name is in use on etcd by a job with another secret."""
+
+
+def launcher_secret() -> JobSecret:
+    """The secret this launcher was given (``LIGHTNING_RECOVER_SECRET_FILE`` or ``_SECRET``: every launcher of
+    a multi-launcher job needs the same), else a new one (a job of one launcher)."""
+    if os.environ.get(env.SECRET_FILE) or os.environ.get(env.SECRET):
+        return JobSecret.from_env()
+    return JobSecret.generate()
+
+
+def join_job(
+    settings: EtcdSettings,
+    replicas: int,
+    replica_size: int,
+    timeout: float = 30.0,
+    secret: Optional[JobSecret] = None,
+) -> JobSecret:
+    """Create the job's keys (first launcher) or wait until they exist (the others).
+
+    Args:
+        settings: the job's etcd and name.
+        replicas: the job's replica count; replica_size: processes per replica (every launcher the same).
+        timeout: seconds to wait for the first launcher's keys.
+        secret: the job's secret (default: :func:`launcher_secret`); it is never written to etcd.
+
+    Returns:
+        The job's secret.
+
+    Raises:
+        JobNameTaken: the name's keys were sealed with another secret (an earlier job's, or another launcher
+            was given another secret file).
+        RecoverError: the job exists with another shape.
+    """
+    secret = secret if secret is not None else launcher_secret()
+    sealer = Sealer(secret)
     store = settings.store()
     try:
         mine = secrets.token_hex(8).encode()
-        # The secret first: init_keys seals with it.
-        key = store.compare_set("secret", b"", secrets.token_bytes(32).hex().encode())
-        secret = JobSecret(bytes.fromhex(key.decode()))
-        sealer = Sealer(secret)
         if store.compare_set("meta/owner", b"", mine) == mine:
             coordinator.init_keys(store, sealer, replicas, replica_size)
             store.set("meta/ready", b"1")
         else:
             store.wait(["meta/ready"], datetime.timedelta(seconds=timeout))
-        stored = [sealer.open(k, store.get(k)).decode() for k in ("meta/replicas", "meta/replica_size")]
+        try:
+            stored = [sealer.open(k, store.get(k)).decode() for k in ("meta/replicas", "meta/replica_size")]
+        except ForgedMessageError:
+            raise JobNameTaken(
+                f"job {settings.job!r} on {settings.url} exists with another secret than this launcher's: a job "
+                "of that name ran before (its keys remain), or the launchers of one job were given different "
+                f"secrets. HINT: give each new job a new --job name (or delete the old job's keys: `etcdctl del "
+                f"--prefix {settings.prefix}`), and every launcher of one job the same {env.SECRET_FILE} "
+                "(`openssl rand -hex 32 > job.secret; chmod 600 job.secret`)"
+            ) from None
         if stored != [str(replicas), str(replica_size)]:
             raise RecoverError(
                 f"job {settings.job!r} on {settings.url} already exists with {stored[0]} replicas of {stored[1]} "
@@ -103,6 +153,9 @@ class MonitorRole:
         self.key = (settings.prefix + "monitor").encode()
         self.held = threading.Event()  # set while this launcher holds the role
         self.taken_at: Optional[float] = None
+        self.lease = 0  # the lease this launcher holds the role with (0: none)
+        self.compaction = (COMPACT_PERIOD, COMPACT_RETAIN)  # the holder's Compactor (period, retain)
+        self._gave_up = False  # the role was given up because its monitor thread ended
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lr-monitor-role", daemon=True)
 
@@ -122,8 +175,9 @@ class MonitorRole:
         client = self.settings.client()
         while not self._stop.is_set():
             try:
-                lease = client.lease_grant(self.ttl)
+                # The lease's clock starts before it is asked for: etcd may count from any moment after.
                 granted = time.monotonic()
+                lease = client.lease_grant(self.ttl)
                 answer = client.txn(
                     [ec.cmp_version(self.key, 0)],
                     [ec.op_put(self.key, self.name.encode(), lease)],
@@ -134,6 +188,9 @@ class MonitorRole:
                     self._stop.wait(CAMPAIGN_PERIOD)
                     continue
                 self._hold(client, lease, granted)
+                if self._gave_up:  # let another launcher take the role before campaigning again
+                    self._gave_up = False
+                    self._stop.wait(self.ttl + CAMPAIGN_PERIOD)
             except RecoverError as exc:  # etcd unreachable: no role, try again
                 if self.held.is_set():
                     self.held.clear()
@@ -144,17 +201,24 @@ class MonitorRole:
     def _hold(self, client: ec.EtcdClient, lease: int, renewed: float) -> None:
         """Monitor while the lease lives; give the role up (revoke) when stopped."""
         self.taken_at = time.monotonic()
+        self.lease = lease
         self.held.set()
         self.say(f"monitor role taken by {self.name}")
         lost = threading.Event()
         monitor = threading.Thread(target=self._monitor, args=(lost,), name="lr-monitor", daemon=True)
         monitor.start()
+        compactor = Compactor(client.clone(), *self.compaction, say=self.say).start()
         # Renew at a third of the TTL; a renewal counts from when it was sent. Give up the role
         # (stop monitoring) once the lease may have expired in etcd's eyes.
         renew_client = client.clone()
         renew_client.timeout = max(0.2, self.ttl / 3)
         try:
             while not self._stop.wait(self.ttl / 3):
+                if not monitor.is_alive():  # its monitor ended: a role kept without one declares nobody dead
+                    self.say(f"monitor of {self.name} ended: the role is given up for another launcher")
+                    self._gave_up = True
+                    client.lease_revoke(lease)
+                    break
                 sent = time.monotonic()
                 try:
                     if renew_client.lease_keepalive(lease) > 0:
@@ -168,12 +232,15 @@ class MonitorRole:
                 client.lease_revoke(lease)  # handing over at once, not after the TTL
         finally:
             lost.set()
+            compactor.stop()
             monitor.join(5.0)
             self.held.clear()
+            self.lease = 0
             renew_client.close()
 
     def _monitor(self, stop: threading.Event) -> None:
         store = self.settings.store()
+        store.fence = Fence(self.key, self.lease)  # etcd refuses its requests once another holds the role
         try:
             coordinator.run_monitor(
                 store,
@@ -185,9 +252,8 @@ class MonitorRole:
                 self.replica_size,
                 poll_period=MONITOR_POLL,
             )
-        except RecoverError as exc:  # etcd lost while monitoring: the lease loop gives the role up
-            self.say(f"monitor of {self.name} stopped: {exc}")
-            stop.wait(self.ttl)
+        except Exception as exc:  # etcd lost, fenced out, or a fault: the lease loop gives the role up
+            self.say(f"monitor of {self.name} stopped: {type(exc).__name__}: {exc}")
         finally:
             store.close()  # its connection and its watched view
 

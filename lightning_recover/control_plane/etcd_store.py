@@ -53,7 +53,9 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from lightning_recover.control_plane import etcd_client as ec
+from lightning_recover.control_plane.etcd_liveness import LeasedKey
 from lightning_recover.control_plane.etcd_watch import STALE_AFTER, WatchView
+from lightning_recover.errors import RecoverError
 
 _WATCH_SLICE = 1.0  # seconds a watch runs before the keys are read again
 #: Seconds of silence the view of the family kept apart (heartbeats) is trusted for. That stream is quiet
@@ -85,6 +87,38 @@ def _nested_increment(key: bytes, guess: Optional[tuple[bytes, int]]) -> Optiona
     return {"request_txn": {"compare": [ec.cmp_mod(key, guess[1])], "success": then, "failure": []}}
 
 
+class FencedOut(RecoverError):
+    """A fenced store's request was refused: the key it is fenced on is no longer held by its lease (the
+    monitor role passed to another launcher)."""
+
+
+class Fence:
+    """Every transaction of a store made conditional on ``key`` being attached to ``lease``: the monitor
+    role's key and its holder's lease (``etcd_job.MonitorRole``). A monitor that lost the role, even one
+    that has not noticed yet (its lease expired while its host stalled), then writes nothing: etcd itself
+    refuses each of its writes, so two monitors never act at once in etcd's order of events."""
+
+    def __init__(self, key: bytes, lease: int) -> None:
+        self.key, self.lease = key, lease
+
+    def txn(self, client: ec.EtcdClient, compare: list[dict], success: list[dict], failure: Sequence[dict]) -> dict:
+        """``client.txn(compare, success, failure)`` nested in one whose compare is the fence; its answer.
+
+        Raises:
+            FencedOut: ``key`` is not attached to ``lease`` (nothing was written).
+        """
+        nested = {"request_txn": {"compare": compare, "success": success, "failure": list(failure)}}
+        answer = client.txn([ec.cmp_lease(self.key, self.lease)], [nested], [])
+        if not answer.get("succeeded"):
+            raise FencedOut(
+                f"{self.key.decode(errors='replace')} is no longer held by lease {self.lease:x}: this monitor lost "
+                "its role and writes nothing more (another launcher holds it)"
+            )
+        inner = (answer.get("responses") or [{}])[0].get("response_txn") or {}
+        inner["header"] = answer.get("header") or {}
+        return inner
+
+
 class _SharedViews:
     """The watched views of a store and all its clones, each started on first use: one of the job's keys
     (``prefix``), and one of the family kept beside them (``apart``: heartbeats), which only a process that
@@ -100,6 +134,11 @@ class _SharedViews:
     def view(self) -> Optional[WatchView]:
         """The view of the job's keys, if started."""
         return self._views.get(self._prefix)
+
+    @property
+    def beside(self) -> Optional[WatchView]:
+        """The view of the keys kept apart, if started."""
+        return self._views.get(self._apart) if self._apart is not None else None
 
     def close(self) -> None:
         with self._lock:
@@ -211,6 +250,12 @@ class _ViewReads:
         view = self._shared.view
         return max(self.client.raft_term, view.term if view is not None else 0)
 
+    def quiet_beside(self) -> bool:
+        """True when the view of the keys kept apart (heartbeats; if started) heard nothing for half of what it
+        tolerates: a write there keeps it current while every replica's beat lives in a lease."""
+        view = self._shared.beside
+        return view is not None and view.quiet_for > view.stale_after / 2
+
     def quiet(self) -> bool:
         """True when the view of the job's keys (if started) heard nothing for half of what it tolerates: a
         write now keeps every process's view current (``coordinator.run_monitor``)."""
@@ -259,6 +304,7 @@ class EtcdStore(_ViewReads, dist.Store):
         self._shared = shared if shared is not None else _SharedViews(client, self.prefix, beside)
         self.write_once = False  # True: every key is written once (see prefixed_clone)
         self._warm = _WarmClones(client)  # for prefixed_clone
+        self.fence: Optional[Fence] = None  # set: every write (and read through the log) is fenced by it
 
     def _k(self, key: str) -> bytes:
         apart = self.apart is not None and key.startswith(self.apart)
@@ -268,7 +314,9 @@ class EtcdStore(_ViewReads, dist.Store):
     def clone(self) -> EtcdStore:
         """A store on a connection of its own (threads must not share one); it shares the watched views."""
         root = self.root.decode()
-        return EtcdStore(self.client.clone(), self.prefix.decode(), root, self._timeout, self._shared, self.apart)
+        store = EtcdStore(self.client.clone(), self.prefix.decode(), root, self._timeout, self._shared, self.apart)
+        store.fence = self.fence
+        return store
 
     def prefixed_clone(self, prefix: str) -> EtcdStore:
         """A store on a connection of its own whose keys live under ``prefix/`` inside this one's (what
@@ -288,17 +336,30 @@ class EtcdStore(_ViewReads, dist.Store):
         self._warm.close()
         self._shared.close()
 
+    def leased(self, key: str, ttl: int) -> LeasedKey:
+        """``key`` alive only as long as a lease of ``ttl`` seconds, on a connection of its own (etcd_liveness.py)."""
+        return LeasedKey(self.client.clone(), self._k(key), ttl)
+
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         self._timeout = timeout.total_seconds()
 
+    def _txn(self, compare: list[dict], success: list[dict], failure: Sequence[dict] = ()) -> dict:
+        """A transaction, inside the store's fence if it has one."""
+        if self.fence is None:
+            return self.client.txn(compare, success, failure)  # type: ignore[arg-type]
+        return self.fence.txn(self.client, compare, success, failure)
+
     # ---------------------------------------------------------------- plain values
     def set(self, key: str, value: Any) -> None:
-        self.client.put(self._k(key), _as_bytes(value))
+        if self.fence is None:
+            self.client.put(self._k(key), _as_bytes(value))
+        else:
+            self._txn([], [ec.op_put(self._k(key), _as_bytes(value))])
 
     def multi_set(self, keys: Sequence[str], values: Sequence[Any]) -> None:
         ops = [ec.op_put(self._k(k), _as_bytes(v)) for k, v in zip(keys, values)]
         for at in range(0, len(ops), _MAX_TXN_OPS):
-            self.client.txn([], ops[at : at + _MAX_TXN_OPS])
+            self._txn([], ops[at : at + _MAX_TXN_OPS])
 
     def get(self, key: str) -> bytes:
         view = self._shared.view
@@ -356,7 +417,7 @@ class EtcdStore(_ViewReads, dist.Store):
         never = self.root + b"\x00never"  # never written: a compare of its value is always false
         out: list[Optional[bytes]] = []
         for at in range(0, len(keys), _MAX_TXN_OPS):
-            answer = self.client.txn(
+            answer = self._txn(
                 [ec.cmp_value(never, b"x")],
                 [ec.op_put(never, b"x")],
                 [ec.op_get(self._k(k)) for k in keys[at : at + _MAX_TXN_OPS]],
@@ -370,13 +431,16 @@ class EtcdStore(_ViewReads, dist.Store):
         """Delete ``keys`` in one transaction per 128 keys (absent keys are no error)."""
         ops = [ec.op_delete(self._k(k)) for k in keys]
         for at in range(0, len(ops), _MAX_TXN_OPS):
-            self.client.txn([], ops[at : at + _MAX_TXN_OPS])
+            self._txn([], ops[at : at + _MAX_TXN_OPS])
 
     def check(self, keys: Sequence[str]) -> bool:
         return all(v is not None for v in self._ranges(keys, count_only=True)[0])
 
     def delete_key(self, key: str) -> bool:
-        return self.client.delete(self._k(key)) > 0
+        if self.fence is None:
+            return self.client.delete(self._k(key)) > 0
+        answer = self._txn([], [ec.op_delete(self._k(key))])
+        return int(((answer.get("responses") or [{}])[0].get("response_delete_range") or {}).get("deleted", 0)) > 0
 
     def num_keys(self) -> int:
         answer = self.client.range(self.prefix, ec.prefix_end(self.prefix), count_only=True)
@@ -399,7 +463,7 @@ class EtcdStore(_ViewReads, dist.Store):
         puts = [_put(self._k(a), v) for a, v in also] + [_put(self._k(a), v, if_absent=True) for a, v in if_absent]
         nested = _nested_increment(self._k(bump), self._guess(self._k(bump))) if bump is not None else None
         success = [ec.op_put(k, desired), *puts] + ([nested] if nested else [])
-        answer = self.client.txn(compare, success, [*puts, ec.op_get(k)])
+        answer = self._txn(compare, success, [*puts, ec.op_get(k)])
         responses = answer.get("responses") or []
         if answer.get("succeeded"):
             if bump is not None and not (nested and (responses[-1].get("response_txn") or {}).get("succeeded")):
@@ -438,7 +502,7 @@ class EtcdStore(_ViewReads, dist.Store):
                 raise ValueError(f"put_and_decide would delete its own keys under {forget_prefix!r}")
             cleanup = [ec.op_delete(gone, ec.prefix_end(gone))]
         extra = [ec.op_put(self._k(a), _as_bytes(v)) for a, v in with_decision]
-        answer = self.client.txn(
+        answer = self._txn(
             compare,
             [*report, ec.op_put(reg, _as_bytes(decision)), *extra, *cleanup],
             [*report, ec.op_get(reg), *cleanup],
@@ -462,7 +526,7 @@ class EtcdStore(_ViewReads, dist.Store):
             success = [ec.op_put(k, str(new).encode()), ec.op_put(token, b"")]
             if self._last_token is not None:
                 success.append(ec.op_delete(self._last_token))
-            answer = self.client.txn(compare, success, [ec.op_get(k), ec.op_get(token, count_only=True)])
+            answer = self._txn(compare, success, [ec.op_get(k), ec.op_get(token, count_only=True)])
             if answer.get("succeeded"):
                 self._last_token = token
                 return new
@@ -505,7 +569,7 @@ class EtcdStore(_ViewReads, dist.Store):
                     else (b"", [ec.cmp_version(k, 0)])
                 )
             guess = None
-            if self.client.txn(compare, [ec.op_put(k, old + value)]).get("succeeded"):
+            if self._txn(compare, [ec.op_put(k, old + value)]).get("succeeded"):
                 return
 
     # ---------------------------------------------------------------- waiting
@@ -519,6 +583,7 @@ class EtcdStore(_ViewReads, dist.Store):
             # Served by the process's watch stream; an unhealthy view hands the rest of the time to etcd.
             if view.wait_for([self._k(k) for k in keys], limit):
                 return
+        early = 0  # watches in a row that ended before their slice without an event (refused, cancelled)
         while True:
             present, revision = self._ranges(keys, count_only=True)
             missing = [k for k, v in zip(keys, present) if v is None]
@@ -530,11 +595,22 @@ class EtcdStore(_ViewReads, dist.Store):
                     f"wait timeout after {limit:g}s for keys {missing[:4]} in etcd under {self.prefix.decode()!r}"
                 )
             self.watches += 1
-            # Watch the first missing key from the revision just read: its creation cannot be missed.
-            events = self.client.watch(self._k(missing[0]), revision + 1, min(left, _WATCH_SLICE))
-            try:
-                for event in events:
-                    if event.get("type", "PUT") == "PUT":
-                        break
-            finally:
-                events.close()  # ends the watch's connection now, not at garbage collection
+            slice_ends = time.monotonic() + min(left, _WATCH_SLICE)
+            if self._watch_for_put(self._k(missing[0]), revision + 1, slice_ends - time.monotonic()):
+                early = 0
+            elif time.monotonic() >= slice_ends:
+                early = 0  # a quiet slice: the watch worked
+            else:
+                # The watch failed at once (a member refusing watches, a compacted start): without a pause
+                # this loop would read and re-watch as fast as the member answers.
+                early += 1
+                time.sleep(min(ec.backoff(early), max(0.0, slice_ends - time.monotonic())))
+
+    def _watch_for_put(self, key: bytes, start_revision: int, timeout: float) -> bool:
+        """Watch ``key`` from ``start_revision`` (the revision just read: its creation cannot be missed) for up
+        to ``timeout`` seconds; True once a put came."""
+        events = self.client.watch(key, start_revision, timeout)
+        try:
+            return any(event.get("type", "PUT") == "PUT" for event in events)
+        finally:
+            events.close()  # ends the watch's connection now, not at garbage collection

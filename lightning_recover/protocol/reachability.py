@@ -9,10 +9,13 @@ generation's gloo group stalls on it. The heartbeat monitor alone never ends tha
    waited on itself for ``suspect_after`` seconds, i.e. every live process of every live replica is
    in a phase that waits on peers (reduce, decide, regroup, exchange, or building its first group)
    and none made progress. A slow peer does not qualify: it is computing, not waiting.
-2. **Probe**: the judge opens a round (sealed ``reach/round`` listing the live replicas and their
-   incarnations; the unsealed counter ``reach/rounds`` says a new one exists). Each replica's
+2. **Probe**: the judge opens a round (sealed ``reach/round`` holding its number and the live replicas
+   with their incarnations; the unsealed counter ``reach/rounds`` only wakes the responders: which round
+   is open, and its number, come from the sealed record alone, so a client without the secret who bumps
+   or rolls back the counter makes no replica skip a round). Each replica's
    :class:`ReachabilityResponder` (a thread beside the heartbeat, polling that counter once per
-   heartbeat interval) probes every other member's :class:`ProbeServer`, bound to the address its
+   heartbeat interval, and the sealed record at least every ``RECHECK_PERIOD``) probes every other
+   member's :class:`ProbeServer`, bound to the address its
    data traffic uses, within ``probe_timeout``, and writes a sealed report ``reach/{n}/{r}``: the
    members it reached. A probe is authenticated (the server answers a fresh nonce with an HMAC under
    the job's secret, bound to its replica id and incarnation) so an unrelated process listening on
@@ -58,7 +61,15 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from lightning_recover.errors import ForgedMessageError
-from lightning_recover.protocol.messages import ControlStore, JobSecret, Sealer, mark_dead, read_death
+from lightning_recover.protocol.messages import (
+    ControlStore,
+    JobSecret,
+    Sealer,
+    mark_dead,
+    peek,
+    peek_all,
+    read_death,
+)
 
 # Phases in which a replica's main thread waits on its peers ("start": building the first group, or
 # a joiner's). A group all of whose live processes sit in these, without progress, waits on itself.
@@ -67,6 +78,9 @@ _NONCE = 16
 _HELLO = b"LRP1"
 _MAX_HANDLERS = 64  # concurrent probe connections a server answers (more are refused: a flood costs nothing)
 HEARTBEAT_INTERVAL_MAX = 0.5  # the longest heartbeat interval report_within allows for (seconds)
+#: The longest a responder goes without reading the sealed ``reach/round`` when the counter did not move
+#: (a counter rolled back by an unauthenticated client delays its answer by at most this).
+RECHECK_PERIOD = 0.5
 
 
 def probe_timeout_for(heartbeat_timeout: float) -> float:
@@ -243,13 +257,24 @@ def _interface_ipv4(ifname: str) -> str:
 
 
 def _read_sealed_json(store, sealer: Sealer, key: str) -> dict | None:
-    """A sealed JSON object at ``key`` of a raw store, or None if absent, forged or malformed."""
+    """A sealed JSON object at ``key`` of a raw store, or None if absent, forged or malformed; never waits
+    (a key deleted between a check and a get would stall a waiting read)."""
     try:
-        if not store.check([key]):
-            return None
-        return json.loads(sealer.open(key, store.get(key)))
+        raw = peek(store, key)
+        value = json.loads(sealer.open(key, raw)) if raw is not None else None
     except (ForgedMessageError, ValueError):
         return None
+    return value if isinstance(value, dict) else None
+
+
+def _open_round(store: ControlStore) -> dict:
+    """The sealed ``reach/round`` (``{}`` when absent, forged or malformed)."""
+    value = store.get_genuine("reach/round")
+    try:
+        round_ = json.loads(value) if value else {}
+    except ValueError:
+        return {}
+    return round_ if isinstance(round_, dict) and isinstance(round_.get("round"), int) else {}
 
 
 # ---------------------------------------------------------------------------- each replica's side
@@ -268,34 +293,38 @@ class ReachabilityResponder:
             json.dumps({"inc": incarnation, "host": self._server.host, "port": self._server.port}),
         )
         self._stop = threading.Event()
-        self._seen = self._store.add("reach/rounds", 0)  # rounds before this incarnation are not ours
+        self._count = self._store.add("reach/rounds", 0)  # the wake-up counter as last read
+        self._answered = int(_open_round(self._store).get("round", 0))  # rounds before this incarnation: not ours
         self._thread = threading.Thread(target=self._run, name=f"lr-reachability-{replica}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         pending: int | None = None  # a round we reported in, whose verdict we have not read yet
+        checked = time.monotonic()
         while not self._stop.wait(self._interval):
             try:
                 latest = self._store.recent_count("reach/rounds")  # a hint: etcd answers from its watched view
-                if latest > self._seen:
-                    self._seen = latest
-                    if self._answer_round(latest):
-                        pending = latest
+                if latest != self._count or time.monotonic() - checked >= RECHECK_PERIOD:
+                    self._count, checked = latest, time.monotonic()
+                    answered = self._answer_round()
+                    pending = answered if answered is not None else pending
                 if pending is not None and self._read_verdict(pending):
                     pending = None
             except Exception:
                 return  # the control plane is gone: the heartbeat and its watchdog report that
 
-    def _answer_round(self, n: int) -> bool:
-        value = self._store.get_genuine("reach/round")
-        round_ = json.loads(value) if value else {}
-        members = {int(r): inc for r, inc in round_.get("members", {}).items()}
-        if round_.get("round") != n or members.get(self.replica) != self.incarnation:
-            return False  # an older round, or one this incarnation is not part of
+    def _answer_round(self) -> int | None:
+        """Answer the open round if it is new and lists this incarnation; its number (None: nothing to answer)."""
+        round_ = _open_round(self._store)
+        n = int(round_.get("round", 0))
+        members = {int(r): inc for r, inc in (round_.get("members") or {}).items()}
+        if n <= self._answered or members.get(self.replica) != self.incarnation:
+            return None  # answered already, or a round this incarnation is not part of
+        self._answered = n
         others = [r for r in members if r != self.replica]
         reached = reach(self._store, others, members, float(round_.get("probe_timeout", 1.0)))
         self._store.set(f"reach/{n}/{self.replica}", json.dumps({"inc": self.incarnation, "reached": reached}))
-        return True
+        return n
 
     def _read_verdict(self, n: int) -> bool:
         """Once round ``n`` is decided: if it fenced this replica, say why here too (the main thread
@@ -336,7 +365,7 @@ def fence_reason(store: ControlStore, replica: int, incarnation: int, number: in
     """Why round ``number`` fenced this incarnation (default: the latest of the last few rounds that
     did), or None if it did not."""
     if number is None:
-        latest = store.add("reach/rounds", 0)
+        latest = int(_open_round(store).get("round", 0))  # the sealed number: the counter is only a hint
         for n in range(latest, max(0, latest - _ROUNDS_LOOKED_BACK), -1):
             reason = fence_reason(store, replica, incarnation, n)
             if reason:
@@ -449,7 +478,10 @@ class PartitionJudge:
         waiting = all(hb.get("phase") in WAITING_PHASES for r, hb in heartbeats.values() if r in live)
         if len(live) < 2 or not waiting:
             return []
-        number = int(self.store.add("reach/rounds", 0)) + 1
+        # The number after both the counter and the last sealed round: a counter rolled back or pushed on by an
+        # unauthenticated client neither reuses a number nor hides the round (responders read the sealed one).
+        last = _read_sealed_json(self.store, self.sealer, "reach/round") or {}
+        number = max(int(self.store.add("reach/rounds", 0)), int(last.get("round", 0) or 0)) + 1
         key = "reach/round"
         members = {str(r): inc for r, inc in sorted(live.items())}
         body = json.dumps({"round": number, "members": members, "probe_timeout": self.probe_timeout})
@@ -464,8 +496,9 @@ class PartitionJudge:
 
     def _deaths(self, replicas: Iterable[int]) -> dict[int, int]:
         replicas = sorted(set(replicas))
-        raw = self.store.multi_get([f"dead/{r}" for r in replicas]) if replicas else []
-        return {r: read_death(self.sealer, r, v) for r, v in zip(replicas, raw)}
+        # Never a waiting read: a dead/{r} deleted by a client without the secret reads as no death.
+        raw = peek_all(self.store, [f"dead/{r}" for r in replicas]) if replicas else []
+        return {r: read_death(self.sealer, r, v) if v is not None else 0 for r, v in zip(replicas, raw)}
 
     def _maybe_decide(self, now: float) -> list[int]:
         number, members, opened = self._round

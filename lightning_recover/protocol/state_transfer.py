@@ -13,8 +13,10 @@ Layout of the payload: ``[tensor bytes | skeleton]``; the skeleton's length trav
 payload's (see :meth:`Replica._broadcast_state`).
 
 The group's traffic is not authenticated, so the sender also writes the payload's SHA-256
-(:func:`digest`) to the sealed control plane before the broadcast, and the joiner refuses a payload
-whose digest differs (:func:`check_digest`, :class:`ForgedMessageError`): it then stops, and its
+(:func:`digest`) and its sizes to the sealed control plane before the broadcast. Every receiver reads
+that record before it allocates anything: sizes that differ from the sealed ones (an on-path peer
+asking for a buffer of any size) are refused before the allocation, and a payload whose digest differs
+after it (:func:`check_digest`); both raise :class:`ForgedMessageError`. A joiner then stops and its
 launcher restarts it if restarts remain; the members are not affected.
 """
 
@@ -22,8 +24,9 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import pickle
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -103,17 +106,44 @@ def _digest_key(group: Any) -> str:
 
 
 def pack_and_seal_digest(state: Any, group: Any) -> tuple[torch.Tensor, int]:
-    """:func:`pack`, then write the payload's digest to the sealed store of ``group`` (a Membership)."""
+    """:func:`pack`, then write the payload's digest and sizes to the sealed store of ``group`` (a Membership)."""
     payload, skeleton_len = pack(state)
-    group.store.set(_digest_key(group), digest(payload))
+    record = {"sha256": digest(payload), "bytes": payload.numel(), "skeleton": skeleton_len}
+    group.store.set(_digest_key(group), json.dumps(record))
     return payload, skeleton_len
 
 
-def unpack_checked(payload: torch.Tensor, skeleton_len: int, group: Any) -> Any:
-    """:func:`unpack` a received payload once its digest is the one its sender sealed (written before the
-    broadcast began, so it is there unless deleted or forged: then the state is refused too)."""
+def sealed_record(group: Any) -> Optional[dict]:
+    """The sender's sealed ``{"sha256", "bytes", "skeleton"}`` for this generation's state (None: missing,
+    forged or malformed). Written before the broadcast began, so it is there unless deleted or forged."""
+    value = group.store.get_genuine(_digest_key(group))
+    try:
+        record = json.loads(value) if value is not None else None
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def check_sizes(record: Optional[dict], sizes: tuple[int, int], key: str) -> None:
+    """Refuse broadcast sizes ``(payload bytes, skeleton bytes)`` unless they are the ones the sender sealed:
+    checked before the receiver allocates its buffer (the sizes travel over the unauthenticated group)."""
+    if record is None:
+        check_digest(torch.empty(0, dtype=torch.uint8), None, key)  # raises: missing or forged
+    if (record.get("bytes"), record.get("skeleton")) != tuple(sizes):
+        raise ForgedMessageError(
+            f"the state handed to this replica announces {sizes[0]} bytes (skeleton {sizes[1]}), not the "
+            f"{record.get('bytes')} (skeleton {record.get('skeleton')}) its sender sealed under {key!r} (altered on "
+            "the way): nothing is allocated and the state is refused. HINT: its launcher restarts it if restarts "
+            "remain; run multi-host jobs on a private network."
+        )
+
+
+def unpack_checked(payload: torch.Tensor, skeleton_len: int, group: Any, record: Optional[dict] = None) -> Any:
+    """:func:`unpack` a received payload once its digest is the one its sender sealed (``record``, as
+    :func:`sealed_record` read it; read now when not given)."""
     key = _digest_key(group)
-    check_digest(payload, group.store.get_genuine(key), key)
+    record = record if record is not None else sealed_record(group)
+    check_digest(payload, record.get("sha256") if record else None, key)
     return unpack(payload, skeleton_len)
 
 
@@ -165,14 +195,16 @@ def load_state(raw: bytes) -> Any:
 def broadcast_state(collectives: Any, group: Any, src_rank: int, state: Any, receive: bool) -> Any:
     """Hand ``state`` (given on ``src_rank`` only) to the members of ``group`` (a Membership) over
     ``collectives``: its sizes, then its raw bytes + skeleton. The gloo group is not authenticated, so the
-    sender seals the payload's SHA-256 in the store first and a receiver checks it before unpacking.
-    Returns the state where ``receive`` (a joiner), else None."""
-    payload, skeleton_len = torch.empty(0, dtype=torch.uint8), 0
+    sender seals the payload's SHA-256 and sizes in the store first; a receiver checks the sizes before it
+    allocates and the digest before it unpacks. Returns the state where ``receive`` (a joiner), else None."""
+    payload, skeleton_len, record = torch.empty(0, dtype=torch.uint8), 0, None
     if group.rank == src_rank:
         payload, skeleton_len = pack_and_seal_digest(state, group)
     sizes = torch.tensor([payload.numel(), skeleton_len], dtype=torch.int64)
     collectives.broadcast([sizes], src_rank)
     if group.rank != src_rank:
+        record = sealed_record(group)
+        check_sizes(record, (int(sizes[0]), int(sizes[1])), _digest_key(group))
         payload = torch.empty(int(sizes[0]), dtype=torch.uint8)
     collectives.broadcast([payload], src_rank)
-    return unpack_checked(payload, int(sizes[1]), group) if receive else None
+    return unpack_checked(payload, int(sizes[1]), group, record) if receive else None
