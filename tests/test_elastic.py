@@ -374,3 +374,28 @@ def test_job_grows_from_two_to_four_and_shrinks_back_on_etcd(tmp_path, etcd3):
     assert a.returncode == 0, open(log_a).read()[-3000:]
     assert b.returncode == EXIT_LEFT_ON_NOTICE, open(log_b).read()[-3000:]  # both its replicas left on notice
     _check_grown_and_shrunk(out, {0: log_a, 1: log_a, 2: log_b, 3: log_b})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_graceful_leave_under_the_trainer(tmp_path):
+    """The Trainer strategy: replica 1 gets its notice in step 2 (the Trainer's own SIGTERM handler, which
+    would end the fit after the batch with status 0, is replaced by the strategy's); it leaves at step 2's
+    commit, nothing is recomputed, the survivors end bitwise equal to the exact single-process run."""
+    from tests.jobs import trainer_job
+    from tests.test_trainer_strategy import _single_process, assert_parameters
+
+    steps, batch_size = 7, 16
+    truth = _single_process(steps=steps, batch_size=batch_size, exact=True)
+    result = trainer_job(
+        str(tmp_path),
+        steps=steps,
+        inject="notice:replica=1:step=2:phase=backward",
+        extra=["--batch-size", str(batch_size), "--exact"],
+    )
+    assert result.returncode == 0, result.output[-4000:]
+    assert "replica 1 left on notice" in result.output
+    states = assert_parameters(result, truth["state"], survivors=[0, 2], steps=steps, exact=True)
+    for data in states.values():
+        assert [s["recomputed"] for s in data["stats"]] == [0] * steps
+        assert [s["live_replicas"] for s in data["stats"]] == [3, 3, 3, 2, 2, 2, 2]

@@ -52,15 +52,21 @@ def run_recover(args: argparse.Namespace) -> None:
     records = []
     protocol = fabric.strategy.core.protocol
     accumulator = protocol.exact
+    holds = dict(item.split(":", 1) for item in args.hold.split(",") if item)
     for step in fabric.strategy.steps(loader, max_steps=args.steps):
+        _hold(holds.get(str(step.index)))
         if args.exact_every_other:  # paired inside one job: odd steps exact, even steps the default mode
             protocol.exact = accumulator if step.index % 2 else None
         start, cpu_start = time.perf_counter(), time.process_time()
         for x, y in step:
             fabric.backward(model.loss(x, y))
             _busy(args.busy)
+            time.sleep(args.sleep)
         optimizer.step()
         optimizer.zero_grad()
+        if not records:  # a benchmark waits for this before it starts newcomers
+            os.makedirs(args.out, exist_ok=True)
+            open(os.path.join(args.out, f"started{fabric.strategy.replica}"), "w").close()
         s = step.stats
         records.append(
             {
@@ -80,6 +86,31 @@ def run_recover(args: argparse.Namespace) -> None:
             }
         )
     _write(args.out, f"rank{fabric.strategy.replica}", records, model)
+    core = fabric.strategy.core
+    if core.join_timing:  # a joiner: when it asked, when its state arrived, and the state's size
+        state_bytes = sum(
+            t.numel() * t.element_size()
+            for t in [*model.state_dict().values(), *_tensors(optimizer.state_dict())]
+            if isinstance(t, torch.Tensor)
+        )
+        with open(os.path.join(args.out, f"join{fabric.strategy.replica}.txt"), "w") as f:
+            json.dump(dict(core.join_timing, state_bytes=state_bytes), f)
+
+
+def _hold(path: str | None, limit: float = 600.0) -> None:
+    """Before a step named in ``--hold``: wait until ``path`` exists (the benchmark's gate, e.g. until the
+    newcomers of a growing job asked to join)."""
+    deadline = time.monotonic() + limit
+    while path and not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _tensors(tree: object) -> list:
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _tensors(v)]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in _tensors(v)]
+    return [tree]
 
 
 def run_ddp(args: argparse.Namespace) -> None:
@@ -133,6 +164,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus-bytes", type=int, default=2_000_000)
     p.add_argument("--heartbeat-timeout", type=float, default=1.0)
     p.add_argument("--busy", type=float, default=0.0, help="extra busy-wait seconds per microbatch")
+    p.add_argument(
+        "--sleep", type=float, default=0.0, help="padded compute: seconds slept per microbatch (a replica's capacity)"
+    )
+    p.add_argument("--hold", default="", help="STEP:PATH,...: before step STEP wait until PATH exists")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--exact", action="store_true", help="recover: RecoverStrategy(exact=True)")
     p.add_argument(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import logging
 import math
 import os
 import select
@@ -18,9 +19,12 @@ from typing import NoReturn
 
 from lightning_recover import env
 from lightning_recover.launch.process_tree import describe_exit, end_helper_process, is_stopped
-from lightning_recover.observe.status_server import parse_address
+from lightning_recover.observe.address import parse_address
+from lightning_recover.observe.logs import configure_logging
 from lightning_recover.protocol import coordinator
 from lightning_recover.protocol.options import DEFAULT_HEARTBEAT_INTERVAL, check_heartbeat_timeout
+
+log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 WATCHDOG_PERIOD = 0.2  # seconds between the fallback checks that the launcher still lives
@@ -58,12 +62,12 @@ def die_with_parent(parent: int) -> None:
     def watch() -> None:
         while True:
             if os.getppid() != parent:
-                print(f"[coordinator] the launcher (pid {parent}) is gone; exiting", file=sys.stderr, flush=True)
+                log.warning("the launcher (pid %d) is gone; exiting", parent)
                 os._exit(3)
             time.sleep(WATCHDOG_PERIOD)
 
     if os.getppid() != parent:
-        print(f"[coordinator] the launcher (pid {parent}) is gone; exiting", file=sys.stderr, flush=True)
+        log.warning("the launcher (pid %d) is gone; exiting", parent)
         os._exit(3)
     threading.Thread(target=watch, name="lr-parent-watchdog", daemon=True).start()
 
@@ -184,6 +188,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     check_arguments(parser, args)
+    configure_logging("coordinator")
     if args.parent_pid is not None:  # started by a launcher: never outlive it
         die_with_parent(args.parent_pid)
     coordinator.serve(

@@ -79,6 +79,8 @@ class ReplicaLauncher(_Launcher):
             nproc_per_replica=K,
             standby=opts.standby,
             control_plane=control_plane,
+            min_replicas=opts.replica_range()[0] if opts.replica_range() else None,
+            notice_signal=opts.notice_signal,
         )
         # The supervisor never runs the training code itself: its job ends with the replicas'. Its objects
         # move to the collector's permanent generation first, so that the interpreter's exit does not spend

@@ -287,6 +287,10 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
     @override
     def on_train_start(self) -> None:
         self._rejoin_checkpoint = None  # restored by now; free the memory
+        if self.core is not None:
+            # The Trainer registered its own SIGTERM handler after setup (it would end the fit after the batch,
+            # exit status 0, on any rank): the notice is this strategy's, handled at the step boundary.
+            self.core.notice.install(self.options.resolve_notice_signal())
         super().on_train_start()
 
     def _trainable_parameters(self) -> list[torch.nn.Parameter]:

@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from lightning_recover.errors import RecoverError
 from lightning_recover.observe.events import EventLog
 from lightning_recover.protocol.messages import Sealer, read_death, recent_many
 
@@ -145,14 +146,12 @@ class StatusBoard:
         """One pass of the monitor: ``heartbeats`` {key: (replica, heartbeat)}, ``beats`` {key: (incarnation,
         beat, monotonic time it last moved)}. Reads deaths and the generation from ``store`` when due."""
         new_recovery = any(self._is_new_recovery(hb) for _, hb in heartbeats.values())
-        if new_recovery or now - self._read_at >= READ_PERIOD:
-            self._read_at = now
-            keys = [f"dead/{r}" for r in range(self.replicas)] + ["gen/latest"]
-            raws = recent_many(store, keys)
+        raws = self._read(store, now) if new_recovery or now - self._read_at >= READ_PERIOD else None
+        if raws is not None:
             deaths = {r: read_death(sealer, r, raw) for r, raw in zip(range(self.replicas), raws)}
             try:
                 latest = int(sealer.open("gen/latest", raws[-1]))
-            except Exception:  # a forged or torn value tells nothing
+            except (RecoverError, ValueError):  # a forged or torn value tells nothing
                 latest = self.generation
             with self._lock:
                 self.generation = max(self.generation, latest)
@@ -160,6 +159,19 @@ class StatusBoard:
         with self._lock:
             self._heartbeats(now, heartbeats, beats)
             self._sample(now)
+
+    def _read(self, store: Any, now: float) -> Optional[list[bytes]]:
+        """``dead/*`` and ``gen/latest``: on etcd from the watched view only (the monitor's own reads are the
+        ones that must reach etcd; None while the view cannot answer), else one request. A failed read is
+        None too: the status page must never stop the monitor."""
+        self._read_at = now
+        keys = [f"dead/{r}" for r in range(self.replicas)] + ["gen/latest"]
+        view = getattr(store, "cached_many", None)
+        try:
+            return view(keys) if view is not None else recent_many(store, keys)
+        except Exception as exc:  # the monitor's next read of the same store names the failure, not this one
+            log.debug("status board: reading deaths failed (%s)", exc)
+            return None
 
     def _is_new_recovery(self, hb: dict) -> bool:
         rec = hb.get("rec")

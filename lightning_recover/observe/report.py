@@ -15,7 +15,11 @@ write of their own. Fields (all optional; a replica that never committed a step 
 
 from __future__ import annotations
 
+import os
 import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Optional
 
 HOST = socket.gethostname()
@@ -50,9 +54,17 @@ def step_report(
 
 
 def note_step(progress: Any, stats: Any, microbatches: int) -> None:
-    """Put a replica's committed step (its ``StepStats``) on its heartbeat (``progress.report``)."""
+    """Put a replica's committed step (its ``StepStats``) on its heartbeat (``progress.report``); a recovery
+    is news (``progress.urgent``: on etcd the next beat is written although a commit vouched for it)."""
     recovery = (stats.recoveries, stats.recovery_seconds, stats.recomputed) if stats.recoveries else None
     progress.report = step_report(progress.report, stats.generation, stats.step, stats.computed, microbatches, recovery)
+    progress.urgent = progress.urgent or recovery is not None
+
+
+def note_member(progress: Any, generation: int, microbatches: int) -> None:
+    """Put on the heartbeat that the replica became a member of ``generation`` (news, as a recovery is)."""
+    progress.report = member_report(generation, microbatches)
+    progress.urgent = True
 
 
 def member_report(generation: int, microbatches: int) -> dict[str, Any]:
@@ -63,3 +75,30 @@ def member_report(generation: int, microbatches: int) -> dict[str, Any]:
 def checkpoint_report(previous: dict[str, Any], step: int, seconds: float, size: int) -> dict[str, Any]:
     """``previous`` with the replica's newest checkpoint save: ``size`` bytes of ``step`` in ``seconds``."""
     return {**previous, "ckpt": [step, round(seconds, 4), int(size)]}
+
+
+def path_bytes(path: Any) -> int:
+    """Bytes of the file at ``path``, or of every file under the directory ``path`` (0 when absent)."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    total = 0
+    for directory, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(directory, name))
+            except OSError:
+                pass  # removed meanwhile (a temporary): not part of the checkpoint
+    return total
+
+
+@contextmanager
+def noted_checkpoint(progress: Optional[Any], step: int, path: Any) -> Iterator[None]:
+    """Time the save inside and put it on the heartbeat (``progress.report``): the seconds the training loop
+    was blocked and the bytes at ``path`` when it returned (an asynchronous save may still be writing)."""
+    start = time.perf_counter()
+    yield
+    if progress is not None:
+        seconds = time.perf_counter() - start
+        progress.report = checkpoint_report(progress.report, step, seconds, path_bytes(path))
+        progress.urgent = True

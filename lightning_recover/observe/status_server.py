@@ -15,6 +15,7 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 
+from lightning_recover.observe.address import parse_address
 from lightning_recover.observe.board import StatusBoard
 from lightning_recover.observe.page import render_page
 
@@ -22,23 +23,6 @@ log = logging.getLogger(__name__)
 
 #: Prometheus' text exposition format, version 0.0.4.
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-
-def parse_address(text: str) -> tuple[str, int]:
-    """``HOST:PORT``, ``[V6]:PORT`` or ``PORT`` (loopback) as ``(host, port)``; ``ValueError`` says how to write it.
-
-    Raises:
-        ValueError: not an address with a port in 0..65535.
-    """
-    hint = "HINT: --status-address PORT (loopback), HOST:PORT or [IPV6]:PORT, e.g. 127.0.0.1:9400 (0 = any free port)"
-    value = str(text).strip()
-    host, sep, port = value.rpartition(":")
-    if not sep:
-        host, port = "127.0.0.1", value
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"status address {text!r} is not HOST:PORT. {hint}")
-    return host, int(port)
 
 
 class StatusServer:

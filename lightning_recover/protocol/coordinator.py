@@ -61,7 +61,7 @@ from lightning_recover.observe.logs import configure_logging
 from lightning_recover.observe.status_server import StatusServer
 from lightning_recover.protocol.messages import Freshness, JobSecret, Sealer, mark_dead, peek, peek_all, read_death
 from lightning_recover.protocol.reachability import PartitionJudge, probe_timeout_for
-from lightning_recover.protocol.vouches import VOUCH_KEY, Vouch, VouchReader
+from lightning_recover.protocol.vouches import VOUCH_KEY, Roster, Vouch, VouchReader, raw_reader
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def run_monitor(
     # declared every replica dead in about half the runs of test_etcd_leader_sigkill_mid_training (an
     # election's silence looks like missed beats), and so does a read that comes just after the election,
     # before the replicas' retried beats: a grown Raft term forgives what came before it.
-    view = getattr(store, "cached_many", None)
+    view = getattr(store, "cached_each", None)  # None where absent: a leased beat whose lease expired
     cached = getattr(store, "cached", None)
     # etcd: a step's commit vouches for its members (vouches.py); read after the heartbeats, as the last key.
     read_keys = keys + [VOUCH_KEY] if cached is not None and replica_size == 1 else keys
@@ -137,6 +137,11 @@ def run_monitor(
     # monitor's own view hears what every view hears: when it says quiet, a tick keeps them all current.
     quiet = getattr(store, "quiet", None)
     ticks, ticked = 0, 0.0
+    # With every beat in a lease (etcd_liveness.py) the heartbeats' own view hears nothing while replicas live:
+    # a tick there too keeps it current (else each poll would read every heartbeat from etcd).
+    quiet_beside = getattr(store, "quiet_beside", None)
+    ticked_beside = 0.0
+    present: dict[str, bool] = {}  # key -> whether the last read found it (a leased beat is gone once expired)
     last_read = time.monotonic()
     # Members that reach the coordinator but not each other (an asymmetric partition): see reachability.py.
     judge = PartitionJudge(
@@ -155,7 +160,7 @@ def run_monitor(
 
     opened: dict[str, bytes] = {}  # key -> the raw value last opened (the view answers the same one many polls)
     settled: dict[int, int] = {}  # replica -> the incarnation known dead (dead/{r} only grows): judged no more
-    vouches = VouchReader(sealer)
+    vouches = VouchReader(sealer, Roster(sealer, raw_reader(store)))  # a vouch names its generation
     vouched_at = 0.0  # when the newest vouch was read: progress of the whole generation it names
 
     def credit(vouch: Vouch, now: float) -> None:
@@ -171,6 +176,7 @@ def run_monitor(
         nonlocal term, vouched_at
         vouch = vouches.newer(raws[-1]) if len(raws) > len(keys) else None
         for (r, key), raw in zip(procs, raws):
+            present[key] = raw is not None
             if raw is None or opened.get(key) == raw:
                 continue  # deleted (judged on its last fresh heartbeat), or already read
             opened[key] = raw
@@ -201,6 +207,11 @@ def run_monitor(
             beat = (inc, int(hb.get("beat", 0)))
             prev = beats.get(key)
             if prev is None or prev[:2] != beat:
+                beats[key] = (*beat, now)
+            if hb.get("lease"):  # alive while etcd keeps its key (the lease kept alive), dead once deleted
+                if not present.get(key, True):
+                    out[key] = (r, inc, f"its heartbeat's lease expired (no keep-alive for {hb['lease']}s)", "kill")
+                    continue
                 beats[key] = (*beat, now)
             count = (inc, int(hb.get("count", 0)))
             moved = progress.get(key)
@@ -261,10 +272,15 @@ def run_monitor(
         if board is not None:
             for r in fenced:
                 board.declared(r, None, "partition", "cut off from its peers (network partition)")
+            began = time.monotonic()
             board.poll(now, store, sealer, hbs, beats)
+            last_read += time.monotonic() - began  # the board's own time is no stall of the control plane
         if quiet is not None and now - ticked > _TICK_MIN and quiet():
             ticks, ticked = ticks + 1, now
             store.set("tick", str(ticks))
+        if quiet_beside is not None and now - ticked_beside > _TICK_MIN and quiet_beside():
+            ticked_beside = now
+            store.set("hb/tick", str(ticks))
 
 
 def listen_socket(host: str, port: int, what: str = "the coordinator") -> socket.socket:

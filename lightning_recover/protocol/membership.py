@@ -407,6 +407,7 @@ class _JoinRequests:
     inner: int
     num_replicas: int
     join_timeout: float
+    join_requested_at: float = 0.0  # wall time of this process's last join request
 
     # ------------------------------------------------------------------ rejoin
     def request_join(self) -> None:
@@ -417,6 +418,7 @@ class _JoinRequests:
         # Cut off from the members' data network, joining would only stall their next generation.
         wait_until_reachable(self.store, self.replica, self.num_replicas, 1.0, lambda: _job_over(self))
         self.store.set(f"join/{self.replica}", str(self.incarnation))
+        self.join_requested_at = time.time()
         if self.inner == 0:
             print(f"[lightning-recover] replica {self.replica}: asks to join at the next commit", flush=True)
 

@@ -85,7 +85,9 @@ class Notice:
         self._signal = parse_signal(which)
         if threading.current_thread() is not threading.main_thread():
             return  # replicas as threads (in-process tests): no signals, leave requests only
-        self._previous = signal.signal(self._signal, self._handle)
+        previous = signal.signal(self._signal, self._handle)
+        if self._previous is None:  # installed again (over a framework's handler): the first one is restored
+            self._previous = previous
 
     def _handle(self, signum: int, _frame: Any) -> None:
         if self._event.is_set() and self.source == signal.Signals(signum).name:

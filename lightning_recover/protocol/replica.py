@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
 
@@ -162,9 +163,16 @@ class _JoinsAndLeaves:
             raise RecoverError("rejoin needs the strategy to register its state hooks (core.set_state_hooks)")
         exact = self.protocol.exact  # the exact grid travels with the training state
         mine = joiner_state(self._get_state(), exact) if self.group.rank == src_rank else None
+        began = time.perf_counter()
         received = state_transfer.broadcast_state(self.collectives, self.group, src_rank, mine, receive)
         if receive:
             self._set_state(adopt_joiner_state(received, exact))
+            # When the joiner asked, when its state was in place and how long the transfer took (benchmarks).
+            self.join_timing = {
+                "asked_at": self.group.join_requested_at,
+                "state_at": time.time(),
+                "transfer_s": time.perf_counter() - began,
+            }
 
 
 class Replica(_JoinsAndLeaves):
@@ -244,6 +252,7 @@ class Replica(_JoinsAndLeaves):
         self._set_state: Callable[[dict], None] | None = None
         self._backward_seen = self._forward_seen = False
         self.history: list[StepStats] = []
+        self.join_timing: dict[str, float] = {}  # a joiner's: see _JoinsAndLeaves._broadcast_state
 
     @classmethod
     def from_env(

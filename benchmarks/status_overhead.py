@@ -1,0 +1,127 @@
+"""What the status page costs a job: step time with the monitor's status server on and scraped every second,
+against the same job without it (paired, alternated).
+
+Each pair runs the same job twice, in alternating order: ``lightning-recover run --replicas R`` of TinyGPT
+(``lightning_recover.bench.fabric_gpt``), once plain and once with ``--status-address 127.0.0.1:0`` while a
+scraper reads ``/metrics``, ``/status`` and ``/`` once a second (what Prometheus and an open page do). A job's
+step time is the median of its replicas' per-step seconds after ``--warmup`` steps; a pair's ratio is on/off.
+Run from the repository root (under the shared lock, the other benchmarks' convention)::
+
+    flock /tmp/lr-slow.lock python -m benchmarks.status_overhead --pairs 5 --steps 60 --json benchmarks/results/status_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+_URL = re.compile(r"STATUS (http://\S+/)")
+
+
+def _scrape(log: str, done: threading.Event, counts: dict) -> None:
+    """Once a second: /metrics, /status and / (the page), as Prometheus and a browser would."""
+    url = None
+    while url is None and not done.wait(0.05):
+        found = _URL.search(open(log).read())
+        url = found.group(1) if found else None
+    while url is not None and not done.wait(1.0):
+        for path in ("metrics", "status", ""):
+            try:
+                with urllib.request.urlopen(url + path, timeout=5) as answer:
+                    answer.read()
+                counts["scrapes"] += 1
+            except OSError:
+                counts["failed"] += 1
+
+
+def _job(status: bool, args: argparse.Namespace, work: str) -> dict:
+    out = tempfile.mkdtemp(prefix="status-", dir=work)
+    log = os.path.join(out, "job.log")
+    cmd = [sys.executable, "-m", "lightning_recover.cli", "run", "--replicas", str(args.replicas)]
+    if status:
+        cmd += ["--status-address", "127.0.0.1:0"]
+    cmd += ["--", sys.executable, "-m", "lightning_recover.bench.fabric_gpt", "--out", out]
+    cmd += ["--replicas", str(args.replicas), "--steps", str(args.steps), "--microbatches", str(args.microbatches)]
+    cmd += ["--layers", str(args.layers), "--width", str(args.width)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("LIGHTNING_RECOVER_INJECT", None)
+    done, counts = threading.Event(), {"scrapes": 0, "failed": 0}
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    scraper = threading.Thread(target=_scrape, args=(log, done, counts), daemon=True)
+    if status:
+        scraper.start()
+    try:
+        code = proc.wait(timeout=args.timeout)
+    finally:
+        done.set()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if scraper.is_alive():
+        scraper.join(10)
+    if code != 0:
+        raise RuntimeError(f"job failed ({code}):\n{open(log).read()[-3000:]}")
+    seconds = []
+    for name in os.listdir(out):
+        if name.startswith("rank") and name.endswith(".json"):
+            seconds += [r["seconds"] for r in json.load(open(os.path.join(out, name))) if r["step"] >= args.warmup]
+    return {"status": status, "median_step_seconds": statistics.median(seconds), "steps": len(seconds), **counts}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--pairs", type=int, default=5)
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of each job's median")
+    p.add_argument("--microbatches", type=int, default=6)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    work = tempfile.mkdtemp(prefix="lr-status-bench-")
+    pairs = []
+    for i in range(args.pairs):
+        order = (False, True) if i % 2 == 0 else (True, False)  # alternate which runs first
+        runs = {status: _job(status, args, work) for status in order}
+        ratio = runs[True]["median_step_seconds"] / runs[False]["median_step_seconds"]
+        pairs.append({"off": runs[False], "on": runs[True], "ratio": ratio, "first": "on" if order[0] else "off"})
+        print(
+            f"pair {i}: off {runs[False]['median_step_seconds']:.4f}s on {runs[True]['median_step_seconds']:.4f}s "
+            f"ratio {ratio:.3f} ({runs[True]['scrapes']} scrapes)",
+            flush=True,
+        )
+    ratios = [pair["ratio"] for pair in pairs]
+    result = {
+        "benchmark": "status_overhead",
+        "command": " ".join(sys.argv),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "args": vars(args),
+        "pairs": pairs,
+        "median_ratio": statistics.median(ratios),
+        "min_ratio": min(ratios),
+        "max_ratio": max(ratios),
+    }
+    print(
+        f"step time on/off: median {result['median_ratio']:.3f}x [{result['min_ratio']:.3f}-{result['max_ratio']:.3f}]"
+    )
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
