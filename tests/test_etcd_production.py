@@ -199,3 +199,38 @@ def test_the_partition_judge_never_waits_on_a_deleted_death_notice(etcd1):
         assert round_["round"] == 1 and round_["members"] == {"0": 1, "1": 1, "2": 1}
     finally:
         store.close()
+
+
+def test_an_answer_over_the_size_bound_is_refused_by_name(etcd1, monkeypatch):
+    monkeypatch.setattr(ec, "MAX_ANSWER_BYTES", 8192)  # the bound, scaled down to a key's worth (VALUE in base64)
+    prefix = f"/big-{time.monotonic_ns()}/".encode()
+    client = _client(etcd1)
+    try:
+        for i in range(4):
+            client.put(prefix + b"%d" % i, VALUE)
+        with pytest.raises(ec.EtcdRequestError, match="over the 8192 bytes this client reads.*HINT"):
+            client.range(prefix, ec.prefix_end(prefix))
+        assert client.get(prefix + b"0")[0] == VALUE  # one key is below the bound: the client goes on
+    finally:
+        client.close()
+
+
+def test_a_cluster_with_authentication_is_named_at_once(tmp_path):
+    """etcd's JSON gateway ignores a client certificate's identity once auth is on (docs/control_plane.md):
+    the client says so at once instead of waiting out its deadline as for a member that does not answer."""
+    need_etcd()
+    cluster = LocalEtcdCluster(str(tmp_path / "etcd"), 1).start(timeout=20)
+    try:
+        t = cluster.tls_files
+        etcdctl = ["etcdctl", "--endpoints", cluster.endpoints[0], "--cacert", t["cacert"], "--cert", t["cert"]]
+        etcdctl += ["--key", t["key"]]
+        for args in (["user", "add", "root", "--new-user-password", "x"], ["auth", "enable"]):
+            subprocess.run([*etcdctl, *args], check=True, capture_output=True, timeout=30)
+        client = _client(cluster)
+        started = time.monotonic()
+        with pytest.raises(ec.EtcdRequestError, match="CommonName.*HINT.*without --auth"):
+            client.get(b"/any")
+        assert time.monotonic() - started < client.timeout
+        client.close()
+    finally:
+        cluster.stop()

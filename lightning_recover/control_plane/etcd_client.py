@@ -272,7 +272,7 @@ class _Transport:
         data = resp.read(MAX_ANSWER_BYTES + 1)
         if len(data) > MAX_ANSWER_BYTES:
             self.close()
-            raise EtcdRequestError(self._too_large(path, "a chunked answer"))
+            raise EtcdRequestError(self._too_large(path, "a longer answer"))
         return resp.status, data
 
     def _too_large(self, path: str, what: str) -> str:
@@ -321,13 +321,20 @@ class _Transport:
                     self.raft_term = max(self.raft_term, int((answer.get("header") or {}).get("raft_term") or 0))
                     return answer
                 code = int(answer.get("code", 14 if status >= 500 else 3))
-                message = str(answer.get("message") or answer.get("error") or f"HTTP {status}")
+                message = str(answer.get("message") or answer.get("error") or f"HTTP {status}").strip()
                 if code == _EXHAUSTED and "too many requests" not in message:
                     raise EtcdNoSpace(
                         f"etcd at {member} refused /v3/{path}: {message} (its NOSPACE alarm: every write fails "
                         "until space is freed). HINT: compact, defragment, disarm: `etcdctl compact <revision from "
                         "etcdctl endpoint status -w json>`, `etcdctl defrag --cluster`, `etcdctl alarm disarm`; then "
                         "turn on compaction (--auto-compaction-retention) or raise --quota-backend-bytes"
+                    )
+                if "CommonName of client" in message:  # etcd's auth is on: its JSON gateway cannot serve it
+                    raise EtcdRequestError(
+                        f"etcd at {member} refused /v3/{path}: {message}. HINT: the cluster runs with authentication "
+                        "(`etcdctl auth enable`), whose certificate identities etcd's JSON gateway (what this client "
+                        "talks to) ignores: run the job on a cluster without --auth, one per trust domain "
+                        "(docs/control_plane.md, 'A shared cluster')"
                     )
                 if code not in _RETRY_CODES and code != _EXHAUSTED and status not in (502, 503, 504):
                     raise EtcdRequestError(f"etcd refused /v3/{path}: {message} (code {code})")
@@ -419,8 +426,11 @@ class EtcdClient(_Transport):
         count_only: bool = False,
         keys_only: bool = False,
         serializable: bool = False,
+        limit: int = 0,
     ) -> dict:
         body: dict[str, Any] = {"key": b64(key)}
+        if limit:
+            body["limit"] = str(limit)
         if range_end is not None:
             body["range_end"] = b64(range_end)
         if revision:

@@ -36,6 +36,9 @@ from lightning_recover.errors import RecoverError
 
 #: Seconds a stream may stay silent before the view stops answering (and reconnects).
 STALE_AFTER = 1.0
+#: The most keys a view reads in one sync: a job's prefix holds far fewer; beyond it something else writes
+#: there, and the view stays unhealthy (its readers ask etcd) rather than hold it all in memory.
+MAX_SYNC_KEYS = 200_000
 _RETRY_MIN, _RETRY_MAX = 0.02, 0.5  # seconds between tries to re-read and re-watch after a failure
 
 
@@ -184,7 +187,9 @@ class WatchView:
     def _sync(self) -> None:
         """Replace the view by one linearizable read of the prefix (never older than what it held)."""
         for _ in range(10):
-            answer = self._client.range(self.prefix, self._end)
+            answer = self._client.range(self.prefix, self._end, limit=MAX_SYNC_KEYS + 1)
+            if answer.get("more"):
+                raise OSError(f"more than {MAX_SYNC_KEYS} keys under {self.prefix!r}: not watched")
             revision = int(answer["header"]["revision"])
             if revision >= self.revision:
                 break
