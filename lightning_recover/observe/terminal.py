@@ -2,7 +2,7 @@
 
 From a status address (``lightning-recover status 127.0.0.1:9400``) it prints what the monitor's ``/status``
 answers. Straight from the control plane (``--coordinator HOST:PORT --secret-file F``, or ``--control-plane
-etcd://... --job NAME`` with the etcd TLS files) it reads the job's keys itself for ``--sample`` seconds and
+etcd://... --job NAME --secret-file F`` with the etcd TLS files) it reads the job's keys itself for ``--sample`` seconds and
 builds the same board the monitor keeps: heartbeat ages are then measured over that window (a replica whose
 beat did not move in it shows the whole window), and the history (events, recoveries) starts with the sample.
 """
@@ -127,7 +127,8 @@ def read_status(args: argparse.Namespace) -> dict[str, Any]:
             raise RecoverError("--control-plane etcd://... needs the job's name. HINT: add --job NAME")
         store = settings.store(args.timeout)
         try:
-            secret = JobSecret(bytes.fromhex(_must(store, "secret").decode()))
+            # The job's secret is never stored in etcd: the one its launchers were given.
+            secret = JobSecret.from_file(args.secret_file) if args.secret_file else JobSecret.from_env()
             return sample_control_plane(store, Sealer(secret), args.sample)
         finally:
             store.close()
@@ -137,7 +138,7 @@ def read_status(args: argparse.Namespace) -> dict[str, Any]:
         return sample_control_plane(store, Sealer(secret), args.sample)
     raise RecoverError(
         "lightning-recover status: where is the job? HINT: give its status address (lightning-recover status "
-        "127.0.0.1:9400), or --coordinator HOST:PORT --secret-file F, or --control-plane etcd://... --job NAME"
+        "127.0.0.1:9400), or --coordinator HOST:PORT --secret-file F, or --control-plane etcd://... --job NAME --secret-file F"
     )
 
 
