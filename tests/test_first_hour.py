@@ -481,3 +481,10 @@ def test_the_demos_reference_is_reused_for_the_same_configuration(tmp_path, caps
     assert again_losses == losses and all(torch.equal(again_state[k], v) for k, v in state.items())
     args.lr = 1e-2  # part of it: another key, replayed
     assert demo.reference_key(args) != saved[0][len("reference-") : -len(".pt")]
+
+
+def test_torchrun_refuses_an_interpreter_where_the_script_goes():
+    assert _cli_error("torchrun", "--replicas", "2", "--", "/usr/bin/python3", "train.py", code=1) == (
+        "lightning-recover torchrun: give the script after --, not an interpreter ('/usr/bin/python3'): torchrun "
+        f"runs it with this launcher's, {sys.executable}. HINT: -- train.py --lr 1e-3"
+    )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
 from collections.abc import Callable, Sequence
@@ -44,6 +45,16 @@ def own_interpreter(command: Sequence[str], say: Callable[[str], Any]) -> list[s
     )
     command[0] = sys.executable
     return command
+
+
+def _cmd_torchrun(args: argparse.Namespace) -> int:
+    script = [a for a in args.command if a != "--"][:1]
+    if script and re.fullmatch(r"python(\d+(\.\d+)?)?", os.path.basename(script[0])):  # not python_train.py
+        raise SystemExit(
+            f"lightning-recover torchrun: give the script after --, not an interpreter ({script[0]!r}): torchrun "
+            f"runs it with this launcher's, {sys.executable}. HINT: -- train.py --lr 1e-3"
+        )
+    return torchrun.cmd_torchrun(args)
 
 
 def _say(line: str) -> None:
@@ -198,7 +209,7 @@ def add_subcommands(sub: Any) -> None:
     )
     _add_control_plane_arguments(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="after --: the script and its arguments")
-    p.set_defaults(func=torchrun.cmd_torchrun)
+    p.set_defaults(func=_cmd_torchrun)
 
     p = sub.add_parser("coordinator", help="run only the coordinator (multi-node jobs)")
     coordinator_process.add_arguments(p)
