@@ -350,7 +350,7 @@ LEGEND = (
     ("sys MTBF h", "mean hours between two failures anywhere in the cluster (GPU MTBF / GPUs)"),
     ("failures", "mean failures in one simulated run (--hours)"),
     ("tau min", "checkpoint-and-restart's interval between checkpoints, in minutes (Young/Daly)"),
-    ("recover", "effective throughput of in-step recovery (this project): committed tokens / failure-free tokens"),
+    ("recover", "effective throughput of in-step recovery (this project): committed / failure-free tokens, same time"),
     ("standby", "the same, with --standby warm standby replicas taking a failed replica's place"),
     ("ckpt", "the same for checkpoint-and-restart (every failure: back to the last checkpoint, restart all)"),
     ("drop", "the same for dropping the interrupted step (torchft-like; the trajectory changes)"),
