@@ -345,22 +345,24 @@ def test_job_grows_from_two_to_four_and_shrinks_back_on_etcd(tmp_path, etcd3):
     out = str(tmp_path / "run")
     gate = str(tmp_path / "gate")
     job = f"grow-{os.getpid()}-{time.monotonic_ns()}"
+    # The launchers of one job share its secret (never in etcd), and so does the operator's leave request.
+    plane_env = dict(etcd3.environment(), LIGHTNING_RECOVER_SECRET_FILE=JobSecret.generate().write_file(str(tmp_path)))
     base = [sys.executable, "-m", "lightning_recover.cli", "run", "--replicas", "2:4", "--heartbeat-timeout", "0.5"]
     base += ["--job", job]
     script = ["--", *_grow_args(out, gate)]
-    a, log_a = start_job(base + script, str(tmp_path / "a"), etcd3.environment())
+    a, log_a = start_job(base + script, str(tmp_path / "a"), plane_env)
     b = None
     try:
         assert wait_for(lambda: _applied(out, 0) == [0, 1], 240), open(log_a).read()[-3000:]
         inject = {"LIGHTNING_RECOVER_INJECT": "notice:replica=2:step=4:phase=backward"}
-        b_env = {**etcd3.environment(), **inject}
+        b_env = {**plane_env, **inject}
         b, log_b = start_job(base + ["--add-replicas", "2"] + script, str(tmp_path / "b"), b_env)
         assert wait_for(lambda: open(log_b).read().count("asks to join") == 2, 240), open(log_b).read()[-3000:]
         assert "assigned replica ids [2, 3]" in open(log_b).read()
         open(gate + ".grow", "w").close()
         assert wait_for(lambda: 3 in _applied(out, 3), 120), open(log_b).read()[-3000:]
         leave = [sys.executable, "-m", "lightning_recover.cli", "leave", "--replica", "3", "--job", job]
-        leave_env = dict(os.environ, PYTHONPATH=ROOT, **etcd3.environment())
+        leave_env = dict(os.environ, PYTHONPATH=ROOT, **plane_env)
         done = subprocess.run(leave, capture_output=True, text=True, timeout=60, env=leave_env)
         assert done.returncode == 0, done.stderr
         assert wait_for(lambda: "told to leave (leave request)" in open(log_b).read(), 30)

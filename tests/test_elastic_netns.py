@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+from lightning_recover.protocol.messages import JobSecret
 from tests.hosts import Hosts
 from tests.jobs import ROOT, wait_for
 from tests.scripts.fabric_train import reference_state
@@ -34,6 +35,10 @@ def _launcher(cluster: EtcdOnHosts, host: str, job: str, extra: list[str], gate:
     argv += ["--hold", f"2:{gate}"]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=cluster.hosts.iface[host])
     env.pop("LIGHTNING_RECOVER_INJECT", None)
+    secret_file = os.path.join(cluster.out, "job.secret")  # the job's launchers share one secret (never in etcd)
+    if not os.path.exists(secret_file):
+        JobSecret.generate().write_file(cluster.out)
+    env["LIGHTNING_RECOVER_SECRET_FILE"] = secret_file
     cluster.launchers[host] = cluster.hosts.popen(host, argv, os.path.join(cluster.out, f"{host}.log"), env)
 
 

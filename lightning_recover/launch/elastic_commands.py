@@ -77,20 +77,23 @@ def elastic_arguments(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _job_store(args: argparse.Namespace) -> tuple[Any, Sealer]:
-    """The raw store and sealer of the job ``leave`` names: etcd (--control-plane, --job: the secret is the job's
-    in etcd) or an embedded coordinator (--coordinator HOST:PORT and the job's --secret-file)."""
+    """The raw store and sealer of the job ``leave`` names: etcd (--control-plane, --job) or an embedded
+    coordinator (--coordinator HOST:PORT); the job's --secret-file either way (etcd never holds it)."""
     settings = config.parse(
         args.control_plane, cacert=args.etcd_cacert, cert=args.etcd_cert, key=args.etcd_key, job=args.job
     )
-    if settings is not None:
-        if not settings.job:
-            raise ValueError(f"leave: name the job. HINT: --job NAME (or {env.JOB}), as its launchers were given")
-        store = config.with_job(settings, args.job).store()
-        if not store.check(["secret"]):
-            raise ValueError(f"leave: no job {settings.job!r} on {settings.url}. HINT: check --job")
-        return store, Sealer(JobSecret(bytes.fromhex(store.get("secret").decode())))
-    addr = args.coordinator or os.environ.get(env.COORDINATOR)
     secret_file = args.secret_file or os.environ.get(env.SECRET_FILE)
+    if settings is not None:
+        if not settings.job or not secret_file:
+            raise ValueError(
+                f"leave: name the job and its secret. HINT: --job NAME and --secret-file FILE (or {env.JOB} and "
+                f"{env.SECRET_FILE}), as its launchers were given"
+            )
+        store = config.with_job(settings, args.job).store()
+        if not store.check(["meta/replicas"]):
+            raise ValueError(f"leave: no job {settings.job!r} on {settings.url}. HINT: check --job")
+        return store, Sealer(JobSecret.from_file(secret_file))
+    addr = args.coordinator or os.environ.get(env.COORDINATOR)
     if not addr or not secret_file:
         raise ValueError(
             "leave: name the job's control plane. HINT: --control-plane etcd://... --job NAME, or --coordinator "
@@ -125,7 +128,7 @@ def add_leave_subcommand(sub: Any, help_line: str) -> None:
     )
     p.add_argument("--replica", type=int, required=True, help="the replica id to leave")
     p.add_argument("--coordinator", default=None, help=f"embedded: HOST:PORT of the coordinator (${env.COORDINATOR})")
-    p.add_argument("--secret-file", default=None, help=f"embedded: the job's secret file (${env.SECRET_FILE})")
+    p.add_argument("--secret-file", default=None, help=f"the job's secret file (${env.SECRET_FILE})")
     p.add_argument("--control-plane", default=None, help=f"etcd://HOST:PORT,... (${env.CONTROL_PLANE})")
     p.add_argument("--etcd-cacert", default=None, help=f"CA of the etcd members (${env.ETCD_CACERT})")
     p.add_argument("--etcd-cert", default=None, help=f"client certificate for etcd (${env.ETCD_CERT})")
