@@ -31,7 +31,7 @@ from lightning_recover.protocol.messages import (
     recent_many,
     sequence,
 )
-from lightning_recover.protocol.vouches import VouchReader, vouch_record
+from lightning_recover.protocol.vouches import Roster, VouchReader, vouch_record
 
 _count = [0]
 #: Slack on time bounds for a loaded 2-core machine (as tests/test_etcd_jobs.py).
@@ -43,6 +43,13 @@ def fresh_store(cluster, timeout: float = 5.0) -> EtcdStore:
     client = EtcdClient(cluster.endpoints, **cluster.tls_files, timeout=timeout)
     # Heartbeats beside the watched keys, as the job's control store keeps them (EtcdSettings.store).
     return EtcdStore(client, f"/watch-test/{_count[0]}/kv/", root=f"/watch-test/{_count[0]}/", apart="hb/")
+
+
+def write_roster(store: ControlStore, generation: int, incarnations: dict[int, int]) -> None:
+    """Generation ``generation``'s closed round, as the members write it: whom its vouches name."""
+    for r, inc in incarnations.items():
+        store.set(f"g{generation}/join/{r}", json.dumps({"step": 0, "have": [], "inc": inc}))
+    store.set(f"g{generation}/members", json.dumps(sorted(incarnations)))
 
 
 def until(condition, timeout: float = 5.0) -> None:
@@ -338,11 +345,12 @@ def test_a_commit_vouches_for_its_members_and_their_threads_skip_their_beats(etc
         hb.start()
     try:
         until(lambda: raw.view.healthy)
+        write_roster(leader, 1, {0: 1, 1: 1, 2: 7})  # replica 2 joined generation 1 as another incarnation
         step = 0
         deadline = time.monotonic() + 1.5
         while time.monotonic() < deadline:  # a commit every 30 ms, naming replica 2 under another incarnation
             step += 1
-            vouch = vouch_record(1, step, {0: 1, 1: 1, 2: 7})
+            vouch = vouch_record(1, step)
             assert (
                 leader.report_and_decide(f"s{step}/done/0", "1", {}, f"s{step}/dec", "commit", vouch=vouch) == "commit"
             )
@@ -358,9 +366,7 @@ def test_a_commit_vouches_for_its_members_and_their_threads_skip_their_beats(etc
         leader.compare_set("s99/dec", None, "retry")
         before = raw.cached("vouch")
         assert (
-            leader.report_and_decide(
-                "s99/done/0", "1", {}, "s99/dec", "commit", vouch=vouch_record(1, step + 1, {0: 1})
-            )
+            leader.report_and_decide("s99/done/0", "1", {}, "s99/dec", "commit", vouch=vouch_record(1, step + 1))
             == "retry"
         )
         assert raw.peek_many(["vouch"]) == [before[1]]
@@ -377,25 +383,52 @@ def test_a_commit_vouches_for_its_members_and_their_threads_skip_their_beats(etc
 def test_a_vouch_counts_once_and_only_if_genuine():
     """A reader accepts a vouch only with a sequence above the newest it accepted: an old one written back (a
     replay), a forged or a malformed one counts for nobody."""
-    sealer = Sealer(JobSecret.generate())
-    reader = VouchReader(sealer)
+    secret = JobSecret.generate()
+    sealer = Sealer(secret)
+    rounds: dict[str, bytes] = {}  # the generations' sealed rounds, as a store holds them
+    reads: list[str] = []
 
-    def sealed(generation: int, count: int, members: dict) -> bytes:
-        key, payload, seq = vouch_record(generation, count, members)
+    def read(keys):
+        reads.extend(keys)
+        return [rounds.get(k) for k in keys]
+
+    def roster(generation: int, incarnations: dict[int, int]) -> None:
+        for r, inc in incarnations.items():
+            key = f"g{generation}/join/{r}"
+            rounds[key] = sealer.seal(key, json.dumps({"inc": inc}).encode())
+        rounds[f"g{generation}/members"] = sealer.seal(
+            f"g{generation}/members", json.dumps(sorted(incarnations)).encode()
+        )
+
+    reader = VouchReader(sealer, Roster(sealer, read))
+
+    def sealed(generation: int, count: int) -> bytes:
+        key, payload, seq = vouch_record(generation, count)
         return sealer.seal(key, payload.encode(), seq)
 
-    first, second = sealed(3, 1, {0: 1, 1: 2}), sealed(3, 2, {0: 1, 1: 2})
+    roster(3, {0: 1, 1: 2})
+    first, second = sealed(3, 1), sealed(3, 2)
     assert reader.newer(first).incarnations == {0: 1, 1: 2}
     assert reader.newer(first) is None  # the same value read again: nothing new
+    before = len(reads)
     assert reader.newer(second).generation == 3
+    assert len(reads) == before  # generation 3's round is read once
     assert reader.newer(first) is None  # a replay
-    assert reader.newer(sealed(2, 99, {0: 1})) is None  # an older generation's leader, however many it wrote
-    assert reader.newer(sealed(4, 1, {0: 1})).incarnations == {0: 1}  # the next generation's leader
+    roster(2, {0: 1})
+    assert reader.newer(sealed(2, 99)) is None  # an older generation's leader, however many it wrote
+    assert reader.newer(sealed(4, 1)) is None  # generation 4's round is not readable yet: counts for nobody
+    roster(4, {0: 1})
+    assert reader.newer(sealed(4, 1)).incarnations == {0: 1}  # ... and counts once it is
     forged = Sealer(JobSecret.generate())
-    key, payload, seq = vouch_record(5, 1, {0: 1})
+    key, payload, seq = vouch_record(5, 1)
+    roster(5, {0: 1})
     assert reader.newer(forged.seal(key, payload.encode(), seq)) is None
-    assert reader.newer(sealer.seal(key, b'{"gen": 5}', seq)) is None  # not well formed
-    assert reader.newer(sealer.seal(key, b"[1]", seq + 1)) is None
+    assert reader.newer(sealer.seal(key, b'{"gen": 6}', seq)) is None  # its sequence names generation 5
+    assert reader.newer(sealer.seal(key, b"[1]", seq + 1)) is None  # not well formed
+    rounds["g5/join/0"] = forged.seal("g5/join/0", b'{"inc": 1}')
+    assert VouchReader(sealer, Roster(sealer, read)).newer(sealer.seal(key, payload.encode(), seq)) is None
+    # The same size whatever the generation's size: every view receives it each step.
+    assert len(vouch_record(7, 1)[1]) == len(vouch_record(7, 2)[1])
 
 
 @pytest.mark.slow  # waits out a heartbeat timeout twice over
@@ -408,6 +441,7 @@ def test_the_monitor_counts_a_vouch_as_a_beat(etcd1):
     raw = fresh_store(etcd1)
     init_keys(raw, sealer, 2)
     leader = ControlStore("etcd://test", 0, secret, store=raw.clone())
+    write_roster(leader, 1, {0: 1, 1: 2})  # generation 1: replica 1 joined as incarnation 2
     for r in (0, 1):  # each replica's one beat, at its start
         leader.set(f"hb/{r}", json.dumps({"inc": 1, "beat": 1, "phase": "compute", "count": 1}), seq=sequence(1, 1))
     stop = threading.Event()
@@ -421,7 +455,7 @@ def test_the_monitor_counts_a_vouch_as_a_beat(etcd1):
         deadline = time.monotonic() + 2.5 * timeout
         while time.monotonic() < deadline:  # replica 1 is vouched for under another incarnation
             step += 1
-            vouch = vouch_record(1, step, {0: 1, 1: 2})
+            vouch = vouch_record(1, step)
             assert (
                 leader.report_and_decide(f"s{step}/done/0", "1", {}, f"s{step}/dec", "commit", vouch=vouch) == "commit"
             )

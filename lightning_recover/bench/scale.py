@@ -72,6 +72,10 @@ class ScaleConfig:
     gap: int = 3  # steps per kill
     heartbeat_timeout: float = 10.0  # a starved 2-core host must not look like dead replicas
     heartbeat_interval: float = 0.5  # shorter than a step: the beats a long step costs
+    #: replicas starting (connecting, taking an incarnation, starting their threads) at once: a host's worth.
+    #: The start-up burst of hundreds of replicas would otherwise hold etcd's members, which share this
+    #: host's cores, past the client's request deadline.
+    start_concurrency: int = 8
     seed: int = 0
 
     @property
@@ -104,10 +108,14 @@ _ORPHAN_GUARD = (
 class _ControlProcess:
     """The coordinator (embedded) or the monitor role (etcd), in a process of its own: its CPU is its own."""
 
-    def __init__(self, command: list[str], env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> None:
-        self.proc = subprocess.Popen(
-            command, env=env, pass_fds=pass_fds, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-        )
+    def __init__(self, command: list[str], env: dict[str, str], log: str, pass_fds: tuple[int, ...] = ()) -> None:
+        self.log = log  # its output (a pipe nobody reads would block it once full)
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(command, env=env, pass_fds=pass_fds, stdout=out, stderr=subprocess.STDOUT)
+
+    def tail(self) -> str:
+        with open(self.log, errors="replace") as f:
+            return f.read()[-2000:]
 
     def cpu_seconds(self) -> float:
         with open(f"/proc/{self.proc.pid}/stat") as f:
@@ -131,13 +139,13 @@ def _embedded(cfg: ScaleConfig, secret_file: str) -> tuple[_ControlProcess, str]
         "serve('127.0.0.1', 0, int(sys.argv[1]), float(sys.argv[2]), ready_fd=int(sys.argv[3]), secret_file=sys.argv[4])"
     )
     args = [sys.executable, "-c", code, str(cfg.replicas), str(cfg.heartbeat_timeout), str(write), secret_file]
-    control = _ControlProcess(args, dict(os.environ), pass_fds=(write,))
+    control = _ControlProcess(args, dict(os.environ), f"{secret_file}.log", pass_fds=(write,))
     os.close(write)
     with os.fdopen(read) as ready:
         line = ready.readline()
     if not line.startswith("LISTENING "):
         control.stop()
-        raise RuntimeError(f"the coordinator did not start: {control.proc.stderr.read()[-2000:]}")
+        raise RuntimeError(f"the coordinator did not start: {control.tail()}")
     return control, line.split()[1]
 
 
@@ -173,7 +181,7 @@ class ScaleRun:
             Fault("kill", rng.randrange(cfg.replicas), first + k * cfg.gap + rng.randrange(cfg.gap - 1), "reduce")
             for k in range(cfg.kills)
         ]
-        self.samples: dict[str, dict] = {}
+        self._starting = threading.Semaphore(cfg.start_concurrency)
 
     # ------------------------------------------------------------------ the control plane
     def _start_control(self, secret_file: str) -> tuple[_ControlProcess, str, dict[str, str]]:
@@ -196,7 +204,7 @@ class ScaleRun:
             str(self.cfg.replicas),
             str(self.cfg.heartbeat_timeout),
         ]
-        return _ControlProcess(code, {**os.environ, **env}), settings.url, env
+        return _ControlProcess(code, {**os.environ, **env}, f"{secret_file}.log"), settings.url, env
 
     # ------------------------------------------------------------------ a replica thread
     def _act(self, slot: _Slot) -> Any:
@@ -223,7 +231,8 @@ class ScaleRun:
         )
         core.group.groups = StandInGroups(self.plane, slot.replica)
         try:
-            core.start(exit_hook=False)
+            with self._starting:
+                core.start(exit_hook=False)
             slot.started_at = time.monotonic()
             for s in range(cfg.steps):
                 for _ in core.run_step(s):
@@ -286,6 +295,7 @@ class ScaleRun:
             "control_cpu": control.cpu_seconds(),
             "watch_events": sum(v.events for v in views),
             "watch_bytes": sum(v.payload_bytes for v in views),
+            "resyncs": sum(v.resyncs for v in views),
             "views": len(views),
             "load": os.getloadavg()[0],
         }
@@ -353,6 +363,8 @@ class ScaleRun:
             control_cpu_s_per_step=(b["control_cpu"] - a["control_cpu"]) / steps,
             watch_events_per_step_per_process=(b["watch_events"] - a["watch_events"]) / steps / max(1, b["views"]),
             watch_bytes_per_step_per_process=(b["watch_bytes"] - a["watch_bytes"]) / steps / max(1, b["views"]),
+            # full re-reads of a view (its stream lost or silent past STALE_AFTER): each is the whole prefix
+            view_resyncs_per_step_per_process=(b["resyncs"] - a["resyncs"]) / steps / max(1, b["views"]),
             load=[a["load"], b["load"]],
         )
         if self.cluster is not None:
@@ -584,11 +596,26 @@ def sweep(args: argparse.Namespace) -> dict:
     work = args.dir or tempfile.mkdtemp(prefix="lr-scale-")
     ns = [int(n) for n in args.replicas.split(",")]
     backends = args.backends.split(",")
-    result: dict = {"commit": _commit(), "config": vars(args).copy(), "runs": [], "capacity": {}}
+    result: dict = {"commit": _commit(), "config": vars(args).copy(), "runs": [], "capacity": {}, "failures": []}
+    failed: set[str] = set()
     result["load"] = os.getloadavg()[0]
+    # Raft beats every 200 ms, elections after 2 s: on a 2-core host shared with the replicas (and other jobs) the
+    # defaults (50/250 ms) starved the leader into missed beats and elections that no real deployment would see.
     cluster = (
-        LocalEtcdCluster(os.path.join(work, "etcd"), members_count=3).start(timeout=60) if "etcd" in backends else None
+        LocalEtcdCluster(
+            os.path.join(work, "etcd"),
+            members_count=3,
+            heartbeat_ms=args.raft_heartbeat_ms,
+            election_ms=args.election_ms,
+        ).start(timeout=60)
+        if "etcd" in backends
+        else None
     )
+    if cluster is not None and args.etcd_nice:
+        # On a host whose cores other jobs share, a starved leader stalls every request past the client's
+        # deadline; a production cluster has cores of its own (said with the figures).
+        for m in cluster.members:
+            os.setpriority(os.PRIO_PROCESS, m.proc.pid, args.etcd_nice)
     try:
         if cluster is not None and args.capacity:
             result["capacity"] = {
@@ -608,8 +635,17 @@ def sweep(args: argparse.Namespace) -> dict:
                     seed=args.seed,
                     heartbeat_timeout=args.heartbeat_timeout,
                     heartbeat_interval=args.heartbeat_interval,
+                    start_concurrency=args.start_concurrency,
                 )
-                run = ScaleRun(cfg, cluster if backend == "etcd" else None, work).run()
+                if backend in failed:
+                    continue  # a smaller N already failed on this backend: the limit was found
+                try:
+                    run = ScaleRun(cfg, cluster if backend == "etcd" else None, work).run()
+                except RuntimeError as exc:  # the limit on this host: recorded, the sweep goes on
+                    failed.add(backend)
+                    result["failures"].append({"backend": backend, "replicas": n, "error": str(exc)[:2000]})
+                    print(f"  {backend:8s} N={n:5d}: FAILED {str(exc)[:300]}", flush=True)
+                    continue
                 result["runs"].append(run)
                 kills = [k["next_commit_s"] for k in run["kills"]]
                 run["kill_next_commit_s"] = statistics.median(kills) if kills else None
@@ -646,6 +682,10 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--kills", type=int, default=2, help="kills per N, each at a random step and replica")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0, help="the replicas' heartbeat_timeout")
     p.add_argument("--heartbeat-interval", type=float, default=0.5, help="the replicas' heartbeat_interval")
+    p.add_argument("--start-concurrency", type=int, default=8, help="replicas starting at once")
+    p.add_argument("--raft-heartbeat-ms", type=int, default=200, help="the etcd members' --heartbeat-interval")
+    p.add_argument("--election-ms", type=int, default=2000, help="the etcd members' --election-timeout")
+    p.add_argument("--etcd-nice", type=int, default=0, help="the etcd members' nice value (negative: root only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-capacity", dest="capacity", action="store_false", help="skip the cluster's capacities")
     p.add_argument("--plot", default=None, help="write the plots against N here (PNG; needs matplotlib)")

@@ -252,7 +252,7 @@ class Decisions:
         gen = self.membership.gen
         count = self._vouched[1] + 1 if self._vouched[0] == gen.number else 1
         self._vouched = (gen.number, count)
-        return vouch_record(gen.number, count, gen.incarnations)
+        return vouch_record(gen.number, count)
 
     def await_decision(self, step: int, attempt: int = 0) -> bool:
         """Wait for the step's decision; settle it as ``retry`` if the generation fails meanwhile.

@@ -40,6 +40,7 @@ from lightning_recover.errors import (
     RecoverError,
     ReplicaExcludedError,
 )
+from lightning_recover.protocol.liveness import VouchCoverage, heartbeat_lease
 from lightning_recover.protocol.messages import ControlStore, JobSecret, sequence
 from lightning_recover.protocol.notice import Notice, leave_requested
 from lightning_recover.protocol.process_groups import ProcessGroups
@@ -53,7 +54,7 @@ from lightning_recover.protocol.rendezvous import FIELD as RENDEZVOUS_FIELD
 from lightning_recover.protocol.rendezvous import RendezvousHost, host_rendezvous, meeting_place
 from lightning_recover.protocol.replica_env import check_against_coordinator, check_replica_size_against_coordinator
 from lightning_recover.protocol.standby import wait_for_assignment
-from lightning_recover.protocol.vouches import VOUCH_KEY, VouchReader
+from lightning_recover.protocol.vouches import VOUCH_KEY, Roster, VouchReader, raw_reader
 
 POLL_MIN = 0.0005
 POLL_MAX = 0.005
@@ -115,8 +116,13 @@ class Heartbeat:
         self._beat = 0
         self._last_beat = 0.0  # monotonic time of the last beat written
         # Commits vouch for whole replicas of one process only (decisions.py).
-        self._vouches = VouchReader(self._store.sealer) if key is None else None
+        sealer = self._store.sealer  # a vouch names its generation: whom it covers is read once per generation
+        self._vouches = VouchReader(sealer, Roster(sealer, raw_reader(self._store.raw))) if key is None else None
         self.vouched_at = 0.0  # monotonic time the newest vouch naming this incarnation reached this process
+        # etcd: the key lives while a lease this thread keeps alive (liveness.py); a beat is then written only to
+        # tell the main thread's progress, once no vouch covered this replica for a step or two
+        self._leased = heartbeat_lease(self._store, self._key, interval) if key is None else None
+        self._coverage = VouchCoverage()
         self.last_ok = time.monotonic()  # when the coordinator last answered (read by the watchdog)
         self._stop = threading.Event()
         self.error: BaseException | None = None
@@ -135,10 +141,30 @@ class Heartbeat:
                 vouch = self._vouches.newer(got[0])
                 if vouch is not None and vouch.incarnations.get(self._replica) == self._incarnation:
                     self.vouched_at = got[1]
+                    self._coverage.vouched(got[1])
         return max(self._last_beat, self.vouched_at)
 
+    def _window(self) -> float:
+        """How long a beat or a vouch covers this replica: the period, or with a lease the coverage window."""
+        return self._interval if self._leased is None else self._coverage.window(self._interval)
+
+    def _next_wake(self) -> float:
+        """When the next beat may be due, or with a lease the next keep-alive if sooner (monotonic)."""
+        due = self._covered_since() + self._window()
+        return due if self._leased is None else min(due, self._leased.renewed_at + self._leased.ttl / 3)
+
+    def _write(self, payload: dict) -> None:
+        seq = sequence(self._incarnation, self._beat)
+        if self._leased is None:
+            self._store.set(self._key, json.dumps(payload), seq=seq)
+        else:  # the monitor judges a leased beat by its key's presence, not by its beats moving
+            value = json.dumps(dict(payload, lease=self._leased.ttl))
+            self._leased.put(self._store.sealer.seal(self._key, value.encode(), seq))
+
     def _send(self) -> None:
-        if time.monotonic() - self._covered_since() >= self._interval:
+        if self._leased is not None and self._leased.keepalive_due:
+            self._leased.keep_alive()
+        if time.monotonic() - self._covered_since() >= self._window():
             self._beat += 1
             p = self._progress
             payload = {
@@ -149,7 +175,7 @@ class Heartbeat:
                 "phase": p.phase,
                 "count": p.count,
             }
-            self._store.set(self._key, json.dumps(payload), seq=sequence(self._incarnation, self._beat))
+            self._write(payload)
             self._last_beat = time.monotonic()
         if self._store.deaths([self._replica], recent=True)[self._replica] >= self._incarnation:
             self.excluded = True
@@ -165,7 +191,7 @@ class Heartbeat:
 
     def _run(self) -> None:
         # Wakes one period after the last beat, written or vouched for: never further apart than that.
-        while not self._stop.wait(max(0.0, self._covered_since() + self._interval - time.monotonic())):
+        while not self._stop.wait(max(0.0, self._next_wake() - time.monotonic())):
             try:
                 self._send()
             except Exception as exc:
@@ -179,6 +205,8 @@ class Heartbeat:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        if self._leased is not None:
+            self._leased.close()  # the key goes now, not a TTL later
 
 
 class CoordinatorWatchdog:

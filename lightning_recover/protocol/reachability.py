@@ -267,9 +267,11 @@ def _read_sealed_json(store, sealer: Sealer, key: str) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-def _open_round(store: ControlStore) -> dict:
-    """The sealed ``reach/round`` (``{}`` when absent, forged or malformed)."""
-    value = store.get_genuine("reach/round")
+def _open_round(store: ControlStore, recent: bool = False) -> dict:
+    """The sealed ``reach/round`` (``{}`` when absent, forged or malformed). ``recent``: on etcd from the watched
+    view (the responders read it every ``RECHECK_PERIOD``, and a read through etcd is a Raft proposal, ``peek``'s
+    compare-and-set: two writes a second per replica); a stale view only delays an answer by its lag."""
+    value = store.recent_genuine("reach/round") if recent else store.get_genuine("reach/round")
     try:
         round_ = json.loads(value) if value else {}
     except ValueError:
@@ -315,7 +317,7 @@ class ReachabilityResponder:
 
     def _answer_round(self) -> int | None:
         """Answer the open round if it is new and lists this incarnation; its number (None: nothing to answer)."""
-        round_ = _open_round(self._store)
+        round_ = _open_round(self._store, recent=True)
         n = int(round_.get("round", 0))
         members = {int(r): inc for r, inc in (round_.get("members") or {}).items()}
         if n <= self._answered or members.get(self.replica) != self.incarnation:
