@@ -3,7 +3,7 @@
     python benchmarks/etcd_soak.py --minutes 30 --json benchmarks/results/etcd_soak.json
 
 A real job (``lightning-recover run``, 2 replicas of tests/scripts/fabric_train.py, steps enough to outlast
-the soak) runs on a local 3-member TLS etcd started with ``--quota-backend-bytes`` (6 MiB by default) and
+the soak) runs on a local 3-member TLS etcd started with ``--quota-backend-bytes`` (12 MiB by default) and
 *without* etcd's own compaction, so that only the job's (the monitor role holder's ``Compactor``) keeps the
 history down. A neighbour on the same cluster (another tenant's writes, under its own prefix) puts 2,000-byte
 values at a fixed rate, so that the cluster's writes cross the quota many times whatever the job's own rate.
@@ -74,7 +74,7 @@ def _alarms(client: ec.EtcdClient) -> list:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--minutes", type=float, default=30.0)
-    parser.add_argument("--quota-bytes", type=int, default=6 << 20)
+    parser.add_argument("--quota-bytes", type=int, default=12 << 20)
     parser.add_argument("--neighbour-rate", type=float, default=40.0, help="the neighbour's puts per second")
     parser.add_argument("--neighbour-bytes", type=int, default=2000)
     parser.add_argument("--json", default="")
@@ -100,19 +100,20 @@ def main() -> None:
     samples: list[dict] = []
     started = time.monotonic()
     try:
-        while not os.path.exists(os.path.join(out, "started")) and job.poll() is None:
-            if time.monotonic() - started > 600:
-                raise SystemExit("the job did not start within 10 minutes")
-            time.sleep(1.0)
-        neighbour.start()
-        began = time.monotonic()
         first_revision = int(client.status()["header"]["revision"])
-        while time.monotonic() - began < args.minutes * 60 and job.poll() is None:
+        began = None  # when the job started training (and the neighbour began writing)
+        while job.poll() is None and (began is None or time.monotonic() - began < args.minutes * 60):
             time.sleep(5.0)
+            if began is None and os.path.exists(os.path.join(out, "started")):
+                began = time.monotonic()
+                neighbour.start()
+            if began is None and time.monotonic() - started > 600:
+                raise SystemExit("the job did not start within 10 minutes")
             status = client.status()
             samples.append(
                 {
-                    "t": round(time.monotonic() - began, 1),
+                    "t": round(time.monotonic() - (began or started), 1),
+                    "training": began is not None,
                     "revision": int(status["header"]["revision"]),
                     "db_bytes": int(status["dbSize"]),
                     "db_in_use_bytes": int(status.get("dbSizeInUse") or 0),
@@ -120,11 +121,13 @@ def main() -> None:
                     "steps": _steps(out),
                 }
             )
-        minute_ago = [s["steps"] for s in samples if s["t"] <= samples[-1]["t"] - 60] if samples else []
+            print(json.dumps(samples[-1]), flush=True)
+        minute_ago = [s["steps"] for s in samples if s["training"] and s["t"] <= samples[-1]["t"] - 60]
         training = job.poll() is None and bool(minute_ago) and samples[-1]["steps"] > minute_ago[-1]
     finally:
         neighbour.stop.set()
-        neighbour.join(10)
+        if neighbour.is_alive():
+            neighbour.join(10)
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGTERM)
             try:

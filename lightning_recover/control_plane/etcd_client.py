@@ -174,6 +174,7 @@ class _BoundedResponse(http.client.HTTPResponse):
 
     def __init__(self, sock: socket.socket, *args: Any, deadline: _Deadline, **kwargs: Any) -> None:
         super().__init__(sock, *args, **kwargs)
+        self.fp.close()  # the plain reader http.client made (closing it leaves the socket open)
         self.fp = io.BufferedReader(_DeadlineReader(sock, deadline))
 
 
@@ -259,7 +260,8 @@ class _Transport:
     def _exchange(self, path: str, payload: bytes, try_for: float) -> tuple[int, bytes]:
         """One try: ``(HTTP status, body)`` of POST ``/v3/{path}`` to the current member, within ``try_for``."""
         until = time.monotonic() + try_for
-        if self._conn is None:
+        if self._conn is None or self._conn.sock is None:  # none yet, or the member closed it after an answer
+            self.close()
             self._conn = self._connect(try_for)
         self._conn.sock.settimeout(max(0.001, until - time.monotonic()))
         self._conn.lr_deadline.at = until  # type: ignore[attr-defined]
