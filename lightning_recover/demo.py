@@ -50,7 +50,15 @@ def default_faults(replicas: int, steps: int) -> str:
     """The demo's fault plan when ``--inject`` is not given, fitted to the job: one replica SIGKILLed in its
     backward pass 30 % into the run, and (with 3 replicas or more) replica 0, the one drawing the progress
     bar, hung before the all-reduce two thirds in. One survivor at least; with 1 replica, or too few steps
-    to fail in, no fault: there would be nobody left to recover, or nothing to recover into."""
+    to fail in, no fault: there would be nobody left to recover, or nothing to recover into.
+
+    Args:
+        replicas: the job's replica count.
+        steps: the steps the demo runs.
+
+    Returns:
+        The plan in ``--inject``'s form ('' for none).
+    """
     kill_step, hang_step = steps * 3 // 10, steps * 27 // 40
     if replicas < 2 or kill_step < 1:
         return ""
@@ -298,12 +306,19 @@ _REFERENCE_ARGS = (
 
 
 def reference_key(args: argparse.Namespace) -> str:
-    """A digest of everything the failure-free reference depends on: the same key, the same losses and state."""
+    """A digest of everything the failure-free reference depends on: the same key, the same losses and state.
+
+    Args:
+        args: the demo's arguments (only those in ``_REFERENCE_ARGS`` count).
+
+    Returns:
+        16 hex digits.
+    """
     import torch
 
     package = os.path.dirname(os.path.abspath(__file__))
     digest = hashlib.sha256(json.dumps({k: getattr(args, k) for k in _REFERENCE_ARGS}, sort_keys=True).encode())
-    digest.update(torch.__version__.encode())
+    digest.update(f"{torch.__version__} {sys.version}".encode())  # the corpus is this Python's own source
     for name in _REFERENCE_SOURCES:
         with open(os.path.join(package, name), "rb") as f:
             digest.update(f.read())
@@ -313,7 +328,15 @@ def reference_key(args: argparse.Namespace) -> str:
 def cached_reference(args: argparse.Namespace, train_seconds: float) -> tuple[list[float], dict]:
     """The failure-free reference: read from ``OUT/reference-KEY.pt`` when an earlier run of the same
     configuration wrote it (:func:`reference_key`), else replayed (:func:`reference_run`) and written there.
-    Says which, and what a replay cost against the training it checks."""
+    Says which, and what a replay cost against the training it checks.
+
+    Args:
+        args: the demo's arguments.
+        train_seconds: how long the training took, said beside the replay's time.
+
+    Returns:
+        The reference's per-step losses and final state dict.
+    """
     import torch
 
     path = os.path.join(args.out, f"reference-{reference_key(args)}.pt")

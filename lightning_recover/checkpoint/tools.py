@@ -50,7 +50,15 @@ NAME_WIDTH = 60
 
 
 def fit_name(name: str, width: int = NAME_WIDTH) -> str:
-    """``name`` if it fits in ``width`` characters, else its start and end around a ``...``."""
+    """``name`` if it fits in ``width`` characters, else its start and end around a ``...``.
+
+    Args:
+        name: a tensor's or item's name.
+        width: the most characters to print.
+
+    Returns:
+        A string of at most ``width`` characters.
+    """
     if len(name) <= width:
         return name
     tail = (width - 3) // 2

@@ -31,6 +31,13 @@ def own_interpreter(command: Sequence[str], say: Callable[[str], Any]) -> list[s
     on PATH may be another one (the machine's own, when the virtual environment is not activated), where
     every replica would fail on its first import. A path (``/usr/bin/python3``, ``.venv/bin/python``) is
     left as given: naming the interpreter is how to run another one.
+
+    Args:
+        command: a replica's argv.
+        say: prints the launcher's line (once, when the interpreter is replaced).
+
+    Returns:
+        The argv to start.
     """
     command = list(command)
     if not command or command[0] not in BARE_PYTHON:
