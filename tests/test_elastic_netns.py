@@ -42,7 +42,7 @@ def _launcher(cluster: EtcdOnHosts, host: str, job: str, extra: list[str], gate:
     cluster.launchers[host] = cluster.hosts.popen(host, argv, os.path.join(cluster.out, f"{host}.log"), env)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1200)
 def test_newcomer_from_another_host_gets_its_id_from_etcd(tmp_path):
     with Hosts([*ETCD_HOSTS, "h0", "h1"]) as hosts:
         cluster = EtcdOnHosts(hosts, str(tmp_path / "job"))
@@ -51,11 +51,11 @@ def test_newcomer_from_another_host_gets_its_id_from_etcd(tmp_path):
         _launcher(cluster, "h0", job, [], gate)
         assert wait_for(lambda: cluster.applied(0) >= 2, 240), cluster.log("h0")[-3000:]
         _launcher(cluster, "h1", job, ["--add-replicas", "1"], gate)
-        assert wait_for(lambda: "asks to join" in cluster.log("h1"), 240), cluster.log("h1")[-3000:]
+        assert wait_for(lambda: "asks to join" in cluster.log("h1"), 540), cluster.log("h1")[-3000:]
         assert "assigned replica ids [1]" in cluster.log("h1")
         open(gate, "w").close()
         for host in ("h0", "h1"):
-            cluster.launchers[host].wait(timeout=240)
+            cluster.launchers[host].wait(timeout=300)
             assert cluster.launchers[host].returncode == 0, cluster.log(host)[-3000:]
         reference = reference_state(STEPS, M, dtype="float32", exact=True)
         for r in (0, 1):

@@ -71,9 +71,14 @@ def stall(records: dict[int, list[dict]], first: int) -> dict[str, float]:
     return {"step_s": longest, "normal_step_s": normal, "stall_s": longest - normal}
 
 
-def notice_vs_kill(repeat: int, workdir: str, step: int = 3, steps: int = 9, microbatches: int = 8) -> list[dict]:
+#: The notice/kill jobs' model: small, so that a step is tens of milliseconds and a stall of that order shows
+#: above a loaded host's noise (TinyGPT's default size took seconds per step here).
+SMALL = ["--layers", "1", "--width", "32", "--block-size", "32", "--batch-size", "4"]
+
+
+def notice_vs_kill(repeat: int, workdir: str, step: int = 3, steps: int = 14, microbatches: int = 8) -> list[dict]:
     rows = []
-    args = ["--replicas", "4", "--steps", str(steps), "--microbatches", str(microbatches)]
+    args = ["--replicas", "4", "--steps", str(steps), "--microbatches", str(microbatches), *SMALL]
     for i in range(repeat):
         for kind in ("notice", "kill") if i % 2 == 0 else ("kill", "notice"):  # neither always runs first
             out = os.path.join(workdir, f"{kind}{i}")
@@ -88,10 +93,15 @@ def notice_vs_kill(repeat: int, workdir: str, step: int = 3, steps: int = 9, mic
                 max(r["committed_at"] for recs in records.values() for r in recs if r["step"] == first) - fault_at
             )
             row["recomputed"] = sum(r["recomputed"] for recs in records.values() for r in recs)
+            # The regroup the survivors timed at the step boundary (the notice; none for a kill)
+            row["boundary_regroup_s"] = max(
+                r.get("boundary_regroup_s", 0.0) for recs in records.values() for r in recs if r["step"] == first
+            )
             rows.append(row)
             print(
                 f"  {kind:6s} run {i}: step {first} {row['step_s'] * 1000:.0f} ms, normal {row['normal_step_s'] * 1000:.0f} "
-                f"ms, stall {row['stall_s'] * 1000:.0f} ms, recomputed {row['recomputed']}",
+                f"ms, stall {row['stall_s'] * 1000:.0f} ms (boundary regroup {row['boundary_regroup_s'] * 1000:.0f} ms), "
+                f"recomputed {row['recomputed']}",
                 flush=True,
             )
     return rows
@@ -141,7 +151,7 @@ def growth(workdir: str, sleep: float, microbatches: int = 16, gate_step: int = 
     coord = coordinator_process.start(4, 1.0, secret_file=secret_file)
     gate = os.path.join(workdir, "gate")
     args = ["--out", out, "--replicas", "4", "--steps", str(steps), "--microbatches", str(microbatches)]
-    args += ["--sleep", str(sleep), "--hold", f"{gate_step}:{gate}"]
+    args += ["--sleep", str(sleep), "--hold", f"{gate_step}:{gate}", *SMALL]
     procs, logs = {}, {}
     try:
         for r in range(4):
@@ -224,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             mine = [r for r in rows if r["kind"] == kind]
             report[f"{kind}_stall_s_median"] = statistics.median(r["stall_s"] for r in mine)
             report[f"{kind}_recomputed"] = [r["recomputed"] for r in mine]
+            report[f"{kind}_boundary_regroup_s_median"] = statistics.median(r["boundary_regroup_s"] for r in mine)
         report["notice_vs_kill"] = rows
         print(
             f"stall beyond a normal step: notice {report['notice_stall_s_median'] * 1000:.0f} ms, kill "

@@ -81,6 +81,7 @@ def run_recover(args: argparse.Namespace) -> None:
                 "recovery_seconds": s.recovery_seconds,
                 "decide_seconds": s.decide_seconds,
                 "redone": s.redone,
+                "boundary_regroup_s": sum(e["seconds"] for e in s.events if e["kind"] == "boundary-regroup"),
                 "exact": protocol.exact is not None,
                 "max_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,  # peak resident memory so far
             }

@@ -9,6 +9,10 @@ arguments. Two differences, both about what a user sees:
 - a worker's death is reported once, by the launcher, as an event ("its worker exited; declared dead"):
   the agent does not add torch elastic's error line and 30-line ``ChildFailedError`` traceback for the same
   death when it gives up (the worker's own output, a traceback included, is still shown).
+
+A worker that left on a preemption notice exits 75 (``EXIT_LEFT_ON_NOTICE``); with no restarts left the agent
+exits 75 too, which the launcher does not restart. With ``--max-restarts`` > 0 torchrun's agent restarts such a
+worker like a failed one (the agent cannot be told otherwise); it then rejoins at a commit.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import sys
 import tempfile
 
 from lightning_recover import env
+from lightning_recover.protocol.notice import EXIT_LEFT_ON_NOTICE
 
 
 def main(argv: list[str]) -> int:
@@ -30,7 +35,10 @@ def main(argv: list[str]) -> int:
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     try:
         run(parse_args(argv))
-    except ChildFailedError:
+    except ChildFailedError as exc:
+        codes = {failure.exitcode for failure in exc.failures.values()}
+        if codes == {EXIT_LEFT_ON_NOTICE}:
+            return EXIT_LEFT_ON_NOTICE  # its workers left on a notice: the launcher does not restart the replica
         return 1  # no restarts left: the replica ends (the launcher has reported its worker's death)
     return 0
 

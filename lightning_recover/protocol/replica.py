@@ -20,7 +20,7 @@ import torch
 
 from lightning_recover import env
 from lightning_recover.errors import MembershipChanged, RecoverError
-from lightning_recover.observe.report import member_report, note_step
+from lightning_recover.observe.report import note_member, note_step
 from lightning_recover.protocol import state_transfer
 from lightning_recover.protocol.collectives import SurvivorCollectives
 from lightning_recover.protocol.decisions import Decisions
@@ -114,7 +114,7 @@ class _JoinsAndLeaves:
             self._next_generation(None, joiner=True)
         step = self._receive_or_send_state(None, joiner=True)
         self.joining = False
-        self.group.progress.report = member_report(self.group.gen.number, self.protocol.M)
+        note_member(self.group.progress, self.group.gen.number, self.protocol.M)
         self.say(
             f"replica {self.group.replica} rejoined at step {step}: generation {self.group.gen.number}, "
             f"live replicas {self.group.members}"
@@ -354,7 +354,7 @@ class Replica(_JoinsAndLeaves):
         self.group.before_build = lambda: self.protocol.fire(max(self.step, 0), "regroup")
         self.joining = self.group.form_initial() is None
         if not self.joining:
-            self.group.progress.report = member_report(self.group.gen.number, self.protocol.M)
+            note_member(self.group.progress, self.group.gen.number, self.protocol.M)
         if standby_world:
             self.world = standby_world[0]
             self.world.watch()
@@ -405,10 +405,15 @@ class Replica(_JoinsAndLeaves):
         self.step = step
         self._forward_seen = self._backward_seen = False
         leaving, self.protocol.leaving = self.protocol.leaving, frozenset()
-        if self.decisions.admit_next or leaving:
+        began = time.perf_counter()
+        boundary = bool(self.decisions.admit_next or leaving)
+        if boundary:
             self._admit(step, leaving)
+        regrouped = time.perf_counter() - began
         yield from self.protocol.run(step)
         stats = self.protocol.last
+        if boundary:  # joiners admitted or leavers gone: the regroup at the step boundary, timed
+            stats.events.append({"kind": "boundary-regroup", "seconds": regrouped, "left": sorted(leaving)})
         self.history.append(stats)
         note_step(self.group.progress, stats, self.protocol.M)  # what the status page shows of this replica
         if stats.recoveries:

@@ -101,7 +101,7 @@ def main() -> None:
     parser.add_argument(
         "--hold",
         default="",
-        help="STEP:PATH,...: before step STEP, wait until PATH exists (at most 120 s); lets a test start a "
+        help="STEP:PATH,...: before step STEP, wait until PATH exists (at most 600 s); lets a test start a "
         "fault only once a standby is ready",
     )
     parser.add_argument("--save-at", type=int, default=-1, help="after step N, fabric.save to --checkpoint")
@@ -173,7 +173,7 @@ def train(args) -> None:
         if step.index == 0:
             open(os.path.join(args.out, "started"), "w").close()
         gate = holds.get(step.index + 1)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 600  # a newcomer's start under a loaded host's imports can take minutes
         while gate and not os.path.exists(gate) and time.monotonic() < deadline:
             time.sleep(0.05)
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
