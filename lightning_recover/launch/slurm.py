@@ -19,6 +19,12 @@ The job's record lives in a directory named after the job (``SLURM_JOB_NAME``) u
 address. The nodes read the secret from there, so that directory must be on a file system every node
 sees (the submit directory usually is).
 
+A job grows by a second batch job of the same name (``--replicas MIN:MAX``): its launcher finds the record
+of a running job of that name, starts no coordinator, claims free replica ids from the running job's
+coordinator (:mod:`~lightning_recover.protocol.growth`) and starts one replica per node of its own
+allocation with them; each is admitted at a commit with the live state. A requeued run of the same Slurm
+job finds its own job id in the record and starts afresh.
+
 The batch process ignores the notice signals a replica takes (SIGTERM, SIGUSR1, ...) and its coordinator the
 user signals: Slurm's ``--signal=B:USR1@GRACE`` and ``scancel --batch`` signal the whole batch step, whose
 ``srun`` processes forward the signal to the replicas, and the control plane must outlive their last step.
@@ -41,14 +47,16 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from lightning_recover import env
+from lightning_recover.errors import RecoverError
 from lightning_recover.launch import coordinator_process
 from lightning_recover.launch.process_tree import describe_exit
+from lightning_recover.protocol.growth import claim_free_id
+from lightning_recover.protocol.messages import JobSecret, Sealer, connect, peek, read_death
+from lightning_recover.protocol.notice import EXIT_LEFT_ON_NOTICE
 
 #: Signals the batch process and its coordinator ignore: a replica's notice, which Slurm may also send to
 #: the batch step; the control plane must stay up until the replicas' last commit.
 IGNORED_IN_BATCH = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
-#: Exit code of a replica that left on a preemption notice (protocol/notice.py): not a failure.
-EXIT_LEFT_ON_NOTICE = 75
 
 
 class SlurmError(ValueError):
@@ -167,8 +175,19 @@ def node_address(node: str) -> str:
         ) from None
 
 
-def replica_environment(job: SlurmJob, replica: int, coordinator: str, replicas: str, secret_file: str) -> dict:
-    """The variables a replica process on node ``job.nodes[replica]`` gets (on top of the batch's environment)."""
+def job_running(job_id: str) -> bool:
+    """Whether Slurm job ``job_id`` is running (``squeue``); False when squeue cannot tell."""
+    try:
+        out = subprocess.run(
+            ["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True, timeout=30
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return out.split() == ["RUNNING"]
+
+
+def replica_environment(replica: int, coordinator: str, replicas: str, secret_file: str) -> dict:
+    """The variables replica ``replica``'s process gets (on top of the batch's environment)."""
     return {
         env.COORDINATOR: coordinator,
         env.REPLICA: str(replica),
@@ -178,13 +197,13 @@ def replica_environment(job: SlurmJob, replica: int, coordinator: str, replicas:
     }
 
 
-def srun_argv(job: SlurmJob, replica: int, command: Sequence[str]) -> list[str]:
-    """One job step that runs ``command`` once, on the replica's node."""
+def srun_argv(job: SlurmJob, node: str, command: Sequence[str]) -> list[str]:
+    """One job step that runs ``command`` once, on ``node``."""
     return [
         "srun",
         "--nodes=1",
         "--ntasks=1",
-        f"--nodelist={job.nodes[replica]}",
+        f"--nodelist={node}",
         f"--job-name={job.name}",
         "--kill-on-bad-exit=0",
         "--export=ALL",
@@ -193,14 +212,28 @@ def srun_argv(job: SlurmJob, replica: int, command: Sequence[str]) -> list[str]:
 
 
 class SlurmLauncher:
-    """The batch process: the coordinator on this node, then one srun step per replica; see the module doc."""
+    """The batch process: the coordinator on this node, then one srun step per replica; see the module doc.
+
+    Args:
+        job: the batch job (:meth:`SlurmJob.from_env`).
+        command: what each replica runs.
+        replicas: ``"N"`` or ``"MIN:MAX"`` (default: one per node); a job of MIN:MAX starts one replica per
+            node, at most MAX, and later jobs of its name add more.
+        heartbeat_timeout: seconds without heartbeat before the coordinator declares a replica dead.
+        state_dir: where the job's record lives (default: ``$SLURM_SUBMIT_DIR/.lightning-recover``).
+        host: the address the coordinator binds (default: the batch node's).
+        port: its port (0: any free one).
+
+    Raises:
+        SlurmError: a shape the allocation cannot run, or a name that does not resolve (with a HINT).
+    """
 
     def __init__(
         self,
         job: SlurmJob,
         command: Sequence[str],
         *,
-        replicas: Optional[int] = None,
+        replicas: Optional[str] = None,
         heartbeat_timeout: float = 5.0,
         state_dir: Optional[str] = None,
         host: Optional[str] = None,
@@ -208,17 +241,24 @@ class SlurmLauncher:
     ) -> None:
         self.job = job
         self.command = list(command)
-        self.replicas = replicas if replicas is not None else len(job.nodes)
-        if self.replicas > len(job.nodes):
+        try:
+            self.least, self.most = env.replica_range(replicas if replicas is not None else str(len(job.nodes)))
+        except ValueError as exc:
+            raise SlurmError(f"--{exc}") from None
+        if self.least == self.most and self.most > len(job.nodes):
             raise SlurmError(
-                f"--replicas {self.replicas} but the allocation has {len(job.nodes)} nodes (one replica per node). "
-                f"HINT: sbatch --nodes={self.replicas}, or fewer --replicas"
+                f"--replicas {self.most} but the allocation has {len(job.nodes)} nodes (one replica per node). "
+                f"HINT: sbatch --nodes={self.most}, or fewer --replicas (MIN:MAX to admit more later)"
             )
         self.heartbeat_timeout = heartbeat_timeout
         self.record = JobRecord(state_dir or os.path.join(job.submit_dir, ".lightning-recover"), job.name)
         self.host = host or node_address(job.batch_node)
         self.port = port
         self.steps: dict[int, subprocess.Popen] = {}
+
+    @property
+    def replica_range(self) -> str:
+        return str(self.most) if self.least == self.most else f"{self.least}:{self.most}"
 
     def run(self) -> int:
         """Run the job to its end; return 0 if a replica finished, else the replicas' exit code."""
@@ -229,44 +269,108 @@ class SlurmLauncher:
             )
         for sig in IGNORED_IN_BATCH:  # inherited by the coordinator, which ignores them as well
             signal.signal(sig, signal.SIG_IGN)
+        running = self.record.read()
+        if running is not None and running.get("slurm_job") != self.job.job_id and job_running(running["slurm_job"]):
+            return self._grow(running)
         self.record.prepare()
         coordinator = coordinator_process.start(
-            self.replicas, self.heartbeat_timeout, host=self.host, port=self.port, secret_file=self.record.secret_file
+            self.most, self.heartbeat_timeout, host=self.host, port=self.port, secret_file=self.record.secret_file
         )
+        ids = list(range(min(len(self.job.nodes), self.most)))
         try:
-            self.record.write(self.job.job_id, coordinator.addr, str(self.replicas))
+            self.record.write(self.job.job_id, coordinator.addr, self.replica_range)
             _say(
                 f"job {self.job.name} (Slurm job {self.job.job_id}, run {self.job.restart_count + 1}): coordinator at "
-                f"{coordinator.addr} on {self.job.batch_node}, {self.replicas} replicas on {', '.join(self.job.nodes)}"
+                f"{coordinator.addr} on {self.job.batch_node}; replicas {ids} on {', '.join(self.job.nodes[: len(ids)])} "
+                f"(the job: {self.replica_range})"
             )
-            codes = self._run_steps(coordinator.addr, coordinator)
+            codes = self._run_steps(ids, coordinator.addr, self.replica_range, coordinator)
+            if coordinator.running():
+                self._outlive_other_replicas(coordinator.addr)
         finally:
             self.record.clear(self.job.job_id)
-            for proc in self.steps.values():
-                if proc.poll() is None:
-                    proc.kill()  # srun: Slurm ends the step's tasks
-                    proc.wait()
+            self._end_steps()
             coordinator.kill()  # SIGTERM is ignored (see IGNORED_IN_BATCH); it has nothing to finalize
             coordinator.proc.wait()
         return job_exit_code(codes)
 
-    def _run_steps(self, address: str, coordinator: Any) -> dict[int, int]:
-        for r in range(self.replicas):
-            extra = replica_environment(self.job, r, address, str(self.replicas), self.record.secret_file)
-            self.steps[r] = subprocess.Popen(srun_argv(self.job, r, self.command), env={**os.environ, **extra})
-            _say(f"replica {r}: srun on {self.job.nodes[r]} (pid {self.steps[r].pid})")
+    def _grow(self, running: dict[str, Any]) -> int:
+        """A later job of the same name: claim free ids from the running job's coordinator, start them here."""
+        address, replica_range = running["coordinator"], str(running["replicas"])
+        most = env.replica_range(replica_range)[1]
+        try:
+            store = connect(address, timeout=max(10.0, 2 * self.heartbeat_timeout + 1))
+            sealer = Sealer(JobSecret.from_file(self.record.secret_file))
+            ids: list[int] = []
+            for r in range(most):  # the lowest free ids, one per node of this allocation
+                if len(ids) < len(self.job.nodes) and claim_free_id(store, sealer, r):
+                    ids.append(r)
+        except (OSError, RuntimeError, RecoverError) as exc:
+            raise SlurmError(
+                f"job {self.job.name}: Slurm job {running['slurm_job']} runs it, but its coordinator at {address} "
+                f"did not answer ({exc}). HINT: give this job another --job-name to start a job of its own"
+            ) from None
+        if not ids:
+            raise SlurmError(
+                f"job {self.job.name} runs its {most} replicas already (Slurm job {running['slurm_job']}). HINT: "
+                "start the job with a larger MAX (--replicas MIN:MAX), or this one under another --job-name"
+            )
+        _say(
+            f"job {self.job.name} runs in Slurm job {running['slurm_job']} (coordinator {address}): this job adds "
+            f"replicas {ids} on {', '.join(self.job.nodes[: len(ids)])}"
+        )
+        try:
+            return job_exit_code(self._run_steps(ids, address, replica_range, None))
+        finally:
+            self._end_steps()
+
+    def _run_steps(self, ids: Sequence[int], address: str, replica_range: str, coordinator: Any) -> dict[int, int]:
+        for node, r in zip(self.job.nodes, ids):
+            extra = replica_environment(r, address, replica_range, self.record.secret_file)
+            self.steps[r] = subprocess.Popen(srun_argv(self.job, node, self.command), env={**os.environ, **extra})
+            _say(f"replica {r}: srun on {node} (pid {self.steps[r].pid})")
+        nodes = dict(zip(ids, self.job.nodes))
         codes: dict[int, int] = {}
         said_lost = False
         while len(codes) < len(self.steps):
             for r, proc in self.steps.items():
                 if r not in codes and proc.poll() is not None:
                     codes[r] = proc.returncode
-                    _say(f"replica {r} on {self.job.nodes[r]}: {describe_exit(proc.returncode)}")
-            if not said_lost and not coordinator.running():
+                    _say(f"replica {r} on {nodes[r]}: {describe_exit(proc.returncode)}")
+            if coordinator is not None and not said_lost and not coordinator.running():
                 said_lost = True
                 _say(f"the coordinator ended ({coordinator.exited()}); the replicas stop within their store timeout")
             time.sleep(0.1)
         return codes
+
+    def _outlive_other_replicas(self, address: str) -> None:
+        """Keep the coordinator while replicas that later jobs of this name added still run: until every
+        incarnation that started is over (left cleanly, or declared dead by the coordinator's monitor, which
+        bounds the wait by its heartbeat and hang timeouts)."""
+        try:
+            store = connect(address, timeout=10.0)
+            sealer = Sealer(JobSecret.from_file(self.record.secret_file))
+
+            def running() -> list[int]:
+                started = [(r, int(store.add(f"inc/{r}", 0))) for r in range(self.most)]
+                return [r for r, inc in started if read_death(sealer, r, peek(store, f"dead/{r}") or b"") < inc]
+
+            live = running()
+            if live:
+                _say(
+                    f"replicas {live} of later jobs of {self.job.name} still run: the coordinator stays until they end"
+                )
+            while live:
+                time.sleep(0.2)
+                live = running()
+        except (OSError, RuntimeError, RecoverError) as exc:
+            _say(f"cannot read the coordinator ({exc}); ending it")
+
+    def _end_steps(self) -> None:
+        for proc in self.steps.values():
+            if proc.poll() is None:
+                proc.kill()  # srun: Slurm ends the step's tasks
+                proc.wait()
 
 
 def job_exit_code(codes: Mapping[int, int]) -> int:
@@ -315,9 +419,10 @@ def add_subcommand(sub: Any) -> None:
     )
     p.add_argument(
         "--replicas",
-        type=coordinator_process.replica_count,
         default=None,
-        help="replicas (default: one per node of the allocation)",
+        metavar="N|MIN:MAX",
+        help="replicas (default: one per node of the allocation); MIN:MAX: a job that a later batch job of the "
+        "same --job-name grows up to MAX",
     )
     p.add_argument(
         "--heartbeat-timeout",
