@@ -47,6 +47,7 @@ from typing import Any, Optional
 import torch
 
 from lightning_recover import env
+from lightning_recover.checkpoint.file import fast_unpickle
 from lightning_recover.checkpoint.integrity import (
     CheckpointCorruptError,
     UnsafeCheckpointError,
@@ -776,13 +777,17 @@ class VerifiedArchive:
         return self._small[name]
 
     def get_storage_from_record(self, name: str, nbytes: int, _type: Any) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8).set_(self.storage(name, nbytes))
+
+    def storage(self, name: str, nbytes: int) -> torch.UntypedStorage:
+        """The verified storage of record ``name``, which the pickle says holds ``nbytes`` bytes."""
         st = self._storages[name]
         if st.nbytes() != nbytes:
             raise CheckpointCorruptError(
                 f"{self._index.path}: record {name!r} holds {st.nbytes()} bytes, the pickle expects {nbytes}",
                 self._index.path,
             )
-        return torch.empty(0, dtype=torch.uint8).set_(st)
+        return st
 
     def serialization_id(self) -> str:
         return self._small.get(".data/serialization_id", b"").decode()
@@ -878,6 +883,11 @@ def unpickle(archive: VerifiedArchive, path: str, map_location: Any, weights_onl
 
     try:
         with torch.serialization.safe_globals(_extra_safe_globals()):
+            if fast_unpickle.fast_path_usable(map_location, archive):
+                try:
+                    return fast_unpickle.unpickle_fast(archive.get_record("data.pkl"), archive.storage)
+                except fast_unpickle.NotFast:
+                    pass  # torch's loader does the whole load: it accepts, or refuses, what it always does
             return load(archive, map_location, _weights_only_unpickler, encoding="utf-8")
     except pickle.UnpicklingError as e:
         raise UnsafeCheckpointError(
