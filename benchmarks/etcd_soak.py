@@ -89,9 +89,9 @@ def main() -> None:
     os.makedirs(out)
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **cluster.environment())
     env["LIGHTNING_RECOVER_SECRET_FILE"] = JobSecret.generate().write_file(work)
-    argv = [sys.executable, "-m", "lightning_recover.cli", "run", "--replicas", "2", "--heartbeat-timeout", "2"]
+    argv = [sys.executable, "-m", "lightning_recover.cli", "run", "--replicas", "2", "--heartbeat-timeout", "5"]
     argv += ["--job", f"soak-{os.getpid()}", "--", sys.executable, SCRIPT, out, "--replicas", "2"]
-    argv += ["--steps", "1000000", "--microbatches", "4", "--work", "0.05", "--heartbeat-timeout", "2"]
+    argv += ["--steps", "1000000", "--microbatches", "4", "--work", "0.05", "--heartbeat-timeout", "5"]
     log_path = os.path.join(work, "job.log")
     log = open(log_path, "w")
     job = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

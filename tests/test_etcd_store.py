@@ -14,7 +14,12 @@ import torch
 import torch.distributed as dist
 
 from lightning_recover.control_plane import config
-from lightning_recover.control_plane.etcd_client import MAX_TRY_TIMEOUT, QUICK_TRIES, EtcdClient, EtcdUnavailable
+from lightning_recover.control_plane.etcd_client import (
+    MAX_TRY_TIMEOUT,
+    QUICK_TRIES,
+    EtcdCertificateError,
+    EtcdClient,
+)
 from lightning_recover.control_plane.etcd_cluster import LocalEtcdCluster, member_environment
 from lightning_recover.control_plane.etcd_store import EtcdStore
 from lightning_recover.errors import CoordinatorLostError, ForgedMessageError, RecoverError
@@ -244,7 +249,7 @@ def test_misconfiguration_says_how_to_fix_it(tmp_path, etcd1):
         EtcdClient(etcd1.endpoints)
     # the cluster demands a client certificate: a client without one is refused by name
     bare = EtcdClient(etcd1.endpoints, cacert=etcd1.tls_files["cacert"], timeout=1.0)
-    with pytest.raises(EtcdUnavailable):
+    with pytest.raises(EtcdCertificateError, match="refused this client's certificate"):
         bare.put(b"k", b"v")
 
 

@@ -80,7 +80,7 @@ class EtcdNoSpace(EtcdRequestError):
     """etcd's space quota is full (its NOSPACE alarm): every write fails until an operator frees space."""
 
 
-class EtcdCertificateError(RecoverError):
+class EtcdCertificateError(EtcdUnavailable):
     """Every member's TLS handshake failed on a certificate: theirs refused by this client, or this client's
     refused by them (each member and its problem named)."""
 
