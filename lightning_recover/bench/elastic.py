@@ -39,7 +39,21 @@ _FAULT_AT = re.compile(r"injecting fault (\S+) at t=([0-9.]+)")
 _GPT = [sys.executable, "-m", "lightning_recover.bench.fabric_gpt"]
 
 
-def _run(args: list[str], out: str, inject: str, timeout: float = 900) -> str:
+def _run(args: list[str], out: str, inject: str, timeout: float = 900, attempts: int = 3) -> tuple[str, str]:
+    """One fabric_gpt job; started again (into a fresh directory) when it failed to start on a host too loaded
+    for the coordinator's or the fork server's start-up bounds, at most ``attempts`` times."""
+    for attempt in range(attempts):
+        try:
+            where = out if attempt == 0 else f"{out}.retry{attempt}"
+            return where, _run_once(args, where, inject, timeout)
+        except RuntimeError as exc:
+            if "did not start within" not in str(exc) or attempt == attempts - 1:
+                raise
+            print(f"  (the job did not start: {str(exc).strip().splitlines()[-1]}; again)", flush=True)
+    raise AssertionError("unreachable")
+
+
+def _run_once(args: list[str], out: str, inject: str, timeout: float) -> str:
     environ = dict(os.environ, OMP_NUM_THREADS="1", LIGHTNING_RECOVER_INJECT=inject)
     proc = subprocess.run(
         [*_GPT, "--out", out, *args],
@@ -82,7 +96,7 @@ def notice_vs_kill(repeat: int, workdir: str, step: int = 3, steps: int = 14, mi
     for i in range(repeat):
         for kind in ("notice", "kill") if i % 2 == 0 else ("kill", "notice"):  # neither always runs first
             out = os.path.join(workdir, f"{kind}{i}")
-            log = _run(args, out, f"{kind}:replica=1:step={step}:phase=backward")
+            out, log = _run(args, out, f"{kind}:replica=1:step={step}:phase=backward")
             fault_at = float(_FAULT_AT.search(log).group(2))
             records = _records(out)
             assert sorted(records) == [0, 2, 3], f"survivors {sorted(records)}"
@@ -148,7 +162,7 @@ def growth(workdir: str, sleep: float, microbatches: int = 16, gate_step: int = 
     out = os.path.join(workdir, "growth")
     os.makedirs(out, exist_ok=True)
     secret_file = JobSecret.generate().write_file(workdir)
-    coord = coordinator_process.start(4, 1.0, secret_file=secret_file)
+    coord = coordinator_process.start(4, 1.0, secret_file=secret_file, timeout=300)
     gate = os.path.join(workdir, "gate")
     args = ["--out", out, "--replicas", "4", "--steps", str(steps), "--microbatches", str(microbatches)]
     args += ["--sleep", str(sleep), "--hold", f"{gate_step}:{gate}", *SMALL]
