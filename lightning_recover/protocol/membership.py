@@ -76,6 +76,7 @@ class Progress:
         self.phase = "start"
         self.count = 0
         self.report: dict = {}  # what the status board shows of this replica (observe/report.py), set by it
+        self.urgent = False  # the report holds news (a recovery, a join): beat even where a vouch covers it
 
     def note(self, phase: str, step: Optional[int] = None) -> None:
         self.phase = phase
@@ -164,9 +165,10 @@ class Heartbeat:
     def _send(self) -> None:
         if self._leased is not None and self._leased.keepalive_due:
             self._leased.keep_alive()
-        if time.monotonic() - self._covered_since() >= self._window():
+        p = self._progress
+        if time.monotonic() - self._covered_since() >= self._window() or p.urgent:
             self._beat += 1
-            p = self._progress
+            p.urgent = False
             payload = {
                 **p.report,
                 "inc": self._incarnation,
