@@ -97,6 +97,9 @@ HEAVY = "LIGHTNING_RECOVER_HEAVY"
 #: Set to 1 for replica processes by the launchers: spinning OpenMP threads made a 256 KB gloo
 #: all-reduce 20x slower on a 2-core machine.
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
+#: torch's C++ log level; the launchers set ``ERROR`` for replica processes unless it is set (c10d warns on every
+#: timed-out store wait, and the replicas wait in short slices on purpose: ``launch/supervisor.py``).
+TORCH_CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
 
 #: The signal a replica takes as a preemption notice (``SIGTERM`` by default, e.g. ``SIGUSR1`` for Slurm's
 #: ``--signal=USR1@60``; set by ``--notice-signal``, or ``notice_signal=`` of the strategies): the replica

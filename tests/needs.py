@@ -18,6 +18,7 @@ import pytest
 INSTALL = {
     "liburing": "apt-get install liburing-dev, then rebuild native_io (pip install -e . or make setup)",
     "fio": "apt-get install fio",
+    "chromium": "apt-get install chromium (scripts/setup.sh does, as root)",
 }
 
 

@@ -28,6 +28,10 @@ own replicas: ``lightning-recover run --control-plane etcd://... --job NAME --lo
 
 Takeover bound: ``ttl`` (lease expiry) + ``CAMPAIGN_PERIOD`` + one request; the new holder declares a
 replica that died meanwhile after ``heartbeat_timeout`` more (it starts its own clock of every beat).
+
+* **status page** (``status_address``): every launcher binds its address when it starts; the holder of the
+  monitor role serves the job there (a fresh board from the moment it took the role), the others answer
+  503 naming the holder. The page is back within the takeover bound at the new holder's address.
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ from lightning_recover.control_plane.config import EtcdSettings
 from lightning_recover.control_plane.etcd_compaction import COMPACT_PERIOD, COMPACT_RETAIN, Compactor
 from lightning_recover.control_plane.etcd_store import Fence
 from lightning_recover.errors import ForgedMessageError, RecoverError
+from lightning_recover.observe.board import StatusBoard
+from lightning_recover.observe.events import EventLog
+from lightning_recover.observe.status_server import StatusServer
 from lightning_recover.protocol import coordinator
 from lightning_recover.protocol.messages import JobSecret, Sealer
 
@@ -142,6 +149,8 @@ class MonitorRole:
         name: str,
         say: Callable[[str], object],
         ttl: int = DEFAULT_LEASE_TTL,
+        status_address: Optional[str] = None,
+        event_log: Optional[str] = None,
     ) -> None:
         self.settings = settings
         self.sealer = Sealer(secret)
@@ -158,6 +167,14 @@ class MonitorRole:
         self._gave_up = False  # the role was given up because its monitor thread ended
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lr-monitor-role", daemon=True)
+        self.events = EventLog(event_log) if event_log else None
+        self.holder_name = "nobody yet"  # the role's holder as this launcher last read it (the 503 page)
+        self.status = StatusServer(status_address, absent=self._absent) if status_address is not None else None
+        if self.status is not None:
+            say(f"status page: {self.status.url} (served while this launcher holds the monitor role)")
+
+    def _absent(self) -> str:
+        return f"this launcher does not hold the job's monitor role; {self.holder_name} does: its status page serves the job"
 
     def start(self) -> MonitorRole:
         self._thread.start()
@@ -166,6 +183,10 @@ class MonitorRole:
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
         self._thread.join(timeout)
+        if self.status is not None:
+            self.status.close()
+        if self.events is not None:
+            self.events.close()
 
     def holder(self, client: ec.EtcdClient) -> Optional[str]:
         value, _ = client.get(self.key)
@@ -184,6 +205,7 @@ class MonitorRole:
                     [ec.op_get(self.key)],
                 )
                 if not answer.get("succeeded"):
+                    self._note_holder(answer)
                     client.lease_revoke(lease)
                     self._stop.wait(CAMPAIGN_PERIOD)
                     continue
@@ -198,6 +220,14 @@ class MonitorRole:
                 self._stop.wait(CAMPAIGN_PERIOD)
         client.close()
 
+    def _note_holder(self, answer: dict) -> None:
+        """The holder named in a lost campaign's answer (its ``get`` of the key), for the 503 page."""
+        try:
+            kv = ec.first_kv(answer["responses"][0])
+            self.holder_name = ec.unb64(kv.get("value")).decode() if kv else "nobody"
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+            pass  # keep the last name read: the page only says who else monitors
+
     def _hold(self, client: ec.EtcdClient, lease: int, renewed: float) -> None:
         """Monitor while the lease lives; give the role up (revoke) when stopped."""
         self.taken_at = time.monotonic()
@@ -205,7 +235,10 @@ class MonitorRole:
         self.held.set()
         self.say(f"monitor role taken by {self.name}")
         lost = threading.Event()
-        monitor = threading.Thread(target=self._monitor, args=(lost,), name="lr-monitor", daemon=True)
+        board = StatusBoard(self.replicas, self.replica_size, f"etcd, held by {self.name}", self.events)
+        monitor = threading.Thread(target=self._monitor, args=(lost, board), name="lr-monitor", daemon=True)
+        if self.status is not None:
+            self.status.board = board
         monitor.start()
         compactor = Compactor(client.clone(), *self.compaction, say=self.say).start()
         # Renew at a third of the TTL; a renewal counts from when it was sent. Give up the role
@@ -236,9 +269,12 @@ class MonitorRole:
             monitor.join(5.0)
             self.held.clear()
             self.lease = 0
+            self.holder_name = "nobody (a new holder is being elected)"
+            if self.status is not None:
+                self.status.board = None
             renew_client.close()
 
-    def _monitor(self, stop: threading.Event) -> None:
+    def _monitor(self, stop: threading.Event, board: Optional[StatusBoard] = None) -> None:
         store = self.settings.store()
         store.fence = Fence(self.key, self.lease)  # etcd refuses its requests once another holds the role
         try:
@@ -251,6 +287,7 @@ class MonitorRole:
                 stop,
                 self.replica_size,
                 poll_period=MONITOR_POLL,
+                board=board,
             )
         except Exception as exc:  # etcd lost, fenced out, or a fault: the lease loop gives the role up
             self.say(f"monitor of {self.name} stopped: {type(exc).__name__}: {exc}")

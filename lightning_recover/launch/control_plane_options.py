@@ -1,5 +1,6 @@
 """The control plane's command-line options, shared by ``lightning-recover run`` and ``torchrun``:
-``--control-plane``, the etcd TLS files, ``--job`` and ``--local-replicas`` (docs/control_plane.md)."""
+``--control-plane``, the etcd TLS files, ``--job`` and ``--local-replicas`` (docs/control_plane.md), and what its
+monitor shows: ``--status-address``, ``--event-log`` (docs/howto.md, "Watching a job")."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 from lightning_recover import env
 from lightning_recover.control_plane import config
+from lightning_recover.launch.coordinator_process import add_status_arguments
 
 
 def control_plane_arguments(args: argparse.Namespace) -> dict[str, Any]:
@@ -28,7 +30,12 @@ def control_plane_arguments(args: argparse.Namespace) -> dict[str, Any]:
             "--local-replicas: the launchers of one job find each other by its name. HINT: give every one "
             f"the same --job NAME (or {env.JOB})"
         )
-    return {"control_plane": config.with_job(settings, args.job) if settings else None, "local_replicas": local}
+    return {
+        "control_plane": config.with_job(settings, args.job) if settings else None,
+        "local_replicas": local,
+        "status_address": args.status_address,
+        "event_log": args.event_log,
+    }
 
 
 def add_control_plane_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,3 +59,4 @@ def add_control_plane_arguments(p: argparse.ArgumentParser) -> None:
         help="with etcd: the replica ids this launcher starts, e.g. 0,1 (default all); one launcher per host, "
         "each a candidate for the monitor role",
     )
+    add_status_arguments(p)

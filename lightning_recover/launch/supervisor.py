@@ -363,6 +363,10 @@ class _Job:
         child_env[env.REPLICAS] = replica_range  # N, or MIN:MAX
         child_env[env.NOTICE_SIGNAL] = notice_signal
         child_env.setdefault(env.OMP_NUM_THREADS, "1")  # spinning OpenMP threads make gloo 20x slower on small machines
+        # c10d writes two WARNING lines each time a store wait times out, and the replicas wait in slices of
+        # membership.SLICE on purpose (to look for failures between them): hundreds of lines a job, nothing to act
+        # on. torch has no switch for c10d alone: its C++ warnings are off in the replicas unless the user set one.
+        child_env.setdefault(env.TORCH_CPP_LOG_LEVEL, "ERROR")
         if inject:
             child_env[env.INJECT] = inject
         if nproc > 1:
@@ -397,6 +401,8 @@ class _Job:
         *,
         hang_timeout: float,
         local: list[int],
+        status_address: str | None = None,
+        event_log: str | None = None,
         **coordinator: Any,
     ) -> Any:
         """A coordinator process, or on etcd this launcher's candidacy for the job's monitor role."""
@@ -407,6 +413,8 @@ class _Job:
                 secret_file=self.secret_file,
                 replica_size=nproc,
                 hang_timeout=hang_timeout,
+                status_address=status_address,
+                event_log=event_log,
                 **coordinator,
             )
         role = MonitorRole(
@@ -418,6 +426,8 @@ class _Job:
             nproc,
             f"launcher {socket.gethostname()}/{os.getpid()} (replicas {local})",
             self.say,
+            status_address=status_address,
+            event_log=event_log,
         )
         return EtcdCoordinator(self.control_plane, role.start())
 
@@ -674,6 +684,8 @@ class Supervisor(_Replacing):
         preload: Sequence[str] = DEFAULT_PRELOAD,
         control_plane: EtcdSettings | None = None,
         local_replicas: Sequence[int] | None = None,
+        status_address: str | None = None,
+        event_log: str | None = None,
         min_replicas: int | None = None,
         add_replicas: int = 0,
         notice_signal: str | None = None,
@@ -714,6 +726,8 @@ class Supervisor(_Replacing):
             local=self.local,
             replica_range=str(replicas) if self.min_replicas == replicas else f"{self.min_replicas}:{replicas}",
             notice_signal=self.notice_signal.name,
+            status_address=status_address,
+            event_log=event_log,
         )
         self.say = on_event or (lambda line: print(f"[lightning-recover] {line}", file=sys.stderr, flush=True))
         # The processes this launcher starts per replica: under torchrun one agent starts the K workers.

@@ -81,6 +81,8 @@ class ReplicaLauncher(_Launcher):
             control_plane=control_plane,
             min_replicas=opts.replica_range()[0] if opts.replica_range() else None,
             notice_signal=opts.notice_signal,
+            status_address=opts.status_address,
+            event_log=opts.event_log,
         )
         # The supervisor never runs the training code itself: its job ends with the replicas'. Its objects
         # move to the collector's permanent generation first, so that the interpreter's exit does not spend

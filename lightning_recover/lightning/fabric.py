@@ -46,6 +46,7 @@ from lightning_recover.lightning.sharding_config import (
     optimizer_state_from_local,
 )
 from lightning_recover.lightning.step_logs import log_recovery_metrics
+from lightning_recover.observe.report import noted_checkpoint
 from lightning_recover.protocol.exact import checkpoint_entries, restore_checkpoint_entries
 from lightning_recover.protocol.replica import Replica
 from lightning_recover.protocol.step import StepStats
@@ -303,18 +304,21 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
     def save_checkpoint(
         self, path: Any, state: dict, storage_options: Optional[Any] = None, filter: Optional[dict] = None
     ) -> None:
+        noted = noted_checkpoint(self.core and self.core.group.progress, self.core.step if self.core else -1, path)
         if self.sharding.enabled:
             if storage_options is not None or filter is not None:
                 raise NotImplementedError(
                     "fabric.save with replica_size>1 writes a sharded DCP checkpoint directory and takes no "
                     "storage_options or filter. HINT: put only what you want saved into `state`."
                 )
-            self._save_sharded(str(path), state)
+            with noted:
+                self._save_sharded(str(path), state)
             return
         if self._elect_writer():
             if self.core is not None:
                 state = {**state, **checkpoint_entries(self.core.protocol.exact)}
-            super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+            with noted:
+                super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
     def _save_sharded(self, path: str, state: dict) -> None:
         from lightning_recover.lightning.spread_save import save_over_live_replicas

@@ -62,6 +62,7 @@ from lightning_recover.lightning.trainer_checkpoint import (
     save_trainer_checkpoint,
 )
 from lightning_recover.lightning.trainer_rejoin import adopt_checkpoint, check_rejoin_inside_fit, checkpoint_for_joiner
+from lightning_recover.observe.report import noted_checkpoint
 from lightning_recover.protocol.exact import checkpoint_entries, restore_checkpoint_entries
 from lightning_recover.protocol.replica import Replica
 
@@ -457,13 +458,16 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
             return  # a replica still rejoining holds no step of its own to save; the members write
         if self.core is not None:
             checkpoint = {**checkpoint, **checkpoint_entries(self.core.protocol.exact)}
+        noted = noted_checkpoint(self.core and self.core.group.progress, self.core.step if self.core else -1, filepath)
         if self.sharding.enabled:  # one DCP directory at filepath, every live replica writing ~1/R of it
-            save_trainer_checkpoint(self, checkpoint, filepath, storage_options)
+            with noted:
+                save_trainer_checkpoint(self, checkpoint, filepath, storage_options)
         elif self._elect_writer():
-            if storage_options is None:
-                self.checkpoint_io.save_checkpoint(checkpoint, filepath)
-            else:
-                self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            with noted:
+                if storage_options is None:
+                    self.checkpoint_io.save_checkpoint(checkpoint, filepath)
+                else:
+                    self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from lightning_recover.env import NOTICE_SIGNAL, replica_range
+from lightning_recover.observe.address import parse_address
 from lightning_recover.protocol.notice import DEFAULT_NOTICE_SIGNAL, parse_signal
 
 #: The replicas' default heartbeat period on the embedded coordinator; launchers check
@@ -78,6 +79,11 @@ class RecoverOptions:
     #: Bitwise reproducible steps: every step's gradient a function of the parameters and its M
     #: microbatch ids alone, whatever fails (fixed-point reduction, protocol/exact.py).
     exact: bool = False
+    #: Serve the job's status page (``/``), ``/status`` and ``/metrics`` (Prometheus) at ``[HOST:]PORT`` from the
+    #: monitor (loopback unless a host is given; ``0`` = any free port, said in the log). None: off.
+    status_address: Optional[str] = None
+    #: Append every event of the job (deaths, recoveries, joins) to this file, one JSON object per line.
+    event_log: Optional[str] = None
     #: The signal taken as a preemption notice (protocol/notice.py): the replica finishes its step and leaves.
     #: None: LIGHTNING_RECOVER_NOTICE_SIGNAL, else SIGTERM.
     notice_signal: Optional[str] = None
@@ -115,6 +121,8 @@ class RecoverOptions:
         check_standby(self.standby, self.restarts)
         if not isinstance(self.exact, bool):
             raise ValueError(f"exact must be True or False, got {self.exact!r}")
+        if self.status_address is not None:
+            parse_address(self.status_address)  # refused here, before any process starts
         if self.notice_signal is not None:
             parse_signal(self.notice_signal)
         if self.replicas is not None:
