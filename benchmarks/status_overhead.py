@@ -102,11 +102,20 @@ def main() -> int:
             f"ratio {ratio:.3f} ({runs[True]['scrapes']} scrapes)",
             flush=True,
         )
+        _report(args, pairs)  # after every pair: a run cut short keeps what it measured
+    return 0
+
+
+def _report(args: argparse.Namespace, pairs: list[dict]) -> None:
     ratios = [pair["ratio"] for pair in pairs]
     result = {
         "benchmark": "status_overhead",
         "command": " ".join(sys.argv),
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip(),
+        "load_average": os.getloadavg(),
         "args": vars(args),
         "pairs": pairs,
         "median_ratio": statistics.median(ratios),
@@ -120,7 +129,6 @@ def main() -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":
