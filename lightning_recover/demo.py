@@ -674,14 +674,20 @@ def main(args: argparse.Namespace) -> int:
 
     worker_args = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
     train_started = time.monotonic()
-    code = supervisor.supervise(
-        [sys.executable, "-m", "lightning_recover.demo"],
-        args.replicas,
-        heartbeat_timeout=args.heartbeat_timeout,
-        inject=args.inject or None,
-        extra_env={env.DEMO_ARGS: json.dumps(worker_args)},
-        on_event=on_event,
-    )
+    try:
+        code = supervisor.supervise(
+            [sys.executable, "-m", "lightning_recover.demo"],
+            args.replicas,
+            heartbeat_timeout=args.heartbeat_timeout,
+            inject=args.inject or None,
+            extra_env={env.DEMO_ARGS: json.dumps(worker_args)},
+            on_event=on_event,
+        )
+    except TimeoutError as exc:  # the coordinator's start (it imports torch) outlasted its bound: nothing trained
+        raise SystemExit(
+            f"lightning-recover demo: {exc}. HINT: the machine is too busy to start the job's processes in time; "
+            "run it again when it is quieter"
+        ) from None
     records = _load_records(args.out)
     if code != 0 or not records:
         print(
