@@ -49,7 +49,7 @@ def test_newcomer_from_another_host_gets_its_id_from_etcd(tmp_path):
         gate = str(tmp_path / "gate")
         job = f"grow-netns-{os.getpid()}-{time.monotonic_ns()}"
         _launcher(cluster, "h0", job, [], gate)
-        assert wait_for(lambda: cluster.applied(0) >= 2, 240), cluster.log("h0")[-3000:]
+        assert wait_for(lambda: cluster.applied(0) >= 2, 540), cluster.log("h0")[-3000:]
         _launcher(cluster, "h1", job, ["--add-replicas", "1"], gate)
         assert wait_for(lambda: "asks to join" in cluster.log("h1"), 540), cluster.log("h1")[-3000:]
         assert "assigned replica ids [1]" in cluster.log("h1")
