@@ -35,13 +35,12 @@ class StatusServer:
         self.absent = absent
         handler = type("Handler", (_Handler,), {"server_of": self})
         try:
-            self._httpd = ThreadingHTTPServer((host, port), handler)
+            self._httpd = _Server((host, port), handler)
         except OSError as exc:
             raise ValueError(
                 f"cannot serve the status page on {host}:{port}: {exc.strerror}. HINT: pick another --status-address "
                 "port (0 = any free port) or an address of this machine"
             ) from None
-        self._httpd.daemon_threads = True
         bound = self._httpd.server_address
         shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
         self.url = f"http://{shown}:{bound[1]}/"
@@ -52,6 +51,15 @@ class StatusServer:
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(5.0)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: object, client_address: tuple) -> None:
+        # A reader that went away mid-answer (a scraper's timeout, a closed tab) is not the monitor's error:
+        # no traceback on the job's stderr.
+        log.debug("status: the request of %s failed", client_address, exc_info=True)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -88,7 +96,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Cache-Control", "no-store")
         self.end_headers()
         if send_body:
-            self.wfile.write(body)
+            try:
+                self.wfile.write(body)
+            except (BrokenPipeError, ConnectionResetError):
+                self.close_connection = True  # the reader left: nothing to answer
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - http.server's signature
         log.debug("status %s: " + format, self.address_string(), *args)
