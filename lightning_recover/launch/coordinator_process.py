@@ -111,7 +111,7 @@ def start(
     heartbeat_timeout: float,
     host: str = "127.0.0.1",
     port: int = 0,
-    timeout: float = 60.0,
+    timeout: float = 300.0,
     heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
     hang_timeout: float = 60.0,
     secret_file: str | None = None,
@@ -165,6 +165,8 @@ def start(
         while b"\n" not in buf:
             ready, _, _ = select.select([read_fd], [], [], max(0.0, deadline - time.monotonic()))
             if not ready:
+                # Bounds a start that hangs only (one that fails ends the pipe at once): importing torch took over
+                # 60 s on a 2-core host under load 30, and a job then failed to start.
                 raise TimeoutError(f"the coordinator did not start within {timeout}s")
             chunk = os.read(read_fd, 256)
             if not chunk:
