@@ -94,6 +94,10 @@ class StorageReads:
 
     def __getitem__(self, name: str) -> torch.UntypedStorage:
         i = self._position[name]
+        if self._read_upto > i and name not in self._bad_names:
+            # already read and checked: the reader adds a damaged name before it moves ``_read_upto`` past it,
+            # so no lock is needed (a load of many small records asks this once per record)
+            return self.storages[name]
         with self._cond:
             while self._read_upto <= i and self._error is None:
                 self._cond.wait()
