@@ -135,6 +135,46 @@ def test_no_module_imports_a_private_name_of_another():
     assert not offenders, "\n".join(offenders)
 
 
+def _dotted(node: ast.AST) -> str | None:
+    """``a.b.c`` for an attribute chain on a name, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
+
+
+def _is_private(dotted: str) -> bool:
+    return any(p.startswith("_") and not p.startswith("__") for p in dotted.split(".")[1:])
+
+
+def test_private_upstream_names_are_listed_with_their_reason():
+    """A private torch or Lightning name used by the package is in upstream_private.PRIVATE_NAMES (or under one
+    listed there), where tests/test_upstream_private.py checks it against the installed versions."""
+    from lightning_recover.upstream_private import PRIVATE_NAMES
+
+    def listed(dotted: str) -> bool:
+        # a listed name, a use under one (torch._C.X.y), or a part of one's chain (torch._C of torch._C.X)
+        return any(
+            dotted == key or dotted.startswith(key + ".") or key.startswith(dotted + ".") for key in PRIVATE_NAMES
+        )
+
+    unlisted = []
+    for module in _modules():
+        used = set()
+        for node in _NODES[module]:
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ("torch", "lightning"):
+                used.update(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Attribute):
+                dotted = _dotted(node)
+                if dotted and dotted.split(".")[0] in ("torch", "lightning"):
+                    used.add(dotted)
+        unlisted.extend(f"{module}: {d}" for d in sorted(used) if _is_private(d) and not listed(d))
+    assert not unlisted, "list these in lightning_recover/upstream_private.py with why:\n" + "\n".join(unlisted)
+
+
 def test_no_class_over_the_size_limit():
     """Counted in lines that hold code or docstrings (blank and comment-only lines do not count, so
     that the formatter's line breaking does not decide the limit)."""
