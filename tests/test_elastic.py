@@ -179,21 +179,22 @@ def test_graceful_leave_of_one_process_replicas(tmp_path, request, plane, exact_
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(700)
 def test_too_little_grace_ends_as_a_failure(tmp_path, exact_reference):
     """Replica 1 gets its notice in step 2's backward and is SIGKILLed before its reduce (the grace period ran
     out): the others recompute its microbatches inside step 2, as for any death, and end bitwise equal."""
     out = str(tmp_path / "run")
     inject = "notice:replica=1:step=2:phase=backward,kill:replica=1:step=2:phase=reduce"
     cmd = [sys.executable, FABRIC_SCRIPT, out, "--replicas", "3", "--steps", str(STEPS), "--microbatches", str(M)]
-    result = run_job(cmd + ["--heartbeat-timeout", "0.5", *EXACT], out, timeout=300, env={env.INJECT: inject})
+    result = run_job(cmd + ["--heartbeat-timeout", "0.5", *EXACT], out, timeout=600, env={env.INJECT: inject})
     assert result.returncode == 0, result.output[-4000:]
     assert "replica 1 failed" in result.output and "left on notice" not in result.output
     states = result.states()
     assert sorted(states) == [0, 2]
     _assert_bitwise(states, exact_reference)
+    # its quota of step 2 (M / 3 microbatches), recomputed by the two survivors
+    assert sum(s["recomputed"] for data in states.values() for s in data["stats"]) == M // 3
     for data in states.values():
-        assert sum(s["recomputed"] for s in data["stats"]) == M // 3  # its quota of step 2, recomputed
         assert [s["live_replicas"] for s in data["stats"]] == [3, 3, 2, 2, 2, 2]
 
 
