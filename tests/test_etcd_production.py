@@ -234,3 +234,24 @@ def test_a_cluster_with_authentication_is_named_at_once(tmp_path):
         client.close()
     finally:
         cluster.stop()
+
+
+def test_compaction_resumes_at_once_when_the_role_comes_back(etcd1):
+    """The monitor role may move more often than ``retain`` (a loaded host missing its lease): the compactor
+    notes revisions while the role is away and compacts what is due the moment it is held again."""
+    held = [False]
+    compactor = Compactor(_client(etcd1), period=3600, retain=1.0, say=print, active=lambda: held[0])
+    client = _client(etcd1)
+    try:
+        revisions = []
+        for now in (10.0, 10.5, 11.0, 11.5):  # the role is elsewhere: revisions noted, nothing compacted
+            revisions.append(client.put(b"/flap", b"%f" % now))
+            assert compactor.tick(now) is None
+        held[0] = True
+        due = compactor.tick(12.0)  # held again: what was noted by 11.0 is compacted now
+        assert due is not None and revisions[2] <= due < revisions[3] + 1 and compactor.compactions == 1
+        with pytest.raises(ec.EtcdRequestError, match="compacted"):
+            client.range(b"/flap", revision=revisions[0])  # gone from etcd's history
+    finally:
+        client.close()
+        compactor.stop()

@@ -41,6 +41,8 @@ class Compactor:
         period: seconds between two compactions.
         retain: seconds of history kept.
         say: where a failure to compact is reported (once per kind, then on recovery).
+        active: whether to compact now (the monitor role is held); the revisions are noted either way, so a
+            launcher that takes the role (again) compacts at once what is due, however often the role moved.
     """
 
     def __init__(
@@ -49,13 +51,16 @@ class Compactor:
         period: float = COMPACT_PERIOD,
         retain: float = COMPACT_RETAIN,
         say: Callable[[str], object] = print,
+        active: Callable[[], bool] = lambda: True,
     ) -> None:
         self.client = client
+        self.active = active
         self.period, self.retain = period, retain
         self.say = say
         self.compacted = 0  # the revision this compactor last compacted up to
         self.compactions = 0
         self._marks: collections.deque[tuple[float, int]] = collections.deque()
+        self._due = 0  # the newest revision noted at least ``retain`` seconds ago
         self._failing: Optional[str] = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lr-etcd-compactor", daemon=True)
@@ -89,12 +94,11 @@ class Compactor:
         # A count of one absent key: the cheapest linearizable answer that carries the current revision.
         revision = int(self.client.range(b"\x00", count_only=True)["header"]["revision"])
         self._marks.append((now, revision))
-        due = None
         while self._marks and self._marks[0][0] <= now - self.retain:
-            due = self._marks.popleft()[1]
-        if due is None or due <= self.compacted:
+            self._due = self._marks.popleft()[1]
+        if self._due <= self.compacted or not self.active():
             return None
-        self.client.compact(due)  # False: compacted further already (another job, or etcd's own)
-        self.compacted = due
+        self.client.compact(self._due)  # False: compacted further already (another job, or etcd's own)
+        self.compacted = self._due
         self.compactions += 1
-        return due
+        return self._due

@@ -24,7 +24,8 @@ own replicas: ``lightning-recover run --control-plane etcd://... --job NAME --lo
   is attached to my lease"), so once etcd has given the role to another, etcd refuses the old holder's
   writes: two monitors never act at once in etcd's order. A monitor thread that ends (any exception) gives
   the role up at once (lease revoked) and its launcher waits ``ttl`` before campaigning again, so another
-  launcher takes over. The holder also compacts etcd's history (``etcd_compaction.Compactor``).
+  launcher takes over. The holder also compacts etcd's history (``etcd_compaction.Compactor``: every
+  candidate notes etcd's revisions, so one that takes the role compacts at once, however often it moved).
 
 Takeover bound: ``ttl`` (lease expiry) + ``CAMPAIGN_PERIOD`` + one request; the new holder declares a
 replica that died meanwhile after ``heartbeat_timeout`` more (it starts its own clock of every beat).
@@ -165,6 +166,7 @@ class MonitorRole:
         self.lease = 0  # the lease this launcher holds the role with (0: none)
         self.compaction = (COMPACT_PERIOD, COMPACT_RETAIN)  # the holder's Compactor (period, retain)
         self._gave_up = False  # the role was given up because its monitor thread ended
+        self._compactor: Optional[Compactor] = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lr-monitor-role", daemon=True)
         self.events = EventLog(event_log) if event_log else None
@@ -177,12 +179,17 @@ class MonitorRole:
         return f"this launcher does not hold the job's monitor role; {self.holder_name} does: its status page serves the job"
 
     def start(self) -> MonitorRole:
+        # For the role's whole life, not one holding: it notes revisions all along and compacts while held.
+        self._compactor = Compactor(self.settings.client(), *self.compaction, say=self.say, active=self.held.is_set)
+        self._compactor.start()
         self._thread.start()
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
         self._thread.join(timeout)
+        if self._compactor is not None:
+            self._compactor.stop(timeout)
         if self.status is not None:
             self.status.close()
         if self.events is not None:
@@ -240,7 +247,6 @@ class MonitorRole:
         if self.status is not None:
             self.status.board = board
         monitor.start()
-        compactor = Compactor(client.clone(), *self.compaction, say=self.say).start()
         # Renew at a third of the TTL; a renewal counts from when it was sent. Give up the role
         # (stop monitoring) once the lease may have expired in etcd's eyes.
         renew_client = client.clone()
@@ -265,7 +271,6 @@ class MonitorRole:
                 client.lease_revoke(lease)  # handing over at once, not after the TTL
         finally:
             lost.set()
-            compactor.stop()
             monitor.join(5.0)
             self.held.clear()
             self.lease = 0
