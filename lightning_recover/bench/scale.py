@@ -72,10 +72,10 @@ class ScaleConfig:
     gap: int = 3  # steps per kill
     heartbeat_timeout: float = 10.0  # a starved 2-core host must not look like dead replicas
     heartbeat_interval: float = 0.5  # shorter than a step: the beats a long step costs
-    #: replicas starting (connecting, taking an incarnation, starting their threads) at once: a host's worth.
-    #: The start-up burst of hundreds of replicas would otherwise hold etcd's members, which share this
-    #: host's cores, past the client's request deadline.
-    start_concurrency: int = 8
+    #: replicas started per second (their connections, incarnations and threads): hundreds at once would hold
+    #: etcd's members, which share this host's cores, past the client's request deadline. The time to the first
+    #: step is counted from the last replica's start.
+    start_rate: float = 16.0
     seed: int = 0
 
     @property
@@ -181,7 +181,6 @@ class ScaleRun:
             Fault("kill", rng.randrange(cfg.replicas), first + k * cfg.gap + rng.randrange(cfg.gap - 1), "reduce")
             for k in range(cfg.kills)
         ]
-        self._starting = threading.Semaphore(cfg.start_concurrency)
 
     # ------------------------------------------------------------------ the control plane
     def _start_control(self, secret_file: str) -> tuple[_ControlProcess, str, dict[str, str]]:
@@ -214,7 +213,7 @@ class ScaleRun:
 
         return act
 
-    def _replica(self, slot: _Slot, addr: str, secret: JobSecret, began: float) -> None:
+    def _replica(self, slot: _Slot, addr: str, secret: JobSecret, release: float) -> None:
         cfg = self.cfg
         options = RecoverOptions(
             microbatches=cfg.replicas,
@@ -231,8 +230,8 @@ class ScaleRun:
         )
         core.group.groups = StandInGroups(self.plane, slot.replica)
         try:
-            with self._starting:
-                core.start(exit_hook=False)
+            time.sleep(max(0.0, release - time.monotonic()))
+            core.start(exit_hook=False)
             slot.started_at = time.monotonic()
             for s in range(cfg.steps):
                 for _ in core.run_step(s):
@@ -333,14 +332,17 @@ class ScaleRun:
         cfg = self.cfg
         began = time.monotonic()
         for slot in self.slots:
+            release = began + slot.replica / cfg.start_rate
             slot.thread = threading.Thread(
-                target=self._replica, args=(slot, addr, secret, began), name=f"scale-{slot.replica}", daemon=True
+                target=self._replica, args=(slot, addr, secret, release), name=f"scale-{slot.replica}", daemon=True
             )
             slot.thread.start()
         first = self._wait_applied(0, 600.0)
         result: dict = {"replicas": cfg.replicas, "backend": cfg.backend, "compute_s": cfg.compute}
-        result["first_step_s"] = first - began
-        result["started_s"] = max(s.started_at for s in self.slots) - began
+        last = began + (cfg.replicas - 1) / cfg.start_rate  # the last replica's start
+        result["first_step_s"] = first - last
+        result["started_s"] = max(s.started_at for s in self.slots) - last
+        result["start_rate"] = cfg.start_rate
         self._wait_applied(cfg.warmup - 1, 600.0)
         a = self._sample(control)
         ends = [self._wait_applied(s, 120.0) for s in range(cfg.warmup, cfg.warmup + cfg.window)]
@@ -614,8 +616,9 @@ def sweep(args: argparse.Namespace) -> dict:
     if cluster is not None and args.etcd_nice:
         # On a host whose cores other jobs share, a starved leader stalls every request past the client's
         # deadline; a production cluster has cores of its own (said with the figures).
-        for m in cluster.members:
-            os.setpriority(os.PRIO_PROCESS, m.proc.pid, args.etcd_nice)
+        for m in cluster.members:  # every thread: Linux keeps a nice value per thread
+            for task in os.listdir(f"/proc/{m.proc.pid}/task"):
+                os.setpriority(os.PRIO_PROCESS, int(task), args.etcd_nice)
     try:
         if cluster is not None and args.capacity:
             result["capacity"] = {
@@ -635,7 +638,7 @@ def sweep(args: argparse.Namespace) -> dict:
                     seed=args.seed,
                     heartbeat_timeout=args.heartbeat_timeout,
                     heartbeat_interval=args.heartbeat_interval,
-                    start_concurrency=args.start_concurrency,
+                    start_rate=args.start_rate,
                 )
                 if backend in failed:
                     continue  # a smaller N already failed on this backend: the limit was found
@@ -682,7 +685,7 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--kills", type=int, default=2, help="kills per N, each at a random step and replica")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0, help="the replicas' heartbeat_timeout")
     p.add_argument("--heartbeat-interval", type=float, default=0.5, help="the replicas' heartbeat_interval")
-    p.add_argument("--start-concurrency", type=int, default=8, help="replicas starting at once")
+    p.add_argument("--start-rate", type=float, default=16.0, help="replicas started per second")
     p.add_argument("--raft-heartbeat-ms", type=int, default=200, help="the etcd members' --heartbeat-interval")
     p.add_argument("--election-ms", type=int, default=2000, help="the etcd members' --election-timeout")
     p.add_argument("--etcd-nice", type=int, default=0, help="the etcd members' nice value (negative: root only)")
