@@ -8,6 +8,11 @@ step time is the median of its replicas' per-step seconds after ``--warmup`` ste
 Run from the repository root (under the shared lock, the other benchmarks' convention)::
 
     flock /tmp/lr-slow.lock python -m benchmarks.status_overhead --pairs 5 --steps 60 --json benchmarks/results/status_overhead.json
+
+``--inprocess``: the same pairing without a process start per run (for a machine where starting jobs takes
+minutes): the protocol's in-process harness (tests/inprocess.py: a real coordinator and its monitor, replicas as
+threads of one process), the monitor's board and server on and scraped every second, or off. Every thread
+shares one interpreter there, the server's and the scraper's included: a harsher setting than processes.
 """
 
 from __future__ import annotations
@@ -78,6 +83,84 @@ def _job(status: bool, args: argparse.Namespace, work: str) -> dict:
     return {"status": status, "median_step_seconds": statistics.median(seconds), "steps": len(seconds), **counts}
 
 
+def _inprocess(status: bool, args: argparse.Namespace) -> dict:
+    """One in-process run: the median of replica 0's step times (between successive step starts)."""
+    from unittest import mock
+
+    from lightning_recover.observe.board import StatusBoard
+    from lightning_recover.observe.status_server import StatusServer
+    from lightning_recover.protocol.coordinator import Coordinator
+    from tests.inprocess import Cluster
+
+    starts: list[float] = []
+    board = StatusBoard(args.replicas) if status else None
+    server = StatusServer("127.0.0.1:0", board) if status else None
+    done, counts = threading.Event(), {"scrapes": 0, "failed": 0}
+    monitor = Coordinator.monitor
+    patch = mock.patch.object(Coordinator, "monitor", lambda self, stop, board_=None: monitor(self, stop, board))
+    try:
+        with (
+            patch,
+            Cluster(
+                args.replicas,
+                steps=args.steps,
+                microbatches=args.microbatches,
+                before_step=lambda r, s: starts.append(time.perf_counter()) if r == 0 else None,
+            ) as cluster,
+        ):
+            if server is not None:
+                log = os.path.join(tempfile.mkdtemp(prefix="lr-status-inproc-"), "url")
+                with open(log, "w") as f:
+                    f.write(f"STATUS {server.url}\n")
+                threading.Thread(target=_scrape, args=(log, done, counts), daemon=True).start()
+            cluster.start()
+            cluster.join(timeout=args.timeout)
+    finally:
+        done.set()
+        if server is not None:
+            server.close()
+    steps = [b - a for a, b in zip(starts, starts[1:])][args.warmup :]
+    return {"status": status, "median_step_seconds": statistics.median(steps), "steps": len(steps), **counts}
+
+
+def cpu_cost(replicas: int, passes: int = 5000, scrapes: int = 300) -> dict:
+    """``--cpu``: the CPU the status page adds, counted rather than timed against a noisy step: per monitor pass
+    (the board's ``poll`` on what the monitor read, deaths read from a real TCPStore every READ_PERIOD) and per
+    scrape of ``/metrics``, ``/status`` and ``/`` (rendering only, no socket), for ``replicas`` replicas."""
+    import datetime
+
+    from lightning_recover.observe.board import StatusBoard
+    from lightning_recover.observe.page import render_page
+    from lightning_recover.observe.report import step_report
+    from lightning_recover.protocol.coordinator import init_keys, serve_store
+    from lightning_recover.protocol.messages import JobSecret, Sealer
+
+    sealer = Sealer(JobSecret.generate())
+    store = serve_store("127.0.0.1", 0, datetime.timedelta(seconds=10))
+    init_keys(store, sealer, replicas)
+    board = StatusBoard(replicas)
+    start, now = time.process_time(), time.monotonic()
+    # A pass every 20 ms (the embedded monitor's period); every replica beats every 0.1 s (5 passes), with a step
+    # committed in between: the monitor hands the board a new heartbeat object only when it opened a new beat.
+    hbs: dict = {}
+    beats: dict = {}
+    for i in range(passes):
+        if i % 5 == 0:
+            hbs = {f"hb/{r}": (r, {"inc": 1, "beat": i, **step_report({}, 0, i // 5, 2, 6)}) for r in range(replicas)}
+            beats = {f"hb/{r}": (1, i, now + 0.02 * i) for r in range(replicas)}
+        board.poll(now + 0.02 * i, store, sealer, hbs, beats)
+    per_pass = (time.process_time() - start) / passes
+    start = time.process_time()
+    for _ in range(scrapes):
+        board.render_metrics()
+        render_page(board.snapshot())
+        json.dumps(board.snapshot())
+    per_scrape = (time.process_time() - start) / scrapes
+    # The monitor passes every 20 ms; a scraper (Prometheus) and an open page each read once a second.
+    share = per_pass / 0.02 + per_scrape / 1.0
+    return {"replicas": replicas, "cpu_per_pass_s": per_pass, "cpu_per_scrape_s": per_scrape, "core_share": share}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pairs", type=int, default=5)
@@ -89,12 +172,23 @@ def main() -> int:
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--json", default=None)
+    p.add_argument("--inprocess", action="store_true", help="replicas as threads of one process (no process starts)")
+    p.add_argument("--cpu", action="store_true", help="instead: the CPU per monitor pass and per scrape (counted)")
     args = p.parse_args()
+    if args.cpu:
+        result = {"benchmark": "status_overhead --cpu", "command": " ".join(sys.argv), "time": time.strftime("%F %T")}
+        result["load_average"] = os.getloadavg()
+        result["runs"] = [cpu_cost(r) for r in (args.replicas, 64, 1024)]
+        print(json.dumps(result, indent=1))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        return 0
     work = tempfile.mkdtemp(prefix="lr-status-bench-")
     pairs = []
     for i in range(args.pairs):
         order = (False, True) if i % 2 == 0 else (True, False)  # alternate which runs first
-        runs = {status: _job(status, args, work) for status in order}
+        runs = {status: (_inprocess(status, args) if args.inprocess else _job(status, args, work)) for status in order}
         ratio = runs[True]["median_step_seconds"] / runs[False]["median_step_seconds"]
         pairs.append({"off": runs[False], "on": runs[True], "ratio": ratio, "first": "on" if order[0] else "off"})
         print(

@@ -125,6 +125,7 @@ class StatusBoard:
         self._sampled_at = 0.0
         self._events: deque[dict] = deque(maxlen=KEPT_EVENTS)
         self._read_at = float("-inf")  # the first pass reads
+        self._opened: dict[str, dict] = {}  # heartbeat key -> the heartbeat last reported (the monitor's own object)
         self.started = time.time()
         self._event("monitor", what=f"monitor started ({control_plane})")
 
@@ -184,6 +185,7 @@ class StatusBoard:
                 continue
             was_member = row.member and row.incarnation == inc
             row.dead = inc
+            row.incarnation = max(row.incarnation, inc)  # its heartbeat may be gone (a board started later)
             cause, why = self._declared.pop((r, inc), (None, ""))
             if cause is None:  # not the monitor's verdict: the launcher saw it exit, or it left cleanly
                 row.cause = None
@@ -203,8 +205,9 @@ class StatusBoard:
             moved = beats.get(key)
             if moved is not None:
                 oldest[r] = min(oldest.get(r, moved[2]), moved[2])
-            if self.replica_size > 1 and not key.endswith("/i0"):
-                continue  # the replica's report comes from its first process
+            if self._opened.get(key) is hb or (self.replica_size > 1 and not key.endswith("/i0")):
+                continue  # the same heartbeat as the last pass (the monitor opens each once); or not the first process's
+            self._opened[key] = hb
             self._report(r, int(hb.get("inc", 0)), hb)
         for r, at in oldest.items():
             self._rows[r].beat_at = at
