@@ -144,13 +144,7 @@ def run_monitor(
     present: dict[str, bool] = {}  # key -> whether the last read found it (a leased beat is gone once expired)
     last_read = time.monotonic()
     # Members that reach the coordinator but not each other (an asymmetric partition): see reachability.py.
-    judge = PartitionJudge(
-        store,
-        sealer,
-        suspect_after=timeout,
-        probe_timeout=probe_timeout_for(timeout),
-        log=lambda line: log.warning("%s", line.removeprefix("[coordinator] ")),
-    )
+    judge = PartitionJudge(store, sealer, timeout, probe_timeout_for(timeout), log=_judge_said)
 
     def forgive(seconds: float, until: float = 0.0) -> None:
         """Count ``seconds`` (or everything before ``until``) against nobody: the control plane stalled."""
@@ -258,29 +252,47 @@ def run_monitor(
             observe(raws, now)
             late = verdicts(now)
         for key, (r, inc, why, cause) in late.items():
-            if replica_size > 1:
-                why = f"({key}) {why}"
-            dead = read_death(sealer, r, peek(store, f"dead/{r}") or b"")
-            if dead < inc and mark_dead(store, sealer, r, inc):
-                store.set(f"declared/{r}", sealer.seal(f"declared/{r}", str(inc).encode()))
-                log.warning("replica %d (incarnation %d) %s: declared dead", r, inc, why)
-                if board is not None:
-                    board.declared(r, inc, cause, why)
-                dead = inc
-            settled[r] = max(settled.get(r, 0), dead)
+            why = f"({key}) {why}" if replica_size > 1 else why
+            settled[r] = max(settled.get(r, 0), _declare(store, sealer, r, inc, why, cause, board))
         fenced = judge.observe(now, hbs, progressed_at=vouched_at)
         if board is not None:
-            for r in fenced:
-                board.declared(r, None, "partition", "cut off from its peers (network partition)")
-            began = time.monotonic()
-            board.poll(now, store, sealer, hbs, beats)
-            last_read += time.monotonic() - began  # the board's own time is no stall of the control plane
+            last_read += _tell_board(board, fenced, now, store, sealer, hbs, beats)  # its time is no stall
         if quiet is not None and now - ticked > _TICK_MIN and quiet():
             ticks, ticked = ticks + 1, now
             store.set("tick", str(ticks))
         if quiet_beside is not None and now - ticked_beside > _TICK_MIN and quiet_beside():
             ticked_beside = now
             store.set("hb/tick", str(ticks))
+
+
+def _judge_said(line: str) -> None:
+    log.warning("%s", line.removeprefix("[coordinator] "))
+
+
+def _declare(
+    store: dist.TCPStore, sealer: Sealer, r: int, inc: int, why: str, cause: str, board: Optional[StatusBoard]
+) -> int:
+    """Declare incarnation ``inc`` of replica ``r`` dead unless it is; return the incarnation known dead."""
+    dead = read_death(sealer, r, peek(store, f"dead/{r}") or b"")
+    if dead < inc and mark_dead(store, sealer, r, inc):
+        store.set(f"declared/{r}", sealer.seal(f"declared/{r}", str(inc).encode()))
+        log.warning("replica %d (incarnation %d) %s: declared dead", r, inc, why)
+        if board is not None:
+            board.declared(r, inc, cause, why)
+        dead = inc
+    return dead
+
+
+def _tell_board(
+    board: StatusBoard, fenced: list[int], now: float, store, sealer: Sealer, hbs: dict, beats: dict
+) -> float:
+    """One pass of the monitor for the status board: the replicas the partition judge fenced, then what the
+    monitor read. Returns the seconds it took (the monitor's stall allowance must not count them)."""
+    began = time.monotonic()
+    for r in fenced:
+        board.declared(r, None, "partition", "cut off from its peers (network partition)")
+    board.poll(now, store, sealer, hbs, beats)
+    return time.monotonic() - began
 
 
 def listen_socket(host: str, port: int, what: str = "the coordinator") -> socket.socket:
