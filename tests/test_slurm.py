@@ -86,6 +86,12 @@ def test_strategies_bring_their_cluster_environment_and_no_srun_warning(tmp_path
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.delenv("SLURM_NTASKS", raising=False)
+    from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+    from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+
+    for each in (fabric_rank_zero_only, rank_zero_only, utils_rank_zero_only):  # ranks.set_rank_zero's three
+        monkeypatch.setattr(each, "rank", 0)  # Lightning warns on rank 0 only; an earlier test may have moved it
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         L.Fabric(strategy="ddp", devices=2, accelerator="cpu")  # the warning, where srun is installed
