@@ -10,6 +10,7 @@ the replicas that are alive now. Nothing here imports Lightning.
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import sys
 import time
@@ -103,6 +104,9 @@ class _JoinsAndLeaves:
                 flush=True,
             )
         _left_on_notice[0] = True
+        # Its exit must not take the CPU the others train on (hosts shared by replicas): the heap moves to the
+        # collector's permanent generation, as the launcher's does, so the interpreter's exit does not collect it.
+        gc.freeze()
         raise SystemExit(EXIT_LEFT_ON_NOTICE)
 
     # ------------------------------------------------------------------ rejoin
