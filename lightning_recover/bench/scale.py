@@ -266,6 +266,20 @@ class ScaleRun:
             with self._progress:
                 self._progress.notify_all()
 
+    def _stop_replicas(self) -> None:
+        """After a failed run: stop every replica's threads (heartbeat, watchdog, probe server, views), as their
+        processes' ends would; a watchdog left running would end this whole process once its etcd is gone."""
+        for slot in self.slots:
+            if slot.core is None or slot.core.group.store is None:
+                continue
+            try:
+                slot.core.group.close()
+                close = getattr(slot.core.group.store.raw, "close", None)
+                if close is not None:
+                    close()
+            except Exception:  # noqa: BLE001 -- best effort: the run already failed
+                pass
+
     # ------------------------------------------------------------------ measuring
     def _live(self) -> list[_Slot]:
         return [s for s in self.slots if s.outcome in ("running", "done")]
@@ -320,6 +334,9 @@ class ScaleRun:
         secret = JobSecret.from_file(secret_file)
         try:
             return self._run(control, addr, secret)
+        except BaseException:
+            self._stop_replicas()
+            raise
         finally:
             for k, v in saved.items():
                 if v is None:
