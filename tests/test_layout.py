@@ -356,3 +356,20 @@ def test_strategy_registers_without_importing_lightning_early():
     for code in (ours_first, lightning_first):
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert result.returncode == 0, result.stderr
+
+
+def test_no_lab_notebook_in_the_product():
+    """Issue, session and stop numbers belong in commit messages and benchmarks/LOG.md, not in the product."""
+    import re
+
+    pattern = re.compile(r"\b(?:[Ii]ssue|[Ss]ession|[Ss]top) #?\d+|\bissue #\d+")
+    found = []
+    for directory in (PACKAGE, os.path.join(ROOT, "native_io")):
+        for base, _, files in os.walk(directory):
+            for name in files:
+                if name.endswith((".py", ".c", ".h", ".pyi")):
+                    path = os.path.join(base, name)
+                    for number, line in enumerate(open(path, encoding="utf-8"), 1):
+                        if pattern.search(line):
+                            found.append(f"{os.path.relpath(path, ROOT)}:{number}: {line.strip()}")
+    assert not found, "\n".join(found)

@@ -20,7 +20,7 @@ first waits for the snapshot (that is what the automatic optimizer-step guard do
 * ``durable_s``: save call start until the checkpoint is durable (fdatasync'ed and renamed / fsync'ed),
 * ``step_s``: mean step time of the steps following the save (a flush running in the background), against
   ``baseline_step_s``: the mean of as many steps with no checkpoint activity right before that save; their ratio
-  (``step_ratio``, median over repetitions) is what the flush costs the training (issue 16: <= 1.05x).
+  (``step_ratio``, median over repetitions) is what the flush costs the training (target <= 1.05x).
 
 With ``--restore``, cold restores (page cache dropped) are also measured: this project's plugin (fresh tensors),
 ``load(into=...)`` into a preallocated state (the in-place resume path), ``torch.load``, safetensors and DCP

@@ -29,10 +29,10 @@ dict (allocated outside the timing, as a resuming job would have its model alrea
 
 Repetitions are interleaved (method order rotated per repetition); medians are reported.
 
-``--paired`` (issue 16): each run of a method (default: uring) is paired with fio runs of the same bytes
+``--paired``: each run of a method (default: uring) is paired with fio runs of the same bytes
 next to it, one per queue depth of ``--fio-iodepth`` (default 1,4,16; wall clock less fio's fixed cost,
 ``end_fsync`` included); a pair's fio time is the best of its depths, so the ratio is against fio at its best
-depth on that disk at that moment (issue 34: depth 1 alone understates this disk ~1.6x). Per method and op the
+depth on that disk at that moment (depth 1 alone understates a virtio disk). Per method and op the
 median of the paired ratios and their spread are reported (:func:`run_pairs`, :func:`summarize_pairs`), and
 the same against each depth alone. ``--state gpt|llama|small10k`` picks the state (``gpt_state.build_state``).
 GB = 1e9 bytes; throughput = checkpoint tensor payload bytes / seconds (fio: its own bytes).
@@ -793,12 +793,12 @@ def _summarise_fio(s, extra) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# paired with fio (issue 16): every run of a method next to a fio run of the same bytes
+# paired with fio: every run of a method next to a fio run of the same bytes
 
 # (state, kind) -> (minimum paired-ratio median, where the target comes from)
 PAIRED_TARGETS = {
-    ("llama", "save"): (0.95, "issue 16"),
-    ("small10k", "save"): (0.85, "issue 16"),
+    ("llama", "save"): (0.95, "the durable-save target"),
+    ("small10k", "save"): (0.85, "the durable-save target"),
     ("gpt", "save"): (0.90, "checkpoint I/O issue"),
     ("llama", "load"): (0.85, "checkpoint I/O issue (load vs fio)"),
     ("small10k", "load"): (0.85, "checkpoint I/O issue (load vs fio)"),

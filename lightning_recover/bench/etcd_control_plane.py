@@ -1,4 +1,4 @@
-"""The etcd control plane against the embedded coordinator, paired in one session (issue 32's targets).
+"""The etcd control plane against the embedded coordinator, paired in one session (docs/control_plane.md, "Targets").
 
     python -m lightning_recover.bench.etcd_control_plane --json benchmarks/results/etcd32_targets.json
 

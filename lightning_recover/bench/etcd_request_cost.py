@@ -16,8 +16,7 @@ CPU read from ``/proc/PID/stat`` before and after:
 
 These price a design's requests against each other (a keep-alive against a put, say). They do not add up
 to a job's cost: in a job, etcd batches the replicas' concurrent reports into one Raft round, and the
-members used less above idle than the sum of these per-request figures (benchmarks/figures/etcdperf.md,
-"Session 8", where an earlier ``floor`` built on that sum was withdrawn).
+members used less above idle than the sum of these per-request figures (benchmarks/figures/etcdperf.md).
 """
 
 from __future__ import annotations

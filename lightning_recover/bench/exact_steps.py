@@ -1,4 +1,4 @@
-"""Exact mode's cost and accuracy (issue 33), on the demo's TinyGPT.
+"""Exact mode's cost and accuracy, on the demo's TinyGPT.
 
     python -m lightning_recover.bench.exact_steps paired --rounds 3 --json benchmarks/results/exact33_paired.json
     python -m lightning_recover.bench.exact_steps accuracy --json benchmarks/results/exact33_accuracy.json

@@ -14,7 +14,7 @@ import time
 from typing import Any, Optional
 
 BLOCK = 16 << 20
-# 16 MiB blocks at depth 1 understate this virtio disk ~1.6x (2.35 vs 3.8-4.1 GB/s, issue 34); 16 covers any
+# 16 MiB blocks at depth 1 understate a virtio disk (benchmarks/LOG.md); 16 covers any
 # depth the engine could keep in flight.
 DEPTHS = (1, 4, 16)
 

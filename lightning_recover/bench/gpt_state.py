@@ -201,7 +201,7 @@ def tensor_stats(checkpoint: Any) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------
-# issue 16's states: a Llama-like mixed-precision training state, and 10k small tensors
+# the benchmark's states: a Llama-like mixed-precision training state, and 10k small tensors
 
 
 @dataclass(frozen=True)

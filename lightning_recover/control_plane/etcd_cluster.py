@@ -30,12 +30,10 @@ from dataclasses import dataclass, field
 from lightning_recover import env
 from lightning_recover.errors import RecoverError
 
-#: etcd's own defaults are 100 ms / 1000 ms (SIGKILL of the leader -> next put 1.54 s; DESIGN.md "Round 3").
-#: A leader's death stalls writes for etcd's election, whose timer fires 1-2x the election timeout after the
-#: last beat, plus up to one 0.25 s client try: "election timeout + 0.5 s" holds only up to ~250 ms. At 250 ms
-#: 27 of 28 training stalls were within 0.75 s (one 0.91 s), and no election happened in 22 loaded failure-free
-#: runs (benchmarks/figures/etcdperf.md, "Session 5"); at 500 ms 2 of 13 stalls passed 1.0 s. etcd needs the
-#: election timeout >= 5 x the heartbeat interval.
+#: Shorter than etcd's own defaults (100 ms / 1000 ms): a leader's death stalls writes for etcd's election, whose
+#: timer fires 1-2x the election timeout after the last beat, so the stall bound "election timeout + 0.5 s" needs
+#: a short timeout; this one still held no spurious election in loaded failure-free runs (the measurements:
+#: benchmarks/figures/etcdperf.md). etcd needs the election timeout >= 5 x the heartbeat interval.
 DEFAULT_HEARTBEAT_MS = 50
 DEFAULT_ELECTION_MS = 250
 #: etcd keeps every revision until someone compacts; a job's beats and commits would fill its quota (NOSPACE
@@ -50,8 +48,8 @@ _STATE = "cluster.json"
 def member_environment(members: int) -> dict[str, str]:
     """A local member's environment: Go's ``GOMAXPROCS`` set to the member's share of this host's cores,
     unless the caller set it. Go gives every process all the cores by default; members sharing a host
-    (with the job's processes) then spend CPU on idle runtime threads: one core each on a 2-core host used
-    about 30 % less CPU per put (benchmarks/figures/etcdperf.md, "Session 7")."""
+    (with the job's processes) then spend CPU on idle runtime threads (measured in
+    benchmarks/figures/etcdperf.md)."""
     out = dict(os.environ)
     out.setdefault("GOMAXPROCS", str(max(1, len(os.sched_getaffinity(0)) // members)))
     return out

@@ -1,8 +1,8 @@
 """A replica's heartbeat key on etcd, alive as long as a lease its heartbeat thread keeps alive.
 
 Why: every beat written is a Raft write that every etcd member applies: at 2,000 replicas and a beat every
-quarter second of a 1 s heartbeat timeout, ~7,000 writes/s at long steps, 13x what a 3-member cluster on this
-host sustained (benchmarks/figures/etcdperf.md, "Session 12"). A lease keep-alive is not a Raft write: the
+quarter second of a 1 s heartbeat timeout, several times what a 3-member cluster sustains
+(benchmarks/figures/etcdperf.md). A lease keep-alive is not a Raft write: the
 leader renews the lease in memory (etcd's lessor; followers forward it), so a replica that only has to say
 "alive" costs no write. etcd deletes the key when the lease expires (a revoke: one Raft write per death, not per
 beat), and the deletion reaches the monitor's view of the heartbeats: that is the "missed heartbeats" verdict.

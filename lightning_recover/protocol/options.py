@@ -14,12 +14,10 @@ from lightning_recover.protocol.notice import DEFAULT_NOTICE_SIGNAL, parse_signa
 #: The replicas' default heartbeat period on the embedded coordinator; launchers check
 #: ``--heartbeat-timeout`` against it.
 DEFAULT_HEARTBEAT_INTERVAL = 0.1
-#: The default heartbeat period on etcd is ``heartbeat_timeout`` divided by this. There every beat is a Raft
-#: write that each member applies, and on a 2-core host their CPU is the replicas': a quarter of the default
-#: 1 s timeout (0.25 s) instead of 0.1 s measured 1.13x instead of 1.21x failure-free step time against the
-#: embedded coordinator (benchmarks/figures/etcdperf.md, "Session 5"). Four beats per timeout still tell a live
-#: replica from a dead one. (Until Session 12 the period was also capped at 0.25 s, because the beats kept every
-#: process's watched view current; they now live beside the watched keys and the monitor's ticks do that.)
+#: The default heartbeat period on etcd is ``heartbeat_timeout`` divided by this. There a written beat is a Raft
+#: write that each member applies, with CPU the replicas share, so beats are rarer than on the embedded
+#: coordinator (the measurements: benchmarks/figures/etcdperf.md); four beats per timeout still tell a live
+#: replica from a dead one.
 ETCD_BEATS_PER_TIMEOUT = 4
 
 

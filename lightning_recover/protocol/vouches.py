@@ -1,7 +1,7 @@
 """A step's commit vouches for the generation's members: one record instead of every member's heartbeat.
 
 Why: on etcd every heartbeat is a Raft write that every etcd member applies and every watcher receives;
-Session 9 measured 4.27 writes per step in steady state at a 0.24 s step, about 3.3 of them heartbeats. A
+in the steady state most of a step's writes were heartbeats (benchmarks/figures/etcdperf.md). A
 ``commit`` of a step (etcd, replicas of one process) is written only once every member of the generation
 passed the done barrier after its reduce (``decisions.py``): it proves that each member was alive and its
 main thread progressing a moment before. So the leader's commit transaction also writes ``vouch``: sealed,
