@@ -240,12 +240,12 @@ class MonitorRole:
         self.taken_at = time.monotonic()
         self.lease = lease
         self.held.set()
+        board = StatusBoard(self.replicas, self.replica_size, f"etcd, held by {self.name}", self.events)
+        if self.status is not None:
+            self.status.board = board  # served from the moment the role is said taken
         self.say(f"monitor role taken by {self.name}")
         lost = threading.Event()
-        board = StatusBoard(self.replicas, self.replica_size, f"etcd, held by {self.name}", self.events)
         monitor = threading.Thread(target=self._monitor, args=(lost, board), name="lr-monitor", daemon=True)
-        if self.status is not None:
-            self.status.board = board
         monitor.start()
         # Renew at a third of the TTL; a renewal counts from when it was sent. Give up the role
         # (stop monitoring) once the lease may have expired in etcd's eyes.
