@@ -6,7 +6,7 @@ PYTHON := $(VENV)/bin/python
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: setup demo test test-c test-fast lint format bench
+.PHONY: setup demo test test-c test-unit test-integration test-chaos test-fast lint format bench
 
 # Fast when nothing changed (a stamp in $(VENV)); fails with what to install when it cannot set up.
 setup:
@@ -19,11 +19,22 @@ demo: setup
 	@echo "      and python examples/fabric_gpt.py --replicas 2 (or, without activating: $(VENV)/bin/lightning-recover,"
 	@echo "      $(VENV)/bin/python examples/...). README.md, 'Four ways in', has the examples."
 
-# The whole test suite (what CI runs): two workers (pytest-xdist, a file per worker at a time) for all
-# but the tests marked serial, which race a restart against the job's end and run alone afterwards.
-test: setup test-c
-	$(PYTHON) -m pytest -q -n 2 --dist loadfile --durations=25 -m "not serial" tests
-	$(PYTHON) -m pytest -q --durations=10 -m serial tests
+# The whole test suite (what CI runs), tier by tier, stopping at the first tier that fails: the C tests, the unit
+# tier (logic only, no process, under a minute), the integration tier (processes, etcd) and the chaos tier
+# (network namespaces, partitions, a Slurm cluster). Two pytest-xdist workers take a file each at a time; the
+# tests marked serial race a restarted replica's rejoin against the job's end and run alone afterwards.
+test: setup test-c test-unit test-integration test-chaos
+
+test-unit: setup
+	$(PYTHON) -m pytest -q -n 2 --durations=10 tests/unit
+
+test-integration: setup
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile --durations=25 -m "not serial" tests/integration
+	$(PYTHON) -m pytest -q --durations=10 -m serial tests/integration
+
+test-chaos: setup
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile --durations=15 -m "not serial" tests/chaos
+	$(PYTHON) -m pytest -q --durations=10 -m serial tests/chaos
 
 # native_io's C tests: small programs against the engine's C core, under AddressSanitizer and UBSan.
 test-c:

@@ -1,4 +1,4 @@
-"""The asymmetric-partition scenario of tests/test_netns.py, run against a given checkout of the
+"""The asymmetric-partition scenario of tests/chaos/test_netns.py, run against a given checkout of the
 package, for the before/after figures in benchmarks/figures/netns32.md (root; network namespaces).
 
     python benchmarks/netns_partition.py --package-root /work/main --watch 60 --json before.json

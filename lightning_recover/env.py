@@ -92,7 +92,7 @@ NATIVE_IO_NO_TESTING = "NATIVE_IO_NO_TESTING"
 #: ``show_as``); the replicas never see it.
 FORK_ROOM = "LIGHTNING_RECOVER_FORK_ROOM"
 #: ``1`` runs the heaviest manual test, the 2-D (FSDP x TP) replicas of 4 processes (8-12 processes) in
-#: ``tests/test_sharded.py``; it is skipped otherwise (read by the tests only).
+#: ``tests/integration/test_sharded.py``; it is skipped otherwise (read by the tests only).
 HEAVY = "LIGHTNING_RECOVER_HEAVY"
 #: Set to 1 for replica processes by the launchers: spinning OpenMP threads made a 256 KB gloo
 #: all-reduce 20x slower on a 2-core machine.

@@ -1,9 +1,9 @@
 """Every private name of torch or Lightning the package uses, and why no public API does the job.
 
 A private name can change in any release. Each one is listed here with its reason and, where it is called,
-the parameters the package passes it; ``tests/test_upstream_private.py`` resolves every entry in the installed
+the parameters the package passes it; ``tests/unit/test_upstream_private.py`` resolves every entry in the installed
 torch and Lightning and checks those parameters, so an upgrade that moves or reshapes one fails that test by
-name instead of a checkpoint or a launch somewhere later. ``tests/test_layout.py`` checks that the package uses
+name instead of a checkpoint or a launch somewhere later. ``tests/unit/test_layout.py`` checks that the package uses
 no private torch or Lightning name this module does not list.
 """
 

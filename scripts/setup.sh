@@ -34,8 +34,8 @@ command -v fio >/dev/null 2>&1 || need_apt+=(fio)
 command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
 command -v etcdctl >/dev/null 2>&1 || need_apt+=(etcd-client)
 command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)
-command -v nft >/dev/null 2>&1 || need_apt+=(nftables)  # asymmetric partitions in tests/test_netns.py
-# Slurm as a launcher, tested on a real cluster (tests/test_slurm.py): the daemons are in /usr/sbin
+command -v nft >/dev/null 2>&1 || need_apt+=(nftables)  # asymmetric partitions in tests/chaos/test_netns.py
+# Slurm as a launcher, tested on a real cluster (tests/chaos/test_slurm.py): the daemons are in /usr/sbin
 { [ -x /usr/sbin/slurmctld ] && [ -x /usr/sbin/slurmd ] && command -v sbatch >/dev/null 2>&1; } || need_apt+=(slurm-wlm)
 [ -x /usr/sbin/munged ] || need_apt+=(munge)
 # the status page seen by a real headless browser (tests/test_status.py, the screenshot in docs/howto.md)

@@ -55,6 +55,7 @@ def test_projection_extends_the_fits_and_compares_with_half_the_capacity():
     grown = project([_run(n, 0.5 * n, 3.0, 0.0) for n in (16, 64, 256)], capacity)
     assert grown["16000_long"]["writes_per_s"] == pytest.approx(8000.0)
     assert fits(runs)["etcd"]["etcd_writes_per_step"] == pytest.approx(0.0)
+    assert "not_projected" in project(runs[:1], capacity)  # one N fits no growth: nothing is projected
 
 
 def _members(plane: StandInDataPlane, size: int, body) -> list:

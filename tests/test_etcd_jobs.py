@@ -1,7 +1,7 @@
 """Training jobs whose control plane is a real 3-member TLS etcd cluster on loopback, under faults.
 
 Each job (a small float64 MLP, store collectives every step) must end equal to the failure-free run
-(max relative difference <= 1e-9, as tests/test_attacks.py) with every surviving replica having applied
+(max relative difference <= 1e-9, as tests/chaos/test_attacks.py) with every surviving replica having applied
 every step exactly once, through: a replica SIGKILLed mid-step, or past the done barrier (the leader or a
 follower); the etcd leader SIGKILLed mid-training; the launcher holding the monitor role SIGKILLed (two
 launchers, one job, each a monitor candidate). Exact mode through a kill past the barrier ends bitwise equal

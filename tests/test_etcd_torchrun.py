@@ -4,7 +4,7 @@
 A worker of replica 1 is SIGKILLed mid-step: its replica is declared dead by the launcher holding the
 monitor role (through etcd), its mate is ended, and replicas 0 and 2 finish equal to the unsharded
 float64 run (<= 1e-9) with every step applied once. The multi-host variant (K = 2 on two
-network-namespace hosts) runs on the embedded coordinator in tests/test_netns.py.
+network-namespace hosts) runs on the embedded coordinator in tests/chaos/test_netns.py.
 """
 
 from __future__ import annotations

@@ -592,7 +592,7 @@ if __name__ == "__main__":
         a.torchsnapshot = not a.no_torchsnapshot
         worker(a.rank, a.world, a.init, a)
         # leave without finalizing: a gloo worker thread may still be freeing the last collective's tensors, and
-        # CPython ending it inside that C++ destructor at shutdown is std::terminate (tests/test_dcp.py)
+        # CPython ending it inside that C++ destructor at shutdown is std::terminate (tests/integration/test_dcp.py)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

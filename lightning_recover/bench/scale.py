@@ -542,8 +542,8 @@ def project(runs: list[dict], capacity: dict[str, float], targets: tuple[int, ..
     second: each process's events per step times the processes (2 per replica: the replica and, at worst, a
     launcher of its own) over the step time. Keep-alives per second: the measured rate per replica times N."""
     etcd = sorted((r for r in runs if r["backend"] == "etcd"), key=lambda r: r["replicas"])
-    if not etcd:
-        return {}
+    if len({r["replicas"] for r in etcd}) < 2:
+        return {"not_projected": "a fit needs etcd runs at two N at least"}
     ns = [r["replicas"] for r in etcd]
     long_step = statistics.median(r["step_s"] for r in etcd)
     out: dict = {"long_step_s": long_step, "short_step_s": SHORT_STEP_S, "half_capacity": {}}

@@ -1,4 +1,4 @@
-"""Exact mode on CUDA (tests/test_gpu.py runs this in a fresh process; needs one GPU, < 2 minutes).
+"""Exact mode on CUDA (tests/integration/test_gpu.py runs this in a fresh process; needs one GPU, < 2 minutes).
 
     CUBLAS_WORKSPACE_CONFIG=:4096:8 python tests/scripts/exact_cuda_check.py
 

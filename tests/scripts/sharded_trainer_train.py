@@ -1,4 +1,4 @@
-"""Training script of tests/test_sharded_trainer.py: the sharded_train.py MLP under the Trainer.
+"""Training script of tests/integration/test_sharded_trainer.py: the sharded_train.py MLP under the Trainer.
 
     python tests/scripts/sharded_trainer_train.py OUT --replicas 2 --replica-size 2 --steps 4 --microbatches 8
 

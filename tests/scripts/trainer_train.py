@@ -1,4 +1,4 @@
-"""Training script used by tests/test_trainer_strategy.py: a small regression MLP under the Trainer.
+"""Training script used by tests/integration/test_trainer_strategy.py: a small regression MLP under the Trainer.
 
     python tests/scripts/trainer_train.py OUT_DIR --replicas 3 --steps 6 --microbatches 6
 

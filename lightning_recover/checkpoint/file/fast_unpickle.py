@@ -13,7 +13,7 @@ which accepts, or refuses, exactly what it always does. Pickle has no opcode tha
 callables the data can reach are those globals: the constructors of containers, ``torch.Size``, ``bytes`` from
 ``_codecs.encode``, the dtypes, and torch's tensor and parameter rebuilders. Extension codes are only looked up
 when ``copyreg`` has none registered nor cached (else torch's loader runs). The result equals ``torch.load``'s
-(``tests/test_fast_unpickle.py``), views of one storage sharing it as there.
+(``tests/unit/test_fast_unpickle.py``), views of one storage sharing it as there.
 """
 
 from __future__ import annotations

@@ -258,7 +258,7 @@ class _FastPickler(pickle.Pickler):
     the CPU with a strided layout and no Python state or hooks; anything else (subclasses such as
     ``Parameter``, other devices, sparse, quantized and nested tensors, bare storages, one storage viewed
     with two dtypes) raises :class:`_Fallback` and the whole pickle is redone by torch.
-    ``tests/test_fast_pickler.py`` compares the bytes with torch's.
+    ``tests/unit/test_fast_pickler.py`` compares the bytes with torch's.
     """
 
     def __init__(self, file: Any, on_storage: Optional[Callable[[str, torch.UntypedStorage], None]] = None) -> None:

@@ -1,6 +1,6 @@
 """The protocol's logic with replicas as threads of this process, against a real coordinator.
 
-Fast counterparts of tests/test_resilience.py (which runs real processes and signals): every
+Fast counterparts of tests/integration/test_resilience.py (which runs real processes and signals): every
 surviving replica must end equal to a single-process failure-free run that sums the same M
 microbatches per step (float64, max relative difference <= 1e-9). See tests/inprocess.py for how
 kill, hang and raise are acted out in threads.

@@ -1,7 +1,7 @@
 """``lightning-recover inspect`` / ``convert`` on sharded (DCP) checkpoint directories (one process, fast).
 
 The multi-rank case (2 shard files, chunks per file) is checked on the real 2 x 2 checkpoint in
-tests/test_sharded_checkpoint.py.
+tests/integration/test_sharded_checkpoint.py.
 """
 
 from __future__ import annotations

@@ -9,12 +9,8 @@ import ast
 import collections
 import functools
 import os
-import subprocess
-import sys
 
-import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = os.path.join(ROOT, "lightning_recover")
 MAX_CLASS_LINES = 300
 MAX_FUNCTION_LINES = 150
@@ -152,7 +148,7 @@ def _is_private(dotted: str) -> bool:
 
 def test_private_upstream_names_are_listed_with_their_reason():
     """A private torch or Lightning name used by the package is in upstream_private.PRIVATE_NAMES (or under one
-    listed there), where tests/test_upstream_private.py checks it against the installed versions."""
+    listed there), where tests/unit/test_upstream_private.py checks it against the installed versions."""
     from lightning_recover.upstream_private import PRIVATE_NAMES
 
     def listed(dotted: str) -> bool:
@@ -321,43 +317,6 @@ def test_no_lightning_import_reachable_from_the_core():
     assert not offenders, "\n".join(offenders)
 
 
-@pytest.mark.slow  # a fresh interpreter importing torch and all of the checkpoint package (~3 s of CPU)
-def test_protocol_works_without_lightning():
-    """The protocol, the launcher and the checkpoint engine (single files and DCP) are usable without
-    Lightning (one interpreter for both checks: each costs a torch import); the Lightning plugin and
-    the spread save live in ``lightning_recover.lightning``."""
-    code = (
-        "import sys, pkgutil, importlib; "
-        "sys.modules.update({m: None for m in ('lightning', 'lightning.fabric', 'lightning.pytorch', "
-        "'pytorch_lightning')}); "
-        "import lightning_recover.protocol, lightning_recover.launch.supervisor, lightning_recover.launch.commands; "
-        "from lightning_recover.protocol import Replica, plan_quotas; "
-        "import lightning_recover.checkpoint as c; "
-        "[importlib.import_module(m.name) for m in pkgutil.walk_packages(c.__path__, c.__name__ + '.')]; "
-        "assert not [m for m, v in sys.modules.items() if m.split('.')[0] in ('lightning', 'pytorch_lightning') "
-        "and v is not None]"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert result.returncode == 0, result.stderr
-
-
-@pytest.mark.slow  # two new interpreters that import Lightning (~10 s)
-def test_strategy_registers_without_importing_lightning_early():
-    """``import lightning_recover`` leaves Lightning unimported (the CLI, the launcher and the
-    coordinator never use it: its import costs ~4 s per process), and ``strategy="recover"`` is
-    registered whichever of the two is imported first."""
-    check = (
-        "from lightning.fabric.strategies import STRATEGY_REGISTRY; "
-        "from lightning.pytorch.strategies import StrategyRegistry; "
-        "assert 'recover' in STRATEGY_REGISTRY and 'recover' in StrategyRegistry; "
-    )
-    ours_first = "import sys, lightning_recover.cli; assert 'lightning' not in sys.modules; import lightning; " + check
-    lightning_first = "import lightning.pytorch, lightning_recover; " + check
-    for code in (ours_first, lightning_first):
-        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
-        assert result.returncode == 0, result.stderr
-
-
 def test_no_lab_notebook_in_the_product():
     """Issue, session and stop numbers belong in commit messages and benchmarks/LOG.md, not in the product."""
     import re
@@ -373,3 +332,22 @@ def test_no_lab_notebook_in_the_product():
                         if pattern.search(line):
                             found.append(f"{os.path.relpath(path, ROOT)}:{number}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+def test_unit_tier_starts_no_process_and_waits_on_no_clock():
+    """tests/unit holds logic only: no subprocess or multiprocessing import, no time.sleep (its conftest also
+    fails a unit test that starts a process)."""
+    unit = os.path.join(ROOT, "tests", "unit")
+    offenders = []
+    for name in sorted(os.listdir(unit)):
+        if name.startswith("test_") and name.endswith(".py"):
+            tree = ast.parse(open(os.path.join(unit, name)).read())
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) else [])
+                    offenders += [
+                        f"{name}:{node.lineno} imports {n}" for n in names if n in ("subprocess", "multiprocessing")
+                    ]
+                elif isinstance(node, ast.Attribute) and node.attr == "sleep" and _dotted(node) == "time.sleep":
+                    offenders.append(f"{name}:{node.lineno} calls time.sleep")
+    assert not offenders, "\n".join(offenders)

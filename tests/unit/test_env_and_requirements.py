@@ -12,7 +12,7 @@ import pytest
 
 from lightning_recover import env, torch_version
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NAME = re.compile(r"\b(?:LIGHTNING_RECOVER|NATIVE_IO)_[A-Z0-9_]*[A-Z0-9]\b")  # not a prefix such as `..._ETCD_*`
 # C preprocessor symbols share the prefix but are compile-time macros, not environment variables.
 MACRO = re.compile(r"#\s*(?:ifdef|ifndef|define|if\s+defined\s*\(?)\s*((?:NATIVE_IO)_[A-Z0-9_]+)")

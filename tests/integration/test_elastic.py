@@ -8,7 +8,7 @@ failure-free trajectory (bitwise in exact mode); a whole-job notice writes a fin
 resumes from; a job of ``replicas=2:4`` grows to 4 (hand-started newcomers on the embedded coordinator, a
 launcher's ``--add-replicas`` on etcd) and shrinks back to 2 by notices and ``lightning-recover leave``,
 ``torch.equal`` to the failure-free exact-mode run. The newcomer from another network-namespace host is in
-tests/test_elastic_netns.py.
+tests/chaos/test_elastic_netns.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The multi-process runs train the MLP of tests/scripts/sharded_train.py (same data, model and
 microbatch layout) with the model built in ``configure_model`` and sharded by the strategy, and
 compare the final full parameters with that script's single-process, unsharded float64 reference:
-relative difference <= 1e-9 (``check`` of tests/test_sharded.py, which also asserts that no process
+relative difference <= 1e-9 (``check`` of tests/integration/test_sharded.py, which also asserts that no process
 of a killed replica is left alive); the failure-free job also saves sharded checkpoints and a second
 job resumes from one. The fast tests cover what is refused and the checkpoint state conversion.
 """

@@ -91,7 +91,7 @@ def test_one_failure_in_every_phase(tmp_path, reference, plan):
     phase PHASES[s-1] (one failure per step, so each is its own in-step recovery; a failure after
     the commit, in the optimizer phase, is recovered in the next step). Replica 0 ends alone and
     must equal the failure-free run; the lost quotas were recomputed exactly once.
-    (tests/test_protocol_inprocess.py checks each phase on its own, in-process.)"""
+    (tests/integration/test_protocol_inprocess.py checks each phase on its own, in-process.)"""
     replicas, steps, microbatches = 6, 7, 12
     kinds = PLANS[plan]
     inject = ",".join(f"{kinds[s - 1]}:replica={s}:step={s}:phase={phase}" for s, phase in enumerate(PHASES, start=1))
