@@ -13,7 +13,17 @@ from lightning_recover.upstream_private import PRIVATE_NAMES
 
 def _instance(cls: type, tmp_path) -> object:
     if cls.__name__ == "Trainer":
-        return cls(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+        from lightning.fabric.plugins.environments import LightningEnvironment
+
+        # an explicit cluster environment: no Slurm probe (and its srun warning) on a machine with Slurm
+        return cls(
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            plugins=[LightningEnvironment()],
+        )
     if cls.__name__ == "TensorBoardLogger":
         return cls(save_dir=str(tmp_path))
     raise AssertionError(f"no recipe for an instance of {cls.__name__}: add one here")
