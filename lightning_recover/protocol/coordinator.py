@@ -50,6 +50,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Collection
 from typing import Optional
 
 import torch.distributed as dist
@@ -104,9 +105,8 @@ def run_monitor(
     coordinator unreachable) or made no progress for ``hang_timeout`` while a peer waited on it
     (deadlock). The replica is the failure unit: one process lost takes its replica out.
 
-    Only fresh, genuine heartbeats count: a forged one, or an old genuine one written back (its
-    sequence is below the newest seen, :class:`Freshness`), is dropped, and the replica is judged
-    on the last fresh one, so neither keeps a stopped replica alive past ``timeout``.
+    Only fresh, genuine heartbeats count: a forged one, or an old genuine one written back (its sequence is
+    below the newest seen, :class:`Freshness`), is dropped: neither keeps a stopped replica alive past ``timeout``.
 
     It looks every ``poll_period`` seconds (at most ``timeout / 10``; on etcd at its watched view, reading
     etcd only to confirm a late or hung replica): a declaration comes at most one period after its bound.
@@ -156,9 +156,12 @@ def run_monitor(
     settled: dict[int, int] = {}  # replica -> the incarnation known dead (dead/{r} only grows): judged no more
     vouches = VouchReader(sealer, Roster(sealer, raw_reader(store)))  # a vouch names its generation
     vouched_at = 0.0  # when the newest vouch was read: progress of the whole generation it names
+    latest: list[dict[int, int]] = [{}]  # the newest vouched generation's replica -> incarnation
+    absent_since: dict[str, float] = {}  # a member's heartbeat key this monitor never read -> since when absent
 
     def credit(vouch: Vouch, now: float) -> None:
         """A commit vouches that every member it names beat and progressed (vouches.py)."""
+        latest[0] = vouch.incarnations
         for r, inc in vouch.incarnations.items():
             (key,) = _hb_keys(r, 1)  # commits vouch for replicas of one process only
             if beats.get(key, (None,))[0] == inc:
@@ -221,6 +224,8 @@ def run_monitor(
                     f"{hb.get('step')} while replicas {sorted(waiting - {r})} waited on it (hung)",
                     "hang",
                 )
+        for key, (r, inc, why) in members_gone_unread(latest[0], hbs, present, settled, absent_since, now, timeout):
+            out[key] = (r, inc, why, "kill")
         return out
 
     while not stop.wait(poll):
@@ -263,6 +268,43 @@ def run_monitor(
         if quiet_beside is not None and now - ticked_beside > _TICK_MIN and quiet_beside():
             ticked_beside = now
             store.set("hb/tick", str(ticks))
+
+
+def members_gone_unread(
+    members: dict[int, int],
+    read: Collection[str],
+    present: dict[str, bool],
+    settled: dict[int, int],
+    absent_since: dict[str, float],
+    now: float,
+    timeout: float,
+) -> list[tuple[str, tuple[int, int, str]]]:
+    """Members of the newest vouched generation (replicas of one process) whose heartbeat key this monitor never
+    read and that stays absent for ``timeout``: a leased beat whose lease expired before this monitor (one that
+    just took the role) looked. The key-by-key judgement cannot see them: it judges keys it has read.
+
+    Args:
+        members: replica -> incarnation, from the newest vouch.
+        read: heartbeat keys this monitor has read at least once.
+        present: heartbeat key -> whether the last read found it.
+        settled: replica -> the incarnation known dead.
+        absent_since: key -> when it was first seen absent (updated here).
+        now: the monitor's clock.
+        timeout: the heartbeat timeout.
+
+    Returns:
+        ``(key, (replica, incarnation, why))`` for each member to declare dead.
+    """
+    out = []
+    for r, inc in sorted(members.items()):
+        key = f"hb/{r}"
+        if key in read or settled.get(r, 0) >= inc or present.get(key, True):
+            absent_since.pop(key, None)
+            continue
+        since = absent_since.setdefault(key, now)
+        if now - since > timeout:
+            out.append((key, (r, inc, f"its heartbeat key is gone, unread by this monitor, for {now - since:.2f}s")))
+    return out
 
 
 def _judge_said(line: str) -> None:
