@@ -223,7 +223,8 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
         "inspect",
         help=COMMANDS["inspect"],
         description="Show what a checkpoint holds (tensors, dtypes, shapes, offsets) and verify its checksums. "
-        "Exit code 0: OK; 1: damaged data; 2: not a readable checkpoint.",
+        "Exit code 0: OK; 1: damaged data; 2: not a readable checkpoint; 4: intact data under a wrong recorded "
+        "checksum (lazy saves before the CRC combine fix).",
     )
     p.add_argument("checkpoint", help="a checkpoint file (.ckpt, .pt) or a sharded (DCP) checkpoint directory")
     p.add_argument("--no-verify", action="store_true", help="only print the index, do not read the data")
