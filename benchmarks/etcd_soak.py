@@ -10,7 +10,7 @@ values at a fixed rate, so that the cluster's writes cross the quota many times 
 Every 5 s the soak records etcd's revision, database size and alarms; at the end it checks that the job is
 still training (its replicas' step logs grew in the last minute), that its log names no lost control plane
 and that etcd never raised NOSPACE, then ends the job. Without the job's compaction the first crossing stops
-every write (tests/test_etcd_production.py shows the same writes failing at a 1 MiB quota).
+every write (tests/integration/test_etcd_production.py shows the same writes failing at a 1 MiB quota).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 #     device-limit reference of the benchmarks), etcd-server + etcd-client + openssl (the etcd tests),
 #     nftables (the multi-host tests' asymmetric partitions, tests/hosts.py), slurm-wlm + munge (a real
 #     Slurm cluster on namespace nodes, tests/slurm_cluster.py), chromium (the status page in a real headless
-#     browser, tests/test_status.py). When one is
+#     browser, tests/integration/test_status.py). When one is
 #     missing and cannot be installed, setup FAILS and says what to install: a run without them would
 #     silently skip what they test.
 #   - .venv (python3 -m venv), torch==2.13.0 in it BEFORE the package: a loose torch requirement would
@@ -38,7 +38,7 @@ command -v nft >/dev/null 2>&1 || need_apt+=(nftables)  # asymmetric partitions 
 # Slurm as a launcher, tested on a real cluster (tests/chaos/test_slurm.py): the daemons are in /usr/sbin
 { [ -x /usr/sbin/slurmctld ] && [ -x /usr/sbin/slurmd ] && command -v sbatch >/dev/null 2>&1; } || need_apt+=(slurm-wlm)
 [ -x /usr/sbin/munged ] || need_apt+=(munge)
-# the status page seen by a real headless browser (tests/test_status.py, the screenshot in docs/howto.md)
+# the status page seen by a real headless browser (tests/integration/test_status.py, the screenshot in docs/howto.md)
 { command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; } || need_apt+=(chromium)
 if [ ${#need_apt[@]} -gt 0 ]; then
     hint="HINT: install them (Debian/Ubuntu: sudo apt-get install ${need_apt[*]}) and rerun"

@@ -62,7 +62,7 @@ from lightning_recover.protocol.messages import JobSecret, Sealer
 CAMPAIGN_PERIOD = 0.1
 #: The monitor's lease (whole seconds: etcd's unit; etcd raises anything below ~1.5 x its election
 #: timeout to that minimum). Takeover after the holder's death: <= DEFAULT_LEASE_TTL + CAMPAIGN_PERIOD
-#: + one request (tests/test_etcd_job.py asserts it with 1 s of slack).
+#: + one request (tests/integration/test_etcd_job.py asserts it with 1 s of slack).
 DEFAULT_LEASE_TTL = 2
 #: Seconds between the monitor's reads of every heartbeat (at most heartbeat_timeout / 10). Each read
 #: is a Raft proposal (EtcdStore.peek_many(through_log=True)) that every member applies; at the

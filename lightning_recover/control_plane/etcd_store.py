@@ -408,7 +408,7 @@ class EtcdStore(_ViewReads, dist.Store):
         ``through_log``: the transaction carries a write that its compare never lets happen, which makes
         etcd order it in the Raft log like a write: it is answered when writes are, and blocks while they
         block (an election). The monitor's stall allowance needs exactly that; a plain read (ReadIndex) can
-        be answered while writes still wait (tests/test_etcd_jobs.py::test_etcd_leader_sigkill_mid_training).
+        be answered while writes still wait (tests/integration/test_etcd_jobs.py::test_etcd_leader_sigkill_mid_training).
         """
         if not keys:
             return []

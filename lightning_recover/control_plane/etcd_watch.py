@@ -6,7 +6,7 @@ main thread polled the decision register, the ``events`` counter, join requests 
 twenty times per step. With a :class:`WatchView` those polls are answered from memory and a wait for a key
 wakes on the watch event that creates it.
 
-What a reader may rely on (tests/test_etcd_watch.py checks each):
+What a reader may rely on (tests/integration/test_etcd_watch.py checks each):
 
 * **A consistent past state, never older than one already served**: the view starts from one linearizable
   read of the whole prefix at revision R, then applies the watch's events from R + 1 in revision order.

@@ -453,7 +453,7 @@ class ControlStore:
         group's rendezvous (peer addresses) is authenticated like every other value."""
         # An etcd store prefixes its own keys. torch's PrefixStore would hold a Python store only on the
         # C++ side, where its Python half is collected ("Not implemented" on the next call, torch 2.13),
-        # and it does not forward delete_key/num_keys to Python (tests/test_etcd_store.py).
+        # and it does not forward delete_key/num_keys to Python (tests/integration/test_etcd_store.py).
         make = getattr(self.raw, "prefixed_clone", None)
         inner = self.call(make, prefix) if make else dist.PrefixStore(prefix, self.call(self.raw.clone))
         return SealedStore(inner, self.sealer, prefix)

@@ -18,7 +18,7 @@ from lightning_recover.protocol.membership import Heartbeat, Progress
 from lightning_recover.protocol.messages import ControlStore, JobSecret, Sealer, sequence
 from lightning_recover.protocol.vouches import vouch_record
 
-SLACK = 1.0  # a loaded 2-core machine (as tests/test_etcd_jobs.py)
+SLACK = 1.0  # a loaded 2-core machine (as tests/integration/test_etcd_jobs.py)
 _count = [0]
 
 

@@ -34,7 +34,7 @@ from lightning_recover.protocol.messages import (
 from lightning_recover.protocol.vouches import Roster, VouchReader, vouch_record
 
 _count = [0]
-#: Slack on time bounds for a loaded 2-core machine (as tests/test_etcd_jobs.py).
+#: Slack on time bounds for a loaded 2-core machine (as tests/integration/test_etcd_jobs.py).
 SLACK = 1.0
 
 

@@ -156,7 +156,7 @@ def test_etcd_up_and_down_cli(tmp_path):
         pytest.skip("etcd-server/etcd-client not installed (scripts/setup.sh installs them)")
     d = str(tmp_path / "cluster")
     cli = [sys.executable, "-m", "lightning_recover.cli", "etcd"]
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     up = subprocess.run([*cli, "up", "--dir", d], capture_output=True, text=True, timeout=60, env=env)
     pids = []
     try:
