@@ -32,6 +32,7 @@ import threading
 import time
 
 from lightning_recover import env
+from lightning_recover.bench.recovery import gpt_job
 from lightning_recover.launch import coordinator_process
 from lightning_recover.protocol.messages import JobSecret
 
@@ -46,28 +47,12 @@ def _run(args: list[str], out: str, inject: str, timeout: float = 900, attempts:
     for attempt in range(attempts):
         try:
             where = out if attempt == 0 else f"{out}.retry{attempt}"
-            return where, _run_once(args, where, inject, timeout)
+            return where, gpt_job(args, where, inject, timeout)
         except RuntimeError as exc:
             if "did not start within" not in str(exc) or attempt == attempts - 1:
                 raise
             print(f"  (the job did not start: {str(exc).strip().splitlines()[-1]}; again)", flush=True)
     raise AssertionError("unreachable")
-
-
-def _run_once(args: list[str], out: str, inject: str, timeout: float) -> str:
-    environ = dict(os.environ, OMP_NUM_THREADS="1", LIGHTNING_RECOVER_INJECT=inject)
-    proc = subprocess.run(
-        [*_GPT, "--out", out, *args],
-        env=environ,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=timeout,
-        start_new_session=True,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"benchmark job failed ({proc.returncode}):\n{proc.stdout[-3000:]}")
-    return proc.stdout
 
 
 def _records(out: str) -> dict[int, list[dict]]:

@@ -25,9 +25,11 @@ import time
 _KILL_TIME = re.compile(r"injecting fault (\S+) at t=([0-9.]+)")
 
 
-def _job(
+def gpt_job(
     args: list[str], out: str, inject: str | None = None, timeout: float = 600, checkout: str | None = None
 ) -> str:
+    """Runs ``bench.fabric_gpt`` (one thread per process) with ``args``, its records under ``out``, and
+    ``inject`` as its fault plan; returns its output. Raises RuntimeError with the output's tail if it fails."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if checkout:  # run another checkout of the package (a before/after comparison in one run)
         env["PYTHONPATH"] = os.path.abspath(checkout) + os.pathsep + env.get("PYTHONPATH", "")
@@ -66,7 +68,7 @@ def measure_recovery(kills: int, kind: str, replicas: int, heartbeat_timeout: fl
     for i in range(kills):
         victim, step, phase = 1 + i % (replicas - 1), 2 + i % 3, phases[i % len(phases)]
         out = os.path.join(workdir, f"{kind}{i}")
-        log = _job(
+        log = gpt_job(
             [
                 "--strategy",
                 "recover",
@@ -123,7 +125,7 @@ def measure_overhead(
         for mode in order:
             strategy = "ddp" if mode == "ddp" else "recover"
             out = os.path.join(workdir, f"{mode}{rep}")
-            _job(
+            gpt_job(
                 [
                     "--strategy",
                     strategy,
