@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from lightning_recover.protocol.messages import JobSecret
+from tests.chaos.test_netns import ETCD_HOSTS, FABRIC, EtcdOnHosts
 from tests.hosts import Hosts
 from tests.jobs import ROOT, wait_for
 from tests.scripts.fabric_train import reference_state
-from tests.test_netns import ETCD_HOSTS, FABRIC, EtcdOnHosts
 
 pytestmark = pytest.mark.slow
 

@@ -266,7 +266,9 @@ def test_bench_checkpoint_paired_smoke(tmp_path, capsys):
     rc = bench.main(args)
     printed = capsys.readouterr().out
     assert rc == 0, printed
-    assert "paired ratios" in printed and "issue 16" in printed and "vs fio at each depth: qd1" in printed
+    assert (
+        "paired ratios" in printed and "the durable-save target" in printed and "vs fio at each depth: qd1" in printed
+    )
     doc = json.loads(out.read_text())
     assert doc["meta"]["mode"] == "paired" and doc["meta"]["fio_iodepths"] == [1, 4]
     (rec,) = doc["records"]

@@ -207,8 +207,8 @@ def test_graceful_leave_of_two_process_replicas(tmp_path, request, plane):
     the unsharded failure-free run."""
     from types import SimpleNamespace
 
+    from tests.integration.test_sharded import check, sharded_job
     from tests.scripts import sharded_train
-    from tests.test_sharded import check, sharded_job
 
     steps = 4
     ref_dir = str(tmp_path / "reference")
@@ -404,8 +404,8 @@ def test_graceful_leave_under_the_trainer(tmp_path):
     """The Trainer strategy: replica 1 gets its notice in step 2 (the Trainer's own SIGTERM handler, which
     would end the fit after the batch with status 0, is replaced by the strategy's); it leaves at step 2's
     commit, nothing is recomputed, the survivors end bitwise equal to the exact single-process run."""
+    from tests.integration.test_trainer_strategy import _single_process, assert_parameters
     from tests.jobs import trainer_job
-    from tests.test_trainer_strategy import _single_process, assert_parameters
 
     steps, batch_size = 7, 16
     truth = _single_process(steps=steps, batch_size=batch_size, exact=True)

@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.integration.test_sharded import check, sharded_job
 from tests.scripts import sharded_train
-from tests.test_sharded import check, sharded_job
 
 pytestmark = pytest.mark.slow
 

@@ -24,8 +24,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_recover import RecoverTrainerStrategy, env
 from lightning_recover.lightning.sharding_config import ShardingConfig
 from lightning_recover.lightning.step_logs import StepLogCapture
+from tests.integration.test_sharded import STEPS, check
 from tests.jobs import ROOT, run_job
-from tests.test_sharded import STEPS, check
 
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "sharded_trainer_train.py")
 
