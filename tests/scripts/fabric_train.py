@@ -176,6 +176,8 @@ def train(args) -> None:
         deadline = time.monotonic() + 600  # a newcomer's start under a loaded host's imports can take minutes
         while gate and not os.path.exists(gate) and time.monotonic() < deadline:
             time.sleep(0.05)
+    for logger in fabric.loggers:
+        logger.finalize("success")  # Fabric leaves this to the script: it flushes what the writer still holds
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     os.makedirs(args.out, exist_ok=True)
     torch.save(
