@@ -215,8 +215,10 @@ def trainer_job(
     heartbeat_timeout: float = 0.5,
     extra: list[str] | None = None,
     timeout: float = 180,
+    env: dict[str, str] | None = None,
 ) -> JobResult:
-    """Run tests/scripts/trainer_train.py (the Trainer with strategy='recover') as one bounded job."""
+    """Run tests/scripts/trainer_train.py (the Trainer with strategy='recover') as one bounded job (``env``: more
+    variables for it)."""
     cmd = [
         sys.executable,
         TRAINER_SCRIPT,
@@ -230,5 +232,5 @@ def trainer_job(
         "--heartbeat-timeout",
         str(heartbeat_timeout),
     ] + (extra or [])
-    env = {"LIGHTNING_RECOVER_INJECT": inject} if inject else None
-    return run_job(cmd, out_dir, timeout=timeout, env=env)
+    env = {**(env or {}), **({"LIGHTNING_RECOVER_INJECT": inject} if inject else {})}
+    return run_job(cmd, out_dir, timeout=timeout, env=env or None)

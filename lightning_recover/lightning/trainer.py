@@ -49,21 +49,10 @@ from lightning_recover.lightning.base import RecoverStrategyBase, ReplicaLaunche
 from lightning_recover.lightning.environment import RecoverEnvironment
 from lightning_recover.lightning.loader import StepBatch, StepLoader, epoch_position
 from lightning_recover.lightning.ranks import set_rank_zero
-from lightning_recover.lightning.sharding_config import (
-    ShardingConfig,
-    load_local_module_state,
-    local_shards,
-    optimizer_state_from_local,
-)
+from lightning_recover.lightning.sharding_config import ShardingConfig, local_shards
 from lightning_recover.lightning.step_logs import StepLogCapture, log_step, share_logger_versions
-from lightning_recover.lightning.trainer_checkpoint import (
-    load_trainer_checkpoint,
-    remove_checkpoint_dir,
-    save_trainer_checkpoint,
-)
 from lightning_recover.lightning.trainer_rejoin import adopt_checkpoint, check_rejoin_inside_fit, checkpoint_for_joiner
-from lightning_recover.observe.report import noted_checkpoint
-from lightning_recover.protocol.exact import checkpoint_entries, restore_checkpoint_entries
+from lightning_recover.lightning.trainer_saving import TrainerCheckpointing
 from lightning_recover.protocol.replica import Replica
 
 _HINT_ACCUMULATE = (
@@ -127,7 +116,7 @@ def _replica_banner() -> None:
         logging.getLogger(name).addFilter(_not_the_supervisors_banner)
 
 
-class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
+class RecoverTrainerStrategy(TrainerCheckpointing, RecoverStrategyBase, ParallelStrategy):
     """``Trainer(strategy="recover")``: fault-tolerant data parallelism with in-step recovery.
 
     One DataLoader batch is one microbatch; one optimizer step is ``microbatches`` (``M``) of them,
@@ -234,31 +223,6 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
         # Sharded: this process's local shards, for the joiner's process at the same inner position.
         return local_shards(state) if self.sharding.enabled else state
 
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return self.sharding.enabled  # sharded: a peer's local shards go into the already sharded module
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        # sharded: load_checkpoint restored them from the DCP directory (as ModelParallelStrategy), unless rejoining
-        return not self.sharding.enabled or self._rejoin_checkpoint is not None
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        if not self.sharding.enabled:
-            return super().load_model_state_dict(checkpoint, strict=strict)
-        if self._rejoin_checkpoint is not None:  # (a ckpt_path was restored by load_checkpoint already)
-            load_local_module_state(self.lightning_module, checkpoint["state_dict"])
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        if not self.sharding.enabled:
-            return super().load_optimizer_state_dict(checkpoint)
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            optimizer.load_state_dict(optimizer_state_from_local(optimizer, state))
-
     def _receive_state(self, state: dict[str, Any]) -> None:
         self._received = state
 
@@ -274,25 +238,20 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
         self._rejoin_step = step
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        if self._rejoin_checkpoint is not None:
-            # A rejoining replica resumes from the live state of its peers, not from the script's ckpt_path.
-            return self._rejoin_checkpoint
-        if self.sharding.enabled:  # every process reads its own shards into the sharded module and optimizers
-            return load_trainer_checkpoint(checkpoint_path, self.lightning_module, self.optimizers, weights_only)
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        if self.core is not None:
-            restore_checkpoint_entries(self.core.protocol.exact, checkpoint)
-        return checkpoint
-
-    @override
     def on_train_start(self) -> None:
         self._rejoin_checkpoint = None  # restored by now; free the memory
         if self.core is not None:
             # The Trainer registered its own SIGTERM handler after setup (it would end the fit after the batch,
             # exit status 0, on any rank): the notice is this strategy's, handled at the step boundary.
             self.core.notice.install(self.options.resolve_notice_signal())
+            self.core.set_final_checkpoint(self._write_notice_checkpoint)
         super().on_train_start()
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.core is not None:
+            self.core.leave_if_told()  # a notice: this replica leaves here, at the step boundary
+        super().on_train_batch_start(batch, batch_idx)
 
     def _trainable_parameters(self) -> list[torch.nn.Parameter]:
         module = self.lightning_module
@@ -450,31 +409,6 @@ class RecoverTrainerStrategy(RecoverStrategyBase, ParallelStrategy):
     @override
     def model_sharded_context(self) -> AbstractContextManager:
         return nullcontext()
-
-    # ------------------------------------------------------------------ checkpoints
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        if self._solo:
-            return  # a replica still rejoining holds no step of its own to save; the members write
-        if self.core is not None:
-            checkpoint = {**checkpoint, **checkpoint_entries(self.core.protocol.exact)}
-        noted = noted_checkpoint(self.core and self.core.group.progress, self.core.step if self.core else -1, filepath)
-        if self.sharding.enabled:  # one DCP directory at filepath, every live replica writing ~1/R of it
-            with noted:
-                save_trainer_checkpoint(self, checkpoint, filepath, storage_options)
-        elif self._elect_writer():
-            with noted:
-                if storage_options is None:
-                    self.checkpoint_io.save_checkpoint(checkpoint, filepath)
-                else:
-                    self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if not self.sharding.enabled:
-            return super().remove_checkpoint(filepath)
-        if not self._solo and self._elect_writer() and self.core.inner == 0:  # one process removes the directory
-            remove_checkpoint_dir(filepath)
 
     @override
     def teardown(self) -> None:

@@ -27,10 +27,12 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 import shutil
 from typing import Any, Optional
 
 import torch
+from fsspec.core import url_to_fs
 from torch.nn import Module
 from torch.optim import Optimizer
 
@@ -42,6 +44,22 @@ MODEL_KEY = "state_dict"
 # Lightning's hyper-parameter entries: saved, but not needed to resume (fit restores no hparams), so
 # one the weights-only loader refuses (an object of any type) is skipped instead of failing the load.
 _HPARAM_KEYS = ("hyper_parameters", "datamodule_hyper_parameters", "hparams_type", "hparams_name")
+
+
+_HPC_CHECKPOINT = re.compile(r"hpc_ckpt_(\d+)\.ckpt$")
+
+
+def hpc_checkpoint_path(root: str | os.PathLike) -> str:
+    """The next of Lightning's HPC checkpoints in ``root``: ``hpc_ckpt_N.ckpt``, N one above the highest there.
+
+    Lightning resumes a job from the highest of them by itself under Slurm (a requeued job), and elsewhere with
+    ``trainer.fit(..., ckpt_path="hpc")``.
+    """
+    root = str(root)
+    fs, where = url_to_fs(root)
+    names = [os.path.basename(str(p).rstrip("/")) for p in fs.ls(where, detail=False)] if fs.exists(where) else []
+    numbers = [int(m.group(1)) for m in map(_HPC_CHECKPOINT.match, names) if m]
+    return os.path.join(root, f"hpc_ckpt_{max(numbers, default=0) + 1}.ckpt")
 
 
 def optimizer_key(index: int) -> str:

@@ -90,6 +90,7 @@ class RecoverOptions:
     replicas: Any = None
     #: Where a whole-job notice (every replica told to leave at the same step) writes a final checkpoint through
     #: the strategy's checkpoint plugin before the replicas exit; the next run of the script resumes from it.
+    #: None: Fabric writes none; the Trainer writes Lightning's HPC checkpoint in its ``default_root_dir``.
     notice_checkpoint: Optional[str] = None
 
     def __post_init__(self) -> None:

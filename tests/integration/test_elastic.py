@@ -421,3 +421,34 @@ def test_graceful_leave_under_the_trainer(tmp_path):
     for data in states.values():
         assert [s["recomputed"] for s in data["stats"]] == [0] * steps
         assert [s["live_replicas"] for s in data["stats"]] == [3, 3, 3, 2, 2, 2, 2]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_whole_job_notice_under_the_trainer_writes_lightnings_hpc_checkpoint(tmp_path):
+    """Every replica of a Trainer job gets its notice in step 2: they commit it and leave together after the final
+    checkpoint, Lightning's HPC checkpoint in default_root_dir (written through the strategy's save), and the job
+    exits 75. The next run, under the variables by which Lightning knows a Slurm job, resumes from it by Lightning's
+    own rule for a requeued job (``fit`` without a ``ckpt_path``) and ends bitwise equal to the exact
+    single-process run."""
+    from tests.integration.test_trainer_strategy import _single_process, assert_parameters
+    from tests.jobs import trainer_job
+
+    steps, batch_size = 6, 16
+    truth = _single_process(steps=steps, batch_size=batch_size, exact=True)
+    first = str(tmp_path / "first")
+    notices = ",".join(f"notice:replica={r}:step=2:phase=backward" for r in range(3))
+    args = ["--batch-size", str(batch_size), "--exact"]
+    result = trainer_job(first, steps=steps, inject=notices, extra=args)
+    assert result.returncode == EXIT_LEFT_ON_NOTICE, result.output[-4000:]
+    assert "the whole job left, final checkpoint written" in result.output, result.output[-4000:]
+    assert sorted(n for n in os.listdir(first) if n.startswith("hpc_ckpt_")) == ["hpc_ckpt_1.ckpt"]
+    saved = torch.load(os.path.join(first, "hpc_ckpt_1.ckpt"), map_location="cpu", weights_only=False)
+    assert saved["global_step"] == 3, saved["global_step"]  # steps 0-2 applied, none after
+    slurm = {"SLURM_NTASKS": "3", "SLURM_JOB_NAME": "requeued"}  # what SLURMEnvironment.detect() reads
+    again = trainer_job(str(tmp_path / "again"), steps=steps, extra=args + ["--root-dir", first], env=slurm)
+    assert again.returncode == 0, again.output[-4000:]
+    assert "Restored all states from the checkpoint" in again.output
+    states = assert_parameters(again, truth["state"], survivors=[0, 1, 2], steps=steps, exact=True)
+    for data in states.values():
+        assert [s["step"] for s in data["stats"]] == [3, 4, 5] and data["stats"][0]["redone"] == 0

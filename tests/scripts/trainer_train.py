@@ -103,7 +103,9 @@ def main() -> None:
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--ckpt-every", type=int, default=0, help="ModelCheckpoint every N steps (0: none)")
     parser.add_argument("--val-every", type=int, default=0, help="validate every N steps (0: no validation)")
-    parser.add_argument("--resume", default=None, help="ckpt_path to resume from")
+    parser.add_argument("--resume", default=None, help='ckpt_path to resume from ("hpc": Lightning\'s HPC checkpoint)')
+    parser.add_argument("--root-dir", default=None, help="the Trainer's default_root_dir (default: OUT_DIR)")
+    parser.add_argument("--notice-checkpoint", default=None, help="RecoverTrainerStrategy(notice_checkpoint=...)")
     parser.add_argument("--progress-bar", action="store_true")
     parser.add_argument("--clip", type=float, default=None)
     parser.add_argument("--test", action="store_true", help="trainer.test() on the validation set after fit")
@@ -130,6 +132,7 @@ def main() -> None:
         restarts=args.restarts,
         quota=args.quota,
         exact=args.exact,
+        notice_checkpoint=args.notice_checkpoint,
     )
     recorder = StepRecorder(args.replicas, args.slow_while_degraded)
     callbacks = [recorder]
@@ -148,6 +151,7 @@ def main() -> None:
         accelerator="cpu",
         precision=args.precision,
         max_steps=args.steps,
+        default_root_dir=args.root_dir or args.out,
         logger=CSVLogger(args.out, name="logs"),
         log_every_n_steps=1,
         enable_progress_bar=args.progress_bar,
