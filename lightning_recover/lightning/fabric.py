@@ -245,7 +245,10 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
                     f"step {index} was not iterated to its end. HINT: run `for batch in step: ...` fully "
                     "before calling optimizer.step()."
                 )
-            self.core.leave_if_told()  # a notice: this replica leaves here, at the step boundary
+            if self.core.told_to_leave:  # a notice: this replica leaves here, at the step boundary
+                for logger in loggers:
+                    logger.finalize("success")  # what its writer still holds reaches the files first
+            self.core.leave_if_told()
 
     # ------------------------------------------------------------------ preemption notices
     def _notice_state(self, step: int) -> dict:

@@ -10,7 +10,10 @@ newest generation (``gen/latest``; on etcd from the watched view, no request). W
 A recovery is counted once, under the generation it formed, when the first survivor reports it; its cause
 is that of the death it recovered from: ``kill`` (a process exit the launcher saw, or missed heartbeats),
 ``hang`` (no progress while peers waited), ``partition`` (fenced by the partition judge), ``notice`` (a
-replica that left on a scheduler's notice).
+replica whose heartbeat said it had its preemption notice, but which ended before the step boundary it was to
+leave at: too little grace; a notice followed by death within one heartbeat period is counted as ``kill``). A
+replica that left at that boundary is no recovery: the members' reports name it (``left``), and the board
+shows a ``leave`` event.
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ class _Replica:
         self.incarnation = 0
         self.dead = 0  # the newest incarnation declared dead
         self.cause: Optional[str] = None  # why the dead incarnation ended
+        self.notice = ""  # what told the current incarnation to leave (its heartbeat says), "" if nothing
         self.member = False  # the current incarnation is a member of a generation
         self.host = ""
         self.generation = -1
@@ -95,7 +99,7 @@ class _Replica:
         if self.incarnation == 0:
             return "not started"
         if self.dead >= self.incarnation:
-            return f"dead ({self.cause})" if self.cause else "exited"
+            return f"dead ({self.cause})" if self.cause else "left" if self.cause == "" else "exited"
         return "live" if self.member else "joining"
 
 
@@ -112,7 +116,8 @@ class StatusBoard:
         self._lock = threading.Lock()
         self._rows = {r: _Replica(r) for r in range(replicas)}
         self._declared: dict[tuple[int, int], tuple[str, str]] = {}  # (replica, incarnation) -> (cause, why)
-        self._pending: list[str] = []  # causes of members' deaths not yet recovered from
+        self._pending: list[tuple[int, int, str]] = []  # (replica, incarnation, cause) of deaths not yet recovered from
+        self._left: set[tuple[int, int]] = set()  # (replica, incarnation) that left at a step boundary
         self._recovered: set[int] = set()  # generations whose recovery was counted
         self._recomputed: set[tuple[int, int]] = set()  # (generation, replica) whose recomputed count was added
         self._checkpoint_step = -1
@@ -187,15 +192,41 @@ class StatusBoard:
             row.dead = inc
             row.incarnation = max(row.incarnation, inc)  # its heartbeat may be gone (a board started later)
             cause, why = self._declared.pop((r, inc), (None, ""))
+            if (r, inc) in self._left:  # the members already named it as left at a step boundary
+                row.cause = ""
+                continue
             if cause is None:  # not the monitor's verdict: the launcher saw it exit, or it left cleanly
                 row.cause = None
-                self._event("exit", replica=r, incarnation=inc, what=f"replica {r} (incarnation {inc}) exited")
+                on_notice = f" after its notice ({row.notice})" if row.notice and row.incarnation == inc else ""
+                self._event(
+                    "exit", replica=r, incarnation=inc, what=f"replica {r} (incarnation {inc}) exited{on_notice}"
+                )
                 cause = "kill"
             else:
                 row.cause = cause
                 self._event("death", replica=r, incarnation=inc, cause=cause, what=f"replica {r} declared dead: {why}")
+            if row.notice and row.incarnation == inc:
+                cause = "notice"  # it had its notice: a recovery from its end is the notice's (too little grace)
             if was_member:
-                self._pending.append(cause)
+                self._pending.append((r, inc, cause))
+
+    def _leavers(self, generation: int, leavers: Any) -> None:
+        """The members' report of the step boundary that formed ``generation`` without ``leavers``."""
+        for r in leavers if isinstance(leavers, list) else []:
+            row = self._rows.get(int(r))
+            if row is None or (row.replica, row.incarnation) in self._left:
+                continue
+            self._left.add((row.replica, row.incarnation))
+            self._pending = [p for p in self._pending if p[:2] != (row.replica, row.incarnation)]
+            if row.dead >= row.incarnation:
+                row.cause = ""  # its exit was read first
+            how = f" ({row.notice})" if row.notice else ""
+            self._event(
+                "leave",
+                replica=row.replica,
+                incarnation=row.incarnation,
+                what=f"replica {row.replica} left" f" on notice{how} before generation {generation}",
+            )
 
     def _heartbeats(
         self, now: float, heartbeats: Mapping[str, tuple[int, dict]], beats: Mapping[str, tuple[int, int, float]]
@@ -218,8 +249,12 @@ class StatusBoard:
             row.incarnation, row.member, row.step, row.quota = inc, False, -1, 0
             self._event("start", replica=r, incarnation=inc, what=f"replica {r} started (incarnation {inc})")
         row.phase = str(hb.get("phase", ""))
+        left = hb.get("left")
+        if isinstance(left, list) and len(left) == 2:
+            self._leavers(int(left[0]), left[1])
         if inc < row.incarnation or row.dead >= inc:
             return
+        row.notice = str(hb.get("notice", ""))
         if hb.get("member") and not row.member:
             row.member = True
             if inc > 1:
@@ -249,10 +284,10 @@ class StatusBoard:
             )
 
     def _recovery(self, r: int, generation: int, step: int, count: int, seconds: float, recomputed: int) -> None:
-        cause = self._pending[0] if self._pending else "kill"
+        cause = self._pending[0][2] if self._pending else "kill"
         if generation not in self._recovered:
             self._recovered.add(generation)
-            causes = [self._pending.pop(0) if self._pending else cause for _ in range(max(1, int(count)))]
+            causes = [self._pending.pop(0)[2] if self._pending else cause for _ in range(max(1, int(count)))]
             for c in causes:
                 c = c if c in CAUSES else "kill"
                 self.metrics.recoveries.labels(c).inc()

@@ -25,12 +25,12 @@ td.state-dead,td.state-exited{color:#a61b1b;font-weight:bold}
 td.state-joining{color:#9a6a00;font-weight:bold}
 #stale{display:none;color:#fff;background:#a61b1b;padding:4px 8px;margin:6px 0}
 ol#events{font-family:monospace;font-size:12px;max-height:260px;overflow:auto;background:#fff;border:1px solid #ccc;padding:4px 4px 4px 40px}
-.ev-death,.ev-exit{color:#a61b1b}.ev-recovery{color:#176f2c}.ev-join,.ev-start{color:#1b4fa6}
+.ev-death,.ev-exit{color:#a61b1b}.ev-recovery{color:#176f2c}.ev-join,.ev-start{color:#1b4fa6}.ev-leave{color:#8a5a00}
 svg{background:#fff;border:1px solid #ccc}
 """
 
 _SCRIPT = r"""
-const COLORS={death:'#a61b1b',exit:'#a61b1b',recovery:'#176f2c',join:'#1b4fa6',start:'#1b4fa6',checkpoint:'#777',monitor:'#444'};
+const COLORS={death:'#a61b1b',exit:'#a61b1b',recovery:'#176f2c',join:'#1b4fa6',start:'#1b4fa6',leave:'#8a5a00',checkpoint:'#777',monitor:'#444'};
 function el(tag,attrs,text){const e=document.createElement(tag);for(const k in attrs||{})e.setAttribute(k,attrs[k]);if(text!==undefined)e.textContent=text;return e;}
 function fmt(x,d){return (x===null||x===undefined)?'-':Number(x).toFixed(d);}
 function clock(t){return new Date(t*1000).toLocaleTimeString();}

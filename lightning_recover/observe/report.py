@@ -11,6 +11,8 @@ write of their own. Fields (all optional; a replica that never committed a step 
 ``host``    its host name
 ``rec``     its last recovery: ``[generation, step, recoveries in that step, seconds, microbatches it recomputed]``
 ``ckpt``    its last checkpoint save: ``[step, seconds, bytes]``
+``left``    on the report of a step that began with replicas leaving on notice: ``[generation, [replicas]]``
+``notice``  what told this replica to leave (``"SIGTERM"``, ``"leave request"``), once it was told
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Optional
 
@@ -32,10 +34,13 @@ def step_report(
     computed: int,
     microbatches: int,
     recovery: Optional[tuple[int, float, int]] = None,
+    left: Sequence[int] = (),
 ) -> dict[str, Any]:
     """The fields of a replica that just committed ``step`` in ``generation``; ``recovery`` = (recoveries,
-    seconds, recomputed) when the step recovered. The last recovery and checkpoint of ``previous`` (the
-    replica's report before) are kept: a board that missed a beat still learns them at the next."""
+    seconds, recomputed) when the step recovered; ``left``: the replicas that left on notice at its start. The
+    last recovery and checkpoint of ``previous`` (the replica's report before) are kept: a board that missed a
+    beat still learns them at the next; ``left`` while the generation it formed lasts (a newcomer that takes a
+    leaver's id joins in a later one)."""
     out: dict[str, Any] = {
         "gen": generation,
         "member": True,
@@ -50,6 +55,10 @@ def step_report(
     if recovery is not None:
         count, seconds, recomputed = recovery
         out["rec"] = [generation, step, count, round(seconds, 4), recomputed]
+    if left:
+        out["left"] = [generation, sorted(left)]
+    elif isinstance(previous.get("left"), list) and previous["left"][0] == generation:
+        out["left"] = previous["left"]
     return out
 
 
@@ -57,8 +66,10 @@ def note_step(progress: Any, stats: Any, microbatches: int) -> None:
     """Put a replica's committed step (its ``StepStats``) on its heartbeat (``progress.report``); a recovery
     is news (``progress.urgent``: on etcd the next beat is written although a commit vouched for it)."""
     recovery = (stats.recoveries, stats.recovery_seconds, stats.recomputed) if stats.recoveries else None
-    progress.report = step_report(progress.report, stats.generation, stats.step, stats.computed, microbatches, recovery)
-    progress.urgent = progress.urgent or recovery is not None
+    left = [r for event in stats.events if event.get("kind") == "boundary-regroup" for r in event.get("left", ())]
+    report = step_report(progress.report, stats.generation, stats.step, stats.computed, microbatches, recovery, left)
+    progress.report = report
+    progress.urgent = progress.urgent or recovery is not None or bool(left)
 
 
 def note_member(progress: Any, generation: int, microbatches: int) -> None:

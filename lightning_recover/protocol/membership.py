@@ -109,6 +109,7 @@ class Heartbeat:
     ) -> None:
         self._store = store.clone()
         self._notice = notice  # an operator's leave request (``lightning-recover leave``) is read here
+        self._notice_sent = False  # the notice went out on a beat (news: the first one is written at once)
         self._replica = replica
         self._key = key or f"hb/{replica}"  # per process when a replica is K processes
         self._incarnation = incarnation
@@ -166,7 +167,8 @@ class Heartbeat:
         if self._leased is not None and self._leased.keepalive_due:
             self._leased.keep_alive()
         p = self._progress
-        if time.monotonic() - self._covered_since() >= self._window() or p.urgent:
+        noticed = self._notice is not None and self._notice.is_set()
+        if time.monotonic() - self._covered_since() >= self._window() or p.urgent or noticed != self._notice_sent:
             self._beat += 1
             p.urgent = False
             payload = {
@@ -177,7 +179,10 @@ class Heartbeat:
                 "phase": p.phase,
                 "count": p.count,
             }
+            if noticed:
+                payload["notice"] = self._notice.source  # the status page tells a leave from a failure by it
             self._write(payload)
+            self._notice_sent = noticed
             self._last_beat = time.monotonic()
         if self._store.deaths([self._replica], recent=True)[self._replica] >= self._incarnation:
             self.excluded = True

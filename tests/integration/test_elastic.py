@@ -28,6 +28,7 @@ import torch.distributed as dist
 from lightning_recover import env
 from lightning_recover.launch import coordinator_process
 from lightning_recover.launch.elastic_commands import replica_range_option
+from lightning_recover.observe.events import read_events
 from lightning_recover.protocol.growth import claim_free_id, claim_replica_ids
 from lightning_recover.protocol.messages import JobSecret, Sealer, mark_dead
 from lightning_recover.protocol.notice import EXIT_LEFT_ON_NOTICE, Notice, parse_signal, request_leave
@@ -157,10 +158,11 @@ def _assert_bitwise(states: dict, reference: dict) -> None:
 def test_graceful_leave_of_one_process_replicas(tmp_path, request, plane, exact_reference):
     """3 replicas, exact mode; replica 1 gets its notice signal (SIGTERM) in step 2's backward: it commits step
     2 with the others and leaves. Nothing is recomputed, no step is lost, it is not restarted (--restarts 1),
-    and the survivors end bitwise equal to the failure-free run."""
+    and the survivors end bitwise equal to the failure-free run. The job's event log shows a leave, no recovery."""
     out = str(tmp_path / "run")
     env_ = dict(_plane_env(plane, request), LIGHTNING_RECOVER_INJECT="notice:replica=1:step=2:phase=backward")
     cmd = [sys.executable, "-m", "lightning_recover.cli", "run", "--replicas", "3", "--restarts", "1"]
+    cmd += ["--event-log", str(tmp_path / "events.jsonl")]
     cmd += ["--heartbeat-timeout", "0.5", "--", sys.executable, FABRIC_SCRIPT, out, "--replicas", "3"]
     cmd += ["--steps", str(STEPS), "--microbatches", str(M), "--heartbeat-timeout", "0.5", *EXACT]
     result = run_job(cmd, out, timeout=300, env=env_)
@@ -176,6 +178,10 @@ def test_graceful_leave_of_one_process_replicas(tmp_path, request, plane, exact_
         assert [s["recoveries"] for s in data["stats"]] == [0] * STEPS  # no failure was handled
         assert [s["live_replicas"] for s in data["stats"]] == [3, 3, 3, 2, 2, 2]
         assert data["stats"][2]["left"] == [1]
+    events = read_events(str(tmp_path / "events.jsonl"))
+    assert [e["replica"] for e in events if e["kind"] == "leave"] == [1]
+    assert "replica 1 left on notice" in [e for e in events if e["kind"] == "leave"][0]["what"]
+    assert not [e for e in events if e["kind"] == "recovery"], events
 
 
 @pytest.mark.slow

@@ -167,6 +167,45 @@ def test_board_follows_a_kill_a_rejoin_and_a_hang(tmp_path):
     assert all({"time", "generation", "kind"} <= set(e) for e in read_events(str(tmp_path / "events.jsonl")))
 
 
+def test_board_tells_a_leave_on_notice_from_a_notice_with_too_little_grace(tmp_path):
+    """Replica 2 gets its notice and leaves at the step boundary: the members' next report names it, the board
+    shows a leave and counts no recovery, whichever it reads first, the exit or the report. Replica 1 gets its
+    notice but is killed before its boundary: the survivors' recovery is the notice's."""
+    st = _Store(3)
+    board = StatusBoard(3)
+    now = _Clock()
+    live = {r: (1, member_report(0, 6)) for r in range(3)}
+    _beat(board, st, live, now)
+    notified = {**live, 2: (1, {**live[2][1], "notice": "SIGTERM"})}
+    _beat(board, st, notified, now)
+    assert mark_dead(st.store, st.sealer, 2, 1)  # its clean exit is read before the members' report
+    _beat(board, st, notified, now)
+    boundary = {r: (1, step_report({}, 1, 3, 3, 6, left=[2])) for r in (0, 1)}
+    _beat(board, st, boundary, now)
+    snap = board.snapshot()
+    assert snap["table"][2]["state"] == "left" and snap["live_replicas"] == 2
+    assert [e["what"] for e in snap["events"] if e["kind"] == "leave"] == [
+        "replica 2 left on notice (SIGTERM) before generation 1"
+    ]
+    # Replica 1's notice, then it is killed mid-step (the grace ran out): the recovery is labelled notice.
+    _beat(board, st, {0: boundary[0], 1: (1, {**boundary[1][1], "notice": "SIGUSR1"})}, now)
+    board.declared(1, 1, "kill", "its process exited")
+    assert mark_dead(st.store, st.sealer, 1, 1)
+    _beat(board, st, {0: (1, step_report(boundary[0][1], 2, 4, 6, 6, (1, 0.3, 3)))}, now)
+    snap = board.snapshot()
+    assert snap["recoveries"] == {"kill": 0, "hang": 0, "partition": 0, "notice": 1}
+    assert snap["recomputed_microbatches"]["notice"] == 3
+    # The other order: the members' report before the leaver's exit; the exit adds nothing.
+    st2, board2 = _Store(2), StatusBoard(2)
+    _beat(board2, st2, {r: (1, member_report(0, 4)) for r in range(2)}, now)
+    _beat(board2, st2, {0: (1, step_report({}, 1, 2, 4, 4, left=[1])), 1: (1, {"notice": "leave request"})}, now)
+    assert mark_dead(st2.store, st2.sealer, 1, 1)
+    _beat(board2, st2, {0: (1, step_report({}, 1, 3, 4, 4))}, now)
+    snap = board2.snapshot()
+    assert snap["table"][1]["state"] == "left" and sum(snap["recoveries"].values()) == 0
+    assert [e["kind"] for e in snap["events"]].count("exit") == 0
+
+
 # --------------------------------------------------------------------------- the server (fast)
 def test_server_serves_metrics_status_and_page_read_only():
     st = _Store(2)
