@@ -18,6 +18,7 @@ from lightning_recover.launch.control_plane_options import add_control_plane_arg
 from lightning_recover.launch.elastic_commands import add_elastic_arguments, elastic_arguments, replica_range_option
 from lightning_recover.launch.fork_server import DEFAULT_PRELOAD
 from lightning_recover.launch.supervisor import supervise
+from lightning_recover.launch.user_command import user_command
 from lightning_recover.protocol import coordinator
 
 #: Names that, given bare in a replica's command, mean "a Python interpreter".
@@ -69,11 +70,7 @@ def _say(line: str) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
-    if not command:
-        raise SystemExit("lightning-recover run: give the command after --, e.g. -- python train.py")
+    command = user_command(args.command, "lightning-recover run: give the command after --, e.g. -- python train.py")
     command = own_interpreter(command, _say)
     try:
         return supervise(

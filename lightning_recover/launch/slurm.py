@@ -50,6 +50,7 @@ from lightning_recover import env
 from lightning_recover.errors import RecoverError
 from lightning_recover.launch import coordinator_process
 from lightning_recover.launch.process_tree import describe_exit
+from lightning_recover.launch.user_command import user_command
 from lightning_recover.protocol.growth import claim_free_id
 from lightning_recover.protocol.messages import JobSecret, Sealer, connect, peek, read_death
 from lightning_recover.protocol.notice import EXIT_LEFT_ON_NOTICE
@@ -387,11 +388,9 @@ def job_exit_code(codes: Mapping[int, int]) -> int:
 
 def cmd_slurm(args: argparse.Namespace) -> int:
     """``lightning-recover slurm``: see :func:`add_subcommand`."""
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
-    if not command:
-        raise SystemExit("lightning-recover slurm: give the command, e.g. lightning-recover slurm python train.py")
+    command = user_command(
+        args.command, "lightning-recover slurm: give the command, e.g. lightning-recover slurm python train.py"
+    )
     try:
         launcher = SlurmLauncher(
             SlurmJob.from_env(),

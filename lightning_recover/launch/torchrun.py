@@ -14,6 +14,7 @@ from lightning_recover.errors import RecoverError
 from lightning_recover.launch.control_plane_options import control_plane_arguments
 from lightning_recover.launch.elastic_commands import elastic_arguments
 from lightning_recover.launch.supervisor import supervise
+from lightning_recover.launch.user_command import user_command
 
 
 def torchrun_command(script: Sequence[str], nproc_per_replica: int = 1, max_restarts: int = 0) -> list[str]:
@@ -33,11 +34,9 @@ def torchrun_command(script: Sequence[str], nproc_per_replica: int = 1, max_rest
 
 
 def cmd_torchrun(args: argparse.Namespace) -> int:
-    script = list(args.command)
-    if script and script[0] == "--":
-        script = script[1:]
-    if not script:
-        raise SystemExit("lightning-recover torchrun: give the script after --, e.g. -- train.py --lr 1e-3")
+    script = user_command(
+        args.command, "lightning-recover torchrun: give the script after --, e.g. -- train.py --lr 1e-3"
+    )
     try:
         command = torchrun_command(script, args.nproc_per_replica, args.max_restarts)
         # Each worker's torchrun RANK is its position inside the replica (env.inner_rank).
