@@ -91,6 +91,10 @@ NATIVE_IO_NO_TESTING = "NATIVE_IO_NO_TESTING"
 #: environment area, which each forked replica rewrites with its own environment (``launch/fork_server.py``,
 #: ``show_as``); the replicas never see it.
 FORK_ROOM = "LIGHTNING_RECOVER_FORK_ROOM"
+#: Set by a replica's torchrun agent for its workers: a file a worker that leaves on a notice creates before it
+#: exits 0 (torchrun's agent restarts a worker that exits with any other code while it has restarts left); the
+#: agent then exits ``EXIT_LEFT_ON_NOTICE`` (``launch/torchrun_agent.py``).
+LEFT_MARKER = "LIGHTNING_RECOVER_LEFT_MARKER"
 #: ``1`` runs the heaviest manual test, the 2-D (FSDP x TP) replicas of 4 processes (8-12 processes) in
 #: ``tests/integration/test_sharded.py``; it is skipped otherwise (read by the tests only).
 HEAVY = "LIGHTNING_RECOVER_HEAVY"

@@ -10,9 +10,10 @@ arguments. Two differences, both about what a user sees:
   the agent does not add torch elastic's error line and 30-line ``ChildFailedError`` traceback for the same
   death when it gives up (the worker's own output, a traceback included, is still shown).
 
-A worker that left on a preemption notice exits 75 (``EXIT_LEFT_ON_NOTICE``); with no restarts left the agent
-exits 75 too, which the launcher does not restart. With ``--max-restarts`` > 0 torchrun's agent restarts such a
-worker like a failed one (the agent cannot be told otherwise); it then rejoins at a commit.
+A worker that leaves on a preemption notice exits 0 after creating the agent's marker file
+(``LIGHTNING_RECOVER_LEFT_MARKER``, in the agent's temporaries): torchrun's agent restarts a worker that exits with
+any other code while it has restarts left (``--max-restarts``), and cannot be told otherwise. When its workers are
+done and the marker exists, the agent exits 75 (``EXIT_LEFT_ON_NOTICE``), which the launcher does not restart.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def main(argv: list[str]) -> int:
     from torch.distributed.run import parse_args, run
 
     tempfile.tempdir = tempfile.mkdtemp(prefix="torchrun-", dir=os.environ.get(env.JOB_DIR) or None)
+    marker = os.environ[env.LEFT_MARKER] = os.path.join(tempfile.tempdir, "left-on-notice")  # the workers inherit it
     # "failed (exitcode: -9) local_rank: 0 ...": the launcher reports that death already.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     try:
@@ -40,7 +42,7 @@ def main(argv: list[str]) -> int:
         if codes == {EXIT_LEFT_ON_NOTICE}:
             return EXIT_LEFT_ON_NOTICE  # its workers left on a notice: the launcher does not restart the replica
         return 1  # no restarts left: the replica ends (the launcher has reported its worker's death)
-    return 0
+    return EXIT_LEFT_ON_NOTICE if os.path.exists(marker) else 0
 
 
 if __name__ == "__main__":

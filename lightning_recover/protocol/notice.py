@@ -15,11 +15,13 @@ A replica that left exits with :data:`EXIT_LEFT_ON_NOTICE`; the launchers do not
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from collections.abc import Callable
 from typing import Any, Optional
 
+from lightning_recover.env import LEFT_MARKER
 from lightning_recover.protocol.messages import Sealer, peek, read_death
 
 #: Exit code of a replica process (and of a launcher all of whose replicas did so) that left the job on a
@@ -28,6 +30,17 @@ from lightning_recover.protocol.messages import Sealer, peek, read_death
 EXIT_LEFT_ON_NOTICE = 75
 #: The notice signal when none is named: Kubernetes' and the clouds' spot notices send SIGTERM.
 DEFAULT_NOTICE_SIGNAL = "SIGTERM"
+
+
+def leaving_exit_code() -> int:
+    """The exit code of a process that leaves on its notice: :data:`EXIT_LEFT_ON_NOTICE`, or under a torchrun
+    agent that asked for it (``LIGHTNING_RECOVER_LEFT_MARKER``) 0 after creating the agent's marker file."""
+    marker = os.environ.get(LEFT_MARKER)
+    if not marker:
+        return EXIT_LEFT_ON_NOTICE
+    with open(marker, "a"):
+        pass
+    return 0
 
 
 def parse_signal(name: Any) -> signal.Signals:
@@ -96,7 +109,7 @@ class Notice:
             return
         self.set(signal.Signals(signum).name)
         if self.before_training():
-            raise SystemExit(EXIT_LEFT_ON_NOTICE)
+            raise SystemExit(leaving_exit_code())
 
     def uninstall(self) -> None:
         if self._signal is not None and self._previous is not None:

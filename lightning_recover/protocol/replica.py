@@ -29,7 +29,7 @@ from lightning_recover.protocol.exact import ExactAccumulator, check_exact_layou
 from lightning_recover.protocol.faults import Fault, FaultInjector
 from lightning_recover.protocol.membership import Membership, form_next_generation
 from lightning_recover.protocol.messages import JobSecret
-from lightning_recover.protocol.notice import EXIT_LEFT_ON_NOTICE, Notice
+from lightning_recover.protocol.notice import EXIT_LEFT_ON_NOTICE, Notice, leaving_exit_code
 from lightning_recover.protocol.options import RecoverOptions
 from lightning_recover.protocol.replica_env import read_replica_env
 from lightning_recover.protocol.step import StepProtocol, StepStats
@@ -107,7 +107,7 @@ class _JoinsAndLeaves:
         # Its exit must not take the CPU the others train on (hosts shared by replicas): the heap moves to the
         # collector's permanent generation, as the launcher's does, so the interpreter's exit does not collect it.
         gc.freeze()
-        raise SystemExit(EXIT_LEFT_ON_NOTICE)
+        raise SystemExit(leaving_exit_code())
 
     # ------------------------------------------------------------------ rejoin
     def rejoin(self) -> int:
@@ -401,7 +401,7 @@ class Replica(_JoinsAndLeaves):
             # times out, or aborts the process. The results are written; end without destroying it.
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(1 if _uncaught[0] else EXIT_LEFT_ON_NOTICE if _left_on_notice[0] else 0)
+            os._exit(1 if _uncaught[0] else leaving_exit_code() if _left_on_notice[0] else 0)
 
     # ------------------------------------------------------------------ steps
     def run_step(self, step: int) -> Iterator[int]:

@@ -206,10 +206,11 @@ def test_too_little_grace_ends_as_a_failure(tmp_path, exact_reference):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("plane", _control_planes())
-def test_graceful_leave_of_two_process_replicas(tmp_path, request, plane):
+@pytest.mark.parametrize(("plane", "cli"), [("embedded", "run"), ("etcd", "torchrun")])
+def test_graceful_leave_of_two_process_replicas(tmp_path, request, plane, cli):
     """Replicas of K = 2 processes (FSDP2 inside): the notice reaches process 0 of replica 1 only; the whole
-    replica leaves at the commit, its processes exit 75, nothing is recomputed, and the survivor ends equal to
+    replica leaves at the commit, nothing is recomputed, it is not restarted (``run --restarts 1``, torchrun
+    ``--max-restarts 1``: its agent exits 75 instead of restarting the workers), and the survivor ends equal to
     the unsharded failure-free run."""
     from types import SimpleNamespace
 
@@ -226,11 +227,13 @@ def test_graceful_leave_of_two_process_replicas(tmp_path, request, plane):
         replicas=2,
         microbatches=8,
         inject="notice:replica=1:step=1:phase=backward",
-        cli="run",
+        cli=cli,
         steps=steps,
         env=env_,
+        restarts=1,
     )
     assert "replica 1 left on notice" in result.output, result.output[-4000:]
+    assert "restarting replica 1" not in result.output and "Restarting worker" not in result.output
     states = check(result, pids, reference, [0], replicas=2, steps=steps)
     stats = states[0]["stats"]
     assert [s["recomputed"] for s in stats] == [0] * steps
