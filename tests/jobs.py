@@ -138,6 +138,44 @@ def run_job(cmd: list[str], out_dir: str, *, timeout: float = 120, env: dict[str
     return JobResult(proc.returncode, open(log).read(), out_dir)
 
 
+def join_request(replica: int) -> str:
+    """The line a restarted replica (or a standby that took its place) prints once it asked to be admitted."""
+    return f"[lightning-recover] replica {replica}: asks to join at the next commit"
+
+
+def log_text(log: str) -> str:
+    with open(log, errors="replace") as f:
+        return f.read()
+
+
+def run_gated_job(
+    cmd: list[str],
+    out_dir: str,
+    gate: str,
+    opens_on,
+    *,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+) -> JobResult:
+    """Run a job whose replicas hold before a step until the file ``gate`` exists (the scripts' ``--hold``), and
+    create it once ``opens_on(log text)`` is true (or the job ended). Gating on a restarted replica's
+    :func:`join_request` makes its rejoin deterministic: the held step's commit admits it, so the run cannot
+    end before it is back, however slowly this machine starts a process."""
+    deadline = time.monotonic() + timeout
+    proc, log = start_job(cmd, out_dir, env)
+    try:
+        seen = wait_for(lambda: proc.poll() is not None or opens_on(log_text(log)), timeout)
+        open(gate, "w").close()
+        assert seen, f"the gate's event did not come within {timeout}s:\n{log_text(log)[-4000:]}"
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"job did not finish within {timeout}s:\n{log_text(log)[-4000:]}") from None
+    finally:
+        open(gate, "w").close()  # never leave the replicas holding
+        kill_group(proc)
+    return JobResult(proc.returncode, log_text(log), out_dir)
+
+
 def fabric_job(
     out_dir: str,
     *,

@@ -23,9 +23,10 @@ from tests.jobs import (
     FABRIC_SCRIPT,
     JobResult,
     fabric_job,
+    join_request,
     kill_group,
     max_relative_difference,
-    run_job,
+    run_gated_job,
     start_job,
     wait_for,
 )
@@ -295,12 +296,12 @@ def _job_processes(out: str) -> list[int]:
 
 
 @pytest.mark.parametrize("launch", ["local", "torchrun"])
-@pytest.mark.serial  # a restart races the job's end: run alone (make test)
 def test_restarted_replica_rejoins_with_live_state(tmp_path, reference, launch):
     """A killed replica is restarted (launcher restart / torchrun --max-restarts), receives model,
     optimizer state and step from a peer over the group, and the quotas rebalance to include it."""
-    steps = 12
-    out = str(tmp_path)
+    steps = 6
+    out = str(tmp_path / "job")
+    gate = str(tmp_path / "gate")
     dtype = {"local": "float32", "torchrun": "bfloat16"}[launch]  # exact mode in both parameter dtypes
     script = [
         FABRIC_SCRIPT,
@@ -313,11 +314,12 @@ def test_restarted_replica_rejoins_with_live_state(tmp_path, reference, launch):
         "6",
         "--heartbeat-timeout",
         "0.5",
-        "--slow-while-degraded",
-        "2.5",
         "--exact",
         "--dtype",
         dtype,
+        # the survivors wait before step 2 until the restarted replica asked to join: step 2's commit admits it
+        "--hold",
+        f"2:{gate}",
     ]
     if launch == "local":
         cmd = [
@@ -348,7 +350,8 @@ def test_restarted_replica_rejoins_with_live_state(tmp_path, reference, launch):
             "0.5",
             "--",
         ] + script
-    result = run_job(cmd, out, timeout=300, env={"LIGHTNING_RECOVER_INJECT": "kill:replica=1:step=1:phase=backward"})
+    inject = {"LIGHTNING_RECOVER_INJECT": "kill:replica=1:step=1:phase=backward"}
+    result = run_gated_job(cmd, out, gate, lambda log: join_request(1) in log, timeout=300, env=inject)
     assert result.returncode == 0, result.output[-4000:]
     states = result.states()
     assert sorted(states) == [0, 1, 2], f"the restarted replica finished too\n{result.output[-3000:]}"

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.jobs import ROOT, max_relative_difference, run_job
+from tests.jobs import ROOT, join_request, max_relative_difference, run_gated_job, run_job
 from tests.scripts import sharded_train
 
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "sharded_train.py")
@@ -67,9 +67,11 @@ def sharded_job(
     replica_size: int = 2,
     tp: int = 1,
     env: dict[str, str] | None = None,
+    gate: tuple[str, int] | None = None,
 ):
     """Run sharded_train.py as one bounded job (``cli``: "run", "torchrun" or Fabric's own launcher);
-    ``env``: more environment for the job (e.g. an etcd control plane's)."""
+    ``env``: more environment for the job (e.g. an etcd control plane's); ``gate`` = (PATH, r): the job's
+    ``--hold`` file, created once replica r asked to join (:func:`tests.jobs.run_gated_job`)."""
     script = [
         SCRIPT,
         out,
@@ -125,7 +127,11 @@ def sharded_job(
     else:  # Fabric's own launcher (RecoverStrategy(restarts=...))
         cmd = [sys.executable, *script, "--restarts", str(restarts)]
     env = dict(env or {}, **({"LIGHTNING_RECOVER_INJECT": inject} if inject else {}))
-    result = run_job(cmd, out, timeout=timeout, env=env or None)
+    if gate is None:
+        result = run_job(cmd, out, timeout=timeout, env=env or None)
+    else:
+        path, joiner = gate
+        result = run_gated_job(cmd, out, path, lambda log: join_request(joiner) in log, timeout=timeout, env=env)
     pids = {os.path.basename(p): int(open(p).read()) for p in glob.glob(os.path.join(out, "pid.*"))}
     return result, pids
 
@@ -235,26 +241,28 @@ def _full_bytes(reference_state: dict) -> int:
     return sum(t.numel() * t.element_size() for t in reference_state.values())
 
 
-REJOIN_STEPS = 30  # the survivors sleep 1 s after each degraded step, until the restarted replica is back
+REJOIN_STEPS = 6
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("launch", ["torchrun", "fabric-tp"])  # plain Fabric restarts: fabric-tp
-@pytest.mark.serial  # a restart races the job's end: run alone (make test)
 def test_restarted_replica_of_two_rejoins_with_its_shards(tmp_path, reference, launch):
     """Process 1 of replica 1 is killed; the whole replica is ended and restarted (Fabric's
     ``restarts=1`` / ``torchrun --max-restarts 1``): two fresh processes, each receiving its shard
     of parameters and optimizer state from the process at the same position of a live replica.
     All three replicas then finish equal to the unsharded reference."""
+    gate = str(tmp_path / "gate")
     result, pids = sharded_job(
-        str(tmp_path),
+        str(tmp_path / "job"),
         replicas=3,
         microbatches=10,
         inject="kill:replica=1:inner=1:step=1:phase=backward",
         cli="torchrun" if launch == "torchrun" else None,
         steps=REJOIN_STEPS,
-        extra=("--slow-while-degraded", "1"),
+        # the survivors wait before step 2 until the restarted replica asked to join: step 2's commit admits it
+        extra=("--hold", f"2:{gate}"),
+        gate=(gate, 1),
         restarts=1,
         tp=2 if launch == "fabric-tp" else 1,  # pure TP: the joiner also receives the replicated plain parameters
     )

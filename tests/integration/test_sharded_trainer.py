@@ -25,7 +25,7 @@ from lightning_recover import RecoverTrainerStrategy, env
 from lightning_recover.lightning.sharding_config import ShardingConfig
 from lightning_recover.lightning.step_logs import StepLogCapture
 from tests.integration.test_sharded import STEPS, check
-from tests.jobs import ROOT, run_job
+from tests.jobs import ROOT, join_request, run_gated_job, run_job
 
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "sharded_trainer_train.py")
 
@@ -59,10 +59,17 @@ def trainer_job(
     inject: str | None = None,
     steps: int = STEPS,
     extra: tuple[str, ...] = (),
+    gate: tuple[str, int] | None = None,
 ):
+    """``gate`` = (PATH, r): the job's ``--hold`` file, created once replica r asked to join."""
     cmd = [sys.executable, SCRIPT, out, "--replicas", str(replicas), "--replica-size", "2"]
     cmd += ["--steps", str(steps), "--microbatches", str(microbatches), "--parallelize", parallelize, *extra]
-    result = run_job(cmd, out, timeout=400, env={"LIGHTNING_RECOVER_INJECT": inject} if inject else None)
+    env = {"LIGHTNING_RECOVER_INJECT": inject} if inject else None
+    if gate is None:
+        result = run_job(cmd, out, timeout=400, env=env)
+    else:
+        path, joiner = gate
+        result = run_gated_job(cmd, out, path, lambda log: join_request(joiner) in log, timeout=400, env=env)
     pids = {os.path.basename(p): int(open(p).read()) for p in glob.glob(os.path.join(out, "pid.*"))}
     return result, pids
 
@@ -127,12 +134,11 @@ def test_trainer_two_replicas_of_two_failure_free(tmp_path, reference):
     check_logs(states)
 
 
-REJOIN_STEPS = 30  # the survivors sleep 1 s after each degraded step, until the restarted replica is back
+REJOIN_STEPS = 6
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(500)
-@pytest.mark.serial  # a restart races the job's end: run alone (make test)
 def test_trainer_replica_of_two_is_lost_and_rejoins(tmp_path, reference):
     """R=3, K=2, M=10 (quotas 4, 3, 3: zero-contribution slots), shard='fsdp'; one process of replica 1
     is killed in the backward of step 1: the whole replica leaves, the survivors recompute its
@@ -140,8 +146,11 @@ def test_trainer_replica_of_two_is_lost_and_rejoins(tmp_path, reference):
     restores Lightning's checkpoint from the process at its position in a live replica (its local
     shards). All three replicas end equal to the unsharded reference."""
     inject = "kill:replica=1:inner=1:step=1:phase=backward"
-    extra = ("--restarts", "1", "--slow-while-degraded", "1")
-    result, pids = trainer_job(str(tmp_path), 3, 10, "fsdp", inject=inject, steps=REJOIN_STEPS, extra=extra)
+    gate = str(tmp_path / "gate")
+    # the survivors wait before step 2 until the restarted replica asked to join: step 2's commit admits it
+    extra = ("--restarts", "1", "--hold", f"2:{gate}")
+    out = str(tmp_path / "job")
+    result, pids = trainer_job(out, 3, 10, "fsdp", inject=inject, steps=REJOIN_STEPS, extra=extra, gate=(gate, 1))
     states = check(result, pids, reference(10, REJOIN_STEPS), survivors=[0, 1, 2], replicas=3, steps=REJOIN_STEPS)
     assert "restarting replica 1 (1/1)" in result.output
     survivor, rejoined = states[0]["stats"], states[1]["stats"]

@@ -2,8 +2,9 @@
 
 Each fault is started only once the standby it should meet is ready (the replicas hold before the
 fault's step until the test opens a gate file), so a takeover never depends on how fast this
-machine starts a process. Every run is compared in float64 with the failure-free run of the same
-script (its single-process reference mode).
+machine starts a process; after the fault they hold again until the standby that took the place
+asked to join, so the next commit admits it before the run ends. Every run is compared in float64
+with the failure-free run of the same script (its single-process reference mode).
 """
 
 from __future__ import annotations
@@ -21,7 +22,16 @@ import torch
 from lightning_recover.launch.standby_pool import StandbyPool
 from lightning_recover.protocol.options import RecoverOptions, check_standby
 from lightning_recover.protocol.replica_env import read_replica_env
-from tests.jobs import FABRIC_SCRIPT, JobResult, kill_group, max_relative_difference, start_job, wait_for
+from tests.jobs import (
+    FABRIC_SCRIPT,
+    JobResult,
+    join_request,
+    kill_group,
+    log_text,
+    max_relative_difference,
+    start_job,
+    wait_for,
+)
 from tests.scripts.fabric_train import reference_state
 
 TOL = 1e-12  # float64: the same sums in another order
@@ -35,17 +45,17 @@ def _standby_job(
     replicas: int,
     steps: int,
     inject: str,
-    holds: dict[int, int],
+    holds: dict[int, str],
     restarts: int = 1,
     extra=(),
     torchrun: bool = False,
     exact_dtype: str | None = None,
 ):
     """Start ``cli run --standby 1`` (or ``cli torchrun``: one torchrun job per replica and per
-    standby) on fabric_train.py; ``holds`` = {step: k}: the replicas wait before ``step`` until
-    standby k is ready (the gate file ``gate{k}``)."""
+    standby) on fabric_train.py; ``holds`` = {step: name}: the replicas wait before ``step`` until the gate
+    file ``name`` exists (:func:`_open_gate`, :func:`_open_when_asked`)."""
     out = str(tmp_path / "job")
-    hold = ",".join(f"{step}:{tmp_path}/gate{k}" for step, k in holds.items())
+    hold = ",".join(f"{step}:{tmp_path}/{name}" for step, name in holds.items())
     cmd = [
         sys.executable,
         "-m",
@@ -57,11 +67,9 @@ def _standby_job(
     cmd += ["--max-restarts" if torchrun else "--restarts", str(restarts), "--standby", "1"]
     cmd += ["--heartbeat-timeout", "0.5", "--"] + ([] if torchrun else [sys.executable])
     cmd += [FABRIC_SCRIPT, out, "--replicas", str(replicas), "--steps", str(steps), "--microbatches", str(M)]
-    # survivors sleep after each step a replica is missing, so a standby that took a place always
-    # rejoins before the run ends (on a loaded machine the last steps otherwise outrun it)
     # exact mode (exact_dtype given): float32 or bf16 parameters, compared bitwise; else float64 within TOL
     dtype = ["--dtype", exact_dtype, "--exact"] if exact_dtype else ["--dtype", "float64"]
-    cmd += ["--heartbeat-timeout", "0.5", *dtype, "--hold", hold, "--slow-while-degraded", "1", *extra]
+    cmd += ["--heartbeat-timeout", "0.5", *dtype, "--hold", hold, *extra]
     return start_job(cmd, out, env={"LIGHTNING_RECOVER_INJECT": inject})
 
 
@@ -71,8 +79,27 @@ def _ready_standbys(log: str) -> dict[int, int]:
 
 
 def _open_gate(tmp_path, log: str, proc: subprocess.Popen, k: int) -> None:
+    """Open ``gate{k}`` once standby k is ready."""
     assert wait_for(lambda: k in _ready_standbys(log) or proc.poll() is not None, timeout=150), open(log).read()[-3000:]
     open(tmp_path / f"gate{k}", "w").close()
+
+
+def _open_when_asked(tmp_path, log: str, proc: subprocess.Popen, name: str, replica, times: int = 1) -> None:
+    """Open the gate file ``name`` once replica ``replica()`` asked to join ``times`` times in the job (a standby
+    that took its place asks as a restarted replica does)."""
+
+    def asked() -> bool:
+        r = replica()
+        return proc.poll() is not None or (r is not None and log_text(log).count(join_request(r)) >= times)
+
+    assert wait_for(asked, timeout=150), log_text(log)[-3000:]
+    open(tmp_path / name, "w").close()
+
+
+def _open_all(tmp_path, names) -> None:
+    """Every gate open: the replicas never stay held when a test fails."""
+    for name in names:
+        open(tmp_path / name, "w").close()
 
 
 def _finish(proc: subprocess.Popen, log: str, out: str, steps: int, exact_dtype: str | None = None) -> JobResult:
@@ -161,17 +188,17 @@ PHASE_PLAN = [  # (replica, step, phase, incarnation): each takeover meets the f
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-@pytest.mark.serial  # a restart races the job's end: run alone (make test)
 def test_standby_takes_over_a_kill_in_every_phase(tmp_path):
     """3 replicas and one standby. The first standby is SIGKILLed while it waits: the launcher
     replaces it. Then five kills, one per phase, each met by a ready standby (the one started after
     the previous takeover). Every replica ends bitwise equal to the failure-free run (exact mode, bf16
     parameters)."""
-    # Five steps after the last takeover (step 14), each slowed by --slow-while-degraded: the last
-    # standby must rejoin before the run ends (with two steps it once did not, on a loaded CI machine).
     steps = 20
     inject = ",".join(f"kill:replica={r}:step={s}:phase={p}:incarnation={i}" for r, s, p, i in PHASE_PLAN)
-    holds = {s: k + 1 for k, (_, s, _, _) in enumerate(PHASE_PLAN)}  # standby 0 is killed while waiting
+    # Before each fault's step until its standby is ready (standby 0 is killed while waiting), and before the
+    # next step until the standby that took the place asked to join.
+    holds = {s: f"gate{k + 1}" for k, (_, s, _, _) in enumerate(PHASE_PLAN)}
+    holds.update({s + 1: f"asked{k + 1}" for k, (_, s, _, _) in enumerate(PHASE_PLAN)})
     proc, log = _standby_job(
         tmp_path, replicas=3, steps=steps, inject=inject, holds=holds, restarts=2, exact_dtype="bfloat16"
     )
@@ -179,9 +206,12 @@ def test_standby_takes_over_a_kill_in_every_phase(tmp_path):
     try:
         assert wait_for(lambda: 0 in _ready_standbys(log) or proc.poll() is not None, timeout=150), open(log).read()
         os.kill(_ready_standbys(log)[0], signal.SIGKILL)
-        for k in range(len(PHASE_PLAN)):
+        for k, (r, _, _, _) in enumerate(PHASE_PLAN):
             _open_gate(tmp_path, log, proc, k + 1)
+            takeovers = [p[0] for p in PHASE_PLAN[: k + 1]].count(r)  # replica r's join requests so far
+            _open_when_asked(tmp_path, log, proc, f"asked{k + 1}", lambda r=r: r, takeovers)
     finally:
+        _open_all(tmp_path, holds.values())
         result = _finish(proc, log, out, steps, exact_dtype="bfloat16")
     assert "standby 0 exited while waiting (killed by SIGKILL)" in result.output, result.output[-3000:]
     for k, (r, _, _, _) in enumerate(PHASE_PLAN):
@@ -193,17 +223,24 @@ def test_standby_takes_over_a_kill_in_every_phase(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.serial  # a restart races the job's end: run alone (make test)
 def test_two_deaths_with_one_standby(tmp_path):
     """Two replicas die in the same step with one standby: one takeover, and the other replica restarts
     in place as without standbys (the standby started after the takeover is not ready yet)."""
     steps = 6
     inject = "kill:replica=1:step=2:phase=backward,kill:replica=2:step=2:phase=backward"
-    proc, log = _standby_job(tmp_path, replicas=3, steps=steps, inject=inject, holds={2: 0})
+    holds = {2: "gate0", 3: "asked"}
+    proc, log = _standby_job(tmp_path, replicas=3, steps=steps, inject=inject, holds=holds)
     out = str(tmp_path / "job")
+
+    def taken() -> int | None:
+        found = re.search(r"replica (\d): standby 0 \(pid \d+\) takes its place", log_text(log))
+        return int(found.group(1)) if found else None
+
     try:
         _open_gate(tmp_path, log, proc, 0)
+        _open_when_asked(tmp_path, log, proc, "asked", taken)
     finally:
+        _open_all(tmp_path, holds.values())
         result = _finish(proc, log, out, steps)
     takeovers = re.findall(r"replica (\d): standby 0 \(pid \d+\) takes its place", result.output)
     restarted = re.findall(r"restarting replica (\d) \(1/1\)", result.output)
@@ -214,20 +251,22 @@ def test_two_deaths_with_one_standby(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.serial  # a restart races the job's end: run alone (make test)
 def test_torchrun_standby_job_takes_the_place_of_a_replica(tmp_path):
     """``lightning-recover torchrun --standby 1``: the standby is a torchrun job of its own. When a
     replica's worker is killed, its agent is ended before it restarts the worker and the standby
     job becomes the replica."""
     steps = 6
     inject = "kill:replica=1:step=2:phase=backward"
+    holds = {2: "gate0", 3: "asked"}
     proc, log = _standby_job(
-        tmp_path, replicas=2, steps=steps, inject=inject, holds={2: 0}, torchrun=True, exact_dtype="float32"
+        tmp_path, replicas=2, steps=steps, inject=inject, holds=holds, torchrun=True, exact_dtype="float32"
     )
     out = str(tmp_path / "job")
     try:
         _open_gate(tmp_path, log, proc, 0)
+        _open_when_asked(tmp_path, log, proc, "asked", lambda: 1)
     finally:
+        _open_all(tmp_path, holds.values())
         result = _finish(proc, log, out, steps, exact_dtype="float32")
     assert "replica 1: its worker exited; declared dead" in result.output, result.output[-3000:]
     assert re.search(r"replica 1: standby 0 \(pid \d+\) takes its place \(1/1\)", result.output), result.output[-3000:]
@@ -236,7 +275,6 @@ def test_torchrun_standby_job_takes_the_place_of_a_replica(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.serial  # a restart races the job's end: run alone (make test)
 def test_sharded_standby_takes_the_place_of_a_replica_of_two(tmp_path):
     """2 replicas of 2 processes (FSDP2) and one standby of 2, which builds its own 2-process world
     before it waits. Process 1 of replica 1 is killed: the replica is ended whole and the standby's
@@ -247,7 +285,8 @@ def test_sharded_standby_takes_the_place_of_a_replica_of_two(tmp_path):
     out = str(tmp_path / "job")
     script = [os.path.join(os.path.dirname(FABRIC_SCRIPT), "sharded_train.py"), out, "--replicas", "2"]
     script += ["--replica-size", "2", "--steps", str(steps), "--microbatches", str(microbatches)]
-    script += ["--hold", f"2:{tmp_path}/gate0", "--slow-while-degraded", "1"]
+    # before the fault's step until the standby is ready, before the next one until it asked to join
+    script += ["--hold", f"2:{tmp_path}/gate0,3:{tmp_path}/asked"]
     cmd = [sys.executable, "-m", "lightning_recover.cli", "run", "--replicas", "2", "--nproc-per-replica", "2"]
     cmd += ["--restarts", "1", "--standby", "1", "--heartbeat-timeout", "2", "--", sys.executable, *script]
     proc, log = start_job(cmd, out, env={"LIGHTNING_RECOVER_INJECT": "kill:replica=1:inner=1:step=2:phase=backward"})
@@ -255,8 +294,10 @@ def test_sharded_standby_takes_the_place_of_a_replica_of_two(tmp_path):
     try:
         assert wait_for(lambda: len(both_ready.findall(open(log).read())) == 2 or proc.poll() is not None, 300)
         open(tmp_path / "gate0", "w").close()
+        _open_when_asked(tmp_path, log, proc, "asked", lambda: 1)
         proc.wait(timeout=300)
     finally:
+        _open_all(tmp_path, ["gate0", "asked"])
         kill_group(proc)
     result = JobResult(proc.returncode, open(log).read(), out)
     assert result.returncode == 0, result.output[-4000:]

@@ -45,7 +45,15 @@ from lightning_recover.protocol.membership import Heartbeat, Progress
 from lightning_recover.protocol.messages import ControlStore, JobSecret, Sealer, mark_dead
 from lightning_recover.protocol.options import RecoverOptions
 from tests import needs
-from tests.jobs import FABRIC_SCRIPT, JobResult, kill_group, max_relative_difference, start_job, wait_for
+from tests.jobs import (
+    FABRIC_SCRIPT,
+    JobResult,
+    join_request,
+    kill_group,
+    max_relative_difference,
+    start_job,
+    wait_for,
+)
 from tests.scripts.fabric_train import reference_state
 
 
@@ -343,13 +351,14 @@ def _changes(values: list[float]) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.serial  # a restarted replica must rejoin before the job ends
 def test_job_with_a_kill_and_a_rejoin_seen_through_its_status_page(tmp_path):
     out, tb = str(tmp_path / "run"), str(tmp_path / "tb")
-    gate = os.path.join(out, "page-seen")
+    gate, asked = os.path.join(out, "page-seen"), os.path.join(out, "rejoin-asked")
     script = [sys.executable, FABRIC_SCRIPT, out, "--replicas", "3", "--steps", str(STEPS), "--microbatches", str(M)]
-    script += ["--heartbeat-timeout", "0.5", "--slow-while-degraded", "2.5", "--exact", "--tensorboard", tb]
-    script += ["--hold", f"{STEPS - 1}:{gate}"]  # the job stays up until the page was loaded
+    script += ["--heartbeat-timeout", "0.5", "--exact", "--tensorboard", tb]
+    # Before step 3 the survivors wait until the restarted replica asked to join (step 3's commit admits it);
+    # the job stays up until the page was loaded.
+    script += ["--hold", f"3:{asked},{STEPS - 1}:{gate}"]
     script += ["--save-at", "4", "--checkpoint", os.path.join(out, "step4.ckpt")]
     cmd = [sys.executable, "-m", "lightning_recover.cli", "run", "--replicas", "3", "--restarts", "1"]
     cmd += ["--heartbeat-timeout", "0.5", "--status-address", "127.0.0.1:0"]
@@ -361,6 +370,12 @@ def test_job_with_a_kill_and_a_rejoin_seen_through_its_status_page(tmp_path):
         url = _status_url(log, r"STATUS (http://\S+/)")
         scraper = _Scraper(url)
         scraper.start()
+
+        def asked_to_join() -> bool:
+            return join_request(1) in open(log).read() or proc.poll() is not None
+
+        assert wait_for(asked_to_join, 200), open(log).read()[-3000:]
+        open(asked, "w").close()
 
         def recovered_and_rejoined() -> bool:
             live = _changes(scraper.values("lightning_recover_live_replicas"))
@@ -376,6 +391,7 @@ def test_job_with_a_kill_and_a_rejoin_seen_through_its_status_page(tmp_path):
         if scraper is not None:
             scraper.stop.set()
             scraper.join(5)
+        open(asked, "w").close()
         open(gate, "w").close()
         kill_group(proc)
     result = JobResult(proc.returncode, open(log).read(), out)

@@ -25,7 +25,7 @@ from lightning_recover import RecoverTrainerStrategy
 from lightning_recover.data import MicrobatchSource
 from lightning_recover.lightning.trainer import StepLoader
 from lightning_recover.protocol.exact import ExactAccumulator, exact_step_alone
-from tests.jobs import TRAINER_SCRIPT, max_relative_difference, run_job, trainer_job
+from tests.jobs import TRAINER_SCRIPT, join_request, max_relative_difference, run_gated_job, trainer_job
 
 TOL = 1e-5
 REPLICAS, STEPS, M, B = 3, 6, 6, 4
@@ -207,29 +207,33 @@ def assert_rejoined(result, truth, steps: int, rejoiner: int, steps_per_epoch: i
 REJOIN_STEPS, REJOIN_BATCH = 9, 16  # 5 steps an epoch: the rejoined replica also crosses an epoch boundary
 
 
+def _rejoin_job(tmp_path, cmd: list[str], rejoiner: int, inject: str):
+    """Run ``cmd`` (with trainer_train.py's arguments last) holding the replicas before step 2 until the restarted
+    ``rejoiner`` asked to join: step 2's commit admits it, so it is back before the run ends."""
+    gate = str(tmp_path / "gate")
+    cmd = [*cmd, "--hold", f"2:{gate}"]
+    env = {"LIGHTNING_RECOVER_INJECT": inject}
+    return run_gated_job(cmd, str(tmp_path / "job"), gate, lambda log: join_request(rejoiner) in log, env=env)
+
+
 @pytest.mark.slow
-@pytest.mark.serial  # a restart races the job's end: run alone (make test)
 def test_restarted_replica_rejoins_the_trainer_run(tmp_path):
     truth = _single_process(steps=REJOIN_STEPS, batch_size=REJOIN_BATCH, exact=True)
-    result = trainer_job(
-        str(tmp_path),
-        steps=REJOIN_STEPS,
-        inject="kill:replica=1:step=1:phase=backward",
-        extra=["--batch-size", str(REJOIN_BATCH), "--restarts", "1", "--slow-while-degraded", "2.5", "--exact"],
-        timeout=300,
-    )
+    cmd = [sys.executable, TRAINER_SCRIPT, str(tmp_path / "job"), "--replicas", str(REPLICAS)]
+    cmd += ["--steps", str(REJOIN_STEPS), "--microbatches", str(M), "--heartbeat-timeout", "0.5"]
+    cmd += ["--batch-size", str(REJOIN_BATCH), "--restarts", "1", "--exact"]
+    result = _rejoin_job(tmp_path, cmd, 1, "kill:replica=1:step=1:phase=backward")
     assert result.returncode == 0, result.output[-4000:]
     assert "restarting replica 1 (1/1)" in result.output
     assert_rejoined(result, truth, REJOIN_STEPS, rejoiner=1, steps_per_epoch=5, exact=True)
 
 
 @pytest.mark.slow
-@pytest.mark.serial  # a restart races the job's end: run alone (make test)
 def test_torchrun_restarted_trainer_replica_rejoins(tmp_path):
     """`lightning-recover torchrun --max-restarts 1`: torchrun restarts the killed replica's worker (with
     torchrun's WORLD_SIZE=1 environment), and it rejoins the Trainer run with the live state."""
     truth = _single_process(steps=REJOIN_STEPS, batch_size=REJOIN_BATCH)
-    out = str(tmp_path)
+    out = str(tmp_path / "job")
     cmd = [
         sys.executable,
         "-m",
@@ -254,10 +258,8 @@ def test_torchrun_restarted_trainer_replica_rejoins(tmp_path):
         str(REJOIN_BATCH),
         "--heartbeat-timeout",
         "0.5",
-        "--slow-while-degraded",
-        "2.5",
     ]
-    result = run_job(cmd, out, timeout=300, env={"LIGHTNING_RECOVER_INJECT": "kill:replica=2:step=1:phase=backward"})
+    result = _rejoin_job(tmp_path, cmd, 2, "kill:replica=2:step=1:phase=backward")
     assert result.returncode == 0, result.output[-4000:]
     assert_rejoined(result, truth, REJOIN_STEPS, rejoiner=2, steps_per_epoch=5)
 

@@ -104,6 +104,7 @@ def train(args) -> None:
         assert rest == {}, f"unrequested entries returned: {sorted(rest)}"
         start = ckpt["step"]
     stats = []
+    holds = {int(step): path for step, _, path in (item.partition(":") for item in args.hold.split(",") if item)}
     for step in fabric.strategy.steps(loader, max_steps=args.steps, start_step=start):
         for xb, yb in step:
             fabric.backward(torch.nn.functional.mse_loss(model(xb), yb))
@@ -112,9 +113,9 @@ def train(args) -> None:
         stats.append(vars(step.stats))
         if args.slow_while_degraded and step.stats.live_replicas < args.replicas:
             time.sleep(args.slow_while_degraded)  # gives a restarted replica time to rejoin before the end
-        hold_step, _, gate = args.hold.partition(":")
-        deadline = time.monotonic() + 120
-        while gate and int(hold_step) == step.index + 1 and not os.path.exists(gate) and time.monotonic() < deadline:
+        gate = holds.get(step.index + 1)
+        deadline = time.monotonic() + 600  # a newcomer's start under a loaded host's imports can take minutes
+        while gate and not os.path.exists(gate) and time.monotonic() < deadline:
             time.sleep(0.05)
         if args.save_step == step.index + 1:
             fabric.save(args.ckpt, {"model": model, "optimizer": optimizer, "step": step.index + 1})
@@ -162,7 +163,7 @@ def main() -> None:
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--dtype", default="float64", choices=["float64", "float32"])
-    parser.add_argument("--hold", default="", help="STEP:PATH: before step STEP, wait (<= 120 s) until PATH exists")
+    parser.add_argument("--hold", default="", help="STEP:PATH,...: before step STEP, wait (<= 600 s) until PATH exists")
     args = parser.parse_args()
     reference(args) if args.reference else train(args)
 

@@ -40,16 +40,18 @@ def parallelize(module, mesh):
     return module
 
 
-class SlowWhileDegraded(L.Callback):
-    """Sleeps after each step run with a replica missing: a restarted replica has time to rejoin."""
+class Hold(L.Callback):
+    """``--hold STEP:PATH,...``: before optimizer step STEP (``trainer.global_step == STEP`` as its batch starts),
+    wait until PATH exists, so that a test can let the replicas go on only once an event it waits for happened."""
 
-    def __init__(self, replicas: int, seconds: float) -> None:
-        self.replicas, self.seconds = replicas, seconds
+    def __init__(self, spec: str) -> None:
+        self.gates = {int(step): path for step, _, path in (item.partition(":") for item in spec.split(",") if item)}
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        stats = trainer.strategy.core.last_step
-        if self.seconds and stats is not None and stats.live_replicas < self.replicas:
-            time.sleep(self.seconds)
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        gate = self.gates.get(trainer.global_step)
+        deadline = time.monotonic() + 600  # a newcomer's start under a loaded host's imports can take minutes
+        while gate and not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 class Regressor(L.LightningModule):
@@ -88,7 +90,11 @@ def main() -> None:
     parser.add_argument("--restarts", type=int, default=0, help="restart a failed replica up to N times (rejoin)")
     parser.add_argument("--ckpt-every", type=int, default=0, help="ModelCheckpoint every N steps (sharded DCP dirs)")
     parser.add_argument("--resume", default=None, help="fit(ckpt_path=...) from this sharded checkpoint directory")
-    parser.add_argument("--slow-while-degraded", type=float, default=0.0, help="sleep after a step with a replica down")
+    parser.add_argument(
+        "--hold",
+        default="",
+        help="STEP:PATH,...: before optimizer step STEP (global_step == STEP), wait until PATH exists (at most 600 s)",
+    )
     args = parser.parse_args()
 
     os.makedirs(args.out, exist_ok=True)
@@ -103,7 +109,7 @@ def main() -> None:
         restarts=args.restarts,
         **shard,
     )
-    callbacks = [SlowWhileDegraded(args.replicas, args.slow_while_degraded)]
+    callbacks = [Hold(args.hold)]
     if args.ckpt_every:
         every = {"every_n_train_steps": args.ckpt_every, "filename": "{step}"}
         callbacks.append(ModelCheckpoint(dirpath=os.path.join(args.out, "keep"), save_top_k=-1, **every))

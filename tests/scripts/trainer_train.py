@@ -39,12 +39,9 @@ def make_net() -> torch.nn.Module:
 
 
 class StepRecorder(L.Callback):
-    """Records (global step, epoch, StepBatch position) of every step this replica runs; optionally
-    slows the run down while replicas are missing, so that a restarted replica has time to rejoin."""
+    """Records (global step, epoch, StepBatch position) of every step this replica runs."""
 
-    def __init__(self, replicas: int, slow_while_degraded: float) -> None:
-        self.replicas = replicas
-        self.slow_while_degraded = slow_while_degraded
+    def __init__(self) -> None:
         self.steps: list[dict] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -57,10 +54,19 @@ class StepRecorder(L.Callback):
             }
         )
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        stats = trainer.strategy.core.last_step
-        if self.slow_while_degraded and stats.live_replicas < self.replicas:
-            time.sleep(self.slow_while_degraded)
+
+class Hold(L.Callback):
+    """``--hold STEP:PATH,...``: before optimizer step STEP (``trainer.global_step == STEP`` as its batch starts),
+    wait until PATH exists, so that a test can let the replicas go on only once an event it waits for happened."""
+
+    def __init__(self, spec: str) -> None:
+        self.gates = {int(step): path for step, _, path in (item.partition(":") for item in spec.split(",") if item)}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        gate = self.gates.get(trainer.global_step)
+        deadline = time.monotonic() + 600  # a newcomer's start under a loaded host's imports can take minutes
+        while gate and not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 class Regressor(L.LightningModule):
@@ -113,11 +119,10 @@ def main() -> None:
     parser.add_argument("--restarts", type=int, default=0, help="RecoverTrainerStrategy(restarts=K)")
     parser.add_argument("--exact", action="store_true", help="RecoverTrainerStrategy(exact=True)")
     parser.add_argument(
-        "--slow-while-degraded",
-        type=float,
-        default=0.0,
-        help="sleep this long after each step run with fewer than --replicas live replicas "
-        "(gives a restarted replica time to rejoin before the run ends)",
+        "--hold",
+        default="",
+        help="STEP:PATH,...: before optimizer step STEP (global_step == STEP), wait until PATH exists (at most "
+        "600 s); lets a test hold the replicas until a restarted one asked to join",
     )
     args = parser.parse_args()
 
@@ -134,8 +139,8 @@ def main() -> None:
         exact=args.exact,
         notice_checkpoint=args.notice_checkpoint,
     )
-    recorder = StepRecorder(args.replicas, args.slow_while_degraded)
-    callbacks = [recorder]
+    recorder = StepRecorder()
+    callbacks = [recorder, Hold(args.hold)]
     if args.ckpt_every:
         callbacks.append(
             ModelCheckpoint(
