@@ -130,7 +130,9 @@ def test_sixteen_replicas_measured_with_a_kill(backend, etcd3, tmp_path):
     assert result["first_step_s"] > 0 and result["decide_s"] > 0 and result["step_s"] >= cfg.compute
     assert result["operations"] >= 2 * cfg.steps  # the reduce and the done barrier ran on the stand-in
     if backend == "etcd":
-        assert result["etcd_writes_per_step"] >= 1  # at least the commit of each step
+        # At least the commit of each step; the window's last one may still be on the leader's writer thread
+        # (the decision transaction is asynchronous) when the window closes.
+        assert result["etcd_writes_per_step"] * cfg.window >= cfg.window - 1
         assert result["watch_events_per_step_per_process"] >= 1  # the commit reaches every view
         assert result["watch_bytes_per_step_per_process"] > 0
         assert math.isfinite(result["etcd_cpu_s_per_step"])
