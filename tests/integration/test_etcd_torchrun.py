@@ -24,7 +24,6 @@ REPLICAS, STEPS, M = 3, 4, 6
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.serial  # a restart races the job's end: run alone (make test)
 def test_torchrun_replicas_of_two_on_etcd_lose_a_worker(etcd3, tmp_path):
     out = str(tmp_path / "job")
     result, pids = sharded_job(
