@@ -139,14 +139,6 @@ def reference(microbatches: int, steps: int) -> list[dict[str, torch.Tensor]]:
     return _REFERENCE[key]
 
 
-def max_relative_difference(state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
-    worst = 0.0
-    for key, r in ref.items():
-        diff = (state[key] - r).abs().max().item()
-        worst = max(worst, diff / max(r.abs().max().item(), 1e-12))
-    return worst
-
-
 # ---------------------------------------------------------------------- emulated process death
 class _Killed(BaseException):
     """Ends a replica thread as SIGKILL ends a process (BaseException: no protocol handler sees it)."""

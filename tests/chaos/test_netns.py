@@ -23,8 +23,9 @@ import pytest
 from lightning_recover.control_plane.etcd_cluster import DEFAULT_ELECTION_MS, DEFAULT_HEARTBEAT_MS
 from lightning_recover.protocol.messages import JobSecret
 from lightning_recover.protocol.reachability import exclusion_bound, probe_timeout_for
+from tests.compare import SLACK, max_relative_difference
 from tests.hosts import Hosts
-from tests.jobs import ROOT, max_relative_difference
+from tests.jobs import ROOT
 from tests.jobs import wait_for as wait_until
 from tests.scripts.fabric_train import reference_state
 
@@ -32,7 +33,6 @@ pytestmark = pytest.mark.slow
 
 TOL = 1e-9
 HEARTBEAT_TIMEOUT = 2.0
-SLACK = 1.5  # seconds on top of each stated bound: a loaded 2-core machine (CI), where scheduling lags
 FABRIC = os.path.join(ROOT, "tests", "scripts", "fabric_train.py")
 SHARDED = os.path.join(ROOT, "tests", "scripts", "sharded_train.py")
 

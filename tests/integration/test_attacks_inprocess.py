@@ -27,11 +27,10 @@ from lightning_recover.protocol.coordinator import Coordinator
 from lightning_recover.protocol.messages import ControlStore, JobSecret, connect, sequence
 from lightning_recover.protocol.replica_world import declared_dead, left_key
 from lightning_recover.protocol.state_transfer import check_digest, digest, pack, unpack
-from tests.inprocess import HEARTBEAT_TIMEOUT, RUN_TIMEOUT, TOL, Cluster, max_relative_difference, reference
+from tests.compare import SLACK, max_relative_difference
+from tests.inprocess import HEARTBEAT_TIMEOUT, RUN_TIMEOUT, TOL, Cluster, reference
 
 pytestmark = pytest.mark.timeout(90)
-
-SLACK = 1.5  # seconds over a documented bound (see the module docstring)
 
 
 def _write(store, key: str, value: bytes) -> None:

@@ -25,6 +25,7 @@ from lightning_recover.checkpoint import (
 from lightning_recover.checkpoint.dcp import reader as dcp_reader
 from lightning_recover.checkpoint.dcp import snapshot as dcp_snapshot
 from lightning_recover.checkpoint.dcp import writer as dcp_mod
+from tests.compare import assert_same
 from tests.jobs import gloo_ranks, two_rank_script, two_rank_tensors
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -55,16 +56,6 @@ def blank(state: dict) -> dict:
     for k, v in state.items():
         out[k] = torch.full_like(v, 7) if isinstance(v, torch.Tensor) else {"step": 0, "name": "", "lr": [0.0, 0.0]}
     return out
-
-
-def assert_same(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        if isinstance(a[k], torch.Tensor):
-            assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
-            assert torch.equal(a[k], b[k]), k
-        else:
-            assert a[k] == b[k], k
 
 
 def load_with(reader, like: dict) -> dict:

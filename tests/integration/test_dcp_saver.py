@@ -27,6 +27,7 @@ from lightning_recover.checkpoint.dcp import writer as dcp_mod
 from lightning_recover.checkpoint.dcp.metadata_template import MetadataTemplate
 from lightning_recover.checkpoint.dcp.reader import read_dcp_metadata
 from lightning_recover.checkpoint.dcp.saver import DcpSaver
+from tests.compare import assert_same
 from tests.jobs import gloo_ranks, two_rank_script, two_rank_tensors
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -59,15 +60,6 @@ def load_with(reader, state: dict) -> dict:
         warnings.simplefilter("ignore")
         dcp.load(out, storage_reader=reader)
     return out
-
-
-def assert_same(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k, v in a.items():
-        if isinstance(v, torch.Tensor):
-            assert torch.equal(v, b[k]), k
-        else:
-            assert v == b[k], k
 
 
 def test_cached_saves_write_what_dcp_save_writes(tmp_path):

@@ -26,7 +26,8 @@ from lightning_recover.control_plane.etcd_store import EtcdStore
 from lightning_recover.protocol.coordinator import init_keys, run_monitor
 from lightning_recover.protocol.membership import Heartbeat, Progress
 from lightning_recover.protocol.messages import ControlStore, JobSecret, Sealer
-from tests.jobs import FABRIC_SCRIPT, JobResult, kill_group, max_relative_difference, run_job, start_job, wait_for
+from tests.compare import SLACK, max_relative_difference
+from tests.jobs import FABRIC_SCRIPT, JobResult, kill_group, run_job, start_job, wait_for
 from tests.scripts.fabric_train import reference_state
 
 pytestmark = pytest.mark.slow
@@ -34,7 +35,6 @@ pytestmark = pytest.mark.slow
 REPLICAS, STEPS, M = 3, 6, 6
 TRAIN_ARGS = ["--steps", str(STEPS), "--microbatches", str(M), "--dtype", "float64", "--metrics"]
 #: Slack on time bounds for a loaded 2-core machine (stated in docs/control_plane.md).
-SLACK = 1.0
 
 
 @pytest.fixture(scope="module")

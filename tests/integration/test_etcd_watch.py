@@ -32,10 +32,10 @@ from lightning_recover.protocol.messages import (
     sequence,
 )
 from lightning_recover.protocol.vouches import Roster, VouchReader, vouch_record
+from tests.compare import SLACK
 
 _count = [0]
 #: Slack on time bounds for a loaded 2-core machine (as tests/integration/test_etcd_jobs.py).
-SLACK = 1.0
 
 
 def fresh_store(cluster, timeout: float = 5.0) -> EtcdStore:

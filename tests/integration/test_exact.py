@@ -27,7 +27,8 @@ from lightning_recover.protocol.exact import (
     mul_pow2_,
     restore_checkpoint_entries,
 )
-from tests.inprocess import RUN_TIMEOUT, Cluster, loss_fn, make_model, max_relative_difference
+from tests.compare import max_relative_difference
+from tests.inprocess import RUN_TIMEOUT, Cluster, loss_fn, make_model
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from tests.jobs import ROOT, fabric_job, max_relative_difference
+from tests.compare import max_relative_difference
+from tests.jobs import ROOT, fabric_job
 
 needs_two_gpus = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not torch.distributed.is_nccl_available(),

@@ -27,13 +27,13 @@ from lightning_recover.protocol.faults import Fault, FaultInjector, parse_faults
 from lightning_recover.protocol.messages import JobSecret
 from lightning_recover.protocol.options import RecoverOptions
 from lightning_recover.protocol.replica_env import ReplicaEnv, check_against_coordinator, read_replica_env
+from tests.compare import EXIT_SLACK
 from tests.jobs import ROOT, _env, start_job
 
 REPLICA_SCRIPT = os.path.join(ROOT, "tests", "scripts", "replica_steps.py")
 CLI = [sys.executable, "-m", "lightning_recover.cli"]
 # Shared 2-core machines: a process of the job may take a few seconds to be scheduled and reaped.
-SLACK = 8.0
-EXIT_SLACK = 3.0  # seconds over a documented bound: a process's exit and the launcher's reaping on 2 loaded cores
+GONE_WITHIN = 8.0  # seconds a test waits for the rest of a job's processes to be gone (not a bound the docs state)
 
 
 # ---------------------------------------------------------------------------- /proc helpers
@@ -192,7 +192,7 @@ def test_launcher_sigkilled_takes_coordinator_and_replicas_with_it(tmp_path):
         assert coord_pid in job and len(job) >= 4, job  # launcher, coordinator, 2 replicas
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-        took = _wait_until(lambda: not _session_pids(proc.pid), SLACK)
+        took = _wait_until(lambda: not _session_pids(proc.pid), GONE_WITHIN)
         print(f"\nafter SIGKILL of the launcher, its job {job} was gone in {took}s")
         assert took is not None, f"orphans of the killed launcher: {_session_pids(proc.pid)}"
     finally:
@@ -231,7 +231,7 @@ def test_failed_spawn_ends_everything_and_fails(tmp_path):
         print(f"\nfailed spawn: exit {proc.returncode} after {time.monotonic() - t0:.1f}s")
         assert proc.returncode == supervisor.EXIT_SPAWN_FAILED, out
         assert "cannot start replica 0" in out and "HINT" in out, out
-        assert _wait_until(lambda: not _session_pids(proc.pid), SLACK) is not None, _session_pids(proc.pid)
+        assert _wait_until(lambda: not _session_pids(proc.pid), GONE_WITHIN) is not None, _session_pids(proc.pid)
     finally:
         _end_session(proc.pid)
         proc.wait()
@@ -251,7 +251,7 @@ def test_failed_spawn_of_a_later_replica_ends_the_started_ones(tmp_path):
         out = open(log).read()
         assert proc.returncode == supervisor.EXIT_SPAWN_FAILED, out
         assert "cannot start replica 1" in out, out
-        assert _wait_until(lambda: not _session_pids(proc.pid), SLACK) is not None, _session_pids(proc.pid)
+        assert _wait_until(lambda: not _session_pids(proc.pid), GONE_WITHIN) is not None, _session_pids(proc.pid)
     finally:
         _end_session(proc.pid)
         proc.wait()
@@ -289,7 +289,7 @@ def test_launcher_ends_the_job_when_the_coordinator_is_lost(tmp_path, how):
         t0 = time.monotonic()
         proc.wait(timeout=2 * hb + 60)
         took = time.monotonic() - t0
-        gone = _wait_until(lambda: not _session_pids(proc.pid), SLACK)
+        gone = _wait_until(lambda: not _session_pids(proc.pid), GONE_WITHIN)
         out = open(log).read()
         print(
             f"\ncoordinator {how}: launcher exit {proc.returncode} after {took:.2f}s "

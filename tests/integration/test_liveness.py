@@ -17,8 +17,8 @@ from lightning_recover.protocol.liveness import COVER_MAX, MIN_TTL, VouchCoverag
 from lightning_recover.protocol.membership import Heartbeat, Progress
 from lightning_recover.protocol.messages import ControlStore, JobSecret, Sealer, sequence
 from lightning_recover.protocol.vouches import vouch_record
+from tests.compare import SLACK
 
-SLACK = 1.0  # a loaded 2-core machine (as tests/integration/test_etcd_jobs.py)
 _count = [0]
 
 

@@ -21,15 +21,8 @@ from lightning_recover.protocol.coordinator import Coordinator
 from lightning_recover.protocol.decisions import Decisions
 from lightning_recover.protocol.membership import Generation, Membership
 from lightning_recover.protocol.messages import ControlStore, JobSecret, connect
-from tests.inprocess import (
-    HEARTBEAT_TIMEOUT,
-    JOIN_TIMEOUT,
-    RUN_TIMEOUT,
-    TOL,
-    Cluster,
-    max_relative_difference,
-    reference,
-)
+from tests.compare import max_relative_difference
+from tests.inprocess import HEARTBEAT_TIMEOUT, JOIN_TIMEOUT, RUN_TIMEOUT, TOL, Cluster, reference
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -22,7 +22,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.jobs import ROOT, max_relative_difference, run_job
+from tests.compare import max_relative_difference
+from tests.jobs import ROOT, run_job
 from tests.scripts import sharded_train
 
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "sharded_train.py")
