@@ -204,14 +204,6 @@ def fabric_job(
     return run_job(cmd, out_dir, timeout=timeout, env=env)
 
 
-def max_relative_difference(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
-    worst = 0.0
-    for key, ref in reference.items():
-        diff = (state[key].double() - ref.double()).abs().max().item()
-        worst = max(worst, diff / max(ref.double().abs().max().item(), 1e-12))
-    return worst
-
-
 def wait_for(predicate, timeout: float, interval: float = 0.02) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -17,7 +17,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.jobs import ROOT, join_request, max_relative_difference, run_gated_job, run_job
+from tests.compare import max_relative_difference
+from tests.jobs import ROOT, join_request, run_gated_job, run_job
 from tests.scripts import sharded_train
 
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "sharded_train.py")

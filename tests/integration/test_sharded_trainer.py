@@ -103,7 +103,7 @@ def test_trainer_two_replicas_of_two_failure_free(tmp_path, reference):
 
     from lightning_recover.checkpoint import verify_dcp_checkpoint
     from lightning_recover.lightning.trainer_checkpoint import trainer_checkpoint_metadata
-    from tests.jobs import max_relative_difference
+    from tests.compare import max_relative_difference
 
     out = str(tmp_path / "run1")
     result, pids = trainer_job(out, replicas=2, microbatches=8, parallelize="fn", extra=("--ckpt-every", str(SAVE_AT)))

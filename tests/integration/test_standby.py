@@ -22,13 +22,13 @@ import torch
 from lightning_recover.launch.standby_pool import StandbyPool
 from lightning_recover.protocol.options import RecoverOptions, check_standby
 from lightning_recover.protocol.replica_env import read_replica_env
+from tests.compare import max_relative_difference
 from tests.jobs import (
     FABRIC_SCRIPT,
     JobResult,
     join_request,
     kill_group,
     log_text,
-    max_relative_difference,
     start_job,
     wait_for,
 )

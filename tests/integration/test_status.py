@@ -45,12 +45,12 @@ from lightning_recover.protocol.membership import Heartbeat, Progress
 from lightning_recover.protocol.messages import ControlStore, JobSecret, Sealer, mark_dead
 from lightning_recover.protocol.options import RecoverOptions
 from tests import needs
+from tests.compare import max_relative_difference
 from tests.jobs import (
     FABRIC_SCRIPT,
     JobResult,
     join_request,
     kill_group,
-    max_relative_difference,
     start_job,
     wait_for,
 )

@@ -25,7 +25,8 @@ from lightning_recover import RecoverTrainerStrategy
 from lightning_recover.data import MicrobatchSource
 from lightning_recover.lightning.trainer import StepLoader
 from lightning_recover.protocol.exact import ExactAccumulator, exact_step_alone
-from tests.jobs import TRAINER_SCRIPT, join_request, max_relative_difference, run_gated_job, trainer_job
+from tests.compare import max_relative_difference
+from tests.jobs import TRAINER_SCRIPT, join_request, run_gated_job, trainer_job
 
 TOL = 1e-5
 REPLICAS, STEPS, M, B = 3, 6, 6, 4
