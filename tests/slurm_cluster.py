@@ -66,6 +66,10 @@ def skip_unless_possible() -> None:
             pytest.skip(f"Slurm tests need `{tool}` (apt-get install slurm-wlm munge util-linux)")
 
 
+#: Seconds a requeued job waits before Slurm starts it again (the cluster's AuthInfo ``cred_expire``).
+CRED_EXPIRE = 10
+
+
 class SlurmHosts(Hosts):
     """:class:`Hosts` whose commands run under ``nsenter --net`` with the cluster's names and a hostname."""
 
@@ -171,7 +175,9 @@ class SlurmCluster:
             "SlurmdUser=root",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            f"AuthInfo=socket={self.munge_socket}",
+            # cred_expire: how long nodes refuse a finished job's revoked credential, so how long Slurm holds a
+            # requeued job before it starts it again (120 s by default; a job started sooner fails at once).
+            f"AuthInfo=socket={self.munge_socket},cred_expire={CRED_EXPIRE}",
             f"StateSaveLocation={d}/state",
             f"SlurmdSpoolDir={d}/spool/%n",
             f"SlurmctldPidFile={d}/slurmctld.pid",

@@ -305,8 +305,8 @@ def test_slurm_whole_job_notice_then_requeue_resumes_from_the_final_checkpoint(c
     assert os.path.exists(checkpoint), job.dump()
     assert all(job.applied(r) == 4 for r in range(2)), "both applied steps 0..3, then left"
     cluster.run(["scontrol", "requeue", job.id])
-    # A requeued job waits out a begin time Slurm sets (minutes); an operator may release it at once.
-    cluster.run(["scontrol", "update", f"JobId={job.id}", "StartTime=now"])
+    # Slurm starts the requeued job once its nodes no longer refuse the first run's revoked credential
+    # (cred_expire); forcing an earlier start makes it fail with "Job credential revoked".
     record = job.wait_end(300)
     assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", f"{record}\n{job.dump()}"
     assert "resumed from the notice checkpoint" in job.output(), job.dump()
