@@ -225,7 +225,7 @@ class StatusBoard:
                 "leave",
                 replica=row.replica,
                 incarnation=row.incarnation,
-                what=f"replica {row.replica} left" f" on notice{how} before generation {generation}",
+                what=f"replica {row.replica} left on notice{how} before generation {generation}",
             )
 
     def _heartbeats(
