@@ -16,7 +16,6 @@ OUT/replica{r}.pt (full parameters, per-step stats); every process writes OUT/pi
 import argparse
 import os
 import sys
-import time
 
 import lightning as L
 import torch
@@ -25,6 +24,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sharded_train import data_and_model  # noqa: E402  (same data and model as the Fabric script)
+from trainer_train import Hold  # noqa: E402  (the same --hold as the unsharded Trainer script)
 
 from lightning_recover import RecoverTrainerStrategy  # noqa: E402
 
@@ -38,20 +38,6 @@ def parallelize(module, mesh):
             fully_shard(layer, mesh=mesh["shard"])
     fully_shard(module.net, mesh=mesh["shard"])
     return module
-
-
-class Hold(L.Callback):
-    """``--hold STEP:PATH,...``: before optimizer step STEP (``trainer.global_step == STEP`` as its batch starts),
-    wait until PATH exists, so that a test can let the replicas go on only once an event it waits for happened."""
-
-    def __init__(self, spec: str) -> None:
-        self.gates = {int(step): path for step, _, path in (item.partition(":") for item in spec.split(",") if item)}
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        gate = self.gates.get(trainer.global_step)
-        deadline = time.monotonic() + 600  # a newcomer's start under a loaded host's imports can take minutes
-        while gate and not os.path.exists(gate) and time.monotonic() < deadline:
-            time.sleep(0.05)
 
 
 class Regressor(L.LightningModule):
