@@ -12,8 +12,9 @@ import json
 import sys
 import time
 
+from lightning_recover.control_plane.connect import connect
 from lightning_recover.protocol.coordinator import Coordinator
-from lightning_recover.protocol.messages import JobSecret, connect
+from lightning_recover.protocol.messages import JobSecret
 
 
 def rss() -> int:

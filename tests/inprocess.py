@@ -38,11 +38,12 @@ from unittest import mock
 
 import torch
 
+from lightning_recover.control_plane.connect import connect
 from lightning_recover.errors import InjectedFault, ReplicaExcludedError
 from lightning_recover.protocol import Fault, FaultInjector, RecoverOptions, Replica
 from lightning_recover.protocol import membership as membership_module
 from lightning_recover.protocol.coordinator import Coordinator
-from lightning_recover.protocol.messages import JobSecret, Sealer, connect, mark_dead
+from lightning_recover.protocol.messages import JobSecret, Sealer, mark_dead
 
 # c10d names each peer with a reverse lookup of ::ffff:127.0.0.1, which /etc/hosts does not answer;
 # where DNS drops a query (this sandbox: ~1 lookup in 100) the resolver waits 5 s and a store

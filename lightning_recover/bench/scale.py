@@ -252,9 +252,7 @@ class ScaleRun:
             slot.outcome = "killed"
             self.plane.kill(slot.replica)  # its sockets close: the group's operations fail at once
             core.group.close()  # threads stop; the death notice its launcher writes on seeing the exit
-            close = getattr(core.group.store.raw, "close", None)
-            if close is not None:
-                close()  # its connections and watched views
+            core.group.store.raw.close()  # its connections and watched views
         except BaseException as exc:  # noqa: BLE001 -- reported in the results
             slot.outcome = "error"
             slot.error = f"{type(exc).__name__}: {exc}"
@@ -274,9 +272,7 @@ class ScaleRun:
                 continue
             try:
                 slot.core.group.close()
-                close = getattr(slot.core.group.store.raw, "close", None)
-                if close is not None:
-                    close()
+                slot.core.group.store.raw.close()
             except Exception:  # noqa: BLE001 -- best effort: the run already failed
                 pass
 

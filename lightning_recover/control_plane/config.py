@@ -22,7 +22,7 @@ from lightning_recover import env
 from lightning_recover.errors import RecoverError
 
 EMBEDDED = "embedded"
-_SCHEMES = ("etcd://", "etcd+insecure://")
+SCHEMES = ("etcd://", "etcd+insecure://")
 #: Seconds an etcd request may take, failovers between members included, before the control plane
 #: counts as lost (a replica stops, a launcher gives up its monitor role): the launcher's bound for a
 #: silent embedded coordinator at the default heartbeat timeout (``max(5, 2 x 1 + 1)``).
@@ -101,7 +101,7 @@ def parse(
     if spec is None or spec.strip() in ("", EMBEDDED):
         return None
     spec = spec.strip()
-    if not spec.startswith(_SCHEMES):
+    if not spec.startswith(SCHEMES):
         raise RecoverError(
             f"control plane {spec!r} is not understood. HINT: use `embedded` (default) or "
             "etcd://HOST:PORT[,HOST:PORT...] (set --control-plane or " + env.CONTROL_PLANE + ")"

@@ -214,6 +214,7 @@ class _ViewReads:
 
     _shared: _SharedViews
     client: ec.EtcdClient
+    views = True  # ControlPlane.views
 
     def _k(self, key: str) -> bytes:
         raise NotImplementedError
@@ -281,7 +282,12 @@ class EtcdStore(_ViewReads, dist.Store):
     """Keys ``prefix + key`` in etcd through ``client``; ``root`` holds the store's own bookkeeping
     (the tokens of ``add``), outside ``prefix`` so that ``num_keys`` counts only the caller's keys, and the
     keys that begin with ``apart`` (``root + key``): beside the watched keys, so that no process's view
-    receives them unless it reads them (heartbeats: every replica's beat would reach every process)."""
+    receives them unless it reads them (heartbeats: every replica's beat would reach every process). The
+    etcd backend of :class:`~lightning_recover.protocol.backend.ControlPlane`."""
+
+    kind = "etcd control plane"
+    transactions = True
+    outsiders_can_write = False  # clients authenticate with certificates
 
     def __init__(
         self,
@@ -319,9 +325,9 @@ class EtcdStore(_ViewReads, dist.Store):
         return store
 
     def prefixed_clone(self, prefix: str) -> EtcdStore:
-        """A store on a connection of its own whose keys live under ``prefix/`` inside this one's (what
-        ``dist.PrefixStore`` does, without losing ``delete_key``/``num_keys``, which torch does not
-        forward to a Python store). Its keys are inside the watched view's, which it shares."""
+        """A store on a connection of its own whose keys live under ``prefix/`` inside this one's, and inside the
+        watched view's, which it shares. Not ``dist.PrefixStore``: over a Python store it loses ``delete_key`` and
+        ``num_keys``, and holds the store only on the C++ side, where its Python half is collected."""
         store = EtcdStore(
             self._warm.take(), f"{self.prefix.decode()}{prefix}/", self.root.decode(), self._timeout, self._shared
         )
@@ -403,13 +409,10 @@ class EtcdStore(_ViewReads, dist.Store):
         return out, revision
 
     def peek_many(self, keys: Sequence[str], through_log: bool = False) -> list[Optional[bytes]]:
-        """The values of ``keys`` (None: absent) in one transaction per 128 keys; never waits.
-
-        ``through_log``: the transaction carries a write that its compare never lets happen, which makes
-        etcd order it in the Raft log like a write: it is answered when writes are, and blocks while they
-        block (an election). The monitor's stall allowance needs exactly that; a plain read (ReadIndex) can
-        be answered while writes still wait (tests/integration/test_etcd_jobs.py::test_etcd_leader_sigkill_mid_training).
-        """
+        """The values of ``keys`` (None: absent) in one transaction per 128 keys; never waits. ``through_log``: the
+        transaction carries a write its compare never lets happen, so etcd orders it in the Raft log: answered
+        when writes are, blocked while they are (an election), as the monitor's stall allowance needs (a plain
+        read, ReadIndex, can be answered while writes still wait: test_etcd_leader_sigkill_mid_training)."""
         if not keys:
             return []
         if not through_log:
@@ -484,12 +487,11 @@ class EtcdStore(_ViewReads, dist.Store):
         forget_prefix: Optional[str] = None,
         with_decision: Sequence[tuple[str, Any]] = (),
     ) -> Optional[bytes]:
-        """Write ``key`` (None: no report) and, in the same transaction, ``decision`` into the absent ``register``
-        if every ``(key, value)`` of ``expected`` holds exactly that value; ``forget_prefix``: delete the keys
-        under it too; ``with_decision``: more ``(key, value)`` written only with the decision (the vouch,
-        ``protocol/vouches.py``). Returns the register's value now (None while nobody decided). Of concurrent
-        callers whose expectations name each other's keys, exactly one decides (the last writer sees every
-        report); a retry after an unanswered try is safe (idempotent write, register written while absent)."""
+        """Write ``key`` (None: no report) and, in one transaction, ``decision`` into the absent ``register`` if
+        every ``(key, value)`` of ``expected`` holds that value; ``forget_prefix``: delete the keys under it;
+        ``with_decision``: more ``(key, value)`` written only with the decision (the vouch). Returns the register's
+        value now (None: undecided). Of callers whose expectations name each other's keys, exactly one decides;
+        a retry after an unanswered try is safe (idempotent write, register written while absent)."""
         if len(expected) + 1 > _MAX_TXN_OPS:
             raise ValueError(f"put_and_decide compares at most {_MAX_TXN_OPS - 1} keys, not {len(expected)}")
         reg = self._k(register)
@@ -554,8 +556,8 @@ class EtcdStore(_ViewReads, dist.Store):
         return int(ec.unb64(kvs[0].get("value")) or b"0"), int(kvs[0]["mod_revision"])
 
     def append(self, key: str, value: Any) -> None:
-        """Append to the value (created if absent). Appends are hints here (``ControlStore.append_hint``):
-        an unanswered try that was applied may be appended twice, which a reader of hints tolerates."""
+        """Append to the value (created if absent): hints only (an applied try whose answer was lost may be
+        appended twice, which a reader of hints tolerates)."""
         k, value = self._k(key), _as_bytes(value)
         guess = self._guess(k)
         while True:

@@ -14,8 +14,9 @@ from typing import Any
 
 from lightning_recover import env
 from lightning_recover.control_plane import config
+from lightning_recover.control_plane.connect import connect
 from lightning_recover.errors import RecoverError
-from lightning_recover.protocol.messages import JobSecret, Sealer, connect
+from lightning_recover.protocol.messages import JobSecret, Sealer
 from lightning_recover.protocol.notice import EXIT_LEFT_ON_NOTICE, parse_signal, request_leave
 
 

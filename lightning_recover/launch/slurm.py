@@ -47,12 +47,14 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from lightning_recover import env
+from lightning_recover.control_plane.connect import connect
+from lightning_recover.control_plane.embedded import peek
 from lightning_recover.errors import RecoverError
 from lightning_recover.launch import coordinator_process
 from lightning_recover.launch.process_tree import describe_exit
 from lightning_recover.launch.user_command import user_command
 from lightning_recover.protocol.growth import claim_free_id
-from lightning_recover.protocol.messages import JobSecret, Sealer, connect, peek, read_death
+from lightning_recover.protocol.messages import JobSecret, Sealer, read_death
 from lightning_recover.protocol.notice import EXIT_LEFT_ON_NOTICE
 
 #: Signals the batch process and its coordinator ignore: a replica's notice, which Slurm may also send to

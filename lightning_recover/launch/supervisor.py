@@ -56,6 +56,7 @@ from typing import Any
 
 from lightning_recover import env
 from lightning_recover.control_plane.config import EtcdSettings
+from lightning_recover.control_plane.connect import connect
 from lightning_recover.control_plane.etcd_job import EtcdCoordinator, MonitorRole, forget_job, join_job
 from lightning_recover.launch import coordinator_process
 from lightning_recover.launch.fork_server import DEFAULT_PRELOAD, Process, ProcessStarter
@@ -67,7 +68,6 @@ from lightning_recover.protocol.growth import claim_free_id, claim_replica_ids
 from lightning_recover.protocol.messages import (
     JobSecret,
     Sealer,
-    connect,
     mark_dead,
     read_death,
     read_declared,

@@ -167,14 +167,13 @@ class StatusBoard:
             self._sample(now)
 
     def _read(self, store: Any, now: float) -> Optional[list[bytes]]:
-        """``dead/*`` and ``gen/latest``: on etcd from the watched view only (the monitor's own reads are the
-        ones that must reach etcd; None while the view cannot answer), else one request. A failed read is
-        None too: the status page must never stop the monitor."""
+        """``dead/*`` and ``gen/latest``: from the watched view only where the backend has one (the monitor's
+        own reads are the ones that must reach etcd; None while the view cannot answer), else one request. A
+        failed read is None too: the status page must never stop the monitor."""
         self._read_at = now
         keys = [f"dead/{r}" for r in range(self.replicas)] + ["gen/latest"]
-        view = getattr(store, "cached_many", None)
         try:
-            return view(keys) if view is not None else recent_many(store, keys)
+            return store.cached_many(keys) if store.views else recent_many(store, keys)
         except Exception as exc:  # the monitor's next read of the same store names the failure, not this one
             log.debug("status board: reading deaths failed (%s)", exc)
             return None

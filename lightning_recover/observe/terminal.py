@@ -18,9 +18,11 @@ import urllib.request
 from typing import Any
 
 from lightning_recover.control_plane import config
+from lightning_recover.control_plane.connect import connect
+from lightning_recover.control_plane.embedded import peek
 from lightning_recover.errors import RecoverError
 from lightning_recover.observe.board import StatusBoard
-from lightning_recover.protocol.messages import JobSecret, Sealer, connect, peek, peek_all
+from lightning_recover.protocol.messages import JobSecret, Sealer, peek_all
 
 log = logging.getLogger(__name__)
 

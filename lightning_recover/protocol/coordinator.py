@@ -55,11 +55,13 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from lightning_recover.control_plane.embedded import CoordinatorStore
 from lightning_recover.errors import ForgedMessageError
 from lightning_recover.observe.board import StatusBoard
 from lightning_recover.observe.events import EventLog
 from lightning_recover.observe.logs import configure_logging
 from lightning_recover.observe.status_server import StatusServer
+from lightning_recover.protocol.backend import ControlPlane
 from lightning_recover.protocol.messages import Freshness, JobSecret, Sealer, mark_dead, peek, peek_all, read_death
 from lightning_recover.protocol.reachability import PartitionJudge, probe_timeout_for
 from lightning_recover.protocol.vouches import VOUCH_KEY, Roster, Vouch, VouchReader, raw_reader
@@ -74,7 +76,7 @@ def _hb_keys(r: int, replica_size: int) -> list[str]:
     return [f"hb/{r}"] if replica_size == 1 else [f"hb/{r}/i{i}" for i in range(replica_size)]
 
 
-def init_keys(store: dist.TCPStore, sealer: Sealer, replicas: int, replica_size: int = 1) -> None:
+def init_keys(store: ControlPlane, sealer: Sealer, replicas: int, replica_size: int = 1) -> None:
     for r in range(replicas):
         store.set(f"dead/{r}", sealer.seal(f"dead/{r}", b"0"))
         store.set(f"declared/{r}", sealer.seal(f"declared/{r}", b"0"))
@@ -91,7 +93,7 @@ _WAITING = ("reduce", "decide", "regroup", "exchange")  # phases in which a repl
 
 
 def run_monitor(
-    store: dist.TCPStore,
+    store: ControlPlane,
     sealer: Sealer,
     replicas: int,
     timeout: float,
@@ -126,20 +128,15 @@ def run_monitor(
     # declared every replica dead in about half the runs of test_etcd_leader_sigkill_mid_training (an
     # election's silence looks like missed beats), and so does a read that comes just after the election,
     # before the replicas' retried beats: a grown Raft term forgives what came before it.
-    view = getattr(store, "cached_each", None)  # None where absent: a leased beat whose lease expired
-    cached = getattr(store, "cached", None)
     # etcd: a step's commit vouches for its members (vouches.py); read after the heartbeats, as the last key.
-    read_keys = keys + [VOUCH_KEY] if cached is not None and replica_size == 1 else keys
-    term_of = getattr(store, "raft_term", None)
+    read_keys = keys + [VOUCH_KEY] if store.transactions and replica_size == 1 else keys
     term = 0
     # etcd: a watched view stops answering once its stream was silent for a while (etcd_watch.STALE_AFTER),
     # and with the heartbeats beside the job's keys nothing else may be written while a long step runs. The
     # monitor's own view hears what every view hears: when it says quiet, a tick keeps them all current.
-    quiet = getattr(store, "quiet", None)
     ticks, ticked = 0, 0.0
     # With every beat in a lease (etcd_liveness.py) the heartbeats' own view hears nothing while replicas live:
     # a tick there too keeps it current (else each poll would read every heartbeat from etcd).
-    quiet_beside = getattr(store, "quiet_beside", None)
     ticked_beside = 0.0
     present: dict[str, bool] = {}  # key -> whether the last read found it (a leased beat is gone once expired)
     last_read = time.monotonic()
@@ -187,11 +184,10 @@ def run_monitor(
         if vouch is not None:
             credit(vouch, now)
             vouched_at = now
-        if term_of is not None:
-            seen = term_of()
-            if seen > term and term:
-                forgive(0.0, until=now)  # a leader election since the last look: nobody could beat during it
-            term = max(term, seen)
+        seen = store.raft_term()
+        if seen > term and term:
+            forgive(0.0, until=now)  # a leader election since the last look: nobody could beat during it
+        term = max(term, seen)
 
     def verdicts(now: float) -> dict[str, tuple[int, int, str, str]]:
         """Key -> (replica, incarnation, why, cause) of every process late or hung as of ``now``."""
@@ -238,12 +234,12 @@ def run_monitor(
         if stalled > 2 * poll:
             forgive(stalled)
         # Non-waiting reads: a heartbeat key deleted by an outside client must not stall the monitor.
-        raws = view(keys) if view is not None else None
+        raws = store.cached_each(keys)  # None without a current view; a leased beat's key is absent once expired
         read_from_store = raws is None
         if read_from_store:
             raws = peek_all(store, read_keys)
         elif len(read_keys) > len(keys):
-            hit, raw = cached(VOUCH_KEY)  # absent until the first commit
+            hit, raw = store.cached(VOUCH_KEY)  # absent until the first commit
             raws.append(raw if hit else None)
         observe(raws, now)
         late = verdicts(now)
@@ -262,10 +258,10 @@ def run_monitor(
         fenced = judge.observe(now, hbs, progressed_at=vouched_at)
         if board is not None:
             last_read += _tell_board(board, fenced, now, store, sealer, hbs, beats)  # its time is no stall
-        if quiet is not None and now - ticked > _TICK_MIN and quiet():
+        if now - ticked > _TICK_MIN and store.quiet():
             ticks, ticked = ticks + 1, now
             store.set("tick", str(ticks))
-        if quiet_beside is not None and now - ticked_beside > _TICK_MIN and quiet_beside():
+        if now - ticked_beside > _TICK_MIN and store.quiet_beside():
             ticked_beside = now
             store.set("hb/tick", str(ticks))
 
@@ -312,7 +308,7 @@ def _judge_said(line: str) -> None:
 
 
 def _declare(
-    store: dist.TCPStore, sealer: Sealer, r: int, inc: int, why: str, cause: str, board: Optional[StatusBoard]
+    store: ControlPlane, sealer: Sealer, r: int, inc: int, why: str, cause: str, board: Optional[StatusBoard]
 ) -> int:
     """Declare incarnation ``inc`` of replica ``r`` dead unless it is; return the incarnation known dead."""
     dead = read_death(sealer, r, peek(store, f"dead/{r}") or b"")
@@ -416,7 +412,7 @@ class Coordinator:
         self.hang_timeout = hang_timeout
         self.sealer = Sealer(secret)
         self.store = serve_store(host, port, _STORE_TIMEOUT)
-        init_keys(self.store, self.sealer, replicas, replica_size)
+        init_keys(CoordinatorStore(self.store), self.sealer, replicas, replica_size)
 
     @property
     def addr(self) -> str:
@@ -425,7 +421,7 @@ class Coordinator:
     def monitor(self, stop: threading.Event, board: Optional[StatusBoard] = None) -> None:
         """Declare dead every replica whose heartbeat stopped, until ``stop`` is set (telling ``board``)."""
         run_monitor(
-            self.store.clone(),
+            CoordinatorStore(self.store.clone()),
             self.sealer,
             self.replicas,
             self.heartbeat_timeout,

@@ -137,7 +137,7 @@ class Decisions:
         """Done reports are a barrier over the process group and the leader alone writes the decision: a store
         with transactions (etcd), replicas of one process (see the module docstring)."""
         m = self.membership
-        return m.store.transactional and m.replica_size == 1
+        return m.store.raw.transactions and m.replica_size == 1
 
     def leader_awaits_commit(self) -> bool:
         """The leader wants every member to wait for its ``commit`` this step (no speculation): a joiner

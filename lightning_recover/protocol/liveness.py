@@ -54,5 +54,4 @@ class VouchCoverage:
 def heartbeat_lease(store: Any, key: str, period: float) -> Any:
     """The leased heartbeat key of a replica beating every ``period`` on ``store`` (a ``ControlStore``):
     ``etcd_liveness.LeasedKey`` on etcd, None where the store has no leases (the embedded coordinator)."""
-    leased = getattr(store.raw, "leased", None)
-    return leased(key, lease_ttl(period)) if leased is not None else None
+    return store.raw.leased(key, lease_ttl(period))

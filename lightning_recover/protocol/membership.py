@@ -307,37 +307,32 @@ def _members_never_written(replica: int, number: int, waited: float) -> RecoverE
     )
 
 
-def joined_round(store: ControlStore, prefix: str, num_replicas: int, replica_size: int) -> set[int]:
+def joined_round(store: ControlStore, prefix: str, num_replicas: int, replica_size: int, by_view: bool) -> set[int]:
     """Replicas that joined round ``prefix``. The unsealed list is only a hint of whom to look at:
     a replica counts once its sealed join payload is there and, with K processes per replica,
     all K of its positions said they joined.
 
-    With a watched view (etcd) the reads may be a moment stale: a stale answer is a subset of the
-    replicas that joined (a join is never taken back), so the round only waits a moment longer. There,
-    with replicas of one process, there is no list: the view holds every payload, and looking at each
+    The reads may be a moment stale (from a watched view): a stale answer is a subset of the replicas that
+    joined (a join is never taken back), so the round only waits a moment longer. ``by_view``
+    (:attr:`Membership.rounds_by_view`): there is no list; the view holds every payload, and looking at each
     replica's costs no round trip (a list would cost an append, contended by every joiner, on the
     regroup's critical path)."""
-    watched = store.watched
-    if watched and replica_size == 1:
+    if by_view:
         keys = [f"{prefix}/join/{r}" for r in range(num_replicas)]
         return {r for r, payload in enumerate(store.recent_genuine_many(keys)) if _well_formed(payload)}
     positions: dict[int, set[str]] = {}
-    if watched:
-        hint = (store.recent_raw(f"{prefix}/joined") or b"").decode(errors="replace")
-    else:
-        hint = store.get_hint(f"{prefix}/joined")
+    hint = (store.recent_raw(f"{prefix}/joined") or b"").decode(errors="replace")
     for item in hint.split(","):
         r, _, i = item.partition(".")
         if r.isdigit() and int(r) < num_replicas:
             positions.setdefault(int(r), set()).add(i)
     # Never a waiting read: a deleted payload must not stall the round (its writer puts it back).
-    read = store.recent_genuine if watched else store.get_genuine
     joined = set()
     for r in sorted(positions):
         if len(positions[r]) < replica_size:
             continue
         try:
-            payload = read(f"{prefix}/join/{r}")  # None: not in the view yet, deleted, or forged
+            payload = store.recent_genuine(f"{prefix}/join/{r}")  # None: not in the view yet, deleted, or forged
         except ForgedMessageError:
             continue  # planted by someone without the secret: not a member
         if _well_formed(payload):
@@ -345,10 +340,10 @@ def joined_round(store: ControlStore, prefix: str, num_replicas: int, replica_si
     return joined
 
 
-def _say_joined(store: ControlStore, prefix: str, replica: int, inner: int, replica_size: int) -> None:
-    """Add this process to round ``prefix``'s list of whom to look at (not on etcd with replicas of one
-    process, where :func:`joined_round` needs no list)."""
-    if not (store.watched and replica_size == 1):
+def _say_joined(store: ControlStore, prefix: str, replica: int, inner: int, replica_size: int, by_view: bool) -> None:
+    """Add this process to round ``prefix``'s list of whom to look at (not ``by_view``, where
+    :func:`joined_round` needs no list)."""
+    if not by_view:
         me = str(replica) if replica_size == 1 else f"{replica}.{inner}"
         store.append_hint(f"{prefix}/joined", f"{me},")
 
@@ -367,9 +362,9 @@ def _join_payload(group: Membership, payload: dict) -> str:
 
 
 def pause(store: ControlStore, delay: float) -> float:
-    """Between two polls of a round: on etcd until the watched view moves (at most ``POLL_MAX``),
-    on the TCPStore a sleep that doubles up to ``POLL_MAX``; the next pause's length."""
-    if store.watched:
+    """Between two polls of a round: until the watched view moves (at most ``POLL_MAX``) where the backend
+    has one, else a sleep that doubles up to ``POLL_MAX``; the next pause's length."""
+    if store.raw.views:
         store.wait_changed(POLL_MAX)
         return delay
     return backoff(delay)
@@ -413,9 +408,9 @@ def _generation_listed(store: ControlStore, number: int, members: list[int], rep
     # missing one was deleted by a client without the secret, which must not stall this reader until
     # the store's timeout (and then be misnamed a lost coordinator).
     keys = [f"g{number}/join/{r}" for r in members]
-    # etcd: the view that showed the member list holds the payloads written before it (revision order).
-    values = store.recent_genuine_many(keys) if store.watched else [None]
-    if None in values:  # not yet in this view (the list came from a compare_set), or gone: read etcd
+    # A watched view that showed the member list holds the payloads written before it (revision order).
+    values = store.recent_genuine_many(keys)
+    if None in values:  # not yet in this view (the list came from a compare_set), or gone: read the store
         values = store.genuine_many(keys)
     for r, key, value in zip(members, keys, values):
         if value is None:
@@ -545,6 +540,7 @@ class Membership(_JoinRequests):
         self.secret = secret
         self.progress = Progress()
         self.store: ControlStore | None = None
+        self.rounds_by_view = False  # chosen with the backend, in connect()
         self.incarnation = 0
         self.gen: Generation | None = None
         self.heartbeat: Heartbeat | None = None
@@ -560,6 +556,9 @@ class Membership(_JoinRequests):
         ``before_standby_wait`` (a sharded one builds its K-process world there), then waits until
         it is assigned a replica id."""
         self.store = ControlStore(self.addr, self.replica, self.secret, timeout=self.store_timeout)
+        # Rounds run from the watched view (replicas of one process): no list of joiners, the last joiner
+        # closes the round, a generation meets at its leader's rendezvous store. Else rounds are polled.
+        self.rounds_by_view = self.store.raw.views and self.replica_size == 1
         check_against_coordinator(self.store.get_genuine("meta/replicas"), self.num_replicas)
         check_replica_size_against_coordinator(self.store.get_genuine("meta/replica_size"), self.replica_size)
         if self.standby is not None:
@@ -594,7 +593,7 @@ class Membership(_JoinRequests):
         self._watchdog.start()
         if self.inner == 0:  # one probe server per replica (its processes share a host)
             self._responder = start_responder(self.store, self.replica, self.incarnation, self.heartbeat_interval)
-        if self.store.watched and self.replica_size == 1:
+        if self.rounds_by_view:
             self.rendezvous = host_rendezvous(self.store, self.replica, self.collective_timeout)
 
     def form_initial(self) -> Generation | None:
@@ -712,7 +711,7 @@ class Membership(_JoinRequests):
         g = self.gen.number
         self._abandon(self.gen)
         # A death the view has not shown yet only makes the round wait until it does (it reads deaths again).
-        dead = self.dead(self.gen.members, self.gen.incarnations, recent=self.store.watched)
+        dead = self.dead(self.gen.members, self.gen.incarnations, recent=True)
         expected = {r: inc for r, inc in self.gen.incarnations.items() if r not in dead and r not in leaving}
         expected.update(invite or {})
         # The proposal, this replica's join payload, the ``events`` hint (bumped by the proposer) and, when
@@ -757,19 +756,17 @@ class Membership(_JoinRequests):
         growth = 0 < least < self.num_replicas
         if not written:
             self.store.set(mine, _join_payload(self, payload))
-        _say_joined(self.store, prefix, self.replica, self.inner, self.replica_size)
+        _say_joined(self.store, prefix, self.replica, self.inner, self.replica_size, self.rounds_by_view)
         deadline = time.monotonic() + timeout
         delay = POLL_MIN
         expected = dict(expected)
-        # On etcd the round is watched, not polled: its reads come from the process's watched view (a
-        # stale view only makes the round wait a moment longer: joins and deaths are never taken back,
-        # and the member list is a register whose compare_set answers the list already written).
-        read_members = self.store.recent_genuine if self.store.watched else self.store.get_genuine
-        while (listed := read_members(f"{prefix}/members")) is None:
+        # With a watched view the round is watched, not polled: its reads come from the view (a stale view
+        # only makes the round wait a moment longer: joins and deaths are never taken back, and the member
+        # list is a register whose compare_set answers the list already written).
+        while (listed := self.store.recent_genuine(f"{prefix}/members")) is None:
             self.check_health()
-            if not self.store.watched and self.store.get_genuine(mine) is None:
-                # Deleted or overwritten by a client without the secret (the embedded store; etcd's clients
-                # are authenticated): nobody would count this replica.
+            if self.store.raw.outsiders_can_write and self.store.get_genuine(mine) is None:
+                # Deleted or overwritten by a client without the secret: nobody would count this replica.
                 print(f"[lightning-recover] replica {self.replica}: wrote again its join payload {mine}", flush=True)
                 self.store.set(mine, _join_payload(self, payload))
             if not may_close:
@@ -860,7 +857,7 @@ def closing_members(group: Membership, number: int, expected: dict[int, int]) ->
     """Round ``number``'s member list if this replica's join is the last one it awaits, as the watched view
     shows the round (etcd, replicas of one process): the list written with the join, if none is yet, by the
     rule :meth:`Membership._join_round` closes a round by. None otherwise (that loop closes it)."""
-    if not (group.store.watched and group.replica_size == 1):
+    if not group.rounds_by_view:
         return None
     prefix = f"g{number}"
     awaited, members = _round_state(group, prefix, expected, joined_too=frozenset({group.replica}))
@@ -874,8 +871,9 @@ def _round_state(
     were it closed now (joined, not dead). On etcd both come from the watched view: a join or a death it has
     not shown yet only makes the round wait. ``joined_too``: joins not in the view yet (this replica's own,
     written in the transaction that would close the round)."""
-    joined = joined_round(group.store, prefix, group.num_replicas, group.replica_size) | joined_too
-    dead = group.dead(sorted(set(expected) | joined), expected, recent=group.store.watched)
+    joined = joined_round(group.store, prefix, group.num_replicas, group.replica_size, group.rounds_by_view)
+    joined |= joined_too
+    dead = group.dead(sorted(set(expected) | joined), expected, recent=True)
     return set(expected) - joined - dead, sorted(joined - dead)
 
 

@@ -38,8 +38,6 @@ import os
 import secrets
 import stat
 import sys
-import threading
-import time
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -47,6 +45,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_recover import env
+from lightning_recover.control_plane.connect import connect
+from lightning_recover.control_plane.embedded import peek
 from lightning_recover.errors import (
     COORDINATOR_LOST_HINT,
     CoordinatorLostError,
@@ -55,6 +55,7 @@ from lightning_recover.errors import (
     RecoverError,
     ReplicaExcludedError,
 )
+from lightning_recover.protocol.backend import ControlPlane
 
 log = logging.getLogger(__name__)
 
@@ -260,130 +261,24 @@ def _hashable(key: Any) -> Any:
     return tuple(_hashable(k) for k in key) if isinstance(key, list) else key
 
 
-# ---------------------------------------------------------------------------- connections
+# ---------------------------------------------------------------------------- reads and writes of the raw store
 
 
-def connect(addr: str, timeout: float = 60.0) -> dist.TCPStore:
-    """Connect a raw client to the coordinator at ``host:port`` within ``timeout`` seconds.
-
-    An ``etcd://`` address is the etcd control plane: the same door, an etcd-backed store
-    (:mod:`lightning_recover.control_plane`; the TLS files and the job's name come from the environment).
-    """
-    if addr.startswith("etcd"):
-        from lightning_recover.control_plane.config import connect_store
-
-        return connect_store(addr, timeout)
-    host, _, port = addr.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(
-            f"coordinator address {addr!r} must be HOST:PORT (set {env.COORDINATOR} or pass --coordinator)"
-        )
-    try:
-        return _within(
-            timeout,
-            lambda: dist.TCPStore(
-                host.strip("[]"),
-                int(port),
-                is_master=False,
-                wait_for_workers=False,
-                timeout=datetime.timedelta(seconds=timeout),
-            ),
-        )
-    except Exception as exc:  # torch raises several types (DistNetworkError, RuntimeError)
-        raise CoordinatorLostError(
-            f"cannot reach the lightning-recover coordinator at {addr} within {timeout:.0f}s: {exc}. HINT: check "
-            f"{env.COORDINATOR}; start it with the launcher (`lightning-recover run`) or `lightning-recover coordinator`."
-        ) from exc
-
-
-def _within(timeout: float, make: Any) -> Any:
-    """``make()`` or TimeoutError after ``timeout`` seconds, whatever ``make`` does meanwhile.
-
-    torch's TCPStore client does not keep its own timeout on connect: after it runs out it sleeps a
-    random back-off and tries again (measured 5 s + 3.3 s + another try), so an unreachable
-    coordinator was named only after 10-15 s. Here the deadline is ours. A connect still running at
-    the deadline is left to its daemon thread: its caller stops with the error.
-    """
-    done: dict[str, Any] = {}
-
-    def attempt() -> None:
-        try:
-            done["value"] = make()
-        except BaseException as exc:  # handed to the caller's thread
-            done["error"] = exc
-
-    worker = threading.Thread(target=attempt, name="lightning-recover-connect", daemon=True)
-    worker.start()
-    worker.join(timeout)
-    if "error" in done:
-        raise done["error"]
-    if "value" not in done:
-        raise TimeoutError(f"no connection within {timeout:.1f}s")
-    return done["value"]
-
-
-_ABSENT = b"\x00lr-absent"  # what peek's compare_set expects: never a sealed value
-
-
-def peek(store: dist.Store, key: str) -> Optional[bytes]:
-    """The raw value under ``key``, or None if there is none, in one round trip that never waits.
-
-    A store ``get`` of a missing key blocks until the key appears or the client's timeout ends; a
-    key deleted by an outside client between a ``check`` and a ``get`` would stall the reader.
-    ``compare_set(key, X, X)`` answers at once: the value, or ``X`` when the key is absent (X is never
-    a sealed value, and writing it over itself changes nothing).
-    """
-    raw = store.compare_set(key, _ABSENT, _ABSENT)
-    return None if raw == _ABSENT else raw
-
-
-def peek_all(store: dist.Store, keys: Sequence[str]) -> list[Optional[bytes]]:
+def peek_all(store: ControlPlane, keys: Sequence[str]) -> list[Optional[bytes]]:
     """:func:`peek` of every key, never waiting, each answered when a write would be (a TCPStore answers
-    in order; on etcd one transaction ordered in the Raft log, ``EtcdStore.peek_many(through_log=True)``,
-    instead of one compare-and-set per key)."""
-    many = getattr(store, "peek_many", None)
-    if many is not None:
-        return many(list(keys), through_log=True)
-    return [peek(store, k) for k in keys]
+    in order; on etcd one transaction ordered in the Raft log instead of one compare-and-set per key)."""
+    return store.peek_many(list(keys), through_log=True)
 
 
-def recent_many(store: dist.Store, keys: Sequence[str]) -> list[bytes]:
-    """The values of ``keys``, which must exist, possibly a moment stale: on etcd from the process's watched
-    view while it is current (no round trip; ``EtcdStore.cached_many``), else one ``multi_get``. For readers
-    polling notices that only grow (a launcher's ``declared/*``, ``dead/*``, ``inc/*``), where a read a moment
-    earlier is as good."""
-    cached = getattr(store, "cached_many", None)
-    found = cached(list(keys)) if cached is not None else None
+def recent_many(store: ControlPlane, keys: Sequence[str]) -> list[bytes]:
+    """The values of ``keys``, which must exist, possibly a moment stale: from the process's watched view
+    while it is current (no round trip), else one ``multi_get``. For readers polling notices that only grow
+    (a launcher's ``declared/*``, ``dead/*``, ``inc/*``), where a read a moment earlier is as good."""
+    found = store.cached_many(list(keys))
     return found if found is not None else store.multi_get(list(keys))
 
 
-def compare_set_announced(
-    store: dist.Store,
-    key: str,
-    expected: bytes,
-    desired: bytes,
-    counter: Optional[str],
-    also: Sequence[tuple[str, bytes]] = (),
-    if_absent: Sequence[tuple[str, bytes]] = (),
-) -> bytes:
-    """``store.compare_set`` that also writes ``also`` (whatever the outcome) and each of ``if_absent`` where
-    that key is absent, and bumps the hint ``counter`` once the register holds ``desired``. On etcd all of
-    it is one transaction (a regroup's or a death's critical path: a round trip is 5-15 ms under load) and
-    only the call that set the register bumps; on the TCPStore it is one request each, and every caller
-    that finds ``desired`` bumps (it cannot tell)."""
-    if hasattr(store, "put_and_decide"):  # etcd's transactions (EtcdStore)
-        return store.compare_set(key, expected, desired, also=also, bump=counter, if_absent=if_absent)
-    got = store.compare_set(key, expected, desired)
-    for k, v in also:
-        store.set(k, v)
-    for k, v in if_absent:
-        store.compare_set(k, b"", v)
-    if got == desired and counter is not None:
-        store.add(counter, 1)
-    return got
-
-
-def mark_dead(store: dist.Store, sealer: Sealer, replica: int, incarnation: Optional[int] = None) -> bool:
+def mark_dead(store: ControlPlane, sealer: Sealer, replica: int, incarnation: Optional[int] = None) -> bool:
     """Declare ``replica`` (its current or the given incarnation) dead.
 
     ``dead/{r}`` only ever grows, so a stale notice for an older incarnation can never mark a
@@ -399,7 +294,7 @@ def mark_dead(store: dist.Store, sealer: Sealer, replica: int, incarnation: Opti
         if current >= inc:
             return False
         desired = sealer.seal(key, str(inc).encode())
-        if compare_set_announced(store, key, raw, desired, "events") == desired:
+        if store.compare_set(key, raw, desired, bump="events") == desired:
             return True
     raise ForgedMessageError(f"{key} keeps being overwritten by an unauthenticated client")
 
@@ -427,7 +322,7 @@ class ControlStore:
     """A replica's (or launcher's) authenticated client of the coordinator."""
 
     def __init__(
-        self, addr: str, replica: int, secret: JobSecret, store: Optional[dist.Store] = None, timeout: float = 60.0
+        self, addr: str, replica: int, secret: JobSecret, store: Optional[ControlPlane] = None, timeout: float = 60.0
     ) -> None:
         self.addr = addr
         self.replica = replica
@@ -438,7 +333,7 @@ class ControlStore:
             # Connecting waits a little longer (a coordinator still starting up); operations do not.
             store = connect(addr, max(timeout, _CONNECT_TIMEOUT))
             store.set_timeout(datetime.timedelta(seconds=timeout))
-        self.raw = store
+        self.raw: ControlPlane = store
         # What this client already read of the keys that are rewritten (see the module docstring).
         self.freshness = Freshness(f"[lightning-recover] replica {replica}")
         self._deaths_seen: dict[int, int] = {}
@@ -451,12 +346,7 @@ class ControlStore:
     def prefixed(self, prefix: str) -> dist.Store:
         """A fresh, sealed connection under ``prefix``, for building process groups over it: the
         group's rendezvous (peer addresses) is authenticated like every other value."""
-        # An etcd store prefixes its own keys. torch's PrefixStore would hold a Python store only on the
-        # C++ side, where its Python half is collected ("Not implemented" on the next call, torch 2.13),
-        # and it does not forward delete_key/num_keys to Python (tests/integration/test_etcd_store.py).
-        make = getattr(self.raw, "prefixed_clone", None)
-        inner = self.call(make, prefix) if make else dist.PrefixStore(prefix, self.call(self.raw.clone))
-        return SealedStore(inner, self.sealer, prefix)
+        return SealedStore(self.call(self.raw.prefixed_clone, prefix), self.sealer, prefix)
 
     def call(self, fn: Any, *args: Any) -> Any:
         try:
@@ -465,7 +355,7 @@ class ControlStore:
             raise
         except Exception as exc:
             raise CoordinatorLostError(
-                f"replica {self.replica} lost the {'etcd control plane' if self.addr.startswith('etcd') else 'coordinator'} "
+                f"replica {self.replica} lost the {self.raw.kind} "
                 f"at {self.addr} ({type(exc).__name__}: {exc}). "
                 "No further step can be agreed safely; this replica stops. " + COORDINATOR_LOST_HINT
             ) from exc
@@ -515,16 +405,14 @@ class ControlStore:
         ``expected=None`` means "only if nobody decided yet": a forged value found there is not a
         decision, so it is replaced as if the key were empty. ``also``: sealed values written with it,
         whatever the outcome, and ``if_absent`` where absent; ``announce``: a hint counter bumped once the
-        register holds ``desired`` (one transaction on etcd: :func:`compare_set_announced`).
+        register holds ``desired`` (one transaction where the backend has them: ``ControlPlane.compare_set``).
         """
         expected_raw = b"" if expected is None else self.sealer.seal(key, expected.encode())
         desired_raw = self.sealer.seal(key, desired.encode())
         sealed = [(k, self.sealer.seal(k, v.encode())) for k, v in (also or {}).items()]
         sealed_if_absent = [(k, self.sealer.seal(k, v.encode())) for k, v in (if_absent or {}).items()]
         for _ in range(_REGISTER_TAKEBACKS):
-            got = self.call(
-                compare_set_announced, self.raw, key, expected_raw, desired_raw, announce, sealed, sealed_if_absent
-            )
+            got = self.call(self.raw.compare_set, key, expected_raw, desired_raw, sealed, announce, sealed_if_absent)
             try:
                 return self.sealer.open(key, got).decode()
             except ForgedMessageError:
@@ -561,18 +449,13 @@ class ControlStore:
     # state a moment ago, never older than one already given: use them only where such a read is as
     # good as a read made a moment earlier (hints, write-once registers, notices that only grow).
     def recent_raw(self, key: str) -> Optional[bytes]:
-        lookup = getattr(self.raw, "cached", None)
-        if lookup is not None:
-            hit, raw = self.call(lookup, key)
-            if hit:
-                return raw
-        return self.call(peek, self.raw, key)
+        hit, raw = self.call(self.raw.cached, key)
+        return raw if hit else self.call(peek, self.raw, key)
 
     def recent_arrival(self, key: str) -> Optional[tuple[bytes, float]]:
         """``(raw value, monotonic time it reached this process)`` from the watched view (etcd, while current);
         None on the TCPStore, while the view is not current or when the key is absent."""
-        lookup = getattr(self.raw, "cached_arrival", None)
-        return None if lookup is None else self.call(lookup, key)
+        return self.call(self.raw.cached_arrival, key)
 
     def recent_genuine(self, key: str) -> Optional[str]:
         """:meth:`get_genuine`, possibly a moment stale."""
@@ -580,9 +463,9 @@ class ControlStore:
 
     def recent_count(self, key: str) -> int:
         """A counter's value (``add(key, 0)``), possibly a moment stale."""
-        if getattr(self.raw, "cached", None) is None:
+        hit, raw = self.call(self.raw.cached, key)
+        if not hit:
             return self.add(key, 0)
-        raw = self.recent_raw(key)
         try:
             return int(raw or b"0")
         except ValueError:
@@ -590,31 +473,14 @@ class ControlStore:
 
     def wait_recent(self, key: str, timeout: float) -> bool:
         """:meth:`wait`; on etcd served by the watched view while it is current (no round trip)."""
-        waiter = getattr(self.raw, "cached_wait", None)
-        if waiter is not None:
-            found = self.call(waiter, key, timeout)
-            if found is not None:
-                return found
-        return self.wait(key, timeout)
+        found = self.call(self.raw.cached_wait, key, timeout)
+        return found if found is not None else self.wait(key, timeout)
 
     def wait_changed(self, timeout: float) -> None:
         """Sleep until some key changes (etcd: the watched view moves) or ``timeout`` seconds pass."""
-        waiter = getattr(self.raw, "wait_changed", None)
-        if waiter is None:
-            time.sleep(timeout)
-        else:
-            self.call(waiter, timeout)
-
-    @property
-    def watched(self) -> bool:
-        """True when a watched view (etcd) answers the ``recent_*`` reads; False on the TCPStore."""
-        return getattr(self.raw, "cached", None) is not None
+        self.call(self.raw.wait_changed, timeout)
 
     # ---------------------------------------------------------------- several keys in one round trip
-    @property
-    def transactional(self) -> bool:
-        """True on a backend with multi-key transactions (etcd): :meth:`report_and_decide` is one round trip."""
-        return hasattr(self.raw, "put_and_decide")
 
     def report_and_decide(
         self,
@@ -648,10 +514,7 @@ class ControlStore:
 
     def peek_many(self, keys: Sequence[str]) -> list[Optional[bytes]]:
         """Raw values (None: absent) without waiting; one round trip on etcd, one per key on the TCPStore."""
-        many = getattr(self.raw, "peek_many", None)
-        if many is not None:
-            return self.call(many, list(keys))
-        return [self.call(peek, self.raw, k) for k in keys]
+        return self.call(self.raw.peek_many, list(keys))
 
     def genuine_many(self, keys: Sequence[str]) -> list[Optional[str]]:
         """:meth:`get_genuine` of every key, in one :meth:`peek_many` (one round trip on etcd)."""
@@ -660,21 +523,15 @@ class ControlStore:
     def recent_genuine_many(self, keys: Sequence[str]) -> list[Optional[str]]:
         """:meth:`genuine_many`, possibly a moment stale: from the watched view while it is current (no round
         trip), else one read of them all."""
-        each = getattr(self.raw, "cached_each", None)
-        raws = None if each is None else self.call(each, list(keys))
+        raws = self.call(self.raw.cached_each, list(keys))
         if raws is None:
             raws = self.peek_many(keys)
         return [self._genuine(k, raw) for k, raw in zip(keys, raws)]
 
     def delete_many(self, keys: Sequence[str]) -> None:
         """Delete ``keys`` (cleanup: failures are ignored); one transaction on etcd."""
-        many = getattr(self.raw, "delete_many", None)
-        if many is None:
-            for k in keys:
-                self.delete(k)
-            return
         try:
-            many(list(keys))
+            self.raw.delete_many(list(keys))
         except Exception:
             pass  # cleanup only: a lost control plane is noticed elsewhere
 
@@ -682,9 +539,6 @@ class ControlStore:
     def append_hint(self, key: str, value: str) -> None:
         """Append to an unsealed list that only says where to look (entries are verified there)."""
         self.call(self.raw.append, key, value)
-
-    def get_hint(self, key: str) -> str:
-        return self.call(self.raw.get, key).decode(errors="replace")
 
     def add(self, key: str, amount: int) -> int:
         return int(self.call(self.raw.add, key, amount))
@@ -718,18 +572,14 @@ class ControlStore:
         moment stale (:meth:`recent_raw`; a notice only grows, so a stale one is just an earlier one)."""
         # Non-waiting reads: a deleted notice must not stall the heartbeat thread.
         keys = [f"dead/{r}" for r in replicas]
-        if recent:
-            raw = [self.recent_raw(k) or b"" for k in keys]
-        elif getattr(self.raw, "peek_many", None) is not None:
-            raw = [v or b"" for v in self.peek_many(keys)]
-        else:
-            raw = [self.call(peek, self.raw, k) or b"" for k in keys]
+        cached = self.call(self.raw.cached_each, keys) if recent else None
+        raw = [v or b"" for v in (cached if cached is not None else self.peek_many(keys))]
         found = {}
         for r, v in zip(replicas, raw):
             # dead/{r} only grows: a smaller genuine value read later is an old notice written back
             # (a recent read may just be earlier than a direct one: no replay is concluded from it).
             declared = read_death(self.sealer, r, v)
-            if not (recent and getattr(self.raw, "cached", None) is not None):
+            if cached is None:
                 self.freshness.accept(f"dead/{r}", declared)  # logs a replay
             found[r] = self._deaths_seen[r] = max(declared, self._deaths_seen.get(r, 0))
         return found

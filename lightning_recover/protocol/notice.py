@@ -139,5 +139,5 @@ def request_leave(store: Any, sealer: Sealer, replica: int) -> int:
 
 def leave_requested(store: Any, replica: int, incarnation: int) -> bool:
     """True once ``leave/{replica}`` names this incarnation (read from the watched view on etcd)."""
-    found = store.recent_genuine(leave_key(replica)) if store.watched else store.get_genuine(leave_key(replica))
+    found = store.recent_genuine(leave_key(replica))
     return found is not None and found.strip().isdigit() and int(found) == incarnation

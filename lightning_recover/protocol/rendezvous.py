@@ -63,7 +63,7 @@ def meeting_place(
     payload (connected on the build thread), else the control plane (every member reads the same payloads,
     so all choose the same place)."""
     address = leader_payload.get(FIELD)
-    if store.watched and isinstance(address, str) and ":" in address:
+    if isinstance(address, str) and ":" in address:
         return lambda: leaders_store(store, address, prefix, timeout)
     return store.prefixed(prefix)
 

@@ -20,6 +20,7 @@ from typing import Any, Optional
 import torch
 
 from lightning_recover import env
+from lightning_recover.control_plane.connect import is_etcd
 from lightning_recover.errors import MembershipChanged, RecoverError
 from lightning_recover.observe.report import note_member, note_step
 from lightning_recover.protocol import state_transfer
@@ -215,7 +216,7 @@ class Replica(_JoinsAndLeaves):
             addr,
             replica,
             num_replicas,
-            heartbeat_interval=options.heartbeat_period(etcd=addr.startswith("etcd")),
+            heartbeat_interval=options.heartbeat_period(etcd=is_etcd(addr)),
             join_timeout=options.join_timeout,
             collective_timeout=options.collective_timeout,
             startup_timeout=options.startup_timeout,

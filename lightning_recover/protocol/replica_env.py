@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from lightning_recover import env
+from lightning_recover.control_plane.connect import check_address
 
 
 @dataclass(frozen=True)
@@ -51,14 +52,7 @@ def read_replica_env(environ: Mapping[str, str] | None = None) -> ReplicaEnv:
             f"{', '.join(env.REPLICA_VARIABLES)} when starting them by hand."
         )
     addr = environ[env.COORDINATOR].strip()
-    host, _, port = addr.rpartition(":")
-    if addr.startswith("etcd"):  # the etcd control plane: its URL is checked where it is opened
-        pass
-    elif not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(
-            f"{env.COORDINATOR}={addr!r} must be HOST:PORT with a port in 1..65535. "
-            f"HINT: use the address the coordinator printed (LISTENING HOST:PORT)."
-        )
+    check_address(addr)
     try:
         least, replicas = env.replica_range(environ[env.REPLICAS])
     except ValueError as exc:

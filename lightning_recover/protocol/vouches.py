@@ -33,9 +33,10 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 from lightning_recover.errors import ForgedMessageError
+from lightning_recover.protocol.backend import ControlPlane
 from lightning_recover.protocol.messages import Sealer, peek_all, sequence
 
 VOUCH_KEY = "vouch"
@@ -54,13 +55,12 @@ def vouch_record(generation: int, count: int) -> tuple[str, str, int]:
     return VOUCH_KEY, json.dumps({"gen": generation}), sequence(generation, count)
 
 
-def raw_reader(store: Any) -> Callable[[Sequence[str]], list[Optional[bytes]]]:
-    """How a :class:`Roster` reads raw values from ``store`` (a ``dist.Store``): from its watched view while
-    that is current (etcd), else in one read that never waits."""
-    cached = getattr(store, "cached_each", None)
+def raw_reader(store: ControlPlane) -> Callable[[Sequence[str]], list[Optional[bytes]]]:
+    """How a :class:`Roster` reads raw values from ``store``: from its watched view while that is current,
+    else in one read that never waits."""
 
     def read(keys: Sequence[str]) -> list[Optional[bytes]]:
-        found = cached(list(keys)) if cached is not None else None
+        found = store.cached_each(list(keys))
         return found if found is not None else peek_all(store, list(keys))
 
     return read

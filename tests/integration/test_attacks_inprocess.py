@@ -21,10 +21,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from lightning_recover.control_plane.connect import connect
 from lightning_recover.errors import ForgedMessageError, RecoverError
 from lightning_recover.protocol import Fault
 from lightning_recover.protocol.coordinator import Coordinator
-from lightning_recover.protocol.messages import ControlStore, JobSecret, connect, sequence
+from lightning_recover.protocol.messages import ControlStore, JobSecret, sequence
 from lightning_recover.protocol.replica_world import declared_dead, left_key
 from lightning_recover.protocol.state_transfer import check_digest, digest, pack, unpack
 from tests.compare import SLACK, max_relative_difference

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_recover import env
+from lightning_recover.control_plane.embedded import CoordinatorStore
 from lightning_recover.launch import coordinator_process
 from lightning_recover.launch.elastic_commands import replica_range_option
 from lightning_recover.observe.events import read_events
@@ -75,7 +76,8 @@ def test_a_second_notice_is_not_graceful():
 
 @pytest.fixture
 def store():
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    tcp = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    server = CoordinatorStore(tcp)
     sealer = Sealer(JobSecret.generate())
     for r in range(4):
         server.set(f"dead/{r}", sealer.seal(f"dead/{r}", b"0"))
@@ -103,7 +105,9 @@ def test_racing_claims_never_share_an_id(store):
     won: list[int] = []
 
     def claim() -> None:
-        client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))
+        client = CoordinatorStore(
+            dist.TCPStore("127.0.0.1", server.store.port, is_master=False, timeout=timedelta(seconds=10))
+        )
         won.extend(r for r in range(4) if claim_free_id(client, sealer, r))
 
     threads = [threading.Thread(target=claim) for _ in range(4)]

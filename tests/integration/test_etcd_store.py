@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_recover.control_plane import config
+from lightning_recover.control_plane.embedded import CoordinatorStore
 from lightning_recover.control_plane.etcd_client import (
     MAX_TRY_TIMEOUT,
     QUICK_TRIES,
@@ -75,9 +76,9 @@ def test_same_answers_as_tcpstore(etcd1):
 
 
 def test_recent_many_on_the_tcpstore_is_one_multi_get():
-    store = tcp_store()
-    store.multi_set(["a", "b"], [b"1", b"2"])
-    assert recent_many(store, ["b", "a"]) == [b"2", b"1"]
+    tcp = tcp_store()
+    tcp.multi_set(["a", "b"], [b"1", b"2"])
+    assert recent_many(CoordinatorStore(tcp), ["b", "a"]) == [b"2", b"1"]
 
 
 def test_local_members_get_their_share_of_the_cores(etcd1):

@@ -17,6 +17,7 @@ import time
 import pytest
 import torch.distributed as dist
 
+from lightning_recover.control_plane.embedded import CoordinatorStore
 from lightning_recover.control_plane.etcd_client import EtcdClient
 from lightning_recover.control_plane.etcd_store import EtcdStore
 from lightning_recover.control_plane.etcd_watch import WatchView
@@ -27,7 +28,6 @@ from lightning_recover.protocol.messages import (
     ControlStore,
     JobSecret,
     Sealer,
-    compare_set_announced,
     recent_many,
     sequence,
 )
@@ -105,7 +105,7 @@ def test_view_waits_wake_on_the_write(etcd1):
 
 
 def test_a_proposal_its_join_and_its_hint_are_one_transaction(etcd1):
-    """``compare_set_announced`` (a regroup's proposal with the proposer's join payload and the ``events``
+    """``ControlPlane.compare_set`` with ``also`` and ``bump`` (a regroup's proposal with the proposer's join payload and the ``events``
     bump; a death notice with its bump): one round trip on etcd while the view holds the counter, and the
     counter moves by exactly one for the call that set the register, whatever the view's guess was."""
     store = fresh_store(etcd1)
@@ -113,32 +113,34 @@ def test_a_proposal_its_join_and_its_hint_are_one_transaction(etcd1):
     store.add("events", 3)
     until(lambda: store.cached("events") == (True, b"3"))
     before = store.client.requests
-    assert compare_set_announced(store, "gen", b"1", b"2", "events", [("g2/join/0", b"p0")]) == b"2"
+    assert store.compare_set("gen", b"1", b"2", also=[("g2/join/0", b"p0")], bump="events") == b"2"
     assert store.client.requests == before + 1
     assert (store.get("gen"), store.get("g2/join/0"), store.add("events", 0)) == (b"2", b"p0", 4)
     # Another replica finds the register set: its join is written, the hint is not bumped again.
-    assert compare_set_announced(store.clone(), "gen", b"1", b"2", "events", [("g2/join/1", b"p1")]) == b"2"
+    assert store.clone().compare_set("gen", b"1", b"2", also=[("g2/join/1", b"p1")], bump="events") == b"2"
     assert (store.get("g2/join/1"), store.add("events", 0)) == (b"p1", 4)
     # A guess the counter moved past (written through a store with a view of its own): still one increment.
     other = EtcdStore(EtcdClient(etcd1.endpoints, **etcd1.tls_files), store.prefix.decode(), root=store.root.decode())
     other.add("events", 10)
-    assert compare_set_announced(store, "gen", b"2", b"3", "events") == b"3"
+    assert store.compare_set("gen", b"2", b"3", bump="events") == b"3"
     assert store.add("events", 0) == 15
     # No current view (closed): the bump is an add after the transaction.
     store.view.close()
-    assert compare_set_announced(store, "gen", b"3", b"4", "events") == b"4"
+    assert store.compare_set("gen", b"3", b"4", bump="events") == b"4"
     assert store.add("events", 0) == 16
     # The TCPStore: the same answers, one request each; every caller finding ``desired`` bumps.
-    tcp = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
+    tcp = CoordinatorStore(
+        dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
+    )
     tcp.set("gen", b"1")
-    assert compare_set_announced(tcp, "gen", b"1", b"2", "events", [("g2/join/0", b"p0")]) == b"2"
-    assert compare_set_announced(tcp, "gen", b"1", b"2", "events", [("g2/join/1", b"p1")]) == b"2"
-    assert compare_set_announced(tcp, "gen", b"7", b"8", "events") == b"2"
+    assert tcp.compare_set("gen", b"1", b"2", also=[("g2/join/0", b"p0")], bump="events") == b"2"
+    assert tcp.compare_set("gen", b"1", b"2", also=[("g2/join/1", b"p1")], bump="events") == b"2"
+    assert tcp.compare_set("gen", b"7", b"8", bump="events") == b"2"
     assert (tcp.get("g2/join/1"), tcp.add("events", 0)) == (b"p1", 2)
     # ``if_absent``: written where the key is absent only, on both stores.
     for either in (store, tcp):
-        assert compare_set_announced(either, "reg", b"", b"a", None, if_absent=[("m", b"first")]) == b"a"
-        assert compare_set_announced(either, "reg", b"", b"b", None, if_absent=[("m", b"second")]) == b"a"
+        assert either.compare_set("reg", b"", b"a", if_absent=[("m", b"first")]) == b"a"
+        assert either.compare_set("reg", b"", b"b", if_absent=[("m", b"second")]) == b"a"
         assert either.get("m") == b"first"
 
 
@@ -288,7 +290,7 @@ def test_sealed_report_and_forged_register(etcd1):
     secret = JobSecret.generate()
     a = ControlStore("etcd://test", 0, secret, store=fresh_store(etcd1))
     b = ControlStore("etcd://test", 1, secret, store=a.raw.clone())
-    assert a.transactional and a.watched
+    assert a.raw.transactions and a.raw.views
     assert a.report_and_decide("s1/done/0", "1", {"s1/done/1": "1"}, "s1/dec", "commit") is None
     assert b.report_and_decide("s1/done/1", "1", {"s1/done/0": "1"}, "s1/dec", "commit") == "commit"
     assert a.recent_genuine("s1/dec") in (None, "commit")

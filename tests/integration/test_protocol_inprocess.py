@@ -14,13 +14,14 @@ import time
 
 import pytest
 
+from lightning_recover.control_plane.connect import connect
 from lightning_recover.errors import ReplicaExcludedError
 from lightning_recover.protocol import Fault
 from lightning_recover.protocol.collectives import SurvivorCollectives
 from lightning_recover.protocol.coordinator import Coordinator
 from lightning_recover.protocol.decisions import Decisions
 from lightning_recover.protocol.membership import Generation, Membership
-from lightning_recover.protocol.messages import ControlStore, JobSecret, connect
+from lightning_recover.protocol.messages import ControlStore, JobSecret
 from tests.compare import max_relative_difference
 from tests.inprocess import HEARTBEAT_TIMEOUT, JOIN_TIMEOUT, RUN_TIMEOUT, TOL, Cluster, reference
 

@@ -30,6 +30,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from lightning_recover import cli
+from lightning_recover.control_plane.embedded import CoordinatorStore
 from lightning_recover.control_plane.etcd_job import CAMPAIGN_PERIOD, DEFAULT_LEASE_TTL
 from lightning_recover.launch.coordinator_process import status_address
 from lightning_recover.observe.address import parse_address
@@ -102,9 +103,10 @@ class _Store:
     def __init__(self, replicas: int) -> None:
         self.secret = JobSecret.generate()
         self.sealer = Sealer(self.secret)
-        self.store = serve_store("127.0.0.1", 0, datetime.timedelta(seconds=10))
+        server = serve_store("127.0.0.1", 0, datetime.timedelta(seconds=10))
+        self.store = CoordinatorStore(server)
         init_keys(self.store, self.sealer, replicas)
-        self.addr = f"127.0.0.1:{self.store.port}"
+        self.addr = f"127.0.0.1:{server.port}"
 
 
 class _Clock:

@@ -39,7 +39,6 @@ LAZY_IMPORTS = {
     "lightning_recover.bench.exact_steps": "each measurement imports what it runs",
     "lightning_recover.control_plane.config": "the etcd client and store only once an etcd:// address is given",
     "lightning_recover.control_plane.etcd_cluster": "the client only to wait for a started cluster's health",
-    "lightning_recover.protocol.messages": "the etcd store only for an etcd:// address (the embedded default needs none)",
 }
 
 
@@ -350,4 +349,42 @@ def test_unit_tier_starts_no_process_and_waits_on_no_clock():
                     ]
                 elif isinstance(node, ast.Attribute) and node.attr == "sleep" and _dotted(node) == "time.sleep":
                     offenders.append(f"{name}:{node.lineno} calls time.sleep")
+    assert not offenders, "\n".join(offenders)
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """ids of the docstring constants of ``tree``'s module, classes and functions."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def test_the_protocol_asks_the_control_plane_through_its_seam():
+    """protocol/ calls its store through ``protocol.backend.ControlPlane`` only: no probing of what a store has
+    (``getattr``/``hasattr``), no branch on a backend's name or address (an ``etcd`` string in the code), no
+    ``watched`` flag: what differs between the embedded coordinator and etcd lives in the two backends, and the
+    capabilities that change how a round or a commit runs are the interface's named attributes."""
+    offenders = []
+    for module, tree in _modules().items():
+        if not module.startswith("lightning_recover.protocol."):
+            continue
+        docstrings = _docstrings(tree)
+        for node in _NODES[module]:
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr")
+            ):
+                subject = ast.unparse(node.args[0]) if node.args else ""
+                if "store" in subject or subject.endswith("raw"):
+                    offenders.append(f"{module}:{node.lineno} probes {subject} with {node.func.id}")
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                if "etcd" in node.value.split("://")[0].lower() and node.value.lower().startswith("etcd"):
+                    offenders.append(f"{module}:{node.lineno} names a backend: {node.value!r}")
+            elif isinstance(node, ast.Attribute) and node.attr in ("watched", "transactional"):
+                offenders.append(f"{module}:{node.lineno} branches on .{node.attr}")
     assert not offenders, "\n".join(offenders)

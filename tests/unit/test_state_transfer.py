@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore
 
+from lightning_recover.control_plane.embedded import CoordinatorStore
 from lightning_recover.errors import ForgedMessageError, RecoverError
 from lightning_recover.protocol.messages import ControlStore, JobSecret
 from lightning_recover.protocol.state_transfer import broadcast_state, pack, pack_and_seal_digest, unpack
@@ -138,7 +139,7 @@ class _Gloo:
 
 def _member(server, secret: JobSecret, rank: int) -> SimpleNamespace:
     """What broadcast_state needs of a Membership: its generation, position, rank and sealed store."""
-    store = ControlStore(f"127.0.0.1:{server.port}", rank, secret, store=server.clone())
+    store = ControlStore(f"127.0.0.1:{server.port}", rank, secret, store=CoordinatorStore(server.clone()))
     return SimpleNamespace(gen=SimpleNamespace(number=2), inner=0, replica_size=1, rank=rank, store=store)
 
 
