@@ -39,10 +39,12 @@ test-chaos: setup
 test-c:
 	$(MAKE) -C native_io/tests
 
-# Style: ruff (lint + format check) over the whole tree, clang-format over native_io's C.
+# Style: ruff (lint + format check) over the whole tree, mypy over the public Lightning-facing API (the files
+# [tool.mypy] in pyproject.toml lists), clang-format over native_io's C.
 lint: setup
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
+	$(PYTHON) -m mypy
 	$(VENV)/bin/clang-format --dry-run --Werror native_io/src/*.c native_io/src/*.h native_io/tests/*.c native_io/tests/*.h
 
 format: setup

@@ -115,6 +115,9 @@ PRIVATE_NAMES: dict[str, PrivateName] = {
     "lightning.fabric.strategies.launchers.launcher._Launcher": PrivateName(
         "lightning/base.py", "the base class Lightning's strategies accept as a launcher"
     ),
+    "lightning.pytorch.strategies.launchers.launcher._Launcher": PrivateName(
+        "lightning/trainer.py", "the launcher base the Trainer's strategies take (Fabric's, with kill)"
+    ),
     "lightning.fabric.utilities.cloud_io._atomic_save": PrivateName(
         "lightning/checkpoint_io.py", "the stock IO's save for remote (fsspec) paths, kept as Lightning does it"
     ),

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import torch
+from lightning.fabric.strategies.launchers.launcher import _Launcher
 from typing_extensions import override
 
 from lightning_recover import env
@@ -21,11 +22,7 @@ from lightning_recover.protocol.exact import check_exact_layout
 from lightning_recover.protocol.faults import check_plan
 from lightning_recover.protocol.options import RecoverOptions
 from lightning_recover.protocol.replica import Replica
-
-try:  # the two Lightning packages spell the launcher base alike; Fabric's is always present
-    from lightning.fabric.strategies.launchers.launcher import _Launcher
-except ImportError:  # pragma: no cover - lightning is a dependency
-    _Launcher = object  # type: ignore[misc,assignment]
+from lightning_recover.protocol.step import StepStats
 
 
 def build_options(microbatches: Optional[int], options: dict[str, Any], replica_size: int = 1) -> RecoverOptions:
@@ -39,10 +36,18 @@ def build_options(microbatches: Optional[int], options: dict[str, Any], replica_
     return built
 
 
+def committed_stats(core: Replica) -> StepStats:
+    """What the step that just committed did (``run_step`` records it before its iterator ends)."""
+    stats = core.last_step
+    if stats is None:
+        raise RuntimeError("strategy='recover': a step committed without recording its statistics")
+    return stats
+
+
 class ReplicaLauncher(_Launcher):
     """Inside a replica: run the function. Otherwise: become the supervisor of N replicas."""
 
-    def __init__(self, strategy: Any, command: Callable[[], list[str]]) -> None:
+    def __init__(self, strategy: Any, command: Callable[[], Sequence[str]]) -> None:
         self._strategy = strategy
         self._command = command
 
@@ -63,7 +68,7 @@ class ReplicaLauncher(_Launcher):
         sharding = getattr(self._strategy, "sharding", None)
         K = sharding.replica_size if sharding is not None else 1
         # Every user input is checked here, before any process starts (a ValueError with a HINT).
-        if K > 1:
+        if sharding is not None and K > 1:
             devices = len(self._strategy.parallel_devices or [None])
             sharding.validate(devices, opts.microbatches)
         opts.resolve_microbatches(self._strategy.num_replicas)
@@ -116,10 +121,26 @@ class RecoverStrategyBase(ReplicaRanks):
         self.options.resolve_microbatches(self.num_replicas)
         sharding = getattr(self, "sharding", None)
         tp = sharding.tensor_parallel if sharding is not None else 1
-        self.core = Replica.from_env(self.options, params, backend=backend, tensor_parallel=tp)
-        self.core.set_state_hooks(get_state, set_state)
-        self.core.start()
+        core = self.core = Replica.from_env(self.options, params, backend=backend, tensor_parallel=tp)
+        core.set_state_hooks(get_state, set_state)
+        core.start()
+        return core
+
+    def _started_core(self) -> Replica:
+        """The replica, for a hook Lightning calls only after ``setup_environment`` started it."""
+        if self.core is None:
+            raise RuntimeError(
+                "strategy='recover': the replica is not started yet (setup_environment starts it); this hook ran "
+                "before the strategy was set up"
+            )
         return self.core
+
+    def _replica_mesh(self) -> Any:
+        """The replica's K-process device mesh (sharded replicas only: the world is built when K > 1)."""
+        world = self._started_core().world
+        if world is None:
+            raise RuntimeError("strategy='recover': replica_size > 1 but the replica's K-process world is not built")
+        return world.mesh
 
     # ------------------------------------------------------------------ collectives over live replicas
     def _group_ready(self) -> bool:
@@ -127,14 +148,14 @@ class RecoverStrategyBase(ReplicaRanks):
         return self.core is not None
 
     def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> torch.Tensor:
-        return self.core.all_gather(tensor) if self._group_ready() else tensor.unsqueeze(0)
+        return self._started_core().all_gather(tensor) if self._group_ready() else tensor.unsqueeze(0)
 
     def barrier(self, name: Optional[str] = None) -> None:
         if self._group_ready():
-            self.core.barrier()
+            self._started_core().barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return self.core.broadcast(obj, src) if self._group_ready() else obj
+        return self._started_core().broadcast(obj, src) if self._group_ready() else obj
 
     def _elect_writer(self) -> bool:
         """The checkpoint writer is the lowest replica alive *now*, agreed through the store, so a

@@ -11,6 +11,8 @@ import logging
 import os
 import sys
 import weakref
+from collections.abc import Iterator
+from types import FrameType
 from typing import Any, Optional
 
 import torch
@@ -191,7 +193,7 @@ class UringCheckpointIO(CheckpointIO):
         return self._saver.pending() if self._saver is not None else 0
 
     @contextlib.contextmanager
-    def restore_into(self, state: Any):  # type: ignore[no-untyped-def]
+    def restore_into(self, state: Any) -> Iterator[UringCheckpointIO]:
         """Within the block, loads fill the tensors of ``state`` in place where path, shape and dtype match.
 
         ``state`` is what ``Fabric.load`` takes (``{"model": module, "optimizer": opt, ...}``) or any nesting of
@@ -311,14 +313,18 @@ def _attach_barrier(io: UringCheckpointIO) -> None:
     """If this save comes from ``Trainer.save_checkpoint``, make sure that trainer runs a ``_SnapshotBarrier`` and
     that its LightningModule's ``load_state_dict`` waits for pending snapshots (``guard_loads``)."""
     code = Trainer.save_checkpoint.__code__
-    f = sys._getframe(2)
+    f: Optional[FrameType] = sys._getframe(2)
     for _ in range(8):
         if f is None:
             return
         if f.f_code is code:
             trainer = f.f_locals.get("self")
             cbs = getattr(trainer, "callbacks", None)
-            if isinstance(cbs, list) and not any(isinstance(c, _SnapshotBarrier) and c.io is io for c in cbs):
+            if (
+                trainer is not None
+                and isinstance(cbs, list)
+                and not any(isinstance(c, _SnapshotBarrier) and c.io is io for c in cbs)
+            ):
                 # a new list: Lightning may be iterating over the current one right now
                 trainer.callbacks = [_SnapshotBarrier(io), *cbs]
             module = getattr(trainer, "lightning_module", None)

@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_recover.data import MicrobatchSource
-from lightning_recover.lightning.base import RecoverStrategyBase, ReplicaLauncher, build_options
+from lightning_recover.lightning.base import RecoverStrategyBase, ReplicaLauncher, build_options, committed_stats
 from lightning_recover.lightning.environment import RecoverEnvironment
 from lightning_recover.lightning.ranks import set_rank_zero
 from lightning_recover.lightning.sharding_config import (
@@ -65,23 +65,23 @@ class Step:
         self._loggers = loggers
 
     def __iter__(self) -> Iterator[Any]:
-        core = self._strategy.core
+        core = self._strategy._started_core()
         for j in core.run_step(self.index):
             core.seed_microbatch(self.index, j)
             yield self._strategy.batch_to_device(self._source.batch(self.index, j))
         self.committed = True
         set_rank_zero(self._strategy.global_rank)  # the live replicas may have been renumbered in this step
-        log_recovery_metrics(self._loggers, core.last_step, self.index, self._strategy.is_global_zero)
+        log_recovery_metrics(self._loggers, committed_stats(core), self.index, self._strategy.is_global_zero)
 
     @property
     def stats(self) -> Optional[StepStats]:
         """What happened in this step (generation, live replicas, recoveries, mean loss)."""
-        return self._strategy.core.last_step
+        return self._strategy._started_core().last_step
 
     @property
     def loss(self) -> Optional[float]:
         """Mean loss over the step's M microbatches (those passed to ``fabric.backward``)."""
-        return self.stats.loss if self.committed else None
+        return committed_stats(self._strategy._started_core()).loss if self.committed else None
 
 
 class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
@@ -203,9 +203,9 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
     @override
     def setup_module(self, module: Module) -> Module:
         if self.sharding.enabled:
-            module = self.sharding.parallelize(module, self.core.world.mesh)
+            module = self.sharding.parallelize(module, self._replica_mesh())
         self._modules.append(module)
-        module.register_forward_pre_hook(lambda *_: self.core.fire("forward"))
+        module.register_forward_pre_hook(lambda *_: self._started_core().fire("forward"))
         return module
 
     @override
@@ -232,9 +232,10 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
         each committed step's ``recover/*`` metrics are logged there at its index, by the lowest live replica.
         """
         loader = getattr(dataloader, "_dataloader", dataloader)  # unwrap Fabric's wrapper
-        source = MicrobatchSource.from_dataloader(loader, self.core.M, seed=self.options.seed)
-        if self.core.joining:
-            start_step = self.core.rejoin()
+        core = self._started_core()
+        source = MicrobatchSource.from_dataloader(loader, core.M, seed=self.options.seed)
+        if core.joining:
+            start_step = core.rejoin()
         else:
             start_step = self._resume_after_notice(start_step)
         for index in range(start_step, max_steps):
@@ -245,10 +246,10 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
                     f"step {index} was not iterated to its end. HINT: run `for batch in step: ...` fully "
                     "before calling optimizer.step()."
                 )
-            if self.core.told_to_leave:  # a notice: this replica leaves here, at the step boundary
+            if core.told_to_leave:  # a notice: this replica leaves here, at the step boundary
                 for logger in loggers:
                     logger.finalize("success")  # what its writer still holds reaches the files first
-            self.core.leave_if_told()
+            core.leave_if_told()
 
     # ------------------------------------------------------------------ preemption notices
     def _notice_state(self, step: int) -> dict:
@@ -268,24 +269,26 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
         path = self.options.notice_checkpoint
         if path is None:
             return start_step
-        self.core.set_final_checkpoint(self._write_notice_checkpoint)
+        core = self._started_core()
+        core.set_final_checkpoint(self._write_notice_checkpoint)
         if not os.path.exists(path):
             return start_step
         state = self._notice_state(-1)
         self.load_checkpoint(path, state)  # modules and optimizers in place; "step" read back into ``state``
         resumed = int(state["step"]) + 1
-        self.core.say(f"resumed from the notice checkpoint {path}: step {resumed}")
+        core.say(f"resumed from the notice checkpoint {path}: step {resumed}")
         return max(start_step, resumed)
 
     @override
     def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
-        self.core.before_backward(tensor)
-        tensor = self.sharding.prepare_backward(self.core, tensor, self._modules)  # zero slot, K-fold scale, sync
+        core = self._started_core()
+        core.before_backward(tensor)
+        tensor = self.sharding.prepare_backward(core, tensor, self._modules)  # zero slot, K-fold scale, sync
         super().backward(tensor, module, *args, **kwargs)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        self.core.fire("optimizer")
+        self._started_core().fire("optimizer")
         return super().optimizer_step(optimizer, **kwargs)
 
     # ------------------------------------------------------------------ collectives over live replicas
@@ -293,13 +296,11 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
     def all_reduce(
         self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
     ) -> Tensor:
-        return self.core.all_reduce(tensor, reduce_op)
+        return self._started_core().all_reduce(tensor, reduce_op)
 
-    @override
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
         return nullcontext()  # gradients are only ever reduced at the end of a step
 
-    @override
     def module_sharded_context(self) -> AbstractContextManager:
         return nullcontext()
 
@@ -327,7 +328,7 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
         from lightning_recover.lightning.spread_save import save_over_live_replicas
 
         save_over_live_replicas(
-            self.core,
+            self._started_core(),
             path,
             state,
             num_replicas=self.num_replicas,

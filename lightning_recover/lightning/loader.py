@@ -7,8 +7,8 @@ index, never on which replica computes it or how many replicas are alive.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any, Optional
+from collections.abc import Callable, Iterator, Sized
+from typing import Any, Optional, cast
 
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -41,11 +41,10 @@ class StepLoader:
     """
 
     def __init__(
-        self, dataloader: DataLoader, microbatches: int, seed: int, resume_position: Optional[Callable[[], int]] = None
+        self, dataloader: object, microbatches: int, seed: int, resume_position: Optional[Callable[[], int]] = None
     ) -> None:
-        check_train_dataloader(dataloader)
-        self.dataloader = dataloader
-        self.source = MicrobatchSource.from_dataloader(dataloader, microbatches, seed=seed)
+        self.dataloader = check_train_dataloader(dataloader)  # what Lightning hands the strategy: any iterable
+        self.source = MicrobatchSource.from_dataloader(self.dataloader, microbatches, seed=seed)
         self.resume_position = resume_position  # where in the epoch a resumed run continues
         self._resuming = False
 
@@ -70,8 +69,9 @@ class StepLoader:
         return {
             "microbatches": self.source.M,
             "microbatch_size": self.source.b,
-            "samples": len(self.source.dataset),
-            "seed": self.source.seed,  # type: ignore[arg-type]
+            # map-style (check_train_dataloader refuses a dataset without __len__); torch's Dataset type has none
+            "samples": len(cast(Sized, self.source.dataset)),
+            "seed": self.source.seed,
             "shuffle": int(self.source.shuffle),
         }
 
@@ -95,8 +95,9 @@ class StepLoader:
             )
 
 
-def check_train_dataloader(dataloader: Any) -> None:
-    """Refuse training loaders that cannot be cut into numbered microbatches, saying what to do."""
+def check_train_dataloader(dataloader: object) -> DataLoader:
+    """Refuse training loaders that cannot be cut into numbered microbatches, saying what to do; return the
+    DataLoader."""
     if not isinstance(dataloader, DataLoader):
         raise TypeError(
             f"strategy='recover' needs a torch DataLoader for training, got {type(dataloader).__name__}. "
@@ -114,6 +115,7 @@ def check_train_dataloader(dataloader: Any) -> None:
             "strategy='recover' needs the training DataLoader's batch_size (one batch = one microbatch); custom "
             "batch samplers are not supported. HINT: DataLoader(dataset, batch_size=b, shuffle=True)."
         )
+    return dataloader
 
 
 def epoch_position(trainer: Any, steps_per_epoch: int) -> int:

@@ -22,12 +22,13 @@ from typing import Any, Optional
 import torch
 
 from lightning_recover import env
+from lightning_recover.protocol.replica import Replica
 
 
 class ReplicaRanks:
     """Mixin for a Lightning ``ParallelStrategy`` that owns a ``core`` (a ``Replica``, or None before setup)."""
 
-    core: Any
+    core: Optional[Replica]
     parallel_devices: Optional[list[torch.device]]
 
     @property
@@ -97,4 +98,5 @@ def set_rank_zero(rank: int) -> None:
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
     from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
-    rank_zero_only.rank = utils_rank_zero_only.rank = fabric_rank_zero_only.rank = rank
+    # Lightning documents setting ``rank_zero_only.rank``; its typing of the decorator does not declare the attribute
+    rank_zero_only.rank = utils_rank_zero_only.rank = fabric_rank_zero_only.rank = rank  # type: ignore[attr-defined]

@@ -126,6 +126,8 @@ class ShardingConfig:
         """
         if self.shard == "fsdp":
             module = fsdp_every_block(module, mesh, shard_root=shard_root)
+        elif self.parallelize_fn is None:  # __post_init__ refuses replica_size > 1 with neither
+            raise RuntimeError("strategy='recover': parallelize called without shard='fsdp' or parallelize_fn")
         else:
             out = self.parallelize_fn(module, mesh)
             module = out if isinstance(out, Module) else module
@@ -197,8 +199,9 @@ class ShardingConfig:
             sync = core.sync_round
             for module in modules:
                 for m in module.modules():
-                    if hasattr(m, "set_requires_gradient_sync"):
-                        m.set_requires_gradient_sync(sync, recurse=False)
+                    set_sync = getattr(m, "set_requires_gradient_sync", None)  # FSDP2 modules have it
+                    if set_sync is not None:
+                        set_sync(sync, recurse=False)
         return loss
 
 

@@ -71,6 +71,7 @@ class StepLogCapture:
                 return self.original(*args, **kwargs)  # let Lightning raise its own error
             number = float(value.detach().float().cpu())
         elif isinstance(value, numbers.Number):
+            # typeshed's Number has no __float__ (complex): such a value fails here as in float() anywhere
             number = float(value)  # type: ignore[arg-type]
         else:  # a torchmetrics Metric (or anything else): Lightning handles it per call
             return self.original(*args, **kwargs)

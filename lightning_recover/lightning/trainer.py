@@ -32,20 +32,21 @@ from __future__ import annotations
 
 import builtins
 import logging
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers.launcher import _Launcher as _PLLauncher
 from lightning.pytorch.trainer.states import RunningStage
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_recover import env
 from lightning_recover.errors import RecoverError
-from lightning_recover.lightning.base import RecoverStrategyBase, ReplicaLauncher, build_options
+from lightning_recover.lightning.base import ReplicaLauncher, build_options, committed_stats
 from lightning_recover.lightning.environment import RecoverEnvironment
 from lightning_recover.lightning.loader import StepBatch, StepLoader, epoch_position
 from lightning_recover.lightning.ranks import set_rank_zero
@@ -82,14 +83,14 @@ def check_trainer(trainer: Any, model: Any = None) -> None:
         )
 
 
-def _script_command() -> list[str]:
+def _script_command() -> Sequence[str]:
     from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd
 
     return _basic_subprocess_cmd()
 
 
-class _TrainerLauncher(ReplicaLauncher):
-    """The replica launcher with the Trainer's ``launch(function, *args, trainer=...)`` API."""
+class _TrainerLauncher(ReplicaLauncher, _PLLauncher):
+    """The replica launcher with the Trainer's ``launch(function, *args, trainer=...)`` API (and its ``kill``)."""
 
     @override
     def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
@@ -116,7 +117,7 @@ def _replica_banner() -> None:
         logging.getLogger(name).addFilter(_not_the_supervisors_banner)
 
 
-class RecoverTrainerStrategy(TrainerCheckpointing, RecoverStrategyBase, ParallelStrategy):
+class RecoverTrainerStrategy(TrainerCheckpointing):  # on RecoverStrategyBase and Lightning's ParallelStrategy
     """``Trainer(strategy="recover")``: fault-tolerant data parallelism with in-step recovery.
 
     One DataLoader batch is one microbatch; one optimizer step is ``microbatches`` (``M``) of them,
@@ -206,8 +207,8 @@ class RecoverTrainerStrategy(TrainerCheckpointing, RecoverStrategyBase, Parallel
         )
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if self.core is None:  # one replica per process, kept across fit/validate/test calls
-            self._start_replica(self._trainable_parameters, self._state_for_joiner, self._receive_state)
-            if self.core.joining:
+            core = self._start_replica(self._trainable_parameters, self._state_for_joiner, self._receive_state)
+            if core.joining:
                 self._rejoin(trainer)
         set_rank_zero(self.global_rank)
         if trainer is not None:
@@ -215,7 +216,7 @@ class RecoverTrainerStrategy(TrainerCheckpointing, RecoverStrategyBase, Parallel
             # A DistributedSampler must never be injected: the step plan decides what each replica reads.
             trainer._accelerator_connector.use_distributed_sampler = False
             if not self._solo:  # the K processes of a replica write the same value (store collectives are per replica)
-                share_logger_versions(trainer, self.core.rank == 0, self.broadcast)
+                share_logger_versions(trainer, self._started_core().rank == 0, self.broadcast)
 
     # ------------------------------------------------------------------ rejoin (lightning/trainer_rejoin.py)
     def _state_for_joiner(self) -> dict[str, Any]:
@@ -230,10 +231,11 @@ class RecoverTrainerStrategy(TrainerCheckpointing, RecoverStrategyBase, Parallel
         """A restarted replica: receive the live state from a peer before the fit loop starts; it is
         restored like ``fit(ckpt_path=...)`` (and :meth:`load_checkpoint` returns it instead of
         reading a file, should the script pass a ``ckpt_path``)."""
-        check_rejoin_inside_fit(trainer, self.core.replica_id)
+        core = self._started_core()
+        check_rejoin_inside_fit(trainer, core.replica_id)
         self._solo = True
-        step = self.core.rejoin()
-        self._rejoin_checkpoint = adopt_checkpoint(trainer, self._received, step, self.core.replica_id)
+        step = core.rejoin()
+        self._rejoin_checkpoint = adopt_checkpoint(trainer, self._received, step, core.replica_id)
         self._received = {}
         self._rejoin_step = step
 
@@ -266,7 +268,7 @@ class RecoverTrainerStrategy(TrainerCheckpointing, RecoverStrategyBase, Parallel
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """After ``configure_model``, before ``configure_optimizers``: shard the module inside the replica."""
         if self.sharding.enabled:
-            model = self.sharding.parallelize(model, self.core.world.mesh, shard_root=False)
+            model = self.sharding.parallelize(model, self._replica_mesh(), shard_root=False)
         return super()._setup_model(model)
 
     @override
@@ -276,8 +278,8 @@ class RecoverTrainerStrategy(TrainerCheckpointing, RecoverStrategyBase, Parallel
         if trainer is not None and trainer.state.stage == RunningStage.TRAINING:
             loader = StepLoader(
                 dataloader,
-                self.core.M,
-                self.options.seed,  # type: ignore[arg-type]
+                self._started_core().M,
+                self.options.seed,
                 resume_position=lambda: epoch_position(trainer, len(loader)),
             )
             return loader
@@ -298,9 +300,9 @@ class RecoverTrainerStrategy(TrainerCheckpointing, RecoverStrategyBase, Parallel
                 "strategy='recover' expected its own step token as the training batch; the training "
                 "DataLoader was not processed by the strategy."
             )
-        module = self.lightning_module
+        module = self._attached_module()
         trainer = module.trainer
-        core = self.core
+        core = self._started_core()
         source = token.loader.source
         step = trainer.global_step
         if self._solo:  # a rejoined replica's first step: from here on it runs in step with the members
@@ -337,10 +339,10 @@ class RecoverTrainerStrategy(TrainerCheckpointing, RecoverStrategyBase, Parallel
         for p in params:
             p.grad = None  # out of reach of the closure's zero_grad; `backward` puts them back
         set_rank_zero(self.global_rank)
-        stats = core.last_step
+        stats = committed_stats(core)
         if core.world is not None:  # the K processes computed different microbatches: one capture per replica
             capture.merge_in_replica(core.world.group)
-        log_step(capture, stats, core.exchange, token.loader.samples_per_step, bool(self.lightning_module.loggers))
+        log_step(capture, stats, core.exchange, token.loader.samples_per_step, bool(module.loggers))
         return torch.tensor(stats.loss if stats.loss is not None else float("nan"), device=self.root_device)
 
     @override
@@ -352,7 +354,7 @@ class RecoverTrainerStrategy(TrainerCheckpointing, RecoverStrategyBase, Parallel
                 "strategy='recover' back-propagates each microbatch inside its training_step; a second backward in "
                 "the same step is not supported (manual optimization or a custom closure?)."
             )
-        module = self.lightning_module
+        module = self._attached_module()
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)  # on_before_backward(mean loss)
         for p, grad in committed:
@@ -365,7 +367,7 @@ class RecoverTrainerStrategy(TrainerCheckpointing, RecoverStrategyBase, Parallel
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         def closure_then_fault() -> Any:
             result = closure()
-            self.core.fire("optimizer")  # after the commit, before the parameters change
+            self._started_core().fire("optimizer")  # after the commit, before the parameters change
             return result
 
         return super().optimizer_step(optimizer, closure_then_fault, model, **kwargs)
@@ -389,13 +391,13 @@ class RecoverTrainerStrategy(TrainerCheckpointing, RecoverStrategyBase, Parallel
             return tensor
         if self._evaluating():
             return tensor  # every replica evaluated the full loaders: it already holds the global value
-        return self.core.all_reduce(tensor, reduce_op or "mean")
+        return self._started_core().all_reduce(tensor, reduce_op or "mean")
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         if not self._group_ready():
             return decision
-        values = self.core.exchange(bool(decision)).values()
+        values = self._started_core().exchange(bool(decision)).values()
         return builtins.all(values) if all else any(values)
 
     def _group_ready(self) -> bool:
@@ -404,10 +406,6 @@ class RecoverTrainerStrategy(TrainerCheckpointing, RecoverStrategyBase, Parallel
 
     @override
     def block_backward_sync(self) -> Any:
-        return nullcontext()
-
-    @override
-    def model_sharded_context(self) -> AbstractContextManager:
         return nullcontext()
 
     @override

@@ -169,7 +169,7 @@ def save_trainer_checkpoint(
 
 def load_trainer_checkpoint(
     path: str | os.PathLike,
-    module: Module,
+    module: Optional[Module],
     optimizers: list[Optimizer],
     weights_only: Optional[bool] = None,
     *,
@@ -186,7 +186,9 @@ def load_trainer_checkpoint(
             "sharded Trainer checkpoints are always read with torch's weights_only loader. HINT: leave weights_only "
             "unset (or True)."
         )
-    check_trainer_checkpoint(path)
+    check_trainer_checkpoint(path)  # a path that is no sharded checkpoint is refused first, with a HINT
+    if module is None:
+        raise RuntimeError("strategy='recover': no LightningModule to restore the sharded checkpoint into")
     saved = checkpoint_keys(path)
     state: dict[str, Any] = {MODEL_KEY: module}
     if optimizers:

@@ -11,9 +11,16 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import ParallelStrategy
 from typing_extensions import override
 
-from lightning_recover.lightning.sharding_config import load_local_module_state, optimizer_state_from_local
+from lightning_recover.lightning.base import RecoverStrategyBase
+from lightning_recover.lightning.sharding_config import (
+    ShardingConfig,
+    load_local_module_state,
+    optimizer_state_from_local,
+)
 from lightning_recover.lightning.trainer_checkpoint import (
     hpc_checkpoint_path,
     load_trainer_checkpoint,
@@ -24,9 +31,22 @@ from lightning_recover.observe.report import noted_checkpoint
 from lightning_recover.protocol.exact import checkpoint_entries, restore_checkpoint_entries
 
 
-class TrainerCheckpointing:
-    """The checkpoint side of :class:`~lightning_recover.lightning.trainer.RecoverTrainerStrategy` (a base of it:
-    it uses the strategy's ``core``, ``sharding``, ``options`` and rejoin state)."""
+# ReplicaRanks.distributed_sampler_kwargs is None (no sampler): Lightning's Trainer types it Optional and reads it only
+# to inject a sampler, which this strategy turns off, but its ParallelStrategy annotates a dict
+class TrainerCheckpointing(RecoverStrategyBase, ParallelStrategy):  # type: ignore[misc]
+    """The checkpoint side of :class:`~lightning_recover.lightning.trainer.RecoverTrainerStrategy` (its base: it
+    uses the strategy's ``core``, ``sharding``, ``options`` and rejoin state, set by the strategy's ``__init__``)."""
+
+    sharding: ShardingConfig
+    _rejoin_checkpoint: Optional[dict[str, Any]]
+    _solo: bool
+
+    def _attached_module(self) -> LightningModule:
+        """The LightningModule, for the hooks the Trainer calls only once it attached one."""
+        module = self.lightning_module
+        if module is None:
+            raise RuntimeError("strategy='recover': no LightningModule is attached to the strategy yet")
+        return module
 
     @property
     @override
@@ -44,7 +64,7 @@ class TrainerCheckpointing:
         if not self.sharding.enabled:
             return super().load_model_state_dict(checkpoint, strict=strict)
         if self._rejoin_checkpoint is not None:  # (a ckpt_path was restored by load_checkpoint already)
-            load_local_module_state(self.lightning_module, checkpoint["state_dict"])
+            load_local_module_state(self._attached_module(), checkpoint["state_dict"])
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
@@ -68,10 +88,11 @@ class TrainerCheckpointing:
     def _write_notice_checkpoint(self, step: int) -> None:
         """A whole-job notice: every replica saves the final checkpoint together, through the checkpoint plugin,
         at ``notice_checkpoint=`` or else where Lightning resumes a requeued job from (its HPC checkpoint)."""
-        trainer = self.lightning_module.trainer
+        trainer = self._attached_module().trainer
         path = self.options.notice_checkpoint
         if path is None:  # the next free hpc_ckpt_N, named by one replica before any of them writes
-            path = self.broadcast(hpc_checkpoint_path(trainer.default_root_dir) if self.core.rank == 0 else None)
+            first = self._started_core().rank == 0
+            path = self.broadcast(hpc_checkpoint_path(trainer.default_root_dir) if first else None)
         trainer.save_checkpoint(path)
 
     @override
@@ -95,5 +116,6 @@ class TrainerCheckpointing:
     def remove_checkpoint(self, filepath: Any) -> None:
         if not self.sharding.enabled:
             return super().remove_checkpoint(filepath)
-        if not self._solo and self._elect_writer() and self.core.inner == 0:  # one process removes the directory
+        # one process removes the directory
+        if not self._solo and self._elect_writer() and self._started_core().inner == 0:
             remove_checkpoint_dir(filepath)

@@ -96,7 +96,7 @@ def _whole_target(rec: dict, reqs: list, planner: LoadPlanner) -> Optional[tuple
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of contiguous ``t`` as a writable memoryview (any dtype)."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 class SidecarsMissingError(CheckpointCorruptError):
@@ -237,9 +237,10 @@ class UringStorageReader(FileSystemReader):
         # FileSystemReader.read_metadata is a bare pickle.load; ours allows DCP's metadata types only
         rank = kwargs.get("rank")
         md = read_dcp_metadata(self.path, os.path.basename(self._get_metadata_path(rank)))
-        if getattr(md, "storage_meta", None) is None:
-            md.storage_meta = StorageMeta()
-        md.storage_meta.load_id = self.load_id
+        meta: Optional[StorageMeta] = getattr(md, "storage_meta", None)
+        if meta is None:
+            meta = md.storage_meta = StorageMeta()
+        meta.load_id = self.load_id
         return md
 
     def _sidecar_index(self) -> dict[str, dict]:

@@ -355,8 +355,8 @@ class DcpSaver:
             return
 
         assert cache is not None  # unchanged implies a cache
-        token = f"{int(votes[0, _TOKEN]):012x}" if part is None else part.token
-        self._save_cached(path, part, token, writer, planner, cache, votes, rank, world, coordinator)
+        cache_token = f"{int(votes[0, _TOKEN]):012x}" if part is None else part.token
+        self._save_cached(path, part, cache_token, writer, planner, cache, votes, rank, world, coordinator)
         self.last_protocol = "cached"
 
     def _save_with_dcp(
@@ -484,9 +484,12 @@ class DcpSaver:
             new = row[1 : 1 + old.numel()].reshape(-1, 2)
             if torch.equal(new, old):
                 continue
+            file = cache.files[r]
+            if file is None:  # a rank that wrote no item has no extent to move
+                raise RuntimeError(f"DcpSaver: rank {r} moved extents of a file it did not write")
             storage = dict(cache.template.metadata.storage_data) if storage is None else storage
             for i in (new != old).any(dim=1).nonzero().flatten().tolist():
-                storage[cache.indices[r][i]] = _StorageInfo(cache.files[r], int(new[i, 0]), int(new[i, 1]))
+                storage[cache.indices[r][i]] = _StorageInfo(file, int(new[i, 0]), int(new[i, 1]))
             cache.extents[r] = new.clone()
         if storage is not None:  # a new metadata (the cached one is never changed: the template holds its pickle)
             cache.template = MetadataTemplate(dataclasses.replace(cache.template.metadata, storage_data=storage))

@@ -52,7 +52,7 @@ from lightning_recover.checkpoint.integrity import CheckpointCorruptError, Unsaf
 __all__ = ["save_sharded", "load_sharded", "load_full", "checkpoint_keys", "is_dcp_checkpoint"]
 
 
-class _WeightsOnlyBytes:
+class _WeightsOnlyBytes(DefaultLoadPlanner):
     """DCP's default planners load bytes items with ``torch.load(weights_only=False)``; ours do not."""
 
     def load_bytes(self, read_item: ReadItem, value: Any) -> None:

@@ -135,7 +135,8 @@ class _ArchiveTemplate:
         records = [r for r in torch._C.PyTorchFileReader(io.BytesIO(raw)).get_all_records() if r.startswith("data/")]
         if records != ["data/0"]:  # pragma: no cover - torch changed its archive layout
             raise RuntimeError(f"unexpected torch.save layout {records}; use FileSystemWriter with this torch")
-        data_off = torch._C.PyTorchFileReader(io.BytesIO(raw)).get_record_offset("data/0")
+        reader = torch._C.PyTorchFileReader(io.BytesIO(raw))
+        data_off = reader.get_record_offset("data/0")  # type: ignore[attr-defined]  # in torch, not in its stubs
         self.nbytes = t.untyped_storage().nbytes()
         self.head = raw[:data_off]
         self.tail = raw[data_off + self.nbytes :]
@@ -186,7 +187,7 @@ def gc_pause_for(pause_gc: bool | float) -> Optional[GcPause]:
 def _storage_bytes(t: torch.Tensor) -> memoryview:
     """The tensor's storage as bytes, without a copy (any dtype, bf16 included)."""
     u8 = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
-    return memoryview(u8.numpy()).cast("B")
+    return u8.numpy().data.cast("B")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -429,6 +430,7 @@ class UringStorageWriter(FileSystemWriter):
                 for item in items:
                     data = planner.resolve_data(item)
                     layout = None
+                    segs: list[tuple[int, bytes | memoryview]]
                     if item.type == WriteItemType.BYTE_IO:
                         if not isinstance(data, io.BytesIO):
                             raise TypeError(f"bytes item {item.index.fqn} resolved to {type(data).__name__}")
@@ -437,6 +439,8 @@ class UringStorageWriter(FileSystemWriter):
                         segs = [(off, buf)]
                         length = len(buf)
                     else:
+                        if not isinstance(data, torch.Tensor):
+                            raise TypeError(f"tensor item {item.index.fqn} resolved to {type(data).__name__}")
                         t = data.detach().cpu()
                         if t.untyped_storage().nbytes() != t.nbytes:
                             t = t.clone()  # a view: save only its bytes, as FileSystemWriter does

@@ -350,6 +350,9 @@ def _tensor_rows(index: torch_zip.ArchiveIndex, small: dict) -> list[dict]:
     """Tensor names, shapes and file offsets (``[]``: not listed, see :func:`_meta_tensors`)."""
     rows = []
     for name, t, record in _meta_tensors(index, small):
+        base = t.untyped_storage()._checkpoint_offset
+        if base is None:  # _meta_tensors lists only the tensors torch gave a file offset
+            raise RuntimeError(f"{index.path}: tensor {name} has no offset in the file")
         rows.append(
             {
                 "name": name,
@@ -357,7 +360,7 @@ def _tensor_rows(index: torch_zip.ArchiveIndex, small: dict) -> list[dict]:
                 "shape": list(t.shape),
                 "stride": list(t.stride()),
                 "bytes": t.numel() * t.element_size(),
-                "offset": t.untyped_storage()._checkpoint_offset + t.storage_offset() * t.element_size(),
+                "offset": base + t.storage_offset() * t.element_size(),
                 "record": record,
             }
         )
@@ -395,7 +398,7 @@ def _target_storages(
             continue
         name, t = tensors[0]
         dest = targets.get(name)
-        if type(dest) not in (torch.Tensor, torch.nn.Parameter) or dest.device.type != "cpu":
+        if dest is None or type(dest) not in (torch.Tensor, torch.nn.Parameter) or dest.device.type != "cpu":
             continue  # (a subclass, e.g. a DTensor, has no storage of its own to read into)
         if dest.dtype != t.dtype or dest.shape != t.shape:
             continue

@@ -42,7 +42,7 @@ import struct
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -762,10 +762,18 @@ def check_local_headers(headers: dict[str, bytes], index: ArchiveIndex) -> list[
 # -------------------------------------------------------------------------------------------- load
 
 
+class StorageLookup(Protocol):
+    """Where :class:`VerifiedArchive` finds a record's storage: a dict, or ``StorageReads`` (waits for each read)."""
+
+    def __contains__(self, name: str) -> bool: ...
+
+    def __getitem__(self, name: str) -> torch.UntypedStorage: ...
+
+
 class VerifiedArchive:
     """Stands in for torch's zip reader in ``torch.serialization._load``, over records already read and verified."""
 
-    def __init__(self, index: ArchiveIndex, small: dict[str, bytes], storages: dict[str, torch.UntypedStorage]):
+    def __init__(self, index: ArchiveIndex, small: dict[str, bytes], storages: StorageLookup):
         self._index = index
         self._small = small
         self._storages = storages
