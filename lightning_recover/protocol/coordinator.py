@@ -50,7 +50,6 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Collection
 from typing import Optional
 
 import torch.distributed as dist
@@ -64,7 +63,8 @@ from lightning_recover.observe.status_server import StatusServer
 from lightning_recover.protocol.backend import ControlPlane
 from lightning_recover.protocol.messages import Freshness, JobSecret, Sealer, mark_dead, peek, peek_all, read_death
 from lightning_recover.protocol.reachability import PartitionJudge, probe_timeout_for
-from lightning_recover.protocol.vouches import VOUCH_KEY, Roster, Vouch, VouchReader, raw_reader
+from lightning_recover.protocol.verdicts import Ledger
+from lightning_recover.protocol.vouches import VOUCH_KEY, Roster, VouchReader, raw_reader
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +87,6 @@ def init_keys(store: ControlPlane, sealer: Sealer, replicas: int, replica_size: 
     store.set("gen/latest", sealer.seal("gen/latest", b"0"))
     store.set("meta/replicas", sealer.seal("meta/replicas", str(replicas).encode()))
     store.set("meta/replica_size", sealer.seal("meta/replica_size", str(replica_size).encode()))
-
-
-_WAITING = ("reduce", "decide", "regroup", "exchange")  # phases in which a replica waits on its peers
 
 
 def run_monitor(
@@ -115,62 +112,37 @@ def run_monitor(
     ``board``: told every pass what the monitor read, and every declaration with its cause (the status page)."""
     procs = [(r, key) for r in range(replicas) for key in _hb_keys(r, replica_size)]
     keys = [k for _, k in procs]
-    beats: dict[str, tuple[int, int, float]] = {}  # key -> (incarnation, beat, when it last moved)
-    progress: dict[str, tuple[int, int, float]] = {}  # key -> (incarnation, progress count, when it last moved)
-    hbs: dict[str, tuple[int, dict]] = {}  # key -> (replica, its last fresh and genuine heartbeat)
+    ledger = Ledger(timeout, hang_timeout)  # who is dead as of a time, from what this loop accepted (verdicts.py)
     fresh = Freshness("[coordinator]")
     poll = min(poll_period, timeout / 10)
     # A declaration rests on heartbeats read from the store itself, ordered like a write (etcd: one
     # transaction through the Raft log for all of them, ``peek_all``): a read that blocks as long as the
     # replicas' heartbeat writes do is how the stall allowance below sees that etcd could not take writes.
-    # On etcd the other polls look at the process's watched view (no request): only when it shows a replica
+    # With a watched view the other polls look at the view (no request): only when it shows a replica
     # late or hung is that read made, and the replica judged again on it. A view alone was tried: it
     # declared every replica dead in about half the runs of test_etcd_leader_sigkill_mid_training (an
     # election's silence looks like missed beats), and so does a read that comes just after the election,
     # before the replicas' retried beats: a grown Raft term forgives what came before it.
-    # etcd: a step's commit vouches for its members (vouches.py); read after the heartbeats, as the last key.
+    # Where commits vouch for their members (vouches.py), the vouch is read after the heartbeats, as the last key.
     read_keys = keys + [VOUCH_KEY] if store.transactions and replica_size == 1 else keys
     term = 0
-    # etcd: a watched view stops answering once its stream was silent for a while (etcd_watch.STALE_AFTER),
-    # and with the heartbeats beside the job's keys nothing else may be written while a long step runs. The
-    # monitor's own view hears what every view hears: when it says quiet, a tick keeps them all current.
-    ticks, ticked = 0, 0.0
-    # With every beat in a lease (etcd_liveness.py) the heartbeats' own view hears nothing while replicas live:
-    # a tick there too keeps it current (else each poll would read every heartbeat from etcd).
-    ticked_beside = 0.0
-    present: dict[str, bool] = {}  # key -> whether the last read found it (a leased beat is gone once expired)
+    # A watched view stops answering once its stream was silent for a while (etcd_watch.STALE_AFTER), and with
+    # the heartbeats beside the job's keys nothing else may be written while a long step runs. The monitor's own
+    # view hears what every view hears: when it says quiet, a tick keeps them all current. With every beat in a
+    # lease (etcd_liveness.py) the heartbeats' own view hears nothing while replicas live: a tick there too.
+    ticks, ticked, ticked_beside = 0, 0.0, 0.0
     last_read = time.monotonic()
     # Members that reach the coordinator but not each other (an asymmetric partition): see reachability.py.
     judge = PartitionJudge(store, sealer, timeout, probe_timeout_for(timeout), log=_judge_said)
-
-    def forgive(seconds: float, until: float = 0.0) -> None:
-        """Count ``seconds`` (or everything before ``until``) against nobody: the control plane stalled."""
-        nonlocal beats, progress
-        beats = {k: (i, b, max(t + seconds, until)) for k, (i, b, t) in beats.items()}
-        progress = {k: (i, c, max(t + seconds, until)) for k, (i, c, t) in progress.items()}
-
     opened: dict[str, bytes] = {}  # key -> the raw value last opened (the view answers the same one many polls)
-    settled: dict[int, int] = {}  # replica -> the incarnation known dead (dead/{r} only grows): judged no more
     vouches = VouchReader(sealer, Roster(sealer, raw_reader(store)))  # a vouch names its generation
     vouched_at = 0.0  # when the newest vouch was read: progress of the whole generation it names
-    latest: list[dict[int, int]] = [{}]  # the newest vouched generation's replica -> incarnation
-    absent_since: dict[str, float] = {}  # a member's heartbeat key this monitor never read -> since when absent
-
-    def credit(vouch: Vouch, now: float) -> None:
-        """A commit vouches that every member it names beat and progressed (vouches.py)."""
-        latest[0] = vouch.incarnations
-        for r, inc in vouch.incarnations.items():
-            (key,) = _hb_keys(r, 1)  # commits vouch for replicas of one process only
-            if beats.get(key, (None,))[0] == inc:
-                beats[key] = (*beats[key][:2], now)
-            if progress.get(key, (None,))[0] == inc:
-                progress[key] = (*progress[key][:2], now)
 
     def observe(raws: list, now: float) -> None:
         nonlocal term, vouched_at
         vouch = vouches.newer(raws[-1]) if len(raws) > len(keys) else None
         for (r, key), raw in zip(procs, raws):
-            present[key] = raw is not None
+            ledger.found(key, raw is not None)
             if raw is None or opened.get(key) == raw:
                 continue  # deleted (judged on its last fresh heartbeat), or already read
             opened[key] = raw
@@ -180,49 +152,14 @@ def run_monitor(
             except (ForgedMessageError, ValueError):
                 continue  # a forged heartbeat is no heartbeat
             if fresh.accept(key, seq):  # a replayed heartbeat is none either
-                hbs[key] = (r, hb)
+                ledger.heard(key, r, hb)
         if vouch is not None:
-            credit(vouch, now)
+            ledger.vouch(vouch.incarnations, now)
             vouched_at = now
         seen = store.raft_term()
         if seen > term and term:
-            forgive(0.0, until=now)  # a leader election since the last look: nobody could beat during it
+            ledger.forgive(0.0, until=now)  # a leader election since the last look: nobody could beat during it
         term = max(term, seen)
-
-    def verdicts(now: float) -> dict[str, tuple[int, int, str, str]]:
-        """Key -> (replica, incarnation, why, cause) of every process late or hung as of ``now``."""
-        out = {}
-        waiting = {r for r, hb in hbs.values() if hb.get("phase") in _WAITING}
-        for key, (r, hb) in hbs.items():
-            inc = int(hb.get("inc", 0))
-            if inc == 0 or settled.get(r, 0) >= inc:
-                continue  # not started yet, or already dead
-            beat = (inc, int(hb.get("beat", 0)))
-            prev = beats.get(key)
-            if prev is None or prev[:2] != beat:
-                beats[key] = (*beat, now)
-            if hb.get("lease"):  # alive while etcd keeps its key (the lease kept alive), dead once deleted
-                if not present.get(key, True):
-                    out[key] = (r, inc, f"its heartbeat's lease expired (no keep-alive for {hb['lease']}s)", "kill")
-                    continue
-                beats[key] = (*beat, now)
-            count = (inc, int(hb.get("count", 0)))
-            moved = progress.get(key)
-            if moved is None or moved[:2] != count or hb.get("phase") in _WAITING or not (waiting - {r}):
-                progress[key] = (*count, now)  # progressing, waiting itself, or nobody waits on it
-            if now - beats[key][2] > timeout:
-                out[key] = (r, inc, f"missed heartbeats for {now - beats[key][2]:.2f}s", "kill")
-            elif now - progress[key][2] > hang_timeout:
-                out[key] = (
-                    r,
-                    inc,
-                    f"made no progress for {now - progress[key][2]:.2f}s in phase {hb.get('phase')!r} of step "
-                    f"{hb.get('step')} while replicas {sorted(waiting - {r})} waited on it (hung)",
-                    "hang",
-                )
-        for key, (r, inc, why) in members_gone_unread(latest[0], hbs, present, settled, absent_since, now, timeout):
-            out[key] = (r, inc, why, "kill")
-        return out
 
     while not stop.wait(poll):
         now = time.monotonic()
@@ -232,7 +169,7 @@ def run_monitor(
         stalled = now - last_read - poll
         last_read = now
         if stalled > 2 * poll:
-            forgive(stalled)
+            ledger.forgive(stalled)
         # Non-waiting reads: a heartbeat key deleted by an outside client must not stall the monitor.
         raws = store.cached_each(keys)  # None without a current view; a leased beat's key is absent once expired
         read_from_store = raws is None
@@ -242,65 +179,29 @@ def run_monitor(
             hit, raw = store.cached(VOUCH_KEY)  # absent until the first commit
             raws.append(raw if hit else None)
         observe(raws, now)
-        late = verdicts(now)
+        late = ledger.verdicts(now)
         if late and not read_from_store:
             # The view says a replica is late or hung: judge it again on a read ordered like a write.
             began = time.monotonic()
             raws = peek_all(store, read_keys)
             now = last_read = time.monotonic()
             if now - began > 2 * poll:
-                forgive(now - began)
+                ledger.forgive(now - began)
             observe(raws, now)
-            late = verdicts(now)
-        for key, (r, inc, why, cause) in late.items():
-            why = f"({key}) {why}" if replica_size > 1 else why
-            settled[r] = max(settled.get(r, 0), _declare(store, sealer, r, inc, why, cause, board))
-        fenced = judge.observe(now, hbs, progressed_at=vouched_at)
-        if board is not None:
-            last_read += _tell_board(board, fenced, now, store, sealer, hbs, beats)  # its time is no stall
+            late = ledger.verdicts(now)
+        for key, verdict in late.items():
+            why = f"({key}) {verdict.why}" if replica_size > 1 else verdict.why
+            r = verdict.replica
+            ledger.settle(r, _declare(store, sealer, r, verdict.incarnation, why, verdict.cause, board))
+        fenced = judge.observe(now, ledger.heartbeats, progressed_at=vouched_at)
+        if board is not None:  # its time is no stall
+            last_read += _tell_board(board, fenced, now, store, sealer, ledger.heartbeats, ledger.beats)
         if now - ticked > _TICK_MIN and store.quiet():
             ticks, ticked = ticks + 1, now
             store.set("tick", str(ticks))
         if now - ticked_beside > _TICK_MIN and store.quiet_beside():
             ticked_beside = now
             store.set("hb/tick", str(ticks))
-
-
-def members_gone_unread(
-    members: dict[int, int],
-    read: Collection[str],
-    present: dict[str, bool],
-    settled: dict[int, int],
-    absent_since: dict[str, float],
-    now: float,
-    timeout: float,
-) -> list[tuple[str, tuple[int, int, str]]]:
-    """Members of the newest vouched generation (replicas of one process) whose heartbeat key this monitor never
-    read and that stays absent for ``timeout``: a leased beat whose lease expired before this monitor (one that
-    just took the role) looked. The key-by-key judgement cannot see them: it judges keys it has read.
-
-    Args:
-        members: replica -> incarnation, from the newest vouch.
-        read: heartbeat keys this monitor has read at least once.
-        present: heartbeat key -> whether the last read found it.
-        settled: replica -> the incarnation known dead.
-        absent_since: key -> when it was first seen absent (updated here).
-        now: the monitor's clock.
-        timeout: the heartbeat timeout.
-
-    Returns:
-        ``(key, (replica, incarnation, why))`` for each member to declare dead.
-    """
-    out = []
-    for r, inc in sorted(members.items()):
-        key = f"hb/{r}"
-        if key in read or settled.get(r, 0) >= inc or present.get(key, True):
-            absent_since.pop(key, None)
-            continue
-        since = absent_since.setdefault(key, now)
-        if now - since > timeout:
-            out.append((key, (r, inc, f"its heartbeat key is gone, unread by this monitor, for {now - since:.2f}s")))
-    return out
 
 
 def _judge_said(line: str) -> None:

@@ -53,6 +53,7 @@ from lightning_recover.protocol.reachability import (
 from lightning_recover.protocol.rendezvous import FIELD as RENDEZVOUS_FIELD
 from lightning_recover.protocol.rendezvous import RendezvousHost, host_rendezvous, meeting_place
 from lightning_recover.protocol.replica_env import check_against_coordinator, check_replica_size_against_coordinator
+from lightning_recover.protocol.rounds import SHORT, WAIT, RoundState, round_outcome, round_state
 from lightning_recover.protocol.standby import wait_for_assignment
 from lightning_recover.protocol.vouches import VOUCH_KEY, Roster, VouchReader, raw_reader
 
@@ -782,20 +783,18 @@ class Membership(_JoinRequests):
             unstarted = [r for r, inc in expected.items() if inc == 0]
             if unstarted:
                 expected.update({r: inc for r, inc in self.current_incarnations(unstarted).items() if inc})
-            awaited, members = _round_state(self, prefix, expected)
-            short = growth and len(members) < least
-            if growth and not short:
-                awaited = {r for r in awaited if expected[r]}  # enough in: ids not started are not waited for
-            if (awaited or short) and time.monotonic() < deadline:
+            state = _round_state(self, prefix, expected)
+            outcome = round_outcome(state, expected, least if growth else 0, time.monotonic() >= deadline)
+            if outcome == WAIT:
                 delay = pause(self.store, delay)
                 continue
-            if short:
+            if outcome == SHORT:
                 raise RecoverError(
-                    f"replica {self.replica}: only {len(members)} of the {least} replicas this job needs to start "
+                    f"replica {self.replica}: only {len(state.members)} of the {least} replicas this job needs to start "
                     f"joined within startup_timeout ({timeout:g}s). HINT: start at least {least} replicas "
                     "(replicas=MIN:MAX), or raise startup_timeout."
                 )
-            listed = self.store.compare_set(f"{prefix}/members", None, json.dumps(members))
+            listed = self.store.compare_set(f"{prefix}/members", None, json.dumps(state.members))
             break
         # The value read, not a second read (the key may be deleted meanwhile).
         members = json.loads(listed)
@@ -860,21 +859,19 @@ def closing_members(group: Membership, number: int, expected: dict[int, int]) ->
     if not group.rounds_by_view:
         return None
     prefix = f"g{number}"
-    awaited, members = _round_state(group, prefix, expected, joined_too=frozenset({group.replica}))
-    return None if awaited else {f"{prefix}/members": json.dumps(members)}
+    state = _round_state(group, prefix, expected, joined_too=frozenset({group.replica}))
+    return None if state.awaited else {f"{prefix}/members": json.dumps(state.members)}
 
 
 def _round_state(
     group: Membership, prefix: str, expected: dict[int, int], joined_too: frozenset[int] = frozenset()
-) -> tuple[set[int], list[int]]:
-    """Whom round ``prefix`` still awaits (expected, neither joined nor declared dead), and its member list
-    were it closed now (joined, not dead). On etcd both come from the watched view: a join or a death it has
-    not shown yet only makes the round wait. ``joined_too``: joins not in the view yet (this replica's own,
-    written in the transaction that would close the round)."""
+) -> RoundState:
+    """Round ``prefix``'s :func:`~lightning_recover.protocol.rounds.round_state`, from what the store shows (a
+    watched view's join or death not shown yet only makes the round wait). ``joined_too``: joins not in the
+    view yet (this replica's own, written in the transaction that would close the round)."""
     joined = joined_round(group.store, prefix, group.num_replicas, group.replica_size, group.rounds_by_view)
     joined |= joined_too
-    dead = group.dead(sorted(set(expected) | joined), expected, recent=True)
-    return set(expected) - joined - dead, sorted(joined - dead)
+    return round_state(expected, joined, group.dead(sorted(set(expected) | joined), expected, recent=True))
 
 
 def form_next_generation(group: Membership, payload: dict, leaving: frozenset[int] = frozenset()) -> Generation:
