@@ -16,10 +16,13 @@ import secrets
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from lightning_recover import env
 from lightning_recover.errors import RecoverError
+
+if TYPE_CHECKING:  # imported where a store is made: the embedded default never loads etcd's modules
+    from lightning_recover.control_plane.etcd_store import EtcdStore
 
 EMBEDDED = "embedded"
 SCHEMES = ("etcd://", "etcd+insecure://")
@@ -159,7 +162,7 @@ def with_job(settings: EtcdSettings, job: Optional[str]) -> EtcdSettings:
     return replace(settings, job=job or settings.job or "job-" + secrets.token_hex(6))
 
 
-def connect_store(addr: str, timeout: float):  # -> EtcdStore
+def connect_store(addr: str, timeout: float) -> EtcdStore:
     """The replica's (or launcher's) store for an ``etcd://`` coordinator address: TLS files and the job's
     name from the environment the launcher handed down. Unreachable etcd -> ``CoordinatorLostError``."""
     from lightning_recover.control_plane.etcd_client import EtcdRequestError, EtcdUnavailable

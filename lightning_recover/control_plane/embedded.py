@@ -29,7 +29,7 @@ class CoordinatorStore:
     outsiders_can_write = True
 
     def __init__(self, store: dist.Store) -> None:
-        self.store = store
+        self.store: Any = store  # torch's stubs of Store lack clone and append, and type values as str
 
     # ---------------------------------------------------------------- plain values
     def get(self, key: str) -> bytes:

@@ -42,7 +42,7 @@ import random
 import socket
 import ssl
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any, Optional
 
 from lightning_recover.errors import RecoverError
@@ -500,7 +500,7 @@ class EtcdClient(_Transport):
     # ------------------------------------------------------------------ watch
     def watch(
         self, key: bytes, start_revision: int, timeout: float, range_end: Optional[bytes] = None
-    ) -> Iterator[dict]:
+    ) -> Generator[dict, None, None]:
         """Events on ``key`` from ``start_revision`` on, for up to ``timeout`` seconds (then it just ends).
 
         A watch stream of its own (one HTTP connection to the current member); reading it is bounded

@@ -149,7 +149,7 @@ class _SharedViews:
     def get(self, key: Optional[bytes] = None) -> WatchView:
         """The view holding ``key`` (the job's keys' view when None), started now if it was not."""
         apart = self._apart is not None and key is not None and key.startswith(self._apart)
-        prefix = self._apart if apart else self._prefix
+        prefix = self._apart if apart and self._apart is not None else self._prefix
         with self._lock:
             if prefix not in self._views:
                 stale_after = _APART_STALE_AFTER if apart else STALE_AFTER

@@ -50,7 +50,7 @@ import signal
 import socket
 import threading
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import torch.distributed as dist
 
@@ -171,11 +171,10 @@ def run_monitor(
         if stalled > 2 * poll:
             ledger.forgive(stalled)
         # Non-waiting reads: a heartbeat key deleted by an outside client must not stall the monitor.
-        raws = store.cached_each(keys)  # None without a current view; a leased beat's key is absent once expired
-        read_from_store = raws is None
-        if read_from_store:
-            raws = peek_all(store, read_keys)
-        elif len(read_keys) > len(keys):
+        cached = store.cached_each(keys)  # None without a current view; a leased beat's key is absent once expired
+        read_from_store = cached is None
+        raws = peek_all(store, read_keys) if cached is None else cached
+        if not read_from_store and len(read_keys) > len(keys):
             hit, raw = store.cached(VOUCH_KEY)  # absent until the first commit
             raws.append(raw if hit else None)
         observe(raws, now)
@@ -223,7 +222,7 @@ def _declare(
 
 
 def _tell_board(
-    board: StatusBoard, fenced: list[int], now: float, store, sealer: Sealer, hbs: dict, beats: dict
+    board: StatusBoard, fenced: list[int], now: float, store: ControlPlane, sealer: Sealer, hbs: dict, beats: dict
 ) -> float:
     """One pass of the monitor for the status board: the replicas the partition judge fenced, then what the
     monitor read. Returns the seconds it took (the monitor's stall allowance must not count them)."""
@@ -312,7 +311,7 @@ class Coordinator:
         self.heartbeat_timeout = heartbeat_timeout
         self.hang_timeout = hang_timeout
         self.sealer = Sealer(secret)
-        self.store = serve_store(host, port, _STORE_TIMEOUT)
+        self.store: Any = serve_store(host, port, _STORE_TIMEOUT)  # torch's stubs lack TCPStore.clone
         init_keys(CoordinatorStore(self.store), self.sealer, replicas, replica_size)
 
     @property

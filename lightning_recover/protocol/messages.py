@@ -503,7 +503,7 @@ class ControlStore:
         got = self.call(
             self.raw.put_and_decide,
             key,
-            None if key is None else self.sealer.seal(key, value.encode()),
+            None if key is None or value is None else self.sealer.seal(key, value.encode()),
             sealed,
             register,
             self.sealer.seal(register, decision.encode()),
@@ -594,7 +594,7 @@ class SealedStore(dist.Store):
 
     def __init__(self, inner: dist.Store, sealer: Sealer, prefix: str) -> None:
         super().__init__()
-        self._inner = inner
+        self._inner: Any = inner  # torch's stubs type a Store's values as str; they are bytes
         self._sealer = sealer
         self._prefix = prefix
 
