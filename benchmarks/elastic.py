@@ -1,6 +1,6 @@
 """Benchmarks of elasticity: leaving on a notice against a kill, and a job that grows.
 
-    python -m lightning_recover.bench.elastic --repeat 3 --json benchmarks/results/elastic.json
+    python -m benchmarks.elastic --repeat 3 --json benchmarks/results/elastic.json
 
 ``notice``: 4 replicas of TinyGPT (fabric_gpt.py); replica 1 gets its notice signal in the backward of step S
 (it leaves at S's commit), and, in the job run just before or after it, is SIGKILLed at the same point. The

@@ -1,6 +1,6 @@
 """The etcd control plane against the embedded coordinator, paired in one session (docs/control_plane.md, "Targets").
 
-    python -m lightning_recover.bench.etcd_control_plane --json benchmarks/results/etcd32_targets.json
+    python -m benchmarks.etcd_control_plane --json benchmarks/results/etcd32_targets.json
 
 On a fresh local 3-member TLS etcd (``LocalEtcdCluster``, its default election timeout), with 4 replicas of
 the TinyGPT job of ``bench overhead`` (``lightning_recover.bench.fabric_gpt``):
@@ -16,7 +16,7 @@ the TinyGPT job of ``bench overhead`` (``lightning_recover.bench.fabric_gpt``):
   leader SIGKILLed: the longest gap between two of its puts (etcd's election plus the client's retry,
   nothing of the job).
 * **cost**: what each kind of request costs the members in CPU, one kind at a time on the idle cluster
-  (``lightning_recover.bench.etcd_request_cost``).
+  (``benchmarks/etcd_request_cost.py``).
 * **steady**: the control plane's cost per step in steady state: etcd's counters and the members' CPU over
   one job of ``4 x --steps`` steps minus one of ``--steps`` steps, per step (start-up and shutdown cancel
   out); the idle members' CPU over the same time is given beside it.
@@ -32,7 +32,6 @@ the TinyGPT job of ``bench overhead`` (``lightning_recover.bench.fabric_gpt``):
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import re
@@ -43,9 +42,10 @@ import tempfile
 import threading
 import time
 
-from lightning_recover.bench.etcd_request_cost import measure_costs, members_cpu_seconds
+from benchmarks.etcd_request_cost import measure_costs
+from lightning_recover.bench.etcd_metrics import LEADER_CHANGES, METRICS, members_cpu_seconds, metrics, write_capacity
 from lightning_recover.bench.recovery import next_commit_after
-from lightning_recover.control_plane.etcd_client import EtcdClient, prefix_end, tls_context, unb64
+from lightning_recover.control_plane.etcd_client import EtcdClient, prefix_end, unb64
 from lightning_recover.control_plane.etcd_cluster import DEFAULT_ELECTION_MS, LocalEtcdCluster
 
 _APPLIED_BY_ALL = {
@@ -56,16 +56,6 @@ _APPLIED_BY_ALL = {
 }
 _KILL_TIME = re.compile(r"injecting fault (\S+) at t=([0-9.]+)")
 _STEP_KEY = re.compile(rb"(\d+)/")  # a step's keys: s{step}/g{generation}/...
-_METRICS = (
-    "etcd_server_proposals_committed_total",
-    "etcd_mvcc_put_total",
-    "etcd_mvcc_txn_total",
-    "etcd_mvcc_range_total",
-    "etcd_mvcc_delete_total",
-    "etcd_debugging_mvcc_events_total",
-)
-#: elections each member saw (the largest count of the members that answer; not summed)
-_LEADER_CHANGES = "etcd_server_leader_changes_seen_total"
 
 
 def _start(args: list[str], out: str, env_extra: dict[str, str], inject: str | None = None) -> subprocess.Popen:
@@ -106,50 +96,6 @@ def _job_args(replicas: int, steps: int) -> list[str]:
         str(2 * replicas),
         *("--layers", str(MODEL["layers"]), "--width", str(MODEL["width"])),
     ]
-
-
-def metrics(cluster: LocalEtcdCluster, extra: tuple[str, ...] = ()) -> dict[str, float]:
-    """etcd's counters, summed over the members that answer (``GET /metrics``); ``extra``: more counters."""
-    total = dict.fromkeys((*_METRICS, *extra, _LEADER_CHANGES), 0.0)
-    ctx = tls_context(**cluster.tls_files) if cluster.tls else None
-    for m in cluster.members:
-        if m.proc is None or m.proc.poll() is not None:
-            continue
-        host, port = m.endpoint.rsplit(":", 1)
-        conn = (
-            http.client.HTTPSConnection(host, int(port), context=ctx, timeout=5)
-            if ctx
-            else http.client.HTTPConnection(host, int(port), timeout=5)
-        )
-        conn.request("GET", "/metrics")
-        for line in conn.getresponse().read().decode().splitlines():
-            name = line.split("{")[0].split(" ")[0]
-            if name == _LEADER_CHANGES:
-                total[name] = max(total[name], float(line.rsplit(" ", 1)[1]))
-            elif name in total:
-                total[name] += float(line.rsplit(" ", 1)[1])
-        conn.close()
-    return total
-
-
-def write_capacity(cluster: LocalEtcdCluster, clients: int = 8, seconds: float = 3.0) -> float:
-    """Puts per second this cluster sustains from ``clients`` concurrent clients (one key each)."""
-    counts = [0] * clients
-    stop = time.monotonic() + seconds
-
-    def run(i: int) -> None:
-        c = EtcdClient(cluster.endpoints, **cluster.tls_files, allow_insecure=not cluster.tls)
-        while time.monotonic() < stop:
-            c.put(b"/capacity/%d" % i, b"x" * 64)
-            counts[i] += 1
-        c.close()
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return sum(counts) / seconds
 
 
 def step_median(out: str, warmup: int) -> float:
@@ -196,11 +142,9 @@ def measure(args: argparse.Namespace) -> dict:
                     # Writes are applied by every member (counted 3 times); reads and watch events only by
                     # the member that served them. Read-only transactions (check, multi_get) are served
                     # locally, so the txn count divided by 3 is approximate.
-                    load.append(
-                        {k: (after[k] - before[k]) / per / (3 if k in _APPLIED_BY_ALL else 1) for k in _METRICS}
-                    )
+                    load.append({k: (after[k] - before[k]) / per / (3 if k in _APPLIED_BY_ALL else 1) for k in METRICS})
                     # elections during a failure-free run are spurious (a member missed the leader's beats)
-                    load[-1]["leader_changes_in_run"] = after[_LEADER_CHANGES] - before[_LEADER_CHANGES]
+                    load[-1]["leader_changes_in_run"] = after[LEADER_CHANGES] - before[LEADER_CHANGES]
                     load[-1]["etcd_cores"] = cores
                     load[-1]["heartbeats"] = heartbeat_writes(cluster, first, revision(cluster)) / per
                 times[mode].append(step_median(out, 3))
@@ -293,7 +237,7 @@ def measure(args: argparse.Namespace) -> dict:
         if not load:
             return result
         # --- load and its projection
-        mean_load = {k: statistics.mean(x[k] for x in load) for k in (*_METRICS, "heartbeats")}
+        mean_load = {k: statistics.mean(x[k] for x in load) for k in (*METRICS, "heartbeats")}
         capacity = write_capacity(cluster)
         step_s = statistics.median(times["etcd"])
         writes_per_s_per_replica = mean_load["etcd_server_proposals_committed_total"] / step_s
@@ -339,7 +283,7 @@ def steady_state(cluster: LocalEtcdCluster, env: dict[str, str], replicas: int, 
         k: ((long_after[k] - long_before[k]) - (short_after[k] - short_before[k]))
         / extra_steps
         / (3 if k in _APPLIED_BY_ALL else 1)
-        for k in _METRICS
+        for k in METRICS
     }
     idle = cluster_idle_cores(cluster)
     return {

@@ -1,6 +1,6 @@
 """What each kind of etcd request costs the cluster in CPU.
 
-    python -m lightning_recover.bench.etcd_control_plane --parts cost --json benchmarks/results/etcd_cost.json
+    python -m benchmarks.etcd_control_plane --parts cost --json benchmarks/results/etcd_cost.json
 
 Why: on a host whose cores the etcd members share with the replicas, the members' CPU is taken from
 training, so the step-time ratio etcd / embedded is bounded below by what the members must spend on the
@@ -21,27 +21,15 @@ members used less above idle than the sum of these per-request figures (benchmar
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 
+from lightning_recover.bench.etcd_metrics import members_cpu_seconds
 from lightning_recover.control_plane import etcd_client as ec
 from lightning_recover.control_plane.etcd_cluster import LocalEtcdCluster
 from lightning_recover.control_plane.etcd_watch import WatchView
 
 _PREFIX = b"/bench-cost/"
-
-
-def members_cpu_seconds(cluster: LocalEtcdCluster) -> float:
-    """User + system CPU seconds the running members used so far (``/proc/PID/stat``)."""
-    total = 0
-    for m in cluster.members:
-        if m.proc is None or m.proc.poll() is not None:
-            continue
-        with open(f"/proc/{m.proc.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
-    return total / os.sysconf("SC_CLK_TCK")
 
 
 def _requests(client: ec.EtcdClient) -> dict[str, Callable[[int], object]]:

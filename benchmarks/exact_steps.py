@@ -1,7 +1,7 @@
 """Exact mode's cost and accuracy, on the demo's TinyGPT.
 
-    python -m lightning_recover.bench.exact_steps paired --rounds 3 --json benchmarks/results/exact33_paired.json
-    python -m lightning_recover.bench.exact_steps accuracy --json benchmarks/results/exact33_accuracy.json
+    python -m benchmarks.exact_steps paired --rounds 3 --json benchmarks/results/exact33_paired.json
+    python -m benchmarks.exact_steps accuracy --json benchmarks/results/exact33_accuracy.json
 
 ``paired``: 4 replicas of TinyGPT (lightning_recover.bench.fabric_gpt). Two pairings: (1) inside one
 job (``--exact-every-other``), odd steps run exact mode and even steps the default mode, and each

@@ -1,6 +1,6 @@
 """The survivors' gloo group rebuilt, against the group's size: what a regroup's data plane costs at N.
 
-    lightning-recover bench gloo-rebuild --sizes 4,8,16,32,64 --json benchmarks/results/gloo_rebuild.json
+    python -m benchmarks.gloo_rebuild --sizes 4,8,16,32,64 --json benchmarks/results/gloo_rebuild.json
 
 After a failure the survivors build a new gloo group from scratch (``ProcessGroups.build``): every member
 meets the others at the generation leader's store and gloo connects a full mesh, N - 1 connections per member

@@ -1,13 +1,13 @@
-"""The ``torchft`` mode of ``lightning-recover bench resilience``: one replica's training job.
+"""The ``torchft`` mode of ``python -m benchmarks.torchft_resilience``: one replica's training job.
 
 torchft (https://github.com/pytorch/torchft, 0.2.0) is the closest open peer: replica groups that
 come and go, a Rust *lighthouse* that forms a quorum of the live groups every step, a fault-tolerant
 all-reduce whose failure makes the step uncommitted (``Manager.should_commit()`` returns False), and
 live healing of a restarted group from a peer (state dict over HTTP). The benchmark driver
-(``resilience.py``) starts the lighthouse (bound to 127.0.0.1) and one restart loop per replica;
+(``torchft_resilience.py``) starts the lighthouse (bound to 127.0.0.1) and one restart loop per replica;
 each replica is one torchft replica group of one process running this script::
 
-    python -m lightning_recover.bench.torchft_train --replica 1 --replicas 4 --lighthouse http://127.0.0.1:PORT \\
+    python -m benchmarks.torchft_train --replica 1 --replicas 4 --lighthouse http://127.0.0.1:PORT \\
         --steps 40 --microbatches 12 --mb-seconds 0.1 --kill 1:5,2:16 --incarnation 1 --out DIR
 
 Same model, data, seed, precision and microbatch contents as the other modes

@@ -139,14 +139,15 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     common(p)
 
-    p = kinds.add_parser("resilience", help="this project vs checkpoint-and-restart (and torchft) vs failure-free")
+    p = kinds.add_parser("resilience", help="this project vs checkpoint-and-restart vs failure-free")
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--steps", type=int, default=20, help="steps (20 = the module's own default schedule)")
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument(
         "--modes",
         default=None,
-        help="comma-separated subset of modes (torchft: only when asked for, and only if torchft is installed)",
+        help="comma-separated subset of modes (recover-norestart, recover-standby, failure-free-standby: only when "
+        "asked for)",
     )
     p.add_argument(
         "--straggler",
@@ -167,7 +168,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "--heartbeat-timeout",
         type=float,
         default=None,
-        help="seconds (default 5, safe on a loaded 2-core machine); torchft's lighthouse gets the same",
+        help="seconds (default 5, safe on a loaded 2-core machine)",
     )
     common(p)
 

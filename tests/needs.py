@@ -66,7 +66,7 @@ ALLOWED_SKIPS = {
     "because root ignores permission bits": "CI runs as root; test_eacces_as_unprivileged_user covers it",
     "because this is not root": "the same test as a non-root user, covered by test_eacces as root",
     "no IPv6": "the machine has no IPv6 loopback",
-    "torchft is not installed": "the torchft peer is a benchmark extra (pip install .[bench]), not installed by CI",
+    "torchft is not installed": "the torchft peer is a research benchmark's (benchmarks/torchft_resilience.py), not installed by CI",
 }
 
 

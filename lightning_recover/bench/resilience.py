@@ -22,10 +22,10 @@ Three modes train the same model on the same data with the same failure schedule
 - ``recover-standby`` (only with ``--modes``): ``recover-local`` with ``--standby S`` warm standbys
   (default 1): a killed replica's place is taken by a ready standby, and a new standby starts.
   ``failure-free-standby``: no faults, S standbys waiting: what waiting standbys cost the replicas.
-- ``torchft`` (only with ``--modes``; skipped with a message when torchft is not installed, see
-  ``pip install lightning-recover[bench]``): torchft 0.2.0, the same schedule; each replica is one
-  torchft replica group of one process restarted by its own loop, the lighthouse is hosted by this
-  driver on 127.0.0.1 (``torchft_train.py`` holds its training job and what it does and does not use).
+
+A peer's mode is added from outside the package (:class:`ExtraMode`): the comparison with torchft is
+``python -m benchmarks.torchft_resilience`` in the repository (``benchmarks/``, not installed), which takes
+these options and runs this driver with a ``torchft`` mode more.
 
 Straggler scenario (``--straggler R:F[@S]``, no faults): replica ``R``'s microbatches take ``F``
 times ``mb_seconds`` (from step ``S`` on). ``recover-equal`` and ``recover-throughput`` run
@@ -65,8 +65,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -75,17 +76,17 @@ from lightning_recover.protocol.quotas import plan_quotas
 
 MODES = ("recover", "recover-local", "ddp-torch", "ddp-uring", "failure-free")
 SHARDED_MODES = ("recover", "recover-local", "hsdp-dcp", "failure-free")
-EXTRA_MODES = ("recover-norestart", "recover-standby", "failure-free-standby", "torchft")
+EXTRA_MODES = ("recover-norestart", "recover-standby", "failure-free-standby")
 # --straggler: no faults; one replica slowed; equal vs throughput quotas vs stock DDP (+ the reference)
 STRAGGLER_MODES = ("recover-equal", "recover-throughput", "ddp-torch", "failure-free")
-_FAULT_T = re.compile(r"injecting fault (\S+) at t=([0-9.]+)")
+FAULT_T = re.compile(r"injecting fault (\S+) at t=([0-9.]+)")
 
 # The documented default schedule: 4 replicas, 40 steps of M=12 microbatches, 3 successive kills.
 DEFAULTS = {"steps": 40, "microbatches": 12, "mb_seconds": 0.1, "ckpt_every": 10, "kills": [(1, 5), (2, 16), (3, 27)]}
-_BATCH = 4  # samples per microbatch
+BATCH = 4  # samples per microbatch
 MODEL = [
     "--batch-size",
-    str(_BATCH),
+    str(BATCH),
     "--block-size",
     "64",
     "--layers",
@@ -97,7 +98,7 @@ MODEL = [
 ]
 
 
-def _env() -> dict[str, str]:
+def job_env() -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("LIGHTNING_RECOVER_INJECT", None)
     return env
@@ -134,17 +135,6 @@ def run_mode(
     standby: int = 1,
     timeout: float = 1800,
 ) -> dict:
-    if mode == "torchft":
-        return run_torchft(
-            out,
-            replicas=replicas,
-            steps=steps,
-            microbatches=microbatches,
-            mb_seconds=mb_seconds,
-            kills=kills,
-            heartbeat_timeout=heartbeat_timeout,
-            timeout=timeout,
-        )
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     common = [
@@ -165,7 +155,7 @@ def run_mode(
         common += ["--precision", "32-true"]  # ModelParallelStrategy (the HSDP baseline) refuses 64-true
     if slow and mode != "failure-free":  # the failure-free run is the reference: no straggler either
         common += ["--slow", slow]
-    env = _env()
+    env = job_env()
     job = [sys.executable, "-m", "lightning_recover.bench.resilience_train"]
     # The restart budget is the same for every mode that restarts: torchrun --max-restarts K in the
     # baseline (K whole-group restarts), K restarts per replica for recover (each is killed once).
@@ -244,190 +234,7 @@ def run_mode(
     return analyze(mode, out, output, steps=steps, microbatches=microbatches, job_seconds=total)
 
 
-def torchft_available() -> str | None:
-    """None if torchft can be imported, else why not (the ``torchft`` mode is then skipped)."""
-    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust servers log every quorum at info
-    try:
-        import torchft  # noqa: F401
-        from torchft._torchft import LighthouseServer  # noqa: F401
-    except Exception as exc:  # ImportError, or a build that does not match this torch
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
-def run_torchft(
-    out: str,
-    *,
-    replicas: int,
-    steps: int,
-    microbatches: int,
-    mb_seconds: float,
-    kills: list[tuple[int, int]],
-    heartbeat_timeout: float,
-    collective_timeout: float = 10.0,
-    grace: float = 30.0,
-    timeout: float = 1800,
-) -> dict:
-    """torchft 0.2.0 under the same schedule: the driver hosts the lighthouse (127.0.0.1, a free
-    port) and runs one restart loop per replica (each replica = one replica group of one process,
-    restarted up to ``len(kills)`` times after a non-zero exit, as a per-replica ``torchrun
-    --max-restarts`` would). The lighthouse declares a replica dead after ``heartbeat_timeout``
-    seconds without a heartbeat and waits as long for heartbeating replicas that have not asked to
-    join (``join_timeout_ms``); the Manager's and gloo's timeout is ``collective_timeout``."""
-    from torchft._torchft import LighthouseServer
-
-    shutil.rmtree(out, ignore_errors=True)
-    os.makedirs(out)
-    hb_ms = int(heartbeat_timeout * 1000)
-    lighthouse = LighthouseServer(
-        bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=hb_ms, quorum_tick_ms=100, heartbeat_timeout_ms=hb_ms
-    )
-    port = int(lighthouse.address().rsplit(":", 1)[1])  # it names the host by hostname; it listens on 127.0.0.1
-    env = _env()
-    common = ["--replicas", str(replicas), "--steps", str(steps), "--microbatches", str(microbatches)]
-    common += ["--mb-seconds", str(mb_seconds), "--out", out, "--lighthouse", f"http://127.0.0.1:{port}"]
-    common += ["--kill", ",".join(f"{r}:{s}" for r, s in kills), "--timeout", str(collective_timeout)] + MODEL
-    restarts = len(kills)
-    done = threading.Event()
-    procs: dict[int, subprocess.Popen] = {}
-    lock = threading.Lock()
-    codes: dict[int, list[int]] = {r: [] for r in range(replicas)}
-
-    def loop(r: int) -> None:
-        with open(os.path.join(out, f"replica{r}.log"), "wb") as f:
-            for incarnation in range(1, restarts + 2):
-                cmd = [sys.executable, "-m", "lightning_recover.bench.torchft_train", "--replica", str(r)]
-                cmd += ["--incarnation", str(incarnation)] + common
-                with lock:
-                    if done.is_set():
-                        return
-                    procs[r] = subprocess.Popen(
-                        cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
-                    )
-                code = procs[r].wait()
-                codes[r].append(code)
-                if code == 0 or done.is_set():
-                    return
-
-    threads = [threading.Thread(target=loop, args=(r,), daemon=True) for r in range(replicas)]
-    t0 = time.time()
-    try:
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + timeout
-        # the run is over when one replica has committed the last step (it writes DIR/done) or
-        # every restart loop has ended; then the others get `grace` seconds to finish theirs
-        while not os.path.exists(os.path.join(out, "done")) and any(t.is_alive() for t in threads):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"torchft did not finish within {timeout}s; see {out}/replica*.log")
-            time.sleep(0.1)
-        grace_end = time.monotonic() + grace
-        while any(t.is_alive() for t in threads) and time.monotonic() < grace_end:
-            time.sleep(0.1)
-    finally:
-        with lock:
-            done.set()
-            for proc in procs.values():
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)  # the replica's own session, by its leader's pid
-                except ProcessLookupError:
-                    pass
-                proc.wait()
-        for t in threads:
-            t.join(timeout=10)
-        lighthouse.shutdown()
-    total = time.time() - t0
-    output = "".join(open(os.path.join(out, f"replica{r}.log"), errors="replace").read() for r in range(replicas))
-    with open(os.path.join(out, "job.log"), "w") as f:
-        f.write(output)
-    finals = sorted(glob.glob(os.path.join(out, "final*.pt")))
-    if not finals:
-        raise RuntimeError(f"torchft: no replica finished the run (exit codes {codes}):\n{output[-3000:]}")
-    shutil.copy(finals[0], os.path.join(out, "final.pt"))
-    result = analyze_torchft(out, output, steps=steps, microbatches=microbatches, replicas=replicas)
-    result.update(job_s=total, exit_codes=codes, heartbeat_timeout_ms=hb_ms, join_timeout_ms=hb_ms)
-    result["collective_timeout_s"] = collective_timeout
-    return result
-
-
-def analyze_torchft(out: str, output: str, *, steps: int, microbatches: int, replicas: int) -> dict:
-    """Throughput and recovery of a torchft run from its records (see torchft_train.py)."""
-    recs = _records(out)
-    step_recs = [r for r in recs if r["event"] == "step"]
-    committed = [r for r in step_recs if r["committed"]]
-    faults = sorted(((m.group(1), float(m.group(2))) for m in _FAULT_T.finditer(output)), key=lambda f: f[1])
-    # one commit per step index (every participant logs it; they agree on participants)
-    final: dict[int, dict] = {}
-    for r in committed:
-        final.setdefault(r["step"], r)
-    if sorted(final) != list(range(steps)):
-        raise RuntimeError(f"torchft: committed steps {sorted(final)} != 0..{steps - 1}")
-    first = min(r["start"] for r in step_recs if r["incarnation"] == 1)
-    last = max(r["commit"] for r in committed if r["step"] == steps - 1)
-    wall = last - first
-    per_replica = microbatches // replicas
-    applied_mb = [final[s]["participants"] * per_replica for s in range(steps)]
-    dropped: dict[int, int] = {}
-    for r in step_recs:
-        if not r["committed"]:
-            dropped[r["rank"]] = dropped.get(r["rank"], 0) + 1
-    recoveries = []
-    for spec, t in faults:
-        step = int(re.search(r"step=(\d+)", spec).group(1))
-        victim = int(re.search(r"replica=(\d+)", spec).group(1))
-        # the survivors' next commit of the interrupted step (or a later one); a survivor may still
-        # be committing the step before it when the kill lands, which does not count
-        after = [r["commit"] for r in committed if r["commit"] > t and r["step"] >= step]
-        item = {"fault": spec, "fault_t": t - first, "step": step}
-        item["fault_to_commit_s"] = (min(after) - t) if after else None
-        later = [r for r in recs if r["rank"] == victim and r.get("incarnation", 1) > 1]
-        starts = [r["t"] for r in later if r["event"] == "start" and r["t"] > t]
-        joined = [r for r in later if r["event"] == "step" and r["committed"] and r["start"] > t]
-        if starts:
-            item["process_restart_s"] = min(starts) - t
-        if joined:
-            # healed: the first committed step of the new incarnation (it received the state at that quorum);
-            # participating: the first step it contributes a gradient to
-            item["restart_s"] = min(r["commit"] for r in joined) - t
-            item["rejoin_step"] = min(r["step"] for r in joined)
-            if starts:
-                item["rejoin_s"] = item["restart_s"] - item["process_restart_s"]
-            part = [r["commit"] for r in joined if r["participating"]]
-            item["participating_s"] = (min(part) - t) if part else None
-        full = [r["commit"] for s, r in final.items() if s > step and r["participants"] >= replicas]
-        item["degraded_s"] = (min(full) - t) if full else None
-        recoveries.append(item)
-    return {
-        "mode": "torchft",
-        "steps": steps,
-        "wall_s": wall,
-        "effective_mb_per_s": sum(applied_mb) / wall,  # microbatches applied (only the participants')
-        "steps_per_s": steps / wall,
-        "applied_microbatches": sum(applied_mb),
-        "applied_mb_per_step": applied_mb,
-        "samples_per_step": {"min": min(applied_mb) * _BATCH, "max": max(applied_mb) * _BATCH},
-        "mean_samples_per_step": sum(applied_mb) * _BATCH / steps,
-        "faults": len(faults),
-        "lost_steps": max(dropped.values()) if dropped else 0,
-        "dropped_attempts": dropped,
-        "lost_microbatches": None,
-        "recomputed_microbatches": 0,
-        "recoveries": recoveries,
-        "median_fault_to_commit_s": statistics.median(
-            [x["fault_to_commit_s"] for x in recoveries if x["fault_to_commit_s"] is not None] or [0.0]
-        ),
-        "median_restart_s": _median(recoveries, "restart_s"),
-        "median_process_restart_s": _median(recoveries, "process_restart_s"),
-        "median_rejoin_s": _median(recoveries, "rejoin_s"),
-        "median_degraded_s": _median(recoveries, "degraded_s"),
-        "degraded_steps": sum(1 for r in final.values() if r["participants"] < replicas),
-        "rejoins": sum(1 for r in recs if r["event"] == "step" and r.get("healed")),
-        "final_loss": final[steps - 1]["loss"],
-        "min_live": min(r["participants"] for r in final.values()),
-    }
-
-
-def _records(out: str) -> list[dict]:
+def records(out: str) -> list[dict]:
     recs = []
     for path in glob.glob(os.path.join(out, "rank*.jsonl")):
         rank = int(os.path.basename(path)[4:-6])
@@ -437,9 +244,9 @@ def _records(out: str) -> list[dict]:
 
 
 def analyze(mode: str, out: str, output: str, *, steps: int, microbatches: int, job_seconds: float) -> dict:
-    recs = _records(out)
+    recs = records(out)
     step_recs = [r for r in recs if r["event"] == "step"]
-    faults = sorted(((m.group(1), float(m.group(2))) for m in _FAULT_T.finditer(output)), key=lambda f: f[1])
+    faults = sorted(((m.group(1), float(m.group(2))) for m in FAULT_T.finditer(output)), key=lambda f: f[1])
     attempts = sorted({r["attempt"] for r in step_recs})
     # the committed trajectory: for each step, its last execution (later attempts redo rolled-back steps)
     final: dict[int, dict] = {}
@@ -514,13 +321,13 @@ def analyze(mode: str, out: str, output: str, *, steps: int, microbatches: int, 
         "median_fault_to_commit_s": statistics.median(
             [x["fault_to_commit_s"] for x in recoveries if x["fault_to_commit_s"] is not None] or [0.0]
         ),
-        "median_restart_s": _median(recoveries, "restart_s"),
-        "median_process_restart_s": _median(recoveries, "process_restart_s"),
-        "median_rejoin_s": _median(recoveries, "rejoin_s"),
-        "median_replacement_commit_s": _median(recoveries, "replacement_commit_s"),
-        "median_takeover_commit_s": _median([x for x in recoveries if x.get("takeover")], "replacement_commit_s"),
+        "median_restart_s": median_of(recoveries, "restart_s"),
+        "median_process_restart_s": median_of(recoveries, "process_restart_s"),
+        "median_rejoin_s": median_of(recoveries, "rejoin_s"),
+        "median_replacement_commit_s": median_of(recoveries, "replacement_commit_s"),
+        "median_takeover_commit_s": median_of([x for x in recoveries if x.get("takeover")], "replacement_commit_s"),
         "takeovers": sum(1 for x in recoveries if x.get("takeover")),
-        "median_degraded_s": _median(recoveries, "degraded_s"),
+        "median_degraded_s": median_of(recoveries, "degraded_s"),
         "degraded_steps": sum(1 for r in final.values() if r["live"] < replicas),
         "rejoins": sum(1 for r in recs if r["event"] == "rejoin"),
         "checkpoint_save_s": statistics.median(ckpts) if ckpts else None,
@@ -578,7 +385,7 @@ def f_(v: float | None) -> str:
     return f"{v:.2f}" if v is not None else "-"
 
 
-def _median(items: list[dict], key: str) -> float | None:
+def median_of(items: list[dict], key: str) -> float | None:
     values = [x[key] for x in items if x.get(key) is not None]
     return statistics.median(values) if values else None
 
@@ -624,30 +431,35 @@ def _table(rows: dict[str, dict], bases: tuple[str, ...] = ("ddp-torch", "ddp-ur
     return "\n".join(lines)
 
 
-def _select_modes(args: argparse.Namespace, straggler: str | None, replica_size: int) -> list[str]:
+@dataclass(frozen=True)
+class ExtraMode:
+    """A mode the package does not hold, added by a driver outside it (a peer's harness in ``benchmarks/``):
+    ``run(out, **cfg)`` returns a row as :func:`run_mode` does; ``table(rows, cfg)``, if given, a table of
+    its own printed after the main one. Offered only where the default modes are (no straggler, no shards)."""
+
+    run: Callable[..., dict]
+    table: Callable[[dict[str, dict], dict], str] | None = None
+
+
+def _select_modes(
+    args: argparse.Namespace, straggler: str | None, replica_size: int, extra: Mapping[str, ExtraMode] | None = None
+) -> list[str]:
     if straggler:
         known, default = STRAGGLER_MODES, STRAGGLER_MODES
     elif replica_size > 1:
         known, default = SHARDED_MODES, SHARDED_MODES[:4]
     else:
-        known, default = MODES + EXTRA_MODES, MODES
+        known, default = MODES + EXTRA_MODES + tuple(extra or ()), MODES
     modes = [m for m in (getattr(args, "modes", None) or ",".join(default)).split(",") if m]
     unknown = [m for m in modes if m not in known]
     if unknown:
         raise SystemExit(f"bench resilience: unknown mode(s) {', '.join(unknown)}; choose from {', '.join(known)}")
-    if "torchft" in modes:
-        why = torchft_available()
-        if why is not None:
-            print(
-                f"bench resilience: skipping the torchft mode: torchft is not importable ({why}); "
-                "install it with pip install 'lightning-recover[bench]' (torchft==0.2.0)",
-                flush=True,
-            )
-            modes.remove("torchft")
     return modes
 
 
-def main(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace, extra: Mapping[str, ExtraMode] | None = None) -> int:
+    """Runs the modes ``args`` select (``extra``: modes added from outside, by name) and reports them."""
+    extra = extra or {}
     workdir = args.dir or tempfile.mkdtemp(prefix="lr-resilience-")
     os.makedirs(workdir, exist_ok=True)
     # the CLI's shared --steps defaults to 20 (for `bench overhead`); this benchmark's default is 40
@@ -665,12 +477,12 @@ def main(args: argparse.Namespace) -> int:
     if straggler and replica_size > 1:
         raise SystemExit("bench resilience --straggler runs unsharded replicas (--replica-size 1)")
     bases = ("hsdp-dcp",) if replica_size > 1 else ("ddp-torch",) if straggler else ("ddp-torch", "ddp-uring")
-    modes = _select_modes(args, straggler, replica_size)
+    modes = _select_modes(args, straggler, replica_size, extra)
     repeat = max(1, getattr(args, "repeat", 1) or 1)
     # under heavy load a 1 s heartbeat threshold can declare a slow replica dead (false suspicion);
     # only kills are injected here, so a generous threshold costs nothing. The launchers see a
-    # killed replica's exit at once: the threshold matters for hangs (and for torchft, whose
-    # lighthouse only learns of a death from missing heartbeats; it gets the same value).
+    # killed replica's exit at once: the threshold matters for hangs (and for a peer that only learns of
+    # a death from missing heartbeats, such as torchft's lighthouse; it gets the same value).
     hb = args.heartbeat_timeout if getattr(args, "heartbeat_timeout", None) is not None else 5.0
     cfg = {
         "replicas": args.replicas,
@@ -688,25 +500,7 @@ def main(args: argparse.Namespace) -> int:
     if straggler:
         cfg["slow"] = straggler
     print(f"resilience: {cfg}, modes {modes}, {repeat} repetition(s), in {workdir}", flush=True)
-    runs: dict[str, list[dict]] = {m: [] for m in modes}
-    for rep in range(repeat):
-        for mode in modes if rep % 2 == 0 else modes[::-1]:
-            out = os.path.join(workdir, f"{mode}-{rep}")
-            r = run_mode(mode, out, **cfg)
-            r["final_params"] = os.path.join(out, "final.pt")
-            runs[mode].append(r)
-            if mode == "failure-free" and r["min_live"] < args.replicas:
-                print(
-                    "  WARNING: a replica was declared dead in the failure-free run (false suspicion under load); "
-                    "raise --heartbeat-timeout",
-                    flush=True,
-                )
-            print(
-                f"  {mode:18s} run {rep}: wall {r['wall_s']:.1f}s, {r['effective_mb_per_s']:.2f} mb/s, "
-                f"lost steps {r['lost_steps']}, recomputed mb {r['recomputed_microbatches']}"
-                + (f", mb by replica {r['mb_by_replica']}" if straggler else ""),
-                flush=True,
-            )
+    runs = _run_modes(modes, repeat, workdir, cfg, extra)
     rows = {}
     for mode, rs in runs.items():
         rs.sort(key=lambda r: r["wall_s"])
@@ -727,12 +521,13 @@ def main(args: argparse.Namespace) -> int:
         }
     else:
         table = _table(rows, bases)
-        if "torchft" in rows:
-            table += "\n\n" + _torchft_table(rows, cfg)
+        for name, mode in extra.items():
+            if name in rows and mode.table is not None:
+                table += "\n\n" + mode.table(rows, cfg)
     print(table)
     paired = paired_ratios(runs, ("failure-free", *bases))
     if not straggler:
-        _print_ratios(rows, bases)
+        _print_ratios(rows, bases, tuple(extra))
     if repeat > 1:
         _print_paired(paired, runs)
     if args.json:
@@ -753,6 +548,32 @@ def main(args: argparse.Namespace) -> int:
                 indent=2,
             )
     return 0
+
+
+def _run_modes(
+    modes: list[str], repeat: int, workdir: str, cfg: dict, extra: Mapping[str, ExtraMode]
+) -> dict[str, list[dict]]:
+    """Every mode ``repeat`` times, the order reversed on odd repetitions; ``{mode: [row per repetition]}``."""
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    for rep in range(repeat):
+        for mode in modes if rep % 2 == 0 else modes[::-1]:
+            out = os.path.join(workdir, f"{mode}-{rep}")
+            r = extra[mode].run(out, **cfg) if mode in extra else run_mode(mode, out, **cfg)
+            r["final_params"] = os.path.join(out, "final.pt")
+            runs[mode].append(r)
+            if mode == "failure-free" and r["min_live"] < cfg["replicas"]:
+                print(
+                    "  WARNING: a replica was declared dead in the failure-free run (false suspicion under load); "
+                    "raise --heartbeat-timeout",
+                    flush=True,
+                )
+            print(
+                f"  {mode:18s} run {rep}: wall {r['wall_s']:.1f}s, {r['effective_mb_per_s']:.2f} mb/s, "
+                f"lost steps {r['lost_steps']}, recomputed mb {r['recomputed_microbatches']}"
+                + (f", mb by replica {r['mb_by_replica']}" if "slow" in cfg else ""),
+                flush=True,
+            )
+    return runs
 
 
 def paired_ratios(runs: dict[str, list[dict]], references: tuple[str, ...]) -> dict[str, dict[str, dict]]:
@@ -790,9 +611,9 @@ def _print_paired(paired: dict[str, dict[str, dict]], runs: dict[str, list[dict]
         print(f"  {mode}: {cells}")
 
 
-def _print_ratios(rows: dict[str, dict], bases: tuple[str, ...]) -> None:
+def _print_ratios(rows: dict[str, dict], bases: tuple[str, ...], extra: tuple[str, ...] = ()) -> None:
     for mode in rows:
-        if mode.startswith("recover") or mode == "torchft":
+        if mode.startswith("recover") or mode in extra:
             for base in bases:
                 if base in rows:
                     print(
@@ -832,34 +653,10 @@ def straggler_report(rows: dict[str, dict], runs: dict[str, list[dict]], cfg: di
         lines.append(
             f"| {mode}{' (no straggler)' if plain else ''} | {r['wall_s']:.1f} | {r['effective_mb_per_s']:.2f} | "
             f"{per_run} | {row_ideal:.2f} | {r['fraction_of_ideal']:.3f} | {plan:.2f} ({plan / row_ideal:.3f}) | "
-            f"{by} | {_fmt(r.get('param_absdiff'))} | {_fmt(r.get('param_diff'))} |"
+            f"{by} | {fmt_e(r.get('param_absdiff'))} | {fmt_e(r.get('param_diff'))} |"
         )
     return "\n".join(lines)
 
 
-def _fmt(v: float | None) -> str:
+def fmt_e(v: float | None) -> str:
     return format(v, ".1e") if v is not None else "-"
-
-
-def _torchft_table(rows: dict[str, dict], cfg: dict) -> str:
-    """torchft side by side: what a step applies, what is dropped, how fast a kill is absorbed."""
-    M = cfg["microbatches"]
-    lines = [
-        "| mode | wall s | microbatches applied / s | steps / s | samples per step (min-max, mean) | steps dropped"
-        " | kill -> next commit (median s) | kill -> restarted replica trains (median s) | process start -> rejoined"
-        " (median s) | max abs param diff vs failure-free | max rel. param diff |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for mode, r in rows.items():
-        if mode == "torchft":
-            sp = r["samples_per_step"]
-            samples = f"{sp['min']}-{sp['max']}, {r['mean_samples_per_step']:.1f}"
-        else:  # every committed step of recover / the DDP baselines covers all M microbatches
-            samples = f"{M * _BATCH}"
-        ftc = f"{r['median_fault_to_commit_s']:.2f}" if r["faults"] else "-"
-        lines.append(
-            f"| {mode} | {r['wall_s']:.1f} | {r['effective_mb_per_s']:.2f} | {r['steps'] / r['wall_s']:.2f} | "
-            f"{samples} | {r['lost_steps']} | {ftc} | {f_(r.get('median_restart_s'))} | "
-            f"{f_(r.get('median_rejoin_s'))} | {_fmt(r.get('param_absdiff'))} | {_fmt(r.get('param_diff'))} |"
-        )
-    return "\n".join(lines)

@@ -40,8 +40,7 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_recover.bench.etcd_control_plane import metrics, write_capacity
-from lightning_recover.bench.etcd_request_cost import members_cpu_seconds
+from lightning_recover.bench.etcd_metrics import members_cpu_seconds, metrics, write_capacity
 from lightning_recover.bench.stand_in_data_plane import StandInDataPlane, StandInGroups
 from lightning_recover.control_plane.config import EtcdSettings, with_job
 from lightning_recover.control_plane.etcd_client import EtcdClient

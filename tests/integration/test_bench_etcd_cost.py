@@ -1,5 +1,5 @@
-"""``bench etcd_control_plane --parts cost``: what each etcd request costs the members in CPU
-(``lightning_recover.bench.etcd_request_cost``), measured briefly on the one-member etcd (slow; a real
+"""``python -m benchmarks.etcd_control_plane --parts cost``: what each etcd request costs the members in CPU
+(``benchmarks/etcd_request_cost.py``), measured briefly on the one-member etcd (slow; a real
 cluster: the numbers are this host's, so only their form is asserted); and the arithmetic of the
 steady-state projection to 2,000 replicas (``project_steady``, fast).
 """
@@ -10,8 +10,8 @@ import math
 
 import pytest
 
-from lightning_recover.bench.etcd_control_plane import project_steady
-from lightning_recover.bench.etcd_request_cost import measure_costs
+from benchmarks.etcd_control_plane import project_steady
+from benchmarks.etcd_request_cost import measure_costs
 
 
 @pytest.mark.slow  # a real measurement of 8 phases (about 3 s): kept out of `make test-fast`

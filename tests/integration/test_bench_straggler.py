@@ -1,4 +1,5 @@
-"""``bench resilience``'s straggler scenario (``--straggler``) and its ``torchft`` mode (issue 15).
+"""``bench resilience``'s straggler scenario (``--straggler``), and the ``torchft`` mode that
+``benchmarks/torchft_resilience.py`` adds to it from outside the package.
 
 The fast tests check the argument parsing, the slowdown schedule and the arithmetic of the ideal
 throughput; the ``slow`` ones run tiny real comparisons (bounded by timeouts; every job runs in its
@@ -14,6 +15,8 @@ import os
 import pytest
 import torch
 
+from benchmarks import torchft_resilience
+from benchmarks.torchft_train import parse_kills
 from lightning_recover.bench import resilience
 from lightning_recover.bench.resilience import (
     STRAGGLER_MODES,
@@ -22,7 +25,6 @@ from lightning_recover.bench.resilience import (
     planned_mb_per_s,
 )
 from lightning_recover.bench.resilience_train import parse_slow, slow_factor
-from lightning_recover.bench.torchft_train import parse_kills
 from lightning_recover.cli import build_parser
 
 
@@ -96,11 +98,19 @@ def test_cli_selects_the_scenario_and_modes(tmp_path, monkeypatch, capsys):
         resilience.main(_args(tmp_path, straggler="4:2.0"))
     with pytest.raises(SystemExit, match="--straggler"):
         resilience.main(_args(tmp_path, straggler="1:0.5"))
-    # torchft absent: its mode is skipped with a message, not an error
-    monkeypatch.setattr(resilience, "torchft_available", lambda: "ModuleNotFoundError: No module named 'torchft'")
-    modes = resilience._select_modes(_args(tmp_path, modes="recover,torchft,failure-free"), None, 1)
-    assert modes == ["recover", "failure-free"]
+    # the package has no torchft mode; the benchmark adds it, and skips it with a message when torchft is absent
+    with pytest.raises(SystemExit, match="unknown mode"):
+        resilience._select_modes(_args(tmp_path, modes="recover,torchft"), None, 1)
+    monkeypatch.setattr(
+        torchft_resilience, "torchft_available", lambda: "ModuleNotFoundError: No module named 'torchft'"
+    )
+    args = _args(tmp_path, modes="recover,torchft,failure-free")
+    extra = torchft_resilience.select_torchft(args)
+    assert extra == {} and resilience._select_modes(args, None, 1, extra) == ["recover", "failure-free"]
     assert "skipping the torchft mode" in capsys.readouterr().out
+    monkeypatch.setattr(torchft_resilience, "torchft_available", lambda: None)
+    extra = torchft_resilience.select_torchft(_args(tmp_path, modes="recover,torchft"))
+    assert resilience._select_modes(_args(tmp_path, modes="recover,torchft"), None, 1, extra) == ["recover", "torchft"]
 
 
 @pytest.mark.slow
@@ -147,11 +157,11 @@ def test_torchft_mode_under_a_kill(tmp_path, monkeypatch):
     the dropped step is recomputed, the batch shrinks while replica 1 is out, no process is left."""
     monkeypatch.setenv("RUST_LOG", os.environ.get("RUST_LOG", "warn"))  # before torchft's import sets up its log
     pytest.importorskip(
-        "torchft", reason="not tested: the torchft peer, because torchft is not installed (pip install .[bench])"
+        "torchft", reason="not tested: the torchft peer, because torchft is not installed (pip install torchft==0.2.0)"
     )
-    assert resilience.torchft_available() is None
+    assert torchft_resilience.torchft_available() is None
     out = str(tmp_path / "torchft")
-    r = resilience.run_torchft(
+    r = torchft_resilience.run_torchft(
         out, replicas=2, steps=12, microbatches=6, mb_seconds=0.1, kills=[(1, 3)], heartbeat_timeout=1.0, timeout=300
     )
     assert r["faults"] == 1 and r["exit_codes"][1][0] == -9, r["exit_codes"]

@@ -36,7 +36,6 @@ LAZY_IMPORTS = {
     "lightning_recover.bench.checkpoint": "each method imports what it measures, when it runs",
     "lightning_recover.bench.dcp_ranks": "each method imports what it measures, when it runs",
     "lightning_recover.bench.resilience_train": "each mode imports what it runs",
-    "lightning_recover.bench.exact_steps": "each measurement imports what it runs",
     "lightning_recover.control_plane.config": "the etcd client and store only once an etcd:// address is given",
     "lightning_recover.control_plane.etcd_cluster": "the client only to wait for a started cluster's health",
 }
