@@ -5,10 +5,11 @@ The io_uring engine is compiled in only when liburing's headers and library are 
 Set ``NATIVE_IO_NO_URING=1`` to force the portable-only build. ``native_io.info()`` reports
 which engines a build has.
 
-The same sources are built twice: ``native_io._native_io`` (release) and
-``native_io._native_io_testing`` with ``-DNATIVE_IO_TESTING``, which adds the test-only fault
-injection (``_inject_faults``). ``NATIVE_IO_NO_TESTING=1`` skips the testing module (its tests
-are then skipped).
+``native_io._native_io`` (release) is always built. ``NATIVE_IO_TESTING=1`` builds the same sources a
+second time, as ``native_io._native_io_testing`` with ``-DNATIVE_IO_TESTING``: the test-only fault
+injection (``_inject_faults``) the tests drive. It is opt-in, so a wheel built without it holds no
+testing module (nor its stub); ``scripts/setup.sh`` (``make test``, CI) sets it for the dev checkout, and
+its tests skip without it (under ``CI=true`` they fail: ``tests/needs.py``).
 """
 
 import ctypes.util
@@ -67,7 +68,11 @@ class BuildExtSeparateTemp(build_ext):
 
 
 ext_modules = [_extension("native_io._native_io", [])]
-if not os.environ.get("NATIVE_IO_NO_TESTING"):
+exclude = {}
+if os.environ.get("NATIVE_IO_TESTING", "") not in ("", "0"):
     ext_modules.append(_extension("native_io._native_io_testing", [("NATIVE_IO_TESTING", "1")]))
+    print("native_io: building the testing module too (NATIVE_IO_TESTING)", file=sys.stderr)
+else:
+    exclude = {"native_io": ["_native_io_testing.pyi"]}  # no stub for a module the build lacks
 
-setup(ext_modules=ext_modules, cmdclass={"build_ext": BuildExtSeparateTemp})
+setup(ext_modules=ext_modules, exclude_package_data=exclude, cmdclass={"build_ext": BuildExtSeparateTemp})

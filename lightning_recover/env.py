@@ -84,9 +84,10 @@ BENCH_CACHE = "LIGHTNING_RECOVER_BENCH_CACHE"
 NATIVE_IO_CRC32C = "NATIVE_IO_CRC32C"
 #: Build switch of setup.py: any value builds native_io without the io_uring engine.
 NATIVE_IO_NO_URING = "NATIVE_IO_NO_URING"
-#: Build switch of setup.py: any value skips the test build ``native_io._native_io_testing`` (the fault
-#: injection the tests use; its tests then fail with a hint to rebuild without it).
-NATIVE_IO_NO_TESTING = "NATIVE_IO_NO_TESTING"
+#: Build switch of setup.py: ``1`` (any value but empty or ``0``) also builds the test build
+#: ``native_io._native_io_testing`` (the fault injection the tests use); without it a build has none.
+#: ``scripts/setup.sh`` sets it; the tests that need the module skip without it (fail under ``CI=true``).
+NATIVE_IO_TESTING = "NATIVE_IO_TESTING"
 #: Set by the launcher's fork server for itself only: a long dummy value that reserves room in the server's
 #: environment area, which each forked replica rewrites with its own environment (``launch/fork_server.py``,
 #: ``show_as``); the replicas never see it.

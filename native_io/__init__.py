@@ -73,13 +73,13 @@ def testing() -> ModuleType:
 
     Fault injection is compiled only into that module (``-DNATIVE_IO_TESTING``); its objects
     (``IOEngine``, ``NativeIOError``, ...) are its own types, distinct from the release ones.
-    Raises ImportError when the package was built without it (``NATIVE_IO_NO_TESTING=1``).
+    Raises ImportError when the package was built without it (it is built only with ``NATIVE_IO_TESTING=1``).
     """
     try:
         from . import _native_io_testing
     except ImportError as e:
         raise ImportError(
-            "native_io._native_io_testing is not built; rebuild without NATIVE_IO_NO_TESTING "
-            "(python setup.py build_ext --inplace)"
+            "native_io._native_io_testing is not built; rebuild with NATIVE_IO_TESTING=1 "
+            "(NATIVE_IO_TESTING=1 python setup.py build_ext --inplace, or scripts/setup.sh)"
         ) from e
     return _native_io_testing

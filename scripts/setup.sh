@@ -10,7 +10,9 @@
 #     silently skip what they test.
 #   - .venv (python3 -m venv), torch==2.13.0 in it BEFORE the package: a loose torch requirement would
 #     pull a multi-GB CUDA build,
-#   - the package itself, editable, with its dev extras (builds the native_io extension).
+#   - the package itself, editable, with its dev extras (builds the native_io extension, and with
+#     NATIVE_IO_TESTING=1 its test build native_io._native_io_testing, whose fault injection the tests use;
+#     a wheel built without the variable has none).
 # Idempotent and fast when nothing changed: a stamp in .venv records the hash of what the Python part was
 # built from (pyproject.toml, setup.py, native_io's C sources); the Python part reruns only when it differs.
 #
@@ -74,7 +76,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     echo "setup: pip install torch==2.13.0 (into $VENV)"
     "$PY" -m pip install -q torch==2.13.0
 fi
-echo "setup: pip install -e .[dev] (into $VENV; builds native_io)"
-"$PY" -m pip install -q -e ".[dev]"
+echo "setup: pip install -e .[dev] (into $VENV; builds native_io and its test build)"
+NATIVE_IO_TESTING=1 "$PY" -m pip install -q -e ".[dev]"
 "$PY" -c "import native_io, json; print('setup: native_io', json.dumps(native_io.info()))"
 echo "$want" >"$stamp"

@@ -57,7 +57,7 @@ def nt():
     mod = pytest.importorskip(
         "native_io._native_io_testing",
         reason="fault injection lives only in the test build native_io._native_io_testing "
-        "(built by setup.py unless NATIVE_IO_NO_TESTING is set)",
+        "(built by setup.py only with NATIVE_IO_TESTING=1, as scripts/setup.sh does)",
     )
     mod._inject_faults()
     yield mod
