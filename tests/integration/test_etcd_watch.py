@@ -373,9 +373,12 @@ def test_a_commit_vouches_for_its_members_and_their_threads_skip_their_beats(etc
         )
         assert raw.peek_many(["vouch"]) == [before[1]]
         stopped = len(beats[0])
-        time.sleep(3 * period)  # no commits: the threads beat again
-        read()
-        assert len(beats[0]) > stopped and len(beats[1]) > first[1]
+
+        def beating_again() -> bool:  # no commits: the threads beat again
+            read()
+            return len(beats[0]) > stopped and len(beats[1]) > first[1]
+
+        until(beating_again, timeout=3 * period + SLACK)
         assert all(b == sorted(b) for b in beats.values()) and monitor.freshness.replays == {}
     finally:
         for hb in beating:
