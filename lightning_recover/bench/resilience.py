@@ -509,10 +509,10 @@ def main(args: argparse.Namespace, extra: Mapping[str, ExtraMode] | None = None)
         for mode, r in rows.items():
             r["param_diff"] = _param_diff(r["final_params"], rows["failure-free"]["final_params"])
             r["param_absdiff"] = _param_diff(r["final_params"], rows["failure-free"]["final_params"], relative=False)
-    extra = {}
+    figures = {}
     if straggler:
         table = straggler_report(rows, runs, cfg, slow)
-        extra = {
+        figures = {
             "ideal_mb_per_s": ideal_mb_per_s(args.replicas, cfg["mb_seconds"], slow, steps, cfg["microbatches"]),
             "planned_mb_per_s": {
                 q: planned_mb_per_s(args.replicas, cfg["mb_seconds"], slow, steps, cfg["microbatches"], q)
@@ -538,7 +538,7 @@ def main(args: argparse.Namespace, extra: Mapping[str, ExtraMode] | None = None)
                     "machine": f"{os.cpu_count()} cores",
                     "time": time.ctime(),
                     "load_average": os.getloadavg(),
-                    **extra,
+                    **figures,
                     "paired": paired,
                     "rows": rows,
                     "runs": runs,

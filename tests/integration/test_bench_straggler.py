@@ -113,6 +113,30 @@ def test_cli_selects_the_scenario_and_modes(tmp_path, monkeypatch, capsys):
     assert resilience._select_modes(_args(tmp_path, modes="recover,torchft"), None, 1, extra) == ["recover", "torchft"]
 
 
+def test_a_mode_added_from_outside_runs_and_reports(tmp_path, capsys):
+    """An ExtraMode (how benchmarks/ adds a peer) is run with the schedule and its own table is reported."""
+    seen = {}
+
+    def run(out, **cfg):
+        seen.update(cfg, out=out)
+        return {
+            "wall_s": 1.0,
+            "effective_mb_per_s": 2.0,
+            "lost_steps": 0,
+            "recomputed_microbatches": 0,
+            "min_live": 4,
+            "faults": 0,
+            "recoveries": [],
+            "median_fault_to_commit_s": 0.0,
+        }
+
+    extra = {"peer": resilience.ExtraMode(run=run, table=lambda rows, cfg: f"peer table of {sorted(rows)}")}
+    assert resilience.main(_args(tmp_path, modes="peer"), extra) == 0
+    assert seen["replicas"] == 4 and seen["kills"] and seen["out"].endswith("peer-0")
+    result = json.load(open(tmp_path / "out.json"))
+    assert result["table"].endswith("peer table of ['peer']") and "peer" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_tiny_straggler_comparison(tmp_path):
