@@ -115,6 +115,13 @@ def cleanup_stale_temps(directory: str, host: Optional[str] = None) -> list[str]
     :func:`host_tag`) are touched, never those of this process, and only when their pid is dead or the file is
     older than this process. Temporaries of other hosts, boots or pid namespaces, and the host-less names of
     earlier versions, are left alone: remove them by hand once no save is in flight anywhere (docs/checkpointing.md).
+
+    Args:
+        directory: where the checkpoints are saved; a directory that cannot be listed is left alone.
+        host: the host tag whose temporaries are removed (default: this host's).
+
+    Returns:
+        The paths removed.
     """
     host = host or host_tag()
     removed = []

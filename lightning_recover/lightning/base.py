@@ -148,13 +148,36 @@ class RecoverStrategyBase(ReplicaRanks):
         return self.core is not None
 
     def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> torch.Tensor:
+        """Gather ``tensor`` from every live replica (through the store, not differentiable).
+
+        Args:
+            tensor: this replica's tensor; every replica passes one of the same shape.
+            group, sync_grads: Lightning's arguments, unused (the group is always the live replicas).
+
+        Returns:
+            The tensors stacked in rank order (``tensor.unsqueeze(0)`` before the replica is started).
+        """
         return self._started_core().all_gather(tensor) if self._group_ready() else tensor.unsqueeze(0)
 
     def barrier(self, name: Optional[str] = None) -> None:
+        """Wait until every live replica has reached this barrier (no wait before the replica is started).
+
+        Args:
+            name: Lightning's argument, unused.
+        """
         if self._group_ready():
             self._started_core().barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Send a picklable object from one live replica to all of them.
+
+        Args:
+            obj: the object (only the source's is used).
+            src: the source's current rank among the live replicas.
+
+        Returns:
+            The source's object (``obj`` itself before the replica is started).
+        """
         return self._started_core().broadcast(obj, src) if self._group_ready() else obj
 
     def _elect_writer(self) -> bool:

@@ -66,11 +66,12 @@ class UringCheckpointIO(CheckpointIO):
     ``remove_checkpoint`` removes directories recursively.
 
     Args:
-        engine: ``native_io`` engine name ("auto", "uring", "portable").
-        block_size, queue_depth: engine tuning, None for ``native_io``'s defaults.
+        engine: ``native_io`` engine name ("auto", the default, "uring", "portable").
+        block_size: the engine's transfer size in bytes; None for ``native_io``'s default.
+        queue_depth: the engine's transfers in flight; None for ``native_io``'s default.
         weights_only: default for :meth:`load_checkpoint` when Lightning passes ``weights_only=None``:
-            True loads the non-tensor state with an allowlist unpickler; False allows arbitrary pickles.
-        verify: check every extent's crc32c on load.
+            True (default) loads the non-tensor state with an allowlist unpickler; False allows arbitrary pickles.
+        verify: check every record's CRC-32C on load (default True).
         async_save: lazy asynchronous saves (see ``docs/checkpointing.md``): ``save_checkpoint`` returns after
             pickling the non-tensor state and copying small tensors; large tensors are copied into a staging
             buffer by a background thread while training continues, and written + fdatasync'ed + renamed by a
@@ -79,10 +80,14 @@ class UringCheckpointIO(CheckpointIO):
         max_pending_bytes: size of the staging buffer (allocated once, reused) for ``async_save``. None: as big
             as the lazily copied part of the checkpoint, so snapshots never wait for the disk. Smaller values
             bound memory; the snapshot then waits for the disk (back-pressure) and ``optimizer.step`` may block.
-        eager_bytes: with ``async_save``, storages smaller than this are copied inside ``save_checkpoint``.
+        eager_bytes: with ``async_save``, storages smaller than this (bytes, default 1 MiB) are copied inside
+            ``save_checkpoint``.
         flush_bytes_per_s: with ``async_save``, write the staged tensors at most this fast (bytes per second;
             None: as fast as the disk goes). The save becomes durable later, and what the write costs the
             training steps is spread over more of them (see "Pacing the flush" in ``docs/checkpointing.md``).
+
+    Raises:
+        ValueError: ``max_pending_bytes`` under 4096 with ``async_save``, or ``flush_bytes_per_s`` not positive.
     """
 
     _RUNTIME = ("_engine", "_saver", "_into", "_guarded")  # per process / per copy: never pickled
@@ -137,6 +142,20 @@ class UringCheckpointIO(CheckpointIO):
         return self._saver
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+        """Write ``checkpoint`` to ``path`` atomically (a crash leaves the old file or the new one, never a part).
+
+        A local path is written by the native engine (:func:`~lightning_recover.checkpoint.save`), in the background
+        with ``async_save``; any other URL with ``torch.save`` through fsspec.
+
+        Args:
+            checkpoint: what ``torch.save`` takes (Lightning's checkpoint dict).
+            path: a local path, a ``file://`` URL or any fsspec URL. Parent directories are created.
+            storage_options: not supported (None).
+
+        Raises:
+            TypeError: ``storage_options`` is given.
+            AsyncCheckpointError: with ``async_save``, an earlier save failed (raised by the next call).
+        """
         if storage_options is not None:
             raise TypeError(  # Lightning's own wording (TorchCheckpointIO), which its tests match
                 "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg"
@@ -165,11 +184,21 @@ class UringCheckpointIO(CheckpointIO):
 
         ``optimizer.step()`` does this automatically; call it before modifying checkpointed tensors in place
         any other way. Raises :class:`~lightning_recover.checkpoint.AsyncCheckpointError` for a failed save.
+
+        Returns:
+            The seconds waited (0.0 without asynchronous saves).
         """
         return self._saver.wait_for_snapshot() if self._saver is not None else 0.0
 
     def wait_until_durable(self) -> float:
-        """Block until every save so far is on stable storage under its final name (seconds waited)."""
+        """Block until every save so far is on stable storage under its final name.
+
+        Returns:
+            The seconds waited (0.0 without asynchronous saves).
+
+        Raises:
+            AsyncCheckpointError: an asynchronous save failed.
+        """
         return self._saver.wait_until_durable() if self._saver is not None else 0.0
 
     def guard_loads(self, module: torch.nn.Module) -> None:
@@ -181,6 +210,9 @@ class UringCheckpointIO(CheckpointIO):
         ``Trainer`` calls this for its LightningModule at the first asynchronous save; call it for a module that a
         Fabric or plain loop changes with ``load_state_dict`` while a save may be in flight. A hook per module that
         checks for a pending snapshot and returns: no cost on the training step.
+
+        Args:
+            module: the module; each of its submodules is guarded once.
         """
         wait = _WaitForSnapshot(self)
         for m in module.modules():
@@ -190,6 +222,7 @@ class UringCheckpointIO(CheckpointIO):
 
     @property
     def pending_saves(self) -> int:
+        """How many asynchronous saves are not durable yet."""
         return self._saver.pending() if self._saver is not None else 0
 
     @contextlib.contextmanager
@@ -202,6 +235,12 @@ class UringCheckpointIO(CheckpointIO):
 
             with io.restore_into(state):
                 fabric.load(path, state)
+
+        Args:
+            state: the objects whose tensors are filled.
+
+        Yields:
+            This plugin.
         """
         prev, self._into = self._into, _state_targets(state)
         try:
@@ -215,7 +254,22 @@ class UringCheckpointIO(CheckpointIO):
         """Load ``path``; ``map_location=None`` keeps tensors on the CPU (like ``TorchCheckpointIO``).
 
         Waits for an asynchronous save of ``path`` still in flight in this process (by any plugin instance),
-        and only for that one.
+        and only for that one. A plain ``torch.save`` file is read too (unverified); other URLs through fsspec.
+
+        Args:
+            path: a local path, a ``file://`` URL or any fsspec URL.
+            map_location: like ``torch.load``'s; None: the CPU.
+            weights_only: None: the plugin's ``weights_only``; True: an allowlist unpickler; False: any pickle.
+
+        Returns:
+            The checkpoint (with :meth:`restore_into`, holding the given tensors where they were filled).
+
+        Raises:
+            FileNotFoundError: no checkpoint at ``path``.
+            CheckpointCorruptError: a record fails its CRC-32C, or the file is no checkpoint (truncated, foreign).
+            CheckpointIncompleteError: the file is empty: an asynchronous save to it did not complete.
+            UnsafeCheckpointError: with ``weights_only``, the pickle names a global outside the allowlist.
+            AsyncCheckpointError: an earlier asynchronous save of this plugin failed.
         """
         if weights_only is None:
             weights_only = self.weights_only
@@ -243,6 +297,12 @@ class UringCheckpointIO(CheckpointIO):
         """Remove ``path`` (a directory recursively; a missing path is fine).
 
         With ``async_save`` only once every earlier save is durable (never if one failed).
+
+        Args:
+            path: a local path, a ``file://`` URL or any fsspec URL.
+
+        Raises:
+            AsyncCheckpointError: with ``async_save``, an earlier save or removal failed.
         """
         local = local_path(path)
         if local is None:
@@ -258,7 +318,11 @@ class UringCheckpointIO(CheckpointIO):
         async_io.remove_path(os.path.abspath(local))
 
     def teardown(self) -> None:
-        """Wait until pending saves are durable (raising a background error), then free engines and staging."""
+        """Wait until pending saves are durable, then stop the background threads and free engines and staging.
+
+        Raises:
+            AsyncCheckpointError: an asynchronous save failed.
+        """
         try:
             if self._saver is not None:
                 self._saver.close()

@@ -53,7 +53,17 @@ from lightning_recover.protocol.step import StepStats
 
 
 class Step:
-    """One optimizer step: iterate it to get this replica's microbatches (already on device)."""
+    """One optimizer step: iterate it to get this replica's microbatches (already on device).
+
+    :meth:`RecoverStrategy.steps` makes them; ``index`` is the step's index and ``committed`` turns True when the
+    iteration ends, that is when every live replica holds the step's averaged gradient.
+
+    Args:
+        strategy: the strategy whose replica runs the step.
+        source: the microbatches of the DataLoader, by step and microbatch id.
+        index: the step's index.
+        loggers: where the committed step's ``recover/*`` metrics are logged (by the lowest live replica).
+    """
 
     def __init__(
         self, strategy: RecoverStrategy, source: MicrobatchSource, index: int, loggers: Sequence[Any] = ()
@@ -87,28 +97,43 @@ class Step:
 class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
     """Fault-tolerant data parallelism with in-step recovery.
 
-    Args (every keyword but the Lightning plugins is a :class:`RecoverOptions` field):
+    Every keyword but the Lightning plugins is a :class:`RecoverOptions` field, validated when the strategy is
+    built (``ValueError`` for a bad value, ``TypeError`` with the valid names for an unknown one).
+
+    Args:
         microbatches: ``M``, global microbatches per optimizer step (default: the replica count).
             Must be at least the number of replicas.
+        accelerator, parallel_devices, checkpoint_io, precision: Lightning's plugins; Fabric passes them from its
+            own arguments (``accelerator``, ``devices``, ``plugins``, ``precision``).
         quota: ``"equal"`` (default) or ``"throughput"`` (quotas proportional to each replica's
             measured microbatch speed, for heterogeneous or straggling replicas).
         heartbeat_interval: seconds between heartbeats of a replica (default: 0.1 on the embedded
-            coordinator; ``min(heartbeat_timeout / 4, 0.25)`` on etcd, where each beat is a Raft write).
-        heartbeat_timeout: seconds without heartbeat after which a replica is declared dead (how
+            coordinator; ``heartbeat_timeout / 4`` on etcd, where each beat is a Raft write).
+        heartbeat_timeout: seconds without heartbeat after which a replica is declared dead (default 1; how
             fast a *frozen* replica is dropped; killed ones are noticed at once).
         hang_timeout: seconds a replica's main thread may make no progress while its peers wait on
             it (a deadlock with a live heartbeat thread) before it is declared hung (default 60).
-        join_timeout: longest wait for a live-looking member to join a new generation.
-        collective_timeout: longest a single collective may take before it counts as failed.
-        startup_timeout: how long replicas wait for each other at start.
-        restarts: how many times the local launcher restarts a failed replica.
-        seed: seed of the per-epoch sample permutation (the same on every replica).
+        join_timeout: longest wait, in seconds, for a live-looking member to join a new generation (default 60).
+        collective_timeout: seconds a single collective may take before it counts as failed (default 60).
+        startup_timeout: seconds replicas wait for each other at start (default 300).
+        restarts: how many times the local launcher restarts a failed replica (default 0).
+        standby: warm standby processes that take a failed replica's place (default 0; needs ``restarts >= 1``).
+        seed: seed of the per-epoch sample permutation (the same on every replica; default 0).
         control_plane: ``"etcd://HOST:PORT,..."`` to keep the job's control plane in etcd (no coordinator
             process; TLS files from ``LIGHTNING_RECOVER_ETCD_CACERT/_CERT/_KEY``; docs/control_plane.md).
             Default: ``LIGHTNING_RECOVER_CONTROL_PLANE``, else the embedded coordinator.
         exact: ``True``: every step's gradient is bitwise a function of the parameters and its ``M``
             microbatch ids alone, whatever fails and on any replica count (fixed-point reduction,
             docs/protocol.md "Exact mode"); needs ``replica_size=1``. Default ``False``.
+        status_address: ``[HOST:]PORT`` where the monitor serves the status page, ``/status`` and ``/metrics``
+            (loopback unless a host is given; ``0``: any free port). Default None: off.
+        event_log: a file the job's events (deaths, recoveries, joins) are appended to, one JSON object a line.
+        notice_signal: the signal taken as a preemption notice: the replica finishes its step and leaves.
+            Default: ``LIGHTNING_RECOVER_NOTICE_SIGNAL``, else ``"SIGTERM"``.
+        replicas: ``"MIN:MAX"`` (or ``(MIN, MAX)``): start once MIN replicas are in and admit later ones up to
+            MAX (``devices`` stays MAX). Default: ``LIGHTNING_RECOVER_REPLICAS``, else a fixed count.
+        notice_checkpoint: a path where a whole-job notice writes a final checkpoint (through ``save_checkpoint``)
+            and from which :meth:`steps` resumes when the script starts again. Default None: none is written.
         replica_size: ``K``, processes per replica (default 1). With K > 1 each replica shards
             its model with FSDP2 over its K processes; ``devices`` is then ``replicas x K``. Set up
             the module first (``fabric.setup_module``), then build and set up the optimizer.
@@ -228,8 +253,21 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
         """Yield steps ``start_step .. max_steps-1``; each covers exactly ``M`` microbatches.
 
         A restarted replica first rejoins: it receives model, optimizer state and the step to
-        resume at from a live peer, and its steps start there. ``loggers`` (e.g. ``fabric.loggers``):
-        each committed step's ``recover/*`` metrics are logged there at its index, by the lowest live replica.
+        resume at from a live peer, and its steps start there. A replica told to leave (a preemption notice)
+        leaves after the step it is in, with ``SystemExit``.
+
+        Args:
+            dataloader: the training DataLoader (Fabric's wrapper or not); one of its batches is one microbatch.
+            max_steps: the index after the last step.
+            start_step: the first step's index (a rejoining replica, or one resuming, starts where it resumes).
+            loggers: e.g. ``fabric.loggers``: each committed step's ``recover/*`` metrics are logged there at its
+                index, by the lowest live replica.
+
+        Yields:
+            One :class:`Step` per optimizer step: iterate it to its end before ``optimizer.step()``.
+
+        Raises:
+            RuntimeError: a step was not iterated to its end.
         """
         loader = getattr(dataloader, "_dataloader", dataloader)  # unwrap Fabric's wrapper
         core = self._started_core()
@@ -296,6 +334,7 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
     def all_reduce(
         self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
     ) -> Tensor:
+        """A new tensor: ``tensor`` reduced over the live replicas ("mean", "sum", "max" or "min"; ``group`` unused)."""
         return self._started_core().all_reduce(tensor, reduce_op)
 
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
@@ -308,6 +347,17 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
     def save_checkpoint(
         self, path: Any, state: dict, storage_options: Optional[Any] = None, filter: Optional[dict] = None
     ) -> None:
+        """``fabric.save``: one replica, the lowest alive now (agreed through the store), writes through the
+        checkpoint plugin; with ``replica_size>1`` every live replica writes part of one DCP directory at ``path``.
+
+        Args:
+            path: the file (a directory with ``replica_size>1``).
+            state: what to save; modules and optimizers are saved as their state dicts.
+            storage_options, filter: passed to the checkpoint plugin and Lightning (unsharded only).
+
+        Raises:
+            NotImplementedError: ``storage_options`` or ``filter`` given with ``replica_size>1``.
+        """
         noted = noted_checkpoint(self.core and self.core.group.progress, self.core.step if self.core else -1, path)
         if self.sharding.enabled:
             if storage_options is not None or filter is not None:
@@ -344,6 +394,21 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
         strict: bool = True,
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
+        """``fabric.load``: restore ``state`` in place from ``path`` (with ``replica_size>1``: each process its shards).
+
+        Args:
+            path: the checkpoint file (directory with ``replica_size>1``).
+            state: a module, an optimizer or a dict of them and plain values; None: load everything.
+            strict: every key of ``state`` must be in the checkpoint (``KeyError`` otherwise when sharded).
+            weights_only: Lightning's meaning; with ``replica_size>1`` only None or True.
+
+        Returns:
+            The checkpoint's entries not restored into ``state`` (all of them when ``state`` is empty).
+
+        Raises:
+            ValueError: with ``replica_size>1``, ``path`` is a single file, or ``weights_only=False``.
+            TypeError: with ``replica_size>1``, ``state`` is not a dict.
+        """
         if not self.sharding.enabled:
             remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
             if self.core is not None:

@@ -33,6 +33,7 @@ class ReplicaRanks:
 
     @property
     def num_replicas(self) -> int:
+        """The replicas the job runs: ``devices // replica_size``, or MAX of ``replicas="MIN:MAX"``."""
         if env.REPLICAS in os.environ:
             return env.replica_range(os.environ[env.REPLICAS])[1]  # MAX: the ids 0..MAX-1
         devices = len(self.parallel_devices) if self.parallel_devices else 1
@@ -41,6 +42,7 @@ class ReplicaRanks:
 
     @property
     def root_device(self) -> torch.device:
+        """This process's device: on GPUs, visible device ``replica x K + inner`` (modulo the count)."""
         devices = self.parallel_devices or [torch.device("cpu")]
         device = devices[0]
         if device.type == "cuda":
@@ -74,6 +76,7 @@ class ReplicaRanks:
 
     @property
     def world_size(self) -> int:
+        """Live replicas x K (renumbered when replicas fail or rejoin)."""
         replicas = self.core.size if self.core is not None and self.core.joined else self.num_replicas
         return replicas * self._replica_size
 

@@ -121,16 +121,22 @@ class RecoverTrainerStrategy(TrainerCheckpointing):  # on RecoverStrategyBase an
     """``Trainer(strategy="recover")``: fault-tolerant data parallelism with in-step recovery.
 
     One DataLoader batch is one microbatch; one optimizer step is ``microbatches`` (``M``) of them,
-    computed by the live replicas. The options are those of
-    :class:`lightning_recover.RecoverStrategy` (validated by :class:`RecoverOptions`).
+    computed by the live replicas. The options are those of :class:`lightning_recover.RecoverStrategy`, which
+    says each one's meaning and default (validated by :class:`RecoverOptions`: ``ValueError``, or ``TypeError``
+    for an unknown name); what differs for the Trainer is said here.
 
     Args:
         microbatches: ``M``, global microbatches per optimizer step (default: the replica count).
+        accelerator, parallel_devices, precision_plugin: Lightning's plugins; the Trainer passes them.
         quota: ``"equal"`` or ``"throughput"``.
         heartbeat_interval, heartbeat_timeout, hang_timeout, join_timeout, collective_timeout, startup_timeout:
             failure-detection and waiting limits, in seconds.
-        restarts: how many times the launcher restarts a failed replica.
+        restarts, standby: how many times the launcher restarts a failed replica; warm standby processes.
         seed: seed of the per-epoch sample permutation (the same on every replica).
+        control_plane, status_address, event_log, notice_signal, replicas: as for ``RecoverStrategy``.
+        notice_checkpoint: where a whole-job notice writes the final checkpoint (``trainer.save_checkpoint``).
+            Default: Lightning's next HPC checkpoint in ``default_root_dir``, which a requeued Slurm job resumes
+            from by itself (elsewhere ``fit(ckpt_path="hpc")``).
         exact: bitwise reproducible steps, whatever fails (replica_size=1; docs/protocol.md "Exact mode").
         checkpoint_io: defaults to :class:`lightning_recover.lightning.checkpoint_io.UringCheckpointIO`.
         replica_size: ``K``, processes per replica (default 1). With K > 1 each replica shards the
@@ -141,6 +147,8 @@ class RecoverTrainerStrategy(TrainerCheckpointing):  # on RecoverStrategyBase an
         parallelize_fn: ``fn(module, mesh) -> module`` sharding the LightningModule over the replica's
             mesh (dimension ``"shard"``), as with Lightning's ModelParallelStrategy.
         shard: ``"fsdp"``: shorthand that fully_shards every block and each top-level submodule.
+        tensor_parallel: a tensor-parallel dimension inside each replica (default 1; divides K; needs
+            ``parallelize_fn``), as for ``RecoverStrategy``.
     """
 
     strategy_name = "recover"
@@ -183,6 +191,7 @@ class RecoverTrainerStrategy(TrainerCheckpointing):  # on RecoverStrategyBase an
     @property
     @override
     def checkpoint_io(self) -> CheckpointIO:
+        """The checkpoint plugin: the one given, else a :class:`UringCheckpointIO` made on first use."""
         if self._checkpoint_io is None:
             from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
 
@@ -387,6 +396,7 @@ class RecoverTrainerStrategy(TrainerCheckpointing):  # on RecoverStrategyBase an
     def reduce(
         self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[Any, str]] = "mean"
     ) -> Union[Tensor, Any]:
+        """``tensor`` reduced over the live replicas; unchanged when evaluating (each replica ran the full loaders)."""
         if not isinstance(tensor, Tensor) or not self._group_ready():
             return tensor
         if self._evaluating():

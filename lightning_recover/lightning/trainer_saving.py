@@ -75,6 +75,22 @@ class TrainerCheckpointing(RecoverStrategyBase, ParallelStrategy):  # type: igno
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Read the checkpoint ``fit(ckpt_path=...)`` resumes from; a rejoining replica gets its peers' live state.
+
+        Args:
+            checkpoint_path: the file (a DCP directory with ``replica_size>1``); ignored while rejoining.
+            weights_only: as for the checkpoint plugin; with ``replica_size>1`` only None or True.
+
+        Returns:
+            Lightning's checkpoint dict. With ``replica_size>1`` the module and the optimizers are restored in place
+            already, and the dict holds the rest (loops, callbacks, schedulers, ...).
+
+        Raises:
+            FileNotFoundError: with ``replica_size>1``, no sharded checkpoint at ``checkpoint_path``.
+            ValueError: with ``replica_size>1``, a single file, a DCP checkpoint not written by the Trainer,
+                or ``weights_only=False``.
+            KeyError: with ``replica_size>1``, the checkpoint lacks an optimizer's state (saved weights only).
+        """
         if self._rejoin_checkpoint is not None:
             # A rejoining replica resumes from the live state of its peers, not from the script's ckpt_path.
             return self._rejoin_checkpoint
@@ -97,6 +113,19 @@ class TrainerCheckpointing(RecoverStrategyBase, ParallelStrategy):  # type: igno
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Write Lightning's checkpoint dict: the lowest live replica (agreed at the save) through the checkpoint
+        plugin; with ``replica_size>1`` every live replica writes part of one DCP directory at ``filepath``. A
+        replica still rejoining writes nothing.
+
+        Args:
+            checkpoint: Lightning's checkpoint dict.
+            filepath: the file (a directory with ``replica_size>1``).
+            storage_options: passed to the checkpoint plugin.
+
+        Raises:
+            TypeError: ``storage_options`` with ``replica_size>1``.
+            FileExistsError: with ``replica_size>1``, ``filepath`` is a file.
+        """
         if self._solo:
             return  # a replica still rejoining holds no step of its own to save; the members write
         if self.core is not None:
@@ -114,6 +143,12 @@ class TrainerCheckpointing(RecoverStrategyBase, ParallelStrategy):  # type: igno
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
+        """Remove a checkpoint: the global-zero process through the plugin (``replica_size>1``: one process of the
+        lowest live replica removes the directory).
+
+        Args:
+            filepath: the checkpoint's path.
+        """
         if not self.sharding.enabled:
             return super().remove_checkpoint(filepath)
         # one process removes the directory

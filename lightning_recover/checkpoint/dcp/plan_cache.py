@@ -46,6 +46,10 @@ class CachingSavePlanner(FastLookupSavePlanner):
     torch keys its class-level cache by the planner's class name. ``key`` narrows that key: saves that may run
     over different process groups or different item sets in one process should each have their own. torch
     merges a cached plan with a new one by rank, and that is only right within one unchanged group.
+
+    Args:
+        key: narrows torch's cache key (default ``""``).
+        **kwargs: ``DefaultSavePlanner``'s other arguments (plan caching is always on).
     """
 
     def __init__(self, key: str = "", **kwargs: Any) -> None:
@@ -53,6 +57,7 @@ class CachingSavePlanner(FastLookupSavePlanner):
         self._cached_plans_key = f"{type(self).__name__}:{key}"
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        """Implements torch's interface; a cached plan gets this save's storage data (temporary directory)."""
         finished = super().finish_plan(new_plan)
         if finished is not new_plan:  # the cached plan: this save's storage data, not the last one's
             finished = dataclasses.replace(finished, storage_data=new_plan.storage_data)

@@ -176,8 +176,16 @@ class _MetadataUnpickler(pickle.Unpickler):
 def read_dcp_metadata(path: str | os.PathLike, file_name: str = ".metadata") -> Metadata:
     """``path/.metadata`` unpickled with an allowlist of DCP's own metadata types (no arbitrary globals).
 
-    Raises :class:`CheckpointCorruptError` when it is missing or unreadable, :class:`UnsafeCheckpointError`
-    when it names anything outside the allowlist.
+    Args:
+        path: the checkpoint directory.
+        file_name: the metadata file's name in it.
+
+    Returns:
+        The checkpoint's DCP ``Metadata``.
+
+    Raises:
+        CheckpointCorruptError: the file is missing or unreadable, or holds no ``Metadata``.
+        UnsafeCheckpointError: it names a global outside the allowlist.
     """
     p = str(path)
     mpath = os.path.join(p, file_name)
@@ -208,8 +216,17 @@ class UringStorageReader(FileSystemReader):
     Loads checkpoints written by :class:`UringStorageWriter` (verified: a flipped or missing byte raises
     :class:`CheckpointCorruptError` naming the file and item) and by the stock ``FileSystemWriter``
     (no sidecars: loaded unverified, as the stock reader does). A checkpoint whose ``.metadata`` records sidecars
-    and lacks some is refused with :class:`SidecarsMissingError`. ``verify=False`` skips verification.
-    ``pause_gc=True``: the cyclic collector is off from planning to the end of ``read_data`` (``gc_pause.py``).
+    and lacks some is refused with :class:`SidecarsMissingError`. ``.metadata`` is read with an allowlist
+    unpickler, a stock checkpoint's tensors with torch's ``weights_only`` loader; bytes items go to the planner
+    (``SafeLoadPlanner`` reads them ``weights_only``). The ``StorageReader`` methods implement torch's interface.
+
+    Args:
+        path: the checkpoint directory.
+        engine: None (the shared default engine), an :class:`~lightning_recover.checkpoint.engine.EngineHandle`
+            or a ``native_io.IOEngine``.
+        verify: False skips the CRC-32C verification (default True).
+        pause_gc: True: the cyclic collector is off from planning to the end of ``read_data`` (``gc_pause.py``);
+            a number: the same, with that many seconds as the bound; False: off.
     """
 
     def __init__(
@@ -223,6 +240,7 @@ class UringStorageReader(FileSystemReader):
         self._gc = gc_pause_for(pause_gc)
 
     def set_up_storage_reader(self, *args: Any, **kwargs: Any) -> None:
+        """Implements torch's interface (and pauses the collector with ``pause_gc``)."""
         super().set_up_storage_reader(*args, **kwargs)
         metadata = kwargs["metadata"] if "metadata" in kwargs else args[0]
         self._sidecars_recorded = sidecars_recorded(metadata)
@@ -230,10 +248,12 @@ class UringStorageReader(FileSystemReader):
             self._gc.pause()  # planning and reading of one dcp.load; resumed when read_data ends (gc_pause.py)
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """Implements torch's interface (the sidecars are read again for the next load)."""
         super().reset(checkpoint_id)
         self._sidecars = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """Implements torch's interface with an allowlist unpickler (``read_dcp_metadata``: what it raises)."""
         # FileSystemReader.read_metadata is a bare pickle.load; ours allows DCP's metadata types only
         rank = kwargs.get("rank")
         md = read_dcp_metadata(self.path, os.path.basename(self._get_metadata_path(rank)))
@@ -254,6 +274,7 @@ class UringStorageReader(FileSystemReader):
         return self._sidecars
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Implements torch's interface, synchronously; ``CheckpointCorruptError`` names a damaged file and item."""
         per_file: dict[str, list] = {}
         for req in plan.items:
             sinfo: _StorageInfo = self.storage_data[req.storage_index]
@@ -395,9 +416,18 @@ class UringStorageReader(FileSystemReader):
 def verify_dcp_checkpoint(path: str | os.PathLike) -> dict:
     """Check every shard of a DCP checkpoint against its CRC-32C sidecar, reading it through ``native_io``.
 
-    Returns ``{"files": n, "items": n, "bytes": n, "verified": bool}`` (``verified`` False for a
-    checkpoint without sidecars, e.g. one written by ``FileSystemWriter``); raises
-    :class:`CheckpointCorruptError` naming the file and item on damage.
+    Args:
+        path: the checkpoint directory.
+
+    Returns:
+        ``{"files": n, "items": n, "bytes": n, "verified": bool}`` (``verified`` False for a
+        checkpoint without sidecars, e.g. one written by ``FileSystemWriter``).
+
+    Raises:
+        CheckpointCorruptError: on damage, naming the file and item; also for a missing or unreadable
+            ``.metadata`` (:func:`read_dcp_metadata`).
+        SidecarsMissingError: ``.metadata`` records sidecars and some are missing.
+        UnsafeCheckpointError: ``.metadata`` names a global outside the allowlist.
     """
     path = str(path)
     reader = UringStorageReader(path)

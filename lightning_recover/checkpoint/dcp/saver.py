@@ -216,7 +216,11 @@ class DcpSaver:
 
     Every rank of ``process_group`` (default: the default group; this process alone without one) calls
     ``save`` with its part of the state, in the same order, as with ``dcp.save``. One saver per group and
-    state: its cache belongs to both. ``engine``, ``overwrite``, ``pause_gc``: as for ``UringStorageWriter``.
+    state: its cache belongs to both. ``last_protocol`` says which protocol the last save took.
+
+    Args:
+        process_group: the ranks that save together (None: the default group, or this process alone).
+        engine, overwrite, pause_gc: as for :class:`UringStorageWriter`.
     """
 
     def __init__(
@@ -286,7 +290,15 @@ class DcpSaver:
     # -- a save --------------------------------------------------------------------------------------
 
     def save(self, state_dict: dict[str, Any], path: str | os.PathLike) -> None:
-        """Write ``state_dict`` as the DCP checkpoint ``path`` (complete, or not there at all)."""
+        """Write ``state_dict`` as the DCP checkpoint ``path`` (complete, or not there at all).
+
+        Args:
+            state_dict: this rank's part of the state, as ``dcp.save`` takes it.
+            path: the checkpoint directory.
+
+        Raises:
+            DcpSaveError: the save failed on any rank (raised on every rank; the previous checkpoint stays).
+        """
         self._run(state_dict, str(path), None)
 
     def save_part(
@@ -296,7 +308,15 @@ class DcpSaver:
         ranks write ``__{base + rank}_0.distcp`` into the temporary directory of ``token`` that every part shares,
         and the coordinator leaves the part's metadata there as ``part_metadata_name(part)``. Nothing is committed:
         whoever merges the parts does (``dcp_state.commit_parts``). A failure raises ``DcpSaveError`` on every rank
-        of the group and removes nothing (the directory is shared; the merger abandons it)."""
+        of the group and removes nothing (the directory is shared; the merger abandons it).
+
+        Args:
+            state_dict: this rank's part of the state.
+            path: the checkpoint directory the parts make.
+            token: the temporary directory's token, the same for every part.
+            part: this part's number.
+            base: the file number of this group's rank 0.
+        """
         self._run(state_dict, str(path), _Part(token, part, base))
 
     def _run(self, state_dict: dict[str, Any], path: str, part: Optional[_Part]) -> None:

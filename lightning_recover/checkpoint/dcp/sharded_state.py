@@ -64,11 +64,11 @@ class _WeightsOnlyBytes(DefaultLoadPlanner):
 
 
 class SafeLoadPlanner(_WeightsOnlyBytes, DefaultLoadPlanner):
-    pass
+    """torch's ``DefaultLoadPlanner`` that reads bytes items with the ``weights_only`` loader."""
 
 
 class SafeEmptyLoadPlanner(_WeightsOnlyBytes, _EmptyStateDictLoadPlanner):
-    pass
+    """torch's planner that loads a whole checkpoint into an empty dict, reading bytes items ``weights_only``."""
 
 
 @contextmanager
@@ -90,11 +90,29 @@ def _unwrap_corruption() -> Iterator[None]:
 
 
 def is_dcp_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a committed DCP checkpoint (a directory with a ``.metadata`` file).
+
+    Args:
+        path: the path to look at.
+
+    Returns:
+        True for a directory holding ``.metadata``.
+    """
     return os.path.isdir(path) and os.path.exists(os.path.join(path, ".metadata"))
 
 
 def checkpoint_keys(path: str | os.PathLike) -> set[str]:
-    """The top-level keys of the state saved at ``path`` (read from ``.metadata``, verified types only)."""
+    """The top-level keys of the state saved at ``path`` (read from ``.metadata``, verified types only).
+
+    Args:
+        path: the checkpoint directory.
+
+    Returns:
+        The keys.
+
+    Raises:
+        CheckpointCorruptError, UnsafeCheckpointError: as for ``read_dcp_metadata``.
+    """
     md = read_dcp_metadata(path)
     if md.planner_data:
         return {str(p[0]) for p in md.planner_data.values()}
@@ -142,7 +160,18 @@ _SAVERS: dict[int, DcpSaver] = {}
 def save_sharded(path: str | os.PathLike, state: dict[str, Any], *, engine: Any = None) -> None:
     """Write ``state`` as one DCP checkpoint directory at ``path`` (every rank of the default process
     group, or this process alone without one, must call it). ``path`` appears complete or not at all;
-    a failure raises ``DcpSaveError`` (a ``CheckpointException``) on every rank."""
+    a failure raises ``DcpSaveError`` (a ``CheckpointException``) on every rank.
+
+    Args:
+        path: the checkpoint directory.
+        state: modules, optimizers (with their modules in the same dict), stateful objects and plain values.
+        engine: None (the shared default engine and a saver kept per group size), an ``EngineHandle`` or a
+            ``native_io.IOEngine``.
+
+    Raises:
+        DcpSaveError: the save failed on any rank.
+        ValueError: an optimizer's module is not in ``state``.
+    """
     world = dist.get_world_size() if dist.is_initialized() else 1
     saver = _SAVERS.setdefault(world, DcpSaver()) if engine is None else DcpSaver(engine=engine)
     saver.save(sharded_state_dict(state), path)
@@ -156,6 +185,19 @@ def load_sharded(path: str | os.PathLike, state: dict[str, Any], *, strict: bool
     saved one. ``strict``: every key of ``state`` must be in the checkpoint, every module/optimizer
     entry complete. Damaged shards raise ``CheckpointCorruptError``; nothing is half-restored then,
     because every value is read and verified before any object is updated.
+
+    Args:
+        path: the checkpoint directory.
+        state: what to restore, keyed as saved; plain values in it are replaced by the saved ones.
+        strict: see above (default True).
+
+    Returns:
+        The saved plain entries whose keys are not in ``state``.
+
+    Raises:
+        KeyError: with ``strict``, a key of ``state`` is not in the checkpoint.
+        CheckpointCorruptError: a shard or the metadata is damaged or missing.
+        UnsafeCheckpointError: a saved item is not loadable with torch's ``weights_only`` loader.
     """
     path = str(path)
     saved = checkpoint_keys(path)
@@ -208,8 +250,20 @@ def load_full(
     """The whole checkpoint (or the top-level ``keys``) in this process, every tensor full size.
 
     torch's ``dcp_to_torch_save`` logic (the state dict is rebuilt from ``.metadata``), read through
-    :class:`UringStorageReader` with the safe loaders; needs no process group. ``allow_pickle``: bytes
-    items with torch's full unpickler (only for checkpoints you trust).
+    :class:`UringStorageReader` with the safe loaders; needs no process group.
+
+    Args:
+        path: the checkpoint directory.
+        keys: the top-level keys to load (None: all).
+        verify: check every extent's CRC-32C (default True).
+        allow_pickle: read bytes items with torch's full unpickler (only for checkpoints you trust).
+
+    Returns:
+        The state, nested as saved, with full-size tensors on the CPU.
+
+    Raises:
+        CheckpointCorruptError: a shard or the metadata is damaged or missing.
+        UnsafeCheckpointError: a saved item is not loadable with torch's ``weights_only`` loader.
     """
     out: dict[str, Any] = {}
     with _unwrap_corruption():

@@ -248,6 +248,15 @@ def cleanup_dcp_temps(parent: str) -> list[str]:
     replaced checkpoints a process ended before removing (``.<name>.dcp-old-<token>``, see ``remove_replaced``).
 
     Call it when no save into ``parent`` is in progress (e.g. at start-up, before the first save).
+
+    Args:
+        parent: the directory the checkpoints are saved in.
+
+    Returns:
+        The directories removed.
+
+    Raises:
+        FileNotFoundError: ``parent`` does not exist.
     """
     removed = []
     for name in os.listdir(parent):
@@ -273,17 +282,24 @@ class UringPrefix(_StoragePrefix):
 class UringStorageWriter(FileSystemWriter):
     """DCP ``StorageWriter`` writing each rank's items into one file through ``native_io``.
 
-    Subclasses :class:`FileSystemWriter` (planner, staging and ``dcp.async_save`` unchanged). ``engine``:
-    None (the shared default engine), an :class:`~lightning_recover.checkpoint.engine.EngineHandle` or a
-    ``native_io.IOEngine``. ``overwrite=False`` refuses an existing checkpoint at ``path``.
-    ``lazy_snapshot=True``: ``dcp.async_save`` blocks only for tensors under ``eager_bytes`` and copies
-    the rest in the background into reused staging buffers (``dcp_snapshot.py``);
-    ``cache_staged_state_dict=True`` alone: a blocking copy into the same reused buffers. One save at a
+    Subclasses :class:`FileSystemWriter` (planner, staging and ``dcp.async_save`` unchanged). One save at a
     time per writer instance (wait for a save's ``upload_completion`` before the next through it).
     Needs DCP's collectives (the default): ``use_collectives=False`` gives no coordinator to commit.
-    ``pause_gc=True``: Python's cyclic collector is off from this rank's first hook to its last of a save
-    run by the main thread (DCP's per-item objects otherwise trigger full collections: ``gc_pause.py``);
-    a number: the same, with that many seconds as the bound after the latest hook (default 30).
+    The ``StorageWriter`` methods implement torch's interface; where they differ, their docstrings say how.
+
+    Args:
+        path: the checkpoint directory; it appears complete (renamed into place) or not at all.
+        engine: None (the shared default engine), an :class:`~lightning_recover.checkpoint.engine.EngineHandle`
+            or a ``native_io.IOEngine``.
+        overwrite: False refuses an existing checkpoint at ``path`` (``RuntimeError`` when planning the save).
+        cache_staged_state_dict: alone: ``dcp.async_save`` makes a blocking copy into staging buffers reused from
+            one save to the next.
+        lazy_snapshot: ``dcp.async_save`` blocks only for tensors under ``eager_bytes`` and copies the rest in
+            the background into the same reused staging buffers (``snapshot.py``).
+        eager_bytes: with ``lazy_snapshot``, tensors smaller than this (bytes, default 1 MiB) are copied at once.
+        pause_gc: True: Python's cyclic collector is off from this rank's first hook to its last of a save
+            run by the main thread (DCP's per-item objects otherwise trigger full collections: ``gc_pause.py``);
+            a number: the same, with that many seconds as the bound after the latest hook (default 30); False: off.
     """
 
     def __init__(
@@ -317,12 +333,20 @@ class UringStorageWriter(FileSystemWriter):
     # -- staging (dcp.async_save) -----------------------------------------------------------------
 
     def stage(self, state_dict: dict) -> Any:
+        """Implements torch's ``stage``: the copy ``dcp.async_save`` writes, into reused buffers when asked for."""
         if self._lazy is None:
             return super().stage(state_dict)  # DCP's blocking copy (reused with cache_staged_state_dict)
         return self._lazy.stage(state_dict)
 
     def wait_for_snapshot(self) -> float:
-        """With ``lazy_snapshot=True``: block until the last save's tensors are copied (seconds waited)."""
+        """With ``lazy_snapshot=True``: block until the last save's tensors are copied.
+
+        A snapshot that failed (a tensor changed in place while it was copied) does not raise here: its save
+        fails, on every rank.
+
+        Returns:
+            The seconds waited (0.0 without ``lazy_snapshot``).
+        """
         return 0.0 if self._lazy is None else self._lazy.wait_for_snapshot()
 
     @property
@@ -336,6 +360,7 @@ class UringStorageWriter(FileSystemWriter):
         return 0 if self._lazy is None else self._lazy.allocations
 
     def close(self) -> None:
+        """Implements torch's ``close``; also stops the lazy snapshot's thread and frees its staging buffers."""
         if self._lazy is not None:
             self._lazy.close()
         super().close()
@@ -343,6 +368,7 @@ class UringStorageWriter(FileSystemWriter):
     # -- planning ----------------------------------------------------------------------------------
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Implements torch's interface; ``ValueError`` without DCP's collectives (nothing could commit)."""
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
         self._is_coordinator = is_coordinator
         if self._gc is not None:
@@ -356,6 +382,7 @@ class UringStorageWriter(FileSystemWriter):
             )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Implements torch's interface; ``RuntimeError`` for a checkpoint at ``path`` with ``overwrite=False``."""
         parent = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(parent, exist_ok=True)
         if not self.overwrite and os.path.exists(os.path.join(self.path, ".metadata")):
@@ -363,12 +390,14 @@ class UringStorageWriter(FileSystemWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Implements torch's interface; gives every rank its file prefix and the save's temporary directory."""
         token = secrets.token_hex(6)  # chosen once, on the coordinator, and sent to every rank
         return [dataclasses.replace(p, storage_data=UringPrefix(f"__{i}_", token)) for i, p in enumerate(plans)]
 
     # -- writing -----------------------------------------------------------------------------------
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Implements torch's interface: this rank's items into one file and its sidecar, synchronously."""
         sd = plan.storage_data
         if not isinstance(sd, UringPrefix):
             raise RuntimeError("UringStorageWriter got a plan it did not prepare; use it for every rank of the save")
@@ -399,7 +428,12 @@ class UringStorageWriter(FileSystemWriter):
         """Set ``metadata``'s version and the storage data of every rank's results, as ``FileSystemWriter.finish``
         does, except that a held dict equal to the new one is kept: with a cached plan's metadata and the same
         layout saved again, the freshly unpickled results then die with this save instead of growing the
-        collector's oldest generation (docs/dcp.md, "The collector")."""
+        collector's oldest generation (docs/dcp.md, "The collector").
+
+        Args:
+            metadata: the save's metadata, changed in place.
+            results: every rank's write results, by rank.
+        """
         metadata.version = CURRENT_DCP_VERSION
         storage_md = {wr.index: wr.storage_data for wr_list in results for wr in wr_list}
         if metadata.storage_data != storage_md:
@@ -510,4 +544,5 @@ class UringStorageWriter(FileSystemWriter):
         self.release_collector_after_exchange()
 
     def storage_meta(self) -> StorageMeta | None:
+        """Implements torch's interface; the metadata also records that the shards have CRC-32C sidecars."""
         return sidecar_storage_meta(self.path, self.save_id)

@@ -75,6 +75,18 @@ def save(
     is written to a temporary name in the same directory, fdatasync'ed, renamed into place and the directory
     fsync'ed: a crash leaves either the previous file or the new one under ``path``, never a partial one. Parent
     directories are created. ``format`` is 2, the only format written (format 1 is gone: :func:`check_format`).
+
+    Args:
+        checkpoint: what to save: anything ``torch.save`` takes.
+        path: the file to write.
+        engine: None (the shared default engine), an ``EngineHandle`` or a ``native_io.IOEngine``.
+        format: 2, the only format written.
+        zip_crc32: also fill the ZIP CRC-32 fields (default False).
+        torch_layout: place the records as ``torch.save(..., storage_alignment=4096)`` would (default False).
+
+    Raises:
+        ValueError: ``format`` is not 2.
+        TypeError: ``engine`` is an engine name (pass it to ``UringCheckpointIO(engine=...)`` instead).
     """
     check_format(format)
     path = os.path.abspath(os.fspath(path))
@@ -305,6 +317,13 @@ class ArchiveInfo:
     """Format 2 (a ``torch.save`` archive): its records and the tensors they hold (no tensor data read).
 
     ``tensors`` rows: name, dtype, shape, stride, bytes, offset (file offset of the first element), record.
+    :func:`read_info` and :func:`verify_file` make it.
+
+    Args:
+        path: the file.
+        size: its size in bytes.
+        index: its records (``index.records``: name to record, with offsets and CRC-32C).
+        tensors: the tensor rows above (``[]`` when they cannot be listed with the safe unpickler).
     """
 
     format_version = 2
@@ -313,6 +332,14 @@ class ArchiveInfo:
         self.path, self.size, self.index, self.tensors = path, size, index, tensors
 
     def tensors_of(self, record: str) -> list[str]:
+        """The names of the tensors stored in ``record``.
+
+        Args:
+            record: a record's name (``data/N``).
+
+        Returns:
+            Their names, in the order of ``tensors``.
+        """
         return [t["name"] for t in self.tensors if t["record"] == record]
 
 
@@ -459,7 +486,21 @@ def _damage(info: ArchiveInfo, rec: Any, offset: int, nbytes: int, expected: Any
 
 
 def read_info(path: Any, *, engine: Any = None) -> ArchiveInfo:
-    """Validate the metadata of ``path`` (no tensor data read): its records and the tensors they hold."""
+    """Validate the metadata of ``path`` (no tensor data read): its records and the tensors they hold.
+
+    Args:
+        path: the checkpoint file.
+        engine: None (the shared default engine), an ``EngineHandle`` or a ``native_io.IOEngine``.
+
+    Returns:
+        The file's records and tensors.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        IsADirectoryError: ``path`` is a directory.
+        CheckpointCorruptError: the metadata is damaged, the file is no checkpoint, or it is a plain ``torch.save``
+            file (no integrity record to read).
+    """
     path = os.fspath(path)
     eng, lock = resolve_engine(engine)
     with lock:
@@ -472,7 +513,23 @@ def read_info(path: Any, *, engine: Any = None) -> ArchiveInfo:
 
 
 def verify_file(path: Any, *, engine: Any = None, batch_bytes: int = 256 << 20) -> tuple[ArchiveInfo, list]:
-    """Read every record of ``path`` and return ``(info, damaged records)`` (bounded memory)."""
+    """Read every record of ``path`` and return ``(info, damaged records)`` (bounded memory).
+
+    Args:
+        path: the checkpoint file.
+        engine: None (the shared default engine), an ``EngineHandle`` or a ``native_io.IOEngine``.
+        batch_bytes: the most bytes read at a time (default 256 MiB).
+
+    Returns:
+        ``(info, damaged)``: the file's :class:`ArchiveInfo`, and one dict per damaged record or local header
+        (``record``, ``offset``, ``nbytes``, ``expected_crc32c``, ``actual_crc32c``, ``what``, ``tensors``);
+        an empty list for an intact file.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        IsADirectoryError: ``path`` is a directory.
+        CheckpointCorruptError: as for :func:`read_info` (damaged metadata is raised, not listed).
+    """
     path = os.fspath(path)
     eng, lock = resolve_engine(engine)
     with lock:
@@ -541,6 +598,20 @@ def load(
             possible) and returned in the result instead of new tensors. With ``strict``, a shape/dtype
             mismatch raises ``ValueError``; otherwise a new tensor is loaded for that path. With ``verify``
             a checksum error is raised after the data has landed in those tensors.
+        strict: see ``into`` (default True).
+        engine: None (the shared default engine), an ``EngineHandle`` or a ``native_io.IOEngine``.
+
+    Returns:
+        The checkpoint, as ``torch.load`` returns it. A plain ``torch.save`` file (no integrity record) is read by
+        ``torch.load``, unverified.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        IsADirectoryError: ``path`` is a directory.
+        CheckpointCorruptError: a record fails its checksum, or the file is no checkpoint (truncated, foreign).
+        CheckpointIncompleteError: the file is empty: an asynchronous save to it did not complete.
+        UnsafeCheckpointError: with ``weights_only``, the pickle names a global outside the allowlist.
+        ValueError: with ``into`` and ``strict``, a tensor's shape or dtype differs from its target's.
     """
     path = os.fspath(path)
     async_io.wait_for_path(path)  # an asynchronous save of this path in flight in this process, by any saver
