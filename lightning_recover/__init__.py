@@ -40,23 +40,18 @@ __version__ = "0.1.0"
 
 
 def _register() -> None:
-    from lightning.fabric.strategies import STRATEGY_REGISTRY
-
-    from lightning_recover.lightning.fabric import RecoverStrategy
+    """Import the adapters, each of which registers its strategy at the end of its own import. An adapter
+    already in ``sys.modules`` registered itself, or is the one importing Lightning right now (half-built:
+    importing from it would fail) and registers itself once its import completes."""
     from lightning_recover.observe.logs import quiet_lightning_noise
 
     quiet_lightning_noise()
-
-    if "recover" not in STRATEGY_REGISTRY:
-        RecoverStrategy.register_strategies(STRATEGY_REGISTRY)
-    try:
-        from lightning.pytorch.strategies import StrategyRegistry
-    except ImportError:  # lightning.pytorch is optional for Fabric users
-        return
-    if "recover" not in StrategyRegistry:
-        from lightning_recover.lightning.trainer import RecoverTrainerStrategy
-
-        RecoverTrainerStrategy.register_strategies(StrategyRegistry)
+    adapters = ["lightning_recover.lightning.fabric"]
+    if importlib.util.find_spec("lightning.pytorch") is not None:  # optional for Fabric users
+        adapters.append("lightning_recover.lightning.trainer")
+    for name in adapters:
+        if name not in sys.modules:
+            importlib.import_module(name)
 
 
 class _RegisterAfterLightningImport(importlib.abc.MetaPathFinder):

@@ -187,6 +187,8 @@ class RecoverStrategyBase(ReplicaRanks):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            "recover", cls, description="fault-tolerant data parallel with in-step recovery (lightning-recover)"
-        )
+        """Register ``strategy="recover"`` as this class in Lightning's ``strategy_registry`` (once)."""
+        if "recover" not in strategy_registry:
+            strategy_registry.register(
+                "recover", cls, description="fault-tolerant data parallel with in-step recovery (lightning-recover)"
+            )

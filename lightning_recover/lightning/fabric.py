@@ -26,7 +26,7 @@ import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.precision import Precision
-from lightning.fabric.strategies import ParallelStrategy
+from lightning.fabric.strategies import STRATEGY_REGISTRY, ParallelStrategy
 from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd
 from lightning.fabric.utilities.types import ReduceOp
 from torch import Tensor
@@ -437,3 +437,8 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
         if self.core is not None:
             self.core.close()
         super().teardown()
+
+
+# Registered at the end of this module's import: whether ``import lightning_recover``'s hook imported it once
+# Lightning was loaded, or this module's own imports brought Lightning in (the hook then found it half-built).
+RecoverStrategy.register_strategies(STRATEGY_REGISTRY)

@@ -39,6 +39,7 @@ from typing import Any, Optional, Union
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.launchers.launcher import _Launcher as _PLLauncher
 from lightning.pytorch.trainer.states import RunningStage
 from torch import Tensor
@@ -423,3 +424,7 @@ class RecoverTrainerStrategy(TrainerCheckpointing):  # on RecoverStrategyBase an
         # The core stays: the same script may call trainer.test() next; it leaves the group at exit.
         self._committed = None
         super().teardown()
+
+
+# Registered at the end of this module's import (see the end of lightning/fabric.py).
+RecoverTrainerStrategy.register_strategies(StrategyRegistry)
