@@ -26,10 +26,12 @@ _GAPS = 3  # gaps between vouches looked at: one long gap (a regroup) does not w
 MIN_TTL = 2
 
 
-def lease_ttl(period: float) -> int:
-    """The lease's TTL for a replica beating every ``period``: the heartbeat timeout it stands for (4 beats per
-    timeout on etcd, ``options.ETCD_BEATS_PER_TIMEOUT``), in whole seconds, at least :data:`MIN_TTL`."""
-    return max(MIN_TTL, math.ceil(4 * period))
+def lease_ttl(period: float, timeout: Optional[float] = None) -> int:
+    """The lease's TTL: the heartbeat timeout (``timeout``; where not given, the one a beat every ``period``
+    stands for: 4 beats per timeout on etcd, ``options.ETCD_BEATS_PER_TIMEOUT``), in whole seconds, at least
+    :data:`MIN_TTL`. A heartbeat interval set shorter than that default must not shorten the lease: a process
+    starved for less than its heartbeat timeout would lose its key and be declared dead."""
+    return max(MIN_TTL, math.ceil(timeout if timeout is not None else 4 * period))
 
 
 class VouchCoverage:
@@ -51,7 +53,8 @@ class VouchCoverage:
         return min(max(period, steps), max(period, COVER_MAX))
 
 
-def heartbeat_lease(store: Any, key: str, period: float) -> Any:
-    """The leased heartbeat key of a replica beating every ``period`` on ``store`` (a ``ControlStore``):
-    ``etcd_liveness.LeasedKey`` on etcd, None where the store has no leases (the embedded coordinator)."""
-    return store.raw.leased(key, lease_ttl(period))
+def heartbeat_lease(store: Any, key: str, period: float, timeout: Optional[float] = None) -> Any:
+    """The leased heartbeat key of a replica beating every ``period`` with heartbeat ``timeout`` on ``store`` (a
+    ``ControlStore``): ``etcd_liveness.LeasedKey`` on etcd, None where the store has no leases (the embedded
+    coordinator)."""
+    return store.raw.leased(key, lease_ttl(period, timeout))

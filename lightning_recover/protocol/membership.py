@@ -107,6 +107,7 @@ class Heartbeat:
         progress: Progress,
         key: str | None = None,
         notice: Notice | None = None,
+        timeout: float | None = None,
     ) -> None:
         self._store = store.clone()
         self._notice = notice  # an operator's leave request (``lightning-recover leave``) is read here
@@ -124,7 +125,7 @@ class Heartbeat:
         self.vouched_at = 0.0  # monotonic time the newest vouch naming this incarnation reached this process
         # etcd: the key lives while a lease this thread keeps alive (liveness.py); a beat is then written only to
         # tell the main thread's progress, once no vouch covered this replica for a step or two
-        self._leased = heartbeat_lease(self._store, self._key, interval) if key is None else None
+        self._leased = heartbeat_lease(self._store, self._key, interval, timeout) if key is None else None
         self._coverage = VouchCoverage()
         self.last_ok = time.monotonic()  # when the coordinator last answered (read by the watchdog)
         self._stop = threading.Event()
@@ -245,9 +246,15 @@ class CoordinatorWatchdog:
                 return  # the heartbeat was stopped on purpose: nothing left to watch
             silent = time.monotonic() - self._heartbeat.last_ok
             if silent > self._limit and not self._stop.is_set():
+                failed = self._heartbeat.error
+                why = (
+                    "(frozen or unreachable)"
+                    if failed is None
+                    else f"(the heartbeat's last call failed: {type(failed).__name__}: {failed})"
+                )
                 print(
                     f"[lightning-recover] replica {self._replica}: CoordinatorLostError: the coordinator at "
-                    f"{self._addr} has not answered for {silent:.1f}s (frozen or unreachable); no further step "
+                    f"{self._addr} has not answered for {silent:.1f}s {why}; no further step "
                     "can be agreed, this replica stops. " + COORDINATOR_LOST_HINT,
                     file=sys.stderr,
                     flush=True,
@@ -500,6 +507,7 @@ class Membership(_JoinRequests):
         num_replicas: int,
         *,
         heartbeat_interval: float = 0.1,
+        heartbeat_timeout: float | None = None,
         join_timeout: float = 60.0,
         collective_timeout: float = 60.0,
         startup_timeout: float = 300.0,
@@ -533,6 +541,7 @@ class Membership(_JoinRequests):
         self.replica = replica
         self.num_replicas = num_replicas
         self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout  # a leased heartbeat's TTL on etcd (None: 4 periods)
         self.join_timeout = join_timeout
         self.collective_timeout = collective_timeout
         self.startup_timeout = startup_timeout
@@ -588,6 +597,7 @@ class Membership(_JoinRequests):
             self.progress,
             key=key,
             notice=self.notice,
+            timeout=self.heartbeat_timeout,
         )
         self.heartbeat.start()
         self._watchdog = CoordinatorWatchdog(self.heartbeat, self.replica, self.addr, self.store_timeout)

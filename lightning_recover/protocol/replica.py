@@ -217,6 +217,7 @@ class Replica(_JoinsAndLeaves):
             replica,
             num_replicas,
             heartbeat_interval=options.heartbeat_period(etcd=is_etcd(addr)),
+            heartbeat_timeout=options.heartbeat_timeout,
             join_timeout=options.join_timeout,
             collective_timeout=options.collective_timeout,
             startup_timeout=options.startup_timeout,

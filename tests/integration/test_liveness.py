@@ -47,6 +47,8 @@ def test_the_coverage_window_follows_the_steps_within_its_bounds():
         slow.vouched(at)
     assert slow.window(0.5) == COVER_MAX  # a main thread stopped between two commits is seen at most that late
     assert lease_ttl(0.25) == MIN_TTL and lease_ttl(0.5) == 2 and lease_ttl(2.5) == 10
+    # the heartbeat timeout, where given, whatever the period: a short period must not shorten the lease
+    assert lease_ttl(0.5, 10.0) == 10 and lease_ttl(0.1, 0.5) == MIN_TTL and lease_ttl(2.5, 4.2) == 5
 
 
 @pytest.mark.slow  # waits out a lease (2 s)
