@@ -550,7 +550,6 @@ class Membership(_JoinRequests):
         self.secret = secret
         self.progress = Progress()
         self.store: ControlStore | None = None
-        self.rounds_by_view = False  # chosen with the backend, in connect()
         self.incarnation = 0
         self.gen: Generation | None = None
         self.heartbeat: Heartbeat | None = None
@@ -566,9 +565,6 @@ class Membership(_JoinRequests):
         ``before_standby_wait`` (a sharded one builds its K-process world there), then waits until
         it is assigned a replica id."""
         self.store = ControlStore(self.addr, self.replica, self.secret, timeout=self.store_timeout)
-        # Rounds run from the watched view (replicas of one process): no list of joiners, the last joiner
-        # closes the round, a generation meets at its leader's rendezvous store. Else rounds are polled.
-        self.rounds_by_view = self.store.raw.views and self.replica_size == 1
         check_against_coordinator(self.store.get_genuine("meta/replicas"), self.num_replicas)
         check_replica_size_against_coordinator(self.store.get_genuine("meta/replica_size"), self.replica_size)
         if self.standby is not None:
@@ -608,11 +604,8 @@ class Membership(_JoinRequests):
             self.rendezvous = host_rendezvous(self.store, self.replica, self.collective_timeout)
 
     def form_initial(self) -> Generation | None:
-        """Join generation 0 with every other replica (the job's start).
-
-        Returns None when the group has already formed: this process is a restarted replica and
-        must come in through :meth:`rejoin` (at a step boundary, with state from a peer).
-        """
+        """Join generation 0 with every other replica (the job's start). None when the group has already
+        formed: a restarted replica comes in through :meth:`rejoin` (at a step boundary, with a peer's state)."""
         latest = self.store.generation()
         if latest != 0 or self.store.get_genuine("g0/members") is not None:
             self.request_join()
@@ -828,6 +821,12 @@ class Membership(_JoinRequests):
         leader = gen.payloads[gen.members[0]]
         place = meeting_place(self.store, leader, f"pg/g{gen.number}{suffix}", self.collective_timeout)
         gen.pg = self.groups.build(place, gen.number, gen.rank, gen.size, self.failure_seen)
+
+    @property
+    def rounds_by_view(self) -> bool:
+        # Rounds run from the watched view (ControlPlane.views, replicas of one process): no list of joiners, the
+        # last joiner closes the round, a generation meets at its leader's rendezvous store. Else they are polled.
+        return self.store is not None and self.store.raw.views and self.replica_size == 1
 
     @property
     def abandoned_work(self) -> bool:
