@@ -141,7 +141,8 @@ _ABSENT = b"\x00lr-absent"  # what peek's compare_set expects: never a sealed va
 
 
 def peek(store: Any, key: str) -> Optional[bytes]:
-    """The raw value under ``key`` of a TCPStore, or None if there is none, in one round trip that never waits.
+    """The raw value under ``key``, or None if there is none, in one round trip that never waits (any store with
+    TCPStore's ``compare_set``: both backends; on etcd the compare-and-set is ordered in the Raft log).
 
     A store ``get`` of a missing key blocks until the key appears or the client's timeout ends; a
     key deleted by an outside client between a ``check`` and a ``get`` would stall the reader.
