@@ -231,6 +231,7 @@ class StatusBoard:
         self, now: float, heartbeats: Mapping[str, tuple[int, dict]], beats: Mapping[str, tuple[int, int, float]]
     ) -> None:
         oldest: dict[int, float] = {}
+        reported_left = []  # read after every report of the pass: a leaver's own heartbeat may come later in it
         for key, (r, hb) in heartbeats.items():
             moved = beats.get(key)
             if moved is not None:
@@ -239,6 +240,11 @@ class StatusBoard:
                 continue  # the same heartbeat as the last pass (the monitor opens each once); or not the first process's
             self._opened[key] = hb
             self._report(r, int(hb.get("inc", 0)), hb)
+            left = hb.get("left")
+            if isinstance(left, list) and len(left) == 2:
+                reported_left.append(left)
+        for generation, leavers in reported_left:
+            self._leavers(int(generation), leavers)
         for r, at in oldest.items():
             self._rows[r].beat_at = at
 
@@ -248,9 +254,6 @@ class StatusBoard:
             row.incarnation, row.member, row.step, row.quota = inc, False, -1, 0
             self._event("start", replica=r, incarnation=inc, what=f"replica {r} started (incarnation {inc})")
         row.phase = str(hb.get("phase", ""))
-        left = hb.get("left")
-        if isinstance(left, list) and len(left) == 2:
-            self._leavers(int(left[0]), left[1])
         if inc < row.incarnation or row.dead >= inc:
             return
         row.notice = str(hb.get("notice", ""))

@@ -41,7 +41,7 @@ from lightning_recover.observe.page import render_page
 from lightning_recover.observe.report import member_report, step_report
 from lightning_recover.observe.status_server import StatusServer
 from lightning_recover.observe.terminal import format_status
-from lightning_recover.protocol.coordinator import init_keys, serve_store
+from lightning_recover.protocol.coordinator import init_keys, run_monitor, serve_store
 from lightning_recover.protocol.membership import Heartbeat, Progress
 from lightning_recover.protocol.messages import ControlStore, JobSecret, Sealer, mark_dead
 from lightning_recover.protocol.options import RecoverOptions
@@ -214,6 +214,27 @@ def test_board_tells_a_leave_on_notice_from_a_notice_with_too_little_grace(tmp_p
     snap = board2.snapshot()
     assert snap["table"][1]["state"] == "left" and sum(snap["recoveries"].values()) == 0
     assert [e["kind"] for e in snap["events"]].count("exit") == 0
+
+
+def test_a_monitor_stopped_by_the_jobs_end_still_reads_the_last_heartbeats(tmp_path):
+    """The job ends before the monitor's next pass: the members' last heartbeats (one reports a leave at the
+    step boundary of its last steps) are read once more when it stops, so the event log has the leave. Stopped
+    before its first pass, the monitor's last look is the only read: the leave must come from it."""
+    st = _Store(3)
+    events = EventLog(str(tmp_path / "events.jsonl"))
+    board = StatusBoard(3, events=events)
+    leaver = {"inc": 1, "beat": 3, "phase": "idle", **member_report(0, 6), "notice": "SIGTERM"}
+    reports = {r: {"inc": 1, "beat": 7, "phase": "idle", **step_report({}, 1, 5, 3, 6, left=[1])} for r in (0, 2)}
+    for r, report in {**reports, 1: leaver}.items():
+        st.store.set(f"hb/{r}", st.sealer.seal(f"hb/{r}", json.dumps(report).encode(), seq=7))
+    assert mark_dead(st.store, st.sealer, 1, 1)  # the launcher saw it exit
+    stop = threading.Event()
+    stop.set()
+    run_monitor(st.store, st.sealer, 3, 5.0, 60.0, stop, board=board)
+    events.close()
+    leaves = [e for e in read_events(str(tmp_path / "events.jsonl")) if e["kind"] == "leave"]
+    assert [e["replica"] for e in leaves] == [1], leaves
+    assert board.snapshot()["table"][1]["state"] == "left"
 
 
 # --------------------------------------------------------------------------- the server (fast)
