@@ -64,12 +64,49 @@ _BENCH_MODULES = {
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help=COMMANDS["bench"])
     kinds = bench.add_subparsers(dest="what", required=True)
+    _add_bench_checkpoint(kinds)
 
-    def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--dir", default=None, help="working directory (default: a temp dir)")
-        p.add_argument("--json", default=None, help="write the results here as JSON")
-        p.set_defaults(func=_cmd_bench)
+    p = kinds.add_parser("async", help="time blocked per checkpoint and time to durability vs async peers")
+    from lightning_recover.bench.async_checkpoint import build_parser as async_parser
 
+    async_parser(p)
+    p.set_defaults(func=_cmd_bench)
+
+    p = kinds.add_parser("scale", help="the control plane against the job's size: N replica threads, N = 16 ... 512")
+    from lightning_recover.bench.scale import build_parser as scale_parser
+
+    scale_parser(p)
+    p.set_defaults(func=_cmd_bench)
+
+    p = kinds.add_parser("recovery", help="fault -> survivors' next committed step, over many faults")
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--kills", type=int, default=10, help="number of faults (one run each)")
+    p.add_argument("--kind", choices=["kill", "hang"], default="kill")
+    p.add_argument("--heartbeat-timeout", type=float, default=1.0)
+    _add_bench_output(p)
+
+    p = kinds.add_parser("overhead", help="failure-free step time vs Lightning's strategy='ddp'")
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument(
+        "--baseline",
+        default=None,
+        help="another checkout of lightning-recover (e.g. a git worktree of an older commit) to run "
+        "as a third mode: the before/after of a change in one run",
+    )
+    _add_bench_output(p)
+    _add_bench_resilience(kinds)
+
+
+def _add_bench_output(p: argparse.ArgumentParser) -> None:
+    """The options of where a bench works and writes (those whose module has no parser of its own)."""
+    p.add_argument("--dir", default=None, help="working directory (default: a temp dir)")
+    p.add_argument("--json", default=None, help="write the results here as JSON")
+    p.set_defaults(func=_cmd_bench)
+
+
+def _add_bench_checkpoint(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser(
         "checkpoint", help="durable save and cold load vs Lightning, torch.save, DCP, safetensors, fio"
     )
@@ -106,39 +143,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="with --ranks: every writer reuses the last save's plan, as a training loop's saves would",
     )
-    common(p)
+    _add_bench_output(p)
 
-    p = kinds.add_parser("async", help="time blocked per checkpoint and time to durability vs async peers")
-    from lightning_recover.bench.async_checkpoint import build_parser as async_parser
 
-    async_parser(p)
-    p.set_defaults(func=_cmd_bench)
-
-    p = kinds.add_parser("scale", help="the control plane against the job's size: N replica threads, N = 16 ... 512")
-    from lightning_recover.bench.scale import build_parser as scale_parser
-
-    scale_parser(p)
-    p.set_defaults(func=_cmd_bench)
-
-    p = kinds.add_parser("recovery", help="fault -> survivors' next committed step, over many faults")
-    p.add_argument("--replicas", type=int, default=4)
-    p.add_argument("--kills", type=int, default=10, help="number of faults (one run each)")
-    p.add_argument("--kind", choices=["kill", "hang"], default="kill")
-    p.add_argument("--heartbeat-timeout", type=float, default=1.0)
-    common(p)
-
-    p = kinds.add_parser("overhead", help="failure-free step time vs Lightning's strategy='ddp'")
-    p.add_argument("--replicas", type=int, default=4)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--repeat", type=int, default=2)
-    p.add_argument(
-        "--baseline",
-        default=None,
-        help="another checkout of lightning-recover (e.g. a git worktree of an older commit) to run "
-        "as a third mode: the before/after of a change in one run",
-    )
-    common(p)
-
+def _add_bench_resilience(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("resilience", help="this project vs checkpoint-and-restart vs failure-free")
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--steps", type=int, default=20, help="steps (20 = the module's own default schedule)")
@@ -170,7 +178,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="seconds (default 5, safe on a loaded 2-core machine)",
     )
-    common(p)
+    _add_bench_output(p)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

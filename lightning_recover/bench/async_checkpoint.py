@@ -305,10 +305,7 @@ def run(
     stats = tensor_stats(checkpoint)
     log(f"state: {stats['bytes'] / 1e9:.2f} GB in {stats['tensors']} tensors ({cfg})")
     trainer = Trainer(checkpoint, fwd_s)
-    for _ in range(2):
-        trainer.step()  # warm up (first touches of gradients, allocator)
-    base = [trainer.step()[0] for _ in range(max(3, steps))]
-    baseline = statistics.median(base)
+    baseline = _baseline_step_s(trainer, steps)
     log(f"baseline step (no checkpoint activity): {baseline:.3f} s (fwd/bwd x{trainer.n} matmuls)")
     state: dict = {"flush_bytes_per_s": flush_mbps * 1e6, "payload_bytes": stats["bytes"]}
     records = []
@@ -318,38 +315,87 @@ def run(
     for r in range(repeat):
         order = methods[r % len(methods) :] + methods[: r % len(methods)]
         for m in order:
-            wd = os.path.join(root, m)
-            os.sync()
-            gc.collect()
-            # the same steps with no checkpoint activity, right before the save: the pair's baseline (the
-            # machine's load drifts between repetitions, so one baseline at the start would not do)
-            cpu0, steal0 = process_cpu_s(), steal_s()
-            before = [trainer.step()[0] for _ in range(max(1, steps))]
-            baseline_cpu, rec_steal = process_cpu_s() - cpu0, steal_s() - steal0
-            rec = run_one(m, checkpoint, trainer, wd, steps, state)
-            rec["rep"] = r
-            rec["baseline_step_s"] = statistics.mean(before)
-            rec["step_ratio"] = rec["step_s"] / rec["baseline_step_s"] if steps else 0.0
-            # the step the save was called in (the snapshot copy lands there) and the steps after it (the flush)
-            rec["first_step_ratio"] = rec["step_times"][0] / rec["baseline_step_s"] if steps else 0.0
-            rec["later_step_ratio"] = (
-                statistics.mean(rec["step_times"][1:]) / rec["baseline_step_s"] if steps > 1 else 0.0
-            )
-            # CPU the save cost the process: from the save call until durable, less the same number of steps
-            # without checkpoint activity (the baseline steps just before)
-            rec["save_cpu_s"] = rec["cpu_s"] - baseline_cpu
-            rec["baseline_steal_s"] = rec_steal  # CPU time the hypervisor took during the steps before
-            records.append(rec)
-            log(
-                f"  rep {r} {m:16s} blocked {rec['blocked_s']:.3f} s (call {rec['call_s']:.3f} + wait "
-                f"{rec['wait_s']:.3f})  durable {rec['durable_s']:.2f} s  step {rec['step_s']:.3f} s "
-                f"(x{rec['step_ratio']:.2f}: first x{rec['first_step_ratio']:.2f}, later x{rec['later_step_ratio']:.2f})"
-                f"  save CPU {rec['save_cpu_s']:.2f} s  steal {rec['steal_s']:.2f} s (before: {rec_steal:.2f} s)"
-            )
-            shutil.rmtree(wd, ignore_errors=True)
+            records.append(_run_against_baseline(m, r, checkpoint, trainer, root, steps, state, log))
     for io in state.values():
         if hasattr(io, "teardown"):
             io.teardown()
+    summary = _summarize(records, methods)
+    result = {
+        "size_gb": size_gb,
+        "payload_bytes": stats["bytes"],
+        "tensors": stats["tensors"],
+        "config": str(cfg),
+        "fwd_s": fwd_s,
+        "steps": steps,
+        "repeat": repeat,
+        "baseline_step_s": baseline,
+        "summary": summary,
+        "targets": _targets(summary, steps),
+        "records": records,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "dir": root,
+            "load_avg": os.getloadavg(),
+        },
+    }
+    if restore:
+        result["restore"] = run_restore(checkpoint, root, repeat)
+    return result
+
+
+def _baseline_step_s(trainer: Trainer, steps: int) -> float:
+    """The median step time with no checkpoint activity, after two warm-up steps (first touches of gradients,
+    allocator)."""
+    for _ in range(2):
+        trainer.step()
+    return statistics.median([trainer.step()[0] for _ in range(max(3, steps))])
+
+
+def _run_against_baseline(
+    m: str,
+    rep: int,
+    checkpoint: dict,
+    trainer: Trainer,
+    root: str,
+    steps: int,
+    state: dict,
+    log: Callable[[str], None],
+) -> dict:
+    """One measured save with ``m`` (``run_one``), paired with as many steps without checkpoint activity run
+    right before it; returns its record with the step and CPU ratios to those steps."""
+    wd = os.path.join(root, m)
+    os.sync()
+    gc.collect()
+    # the same steps with no checkpoint activity, right before the save: the pair's baseline (the
+    # machine's load drifts between repetitions, so one baseline at the start would not do)
+    cpu0, steal0 = process_cpu_s(), steal_s()
+    before = [trainer.step()[0] for _ in range(max(1, steps))]
+    baseline_cpu, rec_steal = process_cpu_s() - cpu0, steal_s() - steal0
+    rec = run_one(m, checkpoint, trainer, wd, steps, state)
+    rec["rep"] = rep
+    rec["baseline_step_s"] = statistics.mean(before)
+    rec["step_ratio"] = rec["step_s"] / rec["baseline_step_s"] if steps else 0.0
+    # the step the save was called in (the snapshot copy lands there) and the steps after it (the flush)
+    rec["first_step_ratio"] = rec["step_times"][0] / rec["baseline_step_s"] if steps else 0.0
+    rec["later_step_ratio"] = statistics.mean(rec["step_times"][1:]) / rec["baseline_step_s"] if steps > 1 else 0.0
+    # CPU the save cost the process: from the save call until durable, less the same number of steps
+    # without checkpoint activity (the baseline steps just before)
+    rec["save_cpu_s"] = rec["cpu_s"] - baseline_cpu
+    rec["baseline_steal_s"] = rec_steal  # CPU time the hypervisor took during the steps before
+    log(
+        f"  rep {rep} {m:16s} blocked {rec['blocked_s']:.3f} s (call {rec['call_s']:.3f} + wait "
+        f"{rec['wait_s']:.3f})  durable {rec['durable_s']:.2f} s  step {rec['step_s']:.3f} s "
+        f"(x{rec['step_ratio']:.2f}: first x{rec['first_step_ratio']:.2f}, later x{rec['later_step_ratio']:.2f})"
+        f"  save CPU {rec['save_cpu_s']:.2f} s  steal {rec['steal_s']:.2f} s (before: {rec_steal:.2f} s)"
+    )
+    shutil.rmtree(wd, ignore_errors=True)
+    return rec
+
+
+def _summarize(records: list, methods: list) -> dict:
+    """Per method, the median over its repetitions of each measurement, and every repetition's step ratio."""
     summary = {}
     for m in methods:
         rs = [x for x in records if x["method"] == m]
@@ -369,6 +415,12 @@ def run(
             )
         }
         summary[m]["step_ratios"] = [x["step_ratio"] for x in rs]
+    return summary
+
+
+def _targets(summary: dict, steps: int) -> dict:
+    """``uring-async`` against the targets: time blocked, the steps during its flush, and time until durable
+    against ``uring-sync``'s (empty without a ``uring-async`` run)."""
     sync = summary.get("uring-sync", {}).get("durable_s")
     ours = summary.get("uring-async", {})
     targets = {}
@@ -379,29 +431,7 @@ def run(
         if sync:
             targets["durable_ratio_vs_sync"] = ours["durable_s"] / sync
             targets["durable_within_1.2x_sync"] = ours["durable_s"] <= 1.2 * sync
-    result = {
-        "size_gb": size_gb,
-        "payload_bytes": stats["bytes"],
-        "tensors": stats["tensors"],
-        "config": str(cfg),
-        "fwd_s": fwd_s,
-        "steps": steps,
-        "repeat": repeat,
-        "baseline_step_s": baseline,
-        "summary": summary,
-        "targets": targets,
-        "records": records,
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "dir": root,
-            "load_avg": os.getloadavg(),
-        },
-    }
-    if restore:
-        result["restore"] = run_restore(checkpoint, root, repeat)
-    return result
+    return targets
 
 
 def format_table(res: dict) -> str:

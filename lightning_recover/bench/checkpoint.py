@@ -574,66 +574,15 @@ def _setup_methods(methods: list[str], log: Callable[[str], None]) -> tuple[dict
 
 
 def _run(size_gb, repeat, root, methods, cache_mode, log, state="gpt", paired=False, fio_iodepths=PAIRED_FIO_IODEPTHS):
-    if cache_mode == "auto":
-        cache_mode = "drop_caches" if drop_caches_supported() else "fadvise"
-    elif cache_mode == "drop_caches" and not drop_caches_supported():
-        raise SystemExit("cannot write /proc/sys/vm/drop_caches (need root and a writable /proc/sys)")
-
-    t0 = time.perf_counter()
-    checkpoint, desc = build_state(state, size_gb)
-    stats = tensor_stats(checkpoint)
+    cache_mode = _resolve_cache_mode(cache_mode)
+    checkpoint, desc, stats = _build_logged_state(state, size_gb, log)
     nbytes = stats["bytes"]
-    log(
-        f"state {state}: {desc['description']}: {stats['tensors']} tensors, {nbytes / 1e9:.3f} GB; "
-        f"{stats['tensors_lt_1mib']} tensors < 1 MiB ({stats['bytes_in_tensors_lt_1mib'] / 1e6:.2f} MB); "
-        f"histogram {stats['size_histogram']} (built in {time.perf_counter() - t0:.1f}s)"
-    )
     log(f"dir: {root}  cache: {cache_mode}  repeat: {repeat}")
     if paired:
         return _run_paired(checkpoint, stats, desc, repeat, root, methods, cache_mode, log, fio_iodepths)
 
     impls, skipped, runnable = _setup_methods(methods, log)
-
-    samples: dict[str, dict[str, list]] = {
-        m: {"save_s": [], "load_s": [], "sync_s": [], "touch_s": [], "file_bytes": [], "files": []} for m in runnable
-    }
-    extra: dict[str, dict[str, Any]] = {m: {} for m in runnable}
-    errors: dict[str, str] = {}
-
-    for rep in range(repeat):
-        k = rep % len(runnable) if runnable else 0
-        order = runnable[k:] + runnable[:k]
-        for m in order:
-            if m in errors:
-                continue
-            workdir = os.path.join(root, f"{m}-{rep}")
-            os.mkdir(workdir)
-            _fsync_path(root, directory=True)
-            try:
-                if m == "fio":
-                    _run_fio(workdir, nbytes, cache_mode, samples[m], extra[m], rep)
-                else:
-                    _run_method(impls[m], checkpoint, workdir, cache_mode, samples[m], verify_load=True)
-            except Exception as e:  # noqa: BLE001 - reported in the record
-                errors[m] = f"{type(e).__name__}: {e}"
-                log(f"  {m}: FAILED: {errors[m]}")
-            finally:
-                shutil.rmtree(workdir, ignore_errors=True)
-                gc.collect()
-            s = samples[m]
-            if m == "fio" and m not in errors:
-                for d, ds in extra[m]["fio_depths"].items():
-                    log(
-                        f"  rep {rep + 1}/{repeat} {'fio qd' + str(d):<12} write {ds['save_s_all'][-1]:7.3f}s "
-                        f"({ds['save_gbps_all'][-1]:.2f} GB/s)          read {ds['load_s_all'][-1]:7.3f}s "
-                        f"({ds['load_gbps_all'][-1]:.2f} GB/s)"
-                    )
-            elif m not in errors and s["save_s"]:
-                log(
-                    f"  rep {rep + 1}/{repeat} {m:<12} save {s['save_s'][-1]:7.3f}s "
-                    f"(post-sync {s['sync_s'][-1]:.3f}s)  load {s['load_s'][-1]:7.3f}s"
-                )
-
+    samples, extra, errors = _run_repetitions(checkpoint, nbytes, repeat, root, runnable, impls, cache_mode, log)
     meta = {
         "bytes": nbytes,
         "gb": nbytes / 1e9,
@@ -656,45 +605,139 @@ def _run(size_gb, repeat, root, methods, cache_mode, log, state="gpt", paired=Fa
 
     records = []
     for m in runnable:
-        s = samples[m]
-        rec: dict[str, Any] = {"method": m}
-        b = extra[m].get("io_bytes", nbytes) if m == "fio" else nbytes
-        save_s = _median(s["save_s"])
-        load_s = _median(s["load_s"])
-        rec.update(
-            {
-                "save_s": save_s if s["save_s"] else None,
-                "save_gbps": b / save_s / 1e9 if s["save_s"] else None,
-                "load_s": load_s if s["load_s"] else None,
-                "load_gbps": b / load_s / 1e9 if s["load_s"] else None,
-                "bytes": b,
-                "tensors": stats["tensors"],
-                "repeat": repeat,
-                "runs": len(s["save_s"]),
-                "cache": cache_mode,
-                "save_s_all": s["save_s"],
-                "load_s_all": s["load_s"],
-                "sync_s_median": _median(s["sync_s"]) if s["sync_s"] else None,
-                "touch_s_median": _median(s["touch_s"]) if s["touch_s"] else None,
-                "file_bytes": s["file_bytes"][0] if s["file_bytes"] else None,
-                "files": s["files"][0] if s["files"] else None,
-                "verified": m != "fio" and m not in errors and bool(s["load_s"]),
-                "error": errors.get(m),
-            }
-        )
-        rec.update(extra[m])
+        rec = _method_record(m, samples[m], extra[m], errors.get(m), nbytes, stats["tensors"], repeat, cache_mode)
         if m != "fio" and m in impls:
             rec.update(impls[m].info())
         rec["meta"] = meta
         records.append(rec)
+    _add_baseline_ratios(records)
+    meta["targets"] = check_targets(records)
+    return records, meta
 
+
+def _resolve_cache_mode(cache_mode: str) -> str:
+    """``auto`` becomes the strongest eviction this process may use; ``drop_caches`` must be possible."""
+    if cache_mode == "auto":
+        return "drop_caches" if drop_caches_supported() else "fadvise"
+    if cache_mode == "drop_caches" and not drop_caches_supported():
+        raise SystemExit("cannot write /proc/sys/vm/drop_caches (need root and a writable /proc/sys)")
+    return cache_mode
+
+
+def _build_logged_state(
+    state: str, size_gb: float | None, log: Callable[[str], None]
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Build the state to save and log its shape; returns (checkpoint, description, tensor stats)."""
+    t0 = time.perf_counter()
+    checkpoint, desc = build_state(state, size_gb)
+    stats = tensor_stats(checkpoint)
+    log(
+        f"state {state}: {desc['description']}: {stats['tensors']} tensors, {stats['bytes'] / 1e9:.3f} GB; "
+        f"{stats['tensors_lt_1mib']} tensors < 1 MiB ({stats['bytes_in_tensors_lt_1mib'] / 1e6:.2f} MB); "
+        f"histogram {stats['size_histogram']} (built in {time.perf_counter() - t0:.1f}s)"
+    )
+    return checkpoint, desc, stats
+
+
+def _run_repetitions(checkpoint, nbytes, repeat, root, runnable, impls, cache_mode, log) -> tuple[dict, dict, dict]:
+    """Run every runnable method ``repeat`` times, the order rotated per repetition; a method that fails is not
+    run again. Returns (samples, extra, errors), each by method."""
+    samples: dict[str, dict[str, list]] = {
+        m: {"save_s": [], "load_s": [], "sync_s": [], "touch_s": [], "file_bytes": [], "files": []} for m in runnable
+    }
+    extra: dict[str, dict[str, Any]] = {m: {} for m in runnable}
+    errors: dict[str, str] = {}
+    for rep in range(repeat):
+        k = rep % len(runnable) if runnable else 0
+        order = runnable[k:] + runnable[:k]
+        for m in order:
+            if m in errors:
+                continue
+            workdir = os.path.join(root, f"{m}-{rep}")
+            os.mkdir(workdir)
+            _fsync_path(root, directory=True)
+            try:
+                if m == "fio":
+                    _run_fio(workdir, nbytes, cache_mode, samples[m], extra[m], rep)
+                else:
+                    _run_method(impls[m], checkpoint, workdir, cache_mode, samples[m], verify_load=True)
+            except Exception as e:  # noqa: BLE001 - reported in the record
+                errors[m] = f"{type(e).__name__}: {e}"
+                log(f"  {m}: FAILED: {errors[m]}")
+            finally:
+                shutil.rmtree(workdir, ignore_errors=True)
+                gc.collect()
+            if m not in errors:
+                _log_repetition(m, rep, repeat, samples[m], extra[m], log)
+    return samples, extra, errors
+
+
+def _log_repetition(
+    m: str, rep: int, repeat: int, s: dict[str, list], extra: dict[str, Any], log: Callable[[str], None]
+) -> None:
+    """One line per fio depth, or one for a method's save and load, of the repetition just run."""
+    if m == "fio":
+        for d, ds in extra["fio_depths"].items():
+            log(
+                f"  rep {rep + 1}/{repeat} {'fio qd' + str(d):<12} write {ds['save_s_all'][-1]:7.3f}s "
+                f"({ds['save_gbps_all'][-1]:.2f} GB/s)          read {ds['load_s_all'][-1]:7.3f}s "
+                f"({ds['load_gbps_all'][-1]:.2f} GB/s)"
+            )
+    elif s["save_s"]:
+        log(
+            f"  rep {rep + 1}/{repeat} {m:<12} save {s['save_s'][-1]:7.3f}s "
+            f"(post-sync {s['sync_s'][-1]:.3f}s)  load {s['load_s'][-1]:7.3f}s"
+        )
+
+
+def _method_record(
+    m: str,
+    s: dict[str, list],
+    extra: dict[str, Any],
+    error: str | None,
+    nbytes: int,
+    tensors: int,
+    repeat: int,
+    cache_mode: str,
+) -> dict[str, Any]:
+    """A method's record: the medians of its samples and its GB/s (fio: over the bytes fio moved), then
+    ``extra``."""
+    rec: dict[str, Any] = {"method": m}
+    b = extra.get("io_bytes", nbytes) if m == "fio" else nbytes
+    save_s = _median(s["save_s"])
+    load_s = _median(s["load_s"])
+    rec.update(
+        {
+            "save_s": save_s if s["save_s"] else None,
+            "save_gbps": b / save_s / 1e9 if s["save_s"] else None,
+            "load_s": load_s if s["load_s"] else None,
+            "load_gbps": b / load_s / 1e9 if s["load_s"] else None,
+            "bytes": b,
+            "tensors": tensors,
+            "repeat": repeat,
+            "runs": len(s["save_s"]),
+            "cache": cache_mode,
+            "save_s_all": s["save_s"],
+            "load_s_all": s["load_s"],
+            "sync_s_median": _median(s["sync_s"]) if s["sync_s"] else None,
+            "touch_s_median": _median(s["touch_s"]) if s["touch_s"] else None,
+            "file_bytes": s["file_bytes"][0] if s["file_bytes"] else None,
+            "files": s["files"][0] if s["files"] else None,
+            "verified": m != "fio" and error is None and bool(s["load_s"]),
+            "error": error,
+        }
+    )
+    rec.update(extra)
+    return rec
+
+
+def _add_baseline_ratios(records: list[dict[str, Any]]) -> None:
+    """Each record's save and load GB/s over the baseline method's (None without a baseline that saved)."""
     base = next((r for r in records if r["method"] == BASELINE and r["save_gbps"]), None)
     for r in records:
         for kind in ("save", "load"):
             v = r[f"{kind}_gbps"]
             r[f"{kind}_vs_{BASELINE}"] = v / base[f"{kind}_gbps"] if base and v and base[f"{kind}_gbps"] else None
-    meta["targets"] = check_targets(records)
-    return records, meta
 
 
 def _run_method(impl: Method, checkpoint, workdir, cache_mode, s, verify_load: bool) -> None:

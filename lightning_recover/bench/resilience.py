@@ -137,6 +137,40 @@ def run_mode(
 ) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
+    common = _training_args(mode, out, replicas, steps, microbatches, mb_seconds, replica_size, slow)
+    env = job_env()
+    # The restart budget is the same for every mode that restarts: torchrun --max-restarts K in the
+    # baseline (K whole-group restarts), K restarts per replica for recover (each is killed once).
+    inject = ",".join(f"kill:replica={r}:step={s}:phase=backward" for r, s in kills)
+    if mode == "recover":
+        cmd = _recover_torchrun_cmd(common, replicas, replica_size, kills, inject, heartbeat_timeout)
+    elif mode.startswith(("recover", "failure-free")):
+        cmd = _recover_local_cmd(mode, common, kills, heartbeat_timeout, standby)
+        if not mode.startswith("failure-free") and kills:
+            env["LIGHTNING_RECOVER_INJECT"] = inject
+    else:
+        cmd = _checkpoint_restart_cmd(mode, common, out, replicas, replica_size, kills, ckpt_every)
+    log = os.path.join(out, "job.log")
+    t = time.time()
+    code = _run(cmd, env, log, timeout)
+    total = time.time() - t
+    output = open(log, errors="replace").read()
+    if code != 0:
+        raise RuntimeError(f"{mode} job failed ({code}):\n{output[-3000:]}")
+    return analyze(mode, out, output, steps=steps, microbatches=microbatches, job_seconds=total)
+
+
+def _training_args(
+    mode: str,
+    out: str,
+    replicas: int,
+    steps: int,
+    microbatches: int,
+    mb_seconds: float,
+    replica_size: int,
+    slow: str,
+) -> list[str]:
+    """The training job's options that every mode passes alike: the schedule, the model and the output."""
     common = [
         "--replicas",
         str(replicas),
@@ -155,83 +189,97 @@ def run_mode(
         common += ["--precision", "32-true"]  # ModelParallelStrategy (the HSDP baseline) refuses 64-true
     if slow and mode != "failure-free":  # the failure-free run is the reference: no straggler either
         common += ["--slow", slow]
-    env = job_env()
-    job = [sys.executable, "-m", "lightning_recover.bench.resilience_train"]
-    # The restart budget is the same for every mode that restarts: torchrun --max-restarts K in the
-    # baseline (K whole-group restarts), K restarts per replica for recover (each is killed once).
-    inject = ",".join(f"kill:replica={r}:step={s}:phase=backward" for r, s in kills)
-    if mode == "recover":
-        # one torchrun agent per replica (lightning-recover torchrun); the replica script runs directly
-        cmd = [
-            sys.executable,
-            "-m",
-            "lightning_recover.cli",
-            "torchrun",
-            "--replicas",
-            str(replicas),
-            "--nproc-per-replica",
-            str(replica_size),
-            "--max-restarts",
-            str(len(kills)),
-            "--heartbeat-timeout",
-            str(heartbeat_timeout),
-        ]
-        cmd += (
-            (["--inject", inject] if kills else [])
-            + [
-                "--",
-                "-m",
-                "lightning_recover.bench.resilience_train",
-                "--mode",
-                "recover",
-                "--heartbeat-timeout",
-                str(heartbeat_timeout),
-            ]
-            + common
-        )
-    elif mode.startswith(("recover", "failure-free")):
-        cmd = job + ["--mode", "recover", "--heartbeat-timeout", str(heartbeat_timeout)] + common
-        if mode == "recover-throughput":
-            cmd += ["--quota", "throughput"]
-        if mode in ("recover-local", "recover-standby"):
-            cmd += ["--restarts", str(len(kills))]
-        if mode == "recover-standby":
-            cmd += ["--standby", str(standby)]
-        if mode == "failure-free-standby":  # what waiting standbys cost the replicas: no fault
-            cmd += ["--restarts", "1", "--standby", str(standby)]
-        if not mode.startswith("failure-free") and kills:
-            env["LIGHTNING_RECOVER_INJECT"] = inject
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(replicas * replica_size),
-            "--max-restarts",
-            str(len(kills)),
+    return common
+
+
+def _recover_torchrun_cmd(
+    common: list[str],
+    replicas: int,
+    replica_size: int,
+    kills: list[tuple[int, int]],
+    inject: str,
+    heartbeat_timeout: float,
+) -> list[str]:
+    """``recover``: one torchrun agent per replica (lightning-recover torchrun); the replica script runs directly."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "lightning_recover.cli",
+        "torchrun",
+        "--replicas",
+        str(replicas),
+        "--nproc-per-replica",
+        str(replica_size),
+        "--max-restarts",
+        str(len(kills)),
+        "--heartbeat-timeout",
+        str(heartbeat_timeout),
+    ]
+    return cmd + (
+        (["--inject", inject] if kills else [])
+        + [
+            "--",
             "-m",
             "lightning_recover.bench.resilience_train",
             "--mode",
-            "ddp",
-            "--ckpt-dir",
-            os.path.join(out, "ckpt"),
-            "--ckpt-every",
-            str(ckpt_every),
-            "--ckpt-io",
-            "torch" if mode == "hsdp-dcp" else mode.split("-")[1],
-            "--kill",
-            ",".join(f"{r}:{s}" for r, s in kills),
-        ] + common
-    log = os.path.join(out, "job.log")
-    t = time.time()
-    code = _run(cmd, env, log, timeout)
-    total = time.time() - t
-    output = open(log, errors="replace").read()
-    if code != 0:
-        raise RuntimeError(f"{mode} job failed ({code}):\n{output[-3000:]}")
-    return analyze(mode, out, output, steps=steps, microbatches=microbatches, job_seconds=total)
+            "recover",
+            "--heartbeat-timeout",
+            str(heartbeat_timeout),
+        ]
+        + common
+    )
+
+
+def _recover_local_cmd(
+    mode: str, common: list[str], kills: list[tuple[int, int]], heartbeat_timeout: float, standby: int
+) -> list[str]:
+    """The other ``recover*`` and ``failure-free*`` modes: the training job under its own local launcher."""
+    cmd = [sys.executable, "-m", "lightning_recover.bench.resilience_train"]
+    cmd += ["--mode", "recover", "--heartbeat-timeout", str(heartbeat_timeout)] + common
+    if mode == "recover-throughput":
+        cmd += ["--quota", "throughput"]
+    if mode in ("recover-local", "recover-standby"):
+        cmd += ["--restarts", str(len(kills))]
+    if mode == "recover-standby":
+        cmd += ["--standby", str(standby)]
+    if mode == "failure-free-standby":  # what waiting standbys cost the replicas: no fault
+        cmd += ["--restarts", "1", "--standby", str(standby)]
+    return cmd
+
+
+def _checkpoint_restart_cmd(
+    mode: str,
+    common: list[str],
+    out: str,
+    replicas: int,
+    replica_size: int,
+    kills: list[tuple[int, int]],
+    ckpt_every: int,
+) -> list[str]:
+    """The baselines (``ddp-*``, ``hsdp-dcp``): stock Lightning under ``torchrun --max-restarts``, resuming the
+    whole group from its newest checkpoint."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(replicas * replica_size),
+        "--max-restarts",
+        str(len(kills)),
+        "-m",
+        "lightning_recover.bench.resilience_train",
+        "--mode",
+        "ddp",
+        "--ckpt-dir",
+        os.path.join(out, "ckpt"),
+        "--ckpt-every",
+        str(ckpt_every),
+        "--ckpt-io",
+        "torch" if mode == "hsdp-dcp" else mode.split("-")[1],
+        "--kill",
+        ",".join(f"{r}:{s}" for r, s in kills),
+    ] + common
 
 
 def records(out: str) -> list[dict]:

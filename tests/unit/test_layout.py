@@ -13,7 +13,7 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = os.path.join(ROOT, "lightning_recover")
 MAX_CLASS_LINES = 300
-MAX_FUNCTION_LINES = 150
+MAX_FUNCTION_LINES = 100
 _SOURCES: dict[str, str] = {}
 # Every node of a module's tree in ast.walk's order, and those inside a function (a def's own node and all
 # below it), listed once when the trees are parsed: walking the package's trees again in every test cost
