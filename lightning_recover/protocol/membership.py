@@ -434,6 +434,10 @@ def _generation_listed(store: ControlStore, number: int, members: list[int], rep
     )
 
 
+#: a counter every join request adds one to (``add``; the requests themselves are sealed ``join/{r}``)
+JOIN_REQUESTS = "join/requests"
+
+
 class _JoinRequests:
     """A replica outside the group asks to be admitted, and members read who asks: restarted replicas, standbys
     that took a dead replica's place, newcomers of a growing job. Part of :class:`Membership`."""
@@ -446,6 +450,7 @@ class _JoinRequests:
     num_replicas: int
     join_timeout: float
     join_requested_at: float = 0.0  # wall time of this process's last join request
+    _join_requests_seen: int = -1  # the request counter when the last look found none pending
 
     # ------------------------------------------------------------------ rejoin
     def request_join(self) -> None:
@@ -456,13 +461,20 @@ class _JoinRequests:
         # Cut off from the members' data network, joining would only stall their next generation.
         wait_until_reachable(self.store, self.replica, self.num_replicas, 1.0, lambda: _job_over(self))
         self.store.set(f"join/{self.replica}", str(self.incarnation))
+        self.store.add(JOIN_REQUESTS, 1)  # after the request: whoever reads the new count reads the request too
         self.join_requested_at = time.time()
         if self.inner == 0:
             print(f"[lightning-recover] replica {self.replica}: asks to join at the next commit", flush=True)
 
     def pending_joins(self, recent: bool = False) -> dict[int, int]:
         """Join requests not yet admitted and still alive: ``{replica: incarnation}``. ``recent``: from
-        reads that may be a moment stale (a request made meanwhile is admitted at the next commit)."""
+        reads that may be a moment stale (a request made meanwhile is admitted at the next commit).
+
+        Read by the leader at every commit: one counter read while nobody asks, the N requests only when the
+        counter moved or a request is still pending (a forged count only costs a look)."""
+        counted = self.store.recent_count(JOIN_REQUESTS) if recent else self.store.add(JOIN_REQUESTS, 0)
+        if counted == self._join_requests_seen:
+            return {}
         latest: dict[int, int] = {}
         read = self.store.recent_genuine if recent else self.store.get_genuine
         for r in range(self.num_replicas):
@@ -471,7 +483,9 @@ class _JoinRequests:
                 latest[r] = int(asked)
         wanted = {r: inc for r, inc in latest.items() if self.gen.incarnations.get(r) != inc}
         dead = self.dead(sorted(wanted), wanted, recent=recent)
-        return {r: inc for r, inc in wanted.items() if r not in dead}
+        pending = {r: inc for r, inc in wanted.items() if r not in dead}
+        self._join_requests_seen = -1 if pending else counted  # one pending: look again (admitted, or dead)
+        return pending
 
     def wait_for_invitation(self) -> Generation:
         """A joiner waits until members invite it into a generation, then joins that round."""

@@ -25,7 +25,7 @@ from lightning_recover.errors import MembershipChanged, RecoverError
 from lightning_recover.observe.report import note_member, note_step
 from lightning_recover.protocol import state_transfer
 from lightning_recover.protocol.collectives import SurvivorCollectives
-from lightning_recover.protocol.decisions import Decisions
+from lightning_recover.protocol.decisions import Decisions, commit_protocol
 from lightning_recover.protocol.exact import ExactAccumulator, check_exact_layout
 from lightning_recover.protocol.faults import Fault, FaultInjector
 from lightning_recover.protocol.membership import Membership, form_next_generation
@@ -57,7 +57,6 @@ class _JoinsAndLeaves:
 
     group: Membership
     protocol: StepProtocol
-    decisions: Decisions
     collectives: SurvivorCollectives
     notice: Notice
     step: int
@@ -129,7 +128,7 @@ class _JoinsAndLeaves:
     def _admit(self, step: int, leaving: frozenset[int] = frozenset()) -> None:
         """Members: form the generation that includes the admitted joiners, without the members that left on
         notice at the last commit, and hand the joiners the state."""
-        invite, self.decisions.admit_next = self.decisions.admit_next, {}
+        invite, self.protocol.decisions.admit_next = self.protocol.decisions.admit_next, {}
         try:
             self.group.next_generation({"step": step, "have": []}, invite=invite, leaving=leaving)
         except MembershipChanged:
@@ -232,13 +231,12 @@ class Replica(_JoinsAndLeaves):
             notice=self.notice,
         )
         self.world = None  # the replica's own K-process world (sharding.ReplicaWorld), when K > 1
-        self.decisions = Decisions(self.group)
+        self.decisions: Optional[Decisions] = None  # the commit protocol: picked once connected (start)
         # A store collective first confirms a step applied speculatively: what it sees must be settled.
-        self.collectives = SurvivorCollectives(self.group, before_exchange=self.decisions.confirm)
+        self.collectives = SurvivorCollectives(self.group, before_exchange=self._confirm)
         self.protocol = StepProtocol(
             self.group,
             self.collectives,
-            self.decisions,
             self.M,
             params,
             quota=options.quota,
@@ -353,6 +351,7 @@ class Replica(_JoinsAndLeaves):
             )
 
         self.group.connect(before_standby_wait=build_standby_world if self.replica_size > 1 else None)
+        self.decisions = self.protocol.decisions = commit_protocol(self.group)  # the backend is known now
         injector = self._injector or FaultInjector.from_env(self.group.replica, self.group.incarnation, self.inner)
         for listener in self._fault_listeners:
             injector.add_listener(listener)
@@ -373,13 +372,18 @@ class Replica(_JoinsAndLeaves):
                 self.group, self.replica_size, self.inner, device_type=device, tensor_parallel=self.tensor_parallel
             )
 
+    def _confirm(self) -> None:
+        if self.decisions is not None:
+            self.decisions.confirm()
+
     def set_state_hooks(self, get_state: Callable[[], dict], set_state: Callable[[dict], None]) -> None:
         """How to read and overwrite the training state handed to a rejoining replica."""
         self._get_state, self._set_state = get_state, set_state
 
     def close(self) -> None:
         try:
-            self.decisions.close(settle=not _uncaught[0])  # a step applied speculatively is confirmed first
+            if self.decisions is not None:  # connected
+                self.decisions.close(settle=not _uncaught[0])  # a step applied speculatively is confirmed first
         finally:
             if self.world is not None and not _uncaught[0]:
                 self.world.leave()  # a clean exit: the replica-mates' watchdogs must not read it as a death
@@ -412,7 +416,7 @@ class Replica(_JoinsAndLeaves):
         self._forward_seen = self._backward_seen = False
         leaving, self.protocol.leaving = self.protocol.leaving, frozenset()
         began = time.perf_counter()
-        boundary = bool(self.decisions.admit_next or leaving)
+        boundary = bool(self.protocol.decisions.admit_next or leaving)
         if boundary:
             self._admit(step, leaving)
         regrouped = time.perf_counter() - began

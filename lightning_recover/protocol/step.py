@@ -70,7 +70,6 @@ class StepProtocol:
         self,
         membership: Membership,
         collectives: SurvivorCollectives,
-        decisions: Decisions,
         microbatches: int,
         params: Callable[[], Sequence[torch.nn.Parameter]],
         *,
@@ -84,7 +83,7 @@ class StepProtocol:
     ) -> None:
         self.membership = membership
         self.collectives = collectives
-        self.decisions = decisions
+        self.decisions: Decisions  # the commit protocol, once the replica connected (Replica.start)
         self.M = microbatches
         self._params = params
         self.quota = quota
@@ -272,7 +271,7 @@ class StepProtocol:
         device = grads[0].device if grads else torch.device("cpu")
         # The third element: the leader asks every member to await its commit this step (a joiner waits to be
         # admitted); summed with the gradients, so every member whose reduce completed reads the same answer.
-        speculate = self.decisions.reports_on_data_plane()
+        speculate = self.decisions.speculates
         awaited = float(speculate and self.decisions.leader_awaits_commit())
         head = [float(loss.reshape(()).float()), float(self._loss_count), awaited]
         extra = torch.tensor(head + self._own_leave_flag()).to(device)
@@ -309,13 +308,13 @@ class StepProtocol:
     def _decide(self, step: int, device: torch.device, speculate: bool = False) -> bool:
         """After this member's reduce completed: its done report, then the step's decision (True: commit).
 
-        On etcd the reports are a barrier over the generation (``Decisions.reports_on_data_plane``): once it
+        For replicas of one process the reports are a barrier over the generation (``Decisions.barrier``): once it
         completes anywhere, every member entered it after its own reduce, so every member holds the reduced
         gradients and the leader may commit alone. A member whose barrier fails settles ``retry``, unless the
         leader's ``commit`` came first: then it applies the step, whose reduce it holds. ``speculate``: apply
         once the barrier completed and confirm the commit later (``Decisions.commit_speculatively``)."""
         self._deciding = True  # this member may enter the barrier: the register is settled (and read) first
-        if self.decisions.reports_on_data_plane():
+        if self.decisions.barrier:
             try:
                 self.collectives.allreduce([torch.ones(1, device=device)])
             except MembershipChanged:

@@ -360,20 +360,20 @@ def test_a_store_collective_a_peer_never_joins_ends_within_its_bound():
 @pytest.mark.slow  # waits out collective_timeout (5 s), twice
 @pytest.mark.parametrize("how", ["overwrite", "delete"])
 def test_a_decision_taken_away_after_a_member_applied_it_ends_in_a_named_error(how):
-    """Step 1 is decided 'commit' and replica 1 applies it; before replica 0 reads it, an outsider
-    overwrites or deletes the register. Replica 0 must neither guess nor wait for good: within
-    collective_timeout it stops with ForgedMessageError (its decision deadline). Or replica 1's reduce
-    of step 2 (waiting on replica 0, with the same timeout) fails first; replica 0 then settles step 1
-    as 'retry' (a forged value is no decision) and both meet in generation 1 with different open steps.
+    """Step 1 is decided 'commit' by replica 0 (the leader, which applies it: it wrote the decision); before
+    replica 1 reads it, an outsider overwrites or deletes the register. Replica 1 must neither guess nor wait
+    for good: within collective_timeout it stops with ForgedMessageError (its decision deadline). Or replica
+    0's reduce of step 2 (waiting on replica 1, with the same timeout) fails first; replica 1 then settles
+    step 1 as 'retry' (a forged value is no decision) and both meet in generation 1 with different open steps.
     Whoever reads that generation's payloads stops with RecoverError at the check that members agree on
-    the open step: both, or (CI saw it) replica 1 alone, when its stop ends generation 1 before replica
-    0 read it; replica 0 then forms generation 2 alone, redoes step 1 whole and finishes equal to the
-    reference. Whatever the order, no replica applies a wrong step."""
+    the open step: both, or replica 0 alone, when its stop ends generation 1 before replica 1 read it;
+    replica 1 then forms generation 2 alone, redoes step 1 whole and finishes equal to the reference.
+    Whatever the order, no replica applies a wrong step."""
     collective_timeout = 5.0
     tampered = []
 
     def take_away(slot, _fault) -> None:
-        _until(lambda: 1 in cluster.slot(1).applied)
+        _until(lambda: 1 in cluster.slot(0).applied)
         if how == "overwrite":
             _write(outsider, "s1/g0/dec", b"commit")
         else:
@@ -384,7 +384,7 @@ def test_a_decision_taken_away_after_a_member_applied_it_ends_in_a_named_error(h
         2,
         steps=4,
         microbatches=4,
-        faults=[Fault("tamper", 0, 1, "commit")],
+        faults=[Fault("tamper", 1, 1, "commit")],
         tamper=take_away,
         collective_timeout=collective_timeout,
     ) as cluster:
@@ -393,17 +393,17 @@ def test_a_decision_taken_away_after_a_member_applied_it_ends_in_a_named_error(h
         cluster.wait(cluster.slot(0).finished.is_set)
         stopped = time.monotonic()
         cluster.join()
-    victim, other = cluster.slot(0), cluster.slot(1)
+    victim, other = cluster.slot(1), cluster.slot(0)
     disagree = "disagree on the open step and attempt: [(1, 0), (2, 0)]"
-    if victim.outcome == "done":  # replica 1 stopped at the check; replica 0 redid step 1 alone
+    if victim.outcome == "done":  # replica 0 stopped at the check; replica 1 redid step 1 alone
         assert other.outcome == "error" and disagree in str(other.error), cluster.report()
-        _finished_equal_to_reference(cluster, [0])
+        _finished_equal_to_reference(cluster, [1])
         _no_wrong_step(cluster)
         return
     assert victim.outcome == "error" and victim.applied == [0], cluster.report()
     if isinstance(victim.error, ForgedMessageError):
         assert ("failed authentication" if how == "overwrite" else "was deleted") in str(victim.error)
-        _finished_equal_to_reference(cluster, [1])
+        _finished_equal_to_reference(cluster, [0])
     else:
         assert disagree in str(victim.error), cluster.report()
     assert stopped - tampered[0] <= collective_timeout + SLACK

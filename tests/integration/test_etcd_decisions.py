@@ -2,7 +2,7 @@
 
 Once its barrier completed a member applies the step at once; the leader writes ``commit`` on its writer
 thread, and every member *confirms* the step before its next reduce or store collective. These tests drive
-the members' ``Decisions`` directly (no process group): the failure-free confirmation, a leader that dies
+the members' ``TransactionCommit`` directly (no process group): the failure-free confirmation, a leader that dies
 before writing (a member whose barrier completed writes ``commit`` itself once the generation fails), the
 race a death during the barrier allows (a ``retry`` that lands first stops the member that applied the
 step, with a named error), a forged register (a named error within collective_timeout), and the leader
@@ -21,7 +21,7 @@ from lightning_recover.control_plane.etcd_client import EtcdClient
 from lightning_recover.control_plane.etcd_store import EtcdStore
 from lightning_recover.errors import ForgedMessageError, ReplicaExcludedError
 from lightning_recover.protocol.coordinator import init_keys
-from lightning_recover.protocol.decisions import Decisions
+from lightning_recover.protocol.decisions import BarrierCommit, ReportedCommit, TransactionCommit
 from lightning_recover.protocol.membership import Generation, Membership, closing_members
 from lightning_recover.protocol.messages import ControlStore, JobSecret, Sealer
 
@@ -29,8 +29,8 @@ REPLICAS = 3
 _count = [0]
 
 
-def members_of_generation_0(cluster, collective_timeout: float = 10.0) -> list[Decisions]:
-    """One ``Decisions`` per member of generation 0 of three replicas (incarnation 1), each on its own etcd
+def members_of_generation_0(cluster, collective_timeout: float = 10.0) -> list[TransactionCommit]:
+    """One ``TransactionCommit`` per member of generation 0 of three replicas (incarnation 1), each on its own etcd
     connection under a fresh job prefix; no heartbeat, no process group."""
     _count[0] += 1
     secret = JobSecret.generate()
@@ -43,18 +43,18 @@ def members_of_generation_0(cluster, collective_timeout: float = 10.0) -> list[D
         m.store = ControlStore("etcd://test", r, secret, store=raw.clone())
         m.incarnation = 1
         m.gen = Generation(0, list(range(REPLICAS)), dict.fromkeys(range(REPLICAS), 1), {}, rank=r)
-        out.append(Decisions(m))
+        out.append(TransactionCommit(m))
     return out
 
 
-def fail_generation(d: Decisions) -> None:
+def fail_generation(d: TransactionCommit) -> None:
     """What a member forming the next generation writes first: the generation register and the event."""
     store = d.membership.store
     store.compare_set("gen/latest", "0", "1")
     store.add("events", 1)
 
 
-def register(d: Decisions, step: int) -> str:
+def register(d: TransactionCommit, step: int) -> str:
     return d.membership.store.get_genuine(f"s{step}/g0/dec")
 
 
@@ -68,7 +68,7 @@ def decisions(etcd1):
 
 
 def test_the_fast_path_applies_at_once_and_confirms_the_leaders_commit(decisions):
-    assert all(d.reports_on_data_plane() for d in decisions)
+    assert all(d.barrier and d.speculates for d in decisions)
     assert [d.commit_speculatively(4) for d in decisions] == [True, True, True]
     for d in decisions:
         d.confirm()
@@ -171,7 +171,7 @@ def _stop_at_build() -> None:
 
 
 def test_a_member_whose_reduce_failed_settles_retry_in_its_proposal(decisions):
-    """``Decisions.retry_with_proposal``: a member that failed before its barrier settles the step ``retry`` in
+    """``TransactionCommit.retry_with_proposal``: a member that failed before its barrier settles the step ``retry`` in
     the next generation's proposal transaction (the register and its join payload carry one etcd revision),
     not in a write of its own before it; where the register is already settled it stays as it is."""
     group = [d.membership for d in decisions]
@@ -205,6 +205,6 @@ def test_a_member_whose_reduce_failed_settles_retry_in_its_proposal(decisions):
         return int(raw.client.range(raw.prefix + key.encode())["kvs"][0]["mod_revision"])
 
     assert mod_revision("s5/g0/dec") == mod_revision("g1/join/1")  # one transaction
-    # Replicas of K processes (and the TCPStore) settle the register first, and read it: no settle.
-    group[1].replica_size = 2
-    assert decisions[1].retry_with_proposal(5) is None
+    # Replicas of K processes and the embedded coordinator settle the register first, and read it: no settle.
+    assert ReportedCommit(group[1]).retry_with_proposal(5) is None
+    assert BarrierCommit(group[1]).retry_with_proposal(5) is None

@@ -19,7 +19,7 @@ from lightning_recover.errors import ReplicaExcludedError
 from lightning_recover.protocol import Fault
 from lightning_recover.protocol.collectives import SurvivorCollectives
 from lightning_recover.protocol.coordinator import Coordinator
-from lightning_recover.protocol.decisions import Decisions
+from lightning_recover.protocol.decisions import BarrierCommit, ReportedCommit
 from lightning_recover.protocol.membership import Generation, Membership
 from lightning_recover.protocol.messages import ControlStore, JobSecret
 from tests.compare import max_relative_difference
@@ -345,19 +345,20 @@ def test_store_collectives_of_replicas_of_two_processes_leave_the_last_ones_keys
 
 
 # ---------------------------------------------------------------------- the commit/retry rule
-@pytest.fixture
-def decisions():
-    """One Decisions per member of generation 0 of 3 replicas, each on its own store connection."""
+@pytest.fixture(params=[BarrierCommit, ReportedCommit])
+def decisions(request):
+    """One commit protocol per member of generation 0 of 3 replicas, each on its own store connection: the
+    leader's commit after the barrier (the barrier itself is the caller's), and the counted done reports."""
     secret = JobSecret.generate()
     coordinator = Coordinator("127.0.0.1", 0, 3, HEARTBEAT_TIMEOUT, secret)
-    out = [Decisions(_member_of_generation_0(coordinator, secret, 3, r)) for r in range(3)]
+    out = [request.param(_member_of_generation_0(coordinator, secret, 3, r)) for r in range(3)]
     yield out
     del out, coordinator  # the last reference to the server store: stops it
 
 
 def test_commit_written_first_stands(decisions):
     for d in decisions:
-        d.report_done(5)  # the third completes the count and writes commit
+        d.report_done(5)  # the leader (barrier), or the third to complete the count, writes commit
     # A member that sees a failure only now cannot overturn it: its retry reads the commit.
     assert decisions[1].decide_retry(5) is True
     assert [d.await_decision(5) for d in decisions] == [True, True, True]
