@@ -22,7 +22,7 @@ from lightning_recover.control_plane.etcd_store import EtcdStore
 from lightning_recover.errors import ForgedMessageError, ReplicaExcludedError
 from lightning_recover.protocol.coordinator import init_keys
 from lightning_recover.protocol.decisions import BarrierCommit, ReportedCommit, TransactionCommit
-from lightning_recover.protocol.membership import Generation, Membership, closing_members
+from lightning_recover.protocol.membership import JOIN_REQUESTS, Generation, Membership, closing_members
 from lightning_recover.protocol.messages import ControlStore, JobSecret, Sealer
 
 REPLICAS = 3
@@ -111,7 +111,9 @@ def test_a_retry_that_lands_first_stops_the_member_that_applied_the_step(decisio
 
 def test_the_leader_asks_every_member_to_await_its_commit_while_a_joiner_waits(decisions):
     assert not any(d.leader_awaits_commit() for d in decisions)
-    decisions[0].membership.store.set("join/1", "2")  # replica 1's second incarnation asks to join
+    store = decisions[0].membership.store
+    store.set("join/1", "2")  # replica 1's second incarnation asks to join (Membership.request_join)
+    store.add(JOIN_REQUESTS, 1)
     deadline = time.monotonic() + 5
     while not decisions[0].leader_awaits_commit():  # once the watched view (shared by all four) holds it
         assert time.monotonic() < deadline, "the leader never saw the join request"

@@ -364,7 +364,9 @@ def test_restarted_replica_rejoins_with_live_state(tmp_path, reference, launch):
 
 def test_duplicate_replica_id_is_refused_and_the_job_goes_on(tmp_path):
     """A hand-started process claiming the id of a live replica (same job, same secret) is refused
-    with a named error at once, and the job is not disturbed: it keeps applying steps."""
+    with a named error at once, and the job is not disturbed: it keeps applying steps. The probe watches the
+    live replica's heartbeat move for 3 periods + 0.5 s: a 2 s timeout (0.5 s periods) keeps a loaded 2-core
+    host from starving the replica through the whole window (at 0.5 s, 0.875 s was not enough in CI)."""
     out = str(tmp_path / "job")
     cmd = [
         sys.executable,
@@ -377,7 +379,7 @@ def test_duplicate_replica_id_is_refused_and_the_job_goes_on(tmp_path):
         "--microbatches",
         "2",
         "--heartbeat-timeout",
-        "0.5",
+        "2.0",
         "--work",
         "0.02",
     ]
@@ -411,7 +413,7 @@ def test_duplicate_replica_id_is_refused_and_the_job_goes_on(tmp_path):
                 "--microbatches",
                 "2",
                 "--heartbeat-timeout",
-                "0.5",
+                "2.0",
             ],
             env=environ,
             capture_output=True,
