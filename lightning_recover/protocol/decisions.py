@@ -208,7 +208,7 @@ class BarrierCommit(Decisions):
         try:
             self._known[key] = self.store.compare_set(key, None, self._commit_value())
         except ForgedMessageError:
-            pass  # a forged value sits in the register: await_decision waits for it to be taken back
+            pass  # forged again after every takeback: await_decision names it by its deadline, never a guess
 
 
 class ReportedCommit(Decisions):
