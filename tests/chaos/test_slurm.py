@@ -299,6 +299,9 @@ def test_slurm_whole_job_notice_then_requeue_resumes_from_the_final_checkpoint(c
     )
     assert wait_until(lambda: all(job.applied(r) >= 3 for r in range(2)), 300, 0.1), job.dump()
     cluster.run(["scancel", "--signal=USR1", job.id])
+    # slurmd delivers the signal on its own time: open the gate once it reached both (else one takes step 3 alone)
+    noticed = [os.path.join(job.out, f"notice{r}") for r in range(2)]
+    assert wait_until(lambda: all(map(os.path.exists, noticed)), 120, 0.05), job.dump()
     open(gate, "w").close()
     record = job.wait_end(300)
     assert record["ExitCode"] == "75:0", f"the job left on notice: {record}\n{job.dump()}"
