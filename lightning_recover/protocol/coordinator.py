@@ -50,6 +50,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -206,7 +207,12 @@ def run_monitor(
 
 
 def _last_look(
-    board: StatusBoard, store: ControlPlane, sealer: Sealer, read_keys: list[str], observe: Any, ledger: Ledger
+    board: StatusBoard,
+    store: ControlPlane,
+    sealer: Sealer,
+    read_keys: list[str],
+    observe: Callable[[list, float], None],
+    ledger: Ledger,
 ) -> None:
     """The job ended (the loop was stopped): the replicas' last heartbeats are still in the store and may carry
     what no pass read yet (a leave reported in the job's last steps). One more read, so that the board and the
@@ -217,7 +223,7 @@ def _last_look(
     except (OSError, RuntimeError) as exc:  # the control plane went first: what was read stands
         log.warning("no last look at the heartbeats: %s", exc)
         return
-    board.poll(now, store, sealer, ledger.heartbeats, ledger.beats)
+    _tell_board(board, [], now, store, sealer, ledger.heartbeats, ledger.beats)
 
 
 def _judge_said(line: str) -> None:
