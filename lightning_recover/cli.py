@@ -317,6 +317,12 @@ def _add_leave(sub: argparse._SubParsersAction) -> None:
     elastic_commands.add_leave_subcommand(sub, COMMANDS["leave"])
 
 
+def _add_fork_server(sub: argparse._SubParsersAction) -> None:
+    from lightning_recover.launch import warm_fork_server
+
+    warm_fork_server.add_subcommand(sub, COMMANDS["fork-server"])
+
+
 def _add_slurm(sub: argparse._SubParsersAction) -> None:
     from lightning_recover.launch import slurm
 
@@ -338,6 +344,7 @@ COMMANDS = {
     "status": "a running job's replicas, steps and recoveries (from its status address or control plane)",
     "etcd": "a local 3-member etcd cluster with TLS client certificates (tests, trying it out)",
     "slurm": "inside a Slurm batch job: the coordinator here, one replica per node (srun)",
+    "fork-server": "keep torch and Lightning imported for the jobs started on this host",
 }
 _ADDERS = {
     "inspect": _add_inspect,
@@ -352,6 +359,7 @@ _ADDERS = {
     "status": _add_status,
     "etcd": _add_etcd,
     "slurm": _add_slurm,
+    "fork-server": _add_fork_server,
 }
 
 

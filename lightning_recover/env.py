@@ -92,6 +92,11 @@ NATIVE_IO_TESTING = "NATIVE_IO_TESTING"
 #: environment area, which each forked replica rewrites with its own environment (``launch/fork_server.py``,
 #: ``show_as``); the replicas never see it.
 FORK_ROOM = "LIGHTNING_RECOVER_FORK_ROOM"
+#: Path of a warm fork server's socket (``lightning-recover fork-server --socket PATH``): the launchers' replicas
+#: and standbys are then forked by it, torch and Lightning already imported, instead of by a fork server each
+#: job starts (and waits for). Used only where the server runs like the job would: same interpreter, user,
+#: namespaces, cgroup and import-time environment (``launch/warm_fork_server.py``); otherwise the job starts its own.
+FORK_SERVER = "LIGHTNING_RECOVER_FORK_SERVER"
 #: Set by a replica's torchrun agent for its workers: a file a worker that leaves on a notice creates before it
 #: exits 0 (torchrun's agent restarts a worker that exits with any other code while it has restarts left); the
 #: agent then exits ``EXIT_LEFT_ON_NOTICE`` (``launch/torchrun_agent.py``).

@@ -17,6 +17,9 @@ from pathlib import Path
 
 import torch
 
+from lightning_recover.env import FORK_SERVER
+from lightning_recover.launch.fork_server import ForkServer, Process, forkable
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FABRIC_SCRIPT = os.path.join(ROOT, "tests", "scripts", "fabric_train.py")
 
@@ -36,20 +39,31 @@ class JobResult:
         return results
 
 
+def job_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a test's job starts in: this one, the repository importable, ``extra`` on top."""
+    return _env(extra)
+
+
 def _env(extra: dict[str, str] | None) -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    # What the launchers set for their replicas: the same import-time environment lets one warm fork server
+    # serve both a test's launcher and its replicas (tests/integration/conftest.py).
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     env.pop("LIGHTNING_RECOVER_INJECT", None)
     env.update(extra or {})
     return env
 
 
-def kill_group(proc: subprocess.Popen) -> None:
+def kill_group(proc: Process) -> None:
     """End the job's whole process group (supervisor, coordinator, replicas), by the leader's pid."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     proc.wait()
+    session = _sessions.pop(proc.pid, None)
+    if session is not None:
+        session.close()
 
 
 def two_rank_tensors() -> dict[str, torch.Tensor]:
@@ -116,13 +130,40 @@ def gloo_ranks(script_text: str, tmp_path: Path, arg: str | Path, world: int = 2
                 pr.wait()
 
 
-def start_job(cmd: list[str], out_dir: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+# A job's launcher forked by the warm fork server keeps that server's session open until the test ends it.
+_sessions: dict[int, ForkServer] = {}
+
+
+def _start_warm(cmd: list[str], log: str, job_env: dict[str, str]) -> Process | None:
+    """``cmd`` forked by the warm fork server the integration tier runs (tests/integration/conftest.py), as
+    :func:`start_job` would start it (its own session, output into ``log``); None where there is none or it
+    does not fit the job (the launcher's message is then not wanted: the job starts as a new process)."""
+    path = job_env.get(FORK_SERVER)
+    if not path or forkable(cmd) is not None:
+        return None
+    server = ForkServer.attach(path, job_env, lambda line: None)
+    if server is None:
+        return None
+    proc = server.spawn([cmd[0], "-m", "tests.forked_job", log, *cmd[1:]], job_env, ROOT)
+    if proc is None:
+        server.close()
+        return None
+    _sessions[proc.pid] = server
+    return proc
+
+
+def start_job(cmd: list[str], out_dir: str, env: dict[str, str] | None = None) -> tuple[Process, str]:
+    """Start a job's launcher in its own session, its output into ``out_dir``/job.log: forked by the warm fork
+    server where the tier runs one, else as a new process."""
     log = os.path.join(out_dir, "job.log")
     os.makedirs(out_dir, exist_ok=True)
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(env), cwd=ROOT, start_new_session=True
-        )
+    job_env = _env(env)
+    proc = _start_warm(cmd, log, job_env)
+    if proc is None:
+        with open(log, "wb") as f:
+            proc = subprocess.Popen(
+                cmd, stdout=f, stderr=subprocess.STDOUT, env=job_env, cwd=ROOT, start_new_session=True
+            )
     return proc, log
 
 

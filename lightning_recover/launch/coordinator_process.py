@@ -3,22 +3,22 @@
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import math
 import os
 import select
-import signal
+import shutil
 import subprocess
 import sys
-import threading
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
 from lightning_recover import env
-from lightning_recover.launch.process_tree import describe_exit, end_helper_process, is_stopped
+from lightning_recover.launch.fork_server import ForkServer, Process
+from lightning_recover.launch.process_tree import describe_exit, die_with_parent, end_helper_process, is_stopped, libc
 from lightning_recover.observe.address import parse_address
 from lightning_recover.observe.logs import configure_logging
 from lightning_recover.protocol import coordinator
@@ -26,59 +26,15 @@ from lightning_recover.protocol.options import DEFAULT_HEARTBEAT_INTERVAL, check
 
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
-WATCHDOG_PERIOD = 0.2  # seconds between the fallback checks that the launcher still lives
-
-
-def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
-    """Ask Linux to send ``sig`` to this process when its parent dies; False where unsupported.
-
-    Safe in a ``preexec_fn`` (no allocation beyond a cached ctypes call). Linux ties it to the
-    parent *thread*: launchers spawn from their main thread.
-    """
-    try:
-        return _libc().prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-_LIBC: list = []
-
-
-def _libc() -> ctypes.CDLL:
-    if not _LIBC:  # loaded once, in the parent, so preexec_fn does not load a library after fork
-        _LIBC.append(ctypes.CDLL(None, use_errno=True))
-    return _LIBC[0]
-
-
-def die_with_parent(parent: int) -> None:
-    """End this process when ``parent`` (the launcher) is gone, however it died.
-
-    PDEATHSIG covers SIGKILL of the launcher; the watchdog thread covers systems without prctl
-    and the window before prctl took effect (the launcher died first: we were re-parented).
-    """
-    set_parent_death_signal(signal.SIGKILL)
-
-    def watch() -> None:
-        while True:
-            if os.getppid() != parent:
-                log.warning("the launcher (pid %d) is gone; exiting", parent)
-                os._exit(3)
-            time.sleep(WATCHDOG_PERIOD)
-
-    if os.getppid() != parent:
-        log.warning("the launcher (pid %d) is gone; exiting", parent)
-        os._exit(3)
-    threading.Thread(target=watch, name="lr-parent-watchdog", daemon=True).start()
-
 
 @dataclass
 class CoordinatorProcess:
     """A coordinator running in a child process (started by the launcher)."""
 
-    proc: subprocess.Popen
+    proc: Process  # a new interpreter, or forked by a warm fork server's session
     addr: str
     status_url: str | None = None  # where it serves the job's status page (``--status-address``)
+    session: ForkServer | None = None  # the warm fork server's session that forked it, closed once it is stopped
 
     def running(self) -> bool:
         return self.proc.poll() is None
@@ -104,6 +60,8 @@ class CoordinatorProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.session is not None:
+            self.session.close()
 
 
 def start(
@@ -120,17 +78,13 @@ def start(
     event_log: str | None = None,
 ) -> CoordinatorProcess:
     """Start the coordinator in a child process and wait until it listens; it dies with this process.
-    ``status_address``/``event_log``: see :func:`~lightning_recover.protocol.coordinator.serve`."""
+    ``status_address``/``event_log``: see :func:`~lightning_recover.protocol.coordinator.serve`. Where a warm fork
+    server fits (``LIGHTNING_RECOVER_FORK_SERVER``), a session of its own forks it: torch is imported there."""
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
     check_heartbeat_timeout(heartbeat_timeout, heartbeat_interval)
-    _libc()
-    read_fd, write_fd = os.pipe()
-    # `-c` rather than `-m`: the package imports this module, and runpy warns about re-executing it.
-    cmd = [
-        sys.executable,
-        "-c",
-        "import sys; from lightning_recover.launch.coordinator_process import main; sys.exit(main())",
+    libc()
+    options = [
         "--host",
         host,
         "--port",
@@ -141,58 +95,110 @@ def start(
         repr(float(heartbeat_timeout)),
         "--heartbeat-interval",
         repr(float(heartbeat_interval)),
-        "--ready-fd",
-        str(write_fd),
-        "--parent-pid",
-        str(os.getpid()),
         "--hang-timeout",
         repr(float(hang_timeout)),
         "--replica-size",
         str(replica_size),
     ]
     if status_address is not None:
-        cmd += ["--status-address", status_address]
+        options += ["--status-address", status_address]
     if event_log is not None:
-        cmd += ["--event-log", event_log]
+        options += ["--event-log", event_log]
     child_env = dict(os.environ, **{env.OMP_NUM_THREADS: "1", env.CONTROL_PROCESS: "1"})
     if secret_file is not None:
         child_env[env.SECRET_FILE] = secret_file
-    proc = subprocess.Popen(cmd, pass_fds=(write_fd,), env=child_env)
-    os.close(write_fd)
-    deadline = time.monotonic() + timeout
-    buf = b""
+    forked = _fork(options, child_env)
+    session = None
+    if forked is not None:
+        proc, read_fd, fifo_dir, session = forked
+    else:
+        read_fd, write_fd = os.pipe()
+        cmd = [sys.executable, "-c", _MAIN, *options, "--ready-fd", str(write_fd), "--parent-pid", str(os.getpid())]
+        proc, fifo_dir = subprocess.Popen(cmd, pass_fds=(write_fd,), env=child_env), None
+        os.close(write_fd)
     try:
-        while b"\n" not in buf:
-            ready, _, _ = select.select([read_fd], [], [], max(0.0, deadline - time.monotonic()))
-            if not ready:
-                # Bounds a start that hangs only (one that fails ends the pipe at once): importing torch took over
-                # 60 s on a 2-core host under load 30, and a job then failed to start.
-                raise TimeoutError(f"the coordinator did not start within {timeout}s")
-            chunk = os.read(read_fd, 256)
-            if not chunk:
-                raise RuntimeError(f"the coordinator exited before listening (exit code {proc.wait()})")
-            buf += chunk
+        words = _ready_line(proc, read_fd, timeout).split()  # LISTENING ADDR [STATUS URL]
     except BaseException:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        if session is not None:
+            session.close()
         raise
     finally:
         os.close(read_fd)
-    words = buf.decode().split()  # LISTENING ADDR [STATUS URL]
-    return CoordinatorProcess(proc, words[1], words[3] if len(words) > 3 and words[2] == "STATUS" else None)
+        if fifo_dir is not None:
+            shutil.rmtree(fifo_dir, ignore_errors=True)
+    status_url = words[3] if len(words) > 3 and words[2] == "STATUS" else None
+    return CoordinatorProcess(proc, words[1], status_url, session)
+
+
+def _ready_line(proc: Process, read_fd: int, timeout: float) -> str:
+    """The coordinator's first line on ``read_fd``, once it listens."""
+    deadline = time.monotonic() + timeout
+    buf = b""
+    while b"\n" not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            # Bounds a start that hangs only (one that fails ends the pipe, or exits, at once): importing torch took
+            # over 60 s on a 2-core host under load 30, and a job then failed to start.
+            raise TimeoutError(f"the coordinator did not start within {timeout}s")
+        ready, _, _ = select.select([read_fd], [], [], min(left, EXIT_CHECK_PERIOD))
+        chunk = os.read(read_fd, 256) if ready else b""
+        if (ready and not chunk) or (not ready and proc.poll() is not None):  # the pipe ended, or it exited
+            raise RuntimeError(f"the coordinator exited before listening (exit code {proc.wait()})")
+        buf += chunk
+    return buf.decode()
+
+
+# `-c` rather than `-m`: the package imports this module, and runpy warns about re-executing it.
+_MAIN = "import sys; from lightning_recover.launch.coordinator_process import main; sys.exit(main())"
+EXIT_CHECK_PERIOD = 0.1  # seconds between checks that a coordinator not yet listening still runs
+
+
+def _fork(options: list[str], child_env: dict[str, str]) -> tuple[Process, int, str, ForkServer] | None:
+    """The coordinator forked by a session of the warm fork server where one fits, the descriptor its ready
+    line comes on, the directory to remove once it came, and the session (the coordinator's alone: the job's
+    replicas' session ends before the coordinator is stopped); None otherwise.
+
+    A forked process inherits none of this one's descriptors, so the line comes through a FIFO, which this
+    process holds open for writing too (so that it never reads an end of file: a coordinator that dies is seen
+    by its exit status)."""
+    path = child_env.get(env.FORK_SERVER)
+    if not path:
+        return None
+    # A new coordinator interpreter skips Lightning's import (CONTROL_PROCESS); a forked one has it, unused.
+    fits = {k: v for k, v in child_env.items() if k != env.CONTROL_PROCESS}
+    session = ForkServer.attach(path, fits, lambda line: log.debug("coordinator: %s", line))
+    if session is None:
+        return None
+    fifo_dir = tempfile.mkdtemp(prefix="lightning-recover-coordinator-")
+    fifo = os.path.join(fifo_dir, "ready")
+    os.mkfifo(fifo, 0o600)
+    read_fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
+    argv = [sys.executable, "-c", _MAIN, *options, "--ready-fifo", fifo, "--parent-pid", str(session.pid)]
+    proc = session.spawn(argv, child_env)
+    if proc is None:
+        os.close(read_fd)
+        shutil.rmtree(fifo_dir, ignore_errors=True)
+        session.close()
+        return None
+    return proc, read_fd, fifo_dir, session
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
     parser = argparse.ArgumentParser(prog="lightning-recover coordinator", description="run the coordinator")
     add_arguments(parser)
     parser.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--ready-fifo", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     check_arguments(parser, args)
     configure_logging("coordinator")
-    if args.parent_pid is not None:  # started by a launcher: never outlive it
+    if args.parent_pid is not None:  # started by a launcher (or its fork server): never outlive it
         die_with_parent(args.parent_pid)
+    if args.ready_fifo is not None:
+        args.ready_fd = os.open(args.ready_fifo, os.O_WRONLY)
     coordinator.serve(
         args.host,
         args.port,

@@ -28,10 +28,12 @@ import importlib.util
 import json
 import os
 import random
+import resource
 import runpy
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -40,9 +42,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from lightning_recover.env import FORK_ROOM
-from lightning_recover.launch.coordinator_process import set_parent_death_signal
-from lightning_recover.launch.process_tree import end_helper_process
+from lightning_recover.env import CONTROL_PROCESS, FORK_ROOM, FORK_SERVER
+from lightning_recover.launch.process_tree import end_helper_process, set_parent_death_signal
 
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "lightning")
 REPLY_TIMEOUT = 10.0  # seconds the launcher waits for a fork's pid before it stops using the server
@@ -50,6 +51,88 @@ START_TIMEOUT = 120.0  # seconds the server may take to import before processes 
 # Bytes of room in the server's argv and environment areas, which its children rewrite with their
 # own (see show_as): what ps, /proc/PID/cmdline and /proc/PID/environ then show for each process.
 TITLE_ROOM = 16384
+
+
+# Environment variables read while the interpreter, torch and Lightning load (a forked child keeps the values its
+# server loaded with), and the namespaces a child inherits from its server.
+_IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH_", "PL_")
+_NAMESPACES = ("net", "mnt", "pid", "ipc", "uts", "user", "cgroup")
+_LIMITS = ("RLIMIT_NOFILE", "RLIMIT_NPROC", "RLIMIT_AS", "RLIMIT_CORE", "RLIMIT_STACK", "RLIMIT_MEMLOCK")
+
+
+def fit_key(child_env: dict[str, str], preload: Sequence[str]) -> dict[str, Any]:
+    """What a process forked by a server inherits from it instead of taking from its own start: the
+    interpreter, user, namespaces, cgroup, CPU affinity, resource limits and the import-time part of
+    ``child_env``. A warm server is used only where its key equals the job's, field by field."""
+
+    def read(path: str, link: bool = False) -> Optional[str]:
+        try:
+            if link:
+                return os.readlink(path)
+            with open(path) as f:
+                return f.read()
+        except OSError:
+            return None
+
+    return {
+        "interpreter": os.path.realpath(sys.executable),
+        "preload": ",".join(preload),
+        "user": [os.getuid(), os.getgid(), sorted(os.getgroups())],
+        "namespaces": {ns: read(f"/proc/self/ns/{ns}", link=True) for ns in _NAMESPACES},
+        "cgroup": read("/proc/self/cgroup"),
+        "cpus": sorted(os.sched_getaffinity(0)),
+        "umask": _umask(),
+        "limits": {name: list(resource.getrlimit(getattr(resource, name))) for name in _LIMITS},
+        "environment": {
+            k: v for k, v in sorted(child_env.items()) if k.startswith(_IMPORT_TIME_PREFIXES) or k == CONTROL_PROCESS
+        },
+    }
+
+
+def _umask() -> int:
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def key_differences(theirs: dict[str, Any], ours: dict[str, Any]) -> list[str]:
+    """The fields of two :func:`fit_key` results that differ, naming the entries of those that are tables
+    (``environment PYTHONPATH``, ``namespaces net``)."""
+    differ = []
+    for name, value in ours.items():
+        other = theirs.get(name)
+        if isinstance(value, dict) and isinstance(other, dict):
+            differ += [
+                f"{name} {entry}"
+                for entry in sorted(value.keys() | other.keys())
+                if value.get(entry) != other.get(entry)
+            ]
+        elif other != value:
+            differ.append(name)
+    return differ
+
+
+def _standard_streams() -> tuple[int, int, int]:
+    """Descriptors 0, 1 and 2, /dev/null in place of any that is closed."""
+    streams = []
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+            streams.append(fd)
+        except OSError:
+            streams.append(os.open(os.devnull, os.O_RDWR))
+    return streams[0], streams[1], streams[2]
+
+
+def _first_line(conn: socket.socket) -> bytes:
+    """The first line the peer sends, read byte by byte so that nothing after it is consumed here."""
+    line = b""
+    while not line.endswith(b"\n"):
+        byte = conn.recv(1)
+        if not byte:
+            raise OSError("it closed the connection")
+        line += byte
+    return line
 
 
 def forkable(command: Sequence[str]) -> Optional[str]:
@@ -112,9 +195,19 @@ class ForkServer:
     """The launcher's handle on its fork server: :meth:`start`, then :meth:`spawn` once :attr:`state`
     is ``"ready"``; ``"starting"`` while it imports; ``"failed"`` (with :attr:`why`) for good."""
 
-    def __init__(self, proc: subprocess.Popen, requests: int, replies: int, say: Callable[[str], Any]) -> None:
-        self.proc = proc
-        self.state = "starting"
+    def __init__(
+        self,
+        proc: Optional[subprocess.Popen],
+        requests: int,
+        replies: int,
+        say: Callable[[str], Any],
+        connection: Optional[socket.socket] = None,
+        pid: Optional[int] = None,
+    ) -> None:
+        self.proc = proc  # None for a session of a warm server (``connection``)
+        self.pid = proc.pid if proc is not None else pid
+        self._connection = connection
+        self.state = "starting" if connection is None else "ready"
         self.why = ""
         self._say = say
         self._requests = requests
@@ -150,6 +243,32 @@ class ForkServer:
             os.close(rep_w)
         return cls(proc, req_w, rep_r, say)
 
+    @classmethod
+    def attach(
+        cls, path: str, child_env: dict[str, str], say: Callable[[str], Any], preload: Sequence[str] = DEFAULT_PRELOAD
+    ) -> Optional[ForkServer]:
+        """A session of the warm fork server at ``path`` (``launch/warm_fork_server.py``), serving this job
+        alone; None, with the reason said, where it cannot be reached or does not run as this job's own
+        server would (:func:`fit_key` of ``child_env``)."""
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(REPLY_TIMEOUT)
+        try:
+            conn.connect(path)
+            # The session's children write where this job's own server's would: this process's standard streams.
+            socket.send_fds(conn, [b"S"], list(_standard_streams()))
+            hello = json.loads(_first_line(conn))
+            theirs, ours = hello.get("key", {}), fit_key(child_env, preload)
+            differ = key_differences(theirs, ours)
+            if differ:
+                raise ValueError(f"it differs from this job in {', '.join(differ)}")
+        except (OSError, ValueError) as exc:
+            conn.close()
+            say(f"the warm fork server at {path} is not used ({exc}): the job starts its own")
+            return None
+        conn.settimeout(None)
+        say(f"replicas start from the warm fork server at {path} (session pid {hello.get('pid')})")
+        return cls(None, conn.fileno(), os.dup(conn.fileno()), say, connection=conn, pid=hello.get("pid"))
+
     def _read(self) -> None:
         for line in self._replies:
             try:
@@ -162,7 +281,7 @@ class ForkServer:
                     self.why = msg.get("why", "")
                     took = time.monotonic() - self._started
                     self._say(
-                        f"replicas start from a fork server (pid {self.proc.pid}; {msg.get('loaded')} "
+                        f"replicas start from a fork server (pid {self.pid}; {msg.get('loaded')} "
                         f"imported in {took:.1f}s)"
                         if msg["ready"]
                         else f"fork server unavailable ({self.why}): replicas start as new processes"
@@ -233,18 +352,27 @@ class ForkServer:
         return ForkedProcess(self, pid)
 
     def close(self) -> None:
-        """End the server (its remaining children die with it: end them first)."""
-        try:
-            os.close(self._requests)
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout=2.0)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        """End the server, or the warm server's session (its remaining children die with it: end them first)."""
+        if self._connection is not None:
+            try:
+                self._connection.shutdown(socket.SHUT_WR)  # the session's end of file: it exits
+            except OSError:
+                pass
+        else:
+            try:
+                os.close(self._requests)
+            except OSError:
+                pass
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
         self._reader.join(timeout=2.0)
         self._lost("closed")
+        if self._connection is not None:
+            self._connection.close()
 
 
 class ProcessStarter:
@@ -265,7 +393,12 @@ class ProcessStarter:
     ) -> None:
         self._preexec = preexec
         why = forkable(command) if fork else None
-        self.server = ForkServer.start(child_env, say, preload, preexec) if fork and why is None else None
+        self.server: Optional[ForkServer] = None
+        if fork and why is None:
+            warm = child_env.get(FORK_SERVER)
+            self.server = ForkServer.attach(warm, child_env, say, preload) if warm else None
+            if self.server is None:
+                self.server = ForkServer.start(child_env, say, preload, preexec)
         if why is not None:
             say(f"replicas start as new processes: the command cannot be forked ({why})")
 
@@ -300,13 +433,14 @@ class ProcessStarter:
 
 
 @dataclass
-class _Job:
+class ChildCommand:
     argv: list[str]
     env: dict[str, str]
     cwd: str
 
 
-def _send(fd: int, msg: dict) -> None:
+def send_line(fd: int, msg: dict) -> None:
+    """Write ``msg`` as one JSON line (the server's side of the protocol)."""
     os.write(fd, (json.dumps(msg) + "\n").encode())
 
 
@@ -323,10 +457,9 @@ def _pidfd(pid: int) -> Optional[int]:
         return None
 
 
-def serve(requests: int, replies: int, preload: Sequence[str]) -> Optional[_Job]:
-    """Import ``preload``, then fork one child per request. Returns only in a child (its job), or
-    None when the launcher closed the pipe or the server cannot fork safely."""
-    server_pid = os.getpid()
+def prepare(preload: Sequence[str]) -> tuple[bool, str]:
+    """Import ``preload`` in this (not yet forking) process: ``(True, modules imported)``, or ``(False, why)``
+    when it can no longer fork safely."""
     loaded = []
     for name in preload:
         try:
@@ -336,20 +469,36 @@ def serve(requests: int, replies: int, preload: Sequence[str]) -> Optional[_Job]
             print(f"[lightning-recover] fork server: cannot preload {name}: {exc}", file=sys.stderr, flush=True)
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():  # a CUDA context does not survive fork
-        _send(replies, {"ready": False, "why": f"importing {loaded} initialised CUDA"})
-        return None
+        return False, f"importing {loaded} initialised CUDA"
     if _threads() != 1:
         why = f"{_threads()} threads after importing {loaded} (fork needs one"
         if os.environ.get("OMP_NUM_THREADS", "") != "1":
             why += "; with OMP_NUM_THREADS other than 1, importing torch starts OpenMP's threads"
-        _send(replies, {"ready": False, "why": why + ")"})
-        return None
+        return False, why + ")"
     # The preloaded modules' objects move to the collector's permanent generation: a child's collections
     # (the full one at its exit included) then skip them instead of writing every object header, which
     # copied the whole shared heap page by page after the fork (seconds per child at exit on 2 cores).
     gc.collect()
     gc.freeze()
-    _send(replies, {"ready": True, "loaded": ",".join(loaded)})
+    return True, ",".join(loaded)
+
+
+def serve(requests: int, replies: int, preload: Sequence[str]) -> Optional[ChildCommand]:
+    """Import ``preload``, then fork one child per request. Returns only in a child (its job), or
+    None when the launcher closed the pipe or the server cannot fork safely."""
+    ready, loaded = prepare(preload)
+    if not ready:
+        send_line(replies, {"ready": False, "why": loaded})
+        return None
+    send_line(replies, {"ready": True, "loaded": loaded})
+    return fork_on_request(requests, replies)
+
+
+def fork_on_request(requests: int, replies: int) -> Optional[ChildCommand]:
+    """Fork one child per request read from ``requests`` (JSON lines), reporting each child's pid and exit
+    on ``replies`` (the same descriptor for a socket). Returns only in a child (its job), or None once the
+    launcher closed its end."""
+    server_pid = os.getpid()
     pending = b""
     # pid -> pidfd of each child: readable once it exits, so the loop wakes and reports the exit at once
     # (a death is declared from it: measured 0-50 ms later with the loop's timeout alone).
@@ -365,7 +514,7 @@ def serve(requests: int, replies: int, preload: Sequence[str]) -> Optional[_Job]
                 break
             if pid in children:
                 os.close(children.pop(pid))
-            _send(replies, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+            send_line(replies, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
         if requests not in readable:
             continue
         data = os.read(requests, 1 << 20)
@@ -377,20 +526,18 @@ def serve(requests: int, replies: int, preload: Sequence[str]) -> Optional[_Job]
             request = json.loads(line)
             pid = os.fork()
             if pid == 0:
-                os.close(requests)
-                os.close(replies)
-                for fd in children.values():
+                for fd in {requests, replies, *children.values()}:
                     os.close(fd)
                 # Die with the server (as a replica dies with the launcher).
                 set_parent_death_signal(signal.SIGKILL)
                 if os.getppid() != server_pid:
                     os._exit(1)
                 signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a new interpreter
-                return _Job([str(a) for a in request["argv"]], dict(request["env"]), str(request["cwd"]))
+                return ChildCommand([str(a) for a in request["argv"]], dict(request["env"]), str(request["cwd"]))
             fd = _pidfd(pid)
             if fd is not None:
                 children[pid] = fd
-            _send(replies, {"id": request["id"], "pid": pid})
+            send_line(replies, {"id": request["id"], "pid": pid})
 
 
 def _areas() -> tuple[tuple[int, int], tuple[int, int]]:
@@ -424,8 +571,9 @@ def show_as(argv: Sequence[str], env: Optional[dict[str, str]] = None) -> None:
             _write_area(env_area, block)
 
 
-def run_job(job: _Job) -> None:
-    """In the forked child: become ``python script.py ...`` (or ``python -m module ...``)."""
+def run_job(job: ChildCommand) -> None:
+    """In the forked child: become ``python script.py ...`` (or ``python -m module ...``, or ``python -c CODE ...``
+    for the launcher's own helpers: :func:`forkable` does not offer a user's ``-c`` command)."""
     os.environ.clear()
     os.environ.update(job.env)
     try:
@@ -437,7 +585,12 @@ def run_job(job: _Job) -> None:
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
     args = job.argv[1:]
-    if args[0] == "-m":
+    if args[0] == "-c":
+        sys.argv = ["-c", *args[2:]]
+        sys.path[0] = ""
+        main = sys.modules["__main__"]
+        exec(compile(args[1], "<string>", "exec"), main.__dict__)  # noqa: S102 - the launcher's own command, as python -c
+    elif args[0] == "-m":
         sys.argv = [args[1], *args[2:]]
         sys.path[0] = job.cwd
         if importlib.util.find_spec(args[1]) is None:  # what `python -m` says and does

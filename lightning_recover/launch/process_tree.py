@@ -6,10 +6,64 @@ sessions), reading the process tree from /proc.
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
 import signal
 import sys
+import threading
+import time
 from typing import NoReturn
+
+log = logging.getLogger(__name__)
+
+
+_PR_SET_PDEATHSIG = 1
+WATCHDOG_PERIOD = 0.2  # seconds between the fallback checks that the parent still lives
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """Ask Linux to send ``sig`` to this process when its parent dies; False where unsupported.
+
+    Safe in a ``preexec_fn`` (no allocation beyond a cached ctypes call). Linux ties it to the
+    parent *thread*: launchers spawn from their main thread.
+    """
+    try:
+        return libc().prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+_LIBC: list = []
+
+
+def libc() -> ctypes.CDLL:
+    """The C library, loaded once, in the parent, so that a ``preexec_fn`` does not load a library after fork."""
+    if not _LIBC:
+        _LIBC.append(ctypes.CDLL(None, use_errno=True))
+    return _LIBC[0]
+
+
+def die_with_parent(parent: int) -> None:
+    """End this process when ``parent`` (the launcher, or the fork server that forked it) is gone, however it
+    died.
+
+    PDEATHSIG covers SIGKILL of the parent; the watchdog thread covers systems without prctl
+    and the window before prctl took effect (the parent died first: we were re-parented).
+    """
+    set_parent_death_signal(signal.SIGKILL)
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent:
+                log.warning("the parent (pid %d) is gone; exiting", parent)
+                os._exit(3)
+            time.sleep(WATCHDOG_PERIOD)
+
+    if os.getppid() != parent:
+        log.warning("the parent (pid %d) is gone; exiting", parent)
+        os._exit(3)
+    threading.Thread(target=watch, name="lr-parent-watchdog", daemon=True).start()
 
 
 def end_helper_process(code: int) -> NoReturn:

@@ -61,7 +61,14 @@ from lightning_recover.control_plane.etcd_job import EtcdCoordinator, MonitorRol
 from lightning_recover.launch import coordinator_process
 from lightning_recover.launch.fork_server import DEFAULT_PRELOAD, Process, ProcessStarter
 from lightning_recover.launch.job_dir import JobDir
-from lightning_recover.launch.process_tree import children_map, describe_exit, is_stopped, kill_tree
+from lightning_recover.launch.process_tree import (
+    children_map,
+    describe_exit,
+    is_stopped,
+    kill_tree,
+    libc,
+    set_parent_death_signal,
+)
 from lightning_recover.launch.standby_pool import StandbyPool
 from lightning_recover.protocol.faults import check_plan
 from lightning_recover.protocol.growth import claim_free_id, claim_replica_ids
@@ -173,9 +180,11 @@ class _Link:
 
 
 def _replica_preexec(launcher_pid: int) -> Callable[[], None]:
+    libc()  # loaded here: a library loaded between fork and exec can deadlock on a lock another thread held
+
     def preexec() -> None:
         # A replica must not outlive a SIGKILLed launcher (its coordinator dies with it too).
-        coordinator_process.set_parent_death_signal(signal.SIGKILL)
+        set_parent_death_signal(signal.SIGKILL)
         if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
             os.kill(os.getpid(), signal.SIGKILL)
 
