@@ -16,7 +16,7 @@ from lightning_recover.launch.fork_server import ChildCommand, run_job
 def main() -> None:
     log, *args = sys.argv[1:]
     os.setsid()
-    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    out = os.open(log, os.O_WRONLY | os.O_APPEND)  # made empty by start_job
     os.dup2(out, 1)
     os.dup2(out, 2)
     os.close(out)

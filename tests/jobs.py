@@ -144,20 +144,37 @@ def _start_warm(cmd: list[str], log: str, job_env: dict[str, str]) -> Process | 
     server = ForkServer.attach(path, job_env, lambda line: None)
     if server is None:
         return None
+    open(log, "wb").close()  # there at once, as with a new process (the child appends to it)
     proc = server.spawn([cmd[0], "-m", "tests.forked_job", log, *cmd[1:]], job_env, ROOT)
     if proc is None:
         server.close()
         return None
     _sessions[proc.pid] = server
+    # Returned once the child leads its own session, as a new process does at once: a test may end the job by
+    # its process group from then on.
+    assert wait_for(lambda: _leads_a_session(proc.pid) or proc.poll() is not None, 60), "the job did not start"
     return proc
 
 
-def start_job(cmd: list[str], out_dir: str, env: dict[str, str] | None = None) -> tuple[Process, str]:
+def _leads_a_session(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[3]) == pid
+    except OSError:
+        return False
+
+
+def start_job(
+    cmd: list[str], out_dir: str, env: dict[str, str] | None = None, *, warm: bool = True
+) -> tuple[Process, str]:
     """Start a job's launcher in its own session, its output into ``out_dir``/job.log: forked by the warm fork
-    server where the tier runs one, else as a new process."""
+    server where the tier runs one, else as a new process. ``warm=False``: a new process, with the job's own fork
+    server, so that every process of the job is in the launcher's session (the tests of its process tree)."""
     log = os.path.join(out_dir, "job.log")
     os.makedirs(out_dir, exist_ok=True)
     job_env = _env(env)
+    if not warm:
+        job_env.pop(FORK_SERVER, None)
     proc = _start_warm(cmd, log, job_env)
     if proc is None:
         with open(log, "wb") as f:

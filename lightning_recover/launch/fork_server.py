@@ -36,6 +36,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -257,7 +258,11 @@ class ForkServer:
             # The session's children write where this job's own server's would: this process's standard streams.
             socket.send_fds(conn, [b"S"], list(_standard_streams()))
             hello = json.loads(_first_line(conn))
-            theirs, ours = hello.get("key", {}), fit_key(child_env, preload)
+            theirs = hello.get("key", {})
+            set_by_imports = set(theirs.pop("set_by_imports", []))
+            for name in set_by_imports:
+                theirs.get("environment", {}).pop(name, None)
+            ours = fit_key({k: v for k, v in child_env.items() if k not in set_by_imports}, preload)
             differ = key_differences(theirs, ours)
             if differ:
                 raise ValueError(f"it differs from this job in {', '.join(differ)}")
@@ -576,6 +581,10 @@ def run_job(job: ChildCommand) -> None:
     for the launcher's own helpers: :func:`forkable` does not offer a user's ``-c`` command)."""
     os.environ.clear()
     os.environ.update(job.env)
+    # What an interpreter derives from its environment once, at its start or first use, derived again from this
+    # process's own: the temporary directory (TMPDIR) and the time zone (TZ).
+    tempfile.tempdir = None
+    time.tzset()
     try:
         show_as(job.argv, job.env)
     except (OSError, ValueError, IndexError):

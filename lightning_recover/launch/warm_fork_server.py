@@ -134,11 +134,15 @@ def _session(conn: socket.socket, loaded: str, key: dict) -> ChildCommand:
 def serve_warm(path: str, preload: Sequence[str]) -> Optional[ChildCommand]:
     """Import ``preload``, listen at ``path`` and fork a session per connection until SIGTERM or SIGINT.
     Returns a job only in a process a session forked; None when the server stops."""
+    started_with = {k: v for k, v in os.environ.items() if k != env.FORK_ROOM}
     ready, loaded = prepare(preload)
     if not ready:
         print(f"[lightning-recover] fork server: cannot fork safely: {loaded}", file=sys.stderr, flush=True)
         raise SystemExit(1)
-    key = fit_key({k: v for k, v in os.environ.items() if k != env.FORK_ROOM}, preload)
+    # What the imports saw, and the variables they set themselves (every process that imports them sets them: a
+    # launcher that imported torch has them, one that did not has not; neither difference is one of the job's).
+    key = fit_key(started_with, preload)
+    key["set_by_imports"] = sorted(k for k, v in os.environ.items() if k != env.FORK_ROOM and started_with.get(k) != v)
     try:
         listener = listen(path)
     except SocketInUse as exc:

@@ -53,7 +53,8 @@ def _alive(pid: int) -> bool:
 
 
 def _session_pids(sid: int) -> list[int]:
-    """Live processes of session ``sid`` (every job here is started as a session leader)."""
+    """Live processes of session ``sid`` (every job here is started as a session leader, without the warm fork
+    server: its processes are then all in that session)."""
     pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -195,7 +196,7 @@ def test_a_coordinator_closes_its_listening_socket_once():
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_launcher_sigkilled_takes_coordinator_and_replicas_with_it(tmp_path):
-    proc, log = start_job(CLI + ["run", "--replicas", "2", "--", "sleep", "600"], str(tmp_path))
+    proc, log = start_job(CLI + ["run", "--replicas", "2", "--", "sleep", "600"], str(tmp_path), warm=False)
     try:
         m = _wait_for(log, r"coordinator at \S+ \(pid (\d+)\); started 2", proc, 90)
         coord_pid = int(m.group(1))
@@ -235,7 +236,7 @@ def test_coordinator_watchdog_exits_when_its_launcher_is_gone():
 @pytest.mark.timeout(120)
 def test_failed_spawn_ends_everything_and_fails(tmp_path):
     t0 = time.monotonic()
-    proc, log = start_job(CLI + ["run", "--replicas", "2", "--", "/nonexistent"], str(tmp_path))
+    proc, log = start_job(CLI + ["run", "--replicas", "2", "--", "/nonexistent"], str(tmp_path), warm=False)
     try:
         proc.wait(timeout=90)
         out = open(log).read()
@@ -291,6 +292,7 @@ def test_launcher_ends_the_job_when_the_coordinator_is_lost(tmp_path, how):
     proc, log = start_job(
         CLI + ["run", "--replicas", "2", "--heartbeat-timeout", str(hb), "--", sys.executable, REPLICA_SCRIPT, "0"],
         str(tmp_path),
+        warm=False,
     )
     try:
         m = _wait_for(log, r"coordinator at \S+ \(pid (\d+)\)", proc, 90)

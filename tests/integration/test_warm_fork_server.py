@@ -16,7 +16,7 @@ import pytest
 
 from lightning_recover.env import FORK_SERVER
 from lightning_recover.launch.fork_server import ForkedProcess, ForkServer, ProcessStarter
-from tests.jobs import log_text, wait_for
+from tests.jobs import job_environment, log_text, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -95,6 +95,24 @@ def test_a_session_forks_with_the_launchers_streams_and_environment(warm, tmp_pa
     assert wait_for(lambda: not os.path.exists(f"/proc/{session.pid}"), 30), "closing ends the session"
 
 
+def test_a_forked_child_takes_its_temporary_directory_and_time_zone_from_its_own_environment(
+    warm_fork_server, tmp_path, capfd
+):
+    """The tier's server imported torch and Lightning, which fixed its temporary directory; a child's are its own."""
+    session = ForkServer.attach(warm_fork_server, job_environment(), lambda line: None)
+    assert session is not None
+    try:
+        code = "import tempfile, time; print('TMP', tempfile.gettempdir(), 'TZ', time.tzname[0], flush=True)"
+        script = tmp_path / "where.py"
+        script.write_text(code)
+        env = job_environment({"TMPDIR": str(tmp_path), "TZ": "JST-9"})
+        proc = session.spawn([sys.executable, str(script)], env, str(tmp_path))
+        assert proc is not None and proc.wait(timeout=60) == 0
+    finally:
+        session.close()
+    assert f"TMP {tmp_path} TZ JST" in capfd.readouterr().out
+
+
 def test_a_job_that_does_not_fit_says_why_and_starts_its_own_server(warm, tmp_path):
     path, _ = warm
     lines: list[str] = []
@@ -126,6 +144,45 @@ def test_the_children_die_with_their_launcher(warm, tmp_path):
         launcher.kill()
         launcher.wait()
         assert wait_for(lambda: not os.path.exists(f"/proc/{child}"), 30), "the child outlived its launcher"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+
+
+REPLICA = textwrap.dedent(
+    """
+    import os, sys, time
+    with open(os.path.join(sys.argv[1], f"replica{os.environ['LIGHTNING_RECOVER_REPLICA']}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
+    """
+)
+
+
+def test_a_sigkilled_launcher_takes_its_warm_forked_coordinator_and_replicas_with_it(warm_fork_server, tmp_path):
+    """The tier's warm server (conftest.py: the launcher's default preload) forks the whole job."""
+    path = warm_fork_server
+    script = tmp_path / "replica.py"
+    script.write_text(REPLICA)
+    log = str(tmp_path / "job.log")
+    cmd = [sys.executable, "-m", "lightning_recover.cli", "run", "--replicas", "2"]
+    cmd += ["--", sys.executable, str(script), str(tmp_path)]
+    with open(log, "wb") as out:
+        launcher = subprocess.Popen(cmd, env=job_environment(), stdout=out, stderr=subprocess.STDOUT)
+    pids = [str(tmp_path / f"replica{r}.pid") for r in (0, 1)]
+    try:
+        started = wait_for(lambda: launcher.poll() is not None or all(os.path.exists(p) for p in pids), 120)
+        assert started and launcher.poll() is None, log_text(log)
+        text = log_text(log)
+        assert f"replicas start from the warm fork server at {path}" in text, text
+        coordinator = int(text.split("coordinator at ")[1].split("(pid ")[1].split(")")[0])
+        job = [coordinator] + [int(open(p).read()) for p in pids]
+        forkers = {int(open(f"/proc/{pid}/status").read().split("PPid:\t")[1].split()[0]) for pid in job}
+        assert launcher.pid not in forkers, "the coordinator and the replicas are forked by the warm server's sessions"
+        launcher.kill()
+        launcher.wait()
+        assert wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in job), 30), "left behind"
     finally:
         if launcher.poll() is None:
             launcher.kill()
