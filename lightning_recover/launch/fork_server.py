@@ -54,9 +54,9 @@ START_TIMEOUT = 120.0  # seconds the server may take to import before processes 
 TITLE_ROOM = 16384
 
 
-# Environment variables read while the interpreter, torch and Lightning load (a forked child keeps the values its
-# server loaded with), and the namespaces a child inherits from its server.
-_IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH_", "PL_")
+# Environment variables read while the interpreter and torch load (a forked child keeps the values its server
+# loaded with; Lightning's own PL_ variables are read when used), and the namespaces a child inherits.
+_IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH_")
 _NAMESPACES = ("net", "mnt", "pid", "ipc", "uts", "user", "cgroup")
 _LIMITS = ("RLIMIT_NOFILE", "RLIMIT_NPROC", "RLIMIT_AS", "RLIMIT_CORE", "RLIMIT_STACK", "RLIMIT_MEMLOCK")
 

@@ -108,6 +108,8 @@ def _reap(sessions: set[int]) -> None:
 def _session(conn: socket.socket, loaded: str, key: dict) -> ChildCommand:
     """In a session process: serve one launcher; returns only in a child it forked (that child's job)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server's handler is not the children's
+    # As the job's own server: a Ctrl-C reaching this process group must not end the session (its replicas with it).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         show_as(["lightning-recover fork server", "--session", f"--preload={key['preload']}"])
     except (OSError, ValueError, IndexError):
@@ -152,10 +154,8 @@ def serve_warm(path: str, preload: Sequence[str]) -> Optional[ChildCommand]:
     stop_r, stop_w = os.pipe()  # a signal handler's byte wakes the loop (no work in the handler)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: os.write(stop_w, b"x"))
-    print(
-        f"[lightning-recover] fork server: warm at {path} ({loaded} imported); " f"export {env.FORK_SERVER}={path}",
-        flush=True,
-    )
+    print(f"[lightning-recover] fork server: warm at {path} ({loaded} imported); export {env.FORK_SERVER}={path}")
+    sys.stdout.flush()
     sessions: set[int] = set()
     try:
         while True:

@@ -21,7 +21,7 @@ def test_only_the_import_time_environment_is_part_of_the_key():
     "change, expected",
     [
         ({}, []),
-        ({"HOME": "/home/other", "LIGHTNING_RECOVER_REPLICA": "3"}, []),  # read at run time: the fork takes them
+        ({"HOME": "/home/other", "LIGHTNING_RECOVER_REPLICA": "3", "PL_GLOBAL_SEED": "7"}, []),  # read when used
         ({"PYTHONPATH": "/elsewhere"}, ["environment PYTHONPATH"]),
         (
             {"OMP_NUM_THREADS": "4", "TORCH_CPP_LOG_LEVEL": "INFO"},
