@@ -58,8 +58,16 @@ def gloo_policies():
                 found.append(int(stat[stat.rindex(")") + 2 :].split()[38]))  # field 41: scheduling policy
     return sorted(found)
 
+before = set(os.listdir("/proc/self/task"))
 pg = groups.build(dist.PrefixStore("g0", store), 0, rank, 2, lambda: False)
 pg.allreduce([torch.ones(4)]).wait()  # both members connected and working
+# gloo's threads name themselves once they first run (a starved one later than this point): the group's threads
+# are counted once every thread it started has its name.
+made = set(os.listdir("/proc/self/task")) - before
+unnamed = read_task(str(os.getpid()), "comm")
+settle = time.monotonic() + 30
+while any(read_task(t, "comm") == unnamed for t in made) and time.monotonic() < settle:
+    time.sleep(0.01)
 gloo_threads_of_group = gloo_threads()
 store.set(f"connected/{rank}", "1")
 if rank == 1:
