@@ -41,10 +41,6 @@ class JobResult:
 
 def job_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment a test's job starts in: this one, the repository importable, ``extra`` on top."""
-    return _env(extra)
-
-
-def _env(extra: dict[str, str] | None) -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     # What the launchers set for their replicas: the same import-time environment lets one warm fork server
     # serve both a test's launcher and its replicas (tests/integration/conftest.py).
@@ -118,7 +114,9 @@ def gloo_ranks(script_text: str, tmp_path: Path, arg: str | Path, world: int = 2
     script.write_text(script_text)
     argv = [sys.executable, str(script)]
     procs = [
-        subprocess.Popen([*argv, str(r), str(arg), str(tmp_path / "store")], env=_env(None), cwd=ROOT, **popen)
+        subprocess.Popen(
+            [*argv, str(r), str(arg), str(tmp_path / "store")], env=job_environment(None), cwd=ROOT, **popen
+        )
         for r in range(world)
     ]
     try:
@@ -172,7 +170,7 @@ def start_job(
     server, so that every process of the job is in the launcher's session (the tests of its process tree)."""
     log = os.path.join(out_dir, "job.log")
     os.makedirs(out_dir, exist_ok=True)
-    job_env = _env(env)
+    job_env = job_environment(env)
     if not warm:
         job_env.pop(FORK_SERVER, None)
     proc = _start_warm(cmd, log, job_env)

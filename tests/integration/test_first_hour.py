@@ -21,7 +21,7 @@ from lightning_recover.checkpoint.tools import fit_name
 from lightning_recover.launch.commands import own_interpreter
 from lightning_recover.launch.job_dir import JobDir
 from lightning_recover.protocol.faults import check_plan
-from tests.jobs import ROOT, _env, kill_group, run_job, start_job, wait_for
+from tests.jobs import ROOT, job_environment, kill_group, run_job, start_job, wait_for
 
 CLI = [sys.executable, "-m", "lightning_recover.cli"]
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -90,7 +90,7 @@ def test_checkpoint_plugin_resume_with_nothing_to_resume_says_so(tmp_path):
         capture_output=True,
         text=True,
         timeout=60,
-        env=_env(None),
+        env=job_environment(None),
     )
     assert r.returncode == 2 and "nothing to resume" in r.stderr and "HINT" in r.stderr, r
     assert not (tmp_path / "none").exists()  # it did not train from scratch
@@ -125,7 +125,11 @@ def test_inspect_under_head_ends_without_a_broken_pipe(tmp_path):
     path = tmp_path / "many.pt"
     torch.save({f"t{i}": torch.zeros(1) for i in range(5000)}, path)
     proc = subprocess.Popen(
-        CLI + ["inspect", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(None), cwd=ROOT
+        CLI + ["inspect", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=job_environment(None),
+        cwd=ROOT,
     )
     proc.stdout.readline()
     proc.stdout.close()  # as `| head -1` does
@@ -164,7 +168,9 @@ def test_example_help_does_not_import_torch(example):
         "    pass\n"
         "print('TORCH_IMPORTED' if 'torch' in sys.modules else 'TORCH_NOT_IMPORTED')\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=_env(None))
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=job_environment(None)
+    )
     assert "(default:" in r.stdout and r.stdout.rstrip().endswith("TORCH_NOT_IMPORTED"), r
 
 
@@ -196,7 +202,7 @@ def test_job_dir_is_removed_by_its_janitor_when_the_owner_dies(tmp_path):
         [sys.executable, "-c", code],
         stdout=subprocess.PIPE,
         text=True,
-        env=_env({"TMPDIR": str(tmp_path)}),
+        env=job_environment({"TMPDIR": str(tmp_path)}),
         start_new_session=True,
     )
     try:
@@ -254,7 +260,9 @@ def test_torchrun_injected_kill_is_reported_once_and_leaves_nothing_in_tmp(tmp_p
 
 def _cli_error(*args: str, code: int = 2) -> str:
     """The stderr of ``lightning-recover ARGS`` run as a new process, which must fail in one line, no traceback."""
-    r = subprocess.run(CLI + list(args), capture_output=True, text=True, timeout=120, env=_env(None), cwd=ROOT)
+    r = subprocess.run(
+        CLI + list(args), capture_output=True, text=True, timeout=120, env=job_environment(None), cwd=ROOT
+    )
     assert r.returncode == code and "Traceback" not in r.stderr and not r.stdout, r
     lines = r.stderr.splitlines()
     assert len(lines) == 1 and "HINT: " in lines[0], r.stderr
@@ -393,7 +401,9 @@ def test_help_and_version_import_no_torch():
         "        pass\n"
         "print('TORCH_IMPORTED' if 'torch' in sys.modules else 'TORCH_NOT_IMPORTED')\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=_env(None))
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=job_environment(None)
+    )
     assert r.returncode == 0 and r.stdout.rstrip().endswith("TORCH_NOT_IMPORTED"), r
     assert "lightning-recover 0" in r.stdout and "--mtbf-gpu-hours" in r.stdout
 
@@ -446,7 +456,7 @@ def test_resume_from_a_damaged_last_ckpt_names_the_checkpoint_before_it(tmp_path
             capture_output=True,
             text=True,
             timeout=280,
-            env=_env(None),
+            env=job_environment(None),
         )
 
     assert example("--steps", "10").returncode == 0

@@ -28,7 +28,7 @@ from lightning_recover.protocol.messages import JobSecret
 from lightning_recover.protocol.options import RecoverOptions
 from lightning_recover.protocol.replica_env import ReplicaEnv, check_against_coordinator, read_replica_env
 from tests.compare import EXIT_SLACK, SLACK
-from tests.jobs import ROOT, _env, start_job
+from tests.jobs import ROOT, job_environment, start_job
 
 REPLICA_SCRIPT = os.path.join(ROOT, "tests", "scripts", "replica_steps.py")
 CLI = [sys.executable, "-m", "lightning_recover.cli"]
@@ -226,7 +226,7 @@ def test_coordinator_watchdog_exits_when_its_launcher_is_gone():
         str(2**22 + 1),
     ]
     t0 = time.monotonic()
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=50, env=_env(None))
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=50, env=job_environment(None))
     assert out.returncode == 3, out
     assert f"the parent (pid {2**22 + 1}) is gone" in out.stderr, out.stderr
     print(f"\nwatchdog exit after {time.monotonic() - t0:.2f}s (mostly interpreter start)")
@@ -340,7 +340,7 @@ def test_unreachable_coordinator_is_named_within_a_bound():
         "from lightning_recover.protocol.replica import Replica; p = torch.nn.Linear(2, 1); "
         "Replica.from_env(RecoverOptions(), lambda: list(p.parameters())).start()"
     )
-    environ = _env(
+    environ = job_environment(
         {
             env.COORDINATOR: f"127.0.0.1:{port}",
             env.REPLICA: "0",
@@ -499,7 +499,7 @@ def test_cli_run_refuses_out_of_range_faults():
         capture_output=True,
         text=True,
         timeout=60,
-        env=_env(None),
+        env=job_environment(None),
     )
     assert out.returncode != 0 and "replica=9" in out.stderr and "HINT" in out.stderr, out
 
