@@ -259,6 +259,10 @@ def test_whole_job_notice_writes_a_final_checkpoint_and_the_next_run_resumes(tmp
     try:
         assert wait_for(lambda: _applied(out, 0) == [0, 1, 2] and _applied(out, 1) == [0, 1, 2], 240), open(log).read()
         os.kill(proc.pid, signal.SIGTERM)  # the launcher (Fabric's own): a whole-job notice, forwarded
+        # The launcher forwards it on its own time: open the gate once it reached both held replicas (each marks
+        # notice{r}), else they could finish the run before their notice.
+        noticed = [os.path.join(out, f"notice{r}") for r in range(2)]
+        assert wait_for(lambda: all(map(os.path.exists, noticed)), 120), open(log).read()
         open(gate, "w").close()
         proc.wait(timeout=120)
     finally:
