@@ -113,8 +113,8 @@ def key_differences(theirs: dict[str, Any], ours: dict[str, Any]) -> list[str]:
     return differ
 
 
-def _standard_streams() -> tuple[int, int, int]:
-    """Descriptors 0, 1 and 2, /dev/null in place of any that is closed."""
+def _standard_streams() -> list[int]:
+    """Descriptors 0, 1 and 2, a new descriptor of /dev/null in place of any that is closed."""
     streams = []
     for fd in (0, 1, 2):
         try:
@@ -122,7 +122,7 @@ def _standard_streams() -> tuple[int, int, int]:
             streams.append(fd)
         except OSError:
             streams.append(os.open(os.devnull, os.O_RDWR))
-    return streams[0], streams[1], streams[2]
+    return streams
 
 
 def _first_line(conn: socket.socket) -> bytes:
@@ -256,7 +256,13 @@ class ForkServer:
         try:
             conn.connect(path)
             # The session's children write where this job's own server's would: this process's standard streams.
-            socket.send_fds(conn, [b"S"], list(_standard_streams()))
+            streams = _standard_streams()
+            try:
+                socket.send_fds(conn, [b"S"], streams)
+            finally:
+                for position, fd in enumerate(streams):
+                    if fd != position:  # /dev/null opened in place of a closed stream: the session has its copy
+                        os.close(fd)
             hello = json.loads(_first_line(conn))
             theirs = hello.get("key", {})
             set_by_imports = set(theirs.pop("set_by_imports", []))
