@@ -178,6 +178,10 @@ class _BoundedResponse(http.client.HTTPResponse):
         self.fp = io.BufferedReader(_DeadlineReader(sock, deadline))
 
 
+class _ClientCertificateRefused(Exception):
+    """The member refused this client's certificate, found out after its alert was lost (the reason: the alert)."""
+
+
 def _alert(exc: ssl.SSLError) -> bool:
     """A TLS alert from the member about this client's certificate (it refused it)."""
     return "ALERT" in str(exc.reason or "") and "CERTIFICATE" in str(exc.reason or "")
@@ -260,14 +264,22 @@ class _Transport:
     def _exchange(self, path: str, payload: bytes, try_for: float) -> tuple[int, bytes]:
         """One try: ``(HTTP status, body)`` of POST ``/v3/{path}`` to the current member, within ``try_for``."""
         until = time.monotonic() + try_for
-        if self._conn is None or self._conn.sock is None:  # none yet, or the member closed it after an answer
+        fresh = self._conn is None or self._conn.sock is None  # none yet, or the member closed it after an answer
+        if fresh:
             self.close()
             self._conn = self._connect(try_for)
+        assert self._conn is not None
         self._conn.sock.settimeout(max(0.001, until - time.monotonic()))
         self._conn.lr_deadline.at = until  # type: ignore[attr-defined]
-        self._conn.request("POST", f"/v3/{path}", payload, {"Content-Type": "application/json"})
-        self.requests += 1
-        resp = self._conn.getresponse()
+        try:
+            self._conn.request("POST", f"/v3/{path}", payload, {"Content-Type": "application/json"})
+            self.requests += 1
+            resp = self._conn.getresponse()
+        except (ssl.SSLEOFError, ConnectionResetError, BrokenPipeError) as exc:
+            refusal = self._refusal_of_this_client(until - time.monotonic()) if fresh else None
+            if refusal is not None:
+                raise _ClientCertificateRefused(refusal) from exc
+            raise
         if resp.length is not None and resp.length > MAX_ANSWER_BYTES:
             self.close()
             raise EtcdRequestError(self._too_large(path, f"{resp.length} bytes"))
@@ -276,6 +288,29 @@ class _Transport:
             self.close()
             raise EtcdRequestError(self._too_large(path, "a longer answer"))
         return resp.status, data
+
+    def _refusal_of_this_client(self, timeout: float) -> Optional[str]:
+        """The alert of the current member refusing this client's certificate, or None when it did not refuse it.
+
+        A member that refuses the certificate sends an alert and closes. When the request was already sent, the
+        close can overtake the alert (an EOF or a reset is all the client sees), so a connection that ends right
+        after its handshake is asked again: a handshake followed by a read with nothing sent, which receives the
+        alert whenever there is one. A member that accepted the certificate sends nothing: the read ends at
+        ``timeout`` and the original problem stands.
+        """
+        if self.context is None or timeout <= 0:
+            return None
+        host, _, port = self.endpoints[self._current].rpartition(":")
+        host = host.strip("[]")
+        try:
+            with socket.create_connection((host, int(port)), timeout=timeout) as raw:
+                with self.context.wrap_socket(raw, server_hostname=host) as tls:
+                    tls.recv(1)
+        except ssl.SSLError as exc:
+            return str(exc.reason) if _alert(exc) else None
+        except OSError:
+            return None
+        return None
 
     def _too_large(self, path: str, what: str) -> str:
         return (
@@ -309,6 +344,8 @@ class _Transport:
                 status, data = self._exchange(path, payload, max(0.05, min(left, self.try_timeout_after(timed_out))))
             except ssl.SSLCertVerificationError as exc:
                 problems[member] = certificate[member] = f"its certificate was refused: {exc.verify_message}"
+            except _ClientCertificateRefused as exc:
+                problems[member] = certificate[member] = f"it refused this client's certificate ({exc})"
             except ssl.SSLError as exc:
                 if _alert(exc):
                     problems[member] = certificate[member] = f"it refused this client's certificate ({exc.reason})"
