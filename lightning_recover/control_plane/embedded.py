@@ -19,6 +19,9 @@ import torch.distributed as dist
 from lightning_recover import env
 from lightning_recover.errors import CoordinatorLostError
 
+#: Seconds :meth:`CoordinatorStore.peek_many` waits at most for a key deleted after it saw it.
+BATCH_READ_TIMEOUT = 0.25
+
 
 class CoordinatorStore:
     """A TCPStore (a client of the embedded coordinator, or its server's own store) as a :class:`ControlPlane`."""
@@ -30,6 +33,8 @@ class CoordinatorStore:
 
     def __init__(self, store: dist.Store) -> None:
         self.store: Any = store  # torch's stubs of Store lack clone and append, and type values as str
+        self._batch_reader: Any = None  # the connection of peek_many's multi_get (made when first needed)
+        self._batch_lock = threading.Lock()
 
     # ---------------------------------------------------------------- plain values
     def get(self, key: str) -> bytes:
@@ -97,7 +102,24 @@ class CoordinatorStore:
         raise NotImplementedError("the embedded coordinator has no transactions (ControlPlane.transactions)")
 
     def peek_many(self, keys: Sequence[str], through_log: bool = False) -> list[Optional[bytes]]:
-        """One request per key (a TCPStore answers in order, each when a write would be)."""
+        """Every value, or None where a key is absent, never waiting long: two requests whatever the number of
+        keys while they all exist (``check``, then ``multi_get``), one request per key otherwise. A TCPStore
+        answers in order, each when a write would be.
+
+        ``multi_get`` waits for a missing key, so a key deleted by an outside client between the two requests
+        would stall it: it runs on a connection of its own whose timeout is ``BATCH_READ_TIMEOUT``, after which
+        the keys are read one by one (and the connection replaced: its state after a timeout is not relied on).
+        """
+        keys = list(keys)
+        if len(keys) > 1 and self.store.check(keys):
+            with self._batch_lock:
+                if self._batch_reader is None:
+                    self._batch_reader = self.store.clone()
+                    self._batch_reader.set_timeout(datetime.timedelta(seconds=BATCH_READ_TIMEOUT))
+                try:
+                    return list(self._batch_reader.multi_get(keys))
+                except dist.DistStoreError:
+                    self._batch_reader = None  # a key went after the check
         return [peek(self.store, k) for k in keys]
 
     def delete_many(self, keys: Sequence[str]) -> None:

@@ -1,0 +1,68 @@
+"""The embedded coordinator's store behind the seam: batched reads on a real TCPStore."""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import pytest
+import torch.distributed as dist
+
+from lightning_recover.control_plane.embedded import BATCH_READ_TIMEOUT, CoordinatorStore, peek
+
+SLACK = 2.0  # seconds a loaded 2-core machine may add to a bound
+
+
+@pytest.fixture
+def server():
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
+    )
+    yield store
+    del store
+
+
+def _client(server) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+
+
+class _DeletesAfterCheck:
+    """A real TCPStore client whose first ``check`` is followed, before it returns, by an outside client deleting
+    ``victim``: the race ``peek_many`` must survive (everything else goes to the real store)."""
+
+    def __init__(self, inner: dist.TCPStore, outside: dist.TCPStore, victim: str) -> None:
+        self.inner, self.outside, self.victim = inner, outside, victim
+
+    def check(self, keys: list[str]) -> bool:
+        found = self.inner.check(keys)
+        if self.victim:
+            self.outside.delete_key(self.victim)
+            self.victim = ""
+        return found
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def test_peek_many_reads_every_key_at_once_and_none_where_absent(server):
+    client = _client(server)
+    keys = [f"hb/{r}" for r in range(300)]
+    for r, key in enumerate(keys):
+        client.set(key, f"beat {r}".encode())
+    store = CoordinatorStore(client)
+    assert store.peek_many(keys) == [f"beat {r}".encode() for r in range(300)]
+    assert store.peek_many(keys) == [peek(client, k) for k in keys]  # the batch reader is reused
+    assert store.peek_many([*keys[:2], "hb/absent"]) == [b"beat 0", b"beat 1", None]
+
+
+def test_a_key_deleted_between_check_and_read_is_none_within_the_bound(server):
+    client, outside = _client(server), _client(server)
+    keys = [f"hb/{r}" for r in range(4)]
+    for key in keys:
+        client.set(key, b"beat")
+    store = CoordinatorStore(_DeletesAfterCheck(client, outside, "hb/2"))  # type: ignore[arg-type]
+    started = time.monotonic()
+    assert store.peek_many(keys) == [b"beat", b"beat", None, b"beat"]
+    assert time.monotonic() - started < BATCH_READ_TIMEOUT + SLACK
+    client.set("hb/2", b"again")
+    assert store.peek_many(keys) == [b"beat", b"beat", b"again", b"beat"]
