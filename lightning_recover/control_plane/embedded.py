@@ -102,16 +102,18 @@ class CoordinatorStore:
         raise NotImplementedError("the embedded coordinator has no transactions (ControlPlane.transactions)")
 
     def peek_many(self, keys: Sequence[str], through_log: bool = False) -> list[Optional[bytes]]:
-        """Every value, or None where a key is absent, never waiting long: two requests whatever the number of
-        keys while they all exist (``check``, then ``multi_get``), one request per key otherwise. A TCPStore
-        answers in order, each when a write would be.
+        """Every value, or None where a key is absent, never waiting long; a TCPStore answers in order, each when a
+        write would be. One request per key, or with ``through_log`` (the monitor's pass over every heartbeat) two
+        whatever the number of keys while they all exist: ``check``, then ``multi_get``.
 
         ``multi_get`` waits for a missing key, so a key deleted by an outside client between the two requests
         would stall it: it runs on a connection of its own whose timeout is ``BATCH_READ_TIMEOUT``, after which
         the keys are read one by one (and the connection replaced: its state after a timeout is not relied on).
+        The replicas' reads stay one per key: in a harness of 64 replica threads, batching them too made the
+        first generation form several seconds later (benchmarks/LOG.md).
         """
         keys = list(keys)
-        if len(keys) > 1 and self.store.check(keys):
+        if through_log and len(keys) > 1 and self.store.check(keys):
             with self._batch_lock:
                 if self._batch_reader is None:
                     self._batch_reader = self.store.clone()

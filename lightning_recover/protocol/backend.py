@@ -17,8 +17,8 @@ Which read to use:
 
 * ``get(key)``: a value that must come; waits until the key exists (up to the store's timeout).
 * ``multi_get(keys)``: the same for keys that all exist.
-* ``peek_many(keys)``: now, never waiting for a key (None where absent; a few requests however many keys): a
-  key an outside client may have deleted must not stall its reader. ``through_log=True``: ordered like a write (a declaration's evidence).
+* ``peek_many(keys)``: now, never waiting for a key (None where absent): a key an outside client may have
+  deleted must not stall its reader. ``through_log=True``: ordered like a write (a declaration's evidence).
 * ``cached(key)``, ``cached_each(keys)``, ``cached_many(keys)``, ``cached_arrival(key)``,
   ``cached_wait(key, t)``: from the process's watched view, a moment stale at most and never older than an
   answer already given; a miss (``(False, None)`` or ``None``) where the backend has no view or it is not

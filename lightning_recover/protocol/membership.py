@@ -129,13 +129,20 @@ class Heartbeat:
         self._coverage = VouchCoverage()
         self.last_ok = time.monotonic()  # when the coordinator last answered (read by the watchdog)
         self._stop = threading.Event()
+        self._sending = threading.Lock()  # the thread's beats and send_news's from the main thread
+        self._watchdog: CoordinatorWatchdog | None = None
         self.error: BaseException | None = None
         self.excluded = False
         self._thread = threading.Thread(target=self._run, name=f"lr-heartbeat-{replica}", daemon=True)
 
-    def start(self) -> None:
+    def start(self, coordinator: str | None = None, silent_limit: float = 0.0) -> None:
+        """Write the first beat and go on beating on this object's thread. With ``coordinator`` (its address, for
+        the error) a :class:`CoordinatorWatchdog` ends the process once no beat was answered for ``silent_limit``."""
         self._send()
         self._thread.start()
+        if coordinator is not None:
+            self._watchdog = CoordinatorWatchdog(self, self._replica, coordinator, silent_limit)
+            self._watchdog.start()
 
     def _covered_since(self) -> float:
         """The last beat, written or vouched for."""
@@ -202,16 +209,26 @@ class Heartbeat:
         # Wakes one period after the last beat, written or vouched for: never further apart than that.
         while not self._stop.wait(max(0.0, self._next_wake() - time.monotonic())):
             try:
-                self._send()
+                with self._sending:
+                    self._send()
             except Exception as exc:
                 self.error = exc
                 return
+
+    def send_news(self) -> None:
+        """Write a beat now if the main thread's progress carries news no beat carried yet (a leave, a
+        recovery): a replica that ends within one period of it would otherwise take it along unwritten."""
+        if self._progress.urgent and self.error is None and not self._stop.is_set():
+            with self._sending:
+                self._send()
 
     @property
     def stopped(self) -> bool:
         return self._stop.is_set()
 
     def stop(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
         self._stop.set()
         self._thread.join(timeout=5)
         if self._leased is not None:
@@ -567,7 +584,6 @@ class Membership(_JoinRequests):
         self.incarnation = 0
         self.gen: Generation | None = None
         self.heartbeat: Heartbeat | None = None
-        self._watchdog: CoordinatorWatchdog | None = None
         self._responder: ReachabilityResponder | None = None  # answers partition probes (protocol.reachability)
         self.rendezvous: RendezvousHost | None = None  # where generations it leads meet (protocol.rendezvous)
         self._events_seen = -1
@@ -609,9 +625,7 @@ class Membership(_JoinRequests):
             notice=self.notice,
             timeout=self.heartbeat_timeout,
         )
-        self.heartbeat.start()
-        self._watchdog = CoordinatorWatchdog(self.heartbeat, self.replica, self.addr, self.store_timeout)
-        self._watchdog.start()
+        self.heartbeat.start(self.addr, self.store_timeout)
         if self.inner == 0:  # one probe server per replica (its processes share a host)
             self._responder = start_responder(self.store, self.replica, self.incarnation, self.heartbeat_interval)
         if self.rounds_by_view:
@@ -643,12 +657,11 @@ class Membership(_JoinRequests):
         """Leave the group cleanly: mark this incarnation as gone so nobody waits for it."""
         if self.store is not None and self.incarnation:
             try:
+                if self.heartbeat is not None:
+                    self.heartbeat.send_news()  # its last report, read by the status page and the event log
                 self.store.mark_dead(self.replica, self.incarnation)
             except Exception:
                 pass  # the coordinator is already gone: nothing to tell
-        if self._watchdog is not None:
-            self._watchdog.stop()
-            self._watchdog = None
         if self._responder is not None:
             self._responder.close()
             self._responder = None

@@ -50,9 +50,9 @@ def test_peek_many_reads_every_key_at_once_and_none_where_absent(server):
     for r, key in enumerate(keys):
         client.set(key, f"beat {r}".encode())
     store = CoordinatorStore(client)
-    assert store.peek_many(keys) == [f"beat {r}".encode() for r in range(300)]
-    assert store.peek_many(keys) == [peek(client, k) for k in keys]  # the batch reader is reused
-    assert store.peek_many([*keys[:2], "hb/absent"]) == [b"beat 0", b"beat 1", None]
+    assert store.peek_many(keys, through_log=True) == [f"beat {r}".encode() for r in range(300)]
+    assert store.peek_many(keys, through_log=True) == [peek(client, k) for k in keys]  # the batch reader is reused
+    assert store.peek_many([*keys[:2], "hb/absent"], through_log=True) == [b"beat 0", b"beat 1", None]
 
 
 def test_a_key_deleted_between_check_and_read_is_none_within_the_bound(server):
@@ -62,7 +62,7 @@ def test_a_key_deleted_between_check_and_read_is_none_within_the_bound(server):
         client.set(key, b"beat")
     store = CoordinatorStore(_DeletesAfterCheck(client, outside, "hb/2"))  # type: ignore[arg-type]
     started = time.monotonic()
-    assert store.peek_many(keys) == [b"beat", b"beat", None, b"beat"]
+    assert store.peek_many(keys, through_log=True) == [b"beat", b"beat", None, b"beat"]
     assert time.monotonic() - started < BATCH_READ_TIMEOUT + SLACK
     client.set("hb/2", b"again")
-    assert store.peek_many(keys) == [b"beat", b"beat", b"again", b"beat"]
+    assert store.peek_many(keys, through_log=True) == [b"beat", b"beat", b"again", b"beat"]

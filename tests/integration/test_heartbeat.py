@@ -1,0 +1,33 @@
+"""A replica's heartbeat on a real coordinator: news written before the replica ends."""
+
+from __future__ import annotations
+
+import json
+
+from lightning_recover.protocol.coordinator import Coordinator
+from lightning_recover.protocol.membership import Heartbeat, Progress
+from lightning_recover.protocol.messages import ControlStore, JobSecret
+
+
+def test_news_is_written_at_once_when_asked_not_a_period_later():
+    """A job can end within one period of a replica's last news (the members that left at a commit, on its
+    report): ``send_news`` writes it then, so the status page and the event log still read it."""
+    secret = JobSecret.generate()
+    coord = Coordinator("127.0.0.1", 0, 1, 30.0, secret)
+    store = ControlStore(coord.addr, 0, secret, timeout=5.0)
+    progress = Progress()
+    heartbeat = Heartbeat(store, 0, store.add("inc/0", 1), 3600.0, progress)  # no periodic beat in this test
+    heartbeat.start()
+    try:
+        first = store.get_fresh("hb/0")
+        assert first is not None and "left" not in json.loads(first[1])
+        progress.report = {"gen": 1, "left": [1, [2]]}
+        heartbeat.send_news()  # nothing new: no beat
+        assert store.get_fresh("hb/0") == first  # the same beat as before
+        progress.urgent = True
+        heartbeat.send_news()
+        news = store.get_fresh("hb/0")
+        assert news is not None and news[0] > first[0] and json.loads(news[1])["left"] == [1, [2]]
+        assert not progress.urgent
+    finally:
+        heartbeat.stop()
