@@ -19,6 +19,7 @@ import torch
 
 from lightning_recover.env import FORK_SERVER
 from lightning_recover.launch.fork_server import ForkServer, Process, forkable
+from lightning_recover.launch.process_tree import proc_stat
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FABRIC_SCRIPT = os.path.join(ROOT, "tests", "scripts", "fabric_train.py")
@@ -155,11 +156,8 @@ def _start_warm(cmd: list[str], log: str, job_env: dict[str, str]) -> Process | 
 
 
 def _leads_a_session(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[3]) == pid
-    except OSError:
-        return False
+    fields = proc_stat(pid)
+    return fields is not None and int(fields[3]) == pid
 
 
 def start_job(

@@ -5,12 +5,12 @@ reuse them)."""
 from __future__ import annotations
 
 import http.client
-import os
 import threading
 import time
 
 from lightning_recover.control_plane.etcd_client import EtcdClient, tls_context
 from lightning_recover.control_plane.etcd_cluster import LocalEtcdCluster
+from lightning_recover.launch.process_tree import cpu_seconds
 
 #: counters read from every member's /metrics and summed over the members that answer
 METRICS = (
@@ -71,11 +71,9 @@ def write_capacity(cluster: LocalEtcdCluster, clients: int = 8, seconds: float =
 
 def members_cpu_seconds(cluster: LocalEtcdCluster) -> float:
     """User + system CPU seconds the running members used so far (``/proc/PID/stat``)."""
-    total = 0
+    total = 0.0
     for m in cluster.members:
         if m.proc is None or m.proc.poll() is not None:
             continue
-        with open(f"/proc/{m.proc.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
-    return total / os.sysconf("SC_CLK_TCK")
+        total += cpu_seconds(m.proc.pid)
+    return total

@@ -13,7 +13,7 @@ import signal
 import sys
 import threading
 import time
-from typing import NoReturn
+from typing import NoReturn, Optional
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +90,26 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
-def is_stopped(pid: int) -> bool:
+def proc_stat(pid: int) -> Optional[list[str]]:
+    """The fields of ``/proc/{pid}/stat`` after the command's name (state, ppid, pgrp, session, ...: ``proc(5)``
+    numbers them from 3), or None once the process is gone. The name is skipped by its last ``)``: it may hold
+    spaces and parentheses."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except OSError:
-        return False
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU time (user + system) the process ``pid`` has used so far; 0.0 once it is gone."""
+    fields = proc_stat(pid)
+    return 0.0 if fields is None else (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def is_stopped(pid: int) -> bool:
+    fields = proc_stat(pid)
+    return fields is not None and fields[0] in ("T", "t")
 
 
 def children_map() -> dict[int, list[int]]:
@@ -103,12 +117,9 @@ def children_map() -> dict[int, list[int]]:
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
+            fields = proc_stat(int(entry))
+            if fields is not None:
+                children.setdefault(int(fields[1]), []).append(int(entry))
     return children
 
 

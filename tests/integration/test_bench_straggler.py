@@ -26,6 +26,7 @@ from lightning_recover.bench.resilience import (
 )
 from lightning_recover.bench.resilience_train import parse_slow, slow_factor
 from lightning_recover.cli import build_parser
+from lightning_recover.launch.process_tree import proc_stat
 
 
 def test_slow_spec_parsing_and_schedule():
@@ -166,10 +167,10 @@ def _live_processes_of(out: str) -> list[int]:
     for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
         try:
             cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
-            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if state != "Z" and out.encode() in cmdline:
+        fields = proc_stat(pid)
+        if fields is not None and fields[0] != "Z" and out.encode() in cmdline:
             pids.append(pid)
     return pids
 

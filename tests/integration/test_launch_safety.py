@@ -22,6 +22,7 @@ import pytest
 
 from lightning_recover import cli, env
 from lightning_recover.launch import coordinator_process, supervisor
+from lightning_recover.launch.process_tree import proc_stat
 from lightning_recover.protocol.coordinator import Coordinator
 from lightning_recover.protocol.faults import Fault, FaultInjector, parse_faults
 from lightning_recover.protocol.messages import JobSecret
@@ -39,16 +40,8 @@ GONE_WITHIN = 8.0  # seconds a test waits for the rest of a job's processes to b
 # ---------------------------------------------------------------------------- /proc helpers
 
 
-def _stat(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-
-
 def _alive(pid: int) -> bool:
-    fields = _stat(pid)
+    fields = proc_stat(pid)
     return fields is not None and fields[0] not in ("Z", "X")  # a zombie runs nothing
 
 
@@ -58,7 +51,7 @@ def _session_pids(sid: int) -> list[int]:
     pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            fields = _stat(int(entry))
+            fields = proc_stat(int(entry))
             if fields is not None and int(fields[3]) == sid and fields[0] not in ("Z", "X"):
                 pids.append(int(entry))
     return pids

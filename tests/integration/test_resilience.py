@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 
+from lightning_recover.launch.process_tree import proc_stat
 from tests.compare import EXIT_SLACK, SLACK, max_relative_difference
 from tests.jobs import (
     FABRIC_SCRIPT,
@@ -232,12 +233,13 @@ def test_falsely_suspected_replica_never_applies_a_divergent_step(tmp_path, refe
         frozen = []
         for pid in pids:
             try:
-                stat = open(f"/proc/{pid}/stat").read()
                 environ = open(f"/proc/{pid}/environ", "rb").read()
             except OSError:
                 continue
+            fields = proc_stat(pid)
             if (
-                stat.rsplit(")", 1)[1].split()[0] == "T"
+                fields is not None
+                and fields[0] == "T"
                 and b"LIGHTNING_RECOVER_REPLICA=1\x00" in environ
                 and out.encode() in open(f"/proc/{pid}/cmdline", "rb").read()
             ):
@@ -280,12 +282,17 @@ def _job_processes(out: str) -> list[int]:
     found = []
     for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
         try:
-            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
             environ = open(f"/proc/{pid}/environ", "rb").read()
             cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
         except OSError:
             continue
-        if state != "Z" and b"LIGHTNING_RECOVER_REPLICA=" in environ and out.encode() in cmdline:
+        fields = proc_stat(pid)
+        if (
+            fields is not None
+            and fields[0] != "Z"
+            and b"LIGHTNING_RECOVER_REPLICA=" in environ
+            and out.encode() in cmdline
+        ):
             found.append(pid)
     return found
 

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from lightning_recover.launch.process_tree import proc_stat
 from tests.compare import max_relative_difference
 from tests.jobs import ROOT, join_request, run_gated_job, run_job
 from tests.scripts import sharded_train
@@ -47,11 +48,8 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    try:  # a zombie is gone for our purposes
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    fields = proc_stat(pid)
+    return fields is not None and fields[0] != "Z"  # a zombie is gone for our purposes
 
 
 def sharded_job(
