@@ -9,8 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from lightning_recover.control_plane.embedded import BATCH_READ_TIMEOUT, CoordinatorStore, peek
-
-SLACK = 2.0  # seconds a loaded 2-core machine may add to a bound
+from tests.compare import SLACK
 
 
 @pytest.fixture
