@@ -815,10 +815,12 @@ def test_ema_weight_averaging_checkpoints_hold_at_save_values(request, tmp_path,
 def _fail_saves_after(monkeypatch, mode: str, n_ok: int) -> pl.Callback:
     """Every checkpoint write after the first ``n_ok`` raises ``OSError(EIO)`` (stock IO: in ``_atomic_save``).
 
-    Returns a callback that, once a failing write has started, holds the next training batch until that save
-    is over (``pending_saves`` is 0: its error is recorded): in async modes the failure then has certainly
-    happened before the next call into the IO, however slowly the background writer runs on a loaded machine
-    (otherwise it could surface only at teardown; seen in CI when the batch waited only for the write to start)."""
+    Returns a callback that, once a save that fails was submitted (ModelCheckpoint saves after every step, so
+    after step ``n_ok + 1``), holds the next training batch until every save is over (``pending_saves`` is 0:
+    the error is recorded): in async modes the failure then has certainly happened before the next call into the
+    IO, however slowly the background writer runs on a loaded machine. (Waiting only once the failing write had
+    started, or once it had failed, let a starved writer start after training ended: the error surfaced only at
+    teardown.)"""
     calls = [0]
     failed = threading.Event()
 
@@ -831,12 +833,12 @@ def _fail_saves_after(monkeypatch, mode: str, n_ok: int) -> pl.Callback:
 
     class WaitForTheFailure(pl.Callback):
         def on_train_batch_start(self, trainer, *args) -> None:
-            if calls[0] > n_ok:
-                assert failed.wait(60), "the injected write failure never ran"
+            if trainer.global_step > n_ok:
                 io, deadline = trainer.strategy.checkpoint_io, time.monotonic() + 60
                 while getattr(io, "pending_saves", 0):
                     assert time.monotonic() < deadline, "the failing save never ended"
                     time.sleep(0.005)
+                assert failed.is_set(), "the injected write failure never ran"
 
     if mode == "stock":
         from lightning.fabric.plugins.io import torch_io
