@@ -657,9 +657,11 @@ class Membership(_JoinRequests):
         """Leave the group cleanly: mark this incarnation as gone so nobody waits for it."""
         if self.store is not None and self.incarnation:
             try:
-                if self.heartbeat is not None:
-                    self.heartbeat.send_news()  # its last report, read by the status page and the event log
-                self.store.mark_dead(self.replica, self.incarnation)
+                try:
+                    if self.heartbeat is not None:
+                        self.heartbeat.send_news()  # its last report, read by the status page and the event log
+                finally:
+                    self.store.mark_dead(self.replica, self.incarnation)
             except Exception:
                 pass  # the coordinator is already gone: nothing to tell
         if self._responder is not None:
