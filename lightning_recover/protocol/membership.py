@@ -230,7 +230,8 @@ class Heartbeat:
         if self._watchdog is not None:
             self._watchdog.stop()
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.ident is not None:  # started: start() raises before it when the first beat fails
+            self._thread.join(timeout=5)
         if self._leased is not None:
             self._leased.close()  # the key goes now, not a TTL later
 

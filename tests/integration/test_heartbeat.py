@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from lightning_recover.errors import CoordinatorLostError
 from lightning_recover.protocol.coordinator import Coordinator
 from lightning_recover.protocol.membership import Heartbeat, Progress
 from lightning_recover.protocol.messages import ControlStore, JobSecret
@@ -31,3 +34,16 @@ def test_news_is_written_at_once_when_asked_not_a_period_later():
         assert not progress.urgent
     finally:
         heartbeat.stop()
+
+
+def test_a_heartbeat_whose_first_beat_failed_stops_cleanly():
+    """``start`` raises when the first beat cannot be written (the control plane is gone): the membership still
+    holds the heartbeat and stops it when the replica ends, which must not raise in turn."""
+    secret = JobSecret.generate()
+    coord = Coordinator("127.0.0.1", 0, 1, 30.0, secret)
+    store = ControlStore(coord.addr, 0, secret, timeout=1.0)
+    heartbeat = Heartbeat(store, 0, store.add("inc/0", 1), 3600.0, Progress())
+    del coord  # the coordinator's server goes: the first beat fails
+    with pytest.raises(CoordinatorLostError):
+        heartbeat.start()
+    heartbeat.stop()
