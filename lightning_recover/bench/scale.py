@@ -620,16 +620,11 @@ def sweep(args: argparse.Namespace) -> dict:
             members_count=3,
             heartbeat_ms=args.raft_heartbeat_ms,
             election_ms=args.election_ms,
+            nice=args.etcd_nice,
         ).start(timeout=60)
         if "etcd" in backends
         else None
     )
-    if cluster is not None and args.etcd_nice:
-        # On a host whose cores other jobs share, a starved leader stalls every request past the client's
-        # deadline; a production cluster has cores of its own (said with the figures).
-        for m in cluster.members:  # every thread: Linux keeps a nice value per thread
-            for task in os.listdir(f"/proc/{m.proc.pid}/task"):
-                os.setpriority(os.PRIO_PROCESS, int(task), args.etcd_nice)
     try:
         if cluster is not None and args.capacity:
             result["capacity"] = {

@@ -167,6 +167,9 @@ class LocalEtcdCluster:
     #: ``{member index: (certificate, key)}`` a member serves to clients instead of the cluster's (tests of
     #: a member whose certificate its clients refuse); peers still use the cluster's
     client_facing_certs: dict[int, tuple[str, str]] = field(default_factory=dict)
+    #: the members' nice value (negative: root only). A production cluster has cores of its own; members that
+    #: share two cores with the job and other work stall every request past the clients' deadline
+    nice: int = 0
     members: list[Member] = field(default_factory=list)
     certs: dict[str, str] = field(default_factory=dict)
 
@@ -261,8 +264,9 @@ class LocalEtcdCluster:
         m = self.members[i]
         log = open(os.path.join(self.directory, f"{m.name}.log"), "ab")
         # Its own session: a Ctrl-C in the terminal of `etcd up` must not reach the members.
+        command = self._command(i, state)
         m.proc = subprocess.Popen(
-            self._command(i, state),
+            ["nice", "-n", str(self.nice), *command] if self.nice else command,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
