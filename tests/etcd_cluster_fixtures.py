@@ -5,16 +5,11 @@ Skipped (with the reason) where etcd is not installed; ``scripts/setup.sh`` inst
 
 from __future__ import annotations
 
-import os
 import shutil
 
 import pytest
 
 from lightning_recover.control_plane.etcd_cluster import LocalEtcdCluster
-
-#: The members' nice value: they stand for a cluster with cores of its own, not one that two test workers' jobs
-#: (and a CPU hog) starve past the clients' 5 s deadline. Raising a priority needs root; others keep 0.
-MEMBER_NICE = -5 if os.geteuid() == 0 else 0
 
 
 def need_etcd() -> None:
@@ -26,8 +21,7 @@ def need_etcd() -> None:
 def etcd1(tmp_path_factory):
     """A one-member TLS etcd (starts in well under a second): the store semantics' tests."""
     need_etcd()
-    cluster = LocalEtcdCluster(str(tmp_path_factory.mktemp("etcd1")), members_count=1, nice=MEMBER_NICE)
-    cluster.start(timeout=20)
+    cluster = LocalEtcdCluster(str(tmp_path_factory.mktemp("etcd1")), members_count=1).start(timeout=20)
     try:
         yield cluster
     finally:
@@ -38,8 +32,7 @@ def etcd1(tmp_path_factory):
 def etcd3(tmp_path):
     """A fresh three-member TLS etcd per test (leader kills change it)."""
     need_etcd()
-    cluster = LocalEtcdCluster(str(tmp_path / "etcd3"), members_count=3, nice=MEMBER_NICE)
-    cluster.start(timeout=30)
+    cluster = LocalEtcdCluster(str(tmp_path / "etcd3"), members_count=3).start(timeout=30)
     try:
         yield cluster
     finally:
