@@ -109,8 +109,7 @@ class CoordinatorStore:
         ``multi_get`` waits for a missing key, so a key deleted by an outside client between the two requests
         would stall it: it runs on a connection of its own whose timeout is ``BATCH_READ_TIMEOUT``, after which
         the keys are read one by one (and the connection replaced: its state after a timeout is not relied on).
-        The replicas' reads stay one per key: in a harness of 64 replica threads, batching them too made the
-        first generation form several seconds later (benchmarks/LOG.md).
+        Only the monitor's pass is batched: it is the read whose cost on the coordinator grows with the job.
         """
         keys = list(keys)
         if through_log and len(keys) > 1 and self.store.check(keys):

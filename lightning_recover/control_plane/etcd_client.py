@@ -237,15 +237,19 @@ class _Transport:
             self._conn.close()
             self._conn = None
 
-    def _connect(self, timeout: float) -> http.client.HTTPConnection:
+    def _address(self) -> tuple[str, int]:
+        """The current member's host (without an IPv6 address's brackets) and port."""
         host, _, port = self.endpoints[self._current].rpartition(":")
-        host = host.strip("[]")
+        return host.strip("[]"), int(port)
+
+    def _connect(self, timeout: float) -> http.client.HTTPConnection:
+        host, port = self._address()
         if self.context is not None:
             conn: http.client.HTTPConnection = http.client.HTTPSConnection(
-                host, int(port), timeout=timeout, context=self.context
+                host, port, timeout=timeout, context=self.context
             )
         else:
-            conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+            conn = http.client.HTTPConnection(host, port, timeout=timeout)
         deadline = _Deadline()
         conn.response_class = functools.partial(_BoundedResponse, deadline=deadline)  # type: ignore[assignment]
         conn.lr_deadline = deadline  # type: ignore[attr-defined]
@@ -300,10 +304,9 @@ class _Transport:
         """
         if self.context is None or timeout <= 0:
             return None
-        host, _, port = self.endpoints[self._current].rpartition(":")
-        host = host.strip("[]")
+        host, port = self._address()
         try:
-            with socket.create_connection((host, int(port)), timeout=timeout) as raw:
+            with socket.create_connection((host, port), timeout=timeout) as raw:
                 with self.context.wrap_socket(raw, server_hostname=host) as tls:
                     tls.recv(1)
         except ssl.SSLError as exc:

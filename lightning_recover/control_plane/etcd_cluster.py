@@ -168,7 +168,7 @@ class LocalEtcdCluster:
     #: a member whose certificate its clients refuse); peers still use the cluster's
     client_facing_certs: dict[int, tuple[str, str]] = field(default_factory=dict)
     #: the members' nice value (negative: root only). A production cluster has cores of its own; members that
-    #: share two cores with the job and other work stall every request past the clients' deadline
+    #: share their cores with the job and other work stall requests past the clients' deadline
     nice: int = 0
     members: list[Member] = field(default_factory=list)
     certs: dict[str, str] = field(default_factory=dict)
