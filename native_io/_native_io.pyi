@@ -68,12 +68,14 @@ class IOEngine:
     direct: bool
     fallback_reason: Optional[str]
     arena_bytes: int
+    completion_timeout: float
     def __init__(
         self,
         engine: Literal["auto", "uring", "portable"] = "auto",
         block_size: int = ...,
         queue_depth: int = ...,
         direct: bool = True,
+        completion_timeout: float = 120.0,
     ) -> None: ...
     def open_writer(self, path: _Path, size_hint: int | None = None, *, existing: bool = False) -> Writer: ...
     def open_reader(self, path: _Path) -> Reader: ...

@@ -18,6 +18,8 @@ def _inject_faults(
     short_every: int = 0,
     eintr_every: int = 0,
     eio_at: int = 0,
+    stall_at: int = 0,
     refuse_direct: bool = False,
     refuse_uring: bool = False,
+    refuse_fallocate: bool = False,
 ) -> None: ...

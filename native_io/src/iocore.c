@@ -11,22 +11,40 @@
  */
 #include <errno.h>
 #include <string.h>
+#include <time.h>
 #include "nio.h"
+
+uint64_t nio_now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
 
 #ifdef NATIVE_IO_TESTING
 struct nio_faults nio_faults;
-static long io_counter;
+static long io_counter, submit_counter;
 
-void nio_faults_set(long short_every, long eintr_every, long eio_at, int refuse_direct,
-		    int refuse_uring, int refuse_fallocate)
+void nio_faults_set(long short_every, long eintr_every, long eio_at, long stall_at,
+		    int refuse_direct, int refuse_uring, int refuse_fallocate)
 {
 	nio_faults.short_every = short_every > 0 ? short_every : 0;
 	nio_faults.eintr_every = eintr_every > 0 ? eintr_every : 0;
 	nio_faults.eio_at = eio_at > 0 ? eio_at : 0;
+	nio_faults.stall_at = stall_at > 0 ? stall_at : 0;
 	nio_faults.refuse_direct = refuse_direct;
 	nio_faults.refuse_uring = refuse_uring;
 	nio_faults.refuse_fallocate = refuse_fallocate;
 	__atomic_store_n(&io_counter, 0, __ATOMIC_SEQ_CST);
+	__atomic_store_n(&submit_counter, 0, __ATOMIC_SEQ_CST);
+}
+
+/* Is this the transfer whose completion never comes? */
+static int stall_injected(void)
+{
+	return nio_faults.stall_at &&
+	       __atomic_add_fetch(&submit_counter, 1, __ATOMIC_SEQ_CST) == nio_faults.stall_at;
 }
 
 static long inject(const struct nio_req *req, long res)
@@ -55,6 +73,11 @@ static long inject(const struct nio_req *req, long res)
 static inline long inject(const struct nio_req *req, long res)
 {
 	return res;
+}
+
+static inline int stall_injected(void)
+{
+	return 0;
 }
 #endif /* NATIVE_IO_TESTING */
 
@@ -125,6 +148,11 @@ static void submit_rest(struct nio_ctx *ctx, struct nio_req *req)
 		req->sub_iov[0].iov_base = req->buf + from;
 		req->sub_iov[0].iov_len = req->len - from;
 	}
+	if (stall_injected()) {
+		ctx->inflight++;
+		ctx->phantoms++;
+		return;
+	}
 	/* sub_iov outlives the transfer: the portable backend's thread reads it */
 	rc = ctx->be->submit(ctx, req, req->sub_iov, n, req->off + from);
 	if (rc) {
@@ -189,9 +217,12 @@ int nio_reap_one(struct nio_ctx *ctx)
 	long res = 0;
 	int rc;
 
-	rc = ctx->be->wait(ctx, &req, &res);
+	if (ctx->stalled)
+		return ETIMEDOUT; /* what is in flight was abandoned: nothing more will be reaped */
+	rc = ctx->be->wait(ctx, &req, &res, ctx->stall_ms);
 	if (rc) {
 		ctx->broken = 1;
+		ctx->stalled = rc == ETIMEDOUT;
 		return rc;
 	}
 	ctx->inflight--;

@@ -123,6 +123,7 @@ typedef struct {
 	int requested; /* 0 = auto */
 	unsigned long long block_size;
 	unsigned int qd;
+	unsigned int stall_ms;	   /* completion_timeout of its writers, in ms (0: no bound) */
 	char direct;		   /* char: exposed as a T_BOOL member */
 	struct nio_ctx *cache[3];  /* idle contexts, by kind */
 	PyObject *fallback_reason; /* str or None */
@@ -190,15 +191,28 @@ static void engine_release_all(EngineObject *eng)
 
 static int Engine_init(EngineObject *self, PyObject *args, PyObject *kwds)
 {
-	static char *kwlist[] = { "engine", "block_size", "queue_depth", "direct", NULL };
+	static char *kwlist[] = { "engine", "block_size",	  "queue_depth",
+				  "direct", "completion_timeout", NULL };
 	const char *engine = "auto";
 	Py_ssize_t bs = NIO_DEFAULT_BLOCK, qd = NIO_DEFAULT_QD;
+	double timeout = NIO_STALL_LIMIT_MS / 1000.0;
 	int direct = 1, want;
 	const char *why = NULL;
 	struct nio_ctx *ctx;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kwds, "|snnp", kwlist, &engine, &bs, &qd, &direct))
+	if (!PyArg_ParseTupleAndKeywords(args, kwds, "|snnpd", kwlist, &engine, &bs, &qd, &direct,
+					 &timeout))
 		return -1;
+	if (!(timeout >= 0 && timeout <= 86400)) {
+		char got[64];
+
+		snprintf(got, sizeof(got), "%g", timeout);
+		PyErr_Format(
+			PyExc_ValueError,
+			"completion_timeout must be between 0 (no bound) and 86400 seconds, got %s",
+			got);
+		return -1;
+	}
 	if (!strcmp(engine, "auto"))
 		want = 0;
 	else if (!strcmp(engine, "uring"))
@@ -227,6 +241,7 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kwds)
 	self->requested = want;
 	self->block_size = (size_t)bs;
 	self->qd = (unsigned)qd;
+	self->stall_ms = timeout > 0 && timeout < 0.001 ? 1 : (unsigned)(timeout * 1000.0);
 	self->direct = direct;
 
 	if (want != NIO_PORTABLE) {
@@ -746,7 +761,7 @@ static PyObject *Engine_open_writer(EngineObject *self, PyObject *args, PyObject
 		Py_DECREF(w);
 		return NULL;
 	}
-	nio_writer_init(&w->w, w->ctx, w->fd, w->direct);
+	nio_writer_init(&w->w, w->ctx, w->fd, w->direct, self->stall_ms);
 	if (hint) {
 		Py_BEGIN_ALLOW_THREADS
 		w->prealloc_err = nio_writer_preallocate(&w->w, hint);
@@ -1368,18 +1383,19 @@ static PyObject *mod_info(PyObject *m, PyObject *unused)
 #ifdef NATIVE_IO_TESTING
 static PyObject *mod_inject(PyObject *m, PyObject *args, PyObject *kwds)
 {
-	static char *kwlist[] = { "short_every",  "eintr_every",      "eio_at", "refuse_direct",
-				  "refuse_uring", "refuse_fallocate", NULL };
-	long s = 0, i = 0, e = 0;
+	static char *kwlist[] = { "short_every",   "eintr_every",  "eio_at",	       "stall_at",
+				  "refuse_direct", "refuse_uring", "refuse_fallocate", NULL };
+	long s = 0, i = 0, e = 0, st = 0;
 	int rd = 0, ru = 0, rf = 0;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kwds, "|lllppp", kwlist, &s, &i, &e, &rd, &ru, &rf))
+	if (!PyArg_ParseTupleAndKeywords(args, kwds, "|llllppp", kwlist, &s, &i, &e, &st, &rd, &ru,
+					 &rf))
 		return NULL;
-	if (s < 0 || i < 0 || e < 0) {
+	if (s < 0 || i < 0 || e < 0 || st < 0) {
 		PyErr_SetString(PyExc_ValueError, "fault counts must be >= 0");
 		return NULL;
 	}
-	nio_faults_set(s, i, e, rd, ru, rf);
+	nio_faults_set(s, i, e, st, rd, ru, rf);
 	Py_RETURN_NONE;
 }
 #endif /* NATIVE_IO_TESTING */
@@ -1398,7 +1414,14 @@ static PyMemberDef Engine_members[] = {
 	{ NULL },
 };
 
+static PyObject *Engine_get_completion_timeout(EngineObject *self, void *closure)
+{
+	return PyFloat_FromDouble(self->stall_ms / 1000.0);
+}
+
 static PyGetSetDef Engine_getset[] = {
+	{ "completion_timeout", (getter)Engine_get_completion_timeout, NULL,
+	  "seconds a writer waits for the next completion before it fails (0: no bound)", NULL },
 	{ "engine", (getter)Engine_get_engine, NULL, "engine in use: 'uring' or 'portable'", NULL },
 	{ "arena_bytes", (getter)Engine_get_arena_bytes, NULL, "bytes of idle staging arena held",
 	  NULL },
@@ -1556,7 +1579,12 @@ static PyTypeObject EngineType = {
 	PyVarObject_HEAD_INIT(NULL, 0).tp_name = "native_io.IOEngine",
 	.tp_basicsize = sizeof(EngineObject),
 	.tp_flags = Py_TPFLAGS_DEFAULT,
-	.tp_doc = "IOEngine(engine='auto', block_size=..., queue_depth=..., direct=True)",
+	.tp_doc =
+		"IOEngine(engine='auto', block_size=..., queue_depth=..., direct=True, "
+		"completion_timeout=120.0)\n\ncompletion_timeout: the longest a writer waits for the next "
+		"completion while transfers are in flight, in seconds (0: no bound); past it the write "
+		"fails with ETIMEDOUT and the transfers are abandoned to the kernel. Reads are never "
+		"abandoned: they land in the caller's memory.",
 	.tp_new = PyType_GenericNew,
 	.tp_init = (initproc)Engine_init,
 	.tp_dealloc = (destructor)Engine_dealloc,
@@ -1598,8 +1626,8 @@ static PyMethodDef module_methods[] = {
 	  "info() -> dict describing the build and defaults" },
 #ifdef NATIVE_IO_TESTING
 	{ "_inject_faults", (PyCFunction)(void (*)(void))mod_inject, METH_VARARGS | METH_KEYWORDS,
-	  "_inject_faults(short_every=0, eintr_every=0, eio_at=0, refuse_direct=False, refuse_uring=False, "
-	  "refuse_fallocate=False)" },
+	  "_inject_faults(short_every=0, eintr_every=0, eio_at=0, stall_at=0, refuse_direct=False, "
+	  "refuse_uring=False, refuse_fallocate=False)" },
 #endif
 	{ NULL },
 };

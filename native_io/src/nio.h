@@ -43,9 +43,19 @@
 /* Defaults chosen by measurement, see docs/native_io.md */
 #define NIO_DEFAULT_BLOCK   (16u * 1024u * 1024u)
 #define NIO_DEFAULT_QD	    2u
+/*
+ * Longest a writer waits for the next completion while transfers are in
+ * flight before it fails with ETIMEDOUT: one block takes well under a second
+ * on any working device, so this only ends a device or kernel that stopped
+ * answering, which would otherwise hang the save (and the training) forever.
+ */
+#define NIO_STALL_LIMIT_MS  (120u * 1000u)
 
 #define NIO_ALIGN_DOWN(x)   ((x) & ~((uint64_t)NIO_ALIGN - 1))
 #define NIO_ALIGN_UP(x)	    (((x) + NIO_ALIGN - 1) & ~((uint64_t)NIO_ALIGN - 1))
+
+/* CLOCK_MONOTONIC in nanoseconds. */
+uint64_t nio_now_ns(void);
 
 enum nio_kind { NIO_URING = 1, NIO_PORTABLE = 2 };
 enum nio_op { NIO_OP_READ = 0, NIO_OP_WRITE = 1 };
@@ -90,8 +100,11 @@ struct nio_backend {
 	 */
 	int (*submit)(struct nio_ctx *ctx, struct nio_req *req, const struct iovec *iov, int cnt,
 		      uint64_t off);
-	/* Block for one completion; returns 0 or a positive errno (fatal). */
-	int (*wait)(struct nio_ctx *ctx, struct nio_req **req, long *res);
+	/*
+	 * Block for one completion, at most timeout_ms (0: no bound); returns 0,
+	 * ETIMEDOUT or another positive errno (fatal).
+	 */
+	int (*wait)(struct nio_ctx *ctx, struct nio_req **req, long *res, unsigned timeout_ms);
 	void (*destroy)(struct nio_ctx *ctx);
 };
 
@@ -112,7 +125,16 @@ struct nio_ctx {
 	struct iovec *iovs;   /* 2 * NIO_MAX_IOV per request: its iov and sub_iov */
 	unsigned inflight;    /* transfers handed to the backend */
 	int broken;	      /* backend failed: never reuse */
-	pid_t pid;	      /* creator; threads and rings do not survive fork */
+	/*
+	 * stall_ms: the longest wait for a completion (0: no bound); set by the
+	 * writer. A read is never abandoned: its transfers land in the caller's
+	 * memory. stalled: a wait ran out, the transfers in flight are abandoned
+	 * to the kernel (their memory is never freed), the context is broken.
+	 */
+	unsigned stall_ms;
+	int stalled;
+	unsigned phantoms; /* test build: transfers counted in flight but never submitted */
+	pid_t pid;	   /* creator; threads and rings do not survive fork */
 	const struct nio_backend *be;
 	void *priv;
 };
@@ -152,13 +174,14 @@ struct nio_faults {
 	long short_every;
 	long eintr_every;
 	long eio_at;
+	long stall_at; /* the stall_at-th transfer is never submitted: its completion never comes */
 	int refuse_direct;
 	int refuse_uring;
 	int refuse_fallocate;
 };
 extern struct nio_faults nio_faults;
-void nio_faults_set(long short_every, long eintr_every, long eio_at, int refuse_direct,
-		    int refuse_uring, int refuse_fallocate);
+void nio_faults_set(long short_every, long eintr_every, long eio_at, long stall_at,
+		    int refuse_direct, int refuse_uring, int refuse_fallocate);
 #define NIO_FAULT(field) (nio_faults.field)
 #else
 #define NIO_FAULT(field) 0
@@ -212,7 +235,8 @@ struct nio_writer {
 	uint64_t retired;  /* the first `retired` submitted transfers are complete (in order) */
 	uint64_t inflight_bytes; /* of the transfers submitted and not retired */
 };
-void nio_writer_init(struct nio_writer *w, struct nio_ctx *ctx, int fd, int direct);
+void nio_writer_init(struct nio_writer *w, struct nio_ctx *ctx, int fd, int direct,
+		     unsigned stall_ms);
 int nio_writer_put(struct nio_writer *w, uint64_t off, const void *src, size_t len, uint32_t *crc,
 		   struct nio_error *e);
 int nio_writer_put_unstaged(struct nio_writer *w, uint64_t off, const void *src, size_t len,

@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 #include "nio.h"
 
@@ -125,14 +126,24 @@ static int portable_submit(struct nio_ctx *ctx, struct nio_req *req, const struc
 	return 0;
 }
 
-static int portable_wait(struct nio_ctx *ctx, struct nio_req **req, long *res)
+static int portable_wait(struct nio_ctx *ctx, struct nio_req **req, long *res, unsigned timeout_ms)
 {
 	struct portable_priv *p = ctx->priv;
+	uint64_t deadline = nio_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+	struct timespec ts = { .tv_sec = (time_t)(deadline / 1000000000ull),
+			       .tv_nsec = (long)(deadline % 1000000000ull) };
 	struct nio_req *r;
 
 	pthread_mutex_lock(&p->lock);
-	while (!p->done_head)
-		pthread_cond_wait(&p->done_cv, &p->lock);
+	while (!p->done_head) {
+		if (!timeout_ms) {
+			pthread_cond_wait(&p->done_cv, &p->lock);
+		} else if (pthread_cond_timedwait(&p->done_cv, &p->lock, &ts) == ETIMEDOUT &&
+			   !p->done_head) {
+			pthread_mutex_unlock(&p->lock);
+			return ETIMEDOUT;
+		}
+	}
 	r = pop(&p->done_head, &p->done_tail);
 	pthread_mutex_unlock(&p->lock);
 	*req = r;
@@ -164,10 +175,20 @@ static void portable_destroy(struct nio_ctx *ctx)
 
 	if (!p)
 		return;
+	ctx->priv = NULL;
+	if (ctx->stalled && ctx->inflight > ctx->phantoms) {
+		/* a worker may never come back from its call: let them go, keep their state */
+		pthread_mutex_lock(&p->lock);
+		p->stop = 1;
+		pthread_cond_broadcast(&p->work_cv);
+		pthread_mutex_unlock(&p->lock);
+		for (unsigned i = 0; i < p->nthreads; i++)
+			pthread_detach(p->threads[i]);
+		return;
+	}
 	/* workers finish what is pending before they exit */
 	stop_threads(p, p->nthreads);
 	free_priv(p);
-	ctx->priv = NULL;
 }
 
 static const struct nio_backend portable_backend = {
@@ -180,6 +201,7 @@ static const struct nio_backend portable_backend = {
 int nio_portable_init(struct nio_ctx *ctx, char *why, size_t whylen)
 {
 	struct portable_priv *p;
+	pthread_condattr_t attr;
 	sigset_t all, old;
 	unsigned n = ctx->qd < PORTABLE_MAX_THREADS ? ctx->qd : PORTABLE_MAX_THREADS;
 	int err = 0;
@@ -198,7 +220,17 @@ int nio_portable_init(struct nio_ctx *ctx, char *why, size_t whylen)
 		free(p);
 		goto out_err;
 	}
-	if ((err = pthread_cond_init(&p->done_cv, NULL))) {
+	if ((err = pthread_condattr_init(&attr))) {
+		pthread_cond_destroy(&p->work_cv);
+		pthread_mutex_destroy(&p->lock);
+		free(p);
+		goto out_err;
+	}
+	/* completion waits are bounded in CLOCK_MONOTONIC time (nio_now_ns) */
+	pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+	err = pthread_cond_init(&p->done_cv, &attr);
+	pthread_condattr_destroy(&attr);
+	if (err) {
 		pthread_cond_destroy(&p->work_cv);
 		pthread_mutex_destroy(&p->lock);
 		free(p);

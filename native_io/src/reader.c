@@ -199,6 +199,8 @@ int nio_read_segments(struct nio_ctx *ctx, int fd, int direct, size_t direct_min
 	}
 	for (unsigned i = 0; i < n; i++)
 		ctx->reqs[i].state = NIO_REQ_IDLE;
+	ctx->stall_ms =
+		0; /* never abandon a read: the kernel would write into the caller's memory */
 	for (;;) {
 		struct nio_req *req;
 

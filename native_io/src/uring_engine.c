@@ -90,14 +90,26 @@ static int uring_submit(struct nio_ctx *ctx, struct nio_req *req, const struct i
 	}
 }
 
-static int uring_wait(struct nio_ctx *ctx, struct nio_req **req, long *res)
+static int uring_wait(struct nio_ctx *ctx, struct nio_req **req, long *res, unsigned timeout_ms)
 {
 	struct uring_priv *p = ctx->priv;
+	uint64_t deadline = timeout_ms ? nio_now_ns() + (uint64_t)timeout_ms * 1000000ull : 0;
 	struct io_uring_cqe *cqe;
 	int ret;
 
 	for (;;) {
-		ret = io_uring_wait_cqe(&p->ring, &cqe);
+		if (deadline) {
+			uint64_t t = nio_now_ns(), left = deadline > t ? deadline - t : 0;
+			struct __kernel_timespec ts = { .tv_sec = (long long)(left / 1000000000ull),
+							.tv_nsec =
+								(long long)(left % 1000000000ull) };
+
+			ret = io_uring_wait_cqe_timeout(&p->ring, &cqe, &ts);
+			if (ret == -ETIME)
+				return ETIMEDOUT;
+		} else {
+			ret = io_uring_wait_cqe(&p->ring, &cqe);
+		}
 		if (ret == 0)
 			break;
 		if (ret != -EINTR && ret != -EAGAIN)

@@ -25,10 +25,13 @@
 #include <unistd.h>
 #include "nio.h"
 
-void nio_writer_init(struct nio_writer *w, struct nio_ctx *ctx, int fd, int direct)
+/* stall_ms: the longest wait for one completion before the write fails (0: no bound). */
+void nio_writer_init(struct nio_writer *w, struct nio_ctx *ctx, int fd, int direct,
+		     unsigned stall_ms)
 {
 	memset(w, 0, sizeof(*w));
 	w->ctx = ctx;
+	ctx->stall_ms = stall_ms;
 	w->fd = fd;
 	w->direct = direct;
 	for (unsigned i = 0; i < ctx->nreqs; i++)
@@ -149,6 +152,12 @@ static int retire_oldest(struct nio_writer *w, struct nio_error *e)
 	int rc;
 
 	rc = nio_wait_req(w->ctx, req);
+	if (rc == ETIMEDOUT) {
+		set_err(e, rc,
+			"write: no completion from the device within the engine's completion_timeout",
+			1, req->off);
+		return -1;
+	}
 	if (rc) {
 		set_err(e, rc, "write (waiting for completion)", 0, 0);
 		return -1;

@@ -26,12 +26,12 @@ static int roundtrip(int kind, long short_every, long eintr_every, long eio_at, 
 		return T_EXIT_SKIP;
 	}
 	fd = t_tempfile(path, sizeof(path), 0);
-	nio_faults_set(short_every, eintr_every, eio_at, 0, 0, 0);
-	nio_writer_init(&w, ctx, fd, 0);
+	nio_faults_set(short_every, eintr_every, eio_at, 0, 0, 0, 0);
+	nio_writer_init(&w, ctx, fd, 0, NIO_STALL_LIMIT_MS);
 	rc = nio_writer_put(&w, 0, src, LEN, &crc, e) || nio_writer_finish(&w, 1, LEN, e);
 	if (rc)
 		nio_writer_abort(&w);
-	nio_faults_set(0, 0, 0, 0, 0, 0);
+	nio_faults_set(0, 0, 0, 0, 0, 0, 0);
 	if (!rc) {
 		CHECK(crc == nio_crc32c(0, src, LEN), "crc");
 		t_expect_file(path, src, LEN);

@@ -69,7 +69,7 @@ static int run(int kind, int direct)
 		nio_aligned_free(src, NIO_ALIGN_UP(size));
 		return T_EXIT_SKIP;
 	}
-	nio_writer_init(&w, ctx, fd, direct);
+	nio_writer_init(&w, ctx, fd, direct, NIO_STALL_LIMIT_MS);
 	for (int i = 0; i < NSEG; i++) {
 		const unsigned char *body = src + segs[i].off;
 		int rc;

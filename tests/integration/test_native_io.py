@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -497,6 +498,32 @@ def test_size_hint_torn_write_keeps_written_size(tmp_path, nt, engine):
     assert ei.value.errno == errno.EIO
     w.close()
     assert os.path.getsize(p) < hint  # KEEP_SIZE: the reservation does not make a torn file look complete
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_lost_completion_ends_the_write_within_completion_timeout(tmp_path, nt, engine):
+    """A transfer whose completion never comes fails the write with ETIMEDOUT, not a wait without end."""
+    eng = _test_engine_or_skip(nt, engine, block_size=BS, queue_depth=2, completion_timeout=0.2)
+    assert eng.completion_timeout == pytest.approx(0.2)
+    w = eng.open_writer(tmp_path / "f.bin", size_hint=10 * BS)
+    nt._inject_faults(stall_at=3)
+    t0 = time.monotonic()
+    with pytest.raises(OSError) as ei:
+        w.write([(0, b"t" * (8 * BS))])
+    assert time.monotonic() - t0 >= 0.2
+    assert ei.value.errno == errno.ETIMEDOUT
+    assert "no completion from the device within the engine's completion_timeout" in str(ei.value)
+    w.close()  # abandons what is in flight: returns at once
+    nt._inject_faults()
+    # the engine starts a fresh context for the next file
+    segs, expect = _make_segments([3 * BS + 5], random.Random(1))
+    _roundtrip(eng, tmp_path / "g.bin", segs, expect)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), 1e9])
+def test_completion_timeout_out_of_range_says_the_range(bad):
+    with pytest.raises(ValueError, match=r"completion_timeout must be between 0 \(no bound\) and 86400 seconds"):
+        native_io.IOEngine(completion_timeout=bad)
 
 
 def test_size_hint_enospc_on_small_tmpfs(tmp_path):
