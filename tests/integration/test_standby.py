@@ -225,11 +225,13 @@ def test_standby_takes_over_a_kill_in_every_phase(tmp_path):
 @pytest.mark.timeout(300)
 def test_two_deaths_with_one_standby(tmp_path):
     """Two replicas die in the same step with one standby: one takeover, and the other replica restarts
-    in place as without standbys (the standby started after the takeover is not ready yet)."""
+    in place as without standbys (the standby started after the takeover is held until the end, so it is
+    not ready when the second death is handled)."""
     steps = 6
     inject = "kill:replica=1:step=2:phase=backward,kill:replica=2:step=2:phase=backward"
     holds = {2: "gate0", 3: "asked"}
-    proc, log = _standby_job(tmp_path, replicas=3, steps=steps, inject=inject, holds=holds)
+    extra = ["--standby-hold", f"1:{tmp_path}/standby1"]
+    proc, log = _standby_job(tmp_path, replicas=3, steps=steps, inject=inject, holds=holds, extra=extra)
     out = str(tmp_path / "job")
 
     def taken() -> int | None:
@@ -240,7 +242,7 @@ def test_two_deaths_with_one_standby(tmp_path):
         _open_gate(tmp_path, log, proc, 0)
         _open_when_asked(tmp_path, log, proc, "asked", taken)
     finally:
-        _open_all(tmp_path, holds.values())
+        _open_all(tmp_path, [*holds.values(), "standby1"])
         result = _finish(proc, log, out, steps)
     takeovers = re.findall(r"replica (\d): standby 0 \(pid \d+\) takes its place", result.output)
     restarted = re.findall(r"restarting replica (\d) \(1/1\)", result.output)

@@ -104,6 +104,12 @@ def main() -> None:
         help="STEP:PATH,...: before step STEP, wait until PATH exists (at most 600 s); lets a test start a "
         "fault only once a standby is ready",
     )
+    parser.add_argument(
+        "--standby-hold",
+        default="",
+        help="ID:PATH,...: standby ID waits until PATH exists (at most 600 s) before it starts, so it is not ready "
+        "before the test says",
+    )
     parser.add_argument("--save-at", type=int, default=-1, help="after step N, fabric.save to --checkpoint")
     parser.add_argument("--resume", action="store_true", help="fabric.load --checkpoint, go on after its step")
     parser.add_argument("--checkpoint", default="", help="the checkpoint file of --save-at and --resume")
@@ -125,6 +131,11 @@ def train(args) -> None:
     import lightning_recover  # noqa: F401  (registers strategy="recover")
     from lightning_recover import RecoverStrategy
 
+    standby_holds = dict(item.split(":", 1) for item in args.standby_hold.split(",") if item)
+    gate = standby_holds.get(os.environ.get("LIGHTNING_RECOVER_STANDBY", ""))
+    deadline = time.monotonic() + 600
+    while gate and not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.05)
     dataset, model = data_and_model(args.dtype)
     loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
