@@ -9,6 +9,8 @@ import pytest
 import torch.distributed as dist
 
 from lightning_recover.control_plane.embedded import BATCH_READ_TIMEOUT, CoordinatorStore, peek
+from lightning_recover.protocol.coordinator import Coordinator
+from lightning_recover.protocol.messages import ControlStore, JobSecret
 from tests.compare import SLACK
 
 
@@ -65,3 +67,45 @@ def test_a_key_deleted_between_check_and_read_is_none_within_the_bound(server):
     assert time.monotonic() - started < BATCH_READ_TIMEOUT + SLACK
     client.set("hb/2", b"again")
     assert store.peek_many(keys, through_log=True) == [b"beat", b"beat", b"again", b"beat"]
+
+
+class _CountsRequests:
+    """A real TCPStore client whose requests are counted (everything goes to it)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.requests = inner, 0
+
+    def __getattr__(self, name: str):
+        found = getattr(self.inner, name)
+        if not callable(found):
+            return found
+
+        def counted(*args, **kwargs):
+            self.requests += 1
+            return found(*args, **kwargs)
+
+        return counted
+
+
+def test_recent_death_reads_cost_one_request_until_a_notice_is_written():
+    """A round's poll reads every expected member's death notice: one request (the ``events`` count) while nothing
+    changed, every notice again once a notice was written."""
+    secret = JobSecret.generate()
+    replicas = range(64)
+    coordinator = Coordinator("127.0.0.1", 0, len(replicas), 1.0, secret)
+    reader, writer = ControlStore(coordinator.addr, 0, secret), ControlStore(coordinator.addr, 1, secret)
+    counting = reader.raw.store = _CountsRequests(reader.raw.store)
+    assert reader.deaths(replicas, recent=True) == dict.fromkeys(replicas, 0)
+    assert counting.requests >= len(replicas)
+    counting.requests = 0
+    assert reader.deaths(replicas, recent=True) == dict.fromkeys(replicas, 0)
+    assert counting.requests == 1, "nothing changed: the count alone"
+    assert reader.deaths([5, 7], recent=True) == {5: 0, 7: 0}
+    writer.raw.add("inc/5", 1)
+    assert writer.mark_dead(5)
+    counting.requests = 0
+    assert reader.deaths(replicas, recent=True)[5] == 1, "a notice written moves the count: every notice read again"
+    assert counting.requests >= len(replicas)
+    counting.requests = 0
+    assert reader.deaths(replicas, recent=True) == {r: int(r == 5) for r in replicas}
+    assert counting.requests == 1
