@@ -657,9 +657,11 @@ class _Replacing:
     def _scan_workers(self) -> None:
         """torchrun mode: a replica whose agent's worker exited is declared dead at once."""
         for c in self.workers.lost(self.group):
+            # The agent will restart it; tell the survivors now rather than after heartbeats (unless the
+            # coordinator's monitor, which missed its heartbeats, was first).
             if not self._declare_dead(c):
+                self.say(f"replica {c.replica}: its worker exited; already declared dead")
                 continue
-            # The agent will restart it; tell the survivors now rather than after heartbeats.
             self.say(f"replica {c.replica}: its worker exited; declared dead")
             if self.standbys is not None and c.restarts < self.restarts and not self.interrupted:
                 # A ready standby job instead: the agent is ended before it restarts anything, and

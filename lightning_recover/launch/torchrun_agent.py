@@ -6,7 +6,8 @@ arguments. Two differences, both about what a user sees:
 - the agent's own temporaries (torchelastic's per-run ``/tmp/torchelastic_*`` log directory, left behind
   by every stock run) go to the job's private directory (``LIGHTNING_RECOVER_JOB_DIR``), which the launcher
   removes when the job ends;
-- a worker's death is reported once, by the launcher, as an event ("its worker exited; declared dead"):
+- a worker's death is reported once, by the launcher, as an event ("its worker exited; declared dead", or
+  "already declared dead" where the coordinator's monitor was first):
   the agent does not add torch elastic's error line and 30-line ``ChildFailedError`` traceback for the same
   death when it gives up (the worker's own output, a traceback included, is still shown).
 

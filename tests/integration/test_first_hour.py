@@ -250,7 +250,7 @@ def test_torchrun_injected_kill_is_reported_once_and_leaves_nothing_in_tmp(tmp_p
     )
     assert res.returncode == 0, res.output[-4000:]
     assert "ChildFailedError" not in res.output and "Traceback" not in res.output, res.output[-4000:]
-    assert res.output.count("replica 1: its worker exited; declared dead") == 1, res.output[-4000:]
+    assert res.output.count("replica 1: its worker exited; ") == 1, res.output[-4000:]
     assert "replica 1 failed" not in res.output, res.output[-4000:]  # the same death, not reported again
     assert not os.listdir(tmp), os.listdir(tmp)  # no torchelastic_*, no job dir
 

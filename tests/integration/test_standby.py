@@ -270,7 +270,7 @@ def test_torchrun_standby_job_takes_the_place_of_a_replica(tmp_path):
     finally:
         _open_all(tmp_path, holds.values())
         result = _finish(proc, log, out, steps, exact_dtype="float32")
-    assert "replica 1: its worker exited; declared dead" in result.output, result.output[-3000:]
+    assert "replica 1: its worker exited; " in result.output, result.output[-3000:]
     assert re.search(r"replica 1: standby 0 \(pid \d+\) takes its place \(1/1\)", result.output), result.output[-3000:]
     assert sorted(result.states()) == [0, 1], result.output[-4000:]
 
