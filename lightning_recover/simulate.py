@@ -29,7 +29,9 @@ import json
 import math
 import os
 import random
+import statistics
 from dataclasses import asdict, dataclass, field, replace
+from typing import Optional
 
 from lightning_recover.optional import plotting_available
 
@@ -51,6 +53,11 @@ class Params:
     checkpoint_s: float = 60.0  # checkpoint: blocking write of one checkpoint
     checkpoint_interval_s: float | None = None  # None: Young/Daly
     hours: float = 72.0  # simulated wall time
+    # The control plane against the job's size, measured (``bench scale``): (replicas, seconds) points. Where
+    # given, recover/standby/drop pay the fitted time to decide a step on every step, and recovery_s is the
+    # fitted recovery at the job's size instead of a constant.
+    decide_points: tuple[tuple[int, float], ...] = ()
+    recovery_points: tuple[tuple[int, float], ...] = ()
 
     @property
     def replicas(self) -> int:
@@ -59,6 +66,16 @@ class Params:
     @property
     def system_mtbf_s(self) -> float:
         return self.mtbf_gpu_hours * 3600.0 / self.gpus
+
+    @property
+    def recovery_at_size(self) -> float:
+        """recover/drop: fault -> survivors computing again, at this job's size."""
+        return _fitted_at(self.recovery_points, self.replicas) if self.recovery_points else self.recovery_s
+
+    @property
+    def decide_at_size(self) -> float:
+        """recover/standby/drop: the control plane's time to decide one step, at this job's size."""
+        return _fitted_at(self.decide_points, self.replicas) if self.decide_points else 0.0
 
     @property
     def tau_s(self) -> float:
@@ -70,6 +87,38 @@ class Params:
 def young_daly(checkpoint_s: float, mtbf_s: float) -> float:
     """Young's optimal checkpoint interval (work seconds between checkpoints)."""
     return math.sqrt(2.0 * checkpoint_s * mtbf_s)
+
+
+def growth_exponent(ns: list[float], values: list[float]) -> Optional[float]:
+    """The exponent b of the least-squares fit ``value = a * N ** b`` (log-log); None with fewer than two
+    positive points (a figure that is zero everywhere does not grow)."""
+    points = [(n, v) for n, v in zip(ns, values) if n > 0 and v is not None and v > 0]
+    if len(points) < 2:
+        return None if any(v for v in values) else 0.0
+    xs = [math.log(n) for n, _ in points]
+    ys = [math.log(v) for _, v in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    den = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else None
+
+
+def power_law_at(ns: list[int], values: list[float], n: int) -> float:
+    """``a * n ** b`` fitted to the measured points (log-log), or 0 where there is no fit (fewer than two
+    positive points)."""
+    b = growth_exponent(ns, values)
+    positive = [(m, v) for m, v in zip(ns, values) if v > 0]
+    if not positive or b is None:
+        return 0.0
+    # a from the geometric mean of the points: the fit's intercept
+    log_a = statistics.fmean(math.log(v) - b * math.log(m) for m, v in positive)
+    return math.exp(log_a) * n**b
+
+
+def _fitted_at(points: tuple[tuple[int, float], ...], n: int) -> float:
+    """A measured cost at size ``n``: the power law through ``points``, the value itself for one point."""
+    if len(points) == 1:
+        return points[0][1]
+    return power_law_at([m for m, _ in points], [v for _, v in points], n)
 
 
 @dataclass(frozen=True)
@@ -109,6 +158,7 @@ def _degraded(p: Params, failures: list[Failure], drop: bool, standby: int = 0) 
     """recover / drop: progress at rate live/N; per failure a pause, and the lost step share.
     ``standby`` > 0: a free standby takes a failed replica's place after ``takeover_s``."""
     n, horizon = p.replicas, p.hours * 3600.0
+    pace = p.step_s / (p.step_s + p.decide_at_size)  # of the step's time, what trains
     refills: list[float] = []  # when each standby in use has a started replacement ready
     events: list[tuple[float, int, Failure | None]] = [(f.t, 0, f) for f in failures]
     down: dict[int, float] = {}  # replica -> time its replacement is back
@@ -127,7 +177,7 @@ def _degraded(p: Params, failures: list[Failure], drop: bool, standby: int = 0) 
         )
         live = n - len(down)
         if t >= pause_until and live > 0:
-            work += (nxt - t) * live / n
+            work += (nxt - t) * live / n * pace
         else:
             lost += nxt - t
         t = nxt
@@ -147,12 +197,12 @@ def _degraded(p: Params, failures: list[Failure], drop: bool, standby: int = 0) 
                 down[f.replica] = t + p.rejoin_s
             live_after = n - len(down)
             if drop:  # the interrupted step is discarded by every replica
-                cost = p.recovery_s
+                cost = p.recovery_at_size
                 discarded = f.u * p.step_s * live_before / n  # work of the step, thrown away
                 work -= min(work, discarded)
                 lost += discarded
             else:  # survivors recompute the dead replica's finished part of its quota
-                cost = p.recovery_s + (f.u * p.step_s / live_after if live_after else 0.0)
+                cost = p.recovery_at_size + (f.u * p.step_s / live_after if live_after else 0.0)
             pause_until = max(pause_until, t) + cost
         timeline.append((t, work))
     name = "drop" if drop else "standby" if standby else "recover"
@@ -234,6 +284,8 @@ def sweep(p: Params, gpus: list[int], trials: int, seed: int = 0) -> list[dict]:
             "system_mtbf_h": q.system_mtbf_s / 3600,
             "tau_min": q.tau_s / 60,
             "failures": sum(nfail) / trials,
+            "recovery_s": q.recovery_at_size,
+            "decide_s": q.decide_at_size,
         }
         row.update({a: sum(v) / trials for a, v in eff.items()})
         row["recover_over_checkpoint"] = row["recover"] / row["checkpoint"] if row["checkpoint"] else math.inf
@@ -244,9 +296,27 @@ def sweep(p: Params, gpus: list[int], trials: int, seed: int = 0) -> list[dict]:
 # ---------------------------------------------------------------------------- measured costs
 
 
+def control_costs_from_scale(runs: list[dict]) -> tuple[str, dict]:
+    """The control plane's measured costs against N from a ``bench scale`` result's runs: the backend with the
+    most sizes measured, its time to decide a step, and its kill -> next commit less the one microbatch the
+    harness recomputes in it (the model counts the survivors' recomputation itself)."""
+    usable = [r for r in runs if r.get("decide_s") is not None and r.get("kill_next_commit_s") is not None]
+    if not usable:
+        raise ValueError("the bench scale result has no run with both decide_s and kill_next_commit_s")
+    backend = max(
+        sorted({r["backend"] for r in usable}), key=lambda b: len({r["replicas"] for r in usable if r["backend"] == b})
+    )
+    mine = sorted((r for r in usable if r["backend"] == backend), key=lambda r: r["replicas"])
+    return backend, {
+        "decide_points": tuple((r["replicas"], r["decide_s"]) for r in mine),
+        "recovery_points": tuple((r["replicas"], max(0.0, r["kill_next_commit_s"] - r["compute_s"])) for r in mine),
+    }
+
+
 def params_from_benchmarks(p: Params, paths: list[str]) -> tuple[Params, dict]:
-    """Override costs with the figures a benchmark JSON holds (bench resilience / recovery / checkpoint)."""
+    """Override costs with the figures a benchmark JSON holds (bench resilience / recovery / scale)."""
     used: dict = {}
+    control_plane = None
     for path in paths:
         with open(path) as f:
             data = json.load(f)
@@ -274,10 +344,16 @@ def params_from_benchmarks(p: Params, paths: list[str]) -> tuple[Params, dict]:
                     used.setdefault("checkpoint_s", r["checkpoint_save_s"])
         elif isinstance(data, dict) and "median_s" in data and "faults" in data:  # bench recovery
             used["recovery_s"] = data["median_s"]
+        elif isinstance(data, dict) and isinstance(data.get("runs"), list) and "fits" in data:  # bench scale
+            control_plane, costs = control_costs_from_scale(data["runs"])
+            used.update(costs)
         used_from = used.setdefault("_from", [])
         used_from.append(path)
     sources = used.pop("_from", [])
-    return replace(p, **used), {"overrides": used, "sources": sources}
+    info = {"overrides": used, "sources": sources}
+    if control_plane is not None:
+        info["control_plane"] = control_plane
+    return replace(p, **used), info
 
 
 # ---------------------------------------------------------------------------- CLI
@@ -336,8 +412,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--from-bench",
         nargs="*",
         default=[],
-        help="benchmark JSON files (bench resilience/recovery) whose measured costs replace the defaults "
-        "(default: none)",
+        help="benchmark JSON files (bench resilience/recovery/scale) whose measured costs replace the defaults "
+        "(default: none); a bench scale result adds the control plane's time to decide a step and its recovery, "
+        "both fitted against the job's size",
     )
     parser.add_argument("--trials", type=int, default=20, help="Monte Carlo trials per size")
     parser.add_argument("--seed", type=int, default=0, help="seed of the failure times (the same for every approach)")
@@ -350,6 +427,8 @@ LEGEND = (
     ("sys MTBF h", "mean hours between two failures anywhere in the cluster (GPU MTBF / GPUs)"),
     ("failures", "mean failures in one simulated run (--hours)"),
     ("tau min", "checkpoint-and-restart's interval between checkpoints, in minutes (Young/Daly)"),
+    ("recovery s", "recover/drop: fault -> survivors computing again at this size (fitted where measured by size)"),
+    ("decide ms", "recover/standby/drop: the control plane's time to decide each step at this size (0: not given)"),
     ("recover", "effective throughput of in-step recovery (this project): committed / failure-free tokens, same time"),
     ("standby", "the same, with --standby warm standby replicas taking a failed replica's place"),
     ("ckpt", "the same for checkpoint-and-restart (every failure: back to the last checkpoint, restart all)"),
@@ -425,14 +504,20 @@ def main(args: argparse.Namespace) -> int:
         f"standby {p.standby} taking over in {p.takeover_s:g}s, "
         f"checkpoint {p.checkpoint_s:g}s; GPU MTBF {p.mtbf_gpu_hours:g}h; {p.hours:g}h runs; {args.trials} trials"
         + (f"; measured: {info['overrides']} from {', '.join(info['sources'])}" if info else "")
+        + (
+            f" (control plane: {info['control_plane']}, fitted against the job's size)"
+            if "control_plane" in info
+            else ""
+        )
     )
     print(
-        f"{'GPUs':>6} {'replicas':>8} {'sys MTBF h':>10} {'failures':>8} {'tau min':>7} "
-        f"{'recover':>8} {'standby':>8} {'ckpt':>8} {'drop':>8} {'rec/ckpt':>8}"
+        f"{'GPUs':>6} {'replicas':>8} {'sys MTBF h':>10} {'failures':>8} {'tau min':>7} {'recovery s':>10} "
+        f"{'decide ms':>9} {'recover':>8} {'standby':>8} {'ckpt':>8} {'drop':>8} {'rec/ckpt':>8}"
     )
     for r in rows:
         print(
             f"{r['gpus']:>6} {r['replicas']:>8} {r['system_mtbf_h']:>10.2f} {r['failures']:>8.1f} {r['tau_min']:>7.1f} "
+            f"{r['recovery_s']:>10.2f} {1000 * r['decide_s']:>9.1f} "
             f"{100 * r['recover']:>7.2f}% {100 * r['standby']:>7.2f}% {100 * r['checkpoint']:>7.2f}% "
             f"{100 * r['drop']:>7.2f}% "
             f"{r['recover_over_checkpoint']:>7.3f}x"

@@ -50,6 +50,7 @@ from lightning_recover.control_plane.etcd_watch import WatchView
 from lightning_recover.launch.process_tree import cpu_seconds
 from lightning_recover.protocol import Fault, FaultInjector, RecoverOptions, Replica
 from lightning_recover.protocol.messages import JobSecret
+from lightning_recover.simulate import growth_exponent, power_law_at
 
 #: counters read from etcd's /metrics at both ends of the measured window (summed over the members)
 _LEASE_RENEWED = "etcd_debugging_lease_renewed_total"
@@ -418,19 +419,6 @@ class ScaleRun:
 
 
 # ---------------------------------------------------------------------- the sweep
-def growth_exponent(ns: list[float], values: list[float]) -> Optional[float]:
-    """The exponent b of the least-squares fit ``value = a * N ** b`` (log-log); None with fewer than two
-    positive points (a figure that is zero everywhere does not grow)."""
-    points = [(n, v) for n, v in zip(ns, values) if n > 0 and v is not None and v > 0]
-    if len(points) < 2:
-        return None if any(v for v in values) else 0.0
-    xs = [math.log(n) for n, _ in points]
-    ys = [math.log(v) for _, v in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    den = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else None
-
-
 def keepalive_capacity(cluster: LocalEtcdCluster, clients: int = 8, seconds: float = 3.0) -> float:
     """Lease keep-alives per second this cluster answers from ``clients`` concurrent clients (a lease each)."""
     counts = [0] * clients
@@ -517,17 +505,6 @@ def fits(runs: list[dict]) -> dict[str, dict[str, Optional[float]]]:
     return out
 
 
-def _at(ns: list[int], values: list[float], n: int) -> float:
-    """``a * n ** b`` fitted to the measured points (log-log), or their mean where the figure is flat/zero."""
-    b = growth_exponent(ns, values)
-    positive = [(m, v) for m, v in zip(ns, values) if v > 0]
-    if not positive or b is None:
-        return 0.0
-    # a from the geometric mean of the points: the fit's intercept
-    log_a = statistics.fmean(math.log(v) - b * math.log(m) for m, v in positive)
-    return math.exp(log_a) * n**b
-
-
 def project(runs: list[dict], capacity: dict[str, float], targets: tuple[int, ...] = (2000, 16000)) -> dict:
     """etcd's load at ``targets`` replicas, from the fits over the measured N, against half of ``capacity``.
 
@@ -543,9 +520,9 @@ def project(runs: list[dict], capacity: dict[str, float], targets: tuple[int, ..
     out: dict = {"long_step_s": long_step, "short_step_s": SHORT_STEP_S, "half_capacity": {}}
     out["half_capacity"] = {k: v / 2 for k, v in capacity.items()}
     for n in targets:
-        writes = _at(ns, [r["etcd_writes_per_step"] for r in etcd], n)
-        events = _at(ns, [r["watch_events_per_step_per_process"] for r in etcd], n)
-        keepalives = _at(ns, [r["etcd_keepalives_per_s"] / r["replicas"] for r in etcd], n) * n
+        writes = power_law_at(ns, [r["etcd_writes_per_step"] for r in etcd], n)
+        events = power_law_at(ns, [r["watch_events_per_step_per_process"] for r in etcd], n)
+        keepalives = power_law_at(ns, [r["etcd_keepalives_per_s"] / r["replicas"] for r in etcd], n) * n
         for label, step in (("short", SHORT_STEP_S), ("long", long_step)):
             need = {
                 "writes_per_s": writes / step,

@@ -1,4 +1,4 @@
-"""``bench scale``: the harness's arithmetic (growth exponents, the projection), its stand-in data plane
+"""``bench scale``: the harness's arithmetic (the projection; growth exponents: tests/unit/test_simulate.py), its stand-in data plane
 (threads meeting in memory: sums, builds, a killed member), and a small real run of 16 replica threads on
 the embedded coordinator and on a real 3-member etcd, each with a kill (slow)."""
 
@@ -10,18 +10,9 @@ import threading
 import pytest
 import torch
 
-from lightning_recover.bench.scale import ScaleConfig, ScaleRun, fits, growth_exponent, project
+from lightning_recover.bench.scale import ScaleConfig, ScaleRun, fits, project
 from lightning_recover.bench.stand_in_data_plane import PeerClosed, StandInDataPlane, StandInGroups
 from lightning_recover.errors import MembershipChanged
-
-
-def test_growth_exponent_of_a_power_law_flat_and_zero_figures():
-    ns = [16, 64, 256, 512]
-    assert growth_exponent(ns, [3 * n**0.5 for n in ns]) == pytest.approx(0.5)
-    assert growth_exponent(ns, [2 * n for n in ns]) == pytest.approx(1.0)
-    assert growth_exponent(ns, [7.0] * 4) == pytest.approx(0.0)
-    assert growth_exponent(ns, [0.0] * 4) == 0.0  # never happened: does not grow
-    assert growth_exponent([16], [1.0]) is None  # one point fits nothing
 
 
 def _run(n: int, writes: float, events: float, keepalives_per_replica: float, step: float = 1.0) -> dict:

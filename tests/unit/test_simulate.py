@@ -119,3 +119,54 @@ def test_gap_widens_with_scale():
 def test_unknown_approach():
     with pytest.raises(ValueError, match="unknown approach"):
         sim.simulate("magic", _p(), [])
+
+
+def test_growth_exponent_of_a_power_law_flat_and_zero_figures():
+    ns = [16, 64, 256, 512]
+    assert sim.growth_exponent(ns, [3 * n**0.5 for n in ns]) == pytest.approx(0.5)
+    assert sim.growth_exponent(ns, [2 * n for n in ns]) == pytest.approx(1.0)
+    assert sim.growth_exponent(ns, [7.0] * 4) == pytest.approx(0.0)
+    assert sim.growth_exponent(ns, [0.0] * 4) == 0.0  # never happened: does not grow
+    assert sim.growth_exponent([16], [1.0]) is None  # one point fits nothing
+    assert sim.power_law_at(ns, [3 * n**0.5 for n in ns], 16384) == pytest.approx(3 * 16384**0.5)
+
+
+def _scale_run(backend: str, n: int, decide: float, kill_to_commit: float, compute: float = 1.0) -> dict:
+    return {
+        "backend": backend,
+        "replicas": n,
+        "decide_s": decide,
+        "kill_next_commit_s": kill_to_commit,
+        "compute_s": compute,
+    }
+
+
+def test_control_costs_from_a_scale_result_take_the_backend_with_most_sizes():
+    runs = [
+        _scale_run("embedded", 16, 0.01, 1.5),
+        _scale_run("embedded", 64, 0.04, 3.0),
+        _scale_run("etcd", 16, 0.02, 1.2),
+        {"backend": "etcd", "replicas": 64, "decide_s": None, "kill_next_commit_s": None, "compute_s": 1.0},
+    ]
+    backend, costs = sim.control_costs_from_scale(runs)
+    assert backend == "embedded"
+    assert costs["decide_points"] == ((16, 0.01), (64, 0.04))
+    # the harness's kill -> next commit includes one recomputed microbatch, which the model counts itself
+    assert costs["recovery_points"] == ((16, 0.5), (64, 2.0))
+    with pytest.raises(ValueError, match="no run with both decide_s and kill_next_commit_s"):
+        sim.control_costs_from_scale(runs[3:])
+
+
+def test_measured_control_costs_follow_the_jobs_size():
+    """Recovery and the time to decide a step, measured at 16 and 64 replicas (doubling with 4x the replicas:
+    N^0.5), are projected to the simulated size; a failure-free run trains step / (step + decide) of its time."""
+    p = _p(gpus=8 * 1024, gpus_per_replica=8, step_s=10.0, hours=1.0, mtbf_gpu_hours=1e12)
+    measured = replace(p, decide_points=((16, 0.1), (64, 0.2)), recovery_points=((16, 2.0), (64, 4.0)))
+    assert measured.decide_at_size == pytest.approx(0.1 * (1024 / 16) ** 0.5)
+    assert measured.recovery_at_size == pytest.approx(2.0 * (1024 / 16) ** 0.5)
+    assert p.decide_at_size == 0.0 and p.recovery_at_size == p.recovery_s  # not measured: the constants
+    assert sim.simulate("recover", p, []).efficiency == pytest.approx(1.0)
+    assert sim.simulate("recover", measured, []).efficiency == pytest.approx(10.0 / (10.0 + 0.8))
+    assert sim.simulate("checkpoint", measured, []).efficiency == sim.simulate("checkpoint", p, []).efficiency
+    one = replace(measured, decide_points=((64, 0.3),))
+    assert one.decide_at_size == 0.3, "one measured size: its value, not a fit"
