@@ -6,7 +6,7 @@ PYTHON := $(VENV)/bin/python
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: setup demo test test-c test-unit test-integration test-chaos test-processes test-fast lint format bench
+.PHONY: setup demo test test-c test-unit test-integration test-chaos test-fast lint format bench
 
 # Fast when nothing changed (a stamp in $(VENV)); fails with what to install when it cannot set up.
 setup:
@@ -19,17 +19,11 @@ demo: setup
 	@echo "      and python examples/fabric_gpt.py --replicas 2 (or, without activating: $(VENV)/bin/lightning-recover,"
 	@echo "      $(VENV)/bin/python examples/...). README.md, 'Four ways in', has the examples."
 
-# The whole test suite (what CI runs), stopping at the first step that fails: the C tests, the unit tier (logic
-# only, no process, under a minute), then the integration tier (processes, etcd) and the chaos tier (network
-# namespaces, partitions, a Slurm cluster) in one run. Two pytest-xdist workers take a file each at a time, the
-# chaos files first: the Slurm file is the longest, and run beside the integration files it leaves no worker idle
-# at the end. A test marked serial (a restarted replica's rejoin that no gate can hold the job for) runs alone
-# afterwards.
-test: setup test-c test-unit test-processes
-
-test-processes: setup
-	$(PYTHON) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 -m "not serial" tests/chaos tests/integration
-	$(PYTHON) -m pytest -q --durations=10 -m serial tests/chaos
+# The whole test suite (what CI runs), tier by tier, stopping at the first tier that fails: the C tests, the unit
+# tier (logic only, no process, under a minute), the integration tier (processes, etcd) and the chaos tier
+# (network namespaces, partitions, a Slurm cluster). Two pytest-xdist workers take a file each at a time; a test
+# marked serial (a restarted replica's rejoin that no gate can hold the job for) runs alone afterwards.
+test: setup test-c test-unit test-integration test-chaos
 
 test-unit: setup
 	$(PYTHON) -m pytest -q -n 2 --durations=10 tests/unit
