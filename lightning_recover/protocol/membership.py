@@ -60,9 +60,6 @@ from lightning_recover.protocol.vouches import VOUCH_KEY, Roster, VouchReader, r
 POLL_MIN = 0.0005
 POLL_MAX = 0.005
 SLICE = 0.01  # longest a blocked wait goes without looking for failures
-#: longest a round's member waits for the member list before it looks again for who joined or died (the last
-#: joiner's own look closes the round: this bounds only how late a death is seen while a round forms)
-ROUND_SLICE = 0.05
 
 
 def backoff(delay: float) -> float:
@@ -398,17 +395,12 @@ def _join_payload(group: Membership, payload: dict) -> str:
     return json.dumps(dict(payload, inc=group.incarnation, **rendezvous))
 
 
-def pause(store: ControlStore, delay: float, until: str) -> float:
+def pause(store: ControlStore, delay: float) -> float:
     """Between two polls of a round: until the watched view moves (at most ``POLL_MAX``) where the backend
-    has one; else until ``until`` (the round's member list) is written, at most ``ROUND_SLICE``, waiting in the
-    store rather than polling it. The next pause's length."""
+    has one, else a sleep that doubles up to ``POLL_MAX``; the next pause's length."""
     if store.raw.views:
         store.wait_changed(POLL_MAX)
         return delay
-    began = time.monotonic()
-    if not store.wait(until, ROUND_SLICE) or time.monotonic() - began > POLL_MIN:
-        return delay
-    # There when the pause began, yet not a genuine list (forged, or written a moment ago): do not spin on it.
     return backoff(delay)
 
 
@@ -825,7 +817,7 @@ class Membership(_JoinRequests):
                 # member list deleted or forged after they read it must not keep it here for ever.
                 if time.monotonic() > deadline + self.store_timeout:
                     raise _members_never_written(self.replica, number, timeout + self.store_timeout)
-                delay = pause(self.store, delay, f"{prefix}/members")
+                delay = pause(self.store, delay)
                 continue
             # At the job's start a replica not started yet has incarnation 0, which no death notice
             # matches: read it again, so one that starts and dies before joining is not waited for
@@ -836,7 +828,7 @@ class Membership(_JoinRequests):
             state = _round_state(self, prefix, expected)
             outcome = round_outcome(state, expected, least if growth else 0, time.monotonic() >= deadline)
             if outcome == WAIT:
-                delay = pause(self.store, delay, f"{prefix}/members")
+                delay = pause(self.store, delay)
                 continue
             if outcome == SHORT:
                 raise RecoverError(
