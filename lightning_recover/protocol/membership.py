@@ -333,9 +333,7 @@ def _members_never_written(replica: int, number: int, waited: float) -> RecoverE
     )
 
 
-def joined_round(
-    store: ControlStore, prefix: str, num_replicas: int, replica_size: int, by_view: bool, seen: set[str]
-) -> set[int]:
+def joined_round(store: ControlStore, prefix: str, num_replicas: int, replica_size: int, by_view: bool) -> set[int]:
     """Replicas that joined round ``prefix``. The unsealed list is only a hint of whom to look at:
     a replica counts once its sealed join payload is there and, with K processes per replica,
     all K of its positions said they joined.
@@ -344,8 +342,7 @@ def joined_round(
     joined (a join is never taken back), so the round only waits a moment longer. ``by_view``
     (:attr:`Membership.rounds_by_view`): there is no list; the view holds every payload, and looking at each
     replica's costs no round trip (a list would cost an append, contended by every joiner, on the
-    regroup's critical path). ``seen``: join keys already read genuine, not read again (the caller's, kept
-    across polls)."""
+    regroup's critical path)."""
     if by_view:
         keys = [f"{prefix}/join/{r}" for r in range(num_replicas)]
         return {r for r, payload in enumerate(store.recent_genuine_many(keys)) if _well_formed(payload)}
@@ -358,19 +355,14 @@ def joined_round(
     # Never a waiting read: a deleted payload must not stall the round (its writer puts it back).
     joined = set()
     for r in sorted(positions):
-        key = f"{prefix}/join/{r}"
         if len(positions[r]) < replica_size:
             continue
-        if key in seen:
-            joined.add(r)
-            continue
         try:
-            payload = store.recent_genuine(key)  # None: not in the view yet, deleted, or forged
+            payload = store.recent_genuine(f"{prefix}/join/{r}")  # None: not in the view yet, deleted, or forged
         except ForgedMessageError:
             continue  # planted by someone without the secret: not a member
         if _well_formed(payload):
             joined.add(r)
-            seen.add(key)
     return joined
 
 
@@ -596,7 +588,6 @@ class Membership(_JoinRequests):
         self._responder: ReachabilityResponder | None = None  # answers partition probes (protocol.reachability)
         self.rendezvous: RendezvousHost | None = None  # where generations it leads meet (protocol.rendezvous)
         self._events_seen = -1
-        self.joins_seen: set[str] = set()  # round joins read genuine: a poll does not read them again
         self.groups = ProcessGroups(backend, collective_timeout)
 
     # ------------------------------------------------------------------ lifecycle
@@ -917,9 +908,7 @@ def _round_state(
     """Round ``prefix``'s :func:`~lightning_recover.protocol.rounds.round_state`, from what the store shows (a
     watched view's join or death not shown yet only makes the round wait). ``joined_too``: joins not in the
     view yet (this replica's own, written in the transaction that would close the round)."""
-    joined = joined_round(
-        group.store, prefix, group.num_replicas, group.replica_size, group.rounds_by_view, group.joins_seen
-    )
+    joined = joined_round(group.store, prefix, group.num_replicas, group.replica_size, group.rounds_by_view)
     joined |= joined_too
     return round_state(expected, joined, group.dead(sorted(set(expected) | joined), expected, recent=True))
 

@@ -337,8 +337,6 @@ class ControlStore:
         # What this client already read of the keys that are rewritten (see the module docstring).
         self.freshness = Freshness(f"[lightning-recover] replica {replica}")
         self._deaths_seen: dict[int, int] = {}
-        # replica -> the ``events`` count read just before its notice was last read directly (deaths(recent=True))
-        self._deaths_read_at: dict[int, int] = {}
         self._generation_seen = 0
 
     def clone(self) -> ControlStore:
@@ -571,19 +569,10 @@ class ControlStore:
 
     def deaths(self, replicas: Sequence[int], recent: bool = False) -> dict[int, int]:
         """``{r: incarnation declared dead}`` (0 = none; forged notices are ignored). ``recent``: may be a
-        moment stale (:meth:`recent_raw`; a notice only grows, so a stale one is just an earlier one).
-
-        Recent reads without a watched view cost one request while nothing changed, not one per replica: a
-        notice is written with a bump of the ``events`` counter after it (:func:`mark_dead`), so notices read
-        after the counter showed a value are current until it moves (a forged bump only costs a look)."""
+        moment stale (:meth:`recent_raw`; a notice only grows, so a stale one is just an earlier one)."""
         # Non-waiting reads: a deleted notice must not stall the heartbeat thread.
         keys = [f"dead/{r}" for r in replicas]
         cached = self.call(self.raw.cached_each, keys) if recent else None
-        events = None
-        if recent and cached is None:
-            events = self.recent_count("events")  # -1: forged, not a count; read every notice
-            if events >= 0 and all(self._deaths_read_at.get(r) == events for r in replicas):
-                return {r: self._deaths_seen.get(r, 0) for r in replicas}
         raw = [v or b"" for v in (cached if cached is not None else self.peek_many(keys))]
         found = {}
         for r, v in zip(replicas, raw):
@@ -593,8 +582,6 @@ class ControlStore:
             if cached is None:
                 self.freshness.accept(f"dead/{r}", declared)  # logs a replay
             found[r] = self._deaths_seen[r] = max(declared, self._deaths_seen.get(r, 0))
-            if events is not None and events >= 0:
-                self._deaths_read_at[r] = events
         return found
 
     # ---------------------------------------------------------------- objects

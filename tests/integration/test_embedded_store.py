@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import datetime
-import json
 import time
 
 import pytest
 import torch.distributed as dist
 
 from lightning_recover.control_plane.embedded import BATCH_READ_TIMEOUT, CoordinatorStore, peek
-from lightning_recover.protocol.coordinator import Coordinator
-from lightning_recover.protocol.membership import joined_round
-from lightning_recover.protocol.messages import ControlStore, JobSecret
 from tests.compare import SLACK
 
 
@@ -69,69 +65,3 @@ def test_a_key_deleted_between_check_and_read_is_none_within_the_bound(server):
     assert time.monotonic() - started < BATCH_READ_TIMEOUT + SLACK
     client.set("hb/2", b"again")
     assert store.peek_many(keys, through_log=True) == [b"beat", b"beat", b"again", b"beat"]
-
-
-class _CountsRequests:
-    """A real TCPStore client whose requests are counted, and the keys they name listed in ``keys`` (everything
-    goes to it)."""
-
-    def __init__(self, inner, keys: list[str] | None = None) -> None:
-        self.inner, self.requests, self.keys = inner, 0, keys if keys is not None else []
-
-    def __getattr__(self, name: str):
-        found = getattr(self.inner, name)
-        if not callable(found):
-            return found
-
-        def counted(*args, **kwargs):
-            self.requests += 1
-            if args and isinstance(args[0], str):
-                self.keys.append(args[0])
-            return found(*args, **kwargs)
-
-        return counted
-
-
-def test_recent_death_reads_cost_one_request_until_a_notice_is_written():
-    """A round's poll reads every expected member's death notice: one request (the ``events`` count) while nothing
-    changed, every notice again once a notice was written."""
-    secret = JobSecret.generate()
-    replicas = range(64)
-    coordinator = Coordinator("127.0.0.1", 0, len(replicas), 1.0, secret)
-    reader, writer = ControlStore(coordinator.addr, 0, secret), ControlStore(coordinator.addr, 1, secret)
-    counting = reader.raw.store = _CountsRequests(reader.raw.store)
-    assert reader.deaths(replicas, recent=True) == dict.fromkeys(replicas, 0)
-    assert counting.requests >= len(replicas)
-    counting.requests = 0
-    assert reader.deaths(replicas, recent=True) == dict.fromkeys(replicas, 0)
-    assert counting.requests == 1, "nothing changed: the count alone"
-    assert reader.deaths([5, 7], recent=True) == {5: 0, 7: 0}
-    writer.raw.add("inc/5", 1)
-    assert writer.mark_dead(5)
-    counting.requests = 0
-    assert reader.deaths(replicas, recent=True)[5] == 1, "a notice written moves the count: every notice read again"
-    assert counting.requests >= len(replicas)
-    counting.requests = 0
-    assert reader.deaths(replicas, recent=True) == {r: int(r == 5) for r in replicas}
-    assert counting.requests == 1
-
-
-def test_a_rounds_poll_reads_each_join_once():
-    """Polls of a forming round read the list of who joined and only the joins not read genuine before: a join is
-    never taken back, so a round of N costs N payload reads in all, not N per poll."""
-    secret = JobSecret.generate()
-    coordinator = Coordinator("127.0.0.1", 0, 16, 1.0, secret)
-    reader, writer = ControlStore(coordinator.addr, 0, secret), ControlStore(coordinator.addr, 1, secret)
-    reads: list[str] = []
-    reader.raw.store = _CountsRequests(reader.raw.store, reads)
-    seen: set[str] = set()
-    for r in range(16):
-        writer.set(f"g1/join/{r}", json.dumps({"step": 0, "inc": 1}))
-        writer.append_hint("g1/joined", f"{r},")
-        assert joined_round(reader, "g1", 16, 1, False, seen) == set(range(r + 1))
-    payload_reads = [key for key in reads if key.startswith("g1/join/")]
-    assert sorted(payload_reads) == sorted(f"g1/join/{r}" for r in range(16)), "each join read once"
-    writer.raw.set("g1/join/3", b"forged")  # an unauthenticated write over a join already read: not read again
-    assert joined_round(reader, "g1", 16, 1, False, seen) == set(range(16))
-    fresh: set[str] = set()
-    assert joined_round(reader, "g1", 16, 1, False, fresh) == set(range(16)) - {3}, "read afresh: not genuine"
