@@ -119,6 +119,7 @@ class Heartbeat:
         self._progress = progress
         self._beat = 0
         self._last_beat = 0.0  # monotonic time of the last beat written
+        self._last_payload: dict | None = None  # what the last beat said
         # Commits vouch for whole replicas of one process only (decisions.py).
         sealer = self._store.sealer  # a vouch names its generation: whom it covers is read once per generation
         self._vouches = VouchReader(sealer, Roster(sealer, raw_reader(self._store.raw))) if key is None else None
@@ -165,6 +166,7 @@ class Heartbeat:
         return due if self._leased is None else min(due, self._leased.renewed_at + self._leased.ttl / 3)
 
     def _write(self, payload: dict) -> None:
+        self._last_payload = payload
         seq = sequence(self._incarnation, self._beat)
         if self._leased is None:
             self._store.set(self._key, json.dumps(payload), seq=seq)
@@ -233,7 +235,22 @@ class Heartbeat:
         if self._thread.ident is not None:  # started: start() raises before it when the first beat fails
             self._thread.join(timeout=5)
         if self._leased is not None:
-            self._leased.close()  # the key goes now, not a TTL later
+            self._keep_last_beat()
+            self._leased.close()  # its lease goes now, not a TTL later
+
+    def _keep_last_beat(self) -> None:
+        """The last beat written again without the lease, so that revoking it does not delete what it said: news
+        on it (the members that left at a commit) must reach the monitor's last look at the job's end, however
+        far behind the monitor's view runs. Called once the replica is marked gone: nobody judges the key."""
+        if self._last_payload is None:
+            return
+        try:
+            with self._sending:
+                self._beat += 1
+                value = json.dumps(dict(self._last_payload, beat=self._beat))
+                self._store.set(self._key, value, seq=sequence(self._incarnation, self._beat))
+        except Exception:
+            pass  # the control plane is gone: the lease ends the key as before
 
 
 class CoordinatorWatchdog:

@@ -1,4 +1,4 @@
-"""A replica's heartbeat on a real coordinator: news written before the replica ends."""
+"""A replica's heartbeat on a real coordinator and a real etcd: news written before the replica ends."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from lightning_recover.errors import CoordinatorLostError
 from lightning_recover.protocol.coordinator import Coordinator
 from lightning_recover.protocol.membership import Heartbeat, Progress
 from lightning_recover.protocol.messages import ControlStore, JobSecret
+from tests.integration.test_etcd_store import fresh_store
 
 
 def test_news_is_written_at_once_when_asked_not_a_period_later():
@@ -47,3 +48,23 @@ def test_a_heartbeat_whose_first_beat_failed_stops_cleanly():
     with pytest.raises(CoordinatorLostError):
         heartbeat.start()
     heartbeat.stop()
+
+
+def test_a_leased_heartbeat_keeps_its_last_news_when_it_stops(etcd1):
+    """etcd: a beat lives in a lease, revoked when the replica stops. A monitor whose view runs behind could then
+    miss the last beat's news (the members that left at the job's last commits); the last beat is written again
+    without the lease first, so the monitor's last look at the job's end still reads it."""
+    secret = JobSecret.generate()
+    store = ControlStore("etcd://test", 0, secret, store=fresh_store(etcd1))
+    progress = Progress()
+    heartbeat = Heartbeat(store, 0, store.add("inc/0", 1), 3600.0, progress, timeout=2.0)
+    heartbeat.start()
+    progress.report = {"gen": 1, "left": [1, [2]]}
+    progress.urgent = True
+    heartbeat.send_news()
+    during = store.get_fresh("hb/0")
+    assert during is not None and json.loads(during[1])["lease"] == 2
+    heartbeat.stop()
+    last = store.get_fresh("hb/0")
+    assert last is not None, "the lease's revocation deleted the last beat"
+    assert last[0] > during[0] and json.loads(last[1])["left"] == [1, [2]] and "lease" not in json.loads(last[1])

@@ -55,7 +55,7 @@ def test_the_coverage_window_follows_the_steps_within_its_bounds():
 def test_a_leased_beat_writes_once_lives_on_keepalives_and_goes_with_its_lease(etcd1):
     """A Heartbeat on etcd writes its key once, attached to a lease, and writes nothing more while commits vouch
     for it (every 0.1 s here, naming only the generation): the key outlives the lease's TTL on keep-alives alone.
-    Stopped, the key goes at once; a lease nobody keeps alive takes its key with it within the TTL (and etcd's
+    Stopped, its lease goes at once (the last beat stays, unleased); a lease nobody keeps alive takes its key with it within the TTL (and etcd's
     0.5 s expiry check)."""
     secret = JobSecret.generate()
     raw = fresh_store(etcd1)
@@ -86,7 +86,11 @@ def test_a_leased_beat_writes_once_lives_on_keepalives_and_goes_with_its_lease(e
         assert hb.vouched_at > 0
     finally:
         hb.stop()
-    assert raw.client.get(key)[0] is None  # revoked at stop: the key goes now, not a TTL later
+    # Stopped (the replica marked gone): the lease is revoked now, not a TTL later, and the last beat stays, no
+    # longer leased, for the monitor's last look (test_heartbeat.py).
+    kvs = raw.client.range(key).get("kvs") or []
+    assert kvs and int(kvs[0].get("lease", 0)) == 0, kvs
+    assert "lease" not in json.loads(Sealer(secret).open("hb/0", raw.client.get(key)[0]))
     # A lease nobody keeps alive: its key goes by itself.
     leased = raw.leased("hb/1", MIN_TTL)
     leased.put(b"x")
