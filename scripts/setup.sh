@@ -26,6 +26,8 @@ VENV=${VENV:-.venv}
 
 fail() {
     echo "setup: ERROR: $*" >&2
+    # an apt-get started below is left to finish: stopping it halfway leaves dpkg to repair
+    [ -z "${apt_pid:-}" ] || wait "$apt_pid" || true
     exit 1
 }
 
@@ -42,18 +44,22 @@ command -v nft >/dev/null 2>&1 || need_apt+=(nftables)  # asymmetric partitions 
 [ -x /usr/sbin/munged ] || need_apt+=(munge)
 # the status page seen by a real headless browser (tests/integration/test_status.py, the screenshot in docs/howto.md)
 { command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; } || need_apt+=(chromium)
+# apt-get runs beside the pip installs below (both mostly wait on downloads); only the native_io build needs
+# its result (liburing's header), so the script waits for it just before that build.
+apt_pid=
+apt_log=$(mktemp)
+trap 'rm -f "$apt_log"' EXIT
 if [ ${#need_apt[@]} -gt 0 ]; then
     hint="HINT: install them (Debian/Ubuntu: sudo apt-get install ${need_apt[*]}) and rerun"
     if [ "${CI:-}" != true ]; then
         hint+=", or set LIGHTNING_RECOVER_ALLOW_MISSING=1 to go on without them (the tests that need them then skip)"
     fi
     if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-        echo "setup: apt-get install ${need_apt[*]}"
-        if ! { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need_apt[@]}" >/dev/null; }; then
-            [ "${LIGHTNING_RECOVER_ALLOW_MISSING:-}" = 1 ] && [ "${CI:-}" != true ] \
-                || fail "apt-get install ${need_apt[*]} failed (see above). $hint."
-            echo "setup: apt-get failed; going on without ${need_apt[*]} (LIGHTNING_RECOVER_ALLOW_MISSING=1)" >&2
-        fi
+        echo "setup: apt-get install ${need_apt[*]} (beside the pip installs)"
+        {
+            apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need_apt[@]}"
+        } >"$apt_log" 2>&1 &
+        apt_pid=$!
     elif [ "${LIGHTNING_RECOVER_ALLOW_MISSING:-}" = 1 ] && [ "${CI:-}" != true ]; then
         echo "setup: missing ${need_apt[*]}; going on without them (LIGHTNING_RECOVER_ALLOW_MISSING=1)" >&2
     else
@@ -61,10 +67,23 @@ if [ ${#need_apt[@]} -gt 0 ]; then
     fi
 fi
 
+wait_for_apt() {
+    [ -n "$apt_pid" ] || return 0
+    local rc=0
+    wait "$apt_pid" || rc=$?
+    apt_pid=
+    [ "$rc" = 0 ] && return 0
+    tail -n 20 "$apt_log" >&2
+    [ "${LIGHTNING_RECOVER_ALLOW_MISSING:-}" = 1 ] && [ "${CI:-}" != true ] \
+        || fail "apt-get install ${need_apt[*]} failed (see above). $hint."
+    echo "setup: apt-get failed; going on without ${need_apt[*]} (LIGHTNING_RECOVER_ALLOW_MISSING=1)" >&2
+}
+
 # ---- the project's virtual environment ---------------------------------------------------------------
 stamp="$VENV/.lightning-recover-setup"
 want=$(cat pyproject.toml setup.py native_io/src/* 2>/dev/null | sha256sum | cut -d' ' -f1)
 if [ -x "$VENV/bin/python" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    wait_for_apt
     exit 0 # already set up from these files
 fi
 if [ ! -x "$VENV/bin/python" ]; then
@@ -76,6 +95,21 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     echo "setup: pip install torch==2.13.0 (into $VENV)"
     "$PY" -m pip install -q torch==2.13.0
 fi
+# The package's requirements (read from pyproject.toml) while apt-get may still run; the editable install below
+# then only builds.
+# (tomllib is Python 3.11's: an older interpreter leaves them to the editable install.)
+mapfile -t requirements < <("$PY" -c '
+try:
+    import tomllib
+except ImportError:
+    raise SystemExit
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+print("\n".join(project["dependencies"] + project["optional-dependencies"]["dev"]))')
+if [ ${#requirements[@]} -gt 0 ]; then
+    echo "setup: pip install the requirements of .[dev] (into $VENV)"
+    "$PY" -m pip install -q "${requirements[@]}"
+fi
+wait_for_apt
 echo "setup: pip install -e .[dev] (into $VENV; builds native_io and its test build)"
 NATIVE_IO_TESTING=1 "$PY" -m pip install -q -e ".[dev]"
 "$PY" -c "import native_io, json; print('setup: native_io', json.dumps(native_io.info()))"
