@@ -48,7 +48,7 @@ def _extension(name: str, extra_macros: list) -> Extension:
     return Extension(
         name,
         sources=sources,
-        depends=["native_io/src/nio.h"],  # a header change rebuilds every source
+        depends=sorted(glob.glob("native_io/src/*.h")),  # a header change rebuilds every source
         define_macros=macros + extra_macros,
         libraries=libraries + ["pthread"],
         extra_compile_args=cflags,

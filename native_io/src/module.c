@@ -17,6 +17,7 @@
 #include <time.h>
 #include <unistd.h>
 #include "nio.h"
+#include "read_progress.h"
 
 /* The init symbol must match the last component of the module name. */
 #ifdef NATIVE_IO_TESTING
@@ -1121,7 +1122,7 @@ static PyObject *Engine_open_reader(EngineObject *self, PyObject *args, PyObject
 	return (PyObject *)r;
 }
 
-static PyObject *Reader_read(ReaderObject *self, PyObject *segments)
+static PyObject *reader_read(ReaderObject *self, PyObject *segments, PyObject *progress)
 {
 	struct nio_error e = { 0 };
 	struct nio_rseg *rs;
@@ -1167,12 +1168,18 @@ static PyObject *Reader_read(ReaderObject *self, PyObject *segments)
 		rs[i].buf = S.views[i].buf;
 		rs[i].len = (size_t)S.views[i].len;
 	}
+	if (progress && read_progress_begin(progress, (size_t)S.n)) {
+		PyMem_Free(rs);
+		segs_release(&S);
+		return NULL;
+	}
 	self->busy = 1;
 	Py_BEGIN_ALLOW_THREADS
 	double t0 = now();
 
 	rc = nio_read_segments(self->ctx, self->fd, self->direct, self->direct_min, self->size, rs,
-			       (size_t)S.n, &io, &self->to_dest_bytes, &e);
+			       (size_t)S.n, &io, &self->to_dest_bytes,
+			       progress ? read_progress_update : NULL, progress, &e);
 	self->seconds += now() - t0;
 	Py_END_ALLOW_THREADS
 	self->busy = 0;
@@ -1198,6 +1205,28 @@ static PyObject *Reader_read(ReaderObject *self, PyObject *segments)
 	res = crc_list(&S);
 	segs_release(&S);
 	return res;
+}
+
+static PyObject *Reader_read(ReaderObject *self, PyObject *args, PyObject *kwds)
+{
+	static char *kwlist[] = { "segments", "progress", NULL };
+	PyObject *segments, *progress = Py_None, *res;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|O", kwlist, &segments, &progress))
+		return NULL;
+	if (progress == Py_None)
+		return reader_read(self, segments, NULL);
+	if (read_progress_check(progress))
+		return NULL;
+	res = reader_read(self, segments, progress);
+	read_progress_end(
+		progress); /* on every outcome: its waiters must not wait for a read that failed */
+	return res;
+}
+
+static PyObject *Reader_new_progress(ReaderObject *self, PyObject *unused)
+{
+	return PyObject_CallNoArgs((PyObject *)&ReadProgressType);
 }
 
 static PyObject *Reader_close(ReaderObject *self, PyObject *unused)
@@ -1567,8 +1596,12 @@ static PyGetSetDef Reader_getset[] = {
 };
 
 static PyMethodDef Reader_methods[] = {
-	{ "read", (PyCFunction)Reader_read, METH_O,
-	  "read(segments) -> list[int]: fill [(offset, writable buffer), ...], return crc32c per segment" },
+	{ "read", (PyCFunction)(void (*)(void))Reader_read, METH_VARARGS | METH_KEYWORDS,
+	  "read(segments, progress=None) -> list[int]: fill [(offset, writable buffer), ...], return "
+	  "crc32c per segment; progress (a ReadProgress) reports the leading segments read to other "
+	  "threads meanwhile" },
+	{ "new_progress", (PyCFunction)Reader_new_progress, METH_NOARGS,
+	  "new_progress() -> ReadProgress: a fresh one for read(..., progress=) (of this reader's build)" },
 	{ "close", (PyCFunction)Reader_close, METH_NOARGS, "close (idempotent)" },
 	{ "__enter__", Writer_enter, METH_NOARGS, NULL },
 	{ "__exit__", (PyCFunction)Reader_exit, METH_VARARGS, NULL },
@@ -1646,7 +1679,7 @@ PyMODINIT_FUNC NIO_PYINIT(void)
 
 	nio_crc32c_init();
 	if (PyType_Ready(&EngineType) < 0 || PyType_Ready(&WriterType) < 0 ||
-	    PyType_Ready(&ReaderType) < 0)
+	    PyType_Ready(&ReaderType) < 0 || PyType_Ready(&ReadProgressType) < 0)
 		return NULL;
 	m = PyModule_Create(&moduledef);
 	if (!m)
@@ -1659,6 +1692,7 @@ PyMODINIT_FUNC NIO_PYINIT(void)
 	    PyModule_AddObjectRef(m, "IOEngine", (PyObject *)&EngineType) < 0 ||
 	    PyModule_AddObjectRef(m, "Writer", (PyObject *)&WriterType) < 0 ||
 	    PyModule_AddObjectRef(m, "Reader", (PyObject *)&ReaderType) < 0 ||
+	    PyModule_AddObjectRef(m, "ReadProgress", (PyObject *)&ReadProgressType) < 0 ||
 	    PyModule_AddIntConstant(m, "ALIGN", NIO_ALIGN) < 0 ||
 	    PyModule_AddIntConstant(m, "DEFAULT_BLOCK_SIZE", NIO_DEFAULT_BLOCK) < 0 ||
 	    PyModule_AddIntConstant(m, "DEFAULT_QUEUE_DEPTH", NIO_DEFAULT_QD) < 0) {

@@ -258,8 +258,17 @@ struct nio_rseg {
 	size_t len;
 	uint32_t crc;
 };
+/*
+ * Told, after each retired transfer, how many leading segments are read with
+ * their crc final (segs[0..done)): a consumer may use them while the rest are
+ * still read. A nonzero return cancels the read: nothing more is submitted,
+ * the transfers in flight land, and the read fails with ECANCELED.
+ */
+typedef int (*nio_read_progress_fn)(void *arg, const struct nio_rseg *segs, size_t done);
+
 int nio_read_segments(struct nio_ctx *ctx, int fd, int direct, size_t direct_min,
 		      uint64_t file_size, struct nio_rseg *segs, size_t nsegs, uint64_t *io_bytes,
-		      uint64_t *to_dest_bytes, struct nio_error *e);
+		      uint64_t *to_dest_bytes, nio_read_progress_fn progress, void *progress_arg,
+		      struct nio_error *e);
 
 #endif /* NATIVE_IO_NIO_H */

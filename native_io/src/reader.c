@@ -10,7 +10,9 @@
  *    that serves every consecutive small/unaligned piece inside it; the
  *    pieces are copied out (crc32c folded into the copy) when it retires.
  * Up to qd transfers fly; they retire in submission order so that per
- * segment checksums are chained in file order. Runs without the GIL.
+ * segment checksums are chained in file order, and a progress callback can
+ * hand the leading finished segments to a consumer while the rest are read.
+ * Runs without the GIL.
  */
 #include <errno.h>
 #include <stdlib.h>
@@ -148,6 +150,18 @@ static void retire(struct nio_rseg *segs, size_t nsegs, const struct rop *op, co
 	}
 }
 
+/* Leading segments read in full once op has retired (ops retire in file order). */
+static size_t segments_done(const struct nio_rseg *segs, size_t nsegs, const struct rop *op)
+{
+	size_t s = op->seg_e;
+
+	if (s < nsegs && op->pos_e >= segs[s].len)
+		s++;
+	while (s < nsegs && segs[s].len == 0)
+		s++;
+	return s;
+}
+
 /*
  * Plan and submit transfers while a ring entry is free and fewer than qd
  * transfers are in flight. Ring entry i owns arena slot i.
@@ -174,7 +188,8 @@ static void fill_queue(struct nio_ctx *ctx, struct planner *P, struct rop *ops, 
 
 int nio_read_segments(struct nio_ctx *ctx, int fd, int direct, size_t direct_min,
 		      uint64_t file_size, struct nio_rseg *segs, size_t nsegs, uint64_t *io_bytes,
-		      uint64_t *to_dest_bytes, struct nio_error *e)
+		      uint64_t *to_dest_bytes, nio_read_progress_fn progress, void *progress_arg,
+		      struct nio_error *e)
 {
 	struct planner P = {
 		.segs = segs,
@@ -186,7 +201,7 @@ int nio_read_segments(struct nio_ctx *ctx, int fd, int direct, size_t direct_min
 	};
 	unsigned n = ctx->nslots, head = 0, tail = 0, count = 0;
 	struct rop *ops;
-	int planned_all = 0, rc = 0;
+	int planned_all = 0, cancelled = 0, rc = 0;
 
 	for (size_t i = 0; i < nsegs; i++)
 		segs[i].crc = 0;
@@ -233,10 +248,24 @@ int nio_read_segments(struct nio_ctx *ctx, int fd, int direct, size_t direct_min
 		if (ops[tail].to_dest)
 			*to_dest_bytes += req->done;
 		req->state = NIO_REQ_IDLE;
+		if (progress &&
+		    progress(progress_arg, segs, segments_done(segs, nsegs, &ops[tail])) &&
+		    !cancelled) {
+			cancelled = 1;
+			planned_all = 1; /* the transfers in flight still land before the return */
+		}
 		tail = (tail + 1) % n;
 		count--;
 	}
 	free(ops);
+	if (cancelled) {
+		e->err = ECANCELED;
+		e->op = "read (cancelled)";
+		e->has_off = 0;
+		return -1;
+	}
+	if (progress)
+		progress(progress_arg, segs, nsegs);
 	return 0;
 fail:
 	if (nio_drain(ctx))

@@ -93,7 +93,7 @@ static int run(int kind, int direct)
 		CHECK(rsegs[i].buf, "malloc");
 	}
 	CHECK(!nio_read_segments(ctx, fd, direct, NIO_READ_DIRECT_MIN, size, rsegs, NSEG, &io_bytes,
-				 &to_dest, &e),
+				 &to_dest, NULL, NULL, &e),
 	      "read: %s at %s", strerror(e.err), e.op);
 	for (int i = 0; i < NSEG; i++) {
 		payload += segs[i].len;

@@ -181,3 +181,52 @@ def test_a_damaged_storage_is_reported_not_retried(tmp_path):
     path.write_bytes(bytes(raw))
     with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
         load(path)
+
+
+def test_the_listing_on_meta_storages_matches_torchs_and_takes_the_fast_path(tmp_path, monkeypatch):
+    """What a load into existing tensors lists before its reads start (``torch_zip.unpickle_on_meta``): every
+    tensor's path, dtype, shape, stride, offset and file offset as torch's own meta load gives them."""
+    from lightning_recover.checkpoint.file import torch_zip
+    from lightning_recover.checkpoint.file.state_tensors import tensor_paths
+
+    path = tmp_path / "m.ckpt"
+    save(_state(), path)
+    index = read_info(path).index
+    raw = path.read_bytes()
+    small = {
+        n: raw[r.data_offset : r.data_offset + r.nbytes] for n, r in index.records.items() if not n.startswith("data/")
+    }
+    archive = torch_zip.VerifiedArchive(index, small, {})
+    by_torch = torch_zip.unpickle(archive, str(path), "meta", True)
+
+    def no_slow_path(*args, **kwargs):
+        raise AssertionError("torch's loader was used")
+
+    monkeypatch.setattr(torch_zip, "unpickle", no_slow_path)
+    fast = torch_zip.unpickle_on_meta(archive, str(path))
+
+    def rows(obj):
+        return sorted(
+            (
+                name,
+                t.dtype,
+                tuple(t.shape),
+                t.stride(),
+                t.storage_offset(),
+                t.device.type,
+                t.untyped_storage()._checkpoint_offset,
+            )
+            for name, t in tensor_paths(obj).values()
+        )
+
+    def skeleton(obj):  # the rest of the checkpoint, tensors left out (meta tensors cannot be compared)
+        if isinstance(obj, torch.Tensor):
+            return type(obj)
+        if isinstance(obj, dict):
+            return type(obj), [(k, skeleton(v)) for k, v in obj.items()]
+        if isinstance(obj, (list, tuple)):
+            return type(obj), [skeleton(v) for v in obj]
+        return obj
+
+    assert rows(fast) == rows(by_torch) and len(rows(fast)) == 12
+    assert skeleton(fast) == skeleton(by_torch)

@@ -55,10 +55,11 @@ def _rebuild_tensor_v2(
     backward_hooks: Any,
     metadata=None,
 ) -> torch.Tensor:
-    """torch's ``_rebuild_tensor_v2`` for a CPU storage outside fake mode (checked once per load)."""
+    """torch's ``_rebuild_tensor_v2`` for a CPU (or meta) storage outside fake mode (checked once per load)."""
     if type(storage) is not _Storage:
         raise NotFast("a tensor rebuilt from something other than a storage")
-    t = torch.empty((0,), dtype=storage.dtype).set_(storage.untyped, storage_offset, size, stride)
+    untyped = storage.untyped
+    t = torch.empty((0,), dtype=storage.dtype, device=untyped.device).set_(untyped, storage_offset, size, stride)
     if requires_grad:
         t.requires_grad = True
     if metadata:

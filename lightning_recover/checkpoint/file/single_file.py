@@ -361,7 +361,7 @@ def _meta_tensors(index: torch_zip.ArchiveIndex, small: dict) -> list[tuple[str,
     (no data is read); ``[]`` when that cannot be done with the safe unpickler (e.g. a custom class)."""
     by_offset = {rec.data_offset: name for name, rec in index.records.items() if name.startswith("data/")}
     try:
-        meta = torch_zip.unpickle(torch_zip.VerifiedArchive(index, small, {}), index.path, "meta", True)
+        meta = torch_zip.unpickle_on_meta(torch_zip.VerifiedArchive(index, small, {}), index.path)
     except Exception as e:
         log.debug("%s: tensors not listed: %s", index.path, e)
         return []
@@ -396,9 +396,10 @@ def _tensor_rows(index: torch_zip.ArchiveIndex, small: dict) -> list[dict]:
 
 # A file whose records average at least this many bytes is a load bound by its bytes, not by its tensors (the
 # Llama-like state: 6.9 MB; small10k: 100 KB, bound by unpickling 10,000 tensors). Only then are the tensors listed
-# ahead of the load to read records straight into ``into=`` targets (:func:`_meta_tensors`: ~0.1 ms per tensor,
-# torch's pure-Python weights_only unpickler; for small10k 1.1 s, more than it saved: 1.6 s against 0.8 s per load,
-# benchmarks/LOG.md), and only then are fresh storages populated on a second thread (``page_populate.py``).
+# ahead of the load to read records straight into ``into=`` targets (:func:`_meta_tensors`; measured with torch's
+# pure-Python weights_only unpickler, ~0.1 ms per tensor, for small10k 1.1 s, more than it saved: 1.6 s against
+# 0.8 s per load, benchmarks/LOG.md; the listing takes the fast unpickler now where it can), and only then are fresh
+# storages populated on a second thread (``page_populate.py``).
 _LARGE_AVERAGE_RECORD = 1 << 20
 
 

@@ -1,9 +1,11 @@
 """A format-2 file's storages read on a second thread while ``data.pkl`` is unpickled.
 
 A load spends about as long in torch's pure-Python ``weights_only`` unpickler, per tensor, as in reading the
-storages: 0.7 and 0.8 s for the 10,000 tensors of the small10k state. So :class:`StorageReads` reads the
-storage records in file order, in batches of about ``BATCH_BYTES``, on a thread. ``native_io``'s
-``Reader.read`` runs without the GIL, so the caller unpickles meanwhile.
+storages: 0.7 and 0.8 s for the 10,000 tensors of the small10k state. So :class:`StorageReads` reads every
+storage record, in file order, in one ``native_io`` ``Reader.read`` on a thread (without the GIL), and the
+caller unpickles meanwhile. One call keeps the device's queue full from the first byte to the last: reads in
+batches drained the queue at the end of every batch. A ``native_io.ReadProgress`` (``reader.new_progress()``) tells the caller which
+leading records have landed.
 
 The unpickler asks for each storage by name (``torch_zip.VerifiedArchive.get_storage_from_record``). ``reads[name]``
 waits until that record is read and its CRC-32C checked. torch therefore never holds a storage whose bytes are
@@ -19,8 +21,6 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
-
-BATCH_BYTES = 64 << 20
 
 
 def damaged_record(name: str, rec: Any, crc: int) -> dict:
@@ -52,69 +52,64 @@ class StorageReads:
     ) -> None:
         self._reader = reader
         self._verify = verify
-        self._records = sorted(records, key=lambda nr: nr[1].data_offset)
-        self._position = {name: i for i, (name, _) in enumerate(self._records)}
-        self.storages = {name: new_storage(name, rec.nbytes) for name, rec in self._records}
-        self._buffers = [as_bytes(self.storages[name]) for name, _ in self._records]
-        self.bad: list[dict] = []  # damaged records, in file order
-        self._bad_names: set[str] = set()
-        self._read_upto = 0  # records [0, _read_upto) are read and checked
+        ordered = sorted(records, key=lambda nr: nr[1].data_offset)
+        self.storages = {name: new_storage(name, rec.nbytes) for name, rec in ordered}
+        # only records with bytes are read: ``_segment[name]`` is a record's index among them, and ``_needed[name]``
+        # how many leading ones must have landed before it is complete (an empty record needs none of its own)
+        self._live = [(name, rec) for name, rec in ordered if rec.nbytes]
+        self._segment = {name: i for i, (name, _) in enumerate(self._live)}
+        self._needed: dict[str, int] = {}
+        landed = 0
+        for name, rec in ordered:
+            if rec.nbytes:
+                landed += 1
+            self._needed[name] = landed
+        self._segments = [(rec.data_offset, as_bytes(self.storages[name])) for name, rec in self._live]
+        self._progress = reader.new_progress()
         self._error: Optional[BaseException] = None
-        self._cancelled = False
-        self._cond = threading.Condition()
+        self._bad: Optional[list[dict]] = None
         self._thread = threading.Thread(target=self._run, name="checkpoint-read", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        i, n = 0, len(self._records)
         try:
-            while i < n and not self._cancelled:
-                j, nbytes = i, 0
-                while j < n and (j == i or nbytes + self._records[j][1].nbytes <= BATCH_BYTES):
-                    nbytes += self._records[j][1].nbytes
-                    j += 1
-                segs = [(self._records[k][1].data_offset, self._buffers[k]) for k in range(i, j)]
-                live = [k for k in range(i, j) if self._records[k][1].nbytes]
-                crcs = self._reader.read([segs[k - i] for k in live]) if live else []
-                with self._cond:
-                    for k, crc in zip(live, crcs):
-                        name, rec = self._records[k]
-                        if self._verify and int(crc) != rec.crc32c:
-                            self._bad_names.add(name)
-                            self.bad.append(damaged_record(name, rec, int(crc)))
-                    self._read_upto = i = j
-                    self._cond.notify_all()
+            self._reader.read(self._segments, progress=self._progress)
         except BaseException as e:  # raised in the caller's thread by [] and finish()
-            with self._cond:
-                self._error = e
-                self._cond.notify_all()
+            self._error = e
+        finally:
+            self._progress.end()  # also when the read failed before it began: nobody waits for it then
+
+    def _damaged(self, i: int) -> Optional[dict]:
+        """The report of live record ``i`` (landed) when its CRC-32C differs from the one written, else None."""
+        name, rec = self._live[i]
+        crc = self._progress.crc(i)
+        return damaged_record(name, rec, crc) if self._verify and crc != rec.crc32c else None
 
     def __contains__(self, name: str) -> bool:
         return name in self.storages
 
     def __getitem__(self, name: str) -> torch.UntypedStorage:
-        i = self._position[name]
-        if self._read_upto > i and name not in self._bad_names:
-            # already read and checked: the reader adds a damaged name before it moves ``_read_upto`` past it,
-            # so no lock is needed (a load of many small records asks this once per record)
-            return self.storages[name]
-        with self._cond:
-            while self._read_upto <= i and self._error is None:
-                self._cond.wait()
-            if self._read_upto <= i:
-                raise self._error  # type: ignore[misc]
-            if name in self._bad_names:
-                raise StorageDamaged(name)
+        needed = self._needed[name]
+        if self._progress.wait(needed) < needed:  # the read ended before this record: it failed
+            self._thread.join()
+            raise self._error  # type: ignore[misc]
+        i = self._segment.get(name)
+        if i is not None and self._damaged(i) is not None:
+            raise StorageDamaged(name)
         return self.storages[name]
 
     def finish(self) -> list[dict]:
-        """Wait for every read; returns the damaged records (raises the reader's error, if it had one)."""
+        """Wait for every read; returns the damaged records in file order (raises the reader's error, if it had
+        one)."""
         self._thread.join()
         if self._error is not None:
             raise self._error
-        return self.bad
+        if self._bad is None:
+            self._bad = [d for d in map(self._damaged, range(len(self._live))) if d is not None]
+        return self._bad
 
     def abandon(self) -> None:
-        """Stop after the batch in flight and wait for it (the reader may then be closed)."""
-        self._cancelled = True
+        """Stop the read once its transfers in flight have landed, and wait for it (the reader may then be
+        closed)."""
+        self._progress.cancel()
         self._thread.join()
