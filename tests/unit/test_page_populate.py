@@ -53,6 +53,31 @@ def test_populate_maps_the_pages_of_fresh_storages():
     assert all(present == 0 for present, _ in fresh), fresh  # the populator did it
 
 
+def _advised_huge(lo: int, hi: int) -> list[bool]:
+    """For each mapping of /proc/self/smaps that overlaps [lo, hi): whether it is advised MADV_HUGEPAGE ("hg")."""
+    out, overlaps = [], False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                overlaps = start < hi and end > lo
+            elif head == "VmFlags:" and overlaps:
+                out.append("hg" in line.split()[1:])
+    return out
+
+
+@needs_populate
+def test_populated_storages_are_advised_huge_pages_over_their_whole_2_mib_pages():
+    st = torch.UntypedStorage(64 << 20)
+    lo, hi = _whole_pages(st)
+    huge_lo, huge_hi = -(-lo // (2 << 20)) * (2 << 20), hi // (2 << 20) * (2 << 20)
+    assert _advised_huge(huge_lo, huge_hi) == [False]
+    page_populate.PagePopulator([st]).wait()
+    assert _advised_huge(huge_lo, huge_hi) == [True]  # the whole 2 MiB pages, one mapping
+    assert not any(_advised_huge(lo, huge_lo)) and not any(_advised_huge(huge_hi, hi))  # not the ragged ends
+
+
 @needs_populate
 def test_populate_leaves_written_bytes_alone():
     t = torch.arange(3 << 20, dtype=torch.float32)  # 12 MiB, written

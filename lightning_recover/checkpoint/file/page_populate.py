@@ -9,6 +9,12 @@ pages (``madvise(MADV_POPULATE_WRITE)``, Linux 5.14+, one call per storage, with
 thread of its own, so that the faults run beside the reads instead of between them. The reader may reach a page
 first; it then faults it as before, and populating a present page does nothing. Nothing is written to the
 memory, so the two never disagree on its contents.
+
+A storage that spans whole 2 MiB pages is first marked ``MADV_HUGEPAGE`` over them (where transparent huge pages
+are ``madvise``-only, as on the benchmark VM; a no-op where they are off): one fault maps 2 MiB instead of 4 KiB,
+so populating 2 GB takes ~1,000 faults instead of ~500,000. The load reads every byte of the storage, so no memory
+is mapped that would not be touched anyway. Measured on a 2 GB Llama-like load into fresh tensors, cold, 8
+alternated pairs: 1.09 s median against 1.62 s (benchmarks/LOG.md).
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ from lightning_recover import env
 
 __all__ = ["PagePopulator", "populate_supported"]
 
-_MADV_POPULATE_WRITE = 23  # linux/mman.h
+_MADV_HUGEPAGE = 14  # linux/mman.h
+_MADV_POPULATE_WRITE = 23
 _PAGE = 4096
+_HUGE_PAGE = 2 << 20
 
 
 def _madvise() -> Optional[Callable[[int, int, int], int]]:
@@ -70,6 +78,9 @@ class PagePopulator:
             lo, hi = -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE
             if hi <= lo:
                 continue
+            huge_lo, huge_hi = -(-lo // _HUGE_PAGE) * _HUGE_PAGE, hi // _HUGE_PAGE * _HUGE_PAGE
+            if huge_hi > huge_lo:
+                _madvise_fn(huge_lo, huge_hi - huge_lo, _MADV_HUGEPAGE)  # (refused: 4 KiB pages, as before)
             if _madvise_fn(lo, hi - lo, _MADV_POPULATE_WRITE) != 0 and ctypes.get_errno() == errno.EINVAL:
                 _supported = False  # (other errors, e.g. ENOMEM, leave the faults to the reader for this one)
 
