@@ -1,11 +1,12 @@
-"""Python's cyclic garbage collector held off for the span of one DCP save or load (or one single-file save).
+"""Python's cyclic garbage collector held off for one DCP save or load, or one single-file save or load.
 
 DCP allocates several small objects per item (write items, plans, results, metadata entries) and pickles
 them through its collectives; each unpickle of thousands of them trips the collector's thresholds, and
 every full collection walks the whole heap (torch's modules alone are hundreds of thousands of objects,
 about 0.1 s per pass here). With 2048 tensors per rank this was 0.5 s of a 1.9 s save
 (benchmarks/LOG.md). torch's own ``get_state_dict`` disables the collector the same way. A single-file save
-of 10,000 tensors pickles as many objects: ``single_file.save`` runs inside ``with GcPause():``.
+of 10,000 tensors pickles as many objects, and its load unpickles them: ``single_file.save`` and ``load`` run
+inside ``with GcPause():``.
 
 The storage backends pause it when DCP first calls them and resume it at their last hook. DCP gives a
 backend no hook when a save fails between two of its calls (another rank's write failed: the coordinator's

@@ -96,6 +96,14 @@ def test_context_manager_pauses_for_its_body_only(tmp_path):
 
     single_file.save({"t": torch.ones(3), "probe": Probe()}, str(tmp_path / "a.ckpt"))
     assert seen and not any(seen) and gc.isenabled()
+    seen.clear()
+
+    def map_location(storage, location):  # called inside single_file.load, once per storage
+        seen.append(gc.isenabled())
+        return storage
+
+    single_file.load(str(tmp_path / "a.ckpt"), map_location=map_location, weights_only=False)
+    assert seen and not any(seen) and gc.isenabled()
 
 
 def test_the_tail_is_bounded_by_max_s():

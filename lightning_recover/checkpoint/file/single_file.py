@@ -618,7 +618,8 @@ def load(
     async_io.wait_for_path(path)  # an asynchronous save of this path in flight in this process, by any saver
     eng, lock = resolve_engine(engine)
     targets = _into_targets(into) if into is not None else {}
-    with lock:
+    # thousands of small objects per load (records, storages, tensors): no full collections in between (gc_pause.py)
+    with lock, GcPause():
         r = _open_reader(eng, path)
         try:
             kind, found = _read_kind(r, path)
