@@ -517,9 +517,9 @@ def test_status_page_follows_the_monitor_role_on_etcd(etcd3, tmp_path):
 
         assert wait_for(served, DEFAULT_LEASE_TTL + 10, interval=0.05), open(log_b).read()
         served_after = time.monotonic() - killed
-        assert served_after <= DEFAULT_LEASE_TTL + CAMPAIGN_PERIOD + 1.0, (
-            f"served {served_after:.2f} s after the kill; the role taken by {role_seen or 'n/a'} s"
-        )
+        assert (
+            served_after <= DEFAULT_LEASE_TTL + CAMPAIGN_PERIOD + 1.0
+        ), f"served {served_after:.2f} s after the kill; the role taken by {role_seen or 'n/a'} s"
 
         def recovery_seen() -> bool:
             code, text = get(url_b + "metrics")
