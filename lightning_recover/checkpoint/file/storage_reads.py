@@ -4,8 +4,8 @@ A load spends about as long in torch's pure-Python ``weights_only`` unpickler, p
 storages: 0.7 and 0.8 s for the 10,000 tensors of the small10k state. So :class:`StorageReads` reads every
 storage record, in file order, in one ``native_io`` ``Reader.read`` on a thread (without the GIL), and the
 caller unpickles meanwhile. One call keeps the device's queue full from the first byte to the last: reads in
-batches drained the queue at the end of every batch. A ``native_io.ReadProgress`` (``reader.new_progress()``) tells the caller which
-leading records have landed.
+batches drained the queue at the end of every batch. A ``native_io.ReadProgress`` (``reader.new_progress()``)
+tells the caller which leading records have landed.
 
 The unpickler asks for each storage by name (``torch_zip.VerifiedArchive.get_storage_from_record``). ``reads[name]``
 waits until that record is read and its CRC-32C checked. torch therefore never holds a storage whose bytes are
