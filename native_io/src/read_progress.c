@@ -149,6 +149,10 @@ static PyObject *ReadProgress_wait(ReadProgressObject *self, PyObject *args)
 
 	if (!PyArg_ParseTuple(args, "n", &want))
 		return NULL;
+	if (want < 0) {
+		PyErr_Format(PyExc_ValueError, "wait(n): n must be >= 0, got %zd", want);
+		return NULL;
+	}
 	if (self->state == -1) {
 		PyErr_SetString(PyExc_ValueError, "ReadProgress was not initialized");
 		return NULL;

@@ -152,6 +152,8 @@ def test_a_read_progress_reports_each_leading_segment_once_landed(tmp_path):
     unused = native_io.ReadProgress()
     unused.end()  # a read that failed before it began: its waiters return
     assert unused.wait(1) == 0
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        unused.wait(-1)
     with pytest.raises(IndexError, match="not read yet"):
         unused.crc(0)
 
