@@ -1219,8 +1219,8 @@ static PyObject *Reader_read(ReaderObject *self, PyObject *args, PyObject *kwds)
 	if (read_progress_check(progress))
 		return NULL;
 	res = reader_read(self, segments, progress);
-	read_progress_end(
-		progress); /* on every outcome: its waiters must not wait for a read that failed */
+	/* on every outcome: its waiters must not wait for a read that failed */
+	read_progress_end(progress);
 	return res;
 }
 
