@@ -86,4 +86,24 @@ static inline void t_expect_file(const char *path, const unsigned char *expect, 
 	free(got);
 }
 
+/*
+ * run(kind, direct) on every engine, buffered and O_DIRECT: the first failure
+ * ends the program; it passes if any combination ran, else it is skipped.
+ */
+static inline int t_each_engine_and_mode(int (*run)(int kind, int direct))
+{
+	int ran = 0;
+
+	for (int kind = NIO_URING; kind <= NIO_PORTABLE; kind++) {
+		for (int direct = 0; direct <= 1; direct++) {
+			int rc = run(kind, direct);
+
+			if (rc == T_EXIT_FAIL)
+				return rc;
+			ran += rc == T_EXIT_PASS;
+		}
+	}
+	return ran ? T_EXIT_PASS : T_EXIT_SKIP;
+}
+
 #endif /* NIO_TEST_H */

@@ -128,17 +128,6 @@ static int run(int kind, int direct)
 
 int main(void)
 {
-	int ran = 0;
-
 	nio_crc32c_init();
-	for (int kind = NIO_URING; kind <= NIO_PORTABLE; kind++) {
-		for (int direct = 0; direct <= 1; direct++) {
-			int rc = run(kind, direct);
-
-			if (rc == T_EXIT_FAIL)
-				return rc;
-			ran += rc == T_EXIT_PASS;
-		}
-	}
-	return ran ? T_EXIT_PASS : T_EXIT_SKIP;
+	return t_each_engine_and_mode(run);
 }

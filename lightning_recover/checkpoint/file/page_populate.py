@@ -13,8 +13,7 @@ memory, so the two never disagree on its contents.
 A storage that spans whole 2 MiB pages is first marked ``MADV_HUGEPAGE`` over them (where transparent huge pages
 are ``madvise``-only, as on the benchmark VM; a no-op where they are off): one fault maps 2 MiB instead of 4 KiB,
 so populating 2 GB takes ~1,000 faults instead of ~500,000. The load reads every byte of the storage, so no memory
-is mapped that would not be touched anyway. Measured on a 2 GB Llama-like load into fresh tensors, cold, 8
-alternated pairs: 1.09 s median against 1.62 s (benchmarks/LOG.md).
+is mapped that would not be touched anyway (benchmarks/LOG.md has the measurements).
 """
 
 from __future__ import annotations

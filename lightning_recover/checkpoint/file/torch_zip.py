@@ -907,8 +907,8 @@ def unpickle(archive: VerifiedArchive, path: str, map_location: Any, weights_onl
 def unpickle_on_meta(archive: VerifiedArchive, path: str) -> Any:
     """The checkpoint rebuilt on meta storages (no data read), each carrying its record's file offset as
     ``_checkpoint_offset`` (as torch's loader sets it for ``map_location="meta"``): with the restricted fast
-    unpickler where it takes the pickle (a tenth of the time of torch's pure-Python one, which a load into existing
-    tensors waits for before its reads start), else with torch's loader."""
+    unpickler where it takes the pickle (a load into existing tensors waits for this listing before its reads
+    start, and torch's pure-Python unpickler is the slower one), else with torch's loader."""
     if fast_unpickle.fast_path_usable("cpu", archive):  # "cpu": the storages were saved from the CPU
 
         def meta_storage(name: str, nbytes: int) -> torch.UntypedStorage:
