@@ -17,17 +17,21 @@ generation's gloo group stalls on it. The heartbeat monitor alone never ends tha
    heartbeat interval, and the sealed record at least every ``RECHECK_PERIOD``) probes every other
    member's :class:`ProbeServer`, bound to the address its
    data traffic uses, within ``probe_timeout``, and writes a sealed report ``reach/{n}/{r}``: the
-   members it reached. A probe is authenticated (the server answers a fresh nonce with an HMAC under
+   members it reached and those it found cut (see 3). A probe is authenticated (the server answers a fresh nonce with an HMAC under
    the job's secret, bound to its replica id and incarnation) so an unrelated process listening on
    a reused address never counts as the peer; a TCP exchange needs both directions, so one probe
    tests both.
-3. **Decide**: once every member reported (or ``report_within`` passed), two members are *mutually
-   reachable* when each reached the other; the judge keeps the largest set of members that are all
-   pairwise mutually reachable (ties: the smallest replica ids, so any process computing it from the
-   same reports picks the same set), and declares every other member dead (fencing, as for a missed
-   heartbeat: it applies no further step; its launcher ends it). A member that sent no report is
-   not in the kept set. If every member reached every other, nothing is fenced (the stall was
-   something else) and no new round opens for another ``suspect_after``.
+3. **Decide**: once every member reported (or ``report_within`` passed), a link between two members is
+   *cut* when either reported the other as cut (no connection: refused, unreachable, timed out, no
+   probe server published, or an answer that is not the peer's). Only a cut is evidence of a partition:
+   a probe that connected but got no answer in time (a peer starved of CPU or frozen: the kernel completed
+   the handshake both ways) and a member that sent no report (its responder starved, the control plane
+   slow) say nothing about the network, so a loaded host is never fenced for them. The judge keeps the
+   largest set of members with no cut link among them (ties: the smallest replica ids, so any process
+   computing it from the same reports picks the same set), and declares every other member dead
+   (fencing, as for a missed heartbeat: it applies no further step; its launcher ends it); each has a cut
+   link with a kept member. If no link is cut, nothing is fenced (the stall was something else) and no
+   new round opens for another ``suspect_after``.
 4. The survivors see the deaths at their next check (milliseconds), abandon the stalled group and
    form the next generation without the fenced members. The fenced replica prints why and stops;
    restarted (torchrun agent, launcher), it waits to ask to rejoin until it reaches every live member
@@ -77,6 +81,9 @@ WAITING_PHASES = frozenset({"reduce", "decide", "regroup", "exchange", "start"})
 _NONCE = 16
 _HELLO = b"LRP1"
 _MAX_HANDLERS = 64  # concurrent probe connections a server answers (more are refused: a flood costs nothing)
+#: A probe's outcomes: the peer proved who it is; no connection to it (evidence of a partition); connected
+#: but no answer in time (a starved or frozen peer: no evidence either way).
+REACHED, CUT, NO_ANSWER = "reached", "cut", "no answer"
 HEARTBEAT_INTERVAL_MAX = 0.5  # the longest heartbeat interval report_within allows for (seconds)
 #: The longest a responder goes without reading the sealed ``reach/round`` when the counter did not move
 #: (a counter rolled back by an unauthenticated client delays its answer by at most this).
@@ -135,6 +142,25 @@ def largest_mutual_set(members: Iterable[int], reached: Mapping[int, Iterable[in
 
     expand(set(), set(reported), set())
     return best
+
+
+def partition_verdict(alive: Iterable[int], cut: Mapping[int, Iterable[int]]) -> tuple[list[int], dict[int, list[int]]]:
+    """A round's decision: ``(keep, fenced)``. ``cut[r]``: the members r reported as cut (no connection); a
+    member absent from ``cut`` sent no report. A link is cut when either end reported it; ``keep`` is the
+    largest set of ``alive`` members with no cut link among them (:func:`largest_mutual_set`'s tie rule),
+    ``fenced[r]`` the kept members each other alive member has a cut link with (never empty: a member with
+    no cut link to a kept one would enlarge the set)."""
+    members = sorted(set(alive))
+    links_cut: dict[int, set[int]] = {r: set() for r in members}
+    for r, reported in cut.items():
+        for s in reported if r in links_cut else ():
+            if s in links_cut and s != r:
+                links_cut[r].add(s)
+                links_cut[s].add(r)
+    connected = {r: [s for s in members if s != r and s not in links_cut[r]] for r in members}
+    keep = largest_mutual_set(members, connected)
+    fenced = {r: sorted(links_cut[r] & set(keep)) for r in members if r not in keep}
+    return keep, fenced
 
 
 # ---------------------------------------------------------------------------- the probe
@@ -202,19 +228,25 @@ class ProbeServer:
         self._sock.close()
 
 
-def probe(host: str, port: int, secret: JobSecret, replica: int, incarnation: int, timeout: float) -> bool:
-    """True when the server at ``host:port`` proved, within ``timeout``, that it is ``replica``'s
-    incarnation ``incarnation`` of this job (it knows the job's secret and answered our fresh nonce)."""
+def probe(host: str, port: int, secret: JobSecret, replica: int, incarnation: int, timeout: float) -> str:
+    """Whether the server at ``host:port`` proved, within ``timeout``, that it is ``replica``'s incarnation
+    ``incarnation`` of this job (it knows the job's secret and answered our fresh nonce): :data:`REACHED`;
+    :data:`CUT` when no connection was made or the answer is not the peer's; :data:`NO_ANSWER` when the
+    connection was made (both directions carry packets) but no answer came in time."""
     nonce = secrets.token_bytes(_NONCE)
     deadline = time.monotonic() + timeout
     try:
-        with socket.create_connection((host, port), timeout=timeout) as sock:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError:
+        return CUT
+    with sock:
+        try:
             sock.settimeout(max(0.01, deadline - time.monotonic()))
             sock.sendall(_HELLO + nonce)
             got = _recv_exactly(sock, 32)
-    except OSError:
-        return False
-    return hmac.compare_digest(got, _answer(secret.key, nonce, replica, incarnation))
+        except OSError:  # a timeout, or the peer closed the connection unanswered (it is ending, or flooded)
+            return NO_ANSWER
+    return REACHED if hmac.compare_digest(got, _answer(secret.key, nonce, replica, incarnation)) else CUT
 
 
 def data_address(coordinator_addr: str) -> str:
@@ -324,8 +356,12 @@ class ReachabilityResponder:
             return None  # answered already, or a round this incarnation is not part of
         self._answered = n
         others = [r for r in members if r != self.replica]
-        reached = reach(self._store, others, members, float(round_.get("probe_timeout", 1.0)))
-        self._store.set(f"reach/{n}/{self.replica}", json.dumps({"inc": self.incarnation, "reached": reached}))
+        outcomes = reach(self._store, others, members, float(round_.get("probe_timeout", 1.0)))
+        report = {
+            "inc": self.incarnation,
+            **{kind: sorted(r for r, o in outcomes.items() if o == kind) for kind in (REACHED, CUT)},
+        }
+        self._store.set(f"reach/{n}/{self.replica}", json.dumps(report))
         return n
 
     def _read_verdict(self, n: int) -> bool:
@@ -397,18 +433,21 @@ def probe_targets(store: ControlStore, replicas: Sequence[int], incarnations: Ma
     return targets
 
 
-def reach(store: ControlStore, others: Sequence[int], incarnations: Mapping[int, int], timeout: float) -> list[int]:
-    """The replicas among ``others`` whose probe server (published under ``reach/addr/{r}`` by the
-    given incarnation) answered within ``timeout``; probed in parallel."""
+def reach(
+    store: ControlStore, others: Sequence[int], incarnations: Mapping[int, int], timeout: float
+) -> dict[int, str]:
+    """Each of ``others``' probe outcome (:func:`probe`), probed in parallel; :data:`CUT` for a replica whose
+    given incarnation published no probe server (``reach/addr/{r}``): nothing can reach it."""
     targets = probe_targets(store, others, incarnations)
-    if not targets:
-        return []
-    with ThreadPoolExecutor(max_workers=min(32, len(targets)), thread_name_prefix="lr-probe") as pool:
-        done = {
-            r: pool.submit(probe, a["host"], int(a["port"]), store.secret, r, int(a["inc"]), timeout)
-            for r, a in targets.items()
-        }
-    return sorted(r for r, future in done.items() if future.result())
+    outcomes = {r: CUT for r in others if r not in targets}
+    if targets:
+        with ThreadPoolExecutor(max_workers=min(32, len(targets)), thread_name_prefix="lr-probe") as pool:
+            done = {
+                r: pool.submit(probe, a["host"], int(a["port"]), store.secret, r, int(a["inc"]), timeout)
+                for r, a in targets.items()
+            }
+        outcomes.update({r: future.result() for r, future in done.items()})
+    return outcomes
 
 
 def wait_until_reachable(
@@ -424,7 +463,7 @@ def wait_until_reachable(
         deaths = store.deaths(others)
         live = {r: inc for r, inc in incs.items() if inc > deaths[r]}
         targets = sorted(probe_targets(store, sorted(live), live))
-        missing = sorted(set(targets) - set(reach(store, targets, live, timeout)))
+        missing = sorted(r for r, outcome in reach(store, targets, live, timeout).items() if outcome != REACHED)
         if not missing:
             return
         if missing != said:
@@ -504,11 +543,11 @@ class PartitionJudge:
 
     def _maybe_decide(self, now: float) -> list[int]:
         number, members, opened = self._round
-        reports: dict[int, list[int]] = {}
+        reports: dict[int, dict] = {}
         for r, inc in members.items():
             report = _read_sealed_json(self.store, self.sealer, f"reach/{number}/{r}")
             if report is not None and report.get("inc") == inc:
-                reports[r] = [int(s) for s in report.get("reached", [])]
+                reports[r] = report
         dead = self._deaths(members)
         alive = {r: inc for r, inc in members.items() if dead[r] < inc}
         if set(alive) - set(reports) and now - opened < self.report_within:
@@ -518,13 +557,9 @@ class PartitionJudge:
         if not reports:
             self._log(f"[coordinator] round {number}: no replica reported; nothing decided")
             return []
-        keep = largest_mutual_set(alive, {r: s for r, s in reports.items() if r in alive})
-
-        def linked(a: int, b: int) -> bool:
-            return b in reports.get(a, []) and a in reports.get(b, [])
-
-        # For each fenced member: the kept members it has no two-way connection with.
-        fenced = {r: [s for s in keep if not linked(r, s)] for r in sorted(alive) if r not in keep}
+        keep, fenced = partition_verdict(
+            alive, {r: [int(s) for s in report.get(CUT, [])] for r, report in reports.items() if r in alive}
+        )
         verdict_key = f"reach/{number}/verdict"
         body = json.dumps(
             {
@@ -535,15 +570,20 @@ class PartitionJudge:
         )
         self.store.set(verdict_key, self.sealer.seal(verdict_key, body.encode()))
         if not fenced:
-            self._log(f"[coordinator] round {number}: every replica reaches every other (no partition)")
+            heard = {r: {int(s) for s in report.get(REACHED, [])} for r, report in reports.items()}
+            unsure = [r for r in sorted(alive) if not set(alive) - {r} <= heard.get(r, set())]
+            self._log(
+                f"[coordinator] round {number}: no link between replicas is cut (no partition)"
+                + (f"; replicas {unsure} did not report, or not every answer came, in time" if unsure else "")
+            )
             return []
         for r in sorted(fenced):
             inc = alive[r]
-            why = "sent no report" if r not in reports else f"has no two-way connection with replicas {fenced[r]}"
             if mark_dead(self.store, self.sealer, r, inc):
                 self.store.set(f"declared/{r}", self.sealer.seal(f"declared/{r}", str(inc).encode()))
                 self._log(
-                    f"[coordinator] replica {r} (incarnation {inc}) {why} while replicas {keep} reach each other "
+                    f"[coordinator] replica {r} (incarnation {inc}) has no two-way connection with replicas "
+                    f"{fenced[r]} while replicas {keep} reach each other "
                     f"(network partition, round {number}, {now - opened:.2f}s after probing began): declared dead"
                 )
         return sorted(fenced)

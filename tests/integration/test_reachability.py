@@ -1,12 +1,11 @@
-"""Partition detection (lightning_recover.protocol.reachability), fast: the decision on its own, the
-authenticated probe on loopback, and the judge in a real coordinator's monitor with real replicas'
-heartbeats and probe servers (one of which never answers: the data network to it is cut)."""
+"""Partition detection (lightning_recover.protocol.reachability): the authenticated probe on loopback, and the
+judge in a real coordinator's monitor with real replicas' heartbeats and probe servers (one whose address
+refuses connections: the data network to it is cut; one that never answers: a starved peer, not a partition).
+The decision alone: tests/unit/test_partition_verdict.py."""
 
 from __future__ import annotations
 
-import itertools
 import json
-import random
 import socket
 import threading
 import time
@@ -17,79 +16,36 @@ from lightning_recover.protocol.coordinator import Coordinator
 from lightning_recover.protocol.membership import Heartbeat, Progress
 from lightning_recover.protocol.messages import ControlStore, JobSecret
 from lightning_recover.protocol.reachability import (
+    CUT,
+    NO_ANSWER,
+    REACHED,
     ProbeServer,
     ReachabilityResponder,
     data_address,
     exclusion_bound,
     fence_reason,
-    largest_mutual_set,
     probe,
     probe_timeout_for,
     wait_until_reachable,
 )
 
 
-def _brute_force(members, reached):
-    ok = [r for r in members if r in reached]
-    for size in range(len(ok), 0, -1):
-        for combo in itertools.combinations(sorted(ok), size):  # lexicographic: the first found is the smallest
-            if all(b in reached[a] and a in reached[b] for a, b in itertools.combinations(combo, 2)):
-                return list(combo)
-    return []
-
-
-def test_largest_mutual_set_cases():
-    everyone = {0: [1, 2], 1: [0, 2], 2: [0, 1]}
-    assert largest_mutual_set([0, 1, 2], everyone) == [0, 1, 2]
-    # replica 2 drops its peers' traffic: nobody reaches it, it reaches nobody
-    assert largest_mutual_set([0, 1, 2], {0: [1], 1: [0], 2: []}) == [0, 1]
-    # one direction of a report is not enough: 2 says it reached 0 and 1, they did not reach it
-    assert largest_mutual_set([0, 1, 2], {0: [1], 1: [0], 2: [0, 1]}) == [0, 1]
-    # a member that sent no report is in no set
-    assert largest_mutual_set([0, 1, 2], {0: [1, 2], 1: [0, 2]}) == [0, 1]
-    # two halves of equal size: the smaller ids win, deterministically
-    assert largest_mutual_set([0, 1, 2, 3], {0: [1], 1: [0], 2: [3], 3: [2]}) == [0, 1]
-    # the larger side wins whatever the ids
-    assert largest_mutual_set([0, 1, 2, 3, 4], {0: [], 1: [], 2: [3, 4], 3: [2, 4], 4: [2, 3]}) == [2, 3, 4]
-    assert largest_mutual_set([0, 1], {0: [], 1: []}) == [0]
-    assert largest_mutual_set([], {}) == []
-
-
-def test_largest_mutual_set_matches_brute_force():
-    rng = random.Random(0)
-    for _ in range(400):
-        n = rng.randint(1, 8)
-        members = list(range(n))
-        reached = {r: [s for s in members if s != r and rng.random() < 0.8] for r in members if rng.random() < 0.9}
-        assert largest_mutual_set(members, reached) == _brute_force(members, reached), reached
-
-
-def test_largest_mutual_set_is_fast_for_a_large_group_with_a_partition():
-    members = list(range(300))
-    cut = {7, 150, 299}
-    reached = {r: [s for s in members if s != r and (s not in cut and r not in cut)] for r in members}
-    start = time.perf_counter()
-    keep = largest_mutual_set(members, reached)
-    assert keep == [r for r in members if r not in cut]
-    assert time.perf_counter() - start < 5.0
-
-
 def test_probe_is_authenticated_and_bounded():
     secret = JobSecret.generate()
     server = ProbeServer("127.0.0.1", secret, replica=3, incarnation=2)
     try:
-        assert probe("127.0.0.1", server.port, secret, 3, 2, timeout=2.0)
-        assert not probe("127.0.0.1", server.port, JobSecret.generate(), 3, 2, timeout=2.0), "another job's key"
-        assert not probe("127.0.0.1", server.port, secret, 3, 1, timeout=2.0), "an older incarnation"
-        assert not probe("127.0.0.1", server.port, secret, 4, 2, timeout=2.0), "another replica"
+        assert probe("127.0.0.1", server.port, secret, 3, 2, timeout=2.0) == REACHED
+        assert probe("127.0.0.1", server.port, JobSecret.generate(), 3, 2, timeout=2.0) == CUT, "another job's key"
+        assert probe("127.0.0.1", server.port, secret, 3, 1, timeout=2.0) == CUT, "an older incarnation"
+        assert probe("127.0.0.1", server.port, secret, 4, 2, timeout=2.0) == CUT, "another replica"
     finally:
         server.close()
-    assert not probe("127.0.0.1", server.port, secret, 3, 2, timeout=2.0), "nobody listens any more"
-    with socket.socket() as silent:  # accepts connections (the kernel does) but never answers
+    assert probe("127.0.0.1", server.port, secret, 3, 2, timeout=2.0) == CUT, "nobody listens any more"
+    with socket.socket() as silent:  # accepts connections (the kernel does) but never answers: a frozen peer
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)
         start = time.monotonic()
-        assert not probe("127.0.0.1", silent.getsockname()[1], secret, 3, 2, timeout=0.3)
+        assert probe("127.0.0.1", silent.getsockname()[1], secret, 3, 2, timeout=0.3) == NO_ANSWER
         assert time.monotonic() - start < 0.3 + 0.2
 
 
@@ -132,19 +88,15 @@ def _close(replicas):
 
 
 def test_judge_fences_the_member_its_peers_cannot_reach(coordinator, monkeypatch):
-    """All three wait on each other (phase 'reduce', no progress). Replica 2's probe address is cut
-    (a listener that never answers, as behind a firewall that drops its peers' packets): 0 and 1
-    cannot reach it, so it is declared dead within the stated bound; 0 and 1 are kept."""
+    """All three wait on each other (phase 'reduce', no progress). Replica 2's probe address refuses
+    connections (its data network is cut): 0 and 1 cannot reach it, so it is declared dead within the stated
+    bound; 0 and 1 are kept."""
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     coord, secret = coordinator
     replicas = _replicas(coord, secret, "reduce")
     store = replicas[0][0]
-    with socket.socket() as silent:
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(8)
-        store.set(
-            "reach/addr/2", json.dumps({"inc": replicas[2][1], "host": "127.0.0.1", "port": silent.getsockname()[1]})
-        )
+    with socket.socket() as closed:
+        _publish_probe_address(store, 2, replicas[2][1], closed, listen=False)
         start = time.monotonic()
         try:
             deadline = start + BOUND + 1.0  # slack: 1 s for a loaded 2-core machine
@@ -160,6 +112,54 @@ def test_judge_fences_the_member_its_peers_cannot_reach(coordinator, monkeypatch
             assert store.get("declared/2") == str(replicas[2][1]), "its launcher is told to end it"
         finally:
             _close(replicas)
+
+
+def _verdict(store, number: int) -> dict:
+    """Round ``number``'s verdict, once the judge wrote it (within the bound, plus 1 s of slack)."""
+    deadline = time.monotonic() + BOUND + 1.0
+    while time.monotonic() < deadline and store.get_genuine(f"reach/{number}/verdict") is None:
+        time.sleep(0.02)
+    return json.loads(store.get(f"reach/{number}/verdict"))
+
+
+def test_a_peer_that_answers_no_probe_in_time_is_not_fenced(coordinator, monkeypatch):
+    """Replica 2's probe server accepts connections but never answers (a peer starved of CPU, or frozen):
+    no link is cut, so the round fences nobody (its heartbeat, not the partition judge, decides whether it
+    lives)."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    coord, secret = coordinator
+    replicas = _replicas(coord, secret, "reduce")
+    store = replicas[0][0]
+    with socket.socket() as silent:
+        _publish_probe_address(store, 2, replicas[2][1], silent, listen=True)
+        try:
+            verdict = _verdict(store, 1)
+            assert verdict["keep"] == [0, 1, 2] and verdict["fenced"] == {}
+            reports = [json.loads(store.get(f"reach/1/{r}")) for r in (0, 1)]
+            assert all(2 not in report["reached"] and report["cut"] == [] for report in reports), reports
+            assert store.deaths([0, 1, 2]) == {0: 0, 1: 0, 2: 0}
+        finally:
+            _close(replicas)
+
+
+def test_a_member_that_sends_no_report_is_not_fenced(coordinator, monkeypatch):
+    """Replica 2's probe server answers but its responder never reports (its thread starved, or the control
+    plane slow for it): the others reach it, no link is cut, nobody is fenced."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    coord, secret = coordinator
+    replicas = _replicas(coord, secret, "reduce")
+    store = replicas[0][0]
+    replicas[2][3].close()  # its responder: no more reports
+    server = ProbeServer("127.0.0.1", secret, replica=2, incarnation=replicas[2][1])
+    store.set("reach/addr/2", json.dumps({"inc": replicas[2][1], "host": "127.0.0.1", "port": server.port}))
+    try:
+        verdict = _verdict(store, 1)
+        assert verdict["keep"] == [0, 1, 2] and verdict["fenced"] == {}
+        assert store.get_genuine("reach/1/2") is None, "replica 2 sent no report"
+        assert store.deaths([0, 1, 2]) == {0: 0, 1: 0, 2: 0}
+    finally:
+        server.close()
+        _close(replicas)
 
 
 def test_the_reason_of_a_fencing_is_found_after_later_rounds(coordinator):
@@ -184,21 +184,20 @@ def test_judge_fences_nobody_when_everyone_reaches_everyone(coordinator, monkeyp
     replicas = _replicas(coord, secret, "regroup")
     store = replicas[0][0]
     try:
-        deadline = time.monotonic() + BOUND + 1.0
-        while time.monotonic() < deadline and store.get_genuine("reach/1/verdict") is None:
-            time.sleep(0.02)
-        verdict = json.loads(store.get("reach/1/verdict"))
+        verdict = _verdict(store, 1)
         assert verdict["keep"] == [0, 1, 2] and verdict["fenced"] == {}
         assert store.deaths([0, 1, 2]) == {0: 0, 1: 0, 2: 0}
     finally:
         _close(replicas)
 
 
-def _cut_probe_address(store, replica: int, incarnation: int, silent: socket.socket) -> None:
-    """Publish a listener that never answers as ``replica``'s probe server (its data network is cut)."""
-    silent.bind(("127.0.0.1", 0))
-    silent.listen(8)
-    address = {"inc": incarnation, "host": "127.0.0.1", "port": silent.getsockname()[1]}
+def _publish_probe_address(store, replica: int, incarnation: int, sock: socket.socket, listen: bool) -> None:
+    """Publish ``sock``'s address as ``replica``'s probe server: bound only, it refuses connections (the
+    data network to the replica is cut); listening, the kernel accepts them but nobody answers (a frozen peer)."""
+    sock.bind(("127.0.0.1", 0))
+    if listen:
+        sock.listen(8)
+    address = {"inc": incarnation, "host": "127.0.0.1", "port": sock.getsockname()[1]}
     store.set(f"reach/addr/{replica}", json.dumps(address))
 
 
@@ -218,8 +217,8 @@ def test_a_bumped_round_counter_makes_no_replica_skip_a_round(coordinator, monke
             attacker.add("reach/rounds", 1)
 
     bumper = threading.Thread(target=bump, name="test-round-bumper", daemon=True)
-    with socket.socket() as silent:
-        _cut_probe_address(store, 2, replicas[2][1], silent)
+    with socket.socket() as closed:
+        _publish_probe_address(store, 2, replicas[2][1], closed, listen=False)
         bumper.start()
         try:
             deadline = time.monotonic() + BOUND + 1.0

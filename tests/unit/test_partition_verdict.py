@@ -1,0 +1,101 @@
+"""The partition judge's decision, with no store: the largest set of members that all reach each other, and
+a round's verdict from the members' reports of the links they found cut."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+
+import pytest
+
+from lightning_recover.protocol.reachability import largest_mutual_set, partition_verdict
+
+
+def _brute_force(members, reached):
+    ok = [r for r in members if r in reached]
+    for size in range(len(ok), 0, -1):
+        for combo in itertools.combinations(sorted(ok), size):  # lexicographic: the first found is the smallest
+            if all(b in reached[a] and a in reached[b] for a, b in itertools.combinations(combo, 2)):
+                return list(combo)
+    return []
+
+
+def test_largest_mutual_set_cases():
+    everyone = {0: [1, 2], 1: [0, 2], 2: [0, 1]}
+    assert largest_mutual_set([0, 1, 2], everyone) == [0, 1, 2]
+    # replica 2 drops its peers' traffic: nobody reaches it, it reaches nobody
+    assert largest_mutual_set([0, 1, 2], {0: [1], 1: [0], 2: []}) == [0, 1]
+    # one direction of a report is not enough: 2 says it reached 0 and 1, they did not reach it
+    assert largest_mutual_set([0, 1, 2], {0: [1], 1: [0], 2: [0, 1]}) == [0, 1]
+    # a member that sent no report is in no set
+    assert largest_mutual_set([0, 1, 2], {0: [1, 2], 1: [0, 2]}) == [0, 1]
+    # two halves of equal size: the smaller ids win, deterministically
+    assert largest_mutual_set([0, 1, 2, 3], {0: [1], 1: [0], 2: [3], 3: [2]}) == [0, 1]
+    # the larger side wins whatever the ids
+    assert largest_mutual_set([0, 1, 2, 3, 4], {0: [], 1: [], 2: [3, 4], 3: [2, 4], 4: [2, 3]}) == [2, 3, 4]
+    assert largest_mutual_set([0, 1], {0: [], 1: []}) == [0]
+    assert largest_mutual_set([], {}) == []
+
+
+def test_largest_mutual_set_matches_brute_force():
+    rng = random.Random(0)
+    for _ in range(400):
+        n = rng.randint(1, 8)
+        members = list(range(n))
+        reached = {r: [s for s in members if s != r and rng.random() < 0.8] for r in members if rng.random() < 0.9}
+        assert largest_mutual_set(members, reached) == _brute_force(members, reached), reached
+
+
+def test_largest_mutual_set_is_fast_for_a_large_group_with_a_partition():
+    members = list(range(300))
+    cut = {7, 150, 299}
+    reached = {r: [s for s in members if s != r and (s not in cut and r not in cut)] for r in members}
+    start = time.perf_counter()
+    keep = largest_mutual_set(members, reached)
+    assert keep == [r for r in members if r not in cut]
+    assert time.perf_counter() - start < 5.0
+
+
+@pytest.mark.parametrize(
+    "alive, cut, keep, fenced",
+    [
+        # nobody found a cut link: everyone is kept, whatever did not answer in time
+        ([0, 1, 2], {0: [], 1: [], 2: []}, [0, 1, 2], {}),
+        # replica 2's host drops its peers' traffic: every link to it is cut, from both ends
+        ([0, 1, 2], {0: [2], 1: [2], 2: [0, 1]}, [0, 1], {2: [0, 1]}),
+        # one end's report is enough to cut a link
+        ([0, 1, 2], {0: [2], 1: [], 2: []}, [0, 1], {2: [0]}),
+        # a member that sent no report is kept unless someone found its link cut (its responder was starved)
+        ([0, 1, 2], {0: [], 1: []}, [0, 1, 2], {}),
+        ([0, 1, 2], {0: [2], 1: [2]}, [0, 1], {2: [0, 1]}),
+        # no report at all: nothing is evidence of a partition
+        ([0, 1, 2], {}, [0, 1, 2], {}),
+        # two halves of equal size: the smaller ids win, deterministically
+        ([0, 1, 2, 3], {0: [2, 3], 1: [2, 3], 2: [0, 1], 3: [0, 1]}, [0, 1], {2: [0, 1], 3: [0, 1]}),
+        # the larger side wins whatever the ids
+        ([0, 1, 2, 3, 4], {0: [2, 3, 4], 1: [2, 3, 4]}, [2, 3, 4], {0: [2, 3, 4], 1: [2, 3, 4]}),
+        # an asymmetric cut between two members only: one of them goes (the larger id), the rest stay
+        ([0, 1, 2], {0: [1]}, [0, 2], {1: [0]}),
+        # reports about members outside the round, or about oneself, count for nothing
+        ([0, 1], {0: [0, 7], 1: [], 9: [0, 1]}, [0, 1], {}),
+        ([], {}, [], {}),
+    ],
+)
+def test_partition_verdict_cases(alive, cut, keep, fenced):
+    assert partition_verdict(alive, cut) == (keep, fenced)
+
+
+def test_every_fenced_member_has_a_cut_link_with_a_kept_one():
+    """Only a cut is evidence: a random set of cut links, any reports missing, never fences a member without
+    a cut link to a member kept, and the kept members have no cut link among them."""
+    rng = random.Random(1)
+    for _ in range(300):
+        members = list(range(rng.randint(1, 8)))
+        cut = {r: [s for s in members if s != r and rng.random() < 0.15] for r in members if rng.random() < 0.8}
+        keep, fenced = partition_verdict(members, cut)
+        linked_cut = {(a, b) for a, bs in cut.items() for b in bs} | {(b, a) for a, bs in cut.items() for b in bs}
+        assert not [(a, b) for a in keep for b in keep if (a, b) in linked_cut], (cut, keep)
+        assert sorted(keep + list(fenced)) == members
+        for r, kept in fenced.items():
+            assert kept and all((r, s) in linked_cut for s in kept), (cut, keep, fenced)
