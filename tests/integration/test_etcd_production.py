@@ -17,13 +17,13 @@ import torch.distributed as dist
 
 from lightning_recover.control_plane import config
 from lightning_recover.control_plane import etcd_client as ec
-from lightning_recover.control_plane.etcd_cluster import LocalEtcdCluster, make_certificates
+from lightning_recover.control_plane.etcd_cluster import make_certificates
 from lightning_recover.control_plane.etcd_compaction import Compactor
 from lightning_recover.control_plane.etcd_job import join_job
 from lightning_recover.control_plane.etcd_store import EtcdStore
 from lightning_recover.protocol.messages import JobSecret, Sealer
 from lightning_recover.protocol.reachability import PartitionJudge
-from tests.etcd_cluster_fixtures import need_etcd
+from tests.etcd_cluster_fixtures import local_cluster, need_etcd
 from tests.etcd_faults import FaultyMember
 
 QUOTA = 1 << 20  # 1 MiB: etcd's NOSPACE within a few hundred writes of the value below
@@ -34,7 +34,7 @@ VALUE = os.urandom(4096)
 def tiny_quota(tmp_path):
     """A one-member TLS etcd with a 1 MiB space quota and no compaction of its own."""
     need_etcd()
-    cluster = LocalEtcdCluster(str(tmp_path / "etcd"), 1, quota_backend_bytes=QUOTA, auto_compaction=None)
+    cluster = local_cluster(str(tmp_path / "etcd"), 1, quota_backend_bytes=QUOTA, auto_compaction=None)
     cluster.start(timeout=20)
     try:
         yield cluster
@@ -130,7 +130,7 @@ def one_member_with_a_foreign_certificate(tmp_path):
     """Three members; member 0 serves its clients a certificate signed by another CA (rotated wrongly)."""
     need_etcd()
     foreign = make_certificates(str(tmp_path / "foreign-pki"), ["127.0.0.1"])
-    cluster = LocalEtcdCluster(str(tmp_path / "etcd"), 3)
+    cluster = local_cluster(str(tmp_path / "etcd"), 3)
     cluster.client_facing_certs = {0: (foreign["server_cert"], foreign["server_key"])}
     cluster.start(timeout=120)
     try:
@@ -219,7 +219,7 @@ def test_a_cluster_with_authentication_is_named_at_once(tmp_path):
     """etcd's JSON gateway ignores a client certificate's identity once auth is on (docs/control_plane.md):
     the client says so at once instead of waiting out its deadline as for a member that does not answer."""
     need_etcd()
-    cluster = LocalEtcdCluster(str(tmp_path / "etcd"), 1).start(timeout=20)
+    cluster = local_cluster(str(tmp_path / "etcd"), 1).start(timeout=20)
     try:
         t = cluster.tls_files
         etcdctl = ["etcdctl", "--endpoints", cluster.endpoints[0], "--cacert", t["cacert"], "--cert", t["cert"]]

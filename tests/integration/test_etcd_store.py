@@ -26,7 +26,7 @@ from lightning_recover.control_plane.etcd_store import EtcdStore
 from lightning_recover.errors import CoordinatorLostError, ForgedMessageError, RecoverError
 from lightning_recover.protocol.messages import ControlStore, JobSecret, SealedStore, recent_many
 from lightning_recover.protocol.rendezvous import RendezvousHost, leaders_store, meeting_place
-from tests.etcd_cluster_fixtures import need_etcd
+from tests.etcd_cluster_fixtures import local_cluster, need_etcd
 
 _count = [0]
 
@@ -221,7 +221,7 @@ def test_prefix_store_over_etcd_store(etcd1):
 @pytest.mark.slow  # starts and kills an etcd of its own, then waits out the client timeout
 def test_lost_etcd_is_a_named_error_within_the_bound(tmp_path):
     need_etcd()
-    cluster = LocalEtcdCluster(str(tmp_path / "e"), members_count=1).start(timeout=20)
+    cluster = local_cluster(str(tmp_path / "e"), 1).start(timeout=20)
     try:
         cs = ControlStore(cluster.url, 0, JobSecret.generate(), store=fresh_store(cluster, timeout=1.0))
         cs.set("k", "v")
@@ -268,7 +268,7 @@ def test_a_member_that_never_answers_costs_one_short_try(tmp_path):
     the proposal to a leader that just died) costs one try of ``try_timeout``, then the next member
     answers (with a 1 s try, as before, every such request stalled 1 s)."""
     need_etcd()
-    cluster = LocalEtcdCluster(str(tmp_path / "e"), members_count=3).start(timeout=30)
+    cluster = local_cluster(str(tmp_path / "e"), 3).start(timeout=30)
     frozen = (cluster.leader() + 1) % 3  # a follower: the other two keep a majority
     client = EtcdClient([cluster.endpoints[(frozen + k) % 3] for k in range(3)], **cluster.tls_files, timeout=5.0)
     try:
