@@ -199,6 +199,9 @@ class SlurmCluster:
             "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_CPU",
             "SchedulerType=sched/builtin",
+            # A requeued job becomes eligible after cred_expire, but only a pass of the main scheduling loop starts
+            # it, every 60 s by default (events start other jobs at once).
+            "SchedulerParameters=sched_interval=2",
             "ReturnToService=2",
             f"SlurmdTimeout={SLURMD_TIMEOUT}",
             "KillWait=5",
