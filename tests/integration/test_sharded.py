@@ -254,7 +254,7 @@ def test_restarted_replica_of_two_rejoins_with_its_shards(tmp_path, reference, l
     gate = str(tmp_path / "gate")
     result, pids = sharded_job(
         str(tmp_path / "job"),
-        replicas=3,
+        replicas=2,
         microbatches=10,
         inject="kill:replica=1:inner=1:step=1:phase=backward",
         cli="torchrun" if launch == "torchrun" else None,
@@ -265,13 +265,13 @@ def test_restarted_replica_of_two_rejoins_with_its_shards(tmp_path, reference, l
         restarts=1,
         tp=2 if launch == "fabric-tp" else 1,  # pure TP: the joiner also receives the replicated plain parameters
     )
-    states = check(result, pids, reference(10, steps=REJOIN_STEPS), survivors=[0, 1, 2], replicas=3, steps=REJOIN_STEPS)
+    states = check(result, pids, reference(10, steps=REJOIN_STEPS), survivors=[0, 1], replicas=2, steps=REJOIN_STEPS)
     rejoined = states[1]["stats"]
     assert 1 < rejoined[0]["step"] < REJOIN_STEPS, "it rejoined mid-run"
-    assert all(s["live_replicas"] == 3 for s in rejoined)
+    assert all(s["live_replicas"] == 2 for s in rejoined)
     survivor = states[0]["stats"]
-    assert survivor[1]["live_replicas"] == 2 and survivor[1]["recoveries"] == 1, "recovered in step 1"
-    assert survivor[-1]["live_replicas"] == 3, "the quotas include the rejoined replica again"
+    assert survivor[1]["live_replicas"] == 1 and survivor[1]["recoveries"] == 1, "recovered in step 1"
+    assert survivor[-1]["live_replicas"] == 2, "the quotas include the rejoined replica again"
     if launch == "fabric-tp":
         # the step's mean loss is known only if the replica counted each microbatch once (not tp times)
         assert all(s["loss"] is not None for s in survivor)
