@@ -171,3 +171,46 @@ def test_a_failure_check_that_raises_during_a_build_still_ends_the_process_witho
         if thread.name == "lr-build-g0":
             thread.join(timeout=30)
             assert not thread.is_alive()
+
+
+def _gloo_threads() -> set[str]:
+    found = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if "gloo" in f.read():
+                    found.add(tid)
+        except OSError:
+            pass  # ended between the listing and the read
+    return found
+
+
+def test_a_released_group_ends_its_gloo_threads_while_the_interpreter_runs():
+    """A clean exit releases the current group (``ProcessGroups.release``) and drops it: its destructor joins
+    gloo's threads there and then, so none is left to touch the interpreter while it finalizes. Two members in
+    threads of this process, one real allreduce."""
+    import torch
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30))
+    before = _gloo_threads()
+    groups = [ProcessGroups("gloo", collective_timeout=30.0) for _ in range(2)]
+    built: dict[int, object] = {}
+
+    def member(rank: int) -> None:
+        store = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+        pg = groups[rank].build(dist.PrefixStore("g0", store), 0, rank, 2, lambda: False)
+        tensor = torch.ones(4)
+        groups[rank].started(pg, [pg.allreduce([tensor])])
+        pg.allreduce([tensor]).wait()
+        built[rank] = pg
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(built) == [0, 1], "both members built the group and reduced"
+    assert _gloo_threads() - before, "gloo runs threads for the groups"
+    for rank in range(2):
+        groups[rank].release(built.pop(rank))  # the last references: the destructors run here
+    assert _gloo_threads() - before == set(), "no gloo thread outlives its released group"
