@@ -61,9 +61,14 @@ from lightning_recover.protocol.messages import JobSecret, Sealer
 #: after the holder's lease expired).
 CAMPAIGN_PERIOD = 0.1
 #: The monitor's lease (whole seconds: etcd's unit; etcd raises anything below ~1.5 x its election
-#: timeout to that minimum). Takeover after the holder's death: <= DEFAULT_LEASE_TTL + CAMPAIGN_PERIOD
-#: + one request (tests/integration/test_etcd_job.py asserts it with 1 s of slack).
+#: timeout to that minimum).
 DEFAULT_LEASE_TTL = 2
+#: etcd's leader looks for expired leases every 0.5 s (its lessor's run loop), so a lease outlives its TTL by up to
+#: this before its keys are deleted.
+ETCD_LEASE_EXPIRY_CHECK = 0.5
+#: Takeover of the monitor role after the holder's death: the lease's TTL, etcd's expiry check, a candidate's
+#: campaign period (plus one request; the tests assert it with their slack).
+TAKEOVER_BOUND = DEFAULT_LEASE_TTL + ETCD_LEASE_EXPIRY_CHECK + CAMPAIGN_PERIOD
 #: Seconds between the monitor's reads of every heartbeat (at most heartbeat_timeout / 10). Each read
 #: is a Raft proposal (EtcdStore.peek_many(through_log=True)) that every member applies; at the
 #: embedded coordinator's 20 ms it was about half of the job's proposals (benchmarks/figures/etcdperf.md).
