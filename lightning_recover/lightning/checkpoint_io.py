@@ -26,6 +26,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning_recover.checkpoint.engine import EngineHandle
 from lightning_recover.checkpoint.file import async_io
 from lightning_recover.checkpoint.file.single_file import load, save
+from lightning_recover.checkpoint.snapshot_guard import EAGER_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class UringCheckpointIO(CheckpointIO):
         *,
         async_save: bool = False,
         max_pending_bytes: Optional[int] = None,
-        eager_bytes: int = 1 << 20,
+        eager_bytes: int = EAGER_BYTES,
         flush_bytes_per_s: Optional[float] = None,
     ) -> None:
         super().__init__()

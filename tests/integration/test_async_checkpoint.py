@@ -295,7 +295,7 @@ def test_background_error_surfaces_at_next_call(tmp_path, surface, faults):
     faults(eio_at=1)
     io.save_checkpoint({"w": p, "k": 2}, tmp_path / "c.ckpt")
     # wait (without raising) until the background failure happened
-    io._saver._last.done.wait(30)
+    assert async_io.wait_for_path(tmp_path / "c.ckpt", timeout=30)
     faults()
     with pytest.raises(AsyncCheckpointError, match="c.ckpt") as ei:
         if surface == "save":

@@ -27,6 +27,7 @@ from lightning_recover.checkpoint import (
     save,
     verify_file,
 )
+from lightning_recover.checkpoint.file.async_io import wait_for_path
 from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
 
 NAMES = 4  # rotating checkpoint names r0..r3
@@ -278,7 +279,7 @@ def test_enospc_async_surfaces_at_next_call(small_fs):
     io.save_checkpoint(_small(1), path)
     io.wait_until_durable()
     io.save_checkpoint(_big(2), path)  # returns: the failure happens in the background
-    io._saver._last.done.wait(30)
+    assert wait_for_path(path, timeout=30)
     with pytest.raises(AsyncCheckpointError, match="c.ckpt") as ei:
         io.save_checkpoint(_small(3), path)
     assert isinstance(ei.value.__cause__, OSError) and ei.value.__cause__.errno == errno.ENOSPC

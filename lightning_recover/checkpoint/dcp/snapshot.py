@@ -8,12 +8,10 @@ and reused by the next save of the same layout. DCP's upload thread waits for th
 and writes as usual; ``dcp.async_save`` returns an ``AsyncSaveResponse`` whose ``staging_completion``
 is the end of the snapshot and ``upload_completion`` the durable commit.
 
-Never silently wrong: ``optimizer.step()`` waits for a pending snapshot (``snapshot_guard``), and every
-lazily copied tensor's version counter is compared before and after its copy. A tensor changed in place
-before its copy finished (outside ``optimizer.step``: an EMA callback, manual ``p.add_``) makes the save
-fail -- raised by ``write_data`` on that rank, so DCP fails the save on every rank and nothing is
-committed; no rank is left waiting in a collective. Changes through ``tensor.data`` bypass the version
-counter; call ``wait_for_snapshot()`` before those.
+The snapshotter is the one the single-file saver shares (``snapshot_guard.py``: split rule, background copy in
+order with its version-race check, ``wait_for_snapshot``, ``optimizer.step()`` guard); this module supplies the
+staging buffers. A race is raised by ``write_data`` on that rank, so DCP fails the save on every rank and nothing
+is committed; no rank is left waiting in a collective.
 """
 
 from __future__ import annotations
@@ -28,12 +26,9 @@ from typing import Any, Optional
 import torch
 from torch.distributed.tensor import DTensor
 
-from lightning_recover.checkpoint import snapshot_guard
-from lightning_recover.checkpoint.snapshot_guard import SnapshotRaceError
+from lightning_recover.checkpoint.snapshot_guard import EAGER_BYTES, Snapshot, Snapshotter, is_lazy, track, untrack
 
-__all__ = ["LazySnapshot", "SnapshotRaceError"]
-
-MiB = 1 << 20
+__all__ = ["LazySnapshot"]
 
 
 def _leaves(obj: Any, path: tuple = ()) -> list[tuple[tuple, Any]]:
@@ -78,7 +73,7 @@ def _staging_for(v: Any) -> Any:
     return None
 
 
-class LazySnapshot:
+class LazySnapshot(Snapshotter):
     """The staging half of ``UringStorageWriter(lazy_snapshot=True)``: see the module docstring.
 
     ``lazy=False`` (``UringStorageWriter(cache_staged_state_dict=True)``): every tensor is copied in
@@ -86,19 +81,18 @@ class LazySnapshot:
     staging pins memory, which fails on a machine without an accelerator).
     """
 
-    def __init__(self, eager_bytes: int = MiB, lazy: bool = True) -> None:
+    def __init__(self, eager_bytes: int = EAGER_BYTES, lazy: bool = True) -> None:
+        super().__init__(eager_bytes)
         self.lazy = lazy
-        self.eager_bytes = int(eager_bytes)
         self._lock = threading.Lock()
         self._layout: Any = None
         self._buffers: Optional[list] = None  # staging tensors by leaf, reused while the layout holds
         self._in_use = False  # an upload still reads the buffers
-        self._pending: Optional[Future] = None
-        # One error cell per lazy save, in stage() order; the upload of a save takes the oldest in
+        # Every lazy save's snapshot, in stage() order; the upload of a save takes the oldest in
         # set_up_storage_writer (saves through one writer run one at a time, in order), so an error is
         # always raised by the save it belongs to, never cleared by a later stage().
-        self._cells: collections.deque = collections.deque()
-        self._current: Optional[list] = None
+        self._snaps: collections.deque = collections.deque()
+        self._current: Optional[Snapshot] = None
         self._pool: Optional[ThreadPoolExecutor] = None
         self.blocked_s = 0.0  # the training thread's time in the last stage()
         self.allocations = 0  # how many times staging buffers were allocated (reuse is observable)
@@ -118,7 +112,8 @@ class LazySnapshot:
                 self.allocations += 1
             self._in_use = True
             buffers = self._buffers
-        staged_values, lazy = [], []
+        staged_values = []
+        snap = Snapshot("writer.wait_for_snapshot() (or save with lazy_snapshot=False)")
         with torch.no_grad():
             for (path, src), dst in zip(leaves, buffers):
                 if dst is None:
@@ -126,64 +121,39 @@ class LazySnapshot:
                     continue
                 staged_values.append(dst)
                 s, d = _local(src), _local(dst)
-                if not self.lazy or s.numel() * s.element_size() < self.eager_bytes:
-                    d.copy_(s)
+                if self.lazy and is_lazy(s.numel() * s.element_size(), self.eager_bytes):
+                    snap.add((s, d), [(".".join(str(p) for p in path), src)])
                 else:
-                    lazy.append((path, src, src._version, s, d))
+                    d.copy_(s)
         staged = _rebuild(state_dict, iter(staged_values))
         if not self.lazy:
             self.blocked_s = time.perf_counter() - t0
             return staged
         done: Future = Future()
-        cell: list = [None]
-        self._cells.append(cell)
-        self._pending = done
-        snapshot_guard.track(self)
+        self._snaps.append(snap)
+        self._last = snap
+        track(self)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="dcp-lazy-snapshot")
-        self._pool.submit(self._copy, lazy, staged, done, cell)
+        self._pool.submit(self._copy, snap, staged, done)
         self.blocked_s = time.perf_counter() - t0
         return done
 
-    def snapshot_pending(self) -> bool:
-        p = self._pending
-        return p is not None and not p.done()
-
-    def wait_for_snapshot(self) -> float:
-        """Block until the pending snapshot is complete; returns the seconds waited."""
-        t0 = time.perf_counter()
-        p = self._pending
-        if p is not None:
-            p.exception()  # waits; the error, if any, is raised by the save itself
-        return time.perf_counter() - t0
-
     # -- background and upload threads -------------------------------------------------------------
 
-    def _copy(self, lazy: list, staged: dict, done: Future, cell: list) -> None:
-        try:
-            with torch.no_grad():
-                for path, src, version, s, d in lazy:
-                    d.copy_(s)
-                    if src._version != version:
-                        name = ".".join(str(p) for p in path)
-                        raise SnapshotRaceError(
-                            f"{name} was changed in place (version {version} -> {src._version}) before its lazy "
-                            "snapshot was complete, so this checkpoint is not written. HINT: call "
-                            "writer.wait_for_snapshot() before changing checkpointed tensors outside "
-                            "optimizer.step(), or save with lazy_snapshot=False"
-                        )
-        except BaseException as exc:  # kept for write_data: the save fails on every rank together
-            cell[0] = exc
-        done.set_result(staged)
+    def _copy(self, snap: Snapshot, staged: dict, done: Future) -> None:
+        with torch.no_grad():
+            snap.run(lambda src_dst: src_dst[1].copy_(src_dst[0]))
+        done.set_result(staged)  # an error is kept for write_data: the save fails on every rank together
 
     def begin_upload(self) -> None:
-        """Called at the start of every save's upload (``set_up_storage_writer``): take its error cell."""
-        self._current = self._cells.popleft() if self.lazy and self._cells else None
+        """Called at the start of every save's upload (``set_up_storage_writer``): take its snapshot."""
+        self._current = self._snaps.popleft() if self.lazy and self._snaps else None
 
     def check(self) -> None:
         """Called by ``write_data``: raise this save's snapshot error, if any."""
-        if self._current is not None and self._current[0] is not None:
-            raise self._current[0]
+        if self._current is not None and self._current.error is not None:
+            raise self._current.error
 
     def release(self) -> None:
         """The upload no longer reads the staging buffers (called when ``write_data`` returns)."""
@@ -192,7 +162,7 @@ class LazySnapshot:
 
     def close(self) -> None:
         self.wait_for_snapshot()
-        snapshot_guard.untrack(self)
+        untrack(self)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

@@ -61,6 +61,7 @@ from lightning_recover.checkpoint.files import (
 )
 from lightning_recover.checkpoint.gc_pause import GcPause
 from lightning_recover.checkpoint.integrity import congruent_offset
+from lightning_recover.checkpoint.snapshot_guard import EAGER_BYTES
 from lightning_recover.checkpoint.write_pipeline import WritePipeline
 
 __all__ = [
@@ -310,7 +311,7 @@ class UringStorageWriter(FileSystemWriter):
         overwrite: bool = True,
         cache_staged_state_dict: bool = False,
         lazy_snapshot: bool = False,
-        eager_bytes: int = 1 << 20,
+        eager_bytes: int = EAGER_BYTES,
         pause_gc: bool | float = True,
     ) -> None:
         super().__init__(

@@ -3,10 +3,10 @@
 How a save proceeds (see ``docs/checkpointing.md`` for the user-facing guarantees):
 
 1. ``submit()`` (the training thread) pickles the non-tensor state (``data.pkl``), plans the archive layout and
-   copies *small* storages (< ``eager_bytes``) right away. Large storages are only *referenced*. It returns.
-2. The **copier** thread copies the referenced storages, in file order, in chunks, into a ring-shaped
-   staging buffer (host memory allocated once and reused; ``staging_bytes`` bounds it). When the ring is full
-   it waits for the flusher (back-pressure). When the last chunk is copied the job's *snapshot* is complete.
+   copies *small* storages (< ``eager_bytes``) right away. Large ones are only *referenced* (its ``Snapshot``).
+2. The **copier** thread runs the snapshot: it copies the referenced storages, in file order, in chunks, into a
+   ring-shaped staging buffer (host memory allocated once and reused; ``staging_bytes`` bounds it). When the ring
+   is full it waits for the flusher (back-pressure). When the last chunk is copied the snapshot is complete.
 3. The **flusher** thread writes the leading records, eager storages and staged chunks through ``native_io``
    into an unnamed file in the target directory (``O_TMPFILE``; a hidden temporary name where the filesystem has
    no unnamed files), releases ring space as it goes, writes the closing records (integrity record, central
@@ -14,14 +14,10 @@ How a save proceeds (see ``docs/checkpointing.md`` for the user-facing guarantee
    the directory: the final name appears only
    once the file is durable, and while the save is in flight nothing but the name's placeholder is listed.
 
-Consistency: a global ``torch.optim`` step pre-hook makes every ``optimizer.step()`` wait until all pending
-snapshots are complete (for a step called with a closure -- Lightning's automatic optimization -- the wait
-happens after the closure, i.e. after forward/backward, just before the parameters change). Anything else
-that modifies large checkpointed tensors in place before that must call ``wait_for_snapshot()`` first.
-
-Never silently wrong: the version counter of every lazily copied tensor is recorded at ``submit`` and
-compared once its copy is done; a tensor changed in place in between (outside ``optimizer.step``) fails
-that save (``SnapshotRaceError`` as the cause), nothing is committed.
+Consistency (``snapshot_guard``, shared with the DCP path): every ``optimizer.step()`` waits until all pending
+snapshots are complete; anything else that modifies large checkpointed tensors in place before that must call
+``wait_for_snapshot()`` first. A lazily copied tensor changed in place before its copy was done fails that save
+(``SnapshotRaceError`` as the cause), nothing is committed.
 
 Names in flight: ``submit`` reserves the final name at once with an empty placeholder file when nothing is
 there yet (so ``os.path.exists`` -- ModelCheckpoint's ``-vN`` versioning -- sees it as taken); the commit
@@ -272,27 +268,23 @@ class _Ring:
 
 
 class _Job:
-    def __init__(self, path: str, plan: ZipPlan, eager: list, lazy: list) -> None:
+    def __init__(self, path: str, plan: ZipPlan, eager: list, snap: snapshot_guard.Snapshot) -> None:
         self.path = path
         self.directory = os.path.dirname(path)
         self.plan = plan
         self.eager = eager  # [(storage index, uint8 tensor copy)]
-        self.lazy = lazy  # [(storage index, uint8 tensor view of the live storage)]
-        self.lazy_bytes = sum(_align_up(int(t.numel())) for _, t in lazy)  # in the ring, storages start aligned
+        self.snap = snap  # its items: (storage index, uint8 tensor view of the live storage)
+        self.lazy_bytes = sum(_align_up(int(t.numel())) for (_, t), _ in snap.items)  # in the ring, aligned
         self.crcs: dict[int, list] = {}  # storage index -> [(crc, length)] of its chunks, in order
         self.tmp: Optional[str] = None
         self.anon_fd: Optional[int] = None  # the unnamed (O_TMPFILE) file being written, when the filesystem has them
         self.writer: Any = None
         self.error: Optional[BaseException] = None
-        self.snapshot_done = threading.Event()
         self.done = threading.Event()
-        self.t_submit = time.perf_counter()
-        self.t_snapshot: Optional[float] = None
         self.t_durable: Optional[float] = None
         self.paced_until: Optional[float] = None  # with a flush rate: when the next chunk may be written
         self.direct = False  # the file was written with O_DIRECT
         self.unstaged_bytes = 0  # storage bytes the engine wrote straight from the ring (no copy into its arena)
-        self.versions: dict[int, list] = {}  # lazy storage index -> [(name, tensor, version at submit)]
         self.placeholder: Optional[tuple] = None  # (st_dev, st_ino) of the empty file this save created
         self.owner: Any = lambda: None
 
@@ -362,13 +354,13 @@ class _Job:
         _drop_placeholder(self)
 
     def timings(self) -> dict:
-        t_durable = self.t_durable or time.perf_counter()
+        t_durable, t_submit = self.t_durable or time.perf_counter(), self.snap.t_start
         return {
             "path": self.path,
-            "snapshot_s": (self.t_snapshot or t_durable) - self.t_submit,
-            "durable_s": t_durable - self.t_submit,
-            "t_submit": self.t_submit,
-            "t_snapshot": self.t_snapshot,
+            "snapshot_s": (self.snap.t_done or t_durable) - t_submit,
+            "durable_s": t_durable - t_submit,
+            "t_submit": t_submit,
+            "t_snapshot": self.snap.t_done,
             "t_durable": self.t_durable,
             "direct": self.direct,
             "unstaged_bytes": self.unstaged_bytes,
@@ -413,7 +405,7 @@ def _drain_at_exit() -> None:  # pragma: no cover - runs in a subprocess: test_i
 # ------------------------------------------------------------------------------------------------ saver
 
 
-class AsyncSaver:
+class AsyncSaver(snapshot_guard.Snapshotter):
     """Background saver used by ``UringCheckpointIO(async_save=True)`` (one per plugin).
 
     Args:
@@ -433,16 +425,16 @@ class AsyncSaver:
         engine: Any,
         staging_bytes: Optional[int] = None,
         chunk_bytes: int = 64 * MiB,
-        eager_bytes: int = MiB,
+        eager_bytes: int = snapshot_guard.EAGER_BYTES,
         flush_bytes_per_s: Optional[float] = None,
     ) -> None:
         if staging_bytes is not None and staging_bytes < 4096:
             raise ValueError("staging_bytes must be at least 4096")
+        super().__init__(eager_bytes)
         self.flush_bytes_per_s = check_flush_rate(flush_bytes_per_s)
         self._engine = engine
         self.staging_bytes = staging_bytes
         self.chunk_bytes = max(4096, int(chunk_bytes))
-        self.eager_bytes = int(eager_bytes)
         self._ring = _Ring()
         self._copy_q: queue.Queue = queue.Queue()
         self._flush_q: queue.Queue = queue.Queue()
@@ -450,7 +442,6 @@ class AsyncSaver:
         self._retiring = False  # the threads were told to exit (idle); the next submit starts new ones
         self._lock = threading.Lock()
         self._jobs: list = []  # submitted and not yet done, in order
-        self._last: Optional[_Job] = None
         self._errors: list = []
         self.history: list = []  # finished jobs' timings: dict(path, snapshot_s, durable_s, bytes, error)
 
@@ -469,19 +460,17 @@ class AsyncSaver:
             except Exception:
                 continue
             by_storage.setdefault(key, []).append((name, t))
-        eager, lazy, versions = [], [], {}
+        eager, snap = [], snapshot_guard.Snapshot("io.wait_for_snapshot()", path)
         for i, st in enumerate(zplan.storages):
             n = zplan.storage_record[i].nbytes
             if n == 0:
                 continue
             u8 = storage_as_bytes(st)
-            if n < self.eager_bytes:
-                eager.append((i, u8.to("cpu", copy=True)))
+            if snapshot_guard.is_lazy(n, self.eager_bytes):
+                snap.add((i, u8), by_storage.get((st.device, st.data_ptr()), ()))
             else:
-                lazy.append((i, u8))
-                versions[i] = snapshot_guard.record_versions(by_storage.get((st.device, st.data_ptr()), ()))
-        job = _Job(path, zplan, eager, lazy)
-        job.versions = versions
+                eager.append((i, u8.to("cpu", copy=True)))
+        job = _Job(path, zplan, eager, snap)
         job.owner = weakref.ref(self)
         _savers.add(self)
         job.placeholder = _reserve_name(path)  # the name is taken from now on (ModelCheckpoint's -vN)
@@ -489,7 +478,7 @@ class AsyncSaver:
         with self._lock:  # with the lock: the threads cannot retire between starting and the put
             self._start()
             self._jobs.append(job)
-            self._last = job
+            self._last = job.snap
             self._copy_q.put(job)
         snapshot_guard.track(self)  # now that the job shows as pending: the next optimizer step waits for it
 
@@ -506,18 +495,13 @@ class AsyncSaver:
         remove_path(path)
 
     def snapshot_pending(self) -> bool:
-        last = self._last
-        return bool(self._errors) or (last is not None and not last.snapshot_done.is_set())
+        return bool(self._errors) or super().snapshot_pending()
 
     def wait_for_snapshot(self) -> float:
         """Block until every submitted save has copied its tensors; returns the seconds waited."""
-        t0 = time.perf_counter()
-        last = self._last
-        if last is not None:
-            while not last.snapshot_done.wait(0.5):
-                self._check_threads()
+        waited = super().wait_for_snapshot()
         self.raise_errors()
-        return time.perf_counter() - t0
+        return waited
 
     def wait_until_durable(self) -> float:
         """Block until every submitted save is durable (or failed); raises a background error."""
@@ -550,7 +534,7 @@ class AsyncSaver:
         """False when a background thread died; retiring (idle) threads are expected to exit."""
         return self._retiring or all(t.is_alive() for t in self._threads)
 
-    def _check_threads(self) -> None:
+    def _check_alive(self) -> None:
         if not self.threads_alive():
             raise AsyncCheckpointError("a background checkpoint thread died; pending saves are lost")
 
@@ -558,8 +542,7 @@ class AsyncSaver:
         """``q.join()`` that raises instead of waiting forever if a background thread is gone."""
         with q.all_tasks_done:
             while q.unfinished_tasks:
-                if not self.threads_alive():
-                    raise AsyncCheckpointError("a background checkpoint thread died; pending saves are lost")
+                self._check_alive()
                 q.all_tasks_done.wait(0.5)
 
     def close(self, raise_errors: bool = True) -> None:
@@ -616,40 +599,30 @@ class AsyncSaver:
                 cq.task_done()
 
     def _snapshot(self, job: _Job, fq: queue.Queue) -> None:
+        """Run ``job``'s snapshot: each lazy storage chunk by chunk into the ring, each chunk to the flusher."""
         fq.put(("begin", job))
-        try:
-            if job.lazy:
-                need = job.lazy_bytes if self.staging_bytes is None else self.staging_bytes
-                self._ring.ensure(max(need, ALIGN))
-                # aligned chunks keep every chunk's file offset aligned (storages start on ALIGN boundaries)
-                chunk = min(self.chunk_bytes, max(ALIGN, self._ring.capacity // 4)) // ALIGN * ALIGN
-                cancelled = lambda: job.error is not None  # noqa: E731
-                for i, src in job.lazy:
-                    n = int(src.numel())
-                    for off in range(0, n, chunk):
-                        m = min(chunk, n - off)
-                        at = self._ring.reserve(m, cancelled)
-                        if at is None:
-                            return
-                        assert self._ring.buf is not None
-                        crc = _copy_chunk(self._ring.buf[at : at + m], src[off : off + m])
-                        fq.put(("chunk", job, i, off, at, m, crc))
-                    changed = snapshot_guard.changed_tensor(job.versions.get(i, ()))
-                    if changed is not None:
-                        name, v0, v1 = changed
-                        raise snapshot_guard.SnapshotRaceError(
-                            f"{name} was changed in place (version {v0} -> {v1}) before the lazy snapshot of "
-                            f"{job.path} was complete, so this checkpoint is not written. HINT: call "
-                            "io.wait_for_snapshot() before changing checkpointed tensors outside optimizer.step()"
-                        )
-        except BaseException as e:  # e.g. MemoryError allocating the ring
-            job.fail(e)
-        finally:
-            job.t_snapshot = time.perf_counter()
-            job.lazy = []  # drop the references to the live tensors
-            job.versions = {}
-            job.snapshot_done.set()
-            fq.put(("end", job))
+        need = max(ALIGN, job.lazy_bytes if self.staging_bytes is None else self.staging_bytes)
+
+        def copy(item: tuple) -> Optional[bool]:
+            i, src = item
+            self._ring.ensure(need)  # waits for the ring to drain and allocates only for a bigger save's first storage
+            # aligned chunks keep every chunk's file offset aligned (storages start on ALIGN boundaries)
+            chunk = min(self.chunk_bytes, max(ALIGN, self._ring.capacity // 4)) // ALIGN * ALIGN
+            n = int(src.numel())
+            for off in range(0, n, chunk):
+                m = min(chunk, n - off)
+                at = self._ring.reserve(m, lambda: job.error is not None)
+                if at is None:
+                    return False  # the flusher failed the save
+                assert self._ring.buf is not None
+                crc = _copy_chunk(self._ring.buf[at : at + m], src[off : off + m])
+                fq.put(("chunk", job, i, off, at, m, crc))
+            return None
+
+        job.snap.run(copy)
+        if job.snap.error is not None:
+            job.fail(job.snap.error)
+        fq.put(("end", job))
 
     def _flusher(self, fq: queue.Queue) -> None:
         while True:
