@@ -19,8 +19,8 @@ Faults (``FaultInjector(..., act=...)``) are acted out without signals:
   outside client acting on the store at that exact point of the protocol), then goes on.
 
 Replicas start with ``Replica.start(exit_hook=False)`` (the process's exit hook may ``os._exit`` the
-whole pytest process). One protocol internal is replaced while a :class:`Cluster` is open:
-``membership.Heartbeat`` by a subclass that remembers the heartbeat of the thread that made it, so a
+whole pytest process). One protocol internal is replaced while a :class:`Cluster` is open: the
+``Heartbeat`` that ``Membership.connect`` makes, by a subclass that remembers the heartbeat of the thread that made it, so a
 "killed" thread can stop its own heartbeat without closing the replica, as a dying process does.
 """
 
@@ -43,6 +43,7 @@ from lightning_recover.errors import InjectedFault, ReplicaExcludedError
 from lightning_recover.protocol import Fault, FaultInjector, RecoverOptions, Replica
 from lightning_recover.protocol import membership as membership_module
 from lightning_recover.protocol.coordinator import Coordinator
+from lightning_recover.protocol.heartbeat import Heartbeat
 from lightning_recover.protocol.messages import JobSecret, Sealer, mark_dead
 
 # c10d names each peer with a reverse lookup of ::ffff:127.0.0.1, which /etc/hosts does not answer;
@@ -152,7 +153,7 @@ class _Hung(BaseException):
 _thread_local = threading.local()
 
 
-class _TrackedHeartbeat(membership_module.Heartbeat):
+class _TrackedHeartbeat(Heartbeat):
     """A Heartbeat that its own thread can find again, to stop it the way a dying process does."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

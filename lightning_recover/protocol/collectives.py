@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_recover.errors import ForgedMessageError, MembershipChanged, RecoverError
-from lightning_recover.protocol.membership import POLL_MIN, SLICE, Membership, backoff
+from lightning_recover.protocol.membership import Membership
 from lightning_recover.protocol.messages import decode_object
+from lightning_recover.protocol.polling import POLL_MIN, SLICE, backoff
 
 _TAKEBACKS = 16  # times a member writes its own contribution again before calling it an attack
 

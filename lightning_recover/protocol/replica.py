@@ -28,7 +28,7 @@ from lightning_recover.protocol.collectives import SurvivorCollectives
 from lightning_recover.protocol.decisions import Decisions, commit_protocol
 from lightning_recover.protocol.exact import ExactAccumulator, check_exact_layout
 from lightning_recover.protocol.faults import Fault, FaultInjector
-from lightning_recover.protocol.membership import Membership, form_next_generation
+from lightning_recover.protocol.membership import Membership
 from lightning_recover.protocol.messages import JobSecret
 from lightning_recover.protocol.notice import EXIT_LEFT_ON_NOTICE, Notice, leaving_exit_code
 from lightning_recover.protocol.options import RecoverOptions
@@ -141,7 +141,7 @@ class _JoinsAndLeaves:
         self._receive_or_send_state(step, joiner=False)
 
     def _next_generation(self, step: Optional[int], joiner: bool, leaving: frozenset[int] = frozenset()) -> None:
-        form_next_generation(self.group, {"step": step, "have": [], "joiner": joiner}, leaving=leaving)
+        self.group.form_next_generation({"step": step, "have": [], "joiner": joiner}, leaving=leaving)
 
     def _receive_or_send_state(self, step: Optional[int], joiner: bool) -> int:
         """Broadcast the state from the lowest member holding it to the joiners (retried on failure)."""
@@ -173,7 +173,7 @@ class _JoinsAndLeaves:
             self._set_state(adopt_joiner_state(received, exact))
             # When the joiner asked, when its state was in place and how long the transfer took (benchmarks).
             self.join_timing = {
-                "asked_at": self.group.join_requested_at,
+                "asked_at": self.group.join_requests.requested_at,
                 "state_at": time.time(),
                 "transfer_s": time.perf_counter() - began,
             }

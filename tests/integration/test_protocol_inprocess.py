@@ -20,7 +20,8 @@ from lightning_recover.protocol import Fault
 from lightning_recover.protocol.collectives import SurvivorCollectives
 from lightning_recover.protocol.coordinator import Coordinator
 from lightning_recover.protocol.decisions import BarrierCommit, ReportedCommit
-from lightning_recover.protocol.membership import Generation, Membership
+from lightning_recover.protocol.join_rounds import Generation
+from lightning_recover.protocol.membership import Membership
 from lightning_recover.protocol.messages import ControlStore, JobSecret
 from tests.compare import max_relative_difference
 from tests.inprocess import HEARTBEAT_TIMEOUT, JOIN_TIMEOUT, RUN_TIMEOUT, TOL, Cluster, reference
@@ -303,8 +304,7 @@ def _member_of_generation_0(
     """Process ``inner`` of replica ``r``, incarnation 1, in generation 0 of all ``replicas``, on its own
     store connection: no heartbeat, no process group (the store-only parts of the protocol)."""
     m = Membership(coordinator.addr, r, replicas, secret=secret, inner=inner, replica_size=replica_size)
-    m.store = ControlStore(coordinator.addr, r, secret)
-    m.incarnation = 1
+    m.attach(ControlStore(coordinator.addr, r, secret), incarnation=1)
     m.gen = Generation(0, list(range(replicas)), dict.fromkeys(range(replicas), 1), {})
     return m
 
