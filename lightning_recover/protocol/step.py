@@ -334,7 +334,7 @@ class StepProtocol:
         params = [p for p in self._params() if p.requires_grad]
         self.fire(step, "reduce")
         group.progress.note("reduce")
-        self.exact.reduce(group, self.collectives, params, flags=self._own_leave_flag())
+        self.exact.reduce(self.collectives, params, flags=self._own_leave_flag())
         if self.quota == "throughput":
             self._publish_speed(step)
         group.progress.note("decide")
