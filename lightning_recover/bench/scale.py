@@ -227,7 +227,7 @@ class ScaleRun:
         core = slot.core = Replica(
             options, addr, slot.replica, cfg.replicas, lambda: [param], injector=injector, secret=secret
         )
-        core.group.groups = StandInGroups(self.plane, slot.replica)
+        core.membership.groups = StandInGroups(self.plane, slot.replica)
         try:
             time.sleep(max(0.0, release - time.monotonic()))
             core.start(exit_hook=False)
@@ -250,8 +250,8 @@ class ScaleRun:
         except _Killed:
             slot.outcome = "killed"
             self.plane.kill(slot.replica)  # its sockets close: the group's operations fail at once
-            core.group.close()  # threads stop; the death notice its launcher writes on seeing the exit
-            core.group.store.raw.close()  # its connections and watched views
+            core.membership.close()  # threads stop; the death notice its launcher writes on seeing the exit
+            core.membership.store.raw.close()  # its connections and watched views
         except BaseException as exc:  # noqa: BLE001 -- reported in the results
             slot.outcome = "error"
             slot.error = f"{type(exc).__name__}: {exc}"
@@ -267,11 +267,11 @@ class ScaleRun:
         """After a failed run: stop every replica's threads (heartbeat, watchdog, probe server, views), as their
         processes' ends would; a watchdog left running would end this whole process once its etcd is gone."""
         for slot in self.slots:
-            if slot.core is None or slot.core.group.store is None:
+            if slot.core is None or slot.core.membership.store is None:
                 continue
             try:
-                slot.core.group.close()
-                slot.core.group.store.raw.close()
+                slot.core.membership.close()
+                slot.core.membership.store.raw.close()
             except Exception:  # noqa: BLE001 -- best effort: the run already failed
                 pass
 
@@ -314,7 +314,9 @@ class ScaleRun:
 
     @staticmethod
     def _view(slot: _Slot) -> Any:
-        raw = slot.core.group.store.raw if slot.core is not None and slot.core.group.store is not None else None
+        raw = (
+            slot.core.membership.store.raw if slot.core is not None and slot.core.membership.store is not None else None
+        )
         return getattr(raw, "view", None)
 
     def run(self) -> dict:

@@ -358,7 +358,7 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
         Raises:
             NotImplementedError: ``storage_options`` or ``filter`` given with ``replica_size>1``.
         """
-        noted = noted_checkpoint(self.core and self.core.group.progress, self.core.step if self.core else -1, path)
+        noted = noted_checkpoint(self.core and self.core.membership.progress, self.core.step if self.core else -1, path)
         if self.sharding.enabled:
             if storage_options is not None or filter is not None:
                 raise NotImplementedError(

@@ -130,7 +130,9 @@ class TrainerCheckpointing(RecoverStrategyBase, ParallelStrategy):  # type: igno
             return  # a replica still rejoining holds no step of its own to save; the members write
         if self.core is not None:
             checkpoint = {**checkpoint, **checkpoint_entries(self.core.protocol.exact)}
-        noted = noted_checkpoint(self.core and self.core.group.progress, self.core.step if self.core else -1, filepath)
+        noted = noted_checkpoint(
+            self.core and self.core.membership.progress, self.core.step if self.core else -1, filepath
+        )
         if self.sharding.enabled:  # one DCP directory at filepath, every live replica writing ~1/R of it
             with noted:
                 save_trainer_checkpoint(self, checkpoint, filepath, storage_options)

@@ -55,7 +55,7 @@ class _JoinsAndLeaves:
     """The step boundaries where the membership changes on purpose: a joiner admitted with state from a peer,
     members leaving on notice (with a final checkpoint when every member leaves). Part of :class:`Replica`."""
 
-    group: Membership
+    membership: Membership
     protocol: StepProtocol
     collectives: SurvivorCollectives
     notice: Notice
@@ -76,7 +76,7 @@ class _JoinsAndLeaves:
     @property
     def told_to_leave(self) -> bool:
         """This replica leaves at the step boundary just committed (it got the notice before that step's reduce)."""
-        return self.group.replica in self.protocol.leaving
+        return self.membership.replica in self.protocol.leaving
 
     def leave_if_told(self) -> None:
         """At a step boundary: if the last commit named this replica as leaving, leave the job (after the final
@@ -85,11 +85,11 @@ class _JoinsAndLeaves:
         if not self.told_to_leave:
             return
         step = self.step
-        everyone = set(self.group.members) <= self.protocol.leaving
+        everyone = set(self.membership.members) <= self.protocol.leaving
         if everyone and self._final_checkpoint is not None:
             self._final_checkpoint(step)
         self.say(
-            f"replica {self.group.replica} left on notice ({self.notice.source}) after step {step}"
+            f"replica {self.membership.replica} left on notice ({self.notice.source}) after step {step}"
             + (
                 "; the whole job left" + (", final checkpoint written" if self._final_checkpoint else "")
                 if everyone
@@ -98,7 +98,7 @@ class _JoinsAndLeaves:
         )
         if self.inner == 0:
             print(
-                f"[lightning-recover] replica {self.group.replica}: left on notice ({self.notice.source}) after "
+                f"[lightning-recover] replica {self.membership.replica}: left on notice ({self.notice.source}) after "
                 f"step {step}, exit code {EXIT_LEFT_ON_NOTICE}",
                 file=sys.stderr,
                 flush=True,
@@ -113,15 +113,15 @@ class _JoinsAndLeaves:
     def rejoin(self) -> int:
         """A restarted replica: wait to be admitted, receive the state; return the step to run next."""
         try:
-            self.group.wait_for_invitation()
+            self.membership.wait_for_invitation()
         except MembershipChanged:
             self._next_generation(None, joiner=True)
         step = self._receive_or_send_state(None, joiner=True)
         self.joining = False
-        note_member(self.group.progress, self.group.gen.number, self.protocol.M)
+        note_member(self.membership.progress, self.membership.gen.number, self.protocol.M)
         self.say(
-            f"replica {self.group.replica} rejoined at step {step}: generation {self.group.gen.number}, "
-            f"live replicas {self.group.members}"
+            f"replica {self.membership.replica} rejoined at step {step}: generation {self.membership.gen.number}, "
+            f"live replicas {self.membership.members}"
         )
         return step
 
@@ -130,23 +130,23 @@ class _JoinsAndLeaves:
         notice at the last commit, and hand the joiners the state."""
         invite, self.protocol.decisions.admit_next = self.protocol.decisions.admit_next, {}
         try:
-            self.group.next_generation({"step": step, "have": []}, invite=invite, leaving=leaving)
+            self.membership.next_generation({"step": step, "have": []}, invite=invite, leaving=leaving)
         except MembershipChanged:
             self._next_generation(step, joiner=False, leaving=leaving)
         if leaving:
             self.say(
-                f"step {step}: replica(s) {sorted(leaving)} left on notice; generation {self.group.gen.number}, "
-                f"live replicas {self.group.members}"
+                f"step {step}: replica(s) {sorted(leaving)} left on notice; generation {self.membership.gen.number}, "
+                f"live replicas {self.membership.members}"
             )
         self._receive_or_send_state(step, joiner=False)
 
     def _next_generation(self, step: Optional[int], joiner: bool, leaving: frozenset[int] = frozenset()) -> None:
-        self.group.form_next_generation({"step": step, "have": [], "joiner": joiner}, leaving=leaving)
+        self.membership.form_next_generation({"step": step, "have": [], "joiner": joiner}, leaving=leaving)
 
     def _receive_or_send_state(self, step: Optional[int], joiner: bool) -> int:
         """Broadcast the state from the lowest member holding it to the joiners (retried on failure)."""
         while True:
-            gen = self.group.gen
+            gen = self.membership.gen
             joiners = {r for r, p in gen.payloads.items() if p.get("joiner")}
             holders = [r for r in gen.members if r not in joiners]
             if not holders:
@@ -166,14 +166,14 @@ class _JoinsAndLeaves:
         if self._get_state is None or self._set_state is None:
             raise RecoverError("rejoin needs the strategy to register its state hooks (core.set_state_hooks)")
         exact = self.protocol.exact  # the exact grid travels with the training state
-        mine = joiner_state(self._get_state(), exact) if self.group.rank == src_rank else None
+        mine = joiner_state(self._get_state(), exact) if self.membership.rank == src_rank else None
         began = time.perf_counter()
-        received = state_transfer.broadcast_state(self.collectives, self.group, src_rank, mine, receive)
+        received = state_transfer.broadcast_state(self.collectives, self.membership, src_rank, mine, receive)
         if receive:
             self._set_state(adopt_joiner_state(received, exact))
             # When the joiner asked, when its state was in place and how long the transfer took (benchmarks).
             self.join_timing = {
-                "asked_at": self.group.join_requests.requested_at,
+                "asked_at": self.membership.join_requests.requested_at,
                 "state_at": time.time(),
                 "transfer_s": time.perf_counter() - began,
             }
@@ -211,7 +211,7 @@ class Replica(_JoinsAndLeaves):
             )
         self.tensor_parallel = tensor_parallel  # tp processes of the replica per data position
         check_exact_layout(options.exact, replica_size)
-        self.group = Membership(
+        self.membership = Membership(
             addr,
             replica,
             num_replicas,
@@ -233,9 +233,9 @@ class Replica(_JoinsAndLeaves):
         self.world = None  # the replica's own K-process world (sharding.ReplicaWorld), when K > 1
         self.decisions: Optional[Decisions] = None  # the commit protocol: picked once connected (start)
         # A store collective first confirms a step applied speculatively: what it sees must be settled.
-        self.collectives = SurvivorCollectives(self.group, before_exchange=self._confirm)
+        self.collectives = SurvivorCollectives(self.membership, before_exchange=self._confirm)
         self.protocol = StepProtocol(
-            self.group,
+            self.membership,
             self.collectives,
             self.M,
             params,
@@ -284,33 +284,33 @@ class Replica(_JoinsAndLeaves):
     # ------------------------------------------------------------------ identity
     @property
     def replica_id(self) -> int:
-        return self.group.replica
+        return self.membership.replica
 
     @property
     def joined(self) -> bool:  # a restarted replica is a member of no generation until it rejoins
-        return self.group.gen is not None
+        return self.membership.gen is not None
 
     @property
     def rank(self) -> int:
         """This replica's rank among the live replicas (0 = the lowest live one)."""
-        return self.group.rank
+        return self.membership.rank
 
     @property
     def size(self) -> int:
         """The number of live replicas."""
-        return self.group.size
+        return self.membership.size
 
     @property
     def incarnation(self) -> int:
-        return self.group.incarnation
+        return self.membership.incarnation
 
     @property
     def generation(self) -> int:
-        return self.group.gen.number
+        return self.membership.gen.number
 
     @property
     def members(self) -> list[int]:
-        return self.group.members
+        return self.membership.members
 
     @property
     def last_step(self) -> Optional[StepStats]:
@@ -338,28 +338,30 @@ class Replica(_JoinsAndLeaves):
             self.notice.before_training = lambda: self.step < 0
             self.notice.install(self.options.resolve_notice_signal())
         _record_uncaught_exceptions()
-        device = "cuda" if self.group.backend == "nccl" else "cpu"
+        device = "cuda" if self.membership.backend == "nccl" else "cpu"
         standby_world = []
 
         def build_standby_world() -> None:
             # A sharded standby builds its K-process world (the slow part after imports) before it waits.
             from lightning_recover.protocol.replica_world import ReplicaWorld
 
-            prefix = f"standby{self.group.standby}"
+            prefix = f"standby{self.membership.standby}"
             standby_world.append(
-                ReplicaWorld.build(self.group, self.replica_size, self.inner, prefix, device, self.tensor_parallel)
+                ReplicaWorld.build(self.membership, self.replica_size, self.inner, prefix, device, self.tensor_parallel)
             )
 
-        self.group.connect(before_standby_wait=build_standby_world if self.replica_size > 1 else None)
-        self.decisions = self.protocol.decisions = commit_protocol(self.group)  # the backend is known now
-        injector = self._injector or FaultInjector.from_env(self.group.replica, self.group.incarnation, self.inner)
+        self.membership.connect(before_standby_wait=build_standby_world if self.replica_size > 1 else None)
+        self.decisions = self.protocol.decisions = commit_protocol(self.membership)  # the backend is known now
+        injector = self._injector or FaultInjector.from_env(
+            self.membership.replica, self.membership.incarnation, self.inner
+        )
         for listener in self._fault_listeners:
             injector.add_listener(listener)
         self.protocol.injector = injector
-        self.group.before_build = lambda: self.protocol.fire(max(self.step, 0), "regroup")
-        self.joining = self.group.form_initial() is None
+        self.membership.before_build = lambda: self.protocol.fire(max(self.step, 0), "regroup")
+        self.joining = self.membership.form_initial() is None
         if not self.joining:
-            note_member(self.group.progress, self.group.gen.number, self.protocol.M)
+            note_member(self.membership.progress, self.membership.gen.number, self.protocol.M)
         if standby_world:
             self.world = standby_world[0]
             self.world.watch()
@@ -369,7 +371,7 @@ class Replica(_JoinsAndLeaves):
             from lightning_recover.protocol.replica_world import ReplicaWorld
 
             self.world = ReplicaWorld.start(
-                self.group, self.replica_size, self.inner, device_type=device, tensor_parallel=self.tensor_parallel
+                self.membership, self.replica_size, self.inner, device_type=device, tensor_parallel=self.tensor_parallel
             )
 
     def _confirm(self) -> None:
@@ -387,7 +389,7 @@ class Replica(_JoinsAndLeaves):
         finally:
             if self.world is not None and not _uncaught[0]:
                 self.world.leave()  # a clean exit: the replica-mates' watchdogs must not read it as a death
-            self.group.close()
+            self.membership.close()
         # A planned fault that never fired makes a fault test pass for the wrong reason: say so.
         missed = [f for f in self.protocol.injector.unfired() if f.phase != "recompute"]
         if missed and self.step >= 0:
@@ -402,7 +404,7 @@ class Replica(_JoinsAndLeaves):
     def _at_exit(self) -> None:
         self.close()
         self.notice.uninstall()
-        if self.group.abandoned_work:
+        if self.membership.abandoned_work:
             # gloo cannot abort an op in flight: destroying a group that has one blocks until the op
             # times out, or aborts the process. The results are written; end without destroying it.
             sys.stdout.flush()
@@ -425,7 +427,7 @@ class Replica(_JoinsAndLeaves):
         if boundary:  # joiners admitted or leavers gone: the regroup at the step boundary, timed
             stats.events.append({"kind": "boundary-regroup", "seconds": regrouped, "left": sorted(leaving)})
         self.history.append(stats)
-        note_step(self.group.progress, stats, self.protocol.M)  # what the status page shows of this replica
+        note_step(self.membership.progress, stats, self.protocol.M)  # what the status page shows of this replica
         if stats.recoveries:
             self.say(
                 f"step {step}: recovered in {stats.recovery_seconds:.3f}s (replica {self.replica_id}'s time); "
@@ -465,7 +467,7 @@ class Replica(_JoinsAndLeaves):
 
     def say(self, message: str) -> None:
         """One line per event, printed by the lowest live replica only (its process 0)."""
-        if self.group.gen is not None and self.group.rank == 0 and self.inner == 0:
+        if self.membership.gen is not None and self.membership.rank == 0 and self.inner == 0:
             print(f"[lightning-recover] {message}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ collectives over live replicas
@@ -501,7 +503,7 @@ class Replica(_JoinsAndLeaves):
 
     def elect_writer(self) -> bool:
         """All live replicas agree on one writer: the lowest replica id among them."""
-        return min(self.collectives.exchange(None)) == self.group.replica
+        return min(self.collectives.exchange(None)) == self.membership.replica
 
 
 def joiner_state(training: dict, exact: Optional[ExactAccumulator]) -> dict:

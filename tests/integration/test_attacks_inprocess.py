@@ -314,7 +314,7 @@ def test_contributions_overwritten_after_the_decision_change_nothing():
     def before_step(replica: int, step: int) -> None:
         core = cluster.slot(replica).core
         if replica == 1 and step == 1:
-            core.group.store.put_object("x/0/2/1", None)
+            core.membership.store.put_object("x/0/2/1", None)
             _until(lambda: outsider.check(["x/0/2/set"]))
             for r in (0, 1):
                 _write(outsider, f"x/0/2/{r}", b'{"forged": true}')
