@@ -164,7 +164,7 @@ class _JoinsAndLeaves:
 
     def _broadcast_state(self, src_rank: int, receive: bool) -> None:
         if self._get_state is None or self._set_state is None:
-            raise RecoverError("rejoin needs the strategy to register its state hooks (core.set_state_hooks)")
+            raise RecoverError("rejoin needs the strategy to register its state hooks (Replica.set_state_hooks)")
         exact = self.protocol.exact  # the exact grid travels with the training state
         mine = joiner_state(self._get_state(), exact) if self.membership.rank == src_rank else None
         began = time.perf_counter()

@@ -273,7 +273,7 @@ def test_restarted_replica_rejoins_with_live_state():
     # Admitted by the first commit after its request: step 1's (if it asked during the recovery)
     # or step 2's (the survivors wait for the request before step 2).
     k = joiner.rejoined_at
-    assert joiner.core.joining is False and k in (2, 3), joiner.describe()
+    assert joiner.protocol_replica.joining is False and k in (2, 3), joiner.describe()
     assert joiner.applied == list(range(k, 6))
     assert_matches_reference(cluster, [0, 1, 2])
     assert live_per_step(cluster, 0) == [3] + [2] * (k - 1) + [3] * (6 - k)
@@ -287,7 +287,7 @@ def test_store_collectives_leave_the_keys_of_the_last_one_only():
 
     def before_step(replica: int, step: int) -> None:
         for _ in range(3):
-            cluster.slot(replica).core.barrier()
+            cluster.slot(replica).protocol_replica.barrier()
 
     with Cluster(3, steps=4, microbatches=6, before_step=before_step) as cluster:
         cluster.start().join()
