@@ -182,7 +182,7 @@ class Membership:
 
     def form_initial(self) -> Generation | None:
         """Join generation 0 with every other replica (the job's start). None when the group has already
-        formed: a restarted replica comes in through :meth:`rejoin` (at a step boundary, with a peer's state)."""
+        formed: a restarted replica comes in through ``Replica.rejoin`` (at a step boundary, with a peer's state)."""
         latest = self.store.generation()
         if latest != 0 or self.store.get_genuine("g0/members") is not None:
             self.join_requests.request()
