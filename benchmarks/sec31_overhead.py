@@ -23,7 +23,7 @@ import sys, time
 from tests.inprocess import Cluster
 steps = int(sys.argv[1])
 def before_step(replica, step):
-    cluster.slot(replica).core.barrier()
+    cluster.slot(replica).protocol_replica.barrier()
 with Cluster(3, steps=steps + 1, microbatches=6, before_step=before_step) as cluster:
     cluster.start().join()
 assert cluster.survivors() == [0, 1, 2], cluster.report()

@@ -143,7 +143,7 @@ def _worker(args: argparse.Namespace) -> None:
     fabric.launch()
     model, optimizer = fabric.setup(model, optimizer)
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=True)
-    core = fabric.strategy.core
+    protocol_replica = fabric.strategy.protocol_replica
     replica = fabric.strategy.replica
     os.makedirs(args.out, exist_ok=True)
 
@@ -152,7 +152,7 @@ def _worker(args: argparse.Namespace) -> None:
         with open(os.path.join(args.out, f"fault-{fault.kind}-r{replica}-s{fault.step}.json"), "w") as f:
             json.dump({"kind": fault.kind, "replica": replica, "step": fault.step, "phase": fault.phase, "t": when}, f)
 
-    core.on_fault(record_fault)
+    protocol_replica.on_fault(record_fault)
 
     log = open(os.path.join(args.out, f"replica{replica}.jsonl"), "w")
     bar = None

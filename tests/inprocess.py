@@ -19,8 +19,8 @@ Faults (``FaultInjector(..., act=...)``) are acted out without signals:
   outside client acting on the store at that exact point of the protocol), then goes on.
 
 Replicas start with ``Replica.start(exit_hook=False)`` (the process's exit hook may ``os._exit`` the
-whole pytest process). One protocol internal is replaced while a :class:`Cluster` is open:
-``membership.Heartbeat`` by a subclass that remembers the heartbeat of the thread that made it, so a
+whole pytest process). One protocol internal is replaced while a :class:`Cluster` is open: the
+``Heartbeat`` that ``Membership.connect`` makes, by a subclass that remembers the heartbeat of the thread that made it, so a
 "killed" thread can stop its own heartbeat without closing the replica, as a dying process does.
 """
 
@@ -43,6 +43,7 @@ from lightning_recover.errors import InjectedFault, ReplicaExcludedError
 from lightning_recover.protocol import Fault, FaultInjector, RecoverOptions, Replica
 from lightning_recover.protocol import membership as membership_module
 from lightning_recover.protocol.coordinator import Coordinator
+from lightning_recover.protocol.heartbeat import Heartbeat
 from lightning_recover.protocol.messages import JobSecret, Sealer, mark_dead
 
 # c10d names each peer with a reverse lookup of ::ffff:127.0.0.1, which /etc/hosts does not answer;
@@ -152,7 +153,7 @@ class _Hung(BaseException):
 _thread_local = threading.local()
 
 
-class _TrackedHeartbeat(membership_module.Heartbeat):
+class _TrackedHeartbeat(Heartbeat):
     """A Heartbeat that its own thread can find again, to stop it the way a dying process does."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -175,7 +176,7 @@ class Slot:
     incarnation: int
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    core: Optional[Replica] = None
+    protocol_replica: Optional[Replica] = None
     thread: Optional[threading.Thread] = None
     outcome: str = "running"  # done | killed | hung | raised | excluded | error
     error: Optional[BaseException] = None
@@ -191,7 +192,7 @@ class Slot:
 
     @property
     def history(self) -> list:
-        return self.core.history if self.core is not None else []
+        return self.protocol_replica.history if self.protocol_replica is not None else []
 
     def describe(self) -> str:
         return f"replica {self.replica} (inc {self.incarnation}): {self.outcome}, applied {self.applied}" + (
@@ -263,7 +264,7 @@ class Cluster:
         for patch in reversed(self._patches):
             patch.stop()
         for slot in self.slots:
-            _keep_forever(slot.core)
+            _keep_forever(slot.protocol_replica)
         stuck = [s.describe() for s in self.slots if s.thread is not None and s.thread.is_alive()]
         # Dropping the last reference to the server store stops the coordinator.
         self.store = None
@@ -361,7 +362,7 @@ class Cluster:
         )
         injector = FaultInjector(self.faults, slot.replica, slot.incarnation, act=self._act(slot))
         injector.add_listener(lambda fault, _wall: slot.fired_at.__setitem__(str(fault), time.monotonic()))
-        core = slot.core = Replica(
+        protocol_replica = slot.protocol_replica = Replica(
             options,
             self.coordinator.addr,
             slot.replica,
@@ -370,27 +371,27 @@ class Cluster:
             injector=injector,
             secret=self.secret,
         )
-        core.set_state_hooks(
+        protocol_replica.set_state_hooks(
             lambda: {"model": model.state_dict(), "optimizer": optimizer.state_dict()},
             lambda state: (model.load_state_dict(state["model"]), optimizer.load_state_dict(state["optimizer"])),
         )
         try:
-            core.start(exit_hook=False)
-            assert core.incarnation == slot.incarnation, "spawn() was given the wrong incarnation"
+            protocol_replica.start(exit_hook=False)
+            assert protocol_replica.incarnation == slot.incarnation, "spawn() was given the wrong incarnation"
             if on_started is not None:
                 on_started(slot)
             first = 0
-            if core.joining:
-                first = slot.rejoined_at = core.rejoin()
+            if protocol_replica.joining:
+                first = slot.rejoined_at = protocol_replica.rejoin()
             for s in range(first, self.steps):
                 if self.before_step is not None:
                     self.before_step(slot.replica, s)
-                for j in core.run_step(s):
-                    core.fire("forward")
+                for j in protocol_replica.run_step(s):
+                    protocol_replica.fire("forward")
                     loss = self.loss(model, s, j)
-                    core.before_backward(loss)
+                    protocol_replica.before_backward(loss)
                     loss.backward()
-                core.fire("optimizer")
+                protocol_replica.fire("optimizer")
                 if self.clip is not None:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), self.clip)
                 optimizer.step()
@@ -399,7 +400,7 @@ class Cluster:
                 slot.applied_at.append(time.monotonic())
                 self._notify()
             slot.outcome = "done"
-            core.close()  # what the process's exit hook does
+            protocol_replica.close()  # what the process's exit hook does
         except _Killed:
             slot.outcome = "killed"
             self.declare_dead(slot.replica, slot.incarnation)  # the launcher saw the process exit
@@ -415,7 +416,7 @@ class Cluster:
             )
             slot.error = exc
             slot.trace = traceback.format_exc()
-            core.close()
+            protocol_replica.close()
             self.declare_dead(slot.replica, slot.incarnation)
         finally:
             slot.state = snapshot(model)

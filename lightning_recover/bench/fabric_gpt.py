@@ -50,7 +50,7 @@ def run_recover(args: argparse.Namespace) -> None:
     model.mark_forward_method("loss")
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=True)
     records = []
-    protocol = fabric.strategy.core.protocol
+    protocol = fabric.strategy.protocol_replica.protocol
     accumulator = protocol.exact
     holds = dict(item.split(":", 1) for item in args.hold.split(",") if item)
     for step in fabric.strategy.steps(loader, max_steps=args.steps):
@@ -87,15 +87,15 @@ def run_recover(args: argparse.Namespace) -> None:
             }
         )
     _write(args.out, f"rank{fabric.strategy.replica}", records, model)
-    core = fabric.strategy.core
-    if core.join_timing:  # a joiner: when it asked, when its state arrived, and the state's size
+    protocol_replica = fabric.strategy.protocol_replica
+    if protocol_replica.join_timing:  # a joiner: when it asked, when its state arrived, and the state's size
         state_bytes = sum(
             t.numel() * t.element_size()
             for t in [*model.state_dict().values(), *_tensors(optimizer.state_dict())]
             if isinstance(t, torch.Tensor)
         )
         with open(os.path.join(args.out, f"join{fabric.strategy.replica}.txt"), "w") as f:
-            json.dump(dict(core.join_timing, state_bytes=state_bytes), f)
+            json.dump(dict(protocol_replica.join_timing, state_bytes=state_bytes), f)
 
 
 def _hold(path: str | None, limit: float = 600.0) -> None:

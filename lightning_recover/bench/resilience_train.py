@@ -142,10 +142,10 @@ def run_recover(args: argparse.Namespace) -> None:
     # the same samples as MicrobatchSource(seed) in build_job: the strategy builds it from this loader
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=True)
     replica = fabric.strategy.replica
-    incarnation = fabric.strategy.core.incarnation
-    joining = fabric.strategy.core.joining  # a restarted replica: steps() first rejoins (state from a peer)
+    incarnation = fabric.strategy.protocol_replica.incarnation
+    joining = fabric.strategy.protocol_replica.joining  # a restarted replica: steps() first rejoins (state from a peer)
     # One record file per replica (its process 0 writes it; the others of a sharded replica do not).
-    log = RecordLog(args.out, f"rank{replica}") if fabric.strategy.core.inner == 0 else (lambda **rec: None)
+    log = RecordLog(args.out, f"rank{replica}") if fabric.strategy.protocol_replica.inner == 0 else (lambda **rec: None)
     # attempt stays 0: the run is one attempt (no step is rolled back); incarnation tells restarts apart
     log(event="start", t=PROCESS_START, attempt=0, incarnation=incarnation, ready=time.time())
     slow = parse_slow(args.slow)
@@ -179,7 +179,7 @@ def run_recover(args: argparse.Namespace) -> None:
     final = {
         k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()
     }
-    if step.stats.leader and fabric.strategy.core.inner == 0:
+    if step.stats.leader and fabric.strategy.protocol_replica.inner == 0:
         torch.save(final, os.path.join(args.out, "final.pt"))
 
 

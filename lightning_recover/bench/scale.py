@@ -87,7 +87,7 @@ class ScaleConfig:
 @dataclass
 class _Slot:
     replica: int
-    core: Optional[Replica] = None
+    protocol_replica: Optional[Replica] = None
     thread: Optional[threading.Thread] = None
     started_at: float = 0.0  # Replica.start() returned
     applied: dict[int, float] = field(default_factory=dict)  # step -> monotonic time it was applied
@@ -224,20 +224,20 @@ class ScaleRun:
         )
         param = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
         injector = FaultInjector(self.faults, slot.replica, 1, act=self._act(slot))
-        core = slot.core = Replica(
+        protocol_replica = slot.protocol_replica = Replica(
             options, addr, slot.replica, cfg.replicas, lambda: [param], injector=injector, secret=secret
         )
-        core.group.groups = StandInGroups(self.plane, slot.replica)
+        protocol_replica.membership.groups = StandInGroups(self.plane, slot.replica)
         try:
             time.sleep(max(0.0, release - time.monotonic()))
-            core.start(exit_hook=False)
+            protocol_replica.start(exit_hook=False)
             slot.started_at = time.monotonic()
             for s in range(cfg.steps):
-                for _ in core.run_step(s):
-                    core.fire("forward")
+                for _ in protocol_replica.run_step(s):
+                    protocol_replica.fire("forward")
                     time.sleep(cfg.compute)
                     param.grad = torch.ones(1, dtype=torch.float64) + (param.grad if param.grad is not None else 0)
-                core.fire("optimizer")
+                protocol_replica.fire("optimizer")
                 if param.grad.item() != 1.0:  # the mean of M gradients of one: every microbatch counted once
                     raise AssertionError(f"step {s}: committed gradient {param.grad.item()} != 1")
                 with torch.no_grad():
@@ -246,17 +246,17 @@ class ScaleRun:
                 with self._progress:
                     self._progress.notify_all()
             slot.outcome = "done"
-            core.close()
+            protocol_replica.close()
         except _Killed:
             slot.outcome = "killed"
             self.plane.kill(slot.replica)  # its sockets close: the group's operations fail at once
-            core.group.close()  # threads stop; the death notice its launcher writes on seeing the exit
-            core.group.store.raw.close()  # its connections and watched views
+            protocol_replica.membership.close()  # threads stop; the death notice its launcher writes on seeing the exit
+            protocol_replica.membership.store.raw.close()  # its connections and watched views
         except BaseException as exc:  # noqa: BLE001 -- reported in the results
             slot.outcome = "error"
             slot.error = f"{type(exc).__name__}: {exc}"
             try:
-                core.close()
+                protocol_replica.close()
             except BaseException:  # noqa: BLE001 -- already failing
                 pass
         finally:
@@ -267,11 +267,11 @@ class ScaleRun:
         """After a failed run: stop every replica's threads (heartbeat, watchdog, probe server, views), as their
         processes' ends would; a watchdog left running would end this whole process once its etcd is gone."""
         for slot in self.slots:
-            if slot.core is None or slot.core.group.store is None:
+            if slot.protocol_replica is None or slot.protocol_replica.membership.store is None:
                 continue
             try:
-                slot.core.group.close()
-                slot.core.group.store.raw.close()
+                slot.protocol_replica.membership.close()
+                slot.protocol_replica.membership.store.raw.close()
             except Exception:  # noqa: BLE001 -- best effort: the run already failed
                 pass
 
@@ -314,7 +314,11 @@ class ScaleRun:
 
     @staticmethod
     def _view(slot: _Slot) -> Any:
-        raw = slot.core.group.store.raw if slot.core is not None and slot.core.group.store is not None else None
+        raw = (
+            slot.protocol_replica.membership.store.raw
+            if slot.protocol_replica is not None and slot.protocol_replica.membership.store is not None
+            else None
+        )
         return getattr(raw, "view", None)
 
     def run(self) -> dict:
@@ -365,7 +369,7 @@ class ScaleRun:
         decide = [
             st.decide_seconds
             for s in live
-            for st in s.core.history
+            for st in s.protocol_replica.history
             if cfg.warmup <= st.step < cfg.warmup + cfg.window and not st.recoveries
         ]
         result.update(

@@ -8,7 +8,7 @@ leader renews the lease in memory (etcd's lessor; followers forward it), so a re
 beat), and the deletion reaches the monitor's view of the heartbeats: that is the "missed heartbeats" verdict.
 
 * The heartbeat key is written with the lease attached: at the start (one grant and one put per incarnation)
-  and afterwards only when the main thread's progress must be told (``membership.Heartbeat``: commits vouch for
+  and afterwards only when the main thread's progress must be told (``heartbeat.Heartbeat``: commits vouch for
   it while steps go on). Its payload names the lease's TTL (``"lease"``), which tells the monitor to judge the
   replica by the key's presence rather than by its beats moving.
 * Keep-alives every TTL / 3: a replica whose process is frozen (SIGSTOP), whose host died or which lost etcd is

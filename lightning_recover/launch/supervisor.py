@@ -373,7 +373,7 @@ class _Job:
         child_env[env.NOTICE_SIGNAL] = notice_signal
         child_env.setdefault(env.OMP_NUM_THREADS, "1")  # spinning OpenMP threads make gloo 20x slower on small machines
         # c10d writes two WARNING lines each time a store wait times out, and the replicas wait in slices of
-        # membership.SLICE on purpose (to look for failures between them): hundreds of lines a job, nothing to act
+        # polling.SLICE on purpose (to look for failures between them): hundreds of lines a job, nothing to act
         # on. torch has no switch for c10d alone: its C++ warnings are off in the replicas unless the user set one.
         child_env.setdefault(env.TORCH_CPP_LOG_LEVEL, "ERROR")
         if inject:

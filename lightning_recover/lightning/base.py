@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Optional
 
 import torch
@@ -18,6 +19,7 @@ from typing_extensions import override
 from lightning_recover import env
 from lightning_recover.lightning.environment import srun_probe_quiet
 from lightning_recover.lightning.ranks import ReplicaRanks
+from lightning_recover.observe.report import noted_checkpoint
 from lightning_recover.protocol.exact import check_exact_layout
 from lightning_recover.protocol.faults import check_plan
 from lightning_recover.protocol.options import RecoverOptions
@@ -36,9 +38,9 @@ def build_options(microbatches: Optional[int], options: dict[str, Any], replica_
     return built
 
 
-def committed_stats(core: Replica) -> StepStats:
+def committed_stats(protocol_replica: Replica) -> StepStats:
     """What the step that just committed did (``run_step`` records it before its iterator ends)."""
-    stats = core.last_step
+    stats = protocol_replica.last_step
     if stats is None:
         raise RuntimeError("strategy='recover': a step committed without recording its statistics")
     return stats
@@ -101,10 +103,10 @@ class ReplicaLauncher(_Launcher):
 
 
 class RecoverStrategyBase(ReplicaRanks):
-    """Mixin for a Lightning ``ParallelStrategy`` driven by one :class:`Replica` (``self.core``)."""
+    """Mixin for a Lightning ``ParallelStrategy`` driven by one :class:`Replica` (``self.protocol_replica``)."""
 
     options: RecoverOptions
-    core: Optional[Replica]
+    protocol_replica: Optional[Replica]
 
     # ------------------------------------------------------------------ setup
     def _require_replica_process(self, how: str) -> None:
@@ -121,23 +123,31 @@ class RecoverStrategyBase(ReplicaRanks):
         self.options.resolve_microbatches(self.num_replicas)
         sharding = getattr(self, "sharding", None)
         tp = sharding.tensor_parallel if sharding is not None else 1
-        core = self.core = Replica.from_env(self.options, params, backend=backend, tensor_parallel=tp)
-        core.set_state_hooks(get_state, set_state)
-        core.start()
-        return core
+        protocol_replica = self.protocol_replica = Replica.from_env(
+            self.options, params, backend=backend, tensor_parallel=tp
+        )
+        protocol_replica.set_state_hooks(get_state, set_state)
+        protocol_replica.start()
+        return protocol_replica
 
-    def _started_core(self) -> Replica:
+    def _started_replica(self) -> Replica:
         """The replica, for a hook Lightning calls only after ``setup_environment`` started it."""
-        if self.core is None:
+        if self.protocol_replica is None:
             raise RuntimeError(
                 "strategy='recover': the replica is not started yet (setup_environment starts it); this hook ran "
                 "before the strategy was set up"
             )
-        return self.core
+        return self.protocol_replica
+
+    def _noted_checkpoint(self, path: Any) -> AbstractContextManager[None]:
+        """Around a save to ``path``: its time and size on this replica's heartbeat (``noted_checkpoint``)."""
+        if self.protocol_replica is None:
+            return noted_checkpoint(None, -1, path)
+        return noted_checkpoint(self.protocol_replica.membership.progress, self.protocol_replica.step, path)
 
     def _replica_mesh(self) -> Any:
         """The replica's K-process device mesh (sharded replicas only: the world is built when K > 1)."""
-        world = self._started_core().world
+        world = self._started_replica().world
         if world is None:
             raise RuntimeError("strategy='recover': replica_size > 1 but the replica's K-process world is not built")
         return world.mesh
@@ -145,7 +155,7 @@ class RecoverStrategyBase(ReplicaRanks):
     # ------------------------------------------------------------------ collectives over live replicas
     def _group_ready(self) -> bool:
         """Whether collectives go to the live replicas (before setup, or while alone: local)."""
-        return self.core is not None
+        return self.protocol_replica is not None
 
     def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> torch.Tensor:
         """Gather ``tensor`` from every live replica (through the store, not differentiable).
@@ -157,7 +167,7 @@ class RecoverStrategyBase(ReplicaRanks):
         Returns:
             The tensors stacked in rank order (``tensor.unsqueeze(0)`` before the replica is started).
         """
-        return self._started_core().all_gather(tensor) if self._group_ready() else tensor.unsqueeze(0)
+        return self._started_replica().all_gather(tensor) if self._group_ready() else tensor.unsqueeze(0)
 
     def barrier(self, name: Optional[str] = None) -> None:
         """Wait until every live replica has reached this barrier (no wait before the replica is started).
@@ -166,7 +176,7 @@ class RecoverStrategyBase(ReplicaRanks):
             name: Lightning's argument, unused.
         """
         if self._group_ready():
-            self._started_core().barrier()
+            self._started_replica().barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Send a picklable object from one live replica to all of them.
@@ -178,12 +188,12 @@ class RecoverStrategyBase(ReplicaRanks):
         Returns:
             The source's object (``obj`` itself before the replica is started).
         """
-        return self._started_core().broadcast(obj, src) if self._group_ready() else obj
+        return self._started_replica().broadcast(obj, src) if self._group_ready() else obj
 
     def _elect_writer(self) -> bool:
         """The checkpoint writer is the lowest replica alive *now*, agreed through the store, so a
         checkpoint is neither lost (the leader died unnoticed) nor written twice."""
-        return self.core is None or self.core.elect_writer()
+        return self.protocol_replica is None or self.protocol_replica.elect_writer()
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -46,7 +46,6 @@ from lightning_recover.lightning.sharding_config import (
     optimizer_state_from_local,
 )
 from lightning_recover.lightning.step_logs import log_recovery_metrics
-from lightning_recover.observe.report import noted_checkpoint
 from lightning_recover.protocol.exact import checkpoint_entries, restore_checkpoint_entries
 from lightning_recover.protocol.replica import Replica
 from lightning_recover.protocol.step import StepStats
@@ -75,23 +74,25 @@ class Step:
         self._loggers = loggers
 
     def __iter__(self) -> Iterator[Any]:
-        core = self._strategy._started_core()
-        for j in core.run_step(self.index):
-            core.seed_microbatch(self.index, j)
+        protocol_replica = self._strategy._started_replica()
+        for j in protocol_replica.run_step(self.index):
+            protocol_replica.seed_microbatch(self.index, j)
             yield self._strategy.batch_to_device(self._source.batch(self.index, j))
         self.committed = True
         set_rank_zero(self._strategy.global_rank)  # the live replicas may have been renumbered in this step
-        log_recovery_metrics(self._loggers, committed_stats(core), self.index, self._strategy.is_global_zero)
+        log_recovery_metrics(
+            self._loggers, committed_stats(protocol_replica), self.index, self._strategy.is_global_zero
+        )
 
     @property
     def stats(self) -> Optional[StepStats]:
         """What happened in this step (generation, live replicas, recoveries, mean loss)."""
-        return self._strategy._started_core().last_step
+        return self._strategy._started_replica().last_step
 
     @property
     def loss(self) -> Optional[float]:
         """Mean loss over the step's M microbatches (those passed to ``fabric.backward``)."""
-        return committed_stats(self._strategy._started_core()).loss if self.committed else None
+        return committed_stats(self._strategy._started_replica()).loss if self.committed else None
 
 
 class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
@@ -166,7 +167,7 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
         )
         self.sharding = ShardingConfig.from_options(options)
         self.options = build_options(microbatches, options, self.sharding.replica_size)
-        self.core: Optional[Replica] = None
+        self.protocol_replica: Optional[Replica] = None
         self._modules: list[Module] = []
         self._optimizers: list[Optimizer] = []
 
@@ -230,7 +231,7 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
         if self.sharding.enabled:
             module = self.sharding.parallelize(module, self._replica_mesh())
         self._modules.append(module)
-        module.register_forward_pre_hook(lambda *_: self._started_core().fire("forward"))
+        module.register_forward_pre_hook(lambda *_: self._started_replica().fire("forward"))
         return module
 
     @override
@@ -270,10 +271,10 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
             RuntimeError: a step was not iterated to its end.
         """
         loader = getattr(dataloader, "_dataloader", dataloader)  # unwrap Fabric's wrapper
-        core = self._started_core()
-        source = MicrobatchSource.from_dataloader(loader, core.M, seed=self.options.seed)
-        if core.joining:
-            start_step = core.rejoin()
+        protocol_replica = self._started_replica()
+        source = MicrobatchSource.from_dataloader(loader, protocol_replica.M, seed=self.options.seed)
+        if protocol_replica.joining:
+            start_step = protocol_replica.rejoin()
         else:
             start_step = self._resume_after_notice(start_step)
         for index in range(start_step, max_steps):
@@ -284,10 +285,10 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
                     f"step {index} was not iterated to its end. HINT: run `for batch in step: ...` fully "
                     "before calling optimizer.step()."
                 )
-            if core.told_to_leave:  # a notice: this replica leaves here, at the step boundary
+            if protocol_replica.told_to_leave:  # a notice: this replica leaves here, at the step boundary
                 for logger in loggers:
                     logger.finalize("success")  # what its writer still holds reaches the files first
-            core.leave_if_told()
+            protocol_replica.leave_if_told()
 
     # ------------------------------------------------------------------ preemption notices
     def _notice_state(self, step: int) -> dict:
@@ -307,26 +308,27 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
         path = self.options.notice_checkpoint
         if path is None:
             return start_step
-        core = self._started_core()
-        core.set_final_checkpoint(self._write_notice_checkpoint)
+        protocol_replica = self._started_replica()
+        protocol_replica.set_final_checkpoint(self._write_notice_checkpoint)
         if not os.path.exists(path):
             return start_step
         state = self._notice_state(-1)
         self.load_checkpoint(path, state)  # modules and optimizers in place; "step" read back into ``state``
         resumed = int(state["step"]) + 1
-        core.say(f"resumed from the notice checkpoint {path}: step {resumed}")
+        protocol_replica.say(f"resumed from the notice checkpoint {path}: step {resumed}")
         return max(start_step, resumed)
 
     @override
     def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
-        core = self._started_core()
-        core.before_backward(tensor)
-        tensor = self.sharding.prepare_backward(core, tensor, self._modules)  # zero slot, K-fold scale, sync
+        protocol_replica = self._started_replica()
+        protocol_replica.before_backward(tensor)
+        # the zero slot, the K-fold scale, the sync
+        tensor = self.sharding.prepare_backward(protocol_replica, tensor, self._modules)
         super().backward(tensor, module, *args, **kwargs)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        self._started_core().fire("optimizer")
+        self._started_replica().fire("optimizer")
         return super().optimizer_step(optimizer, **kwargs)
 
     # ------------------------------------------------------------------ collectives over live replicas
@@ -335,7 +337,7 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
         self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
     ) -> Tensor:
         """A new tensor: ``tensor`` reduced over the live replicas ("mean", "sum", "max" or "min"; ``group`` unused)."""
-        return self._started_core().all_reduce(tensor, reduce_op)
+        return self._started_replica().all_reduce(tensor, reduce_op)
 
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
         return nullcontext()  # gradients are only ever reduced at the end of a step
@@ -358,7 +360,7 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
         Raises:
             NotImplementedError: ``storage_options`` or ``filter`` given with ``replica_size>1``.
         """
-        noted = noted_checkpoint(self.core and self.core.group.progress, self.core.step if self.core else -1, path)
+        noted = self._noted_checkpoint(path)
         if self.sharding.enabled:
             if storage_options is not None or filter is not None:
                 raise NotImplementedError(
@@ -369,8 +371,8 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
                 self._save_sharded(str(path), state)
             return
         if self._elect_writer():
-            if self.core is not None:
-                state = {**state, **checkpoint_entries(self.core.protocol.exact)}
+            if self.protocol_replica is not None:
+                state = {**state, **checkpoint_entries(self.protocol_replica.protocol.exact)}
             with noted:
                 super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
@@ -378,7 +380,7 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
         from lightning_recover.lightning.spread_save import save_over_live_replicas
 
         save_over_live_replicas(
-            self._started_core(),
+            self._started_replica(),
             path,
             state,
             num_replicas=self.num_replicas,
@@ -411,8 +413,8 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
         """
         if not self.sharding.enabled:
             remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
-            if self.core is not None:
-                restore_checkpoint_entries(self.core.protocol.exact, remainder)
+            if self.protocol_replica is not None:
+                restore_checkpoint_entries(self.protocol_replica.protocol.exact, remainder)
             return remainder
         from lightning_recover.checkpoint.dcp.sharded_state import is_dcp_checkpoint, load_full, load_sharded
 
@@ -434,8 +436,8 @@ class RecoverStrategy(RecoverStrategyBase, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        if self.core is not None:
-            self.core.close()
+        if self.protocol_replica is not None:
+            self.protocol_replica.close()
         super().teardown()
 
 

@@ -26,9 +26,9 @@ from lightning_recover.protocol.replica import Replica
 
 
 class ReplicaRanks:
-    """Mixin for a Lightning ``ParallelStrategy`` that owns a ``core`` (a ``Replica``, or None before setup)."""
+    """Mixin for a Lightning ``ParallelStrategy`` that owns a ``protocol_replica`` (a ``Replica``, or None before setup)."""
 
-    core: Optional[Replica]
+    protocol_replica: Optional[Replica]
     parallel_devices: Optional[list[torch.device]]
 
     @property
@@ -58,13 +58,13 @@ class ReplicaRanks:
     @property
     def global_rank(self) -> int:
         """The live replica's rank x K + the inner position (renumbered when replicas fail or rejoin)."""
-        if self.core is None:
+        if self.protocol_replica is None:
             return 0
-        if not self.core.joined:
+        if not self.protocol_replica.joined:
             # A restarted replica before it rejoins has no live rank yet: its replica id stands in (stable,
             # in range); is_global_zero stays False until it is a member again.
-            return self.core.replica_id * self._replica_size + getattr(self.core, "inner", 0)
-        return self.core.rank * self._replica_size + getattr(self.core, "inner", 0)
+            return self.protocol_replica.replica_id * self._replica_size + getattr(self.protocol_replica, "inner", 0)
+        return self.protocol_replica.rank * self._replica_size + getattr(self.protocol_replica, "inner", 0)
 
     @property
     def local_rank(self) -> int:
@@ -77,12 +77,16 @@ class ReplicaRanks:
     @property
     def world_size(self) -> int:
         """Live replicas x K (renumbered when replicas fail or rejoin)."""
-        replicas = self.core.size if self.core is not None and self.core.joined else self.num_replicas
+        replicas = (
+            self.protocol_replica.size
+            if self.protocol_replica is not None and self.protocol_replica.joined
+            else self.num_replicas
+        )
         return replicas * self._replica_size
 
     @property
     def is_global_zero(self) -> bool:
-        return self.global_rank == 0 and (self.core is None or self.core.joined)
+        return self.global_rank == 0 and (self.protocol_replica is None or self.protocol_replica.joined)
 
     @property
     def distributed_sampler_kwargs(self) -> Optional[dict[str, Any]]:
@@ -91,7 +95,7 @@ class ReplicaRanks:
     @property
     def replica(self) -> int:
         """This process's replica id (stable across generations, unlike ``global_rank``)."""
-        return self.core.replica_id if self.core is not None else 0
+        return self.protocol_replica.replica_id if self.protocol_replica is not None else 0
 
 
 def set_rank_zero(rank: int) -> None:

@@ -182,8 +182,8 @@ class ShardingConfig:
     def loss_scale(self) -> float:
         return float(self.data_width)
 
-    def prepare_backward(self, core: Any, loss: Tensor, modules: Iterable[Module]) -> Tensor:
-        """The loss to back-propagate for the current microbatch (after ``core.before_backward``).
+    def prepare_backward(self, protocol_replica: Any, loss: Tensor, modules: Iterable[Module]) -> Tensor:
+        """The loss to back-propagate for the current microbatch (after ``protocol_replica.before_backward``).
 
         A zero-contribution slot (sharded replica, short last round) runs backward with the loss
         times 0: it joins FSDP's collectives and adds nothing. Otherwise the loss is scaled by the data
@@ -191,12 +191,12 @@ class ShardingConfig:
         happens once per list of microbatches (its last round), like stock ``no_sync``; every
         process of the replica has the same number of rounds.
         """
-        if core.zero_slot:
+        if protocol_replica.zero_slot:
             loss = loss * 0
         elif self.enabled:
             loss = loss * self.loss_scale
         if self.enabled:
-            sync = core.sync_round
+            sync = protocol_replica.sync_round
             for module in modules:
                 for m in module.modules():
                     set_sync = getattr(m, "set_requires_gradient_sync", None)  # FSDP2 modules have it

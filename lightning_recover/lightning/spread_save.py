@@ -30,9 +30,9 @@ from lightning_recover.protocol.replica import Replica
 
 
 def save_over_live_replicas(
-    replica: Replica, path: str, state: dict, *, num_replicas: int, replica_size: int, device: torch.device
+    protocol_replica: Replica, path: str, state: dict, *, num_replicas: int, replica_size: int, device: torch.device
 ) -> None:
-    """Called by every process of every live replica; ``replica`` is the protocol's façade (exchange
+    """Called by every process of every live replica; ``protocol_replica`` is the protocol's façade (exchange
     over live replicas, fire), the default process group is the replica's own."""
 
     stale: list[str] = []  # tokens of failed rounds: the next committer removes what is left of them
@@ -41,13 +41,13 @@ def save_over_live_replicas(
         # first, so all K processes contribute the same one.
         mine = torch.tensor([secrets.randbits(62)], dtype=torch.int64, device=device)
         dist.broadcast(mine, src=0)
-        seen = replica.exchange(int(mine.item()))
+        seen = protocol_replica.exchange(int(mine.item()))
         members = torch.tensor([int(r in seen) for r in range(num_replicas)], device=device)
         dist.all_reduce(members, op=dist.ReduceOp.MIN)  # inside this replica only
         live = [r for r in range(num_replicas) if members[r]]
         token = f"{seen[live[0]]:016x}"
         parts = dcp_state.part_count(state, len(live))
-        q = live.index(replica.replica_id)
+        q = live.index(protocol_replica.replica_id)
         error = None
         if q < parts:
             try:
@@ -56,10 +56,10 @@ def save_over_live_replicas(
                 error = exc
         # Fault injection (phase "save"): this part is on disk but not reported; the other replicas
         # may still be writing theirs or already wait for the reports.
-        replica.fire("save")
+        protocol_replica.fire("save")
         failed_here = torch.tensor([int(error is not None)], device=device)
         dist.all_reduce(failed_here, op=dist.ReduceOp.MAX)
-        reports = replica.exchange(("error" if failed_here.item() else "ok") if q < parts else None)
+        reports = protocol_replica.exchange(("error" if failed_here.item() else "ok") if q < parts else None)
         if error is not None:
             raise error
         failed = sorted(r for r, s in reports.items() if s == "error")
@@ -75,7 +75,7 @@ def save_over_live_replicas(
         # temporary directory is removed even when live[0] is the replica that was lost.
         committer = min(reports)
         outcome = torch.tensor([0], device=device)  # committer: 1 committed, 2 failed
-        if replica.replica_id == committer and replica.inner == 0:
+        if protocol_replica.replica_id == committer and protocol_replica.inner == 0:
             try:
                 for old in stale:  # a committer lost after the reports left its round's directory
                     dcp_state.abandon_parts(path, old)
@@ -87,7 +87,7 @@ def save_over_live_replicas(
             except Exception as exc:
                 outcome[0], error = 2, exc
         dist.broadcast(outcome, src=0)
-        done = replica.exchange(int(outcome.item()) if replica.replica_id == committer else None)
+        done = protocol_replica.exchange(int(outcome.item()) if protocol_replica.replica_id == committer else None)
         if error is not None:
             raise error
         result = done.get(committer)
@@ -97,7 +97,9 @@ def save_over_live_replicas(
             return
         stale.append(token)
         lost = sorted(set(live) - set(done))
-        if replica.replica_id == min(done) and replica.inner == 0:  # Replica.say stays silent while the
+        if (
+            protocol_replica.replica_id == min(done) and protocol_replica.inner == 0
+        ):  # Replica.say stays silent while the
             # generation's lowest member is the one lost (the save does not form a new generation)
             print(
                 f"[lightning-recover] replica(s) {lost} writing {path} were lost before the checkpoint was "

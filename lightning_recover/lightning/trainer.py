@@ -9,7 +9,7 @@ Fabric strategy); it contains no protocol code. How one optimizer step maps onto
   the step index ``s`` is ``trainer.global_step`` when the step runs, so a resumed run (any
   replica count, same ``microbatches``) reads exactly the data an uninterrupted run would have.
 * Lightning's automatic optimization runs ``optimizer.step(closure)``; the closure calls the
-  strategy's :meth:`training_step` once per step. It iterates ``core.run_step(s)``: for each
+  strategy's :meth:`training_step` once per step. It iterates ``protocol_replica.run_step(s)``: for each
   microbatch id it builds the batch, calls the module's ``training_step(batch, batch_idx)`` (one
   microbatch) and back-propagates its loss. When the iterator ends the step has committed: every
   ``param.grad`` holds the average gradient of the ``M`` microbatches on every live replica.
@@ -173,7 +173,7 @@ class RecoverTrainerStrategy(TrainerCheckpointing):  # on RecoverStrategyBase an
         )
         self.sharding = ShardingConfig.from_options(options)
         self.options = build_options(microbatches, options, self.sharding.replica_size)
-        self.core: Optional[Replica] = None
+        self.protocol_replica: Optional[Replica] = None
         self._committed: Optional[list[tuple[torch.nn.Parameter, Optional[Tensor]]]] = None
         # A restarted replica (rejoin): the Lightning checkpoint received from a live peer, the step
         # it resumes at, and whether it still runs alone (Lightning's start-of-fit collectives are
@@ -216,9 +216,11 @@ class RecoverTrainerStrategy(TrainerCheckpointing):  # on RecoverStrategyBase an
             "`lightning-recover run --replicas N -- python script.py`."
         )
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if self.core is None:  # one replica per process, kept across fit/validate/test calls
-            core = self._start_replica(self._trainable_parameters, self._state_for_joiner, self._receive_state)
-            if core.joining:
+        if self.protocol_replica is None:  # one replica per process, kept across fit/validate/test calls
+            protocol_replica = self._start_replica(
+                self._trainable_parameters, self._state_for_joiner, self._receive_state
+            )
+            if protocol_replica.joining:
                 self._rejoin(trainer)
         set_rank_zero(self.global_rank)
         if trainer is not None:
@@ -226,7 +228,7 @@ class RecoverTrainerStrategy(TrainerCheckpointing):  # on RecoverStrategyBase an
             # A DistributedSampler must never be injected: the step plan decides what each replica reads.
             trainer._accelerator_connector.use_distributed_sampler = False
             if not self._solo:  # the K processes of a replica write the same value (store collectives are per replica)
-                share_logger_versions(trainer, self._started_core().rank == 0, self.broadcast)
+                share_logger_versions(trainer, self._started_replica().rank == 0, self.broadcast)
 
     # ------------------------------------------------------------------ rejoin (lightning/trainer_rejoin.py)
     def _state_for_joiner(self) -> dict[str, Any]:
@@ -241,28 +243,28 @@ class RecoverTrainerStrategy(TrainerCheckpointing):  # on RecoverStrategyBase an
         """A restarted replica: receive the live state from a peer before the fit loop starts; it is
         restored like ``fit(ckpt_path=...)`` (and :meth:`load_checkpoint` returns it instead of
         reading a file, should the script pass a ``ckpt_path``)."""
-        core = self._started_core()
-        check_rejoin_inside_fit(trainer, core.replica_id)
+        protocol_replica = self._started_replica()
+        check_rejoin_inside_fit(trainer, protocol_replica.replica_id)
         self._solo = True
-        step = core.rejoin()
-        self._rejoin_checkpoint = adopt_checkpoint(trainer, self._received, step, core.replica_id)
+        step = protocol_replica.rejoin()
+        self._rejoin_checkpoint = adopt_checkpoint(trainer, self._received, step, protocol_replica.replica_id)
         self._received = {}
         self._rejoin_step = step
 
     @override
     def on_train_start(self) -> None:
         self._rejoin_checkpoint = None  # restored by now; free the memory
-        if self.core is not None:
+        if self.protocol_replica is not None:
             # The Trainer registered its own SIGTERM handler after setup (it would end the fit after the batch,
             # exit status 0, on any rank): the notice is this strategy's, handled at the step boundary.
-            self.core.notice.install(self.options.resolve_notice_signal())
-            self.core.set_final_checkpoint(self._write_notice_checkpoint)
+            self.protocol_replica.notice.install(self.options.resolve_notice_signal())
+            self.protocol_replica.set_final_checkpoint(self._write_notice_checkpoint)
         super().on_train_start()
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self.core is not None:
-            self.core.leave_if_told()  # a notice: this replica leaves here, at the step boundary
+        if self.protocol_replica is not None:
+            self.protocol_replica.leave_if_told()  # a notice: this replica leaves here, at the step boundary
         super().on_train_batch_start(batch, batch_idx)
 
     def _trainable_parameters(self) -> list[torch.nn.Parameter]:
@@ -288,7 +290,7 @@ class RecoverTrainerStrategy(TrainerCheckpointing):  # on RecoverStrategyBase an
         if trainer is not None and trainer.state.stage == RunningStage.TRAINING:
             loader = StepLoader(
                 dataloader,
-                self._started_core().M,
+                self._started_replica().M,
                 self.options.seed,
                 resume_position=lambda: epoch_position(trainer, len(loader)),
             )
@@ -312,7 +314,7 @@ class RecoverTrainerStrategy(TrainerCheckpointing):  # on RecoverStrategyBase an
             )
         module = self._attached_module()
         trainer = module.trainer
-        core = self._started_core()
+        protocol_replica = self._started_replica()
         source = token.loader.source
         step = trainer.global_step
         if self._solo:  # a rejoined replica's first step: from here on it runs in step with the members
@@ -326,13 +328,13 @@ class RecoverTrainerStrategy(TrainerCheckpointing):  # on RecoverStrategyBase an
         first = (step % source.steps_per_epoch) * source.M
         fsdp_modules = [module] if self.sharding.enabled else []
         with StepLogCapture(module) as capture:
-            for j in core.run_step(step):
-                capture.skip = core.zero_slot  # a zero-contribution slot repeats a microbatch: not logged
-                core.seed_microbatch(step, j)
+            for j in protocol_replica.run_step(step):
+                capture.skip = protocol_replica.zero_slot  # a zero-contribution slot repeats a microbatch: not logged
+                protocol_replica.seed_microbatch(step, j)
                 batch = trainer.precision_plugin.convert_input(source.batch(step, j))
                 batch = module._on_before_batch_transfer(batch, dataloader_idx=0)
                 batch = super().batch_to_device(batch, dataloader_idx=0)
-                core.fire("forward")
+                protocol_replica.fire("forward")
                 output = super().training_step(batch, first + j)
                 loss = output.get("loss") if isinstance(output, dict) else output
                 if not isinstance(loss, Tensor):
@@ -340,8 +342,10 @@ class RecoverTrainerStrategy(TrainerCheckpointing):  # on RecoverStrategyBase an
                         "training_step must return the microbatch loss (a Tensor or a dict with 'loss') under "
                         "strategy='recover'; skipping a microbatch would change the step for every replica."
                     )
-                core.before_backward(loss)
-                loss = self.sharding.prepare_backward(core, loss, fsdp_modules)  # zero slot, K-fold scale, sync
+                protocol_replica.before_backward(loss)
+                loss = self.sharding.prepare_backward(
+                    protocol_replica, loss, fsdp_modules
+                )  # zero slot, K-fold scale, sync
                 self.precision_plugin.backward(loss, module, None)
         # The step has committed: grads hold the mean over all M microbatches on every live replica.
         params = self._trainable_parameters()
@@ -349,10 +353,12 @@ class RecoverTrainerStrategy(TrainerCheckpointing):  # on RecoverStrategyBase an
         for p in params:
             p.grad = None  # out of reach of the closure's zero_grad; `backward` puts them back
         set_rank_zero(self.global_rank)
-        stats = committed_stats(core)
-        if core.world is not None:  # the K processes computed different microbatches: one capture per replica
-            capture.merge_in_replica(core.world.group)
-        log_step(capture, stats, core.exchange, token.loader.samples_per_step, bool(module.loggers))
+        stats = committed_stats(protocol_replica)
+        if (
+            protocol_replica.world is not None
+        ):  # the K processes computed different microbatches: one capture per replica
+            capture.merge_in_replica(protocol_replica.world.group)
+        log_step(capture, stats, protocol_replica.exchange, token.loader.samples_per_step, bool(module.loggers))
         return torch.tensor(stats.loss if stats.loss is not None else float("nan"), device=self.root_device)
 
     @override
@@ -377,7 +383,7 @@ class RecoverTrainerStrategy(TrainerCheckpointing):  # on RecoverStrategyBase an
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         def closure_then_fault() -> Any:
             result = closure()
-            self._started_core().fire("optimizer")  # after the commit, before the parameters change
+            self._started_replica().fire("optimizer")  # after the commit, before the parameters change
             return result
 
         return super().optimizer_step(optimizer, closure_then_fault, model, **kwargs)
@@ -402,18 +408,18 @@ class RecoverTrainerStrategy(TrainerCheckpointing):  # on RecoverStrategyBase an
             return tensor
         if self._evaluating():
             return tensor  # every replica evaluated the full loaders: it already holds the global value
-        return self._started_core().all_reduce(tensor, reduce_op or "mean")
+        return self._started_replica().all_reduce(tensor, reduce_op or "mean")
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         if not self._group_ready():
             return decision
-        values = self._started_core().exchange(bool(decision)).values()
+        values = self._started_replica().exchange(bool(decision)).values()
         return builtins.all(values) if all else any(values)
 
     def _group_ready(self) -> bool:
         # A rejoining replica runs Lightning's start-of-fit collectives alone: the members passed them long ago.
-        return self.core is not None and not self._solo
+        return self.protocol_replica is not None and not self._solo
 
     @override
     def block_backward_sync(self) -> Any:
@@ -421,7 +427,7 @@ class RecoverTrainerStrategy(TrainerCheckpointing):  # on RecoverStrategyBase an
 
     @override
     def teardown(self) -> None:
-        # The core stays: the same script may call trainer.test() next; it leaves the group at exit.
+        # The protocol replica stays: the same script may call trainer.test() next; it leaves the group at exit.
         self._committed = None
         super().teardown()
 

@@ -158,7 +158,7 @@ def save_trainer_checkpoint(
             f"{path} is a file; with replica_size>1 a checkpoint is a directory. HINT: remove it or choose another path"
         )
     save_over_live_replicas(
-        strategy.core,
+        strategy.protocol_replica,
         path,
         dcp_state(checkpoint, strategy.lightning_module, strategy.optimizers),
         num_replicas=strategy.num_replicas,

@@ -27,7 +27,6 @@ from lightning_recover.lightning.trainer_checkpoint import (
     remove_checkpoint_dir,
     save_trainer_checkpoint,
 )
-from lightning_recover.observe.report import noted_checkpoint
 from lightning_recover.protocol.exact import checkpoint_entries, restore_checkpoint_entries
 
 
@@ -35,7 +34,7 @@ from lightning_recover.protocol.exact import checkpoint_entries, restore_checkpo
 # to inject a sampler, which this strategy turns off, but its ParallelStrategy annotates a dict
 class TrainerCheckpointing(RecoverStrategyBase, ParallelStrategy):  # type: ignore[misc]
     """The checkpoint side of :class:`~lightning_recover.lightning.trainer.RecoverTrainerStrategy` (its base: it
-    uses the strategy's ``core``, ``sharding``, ``options`` and rejoin state, set by the strategy's ``__init__``)."""
+    uses the strategy's ``protocol_replica``, ``sharding``, ``options`` and rejoin state, set by the strategy's ``__init__``)."""
 
     sharding: ShardingConfig
     _rejoin_checkpoint: Optional[dict[str, Any]]
@@ -97,8 +96,8 @@ class TrainerCheckpointing(RecoverStrategyBase, ParallelStrategy):  # type: igno
         if self.sharding.enabled:  # every process reads its own shards into the sharded module and optimizers
             return load_trainer_checkpoint(checkpoint_path, self.lightning_module, self.optimizers, weights_only)
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        if self.core is not None:
-            restore_checkpoint_entries(self.core.protocol.exact, checkpoint)
+        if self.protocol_replica is not None:
+            restore_checkpoint_entries(self.protocol_replica.protocol.exact, checkpoint)
         return checkpoint
 
     def _write_notice_checkpoint(self, step: int) -> None:
@@ -107,7 +106,7 @@ class TrainerCheckpointing(RecoverStrategyBase, ParallelStrategy):  # type: igno
         trainer = self._attached_module().trainer
         path = self.options.notice_checkpoint
         if path is None:  # the next free hpc_ckpt_N, named by one replica before any of them writes
-            first = self._started_core().rank == 0
+            first = self._started_replica().rank == 0
             path = self.broadcast(hpc_checkpoint_path(trainer.default_root_dir) if first else None)
         trainer.save_checkpoint(path)
 
@@ -128,9 +127,9 @@ class TrainerCheckpointing(RecoverStrategyBase, ParallelStrategy):  # type: igno
         """
         if self._solo:
             return  # a replica still rejoining holds no step of its own to save; the members write
-        if self.core is not None:
-            checkpoint = {**checkpoint, **checkpoint_entries(self.core.protocol.exact)}
-        noted = noted_checkpoint(self.core and self.core.group.progress, self.core.step if self.core else -1, filepath)
+        if self.protocol_replica is not None:
+            checkpoint = {**checkpoint, **checkpoint_entries(self.protocol_replica.protocol.exact)}
+        noted = self._noted_checkpoint(filepath)
         if self.sharding.enabled:  # one DCP directory at filepath, every live replica writing ~1/R of it
             with noted:
                 save_trainer_checkpoint(self, checkpoint, filepath, storage_options)
@@ -152,5 +151,5 @@ class TrainerCheckpointing(RecoverStrategyBase, ParallelStrategy):  # type: igno
         if not self.sharding.enabled:
             return super().remove_checkpoint(filepath)
         # one process removes the directory
-        if not self._solo and self._elect_writer() and self._started_core().inner == 0:
+        if not self._solo and self._elect_writer() and self._started_replica().inner == 0:
             remove_checkpoint_dir(filepath)

@@ -1,9 +1,9 @@
 """The fault-tolerant data-parallel protocol, with no import of Lightning.
 
 Modules, one concept each: ``messages`` (the typed, checked access to the coordinator's store),
-``coordinator`` (the server and its heartbeat monitor), ``membership`` (generations, joins,
-heartbeats), ``collectives`` (survivor all-reduce, broadcast, store exchanges), ``decisions`` (the
-commit/retry rule), ``planner`` (quotas), ``step`` (one step with in-step recovery), ``faults``
+``coordinator`` (the server and its heartbeat monitor), ``membership`` (generations; its parts
+``heartbeat``, ``incarnations``, ``join_rounds``, ``join_requests``), ``collectives`` (survivor all-reduce, broadcast, store exchanges), ``decisions`` (the
+commit/retry rule), ``quotas``, ``step`` (one step with in-step recovery), ``faults``
 (fault injection), ``options`` and ``replica`` (the façade the strategies use).
 """
 

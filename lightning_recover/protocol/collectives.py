@@ -3,7 +3,7 @@ group, and small-object exchanges (metrics, barrier, broadcast, writer election)
 
 Every wait is sliced: between slices the waiter looks for a failure of the generation (a member
 declared dead, a newer generation proposed), so a dead or hung peer is noticed within
-``membership.SLICE`` rather than after a collective timeout. Any failure raises
+``polling.SLICE`` rather than after a collective timeout. Any failure raises
 :class:`MembershipChanged`; the caller forms the next generation.
 """
 
@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_recover.errors import ForgedMessageError, MembershipChanged, RecoverError
-from lightning_recover.protocol.membership import POLL_MIN, SLICE, Membership, backoff
+from lightning_recover.protocol.membership import Membership
 from lightning_recover.protocol.messages import decode_object
+from lightning_recover.protocol.polling import POLL_MIN, SLICE, backoff
 
 _TAKEBACKS = 16  # times a member writes its own contribution again before calling it an attack
 
@@ -46,6 +47,14 @@ class SurvivorCollectives:
         opts = dist.BroadcastOptions()
         opts.rootRank = src_rank
         self.wait(self._start(pg, "broadcast", lambda t: pg.broadcast([t], opts), tensors))
+
+    def start_max(self, tensor: torch.Tensor) -> list:
+        """Start a MAX all-reduce of ``tensor`` in place across the generation (the exact mode's grid check);
+        the caller waits for the works it returns (:meth:`wait`)."""
+        pg = self._pg()
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        return self._start(pg, "all-reduce (max)", lambda t: pg.allreduce([t], opts), [tensor])
 
     def _start(self, pg: Any, what: str, start_one: Callable[[torch.Tensor], Any], tensors: Sequence) -> list:
         """Start one operation per tensor; the group learns of each, so that it outlives them if abandoned."""

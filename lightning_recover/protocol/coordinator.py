@@ -19,7 +19,7 @@ Keys (values sealed with the job's MAC, see ``messages.py``, except the two coun
 ``gen/latest``     newest generation that has been proposed
 ``meta/replicas``  the job's replica count, checked by every replica when it connects
 ``join/{r}``       the incarnation of a restarted replica r asking to be admitted
-``g{G}/...``       the membership round of generation G (see ``membership.py``)
+``g{G}/...``       the join round of generation G (see ``join_rounds.py``)
 ``reach/...``      probe addresses, rounds, reports and verdicts of partition detection (``reachability.py``)
 ``s{S}/g{G}/...``  step S's reduce under generation G: done reports and the commit decision
 ``g{G}/state``     SHA-256 of the state handed to the joiners admitted into generation G

@@ -51,8 +51,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
 from lightning_recover.errors import ForgedMessageError, RecoverError, ReplicaExcludedError
-from lightning_recover.protocol.membership import POLL_MIN, SLICE, Generation, Membership, backoff
+from lightning_recover.protocol.join_rounds import Generation
+from lightning_recover.protocol.membership import Membership
 from lightning_recover.protocol.messages import ControlStore
+from lightning_recover.protocol.polling import POLL_MIN, SLICE, backoff
 from lightning_recover.protocol.vouches import vouch_record
 
 

@@ -41,9 +41,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
-from lightning_recover.errors import MembershipChanged, RecoverError
+from lightning_recover.errors import RecoverError
 
 #: Integers up to 2**53 are exact in float64; a step's sum is kept within 2**52.
 EXACT_BITS = 52
@@ -185,9 +184,7 @@ class ExactAccumulator:
                 self._views[i].add_(mul_pow2_(g, k).round_().reshape(-1))
 
     # ------------------------------------------------------------------ the reduce
-    def reduce(
-        self, membership: Any, collectives: Any, params: Sequence[torch.nn.Parameter], flags: Sequence[float] = ()
-    ) -> None:
+    def reduce(self, collectives: Any, params: Sequence[torch.nn.Parameter], flags: Sequence[float] = ()) -> None:
         """All-reduce this attempt: the grid check (MAX), the loss slots and the fixed-point sums (SUM).
 
         Leaves ``sum * 2**-k / M`` in ``self.results`` (applied only after a commit); the accumulator
@@ -203,7 +200,7 @@ class ExactAccumulator:
         # CPU thread count (max(x) == -max(-x) iff all equal).
         extra = torch.tensor([threads, -threads, *flags], dtype=torch.float32)
         peak = torch.cat([self.amax.cpu(), ks, -ks, extra]).to(self.acc.device)
-        works = _start_max(membership, peak) if collectives is not None else []
+        works = collectives.start_max(peak) if collectives is not None else []
         self.results = [torch.empty(p.shape, dtype=p.dtype, device=p.device) for p in params]  # contiguous
         losses = self.losses.clone().to(self.acc.device)  # a copy: a failed attempt leaves partial sums in it
         if collectives is None:
@@ -297,27 +294,10 @@ def exact_step_alone(
         for j in range(accumulator.M):
             accumulator.record_loss(j, backward(j))
             accumulator.absorb(params)
-        accumulator.reduce(None, None, params)
+        accumulator.reduce(None, params)
         results = accumulator.results
         loss = accumulator.finish(params)
         if not accumulator.redo:
             for p, grad in zip(params, results):
                 p.grad = grad
             return loss
-
-
-def _start_max(membership: Any, tensor: torch.Tensor) -> list:
-    """Start a MAX all-reduce over the generation's group (SurvivorCollectives sums only)."""
-    pg = membership.gen.pg
-    if pg is None:
-        raise MembershipChanged("no process group for this generation")
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.MAX
-    works: list = []
-    try:
-        works.append(pg.allreduce([tensor], opts))
-    except Exception as exc:
-        raise MembershipChanged(f"all-reduce (max) could not start: {exc}") from exc
-    finally:
-        membership.operations_started(pg, works)
-    return works

@@ -2,7 +2,8 @@
 
 :class:`Replica` owns the replica's :class:`Membership` (generations, joins, heartbeats), its
 :class:`SurvivorCollectives`, its commit :class:`Decisions` and the :class:`StepProtocol` (quota,
-reduce, in-step recovery); it hands state to rejoining replicas, fires injected faults at the
+reduce, in-step recovery) and its :class:`JoinsAndLeaves` (state handed to rejoining replicas, leaving on
+notice, at step boundaries); it fires injected faults at the
 named phases, and offers the small collectives Lightning needs (metrics, barrier, broadcast) over
 the replicas that are alive now. Nothing here imports Lightning.
 """
@@ -10,7 +11,6 @@ the replicas that are alive now. Nothing here imports Lightning.
 from __future__ import annotations
 
 import atexit
-import gc
 import os
 import sys
 import time
@@ -21,22 +21,20 @@ import torch
 
 from lightning_recover import env
 from lightning_recover.control_plane.connect import is_etcd
-from lightning_recover.errors import MembershipChanged, RecoverError
 from lightning_recover.observe.report import note_member, note_step
-from lightning_recover.protocol import state_transfer
 from lightning_recover.protocol.collectives import SurvivorCollectives
 from lightning_recover.protocol.decisions import Decisions, commit_protocol
-from lightning_recover.protocol.exact import ExactAccumulator, check_exact_layout
+from lightning_recover.protocol.exact import check_exact_layout
 from lightning_recover.protocol.faults import Fault, FaultInjector
-from lightning_recover.protocol.membership import Membership, form_next_generation
+from lightning_recover.protocol.joins_and_leaves import JoinsAndLeaves
+from lightning_recover.protocol.membership import Membership
 from lightning_recover.protocol.messages import JobSecret
-from lightning_recover.protocol.notice import EXIT_LEFT_ON_NOTICE, Notice, leaving_exit_code
+from lightning_recover.protocol.notice import Notice, leaving_exit_code
 from lightning_recover.protocol.options import RecoverOptions
 from lightning_recover.protocol.replica_env import read_replica_env
 from lightning_recover.protocol.step import StepProtocol, StepStats
 
 _uncaught = [False]
-_left_on_notice = [False]  # this process left the job on a notice: its exit code says so (EXIT_LEFT_ON_NOTICE)
 
 
 def _record_uncaught_exceptions() -> None:
@@ -51,135 +49,7 @@ def _record_uncaught_exceptions() -> None:
         sys.excepthook = hook
 
 
-class _JoinsAndLeaves:
-    """The step boundaries where the membership changes on purpose: a joiner admitted with state from a peer,
-    members leaving on notice (with a final checkpoint when every member leaves). Part of :class:`Replica`."""
-
-    group: Membership
-    protocol: StepProtocol
-    collectives: SurvivorCollectives
-    notice: Notice
-    step: int
-    inner: int
-    joining: bool
-    _final_checkpoint: Optional[Callable[[int], None]]
-    _get_state: Optional[Callable[[], dict]]
-    _set_state: Optional[Callable[[dict], None]]
-    say: Callable[[str], None]
-
-    # ------------------------------------------------------------------ leaving on notice
-    def set_final_checkpoint(self, write: Callable[[int], None]) -> None:
-        """``write(step)`` saves the training state after committed step ``step``; every member calls it
-        together (a collective save) when the whole job leaves on notice at that step."""
-        self._final_checkpoint = write
-
-    @property
-    def told_to_leave(self) -> bool:
-        """This replica leaves at the step boundary just committed (it got the notice before that step's reduce)."""
-        return self.group.replica in self.protocol.leaving
-
-    def leave_if_told(self) -> None:
-        """At a step boundary: if the last commit named this replica as leaving, leave the job (after the final
-        checkpoint when every member leaves) and exit with ``EXIT_LEFT_ON_NOTICE``. Called by the strategies
-        right after a step's body and again before the next step."""
-        if not self.told_to_leave:
-            return
-        step = self.step
-        everyone = set(self.group.members) <= self.protocol.leaving
-        if everyone and self._final_checkpoint is not None:
-            self._final_checkpoint(step)
-        self.say(
-            f"replica {self.group.replica} left on notice ({self.notice.source}) after step {step}"
-            + (
-                "; the whole job left" + (", final checkpoint written" if self._final_checkpoint else "")
-                if everyone
-                else ""
-            )
-        )
-        if self.inner == 0:
-            print(
-                f"[lightning-recover] replica {self.group.replica}: left on notice ({self.notice.source}) after "
-                f"step {step}, exit code {EXIT_LEFT_ON_NOTICE}",
-                file=sys.stderr,
-                flush=True,
-            )
-        _left_on_notice[0] = True
-        # Its exit must not take the CPU the others train on (hosts shared by replicas): the heap moves to the
-        # collector's permanent generation, as the launcher's does, so the interpreter's exit does not collect it.
-        gc.freeze()
-        raise SystemExit(leaving_exit_code())
-
-    # ------------------------------------------------------------------ rejoin
-    def rejoin(self) -> int:
-        """A restarted replica: wait to be admitted, receive the state; return the step to run next."""
-        try:
-            self.group.wait_for_invitation()
-        except MembershipChanged:
-            self._next_generation(None, joiner=True)
-        step = self._receive_or_send_state(None, joiner=True)
-        self.joining = False
-        note_member(self.group.progress, self.group.gen.number, self.protocol.M)
-        self.say(
-            f"replica {self.group.replica} rejoined at step {step}: generation {self.group.gen.number}, "
-            f"live replicas {self.group.members}"
-        )
-        return step
-
-    def _admit(self, step: int, leaving: frozenset[int] = frozenset()) -> None:
-        """Members: form the generation that includes the admitted joiners, without the members that left on
-        notice at the last commit, and hand the joiners the state."""
-        invite, self.protocol.decisions.admit_next = self.protocol.decisions.admit_next, {}
-        try:
-            self.group.next_generation({"step": step, "have": []}, invite=invite, leaving=leaving)
-        except MembershipChanged:
-            self._next_generation(step, joiner=False, leaving=leaving)
-        if leaving:
-            self.say(
-                f"step {step}: replica(s) {sorted(leaving)} left on notice; generation {self.group.gen.number}, "
-                f"live replicas {self.group.members}"
-            )
-        self._receive_or_send_state(step, joiner=False)
-
-    def _next_generation(self, step: Optional[int], joiner: bool, leaving: frozenset[int] = frozenset()) -> None:
-        form_next_generation(self.group, {"step": step, "have": [], "joiner": joiner}, leaving=leaving)
-
-    def _receive_or_send_state(self, step: Optional[int], joiner: bool) -> int:
-        """Broadcast the state from the lowest member holding it to the joiners (retried on failure)."""
-        while True:
-            gen = self.group.gen
-            joiners = {r for r, p in gen.payloads.items() if p.get("joiner")}
-            holders = [r for r in gen.members if r not in joiners]
-            if not holders:
-                raise RecoverError("no live replica holds the training state to hand to the rejoining replicas")
-            steps = {gen.payloads[r]["step"] for r in holders}
-            if len(steps) != 1:
-                raise RecoverError(f"members disagree on the step to resume at: {sorted(steps)}")
-            if not joiners:
-                return steps.pop()
-            try:
-                self._broadcast_state(gen.members.index(holders[0]), receive=joiner)
-                return steps.pop()
-            except MembershipChanged:
-                self._next_generation(step, joiner=joiner)
-
-    def _broadcast_state(self, src_rank: int, receive: bool) -> None:
-        if self._get_state is None or self._set_state is None:
-            raise RecoverError("rejoin needs the strategy to register its state hooks (core.set_state_hooks)")
-        exact = self.protocol.exact  # the exact grid travels with the training state
-        mine = joiner_state(self._get_state(), exact) if self.group.rank == src_rank else None
-        began = time.perf_counter()
-        received = state_transfer.broadcast_state(self.collectives, self.group, src_rank, mine, receive)
-        if receive:
-            self._set_state(adopt_joiner_state(received, exact))
-            # When the joiner asked, when its state was in place and how long the transfer took (benchmarks).
-            self.join_timing = {
-                "asked_at": self.group.join_requested_at,
-                "state_at": time.time(),
-                "transfer_s": time.perf_counter() - began,
-            }
-
-
-class Replica(_JoinsAndLeaves):
+class Replica:
     """This replica's side of the protocol."""
 
     def __init__(
@@ -211,7 +81,7 @@ class Replica(_JoinsAndLeaves):
             )
         self.tensor_parallel = tensor_parallel  # tp processes of the replica per data position
         check_exact_layout(options.exact, replica_size)
-        self.group = Membership(
+        self.membership = Membership(
             addr,
             replica,
             num_replicas,
@@ -233,9 +103,9 @@ class Replica(_JoinsAndLeaves):
         self.world = None  # the replica's own K-process world (sharding.ReplicaWorld), when K > 1
         self.decisions: Optional[Decisions] = None  # the commit protocol: picked once connected (start)
         # A store collective first confirms a step applied speculatively: what it sees must be settled.
-        self.collectives = SurvivorCollectives(self.group, before_exchange=self._confirm)
+        self.collectives = SurvivorCollectives(self.membership, before_exchange=self._confirm)
         self.protocol = StepProtocol(
-            self.group,
+            self.membership,
             self.collectives,
             self.M,
             params,
@@ -247,16 +117,15 @@ class Replica(_JoinsAndLeaves):
             exact=options.exact,
         )
         self.protocol.notice = self.notice
-        self._final_checkpoint: Callable[[int], None] | None = None
+        self.joins_and_leaves = JoinsAndLeaves(
+            self.membership, self.collectives, self.protocol, self.notice, self.say, inner=inner
+        )
         self._injector = injector  # None: the plan in the environment, for this incarnation
         self._fault_listeners: list[Callable[[Fault, float], None]] = []
         self.step: int = -1
         self.joining = False  # a restarted replica that must rejoin with state from a peer
-        self._get_state: Callable[[], dict] | None = None
-        self._set_state: Callable[[dict], None] | None = None
         self._backward_seen = self._forward_seen = False
         self.history: list[StepStats] = []
-        self.join_timing: dict[str, float] = {}  # a joiner's: see _JoinsAndLeaves._broadcast_state
 
     @classmethod
     def from_env(
@@ -284,33 +153,33 @@ class Replica(_JoinsAndLeaves):
     # ------------------------------------------------------------------ identity
     @property
     def replica_id(self) -> int:
-        return self.group.replica
+        return self.membership.replica
 
     @property
     def joined(self) -> bool:  # a restarted replica is a member of no generation until it rejoins
-        return self.group.gen is not None
+        return self.membership.gen is not None
 
     @property
     def rank(self) -> int:
         """This replica's rank among the live replicas (0 = the lowest live one)."""
-        return self.group.rank
+        return self.membership.rank
 
     @property
     def size(self) -> int:
         """The number of live replicas."""
-        return self.group.size
+        return self.membership.size
 
     @property
     def incarnation(self) -> int:
-        return self.group.incarnation
+        return self.membership.incarnation
 
     @property
     def generation(self) -> int:
-        return self.group.gen.number
+        return self.membership.gen.number
 
     @property
     def members(self) -> list[int]:
-        return self.group.members
+        return self.membership.members
 
     @property
     def last_step(self) -> Optional[StepStats]:
@@ -338,28 +207,30 @@ class Replica(_JoinsAndLeaves):
             self.notice.before_training = lambda: self.step < 0
             self.notice.install(self.options.resolve_notice_signal())
         _record_uncaught_exceptions()
-        device = "cuda" if self.group.backend == "nccl" else "cpu"
+        device = "cuda" if self.membership.backend == "nccl" else "cpu"
         standby_world = []
 
         def build_standby_world() -> None:
             # A sharded standby builds its K-process world (the slow part after imports) before it waits.
             from lightning_recover.protocol.replica_world import ReplicaWorld
 
-            prefix = f"standby{self.group.standby}"
+            prefix = f"standby{self.membership.standby}"
             standby_world.append(
-                ReplicaWorld.build(self.group, self.replica_size, self.inner, prefix, device, self.tensor_parallel)
+                ReplicaWorld.build(self.membership, self.replica_size, self.inner, prefix, device, self.tensor_parallel)
             )
 
-        self.group.connect(before_standby_wait=build_standby_world if self.replica_size > 1 else None)
-        self.decisions = self.protocol.decisions = commit_protocol(self.group)  # the backend is known now
-        injector = self._injector or FaultInjector.from_env(self.group.replica, self.group.incarnation, self.inner)
+        self.membership.connect(before_standby_wait=build_standby_world if self.replica_size > 1 else None)
+        self.decisions = self.protocol.decisions = commit_protocol(self.membership)  # the backend is known now
+        injector = self._injector or FaultInjector.from_env(
+            self.membership.replica, self.membership.incarnation, self.inner
+        )
         for listener in self._fault_listeners:
             injector.add_listener(listener)
         self.protocol.injector = injector
-        self.group.before_build = lambda: self.protocol.fire(max(self.step, 0), "regroup")
-        self.joining = self.group.form_initial() is None
+        self.membership.before_build = lambda: self.protocol.fire(max(self.step, 0), "regroup")
+        self.joining = self.membership.form_initial() is None
         if not self.joining:
-            note_member(self.group.progress, self.group.gen.number, self.protocol.M)
+            note_member(self.membership.progress, self.membership.gen.number, self.protocol.M)
         if standby_world:
             self.world = standby_world[0]
             self.world.watch()
@@ -369,7 +240,7 @@ class Replica(_JoinsAndLeaves):
             from lightning_recover.protocol.replica_world import ReplicaWorld
 
             self.world = ReplicaWorld.start(
-                self.group, self.replica_size, self.inner, device_type=device, tensor_parallel=self.tensor_parallel
+                self.membership, self.replica_size, self.inner, device_type=device, tensor_parallel=self.tensor_parallel
             )
 
     def _confirm(self) -> None:
@@ -378,7 +249,35 @@ class Replica(_JoinsAndLeaves):
 
     def set_state_hooks(self, get_state: Callable[[], dict], set_state: Callable[[dict], None]) -> None:
         """How to read and overwrite the training state handed to a rejoining replica."""
-        self._get_state, self._set_state = get_state, set_state
+        self.joins_and_leaves.get_state, self.joins_and_leaves.set_state = get_state, set_state
+
+    # ------------------------------------------------------------------ joins and leaves (joins_and_leaves.py)
+    def rejoin(self) -> int:
+        """A restarted replica: wait to be admitted, receive the state; return the step to run next."""
+        step = self.joins_and_leaves.rejoin()
+        self.joining = False
+        return step
+
+    @property
+    def join_timing(self) -> dict[str, float]:
+        """A joiner's: when it asked to join, when its state was in place, how long the transfer took."""
+        return self.joins_and_leaves.join_timing
+
+    def set_final_checkpoint(self, write: Callable[[int], None]) -> None:
+        """``write(step)`` saves the training state after committed step ``step``; every member calls it
+        together (a collective save) when the whole job leaves on notice at that step."""
+        self.joins_and_leaves.final_checkpoint = write
+
+    @property
+    def told_to_leave(self) -> bool:
+        """This replica leaves at the step boundary just committed (it got the notice before that step's reduce)."""
+        return self.joins_and_leaves.told_to_leave
+
+    def leave_if_told(self) -> None:
+        """At a step boundary: if the last commit named this replica as leaving, leave the job (after the final
+        checkpoint when every member leaves) and exit with ``EXIT_LEFT_ON_NOTICE``. Called by the strategies
+        right after a step's body and again before the next step."""
+        self.joins_and_leaves.leave_if_told(self.step)
 
     def close(self) -> None:
         try:
@@ -387,7 +286,7 @@ class Replica(_JoinsAndLeaves):
         finally:
             if self.world is not None and not _uncaught[0]:
                 self.world.leave()  # a clean exit: the replica-mates' watchdogs must not read it as a death
-            self.group.close()
+            self.membership.close()
         # A planned fault that never fired makes a fault test pass for the wrong reason: say so.
         missed = [f for f in self.protocol.injector.unfired() if f.phase != "recompute"]
         if missed and self.step >= 0:
@@ -402,12 +301,12 @@ class Replica(_JoinsAndLeaves):
     def _at_exit(self) -> None:
         self.close()
         self.notice.uninstall()
-        if self.group.abandoned_work:
+        if self.membership.abandoned_work:
             # gloo cannot abort an op in flight: destroying a group that has one blocks until the op
             # times out, or aborts the process. The results are written; end without destroying it.
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(1 if _uncaught[0] else leaving_exit_code() if _left_on_notice[0] else 0)
+            os._exit(1 if _uncaught[0] else leaving_exit_code() if self.joins_and_leaves.left else 0)
 
     # ------------------------------------------------------------------ steps
     def run_step(self, step: int) -> Iterator[int]:
@@ -418,14 +317,14 @@ class Replica(_JoinsAndLeaves):
         began = time.perf_counter()
         boundary = bool(self.protocol.decisions.admit_next or leaving)
         if boundary:
-            self._admit(step, leaving)
+            self.joins_and_leaves.admit(step, leaving)
         regrouped = time.perf_counter() - began
         yield from self.protocol.run(step)
         stats = self.protocol.last
         if boundary:  # joiners admitted or leavers gone: the regroup at the step boundary, timed
             stats.events.append({"kind": "boundary-regroup", "seconds": regrouped, "left": sorted(leaving)})
         self.history.append(stats)
-        note_step(self.group.progress, stats, self.protocol.M)  # what the status page shows of this replica
+        note_step(self.membership.progress, stats, self.protocol.M)  # what the status page shows of this replica
         if stats.recoveries:
             self.say(
                 f"step {step}: recovered in {stats.recovery_seconds:.3f}s (replica {self.replica_id}'s time); "
@@ -465,7 +364,7 @@ class Replica(_JoinsAndLeaves):
 
     def say(self, message: str) -> None:
         """One line per event, printed by the lowest live replica only (its process 0)."""
-        if self.group.gen is not None and self.group.rank == 0 and self.inner == 0:
+        if self.membership.gen is not None and self.membership.rank == 0 and self.inner == 0:
             print(f"[lightning-recover] {message}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ collectives over live replicas
@@ -501,24 +400,4 @@ class Replica(_JoinsAndLeaves):
 
     def elect_writer(self) -> bool:
         """All live replicas agree on one writer: the lowest replica id among them."""
-        return min(self.collectives.exchange(None)) == self.group.replica
-
-
-def joiner_state(training: dict, exact: Optional[ExactAccumulator]) -> dict:
-    """What a rejoining replica receives: the strategy's training state and, in exact mode, the
-    fixed-point grid (committed history that every member holds alike)."""
-    return {"training": training, "exact": exact.state() if exact is not None else None}
-
-
-def adopt_joiner_state(state: Any, exact: Optional[ExactAccumulator]) -> dict:
-    """The training state out of :func:`joiner_state`'s dict; the exact grid taken over."""
-    if not isinstance(state, dict) or "training" not in state:
-        raise RecoverError("the state handed to this replica is malformed (no training state)")
-    if exact is not None:
-        if state.get("exact") is None:
-            raise RecoverError(
-                "this replica runs with exact=True but the replica handing it the state does not. "
-                "HINT: give every replica of the job the same exact= option."
-            )
-        exact.load_state(state["exact"])
-    return state["training"]
+        return min(self.collectives.exchange(None)) == self.membership.replica

@@ -1,4 +1,4 @@
-"""When a join round closes, and with whom: the rule, with no store (the reads are membership.py's).
+"""When a join round closes, and with whom: the rule, with no store (the reads are join_rounds.py's).
 
 A round (a generation forming) waits for the replicas it *expects* (``replica -> incarnation``: the survivors
 of the last generation, the joiners a commit admitted, or at the job's start every replica). A replica is out

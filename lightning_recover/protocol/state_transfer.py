@@ -100,23 +100,25 @@ def check_digest(payload: torch.Tensor, expected: str | None, key: str) -> None:
         )
 
 
-def _digest_key(group: Any) -> str:
-    """Where the sender of generation G's state seals its digest (one per position of a sharded replica)."""
-    return f"g{group.gen.number}/state" + (f"/i{group.inner}" if group.replica_size > 1 else "")
+def digest_key(generation: int, inner: int, replica_size: int) -> str:
+    """Where the sender of generation ``generation``'s state seals its digest (one per position ``inner`` of a
+    sharded replica)."""
+    return f"g{generation}/state" + (f"/i{inner}" if replica_size > 1 else "")
 
 
-def pack_and_seal_digest(state: Any, group: Any) -> tuple[torch.Tensor, int]:
-    """:func:`pack`, then write the payload's digest and sizes to the sealed store of ``group`` (a Membership)."""
+def pack_and_seal_digest(state: Any, store: Any, key: str) -> tuple[torch.Tensor, int]:
+    """:func:`pack`, then write the payload's digest and sizes under ``key`` of the sealed ``store`` (a
+    ``ControlStore``)."""
     payload, skeleton_len = pack(state)
     record = {"sha256": digest(payload), "bytes": payload.numel(), "skeleton": skeleton_len}
-    group.store.set(_digest_key(group), json.dumps(record))
+    store.set(key, json.dumps(record))
     return payload, skeleton_len
 
 
-def sealed_record(group: Any) -> Optional[dict]:
-    """The sender's sealed ``{"sha256", "bytes", "skeleton"}`` for this generation's state (None: missing,
-    forged or malformed). Written before the broadcast began, so it is there unless deleted or forged."""
-    value = group.store.get_genuine(_digest_key(group))
+def sealed_record(store: Any, key: str) -> Optional[dict]:
+    """The sender's sealed ``{"sha256", "bytes", "skeleton"}`` under ``key`` (None: missing, forged or
+    malformed). Written before the broadcast began, so it is there unless deleted or forged."""
+    value = store.get_genuine(key)
     try:
         record = json.loads(value) if value is not None else None
     except ValueError:
@@ -138,11 +140,12 @@ def check_sizes(record: Optional[dict], sizes: tuple[int, int], key: str) -> Non
         )
 
 
-def unpack_checked(payload: torch.Tensor, skeleton_len: int, group: Any, record: Optional[dict] = None) -> Any:
-    """:func:`unpack` a received payload once its digest is the one its sender sealed (``record``, as
-    :func:`sealed_record` read it; read now when not given)."""
-    key = _digest_key(group)
-    record = record if record is not None else sealed_record(group)
+def unpack_checked(
+    payload: torch.Tensor, skeleton_len: int, store: Any, key: str, record: Optional[dict] = None
+) -> Any:
+    """:func:`unpack` a received payload once its digest is the one its sender sealed under ``key`` (``record``,
+    as :func:`sealed_record` read it; read now when not given)."""
+    record = record if record is not None else sealed_record(store, key)
     check_digest(payload, record.get("sha256") if record else None, key)
     return unpack(payload, skeleton_len)
 
@@ -192,19 +195,21 @@ def load_state(raw: bytes) -> Any:
         ) from exc
 
 
-def broadcast_state(collectives: Any, group: Any, src_rank: int, state: Any, receive: bool) -> Any:
-    """Hand ``state`` (given on ``src_rank`` only) to the members of ``group`` (a Membership) over
+def broadcast_state(collectives: Any, membership: Any, src_rank: int, state: Any, receive: bool) -> Any:
+    """Hand ``state`` (given on ``src_rank`` only) to the members of ``membership``'s generation over
     ``collectives``: its sizes, then its raw bytes + skeleton. The gloo group is not authenticated, so the
     sender seals the payload's SHA-256 and sizes in the store first; a receiver checks the sizes before it
     allocates and the digest before it unpacks. Returns the state where ``receive`` (a joiner), else None."""
     payload, skeleton_len, record = torch.empty(0, dtype=torch.uint8), 0, None
-    if group.rank == src_rank:
-        payload, skeleton_len = pack_and_seal_digest(state, group)
+    store = membership.store
+    key = digest_key(membership.gen.number, membership.inner, membership.replica_size)
+    if membership.rank == src_rank:
+        payload, skeleton_len = pack_and_seal_digest(state, store, key)
     sizes = torch.tensor([payload.numel(), skeleton_len], dtype=torch.int64)
     collectives.broadcast([sizes], src_rank)
-    if group.rank != src_rank:
-        record = sealed_record(group)
-        check_sizes(record, (int(sizes[0]), int(sizes[1])), _digest_key(group))
+    if membership.rank != src_rank:
+        record = sealed_record(store, key)
+        check_sizes(record, (int(sizes[0]), int(sizes[1])), key)
         payload = torch.empty(int(sizes[0]), dtype=torch.uint8)
     collectives.broadcast([payload], src_rank)
-    return unpack_checked(payload, int(sizes[1]), group, record) if receive else None
+    return unpack_checked(payload, int(sizes[1]), store, key, record) if receive else None

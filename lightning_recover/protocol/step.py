@@ -136,9 +136,9 @@ class StepProtocol:
     # -------------------------------------------------------------- the step
     def run(self, step: int) -> Iterator[int]:
         """Yield the microbatch ids this replica must compute for ``step``; commits at the end."""
-        group = self.membership
-        group.check_health()
-        progress = group.progress
+        membership = self.membership
+        membership.check_health()
+        progress = membership.progress
         progress.note("compute", step)
         for p in self._params():
             p.grad = None
@@ -151,8 +151,8 @@ class StepProtocol:
         have: list[int] = []
         # Throughput weights apply only if measured for exactly these members (after a join or a
         # death the next step falls back to equal quotas until every member has been measured).
-        weights = self._weights if self._weights and set(self._weights) == set(group.members) else None
-        ids = plan_quotas(step, range(self.M), group.members, weights)[group.replica]
+        weights = self._weights if self._weights and set(self._weights) == set(membership.members) else None
+        ids = plan_quotas(step, range(self.M), membership.members, weights)[membership.replica]
         recovering_since: float | None = None
         while True:
             slots = list(rounds(ids, self.data_position, self.data_width))
@@ -182,7 +182,7 @@ class StepProtocol:
                     # A commit needs every member's done report, and this member's reduce failed:
                     # only a forged or corrupted decision reads "commit" here. Never apply it.
                     raise RecoverError(
-                        f"step {step} was decided 'commit' although replica {group.replica}'s reduce failed; "
+                        f"step {step} was decided 'commit' although replica {membership.replica}'s reduce failed; "
                         "the control plane is inconsistent and no further step can be trusted"
                     ) from exc
                 committed = False
@@ -193,19 +193,19 @@ class StepProtocol:
                 have = []
                 continue
             if committed:
-                self.leaving = frozenset(r for r, flag in zip(group.members, self._leave_flags) if flag > 0)
+                self.leaving = frozenset(r for r, flag in zip(membership.members, self._leave_flags) if flag > 0)
                 break
             recovering_since = recovering_since or time.perf_counter()
             ids = self._recover(step, have, stats, settle)
             if ids:
                 self.fire(step, "recompute")
-        group.progress.note("idle")
+        membership.progress.note("idle")
         stats.loss = self._step_loss
         if recovering_since is not None:
             stats.recovery_seconds = time.perf_counter() - recovering_since
-        stats.generation = group.gen.number
-        stats.live_replicas = group.size
-        stats.leader = group.rank == 0
+        stats.generation = membership.gen.number
+        stats.live_replicas = membership.size
+        stats.leader = membership.rank == 0
         stats.left = sorted(self.leaving)
         if self.leaving:
             stats.events.append({"kind": "leave", "members": stats.left})
@@ -221,17 +221,17 @@ class StepProtocol:
         stats.redone += 1
         stats.events.append({"kind": "exact-redo", "attempt": self.attempt})
         self.exact.begin([p for p in self._params() if p.requires_grad])
-        group = self.membership
-        return plan_quotas(step, range(self.M), group.members)[group.replica]
+        membership = self.membership
+        return plan_quotas(step, range(self.M), membership.members)[membership.replica]
 
     def _recover(self, step: int, have: list[int], stats: StepStats, settle: dict[str, str] | None = None) -> list[int]:
         """Form the next generation (``settle``: registers its proposal writes where absent); return the ids
         of lost microbatches this replica computes."""
-        group = self.membership
-        group.progress.note("regroup")
+        membership = self.membership
+        membership.progress.note("regroup")
         while True:
             try:
-                gen = group.next_generation({"step": step, "have": have, "attempt": self.attempt}, settle=settle)
+                gen = membership.next_generation({"step": step, "have": have, "attempt": self.attempt}, settle=settle)
                 break
             except MembershipChanged as exc:  # a member died while the generation was built
                 stats.events.append({"kind": "failure", "error": str(exc)})
@@ -245,7 +245,7 @@ class StepProtocol:
             covered.update(payload["have"])
         missing = sorted(set(range(self.M)) - covered)
         stats.recoveries += 1
-        ids = plan_quotas(step, missing, gen.members)[group.replica]
+        ids = plan_quotas(step, missing, gen.members)[membership.replica]
         stats.recomputed += len(ids)
         stats.events.append(
             {"kind": "regroup", "generation": gen.number, "members": list(gen.members), "lost": len(missing)}
@@ -260,7 +260,7 @@ class StepProtocol:
         stats.decide_seconds += time.perf_counter() - began
         if self.exact is not None:
             return self._reduce_and_decide_exact(step, stats)
-        group = self.membership
+        membership = self.membership
         params = [p for p in self._params() if p.requires_grad]
         # Reduce a *copy*: an interrupted gloo all-reduce leaves partial sums in its buffer, and
         # the local sum in param.grad must survive a failed attempt intact.
@@ -287,11 +287,11 @@ class StepProtocol:
             dist.all_reduce(extra, group=self._intra_group())
         flat = _flatten_by_dtype(grads, extra)
         self.fire(step, "reduce")
-        group.progress.note("reduce")
+        membership.progress.note("reduce")
         self.collectives.allreduce(_buckets(flat))
         if self.quota == "throughput":
             self._publish_speed(step)
-        group.progress.note("decide")
+        membership.progress.note("decide")
         began = time.perf_counter()
         decided = self._decide(step, device, speculate=speculate and not flat["extra"][2].item())
         stats.decide_seconds += time.perf_counter() - began
@@ -330,14 +330,14 @@ class StepProtocol:
 
     def _reduce_and_decide_exact(self, step: int, stats: StepStats) -> bool:
         """Exact mode: reduce the fixed-point sums, decide; after a commit, apply or mark a redo."""
-        group = self.membership
+        membership = self.membership
         params = [p for p in self._params() if p.requires_grad]
         self.fire(step, "reduce")
-        group.progress.note("reduce")
-        self.exact.reduce(group, self.collectives, params, flags=self._own_leave_flag())
+        membership.progress.note("reduce")
+        self.exact.reduce(self.collectives, params, flags=self._own_leave_flag())
         if self.quota == "throughput":
             self._publish_speed(step)
-        group.progress.note("decide")
+        membership.progress.note("decide")
         began = time.perf_counter()
         decided = self._decide(step, params[0].device if params else torch.device("cpu"))
         stats.decide_seconds += time.perf_counter() - began

@@ -11,7 +11,7 @@ that landed first vouches for nobody).
 
 * The monitor (``coordinator.run_monitor``) counts a fresh, genuine vouch as a beat and as progress of every
   member it names, at the moment it reads it; the partition judge counts it as progress of the group.
-* A replica's heartbeat thread (``membership.Heartbeat``) skips its beat while a vouch naming its incarnation
+* A replica's heartbeat thread (``heartbeat.Heartbeat``) skips its beat while a vouch naming its incarnation
   reached this process's watched view less than a period ago. Beats and vouches are then never further apart
   than a period plus the difference between two processes' delivery of one watch event.
 * While steps are shorter than the heartbeat period no replica writes a beat of its own; at longer steps

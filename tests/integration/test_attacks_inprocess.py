@@ -294,7 +294,7 @@ def test_a_contribution_overwritten_or_deleted_after_it_was_written_is_written_a
                 outsider.delete_key("x/0/2/0")
                 _until(lambda: outsider.check(["x/0/2/0"]))
         started = time.monotonic()
-        cluster.slot(replica).core.barrier()
+        cluster.slot(replica).protocol_replica.barrier()
         took.append(time.monotonic() - started)
 
     with Cluster(2, steps=3, microbatches=4, before_step=before_step) as cluster:
@@ -312,13 +312,13 @@ def test_contributions_overwritten_after_the_decision_change_nothing():
     it read the contributions again after the decision and stopped with ForgedMessageError)."""
 
     def before_step(replica: int, step: int) -> None:
-        core = cluster.slot(replica).core
+        protocol_replica = cluster.slot(replica).protocol_replica
         if replica == 1 and step == 1:
-            core.group.store.put_object("x/0/2/1", None)
+            protocol_replica.membership.store.put_object("x/0/2/1", None)
             _until(lambda: outsider.check(["x/0/2/set"]))
             for r in (0, 1):
                 _write(outsider, f"x/0/2/{r}", b'{"forged": true}')
-        core.barrier()
+        protocol_replica.barrier()
 
     with Cluster(2, steps=3, microbatches=4, before_step=before_step) as cluster:
         outsider = connect(cluster.coordinator.addr)
@@ -337,12 +337,12 @@ def test_a_store_collective_a_peer_never_joins_ends_within_its_bound():
     marks = {}
 
     def before_step(replica: int, step: int) -> None:
-        core = cluster.slot(replica).core
-        core.barrier()
+        protocol_replica = cluster.slot(replica).protocol_replica
+        protocol_replica.barrier()
         if replica == 1 and step == 1:
             marks["start"] = time.monotonic()
             try:
-                core.barrier()  # replica 0 never calls this one
+                protocol_replica.barrier()  # replica 0 never calls this one
             finally:
                 marks["end"] = time.monotonic()
 
@@ -467,7 +467,7 @@ def test_a_client_flooding_the_store_costs_memory_not_correctness():
             written[0] += 1
 
     def before_step(replica: int, step: int) -> None:
-        cluster.slot(replica).core.barrier()
+        cluster.slot(replica).protocol_replica.barrier()
 
     started = time.monotonic()
     with Cluster(3, steps=6, microbatches=6, before_step=before_step) as cluster:

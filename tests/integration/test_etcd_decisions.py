@@ -22,7 +22,9 @@ from lightning_recover.control_plane.etcd_store import EtcdStore
 from lightning_recover.errors import ForgedMessageError, ReplicaExcludedError
 from lightning_recover.protocol.coordinator import init_keys
 from lightning_recover.protocol.decisions import BarrierCommit, ReportedCommit, TransactionCommit
-from lightning_recover.protocol.membership import JOIN_REQUESTS, Generation, Membership, closing_members
+from lightning_recover.protocol.join_requests import JOIN_REQUESTS
+from lightning_recover.protocol.join_rounds import Generation
+from lightning_recover.protocol.membership import Membership
 from lightning_recover.protocol.messages import ControlStore, JobSecret, Sealer
 
 REPLICAS = 3
@@ -40,8 +42,7 @@ def members_of_generation_0(cluster, collective_timeout: float = 10.0) -> list[T
     out = []
     for r in range(REPLICAS):
         m = Membership("etcd://test", r, REPLICAS, secret=secret, collective_timeout=collective_timeout)
-        m.store = ControlStore("etcd://test", r, secret, store=raw.clone())
-        m.incarnation = 1
+        m.attach(ControlStore("etcd://test", r, secret, store=raw.clone()), incarnation=1)
         m.gen = Generation(0, list(range(REPLICAS)), dict.fromkeys(range(REPLICAS), 1), {}, rank=r)
         out.append(TransactionCommit(m))
     return out
@@ -112,7 +113,7 @@ def test_a_retry_that_lands_first_stops_the_member_that_applied_the_step(decisio
 def test_the_leader_asks_every_member_to_await_its_commit_while_a_joiner_waits(decisions):
     assert not any(d.leader_awaits_commit() for d in decisions)
     store = decisions[0].membership.store
-    store.set("join/1", "2")  # replica 1's second incarnation asks to join (Membership.request_join)
+    store.set("join/1", "2")  # replica 1's second incarnation asks to join (JoinRequests.request)
     store.add(JOIN_REQUESTS, 1)
     deadline = time.monotonic() + 5
     while not decisions[0].leader_awaits_commit():  # once the watched view (shared by all four) holds it
@@ -139,17 +140,17 @@ def test_a_forged_decision_stops_the_member_that_applied_the_step_within_its_bou
 
 
 def test_the_last_join_closes_the_round_in_its_own_transaction(decisions):
-    """``closing_members``: a survivor whose join is the last one the round awaits (as its watched view shows the
+    """``JoinRounds.closing_members``: a survivor whose join is the last one the round awaits (as its watched view shows the
     round) writes the member list with its join; while a join or a death is missing from the view, none."""
-    group = [d.membership for d in decisions]
+    memberships = [d.membership for d in decisions]
     expected = {0: 1, 1: 1, 2: 1}
-    assert closing_members(group[0], 1, expected) is None  # nobody else joined yet
-    group[1].store.set("g1/join/1", json.dumps({"step": 5, "have": [0], "inc": 1}))
-    group[2].store.mark_dead(2, 1)
+    assert memberships[0].rounds.closing_members(1, expected) is None  # nobody else joined yet
+    memberships[1].store.set("g1/join/1", json.dumps({"step": 5, "have": [0], "inc": 1}))
+    memberships[2].store.mark_dead(2, 1)
 
     def closing() -> dict | None:
         deadline = time.monotonic() + 5
-        while (found := closing_members(group[0], 1, expected)) is None:  # once the view holds both
+        while (found := memberships[0].rounds.closing_members(1, expected)) is None:  # once the view holds both
             assert time.monotonic() < deadline, "the view never showed the join and the death"
             time.sleep(0.01)
         return found
@@ -157,11 +158,11 @@ def test_the_last_join_closes_the_round_in_its_own_transaction(decisions):
     assert closing() == {"g1/members": "[0, 1]"}
     # Written with the join (only where no list is yet): the others read it, and a second close changes nothing.
     join = {"g1/join/0": json.dumps({"step": 5, "have": [1], "inc": 1})}
-    store = group[0].store
+    store = memberships[0].store
     assert store.compare_set("gen/latest", "0", "1", also=join, announce="events", if_absent=closing()) == "1"
     assert store.get_genuine("g1/members") == "[0, 1]"
     assert store.compare_set("gen/latest", "0", "1", if_absent={"g1/members": "[0]"}) == "1"
-    assert group[1].store.get_genuine("g1/members") == "[0, 1]"
+    assert memberships[1].store.get_genuine("g1/members") == "[0, 1]"
 
 
 class _RoundClosed(Exception):
@@ -176,7 +177,7 @@ def test_a_member_whose_reduce_failed_settles_retry_in_its_proposal(decisions):
     """``TransactionCommit.retry_with_proposal``: a member that failed before its barrier settles the step ``retry`` in
     the next generation's proposal transaction (the register and its join payload carry one etcd revision),
     not in a write of its own before it; where the register is already settled it stays as it is."""
-    group = [d.membership for d in decisions]
+    memberships = [d.membership for d in decisions]
     settle = decisions[1].retry_with_proposal(5)
     assert settle == {"s5/g0/dec": "retry"}
     decisions[2].membership.store.compare_set("s6/g0/dec", None, "retry")  # settled before: left as it is
@@ -192,13 +193,13 @@ def test_a_member_whose_reduce_failed_settles_retry_in_its_proposal(decisions):
             failed.append(exc)
 
     settles = [None, settle, {"s6/g0/dec": "commit"}]
-    threads = [threading.Thread(target=regroup, args=(m, s), daemon=True) for m, s in zip(group, settles)]
+    threads = [threading.Thread(target=regroup, args=(m, s), daemon=True) for m, s in zip(memberships, settles)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=20)
     assert not failed and not any(t.is_alive() for t in threads), failed
-    store = group[0].store
+    store = memberships[0].store
     assert store.get_genuine("g1/members") == "[0, 1, 2]"
     assert (register(decisions[0], 5), register(decisions[0], 6)) == ("retry", "retry")
     raw = store.raw
@@ -208,5 +209,5 @@ def test_a_member_whose_reduce_failed_settles_retry_in_its_proposal(decisions):
 
     assert mod_revision("s5/g0/dec") == mod_revision("g1/join/1")  # one transaction
     # Replicas of K processes and the embedded coordinator settle the register first, and read it: no settle.
-    assert ReportedCommit(group[1]).retry_with_proposal(5) is None
-    assert BarrierCommit(group[1]).retry_with_proposal(5) is None
+    assert ReportedCommit(memberships[1]).retry_with_proposal(5) is None
+    assert BarrierCommit(memberships[1]).retry_with_proposal(5) is None

@@ -26,7 +26,7 @@ from lightning_recover.control_plane.etcd_cluster import DEFAULT_ELECTION_MS
 from lightning_recover.control_plane.etcd_job import DEFAULT_LEASE_TTL, TAKEOVER_BOUND
 from lightning_recover.control_plane.etcd_store import EtcdStore
 from lightning_recover.protocol.coordinator import init_keys, run_monitor
-from lightning_recover.protocol.membership import Heartbeat, Progress
+from lightning_recover.protocol.heartbeat import Heartbeat, Progress
 from lightning_recover.protocol.messages import ControlStore, JobSecret, Sealer
 from tests.compare import SLACK, max_relative_difference
 from tests.jobs import FABRIC_SCRIPT, JobResult, kill_group, run_job, start_job, wait_for

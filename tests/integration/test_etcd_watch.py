@@ -23,7 +23,7 @@ from lightning_recover.control_plane.etcd_store import EtcdStore
 from lightning_recover.control_plane.etcd_watch import WatchView
 from lightning_recover.errors import ForgedMessageError
 from lightning_recover.protocol.coordinator import init_keys, run_monitor
-from lightning_recover.protocol.membership import Heartbeat, Progress
+from lightning_recover.protocol.heartbeat import Heartbeat, Progress
 from lightning_recover.protocol.messages import (
     ControlStore,
     JobSecret,

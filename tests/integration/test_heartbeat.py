@@ -8,7 +8,7 @@ import pytest
 
 from lightning_recover.errors import CoordinatorLostError
 from lightning_recover.protocol.coordinator import Coordinator
-from lightning_recover.protocol.membership import Heartbeat, Progress
+from lightning_recover.protocol.heartbeat import Heartbeat, Progress
 from lightning_recover.protocol.messages import ControlStore, JobSecret
 from tests.integration.test_etcd_store import fresh_store
 

@@ -13,8 +13,8 @@ import pytest
 from lightning_recover.control_plane.etcd_client import EtcdClient
 from lightning_recover.control_plane.etcd_store import EtcdStore
 from lightning_recover.protocol.coordinator import init_keys, run_monitor
+from lightning_recover.protocol.heartbeat import Heartbeat, Progress
 from lightning_recover.protocol.liveness import COVER_MAX, MIN_TTL, VouchCoverage, lease_ttl
-from lightning_recover.protocol.membership import Heartbeat, Progress
 from lightning_recover.protocol.messages import ControlStore, JobSecret, Sealer, sequence
 from lightning_recover.protocol.vouches import vouch_record
 from tests.compare import SLACK

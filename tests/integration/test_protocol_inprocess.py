@@ -20,7 +20,8 @@ from lightning_recover.protocol import Fault
 from lightning_recover.protocol.collectives import SurvivorCollectives
 from lightning_recover.protocol.coordinator import Coordinator
 from lightning_recover.protocol.decisions import BarrierCommit, ReportedCommit
-from lightning_recover.protocol.membership import Generation, Membership
+from lightning_recover.protocol.join_rounds import Generation
+from lightning_recover.protocol.membership import Membership
 from lightning_recover.protocol.messages import ControlStore, JobSecret
 from tests.compare import max_relative_difference
 from tests.inprocess import HEARTBEAT_TIMEOUT, JOIN_TIMEOUT, RUN_TIMEOUT, TOL, Cluster, reference
@@ -272,7 +273,7 @@ def test_restarted_replica_rejoins_with_live_state():
     # Admitted by the first commit after its request: step 1's (if it asked during the recovery)
     # or step 2's (the survivors wait for the request before step 2).
     k = joiner.rejoined_at
-    assert joiner.core.joining is False and k in (2, 3), joiner.describe()
+    assert joiner.protocol_replica.joining is False and k in (2, 3), joiner.describe()
     assert joiner.applied == list(range(k, 6))
     assert_matches_reference(cluster, [0, 1, 2])
     assert live_per_step(cluster, 0) == [3] + [2] * (k - 1) + [3] * (6 - k)
@@ -286,7 +287,7 @@ def test_store_collectives_leave_the_keys_of_the_last_one_only():
 
     def before_step(replica: int, step: int) -> None:
         for _ in range(3):
-            cluster.slot(replica).core.barrier()
+            cluster.slot(replica).protocol_replica.barrier()
 
     with Cluster(3, steps=4, microbatches=6, before_step=before_step) as cluster:
         cluster.start().join()
@@ -303,8 +304,7 @@ def _member_of_generation_0(
     """Process ``inner`` of replica ``r``, incarnation 1, in generation 0 of all ``replicas``, on its own
     store connection: no heartbeat, no process group (the store-only parts of the protocol)."""
     m = Membership(coordinator.addr, r, replicas, secret=secret, inner=inner, replica_size=replica_size)
-    m.store = ControlStore(coordinator.addr, r, secret)
-    m.incarnation = 1
+    m.attach(ControlStore(coordinator.addr, r, secret), incarnation=1)
     m.gen = Generation(0, list(range(replicas)), dict.fromkeys(range(replicas), 1), {})
     return m
 

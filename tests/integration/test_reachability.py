@@ -13,7 +13,7 @@ import time
 import pytest
 
 from lightning_recover.protocol.coordinator import Coordinator
-from lightning_recover.protocol.membership import Heartbeat, Progress
+from lightning_recover.protocol.heartbeat import Heartbeat, Progress
 from lightning_recover.protocol.messages import ControlStore, JobSecret
 from lightning_recover.protocol.reachability import (
     CUT,

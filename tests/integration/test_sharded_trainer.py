@@ -287,9 +287,9 @@ def test_sharded_trainer_validates_the_job_shape_before_starting():
 
 def test_sharded_trainer_strategy_ranks():
     strategy = RecoverTrainerStrategy(microbatches=4, replica_size=2, parallelize_fn=lambda m, mesh: m)
-    strategy.core = SimpleNamespace(rank=1, size=2, inner=1, joined=True)
+    strategy.protocol_replica = SimpleNamespace(rank=1, size=2, inner=1, joined=True)
     assert (strategy.global_rank, strategy.world_size, strategy.is_global_zero) == (3, 4, False)
-    strategy.core = SimpleNamespace(rank=0, size=2, inner=1, joined=True)
+    strategy.protocol_replica = SimpleNamespace(rank=0, size=2, inner=1, joined=True)
     assert not strategy.is_global_zero  # only process 0 of the lowest live replica logs and prints
 
 
@@ -314,18 +314,20 @@ def test_fabric_and_trainer_strategies_number_processes_alike(monkeypatch):
     seen = []
     for live_rank, inner in [(0, 0), (0, 1), (1, 0), (1, 1)]:  # R = 2 live replicas x K = 2
         for strategy in (fabric_strategy, trainer_strategy):
-            strategy.core = SimpleNamespace(rank=live_rank, size=2, inner=inner, replica_id=live_rank + 5, joined=True)
+            strategy.protocol_replica = SimpleNamespace(
+                rank=live_rank, size=2, inner=inner, replica_id=live_rank + 5, joined=True
+            )
         assert ranks(fabric_strategy) == ranks(trainer_strategy)
         seen.append(ranks(fabric_strategy))
     assert seen == [(0, 0, 0, 4, True), (1, 1, 0, 4, False), (2, 2, 0, 4, False), (3, 3, 0, 4, False)]
     # replica 6 (live rank 1) loses its peer with the lower id: renumbered to rank 0; its replica id stays
-    fabric_strategy.core = SimpleNamespace(rank=0, size=1, inner=1, replica_id=6, joined=True)
+    fabric_strategy.protocol_replica = SimpleNamespace(rank=0, size=1, inner=1, replica_id=6, joined=True)
     assert ranks(fabric_strategy) == (1, 1, 0, 2, False) and fabric_strategy.replica == 6
     # a restarted replica before it rejoins belongs to no generation: its replica id stands in for the live
     # rank, the world is the job's, and it is never is_global_zero (replica 0's process 0 included)
     monkeypatch.setenv(env.REPLICAS, "2")  # the launcher sets it in every replica process
     for strategy in (fabric_strategy, trainer_strategy):
-        strategy.core = SimpleNamespace(inner=0, replica_id=0, joined=False)
+        strategy.protocol_replica = SimpleNamespace(inner=0, replica_id=0, joined=False)
     assert ranks(fabric_strategy) == ranks(trainer_strategy) == (0, 0, 0, 4, False)
 
 
@@ -339,11 +341,11 @@ def test_prepare_backward_scales_zeroes_and_sets_gradient_sync():
     module = torch.nn.Sequential(Sharded(), torch.nn.Linear(1, 1), Sharded())
     sharding = ShardingConfig(replica_size=2, shard="fsdp")
     loss = torch.tensor(3.0)
-    core = SimpleNamespace(zero_slot=False, sync_round=False)
-    assert sharding.prepare_backward(core, loss, [module]).item() == 6.0  # FSDP2 averages over K: times K
+    protocol_replica = SimpleNamespace(zero_slot=False, sync_round=False)
+    assert sharding.prepare_backward(protocol_replica, loss, [module]).item() == 6.0  # FSDP2 averages over K: times K
     assert calls == [(False, False), (False, False)]
-    core = SimpleNamespace(zero_slot=True, sync_round=True)
-    assert sharding.prepare_backward(core, loss, [module]).item() == 0.0
+    protocol_replica = SimpleNamespace(zero_slot=True, sync_round=True)
+    assert sharding.prepare_backward(protocol_replica, loss, [module]).item() == 0.0
     assert calls[-2:] == [(True, False), (True, False)]
     unsharded = ShardingConfig()
     assert unsharded.prepare_backward(SimpleNamespace(zero_slot=False), loss, [module]) is loss

@@ -42,7 +42,7 @@ from lightning_recover.observe.report import member_report, step_report
 from lightning_recover.observe.status_server import StatusServer
 from lightning_recover.observe.terminal import format_status
 from lightning_recover.protocol.coordinator import init_keys, run_monitor, serve_store
-from lightning_recover.protocol.membership import Heartbeat, Progress
+from lightning_recover.protocol.heartbeat import Heartbeat, Progress
 from lightning_recover.protocol.messages import ControlStore, JobSecret, Sealer, mark_dead
 from lightning_recover.protocol.options import RecoverOptions
 from tests import needs

@@ -186,7 +186,9 @@ def train(args) -> None:
         gate = holds.get(step.index + 1)
         deadline = time.monotonic() + 600  # a newcomer's start under a loaded host's imports can take minutes
         while gate and not os.path.exists(gate) and time.monotonic() < deadline:
-            if fabric.strategy.core.notice.is_set():  # a test may wait for the notice to reach every replica
+            if (
+                fabric.strategy.protocol_replica.notice.is_set()
+            ):  # a test may wait for the notice to reach every replica
                 open(os.path.join(args.out, f"notice{fabric.strategy.replica}"), "a").close()
             time.sleep(0.05)
     for logger in fabric.loggers:

@@ -20,13 +20,15 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     x, y = torch.randn(8, 4), torch.randn(8, 1)
-    replica = Replica.from_env(RecoverOptions(microbatches=4, heartbeat_timeout=1.0), lambda: list(model.parameters()))
-    replica.start()
+    protocol_replica = Replica.from_env(
+        RecoverOptions(microbatches=4, heartbeat_timeout=1.0), lambda: list(model.parameters())
+    )
+    protocol_replica.start()
     step = 0
     while steps == 0 or step < steps:
-        for j in replica.run_step(step):
+        for j in protocol_replica.run_step(step):
             loss = torch.nn.functional.mse_loss(model(x[2 * j : 2 * j + 2]), y[2 * j : 2 * j + 2])
-            replica.before_backward(loss)
+            protocol_replica.before_backward(loss)
             loss.backward()
         with torch.no_grad():
             for p in model.parameters():

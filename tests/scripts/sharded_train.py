@@ -87,14 +87,16 @@ def train(args) -> None:
     )
     fabric = L.Fabric(strategy=strategy, devices=args.replicas * args.replica_size, accelerator="cpu")
     fabric.launch()
-    core = fabric.strategy.core
+    protocol_replica = fabric.strategy.protocol_replica
     os.makedirs(args.out, exist_ok=True)
-    open(os.path.join(args.out, f"pid.r{core.replica_id}.i{core.inner}"), "w").write(str(os.getpid()))
+    open(os.path.join(args.out, f"pid.r{protocol_replica.replica_id}.i{protocol_replica.inner}"), "w").write(
+        str(os.getpid())
+    )
 
     def ranks() -> list:  # Lightning's numbering as Fabric answers it (one rank per process)
         return [fabric.global_rank, fabric.local_rank, fabric.node_rank, fabric.world_size, fabric.is_global_zero]
 
-    ranks_seen = {"replica": core.replica_id, "inner": core.inner, "start": ranks()}
+    ranks_seen = {"replica": protocol_replica.replica_id, "inner": protocol_replica.inner, "start": ranks()}
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
     start, saved_state = 0, None
@@ -131,18 +133,18 @@ def train(args) -> None:
         if torch.is_tensor(t)
     )
     ranks_seen["end"] = ranks()
-    with open(os.path.join(args.out, f"ranks.r{core.replica_id}.i{core.inner}.json"), "w") as f:
+    with open(os.path.join(args.out, f"ranks.r{protocol_replica.replica_id}.i{protocol_replica.inner}.json"), "w") as f:
         json.dump(ranks_seen, f)
-    if core.inner == 0:
+    if protocol_replica.inner == 0:
         torch.save(
             {
                 "state": state,
                 "stats": stats,
-                "replica": core.replica_id,
+                "replica": protocol_replica.replica_id,
                 "local_bytes": local_bytes,
                 "saved_state": saved_state,
             },
-            os.path.join(args.out, f"replica{core.replica_id}.pt"),
+            os.path.join(args.out, f"replica{protocol_replica.replica_id}.pt"),
         )
 
 

@@ -49,8 +49,10 @@ class Regressor(L.LightningModule):
     def configure_model(self) -> None:
         if self.net is None:
             _, self.net = data_and_model("float64")  # the same initial weights as the reference
-            core = self.trainer.strategy.core
-            with open(os.path.join(self.out, f"pid.r{core.replica_id}.i{core.inner}"), "w") as f:
+            protocol_replica = self.trainer.strategy.protocol_replica
+            with open(
+                os.path.join(self.out, f"pid.r{protocol_replica.replica_id}.i{protocol_replica.inner}"), "w"
+            ) as f:
                 f.write(str(os.getpid()))
 
     def training_step(self, batch, batch_idx):
@@ -117,18 +119,18 @@ def main() -> None:
     model = Regressor(args.out)
     trainer.fit(model, loader, ckpt_path=args.resume)
     # Only replicas reach this line. full_tensor() is a collective inside the replica: all K call it.
-    core = trainer.strategy.core
+    protocol_replica = trainer.strategy.protocol_replica
     state = {k.removeprefix("net."): v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
-    if core.inner == 0:
+    if protocol_replica.inner == 0:
         torch.save(
             {
                 "state": state,
-                "stats": [vars(s) for s in core.history],
-                "replica": core.replica_id,
+                "stats": [vars(s) for s in protocol_replica.history],
+                "replica": protocol_replica.replica_id,
                 "global_step": trainer.global_step,
                 "train_loss": float(trainer.callback_metrics.get("train_loss", float("nan"))),
             },
-            os.path.join(args.out, f"replica{core.replica_id}.pt"),
+            os.path.join(args.out, f"replica{protocol_replica.replica_id}.pt"),
         )
 
 

@@ -172,12 +172,12 @@ def main() -> None:
     trainer.fit(model, train_loader, val_loader, ckpt_path=args.resume)
     # Only replicas reach this line (the launcher process exits inside fit with the job's status).
     test_metrics = trainer.test(model, DataLoader(val, batch_size=8), verbose=False)[0] if args.test else {}
-    core = trainer.strategy.core
+    protocol_replica = trainer.strategy.protocol_replica
     state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
     torch.save(
         {
             "state": state,
-            "stats": [vars(s) for s in core.history],
+            "stats": [vars(s) for s in protocol_replica.history],
             "replica": trainer.strategy.replica,
             "global_step": trainer.global_step,
             "steps": recorder.steps,

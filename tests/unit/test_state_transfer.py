@@ -17,7 +17,7 @@ from torch.distributed import PrefixStore
 from lightning_recover.control_plane.embedded import CoordinatorStore
 from lightning_recover.errors import ForgedMessageError, RecoverError
 from lightning_recover.protocol.messages import ControlStore, JobSecret
-from lightning_recover.protocol.state_transfer import broadcast_state, pack, pack_and_seal_digest, unpack
+from lightning_recover.protocol.state_transfer import broadcast_state, digest_key, pack, pack_and_seal_digest, unpack
 from lightning_recover.tiny_gpt import GPTConfig, TinyGPT
 
 
@@ -152,19 +152,21 @@ def test_rejoin_sizes_altered_on_the_way_are_refused_before_any_allocation():
     outcome: dict[str, object] = {}
 
     def sender(forge: bool) -> None:
-        group = _member(server, secret, 0)
+        membership = _member(server, secret, 0)
         gloo = _Gloo(PrefixStore(f"pg{forge}", server.clone()), 0)
         if not forge:
-            broadcast_state(gloo, group, 0, state, receive=False)
+            broadcast_state(gloo, membership, 0, state, receive=False)
             return
-        payload, skeleton_len = pack_and_seal_digest(state, group)  # the genuine record is sealed...
+        payload, skeleton_len = pack_and_seal_digest(
+            state, membership.store, digest_key(2, 0, 1)
+        )  # the genuine record...
         gloo.broadcast([torch.tensor([1 << 40, skeleton_len], dtype=torch.int64)], 0)  # ...other sizes travel
 
     def joiner(forge: bool) -> None:
-        group = _member(server, secret, 1)
+        membership = _member(server, secret, 1)
         gloo = _Gloo(PrefixStore(f"pg{forge}", server.clone()), 1)
         try:
-            outcome[f"state{forge}"] = broadcast_state(gloo, group, 0, None, receive=True)
+            outcome[f"state{forge}"] = broadcast_state(gloo, membership, 0, None, receive=True)
         except BaseException as exc:  # reported by the asserts below
             outcome[f"error{forge}"] = exc
 

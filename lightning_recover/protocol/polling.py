@@ -1,0 +1,28 @@
+"""How the protocol's waits poll the control plane: short sleeps that double up to :data:`POLL_MAX`, or a wait on
+the watched view where the backend has one, so that a failure is noticed within :data:`SLICE` of any blocked
+wait, never after a long timeout."""
+
+from __future__ import annotations
+
+import time
+
+from lightning_recover.protocol.messages import ControlStore
+
+POLL_MIN = 0.0005
+POLL_MAX = 0.005
+SLICE = 0.01  # longest a blocked wait goes without looking for failures
+
+
+def backoff(delay: float) -> float:
+    """Sleep ``delay`` and return the next, doubled up to ``POLL_MAX``."""
+    time.sleep(delay)
+    return min(delay * 2, POLL_MAX)
+
+
+def pause(store: ControlStore, delay: float) -> float:
+    """Between two polls of a round: until the watched view moves (at most ``POLL_MAX``) where the backend
+    has one, else a sleep that doubles up to ``POLL_MAX``; the next pause's length."""
+    if store.raw.views:
+        store.wait_changed(POLL_MAX)
+        return delay
+    return backoff(delay)
