@@ -202,8 +202,13 @@ class Membership:
             return self.form_next_generation({"step": -1, "have": []})
         return self.gen
 
-    def close(self) -> None:
-        """Leave the group cleanly: mark this incarnation as gone so nobody waits for it."""
+    def close(self, clean: bool = True) -> None:
+        """Leave the group cleanly: mark this incarnation as gone so nobody waits for it. ``clean`` (no uncaught
+        error, so no operation in flight): the current generation's group is released now, while the interpreter
+        runs (``ProcessGroups.release``)."""
+        if clean and self.gen is not None and self.gen.pg is not None and not self.groups.abandoned_work:
+            if self.groups.release(self.gen.pg):
+                self.gen.pg = None
         if self.store is not None and self.incarnation:
             try:
                 try:

@@ -148,13 +148,17 @@ class ProcessGroups:
                     self._reaper = threading.Thread(target=self._reap, name="lr-pg-reaper", daemon=True)
                     self._reaper.start()
 
-    def release(self, pg: Any) -> None:
-        """Forget ``pg``, a group this replica is done with and whose operations completed (a clean exit); the
-        caller then drops its own reference, so the group's destructor joins gloo's threads on the caller's
-        thread while the interpreter runs. Left to the interpreter's exit, a gloo thread that frees the tensors
-        of its last operation takes the interpreter lock during finalization, and the process aborts."""
+    def release(self, pg: Any) -> bool:
+        """Forget ``pg``, a group this replica is done with (a clean exit), unless an operation it started on it
+        has not completed (False: it is kept). The caller then drops its own reference, so the group's destructor
+        joins gloo's threads on the caller's thread while the interpreter runs. Left to the interpreter's exit, a
+        gloo thread that frees the tensors of its last operation takes the interpreter lock during finalization,
+        and the process aborts."""
+        if not _ended(self._in_flight.get(id(pg), [])):
+            return False
         self._in_flight.pop(id(pg), None)
         self._parts.pop(id(pg), None)
+        return True
 
     def _reap(self) -> None:
         """Destroy abandoned gloo groups whose operations have ended, on this thread (about 20 ms each).

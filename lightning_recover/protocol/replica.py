@@ -286,7 +286,7 @@ class Replica:
         finally:
             if self.world is not None and not _uncaught[0]:
                 self.world.leave()  # a clean exit: the replica-mates' watchdogs must not read it as a death
-            self.membership.close()
+            self.membership.close(clean=not _uncaught[0])
         # A planned fault that never fired makes a fault test pass for the wrong reason: say so.
         missed = [f for f in self.protocol.injector.unfired() if f.phase != "recompute"]
         if missed and self.step >= 0:
