@@ -170,6 +170,10 @@ class StandInGroups:
     def abandon(self, pg: Any) -> None:
         """Nothing to tear down (see :meth:`started`)."""
 
+    def release(self, pg: Any) -> bool:
+        """Nothing to tear down: the group may be dropped (see :meth:`started`)."""
+        return True
+
     def build(self, store: Any, number: int, rank: int, size: int, failure_seen: Callable[[], bool]) -> _Group:
         """Generation ``number``'s group, once all its members came (``store``, the rendezvous, is not used)."""
         meeting = self._plane.build(self._replica, number, rank, size, failure_seen)
