@@ -63,6 +63,19 @@ def kill_group(proc: Process) -> None:
         session.close()
 
 
+def gloo_threads() -> set[str]:
+    """The ids of this process's gloo threads (``gloo_tcp_loop``, ``pt_gloo_runloop``)."""
+    found = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if "gloo" in f.read():
+                    found.add(tid)
+        except OSError:
+            pass  # ended between the listing and the read
+    return found
+
+
 def two_rank_tensors() -> dict[str, torch.Tensor]:
     """The full tensors the two-rank scripts (:func:`two_rank_script`) shard, rebuilt the same in any process."""
     g = torch.Generator().manual_seed(0)

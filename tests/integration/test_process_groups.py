@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from lightning_recover.errors import ForgedMessageError
 from lightning_recover.protocol.process_groups import ProcessGroups
-from tests.jobs import kill_group
+from tests.jobs import gloo_threads, kill_group
 
 COLLECTIVE_TIMEOUT = 60.0  # what the stuck operation would otherwise wait for
 
@@ -173,18 +173,6 @@ def test_a_failure_check_that_raises_during_a_build_still_ends_the_process_witho
             assert not thread.is_alive()
 
 
-def _gloo_threads() -> set[str]:
-    found = set()
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if "gloo" in f.read():
-                    found.add(tid)
-        except OSError:
-            pass  # ended between the listing and the read
-    return found
-
-
 def test_a_released_group_ends_its_gloo_threads_while_the_interpreter_runs():
     """A clean exit releases the current group (``ProcessGroups.release``) and drops it: its destructor joins
     gloo's threads there and then, so none is left to touch the interpreter while it finalizes. Two members in
@@ -192,7 +180,7 @@ def test_a_released_group_ends_its_gloo_threads_while_the_interpreter_runs():
     import torch
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30))
-    before = _gloo_threads()
+    before = gloo_threads()
     groups = [ProcessGroups("gloo", collective_timeout=30.0) for _ in range(2)]
     built: dict[int, object] = {}
 
@@ -210,7 +198,7 @@ def test_a_released_group_ends_its_gloo_threads_while_the_interpreter_runs():
     for t in threads:
         t.join(60)
     assert sorted(built) == [0, 1], "both members built the group and reduced"
-    assert _gloo_threads() - before, "gloo runs threads for the groups"
+    assert gloo_threads() - before, "gloo runs threads for the groups"
     for rank in range(2):
         groups[rank].release(built.pop(rank))  # the last references: the destructors run here
-    assert _gloo_threads() - before == set(), "no gloo thread outlives its released group"
+    assert gloo_threads() - before == set(), "no gloo thread outlives its released group"

@@ -9,7 +9,6 @@ kill, hang and raise are acted out in threads.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 
@@ -26,6 +25,7 @@ from lightning_recover.protocol.membership import Membership
 from lightning_recover.protocol.messages import ControlStore, JobSecret
 from tests.compare import max_relative_difference
 from tests.inprocess import HEARTBEAT_TIMEOUT, JOIN_TIMEOUT, RUN_TIMEOUT, TOL, Cluster, reference
+from tests.jobs import gloo_threads
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -57,25 +57,13 @@ def test_failure_free_run_equals_the_single_process_reference():
     assert all(s.recoveries == 0 and s.computed == 2 for r in range(3) for s in cluster.slot(r).history)
 
 
-def _gloo_threads() -> set[str]:
-    found = set()
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if "gloo" in f.read():
-                    found.add(tid)
-        except OSError:
-            pass  # ended between the listing and the read
-    return found
-
-
 def test_replicas_that_finish_cleanly_leave_no_gloo_thread():
     """Each replica's clean close released its generation's group, so gloo's threads for the run are gone when
     it ends (none is left to take the interpreter lock while a process exits)."""
-    before = _gloo_threads()
+    before = gloo_threads()
     cluster = run(3, steps=2, microbatches=6)
     assert_matches_reference(cluster, [0, 1, 2])
-    assert _gloo_threads() - before == set()
+    assert gloo_threads() - before == set()
 
 
 SINGLE_PHASES = ["forward", "backward", "reduce", "commit", "optimizer"]
