@@ -65,11 +65,14 @@ def _standby_job(
         str(replicas),
     ]
     cmd += ["--max-restarts" if torchrun else "--restarts", str(restarts), "--standby", "1"]
-    cmd += ["--heartbeat-timeout", "0.5", "--"] + ([] if torchrun else [sys.executable])
+    # torchrun starts every worker as a new interpreter (no warm fork server): on 2 loaded cores one can miss
+    # 0.5 s of beats while another imports torch, so those jobs get 2 s.
+    heartbeat_timeout = "2" if torchrun else "0.5"
+    cmd += ["--heartbeat-timeout", heartbeat_timeout, "--"] + ([] if torchrun else [sys.executable])
     cmd += [FABRIC_SCRIPT, out, "--replicas", str(replicas), "--steps", str(steps), "--microbatches", str(M)]
     # exact mode (exact_dtype given): float32 or bf16 parameters, compared bitwise; else float64 within TOL
     dtype = ["--dtype", exact_dtype, "--exact"] if exact_dtype else ["--dtype", "float64"]
-    cmd += ["--heartbeat-timeout", "0.5", *dtype, "--hold", hold, *extra]
+    cmd += ["--heartbeat-timeout", heartbeat_timeout, *dtype, "--hold", hold, *extra]
     return start_job(cmd, out, env={"LIGHTNING_RECOVER_INJECT": inject})
 
 

@@ -235,6 +235,8 @@ def test_torchrun_restarted_trainer_replica_rejoins(tmp_path):
     torchrun's WORLD_SIZE=1 environment), and it rejoins the Trainer run with the live state."""
     truth = _single_process(steps=REJOIN_STEPS, batch_size=REJOIN_BATCH)
     out = str(tmp_path / "job")
+    # A heartbeat timeout of 2 s: torchrun starts each worker as a new interpreter, and on 2 loaded cores one missed
+    # 0.5 s of beats while another imported torch.
     cmd = [
         sys.executable,
         "-m",
@@ -245,7 +247,7 @@ def test_torchrun_restarted_trainer_replica_rejoins(tmp_path):
         "--max-restarts",
         "1",
         "--heartbeat-timeout",
-        "0.5",
+        "2",
         "--",
         TRAINER_SCRIPT,
         out,
@@ -258,7 +260,7 @@ def test_torchrun_restarted_trainer_replica_rejoins(tmp_path):
         "--batch-size",
         str(REJOIN_BATCH),
         "--heartbeat-timeout",
-        "0.5",
+        "2",
     ]
     result = _rejoin_job(tmp_path, cmd, 2, "kill:replica=2:step=1:phase=backward")
     assert result.returncode == 0, result.output[-4000:]
