@@ -187,9 +187,11 @@ def test_a_released_group_ends_its_gloo_threads_while_the_interpreter_runs():
     def member(rank: int) -> None:
         store = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=30))
         pg = groups[rank].build(dist.PrefixStore("g0", store), 0, rank, 2, lambda: False)
-        tensor = torch.ones(4)
-        groups[rank].started(pg, [pg.allreduce([tensor])])
-        pg.allreduce([tensor]).wait()
+        works = [pg.allreduce([torch.ones(4)])]
+        groups[rank].started(pg, works)
+        # gloo runs a group's operations on several worker threads: a later operation can complete before an
+        # earlier one is marked completed, so wait on the recorded one itself.
+        works[0].wait()
         built[rank] = pg
 
     threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
@@ -200,5 +202,6 @@ def test_a_released_group_ends_its_gloo_threads_while_the_interpreter_runs():
     assert sorted(built) == [0, 1], "both members built the group and reduced"
     assert gloo_threads() - before, "gloo runs threads for the groups"
     for rank in range(2):
-        groups[rank].release(built.pop(rank))  # the last references: the destructors run here
+        assert groups[rank].release(built.pop(rank)), "a group whose operations completed is released"
+        # the last references went with built.pop: the destructors ran there
     assert gloo_threads() - before == set(), "no gloo thread outlives its released group"
