@@ -108,14 +108,22 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
     return 0
 
 
+#: The launchers' default heartbeat timeout: the same as etcd's shortest lease (its TTL is whole seconds, at least
+#: 2), so both control planes detect a hung replica in the same time. Shorter ones declare healthy replicas dead
+#: on a loaded host, where a heartbeat thread can wait about a second for a CPU while other processes import torch.
+DEFAULT_LAUNCHER_HEARTBEAT_TIMEOUT = 2.0
+
+
 def _add_fault_arguments(p: argparse.ArgumentParser, seconds: Any) -> None:
     """The fault-injection and liveness options ``run`` and ``torchrun`` share."""
     p.add_argument("--inject", default=None, help="faults, e.g. kill:replica=2:step=5:phase=backward")
     p.add_argument(
         "--heartbeat-timeout",
         type=seconds,
-        default=1.0,
-        help="seconds without heartbeat before a replica is declared dead (> 0.2; default: 1.0)",
+        default=DEFAULT_LAUNCHER_HEARTBEAT_TIMEOUT,
+        help="seconds without heartbeat before a replica is declared dead (> 0.2; default: "
+        f"{DEFAULT_LAUNCHER_HEARTBEAT_TIMEOUT}). A replica that exits is declared at once whatever this is; "
+        "this bounds the detection of a hung or frozen one",
     )
 
 
