@@ -507,7 +507,9 @@ def test_status_page_follows_the_monitor_role_on_etcd(etcd3, tmp_path):
         code, text = get(url_b + "status")
         assert code == 503 and "does not hold the job's monitor role" in text and "launcher" in text, text
         assert json.loads(get(url_a + "status")[1])["live_replicas"] == 3
-        role_key = (config.with_job(config.parse(etcd3.url, environ=etcd3.environment()), job).prefix + "monitor").encode()
+        role_key = (
+            config.with_job(config.parse(etcd3.url, environ=etcd3.environment()), job).prefix + "monitor"
+        ).encode()
         client = config.parse(etcd3.url, environ=etcd3.environment()).client()
         held_by = client.get(role_key)[0]
         assert held_by and b"(replicas [0])" in held_by, held_by
