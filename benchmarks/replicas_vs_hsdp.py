@@ -77,7 +77,7 @@ def worker(args: argparse.Namespace) -> None:
         optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
         loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True)
         protocol_replica = fabric.strategy.protocol_replica
-        writer = protocol_replica.inner == 0 and protocol_replica.replica_id == 0
+        writer = protocol_replica.inner == 0 and protocol_replica.replica == 0
         for step in fabric.strategy.steps(loader, max_steps=args.steps):
             start = time.perf_counter()
             for xb, yb in step:

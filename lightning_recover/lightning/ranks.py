@@ -63,7 +63,7 @@ class ReplicaRanks:
         if not self.protocol_replica.joined:
             # A restarted replica before it rejoins has no live rank yet: its replica id stands in (stable,
             # in range); is_global_zero stays False until it is a member again.
-            return self.protocol_replica.replica_id * self._replica_size + getattr(self.protocol_replica, "inner", 0)
+            return self.protocol_replica.replica * self._replica_size + getattr(self.protocol_replica, "inner", 0)
         return self.protocol_replica.rank * self._replica_size + getattr(self.protocol_replica, "inner", 0)
 
     @property
@@ -95,7 +95,7 @@ class ReplicaRanks:
     @property
     def replica(self) -> int:
         """This process's replica id (stable across generations, unlike ``global_rank``)."""
-        return self.protocol_replica.replica_id if self.protocol_replica is not None else 0
+        return self.protocol_replica.replica if self.protocol_replica is not None else 0
 
 
 def set_rank_zero(rank: int) -> None:

@@ -47,7 +47,7 @@ def save_over_live_replicas(
         live = [r for r in range(num_replicas) if members[r]]
         token = f"{seen[live[0]]:016x}"
         parts = dcp_state.part_count(state, len(live))
-        q = live.index(protocol_replica.replica_id)
+        q = live.index(protocol_replica.replica)
         error = None
         if q < parts:
             try:
@@ -75,7 +75,7 @@ def save_over_live_replicas(
         # temporary directory is removed even when live[0] is the replica that was lost.
         committer = min(reports)
         outcome = torch.tensor([0], device=device)  # committer: 1 committed, 2 failed
-        if protocol_replica.replica_id == committer and protocol_replica.inner == 0:
+        if protocol_replica.replica == committer and protocol_replica.inner == 0:
             try:
                 for old in stale:  # a committer lost after the reports left its round's directory
                     dcp_state.abandon_parts(path, old)
@@ -87,7 +87,7 @@ def save_over_live_replicas(
             except Exception as exc:
                 outcome[0], error = 2, exc
         dist.broadcast(outcome, src=0)
-        done = protocol_replica.exchange(int(outcome.item()) if protocol_replica.replica_id == committer else None)
+        done = protocol_replica.exchange(int(outcome.item()) if protocol_replica.replica == committer else None)
         if error is not None:
             raise error
         result = done.get(committer)
@@ -98,7 +98,7 @@ def save_over_live_replicas(
         stale.append(token)
         lost = sorted(set(live) - set(done))
         if (
-            protocol_replica.replica_id == min(done) and protocol_replica.inner == 0
+            protocol_replica.replica == min(done) and protocol_replica.inner == 0
         ):  # Replica.say stays silent while the
             # generation's lowest member is the one lost (the save does not form a new generation)
             print(

@@ -244,10 +244,10 @@ class RecoverTrainerStrategy(TrainerCheckpointing):  # on RecoverStrategyBase an
         restored like ``fit(ckpt_path=...)`` (and :meth:`load_checkpoint` returns it instead of
         reading a file, should the script pass a ``ckpt_path``)."""
         protocol_replica = self._started_replica()
-        check_rejoin_inside_fit(trainer, protocol_replica.replica_id)
+        check_rejoin_inside_fit(trainer, protocol_replica.replica)
         self._solo = True
         step = protocol_replica.rejoin()
-        self._rejoin_checkpoint = adopt_checkpoint(trainer, self._received, step, protocol_replica.replica_id)
+        self._rejoin_checkpoint = adopt_checkpoint(trainer, self._received, step, protocol_replica.replica)
         self._received = {}
         self._rejoin_step = step
 

@@ -152,7 +152,7 @@ class Replica:
 
     # ------------------------------------------------------------------ identity
     @property
-    def replica_id(self) -> int:
+    def replica(self) -> int:  # this replica's id, as the strategies' and the membership's replica
         return self.membership.replica
 
     @property
@@ -291,7 +291,7 @@ class Replica:
         missed = [f for f in self.protocol.injector.unfired() if f.phase != "recompute"]
         if missed and self.step >= 0:
             print(
-                f"[lightning-recover] replica {self.replica_id}: WARNING: injected fault(s) "
+                f"[lightning-recover] replica {self.replica}: WARNING: injected fault(s) "
                 f"{', '.join(map(str, missed))} never fired (the run ended at step {self.step}). HINT: name a "
                 "step and phase the run reaches.",
                 file=sys.stderr,
@@ -327,8 +327,8 @@ class Replica:
         note_step(self.membership.progress, stats, self.protocol.M)  # what the status page shows of this replica
         if stats.recoveries:
             self.say(
-                f"step {step}: recovered in {stats.recovery_seconds:.3f}s (replica {self.replica_id}'s time); "
-                f"generation {stats.generation}, {stats.live_replicas} live; replica {self.replica_id} recomputed "
+                f"step {step}: recovered in {stats.recovery_seconds:.3f}s (replica {self.replica}'s time); "
+                f"generation {stats.generation}, {stats.live_replicas} live; replica {self.replica} recomputed "
                 f"{stats.recomputed} microbatch{'es' if stats.recomputed != 1 else ''}"
             )
 

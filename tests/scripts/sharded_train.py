@@ -89,14 +89,14 @@ def train(args) -> None:
     fabric.launch()
     protocol_replica = fabric.strategy.protocol_replica
     os.makedirs(args.out, exist_ok=True)
-    open(os.path.join(args.out, f"pid.r{protocol_replica.replica_id}.i{protocol_replica.inner}"), "w").write(
+    open(os.path.join(args.out, f"pid.r{protocol_replica.replica}.i{protocol_replica.inner}"), "w").write(
         str(os.getpid())
     )
 
     def ranks() -> list:  # Lightning's numbering as Fabric answers it (one rank per process)
         return [fabric.global_rank, fabric.local_rank, fabric.node_rank, fabric.world_size, fabric.is_global_zero]
 
-    ranks_seen = {"replica": protocol_replica.replica_id, "inner": protocol_replica.inner, "start": ranks()}
+    ranks_seen = {"replica": protocol_replica.replica, "inner": protocol_replica.inner, "start": ranks()}
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
     start, saved_state = 0, None
@@ -133,18 +133,18 @@ def train(args) -> None:
         if torch.is_tensor(t)
     )
     ranks_seen["end"] = ranks()
-    with open(os.path.join(args.out, f"ranks.r{protocol_replica.replica_id}.i{protocol_replica.inner}.json"), "w") as f:
+    with open(os.path.join(args.out, f"ranks.r{protocol_replica.replica}.i{protocol_replica.inner}.json"), "w") as f:
         json.dump(ranks_seen, f)
     if protocol_replica.inner == 0:
         torch.save(
             {
                 "state": state,
                 "stats": stats,
-                "replica": protocol_replica.replica_id,
+                "replica": protocol_replica.replica,
                 "local_bytes": local_bytes,
                 "saved_state": saved_state,
             },
-            os.path.join(args.out, f"replica{protocol_replica.replica_id}.pt"),
+            os.path.join(args.out, f"replica{protocol_replica.replica}.pt"),
         )
 
 

@@ -51,7 +51,7 @@ class Regressor(L.LightningModule):
             _, self.net = data_and_model("float64")  # the same initial weights as the reference
             protocol_replica = self.trainer.strategy.protocol_replica
             with open(
-                os.path.join(self.out, f"pid.r{protocol_replica.replica_id}.i{protocol_replica.inner}"), "w"
+                os.path.join(self.out, f"pid.r{protocol_replica.replica}.i{protocol_replica.inner}"), "w"
             ) as f:
                 f.write(str(os.getpid()))
 
@@ -126,11 +126,11 @@ def main() -> None:
             {
                 "state": state,
                 "stats": [vars(s) for s in protocol_replica.history],
-                "replica": protocol_replica.replica_id,
+                "replica": protocol_replica.replica,
                 "global_step": trainer.global_step,
                 "train_loss": float(trainer.callback_metrics.get("train_loss", float("nan"))),
             },
-            os.path.join(args.out, f"replica{protocol_replica.replica_id}.pt"),
+            os.path.join(args.out, f"replica{protocol_replica.replica}.pt"),
         )
 
 
