@@ -315,19 +315,19 @@ def test_fabric_and_trainer_strategies_number_processes_alike(monkeypatch):
     for live_rank, inner in [(0, 0), (0, 1), (1, 0), (1, 1)]:  # R = 2 live replicas x K = 2
         for strategy in (fabric_strategy, trainer_strategy):
             strategy.protocol_replica = SimpleNamespace(
-                rank=live_rank, size=2, inner=inner, replica_id=live_rank + 5, joined=True
+                rank=live_rank, size=2, inner=inner, replica=live_rank + 5, joined=True
             )
         assert ranks(fabric_strategy) == ranks(trainer_strategy)
         seen.append(ranks(fabric_strategy))
     assert seen == [(0, 0, 0, 4, True), (1, 1, 0, 4, False), (2, 2, 0, 4, False), (3, 3, 0, 4, False)]
     # replica 6 (live rank 1) loses its peer with the lower id: renumbered to rank 0; its replica id stays
-    fabric_strategy.protocol_replica = SimpleNamespace(rank=0, size=1, inner=1, replica_id=6, joined=True)
+    fabric_strategy.protocol_replica = SimpleNamespace(rank=0, size=1, inner=1, replica=6, joined=True)
     assert ranks(fabric_strategy) == (1, 1, 0, 2, False) and fabric_strategy.replica == 6
     # a restarted replica before it rejoins belongs to no generation: its replica id stands in for the live
     # rank, the world is the job's, and it is never is_global_zero (replica 0's process 0 included)
     monkeypatch.setenv(env.REPLICAS, "2")  # the launcher sets it in every replica process
     for strategy in (fabric_strategy, trainer_strategy):
-        strategy.protocol_replica = SimpleNamespace(inner=0, replica_id=0, joined=False)
+        strategy.protocol_replica = SimpleNamespace(inner=0, replica=0, joined=False)
     assert ranks(fabric_strategy) == ranks(trainer_strategy) == (0, 0, 0, 4, False)
 
 

@@ -391,7 +391,7 @@ def test_restarts_option_is_accepted_and_validated():
 
 def test_a_replica_restarted_outside_fit_is_told_to_fit_first():
     strategy = RecoverTrainerStrategy()
-    strategy.protocol_replica = SimpleNamespace(replica_id=1)
+    strategy.protocol_replica = SimpleNamespace(replica=1)
     trainer = SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.TESTING))
     with pytest.raises(RuntimeError, match=r"replica 1 was restarted.*'test'.*HINT: call trainer.fit"):
         strategy._rejoin(trainer)
