@@ -363,13 +363,13 @@ class _Planted:
         return (open, (self.path, "w"))
 
 
-@pytest.mark.parametrize("async_save", [False, True])
-def test_planted_pickle_payload_refused_everywhere(tmp_path, async_save, capsys):
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_planted_pickle_payload_refused_everywhere(tmp_path, asynchronous, capsys):
     from lightning_recover.checkpoint.tools import convert_main
 
     marker = tmp_path / "pwned"
     path = tmp_path / "e.ckpt"
-    writer = AsyncUringCheckpointIO() if async_save else UringCheckpointIO()
+    writer = AsyncUringCheckpointIO() if asynchronous else UringCheckpointIO()
     writer.save_checkpoint({"state_dict": {"w": torch.ones(300_000)}, "evil": _Planted(str(marker))}, path)
     writer.teardown()
 
