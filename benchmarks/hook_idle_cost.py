@@ -19,7 +19,7 @@ import time
 import torch
 
 from lightning_recover.checkpoint import snapshot_guard
-from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
+from lightning_recover.lightning.checkpoint_io import AsyncUringCheckpointIO
 
 
 def _per_step_us(opt: torch.optim.Optimizer, steps: int) -> float:
@@ -38,7 +38,7 @@ def main(out: str, rounds: int = 15, steps: int = 20000) -> dict:
     d = tempfile.mkdtemp(prefix="lr-hook-cost-")
     absent, disarmed = [], []
     for r in range(rounds):
-        io = UringCheckpointIO(async_save=True, eager_bytes=0)
+        io = AsyncUringCheckpointIO(eager_bytes=0)
         io.save_checkpoint({"w": model.weight}, os.path.join(d, f"r{r}.ckpt"))
         io.wait_until_durable()
         opt.step()  # finds nothing pending: disarms

@@ -35,7 +35,15 @@ def _torch_version() -> str:
 # Before anything can load a file or a peer's state with torch's weights_only loader (torch_version.py).
 torch_version.check(_torch_version())
 
-__all__ = ["RecoverOptions", "RecoverStrategy", "RecoverTrainerStrategy", "Step", "plan_quotas", "UringCheckpointIO"]
+__all__ = [
+    "AsyncUringCheckpointIO",
+    "RecoverOptions",
+    "RecoverStrategy",
+    "RecoverTrainerStrategy",
+    "Step",
+    "plan_quotas",
+    "UringCheckpointIO",
+]
 __version__ = "0.1.0"
 
 
@@ -99,8 +107,8 @@ def __getattr__(name: str) -> Any:
         from lightning_recover.lightning.trainer import RecoverTrainerStrategy
 
         return RecoverTrainerStrategy
-    if name == "UringCheckpointIO":
-        from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
+    if name in ("UringCheckpointIO", "AsyncUringCheckpointIO"):
+        from lightning_recover.lightning import checkpoint_io
 
-        return UringCheckpointIO
+        return getattr(checkpoint_io, name)
     raise AttributeError(f"module 'lightning_recover' has no attribute {name!r}")

@@ -4,7 +4,7 @@
 
 Methods, all on the same GPT-like Lightning-shaped state (``gpt_state.build_checkpoint``):
 
-* ``uring-async``     -- ``UringCheckpointIO(async_save=True)`` (lazy snapshot into a reused staging buffer)
+* ``uring-async``     -- ``AsyncUringCheckpointIO()`` (lazy snapshot into a reused staging buffer)
 * ``lightning-async`` -- Lightning's ``AsyncCheckpointIO`` wrapping ``TorchCheckpointIO`` (clones in the caller),
   the inner save followed by an fsync of the file and its directory (so it is measured to durability)
 * ``dcp-async``       -- ``torch.distributed.checkpoint.async_save(..., no_dist=True)`` with a
@@ -130,10 +130,10 @@ def run_one(method: str, checkpoint: dict, trainer: Trainer, workdir: str, steps
     cpu0, steal0 = process_cpu_s(), steal_s()
     finish: Callable[[], float]
     if method in ("uring-async", "uring-async-paced"):
-        from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
+        from lightning_recover.lightning.checkpoint_io import AsyncUringCheckpointIO
 
         rate = state["flush_bytes_per_s"] if method == "uring-async-paced" else None
-        io = state.setdefault(method, UringCheckpointIO(async_save=True, flush_bytes_per_s=rate))
+        io = state.setdefault(method, AsyncUringCheckpointIO(flush_bytes_per_s=rate))
         target = os.path.join(workdir, "last.ckpt")
         t0 = time.perf_counter()
         io.save_checkpoint(checkpoint, target)
@@ -142,7 +142,7 @@ def run_one(method: str, checkpoint: dict, trainer: Trainer, workdir: str, steps
 
         def finish() -> float:
             io.wait_until_durable()
-            return io._saver.history[-1]["t_durable"] - t0
+            return io.history[-1]["t_durable"] - t0
     elif method == "fio-write":
         # the device's own cost to the steps: fio writes the checkpoint's bytes (O_DIRECT, 16 MiB blocks, fsync
         # at the end) in another process, using next to no CPU, while the same steps run

@@ -3,8 +3,9 @@
 ``save(checkpoint, path)`` / ``load(path, map_location=None, weights_only=True, verify=True, into=None)``
 write and read the format described in ``docs/format.md``; ``UringStorageWriter``/``UringStorageReader``
 and ``DcpSaver`` the DCP side (``docs/dcp.md``). Importing it does not import Lightning: the Lightning
-``CheckpointIO`` plugin is :class:`lightning_recover.lightning.checkpoint_io.UringCheckpointIO`
-(also ``lightning_recover.UringCheckpointIO``).
+``CheckpointIO`` plugins are :class:`lightning_recover.lightning.checkpoint_io.UringCheckpointIO` and its
+asynchronous wrapper ``AsyncUringCheckpointIO`` (also ``lightning_recover.UringCheckpointIO`` and
+``lightning_recover.AsyncUringCheckpointIO``).
 """
 
 from lightning_recover.checkpoint.dcp.plan_cache import CachingSavePlanner

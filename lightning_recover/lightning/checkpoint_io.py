@@ -1,7 +1,8 @@
-"""``UringCheckpointIO``: the Lightning ``CheckpointIO`` plugin on the native engine.
+"""``UringCheckpointIO`` and ``AsyncUringCheckpointIO``: the Lightning ``CheckpointIO`` plugins on the native engine.
 
-Accepted by both ``Trainer`` and ``Fabric`` (``plugins=[UringCheckpointIO()]``); sync saves go
-through :mod:`single_file`, ``async_save=True`` through :mod:`async_io`.
+Accepted by both ``Trainer`` and ``Fabric``: ``plugins=[UringCheckpointIO()]`` saves synchronously through
+:mod:`single_file`; ``plugins=[AsyncUringCheckpointIO(UringCheckpointIO(...))]`` wraps it, as Lightning's
+``AsyncCheckpointIO`` wraps an IO, and saves through :mod:`async_io`.
 """
 
 from __future__ import annotations
@@ -57,14 +58,24 @@ def _note_remote(path: str) -> None:
         )
 
 
+def _refuse_storage_options(io: CheckpointIO, storage_options: Optional[Any]) -> None:
+    if storage_options is not None:
+        raise TypeError(  # Lightning's own wording (TorchCheckpointIO), which its tests match
+            "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg"
+            f" is not supported for `{io.__class__.__name__}`. Please implement your custom `CheckpointIO`"
+            " to define how you'd like to use `storage_options`."
+        )
+
+
 class UringCheckpointIO(CheckpointIO):
-    """Lightning ``CheckpointIO`` writing the lightning-recover format through ``native_io``.
+    """Lightning ``CheckpointIO`` writing the lightning-recover format through ``native_io``, synchronously.
 
     Works with ``Trainer(plugins=[UringCheckpointIO()])`` and ``Fabric(plugins=[UringCheckpointIO()])``. A drop-in
     for ``TorchCheckpointIO``: picklable (``ddp_spawn``, ``torch.save(trainer)``, ``copy.deepcopy``: the
-    configuration is kept, engines and background threads are created again in the new process/copy), non-local
-    paths (``s3://``, ``memory://``, ...) go through fsspec with ``torch.save``/``torch.load`` like the stock IO,
-    ``remove_checkpoint`` removes directories recursively.
+    configuration is kept, engines are created again in the new process/copy), non-local paths (``s3://``,
+    ``memory://``, ...) go through fsspec with ``torch.save``/``torch.load`` like the stock IO,
+    ``remove_checkpoint`` removes directories recursively. Wrap it in :class:`AsyncUringCheckpointIO` to save
+    asynchronously.
 
     Args:
         engine: ``native_io`` engine name ("auto", the default, "uring", "portable").
@@ -73,25 +84,9 @@ class UringCheckpointIO(CheckpointIO):
         weights_only: default for :meth:`load_checkpoint` when Lightning passes ``weights_only=None``:
             True (default) loads the non-tensor state with an allowlist unpickler; False allows arbitrary pickles.
         verify: check every record's CRC-32C on load (default True).
-        async_save: lazy asynchronous saves (see ``docs/checkpointing.md``): ``save_checkpoint`` returns after
-            pickling the non-tensor state and copying small tensors; large tensors are copied into a staging
-            buffer by a background thread while training continues, and written + fdatasync'ed + renamed by a
-            second one. Every ``optimizer.step()`` waits until pending snapshots are complete. The background
-            threads start with the first save.
-        max_pending_bytes: size of the staging buffer (allocated once, reused) for ``async_save``. None: as big
-            as the lazily copied part of the checkpoint, so snapshots never wait for the disk. Smaller values
-            bound memory; the snapshot then waits for the disk (back-pressure) and ``optimizer.step`` may block.
-        eager_bytes: with ``async_save``, storages smaller than this (bytes, default 1 MiB) are copied inside
-            ``save_checkpoint``.
-        flush_bytes_per_s: with ``async_save``, write the staged tensors at most this fast (bytes per second;
-            None: as fast as the disk goes). The save becomes durable later, and what the write costs the
-            training steps is spread over more of them (see "Pacing the flush" in ``docs/checkpointing.md``).
-
-    Raises:
-        ValueError: ``max_pending_bytes`` under 4096 with ``async_save``, or ``flush_bytes_per_s`` not positive.
     """
 
-    _RUNTIME = ("_engine", "_saver", "_into", "_guarded")  # per process / per copy: never pickled
+    _RUNTIME = ("_engine", "_into")  # per process / per copy: never pickled
 
     def __init__(
         self,
@@ -100,53 +95,38 @@ class UringCheckpointIO(CheckpointIO):
         queue_depth: Optional[int] = None,
         weights_only: bool = True,
         verify: bool = True,
-        *,
-        async_save: bool = False,
-        max_pending_bytes: Optional[int] = None,
-        eager_bytes: int = EAGER_BYTES,
-        flush_bytes_per_s: Optional[float] = None,
     ) -> None:
         super().__init__()
-        if async_save and max_pending_bytes is not None and max_pending_bytes < 4096:
-            raise ValueError("max_pending_bytes must be at least 4096")
         self.weights_only = weights_only
         self.verify = verify
-        self.async_save = async_save
-        self.max_pending_bytes = max_pending_bytes
-        self.eager_bytes = eager_bytes
-        self.flush_bytes_per_s = async_io.check_flush_rate(flush_bytes_per_s)
         self._engine_args = (engine, block_size, queue_depth)
         self._init_runtime()
 
     def _init_runtime(self) -> None:
         self._engine = EngineHandle(*self._engine_args)
-        self._saver: Any = None  # the AsyncSaver, created by the first asynchronous save
         self._into: Any = None
-        self._guarded: weakref.WeakSet = weakref.WeakSet()  # modules whose load_state_dict waits (guard_loads)
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k not in self._RUNTIME}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        state.setdefault("flush_bytes_per_s", None)  # pickled by a version without pacing
         self.__dict__.update(state)
         self._init_runtime()
 
-    def _async_saver(self) -> Any:
-        if self._saver is None:
-            self._saver = async_io.AsyncSaver(
-                EngineHandle(*self._engine_args),
-                staging_bytes=self.max_pending_bytes,
-                eager_bytes=self.eager_bytes,
-                flush_bytes_per_s=self.flush_bytes_per_s,
-            )
-        return self._saver
+    def new_engine(self) -> EngineHandle:
+        """A new engine handle with this plugin's engine settings, for a writer that needs an engine of its own.
+
+        Returns:
+            An :class:`~lightning_recover.checkpoint.engine.EngineHandle` (its engine is created on first use);
+            the caller releases it.
+        """
+        return EngineHandle(*self._engine_args)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
         """Write ``checkpoint`` to ``path`` atomically (a crash leaves the old file or the new one, never a part).
 
-        A local path is written by the native engine (:func:`~lightning_recover.checkpoint.save`), in the background
-        with ``async_save``; any other URL with ``torch.save`` through fsspec.
+        A local path is written by the native engine (:func:`~lightning_recover.checkpoint.save`); any other URL
+        with ``torch.save`` through fsspec.
 
         Args:
             checkpoint: what ``torch.save`` takes (Lightning's checkpoint dict).
@@ -155,76 +135,17 @@ class UringCheckpointIO(CheckpointIO):
 
         Raises:
             TypeError: ``storage_options`` is given.
-            AsyncCheckpointError: with ``async_save``, an earlier save failed (raised by the next call).
         """
-        if storage_options is not None:
-            raise TypeError(  # Lightning's own wording (TorchCheckpointIO), which its tests match
-                "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg"
-                f" is not supported for `{self.__class__.__name__}`. Please implement your custom `CheckpointIO`"
-                " to define how you'd like to use `storage_options`."
-            )
+        _refuse_storage_options(self, storage_options)
         local = local_path(path)
         if local is None:
             url = str(path)
             _note_remote(url)
-            if self._saver is not None:
-                self._saver.raise_errors()
             fs = get_filesystem(url)
             fs.makedirs(os.path.dirname(url), exist_ok=True)
             _atomic_save(checkpoint, url)
             return
-        if self.async_save:
-            _attach_barrier(self)
-            self._async_saver().submit(checkpoint, local)
-        else:
-            save(checkpoint, local, engine=self._engine)
-
-    # -------------------------------------------------------------- async control
-    def wait_for_snapshot(self) -> float:
-        """Block until pending asynchronous saves have copied their tensors (seconds waited).
-
-        ``optimizer.step()`` does this automatically; call it before modifying checkpointed tensors in place
-        any other way. Raises :class:`~lightning_recover.checkpoint.AsyncCheckpointError` for a failed save.
-
-        Returns:
-            The seconds waited (0.0 without asynchronous saves).
-        """
-        return self._saver.wait_for_snapshot() if self._saver is not None else 0.0
-
-    def wait_until_durable(self) -> float:
-        """Block until every save so far is on stable storage under its final name.
-
-        Returns:
-            The seconds waited (0.0 without asynchronous saves).
-
-        Raises:
-            AsyncCheckpointError: an asynchronous save failed.
-        """
-        return self._saver.wait_until_durable() if self._saver is not None else 0.0
-
-    def guard_loads(self, module: torch.nn.Module) -> None:
-        """Make ``load_state_dict`` of ``module`` and of each of its submodules wait for pending lazy snapshots.
-
-        ``load_state_dict`` copies into the parameters in place. Lightning's ModelCheckpoint does that right after a
-        save under manual optimization (it loads the pre-step state for the save and the current state back right
-        after), so a lazy snapshot still copying would see the restored values (``SnapshotRaceError``). The
-        ``Trainer`` calls this for its LightningModule at the first asynchronous save; call it for a module that a
-        Fabric or plain loop changes with ``load_state_dict`` while a save may be in flight. A hook per module that
-        checks for a pending snapshot and returns: no cost on the training step.
-
-        Args:
-            module: the module; each of its submodules is guarded once.
-        """
-        wait = _WaitForSnapshot(self)
-        for m in module.modules():
-            if m not in self._guarded:
-                m.register_load_state_dict_pre_hook(wait)
-                self._guarded.add(m)
-
-    @property
-    def pending_saves(self) -> int:
-        """How many asynchronous saves are not durable yet."""
-        return self._saver.pending() if self._saver is not None else 0
+        save(checkpoint, local, engine=self._engine)
 
     @contextlib.contextmanager
     def restore_into(self, state: Any) -> Iterator[UringCheckpointIO]:
@@ -270,13 +191,10 @@ class UringCheckpointIO(CheckpointIO):
             CheckpointCorruptError: a record fails its CRC-32C, or the file is no checkpoint (truncated, foreign).
             CheckpointIncompleteError: the file is empty: an asynchronous save to it did not complete.
             UnsafeCheckpointError: with ``weights_only``, the pickle names a global outside the allowlist.
-            AsyncCheckpointError: an earlier asynchronous save of this plugin failed.
         """
         if weights_only is None:
             weights_only = self.weights_only
         map_location = "cpu" if map_location is None else map_location
-        if self._saver is not None:
-            self._saver.raise_errors()
         local = local_path(path)
         if local is None:
             url = str(path)
@@ -297,13 +215,8 @@ class UringCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: Any) -> None:
         """Remove ``path`` (a directory recursively; a missing path is fine).
 
-        With ``async_save`` only once every earlier save is durable (never if one failed).
-
         Args:
             path: a local path, a ``file://`` URL or any fsspec URL.
-
-        Raises:
-            AsyncCheckpointError: with ``async_save``, an earlier save or removal failed.
         """
         local = local_path(path)
         if local is None:
@@ -313,13 +226,234 @@ class UringCheckpointIO(CheckpointIO):
                 fs.rm(url, recursive=True)
                 log.debug("Removed checkpoint: %s", url)
             return
-        if self._saver is not None:
-            self._saver.remove(local)
-            return
         async_io.remove_path(os.path.abspath(local))
 
     def teardown(self) -> None:
-        """Wait until pending saves are durable, then stop the background threads and free engines and staging.
+        """Free the engine and its staging memory (created again by the next save or load)."""
+        self._engine.release()
+
+
+class AsyncUringCheckpointIO(CheckpointIO):
+    """Lazy asynchronous saves around a synchronous :class:`UringCheckpointIO` (Lightning's ``AsyncCheckpointIO`` shape).
+
+    ``save_checkpoint`` returns after pickling the non-tensor state and copying small tensors; large tensors are
+    copied into a staging buffer by a background thread while training continues, and written + fdatasync'ed +
+    renamed by a second one (see ``docs/checkpointing.md``). Every ``optimizer.step()`` waits until pending
+    snapshots are complete. The background threads start with the first save. Loads, ``restore_into`` and
+    non-local URLs go to the wrapped IO. Works with ``Trainer(plugins=[AsyncUringCheckpointIO()])`` and
+    ``Fabric(plugins=[AsyncUringCheckpointIO(UringCheckpointIO(verify=False))])``; picklable and deep-copyable
+    (the configuration is kept, the background threads are created again by the copy's first save).
+
+    An error of a background save is raised by the next ``save_checkpoint``, ``load_checkpoint``,
+    ``remove_checkpoint``, ``optimizer.step()``, wait or ``teardown`` (like ``AsyncCheckpointIO``'s, by the next
+    save or the teardown).
+
+    Args:
+        checkpoint_io: the synchronous IO whose engine settings, ``weights_only`` and ``verify`` apply; None: a
+            ``UringCheckpointIO()``.
+        max_pending_bytes: size of the staging buffer (allocated once, reused). None: as big as the lazily copied
+            part of the checkpoint, so snapshots never wait for the disk. Smaller values bound memory; the snapshot
+            then waits for the disk (back-pressure) and ``optimizer.step`` may block.
+        eager_bytes: storages smaller than this (bytes, default 1 MiB) are copied inside ``save_checkpoint``.
+        flush_bytes_per_s: write the staged tensors at most this fast (bytes per second; None: as fast as the disk
+            goes). The save becomes durable later, and what the write costs the training steps is spread over more
+            of them (see "Pacing the flush" in ``docs/checkpointing.md``).
+
+    Raises:
+        TypeError: ``checkpoint_io`` is not a ``UringCheckpointIO``.
+        ValueError: ``max_pending_bytes`` under 4096, or ``flush_bytes_per_s`` not positive.
+    """
+
+    _RUNTIME = ("_saver", "_guarded")  # per process / per copy: never pickled
+
+    def __init__(
+        self,
+        checkpoint_io: Optional[UringCheckpointIO] = None,
+        *,
+        max_pending_bytes: Optional[int] = None,
+        eager_bytes: int = EAGER_BYTES,
+        flush_bytes_per_s: Optional[float] = None,
+    ) -> None:
+        super().__init__()
+        if checkpoint_io is None:
+            checkpoint_io = UringCheckpointIO()
+        if not isinstance(checkpoint_io, UringCheckpointIO):
+            raise TypeError(f"AsyncUringCheckpointIO wraps a UringCheckpointIO, not {type(checkpoint_io).__name__}")
+        if max_pending_bytes is not None and max_pending_bytes < 4096:
+            raise ValueError("max_pending_bytes must be at least 4096")
+        self._checkpoint_io = checkpoint_io
+        self.max_pending_bytes = max_pending_bytes
+        self.eager_bytes = eager_bytes
+        self.flush_bytes_per_s = async_io.check_flush_rate(flush_bytes_per_s)
+        self._init_runtime()
+
+    def _init_runtime(self) -> None:
+        self._saver: Any = None  # the AsyncSaver, created by the first local save
+        self._guarded: weakref.WeakSet = weakref.WeakSet()  # modules whose load_state_dict waits (guard_loads)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in self._RUNTIME}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_runtime()
+
+    @property
+    def checkpoint_io(self) -> UringCheckpointIO:
+        """The wrapped synchronous IO (loads, ``restore_into`` and non-local URLs go through it)."""
+        return self._checkpoint_io
+
+    def _async_saver(self) -> Any:
+        if self._saver is None:
+            self._saver = async_io.AsyncSaver(
+                self._checkpoint_io.new_engine(),
+                staging_bytes=self.max_pending_bytes,
+                eager_bytes=self.eager_bytes,
+                flush_bytes_per_s=self.flush_bytes_per_s,
+            )
+        return self._saver
+
+    def _raise_errors(self) -> None:
+        if self._saver is not None:
+            self._saver.raise_errors()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+        """Start an atomic save of ``checkpoint`` to ``path`` and return once its snapshot is taken or referenced.
+
+        A local path is saved in the background (the lazy snapshot); any other URL goes to the wrapped IO,
+        synchronously, after earlier failures are raised.
+
+        Args:
+            checkpoint: what ``torch.save`` takes (Lightning's checkpoint dict).
+            path: a local path, a ``file://`` URL or any fsspec URL. Parent directories are created.
+            storage_options: not supported (None).
+
+        Raises:
+            TypeError: ``storage_options`` is given.
+            AsyncCheckpointError: an earlier save failed.
+        """
+        _refuse_storage_options(self, storage_options)
+        local = local_path(path)
+        if local is None:
+            self._raise_errors()
+            self._checkpoint_io.save_checkpoint(checkpoint, path)
+            return
+        _attach_barrier(self)
+        self._async_saver().submit(checkpoint, local)
+
+    def load_checkpoint(
+        self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None
+    ) -> dict[str, Any]:
+        """Raise an earlier save's failure, then load ``path`` with the wrapped IO.
+
+        A save of ``path`` still in flight in this process (by any plugin) is waited for, and only that one.
+
+        Args:
+            path: a local path, a ``file://`` URL or any fsspec URL.
+            map_location: like ``torch.load``'s; None: the CPU.
+            weights_only: None: the wrapped IO's ``weights_only``; True: an allowlist unpickler; False: any pickle.
+
+        Returns:
+            The checkpoint, as :meth:`UringCheckpointIO.load_checkpoint` returns it.
+
+        Raises:
+            AsyncCheckpointError: an earlier asynchronous save of this plugin failed.
+            FileNotFoundError: no checkpoint at ``path``.
+            CheckpointCorruptError: a record fails its CRC-32C, or the file is no checkpoint (truncated, foreign).
+            CheckpointIncompleteError: the file is empty: an asynchronous save to it did not complete.
+            UnsafeCheckpointError: with ``weights_only``, the pickle names a global outside the allowlist.
+        """
+        self._raise_errors()
+        return self._checkpoint_io.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+    @contextlib.contextmanager
+    def restore_into(self, state: Any) -> Iterator[AsyncUringCheckpointIO]:
+        """The wrapped IO's :meth:`UringCheckpointIO.restore_into`: loads fill the tensors of ``state`` in place.
+
+        Args:
+            state: the objects whose tensors are filled.
+
+        Yields:
+            This plugin.
+        """
+        with self._checkpoint_io.restore_into(state):
+            yield self
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove ``path`` (a directory recursively; a missing path is fine).
+
+        A local path only once every earlier save is durable (never if one failed); another URL at once.
+
+        Args:
+            path: a local path, a ``file://`` URL or any fsspec URL.
+
+        Raises:
+            AsyncCheckpointError: an earlier save or removal failed.
+        """
+        local = local_path(path)
+        if local is not None and self._saver is not None:
+            self._saver.remove(local)
+            return
+        self._checkpoint_io.remove_checkpoint(path)
+
+    def wait_for_snapshot(self) -> float:
+        """Block until pending asynchronous saves have copied their tensors.
+
+        ``optimizer.step()`` does this automatically; call it before modifying checkpointed tensors in place
+        any other way.
+
+        Returns:
+            The seconds waited (0.0 before the first save).
+
+        Raises:
+            AsyncCheckpointError: an asynchronous save failed.
+        """
+        return self._saver.wait_for_snapshot() if self._saver is not None else 0.0
+
+    def wait_until_durable(self) -> float:
+        """Block until every save so far is on stable storage under its final name.
+
+        Returns:
+            The seconds waited (0.0 before the first save).
+
+        Raises:
+            AsyncCheckpointError: an asynchronous save failed.
+        """
+        return self._saver.wait_until_durable() if self._saver is not None else 0.0
+
+    def guard_loads(self, module: torch.nn.Module) -> None:
+        """Make ``load_state_dict`` of ``module`` and of each of its submodules wait for pending lazy snapshots.
+
+        ``load_state_dict`` copies into the parameters in place. Lightning's ModelCheckpoint does that right after a
+        save under manual optimization (it loads the pre-step state for the save and the current state back right
+        after), so a lazy snapshot still copying would see the restored values (``SnapshotRaceError``). The
+        ``Trainer`` calls this for its LightningModule at the first asynchronous save; call it for a module that a
+        Fabric or plain loop changes with ``load_state_dict`` while a save may be in flight. A hook per module that
+        checks for a pending snapshot and returns: no cost on the training step.
+
+        Args:
+            module: the module; each of its submodules is guarded once.
+        """
+        wait = _WaitForSnapshot(self)
+        for m in module.modules():
+            if m not in self._guarded:
+                m.register_load_state_dict_pre_hook(wait)
+                self._guarded.add(m)
+
+    @property
+    def pending_saves(self) -> int:
+        """How many asynchronous saves are not durable yet."""
+        return self._saver.pending() if self._saver is not None else 0
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """Timings of the last finished saves, oldest first (``path``, ``snapshot_s``, ``durable_s``, ``t_submit``,
+        ``t_snapshot``, ``t_durable`` on ``time.perf_counter``'s clock, ``direct``, ``unstaged_bytes``, ``error``);
+        empty before the first save."""
+        return list(self._saver.history) if self._saver is not None else []
+
+    def teardown(self) -> None:
+        """Wait until pending saves are durable, stop the background threads, then tear the wrapped IO down.
 
         Raises:
             AsyncCheckpointError: an asynchronous save failed.
@@ -328,7 +462,7 @@ class UringCheckpointIO(CheckpointIO):
             if self._saver is not None:
                 self._saver.close()
         finally:
-            self._engine.release()
+            self._checkpoint_io.teardown()
 
 
 class _SnapshotBarrier(Callback):
@@ -340,7 +474,7 @@ class _SnapshotBarrier(Callback):
     are once-per-epoch hooks, except ``on_train_batch_end``, where the optimizer step has already waited.
     """
 
-    def __init__(self, io: UringCheckpointIO) -> None:
+    def __init__(self, io: AsyncUringCheckpointIO) -> None:
         self.io = io
 
     def _wait(self, *_: Any, **__: Any) -> None:
@@ -355,13 +489,13 @@ class _SnapshotBarrier(Callback):
 
 
 class _WaitForSnapshot:
-    """A ``load_state_dict`` pre-hook (``UringCheckpointIO.guard_loads``): waits for the plugin's pending snapshots.
+    """A ``load_state_dict`` pre-hook (``guard_loads``): waits for the plugin's pending snapshots.
 
     Holds the plugin weakly and pickles as a hook that does nothing (a pickled or copied module has no snapshot
     of this process in flight), so modules stay picklable.
     """
 
-    def __init__(self, io: Optional[UringCheckpointIO] = None) -> None:
+    def __init__(self, io: Optional[AsyncUringCheckpointIO] = None) -> None:
         self._io = weakref.ref(io) if io is not None else None
 
     def __call__(self, *_: Any) -> None:
@@ -374,7 +508,7 @@ class _WaitForSnapshot:
         return (_WaitForSnapshot, ())
 
 
-def _attach_barrier(io: UringCheckpointIO) -> None:
+def _attach_barrier(io: AsyncUringCheckpointIO) -> None:
     """If this save comes from ``Trainer.save_checkpoint``, make sure that trainer runs a ``_SnapshotBarrier`` and
     that its LightningModule's ``load_state_dict`` waits for pending snapshots (``guard_loads``)."""
     code = Trainer.save_checkpoint.__code__

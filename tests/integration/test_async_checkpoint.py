@@ -14,7 +14,7 @@ from lightning_recover.checkpoint import AsyncCheckpointError, CheckpointIncompl
 from lightning_recover.checkpoint.file import async_io
 from lightning_recover.checkpoint.file.async_io import _Ring, crc32c_combine
 from lightning_recover.checkpoint.file.torch_zip import ALIGN, PlanWriter
-from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
+from lightning_recover.lightning.checkpoint_io import AsyncUringCheckpointIO, UringCheckpointIO
 from tests.jobs import ROOT, bounded
 
 pytestmark = pytest.mark.timeout(120)
@@ -131,7 +131,7 @@ def test_snapshot_equals_state_at_save_time_while_training_continues(tmp_path, c
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     x = torch.randn(64, 512)
-    io = UringCheckpointIO(async_save=True, max_pending_bytes=staging)
+    io = AsyncUringCheckpointIO(max_pending_bytes=staging)
     expected = {}
     for step in range(6):
         _train_step(model, opt, x, closure)
@@ -152,7 +152,7 @@ def test_snapshot_equals_state_at_save_time_while_training_continues(tmp_path, c
 def test_step_waits_for_snapshot_with_small_staging(tmp_path):
     big = torch.nn.Parameter(torch.randn(4_000_000))  # 16 MB through a 1 MiB ring: many chunks, back-pressure
     opt = torch.optim.SGD([big], lr=1.0)
-    io = UringCheckpointIO(async_save=True, max_pending_bytes=1 << 20)
+    io = AsyncUringCheckpointIO(max_pending_bytes=1 << 20)
     ref = big.detach().clone()
     io.save_checkpoint({"w": big}, tmp_path / "a.ckpt")
     big.grad = torch.ones_like(big)
@@ -160,11 +160,11 @@ def test_step_waits_for_snapshot_with_small_staging(tmp_path):
     assert torch.equal(big.detach(), ref - 1)
     io.wait_until_durable()
     assert torch.equal(load(tmp_path / "a.ckpt")["w"], ref)
-    assert io._saver.history[-1]["error"] is None
+    assert io.history[-1]["error"] is None
     info = read_info(tmp_path / "a.ckpt")
     assert info.index.records["data/0"].nbytes == 16_000_000  # written in 1 MiB chunks, checksummed whole
-    if io._saver.history[-1]["direct"]:  # every aligned page went to the disk straight from the staging ring
-        assert io._saver.history[-1]["unstaged_bytes"] == 16_000_000 // ALIGN * ALIGN
+    if io.history[-1]["direct"]:  # every aligned page went to the disk straight from the staging ring
+        assert io.history[-1]["unstaged_bytes"] == 16_000_000 // ALIGN * ALIGN
     io.teardown()
 
 
@@ -172,22 +172,33 @@ def test_paced_flush_writes_no_faster_than_asked_and_the_same_bytes(tmp_path):
     """``flush_bytes_per_s`` spreads the write over time (a lower bound: sleeps, not the machine's speed)."""
     big = torch.randn(4 * 1024 * 1024)  # 16 MiB in 1 MiB chunks, paced at 32 MiB/s: at least ~0.47 s
     rate = 32 * 1024 * 1024
-    io = UringCheckpointIO(async_save=True, max_pending_bytes=1 << 20, flush_bytes_per_s=rate)
+    io = AsyncUringCheckpointIO(max_pending_bytes=1 << 20, flush_bytes_per_s=rate)
     io.save_checkpoint({"w": big}, tmp_path / "a.ckpt")
     io.wait_for_snapshot()
     io.wait_until_durable()
-    h = io._saver.history[-1]
+    h = io.history[-1]
     assert h["error"] is None
     assert h["durable_s"] >= (big.numel() * 4 - (1 << 20)) / rate  # every chunk but the first waited its turn
     assert torch.equal(load(tmp_path / "a.ckpt")["w"], big)
     io.teardown()
     with pytest.raises(ValueError, match="flush_bytes_per_s"):
-        UringCheckpointIO(async_save=True, flush_bytes_per_s=0)
+        AsyncUringCheckpointIO(flush_bytes_per_s=0)
+
+
+def test_wrapper_refuses_what_it_cannot_run():
+    from lightning.fabric.plugins import TorchCheckpointIO
+
+    with pytest.raises(ValueError, match="max_pending_bytes"):
+        AsyncUringCheckpointIO(max_pending_bytes=1024)
+    with pytest.raises(TypeError, match="wraps a UringCheckpointIO, not TorchCheckpointIO"):
+        AsyncUringCheckpointIO(TorchCheckpointIO())
+    with pytest.raises(TypeError):
+        UringCheckpointIO(async_save=True)  # one way to save asynchronously: the wrapper
 
 
 def test_explicit_wait_for_snapshot_and_pending(tmp_path):
     w = torch.randn(3_000_000)
-    io = UringCheckpointIO(async_save=True)
+    io = AsyncUringCheckpointIO()
     io.save_checkpoint({"w": w}, tmp_path / "a.ckpt")
     ref = w.clone()
     io.wait_for_snapshot()
@@ -218,7 +229,7 @@ def test_final_name_appears_only_when_durable(tmp_path, monkeypatch, unnamed):
     if not unnamed:  # a filesystem without O_TMPFILE: the data goes to a hidden temporary name
         monkeypatch.setattr(async_io, "_open_unnamed_writer", lambda engine, job: None)
     gate = _gated_tail(monkeypatch)
-    io = UringCheckpointIO(async_save=True)
+    io = AsyncUringCheckpointIO()
     io.save_checkpoint({"w": torch.randn(1_000_000)}, tmp_path / "a.ckpt")
     io.wait_for_snapshot()
     assert gate.entered.wait(20)  # the flusher wrote every record and waits before fdatasync + commit
@@ -235,7 +246,7 @@ def test_final_name_appears_only_when_durable(tmp_path, monkeypatch, unnamed):
 
 
 def test_load_waits_for_pending_save(tmp_path):
-    io = UringCheckpointIO(async_save=True, max_pending_bytes=1 << 20)
+    io = AsyncUringCheckpointIO(max_pending_bytes=1 << 20)
     w = torch.randn(2_000_000)
     io.save_checkpoint({"w": w}, tmp_path / "a.ckpt")
     out = io.load_checkpoint(tmp_path / "a.ckpt")
@@ -247,7 +258,7 @@ def test_load_waits_for_pending_save(tmp_path):
 
 
 def test_removal_is_deferred_until_newer_save_is_durable(tmp_path, monkeypatch):
-    io = UringCheckpointIO(async_save=True)
+    io = AsyncUringCheckpointIO()
     io.save_checkpoint({"k": 1, "w": torch.randn(1_000_000)}, tmp_path / "old.ckpt")
     io.wait_until_durable()
     gate = _gated_tail(monkeypatch)
@@ -262,7 +273,7 @@ def test_removal_is_deferred_until_newer_save_is_durable(tmp_path, monkeypatch):
 
 def _durable_old_then_failing_new(tmp_path, faults):
     """An async plugin with a durable ``old.ckpt`` (k=1) and a save of ``new.ckpt`` (k=2) whose first write fails."""
-    io = UringCheckpointIO(async_save=True)
+    io = AsyncUringCheckpointIO()
     io.save_checkpoint({"k": 1, "w": torch.randn(1_000_000)}, tmp_path / "old.ckpt")
     io.wait_until_durable()
     faults(eio_at=1)
@@ -287,7 +298,7 @@ def test_removal_skipped_when_newer_save_fails(tmp_path, faults):
 
 @pytest.mark.parametrize("surface", ["save", "step", "teardown"])
 def test_background_error_surfaces_at_next_call(tmp_path, surface, faults):
-    io = UringCheckpointIO(async_save=True, max_pending_bytes=1 << 20)
+    io = AsyncUringCheckpointIO(max_pending_bytes=1 << 20)
     p = torch.nn.Parameter(torch.randn(2_000_000))
     opt = torch.optim.SGD([p], lr=0.1)
     io.save_checkpoint({"w": p, "k": 1}, tmp_path / "c.ckpt")
@@ -367,7 +378,7 @@ def test_trainer_async_modelcheckpoint(tmp_path):
 
     BN = _bn_module_cls()
     model = BN()
-    io = UringCheckpointIO(async_save=True)
+    io = AsyncUringCheckpointIO()
     mc = ModelCheckpoint(
         dirpath=tmp_path / "ck", save_top_k=1, every_n_train_steps=1, save_last=True, filename="{step}"
     )
@@ -391,7 +402,7 @@ def test_trainer_async_modelcheckpoint(tmp_path):
         tmp_path,
         max_steps=7,
         enable_checkpointing=False,
-        plugins=[UringCheckpointIO(async_save=True)],
+        plugins=[AsyncUringCheckpointIO()],
     )
     t2.fit(model2, ckpt_path=str(tmp_path / "ck" / "last.ckpt"))
     assert t2.global_step == 7
@@ -404,7 +415,7 @@ def test_trainer_consistency_mid_training(tmp_path):
 
     BN = _bn_module_cls()
     model = BN()
-    io = UringCheckpointIO(async_save=True, max_pending_bytes=1 << 20)  # forces back-pressure
+    io = AsyncUringCheckpointIO(max_pending_bytes=1 << 20)  # forces back-pressure
     mc = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=1, filename="{step}")
     trainer = _quiet_cpu_trainer(
         tmp_path,
@@ -422,7 +433,7 @@ def test_trainer_consistency_mid_training(tmp_path):
 def test_fabric_async_save_and_in_place_restore(tmp_path):
     from lightning.fabric import Fabric
 
-    io = UringCheckpointIO(async_save=True)
+    io = AsyncUringCheckpointIO()
     fabric = Fabric(plugins=[io], accelerator="cpu", devices=1)
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -459,7 +470,7 @@ def _bounded(fn, timeout: float = 30.0):
 
 
 def test_async_remove_directory_deferred(tmp_path, monkeypatch):
-    io = UringCheckpointIO(async_save=True)
+    io = AsyncUringCheckpointIO()
     d = tmp_path / "old_dir"
     (d / "sub").mkdir(parents=True)
     (d / "sub" / "x").write_bytes(b"1")
@@ -495,7 +506,7 @@ def test_placeholder_is_a_named_error(tmp_path):
 
 
 def test_load_by_another_instance_waits_for_that_path_only(tmp_path, monkeypatch):
-    a, b = UringCheckpointIO(async_save=True), UringCheckpointIO()
+    a, b = AsyncUringCheckpointIO(), UringCheckpointIO()
     a.save_checkpoint({"k": 1, "w": torch.zeros(1_000_000)}, tmp_path / "c.ckpt")
     a.save_checkpoint({"k": 1}, tmp_path / "other.ckpt")
     a.wait_until_durable()
@@ -515,7 +526,7 @@ def test_load_by_another_instance_waits_for_that_path_only(tmp_path, monkeypatch
 
 
 def test_failed_deferred_removal_keeps_flusher_alive(tmp_path, monkeypatch):
-    io = UringCheckpointIO(async_save=True)
+    io = AsyncUringCheckpointIO()
     io.save_checkpoint({"k": 1}, tmp_path / "old.ckpt")
     io.wait_until_durable()
     real_remove = async_io.remove_path
@@ -540,7 +551,7 @@ def test_failed_deferred_removal_keeps_flusher_alive(tmp_path, monkeypatch):
 
 
 def test_failed_deferred_removal_surfaces_at_next_save(tmp_path, monkeypatch):
-    io = UringCheckpointIO(async_save=True)
+    io = AsyncUringCheckpointIO()
     monkeypatch.setattr(async_io, "remove_path", lambda path: (_ for _ in ()).throw(OSError(5, "injected", path)))
     gate = _gated_tail(monkeypatch)
     io.save_checkpoint({"k": 2, "w": torch.randn(1_000_000)}, tmp_path / "new.ckpt")
@@ -567,7 +578,7 @@ def _slow_copier(monkeypatch, seconds=0.3):
 
 
 def test_in_place_change_before_lazy_copy_fails_the_save(tmp_path, monkeypatch):
-    io = UringCheckpointIO(async_save=True)
+    io = AsyncUringCheckpointIO()
     w = torch.nn.Parameter(torch.zeros(1_000_000))
     io.save_checkpoint({"k": 1, "w": w}, tmp_path / "a.ckpt")
     io.wait_until_durable()
@@ -636,7 +647,7 @@ def test_trainer_weight_averaging_async_checkpoints_hold_save_time_state(tmp_pat
             EMAWeightAveraging(decay=0.5),
             ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1, every_n_train_steps=1, filename="{step}"),
         ],
-        plugins=[UringCheckpointIO(async_save=True)],
+        plugins=[AsyncUringCheckpointIO()],
     )
     trainer.fit(model)
     names = sorted(os.listdir(tmp_path / "ck"))
@@ -676,7 +687,7 @@ def test_trainer_in_flight_name_gets_version_suffix(tmp_path, monkeypatch):
                 dirpath=tmp_path / "ck", save_top_k=-1, monitor="m", mode="max", every_n_train_steps=1, filename="fixed"
             )
         ],
-        plugins=[UringCheckpointIO(async_save=True)],
+        plugins=[AsyncUringCheckpointIO()],
     )
     trainer.fit(model)
     names = sorted(os.listdir(tmp_path / "ck"))
@@ -707,7 +718,7 @@ def test_trainer_in_place_change_after_save_is_detected(tmp_path, monkeypatch):
         max_steps=4,
         limit_val_batches=0,
         callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1, every_n_train_steps=1, filename="{step}")],
-        plugins=[UringCheckpointIO(async_save=True)],
+        plugins=[AsyncUringCheckpointIO()],
     )
     with pytest.raises(AsyncCheckpointError, match="changed in place"):
         _bounded(lambda: trainer.fit(model), timeout=60)
@@ -722,7 +733,7 @@ def test_idle_saver_holds_no_threads(tmp_path):
     def ours():
         return [t for t in threading.enumerate() if t.name.startswith("lr-ckpt-")]
 
-    io = UringCheckpointIO(async_save=True)
+    io = AsyncUringCheckpointIO()
     for k in range(3):
         io.save_checkpoint({"w": torch.full((300_000,), float(k)), "k": k}, tmp_path / f"{k}.ckpt")
         io.wait_until_durable()
@@ -753,7 +764,7 @@ def test_every_way_of_stepping_waits_and_an_idle_hook_is_disarmed(tmp_path, monk
     if how == "fabric":
         fabric = Fabric(accelerator="cpu", devices=1)
         opt = fabric.setup_optimizers(opt)
-    io = UringCheckpointIO(async_save=True, eager_bytes=0)
+    io = AsyncUringCheckpointIO(eager_bytes=0)
     for round_ in range(2):
         before = w.detach().clone()
         io.save_checkpoint({"w": w}, tmp_path / f"r{round_}.ckpt")
@@ -782,7 +793,7 @@ def test_guarded_load_state_dict_waits_for_the_snapshot(tmp_path, monkeypatch):
 
     _slow_copier(monkeypatch, seconds=0.3)
     model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 8))
-    io = UringCheckpointIO(async_save=True, eager_bytes=0)
+    io = AsyncUringCheckpointIO(eager_bytes=0)
     io.guard_loads(model)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     io.save_checkpoint({"state_dict": model.state_dict()}, tmp_path / "a.ckpt")
@@ -799,8 +810,8 @@ def test_guarded_load_state_dict_waits_for_the_snapshot(tmp_path, monkeypatch):
 
 _EXIT_WITH_A_SAVE_IN_FLIGHT = """
 import sys, time, torch
-from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
-io = UringCheckpointIO(async_save=True, flush_bytes_per_s=16e6)  # ~0.75 s of paced flushing for 12 MB
+from lightning_recover.lightning.checkpoint_io import AsyncUringCheckpointIO
+io = AsyncUringCheckpointIO(flush_bytes_per_s=16e6)  # ~0.75 s of paced flushing for 12 MB
 io.save_checkpoint({"w": torch.full((3_000_000,), 7.0), "k": 7}, sys.argv[1])
 io.wait_for_snapshot()
 print(f"exiting {time.monotonic()}", flush=True)  # no wait_until_durable, no teardown: the exit handler drains

@@ -26,7 +26,7 @@ from lightning_recover.checkpoint import (
     read_info,
     save,
 )
-from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
+from lightning_recover.lightning.checkpoint_io import AsyncUringCheckpointIO, UringCheckpointIO
 
 
 def _state(k: int = 0, n: int = 1000) -> dict:
@@ -570,26 +570,76 @@ def test_cli_subprocess(tmp_path):
 # ------------------------------------------------------------------------------- drop-in for TorchCheckpointIO
 
 
-@pytest.mark.parametrize("async_save", [False, True])
-def test_plugin_pickle_and_deepcopy(tmp_path, async_save):
+@pytest.mark.parametrize("wrapped", [False, True], ids=["sync", "async"])
+def test_plugin_pickle_and_deepcopy(tmp_path, wrapped):
     import copy
     import pickle
 
-    io = UringCheckpointIO(async_save=async_save, max_pending_bytes=1 << 20, weights_only=False, verify=False)
+    base = UringCheckpointIO(queue_depth=8, weights_only=False, verify=False)
+    io = (
+        AsyncUringCheckpointIO(base, max_pending_bytes=1 << 20, eager_bytes=4096, flush_bytes_per_s=1e12)
+        if wrapped
+        else base
+    )
+
+    def config(p) -> tuple:
+        inner = p.checkpoint_io if wrapped else p
+        out = (type(p), type(inner), inner.new_engine().kwargs, inner.weights_only, inner.verify)
+        return out + ((p.max_pending_bytes, p.eager_bytes, p.flush_bytes_per_s) if wrapped else ())
+
+    assert config(io)[2]["queue_depth"] == 8
     for clone in (pickle.loads(pickle.dumps(io)), copy.deepcopy(io)):  # fresh plugin: nothing started yet
-        assert (clone.async_save, clone.max_pending_bytes, clone.weights_only, clone.verify) == (
-            async_save,
-            1 << 20,
-            False,
-            False,
-        )
+        assert config(clone) == config(io)
     io.save_checkpoint(_state(1), tmp_path / "a.ckpt")  # engine, saver and threads now exist
     for i, clone in enumerate((pickle.loads(pickle.dumps(io)), copy.deepcopy(io))):
-        assert clone._saver is None  # created lazily by the copy's first async save
+        assert config(clone) == config(io)
+        if wrapped:
+            assert clone._saver is None and clone.pending_saves == 0  # created lazily by the copy's first save
+            assert clone.checkpoint_io is not base
         clone.save_checkpoint(_state(2 + i), tmp_path / f"c{i}.ckpt")
         _assert_state(clone.load_checkpoint(tmp_path / f"c{i}.ckpt"), 2 + i)
         _assert_state(clone.load_checkpoint(tmp_path / "a.ckpt"), 1)
+        if wrapped:
+            assert [h["path"] for h in clone.history] == [str(tmp_path / f"c{i}.ckpt")]  # saved by its own saver
         clone.teardown()
+    io.teardown()
+
+
+def test_async_wrapper_saves_in_the_background_for_trainer_and_fabric(tmp_path):
+    """``Trainer(plugins=[AsyncUringCheckpointIO()])`` and ``Fabric(plugins=[AsyncUringCheckpointIO(...)])`` take the
+    wrapper as their IO, save through its background saver and load back what was saved."""
+    from lightning.fabric import Fabric
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    Tiny = _tiny_module_cls()
+    io = AsyncUringCheckpointIO()
+    model = Tiny()
+    trainer = _trainer(tmp_path, 1, [ModelCheckpoint(dirpath=tmp_path / "ck", filename="last")], io=io)
+    assert trainer.strategy.checkpoint_io is io and isinstance(io.checkpoint_io, UringCheckpointIO)
+    trainer.fit(model)  # the epoch-end save is the last change; fit's teardown waits until it is durable
+    assert [os.path.basename(h["path"]) for h in io.history] == ["last.ckpt"] and io.pending_saves == 0
+    back = io.load_checkpoint(tmp_path / "ck" / "last.ckpt")
+    assert back["state_dict"].keys() == model.state_dict().keys()
+    assert all(torch.equal(back["state_dict"][k], v) for k, v in model.state_dict().items())
+
+    io = AsyncUringCheckpointIO(UringCheckpointIO(verify=False))
+    fabric = Fabric(plugins=[io], accelerator="cpu", devices=1)
+    assert fabric.strategy.checkpoint_io is io and io.checkpoint_io.verify is False
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 3)
+    net, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    net(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    fabric.save(tmp_path / "f.ckpt", {"model": net, "optimizer": opt, "step": 11})
+    ref = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    net(torch.randn(2, 4)).sum().backward()
+    opt.step()  # waits for the snapshot, then changes the parameters
+    io.wait_until_durable()
+    assert [h["path"] for h in io.history] == [str(tmp_path / "f.ckpt")]
+    net2 = torch.nn.Linear(4, 3)
+    rest = fabric.load(tmp_path / "f.ckpt", {"model": net2})
+    assert rest["step"] == 11
+    assert all(torch.equal(net2.state_dict()[k], v) for k, v in ref.items())
     io.teardown()
 
 
@@ -600,18 +650,19 @@ def test_trainer_with_plugin_can_be_pickled(tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     Tiny = _tiny_module_cls()
-    plugin = UringCheckpointIO(async_save=True)
+    plugin = AsyncUringCheckpointIO()
     trainer = _trainer(tmp_path, 1, [ModelCheckpoint(dirpath=tmp_path / "ck")], io=plugin)
     buf = _io.BytesIO()
     torch.save(trainer, buf)  # before fit (what ddp_spawn needs of the strategy)
     buf.seek(0)
     t2 = torch.load(buf, weights_only=False)
-    assert isinstance(t2.strategy.checkpoint_io, UringCheckpointIO) and t2.strategy.checkpoint_io.async_save
+    assert isinstance(t2.strategy.checkpoint_io, AsyncUringCheckpointIO)
+    assert isinstance(t2.strategy.checkpoint_io.checkpoint_io, UringCheckpointIO)
     trainer.fit(Tiny())  # the async saver ran (and the snapshot barrier was added to the callbacks)
     barriers = [c for c in trainer.callbacks if type(c).__name__ == "_SnapshotBarrier"]
     assert len(barriers) == 1 and barriers[0].io is plugin and trainer.callbacks[0] is barriers[0]
     io2, barrier2 = pickle.loads(pickle.dumps((plugin, barriers[0])))
-    assert barrier2.io is io2 and io2.async_save and io2._saver is None
+    assert barrier2.io is io2 and isinstance(io2, AsyncUringCheckpointIO) and io2._saver is None
 
 
 def test_remote_paths_go_through_fsspec(tmp_path, monkeypatch, caplog):
@@ -622,9 +673,8 @@ def test_remote_paths_go_through_fsspec(tmp_path, monkeypatch, caplog):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(plugin_mod, "_noted_protocols", set())
     fs = fsspec.filesystem("memory")
-    for async_save in (False, True):
-        io = UringCheckpointIO(async_save=async_save)
-        url = f"memory://bucket/run{int(async_save)}/e.ckpt"
+    for i, io in enumerate((UringCheckpointIO(), AsyncUringCheckpointIO())):
+        url = f"memory://bucket/run{i}/e.ckpt"
         with caplog.at_level("INFO"):
             io.save_checkpoint(_state(5), url)
         assert fs.exists(url)
@@ -632,8 +682,8 @@ def test_remote_paths_go_through_fsspec(tmp_path, monkeypatch, caplog):
             assert f.read(2) == b"PK"  # a torch.save zip
         _assert_state(io.load_checkpoint(url), 5)
         with pytest.raises(FileNotFoundError):
-            io.load_checkpoint(f"memory://bucket/run{int(async_save)}/missing.ckpt")
-        io.remove_checkpoint(f"memory://bucket/run{int(async_save)}")  # a directory, recursively
+            io.load_checkpoint(f"memory://bucket/run{i}/missing.ckpt")
+        io.remove_checkpoint(f"memory://bucket/run{i}")  # a directory, recursively
         assert not fs.exists(url)
         io.remove_checkpoint(url)  # missing: fine
         io.teardown()

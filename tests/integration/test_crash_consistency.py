@@ -28,7 +28,7 @@ from lightning_recover.checkpoint import (
     verify_file,
 )
 from lightning_recover.checkpoint.file.async_io import wait_for_path
-from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
+from lightning_recover.lightning.checkpoint_io import AsyncUringCheckpointIO, UringCheckpointIO
 
 NAMES = 4  # rotating checkpoint names r0..r3
 
@@ -36,7 +36,7 @@ NAMES = 4  # rotating checkpoint names r0..r3
 # r{k % 4}.ckpt again and again (k increasing), sync or async, and prints "done <k>" once save k is durable.
 _HELPER = textwrap.dedent("""
     import os, sys, torch
-    from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
+    from lightning_recover.lightning.checkpoint_io import AsyncUringCheckpointIO, UringCheckpointIO
     d = sys.argv[1]
 
     def state(k):
@@ -44,7 +44,7 @@ _HELPER = textwrap.dedent("""
                 "small": torch.full((100,), float(k)), "meta": {"k": k}}
 
     def writer(mode, k):
-        io = UringCheckpointIO(async_save=(mode == "async"), max_pending_bytes=8 << 20)
+        io = AsyncUringCheckpointIO(max_pending_bytes=8 << 20) if mode == "async" else UringCheckpointIO()
         st = state(k)
         while True:
             io.save_checkpoint(st, os.path.join(d, f"r{k % 4}.ckpt"))
@@ -275,7 +275,7 @@ def test_enospc_sync(small_fs):
 @pytest.mark.timeout(60)
 def test_enospc_async_surfaces_at_next_call(small_fs):
     path = small_fs / "c.ckpt"
-    io = UringCheckpointIO(async_save=True, max_pending_bytes=1 << 20)
+    io = AsyncUringCheckpointIO(max_pending_bytes=1 << 20)
     io.save_checkpoint(_small(1), path)
     io.wait_until_durable()
     io.save_checkpoint(_big(2), path)  # returns: the failure happens in the background
@@ -296,7 +296,7 @@ def test_enospc_async_surfaces_at_next_call(small_fs):
 @pytest.fixture
 def async_saved(tmp_path):
     path = tmp_path / "a.ckpt"
-    io = UringCheckpointIO(async_save=True, max_pending_bytes=1 << 20)  # 4 MB storage in 256 KiB chunks
+    io = AsyncUringCheckpointIO(max_pending_bytes=1 << 20)  # 4 MB storage in 256 KiB chunks
     io.save_checkpoint({"big": torch.arange(1_000_000, dtype=torch.float32), "b": torch.ones(7), "k": 1}, path)
     io.teardown()
     return path
@@ -363,19 +363,19 @@ class _Planted:
         return (open, (self.path, "w"))
 
 
-@pytest.mark.parametrize("async_save", [False, True])
-def test_planted_pickle_payload_refused_everywhere(tmp_path, async_save, capsys):
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_planted_pickle_payload_refused_everywhere(tmp_path, asynchronous, capsys):
     from lightning_recover.checkpoint.tools import convert_main
 
     marker = tmp_path / "pwned"
     path = tmp_path / "e.ckpt"
-    writer = UringCheckpointIO(async_save=async_save)
+    writer = AsyncUringCheckpointIO() if asynchronous else UringCheckpointIO()
     writer.save_checkpoint({"state_dict": {"w": torch.ones(300_000)}, "evil": _Planted(str(marker))}, path)
     writer.teardown()
 
     with pytest.raises(UnsafeCheckpointError, match="io.open"):
         load(path)
-    for io in (UringCheckpointIO(), UringCheckpointIO(async_save=True)):
+    for io in (UringCheckpointIO(), AsyncUringCheckpointIO()):
         with pytest.raises(UnsafeCheckpointError, match="io.open"):
             io.load_checkpoint(path)  # Lightning passes weights_only=None: the safe default applies
         with pytest.raises(UnsafeCheckpointError):
@@ -411,7 +411,7 @@ def test_fabric_load_refuses_payload(tmp_path):
 
     marker = tmp_path / "pwned"
     save({"model": {"weight": torch.ones(2, 2)}, "evil": _Planted(str(marker))}, tmp_path / "f.ckpt")
-    fabric = Fabric(plugins=[UringCheckpointIO(async_save=True)], accelerator="cpu", devices=1)
+    fabric = Fabric(plugins=[AsyncUringCheckpointIO()], accelerator="cpu", devices=1)
     with pytest.raises(UnsafeCheckpointError):
         fabric.load(tmp_path / "f.ckpt")
     assert not marker.exists()
@@ -423,7 +423,7 @@ def test_async_saves_write_the_format_of_synchronous_ones(tmp_path):
     ``torch.load(weights_only=True)`` both read back equal. (The files are not byte-identical: a record's
     file offset follows the address of the memory it was written from.)"""
     state = {"w": torch.arange(3_000_000, dtype=torch.float32), "b": torch.ones(10), "meta": {"k": 3}}
-    sync_io, async_io = UringCheckpointIO(), UringCheckpointIO(async_save=True)
+    sync_io, async_io = UringCheckpointIO(), AsyncUringCheckpointIO()
     try:
         sync_io.save_checkpoint(state, tmp_path / "sync.ckpt")
         async_io.save_checkpoint(state, tmp_path / "async.ckpt")

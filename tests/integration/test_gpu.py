@@ -56,12 +56,12 @@ def test_nccl_kill_matches_failure_free_run(tmp_path):
 @pytest.mark.skipif(
     not torch.cuda.is_available(), reason="not tested: checkpoints of CUDA tensors, because no CUDA GPU"
 )
-@pytest.mark.parametrize("async_save", [False, True])
-def test_checkpoint_io_round_trips_cuda_tensors(tmp_path, async_save):
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_checkpoint_io_round_trips_cuda_tensors(tmp_path, asynchronous):
     """``UringCheckpointIO`` saves CUDA tensors (float32, bf16, a view, an int tensor) through its host
     staging; the file is a torch.save archive that stock ``torch.load`` reads; the plugin loads it back
     bitwise, onto the device ``map_location`` names."""
-    from lightning_recover import UringCheckpointIO
+    from lightning_recover import AsyncUringCheckpointIO, UringCheckpointIO
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -73,7 +73,7 @@ def test_checkpoint_io_round_trips_cuda_tensors(tmp_path, async_save):
         "step": torch.tensor(12, device=dev),
         "meta": {"epoch": 3},
     }
-    io = UringCheckpointIO(async_save=async_save)
+    io = AsyncUringCheckpointIO() if asynchronous else UringCheckpointIO()
     path = tmp_path / "gpu.ckpt"
     io.save_checkpoint(state, path)
     io.teardown()  # async: waits until the save is durable

@@ -5,10 +5,10 @@ Every test runs once per default IO (``MODES``):
 * ``stock``: Lightning's own ``TorchCheckpointIO`` (no plugin passed: the real default). The baseline: every
   assertion below holds for it.
 * ``sync``: ``UringCheckpointIO()``.
-* ``async``: ``UringCheckpointIO(async_save=True)`` with its default ``eager_bytes`` (1 MiB). The plugin's async
-  mode *is* its lazy-snapshot mode; with these tiny models every tensor is below ``eager_bytes``, so it is copied
-  inside ``save_checkpoint`` and only the write is in the background.
-* ``lazy``: ``UringCheckpointIO(async_save=True, eager_bytes=0)``: every tensor is only referenced at save time
+* ``async``: ``AsyncUringCheckpointIO()`` (wrapping a ``UringCheckpointIO()``) with its default ``eager_bytes``
+  (1 MiB). The wrapper's saves *are* lazy snapshots; with these tiny models every tensor is below ``eager_bytes``, so
+  it is copied inside ``save_checkpoint`` and only the write is in the background.
+* ``lazy``: ``AsyncUringCheckpointIO(eager_bytes=0)``: every tensor is only referenced at save time
   and copied later by the background copier (what large tensors get in ``async``), so the snapshot really is
   lazy here.
 
@@ -47,7 +47,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_recover.checkpoint import AsyncCheckpointError
 from lightning_recover.checkpoint.file import async_io
 from lightning_recover.checkpoint.file.torch_zip import PlanWriter
-from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
+from lightning_recover.lightning.checkpoint_io import AsyncUringCheckpointIO, UringCheckpointIO
 from tests.jobs import bounded
 
 # Lightning Trainer fits (149 of them): the slow suite (make test), not the edit loop (make test-fast)
@@ -64,9 +64,9 @@ def make_io(mode: str):
     if mode == "sync":
         return UringCheckpointIO()
     if mode == "async":
-        return UringCheckpointIO(async_save=True)
+        return AsyncUringCheckpointIO()
     if mode == "lazy":
-        return UringCheckpointIO(async_save=True, eager_bytes=0)
+        return AsyncUringCheckpointIO(eager_bytes=0)
     raise ValueError(mode)
 
 
@@ -613,8 +613,10 @@ def test_memory_fsspec_paths(tmp_path, mode, monkeypatch):
 
 
 def _config(io):
+    if isinstance(io, AsyncUringCheckpointIO):
+        return (type(io), io.eager_bytes, io.max_pending_bytes, io.flush_bytes_per_s, *_config(io.checkpoint_io))
     if isinstance(io, UringCheckpointIO):
-        return (type(io), io.async_save, io.eager_bytes, io.max_pending_bytes, io.weights_only, io.verify)
+        return (type(io), io.new_engine().kwargs, io.weights_only, io.verify)
     return (type(io),)
 
 

@@ -189,9 +189,9 @@ def test_zip64_records(tmp_path, monkeypatch):
 
 
 def test_async_save_writes_format_2(tmp_path):
-    from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
+    from lightning_recover.lightning.checkpoint_io import AsyncUringCheckpointIO
 
-    io = UringCheckpointIO(async_save=True, max_pending_bytes=1 << 20)  # the 2 MiB tensor goes in chunks
+    io = AsyncUringCheckpointIO(max_pending_bytes=1 << 20)  # the 2 MiB tensor goes in chunks
     ck = _state()
     io.save_checkpoint(ck, tmp_path / "a.ckpt")
     io.teardown()

@@ -22,7 +22,7 @@ from lightning_recover.checkpoint.file.record_diagnosis import (
     explain_wrong_crc,
 )
 from lightning_recover.checkpoint.tools import EXIT_DAMAGED, EXIT_RECORD_WRONG, inspect_main
-from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
+from lightning_recover.lightning.checkpoint_io import AsyncUringCheckpointIO
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -84,7 +84,7 @@ def state():
 def test_inspect_tells_a_wrong_record_over_intact_data_from_damage(tmp_path, monkeypatch, capsys, state, duplicated):
     path = tmp_path / "async.ckpt"
     monkeypatch.setattr(async_io, "crc32c_combine", _faulty_combine(duplicated))
-    io = UringCheckpointIO(async_save=True)
+    io = AsyncUringCheckpointIO()
     try:
         io.save_checkpoint(state, path)
         io.wait_until_durable()
@@ -122,7 +122,7 @@ def test_inspect_tells_a_wrong_record_over_intact_data_from_damage(tmp_path, mon
 
 def test_a_correct_async_save_is_not_reported(tmp_path, capsys, state):
     path = tmp_path / "ok.ckpt"
-    io = UringCheckpointIO(async_save=True)
+    io = AsyncUringCheckpointIO()
     try:
         io.save_checkpoint(state, path)
         io.wait_until_durable()

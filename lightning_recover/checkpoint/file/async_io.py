@@ -406,7 +406,7 @@ def _drain_at_exit() -> None:  # pragma: no cover - runs in a subprocess: test_i
 
 
 class AsyncSaver(snapshot_guard.Snapshotter):
-    """Background saver used by ``UringCheckpointIO(async_save=True)`` (one per plugin).
+    """Background saver used by ``AsyncUringCheckpointIO`` (one per plugin).
 
     Args:
         engine: an ``EngineHandle`` (``engine.py``) used only by the flusher.
