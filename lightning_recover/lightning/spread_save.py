@@ -97,9 +97,7 @@ def save_over_live_replicas(
             return
         stale.append(token)
         lost = sorted(set(live) - set(done))
-        if (
-            protocol_replica.replica == min(done) and protocol_replica.inner == 0
-        ):  # Replica.say stays silent while the
+        if protocol_replica.replica == min(done) and protocol_replica.inner == 0:  # Replica.say stays silent while the
             # generation's lowest member is the one lost (the save does not form a new generation)
             print(
                 f"[lightning-recover] replica(s) {lost} writing {path} were lost before the checkpoint was "

@@ -50,9 +50,7 @@ class Regressor(L.LightningModule):
         if self.net is None:
             _, self.net = data_and_model("float64")  # the same initial weights as the reference
             protocol_replica = self.trainer.strategy.protocol_replica
-            with open(
-                os.path.join(self.out, f"pid.r{protocol_replica.replica}.i{protocol_replica.inner}"), "w"
-            ) as f:
+            with open(os.path.join(self.out, f"pid.r{protocol_replica.replica}.i{protocol_replica.inner}"), "w") as f:
                 f.write(str(os.getpid()))
 
     def training_step(self, batch, batch_idx):
