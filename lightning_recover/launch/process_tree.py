@@ -112,6 +112,33 @@ def is_stopped(pid: int) -> bool:
     return fields is not None and fields[0] in ("T", "t")
 
 
+def children_of(pid: int) -> list[int]:
+    """The child pids of ``pid`` ([] once it is gone): from its threads' ``/proc/PID/task/TID/children``, a few reads
+    instead of a scan of every process (a launcher looks at its agents' workers often), or from that scan where the
+    kernel has no such files (built without CONFIG_PROC_CHILDREN)."""
+    found = _children_from_tasks(pid)
+    return found if found is not None else children_map().get(pid, [])
+
+
+def _children_from_tasks(pid: int) -> list[int] | None:
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    children: list[int] = []
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                children += [int(c) for c in f.read().split()]
+        except FileNotFoundError:
+            if not os.path.exists(f"/proc/{pid}/task/{tid}"):
+                continue  # the thread ended between the listing and the read
+            return None
+        except OSError:
+            continue
+    return children
+
+
 def children_map() -> dict[int, list[int]]:
     """Parent pid -> child pids, read from /proc."""
     children: dict[int, list[int]] = {}

@@ -62,7 +62,7 @@ from lightning_recover.launch import coordinator_process
 from lightning_recover.launch.fork_server import DEFAULT_PRELOAD, Process, ProcessStarter
 from lightning_recover.launch.job_dir import JobDir
 from lightning_recover.launch.process_tree import (
-    children_map,
+    children_of,
     describe_exit,
     is_stopped,
     kill_tree,
@@ -301,11 +301,11 @@ class _WorkerWatch:
         if time.monotonic() < self._next:
             return []
         self._next = time.monotonic() + 0.05
-        tree, now_t = children_map(), time.monotonic()
+        now_t = time.monotonic()
         out = []
         for c in group:
             seen = self.first_seen.setdefault(c.replica, {})
-            now = set(tree.get(c.proc.pid, [])) if not c.done else set()
+            now = set(children_of(c.proc.pid)) if not c.done else set()
             lost = [pid for pid, t in seen.items() if pid not in now and now_t - t >= 1.0]
             for pid in set(seen) - now:
                 del seen[pid]
@@ -636,7 +636,7 @@ class _Replacing:
                 c.declared_at = now_t
             elif now_t - c.declared_at > self.lost_after:
                 # Under a torchrun agent: end the worker (the agent restarts it or fails), not the agent.
-                pids = children_map().get(c.proc.pid, []) if self.watch_workers else [c.proc.pid]
+                pids = children_of(c.proc.pid) if self.watch_workers else [c.proc.pid]
                 for pid in pids:
                     kill_tree(pid)
                 c.handled, c.declared_at = declared, None

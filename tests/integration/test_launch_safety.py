@@ -22,7 +22,7 @@ import pytest
 
 from lightning_recover import cli, env
 from lightning_recover.launch import coordinator_process, supervisor
-from lightning_recover.launch.process_tree import proc_stat
+from lightning_recover.launch.process_tree import children_map, children_of, proc_stat
 from lightning_recover.protocol.coordinator import Coordinator
 from lightning_recover.protocol.faults import Fault, FaultInjector, parse_faults
 from lightning_recover.protocol.messages import JobSecret
@@ -512,3 +512,34 @@ def test_fault_injector_reports_faults_that_never_fired():
     assert inj.unfired() == [Fault("raise", 0, 999, "backward")]
     with pytest.raises(ValueError, match="step=999.*never fired.*HINT: name a step <= 3"):
         inj.check_all_fired(last_step=3)
+
+
+# ---------------------------------------------------------------------------- torchrun agents' workers
+def test_children_of_finds_the_children_every_thread_started_and_none_once_gone():
+    """A torchrun agent may start its worker from any thread: the children of every thread are found, as a scan of
+    every process finds them; a process that is gone has none."""
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, threading\n"
+            "procs = [subprocess.Popen(['sleep', '60'])]\n"
+            "t = threading.Thread(target=lambda: procs.append(subprocess.Popen(['sleep', '60'])))\n"
+            "t.start(); t.join()\n"
+            "print(' '.join(str(p.pid) for p in procs), flush=True)\n"
+            "sys.stdin.read()\n",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        started = sorted(int(pid) for pid in parent.stdout.readline().split())
+        assert len(started) == 2
+        assert sorted(children_of(parent.pid)) == sorted(children_map()[parent.pid]) == started
+    finally:
+        for pid in children_of(parent.pid):
+            os.kill(pid, signal.SIGKILL)
+        parent.kill()
+        parent.wait()
+    assert children_of(parent.pid) == []

@@ -11,7 +11,6 @@ job resumes from one. The fast tests cover what is refused and the checkpoint st
 from __future__ import annotations
 
 import glob
-import importlib.util
 import os
 import sys
 from types import SimpleNamespace
@@ -24,31 +23,12 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_recover import RecoverTrainerStrategy, env
 from lightning_recover.lightning.sharding_config import ShardingConfig
 from lightning_recover.lightning.step_logs import StepLogCapture
+from tests.integration import test_sharded
 from tests.integration.test_sharded import STEPS, check
 from tests.jobs import ROOT, join_request, run_gated_job, run_job
 
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "sharded_trainer_train.py")
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """sharded_train.py --reference, in this process (no interpreter start-up): {M: state}."""
-    spec = importlib.util.spec_from_file_location(
-        "sharded_train", os.path.join(ROOT, "tests", "scripts", "sharded_train.py")
-    )
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    cache: dict[tuple[int, int], dict] = {}
-
-    def get(microbatches: int, steps: int = STEPS) -> dict:
-        if (microbatches, steps) not in cache:
-            out = str(tmp_path_factory.mktemp(f"ref{microbatches}_{steps}"))
-            args = SimpleNamespace(out=out, steps=steps, microbatches=microbatches, batch_size=4, dtype="float64")
-            script.reference(args)
-            cache[microbatches, steps] = torch.load(os.path.join(out, "reference.pt"))["state"]
-        return cache[microbatches, steps]
-
-    return get
+reference = test_sharded.reference  # the same failure-free reference fixture
 
 
 def trainer_job(
@@ -120,7 +100,7 @@ def test_trainer_two_replicas_of_two_failure_free(tmp_path, reference):
     assert info["verified"] and info["files"] == 4
     assert trainer_checkpoint_metadata(ckpt)["global_step"] == SAVE_AT
     assert trainer_checkpoint_metadata(os.path.join(latest, "last.ckpt"))["global_step"] == STEPS
-    at_save = reference(8, SAVE_AT)
+    at_save = reference(8, steps=SAVE_AT)
     assert not dist.is_initialized()
     full = {"state_dict": {f"net.{k}": torch.empty_like(v) for k, v in at_save.items()}}
     dcp.load(full, storage_reader=FileSystemReader(ckpt))
@@ -151,7 +131,7 @@ def test_trainer_replica_of_two_is_lost_and_rejoins(tmp_path, reference):
     extra = ("--restarts", "1", "--hold", f"2:{gate}")
     out = str(tmp_path / "job")
     result, pids = trainer_job(out, 3, 10, "fsdp", inject=inject, steps=REJOIN_STEPS, extra=extra, gate=(gate, 1))
-    states = check(result, pids, reference(10, REJOIN_STEPS), survivors=[0, 1, 2], replicas=3, steps=REJOIN_STEPS)
+    states = check(result, pids, reference(10, steps=REJOIN_STEPS), survivors=[0, 1, 2], replicas=3, steps=REJOIN_STEPS)
     assert "restarting replica 1 (1/1)" in result.output
     survivor, rejoined = states[0]["stats"], states[1]["stats"]
     assert survivor[1]["live_replicas"] == 2 and survivor[1]["recoveries"] == 1
