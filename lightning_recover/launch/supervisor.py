@@ -115,6 +115,7 @@ class _Link:
         self._requests: queue.Queue = queue.Queue()
         self.last_ok = time.monotonic()
         self.error: BaseException | None = None
+        self.asking: tuple[str, float] | None = None  # the request waiting for its answer, and since when
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="lr-coordinator-probe", daemon=True)
         self._thread.start()
@@ -137,11 +138,14 @@ class _Link:
                 return
             try:
                 if item is None:
+                    self.asking = ("probe", time.monotonic())
                     self._store.check(["meta/replicas"])
                 else:
                     fn, box, done = item
+                    self.asking = (getattr(fn, "__name__", "request"), time.monotonic())
                     box.append(fn(self._store))
                     done.set()
+                self.asking = None
                 self.last_ok = time.monotonic()
             except Exception as exc:  # a reset connection: the coordinator died
                 self.error = exc
@@ -177,6 +181,14 @@ class _Link:
 
     def silent_for(self) -> float:
         return float("inf") if self.error is not None else time.monotonic() - self.last_ok
+
+    def describe_silence(self) -> str:
+        """What the link was doing while the coordinator was silent: a request still unanswered, or none sent (the
+        link's thread did not run)."""
+        asking = self.asking
+        if asking is None:
+            return "no request of the launcher was waiting (its link's thread did not run)"
+        return f"the launcher's {asking[0]} request waited {time.monotonic() - asking[1]:.1f}s for its answer"
 
 
 def _replica_preexec(launcher_pid: int) -> Callable[[], None]:
@@ -851,7 +863,8 @@ class Supervisor(_Replacing):
                 raise _CoordinatorLost(self.coord.exited())
             if self.link.silent_for() > self.lost_after:
                 raise _CoordinatorLost(
-                    f"it stopped answering for more than {self.lost_after:g}s (frozen or unreachable)"
+                    f"it stopped answering for more than {self.lost_after:g}s (frozen or unreachable; "
+                    f"{self.link.describe_silence()})"
                     if self.link.error is None
                     else f"the connection failed ({self.link.error})"
                 )

@@ -287,12 +287,17 @@ def _replica_env(addr: str, secret_file: str, r: int, extra: dict[str, str] | No
     return out
 
 
+# Nobody dies in the grow tests (the leaves are graceful): a timeout no healthy replica misses on a loaded host,
+# where four replicas start beside two running ones.
+GROW_HEARTBEAT_TIMEOUT = 2.0
+
+
 def _grow_args(out: str, gate: str) -> list[str]:
     """devices=MAX (4); steps 0-1 with 2 replicas; before step 2 the members wait for the newcomers to ask to
     join, before step 4 for the leave request to arrive."""
     holds = f"2:{gate}.grow,4:{gate}.shrink"
     args = [sys.executable, FABRIC_SCRIPT, out, "--replicas", "4", "--steps", "7", "--microbatches", "8"]
-    return args + ["--heartbeat-timeout", "0.5", "--hold", holds, *EXACT]
+    return args + ["--heartbeat-timeout", str(GROW_HEARTBEAT_TIMEOUT), "--hold", holds, *EXACT]
 
 
 def _check_grown_and_shrunk(out: str, logs: dict[int, str]) -> None:
@@ -321,7 +326,7 @@ def test_job_grows_from_two_to_four_and_shrinks_back_embedded(tmp_path):
     gate = str(tmp_path / "gate")
     secret = JobSecret.generate()
     secret_file = secret.write_file(str(tmp_path))
-    coord = coordinator_process.start(4, 0.5, secret_file=secret_file)
+    coord = coordinator_process.start(4, GROW_HEARTBEAT_TIMEOUT, secret_file=secret_file)
     procs: dict[int, subprocess.Popen] = {}
     logs = {r: os.path.join(out, f"r{r}.log") for r in range(4)}
 
@@ -384,7 +389,8 @@ def test_job_grows_from_two_to_four_and_shrinks_back_on_etcd(tmp_path, etcd3):
     job = f"grow-{os.getpid()}-{time.monotonic_ns()}"
     # The launchers of one job share its secret (never in etcd), and so does the operator's leave request.
     plane_env = dict(etcd3.environment(), LIGHTNING_RECOVER_SECRET_FILE=JobSecret.generate().write_file(str(tmp_path)))
-    base = [sys.executable, "-m", "lightning_recover.cli", "run", "--replicas", "2:4", "--heartbeat-timeout", "0.5"]
+    base = [sys.executable, "-m", "lightning_recover.cli", "run", "--replicas", "2:4"]
+    base += ["--heartbeat-timeout", str(GROW_HEARTBEAT_TIMEOUT)]
     base += ["--job", job]
     script = ["--", *_grow_args(out, gate)]
     a, log_a = start_job(base + script, str(tmp_path / "a"), plane_env)
