@@ -113,11 +113,22 @@ def is_stopped(pid: int) -> bool:
 
 
 def children_of(pid: int) -> list[int]:
-    """The child pids of ``pid`` ([] once it is gone): from its threads' ``/proc/PID/task/TID/children``, a few reads
-    instead of a scan of every process (a launcher looks at its agents' workers often), or from that scan where the
-    kernel has no such files (built without CONFIG_PROC_CHILDREN)."""
-    found = _children_from_tasks(pid)
-    return found if found is not None else children_map().get(pid, [])
+    """The child pids of ``pid`` ([] once it is gone); see :func:`children_of_each`."""
+    return children_of_each([pid])[pid]
+
+
+def children_of_each(pids: list[int]) -> dict[int, list[int]]:
+    """Each pid's child pids ([] once it is gone): from its threads' ``/proc/PID/task/TID/children``, a few reads
+    instead of a scan of every process (a launcher looks at its agents' workers often), or from one such scan for
+    them all where the kernel has no such files (built without CONFIG_PROC_CHILDREN)."""
+    out: dict[int, list[int]] = {}
+    for pid in pids:
+        found = _children_from_tasks(pid)
+        if found is None:
+            tree = children_map()
+            return {p: tree.get(p, []) for p in pids}
+        out[pid] = found
+    return out
 
 
 def _children_from_tasks(pid: int) -> list[int] | None:

@@ -63,6 +63,7 @@ from lightning_recover.launch.fork_server import DEFAULT_PRELOAD, Process, Proce
 from lightning_recover.launch.job_dir import JobDir
 from lightning_recover.launch.process_tree import (
     children_of,
+    children_of_each,
     describe_exit,
     is_stopped,
     kill_tree,
@@ -314,10 +315,11 @@ class _WorkerWatch:
             return []
         self._next = time.monotonic() + 0.05
         now_t = time.monotonic()
+        children = children_of_each([c.proc.pid for c in group if not c.done])
         out = []
         for c in group:
             seen = self.first_seen.setdefault(c.replica, {})
-            now = set(children_of(c.proc.pid)) if not c.done else set()
+            now = set(children[c.proc.pid]) if not c.done else set()
             lost = [pid for pid, t in seen.items() if pid not in now and now_t - t >= 1.0]
             for pid in set(seen) - now:
                 del seen[pid]

@@ -507,26 +507,25 @@ def test_status_page_follows_the_monitor_role_on_etcd(etcd3, tmp_path):
         code, text = get(url_b + "status")
         assert code == 503 and "does not hold the job's monitor role" in text and "launcher" in text, text
         assert json.loads(get(url_a + "status")[1])["live_replicas"] == 3
-        role_key = (
-            config.with_job(config.parse(etcd3.url, environ=etcd3.environment()), job).prefix + "monitor"
-        ).encode()
-        client = config.parse(etcd3.url, environ=etcd3.environment()).client()
-        held_by = client.get(role_key)[0]
-        assert held_by and b"(replicas [0])" in held_by, held_by
-        os.kill(a.pid, signal.SIGKILL)  # the launcher; its replica dies with it (parent-death signal)
-        killed = time.monotonic()
-        # A slow takeover split in parts: when etcd deleted the holder's key (its lease expired), when b's log
-        # said it took the role, when b's page served.
-        seen: dict[str, float] = {}
-
-        def served() -> bool:
-            if "key deleted" not in seen and client.get(role_key)[0] != held_by:
-                seen["key deleted"] = time.monotonic() - killed
-            if "role taken" not in seen and "monitor role taken by launcher" in open(log_b).read():
-                seen["role taken"] = time.monotonic() - killed
-            return get(url_b + "status")[0] == 200
-
+        settings = config.with_job(config.parse(etcd3.url, environ=etcd3.environment()), job)
+        role_key = (settings.prefix + "monitor").encode()
+        client = settings.client()
         try:
+            held_by = client.get(role_key)[0]
+            assert held_by and b"(replicas [0])" in held_by, held_by
+            os.kill(a.pid, signal.SIGKILL)  # the launcher; its replica dies with it (parent-death signal)
+            killed = time.monotonic()
+            # A slow takeover split in parts: when etcd deleted the holder's key (its lease expired), when b's log
+            # said it took the role, when b's page served.
+            seen: dict[str, float] = {}
+
+            def served() -> bool:
+                if "key deleted" not in seen and client.get(role_key)[0] != held_by:
+                    seen["key deleted"] = time.monotonic() - killed
+                if "role taken" not in seen and "monitor role taken by launcher" in open(log_b).read():
+                    seen["role taken"] = time.monotonic() - killed
+                return get(url_b + "status")[0] == 200
+
             assert wait_for(served, DEFAULT_LEASE_TTL + 10, interval=0.05), open(log_b).read()
         finally:
             client.close()
