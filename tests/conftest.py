@@ -92,3 +92,20 @@ def _restore_deterministic_mode():
     if (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) != before:
         # only when changed: the setter imports torch._inductor.config (~1.5 s, once per run)
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+@pytest.fixture(autouse=True)
+def _remove_handlers_on_captured_streams():
+    """A test that runs the CLI in-process gets the package's stderr handler (``configure_logging``) bound to
+    pytest's captured stream, closed once the test ends: a later test's log line would fail to print
+    ("I/O operation on closed file") and be lost. The handlers and level are put back as they were."""
+    import logging
+
+    from lightning_recover.observe.logs import ROOT
+
+    root = logging.getLogger(ROOT)
+    before = list(root.handlers), root.level
+    yield
+    for handler in [h for h in root.handlers if h not in before[0]]:
+        root.removeHandler(handler)
+    root.setLevel(before[1])

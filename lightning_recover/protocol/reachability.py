@@ -163,6 +163,18 @@ def partition_verdict(alive: Iterable[int], cut: Mapping[int, Iterable[int]]) ->
     return keep, fenced
 
 
+def cut_evidence(reports: Mapping[int, Mapping], fenced: int, kept: Iterable[int]) -> list[str]:
+    """What the members' reports say about each cut link between ``fenced`` and the ``kept`` members, one line per
+    end that reported it (``"replica 0 -> 1: connect to ... timed out after 0.5s"``): the operator's evidence."""
+    lines = []
+    for s in kept:
+        for a, b in ((s, fenced), (fenced, s)):
+            report = reports.get(a, {})
+            if b in report.get(CUT, []):
+                lines.append(f"replica {a} -> {b}: {(report.get('why') or {}).get(str(b), 'cut')}")
+    return lines
+
+
 # ---------------------------------------------------------------------------- the probe
 
 
@@ -228,25 +240,30 @@ class ProbeServer:
         self._sock.close()
 
 
-def probe(host: str, port: int, secret: JobSecret, replica: int, incarnation: int, timeout: float) -> str:
+def probe(host: str, port: int, secret: JobSecret, replica: int, incarnation: int, timeout: float) -> tuple[str, str]:
     """Whether the server at ``host:port`` proved, within ``timeout``, that it is ``replica``'s incarnation
     ``incarnation`` of this job (it knows the job's secret and answered our fresh nonce): :data:`REACHED`;
     :data:`CUT` when no connection was made or the answer is not the peer's; :data:`NO_ANSWER` when the
-    connection was made (both directions carry packets) but no answer came in time."""
+    connection was made (both directions carry packets) but no answer came in time. Returns the outcome and, for
+    any but :data:`REACHED`, what happened (the operator's evidence: "connection refused", "connect timed out")."""
     nonce = secrets.token_bytes(_NONCE)
     deadline = time.monotonic() + timeout
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
-    except OSError:
-        return CUT
+    except TimeoutError:
+        return CUT, f"connect to {host}:{port} timed out after {timeout:g}s"
+    except OSError as exc:
+        return CUT, f"connect to {host}:{port}: {exc.strerror or exc}"
     with sock:
         try:
             sock.settimeout(max(0.01, deadline - time.monotonic()))
             sock.sendall(_HELLO + nonce)
             got = _recv_exactly(sock, 32)
-        except OSError:  # a timeout, or the peer closed the connection unanswered (it is ending, or flooded)
-            return NO_ANSWER
-    return REACHED if hmac.compare_digest(got, _answer(secret.key, nonce, replica, incarnation)) else CUT
+        except OSError as exc:  # a timeout, or the peer closed the connection unanswered (it is ending, or flooded)
+            return NO_ANSWER, f"connected to {host}:{port}, no answer ({exc.strerror or exc or 'timed out'})"
+    if hmac.compare_digest(got, _answer(secret.key, nonce, replica, incarnation)):
+        return REACHED, ""
+    return CUT, f"{host}:{port} answered, but not as this job's replica {replica} (incarnation {incarnation})"
 
 
 def data_address(coordinator_addr: str) -> str:
@@ -359,7 +376,8 @@ class ReachabilityResponder:
         outcomes = reach(self._store, others, members, float(round_.get("probe_timeout", 1.0)))
         report = {
             "inc": self.incarnation,
-            **{kind: sorted(r for r, o in outcomes.items() if o == kind) for kind in (REACHED, CUT)},
+            **{kind: sorted(r for r, (o, _) in outcomes.items() if o == kind) for kind in (REACHED, CUT)},
+            "why": {str(r): why for r, (o, why) in outcomes.items() if o == CUT},
         }
         self._store.set(f"reach/{n}/{self.replica}", json.dumps(report))
         return n
@@ -414,10 +432,11 @@ def fence_reason(store: ControlStore, replica: int, incarnation: int, number: in
     mine = verdict.get("fenced", {}).get(str(replica))
     if mine is None or verdict.get("members", {}).get(str(replica)) != incarnation:
         return None
+    evidence = "; ".join(mine.get("evidence") or [])
     return (
         f"has no two-way connection with replicas {mine['unreachable']} over the data network (a network "
-        f"partition) while replicas {verdict['keep']} reach each other; it was fenced and stops, the other "
-        "replicas continue without it. HINT: check the network between this host and its peers (firewall rules, "
+        f"partition{': ' + evidence if evidence else ''}) while replicas {verdict['keep']} reach each other; it was "
+        "fenced and stops, the other replicas continue without it. HINT: check the network between this host and its peers (firewall rules, "
         "NIC, GLOO_SOCKET_IFNAME); restarted by its launcher or torchrun agent, it rejoins once it reaches them."
     )
 
@@ -435,11 +454,11 @@ def probe_targets(store: ControlStore, replicas: Sequence[int], incarnations: Ma
 
 def reach(
     store: ControlStore, others: Sequence[int], incarnations: Mapping[int, int], timeout: float
-) -> dict[int, str]:
-    """Each of ``others``' probe outcome (:func:`probe`), probed in parallel; :data:`CUT` for a replica whose
-    given incarnation published no probe server (``reach/addr/{r}``): nothing can reach it."""
+) -> dict[int, tuple[str, str]]:
+    """Each of ``others``' probe outcome and what happened (:func:`probe`), probed in parallel; :data:`CUT` for a
+    replica whose given incarnation published no probe server (``reach/addr/{r}``): nothing can reach it."""
     targets = probe_targets(store, others, incarnations)
-    outcomes = {r: CUT for r in others if r not in targets}
+    outcomes = {r: (CUT, "it published no probe server") for r in others if r not in targets}
     if targets:
         with ThreadPoolExecutor(max_workers=min(32, len(targets)), thread_name_prefix="lr-probe") as pool:
             done = {
@@ -463,7 +482,7 @@ def wait_until_reachable(
         deaths = store.deaths(others)
         live = {r: inc for r, inc in incs.items() if inc > deaths[r]}
         targets = sorted(probe_targets(store, sorted(live), live))
-        missing = sorted(r for r, outcome in reach(store, targets, live, timeout).items() if outcome != REACHED)
+        missing = sorted(r for r, (outcome, _) in reach(store, targets, live, timeout).items() if outcome != REACHED)
         if not missing:
             return
         if missing != said:
@@ -564,7 +583,9 @@ class PartitionJudge:
         body = json.dumps(
             {
                 "keep": keep,
-                "fenced": {str(r): {"unreachable": u} for r, u in fenced.items()},
+                "fenced": {
+                    str(r): {"unreachable": u, "evidence": cut_evidence(reports, r, u)} for r, u in fenced.items()
+                },
                 "members": {str(r): inc for r, inc in members.items()},
             }
         )
@@ -584,6 +605,7 @@ class PartitionJudge:
                 self._log(
                     f"[coordinator] replica {r} (incarnation {inc}) has no two-way connection with replicas "
                     f"{fenced[r]} while replicas {keep} reach each other "
-                    f"(network partition, round {number}, {now - opened:.2f}s after probing began): declared dead"
+                    f"(network partition, round {number}, {now - opened:.2f}s after probing began; "
+                    f"{'; '.join(cut_evidence(reports, r, fenced[r]))}): declared dead"
                 )
         return sorted(fenced)

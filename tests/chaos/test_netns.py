@@ -221,6 +221,9 @@ def test_asymmetric_partition_excludes_the_cut_off_replica(tmp_path):
         next_commit = _next_commit_after(job, 0, count, 30)
         assert wait_until(lambda: "waits to rejoin until it reaches replicas [0, 1]" in job.log("h2"), 120), job.dump()
         assert "replica 2 has no two-way connection with replicas [0, 1]" in job.log("h2")
+        assert "replica 0 -> 2: connect to " in job.log("h2") and "timed out after" in job.log(
+            "h2"
+        ), "dropped: no answer"
         time.sleep(1.0)  # the restarted replica keeps waiting, the others keep committing meanwhile
         before_heal = job.applied(0)
         hosts.rejoin("h2")

@@ -34,18 +34,29 @@ def test_probe_is_authenticated_and_bounded():
     secret = JobSecret.generate()
     server = ProbeServer("127.0.0.1", secret, replica=3, incarnation=2)
     try:
-        assert probe("127.0.0.1", server.port, secret, 3, 2, timeout=2.0) == REACHED
-        assert probe("127.0.0.1", server.port, JobSecret.generate(), 3, 2, timeout=2.0) == CUT, "another job's key"
-        assert probe("127.0.0.1", server.port, secret, 3, 1, timeout=2.0) == CUT, "an older incarnation"
-        assert probe("127.0.0.1", server.port, secret, 4, 2, timeout=2.0) == CUT, "another replica"
+        assert probe("127.0.0.1", server.port, secret, 3, 2, timeout=2.0) == (REACHED, "")
+        for other, why in [
+            ((JobSecret.generate(), 3, 2), "another job's key"),
+            ((secret, 3, 1), "an older incarnation"),
+            ((secret, 4, 2), "another replica"),
+        ]:
+            outcome, said = probe("127.0.0.1", server.port, *other, timeout=2.0)
+            assert (outcome, said.split(", ")[-1]) == (
+                CUT,
+                f"but not as this job's replica {other[1]} (incarnation {other[2]})",
+            ), why
     finally:
         server.close()
-    assert probe("127.0.0.1", server.port, secret, 3, 2, timeout=2.0) == CUT, "nobody listens any more"
+    outcome, said = probe("127.0.0.1", server.port, secret, 3, 2, timeout=2.0)
+    assert (
+        outcome == CUT and said == f"connect to 127.0.0.1:{server.port}: Connection refused"
+    ), "nobody listens any more"
     with socket.socket() as silent:  # accepts connections (the kernel does) but never answers: a frozen peer
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)
         start = time.monotonic()
-        assert probe("127.0.0.1", silent.getsockname()[1], secret, 3, 2, timeout=0.3) == NO_ANSWER
+        outcome, said = probe("127.0.0.1", silent.getsockname()[1], secret, 3, 2, timeout=0.3)
+        assert outcome == NO_ANSWER and said.startswith("connected to 127.0.0.1:"), said
         assert time.monotonic() - start < 0.3 + 0.2
 
 
@@ -106,8 +117,15 @@ def test_judge_fences_the_member_its_peers_cannot_reach(coordinator, monkeypatch
             assert store.deaths([0, 1, 2]) == {0: 0, 1: 0, 2: replicas[2][1]}, f"after {took:.2f}s"
             assert took >= HEARTBEAT_TIMEOUT, "not before the group waited suspect_after"
             verdict = json.loads(store.get("reach/1/verdict"))
-            assert verdict["keep"] == [0, 1] and verdict["fenced"] == {"2": {"unreachable": [0, 1]}}
-            assert "has no two-way connection with replicas [0, 1]" in fence_reason(store, 2, replicas[2][1])
+            refused = f"connect to 127.0.0.1:{closed.getsockname()[1]}: Connection refused"
+            evidence = [f"replica 0 -> 2: {refused}", f"replica 1 -> 2: {refused}"]
+            assert verdict["keep"] == [0, 1]
+            assert verdict["fenced"] == {"2": {"unreachable": [0, 1], "evidence": evidence}}
+            reason = fence_reason(store, 2, replicas[2][1])
+            assert (
+                f"has no two-way connection with replicas [0, 1] over the data network (a network partition: "
+                f"{evidence[0]}; {evidence[1]})" in reason
+            )
             assert fence_reason(store, 0, replicas[0][1]) is None
             assert store.get("declared/2") == str(replicas[2][1]), "its launcher is told to end it"
         finally:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from lightning_recover.protocol.reachability import largest_mutual_set, partition_verdict
+from lightning_recover.protocol.reachability import cut_evidence, largest_mutual_set, partition_verdict
 
 
 def _brute_force(members, reached):
@@ -99,3 +99,17 @@ def test_every_fenced_member_has_a_cut_link_with_a_kept_one():
         assert sorted(keep + list(fenced)) == members
         for r, kept in fenced.items():
             assert kept and all((r, s) in linked_cut for s in kept), (cut, keep, fenced)
+
+
+def test_cut_evidence_names_each_end_that_reported_a_cut_link_and_what_it_saw():
+    reports = {
+        0: {"cut": [2], "why": {"2": "connect to 10.0.0.3:4000 timed out after 0.5s"}},
+        1: {"cut": [], "why": {}},
+        2: {"cut": [0, 1], "why": {"0": "connect to 10.0.0.1:4000: Connection refused"}},  # no reason for 1: older
+    }
+    assert cut_evidence(reports, 2, [0, 1]) == [
+        "replica 0 -> 2: connect to 10.0.0.3:4000 timed out after 0.5s",
+        "replica 2 -> 0: connect to 10.0.0.1:4000: Connection refused",
+        "replica 2 -> 1: cut",
+    ]
+    assert cut_evidence({}, 2, [0, 1]) == [], "the fenced member's peers sent no report"
