@@ -21,8 +21,7 @@ demo: setup
 
 # The whole test suite (what CI runs), tier by tier, stopping at the first tier that fails: the C tests, the unit
 # tier (logic only, no process, under a minute), the integration tier (processes, etcd) and the chaos tier
-# (network namespaces, partitions, a Slurm cluster). Two pytest-xdist workers take a file each at a time; a test
-# marked serial (a restarted replica's rejoin that no gate can hold the job for) runs alone afterwards.
+# (network namespaces, partitions, a Slurm cluster). Two pytest-xdist workers take a file each at a time.
 test: setup test-c test-unit test-integration test-chaos
 
 test-unit: setup
@@ -32,8 +31,7 @@ test-integration: setup
 	$(PYTHON) -m pytest -q -n 2 --dist loadfile --durations=25 tests/integration
 
 test-chaos: setup
-	$(PYTHON) -m pytest -q -n 2 --dist loadfile --durations=15 -m "not serial" tests/chaos
-	$(PYTHON) -m pytest -q --durations=10 -m serial tests/chaos
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile --durations=15 tests/chaos
 
 # native_io's C tests: small programs against the engine's C core, under AddressSanitizer and UBSan.
 test-c:

@@ -35,3 +35,21 @@ def assert_same(a: dict, b: dict) -> None:
             assert torch.equal(v, b[k]), k
         else:
             assert v == b[k], k
+
+
+def checkpoint_io_config(io) -> tuple:
+    """What configures a checkpoint IO, the wrapper's settings before the wrapped IO's: a pickled or deep-copied IO
+    must compare equal to its original. Any other IO (Lightning's own) is its type alone."""
+    from lightning_recover import AsyncUringCheckpointIO, UringCheckpointIO  # here: the unit tier imports this module
+
+    if isinstance(io, AsyncUringCheckpointIO):
+        return (
+            type(io),
+            io.eager_bytes,
+            io.max_pending_bytes,
+            io.flush_bytes_per_s,
+            *checkpoint_io_config(io.checkpoint_io),
+        )
+    if isinstance(io, UringCheckpointIO):
+        return (type(io), io.new_engine().kwargs, io.weights_only, io.verify)
+    return (type(io),)

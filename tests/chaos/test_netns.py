@@ -10,6 +10,7 @@ its stated bound. Measured times are printed (and written as JSON where ``LR_NET
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -25,7 +26,7 @@ from lightning_recover.protocol.messages import JobSecret
 from lightning_recover.protocol.reachability import exclusion_bound, probe_timeout_for
 from tests.compare import SLACK, max_relative_difference
 from tests.hosts import Hosts
-from tests.jobs import ROOT
+from tests.jobs import ROOT, join_request
 from tests.jobs import wait_for as wait_until
 from tests.scripts.fabric_train import reference_state
 
@@ -146,15 +147,27 @@ def test_hosts_harness_partitions_and_cleans_up():
 STEPS, M = 40, 6
 
 
-def _three_replicas(hosts: Hosts, tmp_path) -> MultiHostJob:
+def _three_replicas(hosts: Hosts, tmp_path, gate: str = "") -> MultiHostJob:
+    """Three replicas on h0-h2. ``gate``: they hold before step ``STEPS - 2`` until that file exists (the test
+    creates it once the replica it cut off asked to rejoin: the step's commit admits it, the job cannot end first)."""
     job = MultiHostJob(hosts, str(tmp_path / "job"), replicas=3)
     job.start_coordinator()
     args = ["--replicas", "3", "--steps", str(STEPS), "--microbatches", str(M), "--dtype", "float64"]
     args += ["--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), "--work", "0.03", "--slow-while-degraded", "0.6"]
+    args += ["--hold", f"{STEPS - 2}:{gate}"] if gate else []
     for r in range(3):
         job.start_replica(r, args)
     assert wait_until(lambda: job.applied(0) >= 3, 240), job.dump()
     return job
+
+
+@contextlib.contextmanager
+def _opened_at_the_end(gate: str):
+    """Create ``gate`` when the block ends, on every path: replicas are never left holding."""
+    try:
+        yield
+    finally:
+        open(gate, "w").close()
 
 
 def _next_commit_after(job: MultiHostJob, r: int, since_count: int, timeout: float) -> float:
@@ -165,14 +178,14 @@ def _next_commit_after(job: MultiHostJob, r: int, since_count: int, timeout: flo
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.serial  # a restart races the job's end: run alone (make test)
 def test_replica_host_link_down_then_up(tmp_path):
     """Symmetric partition: replica 1's host loses its link. It is declared dead by its heartbeats
     (bound: heartbeat_timeout), the others commit on, and replica 1 stops with CoordinatorLostError
     (bound: store_timeout = max(5, 2 x heartbeat_timeout + 1) = 5 s) saying the others continue. The
     link comes back; torchrun restarts it and it rejoins mid-run with the live state."""
-    with Hosts(["coord", "h0", "h1", "h2"]) as hosts:
-        job = _three_replicas(hosts, tmp_path)
+    gate = str(tmp_path / "gate")
+    with Hosts(["coord", "h0", "h1", "h2"]) as hosts, _opened_at_the_end(gate):
+        job = _three_replicas(hosts, tmp_path, gate)
         t_cut = time.monotonic()
         hosts.cut("h1")
         assert wait_until(lambda: "replica 1 (incarnation 1) missed heartbeats" in job.log("coord"), 30), job.dump()
@@ -187,6 +200,8 @@ def test_replica_host_link_down_then_up(tmp_path):
             not in job.log("h1").split("CoordinatorLostError")[1].split("if every replica stopped")[0]
         )
         hosts.heal("h1")
+        assert wait_until(lambda: join_request(1) in job.log("h1"), 240), job.dump()
+        open(gate, "w").close()
         job.wait_finished(300)
         job.check_states(reference_state(STEPS, M, dtype="float64"), rejoined=1)
         report(
@@ -210,8 +225,9 @@ def test_asymmetric_partition_excludes_the_cut_off_replica(tmp_path):
     rejoin until it reaches its peers; the rule is removed, it rejoins, and all three finish equal
     to the failure-free run."""
     bound = exclusion_bound(HEARTBEAT_TIMEOUT, probe_timeout_for(HEARTBEAT_TIMEOUT))
-    with Hosts(["coord", "h0", "h1", "h2"]) as hosts:
-        job = _three_replicas(hosts, tmp_path)
+    gate = str(tmp_path / "gate")
+    with Hosts(["coord", "h0", "h1", "h2"]) as hosts, _opened_at_the_end(gate):
+        job = _three_replicas(hosts, tmp_path, gate)
         t_cut = time.monotonic()
         hosts.isolate("h2", ["h0", "h1"])
         fenced_line = "replica 2 (incarnation 1) has no two-way connection with replicas [0, 1]"
@@ -227,6 +243,8 @@ def test_asymmetric_partition_excludes_the_cut_off_replica(tmp_path):
         time.sleep(1.0)  # the restarted replica keeps waiting, the others keep committing meanwhile
         before_heal = job.applied(0)
         hosts.rejoin("h2")
+        assert wait_until(lambda: join_request(2) in job.log("h2"), 240), job.dump()
+        open(gate, "w").close()
         job.wait_finished(300)
         job.check_states(reference_state(STEPS, M, dtype="float64"), rejoined=2)
         assert before_heal > count, "the others committed while the partitioned replica waited"

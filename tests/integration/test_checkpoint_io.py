@@ -27,6 +27,7 @@ from lightning_recover.checkpoint import (
     save,
 )
 from lightning_recover.lightning.checkpoint_io import AsyncUringCheckpointIO, UringCheckpointIO
+from tests.compare import checkpoint_io_config
 
 
 def _state(k: int = 0, n: int = 1000) -> dict:
@@ -582,17 +583,12 @@ def test_plugin_pickle_and_deepcopy(tmp_path, wrapped):
         else base
     )
 
-    def config(p) -> tuple:
-        inner = p.checkpoint_io if wrapped else p
-        out = (type(p), type(inner), inner.new_engine().kwargs, inner.weights_only, inner.verify)
-        return out + ((p.max_pending_bytes, p.eager_bytes, p.flush_bytes_per_s) if wrapped else ())
-
-    assert config(io)[2]["queue_depth"] == 8
+    assert (base.new_engine().kwargs["queue_depth"], base.weights_only, base.verify) == (8, False, False)
     for clone in (pickle.loads(pickle.dumps(io)), copy.deepcopy(io)):  # fresh plugin: nothing started yet
-        assert config(clone) == config(io)
+        assert checkpoint_io_config(clone) == checkpoint_io_config(io)
     io.save_checkpoint(_state(1), tmp_path / "a.ckpt")  # engine, saver and threads now exist
     for i, clone in enumerate((pickle.loads(pickle.dumps(io)), copy.deepcopy(io))):
-        assert config(clone) == config(io)
+        assert checkpoint_io_config(clone) == checkpoint_io_config(io)
         if wrapped:
             assert clone._saver is None and clone.pending_saves == 0  # created lazily by the copy's first save
             assert clone.checkpoint_io is not base

@@ -48,6 +48,7 @@ from lightning_recover.checkpoint import AsyncCheckpointError
 from lightning_recover.checkpoint.file import async_io
 from lightning_recover.checkpoint.file.torch_zip import PlanWriter
 from lightning_recover.lightning.checkpoint_io import AsyncUringCheckpointIO, UringCheckpointIO
+from tests.compare import checkpoint_io_config
 from tests.jobs import bounded
 
 # Lightning Trainer fits (149 of them): the slow suite (make test), not the edit loop (make test-fast)
@@ -612,14 +613,6 @@ def test_memory_fsspec_paths(tmp_path, mode, monkeypatch):
 # --------------------------------------------------------------------------------- pickle / deepcopy (item 2)
 
 
-def _config(io):
-    if isinstance(io, AsyncUringCheckpointIO):
-        return (type(io), io.eager_bytes, io.max_pending_bytes, io.flush_bytes_per_s, *_config(io.checkpoint_io))
-    if isinstance(io, UringCheckpointIO):
-        return (type(io), io.new_engine().kwargs, io.weights_only, io.verify)
-    return (type(io),)
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_pickle_and_deepcopy_of_plugin_and_trainer(tmp_path, mode):
     """Item 2: the IO and a Trainer holding it pickle, deep-copy and ``torch.save`` (before and after saves, with
@@ -629,7 +622,7 @@ def test_pickle_and_deepcopy_of_plugin_and_trainer(tmp_path, mode):
         tmp_path, mode, max_steps=2, limit_val_batches=0, callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck")]
     )
     before = pickle.loads(pickle.dumps(trainer))  # what ddp_spawn does before fit
-    assert _config(before.strategy.checkpoint_io) == _config(trainer.strategy.checkpoint_io)
+    assert checkpoint_io_config(before.strategy.checkpoint_io) == checkpoint_io_config(trainer.strategy.checkpoint_io)
     trainer.fit(model)
     trainer.save_checkpoint(tmp_path / "a.ckpt")  # async: engine, saver and threads exist now
     io = trainer.strategy.checkpoint_io
@@ -647,7 +640,7 @@ def test_pickle_and_deepcopy_of_plugin_and_trainer(tmp_path, mode):
     _durable(io)
     expected = _tload(tmp_path / "a.ckpt")
     for i, c in enumerate(copies):
-        assert c is not io and _config(c) == _config(io)
+        assert c is not io and checkpoint_io_config(c) == checkpoint_io_config(io)
         _assert_same(expected, c.load_checkpoint(tmp_path / "a.ckpt"), f"copy {i} load")
         c.save_checkpoint({"k": i, "w": torch.full((3,), float(i))}, tmp_path / f"c{i}.ckpt")
         _durable(c)
