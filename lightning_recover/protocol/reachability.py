@@ -436,8 +436,9 @@ def fence_reason(store: ControlStore, replica: int, incarnation: int, number: in
     return (
         f"has no two-way connection with replicas {mine['unreachable']} over the data network (a network "
         f"partition{': ' + evidence if evidence else ''}) while replicas {verdict['keep']} reach each other; it was "
-        "fenced and stops, the other replicas continue without it. HINT: check the network between this host and its peers (firewall rules, "
-        "NIC, GLOO_SOCKET_IFNAME); restarted by its launcher or torchrun agent, it rejoins once it reaches them."
+        "fenced and stops, the other replicas continue without it. HINT: check the network between this host and "
+        "its peers (firewall rules, NIC, GLOO_SOCKET_IFNAME); restarted by its launcher or torchrun agent, it rejoins "
+        "once it reaches them."
     )
 
 
