@@ -84,15 +84,15 @@ class _WorkerProcess:
     """A worker process of replica threads as the harness holds it: commands on its standard input, events
     read from a pipe of its own (its output goes to a log: a pipe nobody reads would block it once full)."""
 
-    def __init__(self, index: int, spec: dict, env: dict[str, str], work: str, on_event: Callable) -> None:
+    def __init__(self, index: int, spec: dict, env: dict[str, str], prefix: str, on_event: Callable) -> None:
         self.index = index
         self.ready = self.finished = False
         self.exit_code: Optional[int] = None
         read, write = os.pipe()
-        spec_file = os.path.join(work, f"worker-{index}.json")
+        spec_file = f"{prefix}-{index}.json"
         with open(spec_file, "w") as f:
             json.dump({**spec, "events_fd": write}, f)
-        self.log = os.path.join(work, f"worker-{index}.log")
+        self.log = f"{prefix}-{index}.log"
         command = [sys.executable, "-m", "lightning_recover.bench.scale_worker", spec_file]
         try:
             with open(self.log, "w") as out:
@@ -269,7 +269,8 @@ class ScaleRun:
             mine = list(range(i, self.cfg.replicas, count))
             for r in mine:
                 self.slots[r].worker = i
-            worker = _WorkerProcess(i, {**spec, "replicas": mine}, {**os.environ, **env}, self.work, self._event)
+            prefix = os.path.join(self.work, f"worker-{self.cfg.backend}-{self.cfg.replicas}")
+            worker = _WorkerProcess(i, {**spec, "replicas": mine}, {**os.environ, **env}, prefix, self._event)
             self.workers.append(worker)
         self._wait_for(lambda: all(w.ready for w in self.workers), 300.0, "the worker processes' start")
 
@@ -629,6 +630,7 @@ def _commit() -> str:
 def sweep(args: argparse.Namespace) -> dict:
     """Every N of ``--replicas`` on every backend of ``--backends``; the capacities; fits; the projection."""
     work = args.dir or tempfile.mkdtemp(prefix="lr-scale-")
+    os.makedirs(work, exist_ok=True)
     ns = [int(n) for n in args.replicas.split(",")]
     backends = args.backends.split(",")
     result: dict = {"commit": _commit(), "config": vars(args).copy(), "runs": [], "capacity": {}, "failures": []}
