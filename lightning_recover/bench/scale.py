@@ -329,7 +329,12 @@ class ScaleRun:
             while not done():
                 if any(s.outcome == "error" for s in self.slots) or time.monotonic() > deadline:
                     errors = [f"{s.replica}: {s.error}" for s in self.slots if s.error][:5]
-                    raise RuntimeError(f"{self.cfg.backend} x{self.cfg.replicas}: step {step} not applied; {errors}")
+                    started = sum(s.started_at > 0 for s in self.slots)
+                    applied = sum(step in s.applied for s in self.slots)
+                    raise RuntimeError(
+                        f"{self.cfg.backend} x{self.cfg.replicas}: step {step} not applied ({started} replicas "
+                        f"started, {applied} applied it); {errors}"
+                    )
                 self._progress.wait(0.5)
             return max(s.applied[step] for s in self._live())
 
