@@ -72,7 +72,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     async_parser(p)
     p.set_defaults(func=_cmd_bench)
 
-    p = kinds.add_parser("scale", help="the control plane against the job's size: N replica threads, N = 16 ... 512")
+    p = kinds.add_parser(
+        "scale",
+        help="the control plane against the job's size: N replicas (threads of worker processes), N = 16 ... 512",
+    )
     from lightning_recover.bench.scale import build_parser as scale_parser
 
     scale_parser(p)

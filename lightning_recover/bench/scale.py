@@ -1,4 +1,4 @@
-"""The control plane against the job's size: N replicas as threads of one process, N = 16 ... the limit.
+"""The control plane against the job's size: N replicas as threads of P worker processes, N = 16 ... the limit.
 
     lightning-recover bench scale --replicas 16,64,256,512 --json benchmarks/results/scale.json
 
@@ -6,24 +6,34 @@ Real: every replica is a :class:`~lightning_recover.protocol.Replica` (its membe
 probe server, step protocol, commit decisions, its own ``ControlStore`` and, on etcd, its own connections and
 watched views), over the real control plane: the embedded coordinator (a TCPStore server and its monitor, in
 a process of its own) or a real 3-member TLS etcd (``LocalEtcdCluster``) with the job's monitor role
-(``etcd_job.MonitorRole``, in a process of its own, as a launcher runs it). Stood in for: compute (each
-microbatch is a fixed sleep of ``--compute`` seconds; the gradient is a tensor of ones) and the data plane
-(``stand_in_data_plane``: a generation's group and its all-reduce meet in memory; a killed member fails its
-groups' operations at once, as its closed sockets fail gloo's). A kill is acted out in the replica's thread at
-the ``reduce`` phase of a random step: its data-plane connections close, its threads stop and its death
-notice is written at once (as its launcher does on seeing the process exit); it is not restarted.
+(``etcd_job.MonitorRole``, in a process of its own, as a launcher runs it). The replicas are threads of
+``--processes`` worker processes (``scale_worker``; every P-th replica in each), so a replica shares its
+interpreter lock with N / P others rather than with all N: in one process, on a 2-core host, the threads'
+contention for that lock, not the control plane, capped the harness near 64 replicas.
 
-Per N: time to the first step (all threads started -> every replica applied step 0), the step's median
+Stood in for: compute (each microbatch is a fixed sleep of ``--compute`` seconds; the gradient is a tensor of
+ones) and the data plane (``stand_in_data_plane``: a generation's group and its all-reduce meet in memory in
+this process, which serves them to the workers over one local TCP connection each; a killed member fails its
+groups' operations at once, as its closed sockets fail gloo's). The replicas of one worker share its process,
+so a replica is not isolated from its neighbours as a real replica process is: a starved worker starves all
+its replicas at once. A kill is acted out in the replica's thread at the ``reduce`` phase of a random step:
+its data-plane connections close, its threads stop and its death notice is written at once (as its launcher
+does on seeing the process exit); it is not restarted.
+
+Per N: time to the first step (all replicas released -> every replica applied step 0), the step's median
 time, the time a member spends deciding a step (``StepStats.decide_seconds``), kill -> the last survivor's
 next commit, etcd's Raft proposals (writes) per step and per second, lease keep-alives per second, watch
-events and watch payload bytes per step per replica process, and the CPU of etcd's members, of the
-coordinator (embedded) or monitor process (etcd) and of this process (all replicas), per step. Every
-committed gradient is checked: each of the step's N microbatches counted exactly once.
+events and watch payload bytes per step per replica, and the CPU per step of etcd's members, of the
+coordinator (embedded) or monitor process (etcd), of the worker processes (all replicas) and of this process
+(the stand-in data plane). Every committed gradient is checked in its replica: each of the step's N
+microbatches counted exactly once.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import json
 import math
 import os
@@ -35,65 +45,100 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import torch
-
 from lightning_recover.bench.etcd_metrics import members_cpu_seconds, metrics, write_capacity
-from lightning_recover.bench.stand_in_data_plane import StandInDataPlane, StandInGroups
+from lightning_recover.bench.scale_worker import ScaleConfig
+from lightning_recover.bench.stand_in_data_plane import DataPlaneServer, StandInDataPlane
 from lightning_recover.control_plane.config import EtcdSettings, with_job
 from lightning_recover.control_plane.etcd_client import EtcdClient
 from lightning_recover.control_plane.etcd_cluster import LocalEtcdCluster
 from lightning_recover.control_plane.etcd_job import join_job
 from lightning_recover.control_plane.etcd_watch import WatchView
 from lightning_recover.launch.process_tree import cpu_seconds
-from lightning_recover.protocol import Fault, FaultInjector, RecoverOptions, Replica
+from lightning_recover.protocol import Fault
 from lightning_recover.protocol.messages import JobSecret
 from lightning_recover.simulate import growth_exponent, power_law_at
+
+__all__ = ["ScaleConfig", "ScaleRun", "fits", "project", "sweep", "build_parser", "main"]
 
 #: counters read from etcd's /metrics at both ends of the measured window (summed over the members)
 _LEASE_RENEWED = "etcd_debugging_lease_renewed_total"
 
 
-class _Killed(BaseException):
-    """Ends a replica thread as SIGKILL ends a process (no protocol handler sees it)."""
-
-
-@dataclass
-class ScaleConfig:
-    """One run: ``replicas`` threads on ``backend`` ('etcd' or 'embedded')."""
-
-    replicas: int
-    backend: str
-    compute: float = 1.0  # seconds of one microbatch (each replica computes about one per step)
-    warmup: int = 2  # steps before the measured window
-    window: int = 5  # failure-free steps measured
-    kills: int = 2  # then this many kills, each at a random step of its own gap
-    gap: int = 3  # steps per kill
-    heartbeat_timeout: float = 10.0  # a starved 2-core host must not look like dead replicas
-    heartbeat_interval: float = 0.5  # shorter than a step: the beats a long step costs
-    #: replicas started per second (their connections, incarnations and threads): hundreds at once would hold
-    #: etcd's members, which share this host's cores, past the client's request deadline. The time to the first
-    #: step is counted from the last replica's start.
-    start_rate: float = 16.0
-    seed: int = 0
-
-    @property
-    def steps(self) -> int:
-        return self.warmup + self.window + self.kills * self.gap + 1
-
-
 @dataclass
 class _Slot:
     replica: int
-    protocol_replica: Optional[Replica] = None
-    thread: Optional[threading.Thread] = None
+    worker: int = 0
     started_at: float = 0.0  # Replica.start() returned
     applied: dict[int, float] = field(default_factory=dict)  # step -> monotonic time it was applied
+    stats: list[tuple[int, float, int]] = field(default_factory=list)  # (step, decide_seconds, recoveries)
     killed_at: Optional[float] = None
     outcome: str = "running"
     error: str = ""
+
+
+class _WorkerProcess:
+    """A worker process of replica threads as the harness holds it: commands on its standard input, events
+    read from a pipe of its own (its output goes to a log: a pipe nobody reads would block it once full)."""
+
+    def __init__(self, index: int, spec: dict, env: dict[str, str], prefix: str, on_event: Callable) -> None:
+        self.index = index
+        self.ready = self.finished = False
+        self.exit_code: Optional[int] = None
+        read, write = os.pipe()
+        spec_file = f"{prefix}-{index}.json"
+        with open(spec_file, "w") as f:
+            json.dump({**spec, "events_fd": write}, f)
+        self.log = f"{prefix}-{index}.log"
+        command = [sys.executable, "-m", "lightning_recover.bench.scale_worker", spec_file]
+        try:
+            with open(self.log, "w") as out:
+                self.proc = subprocess.Popen(
+                    command, env=env, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, pass_fds=(write,)
+                )
+        finally:
+            os.close(write)
+        self._on_event = on_event
+        self._reader = threading.Thread(target=self._read, args=(read,), name=f"scale-events-{index}", daemon=True)
+        self._reader.start()
+
+    def _read(self, fd: int) -> None:
+        with os.fdopen(fd) as events:
+            for line in events:
+                self._on_event(self, json.loads(line))
+        self._on_event(self, {"event": "exit", "code": self.proc.wait()})
+
+    def send(self, **command: Any) -> None:
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write((json.dumps(command) + "\n").encode())
+            self.proc.stdin.flush()
+        except (OSError, ValueError):
+            pass  # it exited: its exit event tells
+
+    def tail(self) -> str:
+        with open(self.log, errors="replace") as f:
+            return f.read()[-1500:]
+
+    def cpu_seconds(self) -> float:
+        return cpu_seconds(self.proc.pid)
+
+    def stop(self, grace: float) -> None:
+        """Close its commands (it ends at their end), then kill it if it has not ended within ``grace``."""
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._reader.join(10)
 
 
 #: run first in each control process: it ends itself (SIGTERM) when the harness is gone, whatever ended it
@@ -164,7 +209,8 @@ role.stop()
 
 
 class ScaleRun:
-    """One job of ``cfg.replicas`` replica threads; :meth:`run` returns its figures."""
+    """One job of ``cfg.replicas`` replicas in ``cfg.worker_processes`` processes; :meth:`run` returns its
+    figures."""
 
     def __init__(self, cfg: ScaleConfig, cluster: Optional[LocalEtcdCluster], work: str) -> None:
         self.cfg = cfg
@@ -172,7 +218,11 @@ class ScaleRun:
         self.work = work
         self.plane = StandInDataPlane()
         self.slots = [_Slot(r) for r in range(cfg.replicas)]
+        self.workers: list[_WorkerProcess] = []
+        self.gradients: set[float] = set()  # the committed gradients the replicas applied (each checked there)
         self._progress = threading.Condition()
+        self._samples = itertools.count(1)
+        self._answers: dict[int, dict[int, dict]] = {}  # sample id -> worker -> its answer
         rng = random.Random(cfg.seed * 7919 + cfg.replicas)
         first = cfg.warmup + cfg.window + 1
         # kill k: a random replica at the reduce of a random step of its own gap (its last step left to recover)
@@ -204,76 +254,64 @@ class ScaleRun:
         ]
         return _ControlProcess(code, {**os.environ, **env}, f"{secret_file}.log"), settings.url, env
 
-    # ------------------------------------------------------------------ a replica thread
-    def _act(self, slot: _Slot) -> Any:
-        def act(fault: Fault) -> None:
-            slot.killed_at = time.monotonic()
-            raise _Killed(str(fault))
+    # ------------------------------------------------------------------ the worker processes
+    def _start_workers(self, addr: str, secret_file: str, data_plane: str, env: dict[str, str]) -> None:
+        spec = {
+            "config": dataclasses.asdict(self.cfg),
+            "faults": [str(f) for f in self.faults],
+            "addr": addr,
+            "secret_file": secret_file,
+            "data_plane": data_plane,
+            "parent": os.getpid(),
+        }
+        count = self.cfg.worker_processes
+        for i in range(count):
+            mine = list(range(i, self.cfg.replicas, count))
+            for r in mine:
+                self.slots[r].worker = i
+            prefix = os.path.join(self.work, f"worker-{self.cfg.backend}-{self.cfg.replicas}")
+            worker = _WorkerProcess(i, {**spec, "replicas": mine}, {**os.environ, **env}, prefix, self._event)
+            self.workers.append(worker)
+        self._wait_for(lambda: all(w.ready for w in self.workers), 300.0, "the worker processes' start")
 
-        return act
+    def _event(self, worker: _WorkerProcess, event: dict) -> None:
+        """One event of ``worker``'s (its reader thread)."""
+        kind = event["event"]
+        with self._progress:
+            slot = self.slots[event["replica"]] if "replica" in event else None
+            if kind == "started" and slot is not None:
+                slot.started_at = event["t"]
+            elif kind == "applied" and slot is not None:
+                slot.applied[event["step"]] = event["t"]
+                slot.stats += [tuple(s) for s in event["stats"]]
+                self.gradients.add(event["grad"])
+            elif kind == "killed" and slot is not None:
+                slot.killed_at = event["t"]
+            elif kind == "outcome" and slot is not None:
+                slot.outcome, slot.error = event["outcome"], event["error"]
+            elif kind == "sample":
+                self._answers.setdefault(event["id"], {})[worker.index] = event
+            elif kind == "ready":
+                worker.ready = True
+            elif kind == "finished":
+                worker.finished = True
+            elif kind == "exit":
+                worker.exit_code = event["code"]
+                for s in self.slots:
+                    if s.worker == worker.index and s.outcome == "running":
+                        s.outcome = "error"
+                        s.error = f"its worker process ended ({event['code']}): {worker.tail()}"
+            self._progress.notify_all()
 
-    def _replica(self, slot: _Slot, addr: str, secret: JobSecret, release: float) -> None:
-        cfg = self.cfg
-        options = RecoverOptions(
-            microbatches=cfg.replicas,
-            heartbeat_timeout=cfg.heartbeat_timeout,
-            heartbeat_interval=cfg.heartbeat_interval,
-            join_timeout=120.0,
-            collective_timeout=120.0,
-            startup_timeout=600.0,
-        )
-        param = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
-        injector = FaultInjector(self.faults, slot.replica, 1, act=self._act(slot))
-        protocol_replica = slot.protocol_replica = Replica(
-            options, addr, slot.replica, cfg.replicas, lambda: [param], injector=injector, secret=secret
-        )
-        protocol_replica.membership.groups = StandInGroups(self.plane, slot.replica)
-        try:
-            time.sleep(max(0.0, release - time.monotonic()))
-            protocol_replica.start(exit_hook=False)
-            slot.started_at = time.monotonic()
-            for s in range(cfg.steps):
-                for _ in protocol_replica.run_step(s):
-                    protocol_replica.fire("forward")
-                    time.sleep(cfg.compute)
-                    param.grad = torch.ones(1, dtype=torch.float64) + (param.grad if param.grad is not None else 0)
-                protocol_replica.fire("optimizer")
-                if param.grad.item() != 1.0:  # the mean of M gradients of one: every microbatch counted once
-                    raise AssertionError(f"step {s}: committed gradient {param.grad.item()} != 1")
-                with torch.no_grad():
-                    param.add_(param.grad)
-                slot.applied[s] = time.monotonic()
-                with self._progress:
-                    self._progress.notify_all()
-            slot.outcome = "done"
-            protocol_replica.close()
-        except _Killed:
-            slot.outcome = "killed"
-            self.plane.kill(slot.replica)  # its sockets close: the group's operations fail at once
-            protocol_replica.membership.close()  # threads stop; the death notice its launcher writes on seeing the exit
-            protocol_replica.membership.store.raw.close()  # its connections and watched views
-        except BaseException as exc:  # noqa: BLE001 -- reported in the results
-            slot.outcome = "error"
-            slot.error = f"{type(exc).__name__}: {exc}"
-            try:
-                protocol_replica.close()
-            except BaseException:  # noqa: BLE001 -- already failing
-                pass
-        finally:
-            with self._progress:
-                self._progress.notify_all()
-
-    def _stop_replicas(self) -> None:
-        """After a failed run: stop every replica's threads (heartbeat, watchdog, probe server, views), as their
-        processes' ends would; a watchdog left running would end this whole process once its etcd is gone."""
-        for slot in self.slots:
-            if slot.protocol_replica is None or slot.protocol_replica.membership.store is None:
-                continue
-            try:
-                slot.protocol_replica.membership.close()
-                slot.protocol_replica.membership.store.raw.close()
-            except Exception:  # noqa: BLE001 -- best effort: the run already failed
-                pass
+    def _wait_for(self, done: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        with self._progress:
+            while not done():
+                gone = [w for w in self.workers if w.exit_code is not None and not w.finished]
+                if gone or time.monotonic() > deadline:
+                    why = f"worker {gone[0].index} ended: {gone[0].tail()}" if gone else f"not within {timeout} s"
+                    raise RuntimeError(f"{self.cfg.backend} x{self.cfg.replicas}: {what}: {why}")
+                self._progress.wait(0.5)
 
     # ------------------------------------------------------------------ measuring
     def _live(self) -> list[_Slot]:
@@ -291,35 +329,36 @@ class ScaleRun:
             while not done():
                 if any(s.outcome == "error" for s in self.slots) or time.monotonic() > deadline:
                     errors = [f"{s.replica}: {s.error}" for s in self.slots if s.error][:5]
-                    raise RuntimeError(f"{self.cfg.backend} x{self.cfg.replicas}: step {step} not applied; {errors}")
+                    started = sum(s.started_at > 0 for s in self.slots)
+                    applied = sum(step in s.applied for s in self.slots)
+                    raise RuntimeError(
+                        f"{self.cfg.backend} x{self.cfg.replicas}: step {step} not applied ({started} replicas "
+                        f"started, {applied} applied it); {errors}"
+                    )
                 self._progress.wait(0.5)
-        return max(s.applied[step] for s in self._live())
+            return max(s.applied[step] for s in self._live())
 
     def _sample(self, control: _ControlProcess) -> dict:
-        views = [v for v in (self._view(s) for s in self._live()) if v is not None]
+        t = time.monotonic()
+        sid = next(self._samples)
+        asked = [w for w in self.workers if w.exit_code is None]
+        for w in asked:
+            w.send(op="sample", id=sid)
+        self._wait_for(lambda: len(self._answers.get(sid, {})) == len(asked), 120.0, "the workers' sample")
+        answers = list(self._answers.pop(sid).values())
+        workers_cpu = sum(w.cpu_seconds() for w in self.workers)
         out = {
-            "t": time.monotonic(),
-            "harness_cpu": time.process_time(),
+            "t": t,
+            "workers_cpu": workers_cpu,
+            "data_plane_cpu": time.process_time(),  # this process: the stand-in data plane and the event readers
             "control_cpu": control.cpu_seconds(),
-            "watch_events": sum(v.events for v in views),
-            "watch_bytes": sum(v.payload_bytes for v in views),
-            "resyncs": sum(v.resyncs for v in views),
-            "views": len(views),
             "load": os.getloadavg()[0],
         }
+        out.update({k: sum(a[k] for a in answers) for k in ("watch_events", "watch_bytes", "resyncs", "views")})
         if self.cluster is not None:
             out["etcd_cpu"] = members_cpu_seconds(self.cluster)
             out["etcd"] = metrics(self.cluster, extra=(_LEASE_RENEWED,))
         return out
-
-    @staticmethod
-    def _view(slot: _Slot) -> Any:
-        raw = (
-            slot.protocol_replica.membership.store.raw
-            if slot.protocol_replica is not None and slot.protocol_replica.membership.store is not None
-            else None
-        )
-        return getattr(raw, "view", None)
 
     def run(self) -> dict:
         cfg = self.cfg
@@ -328,33 +367,28 @@ class ScaleRun:
             with open(os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
                 f.write(JobSecret.generate().hex())
         control, addr, env = self._start_control(secret_file)
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        secret = JobSecret.from_file(secret_file)
+        server = DataPlaneServer(self.plane)
         try:
-            return self._run(control, addr, secret)
-        except BaseException:
-            self._stop_replicas()
-            raise
+            self._start_workers(addr, secret_file, server.address, env)
+            return self._run(control)
         finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+            for worker in self.workers:  # after a failure: they end at their commands' end, or are killed
+                worker.stop(grace=5.0)
+            server.close()
             control.stop()
 
-    def _run(self, control: _ControlProcess, addr: str, secret: JobSecret) -> dict:
+    def _run(self, control: _ControlProcess) -> dict:
         cfg = self.cfg
         began = time.monotonic()
-        for slot in self.slots:
-            release = began + slot.replica / cfg.start_rate
-            slot.thread = threading.Thread(
-                target=self._replica, args=(slot, addr, secret, release), name=f"scale-{slot.replica}", daemon=True
-            )
-            slot.thread.start()
+        for worker in self.workers:
+            worker.send(op="go", began=began)
         first = self._wait_applied(0, 600.0)
-        result: dict = {"replicas": cfg.replicas, "backend": cfg.backend, "compute_s": cfg.compute}
+        result: dict = {
+            "replicas": cfg.replicas,
+            "backend": cfg.backend,
+            "compute_s": cfg.compute,
+            "processes": len(self.workers),
+        }
         last = began + (cfg.replicas - 1) / cfg.start_rate  # the last replica's start
         result["first_step_s"] = first - last
         result["started_s"] = max(s.started_at for s in self.slots) - last
@@ -363,32 +397,52 @@ class ScaleRun:
         a = self._sample(control)
         ends = [self._wait_applied(s, 120.0) for s in range(cfg.warmup, cfg.warmup + cfg.window)]
         b = self._sample(control)
+        result.update(self._figures(a, b, ends))
+        result["kills"] = self._kills()
+        self._wait_for(lambda: all(w.finished for w in self.workers), 120.0, "the replicas' ends")
+        for worker in self.workers:
+            worker.stop(grace=30.0)
+        result["operations"] = self.plane.operations
+        result["committed_gradients"] = sorted(self.gradients)
+        result["outcomes"] = {o: sum(s.outcome == o for s in self.slots) for o in {s.outcome for s in self.slots}}
+        errors = [f"{s.replica}: {s.error}" for s in self.slots if s.outcome == "error"]
+        if errors:
+            raise RuntimeError(f"{cfg.backend} x{cfg.replicas}: replicas failed: {errors[:5]}")
+        return result
+
+    def _figures(self, a: dict, b: dict, ends: list[float]) -> dict:
+        """The window's figures from its two samples and the times its steps were applied."""
+        cfg = self.cfg
         steps = cfg.window
         seconds = b["t"] - a["t"]
-        live = self._live()
         decide = [
-            st.decide_seconds
-            for s in live
-            for st in s.protocol_replica.history
-            if cfg.warmup <= st.step < cfg.warmup + cfg.window and not st.recoveries
+            decide_s
+            for s in self._live()
+            for step, decide_s, recoveries in s.stats
+            if cfg.warmup <= step < cfg.warmup + cfg.window and not recoveries
         ]
-        result.update(
+        workers_cpu = (b["workers_cpu"] - a["workers_cpu"]) / steps
+        data_plane_cpu = (b["data_plane_cpu"] - a["data_plane_cpu"]) / steps
+        views = max(1, b["views"])
+        out = dict(
             step_s=statistics.median(y - x for x, y in zip(ends, ends[1:])),
             decide_s=statistics.median(decide),
             decide_p90_s=statistics.quantiles(decide, n=10)[-1] if len(decide) > 1 else decide[0],
             window_s=seconds,
-            harness_cpu_s_per_step=(b["harness_cpu"] - a["harness_cpu"]) / steps,
+            harness_cpu_s_per_step=workers_cpu + data_plane_cpu,  # every replica and the stand-in data plane
+            workers_cpu_s_per_step=workers_cpu,
+            data_plane_cpu_s_per_step=data_plane_cpu,
             control_cpu_s_per_step=(b["control_cpu"] - a["control_cpu"]) / steps,
-            watch_events_per_step_per_process=(b["watch_events"] - a["watch_events"]) / steps / max(1, b["views"]),
-            watch_bytes_per_step_per_process=(b["watch_bytes"] - a["watch_bytes"]) / steps / max(1, b["views"]),
+            watch_events_per_step_per_process=(b["watch_events"] - a["watch_events"]) / steps / views,
+            watch_bytes_per_step_per_process=(b["watch_bytes"] - a["watch_bytes"]) / steps / views,
             # full re-reads of a view (its stream lost or silent past STALE_AFTER): each is the whole prefix
-            view_resyncs_per_step_per_process=(b["resyncs"] - a["resyncs"]) / steps / max(1, b["views"]),
+            view_resyncs_per_step_per_process=(b["resyncs"] - a["resyncs"]) / steps / views,
             load=[a["load"], b["load"]],
         )
         if self.cluster is not None:
             delta = {k: b["etcd"][k] - a["etcd"][k] for k in b["etcd"]}
             writes = delta["etcd_server_proposals_committed_total"] / 3  # every member counts each proposal
-            result.update(
+            out.update(
                 etcd_writes_per_step=writes / steps,
                 etcd_writes_per_s=writes / seconds,
                 etcd_keepalives_per_s=delta[_LEASE_RENEWED] / seconds,  # counted by the leader only
@@ -396,27 +450,20 @@ class ScaleRun:
                 etcd_cpu_s_per_step=(b["etcd_cpu"] - a["etcd_cpu"]) / steps,
                 leader_changes=delta.get("etcd_server_leader_changes_seen_total", 0.0),
             )
-        result["kills"] = self._kills()
-        result["operations"] = self.plane.operations
-        for slot in self.slots:
-            slot.thread.join(timeout=60)
-        result["outcomes"] = {o: sum(s.outcome == o for s in self.slots) for o in {s.outcome for s in self.slots}}
-        errors = [f"{s.replica}: {s.error}" for s in self.slots if s.outcome == "error"]
-        if errors:
-            raise RuntimeError(f"{cfg.backend} x{cfg.replicas}: replicas failed: {errors[:5]}")
-        return result
+        return out
 
     def _kills(self) -> list[dict]:
         out = []
         for fault in self.faults:
             self._wait_applied(fault.step, 300.0)
             victim = self.slots[fault.replica]
-            if victim.killed_at is None:
-                raise RuntimeError(f"{self.cfg.backend} x{self.cfg.replicas}: kill {fault} never fired")
-            nxt = [
-                min(t for s, t in slot.applied.items() if s >= fault.step and t > victim.killed_at)
-                for slot in self._live()
-            ]
+            # its worker's events and the survivors' come through different pipes: its kill may be read later
+            self._wait_for(lambda v=victim: v.killed_at is not None, 30.0, f"kill {fault} fired")
+            with self._progress:
+                nxt = [
+                    min(t for s, t in slot.applied.items() if s >= fault.step and t > victim.killed_at)
+                    for slot in self._live()
+                ]
             out.append({"fault": str(fault), "next_commit_s": max(nxt) - victim.killed_at})
         self._wait_applied(self.cfg.steps - 1, 300.0)
         return out
@@ -588,6 +635,7 @@ def _commit() -> str:
 def sweep(args: argparse.Namespace) -> dict:
     """Every N of ``--replicas`` on every backend of ``--backends``; the capacities; fits; the projection."""
     work = args.dir or tempfile.mkdtemp(prefix="lr-scale-")
+    os.makedirs(work, exist_ok=True)
     ns = [int(n) for n in args.replicas.split(",")]
     backends = args.backends.split(",")
     result: dict = {"commit": _commit(), "config": vars(args).copy(), "runs": [], "capacity": {}, "failures": []}
@@ -626,6 +674,7 @@ def sweep(args: argparse.Namespace) -> dict:
                     heartbeat_timeout=args.heartbeat_timeout,
                     heartbeat_interval=args.heartbeat_interval,
                     start_rate=args.start_rate,
+                    processes=args.processes,
                 )
                 if backend in failed:
                     continue  # a smaller N already failed on this backend: the limit was found
@@ -641,7 +690,9 @@ def sweep(args: argparse.Namespace) -> dict:
                 run["kill_next_commit_s"] = statistics.median(kills) if kills else None
                 print(
                     f"  {backend:8s} N={n:5d}: first step {run['first_step_s']:.1f}s, step {run['step_s']:.3f}s, "
-                    f"decide {run['decide_s'] * 1e3:.1f}ms, kill->commit {kills}, "
+                    f"decide {run['decide_s'] * 1e3:.1f}ms, kill->commit {kills}, processes {run['processes']}, "
+                    f"CPU/step coord {run['control_cpu_s_per_step']:.2f}s workers {run['workers_cpu_s_per_step']:.2f}s "
+                    f"data plane {run['data_plane_cpu_s_per_step']:.2f}s, "
                     f"writes/step {run.get('etcd_writes_per_step', 0):.1f}, "
                     f"watch B/step/proc {run['watch_bytes_per_step_per_process']:.0f}, load {run['load']}",
                     flush=True,
@@ -665,7 +716,10 @@ def _write(path: str, result: dict) -> None:
 
 def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The options of ``lightning-recover bench scale`` (and of ``python -m lightning_recover.bench.scale``)."""
-    p.add_argument("--replicas", default="16,64,256,512", help="comma-separated N (replica threads per job)")
+    p.add_argument("--replicas", default="16,64,256,512", help="comma-separated N (replicas per job)")
+    p.add_argument(
+        "--processes", type=int, default=0, help="worker processes the replicas are threads of (0: one per 32)"
+    )
     p.add_argument("--backends", default="etcd,embedded", help="comma-separated: etcd, embedded")
     p.add_argument("--compute", type=float, default=1.0, help="seconds of one microbatch (a fixed sleep)")
     p.add_argument("--window", type=int, default=5, help="failure-free steps measured per N")

@@ -1,17 +1,29 @@
 """``bench scale``: the harness's arithmetic (the projection; growth exponents: tests/unit/test_simulate.py), its stand-in data plane
-(threads meeting in memory: sums, builds, a killed member), and a small real run of 16 replica threads on
-the embedded coordinator and on a real 3-member etcd, each with a kill (slow)."""
+(threads meeting in memory: sums, builds, a killed member; the same served over TCP to clients of other
+processes: its frames, a killed member, a cancelled build, a client gone without a goodbye), and small real
+runs of 16 replicas on the embedded coordinator and on a real 3-member etcd, each with a kill, in one worker
+process and in three (slow)."""
 
 from __future__ import annotations
 
 import math
+import socket
 import threading
 
 import pytest
 import torch
 
 from lightning_recover.bench.scale import ScaleConfig, ScaleRun, fits, project
-from lightning_recover.bench.stand_in_data_plane import PeerClosed, StandInDataPlane, StandInGroups
+from lightning_recover.bench.stand_in_data_plane import (
+    DataPlaneClient,
+    DataPlaneServer,
+    PeerClosed,
+    StandInDataPlane,
+    StandInGroups,
+    frame_tensor,
+    send_frame,
+    tensor_frame,
+)
 from lightning_recover.errors import MembershipChanged
 
 
@@ -49,13 +61,16 @@ def test_projection_extends_the_fits_and_compares_with_half_the_capacity():
     assert "not_projected" in project(runs[:1], capacity)  # one N fits no growth: nothing is projected
 
 
-def _members(plane: StandInDataPlane, size: int, body) -> list:
+def _members(plane, size: int, body, planes=None) -> list:
+    """``size`` members (replicas 10, 11, ...) build generation 1 on ``plane`` (or member r on ``planes[r]``)
+    and run ``body(rank, group)``: its results, then the errors raised."""
     out: list = [None] * size
     errors: list = []
 
     def run(rank: int) -> None:
         try:
-            group = StandInGroups(plane, 10 + rank).build(None, 1, rank, size, lambda: False)
+            mine = planes[rank] if planes is not None else plane
+            group = StandInGroups(mine, 10 + rank).build(None, 1, rank, size, lambda: False)
             out[rank] = body(rank, group)
         except BaseException as exc:  # noqa: BLE001 -- asserted by the caller
             errors.append(exc)
@@ -110,6 +125,88 @@ def test_a_build_stops_when_the_control_plane_sees_a_failure():
         StandInGroups(plane, 0).build(None, 3, 0, 2, seen.is_set)  # the other member never comes
 
 
+def test_frames_carry_only_whitelisted_dtypes_of_the_right_size():
+    t = torch.arange(6, dtype=torch.float64).reshape(2, 3)
+    header, data = tensor_frame(t)
+    assert torch.equal(frame_tensor(header, data), t)
+    assert frame_tensor(*tensor_frame(torch.ones(2, dtype=torch.bfloat16))).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="not one the data plane carries"):
+        frame_tensor({**header, "dtype": "object"}, data)
+    with pytest.raises(ValueError, match="do not hold"):
+        frame_tensor({**header, "shape": [2, 4]}, data)
+    with pytest.raises(ValueError, match="bad shape"):
+        frame_tensor({**header, "shape": [-1]}, data)
+
+
+@pytest.fixture
+def served():
+    """A served plane and two clients of it (each connection stands for one worker process)."""
+    plane = StandInDataPlane()
+    server = DataPlaneServer(plane)
+    clients = [DataPlaneClient(server.address, timeout=10.0) for _ in range(2)]
+    yield plane, server, clients
+    for c in clients:
+        c.close()
+    server.close()
+
+
+def test_served_plane_builds_and_sums_across_clients(served):
+    plane, _, clients = served
+
+    def body(rank: int, group) -> list:
+        t = torch.full((3,), float(rank + 1), dtype=torch.float64)
+        group.allreduce([t]).wait()
+        second = torch.ones(2, dtype=torch.float32)
+        group.allreduce([second]).get_future().wait()
+        return t.tolist() + second.tolist()
+
+    assert _members(None, 2, body, planes=clients) == [[3.0, 3.0, 3.0, 2.0, 2.0]] * 2
+    assert plane.operations == 2
+
+
+def test_served_kill_fails_the_other_members_operation(served):
+    _, _, clients = served
+    started = threading.Barrier(2)
+
+    def body(rank: int, group):
+        if rank == 1:
+            started.wait(5)
+            clients[1].kill(11)  # replica 11 (rank 1) dies instead of starting the reduce
+            return "killed"
+        work = group.allreduce([torch.ones(1)])
+        started.wait(5)
+        with pytest.raises(PeerClosed, match="replica 11 died"):
+            work.wait()
+        with pytest.raises(PeerClosed):  # a later operation on the group fails at once too
+            group.allreduce([torch.ones(1)]).wait()
+        return "failed"
+
+    assert _members(None, 2, body, planes=clients) == ["failed", "killed"]
+
+
+def test_served_build_is_cancelled_when_its_member_sees_a_failure(served):
+    _, _, clients = served
+    seen = threading.Event()
+    threading.Timer(0.05, seen.set).start()
+    with pytest.raises(MembershipChanged, match="failed while it was being built"):
+        StandInGroups(clients[0], 0).build(None, 3, 0, 2, seen.is_set)  # the other member never comes
+
+
+def test_a_worker_gone_without_a_goodbye_fails_its_replicas_groups(served):
+    """A connection that closes without the goodbye is a worker process that died: the replicas that built
+    over it are killed on the plane, and a malformed frame ends the connection as such."""
+    plane, server, clients = served
+    host, port = server.address.rsplit(":", 1)
+    raw = socket.create_connection((host, int(port)), timeout=10)
+    lock = threading.Lock()
+    send_frame(raw, lock, {"op": "build", "id": 1, "replica": 20, "number": 5, "rank": 1, "size": 2})
+    group = StandInGroups(clients[0], 30).build(None, 5, 0, 2, lambda: False)
+    send_frame(raw, lock, {"op": "no such operation", "id": 2})
+    with pytest.raises(PeerClosed, match="replica 20 died"):
+        group.allreduce([torch.ones(1)]).wait()
+    raw.close()
+
+
 @pytest.mark.slow  # 16 replica threads per backend, each with a kill: about a minute on 2 cores
 @pytest.mark.parametrize("backend", ["embedded", "etcd"])
 def test_sixteen_replicas_measured_with_a_kill(backend, etcd3, tmp_path):
@@ -130,3 +227,20 @@ def test_sixteen_replicas_measured_with_a_kill(backend, etcd3, tmp_path):
     else:
         assert result["watch_bytes_per_step_per_process"] == 0  # no watched views on the embedded coordinator
     assert result["control_cpu_s_per_step"] >= 0
+    assert result["processes"] == 1 and result["committed_gradients"] == [1.0]
+
+
+@pytest.mark.slow  # 16 replicas in 3 worker processes, a kill: about half a minute on 2 cores
+def test_replicas_in_several_worker_processes_recover_from_a_kill(tmp_path):
+    """The replicas spread over 3 processes (every third in each) meet on the served data plane: the kill's
+    survivors commit the next step, and every step each replica applied had a gradient counting each of the
+    16 microbatches once (checked in the replica; a miscount fails the run)."""
+    cfg = ScaleConfig(16, "embedded", compute=0.2, warmup=1, window=3, kills=1, gap=3, processes=3)
+    result = ScaleRun(cfg, None, str(tmp_path)).run()
+    assert result["processes"] == 3
+    assert result["outcomes"] == {"done": 15, "killed": 1}
+    (kill,) = result["kills"]
+    assert 0 < kill["next_commit_s"] < 30
+    assert result["committed_gradients"] == [1.0]
+    assert result["operations"] >= 2 * cfg.steps
+    assert result["workers_cpu_s_per_step"] > 0 and result["harness_cpu_s_per_step"] >= result["workers_cpu_s_per_step"]
