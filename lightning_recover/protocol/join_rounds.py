@@ -47,7 +47,14 @@ def rounds_by_view(store: ControlStore, replica_size: int) -> bool:
     return bool(store.raw.views) and replica_size == 1
 
 
-def joined_round(store: ControlStore, prefix: str, num_replicas: int, replica_size: int, by_view: bool) -> set[int]:
+def joined_round(
+    store: ControlStore,
+    prefix: str,
+    num_replicas: int,
+    replica_size: int,
+    by_view: bool,
+    seen: Optional[set[int]] = None,
+) -> set[int]:
     """Replicas that joined round ``prefix``. The unsealed list is only a hint of whom to look at:
     a replica counts once its sealed join payload is there and, with K processes per replica,
     all K of its positions said they joined.
@@ -56,7 +63,9 @@ def joined_round(store: ControlStore, prefix: str, num_replicas: int, replica_si
     joined (a join is never taken back), so the round only waits a moment longer. ``by_view``
     (:func:`rounds_by_view`): there is no list; the view holds every payload, and looking at each
     replica's costs no round trip (a list would cost an append, contended by every joiner, on the
-    regroup's critical path)."""
+    regroup's critical path). ``seen``: replicas whose join this caller already read genuine in this round, not
+    read again and added to as joins are read (a join is never taken back): a round's polls then cost one read of
+    the list plus the new joins, not a read per member per poll."""
     if by_view:
         keys = [f"{prefix}/join/{r}" for r in range(num_replicas)]
         return {r for r, payload in enumerate(store.recent_genuine_many(keys)) if _well_formed(payload)}
@@ -71,12 +80,17 @@ def joined_round(store: ControlStore, prefix: str, num_replicas: int, replica_si
     for r in sorted(positions):
         if len(positions[r]) < replica_size:
             continue
+        if seen is not None and r in seen:
+            joined.add(r)
+            continue
         try:
             payload = store.recent_genuine(f"{prefix}/join/{r}")  # None: not in the view yet, deleted, or forged
         except ForgedMessageError:
             continue  # planted by someone without the secret: not a member
         if _well_formed(payload):
             joined.add(r)
+            if seen is not None:
+                seen.add(r)
     return joined
 
 
@@ -149,6 +163,7 @@ class JoinRounds:
         self._check_health = check_health  # raises once the coordinator is lost or this replica was excluded
         self.rendezvous = rendezvous  # the address of this replica's rendezvous store, where it hosts one
         self.by_view = rounds_by_view(store, replica_size)
+        self._joins_read: tuple[str, set[int]] = ("", set())  # a round's joins already read genuine (joined_round)
 
     def _payload(self, payload: dict) -> str:
         """What this replica publishes when it joins a round: ``payload``, its incarnation, its rendezvous store."""
@@ -169,7 +184,11 @@ class JoinRounds:
         """Round ``prefix``'s :func:`~lightning_recover.protocol.rounds.round_state`, from what the store shows (a
         watched view's join or death not shown yet only makes the round wait). ``joined_too``: joins not in the
         view yet (this replica's own, written in the transaction that would close the round)."""
-        joined = joined_round(self.store, prefix, self.num_replicas, self.replica_size, self.by_view)
+        if self._joins_read[0] != prefix:
+            self._joins_read = (prefix, set())
+        joined = joined_round(
+            self.store, prefix, self.num_replicas, self.replica_size, self.by_view, self._joins_read[1]
+        )
         joined |= joined_too
         dead = declared_dead(self.store, sorted(set(expected) | joined), expected, recent=True)
         return round_state(expected, joined, dead)

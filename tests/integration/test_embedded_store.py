@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import datetime
+import json
 import time
 
 import pytest
 import torch.distributed as dist
 
 from lightning_recover.control_plane.embedded import BATCH_READ_TIMEOUT, CoordinatorStore, peek
+from lightning_recover.protocol.coordinator import Coordinator
+from lightning_recover.protocol.join_rounds import joined_round
+from lightning_recover.protocol.messages import ControlStore, JobSecret
 from tests.compare import SLACK
 
 
@@ -65,3 +69,42 @@ def test_a_key_deleted_between_check_and_read_is_none_within_the_bound(server):
     assert time.monotonic() - started < BATCH_READ_TIMEOUT + SLACK
     client.set("hb/2", b"again")
     assert store.peek_many(keys, through_log=True) == [b"beat", b"beat", b"again", b"beat"]
+
+
+class _RecordsKeys:
+    """A real TCPStore client that lists the key each request names (everything goes to it)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.keys = inner, []
+
+    def __getattr__(self, name: str):
+        found = getattr(self.inner, name)
+        if not callable(found):
+            return found
+
+        def recorded(*args, **kwargs):
+            if args and isinstance(args[0], str):
+                self.keys.append(args[0])
+            return found(*args, **kwargs)
+
+        return recorded
+
+
+def test_a_rounds_polls_read_each_join_once():
+    """Polls of a forming round read the list of who joined and only the joins not read genuine before (a join is
+    never taken back): a round of N costs N payload reads per member in all, not N per poll. A join forged over one
+    already read is not read again; a fresh reader rejects it."""
+    secret = JobSecret.generate()
+    coordinator = Coordinator("127.0.0.1", 0, 16, 1.0, secret)
+    reader, writer = ControlStore(coordinator.addr, 0, secret), ControlStore(coordinator.addr, 1, secret)
+    recorder = reader.raw.store = _RecordsKeys(reader.raw.store)
+    seen: set[int] = set()
+    for r in range(16):
+        writer.set(f"g1/join/{r}", json.dumps({"step": 0, "inc": 1}))
+        writer.append_hint("g1/joined", f"{r},")
+        assert joined_round(reader, "g1", 16, 1, False, seen) == set(range(r + 1))
+    payload_reads = [key for key in recorder.keys if key.startswith("g1/join/")]
+    assert sorted(payload_reads) == sorted(f"g1/join/{r}" for r in range(16)), "each join read once"
+    writer.raw.set("g1/join/3", b"forged")  # an unauthenticated write over a join already read: not read again
+    assert joined_round(reader, "g1", 16, 1, False, seen) == set(range(16))
+    assert joined_round(reader, "g1", 16, 1, False, set()) == set(range(16)) - {3}, "read afresh: not genuine"
