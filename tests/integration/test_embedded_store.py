@@ -102,9 +102,11 @@ def test_a_rounds_polls_read_each_join_once():
     for r in range(16):
         writer.set(f"g1/join/{r}", json.dumps({"step": 0, "inc": 1}))
         writer.append_hint("g1/joined", f"{r},")
+        assert writer.has("g1/joined")  # answered after the writes before it (TCPStore does not answer set, append)
         assert joined_round(reader, "g1", 16, 1, False, seen) == set(range(r + 1))
     payload_reads = [key for key in recorder.keys if key.startswith("g1/join/")]
     assert sorted(payload_reads) == sorted(f"g1/join/{r}" for r in range(16)), "each join read once"
     writer.raw.set("g1/join/3", b"forged")  # an unauthenticated write over a join already read: not read again
+    assert writer.has("g1/join/3")
     assert joined_round(reader, "g1", 16, 1, False, seen) == set(range(16))
     assert joined_round(reader, "g1", 16, 1, False, set()) == set(range(16)) - {3}, "read afresh: not genuine"
