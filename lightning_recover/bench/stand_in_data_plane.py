@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import socket
 import struct
 import threading
@@ -283,10 +284,7 @@ def frame_tensor(header: dict, payload: bytes) -> torch.Tensor:
     if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
         raise ValueError(f"bad shape {shape!r}")
     dtype = DTYPES[name]
-    numel = 1
-    for d in shape:
-        numel *= d
-    if numel * torch.empty(0, dtype=dtype).element_size() != len(payload):
+    if math.prod(shape) * torch.empty(0, dtype=dtype).element_size() != len(payload):
         raise ValueError(f"{len(payload)} bytes do not hold a {name} tensor of shape {shape}")
     if not payload:
         return torch.empty(shape, dtype=dtype)
