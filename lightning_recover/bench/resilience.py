@@ -28,11 +28,12 @@ A peer's mode is added from outside the package (:class:`ExtraMode`): the compar
 these options and runs this driver with a ``torchft`` mode more.
 
 Straggler scenario (``--straggler R:F[@S]``, no faults): replica ``R``'s microbatches take ``F``
-times ``mb_seconds`` (from step ``S`` on). ``recover-equal`` and ``recover-throughput`` run
-``strategy="recover"`` (local launcher) with ``quota="equal"`` / ``"throughput"``, ``ddp-torch``
-stock DDP with the same slowdown (no checkpoints: nothing fails), ``failure-free`` the reference
-without the straggler. Reported against the ideal (the sum of the replicas' rates) and against what
-the quota plan itself allows with zero communication (:func:`planned_mb_per_s`).
+times as long as the others' (``F * mb_seconds`` while compute fits in ``mb_seconds``; from step ``S``
+on). ``recover-equal`` and ``recover-throughput`` run ``strategy="recover"`` (local launcher) with
+``quota="equal"`` / ``"throughput"``, ``ddp-torch`` stock DDP with the same slowdown (no checkpoints:
+nothing fails), ``failure-free`` the reference without the straggler. Reported against the ideal (the
+sum of the replicas' rates) and against what the quota plan itself allows with zero communication
+(:func:`planned_mb_per_s`).
 
 Sharded mode (``--replica-size K``, K > 1): every replica is K processes sharding the model with
 FSDP2. ``recover`` runs ``lightning-recover torchrun --nproc-per-replica K`` (a killed process takes

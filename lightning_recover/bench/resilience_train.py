@@ -22,9 +22,10 @@ wall time (the replica sleeps for the rest), so a replica processes at most one 
 otherwise free CPU for the survivors and flatter them; with the padding the step time is
 ``ceil(M / live) * T`` plus communication, as on a cluster of fixed-speed accelerators.
 
-Stragglers (``--slow R:F[@S]``): replica ``R`` pads each microbatch to ``F * T`` instead (from step
-``S`` on), a slower accelerator; under ``recover``, ``--quota throughput`` gives it fewer of the ``M``
-microbatches (``strategy="recover"``'s quotas proportional to each replica's measured rate).
+Stragglers (``--slow R:F[@S]``): replica ``R`` pads each microbatch to ``F * max(compute, T)`` instead
+(from step ``S`` on), a slower accelerator, ``F`` times slower than the others even on a loaded host; under
+``recover``, ``--quota throughput`` gives it fewer of the ``M`` microbatches (``strategy="recover"``'s
+quotas proportional to each replica's measured rate).
 
 The ``ddp`` fault hook (``--kill R:S,...``, sorted by step) is this baseline's own: the k-th entry
 SIGKILLs rank ``R`` at the start of step ``S``'s backward pass only in attempt ``k``
@@ -52,16 +53,19 @@ import time
 PROCESS_START = time.time()
 
 
-def pad_microbatch(start: float, seconds: float) -> None:
-    """Sleep until ``seconds`` after ``start``: the fixed per-microbatch capacity."""
-    left = start + seconds - time.perf_counter()
+def pad_microbatch(start: float, seconds: float, factor: float = 1.0) -> None:
+    """Sleep until ``factor * max(compute, seconds)`` after ``start``: the fixed per-microbatch capacity,
+    ``factor`` times as long on a straggler. The factor scales the compute too: on a loaded host a microbatch
+    may outlast ``seconds``, and a straggler stays ``factor`` times slower than the others even then."""
+    took = time.perf_counter() - start
+    left = factor * max(took, seconds) - took
     if left > 0:
         time.sleep(left)
 
 
 def parse_slow(spec: str) -> dict[int, tuple[float, int]]:
     """``--slow``: ``"R:F[@S],..."`` -> ``{R: (F, S)}``: replica ``R``'s microbatches take ``F`` times
-    ``--mb-seconds`` from step ``S`` on (``S`` = 0 when omitted: slow from the start)."""
+    as long as the others' from step ``S`` on (``S`` = 0 when omitted: slow from the start)."""
     slow: dict[int, tuple[float, int]] = {}
     for item in (x.strip() for x in spec.split(",") if x.strip()):
         try:
@@ -81,7 +85,7 @@ def parse_slow(spec: str) -> dict[int, tuple[float, int]]:
 
 
 def slow_factor(slow: dict[int, tuple[float, int]], replica: int, step: int) -> float:
-    """How many times ``--mb-seconds`` one microbatch of ``replica`` takes in ``step``."""
+    """How many times as long as the others' one microbatch of ``replica`` takes in ``step``."""
     factor, since = slow.get(replica, (1.0, 0))
     return factor if step >= since else 1.0
 
@@ -154,11 +158,11 @@ def run_recover(args: argparse.Namespace) -> None:
         if joining:
             joining = False
             log(event="rejoin", step=step.index, t=start, incarnation=incarnation, attempt=0)
-        mb_seconds = args.mb_seconds * slow_factor(slow, replica, step.index)
+        factor = slow_factor(slow, replica, step.index)
         for x, y in step:
             t = time.perf_counter()
             fabric.backward(model.loss(x, y))
-            pad_microbatch(t, mb_seconds)
+            pad_microbatch(t, args.mb_seconds, factor)
         optimizer.step()
         optimizer.zero_grad()
         s = step.stats
@@ -259,7 +263,7 @@ def run_ddp(args: argparse.Namespace) -> None:
     for index in range(first, args.steps):
         start = time.time()
         total = 0.0
-        mb_seconds = args.mb_seconds * slow_factor(slow, rank // K, index)
+        factor = slow_factor(slow, rank // K, index)
         for k in range(per_rank):
             t = time.perf_counter()
             x, y = source.batch(index, rank * per_rank + k)
@@ -274,7 +278,7 @@ def run_ddp(args: argparse.Namespace) -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
                 fabric.backward(loss / per_rank)
             total += loss.item()
-            pad_microbatch(t, mb_seconds)
+            pad_microbatch(t, args.mb_seconds, factor)
         optimizer.step()
         optimizer.zero_grad()
         log(

@@ -354,7 +354,9 @@ class ScaleRun:
             "control_cpu": control.cpu_seconds(),
             "load": os.getloadavg()[0],
         }
-        out.update({k: sum(a[k] for a in answers) for k in ("watch_events", "watch_bytes", "resyncs", "views")})
+        out.update(
+            {k: sum(a[k] for a in answers) for k in ("watch_events", "watch_bytes", "resyncs", "confirms", "views")}
+        )
         if self.cluster is not None:
             out["etcd_cpu"] = members_cpu_seconds(self.cluster)
             out["etcd"] = metrics(self.cluster, extra=(_LEASE_RENEWED,))
@@ -435,8 +437,10 @@ class ScaleRun:
             control_cpu_s_per_step=(b["control_cpu"] - a["control_cpu"]) / steps,
             watch_events_per_step_per_process=(b["watch_events"] - a["watch_events"]) / steps / views,
             watch_bytes_per_step_per_process=(b["watch_bytes"] - a["watch_bytes"]) / steps / views,
-            # full re-reads of a view (its stream lost or silent past STALE_AFTER): each is the whole prefix
+            # full re-reads of a view (its stream lost or silent past STALE_AFTER while the range changed): each
+            # is the whole prefix; a confirm is one key's read that found nothing missed
             view_resyncs_per_step_per_process=(b["resyncs"] - a["resyncs"]) / steps / views,
+            view_confirms_per_step_per_process=(b["confirms"] - a["confirms"]) / steps / views,
             load=[a["load"], b["load"]],
         )
         if self.cluster is not None:

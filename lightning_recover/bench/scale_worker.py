@@ -140,6 +140,7 @@ class ScaleWorker:
             "watch_events": sum(v.events for v in views),
             "watch_bytes": sum(v.payload_bytes for v in views),
             "resyncs": sum(v.resyncs for v in views),
+            "confirms": sum(v.confirms for v in views),
             "views": len(views),
         }
 

@@ -469,7 +469,10 @@ class EtcdClient(_Transport):
         keys_only: bool = False,
         serializable: bool = False,
         limit: int = 0,
+        newest_first: bool = False,
     ) -> dict:
+        """etcd's ``kv/range``; ``newest_first`` sorts by ``mod_revision``, newest first (with ``limit=1``:
+        the range's most recently written key, and ``count`` still counts the whole range)."""
         body: dict[str, Any] = {"key": b64(key)}
         if limit:
             body["limit"] = str(limit)
@@ -483,6 +486,8 @@ class EtcdClient(_Transport):
             body["keys_only"] = True
         if serializable:
             body["serializable"] = True
+        if newest_first:
+            body["sort_order"], body["sort_target"] = "DESCEND", "MOD"
         return self.request("kv/range", body)
 
     def get(self, key: bytes) -> tuple[Optional[bytes], int]:

@@ -17,8 +17,12 @@ What a reader may rely on (tests/integration/test_etcd_watch.py checks each):
   while nothing else is, ``coordinator.run_monitor``: a live stream of the job's keys is never that quiet).
   A silent, compacted, cancelled or broken stream makes the view unhealthy at once or within
   ``stale_after``; readers then make the round trip they would have made without a view (``lookup``
-  answers ``(False, None)``), and the view re-reads the prefix and watches again. A key outside the
-  watched range gets the same answer: it is not watched, which is not absent.
+  answers ``(False, None)``), and the view catches up and watches again. A key outside the watched range
+  gets the same answer: it is not watched, which is not absent.
+* **Catching up costs O(1) bytes when nothing was missed**: a silent stream is mostly a quiet one (a long
+  step whose tick was late on a loaded host). The view first asks etcd, in one linearizable read of a
+  single key, how many keys the range holds and the newest ``mod_revision`` among them
+  (:func:`range_unchanged`); only when either differs from what it holds does it re-read the whole prefix.
 * A stale answer is only an earlier state: the protocol uses the view only where reading slightly earlier
   is a read that could have happened anyway (hints, registers written once, notices that only grow);
   decisions themselves are written by transactions (``EtcdStore.put_and_decide``).
@@ -57,7 +61,8 @@ class WatchView:
         self.revision = 0  # the store's revision this view is complete up to
         self._synced = False
         self._heard = 0.0  # monotonic time of the stream's last message
-        self.resyncs = 0  # full re-reads (1 at start; more after a lost or compacted stream)
+        self.resyncs = 0  # full re-reads (1 at start; more after a stream lost while the range changed)
+        self.confirms = 0  # one-key reads that found the range as the view holds it (a silent or lost stream)
         self.events = 0  # watch events applied (load figures)
         #: bytes of keys and values this view received, base64 as etcd's gateway sends them (load figures)
         self.payload_bytes = 0
@@ -168,7 +173,8 @@ class WatchView:
         delay = _RETRY_MIN
         while not self._stop.is_set():
             try:
-                self._sync()
+                if not self._confirm():
+                    self._sync()
                 delay = _RETRY_MIN
                 for msg in self._client.watch_messages(self.prefix, self._end, self.revision + 1, self.stale_after):
                     if self._stop.is_set():
@@ -183,6 +189,27 @@ class WatchView:
                 self._cond.notify_all()
             self._stop.wait(delay)
             delay = min(delay * 2, _RETRY_MAX)
+
+    def _confirm(self) -> bool:
+        """After a silent or lost stream: True if one linearizable read of the range's newest key shows the
+        range as the view holds it; the view is then complete up to that read's revision and watches on from
+        there. False (re-read everything) before the first sync or when anything changed."""
+        if not self.resyncs:
+            return False
+        sent = time.monotonic()
+        answer = self._client.range(self.prefix, self._end, keys_only=True, limit=1, newest_first=True)
+        kvs = answer.get("kvs") or []
+        newest = int(kvs[0].get("mod_revision") or 0) if kvs else 0
+        with self._cond:
+            if not range_unchanged(self._mods, int(answer.get("count") or 0), newest):
+                return False
+            self.revision = max(self.revision, int(answer["header"]["revision"]))
+            self.term = max(self.term, int(answer["header"].get("raft_term") or 0))
+            self._synced = True
+            self._heard = sent  # the read's answer is the store's state at some moment after it was sent
+            self.confirms += 1
+            self._cond.notify_all()
+        return True
 
     def _sync(self) -> None:
         """Replace the view by one linearizable read of the prefix (never older than what it held)."""
@@ -233,3 +260,14 @@ class WatchView:
             self.term = max(self.term, int((msg.get("header") or {}).get("raft_term") or 0))
             self._heard = now
             self._cond.notify_all()
+
+
+def range_unchanged(held_mods: dict[bytes, int], count: int, newest: int) -> bool:
+    """Whether a range whose etcd answer is ``count`` keys, the newest modified at revision ``newest``, is
+    the range a view holds as ``key -> mod_revision`` (``held_mods``, complete up to the view's revision).
+
+    Any later put sets its key's mod_revision above every held one, so it raises ``newest`` for as long as
+    that key exists; a later delete with no put that survives lowers ``count``. A key put and deleted again
+    changes neither, and the range's state is then indeed unchanged.
+    """
+    return count == len(held_mods) and newest == max(held_mods.values(), default=0)
