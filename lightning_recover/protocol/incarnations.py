@@ -66,7 +66,11 @@ def declared_dead(
     a moment stale (a watched view)."""
     if not replicas:
         return set()
-    deaths = store.deaths(replicas, recent=recent)
+    return dead_among(replicas, incarnations, store.deaths(replicas, recent=recent))
+
+
+def dead_among(replicas: Sequence[int], incarnations: dict[int, int], deaths: dict[int, int]) -> set[int]:
+    """The ``replicas`` whose incarnation is at or below the one their death notice declared (``deaths``)."""
     # Incarnation 0 = not started yet (only during the first formation): not dead.
     return {r for r in replicas if 0 < incarnations.get(r, 1 << 30) <= deaths[r]}
 

@@ -10,13 +10,14 @@ the generation's process group is :class:`~lightning_recover.protocol.membership
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lightning_recover.errors import ForgedMessageError, RecoverError, ReplicaExcludedError
-from lightning_recover.protocol.incarnations import current_incarnations, declared_dead, exclusion_error
+from lightning_recover.protocol.incarnations import current_incarnations, dead_among, exclusion_error
 from lightning_recover.protocol.messages import ControlStore
 from lightning_recover.protocol.polling import POLL_MIN, pause
 from lightning_recover.protocol.rendezvous import FIELD as RENDEZVOUS_FIELD
@@ -47,13 +48,44 @@ def rounds_by_view(store: ControlStore, replica_size: int) -> bool:
     return bool(store.raw.views) and replica_size == 1
 
 
+#: Longest a round's polls go on using death notices read earlier while ``events`` did not move: a notice and its
+#: bump are two requests on the embedded coordinator, and a writer killed between them leaves ``events`` still.
+DEATHS_REREAD = 1.0
+
+
+@dataclass
+class RoundReads:
+    """What one replica's polls of one round already read, so that a poll costs O(1) while nothing changed: a
+    join and a death notice are never taken back, and each change bumps a counter the poll reads first."""
+
+    prefix: str = ""
+    joins: set[int] = field(default_factory=set)  # replicas whose join was read genuine
+    listed: int = -1  # the round's ``joins`` counter when its list of joiners was last read
+    positions: dict[int, set[str]] = field(default_factory=dict)  # that list: replica -> positions that joined
+    events: int = -1  # the ``events`` counter when the death notices were last read
+    deaths_read: float = -math.inf  # when (monotonic)
+    deaths: dict[int, int] = field(default_factory=dict)  # replica -> incarnation declared dead
+
+    def dead(self, store: ControlStore, replicas: list[int], incarnations: dict[int, int]) -> set[int]:
+        """:func:`~lightning_recover.protocol.incarnations.declared_dead` for ``replicas`` (reads that may be a
+        moment stale), the notices read again only when ``events`` moved, a replica is new or they are older
+        than :data:`DEATHS_REREAD`. ``events`` is read first: a notice written after the notices' read is bumped
+        after it too, and the next poll sees the bump."""
+        events = store.recent_count("events")
+        now = time.monotonic()
+        if events != self.events or now - self.deaths_read > DEATHS_REREAD or not self.deaths.keys() >= set(replicas):
+            self.deaths = store.deaths(replicas, recent=True)
+            self.events, self.deaths_read = events, now
+        return dead_among(replicas, incarnations, self.deaths)
+
+
 def joined_round(
     store: ControlStore,
     prefix: str,
     num_replicas: int,
     replica_size: int,
     by_view: bool,
-    seen: Optional[set[int]] = None,
+    reads: Optional[RoundReads] = None,
 ) -> set[int]:
     """Replicas that joined round ``prefix``. The unsealed list is only a hint of whom to look at:
     a replica counts once its sealed join payload is there and, with K processes per replica,
@@ -63,24 +95,23 @@ def joined_round(
     joined (a join is never taken back), so the round only waits a moment longer. ``by_view``
     (:func:`rounds_by_view`): there is no list; the view holds every payload, and looking at each
     replica's costs no round trip (a list would cost an append, contended by every joiner, on the
-    regroup's critical path). ``seen``: replicas whose join this caller already read genuine in this round, not
-    read again and added to as joins are read (a join is never taken back): a round's polls then cost one read of
-    the list plus the new joins, not a read per member per poll."""
+    regroup's critical path). ``reads``: what this caller's earlier polls of the round read (the same round): the
+    list is read again only when the round's ``joins`` counter (bumped after each entry) moved, and a join read
+    genuine is not read again, so a poll costs one counter's read while nobody new joined, not a read of the list
+    and of every member's join."""
     if by_view:
         keys = [f"{prefix}/join/{r}" for r in range(num_replicas)]
         return {r for r, payload in enumerate(store.recent_genuine_many(keys)) if _well_formed(payload)}
-    positions: dict[int, set[str]] = {}
-    hint = (store.recent_raw(f"{prefix}/joined") or b"").decode(errors="replace")
-    for item in hint.split(","):
-        r, _, i = item.partition(".")
-        if r.isdigit() and int(r) < num_replicas:
-            positions.setdefault(int(r), set()).add(i)
+    reads = reads if reads is not None else RoundReads(prefix)
+    listed = store.recent_count(f"{prefix}/joins")  # first: an entry counted now is in the list read next
+    if listed != reads.listed:
+        reads.listed, reads.positions = listed, _joiners(store.recent_raw(f"{prefix}/joined"), num_replicas)
     # Never a waiting read: a deleted payload must not stall the round (its writer puts it back).
     joined = set()
-    for r in sorted(positions):
-        if len(positions[r]) < replica_size:
+    for r in sorted(reads.positions):
+        if len(reads.positions[r]) < replica_size:
             continue
-        if seen is not None and r in seen:
+        if r in reads.joins:
             joined.add(r)
             continue
         try:
@@ -89,9 +120,18 @@ def joined_round(
             continue  # planted by someone without the secret: not a member
         if _well_formed(payload):
             joined.add(r)
-            if seen is not None:
-                seen.add(r)
+            reads.joins.add(r)
     return joined
+
+
+def _joiners(hint: Optional[bytes], num_replicas: int) -> dict[int, set[str]]:
+    """A round's unsealed list of joiners (``"r,"`` or ``"r.i,"`` entries): replica -> positions that joined."""
+    positions: dict[int, set[str]] = {}
+    for item in (hint or b"").decode(errors="replace").split(","):
+        r, _, i = item.partition(".")
+        if r.isdigit() and int(r) < num_replicas:
+            positions.setdefault(int(r), set()).add(i)
+    return positions
 
 
 def _well_formed(payload: Optional[str]) -> bool:
@@ -163,7 +203,7 @@ class JoinRounds:
         self._check_health = check_health  # raises once the coordinator is lost or this replica was excluded
         self.rendezvous = rendezvous  # the address of this replica's rendezvous store, where it hosts one
         self.by_view = rounds_by_view(store, replica_size)
-        self._joins_read: tuple[str, set[int]] = ("", set())  # a round's joins already read genuine (joined_round)
+        self._reads = RoundReads()  # what this replica's polls of its current round already read
 
     def _payload(self, payload: dict) -> str:
         """What this replica publishes when it joins a round: ``payload``, its incarnation, its rendezvous store."""
@@ -176,6 +216,7 @@ class JoinRounds:
         if not self.by_view:
             me = str(self.replica) if self.replica_size == 1 else f"{self.replica}.{self.inner}"
             self.store.append_hint(f"{prefix}/joined", f"{me},")
+            self.store.add(f"{prefix}/joins", 1)  # after the entry: a reader that sees the count sees the entry
 
     def _excluded(self, why: str) -> ReplicaExcludedError:
         return exclusion_error(self.store, self.replica, self.incarnation, why)
@@ -184,13 +225,11 @@ class JoinRounds:
         """Round ``prefix``'s :func:`~lightning_recover.protocol.rounds.round_state`, from what the store shows (a
         watched view's join or death not shown yet only makes the round wait). ``joined_too``: joins not in the
         view yet (this replica's own, written in the transaction that would close the round)."""
-        if self._joins_read[0] != prefix:
-            self._joins_read = (prefix, set())
-        joined = joined_round(
-            self.store, prefix, self.num_replicas, self.replica_size, self.by_view, self._joins_read[1]
-        )
+        if self._reads.prefix != prefix:
+            self._reads = RoundReads(prefix)
+        joined = joined_round(self.store, prefix, self.num_replicas, self.replica_size, self.by_view, self._reads)
         joined |= joined_too
-        dead = declared_dead(self.store, sorted(set(expected) | joined), expected, recent=True)
+        dead = self._reads.dead(self.store, sorted(set(expected) | joined), expected)
         return round_state(expected, joined, dead)
 
     def closing_members(self, number: int, expected: dict[int, int]) -> Optional[dict[str, str]]:

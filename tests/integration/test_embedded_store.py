@@ -10,8 +10,9 @@ import pytest
 import torch.distributed as dist
 
 from lightning_recover.control_plane.embedded import BATCH_READ_TIMEOUT, CoordinatorStore, peek
+from lightning_recover.protocol import join_rounds
 from lightning_recover.protocol.coordinator import Coordinator
-from lightning_recover.protocol.join_rounds import joined_round
+from lightning_recover.protocol.join_rounds import RoundReads, joined_round
 from lightning_recover.protocol.messages import ControlStore, JobSecret
 from tests.compare import SLACK
 
@@ -85,28 +86,58 @@ class _RecordsKeys:
         def recorded(*args, **kwargs):
             if args and isinstance(args[0], str):
                 self.keys.append(args[0])
+            elif args and isinstance(args[0], list) and name != "check":  # a batch read (a check reads no value)
+                self.keys.extend(args[0])
             return found(*args, **kwargs)
 
         return recorded
 
 
-def test_a_rounds_polls_read_each_join_once():
-    """Polls of a forming round read the list of who joined and only the joins not read genuine before (a join is
-    never taken back): a round of N costs N payload reads per member in all, not N per poll. A join forged over one
-    already read is not read again; a fresh reader rejects it."""
+def test_a_rounds_polls_read_each_join_once_and_the_list_when_it_grew():
+    """Polls of a forming round read the list of who joined only when the round's ``joins`` counter moved, and only
+    the joins not read genuine before (a join is never taken back): a round of N costs each member N list reads and
+    N payload reads in all, not a read of each per poll. A join forged over one already read is not read again; a
+    fresh reader rejects it."""
     secret = JobSecret.generate()
     coordinator = Coordinator("127.0.0.1", 0, 16, 1.0, secret)
     reader, writer = ControlStore(coordinator.addr, 0, secret), ControlStore(coordinator.addr, 1, secret)
     recorder = reader.raw.store = _RecordsKeys(reader.raw.store)
-    seen: set[int] = set()
+    reads = RoundReads("g1")
     for r in range(16):
         writer.set(f"g1/join/{r}", json.dumps({"step": 0, "inc": 1}))
         writer.append_hint("g1/joined", f"{r},")
-        assert writer.has("g1/joined")  # answered after the writes before it (TCPStore does not answer set, append)
-        assert joined_round(reader, "g1", 16, 1, False, seen) == set(range(r + 1))
+        writer.add("g1/joins", 1)  # answered: the set and the append before it on this connection were applied
+        for _ in range(3):  # polls
+            assert joined_round(reader, "g1", 16, 1, False, reads) == set(range(r + 1))
     payload_reads = [key for key in recorder.keys if key.startswith("g1/join/")]
     assert sorted(payload_reads) == sorted(f"g1/join/{r}" for r in range(16)), "each join read once"
+    assert recorder.keys.count("g1/joined") == 16, "the list read once per join, not per poll"
     writer.raw.set("g1/join/3", b"forged")  # an unauthenticated write over a join already read: not read again
     assert writer.has("g1/join/3")
-    assert joined_round(reader, "g1", 16, 1, False, seen) == set(range(16))
-    assert joined_round(reader, "g1", 16, 1, False, set()) == set(range(16)) - {3}, "read afresh: not genuine"
+    assert joined_round(reader, "g1", 16, 1, False, reads) == set(range(16))
+    assert joined_round(reader, "g1", 16, 1, False, RoundReads("g1")) == set(range(16)) - {
+        3
+    }, "read afresh: not genuine"
+
+
+def test_a_rounds_polls_read_the_death_notices_again_when_events_moved(monkeypatch):
+    """A round's polls read the death notices once and again only when ``events`` moved (every notice bumps it
+    after it is written), or when what they read is older than ``DEATHS_REREAD``: a notice whose writer was killed
+    between the notice and the bump is seen then."""
+    secret = JobSecret.generate()
+    coordinator = Coordinator("127.0.0.1", 0, 8, 1.0, secret)
+    reader, writer = ControlStore(coordinator.addr, 0, secret), ControlStore(coordinator.addr, 1, secret)
+    recorder = reader.raw.store = _RecordsKeys(reader.raw.store)
+    monkeypatch.setattr(join_rounds, "DEATHS_REREAD", 1e9)
+    reads, replicas, incarnations = RoundReads("g1"), list(range(8)), {r: 1 for r in range(8)}
+    for _ in range(3):  # polls
+        assert reads.dead(reader, replicas, incarnations) == set()
+    assert recorder.keys.count("dead/5") == 1, "the notices read once while events did not move"
+    assert writer.mark_dead(5, 1)
+    assert reads.dead(reader, replicas, incarnations) == {5}
+    assert recorder.keys.count("dead/5") == 2
+    writer.raw.set("dead/6", writer.sealer.seal("dead/6", b"1"))  # its writer killed before the bump
+    assert writer.has("dead/6")
+    assert reads.dead(reader, replicas, incarnations) == {5}
+    monkeypatch.setattr(join_rounds, "DEATHS_REREAD", 0.0)
+    assert reads.dead(reader, replicas, incarnations) == {5, 6}
