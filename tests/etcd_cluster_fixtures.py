@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
+from dataclasses import dataclass
 
 import pytest
 
@@ -18,9 +20,26 @@ from lightning_recover.control_plane.etcd_cluster import LocalEtcdCluster
 MEMBER_NICE = -10 if os.geteuid() == 0 else 0
 
 
+#: The test clusters' data (their write-ahead logs) lives on tmpfs where there is one: etcd wants a device of its
+#: own for its log, and on the shared disk the checkpoint tests' writes delayed the members' fsyncs past their
+#: election timeout (leaders stepped down; requests failed with EtcdUnavailable).
+TMPFS = "/dev/shm"
+
+
+@dataclass
+class TmpfsCluster(LocalEtcdCluster):
+    """A :class:`LocalEtcdCluster` whose members' data is on tmpfs (:data:`TMPFS`), removed by :meth:`stop`."""
+
+    def stop(self) -> None:
+        super().stop()
+        if self.data_root is not None:
+            shutil.rmtree(self.data_root, ignore_errors=True)
+
+
 def local_cluster(directory: str, members: int, **options) -> LocalEtcdCluster:
-    """A local TLS etcd of ``members`` members at the tests' priority (not started)."""
-    return LocalEtcdCluster(directory, members_count=members, nice=MEMBER_NICE, **options)
+    """A local TLS etcd of ``members`` members at the tests' priority, its data on tmpfs (not started)."""
+    data_root = tempfile.mkdtemp(prefix="lr-etcd-", dir=TMPFS) if os.access(TMPFS, os.W_OK) else None
+    return TmpfsCluster(directory, members_count=members, nice=MEMBER_NICE, data_root=data_root, **options)
 
 
 def need_etcd() -> None:

@@ -170,6 +170,9 @@ class LocalEtcdCluster:
     #: the members' nice value (negative: root only). A production cluster has cores of its own; members that
     #: share their cores with the job and other work stall requests past the clients' deadline
     nice: int = 0
+    #: where the members' data directories (their write-ahead logs) go; None: ``directory``. etcd asks for a
+    #: device of its own for its log: every write waits for its fsync
+    data_root: str | None = None
     members: list[Member] = field(default_factory=list)
     certs: dict[str, str] = field(default_factory=dict)
 
@@ -209,9 +212,8 @@ class LocalEtcdCluster:
         if len(hosts) != self.members_count:
             raise ValueError(f"hosts: one address, or one per member ({self.members_count}), got {list(self.hosts)}")
         # A data directory remembers its cluster's members and peer ports: a new cluster on it never elects.
-        stale = [
-            d for d in (os.path.join(self.directory, f"m{i}.etcd") for i in range(len(hosts))) if os.path.exists(d)
-        ]
+        data = [os.path.join(self.data_root or self.directory, f"m{i}.etcd") for i in range(len(hosts))]
+        stale = [d for d in data if os.path.exists(d)]
         if stale:
             raise RecoverError(
                 f"{stale[0]} holds the data of an earlier cluster, which a new one cannot use. HINT: "
@@ -219,10 +221,7 @@ class LocalEtcdCluster:
             )
         if self.tls:
             self.certs = make_certificates(os.path.join(self.directory, "pki"), sorted(set(hosts)))
-        self.members = [
-            Member(f"m{i}", h, _free_port(h), _free_port(h), os.path.join(self.directory, f"m{i}.etcd"))
-            for i, h in enumerate(hosts)
-        ]
+        self.members = [Member(f"m{i}", h, _free_port(h), _free_port(h), data[i]) for i, h in enumerate(hosts)]
         try:
             for i in range(len(self.members)):
                 self._spawn(i, "new")

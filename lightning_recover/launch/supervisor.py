@@ -88,6 +88,7 @@ from lightning_recover.protocol.options import (
     check_seconds,
     check_standby,
 )
+from lightning_recover.protocol.silence import MAX_TURN, OwnTime
 from lightning_recover.protocol.standby import assign as assign_standby
 from lightning_recover.protocol.standby import is_ready as standby_is_ready
 
@@ -115,6 +116,7 @@ class _Link:
         self._period = period
         self._requests: queue.Queue = queue.Queue()
         self.last_ok = time.monotonic()
+        self._own_time = OwnTime(MAX_TURN)  # the launcher's main thread's: silence is judged in it
         self.error: BaseException | None = None
         self.asking: tuple[str, float] | None = None  # the request waiting for its answer, and since when
         self._closed = False
@@ -181,7 +183,13 @@ class _Link:
         return box, done
 
     def silent_for(self) -> float:
-        return float("inf") if self.error is not None else time.monotonic() - self.last_ok
+        """Seconds since the coordinator last answered, in the launcher's own running time (``silence.py``): a
+        stretch in which the launcher did not run is not the coordinator's silence. Called by the main thread
+        only (each call is a turn of its loop)."""
+        if self.error is not None:
+            return float("inf")
+        self._own_time.turn()
+        return self._own_time.since(self.last_ok)
 
     def describe_silence(self) -> str:
         """What the link was doing while the coordinator was silent: a request still unanswered, or none sent (the

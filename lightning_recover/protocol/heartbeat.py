@@ -17,6 +17,7 @@ from lightning_recover.errors import COORDINATOR_LOST_HINT
 from lightning_recover.protocol.liveness import VouchCoverage, heartbeat_lease
 from lightning_recover.protocol.messages import ControlStore, sequence
 from lightning_recover.protocol.notice import Notice, leave_requested
+from lightning_recover.protocol.silence import MAX_TURN, OwnTime
 from lightning_recover.protocol.vouches import VOUCH_KEY, Roster, VouchReader, raw_reader
 
 
@@ -206,7 +207,8 @@ class Heartbeat:
 
 
 class CoordinatorWatchdog:
-    """Ends the process when the coordinator stops answering the heartbeat for ``limit`` seconds.
+    """Ends the process when the coordinator stops answering the heartbeat for ``limit`` seconds (of this
+    thread's own running time, ``silence.py``).
 
     A TCPStore client blocks for good in a read from a frozen (SIGSTOPped, wedged) server: its
     timeout covers waiting for keys, not a server that stopped reading. Whatever the main thread
@@ -228,10 +230,12 @@ class CoordinatorWatchdog:
         self._thread.start()
 
     def _run(self) -> None:
+        own_time = OwnTime(MAX_TURN)  # silence is counted while this thread ran (silence.py)
         while not self._stop.wait(min(0.1, self._limit / 10)):
             if self._heartbeat.stopped:
                 return  # the heartbeat was stopped on purpose: nothing left to watch
-            silent = time.monotonic() - self._heartbeat.last_ok
+            own_time.turn()
+            silent = own_time.since(self._heartbeat.last_ok)
             if silent > self._limit and not self._stop.is_set():
                 failed = self._heartbeat.error
                 why = (
