@@ -57,13 +57,15 @@ class ProcessGroups:
         self._lock = threading.Lock()
         self._reaper: threading.Thread | None = None
         self._ever_abandoned = False
+        self._kept_at_exit = False  # a group release() could not let go of: the interpreter's exit would destroy it
 
     @property
     def abandoned_work(self) -> bool:
-        """True once a group was abandoned (or a build given up on): the process must then end without
-        running destructors (``os._exit``), as tearing gloo down at interpreter exit after a failure
-        aborted the process or hung in the tests, even when the reaper had destroyed every abandoned group."""
-        return self._ever_abandoned or bool(self._stuck_builds)
+        """True once a group was abandoned (or a build given up on, or kept at a clean exit by :meth:`release`):
+        the process must then end without running destructors (``os._exit``), as tearing gloo down at
+        interpreter exit after a failure aborted the process or hung in the tests, even when the reaper had
+        destroyed every abandoned group."""
+        return self._ever_abandoned or bool(self._stuck_builds) or self._kept_at_exit
 
     @property
     def abandoned_alive(self) -> int:
@@ -150,11 +152,12 @@ class ProcessGroups:
 
     def release(self, pg: Any) -> bool:
         """Forget ``pg``, a group this replica is done with (a clean exit), unless an operation it started on it
-        has not completed (False: it is kept). The caller then drops its own reference, so the group's destructor
-        joins gloo's threads on the caller's thread while the interpreter runs. Left to the interpreter's exit, a
-        gloo thread that frees the tensors of its last operation takes the interpreter lock during finalization,
-        and the process aborts."""
+        has not completed (False: it is kept, and the process ends with ``os._exit``: :attr:`abandoned_work`). The
+        caller then drops its own reference, so the group's destructor joins gloo's threads on the caller's thread
+        while the interpreter runs. Left to the interpreter's exit, a gloo thread that frees the tensors of its
+        last operation takes the interpreter lock during finalization, and the process aborts."""
         if not _ended(self._in_flight.get(id(pg), [])):
+            self._kept_at_exit = True
             return False
         self._in_flight.pop(id(pg), None)
         self._parts.pop(id(pg), None)

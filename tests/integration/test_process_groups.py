@@ -205,3 +205,33 @@ def test_a_released_group_ends_its_gloo_threads_while_the_interpreter_runs():
         assert groups[rank].release(built.pop(rank)), "a group whose operations completed is released"
         # the last references went with built.pop: the destructors ran there
     assert gloo_threads() - before == set(), "no gloo thread outlives its released group"
+
+
+def test_a_group_kept_at_a_clean_exit_ends_the_process_without_destructors():
+    """A clean exit whose group still has an operation in flight cannot release it (destroying it would wait for
+    the operation); the interpreter's exit would destroy it and abort the process (SIGABRT, a replica leaving on a
+    notice under load): ``abandoned_work`` then says to end with ``os._exit``. Two members in threads of this
+    process; member 1 joins the operation only after member 0's release was refused."""
+    import torch
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30))
+    groups = [ProcessGroups("gloo", collective_timeout=30.0) for _ in range(2)]
+    built: dict[int, object] = {}
+
+    def member(rank: int) -> None:
+        store = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+        built[rank] = groups[rank].build(dist.PrefixStore("g0", store), 0, rank, 2, lambda: False)
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(built) == [0, 1], "both members built the group"
+    works = [built[0].allreduce([torch.ones(4)])]  # member 1 has not joined it: in flight
+    groups[0].started(built[0], works)
+    assert not groups[0].release(built[0]), "a group with an operation in flight is kept"
+    assert groups[0].abandoned_work and not groups[1].abandoned_work
+    built[1].allreduce([torch.ones(4)]).wait()  # member 1 joins: the operation ends, the threads can go
+    works[0].wait()
+    assert groups[0].release(built.pop(0)) and groups[1].release(built.pop(1))
