@@ -19,7 +19,7 @@ from typing import Any, Optional
 from lightning_recover.errors import ForgedMessageError, RecoverError, ReplicaExcludedError
 from lightning_recover.protocol.incarnations import current_incarnations, dead_among, exclusion_error
 from lightning_recover.protocol.messages import ControlStore
-from lightning_recover.protocol.polling import POLL_MIN, pause, round_poll_max
+from lightning_recover.protocol.polling import POLL_MIN, pause
 from lightning_recover.protocol.rendezvous import FIELD as RENDEZVOUS_FIELD
 from lightning_recover.protocol.rounds import SHORT, WAIT, RoundState, round_outcome, round_state
 
@@ -299,7 +299,7 @@ class JoinRounds:
             self.store.set(mine, self._payload(payload))
         self._say_joined(prefix)
         deadline = time.monotonic() + timeout
-        delay, ceiling = POLL_MIN, round_poll_max(len(expected))
+        delay = POLL_MIN
         expected = dict(expected)
         # With a watched view the round is watched, not polled: its reads come from the view (a stale view
         # only makes the round wait a moment longer: joins and deaths are never taken back, and the member
@@ -315,7 +315,7 @@ class JoinRounds:
                 # member list deleted or forged after they read it must not keep it here for ever.
                 if time.monotonic() > deadline + self.store_timeout:
                     raise _members_never_written(self.replica, number, timeout + self.store_timeout)
-                delay = pause(self.store, delay, ceiling)
+                delay = pause(self.store, delay)
                 continue
             # At the job's start a replica not started yet has incarnation 0, which no death notice
             # matches: read it again, so one that starts and dies before joining is not waited for
@@ -326,7 +326,7 @@ class JoinRounds:
             state = self.state(prefix, expected)
             outcome = round_outcome(state, expected, least if growth else 0, time.monotonic() >= deadline)
             if outcome == WAIT:
-                delay = pause(self.store, delay, ceiling)
+                delay = pause(self.store, delay)
                 continue
             if outcome == SHORT:
                 raise RecoverError(

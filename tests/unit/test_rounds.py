@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_recover.protocol.polling import POLL_MAX, POLL_PEERS, round_poll_max
 from lightning_recover.protocol.rounds import CLOSE, SHORT, WAIT, round_outcome, round_state
 
 
@@ -33,10 +32,3 @@ def test_a_round_closes_by_the_rule(case, expected, joined, dead, least, past, o
 def test_awaited_are_the_expected_neither_joined_nor_dead():
     state = round_state({0: 1, 1: 1, 2: 1, 3: 2}, {0, 4}, {1})
     assert state.awaited == {2, 3} and state.members == [0, 4]
-
-
-@pytest.mark.parametrize("members, pause", [(1, POLL_MAX), (POLL_PEERS, POLL_MAX), (256, 16 * POLL_MAX)])
-def test_a_large_round_polls_less_often_each(members, pause):
-    """The coordinator serves a round's polls at the rate of POLL_PEERS members polling every POLL_MAX."""
-    assert round_poll_max(members) == pytest.approx(pause)
-    assert members / round_poll_max(members) <= POLL_PEERS / POLL_MAX + 1e-9
