@@ -14,9 +14,9 @@ import pytest
 
 from lightning_recover.control_plane.etcd_cluster import LocalEtcdCluster
 
-#: The test clusters' members run at nice -10 where the tests run as root (CI does): a production cluster has
-#: cores of its own, while here two test workers' jobs (and the hogged runs' CPU hog) share 2 cores with them,
-#: and members at nice 0 were starved past the clients' request deadline.
+#: The test clusters' members (and their sessions' autogroups) run at nice -10 where the tests run as root (CI
+#: does): a production cluster has cores of its own, while here two test workers' jobs (and the hogged runs' CPU
+#: hog) share 2 cores with them, and members at nice 0 were starved past the clients' request deadline.
 MEMBER_NICE = -10 if os.geteuid() == 0 else 0
 
 

@@ -167,8 +167,9 @@ class LocalEtcdCluster:
     #: ``{member index: (certificate, key)}`` a member serves to clients instead of the cluster's (tests of
     #: a member whose certificate its clients refuse); peers still use the cluster's
     client_facing_certs: dict[int, tuple[str, str]] = field(default_factory=dict)
-    #: the members' nice value (negative: root only). A production cluster has cores of its own; members that
-    #: share their cores with the job and other work stall requests past the clients' deadline
+    #: the members' nice value (negative: root only), also their session's autogroup's. A production cluster
+    #: has cores of its own; members that share their cores with the job and other work stall requests past
+    #: the clients' deadline
     nice: int = 0
     #: where the members' data directories (their write-ahead logs) go; None: ``directory``. etcd asks for a
     #: device of its own for its log: every write waits for its fsync
@@ -274,6 +275,8 @@ class LocalEtcdCluster:
         )
         log.close()
         m.pid = m.proc.pid
+        if self.nice:
+            _set_autogroup_nice(m.pid, self.nice)
 
     def restart(self, i: int, timeout: float = 30.0) -> None:
         """Start member ``i`` again (after :meth:`kill`) on its data dir; it rejoins the cluster."""
@@ -413,6 +416,17 @@ def down(directory: str, timeout: float = 10.0) -> int:
     remove_leftovers(directory, [m["data_dir"] for m in state["members"]])
     os.remove(path)
     return len(ended)
+
+
+def _set_autogroup_nice(pid: int, nice: int) -> None:
+    """Give ``pid``'s session ``nice``. With the scheduler's autogroups on (one group per session, the default on
+    many kernels), a process's own nice only ranks it within its session: between sessions, such as a member's
+    and a job's, each group weighs by the group's nice."""
+    try:
+        with open(f"/proc/{pid}/autogroup", "w") as f:
+            f.write(str(nice))
+    except OSError:
+        pass  # no autogroups (or the process already ended): its own nice is what counts
 
 
 def remove_leftovers(directory: str, data_dirs: Sequence[str]) -> list[str]:
