@@ -73,7 +73,8 @@ class RoundReads:
         after it too, and the next poll sees the bump."""
         events = store.recent_count("events")
         now = time.monotonic()
-        if events != self.events or now - self.deaths_read > DEATHS_REREAD or not self.deaths.keys() >= set(replicas):
+        stale = events < 0 or events != self.events or now - self.deaths_read > DEATHS_REREAD  # < 0: forged
+        if stale or not self.deaths.keys() >= set(replicas):
             self.deaths = store.deaths(replicas, recent=True)
             self.events, self.deaths_read = events, now
         return dead_among(replicas, incarnations, self.deaths)
@@ -104,7 +105,7 @@ def joined_round(
         return {r for r, payload in enumerate(store.recent_genuine_many(keys)) if _well_formed(payload)}
     reads = reads if reads is not None else RoundReads(prefix)
     listed = store.recent_count(f"{prefix}/joins")  # first: an entry counted now is in the list read next
-    if listed != reads.listed:
+    if listed < 0 or listed != reads.listed:  # < 0: not a number (forged): no cache to trust
         reads.listed, reads.positions = listed, _joiners(store.recent_raw(f"{prefix}/joined"), num_replicas)
     # Never a waiting read: a deleted payload must not stall the round (its writer puts it back).
     joined = set()
