@@ -173,6 +173,25 @@ def test_a_failure_check_that_raises_during_a_build_still_ends_the_process_witho
             assert not thread.is_alive()
 
 
+def _two_members(server: dist.TCPStore, groups: list[ProcessGroups], then=lambda rank, pg: None) -> dict:
+    """Generation 0's group of two members, each built (and given to ``then``) on a thread of this process, which
+    meet at ``server``: rank -> group, for the members that got that far within a minute."""
+    built: dict[int, object] = {}
+
+    def member(rank: int) -> None:
+        store = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+        pg = groups[rank].build(dist.PrefixStore("g0", store), 0, rank, 2, lambda: False)
+        then(rank, pg)
+        built[rank] = pg
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return built
+
+
 def test_a_released_group_ends_its_gloo_threads_while_the_interpreter_runs():
     """A clean exit releases the current group (``ProcessGroups.release``) and drops it: its destructor joins
     gloo's threads there and then, so none is left to touch the interpreter while it finalizes. Two members in
@@ -182,23 +201,15 @@ def test_a_released_group_ends_its_gloo_threads_while_the_interpreter_runs():
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30))
     before = gloo_threads()
     groups = [ProcessGroups("gloo", collective_timeout=30.0) for _ in range(2)]
-    built: dict[int, object] = {}
 
-    def member(rank: int) -> None:
-        store = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=30))
-        pg = groups[rank].build(dist.PrefixStore("g0", store), 0, rank, 2, lambda: False)
+    def reduce(rank: int, pg) -> None:
         works = [pg.allreduce([torch.ones(4)])]
         groups[rank].started(pg, works)
         # gloo runs a group's operations on several worker threads: a later operation can complete before an
         # earlier one is marked completed, so wait on the recorded one itself.
         works[0].wait()
-        built[rank] = pg
 
-    threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    built = _two_members(server, groups, reduce)
     assert sorted(built) == [0, 1], "both members built the group and reduced"
     assert gloo_threads() - before, "gloo runs threads for the groups"
     for rank in range(2):
@@ -216,17 +227,7 @@ def test_a_group_kept_at_a_clean_exit_ends_the_process_without_destructors():
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30))
     groups = [ProcessGroups("gloo", collective_timeout=30.0) for _ in range(2)]
-    built: dict[int, object] = {}
-
-    def member(rank: int) -> None:
-        store = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=30))
-        built[rank] = groups[rank].build(dist.PrefixStore("g0", store), 0, rank, 2, lambda: False)
-
-    threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    built = _two_members(server, groups)
     assert sorted(built) == [0, 1], "both members built the group"
     works = [built[0].allreduce([torch.ones(4)])]  # member 1 has not joined it: in flight
     groups[0].started(built[0], works)

@@ -13,6 +13,12 @@ class Clock:
         return self.now
 
 
+def _watcher() -> tuple[OwnTime, Clock]:
+    """A watcher whose turns count at most 1 s each, on a clock the test moves."""
+    clock = Clock()
+    return OwnTime(1.0, clock), clock
+
+
 def _run(own: OwnTime, clock: Clock, seconds: float, turn: float) -> None:
     """The watcher turns every ``turn`` seconds for ``seconds``."""
     end = clock.now + seconds
@@ -22,16 +28,14 @@ def _run(own: OwnTime, clock: Clock, seconds: float, turn: float) -> None:
 
 
 def test_a_watcher_that_runs_counts_wall_time():
-    clock = Clock()
-    own = OwnTime(1.0, clock)
+    own, clock = _watcher()
     answered = clock.now
     _run(own, clock, 6.0, 0.01)
     assert abs(own.since(answered) - 6.0) < 1e-6
 
 
 def test_a_stretch_the_watcher_did_not_run_is_not_counted():
-    clock = Clock()
-    own = OwnTime(1.0, clock)
+    own, clock = _watcher()
     answered = clock.now
     _run(own, clock, 0.5, 0.01)
     clock.now += 5.0  # stopped: no turn for 5 s
@@ -40,8 +44,7 @@ def test_a_stretch_the_watcher_did_not_run_is_not_counted():
 
 
 def test_a_stall_before_the_last_answer_does_not_shorten_the_silence_after_it():
-    clock = Clock()
-    own = OwnTime(1.0, clock)
+    own, clock = _watcher()
     clock.now += 10.0
     own.turn()  # a stall
     answered = clock.now
@@ -50,9 +53,8 @@ def test_a_stall_before_the_last_answer_does_not_shorten_the_silence_after_it():
 
 
 def test_a_watcher_always_slow_still_declares_a_silent_peer_lost():
-    """Turns 3 s apart (each counted as 1 s): a 5 s bound of own time is reached after 5 turns (15 s)."""
-    clock = Clock()
-    own = OwnTime(1.0, clock)
+    """Turns 3 s apart (each counted as 1 s): a 5 s bound of own time is passed at the 6th turn (18 s)."""
+    own, clock = _watcher()
     answered = clock.now
     turns = 0
     while own.since(answered) <= 5.0:
