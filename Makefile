@@ -35,7 +35,7 @@ test-chaos: setup
 
 # native_io's C tests: small programs against the engine's C core, under AddressSanitizer and UBSan.
 test-c:
-	$(MAKE) -C native_io/tests
+	$(MAKE) -j$$(nproc) -C native_io/tests
 
 # Style: ruff (lint + format check) over the whole tree, mypy over the public Lightning-facing API (the files
 # [tool.mypy] in pyproject.toml lists), clang-format over native_io's C.

@@ -121,6 +121,11 @@ NOTICE_SIGNAL = "LIGHTNING_RECOVER_NOTICE_SIGNAL"
 #: runs Lightning, so ``import lightning_recover`` skips importing Lightning to register the
 #: strategies (seconds of start-up before any replica can start).
 CONTROL_PROCESS = "LIGHTNING_RECOVER_CONTROL_PROCESS"
+#: The nice value the coordinator process gives itself when it starts (``lightning-recover coordinator`` and the
+#: coordinator a launcher starts), e.g. ``-10``: its answers stay prompt on a host whose training processes take
+#: every core, where a replica that waits too long for one takes the coordinator for lost. A negative value needs
+#: root or CAP_SYS_NICE (the coordinator exits with a one-line error otherwise). Unset: the launcher's own.
+CONTROL_NICE = "LIGHTNING_RECOVER_CONTROL_NICE"
 
 #: What a replica process needs to find its group.
 REPLICA_VARIABLES = (COORDINATOR, REPLICA, REPLICAS)

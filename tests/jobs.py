@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_recover.env import FORK_SERVER
+from lightning_recover.env import CONTROL_NICE, FORK_SERVER
 from lightning_recover.launch.fork_server import ForkServer, Process, forkable
 from lightning_recover.launch.process_tree import proc_stat
 
@@ -46,6 +46,8 @@ def job_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
     # What the launchers set for their replicas: the same import-time environment lets one warm fork server
     # serve both a test's launcher and its replicas (tests/integration/conftest.py).
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    if os.geteuid() == 0:  # as the test etcd members: the coordinator answers before the jobs' replicas compute
+        env.setdefault(CONTROL_NICE, "-10")
     env.pop("LIGHTNING_RECOVER_INJECT", None)
     env.update(extra or {})
     return env

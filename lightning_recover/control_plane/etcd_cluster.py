@@ -296,20 +296,25 @@ class LocalEtcdCluster:
         if m.proc is not None and m.proc.poll() is None:
             m.proc.send_signal(signal.SIGSTOP if frozen else signal.SIGCONT)
 
-    def stop(self) -> None:
-        """End every member this object started (SIGTERM, then SIGKILL after 5 s)."""
-        for m in self.members:
-            if m.proc is not None and m.proc.poll() is None:
-                m.proc.terminate()
-                m.proc.send_signal(signal.SIGCONT)  # a frozen member must run to end
-        deadline = time.monotonic() + 5.0
-        for m in self.members:
-            if m.proc is not None:
+    def stop(self, timeout: float = 5.0) -> None:
+        """End every member this object started (SIGTERM, the leader last; SIGKILL to those still running after
+        ``timeout`` seconds in all). See :func:`leader_last`."""
+        deadline = time.monotonic() + timeout
+        running = [m for m in self.members if m.proc is not None and m.proc.poll() is None]
+        for m in running:
+            m.proc.send_signal(signal.SIGCONT)  # a frozen member must run to end
+        for wave in leader_last([m.endpoint for m in running], self.tls_files):
+            for i in wave:
+                running[i].proc.terminate()
+            for i in wave:
                 try:
-                    m.proc.wait(max(0.1, deadline - time.monotonic()))
+                    running[i].proc.wait(max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    m.proc.kill()
-                    m.proc.wait()
+                    pass
+        for m in running:
+            if m.proc.poll() is None:
+                m.proc.kill()
+                m.proc.wait()
 
     def __enter__(self) -> LocalEtcdCluster:
         return self.start()
@@ -320,16 +325,7 @@ class LocalEtcdCluster:
     # ------------------------------------------------------------------ status
     def status(self, i: int, timeout: float = 1.0) -> dict | None:
         """``/v3/maintenance/status`` of member ``i`` (None if it does not answer)."""
-        from lightning_recover.control_plane.etcd_client import EtcdClient
-
-        m = self.members[i]
-        client = EtcdClient([m.endpoint], timeout=timeout, **self.tls_files, allow_insecure=not self.tls)
-        try:
-            return client.status()
-        except RecoverError:  # down, or a certificate this client refuses (client_facing_certs)
-            return None
-        finally:
-            client.close()
+        return member_status(self.members[i].endpoint, self.tls_files, timeout)
 
     def leader(self, timeout: float = 10.0) -> int:
         """The index of the current leader (waits up to ``timeout`` for one)."""
@@ -374,6 +370,39 @@ class LocalEtcdCluster:
             json.dump(state, f, indent=1)
 
 
+def member_status(endpoint: str, tls_files: dict[str, str], timeout: float = 1.0) -> dict | None:
+    """``/v3/maintenance/status`` of the member at ``endpoint`` (None if it does not answer). ``tls_files``:
+    ``cacert``, ``cert`` and ``key``, or empty for a plain-text member."""
+    from lightning_recover.control_plane.etcd_client import EtcdClient
+
+    client = EtcdClient([endpoint], timeout=timeout, **tls_files, allow_insecure=not tls_files)
+    try:
+        return client.status()
+    except RecoverError:  # down, or a certificate this client refuses (client_facing_certs)
+        return None
+    finally:
+        client.close()
+
+
+#: How long a member that is being ended may take to say whether it leads.
+LEADER_QUERY_TIMEOUT = 0.5
+
+
+def leader_last(endpoints: list[str], tls_files: dict[str, str]) -> list[list[int]]:
+    """The order in which to end these members (indexes into ``endpoints``): the followers together, then the
+    member that leads (or any that does not answer, after them).
+
+    A leader that is sent SIGTERM first hands its leadership to a peer, and waits for the handover up to etcd's
+    request timeout (5 s and more): with every member ended at once, the peer it picked is gone and the handover
+    never completes. Ended last, the leader has no peer left and stops at once. A follower stops in about a second
+    (its peers' connections close)."""
+    leads = []
+    for endpoint in endpoints:
+        st = member_status(endpoint, tls_files, LEADER_QUERY_TIMEOUT)
+        leads.append(st is None or st.get("leader") == st["header"]["member_id"])
+    return [[i for i, lead in enumerate(leads) if not lead], [i for i, lead in enumerate(leads) if lead]]
+
+
 def down(directory: str, timeout: float = 10.0) -> int:
     """End the members recorded in ``directory/cluster.json``, then remove what only that cluster could use
     (:func:`remove_leftovers`); return how many members were running.
@@ -392,7 +421,7 @@ def down(directory: str, timeout: float = 10.0) -> int:
         ) from None
     except (OSError, ValueError) as exc:
         raise RecoverError(f"cannot read {path}: {exc}. HINT: end its etcd processes by hand, then remove it") from None
-    ended = []
+    running = []
     for m in state["members"]:
         pid = int(m["pid"])
         try:  # only that etcd: a reused pid must not be signalled
@@ -400,14 +429,17 @@ def down(directory: str, timeout: float = 10.0) -> int:
                 cmdline = f.read().split(b"\0")
         except OSError:
             continue
-        if m["data_dir"].encode() not in cmdline:
-            continue
-        os.kill(pid, signal.SIGTERM)
-        ended.append(pid)
+        if m["data_dir"].encode() in cmdline:
+            running.append((pid, m["endpoint"]))
+    ended = [pid for pid, _ in running]
     deadline = time.monotonic() + timeout
+    for wave in leader_last([endpoint for _, endpoint in running], state.get("tls") or {}):
+        for i in wave:
+            os.kill(ended[i], signal.SIGTERM)
+        for i in wave:
+            while os.path.exists(f"/proc/{ended[i]}") and time.monotonic() < deadline:
+                time.sleep(0.05)
     for pid in ended:
-        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
-            time.sleep(0.05)
         if os.path.exists(f"/proc/{pid}"):
             os.kill(pid, signal.SIGKILL)
     for pid in ended:  # a SIGKILLed member is gone once its /proc entry is

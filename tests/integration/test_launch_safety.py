@@ -151,6 +151,34 @@ def test_coordinator_listens_only_on_the_given_address(host, tmp_path):
         coord.proc.wait()
 
 
+@pytest.mark.slow  # a coordinator process
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(os.geteuid() != 0, reason="a negative nice value needs root")
+def test_the_coordinator_takes_the_control_nice_on_every_thread(tmp_path, monkeypatch):
+    secret_file = JobSecret.generate().write_file(str(tmp_path))
+    monkeypatch.setenv(env.CONTROL_NICE, "-7")
+    coord = coordinator_process.start(2, 1.0, timeout=90, secret_file=secret_file)
+    try:
+        threads = os.listdir(f"/proc/{coord.proc.pid}/task")
+        nice = {tid: os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in threads}
+        print(f"\ncoordinator pid {coord.proc.pid}: nice of each thread {nice}")
+        assert len(nice) > 1 and set(nice.values()) == {-7}, nice
+    finally:
+        coord.stop()
+
+
+@pytest.mark.slow  # a coordinator process
+@pytest.mark.timeout(120)
+def test_a_control_nice_out_of_range_stops_the_coordinator_with_one_line(tmp_path, monkeypatch, capfd):
+    secret_file = JobSecret.generate().write_file(str(tmp_path))
+    monkeypatch.setenv(env.CONTROL_NICE, "-30")
+    monkeypatch.delenv(env.FORK_SERVER, raising=False)  # its error on this process's stderr
+    with pytest.raises(RuntimeError, match="exited before listening"):
+        coordinator_process.start(2, 1.0, timeout=90, secret_file=secret_file)
+    err = capfd.readouterr().err
+    assert f"{env.CONTROL_NICE}: -30 is not a nice value (an integer from -20 to 19, e.g. -10)" in err, err
+
+
 @pytest.mark.timeout(60)
 def test_a_coordinator_closes_its_listening_socket_once():
     """The store's server owns the coordinator's listening socket once it serves on it, and closes it when
