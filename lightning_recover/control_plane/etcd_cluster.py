@@ -393,13 +393,15 @@ def leader_last(endpoints: list[str], tls_files: dict[str, str]) -> list[list[in
     member that leads (or any that does not answer, after them).
 
     A leader that is sent SIGTERM first hands its leadership to a peer, and waits for the handover up to etcd's
-    request timeout (5 s and more): with every member ended at once, the peer it picked is gone and the handover
-    never completes. Ended last, the leader has no peer left and stops at once. A follower stops in about a second
-    (its peers' connections close)."""
-    leads = []
-    for endpoint in endpoints:
-        st = member_status(endpoint, tls_files, LEADER_QUERY_TIMEOUT)
-        leads.append(st is None or st.get("leader") == st["header"]["member_id"])
+    request timeout: with every member ended at once, the peer it picked is gone and the handover never completes.
+    Ended last, the leader has no peer left to hand over to, and stops without that wait."""
+    return end_order([member_status(endpoint, tls_files, LEADER_QUERY_TIMEOUT) for endpoint in endpoints])
+
+
+def end_order(statuses: list[dict | None]) -> list[list[int]]:
+    """:func:`leader_last` from the members' statuses (None: no answer): those that follow a leader other than
+    themselves first, then the rest (a leader, or a member that did not say)."""
+    leads = [st is None or int(st.get("leader") or 0) in (0, int(st["header"]["member_id"])) for st in statuses]
     return [[i for i, lead in enumerate(leads) if not lead], [i for i, lead in enumerate(leads) if lead]]
 
 
