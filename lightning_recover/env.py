@@ -121,10 +121,11 @@ NOTICE_SIGNAL = "LIGHTNING_RECOVER_NOTICE_SIGNAL"
 #: runs Lightning, so ``import lightning_recover`` skips importing Lightning to register the
 #: strategies (seconds of start-up before any replica can start).
 CONTROL_PROCESS = "LIGHTNING_RECOVER_CONTROL_PROCESS"
-#: The nice value the coordinator process gives itself when it starts (``lightning-recover coordinator`` and the
-#: coordinator a launcher starts), e.g. ``-10``: its answers stay prompt on a host whose training processes take
-#: every core, where a replica that waits too long for one takes the coordinator for lost. A negative value needs
-#: root or CAP_SYS_NICE (the coordinator exits with a one-line error otherwise). Unset: the launcher's own.
+#: The nice value of the control plane's processes and threads on a shared host, e.g. ``-10``: the coordinator
+#: process, and a launcher's monitor-role and coordinator-link threads (not the replicas it starts). They then answer
+#: and renew before the training processes that take every core, which would otherwise starve them past their
+#: bounds. A negative value needs root or CAP_SYS_NICE: a launcher refuses one it may not take, with one line.
+#: Unset: the launcher's own (``control_plane/priority.py``).
 CONTROL_NICE = "LIGHTNING_RECOVER_CONTROL_NICE"
 
 #: What a replica process needs to find its group.

@@ -22,7 +22,8 @@ does on seeing the process exit); it is not restarted.
 
 Per N: time to the first step (all replicas released -> every replica applied step 0), the step's median
 time, the time a member spends deciding a step (``StepStats.decide_seconds``), kill -> the last survivor's
-next commit, etcd's Raft proposals (writes) per step and per second, lease keep-alives per second, watch
+next commit and its timeline (kill -> the coordinator knows of the end, from its event log; per survivor: kill -> its
+reduce failed, the time it took to form the next generation, and the rest of its recovery), etcd's Raft proposals (writes) per step and per second, lease keep-alives per second, watch
 events and watch payload bytes per step per replica, and the CPU per step of etcd's members, of the
 coordinator (embedded) or monitor process (etcd), of the worker processes (all replicas) and of this process
 (the stand-in data plane). Every committed gradient is checked in its replica: each of the step's N
@@ -74,7 +75,8 @@ class _Slot:
     worker: int = 0
     started_at: float = 0.0  # Replica.start() returned
     applied: dict[int, float] = field(default_factory=dict)  # step -> monotonic time it was applied
-    stats: list[tuple[int, float, int]] = field(default_factory=list)  # (step, decide_seconds, recoveries)
+    #: (step, decide_seconds, recoveries, recovery_seconds, regroup_seconds) of each applied step
+    stats: list[tuple[int, float, int, float, float]] = field(default_factory=list)
     killed_at: Optional[float] = None
     outcome: str = "running"
     error: str = ""
@@ -176,13 +178,20 @@ class _ControlProcess:
                 self.proc.wait()
 
 
+def event_log(secret_file: str) -> str:
+    """Where the embedded coordinator of the run whose secret is ``secret_file`` logs the job's events."""
+    return f"{secret_file}.events"
+
+
 def _embedded(cfg: ScaleConfig, secret_file: str) -> tuple[_ControlProcess, str]:
     read, write = os.pipe()
     code = _ORPHAN_GUARD + (
         "import sys; from lightning_recover.protocol.coordinator import serve; "
-        "serve('127.0.0.1', 0, int(sys.argv[1]), float(sys.argv[2]), ready_fd=int(sys.argv[3]), secret_file=sys.argv[4])"
+        "serve('127.0.0.1', 0, int(sys.argv[1]), float(sys.argv[2]), ready_fd=int(sys.argv[3]), secret_file=sys.argv[4],"
+        " event_log=sys.argv[5])"
     )
     args = [sys.executable, "-c", code, str(cfg.replicas), str(cfg.heartbeat_timeout), str(write), secret_file]
+    args.append(event_log(secret_file))
     control = _ControlProcess(args, dict(os.environ), f"{secret_file}.log", pass_fds=(write,))
     os.close(write)
     with os.fdopen(read) as ready:
@@ -222,6 +231,7 @@ class ScaleRun:
         self.gradients: set[float] = set()  # the committed gradients the replicas applied (each checked there)
         self._progress = threading.Condition()
         self._samples = itertools.count(1)
+        self.events_path: Optional[str] = None  # the embedded coordinator's event log (deaths declared)
         self._answers: dict[int, dict[int, dict]] = {}  # sample id -> worker -> its answer
         rng = random.Random(cfg.seed * 7919 + cfg.replicas)
         first = cfg.warmup + cfg.window + 1
@@ -368,6 +378,7 @@ class ScaleRun:
         if cfg.backend == "embedded":
             with open(os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
                 f.write(JobSecret.generate().hex())
+            self.events_path = event_log(secret_file)
         control, addr, env = self._start_control(secret_file)
         server = DataPlaneServer(self.plane)
         try:
@@ -420,7 +431,7 @@ class ScaleRun:
         decide = [
             decide_s
             for s in self._live()
-            for step, decide_s, recoveries in s.stats
+            for step, decide_s, recoveries, *_ in s.stats
             if cfg.warmup <= step < cfg.warmup + cfg.window and not recoveries
         ]
         workers_cpu = (b["workers_cpu"] - a["workers_cpu"]) / steps
@@ -456,6 +467,20 @@ class ScaleRun:
             )
         return out
 
+    def _known_dead(self, replica: int, killed_at: float) -> Optional[float]:
+        """Seconds from ``killed_at`` (monotonic) to the coordinator's first record of ``replica``'s end after it
+        (its death notice, written at the kill as a launcher writes it, or the monitor's verdict), from its event log
+        (wall clock); None on etcd (no log) or without such a record."""
+        if self.events_path is None or not os.path.exists(self.events_path):
+            return None
+        killed_wall = killed_at + (time.time() - time.monotonic())  # one host: one monotonic clock for all
+        with open(self.events_path) as f:
+            ends = [
+                e["time"] for e in map(json.loads, f) if e["kind"] in ("death", "exit") and e.get("replica") == replica
+            ]
+        after = [t for t in ends if t >= killed_wall - 0.01]  # the log's times are rounded to ms
+        return min(after) - killed_wall if after else None
+
     def _kills(self) -> list[dict]:
         out = []
         for fault in self.faults:
@@ -468,9 +493,42 @@ class ScaleRun:
                     min(t for s, t in slot.applied.items() if s >= fault.step and t > victim.killed_at)
                     for slot in self._live()
                 ]
-            out.append({"fault": str(fault), "next_commit_s": max(nxt) - victim.killed_at})
+                recovered = [(slot, st) for slot in self._live() for st in slot.stats if st[0] == fault.step and st[2]]
+                # when each survivor's reduce failed (its recovery began), on the workers' monotonic clock
+                seen = [slot.applied[fault.step] - st[3] - victim.killed_at for slot, st in recovered]
+            out.append(
+                {
+                    "fault": str(fault),
+                    "next_commit_s": max(nxt) - victim.killed_at,
+                    "known_dead_s": self._known_dead(fault.replica, victim.killed_at),
+                    # the survivors' share of it: kill -> their reduce failed; forming the next generation (the
+                    # wait for the verdict included); recompute, reduce and decision after it
+                    "failure_seen_s": _spread(seen),
+                    "regroup_s": _spread([st[4] for _, st in recovered]),
+                    "after_regroup_s": _spread([st[3] - st[4] for _, st in recovered]),
+                }
+            )
         self._wait_applied(self.cfg.steps - 1, 300.0)
         return out
+
+
+def _timeline(kill: dict) -> str:
+    """One kill's recovery as a line: the verdict, then the survivors' parts (median / max)."""
+
+    def part(name: str) -> str:
+        spread = kill[name]
+        return "-" if spread is None else f"{spread['median']:.1f}/{spread['max']:.1f}s"
+
+    dead = kill["known_dead_s"]
+    return (
+        f"known dead {'-' if dead is None else f'{dead:.1f}s'}; survivors: failure seen {part('failure_seen_s')}, "
+        f"regroup {part('regroup_s')}, then {part('after_regroup_s')}; next commit {kill['next_commit_s']:.1f}s"
+    )
+
+
+def _spread(values: list[float]) -> Optional[dict]:
+    """Median and maximum of ``values`` (None if there are none)."""
+    return {"median": statistics.median(values), "max": max(values)} if values else None
 
 
 # ---------------------------------------------------------------------- the sweep
@@ -701,6 +759,8 @@ def sweep(args: argparse.Namespace) -> dict:
                     f"watch B/step/proc {run['watch_bytes_per_step_per_process']:.0f}, load {run['load']}",
                     flush=True,
                 )
+                for k in run["kills"]:
+                    print(f"    {k['fault']}: {_timeline(k)}", flush=True)
                 if args.json:
                     _write(args.json, result)
     finally:

@@ -35,6 +35,7 @@ from lightning_recover.launch.process_tree import die_with_parent, end_helper_pr
 from lightning_recover.protocol import Fault, FaultInjector, RecoverOptions, Replica
 from lightning_recover.protocol.faults import parse_faults
 from lightning_recover.protocol.messages import JobSecret
+from lightning_recover.protocol.step import StepStats
 
 
 @dataclass
@@ -188,7 +189,10 @@ class ScaleWorker:
                     raise AssertionError(f"step {s}: committed gradient {param.grad.item()} != 1")
                 with torch.no_grad():
                     param.add_(param.grad)
-                stats = [[st.step, st.decide_seconds, st.recoveries] for st in protocol_replica.history[reported:]]
+                stats = [
+                    [st.step, st.decide_seconds, st.recoveries, st.recovery_seconds, _regroup_seconds(st)]
+                    for st in protocol_replica.history[reported:]
+                ]
                 reported = len(protocol_replica.history)
                 grad = param.grad.item()
                 self.events.emit("applied", replica=replica, step=s, t=time.monotonic(), stats=stats, grad=grad)
@@ -212,6 +216,11 @@ class ScaleWorker:
     def _outcome(self, replica: int, outcome: str, error: str = "") -> None:
         self.outcomes[replica] = outcome
         self.events.emit("outcome", replica=replica, outcome=outcome, error=error)
+
+
+def _regroup_seconds(stats: StepStats) -> float:
+    """The seconds the replica spent forming new generations in this step."""
+    return sum(e.get("seconds", 0.0) for e in stats.events if e["kind"] == "regroup")
 
 
 def main(argv: Optional[list[str]] = None) -> None:

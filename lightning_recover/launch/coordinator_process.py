@@ -17,15 +17,9 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from lightning_recover import env
+from lightning_recover.control_plane.priority import control_nice, set_thread_nice
 from lightning_recover.launch.fork_server import ForkServer, Process
-from lightning_recover.launch.process_tree import (
-    describe_exit,
-    die_with_parent,
-    end_helper_process,
-    is_stopped,
-    libc,
-    set_own_nice,
-)
+from lightning_recover.launch.process_tree import describe_exit, die_with_parent, end_helper_process, is_stopped, libc
 from lightning_recover.observe.address import parse_address
 from lightning_recover.observe.logs import configure_logging
 from lightning_recover.protocol import coordinator
@@ -201,12 +195,12 @@ def main(argv: list[str] | None = None) -> NoReturn:
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     check_arguments(parser, args)
-    nice = os.environ.get(env.CONTROL_NICE)
-    if nice:  # first: the threads started below inherit it
-        try:
-            set_own_nice(nice)
-        except ValueError as exc:
-            parser.error(f"{env.CONTROL_NICE}: {exc}")
+    try:
+        nice = control_nice()
+        if nice is not None:
+            set_thread_nice(nice)  # first: the threads started below inherit it
+    except ValueError as exc:
+        parser.error(str(exc))
     configure_logging("coordinator")
     if args.parent_pid is not None:  # started by a launcher (or its fork server): never outlive it
         die_with_parent(args.parent_pid)

@@ -37,28 +37,6 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
 _LIBC: list = []
 
 
-def set_own_nice(text: str) -> int:
-    """Give this process the nice value ``text`` (an integer, -20..19); returns it. Call it before the process
-    starts a thread: on Linux a nice value belongs to a thread, and threads started later inherit it.
-
-    Raises:
-        ValueError: ``text`` is not such an integer, or a lower nice than the current one is not permitted.
-    """
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"{text!r} is not a nice value (an integer from -20 to 19, e.g. -10)") from None
-    if not -20 <= value <= 19:
-        raise ValueError(f"{value} is not a nice value (an integer from -20 to 19, e.g. -10)")
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, value)
-    except PermissionError:
-        raise ValueError(
-            f"lowering this process's nice to {value} needs root or CAP_SYS_NICE: run as root, or unset it"
-        ) from None
-    return value
-
-
 def libc() -> ctypes.CDLL:
     """The C library, loaded once, in the parent, so that a ``preexec_fn`` does not load a library after fork."""
     if not _LIBC:

@@ -58,6 +58,7 @@ from lightning_recover import env
 from lightning_recover.control_plane.config import EtcdSettings
 from lightning_recover.control_plane.connect import connect
 from lightning_recover.control_plane.etcd_job import EtcdCoordinator, MonitorRole, forget_job, join_job
+from lightning_recover.control_plane.priority import check_nice_permitted, control_nice, set_thread_nice
 from lightning_recover.launch import coordinator_process
 from lightning_recover.launch.fork_server import DEFAULT_PRELOAD, Process, ProcessStarter
 from lightning_recover.launch.job_dir import JobDir
@@ -111,9 +112,10 @@ class _Link:
     of its last answer with a bound.
     """
 
-    def __init__(self, addr: str, period: float, store: Any = None) -> None:
+    def __init__(self, addr: str, period: float, store: Any = None, nice: int | None = None) -> None:
         self._store = store if store is not None else connect(addr, timeout=10.0)
         self._period = period
+        self._nice = nice  # the thread's (control_plane/priority.py)
         self._requests: queue.Queue = queue.Queue()
         self.last_ok = time.monotonic()
         self._own_time = OwnTime(MAX_TURN)  # the launcher's main thread's: silence is judged in it
@@ -132,6 +134,8 @@ class _Link:
         self._thread.join(timeout=1.0)
 
     def _run(self) -> None:
+        if self._nice is not None:
+            set_thread_nice(self._nice)
         while self.error is None:
             try:
                 item = self._requests.get(timeout=self._period)
@@ -419,7 +423,7 @@ class _Job:
             self.coord = self._start_control_plane(replicas, nproc, heartbeat_timeout, **coordinator)
             child_env[env.COORDINATOR] = self.coord.addr
             store = self.control_plane.store() if self.control_plane is not None else None
-            self.link = _Link(self.coord.addr, period=min(1.0, heartbeat_timeout / 2), store=store)
+            self.link = _Link(self.coord.addr, period=min(1.0, heartbeat_timeout / 2), store=store, nice=control_nice())
         except BaseException:
             self.close()
             raise
@@ -459,6 +463,7 @@ class _Job:
             self.say,
             status_address=status_address,
             event_log=event_log,
+            nice=control_nice(),
         )
         return EtcdCoordinator(self.control_plane, role.start())
 
@@ -537,6 +542,9 @@ def _check_options(
     if isinstance(nproc_per_replica, bool) or not isinstance(nproc_per_replica, int) or nproc_per_replica < 1:
         raise ValueError(f"nproc_per_replica must be an integer >= 1, got {nproc_per_replica!r}")
     check_standby(standby, restarts)
+    nice = control_nice()
+    if nice is not None:
+        check_nice_permitted(nice)
 
 
 def _check_added(add: Any, local: Sequence[int] | None, control_plane: EtcdSettings | None) -> int:

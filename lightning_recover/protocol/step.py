@@ -63,7 +63,8 @@ class StepProtocol:
 
     ``StepStats.events`` are structured records: ``{"kind": "failure", "error": str}`` when a
     reduce attempt failed, and ``{"kind": "regroup", "generation": G, "members": [...],
-    "lost": n}`` when the survivors formed a new generation and re-planned ``n`` microbatches.
+    "lost": n, "seconds": s}`` when the survivors formed a new generation (in ``s`` seconds of this replica's, the
+    wait for the members' verdicts included) and re-planned ``n`` microbatches.
     """
 
     def __init__(
@@ -229,6 +230,7 @@ class StepProtocol:
         of lost microbatches this replica computes."""
         membership = self.membership
         membership.progress.note("regroup")
+        began = time.perf_counter()
         while True:
             try:
                 gen = membership.next_generation({"step": step, "have": have, "attempt": self.attempt}, settle=settle)
@@ -248,7 +250,13 @@ class StepProtocol:
         ids = plan_quotas(step, missing, gen.members)[membership.replica]
         stats.recomputed += len(ids)
         stats.events.append(
-            {"kind": "regroup", "generation": gen.number, "members": list(gen.members), "lost": len(missing)}
+            {
+                "kind": "regroup",
+                "generation": gen.number,
+                "members": list(gen.members),
+                "lost": len(missing),
+                "seconds": time.perf_counter() - began,
+            }
         )
         return ids
 

@@ -227,8 +227,14 @@ def test_sixteen_replicas_measured_with_a_kill(backend, etcd3, tmp_path):
         assert result["watch_events_per_step_per_process"] >= 1  # the commit reaches every view
         assert result["watch_bytes_per_step_per_process"] > 0
         assert math.isfinite(result["etcd_cpu_s_per_step"])
+        assert kill["known_dead_s"] is None  # the monitor role keeps no event log here
     else:
         assert result["watch_bytes_per_step_per_process"] == 0  # no watched views on the embedded coordinator
+        # The recovery's timeline: the coordinator knows of the end (its event log) before the commit.
+        assert 0 < kill["known_dead_s"] < kill["next_commit_s"], kill
+    # Each of the 15 survivors recovered at the kill's step; its regroup is part of its recovery.
+    assert kill["regroup_s"]["max"] < kill["next_commit_s"] and kill["after_regroup_s"]["median"] >= 0, kill
+    assert kill["failure_seen_s"]["median"] < kill["next_commit_s"], kill
     assert result["control_cpu_s_per_step"] >= 0
     assert result["processes"] == 1 and result["committed_gradients"] == [1.0]
 

@@ -176,7 +176,7 @@ def test_a_control_nice_out_of_range_stops_the_coordinator_with_one_line(tmp_pat
     with pytest.raises(RuntimeError, match="exited before listening"):
         coordinator_process.start(2, 1.0, timeout=90, secret_file=secret_file)
     err = capfd.readouterr().err
-    assert f"{env.CONTROL_NICE}: -30 is not a nice value (an integer from -20 to 19, e.g. -10)" in err, err
+    assert f"{env.CONTROL_NICE}=-30 is not a nice value (an integer from -20 to 19, e.g. -10)" in err, err
 
 
 @pytest.mark.timeout(60)
