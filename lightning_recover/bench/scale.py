@@ -22,12 +22,12 @@ does on seeing the process exit); it is not restarted.
 
 Per N: time to the first step (all replicas released -> every replica applied step 0), the step's median
 time, the time a member spends deciding a step (``StepStats.decide_seconds``), kill -> the last survivor's
-next commit and its timeline (kill -> the coordinator knows of the end, from its event log; per survivor: kill -> its
-reduce failed, the time it took to form the next generation, and the rest of its recovery), etcd's Raft proposals (writes) per step and per second, lease keep-alives per second, watch
-events and watch payload bytes per step per replica, and the CPU per step of etcd's members, of the
-coordinator (embedded) or monitor process (etcd), of the worker processes (all replicas) and of this process
-(the stand-in data plane). Every committed gradient is checked in its replica: each of the step's N
-microbatches counted exactly once.
+next commit and its timeline (kill -> the coordinator knows of the end, from its event log; per survivor: kill
+-> its reduce failed, the time it took to form the next generation, and the rest of its recovery), etcd's Raft
+proposals (writes) per step and per second, lease keep-alives per second, watch events and watch payload bytes
+per step per replica, and the CPU per step of etcd's members, of the coordinator (embedded) or monitor process
+(etcd), of the worker processes (all replicas) and of this process (the stand-in data plane). Every committed
+gradient is checked in its replica: each of the step's N microbatches counted exactly once.
 """
 
 from __future__ import annotations
@@ -231,7 +231,7 @@ class ScaleRun:
         self.gradients: set[float] = set()  # the committed gradients the replicas applied (each checked there)
         self._progress = threading.Condition()
         self._samples = itertools.count(1)
-        self.events_path: Optional[str] = None  # the embedded coordinator's event log (deaths declared)
+        self.events_path: Optional[str] = None  # the embedded coordinator's event log (replicas' ends)
         self._answers: dict[int, dict[int, dict]] = {}  # sample id -> worker -> its answer
         rng = random.Random(cfg.seed * 7919 + cfg.replicas)
         first = cfg.warmup + cfg.window + 1
