@@ -121,11 +121,11 @@ NOTICE_SIGNAL = "LIGHTNING_RECOVER_NOTICE_SIGNAL"
 #: runs Lightning, so ``import lightning_recover`` skips importing Lightning to register the
 #: strategies (seconds of start-up before any replica can start).
 CONTROL_PROCESS = "LIGHTNING_RECOVER_CONTROL_PROCESS"
-#: The nice value of the control plane's processes and threads on a shared host, e.g. ``-10``: the coordinator
-#: process, and a launcher's monitor-role and coordinator-link threads (not the replicas it starts). They then answer
-#: and renew before the training processes that take every core, which would otherwise starve them past their
-#: bounds. A negative value needs root or CAP_SYS_NICE: a launcher refuses one it may not take, with one line.
-#: Unset: the launcher's own (``control_plane/priority.py``).
+#: The nice value of the control plane's processes on a shared host, e.g. ``-10``: the coordinator process and the
+#: launcher (the processes it starts go back to the launcher's own). They then answer and renew before the training
+#: processes that take every core, which would otherwise starve them past their bounds. A negative value needs root
+#: or CAP_SYS_NICE: a launcher refuses one it may not take, with one line. Unset: the launcher's own
+#: (``control_plane/priority.py``).
 CONTROL_NICE = "LIGHTNING_RECOVER_CONTROL_NICE"
 
 #: What a replica process needs to find its group.

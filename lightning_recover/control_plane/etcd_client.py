@@ -143,11 +143,11 @@ def check_client_certificate(path: str) -> None:
         )
 
 
-class _DeadlineReader(io.RawIOBase):
+class DeadlineReader(io.RawIOBase):
     """A socket's bytes, each read waiting at most until ``deadline.at``: the whole answer is bounded, not
     each read (a peer sending one byte per second would otherwise hold a reader forever)."""
 
-    def __init__(self, sock: socket.socket, deadline: _Deadline) -> None:
+    def __init__(self, sock: socket.socket, deadline: Deadline) -> None:
         super().__init__()
         self._sock, self._deadline = sock, deadline
 
@@ -156,13 +156,19 @@ class _DeadlineReader(io.RawIOBase):
 
     def readinto(self, buffer: Any) -> int:
         left = self._deadline.at - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the member's answer did not arrive within the request's deadline")
-        self._sock.settimeout(left)
-        return self._sock.recv_into(buffer)
+        if left > 0:
+            self._sock.settimeout(left)
+            return self._sock.recv_into(buffer)
+        # Past the deadline: what the member already sent is still taken (this thread may not have run for a
+        # while on a loaded host, the member answering in time meanwhile); only an answer not there is late.
+        self._sock.settimeout(0.0)
+        try:
+            return self._sock.recv_into(buffer)
+        except (BlockingIOError, ssl.SSLWantReadError):
+            raise TimeoutError("the member's answer did not arrive within the request's deadline") from None
 
 
-class _Deadline:
+class Deadline:
     """The time (monotonic) the answer being read must be complete by."""
 
     def __init__(self) -> None:
@@ -170,12 +176,12 @@ class _Deadline:
 
 
 class _BoundedResponse(http.client.HTTPResponse):
-    """An HTTP answer read through a :class:`_DeadlineReader` (its status line and headers too)."""
+    """An HTTP answer read through a :class:`DeadlineReader` (its status line and headers too)."""
 
-    def __init__(self, sock: socket.socket, *args: Any, deadline: _Deadline, **kwargs: Any) -> None:
+    def __init__(self, sock: socket.socket, *args: Any, deadline: Deadline, **kwargs: Any) -> None:
         super().__init__(sock, *args, **kwargs)
         self.fp.close()  # the plain reader http.client made (closing it leaves the socket open)
-        self.fp = io.BufferedReader(_DeadlineReader(sock, deadline))
+        self.fp = io.BufferedReader(DeadlineReader(sock, deadline))
 
 
 class _ClientCertificateRefused(Exception):
@@ -250,7 +256,7 @@ class _Transport:
             )
         else:
             conn = http.client.HTTPConnection(host, port, timeout=timeout)
-        deadline = _Deadline()
+        deadline = Deadline()
         conn.response_class = functools.partial(_BoundedResponse, deadline=deadline)  # type: ignore[assignment]
         conn.lr_deadline = deadline  # type: ignore[attr-defined]
         conn.connect()  # the TLS handshake is bounded by ``timeout`` as a whole (CPython's own deadline)

@@ -50,7 +50,6 @@ from lightning_recover.control_plane import etcd_client as ec
 from lightning_recover.control_plane.config import EtcdSettings
 from lightning_recover.control_plane.etcd_compaction import COMPACT_PERIOD, COMPACT_RETAIN, Compactor
 from lightning_recover.control_plane.etcd_store import Fence
-from lightning_recover.control_plane.priority import set_thread_nice
 from lightning_recover.errors import ForgedMessageError, RecoverError
 from lightning_recover.observe.board import StatusBoard
 from lightning_recover.observe.events import EventLog
@@ -158,10 +157,8 @@ class MonitorRole:
         ttl: int = DEFAULT_LEASE_TTL,
         status_address: Optional[str] = None,
         event_log: Optional[str] = None,
-        nice: Optional[int] = None,
     ) -> None:
         self.settings = settings
-        self.nice = nice  # the nice value of the role's threads (priority.py), None: the launcher's
         self.sealer = Sealer(secret)
         self.replicas, self.replica_size = replicas, replica_size
         self.heartbeat_timeout, self.hang_timeout = heartbeat_timeout, hang_timeout
@@ -208,8 +205,6 @@ class MonitorRole:
         return value.decode() if value is not None else None
 
     def _run(self) -> None:
-        if self.nice is not None:  # before the monitor's threads start: they inherit it
-            set_thread_nice(self.nice)
         client = self.settings.client()
         while not self._stop.is_set():
             try:

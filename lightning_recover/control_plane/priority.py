@@ -2,10 +2,11 @@
 
 A replica takes the coordinator for lost when it does not answer within a bound, and an etcd monitor role is lost
 when its lease is not renewed within its TTL. On a host whose training processes take every core, the processes
-and threads that answer and renew (the coordinator process; a launcher's monitor-role and coordinator-link threads)
-are given the nice value of ``LIGHTNING_RECOVER_CONTROL_NICE`` where it is set. On Linux a nice value belongs to a
-thread, and the threads (and processes) a thread starts inherit it: a launcher raises only its control threads, so
-the replicas it starts from its main thread keep the launcher's own priority.
+that answer and renew (the coordinator; the launcher, which holds the monitor role and the coordinator link) are
+given the nice value of ``LIGHTNING_RECOVER_CONTROL_NICE`` where it is set. On Linux a nice value belongs to a
+thread, and the threads and processes a thread starts inherit it: a launcher sets it on its main thread before it
+starts any other, so that none of its threads waits on the interpreter lock held by one running at a lower
+priority, and the processes it starts set the launcher's own value back before their command runs.
 """
 
 from __future__ import annotations

@@ -112,10 +112,9 @@ class _Link:
     of its last answer with a bound.
     """
 
-    def __init__(self, addr: str, period: float, store: Any = None, nice: int | None = None) -> None:
+    def __init__(self, addr: str, period: float, store: Any = None) -> None:
         self._store = store if store is not None else connect(addr, timeout=10.0)
         self._period = period
-        self._nice = nice  # the thread's (control_plane/priority.py)
         self._requests: queue.Queue = queue.Queue()
         self.last_ok = time.monotonic()
         self._own_time = OwnTime(MAX_TURN)  # the launcher's main thread's: silence is judged in it
@@ -134,8 +133,6 @@ class _Link:
         self._thread.join(timeout=1.0)
 
     def _run(self) -> None:
-        if self._nice is not None:
-            set_thread_nice(self._nice)
         while self.error is None:
             try:
                 item = self._requests.get(timeout=self._period)
@@ -204,7 +201,9 @@ class _Link:
         return f"the launcher's {asking[0]} request waited {time.monotonic() - asking[1]:.1f}s for its answer"
 
 
-def _replica_preexec(launcher_pid: int) -> Callable[[], None]:
+def _replica_preexec(launcher_pid: int, nice: int) -> Callable[[], None]:
+    """What a process the launcher starts runs before its command: it dies with the launcher, and it runs at
+    ``nice`` (the launcher's own before it took the control plane's, ``control_plane/priority.py``)."""
     libc()  # loaded here: a library loaded between fork and exec can deadlock on a lock another thread held
 
     def preexec() -> None:
@@ -212,6 +211,7 @@ def _replica_preexec(launcher_pid: int) -> Callable[[], None]:
         set_parent_death_signal(signal.SIGKILL)
         if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
             os.kill(os.getpid(), signal.SIGKILL)
+        os.setpriority(os.PRIO_PROCESS, 0, nice)  # a higher value than the launcher's: always permitted
 
     return preexec
 
@@ -381,6 +381,12 @@ class _Job:
         heartbeat_timeout: float,
         **coordinator: Any,
     ) -> None:
+        # This thread, and the threads started from it (the coordinator link, the etcd monitor role), run at the
+        # control plane's priority; the processes the launcher starts go back to its own (their preexec).
+        own_nice = os.getpriority(os.PRIO_PROCESS, 0)
+        nice = control_nice()
+        if nice is not None:
+            set_thread_nice(nice)
         try:
             # One secret per job, in a private 0600 file: it authenticates every control message. On etcd it is
             # never stored there: the launchers of one job are given the same one (etcd_job.launcher_secret).
@@ -418,12 +424,12 @@ class _Job:
                 self.say,
                 fork=fork,
                 preload=preload,
-                preexec=_replica_preexec(os.getpid()),
+                preexec=_replica_preexec(os.getpid(), own_nice),
             )
             self.coord = self._start_control_plane(replicas, nproc, heartbeat_timeout, **coordinator)
             child_env[env.COORDINATOR] = self.coord.addr
             store = self.control_plane.store() if self.control_plane is not None else None
-            self.link = _Link(self.coord.addr, period=min(1.0, heartbeat_timeout / 2), store=store, nice=control_nice())
+            self.link = _Link(self.coord.addr, period=min(1.0, heartbeat_timeout / 2), store=store)
         except BaseException:
             self.close()
             raise
@@ -463,7 +469,6 @@ class _Job:
             self.say,
             status_address=status_address,
             event_log=event_log,
-            nice=control_nice(),
         )
         return EtcdCoordinator(self.control_plane, role.start())
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -67,28 +66,6 @@ def test_a_new_job_reusing_a_name_is_refused_not_adopted(etcd1):
     join_job(s, replicas=2, replica_size=1, secret=JobSecret.generate())
     with pytest.raises(JobNameTaken, match="exists with another secret.*HINT.*new --job name.*etcdctl del"):
         join_job(s, replicas=2, replica_size=1, secret=JobSecret.generate())
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="a negative nice value needs root")
-def test_the_monitor_roles_threads_take_the_control_nice_and_the_caller_keeps_its_own(etcd1):
-    s = settings(etcd1)
-    secret = join_job(s, replicas=2, replica_size=1)
-    before = os.getpriority(os.PRIO_PROCESS, 0)
-    role = MonitorRole(s, secret, 2, 1.0, 60.0, 1, "A", lambda line: None, nice=-7).start()
-    try:
-
-        def role_threads() -> dict[str, int]:
-            return {
-                t.name: os.getpriority(os.PRIO_PROCESS, t.native_id or 0)
-                for t in threading.enumerate()
-                if t.name in ("lr-monitor-role", "lr-monitor") and t.native_id
-            }
-
-        assert wait_for(lambda: len(role_threads()) == 2, 30), role_threads()
-        assert role_threads() == {"lr-monitor-role": -7, "lr-monitor": -7}
-        assert os.getpriority(os.PRIO_PROCESS, 0) == before
-    finally:
-        role.stop()
 
 
 def _role(s, secret, name, said):

@@ -167,6 +167,44 @@ def test_the_coordinator_takes_the_control_nice_on_every_thread(tmp_path, monkey
         coord.stop()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(os.geteuid() != 0, reason="a negative nice value needs root")
+def test_the_launcher_takes_the_control_nice_and_its_replicas_keep_its_own(tmp_path):
+    """The launcher's main thread (and so its link's and monitor's threads) and its coordinator run at the control
+    nice; the replicas it starts are back at the launcher's own (0 here)."""
+    job_env = {env.CONTROL_NICE: "-7"}
+    cmd = CLI + ["run", "--replicas", "2", "--", "sleep", "600"]
+    proc, log = start_job(cmd, str(tmp_path), job_env, warm=False)
+    try:
+        m = _wait_for(log, r"coordinator at \S+ \(pid (\d+)\); started 2", proc, 90)
+        coordinator = int(m.group(1))
+        replicas = [pid for pid in _session_pids(proc.pid) if open(f"/proc/{pid}/cmdline").read().startswith("sleep\0")]
+        nice = {pid: os.getpriority(os.PRIO_PROCESS, pid) for pid in (proc.pid, coordinator, *replicas)}
+        print(f"\nnice: launcher {proc.pid}, coordinator {coordinator}, replicas {replicas}: {nice}")
+        assert len(replicas) == 2
+        assert nice[proc.pid] == -7 and nice[coordinator] == -7, nice
+        assert all(nice[r] == 0 for r in replicas), nice
+    finally:
+        _end_session(proc.pid)
+        proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_control_nice_the_launcher_may_not_take_is_refused_before_it_starts_anything(tmp_path):
+    proc, log = start_job(
+        CLI + ["run", "--replicas", "2", "--", "sleep", "600"], str(tmp_path), {env.CONTROL_NICE: "x"}
+    )
+    try:
+        assert proc.wait(60) != 0
+        out = open(log).read()
+        assert f"{env.CONTROL_NICE}='x' is not a nice value" in out and "Traceback" not in out, out
+        assert "coordinator at" not in out, out
+    finally:
+        _end_session(proc.pid)
+
+
 @pytest.mark.slow  # a coordinator process
 @pytest.mark.timeout(120)
 def test_a_control_nice_out_of_range_stops_the_coordinator_with_one_line(tmp_path, monkeypatch, capfd):
