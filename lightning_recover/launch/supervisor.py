@@ -211,7 +211,10 @@ def _replica_preexec(launcher_pid: int, nice: int) -> Callable[[], None]:
         set_parent_death_signal(signal.SIGKILL)
         if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
             os.kill(os.getpid(), signal.SIGKILL)
-        os.setpriority(os.PRIO_PROCESS, 0, nice)  # a higher value than the launcher's: always permitted
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, nice)
+        except PermissionError:  # a launcher set above its own (a positive value) without the right to come back
+            pass
 
     return preexec
 
