@@ -46,7 +46,7 @@ def job_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
     # What the launchers set for their replicas: the same import-time environment lets one warm fork server
     # serve both a test's launcher and its replicas (tests/integration/conftest.py).
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    if os.geteuid() == 0:  # as the test etcd members: the coordinator answers before the jobs' replicas compute
+    if os.geteuid() == 0:  # as the test etcd members: the coordinator and launcher run before the replicas' compute
         env.setdefault(CONTROL_NICE, "-10")
     env.pop("LIGHTNING_RECOVER_INJECT", None)
     env.update(extra or {})
