@@ -51,6 +51,9 @@ REPLICA_SIZE = "LIGHTNING_RECOVER_REPLICA_SIZE"
 INNER = "LIGHTNING_RECOVER_INNER"
 #: Fault plan, e.g. ``kill:replica=2:step=5:phase=backward`` (set by ``--inject``; tests and demos).
 INJECT = "LIGHTNING_RECOVER_INJECT"
+#: The file a ``pause`` fault waits for: the paused process goes on once it exists (tests that order events
+#: across processes open it on the event they wait for).
+PAUSE_GATE = "LIGHTNING_RECOVER_PAUSE_GATE"
 #: The job's private temporary directory (0700; it holds the job secret), made by the launcher and removed
 #: when the job ends, even after a SIGKILLed launcher (``launch/job_dir.py``). torchrun agents keep their
 #: temporaries there.

@@ -543,10 +543,11 @@ def _check_options(
     if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
         raise ValueError(f"restarts must be an integer >= 0, got {restarts!r}")
     # Validate before starting anything; a plan in the environment reaches every replica too.
+    environ = dict(os.environ, **(extra_env or {}))
     if inject:
-        check_plan(inject, replicas)
+        check_plan(inject, replicas, environ=environ)
     else:
-        check_plan(dict(os.environ, **(extra_env or {})).get(env.INJECT), replicas, env.INJECT)
+        check_plan(environ.get(env.INJECT), replicas, env.INJECT, environ)
     if isinstance(nproc_per_replica, bool) or not isinstance(nproc_per_replica, int) or nproc_per_replica < 1:
         raise ValueError(f"nproc_per_replica must be an integer >= 1, got {nproc_per_replica!r}")
     check_standby(standby, restarts)

@@ -8,8 +8,10 @@ Kinds: ``kill`` (SIGKILL of the replica process), ``hang`` (SIGSTOP: the process
 heartbeats stop, only the staleness threshold can reveal it), ``stall`` (the main thread blocks
 for good while the process and its heartbeat thread live on: a deadlock, revealed only by the
 progress it reports), ``raise`` (an exception inside the replica, which then exits with a
-traceback) and ``notice`` (the process sends itself its preemption notice signal, ``protocol/notice.py``:
-it finishes the step and leaves at its commit).
+traceback), ``notice`` (the process sends itself its preemption notice signal, ``protocol/notice.py``:
+it finishes the step and leaves at its commit) and ``pause`` (the main thread waits until the file named by
+``LIGHTNING_RECOVER_PAUSE_GATE`` exists, its heartbeat going on: a process made late at an exact point, for
+tests that order events across processes; it opens the gate on the event it waits for).
 
 Phases, in the order they happen in a step: ``forward`` (first forward of the step),
 ``backward`` (first backward), ``reduce`` (just before the gradient all-reduce is issued),
@@ -37,14 +39,16 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from lightning_recover import env
 from lightning_recover.errors import InjectedFault
 from lightning_recover.protocol.notice import DEFAULT_NOTICE_SIGNAL, parse_signal
 
-KINDS = ("kill", "hang", "stall", "raise", "notice")
+KINDS = ("kill", "hang", "stall", "raise", "notice", "pause")
+#: The longest a ``pause`` waits for its gate: a test that never opens it still ends.
+PAUSE_LIMIT = 600.0
 # "regroup": while this replica builds a generation's process group (at step 0 the job's first one).
 PHASES = ("forward", "backward", "reduce", "commit", "optimizer", "recompute", "save", "regroup")
 
@@ -128,15 +132,23 @@ PLAN_HINT = (
 )
 
 
-def check_plan(spec: str | None, replicas: int | None = None, source: str = "--inject") -> list[Fault]:
+def check_plan(
+    spec: str | None, replicas: int | None = None, source: str = "--inject", environ: Mapping[str, str] = os.environ
+) -> list[Fault]:
     """:func:`parse_faults`, for a plan a user gave (``source``: where it came from, e.g. the
     ``LIGHTNING_RECOVER_INJECT`` variable): a ``ValueError`` of one line that names the source and ends
-    in a HINT. Launchers call it before they start anything."""
+    in a HINT. Launchers call it before they start anything (``environ``: the replicas' environment)."""
     try:
-        return parse_faults(spec, replicas)
+        faults = parse_faults(spec, replicas)
     except ValueError as exc:
         message = str(exc)
         raise ValueError(f"{source}: {message}" + ("" if "HINT:" in message else f". {PLAN_HINT}")) from None
+    if any(f.kind == "pause" for f in faults) and not environ.get(env.PAUSE_GATE):
+        raise ValueError(f"{source}: a pause fault waits for a gate file, and none is named. {PAUSE_HINT}")
+    return faults
+
+
+PAUSE_HINT = f"HINT: set {env.PAUSE_GATE}=PATH; the paused process goes on once PATH exists."
 
 
 def announcement(fault: Fault, when: float, terminal: bool) -> str:
@@ -159,8 +171,19 @@ def act_on_process(fault: Fault) -> None:
         threading.Event().wait()  # never set: the main thread is stuck, the heartbeat thread is not
     elif fault.kind == "notice":
         os.kill(os.getpid(), parse_signal(os.environ.get(env.NOTICE_SIGNAL) or DEFAULT_NOTICE_SIGNAL))
+    elif fault.kind == "pause":
+        wait_for_gate(os.environ.get(env.PAUSE_GATE, ""))
     else:
         raise InjectedFault(f"injected fault {fault}")
+
+
+def wait_for_gate(path: str, limit: float = PAUSE_LIMIT) -> None:
+    """A ``pause``: wait until the file ``path`` exists (at most ``limit`` seconds, then go on)."""
+    if not path:
+        raise ValueError(f"a pause fault fired, but no gate file is named. {PAUSE_HINT}")
+    deadline = time.monotonic() + limit
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 class FaultInjector:

@@ -285,7 +285,8 @@ class Replica:
                 self.decisions.close(settle=not _uncaught[0])  # a step applied speculatively is confirmed first
         finally:
             if self.world is not None and not _uncaught[0]:
-                self.world.leave()  # a clean exit: the replica-mates' watchdogs must not read it as a death
+                # A clean exit: the replica-mates' watchdogs must not read it as a death.
+                self.world.leave(together=self.joins_and_leaves.left)
             self.membership.close(clean=not _uncaught[0])
         # A planned fault that never fired makes a fault test pass for the wrong reason: say so.
         missed = [f for f in self.protocol.injector.unfired() if f.phase != "recompute"]

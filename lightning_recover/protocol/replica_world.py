@@ -109,13 +109,35 @@ class ReplicaWorld:
     def group(self) -> Any:
         return dist.group.WORLD
 
-    def leave(self) -> None:
-        """A clean end of this process: say so before the replica is marked gone."""
+    def leave(self, together: bool = False) -> None:
+        """A clean end of this process: say so before the replica is marked gone.
+
+        ``together`` (the replica leaves on notice, every process at the same commit): first wait until every
+        process of the replica got here. A process is otherwise free to end as soon as it applied the commit, and
+        the replica's mark would reach a mate still reading that commit as the replica's death. The wait is
+        bounded by the group's collective timeout; a mate that dies meanwhile ends it with an error, or this
+        process through the watchdog."""
+        if self._stop.is_set():
+            return  # left already
+        if together and dist.is_initialized():
+            self._wait_for_mates()
         self._stop.set()
         try:
             self._membership.store.set(left_key(self.replica, self.incarnation), "1")
         except Exception:
             pass  # the coordinator is gone: nobody is left to misread the exit
+
+    def _wait_for_mates(self) -> None:
+        where = f"[lightning-recover] replica {self.replica} process {self.inner}"
+        try:
+            arrived = dist.barrier(group=self.group, async_op=True)
+            if not arrived.is_completed():
+                print(f"{where}: waits for the replica's other processes to leave with it", file=sys.stderr, flush=True)
+            arrived.wait()
+        except RuntimeError as exc:  # a mate ended first without leaving (its replica ends as a death)
+            print(
+                f"{where}: the replica's other processes did not all leave with it: {exc}", file=sys.stderr, flush=True
+            )
 
     def _watch(self) -> None:
         store = self._membership.store.clone()

@@ -215,13 +215,18 @@ def test_graceful_leave_of_two_process_replicas(tmp_path, request, plane, cli):
     """Replicas of K = 2 processes (FSDP2 inside): the notice reaches process 0 of replica 1 only; the whole
     replica leaves at the commit, nothing is recomputed, it is not restarted (``run --restarts 1``, torchrun
     ``--max-restarts 1``: its agent exits 75 instead of restarting the workers), and the survivor ends equal to
-    the unsharded failure-free run."""
+    the unsharded failure-free run.
+
+    Process 1 of replica 1 is paused before it reads the step's decision, until process 0 says it waits for it:
+    process 0 must not mark the replica gone before its mate read the decision (the mate would read the mark as
+    the replica's death and stop as excluded, and its launcher would restart the replica)."""
     from types import SimpleNamespace
 
     from tests.integration.test_sharded import check, sharded_job
     from tests.scripts import sharded_train
 
     steps = 4
+    gate = str(tmp_path / "gate")
     ref_dir = str(tmp_path / "reference")
     sharded_train.reference(SimpleNamespace(out=ref_dir, steps=steps, microbatches=8, batch_size=4, dtype="float64"))
     reference = torch.load(os.path.join(ref_dir, "reference.pt"))["state"]
@@ -230,11 +235,12 @@ def test_graceful_leave_of_two_process_replicas(tmp_path, request, plane, cli):
         str(tmp_path / "run"),
         replicas=2,
         microbatches=8,
-        inject="notice:replica=1:step=1:phase=backward",
+        inject="notice:replica=1:step=1:phase=backward,pause:replica=1:inner=1:step=1:phase=commit",
         cli=cli,
         steps=steps,
-        env=env_,
+        env=dict(env_, **{env.PAUSE_GATE: gate}),
         restarts=1,
+        gate=(gate, lambda log: "replica 1 process 0: waits for the replica's other processes to leave" in log),
     )
     assert "replica 1 left on notice" in result.output, result.output[-4000:]
     assert "restarting replica 1" not in result.output and "Restarting worker" not in result.output

@@ -12,6 +12,7 @@ import glob
 import json
 import os
 import sys
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -66,11 +67,12 @@ def sharded_job(
     replica_size: int = 2,
     tp: int = 1,
     env: dict[str, str] | None = None,
-    gate: tuple[str, int] | None = None,
+    gate: tuple[str, Callable[[str], bool]] | None = None,
 ):
     """Run sharded_train.py as one bounded job (``cli``: "run", "torchrun" or Fabric's own launcher);
-    ``env``: more environment for the job (e.g. an etcd control plane's); ``gate`` = (PATH, r): the job's
-    ``--hold`` file, created once replica r asked to join (:func:`tests.jobs.run_gated_job`)."""
+    ``env``: more environment for the job (e.g. an etcd control plane's); ``gate`` = (PATH, opens_on): a file
+    the job waits for (its ``--hold`` or a pause fault's gate), created once ``opens_on(log text)`` is true
+    (:func:`tests.jobs.run_gated_job`)."""
     script = [
         SCRIPT,
         out,
@@ -129,8 +131,8 @@ def sharded_job(
     if gate is None:
         result = run_job(cmd, out, timeout=timeout, env=env or None)
     else:
-        path, joiner = gate
-        result = run_gated_job(cmd, out, path, lambda log: join_request(joiner) in log, timeout=timeout, env=env)
+        path, opens_on = gate
+        result = run_gated_job(cmd, out, path, opens_on, timeout=timeout, env=env)
     pids = {os.path.basename(p): int(open(p).read()) for p in glob.glob(os.path.join(out, "pid.*"))}
     return result, pids
 
@@ -261,7 +263,7 @@ def test_restarted_replica_of_two_rejoins_with_its_shards(tmp_path, reference, l
         steps=REJOIN_STEPS,
         # the survivors wait before step 2 until the restarted replica asked to join: step 2's commit admits it
         extra=("--hold", f"2:{gate}"),
-        gate=(gate, 1),
+        gate=(gate, lambda log: join_request(1) in log),
         restarts=1,
         tp=2 if launch == "fabric-tp" else 1,  # pure TP: the joiner also receives the replicated plain parameters
     )

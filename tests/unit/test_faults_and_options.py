@@ -2,8 +2,9 @@
 
 import pytest
 
+from lightning_recover import env
 from lightning_recover.data import MicrobatchSource
-from lightning_recover.protocol.faults import Fault, FaultInjector, parse_faults
+from lightning_recover.protocol.faults import Fault, FaultInjector, check_plan, parse_faults, wait_for_gate
 from lightning_recover.protocol.options import DEFAULT_HEARTBEAT_INTERVAL, ETCD_BEATS_PER_TIMEOUT, RecoverOptions
 
 
@@ -25,6 +26,20 @@ def test_save_phase_and_a_save_fault_never_reached_is_reported():
         injector.check_all_fired(last_step=3)  # e.g. no fabric.save after step 3
     injector.maybe_fire(3, "save")
     injector.check_all_fired(last_step=3)
+
+
+def test_a_pause_needs_its_gate_named_and_goes_on_once_the_gate_exists(tmp_path):
+    plan = "pause:replica=1:inner=1:step=1:phase=commit"
+    with pytest.raises(
+        ValueError, match=rf"^--inject: a pause fault waits for a gate file.*HINT: set {env.PAUSE_GATE}="
+    ):
+        check_plan(plan, 2, environ={})
+    gate = tmp_path / "gate"
+    assert check_plan(plan, 2, environ={env.PAUSE_GATE: str(gate)}) == [Fault("pause", 1, 1, "commit", inner=1)]
+    with pytest.raises(ValueError, match="no gate file is named"):
+        wait_for_gate("")
+    gate.touch()
+    wait_for_gate(str(gate), limit=0.0)  # an open gate: goes on at once
 
 
 @pytest.mark.parametrize(
