@@ -131,6 +131,8 @@ PLAN_HINT = (
     f"P one of {'|'.join(PHASES)}."
 )
 
+PAUSE_HINT = f"HINT: set {env.PAUSE_GATE}=PATH; the paused process goes on once PATH exists."
+
 
 def check_plan(
     spec: str | None, replicas: int | None = None, source: str = "--inject", environ: Mapping[str, str] = os.environ
@@ -146,9 +148,6 @@ def check_plan(
     if any(f.kind == "pause" for f in faults) and not environ.get(env.PAUSE_GATE):
         raise ValueError(f"{source}: a pause fault waits for a gate file, and none is named. {PAUSE_HINT}")
     return faults
-
-
-PAUSE_HINT = f"HINT: set {env.PAUSE_GATE}=PATH; the paused process goes on once PATH exists."
 
 
 def announcement(fault: Fault, when: float, terminal: bool) -> str:

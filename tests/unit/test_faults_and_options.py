@@ -39,7 +39,7 @@ def test_a_pause_needs_its_gate_named_and_goes_on_once_the_gate_exists(tmp_path)
     with pytest.raises(ValueError, match="no gate file is named"):
         wait_for_gate("")
     gate.touch()
-    wait_for_gate(str(gate), limit=0.0)  # an open gate: goes on at once
+    wait_for_gate(str(gate))  # an open gate: goes on at once (a gate not seen would hold the test to its timeout)
 
 
 @pytest.mark.parametrize(
