@@ -4,21 +4,13 @@ The embedded coordinator (``protocol/coordinator.py``) serves a TCPStore on the 
 have no watched view and no multi-key transactions: the ``cached*`` reads miss (the caller reads the store),
 :meth:`CoordinatorStore.compare_set` writes what it carries one request at a time, and a heartbeat is
 rewritten every period instead of living in a lease.
-
-One key is watched all the same: the ``events`` counter, which every wait of the protocol reads between two
-slices to learn that its generation failed (N members reading it every few milliseconds would be the coordinator's
-whole request rate at a few hundred replicas). Every bump through :meth:`CoordinatorStore.compare_set` also
-writes the wake key ``events/{new value}``; a :class:`CounterWatch` thread blocks in the coordinator on the next
-one and keeps a local copy, which :meth:`CoordinatorStore.cached` answers.
 """
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
@@ -29,76 +21,6 @@ from lightning_recover.errors import CoordinatorLostError
 
 #: Seconds :meth:`CoordinatorStore.peek_many` waits at most for a key deleted after it saw it.
 BATCH_READ_TIMEOUT = 0.25
-#: The counter :class:`CounterWatch` keeps (bumped on every death and every proposed generation).
-WATCHED_COUNTER = "events"
-#: Longest a :class:`CounterWatch` goes without reading its counter: a bump whose writer died before its wake key,
-#: or a wake key forged by an outside client, is seen within this.
-COUNT_REREAD = 0.5
-
-
-_WATCHES: weakref.WeakSet[CounterWatch] = weakref.WeakSet()
-
-
-@atexit.register
-def _end_watches() -> None:
-    """End the watches' threads before the interpreter's finalization: one still blocked in the coordinator then
-    would return into a finalizing interpreter (an abort, when the coordinator's server is in this process)."""
-    watches = list(_WATCHES)
-    for watch in watches:
-        watch.close()
-    for watch in watches:
-        watch.join()
-
-
-class CounterWatch:
-    """A local copy of one counter of the coordinator, kept current by a thread that blocks on the counter's next
-    wake key (``{counter}/{value + 1}``, written after each bump) on a connection of its own, and reads the counter
-    when woken or every :data:`COUNT_REREAD`. Its copy is a moment stale at worst, never ahead of the store;
-    :attr:`value` is None once the connection failed (the caller then reads the store, and learns the failure)."""
-
-    def __init__(self, connection: Any, counter: str) -> None:
-        self.counter = counter
-        self.value: Optional[int] = None
-        self._connection = connection
-        self._stop = threading.Event()
-        self._read = threading.Event()  # set once the first value was read (or the first read failed)
-        self._thread = threading.Thread(target=self._run, name=f"lr-watch-{counter}", daemon=True)
-        self._thread.start()
-        _WATCHES.add(self)
-
-    def first_read(self, timeout: float) -> Optional[int]:
-        """The copy once the thread's first read of the counter ended (at most ``timeout`` seconds from now)."""
-        self._read.wait(timeout)
-        return self.value
-
-    def close(self) -> None:
-        self._stop.set()
-
-    def join(self) -> None:
-        """Wait for the thread to end (after :meth:`close`: within one :data:`COUNT_REREAD`)."""
-        self._thread.join(COUNT_REREAD + BATCH_READ_TIMEOUT)
-
-    def _run(self) -> None:
-        try:
-            value = self.value = int(self._connection.add(self.counter, 0))
-            self._read.set()
-            while not self._stop.is_set():
-                woken = self._woken_by(f"{self.counter}/{value + 1}")
-                now = int(self._connection.add(self.counter, 0))
-                if woken and now == value:  # a wake key not of a bump (forged): read again after the pause
-                    self._stop.wait(COUNT_REREAD)
-                value = self.value = now
-        except Exception:
-            self.value = None  # the coordinator is lost (or answered nonsense): readers ask the store themselves
-        finally:
-            self._read.set()
-
-    def _woken_by(self, key: str) -> bool:
-        try:
-            self._connection.wait([key], datetime.timedelta(seconds=COUNT_REREAD))
-            return True
-        except Exception:
-            return False  # the pause ended (or the connection failed: the counter's read that follows raises)
 
 
 class CoordinatorStore:
@@ -113,7 +35,6 @@ class CoordinatorStore:
         self.store: Any = store  # torch's stubs of Store lack clone and append, and type values as str
         self._batch_reader: Any = None  # the connection of peek_many's multi_get (made when first needed)
         self._batch_lock = threading.Lock()
-        self._watch: Optional[CounterWatch] = None  # the copy of WATCHED_COUNTER (made when first asked)
 
     # ---------------------------------------------------------------- plain values
     def get(self, key: str) -> bytes:
@@ -156,9 +77,7 @@ class CoordinatorStore:
         return dist.PrefixStore(prefix, self.store.clone())
 
     def close(self) -> None:
-        """Stop the counter's watch; torch closes a TCPStore client's connection when it is collected."""
-        if self._watch is not None:
-            self._watch.close()
+        """Nothing to release: torch closes a TCPStore client's connection when it is collected."""
 
     # ---------------------------------------------------------------- registers and several keys at once
     def compare_set(
@@ -176,8 +95,7 @@ class CoordinatorStore:
         for k, v in if_absent:
             self.store.compare_set(k, b"", v)
         if got == desired and bump is not None:
-            count = self.store.add(bump, 1)
-            self.store.set(f"{bump}/{count}", b"")  # after the bump: it wakes the counter's watches
+            self.store.add(bump, 1)
         return got
 
     def put_and_decide(self, *args: Any, **kwargs: Any) -> Optional[bytes]:
@@ -211,16 +129,7 @@ class CoordinatorStore:
 
     # ---------------------------------------------------------------- no watched view: every read misses
     def cached(self, key: str) -> tuple[bool, Optional[bytes]]:
-        """A miss, except for :data:`WATCHED_COUNTER`: its :class:`CounterWatch` copy (made on the first ask)."""
-        if key != WATCHED_COUNTER:
-            return False, None
-        if self._watch is None:
-            self._watch = CounterWatch(self.store.clone(), key)
-            weakref.finalize(self, self._watch.close)  # the watch's thread ends with this client
-            value = self._watch.first_read(BATCH_READ_TIMEOUT)
-        else:
-            value = self._watch.value
-        return (False, None) if value is None else (True, str(value).encode())
+        return False, None
 
     def cached_each(self, keys: Sequence[str]) -> Optional[list[Optional[bytes]]]:
         return None
