@@ -316,7 +316,7 @@ class JoinRounds:
                 # member list deleted or forged after they read it must not keep it here for ever.
                 if time.monotonic() > deadline + self.store_timeout:
                     raise _members_never_written(self.replica, number, timeout + self.store_timeout)
-                delay = pause(self.store, f"{prefix}/members", delay)
+                delay = pause(self.store, delay)
                 continue
             # At the job's start a replica not started yet has incarnation 0, which no death notice
             # matches: read it again, so one that starts and dies before joining is not waited for
@@ -327,7 +327,7 @@ class JoinRounds:
             state = self.state(prefix, expected)
             outcome = round_outcome(state, expected, least if growth else 0, time.monotonic() >= deadline)
             if outcome == WAIT:
-                delay = pause(self.store, f"{prefix}/members", delay)
+                delay = pause(self.store, delay)
                 continue
             if outcome == SHORT:
                 raise RecoverError(

@@ -1,7 +1,6 @@
 """How the protocol's waits poll the control plane: short sleeps that double up to :data:`POLL_MAX`, or a wait on
 the watched view where the backend has one, so that a failure is noticed within :data:`SLICE` of any blocked
-wait, never after a long timeout; a round's members wait in the coordinator for the round's member list, and
-notice a failure within :data:`ROUND_WAIT_MAX`."""
+wait, never after a long timeout (a round's members within :data:`ROUND_POLL_MAX`)."""
 
 from __future__ import annotations
 
@@ -12,9 +11,10 @@ from lightning_recover.protocol.messages import ControlStore
 POLL_MIN = 0.0005
 POLL_MAX = 0.005
 SLICE = 0.01  # longest a blocked wait goes without looking for failures
-#: Longest a round's member blocks in the coordinator between two polls: the last joiner closes the round and its
-#: member list ends every wait at once; a death or a deadline (which writes no list) is seen within this.
-ROUND_WAIT_MAX = 0.2
+#: Longest pause between two polls of a round on the embedded coordinator: every member polls until the last joiner
+#: closes the round, so N members poll N / ROUND_POLL_MAX times a second (a few requests each); a member sees the
+#: member list, a death or a deadline within this.
+ROUND_POLL_MAX = 0.05
 
 
 def backoff(delay: float) -> float:
@@ -23,16 +23,12 @@ def backoff(delay: float) -> float:
     return min(delay * 2, POLL_MAX)
 
 
-def pause(store: ControlStore, closes_with: str, delay: float) -> float:
-    """Between two polls of a round that ends when ``closes_with`` is written: until the watched view moves (at
-    most ``POLL_MAX``) where the backend has one; else a wait in the coordinator that ends when the key is
-    written or after ``delay``, doubled up to :data:`ROUND_WAIT_MAX` (a poll every few milliseconds by each of N
-    members would be the coordinator's whole request rate at a few hundred replicas). The next pause's length."""
+def pause(store: ControlStore, delay: float) -> float:
+    """Between two polls of a round: until the watched view moves (at most ``POLL_MAX``) where the backend has
+    one, else a sleep that doubles up to :data:`ROUND_POLL_MAX`; the next pause's length. Not a wait in the
+    coordinator: a TCPStore wait that times out as its key is written can stall for the store's timeout."""
     if store.raw.views:
         store.wait_changed(POLL_MAX)
         return delay
-    if store.wait(closes_with, delay):
-        # Written since the caller read it, or there but not genuine (forged): pause like a poll then, so that
-        # a forged key never makes the round spin.
-        time.sleep(min(delay, POLL_MAX))
-    return min(delay * 2, ROUND_WAIT_MAX)
+    time.sleep(delay)
+    return min(delay * 2, ROUND_POLL_MAX)

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import datetime
 import json
-import threading
 import time
 
 import pytest
 import torch.distributed as dist
 
 from lightning_recover.control_plane.embedded import BATCH_READ_TIMEOUT, CoordinatorStore, peek
-from lightning_recover.protocol import join_rounds, polling
+from lightning_recover.protocol import join_rounds
 from lightning_recover.protocol.coordinator import Coordinator
-from lightning_recover.protocol.join_rounds import JoinRounds, RoundReads, joined_round
+from lightning_recover.protocol.join_rounds import RoundReads, joined_round
 from lightning_recover.protocol.messages import ControlStore, JobSecret
 from tests.compare import SLACK
 
@@ -141,45 +140,3 @@ def test_a_rounds_polls_read_the_death_notices_again_when_events_moved(monkeypat
     assert reads.dead(reader, replicas, incarnations) == {5}
     monkeypatch.setattr(join_rounds, "DEATHS_REREAD", 0.0)
     assert reads.dead(reader, replicas, incarnations) == {5, 6}
-
-
-class _SaysWhenWaiting:
-    """A real TCPStore client that sets ``waiting`` when a ``wait`` on ``key`` starts (everything goes to it)."""
-
-    def __init__(self, inner, key: str) -> None:
-        self.inner, self.key, self.waiting = inner, key, threading.Event()
-
-    def wait(self, keys, *timeout):
-        if keys == [self.key]:
-            self.waiting.set()
-        return self.inner.wait(keys, *timeout)
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
-
-
-def test_a_rounds_member_waits_in_the_coordinator_until_the_member_list_is_written(monkeypatch):
-    """Between its polls a member of a forming round blocks in the coordinator on the round's member list (no poll
-    every few milliseconds, which N members would turn into the coordinator's whole request rate): the list, written
-    by the last joiner, ends the wait at once. The pause is made longer than the test's bound, so a wait that did
-    not end on the list fails the test."""
-    monkeypatch.setattr(join_rounds, "POLL_MIN", 3600.0)
-    monkeypatch.setattr(polling, "ROUND_WAIT_MAX", 3600.0)
-    secret = JobSecret.generate()
-    coordinator = Coordinator("127.0.0.1", 0, 2, 60.0, secret)
-    first, last = ControlStore(coordinator.addr, 0, secret), ControlStore(coordinator.addr, 1, secret)
-    waits = first.raw.store = _SaysWhenWaiting(first.raw.store, "g1/members")
-    expected = {0: 1, 1: 1}
-    joined: dict = {}
-
-    def join_first() -> None:
-        joined["generation"] = JoinRounds(first, 0, 1, num_replicas=2).join(1, {"step": 0}, expected, timeout=60)
-
-    thread = threading.Thread(target=join_first, daemon=True)
-    thread.start()
-    assert waits.waiting.wait(30), "the first member never waited on the member list"
-    generation = JoinRounds(last, 1, 1, num_replicas=2).join(1, {"step": 0}, expected, timeout=60)
-    assert generation.members == [0, 1], "the last joiner closes the round"
-    thread.join(30)
-    assert not thread.is_alive(), "the member list did not end the first member's wait"
-    assert joined["generation"].members == [0, 1]
