@@ -26,7 +26,7 @@ def backoff(delay: float) -> float:
 def pause(store: ControlStore, delay: float) -> float:
     """Between two polls of a round: until the watched view moves (at most ``POLL_MAX``) where the backend has
     one, else a sleep that doubles up to :data:`ROUND_POLL_MAX`; the next pause's length. Not a wait in the
-    coordinator: a TCPStore wait that times out as its key is written can stall for the store's timeout."""
+    coordinator: TCPStore waits in slices were seen to stall for the store's timeout (docs/control_plane.md)."""
     if store.raw.views:
         store.wait_changed(POLL_MAX)
         return delay
