@@ -126,6 +126,17 @@ def sealed_record(store: Any, key: str) -> Optional[dict]:
     return record if isinstance(record, dict) else None
 
 
+def record_refused(store: Any, key: str, generation: int, rank: int, src_rank: int) -> ForgedMessageError:
+    """The error of a receiver that found no genuine record under ``key`` after the sender's sizes arrived (the
+    sender wrote it before): says whether the key is absent or failed authentication, and who was where."""
+    what = "failed authentication" if store.has(key) else "is absent from the store"
+    return ForgedMessageError(
+        f"the digest of the state handed to this rejoining replica ({key!r}) {what} (generation {generation}, this "
+        f"member's rank {rank}, the sender's rank {src_rank}): the state is refused. HINT: its launcher restarts it "
+        "if restarts remain; keep the coordinator's port private."
+    )
+
+
 def check_sizes(record: Optional[dict], sizes: tuple[int, int], key: str) -> None:
     """Refuse broadcast sizes ``(payload bytes, skeleton bytes)`` unless they are the ones the sender sealed:
     checked before the receiver allocates its buffer (the sizes travel over the unauthenticated group)."""
@@ -209,6 +220,8 @@ def broadcast_state(collectives: Any, membership: Any, src_rank: int, state: Any
     collectives.broadcast([sizes], src_rank)
     if membership.rank != src_rank:
         record = sealed_record(store, key)
+        if record is None:
+            raise record_refused(store, key, membership.gen.number, membership.rank, src_rank)
         check_sizes(record, (int(sizes[0]), int(sizes[1])), key)
         payload = torch.empty(int(sizes[0]), dtype=torch.uint8)
     collectives.broadcast([payload], src_rank)

@@ -27,7 +27,7 @@ from lightning_recover.protocol import Fault
 from lightning_recover.protocol.coordinator import Coordinator
 from lightning_recover.protocol.messages import ControlStore, JobSecret, sequence
 from lightning_recover.protocol.replica_world import declared_dead, left_key
-from lightning_recover.protocol.state_transfer import check_digest, digest, pack, unpack
+from lightning_recover.protocol.state_transfer import check_digest, digest, pack, record_refused, sealed_record, unpack
 from tests.compare import SLACK, max_relative_difference
 from tests.inprocess import HEARTBEAT_TIMEOUT, RUN_TIMEOUT, TOL, Cluster, reference
 
@@ -496,3 +496,21 @@ def test_rejoin_state_must_match_the_digest_sealed_by_its_sender():
         check_digest(altered, expected, "g2/state")
     with pytest.raises(ForgedMessageError, match="missing or forged"):
         check_digest(payload, None, "g2/state")
+
+
+def test_a_state_digest_not_found_is_named_absent_or_forged(store_pair):
+    """A receiver that finds no genuine digest record says which it is (absent, or failed authentication) and
+    where it stood: the two have different causes (a deletion or a race; a client without the secret)."""
+    writer, reader, outsider = store_pair
+    assert sealed_record(reader, "g2/state") is None
+    with pytest.raises(
+        ForgedMessageError, match=r"'g2/state'\) is absent from the store \(generation 2, this member's rank 1"
+    ):
+        raise record_refused(reader, "g2/state", 2, 1, 0)
+    _write(outsider, "g2/state", b'{"sha256": "0", "bytes": 1, "skeleton": 1}')  # unsealed
+    assert sealed_record(reader, "g2/state") is None
+    with pytest.raises(ForgedMessageError, match="failed authentication"):
+        raise record_refused(reader, "g2/state", 2, 1, 0)
+    writer.set("g2/state", json.dumps({"sha256": "0", "bytes": 1, "skeleton": 1}))
+    writer.has("g2/state")  # a round trip on the writer's connection: the set is in the store
+    assert sealed_record(reader, "g2/state") == {"sha256": "0", "bytes": 1, "skeleton": 1}
