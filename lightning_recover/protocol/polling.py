@@ -17,10 +17,10 @@ SLICE = 0.01  # longest a blocked wait goes without looking for failures
 ROUND_POLL_MAX = 0.05
 
 
-def backoff(delay: float) -> float:
-    """Sleep ``delay`` and return the next, doubled up to ``POLL_MAX``."""
+def backoff(delay: float, cap: float = POLL_MAX) -> float:
+    """Sleep ``delay`` and return the next, doubled up to ``cap``."""
     time.sleep(delay)
-    return min(delay * 2, POLL_MAX)
+    return min(delay * 2, cap)
 
 
 def pause(store: ControlStore, delay: float) -> float:
@@ -30,5 +30,4 @@ def pause(store: ControlStore, delay: float) -> float:
     if store.raw.views:
         store.wait_changed(POLL_MAX)
         return delay
-    time.sleep(delay)
-    return min(delay * 2, ROUND_POLL_MAX)
+    return backoff(delay, ROUND_POLL_MAX)

@@ -137,11 +137,10 @@ def record_refused(store: Any, key: str, generation: int, rank: int, src_rank: i
     )
 
 
-def check_sizes(record: Optional[dict], sizes: tuple[int, int], key: str) -> None:
-    """Refuse broadcast sizes ``(payload bytes, skeleton bytes)`` unless they are the ones the sender sealed:
-    checked before the receiver allocates its buffer (the sizes travel over the unauthenticated group)."""
-    if record is None:
-        check_digest(torch.empty(0, dtype=torch.uint8), None, key)  # raises: missing or forged
+def check_sizes(record: dict, sizes: tuple[int, int], key: str) -> None:
+    """Refuse broadcast sizes ``(payload bytes, skeleton bytes)`` unless they are the ones the sender sealed
+    (``record``; none found is :func:`record_refused`): checked before the receiver allocates its buffer (the sizes
+    travel over the unauthenticated group)."""
     if (record.get("bytes"), record.get("skeleton")) != tuple(sizes):
         raise ForgedMessageError(
             f"the state handed to this replica announces {sizes[0]} bytes (skeleton {sizes[1]}), not the "
