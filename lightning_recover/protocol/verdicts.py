@@ -111,7 +111,8 @@ class Ledger:
         if moved is None or moved[:2] != count or hb.get("phase") in WAITING or not (waiting - {r}):
             self.progress[key] = (*count, now)  # progressing, waiting itself, or nobody waits on it
         if now - self.beats[key][2] > self.timeout:
-            return Verdict(r, inc, f"missed heartbeats for {now - self.beats[key][2]:.2f}s", "kill")
+            last = f"its last beat said phase {hb.get('phase')!r} of step {hb.get('step')}"
+            return Verdict(r, inc, f"missed heartbeats for {now - self.beats[key][2]:.2f}s ({last})", "kill")
         if now - self.progress[key][2] > self.hang_timeout:
             return Verdict(
                 r,

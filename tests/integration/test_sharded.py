@@ -53,6 +53,12 @@ def _pid_alive(pid: int) -> bool:
     return fields is not None and fields[0] != "Z"  # a zombie is gone for our purposes
 
 
+# The launchers' heartbeat timeout: a killed process is declared when it exits, whatever this is; a frozen one
+# (``hang``) waits it out. Up to 8 processes start at once on 2 cores, beside a CPU hog in the hogged runs: a beat
+# there has waited over 2 s for a CPU (the monitor then declared a healthy replica dead).
+HEARTBEAT_TIMEOUT = 6
+
+
 def sharded_job(
     out: str,
     replicas: int,
@@ -103,7 +109,7 @@ def sharded_job(
             "--restarts",
             str(restarts),
             "--heartbeat-timeout",
-            "2",
+            str(HEARTBEAT_TIMEOUT),
             "--",
             sys.executable,
             *script,
@@ -121,7 +127,7 @@ def sharded_job(
             "--max-restarts",
             str(restarts),
             "--heartbeat-timeout",
-            "2",
+            str(HEARTBEAT_TIMEOUT),
             "--",
             *script,
         ]

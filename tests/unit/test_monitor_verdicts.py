@@ -143,11 +143,11 @@ def test_a_stall_of_the_control_plane_is_forgiven():
 
 def test_a_settled_incarnation_is_judged_no_more():
     ledger = Ledger(TIMEOUT, HANG)
-    ledger.heard("hb/0", 0, _hb(inc=2, beat=1))
+    ledger.heard("hb/0", 0, _hb(inc=2, beat=1, step=4))
     ledger.verdicts(0.0)
     (verdict,) = ledger.verdicts(3.0).values()
     assert (verdict.replica, verdict.incarnation, verdict.cause) == (0, 2, "kill")
-    assert "missed heartbeats for 3.00s" in verdict.why
+    assert verdict.why == "missed heartbeats for 3.00s (its last beat said phase 'compute' of step 4)"
     ledger.settle(0, 2)
     ledger.settle(0, 1)  # dead/{r} only grows: an older one changes nothing
     assert ledger.settled == {0: 2} and ledger.verdicts(9.0) == {}
