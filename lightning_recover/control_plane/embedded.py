@@ -41,7 +41,12 @@ class CoordinatorStore:
         return self.store.get(key)
 
     def set(self, key: str, value: Any) -> None:
+        """Write ``value``; applied by the coordinator when this returns. A TCPStore client's ``set`` has no reply
+        (it returns once the request is sent), so a reader on another connection, told of the write over another
+        channel (a process group), could read before the coordinator took it: the ``check`` after it is answered
+        only once the coordinator handled everything this connection sent before."""
         self.store.set(key, value)
+        self.store.check([key])
 
     def add(self, key: str, amount: int) -> int:
         return self.store.add(key, amount)
@@ -92,6 +97,8 @@ class CoordinatorStore:
         got = self.store.compare_set(key, expected, desired)
         for k, v in also:
             self.store.set(k, v)
+        if also:
+            self.store.check([also[-1][0]])  # applied when this returns, as :meth:`set`
         for k, v in if_absent:
             self.store.compare_set(k, b"", v)
         if got == desired and bump is not None:

@@ -74,3 +74,31 @@ def _apportion(total: int, members: list[int], step: int, weights: Mapping[int, 
     for i in order[:left]:
         counts[i] += 1
     return dict(zip(members, counts))
+
+
+def held_by_members(step: int, payloads: Mapping[int, Mapping]) -> set[int]:
+    """The microbatch ids of ``step`` that members of a generation already hold, from their join ``payloads``
+    (``replica -> payload``): a member that formed the generation in the middle of ``step`` published what it had
+    computed (``have``)."""
+    return {j for p in payloads.values() if p.get("step") == step for j in p.get("have", ())}
+
+
+def plan_step(
+    step: int,
+    microbatches: int,
+    members: Sequence[int],
+    payloads: Mapping[int, Mapping],
+    weights: Mapping[int, float] | None = None,
+) -> dict[int, list[int]]:
+    """Who computes which microbatch ids of ``step`` in a generation of ``members`` formed with join ``payloads``.
+
+    Where no member holds any of the step's microbatches, all ``microbatches`` ids are split (by ``weights``).
+    Where some do (the generation was formed in the middle of the step, by survivors of a failed reduce), only the
+    ids nobody holds are split, equally: the plan of an in-step recovery. Every member of the generation makes
+    this plan, including one that joined it at the step's start (a boundary admission that raced the failure),
+    so each id is counted exactly once in the step's reduce.
+    """
+    held = held_by_members(step, payloads)
+    if not held:
+        return plan_quotas(step, range(microbatches), members, weights)
+    return plan_quotas(step, sorted(set(range(microbatches)) - held), members)

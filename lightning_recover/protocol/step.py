@@ -31,7 +31,7 @@ from lightning_recover.protocol.exact import ExactAccumulator
 from lightning_recover.protocol.faults import FaultInjector
 from lightning_recover.protocol.membership import Membership
 from lightning_recover.protocol.notice import Notice
-from lightning_recover.protocol.quotas import plan_quotas
+from lightning_recover.protocol.quotas import held_by_members, plan_quotas, plan_step
 
 _BUCKET_BYTES = 32 << 20
 
@@ -153,7 +153,11 @@ class StepProtocol:
         # Throughput weights apply only if measured for exactly these members (after a join or a
         # death the next step falls back to equal quotas until every member has been measured).
         weights = self._weights if self._weights and set(self._weights) == set(membership.members) else None
-        ids = plan_quotas(step, range(self.M), membership.members, weights)[membership.replica]
+        gen = membership.gen
+        ids = plan_step(step, self.M, gen.members, gen.payloads, weights)[membership.replica]
+        held = held_by_members(step, gen.payloads)
+        if held:  # this generation was formed mid-step by members that hold some of its microbatches
+            stats.events.append({"kind": "joined-recovery", "generation": gen.number, "held": len(held)})
         recovering_since: float | None = None
         while True:
             slots = list(rounds(ids, self.data_position, self.data_width))
@@ -242,19 +246,16 @@ class StepProtocol:
             raise RecoverError(
                 f"members of generation {gen.number} disagree on the open step and attempt: {sorted(steps)}"
             )
-        covered: set[int] = set()
-        for payload in gen.payloads.values():
-            covered.update(payload["have"])
-        missing = sorted(set(range(self.M)) - covered)
+        missing = self.M - len(held_by_members(step, gen.payloads))
         stats.recoveries += 1
-        ids = plan_quotas(step, missing, gen.members)[membership.replica]
+        ids = plan_step(step, self.M, gen.members, gen.payloads)[membership.replica]
         stats.recomputed += len(ids)
         stats.events.append(
             {
                 "kind": "regroup",
                 "generation": gen.number,
                 "members": list(gen.members),
-                "lost": len(missing),
+                "lost": missing,
                 "seconds": time.perf_counter() - began,
             }
         )
@@ -281,9 +282,13 @@ class StepProtocol:
         # admitted); summed with the gradients, so every member whose reduce completed reads the same answer.
         speculate = self.decisions.speculates
         awaited = float(speculate and self.decisions.leader_awaits_commit())
-        head = [float(loss.reshape(()).float()), float(self._loss_count), awaited]
+        # The fourth: the microbatches this replica holds (counted once per replica where the replica's processes
+        # sum their statistics first), summed over the members: exactly M, or the step is refused.
+        intra = self.replica_size > 1 and self._intra_group is not None
+        held = float(stats.computed if self.inner == 0 or not intra else 0)
+        head = [float(loss.reshape(()).float()), float(self._loss_count), awaited, held]
         extra = torch.tensor(head + self._own_leave_flag()).to(device)
-        if self.replica_size > 1 and self._intra_group is not None:
+        if intra:
             # Loss statistics of the whole replica (its data positions computed different microbatches).
             # The tp processes of one data position computed the same microbatches: only the first
             # one contributes, so each microbatch is counted once. A notice to any of its processes
@@ -297,6 +302,14 @@ class StepProtocol:
         self.fire(step, "reduce")
         membership.progress.note("reduce")
         self.collectives.allreduce(_buckets(flat))
+        held_by_all = round(flat["extra"][3].item())
+        if held_by_all != self.M:
+            # Every member whose reduce completed reads the same sum: all refuse the step alike.
+            raise RecoverError(
+                f"step {step}: the members' reduce holds {held_by_all} microbatches, not M={self.M} (they planned "
+                f"the step differently in generation {membership.gen.number}): the step is not applied, since its "
+                "gradient would leave the failure-free trajectory"
+            )
         if self.quota == "throughput":
             self._publish_speed(step)
         membership.progress.note("decide")
@@ -306,7 +319,7 @@ class StepProtocol:
         if not decided:
             return False
         _unflatten_into(flat, grads, params, scale=1.0 / self.M)
-        loss_sum, count, _, *self._leave_flags = flat["extra"].tolist()
+        loss_sum, count, _, _, *self._leave_flags = flat["extra"].tolist()
         # The mean loss of the step is known only if every microbatch recorded one.
         self._step_loss = loss_sum / self.M if round(count) == self.M else None
         if self.quota == "throughput":

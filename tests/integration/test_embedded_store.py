@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
+import signal
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -140,3 +145,46 @@ def test_a_rounds_polls_read_the_death_notices_again_when_events_moved(monkeypat
     assert reads.dead(reader, replicas, incarnations) == {5}
     monkeypatch.setattr(join_rounds, "DEATHS_REREAD", 0.0)
     assert reads.dead(reader, replicas, incarnations) == {5, 6}
+
+
+def test_a_write_is_applied_by_the_coordinator_when_set_returns(tmp_path):
+    """A TCPStore client's own ``set`` returns before the server took it (no reply); the seam's waits for it. With
+    the coordinator stopped (SIGSTOP) the seam's ``set`` cannot return; once it runs again, a reader on another
+    connection that is told of the write after ``set`` returned finds the value."""
+    ready = tmp_path / "port"
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import datetime, os, sys, time, torch.distributed as d\n"
+            "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False, "
+            "timeout=datetime.timedelta(seconds=30))\n"
+            f"open({str(ready)!r} + '.tmp', 'w').write(str(s.port)); os.rename({str(ready)!r} + '.tmp', {str(ready)!r})\n"
+            "time.sleep(120)\n",
+        ]
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert server.poll() is None and time.monotonic() < deadline, "the store server did not start"
+            time.sleep(0.01)
+        port = int(ready.read_text())
+
+        def client() -> dist.TCPStore:
+            return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+
+        writer, reader = CoordinatorStore(client()), client()
+        os.kill(server.pid, signal.SIGSTOP)
+        returned = threading.Event()
+        thread = threading.Thread(target=lambda: (writer.set("g2/state", b"digest"), returned.set()), daemon=True)
+        thread.start()
+        assert not returned.wait(0.5), "set returned while the coordinator was stopped"
+        os.kill(server.pid, signal.SIGCONT)
+        assert returned.wait(60), "set did not return once the coordinator ran again"
+        assert reader.check(["g2/state"]) and reader.get("g2/state") == b"digest"
+        writer.compare_set("reg", b"", b"x", also=[("also/1", b"a"), ("also/2", b"b")])
+        assert reader.multi_get(["reg", "also/1", "also/2"]) == [b"x", b"a", b"b"]
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        server.kill()
+        server.wait(30)
