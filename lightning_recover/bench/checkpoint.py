@@ -58,6 +58,7 @@ import torch
 
 from lightning_recover import env
 from lightning_recover.bench import fio as fio_mod
+from lightning_recover.bench.first_touch import first_touch_s, hypervisor_takes_free_pages
 from lightning_recover.bench.gpt_state import STATES, build_state, iter_tensors, tensor_stats
 
 ALL_METHODS = [
@@ -515,6 +516,7 @@ def machine_info(directory: str) -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "dir": os.path.realpath(directory),
+        "free_page_reporting": hypervisor_takes_free_pages(),
         **_mountinfo(directory),
     }
 
@@ -944,6 +946,21 @@ def summarize_pairs(pairs: list[dict[str, Any]]) -> dict[str, Any]:
                 p[f"fio_{'write' if kind == 'save' else 'read'}_iodepth"] for p in pairs
             ]
             out[kind]["fio_best_median_iodepth"] = int(min(per, key=lambda d: per[d]["fio_s_median"]))
+        if kind == "load" and all("fio_first_touch_s" in p for p in pairs):
+            # a load into fresh tensors against its floor: the device's read or the first touch of the same bytes
+            # of fresh memory, whichever is longer (they can overlap); meaningless for loads into existing tensors
+            ft = [
+                (p["bytes"] / p[ours_key]) / (p["fio_bytes"] / max(p["fio_read_s"], p["fio_first_touch_s"]))
+                for p in pairs
+            ]
+            out[kind]["vs_read_or_first_touch"] = {
+                "ratios": ft,
+                "ratio_median": _median(ft),
+                "ratio_min": min(ft),
+                "ratio_max": max(ft),
+                "first_touch_s_all": [p["fio_first_touch_s"] for p in pairs],
+                "first_touch_s_median": _median([p["fio_first_touch_s"] for p in pairs]),
+            }
         runtime_key = f"fio_{'write' if kind == 'save' else 'read'}_runtime_best_s"
         if all(runtime_key in p for p in pairs):
             # the strictest reading: against fio's own runtime at its best depth (what the device moved while
@@ -1081,7 +1098,8 @@ def _run_paired(checkpoint, stats, desc, repeat, root, methods, cache_mode, log,
                 by_depth[str(d)] = _fio_pair(workdir, nbytes, d, startup, cache_mode, iomem) | {"startup_s": startup}
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
-        return best_of_depths(by_depth)
+        # the other floor of a load into fresh tensors, beside the device's (first_touch.py)
+        return best_of_depths(by_depth) | {"first_touch_s": first_touch_s(nbytes)}
 
     pairs, errors = run_pairs(runnable, repeat, run_ours, run_fio, log)
     summaries = {m: summarize_pairs(p) for m, p in pairs.items()}
@@ -1153,6 +1171,13 @@ def format_paired_depths(records: list[dict[str, Any]]) -> str:
     for r in records:
         for kind in ("save", "load"):
             s = (r.get("summary") or {}).get(kind) or {}
+            ft = s.get("vs_read_or_first_touch")
+            if ft and r["method"] == BASELINE:  # the fresh-tensor load: its other floor (first_touch.py)
+                lines.append(
+                    f"  {r['method']} {kind} vs max(fio read, first touch of fresh memory "
+                    f"{ft['first_touch_s_median']:.3f} s): {ft['ratio_median']:.2f}x [{ft['ratio_min']:.2f}-"
+                    f"{ft['ratio_max']:.2f}]"
+                )
             per = s.get("by_iodepth")
             if not per:
                 continue

@@ -281,6 +281,9 @@ def test_bench_checkpoint_paired_smoke(tmp_path, capsys):
         assert p["fio_write_s"] == min(r["write_s"] for r in p["fio_by_depth"].values())
         assert p["fio_read_s"] == min(r["read_s"] for r in p["fio_by_depth"].values())
     assert set(rec["summary"]["save"]["by_iodepth"]) == {"1", "4"}
+    assert all(p["fio_first_touch_s"] > 0 for p in rec["pairs"])  # the fresh-tensor load's other floor
+    assert len(rec["summary"]["load"]["vs_read_or_first_touch"]["ratios"]) == 2 and "first touch" in printed
+    assert isinstance(doc["meta"]["machine"]["free_page_reporting"], bool)
     assert not any((tmp_path / "work").iterdir())
 
 
@@ -333,6 +336,26 @@ def test_paired_fio_side_is_the_best_depth_of_each_pair_and_each_depth_is_report
     assert bench.parse_depths(None) == (1, 4, 16) and bench.parse_depths("2") == (2,)
     with pytest.raises(SystemExit):
         bench.parse_depths("0,4")
+
+
+def test_a_load_is_also_paired_with_the_first_touch_of_fresh_memory():
+    """A load into fresh tensors has two floors, the device's read and the first touch of as many bytes of fresh
+    memory: its ratio against the longer of the two, pair by pair."""
+    touches = [0.5, 2.0, 4.0]
+    pairs, _ = bench.run_pairs(
+        ["uring"],
+        3,
+        lambda m, rep: {"save_s": 1.0, "load_s": 2.0, "bytes": 1000},
+        lambda m, rep: {"write_s": 1.0, "read_s": 1.0, "bytes": 1000, "first_touch_s": touches[rep]},
+        log=lambda _: None,
+    )
+    s = bench.summarize_pairs(pairs["uring"])
+    ft = s["load"]["vs_read_or_first_touch"]
+    assert ft["ratios"] == [0.5, 1.0, 2.0] and ft["ratio_median"] == 1.0 and ft["first_touch_s_median"] == 2.0
+    assert s["load"]["ratios"] == [0.5, 0.5, 0.5]  # against the read alone, as before
+    assert "first touch of fresh memory 2.000 s): 1.00x [0.50-2.00]" in bench.format_paired_depths(
+        [{"method": "uring", "summary": s}]
+    )
 
 
 @pytest.mark.slow  # a run of the bench (~9 s)
