@@ -87,10 +87,11 @@ def plan_step(
     step: int,
     microbatches: int,
     members: Sequence[int],
-    payloads: Mapping[int, Mapping],
+    held: set[int],
     weights: Mapping[int, float] | None = None,
 ) -> dict[int, list[int]]:
-    """Who computes which microbatch ids of ``step`` in a generation of ``members`` formed with join ``payloads``.
+    """Who computes which microbatch ids of ``step`` in a generation of ``members`` whose members already hold the
+    ids ``held`` (:func:`held_by_members` of its join payloads).
 
     Where no member holds any of the step's microbatches, all ``microbatches`` ids are split (by ``weights``).
     Where some do (the generation was formed in the middle of the step, by survivors of a failed reduce), only the
@@ -98,7 +99,6 @@ def plan_step(
     this plan, including one that joined it at the step's start (a boundary admission that raced the failure),
     so each id is counted exactly once in the step's reduce.
     """
-    held = held_by_members(step, payloads)
     if not held:
         return plan_quotas(step, range(microbatches), members, weights)
     return plan_quotas(step, sorted(set(range(microbatches)) - held), members)

@@ -154,8 +154,8 @@ class StepProtocol:
         # death the next step falls back to equal quotas until every member has been measured).
         weights = self._weights if self._weights and set(self._weights) == set(membership.members) else None
         gen = membership.gen
-        ids = plan_step(step, self.M, gen.members, gen.payloads, weights)[membership.replica]
         held = held_by_members(step, gen.payloads)
+        ids = plan_step(step, self.M, gen.members, held, weights)[membership.replica]
         if held:  # this generation was formed mid-step by members that hold some of its microbatches
             stats.events.append({"kind": "joined-recovery", "generation": gen.number, "held": len(held)})
         recovering_since: float | None = None
@@ -246,16 +246,16 @@ class StepProtocol:
             raise RecoverError(
                 f"members of generation {gen.number} disagree on the open step and attempt: {sorted(steps)}"
             )
-        missing = self.M - len(held_by_members(step, gen.payloads))
+        held = held_by_members(step, gen.payloads)
         stats.recoveries += 1
-        ids = plan_step(step, self.M, gen.members, gen.payloads)[membership.replica]
+        ids = plan_step(step, self.M, gen.members, held)[membership.replica]
         stats.recomputed += len(ids)
         stats.events.append(
             {
                 "kind": "regroup",
                 "generation": gen.number,
                 "members": list(gen.members),
-                "lost": missing,
+                "lost": self.M - len(held),
                 "seconds": time.perf_counter() - began,
             }
         )

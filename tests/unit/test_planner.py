@@ -70,9 +70,16 @@ def test_rejects_bad_input(kwargs, message):
 # "have": []}) or mid-step after a failed reduce ({"step": s, "have": [ids computed], "attempt": a}).
 PLAN_STEP_CASES = {
     # everybody at the step's start: all M split (by weights where given)
-    "fresh start": (6, {0: {"step": 18, "have": []}, 2: {"step": 18, "have": []}}, None, {0: [0, 1, 2], 2: [3, 4, 5]}),
+    "fresh start": (
+        6,
+        18,
+        {0: {"step": 18, "have": []}, 2: {"step": 18, "have": []}},
+        None,
+        {0: [0, 1, 2], 2: [3, 4, 5]},
+    ),
     "fresh start, weighted": (
         6,
+        18,
         {0: {"step": 18, "have": []}, 2: {"step": 18, "have": []}},
         {0: 2.0, 2: 1.0},
         {0: [0, 1, 2, 3], 2: [4, 5]},
@@ -80,6 +87,7 @@ PLAN_STEP_CASES = {
     # a generation formed during step 17's recovery does not change step 18's plan
     "an older step's holdings": (
         6,
+        18,
         {0: {"step": 17, "have": [0, 1]}, 2: {"step": 17, "have": [2, 3]}},
         None,
         {0: [0, 1, 2], 2: [3, 4, 5]},
@@ -88,12 +96,14 @@ PLAN_STEP_CASES = {
     # generation at the step's start (a boundary admission that raced the failure): both split what nobody holds
     "a boundary member beside a recovering one": (
         6,
+        18,
         {0: {"step": 18, "have": []}, 2: {"step": 18, "have": [2, 3], "attempt": 0}},
         {0: 5.0, 2: 1.0},  # an in-step recovery splits equally, whatever the weights
         {0: [0, 1], 2: [4, 5]},
     ),
     "everything held": (
         4,
+        3,
         {0: {"step": 3, "have": [0, 1]}, 1: {"step": 3, "have": [2, 3]}},
         None,
         {0: [], 1: []},
@@ -103,9 +113,9 @@ PLAN_STEP_CASES = {
 
 @pytest.mark.parametrize("case", list(PLAN_STEP_CASES))
 def test_plan_step_splits_what_no_member_holds(case):
-    M, payloads, weights, expected = PLAN_STEP_CASES[case]
-    plan = plan_step(18 if case != "everything held" else 3, M, sorted(payloads), payloads, weights)
+    M, step, payloads, weights, expected = PLAN_STEP_CASES[case]
+    held = held_by_members(step, payloads)
+    plan = plan_step(step, M, sorted(payloads), held, weights)
     assert plan == expected
-    held = held_by_members(18 if case != "everything held" else 3, payloads)
     counted = sorted(held) + sorted(j for ids in plan.values() for j in ids)
     assert sorted(counted) == list(range(M)), "each microbatch counted exactly once in the step's reduce"
