@@ -151,6 +151,12 @@ def startup_s(
     return walls[len(walls) // 2]
 
 
+def read(path: str, nbytes: int, iodepth: int = 1, iomem: Optional[str] = None) -> dict[str, Any]:
+    """Sequential O_DIRECT read (io_uring, 16 MiB blocks) of the first ``nbytes`` of an existing file, rounded down
+    to whole blocks: fio reading the very extents a load reads. Returns its result dict."""
+    return _run(path, "read", int(nbytes) // BLOCK * BLOCK, "io_uring", iodepth, iomem=iomem)
+
+
 def run(
     path: str, nbytes: int, engine: str = "io_uring", iodepth: int = 1, iomem: Optional[str] = None
 ) -> tuple[dict[str, Any], dict[str, Any]]:

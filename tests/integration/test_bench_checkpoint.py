@@ -408,6 +408,34 @@ def test_fio_uses_huge_pages_only_when_reserved():
     assert not any(a.startswith("--iomem") for a in fio._command("n", "/p", "write", 1 << 20, "io_uring", 4))
 
 
+@pytest.mark.slow  # runs fio and a research benchmark's reads (benchmarks/)
+def test_load_into_limit_reads_every_record_into_its_tensor_and_fio_reads_the_same_file(tmp_path):
+    """The benchmark's reads are a load's: each storage record of the file into its tensor of the state, in file
+    order (checked by the bytes landing where they belong); fio reads the same file's whole blocks."""
+    import native_io
+    from benchmarks import load_into_limit
+    from lightning_recover.bench import fio
+    from lightning_recover.checkpoint.file import single_file
+
+    if not fio.available():
+        needs.missing("the load benchmark's fio read", "fio is not installed", "fio")
+    g = torch.Generator().manual_seed(0)
+    state = {"a": torch.randn(1000, generator=g), "b": {"c": torch.randn(5 << 20, generator=g)}, "n": 3}
+    path = str(tmp_path / "ckpt.pt")
+    single_file.save(state, path)
+    targets = {"a": torch.zeros(1000), "b": {"c": torch.zeros(5 << 20)}, "n": 3}
+    segments = load_into_limit.target_segments(path, targets)
+    assert [len(b) for _, b in segments] == [4000, 20 << 20]
+    engine = native_io.IOEngine()
+    try:
+        row = load_into_limit.timed_read(path, segments, engine)
+    finally:
+        engine.close()
+    assert torch.equal(targets["a"], state["a"]) and torch.equal(targets["b"]["c"], state["b"]["c"])
+    assert row["straight_bytes"] + row["staged_bytes"] >= 4000 + (20 << 20)
+    assert fio.read(path, (20 << 20) + 4000, 1)["io_bytes"] == 16 << 20  # whole 16 MiB blocks of it
+
+
 @pytest.mark.slow  # runs a research benchmark (benchmarks/)
 def test_profile_save_smoke(tmp_path):
     """profile_save runs the real save through its timing proxies (they must accept what the save passes)."""
