@@ -18,8 +18,8 @@ read) by, in alternating order each round:
 * ``fio_4k_pages_qd{4,16}``: the same into fio's default buffers, plain 4 KiB pages: what reading straight into a
   user's tensors (which sit on 4 KiB pages) would cost, against the reader's copy from its huge-page arena.
 
-Every figure is fio's runtime or our wall time of the read alone (no process start). Run with hugetlb pages
-reserved for fio (``sysctl vm.nr_hugepages=140``) and nothing else running::
+Every figure is fio's runtime or our wall time of the read alone (no process start). Run with nothing else running
+and hugetlb pages reserved: 140 for fio's buffers, 1200 to add the hugetlb-destination case::
 
     sysctl vm.nr_hugepages=1200
     python -m benchmarks.load_into_limit --rounds 10 --json benchmarks/results/load_into_limit.json
