@@ -165,24 +165,13 @@ def summarize(samples: dict[str, list[dict]]) -> dict[str, Any]:
         n: {"median_s": m, "min_s": min(x["s"] for x in samples[n]), "max_s": max(x["s"] for x in samples[n])}
         for n, m in med.items()
     }
-    for n in ("read_depth2", "read_depth4", "read_depth2_straight", "read_depth2_hugetlb_dest"):
-        if n in out:
+    for n in out:
+        if "cpu_s" in samples[n][0]:  # the reader's own cases
             out[n]["median_cpu_s"] = statistics.median(x["cpu_s"] for x in samples[n])
     fio_best = min(m for n, m in med.items() if n.startswith("fio_hugetlb"))
     fio_4k_best = min(m for n, m in med.items() if n.startswith("fio_4k_pages"))
-    out["ratios"] = {
-        "load_depth2_vs_fio_best": fio_best / med["load_depth2"],
-        "load_depth4_vs_fio_best": fio_best / med["load_depth4"],
-        "read_depth2_vs_fio_best": fio_best / med["read_depth2"],
-        "read_depth4_vs_fio_best": fio_best / med["read_depth4"],
-        "read_depth2_straight_vs_fio_best": fio_best / med["read_depth2_straight"],
-        **(
-            {"read_depth2_hugetlb_dest_vs_fio_best": fio_best / med["read_depth2_hugetlb_dest"]}
-            if "read_depth2_hugetlb_dest" in med
-            else {}
-        ),
-        "fio_4k_pages_vs_fio_best": fio_best / fio_4k_best,
-    }
+    out["ratios"] = {f"{n}_vs_fio_best": fio_best / m for n, m in med.items() if not n.startswith("fio_")}
+    out["ratios"]["fio_4k_pages_vs_fio_best"] = fio_best / fio_4k_best
     return out
 
 

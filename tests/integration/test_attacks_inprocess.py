@@ -203,7 +203,6 @@ def test_a_replayed_heartbeat_or_progress_record_is_refused(store_pair, capfd):
     assert "dropped a replayed value under 'hb/0'" in capfd.readouterr().err
     # A restart's heartbeats are ahead of every beat of the previous incarnation.
     writer.set("hb/0", json.dumps({"inc": 2, "beat": 1}), seq=sequence(2, 1))
-    writer.has("hb/0")
     assert json.loads(reader.get_fresh("hb/0")[1])["inc"] == 2
 
 
@@ -240,7 +239,6 @@ def test_a_sharded_replicas_watchdog_reads_death_notices_it_can_trust(store_pair
     outsider.set(left_key(0, 1), b"1")  # planted, unsealed
     assert declared_dead(reader, 0, 1)
     writer.set(left_key(0, 1), "1")  # the replica's own clean exit (ReplicaWorld.leave)
-    writer.has(left_key(0, 1))
     assert not declared_dead(reader, 0, 1)
 
 
@@ -260,7 +258,6 @@ def test_values_written_once_cannot_be_replayed_elsewhere(store_pair, key, other
     its own key is the same value; under any other key it fails authentication."""
     writer, reader, outsider = store_pair
     writer.set(key, "value")
-    writer.has(key)
     outsider.set(other, outsider.get(key))
     with pytest.raises(ForgedMessageError):
         reader.get(other)
