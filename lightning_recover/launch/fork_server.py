@@ -64,7 +64,8 @@ _LIMITS = ("RLIMIT_NOFILE", "RLIMIT_NPROC", "RLIMIT_AS", "RLIMIT_CORE", "RLIMIT_
 def fit_key(child_env: dict[str, str], preload: Sequence[str]) -> dict[str, Any]:
     """What a process forked by a server inherits from it instead of taking from its own start: the
     interpreter, user, namespaces, cgroup, CPU affinity, resource limits and the import-time part of
-    ``child_env``. A warm server is used only where its key equals the job's, field by field."""
+    ``child_env``, and the modules it imported. A warm server is used only where its key equals the job's, field
+    by field, except that it may have imported more modules than the job preloads (:func:`key_differences`)."""
 
     def read(path: str, link: bool = False) -> Optional[str]:
         try:
@@ -98,11 +99,15 @@ def _umask() -> int:
 
 def key_differences(theirs: dict[str, Any], ours: dict[str, Any]) -> list[str]:
     """The fields of two :func:`fit_key` results that differ, naming the entries of those that are tables
-    (``environment PYTHONPATH``, ``namespaces net``)."""
+    (``environment PYTHONPATH``, ``namespaces net``). ``preload`` differs only where the server lacks a module the job
+    preloads: one that imported more serves the job as well, its extra modules already loaded."""
     differ = []
     for name, value in ours.items():
         other = theirs.get(name)
-        if isinstance(value, dict) and isinstance(other, dict):
+        if name == "preload" and isinstance(value, str) and isinstance(other, str):
+            if set(value.split(",")) - set(other.split(",")):
+                differ.append(name)
+        elif isinstance(value, dict) and isinstance(other, dict):
             differ += [
                 f"{name} {entry}"
                 for entry in sorted(value.keys() | other.keys())

@@ -22,7 +22,7 @@ child's worker is declared to the coordinator at once, as the exit of a direct c
 to that many times; under torchrun it bounds the standby takeovers. ``standby`` = S > 0: S warm
 standbys (of K processes each) wait; a ready one takes a failed replica's place instead of a restart
 (it counts as one) and a new one starts in its stead (see :mod:`~lightning_recover.protocol.standby`).
-``fork`` (not under torchrun): processes are forked by a fork server that imported ``preload`` once
+``fork``: processes (under torchrun, the agents) are forked by a fork server that imported ``preload`` once
 (see :mod:`~lightning_recover.launch.fork_server`).
 
 Preemption notices and growth (:mod:`~lightning_recover.protocol.notice`, docs/howto.md "Spot and
@@ -420,7 +420,7 @@ class _Job:
         self.child_env = child_env
         try:
             # The fork server imports while the coordinator starts (each takes seconds); it needs no address: every
-            # process it forks gets its own environment. torchrun's replicas and standbys are agents: not forked.
+            # process it forks gets its own environment. Under torchrun it forks the agents, which start the workers.
             self.starter = ProcessStarter(
                 list(self.argv(0)),
                 child_env,
@@ -767,7 +767,7 @@ class Supervisor(_Replacing):
             nproc=nproc_per_replica,
             extra_env=extra_env,
             inject=inject,
-            fork=fork and not watch_workers,
+            fork=fork,
             preload=preload,
             heartbeat_timeout=heartbeat_timeout,
             heartbeat_interval=heartbeat_interval,

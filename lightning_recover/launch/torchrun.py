@@ -16,6 +16,10 @@ from lightning_recover.launch.elastic_commands import elastic_arguments
 from lightning_recover.launch.supervisor import supervise
 from lightning_recover.launch.user_command import user_command
 
+# The job's fork server imports what torchrun's agent needs, not Lightning (the workers are new interpreters that
+# import it themselves): ready no later than a new agent would be. A warm server that also imported Lightning fits.
+AGENT_PRELOAD = ("torch", "torch.distributed")
+
 
 def torchrun_command(script: Sequence[str], nproc_per_replica: int = 1, max_restarts: int = 0) -> list[str]:
     """One torchrun agent per replica: its restarts touch only that replica's workers."""
@@ -50,6 +54,7 @@ def cmd_torchrun(args: argparse.Namespace) -> int:
             # standby jobs: a takeover replaces one of a replica's agent restarts, at most --max-restarts
             standby=args.standby,
             restarts=args.max_restarts if args.standby else 0,
+            preload=AGENT_PRELOAD,
             **control_plane_arguments(args),
             **elastic_arguments(args),
         )

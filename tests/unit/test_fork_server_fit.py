@@ -37,8 +37,21 @@ def test_a_job_fits_unless_what_its_processes_would_import_with_differs(change, 
 
 
 def test_where_a_process_runs_and_what_it_preloads_are_compared_field_by_field():
-    ours = fit_key(BASE, ["torch"])
+    ours = fit_key(BASE, ["torch", "transformers"])
     theirs = dict(ours, preload="torch,lightning", cgroup="0::/slurm/job_7\n")
     theirs["namespaces"] = dict(ours["namespaces"], net="net:[4026532999]")
     assert key_differences(theirs, ours) == ["preload", "namespaces net", "cgroup"]
     assert key_differences({}, ours) == list(ours), "a server that sends no key fits nothing"
+
+
+@pytest.mark.parametrize(
+    "server, job, fits",
+    [
+        (["torch", "torch.distributed", "lightning"], ["torch", "torch.distributed"], True),  # a torchrun job
+        (["torch", "lightning"], ["torch", "lightning"], True),
+        (["torch"], ["torch", "lightning"], False),
+        (["torch", "lightning"], ["torch", "transformers"], False),
+    ],
+)
+def test_a_server_that_imported_more_than_the_job_preloads_fits(server, job, fits):
+    assert (key_differences(fit_key(BASE, server), fit_key(BASE, job)) == []) is fits
