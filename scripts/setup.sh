@@ -80,10 +80,18 @@ wait_for_apt() {
 }
 
 # ---- the project's virtual environment ---------------------------------------------------------------
+# The checkout's own bytecode, as pip writes it for every package it installs: an editable install gets none, and
+# with PYTHONDONTWRITEBYTECODE set no process writes it, so every new interpreter would compile the package again.
+# checked-hash: a .pyc is used only while its source's hash matches, so an edited file is never run from a stale one.
+compile_checkout() {
+    "$1" -m compileall -q -j0 --invalidation-mode checked-hash lightning_recover native_io tests benchmarks \
+        || echo "setup: a file above does not compile; it runs from source (and fails there)" >&2
+}
 stamp="$VENV/.lightning-recover-setup"
 want=$(cat pyproject.toml setup.py native_io/src/* 2>/dev/null | sha256sum | cut -d' ' -f1)
 if [ -x "$VENV/bin/python" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     wait_for_apt
+    compile_checkout "$VENV/bin/python"
     exit 0 # already set up from these files
 fi
 if [ ! -x "$VENV/bin/python" ]; then
@@ -113,4 +121,5 @@ wait_for_apt
 echo "setup: pip install -e .[dev] (into $VENV; builds native_io and its test build)"
 NATIVE_IO_TESTING=1 "$PY" -m pip install -q -e ".[dev]"
 "$PY" -c "import native_io, json; print('setup: native_io', json.dumps(native_io.info()))"
+compile_checkout "$PY"
 echo "$want" >"$stamp"
