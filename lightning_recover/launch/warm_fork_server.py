@@ -17,9 +17,10 @@ a job's own server.
 A forked child keeps what its server's interpreter started with: the interpreter, user, namespaces,
 cgroup, CPU affinity, resource limits and the environment variables read while torch and Lightning load.
 Each session sends these (:func:`~lightning_recover.launch.fork_server.fit_key`) and the launcher uses
-the server only where they equal its job's (it may have imported more modules than the job preloads); otherwise (a Slurm step's cgroup, a job in another network
-namespace, another ``PYTHONPATH``) it says which differ and starts its own. Connections from other users
-are refused; the socket is created readable and writable by its owner only.
+the server only where they equal its job's (it may have imported more modules than the job preloads);
+otherwise (a Slurm step's cgroup, a job in another network namespace, another ``PYTHONPATH``) it says which
+differ and starts its own. Connections from other users are refused; the socket is created readable and
+writable by its owner only.
 """
 
 from __future__ import annotations
