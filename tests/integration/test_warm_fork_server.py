@@ -153,8 +153,10 @@ def test_the_children_die_with_their_launcher(warm, tmp_path):
 REPLICA = textwrap.dedent(
     """
     import os, sys, time
-    with open(os.path.join(sys.argv[1], f"replica{os.environ['LIGHTNING_RECOVER_REPLICA']}.pid"), "w") as f:
+    pid_file = os.path.join(sys.argv[1], f"replica{os.environ['LIGHTNING_RECOVER_REPLICA']}.pid")
+    with open(pid_file + ".tmp", "w") as f:
         f.write(str(os.getpid()))
+    os.rename(pid_file + ".tmp", pid_file)  # the test reads it as soon as it exists: never empty
     time.sleep(600)
     """
 )
