@@ -105,7 +105,7 @@ def key_differences(theirs: dict[str, Any], ours: dict[str, Any]) -> list[str]:
     for name, value in ours.items():
         other = theirs.get(name)
         if name == "preload" and isinstance(value, str) and isinstance(other, str):
-            if set(value.split(",")) - set(other.split(",")):
+            if set(value.split(",")) - set(other.split(",")) - {""}:  # a job that preloads nothing fits any server
                 differ.append(name)
         elif isinstance(value, dict) and isinstance(other, dict):
             differ += [

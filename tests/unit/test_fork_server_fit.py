@@ -51,6 +51,7 @@ def test_where_a_process_runs_and_what_it_preloads_are_compared_field_by_field()
         (["torch", "lightning"], ["torch", "lightning"], True),
         (["torch"], ["torch", "lightning"], False),
         (["torch", "lightning"], ["torch", "transformers"], False),
+        (["torch"], [], True),
     ],
 )
 def test_a_server_that_imported_more_than_the_job_preloads_fits(server, job, fits):
