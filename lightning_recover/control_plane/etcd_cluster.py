@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from lightning_recover import env
 from lightning_recover.errors import RecoverError
+from lightning_recover.launch.process_tree import stop_process
 
 #: Shorter than etcd's own defaults (100 ms / 1000 ms): a leader's death stalls writes for etcd's election, whose
 #: timer fires 1-2x the election timeout after the last beat, so the stall bound "election timeout + 0.5 s" needs
@@ -291,10 +292,14 @@ class LocalEtcdCluster:
             m.proc.wait(10)
 
     def freeze(self, i: int, frozen: bool = True) -> None:
-        """Stop member ``i`` where it is (SIGSTOP: its connections stay open, nothing answers) or let it go on."""
+        """Stop member ``i`` where it is (SIGSTOP: its connections stay open, nothing answers; this returns once
+        all its threads stopped) or let it go on."""
         m = self.members[i]
         if m.proc is not None and m.proc.poll() is None:
-            m.proc.send_signal(signal.SIGSTOP if frozen else signal.SIGCONT)
+            if frozen:
+                stop_process(m.proc.pid)
+            else:
+                m.proc.send_signal(signal.SIGCONT)
 
     def stop(self, timeout: float = 5.0) -> None:
         """End every member this object started (SIGTERM, the leader last; SIGKILL to those still running after

@@ -112,6 +112,37 @@ def is_stopped(pid: int) -> bool:
     return fields is not None and fields[0] in ("T", "t")
 
 
+def all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is stopped; raises ProcessLookupError once the process is gone."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        raise ProcessLookupError(pid) from None
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # the thread ended meanwhile
+        if state not in ("T", "t"):
+            return False
+    return True
+
+
+def stop_process(pid: int, timeout: float = 30.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it has stopped.
+
+    ``kill`` returns before that: Linux wakes one thread to take the signal, and stops the others only once that
+    thread runs; until then they go on (a server's thread answers requests). Raises TimeoutError when a thread
+    still runs after ``timeout`` seconds."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while not all_threads_stopped(pid):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"pid {pid} was sent SIGSTOP and still has a running thread after {timeout:.0f} s")
+        time.sleep(0.001)
+
+
 def children_of(pid: int) -> list[int]:
     """The child pids of ``pid`` ([] once it is gone); see :func:`children_of_each`."""
     return children_of_each([pid])[pid]

@@ -15,6 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from lightning_recover.control_plane.embedded import BATCH_READ_TIMEOUT, CoordinatorStore, peek
+from lightning_recover.launch.process_tree import stop_process
 from lightning_recover.protocol import join_rounds
 from lightning_recover.protocol.coordinator import Coordinator
 from lightning_recover.protocol.join_rounds import RoundReads, joined_round
@@ -174,7 +175,7 @@ def test_a_write_is_applied_by_the_coordinator_when_set_returns(tmp_path):
             return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
 
         writer, reader = CoordinatorStore(client()), client()
-        os.kill(server.pid, signal.SIGSTOP)
+        stop_process(server.pid)  # every thread stopped, the store's server thread too
         returned = threading.Event()
         thread = threading.Thread(target=lambda: (writer.set("g2/state", b"digest"), returned.set()), daemon=True)
         thread.start()
