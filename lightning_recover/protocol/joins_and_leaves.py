@@ -134,8 +134,10 @@ class JoinsAndLeaves:
                 return steps.pop()
             try:
                 self._broadcast_state(gen.members.index(holders[0]), receive=joiner)
+                self.membership.agree("state", succeeded=True)  # a sharded replica's processes go on together
                 return steps.pop()
             except MembershipChanged:
+                self.membership.agree("state", succeeded=False)
                 self._next_generation(step, joiner=joiner)
 
     def _broadcast_state(self, src_rank: int, receive: bool) -> None:

@@ -53,6 +53,7 @@ from lightning_recover.protocol.notice import Notice
 from lightning_recover.protocol.process_groups import ProcessGroups
 from lightning_recover.protocol.reachability import ReachabilityResponder, start_responder
 from lightning_recover.protocol.rendezvous import RendezvousHost, host_rendezvous, meeting_place
+from lightning_recover.protocol.replica_agreement import ReplicaAgreement
 from lightning_recover.protocol.replica_env import check_against_coordinator, check_replica_size_against_coordinator
 from lightning_recover.protocol.standby import wait_for_assignment
 
@@ -119,6 +120,7 @@ class Membership:
         self.groups = ProcessGroups(backend, collective_timeout)
         self.rounds: JoinRounds | None = None  # the store side of forming generations, once connected
         self.join_requests: JoinRequests | None = None  # this replica's requests to join, once connected
+        self.agreement: ReplicaAgreement | None = None  # a sharded replica's processes go on together, once connected
 
     # ------------------------------------------------------------------ lifecycle
     def connect(self, before_standby_wait: Callable[[], None] | None = None) -> None:
@@ -179,6 +181,16 @@ class Membership:
             **identity,
         )
         self.join_requests = JoinRequests(store, self.replica, incarnation, **identity)
+        if self.replica_size > 1:
+            self.agreement = ReplicaAgreement(
+                store,
+                self.replica,
+                incarnation,
+                self.inner,
+                self.replica_size,
+                self.check_health,
+                self.collective_timeout + self.store_timeout,  # a mate's build or broadcast ends within it
+            )
 
     def form_initial(self) -> Generation | None:
         """Join generation 0 with every other replica (the job's start). None when the group has already
@@ -330,7 +342,20 @@ class Membership:
         suffix = "" if self.replica_size == 1 else f"/i{self.inner}"  # one group per inner position
         leader = gen.payloads[gen.members[0]]
         place = meeting_place(self.store, leader, f"pg/g{gen.number}{suffix}", self.collective_timeout)
-        gen.pg = self.groups.build(place, gen.number, gen.rank, gen.size, self.failure_seen)
+        try:
+            gen.pg = self.groups.build(place, gen.number, gen.rank, gen.size, self.failure_seen)
+        except MembershipChanged:
+            self.agree("built", succeeded=False)  # its mates must not go on without it
+            raise
+        self.agree("built", succeeded=True)
+
+    def agree(self, what: str, succeeded: bool) -> None:
+        """A replica of K > 1 processes: publish this process's outcome of ``what`` in the current generation;
+        after a success, return once every process of the replica succeeded and raise MembershipChanged once one
+        failed (:meth:`ReplicaAgreement.settle <lightning_recover.protocol.replica_agreement.ReplicaAgreement.settle>`).
+        Nothing to agree on for a replica of one process."""
+        if self.agreement is not None:
+            self.agreement.settle(self.gen.number, what, succeeded)
 
     @property
     def abandoned_work(self) -> bool:
