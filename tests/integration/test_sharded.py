@@ -244,6 +244,24 @@ def test_replicas_of_two_lose_processes(tmp_path, reference, case):
         assert f"{replicas} replicas x 2 processes" in result.output
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_generation_built_at_one_position_only_is_left_by_the_whole_replica(tmp_path, reference):
+    """Generation 1's group of position 0 is built, that of position 1 never: replica 2's process 1 hangs just
+    before its build, so processes 1 of replicas 0 and 3 wait in theirs until replica 2 is declared dead, while
+    processes 0 completed theirs. A process 0 that computed in generation 1 would wait in FSDP's all-gather for its
+    process 1, which forms generation 2, until the gloo timeout, and its replica would be left out of generation 2.
+    The processes of a replica go on together: both survivors form generation 2 and finish equal to the
+    reference."""
+    inject = "kill:replica=1:inner=1:step=1:phase=backward,hang:replica=2:inner=1:step=1:phase=regroup"
+    result, pids = sharded_job(str(tmp_path), replicas=4, microbatches=12, inject=inject, steps=FAULT_STEPS)
+    states = check(result, pids, reference(12, steps=FAULT_STEPS), survivors=[0, 3], replicas=4, steps=FAULT_STEPS)
+    for data in states.values():
+        stats = data["stats"]
+        assert stats[1]["live_replicas"] == 2 and stats[1]["recoveries"] >= 1, stats[1]
+        assert any("failed at built in generation" in e.get("error", "") for e in stats[1]["events"]), stats[1]
+
+
 def _full_bytes(reference_state: dict) -> int:
     return sum(t.numel() * t.element_size() for t in reference_state.values())
 
