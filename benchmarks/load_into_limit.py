@@ -3,9 +3,9 @@
 One file, the Llama-like state of ``bench checkpoint --state llama``, read cold (page cache dropped before every
 read) by, in alternating order each round:
 
-* ``load_depth{2,4}``: the load itself, into the state's own tensors, with the engine's queue depth 2 (the default)
-  and 4;
-* ``read_depth{2,4}``: the engine's reader alone (``Reader.read``) into the same tensors' storages, with the CPU time
+* ``load_depth{1,2,4}``: the load itself, into the state's own tensors, with the engine's queue depth 1, 2 (the
+  default) and 4;
+* ``read_depth{1,2,4}``: the engine's reader alone (``Reader.read``) into the same tensors' storages, with the CPU time
   of the thread that runs it (submissions, completions, the copy out of the staging arena with its CRC-32C);
 * ``read_depth2_straight``: the same with the reader's ``direct_min`` lowered to 256 KiB, so that every record whose
   tensor sits at an address congruent to its file offset (modulo 4096) is read straight into it, no copy (on a
@@ -13,8 +13,14 @@ read) by, in alternating order each round:
 * ``read_depth2_hugetlb_dest``: the reader into one buffer on hugetlb pages laid out like the file instead of the
   tensors (run when enough hugetlb pages are free: ``sysctl vm.nr_hugepages=1200`` for the 2 GB state): the same
   reads, copies and checksums, into memory of 2 MiB pages;
+* ``read_depth2_hugetlb_dest_straight``: the reader into that hugetlb buffer with ``direct_min`` at 256 KiB: every
+  record read straight into it (its offsets agree with the file's), no copy out of the arena and no checksum of a
+  copy: what the reads alone cost the engine when the destination is on huge pages;
 * ``fio_hugetlb_qd{1,4,16}``: fio reading the same file (O_DIRECT, io_uring, 16 MiB blocks) into hugetlb buffers
   (the device limit the paired bench compares with);
+* ``fio_hugetlb_qd1_beside_copy``: fio at depth 1 while a thread of this process copies the file's bytes once with
+  their CRC-32C (``native_io.copy_crc32c``, 16 MiB at a time, huge-page source, plain-page destination: the copy a
+  load makes out of its arena), as fast as it can: what that copy's memory traffic costs the device's reads;
 * ``fio_4k_pages_qd{4,16}``: the same into fio's default buffers, plain 4 KiB pages: what reading straight into a
   user's tensors (which sit on 4 KiB pages) would cost, against the reader's copy from its huge-page arena.
 
@@ -100,6 +106,24 @@ def timed_fio(path: str, nbytes: int, depth: int, iomem: Any) -> dict[str, float
     return {"s": r["seconds"], "fio_bytes": r["io_bytes"], "iomem": r["iomem"]}
 
 
+def timed_fio_beside_copy(path: str, nbytes: int, iomem: Any, source: Any, dest: Any) -> dict[str, float]:
+    """fio at depth 1 while a thread copies ``nbytes`` from ``source`` into ``dest`` (one block at a time) with their
+    CRC-32C, started as fio is: how long each took."""
+    copy: dict[str, float] = {}
+
+    def run_copy() -> None:
+        t0 = time.perf_counter()
+        for _ in range(nbytes // BLOCK):
+            native_io.copy_crc32c(dest, source)
+        copy["s"] = time.perf_counter() - t0
+
+    thread = threading.Thread(target=run_copy, name="copy", daemon=True)
+    thread.start()
+    result = timed_fio(path, nbytes, 1, iomem)
+    thread.join()
+    return {**result, "copy_s": copy["s"]}
+
+
 def run(rounds: int, size_gb: float, directory: str) -> dict[str, Any]:
     if not drop_caches_supported():
         raise SystemExit("needs root: the page cache is dropped before every read (/proc/sys/vm/drop_caches)")
@@ -113,23 +137,38 @@ def run(rounds: int, size_gb: float, directory: str) -> dict[str, Any]:
     segments = target_segments(path, state)
     # one engine per depth for the whole run, as a job keeps its engine: its staging arena is allocated and
     # faulted in once (by this warm-up read), not in every timed read
-    engines = {qd: native_io.IOEngine(block_size=BLOCK, queue_depth=qd) for qd in (2, 4)}
+    engines = {qd: native_io.IOEngine(block_size=BLOCK, queue_depth=qd) for qd in (1, 2, 4)}
     for engine in engines.values():
         timed_read(path, segments, engine)
     huge_dest = hugetlb_buffer(nbytes)
     huge_segments = (
         [(off, memoryview(huge_dest)[off : off + len(b)]) for off, b in segments] if huge_dest is not None else []
     )
+    copy_source = memoryview(hugetlb_buffer(BLOCK) or bytearray(BLOCK))  # the arena's side: huge pages
+    copy_dest = memoryview(bytearray(BLOCK))  # a tensor's side: plain pages
     cases: list[tuple[str, Callable[[], dict]]] = [
+        ("load_depth1", lambda: timed_load(path, state, engines[1])),
         ("load_depth2", lambda: timed_load(path, state, engines[2])),
         ("load_depth4", lambda: timed_load(path, state, engines[4])),
+        ("read_depth1", lambda: timed_read(path, segments, engines[1])),
         ("read_depth2", lambda: timed_read(path, segments, engines[2])),
         ("read_depth4", lambda: timed_read(path, segments, engines[4])),
         ("read_depth2_straight", lambda: timed_read(path, segments, engines[2], STRAIGHT_MIN)),
-        *([("read_depth2_hugetlb_dest", lambda: timed_read(path, huge_segments, engines[2]))] if huge_segments else []),
+        *(
+            [
+                ("read_depth2_hugetlb_dest", lambda: timed_read(path, huge_segments, engines[2])),
+                (
+                    "read_depth2_hugetlb_dest_straight",
+                    lambda: timed_read(path, huge_segments, engines[2], STRAIGHT_MIN),
+                ),
+            ]
+            if huge_segments
+            else []
+        ),
         ("fio_hugetlb_qd1", lambda: timed_fio(path, nbytes, 1, huge)),
         ("fio_hugetlb_qd4", lambda: timed_fio(path, nbytes, 4, huge)),
         ("fio_hugetlb_qd16", lambda: timed_fio(path, nbytes, 16, huge)),
+        ("fio_hugetlb_qd1_beside_copy", lambda: timed_fio_beside_copy(path, nbytes, huge, copy_source, copy_dest)),
         ("fio_4k_pages_qd4", lambda: timed_fio(path, nbytes, 4, None)),
         ("fio_4k_pages_qd16", lambda: timed_fio(path, nbytes, 16, None)),
     ]
@@ -168,7 +207,9 @@ def summarize(samples: dict[str, list[dict]]) -> dict[str, Any]:
     for n in out:
         if "cpu_s" in samples[n][0]:  # the reader's own cases
             out[n]["median_cpu_s"] = statistics.median(x["cpu_s"] for x in samples[n])
-    fio_best = min(m for n, m in med.items() if n.startswith("fio_hugetlb"))
+        if "copy_s" in samples[n][0]:
+            out[n]["median_copy_s"] = statistics.median(x["copy_s"] for x in samples[n])
+    fio_best = min(m for n, m in med.items() if n.startswith("fio_hugetlb") and "beside" not in n)
     fio_4k_best = min(m for n, m in med.items() if n.startswith("fio_4k_pages"))
     out["ratios"] = {f"{n}_vs_fio_best": fio_best / m for n, m in med.items() if not n.startswith("fio_")}
     out["ratios"]["fio_4k_pages_vs_fio_best"] = fio_best / fio_4k_best
