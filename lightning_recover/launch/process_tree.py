@@ -90,12 +90,12 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
-def proc_stat(pid: int) -> Optional[list[str]]:
-    """The fields of ``/proc/{pid}/stat`` after the command's name (state, ppid, pgrp, session, ...: ``proc(5)``
-    numbers them from 3), or None once the process is gone. The name is skipped by its last ``)``: it may hold
-    spaces and parentheses."""
+def proc_stat(pid: int, thread: Optional[str] = None) -> Optional[list[str]]:
+    """The fields of ``/proc/{pid}/stat`` (``thread``: of ``/proc/{pid}/task/{thread}/stat``) after the command's name
+    (state, ppid, pgrp, session, ...: ``proc(5)`` numbers them from 3), or None once the process (or thread) is
+    gone. The name is skipped by its last ``)``: it may hold spaces and parentheses."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
+        with open(f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
@@ -119,12 +119,8 @@ def all_threads_stopped(pid: int) -> bool:
     except FileNotFoundError:
         raise ProcessLookupError(pid) from None
     for task in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{task}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue  # the thread ended meanwhile
-        if state not in ("T", "t"):
+        fields = proc_stat(pid, task)
+        if fields is not None and fields[0] not in ("T", "t"):  # None: the thread ended meanwhile
             return False
     return True
 

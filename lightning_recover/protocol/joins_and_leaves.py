@@ -137,6 +137,7 @@ class JoinsAndLeaves:
                 self.membership.agree("state", succeeded=True)  # a sharded replica's processes go on together
                 return steps.pop()
             except MembershipChanged:
+                # Also after the agreement raised: a mate failed, so its outcome already decides for every process.
                 self.membership.agree("state", succeeded=False)
                 self._next_generation(step, joiner=joiner)
 
