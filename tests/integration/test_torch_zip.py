@@ -389,9 +389,9 @@ def test_load_into_reads_records_straight_into_the_targets(tmp_path, monkeypatch
     assert out["epoch"] == 3 and out["nested"] == ck["nested"]
 
 
-def test_load_into_small_records_are_copied(tmp_path, monkeypatch):
-    """Records that average under ``_LARGE_AVERAGE_RECORD`` are not worth listing the tensors ahead for: they
-    are read into fresh storages and copied into the targets, as before."""
+def test_load_into_small_records_are_read_straight_when_listed_fast(tmp_path, monkeypatch):
+    """Records that average under ``_LARGE_AVERAGE_RECORD`` are read straight into their targets too when the
+    restricted fast unpickler lists the tensors (cheap): no fresh storage at all."""
     from lightning_recover.checkpoint.file import single_file
 
     ck = {f"t{i}": torch.randn(100) for i in range(20)}
@@ -399,8 +399,23 @@ def test_load_into_small_records_are_copied(tmp_path, monkeypatch):
     sizes = _count_fresh_storages(monkeypatch, single_file._LARGE_AVERAGE_RECORD)
     into = {k: torch.zeros(100) for k in ck}
     out = load(tmp_path / "s.ckpt", into=into)
+    assert sizes == []
+    assert all(out[k] is into[k] and torch.equal(into[k], ck[k]) for k in ck)
+
+
+def test_load_into_small_records_are_copied_without_the_fast_listing(tmp_path, monkeypatch):
+    """Small records whose pickle the restricted fast unpickler does not take (here a custom class) are not worth
+    listing with torch's slower one: they are read into fresh storages and copied into the targets."""
+    from lightning_recover.checkpoint.file import single_file
+
+    ck = {f"t{i}": torch.randn(100) for i in range(20)}
+    save({**ck, "p": _Point(3)}, tmp_path / "s.ckpt")
+    sizes = _count_fresh_storages(monkeypatch, single_file._LARGE_AVERAGE_RECORD)
+    into = {k: torch.zeros(100) for k in ck}
+    out = load(tmp_path / "s.ckpt", into=into, weights_only=False)
     assert sorted(sizes) == sorted(_record_sizes(tmp_path / "s.ckpt"))
     assert all(out[k] is into[k] and torch.equal(into[k], ck[k]) for k in ck)
+    assert out["p"].x == 3
 
 
 def test_load_into_a_damaged_record_still_raises(tmp_path, monkeypatch):

@@ -264,7 +264,7 @@ def _load_zip(
     small = _read_small_records(r, index, verify)
     data = [(n, rec) for n, rec in index.records.items() if n.startswith("data/")]
     large = _mostly_large_records(data)
-    into = _target_storages(index, small, targets) if targets and large else {}
+    into = _target_storages(index, small, targets, slow_listing=large) if targets else {}
     fresh: list[torch.UntypedStorage] = []
 
     def storage_for(name: str, nbytes: int) -> torch.UntypedStorage:
@@ -275,8 +275,8 @@ def _load_zip(
         return st
 
     reads = StorageReads(r, data, verify, storage_for, lambda st: storage_as_bytes(st).numpy())
-    # the fresh storages' pages faulted in beside the reads (page_populate.py); not for many small records,
-    # whose load is bound by the unpickler, which a third busy thread would slow down on two cores
+    # the fresh storages' pages faulted in beside the reads (page_populate.py); not for many small records, whose
+    # load it did not make faster (benchmarks/LOG.md, "Session 32")
     populate = PagePopulator(fresh) if large and fresh and populate_supported() else None
     try:
         result = torch_zip.unpickle(
@@ -356,12 +356,13 @@ def _read_archive_info(r: Any, path: str, kind: str, found: Any) -> ArchiveInfo:
     return ArchiveInfo(path, r.size, index, _tensor_rows(index, small))
 
 
-def _meta_tensors(index: torch_zip.ArchiveIndex, small: dict) -> list[tuple[str, torch.Tensor, str]]:
+def _meta_tensors(index: torch_zip.ArchiveIndex, small: dict, slow: bool = True) -> list[tuple[str, torch.Tensor, str]]:
     """``(path, tensor, record)`` of every tensor, sorted by path, from unpickling ``data.pkl`` onto meta storages
-    (no data is read); ``[]`` when that cannot be done with the safe unpickler (e.g. a custom class)."""
+    (no data is read); ``[]`` when that cannot be done with the safe unpickler (e.g. a custom class), or, with
+    ``slow`` False, with the restricted fast one (``torch_zip.unpickle_on_meta``)."""
     by_offset = {rec.data_offset: name for name, rec in index.records.items() if name.startswith("data/")}
     try:
-        meta = torch_zip.unpickle_on_meta(torch_zip.VerifiedArchive(index, small, {}), index.path)
+        meta = torch_zip.unpickle_on_meta(torch_zip.VerifiedArchive(index, small, {}), index.path, slow)
     except Exception as e:
         log.debug("%s: tensors not listed: %s", index.path, e)
         return []
@@ -395,11 +396,11 @@ def _tensor_rows(index: torch_zip.ArchiveIndex, small: dict) -> list[dict]:
 
 
 # A file whose records average at least this many bytes is a load bound by its bytes, not by its tensors (the
-# Llama-like state: 6.9 MB; small10k: 100 KB, bound by unpickling 10,000 tensors). Only then are the tensors listed
-# ahead of the load to read records straight into ``into=`` targets (:func:`_meta_tensors`; measured with torch's
-# pure-Python weights_only unpickler, ~0.1 ms per tensor, for small10k 1.1 s, more than it saved: 1.6 s against
-# 0.8 s per load, benchmarks/LOG.md; the listing takes the fast unpickler now where it can), and only then are fresh
-# storages populated on a second thread (``page_populate.py``).
+# Llama-like state: 6.9 MB; small10k: 100 KB). Only for such a file is it worth listing the tensors ahead of the
+# load with torch's pure-Python weights_only unpickler, to read records straight into ``into=`` targets
+# (:func:`_meta_tensors`; ~0.1 ms per tensor, for small10k 1.1 s, more than it saved: 1.6 s against 0.8 s per load,
+# benchmarks/LOG.md). The restricted fast unpickler lists any file's tensors for less than the reads save. Fresh
+# storages are populated on a second thread (``page_populate.py``) only for such a file too.
 _LARGE_AVERAGE_RECORD = 1 << 20
 
 
@@ -408,15 +409,17 @@ def _mostly_large_records(records: list) -> bool:
 
 
 def _target_storages(
-    index: torch_zip.ArchiveIndex, small: dict, targets: dict[str, torch.Tensor]
+    index: torch_zip.ArchiveIndex, small: dict, targets: dict[str, torch.Tensor], slow_listing: bool = True
 ) -> dict[str, torch.UntypedStorage]:
     """Records to read straight into an ``into=`` target instead of a fresh storage: those holding exactly one
     tensor, contiguous and whole, whose target at the same path is a CPU tensor of the same shape and dtype that is
     its storage's only content. torch then builds the loaded tensor on the target's own storage, and the copy
     into the target (``_fill_targets``, Lightning's ``load_state_dict``) finds both the same and copies nothing:
-    no fresh memory to fault in, no second pass over the bytes. A storage is used once (tied targets)."""
+    no fresh memory to fault in, no second pass over the bytes. A storage is used once (tied targets).
+    ``slow_listing``: the tensors may be listed with torch's own unpickler where the fast one does not take the
+    pickle (else no record is read straight into a target then)."""
     by_record: dict[str, list[tuple[str, torch.Tensor]]] = {}
-    for name, t, record in _meta_tensors(index, small):
+    for name, t, record in _meta_tensors(index, small, slow_listing):
         by_record.setdefault(record, []).append((name, t))
     out: dict[str, torch.UntypedStorage] = {}
     used: set[int] = set()

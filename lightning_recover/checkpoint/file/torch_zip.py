@@ -904,11 +904,12 @@ def unpickle(archive: VerifiedArchive, path: str, map_location: Any, weights_onl
         ) from None
 
 
-def unpickle_on_meta(archive: VerifiedArchive, path: str) -> Any:
+def unpickle_on_meta(archive: VerifiedArchive, path: str, slow: bool = True) -> Any:
     """The checkpoint rebuilt on meta storages (no data read), each carrying its record's file offset as
     ``_checkpoint_offset`` (as torch's loader sets it for ``map_location="meta"``): with the restricted fast
     unpickler where it takes the pickle (a load into existing tensors waits for this listing before its reads
-    start, and torch's pure-Python unpickler is the slower one), else with torch's loader."""
+    start, and torch's pure-Python unpickler is the slower one), else with torch's loader; with ``slow`` False,
+    raises :class:`~lightning_recover.checkpoint.file.fast_unpickle.NotFast` instead."""
     if fast_unpickle.fast_path_usable("cpu", archive):  # "cpu": the storages were saved from the CPU
 
         def meta_storage(name: str, nbytes: int) -> torch.UntypedStorage:
@@ -921,4 +922,6 @@ def unpickle_on_meta(archive: VerifiedArchive, path: str) -> Any:
                 return fast_unpickle.unpickle_fast(archive.get_record("data.pkl"), meta_storage)
         except (fast_unpickle.NotFast, KeyError):  # KeyError: a storage without a record
             pass
+    if not slow:
+        raise fast_unpickle.NotFast("the tensors cannot be listed with the fast unpickler")
     return unpickle(archive, path, "meta", True)
