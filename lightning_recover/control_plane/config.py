@@ -28,7 +28,8 @@ EMBEDDED = "embedded"
 SCHEMES = ("etcd://", "etcd+insecure://")
 #: Seconds an etcd request may take, failovers between members included, before the control plane
 #: counts as lost (a replica stops, a launcher gives up its monitor role): the launcher's bound for a
-#: silent embedded coordinator at the default heartbeat timeout (``max(5, 2 x 1 + 1)``).
+#: silent embedded coordinator at the default heartbeat timeout (``max(5, 2 x 1 + 1)``). A replica's requests
+#: take its ``store_timeout`` instead (``ControlStore``), the bound its operations have on the embedded coordinator.
 DEFAULT_REQUEST_TIMEOUT = 5.0
 
 
@@ -162,9 +163,10 @@ def with_job(settings: EtcdSettings, job: Optional[str]) -> EtcdSettings:
     return replace(settings, job=job or settings.job or "job-" + secrets.token_hex(6))
 
 
-def connect_store(addr: str, timeout: float) -> EtcdStore:
+def connect_store(addr: str, timeout: float, request_timeout: Optional[float] = None) -> EtcdStore:
     """The replica's (or launcher's) store for an ``etcd://`` coordinator address: TLS files and the job's
-    name from the environment the launcher handed down. Unreachable etcd -> ``CoordinatorLostError``."""
+    name from the environment the launcher handed down; ``request_timeout`` bounds each request (None: the
+    settings'). Unreachable etcd -> ``CoordinatorLostError``."""
     from lightning_recover.control_plane.etcd_client import EtcdRequestError, EtcdUnavailable
     from lightning_recover.errors import CoordinatorLostError
 
@@ -175,7 +177,7 @@ def connect_store(addr: str, timeout: float) -> EtcdStore:
             "HINT: start replicas with `lightning-recover run --control-plane ...`, or give every process of "
             f"the job the same {env.JOB}"
         )
-    store = settings.store()
+    store = settings.store(request_timeout)
     store.set_timeout(datetime.timedelta(seconds=timeout))
     try:
         store.check(["meta/replicas"])

@@ -7,6 +7,8 @@ only then). Both come back as a :class:`~lightning_recover.protocol.backend.Cont
 
 from __future__ import annotations
 
+from typing import Optional
+
 from lightning_recover import env
 from lightning_recover.control_plane.config import SCHEMES, connect_store
 from lightning_recover.control_plane.embedded import connect_coordinator
@@ -18,13 +20,15 @@ def is_etcd(addr: str) -> bool:
     return addr.startswith(SCHEMES)
 
 
-def connect(addr: str, timeout: float = 60.0) -> ControlPlane:
+def connect(addr: str, timeout: float = 60.0, request_timeout: Optional[float] = None) -> ControlPlane:
     """The control plane at ``addr``, connected within ``timeout`` seconds (``CoordinatorLostError`` if not).
 
     For etcd the TLS files and the job's name come from the environment the launcher handed down
-    (``control_plane.config.connect_store``)."""
+    (``control_plane.config.connect_store``); ``request_timeout`` bounds each of its requests, failovers
+    included (None: ``config.DEFAULT_REQUEST_TIMEOUT``). The embedded coordinator's operations are bounded by
+    the store's ``set_timeout``."""
     if is_etcd(addr):
-        return connect_store(addr, timeout)
+        return connect_store(addr, timeout, request_timeout)
     return connect_coordinator(addr, timeout)
 
 

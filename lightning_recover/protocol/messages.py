@@ -331,7 +331,7 @@ class ControlStore:
         self.timeout = timeout
         if store is None:
             # Connecting waits a little longer (a coordinator still starting up); operations do not.
-            store = connect(addr, max(timeout, _CONNECT_TIMEOUT))
+            store = connect(addr, max(timeout, _CONNECT_TIMEOUT), request_timeout=timeout)
             store.set_timeout(datetime.timedelta(seconds=timeout))
         self.raw: ControlPlane = store
         # What this client already read of the keys that are rewritten (see the module docstring).

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_recover import env
 from lightning_recover.control_plane import config
 from lightning_recover.control_plane.embedded import CoordinatorStore
 from lightning_recover.control_plane.etcd_client import (
@@ -232,6 +233,21 @@ def test_lost_etcd_is_a_named_error_within_the_bound(tmp_path):
         assert time.monotonic() - t < 1.0 + 0.5
     finally:
         cluster.stop()
+
+
+def test_a_replicas_requests_are_bounded_by_its_store_timeout(etcd1, monkeypatch):
+    """A replica's store on etcd gives each request its ``store_timeout`` (as the embedded coordinator's
+    operations have it), also on its clones, not the 5 s default: a loaded host answering in 6 s is slow,
+    not lost, for a replica whose heartbeat timeout is 10 s."""
+    for name, value in {**etcd1.environment(), env.JOB: "bounded"}.items():
+        monkeypatch.setenv(name, value)
+    cs = ControlStore(etcd1.url, 0, JobSecret.generate(), timeout=21.0)
+    try:
+        cs.set("k", "v")
+        assert cs.raw.client.timeout == 21.0 and cs.clone().raw.client.timeout == 21.0
+        assert config.connect_store(etcd1.url, 5.0).client.timeout == config.DEFAULT_REQUEST_TIMEOUT
+    finally:
+        cs.raw.close()
 
 
 def test_misconfiguration_says_how_to_fix_it(tmp_path, etcd1):
