@@ -20,12 +20,12 @@ retry in step. Answers are bounded too (``MAX_ANSWER_BYTES``, ``MAX_LINE_BYTES``
 etcd's ``RESOURCE_EXHAUSTED`` (gRPC code 8) has two meanings: "too many requests" (its apply lags its
 log; transient) is retried like "unavailable"; "database space exceeded" (the NOSPACE alarm: every
 write fails until an operator compacts, defragments and disarms) raises :class:`EtcdNoSpace` at once,
-with those commands in its HINT. A try is short (``try_timeout``, 0.25 s)
-for the first few times it times out, then twice as long each time (up to 2 s): when the leader dies,
-a follower that still believes in it forwards the proposal into the void and never answers, so only
-a new try after the election gets through (with a 1 s try, a leader's SIGKILL stalled every writer
-1.03 s; with 0.25 s, 0.85 s: ``benchmarks/figures/etcdperf.md``); the longer tries after that keep a
-slow but working cluster making progress. Retrying is safe for what the store does:
+with those commands in its HINT. A try is short (``try_timeout``, 0.25 s, or longer where the members'
+answers take longer: :class:`AnswerTimes`) for the first few times it times out, then twice as long each
+time (up to 2 s): when the leader dies, a follower that still believes in it forwards the proposal into
+the void and never answers, so only a new try after the election gets through (with a 1 s try, a
+leader's SIGKILL stalled every writer 1.03 s; with 0.25 s, 0.85 s: ``benchmarks/figures/etcdperf.md``);
+the longer tries after that keep a slow but working cluster making progress. Retrying is safe for what the store does:
 puts and deletes are idempotent, compare-and-set transactions return the value now stored, and
 counters carry a token that tells whether an unanswered try was applied (see ``etcd_store``).
 """
@@ -41,6 +41,7 @@ import json
 import random
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Generator, Iterator, Sequence
 from typing import Any, Optional
@@ -66,6 +67,36 @@ QUICK_TRIES = 5
 MAX_TRY_TIMEOUT = 2.0
 #: Connecting a watch stream.
 _CONNECT_TIMEOUT = 1.0
+
+
+class AnswerTimes:
+    """How long this process's requests wait for their answers, smoothed as TCP smooths round trips (RFC 6298:
+    ``srtt``, ``rttvar``), and the first try's timeout that follows: ``srtt + 4 rttvar`` between the client's
+    ``try_timeout`` and :data:`MAX_TRY_TIMEOUT`. On a cluster that answers in milliseconds that is the short try
+    (a request swallowed by a dying leader costs 0.25 s); on a host whose members and clients share busy cores,
+    where answers take hundreds of milliseconds, a try no longer times out on a slow but working member, so a
+    request is not sent again to the next member over a new TLS connection, whose handshake would load the
+    cores further. Shared by a client and its clones (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.srtt: Optional[float] = None
+        self.rttvar = 0.0
+
+    def observe(self, seconds: float) -> None:
+        """Count one answer that took ``seconds`` (sent to fully read)."""
+        with self._lock:
+            if self.srtt is None:
+                self.srtt, self.rttvar = seconds, seconds / 2
+            else:
+                self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - seconds)
+                self.srtt = 0.875 * self.srtt + 0.125 * seconds
+
+    def first_try(self, least: float) -> float:
+        """The first try's timeout: at least ``least``, at most :data:`MAX_TRY_TIMEOUT`."""
+        with self._lock:
+            expected = least if self.srtt is None else self.srtt + 4 * self.rttvar
+        return min(MAX_TRY_TIMEOUT, max(least, expected))
 
 
 class EtcdUnavailable(RecoverError):
@@ -233,6 +264,7 @@ class _Transport:
     context: Optional[ssl.SSLContext]
     timeout: float
     try_timeout: float
+    answer_times: AnswerTimes
     requests: int
     raft_term: int
     _current: int
@@ -269,7 +301,8 @@ class _Transport:
 
     def try_timeout_after(self, timed_out: int) -> float:
         """How long the next try of a request waits, after ``timed_out`` of its tries timed out."""
-        return min(MAX_TRY_TIMEOUT, self.try_timeout * 2 ** max(0, timed_out - QUICK_TRIES + 1))
+        first = self.answer_times.first_try(self.try_timeout)
+        return min(MAX_TRY_TIMEOUT, first * 2 ** max(0, timed_out - QUICK_TRIES + 1))
 
     def _exchange(self, path: str, payload: bytes, try_for: float) -> tuple[int, bytes]:
         """One try: ``(HTTP status, body)`` of POST ``/v3/{path}`` to the current member, within ``try_for``."""
@@ -281,6 +314,7 @@ class _Transport:
         assert self._conn is not None
         self._conn.sock.settimeout(max(0.001, until - time.monotonic()))
         self._conn.lr_deadline.at = until  # type: ignore[attr-defined]
+        sent = time.monotonic()
         try:
             self._conn.request("POST", f"/v3/{path}", payload, {"Content-Type": "application/json"})
             self.requests += 1
@@ -297,6 +331,7 @@ class _Transport:
         if len(data) > MAX_ANSWER_BYTES:
             self.close()
             raise EtcdRequestError(self._too_large(path, "a longer answer"))
+        self.answer_times.observe(time.monotonic() - sent)
         return resp.status, data
 
     def _refusal_of_this_client(self, timeout: float) -> Optional[str]:
@@ -425,6 +460,7 @@ class EtcdClient(_Transport):
         timeout: float = 5.0,
         try_timeout: float = 0.25,
         allow_insecure: bool = False,
+        answer_times: Optional[AnswerTimes] = None,
     ) -> None:
         if not endpoints:
             raise ValueError("no etcd endpoint given")
@@ -439,6 +475,7 @@ class EtcdClient(_Transport):
         self.context = context
         self.timeout = timeout
         self.try_timeout = try_timeout
+        self.answer_times = answer_times if answer_times is not None else AnswerTimes()
         self._current = 0
         self._conn: Optional[http.client.HTTPConnection] = None
         self._stream: Optional[http.client.HTTPConnection] = None  # the connection watch_messages reads
@@ -453,6 +490,7 @@ class EtcdClient(_Transport):
             timeout=self.timeout,
             try_timeout=self.try_timeout,
             allow_insecure=self.context is None,
+            answer_times=self.answer_times,
         )
 
     def warm(self) -> None:
