@@ -23,12 +23,6 @@ What a reader may rely on (tests/integration/test_etcd_watch.py checks each):
   step whose tick was late on a loaded host). The view first asks etcd, in one linearizable read of a
   single key, how many keys the range holds and the newest ``mod_revision`` among them
   (:func:`range_unchanged`); only when either differs from what it holds does it re-read the whole prefix.
-* **A quiet stream is not reopened every** ``stale_after``: each reopening costs a new TLS connection, a
-  watch and that read, and on a host whose cores are all busy every view of every replica went quiet at
-  once, again and again. Once a silent stream is found to have missed nothing, the next stream may stay
-  silent twice as long before it is reopened (:func:`next_quiet_allowance`, up to
-  :data:`QUIET_ALLOWANCE_MAX`); a stream that did miss something brings it back to ``stale_after``. The
-  view still stops answering after ``stale_after`` of silence, whatever the allowance.
 * A stale answer is only an earlier state: the protocol uses the view only where reading slightly earlier
   is a read that could have happened anyway (hints, registers written once, notices that only grow);
   decisions themselves are written by transactions (``EtcdStore.put_and_decide``).
@@ -50,18 +44,6 @@ STALE_AFTER = 1.0
 #: there, and the view stays unhealthy (its readers ask etcd) rather than hold it all in memory.
 MAX_SYNC_KEYS = 200_000
 _RETRY_MIN, _RETRY_MAX = 0.02, 0.5  # seconds between tries to re-read and re-watch after a failure
-#: The longest a stream may stay silent before it is reopened, however often it was found merely quiet
-#: (never less than the view's ``stale_after``).
-QUIET_ALLOWANCE_MAX = 8.0
-
-
-def next_quiet_allowance(allowance: float, stale_after: float, missed_nothing: bool) -> float:
-    """How long the next stream may stay silent before it is reopened, after a stream that was given
-    ``allowance`` ended: twice as long when the read after it found that it had missed nothing (it was
-    quiet), up to :data:`QUIET_ALLOWANCE_MAX`; ``stale_after`` when it had missed something."""
-    if not missed_nothing:
-        return stale_after
-    return min(2 * allowance, max(stale_after, QUIET_ALLOWANCE_MAX))
 
 
 class WatchView:
@@ -189,16 +171,12 @@ class WatchView:
     # ---------------------------------------------------------------- the stream
     def _run(self) -> None:
         delay = _RETRY_MIN
-        allowance = self.stale_after  # silence allowed before the stream is reopened
         while not self._stop.is_set():
             try:
-                missed_nothing = self._confirm()
-                if not missed_nothing:
+                if not self._confirm():
                     self._sync()
-                if self.resyncs > 1 or self.confirms:  # a stream before this one ended
-                    allowance = next_quiet_allowance(allowance, self.stale_after, missed_nothing)
                 delay = _RETRY_MIN
-                for msg in self._client.watch_messages(self.prefix, self._end, self.revision + 1, allowance):
+                for msg in self._client.watch_messages(self.prefix, self._end, self.revision + 1, self.stale_after):
                     if self._stop.is_set():
                         return
                     if msg.get("canceled") or int(msg.get("compact_revision") or 0):
