@@ -276,7 +276,7 @@ def _load_zip(
 
     reads = StorageReads(r, data, verify, storage_for, lambda st: storage_as_bytes(st).numpy())
     # the fresh storages' pages faulted in beside the reads (page_populate.py); not for many small records, whose
-    # load it did not make faster (benchmarks/LOG.md, "Session 32")
+    # load it did not make faster (measured in a new process: benchmarks/resume_loads.py)
     populate = PagePopulator(fresh) if large and fresh and populate_supported() else None
     try:
         result = torch_zip.unpickle(
