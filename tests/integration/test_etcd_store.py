@@ -242,12 +242,14 @@ def test_a_replicas_requests_are_bounded_by_its_store_timeout(etcd1, monkeypatch
     for name, value in {**etcd1.environment(), env.JOB: "bounded"}.items():
         monkeypatch.setenv(name, value)
     cs = ControlStore(etcd1.url, 0, JobSecret.generate(), timeout=21.0)
+    launchers = config.connect_store(etcd1.url, 5.0)  # a launcher's or tool's store keeps the default
     try:
         cs.set("k", "v")
         assert cs.raw.client.timeout == 21.0 and cs.clone().raw.client.timeout == 21.0
-        assert config.connect_store(etcd1.url, 5.0).client.timeout == config.DEFAULT_REQUEST_TIMEOUT
+        assert launchers.client.timeout == config.DEFAULT_REQUEST_TIMEOUT
     finally:
         cs.raw.close()
+        launchers.close()
 
 
 def test_misconfiguration_says_how_to_fix_it(tmp_path, etcd1):
