@@ -2,7 +2,7 @@
 workers' CPU, established TCP connections and the load average (one JSON object a line).
 
 Started beside the harness, it waits for the run's cluster file (``DIR/etcd/cluster.json``) and ends when the
-cluster is gone or after ``--seconds``::
+cluster's members are gone or after ``--seconds``::
 
     python -m lightning_recover.bench.scale --replicas 128 --backends etcd --dir /tmp/run ... &
     python benchmarks/etcd_startup_sampler.py /tmp/run out.jsonl
@@ -20,17 +20,9 @@ import re
 import ssl
 import subprocess
 import time
-from typing import Optional
 
-
-def process_cpu_s(pid: int) -> Optional[float]:
-    """User + system CPU seconds of ``pid`` (None: gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+from lightning_recover.control_plane.etcd_client import tls_context
+from lightning_recover.launch.process_tree import cpu_seconds, proc_stat
 
 
 def grpc_started(endpoint: str, ctx: ssl.SSLContext) -> dict[str, float]:
@@ -65,21 +57,20 @@ def main() -> None:
     time.sleep(1.0)  # the file is written before the members answer
     with open(cluster_file) as f:
         cluster = json.load(f)
-    ctx = ssl.create_default_context(cafile=cluster["tls"]["cacert"])
-    ctx.load_cert_chain(cluster["tls"]["cert"], cluster["tls"]["key"])
+    ctx = tls_context(cluster["tls"]["cacert"], cluster["tls"]["cert"], cluster["tls"]["key"])
     t0 = time.monotonic()
     with open(args.out, "w") as out:
-        while os.path.exists(cluster_file) and time.monotonic() - t0 < args.seconds:
+        while time.monotonic() - t0 < args.seconds and any(proc_stat(m["pid"]) is not None for m in cluster["members"]):
             row: dict = {"t": round(time.monotonic() - t0, 1), "load": os.getloadavg()[0], "grpc": {}}
             for m in cluster["members"]:
-                row[m["name"] + "_cpu"] = process_cpu_s(m["pid"])
+                row[m["name"] + "_cpu"] = cpu_seconds(m["pid"])  # 0.0 once the member is gone
                 try:
                     for k, v in grpc_started(m["endpoint"], ctx).items():
                         row["grpc"][k] = row["grpc"].get(k, 0.0) + v
                 except OSError as e:
                     row[m["name"] + "_err"] = str(e)[:60]
             workers = subprocess.run(["pgrep", "-f", "scale_worker"], capture_output=True, text=True).stdout.split()
-            row["workers_cpu"] = round(sum(process_cpu_s(int(p)) or 0.0 for p in workers), 1)
+            row["workers_cpu"] = round(sum(cpu_seconds(int(p)) for p in workers), 1)
             ss = subprocess.run(["ss", "-tnH", "state", "established"], capture_output=True, text=True).stdout
             row["estab"] = len(ss.splitlines())
             out.write(json.dumps(row) + "\n")
