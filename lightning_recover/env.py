@@ -54,6 +54,9 @@ INJECT = "LIGHTNING_RECOVER_INJECT"
 #: The file a ``pause`` fault waits for: the paused process goes on once it exists (tests that order events
 #: across processes open it on the event they wait for).
 PAUSE_GATE = "LIGHTNING_RECOVER_PAUSE_GATE"
+#: Unix socket of this host's watch relay (``control_plane/watch_relay.py``), set by a launcher on etcd that runs
+#: one: the process follows the relay's view of the job's keys instead of opening a watch stream of its own.
+WATCH_RELAY = "LIGHTNING_RECOVER_WATCH_RELAY"
 #: The job's private temporary directory (0700; it holds the job secret), made by the launcher and removed
 #: when the job ends, even after a SIGKILLed launcher (``launch/job_dir.py``). torchrun agents keep their
 #: temporaries there.

@@ -39,6 +39,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -232,6 +233,8 @@ class ScaleRun:
         self._progress = threading.Condition()
         self._samples = itertools.count(1)
         self.events_path: Optional[str] = None  # the embedded coordinator's event log (replicas' ends)
+        #: the directory of the worker processes' watch relay sockets (short: a socket's path has 107 bytes at most)
+        self._relays = tempfile.mkdtemp(prefix="lr-relay-") if cfg.watch_relays and cluster is not None else None
         self._answers: dict[int, dict[int, dict]] = {}  # sample id -> worker -> its answer
         rng = random.Random(cfg.seed * 7919 + cfg.replicas)
         first = cfg.warmup + cfg.window + 1
@@ -280,7 +283,9 @@ class ScaleRun:
             for r in mine:
                 self.slots[r].worker = i
             prefix = os.path.join(self.work, f"worker-{self.cfg.backend}-{self.cfg.replicas}")
-            worker = _WorkerProcess(i, {**spec, "replicas": mine}, {**os.environ, **env}, prefix, self._event)
+            relay = os.path.join(self._relays, f"w{i}") if self._relays else None
+            mine_spec = {**spec, "replicas": mine, "relay": relay}
+            worker = _WorkerProcess(i, mine_spec, {**os.environ, **env}, prefix, self._event)
             self.workers.append(worker)
         self._wait_for(lambda: all(w.ready for w in self.workers), 300.0, "the worker processes' start")
 
@@ -364,9 +369,8 @@ class ScaleRun:
             "control_cpu": control.cpu_seconds(),
             "load": os.getloadavg()[0],
         }
-        out.update(
-            {k: sum(a[k] for a in answers) for k in ("watch_events", "watch_bytes", "resyncs", "confirms", "views")}
-        )
+        counters = ("watch_events", "watch_bytes", "resyncs", "confirms", "views", "etcd_streams", "etcd_stream_bytes")
+        out.update({k: sum(a[k] for a in answers) for k in counters})
         if self.cluster is not None:
             out["etcd_cpu"] = members_cpu_seconds(self.cluster)
             out["etcd"] = metrics(self.cluster, extra=(_LEASE_RENEWED,))
@@ -389,6 +393,8 @@ class ScaleRun:
                 worker.stop(grace=5.0)
             server.close()
             control.stop()
+            if self._relays:
+                shutil.rmtree(self._relays, ignore_errors=True)
 
     def _run(self, control: _ControlProcess) -> dict:
         cfg = self.cfg
@@ -401,6 +407,7 @@ class ScaleRun:
             "backend": cfg.backend,
             "compute_s": cfg.compute,
             "processes": len(self.workers),
+            "watch_relays": bool(self._relays),
         }
         last = began + (cfg.replicas - 1) / cfg.start_rate  # the last replica's start
         result["first_step_s"] = first - last
@@ -452,6 +459,9 @@ class ScaleRun:
             # is the whole prefix; a confirm is one key's read that found nothing missed
             view_resyncs_per_step_per_process=(b["resyncs"] - a["resyncs"]) / steps / views,
             view_confirms_per_step_per_process=(b["confirms"] - a["confirms"]) / steps / views,
+            # what etcd sent the job's watch streams (one per process, or one per host with watch relays)
+            etcd_watch_streams=b["etcd_streams"],
+            etcd_watch_bytes_per_step=(b["etcd_stream_bytes"] - a["etcd_stream_bytes"]) / steps,
             load=[a["load"], b["load"]],
         )
         if self.cluster is not None:
@@ -595,6 +605,7 @@ FITTED = {
     "etcd_writes_per_step": 0.1,
     "watch_bytes_per_step_per_process": 0.1,
     "watch_events_per_step_per_process": None,
+    "etcd_watch_bytes_per_step": None,
     "etcd_keepalives_per_s": None,
     "etcd_cpu_s_per_step": None,
     "control_cpu_s_per_step": None,
@@ -602,6 +613,8 @@ FITTED = {
 }
 #: the step times the projection is made at: a short step, and the harness's own (long) step
 SHORT_STEP_S = 0.2
+#: replicas per host in the projection with watch relays (a GPU node of 8: a replica per GPU, or one of 8 processes)
+REPLICAS_PER_HOST = 8
 
 
 def fits(runs: list[dict]) -> dict[str, dict[str, Optional[float]]]:
@@ -623,14 +636,18 @@ def project(runs: list[dict], capacity: dict[str, float], targets: tuple[int, ..
 
     Writes per second: the per-step writes at N over the step time (at the short step this counts every write
     as a per-step one: an upper bound, since a longer step's writes are partly per second). Watch events per
-    second: each process's events per step times the processes (2 per replica: the replica and, at worst, a
-    launcher of its own) over the step time. Keep-alives per second: the measured rate per replica times N."""
+    second: each process's events per step times the watch streams over the step time: 2 per replica (the
+    replica and, at worst, a launcher of its own), or with watch relays one per host of :data:`REPLICAS_PER_HOST`.
+    Keep-alives per second: the measured rate per replica times N."""
     etcd = sorted((r for r in runs if r["backend"] == "etcd"), key=lambda r: r["replicas"])
     if len({r["replicas"] for r in etcd}) < 2:
         return {"not_projected": "a fit needs etcd runs at two N at least"}
     ns = [r["replicas"] for r in etcd]
     long_step = statistics.median(r["step_s"] for r in etcd)
+    relayed = all(r.get("watch_relays") for r in etcd)
+    streams_per_replica = 1 / REPLICAS_PER_HOST if relayed else 2
     out: dict = {"long_step_s": long_step, "short_step_s": SHORT_STEP_S, "half_capacity": {}}
+    out["watch_streams_per_replica"] = streams_per_replica
     out["half_capacity"] = {k: v / 2 for k, v in capacity.items()}
     for n in targets:
         writes = power_law_at(ns, [r["etcd_writes_per_step"] for r in etcd], n)
@@ -639,7 +656,7 @@ def project(runs: list[dict], capacity: dict[str, float], targets: tuple[int, ..
         for label, step in (("short", SHORT_STEP_S), ("long", long_step)):
             need = {
                 "writes_per_s": writes / step,
-                "watch_events_per_s": events * 2 * n / step,
+                "watch_events_per_s": events * streams_per_replica * n / step,
                 "keepalives_per_s": keepalives,
             }
             out[f"{n}_{label}"] = {
@@ -737,6 +754,7 @@ def sweep(args: argparse.Namespace) -> dict:
                     heartbeat_interval=args.heartbeat_interval,
                     start_rate=args.start_rate,
                     processes=args.processes,
+                    watch_relays=args.watch_relays,
                 )
                 if backend in failed:
                     continue  # a smaller N already failed on this backend: the limit was found
@@ -796,6 +814,11 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--etcd-nice", type=int, default=0, help="the etcd members' nice value (negative: root only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-capacity", dest="capacity", action="store_false", help="skip the cluster's capacities")
+    p.add_argument(
+        "--watch-relays",
+        action="store_true",
+        help="on etcd, one watch relay per worker process (a host's launcher's) that its replicas' views follow",
+    )
     p.add_argument("--plot", default=None, help="write the plots against N here (PNG; needs matplotlib)")
     p.add_argument("--dir", default=None, help="working directory (default: a temp dir)")
     p.add_argument("--json", default=None, help="write the results here as JSON (after every N too)")

@@ -30,7 +30,10 @@ from typing import Any, Optional, TextIO
 
 import torch
 
+from lightning_recover import env
 from lightning_recover.bench.stand_in_data_plane import DataPlaneClient, StandInGroups
+from lightning_recover.control_plane.config import parse
+from lightning_recover.control_plane.watch_relay import WatchRelay
 from lightning_recover.launch.process_tree import die_with_parent, end_helper_process
 from lightning_recover.protocol import Fault, FaultInjector, RecoverOptions, Replica
 from lightning_recover.protocol.faults import parse_faults
@@ -58,6 +61,8 @@ class ScaleConfig:
     start_rate: float = 16.0
     seed: int = 0
     processes: int = 0
+    #: on etcd, each worker process (a host) runs a watch relay that its replicas' views follow, as a launcher does
+    watch_relays: bool = False
 
     @property
     def steps(self) -> int:
@@ -104,6 +109,12 @@ class ScaleWorker:
         self.outcomes = {r: "running" for r in self.replicas}
         self.protocol_replicas: dict[int, Replica] = {}
         self.threads: list[threading.Thread] = []
+        self.relay: Optional[WatchRelay] = None
+        if spec.get("relay"):  # as a host's launcher: one watch of the job's keys for this process's replicas
+            settings = parse(self.addr)
+            assert settings is not None
+            self.relay = WatchRelay(settings.client(), settings.watched_prefix.encode(), spec["relay"]).start()
+            os.environ[env.WATCH_RELAY] = spec["relay"]
 
     def serve(self, commands: TextIO) -> None:
         """Answer the harness's commands until ``quit`` or the end of ``commands``."""
@@ -137,12 +148,17 @@ class ScaleWorker:
         """The watched views' counters summed over the live replicas of this process."""
         live = [r for r, outcome in self.outcomes.items() if outcome in ("running", "done")]
         views = [v for v in (self._view(r) for r in live) if v is not None]
+        # The views with a watch stream of their own on etcd: the relay's, and any replica's that is not relayed.
+        streams = [v for v in views if not getattr(v, "relayed", False)]
+        streams += [self.relay.view] if self.relay is not None else []
         return {
             "watch_events": sum(v.events for v in views),
             "watch_bytes": sum(v.payload_bytes for v in views),
             "resyncs": sum(v.resyncs for v in views),
             "confirms": sum(v.confirms for v in views),
             "views": len(views),
+            "etcd_streams": len(streams),
+            "etcd_stream_bytes": sum(v.payload_bytes for v in streams),
         }
 
     def _view(self, replica: int) -> Any:

@@ -75,11 +75,17 @@ class EtcdSettings:
             allow_insecure=self.insecure,
         )
 
-    def store(self, timeout: Optional[float] = None):  # -> EtcdStore
+    def store(self, timeout: Optional[float] = None, relay: Optional[str] = None):  # -> EtcdStore
+        """The job's store; its view of the job's keys follows the host's watch relay at ``relay`` if given."""
         from lightning_recover.control_plane.etcd_store import EtcdStore
 
         # Heartbeats beside the watched keys (``/{job}/hb/``): only the monitor's view receives them.
-        return EtcdStore(self.client(timeout), self.prefix + "kv/", root=self.prefix, apart="hb/")
+        return EtcdStore(self.client(timeout), self.watched_prefix, root=self.prefix, apart="hb/", relay=relay)
+
+    @property
+    def watched_prefix(self) -> str:
+        """The keys every process's view watches (a watch relay serves exactly these)."""
+        return self.prefix + "kv/"
 
     def environment(self) -> dict[str, str]:
         """What a child process needs to reach the same control plane (see :func:`from_environment`)."""
@@ -177,7 +183,7 @@ def connect_store(addr: str, timeout: float, request_timeout: Optional[float] = 
             "HINT: start replicas with `lightning-recover run --control-plane ...`, or give every process of "
             f"the job the same {env.JOB}"
         )
-    store = settings.store(request_timeout)
+    store = settings.store(request_timeout, relay=os.environ.get(env.WATCH_RELAY) or None)
     store.set_timeout(datetime.timedelta(seconds=timeout))
     try:
         store.check(["meta/replicas"])

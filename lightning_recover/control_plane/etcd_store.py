@@ -55,6 +55,7 @@ import torch.distributed as dist
 from lightning_recover.control_plane import etcd_client as ec
 from lightning_recover.control_plane.etcd_liveness import LeasedKey
 from lightning_recover.control_plane.etcd_watch import STALE_AFTER, WatchView
+from lightning_recover.control_plane.watch_relay import RelayedView
 from lightning_recover.errors import RecoverError
 
 _WATCH_SLICE = 1.0  # seconds a watch runs before the keys are read again
@@ -124,9 +125,12 @@ class _SharedViews:
     (``prefix``), and one of the family kept beside them (``apart``: heartbeats), which only a process that
     reads that family starts (the monitor)."""
 
-    def __init__(self, client: ec.EtcdClient, prefix: bytes, apart: Optional[bytes] = None) -> None:
+    def __init__(
+        self, client: ec.EtcdClient, prefix: bytes, apart: Optional[bytes] = None, relay: Optional[str] = None
+    ) -> None:
         self._client = client
         self._prefix, self._apart = prefix, apart
+        self._relay = relay  # the host's watch relay (its Unix socket), which the job's keys' view follows
         self._lock = threading.Lock()
         self._views: dict[bytes, WatchView] = {}
 
@@ -152,8 +156,13 @@ class _SharedViews:
         prefix = self._apart if apart and self._apart is not None else self._prefix
         with self._lock:
             if prefix not in self._views:
-                stale_after = _APART_STALE_AFTER if apart else STALE_AFTER
-                self._views[prefix] = WatchView(self._client.clone(), prefix, stale_after).start()
+                if apart:
+                    view = WatchView(self._client.clone(), prefix, _APART_STALE_AFTER)
+                elif self._relay:
+                    view = RelayedView(self._relay, self._client.clone(), prefix, STALE_AFTER)
+                else:
+                    view = WatchView(self._client.clone(), prefix, STALE_AFTER)
+                self._views[prefix] = view.start()
             return self._views[prefix]
 
     def lookup(self, keys: list[bytes], how: Callable[[WatchView, list[bytes]], Optional[list]]) -> Optional[list]:
@@ -297,6 +306,7 @@ class EtcdStore(_ViewReads, dist.Store):
         timeout: float = _DEFAULT_TIMEOUT,
         shared: Optional[_SharedViews] = None,
         apart: Optional[str] = None,
+        relay: Optional[str] = None,
     ):
         super().__init__()
         self.client = client
@@ -307,7 +317,7 @@ class EtcdStore(_ViewReads, dist.Store):
         self.watches = 0  # watch streams opened (load figures)
         self.apart = apart
         beside = None if apart is None else self.root + apart.encode()
-        self._shared = shared if shared is not None else _SharedViews(client, self.prefix, beside)
+        self._shared = shared if shared is not None else _SharedViews(client, self.prefix, beside, relay)
         self.write_once = False  # True: every key is written once (see prefixed_clone)
         self._warm = _WarmClones(client)  # for prefixed_clone
         self.fence: Optional[Fence] = None  # set: every write (and read through the log) is fenced by it

@@ -31,8 +31,10 @@ What a reader may rely on (tests/integration/test_etcd_watch.py checks each):
 from __future__ import annotations
 
 import http.client
+import json
 import threading
 import time
+from collections.abc import Callable
 from typing import Optional
 
 from lightning_recover.control_plane import etcd_client as ec
@@ -67,6 +69,8 @@ class WatchView:
         #: bytes of keys and values this view received, base64 as etcd's gateway sends them (load figures)
         self.payload_bytes = 0
         self.term = 0  # the highest Raft term in the stream's headers (grows with every leader election)
+        #: called with each change as a JSON line, under the view's lock (a watch relay's followers)
+        self._followers: list[Callable[[bytes], None]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lr-etcd-watch", daemon=True)
 
@@ -102,6 +106,22 @@ class WatchView:
         """Seconds since the stream's last message (or the last re-read)."""
         with self._cond:
             return time.monotonic() - self._heard
+
+    def follow(self, follower: Callable[[bytes], None]) -> None:
+        """Call ``follower`` with this view's state now and then with every change, in the view's order, each as
+        one JSON line (:func:`change_line`), under the view's lock: it must only queue what it is given."""
+        with self._cond:
+            if self._synced:
+                kvs = [[ec.b64(k), ec.b64(v), self._mods[k]] for k, v in self._values.items()]
+                follower(change_line("snapshot", kvs=kvs, revision=self.revision, term=self.term, heard=self._heard))
+            else:
+                follower(change_line("lost"))
+            self._followers.append(follower)
+
+    def unfollow(self, follower: Callable[[bytes], None]) -> None:
+        with self._cond:
+            if follower in self._followers:
+                self._followers.remove(follower)
 
     def lookup(self, key: bytes) -> tuple[bool, Optional[bytes]]:
         """``(True, value or None when absent)`` while healthy, for a key in the watched range;
@@ -184,9 +204,7 @@ class WatchView:
                     self._apply(msg)
             except (OSError, ValueError, RecoverError, http.client.HTTPException):
                 pass  # lost, silent, refused or ended by close(): unhealthy until re-read below
-            with self._cond:
-                self._synced = False
-                self._cond.notify_all()
+            self._lose()
             self._stop.wait(delay)
             delay = min(delay * 2, _RETRY_MAX)
 
@@ -203,12 +221,8 @@ class WatchView:
         with self._cond:
             if not range_unchanged(self._mods, int(answer.get("count") or 0), newest):
                 return False
-            self.revision = max(self.revision, int(answer["header"]["revision"]))
-            self.term = max(self.term, int(answer["header"].get("raft_term") or 0))
-            self._synced = True
-            self._heard = sent  # the read's answer is the store's state at some moment after it was sent
-            self.confirms += 1
-            self._cond.notify_all()
+            # the read's answer is the store's state at some moment after it was sent
+            self._confirmed(int(answer["header"]["revision"]), int(answer["header"].get("raft_term") or 0), sent)
         return True
 
     def _sync(self) -> None:
@@ -222,27 +236,62 @@ class WatchView:
                 break
         else:
             raise OSError(f"etcd answered revision {revision} after the view had applied {self.revision}")
-        kvs = answer.get("kvs") or []
-        received = sum(len(kv.get("key") or "") + len(kv.get("value") or "") for kv in kvs)
-        values = {ec.unb64(kv["key"]): ec.unb64(kv.get("value")) for kv in kvs}
-        mods = {ec.unb64(kv["key"]): int(kv.get("mod_revision") or 0) for kv in kvs}
+        kvs = [[kv["key"], kv.get("value") or "", int(kv.get("mod_revision") or 0)] for kv in answer.get("kvs") or []]
+        self._replace(kvs, revision, int(answer["header"].get("raft_term") or 0), time.monotonic())
+
+    def _apply(self, msg: dict) -> None:
+        self._apply_events(msg.get("events") or [], int((msg.get("header") or {}).get("raft_term") or 0))
+
+    # ---------------------------------------------------------------- changes (from etcd, or from a relay)
+    def _notify(self, line: bytes) -> None:
+        for follower in self._followers:
+            follower(line)
+
+    def _lose(self) -> None:
+        """Not known to be current any more: no answers until the next snapshot or confirmation."""
+        with self._cond:
+            self._synced = False
+            self._cond.notify_all()
+            if self._followers:
+                self._notify(change_line("lost"))
+
+    def _confirmed(self, revision: int, term: int, heard: float) -> None:
+        """The range is as the view holds it at ``revision`` (known at monotonic time ``heard``); caller holds the lock."""
+        self.revision = max(self.revision, revision)
+        self.term = max(self.term, term)
+        self._synced = True
+        self._heard = heard
+        self.confirms += 1
+        self._cond.notify_all()
+        if self._followers:
+            self._notify(change_line("current", revision=self.revision, term=self.term, heard=heard))
+
+    def _replace(self, kvs: list, revision: int, term: int, heard: float) -> None:
+        """The whole range, as ``[key, value, mod_revision]`` (key and value base64), at ``revision``."""
+        received = sum(len(k) + len(v) for k, v, _ in kvs)
+        values = {ec.unb64(k): ec.unb64(v) for k, v, _ in kvs}
+        mods = {ec.unb64(k): int(m) for k, _, m in kvs}
         now = time.monotonic()
         with self._cond:
             # A value the view already held keeps its arrival time; one first seen in this read arrived now.
             arrived = {k: self._arrived[k] if self._mods.get(k) == m else now for k, m in mods.items()}
             self._values, self._mods, self._arrived = values, mods, arrived
             self.revision = revision
-            self.term = max(self.term, int(answer["header"].get("raft_term") or 0))
+            self.term = max(self.term, term)
             self._synced = True
-            self._heard = time.monotonic()
+            self._heard = heard
             self.resyncs += 1
             self.payload_bytes += received
             self._cond.notify_all()
+            if self._followers:
+                self._notify(change_line("snapshot", kvs=kvs, revision=revision, term=self.term, heard=heard))
 
-    def _apply(self, msg: dict) -> None:
+    def _apply_events(self, events: list, term: int, heard: Optional[float] = None) -> None:
+        """etcd watch events (in revision order) heard at monotonic time ``heard`` (now when None)."""
         now = time.monotonic()
+        heard = now if heard is None else heard
         with self._cond:
-            for event in msg.get("events") or []:
+            for event in events:
                 kv = event.get("kv") or {}
                 key = ec.unb64(kv.get("key"))
                 mod = int(kv.get("mod_revision") or 0)
@@ -257,9 +306,19 @@ class WatchView:
                 self.revision = max(self.revision, mod)
                 self.events += 1
                 self.payload_bytes += len(kv.get("key") or "") + len(kv.get("value") or "")
-            self.term = max(self.term, int((msg.get("header") or {}).get("raft_term") or 0))
-            self._heard = now
+            self.term = max(self.term, term)
+            self._heard = heard
             self._cond.notify_all()
+            if self._followers:
+                self._notify(change_line("events", events=events, revision=self.revision, term=self.term, heard=heard))
+
+
+def change_line(kind: str, **body: object) -> bytes:
+    """One change of a view as its followers receive it: ``{kind: body}`` as a JSON line. Kinds: ``snapshot``
+    (``kvs`` as ``[key, value, mod_revision]``, base64), ``events`` (etcd's watch events), ``current`` (the
+    range unchanged up to ``revision``), ``lost`` (not current until the next snapshot or ``current``). Each
+    but ``lost`` carries ``revision``, ``term`` and ``heard``: the monotonic time its source heard it."""
+    return json.dumps({kind: body}, separators=(",", ":")).encode() + b"\n"
 
 
 def range_unchanged(held_mods: dict[bytes, int], count: int, newest: int) -> bool:
