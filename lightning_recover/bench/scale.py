@@ -830,7 +830,7 @@ def main(args: argparse.Namespace) -> int:
     print(json.dumps({"fits": result["fits"], "projection": result["projection"]}, indent=1), flush=True)
     if args.json:
         _write(args.json, result)
-    if args.plot:
+    if args.plot and result["runs"]:  # nothing to draw when every run failed
         plot(result, args.plot)
     return 0
 

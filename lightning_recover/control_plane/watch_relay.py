@@ -39,6 +39,8 @@ BACKLOG_LIMIT = 64 << 20
 RELAY_SILENT_AFTER = 4 * STALE_AFTER
 #: The longest line a follower reads: a snapshot of ``MAX_SYNC_KEYS`` keys of the job's size.
 MAX_RELAY_LINE = 1 << 30
+#: The longest path a Unix socket can be bound at (Linux: 108 bytes with the terminating zero).
+MAX_SOCKET_PATH = 107
 _RETRY_MIN, _RETRY_MAX = 0.02, 0.5
 
 

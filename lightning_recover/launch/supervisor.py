@@ -59,6 +59,7 @@ from lightning_recover.control_plane.config import EtcdSettings
 from lightning_recover.control_plane.connect import connect
 from lightning_recover.control_plane.etcd_job import EtcdCoordinator, MonitorRole, forget_job, join_job
 from lightning_recover.control_plane.priority import check_nice_permitted, control_nice, set_thread_nice
+from lightning_recover.control_plane.watch_relay import MAX_SOCKET_PATH, WatchRelay
 from lightning_recover.launch import coordinator_process
 from lightning_recover.launch.fork_server import DEFAULT_PRELOAD, Process, ProcessStarter
 from lightning_recover.launch.job_dir import JobDir
@@ -369,6 +370,7 @@ class _Job:
         self.starter: ProcessStarter | None = None
         self.coord: Any = None
         self.link: _Link | None = None
+        self.relay: WatchRelay | None = None
 
     def start(
         self,
@@ -431,6 +433,18 @@ class _Job:
             )
             self.coord = self._start_control_plane(replicas, nproc, heartbeat_timeout, **coordinator)
             child_env[env.COORDINATOR] = self.coord.addr
+            if self.control_plane is not None:
+                # One watch of the job's keys for this host's processes: etcd sends each change once per host.
+                cp = self.control_plane
+                path = os.path.join(self.secret_dir, "watch-relay")
+                if len(path.encode()) <= MAX_SOCKET_PATH:
+                    self.relay = WatchRelay(cp.client(), cp.watched_prefix.encode(), path).start()
+                    child_env[env.WATCH_RELAY] = path
+                else:
+                    self.say(
+                        f"watch relay off: its socket path {path} is over {MAX_SOCKET_PATH} bytes, so each process "
+                        "watches etcd itself. HINT: set TMPDIR to a shorter directory"
+                    )
             store = self.control_plane.store() if self.control_plane is not None else None
             self.link = _Link(self.coord.addr, period=min(1.0, heartbeat_timeout / 2), store=store)
         except BaseException:
@@ -521,6 +535,9 @@ class _Job:
             self.coord.kill()
         if self.link is not None:
             self.link.close()
+        if self.relay is not None:
+            self.relay.close()
+            self.say(f"watch relay: {self.relay.served} processes of this host followed it")
         if self.coord is not None:
             self.coord.stop()
         self.job_dir.remove()

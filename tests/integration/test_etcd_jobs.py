@@ -12,6 +12,7 @@ dead, and a replica that stops afterwards is still declared within its bound.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import statistics
 import sys
@@ -68,6 +69,9 @@ def test_replica_killed_on_etcd(etcd3, tmp_path, reference):
     env = dict(etcd3.environment(), LIGHTNING_RECOVER_INJECT="kill:replica=1:step=2:phase=backward")
     result = run_job(_fabric_cmd(out), out, timeout=180, env=env)
     assert "monitor role taken" in result.output, result.output[-3000:]
+    # the replicas' views followed the launcher's watch relay (the killed one's too, before it died)
+    followed = re.search(r"watch relay: (\d+) processes of this host followed it", result.output)
+    assert followed and int(followed.group(1)) >= REPLICAS, result.output[-3000:]
     _assert_failure_free(result, reference, [0, 2])
 
 
