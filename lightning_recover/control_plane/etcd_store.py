@@ -66,6 +66,9 @@ _WATCH_SLICE = 1.0  # seconds a watch runs before the keys are read again
 _APART_STALE_AFTER = 10.0
 _DEFAULT_TIMEOUT = 300.0  # TCPStore's default wait
 _MAX_TXN_OPS = 128  # etcd's default --max-txn-ops: a transaction of more operations is refused
+#: Keys per transaction of a many-key read, write or delete: a fenced store nests it in a transaction of its own,
+#: and etcd counts that nesting operation against the same limit.
+_TXN_CHUNK = _MAX_TXN_OPS - 1
 _REFILL_AFTER = 0.5  # seconds after a warm clone is taken before the next one opens (a rendezvous is shorter)
 
 
@@ -374,8 +377,8 @@ class EtcdStore(_ViewReads, dist.Store):
 
     def multi_set(self, keys: Sequence[str], values: Sequence[Any]) -> None:
         ops = [ec.op_put(self._k(k), _as_bytes(v)) for k, v in zip(keys, values)]
-        for at in range(0, len(ops), _MAX_TXN_OPS):
-            self._txn([], ops[at : at + _MAX_TXN_OPS])
+        for at in range(0, len(ops), _TXN_CHUNK):
+            self._txn([], ops[at : at + _TXN_CHUNK])
 
     def get(self, key: str) -> bytes:
         view = self._shared.view
@@ -402,12 +405,12 @@ class EtcdStore(_ViewReads, dist.Store):
         return [v if v is not None else b"" for v in found[0]]
 
     def _ranges(self, keys: Sequence[str], count_only: bool = False) -> tuple[list[Optional[bytes]], int]:
-        """The values (None: absent) of ``keys`` in one transaction per ``_MAX_TXN_OPS`` keys, and the
+        """The values (None: absent) of ``keys`` in one transaction per ``_TXN_CHUNK`` keys, and the
         revision of the first (keys read in later chunks can only be newer)."""
         out: list[Optional[bytes]] = []
         revision = 0
-        for at in range(0, max(len(keys), 1), _MAX_TXN_OPS):
-            answer = self.client.txn([], [ec.op_get(self._k(k), count_only) for k in keys[at : at + _MAX_TXN_OPS]])
+        for at in range(0, max(len(keys), 1), _TXN_CHUNK):
+            answer = self.client.txn([], [ec.op_get(self._k(k), count_only) for k in keys[at : at + _TXN_CHUNK]])
             revision = revision or int(answer["header"]["revision"])
             for r in answer.get("responses") or []:
                 rng = r.get("response_range") or {}
@@ -419,7 +422,7 @@ class EtcdStore(_ViewReads, dist.Store):
         return out, revision
 
     def peek_many(self, keys: Sequence[str], through_log: bool = False) -> list[Optional[bytes]]:
-        """The values of ``keys`` (None: absent) in one transaction per 128 keys; never waits. ``through_log``: the
+        """The values of ``keys`` (None: absent) in one transaction per 127 keys; never waits. ``through_log``: the
         transaction carries a write its compare never lets happen, so etcd orders it in the Raft log: answered
         when writes are, blocked while they are (an election), as the monitor's stall allowance needs (a plain
         read, ReadIndex, can be answered while writes still wait: test_etcd_leader_sigkill_mid_training)."""
@@ -429,11 +432,11 @@ class EtcdStore(_ViewReads, dist.Store):
             return self._ranges(keys)[0]
         never = self.root + b"\x00never"  # never written: a compare of its value is always false
         out: list[Optional[bytes]] = []
-        for at in range(0, len(keys), _MAX_TXN_OPS):
+        for at in range(0, len(keys), _TXN_CHUNK):
             answer = self._txn(
                 [ec.cmp_value(never, b"x")],
                 [ec.op_put(never, b"x")],
-                [ec.op_get(self._k(k)) for k in keys[at : at + _MAX_TXN_OPS]],
+                [ec.op_get(self._k(k)) for k in keys[at : at + _TXN_CHUNK]],
             )
             for r in answer.get("responses") or []:
                 kv = ec.first_kv(r)
@@ -441,10 +444,10 @@ class EtcdStore(_ViewReads, dist.Store):
         return out
 
     def delete_many(self, keys: Sequence[str]) -> None:
-        """Delete ``keys`` in one transaction per 128 keys (absent keys are no error)."""
+        """Delete ``keys`` in one transaction per 127 keys (absent keys are no error)."""
         ops = [ec.op_delete(self._k(k)) for k in keys]
-        for at in range(0, len(ops), _MAX_TXN_OPS):
-            self._txn([], ops[at : at + _MAX_TXN_OPS])
+        for at in range(0, len(ops), _TXN_CHUNK):
+            self._txn([], ops[at : at + _TXN_CHUNK])
 
     def check(self, keys: Sequence[str]) -> bool:
         return all(v is not None for v in self._ranges(keys, count_only=True)[0])
@@ -502,8 +505,8 @@ class EtcdStore(_ViewReads, dist.Store):
         ``with_decision``: more ``(key, value)`` written only with the decision (the vouch). Returns the register's
         value now (None: undecided). Of callers whose expectations name each other's keys, exactly one decides;
         a retry after an unanswered try is safe (idempotent write, register written while absent)."""
-        if len(expected) + 1 > _MAX_TXN_OPS:
-            raise ValueError(f"put_and_decide compares at most {_MAX_TXN_OPS - 1} keys, not {len(expected)}")
+        if len(expected) + 1 > _TXN_CHUNK:
+            raise ValueError(f"put_and_decide compares at most {_TXN_CHUNK - 1} keys, not {len(expected)}")
         reg = self._k(register)
         compare = [ec.cmp_value(self._k(e), _as_bytes(v)) for e, v in expected] + [ec.cmp_version(reg, 0)]
         report = [] if key is None else [ec.op_put(self._k(key), _as_bytes(value))]

@@ -149,6 +149,30 @@ def test_a_monitor_thread_that_fails_gives_the_role_up(etcd1, monkeypatch):
         a.stop()
 
 
+def test_a_fenced_store_reads_writes_and_deletes_more_keys_than_one_transaction_holds(etcd1):
+    """The monitor's store is fenced (each transaction nested in one that checks its role), and etcd counts the
+    nesting operation against its 128 operations: the monitor's read of every heartbeat at 128 replicas and more
+    goes in chunks that fit."""
+    s = settings(etcd1)
+    join_job(s, replicas=2, replica_size=1, secret=JobSecret.generate())
+    client = s.client()
+    key = (s.prefix + "monitor").encode()
+    lease = client.lease_grant(10)
+    assert client.txn([ec.cmp_version(key, 0)], [ec.op_put(key, b"A", lease)])["succeeded"]
+    store = s.store()
+    store.fence = Fence(key, lease)
+    keys = [f"hb/{r}" for r in range(300)]
+    try:
+        store.multi_set(keys, [str(r).encode() for r in range(300)])
+        assert store.peek_many(keys + ["vouch"], through_log=True) == [str(r).encode() for r in range(300)] + [None]
+        assert store.check(keys)
+        store.delete_many(keys)
+        assert store.peek_many(keys) == [None] * 300
+    finally:
+        store.close()
+        client.lease_revoke(lease)
+
+
 def test_two_monitors_racing_only_the_holder_writes(etcd1):
     """Monitor A keeps counting probe rounds and declaring deaths while its lease ends (as when its host
     stalls past the TTL) and monitor B takes the role: from that moment etcd refuses every write of A's
