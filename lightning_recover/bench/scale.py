@@ -76,8 +76,8 @@ class _Slot:
     worker: int = 0
     started_at: float = 0.0  # Replica.start() returned
     applied: dict[int, float] = field(default_factory=dict)  # step -> monotonic time it was applied
-    #: (step, decide_seconds, recoveries, recovery_seconds, regroup_seconds) of each applied step
-    stats: list[tuple[int, float, int, float, float]] = field(default_factory=list)
+    #: (step, decide_seconds, recoveries, recovery_seconds, regroup_seconds, barrier_seconds) of each applied step
+    stats: list[tuple[int, float, int, float, float, float]] = field(default_factory=list)
     killed_at: Optional[float] = None
     outcome: str = "running"
     error: str = ""
@@ -435,12 +435,11 @@ class ScaleRun:
         cfg = self.cfg
         steps = cfg.window
         seconds = b["t"] - a["t"]
-        decide = [
-            decide_s
-            for s in self._live()
-            for step, decide_s, recoveries, *_ in s.stats
-            if cfg.warmup <= step < cfg.warmup + cfg.window and not recoveries
+        window = [
+            st for s in self._live() for st in s.stats if cfg.warmup <= st[0] < cfg.warmup + cfg.window and not st[2]
         ]
+        decide = [st[1] for st in window]
+        commit = [st[1] - st[5] for st in window]  # less the done barrier (the stand-in data plane's)
         workers_cpu = (b["workers_cpu"] - a["workers_cpu"]) / steps
         data_plane_cpu = (b["data_plane_cpu"] - a["data_plane_cpu"]) / steps
         views = max(1, b["views"])
@@ -448,6 +447,9 @@ class ScaleRun:
             step_s=statistics.median(y - x for x, y in zip(ends, ends[1:])),
             decide_s=statistics.median(decide),
             decide_p90_s=statistics.quantiles(decide, n=10)[-1] if len(decide) > 1 else decide[0],
+            # the control plane's part of deciding: the leader's commit and its delivery to the member
+            commit_s=statistics.median(commit),
+            commit_p90_s=statistics.quantiles(commit, n=10)[-1] if len(commit) > 1 else commit[0],
             window_s=seconds,
             harness_cpu_s_per_step=workers_cpu + data_plane_cpu,  # every replica and the stand-in data plane
             workers_cpu_s_per_step=workers_cpu,
@@ -601,6 +603,7 @@ FITTED = {
     "first_step_s": None,
     "step_s": None,
     "decide_s": 0.3,
+    "commit_s": 0.3,
     "kill_next_commit_s": 0.3,
     "etcd_writes_per_step": 0.1,
     "watch_bytes_per_step_per_process": 0.1,
@@ -770,7 +773,8 @@ def sweep(args: argparse.Namespace) -> dict:
                 run["kill_next_commit_s"] = statistics.median(kills) if kills else None
                 print(
                     f"  {backend:8s} N={n:5d}: first step {run['first_step_s']:.1f}s, step {run['step_s']:.3f}s, "
-                    f"decide {run['decide_s'] * 1e3:.1f}ms, kill->commit {kills}, processes {run['processes']}, "
+                    f"decide {run['decide_s'] * 1e3:.1f}ms (commit {run['commit_s'] * 1e3:.1f}ms), "
+                    f"kill->commit {kills}, processes {run['processes']}, "
                     f"CPU/step coord {run['control_cpu_s_per_step']:.2f}s workers {run['workers_cpu_s_per_step']:.2f}s "
                     f"data plane {run['data_plane_cpu_s_per_step']:.2f}s, "
                     f"writes/step {run.get('etcd_writes_per_step', 0):.1f}, "

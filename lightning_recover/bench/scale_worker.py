@@ -206,7 +206,14 @@ class ScaleWorker:
                 with torch.no_grad():
                     param.add_(param.grad)
                 stats = [
-                    [st.step, st.decide_seconds, st.recoveries, st.recovery_seconds, _regroup_seconds(st)]
+                    [
+                        st.step,
+                        st.decide_seconds,
+                        st.recoveries,
+                        st.recovery_seconds,
+                        _regroup_seconds(st),
+                        st.barrier_seconds,
+                    ]
                     for st in protocol_replica.history[reported:]
                 ]
                 reported = len(protocol_replica.history)

@@ -27,8 +27,9 @@ Beyond TCPStore's operations, what the step protocol uses to make about one roun
 (docs/control_plane.md, "Round trips per step"):
 
 * a **watched view** (:class:`~lightning_recover.control_plane.etcd_watch.WatchView`): one watch stream per
-  process on the job's keys, shared by every clone of the store, started by the first :meth:`cached`
-  read; it answers reads that may be slightly stale (hints, write-once registers, notices that only grow)
+  process on the job's keys (or, where a launcher runs a :class:`~lightning_recover.control_plane.watch_relay.WatchRelay`,
+  one per host that the process's view follows), shared by every clone of the store, started by the first
+  :meth:`cached` read; it answers reads that may be slightly stale (hints, write-once registers, notices that only grow)
   from memory, and nothing while it is not known to be current. Keys of the family kept ``apart``
   (heartbeats) live beside the watched ones: no process's view receives their writes (each would receive
   every replica's beat), but a process that reads them from a view (the monitor) starts one of its own;

@@ -50,6 +50,9 @@ class StepStats:
     #: seconds this replica spent deciding the step after its reduce (its report and the wait for the
     #: decision): the control plane's share of the step's critical path
     decide_seconds: float = 0.0
+    #: of ``decide_seconds``, those in the done barrier (a one-element all-reduce on the data plane, where the
+    #: members' reports are a barrier): what is left is the commit and its delivery through the control plane
+    barrier_seconds: float = 0.0
     loss: float | None = None  # mean loss over the M microbatches (when losses were recorded)
     redone: int = 0  # exact mode: attempts redone on a recentred fixed-point grid
     leader: bool = False
@@ -314,7 +317,7 @@ class StepProtocol:
             self._publish_speed(step)
         membership.progress.note("decide")
         began = time.perf_counter()
-        decided = self._decide(step, device, speculate=speculate and not flat["extra"][2].item())
+        decided = self._decide(step, device, stats, speculate=speculate and not flat["extra"][2].item())
         stats.decide_seconds += time.perf_counter() - began
         if not decided:
             return False
@@ -326,7 +329,7 @@ class StepProtocol:
             self._weights = self._read_speeds(step)
         return True
 
-    def _decide(self, step: int, device: torch.device, speculate: bool = False) -> bool:
+    def _decide(self, step: int, device: torch.device, stats: StepStats, speculate: bool = False) -> bool:
         """After this member's reduce completed: its done report, then the step's decision (True: commit).
 
         For replicas of one process the reports are a barrier over the generation (``Decisions.barrier``): once it
@@ -336,12 +339,15 @@ class StepProtocol:
         once the barrier completed and confirm the commit later (``Decisions.commit_speculatively``)."""
         self._deciding = True  # this member may enter the barrier: the register is settled (and read) first
         if self.decisions.barrier:
+            entered = time.perf_counter()
             try:
                 self.collectives.allreduce([torch.ones(1, device=device)])
             except MembershipChanged:
                 if self.decisions.decide_retry(step, attempt=self.attempt):
                     return True
                 raise
+            finally:
+                stats.barrier_seconds += time.perf_counter() - entered
             if speculate:
                 self.fire(step, "commit")
                 return self.decisions.commit_speculatively(step)
@@ -360,7 +366,7 @@ class StepProtocol:
             self._publish_speed(step)
         membership.progress.note("decide")
         began = time.perf_counter()
-        decided = self._decide(step, params[0].device if params else torch.device("cpu"))
+        decided = self._decide(step, params[0].device if params else torch.device("cpu"), stats)
         stats.decide_seconds += time.perf_counter() - began
         if not decided:
             return False

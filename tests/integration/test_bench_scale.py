@@ -59,6 +59,10 @@ def test_projection_extends_the_fits_and_compares_with_half_the_capacity():
     assert grown["16000_long"]["writes_per_s"] == pytest.approx(8000.0)
     assert fits(runs)["etcd"]["etcd_writes_per_step"] == pytest.approx(0.0)
     assert "not_projected" in project(runs[:1], capacity)  # one N fits no growth: nothing is projected
+    # with watch relays etcd sends the job's keys once per host of 8 replicas, not twice per replica
+    relayed = project([dict(r, watch_relays=True) for r in runs], capacity)
+    assert relayed["watch_streams_per_replica"] == pytest.approx(1 / 8)
+    assert relayed["2000_long"]["watch_events_per_s"] == pytest.approx(3 * 2000 / 8)
 
 
 def _members(plane, size: int, body, planes=None) -> list:
@@ -231,6 +235,7 @@ def test_sixteen_replicas_measured_with_a_kill(backend, etcd3, tmp_path):
     (kill,) = result["kills"]
     assert 0 < kill["next_commit_s"] < 30
     assert result["first_step_s"] > 0 and result["decide_s"] > 0 and result["step_s"] >= cfg.compute
+    assert 0 < result["commit_s"] <= result["decide_s"]  # the decision less the done barrier
     assert result["operations"] >= 2 * cfg.steps  # the reduce and the done barrier ran on the stand-in
     if backend == "etcd":
         # At least the commit of each step; the window's last one may still be on the leader's writer thread
