@@ -11,9 +11,12 @@ beat), and the deletion reaches the monitor's view of the heartbeats: that is th
   and afterwards only when the main thread's progress must be told (``heartbeat.Heartbeat``: commits vouch for
   it while steps go on). Its payload names the lease's TTL (``"lease"``), which tells the monitor to judge the
   replica by the key's presence rather than by its beats moving.
-* Keep-alives every TTL / 3: a replica whose process is frozen (SIGSTOP), whose host died or which lost etcd is
-  declared within TTL + etcd's expiry check (every 0.5 s) + the monitor's poll; a process that exits is
-  declared at once by its launcher, as before. etcd extends every lease by an election timeout when a new
+* Keep-alives every TTL / 3, on a thread and a connection of their own (:meth:`LeasedKey.start_keeping`): a
+  keep-alive must never wait behind a beat's write or the heartbeat thread's reads, which a loaded etcd may
+  answer seconds late (at 128 replicas on a 2-core host the heartbeat thread's keep-alives came up to 10 s apart,
+  and leases of live replicas expired). A replica whose process is frozen (SIGSTOP), whose host died or which
+  lost etcd is declared within TTL + etcd's expiry check (every 0.5 s) + the monitor's poll; a process that exits
+  is declared at once by its launcher, as before. etcd extends every lease by an election timeout when a new
   leader takes over, so an election does not expire leases (the monitor's stall allowance is not needed here).
 * A lease found expired (the keep-alive answers TTL <= 0: the process stalled past it) is granted anew with the
   next beat: the monitor has declared the replica dead by then, and the replica learns it from its death notice.
@@ -28,22 +31,41 @@ from typing import Optional
 from lightning_recover.control_plane import etcd_client as ec
 from lightning_recover.errors import RecoverError
 
+#: Seconds before a keep-alive that etcd did not answer (within the client's deadline) is tried again.
+_KEEP_RETRY = 0.25
+
 
 class LeasedKey:
-    """One key attached to a lease of its own, on a connection of its own (the heartbeat thread's)."""
+    """One key attached to a lease of its own, on a connection of its own (the heartbeat thread's); its
+    keep-alives on another, from a thread of their own once :meth:`start_keeping` was called."""
 
     def __init__(self, client: ec.EtcdClient, key: bytes, ttl: int) -> None:
         self._client = client
         self.key = key
         self.ttl = ttl
         self._lease: Optional[int] = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # keep_alive without a keeper holds it across _renew
         self.renewed_at = 0.0  # monotonic time of the last grant or keep-alive that etcd answered
         self.keepalives = 0  # keep-alives sent (load figures)
+        self._keeper_client: Optional[ec.EtcdClient] = None
+        self._keeper: Optional[threading.Thread] = None
+        self._stop = threading.Event()
 
-    @property
-    def keepalive_due(self) -> bool:
-        return time.monotonic() - self.renewed_at >= self.ttl / 3
+    def start_keeping(self) -> None:
+        """Keep the lease alive every TTL / 3 from now on, on a thread and a connection of its own."""
+        if self._keeper is not None:
+            return
+        self._keeper_client = self._client.clone()
+        self._keeper = threading.Thread(target=self._keep, name="lr-lease-keeper", daemon=True)
+        self._keeper.start()
+
+    def _keep(self) -> None:
+        while not self._stop.wait(max(0.0, self.renewed_at + self.ttl / 3 - time.monotonic())):
+            try:
+                if not self.keep_alive():
+                    self._stop.wait(self.ttl / 3)  # no lease now: the next put grants one
+            except RecoverError:
+                self._stop.wait(_KEEP_RETRY)  # unanswered within the client's deadline: again, at once
 
     def put(self, value: bytes) -> None:
         """Write the key attached to the lease (granted first if there is none, or it expired)."""
@@ -60,20 +82,37 @@ class LeasedKey:
                 self._client.put(self.key, value, lease=self._lease)
 
     def keep_alive(self) -> bool:
-        """Renew the lease; False when it had expired (the next :meth:`put` grants a new one)."""
+        """Renew the lease; False when there is none or it had expired (the next :meth:`put` grants a new one).
+        From the keeper it does not wait for a put in progress: it has a connection of its own."""
+        if self._keeper_client is None:
+            with self._lock:  # one connection for both: a put and a keep-alive take turns
+                return self._renew(self._client)
+        return self._renew(self._keeper_client)
+
+    def _renew(self, client: ec.EtcdClient) -> bool:
         with self._lock:
-            if self._lease is None:
-                return False
-            sent = time.monotonic()
-            self.keepalives += 1
-            if self._client.lease_keepalive(self._lease) > 0:
-                self.renewed_at = sent
-                return True
-            self._lease = None
+            lease = self._lease
+            self.keepalives += lease is not None
+        if lease is None:
             return False
+        sent = time.monotonic()
+        alive = client.lease_keepalive(lease) > 0
+        with self._lock:
+            if self._lease != lease:
+                return alive  # a put granted a new lease meanwhile: this answer is about the old one
+            if alive:
+                self.renewed_at = max(self.renewed_at, sent)
+            else:
+                self._lease = None
+            return alive
 
     def close(self) -> None:
-        """Revoke the lease (the key goes at once) and close the connection."""
+        """Stop the keep-alives, revoke the lease (the key goes at once) and close the connections."""
+        self._stop.set()
+        if self._keeper is not None and self._keeper_client is not None:
+            self._keeper.join(5.0)
+            if not self._keeper.is_alive():  # else a keep-alive is still waiting for etcd: its thread ends with it
+                self._keeper_client.close()
         with self._lock:
             lease, self._lease = self._lease, None
         try:

@@ -77,7 +77,7 @@ class Heartbeat:
         sealer = self._store.sealer  # a vouch names its generation: whom it covers is read once per generation
         self._vouches = VouchReader(sealer, Roster(sealer, raw_reader(self._store.raw))) if key is None else None
         self.vouched_at = 0.0  # monotonic time the newest vouch naming this incarnation reached this process
-        # etcd: the key lives while a lease this thread keeps alive (liveness.py); a beat is then written only to
+        # etcd: the key lives while its lease is kept alive (liveness.py); a beat is then written only to
         # tell the main thread's progress, once no vouch covered this replica for a step or two
         self._leased = heartbeat_lease(self._store, self._key, interval, timeout) if key is None else None
         self._coverage = VouchCoverage()
@@ -93,6 +93,8 @@ class Heartbeat:
         """Write the first beat and go on beating on this object's thread. With ``coordinator`` (its address, for
         the error) a :class:`CoordinatorWatchdog` ends the process once no beat was answered for ``silent_limit``."""
         self._send()
+        if self._leased is not None:
+            self._leased.start_keeping()  # its own thread: never behind a beat or a read that etcd answers late
         self._thread.start()
         if coordinator is not None:
             self._watchdog = CoordinatorWatchdog(self, self._replica, coordinator, silent_limit)
@@ -114,9 +116,8 @@ class Heartbeat:
         return self._interval if self._leased is None else self._coverage.window(self._interval)
 
     def _next_wake(self) -> float:
-        """When the next beat may be due, or with a lease the next keep-alive if sooner (monotonic)."""
-        due = self._covered_since() + self._window()
-        return due if self._leased is None else min(due, self._leased.renewed_at + self._leased.ttl / 3)
+        """When the next beat may be due (monotonic)."""
+        return self._covered_since() + self._window()
 
     def _write(self, payload: dict) -> None:
         self._last_payload = payload
@@ -128,8 +129,6 @@ class Heartbeat:
             self._leased.put(self._store.sealer.seal(self._key, value.encode(), seq))
 
     def _send(self) -> None:
-        if self._leased is not None and self._leased.keepalive_due:
-            self._leased.keep_alive()
         p = self._progress
         noticed = self._notice is not None and self._notice.is_set()
         if time.monotonic() - self._covered_since() >= self._window() or p.urgent or noticed != self._notice_sent:

@@ -101,6 +101,52 @@ def test_a_leased_beat_writes_once_lives_on_keepalives_and_goes_with_its_lease(e
     raw.close()
 
 
+class _StuckProgress(Progress):
+    """A main thread whose report the heartbeat thread can read once (the first beat) and then waits on until
+    ``gate`` opens: the heartbeat thread stays inside its send, as behind a read etcd answers late."""
+
+    def __init__(self, gate: threading.Event) -> None:
+        self.gate, self.reads = gate, 0
+        super().__init__()
+
+    @property
+    def report(self) -> dict:
+        self.reads += 1
+        if self.reads > 1:
+            self.gate.wait()
+        return {}
+
+    @report.setter
+    def report(self, value: dict) -> None:
+        pass
+
+
+@pytest.mark.slow  # outlives a lease three times (6 s)
+def test_keepalives_go_on_while_the_heartbeat_thread_is_stuck(etcd1):
+    """The lease is kept alive from a thread and a connection of its own: a heartbeat thread held inside a beat
+    (a read or a write that a loaded etcd answers seconds late) does not let a live replica's lease expire."""
+    secret = JobSecret.generate()
+    raw = fresh_store(etcd1)
+    store = ControlStore("etcd://test", 0, secret, store=raw)
+    gate = threading.Event()
+    progress = _StuckProgress(gate)
+    period = 0.5
+    hb = Heartbeat(store, 0, 1, period, progress)
+    hb.start()
+    key = raw.root + b"hb/0"
+    try:
+        until(lambda: progress.reads > 1)  # the thread's next beat is stuck
+        ttl = lease_ttl(period)
+        past = time.monotonic() + 3 * ttl + 0.5  # three TTLs and etcd's expiry check
+        while time.monotonic() < past:
+            assert raw.client.get(key)[0] is not None, "a live replica's lease expired behind its stuck heartbeat"
+            time.sleep(0.2)
+    finally:
+        gate.set()
+        hb.stop()
+        raw.close()
+
+
 @pytest.mark.slow  # waits out a lease and the monitor's polls
 def test_the_monitor_declares_a_replica_whose_lease_expired_and_keeps_a_silent_live_one(etcd1):
     """Two replicas beat once each, attached to leases; neither writes again. Replica 0's lease is kept alive:
