@@ -13,8 +13,7 @@ beat), and the deletion reaches the monitor's view of the heartbeats: that is th
   replica by the key's presence rather than by its beats moving.
 * Keep-alives every TTL / 3, on a thread and a connection of their own (:meth:`LeasedKey.start_keeping`): a
   keep-alive must never wait behind a beat's write or the heartbeat thread's reads, which a loaded etcd may
-  answer seconds late (at 128 replicas on a 2-core host the heartbeat thread's keep-alives came up to 10 s apart,
-  and leases of live replicas expired). A replica whose process is frozen (SIGSTOP), whose host died or which
+  answer seconds late, or a live replica's lease expires. A replica whose process is frozen (SIGSTOP), whose host died or which
   lost etcd is declared within TTL + etcd's expiry check (every 0.5 s) + the monitor's poll; a process that exits
   is declared at once by its launcher, as before. etcd extends every lease by an election timeout when a new
   leader takes over, so an election does not expire leases (the monitor's stall allowance is not needed here).

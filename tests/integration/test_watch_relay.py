@@ -196,3 +196,32 @@ def test_a_replicas_store_follows_the_relay_its_launcher_names(etcd1, relay_dir,
         replica.close()
         launcher.close()
         relay.close()
+
+
+@pytest.mark.slow  # waits out a silent relay (RELAY_SILENT_AFTER, 4 s)
+def test_a_silent_relay_is_asked_again_and_a_gone_one_left(etcd1, relay_dir):
+    """A relay that accepts and sends nothing (its host starved): the follower answers nothing, connects again
+    and does not take it for gone; once nothing listens at the path, it watches etcd itself."""
+    store = fresh_store(etcd1)
+    store.set("k", b"1")
+    path = os.path.join(relay_dir, "silent")
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.bind(path)
+    silent.listen(8)
+    silent.settimeout(3 * watch_relay.RELAY_SILENT_AFTER)  # a follower that never came back fails the test
+    follower = RelayedView(path, client_of(etcd1), store.prefix).start()
+    accepted = []
+    try:
+        for _ in range(2):  # the first connection, and the one after its silence
+            conn, _ = silent.accept()
+            accepted.append(conn)
+        assert follower.relayed and follower.lookup(store.prefix + b"k") == (False, None)
+        silent.close()
+        os.unlink(path)
+        until(lambda: follower.lookup(store.prefix + b"k") == (True, b"1"), timeout=watch_relay.RELAY_SILENT_AFTER + 5)
+        assert not follower.relayed
+    finally:
+        for conn in accepted:
+            conn.close()
+        silent.close()
+        follower.close()
