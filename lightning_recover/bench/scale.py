@@ -223,6 +223,7 @@ class ScaleRun:
     figures."""
 
     def __init__(self, cfg: ScaleConfig, cluster: Optional[LocalEtcdCluster], work: str) -> None:
+        cfg.options()  # a bad option (e.g. a heartbeat timeout past the hang timeout) fails here, not in each replica
         self.cfg = cfg
         self.cluster = cluster
         self.work = work

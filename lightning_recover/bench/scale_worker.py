@@ -68,6 +68,17 @@ class ScaleConfig:
     def steps(self) -> int:
         return self.warmup + self.window + self.kills * self.gap + 1
 
+    def options(self) -> RecoverOptions:
+        """Every replica's options (checked by the harness before it starts anything)."""
+        return RecoverOptions(
+            microbatches=self.replicas,
+            heartbeat_timeout=self.heartbeat_timeout,
+            heartbeat_interval=self.heartbeat_interval,
+            join_timeout=120.0,
+            collective_timeout=120.0,
+            startup_timeout=600.0,
+        )
+
     @property
     def worker_processes(self) -> int:
         """The worker processes the replicas are spread over: enough that each one's threads fit its share of
@@ -176,14 +187,7 @@ class ScaleWorker:
 
     def _replica(self, replica: int, release: float) -> None:
         cfg = self.cfg
-        options = RecoverOptions(
-            microbatches=cfg.replicas,
-            heartbeat_timeout=cfg.heartbeat_timeout,
-            heartbeat_interval=cfg.heartbeat_interval,
-            join_timeout=120.0,
-            collective_timeout=120.0,
-            startup_timeout=600.0,
-        )
+        options = cfg.options()
         param = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
         injector = FaultInjector(self.faults, replica, 1, act=self._act(replica))
         protocol_replica = self.protocol_replicas[replica] = Replica(
