@@ -406,8 +406,7 @@ class EtcdStore(_ViewReads, dist.Store):
         return [v if v is not None else b"" for v in found[0]]
 
     def _ranges(self, keys: Sequence[str], count_only: bool = False) -> tuple[list[Optional[bytes]], int]:
-        """The values (None: absent) of ``keys`` in one transaction per ``_TXN_CHUNK`` keys, and the
-        revision of the first (keys read in later chunks can only be newer)."""
+        """The values (None: absent) of ``keys``, a transaction per ``_TXN_CHUNK``; the first's revision (later: newer)."""
         out: list[Optional[bytes]] = []
         revision = 0
         for at in range(0, max(len(keys), 1), _TXN_CHUNK):
