@@ -61,11 +61,12 @@ class _Follower:
         self._thread = threading.Thread(target=self._send, name="lr-watch-relay-send", daemon=True)
 
     def push(self, line: bytes) -> None:
-        """Queue ``line`` (called under the view's lock: never blocks); past the backlog limit, drop the follower."""
+        """Queue ``line`` (called under the view's lock: never blocks); past the backlog limit, drop the follower.
+        A line is always taken into an empty queue: a snapshot larger than the limit is still delivered."""
         with self._cond:
             if self._ended:
                 return
-            if self._queued + len(line) > BACKLOG_LIMIT:
+            if self._lines and self._queued + len(line) > BACKLOG_LIMIT:
                 # It reconnects and starts again from a snapshot; the shutdown ends a send it blocks.
                 self._ended = True
                 with contextlib.suppress(OSError):
