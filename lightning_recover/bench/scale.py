@@ -235,7 +235,7 @@ class ScaleRun:
         self._samples = itertools.count(1)
         self.events_path: Optional[str] = None  # the embedded coordinator's event log (replicas' ends)
         #: the directory of the worker processes' watch relay sockets (short: a socket's path has 107 bytes at most)
-        self._relays = tempfile.mkdtemp(prefix="lr-relay-") if cfg.watch_relays and cluster is not None else None
+        self._relays: Optional[str] = None  # made by run(), which removes it
         self._answers: dict[int, dict[int, dict]] = {}  # sample id -> worker -> its answer
         rng = random.Random(cfg.seed * 7919 + cfg.replicas)
         first = cfg.warmup + cfg.window + 1
@@ -387,6 +387,8 @@ class ScaleRun:
         control, addr, env = self._start_control(secret_file)
         server = DataPlaneServer(self.plane)
         try:
+            if cfg.watch_relays and self.cluster is not None:
+                self._relays = tempfile.mkdtemp(prefix="lr-relay-")
             self._start_workers(addr, secret_file, server.address, env)
             return self._run(control)
         finally:

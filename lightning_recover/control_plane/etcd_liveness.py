@@ -49,6 +49,8 @@ class LeasedKey:
         self._keeper_client: Optional[ec.EtcdClient] = None
         self._keeper: Optional[threading.Thread] = None
         self._stop = threading.Event()
+        #: why the keeper thread stopped: an error other than an unanswered call (which it retries)
+        self.error: Optional[Exception] = None
 
     def start_keeping(self) -> None:
         """Keep the lease alive every TTL / 3 from now on, on a thread and a connection of its own."""
@@ -65,6 +67,9 @@ class LeasedKey:
                     self._stop.wait(self.ttl / 3)  # no lease now: the next put grants one
             except RecoverError:
                 self._stop.wait(_KEEP_RETRY)  # unanswered within the client's deadline: again, at once
+            except Exception as exc:
+                self.error = exc  # an answer it cannot read: the heartbeat thread raises it (named, not silent)
+                return
 
     def put(self, value: bytes) -> None:
         """Write the key attached to the lease (granted first if there is none, or it expired)."""

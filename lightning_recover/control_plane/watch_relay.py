@@ -44,6 +44,18 @@ MAX_SOCKET_PATH = 107
 _RETRY_MIN, _RETRY_MAX = 0.02, 0.5
 
 
+def past_backlog(queued: int, head: Optional[int], line: int, limit: int) -> bool:
+    """Whether a follower whose queue holds ``queued`` bytes, ``head`` of them its first line (None: empty), is
+    dropped rather than given a ``line`` more. The backlog is what waits behind the line being sent: the batch in
+    flight and the head of the queue (the next batch's first line) do not count, so a snapshot larger than the
+    limit is delivered even when changes arrive before the follower's thread has taken it."""
+    return head is not None and queued - head + line > limit
+
+
+class RelayPathTooLong(ValueError):
+    """The relay's socket path is longer than a Unix socket can be bound at."""
+
+
 class _RelayGone(Exception):
     """No relay answered at the path: the follower watches etcd itself."""
 
@@ -61,12 +73,13 @@ class _Follower:
         self._thread = threading.Thread(target=self._send, name="lr-watch-relay-send", daemon=True)
 
     def push(self, line: bytes) -> None:
-        """Queue ``line`` (called under the view's lock: never blocks); past the backlog limit, drop the follower.
-        A line is always taken into an empty queue: a snapshot larger than the limit is still delivered."""
+        """Queue ``line`` (called under the view's lock: never blocks); past the backlog limit
+        (:func:`past_backlog`), drop the follower."""
         with self._cond:
             if self._ended:
                 return
-            if self._lines and self._queued + len(line) > BACKLOG_LIMIT:
+            head = len(self._lines[0]) if self._lines else None
+            if past_backlog(self._queued, head, len(line), BACKLOG_LIMIT):
                 # It reconnects and starts again from a snapshot; the shutdown ends a send it blocks.
                 self._ended = True
                 with contextlib.suppress(OSError):
@@ -113,6 +126,11 @@ class WatchRelay:
     :class:`RelayedView` names it. ``client`` is the relay's own (its stream and its re-reads)."""
 
     def __init__(self, client: ec.EtcdClient, prefix: bytes, path: str, stale_after: float = STALE_AFTER) -> None:
+        if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+            raise RelayPathTooLong(
+                f"the watch relay's socket path {path} is over {MAX_SOCKET_PATH} bytes. "
+                "HINT: set TMPDIR to a shorter directory"
+            )
         self.path = path
         self.view = WatchView(client, prefix, stale_after)
         self._lock = threading.Lock()

@@ -59,7 +59,7 @@ from lightning_recover.control_plane.config import EtcdSettings
 from lightning_recover.control_plane.connect import connect
 from lightning_recover.control_plane.etcd_job import EtcdCoordinator, MonitorRole, forget_job, join_job
 from lightning_recover.control_plane.priority import check_nice_permitted, control_nice, set_thread_nice
-from lightning_recover.control_plane.watch_relay import MAX_SOCKET_PATH, WatchRelay
+from lightning_recover.control_plane.watch_relay import RelayPathTooLong, WatchRelay
 from lightning_recover.launch import coordinator_process
 from lightning_recover.launch.fork_server import DEFAULT_PRELOAD, Process, ProcessStarter
 from lightning_recover.launch.job_dir import JobDir
@@ -437,14 +437,11 @@ class _Job:
                 # One watch of the job's keys for this host's processes: etcd sends each change once per host.
                 cp = self.control_plane
                 path = os.path.join(self.secret_dir, "watch-relay")
-                if len(path.encode()) <= MAX_SOCKET_PATH:
+                try:
                     self.relay = WatchRelay(cp.client(), cp.watched_prefix.encode(), path).start()
                     child_env[env.WATCH_RELAY] = path
-                else:
-                    self.say(
-                        f"watch relay off: its socket path {path} is over {MAX_SOCKET_PATH} bytes, so each process "
-                        "watches etcd itself. HINT: set TMPDIR to a shorter directory"
-                    )
+                except RelayPathTooLong as exc:
+                    self.say(f"watch relay off, so each process watches etcd itself: {exc}")
             store = self.control_plane.store() if self.control_plane is not None else None
             self.link = _Link(self.coord.addr, period=min(1.0, heartbeat_timeout / 2), store=store)
         except BaseException:

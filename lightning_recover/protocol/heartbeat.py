@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Optional
 
-from lightning_recover.errors import COORDINATOR_LOST_HINT
+from lightning_recover.errors import COORDINATOR_LOST_HINT, RecoverError
 from lightning_recover.protocol.liveness import VouchCoverage, heartbeat_lease
 from lightning_recover.protocol.messages import ControlStore, sequence
 from lightning_recover.protocol.notice import Notice, leave_requested
@@ -129,6 +129,9 @@ class Heartbeat:
             self._leased.put(self._store.sealer.seal(self._key, value.encode(), seq))
 
     def _send(self) -> None:
+        if self._leased is not None and self._leased.error is not None:
+            failed = self._leased.error
+            raise RecoverError(f"the lease's keep-alives stopped: {type(failed).__name__}: {failed}") from failed
         p = self._progress
         noticed = self._notice is not None and self._notice.is_set()
         if time.monotonic() - self._covered_since() >= self._window() or p.urgent or noticed != self._notice_sent:

@@ -147,6 +147,28 @@ def test_keepalives_go_on_while_the_heartbeat_thread_is_stuck(etcd1):
         raw.close()
 
 
+def test_a_keep_alive_answer_it_cannot_read_ends_the_heartbeat_with_the_cause(etcd1, monkeypatch):
+    """The keeper thread retries a keep-alive etcd did not answer; one whose answer it cannot read (an etcd that
+    answers without the lease's TTL) stops it, and the heartbeat thread's next beat fails naming why: what the
+    watchdog prints when it ends the replica, rather than a lease that expires with no word of the cause."""
+    secret = JobSecret.generate()
+    raw = fresh_store(etcd1)
+    store = ControlStore("etcd://test", 0, secret, store=raw)
+    hb = Heartbeat(store, 0, 1, 0.25, Progress())
+
+    def unreadable_answer(self, lease: int) -> int:
+        raise KeyError("TTL")  # injected: the answer of an etcd this client does not speak with
+
+    monkeypatch.setattr(EtcdClient, "lease_keepalive", unreadable_answer)
+    hb.start()
+    try:
+        until(lambda: hb.error is not None)
+        assert str(hb.error) == "the lease's keep-alives stopped: KeyError: 'TTL'"
+    finally:
+        hb.stop()
+        raw.close()
+
+
 @pytest.mark.slow  # waits out a lease and the monitor's polls
 def test_the_monitor_declares_a_replica_whose_lease_expired_and_keeps_a_silent_live_one(etcd1):
     """Two replicas beat once each, attached to leases; neither writes again. Replica 0's lease is kept alive:

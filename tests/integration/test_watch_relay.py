@@ -165,17 +165,21 @@ def test_a_follower_that_stops_reading_is_dropped(etcd1, relay_dir, monkeypatch)
     late = None
     try:
         until(lambda: relay.followers == 1)
-        big = b"x" * (32 << 10)
         # Changes until the frozen follower's backlog is past the limit: past the socket's buffer, the send its
-        # relay thread blocks in, and the one line an empty queue always takes (a loaded etcd batches changes).
+        # relay thread blocks in, and the head of its queue (a loaded etcd batches changes into fewer lines).
         deadline, i = time.monotonic() + 60.0, 0
         while relay.followers:
             assert time.monotonic() < deadline, "the follower that stopped reading was not dropped"
-            store.set(f"big{i % 40}", big)
+            store.set(f"big{i % 40}", b"%d" % i + b"x" * (32 << 10))
             i += 1
+        last = (store.prefix + b"big%d" % ((i - 1) % 40), b"%d" % (i - 1) + b"x" * (32 << 10))
+        # Writes made after the drop may still be in etcd's stream: the late follower is to get one snapshot.
+        until(lambda: relay.view.lookup(last[0]) == (True, last[1]), timeout=30.0)
         late = RelayedView(relay.path, client_of(etcd1), store.prefix).start()
-        until(lambda: late.lookup(store.prefix + b"big0") == (True, big), timeout=30.0)
+        until(lambda: late.lookup(last[0]) == (True, last[1]), timeout=30.0)
         assert late.relayed and relay.followers == 1
+        held = [late.lookup(store.prefix + b"big%d" % k) for k in range(min(i, 40))]
+        assert all(hit for hit, _ in held) and sum(len(v) for _, v in held) > 64 << 10  # larger than the limit
     finally:
         frozen.close()
         if late is not None:

@@ -1,0 +1,48 @@
+"""The watch relay's rules: its backlog (``watch_relay.past_backlog``: a follower that stops reading is dropped
+once what waits behind the line being sent passes the limit, and a line larger than the limit, a late follower's
+snapshot of a big job, is still delivered) and its socket path's length."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_recover.control_plane.watch_relay import MAX_SOCKET_PATH, RelayPathTooLong, WatchRelay, past_backlog
+
+LIMIT = 100
+
+
+def _queue(sizes: list[int], limit: int = LIMIT) -> tuple[list[int], bool]:
+    """Push lines of ``sizes`` into a queue no thread drains: what it holds, and whether the follower was dropped."""
+    queued: list[int] = []
+    for size in sizes:
+        if past_backlog(sum(queued), queued[0] if queued else None, size, limit):
+            return queued, True
+        queued.append(size)
+    return queued, False
+
+
+def test_an_empty_queue_takes_a_line_of_any_size():
+    assert not past_backlog(0, None, 10 * LIMIT, LIMIT)
+
+
+def test_a_snapshot_over_the_limit_is_kept_while_changes_follow_it():
+    queued, dropped = _queue([10 * LIMIT, 40, 40, 20])
+    assert not dropped and queued == [10 * LIMIT, 40, 40, 20]
+
+
+def test_changes_behind_the_head_past_the_limit_drop_the_follower():
+    queued, dropped = _queue([10 * LIMIT, 40, 40, 20, 1])
+    assert dropped and queued == [10 * LIMIT, 40, 40, 20]
+
+
+def test_a_frozen_follower_is_dropped_whatever_the_line_sizes():
+    for size in (1, 7, 33, LIMIT, 3 * LIMIT):
+        queued, dropped = _queue([size] * (2 * LIMIT + 3))
+        assert dropped and sum(queued) - queued[0] <= LIMIT, size
+
+
+def test_a_socket_path_too_long_to_bind_is_refused_with_a_hint(tmp_path):
+    path = str(tmp_path / ("r" * MAX_SOCKET_PATH))
+    with pytest.raises(RelayPathTooLong, match=r"over 107 bytes\. HINT: set TMPDIR to a shorter directory"):
+        WatchRelay(None, b"job/", path)  # type: ignore[arg-type]  # the path is checked before the client is used
+    assert not list(tmp_path.iterdir())
