@@ -389,13 +389,24 @@ def test_load_into_reads_records_straight_into_the_targets(tmp_path, monkeypatch
     assert out["epoch"] == 3 and out["nested"] == ck["nested"]
 
 
-def test_load_into_small_records_are_read_straight_when_listed_fast(tmp_path, monkeypatch):
-    """Records that average under ``_LARGE_AVERAGE_RECORD`` are read straight into their targets too when the
-    restricted fast unpickler lists the tensors (cheap): no fresh storage at all."""
+def _as_written_before_the_list(monkeypatch) -> None:
+    """Files saved from here on carry no list of whole tensors in their integrity record, as before the writer
+    wrote one: a load lists the tensors from ``data.pkl`` instead."""
+    monkeypatch.setattr(torch_zip, "whole_tensors", lambda obj, storages: None)
+
+
+@pytest.mark.parametrize("listed_by", ["file", "fast unpickler"])
+def test_load_into_small_records_are_read_straight(tmp_path, monkeypatch, listed_by):
+    """Records that average under ``_LARGE_AVERAGE_RECORD`` are read straight into their targets when the file
+    lists its whole tensors, or, in a file written before it did, when the restricted fast unpickler lists them
+    (cheap): no fresh storage at all."""
     from lightning_recover.checkpoint.file import single_file
 
+    if listed_by != "file":
+        _as_written_before_the_list(monkeypatch)
     ck = {f"t{i}": torch.randn(100) for i in range(20)}
     save(ck, tmp_path / "s.ckpt")
+    assert (read_info(tmp_path / "s.ckpt").index.whole_tensors is None) == (listed_by != "file")
     sizes = _count_fresh_storages(monkeypatch, single_file._LARGE_AVERAGE_RECORD)
     into = {k: torch.zeros(100) for k in ck}
     out = load(tmp_path / "s.ckpt", into=into)
@@ -403,19 +414,43 @@ def test_load_into_small_records_are_read_straight_when_listed_fast(tmp_path, mo
     assert all(out[k] is into[k] and torch.equal(into[k], ck[k]) for k in ck)
 
 
-def test_load_into_small_records_are_copied_without_the_fast_listing(tmp_path, monkeypatch):
-    """Small records whose pickle the restricted fast unpickler does not take (here a custom class) are not worth
-    listing with torch's slower one: they are read into fresh storages and copied into the targets."""
+@pytest.mark.parametrize("written", ["now", "before the list"])
+def test_load_into_small_records_beside_a_custom_class(tmp_path, monkeypatch, written):
+    """A pickle the restricted fast unpickler does not take (here a custom class): the file's list of whole tensors
+    still reads the records straight into their targets. A file written before the list was: small records are not
+    worth listing with torch's slower unpickler, so they are read into fresh storages and copied in."""
     from lightning_recover.checkpoint.file import single_file
 
+    if written != "now":
+        _as_written_before_the_list(monkeypatch)
     ck = {f"t{i}": torch.randn(100) for i in range(20)}
     save({**ck, "p": _Point(3)}, tmp_path / "s.ckpt")
     sizes = _count_fresh_storages(monkeypatch, single_file._LARGE_AVERAGE_RECORD)
     into = {k: torch.zeros(100) for k in ck}
     out = load(tmp_path / "s.ckpt", into=into, weights_only=False)
-    assert sorted(sizes) == sorted(_record_sizes(tmp_path / "s.ckpt"))
+    assert sorted(sizes) == ([] if written == "now" else sorted(_record_sizes(tmp_path / "s.ckpt")))
     assert all(out[k] is into[k] and torch.equal(into[k], ck[k]) for k in ck)
     assert out["p"].x == 3
+
+
+def test_a_list_of_whole_tensors_that_disagrees_with_the_pickle_is_named(tmp_path, monkeypatch):
+    """A file whose integrity record lists a record as another path's whole tensor (its checksums all right: a
+    writer's error, not the disk's) is refused once the pickle shows it, not loaded with a tensor's bytes in
+    another's target."""
+    real = torch_zip.whole_tensors
+
+    def swapped(obj, storages):
+        listed = real(obj, storages)
+        a, b = sorted(listed)[:2]
+        listed[a][0], listed[b][0] = listed[b][0], listed[a][0]
+        return listed
+
+    monkeypatch.setattr(torch_zip, "whole_tensors", swapped)
+    ck = {"a": torch.randn(100), "b": torch.randn(100)}
+    save(ck, tmp_path / "x.ckpt")
+    with pytest.raises(CheckpointCorruptError, match="lists the storage of '(a|b)' as one whole tensor"):
+        load(tmp_path / "x.ckpt", into={"a": torch.zeros(100), "b": torch.zeros(100)})
+    assert all(torch.equal(load(tmp_path / "x.ckpt")[k], ck[k]) for k in ck)  # a load without targets is right
 
 
 def test_load_into_a_damaged_record_still_raises(tmp_path, monkeypatch):
@@ -433,8 +468,10 @@ def test_load_into_a_damaged_record_still_raises(tmp_path, monkeypatch):
 
 
 def test_load_into_without_a_safe_listing_reads_fresh(tmp_path, monkeypatch):
-    """When ``data.pkl`` needs the full unpickler (a custom class), its tensors cannot be listed safely ahead of
-    the load: every record gets a fresh storage and is copied into its target afterwards."""
+    """In a file written before the list of whole tensors, when ``data.pkl`` needs the full unpickler (a custom
+    class), its tensors cannot be listed safely ahead of the load: every record gets a fresh storage and is
+    copied into its target afterwards."""
+    _as_written_before_the_list(monkeypatch)
     w = torch.randn(64, 32)
     save({"p": _Point(3), "w": w}, tmp_path / "p.ckpt")
     sizes = _count_fresh_storages(monkeypatch)

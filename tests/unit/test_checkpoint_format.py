@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_recover.checkpoint import load, read_info, save, verify_file
-from lightning_recover.checkpoint.file.state_tensors import storage_as_bytes, tensor_paths
+from lightning_recover.checkpoint.file.state_tensors import storage_as_bytes, tensor_paths, whole_tensors
 from lightning_recover.checkpoint.integrity import UnsafeCheckpointError
 
 
@@ -325,3 +325,23 @@ def test_map_location(tmp_path):
     out = load(tmp_path / "m.ckpt", map_location=lambda storage, loc: seen.append(loc) or storage)
     assert seen == ["cpu", "cpu"] and out["a"].device.type == "cpu"
     torch.testing.assert_close(out["a"], ck["a"])
+
+
+def test_whole_tensors_lists_the_records_a_load_may_read_straight_into_a_target():
+    """One plain, contiguous tensor that is its storage's whole content: listed with its path, dtype and shape.
+    A storage two tensors share (tied, or a view beside its base), a slice, a transposed tensor, an empty one and
+    a storage no reachable tensor holds are not."""
+    w, tied, part = torch.randn(6, 4), torch.randn(5), torch.randn(10)
+    state = {
+        "sd": {"w": w, "p": torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16)), "e": torch.empty(0)},
+        "tied": [tied, tied.view(5)],
+        "slice": part[2:7],
+        "t": torch.randn(3, 2).t(),
+        "row": w[1],
+    }
+    storages = [(f"data/{i}", t.untyped_storage()) for i, t in enumerate([w, state["sd"]["p"], state["sd"]["e"]])]
+    storages += [("data/3", tied.untyped_storage()), ("data/4", part.untyped_storage())]
+    storages += [("data/5", state["t"].untyped_storage()), ("data/6", torch.randn(2).untyped_storage())]
+    assert whole_tensors(state, storages) == {"data/1": ["sd/p", "bfloat16", [3]]}
+    del state["row"]  # w alone on its storage now
+    assert whole_tensors(state, storages)["data/0"] == ["sd/w", "float32", [6, 4]]

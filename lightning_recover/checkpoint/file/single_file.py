@@ -257,10 +257,11 @@ def _load_zip(
     map_location: Any,
     weights_only: bool,
     targets: dict[str, torch.Tensor],
-) -> Any:
+) -> tuple[Any, dict[int, str]]:
     """Unpickle a format-2 file while its storages are read (``storage_reads.py``): the small records first,
     checked, then each storage handed to torch's loader once it is read and checked. A record that is exactly one
-    of the ``into=`` targets' storages is read straight into it (:func:`_target_storages`)."""
+    of the ``into=`` targets' storages is read straight into it (:func:`_target_storages`). Returns the result and
+    the address of each target storage read into -> the path of the tensor it was read for."""
     small = _read_small_records(r, index, verify)
     data = [(n, rec) for n, rec in index.records.items() if n.startswith("data/")]
     large = _mostly_large_records(data)
@@ -268,7 +269,7 @@ def _load_zip(
     fresh: list[torch.UntypedStorage] = []
 
     def storage_for(name: str, nbytes: int) -> torch.UntypedStorage:
-        st = into.get(name)
+        st = into[name][1] if name in into else None
         if st is None:
             st = _new_storage(nbytes)
             fresh.append(st)
@@ -293,7 +294,7 @@ def _load_zip(
     bad = reads.finish()
     if bad:
         _raise_zip_damage(bad, index, small)
-    return result
+    return result, {st.data_ptr(): name for name, st in into.values()}
 
 
 def _raise_zip_damage(bad: list, index: torch_zip.ArchiveIndex, small: dict) -> None:
@@ -410,37 +411,53 @@ def _mostly_large_records(records: list) -> bool:
 
 def _target_storages(
     index: torch_zip.ArchiveIndex, small: dict, targets: dict[str, torch.Tensor], slow_listing: bool = True
-) -> dict[str, torch.UntypedStorage]:
-    """Records to read straight into an ``into=`` target instead of a fresh storage: those holding exactly one
-    tensor, contiguous and whole, whose target at the same path is a CPU tensor of the same shape and dtype that is
-    its storage's only content. torch then builds the loaded tensor on the target's own storage, and the copy
-    into the target (``_fill_targets``, Lightning's ``load_state_dict``) finds both the same and copies nothing:
-    no fresh memory to fault in, no second pass over the bytes. A storage is used once (tied targets).
-    ``slow_listing``: the tensors may be listed with torch's own unpickler where the fast one does not take the
-    pickle (else no record is read straight into a target then)."""
-    by_record: dict[str, list[tuple[str, torch.Tensor]]] = {}
-    for name, t, record in _meta_tensors(index, small, slow_listing):
-        by_record.setdefault(record, []).append((name, t))
-    out: dict[str, torch.UntypedStorage] = {}
+) -> dict[str, tuple[str, torch.UntypedStorage]]:
+    """``record -> (path, storage)``: the records to read straight into an ``into=`` target instead of a fresh
+    storage: those holding exactly one tensor, contiguous and whole, whose target at the same path is a CPU tensor
+    of the same shape and dtype that is its storage's only content. torch then builds the loaded tensor on the
+    target's own storage, and the copy into the target (``_fill_targets``, Lightning's ``load_state_dict``) finds
+    both the same and copies nothing: no fresh memory to fault in, no second pass over the bytes. A storage is used
+    once (tied targets). The records are those the integrity record lists (``index.whole_tensors``); for a file
+    written before it listed them, the tensors are listed from ``data.pkl`` unpickled onto meta storages, with
+    torch's own unpickler too where ``slow_listing`` and the fast one does not take the pickle."""
+    listed = (
+        index.whole_tensors if index.whole_tensors is not None else _whole_tensors_of_pickle(index, small, slow_listing)
+    )
+    out: dict[str, tuple[str, torch.UntypedStorage]] = {}
     used: set[int] = set()
-    for record, tensors in by_record.items():
+    for record, (name, dtype, shape) in listed.items():
         rec = index.records.get(record)
-        if rec is None or len(tensors) != 1 or not rec.nbytes:
-            continue
-        name, t = tensors[0]
         dest = targets.get(name)
-        if dest is None or type(dest) not in (torch.Tensor, torch.nn.Parameter) or dest.device.type != "cpu":
+        if rec is None or not rec.nbytes or dest is None or dest.device.type != "cpu":
+            continue
+        if type(dest) not in (torch.Tensor, torch.nn.Parameter):
             continue  # (a subclass, e.g. a DTensor, has no storage of its own to read into)
-        if dest.dtype != t.dtype or dest.shape != t.shape:
+        if str(dest.dtype).removeprefix("torch.") != dtype or list(dest.shape) != shape:
             continue
         st = dest.untyped_storage()
-        whole = t.storage_offset() == 0 and t.numel() * t.element_size() == rec.nbytes and t.is_contiguous()
-        if not whole or not dest.is_contiguous() or dest.storage_offset() != 0 or st.nbytes() != rec.nbytes:
+        if not dest.is_contiguous() or dest.storage_offset() != 0 or st.nbytes() != rec.nbytes:
             continue
         if st.data_ptr() in used:
             continue
         used.add(st.data_ptr())
-        out[record] = st
+        out[record] = (name, st)
+    return out
+
+
+def _whole_tensors_of_pickle(index: torch_zip.ArchiveIndex, small: dict, slow: bool) -> dict[str, tuple]:
+    """``record -> (path, dtype, shape)`` as ``state_tensors.whole_tensors`` lists them, from ``data.pkl``
+    unpickled onto meta storages (:func:`_meta_tensors`)."""
+    by_record: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name, t, record in _meta_tensors(index, small, slow):
+        by_record.setdefault(record, []).append((name, t))
+    out = {}
+    for record, tensors in by_record.items():
+        rec = index.records.get(record)
+        if rec is None or len(tensors) != 1:
+            continue
+        name, t = tensors[0]
+        if t.storage_offset() == 0 and t.numel() * t.element_size() == rec.nbytes and t.is_contiguous():
+            out[record] = (name, str(t.dtype).removeprefix("torch."), list(t.shape))
     return out
 
 
@@ -620,19 +637,20 @@ def load(
     path = os.fspath(path)
     async_io.wait_for_path(path)  # an asynchronous save of this path in flight in this process, by any saver
     eng, lock = resolve_engine(engine)
-    targets = _into_targets(into) if into is not None else {}
     # thousands of small objects per load (records, storages, tensors): no full collections in between (gc_pause.py)
     with lock, GcPause():
+        targets = _into_targets(into) if into is not None else {}
         r = _open_reader(eng, path)
         try:
             kind, found = _read_kind(r, path)
             if kind == "zip":  # unpickled while the storages are read
-                result = _load_zip(r, _read_zip_index(r, path, found), verify, map_location, weights_only, targets)
+                index = _read_zip_index(r, path, found)
+                result, read_into = _load_zip(r, index, verify, map_location, weights_only, targets)
         finally:
             r.close()
     if kind == "torch":
         return _torch_load(path, map_location, weights_only)
-    return _fill_targets(result, targets, strict, path) if targets else result
+    return _fill_targets(result, targets, strict, path, read_into) if targets else result
 
 
 def _torch_load(path: str, map_location: Any, weights_only: bool) -> Any:
@@ -647,12 +665,28 @@ def _torch_load(path: str, map_location: Any, weights_only: bool) -> Any:
         raise UnsafeCheckpointError(f"{path}: {e}") from None
 
 
-def _fill_targets(result: Any, targets: dict[str, torch.Tensor], strict: bool, path: str) -> Any:
-    """Copy loaded tensors into the ``into=`` targets at the same paths and put the targets in the result."""
+def _fill_targets(
+    result: Any, targets: dict[str, torch.Tensor], strict: bool, path: str, read_into: dict[int, str]
+) -> Any:
+    """Copy loaded tensors into the ``into=`` targets at the same paths and put the targets in the result.
+    ``read_into``: target storages' addresses -> the path whose record was read into them; a loaded tensor on one
+    of them elsewhere, or other than its target, means the file's list of whole tensors disagrees with its pickle."""
 
     def visit(obj: Any, prefix: str) -> Any:
         if isinstance(obj, torch.Tensor):
             dest = targets.get(prefix)
+            if read_into and obj.is_cpu:
+                meant = read_into.get(obj.untyped_storage().data_ptr())
+                if meant is not None:
+                    # on the storage read for ``meant``, which is ``dest``'s when the paths agree
+                    if meant != prefix or dest is None or not _same_view(obj, dest):
+                        raise CheckpointCorruptError(
+                            f"{path}: the integrity record lists the storage of {meant!r} as one whole tensor, "
+                            f"but the pickle puts {prefix!r} ({obj.dtype} {tuple(obj.shape)}) on it: the file "
+                            "is damaged",
+                            path,
+                        )
+                    return dest  # read straight into it: nothing to copy
             if dest is None:
                 return obj
             if list(dest.shape) != list(obj.shape) or dest.dtype != obj.dtype:
@@ -674,3 +708,13 @@ def _fill_targets(result: Any, targets: dict[str, torch.Tensor], strict: bool, p
         return obj
 
     return visit(result, "")
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b``, on one storage, view the same elements the same way."""
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.storage_offset() == b.storage_offset()
+    )

@@ -2,7 +2,8 @@
 
 Shared by the synchronous save and load (``single_file.py``) and the asynchronous save (``async_io.py``):
 :func:`tensor_paths` names every tensor reachable through the state's containers (for the ``into=`` targets
-of a load, the list of tensors ``inspect`` prints, and the snapshot guard of an asynchronous save), and
+of a load, the list of tensors ``inspect`` prints, and the snapshot guard of an asynchronous save),
+:func:`whole_tensors` the storage records a load may read straight into an ``into=`` target, and
 :func:`storage_as_bytes` views a storage as the flat bytes the engine writes or reads.
 """
 
@@ -13,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["tensor_paths", "storage_as_bytes"]
+__all__ = ["tensor_paths", "whole_tensors", "storage_as_bytes"]
 
 
 def _children(obj: Any) -> Optional[Iterable[tuple[str, Any]]]:
@@ -50,6 +51,32 @@ def tensor_paths(obj: Any) -> dict[int, tuple[str, torch.Tensor]]:
         for k, v in reversed(items):
             stack.append((f"{path}/{k}" if path else k, v))
     return out
+
+
+def whole_tensors(obj: Any, storages: list[tuple[str, torch.UntypedStorage]]) -> dict[str, list]:
+    """``record -> [path, dtype, shape]`` for each of ``storages`` (``(record name, storage)``, as pickled) that
+    holds exactly one tensor reachable through ``obj``'s containers (:func:`tensor_paths`), a plain tensor that is
+    contiguous and its storage's whole content: the records a load may read straight into an ``into=`` target of
+    that path, shape and dtype. A storage is known by its address; storages that share one are left out."""
+    by_address: dict[int, Optional[str]] = {}
+    for name, st in storages:
+        if st.nbytes() and st.data_ptr():
+            by_address[st.data_ptr()] = None if st.data_ptr() in by_address else name
+    holders: dict[str, int] = {}
+    found: dict[str, list] = {}
+    for path, t in tensor_paths(obj).values():
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            continue  # no storage of its own (sparse, nested, some subclasses)
+        name = by_address.get(st.data_ptr())
+        if name is None:
+            continue
+        holders[name] = holders.get(name, 0) + 1
+        plain = type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and not t.is_nested
+        if plain and t.storage_offset() == 0 and t.is_contiguous() and t.numel() * t.element_size() == st.nbytes():
+            found[name] = [path, str(t.dtype).removeprefix("torch."), list(t.shape)]
+    return {name: row for name, row in found.items() if holders[name] == 1}
 
 
 def storage_as_bytes(storage: Any) -> torch.Tensor:

@@ -48,6 +48,7 @@ import torch
 
 from lightning_recover import env
 from lightning_recover.checkpoint.file import fast_unpickle
+from lightning_recover.checkpoint.file.state_tensors import whole_tensors
 from lightning_recover.checkpoint.integrity import (
     CheckpointCorruptError,
     UnsafeCheckpointError,
@@ -412,6 +413,8 @@ class ZipPlan:
         self.records: list[Record] = []  # in file order
         self.central: list[Record] = []  # in central-directory order
         self.storages: list[torch.UntypedStorage] = []
+        #: record -> [path, dtype, shape] of the records a load may read straight into an ``into=`` target
+        self.whole_tensors: dict[str, list] = {}
         self.storage_record: dict[int, Record] = {}
         self.storage_starts: dict[int, Record] = {}  # data offset -> non-empty storage record
         self.storage_offsets: list[int] = []  # their data offsets, increasing
@@ -442,6 +445,7 @@ class ZipPlan:
             c = _torch_save_records(obj, None, fast_pickler)
             small = c.small
         self.storages = c.storages
+        self.whole_tensors = whole_tensors(obj, [(r.name, st) for r, st in zip(c.storage_records, c.storages)])
         sid = str(secrets.randbits(128)).zfill(40).encode()
         trailer = [Record("version", 2, payload=b"3\n"), Record(".data/serialization_id", len(sid), payload=sid)]
         if self.congruent:
@@ -521,6 +525,7 @@ class ZipPlan:
                 "align": ALIGN,
                 "meta": self.meta,
                 "records": [[r.name, r.data_offset, r.nbytes, r.crc32c] for r in self.records],
+                "whole_tensors": self.whole_tensors,
             },
             separators=(",", ":"),
         ).encode()
@@ -635,6 +640,9 @@ class ArchiveIndex:
     integrity_offset: int
     integrity_length: int
     central_offset: int
+    #: record -> (path, dtype, shape) of the records holding one whole tensor (``state_tensors.whole_tensors``);
+    #: None for a file written before the writer listed them
+    whole_tensors: Optional[dict[str, tuple[str, str, list[int]]]] = None
 
     def storage_records(self) -> list[Record]:
         return [r for n, r in self.records.items() if n.startswith("data/")]
@@ -701,6 +709,7 @@ def parse_archive(path: str, size: int, found: tuple, integrity: bytes, central_
         records = {}
         for name, off, n, crc in doc["records"]:
             records[str(name)] = Record(str(name), int(n), data_offset=int(off), crc32c=int(crc))
+        whole = _parse_whole_tensors(doc.get("whole_tensors"), records)
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointCorruptError(f"{path}: unreadable integrity record: {e}", path) from None
     central = _parse_central(central_and_z64, path)
@@ -714,8 +723,32 @@ def parse_archive(path: str, size: int, found: tuple, integrity: bytes, central_
         if rec.data_end > central_offset:
             raise CheckpointCorruptError(f"{path}: record {name!r} extends past the data area", path)
     return ArchiveIndex(
-        path, size, str(doc.get("file_id", "")), dict(doc.get("meta") or {}), records, io_off, io_len, central_offset
+        path,
+        size,
+        str(doc.get("file_id", "")),
+        dict(doc.get("meta") or {}),
+        records,
+        io_off,
+        io_len,
+        central_offset,
+        whole,
     )
+
+
+def _parse_whole_tensors(listed: Any, records: dict[str, Record]) -> Optional[dict[str, tuple[str, str, list[int]]]]:
+    """The integrity record's ``whole_tensors``, checked for shape (``ValueError``/``TypeError`` otherwise)."""
+    if listed is None:
+        return None
+    if not isinstance(listed, dict):
+        raise TypeError("whole_tensors is not a mapping")
+    out = {}
+    for record, (path, dtype, shape) in listed.items():
+        if record not in records or not isinstance(path, str) or not isinstance(dtype, str):
+            raise ValueError(f"whole_tensors names {record!r} wrongly")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise ValueError(f"whole_tensors gives {record!r} the shape {shape!r}")
+        out[record] = (path, dtype, shape)
+    return out
 
 
 def _parse_central(buf: bytes, path: str) -> dict[str, tuple[int, int, int]]:
