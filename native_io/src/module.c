@@ -18,6 +18,7 @@
 #include <unistd.h>
 #include "nio.h"
 #include "read_progress.h"
+#include "span.h"
 
 /* The init symbol must match the last component of the module name. */
 #ifdef NATIVE_IO_TESTING
@@ -1679,7 +1680,8 @@ PyMODINIT_FUNC NIO_PYINIT(void)
 
 	nio_crc32c_init();
 	if (PyType_Ready(&EngineType) < 0 || PyType_Ready(&WriterType) < 0 ||
-	    PyType_Ready(&ReaderType) < 0 || PyType_Ready(&ReadProgressType) < 0)
+	    PyType_Ready(&ReaderType) < 0 || PyType_Ready(&ReadProgressType) < 0 ||
+	    PyType_Ready(&SpanType) < 0)
 		return NULL;
 	m = PyModule_Create(&moduledef);
 	if (!m)
@@ -1693,6 +1695,7 @@ PyMODINIT_FUNC NIO_PYINIT(void)
 	    PyModule_AddObjectRef(m, "Writer", (PyObject *)&WriterType) < 0 ||
 	    PyModule_AddObjectRef(m, "Reader", (PyObject *)&ReaderType) < 0 ||
 	    PyModule_AddObjectRef(m, "ReadProgress", (PyObject *)&ReadProgressType) < 0 ||
+	    PyModule_AddObjectRef(m, "Span", (PyObject *)&SpanType) < 0 ||
 	    PyModule_AddIntConstant(m, "ALIGN", NIO_ALIGN) < 0 ||
 	    PyModule_AddIntConstant(m, "DEFAULT_BLOCK_SIZE", NIO_DEFAULT_BLOCK) < 0 ||
 	    PyModule_AddIntConstant(m, "DEFAULT_QUEUE_DEPTH", NIO_DEFAULT_QD) < 0) {

@@ -305,6 +305,55 @@ def test_torch_tensor_roundtrip(tmp_path):
         assert torch.equal(a, b)
 
 
+def test_spans_over_storages_are_written_from_and_read_into(tmp_path):
+    """A ``Span`` over a torch storage's bytes (``state_tensors.storage_span``) is a buffer the engine writes from
+    and reads into like a NumPy view of it, and holds the storage while it lives."""
+    torch = pytest.importorskip("torch")
+    from lightning_recover.checkpoint.file.state_tensors import storage_span
+
+    eng = native_io.IOEngine(block_size=BS, queue_depth=2)
+    ts = [torch.randn(n) for n in (0, 1, 1000, 70000)]
+    spans = [storage_span(t.untyped_storage()) for t in ts]
+    offsets = [sum(t.numel() * 4 for t in ts[:i]) for i in range(len(ts))]
+    p = tmp_path / "s.bin"
+    with eng.open_writer(p) as w:
+        crcs = w.write(list(zip(offsets, spans)))
+    outs = [torch.empty_like(t) for t in ts]
+    into = [storage_span(t.untyped_storage()) for t in outs]
+    with eng.open_reader(p) as r:
+        assert r.read(list(zip(offsets, into))) == crcs
+    assert all(torch.equal(a, b) for a, b in zip(ts, outs))
+    assert [s.nbytes for s in into] == [t.numel() * 4 for t in ts]
+    st = outs[3].untyped_storage()
+    assert storage_span(st).owner is st
+    owner = object()  # the span holds whatever it is given, as long as it lives
+    before = sys.getrefcount(owner)
+    span = native_io.Span(owner, st.data_ptr(), 16)
+    assert sys.getrefcount(owner) == before + 1
+    del span
+    assert sys.getrefcount(owner) == before
+
+
+def test_a_span_is_checked_and_not_changed_while_viewed():
+    torch = pytest.importorskip("torch")
+    from lightning_recover.checkpoint.file.state_tensors import storage_span
+
+    st = torch.UntypedStorage(8)
+    with pytest.raises(ValueError, match="nbytes must be >= 0"):
+        native_io.Span(st, st.data_ptr(), -1)
+    with pytest.raises(ValueError, match="address 0 with nbytes > 0"):
+        native_io.Span(st, 0, 8)
+    span = native_io.Span(st, st.data_ptr(), 8)
+    view = memoryview(span)
+    with pytest.raises(BufferError, match="views exported"):
+        span.__init__(st, st.data_ptr(), 4)
+    view[0] = 9
+    view.release()
+    assert bytes(st)[0] == 9
+    with pytest.raises(TypeError, match="a meta storage has no host bytes"):
+        storage_span(torch.empty(4, device="meta").untyped_storage())
+
+
 def test_close_with_size_and_idempotent(tmp_path):
     eng = native_io.IOEngine(block_size=BS)
     p = tmp_path / "f.bin"

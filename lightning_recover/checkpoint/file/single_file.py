@@ -18,7 +18,7 @@ from lightning_recover import env
 from lightning_recover.checkpoint.engine import open_writer, resolve_engine
 from lightning_recover.checkpoint.file import async_io, torch_zip
 from lightning_recover.checkpoint.file.page_populate import PagePopulator, populate_supported
-from lightning_recover.checkpoint.file.state_tensors import storage_as_bytes, tensor_paths
+from lightning_recover.checkpoint.file.state_tensors import storage_span, tensor_paths
 from lightning_recover.checkpoint.file.storage_reads import StorageDamaged, StorageReads, damaged_record
 from lightning_recover.checkpoint.files import cleanup_stale_temps, commit, temp_path_for, unlink_quiet
 from lightning_recover.checkpoint.gc_pause import GcPause
@@ -48,11 +48,6 @@ _WRITE_BATCH_BYTES = 64 << 20
 
 
 # ------------------------------------------------------------------------------------- save
-
-
-def _host_bytes(storage: Any) -> Any:
-    """A buffer-protocol object over the bytes of a CPU ``UntypedStorage``."""
-    return storage_as_bytes(storage).numpy()
 
 
 def save(
@@ -150,7 +145,7 @@ def _save_zip(
                     if staged + rec.nbytes > _WRITE_BATCH_BYTES and pending:
                         pipe.send(pending)
                         pending, staged = [], 0
-                    pending.append((i, rec.data_offset, _host_bytes(st)))
+                    pending.append((i, rec.data_offset, storage_span(st)))
                     staged += rec.nbytes
 
                 try:
@@ -275,7 +270,7 @@ def _load_zip(
             fresh.append(st)
         return st
 
-    reads = StorageReads(r, data, verify, storage_for, lambda st: storage_as_bytes(st).numpy())
+    reads = StorageReads(r, data, verify, storage_for, storage_span)
     # the fresh storages' pages faulted in beside the reads (page_populate.py); not for many small records, whose
     # load it did not make faster (measured in a new process: benchmarks/resume_loads.py)
     populate = PagePopulator(fresh) if large and fresh and populate_supported() else None

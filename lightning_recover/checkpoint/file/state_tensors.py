@@ -3,8 +3,9 @@
 Shared by the synchronous save and load (``single_file.py``) and the asynchronous save (``async_io.py``):
 :func:`tensor_paths` names every tensor reachable through the state's containers (for the ``into=`` targets
 of a load, the list of tensors ``inspect`` prints, and the snapshot guard of an asynchronous save),
-:func:`whole_tensors` the storage records a load may read straight into an ``into=`` target, and
-:func:`storage_as_bytes` views a storage as the flat bytes the engine writes or reads.
+:func:`whole_tensors` the storage records a load may read straight into an ``into=`` target,
+:func:`storage_as_bytes` views a storage as flat bytes (a tensor), and :func:`storage_span` gives the engine a
+CPU storage's bytes to write from or read into.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["tensor_paths", "whole_tensors", "storage_as_bytes"]
+import native_io
+
+__all__ = ["tensor_paths", "whole_tensors", "storage_as_bytes", "storage_span"]
 
 
 def _children(obj: Any) -> Optional[Iterable[tuple[str, Any]]]:
@@ -82,3 +85,13 @@ def whole_tensors(obj: Any, storages: list[tuple[str, torch.UntypedStorage]]) ->
 def storage_as_bytes(storage: Any) -> torch.Tensor:
     """A flat uint8 tensor over the bytes of an ``UntypedStorage``."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def storage_span(storage: torch.UntypedStorage) -> native_io.Span:
+    """A CPU storage's bytes as a buffer the engine writes from or reads into (it keeps the storage alive): a tenth
+    of the cost of a NumPy view, paid per tensor before a load's first read."""
+    if storage.device.type != "cpu":
+        raise TypeError(
+            f"a {storage.device.type} storage has no host bytes to hand the engine: copy it to the CPU first"
+        )
+    return native_io.Span(storage, storage.data_ptr(), storage.nbytes())
