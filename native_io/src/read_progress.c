@@ -157,7 +157,13 @@ static PyObject *ReadProgress_wait(ReadProgressObject *self, PyObject *args)
 		PyErr_SetString(PyExc_ValueError, "ReadProgress was not initialized");
 		return NULL;
 	}
-	for (;;) {
+	/* Already there (the usual case once the reads run ahead): answer without giving up the GIL, which
+	 * another thread of the process (a heartbeat) could then hold for a whole switch interval. */
+	pthread_mutex_lock(&self->mu);
+	done = self->done;
+	waiting = done < (size_t)want && self->state != PROGRESS_ENDED;
+	pthread_mutex_unlock(&self->mu);
+	while (waiting) {
 		Py_BEGIN_ALLOW_THREADS
 		struct timespec until;
 
@@ -175,9 +181,7 @@ static PyObject *ReadProgress_wait(ReadProgressObject *self, PyObject *args)
 		waiting = done < (size_t)want && self->state != PROGRESS_ENDED;
 		pthread_mutex_unlock(&self->mu);
 		Py_END_ALLOW_THREADS
-		if (!waiting)
-			break;
-		if (PyErr_CheckSignals())
+		if (waiting && PyErr_CheckSignals())
 			return NULL;
 	}
 	return PyLong_FromSize_t(done);
