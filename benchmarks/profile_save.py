@@ -8,7 +8,8 @@ The plugin's ``save`` (format 2, ``single_file._save_zip``) runs unchanged; thes
 * ``torch_zip.ZipPlan.lay_out``: the pickler walking the checkpoint, record layout, the small records'
   CRC-32C, and batching the storages as they are found (less its waits for the batch in flight);
 * ``WritePipeline.drain``: the calling thread waiting for the batch written on the second thread;
-* ``single_file._host_bytes``: one numpy view per storage (per-tensor Python work, inside ``lay_out``);
+* ``state_tensors.storage_span`` (as ``single_file`` calls it): one buffer per storage (per-tensor Python work,
+  inside ``lay_out``);
 * ``PlanWriter.write`` less the native call inside it: the local headers ("leads") and the segment lists;
 * native ``Writer.write``: copy + CRC-32C into the arena, submission and waiting for free slots; the
   calling thread's CPU time (``thread_time``: the copy, the CRC and the submission syscalls) and its
@@ -108,7 +109,7 @@ def one_save(checkpoint: Any, path: str, eng: Any) -> dict[str, Any]:
             in_lay_out[0] = False
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_wrap(single_file, "_host_bytes", ts, "_host_bytes (numpy view per storage)"))
+        stack.enter_context(_wrap(single_file, "storage_span", ts, "storage_span (a buffer per storage)"))
         stack.enter_context(_wrap(torch_zip.PlanWriter, "write", ts, "PlanWriter.write (total)"))
         stack.enter_context(_wrap(torch_zip.ZipPlan, "tail", ts, "ZipPlan.tail (integrity, central dir)"))
         stack.enter_context(_wrap(single_file, "cleanup_stale_temps", ts, "cleanup_stale_temps"))
@@ -133,7 +134,7 @@ def one_save(checkpoint: Any, path: str, eng: Any) -> dict[str, Any]:
     }
     parts["rest (temporary name, rename, tail write)"] = total - sum(parts.values())
     overlapped = {
-        "_host_bytes (numpy view per storage), in lay_out": t.get("_host_bytes (numpy view per storage)", 0.0),
+        "storage_span (a buffer per storage), in lay_out": t.get("storage_span (a buffer per storage)", 0.0),
         "PlanWriter.write Python (leads, segment lists)": t.get("PlanWriter.write (total)", 0.0)
         - t.get(NATIVE_WRITE, 0.0),
         NATIVE_WRITE: t.get(NATIVE_WRITE, 0.0),
