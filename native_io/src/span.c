@@ -115,7 +115,7 @@ PyTypeObject SpanType = {
 	.tp_doc =
 		"Span(owner, address, nbytes): a writable buffer over nbytes of memory at address "
 		"that owner holds (e.g. a torch storage's data_ptr() and nbytes()); keeps owner "
-		"alive. The caller vouches that the memory is owner's and outlives nothing else.",
+		"alive. The caller vouches that the memory is owner's for as long as owner lives.",
 	.tp_new = PyType_GenericNew,
 	.tp_init = (initproc)Span_init,
 	.tp_dealloc = (destructor)Span_dealloc,
