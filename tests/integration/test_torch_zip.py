@@ -433,6 +433,27 @@ def test_load_into_small_records_beside_a_custom_class(tmp_path, monkeypatch, wr
     assert out["p"].x == 3
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(lambda t: {"a": t, "b": t}, id="one tensor at two paths"),
+        pytest.param(lambda t: {"x": (t,), "y": t}, id="its first path inside a tuple"),
+    ],
+)
+def test_a_tensor_reachable_twice_is_read_into_its_first_path_target(tmp_path, layout):
+    """The file lists a tensor by its first path; the same tensor at another path is not a disagreement with the
+    pickle: its target there is filled by a copy, as every value arrives."""
+    t = torch.randn(100)
+    save(layout(t), tmp_path / "twice.ckpt")
+    into = layout(torch.zeros(100))
+    into = {k: (torch.zeros(100),) if isinstance(v, tuple) else torch.zeros(100) for k, v in into.items()}
+    out = load(tmp_path / "twice.ckpt", into=into)
+    for k, v in out.items():
+        assert torch.equal(v[0] if isinstance(v, tuple) else v, t), k
+    first = next(iter(into))
+    assert (into[first][0] if isinstance(into[first], tuple) else into[first]).equal(t)
+
+
 def test_a_list_of_whole_tensors_that_disagrees_with_the_pickle_is_named(tmp_path, monkeypatch):
     """A file whose integrity record lists a record as another path's whole tensor (its checksums all right: a
     writer's error, not the disk's) is refused once the pickle shows it, not loaded with a tensor's bytes in

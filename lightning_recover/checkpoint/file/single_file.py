@@ -645,7 +645,10 @@ def load(
             r.close()
     if kind == "torch":
         return _torch_load(path, map_location, weights_only)
-    return _fill_targets(result, targets, strict, path, read_into) if targets else result
+    if not targets:
+        return result
+    _check_read_into(result, targets, read_into, path)
+    return _fill_targets(result, targets, strict, read_into, path)
 
 
 def _torch_load(path: str, map_location: Any, weights_only: bool) -> Any:
@@ -660,28 +663,36 @@ def _torch_load(path: str, map_location: Any, weights_only: bool) -> Any:
         raise UnsafeCheckpointError(f"{path}: {e}") from None
 
 
+def _check_read_into(result: Any, targets: dict[str, torch.Tensor], read_into: dict[int, str], path: str) -> None:
+    """Each target storage a record was read into (``read_into``: address -> path) must hold the loaded tensor at
+    that path, viewed as its target views it, and no other loaded tensor: else the file's list of whole tensors
+    disagrees with its pickle (a writer's error the checksums cannot see). The loaded tensors are found as the
+    writer listed them (``tensor_paths``, first path of each); one a ``map_location`` moved off the CPU is left out."""
+    if not read_into:
+        return
+    loaded = tensor_paths(result).values()
+    on_targets = [(p, t) for p, t in loaded if t.is_cpu and t.untyped_storage().data_ptr() in read_into]
+    for name, t in on_targets:
+        meant = read_into[t.untyped_storage().data_ptr()]
+        if name != meant or not _same_view(t, targets[meant]):
+            raise CheckpointCorruptError(
+                f"{path}: the integrity record lists the storage of {meant!r} as one whole tensor, but the pickle "
+                f"puts {name!r} ({t.dtype} {tuple(t.shape)}) on it: the file is damaged",
+                path,
+            )
+
+
 def _fill_targets(
-    result: Any, targets: dict[str, torch.Tensor], strict: bool, path: str, read_into: dict[int, str]
+    result: Any, targets: dict[str, torch.Tensor], strict: bool, read_into: dict[int, str], path: str
 ) -> Any:
-    """Copy loaded tensors into the ``into=`` targets at the same paths and put the targets in the result.
-    ``read_into``: target storages' addresses -> the path whose record was read into them; a loaded tensor on one
-    of them elsewhere, or other than its target, means the file's list of whole tensors disagrees with its pickle."""
+    """Copy loaded tensors into the ``into=`` targets at the same paths and put the targets in the result; a
+    tensor loaded straight into its target (``read_into``, checked by :func:`_check_read_into`) is its target."""
 
     def visit(obj: Any, prefix: str) -> Any:
         if isinstance(obj, torch.Tensor):
             dest = targets.get(prefix)
-            if read_into and obj.is_cpu:
-                meant = read_into.get(obj.untyped_storage().data_ptr())
-                if meant is not None:
-                    # on the storage read for ``meant``, which is ``dest``'s when the paths agree
-                    if meant != prefix or dest is None or not _same_view(obj, dest):
-                        raise CheckpointCorruptError(
-                            f"{path}: the integrity record lists the storage of {meant!r} as one whole tensor, "
-                            f"but the pickle puts {prefix!r} ({obj.dtype} {tuple(obj.shape)}) on it: the file "
-                            "is damaged",
-                            path,
-                        )
-                    return dest  # read straight into it: nothing to copy
+            if read_into and obj.is_cpu and read_into.get(obj.untyped_storage().data_ptr()) == prefix:
+                return dest  # read straight into it: nothing to copy
             if dest is None:
                 return obj
             if list(dest.shape) != list(obj.shape) or dest.dtype != obj.dtype:
