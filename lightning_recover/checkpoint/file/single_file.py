@@ -18,7 +18,7 @@ from lightning_recover import env
 from lightning_recover.checkpoint.engine import open_writer, resolve_engine
 from lightning_recover.checkpoint.file import async_io, torch_zip
 from lightning_recover.checkpoint.file.page_populate import PagePopulator, populate_supported
-from lightning_recover.checkpoint.file.state_tensors import storage_span, tensor_paths
+from lightning_recover.checkpoint.file.state_tensors import covers_storage, storage_span, tensor_paths
 from lightning_recover.checkpoint.file.storage_reads import StorageDamaged, StorageReads, damaged_record
 from lightning_recover.checkpoint.files import cleanup_stale_temps, commit, temp_path_for, unlink_quiet
 from lightning_recover.checkpoint.gc_pause import GcPause
@@ -430,7 +430,7 @@ def _target_storages(
         if str(dest.dtype).removeprefix("torch.") != dtype or list(dest.shape) != shape:
             continue
         st = dest.untyped_storage()
-        if not dest.is_contiguous() or dest.storage_offset() != 0 or st.nbytes() != rec.nbytes:
+        if not covers_storage(dest, rec.nbytes) or st.nbytes() != rec.nbytes:
             continue
         if st.data_ptr() in used:
             continue
@@ -451,7 +451,7 @@ def _whole_tensors_of_pickle(index: torch_zip.ArchiveIndex, small: dict, slow: b
         if rec is None or len(tensors) != 1:
             continue
         name, t = tensors[0]
-        if t.storage_offset() == 0 and t.numel() * t.element_size() == rec.nbytes and t.is_contiguous():
+        if covers_storage(t, rec.nbytes):
             out[record] = (name, str(t.dtype).removeprefix("torch."), list(t.shape))
     return out
 
@@ -670,11 +670,9 @@ def _check_read_into(result: Any, targets: dict[str, torch.Tensor], read_into: d
     writer listed them (``tensor_paths``, first path of each); one a ``map_location`` moved off the CPU is left out."""
     if not read_into:
         return
-    loaded = tensor_paths(result).values()
-    on_targets = [(p, t) for p, t in loaded if t.is_cpu and t.untyped_storage().data_ptr() in read_into]
-    for name, t in on_targets:
-        meant = read_into[t.untyped_storage().data_ptr()]
-        if name != meant or not _same_view(t, targets[meant]):
+    for name, t in tensor_paths(result).values():
+        meant = read_into.get(t.untyped_storage().data_ptr()) if t.is_cpu else None
+        if meant is not None and (name != meant or not _same_view(t, targets[meant])):
             raise CheckpointCorruptError(
                 f"{path}: the integrity record lists the storage of {meant!r} as one whole tensor, but the pickle "
                 f"puts {name!r} ({t.dtype} {tuple(t.shape)}) on it: the file is damaged",

@@ -17,7 +17,7 @@ import torch
 
 import native_io
 
-__all__ = ["tensor_paths", "whole_tensors", "storage_as_bytes", "storage_span"]
+__all__ = ["tensor_paths", "whole_tensors", "covers_storage", "storage_as_bytes", "storage_span"]
 
 
 def _children(obj: Any) -> Optional[Iterable[tuple[str, Any]]]:
@@ -77,9 +77,14 @@ def whole_tensors(obj: Any, storages: list[tuple[str, torch.UntypedStorage]]) ->
             continue
         holders[name] = holders.get(name, 0) + 1
         plain = type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and not t.is_nested
-        if plain and t.storage_offset() == 0 and t.is_contiguous() and t.numel() * t.element_size() == st.nbytes():
+        if plain and covers_storage(t, st.nbytes()):
             found[name] = [path, str(t.dtype).removeprefix("torch."), list(t.shape)]
     return {name: row for name, row in found.items() if holders[name] == 1}
+
+
+def covers_storage(t: torch.Tensor, nbytes: int) -> bool:
+    """Whether ``t`` is contiguous from the start of its storage and exactly ``nbytes`` long: a whole record."""
+    return t.storage_offset() == 0 and t.is_contiguous() and t.numel() * t.element_size() == nbytes
 
 
 def storage_as_bytes(storage: Any) -> torch.Tensor:
