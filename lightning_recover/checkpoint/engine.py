@@ -91,7 +91,9 @@ def huge_page_bytes(nbytes: int) -> torch.Tensor:
     A device that takes few segments per request (virtio-blk: 254) splits an ``O_DIRECT`` transfer from plain
     4 KiB pages into ~1 MiB requests, from huge pages not (docs/native_io.md).
     """
-    mem = mmap.mmap(-1, nbytes)
+    # private: a shared anonymous mapping is shmem, which THP leaves on small pages (shmem_enabled is "never"
+    # by default) whatever the madvise says
+    mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         mem.madvise(mmap.MADV_HUGEPAGE)
     except (AttributeError, OSError):  # no THP in this kernel (EINVAL) or platform: the pages stay small

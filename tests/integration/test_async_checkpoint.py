@@ -842,3 +842,40 @@ def test_interpreter_exit_drains_a_save_in_flight(tmp_path):
     assert _temps(tmp_path) == []
     state = load(path)
     assert state["k"] == 7 and torch.equal(state["w"], torch.full((3_000_000,), 7.0))
+
+
+def _smaps_entry(address: int) -> dict:
+    """The ``/proc/self/smaps`` fields of the mapping that holds ``address``."""
+    with open("/proc/self/smaps") as f:
+        entry: dict = {}
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                if inside:
+                    return entry
+                inside = lo <= address < hi
+                entry = {"flags": line.split()[1]}
+            elif inside:
+                key, _, value = line.partition(":")
+                entry[key] = value.strip()
+    return entry
+
+
+def test_the_staging_ring_memory_is_private_and_eligible_for_transparent_huge_pages():
+    # the flusher writes O_DIRECT from the ring: from 4 KiB pages virtio-blk splits each write into ~1 MiB
+    # requests; a shared anonymous mapping (shmem) never gets transparent huge pages
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            thp = f.read()
+    except OSError:
+        pytest.skip("this kernel has no transparent huge pages")
+    if "[never]" in thp:
+        pytest.skip("transparent huge pages are off on this machine (enabled: never)")
+    from lightning_recover.checkpoint.engine import huge_page_bytes
+
+    ring = huge_page_bytes(8 << 20)
+    entry = _smaps_entry(ring.data_ptr())
+    assert entry["flags"].endswith("p"), entry  # private, not shmem
+    assert entry["THPeligible"] == "1", entry
