@@ -51,6 +51,7 @@ from lightning_recover.bench.gpt_state import build_checkpoint, tensor_stats
 
 ALL_METHODS = ["uring-async", "lightning-async", "dcp-async", "uring-sync"]
 EXTRA_METHODS = ["uring-async-paced", "fio-write"]  # on request: --methods ... (--flush-mbps for the paced one)
+FIO_WRITE_DEPTH = 2  # fio-write's queue depth: the engine's default, 2 writes of 16 MiB in flight as fio's blocks
 
 
 # ------------------------------------------------------------------------------------ simulated training
@@ -149,8 +150,10 @@ def run_one(method: str, checkpoint: dict, trainer: Trainer, workdir: str, steps
         from lightning_recover.bench import fio
 
         target = os.path.join(workdir, "fio.bin")
+        # on huge pages where reserved, as the saver's ring is: from plain pages fio's requests are split smaller
+        iomem = state.setdefault("fio_iomem", fio.huge_iomem(FIO_WRITE_DEPTH * fio.BLOCK))
         t0 = time.perf_counter()
-        proc = fio.start_write(target, state["payload_bytes"])
+        proc = fio.start_write(target, state["payload_bytes"], FIO_WRITE_DEPTH, iomem)
         t_call = time.perf_counter() - t0
 
         def finish() -> float:
@@ -312,6 +315,8 @@ def run(
     for m in methods:  # one untimed save per method: first-use costs (staging allocation, thread pools, ...)
         run_one(m, checkpoint, trainer, os.path.join(root, m), 0, state)
         shutil.rmtree(os.path.join(root, m), ignore_errors=True)
+    if "fio-write" in methods:
+        log(f"fio-write: --iodepth={FIO_WRITE_DEPTH} --iomem={state.get('fio_iomem') or 'malloc'}")
     for r in range(repeat):
         order = methods[r % len(methods) :] + methods[: r % len(methods)]
         for m in order:
@@ -338,6 +343,8 @@ def run(
             "torch": torch.__version__,
             "dir": root,
             "load_avg": os.getloadavg(),
+            "fio_write_iodepth": FIO_WRITE_DEPTH,
+            "fio_write_iomem": (state.get("fio_iomem") or "malloc") if "fio-write" in methods else None,
         },
     }
     if restore:

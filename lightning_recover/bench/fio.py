@@ -101,10 +101,12 @@ def _run(
     }
 
 
-def start_write(path: str, nbytes: int, iodepth: int = 2) -> subprocess.Popen:
+def start_write(path: str, nbytes: int, iodepth: int = 2, iomem: Optional[str] = None) -> subprocess.Popen:
     """Start fio writing ``nbytes`` to ``path`` (O_DIRECT, io_uring, 16 MiB blocks, fsync at the end) in the
-    background; ``wait(proc)`` ends it. For measuring what a write alone costs work running beside it."""
-    cmd = _command("bench-background-write", path, "write", nbytes, "io_uring", iodepth) + ["--output=/dev/null"]
+    background; ``wait(proc)`` ends it. For measuring what a write alone costs work running beside it.
+    ``iomem``: fio's buffers (``huge_iomem``), None for malloc."""
+    cmd = _command("bench-background-write", path, "write", nbytes, "io_uring", iodepth, iomem=iomem)
+    cmd.append("--output=/dev/null")
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
