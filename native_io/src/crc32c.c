@@ -18,8 +18,15 @@
 #include <string.h>
 #include "nio.h"
 
-#define POLY 0x82F63B78u
-#define LANE 8192 /* inputs from 24 KiB up use lanes; one join per 24 KiB is noise */
+#define POLY	   0x82F63B78u
+#define LANE	   8192 /* inputs from 24 KiB up use lanes; one join per 24 KiB is noise */
+/*
+ * Copies this large store around the caches (non-temporal): their bytes go to
+ * the disk by DMA or are far more than the caches hold, so cached stores
+ * would only read each destination line first and evict the caller's own
+ * working set (a training step beside a checkpoint's copy).
+ */
+#define STREAM_MIN (1u << 20)
 
 static uint32_t table[8][256];
 /* shift over LANE zero bytes is linear over GF(2): one table per register byte */
@@ -116,6 +123,7 @@ static uint32_t sw_copy(unsigned char *d, const unsigned char *s, size_t len, ui
 }
 
 #if defined(__x86_64__)
+#include <emmintrin.h>
 #include <nmmintrin.h>
 
 static uint32_t shift(uint32_t c)
@@ -126,10 +134,11 @@ static uint32_t shift(uint32_t c)
 
 /*
  * One block of 3 * LANE bytes as three chains; also stores to d unless d is
- * NULL (always inlined, so the test folds away).
+ * NULL, with non-temporal stores when stream is set (always inlined, so the
+ * tests fold away).
  */
 __attribute__((target("sse4.2"), always_inline)) static inline uint64_t
-hw_block(unsigned char *d, const unsigned char *s, uint64_t c0)
+hw_block(unsigned char *d, const unsigned char *s, uint64_t c0, int stream)
 {
 	uint64_t c1 = 0, c2 = 0;
 
@@ -142,7 +151,11 @@ hw_block(unsigned char *d, const unsigned char *s, uint64_t c0)
 		c0 = _mm_crc32_u64(c0, a);
 		c1 = _mm_crc32_u64(c1, b);
 		c2 = _mm_crc32_u64(c2, e);
-		if (d) {
+		if (d && stream) {
+			_mm_stream_si64((long long *)(d + i), (long long)a);
+			_mm_stream_si64((long long *)(d + LANE + i), (long long)b);
+			_mm_stream_si64((long long *)(d + 2 * LANE + i), (long long)e);
+		} else if (d) {
 			memcpy(d + i, &a, 8);
 			memcpy(d + LANE + i, &b, 8);
 			memcpy(d + 2 * LANE + i, &e, 8);
@@ -162,7 +175,7 @@ __attribute__((target("sse4.2"))) static uint32_t hw_update(uint32_t c, const un
 	}
 	c64 = c;
 	for (; len >= 3 * LANE; p += 3 * LANE, len -= 3 * LANE)
-		c64 = hw_block(NULL, p, c64);
+		c64 = hw_block(NULL, p, c64, 0);
 	while (len >= 8) {
 		uint64_t v;
 
@@ -192,8 +205,13 @@ __attribute__((target("sse4.2"))) static uint32_t hw_copy(unsigned char *d, cons
 		len--;
 	}
 	c64 = c;
+	if (len >= STREAM_MIN) {
+		for (; len >= 3 * LANE; s += 3 * LANE, d += 3 * LANE, len -= 3 * LANE)
+			c64 = hw_block(d, s, c64, 1);
+		_mm_sfence(); /* the streamed stores reach memory before any later store */
+	}
 	for (; len >= 3 * LANE; s += 3 * LANE, d += 3 * LANE, len -= 3 * LANE)
-		c64 = hw_block(d, s, c64);
+		c64 = hw_block(d, s, c64, 0);
 	while (len >= 32) {
 		uint64_t a, b, e, f;
 
