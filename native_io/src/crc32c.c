@@ -21,10 +21,11 @@
 #define POLY	   0x82F63B78u
 #define LANE	   8192 /* inputs from 24 KiB up use lanes; one join per 24 KiB is noise */
 /*
- * Copies this large store around the caches (non-temporal): their bytes go to
- * the disk by DMA or are far more than the caches hold, so cached stores
- * would only read each destination line first and evict the caller's own
- * working set (a training step beside a checkpoint's copy).
+ * nio_crc32c_copy_for_device() stores copies this large around the caches
+ * (non-temporal): the disk reads them next, by DMA, so cached stores would
+ * only read each destination line first and evict the caller's working set
+ * (a training step beside a checkpoint's copy). Copies the CPU reads next (a
+ * load's copy into tensors) keep cached stores: streamed, they were slower.
  */
 #define STREAM_MIN (1u << 20)
 
@@ -191,7 +192,7 @@ __attribute__((target("sse4.2"))) static uint32_t hw_update(uint32_t c, const un
 }
 
 __attribute__((target("sse4.2"))) static uint32_t hw_copy(unsigned char *d, const unsigned char *s,
-							  size_t len, uint32_t c)
+							  size_t len, uint32_t c, int stream)
 {
 	uint64_t c64;
 
@@ -205,7 +206,7 @@ __attribute__((target("sse4.2"))) static uint32_t hw_copy(unsigned char *d, cons
 		len--;
 	}
 	c64 = c;
-	if (len >= STREAM_MIN) {
+	if (stream && len >= STREAM_MIN) {
 		for (; len >= 3 * LANE; s += 3 * LANE, d += 3 * LANE, len -= 3 * LANE)
 			c64 = hw_block(d, s, c64, 1);
 		_mm_sfence(); /* the streamed stores reach memory before any later store */
@@ -261,7 +262,7 @@ uint32_t nio_crc32c(uint32_t crc, const void *buf, size_t len)
 	return ~sw_update(c, buf, len);
 }
 
-uint32_t nio_crc32c_copy(void *dst, const void *src, size_t len, uint32_t crc)
+static uint32_t copy(void *dst, const void *src, size_t len, uint32_t crc, int stream)
 {
 	uint32_t c = ~crc;
 
@@ -269,7 +270,17 @@ uint32_t nio_crc32c_copy(void *dst, const void *src, size_t len, uint32_t crc)
 		return crc;
 #if defined(__x86_64__)
 	if (use_hw)
-		return ~hw_copy(dst, src, len, c);
+		return ~hw_copy(dst, src, len, c, stream);
 #endif
 	return ~sw_copy(dst, src, len, c);
+}
+
+uint32_t nio_crc32c_copy(void *dst, const void *src, size_t len, uint32_t crc)
+{
+	return copy(dst, src, len, crc, 0);
+}
+
+uint32_t nio_crc32c_copy_for_device(void *dst, const void *src, size_t len, uint32_t crc)
+{
+	return copy(dst, src, len, crc, 1);
 }
