@@ -18,16 +18,8 @@
 #include <string.h>
 #include "nio.h"
 
-#define POLY	   0x82F63B78u
-#define LANE	   8192 /* inputs from 24 KiB up use lanes; one join per 24 KiB is noise */
-/*
- * nio_crc32c_copy_for_device() stores copies this large around the caches
- * (non-temporal): the disk reads them next, by DMA, so cached stores would
- * only read each destination line first and evict the caller's working set
- * (a training step beside a checkpoint's copy). Copies the CPU reads next (a
- * load's copy into tensors) keep cached stores: streamed, they were slower.
- */
-#define STREAM_MIN (1u << 20)
+#define POLY 0x82F63B78u
+#define LANE 8192 /* inputs from 24 KiB up use lanes; one join per 24 KiB is noise */
 
 static uint32_t table[8][256];
 /* shift over LANE zero bytes is linear over GF(2): one table per register byte */
@@ -124,7 +116,6 @@ static uint32_t sw_copy(unsigned char *d, const unsigned char *s, size_t len, ui
 }
 
 #if defined(__x86_64__)
-#include <emmintrin.h>
 #include <nmmintrin.h>
 
 static uint32_t shift(uint32_t c)
@@ -135,11 +126,10 @@ static uint32_t shift(uint32_t c)
 
 /*
  * One block of 3 * LANE bytes as three chains; also stores to d unless d is
- * NULL, with non-temporal stores when stream is set (always inlined, so the
- * tests fold away).
+ * NULL (always inlined, so the test folds away).
  */
 __attribute__((target("sse4.2"), always_inline)) static inline uint64_t
-hw_block(unsigned char *d, const unsigned char *s, uint64_t c0, int stream)
+hw_block(unsigned char *d, const unsigned char *s, uint64_t c0)
 {
 	uint64_t c1 = 0, c2 = 0;
 
@@ -152,11 +142,7 @@ hw_block(unsigned char *d, const unsigned char *s, uint64_t c0, int stream)
 		c0 = _mm_crc32_u64(c0, a);
 		c1 = _mm_crc32_u64(c1, b);
 		c2 = _mm_crc32_u64(c2, e);
-		if (d && stream) {
-			_mm_stream_si64((long long *)(d + i), (long long)a);
-			_mm_stream_si64((long long *)(d + LANE + i), (long long)b);
-			_mm_stream_si64((long long *)(d + 2 * LANE + i), (long long)e);
-		} else if (d) {
+		if (d) {
 			memcpy(d + i, &a, 8);
 			memcpy(d + LANE + i, &b, 8);
 			memcpy(d + 2 * LANE + i, &e, 8);
@@ -176,7 +162,7 @@ __attribute__((target("sse4.2"))) static uint32_t hw_update(uint32_t c, const un
 	}
 	c64 = c;
 	for (; len >= 3 * LANE; p += 3 * LANE, len -= 3 * LANE)
-		c64 = hw_block(NULL, p, c64, 0);
+		c64 = hw_block(NULL, p, c64);
 	while (len >= 8) {
 		uint64_t v;
 
@@ -192,7 +178,7 @@ __attribute__((target("sse4.2"))) static uint32_t hw_update(uint32_t c, const un
 }
 
 __attribute__((target("sse4.2"))) static uint32_t hw_copy(unsigned char *d, const unsigned char *s,
-							  size_t len, uint32_t c, int stream)
+							  size_t len, uint32_t c)
 {
 	uint64_t c64;
 
@@ -206,13 +192,8 @@ __attribute__((target("sse4.2"))) static uint32_t hw_copy(unsigned char *d, cons
 		len--;
 	}
 	c64 = c;
-	if (stream && len >= STREAM_MIN) {
-		for (; len >= 3 * LANE; s += 3 * LANE, d += 3 * LANE, len -= 3 * LANE)
-			c64 = hw_block(d, s, c64, 1);
-		_mm_sfence(); /* the streamed stores reach memory before any later store */
-	}
 	for (; len >= 3 * LANE; s += 3 * LANE, d += 3 * LANE, len -= 3 * LANE)
-		c64 = hw_block(d, s, c64, 0);
+		c64 = hw_block(d, s, c64);
 	while (len >= 32) {
 		uint64_t a, b, e, f;
 
@@ -262,7 +243,7 @@ uint32_t nio_crc32c(uint32_t crc, const void *buf, size_t len)
 	return ~sw_update(c, buf, len);
 }
 
-static uint32_t copy(void *dst, const void *src, size_t len, uint32_t crc, int stream)
+uint32_t nio_crc32c_copy(void *dst, const void *src, size_t len, uint32_t crc)
 {
 	uint32_t c = ~crc;
 
@@ -270,17 +251,7 @@ static uint32_t copy(void *dst, const void *src, size_t len, uint32_t crc, int s
 		return crc;
 #if defined(__x86_64__)
 	if (use_hw)
-		return ~hw_copy(dst, src, len, c, stream);
+		return ~hw_copy(dst, src, len, c);
 #endif
 	return ~sw_copy(dst, src, len, c);
-}
-
-uint32_t nio_crc32c_copy(void *dst, const void *src, size_t len, uint32_t crc)
-{
-	return copy(dst, src, len, crc, 0);
-}
-
-uint32_t nio_crc32c_copy_for_device(void *dst, const void *src, size_t len, uint32_t crc)
-{
-	return copy(dst, src, len, crc, 1);
 }

@@ -1307,8 +1307,7 @@ static PyObject *mod_crc32c(PyObject *m, PyObject *args, PyObject *kwds)
 /*
  * copy_crc32c(dst, src, value=0): copy src into dst (same length) and return
  * src's CRC-32C, in one pass and without the GIL. The async saver's copier
- * uses it to snapshot tensors into its staging ring on one core; the disk
- * reads dst next, so large copies store around the caches.
+ * uses it to snapshot tensors into its staging ring on one core.
  */
 static PyObject *mod_copy_crc32c(PyObject *m, PyObject *args, PyObject *kwds)
 {
@@ -1333,7 +1332,7 @@ static PyObject *mod_copy_crc32c(PyObject *m, PyObject *args, PyObject *kwds)
 		crc = 0;
 	} else {
 		Py_BEGIN_ALLOW_THREADS
-		crc = nio_crc32c_copy_for_device(dst.buf, src.buf, (size_t)src.len, value);
+		crc = nio_crc32c_copy(dst.buf, src.buf, (size_t)src.len, value);
 		Py_END_ALLOW_THREADS
 	}
 	PyBuffer_Release(&src);

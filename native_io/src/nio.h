@@ -152,8 +152,6 @@ void nio_crc32c_init(void);
 const char *nio_crc32c_impl(void);
 uint32_t nio_crc32c(uint32_t crc, const void *buf, size_t len);
 uint32_t nio_crc32c_copy(void *dst, const void *src, size_t len, uint32_t crc);
-/* the same, for a destination the disk reads next (the arena, a staging ring) */
-uint32_t nio_crc32c_copy_for_device(void *dst, const void *src, size_t len, uint32_t crc);
 
 /* arena.c */
 void *nio_aligned_alloc(size_t size);

@@ -339,7 +339,7 @@ int nio_writer_put(struct nio_writer *w, uint64_t off, const void *src, size_t l
 			n = left;
 		if (!(dst = stage(w, n, e)))
 			return -1;
-		c = nio_crc32c_copy_for_device(dst, s, n, c);
+		c = nio_crc32c_copy(dst, s, n, c);
 		w->fill += n;
 		s += n;
 		left -= n;

@@ -2,7 +2,7 @@
 /*
  * CRC-32C: the standard check value, incremental == one shot at every split,
  * the fused copy copies exactly and checksums the same, at odd alignments,
- * below and above the length from which it streams its stores.
+ * short and long (past the lanes, with a tail).
  */
 #include "nio_test.h"
 
@@ -45,8 +45,6 @@ int main(void)
 	}
 	check_copy(nio_crc32c_copy, src, dst, N);
 	check_copy(nio_crc32c_copy, src, dst, BIG);
-	check_copy(nio_crc32c_copy_for_device, src, dst, N);
-	check_copy(nio_crc32c_copy_for_device, src, dst, BIG);
 	free(src);
 	free(dst);
 	return T_EXIT_PASS;
