@@ -84,9 +84,11 @@ def open_writer(eng: Any, path: Any, size_hint: Optional[int] = None, *, existin
     return w
 
 
-def huge_page_bytes(nbytes: int) -> torch.Tensor:
+def huge_page_bytes(nbytes: int, fork_inherits: bool = True) -> torch.Tensor:
     """``nbytes`` of host memory (uint8) in an anonymous mapping asked to be backed by transparent huge pages,
-    like the engine's own arena; plain pages where the kernel has no THP.
+    like the engine's own arena; plain pages where the kernel has no THP. ``fork_inherits=False``: a forked child
+    (a DataLoader worker) does not get the mapping, so this process's writes to it never copy pages for one;
+    only for memory that no code of a child touches.
 
     A device that takes few segments per request (virtio-blk: 254) splits an ``O_DIRECT`` transfer from plain
     4 KiB pages into ~1 MiB requests, from huge pages not (docs/native_io.md).
@@ -98,4 +100,6 @@ def huge_page_bytes(nbytes: int) -> torch.Tensor:
         mem.madvise(mmap.MADV_HUGEPAGE)
     except (AttributeError, OSError):  # no THP in this kernel (EINVAL) or platform: the pages stay small
         pass
+    if not fork_inherits and hasattr(mmap, "MADV_DONTFORK"):
+        mem.madvise(mmap.MADV_DONTFORK)
     return torch.frombuffer(mem, dtype=torch.uint8)  # the tensor keeps the mapping alive

@@ -860,6 +860,7 @@ def _smaps_entry(address: int) -> dict:
             elif inside:
                 key, _, value = line.partition(":")
                 entry[key] = value.strip()
+    assert inside, f"no mapping holds {address:#x}"
     return entry
 
 
@@ -875,7 +876,57 @@ def test_the_staging_ring_memory_is_private_and_eligible_for_transparent_huge_pa
         pytest.skip("transparent huge pages are off on this machine (enabled: never)")
     from lightning_recover.checkpoint.engine import huge_page_bytes
 
-    ring = huge_page_bytes(8 << 20)
+    ring = async_io._host_staging(8 << 20)
     entry = _smaps_entry(ring.data_ptr())
     assert entry["flags"].endswith("p"), entry  # private, not shmem
     assert entry["THPeligible"] == "1", entry
+    # a forked DataLoader worker does not inherit it: the saver's writes copy no page on the child's account
+    assert "dc" in entry["VmFlags"].split(), entry
+    inherited = huge_page_bytes(8 << 20)
+    assert "dc" not in _smaps_entry(inherited.data_ptr())["VmFlags"].split()
+
+
+def _reap(pid: int, timeout: float):
+    """The child's wait status once it exits; None (and the child killed) if it has not within ``timeout``."""
+    done = threading.Event()
+    out: list = []
+
+    def wait() -> None:
+        out.append(os.waitpid(pid, 0)[1])
+        done.set()
+
+    threading.Thread(target=wait, daemon=True).start()
+    if done.wait(timeout):
+        return out[0]
+    os.kill(pid, 9)
+    done.wait(10)
+    return None
+
+
+def test_a_forked_child_does_not_inherit_the_ring_nor_wait_for_the_parents_save(tmp_path):
+    """A process forked while a save is in flight (a DataLoader worker, a user's ``os.fork()``): the child's
+    teardown returns at once, with no error (the save and the threads are the parent's; it neither waits for them
+    nor reports them lost) and without touching the ring it did not inherit; the parent's save, written into the
+    ring while the child lives, is whole."""
+    big = torch.randn(2 * 1024 * 1024)  # 8 MiB: copied lazily, through the ring
+    io = AsyncUringCheckpointIO(flush_bytes_per_s=4 * 1024 * 1024)  # paced: in flight for ~2 s
+    io.save_checkpoint({"w": big}, tmp_path / "a.ckpt")
+    io.wait_for_snapshot()
+    assert io.history == []  # still in flight when the child is forked
+    pid = os.fork()
+    if pid == 0:  # the child ends as a Trainer's teardown would, then runs the exit handler
+        status = 1
+        try:
+            io.teardown()
+            async_io._drain_at_exit()
+            status = 0
+        finally:
+            os._exit(status)
+    status = _reap(pid, 60)
+    assert status is not None, "the forked child's teardown hung, waiting for the parent's save"
+    # 1: its teardown raised (the parent's save called lost); -11: it touched the ring (SIGSEGV)
+    assert os.waitstatus_to_exitcode(status) == 0
+    io.wait_until_durable()
+    assert io.history[-1]["error"] is None
+    assert torch.equal(load(tmp_path / "a.ckpt")["w"], big)
+    io.teardown()

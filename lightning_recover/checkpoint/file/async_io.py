@@ -187,14 +187,15 @@ def _align_up(n: int) -> int:
 
 def _host_staging(nbytes: int) -> torch.Tensor:
     """``nbytes`` of host memory for the ring: pinned where CUDA copies into it; otherwise on huge pages
-    (``engine.huge_page_bytes``), since the flusher sends the ring's bytes to the disk uncopied."""
+    (``engine.huge_page_bytes``), since the flusher sends the ring's bytes to the disk uncopied, and not inherited
+    by forked children (only the saver's threads, which a child does not have, use the ring)."""
     if torch.cuda.is_available():  # pragma: no cover - no GPU here
         raw = torch.empty(nbytes, dtype=torch.uint8)
         try:
             return raw.pin_memory()
         except RuntimeError:
             return raw
-    return huge_page_bytes(nbytes)
+    return huge_page_bytes(nbytes, fork_inherits=False)
 
 
 class _Ring:
@@ -436,6 +437,7 @@ class AsyncSaver(snapshot_guard.Snapshotter):
         self.staging_bytes = staging_bytes
         self.chunk_bytes = max(4096, int(chunk_bytes))
         self._ring = _Ring()
+        self._pid = os.getpid()  # a forked child has a copy of this saver, but none of its threads or saves
         self._copy_q: queue.Queue = queue.Queue()
         self._flush_q: queue.Queue = queue.Queue()
         self._threads: list = []
@@ -531,7 +533,10 @@ class AsyncSaver(snapshot_guard.Snapshotter):
             raise AsyncCheckpointError(msg, item.path) from e
 
     def threads_alive(self) -> bool:
-        """False when a background thread died; retiring (idle) threads are expected to exit."""
+        """False when a background thread died (or in a forked child, which has none of them); retiring (idle)
+        threads are expected to exit."""
+        if os.getpid() != self._pid:
+            return False
         return self._retiring or all(t.is_alive() for t in self._threads)
 
     def _check_alive(self) -> None:
@@ -546,7 +551,14 @@ class AsyncSaver(snapshot_guard.Snapshotter):
                 q.all_tasks_done.wait(0.5)
 
     def close(self, raise_errors: bool = True) -> None:
-        """Wait for durability of everything submitted, stop the threads and free the staging memory."""
+        """Wait for durability of everything submitted, stop the threads and free the staging memory.
+
+        In a forked child (its exit handler) there is nothing to wait for: the saves and threads are the parent's.
+        """
+        if os.getpid() != self._pid:
+            _savers.discard(self)
+            snapshot_guard.untrack(self)
+            return
         if self._threads:
             self._join(self._copy_q)
             self._join(self._flush_q)
