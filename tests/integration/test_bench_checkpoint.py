@@ -384,6 +384,24 @@ def test_async_checkpoint_bench_pairs_each_save_with_the_steps_just_before(tmp_p
 
 
 @pytest.mark.slow  # runs a research benchmark (benchmarks/)
+def test_bench_async_saves_in_a_row_smoke(tmp_path):
+    """Each save is timed from its call: the snapshot before durability, and nothing is left behind."""
+    import json
+
+    from benchmarks import async_saves_in_a_row
+
+    out = tmp_path / "row.json"
+    assert (
+        async_saves_in_a_row.main(["--size-gb", "0.02", "--saves", "2", "--dir", str(tmp_path), "--json", str(out)])
+        == 0
+    )
+    rows = json.loads(out.read_text())["saves"]
+    assert [r["save"] for r in rows] == [0, 1]
+    assert all(0 < r["call_s"] <= r["snapshot_s"] <= r["durable_s"] for r in rows)
+    assert [p.name for p in tmp_path.iterdir()] == ["row.json"]
+
+
+@pytest.mark.slow  # runs a research benchmark (benchmarks/)
 def test_bench_unstaged_smoke(tmp_path, capsys):
     """The three ways of writing each item size run to the end and leave nothing behind (no timing is checked)."""
     from benchmarks import unstaged
