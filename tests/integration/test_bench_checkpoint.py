@@ -375,9 +375,13 @@ def test_async_checkpoint_bench_pairs_each_save_with_the_steps_just_before(tmp_p
         assert rec["durable_s"] > 0
         assert "steal_s" in rec and "baseline_steal_s" in rec  # NaN where /proc/stat has no steal column
     assert set(res["summary"]) == set(methods)  # (the pacing itself: test_async_checkpoint.py)
+    ours = res["summary"]["uring-async"]
     if fio.available():  # fio's buffers are said: on huge pages where reserved (as the saver's ring), else malloc
         assert res["machine"]["fio_write_iomem"] in ("shmhuge", "malloc")
-    ours = res["summary"]["uring-async"]
+        # each save's step ratio over fio's in the same repetition, and the target read from their median
+        assert ours["step_ratios_vs_fio"] == async_checkpoint.step_ratios_vs(res["records"], "uring-async", "fio-write")
+        assert len(ours["step_ratios_vs_fio"]) == 2
+        assert res["targets"]["step_during_flush_le_fio"] == (ours["step_ratio_vs_fio"] <= 1.0)
     assert len(ours["step_ratios"]) == 2 and min(ours["step_ratios"]) <= ours["step_ratio"] <= max(ours["step_ratios"])
     assert "step_during_flush_le_1.05x" in res["targets"]
     assert "paired step ratio" in async_checkpoint.format_table(res)
