@@ -448,7 +448,7 @@ def _targets(summary: dict, steps: int) -> dict:
         targets["blocked_le_0.1s"] = ours["blocked_s"] <= 0.1
         if steps:
             targets["step_during_flush_le_1.05x"] = ours["step_ratio"] <= 1.05
-            if "step_ratio_vs_fio" in ours:  # issue 51: the flush costs the step no more than fio's own write
+            if "step_ratio_vs_fio" in ours:  # the flush costs the step no more than fio writing the same bytes
                 targets["step_during_flush_le_fio"] = ours["step_ratio_vs_fio"] <= 1.0
         if sync:
             targets["durable_ratio_vs_sync"] = ours["durable_s"] / sync
