@@ -431,7 +431,7 @@ def _summarize(records: list, methods: list) -> dict:
 
 def step_ratios_vs(records: list, method: str, reference: str) -> list:
     """Per repetition, ``method``'s step ratio over ``reference``'s in the same repetition (the methods alternate
-    within a repetition, so each quotient compares saves made minutes apart), in repetition order."""
+    within a repetition, so each quotient compares saves made close together in time), in repetition order."""
     by_rep: dict = {}
     for x in records:
         by_rep.setdefault(x["rep"], {})[x["method"]] = x["step_ratio"]
