@@ -58,7 +58,7 @@ from lightning_recover.control_plane.config import EtcdSettings, with_job
 from lightning_recover.control_plane.etcd_client import EtcdClient
 from lightning_recover.control_plane.etcd_cluster import LocalEtcdCluster
 from lightning_recover.control_plane.etcd_job import join_job
-from lightning_recover.control_plane.etcd_watch import WatchView
+from lightning_recover.control_plane.etcd_watch import STALE_AFTER, WatchView
 from lightning_recover.launch.process_tree import cpu_seconds
 from lightning_recover.protocol import Fault
 from lightning_recover.protocol.messages import JobSecret
@@ -237,6 +237,7 @@ class ScaleRun:
         #: the directory of the worker processes' watch relay sockets (short: a socket's path has 107 bytes at most)
         self._relays: Optional[str] = None  # made by run(), which removes it
         self._answers: dict[int, dict[int, dict]] = {}  # sample id -> worker -> its answer
+        self._tick_key: Optional[bytes] = None  # etcd: the monitor's tick (its value counts the ticks written)
         rng = random.Random(cfg.seed * 7919 + cfg.replicas)
         first = cfg.warmup + cfg.window + 1
         # kill k: a random replica at the reduce of a random step of its own gap (its last step left to recover)
@@ -254,6 +255,7 @@ class ScaleRun:
         env = self.cluster.environment()
         base = EtcdSettings(tuple(self.cluster.endpoints), "", **self.cluster.tls_files)
         settings = with_job(base, f"scale-{self.cfg.replicas}-{os.getpid()}-{time.monotonic_ns()}")
+        self._tick_key = (settings.watched_prefix + "tick").encode()
         secret = join_job(settings, self.cfg.replicas, 1)
         with open(os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             f.write(secret.hex())
@@ -375,7 +377,18 @@ class ScaleRun:
         if self.cluster is not None:
             out["etcd_cpu"] = members_cpu_seconds(self.cluster)
             out["etcd"] = metrics(self.cluster, extra=(_LEASE_RENEWED,))
+            out["ticks"] = self._ticks_written()
         return out
+
+    def _ticks_written(self) -> int:
+        """How many ticks the monitor wrote so far (its ``tick`` key holds its count; 0 before the first)."""
+        assert self.cluster is not None and self._tick_key is not None
+        client = EtcdClient(self.cluster.endpoints, **self.cluster.tls_files, allow_insecure=not self.cluster.tls)
+        try:
+            value, _ = client.get(self._tick_key)
+        finally:
+            client.close()
+        return int(value) if value and value.isdigit() else 0
 
     def run(self) -> dict:
         cfg = self.cfg
@@ -474,6 +487,10 @@ class ScaleRun:
             writes = delta["etcd_server_proposals_committed_total"] / 3  # every member counts each proposal
             out.update(
                 etcd_writes_per_step=writes / steps,
+                # the monitor's ticks while the job's keys are quiet (a write each, an event to every view):
+                # their rate follows the time without a commit, not the steps
+                ticks_per_s=(b["ticks"] - a["ticks"]) / seconds,
+                tick_events_per_step_per_process=(b["ticks"] - a["ticks"]) / steps,
                 etcd_writes_per_s=writes / seconds,
                 etcd_keepalives_per_s=delta[_LEASE_RENEWED] / seconds,  # counted by the leader only
                 etcd_watch_events_per_s=delta["etcd_debugging_mvcc_events_total"] / seconds,
@@ -644,7 +661,10 @@ def project(runs: list[dict], capacity: dict[str, float], targets: tuple[int, ..
     as a per-step one: an upper bound, since a longer step's writes are partly per second). Watch events per
     second: each process's events per step times the watch streams over the step time: 2 per replica (the
     replica and, at worst, a launcher of its own), or with watch relays one per host of :data:`REPLICAS_PER_HOST`.
-    Keep-alives per second: the measured rate per replica times N."""
+    Where the runs counted the monitor's ticks, those are not per step: each stream receives the measured
+    ticks per second at the harness's step, and none at a step shorter than :func:`tick_free_step` (a commit
+    reaches every view before it is quiet long enough for a tick). Keep-alives per second: the measured rate
+    per replica times N."""
     etcd = sorted((r for r in runs if r["backend"] == "etcd"), key=lambda r: r["replicas"])
     if len({r["replicas"] for r in etcd}) < 2:
         return {"not_projected": "a fit needs etcd runs at two N at least"}
@@ -652,24 +672,37 @@ def project(runs: list[dict], capacity: dict[str, float], targets: tuple[int, ..
     long_step = statistics.median(r["step_s"] for r in etcd)
     relayed = all(r.get("watch_relays") for r in etcd)
     streams_per_replica = 1 / REPLICAS_PER_HOST if relayed else 2
+    counted_ticks = all("ticks_per_s" in r for r in etcd)
+    tick_rate = statistics.median(r["ticks_per_s"] for r in etcd) if counted_ticks else 0.0
     out: dict = {"long_step_s": long_step, "short_step_s": SHORT_STEP_S, "half_capacity": {}}
     out["watch_streams_per_replica"] = streams_per_replica
+    out["ticks_per_s_at_long_step"] = tick_rate if counted_ticks else None
     out["half_capacity"] = {k: v / 2 for k, v in capacity.items()}
     for n in targets:
         writes = power_law_at(ns, [r["etcd_writes_per_step"] for r in etcd], n)
-        events = power_law_at(ns, [r["watch_events_per_step_per_process"] for r in etcd], n)
+        per_step = [r["watch_events_per_step_per_process"] - r.get("tick_events_per_step_per_process", 0) for r in etcd]
+        events = power_law_at(ns, [max(e, 1e-9) for e in per_step], n)
         keepalives = power_law_at(ns, [r["etcd_keepalives_per_s"] / r["replicas"] for r in etcd], n) * n
         for label, step in (("short", SHORT_STEP_S), ("long", long_step)):
+            ticks = tick_rate if step > tick_free_step() else 0.0
             need = {
                 "writes_per_s": writes / step,
-                "watch_events_per_s": events * streams_per_replica * n / step,
+                "watch_events_per_s": (events / step + ticks) * streams_per_replica * n,
                 "keepalives_per_s": keepalives,
             }
             out[f"{n}_{label}"] = {
                 **need,
                 "within_half_capacity": {k: v <= out["half_capacity"].get(k, math.inf) for k, v in need.items()},
             }
+            if counted_ticks:  # the ticks' part of watch_events_per_s
+                out[f"{n}_{label}"]["tick_events_per_s"] = ticks * streams_per_replica * n
     return out
+
+
+def tick_free_step() -> float:
+    """The longest step at which the monitor writes no tick: its view of the job's keys hears each commit before
+    it has been quiet for half of what it tolerates (``EtcdStore.quiet``)."""
+    return STALE_AFTER / 2
 
 
 def plot(result: dict, path: str) -> None:

@@ -65,6 +65,23 @@ def test_projection_extends_the_fits_and_compares_with_half_the_capacity():
     assert relayed["2000_long"]["watch_events_per_s"] == pytest.approx(3 * 2000 / 8)
 
 
+def test_projection_counts_the_monitors_ticks_per_second_and_none_at_a_short_step():
+    """3 events per step per process at a 1 s step, 1.5 of them the monitor's ticks (1.5 a second): at the long
+    step each stream receives 1.5 commit events a step and 1.5 ticks a second; at the 0.2 s step a commit reaches
+    every view before it is quiet long enough for a tick, so only the commit events, five steps a second."""
+    runs = [dict(_run(n, 2.0, 3.0, 1.5), ticks_per_s=1.5, tick_events_per_step_per_process=1.5) for n in (16, 64)]
+    capacity = {"writes_per_s": 1000.0, "watch_events_per_s": 100_000.0, "keepalives_per_s": 4000.0}
+    out = project(runs, capacity)
+    assert out["ticks_per_s_at_long_step"] == pytest.approx(1.5)
+    long, short = out["2000_long"], out["2000_short"]
+    assert long["watch_events_per_s"] == pytest.approx((1.5 / 1.0 + 1.5) * 2 * 2000)
+    assert long["tick_events_per_s"] == pytest.approx(1.5 * 2 * 2000)
+    assert short["watch_events_per_s"] == pytest.approx(1.5 / 0.2 * 2 * 2000)
+    assert short["tick_events_per_s"] == 0.0
+    # runs that did not count ticks are projected as before: every event a per-step one
+    assert project([_run(n, 2.0, 3.0, 1.5) for n in (16, 64)], capacity)["ticks_per_s_at_long_step"] is None
+
+
 def _members(plane, size: int, body, planes=None) -> list:
     """``size`` members (replicas 10, 11, ...) build generation 1 on ``plane`` (or member r on ``planes[r]``)
     and run ``body(rank, group)``: its results, then the errors raised."""
