@@ -6,11 +6,13 @@ The rule for when a beat is due once a lease keeps the key alive (etcd) is ``liv
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Optional
 
 from lightning_recover.errors import COORDINATOR_LOST_HINT, RecoverError
@@ -31,6 +33,16 @@ class Progress:
         self.count = 0
         self.report: dict = {}  # what the status board shows of this replica (observe/report.py), set by it
         self.urgent = False  # the report holds news (a recovery, a join): beat even where a vouch covers it
+        self.joining = False  # in a join round: waiting on the control plane, not on the data network
+
+    @contextlib.contextmanager
+    def in_round(self) -> Iterator[None]:
+        """Within the block the main thread waits in a join round, which its beats tell (``"joining"``)."""
+        self.joining = True
+        try:
+            yield
+        finally:
+            self.joining = False
 
     def note(self, phase: str, step: Optional[int] = None) -> None:
         self.phase = phase
@@ -145,6 +157,8 @@ class Heartbeat:
                 "phase": p.phase,
                 "count": p.count,
             }
+            if p.joining:
+                payload["joining"] = True  # the partition judge does not probe a group forming
             if noticed:
                 payload["notice"] = self._notice.source  # the status page tells a leave from a failure by it
             self._write(payload)

@@ -330,7 +330,10 @@ class Membership:
     ) -> Generation:
         """Join round ``number`` (:meth:`JoinRounds.join <lightning_recover.protocol.join_rounds.JoinRounds.join>`,
         its arguments) and build the group of the generation it closed with."""
-        gen = self.rounds.join(number, payload, expected, timeout, may_close=may_close, written=written, least=least)
+        with self.progress.in_round():
+            gen = self.rounds.join(
+                number, payload, expected, timeout, may_close=may_close, written=written, least=least
+            )
         self._build_pg(gen)
         self._events_seen = -1
         return gen

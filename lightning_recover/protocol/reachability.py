@@ -8,7 +8,8 @@ generation's gloo group stalls on it. The heartbeat monitor alone never ends tha
 1. **Suspect** (:class:`PartitionJudge`, run by whoever holds the monitor role): the whole group has
    waited on itself for ``suspect_after`` seconds, i.e. every live process of every live replica is
    in a phase that waits on peers (reduce, decide, regroup, exchange, or building its first group)
-   and none made progress. A slow peer does not qualify: it is computing, not waiting.
+   and none made progress. A slow peer does not qualify: it is computing, not waiting. Nor does a
+   group whose members wait in a join round: that waits on the control plane, not the data network.
 2. **Probe**: the judge opens a round (sealed ``reach/round`` holding its number and the live replicas
    with their incarnations; the unsealed counter ``reach/rounds`` only wakes the responders: which round
    is open, and its number, come from the sealed record alone, so a client without the secret who bumps
@@ -500,6 +501,14 @@ def wait_until_reachable(
 # ---------------------------------------------------------------------------- the monitor's side
 
 
+def waits_on_its_data_network(heartbeats: Iterable[dict]) -> bool:
+    """Whether a group whose live processes last told these ``heartbeats`` waits on its data network: every one
+    in a phase that waits on peers (:data:`WAITING_PHASES`) and none in a join round (``"joining"``). A round
+    waits on the control plane (joins written to the store), which a cut data link does not stall; probing it
+    would cost every member a connection to every other while the round fills (N^2 at the job's start)."""
+    return all(hb.get("phase") in WAITING_PHASES and not hb.get("joining") for hb in heartbeats)
+
+
 class PartitionJudge:
     """Run by the monitor: opens probe rounds when the group waits on itself, fences who is cut off.
 
@@ -536,8 +545,7 @@ class PartitionJudge:
             return []  # a replica has not started yet: the others wait for it at the job's start
         dead = self._deaths({r for r, _ in heartbeats.values()})
         live = {r: int(hb["inc"]) for r, hb in heartbeats.values() if dead.get(r, 0) < int(hb["inc"])}
-        waiting = all(hb.get("phase") in WAITING_PHASES for r, hb in heartbeats.values() if r in live)
-        if len(live) < 2 or not waiting:
+        if len(live) < 2 or not waits_on_its_data_network([hb for r, hb in heartbeats.values() if r in live]):
             return []
         # The number after both the counter and the last sealed round: a counter rolled back or pushed on by an
         # unauthenticated client neither reuses a number nor hides the round (responders read the sealed one).

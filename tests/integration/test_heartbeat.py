@@ -37,6 +37,31 @@ def test_news_is_written_at_once_when_asked_not_a_period_later():
         heartbeat.stop()
 
 
+def test_a_beat_says_joining_while_the_main_thread_waits_in_a_round():
+    """The beats of a replica in a join round say ``"joining"`` (the partition judge does not probe a group that
+    waits on the control plane: ``reachability.waits_on_its_data_network``), and no longer once it left it."""
+    secret = JobSecret.generate()
+    coord = Coordinator("127.0.0.1", 0, 1, 30.0, secret)
+    store = ControlStore(coord.addr, 0, secret, timeout=5.0)
+    progress = Progress()
+    heartbeat = Heartbeat(store, 0, store.add("inc/0", 1), 3600.0, progress)  # beats only when asked
+    heartbeat.start()
+    try:
+        beats = []
+        with progress.in_round():
+            progress.urgent = True
+            heartbeat.send_news()
+            beats.append(store.get_fresh("hb/0"))
+        progress.urgent = True
+        heartbeat.send_news()
+        beats.append(store.get_fresh("hb/0"))
+        assert all(b is not None for b in beats) and beats[1][0] > beats[0][0]
+        assert json.loads(beats[0][1]).get("joining") is True
+        assert "joining" not in json.loads(beats[1][1])
+    finally:
+        heartbeat.stop()
+
+
 def test_a_heartbeat_whose_first_beat_failed_stops_cleanly():
     """``start`` raises when the first beat cannot be written (the control plane is gone): the membership still
     holds the heartbeat and stops it when the replica ends, which must not raise in turn."""

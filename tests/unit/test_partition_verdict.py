@@ -9,7 +9,12 @@ import time
 
 import pytest
 
-from lightning_recover.protocol.reachability import cut_evidence, largest_mutual_set, partition_verdict
+from lightning_recover.protocol.reachability import (
+    cut_evidence,
+    largest_mutual_set,
+    partition_verdict,
+    waits_on_its_data_network,
+)
 
 
 def _brute_force(members, reached):
@@ -113,3 +118,22 @@ def test_cut_evidence_names_each_end_that_reported_a_cut_link_and_what_it_saw():
         "replica 2 -> 1: cut",
     ]
     assert cut_evidence({}, 2, [0, 1]) == [], "the fenced member's peers sent no report"
+
+
+@pytest.mark.parametrize(
+    "case, heartbeats, waits",
+    [
+        ("every member in a collective", [{"phase": "reduce"}, {"phase": "decide"}], True),
+        ("building the first group", [{"phase": "start"}, {"phase": "start"}], True),
+        ("one member computing", [{"phase": "reduce"}, {"phase": "compute"}], False),
+        ("the first round filling", [{"phase": "start", "joining": True}, {"phase": "start", "joining": True}], False),
+        (
+            "a regroup's round, one member still in it",
+            [{"phase": "regroup"}, {"phase": "regroup", "joining": True}],
+            False,
+        ),
+        ("the regroup's group being built", [{"phase": "regroup"}, {"phase": "regroup"}], True),
+    ],
+)
+def test_a_group_waits_on_its_data_network_only_outside_join_rounds(case, heartbeats, waits):
+    assert waits_on_its_data_network(heartbeats) is waits, case
