@@ -237,6 +237,8 @@ class ScaleRun:
         #: the directory of the worker processes' watch relay sockets (short: a socket's path has 107 bytes at most)
         self._relays: Optional[str] = None  # made by run(), which removes it
         self._answers: dict[int, dict[int, dict]] = {}  # sample id -> worker -> its answer
+        #: the figures measured so far: what :meth:`run` returns, and what a run that ended early got to
+        self.measured: dict = {}
         self._tick_key: Optional[bytes] = None  # etcd: the monitor's tick (its value counts the ticks written)
         rng = random.Random(cfg.seed * 7919 + cfg.replicas)
         first = cfg.warmup + cfg.window + 1
@@ -418,13 +420,16 @@ class ScaleRun:
         for worker in self.workers:
             worker.send(op="go", began=began)
         first = self._wait_applied(0, 600.0)
-        result: dict = {
-            "replicas": cfg.replicas,
-            "backend": cfg.backend,
-            "compute_s": cfg.compute,
-            "processes": len(self.workers),
-            "watch_relays": bool(self._relays),
-        }
+        result: dict = self.measured
+        result.update(
+            {
+                "replicas": cfg.replicas,
+                "backend": cfg.backend,
+                "compute_s": cfg.compute,
+                "processes": len(self.workers),
+                "watch_relays": bool(self._relays),
+            }
+        )
         last = began + (cfg.replicas - 1) / cfg.start_rate  # the last replica's start
         result["first_step_s"] = first - last
         result["started_s"] = max(s.started_at for s in self.slots) - last
@@ -434,7 +439,8 @@ class ScaleRun:
         ends = [self._wait_applied(s, 120.0) for s in range(cfg.warmup, cfg.warmup + cfg.window)]
         b = self._sample(control)
         result.update(self._figures(a, b, ends))
-        result["kills"] = self._kills()
+        result["kills"] = []
+        self._kills(result["kills"])
         self._wait_for(lambda: all(w.finished for w in self.workers), 120.0, "the replicas' ends")
         for worker in self.workers:
             worker.stop(grace=30.0)
@@ -513,8 +519,8 @@ class ScaleRun:
         after = [t for t in ends if t >= killed_wall - 0.01]  # the log's times are rounded to ms
         return min(after) - killed_wall if after else None
 
-    def _kills(self) -> list[dict]:
-        out = []
+    def _kills(self, out: list[dict]) -> None:
+        """Each kill's figures, appended to ``out`` as its survivors commit again."""
         for fault in self.faults:
             self._wait_applied(fault.step, 300.0)
             victim = self.slots[fault.replica]
@@ -541,7 +547,6 @@ class ScaleRun:
                 }
             )
         self._wait_applied(self.cfg.steps - 1, 300.0)
-        return out
 
 
 def _timeline(kill: dict) -> str:
@@ -797,11 +802,14 @@ def sweep(args: argparse.Namespace) -> dict:
                 )
                 if backend in failed:
                     continue  # a smaller N already failed on this backend: the limit was found
+                job = ScaleRun(cfg, cluster if backend == "etcd" else None, work)
                 try:
-                    run = ScaleRun(cfg, cluster if backend == "etcd" else None, work).run()
+                    run = job.run()
                 except RuntimeError as exc:  # the limit on this host: recorded, the sweep goes on
                     failed.add(backend)
-                    result["failures"].append({"backend": backend, "replicas": n, "error": str(exc)[:2000]})
+                    # with what was measured before it ended (the first step, the window, the kills recovered)
+                    failure = {"backend": backend, "replicas": n, "error": str(exc)[:2000], "measured": job.measured}
+                    result["failures"].append(failure)
                     print(f"  {backend:8s} N={n:5d}: FAILED {str(exc)[:300]}", flush=True)
                     continue
                 result["runs"].append(run)
