@@ -17,9 +17,11 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from lightning_recover import env
+from lightning_recover.control_plane.answer_times import AnswerTimes
 from lightning_recover.errors import CoordinatorLostError
 
-#: Seconds :meth:`CoordinatorStore.peek_many` waits at most for a key deleted after it saw it.
+#: Seconds :meth:`CoordinatorStore.peek_many` waits at least for a key deleted after it saw it (longer where the
+#: coordinator's answers take longer: :class:`~lightning_recover.control_plane.answer_times.AnswerTimes`).
 BATCH_READ_TIMEOUT = 0.25
 
 
@@ -35,6 +37,7 @@ class CoordinatorStore:
         self.store: Any = store  # torch's stubs of Store lack clone and append, and type values as str
         self._batch_reader: Any = None  # the connection of peek_many's multi_get (made when first needed)
         self._batch_lock = threading.Lock()
+        self.answer_times = AnswerTimes()  # how long the coordinator takes to answer (the batch read's timeout)
 
     # ---------------------------------------------------------------- plain values
     def get(self, key: str) -> bytes:
@@ -110,25 +113,34 @@ class CoordinatorStore:
 
     def peek_many(self, keys: Sequence[str], through_log: bool = False) -> list[Optional[bytes]]:
         """Every value, or None where a key is absent, never waiting long; a TCPStore answers in order, each when a
-        write would be. One request per key, or with ``through_log`` (the monitor's pass over every heartbeat) two
-        whatever the number of keys while they all exist: ``check``, then ``multi_get``.
+        write would be (so ``through_log`` changes nothing here). Two requests whatever the number of keys while
+        they all exist (``check``, then ``multi_get``), else one request per key: a replica's reads of every
+        member's death notice, polled through a regroup by every member, cost the coordinator O(N) requests
+        each otherwise, O(N^2) a poll for the job.
 
-        ``multi_get`` waits for a missing key, so a key deleted by an outside client between the two requests
-        would stall it: it runs on a connection of its own whose timeout is ``BATCH_READ_TIMEOUT``, after which
-        the keys are read one by one (and the connection replaced: its state after a timeout is not relied on).
-        Only the monitor's pass is batched: it is the read whose cost on the coordinator grows with the job.
+        ``multi_get`` waits for a missing key, so a key deleted between the two requests would stall it: it runs on
+        a connection of its own whose timeout is ``BATCH_READ_TIMEOUT``, or the first try :attr:`answer_times` gives
+        where the coordinator answers slowly (a loaded coordinator's slow answer is not a key gone), after which the
+        keys are read one by one (and the connection replaced: its state after a timeout is not relied on).
         """
         keys = list(keys)
-        if through_log and len(keys) > 1 and self.store.check(keys):
+        if len(keys) > 1 and self._all_present(keys):
             with self._batch_lock:
                 if self._batch_reader is None:
                     self._batch_reader = self.store.clone()
-                    self._batch_reader.set_timeout(datetime.timedelta(seconds=BATCH_READ_TIMEOUT))
+                timeout = self.answer_times.first_try(BATCH_READ_TIMEOUT)
+                self._batch_reader.set_timeout(datetime.timedelta(seconds=timeout))
                 try:
                     return list(self._batch_reader.multi_get(keys))
                 except dist.DistStoreError:
                     self._batch_reader = None  # a key went after the check
         return [peek(self.store, k) for k in keys]
+
+    def _all_present(self, keys: list[str]) -> bool:
+        began = time.monotonic()
+        present = self.store.check(keys)
+        self.answer_times.observe(time.monotonic() - began)
+        return present
 
     def delete_many(self, keys: Sequence[str]) -> None:
         for k in keys:

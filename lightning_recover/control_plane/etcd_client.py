@@ -41,11 +41,11 @@ import json
 import random
 import socket
 import ssl
-import threading
 import time
 from collections.abc import Generator, Iterator, Sequence
 from typing import Any, Optional
 
+from lightning_recover.control_plane.answer_times import MAX_TRY_TIMEOUT, AnswerTimes
 from lightning_recover.errors import RecoverError
 
 #: gRPC codes etcd answers with while the cluster cannot serve right now (retried on another member).
@@ -63,40 +63,8 @@ MAX_ANSWER_BYTES = 64 << 20
 MAX_LINE_BYTES = 64 << 20
 #: Tries of one request that may time out at ``try_timeout`` before each next try waits twice as long.
 QUICK_TRIES = 5
-#: The longest one try waits for its answer.
-MAX_TRY_TIMEOUT = 2.0
 #: Connecting a watch stream.
 _CONNECT_TIMEOUT = 1.0
-
-
-class AnswerTimes:
-    """How long this process's requests wait for their answers, smoothed as TCP smooths round trips (RFC 6298:
-    ``srtt``, ``rttvar``), and the first try's timeout that follows: ``srtt + 4 rttvar`` between the client's
-    ``try_timeout`` and :data:`MAX_TRY_TIMEOUT`. On a cluster that answers in milliseconds that is the short try
-    (a request swallowed by a dying leader costs 0.25 s); on a host whose members and clients share busy cores,
-    where answers take hundreds of milliseconds, a try no longer times out on a slow but working member, so a
-    request is not sent again to the next member over a new TLS connection, whose handshake would load the
-    cores further. Shared by a client and its clones (thread-safe)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.srtt: Optional[float] = None
-        self.rttvar = 0.0
-
-    def observe(self, seconds: float) -> None:
-        """Count one answer that took ``seconds`` (sent to fully read)."""
-        with self._lock:
-            if self.srtt is None:
-                self.srtt, self.rttvar = seconds, seconds / 2
-            else:
-                self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - seconds)
-                self.srtt = 0.875 * self.srtt + 0.125 * seconds
-
-    def first_try(self, least: float) -> float:
-        """The first try's timeout: at least ``least``, at most :data:`MAX_TRY_TIMEOUT`."""
-        with self._lock:
-            expected = least if self.srtt is None else self.srtt + 4 * self.rttvar
-        return min(MAX_TRY_TIMEOUT, max(least, expected))
 
 
 class EtcdUnavailable(RecoverError):

@@ -3,7 +3,8 @@ group, and small-object exchanges (metrics, barrier, broadcast, writer election)
 
 Every wait is sliced: between slices the waiter looks for a failure of the generation (a member
 declared dead, a newer generation proposed), so a dead or hung peer is noticed within
-``polling.SLICE`` rather than after a collective timeout. Any failure raises
+``polling.wait_slice`` (``SLICE``, longer on the embedded coordinator for a large job) rather than after a
+collective timeout. Any failure raises
 :class:`MembershipChanged`; the caller forms the next generation.
 """
 
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from lightning_recover.errors import ForgedMessageError, MembershipChanged, RecoverError
 from lightning_recover.protocol.membership import Membership
 from lightning_recover.protocol.messages import decode_object
-from lightning_recover.protocol.polling import POLL_MIN, SLICE, backoff
+from lightning_recover.protocol.polling import POLL_MIN, backoff, wait_slice
 
 _TAKEBACKS = 16  # times a member writes its own contribution again before calling it an attack
 
@@ -94,8 +95,10 @@ class SurvivorCollectives:
             work.get_future().add_done_callback(one_done)
         timeout = self.membership.collective_timeout
         deadline = time.monotonic() + timeout
+        # Looking oftener than failure_seen reads the store would only wake this thread for nothing.
+        looks = wait_slice(self.membership.size, bool(self.membership.store.raw.views))
         try:
-            while not done.wait(SLICE):
+            while not done.wait(looks):
                 if self.membership.failure_seen():
                     raise MembershipChanged("a member of the generation failed during a collective")
                 if time.monotonic() > deadline:

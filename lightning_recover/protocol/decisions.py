@@ -54,7 +54,7 @@ from lightning_recover.errors import ForgedMessageError, RecoverError, ReplicaEx
 from lightning_recover.protocol.join_rounds import Generation
 from lightning_recover.protocol.membership import Membership
 from lightning_recover.protocol.messages import ControlStore
-from lightning_recover.protocol.polling import POLL_MIN, SLICE, backoff
+from lightning_recover.protocol.polling import POLL_MIN, backoff, wait_slice
 from lightning_recover.protocol.vouches import vouch_record
 
 
@@ -148,7 +148,7 @@ class Decisions:
         deadline = time.monotonic() + m.collective_timeout
         while True:
             # Returns as soon as the decision is written (etcd: woken by the process's watched view).
-            if self.store.wait_recent(key, SLICE):
+            if self.store.wait_recent(key, wait_slice(m.size, bool(self.store.raw.views))):
                 decided = self.store.recent_genuine(key)
                 if decided is not None:
                     return self._read(decided)
@@ -317,7 +317,7 @@ class TransactionCommit(BarrierCommit):
                 decided = self.store.compare_set(key, None, "commit")
         deadline = time.monotonic() + m.collective_timeout
         while decided is None:
-            if self.store.wait_recent(key, SLICE):
+            if self.store.wait_recent(key, wait_slice(m.size, bool(self.store.raw.views))):
                 decided = self.store.recent_genuine(key)
             if decided is None and m.failure_seen():
                 decided = self.store.compare_set(key, None, "commit")

@@ -27,6 +27,7 @@ requests (``join_requests.py``) and each generation's process group (``process_g
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,6 +51,7 @@ from lightning_recover.protocol.join_requests import JoinRequests
 from lightning_recover.protocol.join_rounds import Generation, JoinRounds, LeftOutAtStart, rounds_by_view
 from lightning_recover.protocol.messages import ControlStore, JobSecret
 from lightning_recover.protocol.notice import Notice
+from lightning_recover.protocol.polling import PollGate
 from lightning_recover.protocol.process_groups import ProcessGroups
 from lightning_recover.protocol.reachability import ReachabilityResponder, start_responder
 from lightning_recover.protocol.rendezvous import RendezvousHost, host_rendezvous, meeting_place
@@ -94,8 +96,7 @@ class Membership:
                 f"replicas a distinct {env.REPLICA} in that range."
             )
         self.backend = backend
-        # A sharded replica is K processes; each runs this membership under the same replica id.
-        # Position `inner` of every member forms its own cross-replica group (see _build_pg).
+        # A sharded replica: K processes under one replica id; position `inner` of each member has a group (_build_pg).
         self.inner = inner
         self.replica_size = replica_size
         self.addr = coordinator_addr
@@ -117,6 +118,7 @@ class Membership:
         self._responder: ReachabilityResponder | None = None  # answers partition probes (protocol.reachability)
         self.rendezvous: RendezvousHost | None = None  # where generations it leads meet (protocol.rendezvous)
         self._events_seen = -1
+        self._failure_polls = PollGate()  # failure_seen's reads of ``events``, at a rate the coordinator holds
         self.groups = ProcessGroups(backend, collective_timeout)
         self.rounds: JoinRounds | None = None  # the store side of forming generations, once connected
         self.join_requests: JoinRequests | None = None  # this replica's requests to join, once connected
@@ -252,8 +254,7 @@ class Membership:
 
     # ------------------------------------------------------------------ failure detection
     def check_health(self) -> None:
-        """Raise if the coordinator is gone or this replica was declared dead (fencing: an
-        excluded replica learns it at its next control-plane operation and applies nothing more)."""
+        """Raise if the coordinator is gone or this replica was declared dead (fencing: it applies nothing more)."""
         if self.heartbeat is not None and self.heartbeat.error is not None:
             raise CoordinatorLostError(
                 f"replica {self.replica} lost the coordinator at {self.addr} "
@@ -270,10 +271,12 @@ class Membership:
         return declared_dead(self.store, replicas, incarnations, recent=recent)
 
     def failure_seen(self) -> bool:
-        """Cheap test (one store round trip when nothing changed, none on etcd while its watched view is
-        current): did the generation fail? The counter is a hint, read a moment stale at worst; what it
+        """Cheap test (one store round trip when nothing changed, at most once per ``member_poll_period``; none on
+        etcd while its watched view is current): did the generation fail? The counter is a hint, read a moment stale at worst; what it
         points at (the generation register, the death notices) is read directly."""
         self.check_health()
+        if not self._failure_polls.due(self.gen.size, bool(self.store.raw.views), time.monotonic()):
+            return False
         events = self.store.recent_count("events")
         if events == self._events_seen:
             return False

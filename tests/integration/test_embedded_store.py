@@ -16,10 +16,10 @@ import torch.distributed as dist
 
 from lightning_recover.control_plane.embedded import BATCH_READ_TIMEOUT, CoordinatorStore, peek
 from lightning_recover.launch.process_tree import stop_process
-from lightning_recover.protocol import join_rounds
+from lightning_recover.protocol import join_rounds, messages
 from lightning_recover.protocol.coordinator import Coordinator
 from lightning_recover.protocol.join_rounds import RoundReads, joined_round
-from lightning_recover.protocol.messages import ControlStore, JobSecret
+from lightning_recover.protocol.messages import ControlStore, JobSecret, read_death
 from tests.compare import SLACK
 
 
@@ -60,9 +60,9 @@ def test_peek_many_reads_every_key_at_once_and_none_where_absent(server):
     for r, key in enumerate(keys):
         client.set(key, f"beat {r}".encode())
     store = CoordinatorStore(client)
-    assert store.peek_many(keys, through_log=True) == [f"beat {r}".encode() for r in range(300)]
-    assert store.peek_many(keys, through_log=True) == [peek(client, k) for k in keys]  # the batch reader is reused
-    assert store.peek_many([*keys[:2], "hb/absent"], through_log=True) == [b"beat 0", b"beat 1", None]
+    assert store.peek_many(keys) == [f"beat {r}".encode() for r in range(300)]
+    assert store.peek_many(keys) == [peek(client, k) for k in keys]  # the batch reader is reused
+    assert store.peek_many([*keys[:2], "hb/absent"]) == [b"beat 0", b"beat 1", None]
 
 
 def test_a_key_deleted_between_check_and_read_is_none_within_the_bound(server):
@@ -72,17 +72,21 @@ def test_a_key_deleted_between_check_and_read_is_none_within_the_bound(server):
         client.set(key, b"beat")
     store = CoordinatorStore(_DeletesAfterCheck(client, outside, "hb/2"))  # type: ignore[arg-type]
     started = time.monotonic()
-    assert store.peek_many(keys, through_log=True) == [b"beat", b"beat", None, b"beat"]
+    assert store.peek_many(keys) == [b"beat", b"beat", None, b"beat"]
     assert time.monotonic() - started < BATCH_READ_TIMEOUT + SLACK
     client.set("hb/2", b"again")
-    assert store.peek_many(keys, through_log=True) == [b"beat", b"beat", b"again", b"beat"]
+    assert store.peek_many(keys) == [b"beat", b"beat", b"again", b"beat"]
 
 
 class _RecordsKeys:
-    """A real TCPStore client that lists the key each request names (everything goes to it)."""
+    """A real TCPStore client that lists the key each request names (everything goes to it), its clones (the
+    batch reader's connection) into the same list."""
 
-    def __init__(self, inner) -> None:
-        self.inner, self.keys = inner, []
+    def __init__(self, inner, keys: list | None = None) -> None:
+        self.inner, self.keys = inner, keys if keys is not None else []
+
+    def clone(self) -> _RecordsKeys:
+        return _RecordsKeys(self.inner.clone(), self.keys)
 
     def __getattr__(self, name: str):
         found = getattr(self.inner, name)
@@ -146,6 +150,39 @@ def test_a_rounds_polls_read_the_death_notices_again_when_events_moved(monkeypat
     assert reads.dead(reader, replicas, incarnations) == {5}
     monkeypatch.setattr(join_rounds, "DEATHS_REREAD", 0.0)
     assert reads.dead(reader, replicas, incarnations) == {5, 6}
+
+
+def test_death_notices_are_read_in_two_requests_and_each_opened_once_while_it_does_not_change(monkeypatch):
+    """A poll of N death notices (every member polls them through a regroup) costs the coordinator two requests,
+    not N, and its reader N MACs only when the notices changed: the same bytes say the same. A notice replaced by
+    an older genuine one (a replay) is still opened, and refused."""
+    secret = JobSecret.generate()
+    coordinator = Coordinator("127.0.0.1", 0, 64, 1.0, secret)
+    reader, writer = ControlStore(coordinator.addr, 0, secret), ControlStore(coordinator.addr, 1, secret)
+    requests: list[str] = []
+    inner = reader.raw.store
+
+    class _CountsRequests:
+        def __getattr__(self, name: str):
+            requests.append(name)
+            return getattr(inner, name)
+
+    reader.raw.store = _CountsRequests()
+    opened: list[int] = []
+    monkeypatch.setattr(messages, "read_death", lambda sealer, r, raw: opened.append(r) or read_death(sealer, r, raw))
+    replicas = list(range(64))
+    assert reader.deaths(replicas) == dict.fromkeys(replicas, 0)
+    assert len(requests) <= 3 and len(opened) == 64, (requests, len(opened))  # check, the batch reader, multi_get
+    requests.clear()
+    assert reader.deaths(replicas) == dict.fromkeys(replicas, 0)
+    assert requests == ["check"] and len(opened) == 64, "read again: two requests (one on the batch reader), no MAC"
+    old = writer.raw.get("dead/7")
+    assert writer.mark_dead(7, 1)
+    opened.clear()  # the writer opened the notice it replaced
+    assert reader.deaths(replicas)[7] == 1 and opened == [7]
+    writer.raw.set("dead/7", old)  # the older genuine notice written back
+    assert reader.deaths(replicas)[7] == 1 and opened == [7, 7]
+    assert reader.freshness.replays == {"dead/7": 1}
 
 
 def test_a_write_is_applied_by_the_coordinator_when_set_returns(tmp_path):

@@ -15,13 +15,9 @@ import torch.distributed as dist
 
 from lightning_recover import env
 from lightning_recover.control_plane import config
+from lightning_recover.control_plane.answer_times import MAX_TRY_TIMEOUT
 from lightning_recover.control_plane.embedded import CoordinatorStore
-from lightning_recover.control_plane.etcd_client import (
-    MAX_TRY_TIMEOUT,
-    QUICK_TRIES,
-    EtcdCertificateError,
-    EtcdClient,
-)
+from lightning_recover.control_plane.etcd_client import QUICK_TRIES, EtcdCertificateError, EtcdClient
 from lightning_recover.control_plane.etcd_cluster import LocalEtcdCluster, member_environment
 from lightning_recover.control_plane.etcd_store import EtcdStore
 from lightning_recover.errors import CoordinatorLostError, ForgedMessageError, RecoverError

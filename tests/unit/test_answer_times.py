@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_recover.control_plane.etcd_client import MAX_TRY_TIMEOUT, QUICK_TRIES, AnswerTimes, EtcdClient
+from lightning_recover.control_plane.answer_times import MAX_TRY_TIMEOUT, AnswerTimes
+from lightning_recover.control_plane.etcd_client import QUICK_TRIES, EtcdClient
 
 
 def test_no_answer_yet_is_the_short_try():
