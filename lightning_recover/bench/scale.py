@@ -51,6 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from lightning_recover import env as env_names
 from lightning_recover.bench.etcd_metrics import members_cpu_seconds, metrics, write_capacity
 from lightning_recover.bench.scale_worker import ScaleConfig
 from lightning_recover.bench.stand_in_data_plane import DataPlaneServer, StandInDataPlane
@@ -290,7 +291,9 @@ class ScaleRun:
             prefix = os.path.join(self.work, f"worker-{self.cfg.backend}-{self.cfg.replicas}")
             relay = os.path.join(self._relays, f"w{i}") if self._relays else None
             mine_spec = {**spec, "replicas": mine, "relay": relay}
-            worker = _WorkerProcess(i, mine_spec, {**os.environ, **env}, prefix, self._event)
+            # As a launcher starts replicas: no c10d warning for each store wait that times out (waits in slices).
+            worker_env = {env_names.TORCH_CPP_LOG_LEVEL: "ERROR", **os.environ, **env}
+            worker = _WorkerProcess(i, mine_spec, worker_env, prefix, self._event)
             self.workers.append(worker)
         self._wait_for(lambda: all(w.ready for w in self.workers), 300.0, "the worker processes' start")
 

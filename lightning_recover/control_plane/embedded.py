@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from lightning_recover import env
-from lightning_recover.control_plane.answer_times import AnswerTimes
+from lightning_recover.control_plane.answer_times import MAX_TRY_TIMEOUT, AnswerTimes
 from lightning_recover.errors import CoordinatorLostError
 
 #: Seconds :meth:`CoordinatorStore.peek_many` waits at least for a key deleted after it saw it (longer where the
@@ -119,21 +119,31 @@ class CoordinatorStore:
         each otherwise, O(N^2) a poll for the job.
 
         ``multi_get`` waits for a missing key, so a key deleted between the two requests would stall it: it runs on
-        a connection of its own whose timeout is ``BATCH_READ_TIMEOUT``, or the first try :attr:`answer_times` gives
-        where the coordinator answers slowly (a loaded coordinator's slow answer is not a key gone), after which the
-        keys are read one by one (and the connection replaced: its state after a timeout is not relied on).
+        a connection of its own (replaced after a timeout: its state then is not relied on) whose timeout is
+        ``BATCH_READ_TIMEOUT``, or the first try :attr:`answer_times` gives where the coordinator answers slowly.
+        After a timeout (the client then still waits for the server's answer to its cancel) the ``check`` tells a
+        key gone (the keys are then read one by one, which never waits) from a slow answer (the batch is asked
+        again with twice the timeout, up to ``MAX_TRY_TIMEOUT``): N single requests to a coordinator already slow
+        would take longer still.
         """
         keys = list(keys)
-        if len(keys) > 1 and self._all_present(keys):
+        timeout = self.answer_times.first_try(BATCH_READ_TIMEOUT)
+        while len(keys) > 1 and self._all_present(keys):
             with self._batch_lock:
                 if self._batch_reader is None:
                     self._batch_reader = self.store.clone()
-                timeout = self.answer_times.first_try(BATCH_READ_TIMEOUT)
                 self._batch_reader.set_timeout(datetime.timedelta(seconds=timeout))
+                began = time.monotonic()
                 try:
-                    return list(self._batch_reader.multi_get(keys))
+                    values = list(self._batch_reader.multi_get(keys))
                 except dist.DistStoreError:
-                    self._batch_reader = None  # a key went after the check
+                    self._batch_reader = None
+                else:
+                    self.answer_times.observe(time.monotonic() - began)
+                    return values
+            if timeout >= MAX_TRY_TIMEOUT:
+                break
+            timeout = min(MAX_TRY_TIMEOUT, 2 * timeout)
         return [peek(self.store, k) for k in keys]
 
     def _all_present(self, keys: list[str]) -> bool:

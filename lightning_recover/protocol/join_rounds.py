@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -66,17 +66,28 @@ class RoundReads:
     deaths_read: float = -math.inf  # when (monotonic)
     deaths: dict[int, int] = field(default_factory=dict)  # replica -> incarnation declared dead
 
-    def dead(self, store: ControlStore, replicas: list[int], incarnations: dict[int, int]) -> set[int]:
+    def dead(
+        self,
+        store: ControlStore,
+        replicas: list[int],
+        incarnations: dict[int, int],
+        awaited: Optional[Collection[int]] = None,
+    ) -> set[int]:
         """:func:`~lightning_recover.protocol.incarnations.declared_dead` for ``replicas`` (reads that may be a
-        moment stale), the notices read again only when ``events`` moved, a replica is new or they are older
-        than :data:`DEATHS_REREAD`. ``events`` is read first: a notice written after the notices' read is bumped
-        after it too, and the next poll sees the bump."""
+        moment stale), the notices read again only when ``events`` moved or a replica is new, and those of the
+        ``awaited`` replicas (default: all) when older than :data:`DEATHS_REREAD`. ``events`` is read first: a
+        notice written after the notices' read is bumped after it too, and the next poll sees the bump. Only a
+        notice whose writer died before its bump goes unannounced, and only an awaited replica's stalls the round
+        (one that joined and died unannounced makes the group build fail, and the next round sees it): reading
+        every member's each second would cost N^2 notices a second for the job."""
         events = store.recent_count("events")
         now = time.monotonic()
-        stale = events < 0 or events != self.events or now - self.deaths_read > DEATHS_REREAD  # < 0: forged
-        if stale or not self.deaths.keys() >= set(replicas):
+        if events < 0 or events != self.events or not self.deaths.keys() >= set(replicas):  # < 0: forged
             self.deaths = store.deaths(replicas, recent=True)
             self.events, self.deaths_read = events, now
+        elif now - self.deaths_read > DEATHS_REREAD:
+            self.deaths.update(store.deaths(sorted(replicas if awaited is None else awaited), recent=True))
+            self.deaths_read = now
         return dead_among(replicas, incarnations, self.deaths)
 
 
@@ -221,7 +232,7 @@ class JoinRounds:
             self._reads = RoundReads(prefix)
         joined = joined_round(self.store, prefix, self.num_replicas, self.replica_size, self.by_view, self._reads)
         joined |= joined_too
-        dead = self._reads.dead(self.store, sorted(set(expected) | joined), expected)
+        dead = self._reads.dead(self.store, sorted(set(expected) | joined), expected, set(expected) - joined)
         return round_state(expected, joined, dead)
 
     def closing_members(self, number: int, expected: dict[int, int]) -> Optional[dict[str, str]]:

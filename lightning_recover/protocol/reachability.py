@@ -446,8 +446,8 @@ def fence_reason(store: ControlStore, replica: int, incarnation: int, number: in
 def probe_targets(store: ControlStore, replicas: Sequence[int], incarnations: Mapping[int, int]) -> dict[int, dict]:
     """``{r: {"host", "port", "inc"}}`` for the replicas whose given incarnation published a probe server."""
     targets = {}
-    for r in replicas:
-        value = store.get_genuine(f"reach/addr/{r}")
+    values = store.genuine_many([f"reach/addr/{r}" for r in replicas])  # one read, not one per replica
+    for r, value in zip(replicas, values):
         addr = json.loads(value) if value else None
         if addr and addr.get("inc") == incarnations.get(r):
             targets[r] = addr

@@ -132,7 +132,7 @@ def test_a_rounds_polls_read_each_join_once_and_the_list_when_it_grew():
 def test_a_rounds_polls_read_the_death_notices_again_when_events_moved(monkeypatch):
     """A round's polls read the death notices once and again only when ``events`` moved (every notice bumps it
     after it is written), or when what they read is older than ``DEATHS_REREAD``: a notice whose writer was killed
-    between the notice and the bump is seen then."""
+    between the notice and the bump is seen then, of the replicas the round still awaits."""
     secret = JobSecret.generate()
     coordinator = Coordinator("127.0.0.1", 0, 8, 1.0, secret)
     reader, writer = ControlStore(coordinator.addr, 0, secret), ControlStore(coordinator.addr, 1, secret)
@@ -150,6 +150,12 @@ def test_a_rounds_polls_read_the_death_notices_again_when_events_moved(monkeypat
     assert reads.dead(reader, replicas, incarnations) == {5}
     monkeypatch.setattr(join_rounds, "DEATHS_REREAD", 0.0)
     assert reads.dead(reader, replicas, incarnations) == {5, 6}
+    # Past DEATHS_REREAD only the notices of the replicas the round still awaits are read again.
+    writer.raw.set("dead/7", writer.sealer.seal("dead/7", b"1"))  # unannounced too
+    recorder.keys.clear()
+    assert reads.dead(reader, replicas, incarnations, awaited={2}) == {5, 6}
+    assert [k for k in recorder.keys if k.startswith("dead/")] == ["dead/2"]
+    assert reads.dead(reader, replicas, incarnations, awaited={7}) == {5, 6, 7}
 
 
 def test_death_notices_are_read_in_two_requests_and_each_opened_once_while_it_does_not_change(monkeypatch):
@@ -185,10 +191,9 @@ def test_death_notices_are_read_in_two_requests_and_each_opened_once_while_it_do
     assert reader.freshness.replays == {"dead/7": 1}
 
 
-def test_a_write_is_applied_by_the_coordinator_when_set_returns(tmp_path):
-    """A TCPStore client's own ``set`` returns before the server took it (no reply); the seam's waits for it. With
-    the coordinator stopped (SIGSTOP) the seam's ``set`` cannot return; once it runs again, a reader on another
-    connection that is told of the write after ``set`` returned finds the value."""
+@pytest.fixture
+def server_process(tmp_path):
+    """A TCPStore server in a process of its own (which a test may stop with SIGSTOP); yields (pid, port)."""
     ready = tmp_path / "port"
     server = subprocess.Popen(
         [
@@ -206,23 +211,76 @@ def test_a_write_is_applied_by_the_coordinator_when_set_returns(tmp_path):
         while not ready.exists():
             assert server.poll() is None and time.monotonic() < deadline, "the store server did not start"
             time.sleep(0.01)
-        port = int(ready.read_text())
-
-        def client() -> dist.TCPStore:
-            return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
-
-        writer, reader = CoordinatorStore(client()), client()
-        stop_process(server.pid)  # every thread stopped, the store's server thread too
-        returned = threading.Event()
-        thread = threading.Thread(target=lambda: (writer.set("g2/state", b"digest"), returned.set()), daemon=True)
-        thread.start()
-        assert not returned.wait(0.5), "set returned while the coordinator was stopped"
-        os.kill(server.pid, signal.SIGCONT)
-        assert returned.wait(60), "set did not return once the coordinator ran again"
-        assert reader.check(["g2/state"]) and reader.get("g2/state") == b"digest"
-        writer.compare_set("reg", b"", b"x", also=[("also/1", b"a"), ("also/2", b"b")])
-        assert reader.multi_get(["reg", "also/1", "also/2"]) == [b"x", b"a", b"b"]
+        yield server.pid, int(ready.read_text())
     finally:
         os.kill(server.pid, signal.SIGCONT)
         server.kill()
         server.wait(30)
+
+
+def _client_of(port: int) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+
+
+def test_a_write_is_applied_by_the_coordinator_when_set_returns(server_process):
+    """A TCPStore client's own ``set`` returns before the server took it (no reply); the seam's waits for it. With
+    the coordinator stopped (SIGSTOP) the seam's ``set`` cannot return; once it runs again, a reader on another
+    connection that is told of the write after ``set`` returned finds the value."""
+    pid, port = server_process
+    writer, reader = CoordinatorStore(_client_of(port)), _client_of(port)
+    stop_process(pid)  # every thread stopped, the store's server thread too
+    returned = threading.Event()
+    thread = threading.Thread(target=lambda: (writer.set("g2/state", b"digest"), returned.set()), daemon=True)
+    thread.start()
+    assert not returned.wait(0.5), "set returned while the coordinator was stopped"
+    os.kill(pid, signal.SIGCONT)
+    assert returned.wait(60), "set did not return once the coordinator ran again"
+    assert reader.check(["g2/state"]) and reader.get("g2/state") == b"digest"
+    writer.compare_set("reg", b"", b"x", also=[("also/1", b"a"), ("also/2", b"b")])
+    assert reader.multi_get(["reg", "also/1", "also/2"]) == [b"x", b"a", b"b"]
+
+
+class _GoneAndBack:
+    """A real TCPStore client around whose first batch read an outside client deletes ``victim`` (after the
+    ``check``), and writes it back before the next ``check``: the batch read times out although no key is gone
+    for good, as when the coordinator answered late. It and its clones list the requests they carry."""
+
+    def __init__(self, inner: dist.TCPStore, outside: dist.TCPStore, victim: str, requests: list[str]) -> None:
+        self.inner, self.outside, self.victim, self.requests = inner, outside, victim, requests
+
+    def check(self, keys: list[str]) -> bool:
+        self.requests.append("check")
+        if self.requests.count("check") == 2:
+            self.outside.set(self.victim, b"back")
+        found = self.inner.check(keys)
+        if self.requests.count("check") == 1:
+            self.outside.delete_key(self.victim)
+        return found
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self.requests.append("multi_get")
+        return self.inner.multi_get(keys)
+
+    def clone(self) -> _GoneAndBack:
+        self.requests.append("clone")
+        return _GoneAndBack(self.inner.clone(), self.outside, self.victim, self.requests)
+
+    def __getattr__(self, name: str):
+        if name != "set_timeout":
+            self.requests.append(name)
+        return getattr(self.inner, name)
+
+
+def test_a_batch_read_that_timed_out_is_asked_again_while_every_key_is_there(server):
+    """A batch read that timed out while the ``check`` after it finds every key there (a slow coordinator, not a
+    key gone) is asked again as a batch, with a longer timeout: N single reads would ask a coordinator already
+    slow N times. (A TCPStore client whose ``multi_get`` timed out waits for the server's answer to its cancel
+    anyway, so a stopped coordinator cannot stand in for a slow one here.)"""
+    client, outside = _client(server), _client(server)
+    keys = [f"dead/{r}" for r in range(64)]
+    for key in keys:
+        client.set(key, b"0")
+    requests: list[str] = []
+    store = CoordinatorStore(_GoneAndBack(client, outside, "dead/5", requests))  # type: ignore[arg-type]
+    assert store.peek_many(keys) == [b"0"] * 5 + [b"back"] + [b"0"] * 58
+    assert requests == ["check", "clone", "multi_get", "check", "clone", "multi_get"], requests
