@@ -3,9 +3,9 @@ group, and small-object exchanges (metrics, barrier, broadcast, writer election)
 
 Every wait is sliced: between slices the waiter looks for a failure of the generation (a member
 declared dead, a newer generation proposed), so a dead or hung peer is noticed within
-``polling.wait_slice`` (``SLICE``, longer on the embedded coordinator for a large job) rather than after a
-collective timeout. Any failure raises
-:class:`MembershipChanged`; the caller forms the next generation.
+``polling.wait_slice`` (``SLICE``, longer on the embedded coordinator for a large job) rather than
+after a collective timeout. Any failure raises :class:`MembershipChanged`; the caller forms the next
+generation.
 """
 
 from __future__ import annotations

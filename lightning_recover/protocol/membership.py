@@ -272,8 +272,8 @@ class Membership:
 
     def failure_seen(self) -> bool:
         """Cheap test (one store round trip when nothing changed, at most once per ``member_poll_period``; none on
-        etcd while its watched view is current): did the generation fail? The counter is a hint, read a moment stale at worst; what it
-        points at (the generation register, the death notices) is read directly."""
+        etcd while its watched view is current): did the generation fail? The counter is a hint, read a moment
+        stale at worst; what it points at (the generation register, the death notices) is read directly."""
         self.check_health()
         if not self._failure_polls.due(self.gen.size, bool(self.store.raw.views), time.monotonic()):
             return False
