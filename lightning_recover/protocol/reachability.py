@@ -16,12 +16,9 @@ generation's gloo group stalls on it. The heartbeat monitor alone never ends tha
    or rolls back the counter makes no replica skip a round). Each replica's
    :class:`ReachabilityResponder` (a thread beside the heartbeat, polling that counter once per
    heartbeat interval, and the sealed record at least every ``RECHECK_PERIOD``) probes every other
-   member's :class:`ProbeServer`, bound to the address its
-   data traffic uses, within ``probe_timeout``, and writes a sealed report ``reach/{n}/{r}``: the
-   members it reached and those it found cut (see 3). A probe is authenticated (the server answers a fresh nonce with an HMAC under
-   the job's secret, bound to its replica id and incarnation) so an unrelated process listening on
-   a reused address never counts as the peer; a TCP exchange needs both directions, so one probe
-   tests both.
+   member's probe server, bound to the address its data traffic uses, each within ``probe_timeout``
+   (``probes.py``: authenticated, up to ``PROBES_IN_FLIGHT`` at once from one thread), and writes a
+   sealed report ``reach/{n}/{r}``: the members it reached and those it found cut (see 3).
 3. **Decide**: once every member reported (or ``report_within`` passed), a link between two members is
    *cut* when either reported the other as cut (no connection: refused, unreachable, timed out, no
    probe server published, or an answer that is not the peer's). Only a cut is evidence of a partition:
@@ -40,7 +37,8 @@ generation's gloo group stalls on it. The heartbeat monitor alone never ends tha
 
 **Bound** (docs/protocol.md, "Network partitions"): a member cut off from its peers is declared dead
 at most ``suspect_after + report_within + 0.1`` seconds after the last member started waiting on the
-others, where ``report_within = 2 x probe_timeout + heartbeat_interval_max + 0.25``; the embedded
+others, where ``report_within = (probe_waves + 1) x probe_timeout + heartbeat_interval_max + 0.25`` and
+``probe_waves`` is 1 up to ``PROBES_IN_FLIGHT + 1`` members (one more per as many again); the embedded
 monitor uses ``suspect_after = heartbeat_timeout`` and ``probe_timeout = clamp(heartbeat_timeout / 2,
 0.5, 2)``. Typical: ``suspect_after + probe_timeout + one heartbeat interval``.
 
@@ -51,40 +49,30 @@ judge runs in the embedded coordinator's monitor and in any other backend's moni
 from __future__ import annotations
 
 import fcntl
-import hashlib
-import hmac
 import ipaddress
 import json
 import os
-import secrets
 import socket
 import struct
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 from lightning_recover.errors import ForgedMessageError
 from lightning_recover.protocol.messages import (
     ControlStore,
-    JobSecret,
     Sealer,
     mark_dead,
     peek,
     peek_all,
     read_death,
 )
+from lightning_recover.protocol.probes import CUT, REACHED, ProbeServer, Target, probe_all, probe_order, probe_waves
 
 # Phases in which a replica's main thread waits on its peers ("start": building the first group, or
 # a joiner's). A group all of whose live processes sit in these, without progress, waits on itself.
 WAITING_PHASES = frozenset({"reduce", "decide", "regroup", "exchange", "start"})
-_NONCE = 16
-_HELLO = b"LRP1"
-_MAX_HANDLERS = 64  # concurrent probe connections a server answers (more are refused: a flood costs nothing)
-#: A probe's outcomes: the peer proved who it is; no connection to it (evidence of a partition); connected
-#: but no answer in time (a starved or frozen peer: no evidence either way).
-REACHED, CUT, NO_ANSWER = "reached", "cut", "no answer"
 HEARTBEAT_INTERVAL_MAX = 0.5  # the longest heartbeat interval report_within allows for (seconds)
 #: The longest a responder goes without reading the sealed ``reach/round`` when the counter did not move
 #: (a counter rolled back by an unauthenticated client delays its answer by at most this).
@@ -96,14 +84,16 @@ def probe_timeout_for(heartbeat_timeout: float) -> float:
     return min(2.0, max(0.5, heartbeat_timeout / 2))
 
 
-def report_within_for(probe_timeout: float) -> float:
-    """How long the judge waits for the members' reports once a round is open."""
-    return 2 * probe_timeout + HEARTBEAT_INTERVAL_MAX + 0.25
+def report_within_for(probe_timeout: float, members: int = 2) -> float:
+    """How long the judge waits for the reports of a round of ``members`` once it is open: a member's probes of the
+    others (``probe_waves`` probe timeouts: one up to ``PROBES_IN_FLIGHT + 1`` members), one more probe timeout, a
+    heartbeat interval before its responder looks, 0.25 s for the store."""
+    return (probe_waves(members) + 1) * probe_timeout + HEARTBEAT_INTERVAL_MAX + 0.25
 
 
-def exclusion_bound(suspect_after: float, probe_timeout: float) -> float:
+def exclusion_bound(suspect_after: float, probe_timeout: float, members: int = 2) -> float:
     """Seconds from "the last member started waiting" to "the cut-off members are declared dead"."""
-    return suspect_after + report_within_for(probe_timeout) + 0.1
+    return suspect_after + report_within_for(probe_timeout, members) + 0.1
 
 
 # ---------------------------------------------------------------------------- the decision
@@ -177,94 +167,6 @@ def cut_evidence(reports: Mapping[int, Mapping], fenced: int, kept: Iterable[int
 
 
 # ---------------------------------------------------------------------------- the probe
-
-
-def _answer(key: bytes, nonce: bytes, replica: int, incarnation: int) -> bytes:
-    return hmac.new(key, b"lr-probe\x00" + nonce + f"{replica}:{incarnation}".encode(), hashlib.sha256).digest()
-
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("closed")
-        data += chunk
-    return data
-
-
-class ProbeServer:
-    """Answers authenticated probes on ``host`` (the address this replica's data traffic uses)."""
-
-    def __init__(self, host: str, secret: JobSecret, replica: int, incarnation: int) -> None:
-        self._key = secret.key
-        self.replica, self.incarnation = replica, incarnation
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, 0))  # only the data address, never every interface
-        self._sock.listen(128)
-        self.host, self.port = host, self._sock.getsockname()[1]
-        self._slots = threading.BoundedSemaphore(_MAX_HANDLERS)
-        self._closed = False
-        threading.Thread(target=self._serve, name=f"lr-probe-server-{replica}", daemon=True).start()
-
-    def _serve(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return  # closed
-            if not self._slots.acquire(blocking=False):
-                conn.close()
-                continue
-            threading.Thread(target=self._handle, args=(conn,), name="lr-probe-answer", daemon=True).start()
-
-    def _handle(self, conn: socket.socket) -> None:
-        try:
-            conn.settimeout(2.0)
-            hello = _recv_exactly(conn, len(_HELLO) + _NONCE)
-            if hello.startswith(_HELLO):
-                conn.sendall(_answer(self._key, hello[len(_HELLO) :], self.replica, self.incarnation))
-        except OSError:
-            pass  # a probe that went away: nothing to answer
-        finally:
-            conn.close()
-            self._slots.release()
-
-    def close(self) -> None:
-        self._closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
-
-
-def probe(host: str, port: int, secret: JobSecret, replica: int, incarnation: int, timeout: float) -> tuple[str, str]:
-    """Whether the server at ``host:port`` proved, within ``timeout``, that it is ``replica``'s incarnation
-    ``incarnation`` of this job (it knows the job's secret and answered our fresh nonce): :data:`REACHED`;
-    :data:`CUT` when no connection was made or the answer is not the peer's; :data:`NO_ANSWER` when the
-    connection was made (both directions carry packets) but no answer came in time. Returns the outcome and, for
-    any but :data:`REACHED`, what happened (the operator's evidence: "connection refused", "connect timed out")."""
-    nonce = secrets.token_bytes(_NONCE)
-    deadline = time.monotonic() + timeout
-    try:
-        sock = socket.create_connection((host, port), timeout=timeout)
-    except TimeoutError:
-        return CUT, f"connect to {host}:{port} timed out after {timeout:g}s"
-    except OSError as exc:
-        return CUT, f"connect to {host}:{port}: {exc.strerror or exc}"
-    with sock:
-        try:
-            sock.settimeout(max(0.01, deadline - time.monotonic()))
-            sock.sendall(_HELLO + nonce)
-            got = _recv_exactly(sock, 32)
-        except OSError as exc:  # a timeout, or the peer closed the connection unanswered (it is ending, or flooded)
-            return NO_ANSWER, f"connected to {host}:{port}, no answer ({exc.strerror or exc or 'timed out'})"
-    if hmac.compare_digest(got, _answer(secret.key, nonce, replica, incarnation)):
-        return REACHED, ""
-    return CUT, f"{host}:{port} answered, but not as this job's replica {replica} (incarnation {incarnation})"
 
 
 def data_address(coordinator_addr: str) -> str:
@@ -374,7 +276,7 @@ class ReachabilityResponder:
             return None  # answered already, or a round this incarnation is not part of
         self._answered = n
         others = [r for r in members if r != self.replica]
-        outcomes = reach(self._store, others, members, float(round_.get("probe_timeout", 1.0)))
+        outcomes = reach(self._store, others, members, float(round_.get("probe_timeout", 1.0)), self.replica)
         report = {
             "inc": self.incarnation,
             **{kind: sorted(r for r, (o, _) in outcomes.items() if o == kind) for kind in (REACHED, CUT)},
@@ -443,31 +345,30 @@ def fence_reason(store: ControlStore, replica: int, incarnation: int, number: in
     )
 
 
-def probe_targets(store: ControlStore, replicas: Sequence[int], incarnations: Mapping[int, int]) -> dict[int, dict]:
-    """``{r: {"host", "port", "inc"}}`` for the replicas whose given incarnation published a probe server."""
+def probe_targets(store: ControlStore, replicas: Sequence[int], incarnations: Mapping[int, int]) -> dict[int, Target]:
+    """The probe servers of the replicas whose given incarnation published one (``reach/addr/{r}``)."""
     targets = {}
     values = store.genuine_many([f"reach/addr/{r}" for r in replicas])  # one read, not one per replica
     for r, value in zip(replicas, values):
         addr = json.loads(value) if value else None
         if addr and addr.get("inc") == incarnations.get(r):
-            targets[r] = addr
+            targets[r] = Target(r, addr["host"], int(addr["port"]), int(addr["inc"]))
     return targets
 
 
 def reach(
-    store: ControlStore, others: Sequence[int], incarnations: Mapping[int, int], timeout: float
+    store: ControlStore,
+    others: Sequence[int],
+    incarnations: Mapping[int, int],
+    timeout: float,
+    me: int | None = None,
 ) -> dict[int, tuple[str, str]]:
-    """Each of ``others``' probe outcome and what happened (:func:`probe`), probed in parallel; :data:`CUT` for a
-    replica whose given incarnation published no probe server (``reach/addr/{r}``): nothing can reach it."""
+    """Each of ``others``' probe outcome and what happened (``probes.probe_all``, in ``me``'s
+    ``probes.probe_order``); :data:`CUT` for a replica whose given incarnation published no probe server
+    (``reach/addr/{r}``): nothing can reach it."""
     targets = probe_targets(store, others, incarnations)
     outcomes = {r: (CUT, "it published no probe server") for r in others if r not in targets}
-    if targets:
-        with ThreadPoolExecutor(max_workers=min(32, len(targets)), thread_name_prefix="lr-probe") as pool:
-            done = {
-                r: pool.submit(probe, a["host"], int(a["port"]), store.secret, r, int(a["inc"]), timeout)
-                for r, a in targets.items()
-            }
-        outcomes.update({r: future.result() for r, future in done.items()})
+    outcomes.update(probe_all([targets[r] for r in probe_order(me, targets)], store.secret, timeout))
     return outcomes
 
 
@@ -484,7 +385,8 @@ def wait_until_reachable(
         deaths = store.deaths(others)
         live = {r: inc for r, inc in incs.items() if inc > deaths[r]}
         targets = sorted(probe_targets(store, sorted(live), live))
-        missing = sorted(r for r, (outcome, _) in reach(store, targets, live, timeout).items() if outcome != REACHED)
+        outcomes = reach(store, targets, live, timeout, replica)
+        missing = sorted(r for r, (outcome, _) in outcomes.items() if outcome != REACHED)
         if not missing:
             return
         if missing != said:
@@ -522,7 +424,6 @@ class PartitionJudge:
         self.store, self.sealer = store, sealer
         self.suspect_after = suspect_after
         self.probe_timeout = probe_timeout
-        self.report_within = report_within_for(probe_timeout)
         self._log = log
         self._moved: dict[str, tuple[int, int, float]] = {}  # hb key -> (incarnation, count, when it last moved)
         self._round: tuple[int, dict[int, int], float] | None = None  # (number, members' incarnations, opened)
@@ -578,7 +479,7 @@ class PartitionJudge:
                 reports[r] = report
         dead = self._deaths(members)
         alive = {r: inc for r, inc in members.items() if dead[r] < inc}
-        if set(alive) - set(reports) and now - opened < self.report_within:
+        if set(alive) - set(reports) and now - opened < report_within_for(self.probe_timeout, len(members)):
             return []  # not everyone reported yet
         self._round = None
         self._quiet_until = now + self.suspect_after

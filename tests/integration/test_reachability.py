@@ -15,16 +15,12 @@ import pytest
 from lightning_recover.protocol.coordinator import Coordinator
 from lightning_recover.protocol.heartbeat import Heartbeat, Progress
 from lightning_recover.protocol.messages import ControlStore, JobSecret
+from lightning_recover.protocol.probes import CUT, NO_ANSWER, REACHED, ProbeServer, probe
 from lightning_recover.protocol.reachability import (
-    CUT,
-    NO_ANSWER,
-    REACHED,
-    ProbeServer,
     ReachabilityResponder,
     data_address,
     exclusion_bound,
     fence_reason,
-    probe,
     probe_timeout_for,
     wait_until_reachable,
 )

@@ -9,10 +9,13 @@ import time
 
 import pytest
 
+from lightning_recover.protocol.probes import PROBES_IN_FLIGHT, probe_order, probe_waves
 from lightning_recover.protocol.reachability import (
     cut_evidence,
+    exclusion_bound,
     largest_mutual_set,
     partition_verdict,
+    report_within_for,
     waits_on_its_data_network,
 )
 
@@ -137,3 +140,29 @@ def test_cut_evidence_names_each_end_that_reported_a_cut_link_and_what_it_saw():
 )
 def test_a_group_waits_on_its_data_network_only_outside_join_rounds(case, heartbeats, waits):
     assert waits_on_its_data_network(heartbeats) is waits, case
+
+
+def test_each_member_starts_its_probes_at_a_different_server():
+    """``probe_order``: the ids after the prober first, then those before it. With every member probing
+    ``PROBES_IN_FLIGHT`` at a time, each server is in the first window of exactly that many members (the
+    ones just before it), never of all of them at once."""
+    members = list(range(40))
+    orders = {me: probe_order(me, [r for r in members if r != me]) for me in members}
+    assert orders[0][:3] == [1, 2, 3] and orders[39][:3] == [0, 1, 2] and orders[5][-2:] == [3, 4]
+    assert all(sorted(o) == [r for r in members if r != me] for me, o in orders.items())
+    window = 8
+    first = [r for o in orders.values() for r in o[:window]]
+    assert all(first.count(r) == window for r in members)
+    assert probe_order(None, [3, 1, 2]) == [1, 2, 3]
+
+
+def test_the_report_wait_grows_only_past_one_wave_of_probes():
+    """A member's probes of the others take one probe timeout up to ``PROBES_IN_FLIGHT + 1`` members (the
+    report wait of a small job, 2 x P + 0.75 s), one more per ``PROBES_IN_FLIGHT`` members after that."""
+    p = 0.5
+    for members in (2, 3, PROBES_IN_FLIGHT + 1):
+        assert probe_waves(members) == 1
+        assert report_within_for(p, members) == pytest.approx(2 * p + 0.75)
+    assert probe_waves(PROBES_IN_FLIGHT + 2) == 2 and probe_waves(2 * PROBES_IN_FLIGHT + 1) == 2
+    assert report_within_for(p, 4 * PROBES_IN_FLIGHT + 1) == pytest.approx(5 * p + 0.75)
+    assert exclusion_bound(2.0, p, 1000) == pytest.approx(2.0 + report_within_for(p, 1000) + 0.1)

@@ -1,0 +1,174 @@
+"""A partition probe round at N replicas on one host: how long it takes, what it costs, and whether it stays right.
+
+Real: the embedded coordinator (its TCPStore server and its monitor with the partition judge, in this process), and
+per replica a ``ControlStore``, a ``Heartbeat`` and a ``ReachabilityResponder`` with its probe server, as a replica
+runs them; the replicas are threads of ``--processes`` worker processes. Every replica's heartbeat says it waits on
+its peers (phase ``reduce``) and makes no progress, so after ``suspect_after`` (the heartbeat timeout) the monitor
+opens a probe round, as it does when a group stalls: every member probes every other (N x (N-1) connections) and
+reports. Nothing is cut, so the right verdict keeps everyone.
+
+Per N: the round's time from its opening to the verdict (the judge decides once every member reported, or after
+``report_within``), the reports that came, the probes that got no answer in time (no evidence either way) and any
+link reported cut (a false cut: it would fence a healthy replica), the largest thread count of a worker process and
+the CPU seconds of the workers and of this process (the coordinator) from the round's opening to its verdict.
+
+Run against a checkout to compare (its package is imported first: ``PYTHONPATH=ROOT``)::
+
+    python benchmarks/probe_rounds.py --replicas 64,256,512 --json out.json
+    PYTHONPATH=/tmp/before python benchmarks/probe_rounds.py --replicas 64,256,512 --json before.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import lightning_recover
+from lightning_recover.protocol.coordinator import Coordinator
+from lightning_recover.protocol.messages import ControlStore, JobSecret
+
+# Run by each worker process: argv = coordinator address, the job secret (hex), heartbeat interval, replica ids.
+_WORKER = """
+import sys
+from lightning_recover.protocol.heartbeat import Heartbeat, Progress
+from lightning_recover.protocol.messages import ControlStore, JobSecret
+from lightning_recover.protocol.reachability import ReachabilityResponder
+addr, secret, interval = sys.argv[1], JobSecret(bytes.fromhex(sys.argv[2])), float(sys.argv[3])
+running = []
+for r in map(int, sys.argv[4].split(",")):
+    store = ControlStore(addr, r, secret, timeout=60.0)
+    inc = store.add(f"inc/{r}", 1)
+    progress = Progress()
+    progress.note("reduce", 0)
+    heartbeat = Heartbeat(store, r, inc, interval, progress)
+    heartbeat.start()
+    running.append((heartbeat, ReachabilityResponder(store, r, inc, interval)))
+print("ready", flush=True)
+sys.stdin.read()
+for heartbeat, responder in running:
+    responder.close()
+    heartbeat.stop()
+"""
+
+
+def _proc_cpu(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    return 0
+
+
+def one_round(replicas: int, processes: int, heartbeat_timeout: float, interval: float, limit: float) -> dict[str, Any]:
+    secret = JobSecret.generate()
+    coord = Coordinator("127.0.0.1", 0, replicas, heartbeat_timeout, secret, hang_timeout=3600.0)
+    stop = threading.Event()
+    monitor = threading.Thread(target=coord.monitor, args=(stop,), daemon=True)
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", TORCH_CPP_LOG_LEVEL="ERROR")
+    workers = []
+    try:
+        for p in range(processes):
+            ids = ",".join(str(r) for r in range(p, replicas, processes))
+            workers.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", _WORKER, coord.addr, secret.hex(), str(interval), ids],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    env=env,
+                )
+            )
+        for w in workers:
+            if w.stdout.readline().strip() != "ready":
+                raise RuntimeError("a worker process failed to start its replicas")
+        store = ControlStore(coord.addr, 0, secret, timeout=60.0)
+        monitor.start()
+        began = time.monotonic()
+        while store.add("reach/rounds", 0) == 0:
+            if time.monotonic() - began > heartbeat_timeout + limit:
+                raise RuntimeError("no probe round opened")
+            time.sleep(0.01)
+        opened = time.monotonic()
+        cpu0 = {w.pid: _proc_cpu(w.pid) for w in workers}
+        own0 = _proc_cpu(os.getpid())
+        peak = 0
+        while not store.has("reach/1/verdict"):
+            peak = max([peak] + [_threads(w.pid) for w in workers])
+            if time.monotonic() - opened > limit:
+                raise RuntimeError(f"no verdict within {limit}s of the round's opening")
+            time.sleep(0.05)
+        took = time.monotonic() - opened
+        workers_cpu = sum(_proc_cpu(w.pid) - cpu0[w.pid] for w in workers)
+        own_cpu = _proc_cpu(os.getpid()) - own0
+        verdict = json.loads(store.get_genuine("reach/1/verdict"))
+        reports = [store.get_genuine(f"reach/1/{r}") for r in range(replicas)]
+        got = [json.loads(r) for r in reports if r is not None]
+        reached = sum(len(r["reached"]) for r in got)
+        cut = sum(len(r["cut"]) for r in got)
+        dead = store.deaths(list(range(replicas)))
+        return {
+            "replicas": replicas,
+            "processes": processes,
+            "round_s": took,
+            "reports": len(got),
+            "probes_reached": reached,
+            "probes_cut": cut,
+            "probes_no_answer": len(got) * (replicas - 1) - reached - cut,
+            "kept": len(verdict["keep"]),
+            "fenced": sorted(int(r) for r in verdict["fenced"]),
+            "declared_dead": sorted(r for r, inc in dead.items() if inc),
+            "worker_threads_peak": peak,
+            "workers_cpu_s": workers_cpu,
+            "coordinator_cpu_s": own_cpu,
+        }
+    finally:
+        stop.set()
+        for w in workers:
+            try:
+                w.stdin.close()
+            except OSError:
+                pass
+        for w in workers:
+            try:
+                w.wait(60)
+            except subprocess.TimeoutExpired:
+                w.kill()
+                w.wait()
+        monitor.join(10)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--replicas", default="64,256,512")
+    ap.add_argument("--processes", type=int, default=16)
+    ap.add_argument("--heartbeat-timeout", type=float, default=10.0, help="also the judge's suspect_after")
+    ap.add_argument("--interval", type=float, default=1.0, help="heartbeat interval")
+    ap.add_argument("--limit", type=float, default=300.0, help="seconds a round may take before the run fails")
+    ap.add_argument("--json", required=True)
+    args = ap.parse_args()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(lightning_recover.__file__)))
+    commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    runs = []
+    for n in (int(x) for x in args.replicas.split(",")):
+        run = one_round(n, min(args.processes, n), args.heartbeat_timeout, args.interval, args.limit)
+        print(json.dumps(run), flush=True)
+        runs.append(run)
+    out = {"package": root, "commit": commit.stdout.strip(), "config": vars(args), "runs": runs}
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
