@@ -38,6 +38,8 @@ from lightning_recover.protocol.messages import JobSecret
 REACHED, CUT, NO_ANSWER = "reached", "cut", "no answer"
 #: Probes one member has open at once: a round's report is ready within ``probe_waves(N)`` probe timeouts.
 PROBES_IN_FLIGHT = 256
+#: Peers each member probes in a sampled round (``reachability.py``: the first round of a group of more members).
+SAMPLE_PEERS = 16
 _HELLO = b"LRP1"
 _NONCE = 16
 _ANSWER = 32  # bytes of the HMAC-SHA256 answer
@@ -56,6 +58,19 @@ def probe_order(me: Optional[int], others: Iterable[int]) -> list[int]:
     """``others`` in the order ``me`` probes them: the ids after ``me`` ascending, then those before it, so that
     every member starts with a different server (``me`` None: ascending)."""
     return sorted(others, key=lambda r: (me is not None and r <= me, r))
+
+
+def round_peers(me: int, members: Iterable[int], sample: int, number: int) -> list[int]:
+    """Whom ``me`` probes in round ``number``: every other member, or where ``sample`` is smaller than their count,
+    ``sample`` of them: those ``k`` places after ``me`` in the ring of sorted ids for ``sample`` consecutive ``k``,
+    starting ``number x sample`` places on. Each member is then probed by ``sample`` others, and the rounds numbered
+    ``m`` to ``m + ceil((N - 1) / sample) - 1`` together probe every link."""
+    ring = sorted(members)
+    n = len(ring)
+    if not sample or sample >= n - 1:
+        return [r for r in ring if r != me]
+    i = ring.index(me)
+    return [ring[(i + (number * sample + j) % (n - 1) + 1) % n] for j in range(sample)]
 
 
 def probe_waves(members: int) -> int:

@@ -10,15 +10,19 @@ generation's gloo group stalls on it. The heartbeat monitor alone never ends tha
    in a phase that waits on peers (reduce, decide, regroup, exchange, or building its first group)
    and none made progress. A slow peer does not qualify: it is computing, not waiting. Nor does a
    group whose members wait in a join round: that waits on the control plane, not the data network.
-2. **Probe**: the judge opens a round (sealed ``reach/round`` holding its number and the live replicas
-   with their incarnations; the unsealed counter ``reach/rounds`` only wakes the responders: which round
+2. **Probe**: the judge opens a round (sealed ``reach/round`` holding its number, the live replicas
+   with their incarnations and how many peers each probes; the unsealed counter ``reach/rounds`` only wakes the responders: which round
    is open, and its number, come from the sealed record alone, so a client without the secret who bumps
    or rolls back the counter makes no replica skip a round). Each replica's
    :class:`ReachabilityResponder` (a thread beside the heartbeat, polling that counter once per
-   heartbeat interval, and the sealed record at least every ``RECHECK_PERIOD``) probes every other
-   member's probe server, bound to the address its data traffic uses, each within ``probe_timeout``
+   heartbeat interval, and the sealed record at least every ``RECHECK_PERIOD``) probes the other
+   members' probe servers, bound to the address their data traffic uses, each within ``probe_timeout``
    (``probes.py``: authenticated, up to ``PROBES_IN_FLIGHT`` at once from one thread), and writes a
-   sealed report ``reach/{n}/{r}``: the members it reached and those it found cut (see 3).
+   sealed report ``reach/{n}/{r}``: the members it reached and those it found cut (see 3). In a group of
+   more than ``SAMPLE_PEERS + 1`` members the first round is a sample: each member probes ``SAMPLE_PEERS``
+   others (``probes.round_peers``, rotating with the round's number), so a round that finds no cut,
+   which a slow group's stall is, costs ``N x SAMPLE_PEERS`` connections rather than ``N x (N - 1)``; a
+   cut found there opens a round of every link at once.
 3. **Decide**: once every member reported (or ``report_within`` passed), a link between two members is
    *cut* when either reported the other as cut (no connection: refused, unreachable, timed out, no
    probe server published, or an answer that is not the peer's). Only a cut is evidence of a partition:
@@ -35,10 +39,13 @@ generation's gloo group stalls on it. The heartbeat monitor alone never ends tha
    restarted (torchrun agent, launcher), it waits to ask to rejoin until it reaches every live member
    (:func:`wait_until_reachable`), so a host still cut off never stalls the group again.
 
-**Bound** (docs/protocol.md, "Network partitions"): a member cut off from its peers is declared dead
-at most ``suspect_after + report_within + 0.1`` seconds after the last member started waiting on the
-others, where ``report_within = (probe_waves + 1) x probe_timeout + heartbeat_interval_max + 0.25`` and
-``probe_waves`` is 1 up to ``PROBES_IN_FLIGHT + 1`` members (one more per as many again); the embedded
+**Bound** (docs/protocol.md, "Network partitions"; :func:`exclusion_bound`): a member cut off from its
+peers is declared dead at most ``suspect_after + report_within + 0.1`` seconds after the last member
+started waiting on the others, where ``report_within = (probe_waves + 1) x probe_timeout +
+heartbeat_interval_max + 0.25`` and ``probe_waves`` is 1 up to ``PROBES_IN_FLIGHT + 1`` members (one more
+per as many again); in a group of more than ``SAMPLE_PEERS + 1``, plus the sampled round's own
+``report_within`` when a link it probed is cut (always, for a member cut off from all its peers); a cut
+between two members that no sampled round probes is found by a later round (the samples rotate); the embedded
 monitor uses ``suspect_after = heartbeat_timeout`` and ``probe_timeout = clamp(heartbeat_timeout / 2,
 0.5, 2)``. Typical: ``suspect_after + probe_timeout + one heartbeat interval``.
 
@@ -58,6 +65,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import NamedTuple
 
 from lightning_recover.errors import ForgedMessageError
 from lightning_recover.protocol.messages import (
@@ -68,7 +76,17 @@ from lightning_recover.protocol.messages import (
     peek_all,
     read_death,
 )
-from lightning_recover.protocol.probes import CUT, REACHED, ProbeServer, Target, probe_all, probe_order, probe_waves
+from lightning_recover.protocol.probes import (
+    CUT,
+    REACHED,
+    SAMPLE_PEERS,
+    ProbeServer,
+    Target,
+    probe_all,
+    probe_order,
+    probe_waves,
+    round_peers,
+)
 
 # Phases in which a replica's main thread waits on its peers ("start": building the first group, or
 # a joiner's). A group all of whose live processes sit in these, without progress, waits on itself.
@@ -91,9 +109,16 @@ def report_within_for(probe_timeout: float, members: int = 2) -> float:
     return (probe_waves(members) + 1) * probe_timeout + HEARTBEAT_INTERVAL_MAX + 0.25
 
 
-def exclusion_bound(suspect_after: float, probe_timeout: float, members: int = 2) -> float:
-    """Seconds from "the last member started waiting" to "the cut-off members are declared dead"."""
-    return suspect_after + report_within_for(probe_timeout, members) + 0.1
+def exclusion_bound(
+    suspect_after: float, probe_timeout: float, members: int = 2, sample_peers: int = SAMPLE_PEERS
+) -> float:
+    """Seconds from "the last member started waiting" to "the cut-off members are declared dead", in a group of
+    ``members``; in one of more than ``sample_peers + 1``, for a member with a cut link among those its first
+    (sampled) round probes, as one cut off from all its peers has: that round, then a round of every link."""
+    rounds = report_within_for(probe_timeout, members)
+    if members - 1 > sample_peers:
+        rounds += report_within_for(probe_timeout, sample_peers + 1)
+    return suspect_after + rounds + 0.1
 
 
 # ---------------------------------------------------------------------------- the decision
@@ -275,7 +300,7 @@ class ReachabilityResponder:
         if n <= self._answered or members.get(self.replica) != self.incarnation:
             return None  # answered already, or a round this incarnation is not part of
         self._answered = n
-        others = [r for r in members if r != self.replica]
+        others = round_peers(self.replica, members, int(round_.get("sample") or 0), n)
         outcomes = reach(self._store, others, members, float(round_.get("probe_timeout", 1.0)), self.replica)
         report = {
             "inc": self.incarnation,
@@ -411,6 +436,22 @@ def waits_on_its_data_network(heartbeats: Iterable[dict]) -> bool:
     return all(hb.get("phase") in WAITING_PHASES and not hb.get("joining") for hb in heartbeats)
 
 
+class _OpenRound(NamedTuple):
+    number: int
+    members: dict[int, int]  # replica -> incarnation
+    opened: float
+    sample: int  # peers each member probes (0: all)
+
+    def report_within(self, probe_timeout: float) -> float:
+        return report_within_for(probe_timeout, self.sample + 1 if self.sample else len(self.members))
+
+
+def _named(replicas: Iterable[int]) -> str:
+    """Replica ids for a log line: all of a few, else how many and the first ones."""
+    ids = sorted(replicas)
+    return str(ids) if len(ids) <= 16 else f"{len(ids)} replicas ({', '.join(map(str, ids[:8]))}, ...)"
+
+
 class PartitionJudge:
     """Run by the monitor: opens probe rounds when the group waits on itself, fences who is cut off.
 
@@ -419,14 +460,21 @@ class PartitionJudge:
     client: get, set, add, check, compare_set) and ``sealer``."""
 
     def __init__(
-        self, store, sealer: Sealer, suspect_after: float, probe_timeout: float, log: Callable[[str], None] = print
+        self,
+        store,
+        sealer: Sealer,
+        suspect_after: float,
+        probe_timeout: float,
+        log: Callable[[str], None] = print,
+        sample_peers: int = SAMPLE_PEERS,
     ) -> None:
         self.store, self.sealer = store, sealer
         self.suspect_after = suspect_after
         self.probe_timeout = probe_timeout
+        self.sample_peers = sample_peers  # a larger group's first round: peers each member probes
         self._log = log
         self._moved: dict[str, tuple[int, int, float]] = {}  # hb key -> (incarnation, count, when it last moved)
-        self._round: tuple[int, dict[int, int], float] | None = None  # (number, members' incarnations, opened)
+        self._round: _OpenRound | None = None
         self._quiet_until = 0.0  # no new round before this (after a round that found no partition)
 
     def observe(self, now: float, heartbeats: Mapping[str, tuple[int, dict]], progressed_at: float = 0.0) -> list[int]:
@@ -448,21 +496,30 @@ class PartitionJudge:
         live = {r: int(hb["inc"]) for r, hb in heartbeats.values() if dead.get(r, 0) < int(hb["inc"])}
         if len(live) < 2 or not waits_on_its_data_network([hb for r, hb in heartbeats.values() if r in live]):
             return []
+        # A large group first probes a sample of links (sample_peers per member); only a cut found there costs
+        # every link, which a sound verdict needs (the largest set with no cut link among its members).
+        sample = self.sample_peers if len(live) - 1 > self.sample_peers else 0
+        self._open(
+            live,
+            now,
+            sample,
+            f"every live replica {_named(live)} waited on the others for {now - stalled_since:.2f}s without "
+            "progress: probing their data network",
+        )
+        return []
+
+    def _open(self, live: dict[int, int], now: float, sample: int, why: str) -> None:
         # The number after both the counter and the last sealed round: a counter rolled back or pushed on by an
         # unauthenticated client neither reuses a number nor hides the round (responders read the sealed one).
         last = _read_sealed_json(self.store, self.sealer, "reach/round") or {}
         number = max(int(self.store.add("reach/rounds", 0)), int(last.get("round", 0) or 0)) + 1
         key = "reach/round"
         members = {str(r): inc for r, inc in sorted(live.items())}
-        body = json.dumps({"round": number, "members": members, "probe_timeout": self.probe_timeout})
+        body = json.dumps({"round": number, "members": members, "probe_timeout": self.probe_timeout, "sample": sample})
         self.store.set(key, self.sealer.seal(key, body.encode()))
         self.store.add("reach/rounds", 1)
-        self._round = (number, live, now)
-        self._log(
-            f"[coordinator] every live replica {sorted(live)} waited on the others for {now - stalled_since:.2f}s "
-            f"without progress: probing their data network (round {number})"
-        )
-        return []
+        self._round = _OpenRound(number, live, now, sample)
+        self._log(f"[coordinator] {why} (round {number}{f', {sample} peers each' if sample else ''})")
 
     def _deaths(self, replicas: Iterable[int]) -> dict[int, int]:
         replicas = sorted(set(replicas))
@@ -471,7 +528,7 @@ class PartitionJudge:
         return {r: read_death(self.sealer, r, v) if v is not None else 0 for r, v in zip(replicas, raw)}
 
     def _maybe_decide(self, now: float) -> list[int]:
-        number, members, opened = self._round
+        number, members, opened, sample = self._round
         reports: dict[int, dict] = {}
         for r, inc in members.items():
             report = _read_sealed_json(self.store, self.sealer, f"reach/{number}/{r}")
@@ -479,16 +536,18 @@ class PartitionJudge:
                 reports[r] = report
         dead = self._deaths(members)
         alive = {r: inc for r, inc in members.items() if dead[r] < inc}
-        if set(alive) - set(reports) and now - opened < report_within_for(self.probe_timeout, len(members)):
+        if set(alive) - set(reports) and now - opened < self._round.report_within(self.probe_timeout):
             return []  # not everyone reported yet
         self._round = None
+        cut = {r: [int(s) for s in report.get(CUT, [])] for r, report in reports.items() if r in alive}
+        if sample and any(cut.values()):
+            self._open(alive, now, 0, f"round {number} found links cut among its samples: probing every link")
+            return []
         self._quiet_until = now + self.suspect_after
         if not reports:
             self._log(f"[coordinator] round {number}: no replica reported; nothing decided")
             return []
-        keep, fenced = partition_verdict(
-            alive, {r: [int(s) for s in report.get(CUT, [])] for r, report in reports.items() if r in alive}
-        )
+        keep, fenced = partition_verdict(alive, cut)
         verdict_key = f"reach/{number}/verdict"
         body = json.dumps(
             {
@@ -502,10 +561,12 @@ class PartitionJudge:
         self.store.set(verdict_key, self.sealer.seal(verdict_key, body.encode()))
         if not fenced:
             heard = {r: {int(s) for s in report.get(REACHED, [])} for r, report in reports.items()}
-            unsure = [r for r in sorted(alive) if not set(alive) - {r} <= heard.get(r, set())]
+            probed = {r: set(round_peers(r, members, sample, number)) & set(alive) for r in alive}
+            unsure = [r for r in sorted(alive) if not probed[r] <= heard.get(r, set())]
             self._log(
-                f"[coordinator] round {number}: no link between replicas is cut (no partition)"
-                + (f"; replicas {unsure} did not report, or not every answer came, in time" if unsure else "")
+                f"[coordinator] round {number}: no link between replicas is cut (no partition"
+                + (f" on the {sample} links each member probed)" if sample else ")")
+                + (f"; replicas {_named(unsure)} did not report, or not every answer came, in time" if unsure else "")
             )
             return []
         for r in sorted(fenced):

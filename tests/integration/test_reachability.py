@@ -17,6 +17,7 @@ from lightning_recover.protocol.heartbeat import Heartbeat, Progress
 from lightning_recover.protocol.messages import ControlStore, JobSecret
 from lightning_recover.protocol.probes import CUT, NO_ANSWER, REACHED, ProbeServer, probe
 from lightning_recover.protocol.reachability import (
+    PartitionJudge,
     ReachabilityResponder,
     data_address,
     exclusion_bound,
@@ -302,3 +303,81 @@ def test_data_address_follows_gloo_and_says_how_to_fix_a_wrong_interface(monkeyp
     monkeypatch.delenv("GLOO_SOCKET_IFNAME")
     for addr in ("127.0.0.1:29600", "etcd://127.0.0.1:2379,127.0.0.1:2380"):  # an etcd URL: its first member
         socket.inet_aton(data_address(addr))  # an IPv4 address of this host, as gloo would pick it
+
+
+SAMPLE = 2  # peers each member probes in a sampled round of the judge below
+LARGE = SAMPLE + 4  # a group whose first round is a sample
+
+
+def _judged(coord, secret, cut_off=None):
+    """LARGE replicas' stores and responders (one's probe address refusing connections if ``cut_off``), and a
+    judge with a sample of SAMPLE peers run as the monitor runs it: on each pass the replicas' heartbeats, all
+    waiting on their peers (phase ``reduce``) without progress."""
+    stores = [ControlStore(coord.addr, r, secret, timeout=5.0) for r in range(LARGE)]
+    incs = [store.add(f"inc/{r}", 1) for r, store in enumerate(stores)]
+    responders = [ReachabilityResponder(store, r, inc, 0.05) for r, (store, inc) in enumerate(zip(stores, incs))]
+    judge = PartitionJudge(stores[0].raw, coord.sealer, HEARTBEAT_TIMEOUT, PROBE_TIMEOUT, sample_peers=SAMPLE)
+    beats = {f"hb/{r}": (r, {"inc": inc, "count": 0, "phase": "reduce"}) for r, inc in enumerate(incs)}
+    return stores, responders, judge, beats
+
+
+def _judge_until(judge, beats, done, bound: float) -> float:
+    """Pass the judge until ``done()`` (at most ``bound`` plus 1 s of slack after the group started waiting);
+    returns the seconds it took."""
+    start = time.monotonic()
+    judge.observe(start, beats)  # the group starts waiting now
+    while not done() and time.monotonic() < start + bound + 1.0:
+        judge.observe(time.monotonic(), beats)
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
+PROBE_TIMEOUT = probe_timeout_for(HEARTBEAT_TIMEOUT)
+
+
+def test_a_large_group_probes_a_sample_then_every_link_once_a_cut_is_found(coordinator, monkeypatch):
+    """More members than the judge's sample + 1, the last one's probe address refuses connections: the first round
+    probes SAMPLE links per member and finds some of that member's links cut; a round of every link follows at once
+    and fences it, within the bound for a group of that size."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    coord, secret = coordinator
+    stores, responders, judge, beats = _judged(coord, secret)
+    store, cut_off = stores[0], LARGE - 1
+    with socket.socket() as closed:
+        _publish_probe_address(store, cut_off, 1, closed, listen=False)
+        try:
+            bound = exclusion_bound(HEARTBEAT_TIMEOUT, PROBE_TIMEOUT, LARGE, SAMPLE)
+            took = _judge_until(judge, beats, lambda: store.deaths([cut_off])[cut_off] > 0, bound)
+            assert store.deaths([cut_off])[cut_off] == 1, f"after {took:.2f}s"
+            first = [json.loads(store.get(f"reach/1/{r}")) for r in range(LARGE - 1)]
+            assert all(len(report["reached"]) + len(report["cut"]) == SAMPLE for report in first), first
+            assert sum(cut_off in report["cut"] for report in first) == SAMPLE  # its probers, each found it
+            assert json.loads(store.get_genuine("reach/round"))["round"] == 2
+            assert store.get_genuine("reach/1/verdict") is None, "a sample that found a cut decides nothing"
+            verdict = json.loads(store.get("reach/2/verdict"))
+            assert verdict["keep"] == list(range(LARGE - 1)) and list(verdict["fenced"]) == [str(cut_off)]
+            assert len(json.loads(store.get("reach/2/0"))["reached"]) == LARGE - 2, "every link this time"
+        finally:
+            for responder in responders:
+                responder.close()
+
+
+def test_a_large_group_that_reaches_itself_probes_only_its_sample(coordinator, monkeypatch):
+    """The same group with no link cut (the stall was something else): one round of SAMPLE probes per member, no
+    round of every link, nobody fenced."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    coord, secret = coordinator
+    stores, responders, judge, beats = _judged(coord, secret)
+    store = stores[0]
+    try:
+        bound = exclusion_bound(HEARTBEAT_TIMEOUT, PROBE_TIMEOUT, LARGE, SAMPLE)
+        _judge_until(judge, beats, lambda: store.get_genuine("reach/1/verdict") is not None, bound)
+        verdict = json.loads(store.get("reach/1/verdict"))
+        assert verdict["keep"] == list(range(LARGE)) and verdict["fenced"] == {}
+        reports = [json.loads(store.get(f"reach/1/{r}")) for r in range(LARGE)]
+        assert all(len(report["reached"]) == SAMPLE and not report["cut"] for report in reports), reports
+        assert json.loads(store.get_genuine("reach/round"))["round"] == 1, "no round of every link"
+        assert store.deaths(list(range(LARGE))) == dict.fromkeys(range(LARGE), 0)
+    finally:
+        for responder in responders:
+            responder.close()

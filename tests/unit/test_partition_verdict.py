@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from lightning_recover.protocol.probes import PROBES_IN_FLIGHT, probe_order, probe_waves
+from lightning_recover.protocol.probes import PROBES_IN_FLIGHT, SAMPLE_PEERS, probe_order, probe_waves, round_peers
 from lightning_recover.protocol.reachability import (
     cut_evidence,
     exclusion_bound,
@@ -165,4 +165,30 @@ def test_the_report_wait_grows_only_past_one_wave_of_probes():
         assert report_within_for(p, members) == pytest.approx(2 * p + 0.75)
     assert probe_waves(PROBES_IN_FLIGHT + 2) == 2 and probe_waves(2 * PROBES_IN_FLIGHT + 1) == 2
     assert report_within_for(p, 4 * PROBES_IN_FLIGHT + 1) == pytest.approx(5 * p + 0.75)
-    assert exclusion_bound(2.0, p, 1000) == pytest.approx(2.0 + report_within_for(p, 1000) + 0.1)
+
+
+def test_a_sampled_round_probes_each_member_equally_and_rotates_over_every_link():
+    """``round_peers`` with a sample smaller than the group: each member probes ``sample`` distinct others and is
+    probed by as many; ceil((N - 1) / sample) consecutive rounds probe every link; a sample as large as the group
+    is every other member."""
+    members = list(range(40))
+    for number in (1, 2, 7):
+        peers = {me: round_peers(me, members, SAMPLE_PEERS, number) for me in members}
+        assert all(len(set(p)) == SAMPLE_PEERS and me not in p for me, p in peers.items())
+        assert all(sum(r in p for p in peers.values()) == SAMPLE_PEERS for r in members)
+    rounds = -(-(len(members) - 1) // SAMPLE_PEERS)
+    probed = {
+        (me, r) for n in range(5, 5 + rounds) for me in members for r in round_peers(me, members, SAMPLE_PEERS, n)
+    }
+    assert probed == {(a, b) for a in members for b in members if a != b}
+    small = list(range(SAMPLE_PEERS + 1))
+    assert round_peers(3, small, SAMPLE_PEERS, 1) == [r for r in small if r != 3]
+    assert round_peers(3, members, 0, 1) == [r for r in members if r != 3]
+
+
+def test_the_bound_of_a_large_group_adds_its_sampled_round():
+    p = 1.0
+    small = SAMPLE_PEERS + 1
+    assert exclusion_bound(5.0, p, small) == pytest.approx(5.0 + report_within_for(p, small) + 0.1)
+    large = SAMPLE_PEERS + 2
+    assert exclusion_bound(5.0, p, large) == pytest.approx(5.0 + 2 * report_within_for(p, small) + 0.1)
