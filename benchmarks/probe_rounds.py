@@ -33,7 +33,8 @@ import lightning_recover
 from lightning_recover.protocol.coordinator import Coordinator
 from lightning_recover.protocol.messages import ControlStore, JobSecret
 
-# Run by each worker process: argv = coordinator address, the job secret (hex), heartbeat interval, replica ids.
+# Run by each worker process: argv = coordinator address, the job secret (hex), heartbeat interval, replica ids, the
+# replica whose data network is cut (-1: none).
 _WORKER = """
 import sys
 from lightning_recover.protocol.heartbeat import Heartbeat, Progress
@@ -49,6 +50,14 @@ for r in map(int, sys.argv[4].split(",")):
     heartbeat = Heartbeat(store, r, inc, interval, progress)
     heartbeat.start()
     running.append((heartbeat, ReachabilityResponder(store, r, inc, interval)))
+cut_off = int(sys.argv[5])
+if cut_off in {int(r) for r in sys.argv[4].split(",")}:  # its data network cut: its probe port refuses connections
+    import json, socket
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    store = ControlStore(addr, cut_off, secret, timeout=60.0)
+    inc = int(store.add(f"inc/{cut_off}", 0))
+    store.set(f"reach/addr/{cut_off}", json.dumps({"inc": inc, "host": "127.0.0.1", "port": closed.getsockname()[1]}))
 print("ready", flush=True)
 sys.stdin.read()
 for heartbeat, responder in running:
@@ -71,7 +80,9 @@ def _threads(pid: int) -> int:
     return 0
 
 
-def one_round(replicas: int, processes: int, heartbeat_timeout: float, interval: float, limit: float) -> dict[str, Any]:
+def one_round(
+    replicas: int, processes: int, heartbeat_timeout: float, interval: float, limit: float, cut_off: int = -1
+) -> dict[str, Any]:
     secret = JobSecret.generate()
     coord = Coordinator("127.0.0.1", 0, replicas, heartbeat_timeout, secret, hang_timeout=3600.0)
     stop = threading.Event()
@@ -83,7 +94,7 @@ def one_round(replicas: int, processes: int, heartbeat_timeout: float, interval:
             ids = ",".join(str(r) for r in range(p, replicas, processes))
             workers.append(
                 subprocess.Popen(
-                    [sys.executable, "-c", _WORKER, coord.addr, secret.hex(), str(interval), ids],
+                    [sys.executable, "-c", _WORKER, coord.addr, secret.hex(), str(interval), ids, str(cut_off)],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     text=True,
@@ -103,8 +114,9 @@ def one_round(replicas: int, processes: int, heartbeat_timeout: float, interval:
         opened = time.monotonic()
         cpu0 = {w.pid: _proc_cpu(w.pid) for w in workers}
         own0 = _proc_cpu(os.getpid())
-        peak = 0
-        while not store.has("reach/1/verdict"):
+        peak, number = 0, 1
+        while not store.has(f"reach/{number}/verdict"):  # a sampled round that found a cut opens another at once
+            number = store.add("reach/rounds", 0)
             peak = max([peak] + [_threads(w.pid) for w in workers])
             if time.monotonic() - opened > limit:
                 raise RuntimeError(f"no verdict within {limit}s of the round's opening")
@@ -112,8 +124,10 @@ def one_round(replicas: int, processes: int, heartbeat_timeout: float, interval:
         took = time.monotonic() - opened
         workers_cpu = sum(_proc_cpu(w.pid) - cpu0[w.pid] for w in workers)
         own_cpu = _proc_cpu(os.getpid()) - own0
-        verdict = json.loads(store.get_genuine("reach/1/verdict"))
-        reports = [store.get_genuine(f"reach/1/{r}") for r in range(replicas)]
+        verdict = json.loads(store.get_genuine(f"reach/{number}/verdict"))
+        # each member of the decided round probed its sample, or (a round of every link) all the others
+        peers = int(json.loads(store.get_genuine("reach/round")).get("sample") or 0) or replicas - 1
+        reports = [store.get_genuine(f"reach/{number}/{r}") for r in range(replicas)]
         got = [json.loads(r) for r in reports if r is not None]
         reached = sum(len(r["reached"]) for r in got)
         cut = sum(len(r["cut"]) for r in got)
@@ -121,11 +135,14 @@ def one_round(replicas: int, processes: int, heartbeat_timeout: float, interval:
         return {
             "replicas": replicas,
             "processes": processes,
+            "cut_off": cut_off,
+            "rounds": number,
             "round_s": took,
+            "peers_probed_each": peers,
             "reports": len(got),
             "probes_reached": reached,
             "probes_cut": cut,
-            "probes_no_answer": len(got) * (replicas - 1) - reached - cut,
+            "probes_no_answer": len(got) * peers - reached - cut,
             "kept": len(verdict["keep"]),
             "fenced": sorted(int(r) for r in verdict["fenced"]),
             "declared_dead": sorted(r for r, inc in dead.items() if inc),
@@ -156,13 +173,14 @@ def main() -> None:
     ap.add_argument("--heartbeat-timeout", type=float, default=10.0, help="also the judge's suspect_after")
     ap.add_argument("--interval", type=float, default=1.0, help="heartbeat interval")
     ap.add_argument("--limit", type=float, default=300.0, help="seconds a round may take before the run fails")
+    ap.add_argument("--cut-off", type=int, default=-1, help="a replica whose probe port refuses connections (-1: none)")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
     root = os.path.dirname(os.path.dirname(os.path.abspath(lightning_recover.__file__)))
     commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     runs = []
     for n in (int(x) for x in args.replicas.split(",")):
-        run = one_round(n, min(args.processes, n), args.heartbeat_timeout, args.interval, args.limit)
+        run = one_round(n, min(args.processes, n), args.heartbeat_timeout, args.interval, args.limit, args.cut_off)
         print(json.dumps(run), flush=True)
         runs.append(run)
     out = {"package": root, "commit": commit.stdout.strip(), "config": vars(args), "runs": runs}

@@ -573,10 +573,12 @@ class PartitionJudge:
             inc = alive[r]
             if mark_dead(self.store, self.sealer, r, inc):
                 self.store.set(f"declared/{r}", self.sealer.seal(f"declared/{r}", str(inc).encode()))
+                evidence = cut_evidence(reports, r, fenced[r])
+                more = f"; and {len(evidence) - 3} more in reach/{number}/verdict" if len(evidence) > 3 else ""
                 self._log(
                     f"[coordinator] replica {r} (incarnation {inc}) has no two-way connection with replicas "
-                    f"{fenced[r]} while replicas {keep} reach each other "
+                    f"{_named(fenced[r])} while replicas {_named(keep)} reach each other "
                     f"(network partition, round {number}, {now - opened:.2f}s after probing began; "
-                    f"{'; '.join(cut_evidence(reports, r, fenced[r]))}): declared dead"
+                    f"{'; '.join(evidence[:3])}{more}): declared dead"
                 )
         return sorted(fenced)
