@@ -236,8 +236,11 @@ def _interface_ipv4(ifname: str) -> str:
 def _read_sealed_json(store, sealer: Sealer, key: str) -> dict | None:
     """A sealed JSON object at ``key`` of a raw store, or None if absent, forged or malformed; never waits
     (a key deleted between a check and a get would stall a waiting read)."""
+    return _open_sealed_json(sealer, key, peek(store, key))
+
+
+def _open_sealed_json(sealer: Sealer, key: str, raw: bytes | None) -> dict | None:
     try:
-        raw = peek(store, key)
         value = json.loads(sealer.open(key, raw)) if raw is not None else None
     except (ForgedMessageError, ValueError):
         return None
@@ -308,6 +311,7 @@ class ReachabilityResponder:
             "why": {str(r): why for r, (o, why) in outcomes.items() if o == CUT},
         }
         self._store.set(f"reach/{n}/{self.replica}", json.dumps(report))
+        self._store.append_hint(f"reach/{n}/reported", f"{self.replica},")  # where the judge looks
         return n
 
     def _read_verdict(self, n: int) -> bool:
@@ -360,10 +364,11 @@ def fence_reason(store: ControlStore, replica: int, incarnation: int, number: in
     mine = verdict.get("fenced", {}).get(str(replica))
     if mine is None or verdict.get("members", {}).get(str(replica)) != incarnation:
         return None
-    evidence = "; ".join(mine.get("evidence") or [])
+    lines = mine.get("evidence") or []
+    evidence = "; ".join(lines[:3]) + (f"; and {len(lines) - 3} more" if len(lines) > 3 else "")
     return (
-        f"has no two-way connection with replicas {mine['unreachable']} over the data network (a network "
-        f"partition{': ' + evidence if evidence else ''}) while replicas {verdict['keep']} reach each other; it was "
+        f"has no two-way connection with replicas {_named(mine['unreachable'])} over the data network (a network "
+        f"partition{': ' + evidence if evidence else ''}) while replicas {_named(verdict['keep'])} reach each other; it was "
         "fenced and stops, the other replicas continue without it. HINT: check the network between this host and "
         "its peers (firewall rules, NIC, GLOO_SOCKET_IFNAME); restarted by its launcher or torchrun agent, it rejoins "
         "once it reaches them."
@@ -529,14 +534,22 @@ class PartitionJudge:
 
     def _maybe_decide(self, now: float) -> list[int]:
         number, members, opened, sample = self._round
-        reports: dict[int, dict] = {}
-        for r, inc in members.items():
-            report = _read_sealed_json(self.store, self.sealer, f"reach/{number}/{r}")
-            if report is not None and report.get("inc") == inc:
-                reports[r] = report
         dead = self._deaths(members)
         alive = {r: inc for r, inc in members.items() if dead[r] < inc}
-        if set(alive) - set(reports) and now - opened < self._round.report_within(self.probe_timeout):
+        waiting = now - opened < self._round.report_within(self.probe_timeout)
+        # Which members reported, from the list they append to (one request a pass, not one per member); then
+        # their reports in one read. The list is unsealed: a forged entry only makes a report read as missing.
+        listed = peek(self.store, f"reach/{number}/reported") or b""
+        reporters = sorted({int(x) for x in listed.decode(errors="replace").split(",") if x.isdigit()} & set(members))
+        if waiting and not set(alive) <= set(reporters):
+            return []
+        keys = [f"reach/{number}/{r}" for r in reporters]
+        reports: dict[int, dict] = {}
+        for r, key, raw in zip(reporters, keys, peek_all(self.store, keys) if keys else []):
+            report = _open_sealed_json(self.sealer, key, raw)
+            if report is not None and report.get("inc") == members[r]:
+                reports[r] = report
+        if set(alive) - set(reports) and waiting:
             return []  # not everyone reported yet
         self._round = None
         cut = {r: [int(s) for s in report.get(CUT, [])] for r, report in reports.items() if r in alive}
