@@ -4,13 +4,15 @@ Real: the embedded coordinator (its TCPStore server and its monitor with the par
 per replica a ``ControlStore``, a ``Heartbeat`` and a ``ReachabilityResponder`` with its probe server, as a replica
 runs them; the replicas are threads of ``--processes`` worker processes. Every replica's heartbeat says it waits on
 its peers (phase ``reduce``) and makes no progress, so after ``suspect_after`` (the heartbeat timeout) the monitor
-opens a probe round, as it does when a group stalls: every member probes every other (N x (N-1) connections) and
-reports. Nothing is cut, so the right verdict keeps everyone.
+opens a probe round, as it does when a group stalls: every member probes the others (or a sample of them) and
+reports.
 
-Per N: the round's time from its opening to the verdict (the judge decides once every member reported, or after
-``report_within``), the reports that came, the probes that got no answer in time (no evidence either way) and any
-link reported cut (a false cut: it would fence a healthy replica), the largest thread count of a worker process and
-the CPU seconds of the workers and of this process (the coordinator) from the round's opening to its verdict.
+Per N: the time from the first round's opening to the verdict and when each later round opened (the judge decides a
+round once every member reported, or after its ``report_within``), the reports that came in the decided round, the
+probes that got no answer in time (no evidence either way) and any link reported cut (a false cut fences a healthy
+replica), the largest thread count of a worker process, and the CPU seconds of the workers and of this process (the
+coordinator) from the first round's opening to the verdict. ``--cut-off R``: replica R's probe port refuses
+connections (its data network cut while it still reaches the coordinator), so the right verdict fences R alone.
 
 Run against a checkout to compare (its package is imported first: ``PYTHONPATH=ROOT``)::
 
@@ -114,9 +116,12 @@ def one_round(
         opened = time.monotonic()
         cpu0 = {w.pid: _proc_cpu(w.pid) for w in workers}
         own0 = _proc_cpu(os.getpid())
-        peak, number = 0, 1
+        peak, number, opens = 0, 1, [0.0]
         while not store.has(f"reach/{number}/verdict"):  # a sampled round that found a cut opens another at once
-            number = store.add("reach/rounds", 0)
+            latest = store.add("reach/rounds", 0)
+            if latest != number:
+                number = latest
+                opens.append(time.monotonic() - opened)
             peak = max([peak] + [_threads(w.pid) for w in workers])
             if time.monotonic() - opened > limit:
                 raise RuntimeError(f"no verdict within {limit}s of the round's opening")
@@ -138,6 +143,7 @@ def one_round(
             "cut_off": cut_off,
             "rounds": number,
             "round_s": took,
+            "rounds_opened_s": opens,
             "peers_probed_each": peers,
             "reports": len(got),
             "probes_reached": reached,
