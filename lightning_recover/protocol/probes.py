@@ -6,13 +6,13 @@ an unrelated process listening on a reused address never counts as the peer, and
 directions, so one probe tests both. Its outcome (:data:`REACHED`, :data:`CUT`, :data:`NO_ANSWER`) and what
 happened are what ``reachability.py`` decides a partition from.
 
-A round of N members is N x (N-1) probes. Both ends are one thread each whatever N is: the server answers every
-connection from one selector loop, and :func:`probe_all` drives up to :data:`PROBES_IN_FLIGHT` probes at once from
-one, so a member's report is ready after about one probe timeout up to that many peers (:func:`probe_waves`). A
-thread per connection or per probe made thousands of threads on a host of many replicas. Each prober starts with
-the members after itself (:func:`probe_order`): the members' first probes spread over the servers instead of all
-reaching the lowest id at once, where a full accept queue drops handshakes, and a connect that times out reads
-as a cut.
+A round of every link among N members is N x (N-1) probes (a larger group's first round probes a sample:
+:func:`round_peers`). Both ends are one thread each whatever N is, where a thread per connection would make
+thousands on a host of many replicas: the server answers every connection from one selector loop, and
+:func:`probe_all` drives up to :data:`PROBES_IN_FLIGHT` probes at once from one, so a member's report is ready after
+about one probe timeout up to that many peers (:func:`probe_waves`). Each prober starts with the members after
+itself (:func:`probe_order`): the members' first probes spread over the servers instead of all reaching the lowest
+id at once, where a full accept queue drops handshakes, and a connect that times out reads as a cut.
 """
 
 from __future__ import annotations
@@ -146,7 +146,9 @@ class ProbeServer:
             except OSError as exc:
                 if exc.errno in _NO_FDS:
                     return False
-                continue  # the peer gave up before we accepted (ECONNABORTED): the next one
+                if exc.errno == errno.ECONNABORTED:
+                    continue  # the peer gave up before we accepted: the next one
+                return True  # anything else is not mended by asking again at once
             if len(opened) >= _MAX_OPEN:
                 conn.close()  # the prober reads no answer: no evidence either way
                 continue
