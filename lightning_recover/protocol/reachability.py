@@ -538,14 +538,16 @@ class PartitionJudge:
         alive = {r: inc for r, inc in members.items() if dead[r] < inc}
         waiting = now - opened < self._round.report_within(self.probe_timeout)
         # Which members reported, from the list they append to (one request a pass, not one per member); then
-        # their reports in one read. The list is unsealed: a forged entry only makes a report read as missing.
+        # their reports in one read. The list is unsealed: a forged entry only makes a report read as missing, and
+        # once report_within passed every member's report is read, listed or not (a list overwritten hides none).
         listed = peek(self.store, f"reach/{number}/reported") or b""
         reporters = sorted({int(x) for x in listed.decode(errors="replace").split(",") if x.isdigit()} & set(members))
         if waiting and not set(alive) <= set(reporters):
             return []
-        keys = [f"reach/{number}/{r}" for r in reporters]
+        readers = reporters if waiting else sorted(members)
+        keys = [f"reach/{number}/{r}" for r in readers]
         reports: dict[int, dict] = {}
-        for r, key, raw in zip(reporters, keys, peek_all(self.store, keys) if keys else []):
+        for r, key, raw in zip(readers, keys, peek_all(self.store, keys) if keys else []):
             report = _open_sealed_json(self.sealer, key, raw)
             if report is not None and report.get("inc") == members[r]:
                 reports[r] = report

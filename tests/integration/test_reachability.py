@@ -9,6 +9,7 @@ import json
 import socket
 import threading
 import time
+from unittest.mock import ANY
 
 import pytest
 
@@ -309,11 +310,10 @@ SAMPLE = 2  # peers each member probes in a sampled round of the judge below
 LARGE = SAMPLE + 4  # a group whose first round is a sample
 
 
-def _judged(coord, secret, cut_off=None):
-    """LARGE replicas' stores and responders (one's probe address refusing connections if ``cut_off``), and a
-    judge with a sample of SAMPLE peers run as the monitor runs it: on each pass the replicas' heartbeats, all
-    waiting on their peers (phase ``reduce``) without progress."""
-    stores = [ControlStore(coord.addr, r, secret, timeout=5.0) for r in range(LARGE)]
+def _judged(coord, secret, count: int = LARGE):
+    """``count`` replicas' stores and responders, and a judge with a sample of SAMPLE peers run as the monitor runs
+    it: on each pass the replicas' heartbeats, all waiting on their peers (phase ``reduce``) without progress."""
+    stores = [ControlStore(coord.addr, r, secret, timeout=5.0) for r in range(count)]
     incs = [store.add(f"inc/{r}", 1) for r, store in enumerate(stores)]
     responders = [ReachabilityResponder(store, r, inc, 0.05) for r, (store, inc) in enumerate(zip(stores, incs))]
     judge = PartitionJudge(stores[0].raw, coord.sealer, HEARTBEAT_TIMEOUT, PROBE_TIMEOUT, sample_peers=SAMPLE)
@@ -381,3 +381,34 @@ def test_a_large_group_that_reaches_itself_probes_only_its_sample(coordinator, m
     finally:
         for responder in responders:
             responder.close()
+
+
+def test_a_report_list_overwritten_by_a_client_without_the_secret_hides_no_report(coordinator, monkeypatch):
+    """The list of members that reported is unsealed. A client without the secret keeps emptying it while replica 2
+    is cut off: the judge reads every member's report once report_within passed, and fences replica 2 within the
+    bound all the same."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    coord, secret = coordinator
+    stores, responders, judge, beats = _judged(coord, secret, count=3)
+    store = stores[0]
+    attacker = store.raw.clone()
+    stop = threading.Event()
+
+    def empty() -> None:
+        while not stop.wait(0.005):
+            attacker.set("reach/1/reported", b"")
+
+    emptier = threading.Thread(target=empty, name="test-list-emptier", daemon=True)
+    with socket.socket() as closed:
+        _publish_probe_address(store, 2, 1, closed, listen=False)
+        emptier.start()
+        try:
+            bound = exclusion_bound(HEARTBEAT_TIMEOUT, PROBE_TIMEOUT, 3, SAMPLE)
+            took = _judge_until(judge, beats, lambda: store.deaths([2])[2] > 0, bound)
+            assert store.deaths([0, 1, 2]) == {0: 0, 1: 0, 2: 1}, f"after {took:.2f}s"
+            assert json.loads(store.get("reach/1/verdict"))["fenced"] == {"2": ANY}
+        finally:
+            stop.set()
+            emptier.join(5)
+            for responder in responders:
+                responder.close()
