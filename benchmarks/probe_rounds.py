@@ -32,6 +32,7 @@ import time
 from typing import Any
 
 import lightning_recover
+from lightning_recover.launch.process_tree import cpu_seconds
 from lightning_recover.protocol.coordinator import Coordinator
 from lightning_recover.protocol.messages import ControlStore, JobSecret
 
@@ -66,12 +67,6 @@ for heartbeat, responder in running:
     responder.close()
     heartbeat.stop()
 """
-
-
-def _proc_cpu(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _threads(pid: int) -> int:
@@ -114,8 +109,8 @@ def one_round(
                 raise RuntimeError("no probe round opened")
             time.sleep(0.01)
         opened = time.monotonic()
-        cpu0 = {w.pid: _proc_cpu(w.pid) for w in workers}
-        own0 = _proc_cpu(os.getpid())
+        cpu0 = {w.pid: cpu_seconds(w.pid) for w in workers}
+        own0 = cpu_seconds(os.getpid())
         peak, number, opens = 0, 1, [0.0]
         while not store.has(f"reach/{number}/verdict"):  # a sampled round that found a cut opens another at once
             latest = store.add("reach/rounds", 0)
@@ -127,8 +122,8 @@ def one_round(
                 break  # recorded as no verdict
             time.sleep(0.05)
         took = time.monotonic() - opened
-        workers_cpu = sum(_proc_cpu(w.pid) - cpu0[w.pid] for w in workers)
-        own_cpu = _proc_cpu(os.getpid()) - own0
+        workers_cpu = sum(cpu_seconds(w.pid) - cpu0[w.pid] for w in workers)
+        own_cpu = cpu_seconds(os.getpid()) - own0
         decided = store.get_genuine(f"reach/{number}/verdict")
         verdict = json.loads(decided) if decided is not None else {"keep": [], "fenced": {}}
         # each member of the decided round probed its sample, or (a round of every link) all the others

@@ -126,7 +126,7 @@ class ProbeServer:
                         self._read_hello(selector, opened, key.fileobj)
                 now = time.monotonic()
                 for conn in [c for c, (d, _) in opened.items() if d <= now]:
-                    self._drop(selector, opened, conn)
+                    _close(selector, opened, conn)
                 if not accepting and len(opened) < _MAX_OPEN:
                     selector.register(self._sock, selectors.EVENT_READ)
                     accepting = True
@@ -165,7 +165,7 @@ class ProbeServer:
         except OSError:
             chunk = b""  # a probe that went away: nothing to answer
         if not chunk:
-            self._drop(selector, opened, conn)
+            _close(selector, opened, conn)
             return
         hello += chunk
         if len(hello) < len(_HELLO) + _NONCE:
@@ -175,13 +175,7 @@ class ProbeServer:
                 conn.send(answer(self._key, bytes(hello[len(_HELLO) :]), self.replica, self.incarnation))
             except OSError:
                 pass  # 32 bytes into a new connection's empty buffer: only a connection already gone refuses them
-        self._drop(selector, opened, conn)
-
-    @staticmethod
-    def _drop(selector: selectors.BaseSelector, opened: dict, conn: socket.socket) -> None:
-        selector.unregister(conn)
-        del opened[conn]
-        conn.close()
+        _close(selector, opened, conn)
 
     def close(self) -> None:
         """Stop answering; the port refuses connections once this returns."""
@@ -250,18 +244,18 @@ def probe_all(
                 p = key.data
                 outcome = _advance(selector, p, secret)
                 if outcome is not None:
-                    _end(selector, active, p)
+                    _close(selector, active, p.sock)
                     outcomes[p.target.replica] = outcome
             now = time.monotonic()
             for p in [p for p in active.values() if p.deadline <= now]:
-                _end(selector, active, p)
+                _close(selector, active, p.sock)
                 if p.got is None:
                     outcomes[p.target.replica] = (CUT, f"connect to {p.where()} timed out after {timeout:g}s")
                 else:
                     outcomes[p.target.replica] = (NO_ANSWER, f"connected to {p.where()}, no answer (timed out)")
     finally:
         for p in list(active.values()):
-            _end(selector, active, p)
+            _close(selector, active, p.sock)
         selector.close()
     return outcomes
 
@@ -271,7 +265,11 @@ def _connect(target: Target, timeout: float) -> _Probe | tuple[str, str]:
     family = socket.AF_INET6 if ":" in target.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setblocking(False)
-    err = sock.connect_ex((target.host, target.port))
+    try:
+        err = sock.connect_ex((target.host, target.port))
+    except OSError:
+        sock.close()  # (a name that does not resolve): the caller says so
+        raise
     if err not in (0, errno.EINPROGRESS):
         sock.close()
         return CUT, f"connect to {target.host}:{target.port}: {os.strerror(err)}"
@@ -308,10 +306,11 @@ def _advance(selector: selectors.BaseSelector, p: _Probe, secret: JobSecret) -> 
     return CUT, f"{p.where()} answered, but not as this job's replica {t.replica} (incarnation {t.incarnation})"
 
 
-def _end(selector: selectors.BaseSelector, active: dict, p: _Probe) -> None:
-    selector.unregister(p.sock)
-    del active[p.sock]
-    p.sock.close()
+def _close(selector: selectors.BaseSelector, table: dict, sock: socket.socket) -> None:
+    """Close a connection the selector watches and forget it (a server's connection, a probe in flight)."""
+    selector.unregister(sock)
+    del table[sock]
+    sock.close()
 
 
 def probe(host: str, port: int, secret: JobSecret, replica: int, incarnation: int, timeout: float) -> tuple[str, str]:

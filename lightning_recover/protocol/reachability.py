@@ -398,8 +398,14 @@ def reach(
     (``reach/addr/{r}``): nothing can reach it."""
     targets = probe_targets(store, others, incarnations)
     outcomes = {r: (CUT, "it published no probe server") for r in others if r not in targets}
-    outcomes.update(probe_all([targets[r] for r in probe_order(me, targets)], store.secret, timeout))
+    outcomes.update(_probe_in_order(store, targets, timeout, me))
     return outcomes
+
+
+def _probe_in_order(
+    store: ControlStore, targets: Mapping[int, Target], timeout: float, me: int | None
+) -> dict[int, tuple[str, str]]:
+    return probe_all([targets[r] for r in probe_order(me, targets)], store.secret, timeout)
 
 
 def wait_until_reachable(
@@ -414,8 +420,8 @@ def wait_until_reachable(
         incs = {r: int(v) for r, v in zip(others, store.call(store.raw.multi_get, [f"inc/{r}" for r in others]))}
         deaths = store.deaths(others)
         live = {r: inc for r, inc in incs.items() if inc > deaths[r]}
-        targets = sorted(probe_targets(store, sorted(live), live))
-        outcomes = reach(store, targets, live, timeout, replica)
+        targets = probe_targets(store, sorted(live), live)  # a live member with no probe server is not waited for
+        outcomes = _probe_in_order(store, targets, timeout, replica)
         missing = sorted(r for r, (outcome, _) in outcomes.items() if outcome != REACHED)
         if not missing:
             return
