@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -56,10 +57,32 @@ def member_environment(members: int) -> dict[str, str]:
     return out
 
 
+_LOWEST_PORT = 10000
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel gives outgoing connections (0 where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port free now, below the kernel's ephemeral range where there is room: a port from that range can be
+    taken by any outgoing connection of this host between this check and the member's own bind."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    low = _ephemeral_low()
+    candidates = random.sample(range(_LOWEST_PORT, low), min(64, low - _LOWEST_PORT)) if low > _LOWEST_PORT else []
+    for port in [*candidates, 0]:
+        with socket.socket(family) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue  # taken: the next
+            return s.getsockname()[1]
+    raise OSError(f"no free port on {host}")
 
 
 def _url(scheme: str, host: str, port: int) -> str:
