@@ -326,6 +326,12 @@ def _add_fork_server(sub: argparse._SubParsersAction) -> None:
     warm_fork_server.add_subcommand(sub, COMMANDS["fork-server"])
 
 
+def _add_watch_relay(sub: argparse._SubParsersAction) -> None:
+    from lightning_recover.launch import relay_command
+
+    relay_command.add_subcommand(sub, COMMANDS["watch-relay"])
+
+
 def _add_slurm(sub: argparse._SubParsersAction) -> None:
     from lightning_recover.launch import slurm
 
@@ -348,6 +354,7 @@ COMMANDS = {
     "etcd": "a local 3-member etcd cluster with TLS client certificates (tests, trying it out)",
     "slurm": "inside a Slurm batch job: the coordinator here, one replica per node (srun)",
     "fork-server": "keep torch and Lightning imported for the jobs started on this host",
+    "watch-relay": "serve the job's etcd keys to other hosts' relays (one watch of etcd per rack)",
 }
 _ADDERS = {
     "inspect": _add_inspect,
@@ -363,6 +370,7 @@ _ADDERS = {
     "etcd": _add_etcd,
     "slurm": _add_slurm,
     "fork-server": _add_fork_server,
+    "watch-relay": _add_watch_relay,
 }
 
 

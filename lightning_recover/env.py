@@ -57,6 +57,9 @@ PAUSE_GATE = "LIGHTNING_RECOVER_PAUSE_GATE"
 #: Unix socket of this host's watch relay (``control_plane/watch_relay.py``), set by a launcher on etcd that runs
 #: one: the process follows the relay's view of the job's keys instead of opening a watch stream of its own.
 WATCH_RELAY = "LIGHTNING_RECOVER_WATCH_RELAY"
+#: HOST:PORT of a ``lightning-recover watch-relay`` that a launcher's own relay follows instead of watching etcd
+#: (``--watch-upstream``).
+WATCH_UPSTREAM = "LIGHTNING_RECOVER_WATCH_UPSTREAM"
 #: The job's private temporary directory (0700; it holds the job secret), made by the launcher and removed
 #: when the job ends, even after a SIGKILLed launcher (``launch/job_dir.py``). torchrun agents keep their
 #: temporaries there.

@@ -53,6 +53,7 @@ from typing import Any, Optional
 
 from lightning_recover import env as env_names
 from lightning_recover.bench.etcd_metrics import members_cpu_seconds, metrics, write_capacity
+from lightning_recover.bench.relay_fanout import relay_capacity
 from lightning_recover.bench.scale_worker import ScaleConfig
 from lightning_recover.bench.stand_in_data_plane import DataPlaneServer, StandInDataPlane
 from lightning_recover.control_plane.config import EtcdSettings, with_job
@@ -219,6 +220,35 @@ role.stop()
 """
 
 
+def ticks_written(cluster: LocalEtcdCluster, tick_key: bytes) -> int:
+    """How many ticks the job's monitor wrote so far (its ``tick`` key holds its count; 0 before the first)."""
+    client = EtcdClient(cluster.endpoints, **cluster.tls_files, allow_insecure=not cluster.tls)
+    try:
+        value, _ = client.get(tick_key)
+    finally:
+        client.close()
+    return int(value) if value and value.isdigit() else 0
+
+
+def start_rack_relays(count: int, secret_file: str, env: dict[str, str]) -> tuple[list[_ControlProcess], list]:
+    """``count`` processes of ``lightning-recover watch-relay`` on loopback (as on racks' hosts) and their addresses."""
+    code = _ORPHAN_GUARD + "import sys; from lightning_recover.cli import main; sys.exit(main(sys.argv[1:]))"
+    args = [sys.executable, "-c", code, "watch-relay", "--listen", "127.0.0.1:0", "--secret-file", secret_file]
+    relays = [_ControlProcess(args, env, f"{secret_file}.rack{i}.log") for i in range(count)]
+    addresses = []
+    for relay in relays:
+        deadline = time.monotonic() + 60.0
+        while "watch relay on " not in relay.tail():
+            if relay.proc.poll() is not None or time.monotonic() > deadline:
+                for started in relays:
+                    started.stop()
+                raise RuntimeError(f"a rack relay did not start: {relay.tail()}")
+            time.sleep(0.05)
+        host, port = relay.tail().split("watch relay on ", 1)[1].split(",", 1)[0].rsplit(":", 1)
+        addresses.append((host, int(port)))
+    return relays, addresses
+
+
 class ScaleRun:
     """One job of ``cfg.replicas`` replicas in ``cfg.worker_processes`` processes; :meth:`run` returns its
     figures."""
@@ -237,6 +267,7 @@ class ScaleRun:
         self.events_path: Optional[str] = None  # the embedded coordinator's event log (replicas' ends)
         #: the directory of the worker processes' watch relay sockets (short: a socket's path has 107 bytes at most)
         self._relays: Optional[str] = None  # made by run(), which removes it
+        self.rack_relays: list[_ControlProcess] = []  # the relays the workers' relays follow (cfg.rack_relays)
         self._answers: dict[int, dict[int, dict]] = {}  # sample id -> worker -> its answer
         #: the figures measured so far: what :meth:`run` returns, and what a run that ended early got to
         self.measured: dict = {}
@@ -284,13 +315,16 @@ class ScaleRun:
             "parent": os.getpid(),
         }
         count = self.cfg.worker_processes
+        racks: list[tuple[str, int]] = []
+        if self._relays and self.cfg.rack_relays:
+            self.rack_relays, racks = start_rack_relays(self.cfg.rack_relays, secret_file, {**os.environ, **env})
         for i in range(count):
             mine = list(range(i, self.cfg.replicas, count))
             for r in mine:
                 self.slots[r].worker = i
             prefix = os.path.join(self.work, f"worker-{self.cfg.backend}-{self.cfg.replicas}")
             relay = os.path.join(self._relays, f"w{i}") if self._relays else None
-            mine_spec = {**spec, "replicas": mine, "relay": relay}
+            mine_spec = {**spec, "replicas": mine, "relay": relay, "upstream": racks[i % len(racks)] if racks else None}
             # As a launcher starts replicas: no c10d warning for each store wait that times out (waits in slices).
             worker_env = {env_names.TORCH_CPP_LOG_LEVEL: "ERROR", **os.environ, **env}
             worker = _WorkerProcess(i, mine_spec, worker_env, prefix, self._event)
@@ -373,27 +407,20 @@ class ScaleRun:
         out = {
             "t": t,
             "workers_cpu": workers_cpu,
+            "rack_relays_cpu": sum(r.cpu_seconds() for r in self.rack_relays),
             "data_plane_cpu": time.process_time(),  # this process: the stand-in data plane and the event readers
             "control_cpu": control.cpu_seconds(),
             "load": os.getloadavg()[0],
         }
         counters = ("watch_events", "watch_bytes", "resyncs", "confirms", "views", "etcd_streams", "etcd_stream_bytes")
         out.update({k: sum(a[k] for a in answers) for k in counters})
+        out["etcd_streams"] += len(self.rack_relays)  # each watches etcd (its bytes are not counted here)
         if self.cluster is not None:
             out["etcd_cpu"] = members_cpu_seconds(self.cluster)
             out["etcd"] = metrics(self.cluster, extra=(_LEASE_RENEWED,))
-            out["ticks"] = self._ticks_written()
+            assert self._tick_key is not None
+            out["ticks"] = ticks_written(self.cluster, self._tick_key)
         return out
-
-    def _ticks_written(self) -> int:
-        """How many ticks the monitor wrote so far (its ``tick`` key holds its count; 0 before the first)."""
-        assert self.cluster is not None and self._tick_key is not None
-        client = EtcdClient(self.cluster.endpoints, **self.cluster.tls_files, allow_insecure=not self.cluster.tls)
-        try:
-            value, _ = client.get(self._tick_key)
-        finally:
-            client.close()
-        return int(value) if value and value.isdigit() else 0
 
     def run(self) -> dict:
         cfg = self.cfg
@@ -414,6 +441,8 @@ class ScaleRun:
                 worker.stop(grace=5.0)
             server.close()
             control.stop()
+            for relay in self.rack_relays:
+                relay.stop()
             if self._relays:
                 shutil.rmtree(self._relays, ignore_errors=True)
 
@@ -431,6 +460,7 @@ class ScaleRun:
                 "compute_s": cfg.compute,
                 "processes": len(self.workers),
                 "watch_relays": bool(self._relays),
+                "rack_relays": len(self.rack_relays),
             }
         )
         last = began + (cfg.replicas - 1) / cfg.start_rate  # the last replica's start
@@ -480,6 +510,7 @@ class ScaleRun:
             workers_cpu_s_per_step=workers_cpu,
             data_plane_cpu_s_per_step=data_plane_cpu,
             control_cpu_s_per_step=(b["control_cpu"] - a["control_cpu"]) / steps,
+            rack_relays_cpu_s_per_step=(b["rack_relays_cpu"] - a["rack_relays_cpu"]) / steps,
             watch_events_per_step_per_process=(b["watch_events"] - a["watch_events"]) / steps / views,
             watch_bytes_per_step_per_process=(b["watch_bytes"] - a["watch_bytes"]) / steps / views,
             # full re-reads of a view (its stream lost or silent past STALE_AFTER while the range changed): each
@@ -646,6 +677,8 @@ FITTED = {
 SHORT_STEP_S = 0.2
 #: replicas per host in the projection with watch relays (a GPU node of 8: a replica per GPU, or one of 8 processes)
 REPLICAS_PER_HOST = 8
+#: hosts whose relays follow one rack relay in the projection of runs with ``--rack-relays`` (a rack of 32 nodes)
+HOSTS_PER_RACK = 32
 
 
 def fits(runs: list[dict]) -> dict[str, dict[str, Optional[float]]]:
@@ -668,7 +701,9 @@ def project(runs: list[dict], capacity: dict[str, float], targets: tuple[int, ..
     Writes per second: the per-step writes at N over the step time (at the short step this counts every write
     as a per-step one: an upper bound, since a longer step's writes are partly per second). Watch events per
     second: each process's events per step times the watch streams over the step time: 2 per replica (the
-    replica and, at worst, a launcher of its own), or with watch relays one per host of :data:`REPLICAS_PER_HOST`.
+    replica and, at worst, a launcher of its own), or with watch relays one per host of :data:`REPLICAS_PER_HOST`,
+    or with rack relays one per :data:`HOSTS_PER_RACK` hosts (each rack relay then sends its hosts' relays the
+    events of as many streams: ``rack_relay_events_per_s``, against what one core of it delivers).
     Where the runs counted the monitor's ticks, those are not per step: each stream receives the measured
     ticks per second at the harness's step, and none at a step shorter than :func:`tick_free_step` (a commit
     reaches every view before it is quiet long enough for a tick). Keep-alives per second: the measured rate
@@ -679,7 +714,8 @@ def project(runs: list[dict], capacity: dict[str, float], targets: tuple[int, ..
     ns = [r["replicas"] for r in etcd]
     long_step = statistics.median(r["step_s"] for r in etcd)
     relayed = all(r.get("watch_relays") for r in etcd)
-    streams_per_replica = 1 / REPLICAS_PER_HOST if relayed else 2
+    tree = relayed and all(r.get("rack_relays") for r in etcd)
+    streams_per_replica = 1 / (REPLICAS_PER_HOST * HOSTS_PER_RACK) if tree else 1 / REPLICAS_PER_HOST if relayed else 2
     counted_ticks = all("ticks_per_s" in r for r in etcd)
     tick_rate = statistics.median(r["ticks_per_s"] for r in etcd) if counted_ticks else 0.0
     out: dict = {"long_step_s": long_step, "short_step_s": SHORT_STEP_S, "half_capacity": {}}
@@ -698,6 +734,8 @@ def project(runs: list[dict], capacity: dict[str, float], targets: tuple[int, ..
                 "watch_events_per_s": (events / step + ticks) * streams_per_replica * n,
                 "keepalives_per_s": keepalives,
             }
+            if tree:  # what one rack relay sends its hosts' relays, against what one core of it delivers
+                need["rack_relay_events_per_s"] = (events / step + ticks) * HOSTS_PER_RACK
             out[f"{n}_{label}"] = {
                 **need,
                 "within_half_capacity": {k: v <= out["half_capacity"].get(k, math.inf) for k, v in need.items()},
@@ -787,6 +825,10 @@ def sweep(args: argparse.Namespace) -> dict:
                 "keepalives_per_s": keepalive_capacity(cluster),
                 "watch_events_per_s": watch_capacity(cluster),
             }
+            if args.rack_relays:
+                fanout = relay_capacity(cluster)
+                result["relay_fanout"] = fanout
+                result["capacity"]["rack_relay_events_per_s"] = fanout["events_per_cpu_s"]
             print(f"  capacity of the 3-member cluster: {result['capacity']}", flush=True)
         for n in ns:
             for backend in backends:
@@ -801,7 +843,8 @@ def sweep(args: argparse.Namespace) -> dict:
                     heartbeat_interval=args.heartbeat_interval,
                     start_rate=args.start_rate,
                     processes=args.processes,
-                    watch_relays=args.watch_relays,
+                    watch_relays=args.watch_relays or bool(args.rack_relays),
+                    rack_relays=args.rack_relays,
                 )
                 if backend in failed:
                     continue  # a smaller N already failed on this backend: the limit was found
@@ -869,6 +912,13 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--watch-relays",
         action="store_true",
         help="on etcd, one watch relay per worker process (a host's launcher's) that its replicas' views follow",
+    )
+    p.add_argument(
+        "--rack-relays",
+        type=int,
+        default=0,
+        help="on etcd, this many `lightning-recover watch-relay` processes that the workers' relays follow over TCP "
+        "(a tree: etcd streams to these only); implies --watch-relays",
     )
     p.add_argument("--plot", default=None, help="write the plots against N here (PNG; needs matplotlib)")
     p.add_argument("--dir", default=None, help="working directory (default: a temp dir)")

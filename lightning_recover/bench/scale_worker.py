@@ -63,6 +63,9 @@ class ScaleConfig:
     processes: int = 0
     #: on etcd, each worker process (a host) runs a watch relay that its replicas' views follow, as a launcher does
     watch_relays: bool = False
+    #: with watch relays: this many ``lightning-recover watch-relay`` processes (racks) that the workers' relays
+    #: follow over TCP instead of watching etcd (worker i follows rack i mod this)
+    rack_relays: int = 0
 
     @property
     def steps(self) -> int:
@@ -124,7 +127,14 @@ class ScaleWorker:
         if spec.get("relay"):  # as a host's launcher: one watch of the job's keys for this process's replicas
             settings = parse(self.addr)
             assert settings is not None
-            self.relay = WatchRelay(settings.client(), settings.watched_prefix.encode(), spec["relay"]).start()
+            upstream = tuple(spec["upstream"]) if spec.get("upstream") else None
+            self.relay = WatchRelay(
+                settings.client(),
+                settings.watched_prefix.encode(),
+                spec["relay"],
+                upstream=upstream,
+                secret_key=self.secret.key,
+            ).start()
             os.environ[env.WATCH_RELAY] = spec["relay"]
 
     def serve(self, commands: TextIO) -> None:
@@ -161,7 +171,8 @@ class ScaleWorker:
         views = [v for v in (self._view(r) for r in live) if v is not None]
         # The views with a watch stream of their own on etcd: the relay's, and any replica's that is not relayed.
         streams = [v for v in views if not getattr(v, "relayed", False)]
-        streams += [self.relay.view] if self.relay is not None else []
+        relay_view = self.relay.view if self.relay is not None else None
+        streams += [relay_view] if relay_view is not None and not getattr(relay_view, "relayed", False) else []
         return {
             "watch_events": sum(v.events for v in views),
             "watch_bytes": sum(v.payload_bytes for v in views),

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -189,16 +190,18 @@ class WatchView:
             return self.revision
 
     # ---------------------------------------------------------------- the stream
-    def _run(self) -> None:
+    def _run(self, until: float = math.inf) -> None:
+        """Watch until closed, or until monotonic time ``until`` (then not current: a relay's follower that
+        watched etcd while its relay was gone goes back to the relay)."""
         delay = _RETRY_MIN
-        while not self._stop.is_set():
+        while not self._stop.is_set() and time.monotonic() < until:
             try:
                 if not self._confirm():
                     self._sync()
                 delay = _RETRY_MIN
                 for msg in self._client.watch_messages(self.prefix, self._end, self.revision + 1, self.stale_after):
-                    if self._stop.is_set():
-                        return
+                    if self._stop.is_set() or time.monotonic() >= until:
+                        break
                     if msg.get("canceled") or int(msg.get("compact_revision") or 0):
                         break  # compacted past our revision, or cancelled: re-read everything
                     self._apply(msg)

@@ -16,18 +16,30 @@ relay on a starved host is slow, not gone); a follower that finds no relay (no s
 itself from then on, as it would without one. What crosses the socket is JSON
 (nothing of it becomes code) and every value the protocol acts on is sealed by the job's secret, so a process of
 another user could not forge one; the directory's mode keeps them from connecting at all.
+
+Relays can follow a relay: a host's relay started with ``upstream=(host, port)`` follows a relay that serves over
+TCP (``listen=``; ``lightning-recover watch-relay`` runs one, say one per rack) instead of watching etcd, so etcd
+sends each change once per upstream relay, not once per host. Across hosts both ends prove they hold the job's
+secret (an HMAC of the other's nonce) before anything is sent, and the two hosts' monotonic clocks differ: each
+batch the relay sends starts with its clock, and the follower takes a line's ``heard`` as its own time of
+receipt less the line's age at the relay (as a view takes a message from etcd as heard when it arrives). A host
+relay whose upstream is gone (refused, or no proof within ``RELAY_SILENT_AFTER``) watches etcd itself and tries
+the upstream again after ``UPSTREAM_RETRY_AFTER``.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
+import hmac
 import json
 import os
 import socket
 import threading
 import time
-from typing import Optional
+from collections.abc import Callable
+from typing import Optional, Union
 
 from lightning_recover.control_plane import etcd_client as ec
 from lightning_recover.control_plane.etcd_watch import MAX_SYNC_KEYS, STALE_AFTER, WatchView
@@ -41,7 +53,21 @@ RELAY_SILENT_AFTER = 4 * STALE_AFTER
 MAX_RELAY_LINE = 1 << 30
 #: The longest path a Unix socket can be bound at (Linux: 108 bytes with the terminating zero).
 MAX_SOCKET_PATH = 107
+#: Seconds a relay whose upstream relay is gone watches etcd itself before it tries that relay again.
+UPSTREAM_RETRY_AFTER = 30.0
 _RETRY_MIN, _RETRY_MAX = 0.02, 0.5
+_NONCE_BYTES = 16
+_HELLO_LINE = 4096
+
+#: Where a follower finds its relay: a Unix socket's path on this host, or ``(host, port)`` of a relay over TCP.
+RelayAddress = Union[str, tuple[str, int]]
+
+
+def relay_proof(key: bytes, role: bytes, prefix: bytes, theirs: bytes, mine: bytes) -> str:
+    """What one end of a TCP relay link sends to prove it holds the job's ``key``: an HMAC of the other end's
+    nonce (``theirs``) with its own, bound to its ``role`` (``b"relay"``, ``b"follower"``) and the ``prefix``."""
+    text = b"lr-watch-relay\x00" + role + b"\x00" + prefix + b"\x00" + theirs + mine
+    return hmac.new(key, text, hashlib.sha256).hexdigest()
 
 
 def past_backlog(queued: int, head: Optional[int], line: int, limit: int) -> bool:
@@ -57,14 +83,38 @@ class RelayPathTooLong(ValueError):
 
 
 class _RelayGone(Exception):
-    """No relay answered at the path: the follower watches etcd itself."""
+    """No relay answered at its address (or none proved itself): the follower watches etcd itself."""
+
+
+def _read_line(sock: socket.socket, limit: int) -> bytes:
+    """One line read byte by byte (nothing past it is taken from the socket); ``ValueError`` past ``limit``."""
+    line = bytearray()
+    while not line.endswith(b"\n"):
+        byte = sock.recv(1)
+        if not byte:
+            break
+        line += byte
+        if len(line) > limit:
+            raise ValueError("a handshake line over the limit")
+    return bytes(line)
+
+
+def _peer_name(conn: socket.socket) -> str:
+    try:
+        host, port = conn.getpeername()[:2]
+    except OSError:
+        return "?"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class _Follower:
-    """One local process following the relay's view: its lines wait in a queue a thread of its own sends."""
+    """One process following the relay's view: its lines wait in a queue a thread of its own sends. A follower on
+    another host (``remote``) gets each batch after a ``clock`` line: this host's monotonic time as it is sent."""
 
-    def __init__(self, conn: socket.socket, on_end) -> None:
+    def __init__(self, conn: socket.socket, on_end, remote: bool = False) -> None:
         self.conn = conn
+        self.remote = remote
+        self.peer = _peer_name(conn) if remote else "this host"
         self._on_end = on_end
         self._cond = threading.Condition()
         self._lines: collections.deque[bytes] = collections.deque()
@@ -113,6 +163,8 @@ class _Follower:
                     batch = b"".join(self._lines)
                     self._lines.clear()
                     self._queued = 0
+                if self.remote:
+                    batch = json.dumps({"clock": time.monotonic()}).encode() + b"\n" + batch
                 self.conn.sendall(batch)
         except OSError:
             pass  # the follower went away
@@ -122,32 +174,75 @@ class _Follower:
 
 
 class WatchRelay:
-    """A host's watch of ``prefix`` on etcd, served over the Unix socket at ``path`` to every local process whose
-    :class:`RelayedView` names it. ``client`` is the relay's own (its stream and its re-reads)."""
+    """A watch of ``prefix`` served to followers: over the Unix socket at ``path`` to this host's processes whose
+    :class:`RelayedView` names it, and where ``listen`` is given (``(host, port)``, port 0: any free one), over TCP
+    to relays on other hosts that prove they hold the job's key (``secret_key``). Its view watches etcd through ``client`` (its own
+    stream and re-reads), or with ``upstream`` follows the relay there (TCP, the same key), falling back to etcd."""
 
-    def __init__(self, client: ec.EtcdClient, prefix: bytes, path: str, stale_after: float = STALE_AFTER) -> None:
-        if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+    def __init__(
+        self,
+        client: ec.EtcdClient,
+        prefix: bytes,
+        path: Optional[str] = None,
+        stale_after: float = STALE_AFTER,
+        *,
+        listen: Optional[tuple[str, int]] = None,
+        upstream: Optional[tuple[str, int]] = None,
+        secret_key: Optional[bytes] = None,
+        say: Optional[Callable[[str], object]] = None,
+    ) -> None:
+        if path is None and listen is None:
+            raise ValueError("a watch relay serves a Unix socket (path=) or TCP (listen=), or both")
+        if (listen is not None or upstream is not None) and not secret_key:
+            raise ValueError("a watch relay that serves or follows over TCP needs the job's secret (secret_key=)")
+        if path is not None and len(os.fsencode(path)) > MAX_SOCKET_PATH:
             raise RelayPathTooLong(
                 f"the watch relay's socket path {path} is over {MAX_SOCKET_PATH} bytes. "
                 "HINT: set TMPDIR to a shorter directory"
             )
         self.path = path
-        self.view = WatchView(client, prefix, stale_after)
+        self._key = secret_key
+        self._say = say  # a line for each relay of another host that starts or stops following this one
+        if upstream is not None:
+            self.view: WatchView = RelayedView(upstream, client, prefix, stale_after, secret_key=secret_key)
+        else:
+            self.view = WatchView(client, prefix, stale_after)
         self._lock = threading.Lock()
         self._followers: list[_Follower] = []
         self.served = 0  # followers that connected (load figures)
         self._closed = threading.Event()
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)  # a relay of an earlier run on this host left it (its directory is the job's)
-        self._listener.bind(path)
-        os.chmod(path, 0o600)
-        self._listener.listen(128)
-        self._accepting = threading.Thread(target=self._accept, name="lr-watch-relay", daemon=True)
+        self._listeners: list[tuple[socket.socket, bool]] = []  # (listener, remote followers)
+        try:
+            if path is not None:
+                unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self._listeners.append((unix, False))
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)  # a relay of an earlier run on this host left it (its directory is the job's)
+                unix.bind(path)
+                os.chmod(path, 0o600)
+                unix.listen(128)
+            self.address: Optional[tuple[str, int]] = None
+            if listen is not None:
+                host, port = listen
+                tcp = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+                self._listeners.append((tcp, True))
+                tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                tcp.bind((host, port))
+                tcp.listen(128)
+                self.address = (host, tcp.getsockname()[1])
+        except BaseException:
+            for listener, _ in self._listeners:
+                listener.close()
+            raise
+        self._accepting = [
+            threading.Thread(target=self._accept, args=(listener, remote), name="lr-watch-relay", daemon=True)
+            for listener, remote in self._listeners
+        ]
 
     def start(self) -> WatchRelay:
         self.view.start()
-        self._accepting.start()
+        for thread in self._accepting:
+            thread.start()
         return self
 
     @property
@@ -158,10 +253,13 @@ class WatchRelay:
     def close(self) -> None:
         """Stop serving (followers then watch etcd themselves) and stop the view."""
         self._closed.set()
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
-        self._accepting.join(2.0)
+        for listener, _ in self._listeners:
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)
+            listener.close()
+        for thread in self._accepting:
+            if thread.is_alive():
+                thread.join(2.0)
         with self._lock:
             followers, self._followers = list(self._followers), []
         for follower in followers:
@@ -169,34 +267,70 @@ class WatchRelay:
             follower.end()
         for follower in followers:
             follower.join(2.0)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        if self.path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
         self.view.close()
 
-    def _accept(self) -> None:
+    def _accept(self, listener: socket.socket, remote: bool) -> None:
         while not self._closed.is_set():
             try:
-                conn, _ = self._listener.accept()
+                conn, _ = listener.accept()
             except OSError:
                 return  # closed
-            threading.Thread(target=self._greet, args=(conn,), name="lr-watch-relay-greet", daemon=True).start()
+            greet = self._greet_remote if remote else self._greet
+            threading.Thread(target=greet, args=(conn,), name="lr-watch-relay-greet", daemon=True).start()
 
     def _greet(self, conn: socket.socket) -> None:
         """Read the follower's hello (the prefix it wants); serve it if that is this relay's prefix."""
         try:
             conn.settimeout(RELAY_SILENT_AFTER)
-            hello = json.loads(conn.makefile("rb").readline(4096) or b"{}")
+            hello = json.loads(conn.makefile("rb").readline(_HELLO_LINE) or b"{}")
             conn.settimeout(None)
             wanted = ec.unb64(hello.get("prefix")) if isinstance(hello, dict) else b""
             if wanted != self.view.prefix:
-                refusal = f"this relay serves {self.view.prefix!r}, not {wanted!r}"
-                conn.sendall(json.dumps({"refused": refusal}).encode() + b"\n")
-                conn.close()
+                self._refuse(conn, wanted)
                 return
         except (OSError, ValueError):
             conn.close()
             return
-        follower = _Follower(conn, self._ended)
+        self._serve(conn, remote=False)
+
+    def _greet_remote(self, conn: socket.socket) -> None:
+        """A relay on another host: each end proves it holds the job's secret (:func:`relay_proof`) before the
+        prefix is looked at; a follower that cannot is closed unanswered."""
+        assert self._key is not None
+        try:
+            conn.settimeout(RELAY_SILENT_AFTER)
+            lines = conn.makefile("rb")
+            hello = json.loads(lines.readline(_HELLO_LINE) or b"{}")
+            wanted = ec.unb64(hello["prefix"])
+            theirs = bytes.fromhex(hello["nonce"])
+            mine = os.urandom(_NONCE_BYTES)
+            proof = relay_proof(self._key, b"relay", wanted, theirs, mine)
+            conn.sendall(json.dumps({"nonce": mine.hex(), "proof": proof}).encode() + b"\n")
+            reply = json.loads(lines.readline(_HELLO_LINE) or b"{}")
+            expected = relay_proof(self._key, b"follower", wanted, mine, theirs)
+            if not hmac.compare_digest(str(reply.get("proof", "")), expected):
+                conn.close()
+                return
+            conn.settimeout(None)
+            if wanted != self.view.prefix:
+                self._refuse(conn, wanted)
+                return
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            conn.close()
+            return
+        self._serve(conn, remote=True)
+
+    def _refuse(self, conn: socket.socket, wanted: bytes) -> None:
+        refusal = f"this relay serves {self.view.prefix!r}, not {wanted!r}"
+        with contextlib.suppress(OSError):
+            conn.sendall(json.dumps({"refused": refusal}).encode() + b"\n")
+        conn.close()
+
+    def _serve(self, conn: socket.socket, remote: bool) -> None:
+        follower = _Follower(conn, self._ended, remote)
         with self._lock:
             if self._closed.is_set():
                 conn.close()
@@ -204,24 +338,43 @@ class WatchRelay:
             self._followers.append(follower)
             self.served += 1
             self.view.follow(follower.push)
+            count = len(self._followers)
         follower.start()
+        if remote and self._say is not None:
+            self._say(f"a relay at {follower.peer} follows this one ({count} followers)")
 
     def _ended(self, follower: _Follower) -> None:
         self.view.unfollow(follower.push)
         with self._lock:
             if follower in self._followers:
                 self._followers.remove(follower)
+            count = len(self._followers)
+        if follower.remote and self._say is not None and not self._closed.is_set():
+            self._say(f"the relay at {follower.peer} stopped following this one ({count} followers)")
 
 
 class RelayedView(WatchView):
-    """A :class:`WatchView` fed by the host's :class:`WatchRelay` at ``relay_path`` instead of a watch stream of
-    its own; where no relay answers, it watches etcd through ``client`` as a ``WatchView`` does."""
+    """A :class:`WatchView` fed by a :class:`WatchRelay` at ``relay`` (this host's Unix socket, or ``(host, port)``
+    of a relay over TCP, which needs the job's ``secret_key``) instead of a watch stream of its own; where no relay answers, it
+    watches etcd through ``client`` as a ``WatchView`` does (for good on a Unix socket: the host's relay is gone
+    with its launcher; for ``UPSTREAM_RETRY_AFTER`` at a time over TCP)."""
 
-    def __init__(self, relay_path: str, client: ec.EtcdClient, prefix: bytes, stale_after: float = STALE_AFTER):
+    def __init__(
+        self,
+        relay: RelayAddress,
+        client: ec.EtcdClient,
+        prefix: bytes,
+        stale_after: float = STALE_AFTER,
+        secret_key: Optional[bytes] = None,
+    ):
         super().__init__(client, prefix, stale_after)
-        self.relay_path = relay_path
-        self.relayed = True  # False once it watches etcd itself
+        if not isinstance(relay, str) and not secret_key:
+            raise ValueError("following a relay over TCP needs the job's secret (secret_key=)")
+        self.relay = relay
+        self._key = secret_key
+        self.relayed = True  # False while it watches etcd itself
         self._sock: Optional[socket.socket] = None
+        self._offset = 0.0  # this host's monotonic clock less the relay's (0 on one host)
 
     def close(self) -> None:
         self._stop.set()
@@ -239,26 +392,59 @@ class RelayedView(WatchView):
                     delay = _RETRY_MIN
             except _RelayGone:
                 self.relayed = False
-                super()._run()
-                return
+                if isinstance(self.relay, str):
+                    super()._run()
+                    return
+                super()._run(until=time.monotonic() + UPSTREAM_RETRY_AFTER)
+                self.relayed = True
+                continue
             except (OSError, ValueError, KeyError, TypeError):
                 pass  # a relay dropped this follower, or sent what it should not: reconnect
             self._lose()
             self._stop.wait(delay)
             delay = min(delay * 2, _RETRY_MAX)
 
-    def _follow_relay(self) -> bool:
-        """Apply the relay's lines until it ends the connection or is silent for ``RELAY_SILENT_AFTER``; True if
-        any arrived. ``_RelayGone`` when there is none (no socket, refused, closed at once, or another prefix)."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock = sock
-        try:
+    def _connect(self) -> socket.socket:
+        """A connection to the relay, hello sent (over TCP, the relay proved itself and this end did); ``_RelayGone``
+        when none answers. Kept in ``self._sock`` (``close`` shuts it down)."""
+        if isinstance(self.relay, str):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._sock = sock
             sock.settimeout(RELAY_SILENT_AFTER)
             try:
-                sock.connect(self.relay_path)
+                sock.connect(self.relay)
             except OSError as exc:
                 raise _RelayGone(str(exc)) from exc
             sock.sendall(json.dumps({"prefix": ec.b64(self.prefix)}).encode() + b"\n")
+            return sock
+        assert self._key is not None
+        try:
+            sock = socket.create_connection(self.relay, timeout=RELAY_SILENT_AFTER)
+        except OSError as exc:
+            raise _RelayGone(str(exc)) from exc
+        self._sock = sock
+        try:
+            mine = os.urandom(_NONCE_BYTES)
+            sock.sendall(json.dumps({"prefix": ec.b64(self.prefix), "nonce": mine.hex()}).encode() + b"\n")
+            # Unbuffered: the relay sends nothing after its proof until it has this end's, so no byte of the
+            # stream is read here.
+            answer = json.loads(_read_line(sock, _HELLO_LINE) or b"{}")
+            theirs = bytes.fromhex(answer["nonce"])
+            expected = relay_proof(self._key, b"relay", self.prefix, mine, theirs)
+            if not hmac.compare_digest(str(answer.get("proof", "")), expected):
+                raise _RelayGone(f"the relay at {self.relay} did not prove it holds the job's secret")
+            proof = relay_proof(self._key, b"follower", self.prefix, theirs, mine)
+            sock.sendall(json.dumps({"proof": proof}).encode() + b"\n")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise _RelayGone(f"no answer from the relay at {self.relay}: {exc!r}") from exc
+        return sock
+
+    def _follow_relay(self) -> bool:
+        """Apply the relay's lines until it ends the connection or is silent for ``RELAY_SILENT_AFTER``; True if
+        any arrived. ``_RelayGone`` when there is none (no socket, refused, closed at once, or another prefix)."""
+        sock = None
+        try:
+            sock = self._connect()
             lines = sock.makefile("rb")
             heard_any = False
             while not self._stop.is_set():
@@ -278,7 +464,8 @@ class RelayedView(WatchView):
             return heard_any
         finally:
             self._sock = None
-            sock.close()
+            if sock is not None:
+                sock.close()
 
     def _take(self, change: dict) -> None:
         """Apply one of the relay's lines (``etcd_watch.change_line``)."""
@@ -288,8 +475,13 @@ class RelayedView(WatchView):
         if kind == "lost":
             self._lose()
             return
-        # One host, one monotonic clock; a time ahead of this process's can only be a relay's error.
-        heard = min(float(body["heard"]), time.monotonic())
+        if kind == "clock":  # a relay on another host: the batch that follows was sent at its time ``body``
+            if isinstance(self.relay, str):
+                raise ValueError("a clock line from a relay on this host")
+            self._offset = time.monotonic() - float(body)
+            return
+        # On one host one monotonic clock (offset 0); a time ahead of this process's can only be a relay's error.
+        heard = min(float(body["heard"]) + self._offset, time.monotonic())
         revision, term = int(body["revision"]), int(body["term"])
         if kind == "snapshot":
             kvs = body["kvs"]

@@ -10,6 +10,7 @@ from typing import Any
 from lightning_recover import env
 from lightning_recover.control_plane import config
 from lightning_recover.launch.coordinator_process import add_status_arguments
+from lightning_recover.observe.address import parse_address
 
 
 def control_plane_arguments(args: argparse.Namespace) -> dict[str, Any]:
@@ -30,9 +31,15 @@ def control_plane_arguments(args: argparse.Namespace) -> dict[str, Any]:
             "--local-replicas: the launchers of one job find each other by its name. HINT: give every one "
             f"the same --job NAME (or {env.JOB})"
         )
+    upstream = None
+    if args.watch_upstream:
+        if settings is None:
+            raise ValueError("--watch-upstream: a watch relay serves etcd's keys. HINT: add --control-plane etcd://...")
+        upstream = parse_address(args.watch_upstream, "upstream watch relay", "--watch-upstream")
     return {
         "control_plane": config.with_job(settings, args.job) if settings else None,
         "local_replicas": local,
+        "watch_upstream": upstream,
         "status_address": args.status_address,
         "event_log": args.event_log,
     }
@@ -58,5 +65,11 @@ def add_control_plane_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="with etcd: the replica ids this launcher starts, e.g. 0,1 (default all); one launcher per host, "
         "each a candidate for the monitor role",
+    )
+    p.add_argument(
+        "--watch-upstream",
+        default=None,
+        help="with etcd: HOST:PORT of a `lightning-recover watch-relay` this host's relay follows instead of "
+        f"watching etcd (one watch of etcd per rack instead of per host; default ${env.WATCH_UPSTREAM})",
     )
     add_status_arguments(p)

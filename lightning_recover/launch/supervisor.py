@@ -73,6 +73,7 @@ from lightning_recover.launch.process_tree import (
     set_parent_death_signal,
 )
 from lightning_recover.launch.standby_pool import StandbyPool
+from lightning_recover.observe.address import parse_address
 from lightning_recover.protocol.faults import check_plan
 from lightning_recover.protocol.growth import claim_free_id, claim_replica_ids
 from lightning_recover.protocol.messages import (
@@ -384,6 +385,7 @@ class _Job:
         notice_signal: str,
         preload: Sequence[str],
         heartbeat_timeout: float,
+        watch_upstream: tuple[str, int] | None = None,
         **coordinator: Any,
     ) -> None:
         # This thread, and the threads started from it (the coordinator link, the etcd monitor role), run at the
@@ -434,11 +436,21 @@ class _Job:
             self.coord = self._start_control_plane(replicas, nproc, heartbeat_timeout, **coordinator)
             child_env[env.COORDINATOR] = self.coord.addr
             if self.control_plane is not None:
-                # One watch of the job's keys for this host's processes: etcd sends each change once per host.
+                # One watch of the job's keys for this host's processes: etcd sends each change once per host
+                # (once per upstream relay where this host's relay follows one).
                 cp = self.control_plane
                 path = os.path.join(self.secret_dir, "watch-relay")
                 try:
-                    self.relay = WatchRelay(cp.client(), cp.watched_prefix.encode(), path).start()
+                    self.relay = WatchRelay(
+                        cp.client(),
+                        cp.watched_prefix.encode(),
+                        path,
+                        upstream=watch_upstream,
+                        secret_key=self.secret.key,
+                    ).start()
+                    if watch_upstream is not None:
+                        host, port = watch_upstream
+                        self.say(f"this host's watch relay follows the relay at {host}:{port}")
                     child_env[env.WATCH_RELAY] = path
                 except RelayPathTooLong as exc:
                     self.say(f"watch relay off, so each process watches etcd itself: {exc}")
@@ -754,8 +766,16 @@ class Supervisor(_Replacing):
         add_replicas: int = 0,
         notice_signal: str | None = None,
         restart_left: bool = False,
+        watch_upstream: tuple[str, int] | None = None,
     ) -> None:
         _check_options(replicas, restarts, nproc_per_replica, inject, standby, finish_grace, extra_env)
+        if watch_upstream is None and os.environ.get(env.WATCH_UPSTREAM):
+            watch_upstream = parse_address(os.environ[env.WATCH_UPSTREAM], env.WATCH_UPSTREAM, env.WATCH_UPSTREAM)
+        if watch_upstream is not None and control_plane is None:
+            raise ValueError(
+                f"--watch-upstream ({env.WATCH_UPSTREAM}): a watch relay serves etcd's keys. HINT: use it with "
+                "--control-plane etcd://..., or unset it"
+            )
         self.min_replicas = replicas if min_replicas is None else min_replicas
         if not 1 <= self.min_replicas <= replicas:
             raise ValueError(
@@ -792,6 +812,7 @@ class Supervisor(_Replacing):
             notice_signal=self.notice_signal.name,
             status_address=status_address,
             event_log=event_log,
+            watch_upstream=watch_upstream,
         )
         self.say = on_event or (lambda line: print(f"[lightning-recover] {line}", file=sys.stderr, flush=True))
         # The processes this launcher starts per replica: under torchrun one agent starts the K workers.

@@ -63,6 +63,16 @@ def test_projection_extends_the_fits_and_compares_with_half_the_capacity():
     relayed = project([dict(r, watch_relays=True) for r in runs], capacity)
     assert relayed["watch_streams_per_replica"] == pytest.approx(1 / 8)
     assert relayed["2000_long"]["watch_events_per_s"] == pytest.approx(3 * 2000 / 8)
+    # with rack relays, once per rack of 32 hosts; each rack relay sends its 32 hosts' relays the events of as many
+    # streams, against what one core of it delivers (its half)
+    tree = project(
+        [dict(r, watch_relays=True, rack_relays=2) for r in runs], {**capacity, "rack_relay_events_per_s": 150}
+    )
+    assert tree["watch_streams_per_replica"] == pytest.approx(1 / 256)
+    assert tree["16000_long"]["watch_events_per_s"] == pytest.approx(3 * 16000 / 256)
+    assert tree["16000_long"]["rack_relay_events_per_s"] == pytest.approx(3 * 32)
+    assert tree["16000_long"]["within_half_capacity"]["rack_relay_events_per_s"] is False  # 96/s > 75/s
+    assert "rack_relay_events_per_s" not in relayed["16000_long"]
 
 
 def test_projection_counts_the_monitors_ticks_per_second_and_none_at_a_short_step():

@@ -288,3 +288,33 @@ def test_exact_mode_on_etcd_is_bitwise_equal_through_a_kill_after_the_barrier(et
     for r, data in states.items():
         for key, ref in reference.items():
             assert torch.equal(data["state"][key], ref), f"replica {r}: {key} differs"
+
+
+def test_replica_killed_behind_a_rack_relay(etcd3, tmp_path, reference):
+    """The launcher's watch relay follows a `lightning-recover watch-relay` over TCP (``LIGHTNING_RECOVER_WATCH_
+    UPSTREAM``) instead of watching etcd: the replicas' views get the job's keys through two relays, a replica
+    killed mid-step is recovered from, and the run ends on the failure-free trajectory."""
+    out = str(tmp_path / "run")
+    job = f"t-rack-{os.getpid()}-{time.monotonic_ns()}"
+    secret_file = JobSecret.generate().write_file(str(tmp_path))
+    env = dict(etcd3.environment(), LIGHTNING_RECOVER_JOB=job, LIGHTNING_RECOVER_SECRET_FILE=secret_file)
+    rack, rack_log = start_job(
+        [sys.executable, "-m", "lightning_recover.cli", "watch-relay", "--listen", "127.0.0.1:0"],
+        str(tmp_path / "rack"),
+        env,
+    )
+    try:
+        assert wait_for(lambda: "watch relay on 127.0.0.1:" in open(rack_log).read(), 60), open(rack_log).read()
+        port = int(open(rack_log).read().split("watch relay on 127.0.0.1:")[1].split(",")[0])
+        env.update(
+            LIGHTNING_RECOVER_WATCH_UPSTREAM=f"127.0.0.1:{port}",
+            LIGHTNING_RECOVER_INJECT="kill:replica=1:step=2:phase=backward",
+        )
+        result = run_job(_fabric_cmd(out), out, timeout=180, env=env)
+        assert f"this host's watch relay follows the relay at 127.0.0.1:{port}" in result.output, result.output[-3000:]
+        assert "follows this one (1 followers)" in open(rack_log).read()
+        followed = re.search(r"watch relay: (\d+) processes of this host followed it", result.output)
+        assert followed and int(followed.group(1)) >= REPLICAS, result.output[-3000:]
+        _assert_failure_free(result, reference, [0, 2])
+    finally:
+        kill_group(rack)

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -14,10 +17,11 @@ import pytest
 
 from lightning_recover import env
 from lightning_recover.control_plane import watch_relay
-from lightning_recover.control_plane.config import connect_store
+from lightning_recover.control_plane.config import connect_store, parse, with_job
 from lightning_recover.control_plane.etcd_client import EtcdClient, b64
 from lightning_recover.control_plane.etcd_store import EtcdStore
 from lightning_recover.control_plane.watch_relay import RelayedView, WatchRelay
+from lightning_recover.protocol.messages import JobSecret
 from tests.integration.test_etcd_watch import fresh_store, until
 
 
@@ -235,3 +239,242 @@ def test_a_silent_relay_is_asked_again_and_a_gone_one_left(etcd1, relay_dir):
             conn.close()
         silent.close()
         follower.close()
+
+
+# ---------------------------------------------------------------- relays that follow a relay (TCP, another host)
+
+SECRET = JobSecret(b"r" * 32)
+
+
+def rack_relay(cluster, prefix: bytes, secret: JobSecret = SECRET, port: int = 0, **kw) -> WatchRelay:
+    return WatchRelay(
+        client_of(cluster, kw.pop("timeout", 5.0)), prefix, listen=("127.0.0.1", port), secret_key=secret.key, **kw
+    ).start()
+
+
+def test_a_host_relay_follows_a_rack_relay_and_etcd_streams_once(etcd1, relay_dir):
+    """Two hosts' relays follow one rack relay over TCP, and each host's process follows its host's relay: every
+    write reaches every process in order, through the rack relay's one stream; the hosts' relays asked etcd nothing."""
+    store = fresh_store(etcd1)
+    store.set("before", b"0")
+    rack = rack_relay(etcd1, store.prefix)
+    hosts_clients = [client_of(etcd1) for _ in range(2)]
+    hosts = [
+        WatchRelay(
+            c, store.prefix, os.path.join(relay_dir, f"host{i}"), upstream=rack.address, secret_key=SECRET.key
+        ).start()
+        for i, c in enumerate(hosts_clients)
+    ]
+    own = [client_of(etcd1) for _ in hosts]
+    followers = [RelayedView(h.path, c, store.prefix).start() for h, c in zip(hosts, own)]
+    try:
+        for f in followers:
+            until(lambda f=f: f.lookup(store.prefix + b"before") == (True, b"0"))
+        assert rack.followers == 2 and all(h.followers == 1 for h in hosts)
+        for i in range(1, 21):
+            store.set("counter", str(i).encode())
+        for f in followers:
+            until(lambda f=f: f.lookup(store.prefix + b"counter") == (True, b"20"))
+        assert all(isinstance(h.view, RelayedView) and h.view.relayed for h in hosts)
+        assert rack.view.resyncs == 1 and rack.view.events >= 20
+        assert [c.requests for c in hosts_clients + own] == [0, 0, 0, 0]
+        assert all(f.events == rack.view.events for f in followers)
+    finally:
+        for f in followers:
+            f.close()
+        for h in hosts:
+            h.close()
+        rack.close()
+
+
+def test_a_tree_is_current_only_while_its_top_relay_is(etcd1, relay_dir):
+    """The etcd member serving the rack relay's stream dies: the host relay and its process stop answering within
+    the bound (each batch's age at the rack relay crosses the TCP link), and serve the next write once it is back."""
+    store = fresh_store(etcd1, timeout=15.0)
+    store.set("k", b"1")
+    rack = rack_relay(etcd1, store.prefix, timeout=15.0, stale_after=0.3)
+    host_client = client_of(etcd1)
+    host = WatchRelay(
+        host_client, store.prefix, os.path.join(relay_dir, "host"), 0.3, upstream=rack.address, secret_key=SECRET.key
+    ).start()
+    follower = RelayedView(host.path, client_of(etcd1), store.prefix, stale_after=0.3).start()
+    key = store.prefix + b"k"
+    try:
+        until(lambda: follower.lookup(key) == (True, b"1"))
+        etcd1.kill(0)
+        try:
+            until(lambda: not rack.view.healthy, timeout=2.0)
+            until(lambda: not host.view.healthy and not follower.healthy, timeout=2.0)
+            assert follower.lookup(key) == (False, None)
+        finally:
+            etcd1.restart(0)
+        store.set("k", b"2")
+        until(lambda: follower.lookup(key) == (True, b"2"), timeout=10.0)
+        assert host.view.relayed and host_client.requests == 0
+    finally:
+        follower.close()
+        host.close()
+        rack.close()
+
+
+def test_a_rack_relay_serves_only_who_holds_the_secret(etcd1, relay_dir):
+    """A follower with another secret gets no byte of the job's keys and watches etcd itself; one that answers
+    the relay's nonce wrongly is closed unanswered."""
+    store = fresh_store(etcd1)
+    store.set("k", b"1")
+    rack = rack_relay(etcd1, store.prefix)
+    stranger = RelayedView(rack.address, client_of(etcd1), store.prefix, secret_key=b"x" * 32).start()
+    raw = socket.create_connection(rack.address, timeout=5.0)
+    try:
+        until(lambda: stranger.lookup(store.prefix + b"k") == (True, b"1"))
+        assert not stranger.relayed and rack.followers == 0
+        raw.sendall(json.dumps({"prefix": b64(store.prefix), "nonce": "00" * 16}).encode() + b"\n")
+        lines = raw.makefile("rb")
+        assert set(json.loads(lines.readline())) == {"nonce", "proof"}  # the relay proves itself first
+        raw.sendall(json.dumps({"proof": "00" * 32}).encode() + b"\n")
+        assert lines.readline() == b""  # closed, nothing sent
+        assert rack.followers == 0
+    finally:
+        raw.close()
+        stranger.close()
+        rack.close()
+
+
+def test_an_impostor_upstream_is_not_followed(etcd1, relay_dir):
+    """Something at the upstream's address that cannot prove it holds the job's secret (an old relay of another
+    job, an unrelated server) is never followed: the host relay watches etcd itself."""
+    store = fresh_store(etcd1)
+    store.set("k", b"1")
+    impostor = WatchRelay(client_of(etcd1), store.prefix, listen=("127.0.0.1", 0), secret_key=b"i" * 32).start()
+    host = WatchRelay(
+        client_of(etcd1),
+        store.prefix,
+        os.path.join(relay_dir, "host"),
+        upstream=impostor.address,
+        secret_key=SECRET.key,
+    ).start()
+    follower = RelayedView(host.path, client_of(etcd1), store.prefix).start()
+    try:
+        until(lambda: follower.lookup(store.prefix + b"k") == (True, b"1"))
+        assert not host.view.relayed and impostor.followers == 0
+    finally:
+        follower.close()
+        host.close()
+        impostor.close()
+
+
+def test_a_host_relay_watches_etcd_while_its_upstream_is_gone_and_goes_back(etcd1, relay_dir, monkeypatch):
+    """The rack relay stops: the host relay watches etcd itself (its process stays current); a rack relay started
+    again at the same address is followed again after ``UPSTREAM_RETRY_AFTER``."""
+    monkeypatch.setattr(watch_relay, "UPSTREAM_RETRY_AFTER", 0.5)
+    store = fresh_store(etcd1)
+    store.set("k", b"1")
+    rack = rack_relay(etcd1, store.prefix)
+    address = rack.address
+    host = WatchRelay(
+        client_of(etcd1), store.prefix, os.path.join(relay_dir, "host"), upstream=address, secret_key=SECRET.key
+    )
+    host.start()
+    follower = RelayedView(host.path, client_of(etcd1), store.prefix).start()
+    key = store.prefix + b"k"
+    again = None
+    try:
+        until(lambda: follower.lookup(key) == (True, b"1") and host.view.relayed)
+        rack.close()
+        until(lambda: not host.view.relayed)
+        store.set("k", b"2")
+        until(lambda: follower.lookup(key) == (True, b"2"))
+        again = rack_relay(etcd1, store.prefix, port=address[1])
+        until(lambda: again.followers == 1 and host.view.relayed, timeout=10.0)
+        store.set("k", b"3")
+        until(lambda: follower.lookup(key) == (True, b"3"))
+        assert follower.relayed
+    finally:
+        follower.close()
+        host.close()
+        if again is not None:
+            again.close()
+
+
+def test_the_watch_relay_command_serves_until_sigterm(etcd1, relay_dir, tmp_path):
+    """``lightning-recover watch-relay``: a real process on a free port, followed by a host relay (it says so);
+    SIGTERM ends it."""
+    job = f"relay-command-{time.monotonic_ns()}"
+    job_store = with_job(parse(etcd1.url, environ={**os.environ, **etcd1.environment()}), job).store()
+    job_store.set("meta/replicas", b"1")
+    log = str(tmp_path / "rack.log")
+    proc, port = _relay_command(etcd1, job, SECRET.write_file(str(tmp_path)), log)
+    host = None
+    try:
+        prefix = job_store.prefix
+        host = WatchRelay(
+            client_of(etcd1),
+            prefix,
+            os.path.join(relay_dir, "host"),
+            upstream=("127.0.0.1", port),
+            secret_key=SECRET.key,
+        ).start()
+        until(lambda: host.view.lookup(prefix + b"meta/replicas") == (True, b"1") and host.view.relayed)
+        until(lambda: "follows this one (1 followers)" in open(log).read())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if host is not None:
+            host.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        job_store.close()
+
+
+def _relay_command(cluster, job: str, secret_file: str, log: str) -> tuple[subprocess.Popen, int]:
+    """``lightning-recover watch-relay`` on a free port of loopback, its output into ``log``: the process and port."""
+    cmd = [sys.executable, "-m", "lightning_recover.cli", "watch-relay", "--listen", "127.0.0.1:0"]
+    cmd += ["--control-plane", cluster.url, "--job", job, "--secret-file", secret_file]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env={**os.environ, **cluster.environment()}, stderr=out)
+    until(lambda: "watch relay on 127.0.0.1:" in open(log).read() or proc.poll() is not None, timeout=60.0)
+    text = open(log).read()
+    assert proc.poll() is None, text
+    return proc, int(text.split("watch relay on 127.0.0.1:")[1].split(",")[0])
+
+
+@pytest.mark.slow  # waits out a silent relay twice (RELAY_SILENT_AFTER, 4 s)
+def test_a_frozen_rack_relay_is_left_within_two_silences(etcd1, relay_dir, tmp_path, monkeypatch):
+    """The rack relay's process is stopped (SIGSTOP: its host frozen, its port still accepting): its hosts' views
+    stop answering within their stale bound, and once a new connection's handshake is not answered either, the host
+    relay watches etcd itself (its process current again); the relay resumed is followed again."""
+    monkeypatch.setattr(watch_relay, "UPSTREAM_RETRY_AFTER", 1.0)
+    job = f"relay-frozen-{time.monotonic_ns()}"
+    job_store = with_job(parse(etcd1.url, environ={**os.environ, **etcd1.environment()}), job).store()
+    job_store.set("k", b"1")
+    key = job_store.prefix + b"k"
+    proc, port = _relay_command(etcd1, job, SECRET.write_file(str(tmp_path)), str(tmp_path / "rack.log"))
+    host = WatchRelay(
+        client_of(etcd1),
+        job_store.prefix,
+        os.path.join(relay_dir, "host"),
+        upstream=("127.0.0.1", port),
+        secret_key=SECRET.key,
+    ).start()
+    follower = RelayedView(host.path, client_of(etcd1), job_store.prefix).start()
+    try:
+        until(lambda: follower.lookup(key) == (True, b"1") and host.view.relayed, timeout=10.0)
+        os.kill(proc.pid, signal.SIGSTOP)
+        frozen = time.monotonic()
+        until(lambda: not host.view.healthy, timeout=watch_relay.STALE_AFTER + 2.0)
+        job_store.set("k", b"2")
+        until(lambda: follower.lookup(key) == (True, b"2"), timeout=2 * watch_relay.RELAY_SILENT_AFTER + 5.0)
+        assert not host.view.relayed
+        print(f"\nfrozen rack relay: its host relay watched etcd itself {time.monotonic() - frozen:.2f}s after SIGSTOP")
+        os.kill(proc.pid, signal.SIGCONT)
+        until(lambda: host.view.relayed and host.view.healthy, timeout=10.0)
+        job_store.set("k", b"3")
+        until(lambda: follower.lookup(key) == (True, b"3"))
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        follower.close()
+        host.close()
+        proc.terminate()
+        proc.wait(timeout=10)
+        job_store.close()

@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_recover.control_plane.watch_relay import MAX_SOCKET_PATH, RelayPathTooLong, WatchRelay, past_backlog
+from lightning_recover.control_plane.watch_relay import (
+    MAX_SOCKET_PATH,
+    RelayPathTooLong,
+    WatchRelay,
+    past_backlog,
+    relay_proof,
+)
 
 LIMIT = 100
 
@@ -46,3 +52,22 @@ def test_a_socket_path_too_long_to_bind_is_refused_with_a_hint(tmp_path):
     with pytest.raises(RelayPathTooLong, match=r"over 107 bytes\. HINT: set TMPDIR to a shorter directory"):
         WatchRelay(None, b"job/", path)  # type: ignore[arg-type]  # the path is checked before the client is used
     assert not list(tmp_path.iterdir())
+
+
+def test_the_two_ends_of_a_tcp_link_prove_different_things():
+    """A relay's proof is not a follower's (a reflected answer proves nothing), and each is bound to both nonces,
+    the prefix and the job's key."""
+    key, prefix, a, b = b"k" * 32, b"/lightning-recover/j/kv/", b"a" * 16, b"b" * 16
+    relay = relay_proof(key, b"relay", prefix, a, b)
+    assert relay != relay_proof(key, b"follower", prefix, a, b)
+    assert relay != relay_proof(key, b"relay", prefix, b, a)
+    assert relay != relay_proof(key, b"relay", b"/lightning-recover/other/kv/", a, b)
+    assert relay != relay_proof(b"o" * 32, b"relay", prefix, a, b)
+    assert relay == relay_proof(key, b"relay", prefix, a, b)
+
+
+def test_a_relay_over_tcp_needs_the_jobs_secret():
+    with pytest.raises(ValueError, match="secret"):
+        WatchRelay(None, b"/p/", listen=("127.0.0.1", 0))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="Unix socket"):
+        WatchRelay(None, b"/p/")  # type: ignore[arg-type]

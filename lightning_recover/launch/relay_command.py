@@ -1,0 +1,86 @@
+"""``lightning-recover watch-relay``: a watch relay that the hosts' relays follow over TCP (one per rack, say), so
+that etcd sends each change of the job's keys once per such relay instead of once per host
+(``control_plane/watch_relay.py``; docs/control_plane.md, "Thousands of replicas"). Launchers follow it with
+``--watch-upstream HOST:PORT``; a relay may itself follow another with ``--upstream``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from lightning_recover import env
+from lightning_recover.control_plane import config
+from lightning_recover.control_plane.watch_relay import WatchRelay
+from lightning_recover.errors import RecoverError
+from lightning_recover.observe.address import parse_address
+from lightning_recover.protocol.messages import JobSecret
+
+
+def start_relay(args: argparse.Namespace) -> WatchRelay:
+    """The relay the command line describes, serving."""
+    settings = config.parse(
+        args.control_plane, cacert=args.etcd_cacert, cert=args.etcd_cert, key=args.etcd_key, job=args.job
+    )
+    secret_file = args.secret_file or os.environ.get(env.SECRET_FILE)
+    if settings is None or not settings.job or not secret_file:
+        raise ValueError(
+            "watch-relay: name the job's etcd, the job and its secret. HINT: --control-plane etcd://HOST:PORT "
+            f"--job NAME --secret-file FILE (or {env.CONTROL_PLANE}, {env.JOB} and {env.SECRET_FILE}), as its "
+            "launchers were given"
+        )
+    listen = parse_address(args.listen, "watch relay address", "--listen")
+    upstream = parse_address(args.upstream, "upstream relay address", "--upstream") if args.upstream else None
+    settings = config.with_job(settings, args.job)
+    return WatchRelay(
+        settings.client(),
+        settings.watched_prefix.encode(),
+        listen=listen,
+        upstream=upstream,
+        secret_key=JobSecret.from_file(secret_file).key,
+        say=lambda line: print(f"[lightning-recover] {line}", file=sys.stderr, flush=True),
+    ).start()
+
+
+def _cmd_watch_relay(args: argparse.Namespace) -> int:
+    try:
+        relay = start_relay(args)
+    except (ValueError, OSError, RecoverError) as exc:
+        raise SystemExit(f"lightning-recover {exc}") from None
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    assert relay.address is not None
+    host, port = relay.address
+    source = f"the relay at {args.upstream}" if args.upstream else "etcd"
+    print(f"[lightning-recover] watch relay on {host}:{port}, following {source}", file=sys.stderr, flush=True)
+    try:
+        stop.wait()
+    finally:
+        relay.close()
+    return 0
+
+
+def add_subcommand(sub: Any, help_line: str) -> None:
+    """``lightning-recover watch-relay`` (``help_line``: its line in ``lightning-recover --help``)."""
+    p = sub.add_parser(
+        "watch-relay",
+        help=help_line,
+        description="Serve the job's keys, watched on etcd once, to the relays of other hosts over TCP; their "
+        "launchers name it with --watch-upstream. Both ends prove they hold the job's secret. Runs until SIGTERM.",
+        epilog="example: lightning-recover watch-relay --listen 10.0.1.1:7400 --control-plane etcd://10.0.0.5:2379 "
+        "--job train-7 --secret-file job.secret",
+    )
+    p.add_argument("--listen", required=True, help="HOST:PORT to serve on (port 0: any free one, printed)")
+    p.add_argument("--upstream", default=None, help="HOST:PORT of a relay to follow instead of etcd (a tree)")
+    p.add_argument("--secret-file", default=None, help=f"the job's secret file (${env.SECRET_FILE})")
+    p.add_argument("--control-plane", default=None, help=f"etcd://HOST:PORT,... (${env.CONTROL_PLANE})")
+    p.add_argument("--etcd-cacert", default=None, help=f"CA of the etcd members (${env.ETCD_CACERT})")
+    p.add_argument("--etcd-cert", default=None, help=f"client certificate for etcd (${env.ETCD_CERT})")
+    p.add_argument("--etcd-key", default=None, help=f"its private key (${env.ETCD_KEY})")
+    p.add_argument("--job", default=None, help=f"the job's name in etcd (${env.JOB})")
+    p.set_defaults(func=_cmd_watch_relay)
