@@ -220,6 +220,19 @@ role.stop()
 """
 
 
+def known_dead(events_path: Optional[str], replica: int, killed_at: float) -> Optional[float]:
+    """Seconds from ``killed_at`` (monotonic) to the embedded coordinator's first record of ``replica``'s end after it
+    (its death notice, written at the kill as a launcher writes it, or the monitor's verdict), from its event log at
+    ``events_path`` (wall clock); None on etcd (no log) or without such a record."""
+    if events_path is None or not os.path.exists(events_path):
+        return None
+    killed_wall = killed_at + (time.time() - time.monotonic())  # one host: one monotonic clock for all
+    with open(events_path) as f:
+        ends = [e["time"] for e in map(json.loads, f) if e["kind"] in ("death", "exit") and e.get("replica") == replica]
+    after = [t for t in ends if t >= killed_wall - 0.01]  # the log's times are rounded to ms
+    return min(after) - killed_wall if after else None
+
+
 def ticks_written(cluster: LocalEtcdCluster, tick_key: bytes) -> int:
     """How many ticks the job's monitor wrote so far (its ``tick`` key holds its count; 0 before the first)."""
     client = EtcdClient(cluster.endpoints, **cluster.tls_files, allow_insecure=not cluster.tls)
@@ -519,9 +532,10 @@ class ScaleRun:
             view_confirms_per_step_per_process=(b["confirms"] - a["confirms"]) / steps / views,
             # what etcd sent the job's watch streams (one per process, or one per host with watch relays)
             etcd_watch_streams=b["etcd_streams"],
-            etcd_watch_bytes_per_step=(b["etcd_stream_bytes"] - a["etcd_stream_bytes"]) / steps,
             load=[a["load"], b["load"]],
         )
+        if not self.rack_relays:  # the rack relays' streams are in other processes: their bytes are not counted
+            out["etcd_watch_bytes_per_step"] = (b["etcd_stream_bytes"] - a["etcd_stream_bytes"]) / steps
         if self.cluster is not None:
             delta = {k: b["etcd"][k] - a["etcd"][k] for k in b["etcd"]}
             writes = delta["etcd_server_proposals_committed_total"] / 3  # every member counts each proposal
@@ -538,20 +552,6 @@ class ScaleRun:
                 leader_changes=delta.get("etcd_server_leader_changes_seen_total", 0.0),
             )
         return out
-
-    def _known_dead(self, replica: int, killed_at: float) -> Optional[float]:
-        """Seconds from ``killed_at`` (monotonic) to the coordinator's first record of ``replica``'s end after it
-        (its death notice, written at the kill as a launcher writes it, or the monitor's verdict), from its event log
-        (wall clock); None on etcd (no log) or without such a record."""
-        if self.events_path is None or not os.path.exists(self.events_path):
-            return None
-        killed_wall = killed_at + (time.time() - time.monotonic())  # one host: one monotonic clock for all
-        with open(self.events_path) as f:
-            ends = [
-                e["time"] for e in map(json.loads, f) if e["kind"] in ("death", "exit") and e.get("replica") == replica
-            ]
-        after = [t for t in ends if t >= killed_wall - 0.01]  # the log's times are rounded to ms
-        return min(after) - killed_wall if after else None
 
     def _kills(self, out: list[dict]) -> None:
         """Each kill's figures, appended to ``out`` as its survivors commit again."""
@@ -572,7 +572,7 @@ class ScaleRun:
                 {
                     "fault": str(fault),
                     "next_commit_s": max(nxt) - victim.killed_at,
-                    "known_dead_s": self._known_dead(fault.replica, victim.killed_at),
+                    "known_dead_s": known_dead(self.events_path, fault.replica, victim.killed_at),
                     # the survivors' share of it: kill -> their reduce failed; forming the next generation (the
                     # wait for the verdict included); recompute, reduce and decision after it
                     "failure_seen_s": _spread(seen),

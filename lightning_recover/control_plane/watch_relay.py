@@ -175,9 +175,10 @@ class _Follower:
 
 class WatchRelay:
     """A watch of ``prefix`` served to followers: over the Unix socket at ``path`` to this host's processes whose
-    :class:`RelayedView` names it, and where ``listen`` is given (``(host, port)``, port 0: any free one), over TCP
-    to relays on other hosts that prove they hold the job's key (``secret_key``). Its view watches etcd through ``client`` (its own
-    stream and re-reads), or with ``upstream`` follows the relay there (TCP, the same key), falling back to etcd."""
+    :class:`RelayedView` names it, and where ``listen`` is given (``(host, port)``, port 0: any free one), over
+    TCP to relays on other hosts that prove they hold the job's key (``secret_key``). Its view watches etcd through
+    ``client`` (its own stream and re-reads), or with ``upstream`` follows the relay there (TCP, the same key),
+    falling back to etcd while that relay is gone. ``say``: a line for each relay that starts or stops following."""
 
     def __init__(
         self,
@@ -202,7 +203,7 @@ class WatchRelay:
             )
         self.path = path
         self._key = secret_key
-        self._say = say  # a line for each relay of another host that starts or stops following this one
+        self._say = say
         if upstream is not None:
             self.view: WatchView = RelayedView(upstream, client, prefix, stale_after, secret_key=secret_key)
         else:
@@ -355,9 +356,9 @@ class WatchRelay:
 
 class RelayedView(WatchView):
     """A :class:`WatchView` fed by a :class:`WatchRelay` at ``relay`` (this host's Unix socket, or ``(host, port)``
-    of a relay over TCP, which needs the job's ``secret_key``) instead of a watch stream of its own; where no relay answers, it
-    watches etcd through ``client`` as a ``WatchView`` does (for good on a Unix socket: the host's relay is gone
-    with its launcher; for ``UPSTREAM_RETRY_AFTER`` at a time over TCP)."""
+    of a relay over TCP, which needs the job's ``secret_key``) instead of a watch stream of its own; where no relay
+    answers, it watches etcd through ``client`` as a ``WatchView`` does (for good on a Unix socket: the host's relay
+    is gone with its launcher; for ``UPSTREAM_RETRY_AFTER`` at a time over TCP)."""
 
     def __init__(
         self,
@@ -442,10 +443,8 @@ class RelayedView(WatchView):
     def _follow_relay(self) -> bool:
         """Apply the relay's lines until it ends the connection or is silent for ``RELAY_SILENT_AFTER``; True if
         any arrived. ``_RelayGone`` when there is none (no socket, refused, closed at once, or another prefix)."""
-        sock = None
         try:
-            sock = self._connect()
-            lines = sock.makefile("rb")
+            lines = self._connect().makefile("rb")
             heard_any = False
             while not self._stop.is_set():
                 try:
@@ -463,7 +462,7 @@ class RelayedView(WatchView):
                 heard_any = True
             return heard_any
         finally:
-            self._sock = None
+            sock, self._sock = self._sock, None  # the connection _connect made, also where its handshake failed
             if sock is not None:
                 sock.close()
 
