@@ -205,7 +205,7 @@ class WatchRelay:
         self._key = secret_key
         self._say = say
         if upstream is not None:
-            self.view: WatchView = RelayedView(upstream, client, prefix, stale_after, secret_key=secret_key)
+            self.view: WatchView = RelayedView(upstream, client, prefix, stale_after, secret_key=secret_key, say=say)
         else:
             self.view = WatchView(client, prefix, stale_after)
         self._lock = threading.Lock()
@@ -367,6 +367,7 @@ class RelayedView(WatchView):
         prefix: bytes,
         stale_after: float = STALE_AFTER,
         secret_key: Optional[bytes] = None,
+        say: Optional[Callable[[str], object]] = None,
     ):
         super().__init__(client, prefix, stale_after)
         if not isinstance(relay, str) and not secret_key:
@@ -376,6 +377,8 @@ class RelayedView(WatchView):
         self.relayed = True  # False while it watches etcd itself
         self._sock: Optional[socket.socket] = None
         self._offset = 0.0  # this host's monotonic clock less the relay's (0 on one host)
+        self._say = say  # a line each time it leaves a relay over TCP for etcd, and comes back
+        self._announced = False  # said that it follows the relay, since it last left it
 
     def close(self) -> None:
         self._stop.set()
@@ -391,11 +394,14 @@ class RelayedView(WatchView):
             try:
                 if self._follow_relay():
                     delay = _RETRY_MIN
-            except _RelayGone:
+            except _RelayGone as gone:
                 self.relayed = False
                 if isinstance(self.relay, str):
                     super()._run()
                     return
+                if self._say is not None:
+                    self._say(f"watching etcd itself for {UPSTREAM_RETRY_AFTER:g}s: {gone}")
+                self._announced = False
                 super()._run(until=time.monotonic() + UPSTREAM_RETRY_AFTER)
                 self.relayed = True
                 continue
@@ -419,10 +425,11 @@ class RelayedView(WatchView):
             sock.sendall(json.dumps({"prefix": ec.b64(self.prefix)}).encode() + b"\n")
             return sock
         assert self._key is not None
+        where = f"{self.relay[0]}:{self.relay[1]}"
         try:
             sock = socket.create_connection(self.relay, timeout=RELAY_SILENT_AFTER)
         except OSError as exc:
-            raise _RelayGone(str(exc)) from exc
+            raise _RelayGone(f"no relay at {where}: {exc}") from exc
         self._sock = sock
         try:
             mine = os.urandom(_NONCE_BYTES)
@@ -433,11 +440,14 @@ class RelayedView(WatchView):
             theirs = bytes.fromhex(answer["nonce"])
             expected = relay_proof(self._key, b"relay", self.prefix, mine, theirs)
             if not hmac.compare_digest(str(answer.get("proof", "")), expected):
-                raise _RelayGone(f"the relay at {self.relay} did not prove it holds the job's secret")
+                raise _RelayGone(f"the relay at {where} did not prove it holds the job's secret")
             proof = relay_proof(self._key, b"follower", self.prefix, theirs, mine)
             sock.sendall(json.dumps({"proof": proof}).encode() + b"\n")
+            if self._say is not None and not self._announced:
+                self._say(f"following the relay at {where}")
+            self._announced = True
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise _RelayGone(f"no answer from the relay at {self.relay}: {exc!r}") from exc
+            raise _RelayGone(f"no proof from the relay at {where} within {RELAY_SILENT_AFTER:g}s: {exc!r}") from exc
         return sock
 
     def _follow_relay(self) -> bool:

@@ -447,10 +447,8 @@ class _Job:
                         path,
                         upstream=watch_upstream,
                         secret_key=self.secret.key,
+                        say=lambda line: self.say(f"this host's watch relay: {line}"),
                     ).start()
-                    if watch_upstream is not None:
-                        host, port = watch_upstream
-                        self.say(f"this host's watch relay follows the relay at {host}:{port}")
                     child_env[env.WATCH_RELAY] = path
                 except RelayPathTooLong as exc:
                     self.say(f"watch relay off, so each process watches etcd itself: {exc}")

@@ -365,19 +365,25 @@ class EtcdOnHosts:
                 return ETCD_HOSTS[self.endpoints.index(st["Endpoint"].split("://")[-1])]
         return None
 
-    def start_launcher(self, r: int, job: str, script_args: list[str]) -> None:
-        argv = [sys.executable, "-m", "lightning_recover.cli", "run", "--replicas", "3"]
-        argv += ["--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), "--job", job, "--local-replicas", str(r)]
-        argv += ["--control-plane", "etcd://" + ",".join(self.endpoints), "--etcd-cacert", self.certs["cacert"]]
-        argv += ["--etcd-cert", self.certs["cert"], "--etcd-key", self.certs["key"], "--"]
-        argv += [sys.executable, FABRIC, self.out, *script_args]
-        env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=self.hosts.iface[f"h{r}"])
+    def etcd_args(self) -> list[str]:
+        """The control plane's options, as every launcher (and a watch relay) of the job takes them."""
+        argv = ["--control-plane", "etcd://" + ",".join(self.endpoints), "--etcd-cacert", self.certs["cacert"]]
+        return argv + ["--etcd-cert", self.certs["cert"], "--etcd-key", self.certs["key"]]
+
+    def env(self, host: str) -> dict[str, str]:
+        env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=self.hosts.iface[host])
         env.pop("LIGHTNING_RECOVER_INJECT", None)
         secret_file = os.path.join(self.out, "job.secret")  # the job's launchers share one secret (never in etcd)
         if not os.path.exists(secret_file):
             JobSecret.generate().write_file(self.out)
         env["LIGHTNING_RECOVER_SECRET_FILE"] = secret_file
-        self.launchers[r] = self.hosts.popen(f"h{r}", argv, os.path.join(self.out, f"h{r}.log"), env)
+        return env
+
+    def start_launcher(self, r: int, job: str, script_args: list[str], launcher_args: tuple[str, ...] = ()) -> None:
+        argv = [sys.executable, "-m", "lightning_recover.cli", "run", "--replicas", "3"]
+        argv += ["--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), "--job", job, "--local-replicas", str(r)]
+        argv += [*self.etcd_args(), *launcher_args, "--", sys.executable, FABRIC, self.out, *script_args]
+        self.launchers[r] = self.hosts.popen(f"h{r}", argv, os.path.join(self.out, f"h{r}.log"), self.env(f"h{r}"))
 
     def log(self, name: str) -> str:
         path = os.path.join(self.out, f"{name}.log")
@@ -394,13 +400,24 @@ class EtcdOnHosts:
         return len(open(path).read().split()) if os.path.exists(path) else 0
 
 
-def _etcd_job(hosts: Hosts, tmp_path, steps: int) -> EtcdOnHosts:
+def _etcd_job(hosts: Hosts, tmp_path, steps: int, rack_relay: str | None = None) -> EtcdOnHosts:
+    """Three launchers on h0-h2 training; with ``rack_relay`` (a host's name) their relays follow a `lightning-recover
+    watch-relay` on that host instead of watching etcd."""
     cluster = EtcdOnHosts(hosts, str(tmp_path / "job"))
     args = ["--replicas", "3", "--steps", str(steps), "--microbatches", str(M), "--dtype", "float64"]
     args += ["--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), "--work", "0.03"]
     job = f"netns-{os.getpid()}-{time.monotonic_ns()}"
+    launcher_args: tuple[str, ...] = ()
+    if rack_relay is not None:
+        address = f"{hosts.addr[rack_relay]}:7400"
+        argv = [sys.executable, "-m", "lightning_recover.cli", "watch-relay", "--listen", address, "--job", job]
+        hosts.popen(
+            rack_relay, [*argv, *cluster.etcd_args()], os.path.join(cluster.out, "rack.log"), cluster.env(rack_relay)
+        )
+        assert wait_until(lambda: f"watch relay on {address}" in cluster.log("rack"), 60), cluster.log("rack")
+        launcher_args = ("--watch-upstream", address)
     for r in range(3):
-        cluster.start_launcher(r, job, args)
+        cluster.start_launcher(r, job, args, launcher_args)
     assert wait_until(lambda: cluster.applied(0) >= 3, 240), cluster.dump()
     return cluster
 
@@ -464,3 +481,33 @@ def test_etcd_asymmetric_partition(tmp_path):
         assert "replica 2 has no two-way connection with replicas [0, 1]" in cluster.log("h2")
         report("etcd_asymmetric", {"excluded_s": round(excluded, 3), "bound_s": round(bound, 3)})
         assert excluded <= bound + SLACK, f"excluded after {excluded:.2f}s (bound {bound:.2f}s + {SLACK}s slack)"
+
+
+@pytest.mark.timeout(600)
+def test_etcd_rack_relay_host_partitioned(tmp_path):
+    """The launchers' relays follow a `lightning-recover watch-relay` on a host of its own (a rack's relay), which
+    then loses its links to the replica hosts (it still reaches etcd). Each launcher's relay watches etcd itself
+    within two relay silences and a stale bound, nobody is declared dead, and all three replicas finish on the
+    failure-free trajectory."""
+    from lightning_recover.control_plane.watch_relay import RELAY_SILENT_AFTER, STALE_AFTER
+
+    steps = 100  # long enough to go on past the relay's two silences
+    bound = 2 * RELAY_SILENT_AFTER + STALE_AFTER
+    with Hosts([*ETCD_HOSTS, "rack", "h0", "h1", "h2"]) as hosts:
+        cluster = _etcd_job(hosts, tmp_path, steps, rack_relay="rack")
+        following = f"this host's watch relay: following the relay at {hosts.addr['rack']}:7400"
+        assert all(following in cluster.log(f"h{r}") for r in range(3)), cluster.dump()
+        assert "(3 followers)" in cluster.log("rack"), cluster.log("rack")
+        t_cut = time.monotonic()
+        hosts.isolate("rack", ["h0", "h1", "h2"])
+        left = []
+        for r in range(3):
+            assert wait_until(lambda: "watch relay: watching etcd itself" in cluster.log(f"h{r}"), 60), cluster.dump()
+            left.append(time.monotonic() - t_cut)
+        assert cluster.applied(0) < steps, "the job ended before its relays left the rack relay: lengthen it"
+        assert wait_until(lambda: all(p.poll() is not None for p in cluster.launchers.values()), 180), cluster.dump()
+        assert all(p.returncode == 0 for p in cluster.launchers.values()), cluster.dump()
+        states = _etcd_states(cluster, [0, 1, 2], steps)
+        assert all(s["live_replicas"] == 3 for data in states.values() for s in data["stats"]), "nobody excluded"
+        report("etcd_rack_relay_cut", {"left_relay_s": [round(t, 3) for t in left], "bound_s": bound})
+        assert max(left) <= bound + SLACK, f"left the relay after {max(left):.2f}s (bound {bound}s + {SLACK}s slack)"

@@ -311,7 +311,9 @@ def test_replica_killed_behind_a_rack_relay(etcd3, tmp_path, reference):
             LIGHTNING_RECOVER_INJECT="kill:replica=1:step=2:phase=backward",
         )
         result = run_job(_fabric_cmd(out), out, timeout=180, env=env)
-        assert f"this host's watch relay follows the relay at 127.0.0.1:{port}" in result.output, result.output[-3000:]
+        assert f"this host's watch relay: following the relay at 127.0.0.1:{port}" in result.output, result.output[
+            -3000:
+        ]
         assert "follows this one (1 followers)" in open(rack_log).read()
         followed = re.search(r"watch relay: (\d+) processes of this host followed it", result.output)
         assert followed and int(followed.group(1)) >= REPLICAS, result.output[-3000:]
