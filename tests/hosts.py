@@ -110,6 +110,19 @@ class Hosts:
             _run(*argv, check=False)
         self._made.clear()
 
+    def etc_file(self, name: str, filename: str, text: str) -> None:
+        """Host ``name``'s own ``/etc/<filename>`` (``ip netns exec`` bind-mounts ``/etc/netns/<ns>/<filename>``
+        over it for what runs there); removed by close()."""
+        if not os.path.isdir("/etc/netns"):
+            os.mkdir("/etc/netns")
+            self._made.append(("rmdir", "/etc/netns"))  # after the host's own (undone in reverse); kept if not empty
+        directory = os.path.join("/etc/netns", self.netns[name])
+        if not os.path.isdir(directory):
+            os.mkdir(directory)
+            self._made.append(("rm", "-rf", directory))
+        with open(os.path.join(directory, filename), "w") as f:
+            f.write(text)
+
     # ---------------------------------------------------------------- running things in a host
     def ip(self, name: str, *args: str) -> None:
         _run("ip", "-n", self.netns[name], *args)

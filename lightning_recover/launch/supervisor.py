@@ -60,7 +60,7 @@ from lightning_recover.control_plane.connect import connect
 from lightning_recover.control_plane.etcd_job import EtcdCoordinator, MonitorRole, forget_job, join_job
 from lightning_recover.control_plane.priority import check_nice_permitted, control_nice, set_thread_nice
 from lightning_recover.control_plane.watch_relay import RelayPathTooLong, WatchRelay
-from lightning_recover.launch import coordinator_process
+from lightning_recover.launch import coordinator_process, name_lookup
 from lightning_recover.launch.fork_server import DEFAULT_PRELOAD, Process, ProcessStarter
 from lightning_recover.launch.job_dir import JobDir
 from lightning_recover.launch.process_tree import (
@@ -433,6 +433,8 @@ class _Job:
                 preload=preload,
                 preexec=_replica_preexec(os.getpid(), own_nice),
             )
+            # Beside the start: a resolver that drops reverse lookups stalls every TCPStore connection (name_lookup).
+            name_lookup.check_in_background(coordinator.get("host", "127.0.0.1"), self.say)
             self.coord = self._start_control_plane(replicas, nproc, heartbeat_timeout, **coordinator)
             child_env[env.COORDINATOR] = self.coord.addr
             if self.control_plane is not None:
