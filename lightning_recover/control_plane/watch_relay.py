@@ -20,9 +20,10 @@ another user could not forge one; the directory's mode keeps them from connectin
 Relays can follow a relay: a host's relay started with ``upstream=(host, port)`` follows a relay that serves over
 TCP (``listen=``; ``lightning-recover watch-relay`` runs one, say one per rack) instead of watching etcd, so etcd
 sends each change once per upstream relay, not once per host. Across hosts both ends prove they hold the job's
-secret (an HMAC of the other's nonce) before anything is sent, and the two hosts' monotonic clocks differ: each
-batch the relay sends starts with its clock, and the follower takes a line's ``heard`` as its own time of
-receipt less the line's age at the relay (as a view takes a message from etcd as heard when it arrives). A host
+secret (an HMAC of the other's nonce) before anything is sent, each batch ends with an HMAC under a key of the
+link's nonces (checked before any of its lines is applied), and the two hosts' monotonic clocks differ: each batch
+starts with the relay's clock, and the follower dates a line with the least (receipt - clock) the link has shown
+(as a view takes a message from etcd as heard when it arrives; a batch held back is not made newer). A host
 relay whose upstream is gone (refused, or no proof within ``RELAY_SILENT_AFTER``) watches etcd itself and tries
 the upstream again after ``UPSTREAM_RETRY_AFTER``.
 """
@@ -34,6 +35,7 @@ import contextlib
 import hashlib
 import hmac
 import json
+import math
 import os
 import socket
 import threading
@@ -68,6 +70,18 @@ def relay_proof(key: bytes, role: bytes, prefix: bytes, theirs: bytes, mine: byt
     nonce (``theirs``) with its own, bound to its ``role`` (``b"relay"``, ``b"follower"``) and the ``prefix``."""
     text = b"lr-watch-relay\x00" + role + b"\x00" + prefix + b"\x00" + theirs + mine
     return hmac.new(key, text, hashlib.sha256).hexdigest()
+
+
+def relay_session(key: bytes, prefix: bytes, follower_nonce: bytes, relay_nonce: bytes) -> bytes:
+    """The key of one TCP link's batch MACs, from both ends' nonces: a batch of another link or an earlier one on
+    this link does not pass."""
+    text = b"lr-watch-relay-session\x00" + prefix + b"\x00" + follower_nonce + relay_nonce
+    return hmac.new(key, text, hashlib.sha256).digest()
+
+
+def batch_mac(session: bytes, number: int, batch: bytes) -> str:
+    """The MAC a relay sends after the ``number``-th batch of a link (its lines, the ``clock`` line first)."""
+    return hmac.new(session, number.to_bytes(8, "big") + batch, hashlib.sha256).hexdigest()
 
 
 def past_backlog(queued: int, head: Optional[int], line: int, limit: int) -> bool:
@@ -109,12 +123,15 @@ def _peer_name(conn: socket.socket) -> str:
 
 class _Follower:
     """One process following the relay's view: its lines wait in a queue a thread of its own sends. A follower on
-    another host (``remote``) gets each batch after a ``clock`` line: this host's monotonic time as it is sent."""
+    another host (its link's ``session`` key given) gets each batch after a ``clock`` line (this host's monotonic
+    time as it is sent) and before a ``mac`` line (:func:`batch_mac`)."""
 
-    def __init__(self, conn: socket.socket, on_end, remote: bool = False) -> None:
+    def __init__(self, conn: socket.socket, on_end, session: Optional[bytes] = None) -> None:
         self.conn = conn
-        self.remote = remote
-        self.peer = _peer_name(conn) if remote else "this host"
+        self.remote = session is not None
+        self._session = session
+        self._batches = 0  # batches sent on the link (each MAC covers its number)
+        self.peer = _peer_name(conn) if self.remote else "this host"
         self._on_end = on_end
         self._cond = threading.Condition()
         self._lines: collections.deque[bytes] = collections.deque()
@@ -163,8 +180,11 @@ class _Follower:
                     batch = b"".join(self._lines)
                     self._lines.clear()
                     self._queued = 0
-                if self.remote:
+                if self._session is not None:
                     batch = json.dumps({"clock": time.monotonic()}).encode() + b"\n" + batch
+                    mac = batch_mac(self._session, self._batches, batch)
+                    batch += json.dumps({"mac": mac}).encode() + b"\n"
+                    self._batches += 1
                 self.conn.sendall(batch)
         except OSError:
             pass  # the follower went away
@@ -295,7 +315,7 @@ class WatchRelay:
         except (OSError, ValueError):
             conn.close()
             return
-        self._serve(conn, remote=False)
+        self._serve(conn, None)
 
     def _greet_remote(self, conn: socket.socket) -> None:
         """A relay on another host: each end proves it holds the job's secret (:func:`relay_proof`) before the
@@ -322,7 +342,7 @@ class WatchRelay:
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             conn.close()
             return
-        self._serve(conn, remote=True)
+        self._serve(conn, relay_session(self._key, wanted, theirs, mine))
 
     def _refuse(self, conn: socket.socket, wanted: bytes) -> None:
         refusal = f"this relay serves {self.view.prefix!r}, not {wanted!r}"
@@ -330,8 +350,9 @@ class WatchRelay:
             conn.sendall(json.dumps({"refused": refusal}).encode() + b"\n")
         conn.close()
 
-    def _serve(self, conn: socket.socket, remote: bool) -> None:
-        follower = _Follower(conn, self._ended, remote)
+    def _serve(self, conn: socket.socket, session: Optional[bytes]) -> None:
+        """Serve ``conn``: a follower of this host, or of another whose link's MAC key is ``session``."""
+        follower = _Follower(conn, self._ended, session)
         with self._lock:
             if self._closed.is_set():
                 conn.close()
@@ -341,7 +362,7 @@ class WatchRelay:
             self.view.follow(follower.push)
             count = len(self._followers)
         follower.start()
-        if remote and self._say is not None:
+        if follower.remote and self._say is not None:
             self._say(f"a relay at {follower.peer} follows this one ({count} followers)")
 
     def _ended(self, follower: _Follower) -> None:
@@ -376,7 +397,8 @@ class RelayedView(WatchView):
         self._key = secret_key
         self.relayed = True  # False while it watches etcd itself
         self._sock: Optional[socket.socket] = None
-        self._offset = 0.0  # this host's monotonic clock less the relay's (0 on one host)
+        self._offset = 0.0  # this host's monotonic clock less the relay's (0 on one host; see _take)
+        self._session: Optional[bytes] = None  # the TCP link's MAC key, from its handshake
         self._say = say  # a line each time it leaves a relay over TCP for etcd, and comes back
         self._announced = False  # said that it follows the relay, since it last left it
 
@@ -443,6 +465,8 @@ class RelayedView(WatchView):
                 raise _RelayGone(f"the relay at {where} did not prove it holds the job's secret")
             proof = relay_proof(self._key, b"follower", self.prefix, theirs, mine)
             sock.sendall(json.dumps({"proof": proof}).encode() + b"\n")
+            self._session = relay_session(self._key, self.prefix, mine, theirs)
+            self._offset = math.inf  # until this link's first clock line
             if self._say is not None and not self._announced:
                 self._say(f"following the relay at {where}")
             self._announced = True
@@ -455,6 +479,9 @@ class RelayedView(WatchView):
         any arrived. ``_RelayGone`` when there is none (no socket, refused, closed at once, or another prefix)."""
         try:
             lines = self._connect().makefile("rb")
+            remote = not isinstance(self.relay, str)
+            batch: list[bytes] = []  # over TCP: a batch's lines, applied once its MAC passed
+            batches = 0
             heard_any = False
             while not self._stop.is_set():
                 try:
@@ -468,7 +495,23 @@ class RelayedView(WatchView):
                     raise _RelayGone("the relay closed the connection at once")
                 if len(line) > MAX_RELAY_LINE:
                     raise ValueError("a relay line over the limit")
-                self._take(json.loads(line))
+                if not remote:
+                    self._take(json.loads(line))
+                elif not line.startswith(b'{"mac":'):
+                    batch.append(line)
+                    if sum(map(len, batch)) > MAX_RELAY_LINE + BACKLOG_LIMIT:
+                        raise ValueError("a relay batch over the limit")
+                    continue
+                else:
+                    assert self._session is not None
+                    if not hmac.compare_digest(
+                        json.loads(line)["mac"], batch_mac(self._session, batches, b"".join(batch))
+                    ):
+                        raise _RelayGone(f"a batch from the relay at {self.relay[0]}:{self.relay[1]} failed its MAC")
+                    batches += 1
+                    for taken in batch:
+                        self._take(json.loads(taken))
+                    batch.clear()
                 heard_any = True
             return heard_any
         finally:
@@ -487,8 +530,12 @@ class RelayedView(WatchView):
         if kind == "clock":  # a relay on another host: the batch that follows was sent at its time ``body``
             if isinstance(self.relay, str):
                 raise ValueError("a clock line from a relay on this host")
-            self._offset = time.monotonic() - float(body)
+            # The least (receipt - sending time) of the link: a batch held back on the way does not date the state
+            # it carries later than the link's quickest batch showed the two clocks to be apart.
+            self._offset = min(self._offset, time.monotonic() - float(body))
             return
+        if math.isinf(self._offset):
+            raise ValueError("a dated relay line before the link's first clock line")
         # On one host one monotonic clock (offset 0); a time ahead of this process's can only be a relay's error.
         heard = min(float(body["heard"]) + self._offset, time.monotonic())
         revision, term = int(body["revision"]), int(body["term"])

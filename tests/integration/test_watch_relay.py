@@ -4,6 +4,7 @@ never older, nothing while not current), and a follower that watches etcd itself
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -478,3 +479,71 @@ def test_a_frozen_rack_relay_is_left_within_two_silences(etcd1, relay_dir, tmp_p
         proc.terminate()
         proc.wait(timeout=10)
         job_store.close()
+
+
+class TamperingProxy:
+    """A man in the middle of a TCP relay link: forwards both ways, and in the relay's direction replaces ``old``
+    with ``new`` (same length) wherever a chunk holds it."""
+
+    def __init__(self, target: tuple[str, int], old: bytes, new: bytes) -> None:
+        self.target, self.old, self.new = target, old, new
+        self.tampered = 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self.listener.getsockname()[:2]
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                down, _ = self.listener.accept()
+            except OSError:
+                return
+            up = socket.create_connection(self.target)
+            self.conns += [down, up]
+            threading.Thread(target=self._pipe, args=(down, up, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(up, down, True), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, tamper: bool) -> None:
+        try:
+            while chunk := src.recv(65536):
+                if tamper and self.old in chunk:
+                    chunk = chunk.replace(self.old, self.new)
+                    self.tampered += 1
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self.listener.close()
+        for conn in self.conns:
+            conn.close()
+
+
+def test_a_batch_altered_on_the_way_is_never_applied(etcd1, relay_dir):
+    """Someone on the path between the rack relay and a host's relay changes a value in a batch (after the
+    handshake, which it cannot fake): the batch fails its MAC, nothing of it is applied, and the host relay watches
+    etcd itself, which serves the true value."""
+    store = fresh_store(etcd1)
+    store.set("k", b"1")
+    rack = rack_relay(etcd1, store.prefix)
+    assert rack.address is not None
+    proxy = TamperingProxy(rack.address, b64(b"1").encode(), b64(b"2").encode())
+    host = WatchRelay(
+        client_of(etcd1), store.prefix, os.path.join(relay_dir, "host"), upstream=proxy.address, secret_key=SECRET.key
+    )
+    seen = []
+    host.view.follow(lambda line: seen.append(line))
+    host.start()
+    key = store.prefix + b"k"
+    try:
+        until(lambda: host.view.lookup(key) == (True, b"1") and not host.view.relayed, timeout=10.0)
+        assert proxy.tampered >= 1
+        assert not any(b64(b"2").encode() in line for line in seen), "a value altered on the way was applied"
+    finally:
+        host.close()
+        proxy.close()
+        rack.close()

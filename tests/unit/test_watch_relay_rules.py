@@ -10,8 +10,10 @@ from lightning_recover.control_plane.watch_relay import (
     MAX_SOCKET_PATH,
     RelayPathTooLong,
     WatchRelay,
+    batch_mac,
     past_backlog,
     relay_proof,
+    relay_session,
 )
 
 LIMIT = 100
@@ -71,3 +73,14 @@ def test_a_relay_over_tcp_needs_the_jobs_secret():
         WatchRelay(None, b"/p/", listen=("127.0.0.1", 0))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="Unix socket"):
         WatchRelay(None, b"/p/")  # type: ignore[arg-type]
+
+
+def test_a_batch_mac_binds_the_link_the_batch_number_and_every_byte():
+    key, prefix = b"k" * 32, b"/lightning-recover/j/kv/"
+    link = relay_session(key, prefix, b"f" * 16, b"r" * 16)
+    batch = b'{"clock": 1.5}\n{"events":{}}\n'
+    mac = batch_mac(link, 3, batch)
+    assert mac == batch_mac(link, 3, batch)
+    assert mac != batch_mac(link, 4, batch)  # replayed in another place of the link
+    assert mac != batch_mac(relay_session(key, prefix, b"f" * 16, b"s" * 16), 3, batch)  # another link
+    assert mac != batch_mac(link, 3, batch.replace(b"1.5", b"2.5"))
