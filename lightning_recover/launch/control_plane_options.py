@@ -73,3 +73,14 @@ def add_control_plane_arguments(p: argparse.ArgumentParser) -> None:
         f"watching etcd (one watch of etcd per rack instead of per host; default ${env.WATCH_UPSTREAM})",
     )
     add_status_arguments(p)
+
+
+def add_job_arguments(p: argparse.ArgumentParser) -> None:
+    """The options that name a running job on etcd and its secret, for a command that acts on it (``leave``,
+    ``watch-relay``)."""
+    p.add_argument("--secret-file", default=None, help=f"the job's secret file (${env.SECRET_FILE})")
+    p.add_argument("--control-plane", default=None, help=f"etcd://HOST:PORT,... (${env.CONTROL_PLANE})")
+    p.add_argument("--etcd-cacert", default=None, help=f"CA of the etcd members (${env.ETCD_CACERT})")
+    p.add_argument("--etcd-cert", default=None, help=f"client certificate for etcd (${env.ETCD_CERT})")
+    p.add_argument("--etcd-key", default=None, help=f"its private key (${env.ETCD_KEY})")
+    p.add_argument("--job", default=None, help=f"the job's name in etcd (${env.JOB})")

@@ -16,6 +16,7 @@ from lightning_recover import env
 from lightning_recover.control_plane import config
 from lightning_recover.control_plane.connect import connect
 from lightning_recover.errors import RecoverError
+from lightning_recover.launch.control_plane_options import add_job_arguments
 from lightning_recover.protocol.messages import JobSecret, Sealer
 from lightning_recover.protocol.notice import EXIT_LEFT_ON_NOTICE, parse_signal, request_leave
 
@@ -129,10 +130,5 @@ def add_leave_subcommand(sub: Any, help_line: str) -> None:
     )
     p.add_argument("--replica", type=int, required=True, help="the replica id to leave")
     p.add_argument("--coordinator", default=None, help=f"embedded: HOST:PORT of the coordinator (${env.COORDINATOR})")
-    p.add_argument("--secret-file", default=None, help=f"the job's secret file (${env.SECRET_FILE})")
-    p.add_argument("--control-plane", default=None, help=f"etcd://HOST:PORT,... (${env.CONTROL_PLANE})")
-    p.add_argument("--etcd-cacert", default=None, help=f"CA of the etcd members (${env.ETCD_CACERT})")
-    p.add_argument("--etcd-cert", default=None, help=f"client certificate for etcd (${env.ETCD_CERT})")
-    p.add_argument("--etcd-key", default=None, help=f"its private key (${env.ETCD_KEY})")
-    p.add_argument("--job", default=None, help=f"the job's name in etcd (${env.JOB})")
+    add_job_arguments(p)
     p.set_defaults(func=_cmd_leave)
