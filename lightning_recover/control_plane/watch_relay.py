@@ -400,7 +400,9 @@ class RelayedView(WatchView):
         self._offset = 0.0  # this host's monotonic clock less the relay's (0 on one host; see _take)
         self._session: Optional[bytes] = None  # the TCP link's MAC key, from its handshake
         self._say = say  # a line each time it leaves a relay over TCP for etcd, and comes back
-        self._announced = False  # said that it follows the relay, since it last left it
+        self.found_gone = 0  # tries that found its TCP relay gone (each followed by UPSTREAM_RETRY_AFTER on etcd)
+        #: what it last said: None (nothing yet), True (it follows the relay), False (it left it for etcd)
+        self._announced: Optional[bool] = None
 
     def close(self) -> None:
         self._stop.set()
@@ -421,8 +423,9 @@ class RelayedView(WatchView):
                 if isinstance(self.relay, str):
                     super()._run()
                     return
-                if self._say is not None:
-                    self._say(f"watching etcd itself for {UPSTREAM_RETRY_AFTER:g}s: {gone}")
+                self.found_gone += 1
+                if self._say is not None and self._announced is not False:  # once per leave, not each retry
+                    self._say(f"watching etcd itself, trying the relay again every {UPSTREAM_RETRY_AFTER:g}s: {gone}")
                 self._announced = False
                 super()._run(until=time.monotonic() + UPSTREAM_RETRY_AFTER)
                 self.relayed = True
@@ -467,7 +470,7 @@ class RelayedView(WatchView):
             sock.sendall(json.dumps({"proof": proof}).encode() + b"\n")
             self._session = relay_session(self._key, self.prefix, mine, theirs)
             self._offset = math.inf  # until this link's first clock line
-            if self._say is not None and not self._announced:
+            if self._say is not None and self._announced is not True:
                 self._say(f"following the relay at {where}")
             self._announced = True
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:

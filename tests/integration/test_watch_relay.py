@@ -365,15 +365,22 @@ def test_an_impostor_upstream_is_not_followed(etcd1, relay_dir):
 
 
 def test_a_host_relay_watches_etcd_while_its_upstream_is_gone_and_goes_back(etcd1, relay_dir, monkeypatch):
-    """The rack relay stops: the host relay watches etcd itself (its process stays current); a rack relay started
-    again at the same address is followed again after ``UPSTREAM_RETRY_AFTER``."""
+    """The rack relay stops: the host relay watches etcd itself (its process stays current) and says so once,
+    however many of its tries find the relay still gone; a rack relay started again at the same address is followed
+    again after ``UPSTREAM_RETRY_AFTER``."""
     monkeypatch.setattr(watch_relay, "UPSTREAM_RETRY_AFTER", 0.5)
     store = fresh_store(etcd1)
     store.set("k", b"1")
     rack = rack_relay(etcd1, store.prefix)
     address = rack.address
+    said: list[str] = []
     host = WatchRelay(
-        client_of(etcd1), store.prefix, os.path.join(relay_dir, "host"), upstream=address, secret_key=SECRET.key
+        client_of(etcd1),
+        store.prefix,
+        os.path.join(relay_dir, "host"),
+        upstream=address,
+        secret_key=SECRET.key,
+        say=said.append,
     )
     host.start()
     follower = RelayedView(host.path, client_of(etcd1), store.prefix).start()
@@ -385,11 +392,19 @@ def test_a_host_relay_watches_etcd_while_its_upstream_is_gone_and_goes_back(etcd
         until(lambda: not host.view.relayed)
         store.set("k", b"2")
         until(lambda: follower.lookup(key) == (True, b"2"))
+        until(lambda: host.view.found_gone >= 3, timeout=10.0)  # tried again twice, the relay still gone
         again = rack_relay(etcd1, store.prefix, port=address[1])
         until(lambda: again.followers == 1 and host.view.relayed, timeout=10.0)
         store.set("k", b"3")
         until(lambda: follower.lookup(key) == (True, b"3"))
         assert follower.relayed
+        where = f"{address[0]}:{address[1]}"
+        assert [line.split(",")[0].split(":")[0] for line in said] == [
+            f"following the relay at {address[0]}",
+            "watching etcd itself",
+            f"following the relay at {address[0]}",
+        ], said
+        assert f"no relay at {where}" in said[1]
     finally:
         follower.close()
         host.close()
