@@ -61,6 +61,7 @@ from lightning_recover.control_plane.etcd_client import EtcdClient
 from lightning_recover.control_plane.etcd_cluster import LocalEtcdCluster
 from lightning_recover.control_plane.etcd_job import join_job
 from lightning_recover.control_plane.etcd_watch import STALE_AFTER, WatchView
+from lightning_recover.launch.name_lookup import lookup_seconds, mapped_address
 from lightning_recover.launch.process_tree import cpu_seconds
 from lightning_recover.protocol import Fault
 from lightning_recover.protocol.messages import JobSecret
@@ -805,6 +806,9 @@ def sweep(args: argparse.Namespace) -> dict:
     result: dict = {"commit": _commit(), "config": vars(args).copy(), "runs": [], "capacity": {}, "failures": []}
     failed: set[str] = set()
     result["load"] = os.getloadavg()[0]
+    # What one reverse lookup of the harness's address costs here: torch's TCPStore client makes one per connection,
+    # so a slow resolver stretches every start-up and regroup (launch/name_lookup.py); None: not done within 10 s.
+    result["name_lookup_s"] = lookup_seconds(mapped_address("127.0.0.1"), 10.0)
     # Raft beats every 200 ms, elections after 2 s: on a 2-core host shared with the replicas (and other jobs) the
     # defaults (50/250 ms) starved the leader into missed beats and elections that no real deployment would see.
     cluster = (
