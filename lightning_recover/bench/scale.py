@@ -234,6 +234,13 @@ def known_dead(events_path: Optional[str], replica: int, killed_at: float) -> Op
     return min(after) - killed_wall if after else None
 
 
+def arrival_spread(plane: StandInDataPlane, since: float, until: float) -> Optional[float]:
+    """The median time the collectives completed between ``since`` and ``until`` (monotonic) waited from their
+    first member's start to their last's (None: none completed)."""
+    spreads = [spread for when, spread in plane.arrival_spreads if since <= when <= until]
+    return statistics.median(spreads) if spreads else None
+
+
 def ticks_written(cluster: LocalEtcdCluster, tick_key: bytes) -> int:
     """How many ticks the job's monitor wrote so far (its ``tick`` key holds its count; 0 before the first)."""
     client = EtcdClient(cluster.endpoints, **cluster.tls_files, allow_insecure=not cluster.tls)
@@ -519,6 +526,8 @@ class ScaleRun:
             # the control plane's part of deciding: the leader's commit and its delivery to the member
             commit_s=statistics.median(commit),
             commit_p90_s=statistics.quantiles(commit, n=10)[-1] if len(commit) > 1 else commit[0],
+            # the collectives' wait for their last member: the host's scheduling of N replicas, not a protocol's
+            arrival_spread_s=arrival_spread(self.plane, a["t"], b["t"]),
             window_s=seconds,
             harness_cpu_s_per_step=workers_cpu + data_plane_cpu,  # every replica and the stand-in data plane
             workers_cpu_s_per_step=workers_cpu,
@@ -664,6 +673,7 @@ FITTED = {
     "step_s": None,
     "decide_s": 0.3,
     "commit_s": 0.3,
+    "arrival_spread_s": None,
     "kill_next_commit_s": 0.3,
     "etcd_writes_per_step": 0.1,
     "watch_bytes_per_step_per_process": 0.1,

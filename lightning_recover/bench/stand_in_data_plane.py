@@ -65,6 +65,7 @@ class _Meeting:
         self.size = size
         self.ranks: dict[int, int] = {}
         self.ops: dict[int, dict[int, tuple[torch.Tensor, _Work]]] = {}  # op index -> rank -> (tensor, work)
+        self.first_arrival: dict[int, float] = {}  # op index -> when its first member started it (monotonic)
         self.started: dict[int, int] = {}  # rank -> operations it started
         self.broken: str | None = None
 
@@ -77,6 +78,9 @@ class StandInDataPlane:
         self._meetings: dict[int, _Meeting] = {}
         self._dead: set[int] = set()
         self.operations = 0  # collectives completed (a check that the reduce ran)
+        #: (when, seconds from its first member's start to its last's) of each completed collective: how long the
+        #: first member waited for the others to come, which a real all-reduce cannot shorten either
+        self.arrival_spreads: list[tuple[float, float]] = []
 
     def kill(self, replica: int) -> None:
         """``replica``'s process died: every operation of a group it belongs to fails now, and later ones at once."""
@@ -89,6 +93,7 @@ class StandInDataPlane:
                     meeting.broken = why
                     failed += [work for op in meeting.ops.values() for _, work in op.values()]
                     meeting.ops.clear()
+                    meeting.first_arrival.clear()
             self._lock.notify_all()
         for work in failed:
             if not work.future.done():
@@ -146,10 +151,14 @@ class StandInDataPlane:
             else:
                 error = None
                 op = meeting.ops.setdefault(index, {})
+                now = time.monotonic()
+                first = meeting.first_arrival.setdefault(index, now)
                 op[rank] = (tensor, work)
                 if len(op) == meeting.size:
                     done = list(meeting.ops.pop(index).values())
+                    del meeting.first_arrival[index]
                     self.operations += 1
+                    self.arrival_spreads.append((now, now - first))
         if error is not None:
             work.future.set_exception(error)
             return work

@@ -126,6 +126,8 @@ def test_stand_in_all_reduce_sums_once_every_member_started_it():
 
     assert _members(plane, 4, body) == [10.0] * 4
     assert plane.operations == 1
+    [(_, spread)] = plane.arrival_spreads  # the first member's wait for the last
+    assert spread >= 0
 
 
 def test_a_killed_member_fails_its_groups_operations_at_once():
@@ -264,6 +266,7 @@ def test_sixteen_replicas_measured_with_a_kill(backend, etcd3, tmp_path):
     assert result["first_step_s"] > 0 and result["decide_s"] > 0 and result["step_s"] >= cfg.compute
     assert 0 < result["commit_s"] <= result["decide_s"]  # the decision less the done barrier
     assert result["operations"] >= 2 * cfg.steps  # the reduce and the done barrier ran on the stand-in
+    assert result["arrival_spread_s"] is not None and result["arrival_spread_s"] >= 0
     if backend == "etcd":
         # At least the commit of each step; the window's last one may still be on the leader's writer thread
         # (the decision transaction is asynchronous) when the window closes.
