@@ -295,6 +295,19 @@ def test_a_missing_option_is_one_line_that_points_to_help():
     )
 
 
+def test_a_watch_relay_without_its_job_is_refused_in_one_line(monkeypatch):
+    for name in ("LIGHTNING_RECOVER_CONTROL_PLANE", "LIGHTNING_RECOVER_JOB", "LIGHTNING_RECOVER_SECRET_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    line = _cli_error("watch-relay", "--listen", "127.0.0.1:0", code=1)
+    assert line.startswith("lightning-recover watch-relay: name the job's etcd, the job and its secret.") and (
+        "--control-plane etcd://HOST:PORT --job NAME --secret-file FILE" in line
+    ), line
+    line = _cli_error(
+        "run", "--replicas", "2", "--watch-upstream", "10.0.1.1:7400", "--", sys.executable, "t.py", code=1
+    )
+    assert "--watch-upstream: a watch relay serves etcd's keys. HINT: add --control-plane etcd://..." in line, line
+
+
 def test_convert_of_a_missing_file_says_so_once(tmp_path):
     assert _cli_error("convert", "nope.ckpt", str(tmp_path / "out.pt")) == (
         "error: nope.ckpt: no such file or directory. HINT: give a checkpoint file (.ckpt, .pt) or a sharded (DCP) "
