@@ -562,3 +562,39 @@ def test_a_batch_altered_on_the_way_is_never_applied(etcd1, relay_dir):
         host.close()
         proxy.close()
         rack.close()
+
+
+def test_a_relay_follows_a_relay_that_follows_a_relay(etcd1, relay_dir):
+    """Three levels (``watch-relay --upstream``): a host's process sees every write through a host relay, a rack
+    relay and a top relay, in order, and only the top relay's stream is etcd's."""
+    store = fresh_store(etcd1)
+    store.set("k", b"0")
+    top = rack_relay(etcd1, store.prefix)
+    middle_client = client_of(etcd1)
+    middle = WatchRelay(
+        middle_client, store.prefix, listen=("127.0.0.1", 0), upstream=top.address, secret_key=SECRET.key
+    ).start()
+    host_client = client_of(etcd1)
+    host = WatchRelay(
+        host_client, store.prefix, os.path.join(relay_dir, "host"), upstream=middle.address, secret_key=SECRET.key
+    ).start()
+    follower = RelayedView(host.path, client_of(etcd1), store.prefix).start()
+    key = store.prefix + b"k"
+    seen: list[int] = []
+    try:
+        until(lambda: follower.lookup(key) == (True, b"0"), timeout=10.0)
+        for i in range(1, 11):
+            store.set("k", str(i).encode())
+            hit, value = follower.lookup(key)
+            if hit and value is not None:
+                seen.append(int(value))
+        until(lambda: follower.lookup(key) == (True, b"10"))
+        assert seen == sorted(seen), "a value older than one already served"
+        assert top.followers == 1 and middle.followers == 1 and host.followers == 1
+        assert middle.view.relayed and host.view.relayed and follower.relayed
+        assert middle_client.requests == 0 and host_client.requests == 0  # only the top relay asked etcd
+    finally:
+        follower.close()
+        host.close()
+        middle.close()
+        top.close()
