@@ -21,9 +21,8 @@ from lightning_recover.control_plane.etcd_client import EtcdClient
 from lightning_recover.control_plane.etcd_cluster import LocalEtcdCluster
 from lightning_recover.control_plane.watch_relay import RelayedView
 from lightning_recover.launch.process_tree import cpu_seconds
+from lightning_recover.launch.relay_command import served_address
 from lightning_recover.protocol.messages import JobSecret
-
-_ADDRESS_LINE = "watch relay on "
 
 
 def _start_relay(cluster: LocalEtcdCluster, job: str, secret_file: str, log: str) -> tuple[subprocess.Popen, int]:
@@ -35,8 +34,9 @@ def _start_relay(cluster: LocalEtcdCluster, job: str, secret_file: str, log: str
     while True:
         with open(log, errors="replace") as f:
             text = f.read()
-        if _ADDRESS_LINE in text:
-            return proc, int(text.split(_ADDRESS_LINE, 1)[1].split(",", 1)[0].rsplit(":", 1)[1])
+        address = served_address(text)
+        if address is not None:
+            return proc, address[1]
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError(f"the watch relay did not start: {text[-2000:]}")

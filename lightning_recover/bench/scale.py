@@ -63,6 +63,7 @@ from lightning_recover.control_plane.etcd_job import join_job
 from lightning_recover.control_plane.etcd_watch import STALE_AFTER, WatchView
 from lightning_recover.launch.name_lookup import lookup_seconds, mapped_address
 from lightning_recover.launch.process_tree import cpu_seconds
+from lightning_recover.launch.relay_command import served_address
 from lightning_recover.protocol import Fault
 from lightning_recover.protocol.messages import JobSecret
 from lightning_recover.simulate import growth_exponent, power_law_at
@@ -259,14 +260,13 @@ def start_rack_relays(count: int, secret_file: str, env: dict[str, str]) -> tupl
     addresses = []
     for relay in relays:
         deadline = time.monotonic() + 60.0
-        while "watch relay on " not in relay.tail():
+        while (address := served_address(relay.tail())) is None:
             if relay.proc.poll() is not None or time.monotonic() > deadline:
                 for started in relays:
                     started.stop()
                 raise RuntimeError(f"a rack relay did not start: {relay.tail()}")
             time.sleep(0.05)
-        host, port = relay.tail().split("watch relay on ", 1)[1].split(",", 1)[0].rsplit(":", 1)
-        addresses.append((host, int(port)))
+        addresses.append(address)
     return relays, addresses
 
 

@@ -5,6 +5,7 @@ monitor shows: ``--status-address``, ``--event-log`` (docs/howto.md, "Watching a
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from lightning_recover import env
@@ -31,11 +32,10 @@ def control_plane_arguments(args: argparse.Namespace) -> dict[str, Any]:
             "--local-replicas: the launchers of one job find each other by its name. HINT: give every one "
             f"the same --job NAME (or {env.JOB})"
         )
-    upstream = None
-    if args.watch_upstream:
-        if settings is None:
-            raise ValueError("--watch-upstream: a watch relay serves etcd's keys. HINT: add --control-plane etcd://...")
-        upstream = parse_address(args.watch_upstream, "upstream watch relay", "--watch-upstream")
+    # Without etcd, supervise() refuses it (the flag and its environment variable alike).
+    upstream = (
+        parse_address(args.watch_upstream, "upstream watch relay", "--watch-upstream") if args.watch_upstream else None
+    )
     return {
         "control_plane": config.with_job(settings, args.job) if settings else None,
         "local_replicas": local,
@@ -73,6 +73,15 @@ def add_control_plane_arguments(p: argparse.ArgumentParser) -> None:
         f"watching etcd (one watch of etcd per rack instead of per host; default ${env.WATCH_UPSTREAM})",
     )
     add_status_arguments(p)
+
+
+def job_arguments(args: argparse.Namespace) -> tuple[config.EtcdSettings | None, str | None]:
+    """What :func:`add_job_arguments`' options (or the environment) name: the job's etcd settings (None: no etcd
+    control plane) and its secret file (None: not given)."""
+    settings = config.parse(
+        args.control_plane, cacert=args.etcd_cacert, cert=args.etcd_cert, key=args.etcd_key, job=args.job
+    )
+    return settings, args.secret_file or os.environ.get(env.SECRET_FILE)
 
 
 def add_job_arguments(p: argparse.ArgumentParser) -> None:

@@ -16,7 +16,7 @@ from lightning_recover import env
 from lightning_recover.control_plane import config
 from lightning_recover.control_plane.connect import connect
 from lightning_recover.errors import RecoverError
-from lightning_recover.launch.control_plane_options import add_job_arguments
+from lightning_recover.launch.control_plane_options import add_job_arguments, job_arguments
 from lightning_recover.protocol.messages import JobSecret, Sealer
 from lightning_recover.protocol.notice import EXIT_LEFT_ON_NOTICE, parse_signal, request_leave
 
@@ -81,10 +81,7 @@ def elastic_arguments(args: argparse.Namespace) -> dict[str, Any]:
 def _job_store(args: argparse.Namespace) -> tuple[Any, Sealer]:
     """The raw store and sealer of the job ``leave`` names: etcd (--control-plane, --job) or an embedded
     coordinator (--coordinator HOST:PORT); the job's --secret-file either way (etcd never holds it)."""
-    settings = config.parse(
-        args.control_plane, cacert=args.etcd_cacert, cert=args.etcd_cert, key=args.etcd_key, job=args.job
-    )
-    secret_file = args.secret_file or os.environ.get(env.SECRET_FILE)
+    settings, secret_file = job_arguments(args)
     if settings is not None:
         if not settings.job or not secret_file:
             raise ValueError(

@@ -7,27 +7,35 @@ that etcd sends each change of the job's keys once per such relay instead of onc
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import threading
-from typing import Any
+from typing import Any, Optional
 
 from lightning_recover import env
 from lightning_recover.control_plane import config
 from lightning_recover.control_plane.watch_relay import WatchRelay
 from lightning_recover.errors import RecoverError
-from lightning_recover.launch.control_plane_options import add_job_arguments
+from lightning_recover.launch.control_plane_options import add_job_arguments, job_arguments
 from lightning_recover.observe.address import parse_address
 from lightning_recover.protocol.messages import JobSecret
+
+#: How the command announces where it serves (the line :func:`served_address` reads back).
+ANNOUNCEMENT = "watch relay on {host}:{port}, following {source}"
+
+
+def served_address(output: str) -> Optional[tuple[str, int]]:
+    """Where a ``watch-relay`` process serves, read from its output (None before it announced it)."""
+    _, sep, rest = output.partition("watch relay on ")
+    if not sep or ", following " not in rest:
+        return None
+    host, _, port = rest.split(", following ", 1)[0].rpartition(":")
+    return host, int(port)
 
 
 def start_relay(args: argparse.Namespace) -> WatchRelay:
     """The relay the command line describes, serving."""
-    settings = config.parse(
-        args.control_plane, cacert=args.etcd_cacert, cert=args.etcd_cert, key=args.etcd_key, job=args.job
-    )
-    secret_file = args.secret_file or os.environ.get(env.SECRET_FILE)
+    settings, secret_file = job_arguments(args)
     if settings is None or not settings.job or not secret_file:
         raise ValueError(
             "watch-relay: name the job's etcd, the job and its secret. HINT: --control-plane etcd://HOST:PORT "
@@ -58,7 +66,9 @@ def _cmd_watch_relay(args: argparse.Namespace) -> int:
     assert relay.address is not None
     host, port = relay.address
     source = f"the relay at {args.upstream}" if args.upstream else "etcd"
-    print(f"[lightning-recover] watch relay on {host}:{port}, following {source}", file=sys.stderr, flush=True)
+    print(
+        f"[lightning-recover] {ANNOUNCEMENT.format(host=host, port=port, source=source)}", file=sys.stderr, flush=True
+    )
     try:
         stop.wait()
     finally:

@@ -26,6 +26,7 @@ from lightning_recover.control_plane.etcd_client import EtcdClient
 from lightning_recover.control_plane.etcd_cluster import DEFAULT_ELECTION_MS
 from lightning_recover.control_plane.etcd_job import DEFAULT_LEASE_TTL, TAKEOVER_BOUND
 from lightning_recover.control_plane.etcd_store import EtcdStore
+from lightning_recover.launch.relay_command import served_address
 from lightning_recover.protocol.coordinator import init_keys, run_monitor
 from lightning_recover.protocol.heartbeat import Heartbeat, Progress
 from lightning_recover.protocol.messages import ControlStore, JobSecret, Sealer
@@ -304,8 +305,9 @@ def test_replica_killed_behind_a_rack_relay(etcd3, tmp_path, reference):
         env,
     )
     try:
-        assert wait_for(lambda: "watch relay on 127.0.0.1:" in open(rack_log).read(), 60), open(rack_log).read()
-        port = int(open(rack_log).read().split("watch relay on 127.0.0.1:")[1].split(",")[0])
+        assert wait_for(lambda: served_address(open(rack_log).read()) is not None, 60), open(rack_log).read()
+        host, port = served_address(open(rack_log).read())
+        assert host == "127.0.0.1"
         env.update(
             LIGHTNING_RECOVER_WATCH_UPSTREAM=f"127.0.0.1:{port}",
             LIGHTNING_RECOVER_INJECT="kill:replica=1:step=2:phase=backward",

@@ -305,7 +305,10 @@ def test_a_watch_relay_without_its_job_is_refused_in_one_line(monkeypatch):
     line = _cli_error(
         "run", "--replicas", "2", "--watch-upstream", "10.0.1.1:7400", "--", sys.executable, "t.py", code=1
     )
-    assert "--watch-upstream: a watch relay serves etcd's keys. HINT: add --control-plane etcd://..." in line, line
+    assert (
+        "lightning-recover run: --watch-upstream (LIGHTNING_RECOVER_WATCH_UPSTREAM): a watch relay serves etcd's keys. "
+        "HINT: use it with --control-plane etcd://..., or unset it"
+    ) == line, line
 
 
 def test_convert_of_a_missing_file_says_so_once(tmp_path):

@@ -22,6 +22,7 @@ from lightning_recover.control_plane.config import connect_store, parse, with_jo
 from lightning_recover.control_plane.etcd_client import EtcdClient, b64
 from lightning_recover.control_plane.etcd_store import EtcdStore
 from lightning_recover.control_plane.watch_relay import RelayedView, WatchRelay
+from lightning_recover.launch.relay_command import served_address
 from lightning_recover.protocol.messages import JobSecret
 from tests.integration.test_etcd_watch import fresh_store, until
 
@@ -449,10 +450,10 @@ def _relay_command(cluster, job: str, secret_file: str, log: str) -> tuple[subpr
     cmd += ["--control-plane", cluster.url, "--job", job, "--secret-file", secret_file]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env={**os.environ, **cluster.environment()}, stderr=out)
-    until(lambda: "watch relay on 127.0.0.1:" in open(log).read() or proc.poll() is not None, timeout=60.0)
-    text = open(log).read()
-    assert proc.poll() is None, text
-    return proc, int(text.split("watch relay on 127.0.0.1:")[1].split(",")[0])
+    until(lambda: served_address(open(log).read()) is not None or proc.poll() is not None, timeout=60.0)
+    address = served_address(open(log).read())
+    assert proc.poll() is None and address is not None and address[0] == "127.0.0.1", open(log).read()
+    return proc, address[1]
 
 
 @pytest.mark.slow  # waits out a silent relay twice (RELAY_SILENT_AFTER, 4 s)
