@@ -8,7 +8,7 @@ tested as tables (tests/unit/test_monitor_verdicts.py):
 * **missed heartbeats**: a process whose ``(incarnation, beat)`` has not moved for ``timeout`` seconds;
 * **a lease expired**: a heartbeat that says it lives in a lease (etcd) and whose key is gone;
 * **hung**: a process whose progress count has not moved for ``hang_timeout`` seconds while another replica
-  waits on it (in a waiting phase), and which is not waiting itself;
+  waits on it (in a waiting phase; a dead incarnation waits on nobody), and which is not waiting itself;
 * **gone unread**: a member of the newest vouched generation whose heartbeat key this monitor never read and
   that stays absent for ``timeout`` (a leased beat whose lease expired before a new monitor looked).
 
@@ -83,7 +83,12 @@ class Ledger:
     def verdicts(self, now: float) -> dict[str, Verdict]:
         """Key -> :class:`Verdict` of every process late or hung as of ``now`` (the module docstring's rules)."""
         out = {}
-        waiting = {r for r, hb in self.heartbeats.values() if hb.get("phase") in WAITING}
+        # A dead incarnation's last heartbeat may say it waited; nobody waits on behalf of the dead.
+        waiting = {
+            r
+            for r, hb in self.heartbeats.values()
+            if hb.get("phase") in WAITING and int(hb.get("inc", 0)) > self.settled.get(r, 0)
+        }
         for key, (r, hb) in self.heartbeats.items():
             verdict = self._judge(key, r, hb, waiting, now)
             if verdict is not None:

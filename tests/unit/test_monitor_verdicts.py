@@ -153,6 +153,27 @@ def test_a_settled_incarnation_is_judged_no_more():
     assert ledger.settled == {0: 2} and ledger.verdicts(9.0) == {}
 
 
+def test_a_dead_incarnation_that_last_said_it_waited_makes_nobody_hung():
+    # A replica killed in a collective leaves a heartbeat saying "reduce" until its restart beats again
+    # (a process start: long on a loaded host); the survivors idle meanwhile (e.g. held at a step boundary).
+    ledger = Ledger(TIMEOUT, HANG)
+    for t in (0.0, 1.0, 3.0, 5.5):
+        ledger.heard("hb/0", 0, _hb(beat=int(t) + 1, count=3, phase="idle"))
+        if t == 0.0:
+            ledger.heard("hb/1", 1, _hb(inc=1, beat=1, phase="reduce"))
+            ledger.settle(1, 1)
+        assert ledger.verdicts(t) == {}, t
+    ledger.heard("hb/1", 1, _hb(inc=2, beat=1, phase="reduce"))  # its next incarnation waits on replica 0
+    ledger.heard("hb/0", 0, _hb(beat=9, count=3, phase="idle"))
+    assert ledger.verdicts(6.0) == {}  # replica 0's progress clock starts when someone waits on it
+    for t in (7.0, 9.0, 11.0):
+        ledger.heard("hb/0", 0, _hb(beat=int(t), count=3, phase="idle"))
+        ledger.heard("hb/1", 1, _hb(inc=2, beat=int(t), phase="reduce"))
+        ledger.verdicts(t)
+    ledger.heard("hb/0", 0, _hb(beat=12, count=3, phase="idle"))
+    assert [(v.replica, v.cause) for v in ledger.verdicts(11.5).values()] == [(0, "hang")]
+
+
 def test_a_vouched_member_whose_key_vanished_unread_is_declared():
     ledger = Ledger(TIMEOUT, HANG)
     ledger.vouch({0: 1}, 0.0)
