@@ -60,6 +60,12 @@ WATCH_RELAY = "LIGHTNING_RECOVER_WATCH_RELAY"
 #: HOST:PORT of a ``lightning-recover watch-relay`` that a launcher's own relay follows instead of watching etcd
 #: (``--watch-upstream``).
 WATCH_UPSTREAM = "LIGHTNING_RECOVER_WATCH_UPSTREAM"
+#: The rack a launcher's host is in (``--watch-rack``): the launchers of one rack elect one of their relays to watch
+#: etcd and serve the others (``control_plane/rack_relay.py``).
+WATCH_RACK = "LIGHTNING_RECOVER_WATCH_RACK"
+#: The address a launcher serves its rack's relay on where elected (``--watch-rack-address``; default: the address
+#: its host reaches etcd from).
+WATCH_RACK_ADDRESS = "LIGHTNING_RECOVER_WATCH_RACK_ADDRESS"
 #: The job's private temporary directory (0700; it holds the job secret), made by the launcher and removed
 #: when the job ends, even after a SIGKILLed launcher (``launch/job_dir.py``). torchrun agents keep their
 #: temporaries there.

@@ -85,6 +85,28 @@ class LeasedKey:
                 self.renewed_at = time.monotonic()
                 self._client.put(self.key, value, lease=self._lease)
 
+    def claim(self, value: bytes) -> Optional[bytes]:
+        """Write the key attached to the lease (granted first) only if it does not exist: None when written, else
+        what is there (b"" if it went meanwhile). One transaction: of several claims at once, one wins."""
+        with self._lock:
+            if self._lease is None:
+                self._lease = self._client.lease_grant(self.ttl)
+                self.renewed_at = time.monotonic()
+            answer = self._client.txn(
+                [ec.cmp_version(self.key, 0)], [ec.op_put(self.key, value, self._lease)], [ec.op_get(self.key)]
+            )
+            if answer.get("succeeded"):
+                return None
+            lease, self._lease = self._lease, None
+        self._client.lease_revoke(lease)  # a lost claim holds nothing
+        kv = ec.first_kv(answer["responses"][0])
+        return ec.unb64(kv.get("value")) if kv else b""
+
+    def held(self) -> bool:
+        """Whether the key is in a lease this one renewed within its TTL."""
+        with self._lock:
+            return self._lease is not None and time.monotonic() - self.renewed_at < self.ttl
+
     def keep_alive(self) -> bool:
         """Renew the lease; False when there is none or it had expired (the next :meth:`put` grants a new one).
         From the keeper it does not wait for a put in progress: it has a connection of its own."""

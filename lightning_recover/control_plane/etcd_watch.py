@@ -194,13 +194,13 @@ class WatchView:
         """Watch until closed, or until monotonic time ``until`` (then not current: a relay's follower that
         watched etcd while its relay was gone goes back to the relay)."""
         delay = _RETRY_MIN
-        while not self._stop.is_set() and time.monotonic() < until:
+        while not self._stop.is_set() and self._keep_watching(until):
             try:
                 if not self._confirm():
                     self._sync()
                 delay = _RETRY_MIN
                 for msg in self._client.watch_messages(self.prefix, self._end, self.revision + 1, self.stale_after):
-                    if self._stop.is_set() or time.monotonic() >= until:
+                    if self._stop.is_set() or not self._keep_watching(until):
                         break
                     if msg.get("canceled") or int(msg.get("compact_revision") or 0):
                         break  # compacted past our revision, or cancelled: re-read everything
@@ -210,6 +210,10 @@ class WatchView:
             self._lose()
             self._stop.wait(delay)
             delay = min(delay * 2, _RETRY_MAX)
+
+    def _keep_watching(self, until: float) -> bool:
+        """Whether :meth:`_run` watches on (a relay that serves its rack watches past ``until``)."""
+        return time.monotonic() < until
 
     def _confirm(self) -> bool:
         """After a silent or lost stream: True if one linearizable read of the range's newest key shows the

@@ -41,10 +41,11 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Optional, Union
+from typing import Optional, Protocol, Union
 
 from lightning_recover.control_plane import etcd_client as ec
 from lightning_recover.control_plane.etcd_watch import MAX_SYNC_KEYS, STALE_AFTER, WatchView
+from lightning_recover.errors import RecoverError
 
 #: Bytes a follower may have waiting in the relay before it is dropped (it reconnects and gets a snapshot).
 BACKLOG_LIMIT = 64 << 20
@@ -61,8 +62,22 @@ _RETRY_MIN, _RETRY_MAX = 0.02, 0.5
 _NONCE_BYTES = 16
 _HELLO_LINE = 4096
 
-#: Where a follower finds its relay: a Unix socket's path on this host, or ``(host, port)`` of a relay over TCP.
-RelayAddress = Union[str, tuple[str, int]]
+
+class UpstreamChoice(Protocol):
+    """Whom a relay follows over TCP, asked before each connection (rack_relay.RackRelayRole elects one per rack)."""
+
+    def choose(self) -> Optional[tuple[str, int]]:
+        """The relay to follow now; None where this relay is the one to watch etcd (it serves the others)."""
+        ...
+
+    def serving(self) -> bool:
+        """Whether this relay still serves the others (asked often: no request)."""
+        ...
+
+
+#: Where a follower finds its relay: a Unix socket's path on this host, ``(host, port)`` of a relay over TCP, or
+#: an :class:`UpstreamChoice` that names one before each connection.
+RelayAddress = Union[str, tuple[str, int], UpstreamChoice]
 
 
 def relay_proof(key: bytes, role: bytes, prefix: bytes, theirs: bytes, mine: bytes) -> str:
@@ -98,6 +113,10 @@ class RelayPathTooLong(ValueError):
 
 class _RelayGone(Exception):
     """No relay answered at its address (or none proved itself): the follower watches etcd itself."""
+
+
+class _ServesUpstream(Exception):
+    """This relay's :class:`UpstreamChoice` says it is the one to watch etcd (it serves the others)."""
 
 
 def _read_line(sock: socket.socket, limit: int) -> bytes:
@@ -208,7 +227,7 @@ class WatchRelay:
         stale_after: float = STALE_AFTER,
         *,
         listen: Optional[tuple[str, int]] = None,
-        upstream: Optional[tuple[str, int]] = None,
+        upstream: Optional[Union[tuple[str, int], UpstreamChoice]] = None,
         secret_key: Optional[bytes] = None,
         say: Optional[Callable[[str], object]] = None,
     ) -> None:
@@ -394,6 +413,7 @@ class RelayedView(WatchView):
         if not isinstance(relay, str) and not secret_key:
             raise ValueError("following a relay over TCP needs the job's secret (secret_key=)")
         self.relay = relay
+        self._target = relay if isinstance(relay, tuple) else None  # the TCP relay followed, or last chosen
         self._key = secret_key
         self.relayed = True  # False while it watches etcd itself
         self._sock: Optional[socket.socket] = None
@@ -401,8 +421,8 @@ class RelayedView(WatchView):
         self._session: Optional[bytes] = None  # the TCP link's MAC key, from its handshake
         self._say = say  # a line each time it leaves a relay over TCP for etcd, and comes back
         self.found_gone = 0  # tries that found its TCP relay gone (each followed by UPSTREAM_RETRY_AFTER on etcd)
-        #: what it last said: None (nothing yet), True (it follows the relay), False (it left it for etcd)
-        self._announced: Optional[bool] = None
+        #: what it last said: None (nothing yet), the relay it follows, or False (it left it for etcd)
+        self._announced: Union[None, bool, tuple[str, int]] = None
 
     def close(self) -> None:
         self._stop.set()
@@ -430,11 +450,21 @@ class RelayedView(WatchView):
                 super()._run(until=time.monotonic() + UPSTREAM_RETRY_AFTER)
                 self.relayed = True
                 continue
+            except _ServesUpstream:
+                self.relayed = False
+                self._announced = None  # its choice said so; following a relay again is said again
+                super()._run(until=time.monotonic() + UPSTREAM_RETRY_AFTER)  # and on while it serves
+                self.relayed = True
+                continue
             except (OSError, ValueError, KeyError, TypeError):
                 pass  # a relay dropped this follower, or sent what it should not: reconnect
             self._lose()
             self._stop.wait(delay)
             delay = min(delay * 2, _RETRY_MAX)
+
+    def _keep_watching(self, until: float) -> bool:
+        serves = not isinstance(self.relay, (str, tuple)) and self.relay.serving()
+        return serves or super()._keep_watching(until)
 
     def _connect(self) -> socket.socket:
         """A connection to the relay, hello sent (over TCP, the relay proved itself and this end did); ``_RelayGone``
@@ -450,9 +480,17 @@ class RelayedView(WatchView):
             sock.sendall(json.dumps({"prefix": ec.b64(self.prefix)}).encode() + b"\n")
             return sock
         assert self._key is not None
-        where = f"{self.relay[0]}:{self.relay[1]}"
+        if not isinstance(self.relay, tuple):
+            try:
+                self._target = self.relay.choose()
+            except (RecoverError, ValueError) as exc:
+                raise _RelayGone(f"no relay chosen: {exc}") from exc
+            if self._target is None:
+                raise _ServesUpstream()
+        assert self._target is not None
+        where = f"{self._target[0]}:{self._target[1]}"
         try:
-            sock = socket.create_connection(self.relay, timeout=RELAY_SILENT_AFTER)
+            sock = socket.create_connection(self._target, timeout=RELAY_SILENT_AFTER)
         except OSError as exc:
             raise _RelayGone(f"no relay at {where}: {exc}") from exc
         self._sock = sock
@@ -470,9 +508,9 @@ class RelayedView(WatchView):
             sock.sendall(json.dumps({"proof": proof}).encode() + b"\n")
             self._session = relay_session(self._key, self.prefix, mine, theirs)
             self._offset = math.inf  # until this link's first clock line
-            if self._say is not None and self._announced is not True:
+            if self._say is not None and self._announced != self._target:
                 self._say(f"following the relay at {where}")
-            self._announced = True
+            self._announced = self._target
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise _RelayGone(f"no proof from the relay at {where} within {RELAY_SILENT_AFTER:g}s: {exc!r}") from exc
         return sock
@@ -483,6 +521,7 @@ class RelayedView(WatchView):
         try:
             lines = self._connect().makefile("rb")
             remote = not isinstance(self.relay, str)
+            where = f"{self._target[0]}:{self._target[1]}" if remote and self._target else "this host"
             batch: list[bytes] = []  # over TCP: a batch's lines, applied once its MAC passed
             batches = 0
             heard_any = False
@@ -510,7 +549,7 @@ class RelayedView(WatchView):
                     if not hmac.compare_digest(
                         json.loads(line)["mac"], batch_mac(self._session, batches, b"".join(batch))
                     ):
-                        raise _RelayGone(f"a batch from the relay at {self.relay[0]}:{self.relay[1]} failed its MAC")
+                        raise _RelayGone(f"a batch from the relay at {where} failed its MAC")
                     batches += 1
                     for taken in batch:
                         self._take(json.loads(taken))

@@ -11,7 +11,6 @@ from typing import Any
 from lightning_recover import env
 from lightning_recover.control_plane import config
 from lightning_recover.launch.coordinator_process import add_status_arguments
-from lightning_recover.observe.address import parse_address
 
 
 def control_plane_arguments(args: argparse.Namespace) -> dict[str, Any]:
@@ -32,14 +31,13 @@ def control_plane_arguments(args: argparse.Namespace) -> dict[str, Any]:
             "--local-replicas: the launchers of one job find each other by its name. HINT: give every one "
             f"the same --job NAME (or {env.JOB})"
         )
-    # Without etcd, supervise() refuses it (the flag and its environment variable alike).
-    upstream = (
-        parse_address(args.watch_upstream, "upstream watch relay", "--watch-upstream") if args.watch_upstream else None
-    )
     return {
         "control_plane": config.with_job(settings, args.job) if settings else None,
         "local_replicas": local,
-        "watch_upstream": upstream,
+        # Checked with their environment variables in supervise() (host_relay.relay_placement).
+        "watch_upstream": args.watch_upstream,
+        "watch_rack": args.watch_rack,
+        "watch_rack_address": args.watch_rack_address,
         "status_address": args.status_address,
         "event_log": args.event_log,
     }
@@ -71,6 +69,18 @@ def add_control_plane_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="with etcd: HOST:PORT of a `lightning-recover watch-relay` this host's relay follows instead of "
         f"watching etcd (one watch of etcd per rack instead of per host; default ${env.WATCH_UPSTREAM})",
+    )
+    p.add_argument(
+        "--watch-rack",
+        default=None,
+        help="with etcd: this host's rack; the launchers of one rack elect one of their relays to watch etcd and "
+        f"serve the others over TCP, and elect another when it ends (default ${env.WATCH_RACK})",
+    )
+    p.add_argument(
+        "--watch-rack-address",
+        default=None,
+        help="the address this host serves its rack's relay on where elected (default: the address it reaches "
+        f"etcd from; ${env.WATCH_RACK_ADDRESS})",
     )
     add_status_arguments(p)
 

@@ -59,9 +59,11 @@ from lightning_recover.control_plane.config import EtcdSettings
 from lightning_recover.control_plane.connect import connect
 from lightning_recover.control_plane.etcd_job import EtcdCoordinator, MonitorRole, forget_job, join_job
 from lightning_recover.control_plane.priority import check_nice_permitted, control_nice, set_thread_nice
+from lightning_recover.control_plane.rack_relay import RackRelayRole
 from lightning_recover.control_plane.watch_relay import RelayPathTooLong, WatchRelay
 from lightning_recover.launch import coordinator_process, name_lookup
 from lightning_recover.launch.fork_server import DEFAULT_PRELOAD, Process, ProcessStarter
+from lightning_recover.launch.host_relay import RelayPlacement, relay_placement, start_host_relay
 from lightning_recover.launch.job_dir import JobDir
 from lightning_recover.launch.process_tree import (
     children_of,
@@ -73,7 +75,6 @@ from lightning_recover.launch.process_tree import (
     set_parent_death_signal,
 )
 from lightning_recover.launch.standby_pool import StandbyPool
-from lightning_recover.observe.address import parse_address
 from lightning_recover.protocol.faults import check_plan
 from lightning_recover.protocol.growth import claim_free_id, claim_replica_ids
 from lightning_recover.protocol.messages import (
@@ -372,6 +373,7 @@ class _Job:
         self.coord: Any = None
         self.link: _Link | None = None
         self.relay: WatchRelay | None = None
+        self.rack_role: RackRelayRole | None = None
 
     def start(
         self,
@@ -385,7 +387,7 @@ class _Job:
         notice_signal: str,
         preload: Sequence[str],
         heartbeat_timeout: float,
-        watch_upstream: tuple[str, int] | None = None,
+        watch_relay: RelayPlacement = RelayPlacement(),
         **coordinator: Any,
     ) -> None:
         # This thread, and the threads started from it (the coordinator link, the etcd monitor role), run at the
@@ -440,17 +442,15 @@ class _Job:
             if self.control_plane is not None:
                 # One watch of the job's keys for this host's processes: etcd sends each change once per host
                 # (once per upstream relay where this host's relay follows one).
-                cp = self.control_plane
                 path = os.path.join(self.secret_dir, "watch-relay")
                 try:
-                    self.relay = WatchRelay(
-                        cp.client(),
-                        cp.watched_prefix.encode(),
+                    self.relay, self.rack_role = start_host_relay(
+                        self.control_plane,
+                        self.secret.key,
                         path,
-                        upstream=watch_upstream,
-                        secret_key=self.secret.key,
+                        watch_relay,
                         say=lambda line: self.say(f"this host's watch relay: {line}"),
-                    ).start()
+                    )
                     child_env[env.WATCH_RELAY] = path
                 except RelayPathTooLong as exc:
                     self.say(f"watch relay off, so each process watches etcd itself: {exc}")
@@ -544,6 +544,10 @@ class _Job:
             self.coord.kill()
         if self.link is not None:
             self.link.close()
+        if self.rack_role is not None:
+            # Before the relay: its followers, whose connections end with it, then find the rack's key gone
+            # and elect another at once (rather than finding this address refused and watching etcd a while).
+            self.rack_role.close()
         if self.relay is not None:
             self.relay.close()
             self.say(f"watch relay: {self.relay.served} processes of this host followed it")
@@ -766,16 +770,12 @@ class Supervisor(_Replacing):
         add_replicas: int = 0,
         notice_signal: str | None = None,
         restart_left: bool = False,
-        watch_upstream: tuple[str, int] | None = None,
+        watch_upstream: str | None = None,
+        watch_rack: str | None = None,
+        watch_rack_address: str | None = None,
     ) -> None:
         _check_options(replicas, restarts, nproc_per_replica, inject, standby, finish_grace, extra_env)
-        if watch_upstream is None and os.environ.get(env.WATCH_UPSTREAM):
-            watch_upstream = parse_address(os.environ[env.WATCH_UPSTREAM], env.WATCH_UPSTREAM, env.WATCH_UPSTREAM)
-        if watch_upstream is not None and control_plane is None:
-            raise ValueError(
-                f"--watch-upstream ({env.WATCH_UPSTREAM}): a watch relay serves etcd's keys. HINT: use it with "
-                "--control-plane etcd://..., or unset it"
-            )
+        placement = relay_placement(watch_upstream, watch_rack, watch_rack_address, etcd=control_plane is not None)
         self.min_replicas = replicas if min_replicas is None else min_replicas
         if not 1 <= self.min_replicas <= replicas:
             raise ValueError(
@@ -812,7 +812,7 @@ class Supervisor(_Replacing):
             notice_signal=self.notice_signal.name,
             status_address=status_address,
             event_log=event_log,
-            watch_upstream=watch_upstream,
+            watch_relay=placement,
         )
         self.say = on_event or (lambda line: print(f"[lightning-recover] {line}", file=sys.stderr, flush=True))
         # The processes this launcher starts per replica: under torchrun one agent starts the K workers.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -45,3 +46,17 @@ def warm_fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture
+def relay_dir() -> Iterator[str]:
+    """A private directory for watch relays' Unix sockets: their paths are limited to 107 bytes, which pytest's
+    tmp_path can pass."""
+    short = f"/tmp/lr-relay-{os.getpid()}-{time.monotonic_ns()}"
+    os.mkdir(short, 0o700)
+    try:
+        yield short
+    finally:
+        for name in os.listdir(short):
+            os.unlink(os.path.join(short, name))
+        os.rmdir(short)

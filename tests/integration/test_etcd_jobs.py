@@ -128,7 +128,7 @@ def _count_lines(path: str) -> int:
         return 0
 
 
-def _run_cmd(out: str, cluster, job: str, local: str) -> list[str]:
+def _run_cmd(out: str, cluster, job: str, local: str, extra: tuple[str, ...] = ()) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -144,26 +144,36 @@ def _run_cmd(out: str, cluster, job: str, local: str) -> list[str]:
         job,
         "--local-replicas",
         local,
+        *extra,
         "--",
         *_fabric_cmd(out, work=0.05),
     ]
 
 
-def test_launcher_holding_the_monitor_role_sigkilled(etcd3, tmp_path, reference):
+@pytest.mark.parametrize("rack", [None, "rack-a"])
+def test_launcher_holding_the_monitor_role_sigkilled(etcd3, tmp_path, reference, rack):
     """Two launchers of one job (replica 0 / replicas 1, 2); the first holds the monitor role and is SIGKILLed
     with its replica mid-training. The other takes the role within the lease bound, declares replica 0
-    dead, and its replicas finish on the failure-free trajectory."""
+    dead, and its replicas finish on the failure-free trajectory. With ``--watch-rack``, both hosts in one rack:
+    the first launcher also serves the rack's watch relay, which the other's follows until the kill, then
+    watches etcd itself."""
     out = str(tmp_path / "run")
     job = f"t-{os.getpid()}-{time.monotonic_ns()}"
+    extra = ("--watch-rack", rack) if rack else ()
     # The launchers of one job are given one secret (it is never stored in etcd).
     env = dict(etcd3.environment(), LIGHTNING_RECOVER_SECRET_FILE=JobSecret.generate().write_file(str(tmp_path)))
-    a, log_a = start_job(_run_cmd(out, etcd3, job, "0"), str(tmp_path / "a"), env)
+    a, log_a = start_job(_run_cmd(out, etcd3, job, "0", extra), str(tmp_path / "a"), env)
     b = None
     try:
         assert wait_for(lambda: "monitor role taken" in open(log_a).read(), 90), open(log_a).read()[-3000:]
-        b, log_b = start_job(_run_cmd(out, etcd3, job, "1,2"), str(tmp_path / "b"), env)
+        if rack:
+            served = re.search(rf"serves rack {rack}'s watch relay at (\S+)", open(log_a).read())
+            assert served, open(log_a).read()[-3000:]
+        b, log_b = start_job(_run_cmd(out, etcd3, job, "1,2", extra), str(tmp_path / "b"), env)
         assert wait_for(lambda: os.path.exists(os.path.join(out, "started")), 120), open(log_b).read()[-3000:]
         assert "monitor role taken" not in open(log_b).read()
+        if rack:
+            assert f"this host's watch relay: following the relay at {served.group(1)}" in open(log_b).read()
         os.kill(a.pid, signal.SIGKILL)  # the launcher; its replica dies with it (parent-death signal)
         killed = time.monotonic()
         assert wait_for(lambda: "monitor role taken" in open(log_b).read(), DEFAULT_LEASE_TTL + 10), open(log_b).read()
@@ -175,6 +185,8 @@ def test_launcher_holding_the_monitor_role_sigkilled(etcd3, tmp_path, reference)
         if b is not None:
             kill_group(b)
     result = JobResult(b.returncode, open(log_b).read(), out)
+    if rack:
+        assert f"watching etcd itself, trying the relay again every 30s: no relay at {served.group(1)}" in result.output
     _assert_failure_free(result, reference, [1, 2])
 
 

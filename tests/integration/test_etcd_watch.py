@@ -53,10 +53,11 @@ def write_roster(store: ControlStore, generation: int, incarnations: dict[int, i
     store.set(f"g{generation}/members", json.dumps(sorted(incarnations)))
 
 
-def until(condition, timeout: float = 5.0) -> None:
+def until(condition, timeout: float = 5.0, what: object = None) -> None:
+    """Wait for ``condition()`` (polled every 5 ms); ``what`` is shown if it does not come within ``timeout``."""
     deadline = time.monotonic() + timeout
     while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
+        assert time.monotonic() < deadline, f"condition not met in time: {what}"
         time.sleep(0.005)
 
 

@@ -306,9 +306,11 @@ def test_a_watch_relay_without_its_job_is_refused_in_one_line(monkeypatch):
         "run", "--replicas", "2", "--watch-upstream", "10.0.1.1:7400", "--", sys.executable, "t.py", code=1
     )
     assert (
-        "lightning-recover run: --watch-upstream (LIGHTNING_RECOVER_WATCH_UPSTREAM): a watch relay serves etcd's keys. "
-        "HINT: use it with --control-plane etcd://..., or unset it"
+        "lightning-recover run: --watch-upstream: a watch relay serves etcd's keys. HINT: use it with --control-plane "
+        "etcd://..., or drop it (and unset LIGHTNING_RECOVER_WATCH_UPSTREAM)"
     ) == line, line
+    line = _cli_error("run", "--replicas", "2", "--watch-rack", "r1", "--", sys.executable, "t.py", code=1)
+    assert line.startswith("lightning-recover run: --watch-rack: a watch relay serves etcd's keys. HINT:"), line
 
 
 def test_convert_of_a_missing_file_says_so_once(tmp_path):

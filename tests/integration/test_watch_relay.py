@@ -31,19 +31,6 @@ def client_of(cluster, timeout: float = 5.0) -> EtcdClient:
     return EtcdClient(cluster.endpoints, **cluster.tls_files, timeout=timeout)
 
 
-@pytest.fixture
-def relay_dir(tmp_path):
-    # A Unix socket's path is limited to 107 bytes: pytest's tmp_path can be longer.
-    short = f"/tmp/lr-relay-{os.getpid()}-{time.monotonic_ns()}"
-    os.mkdir(short, 0o700)
-    try:
-        yield short
-    finally:
-        for name in os.listdir(short):
-            os.unlink(os.path.join(short, name))
-        os.rmdir(short)
-
-
 def test_followers_see_every_write_in_order_through_one_stream(etcd1, relay_dir):
     store = fresh_store(etcd1)
     store.set("before", b"0")
