@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ import pytest
 
 from lightning_recover.control_plane.etcd_cluster import DEFAULT_ELECTION_MS, DEFAULT_HEARTBEAT_MS
 from lightning_recover.protocol.messages import JobSecret
+from lightning_recover.protocol.notice import EXIT_LEFT_ON_NOTICE
 from lightning_recover.protocol.reachability import exclusion_bound, probe_timeout_for
 from tests.compare import SLACK, max_relative_difference
 from tests.hosts import Hosts
@@ -400,14 +402,15 @@ class EtcdOnHosts:
         return len(open(path).read().split()) if os.path.exists(path) else 0
 
 
-def _etcd_job(hosts: Hosts, tmp_path, steps: int, rack_relay: str | None = None) -> EtcdOnHosts:
+def _etcd_job(
+    hosts: Hosts, tmp_path, steps: int, rack_relay: str | None = None, launcher_args: tuple[str, ...] = ()
+) -> EtcdOnHosts:
     """Three launchers on h0-h2 training; with ``rack_relay`` (a host's name) their relays follow a `lightning-recover
-    watch-relay` on that host instead of watching etcd."""
+    watch-relay` on that host instead of watching etcd; ``launcher_args``: more options of every launcher."""
     cluster = EtcdOnHosts(hosts, str(tmp_path / "job"))
     args = ["--replicas", "3", "--steps", str(steps), "--microbatches", str(M), "--dtype", "float64"]
     args += ["--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), "--work", "0.03"]
     job = f"netns-{os.getpid()}-{time.monotonic_ns()}"
-    launcher_args: tuple[str, ...] = ()
     if rack_relay is not None:
         address = f"{hosts.addr[rack_relay]}:7400"
         argv = [sys.executable, "-m", "lightning_recover.cli", "watch-relay", "--listen", address, "--job", job]
@@ -415,7 +418,7 @@ def _etcd_job(hosts: Hosts, tmp_path, steps: int, rack_relay: str | None = None)
             rack_relay, [*argv, *cluster.etcd_args()], os.path.join(cluster.out, "rack.log"), cluster.env(rack_relay)
         )
         assert wait_until(lambda: f"watch relay on {address}" in cluster.log("rack"), 60), cluster.log("rack")
-        launcher_args = ("--watch-upstream", address)
+        launcher_args += ("--watch-upstream", address)
     for r in range(3):
         cluster.start_launcher(r, job, args, launcher_args)
     assert wait_until(lambda: cluster.applied(0) >= 3, 240), cluster.dump()
@@ -433,6 +436,42 @@ def _etcd_states(cluster: EtcdOnHosts, survivors: list[int], steps: int) -> dict
         assert diff <= TOL, f"replica {r} diverged from the failure-free run by {diff}"
         states[r] = data
     return states
+
+
+@pytest.mark.timeout(600)
+def test_etcd_rack_elects_its_watch_relay_across_hosts(tmp_path):
+    """Three launchers of one rack (``--watch-rack``) on three namespace hosts: one is elected and serves the rack's
+    relay on its own host's address (the one it reaches etcd from), the other two follow it across the bridge. Its
+    launcher then gets SIGTERM: its replica leaves at a step boundary, the launcher gives the role up, and one of
+    the other two is elected at once, the third following it; both finish on the failure-free trajectory."""
+    steps = 60
+    rack = "rack-1"
+    with Hosts([*ETCD_HOSTS, "h0", "h1", "h2"]) as hosts:
+        cluster = _etcd_job(hosts, tmp_path, steps, launcher_args=("--watch-rack", rack))
+        serves = re.compile(rf"this host's watch relay: serves rack {rack}'s watch relay at (\S+)")
+        elected = {r: serves.findall(cluster.log(f"h{r}")) for r in range(3)}
+        (first,) = [r for r, said in elected.items() if said]
+        address = elected[first][0]
+        assert address.startswith(f"{hosts.addr[f'h{first}']}:"), (address, hosts.addr)
+        others = [r for r in range(3) if r != first]
+        for r in others:
+            assert f"this host's watch relay: following the relay at {address}" in cluster.log(f"h{r}"), cluster.dump()
+        cluster.launchers[first].send_signal(signal.SIGTERM)  # a notice to its replica: it leaves, then its launcher
+        assert wait_until(lambda: any(serves.search(cluster.log(f"h{r}")) for r in others), 60), cluster.dump()
+        (second,) = [r for r in others if serves.search(cluster.log(f"h{r}"))]
+        (third,) = [r for r in others if r != second]
+        again = serves.search(cluster.log(f"h{second}")).group(1)
+        assert again.startswith(f"{hosts.addr[f'h{second}']}:"), again
+        following = f"this host's watch relay: following the relay at {again}"
+        assert wait_until(lambda: following in cluster.log(f"h{third}"), 30), cluster.dump()
+        assert cluster.applied(second) < steps, "the job ended before the rack elected again: lengthen it"
+        assert wait_until(lambda: all(p.poll() is not None for p in cluster.launchers.values()), 180), cluster.dump()
+        codes = {r: p.returncode for r, p in cluster.launchers.items()}
+        assert codes == {first: EXIT_LEFT_ON_NOTICE, second: 0, third: 0}, (codes, cluster.dump())
+        assert "watching etcd itself" not in cluster.log(f"h{third}"), "it went from one relay to the next"
+        states = _etcd_states(cluster, others, steps)
+        live = [s["live_replicas"] for s in states[second]["stats"]]
+        assert live[0] == 3 and live[-1] == 2, live
 
 
 @pytest.mark.timeout(600)
