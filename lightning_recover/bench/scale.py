@@ -346,6 +346,8 @@ class ScaleRun:
             prefix = os.path.join(self.work, f"worker-{self.cfg.backend}-{self.cfg.replicas}")
             relay = os.path.join(self._relays, f"w{i}") if self._relays else None
             mine_spec = {**spec, "replicas": mine, "relay": relay, "upstream": racks[i % len(racks)] if racks else None}
+            if relay is not None and self.cfg.watch_racks:
+                mine_spec["rack"] = f"rack-{i % self.cfg.watch_racks}"
             # As a launcher starts replicas: no c10d warning for each store wait that times out (waits in slices).
             worker_env = {env_names.TORCH_CPP_LOG_LEVEL: "ERROR", **os.environ, **env}
             worker = _WorkerProcess(i, mine_spec, worker_env, prefix, self._event)
@@ -482,6 +484,7 @@ class ScaleRun:
                 "processes": len(self.workers),
                 "watch_relays": bool(self._relays),
                 "rack_relays": len(self.rack_relays),
+                "watch_racks": cfg.watch_racks if self._relays else 0,
             }
         )
         last = began + (cfg.replicas - 1) / cfg.start_rate  # the last replica's start
@@ -725,7 +728,7 @@ def project(runs: list[dict], capacity: dict[str, float], targets: tuple[int, ..
     ns = [r["replicas"] for r in etcd]
     long_step = statistics.median(r["step_s"] for r in etcd)
     relayed = all(r.get("watch_relays") for r in etcd)
-    tree = relayed and all(r.get("rack_relays") for r in etcd)
+    tree = relayed and all(r.get("rack_relays") or r.get("watch_racks") for r in etcd)
     streams_per_replica = 1 / (REPLICAS_PER_HOST * HOSTS_PER_RACK) if tree else 1 / REPLICAS_PER_HOST if relayed else 2
     counted_ticks = all("ticks_per_s" in r for r in etcd)
     tick_rate = statistics.median(r["ticks_per_s"] for r in etcd) if counted_ticks else 0.0
@@ -839,7 +842,7 @@ def sweep(args: argparse.Namespace) -> dict:
                 "keepalives_per_s": keepalive_capacity(cluster),
                 "watch_events_per_s": watch_capacity(cluster),
             }
-            if args.rack_relays:
+            if args.rack_relays or args.watch_racks:
                 fanout = relay_capacity(cluster)
                 result["relay_fanout"] = fanout
                 result["capacity"]["rack_relay_events_per_s"] = fanout["events_per_cpu_s"]
@@ -857,8 +860,9 @@ def sweep(args: argparse.Namespace) -> dict:
                     heartbeat_interval=args.heartbeat_interval,
                     start_rate=args.start_rate,
                     processes=args.processes,
-                    watch_relays=args.watch_relays or bool(args.rack_relays),
+                    watch_relays=args.watch_relays or bool(args.rack_relays or args.watch_racks),
                     rack_relays=args.rack_relays,
+                    watch_racks=args.watch_racks,
                 )
                 if backend in failed:
                     continue  # a smaller N already failed on this backend: the limit was found
@@ -934,6 +938,13 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="on etcd, this many `lightning-recover watch-relay` processes that the workers' relays follow over TCP "
         "(a tree: etcd streams to these only); implies --watch-relays",
     )
+    p.add_argument(
+        "--watch-racks",
+        type=int,
+        default=0,
+        help="on etcd, the worker processes in this many racks, each electing one of its workers' relays to watch "
+        "etcd and serve the others (a launcher's --watch-rack); implies --watch-relays",
+    )
     p.add_argument("--plot", default=None, help="write the plots against N here (PNG; needs matplotlib)")
     p.add_argument("--dir", default=None, help="working directory (default: a temp dir)")
     p.add_argument("--json", default=None, help="write the results here as JSON (after every N too)")
@@ -941,6 +952,8 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.rack_relays and args.watch_racks:
+        raise SystemExit("bench scale: --rack-relays (relays of their own) or --watch-racks (elected), not both")
     result = sweep(args)
     print(json.dumps({"fits": result["fits"], "projection": result["projection"]}, indent=1), flush=True)
     if args.json:

@@ -34,6 +34,7 @@ from lightning_recover import env
 from lightning_recover.bench.stand_in_data_plane import DataPlaneClient, StandInGroups
 from lightning_recover.control_plane.config import parse
 from lightning_recover.control_plane.watch_relay import WatchRelay
+from lightning_recover.launch.host_relay import RelayPlacement, start_host_relay
 from lightning_recover.launch.process_tree import die_with_parent, end_helper_process
 from lightning_recover.protocol import Fault, FaultInjector, RecoverOptions, Replica
 from lightning_recover.protocol.faults import parse_faults
@@ -66,6 +67,9 @@ class ScaleConfig:
     #: with watch relays: this many ``lightning-recover watch-relay`` processes (racks) that the workers' relays
     #: follow over TCP instead of watching etcd (worker i follows rack i mod this)
     rack_relays: int = 0
+    #: with watch relays: the workers are in this many racks (worker i in rack i mod this), each electing one of its
+    #: workers' relays to watch etcd and serve the others (a launcher's ``--watch-rack``)
+    watch_racks: int = 0
 
     @property
     def steps(self) -> int:
@@ -128,13 +132,8 @@ class ScaleWorker:
             settings = parse(self.addr)
             assert settings is not None
             upstream = tuple(spec["upstream"]) if spec.get("upstream") else None
-            self.relay = WatchRelay(
-                settings.client(),
-                settings.watched_prefix.encode(),
-                spec["relay"],
-                upstream=upstream,
-                secret_key=self.secret.key,
-            ).start()
+            placement = RelayPlacement(upstream=upstream, rack=spec.get("rack"), rack_address="127.0.0.1")
+            self.relay, _ = start_host_relay(settings, self.secret.key, spec["relay"], placement, say=lambda _: None)
             os.environ[env.WATCH_RELAY] = spec["relay"]
 
     def serve(self, commands: TextIO) -> None:
