@@ -13,8 +13,10 @@ launchers of rack NAME do it themselves:
   taken from it, watch_relay.py, so a wrong address costs a fallback to etcd, never a wrong key);
 * the holder keeps its lease alive every TTL / 3 on a thread of its own. When its launcher ends, the lease is
   revoked and the key goes at once: the followers' connections close, they ask again, and one of them is the new
-  holder. When its host dies or is cut off, the followers watch etcd themselves (within the relay's silence bound)
-  and ask again after ``UPSTREAM_RETRY_AFTER``, by when the lease has expired (``RACK_LEASE_TTL`` is shorter).
+  holder. When its host dies (or loses etcd), the followers watch etcd themselves (within the relay's silence
+  bound) and ask again after ``UPSTREAM_RETRY_AFTER``, by when the lease has expired (``RACK_LEASE_TTL`` is
+  shorter). A holder cut off from its rack but not from etcd keeps its lease, so the role: its followers watch etcd
+  themselves and try it again every ``UPSTREAM_RETRY_AFTER``, as with a relay run by hand.
 
 The cost at etcd: one read per launcher when it starts following, one grant and one transaction per election,
 and each holder's keep-alives (not Raft writes: etcd_liveness.py).
