@@ -449,13 +449,15 @@ def test_etcd_rack_elects_its_watch_relay_across_hosts(tmp_path):
     with Hosts([*ETCD_HOSTS, "h0", "h1", "h2"]) as hosts:
         cluster = _etcd_job(hosts, tmp_path, steps, launcher_args=("--watch-rack", rack))
         serves = re.compile(rf"this host's watch relay: serves rack {rack}'s watch relay at (\S+)")
+        # The three relays asked whom to follow as their launchers started, long before the job's third step.
         elected = {r: serves.findall(cluster.log(f"h{r}")) for r in range(3)}
         (first,) = [r for r, said in elected.items() if said]
         address = elected[first][0]
         assert address.startswith(f"{hosts.addr[f'h{first}']}:"), (address, hosts.addr)
         others = [r for r in range(3) if r != first]
         for r in others:
-            assert f"this host's watch relay: following the relay at {address}" in cluster.log(f"h{r}"), cluster.dump()
+            following = f"this host's watch relay: following the relay at {address}"
+            assert wait_until(lambda r=r: following in cluster.log(f"h{r}"), 60), cluster.dump()
         cluster.launchers[first].send_signal(signal.SIGTERM)  # a notice to its replica: it leaves, then its launcher
         assert wait_until(lambda: any(serves.search(cluster.log(f"h{r}")) for r in others), 60), cluster.dump()
         (second,) = [r for r in others if serves.search(cluster.log(f"h{r}"))]
