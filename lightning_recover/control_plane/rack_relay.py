@@ -94,7 +94,6 @@ class RackRelayRole:
         self._say = say
         self._lock = threading.Lock()  # one choice at a time, and none after close()
         self._closed = False
-        self.elections = 0  # claims this launcher won
 
     def serving(self) -> bool:
         """Whether this launcher holds the role: its claim's lease renewed within its TTL."""
@@ -112,7 +111,6 @@ class RackRelayRole:
             if value is None:
                 value = self._claim.claim(written_address(self.address))
                 if value is None:
-                    self.elections += 1
                     self._claim.start_keeping()
                     if self._say is not None:
                         self._say(f"serves rack {self.rack}'s watch relay at {written_address(self.address).decode()}")

@@ -31,10 +31,6 @@ class RelayPlacement:
     rack: Optional[str] = None
     rack_address: Optional[str] = None
 
-    @property
-    def follows(self) -> bool:
-        return self.upstream is not None or self.rack is not None
-
 
 def relay_placement(
     upstream: Optional[str],
@@ -87,7 +83,8 @@ def start_host_relay(
     say: Callable[[str], object],
 ) -> tuple[WatchRelay, Optional[RackRelayRole]]:
     """This host's relay, serving its processes on the Unix socket ``path``, started where ``placement`` says;
-    with a rack, also the launcher's part in electing the rack's relay (close it after the relay)."""
+    with a rack, also the launcher's part in electing the rack's relay (close it before the relay: the followers,
+    whose connections end with the relay, then find the rack's key gone and elect another at once)."""
     prefix = settings.watched_prefix.encode()
     if placement.rack is None:
         relay = WatchRelay(settings.client(), prefix, path, upstream=placement.upstream, secret_key=secret_key, say=say)

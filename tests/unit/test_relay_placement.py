@@ -17,8 +17,8 @@ def test_the_options_win_over_the_environment_and_fill_in_from_it():
     )
     assert relay_placement(None, "rack-4", None, etcd=True, environ=environ).rack == "rack-4"
     placed = relay_placement(None, None, None, etcd=True, environ={env.WATCH_UPSTREAM: "10.0.1.1:7400"})
-    assert placed == RelayPlacement(upstream=("10.0.1.1", 7400)) and placed.follows
-    assert not relay_placement(None, None, None, etcd=False, environ={}).follows
+    assert placed == RelayPlacement(upstream=("10.0.1.1", 7400))
+    assert relay_placement(None, None, None, etcd=False, environ={}) == RelayPlacement()  # etcd itself
 
 
 @pytest.mark.parametrize(
