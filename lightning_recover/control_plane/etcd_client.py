@@ -692,6 +692,16 @@ def op_delete(key: bytes, range_end: Optional[bytes] = None) -> dict:
     return {"request_delete_range": req}
 
 
+def in_lease(kv: dict, lease: int) -> bool:
+    """Whether key-value ``kv`` (as etcd answers it) is attached to ``lease``. A create-if-absent transaction whose
+    answer came late is sent again by :meth:`EtcdClient.request`, and the second finds the key the first wrote:
+    the claim is its sender's all the same."""
+    try:
+        return int(kv.get("lease") or 0) == lease != 0
+    except (TypeError, ValueError):
+        return False
+
+
 def first_kv(response: dict) -> Optional[dict]:
     """The key-value of a txn's ``response_range`` (None when the key was absent)."""
     kvs = (response.get("response_range") or {}).get("kvs") or []

@@ -109,9 +109,10 @@ class RackRelayRole:
                 return None
             value, _ = self._client.get(self.key)
             if value is None:
+                # Keep-alives first: a claim etcd applied but whose answer did not come is kept alive all the same.
+                self._claim.start_keeping()
                 value = self._claim.claim(written_address(self.address))
                 if value is None:
-                    self._claim.start_keeping()
                     if self._say is not None:
                         self._say(f"serves rack {self.rack}'s watch relay at {written_address(self.address).decode()}")
                     return None

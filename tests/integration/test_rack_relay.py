@@ -13,6 +13,7 @@ import pytest
 from lightning_recover.control_plane import watch_relay
 from lightning_recover.control_plane.config import parse
 from lightning_recover.control_plane.etcd_client import EtcdClient
+from lightning_recover.control_plane.etcd_liveness import LeasedKey
 from lightning_recover.control_plane.rack_relay import RackRelayRole, rack_key
 from lightning_recover.control_plane.watch_relay import RelayedView, WatchRelay
 from lightning_recover.launch.host_relay import RelayPlacement, start_host_relay
@@ -135,4 +136,24 @@ def test_a_rack_whose_holder_died_elects_anew_once_its_lease_expired(etcd1, rela
         process.close()
         role.close()
         relay.close()
+        writer.close()
+
+
+def test_a_claim_sent_again_finds_its_own_key_and_keeps_it(etcd1):
+    """The etcd client sends a request again when its answer comes late; a create-if-absent claim that etcd applied
+    the first time then finds its own key. It is its claim all the same: not given up (its lease revoked, the key
+    deleted, as before), while another launcher's claim still finds the key taken."""
+    settings = settings_of(etcd1)
+    key = rack_key(settings.prefix.encode(), "r1")
+    mine, theirs = LeasedKey(settings.client(), key, 5), LeasedKey(settings.client(), key, 5)
+    writer = EtcdClient(etcd1.endpoints, **etcd1.tls_files, timeout=5.0)
+    try:
+        assert mine.claim(b"10.0.0.1:7400") is None
+        assert mine.claim(b"10.0.0.1:7400") is None and mine.held()  # the same claim, sent again
+        assert writer.get(key)[0] == b"10.0.0.1:7400"
+        assert theirs.claim(b"10.0.0.2:7400") == b"10.0.0.1:7400" and not theirs.held()
+        assert writer.get(key)[0] == b"10.0.0.1:7400"
+    finally:
+        mine.close()
+        theirs.close()
         writer.close()

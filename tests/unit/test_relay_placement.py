@@ -1,11 +1,13 @@
-"""Where a launcher's watch relay gets the job's keys (``launch/host_relay.relay_placement``) and how a rack's key
-is read (``control_plane/rack_relay.relay_address``): each refusal is one line with its fix."""
+"""Where a launcher's watch relay gets the job's keys (``launch/host_relay.relay_placement``), how a rack's key is
+read (``control_plane/rack_relay.relay_address``; each refusal is one line with its fix), and whose claim a key is
+(``etcd_client.in_lease``)."""
 
 from __future__ import annotations
 
 import pytest
 
 from lightning_recover import env
+from lightning_recover.control_plane.etcd_client import in_lease
 from lightning_recover.control_plane.rack_relay import relay_address, written_address
 from lightning_recover.launch.host_relay import RelayPlacement, relay_placement
 
@@ -52,3 +54,16 @@ def test_a_racks_key_names_an_address_written_as_it_is_read(value, address):
 def test_a_racks_key_that_names_no_address_is_refused(value):
     with pytest.raises(ValueError, match="is not HOST:PORT"):
         relay_address(value)
+
+
+@pytest.mark.parametrize(
+    "kv, lease, mine",
+    [
+        ({"key": "a", "lease": "7263831938475"}, 7263831938475, True),  # etcd's JSON gateway writes int64 as text
+        ({"key": "a", "lease": "7263831938475"}, 7263831938476, False),
+        ({"key": "a"}, 0, False),  # no lease: nobody's claim
+        ({"key": "a", "lease": "x"}, 7, False),
+    ],
+)
+def test_a_claim_found_in_its_own_lease_is_its_own(kv, lease, mine):
+    assert in_lease(kv, lease) is mine
