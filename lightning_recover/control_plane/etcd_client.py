@@ -702,6 +702,16 @@ def in_lease(kv: dict, lease: int) -> bool:
         return False
 
 
+def created_in(answer: dict, lease: int) -> bool:
+    """Whether a create-if-absent transaction (compare version 0, put in ``lease``, else get the key) holds the key
+    now: it succeeded, or its get found the key in ``lease`` (an earlier try of the same request, see
+    :func:`in_lease`)."""
+    if answer.get("succeeded"):
+        return True
+    kv = first_kv(answer["responses"][0]) if answer.get("responses") else None
+    return kv is not None and in_lease(kv, lease)
+
+
 def first_kv(response: dict) -> Optional[dict]:
     """The key-value of a txn's ``response_range`` (None when the key was absent)."""
     kvs = (response.get("response_range") or {}).get("kvs") or []

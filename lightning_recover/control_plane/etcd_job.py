@@ -141,13 +141,6 @@ def join_job(
         store.client.close()
 
 
-def _written_by(answer: dict, lease: int) -> bool:
-    """Whether a failed create-if-absent transaction found the key in ``lease``: its first try was applied and its
-    answer came late, and the client's second try found what the first wrote."""
-    kv = ec.first_kv(answer["responses"][0]) if answer.get("responses") else None
-    return kv is not None and ec.in_lease(kv, lease)
-
-
 class MonitorRole:
     """Campaign for the job's monitor role on a thread; while held, run the coordinator's monitor."""
 
@@ -223,7 +216,7 @@ class MonitorRole:
                     [ec.op_put(self.key, self.name.encode(), lease)],
                     [ec.op_get(self.key)],
                 )
-                if not answer.get("succeeded") and not _written_by(answer, lease):
+                if not ec.created_in(answer, lease):
                     self._note_holder(answer)
                     client.lease_revoke(lease)
                     self._stop.wait(CAMPAIGN_PERIOD)

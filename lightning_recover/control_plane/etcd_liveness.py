@@ -95,11 +95,11 @@ class LeasedKey:
             answer = self._client.txn(
                 [ec.cmp_version(self.key, 0)], [ec.op_put(self.key, value, self._lease)], [ec.op_get(self.key)]
             )
-            kv = ec.first_kv(answer["responses"][0]) if not answer.get("succeeded") else None
-            if answer.get("succeeded") or (kv is not None and ec.in_lease(kv, self._lease)):
+            if ec.created_in(answer, self._lease):
                 return None
             lease, self._lease = self._lease, None
         self._client.lease_revoke(lease)  # a lost claim holds nothing
+        kv = ec.first_kv(answer["responses"][0])
         return ec.unb64(kv.get("value")) if kv else b""
 
     def held(self) -> bool:
