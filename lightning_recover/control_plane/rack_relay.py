@@ -31,6 +31,7 @@ from typing import Optional
 
 from lightning_recover.control_plane import etcd_client as ec
 from lightning_recover.control_plane.etcd_liveness import LeasedKey
+from lightning_recover.control_plane.watch_relay import address_text
 
 #: Seconds a rack relay's claim outlives its holder (whole seconds, etcd's unit): below the followers' retry
 #: period (watch_relay.UPSTREAM_RETRY_AFTER), so a follower that left a dead holder finds the key free when it
@@ -66,8 +67,7 @@ def relay_address(value: bytes) -> tuple[str, int]:
 
 
 def written_address(address: tuple[str, int]) -> bytes:
-    host, port = address
-    return (f"[{host}]:{port}" if ":" in host else f"{host}:{port}").encode("ascii")
+    return address_text(*address).encode("ascii")
 
 
 class RackRelayRole:

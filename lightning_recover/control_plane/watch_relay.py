@@ -132,12 +132,17 @@ def _read_line(sock: socket.socket, limit: int) -> bytes:
     return bytes(line)
 
 
+def address_text(host: str, port: int) -> str:
+    """``HOST:PORT``, an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _peer_name(conn: socket.socket) -> str:
     try:
         host, port = conn.getpeername()[:2]
     except OSError:
         return "?"
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return address_text(host, port)
 
 
 class _Follower:
