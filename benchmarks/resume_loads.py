@@ -13,7 +13,9 @@ order, with the page cache dropped before each:
 
 each load with the code of this tree and, given ``--before ROOT`` (a checkout of an earlier commit with its
 ``native_io`` built), with that tree's code too. Only the load is timed (not the interpreter's start nor the
-state's writing). Run with nothing else running and ``sysctl vm.nr_hugepages=140`` for fio's buffers::
+state's writing). The disk's own counters around each load (``bench/block_device.py``) give the share of the load
+during which the device was busy and the pace at which it moved the file's bytes meanwhile, against fio's GB/s
+over its own runtime. Run with nothing else running and ``sysctl vm.nr_hugepages=140`` for fio's buffers::
 
     python -m benchmarks.resume_loads --state small10k --rounds 5 --before /tmp/before --json out.json
 """
@@ -31,18 +33,25 @@ import tempfile
 from typing import Any, Optional
 
 from lightning_recover.bench import fio
+from lightning_recover.bench.block_device import BlockDevice, parse_stat, usage
 from lightning_recover.bench.checkpoint import make_cold
 from lightning_recover.bench.gpt_state import STATES, build_state
 from lightning_recover.checkpoint.file import single_file
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Run by each new interpreter: argv = path, "fresh" | "into"; prints the load's seconds.
+# Run by each new interpreter: argv = path, "fresh" | "into", the disk's stat file ("" for none); prints the load's
+# seconds and the stat file's text before and after it, as one JSON line.
 _CHILD = """
-import sys, time, torch
+import json, sys, time, torch
 from lightning_recover.checkpoint.file import single_file
 from lightning_recover.checkpoint.file.state_tensors import tensor_paths
-path, how = sys.argv[1], sys.argv[2]
+path, how, stat = sys.argv[1], sys.argv[2], sys.argv[3]
+def disk():
+    if not stat:
+        return ""
+    with open(stat) as f:
+        return f.read()
 state = None
 if how == "into":
     state = torch.load(path, mmap=True, weights_only=True)
@@ -55,20 +64,31 @@ if how == "into":
             return type(obj)(written(v) for v in obj)
         return obj
     state = written(state)
+before = disk()
 t = time.perf_counter()
 out = single_file.load(path) if state is None else single_file.load(path, into=state)
-print(time.perf_counter() - t)
+seconds = time.perf_counter() - t
+print(json.dumps({"s": seconds, "before": before, "after": disk()}))
 """
 
 
-def timed_child(root: str, path: str, how: str) -> float:
+def timed_child(root: str, path: str, how: str, device: BlockDevice) -> tuple[float, dict[str, Any]]:
+    """The load's seconds in a new interpreter under ``root``, and what the disk did during it (``{}`` unread)."""
     env = dict(os.environ, PYTHONPATH=root)
     out = subprocess.run(
-        [sys.executable, "-c", _CHILD, path, how], env=env, cwd=root, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _CHILD, path, how, device.stat_path or ""],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     if out.returncode:
         raise RuntimeError(f"the {how} load under {root} failed: {out.stderr[-2000:]}")
-    return float(out.stdout.strip().splitlines()[-1])
+    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    if not doc["before"]:
+        return doc["s"], {}
+    return doc["s"], usage(parse_stat(doc["before"]), parse_stat(doc["after"]), doc["s"])
 
 
 def run(state: str, rounds: int, before: Optional[str], directory: str) -> dict[str, Any]:
@@ -80,12 +100,16 @@ def run(state: str, rounds: int, before: Optional[str], directory: str) -> dict[
     iomem = fio.huge_iomem(16 << 20)
     trees = {"now": HERE} if before is None else {"now": HERE, "before": os.path.abspath(before)}
     cases = [(f"{how}_{tree}", root, how) for tree, root in trees.items() for how in ("fresh", "into")]
+    device = BlockDevice.under(directory)
     samples: dict[str, list[float]] = {}
+    disks: dict[str, list[dict[str, Any]]] = {}
     for r in range(rounds):
         order = cases if r % 2 == 0 else cases[::-1]
         for name, root, how in order:
             make_cold(directory, "drop_caches")
-            samples.setdefault(name, []).append(timed_child(root, path, how))
+            seconds, disk = timed_child(root, path, how, device)
+            samples.setdefault(name, []).append(seconds)
+            disks.setdefault(name, []).append(disk)
         for depth in (1, 4, 16):
             make_cold(directory, "drop_caches")
             samples.setdefault(f"fio_qd{depth}", []).append(fio.read(path, nbytes, depth, iomem)["seconds"])
@@ -94,6 +118,15 @@ def run(state: str, rounds: int, before: Optional[str], directory: str) -> dict[
     fio_best = min(m for n, m in med.items() if n.startswith("fio_"))
     summary = {n: {"median_s": m, "min_s": min(samples[n]), "max_s": max(samples[n])} for n, m in med.items()}
     ratios = {f"{n}_vs_fio_best": fio_best / m for n, m in med.items() if not n.startswith("fio_")}
+    for name, ds in disks.items():
+        if all(d.get("busy_s") for d in ds):  # the device busy for part of the load; the rest of it waited for us
+            summary[name]["disk_busy_share_median"] = statistics.median(d["busy_share"] for d in ds)
+            summary[name]["disk_gbps_while_busy_median"] = statistics.median(
+                d["read_bytes"] / d["busy_s"] / 1e9 for d in ds
+            )
+    # fio's runtime clocks its transfers alone: its GB/s is the device's pace while busy, for the comparison
+    for depth in (1, 4, 16):
+        summary[f"fio_qd{depth}"]["gbps_median"] = nbytes / summary[f"fio_qd{depth}"]["median_s"] / 1e9
     return {
         "state": desc,
         "bytes": nbytes,
@@ -101,6 +134,9 @@ def run(state: str, rounds: int, before: Optional[str], directory: str) -> dict[
         "fio_iomem": iomem,
         "trees": trees,
         "samples": samples,
+        "disk": disks,
+        "block_device": device.name,
+        "block_device_unread": device.why_not,
         "summary": summary,
         "ratios": ratios,
     }

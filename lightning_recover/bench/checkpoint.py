@@ -41,6 +41,7 @@ GB = 1e9 bytes; throughput = checkpoint tensor payload bytes / seconds (fio: its
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -58,6 +59,7 @@ import torch
 
 from lightning_recover import env
 from lightning_recover.bench import fio as fio_mod
+from lightning_recover.bench.block_device import BlockDevice, ratio_factors
 from lightning_recover.bench.first_touch import first_touch_s, hypervisor_takes_free_pages
 from lightning_recover.bench.gpt_state import STATES, build_state, iter_tensors, tensor_stats
 
@@ -742,23 +744,29 @@ def _add_baseline_ratios(records: list[dict[str, Any]]) -> None:
             r[f"{kind}_vs_{BASELINE}"] = v / base[f"{kind}_gbps"] if base and v and base[f"{kind}_gbps"] else None
 
 
-def _run_method(impl: Method, checkpoint, workdir, cache_mode, s, verify_load: bool) -> None:
+def _run_method(
+    impl: Method, checkpoint, workdir, cache_mode, s, verify_load: bool, device: Optional[BlockDevice] = None
+) -> None:
+    """One durable save and one load of ``impl`` into ``s``'s lists; with ``device``, also what the disk did
+    during each (``save_disk``, ``load_disk``: block_device.py)."""
     os.sync()
-    t0 = time.perf_counter()
-    target = impl.save(checkpoint, workdir)
-    t1 = time.perf_counter()
-    fsync_tree(workdir)
-    t2 = time.perf_counter()
+    with device.measure() if device else contextlib.nullcontext({}) as save_disk:
+        t0 = time.perf_counter()
+        target = impl.save(checkpoint, workdir)
+        t1 = time.perf_counter()
+        fsync_tree(workdir)
+        t2 = time.perf_counter()
     files = tree_files(workdir)
     file_bytes = sum(os.path.getsize(p) for p in files)
 
     prepared = impl.prepare_load(target, checkpoint)
     make_cold(workdir, cache_mode)
-    t3 = time.perf_counter()
-    loaded = impl.load(target, prepared)
-    t4 = time.perf_counter()
-    touch_pages(loaded)
-    t5 = time.perf_counter()
+    with device.measure() if device else contextlib.nullcontext({}) as load_disk:
+        t3 = time.perf_counter()
+        loaded = impl.load(target, prepared)
+        t4 = time.perf_counter()
+        touch_pages(loaded)
+        t5 = time.perf_counter()
     if verify_load:
         verify(checkpoint, loaded)
     del loaded, prepared
@@ -770,6 +778,9 @@ def _run_method(impl: Method, checkpoint, workdir, cache_mode, s, verify_load: b
     s["touch_s"].append(t5 - t4)
     s["file_bytes"].append(file_bytes)
     s["files"].append(len(files))
+    if device:
+        s.setdefault("save_disk", []).append(save_disk)
+        s.setdefault("load_disk", []).append(load_disk)
 
 
 def _run_fio(workdir, nbytes, cache_mode, s, extra, rep: int = 0) -> None:
@@ -961,6 +972,9 @@ def summarize_pairs(pairs: list[dict[str, Any]]) -> dict[str, Any]:
                 "first_touch_s_all": [p["fio_first_touch_s"] for p in pairs],
                 "first_touch_s_median": _median([p["fio_first_touch_s"] for p in pairs]),
             }
+        factors = disk_factors(pairs, kind)
+        if factors:
+            out[kind]["disk_factors"] = factors
         runtime_key = f"fio_{'write' if kind == 'save' else 'read'}_runtime_best_s"
         if all(runtime_key in p for p in pairs):
             # the strictest reading: against fio's own runtime at its best depth (what the device moved while
@@ -973,6 +987,29 @@ def summarize_pairs(pairs: list[dict[str, Any]]) -> dict[str, Any]:
                 "ratio_max": max(rr),
                 "fio_gbps_median": pairs[0]["fio_bytes"] / _median([p[runtime_key] for p in pairs]) / 1e9,
             }
+    return out
+
+
+def disk_factors(pairs: list[dict[str, Any]], kind: str) -> Optional[dict[str, Any]]:
+    """Each pair's ratio split into the factors of ``block_device.ratio_factors`` (the disk's counters during our
+    run and during the fio run the pair is against), with the median and spread of each; None unless every pair
+    was measured."""
+    ours_key, fio_key = ("save_s", "fio_write_s") if kind == "save" else ("load_s", "fio_read_s")
+    disk_key, fio_disk_key = f"{kind}_disk", f"fio_{'write' if kind == 'save' else 'read'}_disk"
+    split = []
+    for p in pairs:
+        ours, theirs = p.get(disk_key) or {}, p.get(fio_disk_key) or {}
+        if "busy_s" not in ours or "busy_s" not in theirs:
+            return None
+        f = ratio_factors(p["bytes"], p[ours_key], ours["busy_s"], p["fio_bytes"], p[fio_key], theirs["busy_s"])
+        if f is None:
+            return None
+        split.append(f)
+    out: dict[str, Any] = {}
+    for name in ("ours_busy_share", "device_pace", "ref_time_per_busy"):
+        xs = [f[name] for f in split]
+        out[name] = {"all": xs, "median": _median(xs), "min": min(xs), "max": max(xs)}
+    out["ours_idle_s_all"] = [p[ours_key] - p[disk_key]["busy_s"] for p in pairs]
     return out
 
 
@@ -999,12 +1036,19 @@ def paired_targets(state: str, summaries: dict[str, dict[str, Any]], method: str
 
 
 def _fio_pair(
-    workdir: str, nbytes: int, iodepth: int, startup: float, cache_mode: str, iomem: Optional[str] = None
+    workdir: str,
+    nbytes: int,
+    iodepth: int,
+    startup: float,
+    cache_mode: str,
+    iomem: Optional[str] = None,
+    device: Optional[BlockDevice] = None,
 ) -> dict[str, Any]:
     """fio write (end_fsync) then O_DIRECT read of ``nbytes`` in ``workdir``; seconds by wall clock.
 
     ``write_s``/``read_s`` = the fio process's wall time less its start-up (``startup``: a one-block fio read),
-    never less than fio's own ``runtime``; both raw values are kept.
+    never less than fio's own ``runtime``; both raw values are kept. With ``device``, ``write_disk`` and
+    ``read_disk`` say what the disk did during each fio process.
     """
     path = os.path.join(workdir, "fio.bin")
     if os.path.exists(path):  # a fresh file for every depth: none overwrites already-allocated blocks
@@ -1013,7 +1057,7 @@ def _fio_pair(
     os.sync()
     if cache_mode == "drop_caches":
         make_cold(workdir, cache_mode)
-    w, r = fio_mod.run(path, nbytes, iodepth=iodepth, iomem=iomem)
+    w, r = fio_mod.run(path, nbytes, iodepth=iodepth, iomem=iomem, device=device)
     return {
         "write_s": max(w["wall_s"] - startup, w["seconds"]),
         "read_s": max(r["wall_s"] - startup, r["seconds"]),
@@ -1027,6 +1071,8 @@ def _fio_pair(
         "write_cmd": w["cmd"],
         "read_cmd": r["cmd"],
         "iodepth": iodepth,
+        "write_disk": w["disk"],
+        "read_disk": r["disk"],
     }
 
 
@@ -1043,6 +1089,7 @@ def best_of_depths(by_depth: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "write_iodepth": int(bw),
             "read_iodepth": int(br),
             "read_cmd": by_depth[br]["read_cmd"],
+            "read_disk": by_depth[br].get("read_disk", {}),
             # fio's own runtime (its transfers and end fsync only: no process start, no file layout), best depth
             "write_runtime_best_s": min(r["write_runtime_s"] for r in by_depth.values()),
             "read_runtime_best_s": min(r["read_runtime_s"] for r in by_depth.values()),
@@ -1064,6 +1111,10 @@ def _run_paired(checkpoint, stats, desc, repeat, root, methods, cache_mode, log,
     # depths differ in nothing else.
     iomem = fio_mod.huge_iomem(max(depths) * fio_mod.BLOCK)
     startups = {d: fio_mod.startup_s(root, d, iomem=iomem) for d in depths}
+    # the disk's own counters around every run, to say where each ratio goes (block_device.py)
+    device = BlockDevice.under(root)
+    if device.why_not:
+        log(f"the disk's counters are not read: {device.why_not}")
     log(
         f"paired with fio at --iodepth {'/'.join(map(str, depths))} (best per pair) --iomem={iomem or 'malloc'}; "
         "fio start-up (one 16 MiB read, median of 3) at the start: "
@@ -1077,7 +1128,7 @@ def _run_paired(checkpoint, stats, desc, repeat, root, methods, cache_mode, log,
         _fsync_path(root, directory=True)
         s: dict[str, list] = {k: [] for k in ("save_s", "load_s", "sync_s", "touch_s", "file_bytes", "files")}
         try:
-            _run_method(impls[m], checkpoint, workdir, cache_mode, s, verify_load=True)
+            _run_method(impls[m], checkpoint, workdir, cache_mode, s, verify_load=True, device=device)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
             gc.collect()
@@ -1095,7 +1146,9 @@ def _run_paired(checkpoint, stats, desc, repeat, root, methods, cache_mode, log,
                 # measured at the start of the run and subtracted from every wall time moved the save ratio
                 # from 1.10x to 0.69x. A one-block read right before each run is charged under the same load.
                 startup = fio_mod.startup_s(workdir, d, repeat=1, iomem=iomem)
-                by_depth[str(d)] = _fio_pair(workdir, nbytes, d, startup, cache_mode, iomem) | {"startup_s": startup}
+                by_depth[str(d)] = _fio_pair(workdir, nbytes, d, startup, cache_mode, iomem, device) | {
+                    "startup_s": startup
+                }
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         # the other floor of a load into fresh tensors, beside the device's (first_touch.py)
@@ -1117,6 +1170,8 @@ def _run_paired(checkpoint, stats, desc, repeat, root, methods, cache_mode, log,
         "fio_iodepths": depths,
         "fio_startup_s": {str(d): t for d, t in startups.items()},
         "fio_iomem": iomem or "malloc",
+        "block_device": device.name,
+        "block_device_unread": device.why_not,
         "machine": machine_info(root),
         "engine": native_io_info(),
         "skipped": skipped,
@@ -1177,6 +1232,15 @@ def format_paired_depths(records: list[dict[str, Any]]) -> str:
                     f"  {r['method']} {kind} vs max(fio read, first touch of fresh memory "
                     f"{ft['first_touch_s_median']:.3f} s): {ft['ratio_median']:.2f}x [{ft['ratio_min']:.2f}-"
                     f"{ft['ratio_max']:.2f}]"
+                )
+            df = s.get("disk_factors")
+            if df:
+                share, pace, ref = (df[k] for k in ("ours_busy_share", "device_pace", "ref_time_per_busy"))
+                lines.append(
+                    f"  {r['method']} {kind}, the paired ratio's factors from the disk's counters: busy "
+                    f"{share['median']:.0%} [{share['min']:.0%}-{share['max']:.0%}] of our time x our bytes at "
+                    f"{pace['median']:.2f}x [{pace['min']:.2f}-{pace['max']:.2f}] fio's pace x fio's time "
+                    f"{ref['median']:.2f}x [{ref['min']:.2f}-{ref['max']:.2f}] its busy time"
                 )
             per = s.get("by_iodepth")
             if not per:

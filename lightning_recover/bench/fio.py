@@ -7,11 +7,14 @@ compared with keeps more than one request in flight.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
 import time
 from typing import Any, Optional
+
+from lightning_recover.bench.block_device import BlockDevice
 
 BLOCK = 16 << 20
 # 16 MiB blocks at depth 1 understate a virtio disk (benchmarks/LOG.md); 16 covers any
@@ -71,12 +74,20 @@ def _command(
 
 
 def _run(
-    path: str, rw: str, size: int, engine: str, iodepth: int = 1, bs: int = BLOCK, iomem: Optional[str] = None
+    path: str,
+    rw: str,
+    size: int,
+    engine: str,
+    iodepth: int = 1,
+    bs: int = BLOCK,
+    iomem: Optional[str] = None,
+    device: Optional[BlockDevice] = None,
 ) -> dict[str, Any]:
     cmd = _command(f"bench-{rw}", path, rw, size, engine, iodepth, bs, iomem) + ["--output-format=json"]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
+    with device.measure() if device else contextlib.nullcontext({}) as disk:
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"fio failed ({proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
     # fio may print warnings before the JSON document.
@@ -98,6 +109,7 @@ def _run(
         "iomem": iomem or "malloc",
         "fio_version": doc.get("fio version"),
         "cmd": " ".join(cmd),
+        "disk": disk,  # what the device did during the whole fio process (block_device.py); {} unmeasured
     }
 
 
@@ -160,20 +172,26 @@ def read(path: str, nbytes: int, iodepth: int = 1, iomem: Optional[str] = None) 
 
 
 def run(
-    path: str, nbytes: int, engine: str = "io_uring", iodepth: int = 1, iomem: Optional[str] = None
+    path: str,
+    nbytes: int,
+    engine: str = "io_uring",
+    iodepth: int = 1,
+    iomem: Optional[str] = None,
+    device: Optional[BlockDevice] = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Sequential O_DIRECT write (with end fsync) then read of ``nbytes`` rounded up to 16 MiB.
 
     ``iodepth`` requests are kept in flight. Returns ``(write, read)`` result dicts. Falls back
-    to libaio if io_uring is unavailable to fio (the engine used is reported).
+    to libaio if io_uring is unavailable to fio (the engine used is reported). ``device``: the block device
+    whose counters each result's ``disk`` gives.
     """
     size = -(-int(nbytes) // BLOCK) * BLOCK
     try:
-        w = _run(path, "write", size, engine, iodepth, iomem=iomem)
+        w = _run(path, "write", size, engine, iodepth, iomem=iomem, device=device)
     except RuntimeError:
         if engine != "io_uring":
             raise
         engine = "libaio"
-        w = _run(path, "write", size, engine, iodepth, iomem=iomem)
-    r = _run(path, "read", size, engine, iodepth, iomem=iomem)
+        w = _run(path, "write", size, engine, iodepth, iomem=iomem, device=device)
+    r = _run(path, "read", size, engine, iodepth, iomem=iomem, device=device)
     return w, r

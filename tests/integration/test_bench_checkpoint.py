@@ -284,7 +284,48 @@ def test_bench_checkpoint_paired_smoke(tmp_path, capsys):
     assert all(p["fio_first_touch_s"] > 0 for p in rec["pairs"])  # the fresh-tensor load's other floor
     assert len(rec["summary"]["load"]["vs_read_or_first_touch"]["ratios"]) == 2 and "first touch" in printed
     assert isinstance(doc["meta"]["machine"]["free_page_reporting"], bool)
+    if doc["meta"]["block_device_unread"] is None:  # the disk's counters saw every byte each side moved
+        for p in rec["pairs"]:
+            assert p["save_disk"]["write_bytes"] >= p["bytes"] and p["load_disk"]["read_bytes"] >= p["bytes"]
+            assert p["fio_write_disk"]["write_bytes"] >= p["fio_bytes"]
+            assert p["fio_read_disk"]["read_bytes"] >= p["fio_bytes"]
+            assert p["save_disk"]["device"] == doc["meta"]["block_device"]
     assert not any((tmp_path / "work").iterdir())
+
+
+def test_a_paired_ratio_is_split_by_the_disk_counters_of_each_side():
+    """Every pair's ratio is the product of the device's busy share of our time, the pace it moved our bytes at
+    against fio's, and fio's time over its busy time; each factor is reported with its median and spread."""
+    ours = [(1.0, 0.9), (1.0, 0.95), (2.0, 1.0)]  # (our seconds, the device busy during them)
+    theirs = [(0.8, 0.8), (1.0, 0.9), (1.0, 1.0)]
+
+    def run_ours(m, rep):
+        s, busy = ours[rep]
+        return {"save_s": s, "load_s": s, "bytes": 1000, "save_disk": {"busy_s": busy}, "load_disk": {"busy_s": busy}}
+
+    def run_fio(m, rep):
+        s, busy = theirs[rep]
+        return {"write_s": s, "read_s": s, "bytes": 1000, "write_disk": {"busy_s": busy}, "read_disk": {"busy_s": busy}}
+
+    pairs, _ = bench.run_pairs(["uring"], 3, run_ours, run_fio, log=lambda _: None)
+    s = bench.summarize_pairs(pairs["uring"])
+    f = s["save"]["disk_factors"]
+    assert f["ours_busy_share"]["all"] == pytest.approx([0.9, 0.95, 0.5])
+    assert f["device_pace"]["all"] == pytest.approx([0.8 / 0.9, 0.9 / 0.95, 1.0])
+    assert f["ref_time_per_busy"]["all"] == pytest.approx([1.0, 1.0 / 0.9, 1.0])
+    for i, ratio in enumerate(s["save"]["ratios"]):
+        assert math.prod(f[k]["all"][i] for k in ("ours_busy_share", "device_pace", "ref_time_per_busy")) == (
+            pytest.approx(ratio)
+        )
+    assert f["ours_idle_s_all"] == pytest.approx([0.1, 0.05, 1.0]) and f["ours_busy_share"]["median"] == 0.9
+    assert "busy 90% [50%-95%] of our time x our bytes at 0.95x [0.89-1.00] fio's pace" in (
+        bench.format_paired_depths([{"method": "uring", "summary": s}])
+    )
+    # a pair the counters did not measure leaves the ratios unsplit
+    unmeasured, _ = bench.run_pairs(
+        ["uring"], 1, lambda m, rep: run_ours(m, rep) | {"save_disk": {}}, run_fio, log=lambda _: None
+    )
+    assert "disk_factors" not in bench.summarize_pairs(unmeasured["uring"])["save"]
 
 
 def test_paired_fio_side_is_the_best_depth_of_each_pair_and_each_depth_is_reported():
