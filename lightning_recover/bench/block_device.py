@@ -5,7 +5,9 @@ Documentation/block/stat.rst). The counters used here are:
 
 * requests completed;
 * sectors, always 512 bytes whatever the device's own sector size;
-* ``io_ticks``: the milliseconds during which the device had at least one request in flight.
+* ``io_ticks``: the milliseconds during which the device had at least one request in flight;
+* ``time_in_queue``: the milliseconds of every request from its start to its completion, summed (over
+  ``io_ticks``: the mean number of requests in flight while the device was busy).
 
 A paired benchmark reads them around each run. It then splits a ratio against fio into three factors
 (:func:`ratio_factors`):
@@ -42,6 +44,7 @@ class DiskCounters:
     write_requests: int
     write_bytes: int
     busy_ms: int
+    queue_ms: int
     flushes: int  # 0 where the kernel does not count flush requests (before 5.5)
 
 
@@ -57,13 +60,15 @@ def parse_stat(text: str) -> DiskCounters:
         write_requests=n[4],
         write_bytes=n[6] * SECTOR,
         busy_ms=n[9],
+        queue_ms=n[10],
         flushes=n[15] if len(n) > 15 else 0,
     )
 
 
 def usage(before: DiskCounters, after: DiskCounters, wall_s: float) -> dict[str, Any]:
     """What the device did between two readings ``wall_s`` seconds apart."""
-    busy_s = (after.busy_ms - before.busy_ms) / 1000.0
+    busy_ms = after.busy_ms - before.busy_ms
+    busy_s = busy_ms / 1000.0
     reads = after.read_requests - before.read_requests
     writes = after.write_requests - before.write_requests
     read_bytes = after.read_bytes - before.read_bytes
@@ -78,6 +83,7 @@ def usage(before: DiskCounters, after: DiskCounters, wall_s: float) -> dict[str,
         "write_bytes": write_bytes,
         "mean_read_request_bytes": read_bytes / reads if reads else None,
         "mean_write_request_bytes": write_bytes / writes if writes else None,
+        "mean_in_flight": (after.queue_ms - before.queue_ms) / busy_ms if busy_ms else None,
         "flushes": after.flushes - before.flushes,
     }
 

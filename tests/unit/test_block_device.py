@@ -15,13 +15,14 @@ LINE_17 = "  1000  5  40000  300  2000  7  80000  900  0  1200  1500  0  0  0  0
 LINE_11 = "1000 5 40000 300 2000 7 80000 900 0 1200 1500"
 
 
-def test_a_stat_line_gives_requests_bytes_in_512_byte_sectors_busy_time_and_flushes():
+def test_a_stat_line_gives_requests_bytes_in_512_byte_sectors_busy_and_queue_time_and_flushes():
     assert parse_stat(LINE_17) == DiskCounters(
         read_requests=1000,
         read_bytes=40000 * 512,
         write_requests=2000,
         write_bytes=80000 * 512,
         busy_ms=1200,
+        queue_ms=1500,
         flushes=30,
     )
     assert parse_stat(LINE_11).flushes == 0  # not counted before 5.5
@@ -30,15 +31,16 @@ def test_a_stat_line_gives_requests_bytes_in_512_byte_sectors_busy_time_and_flus
 
 
 def test_an_interval_says_what_the_device_did_in_it():
-    before = DiskCounters(10, 1 << 20, 20, 2 << 20, 1000, 3)
-    after = DiskCounters(12, 3 << 20, 28, 34 << 20, 1750, 4)
+    before = DiskCounters(10, 1 << 20, 20, 2 << 20, 1000, 5000, 3)
+    after = DiskCounters(12, 3 << 20, 28, 34 << 20, 1750, 8000, 4)
     u = usage(before, after, wall_s=1.0)
     assert u["busy_s"] == 0.75 and u["busy_share"] == 0.75
+    assert u["mean_in_flight"] == 4.0  # 3000 request-milliseconds over 750 busy ones
     assert (u["read_requests"], u["read_bytes"], u["mean_read_request_bytes"]) == (2, 2 << 20, 1 << 20)
     assert (u["write_requests"], u["write_bytes"], u["mean_write_request_bytes"]) == (8, 32 << 20, 4 << 20)
     assert u["flushes"] == 1
     idle = usage(before, before, wall_s=0.5)
-    assert idle["busy_s"] == 0 and idle["mean_read_request_bytes"] is None
+    assert idle["busy_s"] == 0 and idle["mean_read_request_bytes"] is None and idle["mean_in_flight"] is None
 
 
 def test_a_paired_ratio_is_the_product_of_our_busy_share_the_device_pace_and_fio_time_per_busy():
