@@ -29,6 +29,7 @@ import math
 import os
 import time
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -151,3 +152,8 @@ class BlockDevice:
         after = self.sample()
         if before is not None and after is not None:
             out.update(usage(before, after, wall) | {"device": self.name})
+
+
+def measured(device: Optional[BlockDevice]) -> AbstractContextManager[dict[str, Any]]:
+    """``device.measure()``, or a block that measures nothing (an empty dict) without a device."""
+    return device.measure() if device is not None else contextlib.nullcontext({})

@@ -41,7 +41,6 @@ GB = 1e9 bytes; throughput = checkpoint tensor payload bytes / seconds (fio: its
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -59,7 +58,7 @@ import torch
 
 from lightning_recover import env
 from lightning_recover.bench import fio as fio_mod
-from lightning_recover.bench.block_device import BlockDevice, ratio_factors
+from lightning_recover.bench.block_device import BlockDevice, measured, ratio_factors
 from lightning_recover.bench.first_touch import first_touch_s, hypervisor_takes_free_pages
 from lightning_recover.bench.gpt_state import STATES, build_state, iter_tensors, tensor_stats
 
@@ -750,7 +749,7 @@ def _run_method(
     """One durable save and one load of ``impl`` into ``s``'s lists; with ``device``, also what the disk did
     during each (``save_disk``, ``load_disk``: block_device.py)."""
     os.sync()
-    with device.measure() if device else contextlib.nullcontext({}) as save_disk:
+    with measured(device) as save_disk:
         t0 = time.perf_counter()
         target = impl.save(checkpoint, workdir)
         t1 = time.perf_counter()
@@ -761,7 +760,7 @@ def _run_method(
 
     prepared = impl.prepare_load(target, checkpoint)
     make_cold(workdir, cache_mode)
-    with device.measure() if device else contextlib.nullcontext({}) as load_disk:
+    with measured(device) as load_disk:
         t3 = time.perf_counter()
         loaded = impl.load(target, prepared)
         t4 = time.perf_counter()

@@ -7,14 +7,13 @@ compared with keeps more than one request in flight.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 import subprocess
 import time
 from typing import Any, Optional
 
-from lightning_recover.bench.block_device import BlockDevice
+from lightning_recover.bench.block_device import BlockDevice, measured
 
 BLOCK = 16 << 20
 # 16 MiB blocks at depth 1 understate a virtio disk (benchmarks/LOG.md); 16 covers any
@@ -84,7 +83,7 @@ def _run(
     device: Optional[BlockDevice] = None,
 ) -> dict[str, Any]:
     cmd = _command(f"bench-{rw}", path, rw, size, engine, iodepth, bs, iomem) + ["--output-format=json"]
-    with device.measure() if device else contextlib.nullcontext({}) as disk:
+    with measured(device) as disk:
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         wall = time.perf_counter() - t0

@@ -8,7 +8,14 @@ import os
 
 import pytest
 
-from lightning_recover.bench.block_device import BlockDevice, DiskCounters, parse_stat, ratio_factors, usage
+from lightning_recover.bench.block_device import (
+    BlockDevice,
+    DiskCounters,
+    measured,
+    parse_stat,
+    ratio_factors,
+    usage,
+)
 
 # a 17-field line as the kernel writes it (Documentation/block/stat.rst), then the 11 fields of kernels before 4.18
 LINE_17 = "  1000  5  40000  300  2000  7  80000  900  0  1200  1500  0  0  0  0  30  40\n"
@@ -74,3 +81,6 @@ def test_a_directory_on_a_block_device_is_measured_and_one_on_tmpfs_says_why_not
         with shm.measure() as nothing:
             pass
         assert nothing == {}
+    with measured(None) as unmeasured:  # no device asked for: the block runs, nothing is read
+        pass
+    assert unmeasured == {}
