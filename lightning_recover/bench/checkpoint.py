@@ -991,8 +991,9 @@ def summarize_pairs(pairs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def disk_factors(pairs: list[dict[str, Any]], kind: str) -> Optional[dict[str, Any]]:
     """Each pair's ratio split into the factors of ``block_device.ratio_factors`` (the disk's counters during our
-    run and during the fio run the pair is against), with the median and spread of each; None unless every pair
-    was measured."""
+    run and during the fio run the pair is against; "our bytes" are the checkpoint's payload, as in the ratio), with
+    the median and spread of each, and the ratio against fio's busy time instead of its clock (``vs_fio_busy``: the
+    first two factors); None unless every pair was measured."""
     ours_key, fio_key = ("save_s", "fio_write_s") if kind == "save" else ("load_s", "fio_read_s")
     disk_key, fio_disk_key = f"{kind}_disk", f"fio_{'write' if kind == 'save' else 'read'}_disk"
     split = []
@@ -1008,6 +1009,9 @@ def disk_factors(pairs: list[dict[str, Any]], kind: str) -> Optional[dict[str, A
     for name in ("ours_busy_share", "device_pace", "ref_time_per_busy"):
         xs = [f[name] for f in split]
         out[name] = {"all": xs, "median": _median(xs), "min": min(xs), "max": max(xs)}
+    # the ratio against the time the device was busy with fio's bytes, fio's own clock left out
+    xs = [f["ours_busy_share"] * f["device_pace"] for f in split]
+    out["vs_fio_busy"] = {"all": xs, "median": _median(xs), "min": min(xs), "max": max(xs)}
     out["ours_idle_s_all"] = [p[ours_key] - p[disk_key]["busy_s"] for p in pairs]
     return out
 
@@ -1234,12 +1238,15 @@ def format_paired_depths(records: list[dict[str, Any]]) -> str:
                 )
             df = s.get("disk_factors")
             if df:
-                share, pace, ref = (df[k] for k in ("ours_busy_share", "device_pace", "ref_time_per_busy"))
+                share, pace, ref, busy = (
+                    df[k] for k in ("ours_busy_share", "device_pace", "ref_time_per_busy", "vs_fio_busy")
+                )
                 lines.append(
                     f"  {r['method']} {kind}, the paired ratio's factors from the disk's counters: busy "
                     f"{share['median']:.0%} [{share['min']:.0%}-{share['max']:.0%}] of our time x our bytes at "
                     f"{pace['median']:.2f}x [{pace['min']:.2f}-{pace['max']:.2f}] fio's pace x fio's time "
-                    f"{ref['median']:.2f}x [{ref['min']:.2f}-{ref['max']:.2f}] its busy time"
+                    f"{ref['median']:.2f}x [{ref['min']:.2f}-{ref['max']:.2f}] its busy time; against the device's "
+                    f"busy time for fio's bytes {busy['median']:.2f}x [{busy['min']:.2f}-{busy['max']:.2f}]"
                 )
             per = s.get("by_iodepth")
             if not per:

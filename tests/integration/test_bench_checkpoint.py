@@ -318,6 +318,8 @@ def test_a_paired_ratio_is_split_by_the_disk_counters_of_each_side():
             pytest.approx(ratio)
         )
     assert f["ours_idle_s_all"] == pytest.approx([0.1, 0.05, 1.0]) and f["ours_busy_share"]["median"] == 0.9
+    # against the device's time for fio's bytes: (1000 B / 1 s) / (1000 B / fio's busy s), our idle time included
+    assert f["vs_fio_busy"]["all"] == pytest.approx([0.8, 0.9, 0.5])
     assert "busy 90% [50%-95%] of our time x our bytes at 0.95x [0.89-1.00] fio's pace" in (
         bench.format_paired_depths([{"method": "uring", "summary": s}])
     )
