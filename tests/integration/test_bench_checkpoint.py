@@ -6,12 +6,14 @@ import argparse
 import importlib
 import json
 import math
+import os
 import shutil
 
 import pytest
 import torch
 
 from lightning_recover.bench import checkpoint as bench
+from lightning_recover.bench.block_device import BlockDevice, measured
 from lightning_recover.bench.gpt_state import build_checkpoint, config_for_size, iter_tensors, tensor_stats
 from tests import needs
 
@@ -328,6 +330,29 @@ def test_a_paired_ratio_is_split_by_the_disk_counters_of_each_side():
         ["uring"], 1, lambda m, rep: run_ours(m, rep) | {"save_disk": {}}, run_fio, log=lambda _: None
     )
     assert "disk_factors" not in bench.summarize_pairs(unmeasured["uring"])["save"]
+
+
+def test_the_disk_under_a_directory_is_measured_and_tmpfs_says_why_not(tmp_path):
+    """A directory on a block device: what the device wrote while a file was written and synced is counted; on
+    tmpfs, or with no device asked for, nothing is read and the block still runs."""
+    dev = BlockDevice.under(str(tmp_path))
+    if dev.why_not is None:
+        with dev.measure() as u:
+            (tmp_path / "f").write_bytes(b"x" * 4096)
+            os.sync()
+        # the file's block reached the device within the interval (the sync waits for it)
+        assert u["device"] == dev.name and u["write_bytes"] >= 4096 and u["write_requests"] >= 1
+    else:
+        assert "no block device behind" in dev.why_not
+    if os.path.isdir("/dev/shm"):
+        shm = BlockDevice.under("/dev/shm")
+        assert shm.stat_path is None and "tmpfs" in shm.why_not
+        with shm.measure() as nothing:
+            pass
+        assert nothing == {}
+    with measured(None) as unmeasured:  # no device asked for: the block runs, nothing is read
+        pass
+    assert unmeasured == {}
 
 
 def test_paired_fio_side_is_the_best_depth_of_each_pair_and_each_depth_is_reported():

@@ -1,21 +1,14 @@
 """The disk's own counters (``bench/block_device.py``): how a stat line is read, what a measured interval says, and
-how a paired ratio against fio splits into the device waiting for us, the device's pace and fio's own gaps."""
+how a paired ratio against fio splits into the device waiting for us, the device's pace and fio's own gaps. (A real
+device read: ``tests/integration/test_bench_checkpoint.py``.)"""
 
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 
-from lightning_recover.bench.block_device import (
-    BlockDevice,
-    DiskCounters,
-    measured,
-    parse_stat,
-    ratio_factors,
-    usage,
-)
+from lightning_recover.bench.block_device import DiskCounters, parse_stat, ratio_factors, usage
 
 # a 17-field line as the kernel writes it (Documentation/block/stat.rst), then the 11 fields of kernels before 4.18
 LINE_17 = "  1000  5  40000  300  2000  7  80000  900  0  1200  1500  0  0  0  0  30  40\n"
@@ -64,23 +57,3 @@ def test_a_paired_ratio_is_the_product_of_our_busy_share_the_device_pace_and_fio
     assert g is not None and g["device_pace"] == pytest.approx(0.5) and g["ratio"] == pytest.approx(0.5)
     # a side the counters never saw busy (a millisecond clock) is not split
     assert ratio_factors(1_000, 1.0, 0.0, 1_000, 1.0, 1.0) is None
-
-
-def test_a_directory_on_a_block_device_is_measured_and_one_on_tmpfs_says_why_not(tmp_path):
-    dev = BlockDevice.under(str(tmp_path))
-    if dev.why_not is None:
-        with dev.measure() as u:
-            (tmp_path / "f").write_bytes(b"x" * 4096)
-            os.sync()
-        assert u["device"] == dev.name and u["wall_s"] >= u["busy_s"] - 0.01 and u["write_requests"] >= 0
-    else:
-        assert "no block device behind" in dev.why_not
-    if os.path.isdir("/dev/shm"):
-        shm = BlockDevice.under("/dev/shm")
-        assert shm.stat_path is None and "tmpfs" in shm.why_not
-        with shm.measure() as nothing:
-            pass
-        assert nothing == {}
-    with measured(None) as unmeasured:  # no device asked for: the block runs, nothing is read
-        pass
-    assert unmeasured == {}
