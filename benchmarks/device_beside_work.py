@@ -27,13 +27,10 @@ device's pace (bytes read per busy second) and the requests in flight. Run with 
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
-import shutil
 import statistics
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +39,7 @@ from typing import Any, Optional
 import numpy as np
 
 import native_io
+from benchmarks.scratch_dir import print_rows, run_in_scratch_dir
 from lightning_recover.bench import fio
 from lightning_recover.bench.block_device import BlockDevice
 from lightning_recover.bench.checkpoint import drop_caches_supported, machine_info, make_cold
@@ -193,15 +191,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
-    directory = tempfile.mkdtemp(prefix="lr-device-beside-", dir=os.environ.get("LR_BENCH_DIR", "/var/tmp"))
-    try:
-        result = run(args.rounds, directory)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=1)
-    for name, row in result["summary"].items():
-        print(name, {k: round(v, 3) for k, v in row.items()})
+    parent = os.environ.get("LR_BENCH_DIR", "/var/tmp")
+    result = run_in_scratch_dir("lr-device-beside-", lambda d: run(args.rounds, d), args.json, parent)
+    print_rows(result["summary"])
 
 
 if __name__ == "__main__":

@@ -34,12 +34,9 @@ and hugetlb pages reserved: 140 for fio's buffers, 1200 to add the hugetlb-desti
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
-import shutil
 import statistics
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +45,7 @@ from typing import Any, Optional
 import torch
 
 import native_io
+from benchmarks.scratch_dir import print_rows, run_in_scratch_dir
 from lightning_recover.bench import fio
 from lightning_recover.bench.checkpoint import drop_caches_supported, machine_info, make_cold
 from lightning_recover.bench.gpt_state import build_state
@@ -222,15 +220,8 @@ def main() -> None:
     ap.add_argument("--size-gb", type=float, default=2.0)
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
-    directory = tempfile.mkdtemp(prefix="lr-load-into-")
-    try:
-        result = run(args.rounds, args.size_gb, directory)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=1)
-    for name, row in result["summary"].items():
-        print(name, {k: round(v, 3) for k, v in row.items()})
+    result = run_in_scratch_dir("lr-load-into-", lambda d: run(args.rounds, args.size_gb, d), args.json)
+    print_rows(result["summary"])
 
 
 if __name__ == "__main__":

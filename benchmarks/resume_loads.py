@@ -25,13 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 from typing import Any, Optional
 
+from benchmarks.scratch_dir import print_rows, run_in_scratch_dir
 from lightning_recover.bench import fio
 from lightning_recover.bench.block_device import BlockDevice, parse_stat, usage
 from lightning_recover.bench.checkpoint import make_cold
@@ -151,15 +150,13 @@ def main() -> None:
     args = ap.parse_args()
     if not fio.available():
         sys.exit("fio is not installed. HINT: apt-get install fio (scripts/setup.sh does it)")
-    directory = tempfile.mkdtemp(prefix="lr-resume-loads-", dir=os.environ.get("LR_BENCH_DIR"))
-    try:
-        result = run(args.state, args.rounds, args.before, directory)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=1)
-    for name, row in result["summary"].items():
-        print(name, {k: round(v, 3) for k, v in row.items()})
+    result = run_in_scratch_dir(
+        "lr-resume-loads-",
+        lambda d: run(args.state, args.rounds, args.before, d),
+        args.json,
+        os.environ.get("LR_BENCH_DIR"),
+    )
+    print_rows(result["summary"])
     print({k: round(v, 2) for k, v in result["ratios"].items()})
 
 
