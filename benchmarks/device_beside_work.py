@@ -80,7 +80,11 @@ def engine_read(engine: Any, path: str, dest: np.ndarray, straight: bool) -> Cal
 
 def fio_beside(path: str, nbytes: int, iomem: str, beside: Optional[str]) -> Callable[[], float]:
     """fio at depth 2 alone, beside a ``yes`` process (``busy``) or beside a copy+CRC-32C loop (``copy``)."""
-    source = hugetlb_bytes(BLOCK) if beside == "copy" else None
+    source: Optional[np.ndarray] = None
+    if beside == "copy":  # from huge pages, as the arena's side is, where enough are reserved
+        source = hugetlb_bytes(BLOCK)
+        if source is None:
+            source = np.ones(BLOCK, dtype=np.uint8)
     dest = np.empty(BLOCK, dtype=np.uint8)
 
     def run() -> float:
@@ -92,7 +96,7 @@ def fio_beside(path: str, nbytes: int, iomem: str, beside: Optional[str]) -> Cal
 
             def loop() -> None:
                 while not stop.is_set():
-                    native_io.copy_crc32c(dest, source if source is not None else dest)
+                    native_io.copy_crc32c(dest, source)
 
             helper = threading.Thread(target=loop, name="copy-loop", daemon=True)
             helper.start()

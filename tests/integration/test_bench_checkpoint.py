@@ -528,6 +528,51 @@ def test_load_into_limit_reads_every_record_into_its_tensor_and_fio_reads_the_sa
     assert fio.read(path, (20 << 20) + 4000, 1)["io_bytes"] == 16 << 20  # whole 16 MiB blocks of it
 
 
+@pytest.mark.slow  # runs fio alone, beside a busy process and beside a copy loop (benchmarks/)
+def test_device_beside_work_reads_the_file_and_ends_what_it_starts_beside_fio(tmp_path):
+    """The engine's two read paths land the file's bytes where they belong; fio beside a busy process or a copy
+    loop ends both with its run; the summary compares every case with fio alone."""
+    import subprocess
+    import threading
+
+    import numpy as np
+
+    import native_io
+    from benchmarks import device_beside_work
+    from lightning_recover.bench import fio
+
+    if not fio.available():
+        needs.missing("the disk benchmark's fio reads", "fio is not installed", "fio")
+    data = np.random.default_rng(0).integers(0, 256, 2 * fio.BLOCK, dtype=np.uint8)
+    path = tmp_path / "file.bin"
+    path.write_bytes(data.tobytes())
+    engine = native_io.IOEngine()
+    try:
+        for straight in (False, True):
+            dest = np.zeros(len(data), dtype=np.uint8)
+            assert device_beside_work.engine_read(engine, str(path), dest, straight)() > 0
+            assert np.array_equal(dest, data)
+    finally:
+        engine.close()
+
+    def yes_processes() -> set[str]:
+        return set(subprocess.run(["pgrep", "-x", "yes"], capture_output=True, text=True).stdout.split())
+
+    before = yes_processes()
+    for beside in (None, "busy", "copy"):
+        assert device_beside_work.fio_beside(str(path), len(data), None, beside)() > 0
+    assert yes_processes() <= before  # the busy process ended with the run
+    assert not any(t.name == "copy-loop" for t in threading.enumerate())
+    samples = {
+        "fio_qd2_alone": [{"s": 1.0, "disk": {}}, {"s": 1.2, "disk": {}}, {"s": 0.8, "disk": {}}],
+        "load_into": [{"s": 2.0, "disk": {"busy_s": 1.0, "read_bytes": 3e9, "mean_in_flight": 7.0}}],
+    }
+    summary = device_beside_work.summarize(samples, 2_000_000_000)
+    assert summary["fio_qd2_alone"]["vs_fio_alone"] == 1.0 and "device_gbps_while_busy" not in summary["fio_qd2_alone"]
+    assert summary["load_into"]["vs_fio_alone"] == 0.5 and summary["load_into"]["gbps"] == 1.0
+    assert summary["load_into"]["device_gbps_while_busy"] == 3.0 and summary["load_into"]["mean_in_flight"] == 7.0
+
+
 @pytest.mark.slow  # runs a research benchmark (benchmarks/)
 def test_profile_save_smoke(tmp_path):
     """profile_save runs the real save through its timing proxies (they must accept what the save passes)."""
