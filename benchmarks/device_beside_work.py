@@ -78,8 +78,9 @@ def engine_read(engine: Any, path: str, dest: np.ndarray, straight: bool) -> Cal
     return run
 
 
-def fio_beside(path: str, nbytes: int, iomem: str, beside: Optional[str]) -> Callable[[], float]:
-    """fio at depth 2 alone, beside a ``yes`` process (``busy``) or beside a copy+CRC-32C loop (``copy``)."""
+def fio_beside(path: str, nbytes: int, iomem: Optional[str], beside: Optional[str]) -> Callable[[], float]:
+    """fio at depth 2 alone, beside a ``yes`` process (``busy``) or beside a copy+CRC-32C loop (``copy``); ``iomem``:
+    fio's buffers (``fio.huge_iomem``), None for malloc."""
     source: Optional[np.ndarray] = None
     if beside == "copy":  # from huge pages, as the arena's side is, where enough are reserved
         source = hugetlb_bytes(BLOCK)
