@@ -27,7 +27,6 @@ device's pace (bytes read per busy second) and the requests in flight. Run with 
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import statistics
 import subprocess
@@ -39,6 +38,7 @@ from typing import Any, Optional
 import numpy as np
 
 import native_io
+from benchmarks.load_into_limit import hugetlb_buffer, timed_read
 from benchmarks.scratch_dir import print_rows, run_in_scratch_dir
 from lightning_recover.bench import fio
 from lightning_recover.bench.block_device import BlockDevice
@@ -47,35 +47,19 @@ from lightning_recover.bench.gpt_state import build_state
 from lightning_recover.checkpoint.file import single_file
 
 BLOCK = fio.BLOCK
-MAP_HUGETLB = 0x40000  # Linux's flag (Python's mmap module does not name it)
-HUGE_PAGE = 2 << 20
 
 
 def hugetlb_bytes(nbytes: int) -> Optional[np.ndarray]:
-    """``nbytes`` of anonymous memory on hugetlb pages, faulted in; None when too few pages are free (fio's buffers
-    need 16 blocks of them besides)."""
-    span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    if fio.huge_iomem(span + 16 * BLOCK) is None:
-        return None
-    mem = mmap.mmap(-1, span, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_HUGETLB)
-    arr = np.frombuffer(mem, dtype=np.uint8)
-    arr[::HUGE_PAGE] = 0
-    return arr[:nbytes]
+    """``load_into_limit.hugetlb_buffer`` as ``nbytes`` of uint8 (None when too few hugetlb pages are free)."""
+    mem = hugetlb_buffer(nbytes)
+    return None if mem is None else np.frombuffer(mem, dtype=np.uint8)[:nbytes]
 
 
 def engine_read(engine: Any, path: str, dest: np.ndarray, straight: bool) -> Callable[[], float]:
-    """The reader filling ``dest`` from ``path`` 16 MiB at a time: via its arena, or straight into ``dest``."""
+    """The reader filling ``dest`` from ``path`` 16 MiB at a time (``load_into_limit.timed_read``): via its arena,
+    or straight into ``dest``."""
     segments = [(off, dest[off : off + BLOCK]) for off in range(0, len(dest), BLOCK)]
-
-    def run() -> float:
-        t0 = time.perf_counter()
-        with engine.open_reader(path) as reader:
-            if straight:
-                reader.direct_min = 0
-            reader.read(segments)
-        return time.perf_counter() - t0
-
-    return run
+    return lambda: timed_read(path, segments, engine, 0 if straight else None)["s"]
 
 
 def fio_beside(path: str, nbytes: int, iomem: Optional[str], beside: Optional[str]) -> Callable[[], float]:

@@ -109,7 +109,7 @@ def run(state: str, rounds: int, before: Optional[str], directory: str) -> dict[
             seconds, disk = timed_child(root, path, how, device)
             samples.setdefault(name, []).append(seconds)
             disks.setdefault(name, []).append(disk)
-        for depth in (1, 4, 16):
+        for depth in fio.DEPTHS:
             make_cold(directory, "drop_caches")
             samples.setdefault(f"fio_qd{depth}", []).append(fio.read(path, nbytes, depth, iomem)["seconds"])
         print(f"round {r + 1}/{rounds}: " + ", ".join(f"{n} {v[-1]:.3f}s" for n, v in samples.items()), flush=True)
@@ -124,7 +124,7 @@ def run(state: str, rounds: int, before: Optional[str], directory: str) -> dict[
                 d["read_bytes"] / d["busy_s"] / 1e9 for d in ds
             )
     # fio's runtime clocks its transfers alone: its GB/s is the device's pace while busy, for the comparison
-    for depth in (1, 4, 16):
+    for depth in fio.DEPTHS:
         summary[f"fio_qd{depth}"]["gbps_median"] = nbytes / summary[f"fio_qd{depth}"]["median_s"] / 1e9
     return {
         "state": desc,
