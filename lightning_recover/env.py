@@ -91,6 +91,11 @@ FAST_PICKLER = "LIGHTNING_RECOVER_FAST_PICKLER"
 #: growing reservation measured faster before the engine's arena moved to huge pages and 20% slower after it
 #: (docs/native_io.md, "Preallocation ...").
 PREALLOCATE = "LIGHTNING_RECOVER_PREALLOCATE"
+#: Whether ``UringCheckpointIO`` keeps the file of a checkpoint it removes (``save_top_k``) or replaces (``last.ckpt``)
+#: as the next save's temporary file in that directory, so the save overwrites allocated blocks
+#: (``checkpoint/file/spare_files.py``; docs/checkpointing.md, "Recycled files"). ``off`` (default): removed files
+#: are unlinked at once; ``on``: kept on ext4 and XFS; ``any``: kept on any local filesystem.
+RECYCLE = "LIGHTNING_RECOVER_RECYCLE"
 #: Page-cache handling of ``bench checkpoint`` loads: ``auto`` (drop caches when root), ``drop``
 #: or ``keep``; the ``--cache`` flag wins.
 BENCH_CACHE = "LIGHTNING_RECOVER_BENCH_CACHE"

@@ -65,6 +65,7 @@ from lightning_recover.bench.gpt_state import STATES, build_state, iter_tensors,
 ALL_METHODS = [
     "uring",
     "uring-into",
+    "uring-recycled",
     "uring+mmap",
     "torch.save+mmap",
     "lightning",
@@ -232,6 +233,9 @@ class Method:
     def setup(self) -> None:  # outside the timings, once
         pass
 
+    def before_save(self, checkpoint: dict[str, Any], workdir: str) -> None:  # outside the timings, every save
+        pass
+
     def save(self, checkpoint: dict[str, Any], workdir: str) -> str:
         raise NotImplementedError
 
@@ -274,6 +278,8 @@ class _CheckpointIOMethod(Method):
 
 
 class UringMethod(_CheckpointIOMethod):
+    """The plugin's save to a new file (a file it removes is not kept for the next save: ``uring-recycled`` is)."""
+
     name = "uring"
 
     def make_io(self) -> Any:
@@ -281,8 +287,38 @@ class UringMethod(_CheckpointIOMethod):
 
         return UringCheckpointIO()
 
+    def remove(self, target):
+        super().remove(target)
+        self.io.spares.discard()
+
     def info(self):
         return native_io_info()
+
+
+class UringRecycledMethod(UringMethod):
+    """The plugin's save in a directory where it has just removed the previous checkpoint (``save_top_k``
+    rotation): the save writes over that file's blocks (``spare_files.py``). The previous checkpoint is saved and
+    removed before the timing; ``--paired`` also times fio writing over a file of its own."""
+
+    name = "uring-recycled"
+
+    def setup(self) -> None:
+        super().setup()
+        os.environ.setdefault(env.RECYCLE, "on")  # opt-in: this method is the plugin with it on
+
+    def before_save(self, checkpoint, workdir):
+        previous = os.path.join(workdir, "previous.ckpt")
+        self.io.save_checkpoint(checkpoint, previous)
+        kept = self.io.spares.kept
+        self.io.remove_checkpoint(previous)
+        if self.io.spares.kept == kept:
+            raise RuntimeError(
+                f"{workdir}: the removed checkpoint was not kept (a filesystem that does not overwrite in place, or "
+                f"{env.RECYCLE}=off); uring-recycled measures nothing here"
+            )
+
+    def info(self):
+        return native_io_info() | {"recycled_saves": self.io.spares.taken}
 
 
 class UringIntoMethod(UringMethod):
@@ -431,6 +467,7 @@ class TorchSaveMmapMethod(_MmapLoadMethod):
 METHOD_CLASSES: dict[str, Callable[[], Method]] = {
     "uring": UringMethod,
     "uring-into": UringIntoMethod,
+    "uring-recycled": UringRecycledMethod,
     "uring+mmap": UringMmapMethod,
     "torch.save+mmap": TorchSaveMmapMethod,
     "lightning": LightningMethod,
@@ -748,6 +785,7 @@ def _run_method(
 ) -> None:
     """One durable save and one load of ``impl`` into ``s``'s lists; with ``device``, also what the disk did
     during each (``save_disk``, ``load_disk``: block_device.py)."""
+    impl.before_save(checkpoint, workdir)
     os.sync()
     with measured(device) as save_disk:
         t0 = time.perf_counter()
@@ -974,6 +1012,12 @@ def summarize_pairs(pairs: list[dict[str, Any]]) -> dict[str, Any]:
         factors = disk_factors(pairs, kind)
         if factors:
             out[kind]["disk_factors"] = factors
+        if kind == "save" and all("fio_over_write_s" in p for p in pairs):
+            # a save over a kept file against fio writing over a file of its own (wall less start-up; its runtime)
+            out[kind]["vs_fio_overwrite"] = {
+                key: _ratio_summary([(p["bytes"] / p["save_s"]) / (p["fio_bytes"] / p[f"fio_{src}"]) for p in pairs])
+                for key, src in (("wall", "over_write_s"), ("runtime", "over_write_runtime_best_s"))
+            }
         runtime_key = f"fio_{'write' if kind == 'save' else 'read'}_runtime_best_s"
         if all(runtime_key in p for p in pairs):
             # the strictest reading: against fio's own runtime at its best depth (what the device moved while
@@ -987,6 +1031,10 @@ def summarize_pairs(pairs: list[dict[str, Any]]) -> dict[str, Any]:
                 "fio_gbps_median": pairs[0]["fio_bytes"] / _median([p[runtime_key] for p in pairs]) / 1e9,
             }
     return out
+
+
+def _ratio_summary(ratios: list[float]) -> dict[str, Any]:
+    return {"ratios": ratios, "ratio_median": _median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
 
 
 def disk_factors(pairs: list[dict[str, Any]], kind: str) -> Optional[dict[str, Any]]:
@@ -1046,12 +1094,15 @@ def _fio_pair(
     cache_mode: str,
     iomem: Optional[str] = None,
     device: Optional[BlockDevice] = None,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """fio write (end_fsync) then O_DIRECT read of ``nbytes`` in ``workdir``; seconds by wall clock.
 
     ``write_s``/``read_s`` = the fio process's wall time less its start-up (``startup``: a one-block fio read),
     never less than fio's own ``runtime``; both raw values are kept. With ``device``, ``write_disk`` and
-    ``read_disk`` say what the disk did during each fio process.
+    ``read_disk`` say what the disk did during each fio process. ``overwrite``: then a second write over the
+    file just written (``over_write_s``, ``over_write_runtime_s``, ``over_write_disk``), the reference of a save
+    that writes over a kept file.
     """
     path = os.path.join(workdir, "fio.bin")
     if os.path.exists(path):  # a fresh file for every depth: none overwrites already-allocated blocks
@@ -1061,7 +1112,16 @@ def _fio_pair(
     if cache_mode == "drop_caches":
         make_cold(workdir, cache_mode)
     w, r = fio_mod.run(path, nbytes, iodepth=iodepth, iomem=iomem, device=device)
-    return {
+    over = {}
+    if overwrite:
+        os.sync()
+        o = fio_mod.write(path, nbytes, iodepth=iodepth, iomem=iomem, device=device)
+        over = {
+            "over_write_s": max(o["wall_s"] - startup, o["seconds"]),
+            "over_write_runtime_s": o["seconds"],
+            "over_write_disk": o["disk"],
+        }
+    return over | {
         "write_s": max(w["wall_s"] - startup, w["seconds"]),
         "read_s": max(r["wall_s"] - startup, r["seconds"]),
         "write_wall_s": w["wall_s"],
@@ -1099,6 +1159,9 @@ def best_of_depths(by_depth: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "by_depth": by_depth,
         }
     )
+    if all("over_write_s" in r for r in by_depth.values()):
+        out["over_write_s"] = min(r["over_write_s"] for r in by_depth.values())
+        out["over_write_runtime_best_s"] = min(r["over_write_runtime_s"] for r in by_depth.values())
     out.pop("iodepth", None)
     return out
 
@@ -1149,7 +1212,8 @@ def _run_paired(checkpoint, stats, desc, repeat, root, methods, cache_mode, log,
                 # measured at the start of the run and subtracted from every wall time moved the save ratio
                 # from 1.10x to 0.69x. A one-block read right before each run is charged under the same load.
                 startup = fio_mod.startup_s(workdir, d, repeat=1, iomem=iomem)
-                by_depth[str(d)] = _fio_pair(workdir, nbytes, d, startup, cache_mode, iomem, device) | {
+                overwrite = m == "uring-recycled"  # its reference: fio writing over a file of its own
+                by_depth[str(d)] = _fio_pair(workdir, nbytes, d, startup, cache_mode, iomem, device, overwrite) | {
                     "startup_s": startup
                 }
         finally:
@@ -1271,6 +1335,13 @@ def format_paired_depths(records: list[dict[str, Any]]) -> str:
                     f"  {r['method']} {kind} vs fio's own runtime at its best depth ({rt['fio_gbps_median']:.2f} GB/s): "
                     f"{rt['ratio_median']:.2f}x [{rt['ratio_min']:.2f}-{rt['ratio_max']:.2f}]"
                 )
+            ov = s.get("vs_fio_overwrite")
+            if ov:
+                cells = ", ".join(
+                    f"{key} {v['ratio_median']:.2f}x [{v['ratio_min']:.2f}-{v['ratio_max']:.2f}]"
+                    for key, v in ov.items()
+                )
+                lines.append(f"  {r['method']} {kind} vs fio writing over a file of its own (best depth): {cells}")
     return "\n".join(lines)
 
 

@@ -164,6 +164,14 @@ def startup_s(
     return walls[len(walls) // 2]
 
 
+def write(
+    path: str, nbytes: int, iodepth: int = 1, iomem: Optional[str] = None, device: Optional[BlockDevice] = None
+) -> dict[str, Any]:
+    """Sequential O_DIRECT write (io_uring, 16 MiB blocks, end fsync) of ``nbytes`` rounded up to whole blocks, into
+    ``path`` as it is: over the blocks of an existing file of that size, fio's overwrite. Returns its result dict."""
+    return _run(path, "write", -(-int(nbytes) // BLOCK) * BLOCK, "io_uring", iodepth, iomem=iomem, device=device)
+
+
 def read(path: str, nbytes: int, iodepth: int = 1, iomem: Optional[str] = None) -> dict[str, Any]:
     """Sequential O_DIRECT read (io_uring, 16 MiB blocks) of the first ``nbytes`` of an existing file, rounded down
     to whole blocks: fio reading the very extents a load reads. Returns its result dict."""

@@ -27,6 +27,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning_recover.checkpoint.engine import EngineHandle
 from lightning_recover.checkpoint.file import async_io
 from lightning_recover.checkpoint.file.single_file import load, save
+from lightning_recover.checkpoint.file.spare_files import SpareFiles
 from lightning_recover.checkpoint.snapshot_guard import EAGER_BYTES
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class UringCheckpointIO(CheckpointIO):
         verify: check every record's CRC-32C on load (default True).
     """
 
-    _RUNTIME = ("_engine", "_into")  # per process / per copy: never pickled
+    _RUNTIME = ("_engine", "_into", "spares")  # per process / per copy: never pickled
 
     def __init__(
         self,
@@ -105,6 +106,7 @@ class UringCheckpointIO(CheckpointIO):
     def _init_runtime(self) -> None:
         self._engine = EngineHandle(*self._engine_args)
         self._into: Any = None
+        self.spares = SpareFiles()
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k not in self._RUNTIME}
@@ -145,7 +147,7 @@ class UringCheckpointIO(CheckpointIO):
             fs.makedirs(os.path.dirname(url), exist_ok=True)
             _atomic_save(checkpoint, url)
             return
-        save(checkpoint, local, engine=self._engine)
+        save(checkpoint, local, engine=self._engine, spares=self.spares)
 
     @contextlib.contextmanager
     def restore_into(self, state: Any) -> Iterator[UringCheckpointIO]:
@@ -215,6 +217,10 @@ class UringCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: Any) -> None:
         """Remove ``path`` (a directory recursively; a missing path is fine).
 
+        With ``LIGHTNING_RECOVER_RECYCLE=on``, a local checkpoint file on ext4 or XFS is kept under a hidden
+        temporary name instead, and the next save in its directory writes over it (docs/checkpointing.md, "Recycled
+        files"); :meth:`teardown` removes what is still kept.
+
         Args:
             path: a local path, a ``file://`` URL or any fsspec URL.
         """
@@ -226,10 +232,14 @@ class UringCheckpointIO(CheckpointIO):
                 fs.rm(url, recursive=True)
                 log.debug("Removed checkpoint: %s", url)
             return
-        async_io.remove_path(os.path.abspath(local))
+        local = os.path.abspath(local)
+        if not self.spares.keep_removed(local):
+            async_io.remove_path(local)
 
     def teardown(self) -> None:
-        """Free the engine and its staging memory (created again by the next save or load)."""
+        """Remove the files kept for the next saves, and free the engine and its staging memory (created again by
+        the next save or load)."""
+        self.spares.discard()
         self._engine.release()
 
 

@@ -18,6 +18,7 @@ from lightning_recover import env
 from lightning_recover.checkpoint.engine import open_writer, resolve_engine
 from lightning_recover.checkpoint.file import async_io, torch_zip
 from lightning_recover.checkpoint.file.page_populate import PagePopulator, populate_supported
+from lightning_recover.checkpoint.file.spare_files import SpareFiles
 from lightning_recover.checkpoint.file.state_tensors import covers_storage, storage_span, tensor_paths
 from lightning_recover.checkpoint.file.storage_reads import StorageDamaged, StorageReads, damaged_record
 from lightning_recover.checkpoint.files import cleanup_stale_temps, commit, temp_path_for, unlink_quiet
@@ -58,6 +59,7 @@ def save(
     format: int = 2,
     zip_crc32: bool = False,
     torch_layout: bool = False,
+    spares: Optional[SpareFiles] = None,
 ) -> None:
     """Write ``checkpoint`` (anything ``torch.save`` takes) to ``path`` atomically.
 
@@ -78,6 +80,8 @@ def save(
         format: 2, the only format written.
         zip_crc32: also fill the ZIP CRC-32 fields (default False).
         torch_layout: place the records as ``torch.save(..., storage_alignment=4096)`` would (default False).
+        spares: files kept from removed or replaced checkpoints (``spare_files.py``): the save writes over the one
+            kept in ``path``'s directory, if any, and keeps the file it replaces. None: neither.
 
     Raises:
         ValueError: ``format`` is not 2.
@@ -87,7 +91,7 @@ def save(
     path = os.path.abspath(os.fspath(path))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with GcPause():  # thousands of small objects per save: no full collections in between (gc_pause.py)
-        _save_zip(checkpoint, path, engine, zip_crc32, congruent=not torch_layout)
+        _save_zip(checkpoint, path, engine, zip_crc32, congruent=not torch_layout, spares=spares)
 
 
 # How to turn a format-1 file (the lightning-recover layout of 0.1.0 before the torch.save archive) into one this
@@ -111,17 +115,24 @@ def check_format(format: Any) -> None:
 
 
 def _save_zip(
-    checkpoint: Any, path: str, engine: Any, zip_crc32: bool, congruent: bool, fast_pickler: Optional[bool] = None
+    checkpoint: Any,
+    path: str,
+    engine: Any,
+    zip_crc32: bool,
+    congruent: bool,
+    fast_pickler: Optional[bool] = None,
+    spares: Optional[SpareFiles] = None,
 ) -> None:
     directory = os.path.dirname(path)
     cleanup_stale_temps(directory)
     eng, lock = resolve_engine(engine)
-    tmp = temp_path_for(path)
     zplan = torch_zip.ZipPlan(meta=torch_zip.file_meta(), zip_crc32=zip_crc32, congruent=congruent)
+    spare = spares.take(directory) if spares is not None else None
+    tmp = spare[0] if spare is not None else temp_path_for(path)
     try:
         with lock:
             # the size is known only once the object is pickled: a reservation grows ahead of the placement
-            with open_writer(eng, tmp) as raw, _reservation(tmp) as reserve:
+            with _open_temp(eng, tmp, spare) as raw, _reservation(tmp) as reserve:
                 w = torch_zip.PlanWriter(zplan, raw)
 
                 def record(batch: list, crcs: list[int]) -> None:
@@ -157,15 +168,28 @@ def _save_zip(
                     pipe.abandon()
                     raise
                 w.finish()
+        if spares is not None:
+            spares.keep_replaced(path)
         commit(tmp, path)
     except torch_zip.RestartWithoutStreaming:
         unlink_quiet(tmp)
         # torch's own pickler hands the storages over only once it has pickled everything
-        _save_zip(checkpoint, path, engine, zip_crc32, congruent, fast_pickler=False)
+        _save_zip(checkpoint, path, engine, zip_crc32, congruent, fast_pickler=False, spares=spares)
         return
     except BaseException:
         unlink_quiet(tmp)
         raise
+
+
+def _open_temp(eng: Any, tmp: str, spare: Optional[tuple[str, int]]) -> Any:
+    """The writer of the save's temporary file: a new file, or the kept file ``spare`` (its path and an open
+    descriptor, closed here) written over in place."""
+    if spare is None:
+        return open_writer(eng, tmp)
+    try:
+        return open_writer(eng, f"/proc/self/fd/{spare[1]}", existing=True)
+    finally:
+        os.close(spare[1])
 
 
 def _reservation(path: str) -> GrowingReservation:
