@@ -72,3 +72,33 @@ def test_abandon_waits_for_the_batch_in_flight_and_drops_it():
     assert finished == ["x"] and done == []
     pipe.drain()  # nothing in flight any more
     assert done == []
+
+
+def test_every_batch_is_written_by_one_thread_that_lives_until_close():
+    # io_uring posts a completion through the task that submitted the transfer: the thread that wrote a batch
+    # must outlive the transfers it left in flight (wait=False), so one thread writes them all until close()
+    writers = []
+
+    with WritePipeline(lambda batch: writers.append(threading.current_thread()), lambda batch, result: None) as pipe:
+        for k in range(4):
+            pipe.send(k)
+        pipe.drain()
+        assert len(writers) == 4 and len(set(writers)) == 1
+        assert writers[0].is_alive()  # drained, not closed: the owner's writer may still have transfers in flight
+    assert not writers[0].is_alive()
+    pipe.close()  # idempotent
+
+
+def test_close_waits_for_the_batch_in_flight_and_drops_its_outcome():
+    done = []
+
+    def write(batch):
+        if batch == "bad":
+            raise OSError("EIO (injected)")
+
+    pipe = WritePipeline(write, lambda batch, result: done.append(batch))
+    pipe.close()  # nothing sent: nothing started
+    pipe = WritePipeline(write, lambda batch, result: done.append(batch))
+    pipe.send("bad")
+    pipe.close()  # the error of a batch nobody drains is the owner's to ignore (it is closing after a failure)
+    assert done == []

@@ -459,55 +459,62 @@ class UringStorageWriter(FileSystemWriter):
         with lock:
             w = open_writer(eng, os.path.join(tmp, file_name), _size_estimate(items))
             # wait=False: a batch's uncopied transfers run on while the next is submitted (the queue stays
-            # full); the writer holds their tensors until close(), before which nothing changes them
-            pipe = WritePipeline(lambda b: w.write(b.segments, wait=False), functools.partial(_record_batch, items_crc))
-            try:
-                for item in items:
-                    data = planner.resolve_data(item)
-                    layout = None
-                    segs: list[tuple[int, bytes | memoryview]]
-                    if item.type == WriteItemType.BYTE_IO:
-                        if not isinstance(data, io.BytesIO):
-                            raise TypeError(f"bytes item {item.index.fqn} resolved to {type(data).__name__}")
-                        buf = data.getbuffer()
-                        off = _align_up(cursor)
-                        segs = [(off, buf)]
-                        length = len(buf)
-                    else:
-                        if not isinstance(data, torch.Tensor):
-                            raise TypeError(f"tensor item {item.index.fqn} resolved to {type(data).__name__}")
-                        t = data.detach().cpu()
-                        if t.untyped_storage().nbytes() != t.nbytes:
-                            t = t.clone()  # a view: save only its bytes, as FileSystemWriter does
-                        tpl = _template(t)
-                        head = len(tpl.head)
-                        off = congruent_offset(cursor + head, t.untyped_storage().data_ptr()) - head
-                        segs = [(off, tpl.head)]
-                        if tpl.nbytes:
-                            segs.append((off + head, _storage_bytes(t)))
-                        if tpl.tail:
-                            segs.append((off + head + tpl.nbytes, tpl.tail))
-                        length = head + tpl.nbytes + len(tpl.tail)
-                        if tpl.nbytes:  # lets our reader view the storage bytes in place (extent 1)
-                            layout = [str(t.dtype), list(t.shape), list(t.stride()), t.storage_offset()]
-                    batch.add(segs, (off, length, item.index.fqn, [(o, len(memoryview(b))) for o, b in segs], layout))
-                    cursor = off + length
-                    results.append(
-                        WriteResult(
-                            index=item.index, size_in_bytes=length, storage_data=_StorageInfo(file_name, off, length)
+            # full); the writer holds their tensors until close(), before which nothing changes them. The
+            # pipeline's thread outlives those transfers: w.close() runs inside its block
+            with WritePipeline(
+                lambda b: w.write(b.segments, wait=False), functools.partial(_record_batch, items_crc)
+            ) as pipe:
+                try:
+                    for item in items:
+                        data = planner.resolve_data(item)
+                        layout = None
+                        segs: list[tuple[int, bytes | memoryview]]
+                        if item.type == WriteItemType.BYTE_IO:
+                            if not isinstance(data, io.BytesIO):
+                                raise TypeError(f"bytes item {item.index.fqn} resolved to {type(data).__name__}")
+                            buf = data.getbuffer()
+                            off = _align_up(cursor)
+                            segs = [(off, buf)]
+                            length = len(buf)
+                        else:
+                            if not isinstance(data, torch.Tensor):
+                                raise TypeError(f"tensor item {item.index.fqn} resolved to {type(data).__name__}")
+                            t = data.detach().cpu()
+                            if t.untyped_storage().nbytes() != t.nbytes:
+                                t = t.clone()  # a view: save only its bytes, as FileSystemWriter does
+                            tpl = _template(t)
+                            head = len(tpl.head)
+                            off = congruent_offset(cursor + head, t.untyped_storage().data_ptr()) - head
+                            segs = [(off, tpl.head)]
+                            if tpl.nbytes:
+                                segs.append((off + head, _storage_bytes(t)))
+                            if tpl.tail:
+                                segs.append((off + head + tpl.nbytes, tpl.tail))
+                            length = head + tpl.nbytes + len(tpl.tail)
+                            if tpl.nbytes:  # lets our reader view the storage bytes in place (extent 1)
+                                layout = [str(t.dtype), list(t.shape), list(t.stride()), t.storage_offset()]
+                        batch.add(
+                            segs, (off, length, item.index.fqn, [(o, len(memoryview(b))) for o, b in segs], layout)
                         )
-                    )
-                    if batch.nbytes >= _WRITE_BATCH:
+                        cursor = off + length
+                        results.append(
+                            WriteResult(
+                                index=item.index,
+                                size_in_bytes=length,
+                                storage_data=_StorageInfo(file_name, off, length),
+                            )
+                        )
+                        if batch.nbytes >= _WRITE_BATCH:
+                            pipe.send(batch)
+                            batch = _Batch()
+                    if batch.segments:
                         pipe.send(batch)
-                        batch = _Batch()
-                if batch.segments:
-                    pipe.send(batch)
-                pipe.drain()
-                w.close(size=cursor)  # truncates the O_DIRECT tail padding, fdatasyncs
-            except BaseException:
-                pipe.abandon()
-                w.close()
-                raise
+                    pipe.drain()
+                    w.close(size=cursor)  # truncates the O_DIRECT tail padding, fdatasyncs
+                except BaseException:
+                    pipe.abandon()
+                    w.close()
+                    raise
         side = {"format": SIDECAR_FORMAT, "version": 1, "file": file_name, "size": cursor, "items": items_crc}
         side_path = os.path.join(tmp, sidecar_name(file_name))
         with open(side_path, "w") as f:

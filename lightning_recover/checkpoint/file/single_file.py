@@ -143,31 +143,34 @@ def _save_zip(
                 # congruent layout, while the pickler is still walking the object. wait=False: the transfers of
                 # one batch that read tensors' own memory run on while the next batch is submitted, so the
                 # device's queue does not drain between batches (nothing changes the tensors during the save)
-                pipe = WritePipeline(lambda batch: w.write([(off, buf) for _, off, buf in batch], wait=False), record)
-                pending: list = []
-                staged = 0
+                # w.finish() runs inside the block: the pipeline's thread outlives the transfers it submitted
+                with WritePipeline(
+                    lambda batch: w.write([(off, buf) for _, off, buf in batch], wait=False), record
+                ) as pipe:
+                    pending: list = []
+                    staged = 0
 
-                def placed(i: int, st: torch.UntypedStorage) -> None:
-                    nonlocal pending, staged
-                    rec = zplan.storage_record[i]
-                    if rec.nbytes == 0:
-                        return
-                    reserve.ensure(rec.data_end)
-                    if staged + rec.nbytes > _WRITE_BATCH_BYTES and pending:
-                        pipe.send(pending)
-                        pending, staged = [], 0
-                    pending.append((i, rec.data_offset, storage_span(st)))
-                    staged += rec.nbytes
+                    def placed(i: int, st: torch.UntypedStorage) -> None:
+                        nonlocal pending, staged
+                        rec = zplan.storage_record[i]
+                        if rec.nbytes == 0:
+                            return
+                        reserve.ensure(rec.data_end)
+                        if staged + rec.nbytes > _WRITE_BATCH_BYTES and pending:
+                            pipe.send(pending)
+                            pending, staged = [], 0
+                        pending.append((i, rec.data_offset, storage_span(st)))
+                        staged += rec.nbytes
 
-                try:
-                    zplan.lay_out(checkpoint, placed, fast_pickler)
-                    if pending:
-                        pipe.send(pending)
-                    pipe.drain()
-                except BaseException:
-                    pipe.abandon()
-                    raise
-                w.finish()
+                    try:
+                        zplan.lay_out(checkpoint, placed, fast_pickler)
+                        if pending:
+                            pipe.send(pending)
+                        pipe.drain()
+                    except BaseException:
+                        pipe.abandon()
+                        raise
+                    w.finish()
         if spares is not None:
             spares.keep_replaced(path)
         commit(tmp, path)
