@@ -303,8 +303,11 @@ class UringRecycledMethod(UringMethod):
     name = "uring-recycled"
 
     def setup(self) -> None:
+        from lightning_recover.checkpoint.file.spare_files import SpareFiles, recycling_mode
+
         super().setup()
-        os.environ.setdefault(env.RECYCLE, "on")  # opt-in: this method is the plugin with it on
+        # the plugin with recycling on (opt-in); LIGHTNING_RECOVER_RECYCLE=any also on other filesystems
+        self.io.spares = SpareFiles("any" if recycling_mode() == "any" else "on")
 
     def before_save(self, checkpoint, workdir):
         previous = os.path.join(workdir, "previous.ckpt")
@@ -313,8 +316,8 @@ class UringRecycledMethod(UringMethod):
         self.io.remove_checkpoint(previous)
         if self.io.spares.kept == kept:
             raise RuntimeError(
-                f"{workdir}: the removed checkpoint was not kept (a filesystem that does not overwrite in place, or "
-                f"{env.RECYCLE}=off); uring-recycled measures nothing here"
+                f"{workdir}: the removed checkpoint was not kept (not ext4 or XFS: {env.RECYCLE}=any allows any "
+                "filesystem); uring-recycled measures nothing here"
             )
 
     def info(self):

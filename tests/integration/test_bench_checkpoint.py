@@ -600,3 +600,35 @@ def test_unpaired_targets_also_give_ratios_paired_by_repetition():
     # fio's fastest depth per repetition: 1.0, 2.0, 2.0 s for 2000 B
     assert bench.repetition_ratios(uring, fio, "save") == [0.5, 0.5, 1.0]
     assert bench.repetition_ratios(uring, fio, "load") == [0.5, 0.5, 0.5]
+
+
+def test_bench_checkpoint_paired_recycled_saves_write_over_a_kept_file_against_fio_overwriting(
+    tmp_path, capsys, monkeypatch
+):
+    if shutil.which("fio") is None:
+        needs.missing("the paired save against fio", "fio is not installed", "fio")
+    monkeypatch.setenv("LIGHTNING_RECOVER_RECYCLE", "any")  # whatever filesystem tmp_path is on
+    out = tmp_path / "paired.json"
+    args = argparse.Namespace(
+        size_gb=0.01,
+        repeat=2,
+        dir=str(tmp_path / "work"),
+        methods="uring-recycled",
+        json=str(out),
+        cache="fadvise",
+        state="llama",
+        paired=True,
+        fio_iodepth="1,4",
+    )
+    rc = bench.main(args)
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    assert "uring-recycled save vs fio writing over a file of its own (best depth): wall" in printed
+    (rec,) = json.loads(out.read_text())["records"]
+    assert rec["error"] is None and rec["recycled_saves"] == 2  # every timed save wrote over the kept file
+    for p in rec["pairs"]:
+        assert p["fio_over_write_s"] >= p["fio_over_write_runtime_best_s"] > 0
+        assert p["fio_over_write_s"] == min(r["over_write_s"] for r in p["fio_by_depth"].values())
+    ov = rec["summary"]["save"]["vs_fio_overwrite"]
+    assert set(ov) == {"wall", "runtime"} and len(ov["wall"]["ratios"]) == 2
+    assert not any((tmp_path / "work").iterdir())

@@ -47,10 +47,13 @@ log = logging.getLogger(__name__)
 _IN_PLACE_FILESYSTEMS = {0xEF53: "ext4", 0x58465342: "xfs"}
 
 
+MODES = ("off", "on", "any")
+
+
 def recycling_mode() -> str:
     """``LIGHTNING_RECOVER_RECYCLE``: ``off`` (default), ``on`` (ext4 and XFS) or ``any`` (any local filesystem)."""
     mode = env.flag(env.RECYCLE, "off")
-    if mode not in ("off", "on", "any"):
+    if mode not in MODES:
         raise ValueError(f"{env.RECYCLE} must be off, on or any, not {mode!r}")
     return mode
 
@@ -99,9 +102,13 @@ class Spare:
 
 
 class SpareFiles:
-    """The files kept for the next saves of one ``CheckpointIO``, at most one per directory."""
+    """The files kept for the next saves of one ``CheckpointIO``, at most one per directory; ``mode`` is one of
+    ``MODES`` (None: ``LIGHTNING_RECOVER_RECYCLE``'s, read at every removal)."""
 
-    def __init__(self) -> None:
+    def __init__(self, mode: Optional[str] = None) -> None:
+        if mode is not None and mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        self.mode = mode
         self._lock = threading.Lock()
         self._spares: dict[str, Spare] = {}
         self.kept = 0  # files kept and files taken by a save, for the tests and the benchmarks
@@ -109,7 +116,7 @@ class SpareFiles:
 
     def _eligible(self, path: str) -> Optional[os.stat_result]:
         """``path``'s stat when it may be kept, else None (also when the variable is off)."""
-        mode = recycling_mode()
+        mode = self.mode or recycling_mode()
         if mode == "off":
             return None
         try:
