@@ -320,6 +320,7 @@ class AsyncUringCheckpointIO(CheckpointIO):
                 staging_bytes=self.max_pending_bytes,
                 eager_bytes=self.eager_bytes,
                 flush_bytes_per_s=self.flush_bytes_per_s,
+                spares=self._checkpoint_io.spares,
             )
         return self._saver
 

@@ -15,7 +15,7 @@ import torch
 
 from lightning_recover.checkpoint.file.single_file import save
 from lightning_recover.checkpoint.file.spare_files import SpareFiles, filesystem_type
-from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
+from lightning_recover.lightning.checkpoint_io import AsyncUringCheckpointIO, UringCheckpointIO
 
 
 @pytest.fixture
@@ -140,7 +140,7 @@ def test_a_kept_file_of_a_process_that_died_is_removed_by_the_next_save_in_its_d
         f"""
         import os, torch
         os.environ["LIGHTNING_RECOVER_RECYCLE"] = "any"
-        from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
+        from lightning_recover.lightning.checkpoint_io import AsyncUringCheckpointIO, UringCheckpointIO
         io = UringCheckpointIO()
         io.save_checkpoint({{"w": torch.ones(1000)}}, {str(tmp_path / "a.ckpt")!r})
         io.remove_checkpoint({str(tmp_path / "a.ckpt")!r})
@@ -154,8 +154,9 @@ def test_a_kept_file_of_a_process_that_died_is_removed_by_the_next_save_in_its_d
     assert sorted(os.listdir(tmp_path)) == ["b.ckpt"]
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
 def test_top1_rotation_in_a_trainer_writes_over_the_removed_file_and_saves_what_the_stock_io_saves(
-    tmp_path, recycle_on
+    tmp_path, recycle_on, mode
 ):
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -184,10 +185,10 @@ def test_top1_rotation_in_a_trainer_writes_over_the_removed_file_and_saves_what_
         trainer.fit(Model())
         return mc.best_model_path
 
-    io = UringCheckpointIO()
-    ours = fit(tmp_path / "ours", [io])
+    sync_io = UringCheckpointIO()
+    ours = fit(tmp_path / "ours", [sync_io if mode == "sync" else AsyncUringCheckpointIO(sync_io)])
     stock = fit(tmp_path / "stock", [])
-    assert io.spares.taken == 4  # six steps: the first save and the one after it find nothing kept
+    assert sync_io.spares.taken == 4  # six steps: the first save and the one after it find nothing kept
     assert sorted(os.listdir(tmp_path / "ours")) == sorted(os.listdir(tmp_path / "stock"))  # teardown: none kept
     a, b = torch.load(ours, weights_only=False), torch.load(stock, weights_only=False)
     assert a["global_step"] == b["global_step"] == 6

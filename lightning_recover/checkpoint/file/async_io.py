@@ -47,6 +47,7 @@ import torch
 
 from lightning_recover.checkpoint import snapshot_guard
 from lightning_recover.checkpoint.engine import huge_page_bytes, open_writer
+from lightning_recover.checkpoint.file.spare_files import SpareFiles
 from lightning_recover.checkpoint.file.state_tensors import storage_as_bytes, tensor_paths
 from lightning_recover.checkpoint.file.torch_zip import ALIGN, PlanWriter, ZipPlan, file_meta, plan_archive
 from lightning_recover.checkpoint.files import cleanup_stale_temps, commit, temp_path_for, unlink_quiet
@@ -318,8 +319,9 @@ class _Job:
         for (i, _), crc in zip(batch, crcs):
             self.plan.set_crc32c(i, crc)
 
-    def finish(self) -> None:
-        """Write what is left (eager storages, the tail with every record's CRC-32C), fdatasync, commit."""
+    def finish(self, spares: Optional[SpareFiles] = None) -> None:
+        """Write what is left (eager storages, the tail with every record's CRC-32C), fdatasync, commit (keeping the
+        file it replaces in ``spares``, when given)."""
         self.write_eager(below=None)
         for i, parts in self.crcs.items():
             crc = 0
@@ -332,6 +334,8 @@ class _Job:
             self.tmp = temp_path_for(self.path)
             _link_unnamed(self.anon_fd, self.tmp)
             self.close_anon()
+        if spares is not None:
+            spares.keep_replaced(self.path)
         commit(self.tmp, self.path)
 
     def close_anon(self) -> None:
@@ -419,6 +423,8 @@ class AsyncSaver(snapshot_guard.Snapshotter):
         flush_bytes_per_s: pace the flusher's writes of staged chunks to at most this many bytes per second
             (None: as fast as the disk takes them). Spreads what the write costs the training steps over more
             of them (benchmarks/LOG.md: on this VM the disk's writes take the guests' CPUs, whoever writes).
+        spares: files kept from removed or replaced checkpoints (``spare_files.py``): a save writes over the one
+            kept in its directory, a removal keeps the file, a commit keeps the file it replaces. None: neither.
     """
 
     def __init__(
@@ -428,12 +434,14 @@ class AsyncSaver(snapshot_guard.Snapshotter):
         chunk_bytes: int = 64 * MiB,
         eager_bytes: int = snapshot_guard.EAGER_BYTES,
         flush_bytes_per_s: Optional[float] = None,
+        spares: Optional[SpareFiles] = None,
     ) -> None:
         if staging_bytes is not None and staging_bytes < 4096:
             raise ValueError("staging_bytes must be at least 4096")
         super().__init__(eager_bytes)
         self.flush_bytes_per_s = check_flush_rate(flush_bytes_per_s)
         self._engine = engine
+        self._spares = spares
         self.staging_bytes = staging_bytes
         self.chunk_bytes = max(4096, int(chunk_bytes))
         self._ring = _Ring()
@@ -494,7 +502,11 @@ class AsyncSaver(snapshot_guard.Snapshotter):
             if pending:  # queued before the threads can retire (they retire when no job is left)
                 self._copy_q.put(_Removal(path, pending))
                 return
-        remove_path(path)
+        self._remove_now(path)
+
+    def _remove_now(self, path: str) -> None:
+        if self._spares is None or not self._spares.keep_removed(path):
+            remove_path(path)
 
     def snapshot_pending(self) -> bool:
         return bool(self._errors) or super().snapshot_pending()
@@ -686,7 +698,15 @@ class AsyncSaver(snapshot_guard.Snapshotter):
     def _begin(self, job: _Job) -> None:
         try:
             cleanup_stale_temps(job.directory)
-            raw = _open_unnamed_writer(self._engine.get(), job)
+            spare = self._spares.take(job.directory) if self._spares is not None else None
+            if spare is not None:  # written over in place, under the kept file's temporary name
+                job.tmp = spare[0]
+                try:
+                    raw = open_writer(self._engine.get(), f"/proc/self/fd/{spare[1]}", existing=True)
+                finally:
+                    os.close(spare[1])
+            else:
+                raw = _open_unnamed_writer(self._engine.get(), job)
             if raw is None:
                 job.tmp = temp_path_for(job.path)
                 raw = open_writer(self._engine.get(), job.tmp, job.plan.size_estimate())
@@ -697,7 +717,7 @@ class AsyncSaver(snapshot_guard.Snapshotter):
     def _end(self, job: _Job) -> None:
         try:
             if job.error is None:
-                job.finish()
+                job.finish(self._spares)
         except BaseException as e:
             job.fail(e)
         if job.error is not None:
@@ -725,7 +745,7 @@ class AsyncSaver(snapshot_guard.Snapshotter):
         if failed:
             log.warning("not removing checkpoint %s: the newer save to %s failed", r.path, failed[0].path)
             return
-        remove_path(r.path)
+        self._remove_now(r.path)
 
 
 def _copy_chunk(dst: torch.Tensor, src: torch.Tensor) -> Optional[int]:

@@ -89,8 +89,9 @@ def open_nowhere_else(fd: int) -> bool:
 
 
 def recyclable(st: os.stat_result) -> bool:
-    """A regular file of this user with one link: overwriting it changes no other name's content."""
-    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == os.geteuid()
+    """A regular file of this user with one link and blocks to give (an empty one, such as the placeholder an
+    asynchronous save puts at its name, has none): overwriting it changes no other name's content."""
+    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == os.geteuid() and st.st_size > 0
 
 
 @dataclass(frozen=True)
