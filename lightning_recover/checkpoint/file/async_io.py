@@ -698,14 +698,8 @@ class AsyncSaver(snapshot_guard.Snapshotter):
     def _begin(self, job: _Job) -> None:
         try:
             cleanup_stale_temps(job.directory)
-            spare = self._spares.take(job.directory) if self._spares is not None else None
-            if spare is not None:  # written over in place, under the kept file's temporary name
-                job.tmp = spare[0]
-                try:
-                    raw = open_writer(self._engine.get(), f"/proc/self/fd/{spare[1]}", existing=True)
-                finally:
-                    os.close(spare[1])
-            else:
+            raw = _open_kept_writer(self._engine.get(), job, self._spares)
+            if raw is None:
                 raw = _open_unnamed_writer(self._engine.get(), job)
             if raw is None:
                 job.tmp = temp_path_for(job.path)
@@ -761,6 +755,18 @@ def _copy_chunk(dst: torch.Tensor, src: torch.Tensor) -> Optional[int]:
     import native_io
 
     return native_io.copy_crc32c(dst.numpy(), src.numpy())
+
+
+def _open_kept_writer(engine: Any, job: _Job, spares: Optional[SpareFiles]) -> Any:
+    """A writer over the file ``spares`` keeps in ``job.directory`` (under its temporary name), or None."""
+    spare = spares.take(job.directory) if spares is not None else None
+    if spare is None:
+        return None
+    job.tmp = spare[0]
+    try:
+        return open_writer(engine, f"/proc/self/fd/{spare[1]}", existing=True)
+    finally:
+        os.close(spare[1])
 
 
 def _open_unnamed_writer(engine: Any, job: _Job) -> Any:
