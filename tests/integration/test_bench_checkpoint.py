@@ -250,22 +250,26 @@ def test_run_pairs_two_methods_rotate_and_failures_are_recorded():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_bench_checkpoint_paired_smoke(tmp_path, capsys):
-    if shutil.which("fio") is None:
-        needs.missing("the paired save against fio", "fio is not installed", "fio")
-    out = tmp_path / "paired.json"
-    args = argparse.Namespace(
+def _paired_args(tmp_path, methods: str, out) -> argparse.Namespace:
+    """``bench checkpoint --paired`` of a 10 MB Llama-like state, twice, against fio at depths 1 and 4."""
+    return argparse.Namespace(
         size_gb=0.01,
         repeat=2,
         dir=str(tmp_path / "work"),
-        methods="uring",
+        methods=methods,
         json=str(out),
         cache="fadvise",
         state="llama",
         paired=True,
         fio_iodepth="1,4",
     )
-    rc = bench.main(args)
+
+
+def test_bench_checkpoint_paired_smoke(tmp_path, capsys):
+    if shutil.which("fio") is None:
+        needs.missing("the paired save against fio", "fio is not installed", "fio")
+    out = tmp_path / "paired.json"
+    rc = bench.main(_paired_args(tmp_path, "uring", out))
     printed = capsys.readouterr().out
     assert rc == 0, printed
     assert (
@@ -609,18 +613,7 @@ def test_bench_checkpoint_paired_recycled_saves_write_over_a_kept_file_against_f
         needs.missing("the paired save against fio", "fio is not installed", "fio")
     monkeypatch.setenv("LIGHTNING_RECOVER_RECYCLE", "any")  # whatever filesystem tmp_path is on
     out = tmp_path / "paired.json"
-    args = argparse.Namespace(
-        size_gb=0.01,
-        repeat=2,
-        dir=str(tmp_path / "work"),
-        methods="uring-recycled",
-        json=str(out),
-        cache="fadvise",
-        state="llama",
-        paired=True,
-        fio_iodepth="1,4",
-    )
-    rc = bench.main(args)
+    rc = bench.main(_paired_args(tmp_path, "uring-recycled", out))
     printed = capsys.readouterr().out
     assert rc == 0, printed
     assert "uring-recycled save vs fio writing over a file of its own (best depth): wall" in printed
