@@ -76,7 +76,8 @@ class UringCheckpointIO(CheckpointIO):
     configuration is kept, engines are created again in the new process/copy), non-local paths (``s3://``,
     ``memory://``, ...) go through fsspec with ``torch.save``/``torch.load`` like the stock IO,
     ``remove_checkpoint`` removes directories recursively. Wrap it in :class:`AsyncUringCheckpointIO` to save
-    asynchronously.
+    asynchronously. ``spares`` holds the files kept for the next saves
+    (:class:`~lightning_recover.checkpoint.file.spare_files.SpareFiles`: none unless ``LIGHTNING_RECOVER_RECYCLE=on``).
 
     Args:
         engine: ``native_io`` engine name ("auto", the default, "uring", "portable").

@@ -125,7 +125,14 @@ def test_cascading_failure_during_recovery(tmp_path, reference):
         extra=["--exact", "--dtype", "bfloat16"],
     )
     states = assert_matches_reference(result, ref, survivors=[0, 3], exact=True)
-    assert max(s["recoveries"] for s in states[0]["stats"]) == 2, "two recoveries inside one step"
+    (step1,) = [s for s in states[0]["stats"] if s["step"] == 1]
+    # Both deaths are handled inside step 1: as two regroups, or as one that the second death restarted (replica 2
+    # reaches its recompute, and dies, as soon as its own view of the first regroup is complete, which can be while
+    # a slower survivor is still building it).
+    kinds = [e["kind"] for e in step1["events"]]
+    assert step1["live_replicas"] == 2 and kinds.count("failure") == 2, step1
+    assert step1["recoveries"] == kinds.count("regroup") in (1, 2), step1
+    assert [e["members"] for e in step1["events"] if e["kind"] == "regroup"][-1] == [0, 3], step1
 
 
 def test_two_failures_in_one_step_then_down_to_a_single_survivor(tmp_path, reference):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_recover.checkpoint.file.single_file import save
-from lightning_recover.checkpoint.file.spare_files import SpareFiles, filesystem_type
+from lightning_recover.checkpoint.file.spare_files import IN_PLACE_FILESYSTEMS, SpareFiles, filesystem_type
 from lightning_recover.lightning.checkpoint_io import AsyncUringCheckpointIO, UringCheckpointIO
 
 
@@ -108,7 +108,7 @@ def test_on_recycles_on_ext4_and_xfs_only_and_off_the_default_or_a_bad_value_nev
     assert not kept_after_remove(tmp_path)  # off by default
     monkeypatch.setenv("LIGHTNING_RECOVER_RECYCLE", "on")
     fd = os.open(tmp_path, os.O_RDONLY)
-    in_place = filesystem_type(fd) in (0xEF53, 0x58465342)
+    in_place = filesystem_type(fd) in IN_PLACE_FILESYSTEMS
     os.close(fd)
     assert kept_after_remove(tmp_path) == in_place
     with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:  # tmpfs: nothing to gain

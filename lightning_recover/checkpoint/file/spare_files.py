@@ -43,9 +43,8 @@ from lightning_recover.checkpoint.files import temp_path_for, unlink_quiet
 
 log = logging.getLogger(__name__)
 
-# statfs f_type of the filesystems that overwrite allocated blocks in place (copy-on-write ones allocate anew)
-_IN_PLACE_FILESYSTEMS = {0xEF53: "ext4", 0x58465342: "xfs"}
-
+# statfs f_type of ext4 and XFS, which overwrite allocated blocks in place (copy-on-write ones allocate anew)
+IN_PLACE_FILESYSTEMS = frozenset({0xEF53, 0x58465342})
 
 MODES = ("off", "on", "any")
 
@@ -74,7 +73,7 @@ def overwrites_in_place(fd: int, mode: str) -> bool:
     """Whether ``mode`` lets a file on ``fd``'s filesystem be recycled."""
     if mode == "off":
         return False
-    return mode == "any" or filesystem_type(fd) in _IN_PLACE_FILESYSTEMS
+    return mode == "any" or filesystem_type(fd) in IN_PLACE_FILESYSTEMS
 
 
 def open_nowhere_else(fd: int) -> bool:
@@ -198,6 +197,3 @@ class SpareFiles:
             spares, self._spares = list(self._spares.values()), {}
         for spare in spares:
             unlink_quiet(spare.path)
-
-    def __len__(self) -> int:
-        return len(self._spares)
