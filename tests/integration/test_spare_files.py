@@ -135,6 +135,30 @@ def test_a_failed_save_over_a_kept_file_leaves_the_checkpoints_as_they_were(tmp_
     assert io.load_checkpoint(tmp_path / "b.ckpt")["step"] == 2
 
 
+def test_a_process_that_exits_without_teardown_removes_what_it_kept_and_a_forked_child_does_not(tmp_path):
+    # Fabric has no teardown: fabric.save over one name twice keeps the first file until the process exits
+    script = textwrap.dedent(
+        f"""
+        import os, torch
+        os.environ["LIGHTNING_RECOVER_RECYCLE"] = "any"
+        from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
+        io = UringCheckpointIO()
+        path = {str(tmp_path / "model.ckpt")!r}
+        io.save_checkpoint({{"w": torch.ones(1000)}}, path)
+        io.save_checkpoint({{"w": torch.zeros(1000)}}, path)
+        assert io.spares.kept == 1 and len(os.listdir(os.path.dirname(path))) == 2
+        pid = os.fork()
+        if pid == 0:
+            raise SystemExit(0)  # a child's exit (atexit runs) leaves the parent's kept file alone
+        os.waitpid(pid, 0)
+        assert len(os.listdir(os.path.dirname(path))) == 2
+        """
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    assert sorted(os.listdir(tmp_path)) == ["model.ckpt"]
+    assert torch.equal(torch.load(tmp_path / "model.ckpt", weights_only=True)["w"], torch.zeros(1000))
+
+
 def test_a_kept_file_of_a_process_that_died_is_removed_by_the_next_save_in_its_directory(tmp_path):
     script = textwrap.dedent(
         f"""

@@ -15,9 +15,9 @@ size, syncs it and renames it into place, exactly as it does a new temporary fil
 * ``discard()``: ``teardown`` unlinks every kept file.
 
 Peak disk use does not grow: a save needs the space of one checkpoint besides the live ones, and the kept file
-is that space. Between saves the directory holds one hidden temporary file more than it would otherwise. A
-process that dies leaves it under a temporary name of its host and pid, which the next save in that directory
-by a later process removes (``files.cleanup_stale_temps``).
+is that space. Between saves the directory holds one hidden temporary file more than it would otherwise; the
+process removes it at its exit. A process that dies leaves it under a temporary name of its host and pid, which the
+next save in that directory by a later process removes (``files.cleanup_stale_temps``).
 
 Opt-in, with ``LIGHTNING_RECOVER_RECYCLE=on``: the directory then lists a hidden temporary file between saves
 (a tool that copies every file of the directory would copy it too). A file is kept only where overwriting it
@@ -29,12 +29,14 @@ it as it was). Otherwise the file is removed as before and the save writes a new
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import fcntl
 import logging
 import os
 import stat
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -111,8 +113,10 @@ class SpareFiles:
         self.mode = mode
         self._lock = threading.Lock()
         self._spares: dict[str, Spare] = {}
+        self._pid = os.getpid()  # a forked child has a copy of the record, not the files: it never removes them
         self.kept = 0  # files kept and files taken by a save, for the tests and the benchmarks
         self.taken = 0
+        _living.add(self)
 
     def _eligible(self, path: str) -> Optional[os.stat_result]:
         """``path``'s stat when it may be kept, else None (also when the variable is off)."""
@@ -192,8 +196,20 @@ class SpareFiles:
         return None
 
     def discard(self) -> None:
-        """Unlink every kept file (``teardown``)."""
+        """Unlink every kept file (``teardown``, and at the exit of the process that kept them)."""
+        if os.getpid() != self._pid:
+            return
         with self._lock:
             spares, self._spares = list(self._spares.values()), {}
         for spare in spares:
             unlink_quiet(spare.path)
+
+
+# every SpareFiles of the process: what a Fabric run (which has no teardown) kept goes at the interpreter's exit
+_living: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _discard_at_exit() -> None:
+    for spares in list(_living):
+        spares.discard()
