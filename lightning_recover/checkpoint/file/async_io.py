@@ -47,7 +47,7 @@ import torch
 
 from lightning_recover.checkpoint import snapshot_guard
 from lightning_recover.checkpoint.engine import huge_page_bytes, open_writer
-from lightning_recover.checkpoint.file.spare_files import SpareFiles
+from lightning_recover.checkpoint.file.spare_files import SpareFiles, writer_over
 from lightning_recover.checkpoint.file.state_tensors import storage_as_bytes, tensor_paths
 from lightning_recover.checkpoint.file.torch_zip import ALIGN, PlanWriter, ZipPlan, file_meta, plan_archive
 from lightning_recover.checkpoint.files import cleanup_stale_temps, commit, temp_path_for, unlink_quiet
@@ -763,10 +763,7 @@ def _open_kept_writer(engine: Any, job: _Job, spares: Optional[SpareFiles]) -> A
     if spare is None:
         return None
     job.tmp = spare[0]
-    try:
-        return open_writer(engine, f"/proc/self/fd/{spare[1]}", existing=True)
-    finally:
-        os.close(spare[1])
+    return writer_over(engine, spare)
 
 
 def _open_unnamed_writer(engine: Any, job: _Job) -> Any:

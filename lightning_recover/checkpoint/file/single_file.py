@@ -18,7 +18,7 @@ from lightning_recover import env
 from lightning_recover.checkpoint.engine import open_writer, resolve_engine
 from lightning_recover.checkpoint.file import async_io, torch_zip
 from lightning_recover.checkpoint.file.page_populate import PagePopulator, populate_supported
-from lightning_recover.checkpoint.file.spare_files import SpareFiles
+from lightning_recover.checkpoint.file.spare_files import SpareFiles, writer_over
 from lightning_recover.checkpoint.file.state_tensors import covers_storage, storage_span, tensor_paths
 from lightning_recover.checkpoint.file.storage_reads import StorageDamaged, StorageReads, damaged_record
 from lightning_recover.checkpoint.files import cleanup_stale_temps, commit, temp_path_for, unlink_quiet
@@ -187,12 +187,7 @@ def _save_zip(
 def _open_temp(eng: Any, tmp: str, spare: Optional[tuple[str, int]]) -> Any:
     """The writer of the save's temporary file: a new file, or the kept file ``spare`` (its path and an open
     descriptor, closed here) written over in place."""
-    if spare is None:
-        return open_writer(eng, tmp)
-    try:
-        return open_writer(eng, f"/proc/self/fd/{spare[1]}", existing=True)
-    finally:
-        os.close(spare[1])
+    return open_writer(eng, tmp) if spare is None else writer_over(eng, spare)
 
 
 def _reservation(path: str) -> GrowingReservation:

@@ -38,9 +38,10 @@ import stat
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from lightning_recover import env
+from lightning_recover.checkpoint.engine import open_writer
 from lightning_recover.checkpoint.files import temp_path_for, unlink_quiet
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,15 @@ def recyclable(st: os.stat_result) -> bool:
     """A regular file of this user with one link and blocks to give (an empty one, such as the placeholder an
     asynchronous save puts at its name, has none): overwriting it changes no other name's content."""
     return stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == os.geteuid() and st.st_size > 0
+
+
+def writer_over(engine: Any, spare: tuple[str, int]) -> Any:
+    """An engine writer over the kept file ``spare`` (``SpareFiles.take``'s path and descriptor; the descriptor is
+    closed here): reopened through ``/proc/self/fd/N``, the very file that was checked."""
+    try:
+        return open_writer(engine, f"/proc/self/fd/{spare[1]}", existing=True)
+    finally:
+        os.close(spare[1])
 
 
 @dataclass(frozen=True)
