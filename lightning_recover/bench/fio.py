@@ -164,12 +164,22 @@ def startup_s(
     return walls[len(walls) // 2]
 
 
+def whole_blocks(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole 16 MiB blocks: what a fio write of ``nbytes`` moves."""
+    return -(-int(nbytes) // BLOCK) * BLOCK
+
+
 def write(
-    path: str, nbytes: int, iodepth: int = 1, iomem: Optional[str] = None, device: Optional[BlockDevice] = None
+    path: str,
+    nbytes: int,
+    iodepth: int = 1,
+    iomem: Optional[str] = None,
+    device: Optional[BlockDevice] = None,
+    engine: str = "io_uring",
 ) -> dict[str, Any]:
-    """Sequential O_DIRECT write (io_uring, 16 MiB blocks, end fsync) of ``nbytes`` rounded up to whole blocks, into
-    ``path`` as it is: over the blocks of an existing file of that size, fio's overwrite. Returns its result dict."""
-    return _run(path, "write", -(-int(nbytes) // BLOCK) * BLOCK, "io_uring", iodepth, iomem=iomem, device=device)
+    """Sequential O_DIRECT write (16 MiB blocks, end fsync) of ``nbytes`` rounded up to whole blocks, into ``path``
+    as it is: over the blocks of an existing file of that size, fio's overwrite. Returns its result dict."""
+    return _run(path, "write", whole_blocks(nbytes), engine, iodepth, iomem=iomem, device=device)
 
 
 def read(path: str, nbytes: int, iodepth: int = 1, iomem: Optional[str] = None) -> dict[str, Any]:
@@ -192,13 +202,12 @@ def run(
     to libaio if io_uring is unavailable to fio (the engine used is reported). ``device``: the block device
     whose counters each result's ``disk`` gives.
     """
-    size = -(-int(nbytes) // BLOCK) * BLOCK
     try:
-        w = _run(path, "write", size, engine, iodepth, iomem=iomem, device=device)
+        w = write(path, nbytes, iodepth, iomem, device, engine)
     except RuntimeError:
         if engine != "io_uring":
             raise
         engine = "libaio"
-        w = _run(path, "write", size, engine, iodepth, iomem=iomem, device=device)
-    r = _run(path, "read", size, engine, iodepth, iomem=iomem, device=device)
+        w = write(path, nbytes, iodepth, iomem, device, engine)
+    r = _run(path, "read", whole_blocks(nbytes), engine, iodepth, iomem=iomem, device=device)
     return w, r

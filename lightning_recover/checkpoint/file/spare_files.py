@@ -37,6 +37,7 @@ import os
 import stat
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -157,32 +158,31 @@ class SpareFiles:
         if old is not None:
             unlink_quiet(old.path)
 
+    def _keep(self, path: str, put: Callable[[str, str], None]) -> Optional[str]:
+        """``put(path, temporary name)`` (a rename or a link) when ``path`` may be kept, and hold it; the temporary
+        name, or None when it is not kept."""
+        st = self._eligible(path)
+        if st is None:
+            return None
+        spare = temp_path_for(path)
+        try:
+            put(path, spare)
+        except OSError:
+            return None
+        self._hold(Spare(spare, (st.st_dev, st.st_ino)))
+        return spare
+
     def keep_removed(self, path: str) -> bool:
         """Keep the checkpoint file ``path`` instead of removing it; False when it is not kept (the caller removes
         it)."""
-        st = self._eligible(path)
-        if st is None:
-            return False
-        spare = temp_path_for(path)
-        try:
-            os.rename(path, spare)
-        except OSError:
-            return False
-        self._hold(Spare(spare, (st.st_dev, st.st_ino)))
-        log.debug("Removed checkpoint: %s (its file kept for the next save as %s)", path, spare)
-        return True
+        spare = self._keep(path, os.rename)
+        if spare is not None:
+            log.debug("Removed checkpoint: %s (its file kept for the next save as %s)", path, spare)
+        return spare is not None
 
     def keep_replaced(self, path: str) -> None:
         """Before a save's rename replaces the file at ``path``, keep that file under a temporary name."""
-        st = self._eligible(path)
-        if st is None:
-            return
-        spare = temp_path_for(path)
-        try:
-            os.link(path, spare, follow_symlinks=False)
-        except OSError:
-            return
-        self._hold(Spare(spare, (st.st_dev, st.st_ino)))
+        self._keep(path, lambda src, dst: os.link(src, dst, follow_symlinks=False))
 
     def take(self, directory: str) -> Optional[tuple[str, int]]:
         """The kept file of ``directory`` for a save to write over: ``(temporary path, open descriptor)``, the
