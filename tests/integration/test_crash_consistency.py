@@ -86,7 +86,8 @@ class _Lines:
         if not ready:
             return False
         chunk = os.read(self.proc.stdout.fileno(), 65536)
-        assert chunk, "helper process exited"
+        if not chunk:
+            raise AssertionError(f"the helper exited with {self.proc.wait(timeout=30)} (its stderr is above)")
         self.buf += chunk
         return True
 
@@ -103,7 +104,11 @@ class _Lines:
                 if ln.startswith(prefix):
                     return ln
                 sink.append(ln)
-            assert time.monotonic() < deadline, f"no {prefix!r} from the helper"
+            if time.monotonic() >= deadline:
+                raise AssertionError(
+                    f"no {prefix!r} from the helper in {timeout}s: {_where(self.proc.pid)}; "
+                    f"lines {sink[-5:]}, unread {self.buf[-200:]!r}"
+                )
             self._fill(0.1)
 
 
@@ -142,7 +147,7 @@ def _check_dir(d, newest_done, seen=None):
         assert out["k"] >= newest_done and out["k"] % NAMES == newest_done % NAMES
 
 
-REAP_TIMEOUT = 120.0
+EXIT_TIMEOUT = 120.0
 
 
 def _where(pid: int) -> str:
@@ -158,8 +163,8 @@ def _where(pid: int) -> str:
     task = f"/proc/{pid}/task"
     try:
         tids = sorted(os.listdir(task))
-    except OSError:
-        return "no such process"
+    except OSError as exc:
+        return f"process {pid}: {exc.strerror}"
     found = []
     for tid in tids:
         stat = read(f"{task}/{tid}/stat")
@@ -193,20 +198,18 @@ def test_sigkill_at_random_points_sync_and_async(tmp_path):
             proc.stdin.flush()
             sink: list = []
             pid = int(lines.wait_for("pid", sink).split()[1])
+            pidfd = os.pidfd_open(pid)  # a child not yet reaped (at worst a zombie) keeps its pid
             # kill anywhere: before the first save finishes, mid-copy, mid-flush, around fdatasync/rename
             time.sleep(rng.choice([rng.uniform(0.0, 0.05), rng.uniform(0.05, 0.4)]))
             os.kill(pid, signal.SIGKILL)
+            # The test sees the writer's exit itself: its pidfd turns readable once every thread of it has exited
+            # (a killed process first waits for its in-flight I/O). Only then does the helper, its parent, reap it.
+            exited, _, _ = select.select([pidfd], [], [], EXIT_TIMEOUT)
+            os.close(pidfd)
+            assert exited, f"the killed writer {pid} did not exit in {EXIT_TIMEOUT}s: {_where(pid)}"
             proc.stdin.write(f"reap {pid}\n".encode())
             proc.stdin.flush()
-            # Once (a local CI run at a8ff044) a killed writer was not reaped within 60 s; the kernel logged
-            # nothing, and the cause is unknown (a killed process first waits for its in-flight I/O). Wait
-            # longer, and if it happens again, say where each of its threads waits in the kernel.
-            try:
-                lines.wait_for("reaped", sink, timeout=REAP_TIMEOUT)
-            except AssertionError:
-                raise AssertionError(
-                    f"the killed writer {pid} was not reaped in {REAP_TIMEOUT}s: {_where(pid)}"
-                ) from None
+            lines.wait_for("reaped", sink)
             done = [int(ln.split()[1]) for ln in sink if ln.startswith("done")]
             if done:
                 newest = max(done)
