@@ -39,6 +39,9 @@ _HELPER = textwrap.dedent("""
     from lightning_recover.lightning.checkpoint_io import AsyncUringCheckpointIO, UringCheckpointIO
     d = sys.argv[1]
 
+    def say(line):  # one write(2) per line: a writer killed mid-print never leaves half a line before the next
+        os.write(1, (line + "\\n").encode())
+
     def state(k):
         return {"k": k, "w": torch.full((4_000_000,), float(k)), "v": torch.full((1_000_000,), float(k)),
                 "small": torch.full((100,), float(k)), "meta": {"k": k}}
@@ -54,10 +57,10 @@ _HELPER = textwrap.dedent("""
                 io.wait_until_durable()
             else:
                 nxt = state(k + 1)
-            print(f"done {k}", flush=True)
+            say(f"done {k}")
             k, st = k + 1, nxt
 
-    print("ready", flush=True)
+    say("ready")
     for line in sys.stdin:
         cmd = line.split()
         if cmd[0] == "go":
@@ -67,10 +70,10 @@ _HELPER = textwrap.dedent("""
                     writer(cmd[1], int(cmd[2]))
                 finally:
                     os._exit(1)
-            print(f"pid {pid}", flush=True)
+            say(f"pid {pid}")
         elif cmd[0] == "reap":
             os.waitpid(int(cmd[1]), 0)
-            print("reaped", flush=True)
+            say("reaped")
         else:
             break
 """)
