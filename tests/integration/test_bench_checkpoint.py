@@ -248,8 +248,6 @@ def test_run_pairs_two_methods_rotate_and_failures_are_recorded():
     assert [x["load_ratio"] for x in pairs["a"]] == [2.0, 2.0]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
 def _paired_args(tmp_path, methods: str, out) -> argparse.Namespace:
     """``bench checkpoint --paired`` of a 10 MB Llama-like state, twice, against fio at depths 1 and 4."""
     return argparse.Namespace(
@@ -265,6 +263,8 @@ def _paired_args(tmp_path, methods: str, out) -> argparse.Namespace:
     )
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_bench_checkpoint_paired_smoke(tmp_path, capsys):
     if shutil.which("fio") is None:
         needs.missing("the paired save against fio", "fio is not installed", "fio")
@@ -606,6 +606,8 @@ def test_unpaired_targets_also_give_ratios_paired_by_repetition():
     assert bench.repetition_ratios(uring, fio, "load") == [0.5, 0.5, 0.5]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_bench_checkpoint_paired_recycled_saves_write_over_a_kept_file_against_fio_overwriting(
     tmp_path, capsys, monkeypatch
 ):

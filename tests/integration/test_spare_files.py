@@ -135,6 +135,7 @@ def test_a_failed_save_over_a_kept_file_leaves_the_checkpoints_as_they_were(tmp_
     assert io.load_checkpoint(tmp_path / "b.ckpt")["step"] == 2
 
 
+@pytest.mark.slow  # a child interpreter (imports torch)
 def test_a_process_that_exits_without_teardown_removes_what_it_kept_and_a_forked_child_does_not(tmp_path):
     # Fabric has no teardown: fabric.save over one name twice keeps the first file until the process exits
     script = textwrap.dedent(
@@ -159,12 +160,13 @@ def test_a_process_that_exits_without_teardown_removes_what_it_kept_and_a_forked
     assert torch.equal(torch.load(tmp_path / "model.ckpt", weights_only=True)["w"], torch.zeros(1000))
 
 
+@pytest.mark.slow  # a child interpreter (imports torch)
 def test_a_kept_file_of_a_process_that_died_is_removed_by_the_next_save_in_its_directory(tmp_path):
     script = textwrap.dedent(
         f"""
         import os, torch
         os.environ["LIGHTNING_RECOVER_RECYCLE"] = "any"
-        from lightning_recover.lightning.checkpoint_io import AsyncUringCheckpointIO, UringCheckpointIO
+        from lightning_recover.lightning.checkpoint_io import UringCheckpointIO
         io = UringCheckpointIO()
         io.save_checkpoint({{"w": torch.ones(1000)}}, {str(tmp_path / "a.ckpt")!r})
         io.remove_checkpoint({str(tmp_path / "a.ckpt")!r})
